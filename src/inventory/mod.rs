@@ -1,0 +1,722 @@
+//! The cluster inventory (`cluster.yaml`): one declarative description of the
+//! cluster that every later stage reads. Loading validates everything up
+//! front and reports every problem at once, each with file, line and field.
+
+mod locate;
+mod net;
+
+pub use locate::LineIndex;
+pub use net::{Cidr, MacAddr};
+
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+/// The validated inventory.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Inventory {
+    pub cluster: ClusterSettings,
+    #[serde(default)]
+    pub image: ImageSettings,
+    #[serde(default)]
+    pub network: NetworkSettings,
+    pub nodes: Vec<NodeSpec>,
+    /// Non-fatal findings the CLI shows (and puts in `--output json`).
+    #[serde(skip)]
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ClusterSettings {
+    pub name: String,
+    pub talos_version: String,
+    pub kubernetes_version: String,
+    /// The Kubernetes API endpoint, `https://host:port`.
+    pub endpoint: String,
+    /// A shared control-plane address that exists only after bootstrap.
+    #[serde(default)]
+    pub vip: Option<IpAddr>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ImageSettings {
+    #[serde(default = "default_platform")]
+    pub platform: String,
+    #[serde(default)]
+    pub arch: Arch,
+    #[serde(default)]
+    pub format: ImageFormat,
+    #[serde(default)]
+    pub extensions: Vec<String>,
+    #[serde(default)]
+    pub kernel_args: Vec<String>,
+    /// Image Factory base URL.
+    #[serde(default = "default_factory")]
+    pub factory: String,
+}
+
+impl Default for ImageSettings {
+    fn default() -> Self {
+        ImageSettings {
+            platform: default_platform(),
+            arch: Arch::default(),
+            format: ImageFormat::default(),
+            extensions: Vec::new(),
+            kernel_args: Vec::new(),
+            factory: default_factory(),
+        }
+    }
+}
+
+fn default_platform() -> String {
+    "metal".into()
+}
+
+fn default_factory() -> String {
+    "https://factory.talos.dev".into()
+}
+
+/// CPU architecture of the images.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    #[default]
+    Amd64,
+    Arm64,
+}
+
+impl fmt::Display for Arch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Arch::Amd64 => "amd64",
+            Arch::Arm64 => "arm64",
+        })
+    }
+}
+
+/// The disk-image format imgbuild writes for each node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageFormat {
+    #[default]
+    Raw,
+    Qcow2,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NetworkSettings {
+    /// The nodes' subnet, `10.0.0.0/16`; gives every static address its prefix.
+    #[serde(default)]
+    pub cidr: Option<Cidr>,
+    #[serde(default)]
+    pub gateway: Option<IpAddr>,
+    #[serde(default)]
+    pub nameservers: Vec<IpAddr>,
+    #[serde(default)]
+    pub search_domains: Vec<String>,
+    #[serde(default)]
+    pub time_servers: Vec<String>,
+    /// Link name used when a node names neither its own interface nor a MAC.
+    #[serde(default)]
+    pub interface: Option<String>,
+    #[serde(default)]
+    pub mtu: Option<u32>,
+}
+
+/// What a node does in the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Controlplane,
+    Worker,
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Role::Controlplane => "controlplane",
+            Role::Worker => "worker",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NodeSpec {
+    pub name: String,
+    pub role: Role,
+    /// Static address; with `dhcp: true`, the current lease used to reach it.
+    #[serde(default)]
+    pub address: Option<IpAddr>,
+    #[serde(default)]
+    pub dhcp: bool,
+    /// Selects the link by hardware address (Talos' `enx…` alternative name).
+    #[serde(default)]
+    pub mac: Option<MacAddr>,
+    #[serde(default)]
+    pub interface: Option<String>,
+    #[serde(default = "default_install_disk")]
+    pub install_disk: String,
+    #[serde(default)]
+    pub extensions: Vec<String>,
+    #[serde(default)]
+    pub kernel_args: Vec<String>,
+    /// Where to reach the node's Talos API when not `address:50000`
+    /// (e.g. `127.0.0.1:50001` through a port forward).
+    #[serde(default)]
+    pub talos_endpoint: Option<String>,
+}
+
+fn default_install_disk() -> String {
+    "/dev/sda".into()
+}
+
+impl NodeSpec {
+    /// The kernel link name key 10 configures.
+    pub fn link_name(&self, network: &NetworkSettings) -> Option<String> {
+        if let Some(iface) = &self.interface {
+            return Some(iface.clone());
+        }
+        if let Some(mac) = &self.mac {
+            return Some(mac.altname());
+        }
+        network.interface.clone()
+    }
+}
+
+/// Why an inventory could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum InventoryError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {message}", path.display())]
+    Parse { path: PathBuf, message: String },
+    #[error("{}: {} problem(s):\n{}", path.display(), problems.len(), list(problems))]
+    Invalid {
+        path: PathBuf,
+        problems: Vec<Problem>,
+    },
+}
+
+fn list(problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .map(|p| format!("  {p}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// One validation finding, tied to a line and a field path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Problem {
+    pub line: Option<usize>,
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "line {line}: {}: {}", self.field, self.message),
+            None => write!(f, "{}: {}", self.field, self.message),
+        }
+    }
+}
+
+impl Inventory {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<Inventory, InventoryError> {
+        let text = std::fs::read_to_string(path).map_err(|source| InventoryError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Validates `text`, naming `path` in every error.
+    pub fn parse(text: &str, path: &Path) -> Result<Inventory, InventoryError> {
+        let mut inv: Inventory =
+            serde_yaml_ng::from_str(text).map_err(|e| InventoryError::Parse {
+                path: path.to_owned(),
+                message: describe_parse_error(&e),
+            })?;
+        let index = LineIndex::new(text);
+        let mut v = Validator {
+            index: &index,
+            problems: Vec::new(),
+        };
+        inv.warnings = v.check(&inv);
+        if v.problems.is_empty() {
+            Ok(inv)
+        } else {
+            Err(InventoryError::Invalid {
+                path: path.to_owned(),
+                problems: v.problems,
+            })
+        }
+    }
+
+    /// The node called `name`, or an error listing the names there are.
+    pub fn node(&self, name: &str) -> Result<&NodeSpec, UnknownNode> {
+        self.nodes
+            .iter()
+            .find(|n| n.name == name)
+            .ok_or_else(|| UnknownNode {
+                name: name.to_owned(),
+                known: self.nodes.iter().map(|n| n.name.clone()).collect(),
+            })
+    }
+
+    /// Control planes in inventory order; the first one is bootstrapped.
+    pub fn control_planes(&self) -> impl Iterator<Item = &NodeSpec> {
+        self.nodes.iter().filter(|n| n.role == Role::Controlplane)
+    }
+}
+
+/// A node name that is not in the inventory.
+#[derive(Debug, thiserror::Error)]
+#[error("no node named {name:?} in the inventory (nodes: {})", known.join(", "))]
+pub struct UnknownNode {
+    pub name: String,
+    pub known: Vec<String>,
+}
+
+fn describe_parse_error(e: &serde_yaml_ng::Error) -> String {
+    let msg = e.to_string();
+    match e.location() {
+        Some(loc) if !msg.contains("line ") => format!("line {}: {msg}", loc.line()),
+        _ => msg,
+    }
+}
+
+struct Validator<'a> {
+    index: &'a LineIndex,
+    problems: Vec<Problem>,
+}
+
+impl Validator<'_> {
+    fn problem(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        let field = field.into();
+        self.problems.push(Problem {
+            line: self.index.line(&field),
+            field,
+            message: message.into(),
+        });
+    }
+
+    /// Records every problem; returns the warnings.
+    fn check(&mut self, inv: &Inventory) -> Vec<String> {
+        let mut warnings = Vec::new();
+        self.check_cluster(&inv.cluster);
+        self.check_image(&inv.image);
+        self.check_network(&inv.network);
+        self.check_nodes(inv);
+        self.check_vip(inv, &mut warnings);
+        let cps = inv.control_planes().count();
+        if cps == 0 && !inv.nodes.is_empty() {
+            self.problem(
+                "nodes",
+                "no node has role controlplane; a cluster needs at least one",
+            );
+        } else if cps > 0 && cps % 2 == 0 {
+            warnings.push(format!(
+                "{cps} control planes: an even count tolerates no more failures than {} would",
+                cps - 1
+            ));
+        }
+        if inv.nodes.is_empty() {
+            self.problem("nodes", "the inventory lists no nodes");
+        }
+        warnings
+    }
+
+    fn check_cluster(&mut self, c: &ClusterSettings) {
+        if !is_dns_label(&c.name) {
+            self.problem(
+                "cluster.name",
+                format!("{:?} must be a lowercase DNS label (a-z, 0-9, '-')", c.name),
+            );
+        }
+        match parse_version(&c.talos_version, true) {
+            None => self.problem(
+                "cluster.talosVersion",
+                format!("{:?} is not a Talos version like v1.11.2", c.talos_version),
+            ),
+            Some((1, minor, _)) if minor < 4 => self.problem(
+                "cluster.talosVersion",
+                format!(
+                    "{} predates META network configuration (Talos v1.4.0); imgbuild needs v1.4.0 or later",
+                    c.talos_version
+                ),
+            ),
+            Some(_) => {}
+        }
+        if parse_version(&c.kubernetes_version, false).is_none() {
+            self.problem(
+                "cluster.kubernetesVersion",
+                format!(
+                    "{:?} is not a Kubernetes version like v1.32.1",
+                    c.kubernetes_version
+                ),
+            );
+        }
+        if endpoint_host(&c.endpoint).is_none() {
+            self.problem(
+                "cluster.endpoint",
+                format!(
+                    "{:?} is not an https://host:port URL (e.g. https://10.0.0.20:6443)",
+                    c.endpoint
+                ),
+            );
+        }
+    }
+
+    fn check_image(&mut self, img: &ImageSettings) {
+        const PLATFORMS: &[&str] = &[
+            "metal",
+            "nocloud",
+            "hcloud",
+            "aws",
+            "azure",
+            "gcp",
+            "digital-ocean",
+            "openstack",
+            "vmware",
+            "exoscale",
+            "scaleway",
+            "upcloud",
+            "vultr",
+            "oracle",
+            "akamai",
+            "cloudstack",
+            "opennebula",
+        ];
+        if !PLATFORMS.contains(&img.platform.as_str()) {
+            self.problem(
+                "image.platform",
+                format!(
+                    "{:?} is not a Talos platform (one of {})",
+                    img.platform,
+                    PLATFORMS.join(", ")
+                ),
+            );
+        }
+        if !(img.factory.starts_with("https://") || img.factory.starts_with("http://"))
+            || img.factory.split("://").nth(1).is_none_or(str::is_empty)
+        {
+            self.problem(
+                "image.factory",
+                format!("{:?} is not an http(s) URL", img.factory),
+            );
+        }
+        self.check_extensions("image.extensions", &img.extensions);
+        self.check_kernel_args("image.kernelArgs", &img.kernel_args);
+    }
+
+    fn check_extensions(&mut self, field: &str, exts: &[String]) {
+        for (i, ext) in exts.iter().enumerate() {
+            if !is_extension_name(ext) {
+                self.problem(
+                    format!("{field}[{i}]"),
+                    format!(
+                        "{ext:?} is not an official extension name like siderolabs/qemu-guest-agent"
+                    ),
+                );
+            }
+        }
+    }
+
+    fn check_kernel_args(&mut self, field: &str, args: &[String]) {
+        for (i, arg) in args.iter().enumerate() {
+            if arg.is_empty() || arg.chars().any(char::is_whitespace) {
+                self.problem(
+                    format!("{field}[{i}]"),
+                    format!("{arg:?}: a kernel argument must be one non-empty word"),
+                );
+            }
+        }
+    }
+
+    fn check_network(&mut self, net: &NetworkSettings) {
+        if let (Some(cidr), Some(gw)) = (&net.cidr, net.gateway)
+            && !cidr.contains(gw)
+        {
+            self.problem(
+                "network.gateway",
+                format!("{gw} is outside network.cidr {cidr}"),
+            );
+        }
+        if let Some(iface) = &net.interface {
+            self.check_interface("network.interface", iface);
+        }
+        if let Some(mtu) = net.mtu
+            && !(576..=9216).contains(&mtu)
+        {
+            self.problem("network.mtu", format!("{mtu} is outside 576..9216"));
+        }
+        for (i, ts) in net.time_servers.iter().enumerate() {
+            if ts.is_empty() || ts.chars().any(char::is_whitespace) {
+                self.problem(
+                    format!("network.timeServers[{i}]"),
+                    format!("{ts:?} is not a host name or address"),
+                );
+            }
+        }
+    }
+
+    fn check_interface(&mut self, field: &str, iface: &str) {
+        if iface.is_empty()
+            || iface.len() > 15
+            || iface
+                .chars()
+                .any(|c| c.is_whitespace() || c == '/' || c == ':')
+        {
+            self.problem(
+                field,
+                format!("{iface:?} is not a Linux interface name (1-15 characters, no '/', ':' or spaces)"),
+            );
+        }
+    }
+
+    fn check_nodes(&mut self, inv: &Inventory) {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        let mut addrs: HashMap<IpAddr, usize> = HashMap::new();
+        for (i, node) in inv.nodes.iter().enumerate() {
+            let at = format!("nodes[{i}]");
+            let who = &node.name;
+            if !is_dns_label(who) {
+                self.problem(
+                    format!("{at}.name"),
+                    format!("{who:?} must be a lowercase DNS label (it becomes the hostname)"),
+                );
+            }
+            if let Some(&first) = names.get(who.as_str()) {
+                self.problem(
+                    format!("{at}.name"),
+                    format!("node name {who:?} is used twice (also nodes[{first}])"),
+                );
+            } else {
+                names.insert(who, i);
+            }
+            if let Some(addr) = node.address {
+                if let Some(&first) = addrs.get(&addr) {
+                    self.problem(
+                        format!("{at}.address"),
+                        format!(
+                            "node {who}: address {addr} is already used by node {}",
+                            inv.nodes[first].name
+                        ),
+                    );
+                } else {
+                    addrs.insert(addr, i);
+                }
+                if Some(addr) == inv.network.gateway {
+                    self.problem(
+                        format!("{at}.address"),
+                        format!("node {who}: address {addr} is the gateway"),
+                    );
+                }
+            }
+            self.check_node_addressing(inv, node, &at);
+            if let Some(iface) = &node.interface {
+                self.check_interface(&format!("{at}.interface"), iface);
+            }
+            if !node.install_disk.starts_with("/dev/") {
+                self.problem(
+                    format!("{at}.installDisk"),
+                    format!(
+                        "node {who}: {:?} is not a device path like /dev/sda",
+                        node.install_disk
+                    ),
+                );
+            }
+            self.check_extensions(&format!("{at}.extensions"), &node.extensions);
+            for (j, ext) in node.extensions.iter().enumerate() {
+                if inv.image.extensions.contains(ext) || node.extensions[..j].contains(ext) {
+                    self.problem(
+                        format!("{at}.extensions[{j}]"),
+                        format!("node {who}: extension {ext} is listed twice"),
+                    );
+                }
+            }
+            self.check_kernel_args(&format!("{at}.kernelArgs"), &node.kernel_args);
+            if let Some(ep) = &node.talos_endpoint
+                && !is_host_port(ep)
+            {
+                self.problem(
+                    format!("{at}.talosEndpoint"),
+                    format!("node {who}: {ep:?} is not host:port (e.g. 127.0.0.1:50001)"),
+                );
+            }
+        }
+    }
+
+    fn check_node_addressing(&mut self, inv: &Inventory, node: &NodeSpec, at: &str) {
+        let who = &node.name;
+        if node.dhcp {
+            return; // an address, if given, is only the lease used to reach it
+        }
+        let Some(addr) = node.address else {
+            self.problem(
+                format!("{at}.address"),
+                format!("node {who}: needs an address, or dhcp: true"),
+            );
+            return;
+        };
+        match &inv.network.cidr {
+            None => self.problem(
+                "network.cidr",
+                format!("node {who}: static address {addr} needs network.cidr for its prefix"),
+            ),
+            Some(cidr) if !cidr.contains(addr) => self.problem(
+                format!("{at}.address"),
+                format!("node {who}: address {addr} is outside network.cidr {cidr}"),
+            ),
+            Some(cidr) if cidr.is_network_or_broadcast(addr) => self.problem(
+                format!("{at}.address"),
+                format!("node {who}: address {addr} is the network or broadcast address of {cidr}"),
+            ),
+            Some(_) => {}
+        }
+        if node.link_name(&inv.network).is_none() {
+            self.problem(
+                format!("{at}.interface"),
+                format!(
+                    "node {who}: static addressing needs a link: set interface or mac on the node, or network.interface"
+                ),
+            );
+        }
+    }
+
+    fn check_vip(&mut self, inv: &Inventory, warnings: &mut Vec<String>) {
+        let Some(vip) = inv.cluster.vip else {
+            return;
+        };
+        if let Some(node) = inv.nodes.iter().find(|n| n.address == Some(vip)) {
+            self.problem(
+                "cluster.vip",
+                format!(
+                    "VIP {vip} equals node {}'s address; the VIP must be a free address",
+                    node.name
+                ),
+            );
+        }
+        if Some(vip) == inv.network.gateway {
+            self.problem("cluster.vip", format!("VIP {vip} is the gateway"));
+        }
+        if let Some(cidr) = &inv.network.cidr
+            && !cidr.contains(vip)
+        {
+            self.problem(
+                "cluster.vip",
+                format!("VIP {vip} is outside network.cidr {cidr}"),
+            );
+        }
+        let endpoint_is_vip = endpoint_host(&inv.cluster.endpoint)
+            .and_then(|h| h.parse::<IpAddr>().ok())
+            == Some(vip);
+        if let Some(first) = inv.control_planes().next()
+            && endpoint_is_vip
+            && first.address.is_none()
+            && first.talos_endpoint.is_none()
+        {
+            warnings.push(format!(
+                "cluster.endpoint is the VIP {vip}, which appears only after bootstrap, \
+                 and control plane {} has no address or talosEndpoint to bootstrap through",
+                first.name
+            ));
+        }
+    }
+}
+
+/// `vX.Y.Z` with an optional pre-release suffix; the `v` is optional for Kubernetes.
+fn parse_version(v: &str, need_v: bool) -> Option<(u32, u32, u32)> {
+    let rest = match v.strip_prefix('v') {
+        Some(r) => r,
+        None if need_v => return None,
+        None => v,
+    };
+    let (core, pre) = match rest.split_once('-') {
+        Some((c, p)) => (c, Some(p)),
+        None => (rest, None),
+    };
+    if pre.is_some_and(|p| {
+        p.is_empty()
+            || !p
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+    }) {
+        return None;
+    }
+    let mut parts = core.split('.').map(|p| {
+        (!p.is_empty() && p.chars().all(|c| c.is_ascii_digit()))
+            .then(|| p.parse::<u32>().ok())
+            .flatten()
+    });
+    let v = (parts.next()??, parts.next()??, parts.next()??);
+    parts.next().is_none().then_some(v)
+}
+
+/// The host of an `https://host[:port][/]` URL.
+pub fn endpoint_host(endpoint: &str) -> Option<&str> {
+    let rest = endpoint.strip_prefix("https://")?;
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    if authority.contains('/') {
+        return None;
+    }
+    let host = if let Some(v6) = authority.strip_prefix('[') {
+        let (h, tail) = v6.split_once(']')?;
+        if !(tail.is_empty() || tail.strip_prefix(':')?.parse::<u16>().is_ok()) {
+            return None;
+        }
+        h
+    } else {
+        match authority.split_once(':') {
+            Some((h, port)) => {
+                port.parse::<u16>().ok()?;
+                h
+            }
+            None => authority,
+        }
+    };
+    (!host.is_empty()).then_some(host)
+}
+
+fn is_host_port(s: &str) -> bool {
+    if s.parse::<std::net::SocketAddr>().is_ok() {
+        return true;
+    }
+    matches!(s.rsplit_once(':'), Some((h, p)) if !h.is_empty() && !h.contains(':') && p.parse::<u16>().is_ok())
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn is_extension_name(s: &str) -> bool {
+    let part = |p: &str| {
+        !p.is_empty()
+            && p.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+            && p.bytes().all(|b| {
+                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.')
+            })
+    };
+    matches!(s.split_once('/'), Some((owner, name)) if part(owner) && part(name))
+}
+
+#[cfg(test)]
+mod tests;

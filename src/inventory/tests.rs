@@ -1,0 +1,263 @@
+use super::*;
+
+const ATLAS: &str = include_str!("../../examples/atlas/cluster.yaml");
+
+fn load(text: &str) -> Result<Inventory, InventoryError> {
+    Inventory::parse(text, Path::new("cluster.yaml"))
+}
+
+/// The atlas inventory with `from` replaced by `to` (which must occur).
+fn atlas_with(from: &str, to: &str) -> String {
+    assert!(ATLAS.contains(from), "fixture lacks {from:?}");
+    ATLAS.replacen(from, to, 1)
+}
+
+/// Loads and expects failure; returns the full message.
+fn error_of(text: &str) -> String {
+    load(text)
+        .expect_err("inventory should be rejected")
+        .to_string()
+}
+
+fn line_of(text: &str, needle: &str) -> usize {
+    text.lines().position(|l| l.contains(needle)).unwrap() + 1
+}
+
+#[test]
+fn atlas_example_loads() {
+    let inv = load(ATLAS).unwrap();
+    assert_eq!(inv.nodes.len(), 5);
+    assert_eq!(inv.control_planes().count(), 3);
+    assert!(inv.warnings.is_empty(), "{:?}", inv.warnings);
+}
+
+#[test]
+fn duplicate_node_name_is_named_with_its_line() {
+    let text = atlas_with("name: cp-02", "name: cp-01");
+    let err = error_of(&text);
+    let line = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains("name: cp-01"))
+        .nth(1)
+        .unwrap()
+        .0
+        + 1;
+    assert!(
+        err.contains(&format!("line {line}: nodes[1].name")),
+        "{err}"
+    );
+    assert!(err.contains("\"cp-01\" is used twice"), "{err}");
+}
+
+#[test]
+fn duplicate_address_names_both_nodes() {
+    let text = atlas_with("address: 10.0.0.12", "address: 10.0.0.11");
+    let err = error_of(&text);
+    assert!(err.contains("nodes[1].address"), "{err}");
+    assert!(
+        err.contains("node cp-02: address 10.0.0.11 is already used by node cp-01"),
+        "{err}"
+    );
+}
+
+#[test]
+fn address_outside_cidr_is_named() {
+    let text = atlas_with("address: 10.0.0.21", "address: 10.9.0.21");
+    let err = error_of(&text);
+    let line = line_of(&text, "10.9.0.21");
+    assert!(err.contains(&format!("line {line}: nodes[3].address: node worker-01: address 10.9.0.21 is outside network.cidr 10.0.0.0/16")), "{err}");
+}
+
+#[test]
+fn gateway_outside_cidr_is_named() {
+    let text = atlas_with("gateway: 10.0.0.1", "gateway: 192.168.1.1");
+    let err = error_of(&text);
+    assert!(
+        err.contains("network.gateway: 192.168.1.1 is outside network.cidr"),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("line {}", line_of(&text, "gateway:"))),
+        "{err}"
+    );
+}
+
+#[test]
+fn vip_equal_to_a_node_address_is_named() {
+    let text = atlas_with("vip: 10.0.0.20", "vip: 10.0.0.13");
+    let err = error_of(&text);
+    assert!(
+        err.contains("cluster.vip: VIP 10.0.0.13 equals node cp-03's address"),
+        "{err}"
+    );
+}
+
+#[test]
+fn no_control_plane_is_an_error() {
+    let text = ATLAS.replace("role: controlplane", "role: worker");
+    assert!(error_of(&text).contains("no node has role controlplane"));
+}
+
+#[test]
+fn bad_versions_are_named() {
+    let err = error_of(&atlas_with("talosVersion: v1.11.2", "talosVersion: 1.11"));
+    assert!(
+        err.contains("cluster.talosVersion: \"1.11\" is not a Talos version"),
+        "{err}"
+    );
+    let err = error_of(&atlas_with(
+        "kubernetesVersion: v1.32.1",
+        "kubernetesVersion: latest",
+    ));
+    assert!(
+        err.contains("cluster.kubernetesVersion: \"latest\""),
+        "{err}"
+    );
+    let err = error_of(&atlas_with("talosVersion: v1.11.2", "talosVersion: v1.3.7"));
+    assert!(err.contains("predates META network configuration"), "{err}");
+}
+
+#[test]
+fn malformed_extension_names_are_named() {
+    let text = atlas_with("- siderolabs/tailscale", "- Tailscale");
+    let err = error_of(&text);
+    assert!(
+        err.contains(&format!(
+            "line {}: image.extensions[1]: \"Tailscale\"",
+            line_of(&text, "- Tailscale")
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn endpoint_on_the_vip_warns_when_the_first_control_plane_is_unreachable() {
+    let text = atlas_with("    address: 10.0.0.11\n", "    dhcp: true\n");
+    let inv = load(&text).unwrap();
+    assert!(
+        inv.warnings
+            .iter()
+            .any(|w| w.contains("VIP 10.0.0.20") && w.contains("cp-01")),
+        "{:?}",
+        inv.warnings
+    );
+    // With cp-01 reachable on its own address, the VIP endpoint is fine.
+    assert!(load(ATLAS).unwrap().warnings.is_empty());
+}
+
+#[test]
+fn unknown_sections_and_keys_are_rejected_with_their_line() {
+    let text = format!("{ATLAS}publish:\n  proxmox: {{}}\n");
+    let err = error_of(&text);
+    assert!(err.contains("unknown field `publish`"), "{err}");
+    assert!(
+        err.contains(&format!("line {}", line_of(&text, "publish:"))),
+        "{err}"
+    );
+    let err = error_of(&atlas_with(
+        "    role: worker\n",
+        "    role: worker\n    colour: red\n",
+    ));
+    assert!(err.contains("unknown field `colour`"), "{err}");
+}
+
+#[test]
+fn bad_role_names_the_allowed_ones() {
+    let err = error_of(&atlas_with("role: worker", "role: master"));
+    assert!(
+        err.contains("master") && err.contains("controlplane"),
+        "{err}"
+    );
+}
+
+#[test]
+fn static_node_without_address_or_link() {
+    let err = error_of(&atlas_with("    address: 10.0.0.22\n", ""));
+    assert!(
+        err.contains("node worker-02: needs an address, or dhcp: true"),
+        "{err}"
+    );
+    let err = error_of(&atlas_with("  interface: eth0\n", ""));
+    assert!(err.contains("static addressing needs a link"), "{err}");
+}
+
+#[test]
+fn dhcp_node_needs_no_address() {
+    let inv = load(&atlas_with("    address: 10.0.0.22\n", "    dhcp: true\n")).unwrap();
+    assert!(inv.nodes[4].dhcp);
+}
+
+#[test]
+fn mac_selects_the_link_by_its_altname() {
+    let inv = load(&atlas_with(
+        "    address: 10.0.0.21\n",
+        "    address: 10.0.0.21\n    mac: BC:24:11:00:00:21\n",
+    ))
+    .unwrap();
+    assert_eq!(
+        inv.nodes[3].link_name(&inv.network).as_deref(),
+        Some("enxbc2411000021")
+    );
+    let err = error_of(&atlas_with(
+        "    address: 10.0.0.21\n",
+        "    address: 10.0.0.21\n    mac: nope\n",
+    ));
+    assert!(err.contains("\"nope\" is not a MAC address"), "{err}");
+}
+
+#[test]
+fn every_problem_is_reported_at_once() {
+    let text = atlas_with("vip: 10.0.0.20", "vip: 10.0.0.13")
+        .replace("gateway: 10.0.0.1", "gateway: 192.168.1.1");
+    match load(&text) {
+        Err(InventoryError::Invalid { problems, .. }) => {
+            assert!(problems.len() >= 2, "{problems:?}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn syntax_errors_carry_the_file_and_line() {
+    let err = error_of("cluster:\n  name: [unclosed\n");
+    assert!(err.starts_with("cluster.yaml: "), "{err}");
+    assert!(err.contains("line"), "{err}");
+}
+
+#[test]
+fn unknown_node_lists_the_known_ones() {
+    let inv = load(ATLAS).unwrap();
+    let err = inv.node("cp-9").unwrap_err().to_string();
+    assert!(
+        err.contains("cp-9") && err.contains("cp-01, cp-02"),
+        "{err}"
+    );
+}
+
+#[test]
+fn even_control_plane_count_warns() {
+    let text = atlas_with(
+        "role: controlplane\n    address: 10.0.0.13",
+        "role: worker\n    address: 10.0.0.13",
+    );
+    let inv = load(&text).unwrap();
+    assert!(
+        inv.warnings.iter().any(|w| w.contains("2 control planes")),
+        "{:?}",
+        inv.warnings
+    );
+}
+
+#[test]
+fn endpoint_hosts() {
+    assert_eq!(endpoint_host("https://10.0.0.20:6443"), Some("10.0.0.20"));
+    assert_eq!(
+        endpoint_host("https://k8s.example:6443/"),
+        Some("k8s.example")
+    );
+    assert_eq!(endpoint_host("https://[fd00::1]:6443"), Some("fd00::1"));
+    assert_eq!(endpoint_host("http://10.0.0.20:6443"), None);
+    assert_eq!(endpoint_host("https://:6443"), None);
+    assert_eq!(endpoint_host("https://h:port"), None);
+}
