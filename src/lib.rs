@@ -2,6 +2,7 @@
 //!
 //! Data flows one way: [`inventory`] → [`schematic`] → build → publish → bootstrap.
 
+pub mod atomic;
 pub mod inventory;
 pub mod meta;
 pub mod schematic;

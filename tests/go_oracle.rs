@@ -139,46 +139,39 @@ fn option_value(rng: &mut Rng, depth: usize) -> Value {
 
 fn schematic(rng: &mut Rng) -> Value {
     let mut c = serde_json::Map::new();
-    let mut put = |c: &mut serde_json::Map<String, Value>, k: &str, v: Value| {
-        c.insert(k.into(), v);
-    };
     if rng.below(3) == 0 {
-        put(&mut c, "embeddedMachineConfiguration", json!(rng.text()));
+        c.insert("embeddedMachineConfiguration".into(), json!(rng.text()));
     }
     if rng.below(2) == 0 {
-        put(&mut c, "extraKernelArgs", json!(rng.texts(3)));
+        c.insert("extraKernelArgs".into(), json!(rng.texts(3)));
     }
     if rng.below(2) == 0 {
         let meta: Vec<Value> = (0..rng.below(3))
             .map(|_| json!({"key": rng.below(256), "value": rng.text()}))
             .collect();
-        put(&mut c, "meta", json!(meta));
+        c.insert("meta".into(), json!(meta));
     }
     if rng.below(2) == 0 {
-        put(
-            &mut c,
-            "systemExtensions",
+        c.insert(
+            "systemExtensions".into(),
             json!({"officialExtensions": rng.texts(3)}),
         );
     }
     if rng.below(3) == 0 {
-        put(
-            &mut c,
-            "bootloader",
+        c.insert(
+            "bootloader".into(),
             json!(*rng.pick(&["none", "dual-boot", "SD-BOOT", "grub"])),
         );
     }
     if rng.below(3) == 0 {
-        put(
-            &mut c,
-            "secureboot",
+        c.insert(
+            "secureboot".into(),
             json!({"enrollKeys": rng.text(), "includeWellKnownCertificates": rng.below(2) == 1}),
         );
     }
     if rng.below(3) == 0 {
-        put(
-            &mut c,
-            "diskImage",
+        c.insert(
+            "diskImage".into(),
             json!({"sectorSize": *rng.pick(&[0, 512, 4096])}),
         );
     }

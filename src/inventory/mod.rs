@@ -327,7 +327,7 @@ impl Validator<'_> {
                 "nodes",
                 "no node has role controlplane; a cluster needs at least one",
             );
-        } else if cps > 0 && cps % 2 == 0 {
+        } else if cps > 0 && cps.is_multiple_of(2) {
             warnings.push(format!(
                 "{cps} control planes: an even count tolerates no more failures than {} would",
                 cps - 1

@@ -1,0 +1,40 @@
+# imgbuild — set-up and test entry points. Everything a fresh machine lacks
+# is installed here (Debian packages; the Rust toolchain is the machine's).
+
+CARGO ?= cargo
+IMGBUILD := target/debug/imgbuild
+ATLAS := examples/atlas/cluster.yaml
+
+.PHONY: demo test deps build lint schematics
+
+# Debian packages the tests use: sgdisk (GPT checks), qemu-img (qcow2 checks),
+# Go and its yaml.v3 (the schematic emitter's differential oracle).
+deps:
+	@need=""; \
+	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
+	command -v qemu-img >/dev/null 2>&1 || need="$$need qemu-utils"; \
+	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
+	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
+	if [ -n "$$need" ]; then \
+		echo "installing:$$need"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need >/dev/null; \
+	fi
+
+build:
+	$(CARGO) build --locked
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --locked --all-targets -- -D warnings
+
+test: deps lint
+	IMGBUILD_REQUIRE_ORACLE=1 $(CARGO) test --locked --all-targets
+
+# The schematic step on the example cluster: validate, then every node's ID.
+demo: build
+	$(IMGBUILD) --config $(ATLAS) validate
+	$(IMGBUILD) --config $(ATLAS) schematic --all
+
+# Regenerates the reviewed schematics/ of the example cluster.
+schematics: build
+	$(IMGBUILD) --config $(ATLAS) schematic --all --write --dir schematics

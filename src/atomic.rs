@@ -1,0 +1,108 @@
+//! Atomic file writes: a reader never sees a half-written file, and a crash
+//! leaves either the old file or the new one, never a mix.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+/// A file being written under a temporary name in its final directory;
+/// dropped without [`AtomicFile::commit`], it is removed.
+pub struct AtomicFile {
+    file: Option<File>,
+    temp: PathBuf,
+    target: PathBuf,
+}
+
+impl AtomicFile {
+    /// Starts writing `target`; `private` makes the file 0600 from the start
+    /// (secrets must never exist with wider permissions, even briefly).
+    pub fn create(target: &Path, private: bool) -> io::Result<AtomicFile> {
+        let dir = target.parent().filter(|p| !p.as_os_str().is_empty());
+        let name = target
+            .file_name()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+        let temp = dir.unwrap_or(Path::new(".")).join(format!(
+            ".{}.tmp-{}",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
+        let mut opts = OpenOptions::new();
+        opts.write(true).create_new(true);
+        if private {
+            use std::os::unix::fs::OpenOptionsExt;
+            opts.mode(0o600);
+        }
+        let file = opts.open(&temp)?;
+        Ok(AtomicFile {
+            file: Some(file),
+            temp,
+            target: target.to_owned(),
+        })
+    }
+
+    /// The open temporary file.
+    pub fn file(&mut self) -> &mut File {
+        self.file.as_mut().expect("file is open until commit")
+    }
+
+    /// fsyncs the data, renames it into place and fsyncs the directory.
+    pub fn commit(mut self) -> io::Result<()> {
+        let file = self.file.take().expect("file is open until commit");
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&self.temp, &self.target)?;
+        if let Some(dir) = self.target.parent().filter(|p| !p.as_os_str().is_empty()) {
+            File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = fs::remove_file(&self.temp);
+        }
+    }
+}
+
+/// Writes `data` to `target` atomically. Returns false (and writes nothing)
+/// when the file already holds exactly `data`.
+pub fn write_if_changed(target: &Path, data: &[u8], private: bool) -> io::Result<bool> {
+    if fs::read(target).is_ok_and(|old| old == data) {
+        return Ok(false);
+    }
+    let mut f = AtomicFile::create(target, private)?;
+    f.file().write_all(data)?;
+    f.commit()?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn dropped_writes_leave_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("x");
+        {
+            let mut f = AtomicFile::create(&target, false).unwrap();
+            f.file().write_all(b"partial").unwrap();
+        }
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn unchanged_content_is_not_rewritten_and_private_files_are_0600() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("secret");
+        assert!(write_if_changed(&target, b"a", true).unwrap());
+        assert!(!write_if_changed(&target, b"a", true).unwrap());
+        assert!(write_if_changed(&target, b"b", true).unwrap());
+        assert_eq!(fs::read(&target).unwrap(), b"b");
+        let mode = fs::metadata(&target).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
+}

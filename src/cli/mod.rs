@@ -1,0 +1,106 @@
+//! Commands, their flags, and how their results are shown.
+
+mod schematic;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use imgbuild::inventory::Inventory;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+#[derive(Parser)]
+#[command(
+    name = "imgbuild",
+    version,
+    about = "Per-node Talos Linux images from one cluster inventory"
+)]
+pub struct Cli {
+    /// The cluster inventory [default: $IMGBUILD_CONFIG, else ./cluster.yaml]
+    #[arg(
+        long,
+        global = true,
+        env = "IMGBUILD_CONFIG",
+        default_value = "cluster.yaml"
+    )]
+    config: PathBuf,
+    /// Output format: text for people, json for CI.
+    #[arg(long, global = true, value_enum, default_value_t = Output::Text)]
+    output: Output,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check the inventory and report every problem with its line.
+    Validate,
+    /// Show, write or compute Image Factory schematics and their IDs.
+    Schematic(schematic::SchematicArgs),
+}
+
+/// Runs the CLI; returns the process exit code.
+pub fn run() -> i32 {
+    let cli = Cli::parse();
+    let output = cli.output;
+    match dispatch(cli) {
+        Ok(()) => 0,
+        Err(e) => {
+            let message = format!("{e:#}");
+            if output == Output::Json {
+                println!("{}", json!({ "error": message }));
+            } else {
+                eprintln!("error: {message}");
+            }
+            1
+        }
+    }
+}
+
+fn dispatch(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Validate => validate(&cli.config, cli.output),
+        Command::Schematic(args) => schematic::run(args, &cli.config, cli.output),
+    }
+}
+
+/// Loads the inventory and shows its warnings on stderr.
+pub fn load_inventory(path: &Path, output: Output) -> Result<Inventory> {
+    let inv = Inventory::load(path)?;
+    if output == Output::Text {
+        for w in &inv.warnings {
+            eprintln!("warning: {w}");
+        }
+    }
+    Ok(inv)
+}
+
+fn validate(config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output).context("inventory is not valid")?;
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({
+                "valid": true,
+                "file": config,
+                "cluster": inv.cluster.name,
+                "nodes": inv.nodes.len(),
+                "controlPlanes": inv.control_planes().count(),
+                "warnings": inv.warnings,
+            })
+        ),
+        Output::Text => println!(
+            "{}: valid ({} nodes, {} control planes, {} warnings)",
+            config.display(),
+            inv.nodes.len(),
+            inv.control_planes().count(),
+            inv.warnings.len()
+        ),
+    }
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! `imgbuild schematic`: per-node schematics, files for review, IDs of any file.
+
+use super::{Output, load_inventory};
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use imgbuild::atomic::write_if_changed;
+use imgbuild::schematic::{self, Schematic, SchematicId};
+use serde_json::json;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct SchematicArgs {
+    /// The node whose schematic to print.
+    node: Option<String>,
+    /// Every node (and the cluster's base schematic).
+    #[arg(long)]
+    all: bool,
+    /// With --all: write <dir>/<node>.yaml and <dir>/base.yaml for review in Git.
+    #[arg(long, requires = "all")]
+    write: bool,
+    /// Where --write puts the files.
+    #[arg(long, default_value = "schematics", requires = "write")]
+    dir: PathBuf,
+    #[command(subcommand)]
+    command: Option<SchematicCommand>,
+}
+
+#[derive(Subcommand)]
+enum SchematicCommand {
+    /// The ID of any schematic file (`-` for standard input).
+    Id { file: String },
+}
+
+pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
+    if let Some(SchematicCommand::Id { file }) = &args.command {
+        return id_of_file(file, output);
+    }
+    let inv = load_inventory(config, output)?;
+    let mut entries = Vec::new();
+    match (&args.node, args.all) {
+        (Some(name), false) => {
+            let node = inv.node(name)?;
+            entries.push((name.clone(), schematic::for_node(&inv, node)));
+        }
+        (None, true) => {
+            for node in &inv.nodes {
+                entries.push((node.name.clone(), schematic::for_node(&inv, node)));
+            }
+            entries.push(("base".into(), schematic::base(&inv)));
+        }
+        (Some(_), true) => bail!("give a node name or --all, not both"),
+        (None, false) => bail!("give a node name, --all, or `schematic id FILE`"),
+    }
+    let mut rendered = Vec::new();
+    for (name, s) in &entries {
+        let canonical = s
+            .canonical()
+            .with_context(|| format!("schematic of {name}"))?;
+        rendered.push((name.as_str(), schematic::id_of(&canonical), canonical));
+    }
+    if args.write {
+        return write_all(&rendered, &args.dir, output);
+    }
+    match output {
+        Output::Json => {
+            let list: Vec<_> = rendered
+                .iter()
+                .map(
+                    |(name, id, canonical)| json!({"node": name, "id": id, "schematic": canonical}),
+                )
+                .collect();
+            let value = if args.all {
+                json!(list)
+            } else {
+                list[0].clone()
+            };
+            println!("{value}");
+        }
+        Output::Text if args.all => {
+            for (name, id, _) in &rendered {
+                println!("{name:<16} {id}");
+            }
+        }
+        Output::Text => {
+            let (name, id, canonical) = &rendered[0];
+            print!("{}", file_text(name, id, canonical));
+        }
+    }
+    Ok(())
+}
+
+/// A schematic file for review: its ID in a leading comment, then the
+/// canonical bytes (so `schematic id` on the file gives the same ID).
+fn file_text(name: &str, id: &SchematicId, canonical: &str) -> String {
+    format!("# imgbuild schematic for {name}\n# id: {id}\n{canonical}")
+}
+
+fn write_all(rendered: &[(&str, SchematicId, String)], dir: &Path, output: Output) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut report = Vec::new();
+    for (name, id, canonical) in rendered {
+        let path = dir.join(format!("{name}.yaml"));
+        let changed = write_if_changed(&path, file_text(name, id, canonical).as_bytes(), false)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        report.push((name, id, path, changed));
+    }
+    match output {
+        Output::Json => {
+            let list: Vec<_> = report
+                .iter()
+                .map(|(n, id, p, c)| json!({"node": n, "id": id, "path": p, "changed": c}))
+                .collect();
+            println!("{}", json!(list));
+        }
+        Output::Text => {
+            for (name, id, path, changed) in &report {
+                let state = if *changed { "written" } else { "unchanged" };
+                println!("{name:<16} {id}  {} ({state})", path.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn id_of_file(file: &str, output: Output) -> Result<()> {
+    let text = if file == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("cannot read standard input")?;
+        s
+    } else {
+        std::fs::read_to_string(file).with_context(|| format!("cannot read {file}"))?
+    };
+    let id = Schematic::parse(&text)
+        .and_then(|s| Ok(s.id()?))
+        .with_context(|| format!("{file}: not a valid schematic"))?;
+    match output {
+        Output::Json => println!("{}", json!({"file": file, "id": id})),
+        Output::Text => println!("{id}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,247 @@
+//! End to end: the real binary on the example inventory and the public vectors.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn imgbuild(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(args)
+        .current_dir(root())
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+const ATLAS: &str = "examples/atlas/cluster.yaml";
+
+#[test]
+fn schematic_id_reproduces_every_public_vector() {
+    let dir = root().join("../shared/vectors/schematics");
+    let ids = std::fs::read_to_string(dir.join("ids.txt")).unwrap();
+    let mut n = 0;
+    for line in ids.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+        let (file, want) = line.split_once(' ').unwrap();
+        let o = imgbuild(&["schematic", "id", dir.join(file).to_str().unwrap()]);
+        assert!(o.status.success(), "{file}: {}", stderr(&o));
+        assert_eq!(stdout(&o).trim(), want, "{file}");
+        n += 1;
+    }
+    assert_eq!(n, 13);
+}
+
+#[test]
+fn schematic_id_reads_standard_input() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["schematic", "id", "-", "--output", "json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"customization: {}\n")
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        v["id"],
+        "376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba"
+    );
+}
+
+#[test]
+fn schematic_id_of_a_bad_file_names_it_and_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("typo.yaml");
+    std::fs::write(&bad, "customization:\n  systemExtension: {}\n").unwrap();
+    let o = imgbuild(&["schematic", "id", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("typo.yaml") && err.contains("systemExtension"),
+        "{err}"
+    );
+}
+
+/// The cp-01 schematic carries key 10 with its address, route, name and DNS.
+#[test]
+fn cp01_key10_carries_its_network() {
+    let o = imgbuild(&["--config", ATLAS, "schematic", "cp-01", "--output", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let canonical = v["schematic"].as_str().unwrap();
+    let schematic: serde_yaml_ng::Value = serde_yaml_ng::from_str(canonical).unwrap();
+    let meta = &schematic["customization"]["meta"][0];
+    assert_eq!(meta["key"].as_u64(), Some(10));
+    let net: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(meta["value"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        net["addresses"][0]["address"].as_str(),
+        Some("10.0.0.11/16")
+    );
+    assert_eq!(net["routes"][0]["gateway"].as_str(), Some("10.0.0.1"));
+    assert_eq!(net["hostnames"][0]["hostname"].as_str(), Some("cp-01"));
+    let dns: Vec<&str> = net["resolvers"][0]["dnsServers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap())
+        .collect();
+    assert_eq!(dns, ["1.1.1.1", "8.8.8.8"]);
+    // The ID printed is the hash of the canonical bytes printed.
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["schematic", "id", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            c.stdin.take().unwrap().write_all(canonical.as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    assert_eq!(stdout(&o).trim(), v["id"].as_str().unwrap());
+}
+
+#[test]
+fn every_node_gets_a_distinct_id_and_the_base_has_no_meta() {
+    let o = imgbuild(&["--config", ATLAS, "schematic", "--all", "--output", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let list = v.as_array().unwrap();
+    assert_eq!(list.len(), 6);
+    let mut ids: Vec<&str> = list.iter().map(|e| e["id"].as_str().unwrap()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 6);
+    let base = list.iter().find(|e| e["node"] == "base").unwrap();
+    assert!(!base["schematic"].as_str().unwrap().contains("meta:"));
+}
+
+#[test]
+fn written_files_are_idempotent_and_match_the_committed_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let first = imgbuild(&[
+        "--config",
+        ATLAS,
+        "schematic",
+        "--all",
+        "--write",
+        "--dir",
+        d,
+    ]);
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert_eq!(stdout(&first).matches("(written)").count(), 6);
+    let second = imgbuild(&[
+        "--config",
+        ATLAS,
+        "schematic",
+        "--all",
+        "--write",
+        "--dir",
+        d,
+    ]);
+    assert_eq!(stdout(&second).matches("(unchanged)").count(), 6);
+    for name in ["base", "cp-01", "cp-02", "cp-03", "worker-01", "worker-02"] {
+        let fresh = std::fs::read_to_string(Path::new(d).join(format!("{name}.yaml"))).unwrap();
+        let committed =
+            std::fs::read_to_string(root().join(format!("schematics/{name}.yaml"))).unwrap();
+        assert_eq!(
+            fresh, committed,
+            "schematics/{name}.yaml is stale: run make schematics"
+        );
+        // The leading comment names the ID `schematic id` computes for the file.
+        let id_line = fresh
+            .lines()
+            .nth(1)
+            .unwrap()
+            .trim_start_matches("# id: ")
+            .to_owned();
+        let o = imgbuild(&[
+            "schematic",
+            "id",
+            Path::new(d).join(format!("{name}.yaml")).to_str().unwrap(),
+        ]);
+        assert_eq!(stdout(&o).trim(), id_line);
+    }
+}
+
+#[test]
+fn validate_reports_the_culprit_and_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(root().join(ATLAS))
+        .unwrap()
+        .replace("address: 10.0.0.22", "address: 10.0.0.21");
+    let path = dir.path().join("cluster.yaml");
+    std::fs::write(&path, text).unwrap();
+    let o = imgbuild(&["--config", path.to_str().unwrap(), "validate"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("cluster.yaml"), "{err}");
+    assert!(
+        err.contains(
+            "nodes[4].address: node worker-02: address 10.0.0.21 is already used by node worker-01"
+        ),
+        "{err}"
+    );
+
+    let o = imgbuild(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--output",
+        "json",
+        "validate",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["error"].as_str().unwrap().contains("worker-02"));
+}
+
+#[test]
+fn config_comes_from_the_environment_when_not_given() {
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["validate", "--output", "json"])
+        .env("IMGBUILD_CONFIG", root().join(ATLAS))
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["valid"], true);
+    assert_eq!(v["nodes"], 5);
+}
+
+#[test]
+fn missing_config_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("validate")
+        .current_dir(dir.path())
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("cluster.yaml"), "{}", stderr(&o));
+}
+
+#[test]
+fn unknown_node_lists_the_known_ones() {
+    let o = imgbuild(&["--config", ATLAS, "schematic", "cp-9"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("no node named \"cp-9\""),
+        "{}",
+        stderr(&o)
+    );
+}
