@@ -27,7 +27,7 @@ impl AtomicFile {
             std::process::id()
         ));
         let mut opts = OpenOptions::new();
-        opts.write(true).create_new(true);
+        opts.read(true).write(true).create_new(true);
         if private {
             use std::os::unix::fs::OpenOptionsExt;
             opts.mode(0o600);

@@ -3,6 +3,7 @@
 //! Data flows one way: [`inventory`] → [`schematic`] → build → publish → bootstrap.
 
 pub mod atomic;
+pub mod disk;
 pub mod inventory;
 pub mod meta;
 pub mod schematic;

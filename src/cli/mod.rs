@@ -1,5 +1,6 @@
 //! Commands, their flags, and how their results are shown.
 
+mod image;
 mod schematic;
 
 use anyhow::{Context, Result};
@@ -42,6 +43,12 @@ enum Command {
     Validate,
     /// Show, write or compute Image Factory schematics and their IDs.
     Schematic(schematic::SchematicArgs),
+    /// Show an image's format, partitions and META tags.
+    Inspect(image::InspectArgs),
+    /// Read or change one META key of an image in place.
+    Meta(image::MetaArgs),
+    /// Copy a base image and write a node's network into its META.
+    Patch(image::PatchArgs),
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -66,6 +73,9 @@ fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Validate => validate(&cli.config, cli.output),
         Command::Schematic(args) => schematic::run(args, &cli.config, cli.output),
+        Command::Inspect(args) => image::inspect(args, cli.output),
+        Command::Meta(args) => image::meta(args, cli.output),
+        Command::Patch(args) => image::patch(args, &cli.config, cli.output),
     }
 }
 

@@ -193,7 +193,7 @@ impl NodeSpec {
 /// Why an inventory could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum InventoryError {
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Read {
         path: PathBuf,
         source: std::io::Error,

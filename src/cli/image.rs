@@ -1,0 +1,249 @@
+//! `imgbuild inspect`, `meta get|set|delete` and `patch`: looking inside
+//! images and writing a node's network into them.
+
+use super::{Output, load_inventory};
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use imgbuild::disk::{self, Image};
+use imgbuild::meta::{KEY_NETWORK, PlatformNetworkConfig, key_name};
+use imgbuild::schematic;
+use serde_json::json;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+/// A META key, decimal or `0x` hex.
+fn parse_key(s: &str) -> Result<u32, String> {
+    let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u8::from_str_radix(hex, 16),
+        None => s.parse::<u8>(),
+    }
+    .map_err(|_| format!("{s:?} is not a META key (1-255, decimal or 0x hex)"))?;
+    if v == 0 {
+        return Err("META key 0 ends the tag list and cannot be stored".into());
+    }
+    Ok(u32::from(v))
+}
+
+#[derive(Args)]
+pub struct InspectArgs {
+    image: PathBuf,
+}
+
+#[derive(Args)]
+pub struct MetaArgs {
+    #[command(subcommand)]
+    command: MetaCommand,
+}
+
+#[derive(Subcommand)]
+enum MetaCommand {
+    /// Print one key's value.
+    Get {
+        image: PathBuf,
+        #[arg(long, value_parser = parse_key)]
+        key: u32,
+    },
+    /// Set one key from a file (`-` for standard input); other keys survive.
+    Set {
+        image: PathBuf,
+        #[arg(long, value_parser = parse_key)]
+        key: u32,
+        #[arg(long)]
+        value_file: String,
+    },
+    /// Remove one key; other keys survive.
+    Delete {
+        image: PathBuf,
+        #[arg(long, value_parser = parse_key)]
+        key: u32,
+    },
+}
+
+#[derive(Args)]
+pub struct PatchArgs {
+    /// The base image (the node-independent factory image).
+    #[arg(long)]
+    base: PathBuf,
+    /// The node whose network goes into META key 10.
+    #[arg(long)]
+    node: String,
+    /// Where the node's image is written.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn inspect(args: InspectArgs, output: Output) -> Result<()> {
+    let mut img = Image::open(&args.image, false)?;
+    let meta = img.read_meta()?;
+    let tags: Vec<_> = meta
+        .adv
+        .iter()
+        .map(|(key, value)| {
+            let text = String::from_utf8_lossy(value).into_owned();
+            let network = (key == u32::from(KEY_NETWORK))
+                .then(|| PlatformNetworkConfig::from_yaml(&text).ok())
+                .flatten();
+            (key, text, network)
+        })
+        .collect();
+    match output {
+        Output::Json => {
+            let tags: Vec<_> = tags
+                .iter()
+                .map(|(key, text, network)| {
+                    json!({"key": key, "name": key_name(*key), "value": text,
+                    "network": network.as_ref().map(|n| json!({
+                        "addresses": n.addresses.iter().map(|a| &a.address).collect::<Vec<_>>(),
+                        "gateways": n.routes.iter().map(|r| &r.gateway).collect::<Vec<_>>(),
+                        "hostnames": n.hostnames.iter().map(|h| &h.hostname).collect::<Vec<_>>(),
+                    }))})
+                })
+                .collect();
+            println!(
+                "{}",
+                json!({
+                    "image": args.image, "format": img.format, "virtualSize": img.size,
+                    "partitions": img.partitions, "meta": {"source": meta.source, "problems": meta.problems, "tags": tags},
+                })
+            );
+        }
+        Output::Text => {
+            println!(
+                "{}: {:?}, {} bytes",
+                args.image.display(),
+                img.format,
+                img.size
+            );
+            println!(
+                "  {:>3}  {:<10} {:>14} {:>14}  type",
+                "#", "name", "offset", "size"
+            );
+            for p in &img.partitions {
+                println!(
+                    "  {:>3}  {:<10} {:>14} {:>14}  {}",
+                    p.number, p.name, p.offset, p.size, p.type_guid
+                );
+            }
+            for problem in &meta.problems {
+                eprintln!("warning: {problem}");
+            }
+            println!("META ({:?} copy): {} tag(s)", meta.source, tags.len());
+            for (key, text, _) in &tags {
+                let name = key_name(*key).unwrap_or("unknown");
+                if text.contains('\n') {
+                    println!("  {key:>3} {name}:");
+                    for line in text.lines() {
+                        println!("        {line}");
+                    }
+                } else {
+                    println!("  {key:>3} {name}: {text}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn meta(args: MetaArgs, output: Output) -> Result<()> {
+    match args.command {
+        MetaCommand::Get { image, key } => {
+            let meta = Image::open(&image, false)?.read_meta()?;
+            let Some(value) = meta.adv.get(key) else {
+                bail!("{}: META has no key {key}", image.display());
+            };
+            match output {
+                Output::Json => println!(
+                    "{}",
+                    json!({"key": key, "name": key_name(key), "value": String::from_utf8_lossy(value)})
+                ),
+                Output::Text => std::io::stdout().write_all(value)?,
+            }
+        }
+        MetaCommand::Set {
+            image,
+            key,
+            value_file,
+        } => {
+            let value = read_value(&value_file)?;
+            edit_in_place(&image, &[(key, Some(value))], output)?;
+        }
+        MetaCommand::Delete { image, key } => edit_in_place(&image, &[(key, None)], output)?,
+    }
+    Ok(())
+}
+
+fn read_value(file: &str) -> Result<Vec<u8>> {
+    let mut value = Vec::new();
+    if file == "-" {
+        std::io::stdin().read_to_end(&mut value)?;
+    } else {
+        value = std::fs::read(file).with_context(|| format!("cannot read {file}"))?;
+    }
+    Ok(value)
+}
+
+/// Read, merge, rewrite: the image is checked and the new ADV encoded before
+/// the one write of META.
+fn edit_in_place(image: &Path, edits: &[(u32, Option<Vec<u8>>)], output: Output) -> Result<()> {
+    let mut img = Image::open(image, true)?;
+    let before = img.read_meta()?;
+    for problem in &before.problems {
+        eprintln!("warning: {problem}");
+    }
+    let mut adv = before.adv.clone();
+    disk::apply(&mut adv, edits)?;
+    let changed = adv != before.adv;
+    if changed {
+        img.write_meta(&adv)?;
+    }
+    report(image, changed, &adv, output);
+    Ok(())
+}
+
+fn report(image: &Path, changed: bool, adv: &imgbuild::meta::Adv, output: Output) {
+    let keys: Vec<u32> = adv.iter().map(|(k, _)| k).collect();
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({"image": image, "changed": changed, "keys": keys})
+        ),
+        Output::Text => println!(
+            "{}: META {} (keys: {keys:?})",
+            image.display(),
+            if changed { "written" } else { "unchanged" }
+        ),
+    }
+}
+
+pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let node = inv.node(&args.node)?;
+    let value = PlatformNetworkConfig::from_plan(&schematic::network_plan(&inv, node)).to_yaml();
+    let before = disk::write_patched_copy(
+        &args.base,
+        &args.out,
+        &[(u32::from(KEY_NETWORK), Some(value.into_bytes()))],
+    )?;
+    for problem in &before.problems {
+        eprintln!("warning: base {}: {problem}", args.base.display());
+    }
+    let kept: Vec<u32> = before
+        .adv
+        .iter()
+        .map(|(k, _)| k)
+        .filter(|&k| k != 10)
+        .collect();
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({"node": node.name, "base": args.base, "out": args.out, "keptKeys": kept})
+        ),
+        Output::Text => println!(
+            "{}: {} with META key 10 for {} (kept keys {kept:?})",
+            args.out.display(),
+            args.base.display(),
+            node.name
+        ),
+    }
+    Ok(())
+}
