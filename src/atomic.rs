@@ -40,6 +40,11 @@ impl AtomicFile {
         })
     }
 
+    /// Where the data is until [`AtomicFile::commit`].
+    pub fn temp_path(&self) -> &Path {
+        &self.temp
+    }
+
     /// The open temporary file.
     pub fn file(&mut self) -> &mut File {
         self.file.as_mut().expect("file is open until commit")

@@ -3,6 +3,7 @@
 //! every other byte of the image is left alone, and nothing holds a whole
 //! image in memory.
 
+pub mod qcow2;
 mod sparse;
 
 pub use sparse::copy_sparse;
@@ -10,6 +11,7 @@ pub use sparse::copy_sparse;
 use crate::meta::{Adv, Decoded, adv::ADV_SIZE};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// META is exactly this large in every Talos image.
@@ -44,8 +46,11 @@ pub enum DiskError {
     },
     #[error("{}: not a disk image ({size} bytes, no GPT signature at LBA 1)", path.display())]
     NotAnImage { path: PathBuf, size: u64 },
-    #[error("{}: qcow2 images are not supported yet; convert with `qemu-img convert -O raw`", path.display())]
-    Qcow2Unsupported { path: PathBuf },
+    #[error("{}: {reason}", path.display())]
+    Qcow2 {
+        path: PathBuf,
+        reason: qcow2::HeaderError,
+    },
     #[error("{}: no valid GPT: {reason}", path.display())]
     NoGpt { path: PathBuf, reason: String },
     #[error("{}: the GPT has no partition named META (partitions: {})", path.display(), names.join(", "))]
@@ -70,43 +75,126 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DiskError + '_ {
     }
 }
 
+/// Where an image's blocks come from.
+#[derive(Debug)]
+enum Backend {
+    Raw(File),
+    Qcow2(Box<qcow2::Qcow2>),
+}
+
+impl Backend {
+    /// Reads `buf.len()` bytes at `offset` (any alignment).
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        match self {
+            Backend::Raw(f) => f.read_exact_at(buf, offset),
+            Backend::Qcow2(q) => {
+                let start = offset - offset % qcow2::ALIGN;
+                let end = (offset + buf.len() as u64).div_ceil(qcow2::ALIGN) * qcow2::ALIGN;
+                let mut sectors = vec![0u8; (end - start) as usize];
+                q.read_at(&mut sectors, start)?;
+                let skip = (offset - start) as usize;
+                buf.copy_from_slice(&sectors[skip..skip + buf.len()]);
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes sector-aligned data and makes it durable.
+    fn write_durably(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        match self {
+            Backend::Raw(f) => {
+                f.write_all_at(buf, offset)?;
+                f.sync_all()
+            }
+            Backend::Qcow2(q) => {
+                q.write_at(buf, offset)?;
+                q.flush()
+            }
+        }
+    }
+}
+
+/// A `Read + Seek` view of an image's blocks, for the GPT reader.
+#[derive(Debug)]
+struct BlockCursor<'a> {
+    backend: &'a Backend,
+    pos: u64,
+    len: u64,
+}
+
+impl Read for BlockCursor<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = (buf.len() as u64).min(self.len.saturating_sub(self.pos)) as usize;
+        self.backend.read_at(&mut buf[..n], self.pos)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+impl Seek for BlockCursor<'_> {
+    fn seek(&mut self, to: SeekFrom) -> std::io::Result<u64> {
+        let pos = match to {
+            SeekFrom::Start(p) => Some(p),
+            SeekFrom::End(d) => self.len.checked_add_signed(d),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+        };
+        self.pos = pos.ok_or_else(|| std::io::Error::other("seek before the start"))?;
+        Ok(self.pos)
+    }
+}
+
+impl Write for BlockCursor<'_> {
+    fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+        Err(std::io::Error::other("the GPT is read-only here"))
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// An image opened for META access, its layout checked.
 #[derive(Debug)]
 pub struct Image {
     path: PathBuf,
-    file: File,
+    backend: Backend,
     pub format: Format,
+    /// The disk size the image presents (a qcow2's virtual size).
     pub size: u64,
     pub partitions: Vec<Partition>,
 }
 
 impl Image {
-    /// Opens `path`, sniffs its format and reads its GPT.
+    /// Opens `path`, sniffs its format, checks a qcow2 header ourselves, and
+    /// reads the GPT. Nothing is written.
     pub fn open(path: &Path, writable: bool) -> Result<Image, DiskError> {
-        let file = File::options()
+        let mut file = File::options()
             .read(true)
             .write(writable)
             .open(path)
             .map_err(io(path))?;
-        Self::from_file(file, path)
-    }
-
-    /// Like [`Image::open`] for a file already open (e.g. a temporary copy).
-    pub fn from_file(mut file: File, path: &Path) -> Result<Image, DiskError> {
-        file.seek(SeekFrom::Start(0)).map_err(io(path))?;
-        let size = file.metadata().map_err(io(path))?.len();
-        let mut head = [0u8; 1024];
+        let file_len = file.metadata().map_err(io(path))?.len();
+        let mut head = vec![0u8; 64 * 1024];
         let n = read_up_to(&mut file, &mut head).map_err(io(path))?;
-        let format = sniff(&head[..n]).ok_or_else(|| DiskError::NotAnImage {
+        head.truncate(n);
+        let not_image = || DiskError::NotAnImage {
             path: path.to_owned(),
-            size,
-        })?;
-        if format == Format::Qcow2 {
-            return Err(DiskError::Qcow2Unsupported {
-                path: path.to_owned(),
-            });
-        }
-        let partitions = read_gpt(&mut file, path)?;
+            size: file_len,
+        };
+        let format = sniff(&head).ok_or_else(not_image)?;
+        let (backend, size) = match format {
+            Format::Raw => (Backend::Raw(file), file_len),
+            Format::Qcow2 => {
+                let header = qcow2::parse_header(&head).map_err(|reason| DiskError::Qcow2 {
+                    path: path.to_owned(),
+                    reason,
+                })?;
+                let size = header.virtual_size;
+                drop(file);
+                let q = qcow2::Qcow2::open(path, header, writable).map_err(io(path))?;
+                (Backend::Qcow2(Box::new(q)), size)
+            }
+        };
+        let partitions = read_gpt(&backend, size, path)?;
         if let Some(p) = partitions.iter().find(|p| p.offset + p.size > size) {
             return Err(DiskError::Truncated {
                 path: path.to_owned(),
@@ -117,7 +205,7 @@ impl Image {
         }
         Ok(Image {
             path: path.to_owned(),
-            file,
+            backend,
             format,
             size,
             partitions,
@@ -142,22 +230,19 @@ impl Image {
     pub fn read_meta(&mut self) -> Result<Decoded, DiskError> {
         let offset = self.meta_partition()?.offset;
         let mut buf = vec![0u8; ADV_SIZE];
-        self.file
-            .seek(SeekFrom::Start(offset))
-            .and_then(|_| self.file.read_exact(&mut buf))
+        self.backend
+            .read_at(&mut buf, offset)
             .map_err(io(&self.path))?;
         Ok(Adv::decode(&buf))
     }
 
-    /// Writes both ADV copies into META and syncs. The rest of the
-    /// partition (the legacy ADV in its last 1024 bytes among it) is untouched.
+    /// Writes both ADV copies into META and makes them durable. The rest of
+    /// the partition (the legacy ADV in its last 1024 bytes among it) is untouched.
     pub fn write_meta(&mut self, adv: &Adv) -> Result<(), DiskError> {
         let bytes = adv.encode()?;
         let offset = self.meta_partition()?.offset;
-        self.file
-            .seek(SeekFrom::Start(offset))
-            .and_then(|_| self.file.write_all(&bytes))
-            .and_then(|_| self.file.sync_all())
+        self.backend
+            .write_durably(&bytes, offset)
             .map_err(io(&self.path))
     }
 }
@@ -184,12 +269,16 @@ pub fn sniff(head: &[u8]) -> Option<Format> {
     }
 }
 
-fn read_gpt(file: &mut File, path: &Path) -> Result<Vec<Partition>, DiskError> {
-    let clone = file.try_clone().map_err(io(path))?;
+fn read_gpt(backend: &Backend, len: u64, path: &Path) -> Result<Vec<Partition>, DiskError> {
+    let cursor = BlockCursor {
+        backend,
+        pos: 0,
+        len,
+    };
     let disk = gpt::GptConfig::new()
         .writable(false)
         .logical_block_size(gpt::disk::LogicalBlockSize::Lb512)
-        .open_from_device(clone)
+        .open_from_device(cursor)
         .map_err(|e| DiskError::NoGpt {
             path: path.to_owned(),
             reason: e.to_string(),
@@ -217,15 +306,13 @@ pub fn write_patched_copy(
     out: &Path,
     edits: &[(u32, Option<Vec<u8>>)],
 ) -> Result<Decoded, DiskError> {
-    let mut src = Image::open(base, false)?;
-    let before = src.read_meta()?;
+    let before = Image::open(base, false)?.read_meta()?;
     let mut adv = before.adv.clone();
     apply(&mut adv, edits)?;
     let mut tmp = crate::atomic::AtomicFile::create(out, false).map_err(io(out))?;
-    copy_sparse(&src.file, tmp.file()).map_err(io(out))?;
-    let copy = tmp.file().try_clone().map_err(io(out))?;
-    let mut dst = Image::from_file(copy, out)?;
-    dst.write_meta(&adv)?;
+    let src = File::open(base).map_err(io(base))?;
+    copy_sparse(&src, tmp.file()).map_err(io(out))?;
+    Image::open(tmp.temp_path(), true)?.write_meta(&adv)?;
     tmp.commit().map_err(io(out))?;
     Ok(before)
 }
