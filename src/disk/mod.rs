@@ -195,11 +195,14 @@ impl Image {
             }
         };
         let partitions = read_gpt(&backend, size, path)?;
-        if let Some(p) = partitions.iter().find(|p| p.offset + p.size > size) {
+        if let Some(p) = partitions
+            .iter()
+            .find(|p| p.offset.checked_add(p.size).is_none_or(|end| end > size))
+        {
             return Err(DiskError::Truncated {
                 path: path.to_owned(),
                 name: p.name.clone(),
-                end: p.offset + p.size,
+                end: p.offset.saturating_add(p.size),
                 len: size,
             });
         }
@@ -269,7 +272,41 @@ pub fn sniff(head: &[u8]) -> Option<Format> {
     }
 }
 
+/// The checks the gpt crate asserts (panics) on instead of returning an
+/// error, made on the primary header at LBA 1 before it sees the disk.
+pub fn precheck_gpt_header(lba1: &[u8]) -> Result<(), String> {
+    let le32 = |at: usize| u32::from_le_bytes(lba1[at..at + 4].try_into().expect("4 bytes"));
+    if lba1.len() < 92 || &lba1[..8] != b"EFI PART" {
+        return Err("no GPT signature at LBA 1".into());
+    }
+    let (header_size, entries, entry_size) = (le32(12), le32(80), le32(84));
+    if !(92..=512).contains(&header_size) {
+        return Err(format!("header size {header_size} is outside 92..=512"));
+    }
+    if entry_size != 128 {
+        return Err(format!(
+            "partition entry size {entry_size} (only 128 is supported)"
+        ));
+    }
+    if entries > 1024 {
+        return Err(format!(
+            "{entries} partition entries (at most 1024 are supported)"
+        ));
+    }
+    Ok(())
+}
+
 fn read_gpt(backend: &Backend, len: u64, path: &Path) -> Result<Vec<Partition>, DiskError> {
+    let mut lba1 = [0u8; 512];
+    backend
+        .read_at(&mut lba1, SECTOR)
+        .map_err(io(path))
+        .and_then(|_| {
+            precheck_gpt_header(&lba1).map_err(|reason| DiskError::NoGpt {
+                path: path.to_owned(),
+                reason,
+            })
+        })?;
     let cursor = BlockCursor {
         backend,
         pos: 0,
@@ -283,18 +320,32 @@ fn read_gpt(backend: &Backend, len: u64, path: &Path) -> Result<Vec<Partition>, 
             path: path.to_owned(),
             reason: e.to_string(),
         })?;
-    Ok(disk
-        .partitions()
+    disk.partitions()
         .iter()
         .filter(|(_, p)| p.is_used())
-        .map(|(&number, p)| Partition {
-            number,
-            name: p.name.clone(),
-            type_guid: p.part_type_guid.guid.to_string().to_uppercase(),
-            offset: p.first_lba * SECTOR,
-            size: (p.last_lba + 1 - p.first_lba) * SECTOR,
+        .map(|(&number, p)| {
+            let bytes = p
+                .last_lba
+                .checked_add(1)
+                .and_then(|end| end.checked_sub(p.first_lba))
+                .and_then(|lbas| lbas.checked_mul(SECTOR))
+                .zip(p.first_lba.checked_mul(SECTOR));
+            let (size, offset) = bytes.ok_or_else(|| DiskError::NoGpt {
+                path: path.to_owned(),
+                reason: format!(
+                    "partition {number} ({}) spans LBA {}..{}, which is not a range",
+                    p.name, p.first_lba, p.last_lba
+                ),
+            })?;
+            Ok(Partition {
+                number,
+                name: p.name.clone(),
+                type_guid: p.part_type_guid.guid.to_string().to_uppercase(),
+                offset,
+                size,
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// Writes `out` as a copy of `base` (holes kept) with `edits` applied to
@@ -372,6 +423,107 @@ mod tests {
             find_meta(&[part("META", 2 * META_SIZE)]),
             Err(MetaLookup::WrongSize(2 * META_SIZE))
         );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(
+            std::env::var("IMGBUILD_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+        ))]
+        /// A GPT signature followed by arbitrary header and entry bytes must
+        /// give an error or a layout, never a panic.
+        #[test]
+        fn fuzz_gpt_reader_never_panics(
+            header in proptest::collection::vec(proptest::num::u8::ANY, 84),
+            entries in proptest::collection::vec(proptest::num::u8::ANY, 0..4096),
+            len in 1024u64..(2 << 20),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("img");
+            let mut img = vec![0u8; 1024 + entries.len()];
+            img[512..520].copy_from_slice(b"EFI PART");
+            img[520..604].copy_from_slice(&header);
+            img[1024..].copy_from_slice(&entries);
+            std::fs::write(&path, &img).unwrap();
+            let f = File::options().write(true).open(&path).unwrap();
+            f.set_len(len.max(img.len() as u64)).unwrap();
+            let _ = Image::open(&path, false).map(|mut i| i.read_meta());
+        }
+    }
+
+    fn crc32(b: &[u8]) -> u32 {
+        let mut c = flate2::Crc::new();
+        c.update(b);
+        c.sum()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(
+            std::env::var("IMGBUILD_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+        ))]
+        /// Well-formed CRCs over hostile fields: LBAs out of order or past
+        /// the end, odd entry counts and sizes, names without terminators.
+        #[test]
+        fn fuzz_gpt_with_valid_checksums_never_panics(
+            lbas in proptest::collection::vec(proptest::num::u64::ANY, 3),
+            num_entries in 0u32..200,
+            entry_size in proptest::sample::select(vec![0u32, 64, 128, 256, 129, 4096]),
+            entries in proptest::collection::vec(proptest::num::u8::ANY, 0..8192),
+            small in proptest::bool::ANY,
+        ) {
+            let mut img = vec![0u8; 1024 + 16384];
+            let h = &mut img[512..604];
+            h[..8].copy_from_slice(b"EFI PART");
+            h[8..12].copy_from_slice(&0x0001_0000u32.to_le_bytes());
+            h[12..16].copy_from_slice(&92u32.to_le_bytes());
+            h[24..32].copy_from_slice(&1u64.to_le_bytes());
+            let pick = |v: u64| if small { v % 8192 } else { v };
+            h[32..40].copy_from_slice(&pick(lbas[0]).to_le_bytes());
+            h[40..48].copy_from_slice(&pick(lbas[1]).to_le_bytes());
+            h[48..56].copy_from_slice(&pick(lbas[2]).to_le_bytes());
+            h[72..80].copy_from_slice(&2u64.to_le_bytes());
+            h[80..84].copy_from_slice(&num_entries.to_le_bytes());
+            h[84..88].copy_from_slice(&entry_size.to_le_bytes());
+            img[1024..1024 + entries.len()].copy_from_slice(&entries);
+            let table = (num_entries as usize * entry_size as usize).min(16384);
+            let ecrc = crc32(&img[1024..1024 + table]);
+            img[512 + 88..512 + 92].copy_from_slice(&ecrc.to_le_bytes());
+            let hcrc = crc32(&img[512..604]);
+            img[512 + 16..512 + 20].copy_from_slice(&hcrc.to_le_bytes());
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("img");
+            std::fs::write(&path, &img).unwrap();
+            let _ = Image::open(&path, false).map(|mut i| i.read_meta());
+        }
+    }
+
+    #[test]
+    fn gpt_headers_the_crate_would_panic_on_are_refused() {
+        let mut h = vec![0u8; 512];
+        h[..8].copy_from_slice(b"EFI PART");
+        h[12..16].copy_from_slice(&92u32.to_le_bytes());
+        h[80..84].copy_from_slice(&128u32.to_le_bytes());
+        h[84..88].copy_from_slice(&128u32.to_le_bytes());
+        assert_eq!(precheck_gpt_header(&h), Ok(()));
+        h[84..88].copy_from_slice(&256u32.to_le_bytes());
+        assert!(
+            precheck_gpt_header(&h)
+                .unwrap_err()
+                .contains("entry size 256")
+        );
+        h[84..88].copy_from_slice(&128u32.to_le_bytes());
+        h[80..84].copy_from_slice(&100_000u32.to_le_bytes());
+        assert!(
+            precheck_gpt_header(&h)
+                .unwrap_err()
+                .contains("100000 partition entries")
+        );
+        h[12..16].copy_from_slice(&8u32.to_le_bytes());
+        assert!(
+            precheck_gpt_header(&h)
+                .unwrap_err()
+                .contains("header size 8")
+        );
+        assert!(precheck_gpt_header(&[0u8; 512]).is_err());
     }
 
     #[test]
