@@ -59,10 +59,10 @@ pub enum DiskError {
     MetaWrongSize { path: PathBuf, size: u64 },
     #[error(transparent)]
     MetaFull(#[from] crate::meta::AdvError),
-    #[error("{}: truncated: partition {name} ends at byte {end} but the file has {len}", path.display())]
+    #[error("{}: truncated: {what} ends at byte {end} but the image has {len}", path.display())]
     Truncated {
         path: PathBuf,
-        name: String,
+        what: String,
         end: u64,
         len: u64,
     },
@@ -201,7 +201,7 @@ impl Image {
         {
             return Err(DiskError::Truncated {
                 path: path.to_owned(),
-                name: p.name.clone(),
+                what: format!("partition {}", p.name),
                 end: p.offset.saturating_add(p.size),
                 len: size,
             });
@@ -296,6 +296,13 @@ pub fn precheck_gpt_header(lba1: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// Where the disk the primary GPT header describes ends: just past its
+/// backup header. An image shorter than that lost its tail.
+pub fn gpt_disk_end(lba1: &[u8]) -> Option<u64> {
+    let backup_lba = u64::from_le_bytes(lba1.get(32..40)?.try_into().ok()?);
+    backup_lba.checked_add(1)?.checked_mul(SECTOR)
+}
+
 fn read_gpt(backend: &Backend, len: u64, path: &Path) -> Result<Vec<Partition>, DiskError> {
     let mut lba1 = [0u8; 512];
     backend
@@ -307,6 +314,17 @@ fn read_gpt(backend: &Backend, len: u64, path: &Path) -> Result<Vec<Partition>, 
                 reason,
             })
         })?;
+    match gpt_disk_end(&lba1) {
+        Some(end) if end <= len => {}
+        end => {
+            return Err(DiskError::Truncated {
+                path: path.to_owned(),
+                what: "the disk its GPT describes (up to the backup header)".into(),
+                end: end.unwrap_or(u64::MAX),
+                len,
+            });
+        }
+    }
     let cursor = BlockCursor {
         backend,
         pos: 0,
