@@ -160,6 +160,17 @@ impl std::fmt::Debug for Qcow2 {
 /// I/O granularity qcow2-rs requires.
 pub const ALIGN: u64 = 512;
 
+fn check_aligned(len: usize, offset: u64) -> std::io::Result<()> {
+    if offset.is_multiple_of(ALIGN) && (len as u64).is_multiple_of(ALIGN) {
+        Ok(())
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("qcow2 I/O of {len} bytes at {offset} is not {ALIGN}-byte aligned"),
+        ))
+    }
+}
+
 impl Qcow2 {
     /// Opens an image whose header already passed [`parse_header`].
     pub fn open(path: &Path, header: Header, writable: bool) -> std::io::Result<Qcow2> {
@@ -175,7 +186,7 @@ impl Qcow2 {
 
     /// Reads whole sectors at a sector-aligned offset.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        debug_assert!(offset % ALIGN == 0 && buf.len() as u64 % ALIGN == 0);
+        check_aligned(buf.len(), offset)?;
         let mut aligned = Qcow2IoBuf::<u8>::new(buf.len());
         self.rt
             .block_on(self.dev.read_at(&mut aligned, offset))
@@ -186,7 +197,7 @@ impl Qcow2 {
 
     /// Writes whole sectors at a sector-aligned offset.
     pub fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        debug_assert!(offset % ALIGN == 0 && buf.len() as u64 % ALIGN == 0);
+        check_aligned(buf.len(), offset)?;
         let mut aligned = Qcow2IoBuf::<u8>::new(buf.len());
         aligned.copy_from_slice(buf);
         self.rt
