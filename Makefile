@@ -5,7 +5,7 @@ CARGO ?= cargo
 IMGBUILD := target/debug/imgbuild
 ATLAS := examples/atlas/cluster.yaml
 
-.PHONY: demo test deps build lint schematics
+.PHONY: demo test deps build lint schematics fuzz bench
 
 # Debian packages the tests use: sgdisk (GPT checks), qemu-img (qcow2 checks),
 # Go and its yaml.v3 (the schematic emitter's differential oracle).
@@ -38,3 +38,17 @@ demo: build
 # Regenerates the reviewed schematics/ of the example cluster.
 schematics: build
 	$(IMGBUILD) --config $(ATLAS) schematic --all --write --dir schematics
+
+# The fuzz targets (property tests over arbitrary bytes: ADV decoder, qcow2
+# header, GPT reader) with many more cases, bounded to 10 minutes.
+# cargo-fuzz needs a nightly toolchain, which this machine cannot fetch.
+FUZZ_CASES ?= 20000
+fuzz:
+	IMGBUILD_FUZZ_CASES=$(FUZZ_CASES) timeout 600 $(CARGO) test --locked --release --lib fuzz_
+
+# Benchmarks against baseline tools measured in the same run (see BENCHMARKS.md).
+bench: deps
+	@command -v bc >/dev/null 2>&1 && [ -x /usr/bin/time ] || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bc time >/dev/null)
+	$(CARGO) build --locked --release
+	bench/patch.sh

@@ -7,3 +7,14 @@ pub mod disk;
 pub mod inventory;
 pub mod meta;
 pub mod schematic;
+
+/// How many cases each `fuzz_*` property test runs: 256 in `make test`,
+/// `IMGBUILD_FUZZ_CASES` (set by `make fuzz`) when longer runs are wanted.
+#[cfg(test)]
+pub(crate) fn fuzz_config() -> proptest::prelude::ProptestConfig {
+    let cases = std::env::var("IMGBUILD_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    proptest::prelude::ProptestConfig::with_cases(cases)
+}

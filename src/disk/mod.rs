@@ -444,9 +444,7 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(
-            std::env::var("IMGBUILD_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
-        ))]
+        #![proptest_config(crate::fuzz_config())]
         /// A GPT signature followed by arbitrary header and entry bytes must
         /// give an error or a layout, never a panic.
         #[test]
@@ -475,9 +473,7 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(
-            std::env::var("IMGBUILD_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
-        ))]
+        #![proptest_config(crate::fuzz_config())]
         /// Well-formed CRCs over hostile fields: LBAs out of order or past
         /// the end, odd entry counts and sizes, names without terminators.
         #[test]

@@ -146,6 +146,7 @@ pub fn parse_header(b: &[u8]) -> Result<Header, HeaderError> {
 pub struct Qcow2 {
     rt: tokio::runtime::Runtime,
     dev: Qcow2Dev<Qcow2IoTokio>,
+    path: std::path::PathBuf,
     pub header: Header,
 }
 
@@ -181,7 +182,12 @@ impl Qcow2 {
         let dev = rt
             .block_on(qcow2_rs::utils::qcow2_setup_dev_tokio(path, &params))
             .map_err(|e| std::io::Error::other(format!("qcow2: {e:?}")))?;
-        Ok(Qcow2 { rt, dev, header })
+        Ok(Qcow2 {
+            rt,
+            dev,
+            path: path.to_owned(),
+            header,
+        })
     }
 
     /// Reads whole sectors at a sector-aligned offset.
@@ -205,11 +211,13 @@ impl Qcow2 {
             .map_err(|e| std::io::Error::other(format!("qcow2 write at {offset}: {e:?}")))
     }
 
-    /// Writes back cached metadata (L2 and refcount tables) and syncs.
+    /// Writes back cached metadata (L2 and refcount tables), then fsyncs
+    /// the file: qcow2-rs's flush writes but does not sync.
     pub fn flush(&self) -> std::io::Result<()> {
         self.rt
             .block_on(self.dev.flush_meta())
-            .map_err(|e| std::io::Error::other(format!("qcow2 flush: {e:?}")))
+            .map_err(|e| std::io::Error::other(format!("qcow2 flush: {e:?}")))?;
+        std::fs::File::open(&self.path)?.sync_all()
     }
 }
 
@@ -313,8 +321,9 @@ mod tests {
     }
 
     proptest::proptest! {
+        #![proptest_config(crate::fuzz_config())]
         #[test]
-        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..4096)) {
+        fn fuzz_qcow2_header_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..4096)) {
             let _ = parse_header(&bytes);
             let mut b = header();
             b[..bytes.len().min(4096)].copy_from_slice(&bytes[..bytes.len().min(4096)]);
