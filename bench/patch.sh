@@ -69,7 +69,7 @@ done
 t5=$(now)
 qemu-img check ib3.qcow2 >/dev/null
 cp base.qcow2 inplace.qcow2
-t6=$(now)
+sync; t6=$(now)
 for i in 1 2 3; do
   sed "s/hostname: cp-01/hostname: bench-$i/" k10 > "k10.$i"
   /usr/bin/time -f %M -o rss "$bin" meta set inplace.qcow2 --key 10 --value-file "k10.$i" >/dev/null

@@ -21,11 +21,10 @@ impl AtomicFile {
         let name = target
             .file_name()
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-        let temp = dir.unwrap_or(Path::new(".")).join(format!(
-            ".{}.tmp-{}",
-            name.to_string_lossy(),
-            std::process::id()
-        ));
+        let dir = dir.unwrap_or(Path::new("."));
+        let prefix = format!(".{}.tmp-", name.to_string_lossy());
+        sweep_stale(dir, &prefix);
+        let temp = dir.join(format!("{prefix}{}", std::process::id()));
         let mut opts = OpenOptions::new();
         opts.read(true).write(true).create_new(true);
         if private {
@@ -71,6 +70,30 @@ impl Drop for AtomicFile {
     }
 }
 
+/// Removes `<prefix><pid>` files left by writers that were killed (no
+/// destructor runs on SIGKILL or an unhandled SIGINT) and are gone now.
+fn sweep_stale(dir: &Path, prefix: &str) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: signal 0 only asks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// Writes `data` to `target` atomically. Returns false (and writes nothing)
 /// when the file already holds exactly `data`.
 pub fn write_if_changed(target: &Path, data: &[u8], private: bool) -> io::Result<bool> {
@@ -97,6 +120,22 @@ mod tests {
             f.file().write_all(b"partial").unwrap();
         }
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn temps_of_dead_writers_are_swept_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("img");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = dir.path().join(format!(".img.tmp-{dead}"));
+        let live = dir.path().join(".img.tmp-1"); // init never dies
+        fs::write(&stale, b"half").unwrap();
+        fs::write(&live, b"busy").unwrap();
+        write_if_changed(&target, b"new", false).unwrap();
+        assert!(!stale.exists());
+        assert!(live.exists());
     }
 
     #[test]

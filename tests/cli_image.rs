@@ -513,3 +513,82 @@ fn a_failed_patch_leaves_no_output() {
     );
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
+
+#[test]
+fn sigkill_mid_patch_leaves_no_output_and_the_rerun_sweeps_the_debris() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("big.raw");
+    File::create(&base).unwrap().set_len(2 << 30).unwrap();
+    run_ok(Command::new("sgdisk").args([
+        "-n1:2048:+1500M",
+        "-c1:BOOT",
+        "-n2:0:+1M",
+        "-c2:META",
+        p(&base),
+    ]));
+    // 600 MiB of written (non-hole) data so the copy takes a while.
+    run_ok(Command::new("dd").args([
+        "if=/dev/zero",
+        &format!("of={}", p(&base)),
+        "bs=1M",
+        "seek=1",
+        "count=600",
+        "conv=notrunc",
+        "status=none",
+    ]));
+    let out_dir = dir.path().join("out");
+    std::fs::create_dir(&out_dir).unwrap();
+    let out = out_dir.join("cp-01.raw");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args([
+            "--config",
+            ATLAS,
+            "patch",
+            "--base",
+            p(&base),
+            "--node",
+            "cp-01",
+            "--out",
+            p(&out),
+        ])
+        .current_dir(root())
+        .spawn()
+        .unwrap();
+    let temp_seen = (0..2000).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        std::fs::read_dir(&out_dir)
+            .unwrap()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(temp_seen, "the patch never created its temporary file");
+    if out.exists() {
+        // Killed after the rename: the output must then be complete.
+        check_patched(&base, &out, "10.0.0.11/16");
+        std::fs::remove_file(&out).unwrap();
+    }
+    let o = imgbuild(&[
+        "--config",
+        ATLAS,
+        "patch",
+        "--base",
+        p(&base),
+        "--node",
+        "cp-01",
+        "--out",
+        p(&out),
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let names: Vec<String> = std::fs::read_dir(&out_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["cp-01.raw"], "debris left: {names:?}");
+    assert_eq!(
+        meta_of(&inspect_json(&out), 10).unwrap()["network"]["addresses"][0],
+        "10.0.0.11/16"
+    );
+}
