@@ -30,10 +30,19 @@ lint:
 test: deps lint
 	IMGBUILD_REQUIRE_ORACLE=1 $(CARGO) test --locked --all-targets
 
-# The schematic step on the example cluster: validate, then every node's ID.
+# The pipeline so far on the example cluster: validate, every node's schematic
+# ID, then the patch route: one Talos-shaped base image (from the fixture
+# script), one image per node with its network in META, and a look inside one.
+DEMO := out/demo
 demo: build
+	@command -v sgdisk >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gdisk >/dev/null)
 	$(IMGBUILD) --config $(ATLAS) validate
 	$(IMGBUILD) --config $(ATLAS) schematic --all
+	@rm -rf $(DEMO) && mkdir -p $(DEMO) && fixtures/make-images.sh $(DEMO)/base >/dev/null
+	@for node in $$($(IMGBUILD) --config $(ATLAS) schematic --all | awk '$$1 != "base" {print $$1}'); do \
+		$(IMGBUILD) --config $(ATLAS) patch --base $(DEMO)/base/dual-boot.raw --node $$node --out $(DEMO)/$$node.raw || exit 1; \
+	done
+	$(IMGBUILD) inspect $(DEMO)/cp-01.raw
 
 # Regenerates the reviewed schematics/ of the example cluster.
 schematics: build
