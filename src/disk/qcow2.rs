@@ -158,6 +158,21 @@ impl std::fmt::Debug for Qcow2 {
     }
 }
 
+/// Runs a qcow2-rs call, turning a panic inside it (it unwraps on some
+/// malformed images) into an error instead of a crash.
+fn guarded<T>(what: &str, f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Err(std::io::Error::other(format!(
+            "qcow2 {what} failed on a malformed image: {why}"
+        )))
+    })
+}
+
 /// I/O granularity qcow2-rs requires.
 pub const ALIGN: u64 = 512;
 
@@ -179,9 +194,10 @@ impl Qcow2 {
             .enable_all()
             .build()?;
         let params = Qcow2DevParams::new(9, None, None, !writable, false);
-        let dev = rt
-            .block_on(qcow2_rs::utils::qcow2_setup_dev_tokio(path, &params))
-            .map_err(|e| std::io::Error::other(format!("qcow2: {e:?}")))?;
+        let dev = guarded("open", || {
+            rt.block_on(qcow2_rs::utils::qcow2_setup_dev_tokio(path, &params))
+                .map_err(|e| std::io::Error::other(format!("qcow2: {e:?}")))
+        })?;
         Ok(Qcow2 {
             rt,
             dev,
@@ -194,9 +210,11 @@ impl Qcow2 {
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
         check_aligned(buf.len(), offset)?;
         let mut aligned = Qcow2IoBuf::<u8>::new(buf.len());
-        self.rt
-            .block_on(self.dev.read_at(&mut aligned, offset))
-            .map_err(|e| std::io::Error::other(format!("qcow2 read at {offset}: {e:?}")))?;
+        guarded("read", || {
+            self.rt
+                .block_on(self.dev.read_at(&mut aligned, offset))
+                .map_err(|e| std::io::Error::other(format!("qcow2 read at {offset}: {e:?}")))
+        })?;
         buf.copy_from_slice(&aligned);
         Ok(())
     }
@@ -206,17 +224,21 @@ impl Qcow2 {
         check_aligned(buf.len(), offset)?;
         let mut aligned = Qcow2IoBuf::<u8>::new(buf.len());
         aligned.copy_from_slice(buf);
-        self.rt
-            .block_on(self.dev.write_at(&aligned, offset))
-            .map_err(|e| std::io::Error::other(format!("qcow2 write at {offset}: {e:?}")))
+        guarded("write", || {
+            self.rt
+                .block_on(self.dev.write_at(&aligned, offset))
+                .map_err(|e| std::io::Error::other(format!("qcow2 write at {offset}: {e:?}")))
+        })
     }
 
     /// Writes back cached metadata (L2 and refcount tables), then fsyncs
     /// the file: qcow2-rs's flush writes but does not sync.
     pub fn flush(&self) -> std::io::Result<()> {
-        self.rt
-            .block_on(self.dev.flush_meta())
-            .map_err(|e| std::io::Error::other(format!("qcow2 flush: {e:?}")))?;
+        guarded("flush", || {
+            self.rt
+                .block_on(self.dev.flush_meta())
+                .map_err(|e| std::io::Error::other(format!("qcow2 flush: {e:?}")))
+        })?;
         std::fs::File::open(&self.path)?.sync_all()
     }
 }
@@ -249,6 +271,15 @@ mod tests {
         b[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes());
         b[512..512 + name.len()].copy_from_slice(name.as_bytes());
         b
+    }
+
+    #[test]
+    fn panics_inside_qcow2_rs_become_errors() {
+        let err = guarded::<()>("read", || panic!("index out of bounds")).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("qcow2 read failed on a malformed image: index out of bounds")
+        );
     }
 
     #[test]
