@@ -1,9 +1,13 @@
 //! imgbuild: per-node Talos Linux images from one cluster inventory.
 //!
-//! Data flows one way: [`inventory`] → [`schematic`] → build → publish → bootstrap.
+//! Data flows one way: [`inventory`] → [`schematic`] → [`build`] (over
+//! [`factory`], [`fetch`] and [`disk`]) → publish → bootstrap.
 
 pub mod atomic;
+pub mod build;
 pub mod disk;
+pub mod factory;
+pub mod fetch;
 pub mod inventory;
 pub mod meta;
 pub mod schematic;

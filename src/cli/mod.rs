@@ -1,5 +1,6 @@
 //! Commands, their flags, and how their results are shown.
 
+mod build;
 mod image;
 mod schematic;
 
@@ -49,6 +50,12 @@ enum Command {
     Meta(image::MetaArgs),
     /// Copy a base image and write a node's network into its META.
     Patch(image::PatchArgs),
+    /// Build one node's image (factory download or patched base) into --out-dir.
+    Node(build::NodeArgs),
+    /// Build every node's image (or the named ones), concurrently.
+    Build(build::BuildManyArgs),
+    /// Re-hash the built images against out/manifest.json.
+    Verify(build::VerifyArgs),
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -76,6 +83,9 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Inspect(args) => image::inspect(args, cli.output),
         Command::Meta(args) => image::meta(args, cli.output),
         Command::Patch(args) => image::patch(args, &cli.config, cli.output),
+        Command::Node(args) => build::node(args, &cli.config, cli.output),
+        Command::Build(args) => build::many(args, &cli.config, cli.output),
+        Command::Verify(args) => build::verify(args, cli.output),
     }
 }
 

@@ -15,7 +15,9 @@ use sha2::{Digest, Sha256};
 use std::fmt;
 
 /// A schematic ID: lowercase hex SHA-256 of the canonical YAML.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(transparent)]
 pub struct SchematicId(String);
 

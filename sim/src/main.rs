@@ -1,0 +1,27 @@
+//! imgbuild-sim: loopback test doubles for the services imgbuild talks to.
+//! Only ever binds 127.0.0.0/8. Prints one JSON line with its URLs once it
+//! listens, so tests and `make demo` can find it.
+
+mod factory;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "imgbuild-sim")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// An Image Factory (schematics, versions, extensions, images).
+    Factory(factory::Args),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Factory(args) => factory::run(args).await,
+    }
+}

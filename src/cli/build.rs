@@ -1,0 +1,253 @@
+//! `imgbuild node`, `build` and `verify`, and download progress display.
+
+use super::{Output, load_inventory};
+use anyhow::{Result, bail};
+use clap::Args;
+use imgbuild::build::{self, BuildOptions, Route};
+use imgbuild::fetch::{FetchOptions, Progress};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use serde_json::json;
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+#[derive(Args)]
+pub struct BuildArgs {
+    /// patch: one base image, META written per node (default); factory: one factory image per node.
+    #[arg(long, value_enum, default_value_t = Route::Patch)]
+    route: Route,
+    #[arg(long, default_value = "out")]
+    out_dir: PathBuf,
+    /// Download cache [default: $XDG_CACHE_HOME/imgbuild].
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Nodes built at once.
+    #[arg(long, default_value_t = 4)]
+    jobs: usize,
+    /// Image Factory URL, overriding the inventory's image.factory.
+    #[arg(long, env = "IMGBUILD_FACTORY")]
+    factory: Option<String>,
+    /// Retries for 5xx, resets, timeouts and truncated bodies.
+    #[arg(long, default_value_t = 4)]
+    retries: u32,
+    /// First pause between retries, doubling each time.
+    #[arg(long, default_value_t = 500)]
+    retry_delay_ms: u64,
+    /// Longest silence from the server before an attempt is abandoned.
+    #[arg(long, default_value_t = 60)]
+    read_timeout_secs: u64,
+    /// No progress output.
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Args)]
+pub struct NodeArgs {
+    node: String,
+    #[command(flatten)]
+    build: BuildArgs,
+}
+
+#[derive(Args)]
+pub struct BuildManyArgs {
+    /// Nodes to build (all when none are given).
+    nodes: Vec<String>,
+    #[command(flatten)]
+    build: BuildArgs,
+}
+
+#[derive(Args)]
+pub struct VerifyArgs {
+    #[arg(long, default_value = "out")]
+    out_dir: PathBuf,
+}
+
+pub fn node(args: NodeArgs, config: &Path, output: Output) -> Result<()> {
+    run(vec![args.node], args.build, config, output)
+}
+
+pub fn many(args: BuildManyArgs, config: &Path, output: Output) -> Result<()> {
+    run(args.nodes, args.build, config, output)
+}
+
+fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let opts = BuildOptions {
+        out_dir: args.out_dir,
+        route: args.route,
+        fetch: FetchOptions {
+            cache_dir: args
+                .cache_dir
+                .unwrap_or_else(FetchOptions::default_cache_dir),
+            retries: args.retries,
+            backoff: Duration::from_millis(args.retry_delay_ms),
+            read_timeout: Duration::from_secs(args.read_timeout_secs),
+        },
+        jobs: args.jobs,
+        factory: args.factory,
+    };
+    let progress: Box<dyn Progress> = if args.quiet || output == Output::Json {
+        Box::new(imgbuild::fetch::Silent)
+    } else if std::io::stderr().is_terminal() {
+        Box::new(Bars::default())
+    } else {
+        Box::new(Lines::default())
+    };
+    let outcomes = build::build(&inv, &nodes, &opts, progress.as_ref())?;
+    match output {
+        Output::Json => println!("{}", json!({"images": outcomes})),
+        Output::Text => {
+            for o in &outcomes {
+                let state = if o.built { "built" } else { "up to date" };
+                println!(
+                    "{:<12} {:<10} {}  sha256 {}  ({state})",
+                    o.image.node,
+                    format!("{:?}", o.image.route).to_lowercase(),
+                    o.image.path.display(),
+                    &o.image.sha256[..16]
+                );
+            }
+            if outcomes.iter().all(|o| !o.built) {
+                println!(
+                    "nothing to do: every image matches {}",
+                    build::Manifest::path(&opts.out_dir).display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn verify(args: VerifyArgs, output: Output) -> Result<()> {
+    let results = build::verify(&args.out_dir)?;
+    if results.is_empty() {
+        bail!(
+            "{}: no images recorded",
+            build::Manifest::path(&args.out_dir).display()
+        );
+    }
+    match output {
+        Output::Json => println!("{}", json!({"images": results})),
+        Output::Text => {
+            for r in &results {
+                match &r.problem {
+                    None => println!("{:<12} ok        {}", r.node, r.path.display()),
+                    Some(p) => println!("{:<12} MISMATCH  {}: {p}", r.node, r.path.display()),
+                }
+            }
+        }
+    }
+    let bad = results.iter().filter(|r| !r.ok).count();
+    if bad > 0 {
+        bail!(
+            "{bad} of {} images do not match the manifest",
+            results.len()
+        );
+    }
+    Ok(())
+}
+
+/// indicatif bars, one per download, on a terminal.
+#[derive(Default)]
+struct Bars {
+    multi: MultiProgress,
+    bars: Mutex<HashMap<String, ProgressBar>>,
+}
+
+impl Progress for Bars {
+    fn start(&self, url: &str, total: Option<u64>) {
+        let bar = self.multi.add(ProgressBar::new(total.unwrap_or(0)));
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{msg:30!} {bytes:>10}/{total_bytes:10} {bytes_per_sec:>12} eta {eta}",
+            )
+            .expect("valid template"),
+        );
+        bar.set_message(
+            url.rsplit('/')
+                .take(3)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("/"),
+        );
+        self.bars.lock().unwrap().insert(url.to_owned(), bar);
+    }
+    fn advance(&self, url: &str, bytes: u64) {
+        if let Some(bar) = self.bars.lock().unwrap().get(url) {
+            bar.inc(bytes);
+        }
+    }
+    fn retry(&self, url: &str, attempt: u32, why: &str) {
+        let _ = self
+            .multi
+            .println(format!("retry {attempt} for {url}: {why}"));
+    }
+    fn finish(&self, url: &str) {
+        if let Some(bar) = self.bars.lock().unwrap().remove(url) {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// Plain lines for logs: start, every 10 seconds per download, retries, finish.
+#[derive(Default)]
+struct Lines {
+    downloads: Mutex<HashMap<String, LineState>>,
+}
+
+struct LineState {
+    bytes: u64,
+    total: Option<u64>,
+    started: Instant,
+    last: Instant,
+}
+
+impl Progress for Lines {
+    fn start(&self, url: &str, total: Option<u64>) {
+        let now = Instant::now();
+        self.downloads.lock().unwrap().insert(
+            url.to_owned(),
+            LineState {
+                bytes: 0,
+                total,
+                started: now,
+                last: now,
+            },
+        );
+        eprintln!(
+            "downloading {url} ({} bytes)",
+            total.map_or("unknown".into(), |t| t.to_string())
+        );
+    }
+    fn advance(&self, url: &str, bytes: u64) {
+        let mut all = self.downloads.lock().unwrap();
+        let Some(s) = all.get_mut(url) else { return };
+        s.bytes += bytes;
+        if s.last.elapsed() >= Duration::from_secs(10) {
+            s.last = Instant::now();
+            let rate = s.bytes as f64 / s.started.elapsed().as_secs_f64().max(0.001);
+            eprintln!(
+                "  {url}: {} / {} bytes, {:.1} MB/s",
+                s.bytes,
+                s.total.map_or("?".into(), |t| t.to_string()),
+                rate / 1e6
+            );
+        }
+    }
+    fn retry(&self, url: &str, attempt: u32, why: &str) {
+        eprintln!("retry {attempt} for {url}: {why}");
+    }
+    fn finish(&self, url: &str) {
+        if let Some(s) = self.downloads.lock().unwrap().remove(url) {
+            eprintln!(
+                "downloaded {url}: {} bytes in {:.1}s",
+                s.bytes,
+                s.started.elapsed().as_secs_f64()
+            );
+        }
+    }
+}

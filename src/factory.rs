@@ -1,0 +1,206 @@
+//! Image Factory client: registers schematics (checking the factory agrees
+//! on the ID), lists versions and official extensions, and spells image
+//! URLs and installer references the way talosctl and talhelper print them.
+
+use crate::fetch::FetchError;
+use crate::schematic::{Schematic, SchematicId};
+use reqwest::blocking::Client;
+
+/// A factory at a base URL.
+pub struct Factory<'a> {
+    pub base: String,
+    client: &'a Client,
+}
+
+/// Why a factory call failed; every variant names the URL or the culprit.
+#[derive(Debug, thiserror::Error)]
+pub enum FactoryError {
+    #[error(transparent)]
+    Http(#[from] FetchError),
+    #[error(
+        "{url}: the factory says the schematic ID is {theirs}, but it hashes to {ours} locally"
+    )]
+    IdMismatch {
+        url: String,
+        ours: String,
+        theirs: String,
+    },
+    #[error("{url}: unexpected reply: {message}")]
+    Reply { url: String, message: String },
+    #[error("Talos {version} is not offered by {url} (it has: {})", offered.join(", "))]
+    UnknownVersion {
+        url: String,
+        version: String,
+        offered: Vec<String>,
+    },
+    #[error("extension {name} is not available for Talos {version} at {url}")]
+    UnknownExtension {
+        url: String,
+        name: String,
+        version: String,
+    },
+    #[error(transparent)]
+    Emit(#[from] crate::schematic::EmitError),
+}
+
+/// One entry of `/version/{v}/extensions/official`.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Extension {
+    pub name: String,
+    #[serde(default, rename = "ref")]
+    pub reference: String,
+    #[serde(default)]
+    pub digest: String,
+}
+
+impl<'a> Factory<'a> {
+    pub fn new(base: &str, client: &'a Client) -> Self {
+        Factory {
+            base: base.trim_end_matches('/').to_owned(),
+            client,
+        }
+    }
+
+    fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, FactoryError> {
+        let url = format!("{}{path}", self.base);
+        let resp = self
+            .client
+            .get(&url)
+            .send()
+            .map_err(|e| transfer(&url, e))?;
+        let status = resp.status();
+        let body = resp.text().map_err(|e| transfer(&url, e))?;
+        if !status.is_success() {
+            return Err(FetchError::Status {
+                url,
+                status: status.as_u16(),
+                body: body.trim().chars().take(200).collect(),
+            }
+            .into());
+        }
+        serde_json::from_str(&body).map_err(|e| FactoryError::Reply {
+            url,
+            message: format!("not the JSON expected: {e}"),
+        })
+    }
+
+    /// POSTs the schematic; the factory's ID must equal ours.
+    pub fn register(&self, schematic: &Schematic) -> Result<SchematicId, FactoryError> {
+        let canonical = schematic.canonical()?;
+        let ours = crate::schematic::id_of(&canonical);
+        let url = format!("{}/schematics", self.base);
+        let resp = self
+            .client
+            .post(&url)
+            .header("content-type", "application/yaml")
+            .body(canonical)
+            .send()
+            .map_err(|e| transfer(&url, e))?;
+        let status = resp.status();
+        let body = resp.text().map_err(|e| transfer(&url, e))?;
+        if status.as_u16() != 201 && status.as_u16() != 200 {
+            return Err(FetchError::Status {
+                url,
+                status: status.as_u16(),
+                body: body.trim().chars().take(200).collect(),
+            }
+            .into());
+        }
+        #[derive(serde::Deserialize)]
+        struct Created {
+            id: String,
+        }
+        let created: Created = serde_json::from_str(&body).map_err(|e| FactoryError::Reply {
+            url: url.clone(),
+            message: format!("no schematic id in {body:?}: {e}"),
+        })?;
+        if created.id != ours.as_str() {
+            return Err(FactoryError::IdMismatch {
+                url,
+                ours: ours.to_string(),
+                theirs: created.id,
+            });
+        }
+        Ok(ours)
+    }
+
+    pub fn versions(&self) -> Result<Vec<String>, FactoryError> {
+        self.get_json("/versions")
+    }
+
+    pub fn extensions(&self, version: &str) -> Result<Vec<Extension>, FactoryError> {
+        self.get_json(&format!("/version/{version}/extensions/official"))
+    }
+
+    /// Fails unless the version is offered and every extension exists for it.
+    pub fn check_available(&self, version: &str, wanted: &[String]) -> Result<(), FactoryError> {
+        let offered = self.versions()?;
+        if !offered.iter().any(|v| v == version) {
+            return Err(FactoryError::UnknownVersion {
+                url: format!("{}/versions", self.base),
+                version: version.to_owned(),
+                offered,
+            });
+        }
+        let exts = self.extensions(version)?;
+        for name in wanted {
+            if !exts.iter().any(|e| &e.name == name) {
+                return Err(FactoryError::UnknownExtension {
+                    url: format!("{}/version/{version}/extensions/official", self.base),
+                    name: name.clone(),
+                    version: version.to_owned(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// `/image/{id}/{version}/{platform}-{arch}.{ext}`.
+    pub fn image_url(
+        &self,
+        id: &SchematicId,
+        version: &str,
+        platform: &str,
+        arch: &str,
+        ext: &str,
+    ) -> String {
+        format!("{}/image/{id}/{version}/{platform}-{arch}.{ext}", self.base)
+    }
+}
+
+/// The installer image for a schematic, as `talosctl gen config` wants it.
+pub fn installer_ref(
+    registry_host: &str,
+    platform: &str,
+    id: &SchematicId,
+    version: &str,
+) -> String {
+    format!("{registry_host}/{platform}-installer/{id}:{version}")
+}
+
+fn transfer(url: &str, e: reqwest::Error) -> FetchError {
+    FetchError::Transfer {
+        url: url.to_owned(),
+        message: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_spelled_like_talosctl() {
+        let id = crate::schematic::id_of("customization: {}\n");
+        let client = Client::new();
+        let f = Factory::new("https://factory.talos.dev/", &client);
+        assert_eq!(
+            f.image_url(&id, "v1.11.2", "metal", "amd64", "raw.zst"),
+            "https://factory.talos.dev/image/376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba/v1.11.2/metal-amd64.raw.zst"
+        );
+        assert_eq!(
+            installer_ref("factory.talos.dev", "metal", &id, "v1.11.2"),
+            "factory.talos.dev/metal-installer/376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba:v1.11.2"
+        );
+    }
+}

@@ -1,0 +1,352 @@
+//! Small composable readers and writers, one concern each: a download is a
+//! stack of them (body → length check → hash → magic check → decompress →
+//! hash → sparse temp file).
+
+use sha2::{Digest, Sha256, Sha512};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+
+/// Buffer size for every copy loop.
+pub const BUF_SIZE: usize = 1 << 20;
+
+/// Hashes everything read through it (SHA-256 always, SHA-512 on request).
+pub struct HashingReader<R> {
+    inner: R,
+    sha256: Sha256,
+    sha512: Option<Sha512>,
+    count: u64,
+}
+
+impl<R: Read> HashingReader<R> {
+    pub fn new(inner: R, with_sha512: bool) -> Self {
+        HashingReader {
+            inner,
+            sha256: Sha256::new(),
+            sha512: with_sha512.then(Sha512::new),
+            count: 0,
+        }
+    }
+
+    /// Bytes read so far.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Hex digests of everything read: (sha256, sha512 if requested).
+    pub fn finish(self) -> (String, Option<String>) {
+        (
+            hex::encode(self.sha256.finalize()),
+            self.sha512.map(|h| hex::encode(h.finalize())),
+        )
+    }
+
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.inner
+    }
+}
+
+impl<R: Read> Read for HashingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.sha256.update(&buf[..n]);
+        if let Some(h) = &mut self.sha512 {
+            h.update(&buf[..n]);
+        }
+        self.count += n as u64;
+        Ok(n)
+    }
+}
+
+/// Refuses to yield more than `expected` bytes and reports an early end:
+/// the two ways a body can disagree with its Content-Length.
+pub struct ExactLengthReader<R> {
+    inner: R,
+    expected: u64,
+    seen: u64,
+}
+
+impl<R: Read> ExactLengthReader<R> {
+    pub fn new(inner: R, expected: u64) -> Self {
+        ExactLengthReader {
+            inner,
+            expected,
+            seen: 0,
+        }
+    }
+}
+
+/// The error kinds [`ExactLengthReader`] raises, so callers can tell them apart.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LengthError {
+    #[error("truncated: the body ended after {got} of {expected} bytes")]
+    Truncated { got: u64, expected: u64 },
+    #[error("the body is longer than its Content-Length of {expected} bytes")]
+    TooLong { expected: u64 },
+}
+
+impl<R: Read> Read for ExactLengthReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.expected - self.seen;
+        if left == 0 {
+            // One more byte would mean the body is longer than announced.
+            let mut probe = [0u8; 1];
+            return match self.inner.read(&mut probe)? {
+                0 => Ok(0),
+                _ => Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    LengthError::TooLong {
+                        expected: self.expected,
+                    },
+                )),
+            };
+        }
+        let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                LengthError::Truncated {
+                    got: self.seen,
+                    expected: self.expected,
+                },
+            ));
+        }
+        self.seen += n as u64;
+        Ok(n)
+    }
+}
+
+/// Lets the first bytes be looked at before anything is consumed.
+pub struct PeekReader<R> {
+    inner: R,
+    head: Vec<u8>,
+    pos: usize,
+}
+
+impl<R: Read> PeekReader<R> {
+    /// Reads up to `n` bytes ahead (fewer only at the end of the stream).
+    pub fn new(mut inner: R, n: usize) -> io::Result<Self> {
+        let mut head = vec![0u8; n];
+        let mut got = 0;
+        while got < n {
+            match inner.read(&mut head[got..]) {
+                Ok(0) => break,
+                Ok(k) => got += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        head.truncate(got);
+        Ok(PeekReader {
+            inner,
+            head,
+            pos: 0,
+        })
+    }
+
+    pub fn peek(&self) -> &[u8] {
+        &self.head
+    }
+}
+
+impl<R: Read> Read for PeekReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.pos < self.head.len() {
+            let n = buf.len().min(self.head.len() - self.pos);
+            buf[..n].copy_from_slice(&self.head[self.pos..self.pos + n]);
+            self.pos += n;
+            return Ok(n);
+        }
+        self.inner.read(buf)
+    }
+}
+
+/// What the first bytes of a stream say it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Magic {
+    Xz,
+    Zstd,
+    Gzip,
+    Qcow2,
+    /// A disk with a GPT (signature at LBA 1, 512-byte sectors).
+    Gpt,
+    Iso,
+}
+
+impl Magic {
+    /// How many bytes [`Magic::detect`] needs to see.
+    pub const PEEK: usize = 0x8006;
+
+    pub fn detect(head: &[u8]) -> Option<Magic> {
+        if head.starts_with(&[0xFD, b'7', b'z', b'X', b'Z', 0x00]) {
+            Some(Magic::Xz)
+        } else if head.starts_with(&[0x28, 0xB5, 0x2F, 0xFD]) {
+            Some(Magic::Zstd)
+        } else if head.starts_with(&[0x1F, 0x8B]) {
+            Some(Magic::Gzip)
+        } else if head.starts_with(b"QFI\xfb") {
+            Some(Magic::Qcow2)
+        } else if head.get(512..520) == Some(b"EFI PART") {
+            Some(Magic::Gpt)
+        } else if head.get(0x8001..0x8006) == Some(b"CD001") {
+            Some(Magic::Iso)
+        } else {
+            None
+        }
+    }
+}
+
+/// A short description of unexpected content for error messages: the
+/// classic failure is a 9-byte "Not Found" saved as an image.
+pub fn describe(head: &[u8]) -> String {
+    let text = head.len() <= 4096
+        && !head.is_empty()
+        && head
+            .iter()
+            .all(|&b| b == b'\n' || b == b'\r' || b == b'\t' || (0x20..0x7f).contains(&b));
+    let lower = String::from_utf8_lossy(&head[..head.len().min(512)]).to_ascii_lowercase();
+    if lower.trim_start().starts_with("<!doctype html") || lower.trim_start().starts_with("<html") {
+        format!("an HTML page ({} bytes seen)", head.len())
+    } else if text {
+        let s = String::from_utf8_lossy(head);
+        let s: String = s.chars().take(80).collect();
+        format!("{} bytes of text: {:?}", head.len(), s.trim())
+    } else if head.is_empty() {
+        "an empty body".into()
+    } else {
+        format!(
+            "unrecognised data starting {}",
+            hex::encode(&head[..head.len().min(8)])
+        )
+    }
+}
+
+/// Writes a stream into a file, leaving all-zero blocks as holes, so a
+/// 4 GB image with 300 MB of data takes 300 MB of disk.
+pub fn copy_sparse_from<R: Read>(mut src: R, dst: &mut std::fs::File) -> io::Result<u64> {
+    const BLOCK: usize = 4096;
+    let mut buf = vec![0u8; BUF_SIZE];
+    let mut total = 0u64;
+    loop {
+        let mut filled = 0;
+        while filled < buf.len() {
+            match src.read(&mut buf[filled..]) {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if filled == 0 {
+            break;
+        }
+        for chunk in buf[..filled].chunks(BLOCK) {
+            if chunk.iter().all(|&b| b == 0) {
+                dst.seek(SeekFrom::Current(chunk.len() as i64))?;
+            } else {
+                dst.write_all(chunk)?;
+            }
+        }
+        total += filled as u64;
+        if filled < buf.len() {
+            break;
+        }
+    }
+    dst.set_len(total)?;
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashing_reader_hashes_what_passes() {
+        let mut r = HashingReader::new(&b"abc"[..], true);
+        let mut out = Vec::new();
+        r.read_to_end(&mut out).unwrap();
+        assert_eq!(r.count(), 3);
+        let (s256, s512) = r.finish();
+        assert_eq!(
+            s256,
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert!(s512.unwrap().starts_with("ddaf35a193617aba"));
+    }
+
+    #[test]
+    fn exact_length_reader_names_both_disagreements() {
+        let mut short = ExactLengthReader::new(&b"abc"[..], 5);
+        let err = short.read_to_end(&mut Vec::new()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "truncated: the body ended after 3 of 5 bytes"
+        );
+        let mut long = ExactLengthReader::new(&b"abcdef"[..], 5);
+        let err = long.read_to_end(&mut Vec::new()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("longer than its Content-Length of 5")
+        );
+        let mut exact = ExactLengthReader::new(&b"abcde"[..], 5);
+        let mut out = Vec::new();
+        exact.read_to_end(&mut out).unwrap();
+        assert_eq!(out, b"abcde");
+    }
+
+    #[test]
+    fn peek_reader_gives_back_what_it_peeked() {
+        let mut r = PeekReader::new(&b"hello world"[..], 5).unwrap();
+        assert_eq!(r.peek(), b"hello");
+        let mut out = String::new();
+        r.read_to_string(&mut out).unwrap();
+        assert_eq!(out, "hello world");
+        assert_eq!(PeekReader::new(&b"hi"[..], 5).unwrap().peek(), b"hi");
+    }
+
+    #[test]
+    fn magic_bytes_of_every_format() {
+        assert_eq!(
+            Magic::detect(&[0xFD, b'7', b'z', b'X', b'Z', 0]),
+            Some(Magic::Xz)
+        );
+        assert_eq!(
+            Magic::detect(&[0x28, 0xB5, 0x2F, 0xFD, 1]),
+            Some(Magic::Zstd)
+        );
+        assert_eq!(Magic::detect(&[0x1F, 0x8B, 8]), Some(Magic::Gzip));
+        assert_eq!(Magic::detect(b"QFI\xfb\0\0\0\x03"), Some(Magic::Qcow2));
+        let mut gpt = vec![0u8; 1024];
+        gpt[512..520].copy_from_slice(b"EFI PART");
+        assert_eq!(Magic::detect(&gpt), Some(Magic::Gpt));
+        let mut iso = vec![0u8; 0x8006];
+        iso[0x8001..0x8006].copy_from_slice(b"CD001");
+        assert_eq!(Magic::detect(&iso), Some(Magic::Iso));
+        assert_eq!(Magic::detect(b"Not Found"), None);
+    }
+
+    #[test]
+    fn unexpected_content_is_described() {
+        assert_eq!(describe(b"Not Found"), "9 bytes of text: \"Not Found\"");
+        assert!(describe(b"<!DOCTYPE html><html>502</html>").starts_with("an HTML page"));
+        assert_eq!(describe(b""), "an empty body");
+        assert!(describe(&[0, 1, 2, 3]).starts_with("unrecognised data starting 00010203"));
+    }
+
+    #[test]
+    fn sparse_writer_leaves_zero_blocks_as_holes() {
+        use std::os::unix::fs::MetadataExt;
+        let mut data = vec![0u8; 32 << 20];
+        data[5 << 20..(5 << 20) + 10].copy_from_slice(b"0123456789");
+        let last = data.len() - 1;
+        data[last] = 1;
+        let dir = tempfile::tempdir().unwrap();
+        let mut f = std::fs::File::create(dir.path().join("s")).unwrap();
+        assert_eq!(
+            copy_sparse_from(&data[..], &mut f).unwrap(),
+            data.len() as u64
+        );
+        assert_eq!(std::fs::read(dir.path().join("s")).unwrap(), data);
+        assert!(f.metadata().unwrap().blocks() * 512 < 1 << 20);
+    }
+}

@@ -1,0 +1,454 @@
+//! Verified downloads into a content-addressed cache. A body only gets a
+//! name in the cache after its status, length, magic bytes, decompression
+//! and (when pinned) hash all checked out; until then it is a temp file
+//! that a crash or kill cannot promote.
+
+pub mod io;
+
+use crate::atomic::AtomicFile;
+use io::{ExactLengthReader, HashingReader, Magic, PeekReader, copy_sparse_from, describe};
+use reqwest::StatusCode;
+use reqwest::blocking::{Client, Response};
+use reqwest::header;
+use sha2::{Digest, Sha256};
+use std::fs::{self, File};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// What a URL promises to deliver, from its file name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expect {
+    /// The compression on the wire (`None` for uncompressed).
+    pub wire: Option<Magic>,
+    /// What the decompressed content must be.
+    pub content: Magic,
+}
+
+impl Expect {
+    /// From a file name: `metal-amd64.raw.zst`, `.raw.xz`, `.raw`, `.qcow2`, `.iso`.
+    pub fn from_name(name: &str) -> Option<(Expect, String)> {
+        let (stem, wire) = if let Some(s) = name.strip_suffix(".zst") {
+            (s, Some(Magic::Zstd))
+        } else if let Some(s) = name.strip_suffix(".xz") {
+            (s, Some(Magic::Xz))
+        } else {
+            (name, None)
+        };
+        let content = if stem.ends_with(".raw") {
+            Magic::Gpt
+        } else if stem.ends_with(".qcow2") {
+            Magic::Qcow2
+        } else if stem.ends_with(".iso") {
+            Magic::Iso
+        } else {
+            return None;
+        };
+        Some((Expect { wire, content }, stem.to_owned()))
+    }
+}
+
+/// A pinned digest of the bytes as served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pin {
+    Sha256(String),
+    Sha512(String),
+}
+
+impl std::str::FromStr for Pin {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (algo, hex) = s
+            .split_once(':')
+            .ok_or_else(|| format!("{s:?}: pin as sha256:<hex> or sha512:<hex>"))?;
+        let hex = hex.to_ascii_lowercase();
+        let ok = |n: usize| hex.len() == n && hex.bytes().all(|b| b.is_ascii_hexdigit());
+        match algo {
+            "sha256" if ok(64) => Ok(Pin::Sha256(hex)),
+            "sha512" if ok(128) => Ok(Pin::Sha512(hex)),
+            _ => Err(format!("{s:?}: pin as sha256:<64 hex> or sha512:<128 hex>")),
+        }
+    }
+}
+
+/// Receives download progress; the CLI draws it, the library never prints.
+pub trait Progress: Send + Sync {
+    fn start(&self, _url: &str, _total: Option<u64>) {}
+    fn advance(&self, _url: &str, _bytes: u64) {}
+    fn retry(&self, _url: &str, _attempt: u32, _why: &str) {}
+    fn finish(&self, _url: &str) {}
+}
+
+/// Progress that goes nowhere.
+pub struct Silent;
+impl Progress for Silent {}
+
+/// How downloads behave.
+#[derive(Clone)]
+pub struct FetchOptions {
+    pub cache_dir: PathBuf,
+    /// Attempts after the first, for 5xx, resets, timeouts and truncation.
+    pub retries: u32,
+    /// First pause between attempts; doubles each time.
+    pub backoff: Duration,
+    /// Longest silence from the server before the attempt is abandoned.
+    pub read_timeout: Duration,
+}
+
+impl FetchOptions {
+    /// `$XDG_CACHE_HOME/imgbuild`, else `~/.cache/imgbuild`.
+    pub fn default_cache_dir() -> PathBuf {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(|| PathBuf::from(".cache"))
+            .join("imgbuild")
+    }
+}
+
+/// A verified file in the cache.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Artifact {
+    pub url: String,
+    pub path: PathBuf,
+    /// SHA-256 and size of the (decompressed) file.
+    pub sha256: String,
+    pub size: u64,
+    /// SHA-256 and size of the bytes as served.
+    pub served_sha256: String,
+    pub served_size: u64,
+    /// True when it came from the cache without a download.
+    #[serde(skip)]
+    pub cached: bool,
+}
+
+/// Why a download failed; every variant names the URL.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("{url}: HTTP {status}: {body}")]
+    Status {
+        url: String,
+        status: u16,
+        body: String,
+    },
+    #[error("{url}: expected {expected}, got {found}")]
+    WrongContent {
+        url: String,
+        expected: String,
+        found: String,
+    },
+    #[error("{url}: {message}")]
+    Transfer { url: String, message: String },
+    #[error("{url}: pinned {algo} {want} but the body hashes to {got}")]
+    PinMismatch {
+        url: String,
+        algo: &'static str,
+        want: String,
+        got: String,
+    },
+    #[error(
+        "{url}: don't know what {name:?} should contain (expected .raw[.zst|.xz], .qcow2[.zst|.xz] or .iso)"
+    )]
+    UnknownKind { url: String, name: String },
+    #[error("cache {}", path.display())]
+    Cache {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl FetchError {
+    /// Worth another attempt: the server or the network, not the content.
+    fn retryable(&self) -> bool {
+        match self {
+            FetchError::Status { status, .. } => *status >= 500 || *status == 429,
+            FetchError::Transfer { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+fn cache_err(path: &Path) -> impl FnOnce(std::io::Error) -> FetchError + '_ {
+    move |source| FetchError::Cache {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// An HTTP client that talks only to the addresses it is given.
+pub fn client(opts: &FetchOptions) -> Client {
+    Client::builder()
+        .timeout(opts.read_timeout)
+        .connect_timeout(Duration::from_secs(10))
+        .user_agent(concat!("imgbuild/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .expect("a TLS backend is compiled in")
+}
+
+/// Returns the cached artifact for `url`, downloading and verifying it first
+/// if needed. Concurrent callers for the same URL download it once.
+pub fn fetch(
+    client: &Client,
+    url: &str,
+    pin: Option<&Pin>,
+    opts: &FetchOptions,
+    progress: &dyn Progress,
+) -> Result<Artifact, FetchError> {
+    let name = url.rsplit('/').next().unwrap_or_default().to_owned();
+    let (expect, stored_name) =
+        Expect::from_name(&name).ok_or_else(|| FetchError::UnknownKind {
+            url: url.to_owned(),
+            name: name.clone(),
+        })?;
+    let key = hex::encode(&Sha256::digest(url.as_bytes())[..16]);
+    let dir = opts.cache_dir.join("images").join(&key);
+    fs::create_dir_all(&dir).map_err(cache_err(&dir))?;
+    let _lock = lock(&dir.join(".lock"))?;
+    let record = dir.join("artifact.json");
+    if let Some(mut hit) = load_record(&record, pin) {
+        hit.cached = true;
+        return Ok(hit);
+    }
+    let target = dir.join(&stored_name);
+    let mut attempt = 0;
+    let artifact = loop {
+        match download(client, url, expect, pin, &target, progress) {
+            Ok(a) => break a,
+            Err(e) if e.retryable() && attempt < opts.retries => {
+                attempt += 1;
+                progress.retry(url, attempt, &e.to_string());
+                std::thread::sleep(opts.backoff * 2u32.saturating_pow(attempt - 1));
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    // The record is the commit point: without it the entry does not exist.
+    let json = serde_json::to_vec_pretty(&artifact).expect("plain data");
+    crate::atomic::write_if_changed(&record, &json, false).map_err(cache_err(&record))?;
+    Ok(artifact)
+}
+
+/// A cache entry is valid when its record exists, its file has the recorded
+/// size, and it satisfies the pin.
+fn load_record(record: &Path, pin: Option<&Pin>) -> Option<Artifact> {
+    let a: Artifact = serde_json::from_slice(&fs::read(record).ok()?).ok()?;
+    let size_ok = fs::metadata(&a.path).is_ok_and(|m| m.len() == a.size);
+    let pin_ok = match pin {
+        None => true,
+        Some(Pin::Sha256(h)) => *h == a.served_sha256,
+        // A sha512 pin is only known after hashing the served bytes again.
+        Some(Pin::Sha512(_)) => false,
+    };
+    (size_ok && pin_ok).then_some(a)
+}
+
+/// An exclusive lock held for the life of the returned file.
+fn lock(path: &Path) -> Result<File, FetchError> {
+    use std::os::fd::AsRawFd;
+    let f = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(cache_err(path))?;
+    // SAFETY: flock on a valid descriptor; released when the file closes.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(cache_err(path)(std::io::Error::last_os_error()));
+    }
+    Ok(f)
+}
+
+fn transfer(url: &str, e: impl std::fmt::Display) -> FetchError {
+    FetchError::Transfer {
+        url: url.to_owned(),
+        message: e.to_string(),
+    }
+}
+
+/// Maps an I/O error from deep in the reader stack back to what went wrong.
+fn stream_error(url: &str, e: std::io::Error) -> FetchError {
+    let mut msg = e.to_string();
+    if let Some(inner) = e.get_ref() {
+        msg = inner.to_string();
+    }
+    transfer(url, msg)
+}
+
+/// One attempt: GET, check, stream through the verifying stack into a temp
+/// file next to `target`, then rename.
+fn download(
+    client: &Client,
+    url: &str,
+    expect: Expect,
+    pin: Option<&Pin>,
+    target: &Path,
+    progress: &dyn Progress,
+) -> Result<Artifact, FetchError> {
+    let resp = client
+        .get(url)
+        .send()
+        .map_err(|e| transfer(url, request_error(&e)))?;
+    let resp = check_status(url, resp)?;
+    let total = resp.content_length();
+    progress.start(url, total);
+    let body = ProgressReader {
+        inner: resp,
+        url,
+        progress,
+    };
+    let bounded: Box<dyn Read + '_> = match total {
+        Some(n) => Box::new(ExactLengthReader::new(body, n)),
+        None => Box::new(body),
+    };
+    let mut served = HashingReader::new(bounded, matches!(pin, Some(Pin::Sha512(_))));
+    let wire = PeekReader::new(&mut served, Magic::PEEK).map_err(|e| stream_error(url, e))?;
+    let wire_kind = expect.wire.unwrap_or(expect.content);
+    if Magic::detect(wire.peek()) != Some(wire_kind) {
+        return Err(FetchError::WrongContent {
+            url: url.to_owned(),
+            expected: format!("{wire_kind:?} data").to_lowercase(),
+            found: describe(wire.peek()),
+        });
+    }
+    let decoded: Box<dyn Read + '_> = match expect.wire {
+        Some(Magic::Zstd) => Box::new(zstd::Decoder::new(wire).map_err(|e| stream_error(url, e))?),
+        Some(Magic::Xz) => Box::new(liblzma::read::XzDecoder::new_parallel(wire)),
+        _ => Box::new(wire),
+    };
+    let mut content = HashingReader::new(decoded, false);
+    let inner = PeekReader::new(&mut content, Magic::PEEK).map_err(|e| stream_error(url, e))?;
+    if Magic::detect(inner.peek()) != Some(expect.content) {
+        return Err(FetchError::WrongContent {
+            url: url.to_owned(),
+            expected: format!("{:?} inside", expect.content).to_lowercase(),
+            found: describe(inner.peek()),
+        });
+    }
+    let mut tmp = AtomicFile::create(target, false).map_err(cache_err(target))?;
+    copy_sparse_from(inner, tmp.file()).map_err(|e| stream_error(url, e))?;
+    let (sha256, _) = content.finish();
+    let size = fs::metadata(tmp.temp_path())
+        .map_err(cache_err(target))?
+        .len();
+    let served_size = served.count();
+    let (served_sha256, served_sha512) = served.finish();
+    match pin {
+        Some(Pin::Sha256(want)) if *want != served_sha256 => {
+            return Err(FetchError::PinMismatch {
+                url: url.to_owned(),
+                algo: "sha256",
+                want: want.clone(),
+                got: served_sha256,
+            });
+        }
+        Some(Pin::Sha512(want)) if Some(want) != served_sha512.as_ref() => {
+            return Err(FetchError::PinMismatch {
+                url: url.to_owned(),
+                algo: "sha512",
+                want: want.clone(),
+                got: served_sha512.unwrap_or_default(),
+            });
+        }
+        _ => {}
+    }
+    tmp.commit().map_err(cache_err(target))?;
+    progress.finish(url);
+    Ok(Artifact {
+        url: url.to_owned(),
+        path: target.to_owned(),
+        sha256,
+        size,
+        served_sha256,
+        served_size,
+        cached: false,
+    })
+}
+
+/// The first line of a reqwest error chain is vague; the sources say what happened.
+fn request_error(e: &reqwest::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        msg = format!("{msg}: {s}");
+        src = s.source();
+    }
+    msg
+}
+
+fn check_status(url: &str, resp: Response) -> Result<Response, FetchError> {
+    let status = resp.status();
+    if status == StatusCode::OK {
+        return Ok(resp);
+    }
+    let kind = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let mut body = String::new();
+    let _ = resp.take(4096).read_to_string(&mut body);
+    let body = if kind.contains("html") {
+        "an HTML error page".to_owned()
+    } else {
+        body.trim().chars().take(200).collect()
+    };
+    Err(FetchError::Status {
+        url: url.to_owned(),
+        status: status.as_u16(),
+        body,
+    })
+}
+
+struct ProgressReader<'a, R> {
+    inner: R,
+    url: &'a str,
+    progress: &'a dyn Progress,
+}
+
+impl<R: Read> Read for ProgressReader<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.progress.advance(self.url, n as u64);
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_say_what_to_expect() {
+        let (e, stored) = Expect::from_name("metal-amd64.raw.zst").unwrap();
+        assert_eq!(
+            (e.wire, e.content, stored.as_str()),
+            (Some(Magic::Zstd), Magic::Gpt, "metal-amd64.raw")
+        );
+        let (e, _) = Expect::from_name("nocloud-amd64.raw.xz").unwrap();
+        assert_eq!(e.wire, Some(Magic::Xz));
+        let (e, stored) = Expect::from_name("metal-amd64.qcow2").unwrap();
+        assert_eq!(
+            (e.wire, e.content, stored.as_str()),
+            (None, Magic::Qcow2, "metal-amd64.qcow2")
+        );
+        assert_eq!(
+            Expect::from_name("metal-amd64.iso").unwrap().0.content,
+            Magic::Iso
+        );
+        assert!(Expect::from_name("metal-amd64.vhd").is_none());
+    }
+
+    #[test]
+    fn pins_parse_strictly() {
+        let h = "a".repeat(64);
+        assert_eq!(
+            format!("sha256:{h}").parse::<Pin>(),
+            Ok(Pin::Sha256(h.clone()))
+        );
+        assert!(format!("sha512:{h}").parse::<Pin>().is_err());
+        assert!("md5:abc".parse::<Pin>().is_err());
+        assert!(h.parse::<Pin>().is_err());
+    }
+}
