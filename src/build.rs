@@ -101,7 +101,7 @@ pub struct Outcome {
 /// Why a build failed; node-level failures name the node.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
-    #[error("node {node}: {source}")]
+    #[error("node {node}")]
     Node {
         node: String,
         #[source]

@@ -181,7 +181,7 @@ pub fn installer_ref(
 fn transfer(url: &str, e: reqwest::Error) -> FetchError {
     FetchError::Transfer {
         url: url.to_owned(),
-        message: e.to_string(),
+        message: crate::fetch::request_error(e),
     }
 }
 

@@ -442,7 +442,9 @@ async fn serve(
             if let Some(d) = delay {
                 tokio::time::sleep(d).await;
             }
-            let mut buf = vec![0u8; chunk];
+            // Never send past the cut point: the body must really end early.
+            let room = cut.map_or(chunk as u64, |c| (c - sent).min(chunk as u64));
+            let mut buf = vec![0u8; room as usize];
             match file.read(&mut buf).await {
                 Ok(0) => None,
                 Ok(n) => {

@@ -181,6 +181,8 @@ pub fn client(opts: &FetchOptions) -> Client {
     Client::builder()
         .timeout(opts.read_timeout)
         .connect_timeout(Duration::from_secs(10))
+        // A retry after a broken body must not reuse the broken connection.
+        .pool_max_idle_per_host(0)
         .user_agent(concat!("imgbuild/", env!("CARGO_PKG_VERSION")))
         .build()
         .expect("a TLS backend is compiled in")
@@ -266,13 +268,34 @@ fn transfer(url: &str, e: impl std::fmt::Display) -> FetchError {
     }
 }
 
-/// Maps an I/O error from deep in the reader stack back to what went wrong.
-fn stream_error(url: &str, e: std::io::Error) -> FetchError {
-    let mut msg = e.to_string();
-    if let Some(inner) = e.get_ref() {
-        msg = inner.to_string();
+/// Maps an I/O error from deep in the reader stack back to what went wrong:
+/// a body that stopped short of its Content-Length says so in numbers.
+fn body_error(url: &str, e: &std::io::Error, got: u64, total: Option<u64>) -> FetchError {
+    match total {
+        Some(total) if got < total => transfer(
+            url,
+            format!(
+                "the body broke off after {got} of {total} bytes ({})",
+                io_cause(e)
+            ),
+        ),
+        _ => transfer(url, io_cause(e)),
     }
-    transfer(url, msg)
+}
+
+fn stream_error(url: &str, e: std::io::Error) -> FetchError {
+    transfer(url, io_cause(&e))
+}
+
+/// The innermost message of an I/O error (reqwest wraps its own).
+fn io_cause(e: &std::io::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.get_ref().and_then(|inner| inner.source());
+    while let Some(s) = src {
+        msg = s.to_string();
+        src = s.source();
+    }
+    msg
 }
 
 /// One attempt: GET, check, stream through the verifying stack into a temp
@@ -288,7 +311,7 @@ fn download(
     let resp = client
         .get(url)
         .send()
-        .map_err(|e| transfer(url, request_error(&e)))?;
+        .map_err(|e| transfer(url, request_error(e)))?;
     let resp = check_status(url, resp)?;
     let total = resp.content_length();
     progress.start(url, total);
@@ -302,7 +325,10 @@ fn download(
         None => Box::new(body),
     };
     let mut served = HashingReader::new(bounded, matches!(pin, Some(Pin::Sha512(_))));
-    let wire = PeekReader::new(&mut served, Magic::PEEK).map_err(|e| stream_error(url, e))?;
+    let wire = match PeekReader::new(&mut served, Magic::PEEK) {
+        Ok(w) => w,
+        Err(e) => return Err(body_error(url, &e, served.count(), total)),
+    };
     let wire_kind = expect.wire.unwrap_or(expect.content);
     if Magic::detect(wire.peek()) != Some(wire_kind) {
         return Err(FetchError::WrongContent {
@@ -317,7 +343,13 @@ fn download(
         _ => Box::new(wire),
     };
     let mut content = HashingReader::new(decoded, false);
-    let inner = PeekReader::new(&mut content, Magic::PEEK).map_err(|e| stream_error(url, e))?;
+    let inner = match PeekReader::new(&mut content, Magic::PEEK) {
+        Ok(i) => i,
+        Err(e) => {
+            drop(content); // ends the borrow of the served-bytes counter
+            return Err(body_error(url, &e, served.count(), total));
+        }
+    };
     if Magic::detect(inner.peek()) != Some(expect.content) {
         return Err(FetchError::WrongContent {
             url: url.to_owned(),
@@ -326,7 +358,10 @@ fn download(
         });
     }
     let mut tmp = AtomicFile::create(target, false).map_err(cache_err(target))?;
-    copy_sparse_from(inner, tmp.file()).map_err(|e| stream_error(url, e))?;
+    if let Err(e) = copy_sparse_from(inner, tmp.file()) {
+        drop(content); // ends the borrow of the served-bytes counter
+        return Err(body_error(url, &e, served.count(), total));
+    }
     let (sha256, _) = content.finish();
     let size = fs::metadata(tmp.temp_path())
         .map_err(cache_err(target))?
@@ -365,10 +400,12 @@ fn download(
     })
 }
 
-/// The first line of a reqwest error chain is vague; the sources say what happened.
-fn request_error(e: &reqwest::Error) -> String {
+/// The first line of a reqwest error chain is vague; the sources say what
+/// happened. The URL is left out: the caller names it once.
+pub(crate) fn request_error(e: reqwest::Error) -> String {
+    let e = e.without_url();
     let mut msg = e.to_string();
-    let mut src = std::error::Error::source(e);
+    let mut src = std::error::Error::source(&e);
     while let Some(s) = src {
         msg = format!("{msg}: {s}");
         src = s.source();

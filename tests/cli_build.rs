@@ -1,0 +1,460 @@
+//! End to end: `imgbuild build`/`node`/`verify` against the factory
+//! simulator on loopback, both routes, and every way a download goes wrong.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+const LOOPBACK: &str = "examples/loopback/cluster.yaml";
+
+/// The simulator binary, built next to imgbuild.
+fn sim_bin() -> PathBuf {
+    let imgbuild = PathBuf::from(env!("CARGO_BIN_EXE_imgbuild"));
+    let sim = imgbuild.with_file_name("imgbuild-sim");
+    if !sim.exists() {
+        let st = Command::new(env!("CARGO"))
+            .args(["build", "-p", "imgbuild-sim"])
+            .current_dir(root())
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    sim
+}
+
+/// A factory simulator on loopback; killed on drop.
+struct Sim {
+    child: Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Sim {
+    fn start(misbehave: &[&str]) -> Sim {
+        Self::start_with(misbehave, 0, &[])
+    }
+
+    fn start_with(misbehave: &[&str], random_mib: u32, extra: &[&str]) -> Sim {
+        let dir = tempfile::tempdir().unwrap();
+        let fx = dir.path().join("fx");
+        let ok = Command::new(root().join("fixtures/make-images.sh"))
+            .arg(&fx)
+            .env("RANDOM_MIB", random_mib.to_string())
+            .output()
+            .unwrap();
+        assert!(
+            ok.status.success(),
+            "{}",
+            String::from_utf8_lossy(&ok.stderr)
+        );
+        let mut cmd = Command::new(sim_bin());
+        cmd.args(["factory", "--alt-listen", "127.0.0.2:0", "--base-image"])
+            .arg(fx.join("dual-boot.raw"))
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(extra)
+            .stdout(Stdio::piped());
+        for m in misbehave {
+            cmd.args(["--misbehave", m]);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        Sim {
+            child,
+            url: v["url"].as_str().unwrap().to_owned(),
+            _dir: dir,
+        }
+    }
+
+    fn image_gets(&self) -> u64 {
+        let out = Command::new("curl")
+            .args(["-s", &format!("{}/_sim/stats", self.url)])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v.as_object()
+            .unwrap()
+            .values()
+            .map(|n| n.as_u64().unwrap())
+            .sum()
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Run {
+    dir: tempfile::TempDir,
+}
+
+impl Run {
+    fn new() -> Run {
+        Run {
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+    fn out(&self) -> PathBuf {
+        self.dir.path().join("out")
+    }
+    fn cache(&self) -> PathBuf {
+        self.dir.path().join("cache")
+    }
+    fn imgbuild(&self, sim: &Sim, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .args(["--config", LOOPBACK])
+            .args(args)
+            .args(["--factory", &sim.url, "--out-dir"])
+            .arg(self.out())
+            .arg("--cache-dir")
+            .arg(self.cache())
+            .args(["--retry-delay-ms", "10"])
+            .current_dir(root())
+            .env_remove("IMGBUILD_CONFIG")
+            .output()
+            .unwrap()
+    }
+
+    /// Files under the cache that are entries or images (not lock files).
+    fn cache_entries(&self) -> Vec<PathBuf> {
+        fn walk(p: &Path, acc: &mut Vec<PathBuf>) {
+            for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
+                let path = e.path();
+                if path.is_dir() {
+                    walk(&path, acc);
+                } else if path.file_name().is_some_and(|n| n != ".lock") {
+                    acc.push(path);
+                }
+            }
+        }
+        let mut acc = Vec::new();
+        walk(&self.cache(), &mut acc);
+        acc
+    }
+
+    fn out_images(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(self.out())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "raw" || e == "qcow2"))
+            .collect()
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn key10_address(image: &Path) -> String {
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["inspect", image.to_str().unwrap(), "--output", "json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["meta"]["tags"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["key"] == 10)
+        .map(|t| t["network"]["addresses"][0].as_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+fn build_json(o: &Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}{}", text(&o.stdout), text(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+fn check_built(run: &Run, v: &serde_json::Value, nodes: &[(&str, &str)]) {
+    let images = v["images"].as_array().unwrap();
+    assert_eq!(images.len(), nodes.len());
+    for (node, addr) in nodes {
+        let img = images.iter().find(|i| i["node"] == *node).unwrap();
+        let path = PathBuf::from(img["path"].as_str().unwrap());
+        assert_eq!(key10_address(&path), *addr, "{node}");
+    }
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.out().join("manifest.json")).unwrap()).unwrap();
+    for (node, _) in nodes {
+        let m = &manifest["images"][node];
+        let path = PathBuf::from(m["path"].as_str().unwrap());
+        let sha = Command::new("sha256sum").arg(&path).output().unwrap();
+        assert_eq!(
+            text(&sha.stdout).split(' ').next().unwrap(),
+            m["sha256"].as_str().unwrap()
+        );
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            m["size"].as_u64().unwrap()
+        );
+    }
+}
+
+const ALL: &[(&str, &str)] = &[
+    ("cp-01", "127.0.0.11/8"),
+    ("cp-02", "127.0.0.12/8"),
+    ("cp-03", "127.0.0.13/8"),
+    ("worker-01", "127.0.0.21/8"),
+    ("worker-02", "127.0.0.22/8"),
+];
+
+#[test]
+fn patch_route_builds_every_node_from_one_download_and_reruns_do_nothing() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    let v = build_json(&run.imgbuild(&sim, &["build", "--output", "json"]));
+    check_built(&run, &v, ALL);
+    assert_eq!(sim.image_gets(), 1, "one base image for five nodes");
+    let again = run.imgbuild(&sim, &["build"]);
+    assert!(
+        text(&again.stdout).contains("nothing to do"),
+        "{}",
+        text(&again.stdout)
+    );
+    assert_eq!(sim.image_gets(), 1, "a re-run downloads nothing");
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["verify", "--out-dir"])
+        .arg(run.out())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stdout));
+    assert_eq!(text(&o.stdout).matches(" ok ").count(), 5);
+}
+
+#[test]
+fn factory_route_gets_each_nodes_own_image() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    let v = build_json(&run.imgbuild(&sim, &["build", "--route", "factory", "--output", "json"]));
+    check_built(&run, &v, ALL);
+    assert_eq!(sim.image_gets(), 5, "one factory image per node");
+}
+
+#[test]
+fn verify_catches_a_changed_image() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    build_json(&run.imgbuild(&sim, &["node", "cp-01", "--output", "json"]));
+    let img = run.out().join("cp-01.raw");
+    {
+        use std::os::unix::fs::FileExt;
+        std::fs::File::options()
+            .write(true)
+            .open(&img)
+            .unwrap()
+            .write_all_at(b"X", 4096)
+            .unwrap();
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["verify", "--out-dir"])
+        .arg(run.out())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o.stdout).contains("cp-01") && text(&o.stdout).contains("MISMATCH"),
+        "{}",
+        text(&o.stdout)
+    );
+}
+
+/// A failing build: names the URL and the problem; nothing in cache or out.
+fn fails_cleanly(misbehave: &[&str], extra: &[&str], want: &[&str]) {
+    let sim = Sim::start(misbehave);
+    let run = Run::new();
+    let mut args = vec!["node", "cp-01"];
+    args.extend_from_slice(extra);
+    let o = run.imgbuild(&sim, &args);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{misbehave:?}: {}",
+        text(&o.stdout)
+    );
+    let err = text(&o.stderr);
+    assert!(
+        err.contains(&format!("{}/image/", sim.url)),
+        "{misbehave:?}: no URL in {err}"
+    );
+    for w in want {
+        assert!(err.contains(w), "{misbehave:?}: want {w:?} in {err}");
+    }
+    assert_eq!(
+        run.cache_entries(),
+        Vec::<PathBuf>::new(),
+        "{misbehave:?}: cache not clean"
+    );
+    assert_eq!(
+        run.out_images(),
+        Vec::<PathBuf>::new(),
+        "{misbehave:?}: out not clean"
+    );
+}
+
+#[test]
+fn a_9_byte_not_found_with_status_200_is_refused() {
+    fails_cleanly(
+        &["not-found-200"],
+        &[],
+        &["expected zstd data, got 9 bytes of text: \"Not Found\""],
+    );
+}
+
+#[test]
+fn an_html_error_page_is_refused() {
+    fails_cleanly(
+        &["html-200"],
+        &[],
+        &["expected zstd data, got an HTML page"],
+    );
+}
+
+#[test]
+fn a_body_that_keeps_getting_cut_fails_after_retries() {
+    fails_cleanly(
+        &["truncate"],
+        &["--retries", "2"],
+        &["retry 2 for", "the body broke off after"],
+    );
+}
+
+#[test]
+fn a_wrong_content_length_is_refused() {
+    fails_cleanly(&["wrong-length"], &["--retries", "1"], &["retry 1 for"]);
+}
+
+#[test]
+fn persistent_5xx_fails_with_the_status() {
+    fails_cleanly(
+        &["5xx"],
+        &["--retries", "2"],
+        &["HTTP 503: upstream unavailable"],
+    );
+}
+
+/// Misbehaves at first, then works: the build succeeds after retrying.
+fn recovers(misbehave: &[&str], want_stderr: &str) {
+    let sim = Sim::start(misbehave);
+    let run = Run::new();
+    let o = run.imgbuild(&sim, &["node", "cp-02"]);
+    assert!(o.status.success(), "{misbehave:?}: {}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains(want_stderr),
+        "{misbehave:?}: {}",
+        text(&o.stderr)
+    );
+    assert_eq!(key10_address(&run.out().join("cp-02.raw")), "127.0.0.12/8");
+}
+
+#[test]
+fn a_5xx_then_success_is_retried() {
+    recovers(&["5xx:2"], "retry 2 for");
+}
+
+#[test]
+fn a_cut_body_then_success_is_retried() {
+    recovers(&["truncate:1"], "retry 1 for");
+}
+
+#[test]
+fn a_redirect_to_another_loopback_host_is_followed() {
+    recovers(&["redirect:1"], "downloaded");
+}
+
+#[test]
+fn a_slow_stream_completes() {
+    recovers(&["slow"], "downloaded");
+}
+
+#[test]
+fn a_factory_that_disagrees_on_the_id_is_an_error_naming_both() {
+    let sim = Sim::start(&["wrong-id:1"]);
+    let run = Run::new();
+    let o = run.imgbuild(&sim, &["node", "cp-01"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("the factory says the schematic ID is") && err.contains("hashes to"),
+        "{err}"
+    );
+    assert!(err.contains("node cp-01"), "{err}");
+}
+
+#[test]
+fn an_extension_the_factory_lacks_is_named_before_any_download() {
+    let sim = Sim::start_with(&[], 0, &["--extensions", "siderolabs/qemu-guest-agent"]);
+    let run = Run::new();
+    let o = run.imgbuild(&sim, &["build"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o.stderr)
+            .contains("extension siderolabs/tailscale is not available for Talos v1.11.2"),
+        "{}",
+        text(&o.stderr)
+    );
+    assert_eq!(sim.image_gets(), 0);
+}
+
+#[test]
+fn sigkill_mid_download_leaves_no_cache_entry_and_the_next_run_succeeds() {
+    let sim = Sim::start_with(&["slow:1"], 6, &[]);
+    let run = Run::new();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args([
+            "--config",
+            LOOPBACK,
+            "node",
+            "cp-01",
+            "--factory",
+            &sim.url,
+            "--out-dir",
+        ])
+        .arg(run.out())
+        .arg("--cache-dir")
+        .arg(run.cache())
+        .current_dir(root())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until the download's temp file exists, then kill.
+    let seen = (0..3000).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        run.cache_entries()
+            .iter()
+            .any(|p| p.to_string_lossy().contains(".tmp-"))
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(seen, "the download never started");
+    assert!(
+        !run.cache_entries()
+            .iter()
+            .any(|p| p.ends_with("artifact.json")),
+        "a killed download left a cache entry: {:?}",
+        run.cache_entries()
+    );
+    assert!(run.out_images().is_empty());
+    let o = run.imgbuild(&sim, &["node", "cp-01"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(key10_address(&run.out().join("cp-01.raw")), "127.0.0.11/8");
+    assert!(
+        !run.cache_entries()
+            .iter()
+            .any(|p| p.to_string_lossy().contains(".tmp-")),
+        "debris: {:?}",
+        run.cache_entries()
+    );
+}
