@@ -365,8 +365,20 @@ fn a_5xx_then_success_is_retried() {
 }
 
 #[test]
-fn a_cut_body_then_success_is_retried() {
-    recovers(&["truncate:1"], "retry 1 for");
+fn a_cut_body_is_resumed_with_range_where_it_stopped() {
+    // 6 MiB of incompressible data, so the cut lands mid-stream.
+    let sim = Sim::start_with(&["truncate:1"], 6, &[]);
+    let run = Run::new();
+    let o = run.imgbuild(&sim, &["node", "cp-02"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("resuming") && err.contains("at byte"), "{err}");
+    assert!(
+        !err.contains("retry 1 for"),
+        "resumed, not restarted: {err}"
+    );
+    assert_eq!(sim.image_gets(), 2, "one GET and one ranged GET");
+    assert_eq!(key10_address(&run.out().join("cp-02.raw")), "127.0.0.12/8");
 }
 
 #[test]

@@ -241,6 +241,9 @@ impl Progress for Lines {
     fn retry(&self, url: &str, attempt: u32, why: &str) {
         eprintln!("retry {attempt} for {url}: {why}");
     }
+    fn resume(&self, url: &str, offset: u64, why: &str) {
+        eprintln!("resuming {url} at byte {offset} after: {why}");
+    }
     fn finish(&self, url: &str) {
         if let Some(s) = self.downloads.lock().unwrap().remove(url) {
             eprintln!(

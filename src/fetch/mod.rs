@@ -76,6 +76,7 @@ pub trait Progress: Send + Sync {
     fn start(&self, _url: &str, _total: Option<u64>) {}
     fn advance(&self, _url: &str, _bytes: u64) {}
     fn retry(&self, _url: &str, _attempt: u32, _why: &str) {}
+    fn resume(&self, _url: &str, _offset: u64, _why: &str) {}
     fn finish(&self, _url: &str) {}
 }
 
@@ -215,7 +216,16 @@ pub fn fetch(
     let target = dir.join(&stored_name);
     let mut attempt = 0;
     let artifact = loop {
-        match download(client, url, expect, pin, &target, progress) {
+        match download(
+            client,
+            url,
+            expect,
+            pin,
+            &target,
+            opts.retries,
+            opts.backoff,
+            progress,
+        ) {
             Ok(a) => break a,
             Err(e) if e.retryable() && attempt < opts.retries => {
                 attempt += 1;
@@ -300,12 +310,15 @@ fn io_cause(e: &std::io::Error) -> String {
 
 /// One attempt: GET, check, stream through the verifying stack into a temp
 /// file next to `target`, then rename.
+#[allow(clippy::too_many_arguments)]
 fn download(
     client: &Client,
     url: &str,
     expect: Expect,
     pin: Option<&Pin>,
     target: &Path,
+    resumes: u32,
+    backoff: Duration,
     progress: &dyn Progress,
 ) -> Result<Artifact, FetchError> {
     let resp = client
@@ -316,7 +329,7 @@ fn download(
     let total = resp.content_length();
     progress.start(url, total);
     let body = ProgressReader {
-        inner: resp,
+        inner: ResumableBody::new(client, url, resp, resumes, backoff, progress),
         url,
         progress,
     };
@@ -436,6 +449,113 @@ fn check_status(url: &str, resp: Response) -> Result<Response, FetchError> {
         status: status.as_u16(),
         body,
     })
+}
+
+/// A response body that, when the connection breaks, asks for the rest
+/// with `Range` (guarded by `If-Range`) and carries on where it stopped, so
+/// the readers above never notice. Servers that cannot resume get the
+/// original error back, and the whole download is retried instead.
+struct ResumableBody<'a> {
+    client: &'a Client,
+    url: &'a str,
+    resp: Response,
+    offset: u64,
+    total: Option<u64>,
+    validator: Option<String>,
+    ranges: bool,
+    resumes_left: u32,
+    backoff: Duration,
+    progress: &'a dyn Progress,
+}
+
+impl<'a> ResumableBody<'a> {
+    fn new(
+        client: &'a Client,
+        url: &'a str,
+        resp: Response,
+        resumes: u32,
+        backoff: Duration,
+        progress: &'a dyn Progress,
+    ) -> Self {
+        let h = resp.headers();
+        let ranges = h
+            .get(header::ACCEPT_RANGES)
+            .is_some_and(|v| v.as_bytes() == b"bytes");
+        let validator = h
+            .get(header::ETAG)
+            .or_else(|| h.get(header::LAST_MODIFIED))
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        ResumableBody {
+            client,
+            url,
+            total: resp.content_length(),
+            resp,
+            offset: 0,
+            validator,
+            ranges,
+            resumes_left: resumes,
+            backoff,
+            progress,
+        }
+    }
+
+    /// GET the rest; only a 206 starting exactly at `offset` will do.
+    fn reopen(&self) -> Result<Response, String> {
+        let mut req = self
+            .client
+            .get(self.url)
+            .header(header::RANGE, format!("bytes={}-", self.offset));
+        if let Some(v) = &self.validator {
+            req = req.header(header::IF_RANGE, v);
+        }
+        let resp = req.send().map_err(request_error)?;
+        let want = format!("bytes {}-", self.offset);
+        let starts_right = resp
+            .headers()
+            .get(header::CONTENT_RANGE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with(&want));
+        if resp.status() == StatusCode::PARTIAL_CONTENT && starts_right {
+            Ok(resp)
+        } else {
+            Err(format!(
+                "the server answered {} to a resume at byte {}",
+                resp.status(),
+                self.offset
+            ))
+        }
+    }
+}
+
+impl Read for ResumableBody<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let err = match self.resp.read(buf) {
+                Ok(0) if self.total.is_some_and(|t| self.offset < t) => std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the connection closed early",
+                ),
+                Ok(n) => {
+                    self.offset += n as u64;
+                    return Ok(n);
+                }
+                Err(e) => e,
+            };
+            if !self.ranges || self.total.is_none() || self.resumes_left == 0 {
+                return Err(err);
+            }
+            self.resumes_left -= 1;
+            std::thread::sleep(self.backoff);
+            self.progress.resume(self.url, self.offset, &io_cause(&err));
+            match self.reopen() {
+                Ok(resp) => self.resp = resp,
+                Err(why) => {
+                    return Err(std::io::Error::other(format!("{}; {why}", io_cause(&err))));
+                }
+            }
+        }
+    }
 }
 
 struct ProgressReader<'a, R> {
