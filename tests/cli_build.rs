@@ -470,3 +470,126 @@ fn sigkill_mid_download_leaves_no_cache_entry_and_the_next_run_succeeds() {
         run.cache_entries()
     );
 }
+
+#[test]
+fn diff_finds_the_patch_route_image_identical_to_the_factorys_own() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    build_json(&run.imgbuild(&sim, &["node", "worker-01", "--output", "json"]));
+    let patched = run.out().join("worker-01.raw");
+    let factory_dir = run.dir.path().join("factory");
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args([
+            "--config",
+            LOOPBACK,
+            "node",
+            "worker-01",
+            "--route",
+            "factory",
+            "--factory",
+            &sim.url,
+            "--out-dir",
+        ])
+        .arg(&factory_dir)
+        .arg("--cache-dir")
+        .arg(run.cache())
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let diff = |a: &Path, b: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .args(["diff", "--output", "json"])
+            .args([a, b])
+            .output()
+            .unwrap()
+    };
+    let o = diff(&patched, &factory_dir.join("worker-01.raw"));
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stdout));
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["identical"],
+        true
+    );
+
+    // The same disk as qcow2 is still identical; another node differs in key 10 only.
+    let q = run.dir.path().join("w.qcow2");
+    assert!(
+        Command::new("qemu-img")
+            .args(["convert", "-O", "qcow2"])
+            .arg(&patched)
+            .arg(&q)
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(diff(&patched, &q).status.code(), Some(0));
+    build_json(&run.imgbuild(&sim, &["node", "worker-02", "--output", "json"]));
+    let o = diff(&patched, &run.out().join("worker-02.raw"));
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["diff"]["meta"], serde_json::json!(["key 10 differs"]));
+    assert_eq!(v["diff"]["contents"], serde_json::json!([]));
+}
+
+#[test]
+fn fetch_honours_a_pinned_digest() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    build_json(&run.imgbuild(&sim, &["node", "cp-01", "--output", "json"]));
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.out().join("manifest.json")).unwrap()).unwrap();
+    let url = manifest["images"]["cp-01"]["sourceUrl"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let served = Command::new("curl")
+        .args(["-s", &url])
+        .output()
+        .unwrap()
+        .stdout;
+    let sha = Command::new("sha256sum")
+        .arg("-")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(&served)?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    let good = text(&sha.stdout).split(' ').next().unwrap().to_owned();
+    let fresh = run.dir.path().join("fresh-cache");
+    let fetch = |pin: &str| {
+        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .args([
+                "fetch",
+                &url,
+                "--pin",
+                pin,
+                "--output",
+                "json",
+                "--cache-dir",
+            ])
+            .arg(&fresh)
+            .output()
+            .unwrap()
+    };
+    let bad = fetch(&format!("sha256:{}", "0".repeat(64)));
+    assert_eq!(bad.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&bad.stdout).unwrap();
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("but the body hashes to {good}")),
+        "{v}"
+    );
+    let ok = fetch(&format!("sha256:{good}"));
+    let v: serde_json::Value = serde_json::from_slice(&ok.stdout).unwrap();
+    assert_eq!(v["cached"], false, "{v}");
+    assert_eq!(v["artifact"]["served_sha256"], good.as_str());
+    let again: serde_json::Value =
+        serde_json::from_slice(&fetch(&format!("sha256:{good}")).stdout).unwrap();
+    assert_eq!(again["cached"], true);
+}

@@ -59,6 +59,25 @@ pub struct BuildManyArgs {
 }
 
 #[derive(Args)]
+pub struct FetchArgs {
+    /// An image URL: .raw.zst, .raw.xz, .raw, .qcow2 or .iso.
+    url: String,
+    /// The digest of the bytes as served: sha256:<hex> or sha512:<hex>.
+    #[arg(long)]
+    pin: Option<imgbuild::fetch::Pin>,
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    #[arg(long, default_value_t = 4)]
+    retries: u32,
+    #[arg(long, default_value_t = 500)]
+    retry_delay_ms: u64,
+    #[arg(long, default_value_t = 60)]
+    read_timeout_secs: u64,
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Args)]
 pub struct VerifyArgs {
     #[arg(long, default_value = "out")]
     out_dir: PathBuf,
@@ -88,13 +107,7 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
         jobs: args.jobs,
         factory: args.factory,
     };
-    let progress: Box<dyn Progress> = if args.quiet || output == Output::Json {
-        Box::new(imgbuild::fetch::Silent)
-    } else if std::io::stderr().is_terminal() {
-        Box::new(Bars::default())
-    } else {
-        Box::new(Lines::default())
-    };
+    let progress = progress_for(args.quiet, output);
     let outcomes = build::build(&inv, &nodes, &opts, progress.as_ref())?;
     match output {
         Output::Json => println!("{}", json!({"images": outcomes})),
@@ -118,6 +131,48 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
         }
     }
     Ok(())
+}
+
+/// Downloads one image into the cache (verified, decompressed) and prints where.
+pub fn fetch(args: FetchArgs, output: Output) -> Result<()> {
+    let opts = FetchOptions {
+        cache_dir: args
+            .cache_dir
+            .unwrap_or_else(FetchOptions::default_cache_dir),
+        retries: args.retries,
+        backoff: Duration::from_millis(args.retry_delay_ms),
+        read_timeout: Duration::from_secs(args.read_timeout_secs),
+    };
+    let progress = progress_for(args.quiet, output);
+    let client = imgbuild::fetch::client(&opts);
+    let art = imgbuild::fetch::fetch(
+        &client,
+        &args.url,
+        args.pin.as_ref(),
+        &opts,
+        progress.as_ref(),
+    )?;
+    match output {
+        Output::Json => println!("{}", json!({"artifact": art, "cached": art.cached})),
+        Output::Text => println!(
+            "{}  sha256 {}  {} bytes{}",
+            art.path.display(),
+            art.sha256,
+            art.size,
+            if art.cached { "  (cached)" } else { "" }
+        ),
+    }
+    Ok(())
+}
+
+fn progress_for(quiet: bool, output: Output) -> Box<dyn Progress> {
+    if quiet || output == Output::Json {
+        Box::new(imgbuild::fetch::Silent)
+    } else if std::io::stderr().is_terminal() {
+        Box::new(Bars::default())
+    } else {
+        Box::new(Lines::default())
+    }
 }
 
 pub fn verify(args: VerifyArgs, output: Output) -> Result<()> {

@@ -60,6 +60,12 @@ enum MetaCommand {
 }
 
 #[derive(Args)]
+pub struct DiffArgs {
+    a: PathBuf,
+    b: PathBuf,
+}
+
+#[derive(Args)]
 pub struct PatchArgs {
     /// The base image (the node-independent factory image).
     #[arg(long)]
@@ -244,6 +250,37 @@ pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
             args.base.display(),
             node.name
         ),
+    }
+    Ok(())
+}
+
+/// Exit 0 when the images match, 1 (after the report) when they differ.
+pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
+    let d = disk::diff(&args.a, &args.b)?;
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({"a": args.a, "b": args.b, "identical": d.identical(), "diff": d})
+        ),
+        Output::Text => {
+            for line in d.layout.iter().chain(&d.meta) {
+                println!("{line}");
+            }
+            for name in &d.contents {
+                println!("{name}: contents differ");
+            }
+            if d.identical() {
+                println!("identical: same partitions, same contents, same META tags");
+            }
+        }
+    }
+    if !d.identical() {
+        return Err(super::Reported(format!(
+            "{} and {} differ",
+            args.a.display(),
+            args.b.display()
+        ))
+        .into());
     }
     Ok(())
 }

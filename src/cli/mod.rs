@@ -56,7 +56,17 @@ enum Command {
     Build(build::BuildManyArgs),
     /// Re-hash the built images against out/manifest.json.
     Verify(build::VerifyArgs),
+    /// Compare two images: GPT layout, per-partition hashes, META tags.
+    Diff(image::DiffArgs),
+    /// Download one image into the cache, verified (optionally pinned).
+    Fetch(build::FetchArgs),
 }
+
+/// A failure whose details the command already printed (e.g. as its JSON
+/// result): exit 1 with a one-line summary in text mode, nothing more in JSON.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Reported(pub String);
 
 /// Runs the CLI; returns the process exit code.
 pub fn run() -> i32 {
@@ -66,7 +76,9 @@ pub fn run() -> i32 {
         Ok(()) => 0,
         Err(e) => {
             let message = format!("{e:#}");
-            if output == Output::Json {
+            if output == Output::Json && e.downcast_ref::<Reported>().is_some() {
+                // The JSON result on stdout already says what went wrong.
+            } else if output == Output::Json {
                 println!("{}", json!({ "error": message }));
             } else {
                 eprintln!("error: {message}");
@@ -86,6 +98,8 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Node(args) => build::node(args, &cli.config, cli.output),
         Command::Build(args) => build::many(args, &cli.config, cli.output),
         Command::Verify(args) => build::verify(args, cli.output),
+        Command::Diff(args) => image::diff(args, cli.output),
+        Command::Fetch(args) => build::fetch(args, cli.output),
     }
 }
 
