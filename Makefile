@@ -65,7 +65,9 @@ fuzz:
 
 # Benchmarks against baseline tools measured in the same run (see BENCHMARKS.md).
 bench: deps
-	@command -v bc >/dev/null 2>&1 && [ -x /usr/bin/time ] || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bc time >/dev/null)
-	$(CARGO) build --locked --release
+	@command -v bc >/dev/null 2>&1 && [ -x /usr/bin/time ] && command -v curl >/dev/null 2>&1 && \
+		command -v zstd >/dev/null 2>&1 && command -v xz >/dev/null 2>&1 || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bc time curl zstd xz-utils >/dev/null)
+	$(CARGO) build --locked --release --workspace
 	bench/patch.sh
+	bench/fetch.sh

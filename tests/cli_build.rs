@@ -126,20 +126,20 @@ impl Run {
             .unwrap()
     }
 
-    /// Files under the cache that are entries or images (not lock files).
+    /// Every file and folder under the cache's images/ (the lock file of a
+    /// download in progress included).
     fn cache_entries(&self) -> Vec<PathBuf> {
         fn walk(p: &Path, acc: &mut Vec<PathBuf>) {
             for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
                 let path = e.path();
+                acc.push(path.clone());
                 if path.is_dir() {
                     walk(&path, acc);
-                } else if path.file_name().is_some_and(|n| n != ".lock") {
-                    acc.push(path);
                 }
             }
         }
         let mut acc = Vec::new();
-        walk(&self.cache(), &mut acc);
+        walk(&self.cache().join("images"), &mut acc);
         acc
     }
 

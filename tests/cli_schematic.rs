@@ -85,6 +85,13 @@ fn cp01_key10_carries_its_network() {
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let canonical = v["schematic"].as_str().unwrap();
+    assert_eq!(
+        v["installer"],
+        format!(
+            "factory.talos.dev/metal-installer/{}:v1.11.2",
+            v["id"].as_str().unwrap()
+        )
+    );
     let schematic: serde_yaml_ng::Value = serde_yaml_ng::from_str(canonical).unwrap();
     let meta = &schematic["customization"]["meta"][0];
     assert_eq!(meta["key"].as_u64(), Some(10));

@@ -53,12 +53,31 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
         (Some(_), true) => bail!("give a node name or --all, not both"),
         (None, false) => bail!("give a node name, --all, or `schematic id FILE`"),
     }
+    let registry = inv
+        .image
+        .factory
+        .split("://")
+        .nth(1)
+        .unwrap_or(&inv.image.factory)
+        .trim_end_matches('/');
     let mut rendered = Vec::new();
     for (name, s) in &entries {
         let canonical = s
             .canonical()
             .with_context(|| format!("schematic of {name}"))?;
-        rendered.push((name.as_str(), schematic::id_of(&canonical), canonical));
+        let id = schematic::id_of(&canonical);
+        let installer = imgbuild::factory::installer_ref(
+            registry,
+            &inv.image.platform,
+            &id,
+            &inv.cluster.talos_version,
+        );
+        rendered.push(Rendered {
+            name: name.as_str(),
+            id,
+            installer,
+            canonical,
+        });
     }
     if args.write {
         return write_all(&rendered, &args.dir, output);
@@ -67,9 +86,7 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
         Output::Json => {
             let list: Vec<_> = rendered
                 .iter()
-                .map(
-                    |(name, id, canonical)| json!({"node": name, "id": id, "schematic": canonical}),
-                )
+                .map(|r| json!({"node": r.name, "id": r.id, "installer": r.installer, "schematic": r.canonical}))
                 .collect();
             let value = if args.all {
                 json!(list)
@@ -79,32 +96,42 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
             println!("{value}");
         }
         Output::Text if args.all => {
-            for (name, id, _) in &rendered {
-                println!("{name:<16} {id}");
+            for r in &rendered {
+                println!("{:<16} {}", r.name, r.id);
             }
         }
-        Output::Text => {
-            let (name, id, canonical) = &rendered[0];
-            print!("{}", file_text(name, id, canonical));
-        }
+        Output::Text => print!("{}", rendered[0].file_text()),
     }
     Ok(())
 }
 
-/// A schematic file for review: its ID in a leading comment, then the
-/// canonical bytes (so `schematic id` on the file gives the same ID).
-fn file_text(name: &str, id: &SchematicId, canonical: &str) -> String {
-    format!("# imgbuild schematic for {name}\n# id: {id}\n{canonical}")
+struct Rendered<'a> {
+    name: &'a str,
+    id: SchematicId,
+    installer: String,
+    canonical: String,
 }
 
-fn write_all(rendered: &[(&str, SchematicId, String)], dir: &Path, output: Output) -> Result<()> {
+impl Rendered<'_> {
+    /// A schematic file for review: ID and installer image in leading
+    /// comments, then the canonical bytes (so `schematic id` on the file
+    /// gives the same ID).
+    fn file_text(&self) -> String {
+        format!(
+            "# imgbuild schematic for {}\n# id: {}\n# installer: {}\n{}",
+            self.name, self.id, self.installer, self.canonical
+        )
+    }
+}
+
+fn write_all(rendered: &[Rendered], dir: &Path, output: Output) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut report = Vec::new();
-    for (name, id, canonical) in rendered {
-        let path = dir.join(format!("{name}.yaml"));
-        let changed = write_if_changed(&path, file_text(name, id, canonical).as_bytes(), false)
+    for r in rendered {
+        let path = dir.join(format!("{}.yaml", r.name));
+        let changed = write_if_changed(&path, r.file_text().as_bytes(), false)
             .with_context(|| format!("cannot write {}", path.display()))?;
-        report.push((name, id, path, changed));
+        report.push((r.name, &r.id, path, changed));
     }
     match output {
         Output::Json => {

@@ -207,7 +207,8 @@ pub fn fetch(
     let key = hex::encode(&Sha256::digest(url.as_bytes())[..16]);
     let dir = opts.cache_dir.join("images").join(&key);
     fs::create_dir_all(&dir).map_err(cache_err(&dir))?;
-    let _lock = lock(&dir.join(".lock"))?;
+    let lock_path = dir.join(".lock");
+    let _lock = lock(&lock_path)?;
     let record = dir.join("artifact.json");
     if let Some(mut hit) = load_record(&record, pin) {
         hit.cached = true;
@@ -232,7 +233,13 @@ pub fn fetch(
                 progress.retry(url, attempt, &e.to_string());
                 std::thread::sleep(opts.backoff * 2u32.saturating_pow(attempt - 1));
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                // Leave no trace of a failed entry (a waiter on the lock
+                // then simply downloads again).
+                let _ = fs::remove_file(&lock_path);
+                let _ = fs::remove_dir(&dir);
+                return Err(e);
+            }
         }
     };
     // The record is the commit point: without it the entry does not exist.
