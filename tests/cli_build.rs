@@ -5,9 +5,8 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+mod common;
+use common::{root, text};
 
 const LOOPBACK: &str = "examples/loopback/cluster.yaml";
 
@@ -152,10 +151,6 @@ impl Run {
             .filter(|p| p.extension().is_some_and(|e| e == "raw" || e == "qcow2"))
             .collect()
     }
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 fn key10_address(image: &Path) -> String {

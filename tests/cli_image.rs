@@ -8,9 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+mod common;
+use common::{imgbuild, root, text};
 
 const ATLAS: &str = "examples/atlas/cluster.yaml";
 
@@ -42,19 +41,6 @@ fn run_ok(cmd: &mut Command) -> Output {
         String::from_utf8_lossy(&o.stderr)
     );
     o
-}
-
-fn imgbuild(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .args(args)
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
-        .output()
-        .unwrap()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 fn sha(path: &Path) -> String {
@@ -176,11 +162,12 @@ fn check_patched(base: &Path, out: &Path, address: &str) {
     assert_eq!(k10["name"], "MetalNetworkPlatformConfig");
 }
 
-#[test]
-fn patch_raw_writes_only_meta_and_keeps_key_17() {
-    let out_dir = tempfile::tempdir().unwrap();
-    let out = out_dir.path().join("cp-01.raw");
-    let base = fixtures().join("dual-boot.raw");
+/// Patches `base` for `node`; the base must not change, the output must pass
+/// [`check_patched`] and keep key 17.
+fn patch_keeps_key_17(base_name: &str, node: &str, out_name: &str, address: &str) -> PathBuf {
+    let out_dir = tempfile::tempdir().unwrap().keep();
+    let out = out_dir.join(out_name);
+    let base = fixtures().join(base_name);
     let before = sha(&base);
     let o = imgbuild(&[
         "--config",
@@ -189,46 +176,38 @@ fn patch_raw_writes_only_meta_and_keeps_key_17() {
         "--base",
         p(&base),
         "--node",
-        "cp-01",
+        node,
         "--out",
         p(&out),
     ]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(sha(&base), before, "base changed");
-    check_patched(&base, &out, "10.0.0.11/16");
+    check_patched(&base, &out, address);
     assert_eq!(
         meta_of(&inspect_json(&out), 17).unwrap()["value"],
         "dual-boot"
     );
+    out
+}
+
+#[test]
+fn patch_raw_writes_only_meta_and_keeps_key_17() {
+    let out = patch_keeps_key_17("dual-boot.raw", "cp-01", "cp-01.raw", "10.0.0.11/16");
     // Holes stay holes.
     use std::os::unix::fs::MetadataExt;
     assert!(out.metadata().unwrap().blocks() * 512 < 4 << 20);
+    std::fs::remove_dir_all(out.parent().unwrap()).unwrap();
 }
 
 #[test]
 fn patch_qcow2_passes_qemu_img_check_and_keeps_key_17() {
-    let out_dir = tempfile::tempdir().unwrap();
-    let out = out_dir.path().join("worker-01.qcow2");
-    let base = fixtures().join("dual-boot.qcow2");
-    let before = sha(&base);
-    let o = imgbuild(&[
-        "--config",
-        ATLAS,
-        "patch",
-        "--base",
-        p(&base),
-        "--node",
+    let out = patch_keeps_key_17(
+        "dual-boot.qcow2",
         "worker-01",
-        "--out",
-        p(&out),
-    ]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(sha(&base), before, "base changed");
-    check_patched(&base, &out, "10.0.0.21/16");
-    assert_eq!(
-        meta_of(&inspect_json(&out), 17).unwrap()["value"],
-        "dual-boot"
+        "worker-01.qcow2",
+        "10.0.0.21/16",
     );
+    std::fs::remove_dir_all(out.parent().unwrap()).unwrap();
 }
 
 #[test]

@@ -1,28 +1,18 @@
 //! End to end: the real binary on the example inventory and the public vectors.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn imgbuild(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .args(args)
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
-        .output()
-        .unwrap()
-}
+mod common;
+use common::{imgbuild, root, text};
 
 fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
+    text(&o.stdout)
 }
 
 fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    text(&o.stderr)
 }
 
 const ATLAS: &str = "examples/atlas/cluster.yaml";

@@ -13,22 +13,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// How downloads behave, shared by every command that downloads.
 #[derive(Args)]
-pub struct BuildArgs {
-    /// patch: one base image, META written per node (default); factory: one factory image per node.
-    #[arg(long, value_enum, default_value_t = Route::Patch)]
-    route: Route,
-    #[arg(long, default_value = "out")]
-    out_dir: PathBuf,
+pub struct DownloadArgs {
     /// Download cache [default: $XDG_CACHE_HOME/imgbuild].
     #[arg(long)]
     cache_dir: Option<PathBuf>,
-    /// Nodes built at once.
-    #[arg(long, default_value_t = 4)]
-    jobs: usize,
-    /// Image Factory URL, overriding the inventory's image.factory.
-    #[arg(long, env = "IMGBUILD_FACTORY")]
-    factory: Option<String>,
     /// Retries for 5xx, resets, timeouts and truncated bodies.
     #[arg(long, default_value_t = 4)]
     retries: u32,
@@ -41,6 +31,37 @@ pub struct BuildArgs {
     /// No progress output.
     #[arg(long)]
     quiet: bool,
+}
+
+impl DownloadArgs {
+    fn options(&self) -> FetchOptions {
+        FetchOptions {
+            cache_dir: self
+                .cache_dir
+                .clone()
+                .unwrap_or_else(FetchOptions::default_cache_dir),
+            retries: self.retries,
+            backoff: Duration::from_millis(self.retry_delay_ms),
+            read_timeout: Duration::from_secs(self.read_timeout_secs),
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct BuildArgs {
+    /// patch: one base image, META written per node (default); factory: one factory image per node.
+    #[arg(long, value_enum, default_value_t = Route::Patch)]
+    route: Route,
+    #[arg(long, default_value = "out")]
+    out_dir: PathBuf,
+    /// Nodes built at once.
+    #[arg(long, default_value_t = 4)]
+    jobs: usize,
+    /// Image Factory URL, overriding the inventory's image.factory.
+    #[arg(long, env = "IMGBUILD_FACTORY")]
+    factory: Option<String>,
+    #[command(flatten)]
+    download: DownloadArgs,
 }
 
 #[derive(Args)]
@@ -65,16 +86,8 @@ pub struct FetchArgs {
     /// The digest of the bytes as served: sha256:<hex> or sha512:<hex>.
     #[arg(long)]
     pin: Option<imgbuild::fetch::Pin>,
-    #[arg(long)]
-    cache_dir: Option<PathBuf>,
-    #[arg(long, default_value_t = 4)]
-    retries: u32,
-    #[arg(long, default_value_t = 500)]
-    retry_delay_ms: u64,
-    #[arg(long, default_value_t = 60)]
-    read_timeout_secs: u64,
-    #[arg(long)]
-    quiet: bool,
+    #[command(flatten)]
+    download: DownloadArgs,
 }
 
 #[derive(Args)]
@@ -96,18 +109,11 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
     let opts = BuildOptions {
         out_dir: args.out_dir,
         route: args.route,
-        fetch: FetchOptions {
-            cache_dir: args
-                .cache_dir
-                .unwrap_or_else(FetchOptions::default_cache_dir),
-            retries: args.retries,
-            backoff: Duration::from_millis(args.retry_delay_ms),
-            read_timeout: Duration::from_secs(args.read_timeout_secs),
-        },
+        fetch: args.download.options(),
         jobs: args.jobs,
         factory: args.factory,
     };
-    let progress = progress_for(args.quiet, output);
+    let progress = progress_for(args.download.quiet, output);
     let outcomes = build::build(&inv, &nodes, &opts, progress.as_ref())?;
     match output {
         Output::Json => println!("{}", json!({"images": outcomes})),
@@ -135,15 +141,8 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
 
 /// Downloads one image into the cache (verified, decompressed) and prints where.
 pub fn fetch(args: FetchArgs, output: Output) -> Result<()> {
-    let opts = FetchOptions {
-        cache_dir: args
-            .cache_dir
-            .unwrap_or_else(FetchOptions::default_cache_dir),
-        retries: args.retries,
-        backoff: Duration::from_millis(args.retry_delay_ms),
-        read_timeout: Duration::from_secs(args.read_timeout_secs),
-    };
-    let progress = progress_for(args.quiet, output);
+    let opts = args.download.options();
+    let progress = progress_for(args.download.quiet, output);
     let client = imgbuild::fetch::client(&opts);
     let art = imgbuild::fetch::fetch(
         &client,
