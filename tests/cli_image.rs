@@ -60,6 +60,21 @@ fn p(path: &Path) -> &str {
     path.to_str().unwrap()
 }
 
+/// `imgbuild patch` of `base` for `node` into `out`, on the atlas inventory.
+fn patch(base: &Path, node: &str, out: &Path) -> Output {
+    imgbuild(&[
+        "--config",
+        ATLAS,
+        "patch",
+        "--base",
+        p(base),
+        "--node",
+        node,
+        "--out",
+        p(out),
+    ])
+}
+
 /// A scratch copy of a fixture.
 fn scratch(name: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
@@ -169,17 +184,7 @@ fn patch_keeps_key_17(base_name: &str, node: &str, out_name: &str, address: &str
     let out = out_dir.join(out_name);
     let base = fixtures().join(base_name);
     let before = sha(&base);
-    let o = imgbuild(&[
-        "--config",
-        ATLAS,
-        "patch",
-        "--base",
-        p(&base),
-        "--node",
-        node,
-        "--out",
-        p(&out),
-    ]);
+    let o = patch(&base, node, &out);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(sha(&base), before, "base changed");
     check_patched(&base, &out, address);
@@ -215,17 +220,7 @@ fn patch_of_a_grub_image_with_empty_meta_starts_a_fresh_adv() {
     let out_dir = tempfile::tempdir().unwrap();
     let out = out_dir.path().join("cp-03.raw");
     let base = fixtures().join("grub.raw");
-    let o = imgbuild(&[
-        "--config",
-        ATLAS,
-        "patch",
-        "--base",
-        p(&base),
-        "--node",
-        "cp-03",
-        "--out",
-        p(&out),
-    ]);
+    let o = patch(&base, "cp-03", &out);
     assert!(o.status.success(), "{}", text(&o.stderr));
     check_patched(&base, &out, "10.0.0.13/16");
     assert!(meta_of(&inspect_json(&out), 17).is_none());
@@ -318,17 +313,7 @@ fn refused(input: &Path, want: &str) {
     let before = sha(input);
     let out_dir = tempfile::tempdir().unwrap();
     let out = out_dir.path().join("out.img");
-    let o = imgbuild(&[
-        "--config",
-        ATLAS,
-        "patch",
-        "--base",
-        p(input),
-        "--node",
-        "cp-01",
-        "--out",
-        p(&out),
-    ]);
+    let o = patch(input, "cp-01", &out);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
     let err = text(&o.stderr);
     assert!(
@@ -482,17 +467,7 @@ fn a_failed_patch_leaves_no_output() {
     // The output's folder does not exist: nothing may be created anywhere.
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("missing/cp-01.raw");
-    let o = imgbuild(&[
-        "--config",
-        ATLAS,
-        "patch",
-        "--base",
-        p(&fixtures().join("dual-boot.raw")),
-        "--node",
-        "cp-01",
-        "--out",
-        p(&out),
-    ]);
+    let o = patch(&fixtures().join("dual-boot.raw"), "cp-01", &out);
     assert_eq!(o.status.code(), Some(1));
     assert!(
         text(&o.stderr).contains("missing/cp-01.raw"),
@@ -557,17 +532,7 @@ fn sigkill_mid_patch_leaves_no_output_and_the_rerun_sweeps_the_debris() {
         check_patched(&base, &out, "10.0.0.11/16");
         std::fs::remove_file(&out).unwrap();
     }
-    let o = imgbuild(&[
-        "--config",
-        ATLAS,
-        "patch",
-        "--base",
-        p(&base),
-        "--node",
-        "cp-01",
-        "--out",
-        p(&out),
-    ]);
+    let o = patch(&base, "cp-01", &out);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let names: Vec<String> = std::fs::read_dir(&out_dir)
         .unwrap()

@@ -132,26 +132,21 @@ fn every_node_gets_a_distinct_id_and_the_base_has_no_meta() {
 fn written_files_are_idempotent_and_match_the_committed_ones() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
-    let first = imgbuild(&[
-        "--config",
-        ATLAS,
-        "schematic",
-        "--all",
-        "--write",
-        "--dir",
-        d,
-    ]);
+    let write = || {
+        imgbuild(&[
+            "--config",
+            ATLAS,
+            "schematic",
+            "--all",
+            "--write",
+            "--dir",
+            d,
+        ])
+    };
+    let first = write();
     assert!(first.status.success(), "{}", stderr(&first));
     assert_eq!(stdout(&first).matches("(written)").count(), 6);
-    let second = imgbuild(&[
-        "--config",
-        ATLAS,
-        "schematic",
-        "--all",
-        "--write",
-        "--dir",
-        d,
-    ]);
+    let second = write();
     assert_eq!(stdout(&second).matches("(unchanged)").count(), 6);
     for name in ["base", "cp-01", "cp-02", "cp-03", "worker-01", "worker-02"] {
         let fresh = std::fs::read_to_string(Path::new(d).join(format!("{name}.yaml"))).unwrap();
