@@ -8,11 +8,13 @@ ATLAS := examples/atlas/cluster.yaml
 .PHONY: demo test deps build lint schematics fuzz bench
 
 # Debian packages the tests use: sgdisk (GPT checks), qemu-img (qcow2 checks),
-# Go and its yaml.v3 (the schematic emitter's differential oracle).
+# curl (simulator stats), Go and its yaml.v3 (the schematic emitter's
+# differential oracle).
 deps:
 	@need=""; \
 	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
 	command -v qemu-img >/dev/null 2>&1 || need="$$need qemu-utils"; \
+	command -v curl >/dev/null 2>&1 || need="$$need curl"; \
 	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
 	if [ -n "$$need" ]; then \

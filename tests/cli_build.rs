@@ -588,3 +588,50 @@ fn fetch_honours_a_pinned_digest() {
         serde_json::from_slice(&fetch(&format!("sha256:{good}")).stdout).unwrap();
     assert_eq!(again["cached"], true);
 }
+
+#[test]
+fn qcow2_format_builds_by_both_routes() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    let inv = run.dir.path().join("qcow2.yaml");
+    let text_inv = std::fs::read_to_string(root().join(LOOPBACK))
+        .unwrap()
+        .replace("format: raw", "format: qcow2");
+    std::fs::write(&inv, text_inv).unwrap();
+    let build = |route: &str, out: &str| {
+        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .args([
+                "--config",
+                inv.to_str().unwrap(),
+                "build",
+                "cp-03",
+                "--route",
+                route,
+            ])
+            .args(["--factory", &sim.url, "--output", "json", "--out-dir"])
+            .arg(run.dir.path().join(out))
+            .arg("--cache-dir")
+            .arg(run.cache())
+            .output()
+            .unwrap()
+    };
+    for (route, out) in [("patch", "p"), ("factory", "f")] {
+        let v = build_json(&build(route, out));
+        let path = PathBuf::from(v["images"][0]["path"].as_str().unwrap());
+        assert!(path.to_string_lossy().ends_with("cp-03.qcow2"), "{path:?}");
+        let check = Command::new("qemu-img")
+            .arg("check")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(check.status.success(), "{route}: {}", text(&check.stdout));
+        assert_eq!(key10_address(&path), "127.0.0.13/8", "{route}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("diff")
+        .arg(run.dir.path().join("p/cp-03.qcow2"))
+        .arg(run.dir.path().join("f/cp-03.qcow2"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stdout));
+}
