@@ -219,15 +219,7 @@ impl Progress for Bars {
             )
             .expect("valid template"),
         );
-        bar.set_message(
-            url.rsplit('/')
-                .take(3)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect::<Vec<_>>()
-                .join("/"),
-        );
+        bar.set_message(short_label(url));
         self.bars.lock().unwrap().insert(url.to_owned(), bar);
     }
     fn advance(&self, url: &str, bytes: u64) {
@@ -245,6 +237,24 @@ impl Progress for Bars {
             bar.finish_and_clear();
         }
     }
+}
+
+/// The last three URL segments, long ones (schematic IDs) cut to 8 characters:
+/// `7d4c31cb…/v1.11.2/metal-amd64.raw.zst`.
+fn short_label(url: &str) -> String {
+    let mut parts: Vec<String> = url
+        .rsplit('/')
+        .take(3)
+        .map(|p| {
+            if p.chars().count() > 24 {
+                format!("{}…", p.chars().take(8).collect::<String>())
+            } else {
+                p.to_owned()
+            }
+        })
+        .collect();
+    parts.reverse();
+    parts.join("/")
 }
 
 /// Plain lines for logs: start, every 10 seconds per download, retries, finish.
