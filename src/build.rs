@@ -8,7 +8,7 @@ use crate::disk::{self, DiskError};
 use crate::factory::{Factory, FactoryError};
 use crate::fetch::{self, FetchError, FetchOptions, Progress};
 use crate::inventory::{ImageFormat, Inventory, NodeSpec};
-use crate::meta::{KEY_NETWORK, PlatformNetworkConfig};
+use crate::meta::KEY_NETWORK;
 use crate::schematic::{self, SchematicId};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -236,12 +236,13 @@ pub fn build(
                         let Some(plan) = queue.lock().unwrap().next() else {
                             break;
                         };
-                        let r = build_one(inv, plan, opts, &factory, progress).map_err(|e| {
-                            BuildError::Node {
-                                node: plan.node.name.clone(),
-                                source: Box::new(e),
-                            }
-                        });
+                        let r =
+                            build_one(inv, plan, opts, &client, &factory, progress).map_err(|e| {
+                                BuildError::Node {
+                                    node: plan.node.name.clone(),
+                                    source: Box::new(e),
+                                }
+                            });
                         results.lock().unwrap().push(r);
                     }
                 });
@@ -275,6 +276,7 @@ fn build_one(
     inv: &Inventory,
     plan: &Plan,
     opts: &BuildOptions,
+    client: &reqwest::blocking::Client,
     factory: &Factory,
     progress: &dyn Progress,
 ) -> Result<NodeImage, BuildError> {
@@ -283,25 +285,22 @@ fn build_one(
     let version = &inv.cluster.talos_version;
     let arch = inv.image.arch.to_string();
     let ext = factory_ext(format);
-    let client = fetch::client(&opts.fetch);
     let (source_url, sha256, size) = match opts.route {
         Route::Factory => {
             let id = factory.register(&schematic::for_node(inv, node))?;
             let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
-            let art = fetch::fetch(&client, &url, None, &opts.fetch, progress)?;
+            let art = fetch::fetch(client, &url, None, &opts.fetch, progress)?;
             copy_out(&art.path, &plan.path)?;
             (url, art.sha256, art.size)
         }
         Route::Patch => {
             let id = factory.register(&schematic::base_for_node(inv, node))?;
             let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
-            let art = fetch::fetch(&client, &url, None, &opts.fetch, progress)?;
-            let mut edits = Vec::new();
-            if inv.image.platform == "metal" {
-                let plan = schematic::network_plan(inv, node);
-                let value = PlatformNetworkConfig::from_plan(&plan).to_yaml();
-                edits.push((u32::from(KEY_NETWORK), Some(value.into_bytes())));
-            }
+            let art = fetch::fetch(client, &url, None, &opts.fetch, progress)?;
+            let edits: Vec<_> = schematic::network_value(inv, node)
+                .map(|v| (u32::from(KEY_NETWORK), Some(v.into_bytes())))
+                .into_iter()
+                .collect();
             disk::write_patched_copy(&art.path, &plan.path, &edits)?;
             let (sha256, size) = hash_file(&plan.path)?;
             (url, sha256, size)

@@ -545,3 +545,32 @@ fn sigkill_mid_patch_leaves_no_output_and_the_rerun_sweeps_the_debris() {
         "10.0.0.11/16"
     );
 }
+
+#[test]
+fn patch_refuses_platforms_that_ignore_key_10() {
+    let dir = tempfile::tempdir().unwrap();
+    let inv = dir.path().join("cluster.yaml");
+    let text_inv = std::fs::read_to_string(root().join(ATLAS))
+        .unwrap()
+        .replace("platform: metal", "platform: nocloud");
+    std::fs::write(&inv, text_inv).unwrap();
+    let out = dir.path().join("cp-01.raw");
+    let o = imgbuild(&[
+        "--config",
+        p(&inv),
+        "patch",
+        "--base",
+        p(&fixtures().join("dual-boot.raw")),
+        "--node",
+        "cp-01",
+        "--out",
+        p(&out),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o.stderr).contains("platform nocloud does not read META key 10"),
+        "{}",
+        text(&o.stderr)
+    );
+    assert!(!out.exists());
+}

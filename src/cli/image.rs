@@ -224,7 +224,13 @@ fn report(image: &Path, changed: bool, adv: &imgbuild::meta::Adv, output: Output
 pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let node = inv.node(&args.node)?;
-    let value = PlatformNetworkConfig::from_plan(&schematic::network_plan(&inv, node)).to_yaml();
+    let Some(value) = schematic::network_value(&inv, node) else {
+        bail!(
+            "platform {} does not read META key 10: nothing to write for {}",
+            inv.image.platform,
+            node.name
+        );
+    };
     let before = disk::write_patched_copy(
         &args.base,
         &args.out,

@@ -7,7 +7,7 @@ mod node;
 mod resolve;
 
 pub use emit::EmitError;
-pub use node::{base, base_for_node, for_node, network_plan};
+pub use node::{base, base_for_node, for_node, network_plan, network_value};
 
 use emit::{Node, emit_document, go_float};
 use serde::{Deserialize, Deserializer};

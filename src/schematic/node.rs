@@ -25,12 +25,18 @@ pub fn network_plan(inv: &Inventory, node: &NodeSpec) -> NetworkPlan {
     }
 }
 
+/// The META key 10 value for `node`: its network as Talos reads it. `None`
+/// off the metal platform, which is the only one that reads key 10.
+pub fn network_value(inv: &Inventory, node: &NodeSpec) -> Option<String> {
+    (inv.image.platform == "metal")
+        .then(|| PlatformNetworkConfig::from_plan(&network_plan(inv, node)).to_yaml())
+}
+
 /// The schematic of `node`'s own image. Only the metal platform reads key 10,
 /// so on other platforms every node shares [`base_for_node`]'s schematic.
 pub fn for_node(inv: &Inventory, node: &NodeSpec) -> Schematic {
     let mut s = base_for_node(inv, node);
-    if inv.image.platform == "metal" {
-        let value = PlatformNetworkConfig::from_plan(&network_plan(inv, node)).to_yaml();
+    if let Some(value) = network_value(inv, node) {
         s.customization.meta.push(MetaValue {
             key: KEY_NETWORK,
             value,
