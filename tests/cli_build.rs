@@ -327,8 +327,14 @@ fn a_body_that_keeps_getting_cut_fails_after_retries() {
 }
 
 #[test]
-fn a_wrong_content_length_is_refused() {
-    fails_cleanly(&["wrong-length"], &["--retries", "1"], &["retry 1 for"]);
+fn a_wrong_content_length_is_refused_without_retrying() {
+    // The server says the body is complete after half the stream: the data
+    // is corrupt, not the transfer, so there is nothing to retry.
+    fails_cleanly(
+        &["wrong-length"],
+        &[],
+        &["expected a valid zstd stream, got corrupt data after"],
+    );
 }
 
 #[test]
@@ -634,4 +640,42 @@ fn qcow2_format_builds_by_both_routes() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stdout));
+}
+
+#[test]
+fn bytes_after_the_compressed_image_are_refused() {
+    // zstd reads them as a broken next frame.
+    fails_cleanly(
+        &["trailing"],
+        &[],
+        &["got corrupt data", "Unknown frame descriptor"],
+    );
+    // xz stops at its stream's end; the rest of the body is read and refused.
+    let sim = Sim::start(&["trailing"]);
+    let run = Run::new();
+    let post = Command::new("curl")
+        .args(["-s", "-X", "POST", "--data-binary", "customization: {}"])
+        .arg(format!("{}/schematics", sim.url))
+        .output()
+        .unwrap();
+    let id: serde_json::Value = serde_json::from_slice(&post.stdout).unwrap();
+    let url = format!(
+        "{}/image/{}/v1.11.2/metal-amd64.raw.xz",
+        sim.url,
+        id["id"].as_str().unwrap()
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["fetch", &url, "--cache-dir"])
+        .arg(run.cache())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "{url}: expected nothing after the compressed image, got 16 more bytes"
+        )),
+        "{err}"
+    );
+    assert_eq!(run.cache_entries(), Vec::<PathBuf>::new());
 }

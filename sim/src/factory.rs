@@ -41,7 +41,7 @@ pub struct Args {
     )]
     extensions: Vec<String>,
     /// MODE or MODE:N (first N image requests only). Modes: not-found-200,
-    /// html-200, truncate, wrong-length, 5xx, redirect, slow, wrong-id.
+    /// html-200, truncate, wrong-length, trailing, 5xx, redirect, slow, wrong-id.
     #[arg(long)]
     misbehave: Vec<String>,
 }
@@ -418,9 +418,12 @@ async fn serve(
     if let Some(s) = start {
         let _ = file.seek(std::io::SeekFrom::Start(s)).await;
     }
-    let mode = take_mode(sim, &["truncate", "wrong-length", "slow"]);
+    let mode = take_mode(sim, &["truncate", "wrong-length", "slow", "trailing"]);
+    const GARBAGE: &[u8] = b"GARBAGE-GARBAGE!";
+    let trailing = mode.as_deref() == Some("trailing");
     let announced = match mode.as_deref() {
         Some("wrong-length") => body_len / 2,
+        Some("trailing") => body_len + GARBAGE.len() as u64,
         _ => body_len,
     };
     let cut = match mode.as_deref() {
@@ -446,6 +449,10 @@ async fn serve(
             let room = cut.map_or(chunk as u64, |c| (c - sent).min(chunk as u64));
             let mut buf = vec![0u8; room as usize];
             match file.read(&mut buf).await {
+                Ok(0) if trailing && sent == body_len => Some((
+                    Ok(Bytes::from_static(GARBAGE)),
+                    (file, sent + GARBAGE.len() as u64, true),
+                )),
                 Ok(0) => None,
                 Ok(n) => {
                     buf.truncate(n);

@@ -209,6 +209,8 @@ pub fn fetch(
     fs::create_dir_all(&dir).map_err(cache_err(&dir))?;
     let lock_path = dir.join(".lock");
     let _lock = lock(&lock_path)?;
+    // A failed holder before us may have removed the folder.
+    fs::create_dir_all(&dir).map_err(cache_err(&dir))?;
     let record = dir.join("artifact.json");
     if let Some(mut hit) = load_record(&record, pin) {
         hit.cached = true;
@@ -285,10 +287,27 @@ fn transfer(url: &str, e: impl std::fmt::Display) -> FetchError {
     }
 }
 
-/// Maps an I/O error from deep in the reader stack back to what went wrong:
-/// a body that stopped short of its Content-Length says so in numbers.
-fn body_error(url: &str, e: &std::io::Error, got: u64, total: Option<u64>) -> FetchError {
+/// Maps an I/O error from deep in the reader stack back to what went wrong.
+/// The body layer's own failures are transfer problems (retried; a body that
+/// stopped short says so in numbers); anything else was raised by a decoder
+/// reading bytes that did arrive, so the content is corrupt (not retried).
+fn body_error(
+    url: &str,
+    e: &std::io::Error,
+    got: u64,
+    total: Option<u64>,
+    expect: Expect,
+) -> FetchError {
+    let from_body = e
+        .get_ref()
+        .is_some_and(|inner| inner.is::<BodyBroken>() || inner.is::<io::LengthError>());
     match total {
+        _ if !from_body => FetchError::WrongContent {
+            url: url.to_owned(),
+            expected: format!("a valid {:?} stream", expect.wire.unwrap_or(expect.content))
+                .to_lowercase(),
+            found: format!("corrupt data after {got} bytes ({})", io_cause(e)),
+        },
         Some(total) if got < total => transfer(
             url,
             format!(
@@ -347,7 +366,7 @@ fn download(
     let mut served = HashingReader::new(bounded, matches!(pin, Some(Pin::Sha512(_))));
     let wire = match PeekReader::new(&mut served, Magic::PEEK) {
         Ok(w) => w,
-        Err(e) => return Err(body_error(url, &e, served.count(), total)),
+        Err(e) => return Err(body_error(url, &e, served.count(), total, expect)),
     };
     let wire_kind = expect.wire.unwrap_or(expect.content);
     if Magic::detect(wire.peek()) != Some(wire_kind) {
@@ -357,17 +376,19 @@ fn download(
             found: describe(wire.peek()),
         });
     }
-    let decoded: Box<dyn Read + '_> = match expect.wire {
-        Some(Magic::Zstd) => Box::new(zstd::Decoder::new(wire).map_err(|e| stream_error(url, e))?),
-        Some(Magic::Xz) => Box::new(liblzma::read::XzDecoder::new_parallel(wire)),
-        _ => Box::new(wire),
+    let decoded = match expect.wire {
+        Some(Magic::Zstd) => {
+            Decoder::Zstd(zstd::Decoder::new(wire).map_err(|e| stream_error(url, e))?)
+        }
+        Some(Magic::Xz) => Decoder::Xz(liblzma::read::XzDecoder::new_parallel(wire)),
+        _ => Decoder::Plain(wire),
     };
     let mut content = HashingReader::new(decoded, false);
     let inner = match PeekReader::new(&mut content, Magic::PEEK) {
         Ok(i) => i,
         Err(e) => {
             drop(content); // ends the borrow of the served-bytes counter
-            return Err(body_error(url, &e, served.count(), total));
+            return Err(body_error(url, &e, served.count(), total, expect));
         }
     };
     if Magic::detect(inner.peek()) != Some(expect.content) {
@@ -380,9 +401,24 @@ fn download(
     let mut tmp = AtomicFile::create(target, false).map_err(cache_err(target))?;
     if let Err(e) = copy_sparse_from(inner, tmp.file()) {
         drop(content); // ends the borrow of the served-bytes counter
-        return Err(body_error(url, &e, served.count(), total));
+        return Err(body_error(url, &e, served.count(), total, expect));
     }
+    let consumed = content.get_mut().compressed_input();
     let (sha256, _) = content.finish();
+    // The decompressor stops at the end of its stream; whatever follows must
+    // still be read, so the served hash (and pin) covers the whole body and
+    // the length check sees its end. The decoder's own input count tells
+    // bytes it buffered but did not use.
+    let drained = std::io::copy(&mut served, &mut std::io::sink());
+    drained.map_err(|e| body_error(url, &e, served.count(), total, expect))?;
+    let trailing = consumed.map_or(0, |used| served.count().saturating_sub(used));
+    if trailing > 0 {
+        return Err(FetchError::WrongContent {
+            url: url.to_owned(),
+            expected: "nothing after the compressed image".into(),
+            found: format!("{trailing} more bytes"),
+        });
+    }
     let size = fs::metadata(tmp.temp_path())
         .map_err(cache_err(target))?
         .len();
@@ -457,6 +493,40 @@ fn check_status(url: &str, resp: Response) -> Result<Response, FetchError> {
         body,
     })
 }
+
+/// The decompressor (or none) between the served bytes and the image.
+enum Decoder<R: Read> {
+    Zstd(zstd::Decoder<'static, std::io::BufReader<R>>),
+    Xz(liblzma::read::XzDecoder<R>),
+    Plain(R),
+}
+
+impl<R: Read> Decoder<R> {
+    /// Compressed bytes the decoder used, where it can tell (zstd instead
+    /// reads on and fails on anything after its frames).
+    fn compressed_input(&self) -> Option<u64> {
+        match self {
+            Decoder::Xz(d) => Some(d.total_in()),
+            _ => None,
+        }
+    }
+}
+
+impl<R: Read> Read for Decoder<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Decoder::Zstd(d) => d.read(buf),
+            Decoder::Xz(d) => d.read(buf),
+            Decoder::Plain(r) => r.read(buf),
+        }
+    }
+}
+
+/// Marks an I/O error as coming from the body itself (the connection), so it
+/// can be told apart from a decoder's complaint about the content.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct BodyBroken(String);
 
 /// A response body that, when the connection breaks, asks for the rest
 /// with `Range` (guarded by `If-Range`) and carries on where it stopped, so
@@ -550,7 +620,7 @@ impl Read for ResumableBody<'_> {
                 Err(e) => e,
             };
             if !self.ranges || self.total.is_none() || self.resumes_left == 0 {
-                return Err(err);
+                return Err(std::io::Error::other(BodyBroken(io_cause(&err))));
             }
             self.resumes_left -= 1;
             std::thread::sleep(self.backoff);
@@ -558,7 +628,8 @@ impl Read for ResumableBody<'_> {
             match self.reopen() {
                 Ok(resp) => self.resp = resp,
                 Err(why) => {
-                    return Err(std::io::Error::other(format!("{}; {why}", io_cause(&err))));
+                    let msg = format!("{}; {why}", io_cause(&err));
+                    return Err(std::io::Error::other(BodyBroken(msg)));
                 }
             }
         }
