@@ -653,17 +653,7 @@ fn bytes_after_the_compressed_image_are_refused() {
     // xz stops at its stream's end; the rest of the body is read and refused.
     let sim = Sim::start(&["trailing"]);
     let run = Run::new();
-    let post = Command::new("curl")
-        .args(["-s", "-X", "POST", "--data-binary", "customization: {}"])
-        .arg(format!("{}/schematics", sim.url))
-        .output()
-        .unwrap();
-    let id: serde_json::Value = serde_json::from_slice(&post.stdout).unwrap();
-    let url = format!(
-        "{}/image/{}/v1.11.2/metal-amd64.raw.xz",
-        sim.url,
-        id["id"].as_str().unwrap()
-    );
+    let url = format!("{}.raw.xz", empty_schematic_url(&sim));
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .args(["fetch", &url, "--cache-dir"])
         .arg(run.cache())
@@ -674,6 +664,68 @@ fn bytes_after_the_compressed_image_are_refused() {
     assert!(
         err.contains(&format!(
             "{url}: expected nothing after the compressed image, got 16 more bytes"
+        )),
+        "{err}"
+    );
+    assert_eq!(run.cache_entries(), Vec::<PathBuf>::new());
+}
+
+/// Registers an empty schematic with the simulator; returns its image URL stem.
+fn empty_schematic_url(sim: &Sim) -> String {
+    let post = Command::new("curl")
+        .args(["-s", "-X", "POST", "--data-binary", "customization: {}"])
+        .arg(format!("{}/schematics", sim.url))
+        .output()
+        .unwrap();
+    let id: serde_json::Value = serde_json::from_slice(&post.stdout).unwrap();
+    format!(
+        "{}/image/{}/v1.11.2/metal-amd64",
+        sim.url,
+        id["id"].as_str().unwrap()
+    )
+}
+
+#[test]
+fn every_wire_format_decodes_to_the_same_verified_image() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    let stem = empty_schematic_url(&sim);
+    let mut hashes = Vec::new();
+    for ext in ["raw", "raw.zst", "raw.xz", "raw.gz"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .args([
+                "fetch",
+                &format!("{stem}.{ext}"),
+                "--output",
+                "json",
+                "--cache-dir",
+            ])
+            .arg(run.cache())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{ext}: {}", text(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        hashes.push(v["artifact"]["sha256"].as_str().unwrap().to_owned());
+    }
+    hashes.dedup();
+    assert_eq!(hashes.len(), 1, "formats decoded differently: {hashes:?}");
+}
+
+#[test]
+fn gzip_with_trailing_bytes_is_refused() {
+    let sim = Sim::start(&["trailing"]);
+    let run = Run::new();
+    let url = format!("{}.raw.gz", empty_schematic_url(&sim));
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["fetch", &url, "--cache-dir"])
+        .arg(run.cache())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "{url}: expected a valid gzip stream, got corrupt data"
         )),
         "{err}"
     );

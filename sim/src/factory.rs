@@ -286,6 +286,7 @@ enum Kind {
     Raw,
     RawZst,
     RawXz,
+    RawGz,
     Qcow2,
 }
 
@@ -294,6 +295,8 @@ fn image_kind(file: &str) -> Option<Kind> {
         (s, Kind::RawZst)
     } else if let Some(s) = file.strip_suffix(".raw.xz") {
         (s, Kind::RawXz)
+    } else if let Some(s) = file.strip_suffix(".raw.gz") {
+        (s, Kind::RawGz)
     } else if let Some(s) = file.strip_suffix(".raw") {
         (s, Kind::Raw)
     } else if let Some(s) = file.strip_suffix(".qcow2") {
@@ -351,6 +354,14 @@ fn build(
             std::io::copy(&mut std::fs::File::open(&raw)?, &mut enc)?;
             enc.finish()?;
         }
+        Kind::RawGz => {
+            let mut enc = flate2::write::GzEncoder::new(
+                std::fs::File::create(&tmp)?,
+                flate2::Compression::fast(),
+            );
+            std::io::copy(&mut std::fs::File::open(&raw)?, &mut enc)?;
+            enc.finish()?;
+        }
         Kind::Qcow2 => {
             let st = std::process::Command::new("qemu-img")
                 .args(["convert", "-f", "raw", "-O", "qcow2"])
@@ -385,6 +396,7 @@ async fn serve(
     let len = file.metadata().await.map(|m| m.len()).unwrap_or(0);
     let content_type = match kind {
         Kind::RawXz => "application/x-xz",
+        Kind::RawGz => "application/gzip",
         Kind::Qcow2 => "application/x-qemu-disk",
         _ => "application/octet-stream",
     };

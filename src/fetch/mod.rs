@@ -26,12 +26,14 @@ pub struct Expect {
 }
 
 impl Expect {
-    /// From a file name: `metal-amd64.raw.zst`, `.raw.xz`, `.raw`, `.qcow2`, `.iso`.
+    /// From a file name: `metal-amd64.raw.zst`, `.raw.xz`, `.raw.gz`, `.raw`, `.qcow2`, `.iso`.
     pub fn from_name(name: &str) -> Option<(Expect, String)> {
         let (stem, wire) = if let Some(s) = name.strip_suffix(".zst") {
             (s, Some(Magic::Zstd))
         } else if let Some(s) = name.strip_suffix(".xz") {
             (s, Some(Magic::Xz))
+        } else if let Some(s) = name.strip_suffix(".gz") {
+            (s, Some(Magic::Gzip))
         } else {
             (name, None)
         };
@@ -381,6 +383,7 @@ fn download(
             Decoder::Zstd(zstd::Decoder::new(wire).map_err(|e| stream_error(url, e))?)
         }
         Some(Magic::Xz) => Decoder::Xz(liblzma::read::XzDecoder::new_parallel(wire)),
+        Some(Magic::Gzip) => Decoder::Gzip(flate2::read::MultiGzDecoder::new(wire)),
         _ => Decoder::Plain(wire),
     };
     let mut content = HashingReader::new(decoded, false);
@@ -498,12 +501,13 @@ fn check_status(url: &str, resp: Response) -> Result<Response, FetchError> {
 enum Decoder<R: Read> {
     Zstd(zstd::Decoder<'static, std::io::BufReader<R>>),
     Xz(liblzma::read::XzDecoder<R>),
+    Gzip(flate2::read::MultiGzDecoder<R>),
     Plain(R),
 }
 
 impl<R: Read> Decoder<R> {
-    /// Compressed bytes the decoder used, where it can tell (zstd instead
-    /// reads on and fails on anything after its frames).
+    /// Compressed bytes the decoder used, where it can tell (zstd and gzip
+    /// instead read on and fail on anything after their frames/members).
     fn compressed_input(&self) -> Option<u64> {
         match self {
             Decoder::Xz(d) => Some(d.total_in()),
@@ -517,6 +521,7 @@ impl<R: Read> Read for Decoder<R> {
         match self {
             Decoder::Zstd(d) => d.read(buf),
             Decoder::Xz(d) => d.read(buf),
+            Decoder::Gzip(d) => d.read(buf),
             Decoder::Plain(r) => r.read(buf),
         }
     }
@@ -663,6 +668,11 @@ mod tests {
         );
         let (e, _) = Expect::from_name("nocloud-amd64.raw.xz").unwrap();
         assert_eq!(e.wire, Some(Magic::Xz));
+        let (e, stored) = Expect::from_name("digital-ocean-amd64.raw.gz").unwrap();
+        assert_eq!(
+            (e.wire, stored.as_str()),
+            (Some(Magic::Gzip), "digital-ocean-amd64.raw")
+        );
         let (e, stored) = Expect::from_name("metal-amd64.qcow2").unwrap();
         assert_eq!(
             (e.wire, e.content, stored.as_str()),
