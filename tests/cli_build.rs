@@ -651,9 +651,19 @@ fn bytes_after_the_compressed_image_are_refused() {
         &["got corrupt data", "Unknown frame descriptor"],
     );
     // xz stops at its stream's end; the rest of the body is read and refused.
-    let sim = Sim::start(&["trailing"]);
+    fetch_refused(
+        &["trailing"],
+        "raw.xz",
+        "expected nothing after the compressed image, got 16 more bytes",
+    );
+}
+
+/// `imgbuild fetch` of the empty schematic's image in `ext` from a simulator
+/// misbehaving as told: exit 1, `want` after the URL, nothing in the cache.
+fn fetch_refused(misbehave: &[&str], ext: &str, want: &str) {
+    let sim = Sim::start(misbehave);
     let run = Run::new();
-    let url = format!("{}.raw.xz", empty_schematic_url(&sim));
+    let url = format!("{}.{ext}", empty_schematic_url(&sim));
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .args(["fetch", &url, "--cache-dir"])
         .arg(run.cache())
@@ -661,12 +671,7 @@ fn bytes_after_the_compressed_image_are_refused() {
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     let err = text(&o.stderr);
-    assert!(
-        err.contains(&format!(
-            "{url}: expected nothing after the compressed image, got 16 more bytes"
-        )),
-        "{err}"
-    );
+    assert!(err.contains(&format!("{url}: {want}")), "{err}");
     assert_eq!(run.cache_entries(), Vec::<PathBuf>::new());
 }
 
@@ -713,21 +718,29 @@ fn every_wire_format_decodes_to_the_same_verified_image() {
 
 #[test]
 fn gzip_with_trailing_bytes_is_refused() {
-    let sim = Sim::start(&["trailing"]);
+    fetch_refused(
+        &["trailing"],
+        "raw.gz",
+        "expected a valid gzip stream, got corrupt data",
+    );
+}
+
+#[test]
+fn progress_is_plain_lines_off_a_terminal_and_nothing_with_quiet() {
+    let sim = Sim::start(&[]);
     let run = Run::new();
-    let url = format!("{}.raw.gz", empty_schematic_url(&sim));
-    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .args(["fetch", &url, "--cache-dir"])
-        .arg(run.cache())
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(1));
-    let err = text(&o.stderr);
+    let quiet = run.imgbuild(&sim, &["node", "cp-01", "--quiet"]);
+    assert!(quiet.status.success(), "{}", text(&quiet.stderr));
+    assert_eq!(text(&quiet.stderr), "", "--quiet must print no progress");
+    let other = Run::new();
+    let loud = other.imgbuild(&sim, &["node", "cp-01"]);
+    let err = text(&loud.stderr);
     assert!(
-        err.contains(&format!(
-            "{url}: expected a valid gzip stream, got corrupt data"
-        )),
+        err.contains("downloading ") && err.contains("downloaded "),
         "{err}"
     );
-    assert_eq!(run.cache_entries(), Vec::<PathBuf>::new());
+    assert!(
+        !err.contains('\r'),
+        "no bar redraws off a terminal: {err:?}"
+    );
 }

@@ -62,9 +62,14 @@ fn p(path: &Path) -> &str {
 
 /// `imgbuild patch` of `base` for `node` into `out`, on the atlas inventory.
 fn patch(base: &Path, node: &str, out: &Path) -> Output {
+    patch_with(Path::new(ATLAS), base, node, out)
+}
+
+/// `imgbuild patch` with another inventory.
+fn patch_with(config: &Path, base: &Path, node: &str, out: &Path) -> Output {
     imgbuild(&[
         "--config",
-        ATLAS,
+        p(config),
         "patch",
         "--base",
         p(base),
@@ -555,17 +560,7 @@ fn patch_refuses_platforms_that_ignore_key_10() {
         .replace("platform: metal", "platform: nocloud");
     std::fs::write(&inv, text_inv).unwrap();
     let out = dir.path().join("cp-01.raw");
-    let o = imgbuild(&[
-        "--config",
-        p(&inv),
-        "patch",
-        "--base",
-        p(&fixtures().join("dual-boot.raw")),
-        "--node",
-        "cp-01",
-        "--out",
-        p(&out),
-    ]);
+    let o = patch_with(&inv, &fixtures().join("dual-boot.raw"), "cp-01", &out);
     assert_eq!(o.status.code(), Some(1));
     assert!(
         text(&o.stderr).contains("platform nocloud does not read META key 10"),
