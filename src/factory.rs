@@ -168,6 +168,15 @@ impl<'a> Factory<'a> {
     }
 }
 
+/// The registry host of a factory URL: installer images are pulled from the
+/// factory's own host (`https://factory.talos.dev` → `factory.talos.dev`).
+pub fn registry_host(factory: &str) -> &str {
+    factory
+        .split_once("://")
+        .map_or(factory, |(_, rest)| rest)
+        .trim_end_matches('/')
+}
+
 /// The installer image for a schematic, as `talosctl gen config` wants it.
 pub fn installer_ref(
     registry_host: &str,

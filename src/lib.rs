@@ -11,6 +11,7 @@ pub mod fetch;
 pub mod inventory;
 pub mod meta;
 pub mod schematic;
+pub mod talos;
 
 /// How many cases each `fuzz_*` property test runs: 256 in `make test`,
 /// `IMGBUILD_FUZZ_CASES` (set by `make fuzz`) when longer runs are wanted.

@@ -6,24 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 mod common;
-use common::{root, text};
+use common::{root, sim_bin, text};
 
 const LOOPBACK: &str = "examples/loopback/cluster.yaml";
-
-/// The simulator binary, built next to imgbuild.
-fn sim_bin() -> PathBuf {
-    let imgbuild = PathBuf::from(env!("CARGO_BIN_EXE_imgbuild"));
-    let sim = imgbuild.with_file_name("imgbuild-sim");
-    if !sim.exists() {
-        let st = Command::new(env!("CARGO"))
-            .args(["build", "-p", "imgbuild-sim"])
-            .current_dir(root())
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-    sim
-}
 
 /// A factory simulator on loopback; killed on drop.
 struct Sim {

@@ -3,6 +3,7 @@
 //! listens, so tests and `make demo` can find it.
 
 mod factory;
+mod node;
 
 use clap::{Parser, Subcommand};
 
@@ -17,11 +18,14 @@ struct Cli {
 enum Command {
     /// An Image Factory (schematics, versions, extensions, images).
     Factory(factory::Args),
+    /// A cluster of Talos nodes (machine API on port 50000, Kubernetes API).
+    Nodes(node::Args),
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Factory(args) => factory::run(args).await,
+        Command::Nodes(args) => node::run(args).await,
     }
 }

@@ -3,6 +3,7 @@
 mod build;
 mod image;
 mod schematic;
+mod talos;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -60,6 +61,14 @@ enum Command {
     Diff(image::DiffArgs),
     /// Download one image into the cache, verified (optionally pinned).
     Fetch(build::FetchArgs),
+    /// The cluster's secrets bundle (talosctl-compatible secrets.yaml).
+    Secrets(talos::SecretsArgs),
+    /// Print one node's machine config (patched, schema-checked).
+    Config(talos::ConfigArgs),
+    /// Write the admin talosconfig into the state dir.
+    Talosconfig(talos::TalosconfigArgs),
+    /// Apply configs, bootstrap etcd once, wait until the cluster is healthy.
+    Bootstrap(talos::BootstrapArgs),
 }
 
 /// A failure whose details the command already printed (e.g. as its JSON
@@ -100,6 +109,10 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Verify(args) => build::verify(args, cli.output),
         Command::Diff(args) => image::diff(args, cli.output),
         Command::Fetch(args) => build::fetch(args, cli.output),
+        Command::Secrets(args) => talos::secrets(args, &cli.config, cli.output),
+        Command::Config(args) => talos::machine_config(args, &cli.config, cli.output),
+        Command::Talosconfig(args) => talos::talosconfig(args, &cli.config, cli.output),
+        Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
     }
 }
 

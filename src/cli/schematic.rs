@@ -53,13 +53,7 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
         (Some(_), true) => bail!("give a node name or --all, not both"),
         (None, false) => bail!("give a node name, --all, or `schematic id FILE`"),
     }
-    let registry = inv
-        .image
-        .factory
-        .split("://")
-        .nth(1)
-        .unwrap_or(&inv.image.factory)
-        .trim_end_matches('/');
+    let registry = imgbuild::factory::registry_host(&inv.image.factory);
     let mut rendered = Vec::new();
     for (name, s) in &entries {
         let canonical = s

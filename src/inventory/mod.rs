@@ -23,7 +23,14 @@ pub struct Inventory {
     pub image: ImageSettings,
     #[serde(default)]
     pub network: NetworkSettings,
+    /// Strategic-merge patches for the machine configs.
+    #[serde(default)]
+    pub patches: Patches,
     pub nodes: Vec<NodeSpec>,
+    /// The inventory file's folder: relative paths in it (patches, the
+    /// default state dir) start here.
+    #[serde(skip)]
+    pub base_dir: PathBuf,
     /// Non-fatal findings the CLI shows (and puts in `--output json`).
     #[serde(skip)]
     pub warnings: Vec<String>,
@@ -129,6 +136,19 @@ pub struct NetworkSettings {
     pub mtu: Option<u32>,
 }
 
+/// Machine-config patch files (relative to the inventory), applied in the
+/// order all → role → node.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Patches {
+    #[serde(default)]
+    pub all: Vec<PathBuf>,
+    #[serde(default)]
+    pub control_plane: Vec<PathBuf>,
+    #[serde(default)]
+    pub worker: Vec<PathBuf>,
+}
+
 /// What a node does in the cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -171,6 +191,9 @@ pub struct NodeSpec {
     /// (e.g. `127.0.0.1:50001` through a port forward).
     #[serde(default)]
     pub talos_endpoint: Option<String>,
+    /// Machine-config patches for this node alone, applied last.
+    #[serde(default)]
+    pub patches: Vec<PathBuf>,
 }
 
 fn default_install_disk() -> String {
@@ -254,6 +277,11 @@ impl Inventory {
             index: &index,
             problems: Vec::new(),
         };
+        inv.base_dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_owned();
         inv.warnings = v.check(&inv);
         if v.problems.is_empty() {
             Ok(inv)

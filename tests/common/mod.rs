@@ -22,3 +22,18 @@ pub fn imgbuild(args: &[&str]) -> Output {
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
+
+/// The simulator binary, built next to imgbuild.
+pub fn sim_bin() -> PathBuf {
+    let imgbuild = PathBuf::from(env!("CARGO_BIN_EXE_imgbuild"));
+    let sim = imgbuild.with_file_name("imgbuild-sim");
+    if !sim.exists() {
+        let st = Command::new(env!("CARGO"))
+            .args(["build", "-p", "imgbuild-sim"])
+            .current_dir(root())
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    sim
+}

@@ -1,0 +1,17 @@
+//! Compiles the Talos API subset in `proto/` into a gRPC client with protox
+//! (pure Rust: no protoc on the build machine).
+
+const PROTOS: [&str; 3] = [
+    "machine/machine.proto",
+    "storage/storage.proto",
+    "common/common.proto",
+];
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto");
+    let fds = protox::compile(PROTOS, ["proto"])?;
+    tonic_prost_build::configure()
+        .build_server(false)
+        .compile_fds(fds)?;
+    Ok(())
+}

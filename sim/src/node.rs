@@ -1,0 +1,1051 @@
+//! The Talos node double (shared/FORMATS.md §4): one process simulates a
+//! cluster, each node on its own loopback address and port 50000.
+//!
+//! A node starts in maintenance mode (TLS with a self-signed certificate, no
+//! client certificate, only ApplyConfiguration and Disks), validates an
+//! applied config against the Talos 1.11 schema, then serves mTLS only with a
+//! certificate from the config's `machine.ca`. etcd, kubelet and the
+//! Kubernetes API (with node readiness) come up after simulated delays.
+//! Switches reproduce the field failures: a node that never leaves
+//! maintenance, a reboot after apply, a node configured with a foreign CA,
+//! slow time sync.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::routing::get;
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use futures_util::Stream;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::service::TowerToHyperService;
+use imgbuild::talos::pki::{self, CertAndKey, KeyKind, LeafSpec};
+use rustls::ServerConfig;
+use rustls::server::WebPkiClientVerifier;
+use serde_json::{Value, json};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tonic::{Request, Response, Status};
+
+mod api {
+    #![allow(clippy::all)]
+    pub mod google {
+        pub mod rpc {
+            tonic::include_proto!("google.rpc");
+        }
+    }
+    pub mod common {
+        tonic::include_proto!("common");
+    }
+    pub mod machine {
+        tonic::include_proto!("machine");
+    }
+    pub mod storage {
+        tonic::include_proto!("storage");
+    }
+}
+
+use api::common::{Data, Metadata};
+use api::machine::apply_configuration_request::Mode as ApplyMode;
+use api::machine::machine_service_server::{MachineService, MachineServiceServer};
+use api::machine::*;
+use api::storage::storage_service_server::{StorageService, StorageServiceServer};
+use api::storage::{Disk, Disks, DisksResponse};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// NAME=IP:ROLE (role controlplane or worker), one per node; IPs loopback.
+    #[arg(long = "node", required = true)]
+    nodes: Vec<String>,
+    /// The shared control-plane address, bound once etcd elects a leader.
+    #[arg(long)]
+    vip: Option<IpAddr>,
+    #[arg(long, default_value_t = 50000)]
+    talos_port: u16,
+    #[arg(long, default_value_t = 6443)]
+    k8s_port: u16,
+    #[arg(long, default_value = "v1.11.2")]
+    talos_version: String,
+    /// Milliseconds from apply until mTLS takes over port 50000.
+    #[arg(long, default_value_t = 300)]
+    apply_delay: u64,
+    /// Milliseconds etcd needs from start to healthy (and a joiner waits).
+    #[arg(long, default_value_t = 1000)]
+    etcd_delay: u64,
+    /// Milliseconds from configuration until kubelet is healthy.
+    #[arg(long, default_value_t = 800)]
+    kubelet_delay: u64,
+    /// Milliseconds from registration until a Kubernetes node is Ready.
+    #[arg(long, default_value_t = 800)]
+    ready_delay: u64,
+    /// Milliseconds port 50000 stays closed with `reboot-after-apply`.
+    #[arg(long, default_value_t = 2000)]
+    reboot_delay: u64,
+    /// Milliseconds the clock stays unsynchronised with `slow-time-sync`.
+    #[arg(long, default_value_t = 2000)]
+    time_sync_delay: u64,
+    /// Disk device names every node reports.
+    #[arg(long, value_delimiter = ',', default_value = "sda")]
+    disks: Vec<String>,
+    /// MODE or MODE@NODE: never-leave-maintenance, reboot-after-apply,
+    /// foreign-ca, slow-time-sync.
+    #[arg(long)]
+    misbehave: Vec<String>,
+}
+
+/// What a node got from its machine config.
+struct Applied {
+    hostname: String,
+    os_ca: CertAndKey,
+    k8s_ca: Option<CertAndKey>,
+    endpoint: String,
+    cluster_name: String,
+    api_sans: Vec<IpAddr>,
+}
+
+#[derive(Default, Clone, serde::Serialize)]
+struct Stats {
+    applies: u32,
+    bootstraps: u32,
+    bootstrap_refusals: u32,
+    maintenance_version_calls: u32,
+    kubeconfigs: u32,
+}
+
+#[derive(Default)]
+struct NodeState {
+    applied: Option<Arc<Applied>>,
+    /// When mTLS takes over (None: not configured, or never).
+    configured_at: Option<Instant>,
+    /// Port 50000 closed until then (rebooting).
+    down_until: Option<Instant>,
+    mtls: Option<Arc<ServerConfig>>,
+    stats: Stats,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Down,
+    Maintenance,
+    Configured,
+}
+
+struct Node {
+    name: String,
+    ip: IpAddr,
+    control_plane: bool,
+    modes: Vec<String>,
+    maintenance_tls: Arc<ServerConfig>,
+    st: Mutex<NodeState>,
+    /// Bumped on every phase change: closes maintenance connections and
+    /// takes the listener down for a reboot.
+    changed: watch::Sender<u64>,
+}
+
+impl Node {
+    fn has(&self, mode: &str) -> bool {
+        self.modes.iter().any(|m| m == mode)
+    }
+
+    fn phase(&self, now: Instant) -> Phase {
+        let st = self.st.lock().unwrap();
+        if st.down_until.is_some_and(|t| now < t) {
+            Phase::Down
+        } else if reached(st.configured_at, now) {
+            Phase::Configured
+        } else {
+            Phase::Maintenance
+        }
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|g| *g += 1);
+    }
+}
+
+struct Boot {
+    at: Instant,
+    node: usize,
+}
+
+struct Cluster {
+    args: Args,
+    nodes: Vec<Arc<Node>>,
+    boot: Mutex<Option<Boot>>,
+    /// OS CA keys seen in control-plane configs, by certificate: a worker's
+    /// config has no key, so (like trustd) its certificate comes from here.
+    ca_keys: Mutex<HashMap<String, String>>,
+}
+
+/// Whether the moment `t` (if any) has come.
+fn reached(t: Option<Instant>, now: Instant) -> bool {
+    t.is_some_and(|t| now >= t)
+}
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+impl Cluster {
+    fn configured_at(&self, i: usize) -> Option<Instant> {
+        self.nodes[i].st.lock().unwrap().configured_at
+    }
+
+    fn etcd_start(&self, i: usize) -> Option<Instant> {
+        if !self.nodes[i].control_plane {
+            return None;
+        }
+        let conf = self.configured_at(i)?;
+        let boot = self.boot.lock().unwrap();
+        let boot = boot.as_ref()?;
+        let joinable = if boot.node == i {
+            boot.at
+        } else {
+            boot.at + ms(self.args.etcd_delay)
+        };
+        Some(conf.max(joinable))
+    }
+
+    fn etcd_healthy_at(&self, i: usize) -> Option<Instant> {
+        self.etcd_start(i).map(|t| t + ms(self.args.etcd_delay))
+    }
+
+    fn kubelet_healthy_at(&self, i: usize) -> Option<Instant> {
+        self.configured_at(i)
+            .map(|t| t + ms(self.args.kubelet_delay))
+    }
+
+    fn api_up_at(&self) -> Option<Instant> {
+        (0..self.nodes.len())
+            .filter_map(|i| self.etcd_healthy_at(i))
+            .min()
+    }
+
+    fn index_of(&self, ip: IpAddr) -> Option<usize> {
+        self.nodes.iter().position(|n| n.ip == ip)
+    }
+}
+
+fn parse_node(spec: &str) -> anyhow::Result<(String, IpAddr, bool)> {
+    let (name, rest) = spec
+        .split_once('=')
+        .ok_or_else(|| anyhow::anyhow!("--node {spec}: want NAME=IP:ROLE"))?;
+    let (ip, role) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| anyhow::anyhow!("--node {spec}: want NAME=IP:ROLE"))?;
+    let ip: IpAddr = ip.parse()?;
+    anyhow::ensure!(
+        ip.is_loopback(),
+        "--node {spec}: {ip} is not a loopback address"
+    );
+    let cp = match role {
+        "controlplane" => true,
+        "worker" => false,
+        other => anyhow::bail!("--node {spec}: unknown role {other}"),
+    };
+    Ok((name.to_owned(), ip, cp))
+}
+
+fn server_config(cert: &CertAndKey, client_ca: Option<&str>) -> anyhow::Result<Arc<ServerConfig>> {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for der in pki::certs_der(ca)? {
+                roots.add(der)?;
+            }
+            builder.with_client_cert_verifier(
+                WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?,
+            )
+        }
+    };
+    let mut cfg =
+        builder.with_single_cert(pki::certs_der(&cert.crt)?, pki::private_key_der(&cert.key)?)?;
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
+fn b64_pem(v: &Value, what: &str) -> Result<String, String> {
+    let s = v.as_str().ok_or_else(|| format!("{what} is missing"))?;
+    let bytes = STANDARD
+        .decode(s.trim())
+        .map_err(|_| format!("{what} is not base64"))?;
+    String::from_utf8(bytes).map_err(|_| format!("{what} is not PEM"))
+}
+
+/// Validates a machine config as a node does and extracts what it uses.
+fn read_config(data: &[u8]) -> Result<Applied, Status> {
+    let doc: Value = serde_yaml_ng::from_slice(data)
+        .map_err(|e| Status::invalid_argument(format!("failed to parse config: {e}")))?;
+    let problems = imgbuild::talos::config::schema_problems(&doc);
+    if !problems.is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "config validation failed: {}",
+            problems.join("; ")
+        )));
+    }
+    let invalid = |m: String| Status::invalid_argument(format!("config validation failed: {m}"));
+    let crt = b64_pem(&doc["machine"]["ca"]["crt"], "machine.ca.crt").map_err(invalid)?;
+    pki::cert_info(&crt).map_err(|e| invalid(format!("machine.ca.crt: {e}")))?;
+    let key = match doc["machine"]["ca"]["key"].as_str() {
+        Some(k) if !k.is_empty() => {
+            b64_pem(&doc["machine"]["ca"]["key"], "machine.ca.key").map_err(invalid)?
+        }
+        _ => String::new(),
+    };
+    let endpoint = doc["cluster"]["controlPlane"]["endpoint"]
+        .as_str()
+        .ok_or_else(|| invalid("cluster.controlPlane.endpoint is missing".into()))?
+        .to_owned();
+    let k8s_ca = match doc["cluster"]["ca"]["key"].as_str() {
+        Some(k) if !k.is_empty() => Some(CertAndKey {
+            crt: b64_pem(&doc["cluster"]["ca"]["crt"], "cluster.ca.crt").map_err(invalid)?,
+            key: b64_pem(&doc["cluster"]["ca"]["key"], "cluster.ca.key").map_err(invalid)?,
+        }),
+        _ => None,
+    };
+    let api_sans = doc["cluster"]["apiServer"]["certSANs"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|s| s.as_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    Ok(Applied {
+        hostname: doc["machine"]["network"]["hostname"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+        os_ca: CertAndKey { crt, key },
+        k8s_ca,
+        endpoint,
+        cluster_name: doc["cluster"]["clusterName"]
+            .as_str()
+            .unwrap_or("cluster")
+            .to_owned(),
+        api_sans,
+    })
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let mut nodes = Vec::new();
+    for spec in &args.nodes {
+        let (name, ip, control_plane) = parse_node(spec)?;
+        let modes = args
+            .misbehave
+            .iter()
+            .filter_map(|m| match m.split_once('@') {
+                Some((mode, n)) if n == name => Some(mode.to_owned()),
+                Some(_) => None,
+                None => Some(m.clone()),
+            })
+            .collect();
+        let cert = pki::self_signed_server(&[ip])?;
+        nodes.push(Arc::new(Node {
+            name,
+            ip,
+            control_plane,
+            modes,
+            maintenance_tls: server_config(&cert, None)?,
+            st: Mutex::new(NodeState::default()),
+            changed: watch::channel(0).0,
+        }));
+    }
+    if let Some(vip) = args.vip {
+        anyhow::ensure!(vip.is_loopback(), "--vip {vip} is not a loopback address");
+    }
+    let cluster = Arc::new(Cluster {
+        args,
+        nodes,
+        boot: Mutex::new(None),
+        ca_keys: Mutex::new(HashMap::new()),
+    });
+    // A node "configured by someone else": another cluster's CA.
+    for node in &cluster.nodes {
+        if node.has("foreign-ca") {
+            let os_ca = pki::new_ca(KeyKind::Ed25519, "talos", None, 10)?;
+            let mut st = node.st.lock().unwrap();
+            st.applied = Some(Arc::new(Applied {
+                hostname: node.name.clone(),
+                os_ca,
+                k8s_ca: None,
+                endpoint: String::new(),
+                cluster_name: "foreign".into(),
+                api_sans: Vec::new(),
+            }));
+            st.configured_at = Some(Instant::now());
+        }
+    }
+
+    let control = TcpListener::bind("127.0.0.1:0").await?;
+    let control_url = format!("http://{}", control.local_addr()?);
+    let mut listeners = Vec::new();
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        let talos = TcpListener::bind(SocketAddr::new(node.ip, cluster.args.talos_port)).await?;
+        let k8s = if node.control_plane {
+            Some(TcpListener::bind(SocketAddr::new(node.ip, cluster.args.k8s_port)).await?)
+        } else {
+            None
+        };
+        listeners.push((i, talos, k8s));
+    }
+    println!(
+        "{}",
+        json!({
+            "control": control_url,
+            "nodes": cluster.nodes.iter().map(|n| (n.name.clone(), format!("{}:{}", n.ip, cluster.args.talos_port))).collect::<HashMap<_, _>>(),
+        })
+    );
+    for (i, talos, k8s) in listeners {
+        tokio::spawn(serve_talos(cluster.clone(), i, talos));
+        if let Some(k8s) = k8s {
+            tokio::spawn(serve_k8s(cluster.clone(), Some(i), k8s));
+        }
+    }
+    if let Some(vip) = cluster.args.vip {
+        tokio::spawn(serve_vip(cluster.clone(), vip));
+    }
+    let app = Router::new()
+        .route("/_sim/stats", get(stats))
+        .with_state(cluster);
+    axum::serve(control, app).await?;
+    Ok(())
+}
+
+async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
+    let now = Instant::now();
+    let nodes: serde_json::Map<String, Value> = cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            let phase = format!("{:?}", n.phase(now)).to_lowercase();
+            let stats = n.st.lock().unwrap().stats.clone();
+            let mut v = serde_json::to_value(stats).unwrap();
+            v["phase"] = json!(phase);
+            (n.name.clone(), v)
+        })
+        .collect();
+    axum::Json(json!({
+        "nodes": nodes,
+        "bootstrapped": cluster.boot.lock().unwrap().is_some(),
+    }))
+}
+
+/// Port 50000 of one node: closed while it reboots, maintenance TLS or mTLS
+/// depending on its phase at accept time.
+async fn serve_talos(cluster: Arc<Cluster>, i: usize, first: TcpListener) {
+    let node = cluster.nodes[i].clone();
+    let addr = SocketAddr::new(node.ip, cluster.args.talos_port);
+    let mut listener = Some(first);
+    let mut changes = node.changed.subscribe();
+    loop {
+        let down = node.st.lock().unwrap().down_until;
+        if let Some(until) = down.filter(|t| Instant::now() < *t) {
+            listener = None;
+            tokio::time::sleep_until(until.into()).await;
+            continue;
+        }
+        let l = match listener.take() {
+            Some(l) => l,
+            None => match TcpListener::bind(addr).await {
+                Ok(l) => l,
+                Err(_) => {
+                    tokio::time::sleep(ms(50)).await;
+                    continue;
+                }
+            },
+        };
+        tokio::select! {
+            accepted = l.accept() => {
+                if let Ok((tcp, _)) = accepted {
+                    tokio::spawn(handle_talos(cluster.clone(), i, tcp));
+                }
+                listener = Some(l);
+            }
+            _ = changes.changed() => {
+                listener = Some(l);
+            }
+        }
+    }
+}
+
+/// The mTLS server config of a configured node: a certificate for its
+/// address from the config's OS CA, client certificates from that CA only.
+fn mtls_config(cluster: &Cluster, node: &Node) -> Option<Arc<ServerConfig>> {
+    let mut st = node.st.lock().unwrap();
+    if let Some(cfg) = &st.mtls {
+        return Some(cfg.clone());
+    }
+    let applied = st.applied.clone()?;
+    let key = if applied.os_ca.key.is_empty() {
+        cluster
+            .ca_keys
+            .lock()
+            .unwrap()
+            .get(&applied.os_ca.crt)
+            .cloned()?
+    } else {
+        applied.os_ca.key.clone()
+    };
+    let ca = CertAndKey {
+        crt: applied.os_ca.crt.clone(),
+        key,
+    };
+    let leaf = pki::issue(
+        &ca,
+        &LeafSpec {
+            common_name: node.name.clone(),
+            ips: vec![node.ip],
+            server: true,
+            client: true,
+            days: 365,
+            ..LeafSpec::default()
+        },
+    )
+    .ok()?;
+    let cfg = server_config(&leaf, Some(&ca.crt)).ok()?;
+    st.mtls = Some(cfg.clone());
+    Some(cfg)
+}
+
+async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
+    let node = cluster.nodes[i].clone();
+    let phase = node.phase(Instant::now());
+    let (config, secure) = match phase {
+        Phase::Down => return,
+        Phase::Maintenance => (node.maintenance_tls.clone(), false),
+        Phase::Configured => match mtls_config(&cluster, &node) {
+            Some(c) => (c, true),
+            // A worker waiting for a control plane's CA (trustd): no API yet.
+            None => return,
+        },
+    };
+    let Ok(tls) = tokio_rustls::TlsAcceptor::from(config).accept(tcp).await else {
+        return;
+    };
+    if secure {
+        let admin = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(|der| {
+                let text = pem::encode(&pem::Pem::new("CERTIFICATE", der.to_vec()));
+                pki::cert_info(&text).ok()
+            })
+            .is_some_and(|info| info.organizations.iter().any(|o| o == "os:admin"));
+        if !admin {
+            return;
+        }
+    }
+    let api = Api {
+        cluster: cluster.clone(),
+        me: i,
+        secure,
+    };
+    let routes = tonic::service::Routes::new(MachineServiceServer::new(api.clone()))
+        .add_service(StorageServiceServer::new(api))
+        .prepare();
+    let conn = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+        .http2_only()
+        .serve_connection(TokioIo::new(tls), TowerToHyperService::new(routes))
+        .into_owned();
+    if secure {
+        let _ = conn.await;
+        return;
+    }
+    // The maintenance server stops when the node leaves maintenance mode:
+    // a client that keeps this channel loses it.
+    let mut changes = node.changed.subscribe();
+    let leaves = async {
+        loop {
+            if changes.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+            if node.phase(Instant::now()) != Phase::Maintenance {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = conn => {}
+        _ = leaves => {}
+    }
+}
+
+#[derive(Clone)]
+struct Api {
+    cluster: Arc<Cluster>,
+    me: usize,
+    secure: bool,
+}
+
+const NOT_IN_MAINTENANCE: &str = "API is not implemented in maintenance mode";
+
+impl Api {
+    fn metadata(&self, i: usize) -> Option<Metadata> {
+        Some(Metadata {
+            hostname: self.cluster.nodes[i].name.clone(),
+            ..Metadata::default()
+        })
+    }
+
+    /// The node a call is for: this one, or the `node` routing metadata's.
+    fn target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
+        if !self.secure {
+            return Err(Status::unimplemented(NOT_IN_MAINTENANCE));
+        }
+        let Some(v) = req.metadata().get("node") else {
+            return Ok(self.me);
+        };
+        let ip: IpAddr = v
+            .to_str()
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| Status::invalid_argument("node metadata is not an address"))?;
+        let i = self.cluster.index_of(ip).ok_or_else(|| {
+            Status::unavailable(format!(
+                "connection error: dial {ip}:50000: no route to host"
+            ))
+        })?;
+        if self.cluster.nodes[i].phase(Instant::now()) != Phase::Configured {
+            return Err(Status::unavailable(format!(
+                "connection error: {ip} does not accept proxied calls (not configured)"
+            )));
+        }
+        Ok(i)
+    }
+}
+
+type DataStream = Pin<Box<dyn Stream<Item = Result<Data, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl MachineService for Api {
+    async fn apply_configuration(
+        &self,
+        req: Request<ApplyConfigurationRequest>,
+    ) -> Result<Response<ApplyConfigurationResponse>, Status> {
+        let req = req.into_inner();
+        let mode = ApplyMode::try_from(req.mode).unwrap_or(ApplyMode::Reboot);
+        if !self.secure && !matches!(mode, ApplyMode::Auto | ApplyMode::Reboot | ApplyMode::Try) {
+            return Err(Status::invalid_argument(format!(
+                "apply mode {mode:?} is not supported in maintenance mode"
+            )));
+        }
+        let applied = read_config(&req.data)?;
+        let node = &self.cluster.nodes[self.me];
+        let now = Instant::now();
+        if !applied.os_ca.key.is_empty() {
+            self.cluster
+                .ca_keys
+                .lock()
+                .unwrap()
+                .insert(applied.os_ca.crt.clone(), applied.os_ca.key.clone());
+        }
+        let details;
+        {
+            let mut st = node.st.lock().unwrap();
+            st.stats.applies += 1;
+            st.applied = Some(Arc::new(applied));
+            st.mtls = None;
+            if self.secure {
+                details = "Applied configuration without a reboot".to_owned();
+            } else if node.has("never-leave-maintenance") {
+                details = "Applied configuration".to_owned();
+            } else if node.has("reboot-after-apply") {
+                let down = now + ms(100);
+                st.down_until = Some(down + ms(self.cluster.args.reboot_delay));
+                st.configured_at = st.down_until;
+                details = "Applied configuration, the node will reboot".to_owned();
+            } else {
+                st.configured_at = Some(now + ms(self.cluster.args.apply_delay));
+                details = "Applied configuration without a reboot".to_owned();
+            }
+        }
+        // Phase changes happen later; wake the listener and connections then.
+        let (cluster, me) = (self.cluster.clone(), self.me);
+        let wake_at: Vec<Instant> = {
+            let st = node.st.lock().unwrap();
+            [
+                st.down_until
+                    .map(|t| t - ms(self.cluster.args.reboot_delay)),
+                st.down_until,
+                st.configured_at,
+            ]
+            .into_iter()
+            .flatten()
+            .collect()
+        };
+        tokio::spawn(async move {
+            for t in wake_at {
+                tokio::time::sleep_until(t.into()).await;
+                cluster.nodes[me].bump();
+            }
+        });
+        Ok(Response::new(ApplyConfigurationResponse {
+            messages: vec![ApplyConfiguration {
+                metadata: self.metadata(self.me),
+                warnings: Vec::new(),
+                mode: ApplyMode::Auto as i32,
+                mode_details: details,
+            }],
+        }))
+    }
+
+    async fn bootstrap(
+        &self,
+        req: Request<BootstrapRequest>,
+    ) -> Result<Response<BootstrapResponse>, Status> {
+        if !self.secure {
+            return Err(Status::unimplemented("method Bootstrap not implemented"));
+        }
+        let i = self.target(&req)?;
+        let node = &self.cluster.nodes[i];
+        if !node.control_plane {
+            return Err(Status::failed_precondition(
+                "bootstrap is not available on worker nodes",
+            ));
+        }
+        let conf = self.cluster.configured_at(i).unwrap_or_else(Instant::now);
+        if node.has("slow-time-sync")
+            && Instant::now() < conf + ms(self.cluster.args.time_sync_delay)
+        {
+            node.st.lock().unwrap().stats.bootstrap_refusals += 1;
+            return Err(Status::failed_precondition("time is not in sync yet"));
+        }
+        let mut boot = self.cluster.boot.lock().unwrap();
+        if boot.is_some() {
+            node.st.lock().unwrap().stats.bootstrap_refusals += 1;
+            return Err(Status::already_exists("etcd data directory is not empty"));
+        }
+        *boot = Some(Boot {
+            at: Instant::now(),
+            node: i,
+        });
+        node.st.lock().unwrap().stats.bootstraps += 1;
+        Ok(Response::new(BootstrapResponse {
+            messages: vec![Bootstrap {
+                metadata: self.metadata(i),
+            }],
+        }))
+    }
+
+    async fn etcd_member_list(
+        &self,
+        req: Request<EtcdMemberListRequest>,
+    ) -> Result<Response<EtcdMemberListResponse>, Status> {
+        let i = self.target(&req)?;
+        let now = Instant::now();
+        if !reached(self.cluster.etcd_start(i), now) {
+            return Err(Status::failed_precondition(
+                "etcd is not running on this node",
+            ));
+        }
+        let members = (0..self.cluster.nodes.len())
+            .filter(|&j| reached(self.cluster.etcd_start(j), now))
+            .map(|j| {
+                let n = &self.cluster.nodes[j];
+                let hostname =
+                    n.st.lock()
+                        .unwrap()
+                        .applied
+                        .as_ref()
+                        .map(|a| a.hostname.clone())
+                        .unwrap_or_default();
+                EtcdMember {
+                    id: 0x1000 + j as u64,
+                    hostname,
+                    peer_urls: vec![format!("https://{}:2380", n.ip)],
+                    client_urls: vec![format!("https://{}:2379", n.ip)],
+                    is_learner: false,
+                }
+            })
+            .collect();
+        Ok(Response::new(EtcdMemberListResponse {
+            messages: vec![EtcdMembers {
+                metadata: self.metadata(i),
+                legacy_members: Vec::new(),
+                members,
+            }],
+        }))
+    }
+
+    type KubeconfigStream = DataStream;
+
+    async fn kubeconfig(
+        &self,
+        req: Request<()>,
+    ) -> Result<Response<Self::KubeconfigStream>, Status> {
+        let i = self.target(&req)?;
+        let now = Instant::now();
+        if !reached(self.cluster.etcd_healthy_at(i), now) {
+            return Err(Status::failed_precondition(
+                "kubeconfig is not available yet: the API server is not running",
+            ));
+        }
+        let node = &self.cluster.nodes[i];
+        let applied = node.st.lock().unwrap().applied.clone().expect("configured");
+        let ca = applied
+            .k8s_ca
+            .clone()
+            .ok_or_else(|| Status::failed_precondition("no Kubernetes CA key on this node"))?;
+        let admin = pki::issue(
+            &ca,
+            &LeafSpec {
+                organization: Some("system:masters".into()),
+                common_name: "admin".into(),
+                client: true,
+                days: 365,
+                ..LeafSpec::default()
+            },
+        )
+        .map_err(|e| Status::internal(e.to_string()))?;
+        let name = &applied.cluster_name;
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n    - name: {name}\n      cluster:\n        server: {}\n        certificate-authority-data: {}\nusers:\n    - name: admin@{name}\n      user:\n        client-certificate-data: {}\n        client-key-data: {}\ncontexts:\n    - context:\n        cluster: {name}\n        namespace: default\n        user: admin@{name}\n      name: admin@{name}\ncurrent-context: admin@{name}\n",
+            applied.endpoint,
+            STANDARD.encode(&ca.crt),
+            STANDARD.encode(&admin.crt),
+            STANDARD.encode(&admin.key),
+        );
+        // A tar with one entry and no end-of-archive blocks, gzipped.
+        let mut tar = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(text.len() as u64);
+        h.set_mode(0o600);
+        h.set_cksum();
+        tar.append_data(&mut h, "kubeconfig", text.as_bytes())
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let mut raw = tar
+            .into_inner()
+            .map_err(|e| Status::internal(e.to_string()))?;
+        raw.truncate(raw.len() - 1024);
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        std::io::Write::write_all(&mut gz, &raw).map_err(|e| Status::internal(e.to_string()))?;
+        let archive = gz.finish().map_err(|e| Status::internal(e.to_string()))?;
+        node.st.lock().unwrap().stats.kubeconfigs += 1;
+        let half = archive.len() / 2;
+        let md = self.metadata(i);
+        let chunks = vec![
+            Ok(Data {
+                metadata: md.clone(),
+                bytes: archive[..half].to_vec(),
+            }),
+            Ok(Data {
+                metadata: md,
+                bytes: archive[half..].to_vec(),
+            }),
+        ];
+        Ok(Response::new(Box::pin(futures_util::stream::iter(chunks))))
+    }
+
+    async fn service_list(
+        &self,
+        req: Request<()>,
+    ) -> Result<Response<ServiceListResponse>, Status> {
+        let i = self.target(&req)?;
+        let now = Instant::now();
+        let service = |id: &str, state: &str, healthy: Option<bool>, msg: &str| ServiceInfo {
+            id: id.into(),
+            state: state.into(),
+            events: None,
+            health: Some(ServiceHealth {
+                unknown: healthy.is_none(),
+                healthy: healthy.unwrap_or(false),
+                last_message: msg.into(),
+                last_change: None,
+            }),
+        };
+        let mut services = vec![
+            service("apid", "Running", Some(true), ""),
+            service("machined", "Running", Some(true), ""),
+        ];
+        let kubelet = self.cluster.kubelet_healthy_at(i);
+        services.push(match kubelet {
+            Some(t) if now >= t => service("kubelet", "Running", Some(true), ""),
+            _ => service(
+                "kubelet",
+                "Running",
+                Some(false),
+                "waiting for kubelet to become healthy",
+            ),
+        });
+        if self.cluster.nodes[i].control_plane {
+            let start = self.cluster.etcd_start(i);
+            let healthy = self.cluster.etcd_healthy_at(i);
+            services.push(match (start, healthy) {
+                (Some(_), Some(h)) if now >= h => service("etcd", "Running", Some(true), ""),
+                (Some(s), _) if now >= s => {
+                    service("etcd", "Running", Some(false), "etcd is starting")
+                }
+                _ => service(
+                    "etcd",
+                    "Preparing",
+                    None,
+                    "Waiting for etcd bootstrap or join",
+                ),
+            });
+        }
+        Ok(Response::new(ServiceListResponse {
+            messages: vec![ServiceList {
+                metadata: self.metadata(i),
+                services,
+            }],
+        }))
+    }
+
+    async fn version(&self, req: Request<()>) -> Result<Response<VersionResponse>, Status> {
+        if !self.secure {
+            self.cluster.nodes[self.me]
+                .st
+                .lock()
+                .unwrap()
+                .stats
+                .maintenance_version_calls += 1;
+        }
+        let i = self.target(&req)?;
+        Ok(Response::new(VersionResponse {
+            messages: vec![Version {
+                metadata: self.metadata(i),
+                version: Some(VersionInfo {
+                    tag: self.cluster.args.talos_version.clone(),
+                    sha: "imgbuild-sim".into(),
+                    built: String::new(),
+                    go_version: String::new(),
+                    os: "linux".into(),
+                    arch: "amd64".into(),
+                }),
+                platform: Some(PlatformInfo {
+                    name: "metal".into(),
+                    mode: "metal".into(),
+                }),
+            }],
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl StorageService for Api {
+    async fn disks(&self, req: Request<()>) -> Result<Response<DisksResponse>, Status> {
+        let i = if self.secure {
+            self.target(&req)?
+        } else {
+            self.me
+        };
+        Ok(Response::new(DisksResponse {
+            messages: vec![Disks {
+                metadata: self.metadata(i),
+                disks: self
+                    .cluster
+                    .args
+                    .disks
+                    .iter()
+                    .map(|d| Disk {
+                        size: 20 << 30,
+                        model: "QEMU HARDDISK".into(),
+                        device_name: d.clone(),
+                    })
+                    .collect(),
+            }],
+        }))
+    }
+}
+
+/// The API server's TLS config once one is up: a certificate from the
+/// cluster CA naming every address it may be reached on.
+fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig>> {
+    let now = Instant::now();
+    let up = reached(cluster.api_up_at(), now);
+    if !up {
+        return None;
+    }
+    if let Some(i) = serving
+        && !reached(cluster.etcd_healthy_at(i), now)
+    {
+        return None;
+    }
+    let from = serving
+        .or_else(|| (0..cluster.nodes.len()).find(|&i| reached(cluster.etcd_healthy_at(i), now)))?;
+    let applied = cluster.nodes[from].st.lock().unwrap().applied.clone()?;
+    let ca = applied.k8s_ca.clone()?;
+    let mut ips = applied.api_sans.clone();
+    ips.push(cluster.nodes[from].ip);
+    ips.extend(cluster.args.vip);
+    let leaf = pki::issue(
+        &ca,
+        &LeafSpec {
+            common_name: "kube-apiserver".into(),
+            ips,
+            server: true,
+            days: 365,
+            ..LeafSpec::default()
+        },
+    )
+    .ok()?;
+    server_config(&leaf, Some(&ca.crt)).ok()
+}
+
+async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpListener) {
+    loop {
+        let Ok((tcp, _)) = listener.accept().await else {
+            continue;
+        };
+        let cluster = cluster.clone();
+        tokio::spawn(async move {
+            let Some(cfg) = k8s_tls(&cluster, serving) else {
+                return;
+            };
+            let Ok(tls) = tokio_rustls::TlsAcceptor::from(cfg).accept(tcp).await else {
+                return;
+            };
+            let app = Router::new()
+                .route("/api/v1/nodes", get(k8s_nodes))
+                .with_state(cluster);
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app))
+                .await;
+        });
+    }
+}
+
+/// The VIP appears once etcd elects a leader (after bootstrap), never before.
+async fn serve_vip(cluster: Arc<Cluster>, vip: IpAddr) {
+    loop {
+        if reached(cluster.api_up_at(), Instant::now()) {
+            break;
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    if let Ok(l) = TcpListener::bind(SocketAddr::new(vip, cluster.args.k8s_port)).await {
+        serve_k8s(cluster, None, l).await;
+    }
+}
+
+async fn k8s_nodes(State(cluster): State<Arc<Cluster>>) -> Result<axum::Json<Value>, Infallible> {
+    let now = Instant::now();
+    let api_up = cluster.api_up_at();
+    let items: Vec<Value> = (0..cluster.nodes.len())
+        .filter_map(|i| {
+            let registered = cluster.kubelet_healthy_at(i)?.max(api_up?);
+            if now < registered {
+                return None;
+            }
+            let ready = now >= registered + ms(cluster.args.ready_delay);
+            Some(json!({
+                "metadata": {"name": cluster.nodes[i].name},
+                "status": {"conditions": [
+                    {"type": "Ready", "status": if ready { "True" } else { "False" }},
+                ]},
+            }))
+        })
+        .collect();
+    Ok(axum::Json(
+        json!({"kind": "NodeList", "apiVersion": "v1", "items": items}),
+    ))
+}

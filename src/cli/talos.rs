@@ -1,0 +1,367 @@
+//! `imgbuild secrets`, `config`, `talosconfig` and `bootstrap`: the cluster's
+//! state directory and the way from booted images to a healthy cluster.
+
+use super::{Output, load_inventory};
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use imgbuild::inventory::Inventory;
+use imgbuild::talos::bootstrap::{self, Event, Observer, Options, Plan, PlannedNode};
+use imgbuild::talos::client::Target;
+use imgbuild::talos::config;
+use imgbuild::talos::secrets::SecretsBundle;
+use imgbuild::talos::talosconfig::Talosconfig;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Where the cluster's secrets and client files live.
+#[derive(Args)]
+pub struct StateArgs {
+    /// Secrets, talosconfig, kubeconfig, rendered configs (0700; files 0600)
+    /// [default: .talos/<cluster name>/ beside the inventory]
+    #[arg(long, env = "IMGBUILD_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+}
+
+impl StateArgs {
+    fn dir(&self, inv: &Inventory) -> PathBuf {
+        self.state_dir
+            .clone()
+            .unwrap_or_else(|| config::default_state_dir(inv))
+    }
+}
+
+#[derive(Args)]
+pub struct SecretsArgs {
+    #[command(subcommand)]
+    command: SecretsCommand,
+}
+
+#[derive(Subcommand)]
+enum SecretsCommand {
+    /// Create the cluster's secrets.yaml (talosctl gen secrets layout), or
+    /// import one made by `talosctl gen secrets` with --secrets.
+    Gen(SecretsGenArgs),
+}
+
+#[derive(Args)]
+pub struct SecretsGenArgs {
+    #[command(flatten)]
+    state: StateArgs,
+    /// Import this secrets.yaml instead of generating one.
+    #[arg(long)]
+    secrets: Option<PathBuf>,
+    /// Replace an existing secrets.yaml (nodes configured from it become foreign).
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Args)]
+pub struct ConfigArgs {
+    /// The node whose machine config to print.
+    node: String,
+    #[command(flatten)]
+    state: StateArgs,
+}
+
+#[derive(Args)]
+pub struct TalosconfigArgs {
+    #[command(flatten)]
+    state: StateArgs,
+    /// Write a new admin certificate even if the current one is still good.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Args)]
+pub struct BootstrapArgs {
+    #[command(flatten)]
+    state: StateArgs,
+    /// Client identity to use [default: <state-dir>/talosconfig, made from the secrets].
+    #[arg(long, env = "TALOSCONFIG")]
+    talosconfig: Option<PathBuf>,
+    /// Per node: from "port closed" to "answers over mTLS" (e.g. 10m, 90s).
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    node_timeout: Duration,
+    /// Retrying Bootstrap while etcd or time sync is not ready.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    bootstrap_timeout: Duration,
+    /// From bootstrap until every health check passes.
+    #[arg(long, default_value = "15m", value_parser = parse_duration)]
+    health_timeout: Duration,
+    /// One API call.
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    call_timeout: Duration,
+    /// Pause between polls.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    poll: Duration,
+    /// Accept only a maintenance-mode certificate with this SHA-256 (hex).
+    #[arg(long)]
+    cert_fingerprint: Option<String>,
+    /// No progress lines.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// `90s`, `10m`, `1h`, `500ms`, or plain seconds.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let (num, unit) = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .map_or((t, "s"), |i| t.split_at(i));
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 90s or 10m"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (ms, s, m, h)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// The state dir, created 0700, and the secrets in it, created on first use.
+fn secrets_for(inv: &Inventory, state: &StateArgs) -> Result<(PathBuf, SecretsBundle, bool)> {
+    let dir = state.dir(inv);
+    config::ensure_private_dir(&dir).with_context(|| format!("state dir {}", dir.display()))?;
+    let path = dir.join("secrets.yaml");
+    if path.exists() {
+        return Ok((dir, SecretsBundle::load(&path)?, false));
+    }
+    let bundle = SecretsBundle::generate()?;
+    bundle.save(&path, false)?;
+    Ok((dir, bundle, true))
+}
+
+pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
+    let SecretsCommand::Gen(args) = args.command;
+    let inv = load_inventory(config, output)?;
+    let dir = args.state.dir(&inv);
+    config::ensure_private_dir(&dir).with_context(|| format!("state dir {}", dir.display()))?;
+    let path = dir.join("secrets.yaml");
+    let bundle = match &args.secrets {
+        Some(src) => SecretsBundle::load(src)?,
+        None => SecretsBundle::generate()?,
+    };
+    bundle.save(&path, args.force)?;
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({"secrets": path, "imported": args.secrets, "replaced": args.force})
+        ),
+        Output::Text => println!(
+            "{}: {} (0600)",
+            path.display(),
+            if args.secrets.is_some() {
+                "imported"
+            } else {
+                "generated"
+            }
+        ),
+    }
+    Ok(())
+}
+
+pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let node = inv.node(&args.node)?;
+    let (_, bundle, _) = secrets_for(&inv, &args.state)?;
+    let text = config::machine_config(&inv, node, &bundle)?;
+    match output {
+        Output::Json => println!("{}", json!({"node": node.name, "config": text})),
+        Output::Text => print!("{text}"),
+    }
+    Ok(())
+}
+
+/// Writes `<state>/talosconfig` unless the current one still fits.
+fn ensure_talosconfig(
+    inv: &Inventory,
+    dir: &Path,
+    bundle: &SecretsBundle,
+    force: bool,
+) -> Result<(PathBuf, Talosconfig, bool)> {
+    let path = dir.join("talosconfig");
+    if !force
+        && path.exists()
+        && let Ok(existing) = Talosconfig::load(&path)
+        && existing.is_current_for(inv, bundle)
+    {
+        return Ok((path, existing, false));
+    }
+    let cfg = Talosconfig::generate(inv, bundle)?;
+    cfg.save(&path)?;
+    Ok((path, cfg, true))
+}
+
+pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let (dir, bundle, _) = secrets_for(&inv, &args.state)?;
+    let (path, cfg, written) = ensure_talosconfig(&inv, &dir, &bundle, args.force)?;
+    let endpoints = cfg.current().map_err(anyhow::Error::msg)?.endpoints.clone();
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({"talosconfig": path, "written": written, "context": cfg.context, "endpoints": endpoints})
+        ),
+        Output::Text => println!(
+            "{}: {} (context {}, endpoints {})",
+            path.display(),
+            if written { "written" } else { "unchanged" },
+            cfg.context,
+            endpoints.join(", ")
+        ),
+    }
+    Ok(())
+}
+
+/// Prints each event as one line on stderr, with the time since start.
+struct Lines {
+    start: Instant,
+    quiet: bool,
+}
+
+impl Observer for Lines {
+    fn event(&self, node: &str, event: &Event) {
+        if !self.quiet {
+            eprintln!(
+                "[{:>6.1}s] {node}: {event}",
+                self.start.elapsed().as_secs_f64()
+            );
+        }
+    }
+}
+
+pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let (dir, bundle, _) = secrets_for(&inv, &args.state)?;
+    let secrets_path = dir.join("secrets.yaml");
+    let (tc_path, talosconfig) = match &args.talosconfig {
+        Some(p) => (p.clone(), Talosconfig::load(p)?),
+        None => {
+            let (p, cfg, _) = ensure_talosconfig(&inv, &dir, &bundle, false)?;
+            (p, cfg)
+        }
+    };
+    talosconfig.check_matches(&bundle, &tc_path, &secrets_path)?;
+    let identity = talosconfig.identity().map_err(anyhow::Error::msg)?;
+
+    let configs_dir = dir.join("configs");
+    config::ensure_private_dir(&configs_dir)?;
+    let mut nodes = Vec::new();
+    for node in &inv.nodes {
+        let Some(target) = Target::new(node.address, node.talos_endpoint.as_deref()) else {
+            bail!(
+                "node {}: no address or talosEndpoint, so imgbuild cannot reach its API (a dhcp node needs talosEndpoint: its current address)",
+                node.name
+            );
+        };
+        let text = config::machine_config(&inv, node, &bundle)?;
+        imgbuild::atomic::write_if_changed(
+            &configs_dir.join(format!("{}.yaml", node.name)),
+            text.as_bytes(),
+            true,
+        )?;
+        nodes.push(PlannedNode {
+            name: node.name.clone(),
+            role: node.role,
+            address: node.address.unwrap_or(target.server_name),
+            target,
+            install_disk: node.install_disk.clone(),
+            config: text.into_bytes(),
+        });
+    }
+    let plan = Plan {
+        nodes,
+        endpoint: inv.cluster.endpoint.clone(),
+        identity: Arc::new(identity),
+        kubeconfig_path: dir.join("kubeconfig"),
+    };
+    let opts = Options {
+        node_timeout: args.node_timeout,
+        bootstrap_timeout: args.bootstrap_timeout,
+        health_timeout: args.health_timeout,
+        call_timeout: args.call_timeout,
+        poll: args.poll,
+        pin: args
+            .cert_fingerprint
+            .map(|f| f.replace(':', "").to_ascii_lowercase()),
+    };
+    let observer = Lines {
+        start: Instant::now(),
+        quiet: args.quiet,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let outcome = runtime.block_on(bootstrap::run(&plan, &opts, &observer))?;
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({
+                "cluster": inv.cluster.name,
+                "healthy": true,
+                "applied": outcome.applied,
+                "alreadyConfigured": outcome.already_configured,
+                "bootstrapped": outcome.bootstrapped,
+                "bootstrapNode": outcome.bootstrap_node,
+                "versions": outcome.versions,
+                "kubeconfig": plan.kubeconfig_path,
+                "kubeconfigServer": outcome.kubeconfig_server,
+                "talosconfig": tc_path,
+                "elapsedMs": outcome.elapsed_ms,
+            })
+        ),
+        Output::Text => {
+            println!(
+                "cluster {} is healthy ({:.1}s)",
+                inv.cluster.name,
+                outcome.elapsed_ms as f64 / 1000.0
+            );
+            println!(
+                "  applied: {}",
+                if outcome.applied.is_empty() {
+                    "nothing (all nodes were configured)".to_owned()
+                } else {
+                    outcome.applied.join(", ")
+                }
+            );
+            println!(
+                "  etcd: {} on {}",
+                if outcome.bootstrapped {
+                    "bootstrapped"
+                } else {
+                    "already bootstrapped"
+                },
+                outcome.bootstrap_node
+            );
+            println!(
+                "  kubeconfig: {} (server {})",
+                plan.kubeconfig_path.display(),
+                outcome.kubeconfig_server
+            );
+            println!("  talosconfig: {}", tc_path.display());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_duration;
+    use std::time::Duration;
+
+    #[test]
+    fn durations_read_like_talosctl_flags() {
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert!(parse_duration("3d").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("x").is_err());
+    }
+}

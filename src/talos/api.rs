@@ -1,0 +1,20 @@
+//! The Talos machine API subset in `proto/`, generated at build time.
+#![allow(clippy::all, missing_docs)]
+
+pub mod google {
+    pub mod rpc {
+        tonic::include_proto!("google.rpc");
+    }
+}
+
+pub mod common {
+    tonic::include_proto!("common");
+}
+
+pub mod machine {
+    tonic::include_proto!("machine");
+}
+
+pub mod storage {
+    tonic::include_proto!("storage");
+}

@@ -1,0 +1,787 @@
+//! The bootstrap state machine: every node from "port closed" through
+//! maintenance mode and apply to mTLS, etcd bootstrapped once on the first
+//! control plane's own address, then health as talosctl judges it.
+//!
+//! Each wait knows the state it is in, so a timeout says where the node got
+//! stuck and what that usually means.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::client::{self, ApiError, Mode, NodeClient, Probe, Target};
+use super::kube::{self, Kubeconfig};
+use super::talosconfig::Identity;
+use crate::inventory::Role;
+
+/// One node as the bootstrap needs it.
+#[derive(Clone)]
+pub struct PlannedNode {
+    pub name: String,
+    pub role: Role,
+    pub address: IpAddr,
+    pub target: Target,
+    pub install_disk: String,
+    /// The rendered machine config (contains secrets; never logged).
+    pub config: Vec<u8>,
+}
+
+impl fmt::Debug for PlannedNode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PlannedNode")
+            .field("name", &self.name)
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Everything one run needs, prepared from the inventory and state dir.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// In inventory order; the first control plane is bootstrapped.
+    pub nodes: Vec<PlannedNode>,
+    /// `https://host:port`, possibly on the VIP.
+    pub endpoint: String,
+    pub identity: Arc<Identity>,
+    pub kubeconfig_path: PathBuf,
+}
+
+/// Limits and knobs; defaults suit real hardware.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Per node: from "port closed" to "answers over mTLS".
+    pub node_timeout: Duration,
+    /// Bootstrap retries (time sync, etcd not ready yet).
+    pub bootstrap_timeout: Duration,
+    /// From bootstrap to every health check passing.
+    pub health_timeout: Duration,
+    /// One API call.
+    pub call_timeout: Duration,
+    /// Pause between polls.
+    pub poll: Duration,
+    /// SHA-256 of the maintenance certificate to accept (all nodes).
+    pub pin: Option<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            node_timeout: Duration::from_secs(600),
+            bootstrap_timeout: Duration::from_secs(300),
+            health_timeout: Duration::from_secs(900),
+            call_timeout: Duration::from_secs(15),
+            poll: Duration::from_secs(2),
+            pin: None,
+        }
+    }
+}
+
+/// What happened, for the progress display.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    WaitingForPort,
+    PortOpen,
+    Maintenance { fingerprint: String },
+    Applying,
+    Applied { details: String },
+    PortClosed,
+    StillInMaintenance,
+    Configured { version: String },
+    Bootstrapping,
+    BootstrapRetry { reason: String },
+    Bootstrapped,
+    AlreadyBootstrapped,
+    Waiting { pending: Vec<String> },
+    Kubeconfig { server: String },
+    Healthy,
+}
+
+impl fmt::Display for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Event::WaitingForPort => write!(f, "waiting for port {} to open", client::PORT),
+            Event::PortOpen => write!(f, "port open, probing TLS"),
+            Event::Maintenance { fingerprint } => write!(
+                f,
+                "maintenance mode (certificate sha256 {})",
+                &fingerprint[..fingerprint.len().min(16)]
+            ),
+            Event::Applying => write!(f, "applying machine config (insecure, maintenance API)"),
+            Event::Applied { details } if details.is_empty() => write!(f, "config applied"),
+            Event::Applied { details } => write!(f, "config applied: {details}"),
+            Event::PortClosed => write!(f, "port closed (rebooting?), waiting"),
+            Event::StillInMaintenance => write!(f, "still in maintenance mode, waiting"),
+            Event::Configured { version } => write!(f, "configured, mTLS ok, Talos {version}"),
+            Event::Bootstrapping => write!(f, "bootstrapping etcd"),
+            Event::BootstrapRetry { reason } => write!(f, "bootstrap not possible yet: {reason}"),
+            Event::Bootstrapped => write!(f, "etcd bootstrapped"),
+            Event::AlreadyBootstrapped => write!(f, "etcd already bootstrapped, nothing to do"),
+            Event::Waiting { pending } => write!(f, "waiting for: {}", pending.join("; ")),
+            Event::Kubeconfig { server } => write!(f, "kubeconfig written (server {server})"),
+            Event::Healthy => write!(f, "cluster healthy"),
+        }
+    }
+}
+
+/// Receives events as they happen (the CLI prints them).
+pub trait Observer: Send + Sync {
+    fn event(&self, node: &str, event: &Event);
+}
+
+/// What one run did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Outcome {
+    /// Nodes that got a config in this run.
+    pub applied: Vec<String>,
+    /// Nodes that were already configured.
+    pub already_configured: Vec<String>,
+    /// Whether this run bootstrapped etcd (false: it already was).
+    pub bootstrapped: bool,
+    pub bootstrap_node: String,
+    pub kubeconfig_server: String,
+    /// Talos version per node.
+    pub versions: BTreeMap<String, String>,
+    pub elapsed_ms: u128,
+}
+
+/// Why the bootstrap stopped. Messages say the state and what it means.
+#[derive(Debug, thiserror::Error)]
+pub enum BootstrapError {
+    #[error("node {node}: {state}: {detail}\n  {hint}")]
+    Stuck {
+        node: String,
+        state: String,
+        detail: String,
+        hint: String,
+    },
+    #[error("node {node}: {message}")]
+    Rejected { node: String, message: String },
+    #[error("health checks still failing after {timeout:?}:\n  {}", pending.join("\n  "))]
+    Unhealthy {
+        timeout: Duration,
+        pending: Vec<String>,
+    },
+    #[error("{0}")]
+    Local(String),
+}
+
+fn stuck(node: &str, state: &str, detail: impl fmt::Display, hint: &str) -> BootstrapError {
+    BootstrapError::Stuck {
+        node: node.to_owned(),
+        state: state.to_owned(),
+        detail: detail.to_string(),
+        hint: hint.to_owned(),
+    }
+}
+
+const HINT_PORT: &str = "The machine is not up, not reachable from here, or has another address: check that it booted this cluster's image, and nodes[].address / talosEndpoint.";
+const HINT_MAINTENANCE: &str = "The node accepted the config but never left maintenance mode. This usually means it cannot act on it: the install disk is missing (check nodes[].installDisk against the disks it reports), the install image cannot be pulled, or the config failed on the node; its console tells which.";
+const HINT_REBOOT: &str = "The node went away after the config was applied and did not come back: it is rebooting into an install that fails, or booted from media without the installed system.";
+const HINT_FOREIGN: &str = "The node is configured with a different CA than this cluster's secrets.yaml: it was set up from other secrets (another secrets.yaml, or a talosconfig generated elsewhere). Use that cluster's secrets (`imgbuild secrets gen --secrets FILE --force`) or reset the node to maintenance mode.";
+
+struct Ctx<'a> {
+    opts: &'a Options,
+    identity: Arc<Identity>,
+    observer: &'a dyn Observer,
+}
+
+/// How a node reached mTLS.
+struct NodeDone {
+    applied: bool,
+    version: String,
+}
+
+/// Brings one node to "answers Version over mTLS", applying its config when
+/// it is in maintenance mode. Never calls Version on a maintenance node.
+async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapError> {
+    let opts = cx.opts;
+    let name = node.name.as_str();
+    let deadline = Instant::now() + opts.node_timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    cx.observer.event(name, &Event::WaitingForPort);
+    client::wait_for_port(node.target.addr, opts.node_timeout)
+        .await
+        .map_err(|e| stuck(name, "port 50000 never opened", e, HINT_PORT))?;
+    cx.observer.event(name, &Event::PortOpen);
+    let mtls = Mode::Mtls(cx.identity.clone());
+    let mut applied = false;
+    let mut last_state = String::new();
+    loop {
+        let probed = client::probe(&node.target, opts.call_timeout).await;
+        match probed {
+            Ok(Probe::Configured) => {
+                match connect_version(&node.target, &mtls, opts.call_timeout).await {
+                    Ok(version) => {
+                        cx.observer.event(
+                            name,
+                            &Event::Configured {
+                                version: version.clone(),
+                            },
+                        );
+                        return Ok(NodeDone { applied, version });
+                    }
+                    Err(ApiError::UnknownAuthority(detail)) => {
+                        return Err(stuck(
+                            name,
+                            "configured by someone else (certificate signed by unknown authority)",
+                            detail,
+                            HINT_FOREIGN,
+                        ));
+                    }
+                    Err(e) => {
+                        last_state = format!("configured, but the API does not answer yet ({e})")
+                    }
+                }
+            }
+            Ok(Probe::Maintenance { fingerprint }) if !applied => {
+                cx.observer.event(name, &Event::Maintenance { fingerprint });
+                match apply(node, cx).await {
+                    Ok(details) => {
+                        applied = true;
+                        cx.observer.event(name, &Event::Applied { details });
+                    }
+                    // Someone configured it between probe and apply.
+                    Err(ApiError::CertificateRequired) => continue,
+                    Err(ApiError::Status {
+                        code: tonic::Code::InvalidArgument,
+                        message,
+                    }) => {
+                        return Err(BootstrapError::Rejected {
+                            node: name.to_owned(),
+                            message: format!("the node rejected its machine config: {message}"),
+                        });
+                    }
+                    Err(e @ ApiError::PinMismatch { .. }) => {
+                        return Err(BootstrapError::Rejected {
+                            node: name.to_owned(),
+                            message: format!("{e}; refusing to send it the config"),
+                        });
+                    }
+                    Err(e) => last_state = format!("maintenance mode, apply failed ({e})"),
+                }
+            }
+            Ok(Probe::Maintenance { .. }) => {
+                cx.observer.event(name, &Event::StillInMaintenance);
+                last_state = "still in maintenance mode after its config was applied".into();
+            }
+            Err(ApiError::Unreachable(detail)) => {
+                if applied {
+                    cx.observer.event(name, &Event::PortClosed);
+                }
+                last_state = format!("port closed ({detail})");
+            }
+            Err(e) => last_state = format!("TLS probe failed ({e})"),
+        }
+        if left() < opts.poll {
+            let (state, hint) = if last_state.starts_with("still in maintenance") {
+                ("stuck in maintenance mode", HINT_MAINTENANCE)
+            } else if applied && last_state.starts_with("port closed") {
+                ("did not come back after apply", HINT_REBOOT)
+            } else if applied {
+                ("not answering over mTLS after apply", HINT_REBOOT)
+            } else {
+                ("not reachable in maintenance mode", HINT_PORT)
+            };
+            return Err(stuck(
+                name,
+                state,
+                format!("{last_state}; gave up after {:?}", opts.node_timeout),
+                hint,
+            ));
+        }
+        tokio::time::sleep(opts.poll).await;
+    }
+}
+
+async fn connect_version(
+    target: &Target,
+    mode: &Mode,
+    timeout: Duration,
+) -> Result<String, ApiError> {
+    NodeClient::connect(target, mode, timeout)
+        .await?
+        .version()
+        .await
+}
+
+/// Checks the install disk exists, then applies the config insecurely.
+async fn apply(node: &PlannedNode, cx: &Ctx<'_>) -> Result<String, ApiError> {
+    let mode = Mode::Maintenance {
+        pin: cx.opts.pin.clone(),
+    };
+    let conn = NodeClient::connect(&node.target, &mode, cx.opts.call_timeout).await?;
+    let disks = conn.disks().await?;
+    let wanted = node.install_disk.trim_start_matches("/dev/");
+    if !disks.is_empty() && !disks.iter().any(|d| d == wanted) {
+        return Err(ApiError::Status {
+            code: tonic::Code::InvalidArgument,
+            message: format!(
+                "install disk {} does not exist on this machine (it has: {}); set nodes[].installDisk",
+                node.install_disk,
+                disks
+                    .iter()
+                    .map(|d| format!("/dev/{d}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        });
+    }
+    cx.observer.event(&node.name, &Event::Applying);
+    conn.apply(node.config.clone()).await
+}
+
+/// Bootstrap once on `node`'s own address. `Ok(false)`: it already was.
+async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, BootstrapError> {
+    let name = node.name.as_str();
+    let mode = Mode::Mtls(cx.identity.clone());
+    let deadline = Instant::now() + cx.opts.bootstrap_timeout;
+    let mut last = String::new();
+    loop {
+        let attempt = async {
+            let conn = NodeClient::connect(&node.target, &mode, cx.opts.call_timeout).await?;
+            // A running etcd means bootstrap happened: do not even ask.
+            let services = conn.services().await?;
+            if services
+                .iter()
+                .any(|s| s.id == "etcd" && s.state == "Running")
+            {
+                return Ok(false);
+            }
+            cx.observer.event(name, &Event::Bootstrapping);
+            match conn.bootstrap().await {
+                Ok(()) => Ok(true),
+                Err(ApiError::Status {
+                    code: tonic::Code::AlreadyExists,
+                    ..
+                }) => Ok(false),
+                Err(e) => Err(e),
+            }
+        };
+        match attempt.await {
+            Ok(done) => {
+                cx.observer.event(
+                    name,
+                    if done {
+                        &Event::Bootstrapped
+                    } else {
+                        &Event::AlreadyBootstrapped
+                    },
+                );
+                return Ok(done);
+            }
+            Err(e) => {
+                let retry = matches!(
+                    e.code(),
+                    Some(
+                        tonic::Code::FailedPrecondition
+                            | tonic::Code::Unavailable
+                            | tonic::Code::DeadlineExceeded
+                    )
+                ) || matches!(e, ApiError::Unreachable(_) | ApiError::Timeout(_));
+                if !retry {
+                    return Err(BootstrapError::Rejected {
+                        node: name.to_owned(),
+                        message: format!("bootstrap failed: {e}"),
+                    });
+                }
+                let reason = e.to_string();
+                if reason != last {
+                    cx.observer.event(
+                        name,
+                        &Event::BootstrapRetry {
+                            reason: reason.clone(),
+                        },
+                    );
+                    last = reason;
+                }
+            }
+        }
+        if Instant::now() + cx.opts.poll > deadline {
+            let hint = if last.contains("time is not in sync") {
+                "The node's clock is not synchronised: check machine.time servers (network.timeServers) are reachable from the node."
+            } else {
+                "etcd could not start: check the node's console and `talosctl logs etcd`."
+            };
+            return Err(stuck(
+                name,
+                "bootstrap not accepted",
+                format!("{last}; gave up after {:?}", cx.opts.bootstrap_timeout),
+                hint,
+            ));
+        }
+        tokio::time::sleep(cx.opts.poll).await;
+    }
+}
+
+/// Whether something accepts TCP on `addr` right now (for the VIP).
+fn answers(addr: SocketAddr) -> bool {
+    TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
+}
+
+fn endpoint_addr(endpoint: &str) -> Option<(String, SocketAddr)> {
+    let host = crate::inventory::endpoint_host(endpoint)?;
+    let ip: IpAddr = host.parse().ok()?;
+    let rest = endpoint.trim_end_matches('/');
+    let port = rest
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .filter(|_| !rest.ends_with(']'))
+        .unwrap_or(443);
+    Some((host.to_owned(), SocketAddr::new(ip, port)))
+}
+
+/// The API server URL to write: the endpoint once it answers, else the first
+/// control plane's own address (the VIP appears only after etcd elects it).
+fn reachable_server(endpoint: &str, first_cp: IpAddr) -> String {
+    match endpoint_addr(endpoint) {
+        Some((_, addr)) if !answers(addr) => {
+            let host = match first_cp {
+                IpAddr::V6(v6) => format!("[{v6}]"),
+                v4 => v4.to_string(),
+            };
+            format!("https://{host}:{}", addr.port())
+        }
+        _ => endpoint.to_owned(),
+    }
+}
+
+/// The kubeconfig in use: one already on disk is reused while it works, so a
+/// re-run on a healthy cluster rewrites nothing.
+struct KubeState {
+    config: Option<Kubeconfig>,
+    from_disk: bool,
+}
+
+impl KubeState {
+    fn load(path: &std::path::Path) -> KubeState {
+        let config = std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| Kubeconfig::parse(&t).ok());
+        KubeState {
+            from_disk: config.is_some(),
+            config,
+        }
+    }
+}
+
+/// One round of every health check; returns what is not yet true.
+async fn health_round(
+    plan: &Plan,
+    first_cp: &PlannedNode,
+    cx: &Ctx<'_>,
+    kube_state: &mut KubeState,
+) -> Vec<String> {
+    let mode = Mode::Mtls(cx.identity.clone());
+    let mut pending = Vec::new();
+    let control_planes: Vec<&PlannedNode> = plan
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Controlplane)
+        .collect();
+    let checks = plan.nodes.iter().map(|node| {
+        let mode = mode.clone();
+        async move {
+            let mut out = Vec::new();
+            let conn = match NodeClient::connect(&node.target, &mode, cx.opts.call_timeout).await {
+                Ok(c) => c,
+                Err(e) => return vec![format!("{}: API not answering ({e})", node.name)],
+            };
+            if let Err(e) = conn.version().await {
+                out.push(format!("{}: Version fails ({e})", node.name));
+            }
+            match conn.services().await {
+                Ok(services) => {
+                    let mut wanted = vec!["kubelet"];
+                    if node.role == Role::Controlplane {
+                        wanted.insert(0, "etcd");
+                    }
+                    for id in wanted {
+                        match services.iter().find(|s| s.id == id) {
+                            None => out.push(format!("{}: service {id} not present", node.name)),
+                            Some(s) => {
+                                let healthy = s.health.as_ref().is_some_and(|h| h.healthy);
+                                if s.state != "Running" || !healthy {
+                                    let msg = s
+                                        .health
+                                        .as_ref()
+                                        .map(|h| h.last_message.clone())
+                                        .filter(|m| !m.is_empty())
+                                        .map(|m| format!(", {m}"))
+                                        .unwrap_or_default();
+                                    out.push(format!(
+                                        "{}: {id} {}{}{msg}",
+                                        node.name,
+                                        s.state,
+                                        if healthy { "" } else { " (not healthy)" }
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(e) => out.push(format!("{}: ServiceList fails ({e})", node.name)),
+            }
+            out
+        }
+    });
+    for problems in futures_util::future::join_all(checks).await {
+        pending.extend(problems);
+    }
+
+    // etcd membership, as the first control plane sees it.
+    match NodeClient::connect(&first_cp.target, &mode, cx.opts.call_timeout).await {
+        Ok(conn) => match conn.etcd_members().await {
+            Ok(members) => {
+                let mut names: Vec<&str> = members.iter().map(|m| m.hostname.as_str()).collect();
+                names.sort_unstable();
+                let mut want: Vec<&str> = control_planes.iter().map(|n| n.name.as_str()).collect();
+                want.sort_unstable();
+                if names != want {
+                    pending.push(format!(
+                        "etcd members are [{}], control planes are [{}]",
+                        names.join(", "),
+                        want.join(", ")
+                    ));
+                }
+            }
+            Err(e) => pending.push(format!("etcd member list: {e}")),
+        },
+        Err(e) => pending.push(format!("etcd member list: {e}")),
+    }
+
+    // Kubeconfig, then Kubernetes node readiness through it.
+    if kube_state.config.is_none() {
+        let fetched = async {
+            let conn = NodeClient::connect(&first_cp.target, &mode, cx.opts.call_timeout).await?;
+            conn.kubeconfig().await
+        }
+        .await;
+        match fetched {
+            Ok(archive) => match kube::from_archive(&archive).and_then(|t| Kubeconfig::parse(&t)) {
+                Ok(kc) => {
+                    kube_state.config = Some(kc);
+                    kube_state.from_disk = false;
+                }
+                Err(e) => pending.push(e.to_string()),
+            },
+            Err(e) => pending.push(format!("kubeconfig: {e}")),
+        }
+    }
+    let Some(kc) = kube_state.config.as_mut() else {
+        pending.push("Kubernetes: no kubeconfig yet".into());
+        return pending;
+    };
+    let server = reachable_server(&plan.endpoint, first_cp.address);
+    if kc.server != server {
+        *kc = kc.with_server(&server);
+    }
+    let probe = kc.clone();
+    let timeout = cx.opts.call_timeout;
+    let readiness = tokio::task::spawn_blocking(move || probe.node_readiness(timeout))
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r.map_err(|e| e.to_string()));
+    match readiness {
+        Ok(list) => {
+            for node in &plan.nodes {
+                match list.iter().find(|(n, _)| *n == node.name) {
+                    None => pending.push(format!("{}: not registered in Kubernetes", node.name)),
+                    Some((_, false)) => {
+                        pending.push(format!("{}: Kubernetes node not Ready", node.name))
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        Err(e) if kube_state.from_disk => {
+            // The kubeconfig already on disk does not work (expired, other
+            // cluster): fetch a fresh one next round.
+            kube_state.config = None;
+            pending.push(format!("existing kubeconfig does not work ({e})"));
+            return pending;
+        }
+        Err(e) => pending.push(e),
+    }
+    match write_kubeconfig(kc, &plan.kubeconfig_path) {
+        Ok(true) => cx.observer.event(
+            &first_cp.name,
+            &Event::Kubeconfig {
+                server: kc.server.clone(),
+            },
+        ),
+        Ok(false) => {}
+        Err(e) => pending.push(e),
+    }
+    pending
+}
+
+/// Writes `kc` 0600 when its text changed; `Ok(true)` when it wrote.
+fn write_kubeconfig(kc: &Kubeconfig, path: &std::path::Path) -> Result<bool, String> {
+    crate::atomic::write_if_changed(path, kc.to_yaml().as_bytes(), true)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Runs the whole state machine. Idempotent: configured nodes get nothing
+/// applied and a bootstrapped cluster is not bootstrapped again.
+pub async fn run(
+    plan: &Plan,
+    opts: &Options,
+    observer: &dyn Observer,
+) -> Result<Outcome, BootstrapError> {
+    let started = Instant::now();
+    let cx = Ctx {
+        opts,
+        identity: plan.identity.clone(),
+        observer,
+    };
+    let first_cp = plan
+        .nodes
+        .iter()
+        .find(|n| n.role == Role::Controlplane)
+        .ok_or_else(|| BootstrapError::Local("the inventory has no control plane".into()))?;
+
+    // Every node settles concurrently; bootstrap starts as soon as the first
+    // control plane is ready, while the others are still coming up.
+    let settling = plan.nodes.iter().map(|n| settle(n, &cx));
+    let first_index = plan
+        .nodes
+        .iter()
+        .position(|n| n.name == first_cp.name)
+        .expect("first control plane is a node");
+    let mut results: Vec<Option<Result<NodeDone, BootstrapError>>> =
+        plan.nodes.iter().map(|_| None).collect();
+    let mut bootstrapped = None;
+    {
+        use futures_util::stream::{FuturesUnordered, StreamExt};
+        let mut pending: FuturesUnordered<_> = settling
+            .enumerate()
+            .map(|(i, f)| async move { (i, f.await) })
+            .collect();
+        let mut boot: Option<std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send + '_>>> =
+            None;
+        loop {
+            tokio::select! {
+                Some((i, r)) = pending.next(), if !pending.is_empty() => {
+                    if i == first_index && r.is_ok() {
+                        boot = Some(Box::pin(bootstrap_once(first_cp, &cx)));
+                    }
+                    if let Err(e) = r {
+                        return Err(e);
+                    }
+                    results[i] = Some(r);
+                }
+                b = async { boot.as_mut().expect("guarded").await }, if boot.is_some() => {
+                    boot = None;
+                    bootstrapped = Some(b?);
+                }
+                else => break,
+            }
+            if pending.is_empty() && boot.is_none() {
+                break;
+            }
+        }
+    }
+    let bootstrapped = bootstrapped.expect("bootstrap ran once the first control plane settled");
+
+    let health_deadline = Instant::now() + opts.health_timeout;
+    let mut kube_state = KubeState::load(&plan.kubeconfig_path);
+    let mut last_pending: Vec<String> = Vec::new();
+    loop {
+        let pending = health_round(plan, first_cp, &cx, &mut kube_state).await;
+        if pending.is_empty() {
+            break;
+        }
+        if pending != last_pending {
+            observer.event(
+                "cluster",
+                &Event::Waiting {
+                    pending: pending.clone(),
+                },
+            );
+        }
+        if Instant::now() + opts.poll > health_deadline {
+            return Err(BootstrapError::Unhealthy {
+                timeout: opts.health_timeout,
+                pending,
+            });
+        }
+        last_pending = pending;
+        tokio::time::sleep(opts.poll).await;
+    }
+    observer.event("cluster", &Event::Healthy);
+
+    let mut outcome = Outcome {
+        applied: Vec::new(),
+        already_configured: Vec::new(),
+        bootstrapped,
+        bootstrap_node: first_cp.name.clone(),
+        kubeconfig_server: kube_state.config.map(|k| k.server).unwrap_or_default(),
+        versions: BTreeMap::new(),
+        elapsed_ms: started.elapsed().as_millis(),
+    };
+    for (node, r) in plan.nodes.iter().zip(results) {
+        let done = r.expect("every node settled")?;
+        if done.applied {
+            outcome.applied.push(node.name.clone());
+        } else {
+            outcome.already_configured.push(node.name.clone());
+        }
+        outcome.versions.insert(node.name.clone(), done.version);
+    }
+    Ok(outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_split_into_host_and_port() {
+        assert_eq!(
+            endpoint_addr("https://10.0.0.10:6443"),
+            Some(("10.0.0.10".into(), "10.0.0.10:6443".parse().unwrap()))
+        );
+        assert_eq!(
+            endpoint_addr("https://10.0.0.10"),
+            Some(("10.0.0.10".into(), "10.0.0.10:443".parse().unwrap()))
+        );
+        assert_eq!(endpoint_addr("https://k8s.example:6443"), None);
+    }
+
+    #[test]
+    fn an_unanswering_vip_is_replaced_by_the_first_control_plane() {
+        // Nothing listens on this loopback port.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let endpoint = format!("https://127.0.0.1:{port}");
+        assert_eq!(
+            reachable_server(&endpoint, "127.0.0.2".parse().unwrap()),
+            endpoint,
+            "an answering endpoint is kept"
+        );
+        drop(listener);
+        assert_eq!(
+            reachable_server(&endpoint, "127.0.0.2".parse().unwrap()),
+            format!("https://127.0.0.2:{port}")
+        );
+    }
+
+    #[test]
+    fn events_read_as_states() {
+        assert_eq!(
+            Event::Maintenance {
+                fingerprint: "ab".repeat(32)
+            }
+            .to_string(),
+            "maintenance mode (certificate sha256 abababababababab)"
+        );
+        let e = stuck("cp-01", "stuck in maintenance mode", "x", HINT_MAINTENANCE).to_string();
+        assert!(
+            e.starts_with("node cp-01: stuck in maintenance mode: x\n"),
+            "{e}"
+        );
+    }
+}

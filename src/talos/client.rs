@@ -1,0 +1,646 @@
+//! A Talos machine API client with the two ways a node must be spoken to:
+//! maintenance mode (TLS, the node's self-signed certificate, no client
+//! certificate) and mTLS (the cluster's OS CA, the admin identity). TLS is
+//! done here with rustls on aws-lc-rs, not by tonic, so a probe can see what
+//! the node asked for during the handshake.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use tokio::net::TcpStream;
+use tonic::transport::{Channel, Endpoint};
+
+use super::api::machine::apply_configuration_request::Mode as ApplyMode;
+use super::api::machine::machine_service_client::MachineServiceClient;
+use super::api::machine::{
+    ApplyConfigurationRequest, BootstrapRequest, EtcdMember, EtcdMemberListRequest, ServiceInfo,
+};
+use super::api::storage::storage_service_client::StorageServiceClient;
+use super::pki;
+use super::talosconfig::Identity;
+
+/// The Talos API port.
+pub const PORT: u16 = 50000;
+
+/// How to authenticate to a node.
+#[derive(Clone)]
+pub enum Mode {
+    /// Unconfigured node: accept its self-signed certificate, or only the one
+    /// whose SHA-256 is `pin`.
+    Maintenance { pin: Option<String> },
+    /// Configured node: verify it against the OS CA and present the admin cert.
+    Mtls(Arc<Identity>),
+}
+
+impl fmt::Debug for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Mode::Maintenance { pin } => write!(f, "Maintenance {{ pin: {pin:?} }}"),
+            Mode::Mtls(_) => f.write_str("Mtls"),
+        }
+    }
+}
+
+/// Why a call failed, sorted into what the bootstrap must react to.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ApiError {
+    /// The node wants a client certificate: it has a config, use mTLS.
+    #[error(
+        "the node requires a client certificate (\"tls: certificate required\"): it is configured and only speaks mTLS"
+    )]
+    CertificateRequired,
+    /// The node's certificate is not from our CA (or ours is not from its).
+    #[error("certificate signed by unknown authority: {0}")]
+    UnknownAuthority(String),
+    #[error("the node's certificate has SHA-256 {found}, not the pinned {expected}")]
+    PinMismatch { expected: String, found: String },
+    #[error("cannot connect: {0}")]
+    Unreachable(String),
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("{code:?}: {message}")]
+    Status { code: tonic::Code, message: String },
+    #[error("TLS: {0}")]
+    Tls(String),
+}
+
+impl ApiError {
+    /// The gRPC code of an answered call.
+    pub fn code(&self) -> Option<tonic::Code> {
+        match self {
+            ApiError::Status { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// Where a node's API is and which name its certificate carries.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub addr: SocketAddr,
+    pub server_name: IpAddr,
+}
+
+impl Target {
+    /// `endpoint` is `ip` or `ip:port` (the inventory's talosEndpoint), else
+    /// `address:50000`.
+    pub fn new(address: Option<IpAddr>, endpoint: Option<&str>) -> Option<Target> {
+        if let Some(ep) = endpoint {
+            if let Ok(addr) = ep.parse::<SocketAddr>() {
+                return Some(Target {
+                    addr,
+                    server_name: address.unwrap_or(addr.ip()),
+                });
+            }
+            if let Ok(ip) = ep.parse::<IpAddr>() {
+                return Some(Target {
+                    addr: SocketAddr::new(ip, PORT),
+                    server_name: address.unwrap_or(ip),
+                });
+            }
+            return None;
+        }
+        let ip = address?;
+        Some(Target {
+            addr: SocketAddr::new(ip, PORT),
+            server_name: ip,
+        })
+    }
+}
+
+/// What a TLS handshake without a client certificate revealed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Probe {
+    /// Handshake done without a certificate request: maintenance mode.
+    Maintenance { fingerprint: String },
+    /// The node asked for a client certificate: it is configured.
+    Configured,
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+}
+
+/// Accepts any certificate (maintenance nodes are self-signed) unless pinned,
+/// and records what it saw; handshake signatures are still verified.
+#[derive(Debug)]
+struct AnyCert {
+    pin: Option<String>,
+    seen: Mutex<Option<String>>,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl ServerCertVerifier for AnyCert {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let fp = pki::fingerprint(end_entity);
+        *self.seen.lock().expect("not poisoned") = Some(fp.clone());
+        match &self.pin {
+            Some(pin) if !pin.eq_ignore_ascii_case(&fp.replace(':', "")) => {
+                Err(rustls::Error::InvalidCertificate(
+                    rustls::CertificateError::ApplicationVerificationFailure,
+                ))
+            }
+            _ => Ok(ServerCertVerified::assertion()),
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// Presents no certificate but notes that the server asked for one.
+#[derive(Debug, Default)]
+struct NoteRequest(AtomicBool);
+
+impl rustls::client::ResolvesClientCert for NoteRequest {
+    fn resolve(
+        &self,
+        _hints: &[&[u8]],
+        _schemes: &[SignatureScheme],
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        self.0.store(true, Ordering::SeqCst);
+        None
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
+
+fn tls_config(mode: &Mode) -> Result<(ClientConfig, Option<Arc<AnyCert>>), ApiError> {
+    let provider = provider();
+    let builder = ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ApiError::Tls(e.to_string()))?;
+    let (mut config, verifier) = match mode {
+        Mode::Maintenance { pin } => {
+            let v = Arc::new(AnyCert {
+                pin: pin.clone(),
+                seen: Mutex::new(None),
+                provider,
+            });
+            let cfg = builder
+                .dangerous()
+                .with_custom_certificate_verifier(v.clone())
+                .with_no_client_auth();
+            (cfg, Some(v))
+        }
+        Mode::Mtls(id) => {
+            let mut roots = RootCertStore::empty();
+            for der in pki::certs_der(&id.ca).map_err(|e| ApiError::Tls(format!("CA: {e}")))? {
+                roots
+                    .add(der)
+                    .map_err(|e| ApiError::Tls(format!("CA: {e}")))?;
+            }
+            let chain = pki::certs_der(&id.client.crt)
+                .map_err(|e| ApiError::Tls(format!("client certificate: {e}")))?;
+            let key = pki::private_key_der(&id.client.key)
+                .map_err(|e| ApiError::Tls(format!("client key: {e}")))?;
+            let cfg = builder
+                .with_root_certificates(roots)
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| ApiError::Tls(format!("client identity: {e}")))?;
+            (cfg, None)
+        }
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok((config, verifier))
+}
+
+/// Waits until something accepts TCP connections on `addr`, never sending a
+/// byte: a node that is still booting must not be probed with API calls.
+pub async fn wait_for_port(addr: SocketAddr, timeout: Duration) -> Result<(), ApiError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let last =
+            match tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)).await {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "connect timed out".to_owned(),
+            };
+        if tokio::time::Instant::now() + Duration::from_millis(200) > deadline {
+            return Err(ApiError::Unreachable(format!(
+                "{addr}: port not open after {timeout:?} ({last})"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// One TLS handshake without a client certificate: tells maintenance mode
+/// (no certificate request) from a configured node (request, then the
+/// `certificate_required` alert) without calling any API.
+pub async fn probe(target: &Target, timeout: Duration) -> Result<Probe, ApiError> {
+    let (mut config, verifier) = tls_config(&Mode::Maintenance { pin: None })?;
+    let noted = Arc::new(NoteRequest::default());
+    config.client_auth_cert_resolver = noted.clone();
+    let work = async {
+        let tcp = TcpStream::connect(target.addr)
+            .await
+            .map_err(|e| ApiError::Unreachable(format!("{}: {e}", target.addr)))?;
+        let name = ServerName::IpAddress(target.server_name.into());
+        let result = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await;
+        if noted.0.load(Ordering::SeqCst) {
+            return Ok(Probe::Configured);
+        }
+        match result {
+            Ok(_) => {
+                let fingerprint = verifier
+                    .and_then(|v| v.seen.lock().expect("not poisoned").clone())
+                    .unwrap_or_default();
+                Ok(Probe::Maintenance { fingerprint })
+            }
+            Err(e) => Err(classify_io(&e).unwrap_or_else(|| ApiError::Tls(e.to_string()))),
+        }
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| ApiError::Timeout(timeout))?
+}
+
+/// A connection to one node's API.
+#[derive(Clone)]
+pub struct NodeClient {
+    channel: Channel,
+    target: Target,
+    insecure: bool,
+    /// Routing metadata: the node apid should proxy the call to.
+    node: Option<String>,
+    timeout: Duration,
+}
+
+impl NodeClient {
+    /// Connects (TCP + TLS handshake) to `target` in `mode`.
+    pub async fn connect(
+        target: &Target,
+        mode: &Mode,
+        timeout: Duration,
+    ) -> Result<NodeClient, ApiError> {
+        let (config, verifier) = tls_config(mode)?;
+        let config = Arc::new(config);
+        let addr = target.addr;
+        let name = ServerName::IpAddress(target.server_name.into());
+        let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
+            let config = config.clone();
+            let name = name.clone();
+            async move {
+                let tcp = TcpStream::connect(addr).await?;
+                let tls = tokio_rustls::TlsConnector::from(config)
+                    .connect(name, tcp)
+                    .await?;
+                Ok::<_, std::io::Error>(TokioIo::new(tls))
+            }
+        });
+        let channel = Endpoint::from_static("http://talos-node")
+            .connect_timeout(timeout)
+            .timeout(timeout)
+            .connect_with_connector(connector)
+            .await
+            .map_err(|e| {
+                let err = classify(&e).unwrap_or_else(|| ApiError::Unreachable(chain(&e)));
+                match (err, &verifier, mode) {
+                    (ApiError::Tls(_), Some(v), Mode::Maintenance { pin: Some(pin) }) => {
+                        ApiError::PinMismatch {
+                            expected: pin.clone(),
+                            found: v
+                                .seen
+                                .lock()
+                                .expect("not poisoned")
+                                .clone()
+                                .unwrap_or_default(),
+                        }
+                    }
+                    (err, ..) => err,
+                }
+            })?;
+        Ok(NodeClient {
+            channel,
+            target: target.clone(),
+            insecure: matches!(mode, Mode::Maintenance { .. }),
+            node: None,
+            timeout,
+        })
+    }
+
+    /// Sends every call through this endpoint to `node` (gRPC `node` metadata).
+    pub fn via(mut self, node: IpAddr) -> Self {
+        self.node = Some(node.to_string());
+        self
+    }
+
+    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(msg);
+        req.set_timeout(self.timeout);
+        if let Some(node) = &self.node
+            && let Ok(v) = node.parse()
+        {
+            req.metadata_mut().insert("node", v);
+        }
+        req
+    }
+
+    /// Sorts a failed call. A configured node rejects a channel without a
+    /// client certificate with an alert that may arrive as a bare
+    /// "connection closed"; a fresh handshake tells which it was.
+    async fn fail(&self, s: tonic::Status) -> ApiError {
+        let err = status_error(&s);
+        let transport = matches!(
+            err.code(),
+            Some(tonic::Code::Cancelled | tonic::Code::Unknown | tonic::Code::Unavailable)
+        );
+        if self.insecure
+            && transport
+            && matches!(
+                probe(&self.target, self.timeout).await,
+                Ok(Probe::Configured)
+            )
+        {
+            return ApiError::CertificateRequired;
+        }
+        err
+    }
+
+    fn machine(&self) -> MachineServiceClient<Channel> {
+        MachineServiceClient::new(self.channel.clone())
+    }
+
+    /// Awaits one call, sorting its failure.
+    async fn call<T>(
+        &self,
+        reply: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, ApiError> {
+        match reply.await {
+            Ok(r) => Ok(r.into_inner()),
+            Err(s) => Err(self.fail(s).await),
+        }
+    }
+
+    /// The node's disks: answers in maintenance mode too.
+    pub async fn disks(&self) -> Result<Vec<String>, ApiError> {
+        let mut storage = StorageServiceClient::new(self.channel.clone());
+        let reply = self.call(storage.disks(self.request(()))).await?;
+        Ok(reply
+            .messages
+            .into_iter()
+            .flat_map(|m| m.disks)
+            .map(|d| d.device_name)
+            .collect())
+    }
+
+    /// The Talos version tag (fails in maintenance mode, by design).
+    pub async fn version(&self) -> Result<String, ApiError> {
+        let reply = self.call(self.machine().version(self.request(()))).await?;
+        Ok(reply
+            .messages
+            .into_iter()
+            .next()
+            .and_then(|m| m.version)
+            .map(|v| v.tag)
+            .unwrap_or_default())
+    }
+
+    /// Applies `config` in AUTO mode; returns the node's mode details.
+    pub async fn apply(&self, config: Vec<u8>) -> Result<String, ApiError> {
+        let req = ApplyConfigurationRequest {
+            data: config,
+            mode: ApplyMode::Auto as i32,
+            dry_run: false,
+            try_mode_timeout: None,
+        };
+        let reply = self
+            .call(self.machine().apply_configuration(self.request(req)))
+            .await?;
+        Ok(reply
+            .messages
+            .into_iter()
+            .map(|m| m.mode_details)
+            .collect::<Vec<_>>()
+            .join("; "))
+    }
+
+    /// Asks the node to bootstrap etcd.
+    pub async fn bootstrap(&self) -> Result<(), ApiError> {
+        self.call(
+            self.machine()
+                .bootstrap(self.request(BootstrapRequest::default())),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The node's services and their health.
+    pub async fn services(&self) -> Result<Vec<ServiceInfo>, ApiError> {
+        let reply = self
+            .call(self.machine().service_list(self.request(())))
+            .await?;
+        Ok(reply
+            .messages
+            .into_iter()
+            .flat_map(|m| m.services)
+            .collect())
+    }
+
+    /// The etcd members as this node sees them.
+    pub async fn etcd_members(&self) -> Result<Vec<EtcdMember>, ApiError> {
+        let req = EtcdMemberListRequest { query_local: false };
+        let reply = self
+            .call(self.machine().etcd_member_list(self.request(req)))
+            .await?;
+        Ok(reply.messages.into_iter().flat_map(|m| m.members).collect())
+    }
+
+    /// The admin kubeconfig archive (a .tar.gz) streamed by the node.
+    pub async fn kubeconfig(&self) -> Result<Vec<u8>, ApiError> {
+        let mut stream = self
+            .call(self.machine().kubeconfig(self.request(())))
+            .await?;
+        let mut out = Vec::new();
+        loop {
+            match stream.message().await {
+                Ok(Some(chunk)) => out.extend_from_slice(&chunk.bytes),
+                Ok(None) => return Ok(out),
+                Err(s) => return Err(self.fail(s).await),
+            }
+        }
+    }
+}
+
+/// Every message in an error's source chain, for the rare unclassified case.
+fn chain(e: &(dyn StdError + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let m = s.to_string();
+        if !parts.iter().any(|p| p.contains(&m)) {
+            parts.push(m);
+        }
+        cur = s.source();
+    }
+    parts.join(": ")
+}
+
+fn from_rustls(e: &rustls::Error) -> ApiError {
+    use rustls::{AlertDescription, CertificateError, Error};
+    match e {
+        Error::AlertReceived(AlertDescription::CertificateRequired) => {
+            ApiError::CertificateRequired
+        }
+        Error::InvalidCertificate(CertificateError::UnknownIssuer)
+        | Error::InvalidCertificate(CertificateError::BadSignature)
+        | Error::AlertReceived(AlertDescription::UnknownCA)
+        | Error::AlertReceived(AlertDescription::BadCertificate) => {
+            ApiError::UnknownAuthority(e.to_string())
+        }
+        other => ApiError::Tls(other.to_string()),
+    }
+}
+
+fn classify_io(e: &std::io::Error) -> Option<ApiError> {
+    classify(e)
+}
+
+/// Finds the TLS or socket failure inside a transport error.
+fn classify(e: &(dyn StdError + 'static)) -> Option<ApiError> {
+    let mut cur: Option<&(dyn StdError + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(r) = err.downcast_ref::<rustls::Error>() {
+            return Some(from_rustls(r));
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if let Some(inner) = io.get_ref()
+                && let Some(r) = inner.downcast_ref::<rustls::Error>()
+            {
+                return Some(from_rustls(r));
+            }
+            // Alerts read after the handshake reach us as text only.
+            let text = io.to_string();
+            if text.contains("received fatal alert: CertificateRequired") {
+                return Some(ApiError::CertificateRequired);
+            }
+            if ["UnknownCA", "BadCertificate", "UnknownIssuer"]
+                .iter()
+                .any(|a| text.contains(a))
+            {
+                return Some(ApiError::UnknownAuthority(text));
+            }
+            use std::io::ErrorKind::*;
+            if matches!(
+                io.kind(),
+                ConnectionRefused | ConnectionReset | ConnectionAborted | TimedOut | NotConnected
+            ) {
+                return Some(ApiError::Unreachable(io.to_string()));
+            }
+        }
+        cur = err.source();
+    }
+    None
+}
+
+fn status_error(s: &tonic::Status) -> ApiError {
+    if let Some(err) = classify(s) {
+        return err;
+    }
+    // A transport failure inside a call surfaces as Unavailable/Unknown whose
+    // message is all that is left of the TLS alert.
+    let msg = s.message();
+    if msg.contains("certificate required") || msg.contains("CertificateRequired") {
+        return ApiError::CertificateRequired;
+    }
+    if s.code() == tonic::Code::DeadlineExceeded && msg.contains("Timeout expired") {
+        return ApiError::Timeout(Duration::ZERO);
+    }
+    ApiError::Status {
+        code: s.code(),
+        message: msg.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_default_to_port_50000_and_honour_endpoints() {
+        let ip: IpAddr = "127.0.0.5".parse().unwrap();
+        let t = Target::new(Some(ip), None).unwrap();
+        assert_eq!(t.addr, "127.0.0.5:50000".parse().unwrap());
+        let t = Target::new(Some(ip), Some("127.0.0.1:50001")).unwrap();
+        assert_eq!(t.addr, "127.0.0.1:50001".parse().unwrap());
+        assert_eq!(
+            t.server_name, ip,
+            "the certificate names the node, not the forward"
+        );
+        assert!(Target::new(None, None).is_none());
+        assert!(Target::new(Some(ip), Some("host:port")).is_none());
+    }
+
+    #[test]
+    fn rustls_failures_map_to_what_the_bootstrap_reacts_to() {
+        use rustls::{AlertDescription, CertificateError, Error};
+        let io = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            Error::AlertReceived(AlertDescription::CertificateRequired),
+        );
+        assert!(matches!(classify(&io), Some(ApiError::CertificateRequired)));
+        let io = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            Error::InvalidCertificate(CertificateError::UnknownIssuer),
+        );
+        assert!(matches!(classify(&io), Some(ApiError::UnknownAuthority(_))));
+        let io = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "received fatal alert: CertificateRequired",
+        );
+        assert!(matches!(classify(&io), Some(ApiError::CertificateRequired)));
+        let io = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(matches!(classify(&io), Some(ApiError::Unreachable(_))));
+    }
+}

@@ -1,0 +1,619 @@
+//! Per-node v1alpha1 machine configs from the inventory and the secrets
+//! bundle, with the user's strategic-merge patches, checked against the
+//! official Talos 1.11 JSON schema before anything leaves the machine.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use serde_json::{Map, Value, json};
+
+use super::secrets::SecretsBundle;
+use crate::inventory::{Inventory, NodeSpec, Role, endpoint_host};
+use crate::schematic;
+
+/// The official schema, vendored from Talos 1.11 (`schemas/`).
+pub const SCHEMA: &str = include_str!("../../schemas/talos-v1.11-config.schema.json");
+
+/// Why a node's machine config could not be produced. Never quotes secrets.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("node {node}: patch {path}: {message}")]
+    Patch {
+        node: String,
+        path: PathBuf,
+        message: String,
+    },
+    #[error("node {node}: {message}")]
+    Node { node: String, message: String },
+    #[error("node {node}: the machine config does not match the Talos v1.11 schema{}:\n  {}", .patched.as_ref().map(|p| format!(" after patches {p}")).unwrap_or_default(), .problems.join("\n  "))]
+    Schema {
+        node: String,
+        patched: Option<String>,
+        problems: Vec<String>,
+    },
+}
+
+/// Which patch files apply to `node`, in order: all nodes, its role, itself.
+/// Paths are relative to the inventory's folder.
+pub fn patch_files(inv: &Inventory, node: &NodeSpec) -> Vec<PathBuf> {
+    let role = match node.role {
+        Role::Controlplane => &inv.patches.control_plane,
+        Role::Worker => &inv.patches.worker,
+    };
+    inv.patches
+        .all
+        .iter()
+        .chain(role)
+        .chain(&node.patches)
+        .map(|p| inv.base_dir.join(p))
+        .collect()
+}
+
+/// The rendered, patched and validated config of `node`, as YAML.
+pub fn machine_config(
+    inv: &Inventory,
+    node: &NodeSpec,
+    secrets: &SecretsBundle,
+) -> Result<String, ConfigError> {
+    let mut doc = base_config(inv, node, secrets)?;
+    let files = patch_files(inv, node);
+    for path in &files {
+        let patch_err = |message: String| ConfigError::Patch {
+            node: node.name.clone(),
+            path: path.clone(),
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| patch_err(e.to_string()))?;
+        let patch: Value =
+            serde_yaml_ng::from_str(&text).map_err(|e| patch_err(format!("not YAML: {e}")))?;
+        if patch.is_array() {
+            return Err(patch_err(
+                "JSON patches (lists of op/path) are not supported; write a strategic merge patch (a partial machine config)".into(),
+            ));
+        }
+        if !patch.is_object() {
+            return Err(patch_err("a patch must be a YAML mapping".into()));
+        }
+        merge(&mut doc, patch, "").map_err(patch_err)?;
+    }
+    let problems = schema_problems(&doc);
+    if !problems.is_empty() {
+        return Err(ConfigError::Schema {
+            node: node.name.clone(),
+            patched: (!files.is_empty()).then(|| {
+                files
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }),
+            problems,
+        });
+    }
+    Ok(serde_yaml_ng::to_string(&doc).expect("JSON values serialise as YAML"))
+}
+
+fn version_tag(v: &str) -> String {
+    format!("v{}", v.trim_start_matches('v'))
+}
+
+/// The installer image of `node`: the factory's installer for the node's own
+/// schematic, so an upgrade keeps its extensions and key-10 network.
+pub fn install_image(inv: &Inventory, node: &NodeSpec) -> Result<String, ConfigError> {
+    let canonical = schematic::for_node(inv, node)
+        .canonical()
+        .map_err(|e| ConfigError::Node {
+            node: node.name.clone(),
+            message: format!("schematic: {e}"),
+        })?;
+    Ok(crate::factory::installer_ref(
+        crate::factory::registry_host(&inv.image.factory),
+        &inv.image.platform,
+        &schematic::id_of(&canonical),
+        &inv.cluster.talos_version,
+    ))
+}
+
+/// What `talosctl gen config` would write for `node`, with the inventory's
+/// networking, install target and endpoint filled in.
+fn base_config(
+    inv: &Inventory,
+    node: &NodeSpec,
+    secrets: &SecretsBundle,
+) -> Result<Value, ConfigError> {
+    let k8s = version_tag(&inv.cluster.kubernetes_version);
+    let control_plane = node.role == Role::Controlplane;
+    let plan = schematic::network_plan(inv, node);
+    let node_err = |message: &str| ConfigError::Node {
+        node: node.name.clone(),
+        message: message.to_owned(),
+    };
+
+    let mut interface = Map::new();
+    if let Some(link) = &plan.link {
+        interface.insert("interface".into(), json!(link));
+        match plan.address {
+            Some((ip, prefix)) => {
+                interface.insert("addresses".into(), json!([format!("{ip}/{prefix}")]));
+                if let Some(gw) = plan.gateway {
+                    let default = if gw.is_ipv4() { "0.0.0.0/0" } else { "::/0" };
+                    interface.insert(
+                        "routes".into(),
+                        json!([{"network": default, "gateway": gw.to_string()}]),
+                    );
+                }
+            }
+            None => {
+                interface.insert("dhcp".into(), json!(true));
+            }
+        }
+        if let Some(mtu) = plan.mtu {
+            interface.insert("mtu".into(), json!(mtu));
+        }
+        if let (true, Some(vip)) = (control_plane, inv.cluster.vip) {
+            interface.insert("vip".into(), json!({"ip": vip.to_string()}));
+        }
+    } else if control_plane && inv.cluster.vip.is_some() {
+        return Err(node_err(
+            "cluster.vip needs the link it lives on: set the node's interface or mac, or network.interface",
+        ));
+    }
+    let mut network = Map::new();
+    network.insert("hostname".into(), json!(plan.hostname));
+    if !interface.is_empty() {
+        network.insert("interfaces".into(), json!([interface]));
+    }
+    if !plan.nameservers.is_empty() {
+        let ns: Vec<String> = plan.nameservers.iter().map(|n| n.to_string()).collect();
+        network.insert("nameservers".into(), json!(ns));
+    }
+    if !plan.search_domains.is_empty() {
+        network.insert("searchDomains".into(), json!(plan.search_domains));
+    }
+
+    let os = &secrets.certs.os;
+    let mut machine = Map::new();
+    machine.insert("type".into(), json!(node.role.to_string()));
+    machine.insert("token".into(), json!(secrets.trustdinfo.token));
+    machine.insert(
+        "ca".into(),
+        json!({"crt": os.crt, "key": if control_plane { os.key.as_str() } else { "" }}),
+    );
+    let sans: Vec<String> = node.address.iter().map(|a| a.to_string()).collect();
+    machine.insert("certSANs".into(), json!(sans));
+    machine.insert(
+        "kubelet".into(),
+        json!({
+            "image": format!("ghcr.io/siderolabs/kubelet:{k8s}"),
+            "defaultRuntimeSeccompProfileEnabled": true,
+            "disableManifestsDirectory": true,
+        }),
+    );
+    machine.insert("network".into(), Value::Object(network));
+    machine.insert(
+        "install".into(),
+        json!({
+            "disk": node.install_disk,
+            "image": install_image(inv, node)?,
+            "wipe": false,
+        }),
+    );
+    if !plan.time_servers.is_empty() {
+        machine.insert("time".into(), json!({"servers": plan.time_servers}));
+    }
+    machine.insert(
+        "features".into(),
+        json!({
+            "rbac": true,
+            "stableHostname": true,
+            "apidCheckExtKeyUsage": true,
+            "diskQuotaSupport": true,
+            "kubePrism": {"enabled": true, "port": 7445},
+            "hostDNS": {"enabled": true, "forwardKubeDNSToHost": true},
+        }),
+    );
+    if control_plane {
+        machine.insert(
+            "nodeLabels".into(),
+            json!({"node.kubernetes.io/exclude-from-external-load-balancers": ""}),
+        );
+    }
+
+    let k8s_ca = &secrets.certs.k8s;
+    let mut cluster = Map::new();
+    cluster.insert("id".into(), json!(secrets.cluster.id));
+    cluster.insert("secret".into(), json!(secrets.cluster.secret));
+    cluster.insert(
+        "controlPlane".into(),
+        json!({"endpoint": inv.cluster.endpoint}),
+    );
+    cluster.insert("clusterName".into(), json!(inv.cluster.name));
+    cluster.insert(
+        "network".into(),
+        json!({
+            "dnsDomain": "cluster.local",
+            "podSubnets": ["10.244.0.0/16"],
+            "serviceSubnets": ["10.96.0.0/12"],
+        }),
+    );
+    cluster.insert("token".into(), json!(secrets.secrets.bootstraptoken));
+    if control_plane {
+        if !secrets.secrets.secretboxencryptionsecret.is_empty() {
+            cluster.insert(
+                "secretboxEncryptionSecret".into(),
+                json!(secrets.secrets.secretboxencryptionsecret),
+            );
+        }
+        if !secrets.secrets.aescbcencryptionsecret.is_empty() {
+            cluster.insert(
+                "aescbcEncryptionSecret".into(),
+                json!(secrets.secrets.aescbcencryptionsecret),
+            );
+        }
+        cluster.insert("ca".into(), json!({"crt": k8s_ca.crt, "key": k8s_ca.key}));
+        cluster.insert(
+            "aggregatorCA".into(),
+            json!({"crt": secrets.certs.k8saggregator.crt, "key": secrets.certs.k8saggregator.key}),
+        );
+        cluster.insert(
+            "serviceAccount".into(),
+            json!({"key": secrets.certs.k8sserviceaccount.key}),
+        );
+        cluster.insert(
+            "apiServer".into(),
+            json!({
+                "image": format!("registry.k8s.io/kube-apiserver:{k8s}"),
+                "certSANs": api_server_sans(inv),
+            }),
+        );
+        cluster.insert(
+            "controllerManager".into(),
+            json!({"image": format!("registry.k8s.io/kube-controller-manager:{k8s}")}),
+        );
+        cluster.insert(
+            "proxy".into(),
+            json!({"image": format!("registry.k8s.io/kube-proxy:{k8s}")}),
+        );
+        cluster.insert(
+            "scheduler".into(),
+            json!({"image": format!("registry.k8s.io/kube-scheduler:{k8s}")}),
+        );
+        cluster.insert(
+            "discovery".into(),
+            json!({"enabled": true, "registries": {"kubernetes": {"disabled": true}, "service": {}}}),
+        );
+        cluster.insert("etcd".into(), json!({"ca": secrets.certs.etcd}));
+    } else {
+        cluster.insert("ca".into(), json!({"crt": k8s_ca.crt, "key": ""}));
+        cluster.insert(
+            "discovery".into(),
+            json!({"enabled": true, "registries": {"kubernetes": {"disabled": true}, "service": {}}}),
+        );
+    }
+    Ok(json!({
+        "version": "v1alpha1",
+        "debug": false,
+        "machine": machine,
+        "cluster": cluster,
+    }))
+}
+
+/// The names the API server certificate must carry: the endpoint's host, the
+/// VIP, and every control plane's own address (reached before the VIP exists).
+fn api_server_sans(inv: &Inventory) -> Vec<String> {
+    let mut sans: Vec<String> = Vec::new();
+    let mut add = |s: String| {
+        if !sans.contains(&s) {
+            sans.push(s);
+        }
+    };
+    if let Some(h) = endpoint_host(&inv.cluster.endpoint) {
+        add(h.to_owned());
+    }
+    if let Some(vip) = inv.cluster.vip {
+        add(vip.to_string());
+    }
+    for cp in inv.control_planes() {
+        if let Some(a) = cp.address {
+            add(a.to_string());
+        }
+    }
+    sans
+}
+
+/// Talos' strategic merge: mappings merge key by key, lists append, except
+/// `machine.network.interfaces` (merged by `interface`) and `vlans` (by
+/// `vlanId`); `$patch: delete` removes the mapping it sits in.
+fn merge(base: &mut Value, patch: Value, path: &str) -> Result<(), String> {
+    match (base, patch) {
+        (Value::Object(b), Value::Object(p)) => {
+            for (k, v) in p {
+                let child = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                if is_delete(&v) {
+                    b.remove(&k);
+                    continue;
+                }
+                match b.get_mut(&k) {
+                    Some(existing) if !existing.is_null() => merge(existing, v, &child)?,
+                    _ => {
+                        b.insert(k, v);
+                    }
+                }
+            }
+            Ok(())
+        }
+        (Value::Array(b), Value::Array(p)) => {
+            let key = if path == "machine.network.interfaces" {
+                Some("interface")
+            } else if path.ends_with(".vlans") {
+                Some("vlanId")
+            } else {
+                None
+            };
+            for item in p {
+                let existing = key.and_then(|k| {
+                    let id = item.get(k)?;
+                    b.iter().position(|e| e.get(k) == Some(id))
+                });
+                match existing {
+                    Some(i) if is_delete(&item) => {
+                        b.remove(i);
+                    }
+                    Some(i) => merge(&mut b[i], item, path)?,
+                    None => b.push(item),
+                }
+            }
+            Ok(())
+        }
+        (b, p) => {
+            if b.is_object() && !p.is_object() || b.is_array() && !p.is_array() {
+                return Err(format!(
+                    "{path}: cannot merge a {} into a {}",
+                    kind(&p),
+                    kind(b)
+                ));
+            }
+            *b = p;
+            Ok(())
+        }
+    }
+}
+
+fn is_delete(v: &Value) -> bool {
+    v.get("$patch").and_then(Value::as_str) == Some("delete")
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Object(_) => "mapping",
+        Value::Array(_) => "list",
+        Value::Null => "null",
+        _ => "scalar",
+    }
+}
+
+/// Schema violations of a v1alpha1 document, as `path: message` lines. The
+/// official schema wraps all document kinds in a `oneOf`, whose only message
+/// is "not valid under any"; this checks against its v1alpha1 branch, which
+/// names the offending field.
+pub fn schema_problems(doc: &Value) -> Vec<String> {
+    static VALIDATOR: OnceLock<jsonschema::Validator> = OnceLock::new();
+    let validator = VALIDATOR.get_or_init(|| {
+        let mut schema: Value = serde_json::from_str(SCHEMA).expect("vendored schema is JSON");
+        let obj = schema.as_object_mut().expect("schema is an object");
+        obj.remove("oneOf");
+        obj.insert("$ref".into(), json!("#/$defs/v1alpha1.Config"));
+        jsonschema::validator_for(&schema).expect("vendored schema compiles")
+    });
+    validator
+        .iter_errors(doc)
+        .map(|e| {
+            let at = e.instance_path().to_string();
+            let at = if at.is_empty() { "/".to_owned() } else { at };
+            format!("{at}: {}", redact_value(&e.to_string()))
+        })
+        .collect()
+}
+
+/// Schema messages quote the offending value; a value might be a key.
+fn redact_value(message: &str) -> String {
+    if message.contains("PRIVATE KEY") || message.len() > 300 {
+        let cut: String = message.chars().take(80).collect();
+        format!("{cut}… (value omitted)")
+    } else {
+        message.to_owned()
+    }
+}
+
+/// Where the files of `inv`'s cluster live unless `--state-dir` says
+/// otherwise: `.talos/<cluster name>/` beside the inventory.
+pub fn default_state_dir(inv: &Inventory) -> PathBuf {
+    inv.base_dir.join(".talos").join(&inv.cluster.name)
+}
+
+/// Creates `dir` (and parents) with mode 0700, tightening an existing one.
+pub fn ensure_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::talos::secrets::tests::bundle;
+
+    fn atlas() -> Inventory {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/atlas/cluster.yaml");
+        Inventory::load(&path).unwrap()
+    }
+
+    fn full_schema() -> &'static jsonschema::Validator {
+        static V: OnceLock<jsonschema::Validator> = OnceLock::new();
+        V.get_or_init(|| {
+            let schema: Value = serde_json::from_str(SCHEMA).unwrap();
+            jsonschema::validator_for(&schema).unwrap()
+        })
+    }
+
+    #[test]
+    fn every_atlas_config_passes_the_official_schema() {
+        let inv = atlas();
+        for node in &inv.nodes {
+            let yaml = machine_config(&inv, node, bundle()).unwrap();
+            let doc: Value = serde_yaml_ng::from_str(&yaml).unwrap();
+            let errors: Vec<String> = full_schema()
+                .iter_errors(&doc)
+                .map(|e| e.to_string())
+                .collect();
+            assert!(errors.is_empty(), "{}: {errors:?}", node.name);
+            assert_eq!(doc["machine"]["type"], json!(node.role.to_string()));
+            assert_eq!(doc["machine"]["network"]["hostname"], json!(node.name));
+            let image = doc["machine"]["install"]["image"].as_str().unwrap();
+            assert!(image.contains("-installer/"), "{image}");
+            assert!(image.ends_with(&format!(":{}", inv.cluster.talos_version)));
+        }
+    }
+
+    #[test]
+    fn control_planes_carry_the_vip_keys_and_workers_do_not() {
+        let inv = atlas();
+        let cp = inv.control_planes().next().unwrap();
+        let doc: Value =
+            serde_yaml_ng::from_str(&machine_config(&inv, cp, bundle()).unwrap()).unwrap();
+        let iface = &doc["machine"]["network"]["interfaces"][0];
+        assert_eq!(
+            iface["vip"]["ip"],
+            json!(inv.cluster.vip.unwrap().to_string())
+        );
+        assert_eq!(
+            iface["addresses"][0],
+            json!(format!(
+                "{}/{}",
+                cp.address.unwrap(),
+                inv.network.cidr.unwrap().prefix
+            ))
+        );
+        assert!(doc["cluster"]["etcd"]["ca"]["key"].as_str().unwrap().len() > 10);
+        let sans = doc["cluster"]["apiServer"]["certSANs"].as_array().unwrap();
+        assert!(sans.contains(&json!(cp.address.unwrap().to_string())));
+
+        let w = inv.nodes.iter().find(|n| n.role == Role::Worker).unwrap();
+        let doc: Value =
+            serde_yaml_ng::from_str(&machine_config(&inv, w, bundle()).unwrap()).unwrap();
+        assert_eq!(doc["machine"]["ca"]["key"], json!(""));
+        assert_eq!(doc["cluster"]["ca"]["key"], json!(""));
+        assert!(doc["cluster"].get("etcd").is_none());
+        assert!(doc["cluster"].get("serviceAccount").is_none());
+        assert!(
+            doc["machine"]["network"]["interfaces"][0]
+                .get("vip")
+                .is_none()
+        );
+        // Both roles trust the same OS CA.
+        let cp_doc: Value =
+            serde_yaml_ng::from_str(&machine_config(&inv, cp, bundle()).unwrap()).unwrap();
+        assert_eq!(cp_doc["machine"]["ca"]["crt"], doc["machine"]["ca"]["crt"]);
+    }
+
+    #[test]
+    fn strategic_merge_follows_talos_rules() {
+        let mut base = json!({
+            "machine": {
+                "network": {"interfaces": [{"interface": "eth0", "addresses": ["10.0.0.1/24"]}]},
+                "certSANs": ["a"],
+                "kubelet": {"image": "k", "extraArgs": {"x": "1"}},
+            }
+        });
+        let patch = json!({
+            "machine": {
+                "network": {"interfaces": [
+                    {"interface": "eth0", "mtu": 9000},
+                    {"interface": "eth1", "dhcp": true},
+                ]},
+                "certSANs": ["b"],
+                "kubelet": {"extraArgs": {"$patch": "delete"}},
+            }
+        });
+        merge(&mut base, patch, "").unwrap();
+        assert_eq!(
+            base,
+            json!({
+                "machine": {
+                    "network": {"interfaces": [
+                        {"interface": "eth0", "addresses": ["10.0.0.1/24"], "mtu": 9000},
+                        {"interface": "eth1", "dhcp": true},
+                    ]},
+                    "certSANs": ["a", "b"],
+                    "kubelet": {"image": "k"},
+                }
+            })
+        );
+        let err = merge(&mut base, json!({"machine": {"certSANs": "x"}}), "").unwrap_err();
+        assert!(err.contains("machine.certSANs"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_patch_is_named_with_the_field_it_broke() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        inv.base_dir = dir.path().to_owned();
+        std::fs::write(
+            dir.path().join("typo.yaml"),
+            "machine:\n  kubelet:\n    imagee: x\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("json.yaml"), "- op: add\n  path: /x\n").unwrap();
+        inv.patches.all = vec!["typo.yaml".into()];
+        let node = inv.nodes[0].clone();
+        let err = machine_config(&inv, &node, bundle())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("node {}", node.name)), "{err}");
+        assert!(err.contains("typo.yaml"), "{err}");
+        assert!(err.contains("/machine/kubelet"), "{err}");
+        assert!(err.contains("imagee"), "{err}");
+        inv.patches.all = vec!["json.yaml".into()];
+        let err = machine_config(&inv, &node, bundle())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("JSON patches"), "{err}");
+        inv.patches.all = vec!["missing.yaml".into()];
+        let err = machine_config(&inv, &node, bundle())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("missing.yaml"), "{err}");
+    }
+
+    #[test]
+    fn patches_apply_in_order_all_role_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        inv.base_dir = dir.path().to_owned();
+        for (f, v) in [("a.yaml", "1"), ("cp.yaml", "2"), ("n.yaml", "3")] {
+            std::fs::write(
+                dir.path().join(f),
+                format!("machine:\n  sysctls:\n    order: \"{v}\"\n    f{v}: \"x\"\n"),
+            )
+            .unwrap();
+        }
+        inv.patches.all = vec!["a.yaml".into()];
+        inv.patches.control_plane = vec!["cp.yaml".into()];
+        inv.nodes[0].patches = vec!["n.yaml".into()];
+        let node = inv.nodes[0].clone();
+        assert_eq!(node.role, Role::Controlplane);
+        let doc: Value =
+            serde_yaml_ng::from_str(&machine_config(&inv, &node, bundle()).unwrap()).unwrap();
+        assert_eq!(
+            doc["machine"]["sysctls"],
+            json!({"order": "3", "f1": "x", "f2": "x", "f3": "x"})
+        );
+    }
+}

@@ -1,0 +1,270 @@
+//! The admin kubeconfig Talos hands out, and the one Kubernetes question the
+//! health check asks: are all nodes registered and Ready?
+
+use std::io::Read;
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use serde_yaml_ng::Value;
+
+use super::pki;
+
+/// Why a kubeconfig could not be read or used. Never quotes credentials.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    #[error("kubeconfig archive: {0}")]
+    Archive(String),
+    #[error("kubeconfig: {0}")]
+    Invalid(String),
+    #[error("Kubernetes API {server}: {message}")]
+    Api { server: String, message: String },
+}
+
+/// The kubeconfig file from the `.tar.gz` the Kubeconfig call streams. The
+/// archive has no end-of-archive blocks, so only the first entry is read.
+pub fn from_archive(archive: &[u8]) -> Result<String, KubeError> {
+    let gz = flate2::read::GzDecoder::new(archive);
+    let mut tar = tar::Archive::new(gz);
+    let mut entries = tar
+        .entries()
+        .map_err(|e| KubeError::Archive(e.to_string()))?;
+    let mut entry = entries
+        .next()
+        .ok_or_else(|| KubeError::Archive("empty archive".into()))?
+        .map_err(|e| KubeError::Archive(e.to_string()))?;
+    let mut text = String::new();
+    entry
+        .read_to_string(&mut text)
+        .map_err(|e| KubeError::Archive(format!("first entry: {e}")))?;
+    Ok(text)
+}
+
+/// A parsed admin kubeconfig (current context only).
+#[derive(Clone)]
+pub struct Kubeconfig {
+    doc: Value,
+    pub server: String,
+    ca: String,
+    crt: String,
+    key: String,
+}
+
+impl std::fmt::Debug for Kubeconfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kubeconfig")
+            .field("server", &self.server)
+            .finish_non_exhaustive()
+    }
+}
+
+fn named<'a>(doc: &'a Value, list: &str, name: &str) -> Option<&'a Value> {
+    doc.get(list)?
+        .as_sequence()?
+        .iter()
+        .find(|e| e.get("name").and_then(Value::as_str) == Some(name))
+}
+
+fn data(v: Option<&Value>, field: &str) -> Result<String, KubeError> {
+    let b64 = v
+        .and_then(|v| v.get(field))
+        .and_then(Value::as_str)
+        .ok_or_else(|| KubeError::Invalid(format!("no {field}")))?;
+    let bytes = STANDARD
+        .decode(b64.trim())
+        .map_err(|_| KubeError::Invalid(format!("{field}: not base64")))?;
+    String::from_utf8(bytes).map_err(|_| KubeError::Invalid(format!("{field}: not PEM text")))
+}
+
+impl Kubeconfig {
+    /// Parses kubeconfig YAML.
+    pub fn parse(text: &str) -> Result<Kubeconfig, KubeError> {
+        let doc: Value = serde_yaml_ng::from_str(text)
+            .map_err(|e| KubeError::Invalid(format!("not YAML: {e}")))?;
+        let current = doc
+            .get("current-context")
+            .and_then(Value::as_str)
+            .ok_or_else(|| KubeError::Invalid("no current-context".into()))?;
+        let ctx = named(&doc, "contexts", current)
+            .and_then(|c| c.get("context"))
+            .ok_or_else(|| KubeError::Invalid(format!("context {current:?} missing")))?;
+        let cluster_name = ctx.get("cluster").and_then(Value::as_str).unwrap_or("");
+        let user_name = ctx.get("user").and_then(Value::as_str).unwrap_or("");
+        let cluster = named(&doc, "clusters", cluster_name).and_then(|c| c.get("cluster"));
+        let user = named(&doc, "users", user_name).and_then(|u| u.get("user"));
+        let server = cluster
+            .and_then(|c| c.get("server"))
+            .and_then(Value::as_str)
+            .ok_or_else(|| KubeError::Invalid(format!("cluster {cluster_name:?} has no server")))?
+            .to_owned();
+        Ok(Kubeconfig {
+            ca: data(cluster, "certificate-authority-data")?,
+            crt: data(user, "client-certificate-data")?,
+            key: data(user, "client-key-data")?,
+            server,
+            doc,
+        })
+    }
+
+    /// The same kubeconfig pointing at `server` (every cluster entry).
+    pub fn with_server(&self, server: &str) -> Kubeconfig {
+        let mut doc = self.doc.clone();
+        if let Some(list) = doc.get_mut("clusters").and_then(Value::as_sequence_mut) {
+            for c in list {
+                if let Some(cluster) = c.get_mut("cluster").and_then(Value::as_mapping_mut) {
+                    cluster.insert("server".into(), server.into());
+                }
+            }
+        }
+        Kubeconfig {
+            doc,
+            server: server.to_owned(),
+            ..self.clone()
+        }
+    }
+
+    /// The YAML text to write.
+    pub fn to_yaml(&self) -> String {
+        serde_yaml_ng::to_string(&self.doc).expect("kubeconfig serialises")
+    }
+
+    fn client(&self, timeout: Duration) -> Result<reqwest::blocking::Client, KubeError> {
+        let invalid = |e: pki::PkiError| KubeError::Invalid(e.to_string());
+        let mut roots = rustls::RootCertStore::empty();
+        for der in pki::certs_der(&self.ca).map_err(invalid)? {
+            roots
+                .add(der)
+                .map_err(|e| KubeError::Invalid(format!("CA: {e}")))?;
+        }
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| KubeError::Invalid(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(
+            pki::certs_der(&self.crt).map_err(invalid)?,
+            pki::private_key_der(&self.key).map_err(invalid)?,
+        )
+        .map_err(|e| KubeError::Invalid(format!("client identity: {e}")))?;
+        reqwest::blocking::Client::builder()
+            .tls_backend_preconfigured(config)
+            .timeout(timeout)
+            .pool_max_idle_per_host(0)
+            .build()
+            .map_err(|e| KubeError::Invalid(e.to_string()))
+    }
+
+    /// Every registered node and whether its Ready condition is True.
+    /// Blocking: call it off the async runtime.
+    pub fn node_readiness(&self, timeout: Duration) -> Result<Vec<(String, bool)>, KubeError> {
+        let api = |message: String| KubeError::Api {
+            server: self.server.clone(),
+            message,
+        };
+        let url = format!("{}/api/v1/nodes", self.server.trim_end_matches('/'));
+        let reply = self
+            .client(timeout)?
+            .get(&url)
+            .send()
+            .map_err(|e| api(crate::fetch::request_error(e)))?;
+        let status = reply.status();
+        if !status.is_success() {
+            return Err(api(format!("GET /api/v1/nodes answered {status}")));
+        }
+        let body = reply
+            .bytes()
+            .map_err(|e| api(crate::fetch::request_error(e)))?;
+        let list: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| api(format!("node list is not JSON: {e}")))?;
+        Ok(readiness(&list))
+    }
+}
+
+/// (name, Ready) for each item of a `NodeList`.
+fn readiness(list: &serde_json::Value) -> Vec<(String, bool)> {
+    list["items"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .map(|n| {
+                    let name = n["metadata"]["name"].as_str().unwrap_or("").to_owned();
+                    let ready = n["status"]["conditions"].as_array().is_some_and(|cs| {
+                        cs.iter()
+                            .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                    });
+                    (name, ready)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> String {
+        let b = |s: &str| STANDARD.encode(s);
+        let ca = pki::new_ca(pki::KeyKind::EcdsaP256, "kubernetes", None, 1).unwrap();
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: atlas\n  cluster:\n    server: https://10.0.0.10:6443\n    certificate-authority-data: {}\nusers:\n- name: admin@atlas\n  user:\n    client-certificate-data: {}\n    client-key-data: {}\ncontexts:\n- context:\n    cluster: atlas\n    namespace: default\n    user: admin@atlas\n  name: admin@atlas\ncurrent-context: admin@atlas\n",
+            b(&ca.crt),
+            b(&ca.crt),
+            b(&ca.key)
+        )
+    }
+
+    #[test]
+    fn first_entry_of_an_archive_without_end_blocks() {
+        let text = sample();
+        let mut tar = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(text.len() as u64);
+        h.set_mode(0o600);
+        tar.append_data(&mut h, "kubeconfig", text.as_bytes())
+            .unwrap();
+        let mut raw = tar.into_inner().unwrap();
+        // Talos' archive stops after the entry: drop the two zero blocks.
+        raw.truncate(raw.len() - 1024);
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        std::io::Write::write_all(&mut gz, &raw).unwrap();
+        let archive = gz.finish().unwrap();
+        assert_eq!(from_archive(&archive).unwrap(), text);
+        assert!(from_archive(b"not gzip").is_err());
+    }
+
+    #[test]
+    fn server_is_rewritten_everywhere_and_nothing_else_changes() {
+        let kc = Kubeconfig::parse(&sample()).unwrap();
+        assert_eq!(kc.server, "https://10.0.0.10:6443");
+        let moved = kc.with_server("https://10.0.0.11:6443");
+        let again = Kubeconfig::parse(&moved.to_yaml()).unwrap();
+        assert_eq!(again.server, "https://10.0.0.11:6443");
+        assert_eq!(again.ca, kc.ca);
+        assert_eq!(again.key, kc.key);
+        assert!(!format!("{kc:?}").contains("PRIVATE"));
+    }
+
+    #[test]
+    fn readiness_reads_the_ready_condition() {
+        let list = serde_json::json!({"items": [
+            {"metadata": {"name": "a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+            {"metadata": {"name": "b"}, "status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+            {"metadata": {"name": "c"}, "status": {}},
+        ]});
+        assert_eq!(
+            readiness(&list),
+            [("a".into(), true), ("b".into(), false), ("c".into(), false)]
+        );
+    }
+
+    #[test]
+    fn broken_kubeconfigs_say_what_is_missing() {
+        let text = sample().replace("current-context: admin@atlas", "current-context: x");
+        let err = Kubeconfig::parse(&text).unwrap_err().to_string();
+        assert!(err.contains("context \"x\" missing"), "{err}");
+    }
+}

@@ -1,0 +1,11 @@
+//! Talos: secrets, machine configs, the machine API client and the bootstrap
+//! state machine that takes nodes from maintenance mode to a healthy cluster.
+
+pub mod api;
+pub mod bootstrap;
+pub mod client;
+pub mod config;
+pub mod kube;
+pub mod pki;
+pub mod secrets;
+pub mod talosconfig;

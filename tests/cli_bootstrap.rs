@@ -1,0 +1,614 @@
+//! End to end: `imgbuild bootstrap`, `config`, `secrets`, `talosconfig`
+//! against the Talos node simulator, one loopback address per node, and each
+//! trap from the field: a node stuck in maintenance, "certificate required"
+//! after apply, bootstrap twice, an endpoint on the VIP, a talosconfig from
+//! other secrets, a reboot after apply.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+mod common;
+use common::{root, sim_bin, text};
+
+/// Delays small enough for tests, large enough to be states.
+const FAST: [&str; 8] = [
+    "--apply-delay",
+    "200",
+    "--etcd-delay",
+    "400",
+    "--kubelet-delay",
+    "300",
+    "--ready-delay",
+    "300",
+];
+
+/// A simulated cluster (3 control planes, 2 workers) on its own /24 inside
+/// 127.0.0.0/8, its inventory and state dir; the simulator dies on drop.
+struct Cluster {
+    child: Child,
+    control: String,
+    dir: tempfile::TempDir,
+    net: String,
+}
+
+/// The /24 for test number `k`, offset by the process id so a stale
+/// simulator from another run cannot hold the ports.
+fn net(k: u8) -> String {
+    format!("127.{}.{k}", 100 + std::process::id() % 100)
+}
+
+const NODES: [(&str, u8, &str); 5] = [
+    ("cp-01", 11, "controlplane"),
+    ("cp-02", 12, "controlplane"),
+    ("cp-03", 13, "controlplane"),
+    ("worker-01", 21, "worker"),
+    ("worker-02", 22, "worker"),
+];
+
+fn inventory(net: &str) -> String {
+    let mut s = format!(
+        "cluster:\n  name: sim\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.10:6443\n  vip: {net}.10\nimage:\n  factory: http://127.0.0.1:9\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\nnodes:\n"
+    );
+    for (name, host, role) in NODES {
+        s += &format!("  - name: {name}\n    role: {role}\n    address: {net}.{host}\n");
+    }
+    s
+}
+
+impl Cluster {
+    /// `vip`: whether the simulator brings the VIP up after bootstrap.
+    fn start(k: u8, vip: bool, extra: &[&str]) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let net = net(k);
+        std::fs::write(dir.path().join("cluster.yaml"), inventory(&net)).unwrap();
+        let mut cmd = Command::new(sim_bin());
+        cmd.arg("nodes")
+            .args(FAST)
+            .args(extra)
+            .stdout(Stdio::piped());
+        for (name, host, role) in NODES {
+            cmd.args(["--node", &format!("{name}={net}.{host}:{role}")]);
+        }
+        if vip {
+            cmd.args(["--vip", &format!("{net}.10")]);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("simulator did not start ({e}): {line:?}"));
+        Cluster {
+            child,
+            control: v["control"].as_str().unwrap().to_owned(),
+            dir,
+            net,
+        }
+    }
+
+    fn config(&self) -> PathBuf {
+        self.dir.path().join("cluster.yaml")
+    }
+
+    fn state(&self) -> PathBuf {
+        self.dir.path().join(".talos/sim")
+    }
+
+    fn imgbuild(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .arg("--config")
+            .arg(self.config())
+            .args(args)
+            .current_dir(root())
+            .env_remove("IMGBUILD_CONFIG")
+            .env_remove("IMGBUILD_STATE_DIR")
+            .env_remove("TALOSCONFIG")
+            .output()
+            .unwrap()
+    }
+
+    /// `imgbuild --output json bootstrap` with test-sized timeouts.
+    fn bootstrap(&self, extra: &[&str]) -> (Output, serde_json::Value) {
+        let defaults = [
+            ("--poll", "100ms"),
+            ("--node-timeout", "20s"),
+            ("--bootstrap-timeout", "20s"),
+            ("--health-timeout", "30s"),
+            ("--call-timeout", "5s"),
+        ];
+        let mut args = vec!["--output", "json", "bootstrap"];
+        for (flag, value) in defaults {
+            if !extra.contains(&flag) {
+                args.extend([flag, value]);
+            }
+        }
+        args.extend_from_slice(extra);
+        let out = self.imgbuild(&args);
+        let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "not JSON ({e}): {}\nstderr: {}",
+                text(&out.stdout),
+                text(&out.stderr)
+            )
+        });
+        (out, v)
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        let out = Command::new("curl")
+            .args(["-sf", &format!("{}/_sim/stats", self.control)])
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    fn node_stat(&self, node: &str, key: &str) -> u64 {
+        self.stats()["nodes"][node][key].as_u64().unwrap()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn mode(path: &Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+fn sha(path: &Path) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(std::fs::read(path).unwrap()))
+}
+
+#[test]
+fn five_nodes_come_up_healthy_and_a_second_run_changes_nothing() {
+    let c = Cluster::start(1, true, &[]);
+    let (out, v) = c.bootstrap(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(v["healthy"], true);
+    assert_eq!(v["bootstrapped"], true);
+    assert_eq!(v["bootstrapNode"], "cp-01");
+    assert_eq!(v["applied"].as_array().unwrap().len(), 5, "{v}");
+    // Progress names each node's states.
+    let log = text(&out.stderr);
+    for want in [
+        "cp-01: maintenance mode",
+        "worker-02: config applied",
+        "cp-03: configured, mTLS ok",
+        "cp-01: etcd bootstrapped",
+        "cluster healthy",
+    ] {
+        assert!(log.contains(want), "{want}:\n{log}");
+    }
+
+    let state = c.state();
+    assert_eq!(mode(&state), 0o700);
+    for f in [
+        "secrets.yaml",
+        "talosconfig",
+        "kubeconfig",
+        "configs/cp-01.yaml",
+    ] {
+        assert_eq!(mode(&state.join(f)), 0o600, "{f}");
+    }
+    // The kubeconfig works: the VIP answered by the end, so it is the server.
+    let kc = std::fs::read_to_string(state.join("kubeconfig")).unwrap();
+    let kc = imgbuild::talos::kube::Kubeconfig::parse(&kc).unwrap();
+    assert_eq!(kc.server, format!("https://{}.10:6443", c.net));
+    let ready = kc
+        .node_readiness(std::time::Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(ready.len(), 5);
+    assert!(ready.iter().all(|(_, r)| *r), "{ready:?}");
+    // The simulator's view: one apply per node, one bootstrap, and never a
+    // Version call to a node in maintenance mode.
+    let stats = c.stats();
+    assert_eq!(stats["bootstrapped"], true);
+    for (name, ..) in NODES {
+        let n = &stats["nodes"][name];
+        assert_eq!(n["applies"], 1, "{name}: {n}");
+        assert_eq!(n["maintenance_version_calls"], 0, "{name}: {n}");
+        assert_eq!(n["phase"], "configured");
+    }
+    assert_eq!(c.node_stat("cp-01", "bootstraps"), 1);
+
+    let files: Vec<String> = ["secrets.yaml", "talosconfig", "kubeconfig"]
+        .iter()
+        .map(|f| sha(&state.join(f)))
+        .collect();
+    let (out, v) = c.bootstrap(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(v["applied"], serde_json::json!([]));
+    assert_eq!(v["alreadyConfigured"].as_array().unwrap().len(), 5);
+    assert_eq!(v["bootstrapped"], false);
+    assert!(text(&out.stderr).contains("etcd already bootstrapped, nothing to do"));
+    let after: Vec<String> = ["secrets.yaml", "talosconfig", "kubeconfig"]
+        .iter()
+        .map(|f| sha(&state.join(f)))
+        .collect();
+    assert_eq!(files, after, "a second run rewrote a file");
+    for (name, ..) in NODES {
+        assert_eq!(c.node_stat(name, "applies"), 1, "{name} got a second apply");
+    }
+    assert_eq!(c.node_stat("cp-01", "bootstraps"), 1);
+    assert_eq!(c.node_stat("cp-01", "bootstrap_refusals"), 0);
+}
+
+#[test]
+fn a_node_stuck_in_maintenance_times_out_naming_maintenance_mode() {
+    let c = Cluster::start(
+        2,
+        true,
+        &["--misbehave", "never-leave-maintenance@worker-01"],
+    );
+    let (out, v) = c.bootstrap(&["--node-timeout", "3s"]);
+    assert!(!out.status.success());
+    let err = v["error"].as_str().unwrap();
+    assert!(
+        err.contains("node worker-01: stuck in maintenance mode"),
+        "{err}"
+    );
+    assert!(
+        err.contains("install disk"),
+        "the hint says what it usually means: {err}"
+    );
+    // It was never probed with Version while waiting.
+    assert_eq!(c.node_stat("worker-01", "maintenance_version_calls"), 0);
+    assert_eq!(
+        c.node_stat("worker-01", "applies"),
+        1,
+        "applied once, not in a loop"
+    );
+}
+
+#[test]
+fn certificate_required_after_apply_is_handled_by_switching_to_mtls() {
+    use imgbuild::talos::client::{ApiError, Mode, NodeClient, Probe, Target, probe};
+    let c = Cluster::start(3, true, &[]);
+    let (out, _) = c.bootstrap(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // The trap: a client that keeps the insecure (maintenance) channel after
+    // apply gets "tls: certificate required" from the configured node.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ip = format!("{}.11", c.net).parse().unwrap();
+    let target = Target::new(Some(ip), None).unwrap();
+    let timeout = std::time::Duration::from_secs(5);
+    let insecure = rt.block_on(async {
+        let conn = NodeClient::connect(&target, &Mode::Maintenance { pin: None }, timeout).await?;
+        conn.disks().await
+    });
+    assert!(
+        matches!(insecure, Err(ApiError::CertificateRequired)),
+        "{insecure:?}"
+    );
+    assert!(
+        ApiError::CertificateRequired
+            .to_string()
+            .contains("tls: certificate required")
+    );
+    // The probe reads the same fact from the handshake, without an API call.
+    assert_eq!(
+        rt.block_on(probe(&target, timeout)).unwrap(),
+        Probe::Configured
+    );
+    // And the bootstrap, finding configured nodes, goes straight to mTLS.
+    let (out, v) = c.bootstrap(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(v["alreadyConfigured"].as_array().unwrap().len(), 5);
+}
+
+#[test]
+fn bootstrapping_twice_at_once_bootstraps_etcd_once() {
+    let c = Cluster::start(4, true, &[]);
+    // Two runs race: both may see etcd not running and call Bootstrap; one
+    // gets AlreadyExists, which counts as done.
+    let a = {
+        let cfg = c.config();
+        std::thread::spawn(move || {
+            Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+                .arg("--config")
+                .arg(cfg)
+                .args(["bootstrap", "--poll", "100ms", "--health-timeout", "30s"])
+                .env_remove("TALOSCONFIG")
+                .env_remove("IMGBUILD_STATE_DIR")
+                .output()
+                .unwrap()
+        })
+    };
+    // Let the first create the secrets, so both use the same ones.
+    while !c.state().join("talosconfig").exists() {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let (out_b, _) = c.bootstrap(&[]);
+    let out_a = a.join().unwrap();
+    assert!(out_a.status.success(), "{}", text(&out_a.stderr));
+    assert!(out_b.status.success(), "{}", text(&out_b.stderr));
+    assert_eq!(c.node_stat("cp-01", "bootstraps"), 1);
+    let total_applies: u64 = NODES.iter().map(|(n, ..)| c.node_stat(n, "applies")).sum();
+    assert!(total_applies >= 5);
+    // A later explicit Bootstrap call is refused by the node, and we treat the
+    // refusal as done (run with etcd not yet running to force the call is
+    // covered above; here the API fact itself).
+    use imgbuild::talos::client::{ApiError, Mode, NodeClient, Target};
+    let tc =
+        imgbuild::talos::talosconfig::Talosconfig::load(&c.state().join("talosconfig")).unwrap();
+    let mode = Mode::Mtls(std::sync::Arc::new(tc.identity().unwrap()));
+    let target = Target::new(Some(format!("{}.11", c.net).parse().unwrap()), None).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let again = rt.block_on(async {
+        NodeClient::connect(&target, &mode, std::time::Duration::from_secs(5))
+            .await?
+            .bootstrap()
+            .await
+    });
+    match again {
+        Err(ApiError::Status { code, message }) => {
+            assert_eq!(code, tonic::Code::AlreadyExists);
+            assert!(message.contains("etcd data directory is not empty"));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_endpoint_on_a_vip_that_never_answers_still_bootstraps_the_node() {
+    // The inventory's endpoint is the VIP, but this simulator never brings it
+    // up: bootstrap must target cp-01's own address and the kubeconfig must
+    // point at a control plane that answers.
+    let c = Cluster::start(5, false, &[]);
+    let (out, v) = c.bootstrap(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(c.node_stat("cp-01", "bootstraps"), 1);
+    assert_eq!(v["kubeconfigServer"], format!("https://{}.11:6443", c.net));
+    let tc = std::fs::read_to_string(c.state().join("talosconfig")).unwrap();
+    assert!(
+        !tc.contains(&format!("{}.10", c.net)),
+        "VIP in talosconfig:\n{tc}"
+    );
+    let kc = std::fs::read_to_string(c.state().join("kubeconfig")).unwrap();
+    assert!(
+        kc.contains(&format!("server: https://{}.11:6443", c.net)),
+        "{kc}"
+    );
+}
+
+#[test]
+fn a_talosconfig_from_other_secrets_is_refused_with_an_explanation() {
+    let c = Cluster::start(6, true, &[]);
+    let other = c.dir.path().join("other");
+    let out = c.imgbuild(&["talosconfig", "--state-dir", other.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let (out, v) = c.bootstrap(&["--talosconfig", other.join("talosconfig").to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = v["error"].as_str().unwrap();
+    assert!(err.contains("unknown authority"), "{err}");
+    assert!(err.contains("other secrets"), "{err}");
+    // Refused before any node was touched.
+    for (name, ..) in NODES {
+        assert_eq!(c.node_stat(name, "applies"), 0);
+    }
+}
+
+#[test]
+fn a_node_configured_with_a_foreign_ca_is_named() {
+    let c = Cluster::start(7, true, &["--misbehave", "foreign-ca@cp-02"]);
+    let (out, v) = c.bootstrap(&["--node-timeout", "5s"]);
+    assert!(!out.status.success());
+    let err = v["error"].as_str().unwrap();
+    assert!(err.contains("node cp-02"), "{err}");
+    assert!(err.contains("unknown authority"), "{err}");
+    assert!(err.contains("other secrets"), "{err}");
+    assert_eq!(
+        c.node_stat("cp-02", "applies"),
+        0,
+        "a configured node gets no apply"
+    );
+}
+
+#[test]
+fn a_reboot_after_apply_is_waited_out() {
+    let c = Cluster::start(
+        8,
+        true,
+        &[
+            "--misbehave",
+            "reboot-after-apply",
+            "--reboot-delay",
+            "1000",
+        ],
+    );
+    let (out, v) = c.bootstrap(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(v["applied"].as_array().unwrap().len(), 5);
+    assert!(
+        text(&out.stderr).contains("port closed (rebooting?)"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn a_reboot_that_never_ends_is_reported_as_such() {
+    let c = Cluster::start(
+        9,
+        true,
+        &[
+            "--misbehave",
+            "reboot-after-apply@worker-02",
+            "--reboot-delay",
+            "60000",
+        ],
+    );
+    let (out, v) = c.bootstrap(&["--node-timeout", "3s"]);
+    assert!(!out.status.success());
+    let err = v["error"].as_str().unwrap();
+    assert!(
+        err.contains("node worker-02: did not come back after apply"),
+        "{err}"
+    );
+}
+
+#[test]
+fn slow_time_sync_delays_bootstrap_but_does_not_fail_it() {
+    let c = Cluster::start(
+        10,
+        true,
+        &[
+            "--misbehave",
+            "slow-time-sync@cp-01",
+            "--time-sync-delay",
+            "1500",
+        ],
+    );
+    let (out, v) = c.bootstrap(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(v["bootstrapped"], true);
+    assert!(text(&out.stderr).contains("time is not in sync yet"));
+    assert!(c.node_stat("cp-01", "bootstrap_refusals") >= 1);
+    assert_eq!(c.node_stat("cp-01", "bootstraps"), 1);
+}
+
+#[test]
+fn a_missing_install_disk_is_caught_before_apply() {
+    let c = Cluster::start(11, true, &["--disks", "vda"]);
+    let (out, v) = c.bootstrap(&[]);
+    assert!(!out.status.success());
+    let err = v["error"].as_str().unwrap();
+    assert!(
+        err.contains("install disk /dev/sda does not exist"),
+        "{err}"
+    );
+    assert!(err.contains("/dev/vda"), "{err}");
+}
+
+#[test]
+fn a_node_that_never_boots_is_named_with_its_port() {
+    // Inventory with one node the simulator does not run.
+    let c = Cluster::start(12, true, &[]);
+    let inv = inventory(&c.net)
+        + &format!(
+            "  - name: worker-03\n    role: worker\n    address: {}.23\n",
+            c.net
+        );
+    std::fs::write(c.config(), inv).unwrap();
+    let (out, v) = c.bootstrap(&["--node-timeout", "1s"]);
+    assert!(!out.status.success());
+    let err = v["error"].as_str().unwrap();
+    assert!(
+        err.contains("node worker-03: port 50000 never opened"),
+        "{err}"
+    );
+}
+
+#[test]
+fn config_secrets_and_talosconfig_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("cluster.yaml"), inventory(&net(13))).unwrap();
+    let cfg = dir.path().join("cluster.yaml");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .env_remove("IMGBUILD_STATE_DIR")
+            .output()
+            .unwrap()
+    };
+    // `config` creates the secrets on first use and prints a schema-valid config.
+    let out = run(&["config", "cp-01"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let doc: serde_json::Value = serde_yaml_ng::from_slice(&out.stdout).unwrap();
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("schemas/talos-v1.11-config.schema.json")).unwrap(),
+    )
+    .unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let errors: Vec<String> = validator.iter_errors(&doc).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    let state = dir.path().join(".talos/sim");
+    assert_eq!(mode(&state), 0o700);
+    assert_eq!(mode(&state.join("secrets.yaml")), 0o600);
+    // The same secrets every time: configs are stable.
+    let again = run(&["config", "cp-01"]);
+    assert_eq!(out.stdout, again.stdout);
+    let out = run(&["config", "nope"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("no node named \"nope\""));
+
+    // secrets gen never overwrites silently.
+    let before = sha(&state.join("secrets.yaml"));
+    let out = run(&["secrets", "gen"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--force"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(before, sha(&state.join("secrets.yaml")));
+    // Import (as from `talosctl gen secrets`) into another state dir.
+    let other = dir.path().join("imported");
+    let out = run(&[
+        "secrets",
+        "gen",
+        "--state-dir",
+        other.to_str().unwrap(),
+        "--secrets",
+        state.join("secrets.yaml").to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(mode(&other.join("secrets.yaml")), 0o600);
+    // A broken bundle is refused naming the file and field.
+    let broken = dir.path().join("broken.yaml");
+    let good = std::fs::read_to_string(state.join("secrets.yaml")).unwrap();
+    std::fs::write(&broken, good.replace("trustdinfo:", "trustd:")).unwrap();
+    let out = run(&[
+        "secrets",
+        "gen",
+        "--force",
+        "--secrets",
+        broken.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("broken.yaml") && err.contains("trustd"),
+        "{err}"
+    );
+    assert_eq!(
+        before,
+        sha(&state.join("secrets.yaml")),
+        "nothing half-written"
+    );
+
+    // talosconfig: written once, unchanged after, endpoints without the VIP.
+    let out = run(&["--output", "json", "talosconfig"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["written"], true);
+    let n = net(13);
+    assert_eq!(
+        v["endpoints"],
+        serde_json::json!([format!("{n}.11"), format!("{n}.12"), format!("{n}.13")])
+    );
+    let out = run(&["--output", "json", "talosconfig"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["written"], false);
+    assert_eq!(mode(&state.join("talosconfig")), 0o600);
+    // No secret reaches stdout or stderr of these commands.
+    for args in [
+        &["talosconfig"][..],
+        &["--output", "json", "talosconfig"][..],
+    ] {
+        let out = run(args);
+        let all = text(&out.stdout) + &text(&out.stderr);
+        assert!(
+            !all.contains("PRIVATE KEY") && !all.contains("LS0t"),
+            "{all}"
+        );
+    }
+}
