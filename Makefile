@@ -35,8 +35,13 @@ test: deps lint build
 # The pipeline so far, on loopback only: validate the inventory, print every
 # node's schematic ID, start the factory simulator on 127.0.0.1, build every
 # node's image by the patch route (one base download) and the factory route,
-# verify them against the manifest, and look inside one.
+# verify them against the manifest, and look inside one. Then the bootstrap:
+# a simulated cluster of the same five nodes (each on its own 127.0.0.x:50000,
+# booted in maintenance mode) is configured, bootstrapped and checked healthy,
+# and a second run shows it changes nothing.
 LOOPBACK := examples/loopback/cluster.yaml
+LOOPBACK_NODES := --node cp-01=127.0.0.11:controlplane --node cp-02=127.0.0.12:controlplane \
+	--node cp-03=127.0.0.13:controlplane --node worker-01=127.0.0.21:worker --node worker-02=127.0.0.22:worker
 DEMO := out/demo
 demo: build
 	@command -v sgdisk >/dev/null 2>&1 && command -v qemu-img >/dev/null 2>&1 || \
@@ -53,6 +58,13 @@ demo: build
 	$(IMGBUILD) --config $(LOOPBACK) build --route factory --factory $$factory --out-dir $(DEMO)/factory --cache-dir $(DEMO)/cache; \
 	$(IMGBUILD) verify --out-dir $(DEMO)/patch; \
 	$(IMGBUILD) inspect $(DEMO)/patch/cp-01.raw
+	@set -e; target/debug/imgbuild-sim nodes $(LOOPBACK_NODES) --vip 127.0.0.20 > $(DEMO)/nodes.json & sim=$$!; \
+	trap "kill $$sim" EXIT; for i in $$(seq 50); do [ -s $(DEMO)/nodes.json ] && break; sleep 0.1; done; \
+	echo "node simulator: $$(cat $(DEMO)/nodes.json)"; \
+	$(IMGBUILD) --config $(LOOPBACK) config cp-01 --state-dir $(DEMO)/state | head -n 12; \
+	$(IMGBUILD) --config $(LOOPBACK) bootstrap --state-dir $(DEMO)/state --poll 250ms; \
+	$(IMGBUILD) --config $(LOOPBACK) bootstrap --state-dir $(DEMO)/state --poll 250ms; \
+	ls -l $(DEMO)/state
 
 # Regenerates the reviewed schematics/ of the example cluster.
 schematics: build
@@ -73,3 +85,4 @@ bench: deps
 	$(CARGO) build --locked --release --workspace
 	bench/patch.sh
 	bench/fetch.sh
+	bench/bootstrap.sh

@@ -419,14 +419,24 @@ pub fn schema_problems(doc: &Value) -> Vec<String> {
         .collect()
 }
 
-/// Schema messages quote the offending value; a value might be a key.
+/// Schema messages quote the offending value, and a value might be a key or
+/// token: quoted text longer than a field name is replaced by `"…"`.
 fn redact_value(message: &str) -> String {
-    if message.contains("PRIVATE KEY") || message.len() > 300 {
-        let cut: String = message.chars().take(80).collect();
-        format!("{cut}… (value omitted)")
-    } else {
-        message.to_owned()
+    let mut out = String::with_capacity(message.len());
+    let mut parts = message.split('"');
+    if let Some(first) = parts.next() {
+        out.push_str(first);
     }
+    for (i, part) in parts.enumerate() {
+        out.push('"');
+        let inside_quotes = i % 2 == 0;
+        if inside_quotes && part.chars().count() > 40 {
+            out.push('…');
+        } else {
+            out.push_str(part);
+        }
+    }
+    out
 }
 
 /// Where the files of `inv`'s cluster live unless `--state-dir` says
@@ -521,6 +531,30 @@ mod tests {
         let cp_doc: Value =
             serde_yaml_ng::from_str(&machine_config(&inv, cp, bundle()).unwrap()).unwrap();
         assert_eq!(cp_doc["machine"]["ca"]["crt"], doc["machine"]["ca"]["crt"]);
+    }
+
+    #[test]
+    fn long_quoted_values_never_reach_a_message() {
+        let key = "LS0tLS1CRUdJTiBFRDI1NTE5IFBSSVZBVEUgS0VZLS0tLS0KTUM0Q0FRQXdCUVlESzJWd0JDSUVJ";
+        assert_eq!(
+            redact_value(&format!("\"{key}\" is not of type \"object\"")),
+            "\"…\" is not of type \"object\""
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        inv.base_dir = dir.path().to_owned();
+        std::fs::write(
+            dir.path().join("p.yaml"),
+            format!("machine:\n  nodeTaints: \"{key}\"\n"),
+        )
+        .unwrap();
+        inv.patches.all = vec!["p.yaml".into()];
+        let node = inv.nodes[0].clone();
+        let err = machine_config(&inv, &node, bundle())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("/machine/nodeTaints"), "{err}");
+        assert!(!err.contains(&key[..20]), "{err}");
     }
 
     #[test]
