@@ -1,5 +1,6 @@
 //! Compiles the Talos API subset in `proto/` into a gRPC client with protox
-//! (pure Rust: no protoc on the build machine).
+//! (pure Rust: no protoc on the build machine); with the `server-api`
+//! feature (the node simulator's) also into server traits.
 
 const PROTOS: [&str; 3] = [
     "machine/machine.proto",
@@ -11,7 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     let fds = protox::compile(PROTOS, ["proto"])?;
     tonic_prost_build::configure()
-        .build_server(false)
+        .build_server(std::env::var_os("CARGO_FEATURE_SERVER_API").is_some())
         .compile_fds(fds)?;
     Ok(())
 }

@@ -33,30 +33,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-mod api {
-    #![allow(clippy::all)]
-    pub mod google {
-        pub mod rpc {
-            tonic::include_proto!("google.rpc");
-        }
-    }
-    pub mod common {
-        tonic::include_proto!("common");
-    }
-    pub mod machine {
-        tonic::include_proto!("machine");
-    }
-    pub mod storage {
-        tonic::include_proto!("storage");
-    }
-}
-
 use api::common::{Data, Metadata};
 use api::machine::apply_configuration_request::Mode as ApplyMode;
 use api::machine::machine_service_server::{MachineService, MachineServiceServer};
 use api::machine::*;
 use api::storage::storage_service_server::{StorageService, StorageServiceServer};
 use api::storage::{Disk, Disks, DisksResponse};
+use imgbuild::talos::api;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -254,10 +254,16 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
     let mut nodes = Vec::new();
     for node in &inv.nodes {
         let Some(target) = Target::new(node.address, node.talos_endpoint.as_deref()) else {
-            bail!(
-                "node {}: no address or talosEndpoint, so imgbuild cannot reach its API (a dhcp node needs talosEndpoint: its current address)",
-                node.name
-            );
+            match &node.talos_endpoint {
+                Some(ep) => bail!(
+                    "node {}: talosEndpoint {ep:?} must be an IP address or IP:port (host names are not resolved)",
+                    node.name
+                ),
+                None => bail!(
+                    "node {}: no address or talosEndpoint, so imgbuild cannot reach its API (a dhcp node needs talosEndpoint: its current address)",
+                    node.name
+                ),
+            }
         };
         let text = config::machine_config(&inv, node, &bundle)?;
         imgbuild::atomic::write_if_changed(

@@ -349,6 +349,7 @@ impl Validator<'_> {
         self.check_network(&inv.network);
         self.check_nodes(inv);
         self.check_vip(inv, &mut warnings);
+        self.check_patches(inv);
         let cps = inv.control_planes().count();
         if cps == 0 && !inv.nodes.is_empty() {
             self.problem(
@@ -365,6 +366,35 @@ impl Validator<'_> {
             self.problem("nodes", "the inventory lists no nodes");
         }
         warnings
+    }
+
+    /// Patch files must exist (relative to the inventory's folder), so a
+    /// typo is found here rather than when a node's config is rendered.
+    fn check_patches(&mut self, inv: &Inventory) {
+        let lists = [
+            ("patches.all".to_owned(), &inv.patches.all),
+            (
+                "patches.controlPlane".to_owned(),
+                &inv.patches.control_plane,
+            ),
+            ("patches.worker".to_owned(), &inv.patches.worker),
+        ];
+        let node_lists = inv
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (format!("nodes[{i}].patches"), &n.patches));
+        for (field, files) in lists.into_iter().chain(node_lists) {
+            for (j, file) in files.iter().enumerate() {
+                let path = inv.base_dir.join(file);
+                if !path.is_file() {
+                    self.problem(
+                        format!("{field}[{j}]"),
+                        format!("patch file {} does not exist", path.display()),
+                    );
+                }
+            }
+        }
     }
 
     fn check_cluster(&mut self, c: &ClusterSettings) {

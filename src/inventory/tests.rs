@@ -2,8 +2,10 @@ use super::*;
 
 const ATLAS: &str = include_str!("../../examples/atlas/cluster.yaml");
 
+/// Parses `text` as if it were the atlas example (its patch files resolve).
 fn load(text: &str) -> Result<Inventory, InventoryError> {
-    Inventory::parse(text, Path::new("cluster.yaml"))
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/atlas/cluster.yaml");
+    Inventory::parse(text, &path)
 }
 
 /// The atlas inventory with `from` replaced by `to` (which must occur).
@@ -221,7 +223,7 @@ fn every_problem_is_reported_at_once() {
 #[test]
 fn syntax_errors_carry_the_file_and_line() {
     let err = error_of("cluster:\n  name: [unclosed\n");
-    assert!(err.starts_with("cluster.yaml: "), "{err}");
+    assert!(err.contains("examples/atlas/cluster.yaml: "), "{err}");
     assert!(err.contains("line"), "{err}");
 }
 
@@ -260,4 +262,27 @@ fn endpoint_hosts() {
     assert_eq!(endpoint_host("http://10.0.0.20:6443"), None);
     assert_eq!(endpoint_host("https://:6443"), None);
     assert_eq!(endpoint_host("https://h:port"), None);
+}
+
+#[test]
+fn patch_files_must_exist_and_are_named_with_their_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ok.yaml"), "machine: {}\n").unwrap();
+    let text = atlas_with(
+        "patches:\n  all: [patches/common.yaml]\n  controlPlane: [patches/controlplane.yaml]\n",
+        "patches:\n  all: [ok.yaml]\n  worker:\n    - missing.yaml\n",
+    );
+    let path = dir.path().join("cluster.yaml");
+    let err = Inventory::parse(&text, &path).unwrap_err().to_string();
+    let line = line_of(&text, "- missing.yaml");
+    assert!(
+        err.contains(&format!("line {line}: patches.worker[0]: patch file")),
+        "{err}"
+    );
+    assert!(err.contains("missing.yaml does not exist"), "{err}");
+    assert!(!err.contains("ok.yaml"), "{err}");
+    let fixed = text.replace("    - missing.yaml\n", "    - ok.yaml\n");
+    let inv = Inventory::parse(&fixed, &path).unwrap();
+    assert_eq!(inv.base_dir, dir.path());
+    assert_eq!(inv.patches.worker, [PathBuf::from("ok.yaml")]);
 }

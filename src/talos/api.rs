@@ -1,4 +1,5 @@
-//! The Talos machine API subset in `proto/`, generated at build time.
+//! The Talos machine API subset in `proto/`, generated at build time: clients,
+//! and with the `server-api` feature the server traits the simulator implements.
 #![allow(clippy::all, missing_docs)]
 
 pub mod google {

@@ -486,6 +486,15 @@ mod tests {
             assert!(errors.is_empty(), "{}: {errors:?}", node.name);
             assert_eq!(doc["machine"]["type"], json!(node.role.to_string()));
             assert_eq!(doc["machine"]["network"]["hostname"], json!(node.name));
+            // The example's patches landed.
+            assert_eq!(
+                doc["machine"]["sysctls"]["vm.max_map_count"],
+                json!("262144")
+            );
+            assert_eq!(
+                doc["cluster"].get("allowSchedulingOnControlPlanes"),
+                (node.role == Role::Controlplane).then_some(&json!(true))
+            );
             let image = doc["machine"]["install"]["image"].as_str().unwrap();
             assert!(image.contains("-installer/"), "{image}");
             assert!(image.ends_with(&format!(":{}", inv.cluster.talos_version)));
@@ -543,6 +552,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut inv = atlas();
         inv.base_dir = dir.path().to_owned();
+        inv.patches = Default::default();
         std::fs::write(
             dir.path().join("p.yaml"),
             format!("machine:\n  nodeTaints: \"{key}\"\n"),
@@ -599,6 +609,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut inv = atlas();
         inv.base_dir = dir.path().to_owned();
+        inv.patches = Default::default();
         std::fs::write(
             dir.path().join("typo.yaml"),
             "machine:\n  kubelet:\n    imagee: x\n",
@@ -631,6 +642,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut inv = atlas();
         inv.base_dir = dir.path().to_owned();
+        inv.patches = Default::default();
         for (f, v) in [("a.yaml", "1"), ("cp.yaml", "2"), ("n.yaml", "3")] {
             std::fs::write(
                 dir.path().join(f),
