@@ -297,6 +297,23 @@ fn certificate_required_after_apply_is_handled_by_switching_to_mtls() {
         rt.block_on(probe(&target, timeout)).unwrap(),
         Probe::Configured
     );
+    // With the admin identity the same node answers, and `node` routing
+    // reaches another node through it (as talosctl does through endpoints).
+    let tc =
+        imgbuild::talos::talosconfig::Talosconfig::load(&c.state().join("talosconfig")).unwrap();
+    let admin = Mode::Mtls(std::sync::Arc::new(tc.identity().unwrap()));
+    let worker: std::net::IpAddr = format!("{}.21", c.net).parse().unwrap();
+    let (direct, routed) = rt.block_on(async {
+        let conn = NodeClient::connect(&target, &admin, timeout).await.unwrap();
+        let direct = conn.version().await.unwrap();
+        let routed = conn.via(worker).version().await.unwrap();
+        (direct, routed)
+    });
+    assert_eq!(
+        (direct.hostname.as_str(), direct.tag.as_str()),
+        ("cp-01", "v1.11.2")
+    );
+    assert_eq!(routed.hostname, "worker-01");
     // And the bootstrap, finding configured nodes, goes straight to mTLS.
     let (out, v) = c.bootstrap(&[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -611,4 +628,71 @@ fn config_secrets_and_talosconfig_commands() {
             "{all}"
         );
     }
+}
+
+#[test]
+fn the_simulator_speaks_maintenance_mode_like_talos() {
+    use imgbuild::talos::client::{ApiError, Mode, NodeClient, Probe, Target, probe};
+    use tonic::Code;
+    let c = Cluster::start(14, true, &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let target = Target::new(Some(format!("{}.11", c.net).parse().unwrap()), None).unwrap();
+    let t = std::time::Duration::from_secs(5);
+    let status = |r: Result<_, ApiError>| match r {
+        Err(ApiError::Status { code, message }) => (code, message),
+        other => panic!("{other:?}"),
+    };
+    rt.block_on(async {
+        let conn = NodeClient::connect(&target, &Mode::Maintenance { pin: None }, t)
+            .await
+            .unwrap();
+        assert_eq!(conn.disks().await.unwrap(), ["sda"]);
+        assert_eq!(
+            status(conn.version().await.map(|_| ())),
+            (
+                Code::Unimplemented,
+                "API is not implemented in maintenance mode".into()
+            )
+        );
+        assert_eq!(
+            status(conn.bootstrap().await),
+            (
+                Code::Unimplemented,
+                "method Bootstrap not implemented".into()
+            )
+        );
+        let (code, msg) = status(conn.apply(b"version: [unclosed".to_vec()).await.map(|_| ()));
+        assert_eq!(code, Code::InvalidArgument, "{msg}");
+        let (code, msg) = status(
+            conn.apply(b"version: v1alpha1\nmachine:\n  typo: 1\n".to_vec())
+                .await
+                .map(|_| ()),
+        );
+        assert_eq!(code, Code::InvalidArgument);
+        assert!(msg.contains("typo"), "{msg}");
+    });
+    // --cert-fingerprint: a wrong pin refuses the node, the right one works.
+    let Probe::Maintenance { fingerprint } = rt.block_on(probe(&target, t)).unwrap() else {
+        panic!("not in maintenance mode");
+    };
+    let wrong = Mode::Maintenance {
+        pin: Some("00".repeat(32)),
+    };
+    let err = rt
+        .block_on(NodeClient::connect(&target, &wrong, t))
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, ApiError::PinMismatch { ref found, .. } if *found == fingerprint),
+        "{err:?}"
+    );
+    let right = Mode::Maintenance {
+        pin: Some(fingerprint),
+    };
+    let disks = rt.block_on(async { NodeClient::connect(&target, &right, t).await?.disks().await });
+    assert_eq!(disks.unwrap(), ["sda"]);
+    // Invalid configs changed nothing; our one Version probe was counted.
+    assert_eq!(c.node_stat("cp-01", "applies"), 0);
+    assert_eq!(c.node_stat("cp-01", "maintenance_version_calls"), 1);
+    assert_eq!(c.stats()["nodes"]["cp-01"]["phase"], "maintenance");
 }

@@ -301,10 +301,8 @@ async fn connect_version(
     mode: &Mode,
     timeout: Duration,
 ) -> Result<String, ApiError> {
-    NodeClient::connect(target, mode, timeout)
-        .await?
-        .version()
-        .await
+    let conn = NodeClient::connect(target, mode, timeout).await?;
+    Ok(conn.version().await?.tag)
 }
 
 /// Checks the install disk exists, then applies the config insecurely.
@@ -481,16 +479,23 @@ async fn health_round(
         .iter()
         .filter(|n| n.role == Role::Controlplane)
         .collect();
+    // Like talosctl, through one endpoint (the first control plane) with
+    // `node` routing to each member.
+    let endpoint = match NodeClient::connect(&first_cp.target, &mode, cx.opts.call_timeout).await {
+        Ok(c) => c,
+        Err(e) => return vec![format!("{}: API not answering ({e})", first_cp.name)],
+    };
     let checks = plan.nodes.iter().map(|node| {
-        let mode = mode.clone();
+        let conn = endpoint.clone().via(node.address);
         async move {
             let mut out = Vec::new();
-            let conn = match NodeClient::connect(&node.target, &mode, cx.opts.call_timeout).await {
-                Ok(c) => c,
-                Err(e) => return vec![format!("{}: API not answering ({e})", node.name)],
-            };
-            if let Err(e) = conn.version().await {
-                out.push(format!("{}: Version fails ({e})", node.name));
+            match conn.version().await {
+                Ok(v) if v.hostname != node.name => out.push(format!(
+                    "{}: apid answered as {:?} (node routing does not reach it)",
+                    node.name, v.hostname
+                )),
+                Ok(_) => {}
+                Err(e) => out.push(format!("{}: Version fails ({e})", node.name)),
             }
             match conn.services().await {
                 Ok(services) => {
@@ -532,34 +537,26 @@ async fn health_round(
     }
 
     // etcd membership, as the first control plane sees it.
-    match NodeClient::connect(&first_cp.target, &mode, cx.opts.call_timeout).await {
-        Ok(conn) => match conn.etcd_members().await {
-            Ok(members) => {
-                let mut names: Vec<&str> = members.iter().map(|m| m.hostname.as_str()).collect();
-                names.sort_unstable();
-                let mut want: Vec<&str> = control_planes.iter().map(|n| n.name.as_str()).collect();
-                want.sort_unstable();
-                if names != want {
-                    pending.push(format!(
-                        "etcd members are [{}], control planes are [{}]",
-                        names.join(", "),
-                        want.join(", ")
-                    ));
-                }
+    match endpoint.etcd_members().await {
+        Ok(members) => {
+            let mut names: Vec<&str> = members.iter().map(|m| m.hostname.as_str()).collect();
+            names.sort_unstable();
+            let mut want: Vec<&str> = control_planes.iter().map(|n| n.name.as_str()).collect();
+            want.sort_unstable();
+            if names != want {
+                pending.push(format!(
+                    "etcd members are [{}], control planes are [{}]",
+                    names.join(", "),
+                    want.join(", ")
+                ));
             }
-            Err(e) => pending.push(format!("etcd member list: {e}")),
-        },
+        }
         Err(e) => pending.push(format!("etcd member list: {e}")),
     }
 
     // Kubeconfig, then Kubernetes node readiness through it.
     if kube_state.config.is_none() {
-        let fetched = async {
-            let conn = NodeClient::connect(&first_cp.target, &mode, cx.opts.call_timeout).await?;
-            conn.kubeconfig().await
-        }
-        .await;
-        match fetched {
+        match endpoint.kubeconfig().await {
             Ok(archive) => match kube::from_archive(&archive).and_then(|t| Kubeconfig::parse(&t)) {
                 Ok(kc) => {
                     kube_state.config = Some(kc);

@@ -116,6 +116,14 @@ impl Target {
     }
 }
 
+/// A Version answer: the Talos tag and the hostname of the node that
+/// answered (through `node` routing, the routed-to node).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeVersion {
+    pub hostname: String,
+    pub tag: String,
+}
+
 /// What a TLS handshake without a client certificate revealed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Probe {
@@ -435,16 +443,22 @@ impl NodeClient {
             .collect())
     }
 
-    /// The Talos version tag (fails in maintenance mode, by design).
-    pub async fn version(&self) -> Result<String, ApiError> {
+    /// The Talos version and which node answered (fails in maintenance
+    /// mode, by design).
+    pub async fn version(&self) -> Result<NodeVersion, ApiError> {
         let reply = self.call(self.machine().version(self.request(()))).await?;
-        Ok(reply
-            .messages
-            .into_iter()
-            .next()
-            .and_then(|m| m.version)
-            .map(|v| v.tag)
-            .unwrap_or_default())
+        let first = reply.messages.into_iter().next();
+        Ok(NodeVersion {
+            hostname: first
+                .as_ref()
+                .and_then(|m| m.metadata.as_ref())
+                .map(|m| m.hostname.clone())
+                .unwrap_or_default(),
+            tag: first
+                .and_then(|m| m.version)
+                .map(|v| v.tag)
+                .unwrap_or_default(),
+        })
     }
 
     /// Applies `config` in AUTO mode; returns the node's mode details.
