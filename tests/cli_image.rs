@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 mod common;
-use common::{imgbuild, root, text};
+use common::{atlas_copy, imgbuild, root, text};
 
 const ATLAS: &str = "examples/atlas/cluster.yaml";
 
@@ -554,11 +554,7 @@ fn sigkill_mid_patch_leaves_no_output_and_the_rerun_sweeps_the_debris() {
 #[test]
 fn patch_refuses_platforms_that_ignore_key_10() {
     let dir = tempfile::tempdir().unwrap();
-    let inv = dir.path().join("cluster.yaml");
-    let text_inv = std::fs::read_to_string(root().join(ATLAS))
-        .unwrap()
-        .replace("platform: metal", "platform: nocloud");
-    std::fs::write(&inv, text_inv).unwrap();
+    let inv = atlas_copy(dir.path(), "platform: metal", "platform: nocloud");
     let out = dir.path().join("cp-01.raw");
     let o = patch_with(&inv, &fixtures().join("dual-boot.raw"), "cp-01", &out);
     assert_eq!(o.status.code(), Some(1));

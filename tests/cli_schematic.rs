@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 mod common;
-use common::{imgbuild, root, text};
+use common::{atlas_copy, imgbuild, root, text};
 
 fn stdout(o: &Output) -> String {
     text(&o.stdout)
@@ -175,11 +175,7 @@ fn written_files_are_idempotent_and_match_the_committed_ones() {
 #[test]
 fn validate_reports_the_culprit_and_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
-    let text = std::fs::read_to_string(root().join(ATLAS))
-        .unwrap()
-        .replace("address: 10.0.0.22", "address: 10.0.0.21");
-    let path = dir.path().join("cluster.yaml");
-    std::fs::write(&path, text).unwrap();
+    let path = atlas_copy(dir.path(), "address: 10.0.0.22", "address: 10.0.0.21");
     let o = imgbuild(&["--config", path.to_str().unwrap(), "validate"]);
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);

@@ -445,13 +445,38 @@ pub fn default_state_dir(inv: &Inventory) -> PathBuf {
     inv.base_dir.join(".talos").join(&inv.cluster.name)
 }
 
-/// Creates `dir` (and parents) with mode 0700, tightening an existing one.
+/// The files imgbuild keeps in a state dir; a dir holding only these (or
+/// nothing) is ours to tighten.
+const STATE_FILES: [&str; 4] = ["secrets.yaml", "talosconfig", "kubeconfig", "configs"];
+
+/// Creates `dir` (and parents) with mode 0700. An existing dir that others
+/// can read is tightened when it holds only imgbuild's files, and refused
+/// otherwise: `--state-dir .` must not chmod someone's working directory.
 pub fn ensure_private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
+    let mode = std::fs::metadata(dir)?.permissions().mode() & 0o777;
+    if mode & 0o077 == 0 {
+        return Ok(());
+    }
+    let ours = std::fs::read_dir(dir)?.all(|e| {
+        e.is_ok_and(|e| {
+            let name = e.file_name();
+            STATE_FILES.iter().any(|f| name == *f) || name.to_string_lossy().starts_with('.')
+        })
+    });
+    if !ours {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is readable by others (mode {mode:o}) and holds other files; imgbuild keeps cluster secrets in its state dir: `chmod 700` it or choose another --state-dir",
+                dir.display()
+            ),
+        ));
+    }
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
 }
 
@@ -540,6 +565,30 @@ mod tests {
         let cp_doc: Value =
             serde_yaml_ng::from_str(&machine_config(&inv, cp, bundle()).unwrap()).unwrap();
         assert_eq!(cp_doc["machine"]["ca"]["crt"], doc["machine"]["ca"]["crt"]);
+    }
+
+    #[test]
+    fn state_dirs_are_private_and_foreign_dirs_are_not_chmodded() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let state = dir.path().join(".talos/atlas");
+        ensure_private_dir(&state).unwrap();
+        assert_eq!(mode(&state), 0o700);
+        assert_eq!(mode(&dir.path().join(".talos")), 0o700);
+        // An open dir with only our files is tightened.
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(state.join("secrets.yaml"), "x").unwrap();
+        ensure_private_dir(&state).unwrap();
+        assert_eq!(mode(&state), 0o700);
+        // Someone's project folder is refused and left alone.
+        let project = dir.path().join("project");
+        std::fs::create_dir(&project).unwrap();
+        std::fs::set_permissions(&project, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(project.join("main.rs"), "fn main() {}").unwrap();
+        let err = ensure_private_dir(&project).unwrap_err().to_string();
+        assert!(err.contains("readable by others"), "{err}");
+        assert_eq!(mode(&project), 0o755);
     }
 
     #[test]

@@ -37,3 +37,19 @@ pub fn sim_bin() -> PathBuf {
     }
     sim
 }
+
+/// The atlas example copied into `dir` (with its patch files) after
+/// replacing `from` by `to`; returns the new inventory's path.
+pub fn atlas_copy(dir: &std::path::Path, from: &str, to: &str) -> PathBuf {
+    let atlas = root().join("examples/atlas");
+    let text = std::fs::read_to_string(atlas.join("cluster.yaml")).unwrap();
+    assert!(text.contains(from), "atlas lacks {from:?}");
+    let path = dir.join("cluster.yaml");
+    std::fs::write(&path, text.replacen(from, to, 1)).unwrap();
+    std::fs::create_dir_all(dir.join("patches")).unwrap();
+    for entry in std::fs::read_dir(atlas.join("patches")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join("patches").join(entry.file_name())).unwrap();
+    }
+    path
+}
