@@ -137,6 +137,13 @@ impl Cluster {
         (out, v)
     }
 
+    /// A bootstrap that must fail; its `{"error"}` message.
+    fn bootstrap_error(&self, extra: &[&str]) -> String {
+        let (out, v) = self.bootstrap(extra);
+        assert!(!out.status.success(), "{}", text(&out.stderr));
+        v["error"].as_str().expect("an error document").to_owned()
+    }
+
     fn stats(&self) -> serde_json::Value {
         let out = Command::new("curl")
             .args(["-sf", &format!("{}/_sim/stats", self.control)])
@@ -247,9 +254,7 @@ fn a_node_stuck_in_maintenance_times_out_naming_maintenance_mode() {
         true,
         &["--misbehave", "never-leave-maintenance@worker-01"],
     );
-    let (out, v) = c.bootstrap(&["--node-timeout", "3s"]);
-    assert!(!out.status.success());
-    let err = v["error"].as_str().unwrap();
+    let err = c.bootstrap_error(&["--node-timeout", "3s"]);
     assert!(
         err.contains("node worker-01: stuck in maintenance mode"),
         "{err}"
@@ -401,9 +406,7 @@ fn a_talosconfig_from_other_secrets_is_refused_with_an_explanation() {
     let other = c.dir.path().join("other");
     let out = c.imgbuild(&["talosconfig", "--state-dir", other.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    let (out, v) = c.bootstrap(&["--talosconfig", other.join("talosconfig").to_str().unwrap()]);
-    assert!(!out.status.success());
-    let err = v["error"].as_str().unwrap();
+    let err = c.bootstrap_error(&["--talosconfig", other.join("talosconfig").to_str().unwrap()]);
     assert!(err.contains("unknown authority"), "{err}");
     assert!(err.contains("other secrets"), "{err}");
     // Refused before any node was touched.
@@ -415,9 +418,7 @@ fn a_talosconfig_from_other_secrets_is_refused_with_an_explanation() {
 #[test]
 fn a_node_configured_with_a_foreign_ca_is_named() {
     let c = Cluster::start(7, true, &["--misbehave", "foreign-ca@cp-02"]);
-    let (out, v) = c.bootstrap(&["--node-timeout", "5s"]);
-    assert!(!out.status.success());
-    let err = v["error"].as_str().unwrap();
+    let err = c.bootstrap_error(&["--node-timeout", "5s"]);
     assert!(err.contains("node cp-02"), "{err}");
     assert!(err.contains("unknown authority"), "{err}");
     assert!(err.contains("other secrets"), "{err}");
@@ -462,9 +463,7 @@ fn a_reboot_that_never_ends_is_reported_as_such() {
             "60000",
         ],
     );
-    let (out, v) = c.bootstrap(&["--node-timeout", "3s"]);
-    assert!(!out.status.success());
-    let err = v["error"].as_str().unwrap();
+    let err = c.bootstrap_error(&["--node-timeout", "3s"]);
     assert!(
         err.contains("node worker-02: did not come back after apply"),
         "{err}"
@@ -494,9 +493,7 @@ fn slow_time_sync_delays_bootstrap_but_does_not_fail_it() {
 #[test]
 fn a_missing_install_disk_is_caught_before_apply() {
     let c = Cluster::start(11, true, &["--disks", "vda"]);
-    let (out, v) = c.bootstrap(&[]);
-    assert!(!out.status.success());
-    let err = v["error"].as_str().unwrap();
+    let err = c.bootstrap_error(&[]);
     assert!(
         err.contains("install disk /dev/sda does not exist"),
         "{err}"
@@ -514,9 +511,7 @@ fn a_node_that_never_boots_is_named_with_its_port() {
             c.net
         );
     std::fs::write(c.config(), inv).unwrap();
-    let (out, v) = c.bootstrap(&["--node-timeout", "1s"]);
-    assert!(!out.status.success());
-    let err = v["error"].as_str().unwrap();
+    let err = c.bootstrap_error(&["--node-timeout", "1s"]);
     assert!(
         err.contains("node worker-03: port 50000 never opened"),
         "{err}"

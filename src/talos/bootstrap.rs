@@ -119,7 +119,10 @@ impl fmt::Display for Event {
             Event::BootstrapRetry { reason } => write!(f, "bootstrap not possible yet: {reason}"),
             Event::Bootstrapped => write!(f, "etcd bootstrapped"),
             Event::AlreadyBootstrapped => write!(f, "etcd already bootstrapped, nothing to do"),
-            Event::Waiting { pending } => write!(f, "waiting for: {}", pending.join("; ")),
+            Event::Waiting { pending } => {
+                write!(f, "waiting for {} check(s):", pending.len())?;
+                pending.iter().try_for_each(|p| write!(f, "\n    - {p}"))
+            }
             Event::Kubeconfig { server } => write!(f, "kubeconfig written (server {server})"),
             Event::Healthy => write!(f, "cluster healthy"),
         }
