@@ -197,13 +197,56 @@ struct NodeDone {
     version: String,
 }
 
+/// The last thing seen of a node that has not settled yet: what a timeout
+/// reports, and what progress shows once per change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seen {
+    Nothing,
+    ConfiguredSilent(String),
+    ApplyFailed(String),
+    StillInMaintenance,
+    PortClosed(String),
+    ProbeFailed(String),
+}
+
+impl Seen {
+    /// (state, detail, hint) for the timeout message.
+    fn verdict(&self, applied: bool) -> (&'static str, String, &'static str) {
+        match self {
+            Seen::StillInMaintenance => (
+                "stuck in maintenance mode",
+                "still in maintenance mode after its config was applied".into(),
+                HINT_MAINTENANCE,
+            ),
+            Seen::PortClosed(d) if applied => (
+                "did not come back after apply",
+                format!("port closed ({d})"),
+                HINT_REBOOT,
+            ),
+            Seen::ConfiguredSilent(d) => (
+                "configured, but its API does not answer over mTLS",
+                d.clone(),
+                HINT_REBOOT,
+            ),
+            Seen::ApplyFailed(d) => (
+                "maintenance mode, apply failing",
+                d.clone(),
+                HINT_MAINTENANCE,
+            ),
+            Seen::PortClosed(d) | Seen::ProbeFailed(d) => {
+                ("not reachable in maintenance mode", d.clone(), HINT_PORT)
+            }
+            Seen::Nothing => ("no answer", String::new(), HINT_PORT),
+        }
+    }
+}
+
 /// Brings one node to "answers Version over mTLS", applying its config when
 /// it is in maintenance mode. Never calls Version on a maintenance node.
 async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapError> {
     let opts = cx.opts;
     let name = node.name.as_str();
     let deadline = Instant::now() + opts.node_timeout;
-    let left = || deadline.saturating_duration_since(Instant::now());
     cx.observer.event(name, &Event::WaitingForPort);
     client::wait_for_port(node.target.addr, opts.node_timeout)
         .await
@@ -211,10 +254,9 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
     cx.observer.event(name, &Event::PortOpen);
     let mtls = Mode::Mtls(cx.identity.clone());
     let mut applied = false;
-    let mut last_state = String::new();
+    let mut seen = Seen::Nothing;
     loop {
-        let probed = client::probe(&node.target, opts.call_timeout).await;
-        match probed {
+        let now_seen = match client::probe(&node.target, opts.call_timeout).await {
             Ok(Probe::Configured) => {
                 match connect_version(&node.target, &mtls, opts.call_timeout).await {
                     Ok(version) => {
@@ -234,9 +276,7 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
                             HINT_FOREIGN,
                         ));
                     }
-                    Err(e) => {
-                        last_state = format!("configured, but the API does not answer yet ({e})")
-                    }
+                    Err(e) => Seen::ConfiguredSilent(e.to_string()),
                 }
             }
             Ok(Probe::Maintenance { fingerprint }) if !applied => {
@@ -245,9 +285,11 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
                     Ok(details) => {
                         applied = true;
                         cx.observer.event(name, &Event::Applied { details });
+                        Seen::Nothing
                     }
-                    // Someone configured it between probe and apply.
-                    Err(ApiError::CertificateRequired) => continue,
+                    // Configured by someone else between probe and apply:
+                    // the next probe tells.
+                    Err(ApiError::CertificateRequired) => Seen::Nothing,
                     Err(ApiError::Status {
                         code: tonic::Code::InvalidArgument,
                         message,
@@ -263,35 +305,28 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
                             message: format!("{e}; refusing to send it the config"),
                         });
                     }
-                    Err(e) => last_state = format!("maintenance mode, apply failed ({e})"),
+                    Err(e) => Seen::ApplyFailed(e.to_string()),
                 }
             }
-            Ok(Probe::Maintenance { .. }) => {
-                cx.observer.event(name, &Event::StillInMaintenance);
-                last_state = "still in maintenance mode after its config was applied".into();
+            Ok(Probe::Maintenance { .. }) => Seen::StillInMaintenance,
+            Err(ApiError::Unreachable(detail)) => Seen::PortClosed(detail),
+            Err(e) => Seen::ProbeFailed(e.to_string()),
+        };
+        let changed = std::mem::discriminant(&now_seen) != std::mem::discriminant(&seen);
+        seen = now_seen;
+        if changed {
+            match &seen {
+                Seen::StillInMaintenance => cx.observer.event(name, &Event::StillInMaintenance),
+                Seen::PortClosed(_) if applied => cx.observer.event(name, &Event::PortClosed),
+                _ => {}
             }
-            Err(ApiError::Unreachable(detail)) => {
-                if applied {
-                    cx.observer.event(name, &Event::PortClosed);
-                }
-                last_state = format!("port closed ({detail})");
-            }
-            Err(e) => last_state = format!("TLS probe failed ({e})"),
         }
-        if left() < opts.poll {
-            let (state, hint) = if last_state.starts_with("still in maintenance") {
-                ("stuck in maintenance mode", HINT_MAINTENANCE)
-            } else if applied && last_state.starts_with("port closed") {
-                ("did not come back after apply", HINT_REBOOT)
-            } else if applied {
-                ("not answering over mTLS after apply", HINT_REBOOT)
-            } else {
-                ("not reachable in maintenance mode", HINT_PORT)
-            };
+        if Instant::now() + opts.poll > deadline {
+            let (state, detail, hint) = seen.verdict(applied);
             return Err(stuck(
                 name,
                 state,
-                format!("{last_state}; gave up after {:?}", opts.node_timeout),
+                format!("{detail}; gave up after {:?}", opts.node_timeout),
                 hint,
             ));
         }
@@ -766,6 +801,22 @@ mod tests {
         assert_eq!(
             reachable_server(&endpoint, "127.0.0.2".parse().unwrap()),
             format!("https://127.0.0.2:{port}")
+        );
+    }
+
+    #[test]
+    fn timeouts_name_the_state_the_node_was_in() {
+        let closed = Seen::PortClosed("refused".into());
+        assert_eq!(closed.verdict(true).0, "did not come back after apply");
+        assert_eq!(closed.verdict(false).0, "not reachable in maintenance mode");
+        let (state, _, hint) = Seen::StillInMaintenance.verdict(true);
+        assert_eq!(state, "stuck in maintenance mode");
+        assert!(hint.contains("install disk"));
+        assert!(
+            Seen::ConfiguredSilent("x".into())
+                .verdict(true)
+                .0
+                .contains("mTLS")
         );
     }
 

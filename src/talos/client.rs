@@ -306,7 +306,7 @@ pub async fn probe(target: &Target, timeout: Duration) -> Result<Probe, ApiError
                     .unwrap_or_default();
                 Ok(Probe::Maintenance { fingerprint })
             }
-            Err(e) => Err(classify_io(&e).unwrap_or_else(|| ApiError::Tls(e.to_string()))),
+            Err(e) => Err(classify(&e).unwrap_or_else(|| ApiError::Tls(e.to_string()))),
         }
     };
     tokio::time::timeout(timeout, work)
@@ -399,7 +399,7 @@ impl NodeClient {
     /// client certificate with an alert that may arrive as a bare
     /// "connection closed"; a fresh handshake tells which it was.
     async fn fail(&self, s: tonic::Status) -> ApiError {
-        let err = status_error(&s);
+        let err = status_error(&s, self.timeout);
         let transport = matches!(
             err.code(),
             Some(tonic::Code::Cancelled | tonic::Code::Unknown | tonic::Code::Unavailable)
@@ -557,10 +557,6 @@ fn from_rustls(e: &rustls::Error) -> ApiError {
     }
 }
 
-fn classify_io(e: &std::io::Error) -> Option<ApiError> {
-    classify(e)
-}
-
 /// Finds the TLS or socket failure inside a transport error.
 fn classify(e: &(dyn StdError + 'static)) -> Option<ApiError> {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(e);
@@ -598,7 +594,7 @@ fn classify(e: &(dyn StdError + 'static)) -> Option<ApiError> {
     None
 }
 
-fn status_error(s: &tonic::Status) -> ApiError {
+fn status_error(s: &tonic::Status, timeout: Duration) -> ApiError {
     if let Some(err) = classify(s) {
         return err;
     }
@@ -609,7 +605,7 @@ fn status_error(s: &tonic::Status) -> ApiError {
         return ApiError::CertificateRequired;
     }
     if s.code() == tonic::Code::DeadlineExceeded && msg.contains("Timeout expired") {
-        return ApiError::Timeout(Duration::ZERO);
+        return ApiError::Timeout(timeout);
     }
     ApiError::Status {
         code: s.code(),
