@@ -168,9 +168,20 @@ impl<'a> Factory<'a> {
     }
 }
 
+/// The installer image of schematic `id` for `inv`'s factory, platform and
+/// Talos version: what a machine config installs and upgrades from.
+pub fn installer_for(inv: &crate::inventory::Inventory, id: &SchematicId) -> String {
+    installer_ref(
+        registry_host(&inv.image.factory),
+        &inv.image.platform,
+        id,
+        &inv.cluster.talos_version,
+    )
+}
+
 /// The registry host of a factory URL: installer images are pulled from the
 /// factory's own host (`https://factory.talos.dev` → `factory.talos.dev`).
-pub fn registry_host(factory: &str) -> &str {
+fn registry_host(factory: &str) -> &str {
     factory
         .split_once("://")
         .map_or(factory, |(_, rest)| rest)

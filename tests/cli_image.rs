@@ -363,27 +363,26 @@ fn bad_inputs_are_refused_cleanly() {
         "META partition is 2097152 bytes",
     );
 
-    let truncated = dir.path().join("truncated.raw");
-    std::fs::copy(fixtures().join("dual-boot.raw"), &truncated).unwrap();
-    File::options()
-        .write(true)
-        .open(&truncated)
-        .unwrap()
-        .set_len(19 << 20)
-        .unwrap();
+    // The fixture cut short at `len` bytes, under another name.
+    let cut = |name: &str, len: u64| {
+        let path = dir.path().join(name);
+        std::fs::copy(fixtures().join("dual-boot.raw"), &path).unwrap();
+        File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+        path
+    };
     refused(
-        &truncated,
+        &cut("truncated.raw", 19 << 20),
         "truncated: the disk its GPT describes (up to the backup header) ends at byte 33554432 but the image has 19922944",
     );
-    let cut_meta = dir.path().join("cut-meta.raw");
-    std::fs::copy(fixtures().join("dual-boot.raw"), &cut_meta).unwrap();
-    File::options()
-        .write(true)
-        .open(&cut_meta)
-        .unwrap()
-        .set_len(18 << 20)
-        .unwrap();
-    refused(&cut_meta, "truncated: the disk its GPT describes");
+    refused(
+        &cut("cut-meta.raw", 18 << 20),
+        "truncated: the disk its GPT describes",
+    );
 
     // A GPT whose entry size the gpt crate would assert on.
     let odd = dir.path().join("odd-entries.raw");

@@ -53,19 +53,13 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
         (Some(_), true) => bail!("give a node name or --all, not both"),
         (None, false) => bail!("give a node name, --all, or `schematic id FILE`"),
     }
-    let registry = imgbuild::factory::registry_host(&inv.image.factory);
     let mut rendered = Vec::new();
     for (name, s) in &entries {
         let canonical = s
             .canonical()
             .with_context(|| format!("schematic of {name}"))?;
         let id = schematic::id_of(&canonical);
-        let installer = imgbuild::factory::installer_ref(
-            registry,
-            &inv.image.platform,
-            &id,
-            &inv.cluster.talos_version,
-        );
+        let installer = imgbuild::factory::installer_for(&inv, &id);
         rendered.push(Rendered {
             name: name.as_str(),
             id,

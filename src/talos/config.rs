@@ -106,11 +106,9 @@ pub fn install_image(inv: &Inventory, node: &NodeSpec) -> Result<String, ConfigE
             node: node.name.clone(),
             message: format!("schematic: {e}"),
         })?;
-    Ok(crate::factory::installer_ref(
-        crate::factory::registry_host(&inv.image.factory),
-        &inv.image.platform,
+    Ok(crate::factory::installer_for(
+        inv,
         &schematic::id_of(&canonical),
-        &inv.cluster.talos_version,
     ))
 }
 
