@@ -61,6 +61,10 @@ pub struct Args {
     /// Milliseconds etcd needs from start to healthy (and a joiner waits).
     #[arg(long, default_value_t = 1000)]
     etcd_delay: u64,
+    /// Milliseconds etcd stays "Preparing" on the bootstrapped node after
+    /// Bootstrap (a window in which a second Bootstrap meets AlreadyExists).
+    #[arg(long, default_value_t = 0)]
+    etcd_start_delay: u64,
     /// Milliseconds from configuration until kubelet is healthy.
     #[arg(long, default_value_t = 800)]
     kubelet_delay: u64,
@@ -187,10 +191,11 @@ impl Cluster {
         let conf = self.configured_at(i)?;
         let boot = self.boot.lock().unwrap();
         let boot = boot.as_ref()?;
+        let started = boot.at + ms(self.args.etcd_start_delay);
         let joinable = if boot.node == i {
-            boot.at
+            started
         } else {
-            boot.at + ms(self.args.etcd_delay)
+            started + ms(self.args.etcd_delay)
         };
         Some(conf.max(joinable))
     }
