@@ -219,7 +219,8 @@ pub fn build(
         let factory = Factory::new(
             opts.factory.as_deref().unwrap_or(&inv.image.factory),
             &client,
-        );
+        )
+        .with_retry(opts.fetch.retry_policy());
         let mut wanted: Vec<String> = inv.image.extensions.clone();
         for p in &todo {
             wanted.extend(p.node.extensions.iter().cloned());

@@ -2,21 +2,25 @@
 //! on the ID), lists versions and official extensions, and spells image
 //! URLs and installer references the way talosctl and talhelper print them.
 
-use crate::fetch::FetchError;
+use crate::net::{self, NetError, RetryPolicy};
 use crate::schematic::{Schematic, SchematicId};
-use reqwest::blocking::Client;
+use reqwest::blocking::{Client, RequestBuilder};
+
+/// Replies of the factory's JSON API are small; anything bigger is not one.
+const REPLY_LIMIT: u64 = 4 << 20;
 
 /// A factory at a base URL.
 pub struct Factory<'a> {
     pub base: String,
     client: &'a Client,
+    retry: RetryPolicy,
 }
 
 /// Why a factory call failed; every variant names the URL or the culprit.
 #[derive(Debug, thiserror::Error)]
 pub enum FactoryError {
     #[error(transparent)]
-    Http(#[from] FetchError),
+    Http(#[from] NetError),
     #[error(
         "{url}: the factory says the schematic ID is {theirs}, but it hashes to {ours} locally"
     )]
@@ -58,27 +62,27 @@ impl<'a> Factory<'a> {
         Factory {
             base: base.trim_end_matches('/').to_owned(),
             client,
+            retry: RetryPolicy::default(),
         }
+    }
+
+    /// Retries busy or failing factories with `retry` (the downloads' policy).
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Sends with retries; every factory call is idempotent (a schematic
+    /// POSTed twice has one ID), so every retryable failure is retried.
+    fn call(&self, make: &dyn Fn() -> RequestBuilder) -> Result<Vec<u8>, NetError> {
+        let resp = net::send(&self.retry, make, &NetError::retryable, &mut |_, _, _| {})?;
+        net::read_limited(resp, REPLY_LIMIT)
     }
 
     fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, FactoryError> {
         let url = format!("{}{path}", self.base);
-        let resp = self
-            .client
-            .get(&url)
-            .send()
-            .map_err(|e| transfer(&url, e))?;
-        let status = resp.status();
-        let body = resp.text().map_err(|e| transfer(&url, e))?;
-        if !status.is_success() {
-            return Err(FetchError::Status {
-                url,
-                status: status.as_u16(),
-                body: body.trim().chars().take(200).collect(),
-            }
-            .into());
-        }
-        serde_json::from_str(&body).map_err(|e| FactoryError::Reply {
+        let body = self.call(&|| self.client.get(&url))?;
+        serde_json::from_slice(&body).map_err(|e| FactoryError::Reply {
             url,
             message: format!("not the JSON expected: {e}"),
         })
@@ -89,30 +93,22 @@ impl<'a> Factory<'a> {
         let canonical = schematic.canonical()?;
         let ours = crate::schematic::id_of(&canonical);
         let url = format!("{}/schematics", self.base);
-        let resp = self
-            .client
-            .post(&url)
-            .header("content-type", "application/yaml")
-            .body(canonical)
-            .send()
-            .map_err(|e| transfer(&url, e))?;
-        let status = resp.status();
-        let body = resp.text().map_err(|e| transfer(&url, e))?;
-        if status.as_u16() != 201 && status.as_u16() != 200 {
-            return Err(FetchError::Status {
-                url,
-                status: status.as_u16(),
-                body: body.trim().chars().take(200).collect(),
-            }
-            .into());
-        }
+        let body = self.call(&|| {
+            self.client
+                .post(&url)
+                .header("content-type", "application/yaml")
+                .body(canonical.clone())
+        })?;
         #[derive(serde::Deserialize)]
         struct Created {
             id: String,
         }
-        let created: Created = serde_json::from_str(&body).map_err(|e| FactoryError::Reply {
+        let created: Created = serde_json::from_slice(&body).map_err(|e| FactoryError::Reply {
             url: url.clone(),
-            message: format!("no schematic id in {body:?}: {e}"),
+            message: format!(
+                "no schematic id in {:?}: {e}",
+                String::from_utf8_lossy(&body[..body.len().min(200)])
+            ),
         })?;
         if created.id != ours.as_str() {
             return Err(FactoryError::IdMismatch {
@@ -196,13 +192,6 @@ pub fn installer_ref(
     version: &str,
 ) -> String {
     format!("{registry_host}/{platform}-installer/{id}:{version}")
-}
-
-fn transfer(url: &str, e: reqwest::Error) -> FetchError {
-    FetchError::Transfer {
-        url: url.to_owned(),
-        message: crate::fetch::request_error(e),
-    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ pub mod factory;
 pub mod fetch;
 pub mod inventory;
 pub mod meta;
+pub mod net;
 pub mod schematic;
 pub mod talos;
 

@@ -6,6 +6,7 @@
 pub mod io;
 
 use crate::atomic::AtomicFile;
+use crate::net::{self, NetError};
 use io::{ExactLengthReader, HashingReader, Magic, PeekReader, copy_sparse_from, describe};
 use reqwest::StatusCode;
 use reqwest::blocking::{Client, Response};
@@ -107,6 +108,15 @@ impl FetchOptions {
             .unwrap_or_else(|| PathBuf::from(".cache"))
             .join("imgbuild")
     }
+
+    /// The retry behaviour of the network layer for these options.
+    pub fn retry_policy(&self) -> net::RetryPolicy {
+        net::RetryPolicy {
+            retries: self.retries,
+            backoff: self.backoff,
+            ..net::RetryPolicy::default()
+        }
+    }
 }
 
 /// A verified file in the cache.
@@ -128,12 +138,8 @@ pub struct Artifact {
 /// Why a download failed; every variant names the URL.
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
-    #[error("{url}: HTTP {status}: {body}")]
-    Status {
-        url: String,
-        status: u16,
-        body: String,
-    },
+    #[error(transparent)]
+    Http(#[from] NetError),
     #[error("{url}: expected {expected}, got {found}")]
     WrongContent {
         url: String,
@@ -165,7 +171,7 @@ impl FetchError {
     /// Worth another attempt: the server or the network, not the content.
     fn retryable(&self) -> bool {
         match self {
-            FetchError::Status { status, .. } => *status >= 500 || *status == 429,
+            FetchError::Http(e) => e.retryable(),
             FetchError::Transfer { .. } => true,
             _ => false,
         }
@@ -179,16 +185,16 @@ fn cache_err(path: &Path) -> impl FnOnce(std::io::Error) -> FetchError + '_ {
     }
 }
 
-/// An HTTP client that talks only to the addresses it is given.
+/// The client downloads and factory calls share: system roots, and a fresh
+/// connection per request (a retry after a broken body must not reuse the
+/// broken connection).
 pub fn client(opts: &FetchOptions) -> Client {
-    Client::builder()
-        .timeout(opts.read_timeout)
-        .connect_timeout(Duration::from_secs(10))
-        // A retry after a broken body must not reuse the broken connection.
-        .pool_max_idle_per_host(0)
-        .user_agent(concat!("imgbuild/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .expect("a TLS backend is compiled in")
+    net::http_client(&net::HttpOptions {
+        timeout: opts.read_timeout,
+        reuse_connections: false,
+        ..net::HttpOptions::default()
+    })
+    .expect("system-root TLS needs no settings that can be wrong")
 }
 
 /// Returns the cached artifact for `url`, downloading and verifying it first
@@ -235,7 +241,11 @@ pub fn fetch(
             Err(e) if e.retryable() && attempt < opts.retries => {
                 attempt += 1;
                 progress.retry(url, attempt, &e.to_string());
-                std::thread::sleep(opts.backoff * 2u32.saturating_pow(attempt - 1));
+                let hint = match &e {
+                    FetchError::Http(n) => n.wait_hint(),
+                    _ => None,
+                };
+                std::thread::sleep(opts.retry_policy().delay(attempt, hint));
             }
             Err(e) => {
                 // Leave no trace of a failed entry (a waiter on the lock
@@ -325,15 +335,10 @@ fn stream_error(url: &str, e: std::io::Error) -> FetchError {
     transfer(url, io_cause(&e))
 }
 
-/// The innermost message of an I/O error (reqwest wraps its own).
+/// What an I/O error from the reader stack says, without the wrapper.
 fn io_cause(e: &std::io::Error) -> String {
-    let mut msg = e.to_string();
-    let mut src = e.get_ref().and_then(|inner| inner.source());
-    while let Some(s) = src {
-        msg = s.to_string();
-        src = s.source();
-    }
-    msg
+    e.get_ref()
+        .map_or_else(|| e.to_string(), |inner| net::error_chain(inner))
 }
 
 /// One attempt: GET, check, stream through the verifying stack into a temp
@@ -349,11 +354,7 @@ fn download(
     backoff: Duration,
     progress: &dyn Progress,
 ) -> Result<Artifact, FetchError> {
-    let resp = client
-        .get(url)
-        .send()
-        .map_err(|e| transfer(url, request_error(e)))?;
-    let resp = check_status(url, resp)?;
+    let resp = net::send_once(client.get(url))?;
     let total = resp.content_length();
     progress.start(url, total);
     let body = ProgressReader {
@@ -459,44 +460,6 @@ fn download(
     })
 }
 
-/// The first line of a reqwest error chain is vague; the sources say what
-/// happened. The URL is left out: the caller names it once.
-pub(crate) fn request_error(e: reqwest::Error) -> String {
-    let e = e.without_url();
-    let mut msg = e.to_string();
-    let mut src = std::error::Error::source(&e);
-    while let Some(s) = src {
-        msg = format!("{msg}: {s}");
-        src = s.source();
-    }
-    msg
-}
-
-fn check_status(url: &str, resp: Response) -> Result<Response, FetchError> {
-    let status = resp.status();
-    if status == StatusCode::OK {
-        return Ok(resp);
-    }
-    let kind = resp
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
-    let mut body = String::new();
-    let _ = resp.take(4096).read_to_string(&mut body);
-    let body = if kind.contains("html") {
-        "an HTML error page".to_owned()
-    } else {
-        body.trim().chars().take(200).collect()
-    };
-    Err(FetchError::Status {
-        url: url.to_owned(),
-        status: status.as_u16(),
-        body,
-    })
-}
-
 /// The decompressor (or none) between the served bytes and the image.
 enum Decoder<R: Read> {
     Zstd(zstd::Decoder<'static, std::io::BufReader<R>>),
@@ -591,7 +554,7 @@ impl<'a> ResumableBody<'a> {
         if let Some(v) = &self.validator {
             req = req.header(header::IF_RANGE, v);
         }
-        let resp = req.send().map_err(request_error)?;
+        let resp = req.send().map_err(net::request_error)?;
         let want = format!("bytes {}-", self.offset);
         let starts_right = resp
             .headers()

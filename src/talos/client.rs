@@ -7,14 +7,13 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls::pki_types::ServerName;
+use rustls::{ClientConfig, SignatureScheme};
 use tokio::net::TcpStream;
 use tonic::transport::{Channel, Endpoint};
 
@@ -24,8 +23,9 @@ use super::api::machine::{
     ApplyConfigurationRequest, BootstrapRequest, EtcdMember, EtcdMemberListRequest, ServiceInfo,
 };
 use super::api::storage::storage_service_client::StorageServiceClient;
-use super::pki;
 use super::talosconfig::Identity;
+use crate::net::error_chain;
+use crate::net::tls::{self, ClientIdentity, SeenCertificate, Trust};
 
 /// The Talos API port.
 pub const PORT: u16 = 50000;
@@ -133,75 +133,6 @@ pub enum Probe {
     Configured,
 }
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
-}
-
-/// Accepts any certificate (maintenance nodes are self-signed) unless pinned,
-/// and records what it saw; handshake signatures are still verified.
-#[derive(Debug)]
-struct AnyCert {
-    pin: Option<String>,
-    seen: Mutex<Option<String>>,
-    provider: Arc<rustls::crypto::CryptoProvider>,
-}
-
-impl ServerCertVerifier for AnyCert {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        let fp = pki::fingerprint(end_entity);
-        *self.seen.lock().expect("not poisoned") = Some(fp.clone());
-        match &self.pin {
-            Some(pin) if !pin.eq_ignore_ascii_case(&fp.replace(':', "")) => {
-                Err(rustls::Error::InvalidCertificate(
-                    rustls::CertificateError::ApplicationVerificationFailure,
-                ))
-            }
-            _ => Ok(ServerCertVerified::assertion()),
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider
-            .signature_verification_algorithms
-            .supported_schemes()
-    }
-}
-
 /// Presents no certificate but notes that the server asked for one.
 #[derive(Debug, Default)]
 struct NoteRequest(AtomicBool);
@@ -221,44 +152,27 @@ impl rustls::client::ResolvesClientCert for NoteRequest {
     }
 }
 
-fn tls_config(mode: &Mode) -> Result<(ClientConfig, Option<Arc<AnyCert>>), ApiError> {
-    let provider = provider();
-    let builder = ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| ApiError::Tls(e.to_string()))?;
-    let (mut config, verifier) = match mode {
-        Mode::Maintenance { pin } => {
-            let v = Arc::new(AnyCert {
-                pin: pin.clone(),
-                seen: Mutex::new(None),
-                provider,
-            });
-            let cfg = builder
-                .dangerous()
-                .with_custom_certificate_verifier(v.clone())
-                .with_no_client_auth();
-            (cfg, Some(v))
+/// The rustls settings for `mode`, from the one TLS layer, and the
+/// recorder of the certificate the node showed.
+fn tls_config(mode: &Mode) -> Result<(ClientConfig, SeenCertificate), ApiError> {
+    let (trust, identity) = match mode {
+        Mode::Maintenance { pin: None } => (Trust::Any, None),
+        Mode::Maintenance { pin: Some(pin) } => {
+            (Trust::Pinned(pin.parse().map_err(ApiError::Tls)?), None)
         }
-        Mode::Mtls(id) => {
-            let mut roots = RootCertStore::empty();
-            for der in pki::certs_der(&id.ca).map_err(|e| ApiError::Tls(format!("CA: {e}")))? {
-                roots
-                    .add(der)
-                    .map_err(|e| ApiError::Tls(format!("CA: {e}")))?;
-            }
-            let chain = pki::certs_der(&id.client.crt)
-                .map_err(|e| ApiError::Tls(format!("client certificate: {e}")))?;
-            let key = pki::private_key_der(&id.client.key)
-                .map_err(|e| ApiError::Tls(format!("client key: {e}")))?;
-            let cfg = builder
-                .with_root_certificates(roots)
-                .with_client_auth_cert(chain, key)
-                .map_err(|e| ApiError::Tls(format!("client identity: {e}")))?;
-            (cfg, None)
-        }
+        Mode::Mtls(id) => (
+            Trust::Ca(id.ca.clone()),
+            Some(ClientIdentity {
+                crt: id.client.crt.clone(),
+                key: id.client.key.clone(),
+            }),
+        ),
     };
+    let (mut config, seen) = tls::client_config(&trust, identity.as_ref())
+        .map_err(|e| ApiError::Tls(e.to_string()))?
+        .expect("only system trust is left to the HTTP stack");
     config.alpn_protocols = vec![b"h2".to_vec()];
-    Ok((config, verifier))
+    Ok((config, seen))
 }
 
 /// Waits until something accepts TCP connections on `addr`, never sending a
@@ -285,7 +199,7 @@ pub async fn wait_for_port(addr: SocketAddr, timeout: Duration) -> Result<(), Ap
 /// (no certificate request) from a configured node (request, then the
 /// `certificate_required` alert) without calling any API.
 pub async fn probe(target: &Target, timeout: Duration) -> Result<Probe, ApiError> {
-    let (mut config, verifier) = tls_config(&Mode::Maintenance { pin: None })?;
+    let (mut config, seen) = tls_config(&Mode::Maintenance { pin: None })?;
     let noted = Arc::new(NoteRequest::default());
     config.client_auth_cert_resolver = noted.clone();
     let work = async {
@@ -301,9 +215,7 @@ pub async fn probe(target: &Target, timeout: Duration) -> Result<Probe, ApiError
         }
         match result {
             Ok(_) => {
-                let fingerprint = verifier
-                    .and_then(|v| v.seen.lock().expect("not poisoned").clone())
-                    .unwrap_or_default();
+                let fingerprint = seen.get().map(|f| f.hex()).unwrap_or_default();
                 Ok(Probe::Maintenance { fingerprint })
             }
             Err(e) => Err(classify(&e).unwrap_or_else(|| ApiError::Tls(e.to_string()))),
@@ -332,7 +244,7 @@ impl NodeClient {
         mode: &Mode,
         timeout: Duration,
     ) -> Result<NodeClient, ApiError> {
-        let (config, verifier) = tls_config(mode)?;
+        let (config, _) = tls_config(mode)?;
         let config = Arc::new(config);
         let addr = target.addr;
         let name = ServerName::IpAddress(target.server_name.into());
@@ -352,23 +264,7 @@ impl NodeClient {
             .timeout(timeout)
             .connect_with_connector(connector)
             .await
-            .map_err(|e| {
-                let err = classify(&e).unwrap_or_else(|| ApiError::Unreachable(chain(&e)));
-                match (err, &verifier, mode) {
-                    (ApiError::Tls(_), Some(v), Mode::Maintenance { pin: Some(pin) }) => {
-                        ApiError::PinMismatch {
-                            expected: pin.clone(),
-                            found: v
-                                .seen
-                                .lock()
-                                .expect("not poisoned")
-                                .clone()
-                                .unwrap_or_default(),
-                        }
-                    }
-                    (err, ..) => err,
-                }
-            })?;
+            .map_err(|e| classify(&e).unwrap_or_else(|| ApiError::Unreachable(error_chain(&e))))?;
         Ok(NodeClient {
             channel,
             target: target.clone(),
@@ -527,25 +423,19 @@ impl NodeClient {
     }
 }
 
-/// Every message in an error's source chain, for the rare unclassified case.
-fn chain(e: &(dyn StdError + 'static)) -> String {
-    let mut parts = vec![e.to_string()];
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        let m = s.to_string();
-        if !parts.iter().any(|p| p.contains(&m)) {
-            parts.push(m);
-        }
-        cur = s.source();
-    }
-    parts.join(": ")
-}
-
 fn from_rustls(e: &rustls::Error) -> ApiError {
     use rustls::{AlertDescription, CertificateError, Error};
     match e {
         Error::AlertReceived(AlertDescription::CertificateRequired) => {
             ApiError::CertificateRequired
+        }
+        Error::InvalidCertificate(CertificateError::Other(other))
+            if let Some(m) = other.0.downcast_ref::<tls::PinMismatch>() =>
+        {
+            ApiError::PinMismatch {
+                expected: m.expected.hex(),
+                found: m.found.hex(),
+            }
         }
         Error::InvalidCertificate(CertificateError::UnknownIssuer)
         | Error::InvalidCertificate(CertificateError::BadSignature)
@@ -561,15 +451,10 @@ fn from_rustls(e: &rustls::Error) -> ApiError {
 fn classify(e: &(dyn StdError + 'static)) -> Option<ApiError> {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(e);
     while let Some(err) = cur {
-        if let Some(r) = err.downcast_ref::<rustls::Error>() {
+        if let Some(r) = tls::rustls_error(err) {
             return Some(from_rustls(r));
         }
         if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if let Some(inner) = io.get_ref()
-                && let Some(r) = inner.downcast_ref::<rustls::Error>()
-            {
-                return Some(from_rustls(r));
-            }
             // Alerts read after the handshake reach us as text only.
             let text = io.to_string();
             if text.contains("received fatal alert: CertificateRequired") {

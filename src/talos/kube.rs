@@ -2,14 +2,16 @@
 //! health check asks: are all nodes registered and Ready?
 
 use std::io::Read;
-use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use serde_yaml_ng::Value;
 
-use super::pki;
+use crate::net;
+
+/// A node list is small; a reply larger than this is not one.
+const NODE_LIST_LIMIT: u64 = 16 << 20;
 
 /// Why a kubeconfig could not be read or used. Never quotes credentials.
 #[derive(Debug, thiserror::Error)]
@@ -130,30 +132,17 @@ impl Kubeconfig {
     }
 
     fn client(&self, timeout: Duration) -> Result<reqwest::blocking::Client, KubeError> {
-        let invalid = |e: pki::PkiError| KubeError::Invalid(e.to_string());
-        let mut roots = rustls::RootCertStore::empty();
-        for der in pki::certs_der(&self.ca).map_err(invalid)? {
-            roots
-                .add(der)
-                .map_err(|e| KubeError::Invalid(format!("CA: {e}")))?;
-        }
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::aws_lc_rs::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| KubeError::Invalid(e.to_string()))?
-        .with_root_certificates(roots)
-        .with_client_auth_cert(
-            pki::certs_der(&self.crt).map_err(invalid)?,
-            pki::private_key_der(&self.key).map_err(invalid)?,
-        )
-        .map_err(|e| KubeError::Invalid(format!("client identity: {e}")))?;
-        reqwest::blocking::Client::builder()
-            .tls_backend_preconfigured(config)
-            .timeout(timeout)
-            .pool_max_idle_per_host(0)
-            .build()
-            .map_err(|e| KubeError::Invalid(e.to_string()))
+        net::http_client(&net::HttpOptions {
+            trust: net::Trust::Ca(self.ca.clone()),
+            identity: Some(net::ClientIdentity {
+                crt: self.crt.clone(),
+                key: self.key.clone(),
+            }),
+            connect_timeout: timeout,
+            timeout,
+            reuse_connections: false,
+        })
+        .map_err(|e| KubeError::Invalid(e.to_string()))
     }
 
     /// Every registered node and whether its Ready condition is True.
@@ -164,18 +153,9 @@ impl Kubeconfig {
             message,
         };
         let url = format!("{}/api/v1/nodes", self.server.trim_end_matches('/'));
-        let reply = self
-            .client(timeout)?
-            .get(&url)
-            .send()
-            .map_err(|e| api(crate::fetch::request_error(e)))?;
-        let status = reply.status();
-        if !status.is_success() {
-            return Err(api(format!("GET /api/v1/nodes answered {status}")));
-        }
-        let body = reply
-            .bytes()
-            .map_err(|e| api(crate::fetch::request_error(e)))?;
+        let reply =
+            net::send_once(self.client(timeout)?.get(&url)).map_err(|e| api(e.to_string()))?;
+        let body = net::read_limited(reply, NODE_LIST_LIMIT).map_err(|e| api(e.to_string()))?;
         let list: serde_json::Value = serde_json::from_slice(&body)
             .map_err(|e| api(format!("node list is not JSON: {e}")))?;
         Ok(readiness(&list))
@@ -205,6 +185,7 @@ fn readiness(list: &serde_json::Value) -> Vec<(String, bool)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::talos::pki;
 
     fn sample() -> String {
         let b = |s: &str| STANDARD.encode(s);

@@ -10,10 +10,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
 };
-use rustls::pki_types::{
-    CertificateDer, PrivateKeyDer, PrivatePkcs1KeyDer, PrivatePkcs8KeyDer, PrivateSec1KeyDer,
-};
-use sha2::{Digest, Sha256};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use time::{Duration, OffsetDateTime};
 
 /// Why key material could not be made or read. Never carries key bytes.
@@ -273,31 +270,13 @@ fn der_item(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
 
 /// The certificates in PEM `text`, DER-encoded.
 pub fn certs_der(text: &str) -> Result<Vec<CertificateDer<'static>>, PkiError> {
-    let blocks =
-        pem::parse_many(text).map_err(|e| PkiError::Invalid(format!("not PEM text: {e}")))?;
-    let certs: Vec<_> = blocks
-        .into_iter()
-        .filter(|b| b.tag() == "CERTIFICATE")
-        .map(|b| CertificateDer::from(b.into_contents()))
-        .collect();
-    if certs.is_empty() {
-        return Err(PkiError::Invalid("no CERTIFICATE block".into()));
-    }
-    Ok(certs)
+    crate::net::tls::certs_der(text).map_err(|e| PkiError::Invalid(format!("not PEM text: {e}")))
 }
 
 /// The private key in PEM `text` for rustls, whatever label Talos or
 /// Kubernetes gave it (`ED25519 PRIVATE KEY` is PKCS#8 under another name).
 pub fn private_key_der(text: &str) -> Result<PrivateKeyDer<'static>, PkiError> {
-    let block = pem::parse(text).map_err(|_| PkiError::Invalid("key is not PEM text".into()))?;
-    let tag = block.tag().to_owned();
-    let der = block.into_contents();
-    Ok(match tag.as_str() {
-        "PRIVATE KEY" | "ED25519 PRIVATE KEY" => PrivatePkcs8KeyDer::from(der).into(),
-        "EC PRIVATE KEY" => PrivateSec1KeyDer::from(der).into(),
-        "RSA PRIVATE KEY" => PrivatePkcs1KeyDer::from(der).into(),
-        other => return Err(PkiError::Invalid(format!("unsupported key type {other:?}"))),
-    })
+    crate::net::tls::private_key_der(text).map_err(|e| PkiError::Invalid(format!("key: {e}")))
 }
 
 /// The kind of the key in PEM `text`.
@@ -357,11 +336,6 @@ pub fn cert_info(crt: &str) -> Result<CertInfo, PkiError> {
 
 fn subject_of(crt: &str) -> Option<String> {
     cert_info(crt).ok().map(|i| i.subject)
-}
-
-/// SHA-256 of a DER certificate, lowercase hex: what `--cert-fingerprint` pins.
-pub fn fingerprint(der: &[u8]) -> String {
-    hex::encode(Sha256::digest(der))
 }
 
 #[cfg(test)]

@@ -1,0 +1,357 @@
+//! One HTTP/TLS layer for every client imgbuild has (factory, downloads,
+//! Kubernetes, publishers; the Talos gRPC client takes its TLS from
+//! [`tls`]): how clients are built, which failures are retried and how
+//! long to wait, and how a failed response is shown — its status and the
+//! first bytes of its body, never a header, so never a credential.
+
+pub mod tls;
+
+use reqwest::blocking::{Client, RequestBuilder, Response};
+use reqwest::header;
+use std::io::Read;
+use std::time::{Duration, SystemTime};
+
+pub use tls::{ClientIdentity, Fingerprint, Trust};
+
+/// `User-Agent` on every request, so server logs can tell imgbuild apart.
+pub const USER_AGENT: &str = concat!("imgbuild/", env!("CARGO_PKG_VERSION"));
+
+/// How much of an error body is kept for parsing (API error objects), and
+/// how much of it a message shows.
+const ERROR_BODY_KEEP: u64 = 16 << 10;
+const ERROR_BODY_SHOW: usize = 200;
+
+/// Why an HTTP exchange failed. Every variant names the request; none
+/// carries a header.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The server answered with a non-success status.
+    #[error("{method} {url}: HTTP {status}: {}", shown(body))]
+    Status {
+        method: String,
+        url: String,
+        status: u16,
+        /// The first bytes of the body (at most 16 KiB), for callers that
+        /// parse API error objects; messages show the first 200 characters.
+        body: String,
+        /// What `Retry-After` or `RateLimit-Reset` asked for.
+        #[source]
+        wait: Option<WaitHint>,
+    },
+    /// No answer: connection refused or reset, timeout, TLS failure.
+    #[error("{method} {url}: {message}")]
+    Transfer {
+        method: String,
+        url: String,
+        message: String,
+        /// True when the request cannot have reached the server.
+        before_sending: bool,
+    },
+    /// The server's certificate was refused (wrong pin, unknown issuer,
+    /// wrong name): no request was sent, and trying again cannot help.
+    #[error("{method} {url}: {message}")]
+    Untrusted {
+        method: String,
+        url: String,
+        message: String,
+    },
+    /// A body larger than the caller allows.
+    #[error("{method} {url}: the reply is larger than {limit} bytes")]
+    TooLarge {
+        method: String,
+        url: String,
+        limit: u64,
+    },
+    /// The client could not be built (bad CA, key or pin).
+    #[error("TLS settings: {0}")]
+    Tls(#[from] tls::TlsError),
+}
+
+/// A server's request to wait before trying again.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("the server asked to wait {0:?}")]
+pub struct WaitHint(pub Duration);
+
+fn shown(body: &str) -> String {
+    let t = body.trim();
+    let lower = t.to_ascii_lowercase();
+    if lower.starts_with("<!doctype html") || lower.starts_with("<html") {
+        return "an HTML error page".into();
+    }
+    let mut s: String = t.chars().take(ERROR_BODY_SHOW).collect();
+    if t.chars().count() > ERROR_BODY_SHOW {
+        s.push('…');
+    }
+    s
+}
+
+impl NetError {
+    /// Worth another attempt: the server is busy or failing, rate limits
+    /// apply, or the request never got through. Content and client errors
+    /// are not.
+    pub fn retryable(&self) -> bool {
+        match self {
+            NetError::Status { status, .. } => *status >= 500 || *status == 429,
+            NetError::Transfer { .. } => true,
+            NetError::Untrusted { .. } | NetError::TooLarge { .. } | NetError::Tls(_) => false,
+        }
+    }
+
+    /// The HTTP status, when the server answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            NetError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// The kept error body, when the server answered.
+    pub fn body(&self) -> Option<&str> {
+        match self {
+            NetError::Status { body, .. } => Some(body),
+            _ => None,
+        }
+    }
+
+    /// How long the server asked the client to wait, if it did.
+    pub fn wait_hint(&self) -> Option<Duration> {
+        match self {
+            NetError::Status { wait, .. } => wait.map(|w| w.0),
+            _ => None,
+        }
+    }
+}
+
+/// Every message in an error's source chain, each once: the first line of
+/// a transport error is vague, its sources say what happened.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let m = s.to_string();
+        if !parts.iter().any(|p| p.contains(&m)) {
+            parts.push(m);
+        }
+        cur = s.source();
+    }
+    parts.join(": ")
+}
+
+/// A reqwest error without its URL (the caller names the request once).
+pub fn request_error(e: reqwest::Error) -> String {
+    error_chain(&e.without_url())
+}
+
+/// How a client connects and how patient it is.
+#[derive(Clone, Debug)]
+pub struct HttpOptions {
+    pub trust: Trust,
+    pub identity: Option<ClientIdentity>,
+    pub connect_timeout: Duration,
+    /// Longest wait for any read or write (a silent server).
+    pub timeout: Duration,
+    /// Keep idle connections for the next request. Off for downloads: a
+    /// retry after a broken body must not reuse the broken connection.
+    pub reuse_connections: bool,
+}
+
+impl Default for HttpOptions {
+    fn default() -> Self {
+        HttpOptions {
+            trust: Trust::System,
+            identity: None,
+            connect_timeout: Duration::from_secs(10),
+            timeout: Duration::from_secs(60),
+            reuse_connections: true,
+        }
+    }
+}
+
+/// A blocking client with imgbuild's User-Agent, the environment's proxies
+/// (`HTTPS_PROXY`, `NO_PROXY`, … as reqwest reads them) and `opts`' TLS.
+/// Blocking: build and use it off the async runtime.
+pub fn http_client(opts: &HttpOptions) -> Result<Client, NetError> {
+    let mut b = Client::builder()
+        .user_agent(USER_AGENT)
+        .connect_timeout(opts.connect_timeout)
+        .timeout(opts.timeout);
+    if !opts.reuse_connections {
+        b = b.pool_max_idle_per_host(0);
+    }
+    if let Some((config, _seen)) = tls::client_config(&opts.trust, opts.identity.as_ref())? {
+        b = b.tls_backend_preconfigured(config);
+    }
+    b.build().map_err(|e| {
+        NetError::Tls(tls::TlsError::Invalid {
+            what: "HTTP client",
+            message: request_error(e),
+        })
+    })
+}
+
+/// How often and how patiently a failed request is tried again.
+#[derive(Clone, Copy, Debug)]
+pub struct RetryPolicy {
+    /// Attempts after the first.
+    pub retries: u32,
+    /// First pause; doubles with each attempt.
+    pub backoff: Duration,
+    /// The longest single pause, even when a server asks for more.
+    pub max_wait: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            retries: 4,
+            backoff: Duration::from_millis(500),
+            max_wait: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The pause before retry number `attempt` (from 1): the doubling
+    /// backoff, or what the server asked for (`hint`) if that is longer,
+    /// capped at `max_wait`.
+    pub fn delay(&self, attempt: u32, hint: Option<Duration>) -> Duration {
+        let exp = self
+            .backoff
+            .saturating_mul(2u32.saturating_pow(attempt.saturating_sub(1)));
+        exp.max(hint.unwrap_or_default()).min(self.max_wait)
+    }
+}
+
+/// Sends the request `make` builds, once: a non-success status becomes a
+/// rendered [`NetError::Status`].
+pub fn send_once(make: RequestBuilder) -> Result<Response, NetError> {
+    let (client, req) = make.build_split();
+    let req = req.map_err(|e| NetError::Transfer {
+        method: "?".into(),
+        url: "?".into(),
+        message: request_error(e),
+        before_sending: true,
+    })?;
+    let method = req.method().to_string();
+    let url = display_url(req.url());
+    let resp = client.execute(req).map_err(|e| {
+        if let Some(r @ rustls::Error::InvalidCertificate(_)) = tls::rustls_error(&e) {
+            return NetError::Untrusted {
+                method: method.clone(),
+                url: url.clone(),
+                message: tls::describe_refusal(r),
+            };
+        }
+        NetError::Transfer {
+            method: method.clone(),
+            url: url.clone(),
+            before_sending: e.is_connect(),
+            message: request_error(e),
+        }
+    })?;
+    if resp.status().is_success() {
+        Ok(resp)
+    } else {
+        Err(failure(&method, &url, resp))
+    }
+}
+
+/// Sends what `make` builds until it succeeds, a failure is not worth
+/// retrying (`retry` says which are), or the policy's attempts run out.
+/// `on_retry` hears of each pause (attempt number, the failure, the pause).
+pub fn send(
+    policy: &RetryPolicy,
+    make: &dyn Fn() -> RequestBuilder,
+    retry: &dyn Fn(&NetError) -> bool,
+    on_retry: &mut dyn FnMut(u32, &NetError, Duration),
+) -> Result<Response, NetError> {
+    let mut attempt = 0;
+    loop {
+        match send_once(make()) {
+            Ok(r) => return Ok(r),
+            Err(e) if attempt < policy.retries && retry(&e) => {
+                attempt += 1;
+                let pause = policy.delay(attempt, e.wait_hint());
+                on_retry(attempt, &e, pause);
+                std::thread::sleep(pause);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The whole body, refused past `limit` bytes: API replies are small, and
+/// a server that sends an image instead must not fill memory.
+pub fn read_limited(resp: Response, limit: u64) -> Result<Vec<u8>, NetError> {
+    let method = "GET".to_owned();
+    let url = display_url(resp.url());
+    let mut body = Vec::new();
+    resp.take(limit + 1)
+        .read_to_end(&mut body)
+        .map_err(|e| NetError::Transfer {
+            method: method.clone(),
+            url: url.clone(),
+            message: error_chain(&e),
+            before_sending: false,
+        })?;
+    if body.len() as u64 > limit {
+        return Err(NetError::TooLarge { method, url, limit });
+    }
+    Ok(body)
+}
+
+/// A URL as messages show it: no user name or password.
+pub fn display_url(url: &reqwest::Url) -> String {
+    let mut u = url.clone();
+    let _ = u.set_username("");
+    let _ = u.set_password(None);
+    u.to_string()
+}
+
+/// Renders a failed response: status, the wait it asks for, and the first
+/// bytes of its body.
+pub fn failure(method: &str, url: &str, resp: Response) -> NetError {
+    let status = resp.status();
+    let wait = wait_hint(resp.headers(), SystemTime::now()).map(WaitHint);
+    let mut raw = Vec::new();
+    let _ = resp.take(ERROR_BODY_KEEP).read_to_end(&mut raw);
+    NetError::Status {
+        method: method.to_owned(),
+        url: url.to_owned(),
+        status: status.as_u16(),
+        body: String::from_utf8_lossy(&raw).into_owned(),
+        wait,
+    }
+}
+
+/// `Retry-After` (seconds or an HTTP date) or Hetzner's `RateLimit-Reset`
+/// (a unix time), as a pause from `now`.
+fn wait_hint(headers: &header::HeaderMap, now: SystemTime) -> Option<Duration> {
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    if let Some(v) = text(header::RETRY_AFTER.as_str()) {
+        if let Ok(secs) = v.trim().parse::<u64>() {
+            return Some(Duration::from_secs(secs));
+        }
+        if let Ok(at) = httpdate(v) {
+            return Some(at.duration_since(now).unwrap_or_default());
+        }
+    }
+    let reset = text("ratelimit-reset")?.trim().parse::<u64>().ok()?;
+    let at = SystemTime::UNIX_EPOCH + Duration::from_secs(reset);
+    Some(at.duration_since(now).unwrap_or_default())
+}
+
+/// An IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`), the form HTTP servers send.
+fn httpdate(s: &str) -> Result<SystemTime, ()> {
+    let fmt = time::macros::format_description!(
+        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
+    );
+    let t = time::PrimitiveDateTime::parse(s.trim(), fmt).map_err(|_| ())?;
+    let secs = t.assume_utc().unix_timestamp();
+    u64::try_from(secs)
+        .map(|s| SystemTime::UNIX_EPOCH + Duration::from_secs(s))
+        .map_err(|_| ())
+}
+
+#[cfg(test)]
+mod tests;

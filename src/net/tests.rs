@@ -1,0 +1,328 @@
+use super::*;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Reads one HTTP/1.1 request head and its Content-Length body; returns
+/// the head's lines and the body length.
+fn read_request(stream: &mut impl Read) -> Option<(Vec<String>, usize)> {
+    let mut reader = BufReader::new(stream);
+    let mut lines = Vec::new();
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).ok()? == 0 {
+            return None;
+        }
+        let line = line.trim_end().to_owned();
+        if line.is_empty() {
+            break;
+        }
+        lines.push(line);
+    }
+    let len = lines
+        .iter()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().parse::<usize>().unwrap())
+        })
+        .unwrap_or(0);
+    let mut body = vec![0; len];
+    reader.read_exact(&mut body).ok()?;
+    Some((lines, len))
+}
+
+/// A plain-HTTP server on loopback that answers the i-th request with the
+/// i-th canned reply (the last one repeats) and records request heads.
+struct Canned {
+    url: String,
+    heads: Arc<Mutex<Vec<Vec<String>>>>,
+}
+
+fn canned(replies: Vec<&'static str>) -> Canned {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let heads = Arc::new(Mutex::new(Vec::new()));
+    let seen = heads.clone();
+    std::thread::spawn(move || {
+        for (i, conn) in listener.incoming().enumerate() {
+            let Ok(mut conn) = conn else { return };
+            let Some((head, _)) = read_request(&mut conn) else {
+                continue;
+            };
+            seen.lock().unwrap().push(head);
+            let reply = replies[i.min(replies.len() - 1)];
+            let _ = conn.write_all(reply.as_bytes());
+        }
+    });
+    Canned { url, heads }
+}
+
+fn reply(status: &str, extra: &str, body: &str) -> &'static str {
+    Box::leak(
+        format!(
+            "HTTP/1.1 {status}\r\nConnection: close\r\nContent-Length: {}\r\n{extra}\r\n{body}",
+            body.len()
+        )
+        .into_boxed_str(),
+    )
+}
+
+fn quick() -> RetryPolicy {
+    RetryPolicy {
+        retries: 3,
+        backoff: Duration::from_millis(1),
+        max_wait: Duration::from_secs(5),
+    }
+}
+
+#[test]
+fn busy_servers_are_retried_until_they_answer() {
+    let srv = canned(vec![
+        reply("503 Service Unavailable", "", "busy"),
+        reply("503 Service Unavailable", "", "busy"),
+        reply("201 Created", "", r#"{"id":"x"}"#),
+    ]);
+    let client = http_client(&HttpOptions::default()).unwrap();
+    let mut pauses = Vec::new();
+    let resp = send(
+        &quick(),
+        &|| {
+            client
+                .post(format!("{}/schematics", srv.url))
+                .body("customization: {}\n")
+        },
+        &NetError::retryable,
+        &mut |n, e, d| pauses.push((n, e.status(), d)),
+    )
+    .unwrap();
+    assert_eq!(resp.status().as_u16(), 201);
+    assert_eq!(
+        pauses,
+        vec![
+            (1, Some(503), Duration::from_millis(1)),
+            (2, Some(503), Duration::from_millis(2))
+        ]
+    );
+    let heads = srv.heads.lock().unwrap();
+    assert_eq!(heads.len(), 3);
+    assert!(
+        heads[0]
+            .iter()
+            .any(|l| l.eq_ignore_ascii_case(&format!("user-agent: {USER_AGENT}"))),
+        "{:?}",
+        heads[0]
+    );
+}
+
+#[test]
+fn retry_after_is_honoured_and_capped() {
+    let srv = canned(vec![
+        reply("429 Too Many Requests", "Retry-After: 1\r\n", ""),
+        reply("200 OK", "", "ok"),
+    ]);
+    let client = http_client(&HttpOptions::default()).unwrap();
+    let mut pauses = Vec::new();
+    send(
+        &quick(),
+        &|| client.get(&srv.url),
+        &NetError::retryable,
+        &mut |_, _, d| pauses.push(d),
+    )
+    .unwrap();
+    assert_eq!(pauses, vec![Duration::from_secs(1)]);
+
+    let capped = RetryPolicy {
+        max_wait: Duration::from_millis(300),
+        ..quick()
+    };
+    let err = NetError::Status {
+        method: "GET".into(),
+        url: "u".into(),
+        status: 429,
+        body: String::new(),
+        wait: Some(WaitHint(Duration::from_secs(3600))),
+    };
+    assert_eq!(capped.delay(1, err.wait_hint()), Duration::from_millis(300));
+    assert_eq!(quick().delay(4, err.wait_hint()), Duration::from_secs(5));
+}
+
+#[test]
+fn server_wait_hints_in_every_form() {
+    let now = SystemTime::UNIX_EPOCH + Duration::from_secs(784_111_777); // 06 Nov 1994 08:49:37
+    let mut h = header::HeaderMap::new();
+    assert_eq!(wait_hint(&h, now), None);
+    h.insert("ratelimit-reset", "784111787".parse().unwrap());
+    assert_eq!(wait_hint(&h, now), Some(Duration::from_secs(10)));
+    h.insert(
+        header::RETRY_AFTER,
+        "Sun, 06 Nov 1994 08:49:40 GMT".parse().unwrap(),
+    );
+    assert_eq!(wait_hint(&h, now), Some(Duration::from_secs(3)));
+    h.insert(header::RETRY_AFTER, "7".parse().unwrap());
+    assert_eq!(wait_hint(&h, now), Some(Duration::from_secs(7)));
+    h.insert(header::RETRY_AFTER, "soon".parse().unwrap());
+    assert_eq!(wait_hint(&h, now), Some(Duration::from_secs(10)));
+}
+
+#[test]
+fn client_errors_are_not_retried_and_show_the_body_but_no_header() {
+    let srv = canned(vec![reply(
+        "401 Unauthorized",
+        "",
+        "authentication failure",
+    )]);
+    let client = http_client(&HttpOptions::default()).unwrap();
+    let secret = "PVEAPIToken=root@pam!ci=0123-secret";
+    let err = send(
+        &quick(),
+        &|| {
+            client
+                .get(format!("{}/api2/json/version", srv.url))
+                .header("authorization", secret)
+        },
+        &NetError::retryable,
+        &mut |_, _, _| panic!("a 401 must not be retried"),
+    )
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("HTTP 401: authentication failure"), "{msg}");
+    assert!(msg.starts_with("GET http://127.0.0.1:"), "{msg}");
+    assert!(!msg.contains("secret") && !format!("{err:?}").contains("secret"));
+    assert_eq!(srv.heads.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn error_pages_are_summarised() {
+    assert_eq!(shown("<!DOCTYPE html><html>…"), "an HTML error page");
+    let long = "x".repeat(500);
+    assert_eq!(shown(&long).chars().count(), ERROR_BODY_SHOW + 1);
+    assert_eq!(shown("  Not Found\n"), "Not Found");
+}
+
+#[test]
+fn refused_connections_are_transfers_and_retryable() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let client = http_client(&HttpOptions::default()).unwrap();
+    let mut retries = 0;
+    let err = send(
+        &quick(),
+        &|| client.get(format!("http://127.0.0.1:{port}/")),
+        &NetError::retryable,
+        &mut |_, _, _| retries += 1,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NetError::Transfer {
+                before_sending: true,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(retries, 3);
+}
+
+#[test]
+fn oversized_replies_are_refused() {
+    let srv = canned(vec![reply("200 OK", "", &"y".repeat(2000))]);
+    let client = http_client(&HttpOptions::default()).unwrap();
+    let resp = send_once(client.get(&srv.url)).unwrap();
+    let err = read_limited(resp, 1000).unwrap_err();
+    assert!(err.to_string().contains("larger than 1000 bytes"), "{err}");
+    let resp = send_once(client.get(&srv.url)).unwrap();
+    assert_eq!(read_limited(resp, 2000).unwrap().len(), 2000);
+}
+
+/// An HTTPS server with a fresh self-signed certificate; counts the bytes of
+/// HTTP it received after a handshake.
+struct Tls {
+    url: String,
+    fingerprint: Fingerprint,
+    request_bytes: Arc<AtomicUsize>,
+}
+
+fn tls_server() -> Tls {
+    let cert = rcgen::generate_simple_self_signed(vec!["127.0.0.1".into()]).unwrap();
+    let der = cert.cert.der().to_vec();
+    let fingerprint = Fingerprint::of(&der);
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
+    let config = Arc::new(
+        rustls::ServerConfig::builder_with_provider(tls::provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![der.into()], key)
+            .unwrap(),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://{}/", listener.local_addr().unwrap());
+    let request_bytes = Arc::new(AtomicUsize::new(0));
+    let counted = request_bytes.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(tcp) = conn else { return };
+            let conn = rustls::ServerConnection::new(config.clone()).unwrap();
+            let mut tls = rustls::StreamOwned::new(conn, tcp);
+            if let Some((head, body)) = read_request(&mut tls) {
+                let n: usize = head.iter().map(|l| l.len() + 2).sum::<usize>() + body;
+                counted.fetch_add(n, Ordering::SeqCst);
+                let _ = tls.write_all(reply("200 OK", "", "pinned").as_bytes());
+                let _ = tls.flush();
+            }
+        }
+    });
+    Tls {
+        url,
+        fingerprint,
+        request_bytes,
+    }
+}
+
+fn pinned_client(pin: &str) -> Client {
+    http_client(&HttpOptions {
+        trust: Trust::Pinned(pin.parse().unwrap()),
+        ..HttpOptions::default()
+    })
+    .unwrap()
+}
+
+#[test]
+fn the_right_pin_is_accepted_in_both_spellings() {
+    let srv = tls_server();
+    for pin in [srv.fingerprint.to_string(), srv.fingerprint.hex()] {
+        let resp = send_once(pinned_client(&pin).get(&srv.url)).unwrap();
+        assert_eq!(resp.text().unwrap(), "pinned", "pin {pin}");
+    }
+    // Lowercase with colons, as some users paste it.
+    let lower = srv.fingerprint.to_string().to_lowercase();
+    assert!(send_once(pinned_client(&lower).get(&srv.url)).is_ok());
+}
+
+#[test]
+fn a_wrong_pin_is_refused_before_any_request_is_sent() {
+    let srv = tls_server();
+    let wrong = Fingerprint::of(b"another certificate");
+    let client = pinned_client(&wrong.to_string());
+    let err = send_once(client.post(&srv.url).body(vec![7u8; 1 << 16])).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&srv.fingerprint.to_string()) && msg.contains(&wrong.to_string()),
+        "{msg}"
+    );
+    assert!(matches!(err, NetError::Untrusted { .. }), "{err:?}");
+    assert!(!err.retryable(), "a refused certificate cannot get better");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(srv.request_bytes.load(Ordering::SeqCst), 0);
+    // The same server with the system roots is refused too: it is self-signed.
+    let system = http_client(&HttpOptions::default()).unwrap();
+    assert!(send_once(system.get(&srv.url)).is_err());
+    assert_eq!(srv.request_bytes.load(Ordering::SeqCst), 0);
+}
