@@ -11,6 +11,7 @@ pub mod fetch;
 pub mod inventory;
 pub mod meta;
 pub mod net;
+pub mod publish;
 pub mod schematic;
 pub mod talos;
 

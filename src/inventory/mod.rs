@@ -4,9 +4,11 @@
 
 mod locate;
 mod net;
+mod publish;
 
 pub use locate::LineIndex;
 pub use net::{Cidr, MacAddr};
+pub use publish::{ProxmoxSettings, ProxmoxVm, PublishSettings};
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -26,6 +28,9 @@ pub struct Inventory {
     /// Strategic-merge patches for the machine configs.
     #[serde(default)]
     pub patches: Patches,
+    /// Where `publish` puts the built images.
+    #[serde(default)]
+    pub publish: PublishSettings,
     pub nodes: Vec<NodeSpec>,
     /// The inventory file's folder: relative paths in it (patches, the
     /// default state dir) start here.
@@ -194,6 +199,9 @@ pub struct NodeSpec {
     /// Machine-config patches for this node alone, applied last.
     #[serde(default)]
     pub patches: Vec<PathBuf>,
+    /// The Proxmox VM ID (default: `publish.proxmox.vm.firstId` + position).
+    #[serde(default)]
+    pub vmid: Option<u32>,
 }
 
 fn default_install_disk() -> String {
@@ -350,6 +358,7 @@ impl Validator<'_> {
         self.check_nodes(inv);
         self.check_vip(inv, &mut warnings);
         self.check_patches(inv);
+        self.check_publish(inv);
         let cps = inv.control_planes().count();
         if cps == 0 && !inv.nodes.is_empty() {
             self.problem(

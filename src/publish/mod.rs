@@ -1,0 +1,41 @@
+//! Publishing built images where machines boot them. Each target reads its
+//! credentials from the environment, never from the inventory, and keeps
+//! them out of every message.
+
+pub mod proxmox;
+
+use std::path::PathBuf;
+
+use crate::inventory::ImageFormat;
+
+/// One built image to publish, as the manifest recorded it.
+#[derive(Debug, Clone)]
+pub struct PublishImage {
+    pub node: String,
+    /// The file, resolved against the out dir.
+    pub path: PathBuf,
+    pub sha256: String,
+    pub size: u64,
+    pub format: ImageFormat,
+}
+
+/// An API secret: shown as `***` by `Debug`, so it cannot reach a log.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: String) -> Secret {
+        Secret(s)
+    }
+
+    /// The value, for the one header that needs it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}

@@ -1,0 +1,928 @@
+//! Proxmox VE: each node's verified image into a storage with `import`
+//! content (named by its content, since Proxmox lists no checksums and
+//! overwrites same-named files), then optionally one VM per node that boots
+//! it. Facts: FORMATS.md §5 (pve-storage `PVE/API2/Storage/Status.pm`,
+//! pve-http-server `PVE/APIServer/AnyEvent.pm`, qemu-server).
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::time::{Duration, Instant};
+
+use reqwest::blocking::multipart::{Form, Part};
+use reqwest::blocking::{Client, RequestBuilder};
+use reqwest::header::HeaderValue;
+use serde_json::Value;
+
+use super::{PublishImage, Secret};
+use crate::inventory::{ImageFormat, Inventory, ProxmoxSettings, ProxmoxVm};
+use crate::net::{self, Fingerprint, NetError, RetryPolicy, Trust};
+
+/// Why publishing to Proxmox failed. Never carries the token.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxmoxError {
+    #[error("{0}")]
+    Setup(String),
+    #[error(
+        "the Proxmox API refused the token in PROXMOX_VE_API_TOKEN (HTTP 401): check its user, realm, token ID, secret and privileges"
+    )]
+    Unauthorized,
+    #[error("{what}: {message}")]
+    Api { what: String, message: String },
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error("{what}: task {upid} ended with {exitstatus:?}{}", log_tail(log))]
+    Task {
+        what: String,
+        upid: String,
+        exitstatus: String,
+        log: Vec<String>,
+    },
+    #[error("{what}: task {upid} still running after {timeout:?}")]
+    TaskTimeout {
+        what: String,
+        upid: String,
+        timeout: Duration,
+    },
+    #[error("node {node}: {message}")]
+    Node { node: String, message: String },
+}
+
+fn log_tail(log: &[String]) -> String {
+    if log.is_empty() {
+        String::new()
+    } else {
+        format!("; task log ends:\n    {}", log.join("\n    "))
+    }
+}
+
+/// Where and how to reach the API: from `PROXMOX_VE_*`, named as the bpg
+/// Terraform provider names them.
+#[derive(Debug, Clone)]
+pub struct Credentials {
+    /// `https://host:8006/api2/json`.
+    pub api: String,
+    pub token: Secret,
+    pub trust: Trust,
+}
+
+impl Credentials {
+    /// Reads `PROXMOX_VE_ENDPOINT`, `PROXMOX_VE_API_TOKEN`,
+    /// `PROXMOX_VE_FINGERPRINT` (over the inventory's pin) and
+    /// `PROXMOX_VE_INSECURE` through `env`.
+    pub fn from_env(
+        settings: &ProxmoxSettings,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Credentials, ProxmoxError> {
+        let setup = |m: String| ProxmoxError::Setup(m);
+        let endpoint = env("PROXMOX_VE_ENDPOINT")
+            .filter(|v| !v.trim().is_empty())
+            .ok_or_else(|| {
+                setup("PROXMOX_VE_ENDPOINT is not set (e.g. https://pve.example.com:8006/)".into())
+            })?;
+        let url = reqwest::Url::parse(endpoint.trim()).map_err(|e| {
+            setup(format!(
+                "PROXMOX_VE_ENDPOINT {endpoint:?} is not a URL ({e}); use https://host:8006/"
+            ))
+        })?;
+        if url.scheme() != "https" || url.host_str().is_none() {
+            return Err(setup(format!(
+                "PROXMOX_VE_ENDPOINT {endpoint:?} must be https://host:port/ (pveproxy speaks HTTPS only)"
+            )));
+        }
+        let base = url.as_str().trim_end_matches('/');
+        let base = base.strip_suffix("/api2/json").unwrap_or(base);
+        let token = env("PROXMOX_VE_API_TOKEN").ok_or_else(|| {
+            setup("PROXMOX_VE_API_TOKEN is not set (user@realm!tokenid=secret)".into())
+        })?;
+        if !token_shape_ok(&token) {
+            return Err(setup(
+                "PROXMOX_VE_API_TOKEN is not of the form user@realm!tokenid=secret (value not shown)"
+                    .into(),
+            ));
+        }
+        let insecure = env("PROXMOX_VE_INSECURE").is_some_and(|v| {
+            matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes")
+        });
+        let pin = match env("PROXMOX_VE_FINGERPRINT").filter(|v| !v.trim().is_empty()) {
+            Some(v) => Some(
+                v.parse::<Fingerprint>()
+                    .map_err(|e| setup(format!("PROXMOX_VE_FINGERPRINT: {e}")))?,
+            ),
+            None => settings
+                .fingerprint
+                .as_deref()
+                .map(str::parse::<Fingerprint>)
+                .transpose()
+                .map_err(|e| setup(format!("publish.proxmox.fingerprint: {e}")))?,
+        };
+        let trust = match (insecure, pin) {
+            (true, _) => Trust::Any,
+            (false, Some(p)) => Trust::Pinned(p),
+            (false, None) => Trust::System,
+        };
+        Ok(Credentials {
+            api: format!("{base}/api2/json"),
+            token: Secret::new(token),
+            trust,
+        })
+    }
+
+    /// True when certificates are not checked at all.
+    pub fn insecure(&self) -> bool {
+        matches!(self.trust, Trust::Any)
+    }
+}
+
+/// `user@realm!tokenid=secret`, without looking at the secret.
+fn token_shape_ok(t: &str) -> bool {
+    let Some((id, secret)) = t.split_once('=') else {
+        return false;
+    };
+    let Some((user, token_id)) = id.split_once('!') else {
+        return false;
+    };
+    user.contains('@')
+        && !token_id.is_empty()
+        && !secret.is_empty()
+        && !t.contains(char::is_whitespace)
+}
+
+/// What a publish run does.
+#[derive(Debug, Clone)]
+pub struct PublishOptions {
+    /// Give a VM running an older image the new disk (stop, swap, start).
+    pub replace_disk: bool,
+    /// How often tasks are polled.
+    pub poll: Duration,
+    /// The longest any one task may run (an upload's copy, a VM import).
+    pub task_timeout: Duration,
+    /// Times a broken upload is sent again from the start.
+    pub upload_retries: u32,
+    /// For API calls that fail on the way (busy proxy, dropped connection).
+    pub retry: RetryPolicy,
+}
+
+impl Default for PublishOptions {
+    fn default() -> Self {
+        PublishOptions {
+            replace_disk: false,
+            poll: Duration::from_millis(500),
+            task_timeout: Duration::from_secs(1800),
+            upload_retries: 2,
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+/// Progress a publish reports; the CLI renders it, the library never prints.
+pub trait Observer: Sync {
+    fn event(&self, node: &str, event: &Event);
+}
+
+/// One step of one node's publish.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Uploading {
+        volid: String,
+        size: u64,
+    },
+    UploadRetry {
+        attempt: u32,
+        why: String,
+    },
+    Uploaded {
+        volid: String,
+    },
+    AlreadyStored {
+        volid: String,
+    },
+    VmCreated {
+        vmid: u32,
+    },
+    VmUnchanged {
+        vmid: u32,
+    },
+    /// The VM runs an older image and `--replace-disk` was not given.
+    VmOutdated {
+        vmid: u32,
+        running: String,
+    },
+    DiskReplaced {
+        vmid: u32,
+    },
+    VmStarted {
+        vmid: u32,
+    },
+}
+
+/// What happened to a node's VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmChange {
+    Created,
+    Updated,
+    Unchanged,
+    /// Left as it was although it boots an older image.
+    Outdated,
+}
+
+/// One node's result.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodePublished {
+    pub node: String,
+    pub volid: String,
+    pub sha256: String,
+    /// False when the storage already held this exact volume.
+    pub uploaded: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vmid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vm: Option<VmChange>,
+    pub started: bool,
+}
+
+/// The file name a node's image gets in storage, as pveproxy will store it:
+/// content-addressed (`<cluster>-<node>-<talos>-<sha12>.<raw|qcow2>`) and
+/// normalised the way the server normalises (every character outside
+/// `[a-zA-Z0-9_.-]` becomes `_`).
+pub fn volume_file(
+    cluster: &str,
+    node: &str,
+    talos: &str,
+    sha256: &str,
+    format: ImageFormat,
+) -> String {
+    let ext = match format {
+        ImageFormat::Raw => "raw",
+        ImageFormat::Qcow2 => "qcow2",
+    };
+    let stem: String = format!(
+        "{cluster}-{node}-{talos}-{}",
+        &sha256[..sha256.len().min(12)]
+    )
+    .chars()
+    .map(|c| {
+        if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
+            c
+        } else {
+            '_'
+        }
+    })
+    .collect();
+    format!("{stem}.{ext}")
+}
+
+/// The multipart body of an upload, in the only order pveproxy's streaming
+/// parser accepts: `content`, `checksum-algorithm`, `checksum`, then the
+/// file part named `filename`, with a known length (no chunking).
+fn upload_form(file: File, size: u64, name: &str, sha256: &str) -> Form {
+    Form::new()
+        .text("content", "import")
+        .text("checksum-algorithm", "sha256")
+        .text("checksum", sha256.to_owned())
+        .part(
+            "filename",
+            Part::reader_with_length(file, size)
+                .file_name(name.to_owned())
+                .mime_str("application/octet-stream")
+                .expect("a valid MIME type"),
+        )
+}
+
+/// The VM settings that boot Talos (FORMATS.md §5: the API's defaults do not).
+fn vm_params(
+    inv: &Inventory,
+    node_index: usize,
+    vm: &ProxmoxVm,
+    vmid: u32,
+    volid: &str,
+    sha256: &str,
+) -> Vec<(&'static str, String)> {
+    let node = &inv.nodes[node_index];
+    let mut p = vec![
+        ("vmid", vmid.to_string()),
+        ("name", node.name.clone()),
+        ("machine", "q35".into()),
+        ("bios", "ovmf".into()),
+        (
+            "efidisk0",
+            format!("{}:1,efitype=4m,pre-enrolled-keys=0", vm.storage),
+        ),
+        ("cpu", "host".into()),
+        ("scsihw", "virtio-scsi-pci".into()),
+        ("scsi0", scsi0(vm, volid)),
+        ("boot", "order=scsi0".into()),
+        (
+            "net0",
+            match &node.mac {
+                Some(mac) => format!(
+                    "virtio={},bridge={}",
+                    mac.to_string().to_uppercase(),
+                    vm.bridge
+                ),
+                None => format!("virtio,bridge={}", vm.bridge),
+            },
+        ),
+        ("serial0", "socket".into()),
+        ("onboot", "1".into()),
+        ("balloon", "0".into()),
+        ("ostype", "l26".into()),
+        ("cores", vm.cores.to_string()),
+        ("memory", vm.memory.to_string()),
+        ("description", description(volid, sha256)),
+    ];
+    let agent = inv
+        .image
+        .extensions
+        .iter()
+        .chain(&node.extensions)
+        .any(|e| e.rsplit('/').next() == Some("qemu-guest-agent"));
+    if agent {
+        p.push(("agent", "enabled=1".into()));
+    }
+    p
+}
+
+fn scsi0(vm: &ProxmoxVm, volid: &str) -> String {
+    format!("{}:0,import-from={volid},discard=on,ssd=1", vm.storage)
+}
+
+/// The VM's description records the volume it was made from: the config
+/// shows only the VM's own copy of the disk.
+fn description(volid: &str, sha256: &str) -> String {
+    format!(
+        "Talos node image managed by imgbuild\nimgbuild-volume: {volid}\nimgbuild-sha256: {sha256}\n"
+    )
+}
+
+fn described_volume(config: &Value) -> Option<String> {
+    config["description"]
+        .as_str()?
+        .lines()
+        .find_map(|l| l.strip_prefix("imgbuild-volume: "))
+        .map(str::to_owned)
+}
+
+/// The node a UPID belongs to (its second field).
+fn upid_node(upid: &str) -> Option<&str> {
+    upid.split(':').nth(1).filter(|n| !n.is_empty())
+}
+
+/// An authenticated API at one endpoint.
+struct Api {
+    client: Client,
+    base: String,
+    auth: HeaderValue,
+    retry: RetryPolicy,
+}
+
+impl Api {
+    fn new(creds: &Credentials, retry: RetryPolicy) -> Result<Api, ProxmoxError> {
+        let client = net::http_client(&net::HttpOptions {
+            trust: creds.trust.clone(),
+            timeout: Duration::from_secs(300),
+            ..net::HttpOptions::default()
+        })?;
+        let mut auth = HeaderValue::from_str(&format!("PVEAPIToken={}", creds.token.expose()))
+            .map_err(|_| {
+                ProxmoxError::Setup(
+                    "PROXMOX_VE_API_TOKEN holds characters a header cannot carry".into(),
+                )
+            })?;
+        auth.set_sensitive(true);
+        Ok(Api {
+            client,
+            base: creds.api.clone(),
+            auth,
+            retry,
+        })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Sends with retries (API calls other than uploads are idempotent or
+    /// guarded by an earlier lookup) and returns `data`.
+    fn call(&self, what: &str, make: &dyn Fn() -> RequestBuilder) -> Result<Value, ProxmoxError> {
+        let auth = self.auth.clone();
+        let resp = net::send(
+            &self.retry,
+            &|| make().header(reqwest::header::AUTHORIZATION, auth.clone()),
+            &NetError::retryable,
+            &mut |_, _, _| {},
+        )
+        .map_err(|e| api_error(what, e))?;
+        let body = net::read_limited(resp, 16 << 20).map_err(|e| api_error(what, e))?;
+        let doc: Value = serde_json::from_slice(&body).map_err(|e| ProxmoxError::Api {
+            what: what.to_owned(),
+            message: format!("the reply is not JSON: {e}"),
+        })?;
+        Ok(doc.get("data").cloned().unwrap_or(Value::Null))
+    }
+
+    fn get(&self, what: &str, path: &str) -> Result<Value, ProxmoxError> {
+        let url = self.url(path);
+        self.call(what, &|| self.client.get(&url))
+    }
+
+    fn post(&self, what: &str, path: &str, form: &[(&str, String)]) -> Result<Value, ProxmoxError> {
+        let url = self.url(path);
+        self.call(what, &|| self.client.post(&url).form(form))
+    }
+
+    fn put(&self, what: &str, path: &str, form: &[(&str, String)]) -> Result<Value, ProxmoxError> {
+        let url = self.url(path);
+        self.call(what, &|| self.client.put(&url).form(form))
+    }
+
+    fn delete(&self, what: &str, path: &str) -> Result<Value, ProxmoxError> {
+        let url = self.url(path);
+        self.call(what, &|| self.client.delete(&url))
+    }
+
+    /// Waits for a task to stop; `OK` and `WARNINGS: n` are success.
+    fn wait(&self, what: &str, data: &Value, opts: &PublishOptions) -> Result<(), ProxmoxError> {
+        let Some(upid) = data.as_str() else {
+            return Ok(()); // synchronous on this server version
+        };
+        let node = upid_node(upid).ok_or_else(|| ProxmoxError::Api {
+            what: what.to_owned(),
+            message: format!("{upid:?} is not a task ID"),
+        })?;
+        let path = format!("/nodes/{node}/tasks/{}", urlencode(upid));
+        let start = Instant::now();
+        loop {
+            let st = self.get(what, &format!("{path}/status"))?;
+            if st["status"] == "stopped" {
+                let exit = st["exitstatus"].as_str().unwrap_or("").to_owned();
+                if exit == "OK" || exit.starts_with("WARNINGS") {
+                    return Ok(());
+                }
+                let log = self
+                    .get(what, &format!("{path}/log?start=0&limit=500"))
+                    .ok()
+                    .and_then(|v| v.as_array().cloned())
+                    .unwrap_or_default();
+                let lines: Vec<String> = log
+                    .iter()
+                    .filter_map(|l| l["t"].as_str().map(str::to_owned))
+                    .collect();
+                let tail = lines[lines.len().saturating_sub(5)..].to_vec();
+                return Err(ProxmoxError::Task {
+                    what: what.to_owned(),
+                    upid: upid.to_owned(),
+                    exitstatus: exit,
+                    log: tail,
+                });
+            }
+            if start.elapsed() > opts.task_timeout {
+                return Err(ProxmoxError::TaskTimeout {
+                    what: what.to_owned(),
+                    upid: upid.to_owned(),
+                    timeout: opts.task_timeout,
+                });
+            }
+            std::thread::sleep(opts.poll);
+        }
+    }
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// A failed call, with Proxmox's per-field `errors` spelled out.
+fn api_error(what: &str, e: NetError) -> ProxmoxError {
+    if e.status() == Some(401) {
+        return ProxmoxError::Unauthorized;
+    }
+    let detail = e
+        .body()
+        .and_then(|b| serde_json::from_str::<Value>(b).ok())
+        .map(|doc| {
+            let mut parts: Vec<String> = Vec::new();
+            if let Some(m) = doc["message"].as_str() {
+                parts.push(m.trim().to_owned());
+            }
+            if let Some(errs) = doc["errors"].as_object() {
+                for (k, v) in errs {
+                    parts.push(format!(
+                        "{k}: {}",
+                        v.as_str().unwrap_or(&v.to_string()).trim()
+                    ));
+                }
+            }
+            parts.join("; ")
+        });
+    match (detail, e.status()) {
+        (Some(d), Some(status)) if !d.is_empty() => ProxmoxError::Api {
+            what: what.to_owned(),
+            message: format!("HTTP {status}: {d}"),
+        },
+        _ => ProxmoxError::Api {
+            what: what.to_owned(),
+            message: e.to_string(),
+        },
+    }
+}
+
+/// Publishes `images` (built, verified) to the target in `settings`.
+/// Preflight problems fail the whole run before a byte is uploaded; after
+/// that each node succeeds or fails on its own.
+pub fn publish(
+    inv: &Inventory,
+    settings: &ProxmoxSettings,
+    creds: &Credentials,
+    images: &[PublishImage],
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<Vec<Result<NodePublished, ProxmoxError>>, ProxmoxError> {
+    let api = Api::new(creds, opts.retry)?;
+    preflight(&api, settings)?;
+    let node = &settings.node;
+    let listed = api.get(
+        "listing storage",
+        &format!(
+            "/nodes/{node}/storage/{}/content?content=import",
+            settings.storage
+        ),
+    )?;
+    let stored: BTreeMap<String, u64> = listed
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| Some((v["volid"].as_str()?.to_owned(), v["size"].as_u64()?)))
+        .collect();
+    let vms = match &settings.vm {
+        Some(_) => api.get("listing VMs", &format!("/nodes/{node}/qemu"))?,
+        None => Value::Null,
+    };
+    Ok(images
+        .iter()
+        .map(|img| {
+            publish_node(&api, inv, settings, &stored, &vms, img, opts, observer).map_err(|e| {
+                match e {
+                    e @ ProxmoxError::Node { .. } => e,
+                    e => ProxmoxError::Node {
+                        node: img.node.clone(),
+                        message: e.to_string(),
+                    },
+                }
+            })
+        })
+        .collect())
+}
+
+/// The token works, the node exists, the storage takes `import` (and, for
+/// VMs, the VM storage takes `images`): checked before anything is sent.
+fn preflight(api: &Api, s: &ProxmoxSettings) -> Result<(), ProxmoxError> {
+    api.get("checking the API token", "/version")?;
+    let nodes = api.get("listing nodes", "/nodes")?;
+    let names: Vec<&str> = nodes
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n["node"].as_str())
+        .collect();
+    if !names.contains(&s.node.as_str()) {
+        return Err(ProxmoxError::Setup(format!(
+            "publish.proxmox.node: the cluster has no node {:?} (it has: {})",
+            s.node,
+            names.join(", ")
+        )));
+    }
+    let has = |content: &str, storage: &str| -> Result<bool, ProxmoxError> {
+        let list = api.get(
+            "listing storages",
+            &format!("/nodes/{}/storage?content={content}&enabled=1", s.node),
+        )?;
+        Ok(list
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|st| st["storage"] == storage))
+    };
+    if !has("import", &s.storage)? {
+        return Err(ProxmoxError::Setup(format!(
+            "publish.proxmox.storage: storage {:?} on node {:?} is not enabled for the `import` content type. \
+             Enable it under Datacenter → Storage → {} → Content: Import (Proxmox VE 8.4 or later; \
+             file-based storages only: dir, NFS, CIFS, CephFS, BTRFS)",
+            s.storage, s.node, s.storage
+        )));
+    }
+    if let Some(vm) = &s.vm
+        && !has("images", &vm.storage)?
+    {
+        return Err(ProxmoxError::Setup(format!(
+            "publish.proxmox.vm.storage: storage {:?} on node {:?} does not hold VM disks (content `images`)",
+            vm.storage, s.node
+        )));
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn publish_node(
+    api: &Api,
+    inv: &Inventory,
+    s: &ProxmoxSettings,
+    stored: &BTreeMap<String, u64>,
+    vms: &Value,
+    img: &PublishImage,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<NodePublished, ProxmoxError> {
+    let node_err = |message: String| ProxmoxError::Node {
+        node: img.node.clone(),
+        message,
+    };
+    let file = volume_file(
+        &inv.cluster.name,
+        &img.node,
+        &inv.cluster.talos_version,
+        &img.sha256,
+        img.format,
+    );
+    let volid = format!("{}:import/{file}", s.storage);
+    let uploaded = if stored.get(&volid) == Some(&img.size) {
+        observer.event(
+            &img.node,
+            &Event::AlreadyStored {
+                volid: volid.clone(),
+            },
+        );
+        false
+    } else {
+        upload(api, s, img, &file, &volid, opts, observer)?;
+        true
+    };
+    let mut out = NodePublished {
+        node: img.node.clone(),
+        volid: volid.clone(),
+        sha256: img.sha256.clone(),
+        uploaded,
+        vmid: None,
+        vm: None,
+        started: false,
+    };
+    let Some(vm) = &s.vm else {
+        return Ok(out);
+    };
+    let index = inv
+        .nodes
+        .iter()
+        .position(|n| n.name == img.node)
+        .ok_or_else(|| node_err("not in the inventory".into()))?;
+    let vmid = inv.vmid(index).ok_or_else(|| {
+        node_err("no vmid (set publish.proxmox.vm.firstId or the node's vmid)".into())
+    })?;
+    out.vmid = Some(vmid);
+    if img.size > u64::from(vm.disk_size) << 30 {
+        return Err(node_err(format!(
+            "the image ({} bytes) is larger than publish.proxmox.vm.diskSize ({} GiB)",
+            img.size, vm.disk_size
+        )));
+    }
+    let pve = &s.node;
+    let base = format!("/nodes/{pve}/qemu/{vmid}");
+    let existing = vms.as_array().into_iter().flatten().find(|v| {
+        v["vmid"].as_u64() == Some(u64::from(vmid)) || v["vmid"].as_str() == Some(&vmid.to_string())
+    });
+    let running = match existing {
+        None => {
+            let params = vm_params(inv, index, vm, vmid, &volid, &img.sha256);
+            let task = api.post("creating VM", &format!("/nodes/{pve}/qemu"), &params)?;
+            api.wait(&format!("creating VM {vmid}"), &task, opts)?;
+            resize(api, &base, vm, opts)?;
+            observer.event(&img.node, &Event::VmCreated { vmid });
+            out.vm = Some(VmChange::Created);
+            false
+        }
+        Some(v) => {
+            let name = v["name"].as_str().unwrap_or("");
+            if name != img.node {
+                return Err(node_err(format!(
+                    "vmid {vmid} on {pve} belongs to VM {name:?}, not to this node; imgbuild never overwrites another VM (choose another vmid or firstId)"
+                )));
+            }
+            let config = api.get("reading VM config", &format!("{base}/config"))?;
+            let running = v["status"] == "running";
+            match described_volume(&config) {
+                Some(current) if current == volid => {
+                    observer.event(&img.node, &Event::VmUnchanged { vmid });
+                    out.vm = Some(VmChange::Unchanged);
+                }
+                current if !opts.replace_disk => {
+                    let running_image =
+                        current.unwrap_or_else(|| "an image imgbuild did not record".into());
+                    observer.event(
+                        &img.node,
+                        &Event::VmOutdated {
+                            vmid,
+                            running: running_image,
+                        },
+                    );
+                    out.vm = Some(VmChange::Outdated);
+                }
+                _ => {
+                    replace_disk(api, &base, vm, vmid, &volid, &img.sha256, running, opts)?;
+                    observer.event(&img.node, &Event::DiskReplaced { vmid });
+                    out.vm = Some(VmChange::Updated);
+                    return start_if_wanted(
+                        api, &base, vm, vmid, false, opts, observer, &img.node, out,
+                    );
+                }
+            }
+            running
+        }
+    };
+    start_if_wanted(
+        api, &base, vm, vmid, running, opts, observer, &img.node, out,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn start_if_wanted(
+    api: &Api,
+    base: &str,
+    vm: &ProxmoxVm,
+    vmid: u32,
+    running: bool,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+    node: &str,
+    mut out: NodePublished,
+) -> Result<NodePublished, ProxmoxError> {
+    if vm.start && !running {
+        let task = api.post("starting VM", &format!("{base}/status/start"), &[])?;
+        api.wait(&format!("starting VM {vmid}"), &task, opts)?;
+        observer.event(node, &Event::VmStarted { vmid });
+        out.started = true;
+    }
+    Ok(out)
+}
+
+fn resize(
+    api: &Api,
+    base: &str,
+    vm: &ProxmoxVm,
+    opts: &PublishOptions,
+) -> Result<(), ProxmoxError> {
+    let task = api.put(
+        "growing the disk",
+        &format!("{base}/resize"),
+        &[
+            ("disk", "scsi0".into()),
+            ("size", format!("{}G", vm.disk_size)),
+        ],
+    )?;
+    api.wait("growing the disk", &task, opts)
+}
+
+/// Stop, import the new volume as `scsi0`, drop the old disk (left as
+/// `unusedN`), grow it; the caller starts the VM again.
+#[allow(clippy::too_many_arguments)]
+fn replace_disk(
+    api: &Api,
+    base: &str,
+    vm: &ProxmoxVm,
+    vmid: u32,
+    volid: &str,
+    sha256: &str,
+    running: bool,
+    opts: &PublishOptions,
+) -> Result<(), ProxmoxError> {
+    if running {
+        let task = api.post("stopping VM", &format!("{base}/status/stop"), &[])?;
+        api.wait(&format!("stopping VM {vmid}"), &task, opts)?;
+    }
+    let task = api.post(
+        "importing the new disk",
+        &format!("{base}/config"),
+        &[
+            ("scsi0", scsi0(vm, volid)),
+            ("description", description(volid, sha256)),
+        ],
+    )?;
+    api.wait(
+        &format!("importing the new disk into VM {vmid}"),
+        &task,
+        opts,
+    )?;
+    let config = api.get("reading VM config", &format!("{base}/config"))?;
+    let unused: Vec<String> = config
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with("unused"))
+        .map(|(k, _)| k.clone())
+        .collect();
+    if !unused.is_empty() {
+        let task = api.post(
+            "deleting the old disk",
+            &format!("{base}/config"),
+            &[("delete", unused.join(","))],
+        )?;
+        api.wait(&format!("deleting the old disk of VM {vmid}"), &task, opts)?;
+    }
+    resize(api, base, vm, opts)
+}
+
+/// Streams the image file as the multipart body (constant memory), waits
+/// for the server's task (checksum, `qemu-img info`, copy), and retries a
+/// broken transfer from the start. A failed upload leaves no volume behind.
+fn upload(
+    api: &Api,
+    s: &ProxmoxSettings,
+    img: &PublishImage,
+    file_name: &str,
+    volid: &str,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<(), ProxmoxError> {
+    let what = format!("uploading {file_name}");
+    let url = api.url(&format!("/nodes/{}/storage/{}/upload", s.node, s.storage));
+    let mut attempt = 0;
+    loop {
+        observer.event(
+            &img.node,
+            &Event::Uploading {
+                volid: volid.to_owned(),
+                size: img.size,
+            },
+        );
+        let file = File::open(&img.path).map_err(|e| ProxmoxError::Node {
+            node: img.node.clone(),
+            message: format!("{}: {e}", img.path.display()),
+        })?;
+        let req = api
+            .client
+            .post(&url)
+            .header(reqwest::header::AUTHORIZATION, api.auth.clone())
+            .multipart(upload_form(file, img.size, file_name, &img.sha256));
+        let sent = net::send_once(req).and_then(|r| net::read_limited(r, 1 << 20));
+        match sent {
+            Ok(body) => {
+                let doc: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let result = api.wait(&what, &doc["data"], opts);
+                if result.is_err() {
+                    discard_volume(api, s, volid);
+                }
+                return result.map(|()| {
+                    observer.event(
+                        &img.node,
+                        &Event::Uploaded {
+                            volid: volid.to_owned(),
+                        },
+                    )
+                });
+            }
+            Err(e) if e.retryable() && e.status().is_none() && attempt < opts.upload_retries => {
+                attempt += 1;
+                observer.event(
+                    &img.node,
+                    &Event::UploadRetry {
+                        attempt,
+                        why: e.to_string(),
+                    },
+                );
+                std::thread::sleep(opts.retry.delay(attempt, None));
+            }
+            Err(e) => {
+                let err = api_error(&what, e);
+                return Err(match err {
+                    ProxmoxError::Api { what, message } if attempt > 0 => ProxmoxError::Api {
+                        what,
+                        message: format!("{message} (after {} attempts)", attempt + 1),
+                    },
+                    other => other,
+                });
+            }
+        }
+    }
+}
+
+/// Removes a volume an upload may have left half-checked; best effort,
+/// since the upload's own error is what the user needs to see.
+fn discard_volume(api: &Api, s: &ProxmoxSettings, volid: &str) {
+    let path = format!(
+        "/nodes/{}/storage/{}/content/{}",
+        s.node,
+        s.storage,
+        urlencode(volid)
+    );
+    let _ = api.delete("removing a failed upload", &path);
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,204 @@
+use super::*;
+use crate::inventory::Inventory;
+use std::io::Read;
+use std::path::Path;
+
+fn inv(extra_node: &str, publish: &str) -> Inventory {
+    let text = format!(
+        r#"
+cluster: {{name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: "https://10.0.0.10:6443"}}
+image: {{extensions: [siderolabs/qemu-guest-agent]}}
+network: {{cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}}
+publish:
+{publish}
+nodes:
+  - {{name: cp-01, role: controlplane, address: 10.0.0.11, mac: "bc:24:11:00:00:11"}}
+  - {{name: w-01, role: worker, address: 10.0.0.21{extra_node}}}
+"#
+    );
+    Inventory::parse(&text, Path::new("cluster.yaml")).unwrap()
+}
+
+const VM: &str =
+    "  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300}";
+
+fn env(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+    move |k| {
+        vars.iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v.to_string())
+    }
+}
+
+#[test]
+fn volume_names_carry_the_content_and_survive_normalisation() {
+    let sha = "0123456789abcdef".repeat(4);
+    assert_eq!(
+        volume_file("lab", "cp-01", "v1.11.2", &sha, ImageFormat::Raw),
+        "lab-cp-01-v1.11.2-0123456789ab.raw"
+    );
+    assert_eq!(
+        volume_file("lab", "cp 01+x", "v1.11.2", &sha, ImageFormat::Qcow2),
+        "lab-cp_01_x-v1.11.2-0123456789ab.qcow2"
+    );
+}
+
+#[test]
+fn credentials_come_from_the_environment_only() {
+    let px = inv("", VM).publish.proxmox.unwrap();
+    let c = Credentials::from_env(
+        &px,
+        &env(&[
+            ("PROXMOX_VE_ENDPOINT", "https://pve.lab:8006/"),
+            ("PROXMOX_VE_API_TOKEN", "ci@pve!imgbuild=11111111-2222"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.api, "https://pve.lab:8006/api2/json");
+    assert!(matches!(c.trust, Trust::System));
+    assert_eq!(format!("{c:?}").matches("11111111").count(), 0, "{c:?}");
+
+    let pin = "AB:".repeat(31) + "CD";
+    let c = Credentials::from_env(
+        &px,
+        &env(Box::leak(Box::new([
+            ("PROXMOX_VE_ENDPOINT", "https://pve.lab:8006/api2/json"),
+            ("PROXMOX_VE_API_TOKEN", "ci@pve!imgbuild=secret"),
+            (
+                "PROXMOX_VE_FINGERPRINT",
+                Box::leak(pin.into_boxed_str()) as &str,
+            ),
+        ]))),
+    )
+    .unwrap();
+    assert_eq!(c.api, "https://pve.lab:8006/api2/json");
+    assert!(matches!(c.trust, Trust::Pinned(_)));
+
+    let c = Credentials::from_env(
+        &px,
+        &env(&[
+            ("PROXMOX_VE_ENDPOINT", "https://pve.lab:8006/"),
+            ("PROXMOX_VE_API_TOKEN", "ci@pve!imgbuild=secret"),
+            ("PROXMOX_VE_INSECURE", "true"),
+        ]),
+    )
+    .unwrap();
+    assert!(c.insecure());
+}
+
+#[test]
+fn bad_credentials_are_named_but_never_shown() {
+    let px = inv("", VM).publish.proxmox.unwrap();
+    let cases: [(&[(&str, &str)], &str); 4] = [
+        (
+            &[("PROXMOX_VE_API_TOKEN", "a@b!c=d")],
+            "PROXMOX_VE_ENDPOINT is not set",
+        ),
+        (
+            &[
+                ("PROXMOX_VE_ENDPOINT", "http://pve:8006/"),
+                ("PROXMOX_VE_API_TOKEN", "a@b!c=d"),
+            ],
+            "must be https",
+        ),
+        (
+            &[("PROXMOX_VE_ENDPOINT", "https://pve:8006/")],
+            "PROXMOX_VE_API_TOKEN is not set",
+        ),
+        (
+            &[
+                ("PROXMOX_VE_ENDPOINT", "https://pve:8006/"),
+                ("PROXMOX_VE_API_TOKEN", "rootsecretvalue"),
+            ],
+            "not of the form",
+        ),
+    ];
+    for (vars, want) in cases {
+        let vars: &'static [(&'static str, &'static str)] =
+            Box::leak(vars.to_vec().into_boxed_slice());
+        let err = Credentials::from_env(&px, &env(vars))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{err}");
+        assert!(!err.contains("rootsecretvalue"), "{err}");
+    }
+}
+
+#[test]
+fn vms_get_settings_that_boot_talos() {
+    let inv = inv("", VM);
+    let vm = inv.publish.proxmox.as_ref().unwrap().vm.clone().unwrap();
+    let p: BTreeMap<&str, String> = vm_params(&inv, 0, &vm, 300, "local:import/x.raw", "ab")
+        .into_iter()
+        .collect();
+    assert_eq!(p["machine"], "q35");
+    assert_eq!(p["bios"], "ovmf");
+    assert_eq!(p["cpu"], "host");
+    assert_eq!(p["scsihw"], "virtio-scsi-pci");
+    assert_eq!(p["efidisk0"], "local-lvm:1,efitype=4m,pre-enrolled-keys=0");
+    assert_eq!(
+        p["scsi0"],
+        "local-lvm:0,import-from=local:import/x.raw,discard=on,ssd=1"
+    );
+    assert_eq!(p["boot"], "order=scsi0");
+    assert_eq!(p["net0"], "virtio=BC:24:11:00:00:11,bridge=vmbr0");
+    assert_eq!(p["agent"], "enabled=1");
+    assert_eq!((p["onboot"].as_str(), p["balloon"].as_str()), ("1", "0"));
+    assert_eq!((p["cores"].as_str(), p["memory"].as_str()), ("2", "4096"));
+    assert_eq!(p["name"], "cp-01");
+    assert_eq!(
+        described_volume(&serde_json::json!({"description": p["description"]})).as_deref(),
+        Some("local:import/x.raw")
+    );
+    let w: BTreeMap<&str, String> = vm_params(&inv, 1, &vm, 301, "v", "ab")
+        .into_iter()
+        .collect();
+    assert_eq!(w["net0"], "virtio,bridge=vmbr0");
+}
+
+#[test]
+fn vmids_count_up_from_first_id_unless_a_node_sets_one() {
+    let i = inv(", vmid: 999", VM);
+    assert_eq!((i.vmid(0), i.vmid(1)), (Some(300), Some(999)));
+}
+
+#[test]
+fn publish_settings_are_validated_with_their_line() {
+    let text = "cluster: {name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: \"https://10.0.0.10:6443\"}\nnetwork: {cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}\npublish:\n  proxmox:\n    node: pve\n    storage: local\n    fingerprint: \"AB:CD\"\n    vm: {storage: local-lvm, firstId: 300}\nnodes:\n  - {name: cp-01, role: controlplane, address: 10.0.0.11}\n  - {name: w-01, role: worker, address: 10.0.0.21, vmid: 300}\n";
+    let err = Inventory::parse(text, Path::new("c.yaml"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("line 7: publish.proxmox.fingerprint"), "{err}");
+    assert!(err.contains("vmid 300 is already node cp-01's"), "{err}");
+}
+
+#[test]
+fn task_ids_name_their_node() {
+    assert_eq!(
+        upid_node("UPID:pve2:0000:0001:65:imgcopy::root@pam:"),
+        Some("pve2")
+    );
+    assert_eq!(upid_node("nonsense"), None);
+}
+
+#[test]
+fn the_upload_body_has_its_parts_in_pveproxys_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("img.raw");
+    std::fs::write(&path, b"DATA").unwrap();
+    let form = upload_form(File::open(&path).unwrap(), 4, "a.raw", "abc");
+    let boundary = form.boundary().to_owned();
+    let mut body = String::new();
+    form.into_reader().read_to_string(&mut body).unwrap();
+    let names: Vec<&str> = body
+        .match_indices("; name=\"")
+        .map(|(i, _)| body[i + 8..].split('"').next().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["content", "checksum-algorithm", "checksum", "filename"]
+    );
+    assert!(body.contains("filename=\"a.raw\""));
+    assert!(body.contains("\r\n\r\nDATA\r\n"));
+    assert!(body.ends_with(&format!("--{boundary}--\r\n")));
+}
