@@ -306,7 +306,7 @@ fn oversized_values_are_refused_and_the_image_is_untouched() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        text(&o.stderr).contains("META is full"),
+        text(&o.stderr).contains(&format!("{}: META is full", img.display())),
         "{}",
         text(&o.stderr)
     );
