@@ -4,6 +4,11 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Numbers the writers of this process, so two threads writing the same
+/// target never pick the same temporary name.
+static WRITERS: AtomicU64 = AtomicU64::new(0);
 
 /// A file being written under a temporary name in its final directory;
 /// dropped without [`AtomicFile::commit`], it is removed.
@@ -24,7 +29,8 @@ impl AtomicFile {
         let dir = dir.unwrap_or(Path::new("."));
         let prefix = format!(".{}.tmp-", name.to_string_lossy());
         sweep_stale(dir, &prefix);
-        let temp = dir.join(format!("{prefix}{}", std::process::id()));
+        let writer = WRITERS.fetch_add(1, Ordering::Relaxed);
+        let temp = dir.join(format!("{prefix}{}.{writer}", std::process::id()));
         let mut opts = OpenOptions::new();
         opts.read(true).write(true).create_new(true);
         if private {
@@ -70,8 +76,9 @@ impl Drop for AtomicFile {
     }
 }
 
-/// Removes `<prefix><pid>` files left by writers that were killed (no
-/// destructor runs on SIGKILL or an unhandled SIGINT) and are gone now.
+/// Removes `<prefix><pid>.<writer>` (or, from older versions,
+/// `<prefix><pid>`) files left by writers that were killed (no destructor
+/// runs on SIGKILL or an unhandled SIGINT) and are gone now.
 fn sweep_stale(dir: &Path, prefix: &str) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
@@ -81,7 +88,12 @@ fn sweep_stale(dir: &Path, prefix: &str) {
         let Some(pid) = name
             .to_str()
             .and_then(|n| n.strip_prefix(prefix))
-            .and_then(|p| p.parse::<i32>().ok())
+            .and_then(|p| {
+                p.split_once('.')
+                    .map_or(p, |(pid, _)| pid)
+                    .parse::<i32>()
+                    .ok()
+            })
         else {
             continue;
         };
@@ -129,13 +141,51 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
         child.wait().unwrap();
-        let stale = dir.path().join(format!(".img.tmp-{dead}"));
-        let live = dir.path().join(".img.tmp-1"); // init never dies
-        fs::write(&stale, b"half").unwrap();
-        fs::write(&live, b"busy").unwrap();
+        let stale = dir.path().join(format!(".img.tmp-{dead}.3"));
+        let stale_old = dir.path().join(format!(".img.tmp-{dead}"));
+        let live = dir.path().join(".img.tmp-1.0"); // init never dies
+        for f in [&stale, &stale_old, &live] {
+            fs::write(f, b"half").unwrap();
+        }
         write_if_changed(&target, b"new", false).unwrap();
         assert!(!stale.exists());
+        assert!(!stale_old.exists());
         assert!(live.exists());
+    }
+
+    #[test]
+    fn threads_writing_one_target_never_share_a_temp_file() {
+        const THREADS: usize = 8;
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("manifest.json");
+        let all_open = std::sync::Barrier::new(THREADS);
+        let temps: Vec<PathBuf> = std::thread::scope(|s| {
+            let writers: Vec<_> = (0..THREADS)
+                .map(|i| {
+                    let (target, all_open) = (&target, &all_open);
+                    s.spawn(move || {
+                        let mut f = AtomicFile::create(target, false).unwrap();
+                        f.file()
+                            .write_all(format!("writer {i}").as_bytes())
+                            .unwrap();
+                        // Every writer holds its temp file open at once.
+                        all_open.wait();
+                        let temp = f.temp_path().to_owned();
+                        f.commit().unwrap();
+                        temp
+                    })
+                })
+                .collect();
+            writers.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        let mut distinct = temps.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), THREADS, "{temps:?}");
+        let content = fs::read_to_string(&target).unwrap();
+        assert!(content.starts_with("writer "), "{content}");
+        // Nothing but the target is left.
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     #[test]

@@ -3,15 +3,18 @@
 //! - patch (default): the node's base schematic (no META) → one cached base
 //!   image → a sparse copy with the node's key 10 written;
 //! - factory: the node's own schematic → the factory's image for it.
+//!
+//! The manifest names images relative to the out dir, so `out`, `./out` and
+//! its absolute path, from any working directory, mean the same images.
 
 use crate::disk::{self, DiskError};
 use crate::factory::{Factory, FactoryError};
 use crate::fetch::{self, FetchError, FetchOptions, Progress};
-use crate::inventory::{ImageFormat, Inventory, NodeSpec};
+use crate::inventory::{Arch, ImageFormat, Inventory, NodeSpec};
 use crate::meta::KEY_NETWORK;
 use crate::schematic::{self, SchematicId};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::Mutex;
 
 /// How a node image is made.
@@ -36,12 +39,25 @@ pub struct NodeImage {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_schematic_id: Option<SchematicId>,
     pub talos_version: String,
+    /// The inventory's image platform, which decides where the image can boot
+    /// (and whether key 10 is read).
+    pub platform: String,
+    pub arch: Arch,
     pub format: ImageFormat,
     pub size: u64,
     pub sha256: String,
+    /// Relative to the out dir (see [`NodeImage::file`]), so the out dir can
+    /// be named any way, or moved.
     pub path: PathBuf,
     /// Where the bytes came from.
     pub source_url: String,
+}
+
+impl NodeImage {
+    /// The image file in `out_dir`, however that is spelled.
+    pub fn file(&self, out_dir: &Path) -> PathBuf {
+        out_dir.join(&self.path)
+    }
 }
 
 /// `<out>/manifest.json`.
@@ -55,17 +71,57 @@ impl Manifest {
         out_dir.join("manifest.json")
     }
 
-    /// The manifest in `out_dir`, or an empty one.
+    /// The manifest in `out_dir`, or an empty one. A damaged or hand-edited
+    /// one is an error naming the file and what is wrong with it.
     pub fn load(out_dir: &Path) -> Result<Manifest, BuildError> {
         let path = Self::path(out_dir);
-        match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| BuildError::Manifest {
-                path,
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Manifest::default()),
+            Err(e) => return Err(BuildError::Io { path, source: e }),
+        };
+        let manifest: Manifest =
+            serde_json::from_slice(&bytes).map_err(|e| BuildError::Manifest {
+                path: path.clone(),
                 message: e.to_string(),
-            }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Manifest::default()),
-            Err(e) => Err(BuildError::Io { path, source: e }),
+            })?;
+        manifest
+            .check()
+            .map_err(|message| BuildError::Manifest { path, message })?;
+        Ok(manifest)
+    }
+
+    /// What serde cannot check: entries filed under their own node, paths
+    /// that stay inside the out dir, digests that are digests.
+    fn check(&self) -> Result<(), String> {
+        for (key, image) in &self.images {
+            if *key != image.node {
+                return Err(format!("entry {key:?} is for node {:?}", image.node));
+            }
+            let inside = !image.path.as_os_str().is_empty()
+                && image
+                    .path
+                    .components()
+                    .all(|c| matches!(c, Component::Normal(_)));
+            if !inside {
+                return Err(format!(
+                    "entry {key:?}: path {:?} must be relative to the out dir, without '..'",
+                    image.path
+                ));
+            }
+            let hex = image.sha256.len() == 64
+                && image
+                    .sha256
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+            if !hex {
+                return Err(format!(
+                    "entry {key:?}: sha256 {:?} is not 64 lowercase hex digits",
+                    image.sha256
+                ));
+            }
         }
+        Ok(())
     }
 
     fn save(&self, out_dir: &Path) -> Result<(), BuildError> {
@@ -94,18 +150,33 @@ pub struct BuildOptions {
 pub struct Outcome {
     #[serde(flatten)]
     pub image: NodeImage,
+    /// The image file, under the out dir as it was given.
+    pub file: PathBuf,
     /// False when the image on disk already matched and nothing was done.
     pub built: bool,
 }
 
-/// Why a build failed; node-level failures name the node.
+/// One node that could not be built, and why.
+#[derive(Debug)]
+pub struct NodeFailure {
+    pub node: String,
+    pub error: BuildError,
+}
+
+/// Why a build failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
-    #[error("node {node}")]
-    Node {
-        node: String,
-        #[source]
-        source: Box<BuildError>,
+    /// Some nodes failed; every one is listed, and the others were built
+    /// (or were current) and are in the manifest.
+    #[error(
+        "{} of {} nodes failed: {}",
+        failed.len(),
+        failed.len() + built.len(),
+        failed.iter().map(|f| f.node.as_str()).collect::<Vec<_>>().join(", ")
+    )]
+    Incomplete {
+        built: Vec<Outcome>,
+        failed: Vec<NodeFailure>,
     },
     #[error(transparent)]
     UnknownNode(#[from] crate::inventory::UnknownNode),
@@ -145,10 +216,15 @@ struct Plan<'a> {
     node: &'a NodeSpec,
     schematic_id: SchematicId,
     base_schematic_id: Option<SchematicId>,
+    /// Relative to the out dir, as the manifest records it.
     path: PathBuf,
+    /// `path` under the out dir as given.
+    file: PathBuf,
 }
 
 /// Builds `nodes` (all when empty), skipping those whose image is current.
+/// When some nodes fail, the others are still built and recorded, and the
+/// error ([`BuildError::Incomplete`]) lists every failure.
 pub fn build(
     inv: &Inventory,
     nodes: &[String],
@@ -181,11 +257,13 @@ pub fn build(
             ),
             Route::Factory => None,
         };
+        let path = PathBuf::from(out_name(&node.name, format));
         plans.push(Plan {
             node,
             schematic_id,
             base_schematic_id,
-            path: opts.out_dir.join(out_name(&node.name, format)),
+            file: opts.out_dir.join(&path),
+            path,
         });
     }
     let current = |p: &Plan| {
@@ -194,9 +272,11 @@ pub fn build(
                 && m.schematic_id == p.schematic_id
                 && m.base_schematic_id == p.base_schematic_id
                 && m.talos_version == inv.cluster.talos_version
+                && m.platform == inv.image.platform
+                && m.arch == inv.image.arch
                 && m.format == format
                 && m.path == p.path
-                && std::fs::metadata(&m.path).is_ok_and(|md| md.len() == m.size)
+                && std::fs::metadata(&p.file).is_ok_and(|md| md.len() == m.size)
         })
     };
     let todo: Vec<&Plan> = plans.iter().filter(|p| current(p).is_none()).collect();
@@ -208,12 +288,14 @@ pub fn build(
                     m.node.clone(),
                     Outcome {
                         image: m.clone(),
+                        file: p.file.clone(),
                         built: false,
                     },
                 )
             })
         })
         .collect();
+    let mut failed = Vec::new();
     if !todo.is_empty() {
         let client = fetch::client(&opts.fetch);
         let factory = Factory::new(
@@ -237,40 +319,45 @@ pub fn build(
                         let Some(plan) = queue.lock().unwrap().next() else {
                             break;
                         };
-                        let r =
-                            build_one(inv, plan, opts, &client, &factory, progress).map_err(|e| {
-                                BuildError::Node {
-                                    node: plan.node.name.clone(),
-                                    source: Box::new(e),
-                                }
+                        let r = build_one(inv, plan, opts, &client, &factory, progress)
+                            .map(|image| Outcome {
+                                image,
+                                file: plan.file.clone(),
+                                built: true,
+                            })
+                            .map_err(|error| NodeFailure {
+                                node: plan.node.name.clone(),
+                                error,
                             });
                         results.lock().unwrap().push(r);
                     }
                 });
             }
         });
-        let mut first_error = None;
         for r in results.into_inner().unwrap() {
             match r {
-                Ok(image) => {
-                    manifest.images.insert(image.node.clone(), image.clone());
-                    outcomes.insert(image.node.clone(), Outcome { image, built: true });
+                Ok(o) => {
+                    manifest
+                        .images
+                        .insert(o.image.node.clone(), o.image.clone());
+                    outcomes.insert(o.image.node.clone(), o);
                 }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
+                Err(f) => failed.push(f),
             }
         }
         // Record what did succeed, even when another node failed.
         manifest.save(&opts.out_dir)?;
-        if let Some(e) = first_error {
-            return Err(e);
-        }
     }
-    Ok(plans
+    let built: Vec<Outcome> = plans
         .iter()
         .filter_map(|p| outcomes.remove(&p.node.name))
-        .collect())
+        .collect();
+    if failed.is_empty() {
+        return Ok(built);
+    }
+    // In inventory order, whatever order the workers finished in.
+    failed.sort_by_key(|f| plans.iter().position(|p| p.node.name == f.node));
+    Err(BuildError::Incomplete { built, failed })
 }
 
 fn build_one(
@@ -291,7 +378,7 @@ fn build_one(
             let id = factory.register(&schematic::for_node(inv, node))?;
             let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
             let art = fetch::fetch(client, &url, None, &opts.fetch, progress)?;
-            copy_out(&art.path, &plan.path)?;
+            copy_out(&art.path, &plan.file)?;
             (url, art.sha256, art.size)
         }
         Route::Patch => {
@@ -302,8 +389,8 @@ fn build_one(
                 .map(|v| (u32::from(KEY_NETWORK), Some(v.into_bytes())))
                 .into_iter()
                 .collect();
-            disk::write_patched_copy(&art.path, &plan.path, &edits)?;
-            let (sha256, size) = hash_file(&plan.path)?;
+            disk::write_patched_copy(&art.path, &plan.file, &edits)?;
+            let (sha256, size) = hash_file(&plan.file)?;
             (url, sha256, size)
         }
     };
@@ -313,6 +400,8 @@ fn build_one(
         schematic_id: plan.schematic_id.clone(),
         base_schematic_id: plan.base_schematic_id.clone(),
         talos_version: version.clone(),
+        platform: inv.image.platform.clone(),
+        arch: inv.image.arch,
         format,
         size,
         sha256,
@@ -350,6 +439,7 @@ pub fn hash_file(path: &Path) -> Result<(String, u64), BuildError> {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Verified {
     pub node: String,
+    /// The image file, under the out dir as it was given.
     pub path: PathBuf,
     pub ok: bool,
     pub problem: Option<String>,
@@ -362,7 +452,8 @@ pub fn verify(out_dir: &Path) -> Result<Vec<Verified>, BuildError> {
         .images
         .values()
         .map(|m| {
-            let problem = match hash_file(&m.path) {
+            let file = m.file(out_dir);
+            let problem = match hash_file(&file) {
                 Err(e) => Some(format!(
                     "{e}: {}",
                     std::error::Error::source(&e)
@@ -379,10 +470,112 @@ pub fn verify(out_dir: &Path) -> Result<Vec<Verified>, BuildError> {
             };
             Verified {
                 node: m.node.clone(),
-                path: m.path.clone(),
+                path: file,
                 ok: problem.is_none(),
                 problem,
             }
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    fn entry() -> Value {
+        json!({
+            "node": "cp-01",
+            "route": "patch",
+            "schematicId": "a".repeat(64),
+            "baseSchematicId": "b".repeat(64),
+            "talosVersion": "v1.11.2",
+            "platform": "metal",
+            "arch": "amd64",
+            "format": "raw",
+            "size": 4096,
+            "sha256": "c".repeat(64),
+            "path": "cp-01.raw",
+            "sourceUrl": "http://127.0.0.1:1/image/x/v1.11.2/metal-amd64.raw.zst",
+        })
+    }
+
+    /// Writes `manifest` into a new out dir and loads it.
+    fn load(manifest: &[u8]) -> (tempfile::TempDir, Result<Manifest, BuildError>) {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(Manifest::path(dir.path()), manifest).unwrap();
+        let loaded = Manifest::load(dir.path());
+        (dir, loaded)
+    }
+
+    fn with_entry(e: Value) -> Vec<u8> {
+        serde_json::to_vec(&json!({"images": {"cp-01": e}})).unwrap()
+    }
+
+    #[test]
+    fn an_entry_resolves_against_the_out_dir_however_it_is_spelled() {
+        let (_dir, m) = load(&with_entry(entry()));
+        let image = &m.unwrap().images["cp-01"];
+        assert_eq!(image.platform, "metal");
+        assert_eq!(image.arch, Arch::Amd64);
+        assert_eq!(image.file(Path::new("out")), Path::new("out/cp-01.raw"));
+        assert_eq!(image.file(Path::new("./out")), Path::new("./out/cp-01.raw"));
+        assert_eq!(
+            image.file(Path::new("/srv/out")),
+            Path::new("/srv/out/cp-01.raw")
+        );
+    }
+
+    #[test]
+    fn a_missing_manifest_is_an_empty_one() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(Manifest::load(dir.path()).unwrap().images.is_empty());
+    }
+
+    #[test]
+    fn damaged_or_hand_edited_manifests_are_errors_naming_the_file() {
+        let mut absolute = entry();
+        absolute["path"] = json!("/etc/passwd");
+        let mut dotdot = entry();
+        dotdot["path"] = json!("../elsewhere/cp-01.raw");
+        let mut empty_path = entry();
+        empty_path["path"] = json!("");
+        let mut no_arch = entry();
+        no_arch.as_object_mut().unwrap().remove("arch");
+        let mut short_sha = entry();
+        short_sha["sha256"] = json!("abc");
+        let mut negative = entry();
+        negative["size"] = json!(-1);
+        let mut other_node = entry();
+        other_node["node"] = json!("cp-02");
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (b"{\"images\": {".to_vec(), "EOF while parsing"),
+            (b"".to_vec(), "EOF while parsing"),
+            (b"42".to_vec(), "invalid type"),
+            (b"{}".to_vec(), "missing field `images`"),
+            (
+                with_entry(absolute),
+                "path \"/etc/passwd\" must be relative",
+            ),
+            (with_entry(dotdot), "without '..'"),
+            (with_entry(empty_path), "path \"\" must be relative"),
+            (with_entry(no_arch), "missing field `arch`"),
+            (
+                with_entry(short_sha),
+                "sha256 \"abc\" is not 64 lowercase hex",
+            ),
+            (with_entry(negative), "invalid value: integer `-1`"),
+            (
+                with_entry(other_node),
+                "entry \"cp-01\" is for node \"cp-02\"",
+            ),
+        ];
+        for (bytes, want) in cases {
+            let (dir, loaded) = load(&bytes);
+            let err = loaded.unwrap_err().to_string();
+            let file = Manifest::path(dir.path()).display().to_string();
+            assert!(err.starts_with(&file), "{err}");
+            assert!(err.contains(want), "want {want:?} in {err}");
+        }
+    }
 }

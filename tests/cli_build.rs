@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 mod common;
-use common::{root, sim_bin, text};
+use common::{root, sim_bin, text, tmpfs_dir};
 
 const LOOPBACK: &str = "examples/loopback/cluster.yaml";
 
@@ -163,14 +163,16 @@ fn check_built(run: &Run, v: &serde_json::Value, nodes: &[(&str, &str)]) {
     assert_eq!(images.len(), nodes.len());
     for (node, addr) in nodes {
         let img = images.iter().find(|i| i["node"] == *node).unwrap();
-        let path = PathBuf::from(img["path"].as_str().unwrap());
+        let path = PathBuf::from(img["file"].as_str().unwrap());
         assert_eq!(key10_address(&path), *addr, "{node}");
     }
     let manifest: serde_json::Value =
         serde_json::from_slice(&std::fs::read(run.out().join("manifest.json")).unwrap()).unwrap();
     for (node, _) in nodes {
         let m = &manifest["images"][node];
-        let path = PathBuf::from(m["path"].as_str().unwrap());
+        assert_eq!(m["platform"], "metal", "{node}");
+        assert_eq!(m["arch"], "amd64", "{node}");
+        let path = run.out().join(m["path"].as_str().unwrap());
         let sha = Command::new("sha256sum").arg(&path).output().unwrap();
         assert_eq!(
             text(&sha.stdout).split(' ').next().unwrap(),
@@ -608,7 +610,7 @@ fn qcow2_format_builds_by_both_routes() {
     };
     for (route, out) in [("patch", "p"), ("factory", "f")] {
         let v = build_json(&build(route, out));
-        let path = PathBuf::from(v["images"][0]["path"].as_str().unwrap());
+        let path = PathBuf::from(v["images"][0]["file"].as_str().unwrap());
         assert!(path.to_string_lossy().ends_with("cp-03.qcow2"), "{path:?}");
         let check = Command::new("qemu-img")
             .arg("check")
@@ -728,4 +730,263 @@ fn progress_is_plain_lines_off_a_terminal_and_nothing_with_quiet() {
         !err.contains('\r'),
         "no bar redraws off a terminal: {err:?}"
     );
+}
+
+/// Runs imgbuild from `cwd` on the loopback inventory (by absolute path)
+/// against `sim`; `args` carry `--out-dir` and `--cache-dir` as the test
+/// wants them spelled.
+fn imgbuild_in(cwd: &Path, sim: &Sim, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(root().join(LOOPBACK))
+        .args(args)
+        .args(["--factory", &sim.url, "--retry-delay-ms", "10"])
+        .current_dir(cwd)
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap()
+}
+
+/// `imgbuild verify` from `cwd`.
+fn verify_in(cwd: &Path, out_dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["verify", "--out-dir"])
+        .arg(out_dir)
+        .current_dir(cwd)
+        .output()
+        .unwrap()
+}
+
+fn allocated(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[test]
+fn both_routes_build_across_filesystems_and_the_images_stay_sparse() {
+    let sim = Sim::start(&[]);
+    let disk = tempfile::tempdir().unwrap();
+    let Some(mem) = tmpfs_dir(disk.path()) else {
+        return;
+    };
+    // Cache on tmpfs with out/ on disk, then the reverse.
+    for (cache_fs, out_fs) in [(mem.path(), disk.path()), (disk.path(), mem.path())] {
+        for route in ["patch", "factory"] {
+            let cache = cache_fs.join(format!("cache-{route}"));
+            let out = out_fs.join(format!("out-{route}"));
+            let o = imgbuild_in(
+                disk.path(),
+                &sim,
+                &[
+                    "build",
+                    "cp-01",
+                    "worker-02",
+                    "--route",
+                    route,
+                    "--out-dir",
+                    out.to_str().unwrap(),
+                    "--cache-dir",
+                    cache.to_str().unwrap(),
+                ],
+            );
+            assert!(o.status.success(), "{route}: {}", text(&o.stderr));
+            assert_eq!(key10_address(&out.join("cp-01.raw")), "127.0.0.11/8");
+            assert_eq!(key10_address(&out.join("worker-02.raw")), "127.0.0.22/8");
+            assert!(verify_in(disk.path(), &out).status.success());
+            for node in ["cp-01", "worker-02"] {
+                let image = out.join(format!("{node}.raw"));
+                let size = std::fs::metadata(&image).unwrap().len();
+                // The fixture is 32 MiB with about 0.5 MiB of data, META 0.5 MiB more.
+                assert_eq!(size, 32 << 20);
+                assert!(
+                    allocated(&image) < 2 << 20,
+                    "{route} {}: {} bytes allocated of {size}",
+                    image.display(),
+                    allocated(&image)
+                );
+            }
+            std::fs::remove_dir_all(&cache).unwrap();
+            std::fs::remove_dir_all(&out).unwrap();
+        }
+    }
+}
+
+#[test]
+fn verify_works_from_another_directory_with_an_absolute_out_dir() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    build_json(&run.imgbuild(&sim, &["build", "--output", "json"]));
+    let elsewhere = tempfile::tempdir().unwrap();
+    let o = verify_in(elsewhere.path(), &run.out());
+    assert!(o.status.success(), "{}{}", text(&o.stdout), text(&o.stderr));
+    assert_eq!(text(&o.stdout).matches(" ok ").count(), 5);
+}
+
+#[test]
+fn out_dot_out_and_the_absolute_path_are_the_same_images() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    let cwd = run.dir.path();
+    let cache = run.cache();
+    let build = |out: &str| {
+        imgbuild_in(
+            cwd,
+            &sim,
+            &[
+                "build",
+                "--out-dir",
+                out,
+                "--cache-dir",
+                cache.to_str().unwrap(),
+            ],
+        )
+    };
+    let first = build("out");
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert_eq!(text(&first.stdout).matches("(built)").count(), 5);
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.out().join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["images"]["cp-01"]["path"], "cp-01.raw");
+    let absolute = run.out();
+    for out in ["./out", absolute.to_str().unwrap(), "out/"] {
+        let again = build(out);
+        assert!(again.status.success(), "{out}: {}", text(&again.stderr));
+        assert!(
+            text(&again.stdout).contains("nothing to do"),
+            "{out}: {}",
+            text(&again.stdout)
+        );
+        let o = verify_in(cwd, Path::new(out));
+        assert!(o.status.success(), "{out}: {}", text(&o.stdout));
+        assert_eq!(text(&o.stdout).matches(" ok ").count(), 5, "{out}");
+    }
+    assert_eq!(sim.image_gets(), 1, "nothing was built twice");
+}
+
+#[test]
+fn a_build_where_two_nodes_fail_names_both_and_keeps_the_others() {
+    // The factory's first two image downloads are a 9-byte "Not Found".
+    let sim = Sim::start(&["not-found-200:2"]);
+    let run = Run::new();
+    let o = run.imgbuild(
+        &sim,
+        &[
+            "build",
+            "--route",
+            "factory",
+            "--jobs",
+            "1",
+            "--retries",
+            "0",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stdout));
+    let err = text(&o.stderr);
+    let failed: Vec<&str> = err
+        .lines()
+        .filter_map(|l| l.strip_prefix("error: node "))
+        .map(|l| l.split(':').next().unwrap())
+        .collect();
+    // One job: the nodes are downloaded in inventory order.
+    assert_eq!(failed, ["cp-01", "cp-02"], "{err}");
+    assert!(
+        err.contains("expected zstd data, got 9 bytes of text"),
+        "{err}"
+    );
+    assert!(
+        err.contains("error: 2 of 5 nodes failed: cp-01, cp-02"),
+        "{err}"
+    );
+    // The other three are built, on disk and in the manifest.
+    let out = text(&o.stdout);
+    for node in ["cp-03", "worker-01", "worker-02"] {
+        assert!(out.contains(node), "{out}");
+    }
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.out().join("manifest.json")).unwrap()).unwrap();
+    let mut recorded: Vec<&String> = manifest["images"].as_object().unwrap().keys().collect();
+    recorded.sort();
+    assert_eq!(recorded, ["cp-03", "worker-01", "worker-02"]);
+    assert_eq!(run.out_images().len(), 3);
+    // A re-run builds only the two that failed.
+    let v = build_json(&run.imgbuild(&sim, &["build", "--route", "factory", "--output", "json"]));
+    let built: Vec<&str> = v["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["built"] == true)
+        .map(|i| i["node"].as_str().unwrap())
+        .collect();
+    assert_eq!(built, ["cp-01", "cp-02"]);
+    assert_eq!(v["failed"], serde_json::json!([]));
+}
+
+#[test]
+fn json_lists_every_failed_node() {
+    let sim = Sim::start(&["not-found-200:2"]);
+    let run = Run::new();
+    let o = run.imgbuild(
+        &sim,
+        &[
+            "build",
+            "--route",
+            "factory",
+            "--jobs",
+            "3",
+            "--retries",
+            "0",
+            "--output",
+            "json",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let failed = v["failed"].as_array().unwrap();
+    assert_eq!(failed.len(), 2, "{v}");
+    for f in failed {
+        assert!(
+            f["error"].as_str().unwrap().contains("got 9 bytes of text"),
+            "{f}"
+        );
+    }
+    assert_eq!(v["images"].as_array().unwrap().len(), 3, "{v}");
+    let mut names: Vec<&str> = failed
+        .iter()
+        .chain(v["images"].as_array().unwrap())
+        .map(|i| i["node"].as_str().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["cp-01", "cp-02", "cp-03", "worker-01", "worker-02"]);
+}
+
+#[test]
+fn a_damaged_manifest_is_an_error_naming_it() {
+    let sim = Sim::start(&[]);
+    let run = Run::new();
+    std::fs::create_dir_all(run.out()).unwrap();
+    let manifest = run.out().join("manifest.json");
+    for damage in [
+        "{\"images\": {\"cp-01\": ".to_owned(),
+        serde_json::json!({"images": {"cp-01": {"node": "cp-01"}}}).to_string(),
+        std::fs::read_to_string(root().join("Cargo.toml")).unwrap(),
+    ] {
+        std::fs::write(&manifest, &damage).unwrap();
+        for o in [
+            run.imgbuild(&sim, &["build"]),
+            verify_in(&root(), &run.out()),
+        ] {
+            assert_eq!(o.status.code(), Some(1), "{}", text(&o.stdout));
+            let err = text(&o.stderr);
+            assert!(
+                err.contains(&format!(
+                    "{}: not a manifest imgbuild can read",
+                    manifest.display()
+                )),
+                "{err}"
+            );
+            assert!(!err.contains("panicked"), "{err}");
+        }
+        assert_eq!(std::fs::read_to_string(&manifest).unwrap(), damage);
+    }
+    assert_eq!(sim.image_gets(), 0);
 }

@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 mod common;
-use common::{atlas_copy, imgbuild, root, text};
+use common::{atlas_copy, imgbuild, root, text, tmpfs_dir};
 
 const ATLAS: &str = "examples/atlas/cluster.yaml";
 
@@ -210,6 +210,42 @@ fn patch_raw_writes_only_meta_and_keeps_key_17() {
 }
 
 #[test]
+fn patch_across_filesystems_keeps_the_output_sparse() {
+    use std::os::unix::fs::MetadataExt;
+    let disk = tempfile::tempdir().unwrap();
+    let Some(mem) = tmpfs_dir(disk.path()) else {
+        return;
+    };
+    let fixture = fixtures().join("dual-boot.raw");
+    let data = fixture.metadata().unwrap().blocks() * 512;
+    // The base on tmpfs and the output on disk, then the reverse.
+    for (base_fs, out_fs) in [(mem.path(), disk.path()), (disk.path(), mem.path())] {
+        let base = base_fs.join("base.raw");
+        run_ok(
+            Command::new("cp")
+                .arg("--sparse=always")
+                .arg(&fixture)
+                .arg(&base),
+        );
+        let out = out_fs.join("cp-02.raw");
+        let o = patch(&base, "cp-02", &out);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        check_patched(&base, &out, "10.0.0.12/16");
+        let meta = out.metadata().unwrap();
+        assert_eq!(meta.len(), fixture.metadata().unwrap().len());
+        // The data plus at most META's two ADV copies: not the 32 MiB.
+        let allocated = meta.blocks() * 512;
+        assert!(
+            allocated <= data + 512 * 1024,
+            "{}: {allocated} bytes allocated, the base has {data} of data",
+            out.display()
+        );
+        std::fs::remove_file(&base).unwrap();
+        std::fs::remove_file(&out).unwrap();
+    }
+}
+
+#[test]
 fn patch_qcow2_passes_qemu_img_check_and_keeps_key_17() {
     let out = patch_keeps_key_17(
         "dual-boot.qcow2",
@@ -306,7 +342,7 @@ fn oversized_values_are_refused_and_the_image_is_untouched() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        text(&o.stderr).contains("META is full"),
+        text(&o.stderr).contains(&format!("{}: META is full", img.display())),
         "{}",
         text(&o.stderr)
     );

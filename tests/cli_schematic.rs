@@ -19,7 +19,7 @@ const ATLAS: &str = "examples/atlas/cluster.yaml";
 
 #[test]
 fn schematic_id_reproduces_every_public_vector() {
-    let dir = root().join("../shared/vectors/schematics");
+    let dir = root().join("tests/vectors/schematics");
     let ids = std::fs::read_to_string(dir.join("ids.txt")).unwrap();
     let mut n = 0;
     for line in ids.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {

@@ -1,9 +1,9 @@
 //! `imgbuild node`, `build` and `verify`, and download progress display.
 
-use super::{Output, load_inventory};
+use super::{Output, Reported, load_inventory};
 use anyhow::{Result, bail};
 use clap::Args;
-use imgbuild::build::{self, BuildOptions, Route};
+use imgbuild::build::{self, BuildError, BuildOptions, Outcome, Route};
 use imgbuild::fetch::{FetchOptions, Progress};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -114,29 +114,59 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
         factory: args.factory,
     };
     let progress = progress_for(args.download.quiet, output);
-    let outcomes = build::build(&inv, &nodes, &opts, progress.as_ref())?;
-    match output {
-        Output::Json => println!("{}", json!({"images": outcomes})),
-        Output::Text => {
-            for o in &outcomes {
-                let state = if o.built { "built" } else { "up to date" };
-                println!(
-                    "{:<12} {:<10} {}  sha256 {}  ({state})",
-                    o.image.node,
-                    format!("{:?}", o.image.route).to_lowercase(),
-                    o.image.path.display(),
-                    &o.image.sha256[..16]
-                );
+    let (outcomes, failed, summary) = match build::build(&inv, &nodes, &opts, progress.as_ref()) {
+        Ok(outcomes) => (outcomes, Vec::new(), None),
+        Err(e) => {
+            let summary = e.to_string();
+            match e {
+                BuildError::Incomplete { built, failed } => (built, failed, Some(summary)),
+                e => return Err(e.into()),
             }
-            if outcomes.iter().all(|o| !o.built) {
-                println!(
-                    "nothing to do: every image matches {}",
-                    build::Manifest::path(&opts.out_dir).display()
-                );
+        }
+    };
+    // Each failure as one line: the node, then its error chain.
+    let failures: Vec<(String, String)> = failed
+        .into_iter()
+        .map(|f| (f.node, format!("{:#}", anyhow::Error::new(f.error))))
+        .collect();
+    match output {
+        Output::Json => {
+            let failed: Vec<_> = failures
+                .iter()
+                .map(|(node, error)| json!({"node": node, "error": error}))
+                .collect();
+            println!("{}", json!({"images": outcomes, "failed": failed}));
+        }
+        Output::Text => {
+            print_outcomes(&outcomes, &opts.out_dir, failures.is_empty());
+            for (node, error) in &failures {
+                eprintln!("error: node {node}: {error}");
             }
         }
     }
-    Ok(())
+    match summary {
+        Some(s) => Err(Reported(s).into()),
+        None => Ok(()),
+    }
+}
+
+fn print_outcomes(outcomes: &[Outcome], out_dir: &Path, complete: bool) {
+    for o in outcomes {
+        let state = if o.built { "built" } else { "up to date" };
+        println!(
+            "{:<12} {:<10} {}  sha256 {}  ({state})",
+            o.image.node,
+            format!("{:?}", o.image.route).to_lowercase(),
+            o.file.display(),
+            o.image.sha256.get(..16).unwrap_or(&o.image.sha256)
+        );
+    }
+    if complete && outcomes.iter().all(|o| !o.built) {
+        println!(
+            "nothing to do: every image matches {}",
+            build::Manifest::path(out_dir).display()
+        );
+    }
 }
 
 /// Downloads one image into the cache (verified, decompressed) and prints where.

@@ -197,7 +197,7 @@ fn edit_in_place(image: &Path, edits: &[(u32, Option<Vec<u8>>)], output: Output)
         eprintln!("warning: {problem}");
     }
     let mut adv = before.adv.clone();
-    disk::apply(&mut adv, edits)?;
+    disk::apply(image, &mut adv, edits)?;
     let changed = adv != before.adv;
     if changed {
         img.write_meta(&adv)?;

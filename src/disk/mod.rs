@@ -7,6 +7,7 @@ pub mod qcow2;
 mod sparse;
 
 pub use sparse::copy_sparse;
+pub(crate) use sparse::write_data_blocks;
 
 use crate::meta::{Adv, Decoded, adv::ADV_SIZE};
 use std::fs::File;
@@ -57,8 +58,11 @@ pub enum DiskError {
     NoMeta { path: PathBuf, names: Vec<String> },
     #[error("{}: META partition is {size} bytes; Talos' META is exactly 1 MiB", path.display())]
     MetaWrongSize { path: PathBuf, size: u64 },
-    #[error(transparent)]
-    MetaFull(#[from] crate::meta::AdvError),
+    #[error("{}", path.display())]
+    MetaFull {
+        path: PathBuf,
+        source: crate::meta::AdvError,
+    },
     #[error("{}: truncated: {what} ends at byte {end} but the image has {len}", path.display())]
     Truncated {
         path: PathBuf,
@@ -242,7 +246,10 @@ impl Image {
     /// Writes both ADV copies into META and makes them durable. The rest of
     /// the partition (the legacy ADV in its last 1024 bytes among it) is untouched.
     pub fn write_meta(&mut self, adv: &Adv) -> Result<(), DiskError> {
-        let bytes = adv.encode()?;
+        let bytes = adv.encode().map_err(|source| DiskError::MetaFull {
+            path: self.path.clone(),
+            source,
+        })?;
         let offset = self.meta_partition()?.offset;
         self.backend
             .write_durably(&bytes, offset)
@@ -456,7 +463,7 @@ pub fn write_patched_copy(
 ) -> Result<Decoded, DiskError> {
     let before = Image::open(base, false)?.read_meta()?;
     let mut adv = before.adv.clone();
-    apply(&mut adv, edits)?;
+    apply(out, &mut adv, edits)?;
     let mut tmp = crate::atomic::AtomicFile::create(out, false).map_err(io(out))?;
     let src = File::open(base).map_err(io(base))?;
     copy_sparse(&src, tmp.file()).map_err(io(out))?;
@@ -465,11 +472,20 @@ pub fn write_patched_copy(
     Ok(before)
 }
 
-/// Applies META edits to an ADV.
-pub fn apply(adv: &mut Adv, edits: &[(u32, Option<Vec<u8>>)]) -> Result<(), DiskError> {
+/// Applies META edits to the ADV of `image` (named when it would overflow).
+pub fn apply(
+    image: &Path,
+    adv: &mut Adv,
+    edits: &[(u32, Option<Vec<u8>>)],
+) -> Result<(), DiskError> {
     for (key, value) in edits {
         match value {
-            Some(v) => adv.set(*key, v.clone())?,
+            Some(v) => adv
+                .set(*key, v.clone())
+                .map_err(|source| DiskError::MetaFull {
+                    path: image.to_owned(),
+                    source,
+                })?,
             None => {
                 adv.delete(*key);
             }
@@ -509,6 +525,17 @@ mod tests {
             offset: 1 << 20,
             size,
         }
+    }
+
+    #[test]
+    fn meta_full_names_the_image() {
+        let mut adv = Adv::default();
+        let big = vec![b'x'; 300 * 1024];
+        let err = apply(Path::new("out/cp-01.raw"), &mut adv, &[(10, Some(big))]).unwrap_err();
+        assert_eq!(err.to_string(), "out/cp-01.raw");
+        let why = std::error::Error::source(&err).unwrap().to_string();
+        assert!(why.starts_with("META is full"), "{why}");
+        assert_eq!(adv, Adv::default(), "nothing was set");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! hash → sparse temp file).
 
 use sha2::{Digest, Sha256, Sha512};
-use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::io::{self, Read};
 
 /// Buffer size for every copy loop.
 pub const BUF_SIZE: usize = 1 << 20;
@@ -85,6 +85,11 @@ pub enum LengthError {
 
 impl<R: Read> Read for ExactLengthReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            // Read's contract: an empty buffer reads 0 bytes, which says
+            // nothing about where the body ends.
+            return Ok(0);
+        }
         let left = self.expected - self.seen;
         if left == 0 {
             // One more byte would mean the body is longer than announced.
@@ -221,10 +226,9 @@ pub fn describe(head: &[u8]) -> String {
     }
 }
 
-/// Writes a stream into a file, leaving all-zero blocks as holes, so a
-/// 4 GB image with 300 MB of data takes 300 MB of disk.
+/// Writes a stream into an empty file from its start, leaving all-zero
+/// blocks as holes, so a 4 GB image with 300 MB of data takes 300 MB of disk.
 pub fn copy_sparse_from<R: Read>(mut src: R, dst: &mut std::fs::File) -> io::Result<u64> {
-    const BLOCK: usize = 4096;
     let mut buf = vec![0u8; BUF_SIZE];
     let mut total = 0u64;
     loop {
@@ -240,13 +244,7 @@ pub fn copy_sparse_from<R: Read>(mut src: R, dst: &mut std::fs::File) -> io::Res
         if filled == 0 {
             break;
         }
-        for chunk in buf[..filled].chunks(BLOCK) {
-            if chunk.iter().all(|&b| b == 0) {
-                dst.seek(SeekFrom::Current(chunk.len() as i64))?;
-            } else {
-                dst.write_all(chunk)?;
-            }
-        }
+        crate::disk::write_data_blocks(dst, &buf[..filled], total)?;
         total += filled as u64;
         if filled < buf.len() {
             break;
@@ -292,6 +290,20 @@ mod tests {
         let mut out = Vec::new();
         exact.read_to_end(&mut out).unwrap();
         assert_eq!(out, b"abcde");
+    }
+
+    #[test]
+    fn exact_length_reader_answers_an_empty_buffer_with_zero() {
+        let mut r = ExactLengthReader::new(&b"abcde"[..], 5);
+        assert_eq!(r.read(&mut []).unwrap(), 0);
+        let mut two = [0u8; 2];
+        assert_eq!(r.read(&mut two).unwrap(), 2);
+        assert_eq!(r.read(&mut []).unwrap(), 0);
+        let mut rest = Vec::new();
+        r.read_to_end(&mut rest).unwrap();
+        assert_eq!(rest, b"cde");
+        // At the end, too.
+        assert_eq!(r.read(&mut []).unwrap(), 0);
     }
 
     #[test]

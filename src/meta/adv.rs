@@ -209,12 +209,9 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    /// `../shared/vectors/meta-adv.txt` as name → hex value.
+    /// `tests/vectors/meta-adv.txt` as name → hex value.
     fn vectors() -> HashMap<String, String> {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../shared/vectors/meta-adv.txt"
-        );
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/vectors/meta-adv.txt");
         std::fs::read_to_string(path)
             .unwrap()
             .lines()

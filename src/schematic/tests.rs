@@ -3,7 +3,7 @@ use proptest::prelude::*;
 use std::path::PathBuf;
 
 fn vectors() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/vectors/schematics")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/vectors/schematics")
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! run the real binary, how to read its output.
 #![allow(dead_code)] // each test file uses its own subset
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 pub fn root() -> PathBuf {
@@ -40,7 +40,7 @@ pub fn sim_bin() -> PathBuf {
 
 /// The atlas example copied into `dir` (with its patch files) after
 /// replacing `from` by `to`; returns the new inventory's path.
-pub fn atlas_copy(dir: &std::path::Path, from: &str, to: &str) -> PathBuf {
+pub fn atlas_copy(dir: &Path, from: &str, to: &str) -> PathBuf {
     let atlas = root().join("examples/atlas");
     let text = std::fs::read_to_string(atlas.join("cluster.yaml")).unwrap();
     assert!(text.contains(from), "atlas lacks {from:?}");
@@ -52,4 +52,19 @@ pub fn atlas_copy(dir: &std::path::Path, from: &str, to: &str) -> PathBuf {
         std::fs::copy(entry.path(), dir.join("patches").join(entry.file_name())).unwrap();
     }
     path
+}
+
+/// A folder on /dev/shm (tmpfs) when that is another filesystem than
+/// `other`; None, said loudly, where it is not.
+pub fn tmpfs_dir(other: &Path) -> Option<tempfile::TempDir> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
+    let shm = Path::new("/dev/shm");
+    if dev(shm).is_none() || dev(shm) == dev(other) {
+        eprintln!(
+            "SKIPPED: /dev/shm is not a filesystem of its own here; nothing crosses filesystems"
+        );
+        return None;
+    }
+    Some(tempfile::tempdir_in(shm).unwrap())
 }
