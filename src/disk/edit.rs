@@ -13,7 +13,9 @@ pub type MetaChange = (u32, Option<Vec<u8>>);
 /// An in-place change to one image's META.
 #[derive(Debug, Clone)]
 pub struct MetaEditOptions {
+    /// Raw or qcow2; written in place.
     pub image: PathBuf,
+    /// Applied in order.
     pub changes: Vec<MetaChange>,
 }
 
@@ -50,8 +52,11 @@ pub fn edit_meta(opts: &MetaEditOptions) -> Result<MetaEdited, DiskError> {
 /// A node image made from a base image: a sparse copy with META changed.
 #[derive(Debug, Clone)]
 pub struct PatchOptions {
+    /// The node-independent image; only read.
     pub base: PathBuf,
+    /// The node's image, replaced atomically.
     pub out: PathBuf,
+    /// Applied in order to the base's META.
     pub changes: Vec<MetaChange>,
 }
 

@@ -54,13 +54,16 @@ pub enum StageError {
 /// file 0600. Opening it creates it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateDir {
+    /// Given by `--state-dir`, or the default beside the inventory.
     pub path: PathBuf,
 }
 
 /// A talosconfig as [`StateDir::talosconfig`] left it.
 #[derive(Debug, Clone)]
 pub struct TalosconfigFile {
+    /// Where it is, for the user's `TALOSCONFIG`.
     pub path: PathBuf,
+    /// Its content, whose identity the bootstrap presents.
     pub config: Talosconfig,
     /// False when the file on disk still fitted and was kept.
     pub written: bool,
@@ -78,14 +81,17 @@ impl StateDir {
         Ok(StateDir { path })
     }
 
+    /// The talosctl-compatible bundle every cluster certificate comes from.
     pub fn secrets_path(&self) -> PathBuf {
         self.path.join("secrets.yaml")
     }
 
+    /// The admin client configuration talosctl reads.
     pub fn talosconfig_path(&self) -> PathBuf {
         self.path.join("talosconfig")
     }
 
+    /// Where the bootstrap leaves the admin kubeconfig.
     pub fn kubeconfig_path(&self) -> PathBuf {
         self.path.join("kubeconfig")
     }
@@ -181,7 +187,9 @@ pub struct BootstrapOptions {
 /// Everything made ready for the run, and what making it ready changed.
 #[derive(Debug, Clone)]
 pub struct Prepared {
+    /// Holds the secrets, talosconfig, configs and (later) kubeconfig.
     pub state_dir: StateDir,
+    /// What [`bootstrap::run`] works through; carries the rendered configs.
     pub plan: Plan,
     /// The talosconfig whose identity the run uses.
     pub talosconfig: PathBuf,
@@ -196,7 +204,9 @@ pub struct Prepared {
 /// What one bootstrap stage did.
 #[derive(Debug, Clone)]
 pub struct Bootstrapped {
+    /// The files and plan the run used.
     pub prepared: Prepared,
+    /// What the run did to the nodes.
     pub outcome: bootstrap::Outcome,
 }
 
