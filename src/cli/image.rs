@@ -4,6 +4,7 @@
 use super::{Output, load_inventory};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
+use imgbuild::disk::edit::{self, MetaChange, MetaEditOptions, PatchOptions};
 use imgbuild::disk::{self, Image};
 use imgbuild::meta::{KEY_NETWORK, PlatformNetworkConfig, key_name};
 use imgbuild::schematic;
@@ -171,9 +172,9 @@ pub fn meta(args: MetaArgs, output: Output) -> Result<()> {
             value_file,
         } => {
             let value = read_value(&value_file)?;
-            edit_in_place(&image, &[(key, Some(value))], output)?;
+            edit_in_place(&image, vec![(key, Some(value))], output)?;
         }
-        MetaCommand::Delete { image, key } => edit_in_place(&image, &[(key, None)], output)?,
+        MetaCommand::Delete { image, key } => edit_in_place(&image, vec![(key, None)], output)?,
     }
     Ok(())
 }
@@ -188,26 +189,17 @@ fn read_value(file: &str) -> Result<Vec<u8>> {
     Ok(value)
 }
 
-/// Read, merge, rewrite: the image is checked and the new ADV encoded before
-/// the one write of META.
-fn edit_in_place(image: &Path, edits: &[(u32, Option<Vec<u8>>)], output: Output) -> Result<()> {
-    let mut img = Image::open(image, true)?;
-    let before = img.read_meta()?;
-    for problem in &before.problems {
+/// Reads, merges and rewrites META through the library; shows what it found.
+fn edit_in_place(image: &Path, changes: Vec<MetaChange>, output: Output) -> Result<()> {
+    let edited = edit::edit_meta(&MetaEditOptions {
+        image: image.to_owned(),
+        changes,
+    })?;
+    for problem in &edited.problems {
         eprintln!("warning: {problem}");
     }
-    let mut adv = before.adv.clone();
-    disk::apply(image, &mut adv, edits)?;
-    let changed = adv != before.adv;
-    if changed {
-        img.write_meta(&adv)?;
-    }
-    report(image, changed, &adv, output);
-    Ok(())
-}
-
-fn report(image: &Path, changed: bool, adv: &imgbuild::meta::Adv, output: Output) {
-    let keys: Vec<u32> = adv.iter().map(|(k, _)| k).collect();
+    let keys: Vec<u32> = edited.adv.iter().map(|(k, _)| k).collect();
+    let changed = edited.changed;
     match output {
         Output::Json => println!(
             "{}",
@@ -219,6 +211,7 @@ fn report(image: &Path, changed: bool, adv: &imgbuild::meta::Adv, output: Output
             if changed { "written" } else { "unchanged" }
         ),
     }
+    Ok(())
 }
 
 pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
@@ -231,20 +224,15 @@ pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
             node.name
         );
     };
-    let before = disk::write_patched_copy(
-        &args.base,
-        &args.out,
-        &[(u32::from(KEY_NETWORK), Some(value.into_bytes()))],
-    )?;
-    for problem in &before.problems {
+    let patched = edit::patch(&PatchOptions {
+        base: args.base.clone(),
+        out: args.out.clone(),
+        changes: vec![(u32::from(KEY_NETWORK), Some(value.into_bytes()))],
+    })?;
+    for problem in &patched.problems {
         eprintln!("warning: base {}: {problem}", args.base.display());
     }
-    let kept: Vec<u32> = before
-        .adv
-        .iter()
-        .map(|(k, _)| k)
-        .filter(|&k| k != 10)
-        .collect();
+    let kept = patched.kept_keys;
     match output {
         Output::Json => println!(
             "{}",

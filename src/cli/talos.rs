@@ -2,17 +2,14 @@
 //! state directory and the way from booted images to a healthy cluster.
 
 use super::{Output, load_inventory};
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use clap::{Args, Subcommand};
 use imgbuild::inventory::Inventory;
-use imgbuild::talos::bootstrap::{self, Event, Observer, Options, Plan, PlannedNode};
-use imgbuild::talos::client::Target;
+use imgbuild::talos::bootstrap::{self, Event, Observer};
 use imgbuild::talos::config;
-use imgbuild::talos::secrets::SecretsBundle;
-use imgbuild::talos::talosconfig::Talosconfig;
+use imgbuild::talos::stage::{self, BootstrapOptions, StateDir};
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Where the cluster's secrets and client files live.
@@ -25,10 +22,8 @@ pub struct StateArgs {
 }
 
 impl StateArgs {
-    fn dir(&self, inv: &Inventory) -> PathBuf {
-        self.state_dir
-            .clone()
-            .unwrap_or_else(|| config::default_state_dir(inv))
+    fn open(&self, inv: &Inventory) -> Result<StateDir> {
+        Ok(StateDir::open(inv, self.state_dir.as_deref())?)
     }
 }
 
@@ -123,30 +118,13 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-/// The state dir, created 0700, and the secrets in it, created on first use.
-fn secrets_for(inv: &Inventory, state: &StateArgs) -> Result<(PathBuf, SecretsBundle, bool)> {
-    let dir = state.dir(inv);
-    config::ensure_private_dir(&dir).with_context(|| format!("state dir {}", dir.display()))?;
-    let path = dir.join("secrets.yaml");
-    if path.exists() {
-        return Ok((dir, SecretsBundle::load(&path)?, false));
-    }
-    let bundle = SecretsBundle::generate()?;
-    bundle.save(&path, false)?;
-    Ok((dir, bundle, true))
-}
-
 pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
     let SecretsCommand::Gen(args) = args.command;
     let inv = load_inventory(config, output)?;
-    let dir = args.state.dir(&inv);
-    config::ensure_private_dir(&dir).with_context(|| format!("state dir {}", dir.display()))?;
-    let path = dir.join("secrets.yaml");
-    let bundle = match &args.secrets {
-        Some(src) => SecretsBundle::load(src)?,
-        None => SecretsBundle::generate()?,
-    };
-    bundle.save(&path, args.force)?;
+    let path = args
+        .state
+        .open(&inv)?
+        .save_secrets(args.secrets.as_deref(), args.force)?;
     match output {
         Output::Json => println!(
             "{}",
@@ -168,7 +146,7 @@ pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
 pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let node = inv.node(&args.node)?;
-    let (_, bundle, _) = secrets_for(&inv, &args.state)?;
+    let (bundle, _) = args.state.open(&inv)?.secrets()?;
     let text = config::machine_config(&inv, node, &bundle)?;
     match output {
         Output::Json => println!("{}", json!({"node": node.name, "config": text})),
@@ -177,30 +155,15 @@ pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result
     Ok(())
 }
 
-/// Writes `<state>/talosconfig` unless the current one still fits.
-fn ensure_talosconfig(
-    inv: &Inventory,
-    dir: &Path,
-    bundle: &SecretsBundle,
-    force: bool,
-) -> Result<(PathBuf, Talosconfig, bool)> {
-    let path = dir.join("talosconfig");
-    if !force
-        && path.exists()
-        && let Ok(existing) = Talosconfig::load(&path)
-        && existing.is_current_for(inv, bundle)
-    {
-        return Ok((path, existing, false));
-    }
-    let cfg = Talosconfig::generate(inv, bundle)?;
-    cfg.save(&path)?;
-    Ok((path, cfg, true))
-}
-
 pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let (dir, bundle, _) = secrets_for(&inv, &args.state)?;
-    let (path, cfg, written) = ensure_talosconfig(&inv, &dir, &bundle, args.force)?;
+    let state = args.state.open(&inv)?;
+    let (bundle, _) = state.secrets()?;
+    let stage::TalosconfigFile {
+        path,
+        config: cfg,
+        written,
+    } = state.talosconfig(&inv, &bundle, args.force)?;
     let endpoints = cfg.current().map_err(anyhow::Error::msg)?.endpoints.clone();
     match output {
         Output::Json => println!(
@@ -237,74 +200,28 @@ impl Observer for Lines {
 
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let (dir, bundle, _) = secrets_for(&inv, &args.state)?;
-    let secrets_path = dir.join("secrets.yaml");
-    let (tc_path, talosconfig) = match &args.talosconfig {
-        Some(p) => (p.clone(), Talosconfig::load(p)?),
-        None => {
-            let (p, cfg, _) = ensure_talosconfig(&inv, &dir, &bundle, false)?;
-            (p, cfg)
-        }
-    };
-    talosconfig.check_matches(&bundle, &tc_path, &secrets_path)?;
-    let identity = talosconfig.identity().map_err(anyhow::Error::msg)?;
-
-    let configs_dir = dir.join("configs");
-    config::ensure_private_dir(&configs_dir)?;
-    let mut nodes = Vec::new();
-    for node in &inv.nodes {
-        let Some(target) = Target::new(node.address, node.talos_endpoint.as_deref()) else {
-            match &node.talos_endpoint {
-                Some(ep) => bail!(
-                    "node {}: talosEndpoint {ep:?} must be an IP address or IP:port (host names are not resolved)",
-                    node.name
-                ),
-                None => bail!(
-                    "node {}: no address or talosEndpoint, so imgbuild cannot reach its API (a dhcp node needs talosEndpoint: its current address)",
-                    node.name
-                ),
-            }
-        };
-        let text = config::machine_config(&inv, node, &bundle)?;
-        imgbuild::atomic::write_if_changed(
-            &configs_dir.join(format!("{}.yaml", node.name)),
-            text.as_bytes(),
-            true,
-        )?;
-        nodes.push(PlannedNode {
-            name: node.name.clone(),
-            role: node.role,
-            address: node.address.unwrap_or(target.server_name),
-            target,
-            install_disk: node.install_disk.clone(),
-            config: text.into_bytes(),
-        });
-    }
-    let plan = Plan {
-        nodes,
-        endpoint: inv.cluster.endpoint.clone(),
-        identity: Arc::new(identity),
-        kubeconfig_path: dir.join("kubeconfig"),
-    };
-    let opts = Options {
-        node_timeout: args.node_timeout,
-        bootstrap_timeout: args.bootstrap_timeout,
-        health_timeout: args.health_timeout,
-        call_timeout: args.call_timeout,
-        poll: args.poll,
-        pin: args
-            .cert_fingerprint
-            .map(|f| f.replace(':', "").to_ascii_lowercase()),
+    let opts = BootstrapOptions {
+        state_dir: args.state.state_dir,
+        talosconfig: args.talosconfig,
+        targets: Default::default(),
+        limits: bootstrap::Options {
+            node_timeout: args.node_timeout,
+            bootstrap_timeout: args.bootstrap_timeout,
+            health_timeout: args.health_timeout,
+            call_timeout: args.call_timeout,
+            poll: args.poll,
+            pin: args
+                .cert_fingerprint
+                .map(|f| f.replace(':', "").to_ascii_lowercase()),
+        },
     };
     let observer = Lines {
         start: Instant::now(),
         quiet: args.quiet,
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let outcome = runtime.block_on(bootstrap::run(&plan, &opts, &observer))?;
+    let stage::Bootstrapped { prepared, outcome } = stage::bootstrap(&inv, &opts, &observer)?;
+    let tc_path = &prepared.talosconfig;
+    let plan = &prepared.plan;
     match output {
         Output::Json => println!(
             "{}",

@@ -3,6 +3,7 @@
 //! every other byte of the image is left alone, and nothing holds a whole
 //! image in memory.
 
+pub mod edit;
 pub mod qcow2;
 mod sparse;
 

@@ -8,4 +8,5 @@ pub mod config;
 pub mod kube;
 pub mod pki;
 pub mod secrets;
+pub mod stage;
 pub mod talosconfig;

@@ -1,0 +1,523 @@
+//! The bootstrap stage as library calls: the cluster's state dir (secrets,
+//! talosconfig, rendered configs), the node targets, and the run of the
+//! [`bootstrap`] state machine. `imgbuild bootstrap` and `imgbuild up` both
+//! call [`bootstrap`]; the CLI only turns flags into [`BootstrapOptions`] and
+//! renders what comes back.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
+use super::client::Target;
+use super::config::{self, ConfigError};
+use super::secrets::{SecretsBundle, SecretsError};
+use super::talosconfig::{Talosconfig, TalosconfigError};
+use crate::inventory::{Inventory, UnknownNode};
+
+/// Why the stage stopped before or during the run. Never quotes a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    #[error("state dir {}", path.display())]
+    StateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "node {node}: talosEndpoint {endpoint:?} must be an IP address or IP:port (host names are not resolved)"
+    )]
+    BadEndpoint { node: String, endpoint: String },
+    #[error(
+        "node {node}: no address or talosEndpoint, so imgbuild cannot reach its API (a dhcp node needs talosEndpoint: its current address)"
+    )]
+    NoAddress { node: String },
+    #[error("target override: {0}")]
+    UnknownTarget(#[from] UnknownNode),
+    #[error(transparent)]
+    Secrets(#[from] SecretsError),
+    #[error(transparent)]
+    Talosconfig(#[from] TalosconfigError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Bootstrap(#[from] BootstrapError),
+}
+
+/// The folder holding one cluster's secrets and client files: 0700, each
+/// file 0600. Opening it creates it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateDir {
+    /// Given by `--state-dir`, or the default beside the inventory.
+    pub path: PathBuf,
+}
+
+/// A talosconfig as [`StateDir::talosconfig`] left it.
+#[derive(Debug, Clone)]
+pub struct TalosconfigFile {
+    /// Where it is, for the user's `TALOSCONFIG`.
+    pub path: PathBuf,
+    /// Its content, whose identity the bootstrap presents.
+    pub config: Talosconfig,
+    /// False when the file on disk still fitted and was kept.
+    pub written: bool,
+}
+
+impl StateDir {
+    /// `dir`, or `.talos/<cluster>/` beside the inventory, created 0700 (an
+    /// existing one is tightened or refused, see [`config::ensure_private_dir`]).
+    pub fn open(inv: &Inventory, dir: Option<&Path>) -> Result<StateDir, StageError> {
+        let path = dir.map_or_else(|| config::default_state_dir(inv), Path::to_owned);
+        config::ensure_private_dir(&path).map_err(|source| StageError::StateDir {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(StateDir { path })
+    }
+
+    /// The talosctl-compatible bundle every cluster certificate comes from.
+    pub fn secrets_path(&self) -> PathBuf {
+        self.path.join("secrets.yaml")
+    }
+
+    /// The admin client configuration talosctl reads.
+    pub fn talosconfig_path(&self) -> PathBuf {
+        self.path.join("talosconfig")
+    }
+
+    /// Where the bootstrap leaves the admin kubeconfig.
+    pub fn kubeconfig_path(&self) -> PathBuf {
+        self.path.join("kubeconfig")
+    }
+
+    /// Where each node's rendered config is kept, for the user to read.
+    pub fn configs_dir(&self) -> PathBuf {
+        self.path.join("configs")
+    }
+
+    /// The cluster's secrets, generated and saved on first use. The flag
+    /// says whether they were created now.
+    pub fn secrets(&self) -> Result<(SecretsBundle, bool), StageError> {
+        let path = self.secrets_path();
+        if path.exists() {
+            return Ok((SecretsBundle::load(&path)?, false));
+        }
+        let bundle = SecretsBundle::generate()?;
+        bundle.save(&path, false)?;
+        Ok((bundle, true))
+    }
+
+    /// Writes `secrets.yaml` from `import` (a `talosctl gen secrets` file) or
+    /// freshly generated. An existing file is replaced only with `force`.
+    pub fn save_secrets(&self, import: Option<&Path>, force: bool) -> Result<PathBuf, StageError> {
+        let path = self.secrets_path();
+        let bundle = match import {
+            Some(src) => SecretsBundle::load(src)?,
+            None => SecretsBundle::generate()?,
+        };
+        bundle.save(&path, force)?;
+        Ok(path)
+    }
+
+    /// `talosconfig` for `inv`, rewritten only when `force` or when the file
+    /// no longer fits (other CA or endpoints, admin certificate expiring).
+    pub fn talosconfig(
+        &self,
+        inv: &Inventory,
+        bundle: &SecretsBundle,
+        force: bool,
+    ) -> Result<TalosconfigFile, StageError> {
+        let path = self.talosconfig_path();
+        if !force
+            && path.exists()
+            && let Ok(existing) = Talosconfig::load(&path)
+            && existing.is_current_for(inv, bundle)
+        {
+            return Ok(TalosconfigFile {
+                path,
+                config: existing,
+                written: false,
+            });
+        }
+        let config = Talosconfig::generate(inv, bundle)?;
+        config.save(&path)?;
+        Ok(TalosconfigFile {
+            path,
+            config,
+            written: true,
+        })
+    }
+
+    /// Writes `configs/<node>.yaml` (0600) unless it already holds `text`.
+    fn write_config(&self, node: &str, text: &str) -> Result<bool, StageError> {
+        let dir = self.configs_dir();
+        config::ensure_private_dir(&dir).map_err(|source| StageError::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        let path = dir.join(format!("{node}.yaml"));
+        crate::atomic::write_if_changed(&path, text.as_bytes(), true)
+            .map_err(|source| StageError::Io { path, source })
+    }
+}
+
+/// What the bootstrap stage does. The inventory is passed beside it, as to
+/// [`crate::build::build`].
+#[derive(Debug, Clone, Default)]
+pub struct BootstrapOptions {
+    /// [default: `.talos/<cluster>/` beside the inventory]
+    pub state_dir: Option<PathBuf>,
+    /// A client identity to use instead of `<state dir>/talosconfig`; it must
+    /// come from the state dir's secrets.
+    pub talosconfig: Option<PathBuf>,
+    /// Where to reach nodes whose address the inventory does not know or
+    /// that answer elsewhere (a cloud's public IP), by node name. The
+    /// target's server name becomes the node's address.
+    pub targets: BTreeMap<String, Target>,
+    /// Timeouts, polling, certificate pin.
+    pub limits: bootstrap::Options,
+}
+
+/// Everything made ready for the run, and what making it ready changed.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// Holds the secrets, talosconfig, configs and (later) kubeconfig.
+    pub state_dir: StateDir,
+    /// What [`bootstrap::run`] works through; carries the rendered configs.
+    pub plan: Plan,
+    /// The talosconfig whose identity the run uses.
+    pub talosconfig: PathBuf,
+    /// Whether this call created `secrets.yaml`.
+    pub secrets_created: bool,
+    /// Whether this call wrote `<state dir>/talosconfig`.
+    pub talosconfig_written: bool,
+    /// Nodes whose `configs/<node>.yaml` this call wrote (changed or new).
+    pub configs_written: Vec<String>,
+}
+
+/// What one bootstrap stage did.
+#[derive(Debug, Clone)]
+pub struct Bootstrapped {
+    /// The files and plan the run used.
+    pub prepared: Prepared,
+    /// What the run did to the nodes.
+    pub outcome: bootstrap::Outcome,
+}
+
+/// Readies a run without contacting any node: state dir, secrets,
+/// talosconfig (checked against the secrets), every node's config rendered
+/// and kept under `configs/`, and each node's target. A second call with
+/// the same inputs writes nothing.
+pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, StageError> {
+    for name in opts.targets.keys() {
+        inv.node(name)?;
+    }
+    let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?;
+    let (bundle, secrets_created) = state_dir.secrets()?;
+    let talosconfig = match &opts.talosconfig {
+        Some(path) => TalosconfigFile {
+            path: path.clone(),
+            config: Talosconfig::load(path)?,
+            written: false,
+        },
+        None => state_dir.talosconfig(inv, &bundle, false)?,
+    };
+    talosconfig
+        .config
+        .check_matches(&bundle, &talosconfig.path, &state_dir.secrets_path())?;
+    let identity = talosconfig
+        .config
+        .identity()
+        .map_err(|message| TalosconfigError::Invalid {
+            path: talosconfig.path.display().to_string(),
+            message,
+        })?;
+
+    let mut nodes = Vec::new();
+    let mut configs_written = Vec::new();
+    for node in &inv.nodes {
+        let target = match opts.targets.get(&node.name) {
+            Some(t) => t.clone(),
+            None => {
+                Target::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(
+                    || match &node.talos_endpoint {
+                        Some(endpoint) => StageError::BadEndpoint {
+                            node: node.name.clone(),
+                            endpoint: endpoint.clone(),
+                        },
+                        None => StageError::NoAddress {
+                            node: node.name.clone(),
+                        },
+                    },
+                )?
+            }
+        };
+        let text = config::machine_config(inv, node, &bundle)?;
+        if state_dir.write_config(&node.name, &text)? {
+            configs_written.push(node.name.clone());
+        }
+        let address = if opts.targets.contains_key(&node.name) {
+            target.server_name
+        } else {
+            node.address.unwrap_or(target.server_name)
+        };
+        nodes.push(PlannedNode {
+            name: node.name.clone(),
+            role: node.role,
+            address,
+            target,
+            install_disk: node.install_disk.clone(),
+            config: text.into_bytes(),
+        });
+    }
+    let plan = Plan {
+        nodes,
+        endpoint: inv.cluster.endpoint.clone(),
+        identity: Arc::new(identity),
+        kubeconfig_path: state_dir.kubeconfig_path(),
+    };
+    Ok(Prepared {
+        state_dir,
+        plan,
+        talosconfig_written: talosconfig.written,
+        talosconfig: talosconfig.path,
+        secrets_created,
+        configs_written,
+    })
+}
+
+/// The whole stage: [`prepare`], then apply, bootstrap etcd once and wait
+/// for health ([`bootstrap::run`] on a runtime of its own), reporting
+/// progress to `observer`. Idempotent: on a healthy cluster it applies
+/// nothing and bootstraps nothing.
+pub fn bootstrap(
+    inv: &Inventory,
+    opts: &BootstrapOptions,
+    observer: &dyn Observer,
+) -> Result<Bootstrapped, StageError> {
+    let prepared = prepare(inv, opts)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| BootstrapError::Local(format!("cannot start the async runtime: {e}")))?;
+    let outcome = runtime.block_on(bootstrap::run(&prepared.plan, &opts.limits, observer))?;
+    Ok(Bootstrapped { prepared, outcome })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::talos::secrets::tests::bundle;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn atlas() -> Inventory {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/atlas/cluster.yaml");
+        Inventory::load(&path).unwrap()
+    }
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    /// Options for a state dir under `root` holding the shared test bundle
+    /// as its secrets (generating one per test is slow).
+    fn seeded(root: &Path) -> BootstrapOptions {
+        let state = root.join("nested/state");
+        std::fs::create_dir_all(&state).unwrap();
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+        bundle().save(&state.join("secrets.yaml"), false).unwrap();
+        BootstrapOptions {
+            state_dir: Some(state),
+            ..Default::default()
+        }
+    }
+
+    /// Every file under `dir` with its inode and modification time.
+    fn snapshot(dir: &Path) -> BTreeMap<PathBuf, (u64, i64, i64)> {
+        let mut all = BTreeMap::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let md = std::fs::metadata(&path).unwrap();
+            if md.is_dir() {
+                all.extend(snapshot(&path));
+            }
+            all.insert(path, (md.ino(), md.mtime(), md.mtime_nsec()));
+        }
+        all
+    }
+
+    #[test]
+    fn a_new_state_dir_is_private_and_gets_fresh_secrets() {
+        let root = tempfile::tempdir().unwrap();
+        let inv = atlas();
+        let path = root.path().join("a/b/state");
+        let state = StateDir::open(&inv, Some(&path)).unwrap();
+        assert_eq!(state.path, path);
+        assert_eq!(mode(&path), 0o700);
+        let (created, fresh) = state.secrets().unwrap();
+        assert!(fresh);
+        assert_eq!(mode(&state.secrets_path()), 0o600);
+        let (loaded, fresh) = state.secrets().unwrap();
+        assert!(!fresh);
+        assert!(loaded == created, "the second call must load, not generate");
+        let err = state.save_secrets(None, false).unwrap_err().to_string();
+        assert!(err.contains("already exists"), "{err}");
+    }
+
+    #[test]
+    fn the_default_state_dir_is_beside_the_inventory() {
+        let root = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        inv.base_dir = root.path().to_owned();
+        let state = StateDir::open(&inv, None).unwrap();
+        assert_eq!(state.path, root.path().join(".talos/atlas"));
+        assert_eq!(mode(&state.path), 0o700);
+    }
+
+    #[test]
+    fn prepare_writes_talosconfig_and_every_config_privately() {
+        let root = tempfile::tempdir().unwrap();
+        let inv = atlas();
+        let opts = seeded(root.path());
+        let p = prepare(&inv, &opts).unwrap();
+        let state = &p.state_dir;
+        assert!(!p.secrets_created);
+        assert!(p.talosconfig_written);
+        assert_eq!(p.talosconfig, state.talosconfig_path());
+        assert_eq!(mode(&state.talosconfig_path()), 0o600);
+        assert_eq!(mode(&state.configs_dir()), 0o700);
+        let names: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
+        assert_eq!(p.configs_written, names);
+        for (node, planned) in inv.nodes.iter().zip(&p.plan.nodes) {
+            let file = state.configs_dir().join(format!("{}.yaml", node.name));
+            assert_eq!(mode(&file), 0o600);
+            assert_eq!(std::fs::read(&file).unwrap(), planned.config);
+            assert_eq!(planned.name, node.name);
+            assert_eq!(Some(planned.address), node.address);
+            assert_eq!(
+                planned.target.addr.to_string(),
+                format!("{}:50000", planned.address)
+            );
+        }
+        assert_eq!(p.plan.kubeconfig_path, state.kubeconfig_path());
+        assert_eq!(p.plan.endpoint, "https://10.0.0.20:6443");
+    }
+
+    #[test]
+    fn a_second_prepare_writes_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        let inv = atlas();
+        let opts = seeded(root.path());
+        let first = prepare(&inv, &opts).unwrap();
+        let before = snapshot(&first.state_dir.path);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let second = prepare(&inv, &opts).unwrap();
+        assert!(!second.secrets_created);
+        assert!(!second.talosconfig_written);
+        assert!(
+            second.configs_written.is_empty(),
+            "{:?}",
+            second.configs_written
+        );
+        assert_eq!(snapshot(&second.state_dir.path), before);
+        assert_eq!(before.len(), 2 + 1 + inv.nodes.len());
+    }
+
+    #[test]
+    fn a_changed_node_config_is_the_only_one_rewritten() {
+        let root = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        let opts = seeded(root.path());
+        prepare(&inv, &opts).unwrap();
+        inv.nodes[4].install_disk = "/dev/vdb".into();
+        let p = prepare(&inv, &opts).unwrap();
+        assert_eq!(p.configs_written, ["worker-02"]);
+        assert!(!p.talosconfig_written);
+    }
+
+    #[test]
+    fn a_node_the_bootstrap_cannot_reach_is_named() {
+        let root = tempfile::tempdir().unwrap();
+        let opts = seeded(root.path());
+        let mut inv = atlas();
+        inv.nodes[3].address = None;
+        let err = prepare(&inv, &opts).unwrap_err().to_string();
+        assert!(
+            err.starts_with("node worker-01: no address or talosEndpoint"),
+            "{err}"
+        );
+        inv.nodes[3].talos_endpoint = Some("worker-01.lan".into());
+        let err = prepare(&inv, &opts).unwrap_err().to_string();
+        assert!(
+            err.starts_with("node worker-01: talosEndpoint \"worker-01.lan\" must be an IP"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_target_override_reaches_a_node_the_inventory_cannot() {
+        let root = tempfile::tempdir().unwrap();
+        let mut opts = seeded(root.path());
+        let mut inv = atlas();
+        inv.nodes[3].address = None;
+        let target = Target::new(None, Some("127.0.0.9:50123")).unwrap();
+        opts.targets.insert("worker-01".into(), target);
+        let p = prepare(&inv, &opts).unwrap();
+        let w = &p.plan.nodes[3];
+        assert_eq!(w.target.addr.to_string(), "127.0.0.9:50123");
+        assert_eq!(w.address.to_string(), "127.0.0.9");
+
+        opts.targets.insert(
+            "worker-09".into(),
+            Target::new(None, Some("127.0.0.9")).unwrap(),
+        );
+        let err = prepare(&inv, &opts).unwrap_err().to_string();
+        assert!(err.contains("no node named \"worker-09\""), "{err}");
+    }
+
+    #[test]
+    fn a_talosconfig_from_other_secrets_is_refused_before_any_node() {
+        let root = tempfile::tempdir().unwrap();
+        let inv = atlas();
+        let mut opts = seeded(root.path());
+        let other = SecretsBundle::generate().unwrap();
+        let foreign = root.path().join("foreign-talosconfig");
+        Talosconfig::generate(&inv, &other)
+            .unwrap()
+            .save(&foreign)
+            .unwrap();
+        opts.talosconfig = Some(foreign);
+        let err = prepare(&inv, &opts).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StageError::Talosconfig(TalosconfigError::ForeignCa { .. })
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_shared_folder_is_not_taken_as_a_state_dir() {
+        let root = tempfile::tempdir().unwrap();
+        let project = root.path().join("project");
+        std::fs::create_dir(&project).unwrap();
+        std::fs::set_permissions(&project, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(project.join("notes.txt"), "mine").unwrap();
+        let err = StateDir::open(&atlas(), Some(&project)).unwrap_err();
+        let text = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+        assert!(
+            text.starts_with(&format!("state dir {}: ", project.display())),
+            "{text}"
+        );
+        assert!(text.contains("readable by others"), "{text}");
+        assert_eq!(mode(&project), 0o755);
+    }
+}
