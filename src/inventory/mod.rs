@@ -176,9 +176,13 @@ pub struct NodeSpec {
     pub address: Option<IpAddr>,
     #[serde(default)]
     pub dhcp: bool,
-    /// Selects the link by hardware address (Talos' `enx…` alternative name).
+    /// Pins the node's NIC by hardware address: `deviceSelector` in the
+    /// machine config, and (static nodes, Talos ≥ 1.9) the `enx…` altname in
+    /// key 10.
     #[serde(default)]
     pub mac: Option<MacAddr>,
+    /// The NIC's kernel name (`ens18`): the only name Talos' DHCP operator
+    /// in key 10 finds.
     #[serde(default)]
     pub interface: Option<String>,
     #[serde(default = "default_install_disk")]
@@ -201,7 +205,8 @@ fn default_install_disk() -> String {
 }
 
 impl NodeSpec {
-    /// The kernel link name key 10 configures.
+    /// The link name a static address, its route and its `links[]` entry in
+    /// key 10 use: Talos resolves altnames there, so a MAC's `enx…` works.
     pub fn link_name(&self, network: &NetworkSettings) -> Option<String> {
         if let Some(iface) = &self.interface {
             return Some(iface.clone());
@@ -210,6 +215,17 @@ impl NodeSpec {
             return Some(mac.altname());
         }
         network.interface.clone()
+    }
+
+    /// The NIC's kernel name when the inventory gives one (a MAC pins some
+    /// other NIC than `network.interface`): key 10's DHCP operator looks
+    /// links up by kernel name only and silently skips an altname.
+    pub fn kernel_link(&self, network: &NetworkSettings) -> Option<String> {
+        match (&self.interface, &self.mac) {
+            (Some(iface), _) => Some(iface.clone()),
+            (None, Some(_)) => None,
+            (None, None) => network.interface.clone(),
+        }
     }
 }
 
@@ -650,6 +666,18 @@ impl Validator<'_> {
                 format!("{at}.interface"),
                 format!(
                     "node {who}: static addressing needs a link: set interface or mac on the node, or network.interface"
+                ),
+            );
+        }
+        let before_altnames = parse_version(&inv.cluster.talos_version, true)
+            .is_some_and(|(major, minor, _)| (major, minor) < (1, 9));
+        if let (None, Some(mac), true) = (&node.interface, &node.mac, before_altnames) {
+            self.problem(
+                format!("{at}.mac"),
+                format!(
+                    "node {who}: mac {mac} names the static link {}, an altname Talos gives NICs only since v1.9 (talosVersion is {}); set interface: to its kernel name (e.g. ens18)",
+                    mac.altname(),
+                    inv.cluster.talos_version
                 ),
             );
         }

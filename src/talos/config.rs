@@ -127,9 +127,16 @@ fn base_config(
         message: message.to_owned(),
     };
 
+    // A node with a MAC is pinned by it; its kernel name may be unknown and
+    // an `enx…` altname is not what `interface:` matches.
+    let device = match (&node.mac, &plan.link) {
+        (Some(mac), _) => Some(("deviceSelector", json!({"hardwareAddr": mac.to_string()}))),
+        (None, Some(link)) => Some(("interface", json!(link))),
+        (None, None) => None,
+    };
     let mut interface = Map::new();
-    if let Some(link) = &plan.link {
-        interface.insert("interface".into(), json!(link));
+    if let Some((key, value)) = device {
+        interface.insert(key.into(), value);
         match plan.address {
             Some((ip, prefix)) => {
                 interface.insert("addresses".into(), json!([format!("{ip}/{prefix}")]));
@@ -563,6 +570,34 @@ mod tests {
         let cp_doc: Value =
             serde_yaml_ng::from_str(&machine_config(&inv, cp, bundle()).unwrap()).unwrap();
         assert_eq!(cp_doc["machine"]["ca"]["crt"], doc["machine"]["ca"]["crt"]);
+    }
+
+    #[test]
+    fn a_node_with_a_mac_is_pinned_by_device_selector() {
+        let mut inv = atlas();
+        let mac: crate::inventory::MacAddr = "BC:24:11:00:00:21".parse().unwrap();
+        for (i, dhcp) in [(0, false), (3, true)] {
+            inv.nodes[i].mac = Some(mac.clone());
+            inv.nodes[i].dhcp = dhcp;
+            let node = inv.nodes[i].clone();
+            let yaml = machine_config(&inv, &node, bundle()).unwrap();
+            let doc: Value = serde_yaml_ng::from_str(&yaml).unwrap();
+            let iface = &doc["machine"]["network"]["interfaces"][0];
+            assert_eq!(
+                iface["deviceSelector"],
+                json!({"hardwareAddr": "bc:24:11:00:00:21"}),
+                "{}",
+                node.name
+            );
+            assert!(iface.get("interface").is_none(), "{iface}");
+            assert_eq!(iface.get("dhcp"), dhcp.then_some(&json!(true)));
+            assert_eq!(iface.get("addresses").is_some(), !dhcp);
+            let errors: Vec<String> = full_schema()
+                .iter_errors(&doc)
+                .map(|e| e.to_string())
+                .collect();
+            assert!(errors.is_empty(), "{errors:?}");
+        }
     }
 
     #[test]
