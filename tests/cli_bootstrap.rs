@@ -513,6 +513,27 @@ fn a_node_that_never_boots_is_named_with_its_port() {
 }
 
 #[test]
+fn a_duration_too_large_for_the_clock_is_a_usage_error_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("cluster.yaml"), inventory(&net(15))).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(dir.path().join("cluster.yaml"))
+        .args(["bootstrap", "--node-timeout", "99999999999999999999h"])
+        .env_remove("IMGBUILD_STATE_DIR")
+        .env_remove("TALOSCONFIG")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--node-timeout"), "{err}");
+    assert!(err.contains("too long"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // Nothing was started: no state dir.
+    assert!(!dir.path().join(".talos").exists());
+}
+
+#[test]
 fn config_secrets_and_talosconfig_commands() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("cluster.yaml"), inventory(&net(13))).unwrap();

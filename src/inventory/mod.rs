@@ -11,7 +11,7 @@ pub use net::{Cidr, MacAddr};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 /// The validated inventory.
@@ -624,11 +624,13 @@ impl Validator<'_> {
             }
             self.check_kernel_args(&format!("{at}.kernelArgs"), &node.kernel_args);
             if let Some(ep) = &node.talos_endpoint
-                && !is_host_port(ep)
+                && talos_endpoint(ep).is_none()
             {
                 self.problem(
                     format!("{at}.talosEndpoint"),
-                    format!("node {who}: {ep:?} is not host:port (e.g. 127.0.0.1:50001)"),
+                    format!(
+                        "node {who}: {ep:?} is not an IP address or IP:port (e.g. 127.0.0.1:50001); host names are not resolved"
+                    ),
                 );
             }
         }
@@ -777,11 +779,16 @@ pub fn endpoint_host(endpoint: &str) -> Option<&str> {
     (!host.is_empty()).then_some(host)
 }
 
-fn is_host_port(s: &str) -> bool {
-    if s.parse::<std::net::SocketAddr>().is_ok() {
-        return true;
-    }
-    matches!(s.rsplit_once(':'), Some((h, p)) if !h.is_empty() && !h.contains(':') && p.parse::<u16>().is_ok())
+/// The port of the Talos API (apid, and machined in maintenance mode).
+pub const TALOS_API_PORT: u16 = 50000;
+
+/// A node's `talosEndpoint`: an IP address (port 50000) or `IP:port`
+/// (`[v6]:port`). Host names are refused, not resolved: the node's
+/// certificate names addresses. `validate` and `bootstrap` both ask this.
+pub fn talos_endpoint(ep: &str) -> Option<SocketAddr> {
+    ep.parse::<SocketAddr>()
+        .ok()
+        .or_else(|| Some(SocketAddr::new(ep.parse().ok()?, TALOS_API_PORT)))
 }
 
 fn is_dns_label(s: &str) -> bool {

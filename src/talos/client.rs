@@ -27,8 +27,7 @@ use super::api::storage::storage_service_client::StorageServiceClient;
 use super::pki;
 use super::talosconfig::Identity;
 
-/// The Talos API port.
-pub const PORT: u16 = 50000;
+pub use crate::inventory::TALOS_API_PORT as PORT;
 
 /// How to authenticate to a node.
 #[derive(Clone)]
@@ -90,28 +89,17 @@ pub struct Target {
 }
 
 impl Target {
-    /// `endpoint` is `ip` or `ip:port` (the inventory's talosEndpoint), else
-    /// `address:50000`.
+    /// `endpoint` is the inventory's talosEndpoint (see
+    /// [`crate::inventory::talos_endpoint`]), else `address:50000`. The
+    /// certificate is checked against `address` when there is one.
     pub fn new(address: Option<IpAddr>, endpoint: Option<&str>) -> Option<Target> {
-        if let Some(ep) = endpoint {
-            if let Ok(addr) = ep.parse::<SocketAddr>() {
-                return Some(Target {
-                    addr,
-                    server_name: address.unwrap_or(addr.ip()),
-                });
-            }
-            if let Ok(ip) = ep.parse::<IpAddr>() {
-                return Some(Target {
-                    addr: SocketAddr::new(ip, PORT),
-                    server_name: address.unwrap_or(ip),
-                });
-            }
-            return None;
-        }
-        let ip = address?;
+        let addr = match endpoint {
+            Some(ep) => crate::inventory::talos_endpoint(ep)?,
+            None => SocketAddr::new(address?, PORT),
+        };
         Some(Target {
-            addr: SocketAddr::new(ip, PORT),
-            server_name: ip,
+            addr,
+            server_name: address.unwrap_or(addr.ip()),
         })
     }
 }
