@@ -302,8 +302,9 @@ fn certificate_required_after_apply_is_handled_by_switching_to_mtls() {
         rt.block_on(probe(&target, timeout)).unwrap(),
         Probe::Configured
     );
-    // With the admin identity the same node answers, and `node` routing
-    // reaches another node through it (as talosctl does through endpoints).
+    // With the admin identity the same node answers, and `nodes` routing
+    // reaches another node through it (as talosctl does through endpoints):
+    // apid stamps the reply with the target as sent, never a hostname.
     let tc =
         imgbuild::talos::talosconfig::Talosconfig::load(&c.state().join("talosconfig")).unwrap();
     let admin = Mode::Mtls(std::sync::Arc::new(tc.identity().unwrap()));
@@ -316,9 +317,20 @@ fn certificate_required_after_apply_is_handled_by_switching_to_mtls() {
     });
     assert_eq!(
         (direct.hostname.as_str(), direct.tag.as_str()),
-        ("cp-01", "v1.11.2")
+        ("", "v1.11.2")
     );
-    assert_eq!(routed.hostname, "worker-01");
+    assert_eq!(routed.hostname, worker.to_string());
+    // A target the endpoint cannot reach fails inside the reply; the client
+    // makes that the call's error.
+    let nowhere: std::net::IpAddr = format!("{}.99", c.net).parse().unwrap();
+    let err = rt.block_on(async {
+        let conn = NodeClient::connect(&target, &admin, timeout).await.unwrap();
+        conn.via(nowhere).version().await.unwrap_err()
+    });
+    assert!(
+        matches!(err, ApiError::Status { code: tonic::Code::Unavailable, .. }),
+        "{err:?}"
+    );
     // And the bootstrap, finding configured nodes, goes straight to mTLS.
     let (out, v) = c.bootstrap(&[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -513,6 +525,27 @@ fn a_node_that_never_boots_is_named_with_its_port() {
 }
 
 #[test]
+fn a_duration_too_large_for_the_clock_is_a_usage_error_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("cluster.yaml"), inventory(&net(15))).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(dir.path().join("cluster.yaml"))
+        .args(["bootstrap", "--node-timeout", "99999999999999999999h"])
+        .env_remove("IMGBUILD_STATE_DIR")
+        .env_remove("TALOSCONFIG")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--node-timeout"), "{err}");
+    assert!(err.contains("too long"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // Nothing was started: no state dir.
+    assert!(!dir.path().join(".talos").exists());
+}
+
+#[test]
 fn config_secrets_and_talosconfig_commands() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("cluster.yaml"), inventory(&net(13))).unwrap();
@@ -635,7 +668,7 @@ fn the_simulator_speaks_maintenance_mode_like_talos() {
         let conn = NodeClient::connect(&target, &Mode::Maintenance { pin: None }, t)
             .await
             .unwrap();
-        assert_eq!(conn.disks().await.unwrap(), ["sda"]);
+        assert_eq!(conn.disks().await.unwrap(), ["/dev/sda"]);
         assert_eq!(
             status(conn.version().await.map(|_| ())),
             (
@@ -679,7 +712,7 @@ fn the_simulator_speaks_maintenance_mode_like_talos() {
         pin: Some(fingerprint),
     };
     let disks = rt.block_on(async { NodeClient::connect(&target, &right, t).await?.disks().await });
-    assert_eq!(disks.unwrap(), ["sda"]);
+    assert_eq!(disks.unwrap(), ["/dev/sda"]);
     // Invalid configs changed nothing; our one Version probe was counted.
     assert_eq!(c.node_stat("cp-01", "applies"), 0);
     assert_eq!(c.node_stat("cp-01", "maintenance_version_calls"), 1);

@@ -8,7 +8,16 @@
 //! Kubernetes API (with node readiness) come up after simulated delays.
 //! Switches reproduce the field failures: a node that never leaves
 //! maintenance, a reboot after apply, a node configured with a foreign CA,
-//! slow time sync.
+//! slow time sync. Calls through one node's API are routed as apid does
+//! (`node`: one-to-one, replies untouched; `nodes`: one-to-many, replies
+//! stamped with the target as sent, failures in `metadata.error`).
+//!
+//! What it shares with imgbuild, and why that is sound: the generated
+//! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
+//! and numbers FORMATS.md §4 fixes) and the certificate helpers
+//! (`imgbuild::talos::pki`) to mint its own TLS certificates. Everything the
+//! bootstrap is tested on — config validation (its own jsonschema against
+//! the vendored schema), routing, disks, states — is written here.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -77,7 +86,7 @@ pub struct Args {
     /// Milliseconds the clock stays unsynchronised with `slow-time-sync`.
     #[arg(long, default_value_t = 2000)]
     time_sync_delay: u64,
-    /// Disk device names every node reports.
+    /// Disk ids every node has (`sda`); Disks reports each as `/dev/<id>`.
     #[arg(long, value_delimiter = ',', default_value = "sda")]
     disks: Vec<String>,
     /// MODE or MODE@NODE: never-leave-maintenance, reboot-after-apply,
@@ -270,11 +279,47 @@ fn b64_pem(v: &Value, what: &str) -> Result<String, String> {
     String::from_utf8(bytes).map_err(|_| format!("{what} is not PEM"))
 }
 
+/// The official Talos 1.11 config schema, vendored in the repository.
+const SCHEMA: &str = include_str!("../../schemas/talos-v1.11-config.schema.json");
+
+/// Schema violations of a machine config, checked here with this crate's
+/// own validator rather than imgbuild's. Like Talos, which picks a
+/// document's type by its `version`/`kind` before validating, a v1alpha1
+/// document is held against the `v1alpha1.Config` definition. Messages name
+/// paths and unknown keys, never values.
+fn schema_problems(doc: &Value) -> Vec<String> {
+    static V1ALPHA1: std::sync::OnceLock<jsonschema::Validator> = std::sync::OnceLock::new();
+    let validator = V1ALPHA1.get_or_init(|| {
+        let official: Value = serde_json::from_str(SCHEMA).expect("vendored schema is JSON");
+        let v1alpha1 = json!({
+            "$schema": official["$schema"],
+            "$ref": "#/$defs/v1alpha1.Config",
+            "$defs": official["$defs"],
+        });
+        jsonschema::validator_for(&v1alpha1).expect("vendored schema compiles")
+    });
+    validator
+        .iter_errors(doc)
+        .map(|e| {
+            let at = e.instance_path().to_string();
+            match e.kind() {
+                jsonschema::error::ValidationErrorKind::AdditionalProperties { unexpected } => {
+                    format!(
+                        "unknown keys found during decoding: {at}: {}",
+                        unexpected.join(", ")
+                    )
+                }
+                kind => format!("{at}: does not satisfy the schema's {:?}", kind.keyword()),
+            }
+        })
+        .collect()
+}
+
 /// Validates a machine config as a node does and extracts what it uses.
 fn read_config(data: &[u8]) -> Result<Applied, Status> {
     let doc: Value = serde_yaml_ng::from_slice(data)
         .map_err(|e| Status::invalid_argument(format!("failed to parse config: {e}")))?;
-    let problems = imgbuild::talos::config::schema_problems(&doc);
+    let problems = schema_problems(&doc);
     if !problems.is_empty() {
         return Err(Status::invalid_argument(format!(
             "config validation failed: {}",
@@ -321,7 +366,9 @@ fn read_config(data: &[u8]) -> Result<Applied, Status> {
     })
 }
 
-pub async fn run(args: Args) -> anyhow::Result<()> {
+/// The simulated cluster of `args`, every node in maintenance mode (or
+/// configured by a foreign CA where asked), nothing listening yet.
+fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
     let mut nodes = Vec::new();
     for spec in &args.nodes {
         let (name, ip, control_plane) = parse_node(spec)?;
@@ -370,7 +417,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             st.configured_at = Some(Instant::now());
         }
     }
+    Ok(cluster)
+}
 
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let cluster = new_cluster(args)?;
     let control = TcpListener::bind("127.0.0.1:0").await?;
     let control_url = format!("http://{}", control.local_addr()?);
     let mut listeners = Vec::new();
@@ -576,58 +627,140 @@ struct Api {
 
 const NOT_IN_MAINTENANCE: &str = "API is not implemented in maintenance mode";
 
-impl Api {
-    fn metadata(&self, i: usize) -> Option<Metadata> {
-        Some(Metadata {
-            hostname: self.cluster.nodes[i].name.clone(),
-            ..Metadata::default()
-        })
-    }
+/// Where apid's director sends a call (FORMATS.md §4, "Routing").
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Route {
+    /// No routing metadata: this node's own machined.
+    Local,
+    /// `node: <target>`: proxied one-to-one, the reply passed on untouched.
+    One2One(String),
+    /// `nodes: <target>…`: proxied one-to-many, every reply stamped.
+    One2Many(Vec<String>),
+}
 
-    /// The node a call is for: this one, or the `node` routing metadata's.
-    fn target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
+/// A per-node reply message, which apid stamps with `common.Metadata`.
+trait Envelope: Default {
+    fn set_metadata(&mut self, md: Metadata);
+}
+
+macro_rules! envelopes {
+    ($($t:ty),*) => {$(
+        impl Envelope for $t {
+            fn set_metadata(&mut self, md: Metadata) {
+                self.metadata = Some(md);
+            }
+        }
+    )*};
+}
+
+envelopes!(
+    Version,
+    ServiceList,
+    EtcdMembers,
+    Bootstrap,
+    ApplyConfiguration,
+    Disks,
+    Data
+);
+
+impl Api {
+    /// The routing metadata of a call. Maintenance mode has no apid: its
+    /// server implements only ApplyConfiguration and Disks.
+    fn route<T>(&self, req: &Request<T>) -> Result<Route, Status> {
         if !self.secure {
             return Err(Status::unimplemented(NOT_IN_MAINTENANCE));
         }
-        let Some(v) = req.metadata().get("node") else {
-            return Ok(self.me);
+        let values = |key: &str| -> Vec<String> {
+            req.metadata()
+                .get_all(key)
+                .iter()
+                .filter_map(|v| v.to_str().ok().map(str::to_owned))
+                .collect()
         };
-        let ip: IpAddr = v
-            .to_str()
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| Status::invalid_argument("node metadata is not an address"))?;
-        let i = self.cluster.index_of(ip).ok_or_else(|| {
+        let nodes = values("nodes");
+        if !nodes.is_empty() {
+            return Ok(Route::One2Many(nodes));
+        }
+        Ok(match <[String; 1]>::try_from(values("node")) {
+            Ok([target]) => Route::One2One(target),
+            Err(_) => Route::Local,
+        })
+    }
+
+    /// The node apid's remote backend reaches for `target` (dialled as
+    /// `target:50000`): failures read like a failed dial.
+    fn backend(&self, target: &str) -> Result<usize, Status> {
+        let dial_failed = |why: &str| {
             Status::unavailable(format!(
-                "connection error: dial {ip}:50000: no route to host"
+                "connection error: desc = \"transport: Error while dialing: dial tcp {target}:50000: {why}\""
             ))
-        })?;
+        };
+        let i = target
+            .parse::<IpAddr>()
+            .ok()
+            .and_then(|ip| self.cluster.index_of(ip))
+            .ok_or_else(|| dial_failed("connect: no route to host"))?;
         if self.cluster.nodes[i].phase(Instant::now()) != Phase::Configured {
-            return Err(Status::unavailable(format!(
-                "connection error: {ip} does not accept proxied calls (not configured)"
-            )));
+            return Err(dial_failed("connect: connection refused"));
         }
         Ok(i)
     }
-}
 
-type DataStream = Pin<Box<dyn Stream<Item = Result<Data, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl MachineService for Api {
-    async fn apply_configuration(
+    /// Answers a call as apid does, `machined(i)` being node `i`'s own
+    /// answer: locally and one-to-one it passes untouched (no metadata,
+    /// errors as gRPC statuses); one-to-many each target's messages get
+    /// `metadata.hostname` = the target as sent, and a target that fails
+    /// yields one message carrying `metadata.error` and `status` instead.
+    fn answer<T, M: Envelope>(
         &self,
-        req: Request<ApplyConfigurationRequest>,
-    ) -> Result<Response<ApplyConfigurationResponse>, Status> {
-        let req = req.into_inner();
-        let mode = ApplyMode::try_from(req.mode).unwrap_or(ApplyMode::Reboot);
-        if !self.secure && !matches!(mode, ApplyMode::Auto | ApplyMode::Reboot | ApplyMode::Try) {
-            return Err(Status::invalid_argument(format!(
-                "apply mode {mode:?} is not supported in maintenance mode"
-            )));
+        req: &Request<T>,
+        machined: impl Fn(usize) -> Result<Vec<M>, Status>,
+    ) -> Result<Vec<M>, Status> {
+        match self.route(req)? {
+            Route::Local => machined(self.me),
+            Route::One2One(target) => machined(self.backend(&target)?),
+            Route::One2Many(targets) => Ok(targets
+                .iter()
+                .flat_map(|target| {
+                    let stamp = Metadata {
+                        hostname: target.clone(),
+                        ..Metadata::default()
+                    };
+                    match self.backend(target).and_then(&machined) {
+                        Ok(mut messages) => {
+                            for m in &mut messages {
+                                m.set_metadata(stamp.clone());
+                            }
+                            messages
+                        }
+                        Err(s) => {
+                            let mut m = M::default();
+                            m.set_metadata(Metadata {
+                                error: format!(
+                                    "rpc error: code = {:?} desc = {}",
+                                    s.code(),
+                                    s.message()
+                                ),
+                                status: Some(api::google::rpc::Status {
+                                    code: s.code() as i32,
+                                    message: s.message().to_owned(),
+                                    details: Vec::new(),
+                                }),
+                                ..stamp
+                            });
+                            vec![m]
+                        }
+                    }
+                })
+                .collect()),
         }
-        let applied = read_config(&req.data)?;
-        let node = &self.cluster.nodes[self.me];
+    }
+
+    /// Node `i` takes a config: in maintenance mode it comes up on mTLS
+    /// later (or misbehaves), configured it applies without a reboot.
+    fn apply_on(&self, i: usize, data: &[u8]) -> Result<ApplyConfiguration, Status> {
+        let applied = read_config(data)?;
+        let node = &self.cluster.nodes[i];
         let now = Instant::now();
         if !applied.os_ca.key.is_empty() {
             self.cluster
@@ -657,7 +790,7 @@ impl MachineService for Api {
             }
         }
         // Phase changes happen later; wake the listener and connections then.
-        let (cluster, me) = (self.cluster.clone(), self.me);
+        let cluster = self.cluster.clone();
         let wake_at: Vec<Instant> = {
             let st = node.st.lock().unwrap();
             [
@@ -673,27 +806,18 @@ impl MachineService for Api {
         tokio::spawn(async move {
             for t in wake_at {
                 tokio::time::sleep_until(t.into()).await;
-                cluster.nodes[me].bump();
+                cluster.nodes[i].bump();
             }
         });
-        Ok(Response::new(ApplyConfigurationResponse {
-            messages: vec![ApplyConfiguration {
-                metadata: self.metadata(self.me),
-                warnings: Vec::new(),
-                mode: ApplyMode::Auto as i32,
-                mode_details: details,
-            }],
-        }))
+        Ok(ApplyConfiguration {
+            metadata: None,
+            warnings: Vec::new(),
+            mode: ApplyMode::Auto as i32,
+            mode_details: details,
+        })
     }
 
-    async fn bootstrap(
-        &self,
-        req: Request<BootstrapRequest>,
-    ) -> Result<Response<BootstrapResponse>, Status> {
-        if !self.secure {
-            return Err(Status::unimplemented("method Bootstrap not implemented"));
-        }
-        let i = self.target(&req)?;
+    fn bootstrap_on(&self, i: usize) -> Result<Bootstrap, Status> {
         let node = &self.cluster.nodes[i];
         if !node.control_plane {
             return Err(Status::failed_precondition(
@@ -717,18 +841,10 @@ impl MachineService for Api {
             node: i,
         });
         node.st.lock().unwrap().stats.bootstraps += 1;
-        Ok(Response::new(BootstrapResponse {
-            messages: vec![Bootstrap {
-                metadata: self.metadata(i),
-            }],
-        }))
+        Ok(Bootstrap { metadata: None })
     }
 
-    async fn etcd_member_list(
-        &self,
-        req: Request<EtcdMemberListRequest>,
-    ) -> Result<Response<EtcdMemberListResponse>, Status> {
-        let i = self.target(&req)?;
+    fn etcd_members_on(&self, i: usize) -> Result<EtcdMembers, Status> {
         let now = Instant::now();
         if !reached(self.cluster.etcd_start(i), now) {
             return Err(Status::failed_precondition(
@@ -755,22 +871,15 @@ impl MachineService for Api {
                 }
             })
             .collect();
-        Ok(Response::new(EtcdMemberListResponse {
-            messages: vec![EtcdMembers {
-                metadata: self.metadata(i),
-                legacy_members: Vec::new(),
-                members,
-            }],
-        }))
+        Ok(EtcdMembers {
+            metadata: None,
+            legacy_members: Vec::new(),
+            members,
+        })
     }
 
-    type KubeconfigStream = DataStream;
-
-    async fn kubeconfig(
-        &self,
-        req: Request<()>,
-    ) -> Result<Response<Self::KubeconfigStream>, Status> {
-        let i = self.target(&req)?;
+    /// The admin kubeconfig of node `i` as the chunks machined streams.
+    fn kubeconfig_on(&self, i: usize) -> Result<Vec<Data>, Status> {
         let now = Instant::now();
         if !reached(self.cluster.etcd_healthy_at(i), now) {
             return Err(Status::failed_precondition(
@@ -818,26 +927,16 @@ impl MachineService for Api {
         std::io::Write::write_all(&mut gz, &raw).map_err(|e| Status::internal(e.to_string()))?;
         let archive = gz.finish().map_err(|e| Status::internal(e.to_string()))?;
         node.st.lock().unwrap().stats.kubeconfigs += 1;
-        let half = archive.len() / 2;
-        let md = self.metadata(i);
-        let chunks = vec![
-            Ok(Data {
-                metadata: md.clone(),
-                bytes: archive[..half].to_vec(),
-            }),
-            Ok(Data {
-                metadata: md,
-                bytes: archive[half..].to_vec(),
-            }),
-        ];
-        Ok(Response::new(Box::pin(futures_util::stream::iter(chunks))))
+        let (first, second) = archive.split_at(archive.len() / 2);
+        Ok([first, second]
+            .map(|bytes| Data {
+                metadata: None,
+                bytes: bytes.to_vec(),
+            })
+            .into())
     }
 
-    async fn service_list(
-        &self,
-        req: Request<()>,
-    ) -> Result<Response<ServiceListResponse>, Status> {
-        let i = self.target(&req)?;
+    fn services_on(&self, i: usize) -> ServiceList {
         let now = Instant::now();
         let service = |id: &str, state: &str, healthy: Option<bool>, msg: &str| ServiceInfo {
             id: id.into(),
@@ -880,12 +979,108 @@ impl MachineService for Api {
                 ),
             });
         }
-        Ok(Response::new(ServiceListResponse {
-            messages: vec![ServiceList {
-                metadata: self.metadata(i),
-                services,
-            }],
-        }))
+        ServiceList {
+            metadata: None,
+            services,
+        }
+    }
+
+    fn version_on(&self) -> Version {
+        Version {
+            metadata: None,
+            version: Some(VersionInfo {
+                tag: self.cluster.args.talos_version.clone(),
+                sha: "imgbuild-sim".into(),
+                built: String::new(),
+                go_version: String::new(),
+                os: "linux".into(),
+                arch: "amd64".into(),
+            }),
+            platform: Some(PlatformInfo {
+                name: "metal".into(),
+                mode: "metal".into(),
+            }),
+        }
+    }
+
+    /// storaged's disks: `device_name` is `/dev/` joined with the disk's id.
+    fn disks_on(&self) -> Disks {
+        Disks {
+            metadata: None,
+            disks: self
+                .cluster
+                .args
+                .disks
+                .iter()
+                .map(|id| Disk {
+                    size: 20 << 30,
+                    model: "QEMU HARDDISK".into(),
+                    device_name: format!("/dev/{id}"),
+                })
+                .collect(),
+        }
+    }
+}
+
+type DataStream = Pin<Box<dyn Stream<Item = Result<Data, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl MachineService for Api {
+    async fn apply_configuration(
+        &self,
+        req: Request<ApplyConfigurationRequest>,
+    ) -> Result<Response<ApplyConfigurationResponse>, Status> {
+        let mode = ApplyMode::try_from(req.get_ref().mode).unwrap_or(ApplyMode::Reboot);
+        let messages = if self.secure {
+            let data = &req.get_ref().data;
+            self.answer(&req, |i| Ok(vec![self.apply_on(i, data)?]))?
+        } else if matches!(mode, ApplyMode::Auto | ApplyMode::Reboot | ApplyMode::Try) {
+            vec![self.apply_on(self.me, &req.get_ref().data)?]
+        } else {
+            return Err(Status::invalid_argument(format!(
+                "apply mode {mode:?} is not supported in maintenance mode"
+            )));
+        };
+        Ok(Response::new(ApplyConfigurationResponse { messages }))
+    }
+
+    async fn bootstrap(
+        &self,
+        req: Request<BootstrapRequest>,
+    ) -> Result<Response<BootstrapResponse>, Status> {
+        if !self.secure {
+            return Err(Status::unimplemented("method Bootstrap not implemented"));
+        }
+        let messages = self.answer(&req, |i| Ok(vec![self.bootstrap_on(i)?]))?;
+        Ok(Response::new(BootstrapResponse { messages }))
+    }
+
+    async fn etcd_member_list(
+        &self,
+        req: Request<EtcdMemberListRequest>,
+    ) -> Result<Response<EtcdMemberListResponse>, Status> {
+        let messages = self.answer(&req, |i| Ok(vec![self.etcd_members_on(i)?]))?;
+        Ok(Response::new(EtcdMemberListResponse { messages }))
+    }
+
+    type KubeconfigStream = DataStream;
+
+    async fn kubeconfig(
+        &self,
+        req: Request<()>,
+    ) -> Result<Response<Self::KubeconfigStream>, Status> {
+        let chunks = self.answer(&req, |i| self.kubeconfig_on(i))?;
+        Ok(Response::new(Box::pin(futures_util::stream::iter(
+            chunks.into_iter().map(Ok),
+        ))))
+    }
+
+    async fn service_list(
+        &self,
+        req: Request<()>,
+    ) -> Result<Response<ServiceListResponse>, Status> {
+        let messages = self.answer(&req, |i| Ok(vec![self.services_on(i)]))?;
+        Ok(Response::new(ServiceListResponse { messages }))
     }
 
     async fn version(&self, req: Request<()>) -> Result<Response<VersionResponse>, Status> {
@@ -897,51 +1092,20 @@ impl MachineService for Api {
                 .stats
                 .maintenance_version_calls += 1;
         }
-        let i = self.target(&req)?;
-        Ok(Response::new(VersionResponse {
-            messages: vec![Version {
-                metadata: self.metadata(i),
-                version: Some(VersionInfo {
-                    tag: self.cluster.args.talos_version.clone(),
-                    sha: "imgbuild-sim".into(),
-                    built: String::new(),
-                    go_version: String::new(),
-                    os: "linux".into(),
-                    arch: "amd64".into(),
-                }),
-                platform: Some(PlatformInfo {
-                    name: "metal".into(),
-                    mode: "metal".into(),
-                }),
-            }],
-        }))
+        let messages = self.answer(&req, |_| Ok(vec![self.version_on()]))?;
+        Ok(Response::new(VersionResponse { messages }))
     }
 }
 
 #[tonic::async_trait]
 impl StorageService for Api {
     async fn disks(&self, req: Request<()>) -> Result<Response<DisksResponse>, Status> {
-        let i = if self.secure {
-            self.target(&req)?
+        let messages = if self.secure {
+            self.answer(&req, |_| Ok(vec![self.disks_on()]))?
         } else {
-            self.me
+            vec![self.disks_on()]
         };
-        Ok(Response::new(DisksResponse {
-            messages: vec![Disks {
-                metadata: self.metadata(i),
-                disks: self
-                    .cluster
-                    .args
-                    .disks
-                    .iter()
-                    .map(|d| Disk {
-                        size: 20 << 30,
-                        model: "QEMU HARDDISK".into(),
-                        device_name: d.clone(),
-                    })
-                    .collect(),
-            }],
-        }))
+        Ok(Response::new(DisksResponse { messages }))
     }
 }
 
@@ -1036,4 +1200,116 @@ async fn k8s_nodes(State(cluster): State<Arc<Cluster>>) -> Result<axum::Json<Val
     Ok(axum::Json(
         json!({"kind": "NodeList", "apiVersion": "v1", "items": items}),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    /// A control plane and a worker, both configured; the API of the first.
+    fn configured() -> Api {
+        let cli = Cli::parse_from([
+            "sim",
+            "--node",
+            "cp-01=127.0.0.11:controlplane",
+            "--node",
+            "worker-01=127.0.0.21:worker",
+        ]);
+        let cluster = new_cluster(cli.args).unwrap();
+        for n in &cluster.nodes {
+            n.st.lock().unwrap().configured_at = Some(Instant::now());
+        }
+        Api {
+            cluster,
+            me: 0,
+            secure: true,
+        }
+    }
+
+    fn routed(key: &'static str, value: &str) -> Request<()> {
+        let mut req = Request::new(());
+        req.metadata_mut().insert(key, value.parse().unwrap());
+        req
+    }
+
+    fn services(api: &Api, req: Request<()>) -> Result<Vec<ServiceList>, Status> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(api.service_list(req))
+            .map(|r| r.into_inner().messages)
+    }
+
+    fn has_etcd(list: &ServiceList) -> bool {
+        list.services.iter().any(|s| s.id == "etcd")
+    }
+
+    #[test]
+    fn direct_and_one_to_one_replies_carry_no_metadata() {
+        let api = configured();
+        let local = services(&api, Request::new(())).unwrap();
+        assert!(local[0].metadata.is_none() && has_etcd(&local[0]));
+        let one = services(&api, routed("node", "127.0.0.21")).unwrap();
+        assert_eq!(one.len(), 1);
+        assert!(one[0].metadata.is_none(), "{:?}", one[0].metadata);
+        assert!(!has_etcd(&one[0]), "answered by the worker");
+        // A target that cannot be reached is a gRPC error one-to-one.
+        let err = services(&api, routed("node", "127.0.0.99")).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Unavailable);
+    }
+
+    #[test]
+    fn one_to_many_stamps_the_target_as_sent_and_reports_failures_inside() {
+        let api = configured();
+        let many = services(&api, routed("nodes", "127.0.0.21")).unwrap();
+        assert_eq!(many.len(), 1);
+        let md = many[0].metadata.as_ref().unwrap();
+        assert_eq!(md.hostname, "127.0.0.21", "the target, not worker-01");
+        assert!(md.error.is_empty() && !has_etcd(&many[0]));
+        // A failed target: a reply, not a gRPC error.
+        let failed = services(&api, routed("nodes", "127.0.0.99")).unwrap();
+        let md = failed[0].metadata.as_ref().unwrap();
+        assert_eq!(md.hostname, "127.0.0.99");
+        assert!(
+            md.error.starts_with("rpc error: code = Unavailable"),
+            "{}",
+            md.error
+        );
+        assert_eq!(
+            md.status.as_ref().unwrap().code,
+            tonic::Code::Unavailable as i32
+        );
+        assert!(failed[0].services.is_empty());
+    }
+
+    #[test]
+    fn disks_are_full_device_paths() {
+        let api = configured();
+        assert_eq!(api.disks_on().disks[0].device_name, "/dev/sda");
+    }
+
+    #[test]
+    fn configs_are_held_against_the_vendored_schema() {
+        assert!(
+            schema_problems(&json!({"version": "v1alpha1", "machine": {"type": "worker"}}))
+                .is_empty()
+        );
+        let problems =
+            schema_problems(&json!({"version": "v1alpha1", "machine": {"typo": "s3cret"}}));
+        assert_eq!(
+            problems,
+            ["unknown keys found during decoding: /machine: typo"]
+        );
+        let problems =
+            schema_problems(&json!({"version": "v1alpha1", "machine": {"certSANs": "s3cret"}}));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("/machine/certSANs:") && !problems[0].contains("s3cret"));
+    }
 }

@@ -99,7 +99,12 @@ pub struct BootstrapArgs {
     quiet: bool,
 }
 
-/// `90s`, `10m`, `1h`, `500ms`, or plain seconds.
+/// The longest wait a flag may ask for. Deadlines are `now + duration`, and
+/// a clock cannot hold arbitrary sums (`Duration` itself ends near 584
+/// billion years): a year is far more than any bootstrap needs.
+const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// `90s`, `10m`, `1h`, `500ms`, or plain seconds, at most [`MAX_DURATION`].
 fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
     let (num, unit) = t
@@ -115,7 +120,13 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         "h" => n * 3600.0,
         _ => return Err(format!("{text:?}: unknown unit {unit:?} (ms, s, m, h)")),
     };
-    Ok(Duration::from_secs_f64(secs))
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if d <= MAX_DURATION => Ok(d),
+        _ => Err(format!(
+            "{text:?} is too long: at most {}h (a year)",
+            MAX_DURATION.as_secs() / 3600
+        )),
+    }
 }
 
 pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
@@ -275,7 +286,7 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
 
 #[cfg(test)]
 mod tests {
-    use super::parse_duration;
+    use super::{MAX_DURATION, parse_duration};
     use std::time::Duration;
 
     #[test]
@@ -286,5 +297,13 @@ mod tests {
         assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
         assert!(parse_duration("3d").unwrap_err().contains("unknown unit"));
         assert!(parse_duration("x").is_err());
+        assert_eq!(parse_duration("8760h"), Ok(MAX_DURATION));
+        let infinite = format!("{}s", "9".repeat(400));
+        for huge in ["8761h", "99999999999999999999h", &infinite] {
+            assert!(
+                parse_duration(huge).unwrap_err().contains("too long"),
+                "{huge}"
+            );
+        }
     }
 }

@@ -13,7 +13,7 @@ pub use publish::{ProxmoxSettings, ProxmoxVm, PublishSettings};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 /// The validated inventory.
@@ -181,9 +181,13 @@ pub struct NodeSpec {
     pub address: Option<IpAddr>,
     #[serde(default)]
     pub dhcp: bool,
-    /// Selects the link by hardware address (Talos' `enx…` alternative name).
+    /// Pins the node's NIC by hardware address: `deviceSelector` in the
+    /// machine config, and (static nodes, Talos ≥ 1.9) the `enx…` altname in
+    /// key 10.
     #[serde(default)]
     pub mac: Option<MacAddr>,
+    /// The NIC's kernel name (`ens18`): the only name Talos' DHCP operator
+    /// in key 10 finds.
     #[serde(default)]
     pub interface: Option<String>,
     #[serde(default = "default_install_disk")]
@@ -209,7 +213,8 @@ fn default_install_disk() -> String {
 }
 
 impl NodeSpec {
-    /// The kernel link name key 10 configures.
+    /// The link name a static address, its route and its `links[]` entry in
+    /// key 10 use: Talos resolves altnames there, so a MAC's `enx…` works.
     pub fn link_name(&self, network: &NetworkSettings) -> Option<String> {
         if let Some(iface) = &self.interface {
             return Some(iface.clone());
@@ -218,6 +223,17 @@ impl NodeSpec {
             return Some(mac.altname());
         }
         network.interface.clone()
+    }
+
+    /// The NIC's kernel name when the inventory gives one (a MAC pins some
+    /// other NIC than `network.interface`): key 10's DHCP operator looks
+    /// links up by kernel name only and silently skips an altname.
+    pub fn kernel_link(&self, network: &NetworkSettings) -> Option<String> {
+        match (&self.interface, &self.mac) {
+            (Some(iface), _) => Some(iface.clone()),
+            (None, Some(_)) => None,
+            (None, None) => network.interface.clone(),
+        }
     }
 }
 
@@ -617,11 +633,13 @@ impl Validator<'_> {
             }
             self.check_kernel_args(&format!("{at}.kernelArgs"), &node.kernel_args);
             if let Some(ep) = &node.talos_endpoint
-                && !is_host_port(ep)
+                && talos_endpoint(ep).is_none()
             {
                 self.problem(
                     format!("{at}.talosEndpoint"),
-                    format!("node {who}: {ep:?} is not host:port (e.g. 127.0.0.1:50001)"),
+                    format!(
+                        "node {who}: {ep:?} is not an IP address or IP:port (e.g. 127.0.0.1:50001); host names are not resolved"
+                    ),
                 );
             }
         }
@@ -659,6 +677,18 @@ impl Validator<'_> {
                 format!("{at}.interface"),
                 format!(
                     "node {who}: static addressing needs a link: set interface or mac on the node, or network.interface"
+                ),
+            );
+        }
+        let before_altnames = parse_version(&inv.cluster.talos_version, true)
+            .is_some_and(|(major, minor, _)| (major, minor) < (1, 9));
+        if let (None, Some(mac), true) = (&node.interface, &node.mac, before_altnames) {
+            self.problem(
+                format!("{at}.mac"),
+                format!(
+                    "node {who}: mac {mac} names the static link {}, an altname Talos gives NICs only since v1.9 (talosVersion is {}); set interface: to its kernel name (e.g. ens18)",
+                    mac.altname(),
+                    inv.cluster.talos_version
                 ),
             );
         }
@@ -758,11 +788,16 @@ pub fn endpoint_host(endpoint: &str) -> Option<&str> {
     (!host.is_empty()).then_some(host)
 }
 
-fn is_host_port(s: &str) -> bool {
-    if s.parse::<std::net::SocketAddr>().is_ok() {
-        return true;
-    }
-    matches!(s.rsplit_once(':'), Some((h, p)) if !h.is_empty() && !h.contains(':') && p.parse::<u16>().is_ok())
+/// The port of the Talos API (apid, and machined in maintenance mode).
+pub const TALOS_API_PORT: u16 = 50000;
+
+/// A node's `talosEndpoint`: an IP address (port 50000) or `IP:port`
+/// (`[v6]:port`). Host names are refused, not resolved: the node's
+/// certificate names addresses. `validate` and `bootstrap` both ask this.
+pub fn talos_endpoint(ep: &str) -> Option<SocketAddr> {
+    ep.parse::<SocketAddr>()
+        .ok()
+        .or_else(|| Some(SocketAddr::new(ep.parse().ok()?, TALOS_API_PORT)))
 }
 
 fn is_dns_label(s: &str) -> bool {

@@ -286,3 +286,46 @@ fn patch_files_must_exist_and_are_named_with_their_line() {
     assert_eq!(inv.base_dir, dir.path());
     assert_eq!(inv.patches.worker, [PathBuf::from("ok.yaml")]);
 }
+
+#[test]
+fn talos_endpoints_are_ip_or_ip_port_for_validate_and_bootstrap_alike() {
+    assert_eq!(
+        talos_endpoint("127.0.0.1:50001"),
+        Some("127.0.0.1:50001".parse().unwrap())
+    );
+    assert_eq!(
+        talos_endpoint("10.0.0.5"),
+        Some("10.0.0.5:50000".parse().unwrap())
+    );
+    assert_eq!(
+        talos_endpoint("[fd00::1]:50001"),
+        Some("[fd00::1]:50001".parse().unwrap())
+    );
+    assert_eq!(
+        talos_endpoint("fd00::1"),
+        Some("[fd00::1]:50000".parse().unwrap())
+    );
+    for bad in ["node1.lan:50000", "node1.lan", "10.0.0.5:port", ""] {
+        assert_eq!(talos_endpoint(bad), None, "{bad}");
+    }
+    // validate accepts a plain IP (bootstrap did) and refuses a host name
+    // (bootstrap could not use it).
+    let ok = atlas_with(
+        "    address: 10.0.0.21\n",
+        "    address: 10.0.0.21\n    talosEndpoint: 10.0.0.21\n",
+    );
+    load(&ok).unwrap();
+    let text = atlas_with(
+        "    address: 10.0.0.21\n",
+        "    address: 10.0.0.21\n    talosEndpoint: worker-01.lan:50000\n",
+    );
+    let err = error_of(&text);
+    assert!(
+        err.contains(&format!(
+            "line {}: nodes[3].talosEndpoint: node worker-01:",
+            line_of(&text, "talosEndpoint")
+        )),
+        "{err}"
+    );
+    assert!(err.contains("host names are not resolved"), "{err}");
+}

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -350,23 +350,29 @@ async fn apply(node: &PlannedNode, cx: &Ctx<'_>) -> Result<String, ApiError> {
     };
     let conn = NodeClient::connect(&node.target, &mode, cx.opts.call_timeout).await?;
     let disks = conn.disks().await?;
-    let wanted = node.install_disk.trim_start_matches("/dev/");
-    if !disks.is_empty() && !disks.iter().any(|d| d == wanted) {
+    if !install_disk_listed(&node.install_disk, &disks) {
         return Err(ApiError::Status {
             code: tonic::Code::InvalidArgument,
             message: format!(
                 "install disk {} does not exist on this machine (it has: {}); set nodes[].installDisk",
                 node.install_disk,
-                disks
-                    .iter()
-                    .map(|d| format!("/dev/{d}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                disks.join(", ")
             ),
         });
     }
     cx.observer.event(&node.name, &Event::Applying);
     conn.apply(node.config.clone()).await
+}
+
+/// Whether `install_disk` is among the `Disks` a node reported. Talos gives
+/// each `device_name` as a full path (storaged: `/dev/` joined with the
+/// disk's id), so the inventory's path is compared as given. A stable link
+/// (`/dev/disk/by-id/…`) is not listed there and cannot be checked; an
+/// empty list (nothing to compare with) passes too.
+fn install_disk_listed(install_disk: &str, disks: &[String]) -> bool {
+    install_disk.starts_with("/dev/disk/")
+        || disks.is_empty()
+        || disks.iter().any(|d| d == install_disk)
 }
 
 /// Bootstrap once on `node`'s own address. `Ok(false)`: it already was.
@@ -452,9 +458,17 @@ async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, Bootst
     }
 }
 
-/// Whether something accepts TCP on `addr` right now (for the VIP).
-fn answers(addr: SocketAddr) -> bool {
-    TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
+/// Whether something accepts TCP on `addr` right now (for the VIP),
+/// without blocking the runtime's thread.
+async fn answers(addr: SocketAddr) -> bool {
+    matches!(
+        tokio::time::timeout(
+            Duration::from_millis(500),
+            tokio::net::TcpStream::connect(addr)
+        )
+        .await,
+        Ok(Ok(_))
+    )
 }
 
 fn endpoint_addr(endpoint: &str) -> Option<(String, SocketAddr)> {
@@ -471,9 +485,9 @@ fn endpoint_addr(endpoint: &str) -> Option<(String, SocketAddr)> {
 
 /// The API server URL to write: the endpoint once it answers, else the first
 /// control plane's own address (the VIP appears only after etcd elects it).
-fn reachable_server(endpoint: &str, first_cp: IpAddr) -> String {
+async fn reachable_server(endpoint: &str, first_cp: IpAddr) -> String {
     match endpoint_addr(endpoint) {
-        Some((_, addr)) if !answers(addr) => {
+        Some((_, addr)) if !answers(addr).await => {
             let host = match first_cp {
                 IpAddr::V6(v6) => format!("[{v6}]"),
                 v4 => v4.to_string(),
@@ -518,7 +532,8 @@ async fn health_round(
         .filter(|n| n.role == Role::Controlplane)
         .collect();
     // Like talosctl, through one endpoint (the first control plane) with
-    // `node` routing to each member.
+    // `nodes` routing to each member; the client checks each reply came
+    // back stamped with the member's address.
     let endpoint = match NodeClient::connect(&first_cp.target, &mode, cx.opts.call_timeout).await {
         Ok(c) => c,
         Err(e) => return vec![format!("{}: API not answering ({e})", first_cp.name)],
@@ -527,13 +542,8 @@ async fn health_round(
         let conn = endpoint.clone().via(node.address);
         async move {
             let mut out = Vec::new();
-            match conn.version().await {
-                Ok(v) if v.hostname != node.name => out.push(format!(
-                    "{}: apid answered as {:?} (node routing does not reach it)",
-                    node.name, v.hostname
-                )),
-                Ok(_) => {}
-                Err(e) => out.push(format!("{}: Version fails ({e})", node.name)),
+            if let Err(e) = conn.version().await {
+                out.push(format!("{}: Version fails ({e})", node.name));
             }
             match conn.services().await {
                 Ok(services) => {
@@ -609,7 +619,7 @@ async fn health_round(
         pending.push("Kubernetes: no kubeconfig yet".into());
         return pending;
     };
-    let server = reachable_server(&plan.endpoint, first_cp.address);
+    let server = reachable_server(&plan.endpoint, first_cp.address).await;
     if kc.server != server {
         *kc = kc.with_server(&server);
     }
@@ -786,22 +796,32 @@ mod tests {
         assert_eq!(endpoint_addr("https://k8s.example:6443"), None);
     }
 
-    #[test]
-    fn an_unanswering_vip_is_replaced_by_the_first_control_plane() {
-        // Nothing listens on this loopback port.
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    #[tokio::test]
+    async fn an_unanswering_vip_is_replaced_by_the_first_control_plane() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let endpoint = format!("https://127.0.0.1:{port}");
         assert_eq!(
-            reachable_server(&endpoint, "127.0.0.2".parse().unwrap()),
+            reachable_server(&endpoint, "127.0.0.2".parse().unwrap()).await,
             endpoint,
             "an answering endpoint is kept"
         );
         drop(listener);
+        // Nothing listens on this loopback port any more.
         assert_eq!(
-            reachable_server(&endpoint, "127.0.0.2".parse().unwrap()),
+            reachable_server(&endpoint, "127.0.0.2".parse().unwrap()).await,
             format!("https://127.0.0.2:{port}")
         );
+    }
+
+    #[test]
+    fn install_disks_compare_with_the_full_paths_talos_reports() {
+        let disks = ["/dev/sda".to_owned(), "/dev/nvme0n1".to_owned()];
+        assert!(install_disk_listed("/dev/sda", &disks));
+        assert!(install_disk_listed("/dev/nvme0n1", &disks));
+        assert!(!install_disk_listed("/dev/vda", &disks));
+        assert!(!install_disk_listed("sda", &disks));
+        assert!(install_disk_listed("/dev/disk/by-id/wwn-0x5000", &disks));
     }
 
     #[test]

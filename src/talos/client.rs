@@ -17,18 +17,20 @@ use rustls::{ClientConfig, SignatureScheme};
 use tokio::net::TcpStream;
 use tonic::transport::{Channel, Endpoint};
 
+use super::api::common::{Data, Metadata};
 use super::api::machine::apply_configuration_request::Mode as ApplyMode;
 use super::api::machine::machine_service_client::MachineServiceClient;
 use super::api::machine::{
-    ApplyConfigurationRequest, BootstrapRequest, EtcdMember, EtcdMemberListRequest, ServiceInfo,
+    ApplyConfiguration, ApplyConfigurationRequest, Bootstrap, BootstrapRequest, EtcdMember,
+    EtcdMemberListRequest, EtcdMembers, ServiceInfo, ServiceList, Version,
 };
+use super::api::storage::Disks;
 use super::api::storage::storage_service_client::StorageServiceClient;
 use super::talosconfig::Identity;
 use crate::net::error_chain;
 use crate::net::tls::{self, ClientIdentity, SeenCertificate, Trust};
 
-/// The Talos API port.
-pub const PORT: u16 = 50000;
+pub use crate::inventory::TALOS_API_PORT as PORT;
 
 /// How to authenticate to a node.
 #[derive(Clone)]
@@ -70,6 +72,15 @@ pub enum ApiError {
     Status { code: tonic::Code, message: String },
     #[error("TLS: {0}")]
     Tls(String),
+    /// A routed call came back without the target's stamp: the endpoint did
+    /// not proxy it there.
+    #[error(
+        "a call routed to {target} came back stamped {answered:?}, not {target:?}: the endpoint did not proxy it"
+    )]
+    Misrouted {
+        target: String,
+        answered: Vec<String>,
+    },
 }
 
 impl ApiError {
@@ -90,39 +101,54 @@ pub struct Target {
 }
 
 impl Target {
-    /// `endpoint` is `ip` or `ip:port` (the inventory's talosEndpoint), else
-    /// `address:50000`.
+    /// `endpoint` is the inventory's talosEndpoint (see
+    /// [`crate::inventory::talos_endpoint`]), else `address:50000`. The
+    /// certificate is checked against `address` when there is one.
     pub fn new(address: Option<IpAddr>, endpoint: Option<&str>) -> Option<Target> {
-        if let Some(ep) = endpoint {
-            if let Ok(addr) = ep.parse::<SocketAddr>() {
-                return Some(Target {
-                    addr,
-                    server_name: address.unwrap_or(addr.ip()),
-                });
-            }
-            if let Ok(ip) = ep.parse::<IpAddr>() {
-                return Some(Target {
-                    addr: SocketAddr::new(ip, PORT),
-                    server_name: address.unwrap_or(ip),
-                });
-            }
-            return None;
-        }
-        let ip = address?;
+        let addr = match endpoint {
+            Some(ep) => crate::inventory::talos_endpoint(ep)?,
+            None => SocketAddr::new(address?, PORT),
+        };
         Some(Target {
-            addr: SocketAddr::new(ip, PORT),
-            server_name: ip,
+            addr,
+            server_name: address.unwrap_or(addr.ip()),
         })
     }
 }
 
-/// A Version answer: the Talos tag and the hostname of the node that
-/// answered (through `node` routing, the routed-to node).
+/// A Version answer: the Talos tag and the reply's `metadata.hostname`,
+/// which apid leaves empty on a direct call and sets to the target as sent
+/// on a routed one (never the machine's hostname).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeVersion {
     pub hostname: String,
     pub tag: String,
 }
+
+/// A per-node reply message: each starts with `common.Metadata`.
+trait Reply {
+    fn metadata(&self) -> Option<&Metadata>;
+}
+
+macro_rules! replies {
+    ($($t:ty),*) => {$(
+        impl Reply for $t {
+            fn metadata(&self) -> Option<&Metadata> {
+                self.metadata.as_ref()
+            }
+        }
+    )*};
+}
+
+replies!(
+    Version,
+    ServiceList,
+    EtcdMembers,
+    Bootstrap,
+    ApplyConfiguration,
+    Disks,
+    Data
+);
 
 /// What a TLS handshake without a client certificate revealed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,7 +258,8 @@ pub struct NodeClient {
     channel: Channel,
     target: Target,
     insecure: bool,
-    /// Routing metadata: the node apid should proxy the call to.
+    /// The target apid proxies every call to (`nodes` metadata), exactly as
+    /// sent: each reply must come back stamped with it.
     node: Option<String>,
     timeout: Duration,
 }
@@ -274,7 +301,11 @@ impl NodeClient {
         })
     }
 
-    /// Sends every call through this endpoint to `node` (gRPC `node` metadata).
+    /// Sends every call through this endpoint to `node` with `nodes`
+    /// metadata, as talosctl does: apid proxies one-to-many, stamps each
+    /// reply's `metadata.hostname` with the target as sent (which proves the
+    /// call got there) and reports a failed target in `metadata.error`.
+    /// (`node` metadata proxies too, but its replies carry no metadata.)
     pub fn via(mut self, node: IpAddr) -> Self {
         self.node = Some(node.to_string());
         self
@@ -286,9 +317,14 @@ impl NodeClient {
         if let Some(node) = &self.node
             && let Ok(v) = node.parse()
         {
-            req.metadata_mut().insert("node", v);
+            req.metadata_mut().insert("nodes", v);
         }
         req
+    }
+
+    /// [`check`] for this client's routing.
+    fn check<M: Reply>(&self, messages: &[M]) -> Result<(), ApiError> {
+        check(self.node.as_deref(), messages)
     }
 
     /// Sorts a failed call. A configured node rejects a channel without a
@@ -331,6 +367,7 @@ impl NodeClient {
     pub async fn disks(&self) -> Result<Vec<String>, ApiError> {
         let mut storage = StorageServiceClient::new(self.channel.clone());
         let reply = self.call(storage.disks(self.request(()))).await?;
+        self.check(&reply.messages)?;
         Ok(reply
             .messages
             .into_iter()
@@ -343,6 +380,7 @@ impl NodeClient {
     /// mode, by design).
     pub async fn version(&self) -> Result<NodeVersion, ApiError> {
         let reply = self.call(self.machine().version(self.request(()))).await?;
+        self.check(&reply.messages)?;
         let first = reply.messages.into_iter().next();
         Ok(NodeVersion {
             hostname: first
@@ -368,6 +406,7 @@ impl NodeClient {
         let reply = self
             .call(self.machine().apply_configuration(self.request(req)))
             .await?;
+        self.check(&reply.messages)?;
         Ok(reply
             .messages
             .into_iter()
@@ -378,12 +417,13 @@ impl NodeClient {
 
     /// Asks the node to bootstrap etcd.
     pub async fn bootstrap(&self) -> Result<(), ApiError> {
-        self.call(
-            self.machine()
-                .bootstrap(self.request(BootstrapRequest::default())),
-        )
-        .await?;
-        Ok(())
+        let reply = self
+            .call(
+                self.machine()
+                    .bootstrap(self.request(BootstrapRequest::default())),
+            )
+            .await?;
+        self.check(&reply.messages)
     }
 
     /// The node's services and their health.
@@ -391,6 +431,7 @@ impl NodeClient {
         let reply = self
             .call(self.machine().service_list(self.request(())))
             .await?;
+        self.check(&reply.messages)?;
         Ok(reply
             .messages
             .into_iter()
@@ -404,6 +445,7 @@ impl NodeClient {
         let reply = self
             .call(self.machine().etcd_member_list(self.request(req)))
             .await?;
+        self.check(&reply.messages)?;
         Ok(reply.messages.into_iter().flat_map(|m| m.members).collect())
     }
 
@@ -415,7 +457,10 @@ impl NodeClient {
         let mut out = Vec::new();
         loop {
             match stream.message().await {
-                Ok(Some(chunk)) => out.extend_from_slice(&chunk.bytes),
+                Ok(Some(chunk)) => {
+                    self.check(std::slice::from_ref(&chunk))?;
+                    out.extend_from_slice(&chunk.bytes);
+                }
                 Ok(None) => return Ok(out),
                 Err(s) => return Err(self.fail(s).await),
             }
@@ -479,6 +524,56 @@ fn classify(e: &(dyn StdError + 'static)) -> Option<ApiError> {
     None
 }
 
+/// Checks the per-node envelopes of a reply: an error apid put there
+/// becomes the call's error, and a call routed to `routed_to` must come
+/// back stamped with exactly that target.
+fn check<M: Reply>(routed_to: Option<&str>, messages: &[M]) -> Result<(), ApiError> {
+    if let Some(md) = messages
+        .iter()
+        .filter_map(Reply::metadata)
+        .find(|md| !md.error.is_empty())
+    {
+        return Err(envelope_error(md));
+    }
+    let Some(target) = routed_to else {
+        return Ok(());
+    };
+    let answered: Vec<String> = messages
+        .iter()
+        .map(|m| {
+            m.metadata()
+                .map(|md| md.hostname.clone())
+                .unwrap_or_default()
+        })
+        .collect();
+    if answered.is_empty() || answered.iter().any(|h| h != target) {
+        return Err(ApiError::Misrouted {
+            target: target.to_owned(),
+            answered,
+        });
+    }
+    Ok(())
+}
+
+/// The error apid reports for a failed target inside a reply: its gRPC
+/// status when given, else the text alone.
+fn envelope_error(md: &Metadata) -> ApiError {
+    match &md.status {
+        Some(st) => ApiError::Status {
+            code: tonic::Code::from(st.code),
+            message: if st.message.is_empty() {
+                md.error.clone()
+            } else {
+                st.message.clone()
+            },
+        },
+        None => ApiError::Status {
+            code: tonic::Code::Unknown,
+            message: md.error.clone(),
+        },
+    }
+}
+
 fn status_error(s: &tonic::Status, timeout: Duration) -> ApiError {
     if let Some(err) = classify(s) {
         return err;
@@ -515,6 +610,64 @@ mod tests {
         );
         assert!(Target::new(None, None).is_none());
         assert!(Target::new(Some(ip), Some("host:port")).is_none());
+    }
+
+    fn version_stamped(hostname: &str, error: &str, code: i32) -> Version {
+        Version {
+            metadata: Some(Metadata {
+                hostname: hostname.into(),
+                error: error.into(),
+                status: (code != 0).then(|| super::super::api::google::rpc::Status {
+                    code,
+                    message: "etcd is not running".into(),
+                    details: Vec::new(),
+                }),
+            }),
+            ..Version::default()
+        }
+    }
+
+    #[test]
+    fn routed_replies_must_carry_the_target_as_sent() {
+        let direct = Version::default();
+        // A direct call: apid's local backend adds no metadata.
+        assert!(check(None, std::slice::from_ref(&direct)).is_ok());
+        // Routed: the stamp must be the target exactly as sent.
+        let stamped = version_stamped("10.0.0.12", "", 0);
+        assert!(check(Some("10.0.0.12"), std::slice::from_ref(&stamped)).is_ok());
+        for wrong in [direct, version_stamped("cp-02", "", 0)] {
+            let err = check(Some("10.0.0.12"), &[wrong]).unwrap_err();
+            assert!(matches!(err, ApiError::Misrouted { .. }), "{err:?}");
+        }
+        let none: [Version; 0] = [];
+        assert!(matches!(
+            check(Some("10.0.0.12"), &none),
+            Err(ApiError::Misrouted { .. })
+        ));
+    }
+
+    #[test]
+    fn an_error_in_the_envelope_is_the_calls_error() {
+        let failed = version_stamped(
+            "10.0.0.12",
+            "rpc error: code = FailedPrecondition desc = etcd is not running",
+            tonic::Code::FailedPrecondition as i32,
+        );
+        match check(Some("10.0.0.12"), &[failed]) {
+            Err(ApiError::Status { code, message }) => {
+                assert_eq!(code, tonic::Code::FailedPrecondition);
+                assert_eq!(message, "etcd is not running");
+            }
+            other => panic!("{other:?}"),
+        }
+        let bare = version_stamped("10.0.0.12", "dial tcp: no route to host", 0);
+        match check(Some("10.0.0.12"), &[bare]) {
+            Err(ApiError::Status { code, message }) => {
+                assert_eq!(code, tonic::Code::Unknown);
+                assert_eq!(message, "dial tcp: no route to host");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -127,9 +127,16 @@ fn base_config(
         message: message.to_owned(),
     };
 
+    // A node with a MAC is pinned by it; its kernel name may be unknown and
+    // an `enx…` altname is not what `interface:` matches.
+    let device = match (&node.mac, &plan.link) {
+        (Some(mac), _) => Some(("deviceSelector", json!({"hardwareAddr": mac.to_string()}))),
+        (None, Some(link)) => Some(("interface", json!(link))),
+        (None, None) => None,
+    };
     let mut interface = Map::new();
-    if let Some(link) = &plan.link {
-        interface.insert("interface".into(), json!(link));
+    if let Some((key, value)) = device {
+        interface.insert(key.into(), value);
         match plan.address {
             Some((ip, prefix)) => {
                 interface.insert("addresses".into(), json!([format!("{ip}/{prefix}")]));
@@ -407,33 +414,72 @@ pub fn schema_problems(doc: &Value) -> Vec<String> {
         obj.insert("$ref".into(), json!("#/$defs/v1alpha1.Config"));
         jsonschema::validator_for(&schema).expect("vendored schema compiles")
     });
+    let secrets = secret_strings(doc);
     validator
         .iter_errors(doc)
         .map(|e| {
             let at = e.instance_path().to_string();
             let at = if at.is_empty() { "/".to_owned() } else { at };
-            format!("{at}: {}", redact_value(&e.to_string()))
+            format!("{at}: {}", redact_value(&e.to_string(), &secrets))
         })
         .collect()
 }
 
-/// Schema messages quote the offending value, and a value might be a key or
-/// token: quoted text longer than a field name is replaced by `"…"`.
-fn redact_value(message: &str) -> String {
+/// Schema messages quote offending values as JSON, and a value (or an
+/// object quoted whole) may hold a key or token. Every quoted string that is
+/// one of `secrets`, has a token's shape (short tokens included), or is
+/// longer than any field name becomes `"…"`.
+fn redact_value(message: &str, secrets: &[&str]) -> String {
+    let secret = |quoted: &str| {
+        quoted.chars().count() > 40
+            || super::pki::is_token(quoted)
+            || secrets.iter().any(|s| !s.is_empty() && quoted.contains(s))
+    };
     let mut out = String::with_capacity(message.len());
-    let mut parts = message.split('"');
-    if let Some(first) = parts.next() {
-        out.push_str(first);
-    }
-    for (i, part) in parts.enumerate() {
-        out.push('"');
-        let inside_quotes = i % 2 == 0;
-        if inside_quotes && part.chars().count() > 40 {
-            out.push('…');
-        } else {
-            out.push_str(part);
+    let mut rest = message;
+    while let Some(open) = rest.find('"') {
+        out.push_str(&rest[..=open]);
+        rest = &rest[open + 1..];
+        // The closing quote is the first one not escaped by a backslash.
+        let mut escaped = false;
+        let close = rest.char_indices().find_map(|(i, c)| {
+            let end = c == '"' && !escaped;
+            escaped = c == '\\' && !escaped;
+            end.then_some(i)
+        });
+        let quoted = &rest[..close.unwrap_or(rest.len())];
+        out.push_str(if secret(quoted) { "…" } else { quoted });
+        match close {
+            Some(i) => {
+                out.push('"');
+                rest = &rest[i + 1..];
+            }
+            None => rest = "",
         }
     }
+    out.push_str(rest);
+    out
+}
+
+/// The string values of `doc` under keys that name secrets (`key`,
+/// `token`, `secret`, `…EncryptionSecret`, `bootstraptoken`).
+fn secret_strings(doc: &Value) -> Vec<&str> {
+    fn walk<'a>(v: &'a Value, under_secret: bool, out: &mut Vec<&'a str>) {
+        match v {
+            Value::String(s) if under_secret => out.push(s),
+            Value::Object(m) => {
+                for (k, v) in m {
+                    let k = k.to_ascii_lowercase();
+                    let named = ["key", "token", "secret"].iter().any(|w| k.contains(w));
+                    walk(v, under_secret || named, out);
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, under_secret, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(doc, false, &mut out);
     out
 }
 
@@ -566,6 +612,34 @@ mod tests {
     }
 
     #[test]
+    fn a_node_with_a_mac_is_pinned_by_device_selector() {
+        let mut inv = atlas();
+        let mac: crate::inventory::MacAddr = "BC:24:11:00:00:21".parse().unwrap();
+        for (i, dhcp) in [(0, false), (3, true)] {
+            inv.nodes[i].mac = Some(mac.clone());
+            inv.nodes[i].dhcp = dhcp;
+            let node = inv.nodes[i].clone();
+            let yaml = machine_config(&inv, &node, bundle()).unwrap();
+            let doc: Value = serde_yaml_ng::from_str(&yaml).unwrap();
+            let iface = &doc["machine"]["network"]["interfaces"][0];
+            assert_eq!(
+                iface["deviceSelector"],
+                json!({"hardwareAddr": "bc:24:11:00:00:21"}),
+                "{}",
+                node.name
+            );
+            assert!(iface.get("interface").is_none(), "{iface}");
+            assert_eq!(iface.get("dhcp"), dhcp.then_some(&json!(true)));
+            assert_eq!(iface.get("addresses").is_some(), !dhcp);
+            let errors: Vec<String> = full_schema()
+                .iter_errors(&doc)
+                .map(|e| e.to_string())
+                .collect();
+            assert!(errors.is_empty(), "{errors:?}");
+        }
+    }
+
+    #[test]
     fn state_dirs_are_private_and_foreign_dirs_are_not_chmodded() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
@@ -593,7 +667,7 @@ mod tests {
     fn long_quoted_values_never_reach_a_message() {
         let key = "LS0tLS1CRUdJTiBFRDI1NTE5IFBSSVZBVEUgS0VZLS0tLS0KTUM0Q0FRQXdCUVlESzJWd0JDSUVJ";
         assert_eq!(
-            redact_value(&format!("\"{key}\" is not of type \"object\"")),
+            redact_value(&format!("\"{key}\" is not of type \"object\""), &[]),
             "\"…\" is not of type \"object\""
         );
         let dir = tempfile::tempdir().unwrap();
@@ -612,6 +686,51 @@ mod tests {
             .to_string();
         assert!(err.contains("/machine/nodeTaints"), "{err}");
         assert!(!err.contains(&key[..20]), "{err}");
+    }
+
+    #[test]
+    fn short_tokens_and_known_secrets_never_reach_a_message() {
+        // Token-shaped strings, the document's own secrets (a user's token of
+        // any shape), objects quoted whole, escaped quotes: all redacted.
+        let msg = r#""abcdef.0123456789abcdef" is not of type "object"; "hunter2" is not one of ["a","b"]; {"crt":"c","key":"k\"ey"} is invalid"#;
+        assert_eq!(
+            redact_value(msg, &["hunter2", "k\\\"ey"]),
+            r#""…" is not of type "object"; "…" is not one of ["a","b"]; {"crt":"c","key":"…"} is invalid"#
+        );
+        assert_eq!(
+            redact_value("unterminated \"hunter2", &["hunter2"]),
+            "unterminated \"…"
+        );
+
+        // End to end: both tokens of the bundle, put where the schema
+        // wants something else, are named by path only.
+        let b = bundle();
+        let (boot, trustd) = (&b.secrets.bootstraptoken, &b.trustdinfo.token);
+        assert!(crate::talos::pki::is_token(boot) && crate::talos::pki::is_token(trustd));
+        let dir = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        inv.base_dir = dir.path().to_owned();
+        inv.patches = Default::default();
+        std::fs::write(
+            dir.path().join("p.yaml"),
+            format!("machine:\n  nodeTaints: \"{boot}\"\n  nodeAnnotations: \"{trustd}\"\n"),
+        )
+        .unwrap();
+        inv.patches.all = vec!["p.yaml".into()];
+        let node = inv.nodes[0].clone();
+        let err = machine_config(&inv, &node, b).unwrap_err().to_string();
+        assert!(err.contains("/machine/nodeTaints"), "{err}");
+        assert!(err.contains("/machine/nodeAnnotations"), "{err}");
+        assert!(
+            !err.contains(boot.as_str()) && !err.contains(trustd.as_str()),
+            "{err}"
+        );
+        // A secret of the document in any shape: the cluster's own token
+        // moved by a patch into a field of the wrong type.
+        let doc = json!({"cluster": {"token": "hunter2"}, "machine": {"nodeTaints": "hunter2"}});
+        let problems = schema_problems(&doc).join("\n");
+        assert!(problems.contains("/machine/nodeTaints"), "{problems}");
+        assert!(!problems.contains("hunter2"), "{problems}");
     }
 
     #[test]

@@ -85,6 +85,15 @@ pub fn token() -> String {
     out
 }
 
+/// Whether `t` has the shape of [`token`]: a secret however short it is.
+pub fn is_token(t: &str) -> bool {
+    t.split_once('.').is_some_and(|(a, b)| {
+        a.len() == 6
+            && b.len() == 16
+            && (a.chars().chain(b.chars())).all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+    })
+}
+
 fn new_key(kind: KeyKind) -> Result<KeyPair, PkiError> {
     Ok(match kind {
         KeyKind::Ed25519 => KeyPair::generate_for(&rcgen::PKCS_ED25519)?,

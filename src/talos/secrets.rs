@@ -203,18 +203,10 @@ impl SecretsBundle {
     /// Every check that keeps a bad bundle from producing configs a node
     /// rejects later: decodable PEM, key matching certificate, right kinds.
     fn check(&self) -> Result<(), String> {
-        let token_ok = |t: &str| {
-            t.split_once('.').is_some_and(|(a, b)| {
-                a.len() == 6
-                    && b.len() == 16
-                    && (a.chars().chain(b.chars()))
-                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
-            })
-        };
-        if !token_ok(&self.secrets.bootstraptoken) {
+        if !pki::is_token(&self.secrets.bootstraptoken) {
             return Err("secrets.bootstraptoken: not a token like abcdef.0123456789abcdef".into());
         }
-        if !token_ok(&self.trustdinfo.token) {
+        if !pki::is_token(&self.trustdinfo.token) {
             return Err("trustdinfo.token: not a token like abcdef.0123456789abcdef".into());
         }
         if self.cluster.id.is_empty() || self.cluster.secret.is_empty() {
