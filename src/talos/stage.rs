@@ -242,31 +242,29 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
     let mut nodes = Vec::new();
     let mut configs_written = Vec::new();
     for node in &inv.nodes {
-        let target = match opts.targets.get(&node.name) {
-            Some(t) => t.clone(),
+        let (target, address) = match opts.targets.get(&node.name) {
+            Some(t) => (t.clone(), t.server_name),
             None => {
-                Target::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(
-                    || match &node.talos_endpoint {
-                        Some(endpoint) => StageError::BadEndpoint {
-                            node: node.name.clone(),
-                            endpoint: endpoint.clone(),
-                        },
-                        None => StageError::NoAddress {
-                            node: node.name.clone(),
-                        },
-                    },
-                )?
+                let t =
+                    Target::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(|| {
+                        match &node.talos_endpoint {
+                            Some(endpoint) => StageError::BadEndpoint {
+                                node: node.name.clone(),
+                                endpoint: endpoint.clone(),
+                            },
+                            None => StageError::NoAddress {
+                                node: node.name.clone(),
+                            },
+                        }
+                    })?;
+                let address = node.address.unwrap_or(t.server_name);
+                (t, address)
             }
         };
         let text = config::machine_config(inv, node, &bundle)?;
         if state_dir.write_config(&node.name, &text)? {
             configs_written.push(node.name.clone());
         }
-        let address = if opts.targets.contains_key(&node.name) {
-            target.server_name
-        } else {
-            node.address.unwrap_or(target.server_name)
-        };
         nodes.push(PlannedNode {
             name: node.name.clone(),
             role: node.role,
