@@ -328,7 +328,13 @@ fn certificate_required_after_apply_is_handled_by_switching_to_mtls() {
         conn.via(nowhere).version().await.unwrap_err()
     });
     assert!(
-        matches!(err, ApiError::Status { code: tonic::Code::Unavailable, .. }),
+        matches!(
+            err,
+            ApiError::Status {
+                code: tonic::Code::Unavailable,
+                ..
+            }
+        ),
         "{err:?}"
     );
     // And the bootstrap, finding configured nodes, goes straight to mTLS.
