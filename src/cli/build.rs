@@ -104,31 +104,54 @@ pub fn many(args: BuildManyArgs, config: &Path, output: Output) -> Result<()> {
     run(args.nodes, args.build, config, output)
 }
 
-fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Result<()> {
-    let inv = load_inventory(config, output)?;
-    let opts = BuildOptions {
-        out_dir: args.out_dir,
-        route: args.route,
-        fetch: args.download.options(),
-        jobs: args.jobs,
-        factory: args.factory,
-    };
-    let progress = progress_for(args.download.quiet, output);
-    let (outcomes, failed, summary) = match build::build(&inv, &nodes, &opts, progress.as_ref()) {
-        Ok(outcomes) => (outcomes, Vec::new(), None),
-        Err(e) => {
-            let summary = e.to_string();
-            match e {
-                BuildError::Incomplete { built, failed } => (built, failed, Some(summary)),
-                e => return Err(e.into()),
-            }
+impl BuildArgs {
+    pub(super) fn options(&self) -> BuildOptions {
+        BuildOptions {
+            out_dir: self.out_dir.clone(),
+            route: self.route,
+            fetch: self.download.options(),
+            jobs: self.jobs,
+            factory: self.factory.clone(),
         }
-    };
-    // Each failure as one line: the node, then its error chain.
-    let failures: Vec<(String, String)> = failed
+    }
+}
+
+/// The images that were built or already current, each node that failed
+/// (one line: the node, then its error chain), and the summary of the
+/// failure, if any.
+pub(super) type Built = (Vec<Outcome>, Vec<(String, String)>, Option<String>);
+
+/// Builds `nodes` with download progress shown as `args` asks; a build that
+/// failed for some nodes still returns the others.
+pub(super) fn build_nodes(
+    inv: &imgbuild::inventory::Inventory,
+    nodes: &[String],
+    args: &BuildArgs,
+    output: Output,
+) -> Result<Built> {
+    let progress = progress_for(args.download.quiet, output);
+    let (outcomes, failed, summary) =
+        match build::build(inv, nodes, &args.options(), progress.as_ref()) {
+            Ok(outcomes) => (outcomes, Vec::new(), None),
+            Err(e) => {
+                let summary = e.to_string();
+                match e {
+                    BuildError::Incomplete { built, failed } => (built, failed, Some(summary)),
+                    e => return Err(e.into()),
+                }
+            }
+        };
+    let failures = failed
         .into_iter()
         .map(|f| (f.node, format!("{:#}", anyhow::Error::new(f.error))))
         .collect();
+    Ok((outcomes, failures, summary))
+}
+
+fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let (outcomes, failures, summary) = build_nodes(&inv, &nodes, &args, output)?;
+    let opts = args.options();
     match output {
         Output::Json => {
             let failed: Vec<_> = failures

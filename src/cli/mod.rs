@@ -2,6 +2,7 @@
 
 mod build;
 mod image;
+mod publish;
 mod schematic;
 mod talos;
 
@@ -69,6 +70,8 @@ enum Command {
     Talosconfig(talos::TalosconfigArgs),
     /// Apply configs, bootstrap etcd once, wait until the cluster is healthy.
     Bootstrap(talos::BootstrapArgs),
+    /// Build what is missing, then publish every node's image (Proxmox VE).
+    Publish(publish::PublishArgs),
 }
 
 /// A failure whose details the command already printed (e.g. as its JSON
@@ -76,6 +79,11 @@ enum Command {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct Reported(pub String);
+
+/// Some nodes done, some failed, details already printed: exit 3.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Partial(pub String);
 
 /// Runs the CLI; returns the process exit code.
 pub fn run() -> i32 {
@@ -85,14 +93,15 @@ pub fn run() -> i32 {
         Ok(()) => 0,
         Err(e) => {
             let message = format!("{e:#}");
-            if output == Output::Json && e.downcast_ref::<Reported>().is_some() {
+            let partial = e.downcast_ref::<Partial>().is_some();
+            if output == Output::Json && (partial || e.downcast_ref::<Reported>().is_some()) {
                 // The JSON result on stdout already says what went wrong.
             } else if output == Output::Json {
                 println!("{}", json!({ "error": message }));
             } else {
                 eprintln!("error: {message}");
             }
-            1
+            if partial { 3 } else { 1 }
         }
     }
 }
@@ -113,6 +122,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Config(args) => talos::machine_config(args, &cli.config, cli.output),
         Command::Talosconfig(args) => talos::talosconfig(args, &cli.config, cli.output),
         Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
+        Command::Publish(args) => publish::run(args, &cli.config, cli.output),
     }
 }
 

@@ -1,0 +1,157 @@
+//! `imgbuild publish`: build what is missing, then put each node's image
+//! where the inventory's `publish` section says.
+
+use super::build::{BuildArgs, build_nodes};
+use super::{Output, Partial, Reported, load_inventory};
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use imgbuild::publish::PublishImage;
+use imgbuild::publish::proxmox::{
+    self, Credentials, Event, NodePublished, PublishOptions, VmChange,
+};
+use serde_json::json;
+use std::path::Path;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct PublishArgs {
+    /// Nodes to publish (all when none are given).
+    nodes: Vec<String>,
+    /// Give a VM that boots an older image the new disk (stop, swap, start).
+    #[arg(long)]
+    replace_disk: bool,
+    /// How often server-side tasks are polled, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    poll_ms: u64,
+    #[command(flatten)]
+    build: BuildArgs,
+}
+
+/// Prints each step on stderr, one line each.
+struct Lines;
+
+impl proxmox::Observer for Lines {
+    fn event(&self, node: &str, e: &Event) {
+        let line = match e {
+            Event::Uploading { volid, size } => format!("uploading {volid} ({size} bytes)"),
+            Event::UploadRetry { attempt, why } => format!("upload retry {attempt}: {why}"),
+            Event::Uploaded { volid } => format!("stored {volid}"),
+            Event::AlreadyStored { volid } => format!("{volid} already stored"),
+            Event::VmCreated { vmid } => format!("VM {vmid} created"),
+            Event::VmUnchanged { vmid } => format!("VM {vmid} already boots this image"),
+            Event::VmOutdated { vmid, running } => format!(
+                "VM {vmid} boots {running}, not this image: left as it is (--replace-disk swaps it)"
+            ),
+            Event::DiskReplaced { vmid } => format!("VM {vmid} got the new disk"),
+            Event::VmStarted { vmid } => format!("VM {vmid} started"),
+        };
+        eprintln!("{node}: {line}");
+    }
+}
+
+struct Quiet;
+impl proxmox::Observer for Quiet {
+    fn event(&self, _: &str, _: &Event) {}
+}
+
+pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let Some(settings) = inv.publish.proxmox.clone() else {
+        bail!(
+            "{}: no publish target: add a publish.proxmox section",
+            config.display()
+        );
+    };
+    // Credentials first: a missing token must not wait for a build.
+    let creds = Credentials::from_env(&settings, &|k| std::env::var(k).ok())?;
+    let mut warnings = Vec::new();
+    if creds.insecure() {
+        warnings
+            .push("PROXMOX_VE_INSECURE is set: the server's certificate is not checked".to_owned());
+    }
+    if output == Output::Text {
+        for w in &warnings {
+            eprintln!("warning: {w}");
+        }
+    }
+    let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
+    let images: Vec<PublishImage> = built
+        .iter()
+        .map(|o| PublishImage {
+            node: o.image.node.clone(),
+            path: o.file.clone(),
+            sha256: o.image.sha256.clone(),
+            size: o.image.size,
+            format: o.image.format,
+        })
+        .collect();
+    let opts = PublishOptions {
+        replace_disk: args.replace_disk,
+        poll: Duration::from_millis(args.poll_ms.max(10)),
+        ..PublishOptions::default()
+    };
+    let observer: &dyn proxmox::Observer = if output == Output::Text {
+        &Lines
+    } else {
+        &Quiet
+    };
+    let results = proxmox::publish(&inv, &settings, &creds, &images, &opts, observer)
+        .context("publishing to Proxmox VE")?;
+    let mut published: Vec<NodePublished> = Vec::new();
+    let mut failures = build_failures;
+    for r in results {
+        match r {
+            Ok(p) => published.push(p),
+            Err(proxmox::ProxmoxError::Node { node, message }) => failures.push((node, message)),
+            Err(e) => failures.push((String::new(), e.to_string())),
+        }
+    }
+    match output {
+        Output::Json => {
+            let failed: Vec<_> = failures
+                .iter()
+                .map(|(node, error)| json!({"node": node, "error": error}))
+                .collect();
+            println!(
+                "{}",
+                json!({"target": "proxmox", "nodes": published, "failed": failed, "warnings": warnings})
+            );
+        }
+        Output::Text => {
+            for p in &published {
+                let vm = match (p.vmid, p.vm) {
+                    (Some(id), Some(change)) => {
+                        let change = match change {
+                            VmChange::Created => "created",
+                            VmChange::Updated => "updated",
+                            VmChange::Unchanged => "unchanged",
+                            VmChange::Outdated => "outdated",
+                        };
+                        let started = if p.started { ", started" } else { "" };
+                        format!("  VM {id} {change}{started}")
+                    }
+                    _ => String::new(),
+                };
+                let stored = if p.uploaded {
+                    "uploaded"
+                } else {
+                    "already stored"
+                };
+                println!(
+                    "{:<12} {}  sha256 {}  ({stored}){vm}",
+                    p.node,
+                    p.volid,
+                    &p.sha256[..p.sha256.len().min(16)]
+                );
+            }
+            for (node, error) in &failures {
+                eprintln!("error: node {node}: {error}");
+            }
+        }
+    }
+    match (failures.len(), published.len()) {
+        (0, _) => Ok(()),
+        (n, 0) => Err(Reported(format!("{n} node(s) failed to publish")).into()),
+        (n, ok) => Err(Partial(format!("{n} node(s) failed to publish, {ok} published")).into()),
+    }
+}
