@@ -271,3 +271,24 @@ fn the_printed_fingerprint_is_the_served_certificate() {
     assert_eq!(served, pve.fingerprint, "{out}");
     assert_eq!(pve.fingerprint.len(), 32 * 3 - 1);
 }
+
+#[test]
+fn a_cut_upload_gets_no_answer_and_the_next_attempt_succeeds() {
+    let pve = Pve::start(&["--drop-upload-after", "100000"]);
+    let (image, sum) = fixture(pve.dir.path());
+    // curl reports an empty reply; nothing is answered, nothing stored.
+    let (code, _) = pve.upload(&image, &sum);
+    assert_eq!(code, 0);
+    let name = image.file_name().unwrap().to_str().unwrap();
+    assert!(!pve.stored(name).exists());
+    let (code, v) = pve.upload(&image, &sum);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    let stats = pve.stats();
+    assert_eq!(stats["uploadAttempts"], 2);
+    assert_eq!(stats["uploads"], 1);
+    let staged = std::fs::read_dir(pve.dir.path().join("state/tmp"))
+        .unwrap()
+        .count();
+    assert_eq!(staged, 0, "staging files left behind");
+}

@@ -575,6 +575,38 @@ async fn serve(
         .unwrap()
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_id_is_the_sha256_of_the_bytes_received() {
+        // The public ID of the empty schematic (image-factory's vanilla Talos).
+        assert_eq!(
+            schematic_id(b"customization: {}\n"),
+            "376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba"
+        );
+        // No canonicalisation: other bytes, another ID.
+        assert_ne!(
+            schematic_id(b"customization: {}"),
+            schematic_id(b"customization: {}\n")
+        );
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_yaml_are_refused() {
+        let parse = |s: &str| serde_yaml_ng::from_str::<Option<SchematicShape>>(s);
+        assert!(parse("customization:\n  extraKernelArgs: [a]\n").is_ok());
+        assert!(parse("customization:\n  colour: red\n").is_err());
+        assert!(parse("overlay: {image: x, foo: 1}\n").is_err());
+        assert!(parse("customization: [\n").is_err());
+        let meta = parse("customization:\n  meta:\n    - key: 0xa\n      value: x\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(meta.customization.meta[0].key, 10);
+    }
+}
+
 /// META baking of the simulator's own (FORMATS.md §3, after talos
 /// internal/pkg/meta/internal/adv/talos/talos.go): find the partition named
 /// META in the GPT, read the ADV, merge the schematic's keys, write both

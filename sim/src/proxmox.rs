@@ -736,7 +736,7 @@ fn qemu_img_info(path: &Path, format: &str) -> Result<u64, String> {
 /// PVE's `format_size`: the largest unit that divides the size.
 fn format_size(bytes: u64) -> String {
     for (unit, shift) in [("T", 40), ("G", 30), ("M", 20), ("K", 10)] {
-        if bytes % (1u64 << shift) == 0 && bytes >= 1u64 << shift {
+        if bytes.is_multiple_of(1u64 << shift) && bytes >= 1u64 << shift {
             return format!("{}{unit}", bytes >> shift);
         }
     }
@@ -757,7 +757,7 @@ fn parse_size(s: &str) -> Option<(bool, u64)> {
         _ => (s, 1),
     };
     let n: f64 = num.parse().ok()?;
-    (n >= 0.0).then(|| (plus, (n * mult as f64) as u64))
+    (n >= 0.0).then_some((plus, (n * mult as f64) as u64))
 }
 
 /// Drive keys: the config entries that hold volumes.
@@ -1510,7 +1510,7 @@ impl Pve {
                 let size = std::fs::metadata(&path).map_err(|e| e.to_string())?.len();
                 let new = if relative { size + amount } else { amount };
                 if new < size {
-                    return Err(format!("shrinking disks is not supported"));
+                    return Err("shrinking disks is not supported".into());
                 }
                 std::fs::OpenOptions::new()
                     .write(true)
