@@ -192,61 +192,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.token.contains('!') && args.token.contains('='),
         "--token must look like USER@REALM!TOKENID=SECRET"
     );
-    let import = !args.no_import_storage;
-    let storages = vec![
-        Storage {
-            id: "local",
-            kind: "dir",
-            content: if import {
-                vec!["iso", "vztmpl", "import"]
-            } else {
-                vec!["iso", "vztmpl"]
-            },
-            has_path: true,
-        },
-        Storage {
-            id: "local-lvm",
-            kind: "lvmthin",
-            content: vec!["images", "rootdir"],
-            has_path: false,
-        },
-        Storage {
-            id: "backup",
-            kind: "dir",
-            content: vec!["backup", "iso"],
-            has_path: true,
-        },
-    ];
-    for s in &storages {
-        std::fs::create_dir_all(args.state_dir.join("storage").join(s.id))?;
-    }
-    std::fs::create_dir_all(args.state_dir.join("tmp"))?;
     let (tls, fingerprint) = tls_config(args.listen)?;
     let listener = TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
-    let drops = match (args.drop_upload_after, args.drop_uploads) {
-        (Some(_), n) => n.unwrap_or(1),
-        (None, _) => 0,
-    };
+    let pve = Arc::new(Pve::new(args)?);
     println!(
         "{}",
         json!({
             "url": format!("https://{addr}/"),
             "fingerprint": fingerprint,
-            "node": args.node,
-            "token": args.token,
+            "node": pve.args.node,
+            "token": pve.args.token,
         })
     );
-    let pve = Arc::new(Pve {
-        args,
-        storages,
-        started: now(),
-        tasks: Mutex::new(BTreeMap::new()),
-        vms: Mutex::new(BTreeMap::new()),
-        stats: Stats::default(),
-        drops_left: AtomicU32::new(drops),
-        seq: AtomicU32::new(0),
-    });
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     loop {
         let Ok((tcp, _)) = listener.accept().await else {
@@ -259,6 +217,55 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 serve_connection(pve, stream).await;
             }
         });
+    }
+}
+
+impl Pve {
+    /// The node's fixed storages (directories made under the state dir).
+    fn new(args: Args) -> anyhow::Result<Pve> {
+        let import = !args.no_import_storage;
+        let storages = vec![
+            Storage {
+                id: "local",
+                kind: "dir",
+                content: if import {
+                    vec!["iso", "vztmpl", "import"]
+                } else {
+                    vec!["iso", "vztmpl"]
+                },
+                has_path: true,
+            },
+            Storage {
+                id: "local-lvm",
+                kind: "lvmthin",
+                content: vec!["images", "rootdir"],
+                has_path: false,
+            },
+            Storage {
+                id: "backup",
+                kind: "dir",
+                content: vec!["backup", "iso"],
+                has_path: true,
+            },
+        ];
+        for s in &storages {
+            std::fs::create_dir_all(args.state_dir.join("storage").join(s.id))?;
+        }
+        std::fs::create_dir_all(args.state_dir.join("tmp"))?;
+        let drops = match (args.drop_upload_after, args.drop_uploads) {
+            (Some(_), n) => n.unwrap_or(1),
+            (None, _) => 0,
+        };
+        Ok(Pve {
+            args,
+            storages,
+            started: now(),
+            tasks: Mutex::new(BTreeMap::new()),
+            vms: Mutex::new(BTreeMap::new()),
+            stats: Stats::default(),
+            drops_left: AtomicU32::new(drops),
+            seq: AtomicU32::new(0),
+        })
     }
 }
 
@@ -400,8 +407,12 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(pve: Arc<Pve>, stre
             }
             continue;
         }
+        let wants_close = head
+            .header("connection")
+            .is_some_and(|c| c.to_ascii_lowercase().contains("close"));
         match handle(&pve, &head, &mut r).await {
             Some((res, keep_alive)) => {
+                let keep_alive = keep_alive && !wants_close;
                 let (status, reason, body) = answer(&res);
                 if status == 400 {
                     bump(&pve.stats.rejected);
@@ -998,6 +1009,12 @@ impl Pve {
     /// `PVE::API2::Storage::Status` upload, after pveproxy has staged the
     /// file (pve-storage src/PVE/API2/Storage/Status.pm).
     fn upload_call(self: &Arc<Self>, p: &BTreeMap<String, String>, tmp: &Path) -> ApiResult {
+        let node = &p["node"];
+        if *node != self.args.node {
+            return Err(die(format!(
+                "hostname lookup '{node}' failed - failed to get address info for: {node}: Name or service not known"
+            )));
+        }
         let sid = &p["storage"];
         let s = self.storage(sid)?;
         if !s.has_path {
@@ -1058,6 +1075,10 @@ impl Pve {
             p.get("checksum-algorithm").cloned(),
         );
         let node = self.args.node.clone();
+        if self.args.fail_task.as_deref() == Some("imgcopy") {
+            // The failing worker never runs; like a real failure it leaves no staged file.
+            let _ = std::fs::remove_file(&tmp);
+        }
         Ok(self.spawn_task("imgcopy", "", move |pve, log| {
             log.push(format!("starting file import from: {}", tmp.display()));
             let checked = (|| {
@@ -1266,6 +1287,9 @@ impl Pve {
         }
         bump(&self.stats.vm_creates);
         let start = p.get("start").is_some_and(|s| s == "1");
+        if start {
+            bump(&self.stats.starts);
+        }
         let upid = self.spawn_task("qmcreate", &vmid.to_string(), move |pve, log| {
             let res = (|| {
                 let mut built = BTreeMap::new();
@@ -1292,10 +1316,13 @@ impl Pve {
                 );
                 Ok::<_, String>(built)
             })();
-            let vm = Vm {
+            let mut vm = Vm {
                 config: res?,
-                running: start,
+                running: false,
             };
+            if start {
+                power_on(vmid, &mut vm, log)?;
+            }
             pve.vms.lock().unwrap().insert(vmid, vm);
             Ok(())
         });
@@ -1584,9 +1611,7 @@ impl Pve {
 /// Where a VM comes to life. Today it only changes state; this is the one
 /// place to launch a Talos node simulator for the VM later.
 fn power_on(vmid: u32, vm: &mut Vm, log: &mut Vec<String>) -> Result<(), String> {
-    if !vm.config.keys().any(|k| is_drive(k)) {
-        log.push(format!("VM {vmid} has no disk"));
-    }
+    log.push(format!("starting VM {vmid}"));
     vm.running = true;
     Ok(())
 }
@@ -1672,6 +1697,85 @@ fn config_digest(config: &BTreeMap<String, String>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    const TOKEN: &str = "root@pam!t=secret";
+
+    /// One request over an in-memory connection; the raw answer.
+    async fn exchange(dir: &Path, request: String) -> String {
+        let cli = Cli::parse_from([
+            "sim",
+            "--state-dir",
+            dir.to_str().unwrap(),
+            "--auth-delay-ms",
+            "0",
+            "--token",
+            TOKEN,
+        ]);
+        let pve = Arc::new(Pve::new(cli.args).unwrap());
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        tokio::spawn(serve_connection(pve, server));
+        client.write_all(request.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        client.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    fn upload_request(extra_headers: &str, body: &str) -> String {
+        format!(
+            "POST /api2/json/nodes/pve/storage/local/upload HTTP/1.1\r\nHost: x\r\n\
+             Authorization: PVEAPIToken={TOKEN}\r\nConnection: close\r\n\
+             Content-Type: multipart/form-data; boundary=XyZ\r\n{extra_headers}\r\n{body}"
+        )
+    }
+
+    #[tokio::test]
+    async fn a_chunked_upload_is_refused_as_pveproxy_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let body = "--XyZ\r\nContent-Disposition: form-data; name=\"content\"\r\n\r\nimport\r\n--XyZ--\r\n";
+        let req = upload_request(
+            "Transfer-Encoding: chunked\r\n",
+            &format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len()),
+        );
+        let out = exchange(dir.path(), req).await;
+        assert!(
+            out.starts_with("HTTP/1.1 501 chunked transfer encoding not supported\r\n"),
+            "{out}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_upload_without_content_length_misses_its_parameters() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = exchange(dir.path(), upload_request("", "")).await;
+        assert!(
+            out.starts_with("HTTP/1.1 400 Parameter verification failed."),
+            "{out}"
+        );
+        let body: Value = serde_json::from_str(out.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        let missing = "property is missing and it is not optional";
+        assert_eq!(body["errors"]["content"], missing);
+        assert_eq!(body["errors"]["filename"], missing);
+    }
+
+    #[tokio::test]
+    async fn another_token_is_refused_without_echoing_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let req = "GET /api2/json/version HTTP/1.1\r\nAuthorization: PVEAPIToken=root@pam!t=guess\r\n\
+                   Connection: close\r\n\r\n";
+        let out = exchange(dir.path(), req.into()).await;
+        assert!(
+            out.starts_with("HTTP/1.1 401 authentication failure\r\n"),
+            "{out}"
+        );
+        assert!(!out.contains("guess"));
+    }
 
     #[test]
     fn sizes_print_and_parse_as_pve_does() {
