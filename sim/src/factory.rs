@@ -1,6 +1,12 @@
 //! The Image Factory double: the HTTP API of shared/FORMATS.md §2, images
 //! built from one Talos-shaped base with each schematic's META baked in, and
 //! switches that make it misbehave the ways real downloads go wrong.
+//!
+//! It shares no code with imgbuild (the code under test): a schematic's ID is
+//! the sha256 of the exact bytes POSTed (imgbuild sends the canonical form, so
+//! the real factory's re-marshalled ID and this one agree exactly when
+//! imgbuild's canonical form is right), and META is baked by [`bake`], a GPT
+//! reader and ADV writer of the simulator's own.
 
 use axum::Router;
 use axum::body::Body;
@@ -10,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use imgbuild::schematic::Schematic;
+use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -57,7 +63,8 @@ struct Sim {
     versions: Vec<String>,
     extensions: Vec<String>,
     alt_url: Option<String>,
-    schematics: Mutex<HashMap<String, Schematic>>,
+    /// Registered schematics by ID.
+    schematics: Mutex<HashMap<String, Posted>>,
     modes: Mutex<Vec<Misbehaviour>>,
     image_gets: Mutex<HashMap<String, u64>>,
     build: tokio::sync::Mutex<()>,
@@ -138,34 +145,117 @@ fn text(status: StatusCode, body: impl Into<String>) -> Response {
     (status, [(header::CONTENT_TYPE, "text/plain")], body.into()).into_response()
 }
 
+/// A schematic as the factory keeps it: the bytes received, and what the
+/// images need from them.
+#[derive(Clone)]
+struct Posted {
+    body: String,
+    schematic: SchematicShape,
+}
+
+/// Just enough of image-factory's `pkg/schematic` types to refuse what the
+/// real factory refuses (yaml.v3 with KnownFields: unknown fields are an
+/// error) and to read the META values and extensions the images need.
+#[derive(Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)] // fields parsed only so that unknown ones are refused
+struct SchematicShape {
+    #[serde(default)]
+    owner: String,
+    #[serde(default)]
+    overlay: OverlayShape,
+    #[serde(default)]
+    customization: CustomizationShape,
+}
+
+#[derive(Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)] // fields parsed only so that unknown ones are refused
+struct OverlayShape {
+    #[serde(default)]
+    image: String,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    options: serde_yaml_ng::Mapping,
+}
+
+#[derive(Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[allow(dead_code)] // fields parsed only so that unknown ones are refused
+struct CustomizationShape {
+    #[serde(default)]
+    embedded_machine_configuration: String,
+    #[serde(default)]
+    extra_kernel_args: Vec<String>,
+    #[serde(default)]
+    meta: Vec<MetaShape>,
+    #[serde(default)]
+    system_extensions: ExtensionsShape,
+    #[serde(default)]
+    bootloader: String,
+    #[serde(default, rename = "secureboot")]
+    secure_boot: serde_yaml_ng::Mapping,
+    #[serde(default)]
+    disk_image: DiskImageShape,
+}
+
+#[derive(Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MetaShape {
+    key: u8,
+    #[serde(default)]
+    value: String,
+}
+
+#[derive(Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ExtensionsShape {
+    #[serde(default)]
+    official_extensions: Vec<String>,
+}
+
+#[derive(Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[allow(dead_code)] // fields parsed only so that unknown ones are refused
+struct DiskImageShape {
+    #[serde(default)]
+    sector_size: u64,
+}
+
+/// The ID the simulator gives a schematic: sha256 of the bytes received.
+fn schematic_id(body: &[u8]) -> String {
+    hex_lower(&Sha256::digest(body))
+}
+
+fn hex_lower(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 async fn post_schematic(State(sim): State<Arc<Sim>>, body: String) -> Response {
-    let schematic = match Schematic::parse(&body) {
-        Ok(s) => s,
+    let schematic: SchematicShape = match serde_yaml_ng::from_str::<Option<SchematicShape>>(&body) {
+        Ok(s) => s.unwrap_or_default(),
         Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
     };
-    let canonical = match schematic.canonical() {
-        Ok(c) => c,
-        Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
+    let mut id = schematic_id(body.as_bytes());
+    let posted = Posted {
+        body: body.clone(),
+        schematic,
     };
-    let mut id = imgbuild::schematic::id_of(&canonical).to_string();
-    sim.schematics.lock().unwrap().insert(id.clone(), schematic);
+    sim.schematics.lock().unwrap().insert(id.clone(), posted);
     if take_mode(&sim, &["wrong-id"]).is_some() {
         id = id.chars().rev().collect();
     }
     (
         StatusCode::CREATED,
-        axum::Json(serde_json::json!({"id": id, "schematic": canonical})),
+        axum::Json(serde_json::json!({"id": id, "schematic": body})),
     )
         .into_response()
 }
 
 async fn get_schematic(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Response {
     match sim.schematics.lock().unwrap().get(&id) {
-        Some(s) => (
-            [(header::CONTENT_TYPE, "application/yaml")],
-            s.canonical().unwrap_or_default(),
-        )
-            .into_response(),
+        Some(p) => ([(header::CONTENT_TYPE, "application/yaml")], p.body.clone()).into_response(),
         None => text(StatusCode::NOT_FOUND, "schematic not found"),
     }
 }
@@ -204,7 +294,7 @@ async fn image(
     headers: HeaderMap,
     Path((id, version, file)): Path<(String, String, String)>,
 ) -> Response {
-    let Some(schematic) = sim.schematics.lock().unwrap().get(&id).cloned() else {
+    let Some(Posted { schematic, .. }) = sim.schematics.lock().unwrap().get(&id).cloned() else {
         return text(StatusCode::NOT_FOUND, "schematic not found");
     };
     if !sim.versions.contains(&version) {
@@ -313,7 +403,7 @@ fn image_kind(file: &str) -> Option<Kind> {
 /// compressed or converted as the path asks.
 fn build(
     sim: &Sim,
-    schematic: &Schematic,
+    schematic: &SchematicShape,
     id: &str,
     version: &str,
     file: &str,
@@ -327,13 +417,16 @@ fn build(
     }
     let raw = dir.join("disk.raw");
     if !raw.exists() {
-        let edits: Vec<(u32, Option<Vec<u8>>)> = schematic
+        let tags: Vec<(u32, Vec<u8>)> = schematic
             .customization
             .meta
             .iter()
-            .map(|m| (u32::from(m.key), Some(m.value.clone().into_bytes())))
+            .map(|m| (u32::from(m.key), m.value.clone().into_bytes()))
             .collect();
-        imgbuild::disk::write_patched_copy(&sim.base, &raw, &edits)?;
+        let tmp = dir.join(".disk.raw.tmp");
+        bake::sparse_copy(&sim.base, &tmp)?;
+        bake::merge_meta(&tmp, &tags)?;
+        std::fs::rename(&tmp, &raw)?;
     }
     let tmp = dir.join(format!(".{file}.tmp"));
     match kind {
@@ -480,4 +573,256 @@ async fn serve(
         .header(header::CONTENT_LENGTH, announced)
         .body(Body::from_stream(stream))
         .unwrap()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_id_is_the_sha256_of_the_bytes_received() {
+        // The public ID of the empty schematic (image-factory's vanilla Talos).
+        assert_eq!(
+            schematic_id(b"customization: {}\n"),
+            "376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba"
+        );
+        // No canonicalisation: other bytes, another ID.
+        assert_ne!(
+            schematic_id(b"customization: {}"),
+            schematic_id(b"customization: {}\n")
+        );
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_yaml_are_refused() {
+        let parse = |s: &str| serde_yaml_ng::from_str::<Option<SchematicShape>>(s);
+        assert!(parse("customization:\n  extraKernelArgs: [a]\n").is_ok());
+        assert!(parse("customization:\n  colour: red\n").is_err());
+        assert!(parse("overlay: {image: x, foo: 1}\n").is_err());
+        assert!(parse("customization: [\n").is_err());
+        let meta = parse("customization:\n  meta:\n    - key: 0xa\n      value: x\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(meta.customization.meta[0].key, 10);
+    }
+}
+
+/// META baking of the simulator's own (FORMATS.md §3, after talos
+/// internal/pkg/meta/internal/adv/talos/talos.go): find the partition named
+/// META in the GPT, read the ADV, merge the schematic's keys, write both
+/// copies back. The partition's last 1024 bytes (legacy syslinux ADV) and
+/// everything outside the first 512 KiB of META are left alone.
+mod bake {
+    use sha2::{Digest, Sha256};
+    use std::collections::BTreeMap;
+    use std::fs::{File, OpenOptions};
+    use std::io::{Read, Seek, SeekFrom, Write};
+    use std::path::Path;
+
+    const COPY: usize = 256 * 1024;
+    const MAGIC1: u32 = 0x5a4b_3c2d;
+    const MAGIC2: u32 = 0xa5b4_c3d2;
+    const SUM_AT: usize = 0x3FFDC;
+    const MAGIC2_AT: usize = 0x3FFFC;
+    /// Bytes the entries may take, 8 of header each included (Talos's limit).
+    const CAPACITY: usize = 262_104 - 20;
+    const BLOCK: usize = 1 << 20;
+
+    /// Copies `from` to `to` writing no all-zero block, so a sparse base
+    /// stays sparse.
+    pub fn sparse_copy(from: &Path, to: &Path) -> anyhow::Result<()> {
+        let mut src = File::open(from)?;
+        let len = src.metadata()?.len();
+        let mut dst = File::create(to)?;
+        let mut buf = vec![0u8; BLOCK];
+        loop {
+            let n = read_full(&mut src, &mut buf)?;
+            if n == 0 {
+                break;
+            }
+            if buf[..n].iter().all(|&b| b == 0) {
+                dst.seek(SeekFrom::Current(n as i64))?;
+            } else {
+                dst.write_all(&buf[..n])?;
+            }
+        }
+        dst.set_len(len)?;
+        dst.sync_all()?;
+        Ok(())
+    }
+
+    fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+        let mut n = 0;
+        while n < buf.len() {
+            match r.read(&mut buf[n..])? {
+                0 => break,
+                k => n += k,
+            }
+        }
+        Ok(n)
+    }
+
+    fn be32(b: &[u8], at: usize) -> u32 {
+        u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+    }
+
+    fn le32(b: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+    }
+
+    fn le64(b: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+    }
+
+    /// Byte offset and size of the partition named `name` in a GPT disk
+    /// (512- or 4096-byte sectors, as the header's location tells).
+    pub fn find_partition(disk: &mut File, name: &str) -> anyhow::Result<(u64, u64)> {
+        let mut header = [0u8; 92];
+        let mut sector = 0;
+        for s in [512u64, 4096] {
+            disk.seek(SeekFrom::Start(s))?;
+            if read_full(disk, &mut header)? == 92 && &header[..8] == b"EFI PART" {
+                sector = s;
+                break;
+            }
+        }
+        anyhow::ensure!(sector != 0, "no GPT header");
+        let entries_at = le64(&header, 72) * sector;
+        let count = le32(&header, 80) as usize;
+        let size = le32(&header, 84) as usize;
+        anyhow::ensure!((128..=4096).contains(&size), "GPT entry size {size}");
+        let mut table = vec![0u8; count.min(1024) * size];
+        disk.seek(SeekFrom::Start(entries_at))?;
+        disk.read_exact(&mut table)?;
+        for e in table.chunks(size) {
+            let units: Vec<u16> = e[56..128]
+                .chunks(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .take_while(|&u| u != 0)
+                .collect();
+            if e[..16].iter().any(|&b| b != 0) && String::from_utf16_lossy(&units) == name {
+                let (first, last) = (le64(e, 32), le64(e, 40));
+                return Ok((first * sector, (last + 1 - first) * sector));
+            }
+        }
+        anyhow::bail!("no partition named {name}")
+    }
+
+    /// The tags of one ADV copy, or why it is not valid.
+    pub fn read_copy(copy: &[u8]) -> Result<BTreeMap<u32, Vec<u8>>, String> {
+        if be32(copy, 0) != MAGIC1 || be32(copy, MAGIC2_AT) != MAGIC2 {
+            return Err("bad magic".into());
+        }
+        let mut zeroed = copy.to_vec();
+        zeroed[SUM_AT..SUM_AT + 32].fill(0);
+        if Sha256::digest(&zeroed)[..] != copy[SUM_AT..SUM_AT + 32] {
+            return Err("bad checksum".into());
+        }
+        let mut tags = BTreeMap::new();
+        let mut at = 4;
+        while at + 8 <= SUM_AT {
+            let (tag, size) = (be32(copy, at), be32(copy, at + 4) as usize);
+            if tag == 0 {
+                break;
+            }
+            let end = at + 8 + size;
+            if end > SUM_AT {
+                return Err(format!("tag {tag} runs past the data"));
+            }
+            tags.insert(tag, copy[at + 8..end].to_vec());
+            at = end;
+        }
+        Ok(tags)
+    }
+
+    /// One ADV copy holding `tags` in ascending order.
+    pub fn write_copy(tags: &BTreeMap<u32, Vec<u8>>) -> anyhow::Result<Vec<u8>> {
+        let used: usize = tags.values().map(|v| 8 + v.len()).sum();
+        anyhow::ensure!(used <= CAPACITY, "META is full: {used} > {CAPACITY} bytes");
+        let mut copy = vec![0u8; COPY];
+        copy[..4].copy_from_slice(&MAGIC1.to_be_bytes());
+        let mut at = 4;
+        for (tag, value) in tags {
+            copy[at..at + 4].copy_from_slice(&tag.to_be_bytes());
+            copy[at + 4..at + 8].copy_from_slice(&(value.len() as u32).to_be_bytes());
+            copy[at + 8..at + 8 + value.len()].copy_from_slice(value);
+            at += 8 + value.len();
+        }
+        copy[MAGIC2_AT..].copy_from_slice(&MAGIC2.to_be_bytes());
+        let sum = Sha256::digest(&copy);
+        copy[SUM_AT..SUM_AT + 32].copy_from_slice(&sum);
+        Ok(copy)
+    }
+
+    /// Sets `tags` in the META of the disk image at `path`, in place; the
+    /// keys already there survive unless overwritten.
+    pub fn merge_meta(path: &Path, tags: &[(u32, Vec<u8>)]) -> anyhow::Result<()> {
+        let mut disk = OpenOptions::new().read(true).write(true).open(path)?;
+        let (at, size) = find_partition(&mut disk, "META")?;
+        anyhow::ensure!(size >= 2 * COPY as u64 + 1024, "META is only {size} bytes");
+        let mut both = vec![0u8; 2 * COPY];
+        disk.seek(SeekFrom::Start(at))?;
+        disk.read_exact(&mut both)?;
+        let mut current = read_copy(&both[..COPY])
+            .or_else(|_| read_copy(&both[COPY..]))
+            .unwrap_or_default();
+        current.extend(tags.iter().cloned());
+        let copy = write_copy(&current)?;
+        disk.seek(SeekFrom::Start(at))?;
+        disk.write_all(&copy)?;
+        disk.write_all(&copy)?;
+        disk.sync_all()?;
+        Ok(())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// Public vectors (derived from talos.go's layout; the repository's
+        /// meta ADV vectors): one copy holding only tag 10 = "foo".
+        const FOO_FIRST_16: &str = "5a4b3c2d0000000a00000003666f6f00";
+        const FOO_CHECKSUM: &str =
+            "0974af06e9457710d1abb21c12a59893c13f6918b114be059da051b0f40ffd6b";
+        const EMPTY_CHECKSUM: &str =
+            "e7a327df2cfb2c3010ac1a387e9573d46ea52cac7f25db80ad8fbb41aceabf70";
+
+        fn hex(b: &[u8]) -> String {
+            super::super::hex_lower(b)
+        }
+
+        #[test]
+        fn adv_copy_matches_the_published_vectors() {
+            let copy = write_copy(&BTreeMap::from([(10, b"foo".to_vec())])).unwrap();
+            assert_eq!(copy.len(), COPY);
+            assert_eq!(hex(&copy[..16]), FOO_FIRST_16);
+            assert_eq!(hex(&copy[SUM_AT..SUM_AT + 32]), FOO_CHECKSUM);
+            assert_eq!(hex(&copy[MAGIC2_AT..]), "a5b4c3d2");
+            let empty = write_copy(&BTreeMap::new()).unwrap();
+            assert_eq!(hex(&empty[SUM_AT..SUM_AT + 32]), EMPTY_CHECKSUM);
+        }
+
+        #[test]
+        fn a_copy_reads_back_and_a_flipped_byte_is_refused() {
+            let tags =
+                BTreeMap::from([(10, b"addresses: []".to_vec()), (17, b"dual-boot".to_vec())]);
+            let mut copy = write_copy(&tags).unwrap();
+            assert_eq!(read_copy(&copy).unwrap(), tags);
+            copy[20] ^= 1;
+            assert_eq!(read_copy(&copy).unwrap_err(), "bad checksum");
+        }
+
+        #[test]
+        fn an_over_full_adv_is_refused() {
+            let tags = BTreeMap::from([(10, vec![b'x'; CAPACITY - 7])]);
+            assert!(
+                write_copy(&tags)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("META is full")
+            );
+            let tags = BTreeMap::from([(10, vec![b'x'; CAPACITY - 8])]);
+            assert!(write_copy(&tags).is_ok());
+        }
+    }
 }

@@ -4,6 +4,9 @@
 
 mod factory;
 mod node;
+mod proxmox;
+mod proxmox_schema;
+mod proxmox_upload;
 
 use clap::{Parser, Subcommand};
 
@@ -20,6 +23,8 @@ enum Command {
     Factory(factory::Args),
     /// A cluster of Talos nodes (machine API on port 50000, Kubernetes API).
     Nodes(node::Args),
+    /// A Proxmox VE node (pveproxy's HTTPS API: storage, uploads, tasks, VMs).
+    Proxmox(proxmox::Args),
 }
 
 #[tokio::main]
@@ -27,5 +32,6 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Factory(args) => factory::run(args).await,
         Command::Nodes(args) => node::run(args).await,
+        Command::Proxmox(args) => proxmox::run(args).await,
     }
 }

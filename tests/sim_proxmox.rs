@@ -1,0 +1,294 @@
+//! The Proxmox VE simulator driven the way a user's tools drive pveproxy:
+//! `curl -F` uploads (parts in the order given, with a Content-Length),
+//! task polling, and the certificate checked with openssl. The simulator
+//! shares no code with imgbuild, so these test it against the upstream
+//! facts alone.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+mod common;
+use common::{root, sim_bin, text};
+
+/// A Proxmox simulator on loopback; killed on drop.
+struct Pve {
+    child: Child,
+    url: String,
+    fingerprint: String,
+    token: String,
+    dir: tempfile::TempDir,
+}
+
+impl Pve {
+    fn start(extra: &[&str]) -> Pve {
+        Self::start_with("0", extra)
+    }
+
+    fn start_with(auth_delay_ms: &str, extra: &[&str]) -> Pve {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = Command::new(sim_bin())
+            .args([
+                "proxmox",
+                "--task-delay-ms",
+                "50",
+                "--auth-delay-ms",
+                auth_delay_ms,
+            ])
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("simulator did not start ({e}): {line:?}"));
+        assert_eq!(v["node"], "pve");
+        Pve {
+            child,
+            url: v["url"].as_str().unwrap().to_owned(),
+            fingerprint: v["fingerprint"].as_str().unwrap().to_owned(),
+            token: v["token"].as_str().unwrap().to_owned(),
+            dir,
+        }
+    }
+
+    fn api(&self, path: &str) -> String {
+        format!("{}api2/json{path}", self.url)
+    }
+
+    /// curl with the token; returns (HTTP status, body as JSON).
+    fn curl(&self, path: &str, args: &[&str]) -> (u16, serde_json::Value) {
+        let o = Command::new("curl")
+            .args(["-sk", "-w", "\n%{http_code}", "-H"])
+            .arg(format!("Authorization: PVEAPIToken={}", self.token))
+            .args(args)
+            .arg(self.api(path))
+            .output()
+            .unwrap();
+        let out = text(&o.stdout);
+        let (body, code) = out.rsplit_once('\n').unwrap();
+        let json = serde_json::from_str(body).unwrap_or(serde_json::Value::Null);
+        (code.parse().unwrap(), json)
+    }
+
+    /// Uploads `file` into `local` as pveproxy expects (`-F` parts in order).
+    fn upload(&self, file: &Path, checksum: &str) -> (u16, serde_json::Value) {
+        self.curl(
+            "/nodes/pve/storage/local/upload",
+            &[
+                "-F",
+                "content=import",
+                "-F",
+                "checksum-algorithm=sha256",
+                "-F",
+                &format!("checksum={checksum}"),
+                "-F",
+                &format!("filename=@{}", file.display()),
+            ],
+        )
+    }
+
+    /// Polls a task until it stops; its status.
+    fn wait(&self, upid: &serde_json::Value) -> serde_json::Value {
+        let upid = upid
+            .as_str()
+            .unwrap_or_else(|| panic!("not a UPID: {upid}"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (code, v) = self.curl(&format!("/nodes/pve/tasks/{upid}/status"), &[]);
+            assert_eq!(code, 200, "{v}");
+            if v["data"]["status"] == "stopped" {
+                return v["data"].clone();
+            }
+            assert!(Instant::now() < deadline, "task {upid} never stopped");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn stored(&self, name: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("state/storage/local/import")
+            .join(name)
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        let o = Command::new("curl")
+            .args(["-sk", &format!("{}_sim/stats", self.url)])
+            .output()
+            .unwrap();
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+}
+
+impl Drop for Pve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A Talos-shaped raw image from the fixtures, renamed as imgbuild names
+/// uploads; returns its path and sha256.
+fn fixture(dir: &Path) -> (PathBuf, String) {
+    let fx = dir.join("fx");
+    let ok = Command::new(root().join("fixtures/make-images.sh"))
+        .arg(&fx)
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "{}", text(&ok.stderr));
+    let image = dir.join("sim-cp-01-v1.11.2-0123456789ab.raw");
+    std::fs::rename(fx.join("dual-boot.raw"), &image).unwrap();
+    let sum = Sha256::digest(std::fs::read(&image).unwrap());
+    (image, hex::encode(sum))
+}
+
+#[test]
+fn an_upload_with_the_right_checksum_is_stored_byte_for_byte() {
+    let pve = Pve::start(&[]);
+    let (image, sum) = fixture(pve.dir.path());
+    // Upper case: the server compares checksums case-insensitively.
+    let (code, v) = pve.upload(&image, &sum.to_uppercase());
+    assert_eq!(code, 200, "{v}");
+    let task = pve.wait(&v["data"]);
+    assert_eq!(task["exitstatus"], "OK", "{task}");
+    assert_eq!(task["type"], "imgcopy");
+    let name = image.file_name().unwrap().to_str().unwrap();
+    assert_eq!(
+        std::fs::read(pve.stored(name)).unwrap(),
+        std::fs::read(&image).unwrap()
+    );
+    let (_, list) = pve.curl("/nodes/pve/storage/local/content?content=import", &["-G"]);
+    let item = &list["data"][0];
+    assert_eq!(item["volid"], format!("local:import/{name}"));
+    assert_eq!(item["format"], "raw");
+    assert_eq!(item["size"], std::fs::metadata(&image).unwrap().len());
+    let stats = pve.stats();
+    assert_eq!(
+        (stats["uploads"].as_u64(), stats["uploadAttempts"].as_u64()),
+        (Some(1), Some(1))
+    );
+}
+
+#[test]
+fn a_wrong_checksum_ends_the_task_with_the_mismatch_and_stores_nothing() {
+    let pve = Pve::start(&[]);
+    let (image, sum) = fixture(pve.dir.path());
+    let wrong = "0".repeat(64);
+    let (code, v) = pve.upload(&image, &wrong);
+    assert_eq!(code, 200, "{v}");
+    let task = pve.wait(&v["data"]);
+    assert_eq!(
+        task["exitstatus"],
+        format!("checksum mismatch: got '{sum}' != expect '{wrong}'")
+    );
+    assert!(
+        !pve.stored(image.file_name().unwrap().to_str().unwrap())
+            .exists()
+    );
+    let upid = v["data"].as_str().unwrap();
+    let (_, log) = pve.curl(
+        &format!("/nodes/pve/tasks/{upid}/log?start=0&limit=50"),
+        &["-G"],
+    );
+    let last = log["data"].as_array().unwrap().last().unwrap()["t"].clone();
+    assert_eq!(
+        last,
+        format!("TASK ERROR: checksum mismatch: got '{sum}' != expect '{wrong}'")
+    );
+    assert_eq!(pve.stats()["uploads"], 0);
+}
+
+#[test]
+fn a_file_part_named_file_and_a_storage_without_import_are_refused() {
+    let pve = Pve::start(&["--no-import-storage"]);
+    let (image, sum) = fixture(pve.dir.path());
+    let (code, v) = pve.upload(&image, &sum);
+    assert_eq!(code, 500);
+    assert_eq!(
+        v["message"],
+        "storage 'local' does not support 'import' content\n"
+    );
+    let (code, _) = pve.curl(
+        "/nodes/pve/storage/local/upload",
+        &[
+            "-F",
+            "content=import",
+            "-F",
+            &format!("file=@{}", image.display()),
+        ],
+    );
+    assert_eq!(code, 500);
+    let (code, v) = pve.curl("/nodes/pve/storage?content=import&enabled=1", &["-G"]);
+    assert_eq!(
+        (code, v["data"].as_array().map(Vec::len)),
+        (200, Some(0)),
+        "{v}"
+    );
+}
+
+#[test]
+fn a_wrong_token_is_refused_after_the_delay_without_echoing_it() {
+    let pve = Pve::start_with("400", &[]);
+    let started = Instant::now();
+    let o = Command::new("curl")
+        .args([
+            "-sk",
+            "-i",
+            "-H",
+            "Authorization: PVEAPIToken=root@pam!x=s3cr3t-guess",
+        ])
+        .arg(pve.api("/version"))
+        .output()
+        .unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    let out = text(&o.stdout);
+    assert!(out.starts_with("HTTP/1.1 401 "), "{out}");
+    assert!(!out.contains("s3cr3t"), "{out}");
+}
+
+#[test]
+fn the_printed_fingerprint_is_the_served_certificate() {
+    let pve = Pve::start(&[]);
+    let hostport = pve.url.trim_start_matches("https://").trim_end_matches('/');
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "openssl s_client -connect {hostport} </dev/null 2>/dev/null | openssl x509 -noout -fingerprint -sha256"
+        ))
+        .output()
+        .unwrap();
+    let out = text(&o.stdout);
+    let served = out.trim().rsplit('=').next().unwrap();
+    assert_eq!(served, pve.fingerprint, "{out}");
+    assert_eq!(pve.fingerprint.len(), 32 * 3 - 1);
+}
+
+#[test]
+fn a_cut_upload_gets_no_answer_and_the_next_attempt_succeeds() {
+    let pve = Pve::start(&["--drop-upload-after", "100000"]);
+    let (image, sum) = fixture(pve.dir.path());
+    // curl reports an empty reply; nothing is answered, nothing stored.
+    let (code, _) = pve.upload(&image, &sum);
+    assert_eq!(code, 0);
+    let name = image.file_name().unwrap().to_str().unwrap();
+    assert!(!pve.stored(name).exists());
+    let (code, v) = pve.upload(&image, &sum);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    let stats = pve.stats();
+    assert_eq!(stats["uploadAttempts"], 2);
+    assert_eq!(stats["uploads"], 1);
+    let staged = std::fs::read_dir(pve.dir.path().join("state/tmp"))
+        .unwrap()
+        .count();
+    assert_eq!(staged, 0, "staging files left behind");
+}
