@@ -6,78 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 mod common;
+use common::sims::Sim;
 use common::{root, sim_bin, text, tmpfs_dir};
 
 const LOOPBACK: &str = "examples/loopback/cluster.yaml";
-
-/// A factory simulator on loopback; killed on drop.
-struct Sim {
-    child: Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Sim {
-    fn start(misbehave: &[&str]) -> Sim {
-        Self::start_with(misbehave, 0, &[])
-    }
-
-    fn start_with(misbehave: &[&str], random_mib: u32, extra: &[&str]) -> Sim {
-        let dir = tempfile::tempdir().unwrap();
-        let fx = dir.path().join("fx");
-        let ok = Command::new(root().join("fixtures/make-images.sh"))
-            .arg(&fx)
-            .env("RANDOM_MIB", random_mib.to_string())
-            .output()
-            .unwrap();
-        assert!(
-            ok.status.success(),
-            "{}",
-            String::from_utf8_lossy(&ok.stderr)
-        );
-        let mut cmd = Command::new(sim_bin());
-        cmd.args(["factory", "--alt-listen", "127.0.0.2:0", "--base-image"])
-            .arg(fx.join("dual-boot.raw"))
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .args(extra)
-            .stdout(Stdio::piped());
-        for m in misbehave {
-            cmd.args(["--misbehave", m]);
-        }
-        let mut child = cmd.spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        Sim {
-            child,
-            url: v["url"].as_str().unwrap().to_owned(),
-            _dir: dir,
-        }
-    }
-
-    fn image_gets(&self) -> u64 {
-        let out = Command::new("curl")
-            .args(["-s", &format!("{}/_sim/stats", self.url)])
-            .output()
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v.as_object()
-            .unwrap()
-            .values()
-            .map(|n| n.as_u64().unwrap())
-            .sum()
-    }
-}
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 struct Run {
     dir: tempfile::TempDir,

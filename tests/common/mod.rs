@@ -2,6 +2,8 @@
 //! run the real binary, how to read its output.
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod sims;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

@@ -1,0 +1,201 @@
+//! Handles on the simulators the end-to-end tests start: each is a child
+//! process on loopback that prints one JSON line once it listens, and is
+//! killed when its handle drops.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{root, sim_bin, text};
+
+/// Starts `imgbuild-sim <args>` and reads the JSON line it prints.
+fn spawn(args: &mut Command) -> (Child, serde_json::Value) {
+    let mut child = args.stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let v = serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("simulator did not start ({e}): {line:?}"));
+    (child, v)
+}
+
+/// A factory simulator on loopback; killed on drop.
+pub struct Sim {
+    child: Child,
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Sim {
+    pub fn start(misbehave: &[&str]) -> Sim {
+        Self::start_with(misbehave, 0, &[])
+    }
+
+    pub fn start_with(misbehave: &[&str], random_mib: u32, extra: &[&str]) -> Sim {
+        let dir = tempfile::tempdir().unwrap();
+        let fx = dir.path().join("fx");
+        let ok = Command::new(root().join("fixtures/make-images.sh"))
+            .arg(&fx)
+            .env("RANDOM_MIB", random_mib.to_string())
+            .output()
+            .unwrap();
+        assert!(
+            ok.status.success(),
+            "{}",
+            String::from_utf8_lossy(&ok.stderr)
+        );
+        let mut cmd = Command::new(sim_bin());
+        cmd.args(["factory", "--alt-listen", "127.0.0.2:0", "--base-image"])
+            .arg(fx.join("dual-boot.raw"))
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(extra);
+        for m in misbehave {
+            cmd.args(["--misbehave", m]);
+        }
+        let (child, v) = spawn(&mut cmd);
+        Sim {
+            child,
+            url: v["url"].as_str().unwrap().to_owned(),
+            _dir: dir,
+        }
+    }
+
+    pub fn image_gets(&self) -> u64 {
+        let out = Command::new("curl")
+            .args(["-s", &format!("{}/_sim/stats", self.url)])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v.as_object()
+            .unwrap()
+            .values()
+            .map(|n| n.as_u64().unwrap())
+            .sum()
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A Proxmox VE simulator on loopback; killed on drop.
+pub struct Pve {
+    child: Child,
+    pub url: String,
+    pub fingerprint: String,
+    pub token: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl Pve {
+    pub fn start(extra: &[&str]) -> Pve {
+        Self::start_with("0", extra)
+    }
+
+    pub fn start_with(auth_delay_ms: &str, extra: &[&str]) -> Pve {
+        let dir = tempfile::tempdir().unwrap();
+        let (child, v) = spawn(
+            Command::new(sim_bin())
+                .args([
+                    "proxmox",
+                    "--task-delay-ms",
+                    "50",
+                    "--auth-delay-ms",
+                    auth_delay_ms,
+                ])
+                .arg("--state-dir")
+                .arg(dir.path().join("state"))
+                .args(extra),
+        );
+        assert_eq!(v["node"], "pve");
+        Pve {
+            child,
+            url: v["url"].as_str().unwrap().to_owned(),
+            fingerprint: v["fingerprint"].as_str().unwrap().to_owned(),
+            token: v["token"].as_str().unwrap().to_owned(),
+            dir,
+        }
+    }
+
+    pub fn api(&self, path: &str) -> String {
+        format!("{}api2/json{path}", self.url)
+    }
+
+    /// curl with the token; returns (HTTP status, body as JSON).
+    pub fn curl(&self, path: &str, args: &[&str]) -> (u16, serde_json::Value) {
+        let o = Command::new("curl")
+            .args(["-sk", "-w", "\n%{http_code}", "-H"])
+            .arg(format!("Authorization: PVEAPIToken={}", self.token))
+            .args(args)
+            .arg(self.api(path))
+            .output()
+            .unwrap();
+        let out = text(&o.stdout);
+        let (body, code) = out.rsplit_once('\n').unwrap();
+        let json = serde_json::from_str(body).unwrap_or(serde_json::Value::Null);
+        (code.parse().unwrap(), json)
+    }
+
+    /// Uploads `file` into `local` as pveproxy expects (`-F` parts in order).
+    pub fn upload(&self, file: &Path, checksum: &str) -> (u16, serde_json::Value) {
+        self.curl(
+            "/nodes/pve/storage/local/upload",
+            &[
+                "-F",
+                "content=import",
+                "-F",
+                "checksum-algorithm=sha256",
+                "-F",
+                &format!("checksum={checksum}"),
+                "-F",
+                &format!("filename=@{}", file.display()),
+            ],
+        )
+    }
+
+    /// Polls a task until it stops; its status.
+    pub fn wait(&self, upid: &serde_json::Value) -> serde_json::Value {
+        let upid = upid
+            .as_str()
+            .unwrap_or_else(|| panic!("not a UPID: {upid}"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (code, v) = self.curl(&format!("/nodes/pve/tasks/{upid}/status"), &[]);
+            assert_eq!(code, 200, "{v}");
+            if v["data"]["status"] == "stopped" {
+                return v["data"].clone();
+            }
+            assert!(Instant::now() < deadline, "task {upid} never stopped");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Where the simulator keeps an import volume's file.
+    pub fn stored(&self, name: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("state/storage/local/import")
+            .join(name)
+    }
+
+    pub fn stats(&self) -> serde_json::Value {
+        let o = Command::new("curl")
+            .args(["-sk", &format!("{}_sim/stats", self.url)])
+            .output()
+            .unwrap();
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+}
+
+impl Drop for Pve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
