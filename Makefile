@@ -36,7 +36,9 @@ test: deps lint build
 # The pipeline so far, on loopback only: validate the inventory, print every
 # node's schematic ID, start the factory simulator on 127.0.0.1, build every
 # node's image by the patch route (one base download) and the factory route,
-# verify them against the manifest, and look inside one. Then the bootstrap:
+# verify them against the manifest, and look inside one; publish them to the
+# Proxmox VE simulator (uploads + one VM per node), twice: the second run
+# changes nothing. Then the bootstrap:
 # a simulated cluster of the same five nodes (each on its own 127.0.0.x:50000,
 # booted in maintenance mode) is configured, bootstrapped and checked healthy,
 # and a second run shows it changes nothing.
@@ -58,7 +60,16 @@ demo: build
 	$(IMGBUILD) --config $(LOOPBACK) build --factory $$factory --out-dir $(DEMO)/patch --cache-dir $(DEMO)/cache; \
 	$(IMGBUILD) --config $(LOOPBACK) build --route factory --factory $$factory --out-dir $(DEMO)/factory --cache-dir $(DEMO)/cache; \
 	$(IMGBUILD) verify --out-dir $(DEMO)/patch; \
-	$(IMGBUILD) inspect $(DEMO)/patch/cp-01.raw
+	$(IMGBUILD) inspect $(DEMO)/patch/cp-01.raw; \
+	{ cat $(LOOPBACK); printf 'publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300}\n'; } > $(DEMO)/proxmox.yaml; \
+	target/debug/imgbuild-sim proxmox --state-dir $(DEMO)/pve --auth-delay-ms 0 --task-delay-ms 100 > $(DEMO)/pve.json & pve=$$!; \
+	trap "kill $$sim $$pve" EXIT; for i in $$(seq 50); do [ -s $(DEMO)/pve.json ] && break; sleep 0.1; done; \
+	export PROXMOX_VE_ENDPOINT=$$(sed 's/.*"url":"\([^"]*\)".*/\1/' $(DEMO)/pve.json); \
+	export PROXMOX_VE_API_TOKEN=$$(sed 's/.*"token":"\([^"]*\)".*/\1/' $(DEMO)/pve.json); \
+	export PROXMOX_VE_FINGERPRINT=$$(sed 's/.*"fingerprint":"\([^"]*\)".*/\1/' $(DEMO)/pve.json); \
+	echo "Proxmox VE simulator at $$PROXMOX_VE_ENDPOINT (certificate pinned)"; \
+	$(IMGBUILD) --config $(DEMO)/proxmox.yaml publish --factory $$factory --out-dir $(DEMO)/patch --cache-dir $(DEMO)/cache --poll-ms 100; \
+	$(IMGBUILD) --config $(DEMO)/proxmox.yaml publish --factory $$factory --out-dir $(DEMO)/patch --cache-dir $(DEMO)/cache --poll-ms 100
 	@set -e; target/debug/imgbuild-sim nodes $(LOOPBACK_NODES) --vip 127.0.0.20 > $(DEMO)/nodes.json & sim=$$!; \
 	trap "kill $$sim" EXIT; for i in $$(seq 50); do [ -s $(DEMO)/nodes.json ] && break; sleep 0.1; done; \
 	echo "node simulator: $$(cat $(DEMO)/nodes.json)"; \
@@ -87,3 +98,4 @@ bench: deps
 	bench/patch.sh
 	bench/fetch.sh
 	bench/bootstrap.sh
+	bench/publish.sh

@@ -1,13 +1,12 @@
 //! End to end: `imgbuild build`/`node`/`verify` against the factory
 //! simulator on loopback, both routes, and every way a download goes wrong.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 
 mod common;
 use common::sims::Sim;
-use common::{root, sim_bin, text, tmpfs_dir};
+use common::{root, text, tmpfs_dir};
 
 const LOOPBACK: &str = "examples/loopback/cluster.yaml";
 
@@ -277,6 +276,18 @@ fn recovers(misbehave: &[&str], want_stderr: &str) {
         text(&o.stderr)
     );
     assert_eq!(key10_address(&run.out().join("cp-02.raw")), "127.0.0.12/8");
+}
+
+#[test]
+fn a_factory_answering_503_twice_then_201_to_a_schematic_post_succeeds() {
+    recovers(&["schematics-503:2"], "");
+    // Always 503: the retries run out and the error names the request.
+    let sim = Sim::start(&["schematics-503"]);
+    let o = Run::new().imgbuild(&sim, &["node", "cp-01", "--retries", "2"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    let want = format!("POST {}/schematics: HTTP 503: service unavailable", sim.url);
+    assert!(err.contains(&want), "want {want:?} in {err}");
 }
 
 #[test]

@@ -47,7 +47,8 @@ pub struct Args {
     )]
     extensions: Vec<String>,
     /// MODE or MODE:N (first N image requests only). Modes: not-found-200,
-    /// html-200, truncate, wrong-length, trailing, 5xx, redirect, slow, wrong-id.
+    /// html-200, truncate, wrong-length, trailing, 5xx, redirect, slow, wrong-id,
+    /// schematics-503 (`POST /schematics` answers 503 Service Unavailable).
     #[arg(long)]
     misbehave: Vec<String>,
 }
@@ -233,6 +234,9 @@ fn hex_lower(bytes: &[u8]) -> String {
 }
 
 async fn post_schematic(State(sim): State<Arc<Sim>>, body: String) -> Response {
+    if take_mode(&sim, &["schematics-503"]).is_some() {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "service unavailable");
+    }
     let schematic: SchematicShape = match serde_yaml_ng::from_str::<Option<SchematicShape>>(&body) {
         Ok(s) => s.unwrap_or_default(),
         Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),

@@ -185,7 +185,11 @@ mod tests {
             changes: vec![(10, Some(vec![b'x'; 300 * 1024]))],
         })
         .unwrap_err();
-        assert!(err.to_string().contains("META is full"), "{err}");
+        let msg = format!("{:#}", anyhow::Error::new(err));
+        assert!(
+            msg.contains("dual-boot.raw") && msg.contains("META is full"),
+            "{msg}"
+        );
         assert!(std::fs::read(&image).unwrap() == original);
     }
 

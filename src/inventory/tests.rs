@@ -150,11 +150,11 @@ fn endpoint_on_the_vip_warns_when_the_first_control_plane_is_unreachable() {
 
 #[test]
 fn unknown_sections_and_keys_are_rejected_with_their_line() {
-    let text = format!("{ATLAS}publish:\n  proxmox: {{}}\n");
+    let text = format!("{ATLAS}deploy:\n  target: {{}}\n");
     let err = error_of(&text);
-    assert!(err.contains("unknown field `publish`"), "{err}");
+    assert!(err.contains("unknown field `deploy`"), "{err}");
     assert!(
-        err.contains(&format!("line {}", line_of(&text, "publish:"))),
+        err.contains(&format!("line {}", line_of(&text, "deploy:"))),
         "{err}"
     );
     let err = error_of(&atlas_with(

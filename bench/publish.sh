@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Benchmark for publishing (run by `make bench`): uploading one 4 GiB raw
+# node image into the Proxmox VE simulator's `import` storage, with
+# `imgbuild publish` vs `curl -F` making the same multipart upload (same part
+# order, same checksum), both waiting for the server's task (checksum,
+# `qemu-img info`, copy) to finish. Interleaved runs, each against a fresh
+# simulator; imgbuild's peak RSS from GNU time.
+# Needs target/release/{imgbuild,imgbuild-sim}, sgdisk, qemu-img, curl, GNU
+# time, bc.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+bin=$root/target/release/imgbuild
+sim_bin=$root/target/release/imgbuild-sim
+runs=${BENCH_RUNS:-3}
+work=${BENCH_DIR:-$(mktemp -d -p "${TMPDIR:-/var/tmp}" imgbuild-publish.XXXXXX)}
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+cd "$work"
+now() { date +%s.%N; }
+secs() { echo "$2 - $1" | bc -l; }
+
+# A 4 GiB Talos-shaped base with 1 GiB of data; the node image is built from
+# it by the patch route (META key 10 written), so it is a real node image.
+truncate -s 4G base.raw
+sgdisk -n1:2048:+100M -c1:EFI -n2:0:+1M -c2:BIOS -n3:0:+3000M -c3:BOOT -n4:0:+1M -c4:META base.raw >/dev/null
+dd if=/dev/urandom of=base.raw bs=1M seek=110 count=1024 conv=notrunc status=none
+printf dual-boot > k17
+"$bin" meta set base.raw --key 17 --value-file k17 >/dev/null
+"$sim_bin" factory --base-image base.raw --state-dir fsim > factory.json & pids+=($!)
+for _ in $(seq 100); do [ -s factory.json ] && break; sleep 0.1; done
+factory=$(sed 's/.*"url":"\([^"]*\)".*/\1/' factory.json)
+cat > cluster.yaml <<'EOF'
+cluster: {name: bench, talosVersion: v1.11.2, kubernetesVersion: v1.32.1, endpoint: "https://127.0.3.10:6443"}
+network: {cidr: 127.0.0.0/8, gateway: 127.0.0.1, interface: eth0}
+publish:
+  proxmox: {node: pve, storage: local}
+nodes:
+  - {name: cp-01, role: controlplane, address: 127.0.3.11}
+EOF
+"$bin" --config cluster.yaml build --factory "$factory" --out-dir out --cache-dir cache --quiet >/dev/null
+image=out/cp-01.raw
+sha=$(sha256sum "$image" | cut -d' ' -f1)
+size=$(stat -c %s "$image")
+
+pve() { # starts a fresh simulator; sets url, token, fp
+  rm -rf pve pve.json
+  "$sim_bin" proxmox --state-dir pve --task-delay-ms 0 --auth-delay-ms 0 > pve.json & pids+=($!)
+  for _ in $(seq 100); do [ -s pve.json ] && break; sleep 0.1; done
+  url=$(sed 's/.*"url":"\([^"]*\)".*/\1/' pve.json)
+  token=$(sed 's/.*"token":"\([^"]*\)".*/\1/' pve.json)
+  fp=$(sed 's/.*"fingerprint":"\([^"]*\)".*/\1/' pve.json)
+}
+stop_pve() { kill "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true; }
+
+run_curl() {
+  local upid status
+  upid=$(curl -sk -H "Authorization: PVEAPIToken=$token" \
+    -F content=import -F checksum-algorithm=sha256 -F "checksum=$sha" \
+    -F "filename=@$image;filename=bench-cp-01-v1.11.2-${sha:0:12}.raw" \
+    "${url}api2/json/nodes/pve/storage/local/upload" | sed 's/.*"data":"\([^"]*\)".*/\1/')
+  while :; do
+    status=$(curl -sk -H "Authorization: PVEAPIToken=$token" "${url}api2/json/nodes/pve/tasks/$upid/status")
+    case $status in *'"stopped"'*) break ;; esac
+    sleep 0.5
+  done
+  case $status in *'"exitstatus":"OK"'*) ;; *) echo "curl upload failed: $status" >&2; exit 1 ;; esac
+}
+
+run_imgbuild() {
+  PROXMOX_VE_ENDPOINT=$url PROXMOX_VE_API_TOKEN=$token PROXMOX_VE_FINGERPRINT=$fp \
+    /usr/bin/time -f %M -o rss "$bin" --config cluster.yaml publish --factory "$factory" \
+    --out-dir out --cache-dir cache --quiet --output json > published.json
+  grep -q '"uploaded":true' published.json
+}
+
+rows=()
+for i in $(seq "$runs"); do
+  pve; sync; t0=$(now); run_curl; t1=$(now); stop_pve
+  pve; sync; t2=$(now); run_imgbuild; t3=$(now); stop_pve
+  c=$(secs "$t0" "$t1"); m=$(secs "$t2" "$t3")
+  rows+=("$(printf '| upload %d MiB raw image + task, run %d | %.2f s | `curl -F`: %.2f s | %.2f | %d KiB |' \
+    "$((size / 1048576))" "$i" "$m" "$c" "$(echo "$m / $c" | bc -l)" "$(cat rss)")")
+done
+printf '| benchmark | imgbuild publish | baseline | ratio | imgbuild peak RSS |\n|---|---|---|---|---|\n'
+printf '%s\n' "${rows[@]}"
