@@ -429,10 +429,7 @@ pub fn hash_file(path: &Path) -> Result<(String, u64), BuildError> {
         source,
     };
     let f = std::fs::File::open(path).map_err(io_err)?;
-    let mut r = fetch::io::HashingReader::new(f, false);
-    std::io::copy(&mut r, &mut std::io::sink()).map_err(io_err)?;
-    let size = r.count();
-    Ok((r.finish().0, size))
+    crate::io::sha256_of(f).map_err(io_err)
 }
 
 /// One manifest entry checked against the file on disk.

@@ -9,6 +9,7 @@ pub mod disk;
 pub mod factory;
 pub mod fetch;
 pub mod inventory;
+pub mod io;
 pub mod meta;
 pub mod net;
 pub mod publish;

@@ -88,6 +88,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .as_ref()
         .map(|l| l.local_addr().map(|a| format!("http://{a}")))
         .transpose()?;
+    const MODES: [&str; 10] = [
+        "not-found-200",
+        "html-200",
+        "truncate",
+        "wrong-length",
+        "trailing",
+        "5xx",
+        "redirect",
+        "slow",
+        "wrong-id",
+        "schematics-503",
+    ];
+    for m in &args.misbehave {
+        let mode = m.split_once(':').map_or(m.as_str(), |(mode, _)| mode);
+        anyhow::ensure!(MODES.contains(&mode), "unknown --misbehave mode {mode:?}");
+    }
     let modes = args
         .misbehave
         .iter()

@@ -10,6 +10,7 @@ mod sparse;
 pub use sparse::copy_sparse;
 pub(crate) use sparse::write_data_blocks;
 
+use crate::io::Magic;
 use crate::meta::{Adv, Decoded, adv::ADV_SIZE};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -271,12 +272,10 @@ fn read_up_to(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
 
 /// The format from the first bytes: qcow2 magic, or a GPT header at LBA 1.
 pub fn sniff(head: &[u8]) -> Option<Format> {
-    if head.starts_with(b"QFI\xfb") {
-        Some(Format::Qcow2)
-    } else if head.len() >= 520 && &head[512..520] == b"EFI PART" {
-        Some(Format::Raw)
-    } else {
-        None
+    match Magic::detect(head) {
+        Some(Magic::Qcow2) => Some(Format::Qcow2),
+        Some(Magic::Gpt) => Some(Format::Raw),
+        _ => None,
     }
 }
 
@@ -377,19 +376,32 @@ fn read_gpt(backend: &Backend, len: u64, path: &Path) -> Result<Vec<Partition>, 
 impl Image {
     /// SHA-256 of a partition's bytes, streamed.
     pub fn partition_sha256(&self, p: &Partition) -> Result<String, DiskError> {
-        use sha2::{Digest, Sha256};
-        let mut h = Sha256::new();
-        let mut buf = vec![0u8; 1 << 20];
-        let mut off = 0u64;
-        while off < p.size {
-            let n = (p.size - off).min(buf.len() as u64) as usize;
-            self.backend
-                .read_at(&mut buf[..n], p.offset + off)
-                .map_err(io(&self.path))?;
-            h.update(&buf[..n]);
-            off += n as u64;
+        let part = PartitionReader {
+            image: self,
+            pos: p.offset,
+            end: p.offset + p.size,
+        };
+        let (sha, _) = crate::io::sha256_of(part).map_err(io(&self.path))?;
+        Ok(sha)
+    }
+}
+
+/// A partition's bytes as a stream, through the image's block backend.
+struct PartitionReader<'a> {
+    image: &'a Image,
+    pos: u64,
+    end: u64,
+}
+
+impl Read for PartitionReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = (self.end - self.pos).min(buf.len() as u64) as usize;
+        if n == 0 {
+            return Ok(0);
         }
-        Ok(hex::encode(h.finalize()))
+        self.image.backend.read_at(&mut buf[..n], self.pos)?;
+        self.pos += n as u64;
+        Ok(n)
     }
 }
 

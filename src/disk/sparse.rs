@@ -6,7 +6,7 @@
 //! Across filesystems (a cache on tmpfs, `out/` on disk) it cannot, and the
 //! extents are read and written instead, skipping all-zero blocks.
 
-use crate::fetch::io::BUF_SIZE;
+use crate::io::BUF_SIZE;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;

@@ -3,11 +3,11 @@
 //! and (when pinned) hash all checked out; until then it is a temp file
 //! that a crash or kill cannot promote.
 
-pub mod io;
-
 use crate::atomic::AtomicFile;
 use crate::net::{self, NetError};
-use io::{ExactLengthReader, HashingReader, Magic, PeekReader, copy_sparse_from, describe};
+use crate::io::{
+    self, ExactLengthReader, HashingReader, Magic, PeekReader, copy_sparse_from, describe,
+};
 use reqwest::StatusCode;
 use reqwest::blocking::{Client, Response};
 use reqwest::header;

@@ -25,18 +25,21 @@ pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// The simulator binary, built next to imgbuild.
+/// The simulator binary, built next to imgbuild. `cargo test` builds only
+/// this package's binaries, so the simulator is brought up to date once per
+/// test process (a no-op when it is): a stale one would ignore new switches.
 pub fn sim_bin() -> PathBuf {
+    static BUILT: std::sync::Once = std::sync::Once::new();
     let imgbuild = PathBuf::from(env!("CARGO_BIN_EXE_imgbuild"));
     let sim = imgbuild.with_file_name("imgbuild-sim");
-    if !sim.exists() {
+    BUILT.call_once(|| {
         let st = Command::new(env!("CARGO"))
             .args(["build", "-p", "imgbuild-sim"])
             .current_dir(root())
             .status()
             .unwrap();
-        assert!(st.success());
-    }
+        assert!(st.success(), "building imgbuild-sim failed");
+    });
     sim
 }
 

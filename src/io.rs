@@ -1,6 +1,6 @@
 //! Small composable readers and writers, one concern each: a download is a
 //! stack of them (body → length check → hash → magic check → decompress →
-//! hash → sparse temp file).
+//! hash → sparse temp file); builds, disks and publishers reuse them.
 
 use sha2::{Digest, Sha256, Sha512};
 use std::io::{self, Read};
@@ -54,6 +54,14 @@ impl<R: Read> Read for HashingReader<R> {
         self.count += n as u64;
         Ok(n)
     }
+}
+
+/// SHA-256 (hex) and length of everything `r` yields: the one hash loop.
+pub fn sha256_of(r: impl Read) -> io::Result<(String, u64)> {
+    let mut h = HashingReader::new(r, false);
+    io::copy(&mut h, &mut io::sink())?;
+    let n = h.count();
+    Ok((h.finish().0, n))
 }
 
 /// Refuses to yield more than `expected` bytes and reports an early end:
