@@ -292,3 +292,112 @@ fn a_cut_upload_gets_no_answer_and_the_next_attempt_succeeds() {
         .count();
     assert_eq!(staged, 0, "staging files left behind");
 }
+
+#[test]
+fn a_vm_is_created_from_an_import_resized_started_and_its_disk_replaced() {
+    let pve = Pve::start(&[]);
+    let (image, sum) = fixture(pve.dir.path());
+    let (_, v) = pve.upload(&image, &sum);
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    let volid = format!(
+        "local:import/{}",
+        image.file_name().unwrap().to_str().unwrap()
+    );
+    let scsi0 = format!("scsi0=local-lvm:0,import-from={volid},discard=on,ssd=1");
+    let create = [
+        "vmid=301",
+        "name=cp-01",
+        "machine=q35",
+        "bios=ovmf",
+        "cpu=host",
+        "cores=2",
+        "memory=4096",
+        "balloon=0",
+        "onboot=1",
+        "scsihw=virtio-scsi-pci",
+        &scsi0,
+        "efidisk0=local-lvm:1,efitype=4m,pre-enrolled-keys=0",
+        "net0=virtio=BC:24:11:00:00:11,bridge=vmbr0",
+        "serial0=socket",
+        "boot=order=scsi0",
+    ];
+    let form: Vec<&str> = create
+        .iter()
+        .flat_map(|kv| ["--data-urlencode", kv])
+        .collect();
+    let (code, v) = pve.curl("/nodes/pve/qemu", &form);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    let (_, cfg) = pve.curl("/nodes/pve/qemu/301/config", &[]);
+    let size = std::fs::metadata(&image).unwrap().len() >> 20;
+    assert_eq!(
+        cfg["data"]["scsi0"],
+        format!("local-lvm:vm-301-disk-1,discard=on,size={size}M,ssd=1")
+    );
+    assert_eq!(cfg["data"]["cores"], 2);
+    let disk = pve
+        .dir
+        .path()
+        .join("state/storage/local-lvm/vm-301-disk-1.raw");
+    assert_eq!(
+        std::fs::read(&disk).unwrap(),
+        std::fs::read(&image).unwrap()
+    );
+    // The same vmid again: PVE's refusal.
+    let (code, v) = pve.curl("/nodes/pve/qemu", &form);
+    assert_eq!(code, 500);
+    assert_eq!(
+        v["message"],
+        "unable to create VM 301 - VM 301 already exists on node 'pve'\n"
+    );
+    // A bad key inside a property string is named.
+    let (code, v) = pve.curl(
+        "/nodes/pve/qemu",
+        &[
+            "-d",
+            "vmid=302",
+            "--data-urlencode",
+            "net0=virtio,colour=red",
+        ],
+    );
+    assert_eq!(code, 400);
+    assert_eq!(
+        v["errors"]["net0"],
+        "invalid format - invalid key in comma-separated list property: colour\n"
+    );
+
+    let (_, v) = pve.curl(
+        "/nodes/pve/qemu/301/resize",
+        &["-X", "PUT", "-d", "disk=scsi0", "-d", "size=1G"],
+    );
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    assert_eq!(std::fs::metadata(&disk).unwrap().len(), 1 << 30);
+    let (_, v) = pve.curl("/nodes/pve/qemu/301/status/start", &["-X", "POST"]);
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    let (_, st) = pve.curl("/nodes/pve/qemu/301/status/current", &[]);
+    assert_eq!(st["data"]["status"], "running");
+
+    let (_, v) = pve.curl("/nodes/pve/qemu/301/config", &["--data-urlencode", &scsi0]);
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    let (_, cfg) = pve.curl("/nodes/pve/qemu/301/config", &[]);
+    assert_eq!(cfg["data"]["unused0"], "local-lvm:vm-301-disk-1");
+    assert!(
+        cfg["data"]["scsi0"]
+            .as_str()
+            .unwrap()
+            .starts_with("local-lvm:vm-301-disk-2,")
+    );
+    let (_, v) = pve.curl("/nodes/pve/qemu/301/config", &["-d", "delete=unused0"]);
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    assert!(!disk.exists());
+    let stats = pve.stats();
+    assert_eq!(
+        [
+            &stats["vmCreates"],
+            &stats["resizes"],
+            &stats["starts"],
+            &stats["vmConfigChanges"]
+        ],
+        [1, 1, 1, 2]
+    );
+}
