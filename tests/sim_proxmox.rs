@@ -4,137 +4,15 @@
 //! shares no code with imgbuild, so these test it against the upstream
 //! facts alone.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::{root, sim_bin, text};
-
-/// A Proxmox simulator on loopback; killed on drop.
-struct Pve {
-    child: Child,
-    url: String,
-    fingerprint: String,
-    token: String,
-    dir: tempfile::TempDir,
-}
-
-impl Pve {
-    fn start(extra: &[&str]) -> Pve {
-        Self::start_with("0", extra)
-    }
-
-    fn start_with(auth_delay_ms: &str, extra: &[&str]) -> Pve {
-        let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(sim_bin())
-            .args([
-                "proxmox",
-                "--task-delay-ms",
-                "50",
-                "--auth-delay-ms",
-                auth_delay_ms,
-            ])
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .args(extra)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("simulator did not start ({e}): {line:?}"));
-        assert_eq!(v["node"], "pve");
-        Pve {
-            child,
-            url: v["url"].as_str().unwrap().to_owned(),
-            fingerprint: v["fingerprint"].as_str().unwrap().to_owned(),
-            token: v["token"].as_str().unwrap().to_owned(),
-            dir,
-        }
-    }
-
-    fn api(&self, path: &str) -> String {
-        format!("{}api2/json{path}", self.url)
-    }
-
-    /// curl with the token; returns (HTTP status, body as JSON).
-    fn curl(&self, path: &str, args: &[&str]) -> (u16, serde_json::Value) {
-        let o = Command::new("curl")
-            .args(["-sk", "-w", "\n%{http_code}", "-H"])
-            .arg(format!("Authorization: PVEAPIToken={}", self.token))
-            .args(args)
-            .arg(self.api(path))
-            .output()
-            .unwrap();
-        let out = text(&o.stdout);
-        let (body, code) = out.rsplit_once('\n').unwrap();
-        let json = serde_json::from_str(body).unwrap_or(serde_json::Value::Null);
-        (code.parse().unwrap(), json)
-    }
-
-    /// Uploads `file` into `local` as pveproxy expects (`-F` parts in order).
-    fn upload(&self, file: &Path, checksum: &str) -> (u16, serde_json::Value) {
-        self.curl(
-            "/nodes/pve/storage/local/upload",
-            &[
-                "-F",
-                "content=import",
-                "-F",
-                "checksum-algorithm=sha256",
-                "-F",
-                &format!("checksum={checksum}"),
-                "-F",
-                &format!("filename=@{}", file.display()),
-            ],
-        )
-    }
-
-    /// Polls a task until it stops; its status.
-    fn wait(&self, upid: &serde_json::Value) -> serde_json::Value {
-        let upid = upid
-            .as_str()
-            .unwrap_or_else(|| panic!("not a UPID: {upid}"));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let (code, v) = self.curl(&format!("/nodes/pve/tasks/{upid}/status"), &[]);
-            assert_eq!(code, 200, "{v}");
-            if v["data"]["status"] == "stopped" {
-                return v["data"].clone();
-            }
-            assert!(Instant::now() < deadline, "task {upid} never stopped");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn stored(&self, name: &str) -> PathBuf {
-        self.dir
-            .path()
-            .join("state/storage/local/import")
-            .join(name)
-    }
-
-    fn stats(&self) -> serde_json::Value {
-        let o = Command::new("curl")
-            .args(["-sk", &format!("{}_sim/stats", self.url)])
-            .output()
-            .unwrap();
-        serde_json::from_slice(&o.stdout).unwrap()
-    }
-}
-
-impl Drop for Pve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::sims::Pve;
+use common::{root, text};
 
 /// A Talos-shaped raw image from the fixtures, renamed as imgbuild names
 /// uploads; returns its path and sha256.

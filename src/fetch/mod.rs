@@ -4,10 +4,10 @@
 //! that a crash or kill cannot promote.
 
 use crate::atomic::AtomicFile;
-use crate::net::{self, NetError};
 use crate::io::{
     self, ExactLengthReader, HashingReader, Magic, PeekReader, copy_sparse_from, describe,
 };
+use crate::net::{self, NetError};
 use reqwest::StatusCode;
 use reqwest::blocking::{Client, Response};
 use reqwest::header;
