@@ -3,8 +3,7 @@
 use super::{Output, load_inventory};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use imgbuild::atomic::write_if_changed;
-use imgbuild::schematic::{self, Schematic, SchematicId};
+use imgbuild::schematic::{self, ReviewFile, Schematic, write_review_files};
 use serde_json::json;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -60,8 +59,8 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
             .with_context(|| format!("schematic of {name}"))?;
         let id = schematic::id_of(&canonical);
         let installer = imgbuild::factory::installer_for(&inv, &id);
-        rendered.push(Rendered {
-            name: name.as_str(),
+        rendered.push(ReviewFile {
+            name: name.clone(),
             id,
             installer,
             canonical,
@@ -88,39 +87,18 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
                 println!("{:<16} {}", r.name, r.id);
             }
         }
-        Output::Text => print!("{}", rendered[0].file_text()),
+        Output::Text => print!("{}", rendered[0].text()),
     }
     Ok(())
 }
 
-struct Rendered<'a> {
-    name: &'a str,
-    id: SchematicId,
-    installer: String,
-    canonical: String,
-}
-
-impl Rendered<'_> {
-    /// A schematic file for review: ID and installer image in leading
-    /// comments, then the canonical bytes (so `schematic id` on the file
-    /// gives the same ID).
-    fn file_text(&self) -> String {
-        format!(
-            "# imgbuild schematic for {}\n# id: {}\n# installer: {}\n{}",
-            self.name, self.id, self.installer, self.canonical
-        )
-    }
-}
-
-fn write_all(rendered: &[Rendered], dir: &Path, output: Output) -> Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let mut report = Vec::new();
-    for r in rendered {
-        let path = dir.join(format!("{}.yaml", r.name));
-        let changed = write_if_changed(&path, r.file_text().as_bytes(), false)
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        report.push((r.name, &r.id, path, changed));
-    }
+fn write_all(rendered: &[ReviewFile], dir: &Path, output: Output) -> Result<()> {
+    let written = write_review_files(rendered, dir)?;
+    let report: Vec<_> = rendered
+        .iter()
+        .zip(written)
+        .map(|(r, (path, changed))| (&r.name, &r.id, path, changed))
+        .collect();
     match output {
         Output::Json => {
             let list: Vec<_> = report

@@ -283,7 +283,8 @@ pub fn send(
 /// The whole body, refused past `limit` bytes: API replies are small, and
 /// a server that sends an image instead must not fill memory.
 pub fn read_limited(resp: Response, limit: u64) -> Result<Vec<u8>, NetError> {
-    let method = "GET".to_owned();
+    // The response does not know its request method; say what was done.
+    let method = "reading the reply of".to_owned();
     let url = display_url(resp.url());
     let mut body = Vec::new();
     resp.take(limit + 1)

@@ -403,14 +403,21 @@ impl Api {
         format!("{}{path}", self.base)
     }
 
-    /// Sends with retries (API calls other than uploads are idempotent or
-    /// guarded by an earlier lookup) and returns `data`.
+    /// Sends with retries and returns `data`. A 500 is not retried: pveproxy
+    /// answers every `die` of a handler with it (a VM that exists, a storage
+    /// that refuses), so it is an answer, not a busy server. Only a request
+    /// that never reached the server, a busy proxy (502–504) or a rate limit
+    /// is sent again, so no POST is repeated after it was acted on.
     fn call(&self, what: &str, make: &dyn Fn() -> RequestBuilder) -> Result<Value, ProxmoxError> {
         let auth = self.auth.clone();
         let resp = net::send(
             &self.retry,
             &|| make().header(reqwest::header::AUTHORIZATION, auth.clone()),
-            &NetError::retryable,
+            &|e| match e {
+                NetError::Status { status, .. } => matches!(status, 429 | 502..=504),
+                NetError::Transfer { before_sending, .. } => *before_sending,
+                _ => false,
+            },
             &mut |_, _, _| {},
         )
         .map_err(|e| api_error(what, e))?;
