@@ -460,10 +460,13 @@ impl Sim {
     }
 
     fn unavailable(&self, server_type: &str, location: &str) -> bool {
-        self.args.unavailable.iter().any(|u| match u.split_once('@') {
-            Some((t, l)) => t == server_type && l == location,
-            None => u == server_type,
-        })
+        self.args
+            .unavailable
+            .iter()
+            .any(|u| match u.split_once('@') {
+                Some((t, l)) => t == server_type && l == location,
+                None => u == server_type,
+            })
     }
 }
 
@@ -492,7 +495,11 @@ async fn api(
         }
         (status, rate_headers(reset, remaining), axum::Json(v)).into_response()
     };
-    if sim.args.rate_limit_every.is_some_and(|every| every > 0 && n % every == 0) {
+    if sim
+        .args
+        .rate_limit_every
+        .is_some_and(|every| every > 0 && n % every == 0)
+    {
         bump(&sim.stats.rate_limited);
         return reply(
             429,
@@ -549,7 +556,10 @@ fn route(sim: &Arc<Sim>, method: &Method, path: &str, query: &str, body: Value) 
         ["ssh_keys"] if post => create_ssh_key(sim, body),
         ["ssh_keys", i] if get => {
             let w = sim.world.lock().unwrap();
-            let k = w.ssh_keys.get(&id(i)?).ok_or_else(|| not_found("SSH key"))?;
+            let k = w
+                .ssh_keys
+                .get(&id(i)?)
+                .ok_or_else(|| not_found("SSH key"))?;
             Ok((200, json!({"ssh_key": ssh_key_json(k)})))
         }
         ["ssh_keys", i] if delete => {
@@ -585,7 +595,9 @@ fn percent_decode(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        let hex = s.get(i + 1..i + 3).and_then(|h| u8::from_str_radix(h, 16).ok());
+        let hex = s
+            .get(i + 1..i + 3)
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
         match (b[i], hex) {
             (b'+', _) => out.push(b' '),
             (b'%', Some(v)) => {
@@ -827,10 +839,7 @@ fn delete_image(sim: &Sim, id: u64) -> Answer {
 }
 
 fn image_file(sim: &Sim, id: u64) -> PathBuf {
-    sim.args
-        .state_dir
-        .join("images")
-        .join(format!("{id}.raw"))
+    sim.args.state_dir.join("images").join(format!("{id}.raw"))
 }
 
 fn ssh_key_json(k: &SshKey) -> Value {
@@ -875,11 +884,7 @@ fn fingerprint(public_key: &str) -> Option<String> {
         .stderr(std::process::Stdio::null())
         .spawn()
         .ok()?;
-    child
-        .stdin
-        .take()?
-        .write_all(public_key.as_bytes())
-        .ok()?;
+    child.stdin.take()?.write_all(public_key.as_bytes()).ok()?;
     let out = child.wait_with_output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let fp = text.split_whitespace().nth(1)?.strip_prefix("MD5:")?;
@@ -888,7 +893,11 @@ fn fingerprint(public_key: &str) -> Option<String> {
 
 fn create_ssh_key(sim: &Sim, body: Value) -> Answer {
     let name = body["name"].as_str().unwrap_or_default().to_owned();
-    let public_key = body["public_key"].as_str().unwrap_or_default().trim().to_owned();
+    let public_key = body["public_key"]
+        .as_str()
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
     let labels = body_labels(&body)?;
     let fingerprint =
         fingerprint(&public_key).ok_or_else(|| field_error("public_key", "invalid public key"))?;
@@ -1012,9 +1021,7 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
     }
     .ok_or_else(|| field_error("server_type", "server type not found"))?;
     let location = match id_or_name(&body["location"]) {
-        Some(Ref::Id(id)) => LOCATIONS
-            .get((id as usize).wrapping_sub(1))
-            .map(|l| l.0),
+        Some(Ref::Id(id)) => LOCATIONS.get((id as usize).wrapping_sub(1)).map(|l| l.0),
         Some(Ref::Name(n)) => LOCATIONS.iter().find(|l| l.0 == n).map(|l| l.0),
         None if body.get("location").is_none() => Some("fsn1"),
         None => None,
@@ -1080,13 +1087,17 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
             Some(Ref::Name(n)) => s.name == n,
             None => false,
         });
-        keys.push(key.ok_or_else(|| field_error("ssh_keys", "SSH key not found"))?.id);
+        keys.push(
+            key.ok_or_else(|| field_error("ssh_keys", "SSH key not found"))?
+                .id,
+        );
     }
     if w.servers.values().any(|s| s.name == name) {
         return Err(err(409, "uniqueness_error", "server name is already used"));
     }
     let id = w.id();
-    std::fs::create_dir_all(sim.server_dir(id)).map_err(|e| err(500, "server_error", e.to_string()))?;
+    std::fs::create_dir_all(sim.server_dir(id))
+        .map_err(|e| err(500, "server_error", e.to_string()))?;
     let marker = format!("system image {image} of server {id}\n").repeat(4096);
     std::fs::write(sim.disk(id), marker).map_err(|e| err(500, "server_error", e.to_string()))?;
     let x = 2 + (sim.address_base + w.addresses) % 250;
@@ -1110,19 +1121,29 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
     };
     w.servers.insert(id, server);
     bump(&sim.stats.servers_created);
-    let action = start_action(sim, &mut w, id, "create_server", "create_server", None, move |sim, w, ok| {
-        if let Some(s) = w.servers.get_mut(&id) {
-            s.status = "off";
-            if ok && start {
-                power_on(sim, s);
+    let action = start_action(
+        sim,
+        &mut w,
+        id,
+        "create_server",
+        "create_server",
+        None,
+        move |sim, w, ok| {
+            if let Some(s) = w.servers.get_mut(&id) {
+                s.status = "off";
+                if ok && start {
+                    power_on(sim, s);
+                }
             }
-        }
-    });
+        },
+    );
     let server = server_json(&w.servers[&id], &w);
     let next: Vec<Value> = if start {
-        vec![json!({"id": action["id"], "command": "start_server", "status": "running",
+        vec![
+            json!({"id": action["id"], "command": "start_server", "status": "running",
             "progress": 0, "started": action["started"], "finished": null,
-            "resources": [{"id": id, "type": "server"}], "error": null})]
+            "resources": [{"id": id, "type": "server"}], "error": null}),
+        ]
     } else {
         Vec::new()
     };
@@ -1275,30 +1296,49 @@ fn server_action(sim: &Arc<Sim>, id: u64, endpoint: &str, body: Value) -> Answer
                         .clone(),
                 );
             }
-            let a = start_action(sim, &mut w, id, endpoint, "enable_rescue", None, move |_, w, ok| {
-                if let Some(s) = w.servers.get_mut(&id)
-                    && ok
-                {
-                    s.rescue_enabled = true;
-                    s.rescue_keys = keys;
-                }
-            });
+            let a = start_action(
+                sim,
+                &mut w,
+                id,
+                endpoint,
+                "enable_rescue",
+                None,
+                move |_, w, ok| {
+                    if let Some(s) = w.servers.get_mut(&id)
+                        && ok
+                    {
+                        s.rescue_enabled = true;
+                        s.rescue_keys = keys;
+                    }
+                },
+            );
             Ok((201, json!({"root_password": null, "action": a})))
         }
         "poweron" => {
             if status == "running" {
-                return Ok((201, json!({"action": finished_action(&mut w, id, "start_server")})));
+                return Ok((
+                    201,
+                    json!({"action": finished_action(&mut w, id, "start_server")}),
+                ));
             }
             w.servers.get_mut(&id).unwrap().status = "starting";
-            let a = start_action(sim, &mut w, id, endpoint, "start_server", None, move |sim, w, ok| {
-                if let Some(s) = w.servers.get_mut(&id) {
-                    if ok {
-                        power_on(sim, s);
-                    } else {
-                        s.status = "off";
+            let a = start_action(
+                sim,
+                &mut w,
+                id,
+                endpoint,
+                "start_server",
+                None,
+                move |sim, w, ok| {
+                    if let Some(s) = w.servers.get_mut(&id) {
+                        if ok {
+                            power_on(sim, s);
+                        } else {
+                            s.status = "off";
+                        }
                     }
-                }
-            });
+                },
+            );
             Ok((201, json!({ "action": a })))
         }
         "poweroff" | "shutdown" => {
@@ -1346,7 +1386,11 @@ fn finished_action(w: &mut World, server: u64, command: &str) -> Value {
 fn create_image(sim: &Arc<Sim>, w: &mut World, server: u64, body: Value) -> Answer {
     let labels = body_labels(&body)?;
     if body["type"].as_str() == Some("backup") {
-        return Err(err(422, "unsupported_error", "backups are not enabled for this server"));
+        return Err(err(
+            422,
+            "unsupported_error",
+            "backups are not enabled for this server",
+        ));
     }
     let s = &w.servers[&server];
     let (disk_size, arch, from_name) = (s.server_type.disk, s.server_type.arch, s.name.clone());
@@ -1453,7 +1497,11 @@ mod tests {
     fn pagination_refuses_out_of_range() {
         for q in ["per_page=51", "per_page=0", "page=0", "page=x"] {
             let (status, e) = page(q, 5).unwrap_err();
-            assert_eq!((status, e["code"].as_str()), (422, Some("invalid_input")), "{q}");
+            assert_eq!(
+                (status, e["code"].as_str()),
+                (422, Some("invalid_input")),
+                "{q}"
+            );
         }
     }
 
@@ -1464,7 +1512,10 @@ mod tests {
         assert_eq!(q.all("type"), ["a", "b"]);
         let mut items = vec![json!({"id": 1}), json!({"id": 3}), json!({"id": 2})];
         sort(&q, &mut items, &["id"]).unwrap();
-        assert_eq!(items, [json!({"id": 3}), json!({"id": 2}), json!({"id": 1})]);
+        assert_eq!(
+            items,
+            [json!({"id": 3}), json!({"id": 2}), json!({"id": 1})]
+        );
         assert!(sort(&Query::parse("sort=size"), &mut items, &["id"]).is_err());
     }
 

@@ -122,7 +122,9 @@ pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), String> {
                     return Err(format!("label key {k:?}: prefix is not a DNS subdomain"));
                 }
                 if prefix == "hetzner.cloud" {
-                    return Err(format!("label key {k:?}: prefix hetzner.cloud/ is reserved"));
+                    return Err(format!(
+                        "label key {k:?}: prefix hetzner.cloud/ is reserved"
+                    ));
                 }
                 name
             }
@@ -143,7 +145,10 @@ mod tests {
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]

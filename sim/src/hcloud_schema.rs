@@ -49,7 +49,11 @@ impl Schemas {
                 close_objects(&mut schema);
                 ops.push(Operation {
                     method: method.to_uppercase(),
-                    segments: path.trim_matches('/').split('/').map(String::from).collect(),
+                    segments: path
+                        .trim_matches('/')
+                        .split('/')
+                        .map(String::from)
+                        .collect(),
                     required: body["required"].as_bool().unwrap_or(false),
                     validator: jsonschema::draft202012::new(&schema)
                         .map_err(|e| anyhow::anyhow!("schema of {method} {path}: {e}"))?,
@@ -242,7 +246,10 @@ mod tests {
             .map(|f| f["name"].as_str().unwrap())
             .collect();
         names.sort();
-        assert_eq!(names, ["name", "server_type", "ssh_keys.0", "start_after_create"]);
+        assert_eq!(
+            names,
+            ["name", "server_type", "ssh_keys.0", "start_after_create"]
+        );
     }
 
     #[test]
@@ -254,9 +261,16 @@ mod tests {
                 br#"{"type":"snapshot","labelkey":"x"}"#,
             )
             .unwrap_err();
-        assert_eq!(err["message"], "invalid input: unknown field name 'labelkey'");
+        assert_eq!(
+            err["message"],
+            "invalid input: unknown field name 'labelkey'"
+        );
         let (_, err) = schemas()
-            .check("POST", "/servers/7/actions/enable_rescue", br#"{"type":"linux32"}"#)
+            .check(
+                "POST",
+                "/servers/7/actions/enable_rescue",
+                br#"{"type":"linux32"}"#,
+            )
             .unwrap_err();
         assert_eq!(err["details"]["fields"][0]["name"], "type");
     }
