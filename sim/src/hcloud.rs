@@ -1441,14 +1441,14 @@ fn create_image(sim: &Arc<Sim>, w: &mut World, server: u64, body: Value) -> Answ
             }
         },
     );
-    if let Some(a) = w.actions.get_mut(&action["id"].as_u64().unwrap_or(0)) {
-        a.resources.push((image_id, "image"));
-    }
+    let action = match w.actions.get_mut(&action["id"].as_u64().unwrap_or(0)) {
+        Some(a) => {
+            a.resources.push((image_id, "image"));
+            action_json(a)
+        }
+        None => action,
+    };
     let image = image_json(&w.images[&image_id]);
-    let mut action = action;
-    action["resources"]
-        .as_array_mut()
-        .map(|r| r.push(json!({"id": image_id, "type": "image"})));
     Ok((201, json!({"image": image, "action": action})))
 }
 
