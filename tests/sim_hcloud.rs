@@ -536,3 +536,47 @@ fn rate_limit_and_action_errors() {
     assert_eq!(s, 404, "a failed snapshot remained");
     assert!(hc.stats()["rateLimited"].as_u64().unwrap() >= 1);
 }
+
+#[test]
+fn start_after_create_and_sshd_gone_at_exit() {
+    let mut hc = Hc::start(&[]);
+    let keys = tempfile::tempdir().unwrap();
+    let (key, public) = keypair(keys.path(), "id_imgbuild");
+    let key_id = create_key(&hc, &public);
+    let mut body = server_body("cax11", key_id);
+    body["start_after_create"] = json!(true);
+    body["name"] = json!("started");
+    let v = hc.ok("POST", "/servers", Some(body));
+    let next = &v["next_actions"][0];
+    assert_eq!(next["command"], "start_server", "{v}");
+    assert_ne!(next["id"], v["action"]["id"]);
+    hc.wait_ok(next);
+    let id = v["server"]["id"].as_u64().unwrap();
+    let server = hc.ok("GET", &format!("/servers/{id}"), None)["server"].clone();
+    assert_eq!(server["status"], "running");
+    assert_eq!(server["server_type"]["architecture"], "arm");
+    assert_eq!(server["image"]["architecture"], "arm");
+    hc.ok("DELETE", &format!("/servers/{id}"), None);
+
+    let server = rescue_server(&hc, "cx23", key_id);
+    let target = ssh_target(&server);
+    assert_eq!(
+        ssh_hostname(&key, &target, Duration::from_secs(10)).unwrap(),
+        "rescue"
+    );
+    let st = Command::new("kill")
+        .args(["-TERM", &hc.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _ = hc.child.wait();
+    let addr: std::net::SocketAddr = format!("{}:{}", target.0, target.1).parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::net::TcpStream::connect(addr).is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "the rescue sshd outlived the simulator"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -1128,25 +1128,37 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
         "create_server",
         "create_server",
         None,
-        move |sim, w, ok| {
+        move |_, w, _| {
             if let Some(s) = w.servers.get_mut(&id) {
-                s.status = "off";
-                if ok && start {
-                    power_on(sim, s);
-                }
+                s.status = if start { "starting" } else { "off" };
             }
         },
     );
-    let server = server_json(&w.servers[&id], &w);
+    // start_after_create: a start_server action that ends after the
+    // creation (and holds the lock until then).
     let next: Vec<Value> = if start {
-        vec![
-            json!({"id": action["id"], "command": "start_server", "status": "running",
-            "progress": 0, "started": action["started"], "finished": null,
-            "resources": [{"id": id, "type": "server"}], "error": null}),
-        ]
+        let twice = 2.0 * sim.args.action_seconds;
+        vec![start_action(
+            sim,
+            &mut w,
+            id,
+            "poweron",
+            "start_server",
+            Some(twice),
+            move |sim, w, ok| {
+                if let Some(s) = w.servers.get_mut(&id) {
+                    if ok {
+                        power_on(sim, s);
+                    } else {
+                        s.status = "off";
+                    }
+                }
+            },
+        )]
     } else {
         Vec::new()
     };
+    let server = server_json(&w.servers[&id], &w);
     Ok((
         201,
         json!({"server": server, "action": action, "root_password": null, "next_actions": next}),
