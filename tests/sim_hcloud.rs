@@ -385,6 +385,18 @@ fn snapshot_through_the_rescue_system() {
     );
     assert_eq!(none["images"], json!([]));
 
+    let mine = hc.ok(
+        "GET",
+        "/servers?label_selector=managed-by%3Dimgbuild&per_page=50",
+        None,
+    );
+    assert_eq!(mine["servers"][0]["id"], id, "{mine}");
+    assert_eq!(mine["meta"]["pagination"]["total_entries"], 1);
+    let mine = hc.ok("GET", "/ssh_keys?label_selector=managed-by", None);
+    assert_eq!(mine["ssh_keys"][0]["id"], key_id, "{mine}");
+    let other = hc.ok("GET", "/ssh_keys?label_selector=!managed-by", None);
+    assert_eq!(other["ssh_keys"], json!([]));
+
     hc.ok("DELETE", &format!("/servers/{id}"), None);
     hc.ok("DELETE", &format!("/ssh_keys/{key_id}"), None);
     let s = hc.stats();

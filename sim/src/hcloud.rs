@@ -37,6 +37,8 @@
 //! `enable_rescue`; `hostname` prints `rescue`, `blkdiscard --force
 //! /dev/sda` empties the disk file, `dd of=/dev/sda …` writes it (fails with
 //! `--dd-fails`). sshd stops on poweroff, shutdown, delete and exit.
+//! (Logging in as root needs the simulator to run as root, as it does in
+//! CI; otherwise sshd lets in only the user running it.)
 //! `create_image` copies the disk to `DIR/images/<id>.raw` when asked; the
 //! snapshot is `creating` until the action succeeds, then `available`.
 //!
@@ -359,6 +361,7 @@ fn iso(secs: u64) -> String {
     )
 }
 
+/// Serves the API until SIGINT or SIGTERM, then stops every rescue sshd.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.listen.ip().is_loopback(),
@@ -1244,7 +1247,7 @@ fn power_on(sim: &Arc<Sim>, s: &mut Server) {
     }
     let port = match s.ssh_port {
         Some(p) => p,
-        None => match rescue::choose_port(s.ip) {
+        None => match rescue::choose_port(s.ip, true) {
             Ok(p) => p,
             Err(e) => {
                 eprintln!("hcloud sim: no port for server {} on {}: {e}", s.id, s.ip);
@@ -1265,7 +1268,19 @@ fn power_on(sim: &Arc<Sim>, s: &mut Server) {
     let refuse = Duration::from_secs_f64(sim.args.ssh_refuse_seconds.max(0.0));
     tokio::spawn(async move {
         tokio::time::sleep(refuse).await;
-        let child = match rescue::start(&spec).await {
+        let mut spec = spec;
+        let mut started = rescue::start(&spec).await;
+        if started.is_err() && spec.port == 22 {
+            // Port 22 was taken meanwhile (another simulator, a host sshd).
+            started = match rescue::choose_port(spec.ip, false) {
+                Ok(port) => {
+                    spec.port = port;
+                    rescue::start(&spec).await
+                }
+                Err(e) => Err(e),
+            };
+        }
+        let child = match started {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("hcloud sim: rescue system of server {id}: {e:#}");
@@ -1277,6 +1292,7 @@ fn power_on(sim: &Arc<Sim>, s: &mut Server) {
             && s.boot == boot
             && s.status == "running"
         {
+            s.ssh_port = Some(spec.port);
             s.sshd = Some(child); // otherwise dropped: killed
         }
     });

@@ -26,9 +26,9 @@ pub struct Spec {
 }
 
 /// The port sshd should use on `ip`: 22 as on the real rescue system when
-/// we may and it is free there, otherwise any free one.
-pub fn choose_port(ip: Ipv4Addr) -> anyhow::Result<u16> {
-    if is_root() && TcpListener::bind((ip, 22)).is_ok() {
+/// `try_22`, we may, and it is free there; otherwise any free one.
+pub fn choose_port(ip: Ipv4Addr, try_22: bool) -> anyhow::Result<u16> {
+    if try_22 && is_root() && TcpListener::bind((ip, 22)).is_ok() {
         return Ok(22);
     }
     Ok(TcpListener::bind((ip, 0))?.local_addr()?.port())
