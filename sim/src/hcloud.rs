@@ -1547,6 +1547,97 @@ mod tests {
         assert!(sort(&Query::parse("sort=size"), &mut items, &["id"]).is_err());
     }
 
+    /// The 200 response schema of `GET path` in the vendored document.
+    fn response_schema(path: &str) -> jsonschema::Validator {
+        let doc: Value = serde_json::from_str(crate::hcloud_schema::DOCUMENT).unwrap();
+        let schema =
+            &doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"];
+        jsonschema::draft202012::new(schema).unwrap()
+    }
+
+    fn assert_valid(path: &str, v: &Value) {
+        let errors: Vec<String> = response_schema(path)
+            .iter_errors(v)
+            .map(|e| format!("{}: {e}", e.instance_path()))
+            .collect();
+        assert!(errors.is_empty(), "GET {path}: {errors:?}");
+    }
+
+    #[test]
+    fn answers_match_the_documented_responses() {
+        let mut labels = Labels::new();
+        labels.insert("os".into(), "talos".into());
+        let mut w = World::default();
+        w.images.insert(
+            7,
+            Image {
+                id: 7,
+                snapshot: true,
+                name: None,
+                description: "talos".into(),
+                status: "creating",
+                labels: labels.clone(),
+                created: 1_767_225_600,
+                image_size: None,
+                disk_size: 40,
+                created_from: Some((9, "build".into())),
+                arch: "x86",
+            },
+        );
+        let server = Server {
+            id: 9,
+            name: "build".into(),
+            status: "running",
+            created: 1_767_225_600,
+            server_type: &SERVER_TYPES[1],
+            location: "fsn1",
+            image: 7,
+            labels: labels.clone(),
+            rescue_enabled: true,
+            rescue_keys: Vec::new(),
+            ip: Ipv4Addr::new(127, 0, 4, 2),
+            ssh_port: Some(2222),
+            busy: None,
+            boot: 1,
+            sshd: None,
+        };
+        let key = SshKey {
+            id: 3,
+            name: "k".into(),
+            public_key: "ssh-ed25519 AAAA".into(),
+            fingerprint: "00:11".into(),
+            labels,
+            created: 0,
+        };
+        let action = Action {
+            id: 5,
+            command: "create_image".into(),
+            started: 0,
+            started_at: Instant::now(),
+            duration: Duration::from_secs(1),
+            finished: None,
+            error: false,
+            resources: vec![(9, "server"), (7, "image")],
+        };
+        assert_valid(
+            "/servers/{id}",
+            &json!({"server": server_json(&server, &w)}),
+        );
+        assert_valid("/images/{id}", &json!({"image": image_json(&w.images[&7])}));
+        assert_valid("/ssh_keys/{id}", &json!({"ssh_key": ssh_key_json(&key)}));
+        assert_valid("/actions/{id}", &json!({"action": action_json(&action)}));
+        let types: Vec<Value> = SERVER_TYPES.iter().map(server_type_json).collect();
+        assert_valid(
+            "/server_types",
+            &json!({"server_types": types, "meta": {"pagination": paginate(&Query::parse(""), vec![]).unwrap().1}}),
+        );
+        let (locations, meta) = paginate(&Query::parse(""), locations(&Query::parse(""))).unwrap();
+        assert_valid(
+            "/locations",
+            &json!({"locations": locations, "meta": {"pagination": meta}}),
+        );
+    }
+
     #[test]
     fn iso_dates() {
         assert_eq!(iso(0), "1970-01-01T00:00:00+00:00");
