@@ -36,7 +36,8 @@
 //! simulator-only `sim_ssh_port`. Login: `root`, only the keys given to
 //! `enable_rescue`; `hostname` prints `rescue`, `blkdiscard --force
 //! /dev/sda` empties the disk file, `dd of=/dev/sda …` writes it (fails with
-//! `--dd-fails`). sshd stops on poweroff, shutdown, delete and exit.
+//! `--dd-fails`). sshd stops on poweroff, shutdown, delete and exit; a
+//! rescue boot is for the next boot only (poweroff clears `rescue_enabled`).
 //! (Logging in as root needs the simulator to run as root, as it does in
 //! CI; otherwise sshd lets in only the user running it.)
 //! `create_image` copies the disk to `DIR/images/<id>.raw` when asked; the
