@@ -9,12 +9,16 @@ ATLAS := examples/atlas/cluster.yaml
 
 # Debian packages the tests use: sgdisk (GPT checks), qemu-img (qcow2 checks),
 # curl (simulator stats), Go and its yaml.v3 (the schematic emitter's
-# differential oracle).
+# differential oracle), OpenSSH's sshd, ssh and ssh-keygen and zstd (the
+# Hetzner simulator's rescue system and the tests that log in to it).
 deps:
 	@need=""; \
 	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
 	command -v qemu-img >/dev/null 2>&1 || need="$$need qemu-utils"; \
 	command -v curl >/dev/null 2>&1 || need="$$need curl"; \
+	[ -x /usr/sbin/sshd ] || need="$$need openssh-server"; \
+	command -v ssh >/dev/null 2>&1 && command -v ssh-keygen >/dev/null 2>&1 || need="$$need openssh-client"; \
+	command -v zstd >/dev/null 2>&1 || need="$$need zstd"; \
 	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
 	if [ -n "$$need" ]; then \

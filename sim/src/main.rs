@@ -3,6 +3,10 @@
 //! listens, so tests and `make demo` can find it.
 
 mod factory;
+mod hcloud;
+mod hcloud_labels;
+mod hcloud_rescue;
+mod hcloud_schema;
 mod node;
 mod proxmox;
 mod proxmox_schema;
@@ -21,6 +25,8 @@ struct Cli {
 enum Command {
     /// An Image Factory (schematics, versions, extensions, images).
     Factory(factory::Args),
+    /// Hetzner Cloud (servers, SSH keys, snapshots; the rescue system is a real sshd).
+    Hcloud(hcloud::Args),
     /// A cluster of Talos nodes (machine API on port 50000, Kubernetes API).
     Nodes(node::Args),
     /// A Proxmox VE node (pveproxy's HTTPS API: storage, uploads, tasks, VMs).
@@ -31,6 +37,7 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Factory(args) => factory::run(args).await,
+        Command::Hcloud(args) => hcloud::run(args).await,
         Command::Nodes(args) => node::run(args).await,
         Command::Proxmox(args) => proxmox::run(args).await,
     }
