@@ -423,6 +423,12 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(pve: Arc<Pve>, stre
                     || !keep_alive
                 {
                     let _ = w.shutdown().await;
+                    // A lingering close: read what the client is still
+                    // sending, so the kernel does not answer unread data
+                    // with a reset that destroys the answer in flight.
+                    let mut sink = tokio::io::sink();
+                    let drain = tokio::io::copy(&mut r, &mut sink);
+                    let _ = tokio::time::timeout(Duration::from_secs(2), drain).await;
                     return;
                 }
             }

@@ -148,23 +148,35 @@ pub(super) fn build_nodes(
     Ok((outcomes, failures, summary))
 }
 
+/// Failed nodes as the `failed` list of a JSON result.
+pub(super) fn failed_json(failures: &[(String, String)]) -> serde_json::Value {
+    failures
+        .iter()
+        .map(|(node, error)| json!({"node": node, "error": error}))
+        .collect()
+}
+
+/// Failed nodes on stderr, one line each.
+pub(super) fn print_failures(failures: &[(String, String)]) {
+    for (node, error) in failures {
+        eprintln!("error: node {node}: {error}");
+    }
+}
+
 fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let (outcomes, failures, summary) = build_nodes(&inv, &nodes, &args, output)?;
     let opts = args.options();
     match output {
         Output::Json => {
-            let failed: Vec<_> = failures
-                .iter()
-                .map(|(node, error)| json!({"node": node, "error": error}))
-                .collect();
-            println!("{}", json!({"images": outcomes, "failed": failed}));
+            println!(
+                "{}",
+                json!({"images": outcomes, "failed": failed_json(&failures)})
+            );
         }
         Output::Text => {
             print_outcomes(&outcomes, &opts.out_dir, failures.is_empty());
-            for (node, error) in &failures {
-                eprintln!("error: node {node}: {error}");
-            }
+            print_failures(&failures);
         }
     }
     match summary {

@@ -1,7 +1,7 @@
 //! `imgbuild publish`: build what is missing, then put each node's image
 //! where the inventory's `publish` section says.
 
-use super::build::{BuildArgs, build_nodes};
+use super::build::{BuildArgs, build_nodes, failed_json, print_failures};
 use super::{Output, Partial, Reported, load_inventory};
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -108,13 +108,9 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     }
     match output {
         Output::Json => {
-            let failed: Vec<_> = failures
-                .iter()
-                .map(|(node, error)| json!({"node": node, "error": error}))
-                .collect();
             println!(
                 "{}",
-                json!({"target": "proxmox", "nodes": published, "failed": failed, "warnings": warnings})
+                json!({"target": "proxmox", "nodes": published, "failed": failed_json(&failures), "warnings": warnings})
             );
         }
         Output::Text => {
@@ -144,9 +140,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
                     &p.sha256[..p.sha256.len().min(16)]
                 );
             }
-            for (node, error) in &failures {
-                eprintln!("error: node {node}: {error}");
-            }
+            print_failures(&failures);
         }
     }
     match (failures.len(), published.len()) {

@@ -167,26 +167,97 @@ impl Default for HttpOptions {
     }
 }
 
+/// Applies `opts` to a reqwest client builder; the blocking and the async
+/// builder share method names but no trait, hence a macro.
+macro_rules! configure {
+    ($builder:expr, $opts:expr) => {{
+        let opts: &HttpOptions = $opts;
+        let mut b = $builder
+            .user_agent(USER_AGENT)
+            .connect_timeout(opts.connect_timeout);
+        if !opts.reuse_connections {
+            b = b.pool_max_idle_per_host(0);
+        }
+        if let Some((config, _seen)) = tls::client_config(&opts.trust, opts.identity.as_ref())? {
+            b = b.tls_backend_preconfigured(config);
+        }
+        b
+    }};
+}
+
+fn build_error(e: reqwest::Error) -> NetError {
+    NetError::Tls(tls::TlsError::Invalid {
+        what: "HTTP client",
+        message: request_error(e),
+    })
+}
+
 /// A blocking client with imgbuild's User-Agent, the environment's proxies
 /// (`HTTPS_PROXY`, `NO_PROXY`, … as reqwest reads them) and `opts`' TLS.
 /// Blocking: build and use it off the async runtime.
 pub fn http_client(opts: &HttpOptions) -> Result<Client, NetError> {
-    let mut b = Client::builder()
-        .user_agent(USER_AGENT)
-        .connect_timeout(opts.connect_timeout)
-        .timeout(opts.timeout);
-    if !opts.reuse_connections {
-        b = b.pool_max_idle_per_host(0);
+    configure!(Client::builder(), opts)
+        .timeout(opts.timeout)
+        .build()
+        .map_err(build_error)
+}
+
+/// The same client for async use: large streamed request bodies (uploads),
+/// whose chunks the blocking client cuts to 8 KiB. `opts.timeout` bounds
+/// each read, not the whole transfer.
+pub fn async_http_client(opts: &HttpOptions) -> Result<reqwest::Client, NetError> {
+    configure!(reqwest::Client::builder(), opts)
+        .read_timeout(opts.timeout)
+        .build()
+        .map_err(build_error)
+}
+
+/// Renders an async failure the way [`send_once`] renders a blocking one.
+pub async fn send_once_async(make: reqwest::RequestBuilder) -> Result<reqwest::Response, NetError> {
+    let (client, req) = make.build_split();
+    let req = req.map_err(|e| NetError::Transfer {
+        method: "?".into(),
+        url: "?".into(),
+        message: request_error(e),
+        before_sending: true,
+    })?;
+    let method = req.method().to_string();
+    let url = display_url(req.url());
+    let resp = client
+        .execute(req)
+        .await
+        .map_err(|e| transfer_error(&method, &url, e))?;
+    if resp.status().is_success() {
+        return Ok(resp);
     }
-    if let Some((config, _seen)) = tls::client_config(&opts.trust, opts.identity.as_ref())? {
-        b = b.tls_backend_preconfigured(config);
-    }
-    b.build().map_err(|e| {
-        NetError::Tls(tls::TlsError::Invalid {
-            what: "HTTP client",
-            message: request_error(e),
-        })
+    let status = resp.status().as_u16();
+    let wait = wait_hint(resp.headers(), SystemTime::now()).map(WaitHint);
+    let mut body = resp.bytes().await.unwrap_or_default().to_vec();
+    body.truncate(ERROR_BODY_KEEP as usize);
+    Err(NetError::Status {
+        method,
+        url,
+        status,
+        body: String::from_utf8_lossy(&body).into_owned(),
+        wait,
     })
+}
+
+/// A transport error, told apart: a refused certificate, or a transfer.
+fn transfer_error(method: &str, url: &str, e: reqwest::Error) -> NetError {
+    if let Some(r @ rustls::Error::InvalidCertificate(_)) = tls::rustls_error(&e) {
+        return NetError::Untrusted {
+            method: method.to_owned(),
+            url: url.to_owned(),
+            message: tls::describe_refusal(r),
+        };
+    }
+    NetError::Transfer {
+        method: method.to_owned(),
+        url: url.to_owned(),
+        before_sending: e.is_connect(),
+        message: request_error(e),
+    }
 }
 
 /// How often and how patiently a failed request is tried again.
@@ -234,21 +305,9 @@ pub fn send_once(make: RequestBuilder) -> Result<Response, NetError> {
     })?;
     let method = req.method().to_string();
     let url = display_url(req.url());
-    let resp = client.execute(req).map_err(|e| {
-        if let Some(r @ rustls::Error::InvalidCertificate(_)) = tls::rustls_error(&e) {
-            return NetError::Untrusted {
-                method: method.clone(),
-                url: url.clone(),
-                message: tls::describe_refusal(r),
-            };
-        }
-        NetError::Transfer {
-            method: method.clone(),
-            url: url.clone(),
-            before_sending: e.is_connect(),
-            message: request_error(e),
-        }
-    })?;
+    let resp = client
+        .execute(req)
+        .map_err(|e| transfer_error(&method, &url, e))?;
     if resp.status().is_success() {
         Ok(resp)
     } else {

@@ -5,12 +5,11 @@
 //! pve-http-server `PVE/APIServer/AnyEvent.pm`, qemu-server).
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::time::{Duration, Instant};
 
-use reqwest::blocking::multipart::{Form, Part};
 use reqwest::blocking::{Client, RequestBuilder};
 use reqwest::header::HeaderValue;
+use reqwest::multipart::{Form, Part};
 use serde_json::Value;
 
 use super::{PublishImage, Secret};
@@ -273,17 +272,27 @@ pub fn volume_file(
     format!("{stem}.{ext}")
 }
 
+/// Bytes read from the image per body chunk: large chunks keep TLS records
+/// full and the per-chunk overhead negligible (the blocking client would
+/// cut the body into 8 KiB pieces).
+const UPLOAD_CHUNK: usize = 1 << 20;
+
 /// The multipart body of an upload, in the only order pveproxy's streaming
 /// parser accepts: `content`, `checksum-algorithm`, `checksum`, then the
-/// file part named `filename`, with a known length (no chunking).
-fn upload_form(file: File, size: u64, name: &str, sha256: &str) -> Form {
+/// file part named `filename`, with a known length (so a Content-Length and
+/// no chunking), streamed from the file in constant memory.
+fn upload_form(file: tokio::fs::File, size: u64, name: &str, sha256: &str) -> Form {
+    let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(
+        file,
+        UPLOAD_CHUNK,
+    ));
     Form::new()
         .text("content", "import")
         .text("checksum-algorithm", "sha256")
         .text("checksum", sha256.to_owned())
         .part(
             "filename",
-            Part::reader_with_length(file, size)
+            Part::stream_with_length(body, size)
                 .file_name(name.to_owned())
                 .mime_str("application/octet-stream")
                 .expect("a valid MIME type"),
@@ -372,6 +381,8 @@ fn upid_node(upid: &str) -> Option<&str> {
 /// An authenticated API at one endpoint.
 struct Api {
     client: Client,
+    /// For upload bodies only.
+    uploads: reqwest::Client,
     base: String,
     auth: HeaderValue,
     retry: RetryPolicy,
@@ -379,11 +390,13 @@ struct Api {
 
 impl Api {
     fn new(creds: &Credentials, retry: RetryPolicy) -> Result<Api, ProxmoxError> {
-        let client = net::http_client(&net::HttpOptions {
+        let opts = net::HttpOptions {
             trust: creds.trust.clone(),
             timeout: Duration::from_secs(300),
             ..net::HttpOptions::default()
-        })?;
+        };
+        let client = net::http_client(&opts)?;
+        let uploads = net::async_http_client(&opts)?;
         let mut auth = HeaderValue::from_str(&format!("PVEAPIToken={}", creds.token.expose()))
             .map_err(|_| {
                 ProxmoxError::Setup(
@@ -393,6 +406,7 @@ impl Api {
         auth.set_sensitive(true);
         Ok(Api {
             client,
+            uploads,
             base: creds.api.clone(),
             auth,
             retry,
@@ -868,16 +882,7 @@ fn upload(
                 size: img.size,
             },
         );
-        let file = File::open(&img.path).map_err(|e| ProxmoxError::Node {
-            node: img.node.clone(),
-            message: format!("{}: {e}", img.path.display()),
-        })?;
-        let req = api
-            .client
-            .post(&url)
-            .header(reqwest::header::AUTHORIZATION, api.auth.clone())
-            .multipart(upload_form(file, img.size, file_name, &img.sha256));
-        let sent = net::send_once(req).and_then(|r| net::read_limited(r, 1 << 20));
+        let sent = send_upload(api, &url, img, file_name);
         match sent {
             Ok(body) => {
                 let doc: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -917,6 +922,49 @@ fn upload(
             }
         }
     }
+}
+
+/// One upload attempt on a runtime of its own (the publisher is blocking
+/// code); returns the reply body.
+fn send_upload(
+    api: &Api,
+    url: &str,
+    img: &PublishImage,
+    file_name: &str,
+) -> Result<Vec<u8>, NetError> {
+    let local = |e: std::io::Error| NetError::Transfer {
+        method: "reading".into(),
+        url: img.path.display().to_string(),
+        message: e.to_string(),
+        before_sending: true,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(local)?;
+    rt.block_on(async {
+        let file = tokio::fs::File::open(&img.path).await.map_err(local)?;
+        let req = api
+            .uploads
+            .post(url)
+            .header(reqwest::header::AUTHORIZATION, api.auth.clone())
+            .multipart(upload_form(file, img.size, file_name, &img.sha256));
+        let resp = net::send_once_async(req).await?;
+        let body = resp.bytes().await.map_err(|e| NetError::Transfer {
+            method: "POST".into(),
+            url: url.to_owned(),
+            message: net::request_error(e),
+            before_sending: false,
+        })?;
+        if body.len() > 1 << 20 {
+            return Err(NetError::TooLarge {
+                method: "POST".into(),
+                url: url.to_owned(),
+                limit: 1 << 20,
+            });
+        }
+        Ok(body.to_vec())
+    })
 }
 
 /// Removes a volume an upload may have left half-checked; best effort,
