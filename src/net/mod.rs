@@ -215,12 +215,7 @@ pub fn async_http_client(opts: &HttpOptions) -> Result<reqwest::Client, NetError
 /// Renders an async failure the way [`send_once`] renders a blocking one.
 pub async fn send_once_async(make: reqwest::RequestBuilder) -> Result<reqwest::Response, NetError> {
     let (client, req) = make.build_split();
-    let req = req.map_err(|e| NetError::Transfer {
-        method: "?".into(),
-        url: "?".into(),
-        message: request_error(e),
-        before_sending: true,
-    })?;
+    let req = req.map_err(unbuildable)?;
     let method = req.method().to_string();
     let url = display_url(req.url());
     let resp = client
@@ -230,17 +225,37 @@ pub async fn send_once_async(make: reqwest::RequestBuilder) -> Result<reqwest::R
     if resp.status().is_success() {
         return Ok(resp);
     }
-    let status = resp.status().as_u16();
-    let wait = wait_hint(resp.headers(), SystemTime::now()).map(WaitHint);
+    let (status, headers) = (resp.status(), resp.headers().clone());
     let mut body = resp.bytes().await.unwrap_or_default().to_vec();
     body.truncate(ERROR_BODY_KEEP as usize);
-    Err(NetError::Status {
-        method,
-        url,
-        status,
-        body: String::from_utf8_lossy(&body).into_owned(),
-        wait,
-    })
+    Err(status_error(&method, &url, status, &headers, &body))
+}
+
+/// A request that could not even be built (a malformed URL or header).
+fn unbuildable(e: reqwest::Error) -> NetError {
+    NetError::Transfer {
+        method: "?".into(),
+        url: "?".into(),
+        message: request_error(e),
+        before_sending: true,
+    }
+}
+
+/// A non-success answer: its status, the wait it asks for, the body kept.
+fn status_error(
+    method: &str,
+    url: &str,
+    status: reqwest::StatusCode,
+    headers: &header::HeaderMap,
+    body: &[u8],
+) -> NetError {
+    NetError::Status {
+        method: method.to_owned(),
+        url: url.to_owned(),
+        status: status.as_u16(),
+        body: String::from_utf8_lossy(body).into_owned(),
+        wait: wait_hint(headers, SystemTime::now()).map(WaitHint),
+    }
 }
 
 /// A transport error, told apart: a refused certificate, or a transfer.
@@ -297,12 +312,7 @@ impl RetryPolicy {
 /// rendered [`NetError::Status`].
 pub fn send_once(make: RequestBuilder) -> Result<Response, NetError> {
     let (client, req) = make.build_split();
-    let req = req.map_err(|e| NetError::Transfer {
-        method: "?".into(),
-        url: "?".into(),
-        message: request_error(e),
-        before_sending: true,
-    })?;
+    let req = req.map_err(unbuildable)?;
     let method = req.method().to_string();
     let url = display_url(req.url());
     let resp = client
@@ -371,17 +381,10 @@ pub fn display_url(url: &reqwest::Url) -> String {
 /// Renders a failed response: status, the wait it asks for, and the first
 /// bytes of its body.
 pub fn failure(method: &str, url: &str, resp: Response) -> NetError {
-    let status = resp.status();
-    let wait = wait_hint(resp.headers(), SystemTime::now()).map(WaitHint);
+    let (status, headers) = (resp.status(), resp.headers().clone());
     let mut raw = Vec::new();
     let _ = resp.take(ERROR_BODY_KEEP).read_to_end(&mut raw);
-    NetError::Status {
-        method: method.to_owned(),
-        url: url.to_owned(),
-        status: status.as_u16(),
-        body: String::from_utf8_lossy(&raw).into_owned(),
-        wait,
-    }
+    status_error(method, url, status, &headers, &raw)
 }
 
 /// `Retry-After` (seconds or an HTTP date) or Hetzner's `RateLimit-Reset`
