@@ -670,22 +670,23 @@ mod tests {
             redact_value(&format!("\"{key}\" is not of type \"object\""), &[]),
             "\"…\" is not of type \"object\""
         );
+        let err = schema_error_of_patch(&format!("machine:\n  nodeTaints: \"{key}\"\n"), bundle());
+        assert!(err.contains("/machine/nodeTaints"), "{err}");
+        assert!(!err.contains(&key[..20]), "{err}");
+    }
+
+    /// The error of cp-01's config with `patch` as the only patch file.
+    fn schema_error_of_patch(patch: &str, secrets: &SecretsBundle) -> String {
         let dir = tempfile::tempdir().unwrap();
         let mut inv = atlas();
         inv.base_dir = dir.path().to_owned();
         inv.patches = Default::default();
-        std::fs::write(
-            dir.path().join("p.yaml"),
-            format!("machine:\n  nodeTaints: \"{key}\"\n"),
-        )
-        .unwrap();
+        std::fs::write(dir.path().join("p.yaml"), patch).unwrap();
         inv.patches.all = vec!["p.yaml".into()];
         let node = inv.nodes[0].clone();
-        let err = machine_config(&inv, &node, bundle())
+        machine_config(&inv, &node, secrets)
             .unwrap_err()
-            .to_string();
-        assert!(err.contains("/machine/nodeTaints"), "{err}");
-        assert!(!err.contains(&key[..20]), "{err}");
+            .to_string()
     }
 
     #[test]
@@ -707,18 +708,10 @@ mod tests {
         let b = bundle();
         let (boot, trustd) = (&b.secrets.bootstraptoken, &b.trustdinfo.token);
         assert!(crate::talos::pki::is_token(boot) && crate::talos::pki::is_token(trustd));
-        let dir = tempfile::tempdir().unwrap();
-        let mut inv = atlas();
-        inv.base_dir = dir.path().to_owned();
-        inv.patches = Default::default();
-        std::fs::write(
-            dir.path().join("p.yaml"),
-            format!("machine:\n  nodeTaints: \"{boot}\"\n  nodeAnnotations: \"{trustd}\"\n"),
-        )
-        .unwrap();
-        inv.patches.all = vec!["p.yaml".into()];
-        let node = inv.nodes[0].clone();
-        let err = machine_config(&inv, &node, b).unwrap_err().to_string();
+        let err = schema_error_of_patch(
+            &format!("machine:\n  nodeTaints: \"{boot}\"\n  nodeAnnotations: \"{trustd}\"\n"),
+            b,
+        );
         assert!(err.contains("/machine/nodeTaints"), "{err}");
         assert!(err.contains("/machine/nodeAnnotations"), "{err}");
         assert!(
