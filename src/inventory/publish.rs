@@ -1,7 +1,9 @@
 //! The inventory's `publish` section: where built images go. Credentials
 //! never live here; they come from the environment at publish time.
 
-use super::{Inventory, Validator};
+use std::collections::BTreeMap;
+
+use super::{Arch, Inventory, Validator};
 use serde::{Deserialize, Serialize};
 
 /// Publishing targets; at most one is used per inventory.
@@ -10,6 +12,103 @@ use serde::{Deserialize, Serialize};
 pub struct PublishSettings {
     #[serde(default)]
     pub proxmox: Option<ProxmoxSettings>,
+    #[serde(default)]
+    pub hcloud: Option<HcloudSettings>,
+}
+
+/// Hetzner Cloud snapshots, made through a temporary server's rescue system;
+/// and, with `servers`, the cluster's machines created from them.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HcloudSettings {
+    /// Where the temporary build server (and the cluster's servers) run.
+    pub location: String,
+    /// Build-server types, tried in order; empty: [`default_server_types`].
+    #[serde(default)]
+    pub server_types: Vec<String>,
+    /// Added to the snapshot's labels (imgbuild's own keys win no clash:
+    /// a clash is a validation error).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// One server per node, created from the snapshot by `imgbuild up`.
+    #[serde(default)]
+    pub servers: Option<HcloudServers>,
+}
+
+/// The cluster's servers.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HcloudServers {
+    #[serde(rename = "type")]
+    pub server_type: String,
+    /// A Hetzner network (by name) the servers join at their inventory address.
+    #[serde(default)]
+    pub network: Option<String>,
+}
+
+/// Build-server types when the inventory names none: 40 GB disks (a
+/// snapshot fits only types at least its size), current lines (cx22 and the
+/// cx*2 line were removed in January 2026).
+pub fn default_server_types(arch: Arch) -> &'static [&'static str] {
+    match arch {
+        Arch::Amd64 => &["cx23", "cpx22", "cx33"],
+        Arch::Arm64 => &["cax11", "cax21"],
+    }
+}
+
+/// The label keys imgbuild sets on snapshots and temporary resources.
+pub const RESERVED_LABELS: [&str; 7] = [
+    "os",
+    "talos-version",
+    "talos-schematic",
+    "arch",
+    "image-sha256",
+    "managed-by",
+    "imgbuild-run",
+];
+
+/// Hetzner's label rule (hcloud API "Labels"): an optional DNS-subdomain
+/// prefix and `/`, then a name of at most 63 characters, alphanumeric at both
+/// ends with `-`, `_`, `.` inside; values the same, possibly empty.
+pub fn label_problem(key: &str, value: &str) -> Option<String> {
+    fn name_ok(s: &str, empty_ok: bool) -> bool {
+        if s.is_empty() {
+            return empty_ok;
+        }
+        let b = s.as_bytes();
+        s.len() <= 63
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+            && b.iter()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+    }
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, key),
+    };
+    if let Some(p) = prefix {
+        if p == "hetzner.cloud" || p.ends_with(".hetzner.cloud") {
+            return Some(format!(
+                "label key {key:?}: the hetzner.cloud/ prefix is reserved"
+            ));
+        }
+        if p.is_empty() || p.len() > 253 || !p.split('.').all(|part| name_ok(part, false)) {
+            return Some(format!(
+                "label key {key:?}: {p:?} is not a DNS subdomain prefix"
+            ));
+        }
+    }
+    if !name_ok(name, false) {
+        return Some(format!(
+            "label key {key:?}: at most 63 characters, letters and digits at both ends, '-', '_', '.' inside"
+        ));
+    }
+    if !name_ok(value, true) {
+        return Some(format!(
+            "label {key}: value {value:?} must be at most 63 characters, letters and digits at both ends, '-', '_', '.' inside"
+        ));
+    }
+    None
 }
 
 /// Images into a Proxmox VE storage with `import` content, and optionally
@@ -91,6 +190,7 @@ fn is_pve_id(s: &str) -> bool {
 
 impl Validator<'_> {
     pub(super) fn check_publish(&mut self, inv: &Inventory) {
+        self.check_hcloud(inv);
         let Some(px) = &inv.publish.proxmox else {
             if let Some((i, _)) = inv.nodes.iter().enumerate().find(|(_, n)| n.vmid.is_some()) {
                 self.problem(
@@ -174,6 +274,71 @@ impl Validator<'_> {
                     seen.push((id, &node.name));
                 }
             }
+        }
+    }
+
+    fn check_hcloud(&mut self, inv: &Inventory) {
+        let Some(hc) = &inv.publish.hcloud else {
+            return;
+        };
+        if inv.publish.proxmox.is_some() {
+            self.problem(
+                "publish.hcloud",
+                "publish has both proxmox and hcloud: an inventory publishes to one target",
+            );
+        }
+        if inv.image.platform != "hcloud" {
+            self.problem(
+                "image.platform",
+                format!(
+                    "publish.hcloud needs image.platform: hcloud (it is {:?}; Hetzner servers boot only hcloud images)",
+                    inv.image.platform
+                ),
+            );
+        }
+        let is_name = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 63
+                && s.bytes()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+        };
+        if !is_name(&hc.location) {
+            self.problem(
+                "publish.hcloud.location",
+                format!(
+                    "{:?} is not a Hetzner location name such as fsn1",
+                    hc.location
+                ),
+            );
+        }
+        for (i, t) in hc.server_types.iter().enumerate() {
+            if !is_name(t) {
+                self.problem(
+                    format!("publish.hcloud.serverTypes[{i}]"),
+                    format!("{t:?} is not a server type name such as cx23"),
+                );
+            }
+        }
+        for (k, v) in &hc.labels {
+            if RESERVED_LABELS.contains(&k.as_str()) {
+                self.problem(
+                    format!("publish.hcloud.labels.{k}"),
+                    format!("label {k} is set by imgbuild itself; choose another key"),
+                );
+            } else if let Some(p) = label_problem(k, v) {
+                self.problem(format!("publish.hcloud.labels.{k}"), p);
+            }
+        }
+        if let Some(servers) = &hc.servers
+            && !is_name(&servers.server_type)
+        {
+            self.problem(
+                "publish.hcloud.servers.type",
+                format!(
+                    "{:?} is not a server type name such as cpx22",
+                    servers.server_type
+                ),
+            );
         }
     }
 }

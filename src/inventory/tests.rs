@@ -329,3 +329,68 @@ fn talos_endpoints_are_ip_or_ip_port_for_validate_and_bootstrap_alike() {
     );
     assert!(err.contains("host names are not resolved"), "{err}");
 }
+
+/// The atlas inventory as a Hetzner one: platform hcloud plus `publish`.
+fn atlas_hcloud(publish: &str) -> String {
+    format!(
+        "{}\npublish:\n  hcloud:\n{publish}",
+        atlas_with("platform: metal", "platform: hcloud")
+    )
+}
+
+#[test]
+fn hcloud_publish_loads_with_defaults() {
+    let inv = load(&atlas_hcloud(
+        "    location: fsn1\n    labels: {team: infra}\n",
+    ))
+    .unwrap();
+    let hc = inv.publish.hcloud.unwrap();
+    assert_eq!(hc.location, "fsn1");
+    assert!(hc.server_types.is_empty());
+    assert_eq!(hc.labels["team"], "infra");
+    assert!(hc.servers.is_none());
+    assert_eq!(
+        publish::default_server_types(Arch::Arm64),
+        ["cax11", "cax21"]
+    );
+}
+
+#[test]
+fn hcloud_publish_problems_name_their_fields() {
+    let text = atlas_hcloud(
+        "    location: FSN 1\n    serverTypes: [cx23, 'Bad Type']\n    labels:\n      os: linux\n      hetzner.cloud/x: y\n      team: 'in fra'\n    servers: {type: ''}\n",
+    );
+    let err = error_of(&text);
+    for needle in [
+        "publish.hcloud.location",
+        "publish.hcloud.serverTypes[1]",
+        "label os is set by imgbuild",
+        "hetzner.cloud/ prefix is reserved",
+        "value \"in fra\"",
+        "publish.hcloud.servers.type",
+    ] {
+        assert!(err.contains(needle), "{needle:?} missing from:\n{err}");
+    }
+    let err = error_of(&format!(
+        "{ATLAS}\npublish:\n  hcloud:\n    location: fsn1\n"
+    ));
+    assert!(err.contains("needs image.platform: hcloud"), "{err}");
+}
+
+#[test]
+fn hetzner_label_rule() {
+    for (k, v) in [("team", "infra"), ("a.b/c-d_e", ""), ("x", "1.2.3")] {
+        assert_eq!(publish::label_problem(k, v), None, "{k}={v}");
+    }
+    for (k, v) in [
+        ("-team", "x"),
+        ("team", "x-"),
+        (&"k".repeat(64) as &str, "v"),
+        ("team", &"v".repeat(64) as &str),
+        ("/x", "v"),
+        ("a..b/x", "v"),
+        ("hetzner.cloud/x", "v"),
+    ] {
+        assert!(publish::label_problem(k, v).is_some(), "{k}={v} accepted");
+    }
+}
