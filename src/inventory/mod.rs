@@ -8,7 +8,10 @@ mod publish;
 
 pub use locate::LineIndex;
 pub use net::{Cidr, MacAddr};
-pub use publish::{ProxmoxSettings, ProxmoxVm, PublishSettings};
+pub use publish::{
+    HcloudServers, HcloudSettings, ProxmoxSettings, ProxmoxVm, PublishSettings, RESERVED_LABELS,
+    default_server_types, label_problem,
+};
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
