@@ -5,138 +5,16 @@
 //! test it against the upstream facts alone (shared/FORMATS.md §6).
 //! Needs openssh-server, openssh-client and zstd (`make deps`).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 mod common;
-use common::{sim_bin, text};
-
-/// A Hetzner Cloud simulator on loopback; killed on drop.
-struct Hc {
-    child: Child,
-    url: String,
-    token: String,
-    dir: tempfile::TempDir,
-}
-
-impl Hc {
-    fn start(extra: &[&str]) -> Hc {
-        for tool in ["/usr/sbin/sshd", "ssh", "ssh-keygen", "zstd", "curl"] {
-            let found = Command::new("sh")
-                .args(["-c", &format!("command -v {tool}")])
-                .output()
-                .unwrap();
-            assert!(found.status.success(), "{tool} is missing: run `make deps`");
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(sim_bin())
-            .args(["hcloud", "--action-seconds", "0.2", "--state-dir"])
-            .arg(dir.path().join("state"))
-            .args(extra)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let v: Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("simulator did not start ({e}): {line:?}"));
-        let url = v["url"].as_str().unwrap().to_owned();
-        assert!(
-            url.starts_with("http://127.0.0.1:") && url.ends_with("/v1"),
-            "{url}"
-        );
-        Hc {
-            child,
-            url,
-            token: v["token"].as_str().unwrap().to_owned(),
-            dir,
-        }
-    }
-
-    /// curl with the token; (HTTP status, headers, body as JSON).
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, String, Value) {
-        let mut cmd = Command::new("curl");
-        cmd.args(["-s", "-D", "-", "-X", method, "-H"])
-            .arg(format!("Authorization: Bearer {}", self.token))
-            .arg(format!("{}{path}", self.url));
-        if let Some(b) = body {
-            cmd.args(["-H", "Content-Type: application/json", "--data-binary"])
-                .arg(b.to_string());
-        }
-        let out = text(&cmd.output().unwrap().stdout);
-        let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-        let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-        (
-            status,
-            head.to_owned(),
-            serde_json::from_str(body).unwrap_or(Value::Null),
-        )
-    }
-
-    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        let (status, _, v) = self.call(method, path, body);
-        assert!(
-            (200..300).contains(&status),
-            "{method} {path}: {status} {v}"
-        );
-        v
-    }
-
-    /// Polls an action until it ends; its final state.
-    fn wait(&self, action: &Value) -> Value {
-        let id = action["id"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("no action: {action}"));
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let a = self.ok("GET", &format!("/actions/{id}"), None)["action"].clone();
-            if a["status"] != "running" {
-                return a;
-            }
-            assert!(Instant::now() < deadline, "action {id} never ended");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn wait_ok(&self, action: &Value) {
-        let a = self.wait(action);
-        assert_eq!(a["status"], "success", "{a}");
-    }
-
-    fn stats(&self) -> Value {
-        let o = Command::new("curl")
-            .arg("-s")
-            .arg(self.url.replace("/v1", "/_sim/stats"))
-            .output()
-            .unwrap();
-        serde_json::from_slice(&o.stdout).unwrap()
-    }
-
-    fn disk(&self, server: u64) -> PathBuf {
-        let o = Command::new("curl")
-            .arg("-s")
-            .arg(
-                self.url
-                    .replace("/v1", &format!("/_sim/servers/{server}/disk")),
-            )
-            .output()
-            .unwrap();
-        PathBuf::from(serde_json::from_slice::<String>(&o.stdout).unwrap())
-    }
-}
-
-impl Drop for Hc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::sims::Hc;
+use common::text;
 
 /// An ed25519 key pair made by ssh-keygen; (private key path, public key).
 fn keypair(dir: &Path, name: &str) -> (PathBuf, String) {

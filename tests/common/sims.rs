@@ -199,3 +199,129 @@ impl Drop for Pve {
         let _ = self.child.wait();
     }
 }
+
+/// A Hetzner Cloud simulator on loopback; killed on drop.
+pub struct Hc {
+    pub child: Child,
+    pub url: String,
+    pub token: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl Hc {
+    pub fn start(extra: &[&str]) -> Hc {
+        for tool in ["/usr/sbin/sshd", "ssh", "ssh-keygen", "zstd", "curl"] {
+            let found = Command::new("sh")
+                .args(["-c", &format!("command -v {tool}")])
+                .output()
+                .unwrap();
+            assert!(found.status.success(), "{tool} is missing: run `make deps`");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (child, v) = spawn(
+            Command::new(sim_bin())
+                .args(["hcloud", "--action-seconds", "0.2", "--state-dir"])
+                .arg(dir.path().join("state"))
+                .args(extra),
+        );
+        let url = v["url"].as_str().unwrap().to_owned();
+        assert!(
+            url.starts_with("http://127.0.0.1:") && url.ends_with("/v1"),
+            "{url}"
+        );
+        Hc {
+            child,
+            url,
+            token: v["token"].as_str().unwrap().to_owned(),
+            dir,
+        }
+    }
+
+    /// curl with the token; (HTTP status, headers, body as JSON).
+    pub fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> (u16, String, serde_json::Value) {
+        let mut cmd = Command::new("curl");
+        cmd.args(["-s", "-D", "-", "-X", method, "-H"])
+            .arg(format!("Authorization: Bearer {}", self.token))
+            .arg(format!("{}{path}", self.url));
+        if let Some(b) = body {
+            cmd.args(["-H", "Content-Type: application/json", "--data-binary"])
+                .arg(b.to_string());
+        }
+        let out = text(&cmd.output().unwrap().stdout);
+        let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+        let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (
+            status,
+            head.to_owned(),
+            serde_json::from_str(body).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    pub fn ok(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> serde_json::Value {
+        let (status, _, v) = self.call(method, path, body);
+        assert!(
+            (200..300).contains(&status),
+            "{method} {path}: {status} {v}"
+        );
+        v
+    }
+
+    /// Polls an action until it ends; its final state.
+    pub fn wait(&self, action: &serde_json::Value) -> serde_json::Value {
+        let id = action["id"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no action: {action}"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let a = self.ok("GET", &format!("/actions/{id}"), None)["action"].clone();
+            if a["status"] != "running" {
+                return a;
+            }
+            assert!(Instant::now() < deadline, "action {id} never ended");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn wait_ok(&self, action: &serde_json::Value) {
+        let a = self.wait(action);
+        assert_eq!(a["status"], "success", "{a}");
+    }
+
+    pub fn stats(&self) -> serde_json::Value {
+        let o = Command::new("curl")
+            .arg("-s")
+            .arg(self.url.replace("/v1", "/_sim/stats"))
+            .output()
+            .unwrap();
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+
+    pub fn disk(&self, server: u64) -> PathBuf {
+        let o = Command::new("curl")
+            .arg("-s")
+            .arg(
+                self.url
+                    .replace("/v1", &format!("/_sim/servers/{server}/disk")),
+            )
+            .output()
+            .unwrap();
+        PathBuf::from(serde_json::from_slice::<String>(&o.stdout).unwrap())
+    }
+}
+
+impl Drop for Hc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
