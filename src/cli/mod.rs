@@ -1,9 +1,11 @@
 //! Commands, their flags, and how their results are shown.
 
 mod build;
+mod hcloud;
 mod image;
 mod publish;
 mod schematic;
+mod signals;
 mod talos;
 
 use anyhow::{Context, Result};
@@ -70,8 +72,12 @@ enum Command {
     Talosconfig(talos::TalosconfigArgs),
     /// Apply configs, bootstrap etcd once, wait until the cluster is healthy.
     Bootstrap(talos::BootstrapArgs),
-    /// Build what is missing, then publish every node's image (Proxmox VE).
+    /// Build what is missing, then publish every node's image (Proxmox VE
+    /// storage and VMs, or Hetzner Cloud snapshots).
     Publish(publish::PublishArgs),
+    /// Delete the temporary Hetzner servers and SSH keys that killed
+    /// `publish` runs left (found by label).
+    Cleanup(hcloud::CleanupArgs),
 }
 
 /// A failure whose details the command already printed (e.g. as its JSON
@@ -123,6 +129,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Talosconfig(args) => talos::talosconfig(args, &cli.config, cli.output),
         Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
         Command::Publish(args) => publish::run(args, &cli.config, cli.output),
+        Command::Cleanup(args) => hcloud::cleanup(args, cli.output),
     }
 }
 

@@ -2,6 +2,7 @@
 //! where the inventory's `publish` section says.
 
 use super::build::{BuildArgs, build_nodes, failed_json, print_failures};
+use super::hcloud::{self as hc, HcloudArgs};
 use super::{Output, Partial, Reported, load_inventory};
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -23,6 +24,8 @@ pub struct PublishArgs {
     /// How often server-side tasks are polled, in milliseconds.
     #[arg(long, default_value_t = 500)]
     poll_ms: u64,
+    #[command(flatten)]
+    hcloud: HcloudArgs,
     #[command(flatten)]
     build: BuildArgs,
 }
@@ -56,9 +59,23 @@ impl proxmox::Observer for Quiet {
 
 pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
+    if let Some(settings) = inv.publish.hcloud.clone() {
+        let creds = hc::credentials()?;
+        let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
+        let poll = Duration::from_millis(args.poll_ms.max(10));
+        return hc::publish(
+            &settings,
+            &creds,
+            &built,
+            build_failures,
+            &args.hcloud,
+            poll,
+            output,
+        );
+    }
     let Some(settings) = inv.publish.proxmox.clone() else {
         bail!(
-            "{}: no publish target: add a publish.proxmox section",
+            "{}: no publish target: add a publish.proxmox or publish.hcloud section",
             config.display()
         );
     };

@@ -105,7 +105,7 @@ pub struct BootstrapArgs {
 const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// `90s`, `10m`, `1h`, `500ms`, or plain seconds, at most [`MAX_DURATION`].
-fn parse_duration(text: &str) -> Result<Duration, String> {
+pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
     let (num, unit) = t
         .find(|c: char| !c.is_ascii_digit() && c != '.')

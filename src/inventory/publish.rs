@@ -296,6 +296,12 @@ impl Validator<'_> {
                 ),
             );
         }
+        if inv.image.format != super::ImageFormat::Raw {
+            self.problem(
+                "image.format",
+                "publish.hcloud writes the image to a disk with dd: image.format must be raw",
+            );
+        }
         let is_name = |s: &str| {
             !s.is_empty()
                 && s.len() <= 63

@@ -2,9 +2,11 @@
 //! credentials from the environment, never from the inventory, and keeps
 //! them out of every message.
 
+pub mod hcloud;
 pub mod proxmox;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::inventory::ImageFormat;
 
@@ -37,5 +39,34 @@ impl Secret {
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("***")
+    }
+}
+
+/// Asks a long run to stop at its next step (the CLI sets it on SIGINT or
+/// SIGTERM); the run then cleans up what it created.
+#[derive(Clone, Copy, Debug)]
+pub struct Cancel(Option<&'static AtomicBool>);
+
+/// The run was asked to stop.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("interrupted")]
+pub struct Interrupted;
+
+impl Cancel {
+    /// Follows `flag`.
+    pub fn on(flag: &'static AtomicBool) -> Cancel {
+        Cancel(Some(flag))
+    }
+
+    /// Never cancels: for cleanup, which must finish.
+    pub fn never() -> Cancel {
+        Cancel(None)
+    }
+
+    pub fn check(&self) -> Result<(), Interrupted> {
+        match self.0 {
+            Some(f) if f.load(Ordering::SeqCst) => Err(Interrupted),
+            _ => Ok(()),
+        }
     }
 }

@@ -1,0 +1,239 @@
+//! The Hetzner Cloud side of `imgbuild publish`, and `imgbuild cleanup`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use imgbuild::build::Outcome;
+use imgbuild::inventory::HcloudSettings;
+use imgbuild::publish::hcloud::{
+    self, Api, Credentials, Event, HcloudError, Leftover, Snapshot, SnapshotImage, SnapshotOptions,
+};
+use serde_json::json;
+
+use super::build::{failed_json, print_failures};
+use super::signals::cancel_on_signals;
+use super::talos::parse_duration;
+use super::{Output, Partial, Reported};
+
+/// Flags only the Hetzner target reads.
+#[derive(Args)]
+pub struct HcloudArgs {
+    /// How long to keep trying to log in to the rescue system.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    ssh_timeout: Duration,
+    /// The rescue system's SSH port (22 on Hetzner; for test doubles).
+    #[arg(long, default_value_t = 22, hide = true)]
+    rescue_ssh_port: u16,
+}
+
+#[derive(Args)]
+pub struct CleanupArgs {
+    /// Only resources created at least this long ago (0: all), so a
+    /// cleanup job does not delete the servers of builds still running.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    older_than: Duration,
+}
+
+/// Prints each step on stderr.
+struct Lines;
+
+impl hcloud::Observer for Lines {
+    fn event(&self, e: &Event) {
+        let line = match e {
+            Event::Found { id } => format!("snapshot {id} already holds this image"),
+            Event::KeyCreated { id } => format!("temporary SSH key {id} created"),
+            Event::TypeSkipped { server_type, why } => {
+                format!("server type {server_type} skipped: {why}")
+            }
+            Event::ServerCreated { id, server_type } => {
+                format!("temporary server {id} ({server_type}) created")
+            }
+            Event::RescueBooting { id } => format!("server {id} boots its rescue system"),
+            Event::Connected { addr, host_key } => format!(
+                "logged in to the rescue system at {addr}; its host key {host_key} is new on every rescue boot and was accepted for this session only"
+            ),
+            Event::Discarded { supported } => {
+                if *supported {
+                    "disk discarded".to_owned()
+                } else {
+                    "disk cannot discard; dd overwrites it".to_owned()
+                }
+            }
+            Event::Writing { size } => {
+                format!("writing {size} bytes to /dev/sda (zstd on the wire)")
+            }
+            Event::Written { bytes, sent } => format!("dd wrote {bytes} bytes ({sent} bytes sent)"),
+            Event::PoweredOff => "server off".to_owned(),
+            Event::Snapshotting => "creating the snapshot".to_owned(),
+            Event::SnapshotReady { id } => format!("snapshot {id} available"),
+            Event::Deleted { kind, id } => format!("deleted {} {id}", kind.replace('_', " ")),
+        };
+        eprintln!("hcloud: {line}");
+    }
+}
+
+struct Quiet;
+impl hcloud::Observer for Quiet {
+    fn event(&self, _: &Event) {}
+}
+
+fn observer(output: Output) -> &'static dyn hcloud::Observer {
+    if output == Output::Text {
+        &Lines
+    } else {
+        &Quiet
+    }
+}
+
+/// Reads the credentials before anything is built: a missing token must
+/// not wait for a build.
+pub fn credentials() -> Result<Credentials> {
+    Ok(Credentials::from_env(&|k| std::env::var(k).ok())?)
+}
+
+/// The distinct images among `built`: nodes whose images have the same
+/// bytes share one snapshot (hcloud images carry no per-node META).
+pub fn distinct_images(built: &[Outcome]) -> Vec<SnapshotImage> {
+    let mut by_sha: BTreeMap<&str, SnapshotImage> = BTreeMap::new();
+    for o in built {
+        by_sha
+            .entry(o.image.sha256.as_str())
+            .or_insert_with(|| SnapshotImage {
+                path: o.file.clone(),
+                sha256: o.image.sha256.clone(),
+                size: o.image.size,
+                schematic_id: o.image.schematic_id.to_string(),
+                talos_version: o.image.talos_version.clone(),
+                arch: o.image.arch,
+                nodes: Vec::new(),
+            })
+            .nodes
+            .push(o.image.node.clone());
+    }
+    by_sha.into_values().collect()
+}
+
+/// Publishes every distinct image of `built` as a snapshot.
+pub fn publish(
+    settings: &HcloudSettings,
+    creds: &Credentials,
+    built: &[Outcome],
+    build_failures: Vec<(String, String)>,
+    args: &HcloudArgs,
+    poll: Duration,
+    output: Output,
+) -> Result<()> {
+    let cancel = cancel_on_signals();
+    let opts = SnapshotOptions {
+        poll,
+        ssh_timeout: args.ssh_timeout,
+        ssh_port: args.rescue_ssh_port,
+        ..SnapshotOptions::default()
+    };
+    let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
+    let mut snapshots: Vec<Snapshot> = Vec::new();
+    let mut failures = build_failures;
+    let mut leftovers: Vec<Leftover> = Vec::new();
+    let mut interrupted = false;
+    for image in distinct_images(built) {
+        if interrupted {
+            failures.push((image.nodes.join(","), "not started: interrupted".into()));
+            continue;
+        }
+        let run =
+            hcloud::publish_snapshot(&api, settings, &image, &opts, &cancel, observer(output));
+        leftovers.extend(run.leftovers);
+        match run.result {
+            Ok(s) => snapshots.push(s),
+            Err(e) => {
+                interrupted |= matches!(e, HcloudError::Interrupted);
+                failures.push((image.nodes.join(","), e.to_string()));
+            }
+        }
+    }
+    let requests = api.requests();
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({
+                "target": "hcloud",
+                "snapshots": snapshots,
+                "requests": requests,
+                "failed": failed_json(&failures),
+                "leftovers": leftovers,
+            })
+        ),
+        Output::Text => {
+            for s in &snapshots {
+                let labels = hcloud::selector(&s.labels);
+                let how = if s.created {
+                    "created"
+                } else {
+                    "already existed"
+                };
+                println!(
+                    "snapshot {} {how} for {}  labels {labels}",
+                    s.id,
+                    s.nodes.join(", ")
+                );
+            }
+            eprintln!("hcloud: {requests} API requests");
+            print_failures(&failures);
+        }
+    }
+    if !leftovers.is_empty() {
+        let list: Vec<String> = leftovers
+            .iter()
+            .map(|l| format!("{} {}: {}", l.kind.replace('_', " "), l.id, l.error))
+            .collect();
+        if output == Output::Text {
+            eprintln!(
+                "error: could not delete temporary resources (they cost money until deleted):\n  {}\n  run `imgbuild cleanup` (HCLOUD_TOKEN set) to delete them",
+                list.join("\n  ")
+            );
+        }
+        return Err(Reported(format!("{} temporary resource(s) left", leftovers.len())).into());
+    }
+    match (failures.len(), snapshots.len()) {
+        (0, _) => Ok(()),
+        (n, 0) => Err(Reported(format!("{n} snapshot(s) failed")).into()),
+        (n, ok) => Err(Partial(format!("{n} snapshot(s) failed, {ok} published")).into()),
+    }
+}
+
+/// `imgbuild cleanup`: deletes what killed runs left behind.
+pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
+    let creds = credentials()?;
+    let opts = SnapshotOptions::default();
+    let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
+    let (deleted, left) = hcloud::cleanup(&api, args.older_than, &opts, observer(output));
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({"deleted": deleted, "leftovers": left, "requests": api.requests()})
+        ),
+        Output::Text => {
+            if deleted.is_empty() && left.is_empty() {
+                println!("nothing to delete: no temporary servers or SSH keys of imgbuild runs");
+            }
+            for d in &deleted {
+                println!("deleted {} {} ({})", d.kind.replace('_', " "), d.id, d.name);
+            }
+            for l in &left {
+                eprintln!(
+                    "could not delete {} {}: {}",
+                    l.kind.replace('_', " "),
+                    l.id,
+                    l.error
+                );
+            }
+        }
+    }
+    if left.is_empty() {
+        Ok(())
+    } else {
+        Err(Reported(format!("{} resource(s) could not be deleted", left.len())).into())
+    }
+}

@@ -1,0 +1,894 @@
+//! Hetzner Cloud: one snapshot per distinct image, made without Packer by
+//! writing the verified image through a temporary server's rescue system,
+//! labelled so it can be selected exactly, and leaking nothing: the
+//! temporary server and SSH key carry the run's label and are deleted on
+//! every path. Facts: FORMATS.md §6 (hcloud-upload-image v1.5,
+//! packer-plugin-hcloud, hcloud-go, the OpenAPI document).
+
+pub mod api;
+pub mod rescue;
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use super::{Cancel, Interrupted, Secret};
+use crate::inventory::{Arch, HcloudSettings, default_server_types};
+use crate::net::{NetError, RetryPolicy};
+pub use api::Api;
+use rescue::Rescue;
+
+/// The API base when `HCLOUD_ENDPOINT` is not set.
+pub const DEFAULT_ENDPOINT: &str = "https://api.hetzner.cloud/v1";
+
+/// Labels every temporary resource of a run carries: `imgbuild cleanup`
+/// finds leftovers by them (and never touches a cluster's own servers,
+/// which have no run label).
+const MANAGED_BY: (&str, &str) = ("managed-by", "imgbuild");
+const RUN_LABEL: &str = "imgbuild-run";
+
+/// The system image the temporary server is created with; the rescue
+/// system overwrites its disk, so any will do.
+const BUILD_IMAGE: &str = "debian-13";
+
+/// Why publishing to Hetzner Cloud failed. Never carries the token.
+#[derive(Debug, thiserror::Error)]
+pub enum HcloudError {
+    #[error("{0}")]
+    Setup(String),
+    /// The API answered with an error; `body` is its error object as sent.
+    #[error("{request}: HTTP {status}: {body}")]
+    Api {
+        request: String,
+        status: u16,
+        code: Option<String>,
+        body: String,
+    },
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error("{request}: unexpected reply: {message}")]
+    Reply { request: String, message: String },
+    #[error("{what}: action {id} ended in error {code}: {message}")]
+    Action {
+        what: String,
+        id: u64,
+        code: String,
+        message: String,
+    },
+    #[error("{what}: not done after {after:?}")]
+    Timeout { what: String, after: Duration },
+    #[error("SSH: {0}")]
+    Ssh(String),
+    #[error("{0}")]
+    Remote(String),
+    #[error("{0}")]
+    Io(String),
+    #[error(
+        "no build server type could be created in {location}:\n  {}",
+        tried.join("\n  ")
+    )]
+    NoServerType {
+        location: String,
+        tried: Vec<String>,
+    },
+    #[error("interrupted")]
+    Interrupted,
+}
+
+impl From<Interrupted> for HcloudError {
+    fn from(_: Interrupted) -> Self {
+        HcloudError::Interrupted
+    }
+}
+
+impl Cancel {
+    /// Sleeps `d` in short steps, returning early when cancelled.
+    pub fn sleep(&self, d: Duration) -> Result<(), Interrupted> {
+        let end = Instant::now() + d;
+        loop {
+            self.check()?;
+            let now = Instant::now();
+            if now >= end {
+                return Ok(());
+            }
+            std::thread::sleep((end - now).min(Duration::from_millis(100)));
+        }
+    }
+}
+
+/// Where and as whom to reach the API: `HCLOUD_TOKEN` and
+/// `HCLOUD_ENDPOINT`, as the hcloud CLI names them.
+#[derive(Debug, Clone)]
+pub struct Credentials {
+    pub endpoint: String,
+    pub token: Secret,
+}
+
+impl Credentials {
+    pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Credentials, HcloudError> {
+        let token = env("HCLOUD_TOKEN")
+            .filter(|t| !t.trim().is_empty())
+            .ok_or_else(|| {
+                HcloudError::Setup(
+                    "HCLOUD_TOKEN is not set (an API token of the project, read & write)".into(),
+                )
+            })?;
+        if token.contains(char::is_whitespace) {
+            return Err(HcloudError::Setup(
+                "HCLOUD_TOKEN contains whitespace (value not shown)".into(),
+            ));
+        }
+        let endpoint = env("HCLOUD_ENDPOINT")
+            .filter(|e| !e.trim().is_empty())
+            .unwrap_or_else(|| DEFAULT_ENDPOINT.to_owned());
+        let url = reqwest::Url::parse(endpoint.trim()).map_err(|e| {
+            HcloudError::Setup(format!(
+                "HCLOUD_ENDPOINT {endpoint:?} is not a URL ({e}); e.g. {DEFAULT_ENDPOINT}"
+            ))
+        })?;
+        if !matches!(url.scheme(), "https" | "http") || url.host_str().is_none() {
+            return Err(HcloudError::Setup(format!(
+                "HCLOUD_ENDPOINT {endpoint:?} must be an http(s) URL such as {DEFAULT_ENDPOINT}"
+            )));
+        }
+        Ok(Credentials {
+            endpoint: url.as_str().trim_end_matches('/').to_owned(),
+            token: Secret::new(token),
+        })
+    }
+}
+
+/// How patient a snapshot run is.
+#[derive(Debug, Clone)]
+pub struct SnapshotOptions {
+    /// How often actions and statuses are polled (hcloud-go: 500 ms).
+    pub poll: Duration,
+    /// The longest one action may run.
+    pub action_timeout: Duration,
+    /// How long to keep trying to log in to the rescue system.
+    pub ssh_timeout: Duration,
+    /// The rescue system's SSH port.
+    pub ssh_port: u16,
+    /// The longest a new snapshot may take to become available.
+    pub image_timeout: Duration,
+    pub retry: RetryPolicy,
+    /// zstd level and worker threads for images not already compressed.
+    pub zstd_level: i32,
+    pub zstd_threads: u32,
+}
+
+impl Default for SnapshotOptions {
+    fn default() -> Self {
+        SnapshotOptions {
+            poll: Duration::from_millis(1000),
+            action_timeout: Duration::from_secs(600),
+            ssh_timeout: Duration::from_secs(300),
+            ssh_port: 22,
+            image_timeout: Duration::from_secs(1800),
+            retry: RetryPolicy::default(),
+            zstd_level: 3,
+            zstd_threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get() as u32)
+                .min(8),
+        }
+    }
+}
+
+/// One distinct image to make a snapshot of (every node whose image has
+/// these bytes shares it).
+#[derive(Debug, Clone)]
+pub struct SnapshotImage {
+    pub path: PathBuf,
+    pub sha256: String,
+    pub size: u64,
+    pub schematic_id: String,
+    pub talos_version: String,
+    pub arch: Arch,
+    pub nodes: Vec<String>,
+}
+
+/// The labels that identify a snapshot's content: what Terraform selects
+/// it by. Values are at most 63 characters, hence the 32-hex prefixes.
+pub fn snapshot_labels(image: &SnapshotImage) -> BTreeMap<String, String> {
+    let short = |s: &str| s.chars().take(32).collect::<String>();
+    BTreeMap::from([
+        ("os".to_owned(), "talos".to_owned()),
+        ("talos-version".to_owned(), image.talos_version.clone()),
+        ("talos-schematic".to_owned(), short(&image.schematic_id)),
+        ("arch".to_owned(), image.arch.to_string()),
+        ("image-sha256".to_owned(), short(&image.sha256)),
+    ])
+}
+
+/// A label selector matching every label in `labels` exactly.
+pub fn selector(labels: &BTreeMap<String, String>) -> String {
+    labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Hetzner's name for an architecture in server types and images.
+fn api_arch(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Amd64 => "x86",
+        Arch::Arm64 => "arm",
+    }
+}
+
+/// A finished snapshot.
+#[derive(Debug, Clone, Serialize)]
+pub struct Snapshot {
+    pub id: u64,
+    pub labels: BTreeMap<String, String>,
+    /// False when a snapshot with these labels already existed.
+    pub created: bool,
+    pub description: String,
+    pub sha256: String,
+    pub nodes: Vec<String>,
+    /// Compressed bytes sent to the rescue system (0 when nothing was made).
+    pub bytes_sent: u64,
+}
+
+/// Progress a snapshot run reports; the CLI renders it.
+pub trait Observer: Sync {
+    fn event(&self, event: &Event);
+}
+
+/// One step of a snapshot run.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Found {
+        id: u64,
+    },
+    KeyCreated {
+        id: u64,
+    },
+    TypeSkipped {
+        server_type: String,
+        why: String,
+    },
+    ServerCreated {
+        id: u64,
+        server_type: String,
+    },
+    RescueBooting {
+        id: u64,
+    },
+    /// Logged in; the rescue host key is new on every boot, so it was
+    /// accepted for this session only.
+    Connected {
+        addr: SocketAddr,
+        host_key: String,
+    },
+    Discarded {
+        supported: bool,
+    },
+    Writing {
+        size: u64,
+    },
+    Written {
+        bytes: u64,
+        sent: u64,
+    },
+    PoweredOff,
+    Snapshotting,
+    SnapshotReady {
+        id: u64,
+    },
+    Deleted {
+        kind: &'static str,
+        id: u64,
+    },
+}
+
+/// A temporary resource that could not be deleted.
+#[derive(Debug, Clone, Serialize)]
+pub struct Leftover {
+    pub kind: &'static str,
+    pub id: u64,
+    pub error: String,
+}
+
+/// What a snapshot run left: its result, and anything it failed to delete
+/// (empty unless the API refused every attempt).
+#[derive(Debug)]
+pub struct Outcome {
+    pub result: Result<Snapshot, HcloudError>,
+    pub leftovers: Vec<Leftover>,
+}
+
+/// Makes (or finds) the snapshot of `image`. The temporary server and key
+/// are deleted on every path, cancellation included; what could not be
+/// deleted is in [`Outcome::leftovers`].
+pub fn publish_snapshot(
+    api: &Api,
+    settings: &HcloudSettings,
+    image: &SnapshotImage,
+    opts: &SnapshotOptions,
+    cancel: &Cancel,
+    observer: &dyn Observer,
+) -> Outcome {
+    let labels = snapshot_labels(image);
+    match find_snapshot(api, &labels) {
+        Ok(Some(id)) => {
+            observer.event(&Event::Found { id });
+            return Outcome {
+                result: Ok(Snapshot {
+                    id,
+                    labels,
+                    created: false,
+                    description: description(image),
+                    sha256: image.sha256.clone(),
+                    nodes: image.nodes.clone(),
+                    bytes_sent: 0,
+                }),
+                leftovers: Vec::new(),
+            };
+        }
+        Ok(None) => {}
+        Err(e) => {
+            return Outcome {
+                result: Err(e),
+                leftovers: Vec::new(),
+            };
+        }
+    }
+    let run = run_id();
+    let mut build = Build {
+        api,
+        settings,
+        image,
+        opts,
+        cancel,
+        observer,
+        run: run.clone(),
+        labels,
+    };
+    let result = build.make();
+    let leftovers = delete_run(api, &run, opts, observer);
+    Outcome { result, leftovers }
+}
+
+fn description(image: &SnapshotImage) -> String {
+    format!(
+        "talos {} {} {}",
+        image.talos_version, image.arch, image.schematic_id
+    )
+}
+
+/// A snapshot already holding these bytes, if any (the newest).
+pub fn find_snapshot(
+    api: &Api,
+    labels: &BTreeMap<String, String>,
+) -> Result<Option<u64>, HcloudError> {
+    let found = api.list(
+        "/images",
+        "images",
+        &[
+            ("type", "snapshot".into()),
+            ("status", "available".into()),
+            ("label_selector", selector(labels)),
+            ("sort", "created:desc".into()),
+        ],
+    )?;
+    Ok(found.first().and_then(|i| i["id"].as_u64()))
+}
+
+/// 64 random bits in hex: names and labels this run's temporary resources.
+fn run_id() -> String {
+    let mut b = [0u8; 8];
+    aws_lc_rs::rand::fill(&mut b).expect("the system's random source");
+    hex::encode(b)
+}
+
+/// The state of one snapshot run.
+struct Build<'a> {
+    api: &'a Api,
+    settings: &'a HcloudSettings,
+    image: &'a SnapshotImage,
+    opts: &'a SnapshotOptions,
+    cancel: &'a Cancel,
+    observer: &'a dyn Observer,
+    run: String,
+    labels: BTreeMap<String, String>,
+}
+
+impl Build<'_> {
+    fn temp_labels(&self) -> Value {
+        json!({MANAGED_BY.0: MANAGED_BY.1, RUN_LABEL: self.run})
+    }
+
+    fn wait(&self, reply: &Value, what: &str) -> Result<(), HcloudError> {
+        let mut actions: Vec<&Value> = reply.get("action").into_iter().collect();
+        if let Some(next) = reply.get("next_actions").and_then(Value::as_array) {
+            actions.extend(next);
+        }
+        for a in actions.into_iter().filter(|a| !a.is_null()) {
+            self.api.wait_action(
+                a,
+                what,
+                self.opts.poll,
+                self.opts.action_timeout,
+                self.cancel,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn make(&mut self) -> Result<Snapshot, HcloudError> {
+        // The key exists only in memory and dies with the run.
+        let mut seed = [0u8; 32];
+        aws_lc_rs::rand::fill(&mut seed).expect("the system's random source");
+        let key = russh::keys::PrivateKey::from(
+            russh::keys::ssh_key::private::Ed25519Keypair::from_seed(&seed),
+        );
+        let public = key
+            .public_key()
+            .to_openssh()
+            .map_err(|e| HcloudError::Setup(format!("encoding the SSH key: {e}")))?;
+        self.cancel.check()?;
+        let name = format!("imgbuild-{}", self.run);
+        let reply = self.api.post(
+            "/ssh_keys",
+            &json!({"name": name, "public_key": public, "labels": self.temp_labels()}),
+        )?;
+        let key_id = id_of(&reply, "ssh_key", "POST /ssh_keys")?;
+        self.observer.event(&Event::KeyCreated { id: key_id });
+
+        let server = self.create_server(&name, key_id)?;
+        let server_id = server["id"].as_u64().ok_or_else(|| HcloudError::Reply {
+            request: "POST /servers".into(),
+            message: "no server.id in the reply".into(),
+        })?;
+        let path = format!("/servers/{server_id}");
+
+        let reply = self.api.post(
+            &format!("{path}/actions/enable_rescue"),
+            &json!({"type": "linux64", "ssh_keys": [key_id]}),
+        )?;
+        self.wait(&reply, &format!("enable_rescue on server {server_id}"))?;
+        let reply = self
+            .api
+            .post(&format!("{path}/actions/poweron"), &json!({}))?;
+        self.wait(&reply, &format!("poweron of server {server_id}"))?;
+        self.observer.event(&Event::RescueBooting { id: server_id });
+
+        let ip: IpAddr = server
+            .pointer("/public_net/ipv4/ip")
+            .and_then(Value::as_str)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| HcloudError::Reply {
+                request: "POST /servers".into(),
+                message: format!("server {server_id} has no public IPv4 address"),
+            })?;
+        let addr = SocketAddr::new(ip, self.opts.ssh_port);
+        let sent = self.write_disk(server_id, addr, key)?;
+
+        let reply = self
+            .api
+            .post(&format!("{path}/actions/poweroff"), &json!({}))?;
+        self.wait(&reply, &format!("poweroff of server {server_id}"))?;
+        self.until(&format!("server {server_id} off"), || {
+            let s = self.api.get(&path, &[])?;
+            Ok(s.pointer("/server/status").and_then(Value::as_str) == Some("off"))
+        })?;
+        self.observer.event(&Event::PoweredOff);
+
+        let mut labels = self.labels.clone();
+        labels.extend(self.settings.labels.clone());
+        let description = description(self.image);
+        self.observer.event(&Event::Snapshotting);
+        let reply = self.api.post(
+            &format!("{path}/actions/create_image"),
+            &json!({"type": "snapshot", "description": description, "labels": labels}),
+        )?;
+        let image_id = id_of(&reply, "image", "create_image")?;
+        self.wait(&reply, &format!("create_image of server {server_id}"))?;
+        let image_path = format!("/images/{image_id}");
+        let deadline = self.opts.image_timeout;
+        self.until_within(&format!("snapshot {image_id} available"), deadline, || {
+            let i = self.api.get(&image_path, &[])?;
+            Ok(i.pointer("/image/status").and_then(Value::as_str) == Some("available"))
+        })?;
+        self.observer.event(&Event::SnapshotReady { id: image_id });
+        Ok(Snapshot {
+            id: image_id,
+            labels,
+            created: true,
+            description,
+            sha256: self.image.sha256.clone(),
+            nodes: self.image.nodes.clone(),
+            bytes_sent: sent,
+        })
+    }
+
+    /// The first server type of the list that is offered here and can be
+    /// created; the created server's object.
+    fn create_server(&self, name: &str, key_id: u64) -> Result<Value, HcloudError> {
+        let wanted: Vec<String> = if self.settings.server_types.is_empty() {
+            default_server_types(self.image.arch)
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        } else {
+            self.settings.server_types.clone()
+        };
+        let types = self.api.list("/server_types", "server_types", &[])?;
+        let location = &self.settings.location;
+        let mut tried = Vec::new();
+        for t in &wanted {
+            if let Some(why) = unsuitable(&types, t, location, self.image.arch) {
+                self.observer.event(&Event::TypeSkipped {
+                    server_type: t.clone(),
+                    why: why.clone(),
+                });
+                tried.push(format!("{t}: {why}"));
+                continue;
+            }
+            self.cancel.check()?;
+            let body = json!({
+                "name": name,
+                "server_type": t,
+                "image": BUILD_IMAGE,
+                "location": location,
+                "start_after_create": false,
+                "ssh_keys": [key_id],
+                "labels": self.temp_labels(),
+            });
+            match self.api.post("/servers", &body) {
+                Ok(reply) => {
+                    let server = reply["server"].clone();
+                    let id = server["id"].as_u64().unwrap_or_default();
+                    self.observer.event(&Event::ServerCreated {
+                        id,
+                        server_type: t.clone(),
+                    });
+                    self.wait(&reply, &format!("creating server {id}"))?;
+                    return Ok(server);
+                }
+                Err(HcloudError::Api {
+                    code: Some(code),
+                    status,
+                    body,
+                    ..
+                }) if matches!(
+                    code.as_str(),
+                    "resource_unavailable" | "placement_error" | "invalid_server_type"
+                ) =>
+                {
+                    let why = format!("POST /servers: HTTP {status}: {body}");
+                    self.observer.event(&Event::TypeSkipped {
+                        server_type: t.clone(),
+                        why: why.clone(),
+                    });
+                    tried.push(format!("{t}: {why}"));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(HcloudError::NoServerType {
+            location: location.clone(),
+            tried,
+        })
+    }
+
+    /// Logs in to the rescue system and writes the image to its disk; the
+    /// compressed bytes sent.
+    fn write_disk(
+        &self,
+        server_id: u64,
+        addr: SocketAddr,
+        key: russh::keys::PrivateKey,
+    ) -> Result<u64, HcloudError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| HcloudError::Io(format!("starting the SSH runtime: {e}")))?;
+        let deadline = Instant::now() + self.opts.ssh_timeout;
+        let image = self.image;
+        rt.block_on(async {
+            let session = Rescue::connect(addr, Arc::new(key), deadline, self.cancel)
+                .await
+                .map_err(|e| match e {
+                    HcloudError::Ssh(m) => HcloudError::Ssh(format!(
+                        "server {server_id}: no login within {:?} ({m})",
+                        self.opts.ssh_timeout
+                    )),
+                    e => e,
+                })?;
+            self.observer.event(&Event::Connected {
+                addr,
+                host_key: session.host_key.clone(),
+            });
+            let host = session.run("hostname").await?;
+            let name = host.stdout.trim();
+            if host.status != Some(0) || name != "rescue" {
+                return Err(HcloudError::Remote(format!(
+                    "server {server_id} at {addr} is not in its rescue system (hostname {name:?}): its disk is left alone"
+                )));
+            }
+            let d = session.run(rescue::DISCARD).await?;
+            let supported = d.status == Some(0);
+            if !supported && !rescue::discard_unsupported(&d.stderr) {
+                return Err(remote_failure(rescue::DISCARD, &d));
+            }
+            self.observer.event(&Event::Discarded { supported });
+            self.observer.event(&Event::Writing { size: image.size });
+            let file = std::fs::File::open(&image.path).map_err(|e| {
+                HcloudError::Io(format!("opening {}: {e}", image.path.display()))
+            })?;
+            let hashing = crate::io::HashingReader::new(file, false);
+            let mut encoder = zstd::stream::read::Encoder::new(hashing, self.opts.zstd_level)
+                .map_err(|e| HcloudError::Io(format!("starting zstd: {e}")))?;
+            if self.opts.zstd_threads > 1 {
+                encoder
+                    .multithread(self.opts.zstd_threads)
+                    .map_err(|e| HcloudError::Io(format!("zstd workers: {e}")))?;
+            }
+            let mut sent = 0u64;
+            let (w, encoder) = session
+                .exec(rescue::WRITE, Some(encoder), self.cancel, &mut |n| {
+                    sent += n as u64
+                })
+                .await?;
+            if w.status != Some(0) {
+                return Err(remote_failure(rescue::WRITE, &w));
+            }
+            let hashing = encoder
+                .ok_or_else(|| HcloudError::Io("the image reader did not finish".into()))?
+                .finish()
+                .into_inner();
+            let read = hashing.count();
+            let (sha, _) = hashing.finish();
+            if read != image.size || sha != image.sha256 {
+                return Err(HcloudError::Io(format!(
+                    "{} changed while it was sent ({read} bytes, sha256 {sha}; the manifest says {} bytes, {}): no snapshot is made",
+                    image.path.display(),
+                    image.size,
+                    image.sha256
+                )));
+            }
+            match rescue::dd_bytes(&w.stderr) {
+                Some(n) if n == image.size => {}
+                other => {
+                    return Err(HcloudError::Remote(format!(
+                        "dd on server {server_id} reported {} bytes written, the image has {}: no snapshot is made",
+                        other.map_or("no count of".to_owned(), |n| n.to_string()),
+                        image.size
+                    )));
+                }
+            }
+            self.observer.event(&Event::Written {
+                bytes: image.size,
+                sent,
+            });
+            session.close().await;
+            Ok(sent)
+        })
+    }
+
+    fn until(
+        &self,
+        what: &str,
+        done: impl FnMut() -> Result<bool, HcloudError>,
+    ) -> Result<(), HcloudError> {
+        self.until_within(what, self.opts.action_timeout, done)
+    }
+
+    fn until_within(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut done: impl FnMut() -> Result<bool, HcloudError>,
+    ) -> Result<(), HcloudError> {
+        let deadline = Instant::now() + timeout;
+        while !done()? {
+            if Instant::now() >= deadline {
+                return Err(HcloudError::Timeout {
+                    what: what.to_owned(),
+                    after: timeout,
+                });
+            }
+            self.cancel.sleep(self.opts.poll)?;
+        }
+        Ok(())
+    }
+}
+
+fn remote_failure(command: &str, e: &rescue::Exec) -> HcloudError {
+    let tail: Vec<&str> = e.stderr.trim().lines().rev().take(5).collect();
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    HcloudError::Remote(format!(
+        "{command:?} on the rescue system exited with {}: {}",
+        e.status
+            .map_or("no exit status".to_owned(), |s| format!("status {s}")),
+        if tail.is_empty() {
+            "(no output)".to_owned()
+        } else {
+            tail.join(" | ")
+        }
+    ))
+}
+
+/// `reply[key].id`, or an error naming the request.
+fn id_of(reply: &Value, key: &str, request: &str) -> Result<u64, HcloudError> {
+    reply
+        .get(key)
+        .and_then(|o| o.get("id"))
+        .and_then(Value::as_u64)
+        .ok_or_else(|| HcloudError::Reply {
+            request: request.to_owned(),
+            message: format!("no {key}.id in the reply"),
+        })
+}
+
+/// Why server type `name` cannot host the build here, if it cannot: not
+/// listed, another architecture, deprecated, or not offered in `location`.
+pub fn unsuitable(types: &[Value], name: &str, location: &str, arch: Arch) -> Option<String> {
+    let Some(t) = types.iter().find(|t| t["name"] == name) else {
+        return Some("no such server type".into());
+    };
+    if t["architecture"].as_str() != Some(api_arch(arch)) {
+        return Some(format!(
+            "its architecture is {}, the image's {arch}",
+            t["architecture"].as_str().unwrap_or("unknown")
+        ));
+    }
+    if t["deprecation"].is_object() || t["deprecated"] == true {
+        return Some("deprecated".into());
+    }
+    let Some(locations) = t["locations"].as_array() else {
+        return None; // an older answer without per-location data: try it
+    };
+    match locations.iter().find(|l| l["name"] == location) {
+        None => Some(format!("not offered in {location}")),
+        Some(l) if !l["deprecation"].is_null() => Some(format!("deprecated in {location}")),
+        Some(l) if l["available"] == false => Some(format!("unavailable in {location}")),
+        Some(_) => None,
+    }
+}
+
+/// Deletes every server and SSH key labelled with run `run` (not only the
+/// ones this process knows: a lost reply can leave another). Each deletion
+/// is tried a few times; what stays is returned.
+fn delete_run(
+    api: &Api,
+    run: &str,
+    opts: &SnapshotOptions,
+    observer: &dyn Observer,
+) -> Vec<Leftover> {
+    let sel = format!("{}={},{RUN_LABEL}={run}", MANAGED_BY.0, MANAGED_BY.1);
+    delete_selected(api, &sel, None, opts, observer)
+        .into_iter()
+        .filter_map(|r| r.err())
+        .collect()
+}
+
+/// Deletes the servers, then the SSH keys, matching `selector` (and
+/// created before `before`, if given).
+fn delete_selected(
+    api: &Api,
+    selector: &str,
+    before: Option<SystemTime>,
+    opts: &SnapshotOptions,
+    observer: &dyn Observer,
+) -> Vec<Result<Deleted, Leftover>> {
+    let mut out = Vec::new();
+    let never = Cancel::never();
+    for (kind, path, key) in [
+        ("server", "/servers", "servers"),
+        ("ssh_key", "/ssh_keys", "ssh_keys"),
+    ] {
+        let items = match api.list(path, key, &[("label_selector", selector.to_owned())]) {
+            Ok(items) => items,
+            Err(e) => {
+                out.push(Err(Leftover {
+                    kind,
+                    id: 0,
+                    error: format!("listing {path}: {e}"),
+                }));
+                continue;
+            }
+        };
+        for item in items {
+            let Some(id) = item["id"].as_u64() else {
+                continue;
+            };
+            if let Some(before) = before
+                && created_at(&item).is_some_and(|t| t > before)
+            {
+                continue;
+            }
+            let name = item["name"].as_str().unwrap_or("").to_owned();
+            let mut last = None;
+            for attempt in 0..4u32 {
+                match api.delete(&format!("{path}/{id}")) {
+                    Ok(reply) => {
+                        if kind == "server"
+                            && let Some(a) = reply.get("action")
+                        {
+                            // The key may go only once the server is gone.
+                            let _ = api.wait_action(
+                                a,
+                                "deleting server",
+                                opts.poll,
+                                opts.action_timeout,
+                                &never,
+                            );
+                        }
+                        last = None;
+                        break;
+                    }
+                    Err(HcloudError::Api { status: 404, .. }) => {
+                        last = None;
+                        break;
+                    }
+                    Err(e) => {
+                        last = Some(e.to_string());
+                        let _ = never.sleep(opts.retry.delay(attempt + 1, None));
+                    }
+                }
+            }
+            match last {
+                None => {
+                    observer.event(&Event::Deleted { kind, id });
+                    out.push(Ok(Deleted { kind, id, name }));
+                }
+                Some(error) => out.push(Err(Leftover { kind, id, error })),
+            }
+        }
+    }
+    out
+}
+
+/// A temporary resource `imgbuild cleanup` deleted.
+#[derive(Debug, Clone, Serialize)]
+pub struct Deleted {
+    pub kind: &'static str,
+    pub id: u64,
+    pub name: String,
+}
+
+/// A resource's `created` time (RFC 3339).
+fn created_at(item: &Value) -> Option<SystemTime> {
+    let t = time::OffsetDateTime::parse(
+        item["created"].as_str()?,
+        &time::format_description::well_known::Rfc3339,
+    )
+    .ok()?;
+    let secs = u64::try_from(t.unix_timestamp()).ok()?;
+    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+}
+
+/// Deletes every temporary server and SSH key any imgbuild run left (found
+/// by label), created at least `older_than` ago: what `imgbuild cleanup`
+/// does after a run was killed. A cluster's own servers carry no run label
+/// and are never touched.
+pub fn cleanup(
+    api: &Api,
+    older_than: Duration,
+    opts: &SnapshotOptions,
+    observer: &dyn Observer,
+) -> (Vec<Deleted>, Vec<Leftover>) {
+    let sel = format!("{}={},{RUN_LABEL}", MANAGED_BY.0, MANAGED_BY.1);
+    let before = (!older_than.is_zero()).then(|| SystemTime::now() - older_than);
+    let mut deleted = Vec::new();
+    let mut left = Vec::new();
+    for r in delete_selected(api, &sel, before, opts, observer) {
+        match r {
+            Ok(d) => deleted.push(d),
+            Err(l) => left.push(l),
+        }
+    }
+    (deleted, left)
+}
+
+#[cfg(test)]
+mod tests;

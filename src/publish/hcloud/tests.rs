@@ -1,0 +1,139 @@
+use super::*;
+
+fn image() -> SnapshotImage {
+    SnapshotImage {
+        path: PathBuf::from("out/cp-01.raw"),
+        sha256: "ab".repeat(32),
+        size: 1 << 20,
+        schematic_id: "376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba".into(),
+        talos_version: "v1.11.2".into(),
+        arch: Arch::Amd64,
+        nodes: vec!["cp-01".into()],
+    }
+}
+
+#[test]
+fn snapshot_labels_fit_hetzner_and_identify_the_content() {
+    let labels = snapshot_labels(&image());
+    assert_eq!(labels["os"], "talos");
+    assert_eq!(labels["talos-version"], "v1.11.2");
+    assert_eq!(
+        labels["talos-schematic"],
+        "376567988ad370138ad8b2698212367b"
+    );
+    assert_eq!(labels["image-sha256"], "ab".repeat(16));
+    assert_eq!(labels["arch"], "amd64");
+    for (k, v) in &labels {
+        assert_eq!(crate::inventory::label_problem(k, v), None, "{k}={v}");
+        assert!(
+            crate::inventory::RESERVED_LABELS.contains(&k.as_str()),
+            "{k}"
+        );
+    }
+    assert_eq!(
+        selector(&labels),
+        format!(
+            "arch=amd64,image-sha256={},os=talos,talos-schematic=376567988ad370138ad8b2698212367b,talos-version=v1.11.2",
+            "ab".repeat(16)
+        )
+    );
+}
+
+#[test]
+fn server_types_are_judged_per_location_and_architecture() {
+    let types: Vec<Value> = serde_json::from_value(json!([
+        {"name": "cx23", "architecture": "x86", "deprecation": null,
+         "locations": [{"name": "fsn1", "available": true, "deprecation": null},
+                       {"name": "hel1", "available": false, "deprecation": null}]},
+        {"name": "cx22", "architecture": "x86", "deprecation": {"announced": "2025-10-01T00:00:00Z", "unavailable_after": "2026-01-01T00:00:00Z"},
+         "locations": [{"name": "fsn1", "available": true, "deprecation": null}]},
+        {"name": "cax11", "architecture": "arm", "deprecation": null,
+         "locations": [{"name": "fsn1", "available": true, "deprecation": null}]},
+        {"name": "cpx22", "architecture": "x86", "deprecation": null,
+         "locations": [{"name": "nbg1", "available": true, "deprecation": null},
+                       {"name": "fsn1", "available": true, "deprecation": {"announced": "x", "unavailable_after": "y"}}]}
+    ]))
+    .unwrap();
+    let judge = |n, l, a| unsuitable(&types, n, l, a);
+    assert_eq!(judge("cx23", "fsn1", Arch::Amd64), None);
+    assert_eq!(
+        judge("cx23", "hel1", Arch::Amd64).unwrap(),
+        "unavailable in hel1"
+    );
+    assert_eq!(
+        judge("cx23", "ash", Arch::Amd64).unwrap(),
+        "not offered in ash"
+    );
+    assert_eq!(judge("cx22", "fsn1", Arch::Amd64).unwrap(), "deprecated");
+    assert!(
+        judge("cax11", "fsn1", Arch::Amd64)
+            .unwrap()
+            .contains("architecture is arm")
+    );
+    assert_eq!(judge("cax11", "fsn1", Arch::Arm64), None);
+    assert_eq!(
+        judge("cpx22", "fsn1", Arch::Amd64).unwrap(),
+        "deprecated in fsn1"
+    );
+    assert_eq!(judge("cpx22", "nbg1", Arch::Amd64), None);
+    assert_eq!(
+        judge("nope", "fsn1", Arch::Amd64).unwrap(),
+        "no such server type"
+    );
+}
+
+#[test]
+fn credentials_come_from_the_environment_and_stay_hidden() {
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        move |k: &str| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    };
+    let err = Credentials::from_env(&env(&[])).unwrap_err().to_string();
+    assert!(err.contains("HCLOUD_TOKEN is not set"), "{err}");
+    let c = Credentials::from_env(&env(&[("HCLOUD_TOKEN", "s3cret")])).unwrap();
+    assert_eq!(c.endpoint, DEFAULT_ENDPOINT);
+    assert!(!format!("{c:?}").contains("s3cret"));
+    let c = Credentials::from_env(&env(&[
+        ("HCLOUD_TOKEN", "s3cret"),
+        ("HCLOUD_ENDPOINT", "http://127.0.0.1:8080/v1/"),
+    ]))
+    .unwrap();
+    assert_eq!(c.endpoint, "http://127.0.0.1:8080/v1");
+    let err = Credentials::from_env(&env(&[
+        ("HCLOUD_TOKEN", "s3cret"),
+        ("HCLOUD_ENDPOINT", "ftp://x"),
+    ]))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("HCLOUD_ENDPOINT") && !err.contains("s3cret"),
+        "{err}"
+    );
+    let err = Credentials::from_env(&env(&[("HCLOUD_TOKEN", "a b")]))
+        .unwrap_err()
+        .to_string();
+    assert!(!err.contains("a b"), "{err}");
+}
+
+#[test]
+fn created_times_parse() {
+    let t = created_at(&json!({"created": "2026-11-26T08:00:00+00:00"})).unwrap();
+    assert_eq!(
+        t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs(),
+        1_795_680_000
+    );
+    assert!(created_at(&json!({"created": "yesterday"})).is_none());
+}
+
+#[test]
+fn cancel_stops_sleeps() {
+    static FLAG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+    let t = Instant::now();
+    assert!(Cancel::on(&FLAG).sleep(Duration::from_secs(5)).is_err());
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(Cancel::never().sleep(Duration::from_millis(1)).is_ok());
+}

@@ -1,0 +1,376 @@
+//! End to end: `imgbuild publish` to the Hetzner Cloud simulator (whose
+//! rescue system is a real sshd on loopback), and `imgbuild cleanup`:
+//! the disk written is the image, the snapshot is labelled, nothing
+//! temporary survives any ending, Ctrl-C and SIGKILL included.
+//! Needs openssh-server, openssh-client and zstd (`make deps`), and root
+//! (the rescue sshd listens on port 22 of its loopback address).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+mod common;
+use common::sims::{Hc, Sim};
+use common::{root, text};
+
+/// The loopback example as a Hetzner inventory.
+fn inventory(dir: &Path, hcloud: &str) -> PathBuf {
+    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
+    let mut inv = base.replace("platform: metal", "platform: hcloud");
+    inv.push_str("\npublish:\n  hcloud:\n");
+    inv.push_str(hcloud);
+    let path = dir.join("cluster.yaml");
+    std::fs::write(&path, inv).unwrap();
+    path
+}
+
+struct Run {
+    dir: tempfile::TempDir,
+    config: PathBuf,
+}
+
+impl Run {
+    fn new(hcloud: &str) -> Run {
+        let dir = tempfile::tempdir().unwrap();
+        let config = inventory(dir.path(), hcloud);
+        Run { dir, config }
+    }
+
+    fn out(&self) -> PathBuf {
+        self.dir.path().join("out")
+    }
+
+    fn command(&self, sim: &Sim, hc: &Hc, args: &[&str]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
+        cmd.arg("--config")
+            .arg(&self.config)
+            .arg("publish")
+            .args(args)
+            .args(["--factory", &sim.url, "--poll-ms", "100", "--quiet"])
+            .arg("--out-dir")
+            .arg(self.out())
+            .arg("--cache-dir")
+            .arg(self.dir.path().join("cache"))
+            .env_remove("IMGBUILD_CONFIG")
+            .env("HCLOUD_ENDPOINT", &hc.url)
+            .env("HCLOUD_TOKEN", &hc.token);
+        cmd
+    }
+
+    fn publish(&self, sim: &Sim, hc: &Hc, args: &[&str]) -> Output {
+        self.command(sim, hc, args).output().unwrap()
+    }
+
+    fn image(&self) -> (PathBuf, Value) {
+        let m: Value =
+            serde_json::from_slice(&std::fs::read(self.out().join("manifest.json")).unwrap())
+                .unwrap();
+        let e = m["images"]["cp-01"].clone();
+        (self.out().join(e["path"].as_str().unwrap()), e)
+    }
+}
+
+fn json(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}\n{}", text(&o.stdout), text(&o.stderr)))
+}
+
+fn cleanup(hc: &Hc) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["cleanup", "--output", "json"])
+        .env("HCLOUD_ENDPOINT", &hc.url)
+        .env("HCLOUD_TOKEN", &hc.token)
+        .output()
+        .unwrap()
+}
+
+/// Zero servers and SSH keys in the simulator.
+fn nothing_left(hc: &Hc) {
+    let s = hc.stats();
+    assert_eq!(s["servers"], 0, "servers left: {s}");
+    assert_eq!(s["sshKeys"], 0, "SSH keys left: {s}");
+}
+
+fn stat(hc: &Hc, key: &str) -> u64 {
+    hc.stats()[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no {key}"))
+}
+
+#[test]
+fn snapshot_is_the_image_labelled_exactly_and_a_rerun_creates_nothing() {
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&[]);
+    let run = Run::new("    location: fsn1\n    labels: {team: infra}\n");
+    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    let v = json(&o);
+    let snaps = v["snapshots"].as_array().unwrap();
+    // platform hcloud: no per-node META, so the five nodes share one image.
+    assert_eq!(snaps.len(), 1, "{v}");
+    let snap = &snaps[0];
+    assert_eq!(snap["created"], true);
+    assert_eq!(snap["nodes"].as_array().unwrap().len(), 5);
+    let (image, entry) = run.image();
+    let sha = entry["sha256"].as_str().unwrap();
+    let schematic = entry["schematicId"].as_str().unwrap();
+    let want = serde_json::json!({
+        "os": "talos", "talos-version": "v1.11.2", "arch": "amd64", "team": "infra",
+        "talos-schematic": &schematic[..32], "image-sha256": &sha[..32],
+    });
+    assert_eq!(snap["labels"], want);
+    let requests = v["requests"].as_u64().unwrap();
+    assert!((10..=60).contains(&requests), "{requests} API requests");
+
+    // The API's own view: the snapshot, its labels and description.
+    let id = snap["id"].as_u64().unwrap();
+    let (status, _, img) = hc.call("GET", &format!("/images/{id}"), None);
+    assert_eq!(status, 200);
+    assert_eq!(img["image"]["labels"], want);
+    assert_eq!(img["image"]["status"], "available");
+    assert_eq!(
+        img["image"]["description"],
+        format!("talos v1.11.2 amd64 {schematic}")
+    );
+    // The snapshot's bytes (the server's disk when it was taken) are the image.
+    let raw = hc.dir.path().join(format!("state/images/{id}.raw"));
+    assert_eq!(
+        std::fs::read(&raw).unwrap(),
+        std::fs::read(&image).unwrap(),
+        "snapshot {} differs from {}",
+        raw.display(),
+        image.display()
+    );
+    nothing_left(&hc);
+    assert_eq!(stat(&hc, "imagesCreated"), 1);
+    assert_eq!(stat(&hc, "rejected"), 0, "requests the API schema refused");
+
+    let servers = stat(&hc, "serversCreated");
+    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["snapshots"][0]["created"], false, "{v}");
+    assert_eq!(v["snapshots"][0]["id"], id);
+    assert_eq!(
+        stat(&hc, "serversCreated"),
+        servers,
+        "a rerun created a server"
+    );
+    assert_eq!(stat(&hc, "imagesCreated"), 1);
+    assert!(v["requests"].as_u64().unwrap() <= 2, "{v}");
+}
+
+#[test]
+fn ssh_refused_for_a_while_then_accepted_and_the_first_type_unavailable() {
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&["--ssh-refuse-seconds", "20", "--unavailable", "cx23@fsn1"]);
+    let run = Run::new("    location: fsn1\n    serverTypes: [cx23, cpx22]\n");
+    let t = Instant::now();
+    let o = run.publish(&sim, &hc, &[]);
+    let err = text(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(t.elapsed() >= Duration::from_secs(20), "{:?}", t.elapsed());
+    assert!(err.contains("server type cx23 skipped"), "{err}");
+    assert!(err.contains("resource_unavailable"), "{err}");
+    assert!(err.contains("(cpx22) created"), "{err}");
+    assert!(err.contains("accepted for this session only"), "{err}");
+    assert!(
+        text(&o.stdout).contains("created for cp-01"),
+        "{}",
+        text(&o.stdout)
+    );
+    nothing_left(&hc);
+}
+
+#[test]
+fn ssh_never_accepted_is_bounded_and_named() {
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&["--ssh-never"]);
+    let run = Run::new("    location: fsn1\n");
+    let t = Instant::now();
+    let o = run.publish(&sim, &hc, &["--ssh-timeout", "4s"]);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    assert!(err.contains("no login within 4s"), "{err}");
+    let id = err
+        .split("temporary server ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no server named: {err}"));
+    assert!(err.contains(&format!("server {id}: no login")), "{err}");
+    nothing_left(&hc);
+    assert_eq!(stat(&hc, "imagesCreated"), 0);
+}
+
+#[test]
+fn remote_dd_failure_and_failed_actions_leave_nothing() {
+    let sim = Sim::start(&[]);
+    for (switch, needle) in [
+        (&["--dd-fails"][..], "Input/output error"),
+        (&["--action-error", "create_image"][..], "ended in error"),
+        (
+            &["--action-error", "enable_rescue"][..],
+            "enable_rescue on server",
+        ),
+    ] {
+        let hc = Hc::start(switch);
+        let run = Run::new("    location: fsn1\n");
+        let o = run.publish(&sim, &hc, &["--output", "json"]);
+        assert_eq!(o.status.code(), Some(1), "{switch:?}: {}", text(&o.stderr));
+        let v = json(&o);
+        let why = v["failed"][0]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(why.contains(needle), "{switch:?}: {v}");
+        assert!(v["snapshots"].as_array().unwrap().is_empty());
+        nothing_left(&hc);
+        if switch[0] == "--dd-fails" {
+            assert_eq!(
+                stat(&hc, "imagesCreated"),
+                0,
+                "a snapshot of a failed write"
+            );
+        }
+    }
+}
+
+#[test]
+fn rate_limits_are_waited_out() {
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&["--rate-limit-every", "4"]);
+    let run = Run::new("    location: fsn1\n");
+    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["snapshots"][0]["created"], true);
+    assert!(stat(&hc, "rateLimited") >= 3, "{}", hc.stats());
+    nothing_left(&hc);
+}
+
+/// Starts a publish of a large image and waits until it streams.
+fn publish_until_streaming(run: &Run, sim: &Sim, hc: &Hc) -> (Child, Vec<String>) {
+    let mut child = run
+        .command(sim, hc, &[])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = Vec::new();
+    let mut reader = BufReader::new(child.stderr.take().unwrap());
+    loop {
+        let mut line = String::new();
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "publish ended before streaming:\n{}",
+            lines.join("")
+        );
+        let streaming = line.contains("writing ");
+        lines.push(line);
+        if streaming {
+            break;
+        }
+    }
+    std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
+    (child, lines)
+}
+
+#[test]
+fn sigint_during_the_stream_cleans_up() {
+    let sim = Sim::start_with(&[], 400, &[]);
+    let hc = Hc::start(&[]);
+    let run = Run::new("    location: fsn1\n");
+    let (mut child, _) = publish_until_streaming(&run, &sim, &hc);
+    assert_eq!(hc.stats()["servers"], 1);
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(1), "{status:?}");
+    nothing_left(&hc);
+    assert_eq!(stat(&hc, "imagesCreated"), 0);
+}
+
+#[test]
+fn sigkill_during_the_stream_then_cleanup_leaves_nothing() {
+    let sim = Sim::start_with(&[], 400, &[]);
+    let hc = Hc::start(&[]);
+    // Something imgbuild must never delete: a server with no run label.
+    let (status, _, _) = hc.call(
+        "POST",
+        "/servers",
+        Some(serde_json::json!({
+            "name": "cluster-cp-01", "server_type": "cx23", "image": "debian-13",
+            "location": "fsn1", "labels": {"managed-by": "imgbuild", "imgbuild-cluster": "x"}
+        })),
+    );
+    assert_eq!(status, 201);
+    let run = Run::new("    location: fsn1\n");
+    let (mut child, _) = publish_until_streaming(&run, &sim, &hc);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(hc.stats()["servers"], 2);
+    assert_eq!(hc.stats()["sshKeys"], 1);
+    let o = cleanup(&hc);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    let kinds: Vec<&str> = v["deleted"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["server", "ssh_key"], "{v}");
+    let s = hc.stats();
+    assert_eq!(s["servers"], 1, "{s}");
+    assert_eq!(s["sshKeys"], 0, "{s}");
+    let (_, _, left) = hc.call("GET", "/servers", None);
+    assert_eq!(left["servers"][0]["name"], "cluster-cp-01");
+    // Nothing more to do.
+    let v = json(&cleanup(&hc));
+    assert!(v["deleted"].as_array().unwrap().is_empty(), "{v}");
+}
+
+#[test]
+fn token_problems_stop_before_anything_is_built() {
+    let run = Run::new("    location: fsn1\n");
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(&run.config)
+        .args(["publish", "--out-dir"])
+        .arg(run.out())
+        .env_remove("HCLOUD_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o.stderr).contains("HCLOUD_TOKEN is not set"),
+        "{}",
+        text(&o.stderr)
+    );
+    assert!(!run.out().exists());
+    // A wrong token: the API's error object, verbatim, with the request; the token nowhere.
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&[]);
+    let o = run
+        .command(&sim, &hc, &[])
+        .env("HCLOUD_TOKEN", "wrongtoken123")
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("GET /images: HTTP 401"), "{err}");
+    assert!(err.contains(r#""code":"unauthorized""#), "{err}");
+    assert!(!err.contains("wrongtoken123"), "{err}");
+}
