@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod rescue;
+pub mod servers;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -765,20 +766,21 @@ fn delete_run(
     observer: &dyn Observer,
 ) -> Vec<Leftover> {
     let sel = format!("{}={},{RUN_LABEL}={run}", MANAGED_BY.0, MANAGED_BY.1);
-    delete_selected(api, &sel, None, opts, observer)
+    delete_selected(api, &sel, None, opts, observer, &["server", "ssh_key"])
         .into_iter()
         .filter_map(|r| r.err())
         .collect()
 }
 
-/// Deletes the servers, then the SSH keys, matching `selector` (and
-/// created before `before`, if given).
+/// Deletes the servers, then the SSH keys (those of `kinds`), matching
+/// `selector` (and created before `before`, if given).
 fn delete_selected(
     api: &Api,
     selector: &str,
     before: Option<SystemTime>,
     opts: &SnapshotOptions,
     observer: &dyn Observer,
+    kinds: &[&str],
 ) -> Vec<Result<Deleted, Leftover>> {
     let mut out = Vec::new();
     let never = Cancel::never();
@@ -786,6 +788,9 @@ fn delete_selected(
         ("server", "/servers", "servers"),
         ("ssh_key", "/ssh_keys", "ssh_keys"),
     ] {
+        if !kinds.contains(&kind) {
+            continue;
+        }
         let items = match api.list(path, key, &[("label_selector", selector.to_owned())]) {
             Ok(items) => items,
             Err(e) => {
@@ -881,7 +886,7 @@ pub fn cleanup(
     let before = (!older_than.is_zero()).then(|| SystemTime::now() - older_than);
     let mut deleted = Vec::new();
     let mut left = Vec::new();
-    for r in delete_selected(api, &sel, before, opts, observer) {
+    for r in delete_selected(api, &sel, before, opts, observer, &["server", "ssh_key"]) {
         match r {
             Ok(d) => deleted.push(d),
             Err(l) => left.push(l),
