@@ -80,7 +80,9 @@ const NODES: [(&str, u8); 5] = [
 /// with VMs from id 300.
 fn inventory(dir: &Path) -> PathBuf {
     let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let mut inv = base.replace("address: 127.0.0.", &format!("address: {}.", net()));
+    let mut inv = base
+        .replace("address: 127.0.0.", &format!("address: {}.", net()))
+        .replace("127.0.0.20", &format!("{}.20", net()));
     for (name, host) in NODES {
         assert!(
             inv.contains(&format!("address: {}.{host}", net())),
@@ -197,7 +199,7 @@ fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
 #[test]
 fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
     let sim = Sim::start(&[]);
-    let nodes = Nodes::start(&[]);
+    let nodes = Nodes::start(&["--vip", &format!("{}.20", net())]);
     let pve = Pve::start(&["--nodes-control", &nodes.control]);
     let dir = tempfile::tempdir().unwrap();
     publish(dir.path(), &sim, &pve);
@@ -227,6 +229,35 @@ fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
     publish(dir.path(), &sim, &pve);
     assert_eq!(stat(&pve, "startsChanged"), 5);
     assert_eq!(nodes.stats()["totals"]["nodes"], 5);
+
+    // The booted nodes are a cluster the real bootstrap brings up: each
+    // takes its role from the config applied to it.
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(dir.path().join("cluster.yaml"))
+        .args(["--output", "json", "bootstrap", "--poll", "100ms"])
+        .args(["--node-timeout", "20s", "--bootstrap-timeout", "20s"])
+        .args([
+            "--health-timeout",
+            "30s",
+            "--call-timeout",
+            "5s",
+            "--state-dir",
+        ])
+        .arg(dir.path().join("state"))
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["healthy"], true, "{v}");
+    let stats = nodes.stats();
+    assert_eq!(
+        (&stats["totals"]["applies"], &stats["totals"]["bootstraps"]),
+        (&json!(5), &json!(1)),
+        "{stats}"
+    );
+    assert_eq!(stats["totals"]["configured"], 5);
 
     // A stopped VM's node is gone.
     let cp01 = format!("{}.11:50000", net());
