@@ -1656,7 +1656,8 @@ mod tests {
             assert_eq!(v["booted"], true);
             assert_eq!(cluster.node(0).phase(Instant::now()), Phase::Configured);
             // Another machine on that address after a halt: a fresh node.
-            halt(st.clone(), halt_body()).await;
+            let (code, _) = halt(st.clone(), halt_body()).await;
+            assert_eq!(code.as_u16(), 200);
             let (_, v) = boot(st.clone(), body("vm-302", "127.77.0.11", None)).await;
             assert_eq!(v["booted"], true);
             assert_eq!(cluster.node(0).phase(Instant::now()), Phase::Maintenance);
