@@ -303,13 +303,22 @@ fn disks_without_a_loopback_key_10_run_but_boot_no_node() {
         .output()
         .unwrap();
     assert!(ok.status.success(), "{}", text(&ok.stderr));
+    // A qcow2 disk is read through qemu-img: attached as it is, not imported.
+    let ok = Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "qcow2"])
+        .arg(fx.join("dual-boot.raw"))
+        .arg(fx.join("dual-boot.qcow2"))
+        .status()
+        .unwrap();
+    assert!(ok.success());
     let cases = [
-        ("dual-boot", "META has no key 10"),
-        ("grub", "META holds no valid ADV"),
-        ("no-meta", "no partition named META"),
+        ("dual-boot.raw", "META has no key 10"),
+        ("grub.raw", "META holds no valid ADV"),
+        ("no-meta.raw", "no partition named META"),
+        ("dual-boot.qcow2", "META has no key 10"),
     ];
     for (i, (fixture, reason)) in cases.iter().enumerate() {
-        let image = fx.join(format!("{fixture}.raw"));
+        let image = fx.join(fixture);
         let sum = hex::encode(Sha256::digest(std::fs::read(&image).unwrap()));
         let (code, v) = pve.upload(&image, &sum);
         assert_eq!(code, 200, "{v}");
@@ -323,7 +332,11 @@ fn disks_without_a_loopback_key_10_run_but_boot_no_node() {
                 "-d",
                 &format!("vmid={vmid}"),
                 "-d",
-                &format!("scsi0=local-lvm:0,import-from=local:import/{fixture}.raw"),
+                &if fixture.ends_with(".qcow2") {
+                    format!("scsi0=local:import/{fixture}")
+                } else {
+                    format!("scsi0=local-lvm:0,import-from=local:import/{fixture}")
+                },
                 "-d",
                 "boot=order=scsi0",
                 "-d",
