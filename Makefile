@@ -103,3 +103,4 @@ bench: deps
 	bench/fetch.sh
 	bench/bootstrap.sh
 	bench/publish.sh
+	bench/hcloud.sh
