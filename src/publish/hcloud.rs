@@ -491,13 +491,37 @@ impl Build<'_> {
             &json!({"type": "snapshot", "description": description, "labels": labels}),
         )?;
         let image_id = id_of(&reply, "image", "create_image")?;
-        self.wait(&reply, &format!("create_image of server {server_id}"))?;
         let image_path = format!("/images/{image_id}");
-        let deadline = self.opts.image_timeout;
-        self.until_within(&format!("snapshot {image_id} available"), deadline, || {
-            let i = self.api.get(&image_path, &[])?;
-            Ok(i.pointer("/image/status").and_then(Value::as_str) == Some("available"))
-        })?;
+        let made = self
+            .wait(&reply, &format!("create_image of server {server_id}"))
+            .and_then(|()| {
+                self.until_within(
+                    &format!("snapshot {image_id} available"),
+                    self.opts.image_timeout,
+                    || {
+                        let i = self.api.get(&image_path, &[])?;
+                        Ok(i.pointer("/image/status").and_then(Value::as_str) == Some("available"))
+                    },
+                )
+            });
+        if let Err(e) = made {
+            // A half-made snapshot is billed like a whole one and could be
+            // picked by label: it goes too (gone already is fine).
+            match self.api.delete(&image_path) {
+                Ok(_) | Err(HcloudError::Api { status: 404, .. }) => {
+                    self.observer.event(&Event::Deleted {
+                        kind: "image",
+                        id: image_id,
+                    })
+                }
+                Err(d) => {
+                    return Err(HcloudError::Remote(format!(
+                        "{e}; and the unfinished snapshot {image_id} could not be deleted ({d}): delete it by hand"
+                    )));
+                }
+            }
+            return Err(e);
+        }
         self.observer.event(&Event::SnapshotReady { id: image_id });
         Ok(Snapshot {
             id: image_id,
