@@ -5,6 +5,7 @@ mod image;
 mod publish;
 mod schematic;
 mod talos;
+mod up;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -72,6 +73,8 @@ enum Command {
     Bootstrap(talos::BootstrapArgs),
     /// Build what is missing, then publish every node's image (Proxmox VE).
     Publish(publish::PublishArgs),
+    /// Build, publish, start, bootstrap and check health: the whole line, resumable.
+    Up(up::UpArgs),
 }
 
 /// A failure whose details the command already printed (e.g. as its JSON
@@ -84,6 +87,11 @@ pub struct Reported(pub String);
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct Partial(pub String);
+
+/// The inventory, environment or arguments are at fault: exit 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Usage(pub String);
 
 /// Runs the CLI; returns the process exit code.
 pub fn run() -> i32 {
@@ -101,7 +109,13 @@ pub fn run() -> i32 {
             } else {
                 eprintln!("error: {message}");
             }
-            if partial { 3 } else { 1 }
+            if partial {
+                3
+            } else if e.downcast_ref::<Usage>().is_some() {
+                2
+            } else {
+                1
+            }
         }
     }
 }
@@ -123,6 +137,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Talosconfig(args) => talos::talosconfig(args, &cli.config, cli.output),
         Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
         Command::Publish(args) => publish::run(args, &cli.config, cli.output),
+        Command::Up(args) => up::run(args, &cli.config, cli.output),
     }
 }
 
