@@ -22,6 +22,9 @@ pub struct UpArgs {
 
 pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
+    for node in args.publish.nodes() {
+        inv.node(node).map_err(|e| Usage(e.to_string()))?;
+    }
     let target = Target::from_inventory(&inv, &|k| std::env::var(k).ok(), args.publish.options())
         .map_err(|e| Usage(format!("{}: {e}", config.display())))?;
     if let Target::Proxmox { credentials, .. } = &target
