@@ -648,3 +648,129 @@ fn plan_bootstrap(inv: &Inventory, opts: &UpOptions, report: &mut Report) {
         report.bootstrap = (!configured).then_some(Change::Bootstrapped);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn inv(publish: &str) -> Inventory {
+        let text = format!(
+            r#"
+cluster: {{name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: "https://10.0.0.10:6443"}}
+network: {{cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}}
+{publish}
+nodes:
+  - {{name: cp-01, role: controlplane, address: 10.0.0.11}}
+  - {{name: w-01, role: worker, address: 10.0.0.21}}
+"#
+        );
+        Inventory::parse(&text, Path::new("cluster.yaml")).unwrap()
+    }
+
+    const ENV: [(&str, &str); 2] = [
+        ("PROXMOX_VE_ENDPOINT", "https://127.0.0.1:8006/"),
+        ("PROXMOX_VE_API_TOKEN", "root@pam!up=secret"),
+    ];
+
+    fn target(publish: &str, env: &[(&str, &str)]) -> Result<Target, UpError> {
+        let lookup = |k: &str| {
+            env.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        };
+        Target::from_inventory(&inv(publish), &lookup, PublishOptions::default())
+    }
+
+    #[test]
+    fn no_publish_section_means_bootstrap_only() {
+        assert!(matches!(target("", &[]).unwrap(), Target::None));
+    }
+
+    #[test]
+    fn proxmox_vms_are_started_whatever_the_inventory_says() {
+        let t = target(
+            "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, start: false}",
+            &ENV,
+        )
+        .unwrap();
+        let Target::Proxmox { settings, .. } = t else {
+            panic!("not proxmox: {t:?}")
+        };
+        assert!(settings.vm.unwrap().start);
+    }
+
+    #[test]
+    fn targets_up_cannot_use_are_setup_errors() {
+        let no_vm = target("publish:\n  proxmox:\n    node: pve\n    storage: local", &ENV)
+            .unwrap_err();
+        assert!(no_vm.is_setup());
+        assert!(no_vm.to_string().contains("no vm section"), "{no_vm}");
+        let no_env = target(
+            "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300}",
+            &[],
+        )
+        .unwrap_err();
+        assert!(no_env.is_setup());
+        assert!(no_env.to_string().contains("PROXMOX_VE_ENDPOINT"), "{no_env}");
+        let hcloud = target(
+            "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1}",
+            &ENV,
+        )
+        .unwrap_err();
+        assert!(hcloud.is_setup());
+        assert!(hcloud.to_string().starts_with("publish.hcloud"), "{hcloud}");
+    }
+
+    #[test]
+    fn a_run_stopped_for_some_nodes_is_partial_only_if_others_finished() {
+        let inv = inv("");
+        let mut r = Report::new(&inv, &Target::None, false, &BootstrapOptions::default());
+        r.fail("w-01", |s| s.build = Some(Change::Failed), "boom".into());
+        r.stopped = Some((
+            Stage::Build,
+            UpError::Nodes {
+                stage: Stage::Build,
+                failed: vec!["w-01".into()],
+            },
+        ));
+        assert!(r.partial());
+        r.fail("cp-01", |s| s.build = Some(Change::Failed), "boom".into());
+        assert!(!r.partial());
+        r.stopped = Some((Stage::Bootstrap, UpError::Setup("x".into())));
+        assert!(!r.partial());
+        let err = UpError::Nodes {
+            stage: Stage::Publish,
+            failed: vec!["a".into(), "b".into()],
+        };
+        assert_eq!(
+            err.to_string(),
+            "publish: 2 failed (a, b); the cluster was not bootstrapped"
+        );
+    }
+
+    #[test]
+    fn reports_carry_the_stage_words_and_every_node() {
+        let inv = inv("");
+        let mut r = Report::new(&inv, &Target::None, true, &BootstrapOptions::default());
+        r.node("cp-01").unwrap().stages.apply = Some(Change::Unchanged);
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["dryRun"], true);
+        assert_eq!(v["target"], "none");
+        assert_eq!(v["nodes"][0]["address"], "10.0.0.11");
+        assert_eq!(v["nodes"][0]["stages"], serde_json::json!({"apply": "unchanged"}));
+        assert_eq!(v["nodes"][1]["stages"], serde_json::json!({}));
+        for c in [Change::Built, Change::Outdated, Change::Failed] {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
+    }
+
+    #[test]
+    fn error_chains_read_on_one_line() {
+        let e = StageError::Io {
+            path: "/x/kubeconfig".into(),
+            source: std::io::Error::other("disk full"),
+        };
+        assert_eq!(chain(&e), "/x/kubeconfig: disk full");
+    }
+}
