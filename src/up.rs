@@ -27,11 +27,15 @@ pub enum Target {
     /// Machines booted by other means: only the bootstrap runs.
     None,
     /// Images uploaded to Proxmox VE, one started VM per node.
-    Proxmox {
-        settings: ProxmoxSettings,
-        credentials: Credentials,
-        options: PublishOptions,
-    },
+    Proxmox(Box<ProxmoxTarget>),
+}
+
+/// A Proxmox VE target: where, as whom, and how to publish.
+#[derive(Debug, Clone)]
+pub struct ProxmoxTarget {
+    pub settings: ProxmoxSettings,
+    pub credentials: Credentials,
+    pub options: PublishOptions,
 }
 
 impl Target {
@@ -61,11 +65,11 @@ impl Target {
                 };
                 vm.start = true;
                 let credentials = Credentials::from_env(&settings, env)?;
-                Ok(Target::Proxmox {
+                Ok(Target::Proxmox(Box::new(ProxmoxTarget {
                     settings,
                     credentials,
                     options,
-                })
+                })))
             }
         }
     }
@@ -74,7 +78,7 @@ impl Target {
     pub fn name(&self) -> &'static str {
         match self {
             Target::None => "none",
-            Target::Proxmox { .. } => "proxmox",
+            Target::Proxmox(_) => "proxmox",
         }
     }
 }
@@ -210,6 +214,19 @@ pub struct Stages {
     pub start: Option<Change>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub apply: Option<Change>,
+}
+
+impl Stages {
+    /// Each stage by name, in the order they run.
+    pub fn named(&self) -> [(&'static str, Option<Change>); 5] {
+        [
+            ("build", self.build),
+            ("upload", self.upload),
+            ("vm", self.vm),
+            ("start", self.start),
+            ("apply", self.apply),
+        ]
+    }
 }
 
 /// A node's Talos API as last seen.
@@ -370,14 +387,14 @@ fn publish_stage(
     obs: Observers<'_>,
     report: &mut Report,
 ) -> Result<(), (Stage, UpError)> {
-    let Target::Proxmox {
+    let Target::Proxmox(pve) = target else {
+        return Ok(());
+    };
+    let ProxmoxTarget {
         settings,
         credentials,
         options,
-    } = target
-    else {
-        return Ok(());
-    };
+    } = pve.as_ref();
     let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
         Ok(built) => (built, Vec::new()),
         Err(BuildError::Incomplete { built, failed }) => (built, failed),
@@ -396,11 +413,7 @@ fn publish_stage(
     }
     let mut failed_nodes: Vec<String> = Vec::new();
     for f in &failed {
-        report.fail(
-            &f.node,
-            |s| s.build = Some(Change::Failed),
-            chain(&f.error),
-        );
+        report.fail(&f.node, |s| s.build = Some(Change::Failed), chain(&f.error));
         failed_nodes.push(f.node.clone());
     }
     let images: Vec<PublishImage> = built.iter().map(PublishImage::from).collect();
@@ -518,14 +531,14 @@ fn plan_publish(
     opts: &UpOptions,
     report: &mut Report,
 ) -> Result<(), (Stage, UpError)> {
-    let Target::Proxmox {
+    let Target::Proxmox(pve) = target else {
+        return Ok(());
+    };
+    let ProxmoxTarget {
         settings,
         credentials,
         options,
-    } = target
-    else {
-        return Ok(());
-    };
+    } = pve.as_ref();
     let current = build::current_images(inv, &opts.nodes, &opts.build)
         .map_err(|e| (Stage::Build, e.into()))?;
     let mut images = Vec::new();
@@ -598,7 +611,11 @@ fn plan_publish(
 /// Probes each node's TLS (no API call, no certificate): a node in
 /// maintenance mode would get its config, a configured one nothing.
 fn plan_bootstrap(inv: &Inventory, opts: &UpOptions, report: &mut Report) {
-    let timeout = opts.bootstrap.limits.call_timeout.min(Duration::from_secs(3));
+    let timeout = opts
+        .bootstrap
+        .limits
+        .call_timeout
+        .min(Duration::from_secs(3));
     let targets: Vec<(String, Option<NodeTarget>)> = inv
         .nodes
         .iter()
@@ -694,16 +711,19 @@ nodes:
             &ENV,
         )
         .unwrap();
-        let Target::Proxmox { settings, .. } = t else {
+        let Target::Proxmox(pve) = t else {
             panic!("not proxmox: {t:?}")
         };
-        assert!(settings.vm.unwrap().start);
+        assert!(pve.settings.vm.unwrap().start);
     }
 
     #[test]
     fn targets_up_cannot_use_are_setup_errors() {
-        let no_vm = target("publish:\n  proxmox:\n    node: pve\n    storage: local", &ENV)
-            .unwrap_err();
+        let no_vm = target(
+            "publish:\n  proxmox:\n    node: pve\n    storage: local",
+            &ENV,
+        )
+        .unwrap_err();
         assert!(no_vm.is_setup());
         assert!(no_vm.to_string().contains("no vm section"), "{no_vm}");
         let no_env = target(
@@ -712,7 +732,10 @@ nodes:
         )
         .unwrap_err();
         assert!(no_env.is_setup());
-        assert!(no_env.to_string().contains("PROXMOX_VE_ENDPOINT"), "{no_env}");
+        assert!(
+            no_env.to_string().contains("PROXMOX_VE_ENDPOINT"),
+            "{no_env}"
+        );
         let hcloud = target(
             "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1}",
             &ENV,
@@ -758,7 +781,10 @@ nodes:
         assert_eq!(v["dryRun"], true);
         assert_eq!(v["target"], "none");
         assert_eq!(v["nodes"][0]["address"], "10.0.0.11");
-        assert_eq!(v["nodes"][0]["stages"], serde_json::json!({"apply": "unchanged"}));
+        assert_eq!(
+            v["nodes"][0]["stages"],
+            serde_json::json!({"apply": "unchanged"})
+        );
         assert_eq!(v["nodes"][1]["stages"], serde_json::json!({}));
         for c in [Change::Built, Change::Outdated, Change::Failed] {
             assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());

@@ -263,7 +263,12 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
             .lines()
             .find(|l| l.starts_with(&format!("{name} ")))
             .unwrap_or_else(|| panic!("no row for {name}:\n{table}"));
-        for want in [&c.address(host), "configured v1.11.2", "Ready", "local:import/up-"] {
+        for want in [
+            &c.address(host),
+            "configured v1.11.2",
+            "Ready",
+            "local:import/up-",
+        ] {
             assert!(row.contains(want), "{want:?} not in {row:?}");
         }
     }
@@ -305,7 +310,10 @@ fn a_dry_run_plans_everything_and_changes_nothing() {
     for key in PVE_CHANGES {
         assert_eq!(pve[key], 0, "{key}: a dry run changed something");
     }
-    assert!(pve["requests"].as_u64().unwrap() > 0, "the plan read nothing");
+    assert!(
+        pve["requests"].as_u64().unwrap() > 0,
+        "the plan read nothing"
+    );
     assert!(!c.out().exists(), "a dry run built images");
     assert!(!c.state().exists(), "a dry run wrote the state dir");
     let stats = c.nodes.stats();
@@ -326,7 +334,11 @@ fn a_dry_run_plans_everything_and_changes_nothing() {
 
 /// Zeroes the partition named META in a raw GPT image, as `sgdisk` lists it.
 fn wipe_meta(image: &Path) {
-    let o = Command::new("sgdisk").arg("-p").arg(image).output().unwrap();
+    let o = Command::new("sgdisk")
+        .arg("-p")
+        .arg(image)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "sgdisk -p: {}", text(&o.stderr));
     let listing = text(&o.stdout);
     let line = listing
@@ -485,7 +497,10 @@ fn without_a_target_up_bootstraps_machines_booted_otherwise() {
         assert_eq!(n["volume"], serde_json::Value::Null);
         assert_eq!(n["kubernetesReady"], true, "{n}");
     }
-    assert!(!dir.path().join("out").exists(), "built images for no target");
+    assert!(
+        !dir.path().join("out").exists(),
+        "built images for no target"
+    );
     assert_eq!(bootstraps(&nodes.stats()), 1);
 }
 

@@ -27,8 +27,8 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
     }
     let target = Target::from_inventory(&inv, &|k| std::env::var(k).ok(), args.publish.options())
         .map_err(|e| Usage(format!("{}: {e}", config.display())))?;
-    if let Target::Proxmox { credentials, .. } = &target
-        && credentials.insecure()
+    if let Target::Proxmox(pve) = &target
+        && pve.credentials.insecure()
         && output == Output::Text
     {
         eprintln!("warning: PROXMOX_VE_INSECURE is set: the server's certificate is not checked");
@@ -103,7 +103,13 @@ fn print_report(r: &Report) {
     }
     let rows: Vec<[String; 7]> = r.nodes.iter().map(row).collect();
     let head = [
-        "NODE", "IMAGE", "VOLUME", "VMID", "ADDRESS", "TALOS", "K8S READY",
+        "NODE",
+        "IMAGE",
+        "VOLUME",
+        "VMID",
+        "ADDRESS",
+        "TALOS",
+        "K8S READY",
     ];
     let mut widths = head.map(str::len);
     for row in &rows {
@@ -189,17 +195,10 @@ fn word(c: Change, dry_run: bool) -> &'static str {
 /// One line: each stage with how many nodes it left in each state, e.g.
 /// `build: 5 unchanged; upload: 5 unchanged; …; etcd: unchanged (cp-01)`.
 fn stage_summary(r: &Report) -> String {
-    let stages: [(&str, fn(&NodeReport) -> Option<Change>); 5] = [
-        ("build", |n| n.stages.build),
-        ("upload", |n| n.stages.upload),
-        ("vm", |n| n.stages.vm),
-        ("start", |n| n.stages.start),
-        ("apply", |n| n.stages.apply),
-    ];
     let mut parts = Vec::new();
-    for (name, get) in stages {
+    for (i, (name, _)) in up::Stages::default().named().iter().enumerate() {
         let mut counts: Vec<(Change, usize)> = Vec::new();
-        for c in r.nodes.iter().filter_map(get) {
+        for c in r.nodes.iter().filter_map(|n| n.stages.named()[i].1) {
             match counts.iter_mut().find(|(k, _)| *k == c) {
                 Some((_, n)) => *n += 1,
                 None => counts.push((c, 1)),
