@@ -2,6 +2,8 @@
 //! Only ever binds 127.0.0.0/8. Prints one JSON line with its URLs once it
 //! listens, so tests and `make demo` can find it.
 
+mod chain;
+mod disk;
 mod factory;
 mod hcloud;
 mod hcloud_labels;

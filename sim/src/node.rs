@@ -12,6 +12,37 @@
 //! (`node`: one-to-one, replies untouched; `nodes`: one-to-many, replies
 //! stamped with the target as sent, failures in `metadata.error`).
 //!
+//! # Contract (tests, `make demo` and the machine simulators depend on it)
+//! ```text
+//! imgbuild-sim nodes [--node NAME=IP:ROLE]... [--vip IP] [--talos-port 50000]
+//!     [--k8s-port 6443] [--*-delay MS] [--disks sda] [--misbehave MODE[@NODE]]...
+//! ```
+//! Prints `{"control":"http://127.0.0.1:PORT","nodes":{NAME:"IP:PORT",…}}`.
+//! Zero `--node`s is fine: machines then boot nodes through the control server.
+//! - `POST /_sim/boot` `{"name":"vm-300","ip":"127.x.y.z","hostname":"cp-01"?,
+//!   "config":"<machine config YAML>"?}` → 200 `{"booted":true,"name","ip",
+//!   "configured":bool,"config_error":null|"…"}`; a node listens on
+//!   ip:talos-port (and ip:k8s-port once its config makes it a control plane:
+//!   the role of a booted node is its config's `machine.type`). Without
+//!   `config` it is in maintenance mode; with one (hcloud `user_data`) it is
+//!   validated by this node's own schema check: valid → configured at boot
+//!   (no apply counted, mTLS from `machine.ca`), invalid → maintenance, and
+//!   the error in stats. An ip that is up already → 200 `{"booted":false,…}`,
+//!   nothing changes. After a halt, the same `name` comes back with the
+//!   config it had (a restarted VM); another name gets a fresh node.
+//!   `MODE@NODE` misbehaviour matches the boot `name` or `hostname`.
+//!   400/422 for a bad body or a non-loopback ip.
+//! - `POST /_sim/halt` `{"ip"}` → 200 `{"halted":bool,"ip"}` (false: was
+//!   halted already), 404 for an unknown ip: its ports close, connections end.
+//! - `GET /_sim/stats` → `{"nodes":{NAME:{applies,bootstraps,
+//!   bootstrap_refusals,maintenance_version_calls,kubeconfigs,phase
+//!   (down|maintenance|configured),ip,booted_by(null|boot name),
+//!   config_error(null|string),halted}},"bootstrapped":bool,"totals":{applies,
+//!   bootstraps,bootstrap_refusals,maintenance_version_calls,kubeconfigs,
+//!   nodes,up,configured,config_errors}}`. NAME: a `--node` name; for a
+//!   booted node its config's hostname, else the boot `hostname`, else `name`
+//!   (also its Kubernetes node name).
+//!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
 //! and numbers FORMATS.md §4 fixes) and the certificate helpers
@@ -23,12 +54,12 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::State;
-use axum::routing::get;
+use axum::routing::{get, post};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use futures_util::Stream;
@@ -52,8 +83,9 @@ use imgbuild::talos::api;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// NAME=IP:ROLE (role controlplane or worker), one per node; IPs loopback.
-    #[arg(long = "node", required = true)]
+    /// NAME=IP:ROLE (role controlplane or worker), one per node; IPs
+    /// loopback. None at all is fine: nodes then come with `POST /_sim/boot`.
+    #[arg(long = "node")]
     nodes: Vec<String>,
     /// The shared control-plane address, bound once etcd elects a leader.
     #[arg(long)]
@@ -98,6 +130,8 @@ pub struct Args {
 /// What a node got from its machine config.
 struct Applied {
     hostname: String,
+    /// `machine.type` is `controlplane` (a booted node's role comes from here).
+    control_plane: bool,
     os_ca: CertAndKey,
     k8s_ca: Option<CertAndKey>,
     endpoint: String,
@@ -123,6 +157,11 @@ struct NodeState {
     down_until: Option<Instant>,
     mtls: Option<Arc<ServerConfig>>,
     stats: Stats,
+    /// Stopped by `POST /_sim/halt` (VM stopped, server deleted): port
+    /// 50000 closed for good; a later boot makes a new node.
+    halted: bool,
+    /// Why the config it booted with (hcloud `user_data`) was refused.
+    config_error: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,9 +172,13 @@ enum Phase {
 }
 
 struct Node {
+    /// `--node` name, or the `name` of the boot request (`vm-300`, a server).
     name: String,
     ip: IpAddr,
-    control_plane: bool,
+    /// The role from `--node`; None for a booted node (role from its config).
+    role: Option<bool>,
+    /// How a booted node came: the key-10 hostname from the boot request.
+    boot: Option<BootInfo>,
     modes: Vec<String>,
     maintenance_tls: Arc<ServerConfig>,
     st: Mutex<NodeState>,
@@ -144,14 +187,94 @@ struct Node {
     changed: watch::Sender<u64>,
 }
 
+/// What `POST /_sim/boot` said about a dynamically booted node.
+struct BootInfo {
+    hostname: Option<String>,
+}
+
 impl Node {
+    /// A node in maintenance mode (or configured by a foreign CA where asked),
+    /// nothing listening yet. `names` are what `MODE@NODE` may name.
+    fn new(
+        args: &Args,
+        name: String,
+        ip: IpAddr,
+        role: Option<bool>,
+        boot: Option<BootInfo>,
+    ) -> anyhow::Result<Node> {
+        let hostname = boot.as_ref().and_then(|b| b.hostname.clone());
+        let modes: Vec<String> = args
+            .misbehave
+            .iter()
+            .filter_map(|m| match m.split_once('@') {
+                Some((mode, n)) if n == name || hostname.as_deref() == Some(n) => {
+                    Some(mode.to_owned())
+                }
+                Some(_) => None,
+                None => Some(m.clone()),
+            })
+            .collect();
+        let cert = pki::self_signed_server(&[ip])?;
+        let mut st = NodeState::default();
+        // A node "configured by someone else": another cluster's CA.
+        if modes.iter().any(|m| m == "foreign-ca") {
+            st.applied = Some(Arc::new(Applied {
+                hostname: name.clone(),
+                control_plane: role.unwrap_or(false),
+                os_ca: pki::new_ca(KeyKind::Ed25519, "talos", None, 10)?,
+                k8s_ca: None,
+                endpoint: String::new(),
+                cluster_name: "foreign".into(),
+                api_sans: Vec::new(),
+            }));
+            st.configured_at = Some(Instant::now());
+        }
+        Ok(Node {
+            name,
+            ip,
+            role,
+            boot,
+            modes,
+            maintenance_tls: server_config(&cert, None)?,
+            st: Mutex::new(st),
+            changed: watch::channel(0).0,
+        })
+    }
+
     fn has(&self, mode: &str) -> bool {
         self.modes.iter().any(|m| m == mode)
     }
 
+    /// The `--node` role, else the applied config's `machine.type`.
+    fn control_plane(&self) -> bool {
+        self.role.unwrap_or_else(|| {
+            let st = self.st.lock().unwrap();
+            st.applied.as_ref().is_some_and(|a| a.control_plane)
+        })
+    }
+
+    /// The name stats and Kubernetes show: a `--node` name as given; a booted
+    /// node's config hostname, else its key-10 hostname, else the boot name.
+    fn display_name(&self) -> String {
+        let Some(boot) = &self.boot else {
+            return self.name.clone();
+        };
+        let st = self.st.lock().unwrap();
+        st.applied
+            .as_ref()
+            .map(|a| a.hostname.clone())
+            .filter(|h| !h.is_empty())
+            .or_else(|| boot.hostname.clone())
+            .unwrap_or_else(|| self.name.clone())
+    }
+
+    fn halted(&self) -> bool {
+        self.st.lock().unwrap().halted
+    }
+
     fn phase(&self, now: Instant) -> Phase {
         let st = self.st.lock().unwrap();
-        if st.down_until.is_some_and(|t| now < t) {
+        if st.halted || st.down_until.is_some_and(|t| now < t) {
             Phase::Down
         } else if reached(st.configured_at, now) {
             Phase::Configured
@@ -172,7 +295,9 @@ struct Boot {
 
 struct Cluster {
     args: Args,
-    nodes: Vec<Arc<Node>>,
+    /// Append-only (a node's index is its identity); a node booted again
+    /// after a halt replaces the halted one in its slot.
+    nodes: RwLock<Vec<Arc<Node>>>,
     boot: Mutex<Option<Boot>>,
     /// OS CA keys seen in control-plane configs, by certificate: a worker's
     /// config has no key, so (like trustd) its certificate comes from here.
@@ -189,12 +314,24 @@ fn ms(v: u64) -> Duration {
 }
 
 impl Cluster {
+    fn node(&self, i: usize) -> Arc<Node> {
+        self.nodes.read().unwrap()[i].clone()
+    }
+
+    fn count(&self) -> usize {
+        self.nodes.read().unwrap().len()
+    }
+
+    fn all(&self) -> Vec<Arc<Node>> {
+        self.nodes.read().unwrap().clone()
+    }
+
     fn configured_at(&self, i: usize) -> Option<Instant> {
-        self.nodes[i].st.lock().unwrap().configured_at
+        self.node(i).st.lock().unwrap().configured_at
     }
 
     fn etcd_start(&self, i: usize) -> Option<Instant> {
-        if !self.nodes[i].control_plane {
+        if !self.node(i).control_plane() {
             return None;
         }
         let conf = self.configured_at(i)?;
@@ -219,13 +356,13 @@ impl Cluster {
     }
 
     fn api_up_at(&self) -> Option<Instant> {
-        (0..self.nodes.len())
+        (0..self.count())
             .filter_map(|i| self.etcd_healthy_at(i))
             .min()
     }
 
     fn index_of(&self, ip: IpAddr) -> Option<usize> {
-        self.nodes.iter().position(|n| n.ip == ip)
+        self.nodes.read().unwrap().iter().position(|n| n.ip == ip)
     }
 }
 
@@ -351,6 +488,7 @@ fn read_config(data: &[u8]) -> Result<Applied, Status> {
         .map(|a| a.iter().filter_map(|s| s.as_str()?.parse().ok()).collect())
         .unwrap_or_default();
     Ok(Applied {
+        control_plane: doc["machine"]["type"].as_str() == Some("controlplane"),
         hostname: doc["machine"]["network"]["hostname"]
             .as_str()
             .unwrap_or_default()
@@ -372,52 +510,23 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
     let mut nodes = Vec::new();
     for spec in &args.nodes {
         let (name, ip, control_plane) = parse_node(spec)?;
-        let modes = args
-            .misbehave
-            .iter()
-            .filter_map(|m| match m.split_once('@') {
-                Some((mode, n)) if n == name => Some(mode.to_owned()),
-                Some(_) => None,
-                None => Some(m.clone()),
-            })
-            .collect();
-        let cert = pki::self_signed_server(&[ip])?;
-        nodes.push(Arc::new(Node {
+        nodes.push(Arc::new(Node::new(
+            &args,
             name,
             ip,
-            control_plane,
-            modes,
-            maintenance_tls: server_config(&cert, None)?,
-            st: Mutex::new(NodeState::default()),
-            changed: watch::channel(0).0,
-        }));
+            Some(control_plane),
+            None,
+        )?));
     }
     if let Some(vip) = args.vip {
         anyhow::ensure!(vip.is_loopback(), "--vip {vip} is not a loopback address");
     }
-    let cluster = Arc::new(Cluster {
+    Ok(Arc::new(Cluster {
         args,
-        nodes,
+        nodes: RwLock::new(nodes),
         boot: Mutex::new(None),
         ca_keys: Mutex::new(HashMap::new()),
-    });
-    // A node "configured by someone else": another cluster's CA.
-    for node in &cluster.nodes {
-        if node.has("foreign-ca") {
-            let os_ca = pki::new_ca(KeyKind::Ed25519, "talos", None, 10)?;
-            let mut st = node.st.lock().unwrap();
-            st.applied = Some(Arc::new(Applied {
-                hostname: node.name.clone(),
-                os_ca,
-                k8s_ca: None,
-                endpoint: String::new(),
-                cluster_name: "foreign".into(),
-                api_sans: Vec::new(),
-            }));
-            st.configured_at = Some(Instant::now());
-        }
-    }
-    Ok(cluster)
+    }))
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -425,9 +534,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let control = TcpListener::bind("127.0.0.1:0").await?;
     let control_url = format!("http://{}", control.local_addr()?);
     let mut listeners = Vec::new();
-    for (i, node) in cluster.nodes.iter().enumerate() {
+    for (i, node) in cluster.all().iter().enumerate() {
         let talos = TcpListener::bind(SocketAddr::new(node.ip, cluster.args.talos_port)).await?;
-        let k8s = if node.control_plane {
+        let k8s = if node.control_plane() {
             Some(TcpListener::bind(SocketAddr::new(node.ip, cluster.args.k8s_port)).await?)
         } else {
             None
@@ -438,7 +547,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "{}",
         json!({
             "control": control_url,
-            "nodes": cluster.nodes.iter().map(|n| (n.name.clone(), format!("{}:{}", n.ip, cluster.args.talos_port))).collect::<HashMap<_, _>>(),
+            "nodes": cluster.all().iter().map(|n| (n.name.clone(), format!("{}:{}", n.ip, cluster.args.talos_port))).collect::<HashMap<_, _>>(),
         })
     );
     for (i, talos, k8s) in listeners {
@@ -452,6 +561,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let app = Router::new()
         .route("/_sim/stats", get(stats))
+        .route("/_sim/boot", post(boot))
+        .route("/_sim/halt", post(halt))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())
@@ -459,31 +570,231 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
 async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
     let now = Instant::now();
+    let mut totals = Stats::default();
+    let (mut up, mut configured, mut config_errors) = (0, 0, 0);
     let nodes: serde_json::Map<String, Value> = cluster
-        .nodes
+        .all()
         .iter()
         .map(|n| {
-            let phase = format!("{:?}", n.phase(now)).to_lowercase();
-            let stats = n.st.lock().unwrap().stats.clone();
-            let mut v = serde_json::to_value(stats).unwrap();
-            v["phase"] = json!(phase);
-            (n.name.clone(), v)
+            let phase = n.phase(now);
+            let name = n.display_name();
+            let st = n.st.lock().unwrap();
+            totals.applies += st.stats.applies;
+            totals.bootstraps += st.stats.bootstraps;
+            totals.bootstrap_refusals += st.stats.bootstrap_refusals;
+            totals.maintenance_version_calls += st.stats.maintenance_version_calls;
+            totals.kubeconfigs += st.stats.kubeconfigs;
+            up += u32::from(!st.halted);
+            configured += u32::from(phase == Phase::Configured);
+            config_errors += u32::from(st.config_error.is_some());
+            let mut v = serde_json::to_value(&st.stats).unwrap();
+            v["phase"] = json!(format!("{phase:?}").to_lowercase());
+            v["ip"] = json!(n.ip);
+            v["booted_by"] = json!(n.boot.as_ref().map(|_| &n.name));
+            v["config_error"] = json!(st.config_error);
+            v["halted"] = json!(st.halted);
+            (name, v)
         })
         .collect();
+    let mut totals = serde_json::to_value(totals).unwrap();
+    totals["nodes"] = json!(nodes.len());
+    totals["up"] = json!(up);
+    totals["configured"] = json!(configured);
+    totals["config_errors"] = json!(config_errors);
     axum::Json(json!({
         "nodes": nodes,
         "bootstrapped": cluster.boot.lock().unwrap().is_some(),
+        "totals": totals,
     }))
+}
+
+/// `POST /_sim/boot`: a machine (VM, server) came up with this address.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BootRequest {
+    name: String,
+    ip: IpAddr,
+    hostname: Option<String>,
+    /// A machine config the platform hands over (hcloud `user_data`).
+    config: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HaltRequest {
+    ip: IpAddr,
+}
+
+type ControlReply = (axum::http::StatusCode, axum::Json<Value>);
+
+fn control_error(code: axum::http::StatusCode, msg: String) -> ControlReply {
+    (code, axum::Json(json!({"error": msg})))
+}
+
+/// Boots a node for a machine: it listens on `ip` in maintenance mode, or
+/// configured from `config` if that passes the node's validation (else it
+/// stays in maintenance and stats show why). Booting a running address
+/// again changes nothing; after a halt the machine's node comes back with
+/// what its disk held (same `name`), or fresh (another machine).
+async fn boot(
+    State(cluster): State<Arc<Cluster>>,
+    axum::Json(req): axum::Json<BootRequest>,
+) -> ControlReply {
+    use axum::http::StatusCode;
+    if !req.ip.is_loopback() {
+        return control_error(
+            StatusCode::BAD_REQUEST,
+            format!("ip {} is not a loopback address", req.ip),
+        );
+    }
+    let slot = cluster.index_of(req.ip);
+    let previous = slot.map(|i| cluster.node(i));
+    if let Some(p) = &previous
+        && !p.halted()
+    {
+        return (
+            StatusCode::OK,
+            axum::Json(json!({"booted": false, "name": p.display_name(), "ip": p.ip})),
+        );
+    }
+    let info = BootInfo {
+        hostname: req.hostname.clone(),
+    };
+    let node = match Node::new(&cluster.args, req.name.clone(), req.ip, None, Some(info)) {
+        Ok(n) => n,
+        Err(e) => return control_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    };
+    {
+        let mut st = node.st.lock().unwrap();
+        if let Some(p) = previous.as_ref().filter(|p| p.name == req.name) {
+            // The same machine restarted: its disk kept the config.
+            let old = p.st.lock().unwrap();
+            st.applied = old.applied.clone();
+            st.configured_at = old.configured_at;
+            st.stats = old.stats.clone();
+        }
+        if let Some(config) = &req.config {
+            match read_config(config.as_bytes()) {
+                Ok(applied) => {
+                    if !applied.os_ca.key.is_empty() {
+                        cluster
+                            .ca_keys
+                            .lock()
+                            .unwrap()
+                            .insert(applied.os_ca.crt.clone(), applied.os_ca.key.clone());
+                    }
+                    st.applied = Some(Arc::new(applied));
+                    st.configured_at = Some(Instant::now());
+                }
+                Err(status) => st.config_error = Some(status.message().to_owned()),
+            }
+        }
+    }
+    let talos = match bind_retrying(SocketAddr::new(req.ip, cluster.args.talos_port)).await {
+        Ok(l) => l,
+        Err(e) => {
+            return control_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("{}:{}: {e}", req.ip, cluster.args.talos_port),
+            );
+        }
+    };
+    let node = Arc::new(node);
+    let i = {
+        let mut nodes = cluster.nodes.write().unwrap();
+        match slot {
+            Some(i) => {
+                nodes[i] = node.clone();
+                i
+            }
+            None => {
+                nodes.push(node.clone());
+                nodes.len() - 1
+            }
+        }
+    };
+    tokio::spawn(serve_talos(cluster.clone(), i, talos));
+    tokio::spawn(serve_k8s_once_control_plane(
+        cluster.clone(),
+        node.clone(),
+        i,
+    ));
+    let st = node.st.lock().unwrap();
+    (
+        StatusCode::OK,
+        axum::Json(json!({
+            "booted": true,
+            "name": node.name,
+            "ip": node.ip,
+            "configured": st.configured_at.is_some(),
+            "config_error": st.config_error,
+        })),
+    )
+}
+
+/// Stops the node on `ip` (its machine stopped or was deleted).
+async fn halt(
+    State(cluster): State<Arc<Cluster>>,
+    axum::Json(req): axum::Json<HaltRequest>,
+) -> ControlReply {
+    let Some(i) = cluster.index_of(req.ip) else {
+        return control_error(
+            axum::http::StatusCode::NOT_FOUND,
+            format!("no node on {}", req.ip),
+        );
+    };
+    let node = cluster.node(i);
+    let was_up = !std::mem::replace(&mut node.st.lock().unwrap().halted, true);
+    node.bump();
+    (
+        axum::http::StatusCode::OK,
+        axum::Json(json!({"halted": was_up, "ip": req.ip})),
+    )
+}
+
+/// Binds `addr`, waiting briefly for a halted node's listener to go.
+async fn bind_retrying(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let mut tries = 0;
+    loop {
+        match TcpListener::bind(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 50 => {
+                tries += 1;
+                tokio::time::sleep(ms(20)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// A booted node's Kubernetes API port opens once its config makes it a
+/// control plane, and closes when it halts.
+async fn serve_k8s_once_control_plane(cluster: Arc<Cluster>, node: Arc<Node>, i: usize) {
+    let addr = SocketAddr::new(node.ip, cluster.args.k8s_port);
+    loop {
+        if node.halted() {
+            return;
+        }
+        if node.control_plane() && node.phase(Instant::now()) == Phase::Configured {
+            if let Ok(l) = bind_retrying(addr).await {
+                serve_k8s(cluster, Some(i), l).await;
+            }
+            return;
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
 }
 
 /// Port 50000 of one node: closed while it reboots, maintenance TLS or mTLS
 /// depending on its phase at accept time.
 async fn serve_talos(cluster: Arc<Cluster>, i: usize, first: TcpListener) {
-    let node = cluster.nodes[i].clone();
+    let node = cluster.node(i).clone();
     let addr = SocketAddr::new(node.ip, cluster.args.talos_port);
     let mut listener = Some(first);
     let mut changes = node.changed.subscribe();
     loop {
+        if node.halted() {
+            return;
+        }
         let down = node.st.lock().unwrap().down_until;
         if let Some(until) = down.filter(|t| Instant::now() < *t) {
             listener = None;
@@ -554,7 +865,7 @@ fn mtls_config(cluster: &Cluster, node: &Node) -> Option<Arc<ServerConfig>> {
 }
 
 async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
-    let node = cluster.nodes[i].clone();
+    let node = cluster.node(i).clone();
     let phase = node.phase(Instant::now());
     let (config, secure) = match phase {
         Phase::Down => return,
@@ -595,19 +906,16 @@ async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
         .http2_only()
         .serve_connection(TokioIo::new(tls), TowerToHyperService::new(routes))
         .into_owned();
-    if secure {
-        let _ = conn.await;
-        return;
-    }
     // The maintenance server stops when the node leaves maintenance mode:
-    // a client that keeps this channel loses it.
+    // a client that keeps this channel loses it. Any connection ends when
+    // the node halts.
     let mut changes = node.changed.subscribe();
     let leaves = async {
         loop {
             if changes.changed().await.is_err() {
                 std::future::pending::<()>().await;
             }
-            if node.phase(Instant::now()) != Phase::Maintenance {
+            if node.halted() || (!secure && node.phase(Instant::now()) != Phase::Maintenance) {
                 return;
             }
         }
@@ -700,7 +1008,7 @@ impl Api {
             .ok()
             .and_then(|ip| self.cluster.index_of(ip))
             .ok_or_else(|| dial_failed("connect: no route to host"))?;
-        if self.cluster.nodes[i].phase(Instant::now()) != Phase::Configured {
+        if self.cluster.node(i).phase(Instant::now()) != Phase::Configured {
             return Err(dial_failed("connect: connection refused"));
         }
         Ok(i)
@@ -760,7 +1068,7 @@ impl Api {
     /// later (or misbehaves), configured it applies without a reboot.
     fn apply_on(&self, i: usize, data: &[u8]) -> Result<ApplyConfiguration, Status> {
         let applied = read_config(data)?;
-        let node = &self.cluster.nodes[i];
+        let node = &self.cluster.node(i);
         let now = Instant::now();
         if !applied.os_ca.key.is_empty() {
             self.cluster
@@ -806,7 +1114,7 @@ impl Api {
         tokio::spawn(async move {
             for t in wake_at {
                 tokio::time::sleep_until(t.into()).await;
-                cluster.nodes[i].bump();
+                cluster.node(i).bump();
             }
         });
         Ok(ApplyConfiguration {
@@ -818,8 +1126,8 @@ impl Api {
     }
 
     fn bootstrap_on(&self, i: usize) -> Result<Bootstrap, Status> {
-        let node = &self.cluster.nodes[i];
-        if !node.control_plane {
+        let node = &self.cluster.node(i);
+        if !node.control_plane() {
             return Err(Status::failed_precondition(
                 "bootstrap is not available on worker nodes",
             ));
@@ -851,10 +1159,10 @@ impl Api {
                 "etcd is not running on this node",
             ));
         }
-        let members = (0..self.cluster.nodes.len())
+        let members = (0..self.cluster.count())
             .filter(|&j| reached(self.cluster.etcd_start(j), now))
             .map(|j| {
-                let n = &self.cluster.nodes[j];
+                let n = &self.cluster.node(j);
                 let hostname =
                     n.st.lock()
                         .unwrap()
@@ -886,7 +1194,7 @@ impl Api {
                 "kubeconfig is not available yet: the API server is not running",
             ));
         }
-        let node = &self.cluster.nodes[i];
+        let node = &self.cluster.node(i);
         let applied = node.st.lock().unwrap().applied.clone().expect("configured");
         let ca = applied
             .k8s_ca
@@ -963,7 +1271,7 @@ impl Api {
                 "waiting for kubelet to become healthy",
             ),
         });
-        if self.cluster.nodes[i].control_plane {
+        if self.cluster.node(i).control_plane() {
             let start = self.cluster.etcd_start(i);
             let healthy = self.cluster.etcd_healthy_at(i);
             services.push(match (start, healthy) {
@@ -1085,7 +1393,8 @@ impl MachineService for Api {
 
     async fn version(&self, req: Request<()>) -> Result<Response<VersionResponse>, Status> {
         if !self.secure {
-            self.cluster.nodes[self.me]
+            self.cluster
+                .node(self.me)
                 .st
                 .lock()
                 .unwrap()
@@ -1123,11 +1432,11 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
         return None;
     }
     let from = serving
-        .or_else(|| (0..cluster.nodes.len()).find(|&i| reached(cluster.etcd_healthy_at(i), now)))?;
-    let applied = cluster.nodes[from].st.lock().unwrap().applied.clone()?;
+        .or_else(|| (0..cluster.count()).find(|&i| reached(cluster.etcd_healthy_at(i), now)))?;
+    let applied = cluster.node(from).st.lock().unwrap().applied.clone()?;
     let ca = applied.k8s_ca.clone()?;
     let mut ips = applied.api_sans.clone();
-    ips.push(cluster.nodes[from].ip);
+    ips.push(cluster.node(from).ip);
     ips.extend(cluster.args.vip);
     let leaf = pki::issue(
         &ca,
@@ -1144,8 +1453,27 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
 }
 
 async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpListener) {
+    let node = serving.map(|i| cluster.node(i));
+    let mut changes = node.as_ref().map(|n| n.changed.subscribe());
     loop {
-        let Ok((tcp, _)) = listener.accept().await else {
+        let halted = async {
+            match changes.as_mut() {
+                Some(c) => {
+                    let _ = c.changed().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = halted => {
+                if node.as_ref().is_some_and(|n| n.halted()) {
+                    return;
+                }
+                continue;
+            }
+        };
+        let Ok((tcp, _)) = accepted else {
             continue;
         };
         let cluster = cluster.clone();
@@ -1182,7 +1510,7 @@ async fn serve_vip(cluster: Arc<Cluster>, vip: IpAddr) {
 async fn k8s_nodes(State(cluster): State<Arc<Cluster>>) -> Result<axum::Json<Value>, Infallible> {
     let now = Instant::now();
     let api_up = cluster.api_up_at();
-    let items: Vec<Value> = (0..cluster.nodes.len())
+    let items: Vec<Value> = (0..cluster.count())
         .filter_map(|i| {
             let registered = cluster.kubelet_healthy_at(i)?.max(api_up?);
             if now < registered {
@@ -1190,7 +1518,7 @@ async fn k8s_nodes(State(cluster): State<Arc<Cluster>>) -> Result<axum::Json<Val
             }
             let ready = now >= registered + ms(cluster.args.ready_delay);
             Some(json!({
-                "metadata": {"name": cluster.nodes[i].name},
+                "metadata": {"name": cluster.node(i).display_name()},
                 "status": {"conditions": [
                     {"type": "Ready", "status": if ready { "True" } else { "False" }},
                 ]},
@@ -1223,7 +1551,7 @@ mod tests {
             "worker-01=127.0.0.21:worker",
         ]);
         let cluster = new_cluster(cli.args).unwrap();
-        for n in &cluster.nodes {
+        for n in cluster.all() {
             n.st.lock().unwrap().configured_at = Some(Instant::now());
         }
         Api {

@@ -7,6 +7,7 @@
 //!     [--token 'root@pam!imgbuild=SECRET'] [--auth-delay-ms 3000] [--task-delay-ms 200]
 //!     [--fail-task imgcopy|qmcreate|qmresize|qmstart|qmconfig]
 //!     [--drop-upload-after BYTES] [--drop-uploads N] [--no-import-storage]
+//!     [--nodes-control http://127.0.0.1:PORT]
 //! ```
 //! Prints one JSON line once it listens:
 //! `{"url":"https://127.0.0.1:PORT/","fingerprint":"AB:CD:…","node":"pve","token":"…"}`
@@ -21,8 +22,26 @@
 //! Every request is checked against the vendored API schema
 //! ([`crate::proxmox_schema`]). `GET /_sim/stats` (no auth) gives counts
 //! taken in the handlers: requests, uploads (completed upload tasks),
-//! uploadAttempts, uploadBytes, vmCreates, vmConfigChanges, resizes, starts,
-//! stops, rejected (400 answers).
+//! uploadAttempts, uploadBytes, vmCreates, vmConfigChanges, resizes, starts
+//! (start requests, also of a running VM), startsChanged (starts that took a
+//! stopped VM to running), bootFailures, stops, rejected (400 answers).
+//!
+//! The chain (with `--nodes-control`, the node simulator's `control` URL):
+//! every VM start (create with `start=1`, `status/start`) reads the VM's boot
+//! disk — the first disk of `boot: order=…`, else scsi0, else virtio0; raw
+//! directly, qcow2 through `qemu-img convert` — finds the GPT partition named
+//! META, reads its ADV with this crate's own reader ([`crate::disk`]), takes
+//! key 10 and POSTs `/_sim/boot {"name":"vm-<vmid>","ip":<first address of
+//! `addresses[]` in 127.0.0.0/8, prefix stripped>,"hostname":<first
+//! `hostnames[].hostname`>|null}`. No GPT, no META, no valid ADV, no key 10,
+//! no loopback address (or the node simulator refusing) → the VM runs but no
+//! node boots: the start task's log says why (`no Talos node boots: …`),
+//! bootFailures counts it. Stop and destroy POST `/_sim/halt {"ip"}`.
+//! `GET /_sim/vms/<vmid>` (no auth) → `{"running":bool,"bootedIp":
+//! "127.…"|null,"bootError":"…"|null}` (404 for no such VM). A VM's own disks
+//! are the files `DIR/storage/local-lvm/vm-<vmid>-disk-<n>.raw`, copied from
+//! the import volume at create: to give a VM a disk without META, change the
+//! import volume file before the create (or its own disk before a start).
 //!
 //! The HTTP layer is HTTP/1.1 written here (pveproxy is an HTTP/1.1 server of
 //! its own, pve-http-server src/PVE/APIServer/AnyEvent.pm): chunked bodies are
@@ -42,6 +61,7 @@ use sha2::{Digest, Sha224, Sha256, Sha384, Sha512};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 
+use crate::chain::Nodes;
 use crate::proxmox_schema::{self as schema, Errors, Schema};
 use crate::proxmox_upload::{Multipart, normalize_filename, parse_content_type};
 
@@ -87,6 +107,10 @@ pub struct Args {
     /// `local` lacks the import content type.
     #[arg(long)]
     no_import_storage: bool,
+    /// The node simulator's control URL: a started VM boots a Talos node at
+    /// the address in its boot disk's META key 10.
+    #[arg(long)]
+    nodes_control: Option<String>,
 }
 
 /// A storage of the simulated node.
@@ -109,6 +133,10 @@ struct Stats {
     vm_config_changes: AtomicU64,
     resizes: AtomicU64,
     starts: AtomicU64,
+    /// Starts that took a stopped VM to running.
+    starts_changed: AtomicU64,
+    /// Starts after which no Talos node booted (no valid key 10).
+    boot_failures: AtomicU64,
     stops: AtomicU64,
     rejected: AtomicU64,
 }
@@ -134,6 +162,10 @@ struct Task {
 struct Vm {
     config: BTreeMap<String, String>,
     running: bool,
+    /// The address its Talos node booted at on the last start.
+    booted_ip: Option<String>,
+    /// Why no node booted on the last start.
+    boot_error: Option<String>,
 }
 
 struct Pve {
@@ -145,6 +177,7 @@ struct Pve {
     stats: Stats,
     drops_left: AtomicU32,
     seq: AtomicU32,
+    nodes: Option<Nodes>,
 }
 
 /// An error answer: HTTP status, message, per-parameter errors.
@@ -256,7 +289,13 @@ impl Pve {
             (Some(_), n) => n.unwrap_or(1),
             (None, _) => 0,
         };
+        let nodes = args
+            .nodes_control
+            .as_deref()
+            .map(Nodes::parse)
+            .transpose()?;
         Ok(Pve {
+            nodes,
             args,
             storages,
             started: now(),
@@ -395,14 +434,12 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(pve: Arc<Pve>, stre
         let Ok(Some(head)) = tokio::time::timeout(IDLE, read_head(&mut r)).await else {
             return;
         };
-        if head.path == "/_sim/stats" && head.method == "GET" {
-            // The simulator's own counts, unwrapped and unauthenticated.
+        if head.path.starts_with("/_sim/") && head.method == "GET" {
+            // The simulator's own counts and VM states, unwrapped and
+            // unauthenticated.
             let keep = head.header("content-length").is_none_or(|l| l == "0");
-            if respond(&mut w, 200, "OK", &pve.stats_json(), keep)
-                .await
-                .is_err()
-                || !keep
-            {
+            let (code, reason, body) = pve.sim_view(&head.path);
+            if respond(&mut w, code, reason, &body, keep).await.is_err() || !keep {
                 return;
             }
             continue;
@@ -838,9 +875,34 @@ impl Pve {
             "vmConfigChanges": g(&s.vm_config_changes),
             "resizes": g(&s.resizes),
             "starts": g(&s.starts),
+            "startsChanged": g(&s.starts_changed),
+            "bootFailures": g(&s.boot_failures),
             "stops": g(&s.stops),
             "rejected": g(&s.rejected),
         })
+    }
+
+    /// `GET /_sim/stats` and `GET /_sim/vms/<vmid>`.
+    fn sim_view(&self, path: &str) -> (u16, &'static str, Value) {
+        if path == "/_sim/stats" {
+            return (200, "OK", self.stats_json());
+        }
+        let vm = path
+            .strip_prefix("/_sim/vms/")
+            .and_then(|id| id.parse::<u32>().ok())
+            .and_then(|id| self.vms.lock().unwrap().get(&id).cloned());
+        match vm {
+            Some(vm) => (
+                200,
+                "OK",
+                json!({"running": vm.running, "bootedIp": vm.booted_ip, "bootError": vm.boot_error}),
+            ),
+            None => (
+                404,
+                "Not Found",
+                json!({"error": format!("no such VM: {path}")}),
+            ),
+        }
     }
 
     fn storage(&self, id: &str) -> Result<&Storage, ApiError> {
@@ -1324,10 +1386,10 @@ impl Pve {
             })();
             let mut vm = Vm {
                 config: res?,
-                running: false,
+                ..Vm::default()
             };
             if start {
-                power_on(vmid, &mut vm, log)?;
+                power_on(pve, vmid, &mut vm, log);
             }
             pve.vms.lock().unwrap().insert(vmid, vm);
             Ok(())
@@ -1573,18 +1635,23 @@ impl Pve {
             &self.stats.stops
         });
         Ok(self.spawn_task(kind, &vmid.to_string(), move |pve, log| {
-            let mut vms = pve.vms.lock().unwrap();
-            let vm = vms
-                .get_mut(&vmid)
-                .ok_or_else(|| format!("VM {vmid} does not exist"))?;
+            // The disk is read and the node booted without holding the lock.
+            let mut vm = pve.vm(vmid).map_err(|e| e.message)?;
             if on {
                 if vm.running {
                     return Err(format!("VM {vmid} already running"));
                 }
-                power_on(vmid, vm, log)?;
+                power_on(pve, vmid, &mut vm, log);
             } else {
-                vm.running = false;
+                power_off(pve, &mut vm, log);
             }
+            let mut vms = pve.vms.lock().unwrap();
+            let current = vms
+                .get_mut(&vmid)
+                .ok_or_else(|| format!("VM {vmid} does not exist"))?;
+            current.running = vm.running;
+            current.booted_ip = vm.booted_ip;
+            current.boot_error = vm.boot_error;
             Ok(())
         }))
     }
@@ -1596,7 +1663,8 @@ impl Pve {
         }
         Ok(
             self.spawn_task("qmdestroy", &vmid.to_string(), move |pve, log| {
-                let vm = pve.vms.lock().unwrap().remove(&vmid).unwrap_or_default();
+                let mut vm = pve.vms.lock().unwrap().remove(&vmid).unwrap_or_default();
+                power_off(pve, &mut vm, log);
                 for (k, v) in &vm.config {
                     if is_drive(k) || k.starts_with("unused") {
                         let (file, _) = split_drive(v);
@@ -1614,12 +1682,119 @@ impl Pve {
     }
 }
 
-/// Where a VM comes to life. Today it only changes state; this is the one
-/// place to launch a Talos node simulator for the VM later.
-fn power_on(vmid: u32, vm: &mut Vm, log: &mut Vec<String>) -> Result<(), String> {
+/// Where a VM comes to life: with `--nodes-control`, a Talos node boots for
+/// it at the loopback address its boot disk's META key 10 names. A disk
+/// without one leaves a running VM with no node, as a real one would never
+/// answer; why is logged and kept for `/_sim/vms/<vmid>`.
+fn power_on(pve: &Pve, vmid: u32, vm: &mut Vm, log: &mut Vec<String>) {
     log.push(format!("starting VM {vmid}"));
     vm.running = true;
-    Ok(())
+    vm.booted_ip = None;
+    vm.boot_error = None;
+    bump(&pve.stats.starts_changed);
+    let Some(nodes) = &pve.nodes else {
+        return;
+    };
+    let booted = boot_disk(&vm.config)
+        .and_then(|volid| {
+            let path = pve.volume_path(&volid)?;
+            let scratch = pve
+                .args
+                .state_dir
+                .join("tmp")
+                .join(format!("meta-{vmid}.raw"));
+            key10_address(&path, &scratch).map_err(|e| format!("{volid}: {e}"))
+        })
+        .and_then(|(ip, hostname)| {
+            let body = json!({"name": format!("vm-{vmid}"), "ip": ip, "hostname": hostname});
+            tokio::runtime::Handle::current().block_on(nodes.boot(&body))?;
+            Ok(ip)
+        });
+    match booted {
+        Ok(ip) => {
+            log.push(format!("Talos node up at {ip}"));
+            vm.booted_ip = Some(ip);
+        }
+        Err(e) => {
+            log.push(format!("no Talos node boots: {e}"));
+            bump(&pve.stats.boot_failures);
+            vm.boot_error = Some(e);
+        }
+    }
+}
+
+/// A VM stops (or is destroyed): its node halts.
+fn power_off(pve: &Pve, vm: &mut Vm, log: &mut Vec<String>) {
+    vm.running = false;
+    if let (Some(nodes), Some(ip)) = (&pve.nodes, vm.booted_ip.take())
+        && let Err(e) = tokio::runtime::Handle::current().block_on(nodes.halt(&ip))
+    {
+        log.push(format!("halting the Talos node at {ip}: {e}"));
+    }
+}
+
+/// The volume the VM boots from: the first disk in `boot: order=…`, else
+/// scsi0, else virtio0.
+fn boot_disk(config: &BTreeMap<String, String>) -> Result<String, String> {
+    let order = config
+        .get("boot")
+        .and_then(|b| b.split(',').find_map(|p| p.strip_prefix("order=")))
+        .map(|o| o.split(';').map(str::to_owned).collect::<Vec<_>>())
+        .unwrap_or_default();
+    order
+        .iter()
+        .map(String::as_str)
+        .chain(["scsi0", "virtio0"])
+        .filter(|k| is_drive(k))
+        .find_map(|k| {
+            let (file, opts) = split_drive(config.get(k)?);
+            let cdrom = opts.iter().any(|(o, v)| o == "media" && v == "cdrom");
+            (!cdrom && file != "none").then_some(file)
+        })
+        .ok_or_else(|| "no boot disk".to_owned())
+}
+
+/// The first loopback address (prefix stripped) and the hostname in META
+/// key 10 of the disk image at `path` (raw, or qcow2 read through a raw
+/// copy qemu-img makes at `scratch`).
+fn key10_address(path: &Path, scratch: &Path) -> Result<(String, Option<String>), String> {
+    let qcow2 = path.extension().is_some_and(|e| e == "qcow2");
+    let tags = if qcow2 {
+        let raw = scratch;
+        let ok = std::process::Command::new("qemu-img")
+            .args(["convert", "-f", "qcow2", "-O", "raw"])
+            .arg(path)
+            .arg(raw)
+            .status()
+            .is_ok_and(|s| s.success());
+        let tags = if ok {
+            crate::disk::read_meta(raw)
+        } else {
+            Err("qemu-img could not read the disk".to_owned())
+        };
+        let _ = std::fs::remove_file(raw);
+        tags?
+    } else {
+        crate::disk::read_meta(path)?
+    };
+    let value = tags.get(&10).ok_or("META has no key 10")?;
+    let doc: Value = serde_yaml_ng::from_slice(value)
+        .map_err(|e| format!("META key 10 is not YAML or JSON: {e}"))?;
+    let ip = doc["addresses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|a| a["address"].as_str())
+        .filter_map(|a| a.split('/').next()?.parse::<std::net::IpAddr>().ok())
+        .find(|ip| ip.is_loopback())
+        .ok_or("META key 10 has no address in 127.0.0.0/8")?;
+    let hostname = doc["hostnames"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|h| h["hostname"].as_str())
+        .map(str::to_owned);
+    Ok((ip.to_string(), hostname))
 }
 
 /// Replacing or deleting a disk keeps its volume as the first free `unusedN`.

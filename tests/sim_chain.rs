@@ -1,0 +1,321 @@
+//! The simulated chain, verified: a VM the Proxmox simulator starts boots a
+//! Talos node (node simulator) at the address its disk's META key 10 names,
+//! and a disk without one never comes up. Key 10 is written by the real
+//! `imgbuild publish`, read back by the simulator's own reader; failures use
+//! the fixtures' disks (no key 10, an all-zero META, no META at all).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+mod common;
+use common::sims::{Pve, Sim};
+use common::{root, sim_bin, text};
+
+/// A node simulator with no fixed nodes: machines boot them.
+struct Nodes {
+    child: Child,
+    control: String,
+}
+
+impl Nodes {
+    fn start(extra: &[&str]) -> Nodes {
+        let mut child = Command::new(sim_bin())
+            .args(["nodes", "--apply-delay", "50", "--etcd-delay", "100"])
+            .args(["--kubelet-delay", "100", "--ready-delay", "100"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("node simulator did not start ({e}): {line:?}"));
+        assert_eq!(v["nodes"], serde_json::json!({}));
+        Nodes {
+            child,
+            control: v["control"].as_str().unwrap().to_owned(),
+        }
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        let o = Command::new("curl")
+            .args(["-sf", &format!("{}/_sim/stats", self.control)])
+            .output()
+            .unwrap();
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A /24 of this test process (another run's leftovers cannot hold it).
+fn net() -> String {
+    format!("127.{}.1", 200 + std::process::id() % 50)
+}
+
+const NODES: [(&str, u8); 5] = [
+    ("cp-01", 11),
+    ("cp-02", 12),
+    ("cp-03", 13),
+    ("worker-01", 21),
+    ("worker-02", 22),
+];
+
+/// The loopback example on this process's addresses, published to Proxmox
+/// with VMs from id 300.
+fn inventory(dir: &Path) -> PathBuf {
+    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
+    let mut inv = base.replace("address: 127.0.0.", &format!("address: {}.", net()));
+    for (name, host) in NODES {
+        assert!(
+            inv.contains(&format!("address: {}.{host}", net())),
+            "{name}"
+        );
+    }
+    inv.push_str("\npublish:\n  proxmox:\n    node: pve\n    storage: local\n");
+    inv.push_str("    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048}\n");
+    let path = dir.join("cluster.yaml");
+    std::fs::write(&path, inv).unwrap();
+    path
+}
+
+fn publish(dir: &Path, sim: &Sim, pve: &Pve) {
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(inventory(dir))
+        .args([
+            "publish",
+            "--factory",
+            &sim.url,
+            "--poll-ms",
+            "50",
+            "--quiet",
+        ])
+        .arg("--out-dir")
+        .arg(dir.join("out"))
+        .arg("--cache-dir")
+        .arg(dir.join("cache"))
+        .env_remove("IMGBUILD_CONFIG")
+        .env("PROXMOX_VE_ENDPOINT", &pve.url)
+        .env("PROXMOX_VE_API_TOKEN", &pve.token)
+        .env("PROXMOX_VE_FINGERPRINT", &pve.fingerprint)
+        .env_remove("PROXMOX_VE_INSECURE")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+}
+
+fn stat(pve: &Pve, key: &str) -> u64 {
+    pve.stats()[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no {key} in stats"))
+}
+
+/// `GET /_sim/vms/<vmid>`.
+fn vm_state(pve: &Pve, vmid: u32) -> serde_json::Value {
+    let o = Command::new("curl")
+        .args(["-sk", &format!("{}_sim/vms/{vmid}", pve.url)])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// `POST …/status/<what>` and waits for the task; its exit status.
+fn power(pve: &Pve, vmid: u32, what: &str) -> serde_json::Value {
+    let (code, v) = pve.curl(
+        &format!("/nodes/pve/qemu/{vmid}/status/{what}"),
+        &["-X", "POST"],
+    );
+    assert_eq!(code, 200, "{v}");
+    pve.wait(&v["data"])["exitstatus"].clone()
+}
+
+/// The TLS server certificate on `addr`, as openssl sees it (None: no TLS there).
+fn server_cert(addr: &str) -> Option<String> {
+    let o = Command::new("openssl")
+        .args(["s_client", "-connect", addr])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let out = text(&o.stdout);
+    out.contains("BEGIN CERTIFICATE").then_some(out)
+}
+
+/// Byte offset of the partition named `name`, from `sgdisk -p` (not from
+/// imgbuild or the simulator).
+fn partition_offset(image: &Path, name: &str) -> u64 {
+    let o = Command::new("sgdisk")
+        .arg("-p")
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "sgdisk -p {}", image.display());
+    let out = text(&o.stdout);
+    let sector: u64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("Sector size (logical/physical): "))
+        .and_then(|l| l.split('/').next())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(512);
+    let start: u64 = out
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() >= 7 && f.last() == Some(&name))
+        .map(|f| f[1].parse().unwrap())
+        .unwrap_or_else(|| panic!("no {name} partition in {out}"));
+    start * sector
+}
+
+fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
+    let sim = Sim::start(&[]);
+    let nodes = Nodes::start(&[]);
+    let pve = Pve::start(&["--nodes-control", &nodes.control]);
+    let dir = tempfile::tempdir().unwrap();
+    publish(dir.path(), &sim, &pve);
+    let stats = nodes.stats();
+    assert_eq!(stats["totals"]["nodes"], 5, "{stats}");
+    for (i, (name, host)) in NODES.iter().enumerate() {
+        let n = &stats["nodes"][name];
+        assert_eq!(n["ip"], format!("{}.{host}", net()), "{name}: {stats}");
+        assert_eq!(n["booted_by"], format!("vm-{}", 300 + i), "{name}");
+        assert_eq!(n["phase"], "maintenance", "{name}");
+        assert_eq!(n["config_error"], serde_json::Value::Null);
+        assert_eq!(
+            vm_state(&pve, 300 + i as u32)["bootedIp"],
+            format!("{}.{host}", net())
+        );
+        assert!(
+            server_cert(&format!("{}.{host}:50000", net())).is_some(),
+            "{name} does not answer TLS on port 50000"
+        );
+    }
+    assert_eq!(
+        (stat(&pve, "startsChanged"), stat(&pve, "bootFailures")),
+        (5, 0)
+    );
+
+    // A rerun starts nothing and boots nothing twice.
+    publish(dir.path(), &sim, &pve);
+    assert_eq!(stat(&pve, "startsChanged"), 5);
+    assert_eq!(nodes.stats()["totals"]["nodes"], 5);
+
+    // A stopped VM's node is gone.
+    let cp01 = format!("{}.11:50000", net());
+    assert_eq!(power(&pve, 300, "stop"), "OK");
+    assert_eq!(nodes.stats()["nodes"]["cp-01"]["phase"], "down");
+    assert_eq!(vm_state(&pve, 300)["bootedIp"], serde_json::Value::Null);
+    wait_for("cp-01's port to close", || server_cert(&cp01).is_none());
+
+    // Its disk loses META's ADV: the VM starts, no node comes up, and why
+    // is on record.
+    let (_, cfg) = pve.curl("/nodes/pve/qemu/300/config", &[]);
+    let scsi0 = cfg["data"]["scsi0"].as_str().unwrap();
+    let volume = scsi0.split(',').next().unwrap();
+    let disk = pve.dir.path().join(format!(
+        "state/storage/local-lvm/{}.raw",
+        volume.strip_prefix("local-lvm:").unwrap()
+    ));
+    let meta = partition_offset(&disk, "META");
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&disk).unwrap();
+        f.seek(SeekFrom::Start(meta)).unwrap();
+        f.write_all(&vec![0u8; 512 * 1024]).unwrap();
+    }
+    assert_eq!(power(&pve, 300, "start"), "OK");
+    let vm = vm_state(&pve, 300);
+    assert_eq!(vm["running"], true, "{vm}");
+    assert_eq!(vm["bootedIp"], serde_json::Value::Null);
+    let why = vm["bootError"].as_str().unwrap();
+    assert!(why.contains("META holds no valid ADV"), "{why}");
+    assert_eq!(stat(&pve, "bootFailures"), 1);
+    assert_eq!(nodes.stats()["nodes"]["cp-01"]["phase"], "down");
+    assert!(server_cert(&cp01).is_none());
+}
+
+#[test]
+fn disks_without_a_loopback_key_10_run_but_boot_no_node() {
+    let nodes = Nodes::start(&[]);
+    let pve = Pve::start(&["--nodes-control", &nodes.control]);
+    let fx = pve.dir.path().join("fx");
+    let ok = Command::new(root().join("fixtures/make-images.sh"))
+        .arg(&fx)
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "{}", text(&ok.stderr));
+    let cases = [
+        ("dual-boot", "META has no key 10"),
+        ("grub", "META holds no valid ADV"),
+        ("no-meta", "no partition named META"),
+    ];
+    for (i, (fixture, reason)) in cases.iter().enumerate() {
+        let image = fx.join(format!("{fixture}.raw"));
+        let sum = hex::encode(Sha256::digest(std::fs::read(&image).unwrap()));
+        let (code, v) = pve.upload(&image, &sum);
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+        let vmid = 400 + i as u32;
+        let (code, v) = pve.curl(
+            "/nodes/pve/qemu",
+            &[
+                "-X",
+                "POST",
+                "-d",
+                &format!("vmid={vmid}"),
+                "-d",
+                &format!("scsi0=local-lvm:0,import-from=local:import/{fixture}.raw"),
+                "-d",
+                "boot=order=scsi0",
+                "-d",
+                "start=1",
+            ],
+        );
+        assert_eq!(code, 200, "{v}");
+        let upid = v["data"].clone();
+        assert_eq!(pve.wait(&upid)["exitstatus"], "OK");
+        let vm = vm_state(&pve, vmid);
+        assert_eq!(vm["running"], true, "{vm}");
+        let why = vm["bootError"].as_str().unwrap_or_default();
+        assert!(why.contains(reason), "{fixture}: {why}");
+        let (_, log) = pve.curl(
+            &format!("/nodes/pve/tasks/{}/log", upid.as_str().unwrap()),
+            &["-G"],
+        );
+        assert!(
+            log["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|l| l["t"].as_str().unwrap().contains(reason)),
+            "{fixture}: {log}"
+        );
+        assert_eq!(stat(&pve, "bootFailures"), i as u64 + 1);
+    }
+    let stats = nodes.stats();
+    assert_eq!(stats["totals"]["nodes"], 0, "{stats}");
+}
