@@ -55,12 +55,10 @@ struct Chain {
 }
 
 impl Chain {
-    fn start(k: u8, pve_extra: &[&str]) -> Chain {
+    fn start(k: u8) -> Chain {
         let net = net(k);
         let nodes = Nodes::start(&["--vip", &format!("{net}.10")]);
-        let mut extra = vec!["--nodes-control", nodes.control.as_str()];
-        extra.extend_from_slice(pve_extra);
-        let pve = Pve::start(&extra);
+        let pve = Pve::start(&["--nodes-control", &nodes.control]);
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("cluster.yaml"), inventory(&net, true, true)).unwrap();
         Chain {
@@ -186,7 +184,7 @@ fn assert_ok(o: &Output) {
 
 #[test]
 fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
-    let c = Chain::start(1, &[]);
+    let c = Chain::start(1);
     let started = Instant::now();
     let (out, v) = c.up(&[]);
     assert_ok(&out);
@@ -295,7 +293,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
 
 #[test]
 fn a_dry_run_plans_everything_and_changes_nothing() {
-    let c = Chain::start(2, &[]);
+    let c = Chain::start(2);
     let (out, v) = c.up(&["--dry-run"]);
     assert_ok(&out);
     assert_eq!(v["dryRun"], true);
@@ -361,7 +359,7 @@ fn wipe_meta(image: &Path) {
 
 #[test]
 fn an_image_without_meta_fails_naming_the_node_and_its_address() {
-    let c = Chain::start(3, &[]);
+    let c = Chain::start(3);
     // Upload only (no VMs yet), then remove worker-02's META in the storage.
     let uploads = c.dir.path().join("uploads.yaml");
     std::fs::write(&uploads, inventory(&c.net, true, false)).unwrap();
@@ -411,7 +409,7 @@ fn an_image_without_meta_fails_naming_the_node_and_its_address() {
 
 #[test]
 fn up_killed_during_publish_resumes_without_uploading_twice() {
-    let c = Chain::start(4, &["--task-delay-ms", "300"]);
+    let c = Chain::start(4);
     let mut child = c
         .command(&c.config(), &["--output", "json", "up"])
         .stdout(Stdio::null())
