@@ -372,6 +372,14 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     if let Err(stop) = publish_stage(inv, target, opts, obs, &mut report) {
         report.stopped = Some(stop);
     } else if let Err(e) = bootstrap_stage(inv, opts, obs, &mut report) {
+        if let UpError::Bootstrap(StageError::Bootstrap(
+            bootstrap::BootstrapError::Stuck { node, .. }
+            | bootstrap::BootstrapError::Rejected { node, .. },
+        )) = &e
+        {
+            let node = node.clone();
+            report.fail(&node, |s| s.apply = Some(Change::Failed), e.to_string());
+        }
         report.stopped = Some((Stage::Bootstrap, e));
     }
     report.elapsed_ms = started.elapsed().as_millis();

@@ -392,6 +392,11 @@ fn an_image_without_meta_fails_naming_the_node_and_its_address() {
     let worker = &v["nodes"][4];
     assert_eq!(worker["stages"]["upload"], "unchanged", "{worker}");
     assert_eq!(worker["stages"]["vm"], "created", "{worker}");
+    assert_eq!(worker["stages"]["apply"], "failed", "{worker}");
+    assert!(
+        worker["error"].as_str().unwrap().contains(&addr),
+        "{worker}"
+    );
     let pve = c.pve.stats();
     assert_eq!(pve["bootFailures"], 1, "{pve}");
     // Text mode names them too.

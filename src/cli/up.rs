@@ -130,9 +130,12 @@ fn print_report(r: &Report) {
         line(row);
     }
     println!("{}", stage_summary(r));
-    for n in &r.nodes {
-        if let Some(e) = &n.error {
-            eprintln!("error: node {}: {e}", n.node);
+    // A stop for some nodes sums them up in one line: their errors first.
+    if let Some((_, up::UpError::Nodes { .. })) = &r.stopped {
+        for n in &r.nodes {
+            if let Some(e) = &n.error {
+                eprintln!("error: node {}: {e}", n.node);
+            }
         }
     }
     if r.healthy {
