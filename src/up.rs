@@ -336,10 +336,14 @@ impl Report {
         }
     }
 
-    /// Whether some nodes finished every stage that ran while others failed.
+    /// Whether some nodes finished every stage that ran for them while
+    /// others failed (nodes not selected do not count as finished).
     pub fn partial(&self) -> bool {
         matches!(self.stopped, Some((_, UpError::Nodes { .. })))
-            && self.nodes.iter().any(|n| n.error.is_none())
+            && self
+                .nodes
+                .iter()
+                .any(|n| n.error.is_none() && n.stages.build.is_some())
     }
 }
 
@@ -758,6 +762,15 @@ nodes:
         let inv = inv("");
         let mut r = Report::new(&inv, &Target::None, false, &BootstrapOptions::default());
         r.fail("w-01", |s| s.build = Some(Change::Failed), "boom".into());
+        r.stopped = Some((
+            Stage::Build,
+            UpError::Nodes {
+                stage: Stage::Build,
+                failed: vec!["w-01".into()],
+            },
+        ));
+        assert!(!r.partial(), "cp-01 was not selected: nothing finished");
+        r.node("cp-01").unwrap().stages.build = Some(Change::Built);
         r.stopped = Some((
             Stage::Build,
             UpError::Nodes {

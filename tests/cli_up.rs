@@ -56,9 +56,16 @@ struct Chain {
 
 impl Chain {
     fn start(k: u8) -> Chain {
+        Self::start_with(k, &[])
+    }
+
+    /// With more switches for the Proxmox simulator.
+    fn start_with(k: u8, pve_extra: &[&str]) -> Chain {
         let net = net(k);
         let nodes = Nodes::start(&["--vip", &format!("{net}.10")]);
-        let pve = Pve::start(&["--nodes-control", &nodes.control]);
+        let mut extra = vec!["--nodes-control", nodes.control.as_str()];
+        extra.extend_from_slice(pve_extra);
+        let pve = Pve::start(&extra);
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("cluster.yaml"), inventory(&net, true, true)).unwrap();
         Chain {
@@ -463,6 +470,53 @@ fn up_killed_during_publish_resumes_without_uploading_twice() {
     for n in v["nodes"].as_array().unwrap() {
         assert_eq!(n["kubernetesReady"], true, "{n}");
     }
+}
+
+#[test]
+fn a_node_that_fails_to_publish_stops_up_before_bootstrap_with_exit_3() {
+    // The first upload is cut three times: more than the client retries.
+    let c = Chain::start_with(
+        7,
+        &["--drop-upload-after", "1000000", "--drop-uploads", "3"],
+    );
+    let (out, v) = c.up(&[]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert_eq!(v["failedStage"], "publish", "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("publish: 1 failed (cp-01)"),
+        "{v}"
+    );
+    assert_eq!(v["healthy"], false);
+    assert_eq!(v["bootstrap"], serde_json::Value::Null);
+    let nodes = v["nodes"].as_array().unwrap();
+    assert_eq!(nodes[0]["stages"]["upload"], "failed", "{}", nodes[0]);
+    assert!(
+        nodes[0]["error"].as_str().unwrap().contains("upload"),
+        "{}",
+        nodes[0]
+    );
+    for n in &nodes[1..] {
+        assert_eq!(n["stages"]["upload"], "uploaded", "{n}");
+        assert_eq!(n["error"], serde_json::Value::Null, "{n}");
+    }
+    assert_eq!(
+        bootstraps(&c.nodes.stats()),
+        0,
+        "bootstrapped a cluster missing a node"
+    );
+
+    // Rerun: only cp-01 goes up now, and the cluster comes up.
+    let (out, v) = c.up(&[]);
+    assert_ok(&out);
+    assert_eq!(v["healthy"], true);
+    assert_eq!(v["nodes"][0]["stages"]["upload"], "uploaded");
+    for n in &v["nodes"].as_array().unwrap()[1..] {
+        assert_eq!(n["stages"]["upload"], "unchanged", "{n}");
+    }
+    assert_eq!(c.pve.stats()["uploads"], 5);
 }
 
 #[test]
