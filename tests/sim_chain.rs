@@ -3,16 +3,20 @@
 //! and a disk without one never comes up. Key 10 is written by the real
 //! `imgbuild publish`, read back by the simulator's own reader; failures use
 //! the fixtures' disks (no key 10, an all-zero META, no META at all).
+//! Likewise a Hetzner server made from a snapshot boots a node configured
+//! from its user_data (a config the real `imgbuild config` renders) on the
+//! public address the API reports.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::sims::{Pve, Sim};
+use common::sims::{Hc, Pve, Sim};
 use common::{root, sim_bin, text};
 
 /// A node simulator with no fixed nodes: machines boot them.
@@ -76,7 +80,9 @@ const NODES: [(&str, u8); 5] = [
 /// with VMs from id 300.
 fn inventory(dir: &Path) -> PathBuf {
     let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let mut inv = base.replace("address: 127.0.0.", &format!("address: {}.", net()));
+    let mut inv = base
+        .replace("address: 127.0.0.", &format!("address: {}.", net()))
+        .replace("127.0.0.20", &format!("{}.20", net()));
     for (name, host) in NODES {
         assert!(
             inv.contains(&format!("address: {}.{host}", net())),
@@ -193,7 +199,7 @@ fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
 #[test]
 fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
     let sim = Sim::start(&[]);
-    let nodes = Nodes::start(&[]);
+    let nodes = Nodes::start(&["--vip", &format!("{}.20", net())]);
     let pve = Pve::start(&["--nodes-control", &nodes.control]);
     let dir = tempfile::tempdir().unwrap();
     publish(dir.path(), &sim, &pve);
@@ -223,6 +229,35 @@ fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
     publish(dir.path(), &sim, &pve);
     assert_eq!(stat(&pve, "startsChanged"), 5);
     assert_eq!(nodes.stats()["totals"]["nodes"], 5);
+
+    // The booted nodes are a cluster the real bootstrap brings up: each
+    // takes its role from the config applied to it.
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(dir.path().join("cluster.yaml"))
+        .args(["--output", "json", "bootstrap", "--poll", "100ms"])
+        .args(["--node-timeout", "20s", "--bootstrap-timeout", "20s"])
+        .args([
+            "--health-timeout",
+            "30s",
+            "--call-timeout",
+            "5s",
+            "--state-dir",
+        ])
+        .arg(dir.path().join("state"))
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["healthy"], true, "{v}");
+    let stats = nodes.stats();
+    assert_eq!(
+        (&stats["totals"]["applies"], &stats["totals"]["bootstraps"]),
+        (&json!(5), &json!(1)),
+        "{stats}"
+    );
+    assert_eq!(stats["totals"]["configured"], 5);
 
     // A stopped VM's node is gone.
     let cp01 = format!("{}.11:50000", net());
@@ -268,13 +303,22 @@ fn disks_without_a_loopback_key_10_run_but_boot_no_node() {
         .output()
         .unwrap();
     assert!(ok.status.success(), "{}", text(&ok.stderr));
+    // A qcow2 disk is read through qemu-img: attached as it is, not imported.
+    let ok = Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "qcow2"])
+        .arg(fx.join("dual-boot.raw"))
+        .arg(fx.join("dual-boot.qcow2"))
+        .status()
+        .unwrap();
+    assert!(ok.success());
     let cases = [
-        ("dual-boot", "META has no key 10"),
-        ("grub", "META holds no valid ADV"),
-        ("no-meta", "no partition named META"),
+        ("dual-boot.raw", "META has no key 10"),
+        ("grub.raw", "META holds no valid ADV"),
+        ("no-meta.raw", "no partition named META"),
+        ("dual-boot.qcow2", "META has no key 10"),
     ];
     for (i, (fixture, reason)) in cases.iter().enumerate() {
-        let image = fx.join(format!("{fixture}.raw"));
+        let image = fx.join(fixture);
         let sum = hex::encode(Sha256::digest(std::fs::read(&image).unwrap()));
         let (code, v) = pve.upload(&image, &sum);
         assert_eq!(code, 200, "{v}");
@@ -288,7 +332,11 @@ fn disks_without_a_loopback_key_10_run_but_boot_no_node() {
                 "-d",
                 &format!("vmid={vmid}"),
                 "-d",
-                &format!("scsi0=local-lvm:0,import-from=local:import/{fixture}.raw"),
+                &if fixture.ends_with(".qcow2") {
+                    format!("scsi0=local:import/{fixture}")
+                } else {
+                    format!("scsi0=local-lvm:0,import-from=local:import/{fixture}")
+                },
                 "-d",
                 "boot=order=scsi0",
                 "-d",
@@ -318,4 +366,162 @@ fn disks_without_a_loopback_key_10_run_but_boot_no_node() {
     }
     let stats = nodes.stats();
     assert_eq!(stats["totals"]["nodes"], 0, "{stats}");
+}
+
+/// A machine config for `node` of the loopback example, rendered by the
+/// real binary.
+fn machine_config(dir: &Path, node: &str) -> String {
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(root().join("examples/loopback/cluster.yaml"))
+        .args(["config", node, "--state-dir"])
+        .arg(dir.join("state"))
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    text(&o.stdout)
+}
+
+/// A snapshot made from a stopped build server; its image id.
+fn snapshot(hc: &Hc) -> u64 {
+    let v = hc.ok(
+        "POST",
+        "/servers",
+        Some(
+            json!({"name": "imgbuild-build", "server_type": "cpx22", "image": "debian-13",
+            "location": "fsn1", "start_after_create": false}),
+        ),
+    );
+    hc.wait_ok(&v["action"]);
+    let id = v["server"]["id"].as_u64().unwrap();
+    let img = hc.ok(
+        "POST",
+        &format!("/servers/{id}/actions/create_image"),
+        Some(json!({"type": "snapshot", "description": "talos", "labels": {"os": "talos"}})),
+    );
+    hc.wait_ok(&img["action"]);
+    hc.ok("DELETE", &format!("/servers/{id}"), None);
+    img["image"]["id"].as_u64().unwrap()
+}
+
+/// Creates a server from `image` (integer id, as the official clients send
+/// it) and waits until its actions end; the server.
+fn server_from(hc: &Hc, name: &str, image: u64, extra: Value) -> Value {
+    let mut body = json!({"name": name, "server_type": "cpx22", "image": image,
+        "location": "fsn1", "labels": {"cluster": "loopback"}});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    let v = hc.ok("POST", "/servers", Some(body));
+    hc.wait_ok(&v["action"]);
+    for a in v["next_actions"].as_array().unwrap() {
+        hc.wait_ok(a);
+    }
+    v["server"].clone()
+}
+
+fn ip_of(server: &Value) -> String {
+    server["public_net"]["ipv4"]["ip"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[test]
+fn servers_from_a_snapshot_boot_talos_configured_from_their_user_data() {
+    let nodes = Nodes::start(&[]);
+    let hc = Hc::start(&["--nodes-control", &nodes.control]);
+    let image = snapshot(&hc);
+    let dir = tempfile::tempdir().unwrap();
+    let config = machine_config(dir.path(), "cp-01");
+    assert!(config.len() <= 32 * 1024);
+    assert_eq!(stats_nodes(&nodes), 0, "a build server boots no Talos");
+
+    // Valid user_data: configured at boot, no apply, on the public address.
+    let cp = server_from(&hc, "cp-01", image, json!({"user_data": config}));
+    let ip = ip_of(&cp);
+    let stats = wait_node(&nodes, "cp-01", |n| n["phase"] == "configured");
+    let n = &stats["nodes"]["cp-01"];
+    assert_eq!(n["ip"], ip, "{stats}");
+    assert_eq!(n["booted_by"], "cp-01");
+    assert_eq!(n["config_error"], Value::Null);
+    assert_eq!(n["applies"], 0);
+    let user_data = Command::new("curl")
+        .args([
+            "-s",
+            &hc.url
+                .replace("/v1", &format!("/_sim/servers/{}/user_data", cp["id"])),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        serde_json::from_slice::<Value>(&user_data.stdout).unwrap(),
+        json!(config)
+    );
+
+    // Invalid user_data: the node stays in maintenance and says why.
+    let bad = config.replacen("machine:\n", "machine:\n  typo: 1\n", 1);
+    assert_ne!(bad, config);
+    let w = server_from(&hc, "worker-01", image, json!({"user_data": bad}));
+    let stats = wait_node(&nodes, "worker-01", |n| n["config_error"].is_string());
+    let n = &stats["nodes"]["worker-01"];
+    assert_eq!(n["phase"], "maintenance", "{stats}");
+    assert_eq!(n["ip"], ip_of(&w));
+    let why = n["config_error"].as_str().unwrap();
+    assert!(why.contains("typo"), "{why}");
+
+    // Over 32 KiB: refused as the API does; nothing is created.
+    let huge = format!("{config}#{}\n", "x".repeat(32 * 1024));
+    let (code, _, v) = hc.call(
+        "POST",
+        "/servers",
+        Some(
+            json!({"name": "cp-02", "server_type": "cpx22", "image": image,
+            "location": "fsn1", "user_data": huge}),
+        ),
+    );
+    assert_eq!(code, 422, "{v}");
+    assert_eq!(v["error"]["code"], "invalid_input");
+    assert_eq!(v["error"]["details"]["fields"][0]["name"], "user_data");
+
+    // A rescue boot of a snapshot server is not Talos; a normal one is.
+    let r = server_from(&hc, "cp-03", image, json!({"start_after_create": false}));
+    let id = r["id"].as_u64().unwrap();
+    let a = hc.ok(
+        "POST",
+        &format!("/servers/{id}/actions/enable_rescue"),
+        Some(json!({"type": "linux64"})),
+    );
+    hc.wait_ok(&a["action"]);
+    let on = hc.ok("POST", &format!("/servers/{id}/actions/poweron"), None);
+    hc.wait_ok(&on["action"]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(stats_nodes(&nodes), 2, "a rescue boot booted Talos");
+    let off = hc.ok("POST", &format!("/servers/{id}/actions/poweroff"), None);
+    hc.wait_ok(&off["action"]);
+    let on = hc.ok("POST", &format!("/servers/{id}/actions/poweron"), None);
+    hc.wait_ok(&on["action"]);
+    let stats = wait_node(&nodes, "cp-03", |n| n["phase"] == "maintenance");
+    assert_eq!(stats["nodes"]["cp-03"]["ip"], ip_of(&r));
+    assert_eq!(hc.stats()["serversFromSnapshots"], 3);
+
+    // Deleting a server halts its node.
+    hc.ok("DELETE", &format!("/servers/{}", cp["id"]), None);
+    wait_node(&nodes, "cp-01", |n| n["phase"] == "down");
+}
+
+fn stats_nodes(nodes: &Nodes) -> u64 {
+    nodes.stats()["totals"]["nodes"].as_u64().unwrap()
+}
+
+/// Waits until node `name` is in the node simulator's stats and `ok` holds
+/// for it; the stats then.
+fn wait_node(nodes: &Nodes, name: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    let mut last = Value::Null;
+    wait_for(&format!("node {name}"), || {
+        last = nodes.stats();
+        ok(&last["nodes"][name])
+    });
+    last
 }

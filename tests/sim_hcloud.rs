@@ -470,3 +470,82 @@ fn start_after_create_and_sshd_gone_at_exit() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn networks_are_listed_and_servers_attach_with_their_addresses() {
+    let hc = Hc::start(&["--network", "lan=192.168.7.0/24"]);
+    let talos = hc.ok("GET", "/networks?name=talos", None);
+    assert_eq!(talos["meta"]["pagination"]["total_entries"], 1, "{talos}");
+    let net = &talos["networks"][0];
+    assert_eq!(net["ip_range"], "10.0.0.0/16");
+    assert_eq!(
+        net["subnets"],
+        json!([{"type": "cloud", "ip_range": "10.0.1.0/24", "network_zone": "eu-central",
+            "gateway": "10.0.0.1", "vswitch_id": null}])
+    );
+    let talos_id = net["id"].as_u64().unwrap();
+    let all = hc.ok("GET", "/networks?per_page=1&page=2&sort=name:desc", None);
+    assert_eq!(all["networks"][0]["name"], "lan", "{all}");
+    assert_eq!(all["meta"]["pagination"]["total_entries"], 2);
+    let none = hc.ok("GET", "/networks?label_selector=env%3Dprod", None);
+    assert_eq!(none["networks"], json!([]));
+
+    // At create: the first free address of the zone's subnet.
+    let body = |name: &str, networks: Value| {
+        json!({"name": name, "server_type": "cpx22", "image": "debian-13",
+            "location": "fsn1", "start_after_create": false, "networks": networks})
+    };
+    let a = hc.ok("POST", "/servers", Some(body("a", json!([talos_id]))));
+    hc.wait_ok(&a["action"]);
+    let a_id = a["server"]["id"].as_u64().unwrap();
+    let got = hc.ok("GET", &format!("/servers/{a_id}"), None);
+    assert_eq!(got["server"]["private_net"][0]["network"], talos_id);
+    assert_eq!(got["server"]["private_net"][0]["ip"], "10.0.1.2");
+    let (code, _, v) = hc.call("POST", "/servers", Some(body("b", json!([999]))));
+    assert_eq!((code, &v["error"]["code"]), (422, &json!("invalid_input")));
+
+    // Afterwards: an action; the address asked for, once.
+    let b = hc.ok("POST", "/servers", Some(body("b", json!([]))));
+    hc.wait_ok(&b["action"]);
+    let b_id = b["server"]["id"].as_u64().unwrap();
+    let attach = format!("/servers/{b_id}/actions/attach_to_network");
+    let (code, _, v) = hc.call(
+        "POST",
+        &attach,
+        Some(json!({"network": talos_id, "ip": "10.0.1.2"})),
+    );
+    assert_eq!(
+        (code, &v["error"]["code"]),
+        (422, &json!("ip_not_available"))
+    );
+    let (code, _, v) = hc.call(
+        "POST",
+        &attach,
+        Some(json!({"network": talos_id, "ip": "10.0.9.9"})),
+    );
+    assert_eq!(
+        (code, &v["error"]["code"]),
+        (422, &json!("ip_not_available"))
+    );
+    let (code, _, v) = hc.call("POST", &attach, Some(json!({"network": "talos"})));
+    assert_eq!((code, &v["error"]["code"]), (422, &json!("invalid_input")));
+    let ok = hc.ok(
+        "POST",
+        &attach,
+        Some(json!({"network": talos_id, "ip": "10.0.1.11"})),
+    );
+    assert_eq!(ok["action"]["command"], "attach_to_network");
+    hc.wait_ok(&ok["action"]);
+    let got = hc.ok("GET", &format!("/servers/{b_id}"), None);
+    assert_eq!(got["server"]["private_net"][0]["ip"], "10.0.1.11", "{got}");
+    let (code, _, v) = hc.call("POST", &attach, Some(json!({"network": talos_id})));
+    assert_eq!(
+        (code, &v["error"]["code"]),
+        (422, &json!("server_already_attached"))
+    );
+    let listed = hc.ok("GET", &format!("/networks/{talos_id}"), None);
+    assert_eq!(listed["network"]["servers"], json!([a_id, b_id]));
+    hc.ok("DELETE", &format!("/servers/{a_id}"), None);
+    let listed = hc.ok("GET", &format!("/networks/{talos_id}"), None);
+    assert_eq!(listed["network"]["servers"], json!([b_id]));
+}

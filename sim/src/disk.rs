@@ -228,6 +228,20 @@ mod tests {
     }
 
     #[test]
+    fn the_second_copy_stands_in_for_a_broken_first() {
+        let tags = BTreeMap::from([(10, b"hostnames: []".to_vec())]);
+        let copy = write_copy(&tags).unwrap();
+        let mut both = [copy.clone(), copy].concat();
+        both[0] ^= 1;
+        assert_eq!(read_adv(&both).unwrap(), tags);
+        both[COPY + 8] ^= 1;
+        assert_eq!(
+            read_adv(&both).unwrap_err(),
+            "copy 1: bad magic, copy 2: bad checksum"
+        );
+    }
+
+    #[test]
     fn an_over_full_adv_is_refused() {
         let tags = BTreeMap::from([(10, vec![b'x'; CAPACITY - 7])]);
         assert!(

@@ -5,7 +5,7 @@
 //! It shares no code with imgbuild (the code under test): a schematic's ID is
 //! the sha256 of the exact bytes POSTed (imgbuild sends the canonical form, so
 //! the real factory's re-marshalled ID and this one agree exactly when
-//! imgbuild's canonical form is right), and META is baked by [`bake`], a GPT
+//! imgbuild's canonical form is right), and META is baked by [`crate::disk`], a GPT
 //! reader and ADV writer of the simulator's own.
 
 use axum::Router;

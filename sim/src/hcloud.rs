@@ -7,7 +7,8 @@
 //! imgbuild-sim hcloud --state-dir DIR [--listen 127.0.0.1:0] [--token TOKEN]
 //!     [--action-seconds 0.5] [--ssh-refuse-seconds N] [--ssh-never] [--dd-fails]
 //!     [--action-error TYPE] [--rate-limit-every N] [--unavailable TYPE[@LOCATION]]
-//!     [--slow-create-image F]
+//!     [--slow-create-image F] [--nodes-control http://127.0.0.1:PORT]
+//!     [--network NAME=CIDR]...
 //! ```
 //! Prints one JSON line once it listens:
 //! `{"url":"http://127.0.0.1:PORT/v1","token":"…"}` (the one valid bearer token).
@@ -16,8 +17,9 @@
 //! `name`, `architecture`, `label_selector`; `sort`; pagination),
 //! `GET|DELETE /images/{id}`, `GET|POST /ssh_keys`, `GET|DELETE /ssh_keys/{id}`,
 //! `GET|POST /servers`, `GET|DELETE /servers/{id}`,
-//! `POST /servers/{id}/actions/{enable_rescue,poweron,poweroff,shutdown,create_image}`,
-//! `GET /actions/{id}`. Lists paginate (`page`, `per_page` ≤ 50, `meta.pagination`).
+//! `POST /servers/{id}/actions/{enable_rescue,poweron,poweroff,shutdown,create_image,
+//! attach_to_network}`, `GET /networks` (filters `name`, `label_selector`;
+//! `sort`; pagination), `GET /networks/{id}`, `GET /actions/{id}`. Lists paginate (`page`, `per_page` ≤ 50, `meta.pagination`).
 //! Every request body is checked against the vendored OpenAPI document
 //! ([`crate::hcloud_schema`]): 422 `invalid_input` with `details.fields`.
 //! Errors are `{"error": {code, message, details}}`.
@@ -43,6 +45,28 @@
 //! `create_image` copies the disk to `DIR/images/<id>.raw` when asked; the
 //! snapshot is `creating` until the action succeeds, then `available`.
 //!
+//! Networks: `talos` (10.0.0.0/16, one cloud subnet 10.0.1.0/24 in
+//! eu-central, gateway 10.0.0.1) is always there, with the first id; each
+//! `--network NAME=CIDR` adds one whose single eu-central subnet is the
+//! whole range. `POST /servers` with `networks: [id]` attaches at create
+//! (first free address from .2 in the zone's subnets; unknown id → 422
+//! `invalid_input` on `networks`); `attach_to_network {network, ip?}` is an
+//! action (`attach_to_network`; 404 for an unknown network, 422
+//! `server_already_attached`, `ip_not_available` for a taken address or one
+//! outside the zone's subnets, `no_subnet_available`). Servers show
+//! `private_net: [{network, ip, alias_ips, mac_address}]`; networks list
+//! their attached `servers`. Addresses are bookkeeping only, never bound.
+//!
+//! The chain (with `--nodes-control`, the node simulator's `control` URL):
+//! a server created from an image of type `snapshot` that starts (poweron,
+//! or `start_after_create`, true by default) without rescue enabled POSTs
+//! `/_sim/boot {"name": <server name>, "ip": <public_net.ipv4.ip>,
+//! "config": <user_data or null>}` once it is `running`; the node
+//! simulator validates the config itself. poweroff, shutdown and delete
+//! POST `/_sim/halt {"ip"}`. `user_data` over 32768 bytes → 422
+//! `invalid_input` (field `user_data`; the OpenAPI document: "limited to
+//! 32KiB").
+//!
 //! `POST /servers` answers 422 `invalid_server_type` for a deprecated type,
 //! 412 `resource_unavailable` where the type is not offered (and for
 //! `--unavailable`), 422 `placement_error` for an architecture the image
@@ -50,9 +74,11 @@
 //! `rate_limit_exceeded` with `RateLimit-Reset` (unix time, 1 s ahead).
 //!
 //! Outside the API, no auth: `GET /_sim/stats` → `{"requests", "servers",
-//! "sshKeys", "serversCreated", "imagesCreated", "rateLimited", "rejected"}`
-//! (servers and sshKeys: existing now; rejected: 400/422 answers), and
-//! `GET /_sim/servers/{id}/disk` → the disk file's path as a JSON string.
+//! "sshKeys", "serversCreated", "serversFromSnapshots", "imagesCreated",
+//! "rateLimited", "rejected"}` (servers and sshKeys: existing now; rejected:
+//! 400/422 answers), `GET /_sim/servers/{id}/disk` → the disk file's path
+//! as a JSON string, `GET /_sim/servers/{id}/user_data` → the user_data as
+//! a JSON string, or null (404 for no such server).
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -69,7 +95,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
 
+use crate::chain::Nodes;
 use crate::hcloud_labels::{self as labels, Term};
+use crate::hcloud_networks::{Network, network_json};
 use crate::hcloud_rescue as rescue;
 use crate::hcloud_schema::{FieldError, Schemas, invalid_input};
 
@@ -112,6 +140,13 @@ pub struct Args {
     /// Seconds create_image runs (default: --action-seconds).
     #[arg(long)]
     slow_create_image: Option<f64>,
+    /// The node simulator's control URL: a server created from a snapshot
+    /// boots a Talos node configured from its user_data when it starts.
+    #[arg(long)]
+    nodes_control: Option<String>,
+    /// NAME=CIDR: a network besides the seeded `talos` (10.0.0.0/16).
+    #[arg(long)]
+    network: Vec<String>,
 }
 
 /// A location: name, city, country, network zone.
@@ -245,6 +280,13 @@ struct Server {
     /// boot is discarded.
     boot: u64,
     sshd: Option<tokio::process::Child>,
+    user_data: Option<String>,
+    /// Created from a snapshot (not a system image): boots Talos.
+    from_snapshot: bool,
+    /// A Talos node was booted for it (and is to be halted).
+    node_booted: bool,
+    /// Attached networks and the server's address on each.
+    private_net: Vec<(u64, Ipv4Addr)>,
 }
 
 struct Image {
@@ -278,6 +320,7 @@ struct World {
     servers: BTreeMap<u64, Server>,
     images: BTreeMap<u64, Image>,
     actions: BTreeMap<u64, Action>,
+    networks: BTreeMap<u64, Network>,
     next_id: u64,
     addresses: u32,
 }
@@ -293,6 +336,7 @@ impl World {
 struct Stats {
     requests: AtomicU64,
     servers_created: AtomicU64,
+    servers_from_snapshots: AtomicU64,
     images_created: AtomicU64,
     rate_limited: AtomicU64,
     rejected: AtomicU64,
@@ -306,6 +350,7 @@ struct Sim {
     /// Where this process starts counting 127.0.4.x, so simulators running
     /// side by side rarely pick the same address.
     address_base: u32,
+    nodes: Option<Nodes>,
 }
 
 type ApiError = (u16, Value);
@@ -396,7 +441,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             },
         );
     }
+    let id = world.id();
+    world
+        .networks
+        .insert(id, Network::seeded(id, 1_754_000_000));
+    for spec in &args.network {
+        let id = world.id();
+        world
+            .networks
+            .insert(id, Network::from_arg(id, 1_754_000_000, spec)?);
+    }
+    let nodes = args
+        .nodes_control
+        .as_deref()
+        .map(Nodes::parse)
+        .transpose()?;
     let sim = Arc::new(Sim {
+        nodes,
         args,
         schemas: Schemas::load()?,
         world: Mutex::new(world),
@@ -406,6 +467,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let app = Router::new()
         .route("/_sim/stats", get(stats))
         .route("/_sim/servers/{id}/disk", get(disk_path))
+        .route("/_sim/servers/{id}/user_data", get(user_data))
         .fallback(api)
         .with_state(sim.clone());
     println!("{}", json!({"url": url, "token": token}));
@@ -433,6 +495,7 @@ async fn stats(State(sim): State<Arc<Sim>>) -> axum::Json<Value> {
         "servers": w.servers.len(),
         "sshKeys": w.ssh_keys.len(),
         "serversCreated": n(&sim.stats.servers_created),
+        "serversFromSnapshots": n(&sim.stats.servers_from_snapshots),
         "imagesCreated": n(&sim.stats.images_created),
         "rateLimited": n(&sim.stats.rate_limited),
         "rejected": n(&sim.stats.rejected),
@@ -444,6 +507,13 @@ async fn disk_path(State(sim): State<Arc<Sim>>, Path(id): Path<u64>) -> Response
         return (StatusCode::NOT_FOUND, "no such server").into_response();
     }
     axum::Json(json!(sim.disk(id))).into_response()
+}
+
+async fn user_data(State(sim): State<Arc<Sim>>, Path(id): Path<u64>) -> Response {
+    match sim.world.lock().unwrap().servers.get(&id) {
+        Some(s) => axum::Json(json!(s.user_data)).into_response(),
+        None => (StatusCode::NOT_FOUND, "no such server").into_response(),
+    }
 }
 
 impl Sim {
@@ -582,6 +652,15 @@ fn route(sim: &Arc<Sim>, method: &Method, path: &str, query: &str, body: Value) 
         }
         ["servers", i] if delete => delete_server(sim, id(i)?),
         ["servers", i, "actions", a] if post => server_action(sim, id(i)?, a, body),
+        ["networks"] if get => list_networks(sim, &q),
+        ["networks", i] if get => {
+            let w = sim.world.lock().unwrap();
+            let n = w
+                .networks
+                .get(&id(i)?)
+                .ok_or_else(|| not_found("network"))?;
+            Ok((200, json!({"network": network_json(n, iso)})))
+        }
         ["actions", i] if get => {
             let w = sim.world.lock().unwrap();
             let a = w.actions.get(&id(i)?).ok_or_else(|| not_found("action"))?;
@@ -944,7 +1023,10 @@ fn server_json(s: &Server, w: &World) -> Value {
                 "dns_ptr": format!("static.{}.clients.your-server.de", s.ip)},
             "ipv6": null, "floating_ips": [], "firewalls": [],
         },
-        "private_net": [],
+        "private_net": s.private_net.iter().map(|(network, ip)| json!({
+            "network": network, "ip": ip.to_string(), "alias_ips": [],
+            "mac_address": format!("86:00:00:{:02x}:{:02x}:{:02x}", (s.id >> 16) as u8, (s.id >> 8) as u8, s.id as u8),
+        })).collect::<Vec<_>>(),
         "server_type": server_type_json(s.server_type),
         "location": location_json(s.location),
         "image": image,
@@ -964,6 +1046,33 @@ fn server_json(s: &Server, w: &World) -> Value {
         v["sim_ssh_port"] = json!(p);
     }
     v
+}
+
+fn list_networks(sim: &Sim, q: &Query) -> Answer {
+    let selector = q.selector()?;
+    let mut items: Vec<Value> = {
+        let w = sim.world.lock().unwrap();
+        w.networks
+            .values()
+            .filter(|n| {
+                q.one("name").is_none_or(|name| name == n.name)
+                    && selector
+                        .as_ref()
+                        .is_none_or(|sel| labels::matches(sel, &n.labels))
+            })
+            .map(|n| network_json(n, iso))
+            .collect()
+    };
+    sort(q, &mut items, &["id", "name", "created"])?;
+    list(q, "networks", items)
+}
+
+/// The network zone of a location.
+fn zone_of(location: &str) -> &'static str {
+    LOCATIONS
+        .iter()
+        .find(|l| l.0 == location)
+        .map_or("eu-central", |l| l.3)
 }
 
 fn list_servers(sim: &Sim, q: &Query) -> Answer {
@@ -1036,9 +1145,6 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
     {
         return Err(field_error("user_data", "must be at most 32768 bytes"));
     }
-    if body["networks"].as_array().is_some_and(|n| !n.is_empty()) {
-        return Err(field_error("networks", "network not found"));
-    }
     if server_type.deprecation.is_some() {
         return Err(err(
             422,
@@ -1099,7 +1205,24 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
     if w.servers.values().any(|s| s.name == name) {
         return Err(err(409, "uniqueness_error", "server name is already used"));
     }
+    let mut networks = Vec::new();
+    for n in body["networks"].as_array().into_iter().flatten() {
+        let network = n
+            .as_u64()
+            .and_then(|id| w.networks.get(&id))
+            .ok_or_else(|| field_error("networks", "network not found"))?;
+        let ip = network
+            .assign(zone_of(location), None)
+            .map_err(|(code, msg)| err(422, code, msg))?;
+        networks.push((network.id, ip));
+    }
+    let from_snapshot = w.images.get(&image).is_some_and(|i| i.snapshot);
     let id = w.id();
+    for (network, ip) in &networks {
+        if let Some(n) = w.networks.get_mut(network) {
+            n.servers.insert(id, *ip);
+        }
+    }
     std::fs::create_dir_all(sim.server_dir(id))
         .map_err(|e| err(500, "server_error", e.to_string()))?;
     let marker = format!("system image {image} of server {id}\n").repeat(4096);
@@ -1122,9 +1245,16 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
         busy: None,
         boot: 0,
         sshd: None,
+        user_data: body["user_data"].as_str().map(str::to_owned),
+        from_snapshot,
+        node_booted: false,
+        private_net: networks,
     };
     w.servers.insert(id, server);
     bump(&sim.stats.servers_created);
+    if from_snapshot {
+        bump(&sim.stats.servers_from_snapshots);
+    }
     let action = start_action(
         sim,
         &mut w,
@@ -1239,10 +1369,25 @@ fn start_action(
 }
 
 /// The server is now running; with rescue enabled its sshd comes up after
-/// `--ssh-refuse-seconds` (never with `--ssh-never`).
+/// `--ssh-refuse-seconds` (never with `--ssh-never`). A server made from a
+/// snapshot boots Talos instead: with `--nodes-control`, a node configured
+/// from its user_data comes up on its public address.
 fn power_on(sim: &Arc<Sim>, s: &mut Server) {
     s.status = "running";
     s.boot += 1;
+    if !s.rescue_enabled
+        && s.from_snapshot
+        && let Some(nodes) = sim.nodes.clone()
+    {
+        s.node_booted = true;
+        let body = json!({"name": s.name, "ip": s.ip.to_string(), "config": s.user_data});
+        let id = s.id;
+        tokio::spawn(async move {
+            if let Err(e) = nodes.boot(&body).await {
+                eprintln!("hcloud sim: booting Talos for server {id}: {e}");
+            }
+        });
+    }
     if !s.rescue_enabled || sim.args.ssh_never {
         return;
     }
@@ -1299,12 +1444,20 @@ fn power_on(sim: &Arc<Sim>, s: &mut Server) {
     });
 }
 
-/// Power is cut: the rescue sshd goes with it, and the next boot is a
-/// normal one.
-fn power_off(s: &mut Server) {
+/// Power is cut: the rescue sshd (or the Talos node) goes with it, and the
+/// next boot is a normal one.
+fn power_off(sim: &Sim, s: &mut Server) {
     s.boot += 1;
     s.sshd = None;
     s.rescue_enabled = false;
+    if let (Some(nodes), true) = (sim.nodes.clone(), std::mem::take(&mut s.node_booted)) {
+        let (id, ip) = (s.id, s.ip.to_string());
+        tokio::spawn(async move {
+            if let Err(e) = nodes.halt(&ip).await {
+                eprintln!("hcloud sim: halting Talos of server {id}: {e}");
+            }
+        });
+    }
 }
 
 fn server_action(sim: &Arc<Sim>, id: u64, endpoint: &str, body: Value) -> Answer {
@@ -1381,7 +1534,7 @@ fn server_action(sim: &Arc<Sim>, id: u64, endpoint: &str, body: Value) -> Answer
             }
             let s = w.servers.get_mut(&id).unwrap();
             s.status = "stopping";
-            power_off(s);
+            power_off(sim, s);
             let a = start_action(sim, &mut w, id, endpoint, command, None, move |_, w, _| {
                 if let Some(s) = w.servers.get_mut(&id) {
                     s.status = "off";
@@ -1390,6 +1543,7 @@ fn server_action(sim: &Arc<Sim>, id: u64, endpoint: &str, body: Value) -> Answer
             Ok((201, json!({ "action": a })))
         }
         "create_image" => create_image(sim, &mut w, id, body),
+        "attach_to_network" => attach_to_network(sim, &mut w, id, body),
         _ => Err(not_found("action endpoint")),
     }
 }
@@ -1481,13 +1635,76 @@ fn create_image(sim: &Arc<Sim>, w: &mut World, server: u64, body: Value) -> Answ
     Ok((201, json!({"image": image, "action": action})))
 }
 
+/// `attach_to_network {network, ip?}`: the address is reserved now and
+/// shown in `private_net` once the action succeeds.
+fn attach_to_network(sim: &Arc<Sim>, w: &mut World, id: u64, body: Value) -> Answer {
+    let network_id = body["network"].as_u64().unwrap_or(0);
+    let zone = zone_of(w.servers[&id].location);
+    let network = w
+        .networks
+        .get(&network_id)
+        .ok_or_else(|| not_found("network"))?;
+    if network.servers.contains_key(&id) {
+        return Err(err(
+            422,
+            "server_already_attached",
+            "server is already attached to the network",
+        ));
+    }
+    let want = match body["ip"].as_str() {
+        Some(ip) => Some(
+            ip.parse::<Ipv4Addr>()
+                .map_err(|_| field_error("ip", "is not a valid IPv4 address"))?,
+        ),
+        None => None,
+    };
+    let ip = network
+        .assign(zone, want)
+        .map_err(|(code, msg)| err(422, code, msg))?;
+    w.networks
+        .get_mut(&network_id)
+        .expect("found above")
+        .servers
+        .insert(id, ip);
+    let a = start_action(
+        sim,
+        w,
+        id,
+        "attach_to_network",
+        "attach_to_network",
+        None,
+        move |_, w, ok| {
+            if ok {
+                if let Some(s) = w.servers.get_mut(&id) {
+                    s.private_net.push((network_id, ip));
+                }
+            } else if let Some(n) = w.networks.get_mut(&network_id) {
+                n.servers.remove(&id);
+            }
+        },
+    );
+    let a = match w.actions.get_mut(&a["id"].as_u64().unwrap_or(0)) {
+        Some(action) => {
+            action.resources.push((network_id, "network"));
+            action_json(action)
+        }
+        None => a,
+    };
+    Ok((201, json!({ "action": a })))
+}
+
 fn delete_server(sim: &Arc<Sim>, id: u64) -> Answer {
     let mut w = sim.world.lock().unwrap();
     let s = w.servers.get(&id).ok_or_else(|| not_found("server"))?;
     if s.busy.is_some() {
         return Err(err(423, "locked", "server is locked: an action is running"));
     }
-    w.servers.remove(&id); // drops (kills) its sshd
+    if let Some(mut s) = w.servers.remove(&id) {
+        power_off(sim, &mut s); // kills its sshd, halts its node
+    }
+    for n in w.networks.values_mut() {
+        n.servers.remove(&id);
+    }
     let _ = std::fs::remove_dir_all(sim.server_dir(id));
     let a = finished_action(&mut w, id, "delete_server");
     Ok((200, json!({ "action": a })))
@@ -1601,6 +1818,10 @@ mod tests {
             busy: None,
             boot: 1,
             sshd: None,
+            user_data: None,
+            from_snapshot: false,
+            node_booted: false,
+            private_net: vec![(4, Ipv4Addr::new(10, 0, 1, 2))],
         };
         let key = SshKey {
             id: 3,
@@ -1626,6 +1847,12 @@ mod tests {
         );
         assert_valid("/images/{id}", &json!({"image": image_json(&w.images[&7])}));
         assert_valid("/ssh_keys/{id}", &json!({"ssh_key": ssh_key_json(&key)}));
+        let mut net = Network::seeded(4, 1_767_225_600);
+        net.servers.insert(9, Ipv4Addr::new(10, 0, 1, 2));
+        assert_valid(
+            "/networks/{id}",
+            &json!({"network": network_json(&net, iso)}),
+        );
         assert_valid("/actions/{id}", &json!({"action": action_json(&action)}));
         let types: Vec<Value> = SERVER_TYPES.iter().map(server_type_json).collect();
         assert_valid(

@@ -7,6 +7,7 @@ mod disk;
 mod factory;
 mod hcloud;
 mod hcloud_labels;
+mod hcloud_networks;
 mod hcloud_rescue;
 mod hcloud_schema;
 mod node;

@@ -1618,6 +1618,60 @@ mod tests {
     }
 
     #[test]
+    fn booting_is_idempotent_per_address_and_a_restart_keeps_the_config() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let cli = Cli::parse_from(["sim", "--talos-port", "0", "--k8s-port", "0"]);
+            let cluster = new_cluster(cli.args).unwrap();
+            let body = |name: &str, ip: &str, config: Option<&str>| {
+                axum::Json(BootRequest {
+                    name: name.into(),
+                    ip: ip.parse().unwrap(),
+                    hostname: Some("cp-01".into()),
+                    config: config.map(str::to_owned),
+                })
+            };
+            let st = State(cluster.clone());
+            let (code, v) = boot(st.clone(), body("vm-300", "127.77.0.11", None)).await;
+            assert_eq!((code.as_u16(), &v["booted"]), (200, &json!(true)), "{v:?}");
+            let (_, v) = boot(st.clone(), body("vm-301", "127.77.0.11", None)).await;
+            assert_eq!(v["booted"], false, "the address is up already");
+            assert_eq!(cluster.count(), 1);
+            let node = cluster.node(0);
+            assert_eq!(node.display_name(), "cp-01");
+            node.st.lock().unwrap().configured_at = Some(Instant::now());
+
+            let halt_body = || {
+                axum::Json(HaltRequest {
+                    ip: "127.77.0.11".parse().unwrap(),
+                })
+            };
+            let (_, v) = halt(st.clone(), halt_body()).await;
+            assert_eq!(v["halted"], true);
+            assert_eq!(cluster.node(0).phase(Instant::now()), Phase::Down);
+            let (_, v) = halt(st.clone(), halt_body()).await;
+            assert_eq!(v["halted"], false);
+            // The same VM again: its disk kept the config.
+            let (_, v) = boot(st.clone(), body("vm-300", "127.77.0.11", None)).await;
+            assert_eq!(v["booted"], true);
+            assert_eq!(cluster.node(0).phase(Instant::now()), Phase::Configured);
+            // Another machine on that address after a halt: a fresh node.
+            let (code, _) = halt(st.clone(), halt_body()).await;
+            assert_eq!(code.as_u16(), 200);
+            let (_, v) = boot(st.clone(), body("vm-302", "127.77.0.11", None)).await;
+            assert_eq!(v["booted"], true);
+            assert_eq!(cluster.node(0).phase(Instant::now()), Phase::Maintenance);
+            assert_eq!(cluster.count(), 1);
+
+            let (_, v) = boot(st.clone(), body("srv", "127.77.0.12", Some("machine: [1]"))).await;
+            let why = v["config_error"].as_str().unwrap();
+            assert!(why.starts_with("config validation failed"), "{why}");
+            let (code, _) = boot(st, body("x", "10.0.0.1", None)).await;
+            assert_eq!(code.as_u16(), 400);
+        });
+    }
+
+    #[test]
     fn disks_are_full_device_paths() {
         let api = configured();
         assert_eq!(api.disks_on().disks[0].device_name, "/dev/sda");

@@ -1777,7 +1777,12 @@ fn key10_address(path: &Path, scratch: &Path) -> Result<(String, Option<String>)
     } else {
         crate::disk::read_meta(path)?
     };
-    let value = tags.get(&10).ok_or("META has no key 10")?;
+    key10_target(tags.get(&10).ok_or("META has no key 10")?)
+}
+
+/// The first loopback address and the hostname in a key-10 value
+/// (PlatformNetworkConfig as YAML or JSON).
+fn key10_target(value: &[u8]) -> Result<(String, Option<String>), String> {
     let doc: Value = serde_yaml_ng::from_slice(value)
         .map_err(|e| format!("META key 10 is not YAML or JSON: {e}"))?;
     let ip = doc["addresses"]
@@ -1997,5 +2002,42 @@ mod tests {
             with_mac("virtio=BC:24:11:00:00:11,bridge=vmbr0", 301),
             "virtio=BC:24:11:00:00:11,bridge=vmbr0"
         );
+    }
+
+    #[test]
+    fn the_boot_disk_follows_the_boot_order() {
+        let config = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let c = config(&[
+            ("boot", "order=ide2;virtio1;net0"),
+            ("ide2", "local:iso/x.iso,media=cdrom"),
+            ("scsi0", "local-lvm:vm-1-disk-0,size=1G"),
+            ("virtio1", "local-lvm:vm-1-disk-1,size=1G"),
+        ]);
+        assert_eq!(boot_disk(&c).unwrap(), "local-lvm:vm-1-disk-1");
+        let c = config(&[("virtio0", "local-lvm:vm-1-disk-2,size=1G")]);
+        assert_eq!(boot_disk(&c).unwrap(), "local-lvm:vm-1-disk-2");
+        assert_eq!(boot_disk(&config(&[])).unwrap_err(), "no boot disk");
+    }
+
+    #[test]
+    fn key_10_gives_its_first_loopback_address_and_hostname() {
+        let yaml = b"addresses:\n  - address: 10.0.0.11/16\n    linkName: eth0\n  - address: 127.0.0.11/8\n    linkName: lo\nhostnames:\n  - hostname: cp-01\n    layer: platform\n";
+        assert_eq!(
+            key10_target(yaml).unwrap(),
+            ("127.0.0.11".to_owned(), Some("cp-01".to_owned()))
+        );
+        let json = br#"{"addresses": [{"address": "127.0.0.12/8"}]}"#;
+        assert_eq!(key10_target(json).unwrap(), ("127.0.0.12".to_owned(), None));
+        let outside = b"addresses:\n  - address: 10.0.0.11/16\n";
+        assert_eq!(
+            key10_target(outside).unwrap_err(),
+            "META key 10 has no address in 127.0.0.0/8"
+        );
+        assert!(key10_target(b"addresses: [").is_err());
     }
 }
