@@ -37,50 +37,43 @@ lint:
 test: deps lint build
 	$(CARGO) test --locked --workspace --all-targets
 
-# The pipeline so far, on loopback only: validate the inventory, print every
-# node's schematic ID, start the factory simulator on 127.0.0.1, build every
-# node's image by the patch route (one base download) and the factory route,
-# verify them against the manifest, and look inside one; publish them to the
-# Proxmox VE simulator (uploads + one VM per node), twice: the second run
-# changes nothing. Then the bootstrap:
-# a simulated cluster of the same five nodes (each on its own 127.0.0.x:50000,
-# booted in maintenance mode) is configured, bootstrapped and checked healthy,
-# and a second run shows it changes nothing.
-LOOPBACK := examples/loopback/cluster.yaml
-LOOPBACK_NODES := --node cp-01=127.0.0.11:controlplane --node cp-02=127.0.0.12:controlplane \
-	--node cp-03=127.0.0.13:controlplane --node worker-01=127.0.0.21:worker --node worker-02=127.0.0.22:worker
+# The whole line on loopback simulators, in one command: the Image Factory
+# simulator, a Talos node simulator (no nodes yet) and the Proxmox VE
+# simulator, which boots a node for each VM it starts at the address the
+# VM's disk carries in META key 10. `imgbuild up` on examples/demo/cluster.yaml
+# shows its plan (--dry-run), builds, uploads, creates and starts the VMs,
+# bootstraps and checks health; the second `up` changes nothing. Everything
+# started here is stopped on exit; no secret is printed.
+DEMO_CLUSTER := examples/demo/cluster.yaml
 DEMO := out/demo
 demo: build
 	@command -v sgdisk >/dev/null 2>&1 && command -v qemu-img >/dev/null 2>&1 || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gdisk qemu-utils >/dev/null)
-	$(IMGBUILD) --config $(LOOPBACK) validate
-	$(IMGBUILD) --config $(LOOPBACK) schematic --all
 	@rm -rf $(DEMO) && mkdir -p $(DEMO) && fixtures/make-images.sh $(DEMO)/base >/dev/null
-	@set -e; target/debug/imgbuild-sim factory --base-image $(DEMO)/base/dual-boot.raw \
-		--state-dir $(DEMO)/sim > $(DEMO)/sim.json & sim=$$!; trap "kill $$sim" EXIT; \
-	for i in $$(seq 50); do [ -s $(DEMO)/sim.json ] && break; sleep 0.1; done; \
-	factory=$$(sed 's/.*"url":"\([^"]*\)".*/\1/' $(DEMO)/sim.json); echo "factory simulator at $$factory"; \
-	$(IMGBUILD) --config $(LOOPBACK) build --factory $$factory --out-dir $(DEMO)/patch --cache-dir $(DEMO)/cache; \
-	$(IMGBUILD) --config $(LOOPBACK) build --factory $$factory --out-dir $(DEMO)/patch --cache-dir $(DEMO)/cache; \
-	$(IMGBUILD) --config $(LOOPBACK) build --route factory --factory $$factory --out-dir $(DEMO)/factory --cache-dir $(DEMO)/cache; \
-	$(IMGBUILD) verify --out-dir $(DEMO)/patch; \
-	$(IMGBUILD) inspect $(DEMO)/patch/cp-01.raw; \
-	{ cat $(LOOPBACK); printf 'publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300}\n'; } > $(DEMO)/proxmox.yaml; \
-	target/debug/imgbuild-sim proxmox --state-dir $(DEMO)/pve --auth-delay-ms 0 --task-delay-ms 100 > $(DEMO)/pve.json & pve=$$!; \
-	trap "kill $$sim $$pve" EXIT; for i in $$(seq 50); do [ -s $(DEMO)/pve.json ] && break; sleep 0.1; done; \
-	export PROXMOX_VE_ENDPOINT=$$(sed 's/.*"url":"\([^"]*\)".*/\1/' $(DEMO)/pve.json); \
-	export PROXMOX_VE_API_TOKEN=$$(sed 's/.*"token":"\([^"]*\)".*/\1/' $(DEMO)/pve.json); \
-	export PROXMOX_VE_FINGERPRINT=$$(sed 's/.*"fingerprint":"\([^"]*\)".*/\1/' $(DEMO)/pve.json); \
+	@set -e; sims=""; trap 'kill $$sims 2>/dev/null' EXIT; \
+	started() { for i in $$(seq 100); do [ -s "$$1" ] && return 0; sleep 0.1; done; echo "$$1: simulator did not start" >&2; exit 1; }; \
+	field() { sed 's/.*"'"$$2"'":"\([^"]*\)".*/\1/' "$$1"; }; \
+	target/debug/imgbuild-sim factory --base-image $(DEMO)/base/dual-boot.raw \
+		--state-dir $(DEMO)/factory > $(DEMO)/factory.json & sims="$$sims $$!"; \
+	target/debug/imgbuild-sim nodes --vip 127.0.10.20 > $(DEMO)/nodes.json & sims="$$sims $$!"; \
+	started $(DEMO)/factory.json; started $(DEMO)/nodes.json; \
+	target/debug/imgbuild-sim proxmox --state-dir $(DEMO)/pve --auth-delay-ms 0 --task-delay-ms 100 \
+		--nodes-control $$(field $(DEMO)/nodes.json control) > $(DEMO)/pve.json & sims="$$sims $$!"; \
+	started $(DEMO)/pve.json; \
+	export PROXMOX_VE_ENDPOINT=$$(field $(DEMO)/pve.json url); \
+	export PROXMOX_VE_API_TOKEN=$$(field $(DEMO)/pve.json token); \
+	export PROXMOX_VE_FINGERPRINT=$$(field $(DEMO)/pve.json fingerprint); \
+	echo "Image Factory simulator at $$(field $(DEMO)/factory.json url)"; \
 	echo "Proxmox VE simulator at $$PROXMOX_VE_ENDPOINT (certificate pinned)"; \
-	$(IMGBUILD) --config $(DEMO)/proxmox.yaml publish --factory $$factory --out-dir $(DEMO)/patch --cache-dir $(DEMO)/cache --poll-ms 100; \
-	$(IMGBUILD) --config $(DEMO)/proxmox.yaml publish --factory $$factory --out-dir $(DEMO)/patch --cache-dir $(DEMO)/cache --poll-ms 100
-	@set -e; target/debug/imgbuild-sim nodes $(LOOPBACK_NODES) --vip 127.0.0.20 > $(DEMO)/nodes.json & sim=$$!; \
-	trap "kill $$sim" EXIT; for i in $$(seq 50); do [ -s $(DEMO)/nodes.json ] && break; sleep 0.1; done; \
-	echo "node simulator: $$(cat $(DEMO)/nodes.json)"; \
-	$(IMGBUILD) --config $(LOOPBACK) config cp-01 --state-dir $(DEMO)/state | head -n 12; \
-	$(IMGBUILD) --config $(LOOPBACK) bootstrap --state-dir $(DEMO)/state --poll 250ms; \
-	$(IMGBUILD) --config $(LOOPBACK) bootstrap --state-dir $(DEMO)/state --poll 250ms; \
-	ls -l $(DEMO)/state
+	echo "Talos node simulator control at $$(field $(DEMO)/nodes.json control)"; \
+	up="$(IMGBUILD) --config $(DEMO_CLUSTER) up --factory $$(field $(DEMO)/factory.json url) \
+		--out-dir $(DEMO)/out --cache-dir $(DEMO)/cache --state-dir $(DEMO)/state \
+		--poll-ms 100 --poll 250ms --node-timeout 60s --health-timeout 60s"; \
+	$(IMGBUILD) --config $(DEMO_CLUSTER) validate; \
+	echo; echo "== imgbuild up --dry-run"; $$up --dry-run; \
+	echo; echo "== imgbuild up"; $$up; \
+	echo; echo "== imgbuild up, again: nothing to do"; $$up --quiet; \
+	echo; echo "state dir (secrets stay in these 0600 files):"; ls -l $(DEMO)/state
 
 # Regenerates the reviewed schematics/ of the example cluster.
 schematics: build

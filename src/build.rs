@@ -222,15 +222,13 @@ struct Plan<'a> {
     file: PathBuf,
 }
 
-/// Builds `nodes` (all when empty), skipping those whose image is current.
-/// When some nodes fail, the others are still built and recorded, and the
-/// error ([`BuildError::Incomplete`]) lists every failure.
-pub fn build(
-    inv: &Inventory,
+/// The selected nodes (all when `nodes` is empty) with the IDs their
+/// images would be built from, computed offline.
+fn plan<'a>(
+    inv: &'a Inventory,
     nodes: &[String],
     opts: &BuildOptions,
-    progress: &dyn Progress,
-) -> Result<Vec<Outcome>, BuildError> {
+) -> Result<Vec<Plan<'a>>, BuildError> {
     let selected: Vec<&NodeSpec> = if nodes.is_empty() {
         inv.nodes.iter().collect()
     } else {
@@ -239,12 +237,6 @@ pub fn build(
             .map(|n| inv.node(n))
             .collect::<Result<_, _>>()?
     };
-    std::fs::create_dir_all(&opts.out_dir).map_err(|source| BuildError::Io {
-        path: opts.out_dir.clone(),
-        source,
-    })?;
-    let mut manifest = Manifest::load(&opts.out_dir)?;
-    let format = inv.image.format;
     let mut plans = Vec::new();
     for node in selected {
         let own = schematic::for_node(inv, node);
@@ -257,7 +249,7 @@ pub fn build(
             ),
             Route::Factory => None,
         };
-        let path = PathBuf::from(out_name(&node.name, format));
+        let path = PathBuf::from(out_name(&node.name, inv.image.format));
         plans.push(Plan {
             node,
             schematic_id,
@@ -266,19 +258,68 @@ pub fn build(
             path,
         });
     }
-    let current = |p: &Plan| {
-        manifest.images.get(&p.node.name).filter(|m| {
+    Ok(plans)
+}
+
+impl Plan<'_> {
+    /// The manifest's image when it is what this plan would build and its
+    /// file is still there: nothing to do.
+    fn current<'m>(
+        &self,
+        inv: &Inventory,
+        opts: &BuildOptions,
+        manifest: &'m Manifest,
+    ) -> Option<&'m NodeImage> {
+        manifest.images.get(&self.node.name).filter(|m| {
             m.route == opts.route
-                && m.schematic_id == p.schematic_id
-                && m.base_schematic_id == p.base_schematic_id
+                && m.schematic_id == self.schematic_id
+                && m.base_schematic_id == self.base_schematic_id
                 && m.talos_version == inv.cluster.talos_version
                 && m.platform == inv.image.platform
                 && m.arch == inv.image.arch
-                && m.format == format
-                && m.path == p.path
-                && std::fs::metadata(&p.file).is_ok_and(|md| md.len() == m.size)
+                && m.format == inv.image.format
+                && m.path == self.path
+                && std::fs::metadata(&self.file).is_ok_and(|md| md.len() == m.size)
         })
-    };
+    }
+}
+
+/// Each selected node (all when `nodes` is empty) with its image when the
+/// one on disk is current, i.e. what [`build`] would skip. Reads the
+/// manifest only: nothing is created, downloaded or sent (a dry run).
+pub fn current_images(
+    inv: &Inventory,
+    nodes: &[String],
+    opts: &BuildOptions,
+) -> Result<Vec<(String, Option<NodeImage>)>, BuildError> {
+    let manifest = Manifest::load(&opts.out_dir)?;
+    Ok(plan(inv, nodes, opts)?
+        .iter()
+        .map(|p| {
+            (
+                p.node.name.clone(),
+                p.current(inv, opts, &manifest).cloned(),
+            )
+        })
+        .collect())
+}
+
+/// Builds `nodes` (all when empty), skipping those whose image is current.
+/// When some nodes fail, the others are still built and recorded, and the
+/// error ([`BuildError::Incomplete`]) lists every failure.
+pub fn build(
+    inv: &Inventory,
+    nodes: &[String],
+    opts: &BuildOptions,
+    progress: &dyn Progress,
+) -> Result<Vec<Outcome>, BuildError> {
+    let plans = plan(inv, nodes, opts)?;
+    std::fs::create_dir_all(&opts.out_dir).map_err(|source| BuildError::Io {
+        path: opts.out_dir.clone(),
+        source,
+    })?;
+    let mut manifest = Manifest::load(&opts.out_dir)?;
+    let current = |p: &Plan| p.current(inv, opts, &manifest);
     let todo: Vec<&Plan> = plans.iter().filter(|p| current(p).is_none()).collect();
     let mut outcomes: BTreeMap<String, Outcome> = plans
         .iter()
@@ -369,9 +410,9 @@ fn build_one(
     progress: &dyn Progress,
 ) -> Result<NodeImage, BuildError> {
     let node = plan.node;
-    let format = inv.image.format;
     let version = &inv.cluster.talos_version;
     let arch = inv.image.arch.to_string();
+    let format = inv.image.format;
     let ext = factory_ext(format);
     let (source_url, sha256, size) = match opts.route {
         Route::Factory => {

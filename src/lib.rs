@@ -15,6 +15,7 @@ pub mod net;
 pub mod publish;
 pub mod schematic;
 pub mod talos;
+pub mod up;
 
 /// How many cases each `fuzz_*` property test runs: 256 in `make test`,
 /// `IMGBUILD_FUZZ_CASES` (set by `make fuzz`) when longer runs are wanted.

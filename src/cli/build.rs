@@ -30,7 +30,7 @@ pub struct DownloadArgs {
     read_timeout_secs: u64,
     /// No progress output.
     #[arg(long)]
-    quiet: bool,
+    pub(super) quiet: bool,
 }
 
 impl DownloadArgs {
@@ -61,7 +61,7 @@ pub struct BuildArgs {
     #[arg(long, env = "IMGBUILD_FACTORY")]
     factory: Option<String>,
     #[command(flatten)]
-    download: DownloadArgs,
+    pub(super) download: DownloadArgs,
 }
 
 #[derive(Args)]
@@ -229,7 +229,7 @@ pub fn fetch(args: FetchArgs, output: Output) -> Result<()> {
     Ok(())
 }
 
-fn progress_for(quiet: bool, output: Output) -> Box<dyn Progress> {
+pub(super) fn progress_for(quiet: bool, output: Output) -> Box<dyn Progress> {
     if quiet || output == Output::Json {
         Box::new(imgbuild::fetch::Silent)
     } else if std::io::stderr().is_terminal() {

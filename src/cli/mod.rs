@@ -7,6 +7,7 @@ mod publish;
 mod schematic;
 mod signals;
 mod talos;
+mod up;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -78,6 +79,8 @@ enum Command {
     /// Delete the temporary Hetzner servers and SSH keys that killed
     /// `publish` runs left (found by label).
     Cleanup(hcloud::CleanupArgs),
+    /// Build, publish, start, bootstrap and check health: the whole line, resumable.
+    Up(up::UpArgs),
 }
 
 /// A failure whose details the command already printed (e.g. as its JSON
@@ -90,6 +93,11 @@ pub struct Reported(pub String);
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct Partial(pub String);
+
+/// The inventory, environment or arguments are at fault: exit 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Usage(pub String);
 
 /// Runs the CLI; returns the process exit code.
 pub fn run() -> i32 {
@@ -107,7 +115,13 @@ pub fn run() -> i32 {
             } else {
                 eprintln!("error: {message}");
             }
-            if partial { 3 } else { 1 }
+            if partial {
+                3
+            } else if e.downcast_ref::<Usage>().is_some() {
+                2
+            } else {
+                1
+            }
         }
     }
 }
@@ -130,6 +144,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
         Command::Publish(args) => publish::run(args, &cli.config, cli.output),
         Command::Cleanup(args) => hcloud::cleanup(args, cli.output),
+        Command::Up(args) => up::run(args, &cli.config, cli.output),
     }
 }
 

@@ -30,8 +30,27 @@ pub struct PublishArgs {
     build: BuildArgs,
 }
 
+impl PublishArgs {
+    /// The nodes named on the command line (all when empty).
+    pub(super) fn nodes(&self) -> &[String] {
+        &self.nodes
+    }
+
+    pub(super) fn build(&self) -> &BuildArgs {
+        &self.build
+    }
+
+    pub(super) fn options(&self) -> PublishOptions {
+        PublishOptions {
+            replace_disk: self.replace_disk,
+            poll: Duration::from_millis(self.poll_ms.max(10)),
+            ..PublishOptions::default()
+        }
+    }
+}
+
 /// Prints each step on stderr, one line each.
-struct Lines;
+pub(super) struct Lines;
 
 impl proxmox::Observer for Lines {
     fn event(&self, node: &str, e: &Event) {
@@ -52,7 +71,7 @@ impl proxmox::Observer for Lines {
     }
 }
 
-struct Quiet;
+pub(super) struct Quiet;
 impl proxmox::Observer for Quiet {
     fn event(&self, _: &str, _: &Event) {}
 }
@@ -92,21 +111,8 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
         }
     }
     let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
-    let images: Vec<PublishImage> = built
-        .iter()
-        .map(|o| PublishImage {
-            node: o.image.node.clone(),
-            path: o.file.clone(),
-            sha256: o.image.sha256.clone(),
-            size: o.image.size,
-            format: o.image.format,
-        })
-        .collect();
-    let opts = PublishOptions {
-        replace_disk: args.replace_disk,
-        poll: Duration::from_millis(args.poll_ms.max(10)),
-        ..PublishOptions::default()
-    };
+    let images: Vec<PublishImage> = built.iter().map(PublishImage::from).collect();
+    let opts = args.options();
     let observer: &dyn proxmox::Observer = if output == Output::Text {
         &Lines
     } else {

@@ -72,6 +72,17 @@ pub struct TalosconfigArgs {
 #[derive(Args)]
 pub struct BootstrapArgs {
     #[command(flatten)]
+    run: BootstrapRunArgs,
+    /// No progress lines.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// The bootstrap's state dir, identity, timeouts and pin: shared by
+/// `bootstrap` and `up`.
+#[derive(Args)]
+pub struct BootstrapRunArgs {
+    #[command(flatten)]
     state: StateArgs,
     /// Client identity to use [default: <state-dir>/talosconfig, made from the secrets].
     #[arg(long, env = "TALOSCONFIG")]
@@ -94,9 +105,26 @@ pub struct BootstrapArgs {
     /// Accept only a maintenance-mode certificate with this SHA-256 (hex).
     #[arg(long)]
     cert_fingerprint: Option<String>,
-    /// No progress lines.
-    #[arg(long)]
-    quiet: bool,
+}
+
+impl BootstrapRunArgs {
+    pub(super) fn options(self) -> BootstrapOptions {
+        BootstrapOptions {
+            state_dir: self.state.state_dir,
+            talosconfig: self.talosconfig,
+            targets: Default::default(),
+            limits: bootstrap::Options {
+                node_timeout: self.node_timeout,
+                bootstrap_timeout: self.bootstrap_timeout,
+                health_timeout: self.health_timeout,
+                call_timeout: self.call_timeout,
+                poll: self.poll,
+                pin: self
+                    .cert_fingerprint
+                    .map(|f| f.replace(':', "").to_ascii_lowercase()),
+            },
+        }
+    }
 }
 
 /// The longest wait a flag may ask for. Deadlines are `now + duration`, and
@@ -193,9 +221,18 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
 }
 
 /// Prints each event as one line on stderr, with the time since start.
-struct Lines {
+pub(super) struct Lines {
     start: Instant,
     quiet: bool,
+}
+
+impl Lines {
+    pub(super) fn new(quiet: bool) -> Lines {
+        Lines {
+            start: Instant::now(),
+            quiet,
+        }
+    }
 }
 
 impl Observer for Lines {
@@ -211,25 +248,8 @@ impl Observer for Lines {
 
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let opts = BootstrapOptions {
-        state_dir: args.state.state_dir,
-        talosconfig: args.talosconfig,
-        targets: Default::default(),
-        limits: bootstrap::Options {
-            node_timeout: args.node_timeout,
-            bootstrap_timeout: args.bootstrap_timeout,
-            health_timeout: args.health_timeout,
-            call_timeout: args.call_timeout,
-            poll: args.poll,
-            pin: args
-                .cert_fingerprint
-                .map(|f| f.replace(':', "").to_ascii_lowercase()),
-        },
-    };
-    let observer = Lines {
-        start: Instant::now(),
-        quiet: args.quiet,
-    };
+    let opts = args.run.options();
+    let observer = Lines::new(args.quiet);
     let stage::Bootstrapped { prepared, outcome } = stage::bootstrap(&inv, &opts, &observer)?;
     let tc_path = &prepared.talosconfig;
     let plan = &prepared.plan;

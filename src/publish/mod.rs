@@ -36,6 +36,19 @@ impl Secret {
     }
 }
 
+impl From<&crate::build::Outcome> for PublishImage {
+    /// A built (or already current) image, as the build reported it.
+    fn from(o: &crate::build::Outcome) -> PublishImage {
+        PublishImage {
+            node: o.image.node.clone(),
+            path: o.file.clone(),
+            sha256: o.image.sha256.clone(),
+            size: o.image.size,
+            format: o.image.format,
+        }
+    }
+}
+
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("***")

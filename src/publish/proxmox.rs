@@ -716,9 +716,7 @@ fn publish_node(
     }
     let pve = &s.node;
     let base = format!("/nodes/{pve}/qemu/{vmid}");
-    let existing = vms.as_array().into_iter().flatten().find(|v| {
-        v["vmid"].as_u64() == Some(u64::from(vmid)) || v["vmid"].as_str() == Some(&vmid.to_string())
-    });
+    let existing = listed_vm(vms, vmid);
     let running = match existing {
         None => {
             let params = vm_params(inv, index, vm, vmid, &volid, &img.sha256);
@@ -730,20 +728,16 @@ fn publish_node(
             false
         }
         Some(v) => {
-            let name = v["name"].as_str().unwrap_or("");
-            if name != img.node {
-                return Err(node_err(format!(
-                    "vmid {vmid} on {pve} belongs to VM {name:?}, not to this node; imgbuild never overwrites another VM (choose another vmid or firstId)"
-                )));
-            }
+            check_owner(v, vmid, pve, &img.node)?;
             let config = api.get("reading VM config", &format!("{base}/config"))?;
             let running = v["status"] == "running";
-            match described_volume(&config) {
-                Some(current) if current == volid => {
+            let current = described_volume(&config);
+            match vm_verdict(current.as_deref(), &volid, opts.replace_disk) {
+                VmChange::Unchanged => {
                     observer.event(&img.node, &Event::VmUnchanged { vmid });
                     out.vm = Some(VmChange::Unchanged);
                 }
-                current if !opts.replace_disk => {
+                VmChange::Outdated => {
                     let running_image =
                         current.unwrap_or_else(|| "an image imgbuild did not record".into());
                     observer.event(
@@ -755,7 +749,7 @@ fn publish_node(
                     );
                     out.vm = Some(VmChange::Outdated);
                 }
-                _ => {
+                VmChange::Created | VmChange::Updated => {
                     replace_disk(api, &base, vm, vmid, &volid, &img.sha256, running, opts)?;
                     observer.event(&img.node, &Event::DiskReplaced { vmid });
                     out.vm = Some(VmChange::Updated);
@@ -770,6 +764,160 @@ fn publish_node(
     start_if_wanted(
         api, &base, vm, vmid, running, opts, observer, &img.node, out,
     )
+}
+
+/// The VM `vmid` in a `GET /nodes/{node}/qemu` listing.
+fn listed_vm(vms: &Value, vmid: u32) -> Option<&Value> {
+    vms.as_array().into_iter().flatten().find(|v| {
+        v["vmid"].as_u64() == Some(u64::from(vmid)) || v["vmid"].as_str() == Some(&vmid.to_string())
+    })
+}
+
+/// A listed VM must carry the node's name: imgbuild never takes over a VM
+/// someone else made under the same vmid.
+fn check_owner(listed: &Value, vmid: u32, pve: &str, node: &str) -> Result<(), ProxmoxError> {
+    let name = listed["name"].as_str().unwrap_or("");
+    if name == node {
+        return Ok(());
+    }
+    Err(ProxmoxError::Node {
+        node: node.to_owned(),
+        message: format!(
+            "vmid {vmid} on {pve} belongs to VM {name:?}, not to this node; imgbuild never overwrites another VM (choose another vmid or firstId)"
+        ),
+    })
+}
+
+/// What an existing VM that boots `current` (as its description records)
+/// gets when it should boot `volid`: nothing, or its disk replaced when
+/// `replace` allows (else it is left outdated).
+fn vm_verdict(current: Option<&str>, volid: &str, replace: bool) -> VmChange {
+    match current {
+        Some(c) if c == volid => VmChange::Unchanged,
+        _ if replace => VmChange::Updated,
+        _ => VmChange::Outdated,
+    }
+}
+
+/// What publishing one node would do, read from the server with GETs only.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodePlan {
+    pub node: String,
+    /// The volume its image would be stored as; unknown until the image is
+    /// built (the name holds its sha256).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volid: Option<String>,
+    /// Whether the image would be uploaded; unknown until it is built.
+    pub upload: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vmid: Option<u32>,
+    /// What would happen to its VM: `created` for a new one; unknown for an
+    /// existing VM while the image is not built.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vm: Option<VmChange>,
+    /// Whether the VM would be started.
+    pub start: bool,
+}
+
+/// The dry run of [`publish`]: for each node (its image when built) what
+/// would be uploaded, created and started. Sends only GETs.
+pub fn plan(
+    inv: &Inventory,
+    settings: &ProxmoxSettings,
+    creds: &Credentials,
+    images: &[(String, Option<PublishImage>)],
+    opts: &PublishOptions,
+) -> Result<Vec<Result<NodePlan, ProxmoxError>>, ProxmoxError> {
+    let api = Api::new(creds, opts.retry)?;
+    preflight(&api, settings)?;
+    let pve = &settings.node;
+    let listed = api.get(
+        "listing storage",
+        &format!(
+            "/nodes/{pve}/storage/{}/content?content=import",
+            settings.storage
+        ),
+    )?;
+    let stored: BTreeMap<String, u64> = listed
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| Some((v["volid"].as_str()?.to_owned(), v["size"].as_u64()?)))
+        .collect();
+    let vms = match &settings.vm {
+        Some(_) => api.get("listing VMs", &format!("/nodes/{pve}/qemu"))?,
+        None => Value::Null,
+    };
+    let plan_node = |node: &str, img: Option<&PublishImage>| -> Result<NodePlan, ProxmoxError> {
+        let volid = img.map(|img| {
+            let file = volume_file(
+                &inv.cluster.name,
+                node,
+                &inv.cluster.talos_version,
+                &img.sha256,
+                img.format,
+            );
+            format!("{}:import/{file}", settings.storage)
+        });
+        let upload = img
+            .zip(volid.as_ref())
+            .map(|(img, volid)| stored.get(volid) != Some(&img.size));
+        let mut out = NodePlan {
+            node: node.to_owned(),
+            volid,
+            upload,
+            vmid: None,
+            vm: None,
+            start: false,
+        };
+        let Some(vm) = &settings.vm else {
+            return Ok(out);
+        };
+        let index = inv
+            .nodes
+            .iter()
+            .position(|n| n.name == node)
+            .ok_or_else(|| ProxmoxError::Node {
+                node: node.to_owned(),
+                message: "not in the inventory".into(),
+            })?;
+        let vmid = inv.vmid(index).ok_or_else(|| ProxmoxError::Node {
+            node: node.to_owned(),
+            message: "no vmid (set publish.proxmox.vm.firstId or the node's vmid)".into(),
+        })?;
+        out.vmid = Some(vmid);
+        match listed_vm(&vms, vmid) {
+            None => {
+                out.vm = Some(VmChange::Created);
+                out.start = vm.start;
+            }
+            Some(v) => {
+                check_owner(v, vmid, pve, node)?;
+                let running = v["status"] == "running";
+                if let Some(volid) = &out.volid {
+                    let config = api.get(
+                        "reading VM config",
+                        &format!("/nodes/{pve}/qemu/{vmid}/config"),
+                    )?;
+                    let verdict = vm_verdict(
+                        described_volume(&config).as_deref(),
+                        volid,
+                        opts.replace_disk,
+                    );
+                    out.vm = Some(verdict);
+                    out.start = vm.start && (!running || verdict == VmChange::Updated);
+                } else {
+                    out.start = vm.start && !running;
+                }
+            }
+        }
+        Ok(out)
+    };
+    Ok(images
+        .iter()
+        .map(|(node, img)| plan_node(node, img.as_ref()))
+        .collect())
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -325,3 +325,54 @@ impl Drop for Hc {
         let _ = self.child.wait();
     }
 }
+
+/// A Talos node simulator on loopback (`imgbuild-sim nodes`); killed on drop.
+pub struct Nodes {
+    child: Child,
+    /// Its control server: `/_sim/stats`, and `/_sim/boot` for the
+    /// simulators that boot nodes.
+    pub control: String,
+}
+
+impl Nodes {
+    /// Delays small enough for tests, large enough to be states.
+    pub const FAST: [&str; 8] = [
+        "--apply-delay",
+        "200",
+        "--etcd-delay",
+        "400",
+        "--kubelet-delay",
+        "300",
+        "--ready-delay",
+        "300",
+    ];
+
+    pub fn start(extra: &[&str]) -> Nodes {
+        let (child, v) = spawn(
+            Command::new(sim_bin())
+                .arg("nodes")
+                .args(Self::FAST)
+                .args(extra),
+        );
+        Nodes {
+            child,
+            control: v["control"].as_str().unwrap().to_owned(),
+        }
+    }
+
+    pub fn stats(&self) -> serde_json::Value {
+        let o = Command::new("curl")
+            .args(["-sf", &format!("{}/_sim/stats", self.control)])
+            .output()
+            .unwrap();
+        serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|e| panic!("node simulator stats ({e}): {}", text(&o.stdout)))
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

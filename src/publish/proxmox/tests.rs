@@ -179,3 +179,15 @@ fn task_ids_name_their_node() {
     );
     assert_eq!(upid_node("nonsense"), None);
 }
+
+#[test]
+fn a_vm_keeps_its_disk_unless_asked_to_replace_an_older_one() {
+    let new = "local:import/lab-cp-01-v1.11.2-aaaaaaaaaaaa.raw";
+    let old = "local:import/lab-cp-01-v1.11.2-bbbbbbbbbbbb.raw";
+    assert_eq!(vm_verdict(Some(new), new, false), VmChange::Unchanged);
+    assert_eq!(vm_verdict(Some(new), new, true), VmChange::Unchanged);
+    assert_eq!(vm_verdict(Some(old), new, false), VmChange::Outdated);
+    assert_eq!(vm_verdict(Some(old), new, true), VmChange::Updated);
+    assert_eq!(vm_verdict(None, new, false), VmChange::Outdated);
+    assert_eq!(vm_verdict(None, new, true), VmChange::Updated);
+}

@@ -1,0 +1,823 @@
+//! `imgbuild up`: the whole line as library calls: build → publish → start →
+//! bootstrap → health. Each stage is the call its own command makes
+//! ([`build::build`], [`proxmox::publish`], [`stage::bootstrap`]), and each is
+//! idempotent, so a rerun after any failure (or SIGKILL) continues from what
+//! is done and reports every finished stage as unchanged. [`plan`] is the dry
+//! run: it reads (manifest, GETs, TLS probes) and changes nothing.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::build::{self, BuildError, BuildOptions};
+use crate::fetch::Progress;
+use crate::inventory::{Inventory, ProxmoxSettings};
+use crate::publish::PublishImage;
+use crate::publish::proxmox::{self, Credentials, ProxmoxError, PublishOptions, VmChange};
+use crate::talos::bootstrap;
+use crate::talos::client::{self, Probe, Target as NodeTarget};
+use crate::talos::kube::Kubeconfig;
+use crate::talos::stage::{self, BootstrapOptions, StageError};
+
+/// Where the machines come from. Each target publishes the images and starts
+/// one machine per node; then every target is bootstrapped the same way.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// Machines booted by other means: only the bootstrap runs.
+    None,
+    /// Images uploaded to Proxmox VE, one started VM per node.
+    Proxmox(Box<ProxmoxTarget>),
+}
+
+/// A Proxmox VE target: where, as whom, and how to publish.
+#[derive(Debug, Clone)]
+pub struct ProxmoxTarget {
+    pub settings: ProxmoxSettings,
+    pub credentials: Credentials,
+    pub options: PublishOptions,
+}
+
+impl Target {
+    /// The inventory's `publish` section as a target, credentials read through
+    /// `env`. `up` starts the VMs it publishes, whatever `vm.start` says:
+    /// bootstrapping needs them running.
+    pub fn from_inventory(
+        inv: &Inventory,
+        env: &dyn Fn(&str) -> Option<String>,
+        options: PublishOptions,
+    ) -> Result<Target, UpError> {
+        match (&inv.publish.proxmox, &inv.publish.hcloud) {
+            (None, None) => Ok(Target::None),
+            (Some(_), Some(_)) => Err(UpError::Setup(
+                "publish has both proxmox and hcloud: `up` brings a cluster up on one target; keep one"
+                    .into(),
+            )),
+            (None, Some(_)) => Err(UpError::Setup(
+                "publish.hcloud: `imgbuild up` cannot create Hetzner servers yet; use publish.proxmox, or no publish section to bootstrap machines booted by other means".into(),
+            )),
+            (Some(settings), None) => {
+                let mut settings = settings.clone();
+                let Some(vm) = settings.vm.as_mut() else {
+                    return Err(UpError::Setup(
+                        "publish.proxmox has no vm section: `up` needs VMs to bootstrap (`imgbuild publish` only uploads)".into(),
+                    ));
+                };
+                vm.start = true;
+                let credentials = Credentials::from_env(&settings, env)?;
+                Ok(Target::Proxmox(Box::new(ProxmoxTarget {
+                    settings,
+                    credentials,
+                    options,
+                })))
+            }
+        }
+    }
+
+    /// The name reports carry.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Target::None => "none",
+            Target::Proxmox(_) => "proxmox",
+        }
+    }
+}
+
+/// What one `up` does besides the target.
+#[derive(Clone)]
+pub struct UpOptions {
+    /// Nodes to build and publish (all when empty). The bootstrap always
+    /// covers the whole cluster: health is a cluster-wide fact.
+    pub nodes: Vec<String>,
+    pub build: BuildOptions,
+    pub bootstrap: BootstrapOptions,
+}
+
+/// Where each stage reports its progress; the CLI renders it.
+#[derive(Clone, Copy)]
+pub struct Observers<'a> {
+    pub download: &'a dyn Progress,
+    pub publish: &'a dyn proxmox::Observer,
+    pub bootstrap: &'a dyn bootstrap::Observer,
+}
+
+/// Why `up` could not start or a stage stopped it. Never carries a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum UpError {
+    /// The inventory or environment lacks what `up` needs.
+    #[error("{0}")]
+    Setup(String),
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error(transparent)]
+    Proxmox(#[from] ProxmoxError),
+    #[error(transparent)]
+    Bootstrap(#[from] StageError),
+    /// Some nodes failed a stage (each named in its report); the others
+    /// finished it. Bootstrapping waits until every node is published.
+    #[error("{stage}: {} failed ({}); the cluster was not bootstrapped", failed.len(), failed.join(", "))]
+    Nodes { stage: Stage, failed: Vec<String> },
+}
+
+impl UpError {
+    /// Whether the inventory or environment is at fault (not a server or node).
+    pub fn is_setup(&self) -> bool {
+        match self {
+            UpError::Setup(_) | UpError::Proxmox(ProxmoxError::Setup(_)) => true,
+            UpError::Build(BuildError::UnknownNode(_)) => true,
+            UpError::Bootstrap(e) => matches!(
+                e,
+                StageError::UnknownTarget(_)
+                    | StageError::BadEndpoint { .. }
+                    | StageError::NoAddress { .. }
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// The stages, in the order they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stage {
+    Build,
+    Publish,
+    Bootstrap,
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stage::Build => "build",
+            Stage::Publish => "publish",
+            Stage::Bootstrap => "bootstrap",
+        })
+    }
+}
+
+/// What a stage did to one node (or, in a dry run, would do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Change {
+    Built,
+    Uploaded,
+    Created,
+    Updated,
+    Started,
+    Applied,
+    Bootstrapped,
+    Unchanged,
+    /// Left booting an older image (`--replace-disk` swaps it).
+    Outdated,
+    Failed,
+}
+
+impl Change {
+    /// The word a summary shows.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Change::Built => "built",
+            Change::Uploaded => "uploaded",
+            Change::Created => "created",
+            Change::Updated => "updated",
+            Change::Started => "started",
+            Change::Applied => "applied",
+            Change::Bootstrapped => "bootstrapped",
+            Change::Unchanged => "unchanged",
+            Change::Outdated => "outdated",
+            Change::Failed => "failed",
+        }
+    }
+}
+
+impl From<VmChange> for Change {
+    fn from(v: VmChange) -> Change {
+        match v {
+            VmChange::Created => Change::Created,
+            VmChange::Updated => Change::Updated,
+            VmChange::Unchanged => Change::Unchanged,
+            VmChange::Outdated => Change::Outdated,
+        }
+    }
+}
+
+/// Per node, what each stage did; absent: the stage did not run for it.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Stages {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub build: Option<Change>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upload: Option<Change>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vm: Option<Change>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub start: Option<Change>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub apply: Option<Change>,
+}
+
+impl Stages {
+    /// Each stage by name, in the order they run.
+    pub fn named(&self) -> [(&'static str, Option<Change>); 5] {
+        [
+            ("build", self.build),
+            ("upload", self.upload),
+            ("vm", self.vm),
+            ("start", self.start),
+            ("apply", self.apply),
+        ]
+    }
+}
+
+/// A node's Talos API as last seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TalosState {
+    /// Answers without a client certificate: waiting for its config.
+    Maintenance,
+    /// Answers over mTLS only: configured.
+    Configured,
+    /// Port closed or no TLS answer.
+    Unreachable,
+}
+
+/// One row of the summary.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeReport {
+    pub node: String,
+    /// Where imgbuild reaches its Talos API.
+    pub address: Option<IpAddr>,
+    /// The image's sha256 (as the manifest records it).
+    pub sha256: Option<String>,
+    pub image: Option<PathBuf>,
+    /// Where the image was published (a Proxmox volume).
+    pub volume: Option<String>,
+    pub vmid: Option<u32>,
+    pub talos: Option<TalosState>,
+    pub talos_version: Option<String>,
+    /// Whether Kubernetes reports the node Ready.
+    pub kubernetes_ready: Option<bool>,
+    pub stages: Stages,
+    /// Why a stage failed for this node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// What one `up` (or its dry run) did, stage by stage and node by node.
+#[derive(Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    pub cluster: String,
+    pub target: &'static str,
+    pub dry_run: bool,
+    /// Every inventory node, in inventory order.
+    pub nodes: Vec<NodeReport>,
+    /// Bootstrapped now, or unchanged (etcd was running); in a dry run
+    /// unknown when the first control plane is already configured.
+    pub bootstrap: Option<Change>,
+    pub bootstrap_node: Option<String>,
+    pub healthy: bool,
+    pub kubeconfig: Option<PathBuf>,
+    pub talosconfig: Option<PathBuf>,
+    pub elapsed_ms: u128,
+    /// The stage that stopped the run, and why.
+    #[serde(skip)]
+    pub stopped: Option<(Stage, UpError)>,
+}
+
+impl Report {
+    fn new(inv: &Inventory, target: &Target, dry_run: bool, opts: &BootstrapOptions) -> Report {
+        let nodes = inv
+            .nodes
+            .iter()
+            .map(|n| NodeReport {
+                node: n.name.clone(),
+                address: opts
+                    .targets
+                    .get(&n.name)
+                    .map(|t| t.server_name)
+                    .or(n.address)
+                    .or_else(|| node_target(n, opts).map(|t| t.server_name)),
+                sha256: None,
+                image: None,
+                volume: None,
+                vmid: None,
+                talos: None,
+                talos_version: None,
+                kubernetes_ready: None,
+                stages: Stages::default(),
+                error: None,
+            })
+            .collect();
+        Report {
+            cluster: inv.cluster.name.clone(),
+            target: target.name(),
+            dry_run,
+            nodes,
+            bootstrap: None,
+            bootstrap_node: None,
+            healthy: false,
+            kubeconfig: None,
+            talosconfig: None,
+            elapsed_ms: 0,
+            stopped: None,
+        }
+    }
+
+    fn node(&mut self, name: &str) -> Option<&mut NodeReport> {
+        self.nodes.iter_mut().find(|n| n.node == name)
+    }
+
+    fn fail(&mut self, node: &str, stage: impl FnOnce(&mut Stages), error: String) {
+        if let Some(n) = self.node(node) {
+            stage(&mut n.stages);
+            n.error = Some(error);
+        }
+    }
+
+    /// Whether some nodes finished every stage that ran for them while
+    /// others failed (nodes not selected do not count as finished).
+    pub fn partial(&self) -> bool {
+        matches!(self.stopped, Some((_, UpError::Nodes { .. })))
+            && self
+                .nodes
+                .iter()
+                .any(|n| n.error.is_none() && n.stages.build.is_some())
+    }
+}
+
+/// Where the bootstrap reaches `node`: the override, else its talosEndpoint
+/// or address (as [`stage::prepare`] decides).
+fn node_target(node: &crate::inventory::NodeSpec, opts: &BootstrapOptions) -> Option<NodeTarget> {
+    opts.targets
+        .get(&node.name)
+        .cloned()
+        .or_else(|| NodeTarget::new(node.address, node.talos_endpoint.as_deref()))
+}
+
+/// The error chain of `e` on one line, as the reports carry it.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// Runs every stage. Never fails outright: the report says how far it got
+/// and, in [`Report::stopped`], which stage stopped it and why.
+pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>) -> Report {
+    let started = Instant::now();
+    let mut report = Report::new(inv, target, false, &opts.bootstrap);
+    if let Err(stop) = publish_stage(inv, target, opts, obs, &mut report) {
+        report.stopped = Some(stop);
+    } else if let Err(e) = bootstrap_stage(inv, opts, obs, &mut report) {
+        if let UpError::Bootstrap(StageError::Bootstrap(
+            bootstrap::BootstrapError::Stuck { node, .. }
+            | bootstrap::BootstrapError::Rejected { node, .. },
+        )) = &e
+        {
+            let node = node.clone();
+            report.fail(&node, |s| s.apply = Some(Change::Failed), e.to_string());
+        }
+        report.stopped = Some((Stage::Bootstrap, e));
+    }
+    report.elapsed_ms = started.elapsed().as_millis();
+    report
+}
+
+/// Build and publish (nothing for [`Target::None`]); stops when any node
+/// failed, since a cluster missing a node cannot become healthy.
+fn publish_stage(
+    inv: &Inventory,
+    target: &Target,
+    opts: &UpOptions,
+    obs: Observers<'_>,
+    report: &mut Report,
+) -> Result<(), (Stage, UpError)> {
+    let Target::Proxmox(pve) = target else {
+        return Ok(());
+    };
+    let ProxmoxTarget {
+        settings,
+        credentials,
+        options,
+    } = pve.as_ref();
+    let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
+        Ok(built) => (built, Vec::new()),
+        Err(BuildError::Incomplete { built, failed }) => (built, failed),
+        Err(e) => return Err((Stage::Build, e.into())),
+    };
+    for o in &built {
+        if let Some(n) = report.node(&o.image.node) {
+            n.sha256 = Some(o.image.sha256.clone());
+            n.image = Some(o.file.clone());
+            n.stages.build = Some(if o.built {
+                Change::Built
+            } else {
+                Change::Unchanged
+            });
+        }
+    }
+    let mut failed_nodes: Vec<String> = Vec::new();
+    for f in &failed {
+        report.fail(&f.node, |s| s.build = Some(Change::Failed), chain(&f.error));
+        failed_nodes.push(f.node.clone());
+    }
+    let images: Vec<PublishImage> = built.iter().map(PublishImage::from).collect();
+    let results = proxmox::publish(inv, settings, credentials, &images, options, obs.publish)
+        .map_err(|e| (Stage::Publish, e.into()))?;
+    for (img, r) in images.iter().zip(results) {
+        match r {
+            Ok(p) => {
+                let Some(n) = report.node(&p.node) else {
+                    continue;
+                };
+                n.volume = Some(p.volid);
+                n.vmid = p.vmid;
+                n.stages.upload = Some(if p.uploaded {
+                    Change::Uploaded
+                } else {
+                    Change::Unchanged
+                });
+                n.stages.vm = p.vm.map(Change::from);
+                n.stages.start = Some(if p.started {
+                    Change::Started
+                } else {
+                    Change::Unchanged
+                });
+            }
+            Err(e) => {
+                let message = match e {
+                    ProxmoxError::Node { message, .. } => message,
+                    e => e.to_string(),
+                };
+                report.fail(&img.node, |s| s.upload = Some(Change::Failed), message);
+                failed_nodes.push(img.node.clone());
+            }
+        }
+    }
+    if failed_nodes.is_empty() {
+        return Ok(());
+    }
+    let stage = if failed.is_empty() {
+        Stage::Publish
+    } else {
+        Stage::Build
+    };
+    Err((
+        stage,
+        UpError::Nodes {
+            stage,
+            failed: failed_nodes,
+        },
+    ))
+}
+
+/// Apply, bootstrap once, health; then each node's readiness as the
+/// Kubernetes API reports it.
+fn bootstrap_stage(
+    inv: &Inventory,
+    opts: &UpOptions,
+    obs: Observers<'_>,
+    report: &mut Report,
+) -> Result<(), UpError> {
+    let done = stage::bootstrap(inv, &opts.bootstrap, obs.bootstrap)?;
+    let outcome = &done.outcome;
+    report.healthy = true;
+    report.bootstrap = Some(if outcome.bootstrapped {
+        Change::Bootstrapped
+    } else {
+        Change::Unchanged
+    });
+    report.bootstrap_node = Some(outcome.bootstrap_node.clone());
+    report.kubeconfig = Some(done.prepared.plan.kubeconfig_path.clone());
+    report.talosconfig = Some(done.prepared.talosconfig.clone());
+    for planned in &done.prepared.plan.nodes {
+        if let Some(n) = report.node(&planned.name) {
+            n.address = Some(planned.address);
+            n.talos = Some(TalosState::Configured);
+            n.talos_version = outcome.versions.get(&planned.name).cloned();
+            n.stages.apply = Some(if outcome.applied.contains(&planned.name) {
+                Change::Applied
+            } else {
+                Change::Unchanged
+            });
+        }
+    }
+    // Health already required every node Ready; this reads the same API
+    // once more so the summary shows what Kubernetes says, not an inference.
+    let ready = std::fs::read_to_string(&done.prepared.plan.kubeconfig_path)
+        .ok()
+        .and_then(|t| Kubeconfig::parse(&t).ok())
+        .and_then(|kc| kc.node_readiness(opts.bootstrap.limits.call_timeout).ok())
+        .unwrap_or_default();
+    let ready: BTreeMap<String, bool> = ready.into_iter().collect();
+    for n in &mut report.nodes {
+        n.kubernetes_ready = Some(ready.get(&n.node).copied().unwrap_or(false));
+    }
+    Ok(())
+}
+
+/// The dry run: what `up` would build, upload, create, start, apply and
+/// bootstrap. Reads the manifest, sends GETs to the target and probes each
+/// node's TLS; builds nothing, writes nothing, changes nothing anywhere.
+pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
+    let started = Instant::now();
+    let mut report = Report::new(inv, target, true, &opts.bootstrap);
+    if let Err(stop) = plan_publish(inv, target, opts, &mut report) {
+        report.stopped = Some(stop);
+    }
+    plan_bootstrap(inv, opts, &mut report);
+    report.elapsed_ms = started.elapsed().as_millis();
+    report
+}
+
+fn plan_publish(
+    inv: &Inventory,
+    target: &Target,
+    opts: &UpOptions,
+    report: &mut Report,
+) -> Result<(), (Stage, UpError)> {
+    let Target::Proxmox(pve) = target else {
+        return Ok(());
+    };
+    let ProxmoxTarget {
+        settings,
+        credentials,
+        options,
+    } = pve.as_ref();
+    let current = build::current_images(inv, &opts.nodes, &opts.build)
+        .map_err(|e| (Stage::Build, e.into()))?;
+    let mut images = Vec::new();
+    for (node, image) in current {
+        if let Some(n) = report.node(&node) {
+            n.stages.build = Some(match &image {
+                Some(_) => Change::Unchanged,
+                None => Change::Built,
+            });
+            if let Some(img) = &image {
+                n.sha256 = Some(img.sha256.clone());
+                n.image = Some(img.file(&opts.build.out_dir));
+            }
+        }
+        let image = image.map(|img| PublishImage {
+            node: img.node.clone(),
+            path: img.file(&opts.build.out_dir),
+            sha256: img.sha256,
+            size: img.size,
+            format: img.format,
+        });
+        images.push((node, image));
+    }
+    let planned = proxmox::plan(inv, settings, credentials, &images, options)
+        .map_err(|e| (Stage::Publish, e.into()))?;
+    let mut failed = Vec::new();
+    for ((node, _), r) in images.iter().zip(planned) {
+        match r {
+            Ok(p) => {
+                let Some(n) = report.node(node) else { continue };
+                n.volume = p.volid;
+                n.vmid = p.vmid;
+                // An image not built yet is uploaded unless the storage
+                // happens to hold its exact bytes already.
+                n.stages.upload = Some(if p.upload == Some(false) {
+                    Change::Unchanged
+                } else {
+                    Change::Uploaded
+                });
+                n.stages.vm = p.vm.map(Change::from);
+                n.stages.start = Some(if p.start {
+                    Change::Started
+                } else {
+                    Change::Unchanged
+                });
+            }
+            Err(e) => {
+                let message = match e {
+                    ProxmoxError::Node { message, .. } => message,
+                    e => e.to_string(),
+                };
+                report.fail(node, |s| s.upload = Some(Change::Failed), message);
+                failed.push(node.clone());
+            }
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err((
+            Stage::Publish,
+            UpError::Nodes {
+                stage: Stage::Publish,
+                failed,
+            },
+        ))
+    }
+}
+
+/// Probes each node's TLS (no API call, no certificate): a node in
+/// maintenance mode would get its config, a configured one nothing.
+fn plan_bootstrap(inv: &Inventory, opts: &UpOptions, report: &mut Report) {
+    let timeout = opts
+        .bootstrap
+        .limits
+        .call_timeout
+        .min(Duration::from_secs(3));
+    let targets: Vec<(String, Option<NodeTarget>)> = inv
+        .nodes
+        .iter()
+        .map(|n| (n.name.clone(), node_target(n, &opts.bootstrap)))
+        .collect();
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    let states: Vec<TalosState> = runtime.block_on(async {
+        let probes = targets.iter().map(|(_, t)| async move {
+            let Some(t) = t else {
+                return TalosState::Unreachable;
+            };
+            match client::probe(t, timeout).await {
+                Ok(Probe::Maintenance { .. }) => TalosState::Maintenance,
+                Ok(Probe::Configured) => TalosState::Configured,
+                Err(_) => TalosState::Unreachable,
+            }
+        });
+        futures_util::future::join_all(probes).await
+    });
+    for ((name, _), state) in targets.iter().zip(states) {
+        if let Some(n) = report.node(name) {
+            n.talos = Some(state);
+            n.stages.apply = Some(if state == TalosState::Configured {
+                Change::Unchanged
+            } else {
+                Change::Applied
+            });
+        }
+    }
+    let first_cp = inv
+        .nodes
+        .iter()
+        .find(|n| n.role == crate::inventory::Role::Controlplane);
+    if let Some(cp) = first_cp {
+        report.bootstrap_node = Some(cp.name.clone());
+        let configured = report
+            .nodes
+            .iter()
+            .any(|n| n.node == cp.name && n.talos == Some(TalosState::Configured));
+        // A configured control plane may or may not run etcd yet: the run
+        // asks it (over mTLS) and bootstraps only when etcd is not running.
+        report.bootstrap = (!configured).then_some(Change::Bootstrapped);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn inv(publish: &str) -> Inventory {
+        let text = format!(
+            r#"
+cluster: {{name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: "https://10.0.0.10:6443"}}
+network: {{cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}}
+{publish}
+nodes:
+  - {{name: cp-01, role: controlplane, address: 10.0.0.11}}
+  - {{name: w-01, role: worker, address: 10.0.0.21}}
+"#
+        );
+        Inventory::parse(&text, Path::new("cluster.yaml")).unwrap()
+    }
+
+    const ENV: [(&str, &str); 2] = [
+        ("PROXMOX_VE_ENDPOINT", "https://127.0.0.1:8006/"),
+        ("PROXMOX_VE_API_TOKEN", "root@pam!up=secret"),
+    ];
+
+    fn target(publish: &str, env: &[(&str, &str)]) -> Result<Target, UpError> {
+        let lookup = |k: &str| {
+            env.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        };
+        Target::from_inventory(&inv(publish), &lookup, PublishOptions::default())
+    }
+
+    #[test]
+    fn no_publish_section_means_bootstrap_only() {
+        assert!(matches!(target("", &[]).unwrap(), Target::None));
+    }
+
+    #[test]
+    fn proxmox_vms_are_started_whatever_the_inventory_says() {
+        let t = target(
+            "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, start: false}",
+            &ENV,
+        )
+        .unwrap();
+        let Target::Proxmox(pve) = t else {
+            panic!("not proxmox: {t:?}")
+        };
+        assert!(pve.settings.vm.unwrap().start);
+    }
+
+    #[test]
+    fn targets_up_cannot_use_are_setup_errors() {
+        let no_vm = target(
+            "publish:\n  proxmox:\n    node: pve\n    storage: local",
+            &ENV,
+        )
+        .unwrap_err();
+        assert!(no_vm.is_setup());
+        assert!(no_vm.to_string().contains("no vm section"), "{no_vm}");
+        let no_env = target(
+            "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300}",
+            &[],
+        )
+        .unwrap_err();
+        assert!(no_env.is_setup());
+        assert!(
+            no_env.to_string().contains("PROXMOX_VE_ENDPOINT"),
+            "{no_env}"
+        );
+        let hcloud = target(
+            "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1}",
+            &ENV,
+        )
+        .unwrap_err();
+        assert!(hcloud.is_setup());
+        assert!(hcloud.to_string().starts_with("publish.hcloud"), "{hcloud}");
+    }
+
+    #[test]
+    fn a_run_stopped_for_some_nodes_is_partial_only_if_others_finished() {
+        let inv = inv("");
+        let mut r = Report::new(&inv, &Target::None, false, &BootstrapOptions::default());
+        r.fail("w-01", |s| s.build = Some(Change::Failed), "boom".into());
+        r.stopped = Some((
+            Stage::Build,
+            UpError::Nodes {
+                stage: Stage::Build,
+                failed: vec!["w-01".into()],
+            },
+        ));
+        assert!(!r.partial(), "cp-01 was not selected: nothing finished");
+        r.node("cp-01").unwrap().stages.build = Some(Change::Built);
+        r.stopped = Some((
+            Stage::Build,
+            UpError::Nodes {
+                stage: Stage::Build,
+                failed: vec!["w-01".into()],
+            },
+        ));
+        assert!(r.partial());
+        r.fail("cp-01", |s| s.build = Some(Change::Failed), "boom".into());
+        assert!(!r.partial());
+        r.stopped = Some((Stage::Bootstrap, UpError::Setup("x".into())));
+        assert!(!r.partial());
+        let err = UpError::Nodes {
+            stage: Stage::Publish,
+            failed: vec!["a".into(), "b".into()],
+        };
+        assert_eq!(
+            err.to_string(),
+            "publish: 2 failed (a, b); the cluster was not bootstrapped"
+        );
+    }
+
+    #[test]
+    fn reports_carry_the_stage_words_and_every_node() {
+        let inv = inv("");
+        let mut r = Report::new(&inv, &Target::None, true, &BootstrapOptions::default());
+        r.node("cp-01").unwrap().stages.apply = Some(Change::Unchanged);
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["dryRun"], true);
+        assert_eq!(v["target"], "none");
+        assert_eq!(v["nodes"][0]["address"], "10.0.0.11");
+        assert_eq!(
+            v["nodes"][0]["stages"],
+            serde_json::json!({"apply": "unchanged"})
+        );
+        assert_eq!(v["nodes"][1]["stages"], serde_json::json!({}));
+        for c in [Change::Built, Change::Outdated, Change::Failed] {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
+    }
+
+    #[test]
+    fn error_chains_read_on_one_line() {
+        let e = StageError::Io {
+            path: "/x/kubeconfig".into(),
+            source: std::io::Error::other("disk full"),
+        };
+        assert_eq!(chain(&e), "/x/kubeconfig: disk full");
+    }
+}
