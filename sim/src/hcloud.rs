@@ -408,7 +408,7 @@ fn iso(secs: u64) -> String {
 }
 
 /// Serves the API until SIGINT or SIGTERM, then stops every rescue sshd.
-pub async fn run(args: Args) -> anyhow::Result<()> {
+pub async fn run(mut args: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.listen.ip().is_loopback(),
         "{} is not a loopback address",
@@ -416,6 +416,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     );
     std::fs::create_dir_all(args.state_dir.join("servers"))?;
     std::fs::create_dir_all(args.state_dir.join("images"))?;
+    // sshd re-executes itself from `/` for every connection: the paths in
+    // the rescue systems' configs must be absolute.
+    args.state_dir = std::fs::canonicalize(&args.state_dir)?;
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let url = format!("http://{}/v1", listener.local_addr()?);
     let token = args.token.clone();
