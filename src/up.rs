@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 
 use crate::build::{self, BuildError, BuildOptions};
 use crate::fetch::Progress;
-use crate::inventory::{Inventory, ProxmoxSettings};
-use crate::publish::PublishImage;
+use crate::inventory::{HcloudSettings, Inventory, ProxmoxSettings};
+use crate::publish::hcloud::{self, HcloudError, SnapshotImage, SnapshotOptions, servers};
 use crate::publish::proxmox::{self, Credentials, ProxmoxError, PublishOptions, VmChange};
+use crate::publish::{Cancel, PublishImage};
 use crate::talos::bootstrap;
 use crate::talos::client::{self, Probe, Target as NodeTarget};
 use crate::talos::kube::Kubeconfig;
@@ -28,6 +29,27 @@ pub enum Target {
     None,
     /// Images uploaded to Proxmox VE, one started VM per node.
     Proxmox(Box<ProxmoxTarget>),
+    /// Snapshots in Hetzner Cloud, one server per node created from them
+    /// with its machine config as `user_data`.
+    Hcloud(Box<HcloudTarget>),
+}
+
+/// A Hetzner Cloud target: where, as whom, and how patiently.
+#[derive(Debug, Clone)]
+pub struct HcloudTarget {
+    pub settings: HcloudSettings,
+    pub credentials: hcloud::Credentials,
+    pub options: SnapshotOptions,
+    /// Stops the snapshot runs (which then delete their temporary server).
+    pub cancel: Cancel,
+}
+
+/// How each kind of target publishes.
+#[derive(Debug, Clone)]
+pub struct TargetOptions {
+    pub proxmox: PublishOptions,
+    pub hcloud: SnapshotOptions,
+    pub cancel: Cancel,
 }
 
 /// A Proxmox VE target: where, as whom, and how to publish.
@@ -45,7 +67,7 @@ impl Target {
     pub fn from_inventory(
         inv: &Inventory,
         env: &dyn Fn(&str) -> Option<String>,
-        options: PublishOptions,
+        options: TargetOptions,
     ) -> Result<Target, UpError> {
         match (&inv.publish.proxmox, &inv.publish.hcloud) {
             (None, None) => Ok(Target::None),
@@ -53,9 +75,19 @@ impl Target {
                 "publish has both proxmox and hcloud: `up` brings a cluster up on one target; keep one"
                     .into(),
             )),
-            (None, Some(_)) => Err(UpError::Setup(
-                "publish.hcloud: `imgbuild up` cannot create Hetzner servers yet; use publish.proxmox, or no publish section to bootstrap machines booted by other means".into(),
-            )),
+            (None, Some(settings)) => {
+                if settings.servers.is_none() {
+                    return Err(UpError::Setup(
+                        "publish.hcloud has no servers section (`servers: {type: cpx22}`): `up` needs servers to bootstrap (`imgbuild publish` only makes snapshots)".into(),
+                    ));
+                }
+                Ok(Target::Hcloud(Box::new(HcloudTarget {
+                    settings: settings.clone(),
+                    credentials: hcloud::Credentials::from_env(env)?,
+                    options: options.hcloud,
+                    cancel: options.cancel,
+                })))
+            }
             (Some(settings), None) => {
                 let mut settings = settings.clone();
                 let Some(vm) = settings.vm.as_mut() else {
@@ -68,7 +100,7 @@ impl Target {
                 Ok(Target::Proxmox(Box::new(ProxmoxTarget {
                     settings,
                     credentials,
-                    options,
+                    options: options.proxmox,
                 })))
             }
         }
@@ -79,6 +111,7 @@ impl Target {
         match self {
             Target::None => "none",
             Target::Proxmox(_) => "proxmox",
+            Target::Hcloud(_) => "hcloud",
         }
     }
 }
@@ -98,6 +131,7 @@ pub struct UpOptions {
 pub struct Observers<'a> {
     pub download: &'a dyn Progress,
     pub publish: &'a dyn proxmox::Observer,
+    pub hcloud: &'a dyn hcloud::Observer,
     pub bootstrap: &'a dyn bootstrap::Observer,
 }
 
@@ -112,6 +146,8 @@ pub enum UpError {
     #[error(transparent)]
     Proxmox(#[from] ProxmoxError),
     #[error(transparent)]
+    Hcloud(#[from] HcloudError),
+    #[error(transparent)]
     Bootstrap(#[from] StageError),
     /// Some nodes failed a stage (each named in its report); the others
     /// finished it. Bootstrapping waits until every node is published.
@@ -123,7 +159,9 @@ impl UpError {
     /// Whether the inventory or environment is at fault (not a server or node).
     pub fn is_setup(&self) -> bool {
         match self {
-            UpError::Setup(_) | UpError::Proxmox(ProxmoxError::Setup(_)) => true,
+            UpError::Setup(_)
+            | UpError::Proxmox(ProxmoxError::Setup(_))
+            | UpError::Hcloud(HcloudError::Setup(_)) => true,
             UpError::Build(BuildError::UnknownNode(_)) => true,
             UpError::Bootstrap(e) => matches!(
                 e,
@@ -251,9 +289,11 @@ pub struct NodeReport {
     /// The image's sha256 (as the manifest records it).
     pub sha256: Option<String>,
     pub image: Option<PathBuf>,
-    /// Where the image was published (a Proxmox volume).
+    /// Where the image was published (a Proxmox volume, a Hetzner snapshot).
     pub volume: Option<String>,
     pub vmid: Option<u32>,
+    /// The Hetzner server.
+    pub server: Option<u64>,
     pub talos: Option<TalosState>,
     pub talos_version: Option<String>,
     /// Whether Kubernetes reports the node Ready.
@@ -303,6 +343,7 @@ impl Report {
                 image: None,
                 volume: None,
                 vmid: None,
+                server: None,
                 talos: None,
                 talos_version: None,
                 kubernetes_ready: None,
@@ -373,9 +414,19 @@ pub fn chain(e: &dyn std::error::Error) -> String {
 pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>) -> Report {
     let started = Instant::now();
     let mut report = Report::new(inv, target, false, &opts.bootstrap);
-    if let Err(stop) = publish_stage(inv, target, opts, obs, &mut report) {
-        report.stopped = Some(stop);
-    } else if let Err(e) = bootstrap_stage(inv, opts, obs, &mut report) {
+    let published = match target {
+        Target::Hcloud(hc) => hcloud_stage(inv, hc, opts, obs, &mut report),
+        _ => publish_stage(inv, target, opts, obs, &mut report).map(|()| BTreeMap::new()),
+    };
+    let mut opts = opts.clone();
+    let bootstrapped = match published {
+        Err(stop) => Err(stop),
+        Ok(targets) => {
+            opts.bootstrap.targets.extend(targets);
+            bootstrap_stage(inv, &opts, obs, &mut report).map_err(|e| (Stage::Bootstrap, e))
+        }
+    };
+    if let Err((stage, e)) = bootstrapped {
         if let UpError::Bootstrap(StageError::Bootstrap(
             bootstrap::BootstrapError::Stuck { node, .. }
             | bootstrap::BootstrapError::Rejected { node, .. },
@@ -384,7 +435,7 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
             let node = node.clone();
             report.fail(&node, |s| s.apply = Some(Change::Failed), e.to_string());
         }
-        report.stopped = Some((Stage::Bootstrap, e));
+        report.stopped = Some((stage, e));
     }
     report.elapsed_ms = started.elapsed().as_millis();
     report
@@ -407,27 +458,8 @@ fn publish_stage(
         credentials,
         options,
     } = pve.as_ref();
-    let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
-        Ok(built) => (built, Vec::new()),
-        Err(BuildError::Incomplete { built, failed }) => (built, failed),
-        Err(e) => return Err((Stage::Build, e.into())),
-    };
-    for o in &built {
-        if let Some(n) = report.node(&o.image.node) {
-            n.sha256 = Some(o.image.sha256.clone());
-            n.image = Some(o.file.clone());
-            n.stages.build = Some(if o.built {
-                Change::Built
-            } else {
-                Change::Unchanged
-            });
-        }
-    }
-    let mut failed_nodes: Vec<String> = Vec::new();
-    for f in &failed {
-        report.fail(&f.node, |s| s.build = Some(Change::Failed), chain(&f.error));
-        failed_nodes.push(f.node.clone());
-    }
+    let (built, mut failed_nodes) = build_stage(inv, opts, obs, report)?;
+    let build_failed = !failed_nodes.is_empty();
     let images: Vec<PublishImage> = built.iter().map(PublishImage::from).collect();
     let results = proxmox::publish(inv, settings, credentials, &images, options, obs.publish)
         .map_err(|e| (Stage::Publish, e.into()))?;
@@ -464,10 +496,10 @@ fn publish_stage(
     if failed_nodes.is_empty() {
         return Ok(());
     }
-    let stage = if failed.is_empty() {
-        Stage::Publish
-    } else {
+    let stage = if build_failed {
         Stage::Build
+    } else {
+        Stage::Publish
     };
     Err((
         stage,
@@ -476,6 +508,231 @@ fn publish_stage(
             failed: failed_nodes,
         },
     ))
+}
+
+/// Snapshots of the built images, then one server per node from them with
+/// its machine config as `user_data`; where the bootstrap reaches each
+/// node (the public IP the API reports).
+fn hcloud_stage(
+    inv: &Inventory,
+    hc: &HcloudTarget,
+    opts: &UpOptions,
+    obs: Observers<'_>,
+    report: &mut Report,
+) -> Result<BTreeMap<String, NodeTarget>, (Stage, UpError)> {
+    let publish = |e: HcloudError| (Stage::Publish, UpError::Hcloud(e));
+    let (built, failed) = build_stage(inv, opts, obs, report)?;
+    if !failed.is_empty() {
+        return Err((
+            Stage::Build,
+            UpError::Nodes {
+                stage: Stage::Build,
+                failed,
+            },
+        ));
+    }
+    let api = hcloud::Api::new(
+        &hc.credentials.endpoint,
+        hc.credentials.token.clone(),
+        hc.options.retry,
+    )
+    .map_err(publish)?;
+    let mut snapshot_of: BTreeMap<String, u64> = BTreeMap::new();
+    let mut failed = Vec::new();
+    for image in SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone()))) {
+        let run = hcloud::publish_snapshot(
+            &api,
+            &hc.settings,
+            &image,
+            &hc.options,
+            &hc.cancel,
+            obs.hcloud,
+        );
+        let leftovers: Vec<String> = run
+            .leftovers
+            .iter()
+            .map(|l| format!("{} {} not deleted ({}): run `imgbuild cleanup`", l.kind, l.id, l.error))
+            .collect();
+        match run.result {
+            Ok(snap) if leftovers.is_empty() => {
+                for node in &snap.nodes {
+                    snapshot_of.insert(node.clone(), snap.id);
+                    if let Some(n) = report.node(node) {
+                        n.volume = Some(format!("snapshot {}", snap.id));
+                        n.stages.upload = Some(if snap.created {
+                            Change::Uploaded
+                        } else {
+                            Change::Unchanged
+                        });
+                    }
+                }
+            }
+            result => {
+                let mut why: Vec<String> = result.err().map(|e| e.to_string()).into_iter().collect();
+                why.extend(leftovers);
+                for node in &image.nodes {
+                    report.fail(node, |s| s.upload = Some(Change::Failed), why.join("; "));
+                    failed.push(node.clone());
+                }
+            }
+        }
+    }
+    if !failed.is_empty() {
+        return Err((
+            Stage::Publish,
+            UpError::Nodes {
+                stage: Stage::Publish,
+                failed,
+            },
+        ));
+    }
+    let configs = stage::machine_configs(inv, &opts.bootstrap)
+        .map_err(|e| (Stage::Publish, UpError::Bootstrap(e)))?;
+    let specs: Vec<servers::ServerSpec> = configs
+        .into_iter()
+        .filter_map(|(node, user_data)| {
+            let snapshot = *snapshot_of.get(&node)?;
+            let private_ip = inv.node(&node).ok()?.address;
+            Some(servers::ServerSpec {
+                node,
+                snapshot,
+                user_data,
+                private_ip,
+            })
+        })
+        .collect();
+    let made = servers::ensure(
+        &api,
+        &hc.settings,
+        &inv.cluster.name,
+        &specs,
+        &hc.options,
+        &hc.cancel,
+    )
+    .map_err(publish)?;
+    // Nodes not selected this run keep the servers they have.
+    let mut all = servers::existing(&api, &inv.cluster.name).map_err(publish)?;
+    all.retain(|s| !made.iter().any(|m| m.node == s.node));
+    let mut targets = BTreeMap::new();
+    for s in made.iter().chain(&all) {
+        let Some(n) = report.node(&s.node) else {
+            continue;
+        };
+        n.server = Some(s.id);
+        if made.iter().any(|m| m.id == s.id) {
+            n.stages.vm = Some(if s.created {
+                Change::Created
+            } else {
+                Change::Unchanged
+            });
+            n.stages.start = Some(if s.started {
+                Change::Started
+            } else {
+                Change::Unchanged
+            });
+        }
+        if let Some(ip) = s.public_ip {
+            n.address = Some(ip);
+            targets.extend(NodeTarget::new(Some(ip), None).map(|t| (s.node.clone(), t)));
+        }
+    }
+    Ok(targets)
+}
+
+/// The dry run of [`hcloud_stage`]: which snapshots exist for the images
+/// already built, which servers exist; GETs only.
+fn plan_hcloud(
+    inv: &Inventory,
+    hc: &HcloudTarget,
+    opts: &UpOptions,
+    report: &mut Report,
+) -> Result<BTreeMap<String, NodeTarget>, (Stage, UpError)> {
+    let publish = |e: HcloudError| (Stage::Publish, UpError::Hcloud(e));
+    let current = build::current_images(inv, &opts.nodes, &opts.build)
+        .map_err(|e| (Stage::Build, e.into()))?;
+    let mut built = Vec::new();
+    for (node, image) in &current {
+        if let Some(n) = report.node(node) {
+            n.stages.build = Some(if image.is_some() {
+                Change::Unchanged
+            } else {
+                Change::Built
+            });
+            n.stages.upload = Some(Change::Uploaded);
+            n.stages.vm = Some(Change::Created);
+            n.stages.start = Some(Change::Started);
+            if let Some(img) = image {
+                n.sha256 = Some(img.sha256.clone());
+                n.image = Some(img.file(&opts.build.out_dir));
+                built.push((img, img.file(&opts.build.out_dir)));
+            }
+        }
+    }
+    let api = hcloud::Api::new(
+        &hc.credentials.endpoint,
+        hc.credentials.token.clone(),
+        hc.options.retry,
+    )
+    .map_err(publish)?;
+    for image in SnapshotImage::distinct(built) {
+        let found = hcloud::find_snapshot(&api, &hcloud::snapshot_labels(&image)).map_err(publish)?;
+        for node in &image.nodes {
+            if let (Some(id), Some(n)) = (found, report.node(node)) {
+                n.volume = Some(format!("snapshot {id}"));
+                n.stages.upload = Some(Change::Unchanged);
+            }
+        }
+    }
+    let mut targets = BTreeMap::new();
+    for s in servers::existing(&api, &inv.cluster.name).map_err(publish)? {
+        let Some(n) = report.node(&s.node) else {
+            continue;
+        };
+        n.server = Some(s.id);
+        n.stages.vm = Some(Change::Unchanged);
+        n.stages.start = Some(if s.status == "off" {
+            Change::Started
+        } else {
+            Change::Unchanged
+        });
+        if let Some(ip) = s.public_ip {
+            n.address = Some(ip);
+            targets.extend(NodeTarget::new(Some(ip), None).map(|t| (s.node.clone(), t)));
+        }
+    }
+    Ok(targets)
+}
+
+/// Builds the selected nodes' images and records them; the built ones and
+/// the names of those that failed.
+fn build_stage(
+    inv: &Inventory,
+    opts: &UpOptions,
+    obs: Observers<'_>,
+    report: &mut Report,
+) -> Result<(Vec<build::Outcome>, Vec<String>), (Stage, UpError)> {
+    let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
+        Ok(built) => (built, Vec::new()),
+        Err(BuildError::Incomplete { built, failed }) => (built, failed),
+        Err(e) => return Err((Stage::Build, e.into())),
+    };
+    for o in &built {
+        if let Some(n) = report.node(&o.image.node) {
+            n.sha256 = Some(o.image.sha256.clone());
+            n.image = Some(o.file.clone());
+            n.stages.build = Some(if o.built {
+                Change::Built
+            } else {
+                Change::Unchanged
+            });
+        }
+    }
+    let mut failed_nodes: Vec<String> = Vec::new();
+    for f in &failed {
+        report.fail(&f.node, |s| s.build = Some(Change::Failed), chain(&f.error));
+        failed_nodes.push(f.node.clone());
+    }
+    Ok((built, failed_nodes))
 }
 
 /// Apply, bootstrap once, health; then each node's readiness as the
@@ -529,10 +786,16 @@ fn bootstrap_stage(
 pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     let started = Instant::now();
     let mut report = Report::new(inv, target, true, &opts.bootstrap);
-    if let Err(stop) = plan_publish(inv, target, opts, &mut report) {
-        report.stopped = Some(stop);
+    let planned = match target {
+        Target::Hcloud(hc) => plan_hcloud(inv, hc, opts, &mut report),
+        _ => plan_publish(inv, target, opts, &mut report).map(|()| BTreeMap::new()),
+    };
+    let mut opts = opts.clone();
+    match planned {
+        Ok(targets) => opts.bootstrap.targets.extend(targets),
+        Err(stop) => report.stopped = Some(stop),
     }
-    plan_bootstrap(inv, opts, &mut report);
+    plan_bootstrap(inv, &opts, &mut report);
     report.elapsed_ms = started.elapsed().as_millis();
     report
 }
@@ -708,7 +971,12 @@ nodes:
                 .find(|(n, _)| *n == k)
                 .map(|(_, v)| v.to_string())
         };
-        Target::from_inventory(&inv(publish), &lookup, PublishOptions::default())
+        let options = TargetOptions {
+            proxmox: PublishOptions::default(),
+            hcloud: SnapshotOptions::default(),
+            cancel: Cancel::never(),
+        };
+        Target::from_inventory(&inv(publish), &lookup, options)
     }
 
     #[test]
@@ -754,7 +1022,14 @@ nodes:
         )
         .unwrap_err();
         assert!(hcloud.is_setup());
-        assert!(hcloud.to_string().starts_with("publish.hcloud"), "{hcloud}");
+        assert!(hcloud.to_string().contains("no servers section"), "{hcloud}");
+        let servers = "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1, servers: {type: cpx22}}";
+        let no_token = target(servers, &ENV).unwrap_err();
+        assert!(no_token.is_setup());
+        assert!(no_token.to_string().contains("HCLOUD_TOKEN"), "{no_token}");
+        let t = target(servers, &[("HCLOUD_TOKEN", "t0ken")]).unwrap();
+        assert_eq!(t.name(), "hcloud");
+        assert!(!format!("{t:?}").contains("t0ken"));
     }
 
     #[test]

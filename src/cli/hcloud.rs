@@ -1,6 +1,5 @@
 //! The Hetzner Cloud side of `imgbuild publish`, and `imgbuild cleanup`.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -9,13 +8,14 @@ use imgbuild::build::Outcome;
 use imgbuild::inventory::HcloudSettings;
 use imgbuild::publish::hcloud::{
     self, Api, Credentials, Event, HcloudError, Leftover, Snapshot, SnapshotImage, SnapshotOptions,
+    servers,
 };
 use serde_json::json;
 
 use super::build::{failed_json, print_failures};
 use super::signals::cancel_on_signals;
 use super::talos::parse_duration;
-use super::{Output, Partial, Reported};
+use super::{Output, Partial, Reported, Usage};
 
 /// Flags only the Hetzner target reads.
 #[derive(Args)]
@@ -26,6 +26,18 @@ pub struct HcloudArgs {
     /// The rescue system's SSH port (22 on Hetzner; for test doubles).
     #[arg(long, default_value_t = 22, hide = true)]
     rescue_ssh_port: u16,
+}
+
+impl HcloudArgs {
+    /// The snapshot runs' settings, polling every `poll`.
+    pub fn options(&self, poll: Duration) -> SnapshotOptions {
+        SnapshotOptions {
+            poll,
+            ssh_timeout: self.ssh_timeout,
+            ssh_port: self.rescue_ssh_port,
+            ..SnapshotOptions::default()
+        }
+    }
 }
 
 #[derive(Args)]
@@ -79,7 +91,7 @@ impl hcloud::Observer for Quiet {
     fn event(&self, _: &Event) {}
 }
 
-fn observer(output: Output) -> &'static dyn hcloud::Observer {
+pub(super) fn observer(output: Output) -> &'static dyn hcloud::Observer {
     if output == Output::Text {
         &Lines
     } else {
@@ -93,57 +105,28 @@ pub fn credentials() -> Result<Credentials> {
     Ok(Credentials::from_env(&|k| std::env::var(k).ok())?)
 }
 
-/// The distinct images among `built`: nodes whose images have the same
-/// bytes share one snapshot (hcloud images carry no per-node META).
-pub fn distinct_images(built: &[Outcome]) -> Vec<SnapshotImage> {
-    let mut by_sha: BTreeMap<&str, SnapshotImage> = BTreeMap::new();
-    for o in built {
-        by_sha
-            .entry(o.image.sha256.as_str())
-            .or_insert_with(|| SnapshotImage {
-                path: o.file.clone(),
-                sha256: o.image.sha256.clone(),
-                size: o.image.size,
-                schematic_id: o.image.schematic_id.to_string(),
-                talos_version: o.image.talos_version.clone(),
-                arch: o.image.arch,
-                nodes: Vec::new(),
-            })
-            .nodes
-            .push(o.image.node.clone());
-    }
-    by_sha.into_values().collect()
-}
-
 /// Publishes every distinct image of `built` as a snapshot.
 pub fn publish(
     settings: &HcloudSettings,
     creds: &Credentials,
     built: &[Outcome],
     build_failures: Vec<(String, String)>,
-    args: &HcloudArgs,
-    poll: Duration,
+    opts: &SnapshotOptions,
     output: Output,
 ) -> Result<()> {
     let cancel = cancel_on_signals();
-    let opts = SnapshotOptions {
-        poll,
-        ssh_timeout: args.ssh_timeout,
-        ssh_port: args.rescue_ssh_port,
-        ..SnapshotOptions::default()
-    };
     let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
     let mut snapshots: Vec<Snapshot> = Vec::new();
     let mut failures = build_failures;
     let mut leftovers: Vec<Leftover> = Vec::new();
     let mut interrupted = false;
-    for image in distinct_images(built) {
+    for image in SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone()))) {
         if interrupted {
             failures.push((image.nodes.join(","), "not started: interrupted".into()));
             continue;
         }
         let run =
-            hcloud::publish_snapshot(&api, settings, &image, &opts, &cancel, observer(output));
+            hcloud::publish_snapshot(&api, settings, &image, opts, &cancel, observer(output));
         leftovers.extend(run.leftovers);
         match run.result {
             Ok(s) => snapshots.push(s),
@@ -235,5 +218,74 @@ pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
         Ok(())
     } else {
         Err(Reported(format!("{} resource(s) could not be deleted", left.len())).into())
+    }
+}
+
+#[derive(Args)]
+pub struct DownArgs {
+    /// Delete without asking (required when stdin is not a terminal).
+    #[arg(long)]
+    yes: bool,
+}
+
+/// `imgbuild down`: deletes the cluster's servers (found by label) after a
+/// confirmation. Snapshots stay: the next `up` boots from them again.
+pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<()> {
+    use std::io::{BufRead, IsTerminal, Write};
+    let inv = super::load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
+    if inv.publish.hcloud.as_ref().and_then(|h| h.servers.as_ref()).is_none() {
+        return Err(Usage(format!(
+            "{}: no publish.hcloud.servers section: `down` deletes the Hetzner servers `up` made",
+            config.display()
+        ))
+        .into());
+    }
+    let creds = credentials()?;
+    let opts = SnapshotOptions::default();
+    let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
+    let cluster = &inv.cluster.name;
+    let found = servers::existing(&api, cluster)?;
+    if !found.is_empty() && !args.yes {
+        if !std::io::stdin().is_terminal() {
+            return Err(Usage(format!(
+                "would delete {} server(s) of cluster {cluster}: pass --yes to confirm (stdin is not a terminal)",
+                found.len()
+            ))
+            .into());
+        }
+        eprintln!("These servers of cluster {cluster} will be deleted:");
+        for s in &found {
+            eprintln!("  {} (server {}, node {})", s.name, s.id, s.node);
+        }
+        eprint!("Delete them? [y/N] ");
+        std::io::stderr().flush()?;
+        let mut answer = String::new();
+        std::io::stdin().lock().read_line(&mut answer)?;
+        if !matches!(answer.trim(), "y" | "Y" | "yes") {
+            return Err(Reported("nothing deleted".into()).into());
+        }
+    }
+    let (deleted, left) = servers::delete_cluster(&api, cluster, &opts);
+    match output {
+        Output::Json => println!(
+            "{}",
+            json!({"cluster": cluster, "deleted": deleted, "leftovers": left, "requests": api.requests()})
+        ),
+        Output::Text => {
+            if deleted.is_empty() && left.is_empty() {
+                println!("cluster {cluster} has no servers");
+            }
+            for d in &deleted {
+                println!("deleted server {} ({})", d.id, d.name);
+            }
+            for l in &left {
+                eprintln!("could not delete server {}: {}", l.id, l.error);
+            }
+        }
+    }
+    if left.is_empty() {
+        Ok(())
+    } else {
+        Err(Reported(format!("{} server(s) could not be deleted", left.len())).into())
     }
 }

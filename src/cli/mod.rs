@@ -79,6 +79,8 @@ enum Command {
     /// Delete the temporary Hetzner servers and SSH keys that killed
     /// `publish` runs left (found by label).
     Cleanup(hcloud::CleanupArgs),
+    /// Delete the cluster's Hetzner servers that `up` created (by label).
+    Down(hcloud::DownArgs),
     /// Build, publish, start, bootstrap and check health: the whole line, resumable.
     Up(up::UpArgs),
 }
@@ -144,6 +146,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
         Command::Publish(args) => publish::run(args, &cli.config, cli.output),
         Command::Cleanup(args) => hcloud::cleanup(args, cli.output),
+        Command::Down(args) => hcloud::down(args, &cli.config, cli.output),
         Command::Up(args) => up::run(args, &cli.config, cli.output),
     }
 }

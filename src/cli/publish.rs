@@ -7,6 +7,7 @@ use super::{Output, Partial, Reported, load_inventory};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use imgbuild::publish::PublishImage;
+use imgbuild::publish::hcloud::SnapshotOptions;
 use imgbuild::publish::proxmox::{
     self, Credentials, Event, NodePublished, PublishOptions, VmChange,
 };
@@ -43,9 +44,17 @@ impl PublishArgs {
     pub(super) fn options(&self) -> PublishOptions {
         PublishOptions {
             replace_disk: self.replace_disk,
-            poll: Duration::from_millis(self.poll_ms.max(10)),
+            poll: self.poll(),
             ..PublishOptions::default()
         }
+    }
+
+    pub(super) fn hcloud_options(&self) -> SnapshotOptions {
+        self.hcloud.options(self.poll())
+    }
+
+    fn poll(&self) -> Duration {
+        Duration::from_millis(self.poll_ms.max(10))
     }
 }
 
@@ -81,14 +90,12 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     if let Some(settings) = inv.publish.hcloud.clone() {
         let creds = hc::credentials()?;
         let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
-        let poll = Duration::from_millis(args.poll_ms.max(10));
         return hc::publish(
             &settings,
             &creds,
             &built,
             build_failures,
-            &args.hcloud,
-            poll,
+            &args.hcloud_options(),
             output,
         );
     }

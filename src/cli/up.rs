@@ -6,7 +6,10 @@ use super::talos::BootstrapRunArgs;
 use super::{Output, Partial, Reported, Usage, load_inventory};
 use anyhow::Result;
 use clap::Args;
-use imgbuild::up::{self, Change, NodeReport, Observers, Report, Target, UpOptions};
+use imgbuild::publish::Cancel;
+use imgbuild::up::{
+    self, Change, NodeReport, Observers, Report, Target, TargetOptions, UpOptions,
+};
 use std::path::Path;
 
 #[derive(Args)]
@@ -25,8 +28,19 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
     for node in args.publish.nodes() {
         inv.node(node).map_err(|e| Usage(e.to_string()))?;
     }
-    let target = Target::from_inventory(&inv, &|k| std::env::var(k).ok(), args.publish.options())
+    let options = TargetOptions {
+        proxmox: args.publish.options(),
+        hcloud: args.publish.hcloud_options(),
+        cancel: Cancel::never(),
+    };
+    let mut target = Target::from_inventory(&inv, &|k| std::env::var(k).ok(), options)
         .map_err(|e| Usage(format!("{}: {e}", config.display())))?;
+    if let Target::Hcloud(hc) = &mut target
+        && !args.dry_run
+    {
+        // Snapshot runs create servers: Ctrl-C must let them clean up.
+        hc.cancel = super::signals::cancel_on_signals();
+    }
     if let Target::Proxmox(pve) = &target
         && pve.credentials.insecure()
         && output == Output::Text
@@ -58,6 +72,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
             Observers {
                 download: download.as_ref(),
                 publish,
+                hcloud: super::hcloud::observer(if quiet { Output::Json } else { output }),
                 bootstrap: &bootstrap,
             },
         )
@@ -106,7 +121,7 @@ fn print_report(r: &Report) {
         "NODE",
         "IMAGE",
         "VOLUME",
-        "VMID",
+        "VM/SERVER",
         "ADDRESS",
         "TALOS",
         "K8S READY",
@@ -168,7 +183,11 @@ fn row(n: &NodeReport) -> [String; 7] {
         n.node.clone(),
         cell(n.sha256.as_deref().map(|s| short(s).to_owned())),
         cell(n.volume.clone()),
-        cell(n.vmid.map(|v| v.to_string())),
+        cell(
+            n.vmid
+                .map(|v| v.to_string())
+                .or(n.server.map(|s| s.to_string())),
+        ),
         cell(n.address.map(|a| a.to_string())),
         cell(talos),
         cell(

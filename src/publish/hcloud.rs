@@ -193,6 +193,33 @@ pub struct SnapshotImage {
     pub nodes: Vec<String>,
 }
 
+impl SnapshotImage {
+    /// The distinct images among `images` (each with its file): nodes whose
+    /// images have the same bytes share one snapshot (hcloud images carry
+    /// no per-node META, so usually every node shares one).
+    pub fn distinct<'a>(
+        images: impl IntoIterator<Item = (&'a crate::build::NodeImage, PathBuf)>,
+    ) -> Vec<SnapshotImage> {
+        let mut by_sha: BTreeMap<String, SnapshotImage> = BTreeMap::new();
+        for (image, path) in images {
+            by_sha
+                .entry(image.sha256.clone())
+                .or_insert_with(|| SnapshotImage {
+                    path,
+                    sha256: image.sha256.clone(),
+                    size: image.size,
+                    schematic_id: image.schematic_id.to_string(),
+                    talos_version: image.talos_version.clone(),
+                    arch: image.arch,
+                    nodes: Vec::new(),
+                })
+                .nodes
+                .push(image.node.clone());
+        }
+        by_sha.into_values().collect()
+    }
+}
+
 /// The labels that identify a snapshot's content: what Terraform selects
 /// it by. Values are at most 63 characters, hence the 32-hex prefixes.
 pub fn snapshot_labels(image: &SnapshotImage) -> BTreeMap<String, String> {
@@ -653,8 +680,14 @@ impl Build<'_> {
             let mut encoder = zstd::stream::read::Encoder::new(hashing, self.opts.zstd_level)
                 .map_err(|e| HcloudError::Io(format!("starting zstd: {e}")))?;
             if self.opts.zstd_threads > 1 {
+                // Small jobs keep each worker's buffers (and so the
+                // process's memory) small; zeros and random data gain
+                // nothing from larger ones.
                 encoder
                     .multithread(self.opts.zstd_threads)
+                    .and_then(|()| {
+                        encoder.set_parameter(zstd::zstd_safe::CParameter::JobSize(1 << 20))
+                    })
                     .map_err(|e| HcloudError::Io(format!("zstd workers: {e}")))?;
             }
             let mut sent = 0u64;

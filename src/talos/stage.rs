@@ -155,6 +155,22 @@ impl StateDir {
     }
 
     /// Writes `configs/<node>.yaml` (0600) unless it already holds `text`.
+    /// Renders `node`'s config and keeps it in the state dir, noting the
+    /// node in `written` when the file changed.
+    fn render_config(
+        &self,
+        inv: &Inventory,
+        node: &crate::inventory::NodeSpec,
+        bundle: &SecretsBundle,
+        written: &mut Vec<String>,
+    ) -> Result<String, StageError> {
+        let text = config::machine_config(inv, node, bundle)?;
+        if self.write_config(&node.name, &text)? {
+            written.push(node.name.clone());
+        }
+        Ok(text)
+    }
+
     fn write_config(&self, node: &str, text: &str) -> Result<bool, StageError> {
         let dir = self.configs_dir();
         config::ensure_private_dir(&dir).map_err(|source| StageError::Io {
@@ -261,10 +277,7 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
                 (t, address)
             }
         };
-        let text = config::machine_config(inv, node, &bundle)?;
-        if state_dir.write_config(&node.name, &text)? {
-            configs_written.push(node.name.clone());
-        }
+        let text = state_dir.render_config(inv, node, &bundle, &mut configs_written)?;
         nodes.push(PlannedNode {
             name: node.name.clone(),
             role: node.role,
@@ -288,6 +301,25 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
         secrets_created,
         configs_written,
     })
+}
+
+/// Every node's machine config, by node, for machines that take it at
+/// creation (Hetzner `user_data`) before anyone knows their address: the
+/// secrets and configs [`prepare`] would use, kept in the state dir alike.
+pub fn machine_configs(
+    inv: &Inventory,
+    opts: &BootstrapOptions,
+) -> Result<Vec<(String, String)>, StageError> {
+    let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?;
+    let (bundle, _) = state_dir.secrets()?;
+    let mut written = Vec::new();
+    inv.nodes
+        .iter()
+        .map(|node| {
+            let text = state_dir.render_config(inv, node, &bundle, &mut written)?;
+            Ok((node.name.clone(), text))
+        })
+        .collect()
 }
 
 /// The whole stage: [`prepare`], then apply, bootstrap etcd once and wait

@@ -168,7 +168,7 @@ impl Rescue {
         };
         let mut returned = None;
         if let Some(mut input) = input {
-            let (chunks, mut next) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(4);
+            let (chunks, mut next) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(2);
             let reader = std::thread::spawn(move || {
                 pump(&mut input, &chunks);
                 input

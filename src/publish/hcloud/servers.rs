@@ -26,6 +26,8 @@ pub const USER_DATA_MAX: usize = 32 * 1024;
 #[derive(Debug, Clone)]
 pub struct ServerSpec {
     pub node: String,
+    /// The snapshot holding the node's image.
+    pub snapshot: u64,
     /// The node's machine config.
     pub user_data: String,
     /// Its address in the inventory: where it joins `servers.network`.
@@ -41,6 +43,8 @@ pub struct ClusterServer {
     pub public_ip: Option<IpAddr>,
     /// False when an existing server was reused.
     pub created: bool,
+    /// Whether this run switched it on (created, or found off).
+    pub started: bool,
     pub status: String,
 }
 
@@ -67,6 +71,7 @@ fn describe(node: &str, server: &Value, created: bool) -> ClusterServer {
             .and_then(Value::as_str)
             .and_then(|s| s.parse().ok()),
         created,
+        started: created,
         status: server["status"].as_str().unwrap_or_default().to_owned(),
     }
 }
@@ -102,14 +107,13 @@ pub fn check(specs: &[ServerSpec]) -> Result<(), HcloudError> {
     Ok(())
 }
 
-/// Makes sure every node of `specs` has a running server made from
-/// `snapshot`: existing ones (matched by label) are reused and started if
+/// Makes sure every node of `specs` has a running server made from its
+/// snapshot: existing ones (matched by label) are reused and started if
 /// off, missing ones created. One server per node, never two.
 pub fn ensure(
     api: &Api,
     settings: &HcloudSettings,
     cluster: &str,
-    snapshot: u64,
     specs: &[ServerSpec],
     opts: &SnapshotOptions,
     cancel: &Cancel,
@@ -144,6 +148,7 @@ pub fn ensure(
                 let reply = api.post(&format!("/servers/{}/actions/poweron", s.id), &json!({}))?;
                 wait(&reply, &format!("poweron of server {} (node {})", s.id, spec.node))?;
                 s.status = "running".into();
+                s.started = true;
             }
             out.push(s);
             continue;
@@ -158,7 +163,7 @@ pub fn ensure(
             &json!({
                 "name": server_name(cluster, &spec.node),
                 "server_type": shape.server_type,
-                "image": snapshot,
+                "image": spec.snapshot,
                 "location": settings.location,
                 "labels": labels,
                 "user_data": spec.user_data,
@@ -235,6 +240,7 @@ mod tests {
     fn oversized_user_data_names_the_node() {
         let spec = |n: &str, len: usize| ServerSpec {
             node: n.into(),
+            snapshot: 1,
             user_data: "x".repeat(len),
             private_ip: None,
         };
