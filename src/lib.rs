@@ -12,6 +12,7 @@ pub mod inventory;
 pub mod io;
 pub mod meta;
 pub mod net;
+pub mod plan;
 pub mod publish;
 pub mod schematic;
 pub mod talos;
