@@ -82,9 +82,7 @@ enum Command {
     /// Convert another tool's cluster definition into a cluster.yaml.
     Import(import::ImportArgs),
     /// Print a shell completion script (bash, zsh or fish).
-    Completions {
-        shell: clap_complete::Shell,
-    },
+    Completions { shell: clap_complete::Shell },
     /// Print the manual page (roff) on stdout.
     Man,
 }
@@ -158,7 +156,9 @@ fn usage_error(e: clap::Error) -> i32 {
         e.exit();
     }
     let args: Vec<String> = std::env::args().collect();
-    let json_wanted = args.windows(2).any(|w| w[0] == "--output" && w[1] == "json")
+    let json_wanted = args
+        .windows(2)
+        .any(|w| w[0] == "--output" && w[1] == "json")
         || args.iter().any(|a| a == "--output=json");
     if json_wanted {
         let message = e.render().to_string();

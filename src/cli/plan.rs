@@ -22,8 +22,9 @@ pub struct PlanArgs {
     /// Only artifacts for this publish target (an empty plan is fine).
     #[arg(long, value_enum)]
     target: Option<Target>,
-    /// text (a table), json (every detail) or github (one line: `{"include":[…]}`
-    /// for `strategy.matrix`) [default: --output's].
+    /// text (a table), json (every detail), github (one line: `{"include":[…]}`
+    /// for `strategy.matrix`) or gitlab (child-pipeline jobs extending `.imgbuild`)
+    /// [default: --output's].
     #[arg(long, value_enum)]
     format: Option<PlanFormat>,
 }
@@ -33,6 +34,7 @@ enum PlanFormat {
     Text,
     Json,
     Github,
+    Gitlab,
 }
 
 /// One planned job: the artifact, the inventory it comes from, its name and command.
@@ -77,6 +79,7 @@ pub fn run(args: PlanArgs, configs: &[PathBuf], output: Output) -> Result<()> {
     });
     match format {
         PlanFormat::Github => println!("{}", github_matrix(&entries)?),
+        PlanFormat::Gitlab => print!("{}", gitlab_jobs(&entries)?),
         PlanFormat::Json => {
             let list: Vec<Value> = entries
                 .iter()
@@ -120,6 +123,32 @@ fn github_matrix(entries: &[Entry]) -> Result<String> {
     Ok(json!({ "include": include }).to_string())
 }
 
+/// GitLab child-pipeline jobs, one per entry, each extending the `.imgbuild`
+/// template the pipeline defines (image, install, credentials). GitLab
+/// refuses a pipeline without jobs, so an empty plan gets one that says so.
+fn gitlab_jobs(entries: &[Entry]) -> Result<String> {
+    use serde_yaml_ng::{Mapping, Value as Yaml};
+    let mut jobs = Mapping::new();
+    for e in entries {
+        let mut job = Mapping::new();
+        job.insert("extends".into(), ".imgbuild".into());
+        job.insert(
+            "script".into(),
+            Yaml::Sequence(vec![e.command.clone().into()]),
+        );
+        jobs.insert(e.name.clone().into(), Yaml::Mapping(job));
+    }
+    if entries.is_empty() {
+        let mut job = Mapping::new();
+        job.insert(
+            "script".into(),
+            Yaml::Sequence(vec!["echo the imgbuild plan is empty".into()]),
+        );
+        jobs.insert("imgbuild-empty-plan".into(), Yaml::Mapping(job));
+    }
+    Ok(serde_yaml_ng::to_string(&jobs)?)
+}
+
 /// A name usable as a job name and as an artifact name (no `/`, `:` or spaces).
 fn entry_name(cluster: &str, a: &Artifact) -> String {
     let short = &a.schematic_id.as_str()[..12];
@@ -135,7 +164,9 @@ fn entry_name(cluster: &str, a: &Artifact) -> String {
                 ImageFormat::Qcow2 => "qcow2",
             })
         ),
-        ArtifactKind::Snapshot => format!("{cluster}-snapshot-{short}-{}-{}", a.talos_version, a.arch),
+        ArtifactKind::Snapshot => {
+            format!("{cluster}-snapshot-{short}-{}-{}", a.talos_version, a.arch)
+        }
     }
 }
 
