@@ -8,6 +8,7 @@ pub mod build;
 pub mod disk;
 pub mod factory;
 pub mod fetch;
+pub mod import;
 pub mod inventory;
 pub mod io;
 pub mod meta;
