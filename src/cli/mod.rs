@@ -19,7 +19,10 @@ use std::path::{Path, PathBuf};
 #[command(
     name = "imgbuild",
     version,
-    about = "Per-node Talos Linux images from one cluster inventory"
+    about = "Per-node Talos Linux images from one cluster inventory",
+    after_help = "Exit codes: 0 ok, 1 failure, 2 usage error or invalid inventory, 3 partial \
+                  (some nodes or artifacts done, some failed). With --output json, stdout holds \
+                  exactly one JSON document, also on failure."
 )]
 pub struct Cli {
     /// The cluster inventory [default: $IMGBUILD_CONFIG, else ./cluster.yaml];
