@@ -114,7 +114,7 @@ pub fn talhelper(path: &Path, opts: &ImportOptions) -> Result<Imported, ImportEr
         index: LineIndex::default(),
     };
     c.load_talenv(&read)?;
-    let text = c.substitute(&raw, &path.to_owned());
+    let text = c.substitute(&raw, path);
     let doc: Value = serde_yaml_ng::from_str(&text).map_err(|e| ImportError::Parse {
         path: path.to_owned(),
         message: e.to_string(),
@@ -244,7 +244,7 @@ impl Converter<'_> {
     /// talhelper's envsubst for `${NAME}` and `${NAME:-default}`: talenv.yaml
     /// first, then the environment. An unset variable stays as written and
     /// is reported with its line in `file`.
-    fn substitute(&mut self, text: &str, file: &PathBuf) -> String {
+    fn substitute(&mut self, text: &str, file: &Path) -> String {
         let mut out = String::with_capacity(text.len());
         let mut rest = text;
         let mut consumed = 0;
@@ -277,7 +277,7 @@ impl Converter<'_> {
                     if is_name {
                         let line = text[..consumed + start].matches('\n').count() + 1;
                         self.skipped.push(Skipped {
-                            file: file.clone(),
+                            file: file.to_owned(),
                             line: Some(line),
                             field: format!("${{{name}}}"),
                             reason: format!(

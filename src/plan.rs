@@ -174,7 +174,7 @@ mod tests {
         let a = artifacts(&inv, Route::Factory).unwrap();
         assert_eq!(a.len(), 5);
         for (artifact, node) in a.iter().zip(&inv.nodes) {
-            assert_eq!(artifact.nodes, [node.name.clone()]);
+            assert_eq!(artifact.nodes, std::slice::from_ref(&node.name));
             assert_eq!(
                 artifact.schematic_id,
                 schematic::for_node(&inv, node).id().unwrap()

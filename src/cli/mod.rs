@@ -182,7 +182,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         .into());
     }
     let one = Invocation {
-        config: &cli.config[0],
+        config: cli.config[0].clone(),
         configs: &cli.config,
         output: cli.output,
     };
@@ -192,7 +192,7 @@ fn dispatch(cli: Cli) -> Result<()> {
 /// The global flags: the inventory every command reads, or with `plan`
 /// all of them.
 struct Invocation<'a> {
-    config: &'a Path,
+    config: PathBuf,
     configs: &'a [PathBuf],
     output: Output,
 }
