@@ -77,10 +77,9 @@ pub enum ImportError {
         path.display()
     )]
     Encrypted { path: PathBuf },
-    #[error("{}: line {line}: {field} is required by cluster.yaml: {message}", path.display())]
+    #[error("{}: {field} is required by cluster.yaml: {message}", path.display())]
     Missing {
         path: PathBuf,
-        line: usize,
         field: String,
         message: String,
     },
@@ -342,7 +341,6 @@ impl Converter<'_> {
         self.string(map, key, "")?
             .ok_or_else(|| ImportError::Missing {
                 path: self.path.clone(),
-                line: 1,
                 field: key.into(),
                 message: what.into(),
             })
@@ -399,7 +397,6 @@ impl Converter<'_> {
         let Some(Value::Sequence(list)) = top.get("nodes") else {
             return Err(ImportError::Missing {
                 path: self.path.clone(),
-                line: 1,
                 field: "nodes".into(),
                 message: "a list of nodes".into(),
             });
@@ -984,7 +981,7 @@ mod tests {
     fn a_node_without_interfaces_uses_dhcp_and_is_reached_at_its_ip_address() {
         let done = convert(MINIMAL, &[("VIP", "10.0.0.2")]);
         assert!(
-            done.inventory.contains("address: 10.0.0.5\n    dhcp: true"),
+            done.inventory.contains("  address: 10.0.0.5\n  dhcp: true"),
             "{}",
             done.inventory
         );
