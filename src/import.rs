@@ -12,7 +12,7 @@
 //! over: SOPS-encrypted files, unset variables, JSON6902 patches, and every
 //! field cluster.yaml has no place for.
 
-use crate::inventory::LineIndex;
+use crate::inventory::{Cidr, LineIndex};
 use crate::schematic::{Customization, Schematic, SystemExtensions};
 use serde::Serialize;
 use serde_yaml_ng::{Mapping, Value};
@@ -626,15 +626,12 @@ impl Converter<'_> {
         if let Some(list) = iface.get("addresses").and_then(Value::as_sequence) {
             for (j, a) in list.iter().enumerate() {
                 let aat = format!("{at}.addresses[{j}]");
-                let parsed = a.as_str().and_then(|s| {
-                    let (ip, prefix) = s.split_once('/')?;
-                    Some((ip.parse::<IpAddr>().ok()?, prefix.parse::<u8>().ok()?))
-                });
+                let parsed = a.as_str().and_then(|s| s.parse::<Cidr>().ok());
                 match parsed {
-                    Some((ip, prefix)) if address.is_none() => {
-                        address = Some(ip);
-                        let cidr = network_of(ip, prefix);
-                        self.one_per_cluster(&mut shared.cidr, cidr, &aat);
+                    Some(cidr) if address.is_none() => {
+                        address = Some(cidr.addr);
+                        let network = cidr.network().to_string();
+                        self.one_per_cluster(&mut shared.cidr, network, &aat);
                     }
                     _ => self.skip(aat, "imgbuild gives a node one address (ADDRESS/PREFIX)"),
                 }
@@ -868,30 +865,6 @@ fn join(at: &str, key: &str) -> String {
     }
 }
 
-/// `10.0.0.11/24` → `10.0.0.0/24`.
-fn network_of(ip: IpAddr, prefix: u8) -> String {
-    match ip {
-        IpAddr::V4(v4) => {
-            let bits = u32::from(v4);
-            let mask = if prefix == 0 {
-                0
-            } else {
-                u32::MAX << (32 - u32::from(prefix.min(32)))
-            };
-            format!("{}/{prefix}", std::net::Ipv4Addr::from(bits & mask))
-        }
-        IpAddr::V6(v6) => {
-            let bits = u128::from(v6);
-            let mask = if prefix == 0 {
-                0
-            } else {
-                u128::MAX << (128 - u32::from(prefix.min(128)))
-            };
-            format!("{}/{prefix}", std::net::Ipv6Addr::from(bits & mask))
-        }
-    }
-}
-
 fn insert_some(m: &mut Mapping, key: &str, v: Option<String>) {
     if let Some(v) = v {
         m.insert(key.into(), v.into());
@@ -984,19 +957,6 @@ mod tests {
             done.inventory.contains("  address: 10.0.0.5\n  dhcp: true"),
             "{}",
             done.inventory
-        );
-    }
-
-    #[test]
-    fn networks_are_computed_from_address_prefixes() {
-        assert_eq!(
-            network_of("192.168.200.11".parse().unwrap(), 24),
-            "192.168.200.0/24"
-        );
-        assert_eq!(network_of("10.1.2.3".parse().unwrap(), 0), "0.0.0.0/0");
-        assert_eq!(
-            network_of("2001:db8::5".parse().unwrap(), 64),
-            "2001:db8::/64"
         );
     }
 }

@@ -420,24 +420,24 @@ fn an_existing_inventory_is_kept_unless_forced() {
     );
 }
 
-#[test]
-fn an_encrypted_talconfig_is_refused_by_name() {
+/// `imgbuild [--output json] import talhelper` on a talconfig with `text`.
+fn import_text(text: &str, json_output: bool) -> Output {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("talconfig.yaml");
-    std::fs::write(
-        &src,
+    std::fs::write(&src, text).unwrap();
+    let mut args = Vec::new();
+    if json_output {
+        args.extend(["--output", "json"]);
+    }
+    args.extend(["import", "talhelper", src.to_str().unwrap()]);
+    run(&args, &[])
+}
+
+#[test]
+fn an_encrypted_talconfig_is_refused_by_name() {
+    let o = import_text(
         "clusterName: ENC[AES256_GCM,data:eA==,type:str]\nsops:\n  version: 3.9.0\n",
-    )
-    .unwrap();
-    let o = run(
-        &[
-            "--output",
-            "json",
-            "import",
-            "talhelper",
-            src.to_str().unwrap(),
-        ],
-        &[],
+        true,
     );
     assert_eq!(o.status.code(), Some(1));
     let err = json(&o)["error"].as_str().unwrap().to_owned();
@@ -449,14 +449,10 @@ fn an_encrypted_talconfig_is_refused_by_name() {
 
 #[test]
 fn missing_required_fields_are_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("talconfig.yaml");
-    std::fs::write(
-        &src,
+    let o = import_text(
         "clusterName: x\nendpoint: https://10.0.0.1:6443\nnodes: []\n",
-    )
-    .unwrap();
-    let o = run(&["import", "talhelper", src.to_str().unwrap()], &[]);
+        false,
+    );
     assert_eq!(o.status.code(), Some(1));
     assert!(
         text(&o.stderr).contains("talosVersion is required"),

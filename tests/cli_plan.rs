@@ -44,6 +44,12 @@ fn plan_json(configs: &[&str], args: &[&str]) -> Vec<serde_json::Value> {
 }
 
 const ATLAS: &str = "examples/atlas/cluster.yaml";
+
+/// `schematic --all` of an inventory: every node's ID and the base's.
+fn schematic_ids(config: &str) -> serde_json::Value {
+    let o = imgbuild(&["--config", config, "--output", "json", "schematic", "--all"]);
+    serde_json::from_str(&ok(&o)).unwrap()
+}
 const LAB: &str = "examples/ci/clusters/lab.yaml";
 const HETZNER: &str = "examples/ci/clusters/hetzner.yaml";
 
@@ -57,15 +63,7 @@ fn the_atlas_example_needs_one_base_image_by_the_patch_route() {
         "imgbuild --config examples/atlas/cluster.yaml build cp-01 cp-02 cp-03 worker-01 worker-02"
     );
     // The base is the cluster's schematic without META, as `schematic --all` names it.
-    let all: serde_json::Value = serde_json::from_str(&ok(&imgbuild(&[
-        "--config",
-        ATLAS,
-        "--output",
-        "json",
-        "schematic",
-        "--all",
-    ])))
-    .unwrap();
+    let all = schematic_ids(ATLAS);
     let base = all
         .as_array()
         .unwrap()
@@ -78,15 +76,7 @@ fn the_atlas_example_needs_one_base_image_by_the_patch_route() {
 #[test]
 fn the_factory_route_plans_one_image_per_node_with_its_own_schematic() {
     let a = plan_json(&[ATLAS], &["--route", "factory"]);
-    let all: serde_json::Value = serde_json::from_str(&ok(&imgbuild(&[
-        "--config",
-        ATLAS,
-        "--output",
-        "json",
-        "schematic",
-        "--all",
-    ])))
-    .unwrap();
+    let all = schematic_ids(ATLAS);
     let nodes = ["cp-01", "cp-02", "cp-03", "worker-01", "worker-02"];
     assert_eq!(a.len(), nodes.len());
     for (entry, node) in a.iter().zip(nodes) {
