@@ -162,6 +162,37 @@ fn failures_are_1_and_one_document_from_every_command() {
     }
 }
 
+/// Commands whose output is a generated file wrap it in one document.
+#[test]
+fn generated_files_are_one_document_with_json() {
+    let o = imgbuild(&["--output", "json", "completions", "bash"]);
+    assert_eq!(o.status.code(), Some(0));
+    let v = one_document(&o);
+    assert_eq!(v["shell"], "bash");
+    assert!(v["text"].as_str().unwrap().contains("_imgbuild()"), "{v}");
+    let o = imgbuild(&["--output", "json", "man"]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(
+        one_document(&o)["text"]
+            .as_str()
+            .unwrap()
+            .contains(".TH imgbuild")
+    );
+    // A plan format that is not JSON cannot honour --output json.
+    for format in ["text", "gitlab"] {
+        let o = imgbuild(&[
+            "--config", LOOPBACK, "--output", "json", "plan", "--format", format,
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{format}");
+        assert!(
+            one_document(&o)["error"]
+                .as_str()
+                .unwrap()
+                .contains("--format")
+        );
+    }
+}
+
 /// `verify` prints its per-image verdicts and then fails: still one document.
 #[test]
 fn a_failed_verify_is_1_with_its_results_as_the_only_document() {

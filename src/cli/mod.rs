@@ -220,14 +220,27 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
             // Into memory first: clap_complete panics when a write fails.
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "imgbuild", &mut script);
-            std::io::stdout().write_all(&script)?;
-            Ok(())
+            print_generated(&script, json!({"shell": shell.to_string()}), cli.output)
         }
         Command::Man => {
-            clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?;
-            Ok(())
+            let mut page = Vec::new();
+            clap_mangen::Man::new(Cli::command()).render(&mut page)?;
+            print_generated(&page, json!({"format": "roff"}), cli.output)
         }
     }
+}
+
+/// A generated file on stdout as it is, or with `--output json` as the
+/// `text` of one document (`fields` say what it is).
+fn print_generated(bytes: &[u8], mut fields: serde_json::Value, output: Output) -> Result<()> {
+    match output {
+        Output::Text => std::io::stdout().write_all(bytes)?,
+        Output::Json => {
+            fields["text"] = json!(String::from_utf8_lossy(bytes));
+            println!("{fields}");
+        }
+    }
+    Ok(())
 }
 
 /// Loads the inventory and shows its warnings on stderr.

@@ -46,6 +46,18 @@ struct Entry {
 }
 
 pub fn run(args: PlanArgs, configs: &[PathBuf], output: Output) -> Result<()> {
+    let format = args.format.unwrap_or(match output {
+        Output::Text => PlanFormat::Text,
+        Output::Json => PlanFormat::Json,
+    });
+    if output == Output::Json && matches!(format, PlanFormat::Text | PlanFormat::Gitlab) {
+        // --output json promises one JSON document on stdout.
+        return Err(Usage(
+            "--format text and gitlab print text, not JSON: drop --output json or use --format json|github"
+                .into(),
+        )
+        .into());
+    }
     let mut entries: Vec<Entry> = Vec::new();
     for config in configs {
         let inv = load_inventory(config, output)?;
@@ -73,10 +85,6 @@ pub fn run(args: PlanArgs, configs: &[PathBuf], output: Output) -> Result<()> {
             });
         }
     }
-    let format = args.format.unwrap_or(match output {
-        Output::Text => PlanFormat::Text,
-        Output::Json => PlanFormat::Json,
-    });
     match format {
         PlanFormat::Github => println!("{}", github_matrix(&entries)?),
         PlanFormat::Gitlab => print!("{}", gitlab_jobs(&entries)?),
