@@ -5,12 +5,14 @@ CARGO ?= cargo
 IMGBUILD := target/debug/imgbuild
 ATLAS := examples/atlas/cluster.yaml
 
-.PHONY: demo test deps build lint schematics fuzz bench
+.PHONY: demo test deps build lint schematics fuzz bench install
 
 # Debian packages the tests use: sgdisk (GPT checks), qemu-img (qcow2 checks),
 # curl (simulator stats), Go and its yaml.v3 (the schematic emitter's
 # differential oracle), OpenSSH's sshd, ssh and ssh-keygen and zstd (the
-# Hetzner simulator's rescue system and the tests that log in to it).
+# Hetzner simulator's rescue system and the tests that log in to it), jq
+# (docs/ci.md's snapshot collector) and man-db (the installed man page is
+# rendered with man -l).
 deps:
 	@need=""; \
 	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
@@ -19,6 +21,8 @@ deps:
 	[ -x /usr/sbin/sshd ] || need="$$need openssh-server"; \
 	command -v ssh >/dev/null 2>&1 && command -v ssh-keygen >/dev/null 2>&1 || need="$$need openssh-client"; \
 	command -v zstd >/dev/null 2>&1 || need="$$need zstd"; \
+	command -v jq >/dev/null 2>&1 || need="$$need jq"; \
+	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
 	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
 	if [ -n "$$need" ]; then \
@@ -74,6 +78,24 @@ demo: build
 	echo; echo "== imgbuild up"; $$up; \
 	echo; echo "== imgbuild up, again: nothing to do"; $$up --quiet; \
 	echo; echo "state dir (secrets stay in these 0600 files):"; ls -l $(DEMO)/state
+
+# Installs imgbuild, its man page and its bash, zsh and fish completions under
+# $(PREFIX) (with $(DESTDIR) in front, for packaging). The binary is a release
+# build unless BIN names one.
+PREFIX ?= /usr/local
+BIN ?=
+install:
+	@set -e; bin="$(BIN)"; \
+	if [ -z "$$bin" ]; then $(CARGO) build --locked --release --bin imgbuild; bin=target/release/imgbuild; fi; \
+	root="$(DESTDIR)$(PREFIX)"; \
+	install -d "$$root/bin" "$$root/share/man/man1" "$$root/share/bash-completion/completions" \
+		"$$root/share/zsh/site-functions" "$$root/share/fish/vendor_completions.d"; \
+	install -m 755 "$$bin" "$$root/bin/imgbuild"; \
+	"$$bin" man > "$$root/share/man/man1/imgbuild.1"; \
+	"$$bin" completions bash > "$$root/share/bash-completion/completions/imgbuild"; \
+	"$$bin" completions zsh > "$$root/share/zsh/site-functions/_imgbuild"; \
+	"$$bin" completions fish > "$$root/share/fish/vendor_completions.d/imgbuild.fish"; \
+	echo "installed imgbuild, its man page and completions under $$root"
 
 # Regenerates the reviewed schematics/ of the example cluster.
 schematics: build

@@ -177,7 +177,8 @@ fn validate_reports_the_culprit_and_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
     let path = atlas_copy(dir.path(), "address: 10.0.0.22", "address: 10.0.0.21");
     let o = imgbuild(&["--config", path.to_str().unwrap(), "validate"]);
-    assert_eq!(o.status.code(), Some(1));
+    // 2: an invalid inventory, as documented.
+    assert_eq!(o.status.code(), Some(2));
     let err = stderr(&o);
     assert!(err.contains("cluster.yaml"), "{err}");
     assert!(
@@ -219,7 +220,8 @@ fn missing_config_names_the_file() {
         .env_remove("IMGBUILD_CONFIG")
         .output()
         .unwrap();
-    assert_eq!(o.status.code(), Some(1));
+    // 2: the wrong --config is a usage error.
+    assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("cluster.yaml"), "{}", stderr(&o));
 }
 

@@ -260,10 +260,12 @@ pub fn verify(args: VerifyArgs, output: Output) -> Result<()> {
     }
     let bad = results.iter().filter(|r| !r.ok).count();
     if bad > 0 {
-        bail!(
+        // The JSON result above already lists each mismatch.
+        return Err(Reported(format!(
             "{bad} of {} images do not match the manifest",
             results.len()
-        );
+        ))
+        .into());
     }
     Ok(())
 }

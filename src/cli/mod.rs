@@ -3,6 +3,8 @@
 mod build;
 mod hcloud;
 mod image;
+mod import;
+mod plan;
 mod publish;
 mod schematic;
 mod signals;
@@ -10,26 +12,32 @@ mod talos;
 mod up;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
-use imgbuild::inventory::Inventory;
+use clap::{ArgAction, CommandFactory, Parser, Subcommand, ValueEnum};
+use imgbuild::inventory::{Inventory, InventoryError};
 use serde_json::json;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
 #[command(
     name = "imgbuild",
     version,
-    about = "Per-node Talos Linux images from one cluster inventory"
+    about = "Per-node Talos Linux images from one cluster inventory",
+    after_help = "Exit codes: 0 ok, 1 failure, 2 usage error or invalid inventory, 3 partial \
+                  (some nodes or artifacts done, some failed). With --output json, stdout holds \
+                  exactly one JSON document, also on failure."
 )]
 pub struct Cli {
-    /// The cluster inventory [default: $IMGBUILD_CONFIG, else ./cluster.yaml]
+    /// The cluster inventory [default: $IMGBUILD_CONFIG, else ./cluster.yaml];
+    /// `plan` takes it several times.
     #[arg(
         long,
         global = true,
         env = "IMGBUILD_CONFIG",
-        default_value = "cluster.yaml"
+        default_value = "cluster.yaml",
+        action = ArgAction::Append
     )]
-    config: PathBuf,
+    config: Vec<PathBuf>,
     /// Output format: text for people, json for CI.
     #[arg(long, global = true, value_enum, default_value_t = Output::Text)]
     output: Output,
@@ -83,6 +91,14 @@ enum Command {
     Down(hcloud::DownArgs),
     /// Build, publish, start, bootstrap and check health: the whole line, resumable.
     Up(up::UpArgs),
+    /// List the distinct artifacts the inventories need, each with the command that makes it (CI matrix).
+    Plan(plan::PlanArgs),
+    /// Convert another tool's cluster definition into a cluster.yaml.
+    Import(import::ImportArgs),
+    /// Print a shell completion script (bash, zsh or fish).
+    Completions { shell: clap_complete::Shell },
+    /// Print the manual page (roff) on stdout.
+    Man,
 }
 
 /// A failure whose details the command already printed (e.g. as its JSON
@@ -96,14 +112,24 @@ pub struct Reported(pub String);
 #[error("{0}")]
 pub struct Partial(pub String);
 
-/// The inventory, environment or arguments are at fault: exit 2.
+/// A command line, inventory or environment that asks for something
+/// imgbuild cannot do: exit 2, as clap's own usage errors.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct Usage(pub String);
 
+/// The documented exit codes: 0 ok, 1 failure, 2 usage error or invalid
+/// inventory, 3 partial.
+const EXIT_FAILURE: i32 = 1;
+const EXIT_USAGE: i32 = 2;
+const EXIT_PARTIAL: i32 = 3;
+
 /// Runs the CLI; returns the process exit code.
 pub fn run() -> i32 {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
     let output = cli.output;
     match dispatch(cli) {
         Ok(()) => 0,
@@ -117,19 +143,73 @@ pub fn run() -> i32 {
             } else {
                 eprintln!("error: {message}");
             }
-            if partial {
-                3
-            } else if e.downcast_ref::<Usage>().is_some() {
-                2
-            } else {
-                1
-            }
+            exit_code(&e)
         }
     }
 }
 
+fn exit_code(e: &anyhow::Error) -> i32 {
+    let usage = e.chain().any(|c| {
+        c.downcast_ref::<InventoryError>().is_some() || c.downcast_ref::<Usage>().is_some()
+    });
+    if e.downcast_ref::<Partial>().is_some() {
+        EXIT_PARTIAL
+    } else if usage {
+        EXIT_USAGE
+    } else {
+        EXIT_FAILURE
+    }
+}
+
+/// clap's verdict on the command line: help and version as clap prints
+/// them; a usage error as one JSON document on stdout when `--output json`
+/// was asked for (CI parses stdout), else clap's message. Exit 2 either way.
+fn usage_error(e: clap::Error) -> i32 {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+        e.exit();
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let json_wanted = args
+        .windows(2)
+        .any(|w| w[0] == "--output" && w[1] == "json")
+        || args.iter().any(|a| a == "--output=json");
+    if json_wanted {
+        let message = e.render().to_string();
+        println!("{}", json!({ "error": message.trim_end() }));
+    } else {
+        let _ = e.print();
+    }
+    EXIT_USAGE
+}
+
 fn dispatch(cli: Cli) -> Result<()> {
-    match cli.command {
+    let several = cli.config.len() > 1;
+    if several && !matches!(cli.command, Command::Plan(_)) {
+        return Err(Usage(format!(
+            "--config was given {} times; only `plan` reads several inventories",
+            cli.config.len()
+        ))
+        .into());
+    }
+    let one = Invocation {
+        config: cli.config[0].clone(),
+        configs: &cli.config,
+        output: cli.output,
+    };
+    dispatch_one(cli.command, one)
+}
+
+/// The global flags: the inventory every command reads, or with `plan`
+/// all of them.
+struct Invocation<'a> {
+    config: PathBuf,
+    configs: &'a [PathBuf],
+    output: Output,
+}
+
+fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
+    match command {
         Command::Validate => validate(&cli.config, cli.output),
         Command::Schematic(args) => schematic::run(args, &cli.config, cli.output),
         Command::Inspect(args) => image::inspect(args, cli.output),
@@ -148,7 +228,33 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Cleanup(args) => hcloud::cleanup(args, cli.output),
         Command::Down(args) => hcloud::down(args, &cli.config, cli.output),
         Command::Up(args) => up::run(args, &cli.config, cli.output),
+        Command::Plan(args) => plan::run(args, cli.configs, cli.output),
+        Command::Import(args) => import::run(args, cli.output),
+        Command::Completions { shell } => {
+            // Into memory first: clap_complete panics when a write fails.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "imgbuild", &mut script);
+            print_generated(&script, json!({"shell": shell.to_string()}), cli.output)
+        }
+        Command::Man => {
+            let mut page = Vec::new();
+            clap_mangen::Man::new(Cli::command()).render(&mut page)?;
+            print_generated(&page, json!({"format": "roff"}), cli.output)
+        }
     }
+}
+
+/// A generated file on stdout as it is, or with `--output json` as the
+/// `text` of one document (`fields` say what it is).
+fn print_generated(bytes: &[u8], mut fields: serde_json::Value, output: Output) -> Result<()> {
+    match output {
+        Output::Text => std::io::stdout().write_all(bytes)?,
+        Output::Json => {
+            fields["text"] = json!(String::from_utf8_lossy(bytes));
+            println!("{fields}");
+        }
+    }
+    Ok(())
 }
 
 /// Loads the inventory and shows its warnings on stderr.

@@ -40,6 +40,20 @@ impl Cidr {
             && as_u128(self.addr) & self.mask() == as_u128(ip) & self.mask()
     }
 
+    /// The subnet with its host bits cleared: `10.0.0.11/24` → `10.0.0.0/24`
+    /// (how an interface address names the network it sits in).
+    pub fn network(&self) -> Cidr {
+        let bits = as_u128(self.addr) & self.mask();
+        let addr = match self.addr {
+            IpAddr::V4(_) => IpAddr::V4((bits as u32).into()),
+            IpAddr::V6(_) => IpAddr::V6(bits.into()),
+        };
+        Cidr {
+            addr,
+            prefix: self.prefix,
+        }
+    }
+
     /// True for an IPv4 subnet's first and last address (prefix below 31).
     pub fn is_network_or_broadcast(&self, ip: IpAddr) -> bool {
         if !ip.is_ipv4() || self.prefix >= 31 {
@@ -149,6 +163,16 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn an_interface_address_names_its_network() {
+        let net = |s: &str| s.parse::<Cidr>().unwrap().network().to_string();
+        assert_eq!(net("192.168.200.11/24"), "192.168.200.0/24");
+        assert_eq!(net("10.20.1.21/16"), "10.20.0.0/16");
+        assert_eq!(net("10.1.2.3/0"), "0.0.0.0/0");
+        assert_eq!(net("10.1.2.3/32"), "10.1.2.3/32");
+        assert_eq!(net("2001:db8::5/64"), "2001:db8::/64");
     }
 
     #[test]

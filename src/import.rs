@@ -1,0 +1,962 @@
+//! Other tools' cluster definitions as an imgbuild inventory. Today:
+//! talhelper's `talconfig.yaml` (field names from talhelper's config
+//! structs, <https://budimanjojo.github.io/talhelper/>).
+//!
+//! What carries over: clusterName, talosVersion, kubernetesVersion,
+//! endpoint, nodes (hostname, ipAddress, controlPlane, installDisk, one
+//! network interface with its addresses, default route, VIP, DHCP and
+//! `deviceSelector.hardwareAddr`, nameservers, `schematic.customization`
+//! extensions and kernel args), strategic-merge patches (cluster, control
+//! plane, worker, node) and `${VAR}` substitution from `talenv.yaml` or the
+//! environment. Everything else is listed, with its line, as not carried
+//! over: SOPS-encrypted files, unset variables, JSON6902 patches, and every
+//! field cluster.yaml has no place for.
+
+use crate::inventory::{Cidr, LineIndex};
+use crate::schematic::{Customization, Schematic, SystemExtensions};
+use serde::Serialize;
+use serde_yaml_ng::{Mapping, Value};
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+/// What the conversion reads besides the file itself.
+pub struct ImportOptions<'a> {
+    /// Where the inventory will be written; inline patches go to
+    /// `patches/` beside it. None (printing): inline patches cannot be kept.
+    pub out_dir: Option<&'a Path>,
+    /// Environment lookup for `${VAR}` (after talenv.yaml).
+    pub env: &'a dyn Fn(&str) -> Option<String>,
+}
+
+/// A converted cluster definition.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Imported {
+    /// The cluster.yaml text.
+    pub inventory: String,
+    /// Patch files to write, relative to the inventory's folder.
+    pub patch_files: Vec<PatchFile>,
+    /// What could not be carried over, in the order of the source.
+    pub skipped: Vec<Skipped>,
+}
+
+/// A machine-config patch the inventory refers to, written by the caller.
+#[derive(Debug, Clone, Serialize)]
+pub struct PatchFile {
+    pub path: PathBuf,
+    #[serde(skip)]
+    pub content: String,
+}
+
+/// One thing in the source that the inventory does not carry, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Skipped {
+    /// The file it stands in (the talconfig, talenv or a patch file).
+    pub file: PathBuf,
+    pub line: Option<usize>,
+    /// The field path or variable, e.g. `nodes[0].machineFiles`.
+    pub field: String,
+    pub reason: String,
+}
+
+/// Why a talconfig could not be converted at all.
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    #[error("cannot read {}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {message}", path.display())]
+    Parse { path: PathBuf, message: String },
+    #[error(
+        "{}: the file is SOPS-encrypted; decrypt it first (sops -d {} > talconfig.plain.yaml)",
+        path.display(),
+        path.display()
+    )]
+    Encrypted { path: PathBuf },
+    #[error("{}: {field} is required by cluster.yaml: {message}", path.display())]
+    Missing {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+}
+
+/// talhelper's names for the variables file, plain and SOPS-encrypted.
+const TALENV_PLAIN: [&str; 2] = ["talenv.yaml", "talenv.yml"];
+const TALENV_SOPS: [&str; 2] = ["talenv.sops.yaml", "talenv.sops.yml"];
+
+/// Converts the talhelper config at `path`.
+pub fn talhelper(path: &Path, opts: &ImportOptions) -> Result<Imported, ImportError> {
+    let read = |p: &Path| {
+        std::fs::read_to_string(p).map_err(|source| ImportError::Read {
+            path: p.to_owned(),
+            source,
+        })
+    };
+    let raw = read(path)?;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let mut c = Converter {
+        path: path.to_owned(),
+        dir: dir.to_owned(),
+        out_dir: opts.out_dir.map(Path::to_owned),
+        vars: BTreeMap::new(),
+        env: opts.env,
+        skipped: Vec::new(),
+        patch_files: Vec::new(),
+        index: LineIndex::default(),
+    };
+    c.load_talenv(&read)?;
+    let text = c.substitute(&raw, path);
+    let doc: Value = serde_yaml_ng::from_str(&text).map_err(|e| ImportError::Parse {
+        path: path.to_owned(),
+        message: e.to_string(),
+    })?;
+    let Value::Mapping(top) = doc else {
+        return Err(ImportError::Parse {
+            path: path.to_owned(),
+            message: "not a talhelper config: the document is not a mapping".into(),
+        });
+    };
+    if top.contains_key("sops") {
+        return Err(ImportError::Encrypted {
+            path: path.to_owned(),
+        });
+    }
+    c.index = LineIndex::new(&text);
+    let inventory = c.convert(&top)?;
+    // Source order: the talconfig by line, then the other files.
+    c.skipped
+        .sort_by_key(|s| (s.file != c.path, s.file.clone(), s.line));
+    Ok(Imported {
+        inventory,
+        patch_files: c.patch_files,
+        skipped: c.skipped,
+    })
+}
+
+/// One node as it will appear in cluster.yaml.
+#[derive(Default)]
+struct NodeOut {
+    name: String,
+    controlplane: bool,
+    address: Option<IpAddr>,
+    dhcp: bool,
+    mac: Option<String>,
+    interface: Option<String>,
+    install_disk: Option<String>,
+    extensions: Vec<String>,
+    kernel_args: Vec<String>,
+    patches: Vec<String>,
+}
+
+/// Values that are one per cluster in cluster.yaml but one per node in
+/// talhelper: the first node's wins, a different one is reported.
+#[derive(Default)]
+struct Shared {
+    cidr: Option<String>,
+    gateway: Option<String>,
+    nameservers: Option<Vec<String>>,
+    mtu: Option<u64>,
+    vip: Option<String>,
+    arch: Option<String>,
+    platform: Option<String>,
+}
+
+struct Converter<'a> {
+    path: PathBuf,
+    dir: PathBuf,
+    out_dir: Option<PathBuf>,
+    vars: BTreeMap<String, String>,
+    env: &'a dyn Fn(&str) -> Option<String>,
+    skipped: Vec<Skipped>,
+    patch_files: Vec<PatchFile>,
+    index: LineIndex,
+}
+
+impl Converter<'_> {
+    fn skip(&mut self, field: impl Into<String>, reason: impl Into<String>) {
+        let field = field.into();
+        self.skipped.push(Skipped {
+            file: self.path.clone(),
+            line: self.index.line(&field),
+            field,
+            reason: reason.into(),
+        });
+    }
+
+    /// Variables from a plain talenv.yaml beside the config; a SOPS one
+    /// cannot be read and is reported.
+    fn load_talenv(
+        &mut self,
+        read: &dyn Fn(&Path) -> Result<String, ImportError>,
+    ) -> Result<(), ImportError> {
+        for name in TALENV_SOPS {
+            let p = self.dir.join(name);
+            if p.is_file() {
+                self.skipped.push(Skipped {
+                    file: p,
+                    line: None,
+                    field: name.into(),
+                    reason: "SOPS-encrypted variables cannot be read: decrypt the file (sops -d) \
+                             or export its variables, then import again"
+                        .into(),
+                });
+            }
+        }
+        for name in TALENV_PLAIN {
+            let p = self.dir.join(name);
+            if !p.is_file() {
+                continue;
+            }
+            let text = read(&p)?;
+            let parsed: Value = serde_yaml_ng::from_str(&text).map_err(|e| ImportError::Parse {
+                path: p.clone(),
+                message: e.to_string(),
+            })?;
+            if let Value::Mapping(m) = parsed {
+                if m.contains_key("sops") {
+                    return Err(ImportError::Encrypted { path: p });
+                }
+                for (k, v) in m {
+                    let value = match v {
+                        Value::String(s) => s,
+                        Value::Number(n) => n.to_string(),
+                        Value::Bool(b) => b.to_string(),
+                        _ => continue,
+                    };
+                    if let Some(k) = k.as_str() {
+                        self.vars.insert(k.to_owned(), value);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// talhelper's envsubst for `${NAME}` and `${NAME:-default}`: talenv.yaml
+    /// first, then the environment. An unset variable stays as written and
+    /// is reported with its line in `file`.
+    fn substitute(&mut self, text: &str, file: &Path) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        let mut consumed = 0;
+        while let Some(start) = rest.find("${") {
+            let Some(len) = rest[start..].find('}') else {
+                break;
+            };
+            let inner = &rest[start + 2..start + len];
+            let (name, default) = match inner.split_once(":-") {
+                Some((n, d)) => (n, Some(d)),
+                None => (inner, None),
+            };
+            let is_name =
+                !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            out.push_str(&rest[..start]);
+            let whole = &rest[start..start + len + 1];
+            let value = is_name
+                .then(|| {
+                    self.vars
+                        .get(name)
+                        .cloned()
+                        .or_else(|| (self.env)(name))
+                        .or(default.map(str::to_owned))
+                })
+                .flatten();
+            match value {
+                Some(v) => out.push_str(&v),
+                None => {
+                    out.push_str(whole);
+                    if is_name {
+                        let line = text[..consumed + start].matches('\n').count() + 1;
+                        self.skipped.push(Skipped {
+                            file: file.to_owned(),
+                            line: Some(line),
+                            field: format!("${{{name}}}"),
+                            reason: format!(
+                                "talenv variable {name} is not set (talenv.yaml or the environment); left as written"
+                            ),
+                        });
+                    }
+                }
+            }
+            consumed += start + len + 1;
+            rest = &rest[start + len + 1..];
+        }
+        out.push_str(rest);
+        out
+    }
+
+    /// Reports every key of `map` (at `at`) that is not in `known`.
+    fn skip_unknown(&mut self, map: &Mapping, at: &str, known: &[&str]) {
+        for (k, v) in map {
+            let key = k.as_str().unwrap_or("?");
+            let empty = matches!(v, Value::Null | Value::Bool(false))
+                || v.as_sequence().is_some_and(Vec::is_empty)
+                || v.as_mapping().is_some_and(Mapping::is_empty);
+            if !known.contains(&key) && !empty {
+                let field = if at.is_empty() {
+                    key.to_owned()
+                } else {
+                    format!("{at}.{key}")
+                };
+                self.skip(
+                    field,
+                    "cluster.yaml has no such setting; a machine-config patch can carry it",
+                );
+            }
+        }
+    }
+
+    fn string(
+        &mut self,
+        map: &Mapping,
+        key: &str,
+        at: &str,
+    ) -> Result<Option<String>, ImportError> {
+        match map.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(Value::Number(n)) => Ok(Some(n.to_string())),
+            Some(_) => {
+                let field = join(at, key);
+                Err(ImportError::Parse {
+                    path: self.path.clone(),
+                    message: format!(
+                        "line {}: {field} must be a string",
+                        self.index.line(&field).unwrap_or(0)
+                    ),
+                })
+            }
+        }
+    }
+
+    fn required(&mut self, map: &Mapping, key: &str, what: &str) -> Result<String, ImportError> {
+        self.string(map, key, "")?
+            .ok_or_else(|| ImportError::Missing {
+                path: self.path.clone(),
+                field: key.into(),
+                message: what.into(),
+            })
+    }
+
+    fn convert(&mut self, top: &Mapping) -> Result<String, ImportError> {
+        self.skip_unknown(
+            top,
+            "",
+            &[
+                "clusterName",
+                "talosVersion",
+                "kubernetesVersion",
+                "endpoint",
+                "nodes",
+                "patches",
+                "controlPlane",
+                "worker",
+                "imageFactory",
+            ],
+        );
+        let name = self.required(top, "clusterName", "the cluster's name")?;
+        let talos = self.required(
+            top,
+            "talosVersion",
+            "talhelper falls back to its own default version; set it (e.g. v1.11.2)",
+        )?;
+        let kubernetes = self.required(
+            top,
+            "kubernetesVersion",
+            "talhelper falls back to its own default version; set it (e.g. v1.32.1)",
+        )?;
+        let endpoint = self.required(top, "endpoint", "the Kubernetes API endpoint")?;
+        let factory = self.factory(top)?;
+        let mut all_patches = Vec::new();
+        if let Some(list) = top.get("patches") {
+            all_patches = self.patches(list, "patches", "all");
+        }
+        let mut groups: BTreeMap<&str, (Vec<String>, Option<Value>)> = BTreeMap::new();
+        for (key, scope) in [("controlPlane", "controlplane"), ("worker", "worker")] {
+            let mut patches = Vec::new();
+            let mut schematic = None;
+            if let Some(Value::Mapping(g)) = top.get(key) {
+                self.skip_unknown(g, key, &["patches", "schematic"]);
+                if let Some(list) = g.get("patches") {
+                    patches = self.patches(list, &format!("{key}.patches"), scope);
+                }
+                schematic = g.get("schematic").cloned();
+            }
+            groups.insert(key, (patches, schematic));
+        }
+        let mut shared = Shared::default();
+        let mut nodes = Vec::new();
+        let Some(Value::Sequence(list)) = top.get("nodes") else {
+            return Err(ImportError::Missing {
+                path: self.path.clone(),
+                field: "nodes".into(),
+                message: "a list of nodes".into(),
+            });
+        };
+        for (i, n) in list.iter().enumerate() {
+            let at = format!("nodes[{i}]");
+            let Value::Mapping(n) = n else {
+                self.skip(at, "not a mapping");
+                continue;
+            };
+            let group = if n.get("controlPlane").and_then(Value::as_bool) == Some(true) {
+                "controlPlane"
+            } else {
+                "worker"
+            };
+            let group_schematic = groups[group].1.clone();
+            nodes.push(self.node(n, &at, group_schematic.as_ref(), &mut shared)?);
+        }
+        // Extensions and kernel args every node shares belong to the image.
+        let common = |f: fn(&NodeOut) -> &Vec<String>| -> Option<Vec<String>> {
+            let first = f(nodes.first()?);
+            nodes.iter().all(|n| f(n) == first).then(|| first.clone())
+        };
+        let common_ext = common(|n| &n.extensions).unwrap_or_default();
+        let common_args = common(|n| &n.kernel_args).unwrap_or_default();
+        if !common_ext.is_empty() {
+            nodes.iter_mut().for_each(|n| n.extensions.clear());
+        }
+        if !common_args.is_empty() {
+            nodes.iter_mut().for_each(|n| n.kernel_args.clear());
+        }
+
+        let mut out = Mapping::new();
+        let mut cluster = Mapping::new();
+        cluster.insert("name".into(), name.into());
+        cluster.insert("talosVersion".into(), talos.into());
+        cluster.insert("kubernetesVersion".into(), kubernetes.into());
+        cluster.insert("endpoint".into(), endpoint.into());
+        if let Some(vip) = shared.vip {
+            cluster.insert("vip".into(), vip.into());
+        }
+        out.insert("cluster".into(), cluster.into());
+        let mut image = Mapping::new();
+        insert_some(&mut image, "platform", shared.platform);
+        insert_some(&mut image, "arch", shared.arch);
+        insert_list(&mut image, "extensions", common_ext);
+        insert_list(&mut image, "kernelArgs", common_args);
+        insert_some(&mut image, "factory", factory);
+        if !image.is_empty() {
+            out.insert("image".into(), image.into());
+        }
+        let mut network = Mapping::new();
+        insert_some(&mut network, "cidr", shared.cidr);
+        insert_some(&mut network, "gateway", shared.gateway);
+        insert_list(
+            &mut network,
+            "nameservers",
+            shared.nameservers.unwrap_or_default(),
+        );
+        if let Some(mtu) = shared.mtu {
+            network.insert("mtu".into(), mtu.into());
+        }
+        if !network.is_empty() {
+            out.insert("network".into(), network.into());
+        }
+        let mut patches = Mapping::new();
+        insert_list(&mut patches, "all", all_patches);
+        insert_list(
+            &mut patches,
+            "controlPlane",
+            groups["controlPlane"].0.clone(),
+        );
+        insert_list(&mut patches, "worker", groups["worker"].0.clone());
+        if !patches.is_empty() {
+            out.insert("patches".into(), patches.into());
+        }
+        let nodes: Vec<Value> = nodes.into_iter().map(node_value).collect();
+        out.insert("nodes".into(), nodes.into());
+        let body = serde_yaml_ng::to_string(&out).expect("plain data");
+        Ok(format!(
+            "# Converted from {} by `imgbuild import talhelper`.\n{body}",
+            self.path
+                .file_name()
+                .map_or("talconfig.yaml".into(), |n| n.to_string_lossy())
+        ))
+    }
+
+    /// `imageFactory.registryURL` (and `protocol`) name the factory.
+    fn factory(&mut self, top: &Mapping) -> Result<Option<String>, ImportError> {
+        let Some(Value::Mapping(f)) = top.get("imageFactory") else {
+            return Ok(None);
+        };
+        self.skip_unknown(f, "imageFactory", &["registryURL", "protocol"]);
+        let Some(host) = self.string(f, "registryURL", "imageFactory")? else {
+            return Ok(None);
+        };
+        let protocol = self
+            .string(f, "protocol", "imageFactory")?
+            .unwrap_or_else(|| "https".into());
+        Ok(Some(format!("{protocol}://{host}")))
+    }
+
+    fn node(
+        &mut self,
+        n: &Mapping,
+        at: &str,
+        group_schematic: Option<&Value>,
+        shared: &mut Shared,
+    ) -> Result<NodeOut, ImportError> {
+        self.skip_unknown(
+            n,
+            at,
+            &[
+                "hostname",
+                "ipAddress",
+                "controlPlane",
+                "installDisk",
+                "networkInterfaces",
+                "nameservers",
+                "schematic",
+                "patches",
+                "machineSpec",
+            ],
+        );
+        let mut node = NodeOut {
+            name: self.string(n, "hostname", at)?.unwrap_or_default(),
+            controlplane: n.get("controlPlane").and_then(Value::as_bool) == Some(true),
+            install_disk: self.string(n, "installDisk", at)?,
+            ..NodeOut::default()
+        };
+        let reach: Option<IpAddr> = self
+            .string(n, "ipAddress", at)?
+            .and_then(|s| s.split(',').next().and_then(|a| a.trim().parse().ok()));
+        let mut static_address = None;
+        match n.get("networkInterfaces") {
+            Some(Value::Sequence(ifaces)) if !ifaces.is_empty() => {
+                for (k, iface) in ifaces.iter().enumerate() {
+                    let iat = format!("{at}.networkInterfaces[{k}]");
+                    if k > 0 {
+                        self.skip(iat, "imgbuild configures one link per node");
+                        continue;
+                    }
+                    if let Value::Mapping(iface) = iface {
+                        static_address = self.interface(iface, &iat, &mut node, shared)?;
+                    }
+                }
+            }
+            // No interface configured: Talos' default DHCP on every link.
+            _ => node.dhcp = true,
+        }
+        node.address = static_address.or(reach);
+        if static_address.is_some() && reach.is_some_and(|r| Some(r) != static_address) {
+            self.skip(
+                format!("{at}.ipAddress"),
+                "differs from the interface's address; the node is reached at the interface's",
+            );
+        }
+        if let Some(list) = n.get("nameservers").and_then(Value::as_sequence) {
+            let ns: Vec<String> = list
+                .iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect();
+            self.one_per_cluster(&mut shared.nameservers, ns, &format!("{at}.nameservers"));
+        }
+        if let Some(Value::Mapping(spec)) = n.get("machineSpec") {
+            let sat = format!("{at}.machineSpec");
+            self.skip_unknown(spec, &sat, &["arch", "mode"]);
+            if let Some(arch) = self.string(spec, "arch", &sat)? {
+                self.one_per_cluster(&mut shared.arch, arch, &format!("{sat}.arch"));
+            }
+            if let Some(mode) = self.string(spec, "mode", &sat)? {
+                self.one_per_cluster(&mut shared.platform, mode, &format!("{sat}.mode"));
+            }
+        }
+        let schematic = n.get("schematic").or(group_schematic);
+        if let Some(s) = schematic {
+            self.schematic(s, &format!("{at}.schematic"), &mut node)?;
+        }
+        if let Some(list) = n.get("patches") {
+            let scope = format!("node-{}", node.name);
+            node.patches = self.patches(list, &format!("{at}.patches"), &scope);
+        }
+        Ok(node)
+    }
+
+    /// The node's link; returns its static address.
+    fn interface(
+        &mut self,
+        iface: &Mapping,
+        at: &str,
+        node: &mut NodeOut,
+        shared: &mut Shared,
+    ) -> Result<Option<IpAddr>, ImportError> {
+        self.skip_unknown(
+            iface,
+            at,
+            &[
+                "interface",
+                "deviceSelector",
+                "addresses",
+                "routes",
+                "vip",
+                "dhcp",
+                "mtu",
+            ],
+        );
+        node.interface = self.string(iface, "interface", at)?;
+        if let Some(Value::Mapping(sel)) = iface.get("deviceSelector") {
+            let sat = format!("{at}.deviceSelector");
+            self.skip_unknown(sel, &sat, &["hardwareAddr"]);
+            if let Some(mac) = self.string(sel, "hardwareAddr", &sat)? {
+                if mac.contains('*') {
+                    self.skip(
+                        format!("{sat}.hardwareAddr"),
+                        "a wildcard selects several NICs; cluster.yaml pins one MAC",
+                    );
+                } else {
+                    node.mac = Some(mac);
+                }
+            }
+        }
+        node.dhcp = iface.get("dhcp").and_then(Value::as_bool) == Some(true);
+        if let Some(mtu) = iface.get("mtu").and_then(Value::as_u64) {
+            self.one_per_cluster(&mut shared.mtu, mtu, &format!("{at}.mtu"));
+        }
+        let mut address = None;
+        if let Some(list) = iface.get("addresses").and_then(Value::as_sequence) {
+            for (j, a) in list.iter().enumerate() {
+                let aat = format!("{at}.addresses[{j}]");
+                let parsed = a.as_str().and_then(|s| s.parse::<Cidr>().ok());
+                match parsed {
+                    Some(cidr) if address.is_none() => {
+                        address = Some(cidr.addr);
+                        let network = cidr.network().to_string();
+                        self.one_per_cluster(&mut shared.cidr, network, &aat);
+                    }
+                    _ => self.skip(aat, "imgbuild gives a node one address (ADDRESS/PREFIX)"),
+                }
+            }
+        }
+        if let Some(list) = iface.get("routes").and_then(Value::as_sequence) {
+            for (j, r) in list.iter().enumerate() {
+                let rat = format!("{at}.routes[{j}]");
+                let default = matches!(
+                    r.get("network").and_then(Value::as_str),
+                    None | Some("0.0.0.0/0")
+                );
+                match (default, r.get("gateway").and_then(Value::as_str)) {
+                    (true, Some(gw)) => {
+                        self.one_per_cluster(&mut shared.gateway, gw.to_owned(), &rat)
+                    }
+                    _ => self.skip(rat, "only the default route (network.gateway) carries over"),
+                }
+            }
+        }
+        if let Some(Value::Mapping(vip)) = iface.get("vip") {
+            let vat = format!("{at}.vip");
+            self.skip_unknown(vip, &vat, &["ip"]);
+            if let Some(ip) = self.string(vip, "ip", &vat)? {
+                self.one_per_cluster(&mut shared.vip, ip, &vat);
+            }
+        }
+        Ok(address.filter(|_| !node.dhcp))
+    }
+
+    /// Sets a cluster-wide value from a node, or reports a node that differs.
+    fn one_per_cluster<T: PartialEq + std::fmt::Debug>(
+        &mut self,
+        slot: &mut Option<T>,
+        value: T,
+        field: &str,
+    ) {
+        match slot {
+            None => *slot = Some(value),
+            Some(v) if *v == value => {}
+            Some(v) => {
+                let reason =
+                    format!("cluster.yaml has one value for all nodes; kept {v:?}, not {value:?}");
+                self.skip(field, reason);
+            }
+        }
+    }
+
+    /// `schematic.customization`: extensions and kernel args carry over;
+    /// anything more (overlay, META, secure boot…) is reported.
+    fn schematic(&mut self, s: &Value, at: &str, node: &mut NodeOut) -> Result<(), ImportError> {
+        let text = serde_yaml_ng::to_string(s).expect("plain data");
+        let parsed = Schematic::parse(&text).map_err(|e| ImportError::Parse {
+            path: self.path.clone(),
+            message: format!("line {}: {at}: {e}", self.index.line(at).unwrap_or(0)),
+        })?;
+        let c = &parsed.customization;
+        let carried = Schematic {
+            customization: Customization {
+                extra_kernel_args: c.extra_kernel_args.clone(),
+                system_extensions: SystemExtensions {
+                    official_extensions: c.system_extensions.official_extensions.clone(),
+                },
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        if carried != parsed {
+            self.skip(
+                at,
+                "only customization.systemExtensions and extraKernelArgs carry over \
+                 (not overlay, meta, secureboot, bootloader, diskImage)",
+            );
+        }
+        node.extensions = carried.customization.system_extensions.official_extensions;
+        node.kernel_args = carried.customization.extra_kernel_args;
+        Ok(())
+    }
+
+    /// talhelper patches: `@file` references and inline documents. Strategic
+    /// merge patches carry over (inline ones as files under `patches/`);
+    /// JSON6902 ones (a list of operations) and SOPS files are reported.
+    fn patches(&mut self, list: &Value, at: &str, scope: &str) -> Vec<String> {
+        let Some(items) = list.as_sequence() else {
+            self.skip(at, "not a list of patches");
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (j, item) in items.iter().enumerate() {
+            let pat = format!("{at}[{j}]");
+            let Some(text) = item.as_str() else {
+                self.skip(pat, "not a patch string");
+                continue;
+            };
+            if let Some(file) = text.trim().strip_prefix('@') {
+                if let Some(p) = self.patch_file(file, &pat, scope, j) {
+                    out.push(p);
+                }
+                continue;
+            }
+            match patch_kind(text) {
+                PatchKind::Strategic => {
+                    if let Some(p) = self.write_patch(text.to_owned(), &pat, scope, j) {
+                        out.push(p);
+                    }
+                }
+                PatchKind::Json6902 => self.skip(
+                    pat,
+                    "a JSON6902 patch (a list of operations): imgbuild applies strategic-merge \
+                     patches; rewrite it as the YAML it should produce",
+                ),
+                PatchKind::Sops => self.skip(pat, "a SOPS-encrypted patch cannot be read"),
+                PatchKind::Invalid(e) => self.skip(pat, format!("not YAML: {e}")),
+            }
+        }
+        out
+    }
+
+    /// A referenced patch file: kept by reference when it can be used as it
+    /// is, copied (substituted) when it has `${VAR}`s.
+    fn patch_file(&mut self, file: &str, at: &str, scope: &str, j: usize) -> Option<String> {
+        let path = self.dir.join(file);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) => {
+                self.skip(at, format!("cannot read {}: {e}", path.display()));
+                return None;
+            }
+        };
+        match patch_kind(&text) {
+            PatchKind::Strategic => {}
+            PatchKind::Json6902 => {
+                self.skip(
+                    at,
+                    format!(
+                        "{} is a JSON6902 patch (a list of operations): imgbuild applies \
+                         strategic-merge patches; rewrite it as the YAML it should produce",
+                        path.display()
+                    ),
+                );
+                return None;
+            }
+            PatchKind::Sops => {
+                self.skip(
+                    at,
+                    format!(
+                        "{} is SOPS-encrypted: decrypt it (sops -d) and import again",
+                        path.display()
+                    ),
+                );
+                return None;
+            }
+            PatchKind::Invalid(e) => {
+                self.skip(at, format!("{} is not YAML: {e}", path.display()));
+                return None;
+            }
+        }
+        if text.contains("${") {
+            let substituted = self.substitute(&text, &path);
+            return self.write_patch(substituted, at, scope, j);
+        }
+        // Relative to the inventory: the same spelling when it sits beside
+        // the talconfig, else the file's absolute path.
+        let same_dir = match &self.out_dir {
+            None => true,
+            Some(out) => same_path(out, &self.dir),
+        };
+        if same_dir {
+            Some(file.to_owned())
+        } else {
+            Some(
+                std::fs::canonicalize(&path)
+                    .unwrap_or(path)
+                    .to_string_lossy()
+                    .into_owned(),
+            )
+        }
+    }
+
+    /// Queues `patches/<scope>-<n>.yaml` for writing beside the inventory.
+    fn write_patch(&mut self, content: String, at: &str, scope: &str, j: usize) -> Option<String> {
+        if self.out_dir.is_none() {
+            self.skip(
+                at,
+                "this patch becomes a new file beside the inventory: give --out to write it",
+            );
+            return None;
+        }
+        let rel = format!("patches/{scope}-{}.yaml", j + 1);
+        let mut content = content;
+        if !content.ends_with('\n') {
+            content.push('\n');
+        }
+        self.patch_files.push(PatchFile {
+            path: PathBuf::from(&rel),
+            content,
+        });
+        Some(rel)
+    }
+}
+
+enum PatchKind {
+    Strategic,
+    Json6902,
+    Sops,
+    Invalid(String),
+}
+
+fn patch_kind(text: &str) -> PatchKind {
+    match serde_yaml_ng::from_str::<Value>(text) {
+        Ok(Value::Sequence(_)) => PatchKind::Json6902,
+        Ok(Value::Mapping(m)) if m.contains_key("sops") => PatchKind::Sops,
+        Ok(Value::Mapping(_)) => PatchKind::Strategic,
+        Ok(_) => PatchKind::Invalid("neither a mapping nor a list".into()),
+        Err(e) => PatchKind::Invalid(e.to_string()),
+    }
+}
+
+fn same_path(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+fn join(at: &str, key: &str) -> String {
+    if at.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{at}.{key}")
+    }
+}
+
+fn insert_some(m: &mut Mapping, key: &str, v: Option<String>) {
+    if let Some(v) = v {
+        m.insert(key.into(), v.into());
+    }
+}
+
+fn insert_list(m: &mut Mapping, key: &str, v: Vec<String>) {
+    if !v.is_empty() {
+        m.insert(key.into(), v.into());
+    }
+}
+
+fn node_value(n: NodeOut) -> Value {
+    let mut m = Mapping::new();
+    m.insert("name".into(), n.name.into());
+    let role = if n.controlplane {
+        "controlplane"
+    } else {
+        "worker"
+    };
+    m.insert("role".into(), role.into());
+    if let Some(a) = n.address {
+        m.insert("address".into(), a.to_string().into());
+    }
+    if n.dhcp {
+        m.insert("dhcp".into(), true.into());
+    }
+    insert_some(&mut m, "mac", n.mac);
+    insert_some(&mut m, "interface", n.interface);
+    insert_some(&mut m, "installDisk", n.install_disk);
+    insert_list(&mut m, "extensions", n.extensions);
+    insert_list(&mut m, "kernelArgs", n.kernel_args);
+    insert_list(&mut m, "patches", n.patches);
+    m.into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn convert(text: &str, env: &[(&str, &str)]) -> Imported {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("talconfig.yaml");
+        std::fs::write(&path, text).unwrap();
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let lookup = move |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        talhelper(
+            &path,
+            &ImportOptions {
+                out_dir: Some(dir.path()),
+                env: &lookup,
+            },
+        )
+        .unwrap()
+    }
+
+    const MINIMAL: &str = "clusterName: c\ntalosVersion: v1.11.2\nkubernetesVersion: v1.32.1\nendpoint: https://${VIP}:6443\nnodes:\n  - hostname: a\n    ipAddress: 10.0.0.5\n    controlPlane: true\n";
+
+    #[test]
+    fn variables_come_from_the_environment_and_unset_ones_are_reported_with_their_line() {
+        let done = convert(MINIMAL, &[("VIP", "10.0.0.2")]);
+        assert!(
+            done.inventory.contains("https://10.0.0.2:6443"),
+            "{}",
+            done.inventory
+        );
+        assert!(done.skipped.is_empty(), "{:?}", done.skipped);
+        let open = convert(MINIMAL, &[]);
+        assert_eq!(open.skipped.len(), 1);
+        assert_eq!(open.skipped[0].line, Some(4));
+        assert_eq!(open.skipped[0].field, "${VIP}");
+        assert!(open.inventory.contains("${VIP}"));
+    }
+
+    #[test]
+    fn a_default_fills_an_unset_variable() {
+        let text = MINIMAL.replace("${VIP}", "${VIP:-10.0.0.3}");
+        let done = convert(&text, &[]);
+        assert!(done.inventory.contains("https://10.0.0.3:6443"));
+        assert!(done.skipped.is_empty());
+    }
+
+    #[test]
+    fn a_node_without_interfaces_uses_dhcp_and_is_reached_at_its_ip_address() {
+        let done = convert(MINIMAL, &[("VIP", "10.0.0.2")]);
+        assert!(
+            done.inventory.contains("  address: 10.0.0.5\n  dhcp: true"),
+            "{}",
+            done.inventory
+        );
+    }
+}

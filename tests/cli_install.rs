@@ -1,0 +1,121 @@
+//! `make install`, the man page and the shell completions: what a user
+//! installs must work where it lands.
+
+use std::path::Path;
+use std::process::Command;
+
+mod common;
+use common::{root, text};
+
+fn installed(prefix: &Path) {
+    let o = Command::new("make")
+        .arg("install")
+        .arg(format!("PREFIX={}", prefix.display()))
+        .arg(format!("BIN={}", env!("CARGO_BIN_EXE_imgbuild")))
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+}
+
+#[test]
+fn make_install_puts_a_working_binary_man_page_and_completions_under_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("usr");
+    installed(&prefix);
+
+    let o = Command::new(prefix.join("bin/imgbuild"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let help = text(&o.stdout);
+    assert!(
+        help.contains("Usage: imgbuild") && help.contains("plan"),
+        "{help}"
+    );
+    assert!(
+        help.contains("Exit codes: 0 ok, 1 failure, 2 usage error"),
+        "{help}"
+    );
+
+    // man renders the page (man-db is installed by `make deps`).
+    let page = prefix.join("share/man/man1/imgbuild.1");
+    let o = Command::new("man")
+        .arg("-l")
+        .arg(&page)
+        .env("MANPAGER", "cat")
+        .env("MANWIDTH", "100")
+        .output()
+        .expect("man is installed (make deps)");
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    // man justifies lines with extra spaces: compare words.
+    let rendered = text(&o.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    for needle in [
+        "imgbuild - Per-node Talos Linux images",
+        "SUBCOMMANDS",
+        "imgbuild-plan",
+        "Exit codes",
+    ] {
+        assert!(rendered.contains(needle), "{needle} missing:\n{rendered}");
+    }
+    assert!(
+        !rendered.contains("\\f"),
+        "raw roff escapes in:\n{rendered}"
+    );
+
+    // bash accepts the completion script, and it completes subcommands.
+    let bash = prefix.join("share/bash-completion/completions/imgbuild");
+    let o = Command::new("bash").arg("-n").arg(&bash).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let script = format!(
+        "source {}; COMP_WORDS=(imgbuild pl); COMP_CWORD=1; _imgbuild imgbuild pl imgbuild; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+        bash.display()
+    );
+    let o = Command::new("bash").args(["-c", &script]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stdout).lines().any(|l| l == "plan"),
+        "{}",
+        text(&o.stdout)
+    );
+
+    let zsh = std::fs::read_to_string(prefix.join("share/zsh/site-functions/_imgbuild")).unwrap();
+    assert!(zsh.starts_with("#compdef imgbuild"), "{zsh:.80}");
+    let fish =
+        std::fs::read_to_string(prefix.join("share/fish/vendor_completions.d/imgbuild.fish"))
+            .unwrap();
+    assert!(fish.contains("complete -c imgbuild"), "{fish:.200}");
+    // Where the shells exist, they parse their scripts too.
+    for (shell, file) in [
+        ("zsh", "share/zsh/site-functions/_imgbuild"),
+        ("fish", "share/fish/vendor_completions.d/imgbuild.fish"),
+    ] {
+        if Command::new(shell).arg("--version").output().is_ok() {
+            let o = Command::new(shell)
+                .arg("-n")
+                .arg(prefix.join(file))
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{shell}: {}", text(&o.stderr));
+        }
+    }
+}
+
+#[test]
+fn completions_for_an_unknown_shell_are_a_usage_error() {
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["completions", "tcsh"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o.stderr).contains("bash"), "{}", text(&o.stderr));
+}
