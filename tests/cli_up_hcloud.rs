@@ -1,0 +1,206 @@
+//! End to end: `imgbuild up` and `imgbuild down` on Hetzner Cloud, against
+//! the factory, Hetzner and Talos node simulators on loopback. The Hetzner
+//! simulator boots a node for each server made from a snapshot, configured
+//! from that server's `user_data` (validated by the node simulator's own
+//! schema check) at the public IP the API reports: the chain is checked.
+//! Needs root and OpenSSH (the snapshot's rescue system), like cli_hcloud.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+use serde_json::Value;
+
+mod common;
+use common::sims::{Hc, Nodes, Sim};
+use common::text;
+
+const INVENTORY: &str = "\
+cluster:
+  name: hup
+  talosVersion: v1.11.2
+  kubernetesVersion: v1.32.1
+  # A load balancer that does not exist yet: bootstrap and kubeconfig use
+  # the first control plane's public IP until it answers.
+  endpoint: https://127.0.9.250:6443
+image:
+  platform: hcloud
+  factory: http://127.0.0.1:9
+publish:
+  hcloud:
+    location: fsn1
+    labels: {team: infra}
+    servers: {type: cpx22}
+nodes:
+  - {name: cp-01, role: controlplane}
+  - {name: worker-01, role: worker}
+  - {name: worker-02, role: worker}
+";
+
+struct Chain {
+    factory: Sim,
+    hc: Hc,
+    nodes: Nodes,
+    dir: tempfile::TempDir,
+}
+
+impl Chain {
+    fn start() -> Chain {
+        let nodes = Nodes::start(&[]);
+        let hc = Hc::start(&["--nodes-control", &nodes.control]);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("cluster.yaml"), INVENTORY).unwrap();
+        Chain {
+            factory: Sim::start(&[]),
+            hc,
+            nodes,
+            dir,
+        }
+    }
+
+    fn config(&self) -> PathBuf {
+        self.dir.path().join("cluster.yaml")
+    }
+
+    fn imgbuild(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
+        cmd.arg("--config")
+            .arg(self.config())
+            .args(args)
+            .env_remove("IMGBUILD_CONFIG")
+            .env("HCLOUD_ENDPOINT", &self.hc.url)
+            .env("HCLOUD_TOKEN", &self.hc.token)
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    fn up(&self, extra: &[&str]) -> Output {
+        let dir = self.dir.path();
+        self.imgbuild(&["up", "--output", "json", "--quiet", "--poll-ms", "100"])
+            .args(extra)
+            .args(["--factory", &self.factory.url])
+            .arg("--out-dir")
+            .arg(dir.join("out"))
+            .arg("--cache-dir")
+            .arg(dir.join("cache"))
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .args(["--node-timeout", "60s", "--health-timeout", "90s"])
+            .output()
+            .unwrap()
+    }
+
+    fn stat(&self, key: &str) -> u64 {
+        self.hc.stats()[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no {key}: {}", self.hc.stats()))
+    }
+
+    /// Counts that change when anything is created anywhere.
+    fn changes(&self) -> (u64, u64, u64, u64, u64) {
+        let totals = &self.nodes.stats()["totals"];
+        (
+            self.stat("serversCreated"),
+            self.stat("imagesCreated"),
+            self.stat("serversFromSnapshots"),
+            totals["applies"].as_u64().unwrap(),
+            totals["bootstraps"].as_u64().unwrap(),
+        )
+    }
+}
+
+fn json(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}\n{}", text(&o.stdout), text(&o.stderr)))
+}
+
+#[test]
+fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
+    let c = Chain::start();
+
+    // The dry run changes nothing anywhere.
+    let o = c.up(&["--dry-run"]);
+    assert!(o.status.success(), "{}\n{}", text(&o.stdout), text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["dryRun"], true);
+    assert_eq!(v["target"], "hcloud");
+    assert_eq!(c.changes(), (0, 0, 0, 0, 0));
+    assert_eq!(c.stat("sshKeys"), 0);
+
+    let o = c.up(&[]);
+    assert!(o.status.success(), "{}\n{}", text(&o.stdout), text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["healthy"], true, "{v}");
+    assert_eq!(v["bootstrap"], "bootstrapped");
+    let nodes = v["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 3);
+    let mut servers = Vec::new();
+    for n in nodes {
+        assert_eq!(n["kubernetesReady"], true, "{n}");
+        assert_eq!(n["stages"]["vm"], "created", "{n}");
+        let ip = n["address"].as_str().unwrap();
+        assert!(ip.starts_with("127.0.4."), "{n}");
+        servers.push(n["server"].as_u64().unwrap());
+        assert!(n["volume"].as_str().unwrap().starts_with("snapshot "), "{n}");
+    }
+    // One snapshot for the three nodes; its temporary server and key gone.
+    assert_eq!(c.stat("imagesCreated"), 1);
+    assert_eq!(c.stat("serversFromSnapshots"), 3);
+    assert_eq!(c.stat("servers"), 3, "only the cluster's servers remain");
+    assert_eq!(c.stat("sshKeys"), 0);
+    let (_, _, temp) = c.hc.call("GET", "/servers?label_selector=imgbuild-run", None);
+    assert_eq!(temp["servers"], serde_json::json!([]));
+
+    // Each server took its node's config as user_data: under 32 KiB, and the
+    // node simulator (its own schema check) booted it configured.
+    let stats = c.nodes.stats();
+    for (id, name) in servers.iter().zip(["cp-01", "worker-01", "worker-02"]) {
+        let o = Command::new("curl")
+            .arg("-s")
+            .arg(c.hc.url.replace("/v1", &format!("/_sim/servers/{id}/user_data")))
+            .output()
+            .unwrap();
+        let user_data: String = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(user_data.len() < 32 * 1024, "{name}: {} bytes", user_data.len());
+        assert!(user_data.contains(&format!("hostname: {name}")), "{name}");
+        let node = &stats["nodes"][name];
+        assert_eq!(node["config_error"], Value::Null, "{name}: {node}");
+        assert_eq!(node["phase"], "configured", "{name}: {node}");
+    }
+    // Configured from user_data: nothing applied in maintenance mode.
+    assert_eq!(stats["totals"]["applies"], 0, "{stats}");
+    assert_eq!(stats["totals"]["bootstraps"], 1, "{stats}");
+    // Servers are labelled with the cluster and node, never a run label.
+    let (_, _, listed) = c.hc.call("GET", &format!("/servers/{}", servers[0]), None);
+    let labels = &listed["server"]["labels"];
+    assert_eq!(labels["imgbuild-cluster"], "hup");
+    assert_eq!(labels["imgbuild-node"], "cp-01");
+    assert!(labels.get("imgbuild-run").is_none(), "{labels}");
+
+    // A second run changes nothing.
+    let before = c.changes();
+    let o = c.up(&[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["healthy"], true);
+    assert_eq!(v["bootstrap"], "unchanged");
+    for n in v["nodes"].as_array().unwrap() {
+        assert_eq!(n["stages"]["vm"], "unchanged", "{n}");
+        assert_eq!(n["stages"]["upload"], "unchanged", "{n}");
+    }
+    assert_eq!(c.changes(), before);
+
+    // cleanup leaves the cluster alone; down without --yes asks, and a
+    // script cannot answer: exit 2, nothing deleted.
+    let o = c.imgbuild(&["cleanup"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(c.stat("servers"), 3);
+    let o = c.imgbuild(&["down"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("--yes"), "{}", text(&o.stderr));
+    assert_eq!(c.stat("servers"), 3);
+    let o = c.imgbuild(&["down", "--yes", "--output", "json"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(json(&o)["deleted"].as_array().unwrap().len(), 3);
+    assert_eq!(c.stat("servers"), 0);
+    assert_eq!(c.stat("sshKeys"), 0);
+}
