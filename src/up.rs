@@ -551,7 +551,12 @@ fn hcloud_stage(
         let leftovers: Vec<String> = run
             .leftovers
             .iter()
-            .map(|l| format!("{} {} not deleted ({}): run `imgbuild cleanup`", l.kind, l.id, l.error))
+            .map(|l| {
+                format!(
+                    "{} {} not deleted ({}): run `imgbuild cleanup`",
+                    l.kind, l.id, l.error
+                )
+            })
             .collect();
         match run.result {
             Ok(snap) if leftovers.is_empty() => {
@@ -568,7 +573,8 @@ fn hcloud_stage(
                 }
             }
             result => {
-                let mut why: Vec<String> = result.err().map(|e| e.to_string()).into_iter().collect();
+                let mut why: Vec<String> =
+                    result.err().map(|e| e.to_string()).into_iter().collect();
                 why.extend(leftovers);
                 for node in &image.nodes {
                     report.fail(node, |s| s.upload = Some(Change::Failed), why.join("; "));
@@ -675,7 +681,8 @@ fn plan_hcloud(
     )
     .map_err(publish)?;
     for image in SnapshotImage::distinct(built) {
-        let found = hcloud::find_snapshot(&api, &hcloud::snapshot_labels(&image)).map_err(publish)?;
+        let found =
+            hcloud::find_snapshot(&api, &hcloud::snapshot_labels(&image)).map_err(publish)?;
         for node in &image.nodes {
             if let (Some(id), Some(n)) = (found, report.node(node)) {
                 n.volume = Some(format!("snapshot {id}"));
@@ -1022,7 +1029,10 @@ nodes:
         )
         .unwrap_err();
         assert!(hcloud.is_setup());
-        assert!(hcloud.to_string().contains("no servers section"), "{hcloud}");
+        assert!(
+            hcloud.to_string().contains("no servers section"),
+            "{hcloud}"
+        );
         let servers = "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1, servers: {type: cpx22}}";
         let no_token = target(servers, &ENV).unwrap_err();
         assert!(no_token.is_setup());

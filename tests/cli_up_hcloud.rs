@@ -119,7 +119,12 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
 
     // The dry run changes nothing anywhere.
     let o = c.up(&["--dry-run"]);
-    assert!(o.status.success(), "{}\n{}", text(&o.stdout), text(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
     let v = json(&o);
     assert_eq!(v["dryRun"], true);
     assert_eq!(v["target"], "hcloud");
@@ -127,7 +132,12 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
     assert_eq!(c.stat("sshKeys"), 0);
 
     let o = c.up(&[]);
-    assert!(o.status.success(), "{}\n{}", text(&o.stdout), text(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
     let v = json(&o);
     assert_eq!(v["healthy"], true, "{v}");
     assert_eq!(v["bootstrap"], "bootstrapped");
@@ -140,14 +150,18 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
         let ip = n["address"].as_str().unwrap();
         assert!(ip.starts_with("127.0.4."), "{n}");
         servers.push(n["server"].as_u64().unwrap());
-        assert!(n["volume"].as_str().unwrap().starts_with("snapshot "), "{n}");
+        assert!(
+            n["volume"].as_str().unwrap().starts_with("snapshot "),
+            "{n}"
+        );
     }
     // One snapshot for the three nodes; its temporary server and key gone.
     assert_eq!(c.stat("imagesCreated"), 1);
     assert_eq!(c.stat("serversFromSnapshots"), 3);
     assert_eq!(c.stat("servers"), 3, "only the cluster's servers remain");
     assert_eq!(c.stat("sshKeys"), 0);
-    let (_, _, temp) = c.hc.call("GET", "/servers?label_selector=imgbuild-run", None);
+    let (_, _, temp) =
+        c.hc.call("GET", "/servers?label_selector=imgbuild-run", None);
     assert_eq!(temp["servers"], serde_json::json!([]));
 
     // Each server took its node's config as user_data: under 32 KiB, and the
@@ -156,11 +170,18 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
     for (id, name) in servers.iter().zip(["cp-01", "worker-01", "worker-02"]) {
         let o = Command::new("curl")
             .arg("-s")
-            .arg(c.hc.url.replace("/v1", &format!("/_sim/servers/{id}/user_data")))
+            .arg(
+                c.hc.url
+                    .replace("/v1", &format!("/_sim/servers/{id}/user_data")),
+            )
             .output()
             .unwrap();
         let user_data: String = serde_json::from_slice(&o.stdout).unwrap();
-        assert!(user_data.len() < 32 * 1024, "{name}: {} bytes", user_data.len());
+        assert!(
+            user_data.len() < 32 * 1024,
+            "{name}: {} bytes",
+            user_data.len()
+        );
         assert!(user_data.contains(&format!("hostname: {name}")), "{name}");
         let node = &stats["nodes"][name];
         assert_eq!(node["config_error"], Value::Null, "{name}: {node}");
@@ -198,7 +219,10 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     assert!(text(&o.stderr).contains("--yes"), "{}", text(&o.stderr));
     assert_eq!(c.stat("servers"), 3);
-    let o = c.imgbuild(&["down", "--yes", "--output", "json"]).output().unwrap();
+    let o = c
+        .imgbuild(&["down", "--yes", "--output", "json"])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json(&o)["deleted"].as_array().unwrap().len(), 3);
     assert_eq!(c.stat("servers"), 0);

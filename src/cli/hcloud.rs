@@ -125,8 +125,7 @@ pub fn publish(
             failures.push((image.nodes.join(","), "not started: interrupted".into()));
             continue;
         }
-        let run =
-            hcloud::publish_snapshot(&api, settings, &image, opts, &cancel, observer(output));
+        let run = hcloud::publish_snapshot(&api, settings, &image, opts, &cancel, observer(output));
         leftovers.extend(run.leftovers);
         match run.result {
             Ok(s) => snapshots.push(s),
@@ -233,7 +232,13 @@ pub struct DownArgs {
 pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<()> {
     use std::io::{BufRead, IsTerminal, Write};
     let inv = super::load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
-    if inv.publish.hcloud.as_ref().and_then(|h| h.servers.as_ref()).is_none() {
+    if inv
+        .publish
+        .hcloud
+        .as_ref()
+        .and_then(|h| h.servers.as_ref())
+        .is_none()
+    {
         return Err(Usage(format!(
             "{}: no publish.hcloud.servers section: `down` deletes the Hetzner servers `up` made",
             config.display()

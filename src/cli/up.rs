@@ -7,9 +7,7 @@ use super::{Output, Partial, Reported, Usage, load_inventory};
 use anyhow::Result;
 use clap::Args;
 use imgbuild::publish::Cancel;
-use imgbuild::up::{
-    self, Change, NodeReport, Observers, Report, Target, TargetOptions, UpOptions,
-};
+use imgbuild::up::{self, Change, NodeReport, Observers, Report, Target, TargetOptions, UpOptions};
 use std::path::Path;
 
 #[derive(Args)]

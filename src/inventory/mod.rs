@@ -653,7 +653,12 @@ impl Validator<'_> {
         if node.dhcp {
             return; // an address, if given, is only the lease used to reach it
         }
-        if inv.publish.hcloud.as_ref().is_some_and(|h| h.servers.is_some()) {
+        if inv
+            .publish
+            .hcloud
+            .as_ref()
+            .is_some_and(|h| h.servers.is_some())
+        {
             // Hetzner servers are reached at the public IP the API reports;
             // an address, if given, is the node's place in servers.network.
             return;

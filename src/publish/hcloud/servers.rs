@@ -146,7 +146,10 @@ pub fn ensure(
             let mut s = s.clone();
             if s.status == "off" {
                 let reply = api.post(&format!("/servers/{}/actions/poweron", s.id), &json!({}))?;
-                wait(&reply, &format!("poweron of server {} (node {})", s.id, spec.node))?;
+                wait(
+                    &reply,
+                    &format!("poweron of server {} (node {})", s.id, spec.node),
+                )?;
                 s.status = "running".into();
                 s.started = true;
             }
@@ -172,16 +175,25 @@ pub fn ensure(
         )?;
         let server = reply["server"].clone();
         let id = server["id"].as_u64().unwrap_or_default();
-        wait(&reply, &format!("creating server {id} (node {})", spec.node))?;
+        wait(
+            &reply,
+            &format!("creating server {id} (node {})", spec.node),
+        )?;
         if let Some(net) = network {
             let mut body = json!({"network": net});
             if let Some(ip) = spec.private_ip {
                 body["ip"] = json!(ip.to_string());
             }
             let reply = api.post(&format!("/servers/{id}/actions/attach_to_network"), &body)?;
-            wait(&reply, &format!("attaching server {id} (node {}) to its network", spec.node))?;
+            wait(
+                &reply,
+                &format!("attaching server {id} (node {}) to its network", spec.node),
+            )?;
             let reply = api.post(&format!("/servers/{id}/actions/poweron"), &json!({}))?;
-            wait(&reply, &format!("poweron of server {id} (node {})", spec.node))?;
+            wait(
+                &reply,
+                &format!("poweron of server {id} (node {})", spec.node),
+            )?;
         }
         let now = api.get(&format!("/servers/{id}"), &[])?;
         out.push(describe(&spec.node, &now["server"], true));
@@ -192,14 +204,11 @@ pub fn ensure(
 /// The ID of the network named `name`.
 fn network_id(api: &Api, name: &str) -> Result<u64, HcloudError> {
     let found = api.list("/networks", "networks", &[("name", name.to_owned())])?;
-    found
-        .first()
-        .and_then(|n| n["id"].as_u64())
-        .ok_or_else(|| {
-            HcloudError::Setup(format!(
-                "publish.hcloud.servers.network: no network named {name:?} in this project"
-            ))
-        })
+    found.first().and_then(|n| n["id"].as_u64()).ok_or_else(|| {
+        HcloudError::Setup(format!(
+            "publish.hcloud.servers.network: no network named {name:?} in this project"
+        ))
+    })
 }
 
 /// Deletes `cluster`'s servers (found by label): `imgbuild down`.
@@ -214,7 +223,14 @@ pub fn delete_cluster(
     }
     let mut deleted = Vec::new();
     let mut left = Vec::new();
-    for r in delete_selected(api, &cluster_selector(cluster), None, opts, &Quiet, &["server"]) {
+    for r in delete_selected(
+        api,
+        &cluster_selector(cluster),
+        None,
+        opts,
+        &Quiet,
+        &["server"],
+    ) {
         match r {
             Ok(d) => deleted.push(d),
             Err(l) => left.push(l),
@@ -248,7 +264,10 @@ mod tests {
         let err = check(&[spec("cp-01", 10), spec("worker-01", USER_DATA_MAX + 1)])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("node worker-01") && err.contains("32768"), "{err}");
+        assert!(
+            err.contains("node worker-01") && err.contains("32768"),
+            "{err}"
+        );
     }
 
     #[test]
