@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::sims::{Pve, Sim};
+use common::sims::{Hc, Pve, Sim};
 use common::{imgbuild, root, text};
 
 const SECRET: &str = "s3cr3t-sentinel-0123456789";
@@ -527,6 +527,39 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
         c.path("results/result-one/result.json"),
     )
     .unwrap();
+
+    // Hetzner: the first entry's step against the factory and Hetzner
+    // simulators makes exactly its snapshot, and leaves nothing temporary.
+    let hc = Hc::start(&[]);
+    let script = step.replace(
+        "${{ matrix.command }}",
+        snapshots[0]["command"].as_str().unwrap(),
+    );
+    let o = c.bash(
+        &script,
+        &[
+            ("IMGBUILD_FACTORY", sim.url.as_str()),
+            ("HCLOUD_ENDPOINT", hc.url.as_str()),
+            ("HCLOUD_TOKEN", hc.token.as_str()),
+        ],
+    );
+    ok(&o);
+    let snapshot: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(c.path("result.json")).unwrap()).unwrap();
+    let made = snapshot["snapshots"].as_array().unwrap();
+    assert_eq!(made.len(), 1, "{snapshot}");
+    assert_eq!(made[0]["created"], true);
+    assert_eq!(made[0]["nodes"], serde_json::json!(["cp-01"]));
+    let stats = hc.stats();
+    assert_eq!(stats["imagesCreated"], 1, "{stats}");
+    assert_eq!(stats["servers"], 0, "{stats}");
+    assert_eq!(stats["sshKeys"], 0, "{stats}");
+    std::fs::create_dir_all(c.path("results/result-two")).unwrap();
+    std::fs::copy(
+        c.path("result.json"),
+        c.path("results/result-two/result.json"),
+    )
+    .unwrap();
     let o = c.bash(&step_run(&hcloud, "snapshots", "collect"), &[]);
     ok(&o);
     let collected: serde_json::Value =
@@ -544,7 +577,13 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
             )
         );
     }
-    assert_eq!(collected["results"], serde_json::json!([result]));
+    assert_eq!(collected["results"], serde_json::json!([result, snapshot]));
+    assert_eq!(
+        collected["published"],
+        serde_json::json!([{
+            "id": made[0]["id"], "nodes": ["cp-01"], "created": true, "labels": made[0]["labels"]
+        }])
+    );
 
     // GitLab: the plan job's script (all but the install) writes a child
     // pipeline: the template plus one job per artifact.
