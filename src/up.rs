@@ -44,6 +44,17 @@ pub struct HcloudTarget {
     pub cancel: Cancel,
 }
 
+impl HcloudTarget {
+    fn api(&self) -> Result<hcloud::Api, (Stage, UpError)> {
+        hcloud::Api::new(
+            &self.credentials.endpoint,
+            self.credentials.token.clone(),
+            self.options.retry,
+        )
+        .map_err(|e| (Stage::Publish, UpError::Hcloud(e)))
+    }
+}
+
 /// How each kind of target publishes.
 #[derive(Debug, Clone)]
 pub struct TargetOptions {
@@ -471,17 +482,9 @@ fn publish_stage(
                 };
                 n.volume = Some(p.volid);
                 n.vmid = p.vmid;
-                n.stages.upload = Some(if p.uploaded {
-                    Change::Uploaded
-                } else {
-                    Change::Unchanged
-                });
+                n.stages.upload = Some(changed(p.uploaded, Change::Uploaded));
                 n.stages.vm = p.vm.map(Change::from);
-                n.stages.start = Some(if p.started {
-                    Change::Started
-                } else {
-                    Change::Unchanged
-                });
+                n.stages.start = Some(changed(p.started, Change::Started));
             }
             Err(e) => {
                 let message = match e {
@@ -531,12 +534,7 @@ fn hcloud_stage(
             },
         ));
     }
-    let api = hcloud::Api::new(
-        &hc.credentials.endpoint,
-        hc.credentials.token.clone(),
-        hc.options.retry,
-    )
-    .map_err(publish)?;
+    let api = hc.api()?;
     let mut snapshot_of: BTreeMap<String, u64> = BTreeMap::new();
     let mut failed = Vec::new();
     for image in SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone()))) {
@@ -564,11 +562,7 @@ fn hcloud_stage(
                     snapshot_of.insert(node.clone(), snap.id);
                     if let Some(n) = report.node(node) {
                         n.volume = Some(format!("snapshot {}", snap.id));
-                        n.stages.upload = Some(if snap.created {
-                            Change::Uploaded
-                        } else {
-                            Change::Unchanged
-                        });
+                        n.stages.upload = Some(changed(snap.created, Change::Uploaded));
                     }
                 }
             }
@@ -620,29 +614,44 @@ fn hcloud_stage(
     let mut all = servers::existing(&api, &inv.cluster.name).map_err(publish)?;
     all.retain(|s| !made.iter().any(|m| m.node == s.node));
     let mut targets = BTreeMap::new();
-    for s in made.iter().chain(&all) {
-        let Some(n) = report.node(&s.node) else {
-            continue;
-        };
-        n.server = Some(s.id);
-        if made.iter().any(|m| m.id == s.id) {
-            n.stages.vm = Some(if s.created {
-                Change::Created
-            } else {
-                Change::Unchanged
-            });
-            n.stages.start = Some(if s.started {
-                Change::Started
-            } else {
-                Change::Unchanged
-            });
-        }
-        if let Some(ip) = s.public_ip {
-            n.address = Some(ip);
-            targets.extend(NodeTarget::new(Some(ip), None).map(|t| (s.node.clone(), t)));
-        }
+    for s in &made {
+        let stages = (
+            changed(s.created, Change::Created),
+            changed(s.started, Change::Started),
+        );
+        record_server(report, &mut targets, s, Some(stages));
+    }
+    for s in &all {
+        record_server(report, &mut targets, s, None);
     }
     Ok(targets)
+}
+
+/// `then` when `yes`, else unchanged.
+fn changed(yes: bool, then: Change) -> Change {
+    if yes { then } else { Change::Unchanged }
+}
+
+/// Puts server `s` in its node's row (with its vm and start outcomes, if
+/// this run dealt with it) and notes where the bootstrap reaches it.
+fn record_server(
+    report: &mut Report,
+    targets: &mut BTreeMap<String, NodeTarget>,
+    s: &servers::ClusterServer,
+    stages: Option<(Change, Change)>,
+) {
+    let Some(n) = report.node(&s.node) else {
+        return;
+    };
+    n.server = Some(s.id);
+    if let Some((vm, start)) = stages {
+        n.stages.vm = Some(vm);
+        n.stages.start = Some(start);
+    }
+    if let Some(ip) = s.public_ip {
+        n.address = Some(ip);
+        targets.extend(NodeTarget::new(Some(ip), None).map(|t| (s.node.clone(), t)));
+    }
 }
 
 /// The dry run of [`hcloud_stage`]: which snapshots exist for the images
@@ -674,12 +683,7 @@ fn plan_hcloud(
             }
         }
     }
-    let api = hcloud::Api::new(
-        &hc.credentials.endpoint,
-        hc.credentials.token.clone(),
-        hc.options.retry,
-    )
-    .map_err(publish)?;
+    let api = hc.api()?;
     for image in SnapshotImage::distinct(built) {
         let found =
             hcloud::find_snapshot(&api, &hcloud::snapshot_labels(&image)).map_err(publish)?;
@@ -692,20 +696,11 @@ fn plan_hcloud(
     }
     let mut targets = BTreeMap::new();
     for s in servers::existing(&api, &inv.cluster.name).map_err(publish)? {
-        let Some(n) = report.node(&s.node) else {
-            continue;
-        };
-        n.server = Some(s.id);
-        n.stages.vm = Some(Change::Unchanged);
-        n.stages.start = Some(if s.status == "off" {
-            Change::Started
-        } else {
-            Change::Unchanged
-        });
-        if let Some(ip) = s.public_ip {
-            n.address = Some(ip);
-            targets.extend(NodeTarget::new(Some(ip), None).map(|t| (s.node.clone(), t)));
-        }
+        let stages = (
+            Change::Unchanged,
+            changed(s.status == "off", Change::Started),
+        );
+        record_server(report, &mut targets, &s, Some(stages));
     }
     Ok(targets)
 }
@@ -727,11 +722,7 @@ fn build_stage(
         if let Some(n) = report.node(&o.image.node) {
             n.sha256 = Some(o.image.sha256.clone());
             n.image = Some(o.file.clone());
-            n.stages.build = Some(if o.built {
-                Change::Built
-            } else {
-                Change::Unchanged
-            });
+            n.stages.build = Some(changed(o.built, Change::Built));
         }
     }
     let mut failed_nodes: Vec<String> = Vec::new();
@@ -753,11 +744,7 @@ fn bootstrap_stage(
     let done = stage::bootstrap(inv, &opts.bootstrap, obs.bootstrap)?;
     let outcome = &done.outcome;
     report.healthy = true;
-    report.bootstrap = Some(if outcome.bootstrapped {
-        Change::Bootstrapped
-    } else {
-        Change::Unchanged
-    });
+    report.bootstrap = Some(changed(outcome.bootstrapped, Change::Bootstrapped));
     report.bootstrap_node = Some(outcome.bootstrap_node.clone());
     report.kubeconfig = Some(done.prepared.plan.kubeconfig_path.clone());
     report.talosconfig = Some(done.prepared.talosconfig.clone());
@@ -861,11 +848,7 @@ fn plan_publish(
                     Change::Uploaded
                 });
                 n.stages.vm = p.vm.map(Change::from);
-                n.stages.start = Some(if p.start {
-                    Change::Started
-                } else {
-                    Change::Unchanged
-                });
+                n.stages.start = Some(changed(p.start, Change::Started));
             }
             Err(e) => {
                 let message = match e {

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 mod common;
 use common::sims::{Hc, Sim};
-use common::{root, text};
+use common::{json, root, text};
 
 /// The loopback example as a Hetzner inventory.
 fn inventory(dir: &Path, hcloud: &str) -> PathBuf {
@@ -71,11 +71,6 @@ impl Run {
         let e = m["images"]["cp-01"].clone();
         (self.out().join(e["path"].as_str().unwrap()), e)
     }
-}
-
-fn json(o: &Output) -> Value {
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}\n{}", text(&o.stdout), text(&o.stderr)))
 }
 
 fn cleanup(hc: &Hc) -> Output {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::{root, text};
+use common::{json, root, text};
 
 fn fixture(name: &str) -> PathBuf {
     root()
@@ -30,11 +30,6 @@ fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
         cmd.env(k, v);
     }
     cmd.output().unwrap()
-}
-
-fn json(o: &Output) -> Value {
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}\n{}", text(&o.stdout), text(&o.stderr)))
 }
 
 /// A conversion into a fresh folder: the JSON result and the inventory.

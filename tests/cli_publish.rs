@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 
 mod common;
 use common::sims::{Pve, Sim};
-use common::{root, text};
+use common::{json, root, text};
 
 /// The loopback example with a Proxmox target (and `format`).
 fn inventory(dir: &Path, format: &str, vm: bool) -> PathBuf {
@@ -73,11 +73,6 @@ impl Run {
     fn manifest(&self) -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(self.out().join("manifest.json")).unwrap()).unwrap()
     }
-}
-
-fn json(o: &Output) -> serde_json::Value {
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}\n{}", text(&o.stdout), text(&o.stderr)))
 }
 
 /// sha256sum's verdict, so the check does not trust imgbuild's own hashing.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::sims::{Nodes, Pve, Sim};
-use common::text;
+use common::{json, text};
 
 const NODES: [(&str, u8, &str); 5] = [
     ("cp-01", 11, "controlplane"),
@@ -144,11 +144,6 @@ impl Chain {
     fn address(&self, host: u8) -> String {
         format!("{}.{host}", self.net)
     }
-}
-
-fn json(o: &Output) -> serde_json::Value {
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", text(&o.stdout), text(&o.stderr)))
 }
 
 /// A node's counter as the node simulator keeps it (by node name).

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 mod common;
 use common::sims::{Hc, Nodes, Sim};
-use common::text;
+use common::{json, text};
 
 const INVENTORY: &str = "\
 cluster:
@@ -106,11 +106,6 @@ impl Chain {
             totals["bootstraps"].as_u64().unwrap(),
         )
     }
-}
-
-fn json(o: &Output) -> Value {
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}\n{}", text(&o.stdout), text(&o.stderr)))
 }
 
 #[test]

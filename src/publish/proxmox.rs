@@ -557,17 +557,14 @@ fn api_error(what: &str, e: NetError) -> ProxmoxError {
     }
 }
 
-/// Publishes `images` (built, verified) to the target in `settings`.
-/// Preflight problems fail the whole run before a byte is uploaded; after
-/// that each node succeeds or fails on its own.
-pub fn publish(
-    inv: &Inventory,
+/// What publishing and planning both start from, read-only: the checked
+/// API, the storage's import volumes with their sizes, and the node's VMs
+/// (when there are VMs to make).
+fn survey(
     settings: &ProxmoxSettings,
     creds: &Credentials,
-    images: &[PublishImage],
     opts: &PublishOptions,
-    observer: &dyn Observer,
-) -> Result<Vec<Result<NodePublished, ProxmoxError>>, ProxmoxError> {
+) -> Result<(Api, BTreeMap<String, u64>, Value), ProxmoxError> {
     let api = Api::new(creds, opts.retry)?;
     preflight(&api, settings)?;
     let node = &settings.node;
@@ -588,6 +585,21 @@ pub fn publish(
         Some(_) => api.get("listing VMs", &format!("/nodes/{node}/qemu"))?,
         None => Value::Null,
     };
+    Ok((api, stored, vms))
+}
+
+/// Publishes `images` (built, verified) to the target in `settings`.
+/// Preflight problems fail the whole run before a byte is uploaded; after
+/// that each node succeeds or fails on its own.
+pub fn publish(
+    inv: &Inventory,
+    settings: &ProxmoxSettings,
+    creds: &Credentials,
+    images: &[PublishImage],
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<Vec<Result<NodePublished, ProxmoxError>>, ProxmoxError> {
+    let (api, stored, vms) = survey(settings, creds, opts)?;
     Ok(images
         .iter()
         .map(|img| {
@@ -829,26 +841,8 @@ pub fn plan(
     images: &[(String, Option<PublishImage>)],
     opts: &PublishOptions,
 ) -> Result<Vec<Result<NodePlan, ProxmoxError>>, ProxmoxError> {
-    let api = Api::new(creds, opts.retry)?;
-    preflight(&api, settings)?;
+    let (api, stored, vms) = survey(settings, creds, opts)?;
     let pve = &settings.node;
-    let listed = api.get(
-        "listing storage",
-        &format!(
-            "/nodes/{pve}/storage/{}/content?content=import",
-            settings.storage
-        ),
-    )?;
-    let stored: BTreeMap<String, u64> = listed
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|v| Some((v["volid"].as_str()?.to_owned(), v["size"].as_u64()?)))
-        .collect();
-    let vms = match &settings.vm {
-        Some(_) => api.get("listing VMs", &format!("/nodes/{pve}/qemu"))?,
-        None => Value::Null,
-    };
     let plan_node = |node: &str, img: Option<&PublishImage>| -> Result<NodePlan, ProxmoxError> {
         let volid = img.map(|img| {
             let file = volume_file(

@@ -25,6 +25,12 @@ pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// A command's stdout as its one JSON document; the output when it is not.
+pub fn json(o: &std::process::Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", text(&o.stdout), text(&o.stderr)))
+}
+
 /// The simulator binary, built next to imgbuild. `cargo test` builds only
 /// this package's binaries, so the simulator is brought up to date once per
 /// test process (a no-op when it is): a stale one would ignore new switches.
