@@ -45,10 +45,17 @@ struct Chain {
 
 impl Chain {
     fn start() -> Chain {
+        Self::start_with(INVENTORY, &[])
+    }
+
+    /// With another inventory and more Hetzner simulator switches.
+    fn start_with(inventory: &str, hc_extra: &[&str]) -> Chain {
         let nodes = Nodes::start(&[]);
-        let hc = Hc::start(&["--nodes-control", &nodes.control]);
+        let mut extra = vec!["--nodes-control", nodes.control.as_str()];
+        extra.extend_from_slice(hc_extra);
+        let hc = Hc::start(&extra);
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("cluster.yaml"), INVENTORY).unwrap();
+        std::fs::write(dir.path().join("cluster.yaml"), inventory).unwrap();
         Chain {
             factory: Sim::start(&[]),
             hc,
@@ -143,7 +150,7 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
         assert_eq!(n["kubernetesReady"], true, "{n}");
         assert_eq!(n["stages"]["vm"], "created", "{n}");
         let ip = n["address"].as_str().unwrap();
-        assert!(ip.starts_with("127.0.4."), "{n}");
+        assert!(ip.starts_with("127.4."), "{n}");
         servers.push(n["server"].as_u64().unwrap());
         assert!(
             n["volume"].as_str().unwrap().starts_with("snapshot "),
@@ -222,4 +229,50 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
     assert_eq!(json(&o)["deleted"].as_array().unwrap().len(), 3);
     assert_eq!(c.stat("servers"), 0);
     assert_eq!(c.stat("sshKeys"), 0);
+}
+
+/// With `servers.network`, each server also joins that Hetzner network at
+/// its node's inventory address (loopback here, as the simulator's network).
+#[test]
+fn servers_join_their_network_at_the_inventory_address() {
+    let inventory = INVENTORY
+        .replace(
+            "servers: {type: cpx22}",
+            "servers: {type: cpx22, network: lan}",
+        )
+        .replace(
+            "{name: cp-01, role: controlplane}",
+            "{name: cp-01, role: controlplane, address: 127.8.0.11}",
+        )
+        .replace(
+            "{name: worker-01, role: worker}",
+            "{name: worker-01, role: worker, address: 127.8.0.21}",
+        )
+        .replace("  - {name: worker-02, role: worker}\n", "");
+    let c = Chain::start_with(&inventory, &["--network", "lan=127.8.0.0/16"]);
+    let o = c.up(&[]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    let v = json(&o);
+    assert_eq!(v["healthy"], true, "{v}");
+    let (_, _, nets) = c.hc.call("GET", "/networks?name=lan", None);
+    let lan = nets["networks"][0]["id"].as_u64().unwrap();
+    for (n, want) in v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(["127.8.0.11", "127.8.0.21"])
+    {
+        let id = n["server"].as_u64().unwrap();
+        let (_, _, server) = c.hc.call("GET", &format!("/servers/{id}"), None);
+        let private = &server["server"]["private_net"];
+        assert_eq!(private.as_array().map(Vec::len), Some(1), "{server}");
+        assert_eq!(private[0]["network"], lan, "{server}");
+        assert_eq!(private[0]["ip"], want, "{server}");
+        assert_eq!(server["server"]["status"], "running");
+    }
 }

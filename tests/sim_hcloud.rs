@@ -35,7 +35,7 @@ fn ssh_target(server: &Value) -> (String, u16) {
         .as_str()
         .unwrap()
         .to_owned();
-    assert!(ip.starts_with("127.0.4."), "{ip}");
+    assert!(ip.starts_with("127.4."), "{ip}");
     let port = server["sim_ssh_port"].as_u64().unwrap_or(22) as u16;
     (ip, port)
 }

@@ -31,7 +31,9 @@
 //! (poweron); `stopping` → `off` (poweroff, shutdown).
 //!
 //! Each server has a disk file `DIR/servers/<id>/sda` (made holding a
-//! system-image marker) and a loopback address 127.0.4.x, shown as
+//! system-image marker) and a loopback address 127.4.P.x (P: the
+//! simulator's pid mod 250, so simulators running side by side never share
+//! an address), shown as
 //! `public_net.ipv4.ip`. A poweron with rescue enabled starts sshd there
 //! (after `--ssh-refuse-seconds`; never with `--ssh-never`) on port 22 when
 //! running as root and free, else on a free port shown as the server's
@@ -347,8 +349,8 @@ struct Sim {
     schemas: Schemas,
     world: Mutex<World>,
     stats: Stats,
-    /// Where this process starts counting 127.0.4.x, so simulators running
-    /// side by side rarely pick the same address.
+    /// The third octet of this process's server addresses (127.4.P.x), so
+    /// simulators running side by side never pick the same address.
     address_base: u32,
     nodes: Option<Nodes>,
 }
@@ -1230,7 +1232,7 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
         .map_err(|e| err(500, "server_error", e.to_string()))?;
     let marker = format!("system image {image} of server {id}\n").repeat(4096);
     std::fs::write(sim.disk(id), marker).map_err(|e| err(500, "server_error", e.to_string()))?;
-    let x = 2 + (sim.address_base + w.addresses) % 250;
+    let x = 2 + w.addresses % 250;
     w.addresses += 1;
     let server = Server {
         id,
@@ -1243,7 +1245,7 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
         labels,
         rescue_enabled: false,
         rescue_keys: Vec::new(),
-        ip: Ipv4Addr::new(127, 0, 4, x as u8),
+        ip: Ipv4Addr::new(127, 4, sim.address_base as u8, x as u8),
         ssh_port: None,
         busy: None,
         boot: 0,
@@ -1816,7 +1818,7 @@ mod tests {
             labels: labels.clone(),
             rescue_enabled: true,
             rescue_keys: Vec::new(),
-            ip: Ipv4Addr::new(127, 0, 4, 2),
+            ip: Ipv4Addr::new(127, 4, 0, 2),
             ssh_port: Some(2222),
             busy: None,
             boot: 1,

@@ -1,7 +1,7 @@
 //! Hetzner Cloud networks for the simulator: what `GET /networks` lists and
 //! how a server gets its private address on one (`networks` at create,
 //! `attach_to_network`). Addresses are only bookkept, never bound: servers
-//! are reached on their public 127.0.4.x address.
+//! are reached on their public 127.4.P.x address.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;

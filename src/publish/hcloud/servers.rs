@@ -275,11 +275,11 @@ mod tests {
         let s = describe(
             "cp-01",
             &json!({"id": 7, "name": "prod-cp-01", "status": "running",
-                    "public_net": {"ipv4": {"ip": "127.0.4.9"}}}),
+                    "public_net": {"ipv4": {"ip": "127.4.0.9"}}}),
             true,
         );
         assert_eq!(s.id, 7);
-        assert_eq!(s.public_ip, Some("127.0.4.9".parse().unwrap()));
+        assert_eq!(s.public_ip, Some("127.4.0.9".parse().unwrap()));
         assert!(s.created);
     }
 }
