@@ -91,12 +91,9 @@ impl hcloud::Observer for Quiet {
     fn event(&self, _: &Event) {}
 }
 
-pub(super) fn observer(output: Output) -> &'static dyn hcloud::Observer {
-    if output == Output::Text {
-        &Lines
-    } else {
-        &Quiet
-    }
+/// Step lines on stderr when `show`, else silence.
+pub(super) fn observer(show: bool) -> &'static dyn hcloud::Observer {
+    if show { &Lines } else { &Quiet }
 }
 
 /// Reads the credentials before anything is built: a missing token must
@@ -125,7 +122,14 @@ pub fn publish(
             failures.push((image.nodes.join(","), "not started: interrupted".into()));
             continue;
         }
-        let run = hcloud::publish_snapshot(&api, settings, &image, opts, &cancel, observer(output));
+        let run = hcloud::publish_snapshot(
+            &api,
+            settings,
+            &image,
+            opts,
+            &cancel,
+            observer(output == Output::Text),
+        );
         leftovers.extend(run.leftovers);
         match run.result {
             Ok(s) => snapshots.push(s),
@@ -190,7 +194,12 @@ pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
     let creds = credentials()?;
     let opts = SnapshotOptions::default();
     let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
-    let (deleted, left) = hcloud::cleanup(&api, args.older_than, &opts, observer(output));
+    let (deleted, left) = hcloud::cleanup(
+        &api,
+        args.older_than,
+        &opts,
+        observer(output == Output::Text),
+    );
     match output {
         Output::Json => println!(
             "{}",

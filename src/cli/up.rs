@@ -70,7 +70,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
             Observers {
                 download: download.as_ref(),
                 publish,
-                hcloud: super::hcloud::observer(if quiet { Output::Json } else { output }),
+                hcloud: super::hcloud::observer(output == Output::Text && !quiet),
                 bootstrap: &bootstrap,
             },
         )

@@ -87,21 +87,6 @@ impl From<Interrupted> for HcloudError {
     }
 }
 
-impl Cancel {
-    /// Sleeps `d` in short steps, returning early when cancelled.
-    pub fn sleep(&self, d: Duration) -> Result<(), Interrupted> {
-        let end = Instant::now() + d;
-        loop {
-            self.check()?;
-            let now = Instant::now();
-            if now >= end {
-                return Ok(());
-            }
-            std::thread::sleep((end - now).min(Duration::from_millis(100)));
-        }
-    }
-}
-
 /// Where and as whom to reach the API: `HCLOUD_TOKEN` and
 /// `HCLOUD_ENDPOINT`, as the hcloud CLI names them.
 #[derive(Debug, Clone)]

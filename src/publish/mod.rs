@@ -7,6 +7,7 @@ pub mod proxmox;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::inventory::ImageFormat;
 
@@ -80,6 +81,19 @@ impl Cancel {
         match self.0 {
             Some(f) if f.load(Ordering::SeqCst) => Err(Interrupted),
             _ => Ok(()),
+        }
+    }
+
+    /// Sleeps `d` in short steps, returning early when cancelled.
+    pub fn sleep(&self, d: Duration) -> Result<(), Interrupted> {
+        let end = Instant::now() + d;
+        loop {
+            self.check()?;
+            let now = Instant::now();
+            if now >= end {
+                return Ok(());
+            }
+            std::thread::sleep((end - now).min(Duration::from_millis(100)));
         }
     }
 }
