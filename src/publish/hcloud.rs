@@ -419,20 +419,9 @@ impl Build<'_> {
     }
 
     fn wait(&self, reply: &Value, what: &str) -> Result<(), HcloudError> {
-        let mut actions: Vec<&Value> = reply.get("action").into_iter().collect();
-        if let Some(next) = reply.get("next_actions").and_then(Value::as_array) {
-            actions.extend(next);
-        }
-        for a in actions.into_iter().filter(|a| !a.is_null()) {
-            self.api.wait_action(
-                a,
-                what,
-                self.opts.poll,
-                self.opts.action_timeout,
-                self.cancel,
-            )?;
-        }
-        Ok(())
+        let opts = self.opts;
+        self.api
+            .wait_reply(reply, what, opts.poll, opts.action_timeout, self.cancel)
     }
 
     fn make(&mut self) -> Result<Snapshot, HcloudError> {

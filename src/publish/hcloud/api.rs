@@ -167,6 +167,26 @@ impl Api {
         }
     }
 
+    /// Waits for every action a reply started (`action`, `next_actions`).
+    pub fn wait_reply(
+        &self,
+        reply: &Value,
+        what: &str,
+        poll: Duration,
+        timeout: Duration,
+        cancel: &Cancel,
+    ) -> Result<(), HcloudError> {
+        let next = reply.get("next_actions").and_then(Value::as_array);
+        let actions = reply
+            .get("action")
+            .into_iter()
+            .chain(next.into_iter().flatten());
+        for a in actions.filter(|a| !a.is_null()) {
+            self.wait_action(a, what, poll, timeout, cancel)?;
+        }
+        Ok(())
+    }
+
     /// Polls the action `action` (an object with `id`) until it ends:
     /// `success` → Ok; `error` → its code and message, naming `what`.
     pub fn wait_action(

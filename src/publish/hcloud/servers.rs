@@ -129,15 +129,8 @@ pub fn ensure(
         Some(name) => Some(network_id(api, name)?),
         None => None,
     };
-    let wait = |reply: &Value, what: &str| -> Result<(), HcloudError> {
-        let mut actions: Vec<&Value> = reply.get("action").into_iter().collect();
-        if let Some(next) = reply.get("next_actions").and_then(Value::as_array) {
-            actions.extend(next);
-        }
-        for a in actions.into_iter().filter(|a| !a.is_null()) {
-            api.wait_action(a, what, opts.poll, opts.action_timeout, cancel)?;
-        }
-        Ok(())
+    let wait = |reply: &Value, what: &str| {
+        api.wait_reply(reply, what, opts.poll, opts.action_timeout, cancel)
     };
     let mut out = Vec::new();
     for spec in specs {
