@@ -89,12 +89,6 @@ fn nothing_left(hc: &Hc) {
     assert_eq!(s["sshKeys"], 0, "SSH keys left: {s}");
 }
 
-fn stat(hc: &Hc, key: &str) -> u64 {
-    hc.stats()[key]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no {key}"))
-}
-
 #[test]
 fn snapshot_is_the_image_labelled_exactly_and_a_rerun_creates_nothing() {
     let sim = Sim::start(&[]);
@@ -145,21 +139,21 @@ fn snapshot_is_the_image_labelled_exactly_and_a_rerun_creates_nothing() {
         image.display()
     );
     nothing_left(&hc);
-    assert_eq!(stat(&hc, "imagesCreated"), 1);
-    assert_eq!(stat(&hc, "rejected"), 0, "requests the API schema refused");
+    assert_eq!(hc.stat("imagesCreated"), 1);
+    assert_eq!(hc.stat("rejected"), 0, "requests the API schema refused");
 
-    let servers = stat(&hc, "serversCreated");
+    let servers = hc.stat("serversCreated");
     let o = run.publish(&sim, &hc, &["--output", "json"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v = json(&o);
     assert_eq!(v["snapshots"][0]["created"], false, "{v}");
     assert_eq!(v["snapshots"][0]["id"], id);
     assert_eq!(
-        stat(&hc, "serversCreated"),
+        hc.stat("serversCreated"),
         servers,
         "a rerun created a server"
     );
-    assert_eq!(stat(&hc, "imagesCreated"), 1);
+    assert_eq!(hc.stat("imagesCreated"), 1);
     assert!(v["requests"].as_u64().unwrap() <= 2, "{v}");
 }
 
@@ -203,7 +197,7 @@ fn ssh_never_accepted_is_bounded_and_named() {
         .unwrap_or_else(|| panic!("no server named: {err}"));
     assert!(err.contains(&format!("server {id}: no login")), "{err}");
     nothing_left(&hc);
-    assert_eq!(stat(&hc, "imagesCreated"), 0);
+    assert_eq!(hc.stat("imagesCreated"), 0);
 }
 
 #[test]
@@ -230,11 +224,7 @@ fn remote_dd_failure_and_failed_actions_leave_nothing() {
         assert!(v["snapshots"].as_array().unwrap().is_empty());
         nothing_left(&hc);
         if switch[0] == "--dd-fails" {
-            assert_eq!(
-                stat(&hc, "imagesCreated"),
-                0,
-                "a snapshot of a failed write"
-            );
+            assert_eq!(hc.stat("imagesCreated"), 0, "a snapshot of a failed write");
         }
     }
 }
@@ -248,7 +238,7 @@ fn rate_limits_are_waited_out() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v = json(&o);
     assert_eq!(v["snapshots"][0]["created"], true);
-    assert!(stat(&hc, "rateLimited") >= 3, "{}", hc.stats());
+    assert!(hc.stat("rateLimited") >= 3, "{}", hc.stats());
     nothing_left(&hc);
 }
 
@@ -294,7 +284,7 @@ fn sigint_during_the_stream_cleans_up() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(1), "{status:?}");
     nothing_left(&hc);
-    assert_eq!(stat(&hc, "imagesCreated"), 0);
+    assert_eq!(hc.stat("imagesCreated"), 0);
 }
 
 #[test]

@@ -96,19 +96,13 @@ impl Chain {
             .unwrap()
     }
 
-    fn stat(&self, key: &str) -> u64 {
-        self.hc.stats()[key]
-            .as_u64()
-            .unwrap_or_else(|| panic!("no {key}: {}", self.hc.stats()))
-    }
-
     /// Counts that change when anything is created anywhere.
     fn changes(&self) -> (u64, u64, u64, u64, u64) {
         let totals = &self.nodes.stats()["totals"];
         (
-            self.stat("serversCreated"),
-            self.stat("imagesCreated"),
-            self.stat("serversFromSnapshots"),
+            self.hc.stat("serversCreated"),
+            self.hc.stat("imagesCreated"),
+            self.hc.stat("serversFromSnapshots"),
             totals["applies"].as_u64().unwrap(),
             totals["bootstraps"].as_u64().unwrap(),
         )
@@ -131,7 +125,7 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
     assert_eq!(v["dryRun"], true);
     assert_eq!(v["target"], "hcloud");
     assert_eq!(c.changes(), (0, 0, 0, 0, 0));
-    assert_eq!(c.stat("sshKeys"), 0);
+    assert_eq!(c.hc.stat("sshKeys"), 0);
 
     let o = c.up(&[]);
     assert!(
@@ -158,10 +152,10 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
         );
     }
     // One snapshot for the three nodes; its temporary server and key gone.
-    assert_eq!(c.stat("imagesCreated"), 1);
-    assert_eq!(c.stat("serversFromSnapshots"), 3);
-    assert_eq!(c.stat("servers"), 3, "only the cluster's servers remain");
-    assert_eq!(c.stat("sshKeys"), 0);
+    assert_eq!(c.hc.stat("imagesCreated"), 1);
+    assert_eq!(c.hc.stat("serversFromSnapshots"), 3);
+    assert_eq!(c.hc.stat("servers"), 3, "only the cluster's servers remain");
+    assert_eq!(c.hc.stat("sshKeys"), 0);
     let (_, _, temp) =
         c.hc.call("GET", "/servers?label_selector=imgbuild-run", None);
     assert_eq!(temp["servers"], serde_json::json!([]));
@@ -216,19 +210,19 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
     // script cannot answer: exit 2, nothing deleted.
     let o = c.imgbuild(&["cleanup"]).output().unwrap();
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(c.stat("servers"), 3);
+    assert_eq!(c.hc.stat("servers"), 3);
     let o = c.imgbuild(&["down"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     assert!(text(&o.stderr).contains("--yes"), "{}", text(&o.stderr));
-    assert_eq!(c.stat("servers"), 3);
+    assert_eq!(c.hc.stat("servers"), 3);
     let o = c
         .imgbuild(&["down", "--yes", "--output", "json"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json(&o)["deleted"].as_array().unwrap().len(), 3);
-    assert_eq!(c.stat("servers"), 0);
-    assert_eq!(c.stat("sshKeys"), 0);
+    assert_eq!(c.hc.stat("servers"), 0);
+    assert_eq!(c.hc.stat("sshKeys"), 0);
 }
 
 /// With `servers.network`, each server also joins that Hetzner network at

@@ -1325,6 +1325,17 @@ fn action_json(a: &Action) -> Value {
     })
 }
 
+/// `action` (as answered) with one more resource it acts on, besides its server.
+fn with_resource(w: &mut World, action: Value, resource: (u64, &'static str)) -> Value {
+    match w.actions.get_mut(&action["id"].as_u64().unwrap_or(0)) {
+        Some(a) => {
+            a.resources.push(resource);
+            action_json(a)
+        }
+        None => action,
+    }
+}
+
 /// Starts an action on server `server` (locking it) that ends after its
 /// duration; `done` then runs under the world lock with whether it
 /// succeeded. Returns the action as first shown.
@@ -1629,13 +1640,7 @@ fn create_image(sim: &Arc<Sim>, w: &mut World, server: u64, body: Value) -> Answ
             }
         },
     );
-    let action = match w.actions.get_mut(&action["id"].as_u64().unwrap_or(0)) {
-        Some(a) => {
-            a.resources.push((image_id, "image"));
-            action_json(a)
-        }
-        None => action,
-    };
+    let action = with_resource(w, action, (image_id, "image"));
     let image = image_json(&w.images[&image_id]);
     Ok((201, json!({"image": image, "action": action})))
 }
@@ -1688,13 +1693,7 @@ fn attach_to_network(sim: &Arc<Sim>, w: &mut World, id: u64, body: Value) -> Ans
             }
         },
     );
-    let a = match w.actions.get_mut(&a["id"].as_u64().unwrap_or(0)) {
-        Some(action) => {
-            action.resources.push((network_id, "network"));
-            action_json(action)
-        }
-        None => a,
-    };
+    let a = with_resource(w, a, (network_id, "network"));
     Ok((201, json!({ "action": a })))
 }
 

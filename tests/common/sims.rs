@@ -306,6 +306,14 @@ impl Hc {
         serde_json::from_slice(&o.stdout).unwrap()
     }
 
+    /// One count of [`Hc::stats`].
+    pub fn stat(&self, key: &str) -> u64 {
+        let stats = self.stats();
+        stats[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no {key} in {stats}"))
+    }
+
     pub fn disk(&self, server: u64) -> PathBuf {
         let o = Command::new("curl")
             .arg("-s")
