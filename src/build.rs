@@ -141,8 +141,6 @@ pub struct BuildOptions {
     pub fetch: FetchOptions,
     /// Nodes built at once.
     pub jobs: usize,
-    /// Overrides `image.factory` (e.g. a local simulator).
-    pub factory: Option<String>,
 }
 
 /// What happened to one node.
@@ -339,11 +337,8 @@ pub fn build(
     let mut failed = Vec::new();
     if !todo.is_empty() {
         let client = fetch::client(&opts.fetch);
-        let factory = Factory::new(
-            opts.factory.as_deref().unwrap_or(&inv.image.factory),
-            &client,
-        )
-        .with_retry(opts.fetch.retry_policy());
+        let factory =
+            Factory::new(&inv.image.factory, &client).with_retry(opts.fetch.retry_policy());
         let mut wanted: Vec<String> = inv.image.extensions.clone();
         for p in &todo {
             wanted.extend(p.node.extensions.iter().cloned());
@@ -417,6 +412,13 @@ fn build_one(
     let (source_url, sha256, size) = match opts.route {
         Route::Factory => {
             let id = factory.register(&schematic::for_node(inv, node))?;
+            // The installer the node's config names is the META-less
+            // schematic's (see `factory::installer_for`): the factory
+            // serves installers only for schematics it was given.
+            let base = schematic::base_for_node(inv, node);
+            if base != schematic::for_node(inv, node) {
+                factory.register(&base)?;
+            }
             let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
             let art = fetch::fetch(client, &url, None, &opts.fetch, progress)?;
             copy_out(&art.path, &plan.file)?;

@@ -124,6 +124,48 @@ const ALL: &[(&str, &str)] = &[
     ("worker-02", "127.0.0.22/8"),
 ];
 
+/// Every node's machine config names an installer the factory can serve:
+/// its registry answers the installer's manifest (it knows the schematic
+/// and the version) for each node, as a node's upgrade would pull it.
+fn installers_resolve(run: &Run, sim: &Sim) {
+    let state = run.dir.path().join("state");
+    for (node, _) in ALL {
+        let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .args(["--config", LOOPBACK, "config", node, "--factory", &sim.url])
+            .arg("--state-dir")
+            .arg(&state)
+            .current_dir(root())
+            .env_remove("IMGBUILD_CONFIG")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{node}: {}", text(&o.stderr));
+        let config = text(&o.stdout);
+        let image = config
+            .lines()
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix("image: ")
+                    .filter(|i| i.contains("installer"))
+            })
+            .unwrap_or_else(|| panic!("{node}: no installer in\n{config}"));
+        let host = sim.url.trim_start_matches("http://");
+        let rest = image
+            .strip_prefix(&format!("{host}/"))
+            .unwrap_or_else(|| panic!("{node}: {image} is not on {host}"));
+        let (repo, tag) = rest.rsplit_once(':').unwrap();
+        let o = Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+            .arg(format!("{}/v2/{repo}/manifests/{tag}", sim.url))
+            .output()
+            .unwrap();
+        assert_eq!(
+            text(&o.stdout),
+            "200",
+            "{node}: the factory cannot serve {image}"
+        );
+    }
+}
+
 #[test]
 fn patch_route_builds_every_node_from_one_download_and_reruns_do_nothing() {
     let sim = Sim::start(&[]);
@@ -138,6 +180,7 @@ fn patch_route_builds_every_node_from_one_download_and_reruns_do_nothing() {
         text(&again.stdout)
     );
     assert_eq!(sim.image_gets(), 1, "a re-run downloads nothing");
+    installers_resolve(&run, &sim);
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .args(["verify", "--out-dir"])
         .arg(run.out())
@@ -154,6 +197,7 @@ fn factory_route_gets_each_nodes_own_image() {
     let v = build_json(&run.imgbuild(&sim, &["build", "--route", "factory", "--output", "json"]));
     check_built(&run, &v, ALL);
     assert_eq!(sim.image_gets(), 5, "one factory image per node");
+    installers_resolve(&run, &sim);
 }
 
 #[test]

@@ -32,6 +32,120 @@ fn schematic_id_reproduces_every_public_vector() {
     assert_eq!(n, 13);
 }
 
+/// The ID the factory gives `canonical` once its `meta` block is dropped:
+/// the canonical YAML keeps one key per line, so the block is the lines under
+/// `meta:` that are indented deeper than it. Hashed here, not by imgbuild.
+fn id_without_meta(canonical: &str) -> String {
+    use sha2::Digest;
+    let mut kept = String::new();
+    let mut meta_indent = None;
+    for line in canonical.lines() {
+        let indent = line.len() - line.trim_start().len();
+        if line.trim_start() == "meta:" {
+            meta_indent = Some(indent);
+            continue;
+        }
+        if meta_indent.is_some_and(|m| indent > m) {
+            continue;
+        }
+        meta_indent = None;
+        kept.push_str(line);
+        kept.push('\n');
+    }
+    assert_ne!(kept, canonical, "no meta block in {canonical}");
+    hex::encode(sha2::Sha256::digest(kept.as_bytes()))
+}
+
+/// Every node's installer is the factory's for its META-less schematic:
+/// the factory never bakes META into installers, so nodes with the same
+/// extensions share one, and below Talos v1.10 it is `installer/<id>`.
+#[test]
+fn installers_name_the_schematic_without_meta() {
+    let o = imgbuild(&["--config", ATLAS, "schematic", "--all", "--output", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let list: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
+    let mut installers = std::collections::BTreeSet::new();
+    for v in &list {
+        let canonical = v["schematic"].as_str().unwrap();
+        let want = if canonical.contains("meta:") {
+            id_without_meta(canonical)
+        } else {
+            v["id"].as_str().unwrap().to_owned()
+        };
+        assert_eq!(
+            v["installer"],
+            format!("factory.talos.dev/metal-installer/{want}:v1.11.2"),
+            "{}",
+            v["node"]
+        );
+        installers.insert(v["installer"].as_str().unwrap().to_owned());
+    }
+    assert!(
+        installers.len() < list.len(),
+        "nodes with the same extensions share an installer: {installers:?}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let old = atlas_copy(dir.path(), "talosVersion: v1.11.2", "talosVersion: v1.9.5");
+    let o = imgbuild(&[
+        "--config",
+        old.to_str().unwrap(),
+        "schematic",
+        "cp-01",
+        "--output",
+        "json",
+        "--factory",
+        "http://127.0.0.1:8123/",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let canonical = v["schematic"].as_str().unwrap();
+    assert_eq!(
+        v["installer"],
+        format!(
+            "127.0.0.1:8123/installer/{}:v1.9.5",
+            id_without_meta(canonical)
+        )
+    );
+}
+
+/// The machine config names the same installer as `schematic`, on the
+/// factory the command was pointed at (flag or environment).
+#[test]
+fn the_config_installs_from_the_factory_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["--config", ATLAS, "config", "cp-01", "--state-dir"])
+        .arg(&state)
+        .env("IMGBUILD_FACTORY", "http://127.0.0.5:9000")
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let config = stdout(&o);
+    let o = imgbuild(&[
+        "--config",
+        ATLAS,
+        "schematic",
+        "cp-01",
+        "--output",
+        "json",
+        "--factory",
+        "http://127.0.0.5:9000",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let installer = v["installer"].as_str().unwrap();
+    assert!(
+        installer.starts_with("127.0.0.5:9000/metal-installer/"),
+        "{installer}"
+    );
+    assert!(
+        config.contains(&format!("image: {installer}")),
+        "{installer} not in\n{config}"
+    );
+}
+
 #[test]
 fn schematic_id_reads_standard_input() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
@@ -79,7 +193,7 @@ fn cp01_key10_carries_its_network() {
         v["installer"],
         format!(
             "factory.talos.dev/metal-installer/{}:v1.11.2",
-            v["id"].as_str().unwrap()
+            id_without_meta(canonical)
         )
     );
     let schematic: serde_yaml_ng::Value = serde_yaml_ng::from_str(canonical).unwrap();

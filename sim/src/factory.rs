@@ -135,6 +135,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/versions", get(versions))
         .route("/version/{v}/extensions/official", get(extensions))
         .route("/image/{id}/{version}/{file}", get(image).head(image))
+        .route(
+            "/v2/{image}/{id}/manifests/{tag}",
+            get(installer_manifest).head(installer_manifest),
+        )
         .route("/_sim/stats", get(stats))
         .with_state(sim);
     println!("{}", serde_json::json!({"url": url, "alt_url": alt_url}));
@@ -278,6 +282,54 @@ async fn get_schematic(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> R
         Some(p) => ([(header::CONTENT_TYPE, "application/yaml")], p.body.clone()).into_response(),
         None => text(StatusCode::NOT_FOUND, "schematic not found"),
     }
+}
+
+/// The factory's registry face: what a node pulls `<host>/<image>/<id>:<tag>`
+/// from. As siderolabs/image-factory `internal/frontend/http/registry.go`
+/// `handleManifest`: the schematic must have been posted (else "schematic not
+/// found"), the image is `installer` or `<platform>-installer`
+/// (`getRequestedImage`), and the version must be one the factory builds.
+/// Per-platform installers exist from Talos v1.10 on
+/// (`quirks.SupportsUnifiedInstaller`).
+async fn installer_manifest(
+    State(sim): State<Arc<Sim>>,
+    Path((image, id, tag)): Path<(String, String, String)>,
+) -> Response {
+    if !sim.schematics.lock().unwrap().contains_key(&id) {
+        return text(StatusCode::NOT_FOUND, "schematic not found");
+    }
+    let platform = image.strip_suffix("-installer");
+    if image != "installer" && platform.is_none_or(str::is_empty) {
+        return text(StatusCode::NOT_FOUND, format!("unknown image {image:?}"));
+    }
+    if !sim.versions.contains(&tag) {
+        return text(StatusCode::NOT_FOUND, format!("version {tag} not found"));
+    }
+    let minor = tag
+        .trim_start_matches('v')
+        .split('.')
+        .nth(1)
+        .and_then(|m| m.parse::<u32>().ok())
+        .unwrap_or(u32::MAX);
+    if platform.is_some() && minor < 10 {
+        return text(
+            StatusCode::NOT_FOUND,
+            format!("{image}: per-platform installers start with Talos v1.10"),
+        );
+    }
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "annotations": {"org.opencontainers.image.title": format!("{image}/{id}:{tag}")},
+    });
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/vnd.oci.image.manifest.v1+json",
+        )],
+        manifest.to_string(),
+    )
+        .into_response()
 }
 
 async fn versions(State(sim): State<Arc<Sim>>) -> Response {

@@ -57,9 +57,6 @@ pub struct BuildArgs {
     /// Nodes built at once.
     #[arg(long, default_value_t = 4)]
     jobs: usize,
-    /// Image Factory URL, overriding the inventory's image.factory.
-    #[arg(long, env = "IMGBUILD_FACTORY")]
-    factory: Option<String>,
     #[command(flatten)]
     pub(super) download: DownloadArgs,
 }
@@ -111,7 +108,6 @@ impl BuildArgs {
             route: self.route,
             fetch: self.download.options(),
             jobs: self.jobs,
-            factory: self.factory.clone(),
         }
     }
 }

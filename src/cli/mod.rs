@@ -38,6 +38,10 @@ pub struct Cli {
         action = ArgAction::Append
     )]
     config: Vec<PathBuf>,
+    /// Image Factory URL, overriding the inventory's image.factory: images,
+    /// schematics and the installer each machine config names all follow it.
+    #[arg(long, global = true, env = "IMGBUILD_FACTORY")]
+    factory: Option<String>,
     /// Output format: text for people, json for CI.
     #[arg(long, global = true, value_enum, default_value_t = Output::Text)]
     output: Output,
@@ -131,6 +135,17 @@ pub fn run() -> i32 {
         Err(e) => return usage_error(e),
     };
     let output = cli.output;
+    if let Some(url) = cli
+        .factory
+        .as_ref()
+        .filter(|u| !imgbuild::inventory::is_http_url(u))
+    {
+        return usage_error(Cli::command().error(
+            clap::error::ErrorKind::ValueValidation,
+            format!("--factory / IMGBUILD_FACTORY: {url:?} is not an http(s) URL"),
+        ));
+    }
+    let _ = FACTORY.set(cli.factory.clone());
     match dispatch(cli) {
         Ok(()) => 0,
         Err(e) => {
@@ -257,9 +272,18 @@ fn print_generated(bytes: &[u8], mut fields: serde_json::Value, output: Output) 
     Ok(())
 }
 
-/// Loads the inventory and shows its warnings on stderr.
+/// `--factory` (or `IMGBUILD_FACTORY`), set once before any command runs:
+/// every command that reads the inventory must see the same factory, or a
+/// config would name an installer on a factory the images never came from.
+static FACTORY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+/// Loads the inventory, with `--factory` in place of `image.factory`, and
+/// shows its warnings on stderr.
 pub fn load_inventory(path: &Path, output: Output) -> Result<Inventory> {
-    let inv = Inventory::load(path)?;
+    let mut inv = Inventory::load(path)?;
+    if let Some(Some(url)) = FACTORY.get() {
+        inv.image.factory.clone_from(url);
+    }
     if output == Output::Text {
         for w in &inv.warnings {
             eprintln!("warning: {w}");

@@ -37,28 +37,36 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
         return id_of_file(file, output);
     }
     let inv = load_inventory(config, output)?;
+    // Each entry: its name, its schematic, and the schematic whose installer
+    // its machine config names (the META-less one: the factory never bakes
+    // META into installers).
     let mut entries = Vec::new();
     match (&args.node, args.all) {
         (Some(name), false) => {
             let node = inv.node(name)?;
-            entries.push((name.clone(), schematic::for_node(&inv, node)));
+            let own = schematic::for_node(&inv, node);
+            entries.push((name.clone(), own, schematic::base_for_node(&inv, node)));
         }
         (None, true) => {
             for node in &inv.nodes {
-                entries.push((node.name.clone(), schematic::for_node(&inv, node)));
+                let own = schematic::for_node(&inv, node);
+                entries.push((node.name.clone(), own, schematic::base_for_node(&inv, node)));
             }
-            entries.push(("base".into(), schematic::base(&inv)));
+            entries.push(("base".into(), schematic::base(&inv), schematic::base(&inv)));
         }
         (Some(_), true) => bail!("give a node name or --all, not both"),
         (None, false) => bail!("give a node name, --all, or `schematic id FILE`"),
     }
     let mut rendered = Vec::new();
-    for (name, s) in &entries {
+    for (name, s, installs_from) in &entries {
         let canonical = s
             .canonical()
             .with_context(|| format!("schematic of {name}"))?;
         let id = schematic::id_of(&canonical);
-        let installer = imgbuild::factory::installer_for(&inv, &id);
+        let base = installs_from
+            .canonical()
+            .with_context(|| format!("installer schematic of {name}"))?;
+        let installer = imgbuild::factory::installer_of(&inv, &schematic::id_of(&base));
         rendered.push(ReviewFile {
             name: name.clone(),
             id,

@@ -257,6 +257,13 @@ pub enum InventoryError {
     },
 }
 
+/// Whether `url` is an http(s) URL with a host: what an Image Factory
+/// address must be, in the inventory or given by `--factory`.
+pub fn is_http_url(url: &str) -> bool {
+    (url.starts_with("https://") || url.starts_with("http://"))
+        && url.split("://").nth(1).is_some_and(|rest| !rest.is_empty())
+}
+
 fn list(problems: &[Problem]) -> String {
     problems
         .iter()
@@ -496,9 +503,7 @@ impl Validator<'_> {
                 ),
             );
         }
-        if !(img.factory.starts_with("https://") || img.factory.starts_with("http://"))
-            || img.factory.split("://").nth(1).is_none_or(str::is_empty)
-        {
+        if !is_http_url(&img.factory) {
             self.problem(
                 "image.factory",
                 format!("{:?} is not an http(s) URL", img.factory),

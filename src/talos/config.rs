@@ -97,19 +97,12 @@ fn version_tag(v: &str) -> String {
     format!("v{}", v.trim_start_matches('v'))
 }
 
-/// The installer image of `node`: the factory's installer for the node's own
-/// schematic, so an upgrade keeps its extensions and key-10 network.
+/// The installer image of `node`'s config: see [`crate::factory::installer_for`].
 pub fn install_image(inv: &Inventory, node: &NodeSpec) -> Result<String, ConfigError> {
-    let canonical = schematic::for_node(inv, node)
-        .canonical()
-        .map_err(|e| ConfigError::Node {
-            node: node.name.clone(),
-            message: format!("schematic: {e}"),
-        })?;
-    Ok(crate::factory::installer_for(
-        inv,
-        &schematic::id_of(&canonical),
-    ))
+    crate::factory::installer_for(inv, node).map_err(|e| ConfigError::Node {
+        node: node.name.clone(),
+        message: format!("schematic: {e}"),
+    })
 }
 
 /// What `talosctl gen config` would write for `node`, with the inventory's
