@@ -151,6 +151,40 @@ impl<'a> Factory<'a> {
         Ok(())
     }
 
+    /// `/image/{id}/{version}/{file}`: a boot asset such as `kernel-amd64`
+    /// or `initramfs-amd64.xz`.
+    pub fn asset_url(&self, id: &SchematicId, version: &str, file: &str) -> String {
+        format!("{}/image/{id}/{version}/{file}", self.base)
+    }
+
+    /// The kernel command line the factory boots schematic `id` with
+    /// (`/image/{id}/{version}/cmdline-{platform}-{arch}`, siderolabs/image-factory
+    /// `internal/frontend/http/image.go`): the platform's arguments plus the
+    /// schematic's extra ones, one line of text.
+    pub fn cmdline(
+        &self,
+        id: &SchematicId,
+        version: &str,
+        platform: &str,
+        arch: &str,
+    ) -> Result<String, FactoryError> {
+        let url = self.asset_url(id, version, &format!("cmdline-{platform}-{arch}"));
+        let body = self.call(&|| self.client.get(&url))?;
+        let reply = |message: String| FactoryError::Reply {
+            url: url.clone(),
+            message,
+        };
+        let text = String::from_utf8(body).map_err(|_| reply("not UTF-8 text".into()))?;
+        let line = text.trim();
+        if line.is_empty() || line.contains(['\n', '\r']) || line.chars().any(char::is_control) {
+            return Err(reply(format!(
+                "not one line of kernel arguments ({} bytes)",
+                text.len()
+            )));
+        }
+        Ok(line.to_owned())
+    }
+
     /// `/image/{id}/{version}/{platform}-{arch}.{ext}`.
     pub fn image_url(
         &self,
@@ -209,27 +243,10 @@ pub fn installer_ref(
     version: &str,
 ) -> String {
     let tag = format!("v{}", version.trim_start_matches('v'));
-    if unified_installer(version) {
+    if crate::inventory::talos_at_least(version, (1, 10, 0)) {
         format!("{registry_host}/{platform}-installer/{id}:{tag}")
     } else {
         format!("{registry_host}/installer/{id}:{tag}")
-    }
-}
-
-/// Whether Talos `version` has per-platform installers (v1.10 and later).
-/// A version that does not parse counts as the latest, as the factory's
-/// `pkg/quirks` assumes.
-fn unified_installer(version: &str) -> bool {
-    let mut parts = version.trim_start_matches('v').split('.');
-    let number = |p: Option<&str>| {
-        p.and_then(|s| {
-            let digits: String = s.chars().take_while(char::is_ascii_digit).collect();
-            digits.parse::<u64>().ok()
-        })
-    };
-    match (number(parts.next()), number(parts.next())) {
-        (Some(major), Some(minor)) => (major, minor) >= (1, 10),
-        _ => true,
     }
 }
 

@@ -184,6 +184,12 @@ pub enum Magic {
     /// A disk with a GPT (signature at LBA 1, 512-byte sectors).
     Gpt,
     Iso,
+    /// A Linux kernel as a boot loader loads it: an x86 bzImage (`HdrS` at
+    /// 0x202) or an arm64 EFI-stub `Image` (`MZ`, and `ARM\x64` at 0x38).
+    Kernel,
+    /// An initramfs as served and booted, never unpacked here: xz, zstd or
+    /// gzip-compressed, or a plain `newc` cpio archive.
+    Initramfs,
 }
 
 impl Magic {
@@ -205,6 +211,24 @@ impl Magic {
             Some(Magic::Iso)
         } else {
             None
+        }
+    }
+
+    /// Whether `head` is this kind of data. The two boot kinds are checked
+    /// as such; [`Magic::detect`] names the others.
+    pub fn matches(self, head: &[u8]) -> bool {
+        match self {
+            Magic::Kernel => {
+                head.get(0x202..0x206) == Some(b"HdrS")
+                    || (head.starts_with(b"MZ") && head.get(0x38..0x3c) == Some(b"ARM\x64"))
+            }
+            Magic::Initramfs => {
+                matches!(
+                    Magic::detect(head),
+                    Some(Magic::Xz | Magic::Zstd | Magic::Gzip)
+                ) || head.starts_with(b"070701")
+            }
+            kind => Magic::detect(head) == Some(kind),
         }
     }
 }

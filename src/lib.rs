@@ -4,6 +4,7 @@
 //! [`factory`], [`fetch`] and [`disk`]) → publish → bootstrap.
 
 pub mod atomic;
+pub mod boot;
 pub mod build;
 pub mod disk;
 pub mod factory;

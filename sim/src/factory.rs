@@ -140,6 +140,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             get(installer_manifest).head(installer_manifest),
         )
         .route("/_sim/stats", get(stats))
+        .route("/_sim/schematics", get(posted))
         .with_state(sim);
     println!("{}", serde_json::json!({"url": url, "alt_url": alt_url}));
     if let Some(alt) = alt {
@@ -384,6 +385,16 @@ async fn image(
             );
         }
     }
+    if let Some(asset) = boot_asset(&schematic, &version, &file) {
+        if method == Method::GET {
+            *sim.image_gets
+                .lock()
+                .unwrap()
+                .entry(format!("/image/{id}/{version}/{file}"))
+                .or_default() += 1;
+        }
+        return asset;
+    }
     let Some(kind) = image_kind(&file) else {
         return text(
             StatusCode::BAD_REQUEST,
@@ -441,6 +452,138 @@ async fn image(
         }
     };
     serve(&sim, &built, kind, method, &headers).await
+}
+
+/// The PXE assets of siderolabs/image-factory `internal/frontend/http/image.go`:
+/// `kernel-<arch>`, `initramfs-<arch>.xz` and `cmdline-<platform>-<arch>`.
+/// The kernel depends on the version only and the initramfs on the
+/// extensions too, never on META (`internal/profile/profile.go` puts META
+/// on the command line of boot assets instead, as `buildCmdline` in
+/// siderolabs/talos `pkg/imager/imager.go` does).
+fn boot_asset(schematic: &SchematicShape, version: &str, file: &str) -> Option<Response> {
+    let bytes = |body: Vec<u8>| {
+        ([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response()
+    };
+    if let Some(arch) = file.strip_prefix("kernel-") {
+        return Some(match simulated_kernel(version, arch) {
+            Some(k) => bytes(k),
+            None => text(
+                StatusCode::BAD_REQUEST,
+                format!("invalid kernel path {file}"),
+            ),
+        });
+    }
+    if let Some(arch) = file
+        .strip_prefix("initramfs-")
+        .and_then(|f| f.strip_suffix(".xz"))
+    {
+        if !["amd64", "arm64"].contains(&arch) {
+            return Some(text(
+                StatusCode::BAD_REQUEST,
+                format!("invalid path {file}"),
+            ));
+        }
+        let mut listing = format!("070701 simulated initramfs {version} {arch}\n");
+        for ext in &schematic
+            .customization
+            .system_extensions
+            .official_extensions
+        {
+            listing.push_str(&format!("extension {ext}\n"));
+        }
+        listing.push_str(&"\0".repeat(64 << 10));
+        let mut xz = Vec::new();
+        let mut enc = liblzma::read::XzEncoder::new(listing.as_bytes(), 6);
+        std::io::Read::read_to_end(&mut enc, &mut xz).expect("xz in memory");
+        return Some(bytes(xz));
+    }
+    let (platform, arch) = file.strip_prefix("cmdline-")?.rsplit_once('-')?;
+    let mut args = vec![
+        format!("talos.platform={platform}"),
+        "console=ttyS0".into(),
+        "console=tty0".into(),
+        "init_on_alloc=1".into(),
+        "slab_nomerge".into(),
+        "pti=on".into(),
+        "consoleblank=0".into(),
+        "nvme_core.io_timeout=4294967295".into(),
+        "printk.devkmsg=on".into(),
+        "selinux=1".into(),
+        "module.sig_enforce=1".into(),
+    ];
+    if arch != "amd64" {
+        args.retain(|a| a != "pti=on");
+    }
+    args.extend(schematic.customization.extra_kernel_args.iter().cloned());
+    if !schematic.customization.meta.is_empty() {
+        args.push(format!(
+            "talos.environment=INSTALLER_META_BASE64={}",
+            encode_meta_values(&schematic.customization.meta, version)
+        ));
+    }
+    Some(text(StatusCode::OK, args.join(" ")))
+}
+
+/// A few KiB that a boot loader would take for a kernel of `arch`: an x86
+/// bzImage header (`HdrS` at 0x202) or an arm64 `Image` (`MZ`, `ARM\x64` at
+/// 0x38), then bytes that depend on the version.
+fn simulated_kernel(version: &str, arch: &str) -> Option<Vec<u8>> {
+    let mut k = vec![0u8; 40 << 10];
+    match arch {
+        "amd64" => k[0x202..0x206].copy_from_slice(b"HdrS"),
+        "arm64" => {
+            k[..2].copy_from_slice(b"MZ");
+            k[0x38..0x3c].copy_from_slice(b"ARM\x64");
+        }
+        _ => return None,
+    }
+    let seed = Sha256::digest(format!("kernel {version} {arch}"));
+    for (i, b) in k[0x400..].iter_mut().enumerate() {
+        *b = seed[i % 32] ^ (i as u8);
+    }
+    Some(k)
+}
+
+/// `Values.Encode` of siderolabs/talos `pkg/machinery/meta/meta.go`:
+/// `0x<key>=<value>` joined by `;`, gzipped at best compression when over
+/// 256 bytes (from v1.6.3), standard base64.
+fn encode_meta_values(values: &[MetaShape], version: &str) -> String {
+    use base64::Engine;
+    let joined = values
+        .iter()
+        .map(|m| format!("0x{:x}={}", m.key, m.value))
+        .collect::<Vec<_>>()
+        .join(";");
+    let mut parts = version
+        .trim_start_matches('v')
+        .split('.')
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let v = (
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+    );
+    let bytes = if v >= (1, 6, 3) && joined.len() > 256 {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        std::io::Write::write_all(&mut gz, joined.as_bytes()).expect("in memory");
+        gz.finish().expect("in memory")
+    } else {
+        joined.into_bytes()
+    };
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// Every schematic posted so far, as received: what the factory's operator
+/// can read about the nodes that were built.
+async fn posted(State(sim): State<Arc<Sim>>) -> Response {
+    let map: std::collections::BTreeMap<String, String> = sim
+        .schematics
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(id, p)| (id.clone(), p.body.clone()))
+        .collect();
+    axum::Json(map).into_response()
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -34,7 +34,7 @@ pub struct DownloadArgs {
 }
 
 impl DownloadArgs {
-    fn options(&self) -> FetchOptions {
+    pub(super) fn options(&self) -> FetchOptions {
         FetchOptions {
             cache_dir: self
                 .cache_dir

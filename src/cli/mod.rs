@@ -1,5 +1,6 @@
 //! Commands, their flags, and how their results are shown.
 
+mod boot;
 mod build;
 mod hcloud;
 mod image;
@@ -71,6 +72,10 @@ enum Command {
     Node(build::NodeArgs),
     /// Build every node's image (or the named ones), concurrently.
     Build(build::BuildManyArgs),
+    /// Write iPXE scripts per node (by MAC) over each base schematic's kernel
+    /// and initramfs: the node's network rides on its kernel command line,
+    /// and the factory sees only schematics without META.
+    Pxe(boot::PxeArgs),
     /// Re-hash the built images against out/manifest.json.
     Verify(build::VerifyArgs),
     /// Compare two images: GPT layout, per-partition hashes, META tags.
@@ -232,6 +237,7 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Patch(args) => image::patch(args, &cli.config, cli.output),
         Command::Node(args) => build::node(args, &cli.config, cli.output),
         Command::Build(args) => build::many(args, &cli.config, cli.output),
+        Command::Pxe(args) => boot::pxe(args, &cli.config, cli.output),
         Command::Verify(args) => build::verify(args, cli.output),
         Command::Diff(args) => image::diff(args, cli.output),
         Command::Fetch(args) => build::fetch(args, cli.output),

@@ -27,8 +27,26 @@ pub struct Expect {
 }
 
 impl Expect {
-    /// From a file name: `metal-amd64.raw.zst`, `.raw.xz`, `.raw.gz`, `.raw`, `.qcow2`, `.iso`.
+    /// From a file name: `metal-amd64.raw.zst`, `.raw.xz`, `.raw.gz`, `.raw`,
+    /// `.qcow2`, `.iso`; `kernel-<arch>` and `initramfs-<arch>.xz` are kept
+    /// as served (a boot loader reads them so).
     pub fn from_name(name: &str) -> Option<(Expect, String)> {
+        let boot = if name.starts_with("kernel-") {
+            Some(Magic::Kernel)
+        } else if name.starts_with("initramfs-") {
+            Some(Magic::Initramfs)
+        } else {
+            None
+        };
+        if let Some(content) = boot {
+            return Some((
+                Expect {
+                    wire: None,
+                    content,
+                },
+                name.to_owned(),
+            ));
+        }
         let (stem, wire) = if let Some(s) = name.strip_suffix(".zst") {
             (s, Some(Magic::Zstd))
         } else if let Some(s) = name.strip_suffix(".xz") {
@@ -372,7 +390,7 @@ fn download(
         Err(e) => return Err(body_error(url, &e, served.count(), total, expect)),
     };
     let wire_kind = expect.wire.unwrap_or(expect.content);
-    if Magic::detect(wire.peek()) != Some(wire_kind) {
+    if !wire_kind.matches(wire.peek()) {
         return Err(FetchError::WrongContent {
             url: url.to_owned(),
             expected: format!("{wire_kind:?} data").to_lowercase(),
@@ -395,7 +413,7 @@ fn download(
             return Err(body_error(url, &e, served.count(), total, expect));
         }
     };
-    if Magic::detect(inner.peek()) != Some(expect.content) {
+    if !expect.content.matches(inner.peek()) {
         return Err(FetchError::WrongContent {
             url: url.to_owned(),
             expected: format!("{:?} inside", expect.content).to_lowercase(),

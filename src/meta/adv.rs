@@ -184,26 +184,6 @@ fn decode_copy(copy: &[u8]) -> Result<Adv, String> {
     Ok(Adv { tags })
 }
 
-/// META contents as a kernel argument value (`INSTALLER_META_BASE64`):
-/// `0x<key>=<value>` pairs joined by `;`, gzipped when over 256 bytes, base64.
-pub fn installer_meta_base64(values: &[(u8, &str)]) -> String {
-    use base64::Engine;
-    use std::io::Write;
-    let joined = values
-        .iter()
-        .map(|(k, v)| format!("0x{k:x}={v}"))
-        .collect::<Vec<_>>()
-        .join(";");
-    let bytes = if joined.len() > 256 {
-        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
-        gz.write_all(joined.as_bytes()).expect("writing to memory");
-        gz.finish().expect("writing to memory")
-    } else {
-        joined.into_bytes()
-    };
-    base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,7 +225,6 @@ mod tests {
             hex::encode(&empty[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 32]),
             v["empty-checksum-at-0x3FFDC"]
         );
-        assert_eq!(installer_meta_base64(&[(10, "foo")]), v["env-0xa=foo"]);
     }
 
     #[test]
@@ -324,19 +303,6 @@ mod tests {
         assert!(err.to_string().contains("META is full"));
         // Replacing a value counts only the new size.
         assert!(adv.set(10, vec![b'y'; CAPACITY - 8]).is_ok());
-    }
-
-    #[test]
-    fn long_installer_meta_is_gzipped() {
-        use base64::Engine;
-        let long = "x".repeat(300);
-        let b = base64::engine::general_purpose::STANDARD
-            .decode(installer_meta_base64(&[(10, &long)]))
-            .unwrap();
-        assert_eq!(&b[..2], &[0x1f, 0x8b]);
-        let mut out = String::new();
-        std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&b[..]), &mut out).unwrap();
-        assert_eq!(out, format!("0xa={long}"));
     }
 
     proptest::proptest! {

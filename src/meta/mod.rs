@@ -2,9 +2,11 @@
 //! has a machine config. Pure data and codecs, no I/O.
 
 pub mod adv;
+pub mod cmdline;
 pub mod network;
 
-pub use adv::{Adv, AdvError, Decoded, Source, installer_meta_base64};
+pub use adv::{Adv, AdvError, Decoded, Source};
+pub use cmdline::{CMDLINE_MAX, CmdlineError, environment_arg, installer_meta_base64};
 pub use network::{NetworkPlan, PlatformNetworkConfig};
 
 /// META key 10: the metal platform's network configuration.

@@ -1,0 +1,386 @@
+//! Bare-metal boot media that tell the factory nothing about the nodes:
+//! per-node iPXE scripts over the kernel and initramfs of each node's base
+//! schematic (no META, no address), with the node's META on its kernel
+//! command line, where Talos (v1.5 and later) applies it before it installs
+//! and then writes it to the META partition (siderolabs/talos
+//! `pkg/imager/imager.go` `buildCmdline`, `internal/app/machined/pkg/runtime/v1alpha1/v1alpha1_sequencer_tasks.go`
+//! `ReloadMeta`/`FlushMeta`).
+//!
+//! The kernel and initramfs do not depend on META (siderolabs/image-factory
+//! `internal/profile/profile.go`), so every node with the same extensions
+//! boots the same two files; only its script differs.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::factory::{Factory, FactoryError};
+use crate::fetch::{self, FetchError, FetchOptions, Progress};
+use crate::inventory::{Inventory, NodeSpec, UnknownNode, talos_at_least};
+use crate::meta::{self, CMDLINE_MAX, CmdlineError, KEY_NETWORK};
+use crate::schematic::{self, EmitError, SchematicId};
+
+/// Why boot media could not be made; each names the node or file.
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    #[error(transparent)]
+    UnknownNode(#[from] UnknownNode),
+    #[error("node {node}: no mac in the inventory; a PXE boot finds its script by the MAC address")]
+    NoMac { node: String },
+    #[error(
+        "Talos {version} reads META from the kernel command line only at install; v1.5 or later applies it before (maintenance mode would have no network)"
+    )]
+    TooOld { version: String },
+    #[error("node {node}: {source}")]
+    Meta {
+        node: String,
+        #[source]
+        source: CmdlineError,
+    },
+    #[error(
+        "node {node}: the kernel command line is {len} bytes, over the kernel's limit of {CMDLINE_MAX}"
+    )]
+    CmdlineTooLong { node: String, len: usize },
+    #[error("nodes {first} and {second} share the MAC {mac}")]
+    SameMac {
+        first: String,
+        second: String,
+        mac: String,
+    },
+    #[error("--url {0:?} is not an http(s) URL")]
+    BadUrl(String),
+    #[error(transparent)]
+    Emit(#[from] EmitError),
+    #[error(transparent)]
+    Factory(#[from] FactoryError),
+    #[error(transparent)]
+    Fetch(#[from] FetchError),
+    #[error("{}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What `imgbuild pxe` makes, and where.
+#[derive(Clone)]
+pub struct PxeOptions {
+    /// The folder an HTTP server serves.
+    pub out_dir: PathBuf,
+    /// Where that folder is served; without it every URL is relative to the
+    /// script that names it, which iPXE resolves against the script's own URL.
+    pub url: Option<String>,
+    pub fetch: FetchOptions,
+}
+
+/// One file of the served folder.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ServedFile {
+    /// Relative to the out dir.
+    pub path: PathBuf,
+    pub sha256: String,
+    pub size: u64,
+    /// False when the file already held these bytes.
+    pub written: bool,
+}
+
+/// The kernel, initramfs and base command line of one base schematic.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BaseAssets {
+    pub schematic: SchematicId,
+    pub kernel: ServedFile,
+    pub initramfs: ServedFile,
+    /// The factory's command line for the schematic, without any META.
+    pub cmdline: String,
+}
+
+/// One node's script.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct NodeScript {
+    pub node: String,
+    pub mac: String,
+    pub script: ServedFile,
+    /// The base schematic whose kernel and initramfs it boots.
+    pub schematic: SchematicId,
+    /// Length of the kernel command line, of at most [`CMDLINE_MAX`].
+    pub cmdline_bytes: usize,
+}
+
+/// What [`pxe`] left in the out dir.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PxeReport {
+    pub out_dir: PathBuf,
+    pub boot: ServedFile,
+    pub assets: Vec<BaseAssets>,
+    pub nodes: Vec<NodeScript>,
+}
+
+/// The file name iPXE's `${net0/mac:hexhyp}` gives a MAC: lowercase hex
+/// pairs joined by hyphens.
+pub fn mac_hexhyp(mac: &str) -> String {
+    mac.to_ascii_lowercase().replace(':', "-")
+}
+
+/// The script every machine boots first: it chains the script named after
+/// its own MAC, and says so plainly when there is none.
+pub fn boot_script(nodes: &[(String, String)]) -> String {
+    let mut known = String::new();
+    for (node, mac) in nodes {
+        known.push_str(&format!("#   {mac}  {node}\n"));
+    }
+    format!(
+        "#!ipxe\n\
+         # imgbuild: each machine chains nodes/<its MAC>.ipxe. Known machines:\n\
+         {known}\
+         chain --autofree nodes/${{net0/mac:hexhyp}}.ipxe || goto unknown\n\
+         :unknown\n\
+         echo imgbuild: no Talos node has the MAC ${{net0/mac}} (no nodes/${{net0/mac:hexhyp}}.ipxe).\n\
+         echo Add it as a node's mac in the inventory and run imgbuild pxe again.\n\
+         sleep 10\n\
+         exit 1\n"
+    )
+}
+
+/// A node's script, in the shape of the factory's own
+/// (siderolabs/image-factory `internal/frontend/http/pxe.go`).
+pub fn node_script(node: &str, kernel: &str, initramfs: &str, cmdline: &str) -> String {
+    format!(
+        "#!ipxe\n# imgbuild: Talos node {node}\nimgfree\nkernel {kernel} {cmdline}\ninitrd {initramfs}\nboot\n"
+    )
+}
+
+/// The factory's command line for the base schematic plus `node`'s META.
+pub fn node_cmdline(base: &str, meta_arg: Option<&str>) -> String {
+    match meta_arg {
+        Some(arg) => format!("{base} {arg}"),
+        None => base.to_owned(),
+    }
+}
+
+/// `node`'s META as one kernel argument, encoded for the inventory's Talos
+/// version; `None` off the metal platform (nothing else reads key 10).
+pub fn meta_arg(inv: &Inventory, node: &NodeSpec) -> Result<Option<String>, BootError> {
+    let Some(value) = schematic::network_value(inv, node) else {
+        return Ok(None);
+    };
+    let gzip = talos_at_least(&inv.cluster.talos_version, (1, 6, 3));
+    meta::environment_arg(&[(KEY_NETWORK, &value)], gzip)
+        .map(Some)
+        .map_err(|source| BootError::Meta {
+            node: node.name.clone(),
+            source,
+        })
+}
+
+/// Writes the PXE folder for `nodes` (all when empty): `boot.ipxe`,
+/// `nodes/<mac>.ipxe` per node and `assets/<schematic>/<version>/` per
+/// distinct base schematic. Only base schematics reach the factory.
+pub fn pxe(
+    inv: &Inventory,
+    nodes: &[String],
+    opts: &PxeOptions,
+    progress: &dyn Progress,
+) -> Result<PxeReport, BootError> {
+    if let Some(url) = &opts.url
+        && !crate::inventory::is_http_url(url)
+    {
+        return Err(BootError::BadUrl(url.clone()));
+    }
+    let version = &inv.cluster.talos_version;
+    if !talos_at_least(version, (1, 5, 0)) {
+        return Err(BootError::TooOld {
+            version: version.clone(),
+        });
+    }
+    let selected: Vec<&NodeSpec> = if nodes.is_empty() {
+        inv.nodes.iter().collect()
+    } else {
+        nodes
+            .iter()
+            .map(|n| inv.node(n))
+            .collect::<Result<_, _>>()?
+    };
+    // Everything that can be refused is refused before any download.
+    let mut planned = Vec::new();
+    let mut macs: BTreeMap<String, String> = BTreeMap::new();
+    for node in &selected {
+        let mac = node.mac.as_ref().ok_or_else(|| BootError::NoMac {
+            node: node.name.clone(),
+        })?;
+        let mac = mac.to_string();
+        if let Some(first) = macs.insert(mac.clone(), node.name.clone()) {
+            return Err(BootError::SameMac {
+                first,
+                second: node.name.clone(),
+                mac,
+            });
+        }
+        let base = schematic::base_for_node(inv, node);
+        let id = schematic::id_of(&base.canonical()?);
+        planned.push((*node, mac, base, id, meta_arg(inv, node)?));
+    }
+    let client = fetch::client(&opts.fetch);
+    let factory = Factory::new(&inv.image.factory, &client).with_retry(opts.fetch.retry_policy());
+    let arch = inv.image.arch.to_string();
+    let mut assets: BTreeMap<SchematicId, BaseAssets> = BTreeMap::new();
+    for (_, _, base, id, _) in &planned {
+        if assets.contains_key(id) {
+            continue;
+        }
+        factory.register(base)?;
+        let cmdline = factory.cmdline(id, version, &inv.image.platform, &arch)?;
+        let dir = Path::new("assets").join(id.as_str()).join(version);
+        let served = |file: String| -> Result<ServedFile, BootError> {
+            let art = fetch::fetch(
+                &client,
+                &factory.asset_url(id, version, &file),
+                None,
+                &opts.fetch,
+                progress,
+            )?;
+            let path = dir.join(&file);
+            let written = place(&art.path, &art.sha256, &opts.out_dir.join(&path))?;
+            Ok(ServedFile {
+                path,
+                sha256: art.sha256,
+                size: art.size,
+                written,
+            })
+        };
+        let kernel = served(format!("kernel-{arch}"))?;
+        let initramfs = served(format!("initramfs-{arch}.xz"))?;
+        assets.insert(
+            id.clone(),
+            BaseAssets {
+                schematic: id.clone(),
+                kernel,
+                initramfs,
+                cmdline,
+            },
+        );
+    }
+    let url_of = |path: &Path| match &opts.url {
+        Some(base) => format!("{}/{}", base.trim_end_matches('/'), path.display()),
+        None => format!("../{}", path.display()),
+    };
+    let mut scripts = Vec::new();
+    for (node, mac, _, id, arg) in &planned {
+        let a = &assets[id];
+        let cmdline = node_cmdline(&a.cmdline, arg.as_deref());
+        if cmdline.len() > CMDLINE_MAX {
+            return Err(BootError::CmdlineTooLong {
+                node: node.name.clone(),
+                len: cmdline.len(),
+            });
+        }
+        let text = node_script(
+            &node.name,
+            &url_of(&a.kernel.path),
+            &url_of(&a.initramfs.path),
+            &cmdline,
+        );
+        let path = Path::new("nodes").join(format!("{}.ipxe", mac_hexhyp(mac)));
+        scripts.push(NodeScript {
+            node: node.name.clone(),
+            mac: mac.clone(),
+            script: write_text(&opts.out_dir, &path, &text)?,
+            schematic: id.clone(),
+            cmdline_bytes: cmdline.len(),
+        });
+    }
+    let known: Vec<(String, String)> = inv
+        .nodes
+        .iter()
+        .filter_map(|n| n.mac.as_ref().map(|m| (n.name.clone(), m.to_string())))
+        .collect();
+    let boot = write_text(&opts.out_dir, Path::new("boot.ipxe"), &boot_script(&known))?;
+    Ok(PxeReport {
+        out_dir: opts.out_dir.clone(),
+        boot,
+        assets: assets.into_values().collect(),
+        nodes: scripts,
+    })
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> BootError + '_ {
+    move |source| BootError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Writes a script (atomically, only when it changed).
+fn write_text(out_dir: &Path, rel: &Path, text: &str) -> Result<ServedFile, BootError> {
+    let path = out_dir.join(rel);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    }
+    let written =
+        crate::atomic::write_if_changed(&path, text.as_bytes(), false).map_err(io_err(&path))?;
+    let (sha256, size) = crate::io::sha256_of(text.as_bytes()).map_err(io_err(&path))?;
+    Ok(ServedFile {
+        path: rel.to_owned(),
+        sha256,
+        size,
+        written,
+    })
+}
+
+/// Copies a verified cache file to `to` unless `to` already holds it.
+fn place(from: &Path, sha256: &str, to: &Path) -> Result<bool, BootError> {
+    if let Ok(f) = std::fs::File::open(to)
+        && crate::io::sha256_of(f).is_ok_and(|(have, _)| have == sha256)
+    {
+        return Ok(false);
+    }
+    if let Some(parent) = to.parent() {
+        std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    }
+    let src = std::fs::File::open(from).map_err(io_err(from))?;
+    let mut tmp = crate::atomic::AtomicFile::create(to, false).map_err(io_err(to))?;
+    crate::disk::copy_sparse(&src, tmp.file()).map_err(io_err(to))?;
+    tmp.commit().map_err(io_err(to))?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn macs_are_named_as_ipxe_spells_them() {
+        assert_eq!(mac_hexhyp("BC:24:11:00:00:2A"), "bc-24-11-00-00-2a");
+    }
+
+    #[test]
+    fn the_boot_script_chains_by_mac_and_explains_an_unknown_one() {
+        let s = boot_script(&[("cp-01".into(), "bc:24:11:00:00:11".into())]);
+        assert!(s.starts_with("#!ipxe\n"), "{s}");
+        assert!(
+            s.contains("chain --autofree nodes/${net0/mac:hexhyp}.ipxe || goto unknown"),
+            "{s}"
+        );
+        assert!(s.contains("bc:24:11:00:00:11  cp-01"), "{s}");
+        let after = s.split(":unknown\n").nth(1).unwrap();
+        assert!(
+            after.contains("echo imgbuild: no Talos node has the MAC"),
+            "{s}"
+        );
+        assert!(after.trim_end().ends_with("exit 1"), "{s}");
+    }
+
+    #[test]
+    fn a_node_script_boots_the_kernel_with_its_command_line() {
+        let s = node_script("w1", "../k", "../i.xz", "talos.platform=metal x=1");
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines[0], "#!ipxe");
+        assert!(
+            lines.contains(&"kernel ../k talos.platform=metal x=1"),
+            "{s}"
+        );
+        assert!(lines.contains(&"initrd ../i.xz"), "{s}");
+        assert_eq!(lines.last(), Some(&"boot"));
+        assert_eq!(node_cmdline("a b", Some("c")), "a b c");
+        assert_eq!(node_cmdline("a b", None), "a b");
+    }
+}
