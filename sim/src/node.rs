@@ -1771,7 +1771,7 @@ mod tests {
             (format!("{v1}---\n{v1}"), "duplicate document v1alpha1//"),
             (format!("{v1}---\nkind: ExtensionServiceConfig\nname: a\n"), "missing apiVersion"),
             (format!("{v1}---\napiVersion: v1alpha1\nname: a\n"), "unknown keys found during decoding: : apiVersion, name"),
-            (format!("{v1}---\napiVersion: v1alpha2\nkind: Foo\n"), "missing kind"),
+            (format!("{v1}---\napiVersion: v1alpha2\nname: a\n"), "missing kind"),
             (format!("{v1}---\napiVersion: v1alpha1\nkind: HostnameConfig\n"), "\"HostnameConfig\" \"v1alpha1\": not registered"),
             (format!("{v1}---\n{ts}environ: []\n"), "unknown keys found during decoding: : environ"),
             (ts.to_owned(), "no v1alpha1 document"),
