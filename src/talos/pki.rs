@@ -162,9 +162,9 @@ fn key_pem(kind: KeyKind, key: &KeyPair) -> Result<String, PkiError> {
     Ok(pem::encode(&pem::Pem::new(label, der)))
 }
 
-/// A new RSA-4096 key (the Kubernetes service-account key) as PEM.
-pub fn new_rsa_key_pem() -> Result<String, PkiError> {
-    key_pem(KeyKind::Rsa, &new_key(KeyKind::Rsa)?)
+/// A new key of `kind` (the Kubernetes service-account key) as PEM.
+pub fn new_key_pem(kind: KeyKind) -> Result<String, PkiError> {
+    key_pem(kind, &new_key(kind)?)
 }
 
 fn serial() -> SerialNumber {
@@ -431,7 +431,7 @@ mod tests {
 
     #[test]
     fn rsa_keys_are_pkcs1() {
-        let key = new_rsa_key_pem().unwrap();
+        let key = new_key_pem(KeyKind::Rsa).unwrap();
         assert!(key.starts_with("-----BEGIN RSA PRIVATE KEY-----"));
         let der = pem::parse(&key).unwrap().into_contents();
         // PKCS#1 RSAPrivateKey: SEQUENCE { INTEGER 0, INTEGER n (4096 bits) ... }

@@ -363,7 +363,7 @@ pub fn check(inv: &Inventory, opts: &BootstrapOptions) -> Result<Checked, StageE
     let (bundle, throwaway_secrets) = if path.exists() {
         (SecretsBundle::load(&path)?, false)
     } else {
-        (SecretsBundle::generate()?, true)
+        (SecretsBundle::throwaway()?, true)
     };
     // Hetzner servers are reached at the public IP the API reports.
     let reported = inv
