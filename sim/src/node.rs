@@ -435,7 +435,11 @@ fn registry() -> &'static HashMap<(String, String), jsonschema::Validator> {
         for branch in official["oneOf"].as_array().expect("schema has oneOf") {
             let reference = branch["$ref"].as_str().expect("oneOf holds $refs");
             let def = &official["$defs"][reference.trim_start_matches("#/$defs/")];
-            let only = |key: &str| def["properties"][key]["enum"][0].as_str().map(str::to_owned);
+            let only = |key: &str| {
+                def["properties"][key]["enum"][0]
+                    .as_str()
+                    .map(str::to_owned)
+            };
             let key = match (only("apiVersion"), only("kind")) {
                 (Some(version), Some(kind)) => (version, kind),
                 _ => ("v1alpha1".to_owned(), String::new()),
@@ -454,15 +458,11 @@ fn registry() -> &'static HashMap<(String, String), jsonschema::Validator> {
     })
 }
 
-/// Schema violations of a v1alpha1 document, checked here with this
-/// crate's own validator rather than imgbuild's. Like Talos, which picks a
-/// document's type by its `version`/`kind` before validating, a v1alpha1
-/// document is held against the `v1alpha1.Config` definition. Messages name
-/// paths and unknown keys, never values.
-fn schema_problems(doc: &Value) -> Vec<String> {
-    problems_of(&registry()[&("v1alpha1".to_owned(), String::new())], doc)
-}
-
+/// Schema violations of a document, checked here with this crate's own
+/// validator rather than imgbuild's. Like Talos, which picks a document's
+/// type by its `version`/`kind` before decoding, each document is held
+/// against its kind's definition. Messages name paths and unknown keys,
+/// never values.
 fn problems_of(validator: &jsonschema::Validator, doc: &Value) -> Vec<String> {
     validator
         .iter_errors(doc)
@@ -507,9 +507,17 @@ fn read_documents(data: &[u8]) -> Result<(Value, Vec<String>), Status> {
         let legacy = ["machine", "cluster", "debug", "persist"]
             .iter()
             .any(|k| map.contains_key(*k));
-        let version = if legacy { "v1alpha1" } else { field("apiVersion") };
+        let version = if legacy {
+            "v1alpha1"
+        } else {
+            field("apiVersion")
+        };
         let kind = field("kind");
-        let id = (version.to_owned(), kind.to_owned(), field("name").to_owned());
+        let id = (
+            version.to_owned(),
+            kind.to_owned(),
+            field("name").to_owned(),
+        );
         let validator = match (version, kind) {
             ("v1alpha1", "") => &registry()[&("v1alpha1".to_owned(), String::new())],
             (_, "") => return Err(invalid("missing kind".into())),
@@ -1762,24 +1770,47 @@ mod tests {
     fn multi_document_configs_are_read_as_talos_reads_them() {
         let v1 = "version: v1alpha1\nmachine:\n  type: worker\n";
         let ts = "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\nenvironment: [TS_AUTHKEY=x]\n";
-        let read = |text: String| read_documents(text.as_bytes()).map_err(|s| s.message().to_owned());
+        let read =
+            |text: String| read_documents(text.as_bytes()).map_err(|s| s.message().to_owned());
         let (doc, others) = read(format!("---\n{v1}---\n{ts}---\n")).unwrap();
         assert_eq!(doc["machine"]["type"], "worker");
         assert_eq!(others, ["ExtensionServiceConfig/tailscale"]);
         for (text, want) in [
-            (format!("{v1}---\n{ts}---\n{ts}"), "duplicate document v1alpha1/ExtensionServiceConfig/tailscale"),
+            (
+                format!("{v1}---\n{ts}---\n{ts}"),
+                "duplicate document v1alpha1/ExtensionServiceConfig/tailscale",
+            ),
             (format!("{v1}---\n{v1}"), "duplicate document v1alpha1//"),
-            (format!("{v1}---\nkind: ExtensionServiceConfig\nname: a\n"), "missing apiVersion"),
-            (format!("{v1}---\napiVersion: v1alpha1\nname: a\n"), "unknown keys found during decoding: : apiVersion, name"),
-            (format!("{v1}---\napiVersion: v1alpha2\nname: a\n"), "missing kind"),
-            (format!("{v1}---\napiVersion: v1alpha1\nkind: HostnameConfig\n"), "\"HostnameConfig\" \"v1alpha1\": not registered"),
-            (format!("{v1}---\n{ts}environ: []\n"), "unknown keys found during decoding: : environ"),
+            (
+                format!("{v1}---\nkind: ExtensionServiceConfig\nname: a\n"),
+                "missing apiVersion",
+            ),
+            (
+                format!("{v1}---\napiVersion: v1alpha1\nname: a\n"),
+                "unknown keys found during decoding: : apiVersion, name",
+            ),
+            (
+                format!("{v1}---\napiVersion: v1alpha2\nname: a\n"),
+                "missing kind",
+            ),
+            (
+                format!("{v1}---\napiVersion: v1alpha1\nkind: HostnameConfig\n"),
+                "\"HostnameConfig\" \"v1alpha1\": not registered",
+            ),
+            (
+                format!("{v1}---\n{ts}environ: []\n"),
+                "unknown keys found during decoding: : environ",
+            ),
             (ts.to_owned(), "no v1alpha1 document"),
             (format!("{v1}---\n- 1\n"), "expected a YAML document"),
         ] {
             let err = read(text).unwrap_err();
             assert!(err.contains(want), "{want}: {err}");
         }
+    }
+
+    fn schema_problems(doc: &Value) -> Vec<String> {
+        problems_of(&registry()[&("v1alpha1".to_owned(), String::new())], doc)
     }
 
     #[test]

@@ -195,7 +195,9 @@ fn doc_id(doc: &Map<String, Value>) -> Result<DocId, String> {
     let kind_ok = kind.chars().next().is_some_and(|c| c.is_ascii_uppercase())
         && kind.chars().all(|c| c.is_ascii_alphanumeric());
     if !kind_ok {
-        return Err(format!("kind {kind:?} is not a document kind like ExtensionServiceConfig"));
+        return Err(format!(
+            "kind {kind:?} is not a document kind like ExtensionServiceConfig"
+        ));
     }
     Ok(DocId::Other(DocKey {
         api_version,
@@ -862,8 +864,10 @@ mod tests {
     fn control_planes_carry_the_vip_keys_and_workers_do_not() {
         let inv = atlas();
         let cp = inv.control_planes().next().unwrap();
-        let doc: Value =
-            serde_yaml_ng::from_str(&machine_config(&inv, cp, bundle(), &PatchVars::default()).unwrap()).unwrap();
+        let doc: Value = serde_yaml_ng::from_str(
+            &machine_config(&inv, cp, bundle(), &PatchVars::default()).unwrap(),
+        )
+        .unwrap();
         let iface = &doc["machine"]["network"]["interfaces"][0];
         assert_eq!(
             iface["vip"]["ip"],
@@ -882,8 +886,10 @@ mod tests {
         assert!(sans.contains(&json!(cp.address.unwrap().to_string())));
 
         let w = inv.nodes.iter().find(|n| n.role == Role::Worker).unwrap();
-        let doc: Value =
-            serde_yaml_ng::from_str(&machine_config(&inv, w, bundle(), &PatchVars::default()).unwrap()).unwrap();
+        let doc: Value = serde_yaml_ng::from_str(
+            &machine_config(&inv, w, bundle(), &PatchVars::default()).unwrap(),
+        )
+        .unwrap();
         assert_eq!(doc["machine"]["ca"]["key"], json!(""));
         assert_eq!(doc["cluster"]["ca"]["key"], json!(""));
         assert!(doc["cluster"].get("etcd").is_none());
@@ -894,8 +900,10 @@ mod tests {
                 .is_none()
         );
         // Both roles trust the same OS CA.
-        let cp_doc: Value =
-            serde_yaml_ng::from_str(&machine_config(&inv, cp, bundle(), &PatchVars::default()).unwrap()).unwrap();
+        let cp_doc: Value = serde_yaml_ng::from_str(
+            &machine_config(&inv, cp, bundle(), &PatchVars::default()).unwrap(),
+        )
+        .unwrap();
         assert_eq!(cp_doc["machine"]["ca"]["crt"], doc["machine"]["ca"]["crt"]);
     }
 
@@ -1102,8 +1110,10 @@ mod tests {
         inv.nodes[0].patches = vec!["n.yaml".into()];
         let node = inv.nodes[0].clone();
         assert_eq!(node.role, Role::Controlplane);
-        let doc: Value =
-            serde_yaml_ng::from_str(&machine_config(&inv, &node, bundle(), &PatchVars::default()).unwrap()).unwrap();
+        let doc: Value = serde_yaml_ng::from_str(
+            &machine_config(&inv, &node, bundle(), &PatchVars::default()).unwrap(),
+        )
+        .unwrap();
         assert_eq!(
             doc["machine"]["sysctls"],
             json!({"order": "3", "f1": "x", "f2": "x", "f3": "x"})
@@ -1163,41 +1173,76 @@ mod tests {
     #[test]
     fn documents_with_one_key_merge_and_delete_selectors_remove_them() {
         let more = "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\nenvironment:\n  - TS_ROUTES=10.0.0.0/24\n";
-        let yaml = render_with(&[("ts.yaml", TAILSCALE), ("more.yaml", more)], &[("TS_AUTHKEY", "k")]).unwrap();
+        let yaml = render_with(
+            &[("ts.yaml", TAILSCALE), ("more.yaml", more)],
+            &[("TS_AUTHKEY", "k")],
+        )
+        .unwrap();
         let docs = documents(&yaml);
         assert_eq!(docs.len(), 2, "{yaml}");
-        assert_eq!(docs[1]["environment"], json!(["TS_AUTHKEY=k", "TS_ROUTES=10.0.0.0/24"]));
-        let delete = "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\n$patch: delete\n";
-        let yaml = render_with(&[("ts.yaml", TAILSCALE), ("del.yaml", delete)], &[("TS_AUTHKEY", "k")]).unwrap();
+        assert_eq!(
+            docs[1]["environment"],
+            json!(["TS_AUTHKEY=k", "TS_ROUTES=10.0.0.0/24"])
+        );
+        let delete =
+            "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\n$patch: delete\n";
+        let yaml = render_with(
+            &[("ts.yaml", TAILSCALE), ("del.yaml", delete)],
+            &[("TS_AUTHKEY", "k")],
+        )
+        .unwrap();
         assert_eq!(documents(&yaml).len(), 1, "{yaml}");
     }
 
     #[test]
     fn each_document_is_checked_against_its_kind() {
         // A vendored kind: its own definition names the field.
-        let bad = "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\nenviron: [A=1]\n";
+        let bad =
+            "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\nenviron: [A=1]\n";
         let err = render_with(&[("ts.yaml", bad)], &[]).unwrap_err();
         assert!(err.contains("node cp-01: patch"), "{err}");
         assert!(err.contains("ts.yaml"), "{err}");
-        assert!(err.contains("ExtensionServiceConfig \"tailscale\""), "{err}");
+        assert!(
+            err.contains("ExtensionServiceConfig \"tailscale\""),
+            "{err}"
+        );
         assert!(err.contains("environ"), "{err}");
         // Any kind: apiVersion and kind must be there and look like Talos'.
         for (doc, want) in [
             ("kind: HostnameConfig\nhostname: x\n", "needs both"),
             ("apiVersion: v1alpha1\nhostname: x\n", "needs both"),
-            ("apiVersion: talos/v1\nkind: HostnameConfig\n", "apiVersion \"talos/v1\""),
-            ("apiVersion: v1alpha1\nkind: hostname-config\n", "kind \"hostname-config\""),
+            (
+                "apiVersion: talos/v1\nkind: HostnameConfig\n",
+                "apiVersion \"talos/v1\"",
+            ),
+            (
+                "apiVersion: v1alpha1\nkind: hostname-config\n",
+                "kind \"hostname-config\"",
+            ),
         ] {
-            let err = render_with(&[("p.yaml", &format!("machine: {{}}\n---\n{doc}"))], &[]).unwrap_err();
+            let err =
+                render_with(&[("p.yaml", &format!("machine: {{}}\n---\n{doc}"))], &[]).unwrap_err();
             assert!(err.contains("p.yaml: document 2: "), "{err}");
             assert!(err.contains(want), "{want}: {err}");
         }
         // Two documents with one key in one file: refused, as Talos does.
-        let twice = format!("{TAILSCALE}---\napiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\n");
+        let twice = format!(
+            "{TAILSCALE}---\napiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\n"
+        );
         let err = render_with(&[("p.yaml", &twice)], &[("TS_AUTHKEY", "k")]).unwrap_err();
-        assert!(err.contains("document 3: a second ExtensionServiceConfig"), "{err}");
+        assert!(
+            err.contains("document 3: a second ExtensionServiceConfig"),
+            "{err}"
+        );
         // The v1alpha1 part is still held against its schema.
-        let err = render_with(&[("p.yaml", "machine:\n  typo: 1\n---\napiVersion: v1alpha1\nkind: HostnameConfig\n")], &[]).unwrap_err();
+        let err = render_with(
+            &[(
+                "p.yaml",
+                "machine:\n  typo: 1\n---\napiVersion: v1alpha1\nkind: HostnameConfig\n",
+            )],
+            &[],
+        )
+        .unwrap_err();
         assert!(err.contains("typo"), "{err}");
     }
 
@@ -1205,16 +1250,26 @@ mod tests {
     fn variables_come_from_the_given_environment_and_unset_ones_name_the_line() {
         let err = render_with(&[("ts.yaml", TAILSCALE)], &[]).unwrap_err();
         assert!(err.contains("node cp-01: patch"), "{err}");
-        assert!(err.contains("ts.yaml: line 9: ${TS_AUTHKEY} is not set in the environment"), "{err}");
-        let err = render_with(&[("p.yaml", "machine:\n  sysctls:\n    a: ${1BAD}\n")], &[]).unwrap_err();
-        assert!(err.contains("p.yaml: line 3: `${` starts no ${NAME}"), "{err}");
+        assert!(
+            err.contains("ts.yaml: line 9: ${TS_AUTHKEY} is not set in the environment"),
+            "{err}"
+        );
+        let err =
+            render_with(&[("p.yaml", "machine:\n  sysctls:\n    a: ${1BAD}\n")], &[]).unwrap_err();
+        assert!(
+            err.contains("p.yaml: line 3: `${` starts no ${NAME}"),
+            "{err}"
+        );
         // $${ is a literal ${, comment lines are left alone, $X stays.
         let yaml = render_with(
             &[("p.yaml", "# needs ${UNSET_IN_COMMENT}\nmachine:\n  sysctls:\n    a: \"$${HOME} $X ${V}${V}\"\n")],
             &[("V", "v")],
         )
         .unwrap();
-        assert_eq!(documents(&yaml)[0]["machine"]["sysctls"]["a"], json!("${HOME} $X vv"));
+        assert_eq!(
+            documents(&yaml)[0]["machine"]["sysctls"]["a"],
+            json!("${HOME} $X vv")
+        );
     }
 
     #[test]
@@ -1230,7 +1285,13 @@ mod tests {
             assert!(!err.contains("hunter2"), "{err}");
         }
         assert_eq!(
-            format!("{:?}", [("K", key)].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<PatchVars>()),
+            format!(
+                "{:?}",
+                [("K", key)]
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect::<PatchVars>()
+            ),
             "{\"K\"}"
         );
     }

@@ -150,7 +150,7 @@ fn key_pem(kind: KeyKind, key: &KeyPair) -> Result<String, PkiError> {
                 &ECDSA_P384_SHA384_ASN1_SIGNING
             };
             let pair = aws_lc_rs::signature::EcdsaKeyPair::from_pkcs8(alg, &pkcs8)
-            .map_err(|e| PkiError::Invalid(format!("ECDSA key: {e}")))?;
+                .map_err(|e| PkiError::Invalid(format!("ECDSA key: {e}")))?;
             let sec1 = pair
                 .private_key()
                 .as_der()

@@ -484,10 +484,16 @@ pub(crate) mod tests {
         kubeadm.certs.etcd = PemPair::from_pem(&rsa);
         reparse(&kubeadm).unwrap();
         // What Talos never makes is still refused, naming the field.
-        let err = reparse(&with_cas(KeyKind::Ed25519, KeyKind::Ed25519, KeyKind::EcdsaP256))
-            .unwrap_err();
+        let err = reparse(&with_cas(
+            KeyKind::Ed25519,
+            KeyKind::Ed25519,
+            KeyKind::EcdsaP256,
+        ))
+        .unwrap_err();
         assert!(
-            err.contains("certs.etcd.key: an Ed25519 key; this CA must be ECDSA P-256, ECDSA P-384, RSA"),
+            err.contains(
+                "certs.etcd.key: an Ed25519 key; this CA must be ECDSA P-256, ECDSA P-384, RSA"
+            ),
             "{err}"
         );
         let mut rsa_os = bundle().clone();

@@ -279,13 +279,8 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
     let mut configs_written = Vec::new();
     for node in &inv.nodes {
         let (target, address) = reach(node, opts)?;
-        let text = state_dir.render_config(
-            inv,
-            node,
-            &bundle,
-            &opts.patch_vars,
-            &mut configs_written,
-        )?;
+        let text =
+            state_dir.render_config(inv, node, &bundle, &opts.patch_vars, &mut configs_written)?;
         nodes.push(PlannedNode {
             name: node.name.clone(),
             role: node.role,
@@ -320,16 +315,16 @@ fn reach(
     if let Some(t) = opts.targets.get(&node.name) {
         return Ok((t.clone(), t.server_name));
     }
-    let t = Target::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(|| {
-        match &node.talos_endpoint {
-            Some(endpoint) => StageError::BadEndpoint {
-                node: node.name.clone(),
-                endpoint: endpoint.clone(),
-            },
-            None => StageError::NoAddress {
-                node: node.name.clone(),
-            },
-        }
+    let t = Target::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(|| match &node
+        .talos_endpoint
+    {
+        Some(endpoint) => StageError::BadEndpoint {
+            node: node.name.clone(),
+            endpoint: endpoint.clone(),
+        },
+        None => StageError::NoAddress {
+            node: node.name.clone(),
+        },
     })?;
     let address = node.address.unwrap_or(t.server_name);
     Ok((t, address))
@@ -588,13 +583,19 @@ mod tests {
         inv.patches = Default::default();
         inv.nodes[4].patches = vec!["bad.yaml".into()];
         let err = check(&inv, &opts).unwrap_err().to_string();
-        assert!(err.contains(&format!("node {}", inv.nodes[4].name)), "{err}");
+        assert!(
+            err.contains(&format!("node {}", inv.nodes[4].name)),
+            "{err}"
+        );
         assert!(err.contains("bad.yaml") && err.contains("tyop"), "{err}");
         inv.nodes[4].patches.clear();
         inv.nodes[3].dhcp = true;
         inv.nodes[3].address = None;
         let err = check(&inv, &opts).unwrap_err().to_string();
-        assert!(err.starts_with("node worker-01: no address or talosEndpoint"), "{err}");
+        assert!(
+            err.starts_with("node worker-01: no address or talosEndpoint"),
+            "{err}"
+        );
         // An override (a cloud's address) reaches it.
         let t = Target::new(Some("127.0.0.9".parse().unwrap()), None).unwrap();
         opts.targets.insert("worker-01".into(), t);
