@@ -179,6 +179,7 @@ impl UpError {
                 StageError::UnknownTarget(_)
                     | StageError::BadEndpoint { .. }
                     | StageError::NoAddress { .. }
+                    | StageError::Config(_)
             ),
             _ => false,
         }
@@ -425,6 +426,13 @@ pub fn chain(e: &dyn std::error::Error) -> String {
 pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>) -> Report {
     let started = Instant::now();
     let mut report = Report::new(inv, target, false, &opts.bootstrap);
+    // A bad patch or an unreachable node stops the run before any machine
+    // exists, not after the VMs were created and started.
+    if let Err(e) = stage::check(inv, &opts.bootstrap) {
+        report.stopped = Some((Stage::Bootstrap, UpError::Bootstrap(e)));
+        report.elapsed_ms = started.elapsed().as_millis();
+        return report;
+    }
     let published = match target {
         Target::Hcloud(hc) => hcloud_stage(inv, hc, opts, obs, &mut report),
         _ => publish_stage(inv, target, opts, obs, &mut report).map(|()| BTreeMap::new()),
@@ -780,6 +788,11 @@ fn bootstrap_stage(
 pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     let started = Instant::now();
     let mut report = Report::new(inv, target, true, &opts.bootstrap);
+    if let Err(e) = stage::check(inv, &opts.bootstrap) {
+        report.stopped = Some((Stage::Bootstrap, UpError::Bootstrap(e)));
+        report.elapsed_ms = started.elapsed().as_millis();
+        return report;
+    }
     let planned = match target {
         Target::Hcloud(hc) => plan_hcloud(inv, hc, opts, &mut report),
         _ => plan_publish(inv, target, opts, &mut report).map(|()| BTreeMap::new()),

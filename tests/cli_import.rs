@@ -98,9 +98,34 @@ fn convert(name: &str, env: &[(&str, &str)]) -> Converted {
         result,
         inventory,
     };
-    // It validates as imgbuild reads it.
-    let o = run(&["--config", &c.config_str(), "validate"], &[]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    // It validates as imgbuild reads it, in the same environment: a
+    // variable the import left as written must be set when the configs are
+    // rendered, and validate names it.
+    let o = run(&["--config", &c.config_str(), "validate"], env);
+    let unset: Vec<&str> = c.result["skipped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            // In a patch file, not in a talconfig field that was skipped.
+            s["file"]
+                .as_str()
+                .is_some_and(|f| !f.ends_with("talconfig.yaml"))
+        })
+        .filter_map(|s| s["field"].as_str().filter(|f| f.starts_with("${")))
+        .collect();
+    if unset.is_empty() {
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    } else {
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+        assert!(
+            unset
+                .iter()
+                .any(|v| text(&o.stderr).contains(&format!("{v} is not set in the environment"))),
+            "{unset:?}: {}",
+            text(&o.stderr)
+        );
+    }
     c
 }
 

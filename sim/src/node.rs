@@ -37,7 +37,8 @@
 //! - `GET /_sim/stats` → `{"nodes":{NAME:{applies,bootstraps,
 //!   bootstrap_refusals,maintenance_version_calls,kubeconfigs,phase
 //!   (down|maintenance|configured),ip,booted_by(null|boot name),
-//!   config_error(null|string),halted}},"bootstrapped":bool,"totals":{applies,
+//!   config_error(null|string),halted,documents(null|["Kind/name",…]: the
+//!   applied config's documents besides v1alpha1)}},"bootstrapped":bool,"totals":{applies,
 //!   bootstraps,bootstrap_refusals,maintenance_version_calls,kubeconfigs,
 //!   nodes,up,configured,config_errors}}`. NAME: a `--node` name; for a
 //!   booted node its config's hostname, else the boot `hostname`, else `name`
@@ -137,6 +138,8 @@ struct Applied {
     endpoint: String,
     cluster_name: String,
     api_sans: Vec<IpAddr>,
+    /// The documents besides v1alpha1, as `Kind/name`.
+    documents: Vec<String>,
 }
 
 #[derive(Default, Clone, serde::Serialize)]
@@ -226,6 +229,7 @@ impl Node {
                 endpoint: String::new(),
                 cluster_name: "foreign".into(),
                 api_sans: Vec::new(),
+                documents: Vec::new(),
             }));
             st.configured_at = Some(Instant::now());
         }
@@ -419,22 +423,47 @@ fn b64_pem(v: &Value, what: &str) -> Result<String, String> {
 /// The official Talos 1.11 config schema, vendored in the repository.
 const SCHEMA: &str = include_str!("../../schemas/talos-v1.11-config.schema.json");
 
-/// Schema violations of a machine config, checked here with this crate's
-/// own validator rather than imgbuild's. Like Talos, which picks a
-/// document's type by its `version`/`kind` before validating, a v1alpha1
-/// document is held against the `v1alpha1.Config` definition. Messages name
-/// paths and unknown keys, never values.
-fn schema_problems(doc: &Value) -> Vec<String> {
-    static V1ALPHA1: std::sync::OnceLock<jsonschema::Validator> = std::sync::OnceLock::new();
-    let validator = V1ALPHA1.get_or_init(|| {
+/// Talos' registry of document kinds as the vendored schema lists them (its
+/// `oneOf`), each with a validator for its definition, keyed by
+/// (apiVersion, kind); the v1alpha1 document under ("v1alpha1", "").
+fn registry() -> &'static HashMap<(String, String), jsonschema::Validator> {
+    static REGISTRY: std::sync::OnceLock<HashMap<(String, String), jsonschema::Validator>> =
+        std::sync::OnceLock::new();
+    REGISTRY.get_or_init(|| {
         let official: Value = serde_json::from_str(SCHEMA).expect("vendored schema is JSON");
-        let v1alpha1 = json!({
-            "$schema": official["$schema"],
-            "$ref": "#/$defs/v1alpha1.Config",
-            "$defs": official["$defs"],
-        });
-        jsonschema::validator_for(&v1alpha1).expect("vendored schema compiles")
-    });
+        let mut kinds = HashMap::new();
+        for branch in official["oneOf"].as_array().expect("schema has oneOf") {
+            let reference = branch["$ref"].as_str().expect("oneOf holds $refs");
+            let def = &official["$defs"][reference.trim_start_matches("#/$defs/")];
+            let only = |key: &str| {
+                def["properties"][key]["enum"][0]
+                    .as_str()
+                    .map(str::to_owned)
+            };
+            let key = match (only("apiVersion"), only("kind")) {
+                (Some(version), Some(kind)) => (version, kind),
+                _ => ("v1alpha1".to_owned(), String::new()),
+            };
+            let schema = json!({
+                "$schema": official["$schema"],
+                "$ref": reference,
+                "$defs": official["$defs"],
+            });
+            kinds.insert(
+                key,
+                jsonschema::validator_for(&schema).expect("vendored schema compiles"),
+            );
+        }
+        kinds
+    })
+}
+
+/// Schema violations of a document, checked here with this crate's own
+/// validator rather than imgbuild's. Like Talos, which picks a document's
+/// type by its `version`/`kind` before decoding, each document is held
+/// against its kind's definition. Messages name paths and unknown keys,
+/// never values.
+fn problems_of(validator: &jsonschema::Validator, doc: &Value) -> Vec<String> {
     validator
         .iter_errors(doc)
         .map(|e| {
@@ -452,17 +481,75 @@ fn schema_problems(doc: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The documents of a machine config, as talos
+/// `pkg/machinery/config/configloader/internal/decoder/decoder.go` decodes
+/// them: null documents skipped; a mapping with `machine`, `cluster`,
+/// `debug` or `persist` (or `apiVersion: v1alpha1` without a kind) is the
+/// v1alpha1 document; any other needs `kind` and `apiVersion` of a
+/// registered kind; no (apiVersion, kind, name) twice. Each is checked
+/// against its kind's schema. The v1alpha1 document, and the others as
+/// `Kind/name`.
+fn read_documents(data: &[u8]) -> Result<(Value, Vec<String>), Status> {
+    use serde::Deserialize;
+    let invalid = |m: String| Status::invalid_argument(format!("config validation failed: {m}"));
+    let mut v1alpha1 = None;
+    let mut others = Vec::new();
+    let mut seen = Vec::new();
+    for de in serde_yaml_ng::Deserializer::from_slice(data) {
+        let doc = Value::deserialize(de)
+            .map_err(|e| Status::invalid_argument(format!("failed to parse config: {e}")))?;
+        let map = match &doc {
+            Value::Null => continue,
+            Value::Object(map) => map,
+            _ => return Err(invalid("expected a YAML document".into())),
+        };
+        let field = |k: &str| map.get(k).and_then(Value::as_str).unwrap_or_default();
+        let legacy = ["machine", "cluster", "debug", "persist"]
+            .iter()
+            .any(|k| map.contains_key(*k));
+        let version = if legacy {
+            "v1alpha1"
+        } else {
+            field("apiVersion")
+        };
+        let kind = field("kind");
+        let id = (
+            version.to_owned(),
+            kind.to_owned(),
+            field("name").to_owned(),
+        );
+        let validator = match (version, kind) {
+            ("v1alpha1", "") => &registry()[&("v1alpha1".to_owned(), String::new())],
+            (_, "") => return Err(invalid("missing kind".into())),
+            ("", _) => return Err(invalid("missing apiVersion".into())),
+            (version, kind) => registry()
+                .get(&(version.to_owned(), kind.to_owned()))
+                .ok_or_else(|| invalid(format!("{kind:?} {version:?}: not registered")))?,
+        };
+        if seen.contains(&id) {
+            return Err(invalid(format!(
+                "duplicate document {}/{}/{} is not allowed",
+                id.0, id.1, id.2
+            )));
+        }
+        seen.push(id);
+        let problems = problems_of(validator, &doc);
+        if !problems.is_empty() {
+            return Err(invalid(problems.join("; ")));
+        }
+        if kind.is_empty() {
+            v1alpha1 = Some(doc);
+        } else {
+            others.push(format!("{kind}/{}", field("name")));
+        }
+    }
+    let doc = v1alpha1.ok_or_else(|| invalid("no v1alpha1 document".into()))?;
+    Ok((doc, others))
+}
+
 /// Validates a machine config as a node does and extracts what it uses.
 fn read_config(data: &[u8]) -> Result<Applied, Status> {
-    let doc: Value = serde_yaml_ng::from_slice(data)
-        .map_err(|e| Status::invalid_argument(format!("failed to parse config: {e}")))?;
-    let problems = schema_problems(&doc);
-    if !problems.is_empty() {
-        return Err(Status::invalid_argument(format!(
-            "config validation failed: {}",
-            problems.join("; ")
-        )));
-    }
+    let (doc, documents) = read_documents(data)?;
     let invalid = |m: String| Status::invalid_argument(format!("config validation failed: {m}"));
     let crt = b64_pem(&doc["machine"]["ca"]["crt"], "machine.ca.crt").map_err(invalid)?;
     pki::cert_info(&crt).map_err(|e| invalid(format!("machine.ca.crt: {e}")))?;
@@ -501,6 +588,7 @@ fn read_config(data: &[u8]) -> Result<Applied, Status> {
             .unwrap_or("cluster")
             .to_owned(),
         api_sans,
+        documents,
     })
 }
 
@@ -593,6 +681,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
             v["booted_by"] = json!(n.boot.as_ref().map(|_| &n.name));
             v["config_error"] = json!(st.config_error);
             v["halted"] = json!(st.halted);
+            v["documents"] = json!(st.applied.as_ref().map(|a| &a.documents));
             (name, v)
         })
         .collect();
@@ -1675,6 +1764,53 @@ mod tests {
     fn disks_are_full_device_paths() {
         let api = configured();
         assert_eq!(api.disks_on().disks[0].device_name, "/dev/sda");
+    }
+
+    #[test]
+    fn multi_document_configs_are_read_as_talos_reads_them() {
+        let v1 = "version: v1alpha1\nmachine:\n  type: worker\n";
+        let ts = "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\nenvironment: [TS_AUTHKEY=x]\n";
+        let read =
+            |text: String| read_documents(text.as_bytes()).map_err(|s| s.message().to_owned());
+        let (doc, others) = read(format!("---\n{v1}---\n{ts}---\n")).unwrap();
+        assert_eq!(doc["machine"]["type"], "worker");
+        assert_eq!(others, ["ExtensionServiceConfig/tailscale"]);
+        for (text, want) in [
+            (
+                format!("{v1}---\n{ts}---\n{ts}"),
+                "duplicate document v1alpha1/ExtensionServiceConfig/tailscale",
+            ),
+            (format!("{v1}---\n{v1}"), "duplicate document v1alpha1//"),
+            (
+                format!("{v1}---\nkind: ExtensionServiceConfig\nname: a\n"),
+                "missing apiVersion",
+            ),
+            (
+                format!("{v1}---\napiVersion: v1alpha1\nname: a\n"),
+                "unknown keys found during decoding: : apiVersion, name",
+            ),
+            (
+                format!("{v1}---\napiVersion: v1alpha2\nname: a\n"),
+                "missing kind",
+            ),
+            (
+                format!("{v1}---\napiVersion: v1alpha1\nkind: HostnameConfig\n"),
+                "\"HostnameConfig\" \"v1alpha1\": not registered",
+            ),
+            (
+                format!("{v1}---\n{ts}environ: []\n"),
+                "unknown keys found during decoding: : environ",
+            ),
+            (ts.to_owned(), "no v1alpha1 document"),
+            (format!("{v1}---\n- 1\n"), "expected a YAML document"),
+        ] {
+            let err = read(text).unwrap_err();
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+
+    fn schema_problems(doc: &Value) -> Vec<String> {
+        problems_of(&registry()[&("v1alpha1".to_owned(), String::new())], doc)
     }
 
     #[test]

@@ -58,8 +58,9 @@ pub enum Output {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Check the inventory and report every problem with its line.
-    Validate,
+    /// Check the inventory and report every problem with its line; render
+    /// every node's machine config and resolve how each node is reached.
+    Validate(ValidateArgs),
     /// Show, write or compute Image Factory schematics and their IDs.
     Schematic(schematic::SchematicArgs),
     /// Show an image's format, partitions and META tags.
@@ -230,7 +231,7 @@ struct Invocation<'a> {
 
 fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
     match command {
-        Command::Validate => validate(&cli.config, cli.output),
+        Command::Validate(args) => validate(args, &cli.config, cli.output),
         Command::Schematic(args) => schematic::run(args, &cli.config, cli.output),
         Command::Inspect(args) => image::inspect(args, cli.output),
         Command::Meta(args) => image::meta(args, cli.output),
@@ -298,8 +299,23 @@ pub fn load_inventory(path: &Path, output: Output) -> Result<Inventory> {
     Ok(inv)
 }
 
-fn validate(config: &Path, output: Output) -> Result<()> {
+#[derive(clap::Args)]
+struct ValidateArgs {
+    /// Whose secrets render the configs (none there: a throwaway bundle,
+    /// never written).
+    #[command(flatten)]
+    state: talos::StateArgs,
+}
+
+fn validate(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output).context("inventory is not valid")?;
+    let opts = imgbuild::talos::stage::BootstrapOptions {
+        state_dir: args.state.state_dir,
+        patch_vars: talos::patch_vars(),
+        ..Default::default()
+    };
+    let checked = imgbuild::talos::stage::check(&inv, &opts)
+        .map_err(|e| Usage(format!("{}: {}", config.display(), imgbuild::up::chain(&e))))?;
     match output {
         Output::Json => println!(
             "{}",
@@ -310,6 +326,10 @@ fn validate(config: &Path, output: Output) -> Result<()> {
                 "nodes": inv.nodes.len(),
                 "controlPlanes": inv.control_planes().count(),
                 "warnings": inv.warnings,
+                "throwawaySecrets": checked.throwaway_secrets,
+                "reach": checked.reach.iter().map(|(node, t)| {
+                    (node.clone(), json!(t.as_ref().map(|t| t.addr.to_string())))
+                }).collect::<serde_json::Map<_, _>>(),
             })
         ),
         Output::Text => println!(

@@ -18,7 +18,7 @@ pub struct StateArgs {
     /// Secrets, talosconfig, kubeconfig, rendered configs (0700; files 0600)
     /// [default: .talos/<cluster name>/ beside the inventory]
     #[arg(long, env = "IMGBUILD_STATE_DIR")]
-    state_dir: Option<PathBuf>,
+    pub(super) state_dir: Option<PathBuf>,
 }
 
 impl StateArgs {
@@ -113,6 +113,7 @@ impl BootstrapRunArgs {
             state_dir: self.state.state_dir,
             talosconfig: self.talosconfig,
             targets: Default::default(),
+            patch_vars: patch_vars(),
             limits: bootstrap::Options {
                 node_timeout: self.node_timeout,
                 bootstrap_timeout: self.bootstrap_timeout,
@@ -125,6 +126,14 @@ impl BootstrapRunArgs {
             },
         }
     }
+}
+
+/// The environment, for `${NAME}` in patch files (names or values that are
+/// not UTF-8 cannot be written in a patch and are left out).
+pub(super) fn patch_vars() -> config::PatchVars {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect()
 }
 
 /// The longest wait a flag may ask for. Deadlines are `now + duration`, and
@@ -160,14 +169,27 @@ pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
 pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
     let SecretsCommand::Gen(args) = args.command;
     let inv = load_inventory(config, output)?;
-    let path = args
+    let saved = args
         .state
         .open(&inv)?
         .save_secrets(args.secrets.as_deref(), args.force)?;
+    let path = &saved.path;
+    if output == Output::Text && !saved.ignored_fields.is_empty() {
+        eprintln!(
+            "warning: {}: ignored fields imgbuild does not know (as talosctl ignores them; not kept): {}",
+            args.secrets.as_deref().unwrap_or(path).display(),
+            saved.ignored_fields.join(", ")
+        );
+    }
     match output {
         Output::Json => println!(
             "{}",
-            json!({"secrets": path, "imported": args.secrets, "replaced": args.force})
+            json!({
+                "secrets": path,
+                "imported": args.secrets,
+                "replaced": args.force,
+                "ignoredFields": saved.ignored_fields,
+            })
         ),
         Output::Text => println!(
             "{}: {} (0600)",
@@ -186,7 +208,7 @@ pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result
     let inv = load_inventory(config, output)?;
     let node = inv.node(&args.node)?;
     let (bundle, _) = args.state.open(&inv)?.secrets()?;
-    let text = config::machine_config(&inv, node, &bundle)?;
+    let text = config::machine_config(&inv, node, &bundle, &patch_vars())?;
     match output {
         Output::Json => println!("{}", json!({"node": node.name, "config": text})),
         Output::Text => print!("{text}"),

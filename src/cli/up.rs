@@ -78,7 +78,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
     if let Some((_, e)) = &report.stopped
         && e.is_setup()
     {
-        return Err(Usage(format!("{e:#}")).into());
+        return Err(Usage(format!("{}: {e:#}", config.display())).into());
     }
     match output {
         Output::Json => {

@@ -1,7 +1,10 @@
 //! Keys and certificates the way Talos writes them: Ed25519 for the OS CA and
 //! admin identity (PEM label `ED25519 PRIVATE KEY` around PKCS#8), ECDSA P-256
 //! CAs for etcd and Kubernetes (`EC PRIVATE KEY`, SEC1), RSA-4096 for the
-//! service-account key (`RSA PRIVATE KEY`, PKCS#1). Pure functions over PEM text.
+//! service-account key (`RSA PRIVATE KEY`, PKCS#1). Imported bundles may
+//! hold other CAs (an ECDSA OS CA, kubeadm's RSA CAs); a leaf takes its CA's
+//! algorithm, as siderolabs/crypto `x509/keypair.go` `NewKeyPair` does.
+//! Pure functions over PEM text.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -22,12 +25,38 @@ pub enum PkiError {
     Generate(#[from] rcgen::Error),
 }
 
-/// The key algorithms Talos uses.
+/// The key algorithms of Talos and kubeadm CAs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyKind {
     Ed25519,
     EcdsaP256,
-    Rsa4096,
+    /// kubeadm's `ECDSA-P384` CAs.
+    EcdsaP384,
+    /// Generated with 4096 bits, as Talos does; read at any size.
+    Rsa,
+}
+
+impl KeyKind {
+    /// The key a certificate issued by a CA of this kind gets: the CA's own
+    /// algorithm, ECDSA always on P-256 (siderolabs/crypto
+    /// `x509/keypair.go` `NewKeyPair`).
+    fn leaf(self) -> KeyKind {
+        match self {
+            KeyKind::EcdsaP384 => KeyKind::EcdsaP256,
+            kind => kind,
+        }
+    }
+}
+
+impl fmt::Display for KeyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KeyKind::Ed25519 => "Ed25519",
+            KeyKind::EcdsaP256 => "ECDSA P-256",
+            KeyKind::EcdsaP384 => "ECDSA P-384",
+            KeyKind::Rsa => "RSA",
+        })
+    }
 }
 
 /// A PEM certificate and its PEM key, as Talos pairs them (`crt`/`key`).
@@ -98,7 +127,8 @@ fn new_key(kind: KeyKind) -> Result<KeyPair, PkiError> {
     Ok(match kind {
         KeyKind::Ed25519 => KeyPair::generate_for(&rcgen::PKCS_ED25519)?,
         KeyKind::EcdsaP256 => KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?,
-        KeyKind::Rsa4096 => {
+        KeyKind::EcdsaP384 => KeyPair::generate_for(&rcgen::PKCS_ECDSA_P384_SHA384)?,
+        KeyKind::Rsa => {
             KeyPair::generate_rsa_for(&rcgen::PKCS_RSA_SHA256, rcgen::RsaKeySize::_4096)?
         }
     })
@@ -109,27 +139,32 @@ fn key_pem(kind: KeyKind, key: &KeyPair) -> Result<String, PkiError> {
     let pkcs8 = key.serialize_der();
     let (label, der) = match kind {
         KeyKind::Ed25519 => ("ED25519 PRIVATE KEY", pkcs8),
-        KeyKind::EcdsaP256 => {
+        KeyKind::EcdsaP256 | KeyKind::EcdsaP384 => {
             use aws_lc_rs::encoding::AsDer;
-            let pair = aws_lc_rs::signature::EcdsaKeyPair::from_pkcs8(
-                &aws_lc_rs::signature::ECDSA_P256_SHA256_ASN1_SIGNING,
-                &pkcs8,
-            )
-            .map_err(|e| PkiError::Invalid(format!("ECDSA key: {e}")))?;
+            use aws_lc_rs::signature::{
+                ECDSA_P256_SHA256_ASN1_SIGNING, ECDSA_P384_SHA384_ASN1_SIGNING,
+            };
+            let alg = if kind == KeyKind::EcdsaP256 {
+                &ECDSA_P256_SHA256_ASN1_SIGNING
+            } else {
+                &ECDSA_P384_SHA384_ASN1_SIGNING
+            };
+            let pair = aws_lc_rs::signature::EcdsaKeyPair::from_pkcs8(alg, &pkcs8)
+                .map_err(|e| PkiError::Invalid(format!("ECDSA key: {e}")))?;
             let sec1 = pair
                 .private_key()
                 .as_der()
                 .map_err(|_| PkiError::Invalid("ECDSA key: cannot encode as SEC1".into()))?;
             ("EC PRIVATE KEY", sec1.as_ref().to_vec())
         }
-        KeyKind::Rsa4096 => ("RSA PRIVATE KEY", pkcs8_private_key(&pkcs8)?.to_vec()),
+        KeyKind::Rsa => ("RSA PRIVATE KEY", pkcs8_private_key(&pkcs8)?.to_vec()),
     };
     Ok(pem::encode(&pem::Pem::new(label, der)))
 }
 
-/// A new RSA-4096 key (the Kubernetes service-account key) as PEM.
-pub fn new_rsa_key_pem() -> Result<String, PkiError> {
-    key_pem(KeyKind::Rsa4096, &new_key(KeyKind::Rsa4096)?)
+/// A new key of `kind` (the Kubernetes service-account key) as PEM.
+pub fn new_key_pem(kind: KeyKind) -> Result<String, PkiError> {
+    key_pem(kind, &new_key(kind)?)
 }
 
 fn serial() -> SerialNumber {
@@ -180,15 +215,12 @@ pub fn new_ca(
     })
 }
 
-/// A certificate signed by `ca`, with a fresh key of the CA's kind.
+/// A certificate signed by `ca`, with a fresh key of the CA's algorithm
+/// ([`KeyKind::leaf`]).
 pub fn issue(ca: &CertAndKey, spec: &LeafSpec) -> Result<CertAndKey, PkiError> {
     let ca_key = KeyPair::from_pem(&ca.key)
         .map_err(|e| PkiError::Invalid(format!("CA key cannot be read: {e}")))?;
-    let kind = if ca_key.algorithm() == &rcgen::PKCS_ED25519 {
-        KeyKind::Ed25519
-    } else {
-        KeyKind::EcdsaP256
-    };
+    let kind = kind_of(&ca_key)?.leaf();
     let issuer = Issuer::from_ca_cert_pem(&ca.crt, &ca_key)
         .map_err(|e| PkiError::Invalid(format!("CA certificate cannot be read: {e}")))?;
     let key = new_key(kind)?;
@@ -292,13 +324,19 @@ pub fn private_key_der(text: &str) -> Result<PrivateKeyDer<'static>, PkiError> {
 pub fn key_kind(text: &str) -> Result<KeyKind, PkiError> {
     let pair = KeyPair::from_pem(text)
         .map_err(|e| PkiError::Invalid(format!("key cannot be read: {e}")))?;
+    kind_of(&pair)
+}
+
+fn kind_of(pair: &KeyPair) -> Result<KeyKind, PkiError> {
     let alg = pair.algorithm();
     if alg == &rcgen::PKCS_ED25519 {
         Ok(KeyKind::Ed25519)
     } else if alg == &rcgen::PKCS_ECDSA_P256_SHA256 {
         Ok(KeyKind::EcdsaP256)
+    } else if alg == &rcgen::PKCS_ECDSA_P384_SHA384 {
+        Ok(KeyKind::EcdsaP384)
     } else if alg == &rcgen::PKCS_RSA_SHA256 {
-        Ok(KeyKind::Rsa4096)
+        Ok(KeyKind::Rsa)
     } else {
         Err(PkiError::Invalid("unsupported key algorithm".into()))
     }
@@ -393,7 +431,7 @@ mod tests {
 
     #[test]
     fn rsa_keys_are_pkcs1() {
-        let key = new_rsa_key_pem().unwrap();
+        let key = new_key_pem(KeyKind::Rsa).unwrap();
         assert!(key.starts_with("-----BEGIN RSA PRIVATE KEY-----"));
         let der = pem::parse(&key).unwrap().into_contents();
         // PKCS#1 RSAPrivateKey: SEQUENCE { INTEGER 0, INTEGER n (4096 bits) ... }
@@ -402,7 +440,7 @@ mod tests {
         let (tag, n, _) = der_item(rest).unwrap();
         assert_eq!(tag, 0x02);
         assert_eq!(n.len(), 513, "4096-bit modulus with its sign byte");
-        assert_eq!(key_kind(&key).unwrap(), KeyKind::Rsa4096);
+        assert_eq!(key_kind(&key).unwrap(), KeyKind::Rsa);
     }
 
     #[test]
@@ -439,6 +477,43 @@ mod tests {
                 .verify_signature(Some(other_cert.public_key()))
                 .is_err()
         );
+    }
+
+    #[test]
+    fn a_leaf_takes_its_cas_algorithm() {
+        for (ca_kind, leaf_kind, label) in [
+            (KeyKind::EcdsaP256, KeyKind::EcdsaP256, "EC PRIVATE KEY"),
+            // siderolabs/crypto issues P-256 under any ECDSA CA.
+            (KeyKind::EcdsaP384, KeyKind::EcdsaP256, "EC PRIVATE KEY"),
+            (KeyKind::Rsa, KeyKind::Rsa, "RSA PRIVATE KEY"),
+            (KeyKind::Ed25519, KeyKind::Ed25519, "ED25519 PRIVATE KEY"),
+        ] {
+            let ca = new_ca(ca_kind, "kubernetes", None, 1).unwrap();
+            assert_eq!(key_kind(&ca.key).unwrap(), ca_kind);
+            let leaf = issue(
+                &ca,
+                &LeafSpec {
+                    common_name: "admin".into(),
+                    client: true,
+                    days: 1,
+                    ..LeafSpec::default()
+                },
+            )
+            .unwrap();
+            assert_eq!(key_kind(&leaf.key).unwrap(), leaf_kind, "{ca_kind}");
+            assert!(leaf.key.starts_with(&format!("-----BEGIN {label}-----")));
+            assert!(key_matches(&leaf.crt, &leaf.key).unwrap());
+            let ca_der = certs_der(&ca.crt).unwrap().remove(0);
+            let leaf_der = certs_der(&leaf.crt).unwrap().remove(0);
+            let (_, ca_cert) = x509_parser::parse_x509_certificate(&ca_der).unwrap();
+            let (_, leaf_cert) = x509_parser::parse_x509_certificate(&leaf_der).unwrap();
+            assert!(
+                leaf_cert
+                    .verify_signature(Some(ca_cert.public_key()))
+                    .is_ok(),
+                "{ca_kind}"
+            );
+        }
     }
 
     #[test]

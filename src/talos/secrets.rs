@@ -31,8 +31,11 @@ pub enum SecretsError {
 
 /// `talosctl gen secrets` output. Field names are go-yaml's lower-cased Go
 /// struct names; PEM values are base64-encoded, as Talos marshals them.
+/// Unknown fields are ignored, as talosctl's `LoadBundle`
+/// (talos `pkg/machinery/config/generate/secrets/bundle.go`) ignores them:
+/// a bundle from a newer talosctl still loads ([`SecretsBundle::read`]
+/// names what was left out).
 #[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
 pub struct SecretsBundle {
     pub cluster: ClusterIdentity,
     pub secrets: ClusterSecrets,
@@ -47,14 +50,12 @@ impl fmt::Debug for SecretsBundle {
 }
 
 #[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
 pub struct ClusterIdentity {
     pub id: String,
     pub secret: String,
 }
 
 #[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
 pub struct ClusterSecrets {
     pub bootstraptoken: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -64,13 +65,11 @@ pub struct ClusterSecrets {
 }
 
 #[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
 pub struct TrustdInfo {
     pub token: String,
 }
 
 #[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
 pub struct Certs {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admin: Option<PemPair>,
@@ -83,7 +82,6 @@ pub struct Certs {
 
 /// A certificate and key as base64 of their PEM text.
 #[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
 pub struct PemPair {
     pub crt: String,
     pub key: String,
@@ -91,7 +89,6 @@ pub struct PemPair {
 
 /// A key alone (the service-account key has no certificate).
 #[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
 pub struct PemKey {
     pub key: String,
 }
@@ -127,6 +124,17 @@ fn unb64(value: &str) -> Result<String, String> {
 impl SecretsBundle {
     /// A fresh bundle, as `talosctl gen secrets` makes it (CAs for 10 years).
     pub fn generate() -> Result<SecretsBundle, SecretsError> {
+        Self::generate_with(KeyKind::Rsa)
+    }
+
+    /// A bundle only for rendering configs that are checked and thrown
+    /// away (`validate`, dry runs): an ECDSA service-account key, as Talos
+    /// before 1.6 made it, takes milliseconds where RSA-4096 takes seconds.
+    pub fn throwaway() -> Result<SecretsBundle, SecretsError> {
+        Self::generate_with(KeyKind::EcdsaP256)
+    }
+
+    fn generate_with(service_account: KeyKind) -> Result<SecretsBundle, SecretsError> {
         let ca = |kind, org| pki::new_ca(kind, org, None, 10);
         Ok(SecretsBundle {
             cluster: ClusterIdentity {
@@ -152,7 +160,7 @@ impl SecretsBundle {
                     10,
                 )?),
                 k8sserviceaccount: PemKey {
-                    key: b64(&pki::new_rsa_key_pem()?),
+                    key: b64(&pki::new_key_pem(service_account)?),
                 },
                 os: PemPair::from_pem(&ca(KeyKind::Ed25519, "talos")?),
             },
@@ -175,11 +183,19 @@ impl SecretsBundle {
 
     /// Reads `path`.
     pub fn load(path: &Path) -> Result<SecretsBundle, SecretsError> {
+        Ok(Self::read(path)?.0)
+    }
+
+    /// Reads `path`, and the fields of it that imgbuild ignored (dotted
+    /// paths, e.g. `certs.newca`): the caller warns, since a saved copy
+    /// does not keep them.
+    pub fn read(path: &Path) -> Result<(SecretsBundle, Vec<String>), SecretsError> {
         let text = std::fs::read_to_string(path).map_err(|source| SecretsError::Io {
             path: path.display().to_string(),
             source,
         })?;
-        Self::parse(&text, path)
+        let bundle = Self::parse(&text, path)?;
+        Ok((bundle, unknown_fields(&text)))
     }
 
     /// Writes the bundle to `path` (0600, atomically). Refuses to replace an
@@ -217,26 +233,29 @@ impl SecretsBundle {
         {
             return Err("secrets: no encryption secret (secretboxencryptionsecret)".into());
         }
+        // talosctl makes ECDSA Kubernetes/etcd CAs and an Ed25519 OS CA
+        // (ECDSA in FIPS mode); `--from-kubernetes-pki` takes kubeadm's CAs,
+        // RSA or ECDSA.
+        const KUBE: &[KeyKind] = &[KeyKind::EcdsaP256, KeyKind::EcdsaP384, KeyKind::Rsa];
+        const OS: &[KeyKind] = &[KeyKind::Ed25519, KeyKind::EcdsaP256, KeyKind::EcdsaP384];
         let pairs = [
-            ("certs.etcd", &self.certs.etcd, KeyKind::EcdsaP256),
-            ("certs.k8s", &self.certs.k8s, KeyKind::EcdsaP256),
-            (
-                "certs.k8saggregator",
-                &self.certs.k8saggregator,
-                KeyKind::EcdsaP256,
-            ),
-            ("certs.os", &self.certs.os, KeyKind::Ed25519),
+            ("certs.etcd", &self.certs.etcd, KUBE),
+            ("certs.k8s", &self.certs.k8s, KUBE),
+            ("certs.k8saggregator", &self.certs.k8saggregator, KUBE),
+            ("certs.os", &self.certs.os, OS),
         ];
-        for (field, pair, kind) in pairs {
+        for (field, pair, kinds) in pairs {
             let decoded = pair.decode().map_err(|e| format!("{field}.{e}"))?;
             let info = pki::cert_info(&decoded.crt).map_err(|e| format!("{field}.crt: {e}"))?;
             if !info.is_ca {
                 return Err(format!("{field}.crt: not a CA certificate"));
             }
             let found = pki::key_kind(&decoded.key).map_err(|e| format!("{field}.key: {e}"))?;
-            if found != kind {
+            if !kinds.contains(&found) {
+                let allowed: Vec<String> = kinds.iter().map(KeyKind::to_string).collect();
                 return Err(format!(
-                    "{field}.key: a {found:?} key where Talos uses {kind:?}"
+                    "{field}.key: an {found} key; this CA must be {}",
+                    allowed.join(", ")
                 ));
             }
             if !pki::key_matches(&decoded.crt, &decoded.key).map_err(|e| format!("{field}: {e}"))? {
@@ -254,7 +273,7 @@ impl SecretsBundle {
         self.certs.os.decode().expect("checked when loaded")
     }
 
-    /// A talosctl admin identity: Ed25519, O=os:admin, one year.
+    /// A talosctl admin identity: the OS CA's algorithm, O=os:admin, one year.
     pub fn admin_identity(&self) -> Result<CertAndKey, SecretsError> {
         Ok(pki::issue(
             &self.os_ca(),
@@ -267,6 +286,73 @@ impl SecretsBundle {
             },
         )?)
     }
+}
+
+/// The fields of a bundle, by dotted parent path, that imgbuild reads.
+const LAYOUT: &[(&str, &[&str])] = &[
+    ("", &["cluster", "secrets", "trustdinfo", "certs"]),
+    ("cluster", &["id", "secret"]),
+    (
+        "secrets",
+        &[
+            "bootstraptoken",
+            "aescbcencryptionsecret",
+            "secretboxencryptionsecret",
+        ],
+    ),
+    ("trustdinfo", &["token"]),
+    (
+        "certs",
+        &[
+            "admin",
+            "etcd",
+            "k8s",
+            "k8saggregator",
+            "k8sserviceaccount",
+            "os",
+        ],
+    ),
+    ("certs.admin", &["crt", "key"]),
+    ("certs.etcd", &["crt", "key"]),
+    ("certs.k8s", &["crt", "key"]),
+    ("certs.k8saggregator", &["crt", "key"]),
+    ("certs.k8sserviceaccount", &["key"]),
+    ("certs.os", &["crt", "key"]),
+];
+
+/// The keys of `text` (a bundle that parsed) outside [`LAYOUT`], as dotted
+/// paths. Names only: values are never looked at.
+fn unknown_fields(text: &str) -> Vec<String> {
+    let Ok(doc) = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(text) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (parent, known) in LAYOUT {
+        let node = parent
+            .split('.')
+            .filter(|p| !p.is_empty())
+            .try_fold(&doc, |v, k| v.get(k));
+        let Some(map) = node.and_then(|n| n.as_mapping()) else {
+            continue;
+        };
+        for key in map.keys() {
+            let name = match key {
+                serde_yaml_ng::Value::String(s) => s.clone(),
+                other => serde_yaml_ng::to_string(other)
+                    .unwrap_or_default()
+                    .trim()
+                    .to_owned(),
+            };
+            if !known.contains(&name.as_str()) {
+                out.push(if parent.is_empty() {
+                    name
+                } else {
+                    format!("{parent}.{name}")
+                });
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -332,7 +418,10 @@ pub(crate) mod tests {
                 text.replace(&bundle().certs.k8s.crt, "not*base64"),
                 "certs.k8s.crt: not base64",
             ),
-            (text.replace("trustdinfo:", "trustd:"), "unknown field"),
+            (
+                text.replace("trustdinfo:", "trustd:"),
+                "missing field `trustdinfo`",
+            ),
         ];
         for (bad, want) in cases {
             let err = SecretsBundle::parse(&bad, Path::new("/x/secrets.yaml"))
@@ -342,6 +431,75 @@ pub(crate) mod tests {
             assert!(err.contains(want), "{want}: {err}");
             assert!(!err.contains("PRIVATE KEY"), "{err}");
         }
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_named_like_talosctl_does() {
+        let text = serde_yaml_ng::to_string(bundle()).unwrap();
+        let newer = text
+            .replace("certs:\n", "certs:\n  newca:\n    crt: c2VjcmV0\n")
+            .replace("trustdinfo:\n", "trustdinfo:\n  extra: s3cret-value\n")
+            + "futurefield: 1\n";
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secrets.yaml");
+        std::fs::write(&path, &newer).unwrap();
+        let (read, ignored) = SecretsBundle::read(&path).unwrap();
+        assert!(read == *bundle());
+        assert_eq!(ignored, ["futurefield", "trustdinfo.extra", "certs.newca"]);
+        assert!(!ignored.iter().any(|f| f.contains("s3cret")));
+        let (_, none) = {
+            std::fs::write(&path, &text).unwrap();
+            SecretsBundle::read(&path).unwrap()
+        };
+        assert!(none.is_empty(), "{none:?}");
+    }
+
+    /// `bundle()` with `os`, `etcd` and `k8s` CAs of other algorithms.
+    fn with_cas(os: KeyKind, etcd: KeyKind, k8s: KeyKind) -> SecretsBundle {
+        let mut b = bundle().clone();
+        let ca = |kind, org| PemPair::from_pem(&pki::new_ca(kind, org, None, 1).unwrap());
+        b.certs.os = ca(os, "talos");
+        b.certs.etcd = ca(etcd, "etcd");
+        b.certs.k8s = ca(k8s, "kubernetes");
+        b
+    }
+
+    fn reparse(b: &SecretsBundle) -> Result<SecretsBundle, String> {
+        let text = serde_yaml_ng::to_string(b).unwrap();
+        SecretsBundle::parse(&text, Path::new("s.yaml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn fips_and_kubeadm_cas_are_accepted_and_leaves_follow_the_ca() {
+        // talosctl in FIPS mode: an ECDSA OS CA; the admin identity follows it.
+        let fips = with_cas(KeyKind::EcdsaP256, KeyKind::EcdsaP384, KeyKind::EcdsaP256);
+        let b = reparse(&fips).unwrap();
+        let admin = b.admin_identity().unwrap();
+        assert_eq!(pki::key_kind(&admin.key).unwrap(), KeyKind::EcdsaP256);
+        assert!(admin.key.starts_with("-----BEGIN EC PRIVATE KEY-----"));
+        // kubeadm's RSA CAs (`talosctl gen secrets --from-kubernetes-pki`).
+        let rsa = pki::new_ca(KeyKind::Rsa, "kubernetes", None, 1).unwrap();
+        let mut kubeadm = bundle().clone();
+        kubeadm.certs.k8s = PemPair::from_pem(&rsa);
+        kubeadm.certs.etcd = PemPair::from_pem(&rsa);
+        reparse(&kubeadm).unwrap();
+        // What Talos never makes is still refused, naming the field.
+        let err = reparse(&with_cas(
+            KeyKind::Ed25519,
+            KeyKind::Ed25519,
+            KeyKind::EcdsaP256,
+        ))
+        .unwrap_err();
+        assert!(
+            err.contains(
+                "certs.etcd.key: an Ed25519 key; this CA must be ECDSA P-256, ECDSA P-384, RSA"
+            ),
+            "{err}"
+        );
+        let mut rsa_os = bundle().clone();
+        rsa_os.certs.os = PemPair::from_pem(&rsa);
+        let err = reparse(&rsa_os).unwrap_err();
+        assert!(err.contains("certs.os.key: an RSA key"), "{err}");
     }
 
     #[test]

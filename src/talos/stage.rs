@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
 use super::client::Target;
-use super::config::{self, ConfigError};
+use super::config::{self, ConfigError, PatchVars};
 use super::secrets::{SecretsBundle, SecretsError};
 use super::talosconfig::{Talosconfig, TalosconfigError};
 use crate::inventory::{Inventory, UnknownNode};
@@ -35,7 +35,7 @@ pub enum StageError {
     )]
     BadEndpoint { node: String, endpoint: String },
     #[error(
-        "node {node}: no address or talosEndpoint, so imgbuild cannot reach its API (a dhcp node needs talosEndpoint: its current address)"
+        "node {node}: no address or talosEndpoint, so imgbuild cannot reach its Talos API (a dhcp node needs address: its current lease, or talosEndpoint: IP or IP:port)"
     )]
     NoAddress { node: String },
     #[error("target override: {0}")]
@@ -56,6 +56,16 @@ pub enum StageError {
 pub struct StateDir {
     /// Given by `--state-dir`, or the default beside the inventory.
     pub path: PathBuf,
+}
+
+/// What [`StateDir::save_secrets`] wrote.
+#[derive(Debug, Clone)]
+pub struct SavedSecrets {
+    /// The state dir's `secrets.yaml`.
+    pub path: PathBuf,
+    /// Fields of the imported file imgbuild does not know (a newer
+    /// talosctl's): ignored as talosctl ignores them, and not in `path`.
+    pub ignored_fields: Vec<String>,
 }
 
 /// A talosconfig as [`StateDir::talosconfig`] left it.
@@ -115,14 +125,21 @@ impl StateDir {
 
     /// Writes `secrets.yaml` from `import` (a `talosctl gen secrets` file) or
     /// freshly generated. An existing file is replaced only with `force`.
-    pub fn save_secrets(&self, import: Option<&Path>, force: bool) -> Result<PathBuf, StageError> {
+    pub fn save_secrets(
+        &self,
+        import: Option<&Path>,
+        force: bool,
+    ) -> Result<SavedSecrets, StageError> {
         let path = self.secrets_path();
-        let bundle = match import {
-            Some(src) => SecretsBundle::load(src)?,
-            None => SecretsBundle::generate()?,
+        let (bundle, ignored_fields) = match import {
+            Some(src) => SecretsBundle::read(src)?,
+            None => (SecretsBundle::generate()?, Vec::new()),
         };
         bundle.save(&path, force)?;
-        Ok(path)
+        Ok(SavedSecrets {
+            path,
+            ignored_fields,
+        })
     }
 
     /// `talosconfig` for `inv`, rewritten only when `force` or when the file
@@ -162,9 +179,10 @@ impl StateDir {
         inv: &Inventory,
         node: &crate::inventory::NodeSpec,
         bundle: &SecretsBundle,
+        vars: &PatchVars,
         written: &mut Vec<String>,
     ) -> Result<String, StageError> {
-        let text = config::machine_config(inv, node, bundle)?;
+        let text = config::machine_config(inv, node, bundle, vars)?;
         if self.write_config(&node.name, &text)? {
             written.push(node.name.clone());
         }
@@ -198,6 +216,8 @@ pub struct BootstrapOptions {
     pub targets: BTreeMap<String, Target>,
     /// Timeouts, polling, certificate pin.
     pub limits: bootstrap::Options,
+    /// What `${NAME}` in patch files stands for.
+    pub patch_vars: PatchVars,
 }
 
 /// Everything made ready for the run, and what making it ready changed.
@@ -258,26 +278,9 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
     let mut nodes = Vec::new();
     let mut configs_written = Vec::new();
     for node in &inv.nodes {
-        let (target, address) = match opts.targets.get(&node.name) {
-            Some(t) => (t.clone(), t.server_name),
-            None => {
-                let t =
-                    Target::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(|| {
-                        match &node.talos_endpoint {
-                            Some(endpoint) => StageError::BadEndpoint {
-                                node: node.name.clone(),
-                                endpoint: endpoint.clone(),
-                            },
-                            None => StageError::NoAddress {
-                                node: node.name.clone(),
-                            },
-                        }
-                    })?;
-                let address = node.address.unwrap_or(t.server_name);
-                (t, address)
-            }
-        };
-        let text = state_dir.render_config(inv, node, &bundle, &mut configs_written)?;
+        let (target, address) = reach(node, opts)?;
+        let text =
+            state_dir.render_config(inv, node, &bundle, &opts.patch_vars, &mut configs_written)?;
         nodes.push(PlannedNode {
             name: node.name.clone(),
             role: node.role,
@@ -303,6 +306,82 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
     })
 }
 
+/// Where the bootstrap reaches `node`, and the address it has there: the
+/// override, else its talosEndpoint or address.
+fn reach(
+    node: &crate::inventory::NodeSpec,
+    opts: &BootstrapOptions,
+) -> Result<(Target, std::net::IpAddr), StageError> {
+    if let Some(t) = opts.targets.get(&node.name) {
+        return Ok((t.clone(), t.server_name));
+    }
+    let t = Target::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(|| match &node
+        .talos_endpoint
+    {
+        Some(endpoint) => StageError::BadEndpoint {
+            node: node.name.clone(),
+            endpoint: endpoint.clone(),
+        },
+        None => StageError::NoAddress {
+            node: node.name.clone(),
+        },
+    })?;
+    let address = node.address.unwrap_or(t.server_name);
+    Ok((t, address))
+}
+
+/// What [`check`] found: nothing is wrong with the configs or the reach.
+#[derive(Debug, Clone)]
+pub struct Checked {
+    /// Where each node is reached, by node; None where the target reports
+    /// it later (Hetzner servers, at their public IP).
+    pub reach: Vec<(String, Option<Target>)>,
+    /// Whether the configs were rendered with a throwaway bundle (the
+    /// state dir has no secrets yet).
+    pub throwaway_secrets: bool,
+}
+
+/// The checks a run would otherwise fail only after machines exist: every
+/// node's config rendered (patches, `${NAME}`s, schema) and every node's
+/// way in resolved. Writes nothing: the state dir's secrets when it has
+/// them, else a throwaway bundle kept in memory.
+pub fn check(inv: &Inventory, opts: &BootstrapOptions) -> Result<Checked, StageError> {
+    for name in opts.targets.keys() {
+        inv.node(name)?;
+    }
+    let dir = opts
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| config::default_state_dir(inv));
+    let state_dir = StateDir { path: dir };
+    let path = state_dir.secrets_path();
+    let (bundle, throwaway_secrets) = if path.exists() {
+        (SecretsBundle::load(&path)?, false)
+    } else {
+        (SecretsBundle::throwaway()?, true)
+    };
+    // Hetzner servers are reached at the public IP the API reports.
+    let reported = inv
+        .publish
+        .hcloud
+        .as_ref()
+        .is_some_and(|h| h.servers.is_some());
+    let mut reach_of = Vec::new();
+    for node in &inv.nodes {
+        config::machine_config(inv, node, &bundle, &opts.patch_vars)?;
+        let target = if reported && !opts.targets.contains_key(&node.name) {
+            None
+        } else {
+            Some(reach(node, opts)?.0)
+        };
+        reach_of.push((node.name.clone(), target));
+    }
+    Ok(Checked {
+        reach: reach_of,
+        throwaway_secrets,
+    })
+}
+
 /// Every node's machine config, by node, for machines that take it at
 /// creation (Hetzner `user_data`) before anyone knows their address: the
 /// secrets and configs [`prepare`] would use, kept in the state dir alike.
@@ -316,7 +395,8 @@ pub fn machine_configs(
     inv.nodes
         .iter()
         .map(|node| {
-            let text = state_dir.render_config(inv, node, &bundle, &mut written)?;
+            let text =
+                state_dir.render_config(inv, node, &bundle, &opts.patch_vars, &mut written)?;
             Ok((node.name.clone(), text))
         })
         .collect()
@@ -470,6 +550,57 @@ mod tests {
         let p = prepare(&inv, &opts).unwrap();
         assert_eq!(p.configs_written, ["worker-02"]);
         assert!(!p.talosconfig_written);
+    }
+
+    #[test]
+    fn check_renders_every_config_and_resolves_every_node_writing_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        let state = root.path().join("state");
+        let mut opts = BootstrapOptions {
+            state_dir: Some(state.clone()),
+            ..Default::default()
+        };
+        // No secrets yet: a throwaway bundle, and no state dir appears.
+        let checked = check(&inv, &opts).unwrap();
+        assert!(checked.throwaway_secrets);
+        assert!(!state.exists());
+        assert_eq!(checked.reach.len(), inv.nodes.len());
+        let (name, target) = &checked.reach[0];
+        assert_eq!(name, &inv.nodes[0].name);
+        assert_eq!(
+            target.as_ref().unwrap().addr,
+            std::net::SocketAddr::new(inv.nodes[0].address.unwrap(), 50000)
+        );
+        // The state dir's own secrets when it has them.
+        let opts_seeded = seeded(root.path());
+        let before = snapshot(root.path());
+        assert!(!check(&inv, &opts_seeded).unwrap().throwaway_secrets);
+        assert_eq!(before, snapshot(root.path()));
+        // A bad patch and a dhcp node nobody can reach fail here.
+        std::fs::write(root.path().join("bad.yaml"), "machine:\n  tyop: 1\n").unwrap();
+        inv.base_dir = root.path().to_owned();
+        inv.patches = Default::default();
+        inv.nodes[4].patches = vec!["bad.yaml".into()];
+        let err = check(&inv, &opts).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("node {}", inv.nodes[4].name)),
+            "{err}"
+        );
+        assert!(err.contains("bad.yaml") && err.contains("tyop"), "{err}");
+        inv.nodes[4].patches.clear();
+        inv.nodes[3].dhcp = true;
+        inv.nodes[3].address = None;
+        let err = check(&inv, &opts).unwrap_err().to_string();
+        assert!(
+            err.starts_with("node worker-01: no address or talosEndpoint"),
+            "{err}"
+        );
+        // An override (a cloud's address) reaches it.
+        let t = Target::new(Some("127.0.0.9".parse().unwrap()), None).unwrap();
+        opts.targets.insert("worker-01".into(), t);
+        assert!(check(&inv, &opts).is_ok());
+        assert!(!state.exists());
     }
 
     #[test]
