@@ -391,7 +391,7 @@ mod tests {
         let fits = config(USER_DATA_MAX, false);
         assert_eq!(
             check(&[spec("cp-01", fits.clone(), "v1.11.2")]).unwrap(),
-            [fits.clone()]
+            std::slice::from_ref(&fits)
         );
         // Talos before v1.9 cannot read it compressed, but this one fits.
         assert_eq!(encode_user_data("cp-01", &fits, "v1.8.3").unwrap(), fits);
