@@ -51,7 +51,7 @@ impl Run {
             .arg("publish")
             .args(args)
             .args(["--factory", &sim.url, "--poll-ms", "100", "--quiet"])
-            .args(hc.rescue_args())
+            .envs(hc.rescue_env())
             .arg("--out-dir")
             .arg(self.out())
             .arg("--cache-dir")

@@ -85,7 +85,7 @@ impl Chain {
         self.imgbuild(&["up", "--output", "json", "--quiet", "--poll-ms", "100"])
             .args(extra)
             .args(["--factory", &self.factory.url])
-            .args(self.hc.rescue_args())
+            .envs(self.hc.rescue_env())
             .arg("--out-dir")
             .arg(dir.join("out"))
             .arg("--cache-dir")

@@ -23,12 +23,23 @@ pub struct HcloudArgs {
     /// How long to keep trying to log in to the rescue system.
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     ssh_timeout: Duration,
-    /// The rescue system's SSH port (22 on Hetzner; for test doubles).
-    #[arg(long, default_value_t = 22, hide = true)]
+    /// The rescue system's SSH port (22 on Hetzner; for test doubles, whose
+    /// scripts may set it in the environment).
+    #[arg(
+        long,
+        env = "IMGBUILD_RESCUE_SSH_PORT",
+        default_value_t = 22,
+        hide = true
+    )]
     rescue_ssh_port: u16,
     /// Who logs in to the rescue system (root on Hetzner; a test double
     /// run without root lets in only its own user).
-    #[arg(long, default_value = "root", hide = true)]
+    #[arg(
+        long,
+        env = "IMGBUILD_RESCUE_SSH_USER",
+        default_value = "root",
+        hide = true
+    )]
     rescue_ssh_user: String,
 }
 

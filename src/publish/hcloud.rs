@@ -285,7 +285,17 @@ pub struct Snapshot {
     /// Compressed bytes sent to the rescue system (0 when nothing was made).
     pub bytes_sent: u64,
     /// The disk (GB) it holds: servers made from it need at least this.
+    #[serde(serialize_with = "gigabytes")]
     pub disk_size: f64,
+}
+
+/// A size in GB as the API writes it: `40`, not `40.0`, when whole.
+fn gigabytes<S: serde::Serializer>(gb: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if gb.fract() == 0.0 && (0.0..1e15).contains(gb) {
+        s.serialize_u64(*gb as u64)
+    } else {
+        s.serialize_f64(*gb)
+    }
 }
 
 /// Progress a snapshot run reports; the CLI renders it.

@@ -252,13 +252,12 @@ impl Hc {
         }
     }
 
-    /// imgbuild's flags to reach this simulator's rescue systems.
-    pub fn rescue_args(&self) -> [String; 4] {
+    /// The environment that points imgbuild at this simulator's rescue
+    /// systems (its hidden `--rescue-ssh-port` and `--rescue-ssh-user`).
+    pub fn rescue_env(&self) -> [(&'static str, String); 2] {
         [
-            "--rescue-ssh-port".into(),
-            RESCUE_SSH_PORT.to_string(),
-            "--rescue-ssh-user".into(),
-            rescue_user(),
+            ("IMGBUILD_RESCUE_SSH_PORT", RESCUE_SSH_PORT.to_string()),
+            ("IMGBUILD_RESCUE_SSH_USER", rescue_user()),
         ]
     }
 

@@ -191,3 +191,23 @@ fn build_types_are_the_smallest_disks_first_in_list_order() {
     assert_eq!(b.skipped.len(), 1);
     assert!(b.skipped[0].1.contains("architecture is arm"), "{b:?}");
 }
+
+#[test]
+fn disk_sizes_are_written_as_the_api_writes_them() {
+    let snap = |disk_size| Snapshot {
+        id: 1,
+        labels: BTreeMap::new(),
+        created: true,
+        description: String::new(),
+        sha256: String::new(),
+        nodes: Vec::new(),
+        bytes_sent: 0,
+        disk_size,
+    };
+    let v = serde_json::to_value(snap(40.0)).unwrap();
+    assert_eq!(v["disk_size"], json!(40));
+    assert_eq!(
+        serde_json::to_value(snap(0.5)).unwrap()["disk_size"],
+        json!(0.5)
+    );
+}
