@@ -605,6 +605,7 @@ fn hcloud_stage(
                 node,
                 snapshot,
                 user_data,
+                talos_version: inv.cluster.talos_version.clone(),
                 private_ip,
             })
         })
@@ -693,8 +694,7 @@ fn plan_hcloud(
     }
     let api = hc.api()?;
     for image in SnapshotImage::distinct(built) {
-        let found =
-            hcloud::find_snapshot(&api, &hcloud::snapshot_labels(&image)).map_err(publish)?;
+        let found = hcloud::find_snapshot(&api, &hc.settings, &image).map_err(publish)?;
         for node in &image.nodes {
             if let (Some(id), Some(n)) = (found, report.node(node)) {
                 n.volume = Some(format!("snapshot {id}"));

@@ -2,8 +2,9 @@
 //! rescue system is a real sshd on loopback), and `imgbuild cleanup`:
 //! the disk written is the image, the snapshot is labelled, nothing
 //! temporary survives any ending, Ctrl-C and SIGKILL included.
-//! Needs openssh-server, openssh-client and zstd (`make deps`), and root
-//! (the rescue sshd listens on port 22 of its loopback address).
+//! Needs openssh-server, openssh-client and zstd (`make deps`); runs as
+//! any user (the rescue sshd listens on a high port and lets in the user
+//! running the simulator).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -50,6 +51,7 @@ impl Run {
             .arg("publish")
             .args(args)
             .args(["--factory", &sim.url, "--poll-ms", "100", "--quiet"])
+            .envs(hc.rescue_env())
             .arg("--out-dir")
             .arg(self.out())
             .arg("--cache-dir")
@@ -176,6 +178,53 @@ fn ssh_refused_for_a_while_then_accepted_and_the_first_type_unavailable() {
         "{}",
         text(&o.stdout)
     );
+    nothing_left(&hc);
+}
+
+/// The build server has the smallest disk of the image's architecture:
+/// with cx23 (40 GB) full, cpx12 (40 GB, later in the list) and not an
+/// 80 GB type listed before it. A snapshot on a larger disk than that (made
+/// while only larger types were allowed) is passed over for one that fits.
+#[test]
+fn builds_take_the_smallest_disk_and_too_large_snapshots_are_remade() {
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&["--unavailable", "cx23@fsn1"]);
+    let run = Run::new("    location: fsn1\n    serverTypes: [cpx22]\n");
+    let disk_of = |id: &Value| {
+        let (_, _, img) = hc.call("GET", &format!("/images/{id}"), None);
+        img["image"]["disk_size"].as_f64().unwrap()
+    };
+    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let large = json(&o)["snapshots"][0].clone();
+    assert_eq!(large["created"], true, "{large}");
+    assert_eq!(large["disk_size"].as_f64(), Some(80.0), "{large}");
+    assert_eq!(disk_of(&large["id"]), 80.0);
+
+    // The default types: the 80 GB snapshot is too large for cx23 (full for
+    // now, but listed available), so cpx12 makes one that fits.
+    inventory(run.dir.path(), "    location: fsn1\n");
+    let o = run.publish(&sim, &hc, &[]);
+    let err = text(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "snapshot {} holds this image on a 80 GB disk, larger than cx23's 40 GB",
+            large["id"]
+        )),
+        "{err}"
+    );
+    assert!(err.contains("server type cx23 skipped"), "{err}");
+    assert!(err.contains("(cpx12) created"), "{err}");
+    assert!(!err.contains("(cpx22) created"), "{err}");
+    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let fits = json(&o)["snapshots"][0].clone();
+    assert_eq!(fits["created"], false, "the fitting one is reused: {fits}");
+    assert_ne!(fits["id"], large["id"]);
+    assert_eq!(fits["disk_size"].as_f64(), Some(40.0), "{fits}");
+    assert_eq!(disk_of(&fits["id"]), 40.0);
+    assert_eq!(hc.stat("imagesCreated"), 2);
     nothing_left(&hc);
 }
 
@@ -355,7 +404,7 @@ fn token_problems_stop_before_anything_is_built() {
         .unwrap();
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("GET /images: HTTP 401"), "{err}");
+    assert!(err.contains("GET /server_types: HTTP 401"), "{err}");
     assert!(err.contains(r#""code":"unauthorized""#), "{err}");
     assert!(!err.contains("wrongtoken123"), "{err}");
 }

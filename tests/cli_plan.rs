@@ -535,12 +535,15 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
         "${{ matrix.command }}",
         snapshots[0]["command"].as_str().unwrap(),
     );
+    let [(port_var, port), (user_var, user)] = hc.rescue_env();
     let o = c.bash(
         &script,
         &[
             ("IMGBUILD_FACTORY", sim.url.as_str()),
             ("HCLOUD_ENDPOINT", hc.url.as_str()),
             ("HCLOUD_TOKEN", hc.token.as_str()),
+            (port_var, port.as_str()),
+            (user_var, user.as_str()),
         ],
     );
     ok(&o);

@@ -3,7 +3,7 @@
 //! simulator boots a node for each server made from a snapshot, configured
 //! from that server's `user_data` (validated by the node simulator's own
 //! schema check) at the public IP the API reports: the chain is checked.
-//! Needs root and OpenSSH (the snapshot's rescue system), like cli_hcloud.
+//! Needs OpenSSH (the snapshot's rescue system), like cli_hcloud.
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -85,6 +85,7 @@ impl Chain {
         self.imgbuild(&["up", "--output", "json", "--quiet", "--poll-ms", "100"])
             .args(extra)
             .args(["--factory", &self.factory.url])
+            .envs(self.hc.rescue_env())
             .arg("--out-dir")
             .arg(dir.join("out"))
             .arg("--cache-dir")
@@ -269,4 +270,141 @@ fn servers_join_their_network_at_the_inventory_address() {
         assert_eq!(private[0]["ip"], want, "{server}");
         assert_eq!(server["server"]["status"], "running");
     }
+}
+
+/// `servers.type` must boot the snapshot: a type with a smaller disk than
+/// the snapshot's `disk_size`, or another architecture, fails before any
+/// server is created, naming the type, its disk and the snapshot's.
+#[test]
+fn a_server_type_that_cannot_boot_the_snapshot_fails_before_any_server() {
+    let inventory = INVENTORY.replace(
+        "    servers: {type: cpx22}\n",
+        "    serverTypes: [cpx22]\n    servers: {type: cx23}\n",
+    );
+    let c = Chain::start_with(&inventory, &[]);
+    let o = c.up(&[]);
+    let all = format!("{}\n{}", text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(1), "{all}");
+    // imgbuild's own check, not the API's 422 after a first attempt.
+    assert!(
+        all.contains("publish.hcloud.servers.type cx23 has a 40 GB disk, smaller than the 80 GB disk_size of snapshot"),
+        "{all}"
+    );
+    assert!(!all.contains("POST /servers"), "{all}");
+    assert_eq!(c.hc.stat("imagesCreated"), 1);
+    assert_eq!(c.hc.stat("serversFromSnapshots"), 0);
+    assert_eq!(c.hc.stat("servers"), 0, "the build server is gone too");
+
+    std::fs::write(
+        c.config(),
+        inventory.replace("{type: cx23}", "{type: cax21}"),
+    )
+    .unwrap();
+    let o = c.up(&[]);
+    let all = format!("{}\n{}", text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(1), "{all}");
+    assert!(
+        all.contains("publish.hcloud.servers.type cax21 is arm, snapshot"),
+        "{all}"
+    );
+    assert!(all.contains("is x86"), "{all}");
+    assert_eq!(c.hc.stat("imagesCreated"), 1, "the snapshot was reused");
+    assert_eq!(c.hc.stat("serversCreated"), 1, "only the one build server");
+}
+
+/// `len` bytes of filler for a patch: `random` hex digits compress only to
+/// about half, else repeated lines compress to almost nothing.
+fn filler(len: usize, random: bool) -> String {
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    (0..len)
+        .map(|i| {
+            if !random {
+                return b"# a line of a large config\n"[i % 27] as char;
+            }
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from_digit((x % 16) as u32, 16).unwrap()
+        })
+        .collect()
+}
+
+/// A patch writing `content` to a file: YAML, the content as a block.
+fn file_patch(content: &str) -> String {
+    let body: String = content.lines().map(|l| format!("        {l}\n")).collect();
+    let body = if body.is_empty() {
+        format!("        {content}\n")
+    } else {
+        body
+    };
+    format!(
+        "machine:\n  files:\n    - path: /var/etc/filler.txt\n      op: create\n      permissions: 0o644\n      content: |\n{body}"
+    )
+}
+
+/// A machine config over the 32 KiB `user_data` limit goes gzipped and
+/// base64-encoded, and the node (the simulator reads it as Talos does)
+/// boots configured from it; one that stays too large even so is refused,
+/// naming the node, before any server is touched.
+#[test]
+fn a_config_over_32_kib_is_gzipped_and_boots() {
+    let inventory = INVENTORY
+        .replace(
+            "{name: cp-01, role: controlplane}",
+            "{name: cp-01, role: controlplane, patches: [big.yaml]}",
+        )
+        .replace("  - {name: worker-01, role: worker}\n", "")
+        .replace("  - {name: worker-02, role: worker}\n", "");
+    let c = Chain::start_with(&inventory, &[]);
+    let patch = c.dir.path().join("big.yaml");
+    std::fs::write(&patch, file_patch(&filler(40 * 1024, false))).unwrap();
+    let o = c.up(&[]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    let v = json(&o);
+    assert_eq!(v["healthy"], true, "{v}");
+    let id = v["nodes"][0]["server"].as_u64().unwrap();
+    let o = Command::new("curl")
+        .arg("-s")
+        .arg(
+            c.hc.url
+                .replace("/v1", &format!("/_sim/servers/{id}/user_data")),
+        )
+        .output()
+        .unwrap();
+    let user_data: String = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(user_data.len() <= 32 * 1024, "{} bytes", user_data.len());
+    // Read back with the system's base64 and gzip: the whole config.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("user_data"), &user_data).unwrap();
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg("base64 -d user_data | gzip -d")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let config = text(&o.stdout);
+    assert!(config.len() > 40 * 1024, "{} bytes", config.len());
+    assert!(config.contains("hostname: cp-01"), "{config}");
+    assert!(config.contains("# a line of a large config"));
+    let stats = c.nodes.stats();
+    let node = &stats["nodes"]["cp-01"];
+    assert_eq!(node["config_error"], Value::Null, "{node}");
+    assert_eq!(node["phase"], "configured", "{node}");
+    assert_eq!(stats["totals"]["applies"], 0, "{stats}");
+
+    // 100 KiB of noise does not fit even compressed.
+    std::fs::write(&patch, file_patch(&filler(100 * 1024, true))).unwrap();
+    let before = c.changes();
+    let o = c.up(&[]);
+    let all = format!("{}\n{}", text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(1), "{all}");
+    assert!(all.contains("node cp-01"), "{all}");
+    assert!(all.contains("even gzipped and base64-encoded"), "{all}");
+    assert_eq!(c.changes(), before);
 }

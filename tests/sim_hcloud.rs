@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 mod common;
-use common::sims::Hc;
+use common::sims::{Hc, RESCUE_SSH_PORT, rescue_user};
 use common::text;
 
 /// An ed25519 key pair made by ssh-keygen; (private key path, public key).
@@ -37,6 +37,7 @@ fn ssh_target(server: &Value) -> (String, u16) {
         .to_owned();
     assert!(ip.starts_with("127.4."), "{ip}");
     let port = server["sim_ssh_port"].as_u64().unwrap_or(22) as u16;
+    assert_eq!(port, RESCUE_SSH_PORT, "{server}");
     (ip, port)
 }
 
@@ -60,7 +61,7 @@ fn ssh(key: &Path, (ip, port): &(String, u16), command: &str, input: Option<&[u8
         ])
         .arg(key)
         .args(["-p", &port.to_string()])
-        .arg(format!("root@{ip}"))
+        .arg(format!("{}@{ip}", rescue_user()))
         .arg(command)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -249,6 +250,33 @@ fn snapshot_through_the_rescue_system() {
         std::fs::read(stored).unwrap() == bytes,
         "the snapshot differs from the disk"
     );
+    // It holds cpx22's 80 GB disk: servers from it need at least that, and
+    // its architecture.
+    assert_eq!(image["disk_size"], 80);
+    assert_eq!(image["architecture"], "x86");
+    let from_snapshot = |server_type: &str| {
+        let mut body = server_body(server_type, key_id);
+        body["image"] = json!(image_id);
+        body["name"] = json!(format!("from-{server_type}"));
+        hc.call("POST", "/servers", Some(body))
+    };
+    let (status, _, v) = from_snapshot("cpx12");
+    assert_eq!(
+        (status, &v["error"]["code"]),
+        (422, &json!("invalid_server_type")),
+        "{v}"
+    );
+    let (status, _, v) = from_snapshot("cax21");
+    assert_eq!(
+        (status, &v["error"]["code"]),
+        (422, &json!("placement_error")),
+        "{v}"
+    );
+    let v = from_snapshot("cx33").2;
+    let bigger = v["server"]["id"].as_u64().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(v["server"]["image"]["id"], image_id);
+    hc.wait_ok(&v["action"]);
+    hc.ok("DELETE", &format!("/servers/{bigger}"), None);
     let found = hc.ok(
         "GET",
         "/images?type=snapshot&status=available&label_selector=os%3Dtalos,talos-version%3Dv1.11.2,arch+in+(amd64)&sort=created:desc",
@@ -280,7 +308,7 @@ fn snapshot_through_the_rescue_system() {
     let s = hc.stats();
     assert_eq!(s["servers"], 0, "{s}");
     assert_eq!(s["sshKeys"], 0, "{s}");
-    assert_eq!(s["serversCreated"], 1, "{s}");
+    assert_eq!(s["serversCreated"], 2, "{s}");
     assert_eq!(s["imagesCreated"], 1, "{s}");
     assert_eq!(s["rejected"], 1, "{s}");
 }
@@ -324,6 +352,19 @@ fn ssh_refused_then_accepted_and_dd_failing() {
     );
 }
 
+/// One request sent again while it is rate limited (429), for at most 10 s;
+/// its status and body (`body` null: none).
+fn past_limit(hc: &Hc, method: &str, path: &str, body: Value) -> (u16, Value) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (s, _, v) = hc.call(method, path, (!body.is_null()).then(|| body.clone()));
+        if s != 429 {
+            return (s, v);
+        }
+        assert!(Instant::now() < deadline, "{method} {path}: still 429");
+    }
+}
+
 #[test]
 fn rate_limit_and_action_errors() {
     let hc = Hc::start(&["--rate-limit-every", "3", "--action-error", "create_image"]);
@@ -364,6 +405,31 @@ fn rate_limit_and_action_errors() {
         .unwrap()
         .clone();
     assert_eq!(cx22["deprecated"], true);
+    // Each type's disk, as Hetzner lists them (GB).
+    let disks: Vec<(String, u64)> = types["server_types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["name"].as_str().unwrap().to_owned(),
+                t["disk"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    for (name, disk) in [
+        ("cx23", 40),
+        ("cpx12", 40),
+        ("cax11", 40),
+        ("cx33", 80),
+        ("cpx22", 80),
+        ("cax21", 80),
+    ] {
+        assert!(
+            disks.contains(&(name.to_owned(), disk)),
+            "{name}: {disks:?}"
+        );
+    }
     assert!(
         cx22["locations"]
             .as_array()
@@ -375,54 +441,43 @@ fn rate_limit_and_action_errors() {
     // A failing create_image: the action ends in error, no snapshot remains.
     let keys = tempfile::tempdir().unwrap();
     let (_, public) = keypair(keys.path(), "id");
-    let mut key_id = None;
-    while key_id.is_none() {
-        let (s, _, v) = hc.call(
-            "POST",
-            "/ssh_keys",
-            Some(json!({"name": "k", "public_key": public})),
-        );
-        key_id = (s == 201).then(|| v["ssh_key"]["id"].as_u64().unwrap());
-    }
-    let create = || loop {
-        let (s, _, v) = hc.call(
-            "POST",
-            "/servers",
-            Some(server_body("cx23", key_id.unwrap())),
-        );
-        if s != 429 {
-            return v;
-        }
-    };
-    let v = create();
+    let (s, v) = past_limit(
+        &hc,
+        "POST",
+        "/ssh_keys",
+        json!({"name": "k", "public_key": public}),
+    );
+    assert_eq!(s, 201, "{v}");
+    let key_id = v["ssh_key"]["id"].as_u64().unwrap();
+    let (_, v) = past_limit(&hc, "POST", "/servers", server_body("cx23", key_id));
     let id = v["server"]["id"].as_u64().unwrap();
-    let wait = |a: &Value| loop {
-        let (s, _, v) = hc.call("GET", &format!("/actions/{}", a["id"]), None);
-        if s == 200 && v["action"]["status"] != "running" {
-            return v["action"].clone();
+    let wait = |a: &Value| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (s, _, v) = hc.call("GET", &format!("/actions/{}", a["id"]), None);
+            if s == 200 && v["action"]["status"] != "running" {
+                return v["action"].clone();
+            }
+            assert!(Instant::now() < deadline, "action {} never ended", a["id"]);
+            std::thread::sleep(Duration::from_millis(100));
         }
-        std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!(wait(&v["action"])["status"], "success");
-    let img = loop {
-        let (s, _, v) = hc.call(
-            "POST",
-            &format!("/servers/{id}/actions/create_image"),
-            Some(json!({"type": "snapshot"})),
-        );
-        if s != 429 {
-            break v;
-        }
-    };
+    let (_, img) = past_limit(
+        &hc,
+        "POST",
+        &format!("/servers/{id}/actions/create_image"),
+        json!({"type": "snapshot"}),
+    );
     let a = wait(&img["action"]);
     assert_eq!(a["status"], "error");
     assert_eq!(a["error"]["code"], "action_failed");
-    let (s, _, _) = loop {
-        let r = hc.call("GET", &format!("/images/{}", img["image"]["id"]), None);
-        if r.0 != 429 {
-            break r;
-        }
-    };
+    let (s, _) = past_limit(
+        &hc,
+        "GET",
+        &format!("/images/{}", img["image"]["id"]),
+        Value::Null,
+    );
     assert_eq!(s, 404, "a failed snapshot remained");
     assert!(hc.stats()["rateLimited"].as_u64().unwrap() >= 1);
 }

@@ -8,7 +8,7 @@
 //!     [--action-seconds 0.5] [--ssh-refuse-seconds N] [--ssh-never] [--dd-fails]
 //!     [--action-error TYPE] [--rate-limit-every N] [--unavailable TYPE[@LOCATION]]
 //!     [--slow-create-image F] [--nodes-control http://127.0.0.1:PORT]
-//!     [--network NAME=CIDR]...
+//!     [--network NAME=CIDR]... [--rescue-ssh-port PORT]
 //! ```
 //! Prints one JSON line once it listens:
 //! `{"url":"http://127.0.0.1:PORT/v1","token":"…"}` (the one valid bearer token).
@@ -35,9 +35,10 @@
 //! simulator's pid mod 250, so simulators running side by side never share
 //! an address), shown as
 //! `public_net.ipv4.ip`. A poweron with rescue enabled starts sshd there
-//! (after `--ssh-refuse-seconds`; never with `--ssh-never`) on port 22 when
-//! running as root and free, else on a free port shown as the server's
-//! simulator-only `sim_ssh_port`. Login: `root`, only the keys given to
+//! (after `--ssh-refuse-seconds`; never with `--ssh-never`) on
+//! `--rescue-ssh-port` if given, else on port 22 when running as root and
+//! free, else on a free port; a port other than 22 is shown as the
+//! server's simulator-only `sim_ssh_port`. Login: `root`, only the keys given to
 //! `enable_rescue`; `hostname` prints `rescue`, `blkdiscard --force
 //! /dev/sda` empties the disk file, `dd of=/dev/sda …` writes it (fails with
 //! `--dd-fails`). sshd stops on poweroff, shutdown, delete and exit; a
@@ -63,13 +64,19 @@
 //! a server created from an image of type `snapshot` that starts (poweron,
 //! or `start_after_create`, true by default) without rescue enabled POSTs
 //! `/_sim/boot {"name": <server name>, "ip": <public_net.ipv4.ip>,
-//! "config": <user_data or null>}` once it is `running`; the node
-//! simulator validates the config itself. poweroff, shutdown and delete
+//! "config": <the config Talos reads from user_data, or null>}` once it is
+//! `running` (user_data decoded as Talos does: base64 if it is base64, then
+//! gunzipped if gzip; unreadable → no boot); the node simulator validates
+//! the config itself. poweroff, shutdown and delete
 //! POST `/_sim/halt {"ip"}`. `user_data` over 32768 bytes → 422
 //! `invalid_input` (field `user_data`; the OpenAPI document: "limited to
 //! 32KiB").
 //!
-//! `POST /servers` answers 422 `invalid_server_type` for a deprecated type,
+//! Server types carry their `disk` (GB; cx23, cpx12, cax11: 40; cx33,
+//! cpx22, cax21: 80), images their `disk_size` (a snapshot: the disk of the
+//! server it was taken of). `POST /servers` answers 422
+//! `invalid_server_type` for a deprecated type and for a type whose disk
+//! is smaller than the image's `disk_size`,
 //! 412 `resource_unavailable` where the type is not offered (and for
 //! `--unavailable`), 422 `placement_error` for an architecture the image
 //! lacks. Switch `--rate-limit-every N`: every Nth request is answered 429
@@ -149,6 +156,11 @@ pub struct Args {
     /// NAME=CIDR: a network besides the seeded `talos` (10.0.0.0/16).
     #[arg(long)]
     network: Vec<String>,
+    /// The rescue sshd's port on every server's address (default: 22 as
+    /// root, else a free one): a high port lets a non-root simulator serve
+    /// a fixed port the client can be told.
+    #[arg(long)]
+    rescue_ssh_port: Option<u16>,
 }
 
 /// A location: name, city, country, network zone.
@@ -178,7 +190,9 @@ struct ServerType {
 const EU: &[&str] = &["fsn1", "nbg1", "hel1"];
 const ALL: &[&str] = &["fsn1", "nbg1", "hel1", "ash", "hil", "sin"];
 
-const SERVER_TYPES: [ServerType; 6] = [
+/// In the API's order (by id there; here so that equal disks tie in a
+/// known order: cx23 before cpx12).
+const SERVER_TYPES: [ServerType; 7] = [
     ServerType {
         id: 22,
         name: "cx22",
@@ -215,6 +229,16 @@ const SERVER_TYPES: [ServerType; 6] = [
         cores: 2,
         memory: 4.0,
         disk: 80,
+        arch: "x86",
+        offered: ALL,
+        deprecation: None,
+    },
+    ServerType {
+        id: 114,
+        name: "cpx12",
+        cores: 1,
+        memory: 2.0,
+        disk: 40,
         arch: "x86",
         offered: ALL,
         deprecation: None,
@@ -1183,7 +1207,7 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
         if found.is_empty() {
             return Err(field_error("image", "image not found"));
         }
-        found
+        let image = found
             .iter()
             .find(|i| i.arch == server_type.arch)
             .ok_or_else(|| {
@@ -1192,8 +1216,21 @@ fn create_server(sim: &Arc<Sim>, body: Value) -> Answer {
                     "placement_error",
                     format!("image does not support architecture {}", server_type.arch),
                 )
-            })?
-            .id
+            })?;
+        // A snapshot holds the whole disk it was taken of: the API makes
+        // servers from it only on types with at least that disk
+        // (`disk_size`, GB).
+        if server_type.disk < image.disk_size {
+            return Err(err(
+                422,
+                "invalid_server_type",
+                format!(
+                    "server type {} has a {} GB disk, too small for image {} ({} GB)",
+                    server_type.name, server_type.disk, image.id, image.disk_size
+                ),
+            ));
+        }
+        image.id
     };
     let mut keys = Vec::new();
     for k in body["ssh_keys"].as_array().into_iter().flatten() {
@@ -1395,9 +1432,17 @@ fn power_on(sim: &Arc<Sim>, s: &mut Server) {
         && s.from_snapshot
         && let Some(nodes) = sim.nodes.clone()
     {
-        s.node_booted = true;
-        let body = json!({"name": s.name, "ip": s.ip.to_string(), "config": s.user_data});
         let id = s.id;
+        let config = match s.user_data.as_deref().map(talos_config).transpose() {
+            Ok(c) => c,
+            Err(e) => {
+                // Talos stops acquiring: no config, no node.
+                eprintln!("hcloud sim: server {id}: Talos cannot read its user_data: {e}");
+                return;
+            }
+        };
+        s.node_booted = true;
+        let body = json!({"name": s.name, "ip": s.ip.to_string(), "config": config});
         tokio::spawn(async move {
             if let Err(e) = nodes.boot(&body).await {
                 eprintln!("hcloud sim: booting Talos for server {id}: {e}");
@@ -1407,7 +1452,7 @@ fn power_on(sim: &Arc<Sim>, s: &mut Server) {
     if !s.rescue_enabled || sim.args.ssh_never {
         return;
     }
-    let port = match s.ssh_port {
+    let port = match s.ssh_port.or(sim.args.rescue_ssh_port) {
         Some(p) => p,
         None => match rescue::choose_port(s.ip, true) {
             Ok(p) => p,
@@ -1458,6 +1503,43 @@ fn power_on(sim: &Arc<Sim>, s: &mut Server) {
             s.sshd = Some(child); // otherwise dropped: killed
         }
     });
+}
+
+/// The machine config Talos makes of a server's `user_data`. Its hcloud
+/// platform decodes standard base64 when the text is base64, else keeps it
+/// as it is (siderolabs/talos
+/// internal/app/machined/pkg/runtime/v1alpha1/platform/hcloud/hcloud.go,
+/// `maybeBase64Decode`, Talos v1.9.0 on; Go's decoder skips `\r` and
+/// `\n`); then the config acquirer gunzips what Go's
+/// `http.DetectContentType` calls `application/x-gzip` (bytes 1f 8b 08;
+/// internal/app/machined/pkg/controllers/config/acquire.go,
+/// `loadFromPlatform`).
+fn talos_config(user_data: &str) -> Result<String, String> {
+    use base64::Engine;
+    use std::io::Read;
+    let go_std = base64::engine::GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        base64::engine::GeneralPurposeConfig::new()
+            .with_decode_allow_trailing_bits(true)
+            .with_decode_padding_mode(base64::engine::DecodePaddingMode::RequireCanonical),
+    );
+    let text: String = user_data
+        .chars()
+        .filter(|c| !matches!(c, '\r' | '\n'))
+        .collect();
+    let bytes = go_std
+        .decode(&text)
+        .unwrap_or_else(|_| user_data.as_bytes().to_vec());
+    let bytes = if bytes.starts_with(&[0x1f, 0x8b, 0x08]) {
+        let mut out = Vec::new();
+        flate2::read::MultiGzDecoder::new(&bytes[..])
+            .read_to_end(&mut out)
+            .map_err(|e| format!("error unzipping machine config: {e}"))?;
+        out
+    } else {
+        bytes
+    };
+    String::from_utf8(bytes).map_err(|_| "the machine config is not UTF-8 text".to_owned())
 }
 
 /// Power is cut: the rescue sshd (or the Talos node) goes with it, and the
@@ -1868,6 +1950,33 @@ mod tests {
             "/locations",
             &json!({"locations": locations, "meta": {"pagination": meta}}),
         );
+    }
+
+    #[test]
+    fn user_data_is_read_as_talos_reads_it() {
+        use base64::Engine;
+        use std::io::Write;
+        let config = "version: v1alpha1\nmachine:\n  type: worker\n#\n";
+        assert_eq!(talos_config(config).unwrap(), config);
+        let b64 = base64::engine::general_purpose::STANDARD.encode(config);
+        assert_eq!(talos_config(&b64).unwrap(), config);
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        gz.write_all(config.as_bytes()).unwrap();
+        let gz = base64::engine::general_purpose::STANDARD.encode(gz.finish().unwrap());
+        // Line breaks inside the base64 are skipped, as Go's decoder does.
+        let wrapped: String = gz
+            .as_bytes()
+            .chunks(20)
+            .map(|c| String::from_utf8_lossy(c) + "\r\n")
+            .collect();
+        assert_eq!(talos_config(&wrapped).unwrap(), config);
+        // Unpadded base64 is not base64 to Go's StdEncoding: kept as text.
+        let unpadded = b64.trim_end_matches('=');
+        assert_ne!(unpadded, b64);
+        assert_eq!(talos_config(unpadded).unwrap(), unpadded);
+        // gzip magic with a broken stream is an error, as in Talos.
+        let broken = base64::engine::general_purpose::STANDARD.encode([0x1f, 0x8b, 0x08, 0, 1]);
+        assert!(talos_config(&broken).is_err());
     }
 
     #[test]

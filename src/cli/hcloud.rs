@@ -23,9 +23,24 @@ pub struct HcloudArgs {
     /// How long to keep trying to log in to the rescue system.
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     ssh_timeout: Duration,
-    /// The rescue system's SSH port (22 on Hetzner; for test doubles).
-    #[arg(long, default_value_t = 22, hide = true)]
+    /// The rescue system's SSH port (22 on Hetzner; for test doubles, whose
+    /// scripts may set it in the environment).
+    #[arg(
+        long,
+        env = "IMGBUILD_RESCUE_SSH_PORT",
+        default_value_t = 22,
+        hide = true
+    )]
     rescue_ssh_port: u16,
+    /// Who logs in to the rescue system (root on Hetzner; a test double
+    /// run without root lets in only its own user).
+    #[arg(
+        long,
+        env = "IMGBUILD_RESCUE_SSH_USER",
+        default_value = "root",
+        hide = true
+    )]
+    rescue_ssh_user: String,
 }
 
 impl HcloudArgs {
@@ -35,6 +50,7 @@ impl HcloudArgs {
             poll,
             ssh_timeout: self.ssh_timeout,
             ssh_port: self.rescue_ssh_port,
+            ssh_user: self.rescue_ssh_user.clone(),
             ..SnapshotOptions::default()
         }
     }
@@ -55,6 +71,14 @@ impl hcloud::Observer for Lines {
     fn event(&self, e: &Event) {
         let line = match e {
             Event::Found { id } => format!("snapshot {id} already holds this image"),
+            Event::TooLarge {
+                id,
+                disk_size,
+                server_type,
+                disk,
+            } => format!(
+                "snapshot {id} holds this image on a {disk_size} GB disk, larger than {server_type}'s {disk} GB: servers of that type could not boot it, so one that fits is made"
+            ),
             Event::KeyCreated { id } => format!("temporary SSH key {id} created"),
             Event::TypeSkipped { server_type, why } => {
                 format!("server type {server_type} skipped: {why}")

@@ -10,7 +10,7 @@ pub use locate::LineIndex;
 pub use net::{Cidr, MacAddr};
 pub use publish::{
     HcloudServers, HcloudSettings, ProxmoxSettings, ProxmoxVm, PublishSettings, RESERVED_LABELS,
-    default_server_types, label_problem,
+    label_problem,
 };
 
 use serde::{Deserialize, Serialize};
@@ -771,7 +771,7 @@ impl Validator<'_> {
 }
 
 /// `vX.Y.Z` with an optional pre-release suffix; the `v` is optional for Kubernetes.
-fn parse_version(v: &str, need_v: bool) -> Option<(u32, u32, u32)> {
+pub(crate) fn parse_version(v: &str, need_v: bool) -> Option<(u32, u32, u32)> {
     let rest = match v.strip_prefix('v') {
         Some(r) => r,
         None if need_v => return None,

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{Arch, Inventory, Validator};
+use super::{Inventory, Validator};
 use serde::{Deserialize, Serialize};
 
 /// Publishing targets; at most one is used per inventory.
@@ -23,7 +23,10 @@ pub struct PublishSettings {
 pub struct HcloudSettings {
     /// Where the temporary build server (and the cluster's servers) run.
     pub location: String,
-    /// Build-server types, tried in order; empty: [`default_server_types`].
+    /// Build-server types to choose from, smallest disk first (equal disks
+    /// in this order); empty: every type of the image's architecture that
+    /// `GET /server_types` lists. A snapshot boots only on types with at
+    /// least the disk of the server it was made on.
     #[serde(default)]
     pub server_types: Vec<String>,
     /// Added to the snapshot's labels (imgbuild's own keys win no clash:
@@ -44,16 +47,6 @@ pub struct HcloudServers {
     /// A Hetzner network (by name) the servers join at their inventory address.
     #[serde(default)]
     pub network: Option<String>,
-}
-
-/// Build-server types when the inventory names none: 40 GB disks (a
-/// snapshot fits only types at least its size), current lines (cx22 and the
-/// cx*2 line were removed in January 2026).
-pub fn default_server_types(arch: Arch) -> &'static [&'static str] {
-    match arch {
-        Arch::Amd64 => &["cx23", "cpx22", "cx33"],
-        Arch::Arm64 => &["cax11", "cax21"],
-    }
 }
 
 /// The label keys imgbuild sets on snapshots and temporary resources.

@@ -349,10 +349,6 @@ fn hcloud_publish_loads_with_defaults() {
     assert!(hc.server_types.is_empty());
     assert_eq!(hc.labels["team"], "infra");
     assert!(hc.servers.is_none());
-    assert_eq!(
-        publish::default_server_types(Arch::Arm64),
-        ["cax11", "cax21"]
-    );
 }
 
 #[test]

@@ -19,7 +19,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::{Cancel, Interrupted, Secret};
-use crate::inventory::{Arch, HcloudSettings, default_server_types};
+use crate::inventory::{Arch, HcloudSettings};
 use crate::net::{NetError, RetryPolicy};
 pub use api::Api;
 use rescue::Rescue;
@@ -76,6 +76,40 @@ pub enum HcloudError {
     NoServerType {
         location: String,
         tried: Vec<String>,
+    },
+    /// `servers.type` cannot boot a snapshot: its disk is smaller than the
+    /// snapshot's `disk_size`.
+    #[error(
+        "publish.hcloud.servers.type {server_type} has a {disk} GB disk, smaller than the {disk_size} GB disk_size of snapshot {snapshot} (nodes {nodes}): choose a type with at least {disk_size} GB"
+    )]
+    TypeTooSmall {
+        server_type: String,
+        disk: f64,
+        snapshot: u64,
+        disk_size: f64,
+        nodes: String,
+    },
+    /// `servers.type` has another architecture than a snapshot.
+    #[error(
+        "publish.hcloud.servers.type {server_type} is {type_arch}, snapshot {snapshot} (nodes {nodes}) is {image_arch}: choose a type of the image's architecture"
+    )]
+    WrongArch {
+        server_type: String,
+        type_arch: String,
+        snapshot: u64,
+        image_arch: String,
+        nodes: String,
+    },
+    /// A node's machine config does not fit in `user_data`.
+    #[error(
+        "node {node}: its machine config is {size} bytes, over Hetzner's {limit}-byte user_data limit{detail} (move large patches or inline manifests out of it)",
+        limit = servers::USER_DATA_MAX
+    )]
+    UserDataTooLarge {
+        node: String,
+        size: usize,
+        /// Why compressing did not help.
+        detail: String,
     },
     #[error("interrupted")]
     Interrupted,
@@ -140,6 +174,8 @@ pub struct SnapshotOptions {
     pub ssh_timeout: Duration,
     /// The rescue system's SSH port.
     pub ssh_port: u16,
+    /// Who logs in to the rescue system (root on Hetzner).
+    pub ssh_user: String,
     /// The longest a new snapshot may take to become available.
     pub image_timeout: Duration,
     pub retry: RetryPolicy,
@@ -155,6 +191,7 @@ impl Default for SnapshotOptions {
             action_timeout: Duration::from_secs(600),
             ssh_timeout: Duration::from_secs(300),
             ssh_port: 22,
+            ssh_user: "root".to_owned(),
             image_timeout: Duration::from_secs(1800),
             retry: RetryPolicy::default(),
             zstd_level: 3,
@@ -247,6 +284,18 @@ pub struct Snapshot {
     pub nodes: Vec<String>,
     /// Compressed bytes sent to the rescue system (0 when nothing was made).
     pub bytes_sent: u64,
+    /// The disk (GB) it holds: servers made from it need at least this.
+    #[serde(serialize_with = "gigabytes")]
+    pub disk_size: f64,
+}
+
+/// A size in GB as the API writes it: `40`, not `40.0`, when whole.
+fn gigabytes<S: serde::Serializer>(gb: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if gb.fract() == 0.0 && (0.0..1e15).contains(gb) {
+        s.serialize_u64(*gb as u64)
+    } else {
+        s.serialize_f64(*gb)
+    }
 }
 
 /// Progress a snapshot run reports; the CLI renders it.
@@ -259,6 +308,14 @@ pub trait Observer: Sync {
 pub enum Event {
     Found {
         id: u64,
+    },
+    /// A snapshot holds these bytes but on a larger disk than the smallest
+    /// build type here: servers of that type could not use it.
+    TooLarge {
+        id: u64,
+        disk_size: f64,
+        server_type: String,
+        disk: f64,
     },
     KeyCreated {
         id: u64,
@@ -329,8 +386,12 @@ pub fn publish_snapshot(
     observer: &dyn Observer,
 ) -> Outcome {
     let labels = snapshot_labels(image);
-    match find_snapshot(api, &labels) {
-        Ok(Some(id)) => {
+    let found = build_types(api, settings, image.arch).and_then(|types| {
+        let found = find_fitting(api, &labels, &types, observer)?;
+        Ok((types, found))
+    });
+    let types = match found {
+        Ok((_, Some((id, disk_size)))) => {
             observer.event(&Event::Found { id });
             return Outcome {
                 result: Ok(Snapshot {
@@ -341,18 +402,19 @@ pub fn publish_snapshot(
                     sha256: image.sha256.clone(),
                     nodes: image.nodes.clone(),
                     bytes_sent: 0,
+                    disk_size,
                 }),
                 leftovers: Vec::new(),
             };
         }
-        Ok(None) => {}
+        Ok((types, None)) => types,
         Err(e) => {
             return Outcome {
                 result: Err(e),
                 leftovers: Vec::new(),
             };
         }
-    }
+    };
     let run = run_id();
     let mut build = Build {
         api,
@@ -363,6 +425,7 @@ pub fn publish_snapshot(
         observer,
         run: run.clone(),
         labels,
+        types,
     };
     let result = build.make();
     let leftovers = delete_run(api, &run, opts, observer);
@@ -376,11 +439,32 @@ fn description(image: &SnapshotImage) -> String {
     )
 }
 
-/// A snapshot already holding these bytes, if any (the newest).
+/// The snapshot `image` would be published as, if one exists: what
+/// [`publish_snapshot`] would find, for a dry run.
 pub fn find_snapshot(
     api: &Api,
-    labels: &BTreeMap<String, String>,
+    settings: &HcloudSettings,
+    image: &SnapshotImage,
 ) -> Result<Option<u64>, HcloudError> {
+    struct Quiet;
+    impl Observer for Quiet {
+        fn event(&self, _: &Event) {}
+    }
+    let types = build_types(api, settings, image.arch)?;
+    let found = find_fitting(api, &snapshot_labels(image), &types, &Quiet)?;
+    Ok(found.map(|(id, _)| id))
+}
+
+/// The newest available snapshot with `labels` whose disk fits the
+/// smallest build type (the first; any when no type can build here): its
+/// ID and `disk_size`. A larger one (made when only larger types could
+/// build) is reported and passed over, so a snapshot that fits is made.
+fn find_fitting(
+    api: &Api,
+    labels: &BTreeMap<String, String>,
+    types: &BuildTypes,
+    observer: &dyn Observer,
+) -> Result<Option<(u64, f64)>, HcloudError> {
     let found = api.list(
         "/images",
         "images",
@@ -391,7 +475,81 @@ pub fn find_snapshot(
             ("sort", "created:desc".into()),
         ],
     )?;
-    Ok(found.first().and_then(|i| i["id"].as_u64()))
+    for i in &found {
+        let Some(id) = i["id"].as_u64() else {
+            continue;
+        };
+        let disk_size = i["disk_size"].as_f64().unwrap_or(0.0);
+        match types.usable.first() {
+            Some(t) if disk_size > t.disk => observer.event(&Event::TooLarge {
+                id,
+                disk_size,
+                server_type: t.name.clone(),
+                disk: t.disk,
+            }),
+            _ => return Ok(Some((id, disk_size))),
+        }
+    }
+    Ok(None)
+}
+
+/// A server type that can host a build here, and its disk (GB).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BuildType {
+    pub name: String,
+    pub disk: f64,
+}
+
+/// The server types to build a snapshot of `arch` on, in the order to try
+/// them: the inventory's `serverTypes`, else every type `GET /server_types`
+/// lists for the architecture; those that cannot host it in the location
+/// left out; the smallest `disk` first (a snapshot boots only on types with
+/// at least its disk), equal disks in list order.
+fn build_types(
+    api: &Api,
+    settings: &HcloudSettings,
+    arch: Arch,
+) -> Result<BuildTypes, HcloudError> {
+    let types = api.list("/server_types", "server_types", &[])?;
+    Ok(order_build_types(&types, settings, arch))
+}
+
+/// The build types to try, in order, and those passed over with why.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BuildTypes {
+    pub usable: Vec<BuildType>,
+    pub skipped: Vec<(String, String)>,
+}
+
+/// [`build_types`] on a listing.
+pub fn order_build_types(types: &[Value], settings: &HcloudSettings, arch: Arch) -> BuildTypes {
+    let names: Vec<String> = if settings.server_types.is_empty() {
+        types
+            .iter()
+            .filter(|t| t["architecture"].as_str() == Some(api_arch(arch)))
+            .filter_map(|t| t["name"].as_str().map(str::to_owned))
+            .collect()
+    } else {
+        settings.server_types.clone()
+    };
+    let mut usable = Vec::new();
+    let mut skipped = Vec::new();
+    for name in names {
+        match unsuitable(types, &name, &settings.location, arch) {
+            Some(why) => skipped.push((name, why)),
+            None => {
+                let disk = types
+                    .iter()
+                    .find(|t| t["name"] == name.as_str())
+                    .and_then(|t| t["disk"].as_f64())
+                    .unwrap_or(f64::INFINITY);
+                usable.push(BuildType { name, disk });
+            }
+        }
+    }
+    // A stable sort: equal disks keep the list's order.
+    usable.sort_by(|a, b| a.disk.total_cmp(&b.disk));
+    BuildTypes { usable, skipped }
 }
 
 /// 64 random bits in hex: names and labels this run's temporary resources.
@@ -411,6 +569,8 @@ struct Build<'a> {
     observer: &'a dyn Observer,
     run: String,
     labels: BTreeMap<String, String>,
+    /// The build types to try, in order ([`build_types`]).
+    types: BuildTypes,
 }
 
 impl Build<'_> {
@@ -444,7 +604,7 @@ impl Build<'_> {
         let key_id = id_of(&reply, "ssh_key", "POST /ssh_keys")?;
         self.observer.event(&Event::KeyCreated { id: key_id });
 
-        let server = self.create_server(&name, key_id)?;
+        let (server, type_disk) = self.create_server(&name, key_id)?;
         let server_id = server["id"].as_u64().ok_or_else(|| HcloudError::Reply {
             request: "POST /servers".into(),
             message: "no server.id in the reply".into(),
@@ -493,6 +653,8 @@ impl Build<'_> {
         )?;
         let image_id = id_of(&reply, "image", "create_image")?;
         let image_path = format!("/images/{image_id}");
+        // The API's own record of the disk the snapshot holds.
+        let mut disk_size = type_disk;
         let made = self
             .wait(&reply, &format!("create_image of server {server_id}"))
             .and_then(|()| {
@@ -501,6 +663,9 @@ impl Build<'_> {
                     self.opts.image_timeout,
                     || {
                         let i = self.api.get(&image_path, &[])?;
+                        if let Some(d) = i.pointer("/image/disk_size").and_then(Value::as_f64) {
+                            disk_size = d;
+                        }
                         Ok(i.pointer("/image/status").and_then(Value::as_str) == Some("available"))
                     },
                 )
@@ -532,32 +697,26 @@ impl Build<'_> {
             sha256: self.image.sha256.clone(),
             nodes: self.image.nodes.clone(),
             bytes_sent: sent,
+            disk_size,
         })
     }
 
-    /// The first server type of the list that is offered here and can be
-    /// created; the created server's object.
-    fn create_server(&self, name: &str, key_id: u64) -> Result<Value, HcloudError> {
-        let wanted: Vec<String> = if self.settings.server_types.is_empty() {
-            default_server_types(self.image.arch)
-                .iter()
-                .map(|s| s.to_string())
-                .collect()
-        } else {
-            self.settings.server_types.clone()
-        };
-        let types = self.api.list("/server_types", "server_types", &[])?;
+    /// The first build type ([`build_types`]) whose server can be created
+    /// here: the created server's object and the type's disk (GB).
+    fn create_server(&self, name: &str, key_id: u64) -> Result<(Value, f64), HcloudError> {
         let location = &self.settings.location;
         let mut tried = Vec::new();
-        for t in &wanted {
-            if let Some(why) = unsuitable(&types, t, location, self.image.arch) {
+        for (t, why) in &self.types.skipped {
+            // Only the inventory's own choices are worth a line each.
+            if !self.settings.server_types.is_empty() {
                 self.observer.event(&Event::TypeSkipped {
                     server_type: t.clone(),
                     why: why.clone(),
                 });
-                tried.push(format!("{t}: {why}"));
-                continue;
             }
+            tried.push(format!("{t}: {why}"));
+        }
+        for BuildType { name: t, disk } in &self.types.usable {
             self.cancel.check()?;
             let body = json!({
                 "name": name,
@@ -577,7 +736,7 @@ impl Build<'_> {
                         server_type: t.clone(),
                     });
                     self.wait(&reply, &format!("creating server {id}"))?;
-                    return Ok(server);
+                    return Ok((server, *disk));
                 }
                 Err(HcloudError::Api {
                     code: Some(code),
@@ -620,7 +779,7 @@ impl Build<'_> {
         let deadline = Instant::now() + self.opts.ssh_timeout;
         let image = self.image;
         rt.block_on(async {
-            let session = Rescue::connect(addr, Arc::new(key), deadline, self.cancel)
+            let session = Rescue::connect(addr, &self.opts.ssh_user, Arc::new(key), deadline, self.cancel)
                 .await
                 .map_err(|e| match e {
                     HcloudError::Ssh(m) => HcloudError::Ssh(format!(

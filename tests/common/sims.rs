@@ -200,6 +200,19 @@ impl Drop for Pve {
     }
 }
 
+/// The rescue sshd's port in tests: high, so a simulator run without root
+/// can listen on it (each server has its own loopback address).
+pub const RESCUE_SSH_PORT: u16 = 10022;
+
+/// Who may log in to the rescue system: root when the simulator runs as
+/// root (as on Hetzner), else only the user running it (an sshd without
+/// root cannot switch users).
+pub fn rescue_user() -> String {
+    let o = Command::new("id").arg("-un").output().unwrap();
+    assert!(o.status.success(), "id -un failed");
+    text(&o.stdout).trim().to_owned()
+}
+
 /// A Hetzner Cloud simulator on loopback; killed on drop.
 pub struct Hc {
     pub child: Child,
@@ -220,7 +233,9 @@ impl Hc {
         let dir = tempfile::tempdir().unwrap();
         let (child, v) = spawn(
             Command::new(sim_bin())
-                .args(["hcloud", "--action-seconds", "0.2", "--state-dir"])
+                .args(["hcloud", "--action-seconds", "0.2", "--rescue-ssh-port"])
+                .arg(RESCUE_SSH_PORT.to_string())
+                .arg("--state-dir")
                 .arg(dir.path().join("state"))
                 .args(extra),
         );
@@ -235,6 +250,15 @@ impl Hc {
             token: v["token"].as_str().unwrap().to_owned(),
             dir,
         }
+    }
+
+    /// The environment that points imgbuild at this simulator's rescue
+    /// systems (its hidden `--rescue-ssh-port` and `--rescue-ssh-user`).
+    pub fn rescue_env(&self) -> [(&'static str, String); 2] {
+        [
+            ("IMGBUILD_RESCUE_SSH_PORT", RESCUE_SSH_PORT.to_string()),
+            ("IMGBUILD_RESCUE_SSH_USER", rescue_user()),
+        ]
     }
 
     /// curl with the token; (HTTP status, headers, body as JSON).

@@ -79,10 +79,12 @@ pub struct Rescue {
 }
 
 impl Rescue {
-    /// Logs in as root at `addr`, trying again until `deadline`: the rescue
-    /// system boots for about a minute and refuses connections meanwhile.
+    /// Logs in as `user` (root on Hetzner) at `addr`, trying again until
+    /// `deadline`: the rescue system boots for about a minute and refuses
+    /// connections meanwhile.
     pub async fn connect(
         addr: SocketAddr,
+        user: &str,
         key: Arc<PrivateKey>,
         deadline: Instant,
         cancel: &Cancel,
@@ -104,11 +106,13 @@ impl Rescue {
                 .map_err(|_| "no SSH greeting within 20 s".to_owned())?
                 .map_err(|e| e.to_string())?;
                 let auth = handle
-                    .authenticate_publickey("root", PrivateKeyWithHashAlg::new(key.clone(), None))
+                    .authenticate_publickey(user, PrivateKeyWithHashAlg::new(key.clone(), None))
                     .await
                     .map_err(|e| e.to_string())?;
                 if !auth.success() {
-                    return Err("the rescue system refused the run's key for root".to_owned());
+                    return Err(format!(
+                        "the rescue system refused the run's key for {user}"
+                    ));
                 }
                 Ok(handle)
             };

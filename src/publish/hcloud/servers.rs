@@ -6,7 +6,11 @@
 //! them alone. Facts: FORMATS.md §6; the OpenAPI document (`user_data` ≤
 //! 32 KiB, `attach_to_network`).
 
+use std::collections::BTreeMap;
+use std::io::Write;
 use std::net::IpAddr;
+
+use base64::Engine;
 
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -22,14 +26,69 @@ pub const NODE_LABEL: &str = "imgbuild-node";
 /// The API's limit on `user_data`.
 pub const USER_DATA_MAX: usize = 32 * 1024;
 
+/// The first Talos release whose hcloud platform decodes base64
+/// `user_data` (siderolabs/talos commit ccbd5aed, "optionally decode
+/// hcloud userdata as base64").
+const BASE64_SINCE: (u32, u32) = (1, 9);
+
+/// What a node's `user_data` holds: its machine config as it is when that
+/// fits in [`USER_DATA_MAX`]; else the config gzipped, then base64-encoded.
+/// Talos on Hetzner reads that back: its hcloud platform decodes base64
+/// text (siderolabs/talos
+/// internal/app/machined/pkg/runtime/v1alpha1/platform/hcloud/hcloud.go,
+/// `maybeBase64Decode`, v1.9.0 on), then the config acquirer gunzips what
+/// starts with the gzip magic
+/// (internal/app/machined/pkg/controllers/config/acquire.go,
+/// `loadFromPlatform`). gzip alone cannot go: the API's JSON carries text.
+pub fn encode_user_data(
+    node: &str,
+    config: &str,
+    talos_version: &str,
+) -> Result<String, HcloudError> {
+    if config.len() <= USER_DATA_MAX {
+        return Ok(config.to_owned());
+    }
+    let too_large = |detail: String| HcloudError::UserDataTooLarge {
+        node: node.to_owned(),
+        size: config.len(),
+        detail,
+    };
+    let decodes_base64 = crate::inventory::parse_version(talos_version, true)
+        .is_some_and(|(major, minor, _)| (major, minor) >= BASE64_SINCE);
+    if !decodes_base64 {
+        return Err(too_large(format!(
+            "; Talos {talos_version} reads user_data only as plain text (compressed, base64-encoded user_data needs Talos v{}.{}.0 or later)",
+            BASE64_SINCE.0, BASE64_SINCE.1
+        )));
+    }
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    gz.write_all(config.as_bytes())
+        .and_then(|()| gz.finish())
+        .map(|bytes| base64::engine::general_purpose::STANDARD.encode(bytes))
+        .map_err(|e| HcloudError::Io(format!("node {node}: compressing its machine config: {e}")))
+        .and_then(|text| {
+            if text.len() <= USER_DATA_MAX {
+                Ok(text)
+            } else {
+                Err(too_large(format!(
+                    " even gzipped and base64-encoded ({} bytes)",
+                    text.len()
+                )))
+            }
+        })
+}
+
 /// One node's server as it should be.
 #[derive(Debug, Clone)]
 pub struct ServerSpec {
     pub node: String,
     /// The snapshot holding the node's image.
     pub snapshot: u64,
-    /// The node's machine config.
+    /// The node's machine config ([`encode_user_data`] makes it fit).
     pub user_data: String,
+    /// The Talos version of its image: whether it can read compressed
+    /// `user_data`.
+    pub talos_version: String,
     /// Its address in the inventory: where it joins `servers.network`.
     pub private_ip: Option<IpAddr>,
 }
@@ -92,16 +151,65 @@ pub fn existing(api: &Api, cluster: &str) -> Result<Vec<ClusterServer>, HcloudEr
         .collect())
 }
 
-/// Problems that stop a server before any request: a config too large for
-/// `user_data`.
-pub fn check(specs: &[ServerSpec]) -> Result<(), HcloudError> {
+/// Each spec's `user_data` as sent ([`encode_user_data`]), or the first
+/// node whose config cannot fit: checked before any request.
+pub fn check(specs: &[ServerSpec]) -> Result<Vec<String>, HcloudError> {
+    specs
+        .iter()
+        .map(|s| encode_user_data(&s.node, &s.user_data, &s.talos_version))
+        .collect()
+}
+
+/// Checks that `server_type` can boot the snapshots of the servers to be
+/// created (`specs`), before any is: the same architecture, and a disk at
+/// least each snapshot's `disk_size` (the API refuses others with 422
+/// `invalid_server_type`).
+fn check_fits(api: &Api, server_type: &str, specs: &[&ServerSpec]) -> Result<(), HcloudError> {
+    if specs.is_empty() {
+        return Ok(());
+    }
+    let types = api.list(
+        "/server_types",
+        "server_types",
+        &[("name", server_type.to_owned())],
+    )?;
+    let t = types
+        .iter()
+        .find(|t| t["name"] == server_type)
+        .ok_or_else(|| {
+            HcloudError::Setup(format!(
+                "publish.hcloud.servers.type: the API lists no server type {server_type:?}"
+            ))
+        })?;
+    let type_arch = t["architecture"].as_str().unwrap_or("unknown");
+    let disk = t["disk"].as_f64().unwrap_or(0.0);
+    let mut nodes_of: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
     for s in specs {
-        if s.user_data.len() > USER_DATA_MAX {
-            return Err(HcloudError::Setup(format!(
-                "node {}: its machine config is {} bytes, over Hetzner's {USER_DATA_MAX}-byte user_data limit (move large patches or inline manifests out of it)",
-                s.node,
-                s.user_data.len()
-            )));
+        nodes_of.entry(s.snapshot).or_default().push(&s.node);
+    }
+    for (snapshot, nodes) in nodes_of {
+        let image = api.get(&format!("/images/{snapshot}"), &[])?;
+        let image = &image["image"];
+        let image_arch = image["architecture"].as_str().unwrap_or("unknown");
+        let disk_size = image["disk_size"].as_f64().unwrap_or(0.0);
+        let nodes = nodes.join(", ");
+        if image_arch != type_arch {
+            return Err(HcloudError::WrongArch {
+                server_type: server_type.to_owned(),
+                type_arch: type_arch.to_owned(),
+                snapshot,
+                image_arch: image_arch.to_owned(),
+                nodes,
+            });
+        }
+        if disk < disk_size {
+            return Err(HcloudError::TypeTooSmall {
+                server_type: server_type.to_owned(),
+                disk,
+                snapshot,
+                disk_size,
+                nodes,
+            });
         }
     }
     Ok(())
@@ -118,13 +226,18 @@ pub fn ensure(
     opts: &SnapshotOptions,
     cancel: &Cancel,
 ) -> Result<Vec<ClusterServer>, HcloudError> {
-    check(specs)?;
+    let user_data = check(specs)?;
     let Some(shape) = &settings.servers else {
         return Err(HcloudError::Setup(
             "publish.hcloud.servers is not set: there are no cluster servers to create".into(),
         ));
     };
     let have = existing(api, cluster)?;
+    let missing: Vec<&ServerSpec> = specs
+        .iter()
+        .filter(|s| !have.iter().any(|h| h.node == s.node))
+        .collect();
+    check_fits(api, &shape.server_type, &missing)?;
     let network = match &shape.network {
         Some(name) => Some(network_id(api, name)?),
         None => None,
@@ -133,7 +246,7 @@ pub fn ensure(
         api.wait_reply(reply, what, opts.poll, opts.action_timeout, cancel)
     };
     let mut out = Vec::new();
-    for spec in specs {
+    for (spec, user_data) in specs.iter().zip(user_data) {
         cancel.check()?;
         if let Some(s) = have.iter().find(|s| s.node == spec.node) {
             let mut s = s.clone();
@@ -162,7 +275,7 @@ pub fn ensure(
                 "image": spec.snapshot,
                 "location": settings.location,
                 "labels": labels,
-                "user_data": spec.user_data,
+                "user_data": user_data,
                 "start_after_create": network.is_none(),
             }),
         )?;
@@ -245,20 +358,79 @@ mod tests {
         assert_eq!(server_name("prod", "cp-01"), "prod-cp-01");
     }
 
-    #[test]
-    fn oversized_user_data_names_the_node() {
-        let spec = |n: &str, len: usize| ServerSpec {
-            node: n.into(),
+    /// `len` bytes of YAML-ish text; `random`: hex digits that compress
+    /// only to about half.
+    fn config(len: usize, random: bool) -> String {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        (0..len)
+            .map(|i| {
+                if !random {
+                    return b"machine:\n  files: []\n"[i % 21] as char;
+                }
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                char::from_digit((x % 16) as u32, 16).unwrap()
+            })
+            .collect()
+    }
+
+    fn spec(node: &str, user_data: String, talos_version: &str) -> ServerSpec {
+        ServerSpec {
+            node: node.into(),
             snapshot: 1,
-            user_data: "x".repeat(len),
+            user_data,
+            talos_version: talos_version.into(),
             private_ip: None,
-        };
-        assert!(check(&[spec("cp-01", USER_DATA_MAX)]).is_ok());
-        let err = check(&[spec("cp-01", 10), spec("worker-01", USER_DATA_MAX + 1)])
+        }
+    }
+
+    #[test]
+    fn user_data_is_compressed_only_when_it_must_be() {
+        use std::io::Read;
+        let fits = config(USER_DATA_MAX, false);
+        assert_eq!(
+            check(&[spec("cp-01", fits.clone(), "v1.11.2")]).unwrap(),
+            std::slice::from_ref(&fits)
+        );
+        // Talos before v1.9 cannot read it compressed, but this one fits.
+        assert_eq!(encode_user_data("cp-01", &fits, "v1.8.3").unwrap(), fits);
+
+        let big = config(40 * 1024, false);
+        let sent = encode_user_data("cp-01", &big, "v1.11.2").unwrap();
+        assert!(sent.len() <= USER_DATA_MAX, "{} bytes", sent.len());
+        // What Talos does with it: base64, then gunzip (bytes 1f 8b 08).
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(&sent)
+            .unwrap();
+        assert_eq!(bytes[..3], [0x1f, 0x8b, 0x08]);
+        let mut back = String::new();
+        flate2::read::GzDecoder::new(&bytes[..])
+            .read_to_string(&mut back)
+            .unwrap();
+        assert_eq!(back, big);
+        // A pre-release of v1.9 has the base64 decoding too.
+        assert!(encode_user_data("cp-01", &big, "v1.9.0-alpha.0").is_ok());
+    }
+
+    #[test]
+    fn user_data_that_cannot_fit_names_the_node() {
+        let big = config(40 * 1024, false);
+        let err = check(&[
+            spec("cp-01", config(10, false), "v1.8.3"),
+            spec("worker-01", big.clone(), "v1.8.3"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("node worker-01") && err.contains("32768") && err.contains("v1.9.0"),
+            "{err}"
+        );
+        let err = check(&[spec("worker-02", config(100 * 1024, true), "v1.11.2")])
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("node worker-01") && err.contains("32768"),
+            err.contains("node worker-02") && err.contains("even gzipped"),
             "{err}"
         );
     }

@@ -137,3 +137,77 @@ fn cancel_stops_sleeps() {
     assert!(t.elapsed() < Duration::from_secs(1));
     assert!(Cancel::never().sleep(Duration::from_millis(1)).is_ok());
 }
+
+#[test]
+fn build_types_are_the_smallest_disks_first_in_list_order() {
+    let loc =
+        |available: bool| json!([{"name": "fsn1", "available": available, "deprecation": null}]);
+    let t = |name: &str, arch: &str, disk: u64, available: bool| {
+        json!({"name": name, "architecture": arch, "disk": disk, "deprecation": null,
+               "locations": loc(available)})
+    };
+    let mut deprecated = t("cx22", "x86", 40, true);
+    deprecated["deprecation"] = json!({"announced": "2025-10-01T00:00:00Z",
+        "unavailable_after": "2026-01-01T00:00:00Z"});
+    let types = vec![
+        deprecated,
+        t("cx23", "x86", 40, false),
+        t("cx33", "x86", 80, true),
+        t("cpx22", "x86", 80, true),
+        t("cpx12", "x86", 40, true),
+        t("cax11", "arm", 40, true),
+        t("cax21", "arm", 80, true),
+    ];
+    let settings = |types: &[&str]| -> HcloudSettings {
+        serde_json::from_value(json!({"location": "fsn1", "serverTypes": types})).unwrap()
+    };
+    let names = |b: &BuildTypes| {
+        b.usable
+            .iter()
+            .map(|t| format!("{}:{}", t.name, t.disk))
+            .collect::<Vec<_>>()
+    };
+    // Default: every type of the architecture; an unavailable 40 GB type
+    // gives way to the next 40 GB one, not to an 80 GB one listed earlier.
+    let b = order_build_types(&types, &settings(&[]), Arch::Amd64);
+    assert_eq!(names(&b), ["cpx12:40", "cx33:80", "cpx22:80"]);
+    assert_eq!(
+        b.skipped,
+        [
+            ("cx22".to_owned(), "deprecated".to_owned()),
+            ("cx23".to_owned(), "unavailable in fsn1".to_owned())
+        ]
+    );
+    let b = order_build_types(&types, &settings(&[]), Arch::Arm64);
+    assert_eq!(names(&b), ["cax11:40", "cax21:80"]);
+    assert!(b.skipped.is_empty());
+    // The inventory's list: its types only, equal disks in its order.
+    let b = order_build_types(
+        &types,
+        &settings(&["cpx22", "cax11", "cx33", "cpx12"]),
+        Arch::Amd64,
+    );
+    assert_eq!(names(&b), ["cpx12:40", "cpx22:80", "cx33:80"]);
+    assert_eq!(b.skipped.len(), 1);
+    assert!(b.skipped[0].1.contains("architecture is arm"), "{b:?}");
+}
+
+#[test]
+fn disk_sizes_are_written_as_the_api_writes_them() {
+    let snap = |disk_size| Snapshot {
+        id: 1,
+        labels: BTreeMap::new(),
+        created: true,
+        description: String::new(),
+        sha256: String::new(),
+        nodes: Vec::new(),
+        bytes_sent: 0,
+        disk_size,
+    };
+    let v = serde_json::to_value(snap(40.0)).unwrap();
+    assert_eq!(v["disk_size"], json!(40));
+    assert_eq!(
+        serde_json::to_value(snap(0.5)).unwrap()["disk_size"],
+        json!(0.5)
+    );
+}
