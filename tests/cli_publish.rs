@@ -584,3 +584,28 @@ fn a_vm_imgbuild_did_not_make_is_never_started_or_duplicated() {
         assert_eq!(stats[key], counts[key], "{key}: {stats}");
     }
 }
+
+/// `validate` suggests pinning the vmids `firstId` + position gives; other
+/// commands do not repeat it.
+#[test]
+fn validate_suggests_pinning_vmids_from_first_id() {
+    let run = Run::new("raw", true);
+    run.edit("    address: 127.0.0.11\n", "    address: 127.0.0.11\n    vmid: 300\n");
+    let config = run.config.to_str().unwrap();
+    let o = common::imgbuild(&["--config", config, "--output", "json", "validate"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let warnings = json(&o)["warnings"].clone();
+    let advice = warnings
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|w| w.as_str())
+        .find(|w| w.contains("firstId"))
+        .unwrap_or_else(|| panic!("{warnings}"));
+    assert!(advice.contains("worker-02 (304)"), "{advice}");
+    assert!(!advice.contains("cp-01"), "{advice}");
+    let o = common::imgbuild(&["--config", config, "validate"]);
+    assert!(text(&o.stderr).contains("pin `vmid:` on cp-02 (301)"), "{}", text(&o.stderr));
+    let o = common::imgbuild(&["--config", config, "schematic", "--all"]);
+    assert!(!text(&o.stderr).contains("firstId"), "{}", text(&o.stderr));
+}

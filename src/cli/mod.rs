@@ -269,7 +269,13 @@ pub fn load_inventory(path: &Path, output: Output) -> Result<Inventory> {
 }
 
 fn validate(config: &Path, output: Output) -> Result<()> {
-    let inv = load_inventory(config, output).context("inventory is not valid")?;
+    let mut inv = load_inventory(config, output).context("inventory is not valid")?;
+    if let Some(advice) = inv.vmid_advice() {
+        if output == Output::Text {
+            eprintln!("warning: {advice}");
+        }
+        inv.warnings.push(advice);
+    }
     match output {
         Output::Json => println!(
             "{}",
