@@ -158,25 +158,32 @@ fn assert_vm_as_the_readme_promises(
     // OVMF's 4m vars without pre-enrolled (Microsoft) keys: Secure Boot off.
     let efi = drive(
         "efidisk0",
-        &[("efitype", "4m"), ("pre-enrolled-keys", "0"), ("size", "4M")],
+        &[
+            ("efitype", "4m"),
+            ("pre-enrolled-keys", "0"),
+            ("size", "4M"),
+        ],
     );
-    let disk = drive(
-        "scsi0",
-        &[("discard", "on"), ("ssd", "1"), ("size", "10G")],
-    );
+    let disk = drive("scsi0", &[("discard", "on"), ("ssd", "1"), ("size", "10G")]);
     assert!(efi.starts_with(&format!("local-lvm:vm-{vmid}-")), "{efi}");
     assert!(disk.starts_with(&format!("local-lvm:vm-{vmid}-")), "{disk}");
     assert_ne!(efi, disk);
     // Imported from the node's volume, as its description records.
     let description = scalar("description");
     assert!(
-        description.lines().any(|l| l == format!("imgbuild-volume: {volid}")),
+        description
+            .lines()
+            .any(|l| l == format!("imgbuild-volume: {volid}")),
         "{description}"
     );
     let net = options(&scalar("net0"));
     let nic = net[""].split_once('=').map_or(net[""].as_str(), |(m, _)| m);
     assert_eq!(nic, "virtio", "{net:?}");
-    assert_eq!(net.get("bridge").map(String::as_str), Some("vmbr0"), "{net:?}");
+    assert_eq!(
+        net.get("bridge").map(String::as_str),
+        Some("vmbr0"),
+        "{net:?}"
+    );
     assert_eq!(net.len(), 2, "{net:?}");
     if let Some(mac) = mac {
         assert_eq!(net[""], format!("virtio={}", mac.to_uppercase()), "{net:?}");
@@ -197,7 +204,10 @@ fn publishes_and_reruns_change_nothing(format: &str) {
     let sim = Sim::start(&[]);
     let pve = Pve::start(&[]);
     let run = Run::new(format, true);
-    run.edit("    address: 127.0.0.11\n", &format!("    address: 127.0.0.11\n    mac: {MAC}\n"));
+    run.edit(
+        "    address: 127.0.0.11\n",
+        &format!("    address: 127.0.0.11\n    mac: {MAC}\n"),
+    );
     let o = run.publish(&sim, &pve, &["--output", "json"], &[]);
     assert!(
         o.status.success(),
@@ -451,14 +461,24 @@ fn replace_disk_keeps_a_disk_the_user_parked_on_the_vm() {
     );
     configure(&pve, 300, &[&format!("description={older}")]);
 
-    let o = run.publish(&sim, &pve, &["cp-01", "--replace-disk", "--output", "json"], &[]);
+    let o = run.publish(
+        &sim,
+        &pve,
+        &["cp-01", "--replace-disk", "--output", "json"],
+        &[],
+    );
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v = json(&o);
     assert_eq!(v["nodes"][0]["vm"], "updated", "{v}");
     assert_eq!(v["nodes"][0]["started"], true, "{v}");
     let after = vm_config(&pve, 300);
     let lvm = pve.dir.path().join("state/storage/local-lvm");
-    let file = |volume: &str| lvm.join(format!("{}.raw", volume.strip_prefix("local-lvm:").unwrap()));
+    let file = |volume: &str| {
+        lvm.join(format!(
+            "{}.raw",
+            volume.strip_prefix("local-lvm:").unwrap()
+        ))
+    };
     assert_eq!(after["unused0"], parked.as_str(), "{after}");
     assert!(file(&parked).exists(), "the parked disk {parked} was freed");
     assert!(!file(&old).exists(), "the old disk {old} is still there");
@@ -514,7 +534,10 @@ fn an_inserted_node_shifts_no_vm_and_makes_no_second_one() {
     assert_eq!(failed.as_array().unwrap().len(), 1, "{v}");
     assert_eq!(failed[0]["node"], "worker-00");
     let msg = failed[0]["error"].as_str().unwrap();
-    assert!(msg.contains("vmid 303") && msg.contains("\"worker-01\""), "{msg}");
+    assert!(
+        msg.contains("vmid 303") && msg.contains("\"worker-01\""),
+        "{msg}"
+    );
     assert_eq!(stat(&pve, "vmCreates"), 5);
     let (code, _) = pve.curl("/nodes/pve/qemu/305/config", &[]);
     assert_eq!(code, 500, "a second VM was made");
@@ -590,7 +613,10 @@ fn a_vm_imgbuild_did_not_make_is_never_started_or_duplicated() {
 #[test]
 fn validate_suggests_pinning_vmids_from_first_id() {
     let run = Run::new("raw", true);
-    run.edit("    address: 127.0.0.11\n", "    address: 127.0.0.11\n    vmid: 300\n");
+    run.edit(
+        "    address: 127.0.0.11\n",
+        "    address: 127.0.0.11\n    vmid: 300\n",
+    );
     let config = run.config.to_str().unwrap();
     let o = common::imgbuild(&["--config", config, "--output", "json", "validate"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
@@ -605,7 +631,11 @@ fn validate_suggests_pinning_vmids_from_first_id() {
     assert!(advice.contains("worker-02 (304)"), "{advice}");
     assert!(!advice.contains("cp-01"), "{advice}");
     let o = common::imgbuild(&["--config", config, "validate"]);
-    assert!(text(&o.stderr).contains("pin `vmid:` on cp-02 (301)"), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("pin `vmid:` on cp-02 (301)"),
+        "{}",
+        text(&o.stderr)
+    );
     let o = common::imgbuild(&["--config", config, "schematic", "--all"]);
     assert!(!text(&o.stderr).contains("firstId"), "{}", text(&o.stderr));
 }

@@ -286,7 +286,10 @@ fn a_vm_is_created_from_an_import_resized_started_and_its_disk_replaced() {
 fn deleting_an_unused_entry_frees_only_an_owned_volume_no_drive_uses() {
     let pve = Pve::start(&[]);
     let config = |vmid: u32, args: &[&str]| {
-        let form: Vec<&str> = args.iter().flat_map(|kv| ["--data-urlencode", *kv]).collect();
+        let form: Vec<&str> = args
+            .iter()
+            .flat_map(|kv| ["--data-urlencode", *kv])
+            .collect();
         let (code, v) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &form);
         assert_eq!(code, 200, "{v}");
         pve.wait(&v["data"])
@@ -294,7 +297,14 @@ fn deleting_an_unused_entry_frees_only_an_owned_volume_no_drive_uses() {
     for (vmid, name) in [("401", "name=a"), ("402", "name=b")] {
         let (code, v) = pve.curl(
             "/nodes/pve/qemu",
-            &["-d", &format!("vmid={vmid}"), "-d", name, "-d", "scsi0=local-lvm:1"],
+            &[
+                "-d",
+                &format!("vmid={vmid}"),
+                "-d",
+                name,
+                "-d",
+                "scsi0=local-lvm:1",
+            ],
         );
         assert_eq!(code, 200, "{v}");
         assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");

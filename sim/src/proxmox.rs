@@ -19,6 +19,13 @@
 //! as lvmthin holds raw). Under `/api2/json`: version, nodes, storage list
 //! and content (list, delete), upload, task status and log, qemu list,
 //! create, config (GET/POST/PUT), resize, status/start|stop|current, delete.
+//! Config changes follow qemu-server (src/PVE/API2/Qemu.pm `update_vm_api`):
+//! a replaced or detached drive the VM owns (`vm-<vmid>-…`) is parked as the
+//! first free `unusedN`; `delete=unusedN` frees its volume only when the VM
+//! owns it, and fails the task with "unable to delete '…' - volume is still
+//! in use (snapshot?)" while a drive still uses it (`try_deallocate_drive`).
+//! `DELETE …/content/{volume}` frees any volume, referenced or not, as
+//! pve-storage's `vdisk_free` does.
 //! Every request is checked against the vendored API schema
 //! ([`crate::proxmox_schema`]). `GET /_sim/stats` (no auth) gives counts
 //! taken in the handlers: requests, uploads (completed upload tasks),

@@ -888,9 +888,9 @@ fn place(
         node: node.name.clone(),
         message,
     };
-    let wanted = inv.vmid(index).ok_or_else(|| {
-        err("no vmid (set publish.proxmox.vm.firstId or the node's vmid)".into())
-    })?;
+    let wanted = inv
+        .vmid(index)
+        .ok_or_else(|| err("no vmid (set publish.proxmox.vm.firstId or the node's vmid)".into()))?;
     let listed: Vec<(u32, &Value)> = vms
         .as_array()
         .into_iter()
