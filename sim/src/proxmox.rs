@@ -2049,6 +2049,15 @@ mod tests {
     }
 
     #[test]
+    fn volumes_belong_to_the_vm_their_name_gives() {
+        assert_eq!(volume_owner("local-lvm:vm-301-disk-1"), Some(301));
+        assert_eq!(volume_owner("local-lvm:base-9000-disk-0"), Some(9000));
+        assert_eq!(volume_owner("local:import/lab-cp-01.raw"), None);
+        assert_eq!(volume_owner("local-lvm:vm-301-"), None);
+        assert_eq!(volume_owner("vm-301-disk-1"), None);
+    }
+
+    #[test]
     fn a_nic_without_a_mac_gets_one() {
         assert_eq!(
             with_mac("virtio,bridge=vmbr0", 301),

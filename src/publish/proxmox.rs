@@ -791,7 +791,6 @@ fn publish_node(
         );
     }
     let base = format!("/nodes/{pve}/qemu/{vmid}");
-    let described = description(inv, &img.node, &volid, &img.sha256);
     let running = match place.existing {
         None => {
             let params = vm_params(inv, index, vm, vmid, &volid, &img.sha256);
@@ -825,7 +824,7 @@ fn publish_node(
                     let old = config["scsi0"].as_str().map(drive_volume);
                     let disk = NewDisk {
                         volid: &volid,
-                        description: &described,
+                        description: &description(inv, &img.node, &volid, &img.sha256),
                         replaces: old,
                     };
                     replace_disk(api, &base, vm, vmid, &disk, running, opts)?;
