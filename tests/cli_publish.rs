@@ -34,6 +34,13 @@ impl Run {
         Run { dir, config }
     }
 
+    /// Replaces `from` (which must be there) by `to` in the inventory.
+    fn edit(&self, from: &str, to: &str) {
+        let text = std::fs::read_to_string(&self.config).unwrap();
+        assert!(text.contains(from), "the inventory lacks {from:?}");
+        std::fs::write(&self.config, text.replacen(from, to, 1)).unwrap();
+    }
+
     fn out(&self) -> PathBuf {
         self.dir.path().join("out")
     }
@@ -86,6 +93,105 @@ fn sha256_file(p: &Path) -> String {
         .to_owned()
 }
 
+/// The MAC the tests give cp-01 (lower case, as a user writes it).
+const MAC: &str = "bc:24:11:0a:00:11";
+
+/// A drive or NIC string as a map: its first part (`volume` or
+/// `model=MAC`) under "", then its options.
+fn options(value: &str) -> std::collections::BTreeMap<String, String> {
+    let mut parts = value.split(',');
+    let mut map = std::collections::BTreeMap::new();
+    map.insert(String::new(), parts.next().unwrap_or_default().to_owned());
+    for p in parts {
+        let (k, v) = p.split_once('=').unwrap_or((p, ""));
+        map.insert(k.to_owned(), v.to_owned());
+    }
+    map
+}
+
+/// Every VM setting the README's "Publishing to Proxmox VE" promises, read
+/// back from the simulator's config of VM `vmid`: a change to any of them in
+/// the publisher (say Microsoft keys enrolled in the EFI disk, which makes
+/// OVMF refuse Talos' unsigned boot) fails here.
+fn assert_vm_as_the_readme_promises(
+    pve: &Pve,
+    vmid: u64,
+    name: &str,
+    volid: &str,
+    mac: Option<&str>,
+) {
+    let (code, cfg) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &[]);
+    assert_eq!(code, 200, "{cfg}");
+    let cfg = &cfg["data"];
+    let scalar = |k: &str| match &cfg[k] {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => panic!("VM {vmid} has no {k}: {cfg}"),
+        other => other.to_string(),
+    };
+    for (k, want) in [
+        ("name", name),
+        ("machine", "q35"),
+        ("bios", "ovmf"),
+        ("cpu", "host"),
+        ("scsihw", "virtio-scsi-pci"),
+        ("boot", "order=scsi0"),
+        ("serial0", "socket"),
+        ("agent", "enabled=1"),
+        ("ostype", "l26"),
+        ("onboot", "1"),
+        ("balloon", "0"),
+        ("cores", "2"),
+        ("memory", "2048"),
+    ] {
+        assert_eq!(scalar(k), want, "VM {vmid} {k}: {cfg}");
+    }
+    let drive = |k: &str, want: &[(&str, &str)]| {
+        let mut got = options(&scalar(k));
+        let volume = got.remove("").unwrap();
+        let want: std::collections::BTreeMap<String, String> = want
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(got, want, "VM {vmid} {k}: {cfg}");
+        volume
+    };
+    // OVMF's 4m vars without pre-enrolled (Microsoft) keys: Secure Boot off.
+    let efi = drive(
+        "efidisk0",
+        &[
+            ("efitype", "4m"),
+            ("pre-enrolled-keys", "0"),
+            ("size", "4M"),
+        ],
+    );
+    let disk = drive("scsi0", &[("discard", "on"), ("ssd", "1"), ("size", "10G")]);
+    assert!(efi.starts_with(&format!("local-lvm:vm-{vmid}-")), "{efi}");
+    assert!(disk.starts_with(&format!("local-lvm:vm-{vmid}-")), "{disk}");
+    assert_ne!(efi, disk);
+    // Imported from the node's volume, as its description records.
+    let description = scalar("description");
+    assert!(
+        description
+            .lines()
+            .any(|l| l == format!("imgbuild-volume: {volid}")),
+        "{description}"
+    );
+    let net = options(&scalar("net0"));
+    let nic = net[""].split_once('=').map_or(net[""].as_str(), |(m, _)| m);
+    assert_eq!(nic, "virtio", "{net:?}");
+    assert_eq!(
+        net.get("bridge").map(String::as_str),
+        Some("vmbr0"),
+        "{net:?}"
+    );
+    assert_eq!(net.len(), 2, "{net:?}");
+    if let Some(mac) = mac {
+        assert_eq!(net[""], format!("virtio={}", mac.to_uppercase()), "{net:?}");
+    }
+    let (_, st) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/status/current"), &[]);
+    assert_eq!(st["data"]["status"], "running", "{st}");
+}
+
 fn stat(pve: &Pve, key: &str) -> u64 {
     pve.stats()[key]
         .as_u64()
@@ -98,6 +204,10 @@ fn publishes_and_reruns_change_nothing(format: &str) {
     let sim = Sim::start(&[]);
     let pve = Pve::start(&[]);
     let run = Run::new(format, true);
+    run.edit(
+        "    address: 127.0.0.11\n",
+        &format!("    address: 127.0.0.11\n    mac: {MAC}\n"),
+    );
     let o = run.publish(&sim, &pve, &["--output", "json"], &[]);
     assert!(
         o.status.success(),
@@ -129,39 +239,8 @@ fn publishes_and_reruns_change_nothing(format: &str) {
         assert_eq!(n["started"], true);
         let vmid = 300 + i as u64;
         assert_eq!(n["vmid"], vmid);
-        let (code, cfg) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &[]);
-        assert_eq!(code, 200, "{cfg}");
-        let cfg = &cfg["data"];
-        for (k, want) in [
-            ("machine", "q35"),
-            ("bios", "ovmf"),
-            ("cpu", "host"),
-            ("scsihw", "virtio-scsi-pci"),
-            ("boot", "order=scsi0"),
-            ("serial0", "socket"),
-            ("agent", "enabled=1"),
-            ("name", name),
-        ] {
-            assert_eq!(cfg[k].as_str(), Some(want), "{name} {k}: {cfg}");
-        }
-        assert_eq!(cfg["onboot"].to_string().trim_matches('"'), "1", "{cfg}");
-        assert_eq!(cfg["balloon"].to_string().trim_matches('"'), "0", "{cfg}");
-        let scsi0 = cfg["scsi0"].as_str().unwrap();
-        assert!(
-            scsi0.starts_with(&format!("local-lvm:vm-{vmid}-disk-1")),
-            "{scsi0}"
-        );
-        assert!(scsi0.contains("size=10G"), "{scsi0}");
-        assert!(
-            cfg["efidisk0"].as_str().unwrap().contains("efitype=4m"),
-            "{cfg}"
-        );
-        assert!(
-            cfg["net0"].as_str().unwrap().contains("bridge=vmbr0"),
-            "{cfg}"
-        );
-        let (_, st) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/status/current"), &[]);
-        assert_eq!(st["data"]["status"], "running", "{st}");
+        let mac = (name == "cp-01").then_some(MAC);
+        assert_vm_as_the_readme_promises(&pve, vmid, name, volid, mac);
     }
     assert_eq!(stat(&pve, "uploads"), 5);
     assert_eq!(stat(&pve, "vmCreates"), 5);
@@ -334,4 +413,229 @@ fn a_vmid_held_by_another_vm_is_never_touched() {
     let (_, cfg) = pve.curl("/nodes/pve/qemu/300/config", &[]);
     assert_eq!(cfg["data"]["name"], "database");
     assert!(cfg["data"].get("scsi0").is_none(), "{cfg}");
+}
+
+/// POSTs `args` (url-encoded) to VM `vmid`'s config and waits for the task.
+fn configure(pve: &Pve, vmid: u32, args: &[&str]) {
+    let form: Vec<&str> = args
+        .iter()
+        .flat_map(|kv| ["--data-urlencode", *kv])
+        .collect();
+    let (code, v) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &form);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK", "{args:?}");
+}
+
+fn vm_config(pve: &Pve, vmid: u32) -> serde_json::Value {
+    let (code, cfg) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &[]);
+    assert_eq!(code, 200, "{cfg}");
+    cfg["data"].clone()
+}
+
+/// `--replace-disk` deletes the old `scsi0` and nothing else: qemu-server
+/// frees the volume of every `unusedN` deleted, so a disk the user parked
+/// on the VM must survive.
+#[test]
+fn replace_disk_keeps_a_disk_the_user_parked_on_the_vm() {
+    let sim = Sim::start(&[]);
+    let pve = Pve::start(&[]);
+    let run = Run::new("raw", true);
+    let o = run.publish(&sim, &pve, &["cp-01"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let before = vm_config(&pve, 300);
+    let old = options(before["scsi0"].as_str().unwrap())[""].clone();
+    // The user adds a data disk, then detaches it: Proxmox parks it as unused0.
+    configure(&pve, 300, &["scsi1=local-lvm:1"]);
+    let parked = options(vm_config(&pve, 300)["scsi1"].as_str().unwrap())[""].clone();
+    configure(&pve, 300, &["delete=scsi1"]);
+    assert_eq!(vm_config(&pve, 300)["unused0"], parked.as_str());
+    // The VM now boots an older image, as its description records.
+    let description = before["description"].as_str().unwrap();
+    let volume_line = description
+        .lines()
+        .find(|l| l.starts_with("imgbuild-volume: "))
+        .unwrap();
+    let older = description.replace(
+        volume_line,
+        "imgbuild-volume: local:import/loopback-cp-01-v1.11.2-000000000000.raw",
+    );
+    configure(&pve, 300, &[&format!("description={older}")]);
+
+    let o = run.publish(
+        &sim,
+        &pve,
+        &["cp-01", "--replace-disk", "--output", "json"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["nodes"][0]["vm"], "updated", "{v}");
+    assert_eq!(v["nodes"][0]["started"], true, "{v}");
+    let after = vm_config(&pve, 300);
+    let lvm = pve.dir.path().join("state/storage/local-lvm");
+    let file = |volume: &str| {
+        lvm.join(format!(
+            "{}.raw",
+            volume.strip_prefix("local-lvm:").unwrap()
+        ))
+    };
+    assert_eq!(after["unused0"], parked.as_str(), "{after}");
+    assert!(file(&parked).exists(), "the parked disk {parked} was freed");
+    assert!(!file(&old).exists(), "the old disk {old} is still there");
+    let unused: Vec<&String> = after
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| k.starts_with("unused"))
+        .collect();
+    assert_eq!(unused, ["unused0"], "{after}");
+    let new = options(after["scsi0"].as_str().unwrap())[""].clone();
+    assert_ne!(new, old);
+    assert!(file(&new).exists());
+    let volid = v["nodes"][0]["volid"].as_str().unwrap();
+    assert_vm_as_the_readme_promises(&pve, 300, "cp-01", volid, None);
+}
+
+/// VMs are matched to nodes by name and imgbuild's description, not by
+/// list position: a node inserted mid-list shifts `firstId` + position, yet
+/// every node keeps its VM and none gets a second one.
+#[test]
+fn an_inserted_node_shifts_no_vm_and_makes_no_second_one() {
+    let sim = Sim::start(&[]);
+    let pve = Pve::start(&[]);
+    let run = Run::new("raw", true);
+    let o = run.publish(&sim, &pve, &[], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(stat(&pve, "vmCreates"), 5);
+    run.edit(
+        "  - name: worker-01\n",
+        "  - name: worker-00\n    role: worker\n    address: 127.0.0.23\n  - name: worker-01\n",
+    );
+    let o = run.publish(&sim, &pve, &["--output", "json"], &[]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
+    let v = json(&o);
+    let node = |name: &str| {
+        v["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["node"] == name)
+            .unwrap_or_else(|| panic!("no {name}: {v}"))
+            .clone()
+    };
+    for (name, vmid, computed) in [("worker-01", 303, 304), ("worker-02", 304, 305)] {
+        let n = node(name);
+        assert_eq!(n["vmid"], vmid, "{n}");
+        assert_eq!(n["inventoryVmid"], computed, "{n}");
+        assert_eq!(n["vm"], "unchanged", "{n}");
+    }
+    assert!(node("cp-01").get("inventoryVmid").is_none());
+    let failed = &v["failed"];
+    assert_eq!(failed.as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(failed[0]["node"], "worker-00");
+    let msg = failed[0]["error"].as_str().unwrap();
+    assert!(
+        msg.contains("vmid 303") && msg.contains("\"worker-01\""),
+        "{msg}"
+    );
+    assert_eq!(stat(&pve, "vmCreates"), 5);
+    let (code, _) = pve.curl("/nodes/pve/qemu/305/config", &[]);
+    assert_eq!(code, 500, "a second VM was made");
+
+    // Text output names both IDs.
+    let o = run.publish(&sim, &pve, &["worker-02"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("its VM is 304, not 305"), "{err}");
+
+    // Pinned, the new node gets its own VM.
+    run.edit(
+        "    address: 127.0.0.23\n",
+        "    address: 127.0.0.23\n    vmid: 310\n",
+    );
+    let o = run.publish(&sim, &pve, &["worker-00", "--output", "json"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(json(&o)["nodes"][0]["vmid"], 310);
+    assert_eq!(json(&o)["nodes"][0]["vm"], "created");
+    assert_eq!(stat(&pve, "vmCreates"), 6);
+}
+
+/// A VM named as a node that imgbuild did not make (Terraform, by hand) is
+/// never started or changed, and the node gets no second VM beside it.
+#[test]
+fn a_vm_imgbuild_did_not_make_is_never_started_or_duplicated() {
+    let sim = Sim::start(&[]);
+    let pve = Pve::start(&[]);
+    for (vmid, name) in [("300", "cp-01"), ("500", "cp-02")] {
+        let (code, v) = pve.curl(
+            "/nodes/pve/qemu",
+            &[
+                "-d",
+                &format!("vmid={vmid}"),
+                "-d",
+                &format!("name={name}"),
+                "-d",
+                "memory=2048",
+                "--data-urlencode",
+                "description=Managed by Terraform",
+            ],
+        );
+        assert_eq!(code, 200, "{v}");
+        pve.wait(&v["data"]);
+    }
+    let before = vm_config(&pve, 300);
+    let counts = pve.stats();
+    let run = Run::new("raw", true);
+    let o = run.publish(&sim, &pve, &["cp-01", "cp-02", "--output", "json"], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    let v = json(&o);
+    let failed = v["failed"].as_array().unwrap();
+    assert_eq!(failed.len(), 2, "{v}");
+    for (f, vmid) in failed.iter().zip(["VM 300", "VM 500"]) {
+        let msg = f["error"].as_str().unwrap();
+        assert!(
+            msg.contains(vmid) && msg.contains("imgbuild did not make it"),
+            "{msg}"
+        );
+    }
+    let (_, st) = pve.curl("/nodes/pve/qemu/300/status/current", &[]);
+    assert_eq!(st["data"]["status"], "stopped", "{st}");
+    let after = vm_config(&pve, 300);
+    assert_eq!(after, before);
+    let stats = pve.stats();
+    for key in ["vmCreates", "vmConfigChanges", "starts", "stops"] {
+        assert_eq!(stats[key], counts[key], "{key}: {stats}");
+    }
+}
+
+/// `validate` suggests pinning the vmids `firstId` + position gives; other
+/// commands do not repeat it.
+#[test]
+fn validate_suggests_pinning_vmids_from_first_id() {
+    let run = Run::new("raw", true);
+    run.edit(
+        "    address: 127.0.0.11\n",
+        "    address: 127.0.0.11\n    vmid: 300\n",
+    );
+    let config = run.config.to_str().unwrap();
+    let o = common::imgbuild(&["--config", config, "--output", "json", "validate"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let warnings = json(&o)["warnings"].clone();
+    let advice = warnings
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|w| w.as_str())
+        .find(|w| w.contains("firstId"))
+        .unwrap_or_else(|| panic!("{warnings}"));
+    assert!(advice.contains("worker-02 (304)"), "{advice}");
+    assert!(!advice.contains("cp-01"), "{advice}");
+    let o = common::imgbuild(&["--config", config, "validate"]);
+    assert!(
+        text(&o.stderr).contains("pin `vmid:` on cp-02 (301)"),
+        "{}",
+        text(&o.stderr)
+    );
+    let o = common::imgbuild(&["--config", config, "schematic", "--all"]);
+    assert!(!text(&o.stderr).contains("firstId"), "{}", text(&o.stderr));
 }

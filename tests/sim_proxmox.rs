@@ -279,3 +279,57 @@ fn a_vm_is_created_from_an_import_resized_started_and_its_disk_replaced() {
         [1, 1, 1, 2]
     );
 }
+
+/// qemu-server's `try_deallocate_drive`: deleting `unusedN` frees the volume
+/// only when the VM owns it and no drive of the VM still uses it.
+#[test]
+fn deleting_an_unused_entry_frees_only_an_owned_volume_no_drive_uses() {
+    let pve = Pve::start(&[]);
+    let config = |vmid: u32, args: &[&str]| {
+        let form: Vec<&str> = args
+            .iter()
+            .flat_map(|kv| ["--data-urlencode", *kv])
+            .collect();
+        let (code, v) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &form);
+        assert_eq!(code, 200, "{v}");
+        pve.wait(&v["data"])
+    };
+    for (vmid, name) in [("401", "name=a"), ("402", "name=b")] {
+        let (code, v) = pve.curl(
+            "/nodes/pve/qemu",
+            &[
+                "-d",
+                &format!("vmid={vmid}"),
+                "-d",
+                name,
+                "-d",
+                "scsi0=local-lvm:1",
+            ],
+        );
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    }
+    let lvm = pve.dir.path().join("state/storage/local-lvm");
+    let own = lvm.join("vm-401-disk-0.raw");
+    let other = lvm.join("vm-402-disk-0.raw");
+    // An unused entry naming the volume scsi0 still uses: refused, kept.
+    config(401, &["unused0=local-lvm:vm-401-disk-0"]);
+    let t = config(401, &["delete=unused0"]);
+    assert_eq!(
+        t["exitstatus"],
+        "unable to delete 'local-lvm:vm-401-disk-0' - volume is still in use (snapshot?)"
+    );
+    assert!(own.exists());
+    // Another VM's volume only leaves the config.
+    config(401, &["unused1=local-lvm:vm-402-disk-0"]);
+    assert_eq!(config(401, &["delete=unused1"])["exitstatus"], "OK");
+    let (_, cfg) = pve.curl("/nodes/pve/qemu/401/config", &[]);
+    assert!(cfg["data"].get("unused1").is_none(), "{cfg}");
+    assert!(other.exists());
+    // Detaching its own disk parks it as unused; deleting that frees it.
+    assert_eq!(config(402, &["delete=scsi0"])["exitstatus"], "OK");
+    let (_, cfg) = pve.curl("/nodes/pve/qemu/402/config", &[]);
+    assert_eq!(cfg["data"]["unused0"], "local-lvm:vm-402-disk-0", "{cfg}");
+    assert_eq!(config(402, &["delete=unused0"])["exitstatus"], "OK");
+    assert!(!other.exists());
+}

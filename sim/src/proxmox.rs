@@ -19,6 +19,13 @@
 //! as lvmthin holds raw). Under `/api2/json`: version, nodes, storage list
 //! and content (list, delete), upload, task status and log, qemu list,
 //! create, config (GET/POST/PUT), resize, status/start|stop|current, delete.
+//! Config changes follow qemu-server (src/PVE/API2/Qemu.pm `update_vm_api`):
+//! a replaced or detached drive the VM owns (`vm-<vmid>-…`) is parked as the
+//! first free `unusedN`; `delete=unusedN` frees its volume only when the VM
+//! owns it, and fails the task with "unable to delete '…' - volume is still
+//! in use (snapshot?)" while a drive still uses it (`try_deallocate_drive`).
+//! `DELETE …/content/{volume}` frees any volume, referenced or not, as
+//! pve-storage's `vdisk_free` does.
 //! Every request is checked against the vendored API schema
 //! ([`crate::proxmox_schema`]). `GET /_sim/stats` (no auth) gives counts
 //! taken in the handlers: requests, uploads (completed upload tasks),
@@ -1548,12 +1555,9 @@ impl Pve {
                     continue;
                 };
                 if d.starts_with("unused") {
-                    let (file, _) = split_drive(&old);
-                    let path = pve.volume_path(&file)?;
-                    let _ = std::fs::remove_file(&path);
-                    log.push(format!("delete unused disk '{file}'"));
+                    pve.deallocate_unused(vmid, &vm.config, &old, log)?;
                 } else if is_drive(d) {
-                    move_to_unused(&mut vm.config, &old);
+                    move_to_unused(&mut vm.config, &old, vmid);
                 }
             }
             let mut taken = Vec::new();
@@ -1563,7 +1567,7 @@ impl Pve {
                     if let Some(old) = vm.config.get(k).cloned()
                         && split_drive(&old).0 != split_drive(&new).0
                     {
-                        move_to_unused(&mut vm.config, &old);
+                        move_to_unused(&mut vm.config, &old, vmid);
                     }
                     new
                 } else if k.starts_with("net") {
@@ -1583,6 +1587,35 @@ impl Pve {
             apply(self, &mut Vec::new()).map_err(die)?;
             Ok(Value::Null)
         }
+    }
+
+    /// `delete=unusedN` (qemu-server src/PVE/QemuServer.pm
+    /// `try_deallocate_drive`): a volume the VM owns is freed, unless a
+    /// drive of the config (`config`, the entry already taken out) still
+    /// uses it; a volume of another VM only leaves the config.
+    fn deallocate_unused(
+        &self,
+        vmid: u32,
+        config: &BTreeMap<String, String>,
+        entry: &str,
+        log: &mut Vec<String>,
+    ) -> Result<(), String> {
+        let (file, _) = split_drive(entry);
+        if volume_owner(&file) != Some(vmid) {
+            return Ok(());
+        }
+        let in_use = config
+            .iter()
+            .any(|(k, v)| is_drive(k) && split_drive(v).0 == file);
+        if in_use {
+            return Err(format!(
+                "unable to delete '{file}' - volume is still in use (snapshot?)"
+            ));
+        }
+        let path = self.volume_path(&file)?;
+        let _ = std::fs::remove_file(&path);
+        log.push(format!("delete unused disk '{file}'"));
+        Ok(())
     }
 
     fn resize(self: &Arc<Self>, vmid: u32, p: &BTreeMap<String, String>) -> ApiResult {
@@ -1669,7 +1702,7 @@ impl Pve {
                     if is_drive(k) || k.starts_with("unused") {
                         let (file, _) = split_drive(v);
                         if let Ok(path) = pve.volume_path(&file)
-                            && file.contains(&format!("vm-{vmid}-"))
+                            && volume_owner(&file) == Some(vmid)
                         {
                             let _ = std::fs::remove_file(path);
                             log.push(format!("  Logical volume \"{file}\" successfully removed."));
@@ -1802,13 +1835,36 @@ fn key10_target(value: &[u8]) -> Result<(String, Option<String>), String> {
     Ok((ip.to_string(), hostname))
 }
 
-/// Replacing or deleting a disk keeps its volume as the first free `unusedN`.
-fn move_to_unused(config: &mut BTreeMap<String, String>, old: &str) {
+/// Replacing or deleting a disk keeps its volume as the first free
+/// `unusedN`, once, and only when the VM owns it (qemu-server
+/// src/PVE/QemuServer.pm `vmconfig_register_unused_drive`, pve-guest-common
+/// `add_unused_volume`): another VM's volume just leaves the config.
+fn move_to_unused(config: &mut BTreeMap<String, String>, old: &str, vmid: u32) {
     let (file, _) = split_drive(old);
+    if volume_owner(&file) != Some(vmid)
+        || config
+            .iter()
+            .any(|(k, v)| k.starts_with("unused") && *v == file)
+    {
+        return;
+    }
     let n = (0..)
         .find(|n| !config.contains_key(&format!("unused{n}")))
         .expect("a free unused slot");
     config.insert(format!("unused{n}"), file);
+}
+
+/// The VM a volume belongs to by its name (`vm-<vmid>-…`, `base-<vmid>-…`),
+/// as pve-storage's `parse_volname` gives it; None for ISO, import and
+/// other volumes no VM owns.
+fn volume_owner(volid: &str) -> Option<u32> {
+    let name = volid.split_once(':')?.1;
+    let rest = name
+        .strip_prefix("vm-")
+        .or_else(|| name.strip_prefix("base-"))?;
+    let (id, disk) = rest.split_once('-')?;
+    (!disk.is_empty()).then_some(())?;
+    id.parse().ok()
 }
 
 /// `add_random_macs`: a NIC without a MAC gets one (Proxmox's BC:24:11 prefix).
@@ -1990,6 +2046,15 @@ mod tests {
         assert!(
             is_drive("scsi0") && is_drive("efidisk0") && !is_drive("scsihw") && !is_drive("net0")
         );
+    }
+
+    #[test]
+    fn volumes_belong_to_the_vm_their_name_gives() {
+        assert_eq!(volume_owner("local-lvm:vm-301-disk-1"), Some(301));
+        assert_eq!(volume_owner("local-lvm:base-9000-disk-0"), Some(9000));
+        assert_eq!(volume_owner("local:import/lab-cp-01.raw"), None);
+        assert_eq!(volume_owner("local-lvm:vm-301-"), None);
+        assert_eq!(volume_owner("vm-301-disk-1"), None);
     }
 
     #[test]

@@ -308,7 +308,13 @@ struct ValidateArgs {
 }
 
 fn validate(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
-    let inv = load_inventory(config, output).context("inventory is not valid")?;
+    let mut inv = load_inventory(config, output).context("inventory is not valid")?;
+    if let Some(advice) = inv.vmid_advice() {
+        if output == Output::Text {
+            eprintln!("warning: {advice}");
+        }
+        inv.warnings.push(advice);
+    }
     let opts = imgbuild::talos::stage::BootstrapOptions {
         state_dir: args.state.state_dir,
         patch_vars: talos::patch_vars(),

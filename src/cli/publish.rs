@@ -68,6 +68,12 @@ impl proxmox::Observer for Lines {
             Event::UploadRetry { attempt, why } => format!("upload retry {attempt}: {why}"),
             Event::Uploaded { volid } => format!("stored {volid}"),
             Event::AlreadyStored { volid } => format!("{volid} already stored"),
+            Event::VmFound {
+                vmid,
+                inventory_vmid,
+            } => format!(
+                "its VM is {vmid}, not {inventory_vmid} (firstId + position): kept; pin `vmid: {vmid}` on the node"
+            ),
             Event::VmCreated { vmid } => format!("VM {vmid} created"),
             Event::VmUnchanged { vmid } => format!("VM {vmid} already boots this image"),
             Event::VmOutdated { vmid, running } => format!(
@@ -154,7 +160,11 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
                             VmChange::Outdated => "outdated",
                         };
                         let started = if p.started { ", started" } else { "" };
-                        format!("  VM {id} {change}{started}")
+                        let moved = p
+                            .inventory_vmid
+                            .map(|i| format!(" (not {i}: pin vmid {id})"))
+                            .unwrap_or_default();
+                        format!("  VM {id}{moved} {change}{started}")
                     }
                     _ => String::new(),
                 };

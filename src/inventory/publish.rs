@@ -174,6 +174,29 @@ impl Inventory {
     }
 }
 
+impl Inventory {
+    /// `validate`'s advice on vmids: nodes that take theirs from
+    /// `firstId` + position, which shifts when a node is inserted or removed
+    /// before them (existing VMs are found by name, new ones take the
+    /// shifted ID). Not a load warning: every command would repeat it.
+    pub fn vmid_advice(&self) -> Option<String> {
+        self.publish.proxmox.as_ref()?.vm.as_ref()?.first_id?;
+        let unpinned: Vec<String> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.vmid.is_none())
+            .filter_map(|(i, n)| Some(format!("{} ({})", n.name, self.vmid(i)?)))
+            .collect();
+        (!unpinned.is_empty()).then(|| {
+            format!(
+                "vmids from publish.proxmox.vm.firstId + position shift when a node is inserted or removed before them; pin `vmid:` on {}",
+                unpinned.join(", ")
+            )
+        })
+    }
+}
+
 /// Proxmox storage and node identifiers (`pve-storage-id`, `pve-node`).
 fn is_pve_id(s: &str) -> bool {
     let mut chars = s.chars();

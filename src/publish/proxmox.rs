@@ -195,6 +195,12 @@ pub enum Event {
     AlreadyStored {
         volid: String,
     },
+    /// The node's VM is `vmid`, not the `inventory_vmid` that `firstId` +
+    /// position gives: it is kept, not made again.
+    VmFound {
+        vmid: u32,
+        inventory_vmid: u32,
+    },
     VmCreated {
         vmid: u32,
     },
@@ -236,6 +242,10 @@ pub struct NodePublished {
     pub uploaded: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vmid: Option<u32>,
+    /// The vmid the inventory gives (`firstId` + position) when the node's
+    /// VM was found under another one (`vmid`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inventory_vmid: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vm: Option<VmChange>,
     pub started: bool,
@@ -339,7 +349,7 @@ fn vm_params(
         ("ostype", "l26".into()),
         ("cores", vm.cores.to_string()),
         ("memory", vm.memory.to_string()),
-        ("description", description(volid, sha256)),
+        ("description", description(inv, &node.name, volid, sha256)),
     ];
     let agent = inv
         .image
@@ -357,20 +367,63 @@ fn scsi0(vm: &ProxmoxVm, volid: &str) -> String {
     format!("{}:0,import-from={volid},discard=on,ssd=1", vm.storage)
 }
 
-/// The VM's description records the volume it was made from: the config
-/// shows only the VM's own copy of the disk.
-fn description(volid: &str, sha256: &str) -> String {
+/// The first line of every description imgbuild writes: a VM without it
+/// was not made by imgbuild and is never started or changed.
+const MANAGED: &str = "Talos node image managed by imgbuild";
+
+/// The VM's description records whose VM it is (cluster and node: the name
+/// alone may be anyone's) and the volume it was made from (the config shows
+/// only the VM's own copy of the disk).
+fn description(inv: &Inventory, node: &str, volid: &str, sha256: &str) -> String {
     format!(
-        "Talos node image managed by imgbuild\nimgbuild-volume: {volid}\nimgbuild-sha256: {sha256}\n"
+        "{MANAGED}\nimgbuild-cluster: {}\nimgbuild-node: {node}\nimgbuild-volume: {volid}\nimgbuild-sha256: {sha256}\n",
+        inv.cluster.name
     )
 }
 
-fn described_volume(config: &Value) -> Option<String> {
+/// The value of one `imgbuild-<key>: ` line of the description.
+fn described(config: &Value, key: &str) -> Option<String> {
+    let prefix = format!("imgbuild-{key}: ");
     config["description"]
         .as_str()?
         .lines()
-        .find_map(|l| l.strip_prefix("imgbuild-volume: "))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .map(str::to_owned)
+}
+
+fn described_volume(config: &Value) -> Option<String> {
+    described(config, "volume")
+}
+
+/// Whose VM a config is, by its description.
+#[derive(Debug, PartialEq, Eq)]
+enum Owner {
+    /// imgbuild made it for this node of this cluster (or, before it
+    /// recorded them, for a node of this name).
+    Node,
+    /// imgbuild did not make it (by hand, Terraform, …).
+    NotImgbuild,
+    /// imgbuild made it for another cluster's node, or another node.
+    Other { cluster: String, node: String },
+}
+
+fn owner(config: &Value, cluster: &str, node: &str) -> Owner {
+    let managed = config["description"]
+        .as_str()
+        .is_some_and(|d| d.lines().any(|l| l.trim_end() == MANAGED));
+    if !managed {
+        return Owner::NotImgbuild;
+    }
+    let c = described(config, "cluster");
+    let n = described(config, "node");
+    if c.as_deref().is_none_or(|c| c == cluster) && n.as_deref().is_none_or(|n| n == node) {
+        Owner::Node
+    } else {
+        Owner::Other {
+            cluster: c.unwrap_or_default(),
+            node: n.unwrap_or_default(),
+        }
+    }
 }
 
 /// The node a UPID belongs to (its second field).
@@ -705,6 +758,7 @@ fn publish_node(
         sha256: img.sha256.clone(),
         uploaded,
         vmid: None,
+        inventory_vmid: None,
         vm: None,
         started: false,
     };
@@ -716,10 +770,6 @@ fn publish_node(
         .iter()
         .position(|n| n.name == img.node)
         .ok_or_else(|| node_err("not in the inventory".into()))?;
-    let vmid = inv.vmid(index).ok_or_else(|| {
-        node_err("no vmid (set publish.proxmox.vm.firstId or the node's vmid)".into())
-    })?;
-    out.vmid = Some(vmid);
     if img.size > u64::from(vm.disk_size) << 30 {
         return Err(node_err(format!(
             "the image ({} bytes) is larger than publish.proxmox.vm.diskSize ({} GiB)",
@@ -727,9 +777,21 @@ fn publish_node(
         )));
     }
     let pve = &s.node;
+    let place = place(api, inv, pve, vms, index)?;
+    let vmid = place.vmid;
+    out.vmid = Some(vmid);
+    out.inventory_vmid = place.inventory_vmid;
+    if let Some(inventory_vmid) = place.inventory_vmid {
+        observer.event(
+            &img.node,
+            &Event::VmFound {
+                vmid,
+                inventory_vmid,
+            },
+        );
+    }
     let base = format!("/nodes/{pve}/qemu/{vmid}");
-    let existing = listed_vm(vms, vmid);
-    let running = match existing {
+    let running = match place.existing {
         None => {
             let params = vm_params(inv, index, vm, vmid, &volid, &img.sha256);
             let task = api.post("creating VM", &format!("/nodes/{pve}/qemu"), &params)?;
@@ -739,10 +801,7 @@ fn publish_node(
             out.vm = Some(VmChange::Created);
             false
         }
-        Some(v) => {
-            check_owner(v, vmid, pve, &img.node)?;
-            let config = api.get("reading VM config", &format!("{base}/config"))?;
-            let running = v["status"] == "running";
+        Some((running, config)) => {
             let current = described_volume(&config);
             match vm_verdict(current.as_deref(), &volid, opts.replace_disk) {
                 VmChange::Unchanged => {
@@ -762,7 +821,13 @@ fn publish_node(
                     out.vm = Some(VmChange::Outdated);
                 }
                 VmChange::Created | VmChange::Updated => {
-                    replace_disk(api, &base, vm, vmid, &volid, &img.sha256, running, opts)?;
+                    let old = config["scsi0"].as_str().map(drive_volume);
+                    let disk = NewDisk {
+                        volid: &volid,
+                        description: &description(inv, &img.node, &volid, &img.sha256),
+                        replaces: old,
+                    };
+                    replace_disk(api, &base, vm, vmid, &disk, running, opts)?;
                     observer.event(&img.node, &Event::DiskReplaced { vmid });
                     out.vm = Some(VmChange::Updated);
                     return start_if_wanted(
@@ -778,25 +843,117 @@ fn publish_node(
     )
 }
 
-/// The VM `vmid` in a `GET /nodes/{node}/qemu` listing.
-fn listed_vm(vms: &Value, vmid: u32) -> Option<&Value> {
-    vms.as_array().into_iter().flatten().find(|v| {
-        v["vmid"].as_u64() == Some(u64::from(vmid)) || v["vmid"].as_str() == Some(&vmid.to_string())
-    })
+/// The volume of a drive string (`local-lvm:vm-300-disk-1,size=10G`).
+fn drive_volume(drive: &str) -> &str {
+    drive.split(',').next().unwrap_or_default()
 }
 
-/// A listed VM must carry the node's name: imgbuild never takes over a VM
-/// someone else made under the same vmid.
-fn check_owner(listed: &Value, vmid: u32, pve: &str, node: &str) -> Result<(), ProxmoxError> {
-    let name = listed["name"].as_str().unwrap_or("");
-    if name == node {
-        return Ok(());
+/// A listed VM's vmid (a number, or a string on some versions).
+fn listed_id(v: &Value) -> Option<u32> {
+    match &v["vmid"] {
+        Value::Number(n) => n.as_u64().and_then(|n| u32::try_from(n).ok()),
+        Value::String(s) => s.parse().ok(),
+        _ => None,
     }
-    Err(ProxmoxError::Node {
-        node: node.to_owned(),
-        message: format!(
-            "vmid {vmid} on {pve} belongs to VM {name:?}, not to this node; imgbuild never overwrites another VM (choose another vmid or firstId)"
-        ),
+}
+
+/// Where a node's VM is, or is to be made.
+struct Placement {
+    vmid: u32,
+    /// The vmid the inventory gives (`firstId` + position) when the node's
+    /// VM was found under another.
+    inventory_vmid: Option<u32>,
+    /// The VM when it exists: whether it runs, and its config.
+    existing: Option<(bool, Value)>,
+}
+
+/// Finds a node's VM by what it is, not where the list puts it: the VM
+/// named as the node whose description says imgbuild made it for this node
+/// of this cluster. Such a VM under another vmid than the computed one is
+/// kept (`firstId` + position assigns IDs once; inserting a node shifts
+/// them) and named with both IDs; under another vmid than a pinned `vmid`
+/// it is an error. Never a second VM for a node, and never a VM imgbuild
+/// did not make: a VM of the node's name without imgbuild's description is
+/// neither started nor changed, nor does the node get another VM beside it.
+fn place(
+    api: &Api,
+    inv: &Inventory,
+    pve: &str,
+    vms: &Value,
+    index: usize,
+) -> Result<Placement, ProxmoxError> {
+    let node = &inv.nodes[index];
+    let err = |message: String| ProxmoxError::Node {
+        node: node.name.clone(),
+        message,
+    };
+    let wanted = inv
+        .vmid(index)
+        .ok_or_else(|| err("no vmid (set publish.proxmox.vm.firstId or the node's vmid)".into()))?;
+    let listed: Vec<(u32, &Value)> = vms
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| Some((listed_id(v)?, v)))
+        .collect();
+    let mut mine = Vec::new();
+    let mut foreign = Vec::new();
+    for &(id, v) in listed.iter().filter(|(_, v)| v["name"] == *node.name) {
+        let config = api.get(
+            "reading VM config",
+            &format!("/nodes/{pve}/qemu/{id}/config"),
+        )?;
+        match owner(&config, &inv.cluster.name, &node.name) {
+            Owner::Node => mine.push((id, v["status"] == "running", config)),
+            other => foreign.push((id, other)),
+        }
+    }
+    if mine.len() > 1 {
+        let ids: Vec<String> = mine.iter().map(|(id, _, _)| id.to_string()).collect();
+        return Err(err(format!(
+            "{pve} has {} VMs made by imgbuild for this node ({}); imgbuild never picks one: remove the extra ones (qm destroy)",
+            ids.len(),
+            ids.join(", ")
+        )));
+    }
+    if let Some((id, running, config)) = mine.pop() {
+        let inventory_vmid = match (id == wanted, node.vmid.is_some()) {
+            (true, _) => None,
+            (false, true) => {
+                return Err(err(format!(
+                    "its VM on {pve} is vmid {id}, but nodes[{index}].vmid is {wanted}; imgbuild never moves a VM nor makes a second one: set vmid: {id}, or remove VM {id} to have the node's VM made as {wanted}"
+                )));
+            }
+            (false, false) => Some(wanted),
+        };
+        return Ok(Placement {
+            vmid: id,
+            inventory_vmid,
+            existing: Some((running, config)),
+        });
+    }
+    if let Some((id, why)) = foreign.first() {
+        let why = match why {
+            Owner::Other { cluster, node } => {
+                format!("imgbuild made it for node {node:?} of cluster {cluster:?}")
+            }
+            _ => "imgbuild did not make it (its description has no imgbuild record)".into(),
+        };
+        return Err(err(format!(
+            "VM {id} on {pve} is named {:?}, but {why}; imgbuild never starts or changes such a VM, nor makes a second {:?} beside it: rename or remove VM {id}",
+            node.name, node.name
+        )));
+    }
+    if let Some((_, v)) = listed.iter().find(|(id, _)| *id == wanted) {
+        let name = v["name"].as_str().unwrap_or("");
+        return Err(err(format!(
+            "vmid {wanted} on {pve} belongs to VM {name:?}, not to this node; imgbuild never overwrites another VM (pin another vmid on the node, or change firstId)"
+        )));
+    }
+    Ok(Placement {
+        vmid: wanted,
+        inventory_vmid: None,
+        existing: None,
     })
 }
 
@@ -824,6 +981,9 @@ pub struct NodePlan {
     pub upload: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vmid: Option<u32>,
+    /// The vmid the inventory gives when the node's VM is another one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inventory_vmid: Option<u32>,
     /// What would happen to its VM: `created` for a new one; unknown for an
     /// existing VM while the image is not built.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -862,6 +1022,7 @@ pub fn plan(
             volid,
             upload,
             vmid: None,
+            inventory_vmid: None,
             vm: None,
             start: false,
         };
@@ -876,24 +1037,16 @@ pub fn plan(
                 node: node.to_owned(),
                 message: "not in the inventory".into(),
             })?;
-        let vmid = inv.vmid(index).ok_or_else(|| ProxmoxError::Node {
-            node: node.to_owned(),
-            message: "no vmid (set publish.proxmox.vm.firstId or the node's vmid)".into(),
-        })?;
-        out.vmid = Some(vmid);
-        match listed_vm(&vms, vmid) {
+        let place = place(&api, inv, pve, &vms, index)?;
+        out.vmid = Some(place.vmid);
+        out.inventory_vmid = place.inventory_vmid;
+        match place.existing {
             None => {
                 out.vm = Some(VmChange::Created);
                 out.start = vm.start;
             }
-            Some(v) => {
-                check_owner(v, vmid, pve, node)?;
-                let running = v["status"] == "running";
+            Some((running, config)) => {
                 if let Some(volid) = &out.volid {
-                    let config = api.get(
-                        "reading VM config",
-                        &format!("/nodes/{pve}/qemu/{vmid}/config"),
-                    )?;
                     let verdict = vm_verdict(
                         described_volume(&config).as_deref(),
                         volid,
@@ -952,16 +1105,28 @@ fn resize(
     api.wait("growing the disk", &task, opts)
 }
 
-/// Stop, import the new volume as `scsi0`, drop the old disk (left as
-/// `unusedN`), grow it; the caller starts the VM again.
-#[allow(clippy::too_many_arguments)]
+/// The disk a VM gets in place of its `scsi0`.
+struct NewDisk<'a> {
+    /// The import volume.
+    volid: &'a str,
+    /// The VM's description that records it.
+    description: &'a str,
+    /// The volume `scsi0` holds now.
+    replaces: Option<&'a str>,
+}
+
+/// Stop, import the new volume as `scsi0`, delete the old disk, grow it;
+/// the caller starts the VM again. qemu-server parks the old volume as an
+/// `unusedN` entry, and deleting an `unusedN` frees its volume
+/// (src/PVE/API2/Qemu.pm `update_vm_api`, src/PVE/QemuServer.pm
+/// `try_deallocate_drive`): only the entry holding the old `scsi0` is
+/// deleted, never a disk the user parked on the VM.
 fn replace_disk(
     api: &Api,
     base: &str,
     vm: &ProxmoxVm,
     vmid: u32,
-    volid: &str,
-    sha256: &str,
+    disk: &NewDisk,
     running: bool,
     opts: &PublishOptions,
 ) -> Result<(), ProxmoxError> {
@@ -973,8 +1138,8 @@ fn replace_disk(
         "importing the new disk",
         &format!("{base}/config"),
         &[
-            ("scsi0", scsi0(vm, volid)),
-            ("description", description(volid, sha256)),
+            ("scsi0", scsi0(vm, disk.volid)),
+            ("description", disk.description.to_owned()),
         ],
     )?;
     api.wait(
@@ -987,7 +1152,12 @@ fn replace_disk(
         .as_object()
         .into_iter()
         .flatten()
-        .filter(|(k, _)| k.starts_with("unused"))
+        .filter(|(k, v)| {
+            k.starts_with("unused")
+                && disk
+                    .replaces
+                    .is_some_and(|old| v.as_str().map(drive_volume) == Some(old))
+        })
         .map(|(k, _)| k.clone())
         .collect();
     if !unused.is_empty() {

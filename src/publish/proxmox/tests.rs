@@ -145,10 +145,12 @@ fn vms_get_settings_that_boot_talos() {
     assert_eq!((p["onboot"].as_str(), p["balloon"].as_str()), ("1", "0"));
     assert_eq!((p["cores"].as_str(), p["memory"].as_str()), ("2", "4096"));
     assert_eq!(p["name"], "cp-01");
+    let config = serde_json::json!({"description": p["description"]});
     assert_eq!(
-        described_volume(&serde_json::json!({"description": p["description"]})).as_deref(),
+        described_volume(&config).as_deref(),
         Some("local:import/x.raw")
     );
+    assert_eq!(owner(&config, "lab", "cp-01"), Owner::Node);
     let w: BTreeMap<&str, String> = vm_params(&inv, 1, &vm, 301, "v", "ab")
         .into_iter()
         .collect();
@@ -190,4 +192,33 @@ fn a_vm_keeps_its_disk_unless_asked_to_replace_an_older_one() {
     assert_eq!(vm_verdict(Some(old), new, true), VmChange::Updated);
     assert_eq!(vm_verdict(None, new, false), VmChange::Outdated);
     assert_eq!(vm_verdict(None, new, true), VmChange::Updated);
+}
+
+#[test]
+fn a_vm_is_the_nodes_only_when_imgbuild_made_it_for_that_node_of_that_cluster() {
+    let config = |d: &str| serde_json::json!({ "description": d });
+    let ours = "Talos node image managed by imgbuild\nimgbuild-cluster: lab\nimgbuild-node: cp-01\nimgbuild-volume: local:import/a.raw\n";
+    assert_eq!(owner(&config(ours), "lab", "cp-01"), Owner::Node);
+    assert_eq!(
+        owner(&config(ours), "prod", "cp-01"),
+        Owner::Other {
+            cluster: "lab".into(),
+            node: "cp-01".into()
+        }
+    );
+    assert!(matches!(
+        owner(&config(ours), "lab", "cp-02"),
+        Owner::Other { .. }
+    ));
+    // Written before imgbuild recorded cluster and node: the name decides.
+    let older = "Talos node image managed by imgbuild\nimgbuild-volume: local:import/a.raw\n";
+    assert_eq!(owner(&config(older), "lab", "cp-01"), Owner::Node);
+    assert_eq!(
+        owner(&config("Managed by Terraform"), "lab", "cp-01"),
+        Owner::NotImgbuild
+    );
+    assert_eq!(
+        owner(&serde_json::json!({"name": "cp-01"}), "lab", "cp-01"),
+        Owner::NotImgbuild
+    );
 }
