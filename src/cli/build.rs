@@ -1,6 +1,6 @@
 //! `imgbuild node`, `build` and `verify`, and download progress display.
 
-use super::{Output, Reported, load_inventory};
+use super::{Output, Partial, Reported, load_inventory};
 use anyhow::{Result, bail};
 use clap::Args;
 use imgbuild::build::{self, BuildError, BuildOptions, Outcome, Route};
@@ -179,8 +179,10 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
             print_failures(&failures);
         }
     }
+    // Some images done and some not is the documented "partial" (3).
     match summary {
-        Some(s) => Err(Reported(s).into()),
+        Some(s) if outcomes.is_empty() => Err(Reported(s).into()),
+        Some(s) => Err(Partial(s).into()),
         None => Ok(()),
     }
 }
