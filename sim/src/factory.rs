@@ -445,7 +445,11 @@ fn build(
             .collect();
         let tmp = dir.join(".disk.raw.tmp");
         crate::disk::sparse_copy(&sim.base, &tmp)?;
-        crate::disk::merge_meta(&tmp, &tags)?;
+        // The imager writes META only for a schematic's `meta` values: an
+        // image without them is the base as the installer left it.
+        if !tags.is_empty() {
+            crate::disk::merge_meta(&tmp, &tags)?;
+        }
         std::fs::rename(&tmp, &raw)?;
     }
     let tmp = dir.join(format!(".{file}.tmp"));

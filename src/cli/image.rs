@@ -255,13 +255,15 @@ pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
     Ok(())
 }
 
-/// Exit 0 when the images match, 1 (after the report) when they differ.
+/// Exit 0 when the images are the same bytes, 1 (after the report) when
+/// they are not, also when only the bytes differ (ADV tag order, say).
 pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
     let d = disk::diff(&args.a, &args.b)?;
     match output {
         Output::Json => outln!(
             "{}",
-            json!({"a": args.a, "b": args.b, "identical": d.identical(), "diff": d})
+            json!({"a": args.a, "b": args.b, "identical": d.identical(),
+                   "equivalent": d.equivalent(), "diff": d})
         ),
         Output::Text => {
             for line in d.layout.iter().chain(&d.meta) {
@@ -271,7 +273,9 @@ pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
                 outln!("{name}: contents differ");
             }
             if d.identical() {
-                outln!("identical: same partitions, same contents, same META tags");
+                outln!("identical: the same bytes");
+            } else if d.equivalent() {
+                outln!("same META tags and partition contents, different bytes");
             }
         }
     }
