@@ -1,4 +1,5 @@
-//! The Image Factory double: the HTTP API of shared/FORMATS.md §2, images
+//! The Image Factory double: the HTTP API of siderolabs/image-factory
+//! `internal/frontend/http` (`http.go`, `image.go`, `registry.go`), images
 //! built from one Talos-shaped base with each schematic's META baked in, and
 //! switches that make it misbehave the ways real downloads go wrong.
 //!
