@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 mod common;
+use common::otherfs::other_fs;
 use common::sims::Sim;
-use common::{root, text, tmpfs_dir};
+use common::{root, text};
 
 const LOOPBACK: &str = "examples/loopback/cluster.yaml";
 
@@ -768,7 +769,7 @@ fn allocated(path: &Path) -> u64 {
 fn both_routes_build_across_filesystems_and_the_images_stay_sparse() {
     let sim = Sim::start(&[]);
     let disk = tempfile::tempdir().unwrap();
-    let Some(mem) = tmpfs_dir(disk.path()) else {
+    let Some(mem) = other_fs(disk.path()) else {
         return;
     };
     // Cache on tmpfs with out/ on disk, then the reverse.

@@ -9,7 +9,8 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 mod common;
-use common::{atlas_copy, imgbuild, root, text, tmpfs_dir};
+use common::otherfs::other_fs;
+use common::{atlas_copy, imgbuild, root, text};
 
 const ATLAS: &str = "examples/atlas/cluster.yaml";
 
@@ -213,7 +214,7 @@ fn patch_raw_writes_only_meta_and_keeps_key_17() {
 fn patch_across_filesystems_keeps_the_output_sparse() {
     use std::os::unix::fs::MetadataExt;
     let disk = tempfile::tempdir().unwrap();
-    let Some(mem) = tmpfs_dir(disk.path()) else {
+    let Some(mem) = other_fs(disk.path()) else {
         return;
     };
     let fixture = fixtures().join("dual-boot.raw");
