@@ -2,7 +2,12 @@
 # is installed here (Debian packages; the Rust toolchain is the machine's).
 
 CARGO ?= cargo
-IMGBUILD := target/debug/imgbuild
+# Where cargo puts what it builds: ./target, or $CARGO_TARGET_DIR or a cargo
+# config's build.target-dir (shared target folders, CI caches), as cargo says.
+TARGET_DIR := $(or $(shell $(CARGO) metadata --format-version 1 --no-deps 2>/dev/null | \
+	sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p'),target)
+IMGBUILD := $(TARGET_DIR)/debug/imgbuild
+SIM := $(TARGET_DIR)/debug/imgbuild-sim
 ATLAS := examples/atlas/cluster.yaml
 
 .PHONY: demo test deps build lint schematics fuzz bench install
@@ -57,11 +62,11 @@ demo: build
 	@set -e; sims=""; trap 'kill $$sims 2>/dev/null' EXIT; \
 	started() { for i in $$(seq 100); do [ -s "$$1" ] && return 0; sleep 0.1; done; echo "$$1: simulator did not start" >&2; exit 1; }; \
 	field() { sed 's/.*"'"$$2"'":"\([^"]*\)".*/\1/' "$$1"; }; \
-	target/debug/imgbuild-sim factory --base-image $(DEMO)/base/dual-boot.raw \
+	$(SIM) factory --base-image $(DEMO)/base/dual-boot.raw \
 		--state-dir $(DEMO)/factory > $(DEMO)/factory.json & sims="$$sims $$!"; \
-	target/debug/imgbuild-sim nodes --vip 127.0.10.20 > $(DEMO)/nodes.json & sims="$$sims $$!"; \
+	$(SIM) nodes --vip 127.0.10.20 > $(DEMO)/nodes.json & sims="$$sims $$!"; \
 	started $(DEMO)/factory.json; started $(DEMO)/nodes.json; \
-	target/debug/imgbuild-sim proxmox --state-dir $(DEMO)/pve --auth-delay-ms 0 --task-delay-ms 100 \
+	$(SIM) proxmox --state-dir $(DEMO)/pve --auth-delay-ms 0 --task-delay-ms 100 \
 		--nodes-control $$(field $(DEMO)/nodes.json control) > $(DEMO)/pve.json & sims="$$sims $$!"; \
 	started $(DEMO)/pve.json; \
 	export PROXMOX_VE_ENDPOINT=$$(field $(DEMO)/pve.json url); \
@@ -86,7 +91,7 @@ PREFIX ?= /usr/local
 BIN ?=
 install:
 	@set -e; bin="$(BIN)"; \
-	if [ -z "$$bin" ]; then $(CARGO) build --locked --release --bin imgbuild; bin=target/release/imgbuild; fi; \
+	if [ -z "$$bin" ]; then $(CARGO) build --locked --release --bin imgbuild; bin="$(TARGET_DIR)/release/imgbuild"; fi; \
 	root="$(DESTDIR)$(PREFIX)"; \
 	install -d "$$root/bin" "$$root/share/man/man1" "$$root/share/bash-completion/completions" \
 		"$$root/share/zsh/site-functions" "$$root/share/fish/vendor_completions.d"; \

@@ -8,6 +8,8 @@ const PROTOS: [&str; 3] = [
     "common/common.proto",
 ];
 
+// Cargo reads a build script's directives from its stdout.
+#[allow(clippy::disallowed_macros)]
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     let fds = protox::compile(PROTOS, ["proto"])?;

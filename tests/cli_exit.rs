@@ -257,3 +257,77 @@ fn a_partial_publish_is_3_with_one_document() {
     assert_eq!(v["failed"][0]["node"], "cp-01", "{v}");
     assert!(!text(&o.stdout).contains(&pve.token));
 }
+
+/// Runs imgbuild with stdout on `stdout`, stderr captured.
+fn imgbuild_with_stdout(args: &[&str], stdout: impl Into<std::process::Stdio>) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(args)
+        .current_dir(root())
+        .env_remove("IMGBUILD_CONFIG")
+        .stdout(stdout)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap()
+}
+
+/// `imgbuild … | head -1`: a reader that went away ends every command that
+/// prints as it ends other tools, killed by SIGPIPE without a word; a stdout
+/// that cannot be written for another reason is one message and exit 1.
+#[test]
+fn a_closed_stdout_ends_every_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let bad = broken_inventory(dir.path());
+    let cases: [&[&str]; 12] = [
+        &["--config", LOOPBACK, "validate"],
+        &["--config", LOOPBACK, "--output", "json", "validate"],
+        &["--config", LOOPBACK, "schematic", "--all"],
+        &[
+            "--config",
+            LOOPBACK,
+            "--output",
+            "json",
+            "schematic",
+            "--all",
+        ],
+        &["--config", LOOPBACK, "schematic", "cp-01"],
+        &["--config", LOOPBACK, "plan"],
+        &["--config", LOOPBACK, "plan", "--format", "gitlab"],
+        &["--config", &bad, "--output", "json", "validate"],
+        &["--output", "json", "--bogus"],
+        &["man"],
+        &["completions", "bash"],
+        &["--output", "json", "completions", "zsh"],
+    ];
+    for args in cases {
+        // The reading end is closed before imgbuild starts: its first
+        // write meets EPIPE every time.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let o = imgbuild_with_stdout(args, writer);
+        assert!(o.stderr.is_empty(), "{args:?}: {}", text(&o.stderr));
+        assert_eq!(
+            o.status.signal(),
+            Some(libc::SIGPIPE),
+            "{args:?}: {}",
+            o.status
+        );
+    }
+    // clap prints help itself and ignores the error: quiet, and success.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = imgbuild_with_stdout(&["--help"], writer);
+    assert!(o.stderr.is_empty(), "{}", text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0));
+    // A full disk behind `>` is an error worth a line, not a panic.
+    let full = std::fs::File::options()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let o = imgbuild_with_stdout(&["--config", LOOPBACK, "schematic", "--all"], full);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        text(&o.stderr).trim_end(),
+        "error: writing to stdout: No space left on device (os error 28)"
+    );
+}

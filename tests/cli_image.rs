@@ -9,7 +9,8 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 mod common;
-use common::{atlas_copy, imgbuild, root, text, tmpfs_dir};
+use common::otherfs::other_fs;
+use common::{atlas_copy, imgbuild, root, text};
 
 const ATLAS: &str = "examples/atlas/cluster.yaml";
 
@@ -213,7 +214,7 @@ fn patch_raw_writes_only_meta_and_keeps_key_17() {
 fn patch_across_filesystems_keeps_the_output_sparse() {
     use std::os::unix::fs::MetadataExt;
     let disk = tempfile::tempdir().unwrap();
-    let Some(mem) = tmpfs_dir(disk.path()) else {
+    let Some(mem) = other_fs(disk.path()) else {
         return;
     };
     let fixture = fixtures().join("dual-boot.raw");
@@ -599,4 +600,96 @@ fn patch_refuses_platforms_that_ignore_key_10() {
         text(&o.stderr)
     );
     assert!(!out.exists());
+}
+
+/// `imgbuild diff` says "identical" only for the same bytes, as cmp and
+/// qemu-img compare judge them; the same tags in another ADV order are
+/// equivalent but not identical: exit 1 with that said.
+#[test]
+fn diff_calls_identical_only_the_same_bytes() {
+    let a = fixtures().join("two-tags.raw");
+    // The same tags stored 12 then 17: deleting 17 and setting it again
+    // puts it after 12.
+    let (dir, b) = scratch("two-tags.raw");
+    let value = dir.path().join("v");
+    std::fs::write(&value, "dual-boot").unwrap();
+    run_ok(Command::new(env!("CARGO_BIN_EXE_imgbuild")).args([
+        "meta",
+        "delete",
+        p(&b),
+        "--key",
+        "17",
+    ]));
+    run_ok(Command::new(env!("CARGO_BIN_EXE_imgbuild")).args([
+        "meta",
+        "set",
+        p(&b),
+        "--key",
+        "17",
+        "--value-file",
+        p(&value),
+    ]));
+    let order = |img: &Path| -> Vec<u64> {
+        inspect_json(img)["meta"]["tags"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["key"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(order(&a), [17, 12]);
+    assert_eq!(order(&b), [12, 17]);
+    let cmp = |x: &Path, y: &Path| Command::new("cmp").args([x, y]).output().unwrap().status;
+    let qemu_compare = |x: &Path, y: &Path| {
+        Command::new("qemu-img")
+            .args(["compare", p(x), p(y)])
+            .output()
+            .unwrap()
+            .status
+    };
+    assert!(!cmp(&a, &b).success());
+    assert_eq!(qemu_compare(&a, &b).code(), Some(1));
+    let o = imgbuild(&["diff", p(&a), p(&b)]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert_eq!(
+        text(&o.stdout),
+        "same META tags and partition contents, different bytes\n"
+    );
+    let o = imgbuild(&["diff", p(&a), p(&b), "--output", "json"]);
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        (&v["identical"], &v["equivalent"]),
+        (&false.into(), &true.into()),
+        "{v}"
+    );
+    assert_eq!(v["diff"]["sameBytes"], false, "{v}");
+
+    // A copy, and the same disk as qcow2: identical, as cmp and qemu-img say.
+    let copy = dir.path().join("copy.raw");
+    std::fs::copy(&a, &copy).unwrap();
+    let qcow2 = dir.path().join("a.qcow2");
+    run_ok(Command::new("qemu-img").args(["convert", "-O", "qcow2", p(&a), p(&qcow2)]));
+    assert!(cmp(&a, &copy).success());
+    assert!(qemu_compare(&a, &qcow2).success());
+    for other in [&copy, &qcow2] {
+        let o = imgbuild(&["diff", p(&a), p(other)]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o.stdout));
+        assert_eq!(text(&o.stdout), "identical: the same bytes\n");
+    }
+    // One byte outside every partition: same tags and contents, other bytes.
+    std::os::unix::fs::FileExt::write_all_at(
+        &File::options().write(true).open(&copy).unwrap(),
+        b"X",
+        std::fs::metadata(&copy).unwrap().len() - 40 * 512,
+    )
+    .unwrap();
+    assert_eq!(qemu_compare(&a, &copy).code(), Some(1));
+    let o = imgbuild(&["diff", p(&a), p(&copy)]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o.stdout).contains("different bytes"),
+        "{}",
+        text(&o.stdout)
+    );
 }

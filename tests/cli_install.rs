@@ -119,3 +119,52 @@ fn completions_for_an_unknown_shell_are_a_usage_error() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("bash"), "{}", text(&o.stderr));
 }
+
+/// `make demo` and `make install` run the binaries where cargo put them,
+/// also when CARGO_TARGET_DIR moves them (a shared target folder, a CI
+/// cache). `make -n` shows the commands without building anything.
+#[test]
+fn make_runs_the_binaries_where_cargo_puts_them() {
+    let dry_run = |target: &str, target_dir: Option<&Path>| {
+        let mut make = Command::new("make");
+        make.args(["-n", target, "PREFIX=/nonexistent"])
+            .arg(format!("CARGO={}", env!("CARGO")))
+            .current_dir(root());
+        match target_dir {
+            Some(dir) => make.env("CARGO_TARGET_DIR", dir),
+            None => make.env_remove("CARGO_TARGET_DIR"),
+        };
+        let o = make.output().unwrap();
+        assert!(o.status.success(), "make -n {target}: {}", text(&o.stderr));
+        text(&o.stdout)
+    };
+    let elsewhere = tempfile::tempdir().unwrap();
+    let at = |rel: &str| elsewhere.path().join(rel).display().to_string();
+    let demo = dry_run("demo", Some(elsewhere.path()));
+    for cmd in [
+        "debug/imgbuild-sim factory",
+        "debug/imgbuild-sim proxmox",
+        "debug/imgbuild --config",
+    ] {
+        assert!(
+            demo.contains(&at(cmd)),
+            "{cmd} not under {}:\n{demo}",
+            at("")
+        );
+    }
+    assert!(!demo.contains("target/debug"), "{demo}");
+    let install = dry_run("install", Some(elsewhere.path()));
+    assert!(
+        install.contains(&format!("bin=\"{}\"", at("release/imgbuild"))),
+        "{install}"
+    );
+    // As this test runs: the demo runs the very binary under test.
+    let built = Path::new(env!("CARGO_BIN_EXE_imgbuild"));
+    let here = std::env::var_os("CARGO_TARGET_DIR").map(std::path::PathBuf::from);
+    let demo = dry_run("demo", here.as_deref());
+    assert!(
+        demo.contains(&format!("{} --config", built.display())),
+        "{} not in:\n{demo}",
+        built.display()
+    );
+}

@@ -136,3 +136,49 @@ fn the_changelog_keeps_a_changelog() {
         );
     }
 }
+
+/// Comments cite upstream files (repository and path) or files in this
+/// repository, never the design notes that stay outside it.
+#[test]
+fn citations_name_files_a_clone_has() {
+    fn check(path: &std::path::Path, hits: &mut Vec<String>) {
+        if path.is_dir() {
+            for entry in std::fs::read_dir(path).unwrap() {
+                check(&entry.unwrap().path(), hits);
+            }
+            return;
+        }
+        // This file names them; binary files cannot.
+        let Ok(text) = std::fs::read_to_string(path) else {
+            return;
+        };
+        if path.ends_with("tests/docs.rs") {
+            return;
+        }
+        for (i, line) in text.lines().enumerate() {
+            if ["FORMATS.md", "DESIGN.md", "STYLE.md"]
+                .iter()
+                .any(|doc| line.contains(doc))
+            {
+                hits.push(format!("{}:{}: {line}", path.display(), i + 1));
+            }
+        }
+    }
+    let mut hits = Vec::new();
+    for path in [
+        "src",
+        "sim/src",
+        "tests",
+        "proto",
+        "docs",
+        "bench",
+        "fixtures",
+        "examples",
+        "Makefile",
+        "README.md",
+        "build.rs",
+    ] {
+        check(&root().join(path), &mut hits);
+    }
+    assert!(hits.is_empty(), "{}", hits.join("\n"));
+}

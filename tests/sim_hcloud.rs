@@ -2,7 +2,8 @@
 //! by hand drive the real API: curl for the API, the system OpenSSH client
 //! (with a key from ssh-keygen) for the rescue system, and `zstd | ssh …
 //! dd` for the image. The simulator shares no code with imgbuild, so these
-//! test it against the upstream facts alone (shared/FORMATS.md §6).
+//! test it against the upstream facts alone (apricote/hcloud-upload-image
+//! `hcloudimages/client.go`, the OpenAPI document in `sim/api-schemas/`).
 //! Needs openssh-server, openssh-client and zstd (`make deps`).
 
 use std::io::Write;

@@ -1,5 +1,5 @@
-//! Disk images as the simulators see them: the GPT and Talos META (FORMATS.md §3,
-//! after talos internal/pkg/meta/internal/adv/talos/talos.go), read and written
+//! Disk images as the simulators see them: the GPT and Talos META (after
+//! siderolabs/talos internal/pkg/meta/internal/adv/talos/talos.go), read and written
 //! with this crate's own code, never imgbuild's. The factory bakes META with it;
 //! the Proxmox simulator reads key 10 from a VM's disk with it.
 //!

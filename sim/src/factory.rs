@@ -1,4 +1,5 @@
-//! The Image Factory double: the HTTP API of shared/FORMATS.md §2, images
+//! The Image Factory double: the HTTP API of siderolabs/image-factory
+//! `internal/frontend/http` (`http.go`, `image.go`, `registry.go`), images
 //! built from one Talos-shaped base with each schematic's META baked in, and
 //! switches that make it misbehave the ways real downloads go wrong.
 //!
@@ -640,7 +641,11 @@ fn build(
             .collect();
         let tmp = dir.join(".disk.raw.tmp");
         crate::disk::sparse_copy(&sim.base, &tmp)?;
-        crate::disk::merge_meta(&tmp, &tags)?;
+        // The imager writes META only for a schematic's `meta` values: an
+        // image without them is the base as the installer left it.
+        if !tags.is_empty() {
+            crate::disk::merge_meta(&tmp, &tags)?;
+        }
         std::fs::rename(&tmp, &raw)?;
     }
     let tmp = dir.join(format!(".{file}.tmp"));

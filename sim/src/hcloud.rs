@@ -1,5 +1,7 @@
-//! The Hetzner Cloud double: the API of shared/FORMATS.md §6 on plain HTTP on
-//! loopback, as far as making snapshots through a rescue system needs it,
+//! The Hetzner Cloud double: the API of the OpenAPI document
+//! (`sim/api-schemas/hetzner-cloud.openapi.json`) on plain HTTP on loopback,
+//! as far as making snapshots through a rescue system needs it (the flow of
+//! apricote/hcloud-upload-image `hcloudimages/client.go`),
 //! with a rescue system that is a real OpenSSH sshd ([`crate::hcloud_rescue`]).
 //!
 //! # Contract (tests and the imgbuild client depend on it)

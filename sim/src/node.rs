@@ -1,4 +1,5 @@
-//! The Talos node double (shared/FORMATS.md §4): one process simulates a
+//! The Talos node double (siderolabs/talos `api/machine/machine.proto`,
+//! `internal/app/apid/pkg/director/director.go`): one process simulates a
 //! cluster, each node on its own loopback address and port 50000.
 //!
 //! A node starts in maintenance mode (TLS with a self-signed certificate, no
@@ -46,7 +47,7 @@
 //!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
-//! and numbers FORMATS.md §4 fixes) and the certificate helpers
+//! and numbers are upstream's `api/machine/machine.proto`) and the certificate helpers
 //! (`imgbuild::talos::pki`) to mint its own TLS certificates. Everything the
 //! bootstrap is tested on — config validation (its own jsonschema against
 //! the vendored schema), routing, disks, states — is written here.
@@ -1024,7 +1025,8 @@ struct Api {
 
 const NOT_IN_MAINTENANCE: &str = "API is not implemented in maintenance mode";
 
-/// Where apid's director sends a call (FORMATS.md §4, "Routing").
+/// Where apid's director sends a call (siderolabs/talos
+/// `internal/app/apid/pkg/director/director.go`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Route {
     /// No routing metadata: this node's own machined.

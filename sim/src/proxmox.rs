@@ -1,5 +1,8 @@
 //! The Proxmox VE double: pveproxy's HTTPS API on loopback, as far as
-//! publishing images and running VMs from them needs it (shared/FORMATS.md §5).
+//! publishing images and running VMs from them needs it (proxmox/pve-storage
+//! `src/PVE/API2/Storage/Status.pm`, proxmox/qemu-server `src/PVE/API2/Qemu.pm`,
+//! proxmox/pve-http-server `src/PVE/APIServer/AnyEvent.pm`; the API schema in
+//! `sim/api-schemas/proxmox-ve.apidata.json`).
 //!
 //! # Contract (tests and the imgbuild client depend on it)
 //! ```text

@@ -42,11 +42,11 @@ pub fn pxe(args: PxeArgs, config: &Path, output: Output) -> Result<()> {
         }
     })?;
     match output {
-        Output::Json => println!("{}", serde_json::to_string(&report)?),
+        Output::Json => outln!("{}", serde_json::to_string(&report)?),
         Output::Text => {
             let word = |written: bool| if written { "wrote" } else { "unchanged" };
             for a in &report.assets {
-                println!(
+                outln!(
                     "{:<9} {} ({} bytes) and {} for schematic {}",
                     word(a.kernel.written || a.initramfs.written),
                     a.kernel.path.display(),
@@ -56,7 +56,7 @@ pub fn pxe(args: PxeArgs, config: &Path, output: Output) -> Result<()> {
                 );
             }
             for n in &report.nodes {
-                println!(
+                outln!(
                     "{:<9} {:<16} {} (command line {} bytes)",
                     word(n.script.written),
                     n.node,
@@ -64,7 +64,7 @@ pub fn pxe(args: PxeArgs, config: &Path, output: Output) -> Result<()> {
                     n.cmdline_bytes
                 );
             }
-            println!(
+            outln!(
                 "{:<9} {}: serve {} over HTTP and let iPXE chain it",
                 word(report.boot.written),
                 report.boot.path.display(),

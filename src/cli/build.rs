@@ -1,6 +1,6 @@
 //! `imgbuild node`, `build` and `verify`, and download progress display.
 
-use super::{Output, Reported, load_inventory};
+use super::{Output, Partial, Reported, load_inventory};
 use anyhow::{Result, bail};
 use clap::Args;
 use imgbuild::build::{self, BuildError, BuildOptions, Outcome, Route};
@@ -165,7 +165,7 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
     let opts = args.options();
     match output {
         Output::Json => {
-            println!(
+            outln!(
                 "{}",
                 json!({"images": outcomes, "failed": failed_json(&failures)})
             );
@@ -175,8 +175,10 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
             print_failures(&failures);
         }
     }
+    // Some images done and some not is the documented "partial" (3).
     match summary {
-        Some(s) => Err(Reported(s).into()),
+        Some(s) if outcomes.is_empty() => Err(Reported(s).into()),
+        Some(s) => Err(Partial(s).into()),
         None => Ok(()),
     }
 }
@@ -184,7 +186,7 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
 fn print_outcomes(outcomes: &[Outcome], out_dir: &Path, complete: bool) {
     for o in outcomes {
         let state = if o.built { "built" } else { "up to date" };
-        println!(
+        outln!(
             "{:<12} {:<10} {}  sha256 {}  ({state})",
             o.image.node,
             format!("{:?}", o.image.route).to_lowercase(),
@@ -193,7 +195,7 @@ fn print_outcomes(outcomes: &[Outcome], out_dir: &Path, complete: bool) {
         );
     }
     if complete && outcomes.iter().all(|o| !o.built) {
-        println!(
+        outln!(
             "nothing to do: every image matches {}",
             build::Manifest::path(out_dir).display()
         );
@@ -213,8 +215,8 @@ pub fn fetch(args: FetchArgs, output: Output) -> Result<()> {
         progress.as_ref(),
     )?;
     match output {
-        Output::Json => println!("{}", json!({"artifact": art, "cached": art.cached})),
-        Output::Text => println!(
+        Output::Json => outln!("{}", json!({"artifact": art, "cached": art.cached})),
+        Output::Text => outln!(
             "{}  sha256 {}  {} bytes{}",
             art.path.display(),
             art.sha256,
@@ -244,12 +246,12 @@ pub fn verify(args: VerifyArgs, output: Output) -> Result<()> {
         );
     }
     match output {
-        Output::Json => println!("{}", json!({"images": results})),
+        Output::Json => outln!("{}", json!({"images": results})),
         Output::Text => {
             for r in &results {
                 match &r.problem {
-                    None => println!("{:<12} ok        {}", r.node, r.path.display()),
-                    Some(p) => println!("{:<12} MISMATCH  {}: {p}", r.node, r.path.display()),
+                    None => outln!("{:<12} ok        {}", r.node, r.path.display()),
+                    Some(p) => outln!("{:<12} MISMATCH  {}: {p}", r.node, r.path.display()),
                 }
             }
         }

@@ -165,7 +165,7 @@ pub fn publish(
     }
     let requests = api.requests();
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
             json!({
                 "target": "hcloud",
@@ -183,7 +183,7 @@ pub fn publish(
                 } else {
                     "already existed"
                 };
-                println!(
+                outln!(
                     "snapshot {} {how} for {}  labels {labels}",
                     s.id,
                     s.nodes.join(", ")
@@ -225,16 +225,16 @@ pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
         observer(output == Output::Text),
     );
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
             json!({"deleted": deleted, "leftovers": left, "requests": api.requests()})
         ),
         Output::Text => {
             if deleted.is_empty() && left.is_empty() {
-                println!("nothing to delete: no temporary servers or SSH keys of imgbuild runs");
+                outln!("nothing to delete: no temporary servers or SSH keys of imgbuild runs");
             }
             for d in &deleted {
-                println!("deleted {} {} ({})", d.kind.replace('_', " "), d.id, d.name);
+                outln!("deleted {} {} ({})", d.kind.replace('_', " "), d.id, d.name);
             }
             for l in &left {
                 eprintln!(
@@ -305,16 +305,16 @@ pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<
     }
     let (deleted, left) = servers::delete_cluster(&api, cluster, &opts);
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
             json!({"cluster": cluster, "deleted": deleted, "leftovers": left, "requests": api.requests()})
         ),
         Output::Text => {
             if deleted.is_empty() && left.is_empty() {
-                println!("cluster {cluster} has no servers");
+                outln!("cluster {cluster} has no servers");
             }
             for d in &deleted {
-                println!("deleted server {} ({})", d.id, d.name);
+                outln!("deleted server {} ({})", d.id, d.name);
             }
             for l in &left {
                 eprintln!("could not delete server {}: {}", l.id, l.error);

@@ -9,7 +9,7 @@ use imgbuild::disk::{self, Image};
 use imgbuild::meta::{KEY_NETWORK, PlatformNetworkConfig, key_name};
 use imgbuild::schematic;
 use serde_json::json;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// A META key, decimal or `0x` hex.
@@ -106,7 +106,7 @@ pub fn inspect(args: InspectArgs, output: Output) -> Result<()> {
                     }))})
                 })
                 .collect();
-            println!(
+            outln!(
                 "{}",
                 json!({
                     "image": args.image, "format": img.format, "virtualSize": img.size,
@@ -115,35 +115,42 @@ pub fn inspect(args: InspectArgs, output: Output) -> Result<()> {
             );
         }
         Output::Text => {
-            println!(
+            outln!(
                 "{}: {:?}, {} bytes",
                 args.image.display(),
                 img.format,
                 img.size
             );
-            println!(
+            outln!(
                 "  {:>3}  {:<10} {:>14} {:>14}  type",
-                "#", "name", "offset", "size"
+                "#",
+                "name",
+                "offset",
+                "size"
             );
             for p in &img.partitions {
-                println!(
+                outln!(
                     "  {:>3}  {:<10} {:>14} {:>14}  {}",
-                    p.number, p.name, p.offset, p.size, p.type_guid
+                    p.number,
+                    p.name,
+                    p.offset,
+                    p.size,
+                    p.type_guid
                 );
             }
             for problem in &meta.problems {
                 eprintln!("warning: {problem}");
             }
-            println!("META ({:?} copy): {} tag(s)", meta.source, tags.len());
+            outln!("META ({:?} copy): {} tag(s)", meta.source, tags.len());
             for (key, text, _) in &tags {
                 let name = key_name(*key).unwrap_or("unknown");
                 if text.contains('\n') {
-                    println!("  {key:>3} {name}:");
+                    outln!("  {key:>3} {name}:");
                     for line in text.lines() {
-                        println!("        {line}");
+                        outln!("        {line}");
                     }
                 } else {
-                    println!("  {key:>3} {name}: {text}");
+                    outln!("  {key:>3} {name}: {text}");
                 }
             }
         }
@@ -159,11 +166,11 @@ pub fn meta(args: MetaArgs, output: Output) -> Result<()> {
                 bail!("{}: META has no key {key}", image.display());
             };
             match output {
-                Output::Json => println!(
+                Output::Json => outln!(
                     "{}",
                     json!({"key": key, "name": key_name(key), "value": String::from_utf8_lossy(value)})
                 ),
-                Output::Text => std::io::stdout().write_all(value)?,
+                Output::Text => super::stdout_write(value),
             }
         }
         MetaCommand::Set {
@@ -201,11 +208,11 @@ fn edit_in_place(image: &Path, changes: Vec<MetaChange>, output: Output) -> Resu
     let keys: Vec<u32> = edited.adv.iter().map(|(k, _)| k).collect();
     let changed = edited.changed;
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
             json!({"image": image, "changed": changed, "keys": keys})
         ),
-        Output::Text => println!(
+        Output::Text => outln!(
             "{}: META {} (keys: {keys:?})",
             image.display(),
             if changed { "written" } else { "unchanged" }
@@ -234,11 +241,11 @@ pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
     }
     let kept = patched.kept_keys;
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
             json!({"node": node.name, "base": args.base, "out": args.out, "keptKeys": kept})
         ),
-        Output::Text => println!(
+        Output::Text => outln!(
             "{}: {} with META key 10 for {} (kept keys {kept:?})",
             args.out.display(),
             args.base.display(),
@@ -248,23 +255,27 @@ pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
     Ok(())
 }
 
-/// Exit 0 when the images match, 1 (after the report) when they differ.
+/// Exit 0 when the images are the same bytes, 1 (after the report) when
+/// they are not, also when only the bytes differ (ADV tag order, say).
 pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
     let d = disk::diff(&args.a, &args.b)?;
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
-            json!({"a": args.a, "b": args.b, "identical": d.identical(), "diff": d})
+            json!({"a": args.a, "b": args.b, "identical": d.identical(),
+                   "equivalent": d.equivalent(), "diff": d})
         ),
         Output::Text => {
             for line in d.layout.iter().chain(&d.meta) {
-                println!("{line}");
+                outln!("{line}");
             }
             for name in &d.contents {
-                println!("{name}: contents differ");
+                outln!("{name}: contents differ");
             }
             if d.identical() {
-                println!("identical: same partitions, same contents, same META tags");
+                outln!("identical: the same bytes");
+            } else if d.equivalent() {
+                outln!("same META tags and partition contents, different bytes");
             }
         }
     }

@@ -111,7 +111,7 @@ fn render(imported: &Imported, out: Option<&Path>, problems: Option<&str>, outpu
             if out.is_none() {
                 v["inventory"] = json!(imported.inventory);
             }
-            println!("{v}");
+            outln!("{v}");
         }
         Output::Text => {
             match out {
@@ -121,7 +121,7 @@ fn render(imported: &Imported, out: Option<&Path>, problems: Option<&str>, outpu
                     }
                     eprintln!("wrote {}", out.display());
                 }
-                None => print!("{}", imported.inventory),
+                None => out!("{}", imported.inventory),
             }
             if imported.skipped.is_empty() {
                 eprintln!("everything was carried over");

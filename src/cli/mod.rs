@@ -1,5 +1,24 @@
 //! Commands, their flags, and how their results are shown.
 
+/// `outln!` that ends the program the way other tools end when their
+/// reader went away (`imgbuild … | head -1`), instead of panicking: every
+/// line the CLI prints goes through [`stdout_write`].
+macro_rules! outln {
+    () => {
+        $crate::cli::stdout_write(b"\n")
+    };
+    ($($arg:tt)*) => {
+        $crate::cli::stdout_write(format!("{}\n", format_args!($($arg)*)).as_bytes())
+    };
+}
+
+/// `print!` through [`stdout_write`], as [`outln!`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::stdout_write(format!($($arg)*).as_bytes())
+    };
+}
+
 mod boot;
 mod build;
 mod hcloud;
@@ -160,7 +179,7 @@ pub fn run() -> i32 {
             if output == Output::Json && (partial || e.downcast_ref::<Reported>().is_some()) {
                 // The JSON result on stdout already says what went wrong.
             } else if output == Output::Json {
-                println!("{}", json!({ "error": message }));
+                outln!("{}", json!({ "error": message }));
             } else {
                 eprintln!("error: {message}");
             }
@@ -197,7 +216,7 @@ fn usage_error(e: clap::Error) -> i32 {
         || args.iter().any(|a| a == "--output=json");
     if json_wanted {
         let message = e.render().to_string();
-        println!("{}", json!({ "error": message.trim_end() }));
+        outln!("{}", json!({ "error": message.trim_end() }));
     } else {
         let _ = e.print();
     }
@@ -270,13 +289,35 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
 /// `text` of one document (`fields` say what it is).
 fn print_generated(bytes: &[u8], mut fields: serde_json::Value, output: Output) -> Result<()> {
     match output {
-        Output::Text => std::io::stdout().write_all(bytes)?,
+        Output::Text => stdout_write(bytes),
         Output::Json => {
             fields["text"] = json!(String::from_utf8_lossy(bytes));
-            println!("{fields}");
+            outln!("{fields}");
         }
     }
     Ok(())
+}
+
+/// Writes `bytes` to stdout at once. A reader that closed the pipe ends
+/// the program as it ends `cat` or `seq`: killed by SIGPIPE, silently, so
+/// the shell sees the usual status (141). Rust ignores SIGPIPE so that
+/// sockets and child pipes report EPIPE instead; only stdout dies of it.
+/// Any other write error (a full disk behind `>`) is one message and exit 1.
+pub fn stdout_write(bytes: &[u8]) {
+    let mut out = std::io::stdout().lock();
+    let Err(e) = out.write_all(bytes).and_then(|()| out.flush()) else {
+        return;
+    };
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        // SAFETY: restoring the default action and raising a signal have
+        // no memory effects; the default action for SIGPIPE ends the process.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            libc::raise(libc::SIGPIPE);
+        }
+    }
+    eprintln!("error: writing to stdout: {e}");
+    std::process::exit(EXIT_FAILURE);
 }
 
 /// `--factory` (or `IMGBUILD_FACTORY`), set once before any command runs:
@@ -323,7 +364,7 @@ fn validate(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
     let checked = imgbuild::talos::stage::check(&inv, &opts)
         .map_err(|e| Usage(format!("{}: {}", config.display(), imgbuild::up::chain(&e))))?;
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
             json!({
                 "valid": true,
@@ -338,7 +379,7 @@ fn validate(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
                 }).collect::<serde_json::Map<_, _>>(),
             })
         ),
-        Output::Text => println!(
+        Output::Text => outln!(
             "{}: valid ({} nodes, {} control planes, {} warnings)",
             config.display(),
             inv.nodes.len(),

@@ -86,8 +86,8 @@ pub fn run(args: PlanArgs, configs: &[PathBuf], output: Output) -> Result<()> {
         }
     }
     match format {
-        PlanFormat::Github => println!("{}", github_matrix(&entries)?),
-        PlanFormat::Gitlab => print!("{}", gitlab_jobs(&entries)?),
+        PlanFormat::Github => outln!("{}", github_matrix(&entries)?),
+        PlanFormat::Gitlab => out!("{}", gitlab_jobs(&entries)?),
         PlanFormat::Json => {
             let list: Vec<Value> = entries
                 .iter()
@@ -101,13 +101,13 @@ pub fn run(args: PlanArgs, configs: &[PathBuf], output: Output) -> Result<()> {
                     v
                 })
                 .collect();
-            println!("{}", json!({"artifacts": list}));
+            outln!("{}", json!({"artifacts": list}));
         }
         PlanFormat::Text => {
             for e in &entries {
-                println!("{:<48} {}", e.name, e.command);
+                outln!("{:<48} {}", e.name, e.command);
             }
-            println!("{} artifact(s)", entries.len());
+            outln!("{} artifact(s)", entries.len());
         }
     }
     Ok(())

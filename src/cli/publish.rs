@@ -144,7 +144,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     }
     match output {
         Output::Json => {
-            println!(
+            outln!(
                 "{}",
                 json!({"target": "proxmox", "nodes": published, "failed": failed_json(&failures), "warnings": warnings})
             );
@@ -173,7 +173,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
                 } else {
                     "already stored"
                 };
-                println!(
+                outln!(
                     "{:<12} {}  sha256 {}  ({stored}){vm}",
                     p.node,
                     p.volid,

@@ -88,14 +88,14 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
             } else {
                 list[0].clone()
             };
-            println!("{value}");
+            outln!("{value}");
         }
         Output::Text if args.all => {
             for r in &rendered {
-                println!("{:<16} {}", r.name, r.id);
+                outln!("{:<16} {}", r.name, r.id);
             }
         }
-        Output::Text => print!("{}", rendered[0].text()),
+        Output::Text => out!("{}", rendered[0].text()),
     }
     Ok(())
 }
@@ -113,12 +113,12 @@ fn write_all(rendered: &[ReviewFile], dir: &Path, output: Output) -> Result<()> 
                 .iter()
                 .map(|(n, id, p, c)| json!({"node": n, "id": id, "path": p, "changed": c}))
                 .collect();
-            println!("{}", json!(list));
+            outln!("{}", json!(list));
         }
         Output::Text => {
             for (name, id, path, changed) in &report {
                 let state = if *changed { "written" } else { "unchanged" };
-                println!("{name:<16} {id}  {} ({state})", path.display());
+                outln!("{name:<16} {id}  {} ({state})", path.display());
             }
         }
     }
@@ -139,8 +139,8 @@ fn id_of_file(file: &str, output: Output) -> Result<()> {
         .and_then(|s| Ok(s.id()?))
         .with_context(|| format!("{file}: not a valid schematic"))?;
     match output {
-        Output::Json => println!("{}", json!({"file": file, "id": id})),
-        Output::Text => println!("{id}"),
+        Output::Json => outln!("{}", json!({"file": file, "id": id})),
+        Output::Text => outln!("{id}"),
     }
     Ok(())
 }

@@ -182,7 +182,7 @@ pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
         );
     }
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
             json!({
                 "secrets": path,
@@ -191,7 +191,7 @@ pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
                 "ignoredFields": saved.ignored_fields,
             })
         ),
-        Output::Text => println!(
+        Output::Text => outln!(
             "{}: {} (0600)",
             path.display(),
             if args.secrets.is_some() {
@@ -210,8 +210,8 @@ pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result
     let (bundle, _) = args.state.open(&inv)?.secrets()?;
     let text = config::machine_config(&inv, node, &bundle, &patch_vars())?;
     match output {
-        Output::Json => println!("{}", json!({"node": node.name, "config": text})),
-        Output::Text => print!("{text}"),
+        Output::Json => outln!("{}", json!({"node": node.name, "config": text})),
+        Output::Text => out!("{text}"),
     }
     Ok(())
 }
@@ -227,11 +227,11 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
     } = state.talosconfig(&inv, &bundle, args.force)?;
     let endpoints = cfg.current().map_err(anyhow::Error::msg)?.endpoints.clone();
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
             json!({"talosconfig": path, "written": written, "context": cfg.context, "endpoints": endpoints})
         ),
-        Output::Text => println!(
+        Output::Text => outln!(
             "{}: {} (context {}, endpoints {})",
             path.display(),
             if written { "written" } else { "unchanged" },
@@ -276,7 +276,7 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
     let tc_path = &prepared.talosconfig;
     let plan = &prepared.plan;
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{}",
             json!({
                 "cluster": inv.cluster.name,
@@ -293,12 +293,12 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
             })
         ),
         Output::Text => {
-            println!(
+            outln!(
                 "cluster {} is healthy ({:.1}s)",
                 inv.cluster.name,
                 outcome.elapsed_ms as f64 / 1000.0
             );
-            println!(
+            outln!(
                 "  applied: {}",
                 if outcome.applied.is_empty() {
                     "nothing (all nodes were configured)".to_owned()
@@ -306,7 +306,7 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                     outcome.applied.join(", ")
                 }
             );
-            println!(
+            outln!(
                 "  etcd: {} on {}",
                 if outcome.bootstrapped {
                     "bootstrapped"
@@ -315,12 +315,12 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 },
                 outcome.bootstrap_node
             );
-            println!(
+            outln!(
                 "  kubeconfig: {} (server {})",
                 plan.kubeconfig_path.display(),
                 outcome.kubeconfig_server
             );
-            println!("  talosconfig: {}", tc_path.display());
+            outln!("  talosconfig: {}", tc_path.display());
         }
     }
     Ok(())

@@ -87,7 +87,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
                 doc["failedStage"] = serde_json::json!(stage);
                 doc["error"] = serde_json::json!(up::chain(e));
             }
-            println!("{doc}");
+            outln!("{doc}");
         }
         Output::Text => print_report(&report),
     }
@@ -109,9 +109,10 @@ fn cell(v: Option<String>) -> String {
 
 fn print_report(r: &Report) {
     if r.dry_run {
-        println!(
+        outln!(
             "dry run: cluster {} (target {}); nothing was changed",
-            r.cluster, r.target
+            r.cluster,
+            r.target
         );
     }
     let rows: Vec<[String; 7]> = r.nodes.iter().map(row).collect();
@@ -136,13 +137,13 @@ fn print_report(r: &Report) {
             .zip(widths)
             .map(|(c, w)| format!("{c:<w$}"))
             .collect();
-        println!("{}", text.join("  ").trim_end());
+        outln!("{}", text.join("  ").trim_end());
     };
     line(&head.map(String::from));
     for row in &rows {
         line(row);
     }
-    println!("{}", stage_summary(r));
+    outln!("{}", stage_summary(r));
     // A stop for some nodes sums them up in one line: their errors first.
     if let Some((_, up::UpError::Nodes { .. })) = &r.stopped {
         for n in &r.nodes {
@@ -152,16 +153,16 @@ fn print_report(r: &Report) {
         }
     }
     if r.healthy {
-        println!(
+        outln!(
             "cluster {} is healthy ({:.1}s)",
             r.cluster,
             r.elapsed_ms as f64 / 1000.0
         );
         if let Some(k) = &r.kubeconfig {
-            println!("  kubeconfig: {}", k.display());
+            outln!("  kubeconfig: {}", k.display());
         }
         if let Some(t) = &r.talosconfig {
-            println!("  talosconfig: {}", t.display());
+            outln!("  talosconfig: {}", t.display());
         }
     }
 }

@@ -217,6 +217,57 @@ mod tests {
     }
 
     #[test]
+    fn a_patch_that_changes_no_tag_is_the_base_byte_for_byte() {
+        let dir = fixtures();
+        let base = dir.path().join("two-tags.raw");
+        let out = dir.path().join("node.raw");
+        // A damaged second ADV copy stays damaged: META is not rewritten.
+        let meta = Image::open(&base, false)
+            .unwrap()
+            .meta_partition()
+            .unwrap()
+            .offset;
+        let second = meta + crate::meta::adv::COPY_SIZE as u64 + 100;
+        std::os::unix::fs::FileExt::write_all_at(
+            &std::fs::File::options().write(true).open(&base).unwrap(),
+            b"X",
+            second,
+        )
+        .unwrap();
+        let nothing: [Vec<MetaChange>; 3] = [
+            vec![],
+            vec![(12, Some(b"user-reserved".to_vec()))],
+            vec![(10, None)],
+        ];
+        for changes in nothing {
+            patch(&PatchOptions {
+                base: base.clone(),
+                out: out.clone(),
+                changes: changes.clone(),
+            })
+            .unwrap();
+            let cmp = Command::new("cmp").arg(&base).arg(&out).output().unwrap();
+            assert!(
+                cmp.status.success(),
+                "{changes:?}: {}",
+                String::from_utf8_lossy(&cmp.stdout)
+            );
+        }
+        // An edit rewrites META, the other tags in their order (17 before 12).
+        patch(&PatchOptions {
+            base: base.clone(),
+            out: out.clone(),
+            changes: vec![(12, Some(b"changed".to_vec()))],
+        })
+        .unwrap();
+        assert_eq!(
+            keys(&out),
+            [(17, b"dual-boot".to_vec()), (12, b"changed".to_vec())]
+        );
+        assert!(everything_but_meta(&out) == everything_but_meta(&base));
+    }
+
+    #[test]
     fn a_file_that_is_not_an_image_is_named() {
         let dir = tempfile::tempdir().unwrap();
         let image = dir.path().join("notes.txt");

@@ -10,7 +10,7 @@ mod sparse;
 pub use sparse::copy_sparse;
 pub(crate) use sparse::write_data_blocks;
 
-use crate::io::Magic;
+use crate::io::{BUF_SIZE, Magic};
 use crate::meta::{Adv, Decoded, adv::ADV_SIZE};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -386,6 +386,33 @@ impl Image {
     }
 }
 
+impl Image {
+    /// Whether both images present the same disk, byte for byte, read
+    /// piece by piece through their backends.
+    pub fn same_bytes(&self, other: &Image) -> Result<bool, DiskError> {
+        if self.size != other.size {
+            return Ok(false);
+        }
+        let (mut a, mut b) = (vec![0u8; BUF_SIZE], vec![0u8; BUF_SIZE]);
+        let mut pos = 0;
+        while pos < self.size {
+            let n = (self.size - pos).min(BUF_SIZE as u64) as usize;
+            self.backend
+                .read_at(&mut a[..n], pos)
+                .map_err(io(&self.path))?;
+            other
+                .backend
+                .read_at(&mut b[..n], pos)
+                .map_err(io(&other.path))?;
+            if a[..n] != b[..n] {
+                return Ok(false);
+            }
+            pos += n as u64;
+        }
+        Ok(true)
+    }
+}
+
 /// A partition's bytes as a stream, through the image's block backend.
 struct PartitionReader<'a> {
     image: &'a Image,
@@ -414,16 +441,27 @@ pub struct ImageDiff {
     pub contents: Vec<String>,
     /// META keys only in A, only in B, or with different values.
     pub meta: Vec<String>,
+    /// Whether the disks hold the same bytes, a qcow2 by the disk it holds.
+    #[serde(rename = "sameBytes")]
+    pub same_bytes: bool,
 }
 
 impl ImageDiff {
+    /// The same disk, byte for byte: nothing can tell the images apart.
     pub fn identical(&self) -> bool {
+        self.same_bytes
+    }
+
+    /// Same layout, partition contents and META tags; the bytes may still
+    /// differ (ADV tags in another order, bytes outside the partitions).
+    pub fn equivalent(&self) -> bool {
         self.layout.is_empty() && self.contents.is_empty() && self.meta.is_empty()
     }
 }
 
 /// Compares two images (raw or qcow2, in any mix). META is compared by
-/// decoded tags, since equal tags can sit in differently ordered ADVs.
+/// decoded tags, since equal tags can sit in differently ordered ADVs; the
+/// bytes of equivalent images are compared last.
 pub fn diff(a: &Path, b: &Path) -> Result<ImageDiff, DiskError> {
     let (mut ia, mut ib) = (Image::open(a, false)?, Image::open(b, false)?);
     let mut d = ImageDiff::default();
@@ -462,11 +500,14 @@ pub fn diff(a: &Path, b: &Path) -> Result<ImageDiff, DiskError> {
             }
         }
     }
+    d.same_bytes = d.equivalent() && ia.same_bytes(&ib)?;
     Ok(d)
 }
 
 /// Writes `out` as a copy of `base` (holes kept) with `edits` applied to
-/// META: `Some(value)` sets a key, `None` deletes it; other keys survive.
+/// META: `Some(value)` sets a key, `None` deletes it; other keys survive in
+/// their order. When the edits change no tag, META is not rewritten and
+/// `out` is `base` byte for byte (blocks shared where the filesystem can).
 /// `base` is checked before anything is written, and `out` appears only
 /// complete (temp name, fsync, rename).
 pub fn write_patched_copy(
@@ -480,7 +521,9 @@ pub fn write_patched_copy(
     let mut tmp = crate::atomic::AtomicFile::create(out, false).map_err(io(out))?;
     let src = File::open(base).map_err(io(base))?;
     copy_sparse(&src, tmp.file()).map_err(io(out))?;
-    Image::open(tmp.temp_path(), true)?.write_meta(&adv)?;
+    if adv != before.adv {
+        Image::open(tmp.temp_path(), true)?.write_meta(&adv)?;
+    }
     tmp.commit().map_err(io(out))?;
     Ok(before)
 }

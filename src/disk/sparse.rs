@@ -137,6 +137,11 @@ fn data_extents(file: &File, len: u64) -> impl Iterator<Item = io::Result<(u64, 
     })
 }
 
+/// The end-to-end tests' helper for a second filesystem, shared as source.
+#[cfg(test)]
+#[path = "../../tests/common/otherfs.rs"]
+mod otherfs;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,18 +247,14 @@ mod tests {
         assert!(!kernel_cannot_copy(&io::Error::other("not an errno")));
     }
 
-    /// tmpfs and the disk are different filesystems, where the kernel
+    /// A tmpfs and the disk are different filesystems, where the kernel
     /// answers EXDEV: the copy still works and stays sparse, both ways.
     #[test]
     fn copies_across_filesystems_stay_sparse() {
-        let shm = Path::new("/dev/shm");
         let disk = tempfile::tempdir().unwrap();
-        let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev());
-        if dev(shm).ok() == dev(disk.path()).ok() || !shm.is_dir() {
-            eprintln!("SKIPPED: /dev/shm is not a filesystem of its own here");
+        let Some(mem) = otherfs::other_fs(disk.path()) else {
             return;
-        }
-        let mem = tempfile::tempdir_in(shm).unwrap();
+        };
         for (from, to) in [(mem.path(), disk.path()), (disk.path(), mem.path())] {
             let src = sparse_source(&from.join("src"));
             let dst = File::create_new(to.join("dst")).unwrap();

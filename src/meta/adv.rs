@@ -8,7 +8,6 @@
 //! its own 32 bytes zeroed, and `u32 magic2` in the last 4 bytes.
 
 use sha2::{Digest, Sha256};
-use std::collections::BTreeMap;
 
 /// Size of one ADV copy.
 pub const COPY_SIZE: usize = 256 * 1024;
@@ -31,10 +30,13 @@ pub enum Source {
     Empty,
 }
 
-/// A decoded ADV: tags in ascending order.
+/// A decoded ADV: tags in the order they are stored. Talos writes them in
+/// Go's map order (siderolabs/talos
+/// `internal/pkg/meta/internal/adv/talos/talos.go`, `Marshal`), so an image
+/// is reproduced byte for byte only if that order is kept.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Adv {
-    tags: BTreeMap<u32, Vec<u8>>,
+    tags: Vec<(u32, Vec<u8>)>,
 }
 
 /// The result of reading both copies.
@@ -114,34 +116,48 @@ impl Adv {
         Ok(both)
     }
 
-    /// The value of `tag`.
-    pub fn get(&self, tag: u32) -> Option<&[u8]> {
-        self.tags.get(&tag).map(Vec::as_slice)
+    fn position(&self, tag: u32) -> Option<usize> {
+        self.tags.iter().position(|(t, _)| *t == tag)
     }
 
-    /// Sets `tag`, refusing a value that would overflow the ADV.
+    /// The value of `tag`.
+    pub fn get(&self, tag: u32) -> Option<&[u8]> {
+        self.position(tag).map(|i| self.tags[i].1.as_slice())
+    }
+
+    /// Sets `tag`, refusing a value that would overflow the ADV. A tag
+    /// already there keeps its place; a new one goes before the first
+    /// larger tag (an ascending ADV stays ascending), else last.
     pub fn set(&mut self, tag: u32, value: Vec<u8>) -> Result<(), AdvError> {
-        let old = self.tags.get(&tag).map_or(0, |v| 8 + v.len());
+        let at = self.position(tag);
+        let old = at.map_or(0, |i| 8 + self.tags[i].1.len());
         let needed = self.used() - old + 8 + value.len();
         if needed > CAPACITY {
             return Err(AdvError::TooLarge { needed });
         }
-        self.tags.insert(tag, value);
+        match at {
+            Some(i) => self.tags[i].1 = value,
+            None => {
+                let before = self.tags.iter().position(|(t, _)| *t > tag);
+                self.tags
+                    .insert(before.unwrap_or(self.tags.len()), (tag, value));
+            }
+        }
         Ok(())
     }
 
-    /// Removes `tag`; returns whether it was there.
+    /// Removes `tag` (the others keep their order); returns whether it was there.
     pub fn delete(&mut self, tag: u32) -> bool {
-        self.tags.remove(&tag).is_some()
+        self.position(tag).map(|i| self.tags.remove(i)).is_some()
     }
 
-    /// Every tag with its value, ascending.
+    /// Every tag with its value, in stored order.
     pub fn iter(&self) -> impl Iterator<Item = (u32, &[u8])> {
         self.tags.iter().map(|(t, v)| (*t, v.as_slice()))
     }
 
     fn used(&self) -> usize {
-        self.tags.values().map(|v| 8 + v.len()).sum()
+        self.tags.iter().map(|(_, v)| 8 + v.len()).sum()
     }
 }
 
@@ -164,7 +180,7 @@ fn decode_copy(copy: &[u8]) -> Result<Adv, String> {
     if Sha256::digest(&zeroed)[..] != copy[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 32] {
         return Err("checksum mismatch".into());
     }
-    let mut tags = BTreeMap::new();
+    let mut adv = Adv::default();
     let mut at = 4;
     while at + 8 <= CHECKSUM_OFFSET {
         let tag = be32(copy, at);
@@ -178,10 +194,15 @@ fn decode_copy(copy: &[u8]) -> Result<Adv, String> {
                 "tag {tag} at offset {at} claims {size} bytes, past the end of the data"
             ));
         }
-        tags.insert(tag, copy[at + 8..end].to_vec());
+        // A repeated tag overrides the earlier one, as in Talos' reader.
+        let value = copy[at + 8..end].to_vec();
+        match adv.position(tag) {
+            Some(i) => adv.tags[i].1 = value,
+            None => adv.tags.push((tag, value)),
+        }
         at = end;
     }
-    Ok(Adv { tags })
+    Ok(adv)
 }
 
 #[cfg(test)]
@@ -286,6 +307,51 @@ mod tests {
         let d = Adv::decode(&[copy.clone(), copy].concat());
         assert_eq!(d.source, Source::Empty);
         assert!(d.problems[0].contains("past the end"), "{:?}", d.problems);
+    }
+
+    /// Both copies of an ADV holding `entries` in exactly this order, laid
+    /// out by hand as talos.go's `Marshal` does.
+    fn written_in_order(entries: &[(u32, &[u8])]) -> Vec<u8> {
+        let mut copy = vec![0u8; COPY_SIZE];
+        copy[..4].copy_from_slice(&MAGIC1.to_be_bytes());
+        let mut at = 4;
+        for (tag, value) in entries {
+            copy[at..at + 4].copy_from_slice(&tag.to_be_bytes());
+            copy[at + 4..at + 8].copy_from_slice(&(value.len() as u32).to_be_bytes());
+            copy[at + 8..at + 8 + value.len()].copy_from_slice(value);
+            at += 8 + value.len();
+        }
+        copy[MAGIC2_OFFSET..].copy_from_slice(&MAGIC2.to_be_bytes());
+        let sum = Sha256::digest(&copy);
+        copy[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 32].copy_from_slice(&sum);
+        [copy.clone(), copy].concat()
+    }
+
+    #[test]
+    fn tags_keep_their_stored_order_through_decode_edit_and_encode() {
+        let factory = written_in_order(&[(17, b"dual-boot"), (12, b"user")]);
+        let mut adv = Adv::decode(&factory).adv;
+        assert!(adv.encode().unwrap() == factory, "re-encoding reordered");
+        adv.set(12, b"changed".to_vec()).unwrap();
+        adv.set(10, b"net".to_vec()).unwrap();
+        adv.set(20, b"last".to_vec()).unwrap();
+        let order = |a: &Adv| a.iter().map(|(k, _)| k).collect::<Vec<_>>();
+        assert_eq!(order(&adv), [10, 17, 12, 20]);
+        let want = written_in_order(&[
+            (10, b"net"),
+            (17, b"dual-boot"),
+            (12, b"changed"),
+            (20, b"last"),
+        ]);
+        assert!(adv.encode().unwrap() == want);
+        assert!(adv.delete(17));
+        assert!(!adv.delete(17));
+        assert_eq!(order(&adv), [10, 12, 20]);
+        // A repeated tag reads as its last value, in its first place.
+        let twice = written_in_order(&[(12, b"a"), (17, b"b"), (12, b"c")]);
+        let adv = Adv::decode(&twice).adv;
+        assert_eq!(order(&adv), [12, 17]);
+        assert_eq!(adv.get(12), Some(&b"c"[..]));
     }
 
     #[test]

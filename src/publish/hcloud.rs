@@ -2,8 +2,10 @@
 //! writing the verified image through a temporary server's rescue system,
 //! labelled so it can be selected exactly, and leaking nothing: the
 //! temporary server and SSH key carry the run's label and are deleted on
-//! every path. Facts: FORMATS.md §6 (hcloud-upload-image v1.5,
-//! packer-plugin-hcloud, hcloud-go, the OpenAPI document).
+//! every path. Facts: apricote/hcloud-upload-image v1.5
+//! `hcloudimages/client.go`, hetznercloud/packer-plugin-hcloud
+//! `builder/hcloud/step_create_snapshot.go`, hetznercloud/hcloud-go, and the
+//! OpenAPI document (`sim/api-schemas/hetzner-cloud.openapi.json`).
 
 pub mod api;
 pub mod rescue;

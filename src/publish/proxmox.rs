@@ -1,8 +1,9 @@
 //! Proxmox VE: each node's verified image into a storage with `import`
 //! content (named by its content, since Proxmox lists no checksums and
 //! overwrites same-named files), then optionally one VM per node that boots
-//! it. Facts: FORMATS.md §5 (pve-storage `PVE/API2/Storage/Status.pm`,
-//! pve-http-server `PVE/APIServer/AnyEvent.pm`, qemu-server).
+//! it. Facts: proxmox/pve-storage `src/PVE/API2/Storage/Status.pm`,
+//! proxmox/pve-http-server `src/PVE/APIServer/AnyEvent.pm`, proxmox/qemu-server
+//! `src/PVE/API2/Qemu.pm`.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -309,7 +310,9 @@ fn upload_form(file: tokio::fs::File, size: u64, name: &str, sha256: &str) -> Fo
         )
 }
 
-/// The VM settings that boot Talos (FORMATS.md §5: the API's defaults do not).
+/// The VM settings that boot Talos. The API's defaults do not: its CPU type
+/// kvm64 lacks the x86-64-v2 features Talos needs (siderolabs/talos
+/// `website/content/v1.11/talos-guides/install/virtualized-platforms/proxmox.md`).
 fn vm_params(
     inv: &Inventory,
     node_index: usize,

@@ -2,6 +2,7 @@
 //! run the real binary, how to read its output.
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod otherfs;
 pub mod sims;
 
 use std::path::{Path, PathBuf};
@@ -63,19 +64,4 @@ pub fn atlas_copy(dir: &Path, from: &str, to: &str) -> PathBuf {
         std::fs::copy(entry.path(), dir.join("patches").join(entry.file_name())).unwrap();
     }
     path
-}
-
-/// A folder on /dev/shm (tmpfs) when that is another filesystem than
-/// `other`; None, said loudly, where it is not.
-pub fn tmpfs_dir(other: &Path) -> Option<tempfile::TempDir> {
-    use std::os::unix::fs::MetadataExt;
-    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
-    let shm = Path::new("/dev/shm");
-    if dev(shm).is_none() || dev(shm) == dev(other) {
-        eprintln!(
-            "SKIPPED: /dev/shm is not a filesystem of its own here; nothing crosses filesystems"
-        );
-        return None;
-    }
-    Some(tempfile::tempdir_in(shm).unwrap())
 }

@@ -34,6 +34,16 @@ impl Sim {
     }
 
     pub fn start_with(misbehave: &[&str], random_mib: u32, extra: &[&str]) -> Sim {
+        Self::launch("dual-boot.raw", misbehave, random_mib, extra)
+    }
+
+    /// A factory that serves the fixture `base` (fixtures/make-images.sh)
+    /// as its base image.
+    pub fn start_on(base: &str) -> Sim {
+        Self::launch(base, &[], 0, &[])
+    }
+
+    fn launch(base: &str, misbehave: &[&str], random_mib: u32, extra: &[&str]) -> Sim {
         let dir = tempfile::tempdir().unwrap();
         let fx = dir.path().join("fx");
         let ok = Command::new(root().join("fixtures/make-images.sh"))
@@ -48,7 +58,7 @@ impl Sim {
         );
         let mut cmd = Command::new(sim_bin());
         cmd.args(["factory", "--alt-listen", "127.0.0.2:0", "--base-image"])
-            .arg(fx.join("dual-boot.raw"))
+            .arg(fx.join(base))
             .arg("--state-dir")
             .arg(dir.path().join("state"))
             .args(extra);

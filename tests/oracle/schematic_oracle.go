@@ -1,6 +1,7 @@
 // schematic_oracle: the differential-test oracle for imgbuild's canonical
 // schematic emitter. It declares the Image Factory schematic struct (field
-// order and tags as documented in shared/FORMATS.md §1) and marshals each
+// order and tags as siderolabs/image-factory pkg/schematic/schematic.go
+// declares them) and marshals each
 // input file with Go's YAML library, printing a JSON array of results.
 package main
 

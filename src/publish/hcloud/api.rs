@@ -1,7 +1,7 @@
 //! The Hetzner Cloud API as the snapshot flow uses it: JSON calls with the
 //! bearer token, retries where the API says to retry, paginated lists, and
-//! waiting on actions. Facts: FORMATS.md §6 (hcloud-go `hcloud/client.go`
-//! for retries and pagination, `hcloud/action_waiter.go` for polling).
+//! waiting on actions. Facts: hetznercloud/hcloud-go `hcloud/client.go`
+//! for retries and pagination, `hcloud/action_waiter.go` for polling.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};

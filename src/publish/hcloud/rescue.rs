@@ -1,8 +1,8 @@
 //! The rescue system over SSH: log in as root with the run's temporary key,
 //! check where we are, and stream the image into `dd`. The commands are
 //! fixed strings: nothing from a URL, a label or the API reaches the remote
-//! shell. Facts: FORMATS.md §6 (hcloud-upload-image `hcloudimages/client.go`
-//! writes the disk the same way).
+//! shell. Facts: apricote/hcloud-upload-image `hcloudimages/client.go`
+//! writes the disk the same way.
 
 use std::io::Read;
 use std::net::SocketAddr;

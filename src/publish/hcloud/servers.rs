@@ -3,8 +3,9 @@
 //! there, so no maintenance-mode apply is needed), labelled with the cluster
 //! and the node so a rerun finds and reuses them and `imgbuild down` can
 //! delete them. They never carry a run label: `imgbuild cleanup` leaves
-//! them alone. Facts: FORMATS.md §6; the OpenAPI document (`user_data` ≤
-//! 32 KiB, `attach_to_network`).
+//! them alone. Facts: the OpenAPI document
+//! (`sim/api-schemas/hetzner-cloud.openapi.json`: `user_data` ≤ 32 KiB,
+//! `attach_to_network`).
 
 use std::collections::BTreeMap;
 use std::io::Write;
