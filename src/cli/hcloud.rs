@@ -110,14 +110,9 @@ impl hcloud::Observer for Lines {
     }
 }
 
-struct Quiet;
-impl hcloud::Observer for Quiet {
-    fn event(&self, _: &Event) {}
-}
-
 /// Step lines on stderr when `show`, else silence.
 pub(super) fn observer(show: bool) -> &'static dyn hcloud::Observer {
-    if show { &Lines } else { &Quiet }
+    if show { &Lines } else { &hcloud::Quiet }
 }
 
 /// Reads the credentials before anything is built: a missing token must

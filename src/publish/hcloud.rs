@@ -305,6 +305,13 @@ pub trait Observer: Sync {
     fn event(&self, event: &Event);
 }
 
+/// An observer that shows nothing (JSON output, dry runs).
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn event(&self, _: &Event) {}
+}
+
 /// One step of a snapshot run.
 #[derive(Debug, Clone)]
 pub enum Event {
@@ -448,10 +455,6 @@ pub fn find_snapshot(
     settings: &HcloudSettings,
     image: &SnapshotImage,
 ) -> Result<Option<u64>, HcloudError> {
-    struct Quiet;
-    impl Observer for Quiet {
-        fn event(&self, _: &Event) {}
-    }
     let types = build_types(api, settings, image.arch)?;
     let found = find_fitting(api, &snapshot_labels(image), &types, &Quiet)?;
     Ok(found.map(|(id, _)| id))
@@ -497,9 +500,9 @@ fn find_fitting(
 
 /// A server type that can host a build here, and its disk (GB).
 #[derive(Debug, Clone, PartialEq)]
-pub struct BuildType {
-    pub name: String,
-    pub disk: f64,
+struct BuildType {
+    name: String,
+    disk: f64,
 }
 
 /// The server types to build a snapshot of `arch` on, in the order to try
@@ -518,13 +521,13 @@ fn build_types(
 
 /// The build types to try, in order, and those passed over with why.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct BuildTypes {
-    pub usable: Vec<BuildType>,
-    pub skipped: Vec<(String, String)>,
+struct BuildTypes {
+    usable: Vec<BuildType>,
+    skipped: Vec<(String, String)>,
 }
 
 /// [`build_types`] on a listing.
-pub fn order_build_types(types: &[Value], settings: &HcloudSettings, arch: Arch) -> BuildTypes {
+fn order_build_types(types: &[Value], settings: &HcloudSettings, arch: Arch) -> BuildTypes {
     let names: Vec<String> = if settings.server_types.is_empty() {
         types
             .iter()
