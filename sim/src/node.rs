@@ -307,6 +307,10 @@ struct Cluster {
     /// OS CA keys seen in control-plane configs, by certificate: a worker's
     /// config has no key, so (like trustd) its certificate comes from here.
     ca_keys: Mutex<HashMap<String, String>>,
+    /// Each control plane's API server certificate, by node and Kubernetes
+    /// CA certificate: made once, as a kube-apiserver keeps its own (an RSA
+    /// CA's leaf takes seconds to make).
+    apiserver_tls: Mutex<HashMap<(usize, String), Arc<ServerConfig>>>,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -615,6 +619,7 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         nodes: RwLock::new(nodes),
         boot: Mutex::new(None),
         ca_keys: Mutex::new(HashMap::new()),
+        apiserver_tls: Mutex::new(HashMap::new()),
     }))
 }
 
@@ -1526,6 +1531,10 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
         .or_else(|| (0..cluster.count()).find(|&i| reached(cluster.etcd_healthy_at(i), now)))?;
     let applied = cluster.node(from).st.lock().unwrap().applied.clone()?;
     let ca = applied.k8s_ca.clone()?;
+    let key = (from, ca.crt.clone());
+    if let Some(tls) = cluster.apiserver_tls.lock().unwrap().get(&key) {
+        return Some(tls.clone());
+    }
     let mut ips = applied.api_sans.clone();
     ips.push(cluster.node(from).ip);
     ips.extend(cluster.args.vip);
@@ -1540,7 +1549,13 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
         },
     )
     .ok()?;
-    server_config(&leaf, Some(&ca.crt)).ok()
+    let tls = server_config(&leaf, Some(&ca.crt)).ok()?;
+    cluster
+        .apiserver_tls
+        .lock()
+        .unwrap()
+        .insert(key, tls.clone());
+    Some(tls)
 }
 
 async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpListener) {
