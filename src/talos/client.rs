@@ -494,7 +494,7 @@ fn from_rustls(e: &rustls::Error) -> ApiError {
             presented,
         }) => ApiError::WrongName {
             expected: expected.to_str().into_owned(),
-            presented: presented.clone(),
+            presented: presented.iter().map(|n| plain_name(n)).collect(),
         },
         Error::InvalidCertificate(CertificateError::NotValidForName) => ApiError::WrongName {
             expected: String::new(),
@@ -508,6 +508,17 @@ fn from_rustls(e: &rustls::Error) -> ApiError {
         }
         other => ApiError::Tls(other.to_string()),
     }
+}
+
+/// A name as webpki presents it (`IpAddress(10.0.0.1)`, `DnsName("cp-01")`)
+/// as a user writes it.
+fn plain_name(presented: &str) -> String {
+    presented
+        .split_once('(')
+        .and_then(|(_, rest)| rest.strip_suffix(')'))
+        .unwrap_or(presented)
+        .trim_matches('"')
+        .to_owned()
 }
 
 /// Finds the TLS or socket failure inside a transport error.
@@ -714,7 +725,7 @@ mod tests {
                 expected: rustls::pki_types::ServerName::IpAddress(
                     "10.0.0.11".parse::<IpAddr>().unwrap().into(),
                 ),
-                presented: vec!["10.0.0.99".into(), "cp-01".into()],
+                presented: vec!["IpAddress(10.0.0.99)".into(), "DnsName(\"cp-01\")".into()],
             }),
         );
         let e = classify(&io).unwrap();
