@@ -172,11 +172,13 @@ fn print_report(r: &Report) {
         );
     }
     if r.health.is_some() {
+        // Beneath "is healthy" when it was said, else on their own.
+        let indent = if r.healthy { "  " } else { "" };
         if let Some(k) = &r.kubeconfig {
-            println!("  kubeconfig: {}", k.display());
+            println!("{indent}kubeconfig: {}", k.display());
         }
         if let Some(t) = &r.talosconfig {
-            println!("  talosconfig: {}", t.display());
+            println!("{indent}talosconfig: {}", t.display());
         }
     }
 }
