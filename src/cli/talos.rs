@@ -1,7 +1,7 @@
 //! `imgbuild secrets`, `config`, `talosconfig` and `bootstrap`: the cluster's
 //! state directory and the way from booted images to a healthy cluster.
 
-use super::{Output, load_inventory};
+use super::{Output, Partial, load_inventory};
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use imgbuild::inventory::Inventory;
@@ -275,12 +275,21 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
     let stage::Bootstrapped { prepared, outcome } = stage::bootstrap(&inv, &opts, &observer)?;
     let tc_path = &prepared.talosconfig;
     let plan = &prepared.plan;
+    // Healthy only when every node is Ready, whatever the checks ended on.
+    let healthy = outcome.health.is_healthy()
+        && plan
+            .nodes
+            .iter()
+            .all(|n| outcome.ready.get(&n.name) == Some(&true));
     match output {
         Output::Json => outln!(
             "{}",
             json!({
                 "cluster": inv.cluster.name,
-                "healthy": true,
+                "healthy": healthy,
+                "health": outcome.health,
+                "ready": outcome.ready,
+                "fallbacks": outcome.fallbacks,
                 "applied": outcome.applied,
                 "alreadyConfigured": outcome.already_configured,
                 "bootstrapped": outcome.bootstrapped,
@@ -293,11 +302,13 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
             })
         ),
         Output::Text => {
-            outln!(
-                "cluster {} is healthy ({:.1}s)",
-                inv.cluster.name,
-                outcome.elapsed_ms as f64 / 1000.0
-            );
+            if healthy {
+                outln!(
+                    "cluster {} is healthy ({:.1}s)",
+                    inv.cluster.name,
+                    outcome.elapsed_ms as f64 / 1000.0
+                );
+            }
             outln!(
                 "  applied: {}",
                 if outcome.applied.is_empty() {
@@ -321,9 +332,20 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 outcome.kubeconfig_server
             );
             outln!("  talosconfig: {}", tc_path.display());
+            for f in &outcome.fallbacks {
+                outln!("note: {f}");
+            }
         }
     }
-    Ok(())
+    if healthy {
+        Ok(())
+    } else {
+        Err(Partial(format!(
+            "cluster {} is not healthy: {}",
+            inv.cluster.name, outcome.health
+        ))
+        .into())
+    }
 }
 
 #[cfg(test)]

@@ -92,6 +92,16 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         Output::Text => print_report(&report),
     }
     match &report.stopped {
+        None if report.partial() => Err(Partial(format!(
+            "cluster {} is not healthy: {}",
+            report.cluster,
+            report
+                .health
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default()
+        ))
+        .into()),
         None => Ok(()),
         Some((_, e)) if report.partial() => Err(Partial(e.to_string()).into()),
         Some((_, e)) => Err(Reported(up::chain(e)).into()),
@@ -152,17 +162,24 @@ fn print_report(r: &Report) {
             }
         }
     }
+    for f in &r.fallbacks {
+        outln!("note: {f}");
+    }
     if r.healthy {
         outln!(
             "cluster {} is healthy ({:.1}s)",
             r.cluster,
             r.elapsed_ms as f64 / 1000.0
         );
+    }
+    if r.health.is_some() {
+        // Beneath "is healthy" when it was said, else on their own.
+        let indent = if r.healthy { "  " } else { "" };
         if let Some(k) = &r.kubeconfig {
-            outln!("  kubeconfig: {}", k.display());
+            outln!("{indent}kubeconfig: {}", k.display());
         }
         if let Some(t) = &r.talosconfig {
-            outln!("  talosconfig: {}", t.display());
+            outln!("{indent}talosconfig: {}", t.display());
         }
     }
 }
