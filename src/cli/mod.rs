@@ -4,7 +4,9 @@ mod build;
 mod hcloud;
 mod image;
 mod import;
+mod board;
 mod plan;
+mod progress;
 mod publish;
 mod schematic;
 mod signals;
@@ -41,6 +43,14 @@ pub struct Cli {
     /// Output format: text for people, json for CI.
     #[arg(long, global = true, value_enum, default_value_t = Output::Text)]
     output: Output,
+    /// Colors on stderr (bars, board, error prefixes); auto: on a terminal
+    /// unless NO_COLOR is set.
+    #[arg(long, global = true, value_enum, default_value_t = progress::ColorChoice::Auto)]
+    color: progress::ColorChoice,
+    /// Off a terminal, a line after this long without one while a wait
+    /// goes on (for tests; 30s).
+    #[arg(long, global = true, hide = true, default_value = "30s", value_parser = talos::parse_duration)]
+    heartbeat: std::time::Duration,
     #[command(subcommand)]
     command: Command,
 }
@@ -131,6 +141,7 @@ pub fn run() -> i32 {
         Err(e) => return usage_error(e),
     };
     let output = cli.output;
+    progress::init(cli.color, cli.heartbeat);
     match dispatch(cli) {
         Ok(()) => 0,
         Err(e) => {
@@ -141,7 +152,7 @@ pub fn run() -> i32 {
             } else if output == Output::Json {
                 println!("{}", json!({ "error": message }));
             } else {
-                eprintln!("error: {message}");
+                eprintln!("{} {message}", progress::paint("error:", "1;31"));
             }
             exit_code(&e)
         }
@@ -262,7 +273,7 @@ pub fn load_inventory(path: &Path, output: Output) -> Result<Inventory> {
     let inv = Inventory::load(path)?;
     if output == Output::Text {
         for w in &inv.warnings {
-            eprintln!("warning: {w}");
+            eprintln!("{} {w}", progress::paint("warning:", "33"));
         }
     }
     Ok(inv)
