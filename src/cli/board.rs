@@ -140,15 +140,19 @@ impl Board {
             t.thread().unpark();
             let _ = t.join();
         }
-        self.inner.screen.close();
-        self.publish.clear();
         let mut st = self.inner.state.lock().unwrap();
+        if self.inner.show == Show::Draw && st.started {
+            // The last states (Ready), drawn once past the rate limit.
+            self.inner.draw(&mut st);
+        }
         let State { rows, cluster, .. } = &mut *st;
         for row in rows.iter_mut().chain([&mut cluster.row]) {
             if let Some(bar) = row.bar.take() {
-                bar.finish_and_clear();
+                bar.finish();
             }
         }
+        self.inner.screen.close();
+        self.publish.clear();
     }
 }
 
