@@ -332,7 +332,7 @@ fn no_color_bars_and_json_draws_nothing() {
     for node in ["cp-01", "cp-02"] {
         assert!(
             end.iter()
-                .any(|l| l.starts_with(&format!("{node}: stored ")) && l.contains("MB/s")),
+                .any(|l| l.starts_with(&format!("{node}: stored ")) && l.contains(" bytes sent in ")),
             "{end:#?}"
         );
     }
