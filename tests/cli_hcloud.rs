@@ -49,7 +49,7 @@ impl Run {
             .arg(&self.config)
             .arg("publish")
             .args(args)
-            .args(["--factory", &sim.url, "--poll-ms", "100", "--quiet"])
+            .args(["--factory", &sim.url, "--poll-ms", "100"])
             .arg("--out-dir")
             .arg(self.out())
             .arg("--cache-dir")

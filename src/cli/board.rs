@@ -76,6 +76,19 @@ struct State {
     started: bool,
 }
 
+impl State {
+    /// The first event: the board's clocks start now, not when the build
+    /// before it did.
+    fn start(&mut self, now: Instant) {
+        if !self.started {
+            self.started = true;
+            for row in self.rows.iter_mut().chain([&mut self.cluster.row]) {
+                row.since = now;
+            }
+        }
+    }
+}
+
 struct Inner {
     show: Show,
     screen: Screen,
@@ -217,7 +230,7 @@ impl Inner {
         }
         let now = Instant::now();
         let mut st = self.state.lock().unwrap();
-        st.started = true;
+        st.start(now);
         if node == CLUSTER {
             let c = &mut st.cluster;
             match e {
@@ -269,7 +282,7 @@ impl Inner {
         }
         let now = Instant::now();
         let mut st = self.state.lock().unwrap();
-        st.started = true;
+        st.start(now);
         let (s, tone) = publish_state(e);
         if let Some(row) = st.rows.iter_mut().find(|r| r.name == node) {
             row.set(s, tone, now);
@@ -375,9 +388,22 @@ impl bootstrap::Observer for Board {
 }
 
 impl proxmox::Observer for Board {
+    /// On the board a node's line says where its VM stands; the log above
+    /// it keeps the transfers and what needs a person's eye.
     fn event(&self, node: &str, event: &proxmox::Event) {
+        use proxmox::Event as P;
         self.inner.publish_event(node, event);
-        proxmox::Observer::event(&self.publish, node, event);
+        let on_board = matches!(
+            event,
+            P::AlreadyStored { .. }
+                | P::VmCreated { .. }
+                | P::VmUnchanged { .. }
+                | P::DiskReplaced { .. }
+                | P::VmStarted { .. }
+        );
+        if !(on_board && self.inner.show == Show::Draw) {
+            proxmox::Observer::event(&self.publish, node, event);
+        }
     }
 
     fn sent(&self, node: &str, bytes: u64) {
