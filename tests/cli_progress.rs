@@ -8,7 +8,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::sims::{Nodes, Pve, Sim};
+use common::sims::{Hc, Nodes, Pve, Sim};
 use common::{json, root, text};
 
 /// The terminal width the runs get (`stty cols`).
@@ -396,6 +396,50 @@ fn piped_uploads_print_two_lines_each_and_quiet_prints_none() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(text(&o.stderr), "", "--quiet printed progress");
     assert_eq!(text(&o.stdout).lines().count(), 5, "{}", text(&o.stdout));
+}
+
+/// Piped, the stream into the Hetzner rescue system is also exactly a start
+/// and an end line (bytes written, seconds, rate, compressed bytes sent).
+#[test]
+fn a_piped_rescue_stream_prints_two_lines() {
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
+    let config = dir.path().join("cluster.yaml");
+    std::fs::write(
+        &config,
+        base.replace("platform: metal", "platform: hcloud")
+            + "\npublish:\n  hcloud:\n    location: fsn1\n",
+    )
+    .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(&config)
+        .args(["publish", "--factory", &sim.url, "--poll-ms", "100"])
+        .arg("--out-dir")
+        .arg(dir.path().join("out"))
+        .arg("--cache-dir")
+        .arg(dir.path().join("cache"))
+        .env_remove("IMGBUILD_CONFIG")
+        .env("HCLOUD_ENDPOINT", &hc.url)
+        .env("HCLOUD_TOKEN", &hc.token)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(!err.contains('\x1b'), "{err:?}");
+    let stream: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("hcloud: writing ") || l.starts_with("hcloud: dd wrote "))
+        .collect();
+    assert_eq!(stream.len(), 2, "{err}");
+    assert!(stream[0].starts_with("hcloud: writing "), "{err}");
+    let end = stream[1];
+    assert!(
+        end.contains(" bytes in ") && end.contains(" MB/s; ") && end.ends_with(" bytes sent)"),
+        "{end}"
+    );
 }
 
 /// `--color always` colors the error prefix even in a pipe; `never` and
