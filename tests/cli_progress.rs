@@ -144,7 +144,10 @@ fn on_terminal(cmd: &Command) -> String {
 /// `script` running `cmd` (its environment included) on a pseudo-terminal.
 fn terminal_command(cmd: &Command) -> Command {
     let quote = |s: &std::ffi::OsStr| format!("'{}'", s.to_string_lossy().replace('\'', "'\\''"));
-    let mut line = format!("stty cols {COLS} rows 40; exec {}", quote(cmd.get_program()));
+    let mut line = format!(
+        "stty cols {COLS} rows 40; exec {}",
+        quote(cmd.get_program())
+    );
     for a in cmd.get_args() {
         line += " ";
         line += &quote(a);
@@ -224,9 +227,14 @@ fn publish_command(dir: &Path, sim: &Sim, pve: &Pve, args: &[&str]) -> Command {
 /// sha256 as sha256sum computes it), so publish sees a current image of
 /// that size.
 fn grow_to_a_big_sparse_image(dir: &Path, sim: &Sim, pve: &Pve) -> u64 {
-    let o = publish_command(dir, sim, pve, &["--output", "json", "node", "cp-01", "--quiet"])
-        .output()
-        .unwrap();
+    let o = publish_command(
+        dir,
+        sim,
+        pve,
+        &["--output", "json", "node", "cp-01", "--quiet"],
+    )
+    .output()
+    .unwrap();
     assert!(o.status.success(), "{}", text(&o.stderr));
     let manifest_path = dir.join("out/manifest.json");
     let mut manifest: serde_json::Value =
@@ -240,7 +248,11 @@ fn grow_to_a_big_sparse_image(dir: &Path, sim: &Sim, pve: &Pve) -> u64 {
         .unwrap()
         .set_len(size)
         .unwrap();
-    let ok = Command::new("sgdisk").arg("-e").arg(&file).output().unwrap();
+    let ok = Command::new("sgdisk")
+        .arg("-e")
+        .arg(&file)
+        .output()
+        .unwrap();
     assert!(ok.status.success(), "{}", text(&ok.stderr));
     let sum = Command::new("sha256sum").arg(&file).output().unwrap();
     let sha = text(&sum.stdout)
@@ -295,7 +307,10 @@ fn a_big_upload_on_a_terminal_draws_a_moving_bar_with_bytes_and_rate() {
     }
     let _ = child.kill();
     let _ = child.wait();
-    assert!(counts.len() >= 3, "the bar did not move: {counts:?}\n{seen}");
+    assert!(
+        counts.len() >= 3,
+        "the bar did not move: {counts:?}\n{seen}"
+    );
     let frames = Term::replay(&seen).frames;
     let bar = frames
         .iter()
@@ -331,8 +346,9 @@ fn no_color_bars_and_json_draws_nothing() {
     let end: Vec<String> = t.screen();
     for node in ["cp-01", "cp-02"] {
         assert!(
-            end.iter()
-                .any(|l| l.starts_with(&format!("{node}: stored ")) && l.contains(" bytes sent in ")),
+            end.iter().any(
+                |l| l.starts_with(&format!("{node}: stored ")) && l.contains(" bytes sent in ")
+            ),
             "{end:#?}"
         );
     }
@@ -381,7 +397,11 @@ fn piped_uploads_print_two_lines_each_and_quiet_prints_none() {
             .collect();
         assert_eq!(lines.len(), 2, "{node}: {lines:#?}\n{err}");
         let size = image["size"].as_u64().unwrap();
-        assert!(lines[0].contains(&format!("({size} bytes)")), "{}", lines[0]);
+        assert!(
+            lines[0].contains(&format!("({size} bytes)")),
+            "{}",
+            lines[0]
+        );
         let end = lines[1];
         assert!(
             end.contains(&format!(": {size} bytes sent in ")) && end.ends_with(" MB/s)"),
@@ -458,7 +478,10 @@ fn color_flag_and_pipes() {
     };
     assert!(run(&["--color", "always"]).starts_with("\x1b[1;31merror:\x1b[0m "));
     for plain in [run(&["--color", "never"]), run(&[])] {
-        assert!(plain.starts_with("error: ") && !plain.contains('\x1b'), "{plain:?}");
+        assert!(
+            plain.starts_with("error: ") && !plain.contains('\x1b'),
+            "{plain:?}"
+        );
     }
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
     cmd.args(["--config", "/nonexistent/cluster.yaml", "validate"]);
@@ -578,7 +601,8 @@ fn a_five_node_bootstrap_on_a_terminal_is_a_board_updated_in_place() {
     let end: Vec<&String> = end.iter().filter(|l| !l.is_empty()).collect();
     assert!(end[0].starts_with("cluster sim is healthy ("), "{end:#?}");
     assert!(
-        end.iter().all(|l| !l.starts_with("cp-0") && !l.starts_with("[")),
+        end.iter()
+            .all(|l| !l.starts_with("cp-0") && !l.starts_with("[")),
         "the board or a log line stayed: {end:#?}"
     );
 }
@@ -646,7 +670,10 @@ fn a_long_wait_in_a_log_gets_a_line_with_the_elapsed_time() {
     assert!(!err.contains('\x1b'));
     // --quiet: only the error.
     let o = c
-        .bootstrap(&["--heartbeat", "400ms"], &["--node-timeout", "2s", "--quiet"])
+        .bootstrap(
+            &["--heartbeat", "400ms"],
+            &["--node-timeout", "2s", "--quiet"],
+        )
         .output()
         .unwrap();
     let err = text(&o.stderr);

@@ -426,7 +426,11 @@ mod tests {
     use super::*;
 
     fn board() -> Board {
-        Board::new(&["cp-01".into(), "w-01".into()], Show::Nothing, Show::Nothing)
+        Board::new(
+            &["cp-01".into(), "w-01".into()],
+            Show::Nothing,
+            Show::Nothing,
+        )
     }
 
     #[test]

@@ -110,14 +110,7 @@ pub fn publish(
             failures.push((image.nodes.join(","), "not started: interrupted".into()));
             continue;
         }
-        let run = hcloud::publish_snapshot(
-            &api,
-            settings,
-            &image,
-            opts,
-            &cancel,
-            &view,
-        );
+        let run = hcloud::publish_snapshot(&api, settings, &image, opts, &cancel, &view);
         leftovers.extend(run.leftovers);
         match run.result {
             Ok(s) => snapshots.push(s),

@@ -1,10 +1,10 @@
 //! Commands, their flags, and how their results are shown.
 
+mod board;
 mod build;
 mod hcloud;
 mod image;
 mod import;
-mod board;
 mod plan;
 mod progress;
 mod publish;
