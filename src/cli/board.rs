@@ -164,6 +164,7 @@ impl Board {
                 bar.finish();
             }
         }
+        st.started = false; // a second finish (on drop) draws nothing
         self.inner.screen.close();
         self.publish.clear();
     }
