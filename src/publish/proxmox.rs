@@ -1183,6 +1183,36 @@ where
     }
 }
 
+#[cfg(test)]
+mod counted {
+    use super::*;
+    use futures_util::StreamExt;
+
+    /// A chunk counts only once the client comes back for the next one:
+    /// the count trails what was read by exactly the chunk in flight.
+    #[test]
+    fn bytes_count_when_the_client_takes_the_next_chunk() {
+        let chunks: Vec<Result<Vec<u8>, ()>> = vec![Ok(vec![0; 5]), Ok(vec![0; 7]), Ok(vec![0; 3])];
+        let sent = Arc::new(AtomicU64::new(0));
+        let mut body = Counted {
+            inner: futures_util::stream::iter(chunks),
+            handed_out: 0,
+            sent: sent.clone(),
+        };
+        let mut seen = Vec::new();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            while body.next().await.is_some() {
+                seen.push(sent.load(Ordering::Relaxed));
+            }
+        });
+        assert_eq!(seen, [0, 5, 12]);
+        assert_eq!(sent.load(Ordering::Relaxed), 15);
+    }
+}
+
 /// How often an upload's progress is reported.
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
