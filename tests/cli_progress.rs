@@ -418,34 +418,40 @@ fn piped_uploads_print_two_lines_each_and_quiet_prints_none() {
     assert_eq!(text(&o.stdout).lines().count(), 5, "{}", text(&o.stdout));
 }
 
-/// Piped, the stream into the Hetzner rescue system is also exactly a start
-/// and an end line (bytes written, seconds, rate, compressed bytes sent).
-#[test]
-fn a_piped_rescue_stream_prints_two_lines() {
-    let sim = Sim::start(&[]);
-    let hc = Hc::start(&[]);
-    let dir = tempfile::tempdir().unwrap();
+/// `imgbuild publish` of the loopback example as Hetzner snapshots.
+fn hcloud_publish(dir: &Path, sim: &Sim, hc: &Hc) -> Command {
     let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let config = dir.path().join("cluster.yaml");
+    let config = dir.join("cluster.yaml");
     std::fs::write(
         &config,
         base.replace("platform: metal", "platform: hcloud")
             + "\npublish:\n  hcloud:\n    location: fsn1\n",
     )
     .unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .arg("--config")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
+    cmd.arg("--config")
         .arg(&config)
         .args(["publish", "--factory", &sim.url, "--poll-ms", "100"])
         .arg("--out-dir")
-        .arg(dir.path().join("out"))
+        .arg(dir.join("out"))
         .arg("--cache-dir")
-        .arg(dir.path().join("cache"))
+        .arg(dir.join("cache"))
         .env_remove("IMGBUILD_CONFIG")
+        .env_remove("NO_COLOR")
         .env("HCLOUD_ENDPOINT", &hc.url)
-        .env("HCLOUD_TOKEN", &hc.token)
-        .output()
-        .unwrap();
+        .env("HCLOUD_TOKEN", &hc.token);
+    cmd
+}
+
+/// Piped, the stream into the Hetzner rescue system is also exactly a start
+/// and an end line (bytes written, seconds, rate, compressed bytes sent);
+/// on a terminal it is a bar over the image's bytes, named by its nodes.
+#[test]
+fn a_rescue_stream_is_two_lines_piped_and_a_bar_on_a_terminal() {
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let o = hcloud_publish(dir.path(), &sim, &hc).output().unwrap();
     assert!(o.status.success(), "{}", text(&o.stderr));
     let err = text(&o.stderr);
     assert!(!err.contains('\x1b'), "{err:?}");
@@ -459,6 +465,23 @@ fn a_piped_rescue_stream_prints_two_lines() {
     assert!(
         end.contains(" bytes in ") && end.contains(" MB/s; ") && end.ends_with(" bytes sent)"),
         "{end}"
+    );
+
+    let hc = Hc::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let drawn = on_terminal(&hcloud_publish(dir.path(), &sim, &hc));
+    let t = Term::replay(&drawn);
+    let bar = t
+        .frames
+        .iter()
+        .flatten()
+        .find(|l| l.starts_with("cp-01,cp-02,") && l.contains("/32.00 MiB"));
+    assert!(bar.is_some(), "no stream bar:\n{drawn:?}");
+    assert!(
+        t.screen()
+            .iter()
+            .any(|l| l.starts_with("hcloud: dd wrote ")),
+        "{drawn:?}"
     );
 }
 
