@@ -20,11 +20,13 @@ macro_rules! out {
 }
 
 mod boot;
+mod board;
 mod build;
 mod hcloud;
 mod image;
 mod import;
 mod plan;
+mod progress;
 mod publish;
 mod schematic;
 mod signals;
@@ -65,6 +67,14 @@ pub struct Cli {
     /// Output format: text for people, json for CI.
     #[arg(long, global = true, value_enum, default_value_t = Output::Text)]
     output: Output,
+    /// Colors on stderr (bars, board, error prefixes); auto: on a terminal
+    /// unless NO_COLOR is set.
+    #[arg(long, global = true, value_enum, default_value_t = progress::ColorChoice::Auto)]
+    color: progress::ColorChoice,
+    /// Off a terminal, a line after this long without one while a wait
+    /// goes on (for tests; 30s).
+    #[arg(long, global = true, hide = true, default_value = "30s", value_parser = talos::parse_duration)]
+    heartbeat: std::time::Duration,
     #[command(subcommand)]
     command: Command,
 }
@@ -171,6 +181,7 @@ pub fn run() -> i32 {
         ));
     }
     let _ = FACTORY.set(cli.factory.clone());
+    progress::init(cli.color, cli.heartbeat);
     match dispatch(cli) {
         Ok(()) => 0,
         Err(e) => {
@@ -181,7 +192,7 @@ pub fn run() -> i32 {
             } else if output == Output::Json {
                 outln!("{}", json!({ "error": message }));
             } else {
-                eprintln!("error: {message}");
+                eprintln!("{} {message}", progress::paint("error:", "1;31"));
             }
             exit_code(&e)
         }
@@ -334,7 +345,7 @@ pub fn load_inventory(path: &Path, output: Output) -> Result<Inventory> {
     }
     if output == Output::Text {
         for w in &inv.warnings {
-            eprintln!("warning: {w}");
+            eprintln!("{} {w}", progress::paint("warning:", "33"));
         }
     }
     Ok(inv)

@@ -1,6 +1,8 @@
 //! `imgbuild up`: flags → [`UpOptions`], then one summary table (or JSON
 //! document) for the whole run.
 
+use super::board::Board;
+use super::progress::Show;
 use super::publish::PublishArgs;
 use super::talos::BootstrapRunArgs;
 use super::{Output, Partial, Reported, Usage, load_inventory};
@@ -56,24 +58,25 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         up::plan(&inv, &target, &opts)
     } else {
         let download = super::build::progress_for(quiet, output);
-        let publish: &dyn imgbuild::publish::proxmox::Observer = if output == Output::Text && !quiet
-        {
-            &super::publish::Lines
-        } else {
-            &super::publish::Quiet
-        };
-        let bootstrap = super::talos::Lines::new(quiet);
-        up::up(
+        let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
+        let board = Board::new(
+            &nodes,
+            Show::log_for(quiet, output),
+            Show::for_output(quiet, output),
+        );
+        let report = up::up(
             &inv,
             &target,
             &opts,
             Observers {
                 download: download.as_ref(),
-                publish,
-                hcloud: super::hcloud::observer(output == Output::Text && !quiet),
-                bootstrap: &bootstrap,
+                publish: &board,
+                hcloud: &board,
+                bootstrap: &board,
             },
-        )
+        );
+        board.finish();
+        report
     };
     if let Some((_, e)) = &report.stopped
         && e.is_setup()
