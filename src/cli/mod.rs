@@ -1,6 +1,6 @@
 //! Commands, their flags, and how their results are shown.
 
-/// `outln!` that ends the program the way other tools end when their
+/// `println!` that ends the program the way other tools end when their
 /// reader went away (`imgbuild … | head -1`), instead of panicking: every
 /// line the CLI prints goes through [`stdout_write`].
 macro_rules! outln {
