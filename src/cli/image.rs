@@ -6,10 +6,11 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use imgbuild::disk::edit::{self, MetaChange, MetaEditOptions, PatchOptions};
 use imgbuild::disk::{self, Image};
+use imgbuild::input::escape;
 use imgbuild::meta::{KEY_NETWORK, PlatformNetworkConfig, key_name};
 use imgbuild::schematic;
 use serde_json::json;
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 
 /// A META key, decimal or `0x` hex.
@@ -128,15 +129,21 @@ pub fn inspect(args: InspectArgs, output: Output) -> Result<()> {
             for p in &img.partitions {
                 println!(
                     "  {:>3}  {:<10} {:>14} {:>14}  {}",
-                    p.number, p.name, p.offset, p.size, p.type_guid
+                    p.number,
+                    escape(&p.name),
+                    p.offset,
+                    p.size,
+                    p.type_guid
                 );
             }
             for problem in &meta.problems {
-                eprintln!("warning: {problem}");
+                eprintln!("warning: {}", escape(problem));
             }
             println!("META ({:?} copy): {} tag(s)", meta.source, tags.len());
             for (key, text, _) in &tags {
                 let name = key_name(*key).unwrap_or("unknown");
+                // META is whatever the image's maker wrote.
+                let text = escape(text);
                 if text.contains('\n') {
                     println!("  {key:>3} {name}:");
                     for line in text.lines() {
@@ -163,6 +170,10 @@ pub fn meta(args: MetaArgs, output: Output) -> Result<()> {
                     "{}",
                     json!({"key": key, "name": key_name(key), "value": String::from_utf8_lossy(value)})
                 ),
+                // Raw for a pipe; escaped for a terminal.
+                Output::Text if std::io::stdout().is_terminal() => {
+                    print!("{}", escape(&String::from_utf8_lossy(value)))
+                }
                 Output::Text => std::io::stdout().write_all(value)?,
             }
         }
@@ -258,10 +269,10 @@ pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
         ),
         Output::Text => {
             for line in d.layout.iter().chain(&d.meta) {
-                println!("{line}");
+                println!("{}", escape(line));
             }
             for name in &d.contents {
-                println!("{name}: contents differ");
+                println!("{}: contents differ", escape(name));
             }
             if d.identical() {
                 println!("identical: same partitions, same contents, same META tags");

@@ -97,6 +97,12 @@ pub struct FetchOptions {
     pub backoff: Duration,
     /// Longest silence from the server before the attempt is abandoned.
     pub read_timeout: Duration,
+    /// Longest time one attempt may take, headers to last byte (a server
+    /// trickling bytes never trips `read_timeout`).
+    pub deadline: Duration,
+    /// Most bytes a compressed download may decompress to (a bomb of a few
+    /// hundred KB can unfold to terabytes).
+    pub max_image_size: u64,
 }
 
 impl FetchOptions {
@@ -227,16 +233,7 @@ pub fn fetch(
     let target = dir.join(&stored_name);
     let mut attempt = 0;
     let artifact = loop {
-        match download(
-            client,
-            url,
-            expect,
-            pin,
-            &target,
-            opts.retries,
-            opts.backoff,
-            progress,
-        ) {
+        match download(client, url, expect, pin, &target, opts, progress) {
             Ok(a) => break a,
             Err(e) if e.retryable() && attempt < opts.retries => {
                 attempt += 1;
@@ -278,18 +275,7 @@ fn load_record(record: &Path, pin: Option<&Pin>) -> Option<Artifact> {
 
 /// An exclusive lock held for the life of the returned file.
 fn lock(path: &Path) -> Result<File, FetchError> {
-    use std::os::fd::AsRawFd;
-    let f = File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .map_err(cache_err(path))?;
-    // SAFETY: flock on a valid descriptor; released when the file closes.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(cache_err(path)(std::io::Error::last_os_error()));
-    }
-    Ok(f)
+    crate::atomic::lock(path).map_err(cache_err(path))
 }
 
 fn transfer(url: &str, e: impl std::fmt::Display) -> FetchError {
@@ -343,22 +329,27 @@ fn io_cause(e: &std::io::Error) -> String {
 
 /// One attempt: GET, check, stream through the verifying stack into a temp
 /// file next to `target`, then rename.
-#[allow(clippy::too_many_arguments)]
 fn download(
     client: &Client,
     url: &str,
     expect: Expect,
     pin: Option<&Pin>,
     target: &Path,
-    resumes: u32,
-    backoff: Duration,
+    opts: &FetchOptions,
     progress: &dyn Progress,
 ) -> Result<Artifact, FetchError> {
-    let resp = net::send_once(client.get(url))?;
+    let resp = net::send_once(client.get(url).timeout(opts.deadline))?;
     let total = resp.content_length();
+    // What the image may unfold to: the configured bound, and for a
+    // compressed body of known length at most 1000 times that length
+    // (Talos images compress about 10:1; zeros alone go past 10000:1).
+    let cap = match (expect.wire, total) {
+        (Some(_), Some(n)) => opts.max_image_size.min(n.saturating_mul(MAX_RATIO)),
+        _ => opts.max_image_size,
+    };
     progress.start(url, total);
     let body = ProgressReader {
-        inner: ResumableBody::new(client, url, resp, resumes, backoff, progress),
+        inner: ResumableBody::new(client, url, resp, opts, progress),
         url,
         progress,
     };
@@ -387,7 +378,7 @@ fn download(
         Some(Magic::Gzip) => Decoder::Gzip(flate2::read::MultiGzDecoder::new(wire)),
         _ => Decoder::Plain(wire),
     };
-    let mut content = HashingReader::new(decoded, false);
+    let mut content = HashingReader::new(decoded.take(cap + 1), false);
     let inner = match PeekReader::new(&mut content, Magic::PEEK) {
         Ok(i) => i,
         Err(e) => {
@@ -407,8 +398,19 @@ fn download(
         drop(content); // ends the borrow of the served-bytes counter
         return Err(body_error(url, &e, served.count(), total, expect));
     }
-    let consumed = content.get_mut().compressed_input();
+    let consumed = content.get_mut().get_ref().compressed_input();
+    let unfolded = content.count();
     let (sha256, _) = content.finish();
+    if unfolded > cap {
+        return Err(FetchError::WrongContent {
+            url: url.to_owned(),
+            expected: format!("an image of at most {cap} bytes"),
+            found: format!(
+                "more after decompressing {} served bytes (raise --max-image-mib if the image is real)",
+                served.count()
+            ),
+        });
+    }
     // The decompressor stops at the end of its stream; whatever follows must
     // still be read, so the served hash (and pin) covers the whole body and
     // the length check sees its end. The decoder's own input count tells
@@ -460,6 +462,9 @@ fn download(
     })
 }
 
+/// How many times its compressed size an image may be.
+const MAX_RATIO: u64 = 1000;
+
 /// The decompressor (or none) between the served bytes and the image.
 enum Decoder<R: Read> {
     Zstd(zstd::Decoder<'static, std::io::BufReader<R>>),
@@ -510,6 +515,7 @@ struct ResumableBody<'a> {
     ranges: bool,
     resumes_left: u32,
     backoff: Duration,
+    deadline: Duration,
     progress: &'a dyn Progress,
 }
 
@@ -518,8 +524,7 @@ impl<'a> ResumableBody<'a> {
         client: &'a Client,
         url: &'a str,
         resp: Response,
-        resumes: u32,
-        backoff: Duration,
+        opts: &FetchOptions,
         progress: &'a dyn Progress,
     ) -> Self {
         let h = resp.headers();
@@ -539,8 +544,9 @@ impl<'a> ResumableBody<'a> {
             offset: 0,
             validator,
             ranges,
-            resumes_left: resumes,
-            backoff,
+            resumes_left: opts.retries,
+            backoff: opts.backoff,
+            deadline: opts.deadline,
             progress,
         }
     }
@@ -550,7 +556,8 @@ impl<'a> ResumableBody<'a> {
         let mut req = self
             .client
             .get(self.url)
-            .header(header::RANGE, format!("bytes={}-", self.offset));
+            .header(header::RANGE, format!("bytes={}-", self.offset))
+            .timeout(self.deadline);
         if let Some(v) = &self.validator {
             req = req.header(header::IF_RANGE, v);
         }

@@ -1092,20 +1092,7 @@ fn send_upload(
             .header(reqwest::header::AUTHORIZATION, api.auth.clone())
             .multipart(upload_form(file, img.size, file_name, &img.sha256));
         let resp = net::send_once_async(req).await?;
-        let body = resp.bytes().await.map_err(|e| NetError::Transfer {
-            method: "POST".into(),
-            url: url.to_owned(),
-            message: net::request_error(e),
-            before_sending: false,
-        })?;
-        if body.len() > 1 << 20 {
-            return Err(NetError::TooLarge {
-                method: "POST".into(),
-                url: url.to_owned(),
-                limit: 1 << 20,
-            });
-        }
-        Ok(body.to_vec())
+        net::read_limited_async(resp, 1 << 20, false).await
     })
 }
 

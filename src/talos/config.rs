@@ -63,9 +63,16 @@ pub fn machine_config(
             path: path.clone(),
             message,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| patch_err(e.to_string()))?;
-        let patch: Value =
-            serde_yaml_ng::from_str(&text).map_err(|e| patch_err(format!("not YAML: {e}")))?;
+        let text = crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
+            .map_err(|e| patch_err(e.to_string()))?;
+        let text = crate::input::yaml(&text).map_err(|e| patch_err(e.to_string()))?;
+        // serde quotes values; a patch may be any file, so none is shown.
+        let patch: Value = serde_yaml_ng::from_str(text).map_err(|e| {
+            patch_err(format!(
+                "not YAML: {}",
+                crate::input::yaml_error_without_values(&e)
+            ))
+        })?;
         if patch.is_array() {
             return Err(patch_err(
                 "JSON patches (lists of op/path) are not supported; write a strategic merge patch (a partial machine config)".into(),
@@ -76,7 +83,12 @@ pub fn machine_config(
         }
         merge(&mut doc, patch, "").map_err(patch_err)?;
     }
-    let problems = schema_problems(&doc);
+    let mut problems = schema_problems(&doc);
+    if problems.len() > SCHEMA_PROBLEMS_SHOWN {
+        let more = problems.len() - SCHEMA_PROBLEMS_SHOWN;
+        problems.truncate(SCHEMA_PROBLEMS_SHOWN);
+        problems.push(format!("… and {more} more"));
+    }
     if !problems.is_empty() {
         return Err(ConfigError::Schema {
             node: node.name.clone(),
@@ -420,10 +432,20 @@ pub fn schema_problems(doc: &Value) -> Vec<String> {
         .map(|e| {
             let at = e.instance_path().to_string();
             let at = if at.is_empty() { "/".to_owned() } else { at };
-            format!("{at}: {}", redact_value(&e.to_string(), &secrets))
+            let message = redact_value(&e.to_string(), &secrets);
+            // A patch may be any file: show a short, escaped excerpt.
+            let mut shown: String = message.chars().take(SCHEMA_MESSAGE_SHOWN).collect();
+            if message.chars().count() > SCHEMA_MESSAGE_SHOWN {
+                shown.push('…');
+            }
+            format!("{}: {}", crate::input::escape(&at), crate::input::escape(&shown))
         })
         .collect()
 }
+
+/// How many schema problems a message lists, and how long each may be.
+const SCHEMA_PROBLEMS_SHOWN: usize = 10;
+const SCHEMA_MESSAGE_SHOWN: usize = 160;
 
 /// Schema messages quote offending values as JSON, and a value (or an
 /// object quoted whole) may hold a key or token. Every quoted string that is

@@ -165,9 +165,13 @@ impl SecretsBundle {
             path: path.display().to_string(),
             message,
         };
+        let text = crate::input::yaml(text).map_err(|e| invalid(e.to_string()))?;
         let bundle: SecretsBundle = serde_yaml_ng::from_str(text).map_err(|e| {
-            // serde messages quote field names, never values of secret fields.
-            invalid(format!("not a talosctl secrets bundle: {e}"))
+            // serde messages quote values, which here are keys and tokens.
+            invalid(format!(
+                "not a talosctl secrets bundle: {}",
+                crate::input::yaml_error_without_values(&e)
+            ))
         })?;
         bundle.check().map_err(invalid)?;
         Ok(bundle)
@@ -175,7 +179,7 @@ impl SecretsBundle {
 
     /// Reads `path`.
     pub fn load(path: &Path) -> Result<SecretsBundle, SecretsError> {
-        let text = std::fs::read_to_string(path).map_err(|source| SecretsError::Io {
+        let text = crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| SecretsError::Io {
             path: path.display().to_string(),
             source,
         })?;
