@@ -221,9 +221,11 @@ impl Converter<'_> {
                 continue;
             }
             let text = read(&p)?;
-            let parsed: Value = serde_yaml_ng::from_str(parse_guard(&text, &p)?).map_err(|e| ImportError::Parse {
-                path: p.clone(),
-                message: e.to_string(),
+            let parsed: Value = serde_yaml_ng::from_str(parse_guard(&text, &p)?).map_err(|e| {
+                ImportError::Parse {
+                    path: p.clone(),
+                    message: e.to_string(),
+                }
             })?;
             if let Value::Mapping(m) = parsed {
                 if m.contains_key("sops") {

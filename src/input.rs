@@ -262,7 +262,10 @@ pub fn yaml_error_without_values(e: &serde_yaml_ng::Error) -> String {
                 .split([' ', ','])
                 .next()
                 .unwrap_or("value");
-            format!("a {found} found, {}", expected.unwrap_or("another type expected"))
+            format!(
+                "a {found} found, {}",
+                expected.unwrap_or("another type expected")
+            )
         }
         "invalid value: " => format!("an invalid value, {}", expected.unwrap_or("")),
         "unknown field " => format!("an unknown field, {}", expected.unwrap_or("")),
@@ -300,7 +303,10 @@ mod tests {
         assert!(yaml(&deep).unwrap_err().message.contains("nested"));
         assert!(t.elapsed().as_secs() < 2);
         let e = yaml("cluster:\n  name: a\nnodes: []\ncluster:\n  name: b\n").unwrap_err();
-        assert_eq!((e.line, e.message.as_str()), (4, "key \"cluster\" appears twice"));
+        assert_eq!(
+            (e.line, e.message.as_str()),
+            (4, "key \"cluster\" appears twice")
+        );
         // Equal keys in different mappings, and a quoted twin of a plain key.
         assert!(yaml("a: {x: 1}\nb: {x: 1}\nc: [{x: 1}, {x: 2}]\n").is_ok());
     }
@@ -333,17 +339,32 @@ mod tests {
             n: u8,
         }
         let cases = [
-            ("etcd: LS0tSECRET\nn: 1\n", "etcd: a string found, expected struct Pair"),
-            ("etcd: {crt: [SECRET]}\nn: 1\n", "etcd.crt: a sequence found, expected a string"),
-            ("etcd: {crt: a}\nn: 999\n", "n: an invalid value, expected u8"),
-            ("etcd: {crt: a}\nn: 1\nSECRET: 1\n", "an unknown field, expected"),
+            (
+                "etcd: LS0tSECRET\nn: 1\n",
+                "etcd: a string found, expected struct Pair",
+            ),
+            (
+                "etcd: {crt: [SECRET]}\nn: 1\n",
+                "etcd.crt: a sequence found, expected a string",
+            ),
+            (
+                "etcd: {crt: a}\nn: 999\n",
+                "n: an invalid value, expected u8",
+            ),
+            (
+                "etcd: {crt: a}\nn: 1\nSECRET: 1\n",
+                "an unknown field, expected",
+            ),
             ("etcd: {crt: a}\n", "missing field `n`"),
         ];
         for (text, want) in cases {
             let e = serde_yaml_ng::from_str::<Doc>(text).unwrap_err();
             let shown = yaml_error_without_values(&e);
             assert!(shown.contains(want), "{shown} / {e}");
-            assert!(!shown.contains("SECRET") && !shown.contains("999"), "{shown}");
+            assert!(
+                !shown.contains("SECRET") && !shown.contains("999"),
+                "{shown}"
+            );
         }
     }
 }

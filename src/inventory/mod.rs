@@ -285,12 +285,13 @@ impl fmt::Display for Problem {
 impl Inventory {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Inventory, InventoryError> {
-        let text = crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| {
-            InventoryError::Read {
-                path: path.to_owned(),
-                source,
-            }
-        })?;
+        let text =
+            crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| {
+                InventoryError::Read {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
         Self::parse(&text, path)
     }
 

@@ -347,7 +347,9 @@ fn status_error(
     body: &[u8],
     sent: &[String],
 ) -> NetError {
-    let mut body = redact(&String::from_utf8_lossy(body), sent);
+    // Redacted, and safe for a terminal (line ends kept for parsers).
+    let body = redact(&String::from_utf8_lossy(body), sent).replace("\r\n", "\n");
+    let mut body = crate::input::escape(&body).into_owned();
     // A redirect reqwest did not follow (another scheme, too many hops)
     // has an empty body; where it leads is the explanation.
     if status.is_redirection()

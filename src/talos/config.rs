@@ -438,7 +438,11 @@ pub fn schema_problems(doc: &Value) -> Vec<String> {
             if message.chars().count() > SCHEMA_MESSAGE_SHOWN {
                 shown.push('…');
             }
-            format!("{}: {}", crate::input::escape(&at), crate::input::escape(&shown))
+            format!(
+                "{}: {}",
+                crate::input::escape(&at),
+                crate::input::escape(&shown)
+            )
         })
         .collect()
 }

@@ -179,10 +179,13 @@ impl SecretsBundle {
 
     /// Reads `path`.
     pub fn load(path: &Path) -> Result<SecretsBundle, SecretsError> {
-        let text = crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| SecretsError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text =
+            crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| {
+                SecretsError::Io {
+                    path: path.display().to_string(),
+                    source,
+                }
+            })?;
         Self::parse(&text, path)
     }
 
