@@ -938,3 +938,128 @@ fn concurrent_builds_into_one_out_dir_keep_every_entry() {
         "{manifest}"
     );
 }
+
+// ---- 23: messages that said the wrong thing ------------------------------
+
+#[test]
+fn a_byte_order_mark_is_read_past() {
+    let c = Case::new();
+    let config = c.inventory(|t| format!("\u{feff}{t}"));
+    let ran = c.run(&["--config", &config, "validate"], &[]);
+    c.bounded(&ran);
+    assert_eq!(ran.code, Some(0), "{}", ran.all());
+}
+
+#[test]
+fn a_repeated_key_is_reported_where_it_repeats() {
+    let c = Case::new();
+    let config = c.inventory(|t| format!("{t}\ncluster:\n  name: other\n"));
+    let line = std::fs::read_to_string(&config).unwrap().lines().count() - 1;
+    let ran = c.run(&["--config", &config, "validate"], &[]);
+    c.refused(&ran, &[2], "cluster.yaml", &[]);
+    assert!(
+        ran.stderr
+            .contains(&format!("line {line}: key \"cluster\" appears twice")),
+        "{}",
+        ran.stderr
+    );
+}
+
+#[test]
+fn numbers_past_what_proxmox_and_the_kernel_take_are_refused() {
+    let c = Case::new();
+    let vm = |first: &str, memory: &str, disk: &str| {
+        let (first, memory, disk) = (first.to_owned(), memory.to_owned(), disk.to_owned());
+        move |t: String| {
+            format!(
+                "{t}\npublish:\n  proxmox:\n    node: pve\n    storage: local\n    vm:\n      storage: local-lvm\n      firstId: {first}\n      memory: {memory}\n      diskSize: {disk}\n"
+            )
+        }
+    };
+    for (edit, field) in [
+        (vm("4294967295", "4096", "20"), "firstId"),
+        (vm("999999998", "4096", "20"), "firstId"),
+        (vm("100", "4294967295", "20"), "memory"),
+        (vm("100", "4096", "4294967295"), "diskSize"),
+    ] {
+        let config = c.inventory(edit);
+        let ran = c.run(&["--config", &config, "validate"], &[]);
+        c.refused(&ran, &[2], "cluster.yaml", &[]);
+        assert!(
+            ran.stderr.contains(&format!("publish.proxmox.vm.{field}")),
+            "{}",
+            ran.stderr
+        );
+        assert!(!ran.stderr.contains("no vmid"), "{}", ran.stderr);
+    }
+    // A kernel argument of 3 MB: refused by length, not echoed whole.
+    let arg = format!("a={}", "x".repeat(3 << 20));
+    let config = c.inventory(|t| {
+        t.replace(
+            "  format: raw\n",
+            &format!("  format: raw\n  kernelArgs: [{arg}]\n"),
+        )
+    });
+    let ran = c.run(&["--config", &config, "validate"], &[]);
+    c.refused(&ran, &[2], "cluster.yaml", &[]);
+    assert!(ran.stderr.contains("image.kernelArgs"), "{}", ran.stderr);
+    assert!(
+        ran.all().len() < 4096,
+        "{} bytes of output",
+        ran.all().len()
+    );
+    // A 10 MB one: the file is too large to be an inventory.
+    let arg = format!("a={}", "x".repeat(10 << 20));
+    let config = c.inventory(|t| {
+        t.replace(
+            "  format: raw\n",
+            &format!("  format: raw\n  kernelArgs: [{arg}]\n"),
+        )
+    });
+    let ran = c.run(&["--config", &config, "validate"], &[]);
+    c.refused(&ran, &[2], "cluster.yaml", &[]);
+    assert!(ran.stderr.contains("larger than"), "{}", ran.stderr);
+}
+
+#[test]
+fn an_out_dir_that_is_a_file_is_named_as_such() {
+    let c = Case::new();
+    let file = c.write("out/img", "a file");
+    let config = c.inventory(|t| t);
+    let ran = c.run(
+        &[
+            "--config",
+            &config,
+            "build",
+            "--factory",
+            "http://127.0.0.1:9",
+            "--out-dir",
+            &file,
+            "--quiet",
+        ],
+        &[],
+    );
+    c.refused(&ran, &[1], &file, &[]);
+    assert!(
+        ran.stderr.contains("is a file, not a folder"),
+        "{}",
+        ran.stderr
+    );
+}
+
+#[test]
+fn a_manifest_may_name_its_images_with_a_leading_dot() {
+    let c = Case::new();
+    let image = c.write("out/cp-01.raw", "image bytes");
+    use sha2::Digest;
+    let sha = hex::encode(sha2::Sha256::digest(std::fs::read(&image).unwrap()));
+    let manifest = serde_json::json!({"images": {"cp-01": {
+        "node": "cp-01", "route": "factory", "schematicId": "a".repeat(64),
+        "talosVersion": "v1.11.2", "platform": "metal", "arch": "amd64", "format": "raw",
+        "size": 11, "sha256": sha, "path": "./cp-01.raw", "sourceUrl": "http://127.0.0.1:9/x",
+    }}});
+    c.write("out/manifest.json", manifest.to_string());
+    let ran = c.run(&["verify", "--out-dir", &c.s("out")], &[]);
+    c.bounded(&ran);
+    assert_eq!(ran.code, Some(0), "{}", ran.all());
+}
