@@ -117,8 +117,8 @@ pub fn yaml(text: &str) -> Result<&str, YamlRefused> {
         };
         let line = mark.line();
         let refuse = |message: String| Err(YamlRefused { line, message });
-        // What the event adds to its parent: (nodes, bytes, anchor, key).
-        let done: Option<(u64, u64, usize, Option<(bool, String)>)> = match event {
+        // What the event adds to its parent, once the node it ends is whole.
+        let done: Option<Done> = match event {
             Event::StreamEnd => return Ok(text),
             Event::SequenceStart(anchor, _) | Event::MappingStart(anchor, _) => {
                 if stack.len() >= MAX_DEPTH {
@@ -137,19 +137,34 @@ pub fn yaml(text: &str) -> Result<&str, YamlRefused> {
             }
             Event::SequenceEnd | Event::MappingEnd => {
                 let o = stack.pop().expect("the parser balances collections");
-                Some((o.nodes, o.bytes, o.anchor, None))
+                Some(Done {
+                    nodes: o.nodes,
+                    bytes: o.bytes,
+                    anchor: o.anchor,
+                    key: None,
+                })
             }
             Event::Scalar(value, style, anchor, _) => {
                 nodes += 1;
                 bytes += value.len() as u64;
                 let plain = style == TScalarStyle::Plain;
-                Some((1, value.len() as u64, anchor, Some((plain, value))))
+                Some(Done {
+                    nodes: 1,
+                    bytes: value.len() as u64,
+                    anchor,
+                    key: Some((plain, value)),
+                })
             }
             Event::Alias(id) => {
                 let (n, b) = anchors.get(&id).copied().unwrap_or((1, 0));
                 nodes = nodes.saturating_add(n);
                 bytes = bytes.saturating_add(b);
-                Some((n, b, 0, None))
+                Some(Done {
+                    nodes: n,
+                    bytes: b,
+                    anchor: 0,
+                    key: None,
+                })
             }
             _ => None,
         };
@@ -160,7 +175,13 @@ pub fn yaml(text: &str) -> Result<&str, YamlRefused> {
                 MAX_SCALAR_BYTES >> 20
             ));
         }
-        let Some((n, b, anchor, key)) = done else {
+        let Some(Done {
+            nodes: n,
+            bytes: b,
+            anchor,
+            key,
+        }) = done
+        else {
             continue;
         };
         if anchor != 0 {
@@ -181,6 +202,15 @@ pub fn yaml(text: &str) -> Result<&str, YamlRefused> {
             }
         }
     }
+}
+
+/// A node the guard finished: what it unfolds to, its anchor (0: none)
+/// and, for a scalar, its text (and whether it was plain) in case it is a key.
+struct Done {
+    nodes: u64,
+    bytes: u64,
+    anchor: usize,
+    key: Option<(bool, String)>,
 }
 
 /// Text from an image, a reply or a foreign file, safe for a terminal:

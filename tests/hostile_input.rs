@@ -118,21 +118,21 @@ impl Case {
         let out = pipe(child.stdout.take().map(|r| Box::new(r) as _));
         let err = pipe(child.stderr.take().map(|r| Box::new(r) as _));
         let status = loop {
-            let mut status = 0;
-            // SAFETY: waits for our own child only.
-            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-            if r == pid {
+            if let Some(status) = child.try_wait().unwrap() {
                 break status;
             }
             if started.elapsed() > 2 * LIMIT_TIME {
                 // SAFETY: our own child's process group.
                 unsafe { libc::kill(-pid, libc::SIGKILL) };
+                let _ = child.wait();
                 panic!("{args:?} ran past {:?}", 2 * LIMIT_TIME);
             }
             std::thread::sleep(Duration::from_millis(10));
         };
         let took = started.elapsed();
-        assert!(libc::WIFEXITED(status), "GNU time died");
+        let Some(code) = status.code() else {
+            panic!("GNU time died: {status}");
+        };
         let report = std::fs::read_to_string(&report).unwrap();
         let _ = std::fs::remove_file(self.path("home/time"));
         let signal = report
@@ -147,7 +147,7 @@ impl Case {
             .parse()
             .unwrap();
         Ran {
-            code: signal.is_none().then(|| libc::WEXITSTATUS(status)),
+            code: signal.is_none().then_some(code),
             signal,
             stdout: out.join().unwrap(),
             stderr: err.join().unwrap(),
