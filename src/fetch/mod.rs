@@ -660,6 +660,52 @@ mod tests {
     }
 
     #[test]
+    fn a_body_that_unfolds_past_1000_times_its_size_is_refused() {
+        use std::io::Write;
+        let mut enc = zstd::Encoder::new(Vec::new(), 3).unwrap();
+        let mut head = vec![0u8; 1024];
+        head[512..520].copy_from_slice(b"EFI PART");
+        enc.write_all(&head).unwrap();
+        for _ in 0..80 {
+            enc.write_all(&[0u8; 1 << 20]).unwrap();
+        }
+        let bomb = enc.finish().unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!(
+            "http://{}/metal-amd64.raw.zst",
+            listener.local_addr().unwrap()
+        );
+        std::thread::spawn(move || {
+            let Ok((mut conn, _)) = listener.accept() else {
+                return;
+            };
+            let mut head = [0u8; 4096];
+            let _ = conn.read(&mut head);
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                bomb.len()
+            );
+            let _ = conn.write_all(&bomb);
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let opts = FetchOptions {
+            cache_dir: dir.path().to_owned(),
+            retries: 0,
+            backoff: Duration::from_millis(1),
+            read_timeout: Duration::from_secs(10),
+            deadline: Duration::from_secs(30),
+            max_image_size: 16 << 30,
+        };
+        let err = fetch(&client(&opts), &url, None, &opts, &Silent).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("at most {MIN_RATIO_CAP} bytes")),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn pins_parse_strictly() {
         let h = "a".repeat(64);
         assert_eq!(

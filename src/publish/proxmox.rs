@@ -1109,6 +1109,8 @@ fn send_upload(
             .uploads
             .post(url)
             .header(reqwest::header::AUTHORIZATION, api.auth.clone())
+            // The API deadline, plus the image at 256 KiB/s.
+            .timeout(net::request_deadline() + Duration::from_secs(img.size >> 18))
             .multipart(upload_form(file, img.size, file_name, &img.sha256));
         let resp = net::send_once_async(req).await?;
         net::read_limited_async(resp, 1 << 20, false).await
