@@ -235,12 +235,20 @@ pub fn escape(s: &str) -> Cow<'_, str> {
 /// A short excerpt of foreign text for a message: at most 40 characters,
 /// escaped, in quotes.
 pub fn quote(s: &str) -> String {
-    const SHOWN: usize = 40;
-    let mut cut: String = s.chars().take(SHOWN).collect();
-    if s.chars().count() > SHOWN {
+    format!("{:?}", cut(s, 40))
+}
+
+/// At most `n` characters of `s` (an ellipsis says more followed), escaped.
+pub fn excerpt(s: &str, n: usize) -> String {
+    escape(&cut(s, n)).into_owned()
+}
+
+fn cut(s: &str, n: usize) -> String {
+    let mut cut: String = s.chars().take(n).collect();
+    if s.chars().nth(n).is_some() {
         cut.push('…');
     }
-    format!("{:?}", cut)
+    cut
 }
 
 /// A serde_yaml_ng error without any value from the document: the field

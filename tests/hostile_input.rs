@@ -614,7 +614,22 @@ fn a_reflected_token_and_escapes_are_not_shown() {
         &["cleanup"],
         &[("HCLOUD_ENDPOINT", &url), ("HCLOUD_TOKEN", token)],
     );
-    c.refused(&ran, &[1], "127.0.0.1", &["TOKENMARK", "Bearer"]);
+    c.refused(&ran, &[1], "/servers", &["TOKENMARK", "Bearer"]);
+    // The escape inside a JSON error object, decoded by the client.
+    let url = serve(8, |_, _, _, conn| {
+        let body = br#"{"error":{"code":"forbidden","message":"\u001b[2J\u001b]0;owned\u0007no"}}"#;
+        reply(
+            conn,
+            "403 Forbidden",
+            "Content-Type: application/json\r\n",
+            body,
+        );
+    });
+    let ran = c.run(
+        &["cleanup"],
+        &[("HCLOUD_ENDPOINT", &url), ("HCLOUD_TOKEN", token)],
+    );
+    c.refused(&ran, &[1], "/servers", &["TOKENMARK"]);
 }
 
 #[test]

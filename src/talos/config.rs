@@ -433,15 +433,11 @@ pub fn schema_problems(doc: &Value) -> Vec<String> {
             let at = e.instance_path().to_string();
             let at = if at.is_empty() { "/".to_owned() } else { at };
             let message = redact_value(&e.to_string(), &secrets);
-            // A patch may be any file: show a short, escaped excerpt.
-            let mut shown: String = message.chars().take(SCHEMA_MESSAGE_SHOWN).collect();
-            if message.chars().count() > SCHEMA_MESSAGE_SHOWN {
-                shown.push('…');
-            }
+            // A patch may be any file: show short, escaped excerpts.
             format!(
                 "{}: {}",
-                crate::input::escape(&at),
-                crate::input::escape(&shown)
+                crate::input::excerpt(&at, SCHEMA_MESSAGE_SHOWN),
+                crate::input::excerpt(&message, SCHEMA_MESSAGE_SHOWN)
             )
         })
         .collect()
