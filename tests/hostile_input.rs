@@ -66,6 +66,34 @@ impl Case {
         self.s(rel)
     }
 
+    /// `out/state` holding a valid secrets bundle, generated once per test
+    /// process (outside any timed run: key generation is not what is tested).
+    fn seeded_state(&self) -> String {
+        static BUNDLE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+        let bundle = BUNDLE.get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let config = dir.path().join("cluster.yaml");
+            std::fs::copy(root().join("examples/loopback/cluster.yaml"), &config).unwrap();
+            let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+                .arg("--config")
+                .arg(&config)
+                .args(["secrets", "gen", "--state-dir"])
+                .arg(dir.path().join("state"))
+                .env_remove("IMGBUILD_CONFIG")
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            std::fs::read(dir.path().join("state/secrets.yaml")).unwrap()
+        });
+        self.write("out/state/secrets.yaml", bundle);
+        std::fs::set_permissions(
+            self.path("out/state"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .unwrap();
+        self.s("out/state")
+    }
+
     /// The loopback inventory as `in/cluster.yaml` after `edit`.
     fn inventory(&self, edit: impl FnOnce(String) -> String) -> String {
         let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
@@ -542,7 +570,7 @@ fn a_schema_error_shows_keys_not_a_file() {
             "config",
             "cp-01",
             "--state-dir",
-            &c.s("out/state"),
+            &c.seeded_state(),
         ],
         &[],
     );
@@ -583,7 +611,7 @@ fn huge_patches_and_manifests_are_not_read_whole() {
             "config",
             "cp-01",
             "--state-dir",
-            &c.s("out/state"),
+            &c.seeded_state(),
         ],
         &[],
     );
