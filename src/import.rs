@@ -776,8 +776,9 @@ impl Converter<'_> {
         out
     }
 
-    /// A referenced patch file: kept by reference when it can be used as it
-    /// is, copied (substituted) when it has `${VAR}`s.
+    /// A referenced patch file (inside the talconfig's folder): kept by
+    /// reference when the inventory goes beside the talconfig, else copied
+    /// beside it; substituted when it has `${VAR}`s.
     fn patch_file(&mut self, file: &str, at: &str, scope: &str, j: usize) -> Option<String> {
         // Only files beside the talconfig: a repository's config must not
         // make imgbuild read (and copy) files elsewhere on the machine.
