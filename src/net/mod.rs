@@ -363,7 +363,9 @@ fn status_error(
         body = format!(
             "a redirect to {} that imgbuild does not follow (only http and https, at most 10 hops) {body}",
             crate::input::quote(&redact(&to, sent))
-        );
+        )
+        .trim_end()
+        .to_owned();
     }
     NetError::Status {
         method: method.to_owned(),
