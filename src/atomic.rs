@@ -118,6 +118,23 @@ pub fn write_if_changed(target: &Path, data: &[u8], private: bool) -> io::Result
     Ok(true)
 }
 
+/// An exclusive `flock` on `path` (created if missing), held until the
+/// returned file is dropped: read-modify-write of a shared file (cache
+/// entries, the manifest, the secrets bundle) by concurrent processes.
+pub fn lock(path: &Path) -> io::Result<File> {
+    use std::os::fd::AsRawFd;
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)?;
+    // SAFETY: flock on a valid descriptor; released when the file closes.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(f)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -75,8 +75,8 @@ impl Manifest {
     /// one is an error naming the file and what is wrong with it.
     pub fn load(out_dir: &Path) -> Result<Manifest, BuildError> {
         let path = Self::path(out_dir);
-        let bytes = match std::fs::read(&path) {
-            Ok(bytes) => bytes,
+        let bytes = match crate::input::read_text(&path, crate::input::MAX_TEXT_FILE) {
+            Ok(text) => text.into_bytes(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Manifest::default()),
             Err(e) => return Err(BuildError::Io { path, source: e }),
         };
@@ -98,11 +98,14 @@ impl Manifest {
             if *key != image.node {
                 return Err(format!("entry {key:?} is for node {:?}", image.node));
             }
-            let inside = !image.path.as_os_str().is_empty()
+            let inside = image
+                .path
+                .components()
+                .any(|c| matches!(c, Component::Normal(_)))
                 && image
                     .path
                     .components()
-                    .all(|c| matches!(c, Component::Normal(_)));
+                    .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
             if !inside {
                 return Err(format!(
                     "entry {key:?}: path {:?} must be relative to the out dir, without '..'",
@@ -122,6 +125,22 @@ impl Manifest {
             }
         }
         Ok(())
+    }
+
+    /// Adds `images` to the manifest on disk. Under a lock, the file is read
+    /// again and written with the additions, so two builds into one out dir
+    /// both keep their entries.
+    fn record(out_dir: &Path, images: Vec<NodeImage>) -> Result<(), BuildError> {
+        let lock = out_dir.join(".manifest.lock");
+        let _held = crate::atomic::lock(&lock).map_err(|source| BuildError::Io {
+            path: lock.clone(),
+            source,
+        })?;
+        let mut manifest = Self::load(out_dir)?;
+        for image in images {
+            manifest.images.insert(image.node.clone(), image);
+        }
+        manifest.save(out_dir)
     }
 
     fn save(&self, out_dir: &Path) -> Result<(), BuildError> {
@@ -314,9 +333,15 @@ pub fn build(
     let plans = plan(inv, nodes, opts)?;
     std::fs::create_dir_all(&opts.out_dir).map_err(|source| BuildError::Io {
         path: opts.out_dir.clone(),
-        source,
+        source: match std::fs::metadata(&opts.out_dir) {
+            Ok(m) if !m.is_dir() => std::io::Error::new(
+                std::io::ErrorKind::NotADirectory,
+                "the out dir is a file, not a folder",
+            ),
+            _ => source,
+        },
     })?;
-    let mut manifest = Manifest::load(&opts.out_dir)?;
+    let manifest = Manifest::load(&opts.out_dir)?;
     let current = |p: &Plan| p.current(inv, opts, &manifest);
     let todo: Vec<&Plan> = plans.iter().filter(|p| current(p).is_none()).collect();
     let mut outcomes: BTreeMap<String, Outcome> = plans
@@ -370,19 +395,18 @@ pub fn build(
                 });
             }
         });
+        let mut images = Vec::new();
         for r in results.into_inner().unwrap() {
             match r {
                 Ok(o) => {
-                    manifest
-                        .images
-                        .insert(o.image.node.clone(), o.image.clone());
+                    images.push(o.image.clone());
                     outcomes.insert(o.image.node.clone(), o);
                 }
                 Err(f) => failed.push(f),
             }
         }
         // Record what did succeed, even when another node failed.
-        manifest.save(&opts.out_dir)?;
+        Manifest::record(&opts.out_dir, images)?;
     }
     let built: Vec<Outcome> = plans
         .iter()

@@ -25,7 +25,9 @@ pub struct ImportOptions<'a> {
     /// Where the inventory will be written; inline patches go to
     /// `patches/` beside it. None (printing): inline patches cannot be kept.
     pub out_dir: Option<&'a Path>,
-    /// Environment lookup for `${VAR}` (after talenv.yaml).
+    /// Environment lookup for `${VAR}` (after talenv.yaml). The CLI answers
+    /// only for names the user listed: a repository's talconfig must not
+    /// copy `PROXMOX_VE_API_TOKEN` or the like into the inventory.
     pub env: &'a dyn Fn(&str) -> Option<String>,
 }
 
@@ -92,9 +94,11 @@ const TALENV_SOPS: [&str; 2] = ["talenv.sops.yaml", "talenv.sops.yml"];
 /// Converts the talhelper config at `path`.
 pub fn talhelper(path: &Path, opts: &ImportOptions) -> Result<Imported, ImportError> {
     let read = |p: &Path| {
-        std::fs::read_to_string(p).map_err(|source| ImportError::Read {
-            path: p.to_owned(),
-            source,
+        crate::input::read_text(p, crate::input::MAX_TEXT_FILE).map_err(|source| {
+            ImportError::Read {
+                path: p.to_owned(),
+                source,
+            }
         })
     };
     let raw = read(path)?;
@@ -113,8 +117,9 @@ pub fn talhelper(path: &Path, opts: &ImportOptions) -> Result<Imported, ImportEr
         index: LineIndex::default(),
     };
     c.load_talenv(&read)?;
-    let text = c.substitute(&raw, path);
-    let doc: Value = serde_yaml_ng::from_str(&text).map_err(|e| ImportError::Parse {
+    let text = c.substitute(&raw, path)?;
+    let text = parse_guard(&text, path)?;
+    let doc: Value = serde_yaml_ng::from_str(text).map_err(|e| ImportError::Parse {
         path: path.to_owned(),
         message: e.to_string(),
     })?;
@@ -129,7 +134,7 @@ pub fn talhelper(path: &Path, opts: &ImportOptions) -> Result<Imported, ImportEr
             path: path.to_owned(),
         });
     }
-    c.index = LineIndex::new(&text);
+    c.index = LineIndex::new(text);
     let inventory = c.convert(&top)?;
     // Source order: the talconfig by line, then the other files.
     c.skipped
@@ -216,9 +221,11 @@ impl Converter<'_> {
                 continue;
             }
             let text = read(&p)?;
-            let parsed: Value = serde_yaml_ng::from_str(&text).map_err(|e| ImportError::Parse {
-                path: p.clone(),
-                message: e.to_string(),
+            let parsed: Value = serde_yaml_ng::from_str(parse_guard(&text, &p)?).map_err(|e| {
+                ImportError::Parse {
+                    path: p.clone(),
+                    message: e.to_string(),
+                }
             })?;
             if let Value::Mapping(m) = parsed {
                 if m.contains_key("sops") {
@@ -243,7 +250,7 @@ impl Converter<'_> {
     /// talhelper's envsubst for `${NAME}` and `${NAME:-default}`: talenv.yaml
     /// first, then the environment. An unset variable stays as written and
     /// is reported with its line in `file`.
-    fn substitute(&mut self, text: &str, file: &Path) -> String {
+    fn substitute(&mut self, text: &str, file: &Path) -> Result<String, ImportError> {
         let mut out = String::with_capacity(text.len());
         let mut rest = text;
         let mut consumed = 0;
@@ -270,7 +277,19 @@ impl Converter<'_> {
                 })
                 .flatten();
             match value {
-                Some(v) => out.push_str(&v),
+                Some(v) => {
+                    out.push_str(&v);
+                    // Variables must not grow a small file into a huge one.
+                    if out.len() as u64 > crate::input::MAX_TEXT_FILE {
+                        return Err(ImportError::Parse {
+                            path: file.to_owned(),
+                            message: format!(
+                                "with its variables filled in, the file passes {} KiB",
+                                crate::input::MAX_TEXT_FILE >> 10
+                            ),
+                        });
+                    }
+                }
                 None => {
                     out.push_str(whole);
                     if is_name {
@@ -280,7 +299,8 @@ impl Converter<'_> {
                             line: Some(line),
                             field: format!("${{{name}}}"),
                             reason: format!(
-                                "talenv variable {name} is not set (talenv.yaml or the environment); left as written"
+                                "variable {name} is not in talenv.yaml; left as written \
+                                 (pass --env {name} to take it from the environment)"
                             ),
                         });
                     }
@@ -290,7 +310,7 @@ impl Converter<'_> {
             rest = &rest[start + len + 1..];
         }
         out.push_str(rest);
-        out
+        Ok(out)
     }
 
     /// Reports every key of `map` (at `at`) that is not in `known`.
@@ -576,7 +596,13 @@ impl Converter<'_> {
             self.schematic(s, &format!("{at}.schematic"), &mut node)?;
         }
         if let Some(list) = n.get("patches") {
-            let scope = format!("node-{}", node.name);
+            // The name becomes a file name: only a valid node name will do
+            // (the inventory check reports the name itself).
+            let scope = if crate::inventory::is_node_name(&node.name) {
+                format!("node-{}", node.name)
+            } else {
+                at.replace(['[', ']'], "-").trim_end_matches('-').to_owned()
+            };
             node.patches = self.patches(list, &format!("{at}.patches"), &scope);
         }
         Ok(node)
@@ -750,11 +776,20 @@ impl Converter<'_> {
         out
     }
 
-    /// A referenced patch file: kept by reference when it can be used as it
-    /// is, copied (substituted) when it has `${VAR}`s.
+    /// A referenced patch file (inside the talconfig's folder): kept by
+    /// reference when the inventory goes beside the talconfig, else copied
+    /// beside it; substituted when it has `${VAR}`s.
     fn patch_file(&mut self, file: &str, at: &str, scope: &str, j: usize) -> Option<String> {
-        let path = self.dir.join(file);
-        let text = match std::fs::read_to_string(&path) {
+        // Only files beside the talconfig: a repository's config must not
+        // make imgbuild read (and copy) files elsewhere on the machine.
+        let path = match crate::inventory::patch_path(&self.dir, Path::new(file)) {
+            Ok(p) => p,
+            Err(why) => {
+                self.skip(at, why);
+                return None;
+            }
+        };
+        let text = match crate::input::read_text(&path, crate::input::MAX_TEXT_FILE) {
             Ok(t) => t,
             Err(e) => {
                 self.skip(at, format!("cannot read {}: {e}", path.display()));
@@ -790,11 +825,18 @@ impl Converter<'_> {
             }
         }
         if text.contains("${") {
-            let substituted = self.substitute(&text, &path);
+            let substituted = match self.substitute(&text, &path) {
+                Ok(t) => t,
+                Err(e) => {
+                    self.skip(at, e.to_string());
+                    return None;
+                }
+            };
             return self.write_patch(substituted, at, scope, j);
         }
-        // Relative to the inventory: the same spelling when it sits beside
-        // the talconfig, else the file's absolute path.
+        // The same spelling when the inventory sits beside the talconfig,
+        // else a copy beside the inventory (it reads patches only from its
+        // own folder).
         let same_dir = match &self.out_dir {
             None => true,
             Some(out) => same_path(out, &self.dir),
@@ -802,12 +844,7 @@ impl Converter<'_> {
         if same_dir {
             Some(file.to_owned())
         } else {
-            Some(
-                std::fs::canonicalize(&path)
-                    .unwrap_or(path)
-                    .to_string_lossy()
-                    .into_owned(),
-            )
+            self.write_patch(text, at, scope, j)
         }
     }
 
@@ -840,14 +877,42 @@ enum PatchKind {
     Invalid(String),
 }
 
+/// What a patch is. Its content may be any file: messages show no value.
 fn patch_kind(text: &str) -> PatchKind {
+    let text = match crate::input::yaml(text) {
+        Ok(t) => t,
+        Err(e) => return PatchKind::Invalid(e.to_string()),
+    };
     match serde_yaml_ng::from_str::<Value>(text) {
         Ok(Value::Sequence(_)) => PatchKind::Json6902,
         Ok(Value::Mapping(m)) if m.contains_key("sops") => PatchKind::Sops,
         Ok(Value::Mapping(_)) => PatchKind::Strategic,
         Ok(_) => PatchKind::Invalid("neither a mapping nor a list".into()),
-        Err(e) => PatchKind::Invalid(e.to_string()),
+        Err(e) => PatchKind::Invalid(crate::input::yaml_error_without_values(&e)),
     }
+}
+
+/// `text` past the YAML guard (aliases, nesting, repeated keys).
+fn parse_guard<'t>(text: &'t str, path: &Path) -> Result<&'t str, ImportError> {
+    crate::input::yaml(text).map_err(|e| ImportError::Parse {
+        path: path.to_owned(),
+        message: e.to_string(),
+    })
+}
+
+/// Where patch file `rel` (from [`Imported::patch_files`]) goes under
+/// `dir`: a path that stays inside it, else an error.
+pub fn patch_target(dir: &Path, rel: &Path) -> Result<PathBuf, ImportError> {
+    let inside = rel
+        .components()
+        .all(|c| matches!(c, std::path::Component::Normal(_)));
+    if !inside || rel.as_os_str().is_empty() {
+        return Err(ImportError::Parse {
+            path: rel.to_owned(),
+            message: format!("refusing to write outside {}", dir.display()),
+        });
+    }
+    Ok(dir.join(rel))
 }
 
 fn same_path(a: &Path, b: &Path) -> bool {

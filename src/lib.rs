@@ -10,6 +10,7 @@ pub mod disk;
 pub mod factory;
 pub mod fetch;
 pub mod import;
+pub mod input;
 pub mod inventory;
 pub mod io;
 pub mod meta;

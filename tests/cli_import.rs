@@ -72,18 +72,20 @@ fn convert(name: &str, env: &[(&str, &str)]) -> Converted {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("cluster.yaml");
     let src = fixture(name);
-    let o = run(
-        &[
-            "--output",
-            "json",
-            "import",
-            "talhelper",
-            src.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        env,
-    );
+    let mut args = vec![
+        "--output",
+        "json",
+        "import",
+        "talhelper",
+        src.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    // Only variables named with --env come from the environment.
+    for (k, _) in env {
+        args.extend(["--env", k]);
+    }
+    let o = run(&args, env);
     assert!(
         o.status.success(),
         "{}\n{}",
@@ -254,10 +256,14 @@ fn homelab_converts_addresses_vip_groups_and_patches() {
             .unwrap()
             .contains("admissionControl")
     );
+    // A file patch is copied beside the inventory, which reads patches
+    // only from its own folder.
     let all = inv["patches"]["all"][0].as_str().unwrap();
-    assert!(
-        all.ends_with("fixtures/talhelper/homelab/patches/time.yaml"),
-        "{all}"
+    assert_eq!(all, "patches/all-1.yaml");
+    assert_eq!(
+        std::fs::read_to_string(c.dir.path().join(all)).unwrap(),
+        std::fs::read_to_string(root().join("fixtures/talhelper/homelab/patches/time.yaml"))
+            .unwrap()
     );
     // talenv.yaml filled ${clusterDomain}: nothing reported about it.
     assert_eq!(

@@ -252,7 +252,8 @@ impl Inner {
                 Event::Kubeconfig { .. } => {}
                 Event::NoCni => {
                     c.pending.clear();
-                    c.row.set("no CNI: nodes stay NotReady".into(), Tone::Waiting, now);
+                    c.row
+                        .set("no CNI: nodes stay NotReady".into(), Tone::Waiting, now);
                 }
                 Event::Healthy => {
                     c.pending.clear();

@@ -28,6 +28,12 @@ pub struct DownloadArgs {
     /// Longest silence from the server before an attempt is abandoned.
     #[arg(long, default_value_t = 60)]
     read_timeout_secs: u64,
+    /// Longest time one download attempt may take, first byte to last.
+    #[arg(long, default_value_t = 3600)]
+    download_deadline_secs: u64,
+    /// Largest image a download may decompress to, in MiB.
+    #[arg(long, default_value_t = 16384)]
+    max_image_mib: u64,
     /// No progress output.
     #[arg(long)]
     pub(super) quiet: bool,
@@ -43,6 +49,8 @@ impl DownloadArgs {
             retries: self.retries,
             backoff: Duration::from_millis(self.retry_delay_ms),
             read_timeout: Duration::from_secs(self.read_timeout_secs),
+            deadline: Duration::from_secs(self.download_deadline_secs),
+            max_image_size: self.max_image_mib.saturating_mul(1 << 20),
         }
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::Args;
 use imgbuild::build::Outcome;
+use imgbuild::input::escape;
 use imgbuild::inventory::HcloudSettings;
 use imgbuild::publish::hcloud::{
     self, Api, Credentials, Event, HcloudError, Leftover, Snapshot, SnapshotImage, SnapshotOptions,
@@ -178,7 +179,14 @@ pub fn publish(
     if !leftovers.is_empty() {
         let list: Vec<String> = leftovers
             .iter()
-            .map(|l| format!("{} {}: {}", l.kind.replace('_', " "), l.id, l.error))
+            .map(|l| {
+                format!(
+                    "{} {}: {}",
+                    l.kind.replace('_', " "),
+                    l.id,
+                    escape(&l.error)
+                )
+            })
             .collect();
         if output == Output::Text {
             eprintln!(
@@ -213,14 +221,19 @@ pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
                 outln!("nothing to delete: no temporary servers or SSH keys of imgbuild runs");
             }
             for d in &deleted {
-                outln!("deleted {} {} ({})", d.kind.replace('_', " "), d.id, d.name);
+                outln!(
+                    "deleted {} {} ({})",
+                    d.kind.replace('_', " "),
+                    d.id,
+                    escape(&d.name)
+                );
             }
             for l in &left {
                 eprintln!(
                     "could not delete {} {}: {}",
                     l.kind.replace('_', " "),
                     l.id,
-                    l.error
+                    escape(&l.error)
                 );
             }
         }
@@ -293,10 +306,10 @@ pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<
                 outln!("cluster {cluster} has no servers");
             }
             for d in &deleted {
-                outln!("deleted server {} ({})", d.id, d.name);
+                outln!("deleted server {} ({})", d.id, escape(&d.name));
             }
             for l in &left {
-                eprintln!("could not delete server {}: {}", l.id, l.error);
+                eprintln!("could not delete server {}: {}", l.id, escape(&l.error));
             }
         }
     }

@@ -6,10 +6,11 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use imgbuild::disk::edit::{self, MetaChange, MetaEditOptions, PatchOptions};
 use imgbuild::disk::{self, Image};
+use imgbuild::input::escape;
 use imgbuild::meta::{KEY_NETWORK, PlatformNetworkConfig, key_name};
 use imgbuild::schematic;
 use serde_json::json;
-use std::io::Read;
+use std::io::{IsTerminal, Read};
 use std::path::{Path, PathBuf};
 
 /// A META key, decimal or `0x` hex.
@@ -132,18 +133,20 @@ pub fn inspect(args: InspectArgs, output: Output) -> Result<()> {
                 outln!(
                     "  {:>3}  {:<10} {:>14} {:>14}  {}",
                     p.number,
-                    p.name,
+                    escape(&p.name),
                     p.offset,
                     p.size,
                     p.type_guid
                 );
             }
             for problem in &meta.problems {
-                eprintln!("warning: {problem}");
+                eprintln!("warning: {}", escape(problem));
             }
             outln!("META ({:?} copy): {} tag(s)", meta.source, tags.len());
             for (key, text, _) in &tags {
                 let name = key_name(*key).unwrap_or("unknown");
+                // META is whatever the image's maker wrote.
+                let text = escape(text);
                 if text.contains('\n') {
                     outln!("  {key:>3} {name}:");
                     for line in text.lines() {
@@ -170,6 +173,10 @@ pub fn meta(args: MetaArgs, output: Output) -> Result<()> {
                     "{}",
                     json!({"key": key, "name": key_name(key), "value": String::from_utf8_lossy(value)})
                 ),
+                // Raw for a pipe; escaped for a terminal.
+                Output::Text if std::io::stdout().is_terminal() => {
+                    out!("{}", escape(&String::from_utf8_lossy(value)))
+                }
                 Output::Text => super::stdout_write(value),
             }
         }
@@ -267,10 +274,10 @@ pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
         ),
         Output::Text => {
             for line in d.layout.iter().chain(&d.meta) {
-                outln!("{line}");
+                outln!("{}", escape(line));
             }
             for name in &d.contents {
-                outln!("{name}: contents differ");
+                outln!("{}: contents differ", escape(name));
             }
             if d.identical() {
                 outln!("identical: the same bytes");

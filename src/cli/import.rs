@@ -28,11 +28,20 @@ enum ImportFrom {
         /// Replace an existing --out file.
         #[arg(long)]
         force: bool,
+        /// Fill `${NAME}` from the environment (repeatable). Without it only
+        /// talenv.yaml fills variables, so a talconfig cannot copy a token.
+        #[arg(long = "env", value_name = "NAME")]
+        env: Vec<String>,
     },
 }
 
 pub fn run(args: ImportArgs, output: Output) -> Result<()> {
-    let ImportFrom::Talhelper { file, out, force } = args.from;
+    let ImportFrom::Talhelper {
+        file,
+        out,
+        force,
+        env: allowed,
+    } = args.from;
     if let Some(out) = &out
         && out.exists()
         && !force
@@ -51,7 +60,13 @@ pub fn run(args: ImportArgs, output: Output) -> Result<()> {
     if let Some(dir) = &out_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let env = |k: &str| std::env::var(k).ok();
+    let env = |k: &str| {
+        allowed
+            .iter()
+            .any(|a| a == k)
+            .then(|| std::env::var(k).ok())
+            .flatten()
+    };
     let imported = import::talhelper(
         &file,
         &ImportOptions {
@@ -63,7 +78,7 @@ pub fn run(args: ImportArgs, output: Output) -> Result<()> {
     let home = match (&out, &out_dir) {
         (Some(out), Some(dir)) => {
             for p in &imported.patch_files {
-                let target = dir.join(&p.path);
+                let target = import::patch_target(dir, &p.path)?;
                 if let Some(parent) = target.parent() {
                     std::fs::create_dir_all(parent)?;
                 }

@@ -19,8 +19,8 @@ macro_rules! out {
     };
 }
 
-mod boot;
 mod board;
+mod boot;
 mod build;
 mod hcloud;
 mod image;
@@ -185,7 +185,8 @@ pub fn run() -> i32 {
     match dispatch(cli) {
         Ok(()) => 0,
         Err(e) => {
-            let message = format!("{e:#}");
+            // Errors may carry text from files, images and replies.
+            let message = imgbuild::input::escape(&format!("{e:#}")).into_owned();
             let partial = e.downcast_ref::<Partial>().is_some();
             if output == Output::Json && (partial || e.downcast_ref::<Reported>().is_some()) {
                 // The JSON result on stdout already says what went wrong.

@@ -115,6 +115,12 @@ pub struct FetchOptions {
     pub backoff: Duration,
     /// Longest silence from the server before the attempt is abandoned.
     pub read_timeout: Duration,
+    /// Longest time one attempt may take, headers to last byte (a server
+    /// trickling bytes never trips `read_timeout`).
+    pub deadline: Duration,
+    /// Most bytes a compressed download may decompress to (a bomb of a few
+    /// hundred KB can unfold to terabytes).
+    pub max_image_size: u64,
 }
 
 impl FetchOptions {
@@ -245,16 +251,7 @@ pub fn fetch(
     let target = dir.join(&stored_name);
     let mut attempt = 0;
     let artifact = loop {
-        match download(
-            client,
-            url,
-            expect,
-            pin,
-            &target,
-            opts.retries,
-            opts.backoff,
-            progress,
-        ) {
+        match download(client, url, expect, pin, &target, opts, progress) {
             Ok(a) => break a,
             Err(e) if e.retryable() && attempt < opts.retries => {
                 attempt += 1;
@@ -296,18 +293,7 @@ fn load_record(record: &Path, pin: Option<&Pin>) -> Option<Artifact> {
 
 /// An exclusive lock held for the life of the returned file.
 fn lock(path: &Path) -> Result<File, FetchError> {
-    use std::os::fd::AsRawFd;
-    let f = File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .map_err(cache_err(path))?;
-    // SAFETY: flock on a valid descriptor; released when the file closes.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(cache_err(path)(std::io::Error::last_os_error()));
-    }
-    Ok(f)
+    crate::atomic::lock(path).map_err(cache_err(path))
 }
 
 fn transfer(url: &str, e: impl std::fmt::Display) -> FetchError {
@@ -361,22 +347,30 @@ fn io_cause(e: &std::io::Error) -> String {
 
 /// One attempt: GET, check, stream through the verifying stack into a temp
 /// file next to `target`, then rename.
-#[allow(clippy::too_many_arguments)]
 fn download(
     client: &Client,
     url: &str,
     expect: Expect,
     pin: Option<&Pin>,
     target: &Path,
-    resumes: u32,
-    backoff: Duration,
+    opts: &FetchOptions,
     progress: &dyn Progress,
 ) -> Result<Artifact, FetchError> {
-    let resp = net::send_once(client.get(url))?;
+    let resp = net::send_once(client.get(url).timeout(opts.deadline))?;
     let total = resp.content_length();
+    // What the image may unfold to: the configured bound, and for a
+    // compressed body of known length 1000 times that length (Talos images
+    // compress about 10:1; zeros alone go past 10000:1), but never less
+    // than 64 MiB (small test images are mostly zeros).
+    let cap = match (expect.wire, total) {
+        (Some(_), Some(n)) => opts
+            .max_image_size
+            .min(n.saturating_mul(MAX_RATIO).max(MIN_RATIO_CAP)),
+        _ => opts.max_image_size,
+    };
     progress.start(url, total);
     let body = ProgressReader {
-        inner: ResumableBody::new(client, url, resp, resumes, backoff, progress),
+        inner: ResumableBody::new(client, url, resp, opts, progress),
         url,
         progress,
     };
@@ -405,7 +399,7 @@ fn download(
         Some(Magic::Gzip) => Decoder::Gzip(flate2::read::MultiGzDecoder::new(wire)),
         _ => Decoder::Plain(wire),
     };
-    let mut content = HashingReader::new(decoded, false);
+    let mut content = HashingReader::new(decoded.take(cap + 1), false);
     let inner = match PeekReader::new(&mut content, Magic::PEEK) {
         Ok(i) => i,
         Err(e) => {
@@ -425,8 +419,19 @@ fn download(
         drop(content); // ends the borrow of the served-bytes counter
         return Err(body_error(url, &e, served.count(), total, expect));
     }
-    let consumed = content.get_mut().compressed_input();
+    let consumed = content.get_mut().get_ref().compressed_input();
+    let unfolded = content.count();
     let (sha256, _) = content.finish();
+    if unfolded > cap {
+        return Err(FetchError::WrongContent {
+            url: url.to_owned(),
+            expected: format!("an image of at most {cap} bytes"),
+            found: format!(
+                "more after decompressing {} served bytes (raise --max-image-mib if the image is real)",
+                served.count()
+            ),
+        });
+    }
     // The decompressor stops at the end of its stream; whatever follows must
     // still be read, so the served hash (and pin) covers the whole body and
     // the length check sees its end. The decoder's own input count tells
@@ -478,6 +483,10 @@ fn download(
     })
 }
 
+/// How many times its compressed size an image may be, above a floor.
+const MAX_RATIO: u64 = 1000;
+const MIN_RATIO_CAP: u64 = 64 << 20;
+
 /// The decompressor (or none) between the served bytes and the image.
 enum Decoder<R: Read> {
     Zstd(zstd::Decoder<'static, std::io::BufReader<R>>),
@@ -528,6 +537,7 @@ struct ResumableBody<'a> {
     ranges: bool,
     resumes_left: u32,
     backoff: Duration,
+    deadline: Duration,
     progress: &'a dyn Progress,
 }
 
@@ -536,8 +546,7 @@ impl<'a> ResumableBody<'a> {
         client: &'a Client,
         url: &'a str,
         resp: Response,
-        resumes: u32,
-        backoff: Duration,
+        opts: &FetchOptions,
         progress: &'a dyn Progress,
     ) -> Self {
         let h = resp.headers();
@@ -557,8 +566,9 @@ impl<'a> ResumableBody<'a> {
             offset: 0,
             validator,
             ranges,
-            resumes_left: resumes,
-            backoff,
+            resumes_left: opts.retries,
+            backoff: opts.backoff,
+            deadline: opts.deadline,
             progress,
         }
     }
@@ -568,7 +578,8 @@ impl<'a> ResumableBody<'a> {
         let mut req = self
             .client
             .get(self.url)
-            .header(header::RANGE, format!("bytes={}-", self.offset));
+            .header(header::RANGE, format!("bytes={}-", self.offset))
+            .timeout(self.deadline);
         if let Some(v) = &self.validator {
             req = req.header(header::IF_RANGE, v);
         }
@@ -664,6 +675,52 @@ mod tests {
             Magic::Iso
         );
         assert!(Expect::from_name("metal-amd64.vhd").is_none());
+    }
+
+    #[test]
+    fn a_body_that_unfolds_past_1000_times_its_size_is_refused() {
+        use std::io::Write;
+        let mut enc = zstd::Encoder::new(Vec::new(), 3).unwrap();
+        let mut head = vec![0u8; 1024];
+        head[512..520].copy_from_slice(b"EFI PART");
+        enc.write_all(&head).unwrap();
+        for _ in 0..80 {
+            enc.write_all(&[0u8; 1 << 20]).unwrap();
+        }
+        let bomb = enc.finish().unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!(
+            "http://{}/metal-amd64.raw.zst",
+            listener.local_addr().unwrap()
+        );
+        std::thread::spawn(move || {
+            let Ok((mut conn, _)) = listener.accept() else {
+                return;
+            };
+            let mut head = [0u8; 4096];
+            let _ = conn.read(&mut head);
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                bomb.len()
+            );
+            let _ = conn.write_all(&bomb);
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let opts = FetchOptions {
+            cache_dir: dir.path().to_owned(),
+            retries: 0,
+            backoff: Duration::from_millis(1),
+            read_timeout: Duration::from_secs(10),
+            deadline: Duration::from_secs(30),
+            max_image_size: 16 << 30,
+        };
+        let err = fetch(&client(&opts), &url, None, &opts, &Silent).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("at most {MIN_RATIO_CAP} bytes")),
+            "{err}"
+        );
     }
 
     #[test]

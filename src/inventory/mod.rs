@@ -299,15 +299,22 @@ impl fmt::Display for Problem {
 impl Inventory {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Inventory, InventoryError> {
-        let text = std::fs::read_to_string(path).map_err(|source| InventoryError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text =
+            crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| {
+                InventoryError::Read {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
         Self::parse(&text, path)
     }
 
     /// Validates `text`, naming `path` in every error.
     pub fn parse(text: &str, path: &Path) -> Result<Inventory, InventoryError> {
+        let text = crate::input::yaml(text).map_err(|e| InventoryError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
         let mut inv: Inventory =
             serde_yaml_ng::from_str(text).map_err(|e| InventoryError::Parse {
                 path: path.to_owned(),
@@ -428,12 +435,8 @@ impl Validator<'_> {
             .map(|(i, n)| (format!("nodes[{i}].patches"), &n.patches));
         for (field, files) in lists.into_iter().chain(node_lists) {
             for (j, file) in files.iter().enumerate() {
-                let path = inv.base_dir.join(file);
-                if !path.is_file() {
-                    self.problem(
-                        format!("{field}[{j}]"),
-                        format!("patch file {} does not exist", path.display()),
-                    );
+                if let Err(why) = patch_path(&inv.base_dir, file) {
+                    self.problem(format!("{field}[{j}]"), why);
                 }
             }
         }
@@ -538,9 +541,22 @@ impl Validator<'_> {
             if arg.is_empty() || arg.chars().any(char::is_whitespace) {
                 self.problem(
                     format!("{field}[{i}]"),
-                    format!("{arg:?}: a kernel argument must be one non-empty word"),
+                    format!(
+                        "{}: a kernel argument must be one non-empty word",
+                        crate::input::quote(arg)
+                    ),
                 );
             }
+        }
+        let total: usize = args.iter().map(|a| a.len() + 1).sum();
+        if total > KERNEL_CMDLINE_MAX {
+            self.problem(
+                field,
+                format!(
+                    "{total} bytes of kernel arguments; the kernel command line holds \
+                     {KERNEL_CMDLINE_MAX} (COMMAND_LINE_SIZE on amd64 and arm64)"
+                ),
+            );
         }
     }
 
@@ -823,6 +839,60 @@ pub fn talos_endpoint(ep: &str) -> Option<SocketAddr> {
     ep.parse::<SocketAddr>()
         .ok()
         .or_else(|| Some(SocketAddr::new(ep.parse().ok()?, TALOS_API_PORT)))
+}
+
+/// The kernel's command-line buffer (`COMMAND_LINE_SIZE`, 2048 on x86 and
+/// arm64, linux arch/*/include/uapi/asm/setup.h).
+const KERNEL_CMDLINE_MAX: usize = 2048;
+
+/// Where patch `file` of an inventory in `base` is, if it may be used: a
+/// regular file inside the inventory's folder (after symlinks), so a
+/// repository's inventory cannot make imgbuild read, and quote, files
+/// elsewhere on the machine.
+pub fn patch_path(base: &Path, file: &Path) -> Result<PathBuf, String> {
+    let path = base.join(file);
+    let shown = path.display();
+    let rel = file;
+    if rel.is_absolute()
+        || rel
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
+    {
+        return Err(format!(
+            "patch file {shown}: give a path inside the inventory's folder (no leading / or ..)"
+        ));
+    }
+    let meta = match std::fs::metadata(&path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(format!("patch file {shown} does not exist"));
+        }
+        Err(e) => return Err(format!("patch file {shown}: {e}")),
+    };
+    if meta.is_dir() {
+        return Err(format!("patch file {shown} is a directory, not a file"));
+    }
+    if !meta.is_file() {
+        return Err(format!(
+            "patch file {shown} is not a regular file (a FIFO, socket or device)"
+        ));
+    }
+    let inside = match (std::fs::canonicalize(base), std::fs::canonicalize(&path)) {
+        (Ok(b), Ok(p)) => p.starts_with(b),
+        _ => false,
+    };
+    if !inside {
+        return Err(format!(
+            "patch file {shown} leads outside the inventory's folder (a symbolic link?)"
+        ));
+    }
+    Ok(path)
+}
+
+/// A node name as the inventory takes it (a DNS label: it becomes the
+/// hostname and file names).
+pub fn is_node_name(s: &str) -> bool {
+    is_dns_label(s)
 }
 
 fn is_dns_label(s: &str) -> bool {

@@ -253,16 +253,36 @@ impl Validator<'_> {
                 format!("{:?} is not a bridge name such as vmbr0", vm.bridge),
             );
         }
-        for (field, value, min) in [
-            ("cores", vm.cores, 1),
-            ("memory", vm.memory, 2048),
-            ("diskSize", vm.disk_size, 10),
+        // Upper bounds: qemu-server's MAX_MEM in MiB (proxmox qemu-server
+        // PVE/QemuServer/Memory.pm); 64 TiB of disk is beyond any Talos node.
+        for (field, value, min, max) in [
+            ("cores", vm.cores, 1, u32::MAX),
+            ("memory", vm.memory, 2048, 4_194_304),
+            ("diskSize", vm.disk_size, 10, 65_536),
         ] {
             if value < min {
                 self.problem(
                     format!("publish.proxmox.vm.{field}"),
                     format!("{value} is below the {min} Talos needs"),
                 );
+            } else if value > max {
+                self.problem(
+                    format!("publish.proxmox.vm.{field}"),
+                    format!("{value} is above the largest value Proxmox takes ({max})"),
+                );
+            }
+        }
+        if let Some(first) = vm.first_id {
+            let last = u64::from(first) + inv.nodes.len().saturating_sub(1) as u64;
+            if !VMID_RANGE.contains(&u64::from(first)) || !VMID_RANGE.contains(&last) {
+                self.problem(
+                    "publish.proxmox.vm.firstId",
+                    format!(
+                        "{first}: the vmids {first}..{last} of {} node(s) must lie in 100..999999999",
+                        inv.nodes.len()
+                    ),
+                );
+                return;
             }
         }
         let mut seen: Vec<(u32, &str)> = Vec::new();

@@ -390,3 +390,56 @@ fn hetzner_label_rule() {
         assert!(publish::label_problem(k, v).is_some(), "{k}={v} accepted");
     }
 }
+
+#[test]
+fn patch_paths_stay_inside_the_inventory_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("inv");
+    std::fs::create_dir_all(base.join("patches")).unwrap();
+    std::fs::write(base.join("patches/ok.yaml"), "machine: {}\n").unwrap();
+    std::fs::write(dir.path().join("secret"), "x").unwrap();
+    std::os::unix::fs::symlink(dir.path().join("secret"), base.join("out.yaml")).unwrap();
+    std::os::unix::fs::symlink("patches/ok.yaml", base.join("in.yaml")).unwrap();
+    let ok = |f: &str| patch_path(&base, Path::new(f));
+    assert_eq!(ok("patches/ok.yaml").unwrap(), base.join("patches/ok.yaml"));
+    assert!(ok("in.yaml").is_ok());
+    assert!(ok("out.yaml").unwrap_err().contains("leads outside"));
+    assert!(ok("../secret").unwrap_err().contains("no leading / or .."));
+    let abs = dir.path().join("secret");
+    assert!(
+        ok(abs.to_str().unwrap())
+            .unwrap_err()
+            .contains("no leading / or ..")
+    );
+    assert!(ok("patches").unwrap_err().contains("is a directory"));
+    assert!(ok("nope.yaml").unwrap_err().contains("does not exist"));
+}
+
+#[test]
+fn vmids_counted_past_the_range_are_refused_at_first_id() {
+    let vm = "\npublish:\n  proxmox:\n    node: pve\n    storage: local\n    vm:\n      storage: local-lvm\n      firstId: 4294967295\n";
+    let err = error_of(&format!("{ATLAS}{vm}"));
+    assert!(err.contains("publish.proxmox.vm.firstId"), "{err}");
+    assert!(!err.contains("no vmid"), "{err}");
+    let near = vm.replace("4294967295", "999999997");
+    let err = error_of(&format!("{ATLAS}{near}"));
+    assert!(err.contains("999999997..1000000001 of 5 node(s)"), "{err}");
+    let fits = vm.replace("4294967295", "999999995");
+    assert!(load(&format!("{ATLAS}{fits}")).is_ok());
+    let huge = format!("{fits}      memory: 4294967295\n      diskSize: 65537\n");
+    let err = error_of(&format!("{ATLAS}{huge}"));
+    assert!(err.contains("vm.memory: 4294967295 is above"), "{err}");
+    assert!(err.contains("vm.diskSize: 65537 is above"), "{err}");
+}
+
+#[test]
+fn kernel_arguments_fit_the_kernel_command_line() {
+    let long = "x".repeat(3000);
+    let text = atlas_with(
+        "  format: raw\n",
+        &format!("  format: raw\n  kernelArgs: [a={long}]\n"),
+    );
+    let err = error_of(&text);
+    assert!(err.contains("image.kernelArgs: 3003 bytes"), "{err}");
+    assert!(!err.contains(&long), "the argument is echoed whole");
+}

@@ -213,9 +213,11 @@ impl PlatformNetworkConfig {
         serde_yaml_ng::to_string(self).expect("plain data always serialises")
     }
 
-    /// Parses a key-10 value (YAML or JSON).
-    pub fn from_yaml(text: &str) -> Result<Self, serde_yaml_ng::Error> {
-        serde_yaml_ng::from_str(text)
+    /// Parses a key-10 value (YAML or JSON). The value comes from an image
+    /// anyone may have made: aliases and nesting are bounded first.
+    pub fn from_yaml(text: &str) -> Result<Self, String> {
+        let text = crate::input::yaml(text).map_err(|e| e.to_string())?;
+        serde_yaml_ng::from_str(text).map_err(|e| e.to_string())
     }
 }
 

@@ -82,7 +82,7 @@ fn shown(body: &str) -> String {
     if t.chars().count() > ERROR_BODY_SHOW {
         s.push('…');
     }
-    s
+    crate::input::escape(&s).into_owned()
 }
 
 impl NetError {
@@ -213,11 +213,14 @@ pub fn async_http_client(opts: &HttpOptions) -> Result<reqwest::Client, NetError
 }
 
 /// Renders an async failure the way [`send_once`] renders a blocking one.
+/// The request gets [`request_deadline`] unless it has a deadline of its own.
 pub async fn send_once_async(make: reqwest::RequestBuilder) -> Result<reqwest::Response, NetError> {
     let (client, req) = make.build_split();
-    let req = req.map_err(unbuildable)?;
+    let mut req = req.map_err(unbuildable)?;
+    req.timeout_mut().get_or_insert_with(request_deadline);
     let method = req.method().to_string();
     let url = display_url(req.url());
+    let sent = credentials(req.headers());
     let resp = client
         .execute(req)
         .await
@@ -226,9 +229,103 @@ pub async fn send_once_async(make: reqwest::RequestBuilder) -> Result<reqwest::R
         return Ok(resp);
     }
     let (status, headers) = (resp.status(), resp.headers().clone());
-    let mut body = resp.bytes().await.unwrap_or_default().to_vec();
-    body.truncate(ERROR_BODY_KEEP as usize);
-    Err(status_error(&method, &url, status, &headers, &body))
+    let body = read_limited_async(resp, ERROR_BODY_KEEP, true)
+        .await
+        .unwrap_or_default();
+    Err(status_error(&method, &url, status, &headers, &body, &sent))
+}
+
+/// The async twin of [`read_limited`]; `cut` keeps the first `limit` bytes
+/// of a longer body instead of refusing it (error bodies).
+pub async fn read_limited_async(
+    mut resp: reqwest::Response,
+    limit: u64,
+    cut: bool,
+) -> Result<Vec<u8>, NetError> {
+    let method = "reading the reply of".to_owned();
+    let url = display_url(resp.url());
+    let mut body = Vec::new();
+    loop {
+        let chunk = resp.chunk().await.map_err(|e| NetError::Transfer {
+            method: method.clone(),
+            url: url.clone(),
+            message: request_error(e),
+            before_sending: false,
+        })?;
+        let Some(chunk) = chunk else {
+            return Ok(body);
+        };
+        body.extend_from_slice(&chunk);
+        if body.len() as u64 > limit {
+            if cut {
+                body.truncate(limit as usize);
+                return Ok(body);
+            }
+            return Err(NetError::TooLarge { method, url, limit });
+        }
+    }
+}
+
+/// The longest any request may take, from connecting to the body's last
+/// byte, unless its caller set another (downloads do): a server that
+/// trickles a byte every few seconds would otherwise hold a build for
+/// hours, since the client's timeout bounds each read. 10 minutes, or
+/// `IMGBUILD_REQUEST_DEADLINE_SECS`.
+pub fn request_deadline() -> Duration {
+    std::env::var("IMGBUILD_REQUEST_DEADLINE_SECS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .map_or(Duration::from_secs(600), Duration::from_secs)
+}
+
+/// The credentials a request carries, to be cut out of anything a server
+/// sends back (a proxy or a debug endpoint may echo the request): every
+/// `Authorization`, `Proxy-Authorization` and `Cookie` value, and the
+/// secret part of each (after the scheme, after the last `=`).
+fn credentials(headers: &header::HeaderMap) -> Vec<String> {
+    let mut out = Vec::new();
+    for name in [
+        header::AUTHORIZATION,
+        header::PROXY_AUTHORIZATION,
+        header::COOKIE,
+    ] {
+        for v in headers.get_all(&name) {
+            let Ok(v) = v.to_str() else { continue };
+            let v = v.trim();
+            out.push(v.to_owned());
+            if let Some((_, rest)) = v.split_once(' ') {
+                out.push(rest.trim().to_owned());
+            }
+            if let Some((_, rest)) = v.rsplit_once('=') {
+                out.push(rest.to_owned());
+            }
+        }
+    }
+    // Short pieces (a bare scheme, an empty value) would redact ordinary text.
+    out.retain(|s| s.len() >= 8);
+    // Longest first, so a whole value goes before its parts.
+    out.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    out
+}
+
+/// `body` without any of `secrets`; a body cut off inside one loses the
+/// cut piece too.
+fn redact(body: &str, secrets: &[String]) -> String {
+    let mut text = body.to_owned();
+    for s in secrets {
+        text = text.replace(s.as_str(), "<redacted>");
+    }
+    for s in secrets {
+        let tail = (4..s.len())
+            .rev()
+            .filter(|&n| s.is_char_boundary(n))
+            .find(|&n| text.ends_with(&s[..n]));
+        if let Some(n) = tail {
+            text.truncate(text.len() - n);
+            text.push_str("<redacted>");
+        }
+    }
+    text
 }
 
 /// A request that could not even be built (a malformed URL or header).
@@ -248,12 +345,33 @@ fn status_error(
     status: reqwest::StatusCode,
     headers: &header::HeaderMap,
     body: &[u8],
+    sent: &[String],
 ) -> NetError {
+    // Redacted, and safe for a terminal (line ends kept for parsers).
+    let body = redact(&String::from_utf8_lossy(body), sent).replace("\r\n", "\n");
+    let mut body = crate::input::escape(&body).into_owned();
+    // A redirect reqwest did not follow (another scheme, too many hops)
+    // has an empty body; where it leads is the explanation.
+    if status.is_redirection()
+        && let Some(to) = headers.get(header::LOCATION)
+    {
+        let to = String::from_utf8_lossy(to.as_bytes());
+        let to = match reqwest::Url::parse(&to) {
+            Ok(u) => display_url(&u),
+            Err(_) => to.into_owned(),
+        };
+        body = format!(
+            "a redirect to {} that imgbuild does not follow (only http and https, at most 10 hops) {body}",
+            crate::input::quote(&redact(&to, sent))
+        )
+        .trim_end()
+        .to_owned();
+    }
     NetError::Status {
         method: method.to_owned(),
         url: url.to_owned(),
         status: status.as_u16(),
-        body: String::from_utf8_lossy(body).into_owned(),
+        body,
         wait: wait_hint(headers, SystemTime::now()).map(WaitHint),
     }
 }
@@ -309,19 +427,22 @@ impl RetryPolicy {
 }
 
 /// Sends the request `make` builds, once: a non-success status becomes a
-/// rendered [`NetError::Status`].
+/// rendered [`NetError::Status`], without the credentials it sent. The
+/// request gets [`request_deadline`] unless it has a deadline of its own.
 pub fn send_once(make: RequestBuilder) -> Result<Response, NetError> {
     let (client, req) = make.build_split();
-    let req = req.map_err(unbuildable)?;
+    let mut req = req.map_err(unbuildable)?;
+    req.timeout_mut().get_or_insert_with(request_deadline);
     let method = req.method().to_string();
     let url = display_url(req.url());
+    let sent = credentials(req.headers());
     let resp = client
         .execute(req)
         .map_err(|e| transfer_error(&method, &url, e))?;
     if resp.status().is_success() {
         Ok(resp)
     } else {
-        Err(failure(&method, &url, resp))
+        Err(failure(&method, &url, resp, &sent))
     }
 }
 
@@ -379,12 +500,12 @@ pub fn display_url(url: &reqwest::Url) -> String {
 }
 
 /// Renders a failed response: status, the wait it asks for, and the first
-/// bytes of its body.
-pub fn failure(method: &str, url: &str, resp: Response) -> NetError {
+/// bytes of its body, without the credentials `sent`.
+fn failure(method: &str, url: &str, resp: Response, sent: &[String]) -> NetError {
     let (status, headers) = (resp.status(), resp.headers().clone());
     let mut raw = Vec::new();
     let _ = resp.take(ERROR_BODY_KEEP).read_to_end(&mut raw);
-    status_error(method, url, status, &headers, &raw)
+    status_error(method, url, status, &headers, &raw, sent)
 }
 
 /// `Retry-After` (seconds or an HTTP date) or Hetzner's `RateLimit-Reset`

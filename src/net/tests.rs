@@ -326,3 +326,110 @@ fn a_wrong_pin_is_refused_before_any_request_is_sent() {
     assert!(send_once(system.get(&srv.url)).is_err());
     assert_eq!(srv.request_bytes.load(Ordering::SeqCst), 0);
 }
+
+/// A server that answers with every request head line in its body, as a
+/// debugging proxy might.
+fn reflecting() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in listener.incoming().take(4) {
+            let Ok(mut conn) = conn else { return };
+            let Some((head, _)) = read_request(&mut conn) else {
+                continue;
+            };
+            let _ =
+                conn.write_all(reply("500 Internal Server Error", "", &head.join("\n")).as_bytes());
+        }
+    });
+    url
+}
+
+#[test]
+fn credentials_sent_are_cut_out_of_reflected_bodies() {
+    let url = reflecting();
+    let client = http_client(&HttpOptions::default()).unwrap();
+    let token = "root@pam!ci=0e7c6a57-9f0d-4c8e-a7a5-2b7d63c4e111";
+    let err = send_once(
+        client
+            .get(&url)
+            .header(header::AUTHORIZATION, format!("PVEAPIToken={token}")),
+    )
+    .unwrap_err();
+    let shown = format!("{err} {:?}", err.body());
+    assert!(shown.contains("<redacted>"), "{shown}");
+    assert!(!shown.contains("0e7c6a57"), "{shown}");
+    assert!(!shown.contains("PVEAPIToken="), "{shown}");
+    // A body cut inside the token loses the cut piece too.
+    assert_eq!(
+        redact("x: Bearer abcdefgh12", &["abcdefgh12345678".into()]),
+        "x: Bearer <redacted>"
+    );
+}
+
+#[test]
+fn a_redirect_imgbuild_cannot_follow_says_where_it_leads() {
+    let srv = canned(vec![reply(
+        "302 Found",
+        "Location: file:///etc/passwd\r\n",
+        "",
+    )]);
+    let client = http_client(&HttpOptions::default()).unwrap();
+    let err = send_once(client.get(&srv.url)).unwrap_err().to_string();
+    assert!(err.contains("HTTP 302"), "{err}");
+    assert!(
+        err.contains("a redirect to \"file:///etc/passwd\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_trickling_body_ends_at_the_deadline() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let Ok((mut conn, _)) = listener.accept() else {
+            return;
+        };
+        let _ = read_request(&mut conn);
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n");
+        for _ in 0..100 {
+            if conn.write_all(b"x").is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    let client = http_client(&HttpOptions::default()).unwrap();
+    let started = std::time::Instant::now();
+    let resp = send_once(client.get(&url).timeout(Duration::from_secs(1))).unwrap();
+    let err = read_limited(resp, 1000).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(5), "{err}");
+}
+
+#[test]
+fn an_endless_async_reply_is_refused_at_its_limit() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let Ok((mut conn, _)) = listener.accept() else {
+            return;
+        };
+        let _ = read_request(&mut conn);
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
+        let chunk = format!("10000\r\n{}\r\n", "z".repeat(0x10000));
+        while conn.write_all(chunk.as_bytes()).is_ok() {}
+    });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let err = rt
+        .block_on(async {
+            let client = async_http_client(&HttpOptions::default()).unwrap();
+            let resp = send_once_async(client.get(&url)).await.unwrap();
+            read_limited_async(resp, 1 << 20, false).await
+        })
+        .unwrap_err();
+    assert!(matches!(err, NetError::TooLarge { .. }), "{err}");
+}

@@ -79,14 +79,33 @@ impl Credentials {
             .ok_or_else(|| {
                 setup("PROXMOX_VE_ENDPOINT is not set (e.g. https://pve.example.com:8006/)".into())
             })?;
+        // The value itself is never shown: it may carry a password.
         let url = reqwest::Url::parse(endpoint.trim()).map_err(|e| {
             setup(format!(
-                "PROXMOX_VE_ENDPOINT {endpoint:?} is not a URL ({e}); use https://host:8006/"
+                "PROXMOX_VE_ENDPOINT is not a URL ({e}); use https://host:8006/"
             ))
         })?;
+        let shown = net::display_url(&url);
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(setup(
+                "PROXMOX_VE_ENDPOINT holds a user name or password: give https://host:port/ \
+                 and the credentials in PROXMOX_VE_API_TOKEN"
+                    .into(),
+            ));
+        }
         if url.scheme() != "https" || url.host_str().is_none() {
             return Err(setup(format!(
-                "PROXMOX_VE_ENDPOINT {endpoint:?} must be https://host:port/ (pveproxy speaks HTTPS only)"
+                "PROXMOX_VE_ENDPOINT {shown} must be https://host:port/ (pveproxy speaks HTTPS only)"
+            )));
+        }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(setup(format!(
+                "PROXMOX_VE_ENDPOINT {shown}: no query or fragment; give https://host:port/"
+            )));
+        }
+        if !matches!(url.path(), "/" | "/api2/json" | "/api2/json/") {
+            return Err(setup(format!(
+                "PROXMOX_VE_ENDPOINT {shown}: the path must be / or /api2/json (pveproxy serves the API there only)"
             )));
         }
         let base = url.as_str().trim_end_matches('/');
@@ -1283,22 +1302,11 @@ fn send_upload(
             .uploads
             .post(url)
             .header(reqwest::header::AUTHORIZATION, api.auth.clone())
+            // The API deadline, plus the image at 256 KiB/s.
+            .timeout(net::request_deadline() + Duration::from_secs(img.size >> 18))
             .multipart(upload_form(file, img.size, file_name, &img.sha256, counter));
         let resp = net::send_once_async(req).await?;
-        let body = resp.bytes().await.map_err(|e| NetError::Transfer {
-            method: "POST".into(),
-            url: url.to_owned(),
-            message: net::request_error(e),
-            before_sending: false,
-        })?;
-        if body.len() > 1 << 20 {
-            return Err(NetError::TooLarge {
-                method: "POST".into(),
-                url: url.to_owned(),
-                limit: 1 << 20,
-            });
-        }
-        Ok(body.to_vec())
+        net::read_limited_async(resp, 1 << 20, false).await
     };
     rt.block_on(async {
         tokio::pin!(attempt);

@@ -213,7 +213,9 @@ fn patch_documents(text: &str) -> Result<Vec<Map<String, Value>>, String> {
     let mut docs = Vec::new();
     for (i, de) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
         let n = i + 1;
-        let value = Value::deserialize(de).map_err(|e| format!("not YAML: {e}"))?;
+        // serde quotes values; a patch may be any file, so none is shown.
+        let value = Value::deserialize(de)
+            .map_err(|e| format!("not YAML: {}", crate::input::yaml_error_without_values(&e)))?;
         match value {
             Value::Null => {}
             Value::Object(map) => docs.push(map),
@@ -271,10 +273,12 @@ pub fn machine_config(
             path: path.clone(),
             message: hide(&message, used),
         };
-        let text = std::fs::read_to_string(path).map_err(|e| patch_err(e.to_string(), &[]))?;
+        let text = crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
+            .map_err(|e| patch_err(e.to_string(), &[]))?;
         let (text, values) = substitute(&text, vars).map_err(|e| patch_err(e, &[]))?;
         used.extend(values);
-        let docs = patch_documents(&text).map_err(|e| patch_err(e, &used))?;
+        let text = crate::input::yaml(&text).map_err(|e| patch_err(e.to_string(), &used))?;
+        let docs = patch_documents(text).map_err(|e| patch_err(e, &used))?;
         let mut seen: Vec<DocId> = Vec::new();
         for (i, patch) in docs.into_iter().enumerate() {
             let at = |e: String| patch_err(format!("document {}: {e}", i + 1), &used);
@@ -307,10 +311,15 @@ pub fn machine_config(
             }
         }
     }
-    let problems: Vec<String> = schema_problems(&doc)
+    let mut problems: Vec<String> = schema_problems(&doc)
         .iter()
         .map(|p| hide(p, &used))
         .collect();
+    if problems.len() > SCHEMA_PROBLEMS_SHOWN {
+        let more = problems.len() - SCHEMA_PROBLEMS_SHOWN;
+        problems.truncate(SCHEMA_PROBLEMS_SHOWN);
+        problems.push(format!("… and {more} more"));
+    }
     if !problems.is_empty() {
         return Err(ConfigError::Schema {
             node: node.name.clone(),
@@ -674,7 +683,13 @@ fn problems_of(validator: &jsonschema::Validator, doc: &Value) -> Vec<String> {
         .map(|e| {
             let at = e.instance_path().to_string();
             let at = if at.is_empty() { "/".to_owned() } else { at };
-            format!("{at}: {}", redact_value(&e.to_string(), &secrets))
+            let message = redact_value(&e.to_string(), &secrets);
+            // A patch may be any file: show short, escaped excerpts.
+            format!(
+                "{}: {}",
+                crate::input::excerpt(&at, SCHEMA_MESSAGE_SHOWN),
+                crate::input::excerpt(&message, SCHEMA_MESSAGE_SHOWN)
+            )
         })
         .collect()
 }
@@ -707,6 +722,9 @@ fn document_problems(key: &DocKey, doc: &Value) -> Vec<String> {
         None => Vec::new(),
     }
 }
+/// How many schema problems a message lists, and how long each may be.
+const SCHEMA_PROBLEMS_SHOWN: usize = 10;
+const SCHEMA_MESSAGE_SHOWN: usize = 160;
 
 /// Schema messages quote offending values as JSON, and a value (or an
 /// object quoted whole) may hold a key or token. Every quoted string that is

@@ -173,9 +173,13 @@ impl SecretsBundle {
             path: path.display().to_string(),
             message,
         };
+        let text = crate::input::yaml(text).map_err(|e| invalid(e.to_string()))?;
         let bundle: SecretsBundle = serde_yaml_ng::from_str(text).map_err(|e| {
-            // serde messages quote field names, never values of secret fields.
-            invalid(format!("not a talosctl secrets bundle: {e}"))
+            // serde messages quote values, which here are keys and tokens.
+            invalid(format!(
+                "not a talosctl secrets bundle: {}",
+                crate::input::yaml_error_without_values(&e)
+            ))
         })?;
         bundle.check().map_err(invalid)?;
         Ok(bundle)
@@ -190,10 +194,13 @@ impl SecretsBundle {
     /// paths, e.g. `certs.newca`): the caller warns, since a saved copy
     /// does not keep them.
     pub fn read(path: &Path) -> Result<(SecretsBundle, Vec<String>), SecretsError> {
-        let text = std::fs::read_to_string(path).map_err(|source| SecretsError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text =
+            crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| {
+                SecretsError::Io {
+                    path: path.display().to_string(),
+                    source,
+                }
+            })?;
         let bundle = Self::parse(&text, path)?;
         Ok((bundle, unknown_fields(&text)))
     }

@@ -113,8 +113,14 @@ impl StateDir {
 
     /// The cluster's secrets, generated and saved on first use. The flag
     /// says whether they were created now.
+    /// Concurrent callers on a fresh state dir agree: the first creates the
+    /// bundle under a lock, the others load it.
     pub fn secrets(&self) -> Result<(SecretsBundle, bool), StageError> {
         let path = self.secrets_path();
+        if path.exists() {
+            return Ok((SecretsBundle::load(&path)?, false));
+        }
+        let _lock = self.lock_secrets()?;
         if path.exists() {
             return Ok((SecretsBundle::load(&path)?, false));
         }
@@ -131,6 +137,7 @@ impl StateDir {
         force: bool,
     ) -> Result<SavedSecrets, StageError> {
         let path = self.secrets_path();
+        let _lock = self.lock_secrets()?;
         let (bundle, ignored_fields) = match import {
             Some(src) => SecretsBundle::read(src)?,
             None => (SecretsBundle::generate()?, Vec::new()),
@@ -140,6 +147,12 @@ impl StateDir {
             path,
             ignored_fields,
         })
+    }
+
+    /// Held while `secrets.yaml` is looked at and created.
+    fn lock_secrets(&self) -> Result<std::fs::File, StageError> {
+        let path = self.path.join(".secrets.lock");
+        crate::atomic::lock(&path).map_err(|source| StageError::StateDir { path, source })
     }
 
     /// `talosconfig` for `inv`, rewritten only when `force` or when the file
