@@ -61,9 +61,10 @@ pub enum DiskError {
     #[error("{}: the GPT has no partition named META (partitions: {})", path.display(), names.join(", "))]
     NoMeta { path: PathBuf, names: Vec<String> },
     #[error(
-        "{}: partitions {} are all named META; refusing to guess which one Talos reads",
+        "{}: {} partitions are named META ({}); refusing to guess which one Talos reads",
         path.display(),
-        numbers.iter().map(|n| format!("#{n}")).collect::<Vec<_>>().join(" and ")
+        numbers.len(),
+        numbers.iter().map(|n| format!("#{n}")).collect::<Vec<_>>().join(", ")
     )]
     MetaAmbiguous { path: PathBuf, numbers: Vec<u32> },
     #[error("{}: META partition is {size} bytes; Talos' META is exactly 1 MiB", path.display())]
@@ -400,10 +401,7 @@ pub fn check_partition_layout(header: &GptHeader, parts: &[Partition]) -> Result
             return Err(format!(
                 "partition {} ({:?}) spans LBA {first}..={last}, outside the usable LBAs {}..={} \
                  (it lies on the partition table)",
-                p.number,
-                p.name,
-                header.first_usable,
-                header.last_usable
+                p.number, p.name, header.first_usable, header.last_usable
             ));
         }
     }
@@ -413,10 +411,7 @@ pub fn check_partition_layout(header: &GptHeader, parts: &[Partition]) -> Result
         if pair[0].offset + pair[0].size > pair[1].offset {
             return Err(format!(
                 "partitions {} ({:?}) and {} ({:?}) overlap",
-                pair[0].number,
-                pair[0].name,
-                pair[1].number,
-                pair[1].name
+                pair[0].number, pair[0].name, pair[1].number, pair[1].name
             ));
         }
     }
@@ -462,10 +457,12 @@ fn gpt_header_in_use(backend: &Backend, len: u64, path: &Path) -> Result<GptHead
             });
         }
     }
-    header.check_usable_area().map_err(|reason| DiskError::Layout {
-        path: path.to_owned(),
-        reason,
-    })?;
+    header
+        .check_usable_area()
+        .map_err(|reason| DiskError::Layout {
+            path: path.to_owned(),
+            reason,
+        })?;
     Ok(header)
 }
 
@@ -501,9 +498,7 @@ fn read_gpt(backend: &Backend, len: u64, path: &Path) -> Result<Vec<Partition>, 
                     path: path.to_owned(),
                     reason: format!(
                         "partition {number} ({:?}) spans LBA {}..{}, which is not a range",
-                        p.name,
-                        p.first_lba,
-                        p.last_lba
+                        p.name, p.first_lba, p.last_lba
                     ),
                 })?;
             Ok(Partition {
@@ -548,12 +543,7 @@ impl Image {
 /// Whether partition `pa` of `a` and `pb` of `b` (of one size) hold the same
 /// bytes. Only ranges where either side has data are read: where both have
 /// holes, both read as zeros, so a 1 PiB empty disk compares in no time.
-fn same_contents(
-    a: &Image,
-    pa: &Partition,
-    b: &Image,
-    pb: &Partition,
-) -> Result<bool, DiskError> {
+fn same_contents(a: &Image, pa: &Partition, b: &Image, pb: &Partition) -> Result<bool, DiskError> {
     let rel = |img: &Image, p: &Partition| -> Result<Vec<(u64, u64)>, DiskError> {
         Ok(img
             .data_ranges(p.offset, p.offset + p.size)
@@ -969,11 +959,14 @@ mod tests {
         let good = [at(1, "EFI", 2048, 4095), at(2, "META", 4096, 6143)];
         assert_eq!(check_partition_layout(&h, &good), Ok(()));
         let err = check_partition_layout(&h, &[at(4, "META", 0, 2047)]).unwrap_err();
-        assert!(err.contains("partition 4 (\"META\") spans LBA 0..=2047"), "{err}");
+        assert!(
+            err.contains("partition 4 (\"META\") spans LBA 0..=2047"),
+            "{err}"
+        );
         let err = check_partition_layout(&h, &[at(1, "X", 65000, 65535)]).unwrap_err();
         assert!(err.contains("outside the usable LBAs 34..=65502"), "{err}");
-        let err = check_partition_layout(&h, &[good[1].clone(), at(3, "BOOT", 6000, 7000)])
-            .unwrap_err();
+        let err =
+            check_partition_layout(&h, &[good[1].clone(), at(3, "BOOT", 6000, 7000)]).unwrap_err();
         assert_eq!(err, "partitions 2 (\"META\") and 3 (\"BOOT\") overlap");
     }
 

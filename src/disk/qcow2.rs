@@ -241,8 +241,7 @@ impl Header {
 
     /// L1 entries the virtual size uses (the rest are never read).
     fn l1_used(&self) -> u64 {
-        self.virtual_size
-            .div_ceil(1 << (2 * self.cluster_bits - 3))
+        self.virtual_size.div_ceil(1 << (2 * self.cluster_bits - 3))
     }
 }
 
@@ -559,7 +558,12 @@ mod tests {
 
     #[test]
     fn any_backing_file_is_refused_with_its_name_escaped() {
-        for name in ["/srv/base.qcow2", "../other/base.qcow2", "base.qcow2", "a\0b"] {
+        for name in [
+            "/srv/base.qcow2",
+            "../other/base.qcow2",
+            "base.qcow2",
+            "a\0b",
+        ] {
             let err = parse_header(&with_backing(name)).unwrap_err();
             assert_eq!(err, HeaderError::Backing(name.into()));
             let msg = err.to_string();
