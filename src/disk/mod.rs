@@ -4,6 +4,8 @@
 //! image in memory.
 
 pub mod edit;
+#[cfg(test)]
+mod fuzz;
 pub mod qcow2;
 mod sparse;
 
@@ -757,6 +759,9 @@ mod tests {
             entries in proptest::collection::vec(proptest::num::u8::ANY, 0..4096),
             len in 1024u64..(2 << 20),
         ) {
+            if !crate::fuzz_time_left() {
+                return Ok(());
+            }
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("img");
             let mut img = vec![0u8; 1024 + entries.len()];
@@ -788,6 +793,9 @@ mod tests {
             entries in proptest::collection::vec(proptest::num::u8::ANY, 0..8192),
             small in proptest::bool::ANY,
         ) {
+            if !crate::fuzz_time_left() {
+                return Ok(());
+            }
             let mut img = vec![0u8; 1024 + 16384];
             let h = &mut img[512..604];
             h[..8].copy_from_slice(b"EFI PART");
@@ -816,29 +824,7 @@ mod tests {
 
     /// A real qcow2 (made by qemu-img from a GPT disk with META) to corrupt.
     fn qcow2_fixture() -> Vec<u8> {
-        use std::process::Command;
-        static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
-        BYTES
-            .get_or_init(|| {
-                let dir = tempfile::tempdir().unwrap();
-                let script = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/make-images.sh");
-                let ok = Command::new(script).arg(dir.path()).output().unwrap();
-                assert!(
-                    ok.status.success(),
-                    "{}",
-                    String::from_utf8_lossy(&ok.stderr)
-                );
-                let q = dir.path().join("d.qcow2");
-                let ok = Command::new("qemu-img")
-                    .args(["convert", "-O", "qcow2"])
-                    .arg(dir.path().join("dual-boot.raw"))
-                    .arg(&q)
-                    .output()
-                    .unwrap();
-                assert!(ok.status.success());
-                std::fs::read(q).unwrap()
-            })
-            .clone()
+        std::fs::read(fuzz::fixtures().join("dual-boot.qcow2")).unwrap()
     }
 
     proptest::proptest! {
@@ -849,6 +835,9 @@ mod tests {
         fn fuzz_qcow2_tables_never_panic(
             edits in proptest::collection::vec((0usize..0x60000, proptest::num::u8::ANY), 1..64),
         ) {
+            if !crate::fuzz_time_left() {
+                return Ok(());
+            }
             let mut img = qcow2_fixture();
             for (at, byte) in edits {
                 // Keep the first 112 header bytes, so our check passes and
