@@ -525,6 +525,20 @@ fn qcow2_headers_qcow2_rs_would_crash_on_are_refused() {
     let huge = q("size-max.qcow2");
     craft::poke(&huge, 24, &(u64::MAX & !511).to_be_bytes());
     w.every_command_refuses(&huge, "needs an L1 table of");
+    // An L2 entry marked COPIED without a cluster, over META: qcow2-rs
+    // takes it for a backing-file mapping, fails the write, then panics
+    // twice in Drop (an abort) — found by `make fuzz`.
+    let copied = q("copied-no-cluster.qcow2");
+    let f = std::fs::File::open(&copied).unwrap();
+    let be = |at: u64| {
+        let mut b = [0u8; 8];
+        f.read_exact_at(&mut b, at).unwrap();
+        u64::from_be_bytes(b)
+    };
+    let l2 = be(be(40)) & 0x00ff_ffff_ffff_fe00;
+    let meta = craft::first_lba(&craft::fixtures().join("dual-boot.raw"), craft::META) * 512;
+    craft::poke(&copied, l2 + 8 * (meta >> 16), &(1u64 << 63).to_be_bytes());
+    w.every_command_refuses(&copied, "COPIED without a cluster");
     // Item 10: 512-byte clusters (an index out of bounds, then an abort).
     let small = craft::copy("cluster-512.qcow2", &w.input("cluster-512.qcow2"));
     w.every_command_refuses(&small, "cluster_bits 9 is not supported");

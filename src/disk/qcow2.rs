@@ -233,6 +233,19 @@ pub enum TableError {
 pub type Allocated = Vec<(u64, u64)>;
 
 const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// Bits that must be zero (qemu docs/interop/qcow2.txt): in a refcount
+/// table entry, in an L1 entry, and in a standard L2 entry.
+const REFTABLE_RESERVED: u64 = 0xff00_0000_0000_01ff;
+const L1_RESERVED: u64 = 0x7f00_0000_0000_01ff;
+const L2_RESERVED: u64 = 0x3f00_0000_0000_01fe;
+const COPIED: u64 = 1 << 63;
+
+fn reserved(what: String, entry: u64) -> TableError {
+    HeaderError::Table(format!(
+        "{what} is {entry:#x}, which qcow2 forbids (reserved bits, or COPIED without a cluster)"
+    ))
+    .into()
+}
 
 impl Header {
     fn cluster_size(&self) -> u64 {
@@ -273,6 +286,9 @@ pub fn check_tables(file: &std::fs::File, h: &Header) -> Result<Allocated, Table
     place("the refcount table", h.refcount_table_offset, reftable_len)?;
     for_each_entry(file, h.refcount_table_offset, reftable_len / 8, |i, e| {
         let block = e & L2_OFFSET_MASK;
+        if e & REFTABLE_RESERVED != 0 {
+            return Err(reserved(format!("refcount table entry {i}"), e));
+        }
         if e != 0 {
             place(&format!("refcount block {i}"), block, cs)?;
         }
@@ -284,6 +300,9 @@ pub fn check_tables(file: &std::fs::File, h: &Header) -> Result<Allocated, Table
     let mut l2 = vec![0u8; cs as usize];
     for_each_entry(file, h.l1_offset, h.l1_used(), |i, e| {
         let table = e & L2_OFFSET_MASK;
+        if e & L1_RESERVED != 0 {
+            return Err(reserved(format!("L1 entry {i}"), e));
+        }
         if table == 0 {
             return Ok(());
         }
@@ -292,7 +311,7 @@ pub fn check_tables(file: &std::fs::File, h: &Header) -> Result<Allocated, Table
         for (j, raw) in l2.chunks_exact(8).enumerate() {
             let entry = u64::from_be_bytes(raw.try_into().expect("8 bytes"));
             let guest = (i * entries_per_l2 + j as u64) * cs;
-            if guest >= h.virtual_size || entry & !(1 << 63) == 0 {
+            if guest >= h.virtual_size || entry == 0 {
                 continue;
             }
             let what = || format!("the cluster of guest byte {guest}");
@@ -310,6 +329,14 @@ pub fn check_tables(file: &std::fs::File, h: &Header) -> Result<Allocated, Table
                 }
             } else {
                 let host = entry & L2_OFFSET_MASK;
+                if entry & L2_RESERVED != 0 || (host == 0 && entry & COPIED != 0) {
+                    // qcow2-rs takes a COPIED entry without a cluster for a
+                    // backing-file mapping, and fails writing it.
+                    return Err(reserved(
+                        format!("the L2 entry of guest byte {guest}"),
+                        entry,
+                    ));
+                }
                 if host == 0 {
                     continue; // reads as zeros (the "all zeros" flag, or unallocated)
                 }
@@ -355,9 +382,23 @@ fn for_each_entry(
 /// so it drives them on its own current-thread runtime.
 pub struct Qcow2 {
     rt: tokio::runtime::Runtime,
-    dev: Qcow2Dev<Qcow2IoTokio>,
+    /// Always Some until dropped.
+    dev: Option<Qcow2Dev<Qcow2IoTokio>>,
     path: std::path::PathBuf,
     pub header: Header,
+    /// False from a write until the flush after it. qcow2-rs asserts in
+    /// Drop that no cached table is dirty; after a failed write one is, and
+    /// its panic in Drop (twice: an abort) would end the process instead of
+    /// the error being reported. Such a device is leaked, not dropped.
+    clean: std::cell::Cell<bool>,
+}
+
+impl Drop for Qcow2 {
+    fn drop(&mut self) {
+        if !self.clean.get() {
+            std::mem::forget(self.dev.take());
+        }
+    }
 }
 
 impl std::fmt::Debug for Qcow2 {
@@ -431,10 +472,17 @@ impl Qcow2 {
         })?;
         Ok(Qcow2 {
             rt,
-            dev,
+            dev: Some(dev),
             path: path.to_owned(),
             header,
+            clean: std::cell::Cell::new(true),
         })
+    }
+
+    fn dev(&self) -> &Qcow2Dev<Qcow2IoTokio> {
+        self.dev
+            .as_ref()
+            .expect("the device lives until Qcow2 is dropped")
     }
 
     /// Reads whole sectors at a sector-aligned offset.
@@ -443,7 +491,7 @@ impl Qcow2 {
         let mut aligned = Qcow2IoBuf::<u8>::new(buf.len());
         guarded("read", || {
             self.rt
-                .block_on(self.dev.read_at(&mut aligned, offset))
+                .block_on(self.dev().read_at(&mut aligned, offset))
                 .map_err(|e| std::io::Error::other(format!("qcow2 read at {offset}: {e:?}")))
         })?;
         buf.copy_from_slice(&aligned);
@@ -455,9 +503,10 @@ impl Qcow2 {
         check_aligned(buf.len(), offset)?;
         let mut aligned = Qcow2IoBuf::<u8>::new(buf.len());
         aligned.copy_from_slice(buf);
+        self.clean.set(false);
         guarded("write", || {
             self.rt
-                .block_on(self.dev.write_at(&aligned, offset))
+                .block_on(self.dev().write_at(&aligned, offset))
                 .map_err(|e| std::io::Error::other(format!("qcow2 write at {offset}: {e:?}")))
         })
     }
@@ -467,9 +516,10 @@ impl Qcow2 {
     pub fn flush(&self) -> std::io::Result<()> {
         guarded("flush", || {
             self.rt
-                .block_on(self.dev.flush_meta())
+                .block_on(self.dev().flush_meta())
                 .map_err(|e| std::io::Error::other(format!("qcow2 flush: {e:?}")))
         })?;
+        self.clean.set(true);
         std::fs::File::open(&self.path)?.sync_all()
     }
 }
