@@ -267,13 +267,13 @@ pub fn check_tables(file: &std::fs::File, h: &Header) -> Result<Allocated, Table
     let file_len = file.metadata()?.len();
     let cs = h.cluster_size();
     let place = |what: &str, offset: u64, len: u64| -> Result<(), TableError> {
-        if offset % cs != 0 || offset < cs {
+        if !offset.is_multiple_of(cs) || offset < cs {
             return Err(HeaderError::Table(format!(
                 "{what} at byte {offset} is not a cluster of its own past the header"
             ))
             .into());
         }
-        let end = offset.checked_add(len).unwrap_or(u64::MAX);
+        let end = offset.saturating_add(len);
         if end > file_len {
             return Err(TableError::PastEnd {
                 what: what.to_owned(),
@@ -641,7 +641,7 @@ mod tests {
             Err(HeaderError::VirtualSize(1000))
         );
         // The largest size: an L1 table of 2^48 bytes.
-        let huge = u64::MAX & !511;
+        let huge = !511u64;
         assert!(matches!(
             parse_header(&with(24, &huge.to_be_bytes())),
             Err(HeaderError::TooLarge { size, .. }) if size == huge
