@@ -298,6 +298,7 @@ pub fn check_tables(file: &std::fs::File, h: &Header) -> Result<Allocated, Table
     let entries_per_l2 = cs / 8;
     let mut allocated: Allocated = Vec::new();
     let mut l2 = vec![0u8; cs as usize];
+    let mut l2_read = 0u64;
     for_each_entry(file, h.l1_offset, h.l1_used(), |i, e| {
         let table = e & L2_OFFSET_MASK;
         if e & L1_RESERVED != 0 {
@@ -307,6 +308,16 @@ pub fn check_tables(file: &std::fs::File, h: &Header) -> Result<Allocated, Table
             return Ok(());
         }
         place(&format!("L2 table {i}"), table, cs)?;
+        // Each L2 table is a cluster of its own, so a file holds at most
+        // file_len / cs of them. More means L1 entries share tables, and
+        // walking them could read the file many times over.
+        l2_read += cs;
+        if l2_read > file_len {
+            return Err(HeaderError::Table(format!(
+                "the L1 table points at more L2 tables than the file's {file_len} bytes hold"
+            ))
+            .into());
+        }
         file.read_exact_at(&mut l2, table)?;
         for (j, raw) in l2.chunks_exact(8).enumerate() {
             let entry = u64::from_be_bytes(raw.try_into().expect("8 bytes"));
@@ -664,6 +675,54 @@ mod tests {
         assert_eq!(
             parse_header(&with(96, &7u32.to_be_bytes())),
             Err(HeaderError::RefcountOrder(7))
+        );
+    }
+
+    /// A 4 GiB image of four 64 KiB clusters: header, L1 (8 entries),
+    /// refcount table, one L2 table mapping guest cluster 5 to cluster 3.
+    fn tables(l1: &[u64]) -> (tempfile::NamedTempFile, Header) {
+        let mut b = with(24, &(4u64 << 30).to_be_bytes());
+        b[36..40].copy_from_slice(&8u32.to_be_bytes());
+        b[40..48].copy_from_slice(&65536u64.to_be_bytes());
+        b[48..56].copy_from_slice(&(2 * 65536u64).to_be_bytes());
+        b.resize(4 * 65536, 0);
+        for (i, e) in l1.iter().enumerate() {
+            b[65536 + 8 * i..][..8].copy_from_slice(&e.to_be_bytes());
+        }
+        let l2 = 3 * 65536usize;
+        b[l2 + 40..l2 + 48].copy_from_slice(&((1u64 << 63) | l2 as u64).to_be_bytes());
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), &b).unwrap();
+        let h = parse_header(&b).unwrap();
+        (f, h)
+    }
+
+    #[test]
+    fn tables_are_walked_within_the_file() {
+        let l2 = (1u64 << 63) | (3 * 65536);
+        let (f, h) = tables(&[l2]);
+        let allocated = check_tables(f.as_file(), &h).unwrap();
+        assert_eq!(allocated, vec![(5 * 65536, 6 * 65536)]);
+        // Eight L1 entries sharing one L2 table: more tables than the file
+        // can hold, which would read it over and over.
+        let (f, h) = tables(&[l2; 8]);
+        let err = check_tables(f.as_file(), &h).unwrap_err().to_string();
+        assert!(
+            err.contains("more L2 tables than the file's 262144 bytes"),
+            "{err}"
+        );
+        // An L2 table past the end, and one on the header.
+        let (f, h) = tables(&[9 * 65536]);
+        let err = check_tables(f.as_file(), &h).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "L2 table 0 ends at byte 655360, past the end of the file"
+        );
+        let (f, h) = tables(&[512]);
+        let err = check_tables(f.as_file(), &h).unwrap_err().to_string();
+        assert!(
+            err.contains("not a cluster of its own past the header"),
+            "{err}"
         );
     }
 
