@@ -11,8 +11,9 @@ ATLAS := examples/atlas/cluster.yaml
 # curl (simulator stats), Go and its yaml.v3 (the schematic emitter's
 # differential oracle), OpenSSH's sshd, ssh and ssh-keygen and zstd (the
 # Hetzner simulator's rescue system and the tests that log in to it), jq
-# (docs/ci.md's snapshot collector) and man-db (the installed man page is
-# rendered with man -l).
+# (docs/ci.md's snapshot collector and make fuzz), man-db (the installed man
+# page is rendered with man -l) and GNU time (tests/hostile_images.rs measures
+# peak RSS with it).
 deps:
 	@need=""; \
 	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
@@ -23,6 +24,7 @@ deps:
 	command -v zstd >/dev/null 2>&1 || need="$$need zstd"; \
 	command -v jq >/dev/null 2>&1 || need="$$need jq"; \
 	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
+	[ -x /usr/bin/time ] || need="$$need time"; \
 	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
 	if [ -n "$$need" ]; then \
