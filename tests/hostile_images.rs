@@ -292,6 +292,14 @@ impl Ran {
 
     /// Ended by itself, quickly, small, without a panic.
     fn bounded(&self) -> &Self {
+        // Shown with --nocapture: what each run took.
+        eprintln!(
+            "{:?}: exit {:?}, {:.2} s, {} KiB",
+            self.args,
+            self.status.code(),
+            self.secs,
+            self.max_rss_kib
+        );
         let all = format!("{}{}", self.stdout, self.stderr);
         assert!(self.status.code().is_some(), "killed: {}", self.what());
         assert!(
