@@ -16,8 +16,9 @@ ATLAS := examples/atlas/cluster.yaml
 # curl (simulator stats), Go and its yaml.v3 (the schematic emitter's
 # differential oracle), OpenSSH's sshd, ssh and ssh-keygen and zstd (the
 # Hetzner simulator's rescue system and the tests that log in to it), jq
-# (docs/ci.md's snapshot collector), man-db (the installed man page is
-# rendered with man -l) and GNU time (peak RSS in tests/hostile_input.rs).
+# (docs/ci.md's snapshot collector and make fuzz), man-db (the installed man
+# page is rendered with man -l) and GNU time (tests/hostile_input.rs and
+# tests/hostile_images.rs measure peak RSS with it).
 deps:
 	@need=""; \
 	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
@@ -29,6 +30,7 @@ deps:
 	command -v jq >/dev/null 2>&1 || need="$$need jq"; \
 	[ -x /usr/bin/time ] || need="$$need time"; \
 	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
+	[ -x /usr/bin/time ] || need="$$need time"; \
 	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
 	if [ -n "$$need" ]; then \
@@ -107,12 +109,26 @@ install:
 schematics: build
 	$(IMGBUILD) --config $(ATLAS) schematic --all --write --dir schematics
 
-# The fuzz targets (property tests over arbitrary bytes: ADV decoder, qcow2
-# header, GPT reader) with many more cases, bounded to 10 minutes.
+# The fuzz targets: property tests over arbitrary bytes (ADV decoder, qcow2
+# header and tables, GPT reader) and over mutated headers of real images
+# driven through the commands' own entry points (inspect, meta set, patch,
+# diff, verify: src/disk/fuzz.rs). Each runs alone for at most FUZZ_SECS with
+# its address space capped at FUZZ_MEM_MB, so an allocation a header drives
+# past that fails the run; `timeout` ends a hang. Every fuzz_ test checks
+# crate::fuzz_time_left() before each case, so FUZZ_SECS bounds it.
 # cargo-fuzz needs a nightly toolchain, which this machine cannot fetch.
-FUZZ_CASES ?= 20000
-fuzz:
-	IMGBUILD_FUZZ_CASES=$(FUZZ_CASES) timeout 600 $(CARGO) test --locked --release --lib fuzz_
+FUZZ_CASES ?= 50000
+FUZZ_SECS ?= 45
+FUZZ_MEM_MB ?= 1024
+fuzz: deps
+	@set -e; bin=$$($(CARGO) test --locked --release --lib --no-run --message-format=json \
+		| jq -r 'select(.profile.test and .target.kind == ["lib"]) | .executable'); \
+	for t in $$($$bin --list fuzz_ 2>/dev/null | sed -n 's/: test$$//p'); do \
+		echo "== $$t: up to $(FUZZ_SECS) s in $(FUZZ_MEM_MB) MiB"; \
+		IMGBUILD_FUZZ_CASES=$(FUZZ_CASES) IMGBUILD_FUZZ_SECS=$(FUZZ_SECS) \
+			timeout $$(( $(FUZZ_SECS) * 2 + 60 )) prlimit --as=$$(( $(FUZZ_MEM_MB) << 20 )) \
+			$$bin --exact $$t --test-threads 1 -q; \
+	done
 
 # Benchmarks against baseline tools measured in the same run (see BENCHMARKS.md).
 bench: deps

@@ -495,7 +495,8 @@ pub fn hash_file(path: &Path) -> Result<(String, u64), BuildError> {
         path: path.to_owned(),
         source,
     };
-    let f = std::fs::File::open(path).map_err(io_err)?;
+    // A FIFO or a device in place of an image would never end.
+    let f = crate::io::open_regular(path, false).map_err(io_err)?;
     crate::io::sha256_of(f).map_err(io_err)
 }
 

@@ -286,6 +286,55 @@ pub fn copy_sparse_from<R: Read>(mut src: R, dst: &mut std::fs::File) -> io::Res
     Ok(total)
 }
 
+/// Opens `path` only if it is a regular file. A FIFO or a device would
+/// block the open or the reads forever (a FIFO without a writer, `/dev/zero`
+/// never ends), so it is refused; the open itself cannot block
+/// (`O_NONBLOCK`, which regular files ignore).
+pub fn open_regular(path: &std::path::Path, writable: bool) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = std::fs::File::options()
+        .read(true)
+        .write(writable)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let kind = file.metadata()?.file_type();
+    if kind.is_file() {
+        return Ok(file);
+    }
+    let what = if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "not a file"
+    };
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("not a regular file ({what})"),
+    ))
+}
+
+/// Reads `r` to its end, refusing more than `limit` bytes: a value, a
+/// schematic or a patch from a file that may be `/dev/zero` or a pipe
+/// that never ends. Reads at most `limit + 1` bytes.
+pub fn read_bounded(r: impl Read, limit: u64) -> io::Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    r.take(limit + 1).read_to_end(&mut buf)?;
+    if buf.len() as u64 > limit {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("longer than the {limit} bytes allowed"),
+        ));
+    }
+    Ok(buf)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -375,6 +424,32 @@ mod tests {
         assert!(describe(b"<!DOCTYPE html><html>502</html>").starts_with("an HTML page"));
         assert_eq!(describe(b""), "an empty body");
         assert!(describe(&[0, 1, 2, 3]).starts_with("unrecognised data starting 00010203"));
+    }
+
+    #[test]
+    fn only_regular_files_are_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(open_regular(&file, false).is_ok());
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let err = open_regular(&fifo, false).unwrap_err();
+        assert_eq!(err.to_string(), "not a regular file (a FIFO)");
+        let err = open_regular(std::path::Path::new("/dev/zero"), false).unwrap_err();
+        assert_eq!(err.to_string(), "not a regular file (a character device)");
+        let err = open_regular(dir.path(), false).unwrap_err();
+        assert_eq!(err.to_string(), "not a regular file (a directory)");
+    }
+
+    #[test]
+    fn bounded_reads_stop_at_the_limit() {
+        assert_eq!(read_bounded(&b"abc"[..], 3).unwrap(), b"abc");
+        let endless = std::fs::File::open("/dev/zero").unwrap();
+        let err = read_bounded(endless, 1000).unwrap_err();
+        assert_eq!(err.to_string(), "longer than the 1000 bytes allowed");
     }
 
     #[test]

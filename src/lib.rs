@@ -31,3 +31,15 @@ pub(crate) fn fuzz_config() -> proptest::prelude::ProptestConfig {
         .unwrap_or(256);
     proptest::prelude::ProptestConfig::with_cases(cases)
 }
+
+/// Whether the calling fuzz test may run another case: `IMGBUILD_FUZZ_SECS`
+/// (set by `make fuzz`) bounds each test's time from its first case on;
+/// the cases after that pass without running. Unbounded when unset.
+#[cfg(test)]
+pub(crate) fn fuzz_time_left() -> bool {
+    thread_local!(static START: std::time::Instant = std::time::Instant::now());
+    let budget = std::env::var("IMGBUILD_FUZZ_SECS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    budget.is_none_or(|secs| START.with(|t| t.elapsed().as_secs() < secs))
+}

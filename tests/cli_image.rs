@@ -330,7 +330,8 @@ fn meta_set_get_delete_round_trip_on_raw_and_qcow2() {
 fn oversized_values_are_refused_and_the_image_is_untouched() {
     let (dir, img) = scratch("dual-boot.raw");
     let value = dir.path().join("big");
-    std::fs::write(&value, vec![b'x'; 300 * 1024]).unwrap();
+    // Less than one ADV copy (so it is read), more than its tags can hold.
+    std::fs::write(&value, vec![b'x'; 262_100]).unwrap();
     let before = sha(&img);
     let o = imgbuild(&[
         "meta",
@@ -421,13 +422,21 @@ fn bad_inputs_are_refused_cleanly() {
         "truncated: the disk its GPT describes",
     );
 
-    // A GPT whose entry size the gpt crate would assert on.
+    // A GPT whose entry size the gpt crate would assert on, its header CRC
+    // made right so the crate would use it.
     let odd = dir.path().join("odd-entries.raw");
     std::fs::copy(fixtures().join("dual-boot.raw"), &odd).unwrap();
     {
         use std::os::unix::fs::FileExt;
-        let f = File::options().write(true).open(&odd).unwrap();
-        f.write_all_at(&256u32.to_le_bytes(), 512 + 84).unwrap();
+        let f = File::options().read(true).write(true).open(&odd).unwrap();
+        let mut h = [0u8; 92];
+        f.read_exact_at(&mut h, 512).unwrap();
+        h[84..88].copy_from_slice(&256u32.to_le_bytes());
+        h[16..20].fill(0);
+        let mut crc = flate2::Crc::new();
+        crc.update(&h);
+        h[16..20].copy_from_slice(&crc.sum().to_le_bytes());
+        f.write_all_at(&h, 512).unwrap();
     }
     refused(&odd, "partition entry size 256");
 }
@@ -459,14 +468,17 @@ fn unsupported_qcow2_features_are_refused_cleanly() {
     let sub = d.join("sub");
     std::fs::create_dir(&sub).unwrap();
     let base = qemu_img_create(d, "base.qcow2", &[]);
-    let _ = base;
     refused(
         &qemu_img_create(
             &sub,
             "overlay.qcow2",
             &["-b", "../base.qcow2", "-F", "qcow2"],
         ),
-        "outside the image's folder",
+        "has a backing file \"../base.qcow2\"",
+    );
+    refused(
+        &qemu_img_create(&sub, "abs.qcow2", &["-b", p(&base), "-F", "qcow2"]),
+        "reads only self-contained images",
     );
     let dirty = d.join("dirty.qcow2");
     std::fs::copy(fixtures().join("dual-boot.qcow2"), &dirty).unwrap();

@@ -7,10 +7,10 @@ use clap::{Args, Subcommand};
 use imgbuild::disk::edit::{self, MetaChange, MetaEditOptions, PatchOptions};
 use imgbuild::disk::{self, Image};
 use imgbuild::input::escape;
-use imgbuild::meta::{KEY_NETWORK, PlatformNetworkConfig, key_name};
+use imgbuild::meta::{KEY_NETWORK, PlatformNetworkConfig, adv, key_name};
 use imgbuild::schematic;
 use serde_json::json;
-use std::io::{IsTerminal, Read};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 /// A META key, decimal or `0x` hex.
@@ -193,14 +193,19 @@ pub fn meta(args: MetaArgs, output: Output) -> Result<()> {
     Ok(())
 }
 
+/// A META value from a file or standard input, read no further than one
+/// ADV copy (256 KiB): nothing larger can fit, and `/dev/zero` never ends.
 fn read_value(file: &str) -> Result<Vec<u8>> {
-    let mut value = Vec::new();
-    if file == "-" {
-        std::io::stdin().read_to_end(&mut value)?;
+    let limit = adv::COPY_SIZE as u64;
+    let read = if file == "-" {
+        imgbuild::io::read_bounded(std::io::stdin().lock(), limit)
     } else {
-        value = std::fs::read(file).with_context(|| format!("cannot read {file}"))?;
-    }
-    Ok(value)
+        std::fs::File::open(file).and_then(|f| imgbuild::io::read_bounded(f, limit))
+    };
+    read.with_context(|| {
+        let name = if file == "-" { "standard input" } else { file };
+        format!("cannot read the value from {name}")
+    })
 }
 
 /// Reads, merges and rewrites META through the library; shows what it found.

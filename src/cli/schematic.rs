@@ -5,7 +5,6 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use imgbuild::schematic::{self, ReviewFile, Schematic, write_review_files};
 use serde_json::json;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 #[derive(Args)]
@@ -125,16 +124,20 @@ fn write_all(rendered: &[ReviewFile], dir: &Path, output: Output) -> Result<()> 
     Ok(())
 }
 
+/// The most a schematic file may hold. A schematic is a few hundred bytes
+/// of YAML; the largest (many extensions, kernel arguments, an overlay)
+/// stay far below this, and `/dev/zero` never ends.
+const MAX_SCHEMATIC_BYTES: u64 = 4 << 20;
+
 fn id_of_file(file: &str, output: Output) -> Result<()> {
-    let text = if file == "-" {
-        let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .context("cannot read standard input")?;
-        s
+    let name = if file == "-" { "standard input" } else { file };
+    let bytes = if file == "-" {
+        imgbuild::io::read_bounded(std::io::stdin().lock(), MAX_SCHEMATIC_BYTES)
     } else {
-        std::fs::read_to_string(file).with_context(|| format!("cannot read {file}"))?
-    };
+        std::fs::File::open(file).and_then(|f| imgbuild::io::read_bounded(f, MAX_SCHEMATIC_BYTES))
+    }
+    .with_context(|| format!("cannot read {name}"))?;
+    let text = String::from_utf8(bytes).with_context(|| format!("{name}: not UTF-8 text"))?;
     let id = Schematic::parse(&text)
         .and_then(|s| Ok(s.id()?))
         .with_context(|| format!("{file}: not a valid schematic"))?;

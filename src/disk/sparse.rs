@@ -106,7 +106,10 @@ pub(crate) fn write_data_blocks(dst: &File, data: &[u8], offset: u64) -> io::Res
 /// The `(start, end)` byte ranges of `file` that hold data, found with
 /// SEEK_DATA/SEEK_HOLE (a filesystem that cannot tell reports one extent
 /// covering the whole file).
-fn data_extents(file: &File, len: u64) -> impl Iterator<Item = io::Result<(u64, u64)>> + '_ {
+pub(super) fn data_extents(
+    file: &File,
+    len: u64,
+) -> impl Iterator<Item = io::Result<(u64, u64)>> + '_ {
     let fd = file.as_raw_fd();
     let mut pos: i64 = 0;
     let end = len as i64;
