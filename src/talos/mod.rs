@@ -10,3 +10,4 @@ pub mod pki;
 pub mod secrets;
 pub mod stage;
 pub mod talosconfig;
+pub mod upgrade;
