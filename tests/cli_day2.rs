@@ -210,4 +210,97 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json_of(&o)["upgraded"], serde_json::json!([]));
     assert_eq!(upgrades(&nodes), [1, 1, 1, 2, 1]);
+
+    // After the upgrade every node's config is the rendered one.
+    let (v, code) = apply(&config, &["--dry-run"]);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(changed(&v), [false; 5], "{v}");
+    assert_eq!(status_check(&config), Some(0));
+
+    // A worker patch: shown on the two workers only, nothing applied.
+    std::fs::write(
+        dir.path().join("worker.yaml"),
+        "machine:\n  sysctls:\n    vm.max_map_count: \"262144\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &config,
+        inventory(&net, &factory.url, "v1.11.5") + "patches:\n  worker: [worker.yaml]\n",
+    )
+    .unwrap();
+    let applies_before = nodes.stats()["totals"]["applies"].as_u64().unwrap();
+    let (v, code) = apply(&config, &["--dry-run"]);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(changed(&v), [false, false, false, true, true], "{v}");
+    for n in &v["nodes"].as_array().unwrap()[3..] {
+        assert!(n["diff"].as_str().unwrap().contains("vm.max_map_count"), "{n}");
+        assert_eq!(n["applied"], false);
+    }
+    assert_eq!(nodes.stats()["totals"]["applies"], applies_before);
+    // status --check: config drift on the workers.
+    assert_eq!(status_check(&config), Some(1));
+
+    // apply changes exactly those two; a rerun applies nothing.
+    let (v, code) = apply(&config, &[]);
+    assert_eq!(code, Some(0), "{v}");
+    let applied: Vec<bool> = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["applied"] == true)
+        .collect();
+    assert_eq!(applied, [false, false, false, true, true], "{v}");
+    assert_eq!(
+        nodes.stats()["totals"]["applies"].as_u64().unwrap(),
+        applies_before + 2
+    );
+    let (v, _) = apply(&config, &[]);
+    assert_eq!(changed(&v), [false; 5], "{v}");
+    assert_eq!(
+        nodes.stats()["totals"]["applies"].as_u64().unwrap(),
+        applies_before + 2
+    );
+    assert_eq!(status_check(&config), Some(0));
+
+    // A version drift: the inventory moves on, status --check fails.
+    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.6") + "patches:\n  worker: [worker.yaml]\n").unwrap();
+    let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
+    assert_eq!(o.status.code(), Some(1));
+    let drift = &json_of(&o)["drift"];
+    // Every node: its version, and its config (install.image names the new
+    // installer), each with the command that fixes it.
+    let drift: Vec<(&str, &str, &str)> = drift
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["node"].as_str().unwrap(), d["what"].as_str().unwrap(), d["fix"].as_str().unwrap()))
+        .collect();
+    for (name, _, _) in NODES {
+        assert!(drift.contains(&(name, "version", "imgbuild upgrade")), "{drift:?}");
+        assert!(drift.contains(&(name, "config", "imgbuild apply")), "{drift:?}");
+    }
+    assert_eq!(drift.len(), 10, "{drift:?}");
+}
+
+fn apply(config: &Path, extra: &[&str]) -> (serde_json::Value, Option<i32>) {
+    let mut args = vec!["--output", "json", "apply"];
+    args.extend_from_slice(extra);
+    let o = imgbuild(config, &args, true);
+    (json_of(&o), o.status.code())
+}
+
+fn changed(v: &serde_json::Value) -> Vec<bool> {
+    v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["changed"] == true)
+        .collect()
+}
+
+fn status_check(config: &Path) -> Option<i32> {
+    let o = imgbuild(config, &["--output", "json", "status", "--check"], true);
+    let v = json_of(&o);
+    assert_eq!(v["nodes"].as_array().map(Vec::len), Some(5), "{v}");
+    o.status.code()
 }

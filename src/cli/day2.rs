@@ -1,13 +1,16 @@
 //! Day two: `imgbuild upgrade` moves running nodes to the inventory's Talos
-//! version and schematics.
+//! version and schematics, `apply` pushes config changes, `status` shows
+//! drift.
 
 use super::talos::BootstrapRunArgs;
 use super::{Output, Partial, load_inventory};
 use anyhow::{Context, Result};
 use clap::Args;
-use imgbuild::factory::{Factory, installer_of};
+use imgbuild::factory::Factory;
+use imgbuild::talos::client::ApplyMode;
 use imgbuild::talos::stage;
 use imgbuild::talos::upgrade::{self, Wanted};
+use imgbuild::talos::{apply, status};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -37,7 +40,6 @@ fn targets(
 ) -> Result<BTreeMap<String, Wanted>> {
     let client = imgbuild::fetch::client(fetch);
     let factory = Factory::new(&inv.image.factory, &client).with_retry(fetch.retry_policy());
-    let version = format!("v{}", inv.cluster.talos_version.trim_start_matches('v'));
     let mut extensions: Vec<String> = inv.image.extensions.clone();
     for n in &inv.nodes {
         extensions.extend(n.extensions.iter().cloned());
@@ -47,22 +49,14 @@ fn targets(
     factory
         .check_available(&inv.cluster.talos_version, &extensions)
         .context("the factory cannot provide the upgrade")?;
-    let mut out = BTreeMap::new();
     for node in &inv.nodes {
-        let schematic = imgbuild::schematic::base_for_node(inv, node);
-        let id = factory
-            .register(&schematic)
+        // The factory serves installers only for schematics posted to it;
+        // `register` also checks that its ID is ours.
+        factory
+            .register(&imgbuild::schematic::base_for_node(inv, node))
             .with_context(|| format!("node {}: registering its schematic", node.name))?;
-        out.insert(
-            node.name.clone(),
-            Wanted {
-                version: version.clone(),
-                installer: installer_of(inv, &id),
-                schematic: id.to_string(),
-            },
-        );
     }
-    Ok(out)
+    Ok(upgrade::wanted(inv)?)
 }
 
 pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
@@ -162,4 +156,161 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         ))
         .into()),
     }
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ModeArg {
+    /// Talos decides; a configured node applies without a reboot.
+    Auto,
+    NoReboot,
+    /// Kept for the next reboot.
+    Staged,
+}
+
+#[derive(Args)]
+pub struct ApplyArgs {
+    /// Nodes to compare and apply [default: all].
+    nodes: Vec<String>,
+    /// Show each node's config diff; apply nothing.
+    #[arg(long)]
+    dry_run: bool,
+    #[arg(long, value_enum, default_value = "auto")]
+    mode: ModeArg,
+    #[command(flatten)]
+    run: BootstrapRunArgs,
+}
+
+#[derive(Args)]
+pub struct StatusArgs {
+    /// Exit 1 when anything differs from the inventory (CI drift gate).
+    #[arg(long)]
+    check: bool,
+    #[command(flatten)]
+    run: BootstrapRunArgs,
+}
+
+/// The async runtime the day-two commands run their node calls on.
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    for name in &args.nodes {
+        inv.node(name)?;
+    }
+    let opts = args.run.options();
+    let prepared = stage::prepare(&inv, &opts)?;
+    let mode = match args.mode {
+        ModeArg::Auto => ApplyMode::Auto,
+        ModeArg::NoReboot => ApplyMode::NoReboot,
+        ModeArg::Staged => ApplyMode::Staged,
+    };
+    let outcome = runtime()?.block_on(apply::run(
+        &prepared.plan,
+        &args.nodes,
+        mode,
+        args.dry_run,
+        &opts.limits,
+    ));
+    match output {
+        Output::Json => outln!("{}", json!(outcome)),
+        Output::Text => {
+            for n in &outcome.nodes {
+                let state = match (n.changed, n.applied) {
+                    (false, _) => "no change",
+                    (true, true) => "applied",
+                    (true, false) => "would change",
+                };
+                outln!("{}: {state}", n.node);
+                for line in n.diff.lines() {
+                    outln!("    {line}");
+                }
+            }
+            for f in &outcome.failed {
+                outln!("{}: FAILED: {}", f.node, f.error);
+            }
+        }
+    }
+    if outcome.failed.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = outcome.failed.iter().map(|f| f.node.as_str()).collect();
+    let message = format!("apply failed on {}", names.join(", "));
+    if outcome.nodes.iter().any(|n| n.applied) {
+        Err(Partial(message).into())
+    } else {
+        Err(super::Reported(message).into())
+    }
+}
+
+/// Every node's status row, read from the nodes (nothing is changed).
+pub(super) fn rows(
+    inv: &imgbuild::inventory::Inventory,
+    opts: &stage::BootstrapOptions,
+) -> Result<Vec<status::NodeStatus>> {
+    let wanted = upgrade::wanted(inv)?;
+    let prepared = stage::prepare(inv, opts)?;
+    Ok(runtime()?.block_on(status::collect(&prepared.plan, &wanted, &opts.limits)))
+}
+
+pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let opts = args.run.options();
+    let rows = rows(&inv, &opts)?;
+    let drift: Vec<status::Drift> = rows.iter().flat_map(status::NodeStatus::drift).collect();
+    match output {
+        Output::Json => outln!("{}", json!({"nodes": rows, "drift": drift})),
+        Output::Text => {
+            let short = |s: &Option<String>| {
+                s.as_deref()
+                    .map_or("-".to_owned(), |s| s.chars().take(12).collect())
+            };
+            let yes = |b: Option<bool>| match b {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "-",
+            };
+            outln!(
+                "{:<12} {:<9} {:<20} {:<27} {:<7} {:<5} {}",
+                "NODE",
+                "REACHABLE",
+                "VERSION (WANTED)",
+                "SCHEMATIC (WANTED)",
+                "CONFIG",
+                "ETCD",
+                "READY"
+            );
+            for r in &rows {
+                outln!(
+                    "{:<12} {:<9} {:<20} {:<27} {:<7} {:<5} {}",
+                    r.node,
+                    if r.reachable { "yes" } else { "NO" },
+                    format!("{} ({})", short(&r.version), r.wanted_version),
+                    format!(
+                        "{} ({})",
+                        short(&r.schematic),
+                        short(&Some(r.wanted_schematic.clone()))
+                    ),
+                    yes(r.config_in_sync),
+                    yes(r.etcd_member),
+                    yes(r.ready)
+                );
+            }
+            for d in &drift {
+                outln!("drift: {}: {} (fix: {})", d.node, d.what, d.fix);
+            }
+        }
+    }
+    if args.check && !drift.is_empty() {
+        return Err(super::Reported(format!(
+            "{} difference(s) from the inventory",
+            drift.len()
+        ))
+        .into());
+    }
+    Ok(())
 }

@@ -23,6 +23,30 @@ pub struct Wanted {
     pub schematic: String,
 }
 
+/// Every node's target, computed here without asking anyone: the
+/// inventory's version and the node's base schematic (without META) with
+/// its installer ([`crate::factory::installer_for`]).
+pub fn wanted(
+    inv: &crate::inventory::Inventory,
+) -> Result<BTreeMap<String, Wanted>, crate::schematic::EmitError> {
+    let version = format!("v{}", inv.cluster.talos_version.trim_start_matches('v'));
+    inv.nodes
+        .iter()
+        .map(|node| {
+            let canonical = crate::schematic::base_for_node(inv, node).canonical()?;
+            let id = crate::schematic::id_of(&canonical);
+            Ok((
+                node.name.clone(),
+                Wanted {
+                    version: version.clone(),
+                    installer: crate::factory::installer_of(inv, &id),
+                    schematic: id.to_string(),
+                },
+            ))
+        })
+        .collect()
+}
+
 /// What a node runs now.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Running {
@@ -109,7 +133,8 @@ async fn port_closed(addr: SocketAddr) -> bool {
 }
 
 /// What still keeps the cluster from being healthy around `node`: every
-/// control plane answers with etcd healthy, and `node` has kubelet healthy.
+/// control plane answers with etcd healthy, `node` has kubelet healthy
+/// and `node` is Ready in Kubernetes.
 async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<String> {
     let mode = Mode::Mtls(plan.identity.clone());
     let mut pending = Vec::new();
@@ -145,11 +170,29 @@ async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<Strin
             }
         }
     }
+    match kube_ready(plan, opts).await {
+        Ok(list) if list.iter().any(|(n, ready)| *n == node.name && *ready) => {}
+        Ok(_) => pending.push(format!("{}: Kubernetes node not Ready", node.name)),
+        Err(e) => pending.push(format!("Kubernetes: {e}")),
+    }
     pending
 }
 
+/// Every Kubernetes node and whether it is Ready, through the kubeconfig
+/// the bootstrap wrote into the state dir.
+pub(crate) async fn kube_ready(plan: &Plan, opts: &Options) -> Result<Vec<(String, bool)>, String> {
+    let text = std::fs::read_to_string(&plan.kubeconfig_path)
+        .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
+    let kc = super::kube::Kubeconfig::parse(&text).map_err(|e| e.to_string())?;
+    let timeout = opts.call_timeout;
+    tokio::task::spawn_blocking(move || kc.node_readiness(timeout))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())
+}
+
 /// Waits until [`unhealthy`] has nothing to say, at most `opts.health_timeout`.
-async fn wait_healthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<(), String> {
+pub(crate) async fn wait_healthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<(), String> {
     let deadline = Instant::now() + opts.health_timeout;
     loop {
         let pending = unhealthy(plan, node, opts).await;
