@@ -280,6 +280,46 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         assert!(drift.contains(&(name, "config", "imgbuild apply")), "{drift:?}");
     }
     assert_eq!(drift.len(), 10, "{drift:?}");
+
+    // `up` no longer calls this cluster healthy: the same drift, exit 3.
+    let out_dir = dir.path().join("out");
+    let o = imgbuild(
+        &config,
+        &["--output", "json", "up", "--quiet", "--out-dir", out_dir.to_str().unwrap()],
+        true,
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
+    let up = json_of(&o);
+    assert_eq!(up["healthy"], true, "{up}");
+    let up_drift = up["drift"].as_array().unwrap();
+    assert_eq!(up_drift.len(), 10, "{up}");
+    for (name, _, _) in NODES {
+        assert!(up_drift.iter().any(|d| d["node"] == name && d["what"] == "version" && d["fix"] == "imgbuild upgrade"), "{up}");
+    }
+    let o = imgbuild(&config, &["up", "--quiet", "--out-dir", out_dir.to_str().unwrap()], true);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(
+        text(&o.stderr).contains("run imgbuild apply and imgbuild upgrade"),
+        "{}",
+        text(&o.stderr)
+    );
+
+    // A schematic drift: worker-02 gets an extension (a new base schematic).
+    let with_ext = inventory(&net, &factory.url, "v1.11.5").replace(
+        &format!("address: {net}.22\n"),
+        &format!("address: {net}.22\n    extensions: [siderolabs/qemu-guest-agent]\n"),
+    ) + "patches:\n  worker: [worker.yaml]\n";
+    std::fs::write(&config, with_ext).unwrap();
+    let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
+    assert_eq!(o.status.code(), Some(1));
+    let v = json_of(&o);
+    let whats: Vec<(&str, &str)> = v["drift"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["node"].as_str().unwrap(), d["what"].as_str().unwrap()))
+        .collect();
+    assert_eq!(whats, [("worker-02", "schematic"), ("worker-02", "config")], "{v}");
 }
 
 fn apply(config: &Path, extra: &[&str]) -> (serde_json::Value, Option<i32>) {

@@ -300,9 +300,7 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                     yes(r.ready)
                 );
             }
-            for d in &drift {
-                outln!("drift: {}: {} (fix: {})", d.node, d.what, d.fix);
-            }
+            print_drift(&drift);
         }
     }
     if args.check && !drift.is_empty() {
@@ -313,4 +311,33 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
         .into());
     }
     Ok(())
+}
+
+/// What differs from the inventory on any node (reads the nodes only).
+pub(super) fn drift(
+    inv: &imgbuild::inventory::Inventory,
+    opts: &stage::BootstrapOptions,
+) -> Result<Vec<status::Drift>> {
+    Ok(rows(inv, opts)?
+        .iter()
+        .flat_map(status::NodeStatus::drift)
+        .collect())
+}
+
+pub(super) fn print_drift(drift: &[status::Drift]) {
+    for d in drift {
+        outln!("drift: {}: {} differs from the inventory (fix: {})", d.node, d.what, d.fix);
+    }
+}
+
+/// One line: how many differences, and the commands that fix them.
+pub(super) fn drift_summary(drift: &[status::Drift]) -> String {
+    let mut fixes: Vec<&str> = drift.iter().map(|d| d.fix).collect();
+    fixes.sort_unstable();
+    fixes.dedup();
+    format!(
+        "the cluster differs from the inventory in {} place(s); run {}",
+        drift.len(),
+        fixes.join(" and ")
+    )
 }
