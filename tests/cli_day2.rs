@@ -90,16 +90,10 @@ fn post(url: &str, body: &str) {
 fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     let factory = Sim::start_with(&[], 0, &["--versions", "v1.11.2,v1.11.5"]);
     let net = net();
-    let mut args: Vec<String> = [
-        "--reboot-delay",
-        "300",
-        "--upgrade-delay",
-        "50",
-        "--vip",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut args: Vec<String> = ["--reboot-delay", "300", "--upgrade-delay", "50", "--vip"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     args.push(format!("{net}.10"));
     for (name, host, role) in NODES {
         args.push("--node".into());
@@ -131,7 +125,9 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     let plan = json_of(&o);
     let rows = plan["nodes"].as_array().unwrap();
     assert_eq!(
-        rows.iter().map(|r| r["node"].as_str().unwrap()).collect::<Vec<_>>(),
+        rows.iter()
+            .map(|r| r["node"].as_str().unwrap())
+            .collect::<Vec<_>>(),
         ["cp-01", "cp-02", "cp-03", "worker-01", "worker-02"]
     );
     for r in rows {
@@ -148,8 +144,15 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         .unwrap();
     let posted: serde_json::Value = serde_json::from_slice(&posted.stdout).unwrap();
     let ids: Vec<&String> = posted.as_object().unwrap().keys().collect();
-    assert_eq!(ids.len(), 1, "one base schematic for nodes without own extensions: {posted}");
-    let host = factory.url.trim_start_matches("http://").trim_end_matches('/');
+    assert_eq!(
+        ids.len(),
+        1,
+        "one base schematic for nodes without own extensions: {posted}"
+    );
+    let host = factory
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches('/');
     let installer = format!("{host}/metal-installer/{}:v1.11.5", ids[0]);
     assert_eq!(rows[0]["to"]["installer"], installer.as_str());
 
@@ -166,7 +169,10 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         run["failed"]["error"].as_str().unwrap().contains("v1.11.2"),
         "{run}"
     );
-    assert_eq!(run["upgraded"], serde_json::json!(["cp-01", "cp-02", "cp-03"]));
+    assert_eq!(
+        run["upgraded"],
+        serde_json::json!(["cp-01", "cp-02", "cp-03"])
+    );
     assert_eq!(run["untouched"], serde_json::json!(["worker-02"]));
     assert_eq!(upgrades(&nodes), [1, 1, 1, 1, 0]);
     let stats = nodes.stats();
@@ -180,11 +186,17 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         );
     }
     assert_eq!(
-        events.iter().map(|e| e["node"].as_str().unwrap()).collect::<Vec<_>>(),
+        events
+            .iter()
+            .map(|e| e["node"].as_str().unwrap())
+            .collect::<Vec<_>>(),
         ["cp-01", "cp-02", "cp-03", "worker-01"]
     );
     for (name, _, _) in NODES {
-        for image in stats["nodes"][name]["day2"]["installers"].as_array().unwrap() {
+        for image in stats["nodes"][name]["day2"]["installers"]
+            .as_array()
+            .unwrap()
+        {
             assert_eq!(image, installer.as_str(), "{name}");
         }
     }
@@ -199,7 +211,10 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let run = json_of(&o);
-    assert_eq!(run["upgraded"], serde_json::json!(["worker-01", "worker-02"]));
+    assert_eq!(
+        run["upgraded"],
+        serde_json::json!(["worker-01", "worker-02"])
+    );
     assert_eq!(upgrades(&nodes), [1, 1, 1, 2, 1]);
     for (name, _, _) in NODES {
         assert_eq!(run["versions"][name], "v1.11.5", "{run}");
@@ -233,7 +248,10 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     assert_eq!(code, Some(0), "{v}");
     assert_eq!(changed(&v), [false, false, false, true, true], "{v}");
     for n in &v["nodes"].as_array().unwrap()[3..] {
-        assert!(n["diff"].as_str().unwrap().contains("vm.max_map_count"), "{n}");
+        assert!(
+            n["diff"].as_str().unwrap().contains("vm.max_map_count"),
+            "{n}"
+        );
         assert_eq!(n["applied"], false);
     }
     assert_eq!(nodes.stats()["totals"]["applies"], applies_before);
@@ -263,7 +281,11 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     assert_eq!(status_check(&config), Some(0));
 
     // A version drift: the inventory moves on, status --check fails.
-    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.6") + "patches:\n  worker: [worker.yaml]\n").unwrap();
+    std::fs::write(
+        &config,
+        inventory(&net, &factory.url, "v1.11.6") + "patches:\n  worker: [worker.yaml]\n",
+    )
+    .unwrap();
     let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
     assert_eq!(o.status.code(), Some(1));
     let drift = &json_of(&o)["drift"];
@@ -273,11 +295,23 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|d| (d["node"].as_str().unwrap(), d["what"].as_str().unwrap(), d["fix"].as_str().unwrap()))
+        .map(|d| {
+            (
+                d["node"].as_str().unwrap(),
+                d["what"].as_str().unwrap(),
+                d["fix"].as_str().unwrap(),
+            )
+        })
         .collect();
     for (name, _, _) in NODES {
-        assert!(drift.contains(&(name, "version", "imgbuild upgrade")), "{drift:?}");
-        assert!(drift.contains(&(name, "config", "imgbuild apply")), "{drift:?}");
+        assert!(
+            drift.contains(&(name, "version", "imgbuild upgrade")),
+            "{drift:?}"
+        );
+        assert!(
+            drift.contains(&(name, "config", "imgbuild apply")),
+            "{drift:?}"
+        );
     }
     assert_eq!(drift.len(), 10, "{drift:?}");
 
@@ -285,7 +319,14 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     let out_dir = dir.path().join("out");
     let o = imgbuild(
         &config,
-        &["--output", "json", "up", "--quiet", "--out-dir", out_dir.to_str().unwrap()],
+        &[
+            "--output",
+            "json",
+            "up",
+            "--quiet",
+            "--out-dir",
+            out_dir.to_str().unwrap(),
+        ],
         true,
     );
     assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
@@ -294,9 +335,18 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     let up_drift = up["drift"].as_array().unwrap();
     assert_eq!(up_drift.len(), 10, "{up}");
     for (name, _, _) in NODES {
-        assert!(up_drift.iter().any(|d| d["node"] == name && d["what"] == "version" && d["fix"] == "imgbuild upgrade"), "{up}");
+        assert!(
+            up_drift.iter().any(|d| d["node"] == name
+                && d["what"] == "version"
+                && d["fix"] == "imgbuild upgrade"),
+            "{up}"
+        );
     }
-    let o = imgbuild(&config, &["up", "--quiet", "--out-dir", out_dir.to_str().unwrap()], true);
+    let o = imgbuild(
+        &config,
+        &["up", "--quiet", "--out-dir", out_dir.to_str().unwrap()],
+        true,
+    );
     assert_eq!(o.status.code(), Some(3));
     assert!(
         text(&o.stderr).contains("run imgbuild apply and imgbuild upgrade"),
@@ -319,7 +369,11 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         .iter()
         .map(|d| (d["node"].as_str().unwrap(), d["what"].as_str().unwrap()))
         .collect();
-    assert_eq!(whats, [("worker-02", "schematic"), ("worker-02", "config")], "{v}");
+    assert_eq!(
+        whats,
+        [("worker-02", "schematic"), ("worker-02", "config")],
+        "{v}"
+    );
 }
 
 fn apply(config: &Path, extra: &[&str]) -> (serde_json::Value, Option<i32>) {

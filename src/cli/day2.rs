@@ -304,11 +304,9 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
         }
     }
     if args.check && !drift.is_empty() {
-        return Err(super::Reported(format!(
-            "{} difference(s) from the inventory",
-            drift.len()
-        ))
-        .into());
+        return Err(
+            super::Reported(format!("{} difference(s) from the inventory", drift.len())).into(),
+        );
     }
     Ok(())
 }
@@ -326,7 +324,12 @@ pub(super) fn drift(
 
 pub(super) fn print_drift(drift: &[status::Drift]) {
     for d in drift {
-        outln!("drift: {}: {} differs from the inventory (fix: {})", d.node, d.what, d.fix);
+        outln!(
+            "drift: {}: {} differs from the inventory (fix: {})",
+            d.node,
+            d.what,
+            d.fix
+        );
     }
 }
 

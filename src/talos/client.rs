@@ -697,7 +697,8 @@ mod tests {
     #[test]
     fn the_schematic_comes_from_the_extension_named_schematic() {
         let id = "ab".repeat(32);
-        let spec = format!("image: schematic.sqsh\nmetadata:\n    name: schematic\n    version: {id}\n");
+        let spec =
+            format!("image: schematic.sqsh\nmetadata:\n    name: schematic\n    version: {id}\n");
         assert_eq!(schematic_extension_version(&spec), Some(id));
         let other = "image: x.sqsh\nmetadata:\n    name: qemu-guest-agent\n    version: 9.2.0\n";
         assert_eq!(schematic_extension_version(other), None);

@@ -10,6 +10,6 @@ pub mod kube;
 pub mod pki;
 pub mod secrets;
 pub mod stage;
-pub mod talosconfig;
 pub mod status;
+pub mod talosconfig;
 pub mod upgrade;

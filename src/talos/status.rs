@@ -104,7 +104,9 @@ pub async fn collect(
                 .apply_mode(node.config.clone(), ApplyMode::NoReboot, true)
                 .await
             {
-                Ok(details) => row.config_in_sync = Some(super::apply::diff_of(&details).is_empty()),
+                Ok(details) => {
+                    row.config_in_sync = Some(super::apply::diff_of(&details).is_empty())
+                }
                 Err(e) => row.error = Some(format!("config diff: {e}")),
             }
             if node.role == Role::Controlplane && members.is_none() {
@@ -154,7 +156,10 @@ mod tests {
         let d = r.drift();
         assert_eq!(
             d.iter().map(|d| (d.what, d.fix)).collect::<Vec<_>>(),
-            [("version", "imgbuild upgrade"), ("config", "imgbuild apply")]
+            [
+                ("version", "imgbuild upgrade"),
+                ("config", "imgbuild apply")
+            ]
         );
         let mut r = row();
         r.schematic = None;

@@ -192,7 +192,11 @@ pub(crate) async fn kube_ready(plan: &Plan, opts: &Options) -> Result<Vec<(Strin
 }
 
 /// Waits until [`unhealthy`] has nothing to say, at most `opts.health_timeout`.
-pub(crate) async fn wait_healthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<(), String> {
+pub(crate) async fn wait_healthy(
+    plan: &Plan,
+    node: &PlannedNode,
+    opts: &Options,
+) -> Result<(), String> {
     let deadline = Instant::now() + opts.health_timeout;
     loop {
         let pending = unhealthy(plan, node, opts).await;
@@ -229,7 +233,10 @@ async fn upgrade_one(
     let before = conn.version().await.map_err(|e| e.to_string())?.tag;
     progress(
         &node.name,
-        &format!("upgrading {before} → {} ({})", wanted.version, wanted.installer),
+        &format!(
+            "upgrading {before} → {} ({})",
+            wanted.version, wanted.installer
+        ),
     );
     conn.upgrade(&wanted.installer)
         .await
@@ -247,15 +254,11 @@ async fn upgrade_one(
         }
         if port_closed(node.target.addr).await {
             went_down = true;
-        } else if went_down {
-            match NodeClient::connect(&node.target, &mode, opts.call_timeout).await {
-                Ok(c) => {
-                    if let Ok(v) = c.version().await {
-                        break (c, v.tag);
-                    }
-                }
-                Err(_) => {}
-            }
+        } else if went_down
+            && let Ok(c) = NodeClient::connect(&node.target, &mode, opts.call_timeout).await
+            && let Ok(v) = c.version().await
+        {
+            break (c, v.tag);
         }
         tokio::time::sleep(opts.poll.min(Duration::from_millis(200))).await;
     };

@@ -64,9 +64,8 @@ fn split_reference(image: &str) -> Option<(&str, &str, &str)> {
 /// (`install.PullAndValidateInstallerImage`): plain HTTP on loopback, the
 /// factory simulator's `GET /v2/<image>/<id>/manifests/<tag>`.
 async fn validate_installer(image: &str) -> Result<(String, String), Status> {
-    let fail = |why: String| {
-        Status::unknown(format!("error validating installer image {image:?}: {why}"))
-    };
+    let fail =
+        |why: String| Status::unknown(format!("error validating installer image {image:?}: {why}"));
     let (host, path, tag) =
         split_reference(image).ok_or_else(|| fail("not a valid image reference".into()))?;
     let schematic = schematic_of_installer(image)
@@ -243,9 +242,10 @@ impl Api {
                     "the REBOOT mode is not supported, please use AUTO or NO_REBOOT modes instead",
                 ));
             }
-            ApplyMode::Auto | ApplyMode::NoReboot | ApplyMode::Try => {
-                (ApplyMode::NoReboot, "Applied configuration without a reboot")
-            }
+            ApplyMode::Auto | ApplyMode::NoReboot | ApplyMode::Try => (
+                ApplyMode::NoReboot,
+                "Applied configuration without a reboot",
+            ),
             ApplyMode::Staged => (
                 ApplyMode::Staged,
                 "Staged configuration to be applied after the next reboot",
@@ -479,9 +479,16 @@ mod tests {
         let image = format!("127.0.0.1:5000/metal-installer/{id}:v1.11.5");
         assert_eq!(
             split_reference(&image),
-            Some(("127.0.0.1:5000", &*format!("metal-installer/{id}"), "v1.11.5"))
+            Some((
+                "127.0.0.1:5000",
+                &*format!("metal-installer/{id}"),
+                "v1.11.5"
+            ))
         );
         assert_eq!(schematic_of_installer(&image), Some(id));
-        assert_eq!(schematic_of_installer("ghcr.io/siderolabs/installer:v1.11.5"), None);
+        assert_eq!(
+            schematic_of_installer("ghcr.io/siderolabs/installer:v1.11.5"),
+            None
+        );
     }
 }
