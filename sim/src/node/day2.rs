@@ -464,7 +464,123 @@ pub(super) fn stats_of(d: &Day2, version: String, schematic: Option<String>) -> 
 
 #[cfg(test)]
 mod tests {
+    use super::super::Boot;
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::super::Args,
+    }
+
+    /// Two control planes and a worker, configured long ago, etcd
+    /// bootstrapped on the first and healthy everywhere.
+    fn healthy_cluster() -> Arc<Cluster> {
+        let cli = Cli::parse_from([
+            "sim",
+            "--node",
+            "cp-01=127.0.0.11:controlplane",
+            "--node",
+            "cp-02=127.0.0.12:controlplane",
+            "--node",
+            "worker-01=127.0.0.21:worker",
+            "--etcd-delay",
+            "10",
+        ]);
+        let cluster = super::super::new_cluster(cli.args).unwrap();
+        let long_ago = Instant::now() - Duration::from_secs(60);
+        for n in cluster.all() {
+            n.st.lock().unwrap().configured_at = Some(long_ago);
+        }
+        *cluster.boot.lock().unwrap() = Some(Boot {
+            at: long_ago,
+            node: 0,
+        });
+        cluster
+    }
+
+    fn upgrade(image: &str, force: bool) -> UpgradeRequest {
+        UpgradeRequest {
+            image: image.into(),
+            preserve: true,
+            force,
+            ..UpgradeRequest::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_control_plane_refuses_while_an_etcd_member_is_down_unless_forced() {
+        let cluster = healthy_cluster();
+        let api = Api {
+            cluster: cluster.clone(),
+            me: 0,
+            secure: true,
+        };
+        let id = "ab".repeat(32);
+        let image = format!("127.0.0.1:1/metal-installer/{id}:v1.11.5");
+        // cp-02 is rebooting: its etcd member is not healthy.
+        cluster.node(1).st.lock().unwrap().down_until =
+            Some(Instant::now() + Duration::from_secs(30));
+        let e = api
+            .upgrade_on(0, &upgrade(&image, false), "v1.11.5", &id)
+            .unwrap_err();
+        assert!(
+            e.message().starts_with(
+                "error validating etcd for upgrade: etcd member 0000000000001001 is not healthy"
+            ),
+            "{e:?}"
+        );
+        assert_eq!(cluster.node(0).st.lock().unwrap().day2.upgrade_refusals, 1);
+        assert_eq!(api.version_tag(0), "v1.11.2");
+        // A worker is not checked; a forced control plane is not either.
+        let ack = api
+            .upgrade_on(2, &upgrade(&image, false), "v1.11.5", &id)
+            .unwrap();
+        assert_eq!(ack.ack, "Upgrade request received");
+        api.upgrade_on(0, &upgrade(&image, true), "v1.11.5", &id)
+            .unwrap();
+        assert_eq!(api.version_tag(0), "v1.11.5");
+        assert_eq!(api.schematic_on(0), Some(id.clone()));
+        assert_eq!(cluster.node(0).phase(Instant::now()), Phase::Down);
+        let cp = cluster.node(0);
+        assert_eq!(cp.st.lock().unwrap().day2.installers, [image]);
+    }
+
+    #[tokio::test]
+    async fn a_failing_installer_acks_and_keeps_the_old_version() {
+        let cluster = healthy_cluster();
+        let api = Api {
+            cluster: cluster.clone(),
+            me: 2,
+            secure: true,
+        };
+        cluster.node(2).st.lock().unwrap().day2.installer_fails = true;
+        let id = "cd".repeat(32);
+        let image = format!("127.0.0.1:1/metal-installer/{id}:v1.11.5");
+        api.upgrade_on(2, &upgrade(&image, false), "v1.11.5", &id)
+            .unwrap();
+        assert_eq!(api.version_tag(2), "v1.11.2");
+        assert_eq!(api.schematic_on(2), None);
+        assert_eq!(cluster.events.lock().unwrap()[0]["ok"], false);
+    }
+
+    #[tokio::test]
+    async fn an_installer_the_registry_does_not_serve_is_refused() {
+        // Nothing listens on port 1: the pull fails, as containerd's would.
+        let id = "ab".repeat(32);
+        let e = validate_installer(&format!("127.0.0.1:1/metal-installer/{id}:v1.11.5"))
+            .await
+            .unwrap_err();
+        assert!(
+            e.message().starts_with("error validating installer image"),
+            "{e:?}"
+        );
+        let e = validate_installer("127.0.0.1:1/metal-installer/short:v1.11.5")
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("no schematic ID"), "{e:?}");
+    }
 
     #[test]
     fn the_diff_names_changed_lines_only() {
