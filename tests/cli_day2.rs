@@ -220,6 +220,19 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         assert_eq!(run["versions"][name], "v1.11.5", "{run}");
     }
 
+    // The state dir records what each node got (for nodes that cannot say).
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join(".talos/sim/upgrades.json")).unwrap(),
+    )
+    .unwrap();
+    for (name, _, _) in NODES {
+        assert_eq!(
+            record["nodes"][name]["installer"],
+            installer.as_str(),
+            "{record}"
+        );
+    }
+
     // A further rerun sends nothing.
     let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));

@@ -75,9 +75,10 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         .build()?;
     if args.dry_run {
         let order = upgrade::ordered(plan, &args.nodes);
+        let record = upgrade::Record::load(&record_path(&prepared.state_dir));
         let mut rows = Vec::new();
         for node in order {
-            let now = runtime.block_on(upgrade::running(plan, node, &limits));
+            let now = runtime.block_on(upgrade::running(plan, node, &record, &limits));
             let to = &wanted[&node.name];
             rows.push(json!({
                 "node": node.name,
@@ -116,9 +117,15 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         &wanted,
         &args.nodes,
         usize::from(args.parallel),
+        &record_path(&prepared.state_dir),
         &limits,
         &progress,
     ));
+    if let Some(e) = &outcome.record_error
+        && output == Output::Text
+    {
+        eprintln!("warning: the upgrade record was not written: {e}");
+    }
     let failed = outcome
         .failed
         .as_ref()
@@ -189,6 +196,11 @@ pub struct StatusArgs {
     run: BootstrapRunArgs,
 }
 
+/// Where `upgrade` keeps what it installed on each node.
+fn record_path(state_dir: &stage::StateDir) -> std::path::PathBuf {
+    state_dir.path.join("upgrades.json")
+}
+
 /// The async runtime the day-two commands run their node calls on.
 fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
@@ -254,7 +266,13 @@ pub(super) fn rows(
 ) -> Result<Vec<status::NodeStatus>> {
     let wanted = upgrade::wanted(inv)?;
     let prepared = stage::prepare(inv, opts)?;
-    Ok(runtime()?.block_on(status::collect(&prepared.plan, &wanted, &opts.limits)))
+    let record = upgrade::Record::load(&record_path(&prepared.state_dir));
+    Ok(runtime()?.block_on(status::collect(
+        &prepared.plan,
+        &wanted,
+        &record,
+        &opts.limits,
+    )))
 }
 
 pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use super::bootstrap::{Options, Plan};
 use super::client::{ApplyMode, Mode, NodeClient};
-use super::upgrade::{Wanted, kube_ready, running};
+use super::upgrade::{Record, Wanted, kube_ready, running};
 use crate::inventory::Role;
 
 /// One node's row.
@@ -20,6 +20,9 @@ pub struct NodeStatus {
     pub wanted_version: String,
     pub schematic: Option<String>,
     pub wanted_schematic: String,
+    /// Whether the running schematic is the wanted one (base, or the node's
+    /// own with META before its first upgrade).
+    pub schematic_in_sync: bool,
     /// None when the node could not be asked.
     pub config_in_sync: Option<bool>,
     /// Control planes only: whether etcd lists it as a member.
@@ -54,7 +57,7 @@ impl NodeStatus {
         if self.version.as_deref() != Some(self.wanted_version.as_str()) {
             out.push(d("version", "imgbuild upgrade"));
         }
-        if self.schematic.as_deref() != Some(self.wanted_schematic.as_str()) {
+        if !self.schematic_in_sync {
             out.push(d("schematic", "imgbuild upgrade"));
         }
         if self.config_in_sync == Some(false) {
@@ -68,6 +71,7 @@ impl NodeStatus {
 pub async fn collect(
     plan: &Plan,
     wanted: &BTreeMap<String, Wanted>,
+    record: &Record,
     opts: &Options,
 ) -> Vec<NodeStatus> {
     let mode = Mode::Mtls(plan.identity.clone());
@@ -76,7 +80,8 @@ pub async fn collect(
     let mut rows = Vec::new();
     for node in &plan.nodes {
         let want = &wanted[&node.name];
-        let now = running(plan, node, opts).await;
+        let now = running(plan, node, record, opts).await;
+        let schematic_ok = now.schematic_is(want);
         let mut row = NodeStatus {
             node: node.name.clone(),
             role: if node.role == Role::Controlplane {
@@ -90,6 +95,7 @@ pub async fn collect(
             wanted_version: want.version.clone(),
             schematic: now.schematic,
             wanted_schematic: want.schematic.clone(),
+            schematic_in_sync: schematic_ok,
             config_in_sync: None,
             etcd_member: None,
             ready: ready
@@ -140,6 +146,7 @@ mod tests {
             wanted_version: "v1.11.2".into(),
             schematic: Some("a".into()),
             wanted_schematic: "a".into(),
+            schematic_in_sync: true,
             config_in_sync: Some(true),
             etcd_member: Some(true),
             ready: Some(true),
@@ -162,7 +169,7 @@ mod tests {
             ]
         );
         let mut r = row();
-        r.schematic = None;
+        r.schematic_in_sync = false;
         assert_eq!(r.drift()[0].what, "schematic");
         r.reachable = false;
         assert_eq!(r.drift()[0].what, "unreachable");

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::bootstrap::{Options, Plan, PlannedNode};
@@ -21,6 +22,10 @@ pub struct Wanted {
     pub installer: String,
     /// The base schematic ID (without META) the installer installs.
     pub schematic: String,
+    /// The node's own schematic (with META): a factory-route node reports
+    /// it until its first upgrade on the base installer, and runs what the
+    /// inventory asks for all the same.
+    pub own_schematic: String,
 }
 
 /// Every node's target, computed here without asking anyone: the
@@ -35,12 +40,14 @@ pub fn wanted(
         .map(|node| {
             let canonical = crate::schematic::base_for_node(inv, node).canonical()?;
             let id = crate::schematic::id_of(&canonical);
+            let own = crate::schematic::id_of(&crate::schematic::for_node(inv, node).canonical()?);
             Ok((
                 node.name.clone(),
                 Wanted {
                     version: version.clone(),
                     installer: crate::factory::installer_of(inv, &id),
                     schematic: id.to_string(),
+                    own_schematic: own.to_string(),
                 },
             ))
         })
@@ -59,8 +66,59 @@ pub struct Running {
 impl Running {
     /// Whether the node runs `wanted` already.
     pub fn is(&self, wanted: &Wanted) -> bool {
-        self.version.as_deref() == Some(wanted.version.as_str())
-            && self.schematic.as_deref() == Some(wanted.schematic.as_str())
+        self.version.as_deref() == Some(wanted.version.as_str()) && self.schematic_is(wanted)
+    }
+
+    /// Whether the node runs the wanted schematic (the base one, or its
+    /// own with META, as a factory-route node does before any upgrade).
+    pub fn schematic_is(&self, wanted: &Wanted) -> bool {
+        self.schematic
+            .as_deref()
+            .is_some_and(|s| s == wanted.schematic || s == wanted.own_schematic)
+    }
+}
+
+/// What `upgrade` installed on each node, kept in the state dir
+/// (`upgrades.json`, by node): the running schematic for nodes that cannot
+/// report theirs (an image without the factory's `schematic` extension).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Record {
+    pub nodes: BTreeMap<String, Installed>,
+}
+
+/// One node's entry in the [`Record`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Installed {
+    pub version: String,
+    pub schematic: String,
+    pub installer: String,
+}
+
+impl Record {
+    /// The record at `path`; an absent or unreadable one is empty (it is a
+    /// fallback, never the only source).
+    pub fn load(path: &Path) -> Record {
+        std::fs::read(path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    /// Writes the record atomically (0600, beside the secrets).
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        crate::atomic::write_if_changed(path, &text, true).map(|_| ())
+    }
+
+    /// Fills in `running`'s schematic from the record when the node did not
+    /// report one and runs the version the record says it installed.
+    pub fn fill(&self, node: &str, running: &mut Running) {
+        if running.schematic.is_none()
+            && let Some(i) = self.nodes.get(node)
+            && running.version.as_deref() == Some(i.version.as_str())
+        {
+            running.schematic = Some(i.schematic.clone());
+        }
     }
 }
 
@@ -77,10 +135,13 @@ pub struct Outcome {
     pub untouched: Vec<String>,
     /// What each selected node runs at the end, by node.
     pub versions: BTreeMap<String, Option<String>>,
+    /// The state dir's record could not be written.
+    pub record_error: Option<String>,
 }
 
-/// Reads what `node` runs, straight from its API over mTLS.
-pub async fn running(plan: &Plan, node: &PlannedNode, opts: &Options) -> Running {
+/// Reads what `node` runs, straight from its API over mTLS (the schematic
+/// from `record` where the node cannot tell).
+pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Options) -> Running {
     let mode = Mode::Mtls(plan.identity.clone());
     let conn = match NodeClient::connect(&node.target, &mode, opts.call_timeout).await {
         Ok(c) => c,
@@ -100,6 +161,7 @@ pub async fn running(plan: &Plan, node: &PlannedNode, opts: &Options) -> Running
         Ok(s) => out.schematic = s,
         Err(e) => out.error = Some(format!("extension status: {e}")),
     }
+    record.fill(&node.name, &mut out);
     out
 }
 
@@ -269,13 +331,11 @@ async fn upgrade_one(
             wanted.version
         ));
     }
+    // A node without the factory's `schematic` extension cannot say; the
+    // installer it booted is then the record's word.
     let schematic = conn.running_schematic().await.map_err(|e| e.to_string())?;
-    if schematic.as_deref() != Some(wanted.schematic.as_str()) {
-        return Err(format!(
-            "runs schematic {}, not {}",
-            schematic.as_deref().unwrap_or("(none)"),
-            wanted.schematic
-        ));
+    if let Some(s) = schematic.filter(|s| *s != wanted.schematic) {
+        return Err(format!("runs schematic {s}, not {}", wanted.schematic));
     }
     conn.apply_mode(node.config.clone(), ApplyMode::NoReboot, false)
         .await
@@ -293,14 +353,16 @@ pub async fn run(
     wanted: &BTreeMap<String, Wanted>,
     select: &[String],
     parallel: usize,
+    record_path: &Path,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
 ) -> Outcome {
+    let mut record = Record::load(record_path);
     let mut outcome = Outcome::default();
     let order = ordered(plan, select);
     let mut todo = Vec::new();
     for node in &order {
-        let now = running(plan, node, opts).await;
+        let now = running(plan, node, &record, opts).await;
         if now.is(&wanted[&node.name]) {
             outcome.unchanged.push(node.name.clone());
         } else {
@@ -321,7 +383,21 @@ pub async fn run(
         .await;
         for (n, r) in batch.iter().zip(results) {
             match r {
-                Ok(()) => outcome.upgraded.push(n.name.clone()),
+                Ok(()) => {
+                    let w = &wanted[&n.name];
+                    record.nodes.insert(
+                        n.name.clone(),
+                        Installed {
+                            version: w.version.clone(),
+                            schematic: w.schematic.clone(),
+                            installer: w.installer.clone(),
+                        },
+                    );
+                    if let Err(e) = record.save(record_path) {
+                        outcome.record_error = Some(format!("{}: {e}", record_path.display()));
+                    }
+                    outcome.upgraded.push(n.name.clone());
+                }
                 Err(e) if outcome.failed.is_none() => {
                     outcome.failed = Some((n.name.clone(), e));
                 }
@@ -336,9 +412,84 @@ pub async fn run(
         .untouched
         .extend(rest.flatten().map(|n| n.name.clone()));
     for node in &order {
-        outcome
-            .versions
-            .insert(node.name.clone(), running(plan, node, opts).await.version);
+        outcome.versions.insert(
+            node.name.clone(),
+            running(plan, node, &record, opts).await.version,
+        );
     }
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wanted() -> Wanted {
+        Wanted {
+            version: "v1.11.5".into(),
+            installer: "f/metal-installer/b:v1.11.5".into(),
+            schematic: "b".into(),
+            own_schematic: "o".into(),
+        }
+    }
+
+    #[test]
+    fn a_node_is_done_on_the_target_version_and_either_schematic() {
+        let run = |v: &str, s: Option<&str>| Running {
+            version: Some(v.into()),
+            schematic: s.map(str::to_owned),
+            error: None,
+        };
+        assert!(run("v1.11.5", Some("b")).is(&wanted()));
+        assert!(run("v1.11.5", Some("o")).is(&wanted()));
+        assert!(!run("v1.11.2", Some("b")).is(&wanted()));
+        assert!(!run("v1.11.5", Some("x")).is(&wanted()));
+        assert!(!run("v1.11.5", None).is(&wanted()));
+    }
+
+    #[test]
+    fn the_record_answers_only_for_nodes_that_cannot_and_run_its_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upgrades.json");
+        assert_eq!(Record::load(&path), Record::default());
+        let mut record = Record::default();
+        record.nodes.insert(
+            "w1".into(),
+            Installed {
+                version: "v1.11.5".into(),
+                schematic: "b".into(),
+                installer: "f/metal-installer/b:v1.11.5".into(),
+            },
+        );
+        record.save(&path).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        let record = Record::load(&path);
+        let mut silent = Running {
+            version: Some("v1.11.5".into()),
+            ..Running::default()
+        };
+        record.fill("w1", &mut silent);
+        assert_eq!(silent.schematic.as_deref(), Some("b"));
+        let mut older = Running {
+            version: Some("v1.11.2".into()),
+            ..Running::default()
+        };
+        record.fill("w1", &mut older);
+        assert_eq!(older.schematic, None, "the record is about another version");
+        let mut speaks = Running {
+            version: Some("v1.11.5".into()),
+            schematic: Some("x".into()),
+            error: None,
+        };
+        record.fill("w1", &mut speaks);
+        assert_eq!(
+            speaks.schematic.as_deref(),
+            Some("x"),
+            "the node's own word wins"
+        );
+    }
 }
