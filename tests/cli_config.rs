@@ -263,8 +263,12 @@ fn a_bundle_from_a_newer_talosctl_imports_with_a_warning_naming_its_new_fields()
     );
 }
 
+/// talosctl in FIPS mode makes an ECDSA OS CA; `--from-kubernetes-pki`
+/// takes kubeadm's CAs, RSA by default. A bundle with both imports, and
+/// the cluster comes up: the simulated nodes serve mTLS from the ECDSA CA
+/// and hand out a kubeconfig issued by the RSA one.
 #[test]
-fn a_fips_bundle_with_an_ecdsa_os_ca_bootstraps_a_cluster() {
+fn a_bundle_with_an_ecdsa_os_ca_and_rsa_kubernetes_cas_bootstraps_a_cluster() {
     use base64::Engine;
     use imgbuild::talos::pki::{self, KeyKind};
     let net = net(3);
@@ -272,12 +276,14 @@ fn a_fips_bundle_with_an_ecdsa_os_ca_bootstraps_a_cluster() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (_, bundle) = generated_bundle(d);
-    // talosctl in FIPS mode: the OS CA is ECDSA P-256.
     let mut doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&bundle).unwrap();
-    let ca = pki::new_ca(KeyKind::EcdsaP256, "talos", None, 1).unwrap();
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
-    doc["certs"]["os"]["crt"] = b64(&ca.crt).into();
-    doc["certs"]["os"]["key"] = b64(&ca.key).into();
+    let os = pki::new_ca(KeyKind::EcdsaP256, "talos", None, 1).unwrap();
+    let kube = pki::new_ca(KeyKind::Rsa, "kubernetes", None, 1).unwrap();
+    for (field, ca) in [("os", &os), ("k8s", &kube), ("etcd", &kube)] {
+        doc["certs"][field]["crt"] = b64(&ca.crt).into();
+        doc["certs"][field]["key"] = b64(&ca.key).into();
+    }
     let file = d.join("fips.yaml");
     std::fs::write(&file, serde_yaml_ng::to_string(&doc).unwrap()).unwrap();
     std::fs::write(d.join("cluster.yaml"), inventory(&net, "")).unwrap();
@@ -289,7 +295,12 @@ fn a_fips_bundle_with_an_ecdsa_os_ca_bootstraps_a_cluster() {
     assert!(out.status.success(), "{}", text(&out.stderr));
 
     let out = run(d, &["--output", "json", "up"], &[]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
     assert_eq!(json(&out)["healthy"], true);
     assert_eq!(sim.stats()["totals"]["configured"], 2);
     // The admin identity the run used is ECDSA, issued by that CA.
@@ -303,5 +314,20 @@ fn a_fips_bundle_with_an_ecdsa_os_ca_bootstraps_a_cluster() {
     assert_eq!(
         pki::key_kind(&String::from_utf8(key).unwrap()).unwrap(),
         KeyKind::EcdsaP256
+    );
+    // The kubeconfig's identity comes from the RSA Kubernetes CA.
+    let kubeconfig: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(d.join("state/kubeconfig")).unwrap())
+            .unwrap();
+    let key = base64::engine::general_purpose::STANDARD
+        .decode(
+            kubeconfig["users"][0]["user"]["client-key-data"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+    assert_eq!(
+        pki::key_kind(&String::from_utf8(key).unwrap()).unwrap(),
+        KeyKind::Rsa
     );
 }

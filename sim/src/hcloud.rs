@@ -45,8 +45,9 @@
 //! /dev/sda` empties the disk file, `dd of=/dev/sda …` writes it (fails with
 //! `--dd-fails`). sshd stops on poweroff, shutdown, delete and exit; a
 //! rescue boot is for the next boot only (poweroff clears `rescue_enabled`).
-//! (Logging in as root needs the simulator to run as root, as it does in
-//! CI; otherwise sshd lets in only the user running it.)
+//! (Logging in as root needs the simulator to run as root; otherwise sshd
+//! lets in only the user running it, which is how the tests run without
+//! root: imgbuild's hidden `--rescue-ssh-user` and `--rescue-ssh-port`.)
 //! `create_image` copies the disk to `DIR/images/<id>.raw` when asked; the
 //! snapshot is `creating` until the action succeeds, then `available`.
 //!

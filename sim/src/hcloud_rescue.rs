@@ -19,7 +19,8 @@ pub struct Spec {
     pub disk: PathBuf,
     /// The server's own loopback address (its `public_net.ipv4.ip`).
     pub ip: Ipv4Addr,
-    /// 22, or a free port when 22 is not ours to take.
+    /// `--rescue-ssh-port`, else 22, or a free port when 22 is not ours
+    /// to take.
     pub port: u16,
     /// OpenSSH public key lines allowed to log in as root.
     pub keys: Vec<String>,

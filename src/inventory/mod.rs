@@ -264,21 +264,11 @@ pub fn is_http_url(url: &str) -> bool {
         && url.split("://").nth(1).is_some_and(|rest| !rest.is_empty())
 }
 
-/// Whether Talos `version` (`v1.6.3`, `1.10.0-alpha.1`) is at least `min`.
+/// Whether Talos `version` (`v1.6.3`, `v1.10.0-alpha.1`) is at least `min`.
 /// A version that does not parse counts as the latest, as the factory's
 /// `pkg/quirks` assumes; a pre-release counts as its release.
-pub fn talos_at_least(version: &str, min: (u64, u64, u64)) -> bool {
-    let mut parts = version.trim_start_matches('v').splitn(3, '.');
-    let mut number = || {
-        parts.next().and_then(|s| {
-            let digits: String = s.chars().take_while(char::is_ascii_digit).collect();
-            digits.parse::<u64>().ok()
-        })
-    };
-    match (number(), number(), number()) {
-        (Some(major), Some(minor), patch) => (major, minor, patch.unwrap_or(0)) >= min,
-        _ => true,
-    }
+pub fn talos_at_least(version: &str, min: (u32, u32, u32)) -> bool {
+    parse_version(version, false).is_none_or(|v| v >= min)
 }
 
 fn list(problems: &[Problem]) -> String {

@@ -247,10 +247,11 @@ pub(crate) async fn kube_ready(plan: &Plan, opts: &Options) -> Result<Vec<(Strin
         .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
     let kc = super::kube::Kubeconfig::parse(&text).map_err(|e| e.to_string())?;
     let timeout = opts.call_timeout;
-    tokio::task::spawn_blocking(move || kc.node_readiness(timeout))
+    let nodes = tokio::task::spawn_blocking(move || kc.node_readiness(timeout))
         .await
         .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(nodes.into_iter().map(|n| (n.name, n.ready)).collect())
 }
 
 /// Waits until [`unhealthy`] has nothing to say, at most `opts.health_timeout`.

@@ -324,10 +324,6 @@ pub fn delete_cluster(
     cluster: &str,
     opts: &SnapshotOptions,
 ) -> (Vec<Deleted>, Vec<Leftover>) {
-    struct Quiet;
-    impl super::Observer for Quiet {
-        fn event(&self, _: &super::Event) {}
-    }
     let mut deleted = Vec::new();
     let mut left = Vec::new();
     for r in delete_selected(
@@ -335,7 +331,7 @@ pub fn delete_cluster(
         &cluster_selector(cluster),
         None,
         opts,
-        &Quiet,
+        &super::Quiet,
         &["server"],
     ) {
         match r {
