@@ -2,10 +2,11 @@
 //! (pure Rust: no protoc on the build machine); with the `server-api`
 //! feature (the node simulator's) also into server traits.
 
-const PROTOS: [&str; 3] = [
+const PROTOS: [&str; 4] = [
     "machine/machine.proto",
     "storage/storage.proto",
     "common/common.proto",
+    "cosi/state.proto",
 ];
 
 // Cargo reads a build script's directives from its stdout.

@@ -86,6 +86,8 @@ use api::storage::storage_service_server::{StorageService, StorageServiceServer}
 use api::storage::{Disk, Disks, DisksResponse};
 use imgbuild::talos::api;
 
+mod day2;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// NAME=IP:ROLE (role controlplane or worker), one per node; IPs
@@ -120,6 +122,10 @@ pub struct Args {
     /// Milliseconds port 50000 stays closed with `reboot-after-apply`.
     #[arg(long, default_value_t = 2000)]
     reboot_delay: u64,
+    /// Milliseconds from an Upgrade's ack until the node goes down; it
+    /// then stays down `--reboot-delay`.
+    #[arg(long, default_value_t = 100)]
+    upgrade_delay: u64,
     /// Milliseconds the clock stays unsynchronised with `slow-time-sync`.
     #[arg(long, default_value_t = 2000)]
     time_sync_delay: u64,
@@ -145,6 +151,10 @@ struct Applied {
     api_sans: Vec<IpAddr>,
     /// The documents besides v1alpha1, as `Kind/name`.
     documents: Vec<String>,
+    /// The config as applied (dry runs diff against it).
+    raw: String,
+    /// `machine.install.image`: names the schematic it was installed from.
+    install_image: String,
     /// The config brings a pod network: the default flannel, a custom CNI's
     /// URLs, or manifests (taken to carry one, as for Cilium).
     cni: bool,
@@ -173,6 +183,7 @@ struct NodeState {
     halted: bool,
     /// Why the config it booted with (hcloud `user_data`) was refused.
     config_error: Option<String>,
+    day2: day2::Day2,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,6 +249,8 @@ impl Node {
                 cluster_name: "foreign".into(),
                 api_sans: Vec::new(),
                 documents: Vec::new(),
+                raw: String::new(),
+                install_image: String::new(),
                 cni: true,
             }));
             st.configured_at = Some(Instant::now());
@@ -315,6 +328,9 @@ struct Cluster {
     /// OS CA keys seen in control-plane configs, by certificate: a worker's
     /// config has no key, so (like trustd) its certificate comes from here.
     ca_keys: Mutex<HashMap<String, String>>,
+    started: Instant,
+    /// Every acked Upgrade: node, image, when it went down and came back.
+    events: Mutex<Vec<Value>>,
     /// Each control plane's API server certificate, by node and Kubernetes
     /// CA certificate: made once, as a kube-apiserver keeps its own (an RSA
     /// CA's leaf takes seconds to make).
@@ -616,6 +632,11 @@ fn read_config(data: &[u8]) -> Result<Applied, Status> {
             .to_owned(),
         api_sans,
         documents,
+        raw: String::from_utf8_lossy(data).into_owned(),
+        install_image: doc["machine"]["install"]["image"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
         cni,
     })
 }
@@ -642,6 +663,8 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         nodes: RwLock::new(nodes),
         boot: Mutex::new(None),
         ca_keys: Mutex::new(HashMap::new()),
+        started: Instant::now(),
+        events: Mutex::new(Vec::new()),
         apiserver_tls: Mutex::new(HashMap::new()),
     }))
 }
@@ -680,6 +703,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/stats", get(stats))
         .route("/_sim/boot", post(boot))
         .route("/_sim/halt", post(halt))
+        .route("/_sim/installer", post(day2::installer_switch))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())
@@ -692,7 +716,14 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
     let nodes: serde_json::Map<String, Value> = cluster
         .all()
         .iter()
-        .map(|n| {
+        .enumerate()
+        .map(|(i, n)| {
+            let api = Api {
+                cluster: cluster.clone(),
+                me: i,
+                secure: true,
+            };
+            let (version, schematic) = (api.version_tag(i), api.schematic_on(i));
             let phase = n.phase(now);
             let name = n.display_name();
             let st = n.st.lock().unwrap();
@@ -711,6 +742,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
             v["config_error"] = json!(st.config_error);
             v["halted"] = json!(st.halted);
             v["documents"] = json!(st.applied.as_ref().map(|a| &a.documents));
+            v["day2"] = day2::stats_of(&st.day2, version, schematic);
             (name, v)
         })
         .collect();
@@ -722,6 +754,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
     axum::Json(json!({
         "nodes": nodes,
         "bootstrapped": cluster.boot.lock().unwrap().is_some(),
+        "upgrades": *cluster.events.lock().unwrap(),
         "totals": totals,
     }))
 }
@@ -790,6 +823,7 @@ async fn boot(
             st.applied = old.applied.clone();
             st.configured_at = old.configured_at;
             st.stats = old.stats.clone();
+            st.day2 = old.day2.clone();
         }
         if let Some(config) = &req.config {
             match read_config(config.as_bytes()) {
@@ -1028,7 +1062,8 @@ async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
         secure,
     };
     let routes = tonic::service::Routes::new(MachineServiceServer::new(api.clone()))
-        .add_service(StorageServiceServer::new(api))
+        .add_service(StorageServiceServer::new(api.clone()))
+        .add_service(api::cosi::resource::state_server::StateServer::new(api))
         .prepare();
     let conn = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
         .http2_only()
@@ -1043,7 +1078,8 @@ async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
             if changes.changed().await.is_err() {
                 std::future::pending::<()>().await;
             }
-            if node.halted() || (!secure && node.phase(Instant::now()) != Phase::Maintenance) {
+            let phase = node.phase(Instant::now());
+            if node.halted() || phase == Phase::Down || (!secure && phase != Phase::Maintenance) {
                 return;
             }
         }
@@ -1097,7 +1133,9 @@ envelopes!(
     Bootstrap,
     ApplyConfiguration,
     Disks,
-    Data
+    Data,
+    Upgrade,
+    MetaWrite
 );
 
 impl Api {
@@ -1212,9 +1250,7 @@ impl Api {
             st.stats.applies += 1;
             st.applied = Some(Arc::new(applied));
             st.mtls = None;
-            if self.secure {
-                details = "Applied configuration without a reboot".to_owned();
-            } else if node.has("never-leave-maintenance") {
+            if node.has("never-leave-maintenance") {
                 details = "Applied configuration".to_owned();
             } else if node.has("reboot-after-apply") {
                 let down = now + ms(100);
@@ -1422,11 +1458,11 @@ impl Api {
         }
     }
 
-    fn version_on(&self) -> Version {
+    fn version_on(&self, i: usize) -> Version {
         Version {
             metadata: None,
             version: Some(VersionInfo {
-                tag: self.cluster.args.talos_version.clone(),
+                tag: self.version_tag(i),
                 sha: "imgbuild-sim".into(),
                 built: String::new(),
                 go_version: String::new(),
@@ -1469,8 +1505,7 @@ impl MachineService for Api {
     ) -> Result<Response<ApplyConfigurationResponse>, Status> {
         let mode = ApplyMode::try_from(req.get_ref().mode).unwrap_or(ApplyMode::Reboot);
         let messages = if self.secure {
-            let data = &req.get_ref().data;
-            self.answer(&req, |i| Ok(vec![self.apply_on(i, data)?]))?
+            self.answer(&req, |i| Ok(vec![self.apply_configured(i, req.get_ref())?]))?
         } else if matches!(mode, ApplyMode::Auto | ApplyMode::Reboot | ApplyMode::Try) {
             vec![self.apply_on(self.me, &req.get_ref().data)?]
         } else {
@@ -1530,8 +1565,22 @@ impl MachineService for Api {
                 .stats
                 .maintenance_version_calls += 1;
         }
-        let messages = self.answer(&req, |_| Ok(vec![self.version_on()]))?;
+        let messages = self.answer(&req, |i| Ok(vec![self.version_on(i)]))?;
         Ok(Response::new(VersionResponse { messages }))
+    }
+
+    async fn upgrade(
+        &self,
+        req: Request<UpgradeRequest>,
+    ) -> Result<Response<UpgradeResponse>, Status> {
+        self.upgrade_call(req).await
+    }
+
+    async fn meta_write(
+        &self,
+        req: Request<MetaWriteRequest>,
+    ) -> Result<Response<MetaWriteResponse>, Status> {
+        self.meta_write_call(req)
     }
 }
 

@@ -22,6 +22,7 @@ macro_rules! out {
 mod board;
 mod boot;
 mod build;
+mod day2;
 mod hcloud;
 mod image;
 mod import;
@@ -120,6 +121,13 @@ enum Command {
     Talosconfig(talos::TalosconfigArgs),
     /// Apply configs, bootstrap etcd once, wait until the cluster is healthy.
     Bootstrap(talos::BootstrapArgs),
+    /// Move running nodes to the inventory's Talos version, keeping each
+    /// node's schematic (control planes one at a time, then workers).
+    Upgrade(day2::UpgradeArgs),
+    /// Push config changes to running nodes (each node's diff first).
+    Apply(day2::ApplyArgs),
+    /// One row per node: version, schematic and config against the inventory.
+    Status(day2::StatusArgs),
     /// Build what is missing, then publish every node's image (Proxmox VE
     /// storage and VMs, or Hetzner Cloud snapshots).
     Publish(publish::PublishArgs),
@@ -277,6 +285,9 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Config(args) => talos::machine_config(args, &cli.config, cli.output),
         Command::Talosconfig(args) => talos::talosconfig(args, &cli.config, cli.output),
         Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
+        Command::Upgrade(args) => day2::upgrade(args, &cli.config, cli.output),
+        Command::Apply(args) => day2::apply(args, &cli.config, cli.output),
+        Command::Status(args) => day2::status(args, &cli.config, cli.output),
         Command::Publish(args) => publish::run(args, &cli.config, cli.output),
         Command::Cleanup(args) => hcloud::cleanup(args, cli.output),
         Command::Down(args) => hcloud::down(args, &cli.config, cli.output),

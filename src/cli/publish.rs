@@ -21,6 +21,8 @@ pub struct PublishArgs {
     /// Nodes to publish (all when none are given).
     nodes: Vec<String>,
     /// Give a VM that boots an older image the new disk (stop, swap, start).
+    /// This wipes the node: for images that are really broken. A running
+    /// node moves to a new version or schematic with `imgbuild upgrade`.
     #[arg(long)]
     replace_disk: bool,
     /// How often server-side tasks are polled, in milliseconds.
@@ -75,7 +77,7 @@ pub(super) fn step(e: &Event) -> String {
         Event::VmCreated { vmid } => format!("VM {vmid} created"),
         Event::VmUnchanged { vmid } => format!("VM {vmid} already boots this image"),
         Event::VmOutdated { vmid, running } => format!(
-            "VM {vmid} boots {running}, not this image: left as it is (--replace-disk swaps it)"
+            "VM {vmid} boots {running}, not this image: left as it is (`imgbuild upgrade` moves the running node; --replace-disk wipes it)"
         ),
         Event::DiskReplaced { vmid } => format!("VM {vmid} got the new disk"),
         Event::VmStarted { vmid } => format!("VM {vmid} started"),

@@ -83,6 +83,21 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
     {
         return Err(Usage(format!("{}: {e:#}", config.display())).into());
     }
+    // A healthy cluster may still run other versions, schematics or configs
+    // than the inventory asks for: the same rows as `imgbuild status`.
+    let drift = if report.stopped.is_none() && report.healthy && !args.dry_run {
+        match super::day2::drift(&inv, &opts.bootstrap) {
+            Ok(d) => d,
+            Err(e) => {
+                if output == Output::Text {
+                    eprintln!("warning: drift not checked: {e:#}");
+                }
+                Vec::new()
+            }
+        }
+    } else {
+        Vec::new()
+    };
     match output {
         Output::Json => {
             let mut doc = serde_json::to_value(&report)?;
@@ -90,9 +105,13 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
                 doc["failedStage"] = serde_json::json!(stage);
                 doc["error"] = serde_json::json!(up::chain(e));
             }
+            doc["drift"] = serde_json::json!(drift);
             outln!("{doc}");
         }
-        Output::Text => print_report(&report),
+        Output::Text => {
+            print_report(&report);
+            super::day2::print_drift(&drift);
+        }
     }
     match &report.stopped {
         None if report.partial() => Err(Partial(format!(
@@ -105,6 +124,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
                 .unwrap_or_default()
         ))
         .into()),
+        None if !drift.is_empty() => Err(Partial(super::day2::drift_summary(&drift)).into()),
         None => Ok(()),
         Some((_, e)) if report.partial() => Err(Partial(e.to_string()).into()),
         Some((_, e)) => Err(Reported(up::chain(e)).into()),

@@ -19,3 +19,10 @@ pub mod machine {
 pub mod storage {
     tonic::include_proto!("storage");
 }
+
+/// The COSI State API (`talosctl get`): resources such as extension statuses.
+pub mod cosi {
+    pub mod resource {
+        tonic::include_proto!("cosi.resource");
+    }
+}

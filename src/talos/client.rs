@@ -18,11 +18,11 @@ use tokio::net::TcpStream;
 use tonic::transport::{Channel, Endpoint};
 
 use super::api::common::{Data, Metadata};
-use super::api::machine::apply_configuration_request::Mode as ApplyMode;
+pub use super::api::machine::apply_configuration_request::Mode as ApplyMode;
 use super::api::machine::machine_service_client::MachineServiceClient;
 use super::api::machine::{
     ApplyConfiguration, ApplyConfigurationRequest, Bootstrap, BootstrapRequest, EtcdMember,
-    EtcdMemberListRequest, EtcdMembers, ServiceInfo, ServiceList, Version,
+    EtcdMemberListRequest, EtcdMembers, ServiceInfo, ServiceList, Upgrade, UpgradeRequest, Version,
 };
 use super::api::storage::Disks;
 use super::api::storage::storage_service_client::StorageServiceClient;
@@ -154,7 +154,8 @@ replies!(
     Bootstrap,
     ApplyConfiguration,
     Disks,
-    Data
+    Data,
+    Upgrade
 );
 
 /// What a TLS handshake without a client certificate revealed.
@@ -422,6 +423,87 @@ impl NodeClient {
             .join("; "))
     }
 
+    /// Applies `config` in `mode`, or with `dry_run` only asks for the
+    /// node's summary and config diff; returns the node's mode details.
+    pub async fn apply_mode(
+        &self,
+        config: Vec<u8>,
+        mode: ApplyMode,
+        dry_run: bool,
+    ) -> Result<String, ApiError> {
+        let req = ApplyConfigurationRequest {
+            data: config,
+            mode: mode as i32,
+            dry_run,
+            try_mode_timeout: None,
+        };
+        let reply = self
+            .call(self.machine().apply_configuration(self.request(req)))
+            .await?;
+        self.check(&reply.messages)?;
+        Ok(reply
+            .messages
+            .into_iter()
+            .map(|m| m.mode_details)
+            .collect::<Vec<_>>()
+            .join("; "))
+    }
+
+    /// `MachineService.Upgrade{image, preserve: true}`; returns the ack.
+    /// The only place imgbuild asks for an upgrade: the call is deprecated
+    /// from Talos 1.13 (LifecycleService; removal planned for 1.18), and
+    /// this is where the newer API will replace it.
+    pub async fn upgrade(&self, image: &str) -> Result<String, ApiError> {
+        let req = UpgradeRequest {
+            image: image.to_owned(),
+            preserve: true,
+            ..UpgradeRequest::default()
+        };
+        let reply = self.call(self.machine().upgrade(self.request(req))).await?;
+        self.check(&reply.messages)?;
+        Ok(reply
+            .messages
+            .into_iter()
+            .map(|m| m.ack)
+            .collect::<Vec<_>>()
+            .join("; "))
+    }
+
+    /// The schematic the node runs: the version of the extension named
+    /// `schematic` the factory puts into its images (siderolabs/image-factory
+    /// `pkg/constants/constants.go`), read as `talosctl get extensions` does,
+    /// through the COSI State API (`ExtensionStatuses.runtime.talos.dev` in
+    /// namespace `runtime`, siderolabs/talos
+    /// `pkg/machinery/resources/runtime/extension_status.go`). None when the
+    /// node runs an image without one.
+    pub async fn running_schematic(&self) -> Result<Option<String>, ApiError> {
+        use super::api::cosi::resource::ListRequest;
+        use super::api::cosi::resource::state_client::StateClient;
+        let req = ListRequest {
+            namespace: "runtime".into(),
+            r#type: "ExtensionStatuses.runtime.talos.dev".into(),
+            options: None,
+        };
+        let mut state = StateClient::new(self.channel.clone());
+        let mut stream = self.call(state.list(self.request(req))).await?;
+        loop {
+            match stream.message().await {
+                Ok(Some(item)) => {
+                    let yaml = item
+                        .resource
+                        .and_then(|r| r.spec)
+                        .map(|s| s.yaml_spec)
+                        .unwrap_or_default();
+                    if let Some(id) = schematic_extension_version(&yaml) {
+                        return Ok(Some(id));
+                    }
+                }
+                Ok(None) => return Ok(None),
+                Err(s) => return Err(self.fail(s).await),
+            }
+        }
+    }
+
     /// Asks the node to bootstrap etcd.
     pub async fn bootstrap(&self) -> Result<(), ApiError> {
         let reply = self
@@ -622,8 +704,36 @@ fn status_error(s: &tonic::Status, timeout: Duration) -> ApiError {
     }
 }
 
+/// The version of an extension status spec (`extensions.Layer` as YAML)
+/// whose `metadata.name` is `schematic`.
+fn schematic_extension_version(yaml: &str) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Layer {
+        metadata: LayerMeta,
+    }
+    #[derive(serde::Deserialize)]
+    struct LayerMeta {
+        name: String,
+        version: String,
+    }
+    let layer: Layer = serde_yaml_ng::from_str(yaml).ok()?;
+    (layer.metadata.name == "schematic").then_some(layer.metadata.version)
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_schematic_comes_from_the_extension_named_schematic() {
+        let id = "ab".repeat(32);
+        let spec =
+            format!("image: schematic.sqsh\nmetadata:\n    name: schematic\n    version: {id}\n");
+        assert_eq!(schematic_extension_version(&spec), Some(id));
+        let other = "image: x.sqsh\nmetadata:\n    name: qemu-guest-agent\n    version: 9.2.0\n";
+        assert_eq!(schematic_extension_version(other), None);
+        assert_eq!(schematic_extension_version("not: [yaml"), None);
+    }
+
     use super::*;
 
     #[test]

@@ -2,6 +2,7 @@
 //! state machine that takes nodes from maintenance mode to a healthy cluster.
 
 pub mod api;
+pub mod apply;
 pub mod bootstrap;
 pub mod client;
 pub mod config;
@@ -9,4 +10,6 @@ pub mod kube;
 pub mod pki;
 pub mod secrets;
 pub mod stage;
+pub mod status;
 pub mod talosconfig;
+pub mod upgrade;

@@ -1,0 +1,413 @@
+//! End to end: `imgbuild upgrade` against the node and factory simulators:
+//! 3 control planes and 2 workers bootstrapped at v1.11.2, the inventory
+//! moved to v1.11.5.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+mod common;
+use common::sims::{Nodes, Sim};
+use common::{root, text};
+
+const NODES: [(&str, u8, &str); 5] = [
+    ("cp-01", 11, "controlplane"),
+    ("cp-02", 12, "controlplane"),
+    ("cp-03", 13, "controlplane"),
+    ("worker-01", 21, "worker"),
+    ("worker-02", 22, "worker"),
+];
+
+fn net() -> String {
+    format!("127.{}.201", 100 + std::process::id() % 100)
+}
+
+fn inventory(net: &str, factory: &str, version: &str) -> String {
+    let mut s = format!(
+        "cluster:\n  name: sim\n  talosVersion: {version}\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.10:6443\n  vip: {net}.10\nimage:\n  factory: {factory}\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\nnodes:\n"
+    );
+    for (name, host, role) in NODES {
+        s += &format!("  - name: {name}\n    role: {role}\n    address: {net}.{host}\n");
+    }
+    s
+}
+
+const LIMITS: [&str; 10] = [
+    "--poll",
+    "100ms",
+    "--node-timeout",
+    "20s",
+    "--bootstrap-timeout",
+    "20s",
+    "--health-timeout",
+    "30s",
+    "--call-timeout",
+    "5s",
+];
+
+fn imgbuild(config: &Path, args: &[&str], limits: bool) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
+    cmd.arg("--config").arg(config).args(args);
+    if limits {
+        cmd.args(LIMITS);
+    }
+    cmd.current_dir(root())
+        .env_remove("IMGBUILD_CONFIG")
+        .env_remove("IMGBUILD_STATE_DIR")
+        .env_remove("IMGBUILD_FACTORY")
+        .env_remove("TALOSCONFIG")
+        .output()
+        .unwrap()
+}
+
+fn json_of(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): {}\nstderr: {}",
+            text(&o.stdout),
+            text(&o.stderr)
+        )
+    })
+}
+
+fn upgrades(nodes: &Nodes) -> Vec<u64> {
+    let stats = nodes.stats();
+    NODES
+        .iter()
+        .map(|(n, _, _)| stats["nodes"][n]["day2"]["upgrades"].as_u64().unwrap())
+        .collect()
+}
+
+fn post(url: &str, body: &str) {
+    let o = Command::new("curl")
+        .args(["-sf", "-X", "POST", "-H", "content-type: application/json"])
+        .args(["-d", body, url])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{url}: {}", text(&o.stderr));
+}
+
+#[test]
+fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
+    let factory = Sim::start_with(&[], 0, &["--versions", "v1.11.2,v1.11.5"]);
+    let net = net();
+    let mut args: Vec<String> = ["--reboot-delay", "300", "--upgrade-delay", "50", "--vip"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(format!("{net}.10"));
+    for (name, host, role) in NODES {
+        args.push("--node".into());
+        args.push(format!("{name}={net}.{host}:{role}"));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let nodes = Nodes::start(&args);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.yaml");
+
+    // A version the factory does not offer is refused before any node is
+    // contacted: the nodes are still in maintenance mode and nothing is
+    // written, not even the secrets.
+    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.9")).unwrap();
+    let o = imgbuild(&config, &["upgrade"], true);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("v1.11.9"), "{}", text(&o.stderr));
+    assert!(!dir.path().join(".talos").exists());
+    assert_eq!(nodes.stats()["totals"]["applies"], 0);
+
+    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.2")).unwrap();
+    let o = imgbuild(&config, &["--output", "json", "bootstrap"], true);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+
+    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.5")).unwrap();
+    // --dry-run: every node from → to, no Upgrade sent.
+    let o = imgbuild(&config, &["--output", "json", "upgrade", "--dry-run"], true);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let plan = json_of(&o);
+    let rows = plan["nodes"].as_array().unwrap();
+    assert_eq!(
+        rows.iter()
+            .map(|r| r["node"].as_str().unwrap())
+            .collect::<Vec<_>>(),
+        ["cp-01", "cp-02", "cp-03", "worker-01", "worker-02"]
+    );
+    for r in rows {
+        assert_eq!(r["from"]["version"], "v1.11.2", "{r}");
+        assert_eq!(r["to"]["version"], "v1.11.5", "{r}");
+        assert_eq!(r["upgrade"], true, "{r}");
+    }
+    assert_eq!(upgrades(&nodes), [0, 0, 0, 0, 0]);
+
+    // The base schematic the factory now knows: every installer names it.
+    let posted = Command::new("curl")
+        .args(["-sf", &format!("{}/_sim/schematics", factory.url)])
+        .output()
+        .unwrap();
+    let posted: serde_json::Value = serde_json::from_slice(&posted.stdout).unwrap();
+    let ids: Vec<&String> = posted.as_object().unwrap().keys().collect();
+    assert_eq!(
+        ids.len(),
+        1,
+        "one base schematic for nodes without own extensions: {posted}"
+    );
+    let host = factory
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches('/');
+    let installer = format!("{host}/metal-installer/{}:v1.11.5", ids[0]);
+    assert_eq!(rows[0]["to"]["installer"], installer.as_str());
+
+    // worker-01's installer fails after the ack.
+    post(
+        &format!("{}/_sim/installer", nodes.control),
+        r#"{"node":"worker-01","fail":true}"#,
+    );
+    let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
+    let run = json_of(&o);
+    assert_eq!(run["failed"]["node"], "worker-01", "{run}");
+    assert!(
+        run["failed"]["error"].as_str().unwrap().contains("v1.11.2"),
+        "{run}"
+    );
+    assert_eq!(
+        run["upgraded"],
+        serde_json::json!(["cp-01", "cp-02", "cp-03"])
+    );
+    assert_eq!(run["untouched"], serde_json::json!(["worker-02"]));
+    assert_eq!(upgrades(&nodes), [1, 1, 1, 1, 0]);
+    let stats = nodes.stats();
+    let events = stats["upgrades"].as_array().unwrap();
+    // Control planes first, one at a time: each is back before the next
+    // goes down, and all are back before any worker is asked.
+    for w in events.windows(2) {
+        assert!(
+            w[0]["up_ms"].as_u64() <= w[1]["down_ms"].as_u64(),
+            "two nodes down at once: {w:?}"
+        );
+    }
+    assert_eq!(
+        events
+            .iter()
+            .map(|e| e["node"].as_str().unwrap())
+            .collect::<Vec<_>>(),
+        ["cp-01", "cp-02", "cp-03", "worker-01"]
+    );
+    for (name, _, _) in NODES {
+        for image in stats["nodes"][name]["day2"]["installers"]
+            .as_array()
+            .unwrap()
+        {
+            assert_eq!(image, installer.as_str(), "{name}");
+        }
+    }
+    assert_eq!(stats["nodes"]["worker-01"]["day2"]["version"], "v1.11.2");
+    assert_eq!(stats["nodes"]["worker-02"]["day2"]["version"], "v1.11.2");
+
+    // The rerun upgrades only the nodes not yet done.
+    post(
+        &format!("{}/_sim/installer", nodes.control),
+        r#"{"node":"worker-01","fail":false}"#,
+    );
+    let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let run = json_of(&o);
+    assert_eq!(
+        run["upgraded"],
+        serde_json::json!(["worker-01", "worker-02"])
+    );
+    assert_eq!(upgrades(&nodes), [1, 1, 1, 2, 1]);
+    for (name, _, _) in NODES {
+        assert_eq!(run["versions"][name], "v1.11.5", "{run}");
+    }
+
+    // The state dir records what each node got (for nodes that cannot say).
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join(".talos/sim/upgrades.json")).unwrap(),
+    )
+    .unwrap();
+    for (name, _, _) in NODES {
+        assert_eq!(
+            record["nodes"][name]["installer"],
+            installer.as_str(),
+            "{record}"
+        );
+    }
+
+    // A further rerun sends nothing.
+    let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(json_of(&o)["upgraded"], serde_json::json!([]));
+    assert_eq!(upgrades(&nodes), [1, 1, 1, 2, 1]);
+
+    // After the upgrade every node's config is the rendered one.
+    let (v, code) = apply(&config, &["--dry-run"]);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(changed(&v), [false; 5], "{v}");
+    assert_eq!(status_check(&config), Some(0));
+
+    // A worker patch: shown on the two workers only, nothing applied.
+    std::fs::write(
+        dir.path().join("worker.yaml"),
+        "machine:\n  sysctls:\n    vm.max_map_count: \"262144\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &config,
+        inventory(&net, &factory.url, "v1.11.5") + "patches:\n  worker: [worker.yaml]\n",
+    )
+    .unwrap();
+    let applies_before = nodes.stats()["totals"]["applies"].as_u64().unwrap();
+    let (v, code) = apply(&config, &["--dry-run"]);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(changed(&v), [false, false, false, true, true], "{v}");
+    for n in &v["nodes"].as_array().unwrap()[3..] {
+        assert!(
+            n["diff"].as_str().unwrap().contains("vm.max_map_count"),
+            "{n}"
+        );
+        assert_eq!(n["applied"], false);
+    }
+    assert_eq!(nodes.stats()["totals"]["applies"], applies_before);
+    // status --check: config drift on the workers.
+    assert_eq!(status_check(&config), Some(1));
+
+    // apply changes exactly those two; a rerun applies nothing.
+    let (v, code) = apply(&config, &[]);
+    assert_eq!(code, Some(0), "{v}");
+    let applied: Vec<bool> = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["applied"] == true)
+        .collect();
+    assert_eq!(applied, [false, false, false, true, true], "{v}");
+    assert_eq!(
+        nodes.stats()["totals"]["applies"].as_u64().unwrap(),
+        applies_before + 2
+    );
+    let (v, _) = apply(&config, &[]);
+    assert_eq!(changed(&v), [false; 5], "{v}");
+    assert_eq!(
+        nodes.stats()["totals"]["applies"].as_u64().unwrap(),
+        applies_before + 2
+    );
+    assert_eq!(status_check(&config), Some(0));
+
+    // A version drift: the inventory moves on, status --check fails.
+    std::fs::write(
+        &config,
+        inventory(&net, &factory.url, "v1.11.6") + "patches:\n  worker: [worker.yaml]\n",
+    )
+    .unwrap();
+    let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
+    assert_eq!(o.status.code(), Some(1));
+    let drift = &json_of(&o)["drift"];
+    // Every node: its version, and its config (install.image names the new
+    // installer), each with the command that fixes it.
+    let drift: Vec<(&str, &str, &str)> = drift
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["node"].as_str().unwrap(),
+                d["what"].as_str().unwrap(),
+                d["fix"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    for (name, _, _) in NODES {
+        assert!(
+            drift.contains(&(name, "version", "imgbuild upgrade")),
+            "{drift:?}"
+        );
+        assert!(
+            drift.contains(&(name, "config", "imgbuild apply")),
+            "{drift:?}"
+        );
+    }
+    assert_eq!(drift.len(), 10, "{drift:?}");
+
+    // `up` no longer calls this cluster healthy: the same drift, exit 3.
+    let out_dir = dir.path().join("out");
+    let o = imgbuild(
+        &config,
+        &[
+            "--output",
+            "json",
+            "up",
+            "--quiet",
+            "--out-dir",
+            out_dir.to_str().unwrap(),
+        ],
+        true,
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
+    let up = json_of(&o);
+    assert_eq!(up["healthy"], true, "{up}");
+    let up_drift = up["drift"].as_array().unwrap();
+    assert_eq!(up_drift.len(), 10, "{up}");
+    for (name, _, _) in NODES {
+        assert!(
+            up_drift.iter().any(|d| d["node"] == name
+                && d["what"] == "version"
+                && d["fix"] == "imgbuild upgrade"),
+            "{up}"
+        );
+    }
+    let o = imgbuild(
+        &config,
+        &["up", "--quiet", "--out-dir", out_dir.to_str().unwrap()],
+        true,
+    );
+    assert_eq!(o.status.code(), Some(3));
+    assert!(
+        text(&o.stderr).contains("run imgbuild apply and imgbuild upgrade"),
+        "{}",
+        text(&o.stderr)
+    );
+
+    // A schematic drift: worker-02 gets an extension (a new base schematic).
+    let with_ext = inventory(&net, &factory.url, "v1.11.5").replace(
+        &format!("address: {net}.22\n"),
+        &format!("address: {net}.22\n    extensions: [siderolabs/qemu-guest-agent]\n"),
+    ) + "patches:\n  worker: [worker.yaml]\n";
+    std::fs::write(&config, with_ext).unwrap();
+    let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
+    assert_eq!(o.status.code(), Some(1));
+    let v = json_of(&o);
+    let whats: Vec<(&str, &str)> = v["drift"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["node"].as_str().unwrap(), d["what"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        whats,
+        [("worker-02", "schematic"), ("worker-02", "config")],
+        "{v}"
+    );
+}
+
+fn apply(config: &Path, extra: &[&str]) -> (serde_json::Value, Option<i32>) {
+    let mut args = vec!["--output", "json", "apply"];
+    args.extend_from_slice(extra);
+    let o = imgbuild(config, &args, true);
+    (json_of(&o), o.status.code())
+}
+
+fn changed(v: &serde_json::Value) -> Vec<bool> {
+    v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["changed"] == true)
+        .collect()
+}
+
+fn status_check(config: &Path) -> Option<i32> {
+    let o = imgbuild(config, &["--output", "json", "status", "--check"], true);
+    let v = json_of(&o);
+    assert_eq!(v["nodes"].as_array().map(Vec::len), Some(5), "{v}");
+    o.status.code()
+}
