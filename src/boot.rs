@@ -40,13 +40,7 @@ pub enum BootError {
         "node {node}: the kernel command line is {len} bytes, over the kernel's limit of {CMDLINE_MAX}"
     )]
     CmdlineTooLong { node: String, len: usize },
-    #[error("nodes {first} and {second} share the MAC {mac}")]
-    SameMac {
-        first: String,
-        second: String,
-        mac: String,
-    },
-    #[error("--url {0:?} is not an http(s) URL")]
+    #[error("--url {0:?} is not a plain http(s) URL (no query, fragment, spaces or quotes)")]
     BadUrl(String),
     #[error(transparent)]
     Emit(#[from] EmitError),
@@ -181,8 +175,15 @@ pub fn pxe(
     opts: &PxeOptions,
     progress: &dyn Progress,
 ) -> Result<PxeReport, BootError> {
+    // The URL lands in iPXE script lines: one plain URL, nothing iPXE or
+    // a shell would split or expand.
     if let Some(url) = &opts.url
-        && !crate::inventory::is_http_url(url)
+        && !(crate::inventory::is_http_url(url)
+            && reqwest::Url::parse(url)
+                .is_ok_and(|u| u.query().is_none() && u.fragment().is_none())
+            && !url.contains(|c: char| {
+                c.is_whitespace() || c.is_control() || matches!(c, '"' | '\'' | '$' | '\\')
+            }))
     {
         return Err(BootError::BadUrl(url.clone()));
     }
@@ -201,20 +202,13 @@ pub fn pxe(
             .collect::<Result<_, _>>()?
     };
     // Everything that can be refused is refused before any download.
+    // The inventory refuses a MAC used twice, so each script is one node's.
     let mut planned = Vec::new();
-    let mut macs: BTreeMap<String, String> = BTreeMap::new();
     for node in &selected {
         let mac = node.mac.as_ref().ok_or_else(|| BootError::NoMac {
             node: node.name.clone(),
         })?;
         let mac = mac.to_string();
-        if let Some(first) = macs.insert(mac.clone(), node.name.clone()) {
-            return Err(BootError::SameMac {
-                first,
-                second: node.name.clone(),
-                mac,
-            });
-        }
         let base = schematic::base_for_node(inv, node);
         let id = schematic::id_of(&base.canonical()?);
         planned.push((*node, mac, base, id, meta_arg(inv, node)?));

@@ -271,6 +271,21 @@ fn an_absolute_url_base_is_used_when_given() {
         !pxe.join("nodes/bc-24-11-00-00-12.ipxe").exists(),
         "only the named node"
     );
+    for bad in [
+        "http://x/\"; shell ;",
+        "http://x/?a=b",
+        "ftp://x/",
+        "http://x/$net0",
+    ] {
+        let o = run(
+            &config,
+            dir.path(),
+            &sim,
+            &["pxe", "--out-dir", pxe.to_str().unwrap(), "--url", bad],
+        );
+        assert_eq!(o.status.code(), Some(2), "{bad}: {}", text(&o.stderr));
+        assert!(text(&o.stderr).contains("--url"), "{}", text(&o.stderr));
+    }
 }
 
 #[test]
@@ -347,7 +362,7 @@ fn what_cannot_be_carried_is_refused_naming_the_node() {
 
     // A command line over the kernel's 2048 bytes.
     let config = inventory(dir.path(), "v1.11.2", "");
-    let long: Vec<String> = (0..30)
+    let long: Vec<String> = (0..22)
         .map(|i| format!("imgbuild.pad{i}={}", "x".repeat(60)))
         .collect();
     let text_in = std::fs::read_to_string(&config).unwrap();

@@ -872,8 +872,9 @@ fn a_proxmox_endpoint_with_credentials_path_or_query_is_refused() {
             "https://user:PASSMARK@127.0.0.1:9/",
             "user name or password",
         ),
-        ("https://127.0.0.1:9/elsewhere", "the path must be"),
-        ("https://127.0.0.1:9/?q=1", "no query"),
+        ("https://127.0.0.1:9/PASSMARK", "the path must be"),
+        ("https://127.0.0.1:9/?ticket=PASSMARK", "no query"),
+        ("https://127.0.0.1:9/api2/json#PASSMARK", "no query"),
     ] {
         let ran = c.run(
             &["--config", &config, "publish", "--out-dir", &c.s("out/img")],

@@ -36,7 +36,6 @@ pub fn pxe(args: PxeArgs, config: &Path, output: Output) -> Result<()> {
             BootError::NoMac { .. }
             | BootError::TooOld { .. }
             | BootError::BadUrl(_)
-            | BootError::SameMac { .. }
             | BootError::UnknownNode(_) => anyhow::Error::new(Usage(e.to_string())),
             e => e.into(),
         }

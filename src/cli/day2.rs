@@ -102,10 +102,27 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
                         show(&r["to"]["schematic"]),
                         if r["upgrade"] == true { "" } else { " (done)" }
                     );
+                    if let Some(e) = r["error"].as_str() {
+                        outln!("    not read from the node: {e}");
+                    }
                 }
             }
         }
-        return Ok(());
+        // A node that could not say what it runs is not known to be fine.
+        let unread: Vec<&str> = rows
+            .iter()
+            .filter(|r| !r["error"].is_null())
+            .filter_map(|r| r["node"].as_str())
+            .collect();
+        if unread.is_empty() {
+            return Ok(());
+        }
+        let message = format!("could not read what {} run(s)", unread.join(", "));
+        return Err(if unread.len() < rows.len() {
+            Partial(message).into()
+        } else {
+            super::Reported(message).into()
+        });
     }
     let progress = |node: &str, what: &str| {
         if output == Output::Text {
@@ -251,8 +268,10 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
         return Ok(());
     }
     let names: Vec<&str> = outcome.failed.iter().map(|f| f.node.as_str()).collect();
-    let message = format!("apply failed on {}", names.join(", "));
-    if outcome.nodes.iter().any(|n| n.applied) {
+    let verb = if args.dry_run { "dry run" } else { "apply" };
+    let message = format!("{verb} failed on {}", names.join(", "));
+    // Partial when other nodes were handled: applied, or diffed in a dry run.
+    if outcome.nodes.iter().any(|n| n.applied || args.dry_run) {
         Err(Partial(message).into())
     } else {
         Err(super::Reported(message).into())

@@ -604,6 +604,7 @@ impl Validator<'_> {
     fn check_nodes(&mut self, inv: &Inventory) {
         let mut names: HashMap<&str, usize> = HashMap::new();
         let mut addrs: HashMap<IpAddr, usize> = HashMap::new();
+        let mut macs: HashMap<String, usize> = HashMap::new();
         for (i, node) in inv.nodes.iter().enumerate() {
             let at = format!("nodes[{i}]");
             let who = &node.name;
@@ -638,6 +639,22 @@ impl Validator<'_> {
                         format!("{at}.address"),
                         format!("node {who}: address {addr} is the gateway"),
                     );
+                }
+            }
+            // One MAC is one NIC: two nodes with it would take each other's
+            // DHCP lease, VM network card and PXE script.
+            if let Some(mac) = &node.mac {
+                let mac = mac.to_string();
+                if let Some(&first) = macs.get(&mac) {
+                    self.problem(
+                        format!("{at}.mac"),
+                        format!(
+                            "node {who}: mac {mac} is already used by node {}",
+                            inv.nodes[first].name
+                        ),
+                    );
+                } else {
+                    macs.insert(mac, i);
                 }
             }
             self.check_node_addressing(inv, node, &at);

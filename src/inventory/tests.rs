@@ -64,6 +64,25 @@ fn duplicate_address_names_both_nodes() {
 }
 
 #[test]
+fn a_mac_used_twice_names_both_nodes_whatever_its_case() {
+    let text = atlas_with(
+        "address: 10.0.0.12\n",
+        "address: 10.0.0.12\n    mac: BC:24:11:00:00:11\n",
+    )
+    .replacen(
+        "address: 10.0.0.11\n",
+        "address: 10.0.0.11\n    mac: bc:24:11:00:00:11\n",
+        1,
+    );
+    let err = error_of(&text);
+    assert!(err.contains("nodes[1].mac"), "{err}");
+    assert!(
+        err.contains("node cp-02: mac bc:24:11:00:00:11 is already used by node cp-01"),
+        "{err}"
+    );
+}
+
+#[test]
 fn address_outside_cidr_is_named() {
     let text = atlas_with("address: 10.0.0.21", "address: 10.9.0.21");
     let err = error_of(&text);

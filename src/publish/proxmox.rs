@@ -85,7 +85,13 @@ impl Credentials {
                 "PROXMOX_VE_ENDPOINT is not a URL ({e}); use https://host:8006/"
             ))
         })?;
-        let shown = net::display_url(&url);
+        // Scheme, host and port only: a path, query or fragment may hold a
+        // ticket or password as well as userinfo can.
+        let shown = match (url.host_str(), url.port_or_known_default()) {
+            (Some(host), Some(port)) => format!("{}://{host}:{port}", url.scheme()),
+            (Some(host), None) => format!("{}://{host}", url.scheme()),
+            (None, _) => format!("{}:…", url.scheme()),
+        };
         if !url.username().is_empty() || url.password().is_some() {
             return Err(setup(
                 "PROXMOX_VE_ENDPOINT holds a user name or password: give https://host:port/ \
