@@ -439,7 +439,8 @@ fn hcloud_publish(dir: &Path, sim: &Sim, hc: &Hc) -> Command {
         .env_remove("IMGBUILD_CONFIG")
         .env_remove("NO_COLOR")
         .env("HCLOUD_ENDPOINT", &hc.url)
-        .env("HCLOUD_TOKEN", &hc.token);
+        .env("HCLOUD_TOKEN", &hc.token)
+        .envs(hc.rescue_env());
     cmd
 }
 

@@ -542,11 +542,12 @@ fn an_inserted_node_shifts_no_vm_and_makes_no_second_one() {
     let (code, _) = pve.curl("/nodes/pve/qemu/305/config", &[]);
     assert_eq!(code, 500, "a second VM was made");
 
-    // Text output names both IDs.
+    // The text result names both IDs (even under --quiet, which keeps only
+    // errors and the result).
     let o = run.publish(&sim, &pve, &["worker-02"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let err = text(&o.stderr);
-    assert!(err.contains("its VM is 304, not 305"), "{err}");
+    let out = text(&o.stdout);
+    assert!(out.contains("VM 304 (not 305: pin vmid 304)"), "{out}");
 
     // Pinned, the new node gets its own VM.
     run.edit(
