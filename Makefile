@@ -17,7 +17,8 @@ ATLAS := examples/atlas/cluster.yaml
 # differential oracle), OpenSSH's sshd, ssh and ssh-keygen and zstd (the
 # Hetzner simulator's rescue system and the tests that log in to it), jq
 # (docs/ci.md's snapshot collector) and man-db (the installed man page is
-# rendered with man -l).
+# rendered with man -l), xorriso (per-node ISOs and the factory
+# simulator's ISOs).
 deps:
 	@need=""; \
 	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
@@ -27,6 +28,7 @@ deps:
 	command -v ssh >/dev/null 2>&1 && command -v ssh-keygen >/dev/null 2>&1 || need="$$need openssh-client"; \
 	command -v zstd >/dev/null 2>&1 || need="$$need zstd"; \
 	command -v jq >/dev/null 2>&1 || need="$$need jq"; \
+	command -v xorriso >/dev/null 2>&1 || need="$$need xorriso"; \
 	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
 	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \

@@ -184,6 +184,10 @@ pub enum BuildError {
     Fetch(#[from] FetchError),
     #[error(transparent)]
     Disk(#[from] DiskError),
+    #[error(transparent)]
+    Iso(#[from] crate::iso::IsoError),
+    #[error(transparent)]
+    Boot(#[from] Box<crate::boot::BootError>),
     #[error("{}", path.display())]
     Io {
         path: PathBuf,
@@ -199,6 +203,7 @@ fn factory_ext(format: ImageFormat) -> &'static str {
     match format {
         ImageFormat::Raw => "raw.zst",
         ImageFormat::Qcow2 => "qcow2",
+        ImageFormat::Iso => "iso",
     }
 }
 
@@ -206,6 +211,7 @@ fn out_name(node: &str, format: ImageFormat) -> String {
     match format {
         ImageFormat::Raw => format!("{node}.raw"),
         ImageFormat::Qcow2 => format!("{node}.qcow2"),
+        ImageFormat::Iso => format!("{node}.iso"),
     }
 }
 
@@ -312,6 +318,9 @@ pub fn build(
     progress: &dyn Progress,
 ) -> Result<Vec<Outcome>, BuildError> {
     let plans = plan(inv, nodes, opts)?;
+    if inv.image.format == ImageFormat::Iso && opts.route == Route::Patch {
+        crate::iso::check_patchable(&inv.cluster.talos_version, inv.image.bootloader)?;
+    }
     std::fs::create_dir_all(&opts.out_dir).map_err(|source| BuildError::Io {
         path: opts.out_dir.clone(),
         source,
@@ -428,11 +437,22 @@ fn build_one(
             let id = factory.register(&schematic::base_for_node(inv, node))?;
             let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
             let art = fetch::fetch(client, &url, None, &opts.fetch, progress)?;
-            let edits: Vec<_> = schematic::network_value(inv, node)
-                .map(|v| (u32::from(KEY_NETWORK), Some(v.into_bytes())))
-                .into_iter()
-                .collect();
-            disk::write_patched_copy(&art.path, &plan.file, &edits)?;
+            if format == ImageFormat::Iso {
+                // Key 10 as PXE carries it; off metal nothing reads it and
+                // the node's ISO is the base's.
+                match crate::boot::meta_arg(inv, node).map_err(Box::new)? {
+                    Some(arg) => {
+                        crate::iso::write_node_iso(&art.path, &plan.file, &arg)?;
+                    }
+                    None => copy_out(&art.path, &plan.file)?,
+                }
+            } else {
+                let edits: Vec<_> = schematic::network_value(inv, node)
+                    .map(|v| (u32::from(KEY_NETWORK), Some(v.into_bytes())))
+                    .into_iter()
+                    .collect();
+                disk::write_patched_copy(&art.path, &plan.file, &edits)?;
+            }
             let (sha256, size) = hash_file(&plan.file)?;
             (url, sha256, size)
         }

@@ -12,6 +12,7 @@ pub mod fetch;
 pub mod import;
 pub mod inventory;
 pub mod io;
+pub mod iso;
 pub mod meta;
 pub mod net;
 pub mod plan;

@@ -266,6 +266,7 @@ pub fn volume_file(
     let ext = match format {
         ImageFormat::Raw => "raw",
         ImageFormat::Qcow2 => "qcow2",
+        ImageFormat::Iso => "iso",
     };
     let stem: String = format!(
         "{cluster}-{node}-{talos}-{}",

@@ -1,0 +1,272 @@
+//! End to end: per-node ISOs (`image.format: iso`) against the factory
+//! simulator. Each node's ISO must carry its META on every kernel line of
+//! `grub.cfg` (the same values the factory bakes into the node's own
+//! schematic's ISO), keep the base ISO's boot records and volume date, and
+//! the factory must learn nothing about the nodes on the patch route.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+mod common;
+use common::sims::Sim;
+use common::{json, root, text};
+
+/// A loopback inventory of two metal nodes with ISOs; `bootloader` is the
+/// `image.bootloader` line (or none).
+fn inventory(dir: &Path, version: &str, bootloader: &str) -> PathBuf {
+    let mut s = format!(
+        "cluster:\n  name: iso\n  talosVersion: {version}\n  kubernetesVersion: v1.32.1\n  endpoint: https://127.0.0.30:6443\n\
+         image:\n  platform: metal\n  arch: amd64\n  format: iso\n{bootloader}  factory: http://127.0.0.1:9\n\
+         network:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\n\
+         nodes:\n"
+    );
+    for (i, (name, role)) in [("cp-01", "controlplane"), ("worker-01", "worker")]
+        .iter()
+        .enumerate()
+    {
+        s.push_str(&format!(
+            "  - name: {name}\n    role: {role}\n    address: 127.0.0.{}\n    interface: eth0\n",
+            31 + i
+        ));
+    }
+    let path = dir.join("cluster.yaml");
+    std::fs::write(&path, s).unwrap();
+    path
+}
+
+fn run(config: &Path, dir: &Path, sim: &Sim, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .args(["--factory", &sim.url, "--cache-dir"])
+        .arg(dir.join("cache"))
+        .args(["--retry-delay-ms", "10"])
+        .current_dir(root())
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap()
+}
+
+fn xorriso(args: &[&str]) -> String {
+    let o = Command::new("xorriso").args(args).output().unwrap();
+    assert!(o.status.success(), "xorriso {args:?}: {}", text(&o.stderr));
+    text(&o.stdout)
+}
+
+/// `grub.cfg` of an ISO, as xorriso extracts it.
+fn grub_cfg(iso: &Path, scratch: &Path) -> String {
+    let to = scratch.join(format!(
+        "{}.grub.cfg",
+        iso.file_name().unwrap().to_string_lossy()
+    ));
+    xorriso(&[
+        "-osirrox",
+        "on",
+        "-indev",
+        iso.to_str().unwrap(),
+        "-extract",
+        "/boot/grub/grub.cfg",
+        to.to_str().unwrap(),
+    ]);
+    std::fs::read_to_string(to).unwrap()
+}
+
+fn el_torito(iso: &Path) -> String {
+    xorriso(&[
+        "-indev",
+        iso.to_str().unwrap(),
+        "-report_el_torito",
+        "plain",
+    ])
+}
+
+/// The creation and modification dates of the primary volume descriptor.
+fn volume_dates(iso: &Path) -> Vec<String> {
+    xorriso(&["-indev", iso.to_str().unwrap(), "-pvd_info"])
+        .lines()
+        .filter(|l| l.starts_with("Creation Time") || l.starts_with("Modif. Time"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The META text an `INSTALLER_META_BASE64` value carries, decoded here
+/// (base64, then gunzip when it is gzip), as Talos' `Values.Decode` does.
+fn decode_meta(arg: &str) -> String {
+    use base64::Engine;
+    let v = arg
+        .strip_prefix("talos.environment=INSTALLER_META_BASE64=")
+        .unwrap_or_else(|| panic!("not a META argument: {arg}"));
+    let raw = base64::engine::general_purpose::STANDARD.decode(v).unwrap();
+    let bytes = if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&raw[..]), &mut out).unwrap();
+        out
+    } else {
+        raw
+    };
+    String::from_utf8(bytes).unwrap()
+}
+
+/// The kernel lines of a `grub.cfg`, each as its words.
+fn kernel_lines(cfg: &str) -> Vec<Vec<String>> {
+    cfg.lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("linux "))
+        .map(|l| l.split_whitespace().map(str::to_owned).collect())
+        .collect()
+}
+
+/// The one META value every kernel line of `cfg` carries.
+fn meta_of(cfg: &str) -> String {
+    let lines = kernel_lines(cfg);
+    assert!(lines.len() >= 2, "{cfg}");
+    let values: Vec<String> = lines
+        .iter()
+        .map(|words| {
+            let metas: Vec<&String> = words
+                .iter()
+                .filter(|w| w.starts_with("talos.environment="))
+                .collect();
+            assert_eq!(metas.len(), 1, "{cfg}");
+            decode_meta(metas[0])
+        })
+        .collect();
+    assert!(values.windows(2).all(|w| w[0] == w[1]), "{cfg}");
+    values[0].clone()
+}
+
+fn curl(url: &str, to: &Path) {
+    let o = Command::new("curl")
+        .args(["-sf", "-o", to.to_str().unwrap(), url])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{url}");
+}
+
+#[test]
+fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_records() {
+    let sim = Sim::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = inventory(dir.path(), "v1.11.2", "  bootloader: grub\n");
+    let out = dir.path().join("out");
+    let o = run(
+        &config,
+        dir.path(),
+        &sim,
+        &[
+            "build",
+            "--out-dir",
+            out.to_str().unwrap(),
+            "--output",
+            "json",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let report = json(&o);
+
+    // The factory saw base schematics only: GRUB, no META, no address.
+    let posted = text(
+        &Command::new("curl")
+            .args(["-sf", &format!("{}/_sim/schematics", sim.url)])
+            .output()
+            .unwrap()
+            .stdout,
+    );
+    assert!(posted.contains("bootloader: grub"), "{posted}");
+    assert!(!posted.contains("meta"), "{posted}");
+    assert!(!posted.contains("127.0.0.3"), "{posted}");
+
+    // The factory route's ISOs: the node's own schematic, META baked in by
+    // the simulator's own encoder.
+    let theirs = dir.path().join("factory");
+    let o = run(
+        &config,
+        dir.path(),
+        &sim,
+        &[
+            "build",
+            "--route",
+            "factory",
+            "--out-dir",
+            theirs.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+
+    let images = report["images"].as_array().unwrap();
+    assert_eq!(images.len(), 2, "{report}");
+    for (i, node) in ["cp-01", "worker-01"].iter().enumerate() {
+        let img = images.iter().find(|i| i["node"] == *node).unwrap();
+        let iso = PathBuf::from(img["file"].as_str().unwrap());
+        assert_eq!(iso, out.join(format!("{node}.iso")));
+        let base = dir.path().join(format!("{node}-base.iso"));
+        curl(img["sourceUrl"].as_str().unwrap(), &base);
+
+        let ours = meta_of(&grub_cfg(&iso, dir.path()));
+        let key10 = ours
+            .strip_prefix("0xa=")
+            .unwrap_or_else(|| panic!("{ours}"));
+        assert!(key10.contains(&format!("127.0.0.{}/8", 31 + i)), "{key10}");
+        assert!(key10.contains(node), "{key10}");
+        let factory_iso = theirs.join(format!("{node}.iso"));
+        assert_eq!(ours, meta_of(&grub_cfg(&factory_iso, dir.path())), "{node}");
+
+        // Nothing but the argument changed in grub.cfg.
+        let base_cfg = grub_cfg(&base, dir.path());
+        assert!(
+            kernel_lines(&base_cfg)
+                .iter()
+                .all(|w| !w.iter().any(|a| a.starts_with("talos.environment=")))
+        );
+        let node_cfg = grub_cfg(&iso, dir.path());
+        let stripped: String = node_cfg
+            .lines()
+            .map(|l| match l.find(" talos.environment=") {
+                Some(at) => l[..at].to_owned() + "\n",
+                None => format!("{l}\n"),
+            })
+            .collect();
+        assert_eq!(stripped, base_cfg, "{node}");
+
+        // The same boot records and volume date as the base ISO.
+        assert!(el_torito(&base).contains("El Torito boot img"));
+        assert_eq!(el_torito(&iso), el_torito(&base), "{node}");
+        assert_eq!(volume_dates(&iso), volume_dates(&base), "{node}");
+        assert_eq!(volume_dates(&base).len(), 2);
+    }
+
+    // verify re-hashes the ISOs like any image.
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["verify", "--out-dir", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", text(&o.stdout), text(&o.stderr));
+    // No temporary names are left behind.
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["cp-01.iso", "manifest.json", "worker-01.iso"]);
+}
+
+#[test]
+fn the_uki_iso_of_talos_1_10_and_later_is_refused_naming_the_choices() {
+    let sim = Sim::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = inventory(dir.path(), "v1.11.2", "");
+    let out = dir.path().join("out");
+    let o = run(
+        &config,
+        dir.path(),
+        &sim,
+        &["build", "--out-dir", out.to_str().unwrap()],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("bootloader: grub"), "{err}");
+    assert!(err.contains("--route factory"), "{err}");
+    assert_eq!(sim.image_gets(), 0);
+    assert!(!out.join("cp-01.iso").exists());
+}
