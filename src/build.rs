@@ -495,6 +495,34 @@ pub fn hash_file(path: &Path) -> Result<(String, u64), BuildError> {
     crate::io::sha256_of(f).map_err(io_err)
 }
 
+/// What is wrong with a metal node's ISO beyond its bytes: a kernel menu
+/// entry without the node's META, or with META that does not decode.
+fn iso_problem(file: &Path) -> Option<String> {
+    let report = match crate::iso::inspect(file, &file.with_extension("grub.cfg")) {
+        Ok(r) => r,
+        Err(e) => return Some(e.to_string()),
+    };
+    let bad: Vec<String> = report
+        .entries
+        .iter()
+        .filter_map(|e| match (&e.problem, e.meta.is_empty()) {
+            (Some(p), _) => Some(format!("menu entry {:?}: {p}", e.entry.title)),
+            (None, true) => Some(format!("menu entry {:?} carries no META", e.entry.title)),
+            (None, false) => None,
+        })
+        .collect();
+    (!bad.is_empty() || report.entries.is_empty()).then(|| {
+        format!(
+            "grub.cfg: {}",
+            if bad.is_empty() {
+                "no kernel menu entry".to_owned()
+            } else {
+                bad.join("; ")
+            }
+        )
+    })
+}
+
 /// One manifest entry checked against the file on disk.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Verified {
@@ -525,6 +553,9 @@ pub fn verify(out_dir: &Path) -> Result<Vec<Verified>, BuildError> {
                 }
                 Ok((sha, _)) if sha != m.sha256 => {
                     Some(format!("sha256 {sha}, manifest says {}", m.sha256))
+                }
+                Ok(_) if m.format == ImageFormat::Iso && m.platform == "metal" => {
+                    iso_problem(&file)
                 }
                 Ok(_) => None,
             };

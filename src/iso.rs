@@ -362,6 +362,97 @@ pub fn inspect(iso: &Path, scratch: &Path) -> Result<IsoReport, IsoError> {
     })
 }
 
+/// Whether `path` is an ISO9660 image (a primary volume descriptor at
+/// sector 16), hybrid or not.
+pub fn is_iso(path: &Path) -> bool {
+    volume_date(path).is_ok()
+}
+
+/// What `diff` finds between two ISOs.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct IsoDiff {
+    /// One line per difference in volume date, menu entries or META.
+    pub changes: Vec<String>,
+    /// The same bytes.
+    pub identical: bool,
+}
+
+impl IsoDiff {
+    /// Same volume date, menu entries and META, whatever the bytes.
+    pub fn equivalent(&self) -> bool {
+        self.changes.is_empty()
+    }
+}
+
+/// The differences between two ISO reports, as lines for people.
+pub fn compare(a: &IsoReport, b: &IsoReport) -> Vec<String> {
+    let mut out = Vec::new();
+    if a.volume_date != b.volume_date {
+        out.push(format!(
+            "volume date: {} vs {} (GRUB's EFI image finds its root by it)",
+            a.volume_date, b.volume_date
+        ));
+    }
+    if a.entries.len() != b.entries.len() {
+        out.push(format!(
+            "kernel menu entries: {} vs {}",
+            a.entries.len(),
+            b.entries.len()
+        ));
+    }
+    for (i, (x, y)) in a.entries.iter().zip(&b.entries).enumerate() {
+        let at = format!("entry {} {:?}", i + 1, x.entry.title);
+        if x.entry.title != y.entry.title || x.entry.kernel != y.entry.kernel {
+            out.push(format!(
+                "{at}: {:?} {} vs {:?} {}",
+                x.entry.title, x.entry.kernel, y.entry.title, y.entry.kernel
+            ));
+        }
+        let plain = |e: &EntryReport| -> Vec<String> {
+            e.entry
+                .args
+                .iter()
+                .filter(|a| !a.starts_with(meta::ENVIRONMENT_PREFIX))
+                .cloned()
+                .collect()
+        };
+        let (px, py) = (plain(x), plain(y));
+        for arg in px.iter().filter(|a| !py.contains(a)) {
+            out.push(format!("{at}: argument {arg} only in the first"));
+        }
+        for arg in py.iter().filter(|a| !px.contains(a)) {
+            out.push(format!("{at}: argument {arg} only in the second"));
+        }
+        let keys: std::collections::BTreeSet<u8> =
+            x.meta.iter().chain(&y.meta).map(|(k, _)| *k).collect();
+        for key in keys {
+            fn get(e: &EntryReport, key: u8) -> Option<&String> {
+                e.meta.iter().find(|(k, _)| *k == key).map(|(_, v)| v)
+            }
+            match (get(x, key), get(y, key)) {
+                (Some(v), Some(w)) if v == w => {}
+                (Some(_), Some(_)) => out.push(format!("{at}: META key 0x{key:x} differs")),
+                (Some(_), None) => out.push(format!("{at}: META key 0x{key:x} only in the first")),
+                (None, _) => out.push(format!("{at}: META key 0x{key:x} only in the second")),
+            }
+        }
+    }
+    out
+}
+
+/// Compares two ISOs: bytes, volume date, menu entries and decoded META.
+pub fn diff(a: &Path, b: &Path, scratch: &Path) -> Result<IsoDiff, IsoError> {
+    let (ra, rb) = (inspect(a, scratch)?, inspect(b, scratch)?);
+    let hash = |p: &Path| -> Result<(String, u64), IsoError> {
+        let f = std::fs::File::open(p).map_err(io_err(p))?;
+        crate::io::sha256_of(f).map_err(io_err(p))
+    };
+    Ok(IsoDiff {
+        changes: compare(&ra, &rb),
+        identical: hash(a)? == hash(b)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -397,6 +488,48 @@ mod tests {
         assert_eq!(e[1].title, "Reset Talos installation");
         assert_eq!(e[1].args.last().unwrap(), "talos.experimental.wipe=system");
         assert!(e[0].meta().is_none());
+    }
+
+    fn report(cfg: &str, date: &str) -> IsoReport {
+        IsoReport {
+            volume_date: date.into(),
+            entries: menu_entries(cfg)
+                .into_iter()
+                .map(|entry| EntryReport {
+                    meta: entry.meta().map(|m| m.unwrap()).unwrap_or_default(),
+                    entry,
+                    problem: None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn compare_names_dates_arguments_and_meta_keys() {
+        let one = meta::environment_arg(&[(10, "a")], true).unwrap();
+        let two = meta::environment_arg(&[(10, "b"), (12, "x")], true).unwrap();
+        let a = report(&add_kernel_arg(FACTORY_CFG, &one).0, "2025061210203000");
+        assert!(compare(&a, &a).is_empty());
+        let b = report(
+            &add_kernel_arg(&FACTORY_CFG.replace("console=ttyS0", "quiet"), &two).0,
+            "2025061210203001",
+        );
+        let lines = compare(&a, &b);
+        let want = [
+            "volume date: 2025061210203000 vs 2025061210203001",
+            "entry 1 \"Talos ISO\": argument console=ttyS0 only in the first",
+            "entry 1 \"Talos ISO\": argument quiet only in the second",
+            "entry 1 \"Talos ISO\": META key 0xa differs",
+            "entry 2 \"Reset Talos installation\": META key 0xc only in the second",
+        ];
+        for w in want {
+            assert!(
+                lines.iter().any(|l| l.starts_with(w)),
+                "{w:?} in {lines:#?}"
+            );
+        }
+        let fewer = report("menuentry \"x\" {\nlinux /k\n}\n", "2025061210203000");
+        assert!(compare(&a, &fewer).contains(&"kernel menu entries: 2 vs 1".to_owned()));
     }
 
     #[test]

@@ -234,13 +234,54 @@ fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_record
         assert_eq!(el_torito(&iso), el_torito(&base), "{node}");
         assert_eq!(volume_dates(&iso), volume_dates(&base), "{node}");
         assert_eq!(volume_dates(&base).len(), 2);
+
+        // inspect shows every menu entry's command line and decoded META.
+        let v = json(&imgbuild(&[
+            "inspect",
+            iso.to_str().unwrap(),
+            "--output",
+            "json",
+        ]));
+        assert_eq!(v["format"], "iso", "{v}");
+        let entries = v["entries"].as_array().unwrap();
+        assert_eq!(entries.len(), kernel_lines(&node_cfg).len(), "{v}");
+        for e in entries {
+            assert_eq!(e["meta"][0]["key"], 10, "{v}");
+            assert_eq!(e["meta"][0]["value"].as_str().unwrap(), key10, "{v}");
+            assert!(
+                e["args"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|a| a == "talos.platform=metal")
+            );
+        }
+        let t = text(&imgbuild(&["inspect", iso.to_str().unwrap()]).stdout);
+        assert!(t.contains("menu entry \"Reset Talos installation\""), "{t}");
+        assert!(t.contains(&format!("127.0.0.{}/8", 31 + i)), "{t}");
+
+        // diff: against the base, key 10 is only in the node's ISO; against
+        // the factory's ISO for the node, the decoded META is the same.
+        let o = imgbuild(&["diff", iso.to_str().unwrap(), base.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1));
+        let t = text(&o.stdout);
+        assert!(
+            t.contains("entry 1 \"Talos ISO\": META key 0xa only in the first"),
+            "{t}"
+        );
+        let o = imgbuild(&[
+            "diff",
+            iso.to_str().unwrap(),
+            factory_iso.to_str().unwrap(),
+            "--output",
+            "json",
+        ]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["equivalent"], true, "{v}");
     }
 
     // verify re-hashes the ISOs like any image.
-    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .args(["verify", "--out-dir", out.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let o = imgbuild(&["verify", "--out-dir", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}{}", text(&o.stdout), text(&o.stderr));
     // No temporary names are left behind.
     let mut names: Vec<String> = std::fs::read_dir(&out)
@@ -249,6 +290,38 @@ fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_record
         .collect();
     names.sort();
     assert_eq!(names, ["cp-01.iso", "manifest.json", "worker-01.iso"]);
+
+    // verify finds a node ISO whose grub.cfg lost its META, even with a
+    // manifest that matches its bytes.
+    let base = dir.path().join("cp-01-base.iso");
+    let cp = out.join("cp-01.iso");
+    std::fs::copy(&base, &cp).unwrap();
+    let manifest = out.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    let (sha, size) = {
+        use sha2::Digest;
+        let bytes = std::fs::read(&cp).unwrap();
+        (hex::encode(sha2::Sha256::digest(&bytes)), bytes.len())
+    };
+    m["images"]["cp-01"]["sha256"] = sha.into();
+    m["images"]["cp-01"]["size"] = size.into();
+    std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+    let o = imgbuild(&["verify", "--out-dir", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let t = format!("{}{}", text(&o.stdout), text(&o.stderr));
+    assert!(
+        t.contains("menu entry \"Talos ISO\" carries no META"),
+        "{t}"
+    );
+}
+
+fn imgbuild(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(args)
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap()
 }
 
 #[test]
