@@ -8,12 +8,17 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::sims::Sim;
+use common::sims::{Nodes, Pve, Sim};
 use common::{json, root, text};
 
 /// A loopback inventory of two metal nodes with ISOs; `bootloader` is the
 /// `image.bootloader` line (or none).
 fn inventory(dir: &Path, version: &str, bootloader: &str) -> PathBuf {
+    inventory_on(dir, version, bootloader, "127.0.0", "")
+}
+
+/// The same on the network `net` (`127.x.y`), with `extra` appended.
+fn inventory_on(dir: &Path, version: &str, bootloader: &str, net: &str, extra: &str) -> PathBuf {
     let mut s = format!(
         "cluster:\n  name: iso\n  talosVersion: {version}\n  kubernetesVersion: v1.32.1\n  endpoint: https://127.0.0.30:6443\n\
          image:\n  platform: metal\n  arch: amd64\n  format: iso\n{bootloader}  factory: http://127.0.0.1:9\n\
@@ -25,10 +30,11 @@ fn inventory(dir: &Path, version: &str, bootloader: &str) -> PathBuf {
         .enumerate()
     {
         s.push_str(&format!(
-            "  - name: {name}\n    role: {role}\n    address: 127.0.0.{}\n    interface: eth0\n",
+            "  - name: {name}\n    role: {role}\n    address: {net}.{}\n    interface: eth0\n",
             31 + i
         ));
     }
+    s.push_str(extra);
     let path = dir.join("cluster.yaml");
     std::fs::write(&path, s).unwrap();
     path
@@ -342,4 +348,89 @@ fn the_uki_iso_of_talos_1_10_and_later_is_refused_naming_the_choices() {
     assert!(err.contains("--route factory"), "{err}");
     assert_eq!(sim.image_gets(), 0);
     assert!(!out.join("cp-01.iso").exists());
+}
+
+/// A /24 of this test process (another run's leftovers cannot hold it).
+fn net() -> String {
+    format!("127.{}.3", 150 + std::process::id() % 50)
+}
+
+#[test]
+fn a_proxmox_vm_boots_its_node_iso_and_comes_up_at_the_address_the_iso_carries() {
+    let sim = Sim::start(&[]);
+    let nodes = Nodes::start(&[]);
+    let pve = Pve::start(&["--nodes-control", &nodes.control]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = inventory_on(
+        dir.path(),
+        "v1.11.2",
+        "  bootloader: grub\n",
+        &net(),
+        "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048, boot: iso}\n",
+    );
+    let out = dir.path().join("out");
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(&config)
+        .args([
+            "publish",
+            "--factory",
+            &sim.url,
+            "--poll-ms",
+            "50",
+            "--quiet",
+        ])
+        .arg("--out-dir")
+        .arg(&out)
+        .arg("--cache-dir")
+        .arg(dir.path().join("cache"))
+        .env_remove("IMGBUILD_CONFIG")
+        .env("PROXMOX_VE_ENDPOINT", &pve.url)
+        .env("PROXMOX_VE_API_TOKEN", &pve.token)
+        .env("PROXMOX_VE_FINGERPRINT", &pve.fingerprint)
+        .env_remove("PROXMOX_VE_INSECURE")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+
+    let stats = nodes.stats();
+    for (i, node) in ["cp-01", "worker-01"].iter().enumerate() {
+        let vmid = 300 + i;
+        let n = &stats["nodes"][node];
+        assert_eq!(n["ip"], format!("{}.{}", net(), 31 + i), "{node}: {stats}");
+        assert_eq!(n["booted_by"], format!("vm-{vmid}"), "{node}");
+        assert_eq!(n["phase"], "maintenance", "{node}");
+
+        let (code, cfg) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &[]);
+        assert_eq!(code, 200, "{cfg}");
+        let cfg = &cfg["data"];
+        assert_eq!(cfg["boot"], "order=ide2;scsi0", "{cfg}");
+        let ide2 = cfg["ide2"].as_str().unwrap();
+        assert!(
+            ide2.starts_with("local:iso/iso-") && ide2.contains(".iso,"),
+            "{ide2}"
+        );
+        assert!(ide2.split(',').any(|o| o == "media=cdrom"), "{ide2}");
+        let scsi0 = cfg["scsi0"].as_str().unwrap();
+        assert!(scsi0.split(',').any(|o| o == "size=10G"), "{scsi0}");
+        assert!(!scsi0.contains("import-from"), "{scsi0}");
+
+        // The stored ISO is the node's ISO, byte for byte.
+        let volume = ide2.split(',').next().unwrap();
+        let stored = pve.dir.path().join(format!(
+            "state/storage/local/template/iso/{}",
+            volume.strip_prefix("local:iso/").unwrap()
+        ));
+        assert_eq!(
+            std::fs::read(&stored).unwrap(),
+            std::fs::read(out.join(format!("{node}.iso"))).unwrap(),
+            "{node}"
+        );
+    }
+    assert_eq!(stats["totals"]["nodes"], 2, "{stats}");
 }

@@ -10,7 +10,7 @@ pub use locate::LineIndex;
 pub use net::{Cidr, MacAddr};
 pub use publish::{
     HcloudServers, HcloudSettings, ProxmoxSettings, ProxmoxVm, PublishSettings, RESERVED_LABELS,
-    label_problem,
+    VmBoot, label_problem,
 };
 
 pub use crate::schematic::Bootloader;
