@@ -348,6 +348,24 @@ fn the_uki_iso_of_talos_1_10_and_later_is_refused_naming_the_choices() {
     assert!(err.contains("--route factory"), "{err}");
     assert_eq!(sim.image_gets(), 0);
     assert!(!out.join("cp-01.iso").exists());
+
+    // The named alternative works: the factory's ISO of the node's own
+    // schematic, with its META from the factory.
+    let o = run(
+        &config,
+        dir.path(),
+        &sim,
+        &[
+            "build",
+            "--route",
+            "factory",
+            "--out-dir",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let key10 = meta_of(&grub_cfg(&out.join("cp-01.iso"), dir.path()));
+    assert!(key10.contains("127.0.0.31/8"), "{key10}");
 }
 
 /// A /24 of this test process (another run's leftovers cannot hold it).

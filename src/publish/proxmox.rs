@@ -355,7 +355,9 @@ fn vm_params(
         // The node ISO boots first; Talos installs to the blank scsi0
         // (installDisk) when its config is applied, and from then on the
         // ISO's installer-less boot falls through to the disk
-        // (qemu-server `boot` order, `ide2` media=cdrom).
+        // (qemu-server `boot` order, `ide2` media=cdrom; a new volume is
+        // `STORAGE_ID:SIZE_IN_GiB`, sim/api-schemas/proxmox-ve.apidata.json
+        // `scsi[n]`).
         VmBoot::Iso => p.extend([
             (
                 "scsi0",
