@@ -33,6 +33,16 @@ pub enum IsoError {
     NoKernelLine { path: PathBuf },
     #[error("{}: {GRUB_CFG} already carries META (INSTALLER_META_BASE64); the base ISO must have none", path.display())]
     AlreadyHasMeta { path: PathBuf },
+    #[error(
+        "{}: menu entry {title:?}: the kernel command line would be {len} bytes, over the kernel's limit of {}",
+        path.display(),
+        meta::CMDLINE_MAX
+    )]
+    CmdlineTooLong {
+        path: PathBuf,
+        title: String,
+        len: usize,
+    },
     #[error("{}: {GRUB_CFG} is over {GRUB_CFG_MAX} bytes", path.display())]
     GrubCfgTooLarge { path: PathBuf },
     #[error("{}: xorriso {action} failed: {stderr}", path.display())]
@@ -113,6 +123,25 @@ pub fn volume_date(path: &Path) -> Result<String, IsoError> {
         path: path.to_owned(),
         why,
     })
+}
+
+/// The disk GUID of a hybrid ISO's GPT (grub-mkrescue puts the EFI image
+/// in one), as xorriso's `gpt_disk_guid=` takes it: the 16 bytes of the
+/// header at LBA 1, offset 56, in hex as they lie on disk. `None` without
+/// a GPT.
+pub fn gpt_disk_guid(lba1: &[u8]) -> Option<String> {
+    (lba1.get(..8) == Some(b"EFI PART")).then_some(())?;
+    lba1.get(56..72).map(hex::encode)
+}
+
+/// The GPT disk GUID of the ISO at `path`, if it is hybrid.
+fn read_gpt_disk_guid(path: &Path) -> Result<Option<String>, IsoError> {
+    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut lba1 = [0u8; 512];
+    f.seek(SeekFrom::Start(512))
+        .and_then(|_| f.read_exact(&mut lba1))
+        .map_err(io_err(path))?;
+    Ok(gpt_disk_guid(&lba1))
 }
 
 /// One GRUB menu entry that boots a kernel.
@@ -199,6 +228,15 @@ pub fn menu_entries(cfg: &str) -> Vec<MenuEntry> {
         }
     }
     out
+}
+
+/// The first menu entry whose kernel command line is over the kernel's
+/// limit ([`meta::CMDLINE_MAX`]), with its length.
+pub fn too_long(cfg: &str) -> Option<(String, usize)> {
+    menu_entries(cfg).into_iter().find_map(|e| {
+        let len = e.args.join(" ").len();
+        (len > meta::CMDLINE_MAX).then_some((e.title, len))
+    })
 }
 
 /// `cfg` with `arg` appended to every kernel line, and how many lines that
@@ -292,22 +330,34 @@ pub fn write_node_iso(base: &Path, out: &Path, arg: &str) -> Result<usize, IsoEr
             path: base.to_owned(),
         });
     }
+    if let Some((title, len)) = too_long(&cfg) {
+        return Err(IsoError::CmdlineTooLong {
+            path: out.to_owned(),
+            title,
+            len,
+        });
+    }
     let mut new_cfg =
         crate::atomic::AtomicFile::create(&cfg_path, false).map_err(io_err(&cfg_path))?;
     std::io::Write::write_all(new_cfg.file(), cfg.as_bytes()).map_err(io_err(&cfg_path))?;
     let iso = crate::atomic::AtomicFile::create(out, false).map_err(io_err(out))?;
+    let mut cmd = Command::new("xorriso");
+    cmd.arg("-indev")
+        .arg(base)
+        .arg("-outdev")
+        .arg(iso.temp_path())
+        .args(["-boot_image", "any", "replay"]);
+    // A hybrid ISO's GPT keeps its disk GUID (xorriso would make a new
+    // one), so the partition GUIDs derived from it stay too.
+    if let Some(guid) = read_gpt_disk_guid(base)? {
+        cmd.args(["-boot_image", "any", &format!("gpt_disk_guid={guid}")]);
+    }
     // `-compliance no_emul_toc`: no multi-session table in front of the
     // data, so every file (boot images, catalog) keeps the base's address.
     xorriso(
         out,
         "writing the node ISO",
-        Command::new("xorriso")
-            .arg("-indev")
-            .arg(base)
-            .arg("-outdev")
-            .arg(iso.temp_path())
-            .args(["-boot_image", "any", "replay"])
-            .args(["-volume_date", "uuid", &date])
+        cmd.args(["-volume_date", "uuid", &date])
             .args(["-compliance", "no_emul_toc"])
             .arg("-update")
             .arg(new_cfg.temp_path())
@@ -530,6 +580,31 @@ mod tests {
         }
         let fewer = report("menuentry \"x\" {\nlinux /k\n}\n", "2025061210203000");
         assert!(compare(&a, &fewer).contains(&"kernel menu entries: 2 vs 1".to_owned()));
+    }
+
+    #[test]
+    fn command_lines_over_the_kernel_limit_are_found() {
+        assert_eq!(too_long(FACTORY_CFG), None);
+        let arg = "x".repeat(meta::CMDLINE_MAX);
+        let (cfg, _) = add_kernel_arg(FACTORY_CFG, &arg);
+        let (title, len) = too_long(&cfg).unwrap();
+        assert_eq!(title, "Talos ISO");
+        assert_eq!(len, "talos.platform=metal console=ttyS0 ".len() + arg.len());
+    }
+
+    #[test]
+    fn the_gpt_disk_guid_is_read_as_it_lies_on_disk() {
+        let mut lba1 = [0u8; 512];
+        assert_eq!(gpt_disk_guid(&lba1), None);
+        lba1[..8].copy_from_slice(b"EFI PART");
+        for (i, b) in lba1[56..72].iter_mut().enumerate() {
+            *b = i as u8 * 17;
+        }
+        assert_eq!(
+            gpt_disk_guid(&lba1).unwrap(),
+            "00112233445566778899aabbccddeeff"
+        );
+        assert_eq!(gpt_disk_guid(&lba1[..60]), None);
     }
 
     #[test]

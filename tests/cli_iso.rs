@@ -238,6 +238,34 @@ fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_record
         // The same boot records and volume date as the base ISO.
         assert!(el_torito(&base).contains("El Torito boot img"));
         assert_eq!(el_torito(&iso), el_torito(&base), "{node}");
+        // The hybrid GPT: the same disk and partition GUIDs, types, names
+        // and EFI partition. The image's size, and with it the trailing gap
+        // partition and the usable LBA range, follow grub.cfg's size.
+        let system_area = |iso: &Path| {
+            let report = xorriso(&[
+                "-indev",
+                iso.to_str().unwrap(),
+                "-report_system_area",
+                "plain",
+            ]);
+            let mut lines: Vec<String> = report
+                .lines()
+                .filter(|l| l.starts_with("GPT ") && !l.starts_with("GPT lba range"))
+                .map(str::to_owned)
+                .collect();
+            let last_extent = lines
+                .iter()
+                .rposition(|l| l.starts_with("GPT start and size"))
+                .unwrap();
+            lines.remove(last_extent);
+            lines.join("\n")
+        };
+        assert!(
+            system_area(&base).contains("GPT partition path"),
+            "{}",
+            system_area(&base)
+        );
+        assert_eq!(system_area(&iso), system_area(&base), "{node}");
         assert_eq!(volume_dates(&iso), volume_dates(&base), "{node}");
         assert_eq!(volume_dates(&base).len(), 2);
 

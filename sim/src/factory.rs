@@ -722,7 +722,8 @@ const ISO_VOLUME_DATE: &str = "2025061210203000";
 /// and `grub.cfg`: `/boot/vmlinuz`, `/boot/initramfs.xz`, a
 /// `/boot/grub/grub.cfg` whose menu entries boot the kernel with the
 /// schematic's command line (META included), and El Torito BIOS and EFI
-/// boot images (dummy files here) as grub-mkrescue lays them out.
+/// boot images (dummy files here) as grub-mkrescue lays them out, hybrid
+/// (GPT with the EFI image as a partition).
 fn make_iso(out: &std::path::Path, cmdline: &str, version: &str, arch: &str) -> anyhow::Result<()> {
     let tree = out.with_extension("tree");
     let _ = std::fs::remove_dir_all(&tree);
@@ -753,6 +754,13 @@ fn make_iso(out: &std::path::Path, cmdline: &str, version: &str, arch: &str) -> 
             "-e",
             "boot/grub/efi.img",
             "-no-emul-boot",
+        ])
+        // Hybrid as grub-mkrescue makes it: the EFI image also a GPT
+        // partition, behind a protective MBR.
+        .args([
+            "-efi-boot-part",
+            "--efi-boot-image",
+            "--protective-msdos-label",
         ])
         .arg(format!("--modification-date={ISO_VOLUME_DATE}"))
         .arg("-o")
