@@ -643,21 +643,9 @@ fn build(
     if out.exists() {
         return Ok(out);
     }
-    if kind == Kind::Iso {
-        let stem = file.strip_suffix(".iso").unwrap_or(file);
-        let (platform, arch) = stem.rsplit_once('-').unwrap_or((stem, "amd64"));
-        let tmp = dir.join(format!(".{file}.tmp"));
-        make_iso(
-            &tmp,
-            &cmdline(schematic, version, platform, arch),
-            version,
-            arch,
-        )?;
-        std::fs::rename(&tmp, &out)?;
-        return Ok(out);
-    }
     let raw = dir.join("disk.raw");
-    if !raw.exists() {
+    // An ISO is made from the boot assets, not from the disk.
+    if kind != Kind::Iso && !raw.exists() {
         let tags: Vec<(u32, Vec<u8>)> = schematic
             .customization
             .meta
@@ -708,7 +696,12 @@ fn build(
                 .status()?;
             anyhow::ensure!(st.success(), "qemu-img convert failed");
         }
-        Kind::Iso => unreachable!("made above"),
+        Kind::Iso => {
+            let stem = file.strip_suffix(".iso").unwrap_or(file);
+            let (platform, arch) = stem.rsplit_once('-').unwrap_or((stem, "amd64"));
+            let cmdline = cmdline(schematic, version, platform, arch);
+            make_iso(&tmp, &cmdline, version, arch)?;
+        }
     }
     std::fs::rename(&tmp, &out)?;
     Ok(out)
