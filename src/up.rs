@@ -18,7 +18,6 @@ use crate::publish::proxmox::{self, Credentials, ProxmoxError, PublishOptions, V
 use crate::publish::{Cancel, PublishImage};
 use crate::talos::bootstrap;
 use crate::talos::client::{self, Probe, Target as NodeTarget};
-use crate::talos::kube::Kubeconfig;
 use crate::talos::stage::{self, BootstrapOptions, StageError};
 
 /// Where the machines come from. Each target publishes the images and starts
@@ -329,7 +328,14 @@ pub struct Report {
     /// unknown when the first control plane is already configured.
     pub bootstrap: Option<Change>,
     pub bootstrap_node: Option<String>,
+    /// True only when every node is configured and Kubernetes calls every
+    /// node Ready: the table has no row that is not healthy.
     pub healthy: bool,
+    /// How the health checks ended (absent: they did not run to the end).
+    pub health: Option<bootstrap::Health>,
+    /// Settings that did not work as given, and what was used instead
+    /// (the kubeconfig pointing at a control plane, not the VIP).
+    pub fallbacks: Vec<bootstrap::Fallback>,
     pub kubeconfig: Option<PathBuf>,
     pub talosconfig: Option<PathBuf>,
     pub elapsed_ms: u128,
@@ -371,6 +377,8 @@ impl Report {
             bootstrap: None,
             bootstrap_node: None,
             healthy: false,
+            health: None,
+            fallbacks: Vec::new(),
             kubeconfig: None,
             talosconfig: None,
             elapsed_ms: 0,
@@ -390,13 +398,15 @@ impl Report {
     }
 
     /// Whether some nodes finished every stage that ran for them while
-    /// others failed (nodes not selected do not count as finished).
+    /// others failed (nodes not selected do not count as finished), or the
+    /// cluster came up healthy as far as Talos goes but has no CNI.
     pub fn partial(&self) -> bool {
-        matches!(self.stopped, Some((_, UpError::Nodes { .. })))
+        let some_failed = matches!(self.stopped, Some((_, UpError::Nodes { .. })))
             && self
                 .nodes
                 .iter()
-                .any(|n| n.error.is_none() && n.stages.build.is_some())
+                .any(|n| n.error.is_none() && n.stages.build.is_some());
+        some_failed || matches!(self.health, Some(bootstrap::Health::NoCni { .. }))
     }
 }
 
@@ -446,13 +456,24 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
         }
     };
     if let Err((stage, e)) = bootstrapped {
-        if let UpError::Bootstrap(StageError::Bootstrap(
-            bootstrap::BootstrapError::Stuck { node, .. }
-            | bootstrap::BootstrapError::Rejected { node, .. },
-        )) = &e
-        {
-            let node = node.clone();
-            report.fail(&node, |s| s.apply = Some(Change::Failed), e.to_string());
+        if let UpError::Bootstrap(StageError::Bootstrap(b)) = &e {
+            let failed = match b {
+                bootstrap::BootstrapError::Nodes { failed, .. } => failed.iter().collect(),
+                other => vec![other],
+            };
+            for f in failed {
+                if let Some(node) = f.node() {
+                    report.fail(node, |s| s.apply = Some(Change::Failed), f.to_string());
+                }
+            }
+            if let bootstrap::BootstrapError::Nodes {
+                etcd: Some((node, now)),
+                ..
+            } = b
+            {
+                report.bootstrap = Some(changed(*now, Change::Bootstrapped));
+                report.bootstrap_node = Some(node.clone());
+            }
         }
         report.stopped = Some((stage, e));
     }
@@ -751,11 +772,11 @@ fn bootstrap_stage(
 ) -> Result<(), UpError> {
     let done = stage::bootstrap(inv, &opts.bootstrap, obs.bootstrap)?;
     let outcome = &done.outcome;
-    report.healthy = true;
     report.bootstrap = Some(changed(outcome.bootstrapped, Change::Bootstrapped));
     report.bootstrap_node = Some(outcome.bootstrap_node.clone());
     report.kubeconfig = Some(done.prepared.plan.kubeconfig_path.clone());
     report.talosconfig = Some(done.prepared.talosconfig.clone());
+    report.fallbacks = outcome.fallbacks.clone();
     for planned in &done.prepared.plan.nodes {
         if let Some(n) = report.node(&planned.name) {
             n.address = Some(planned.address);
@@ -768,17 +789,16 @@ fn bootstrap_stage(
             });
         }
     }
-    // Health already required every node Ready; this reads the same API
-    // once more so the summary shows what Kubernetes says, not an inference.
-    let ready = std::fs::read_to_string(&done.prepared.plan.kubeconfig_path)
-        .ok()
-        .and_then(|t| Kubeconfig::parse(&t).ok())
-        .and_then(|kc| kc.node_readiness(opts.bootstrap.limits.call_timeout).ok())
-        .unwrap_or_default();
-    let ready: BTreeMap<String, bool> = ready.into_iter().collect();
+    // What Kubernetes said in the health round that ended the run.
     for n in &mut report.nodes {
-        n.kubernetes_ready = Some(ready.get(&n.node).copied().unwrap_or(false));
+        n.kubernetes_ready = Some(outcome.ready.get(&n.node).copied().unwrap_or(false));
     }
+    report.healthy = outcome.health.is_healthy()
+        && report
+            .nodes
+            .iter()
+            .all(|n| n.kubernetes_ready == Some(true) && n.talos == Some(TalosState::Configured));
+    report.health = Some(outcome.health.clone());
     Ok(())
 }
 

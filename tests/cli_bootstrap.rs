@@ -208,11 +208,12 @@ fn five_nodes_come_up_healthy_and_a_second_run_changes_nothing() {
     let kc = std::fs::read_to_string(state.join("kubeconfig")).unwrap();
     let kc = imgbuild::talos::kube::Kubeconfig::parse(&kc).unwrap();
     assert_eq!(kc.server, format!("https://{}.10:6443", c.net));
+    assert_eq!(v["fallbacks"], serde_json::json!([]), "no fallback: {v}");
     let ready = kc
         .node_readiness(std::time::Duration::from_secs(5))
         .unwrap();
     assert_eq!(ready.len(), 5);
-    assert!(ready.iter().all(|(_, r)| *r), "{ready:?}");
+    assert!(ready.iter().all(|n| n.ready), "{ready:?}");
     // The simulator's view: one apply per node, one bootstrap, and never a
     // Version call to a node in maintenance mode.
     let stats = c.stats();
@@ -409,6 +410,23 @@ fn an_endpoint_on_a_vip_that_never_answers_still_bootstraps_the_node() {
     assert!(
         kc.contains(&format!("server: https://{}.11:6443", c.net)),
         "{kc}"
+    );
+    // The fallback is named on the result, with what was seen.
+    let f = &v["fallbacks"][0];
+    assert_eq!(f["setting"], "cluster.vip", "{v}");
+    assert_eq!(f["node"], "cp-01", "{v}");
+    assert_eq!(f["used"], format!("https://{}.11:6443", c.net), "{v}");
+    assert!(f["reason"].as_str().unwrap().contains("refused"), "{v}");
+    assert_eq!(v["fallbacks"].as_array().unwrap().len(), 1, "{v}");
+    let out = c.imgbuild(&["bootstrap", "--quiet", "--poll", "100ms"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "note: cluster.vip {}.10 (in https://{}.10:6443) did not answer",
+            c.net, c.net
+        )) && stdout.contains("so the kubeconfig points at cp-01"),
+        "{stdout}"
     );
 }
 
@@ -723,4 +741,119 @@ fn the_simulator_speaks_maintenance_mode_like_talos() {
     assert_eq!(c.node_stat("cp-01", "applies"), 0);
     assert_eq!(c.node_stat("cp-01", "maintenance_version_calls"), 1);
     assert_eq!(c.stats()["nodes"]["cp-01"]["phase"], "maintenance");
+}
+
+#[test]
+fn a_wrong_certificate_name_is_named_not_blamed_on_a_reboot() {
+    // worker-01's mTLS certificate names {net}.254, not the address the
+    // inventory gives it: a name mismatch, not a node that went away.
+    let c = Cluster::start(16, true, &["--misbehave", "wrong-cert-name@worker-01"]);
+    let err = c.bootstrap_error(&["--node-timeout", "20s"]);
+    assert!(
+        err.contains("node worker-01: configured, but its certificate names other addresses"),
+        "{err}"
+    );
+    let (want, named) = (format!("{}.21", c.net), format!("{}.254", c.net));
+    assert!(
+        err.contains(&format!("not valid for {want}: it names {named}")),
+        "{err}"
+    );
+    assert!(err.contains("machine.certSANs"), "the way out: {err}");
+    assert!(!err.contains("went away"), "blamed on a reboot: {err}");
+    assert!(
+        !err.contains("gave up after"),
+        "waited for a timeout: {err}"
+    );
+}
+
+#[test]
+fn a_node_that_fails_early_does_not_hold_back_etcd_bootstrap() {
+    // worker-01 fails on its first probe (another cluster's CA), long before
+    // cp-01 has taken its config: cp-01 is still brought up and bootstrapped.
+    let c = Cluster::start(17, true, &["--misbehave", "foreign-ca@worker-01"]);
+    let (out, v) = c.bootstrap(&[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = v["error"].as_str().unwrap();
+    assert!(err.contains("node worker-01"), "{err}");
+    assert!(err.contains("unknown authority"), "{err}");
+    assert!(
+        err.contains("etcd was bootstrapped on cp-01") && err.contains("Fix worker-01"),
+        "{err}"
+    );
+    assert_eq!(c.node_stat("cp-01", "bootstraps"), 1);
+    for (name, ..) in NODES.iter().filter(|(n, ..)| *n != "worker-01") {
+        assert_eq!(c.node_stat(name, "applies"), 1, "{name}");
+        assert_eq!(c.stats()["nodes"][name]["phase"], "configured", "{name}");
+    }
+}
+
+/// Writes `patch` as the inventory's patch for every node.
+fn patch_all(c: &Cluster, patch: &str) {
+    std::fs::write(c.dir.path().join("cni.yaml"), patch).unwrap();
+    let inv = inventory(&c.net) + "patches:\n  all: [cni.yaml]\n";
+    std::fs::write(c.config(), inv).unwrap();
+}
+
+const NO_CNI: &str = "cluster:\n  network:\n    cni:\n      name: none\n";
+
+#[test]
+fn a_cluster_without_a_cni_is_its_own_state_with_exit_3() {
+    let c = Cluster::start(18, true, &[]);
+    patch_all(&c, NO_CNI);
+    let (out, v) = c.bootstrap(&["--health-timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert_eq!(v["healthy"], false, "{v}");
+    assert_eq!(v["health"]["state"], "noCni", "{v}");
+    let mut not_ready: Vec<&str> = v["health"]["notReady"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    not_ready.sort_unstable();
+    let mut all: Vec<&str> = NODES.iter().map(|(n, ..)| *n).collect();
+    all.sort_unstable();
+    assert_eq!(not_ready, all);
+    assert!(
+        v["health"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cni plugin not initialized"),
+        "the kubelet's own words: {v}"
+    );
+    for (name, ..) in NODES {
+        assert_eq!(v["ready"][name], false, "{v}");
+    }
+    // Talos itself came up: etcd bootstrapped, kubeconfig written.
+    assert_eq!(v["bootstrapped"], true);
+    assert!(c.state().join("kubeconfig").exists());
+    // Text: the setting and the ways out, and never "healthy".
+    let out = c.imgbuild(&["bootstrap", "--poll", "100ms", "--health-timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(3));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(!stdout.contains("is healthy"), "{stdout}");
+    for want in [
+        "cluster.network.cni.name is none",
+        "cluster.inlineManifests",
+        "cluster.extraManifests",
+        "NotReady",
+    ] {
+        assert!(stderr.contains(want), "{want}:\n{stderr}");
+    }
+    assert!(!stderr.contains("health checks still failing"), "{stderr}");
+}
+
+#[test]
+fn a_cni_in_inline_manifests_brings_the_nodes_ready() {
+    let c = Cluster::start(19, true, &[]);
+    patch_all(
+        &c,
+        &format!(
+            "{NO_CNI}  inlineManifests:\n    - name: cni\n      contents: |\n        apiVersion: v1\n        kind: Namespace\n        metadata:\n          name: cni\n"
+        ),
+    );
+    let (out, v) = c.bootstrap(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(v["healthy"], true);
+    assert_eq!(v["health"]["state"], "healthy");
 }

@@ -547,7 +547,7 @@ fn an_image_that_needs_no_edit_is_the_factorys_byte_for_byte() {
             .output()
             .unwrap()
     };
-    let cmp = |a: &Path, b: &Path| Command::new("cmp").args([a, b]).status().unwrap();
+    let cmp = |a: &Path, b: &Path| Command::new("cmp").args([a, b]).output().unwrap().status;
 
     let (patched, factory) = (build(&hcloud, "patch"), build(&hcloud, "factory"));
     assert!(cmp(&patched, &factory).success());

@@ -260,10 +260,7 @@ fn a_partial_publish_is_3_with_one_document() {
 
 /// Runs imgbuild with stdout on `stdout`, stderr captured.
 fn imgbuild_with_stdout(args: &[&str], stdout: impl Into<std::process::Stdio>) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .args(args)
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
+    common::imgbuild_command(args)
         .stdout(stdout)
         .stderr(std::process::Stdio::piped())
         .output()

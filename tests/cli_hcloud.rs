@@ -50,7 +50,7 @@ impl Run {
             .arg(&self.config)
             .arg("publish")
             .args(args)
-            .args(["--factory", &sim.url, "--poll-ms", "100", "--quiet"])
+            .args(["--factory", &sim.url, "--poll-ms", "100"])
             .envs(hc.rescue_env())
             .arg("--out-dir")
             .arg(self.out())

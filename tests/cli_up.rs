@@ -218,7 +218,12 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
     // The kubeconfig up wrote lists the five nodes, all Ready.
     let kc = std::fs::read_to_string(c.state().join("kubeconfig")).unwrap();
     let kc = imgbuild::talos::kube::Kubeconfig::parse(&kc).unwrap();
-    let mut ready = kc.node_readiness(Duration::from_secs(5)).unwrap();
+    let mut ready: Vec<(String, bool)> = kc
+        .node_readiness(Duration::from_secs(5))
+        .unwrap()
+        .into_iter()
+        .map(|n| (n.name, n.ready))
+        .collect();
     ready.sort();
     let want: Vec<(String, bool)> = NODES.iter().map(|(n, ..)| (n.to_string(), true)).collect();
     assert_eq!(ready, want);
@@ -423,7 +428,9 @@ fn up_killed_during_publish_resumes_without_uploading_twice() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    // Only a guard against a hang (the loop ends when up does): on a loaded
+    // machine building five images may take minutes.
+    let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let uploads = c.pve.stats()["uploads"].as_u64().unwrap();
         if uploads >= 2 {
@@ -438,7 +445,11 @@ fn up_killed_during_publish_resumes_without_uploading_twice() {
     }
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
-    let killed = c.pve.stats();
+    // The killed run's tasks outlive it, as pveproxy's workers do: an upload
+    // it had finished sending still imports, a create still creates. Counts
+    // read before they end would still grow, and a rerun racing them would
+    // find a volume or VM appear under it.
+    let killed = c.pve.idle_stats();
     assert!(
         killed["uploads"].as_u64().unwrap() < 5,
         "killed too late: {killed}"
@@ -595,4 +606,73 @@ fn an_inventory_up_cannot_use_exits_2() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("cp-09"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_cluster_without_a_cni_is_never_called_healthy() {
+    let net = net(8);
+    let mut args = vec!["--vip".to_owned(), format!("{net}.10")];
+    for (name, host, role) in NODES {
+        args.push("--node".into());
+        args.push(format!("{name}={net}.{host}:{role}"));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let nodes = Nodes::start(&args);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.yaml");
+    std::fs::write(
+        dir.path().join("no-cni.yaml"),
+        "cluster:\n  network:\n    cni:\n      name: none\n",
+    )
+    .unwrap();
+    let yaml = inventory(&net, false, false) + "patches:\n  all: [no-cni.yaml]\n";
+    std::fs::write(&config, yaml).unwrap();
+    let up = |json: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
+        cmd.arg("--config").arg(&config);
+        if json {
+            cmd.args(["--output", "json"]);
+        }
+        cmd.args(["up", "--quiet", "--poll", "100ms"])
+            .args(["--node-timeout", "20s", "--health-timeout", "60s"])
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--out-dir")
+            .arg(dir.path().join("out"))
+            .env_remove("IMGBUILD_CONFIG")
+            .env_remove("TALOSCONFIG")
+            .output()
+            .unwrap()
+    };
+    let out = up(true);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    let v = json(&out);
+    assert_eq!(v["healthy"], false, "{v}");
+    assert_eq!(v["health"]["state"], "noCni", "{v}");
+    assert_eq!(v["bootstrap"], "bootstrapped", "{v}");
+    assert_eq!(
+        v["fallbacks"],
+        serde_json::json!([]),
+        "the VIP answered: {v}"
+    );
+    for n in v["nodes"].as_array().unwrap() {
+        assert_eq!(n["talos"], "configured", "{n}");
+        assert_eq!(n["kubernetesReady"], false, "{n}");
+    }
+    assert_eq!(bootstraps(&nodes.stats()), 1);
+    // The table shows NotReady rows, so it must not say healthy.
+    let out = up(false);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert_eq!(
+        table.lines().filter(|l| l.ends_with("NotReady")).count(),
+        5,
+        "{table}"
+    );
+    assert!(!table.contains("is healthy"), "{table}");
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("cluster.network.cni.name is none") && err.contains("cluster.inlineManifests"),
+        "{err}"
+    );
 }

@@ -9,7 +9,10 @@
 //! Kubernetes API (with node readiness) come up after simulated delays.
 //! Switches reproduce the field failures: a node that never leaves
 //! maintenance, a reboot after apply, a node configured with a foreign CA,
-//! slow time sync. Calls through one node's API are routed as apid does
+//! slow time sync, an mTLS certificate naming another address. Nodes stay
+//! NotReady (the kubelet's "cni plugin not initialized") while no control
+//! plane config brings a CNI (`cluster.network.cni.name: none` and no
+//! inline or extra manifests). Calls through one node's API are routed as apid does
 //! (`node`: one-to-one, replies untouched; `nodes`: one-to-many, replies
 //! stamped with the target as sent, failures in `metadata.error`).
 //!
@@ -124,7 +127,8 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_value = "sda")]
     disks: Vec<String>,
     /// MODE or MODE@NODE: never-leave-maintenance, reboot-after-apply,
-    /// foreign-ca, slow-time-sync.
+    /// foreign-ca, slow-time-sync, wrong-cert-name (the mTLS certificate
+    /// names x.y.z.254, not the node's address).
     #[arg(long)]
     misbehave: Vec<String>,
 }
@@ -141,6 +145,9 @@ struct Applied {
     api_sans: Vec<IpAddr>,
     /// The documents besides v1alpha1, as `Kind/name`.
     documents: Vec<String>,
+    /// The config brings a pod network: the default flannel, a custom CNI's
+    /// URLs, or manifests (taken to carry one, as for Cilium).
+    cni: bool,
 }
 
 #[derive(Default, Clone, serde::Serialize)]
@@ -231,6 +238,7 @@ impl Node {
                 cluster_name: "foreign".into(),
                 api_sans: Vec::new(),
                 documents: Vec::new(),
+                cni: true,
             }));
             st.configured_at = Some(Instant::now());
         }
@@ -575,6 +583,20 @@ fn read_config(data: &[u8]) -> Result<Applied, Status> {
         }),
         _ => None,
     };
+    // Talos deploys flannel only for `cni.name: flannel`, the default
+    // (siderolabs/talos internal/app/machined/pkg/controllers/k8s/
+    // control_plane.go, FlannelEnabled); `custom` installs cni.urls.
+    let cluster = &doc["cluster"];
+    let listed = |v: &Value| v.as_array().is_some_and(|a| !a.is_empty());
+    let cni = match cluster["network"]["cni"]["name"]
+        .as_str()
+        .unwrap_or("flannel")
+    {
+        "flannel" => true,
+        "custom" => listed(&cluster["network"]["cni"]["urls"]),
+        _ => false,
+    } || listed(&cluster["inlineManifests"])
+        || listed(&cluster["extraManifests"]);
     let api_sans = doc["cluster"]["apiServer"]["certSANs"]
         .as_array()
         .map(|a| a.iter().filter_map(|s| s.as_str()?.parse().ok()).collect())
@@ -594,6 +616,7 @@ fn read_config(data: &[u8]) -> Result<Applied, Status> {
             .to_owned(),
         api_sans,
         documents,
+        cni,
     })
 }
 
@@ -942,11 +965,21 @@ fn mtls_config(cluster: &Cluster, node: &Node) -> Option<Arc<ServerConfig>> {
         crt: applied.os_ca.crt.clone(),
         key,
     };
+    // Talos names the node's addresses in its API certificate; with
+    // `wrong-cert-name` the node has another one than it is reached at
+    // (a DHCP lease, a NAT address).
+    let ip = match node.ip {
+        IpAddr::V4(v4) if node.has("wrong-cert-name") => {
+            let [a, b, c, _] = v4.octets();
+            IpAddr::from([a, b, c, 254])
+        }
+        ip => ip,
+    };
     let leaf = pki::issue(
         &ca,
         &LeafSpec {
             common_name: node.name.clone(),
-            ips: vec![node.ip],
+            ips: vec![ip],
             server: true,
             client: true,
             days: 365,
@@ -1613,21 +1646,39 @@ async fn serve_vip(cluster: Arc<Cluster>, vip: IpAddr) {
     }
 }
 
+/// The Ready message of a kubelet whose runtime has no network plugin.
+const NO_CNI: &str = "container runtime network not ready: NetworkReady=false reason:NetworkPluginNotReady message:Network plugin returns error: cni plugin not initialized";
+
 async fn k8s_nodes(State(cluster): State<Arc<Cluster>>) -> Result<axum::Json<Value>, Infallible> {
     let now = Instant::now();
     let api_up = cluster.api_up_at();
+    // A CNI runs once a control plane's config brought one.
+    let cni = cluster.all().iter().any(|n| {
+        let st = n.st.lock().unwrap();
+        st.applied
+            .as_ref()
+            .is_some_and(|a| a.control_plane && a.cni && reached(st.configured_at, now))
+    });
     let items: Vec<Value> = (0..cluster.count())
         .filter_map(|i| {
             let registered = cluster.kubelet_healthy_at(i)?.max(api_up?);
             if now < registered {
                 return None;
             }
-            let ready = now >= registered + ms(cluster.args.ready_delay);
+            let ready = cni && now >= registered + ms(cluster.args.ready_delay);
+            // The kubelet's Ready condition (kubernetes pkg/kubelet/nodestatus
+            // setters.go ReadyCondition): without a network plugin it names
+            // the runtime's NetworkReady error.
+            let condition = if ready {
+                json!({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"})
+            } else if !cni {
+                json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": NO_CNI})
+            } else {
+                json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "kubelet is starting"})
+            };
             Some(json!({
                 "metadata": {"name": cluster.node(i).display_name()},
-                "status": {"conditions": [
-                    {"type": "Ready", "status": if ready { "True" } else { "False" }},
-                ]},
+                "status": {"conditions": [condition]},
             }))
         })
         .collect();

@@ -34,7 +34,9 @@
 //! taken in the handlers: requests, uploads (completed upload tasks),
 //! uploadAttempts, uploadBytes, vmCreates, vmConfigChanges, resizes, starts
 //! (start requests, also of a running VM), startsChanged (starts that took a
-//! stopped VM to running), bootFailures, stops, rejected (400 answers).
+//! stopped VM to running), bootFailures, stops, rejected (400 answers), and
+//! tasksRunning (tasks not ended yet: an upload whose client went away still
+//! finishes its import, as a pveproxy worker does).
 //!
 //! The chain (with `--nodes-control`, the node simulator's `control` URL):
 //! every VM start (create with `start=1`, `status/start`) reads the VM's boot
@@ -889,6 +891,7 @@ impl Pve {
             "bootFailures": g(&s.boot_failures),
             "stops": g(&s.stops),
             "rejected": g(&s.rejected),
+            "tasksRunning": self.tasks.lock().unwrap().values().filter(|t| t.exit.is_none()).count(),
         })
     }
 

@@ -5,7 +5,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use imgbuild::build::{self, BuildError, BuildOptions, Outcome, Route};
 use imgbuild::fetch::{FetchOptions, Progress};
-use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar};
 use serde_json::json;
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -278,12 +278,7 @@ struct Bars {
 impl Progress for Bars {
     fn start(&self, url: &str, total: Option<u64>) {
         let bar = self.multi.add(ProgressBar::new(total.unwrap_or(0)));
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{msg:30!} {bytes:>10}/{total_bytes:10} {bytes_per_sec:>12} eta {eta}",
-            )
-            .expect("valid template"),
-        );
+        bar.set_style(super::progress::transfer_style());
         bar.set_message(short_label(url));
         self.bars.lock().unwrap().insert(url.to_owned(), bar);
     }

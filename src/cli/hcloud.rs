@@ -13,6 +13,7 @@ use imgbuild::publish::hcloud::{
 use serde_json::json;
 
 use super::build::{failed_json, print_failures};
+use super::progress::{PublishView, Screen, Show};
 use super::signals::cancel_on_signals;
 use super::talos::parse_duration;
 use super::{Output, Partial, Reported, Usage};
@@ -64,55 +65,45 @@ pub struct CleanupArgs {
     older_than: Duration,
 }
 
-/// Prints each step on stderr.
-struct Lines;
-
-impl hcloud::Observer for Lines {
-    fn event(&self, e: &Event) {
-        let line = match e {
-            Event::Found { id } => format!("snapshot {id} already holds this image"),
-            Event::TooLarge {
-                id,
-                disk_size,
-                server_type,
-                disk,
-            } => format!(
-                "snapshot {id} holds this image on a {disk_size} GB disk, larger than {server_type}'s {disk} GB: servers of that type could not boot it, so one that fits is made"
-            ),
-            Event::KeyCreated { id } => format!("temporary SSH key {id} created"),
-            Event::TypeSkipped { server_type, why } => {
-                format!("server type {server_type} skipped: {why}")
+/// One step of a snapshot run as a log line.
+pub(super) fn step(e: &Event) -> String {
+    match e {
+        Event::Found { id } => format!("snapshot {id} already holds this image"),
+        Event::TooLarge {
+            id,
+            disk_size,
+            server_type,
+            disk,
+        } => format!(
+            "snapshot {id} holds this image on a {disk_size} GB disk, larger than {server_type}'s {disk} GB: servers of that type could not boot it, so one that fits is made"
+        ),
+        Event::KeyCreated { id } => format!("temporary SSH key {id} created"),
+        Event::TypeSkipped { server_type, why } => {
+            format!("server type {server_type} skipped: {why}")
+        }
+        Event::ServerCreated { id, server_type } => {
+            format!("temporary server {id} ({server_type}) created")
+        }
+        Event::RescueBooting { id } => format!("server {id} boots its rescue system"),
+        Event::Connected { addr, host_key } => format!(
+            "logged in to the rescue system at {addr}; its host key {host_key} is new on every rescue boot and was accepted for this session only"
+        ),
+        Event::Discarded { supported } => {
+            if *supported {
+                "disk discarded".to_owned()
+            } else {
+                "disk cannot discard; dd overwrites it".to_owned()
             }
-            Event::ServerCreated { id, server_type } => {
-                format!("temporary server {id} ({server_type}) created")
-            }
-            Event::RescueBooting { id } => format!("server {id} boots its rescue system"),
-            Event::Connected { addr, host_key } => format!(
-                "logged in to the rescue system at {addr}; its host key {host_key} is new on every rescue boot and was accepted for this session only"
-            ),
-            Event::Discarded { supported } => {
-                if *supported {
-                    "disk discarded".to_owned()
-                } else {
-                    "disk cannot discard; dd overwrites it".to_owned()
-                }
-            }
-            Event::Writing { size } => {
-                format!("writing {size} bytes to /dev/sda (zstd on the wire)")
-            }
-            Event::Written { bytes, sent } => format!("dd wrote {bytes} bytes ({sent} bytes sent)"),
-            Event::PoweredOff => "server off".to_owned(),
-            Event::Snapshotting => "creating the snapshot".to_owned(),
-            Event::SnapshotReady { id } => format!("snapshot {id} available"),
-            Event::Deleted { kind, id } => format!("deleted {} {id}", kind.replace('_', " ")),
-        };
-        eprintln!("hcloud: {line}");
+        }
+        Event::Writing { size } => {
+            format!("writing {size} bytes to /dev/sda (zstd on the wire)")
+        }
+        Event::Written { bytes, sent } => format!("dd wrote {bytes} bytes ({sent} bytes sent)"),
+        Event::PoweredOff => "server off".to_owned(),
+        Event::Snapshotting => "creating the snapshot".to_owned(),
+        Event::SnapshotReady { id } => format!("snapshot {id} available"),
+        Event::Deleted { kind, id } => format!("deleted {} {id}", kind.replace('_', " ")),
     }
-}
-
-/// Step lines on stderr when `show`, else silence.
-pub(super) fn observer(show: bool) -> &'static dyn hcloud::Observer {
-    if show { &Lines } else { &hcloud::Quiet }
 }
 
 /// Reads the credentials before anything is built: a missing token must
@@ -129,8 +120,10 @@ pub fn publish(
     build_failures: Vec<(String, String)>,
     opts: &SnapshotOptions,
     output: Output,
+    show: Show,
 ) -> Result<()> {
     let cancel = cancel_on_signals();
+    let view = PublishView::new(Screen::new(show), show);
     let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
     let mut snapshots: Vec<Snapshot> = Vec::new();
     let mut failures = build_failures;
@@ -141,14 +134,7 @@ pub fn publish(
             failures.push((image.nodes.join(","), "not started: interrupted".into()));
             continue;
         }
-        let run = hcloud::publish_snapshot(
-            &api,
-            settings,
-            &image,
-            opts,
-            &cancel,
-            observer(output == Output::Text),
-        );
+        let run = hcloud::publish_snapshot(&api, settings, &image, opts, &cancel, &view);
         leftovers.extend(run.leftovers);
         match run.result {
             Ok(s) => snapshots.push(s),
@@ -158,6 +144,7 @@ pub fn publish(
             }
         }
     }
+    view.clear();
     let requests = api.requests();
     match output {
         Output::Json => outln!(
@@ -213,12 +200,9 @@ pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
     let creds = credentials()?;
     let opts = SnapshotOptions::default();
     let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
-    let (deleted, left) = hcloud::cleanup(
-        &api,
-        args.older_than,
-        &opts,
-        observer(output == Output::Text),
-    );
+    let show = Show::for_output(false, output);
+    let view = PublishView::new(Screen::new(show), show);
+    let (deleted, left) = hcloud::cleanup(&api, args.older_than, &opts, &view);
     match output {
         Output::Json => outln!(
             "{}",

@@ -1,6 +1,6 @@
 //! Commands, their flags, and how their results are shown.
 
-/// `outln!` that ends the program the way other tools end when their
+/// `println!` that ends the program the way other tools end when their
 /// reader went away (`imgbuild … | head -1`), instead of panicking: every
 /// line the CLI prints goes through [`stdout_write`].
 macro_rules! outln {
@@ -19,12 +19,14 @@ macro_rules! out {
     };
 }
 
+mod board;
 mod boot;
 mod build;
 mod hcloud;
 mod image;
 mod import;
 mod plan;
+mod progress;
 mod publish;
 mod schematic;
 mod signals;
@@ -65,6 +67,14 @@ pub struct Cli {
     /// Output format: text for people, json for CI.
     #[arg(long, global = true, value_enum, default_value_t = Output::Text)]
     output: Output,
+    /// Colors on stderr (bars, board, error prefixes); auto: on a terminal
+    /// unless NO_COLOR is set.
+    #[arg(long, global = true, value_enum, default_value_t = progress::ColorChoice::Auto)]
+    color: progress::ColorChoice,
+    /// Off a terminal, a line after this long without one while a wait
+    /// goes on (for tests; 30s).
+    #[arg(long, global = true, hide = true, default_value = "30s", value_parser = talos::parse_duration)]
+    heartbeat: std::time::Duration,
     #[command(subcommand)]
     command: Command,
 }
@@ -171,6 +181,7 @@ pub fn run() -> i32 {
         ));
     }
     let _ = FACTORY.set(cli.factory.clone());
+    progress::init(cli.color, cli.heartbeat);
     match dispatch(cli) {
         Ok(()) => 0,
         Err(e) => {
@@ -181,7 +192,7 @@ pub fn run() -> i32 {
             } else if output == Output::Json {
                 outln!("{}", json!({ "error": message }));
             } else {
-                eprintln!("error: {message}");
+                eprintln!("{} {message}", progress::paint("error:", "1;31"));
             }
             exit_code(&e)
         }
@@ -334,7 +345,7 @@ pub fn load_inventory(path: &Path, output: Output) -> Result<Inventory> {
     }
     if output == Output::Text {
         for w in &inv.warnings {
-            eprintln!("warning: {w}");
+            eprintln!("{} {w}", progress::paint("warning:", "33"));
         }
     }
     Ok(inv)

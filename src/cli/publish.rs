@@ -3,6 +3,7 @@
 
 use super::build::{BuildArgs, build_nodes, failed_json, print_failures};
 use super::hcloud::{self as hc, HcloudArgs};
+use super::progress::{PublishView, Screen, Show};
 use super::{Output, Partial, Reported, load_inventory};
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -58,37 +59,27 @@ impl PublishArgs {
     }
 }
 
-/// Prints each step on stderr, one line each.
-pub(super) struct Lines;
-
-impl proxmox::Observer for Lines {
-    fn event(&self, node: &str, e: &Event) {
-        let line = match e {
-            Event::Uploading { volid, size } => format!("uploading {volid} ({size} bytes)"),
-            Event::UploadRetry { attempt, why } => format!("upload retry {attempt}: {why}"),
-            Event::Uploaded { volid } => format!("stored {volid}"),
-            Event::AlreadyStored { volid } => format!("{volid} already stored"),
-            Event::VmFound {
-                vmid,
-                inventory_vmid,
-            } => format!(
-                "its VM is {vmid}, not {inventory_vmid} (firstId + position): kept; pin `vmid: {vmid}` on the node"
-            ),
-            Event::VmCreated { vmid } => format!("VM {vmid} created"),
-            Event::VmUnchanged { vmid } => format!("VM {vmid} already boots this image"),
-            Event::VmOutdated { vmid, running } => format!(
-                "VM {vmid} boots {running}, not this image: left as it is (--replace-disk swaps it)"
-            ),
-            Event::DiskReplaced { vmid } => format!("VM {vmid} got the new disk"),
-            Event::VmStarted { vmid } => format!("VM {vmid} started"),
-        };
-        eprintln!("{node}: {line}");
+/// One step of a node's publish as a log line (without the node).
+pub(super) fn step(e: &Event) -> String {
+    match e {
+        Event::Uploading { volid, size } => format!("uploading {volid} ({size} bytes)"),
+        Event::UploadRetry { attempt, why } => format!("upload retry {attempt}: {why}"),
+        Event::Uploaded { volid } => format!("stored {volid}"),
+        Event::AlreadyStored { volid } => format!("{volid} already stored"),
+        Event::VmFound {
+            vmid,
+            inventory_vmid,
+        } => format!(
+            "its VM is {vmid}, not {inventory_vmid} (firstId + position): kept; pin `vmid: {vmid}` on the node"
+        ),
+        Event::VmCreated { vmid } => format!("VM {vmid} created"),
+        Event::VmUnchanged { vmid } => format!("VM {vmid} already boots this image"),
+        Event::VmOutdated { vmid, running } => format!(
+            "VM {vmid} boots {running}, not this image: left as it is (--replace-disk swaps it)"
+        ),
+        Event::DiskReplaced { vmid } => format!("VM {vmid} got the new disk"),
+        Event::VmStarted { vmid } => format!("VM {vmid} started"),
     }
-}
-
-pub(super) struct Quiet;
-impl proxmox::Observer for Quiet {
-    fn event(&self, _: &str, _: &Event) {}
 }
 
 pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
@@ -103,6 +94,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
             build_failures,
             &args.hcloud_options(),
             output,
+            Show::for_output(args.build.download.quiet, output),
         );
     }
     let Some(settings) = inv.publish.proxmox.clone() else {
@@ -126,13 +118,11 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
     let images: Vec<PublishImage> = built.iter().map(PublishImage::from).collect();
     let opts = args.options();
-    let observer: &dyn proxmox::Observer = if output == Output::Text {
-        &Lines
-    } else {
-        &Quiet
-    };
-    let results = proxmox::publish(&inv, &settings, &creds, &images, &opts, observer)
+    let show = Show::for_output(args.build.download.quiet, output);
+    let view = PublishView::new(Screen::new(show), show);
+    let results = proxmox::publish(&inv, &settings, &creds, &images, &opts, &view)
         .context("publishing to Proxmox VE")?;
+    view.clear();
     let mut published: Vec<NodePublished> = Vec::new();
     let mut failures = build_failures;
     for r in results {

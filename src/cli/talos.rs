@@ -1,16 +1,18 @@
 //! `imgbuild secrets`, `config`, `talosconfig` and `bootstrap`: the cluster's
 //! state directory and the way from booted images to a healthy cluster.
 
-use super::{Output, load_inventory};
+use super::board::Board;
+use super::progress::Show;
+use super::{Output, Partial, load_inventory};
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use imgbuild::inventory::Inventory;
-use imgbuild::talos::bootstrap::{self, Event, Observer};
+use imgbuild::talos::bootstrap;
 use imgbuild::talos::config;
 use imgbuild::talos::stage::{self, BootstrapOptions, StateDir};
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Where the cluster's secrets and client files live.
 #[derive(Args)]
@@ -73,7 +75,7 @@ pub struct TalosconfigArgs {
 pub struct BootstrapArgs {
     #[command(flatten)]
     run: BootstrapRunArgs,
-    /// No progress lines.
+    /// Only errors and the result: no board, no progress lines.
     #[arg(long)]
     quiet: bool,
 }
@@ -242,45 +244,31 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
     Ok(())
 }
 
-/// Prints each event as one line on stderr, with the time since start.
-pub(super) struct Lines {
-    start: Instant,
-    quiet: bool,
-}
-
-impl Lines {
-    pub(super) fn new(quiet: bool) -> Lines {
-        Lines {
-            start: Instant::now(),
-            quiet,
-        }
-    }
-}
-
-impl Observer for Lines {
-    fn event(&self, node: &str, event: &Event) {
-        if !self.quiet {
-            eprintln!(
-                "[{:>6.1}s] {node}: {event}",
-                self.start.elapsed().as_secs_f64()
-            );
-        }
-    }
-}
-
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let opts = args.run.options();
-    let observer = Lines::new(args.quiet);
-    let stage::Bootstrapped { prepared, outcome } = stage::bootstrap(&inv, &opts, &observer)?;
+    let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
+    let board = Board::new(&nodes, Show::log_for(args.quiet, output), Show::Nothing);
+    let done = stage::bootstrap(&inv, &opts, &board);
+    board.finish();
+    let stage::Bootstrapped { prepared, outcome } = done?;
     let tc_path = &prepared.talosconfig;
     let plan = &prepared.plan;
+    // Healthy only when every node is Ready, whatever the checks ended on.
+    let healthy = outcome.health.is_healthy()
+        && plan
+            .nodes
+            .iter()
+            .all(|n| outcome.ready.get(&n.name) == Some(&true));
     match output {
         Output::Json => outln!(
             "{}",
             json!({
                 "cluster": inv.cluster.name,
-                "healthy": true,
+                "healthy": healthy,
+                "health": outcome.health,
+                "ready": outcome.ready,
+                "fallbacks": outcome.fallbacks,
                 "applied": outcome.applied,
                 "alreadyConfigured": outcome.already_configured,
                 "bootstrapped": outcome.bootstrapped,
@@ -293,11 +281,13 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
             })
         ),
         Output::Text => {
-            outln!(
-                "cluster {} is healthy ({:.1}s)",
-                inv.cluster.name,
-                outcome.elapsed_ms as f64 / 1000.0
-            );
+            if healthy {
+                outln!(
+                    "cluster {} is healthy ({:.1}s)",
+                    inv.cluster.name,
+                    outcome.elapsed_ms as f64 / 1000.0
+                );
+            }
             outln!(
                 "  applied: {}",
                 if outcome.applied.is_empty() {
@@ -321,9 +311,20 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 outcome.kubeconfig_server
             );
             outln!("  talosconfig: {}", tc_path.display());
+            for f in &outcome.fallbacks {
+                outln!("note: {f}");
+            }
         }
     }
-    Ok(())
+    if healthy {
+        Ok(())
+    } else {
+        Err(Partial(format!(
+            "cluster {} is not healthy: {}",
+            inv.cluster.name, outcome.health
+        ))
+        .into())
+    }
 }
 
 #[cfg(test)]

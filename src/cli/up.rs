@@ -1,6 +1,8 @@
 //! `imgbuild up`: flags → [`UpOptions`], then one summary table (or JSON
 //! document) for the whole run.
 
+use super::board::Board;
+use super::progress::Show;
 use super::publish::PublishArgs;
 use super::talos::BootstrapRunArgs;
 use super::{Output, Partial, Reported, Usage, load_inventory};
@@ -56,24 +58,25 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         up::plan(&inv, &target, &opts)
     } else {
         let download = super::build::progress_for(quiet, output);
-        let publish: &dyn imgbuild::publish::proxmox::Observer = if output == Output::Text && !quiet
-        {
-            &super::publish::Lines
-        } else {
-            &super::publish::Quiet
-        };
-        let bootstrap = super::talos::Lines::new(quiet);
-        up::up(
+        let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
+        let board = Board::new(
+            &nodes,
+            Show::log_for(quiet, output),
+            Show::for_output(quiet, output),
+        );
+        let report = up::up(
             &inv,
             &target,
             &opts,
             Observers {
                 download: download.as_ref(),
-                publish,
-                hcloud: super::hcloud::observer(output == Output::Text && !quiet),
-                bootstrap: &bootstrap,
+                publish: &board,
+                hcloud: &board,
+                bootstrap: &board,
             },
-        )
+        );
+        board.finish();
+        report
     };
     if let Some((_, e)) = &report.stopped
         && e.is_setup()
@@ -92,6 +95,16 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         Output::Text => print_report(&report),
     }
     match &report.stopped {
+        None if report.partial() => Err(Partial(format!(
+            "cluster {} is not healthy: {}",
+            report.cluster,
+            report
+                .health
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default()
+        ))
+        .into()),
         None => Ok(()),
         Some((_, e)) if report.partial() => Err(Partial(e.to_string()).into()),
         Some((_, e)) => Err(Reported(up::chain(e)).into()),
@@ -152,17 +165,24 @@ fn print_report(r: &Report) {
             }
         }
     }
+    for f in &r.fallbacks {
+        outln!("note: {f}");
+    }
     if r.healthy {
         outln!(
             "cluster {} is healthy ({:.1}s)",
             r.cluster,
             r.elapsed_ms as f64 / 1000.0
         );
+    }
+    if r.health.is_some() {
+        // Beneath "is healthy" when it was said, else on their own.
+        let indent = if r.healthy { "  " } else { "" };
         if let Some(k) = &r.kubeconfig {
-            outln!("  kubeconfig: {}", k.display());
+            outln!("{indent}kubeconfig: {}", k.display());
         }
         if let Some(t) = &r.talosconfig {
-            outln!("  talosconfig: {}", t.display());
+            outln!("{indent}talosconfig: {}", t.display());
         }
     }
 }

@@ -384,9 +384,7 @@ impl Image {
         let (sha, _) = crate::io::sha256_of(part).map_err(io(&self.path))?;
         Ok(sha)
     }
-}
 
-impl Image {
     /// Whether both images present the same disk, byte for byte, read
     /// piece by piece through their backends.
     pub fn same_bytes(&self, other: &Image) -> Result<bool, DiskError> {

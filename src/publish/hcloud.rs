@@ -10,6 +10,7 @@
 pub mod api;
 pub mod rescue;
 pub mod servers;
+mod tally;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -303,6 +304,11 @@ fn gigabytes<S: serde::Serializer>(gb: &f64, s: S) -> Result<S::Ok, S::Error> {
 /// Progress a snapshot run reports; the CLI renders it.
 pub trait Observer: Sync {
     fn event(&self, event: &Event);
+    /// While the image streams to the rescue system (between
+    /// [`Event::Writing`] and [`Event::Written`]), once per chunk that has
+    /// left: how many bytes of the image the compressed bytes sent so far
+    /// stand for, and those compressed bytes. `nodes` boot this image.
+    fn sent(&self, _nodes: &[String], _image_bytes: u64, _wire_bytes: u64) {}
 }
 
 /// An observer that shows nothing (JSON output, dry runs).
@@ -814,6 +820,8 @@ impl Build<'_> {
             let file = std::fs::File::open(&image.path).map_err(|e| {
                 HcloudError::Io(format!("opening {}: {e}", image.path.display()))
             })?;
+            let read = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let file = tally::Tally::new(file, read.clone());
             let hashing = crate::io::HashingReader::new(file, false);
             let mut encoder = zstd::stream::read::Encoder::new(hashing, self.opts.zstd_level)
                 .map_err(|e| HcloudError::Io(format!("starting zstd: {e}")))?;
@@ -828,10 +836,13 @@ impl Build<'_> {
                     })
                     .map_err(|e| HcloudError::Io(format!("zstd workers: {e}")))?;
             }
+            let (encoder, mut marks) = tally::marked(encoder, read);
             let mut sent = 0u64;
             let (w, encoder) = session
                 .exec(rescue::WRITE, Some(encoder), self.cancel, &mut |n| {
-                    sent += n as u64
+                    let (image_bytes, wire) = marks.sent(n as u64);
+                    sent = wire;
+                    self.observer.sent(&image.nodes, image_bytes, wire);
                 })
                 .await?;
             if w.status != Some(0) {
@@ -839,6 +850,7 @@ impl Build<'_> {
             }
             let hashing = encoder
                 .ok_or_else(|| HcloudError::Io("the image reader did not finish".into()))?
+                .inner
                 .finish()
                 .into_inner();
             let read = hashing.count();

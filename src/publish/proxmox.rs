@@ -177,6 +177,11 @@ impl Default for PublishOptions {
 /// Progress a publish reports; the CLI renders it, the library never prints.
 pub trait Observer: Sync {
     fn event(&self, node: &str, event: &Event);
+    /// During an upload attempt (after [`Event::Uploading`]): how many bytes
+    /// of the image have left so far, counted as the HTTP client takes them
+    /// off the body, not as they are read from the file. Called a few times
+    /// a second at most, so a progress bar can follow.
+    fn sent(&self, _node: &str, _bytes: u64) {}
 }
 
 /// One step of one node's publish.
@@ -284,6 +289,9 @@ pub fn volume_file(
     format!("{stem}.{ext}")
 }
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 /// Bytes read from the image per body chunk: large chunks keep TLS records
 /// full and the per-chunk overhead negligible (the blocking client would
 /// cut the body into 8 KiB pieces).
@@ -293,17 +301,20 @@ const UPLOAD_CHUNK: usize = 1 << 20;
 /// parser accepts: `content`, `checksum-algorithm`, `checksum`, then the
 /// file part named `filename`, with a known length (so a Content-Length and
 /// no chunking), streamed from the file in constant memory.
+/// `sent` counts the file's bytes as they leave (see [`Counted`]).
 fn upload_form(
     file: tokio::fs::File,
     size: u64,
     name: &str,
     sha256: &str,
     content: &'static str,
+    sent: Arc<AtomicU64>,
 ) -> Form {
-    let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(
-        file,
-        UPLOAD_CHUNK,
-    ));
+    let body = reqwest::Body::wrap_stream(Counted {
+        inner: tokio_util::io::ReaderStream::with_capacity(file, UPLOAD_CHUNK),
+        handed_out: 0,
+        sent,
+    });
     Form::new()
         .text("content", content)
         .text("checksum-algorithm", "sha256")
@@ -1254,7 +1265,7 @@ fn upload(
                 size: img.size,
             },
         );
-        let sent = send_upload(api, &url, img, file_name);
+        let sent = send_upload(api, &url, img, file_name, &|n| observer.sent(&img.node, n));
         match sent {
             Ok(body) => {
                 let doc: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -1297,12 +1308,14 @@ fn upload(
 }
 
 /// One upload attempt on a runtime of its own (the publisher is blocking
-/// code); returns the reply body.
+/// code), telling `progress` how many bytes have left; returns the reply
+/// body.
 fn send_upload(
     api: &Api,
     url: &str,
     img: &PublishImage,
     file_name: &str,
+    progress: &dyn Fn(u64),
 ) -> Result<Vec<u8>, NetError> {
     let local = |e: std::io::Error| NetError::Transfer {
         method: "reading".into(),
@@ -1314,7 +1327,9 @@ fn send_upload(
         .enable_all()
         .build()
         .map_err(local)?;
-    rt.block_on(async {
+    let sent = Arc::new(AtomicU64::new(0));
+    let counter = sent.clone();
+    let attempt = async {
         let file = tokio::fs::File::open(&img.path).await.map_err(local)?;
         let req = api
             .uploads
@@ -1326,6 +1341,7 @@ fn send_upload(
                 file_name,
                 &img.sha256,
                 content_for(img.format),
+                counter,
             ));
         let resp = net::send_once_async(req).await?;
         let body = resp.bytes().await.map_err(|e| NetError::Transfer {
@@ -1342,8 +1358,95 @@ fn send_upload(
             });
         }
         Ok(body.to_vec())
+    };
+    rt.block_on(async {
+        tokio::pin!(attempt);
+        let mut tick = tokio::time::interval(PROGRESS_EVERY);
+        let mut told = 0;
+        let mut tell = || {
+            let now = sent.load(Ordering::Relaxed);
+            if now != told {
+                told = now;
+                progress(now);
+            }
+        };
+        loop {
+            tokio::select! {
+                result = &mut attempt => {
+                    tell();
+                    return result;
+                }
+                _ = tick.tick() => tell(),
+            }
+        }
     })
 }
+
+/// A body stream that counts the bytes the HTTP client has consumed: a
+/// chunk counts once the client asks for the next one (hyper writes a
+/// chunk out before it polls the body again), so the count follows the
+/// bytes leaving, not the file being read ahead.
+struct Counted<S> {
+    inner: S,
+    /// The size of the chunk last handed to the client, not yet counted.
+    handed_out: u64,
+    sent: Arc<AtomicU64>,
+}
+
+impl<S, B, E> futures_util::Stream for Counted<S>
+where
+    S: futures_util::Stream<Item = Result<B, E>> + Unpin,
+    B: AsRef<[u8]>,
+{
+    type Item = Result<B, E>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        let done = std::mem::take(&mut this.handed_out);
+        this.sent.fetch_add(done, Ordering::Relaxed);
+        let next = std::pin::Pin::new(&mut this.inner).poll_next(cx);
+        if let std::task::Poll::Ready(Some(Ok(chunk))) = &next {
+            this.handed_out = chunk.as_ref().len() as u64;
+        }
+        next
+    }
+}
+
+#[cfg(test)]
+mod counted {
+    use super::*;
+    use futures_util::StreamExt;
+
+    /// A chunk counts only once the client comes back for the next one:
+    /// the count trails what was read by exactly the chunk in flight.
+    #[test]
+    fn bytes_count_when_the_client_takes_the_next_chunk() {
+        let chunks: Vec<Result<Vec<u8>, ()>> = vec![Ok(vec![0; 5]), Ok(vec![0; 7]), Ok(vec![0; 3])];
+        let sent = Arc::new(AtomicU64::new(0));
+        let mut body = Counted {
+            inner: futures_util::stream::iter(chunks),
+            handed_out: 0,
+            sent: sent.clone(),
+        };
+        let mut seen = Vec::new();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            while body.next().await.is_some() {
+                seen.push(sent.load(Ordering::Relaxed));
+            }
+        });
+        assert_eq!(seen, [0, 5, 12]);
+        assert_eq!(sent.load(Ordering::Relaxed), 15);
+    }
+}
+
+/// How often an upload's progress is reported.
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
 /// Removes a volume an upload may have left half-checked; best effort,
 /// since the upload's own error is what the user needs to see.

@@ -45,6 +45,8 @@ pub struct Plan {
     pub nodes: Vec<PlannedNode>,
     /// `https://host:port`, possibly on the VIP.
     pub endpoint: String,
+    /// `cluster.vip`: names the setting when the endpoint on it does not answer.
+    pub vip: Option<IpAddr>,
     pub identity: Arc<Identity>,
     pub kubeconfig_path: PathBuf,
 }
@@ -84,19 +86,33 @@ impl Default for Options {
 pub enum Event {
     WaitingForPort,
     PortOpen,
-    Maintenance { fingerprint: String },
+    Maintenance {
+        fingerprint: String,
+    },
     Applying,
-    Applied { details: String },
+    Applied {
+        details: String,
+    },
     PortClosed,
     StillInMaintenance,
-    Configured { version: String },
+    Configured {
+        version: String,
+    },
     Bootstrapping,
-    BootstrapRetry { reason: String },
+    BootstrapRetry {
+        reason: String,
+    },
     Bootstrapped,
     AlreadyBootstrapped,
-    Waiting { pending: Vec<String> },
-    Kubeconfig { server: String },
+    Waiting {
+        pending: Vec<String>,
+    },
+    Kubeconfig {
+        server: String,
+    },
     Healthy,
+    /// Talos healthy, Kubernetes nodes NotReady for want of a CNI.
+    NoCni,
 }
 
 impl fmt::Display for Event {
@@ -125,6 +141,10 @@ impl fmt::Display for Event {
             }
             Event::Kubeconfig { server } => write!(f, "kubeconfig written (server {server})"),
             Event::Healthy => write!(f, "cluster healthy"),
+            Event::NoCni => write!(
+                f,
+                "Talos healthy, Kubernetes nodes NotReady: no CNI (cluster.network.cni.name: none)"
+            ),
         }
     }
 }
@@ -147,7 +167,84 @@ pub struct Outcome {
     pub kubeconfig_server: String,
     /// Talos version per node.
     pub versions: BTreeMap<String, String>,
+    /// Per node, whether Kubernetes called it Ready in the last health round.
+    pub ready: BTreeMap<String, bool>,
+    /// Healthy, or healthy as far as Talos goes but without a CNI.
+    pub health: Health,
+    /// Settings that did not work as given, and what was used instead.
+    pub fallbacks: Vec<Fallback>,
     pub elapsed_ms: u128,
+}
+
+/// How far the cluster got when the run ended without an error.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase",
+    tag = "state"
+)]
+pub enum Health {
+    /// Every check passed: Talos services, etcd, every Kubernetes node Ready.
+    Healthy,
+    /// Talos and etcd are healthy and every node registered, but the config
+    /// sets `cluster.network.cni.name: none` and brings no manifest, so no
+    /// pod network comes up and the kubelets stay NotReady for good.
+    NoCni {
+        /// The nodes Kubernetes reports NotReady.
+        not_ready: Vec<String>,
+        /// The Ready condition's message, as the kubelet put it.
+        message: String,
+    },
+}
+
+impl Health {
+    pub fn is_healthy(&self) -> bool {
+        *self == Health::Healthy
+    }
+}
+
+impl fmt::Display for Health {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Health::Healthy => f.write_str("healthy"),
+            Health::NoCni { not_ready, message } => {
+                write!(
+                    f,
+                    "Talos and etcd are healthy, but Kubernetes reports {} NotReady",
+                    not_ready.join(", ")
+                )?;
+                if !message.is_empty() {
+                    write!(f, " ({message})")?;
+                }
+                write!(f, ":\n  {HINT_NO_CNI}")
+            }
+        }
+    }
+}
+
+/// A setting that did not work as given, and what was used instead.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Fallback {
+    /// The inventory field: `cluster.vip` or `cluster.endpoint`.
+    pub setting: String,
+    /// What it asked for.
+    pub wanted: String,
+    /// What was used: the first control plane's own address.
+    pub used: String,
+    /// The node `used` belongs to.
+    pub node: String,
+    /// What was seen when `wanted` was tried.
+    pub reason: String,
+}
+
+impl fmt::Display for Fallback {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} did not answer ({}), so the kubeconfig points at {} ({})",
+            self.setting, self.wanted, self.reason, self.node, self.used
+        )
+    }
 }
 
 /// Why the bootstrap stopped. Messages say the state and what it means.
@@ -162,6 +259,14 @@ pub enum BootstrapError {
     },
     #[error("node {node}: {message}")]
     Rejected { node: String, message: String },
+    /// Some nodes did not settle. The others were still brought to mTLS,
+    /// and etcd bootstrapped when the first control plane was among them.
+    #[error("{}\n{}", failed.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"), etcd_note(.etcd.as_ref(), failed))]
+    Nodes {
+        failed: Vec<BootstrapError>,
+        /// (first control plane, bootstrapped now) when etcd runs.
+        etcd: Option<(String, bool)>,
+    },
     #[error("health checks still failing after {timeout:?}:\n  {}", pending.join("\n  "))]
     Unhealthy {
         timeout: Duration,
@@ -169,6 +274,35 @@ pub enum BootstrapError {
     },
     #[error("{0}")]
     Local(String),
+}
+
+impl BootstrapError {
+    /// The node a failure is about, if it is about one.
+    pub fn node(&self) -> Option<&str> {
+        match self {
+            BootstrapError::Stuck { node, .. } | BootstrapError::Rejected { node, .. } => {
+                Some(node)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// What happened to etcd while some nodes failed.
+fn etcd_note(etcd: Option<&(String, bool)>, failed: &[BootstrapError]) -> String {
+    let names: Vec<&str> = failed.iter().filter_map(BootstrapError::node).collect();
+    match etcd {
+        Some((node, now)) => format!(
+            "etcd {} on {node}; the nodes that settled are configured. Fix {} and run again.",
+            if *now {
+                "was bootstrapped"
+            } else {
+                "was already bootstrapped"
+            },
+            names.join(", ")
+        ),
+        None => "etcd was not bootstrapped: the first control plane did not settle.".into(),
+    }
 }
 
 fn stuck(node: &str, state: &str, detail: impl fmt::Display, hint: &str) -> BootstrapError {
@@ -183,6 +317,8 @@ fn stuck(node: &str, state: &str, detail: impl fmt::Display, hint: &str) -> Boot
 const HINT_PORT: &str = "The machine is not up, not reachable from here, or has another address: check that it booted this cluster's image, and nodes[].address / talosEndpoint.";
 const HINT_MAINTENANCE: &str = "The node accepted the config but never left maintenance mode. This usually means it cannot act on it: the install disk is missing (check nodes[].installDisk against the disks it reports), the install image cannot be pulled, or the config failed on the node; its console tells which.";
 const HINT_REBOOT: &str = "The node went away after the config was applied and did not come back: it is rebooting into an install that fails, or booted from media without the installed system.";
+const HINT_NAME: &str = "Talos names the node's own addresses (and machine.certSANs) in its API certificate, and imgbuild checks it against nodes[].address: the node has another address than the inventory says (DHCP?), or is reached through NAT or a port forward (talosEndpoint). Fix nodes[].address, or add the address to machine.certSANs with a patch.";
+const HINT_NO_CNI: &str = "cluster.network.cni.name is none and no CNI manifest is given (cluster.inlineManifests, cluster.extraManifests), so no pod network comes up and the nodes stay NotReady. Add the CNI's manifest to cluster.inlineManifests or cluster.extraManifests with a patch and run again, or install one now with the kubeconfig (e.g. helm install cilium).";
 const HINT_FOREIGN: &str = "The node is configured with a different CA than this cluster's secrets.yaml: it was set up from other secrets (another secrets.yaml, or a talosconfig generated elsewhere). Use that cluster's secrets (`imgbuild secrets gen --secrets FILE --force`) or reset the node to maintenance mode.";
 
 struct Ctx<'a> {
@@ -274,6 +410,17 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
                             "configured by someone else (certificate signed by unknown authority)",
                             detail,
                             HINT_FOREIGN,
+                        ));
+                    }
+                    Err(ApiError::WrongName { presented, .. }) => {
+                        return Err(stuck(
+                            name,
+                            "configured, but its certificate names other addresses",
+                            ApiError::WrongName {
+                                expected: node.target.server_name.to_string(),
+                                presented,
+                            },
+                            HINT_NAME,
                         ));
                     }
                     Err(e) => Seen::ConfiguredSilent(e.to_string()),
@@ -459,16 +606,14 @@ async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, Bootst
 }
 
 /// Whether something accepts TCP on `addr` right now (for the VIP),
-/// without blocking the runtime's thread.
-async fn answers(addr: SocketAddr) -> bool {
-    matches!(
-        tokio::time::timeout(
-            Duration::from_millis(500),
-            tokio::net::TcpStream::connect(addr)
-        )
-        .await,
-        Ok(Ok(_))
-    )
+/// without blocking the runtime's thread; what was seen when not.
+async fn answers(addr: SocketAddr) -> Result<(), String> {
+    let wait = Duration::from_millis(500);
+    match tokio::time::timeout(wait, tokio::net::TcpStream::connect(addr)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {wait:?}")),
+    }
 }
 
 fn endpoint_addr(endpoint: &str) -> Option<(String, SocketAddr)> {
@@ -484,18 +629,36 @@ fn endpoint_addr(endpoint: &str) -> Option<(String, SocketAddr)> {
 }
 
 /// The API server URL to write: the endpoint once it answers, else the first
-/// control plane's own address (the VIP appears only after etcd elects it).
-async fn reachable_server(endpoint: &str, first_cp: IpAddr) -> String {
-    match endpoint_addr(endpoint) {
-        Some((_, addr)) if !answers(addr).await => {
-            let host = match first_cp {
-                IpAddr::V6(v6) => format!("[{v6}]"),
-                v4 => v4.to_string(),
-            };
-            format!("https://{host}:{}", addr.port())
-        }
-        _ => endpoint.to_owned(),
-    }
+/// control plane's own address (the VIP appears only after etcd elects it),
+/// with the fallback named.
+async fn reachable_server(
+    endpoint: &str,
+    vip: Option<IpAddr>,
+    first_cp: (&str, IpAddr),
+) -> (String, Option<Fallback>) {
+    let Some((_, addr)) = endpoint_addr(endpoint) else {
+        return (endpoint.to_owned(), None);
+    };
+    let Err(reason) = answers(addr).await else {
+        return (endpoint.to_owned(), None);
+    };
+    let host = match first_cp.1 {
+        IpAddr::V6(v6) => format!("[{v6}]"),
+        v4 => v4.to_string(),
+    };
+    let used = format!("https://{host}:{}", addr.port());
+    let (setting, wanted) = match vip {
+        Some(vip) if vip == addr.ip() => ("cluster.vip", format!("{vip} (in {endpoint})")),
+        _ => ("cluster.endpoint", endpoint.to_owned()),
+    };
+    let fallback = Fallback {
+        setting: setting.into(),
+        wanted,
+        used: used.clone(),
+        node: first_cp.0.to_owned(),
+        reason,
+    };
+    (used, Some(fallback))
 }
 
 /// The kubeconfig in use: one already on disk is reused while it works, so a
@@ -517,13 +680,42 @@ impl KubeState {
     }
 }
 
-/// One round of every health check; returns what is not yet true.
+/// What one round of health checks saw.
+#[derive(Default)]
+struct Round {
+    /// Every check not yet true, in words.
+    pending: Vec<String>,
+    /// The registered nodes Kubernetes does not call Ready (each is also in
+    /// `pending`), with the message of their Ready condition.
+    not_ready: Vec<(String, String)>,
+    /// Per node, whether Kubernetes called it Ready.
+    ready: BTreeMap<String, bool>,
+    /// Why the kubeconfig does not point at the endpoint.
+    fallback: Option<Fallback>,
+}
+
+impl Round {
+    fn failed(pending: Vec<String>) -> Round {
+        Round {
+            pending,
+            ..Round::default()
+        }
+    }
+
+    /// Talos is healthy and every node registered, only Ready is missing:
+    /// with no CNI in the config, that stays so.
+    fn only_not_ready(&self) -> bool {
+        !self.not_ready.is_empty() && self.pending.len() == self.not_ready.len()
+    }
+}
+
+/// One round of every health check.
 async fn health_round(
     plan: &Plan,
     first_cp: &PlannedNode,
     cx: &Ctx<'_>,
     kube_state: &mut KubeState,
-) -> Vec<String> {
+) -> Round {
     let mode = Mode::Mtls(cx.identity.clone());
     let mut pending = Vec::new();
     let control_planes: Vec<&PlannedNode> = plan
@@ -536,7 +728,9 @@ async fn health_round(
     // back stamped with the member's address.
     let endpoint = match NodeClient::connect(&first_cp.target, &mode, cx.opts.call_timeout).await {
         Ok(c) => c,
-        Err(e) => return vec![format!("{}: API not answering ({e})", first_cp.name)],
+        Err(e) => {
+            return Round::failed(vec![format!("{}: API not answering ({e})", first_cp.name)]);
+        }
     };
     let checks = plan.nodes.iter().map(|node| {
         let conn = endpoint.clone().via(node.address);
@@ -617,9 +811,10 @@ async fn health_round(
     }
     let Some(kc) = kube_state.config.as_mut() else {
         pending.push("Kubernetes: no kubeconfig yet".into());
-        return pending;
+        return Round::failed(pending);
     };
-    let server = reachable_server(&plan.endpoint, first_cp.address).await;
+    let (server, fallback) =
+        reachable_server(&plan.endpoint, plan.vip, (&first_cp.name, first_cp.address)).await;
     if kc.server != server {
         *kc = kc.with_server(&server);
     }
@@ -629,15 +824,22 @@ async fn health_round(
         .await
         .map_err(|e| e.to_string())
         .and_then(|r| r.map_err(|e| e.to_string()));
+    let mut round = Round {
+        fallback,
+        ..Round::default()
+    };
     match readiness {
         Ok(list) => {
             for node in &plan.nodes {
-                match list.iter().find(|(n, _)| *n == node.name) {
+                match list.iter().find(|n| n.name == node.name) {
                     None => pending.push(format!("{}: not registered in Kubernetes", node.name)),
-                    Some((_, false)) => {
-                        pending.push(format!("{}: Kubernetes node not Ready", node.name))
+                    Some(n) => {
+                        round.ready.insert(node.name.clone(), n.ready);
+                        if !n.ready {
+                            pending.push(format!("{}: Kubernetes node not Ready", node.name));
+                            round.not_ready.push((node.name.clone(), n.message.clone()));
+                        }
                     }
-                    Some(_) => {}
                 }
             }
         }
@@ -646,7 +848,7 @@ async fn health_round(
             // cluster): fetch a fresh one next round.
             kube_state.config = None;
             pending.push(format!("existing kubeconfig does not work ({e})"));
-            return pending;
+            return Round::failed(pending);
         }
         Err(e) => pending.push(e),
     }
@@ -660,7 +862,43 @@ async fn health_round(
         Ok(false) => {}
         Err(e) => pending.push(e),
     }
-    pending
+    round.pending = pending;
+    round
+}
+
+/// Whether the config turns the cluster's CNI off and brings no manifest
+/// that could carry one: then no node ever becomes Ready. Talos deploys
+/// its default CNI only when `cni.name` is flannel (siderolabs/talos
+/// internal/app/machined/pkg/controllers/k8s/control_plane.go,
+/// `FlannelEnabled`); without one the kubelet's Ready condition stays
+/// False ("cni plugin not initialized"). Manifests come from control
+/// plane configs.
+fn cni_missing(nodes: &[PlannedNode]) -> bool {
+    let configs: Vec<serde_yaml_ng::Value> = nodes
+        .iter()
+        .filter(|n| n.role == Role::Controlplane)
+        .filter_map(|n| v1alpha1(&n.config))
+        .collect();
+    let none = configs
+        .iter()
+        .any(|c| c["cluster"]["network"]["cni"]["name"].as_str() == Some("none"));
+    let manifests = configs.iter().any(|c| {
+        ["inlineManifests", "extraManifests"].iter().any(|k| {
+            c["cluster"][*k]
+                .as_sequence()
+                .is_some_and(|list| !list.is_empty())
+        })
+    });
+    none && !manifests
+}
+
+/// The v1alpha1 document of a rendered machine config (the one with
+/// `machine` or `cluster`; other documents may follow it).
+fn v1alpha1(config: &[u8]) -> Option<serde_yaml_ng::Value> {
+    use serde::Deserialize;
+    serde_yaml_ng::Deserializer::from_slice(config)
+        .filter_map(|doc| serde_yaml_ng::Value::deserialize(doc).ok())
+        .find(|d| d.get("machine").is_some() || d.get("cluster").is_some())
 }
 
 /// Writes `kc` 0600 when its text changed; `Ok(true)` when it wrote.
@@ -670,7 +908,9 @@ fn write_kubeconfig(kc: &Kubeconfig, path: &std::path::Path) -> Result<bool, Str
 }
 
 /// Runs the whole state machine. Idempotent: configured nodes get nothing
-/// applied and a bootstrapped cluster is not bootstrapped again.
+/// applied and a bootstrapped cluster is not bootstrapped again. A node
+/// that does not settle does not hold back the others, nor etcd's
+/// bootstrap on a first control plane that did.
 pub async fn run(
     plan: &Plan,
     opts: &Options,
@@ -696,8 +936,8 @@ pub async fn run(
         .iter()
         .position(|n| n.name == first_cp.name)
         .expect("first control plane is a node");
-    let mut results: Vec<Option<Result<NodeDone, BootstrapError>>> =
-        plan.nodes.iter().map(|_| None).collect();
+    let mut settled: Vec<Option<NodeDone>> = plan.nodes.iter().map(|_| None).collect();
+    let mut failed = Vec::new();
     let mut bootstrapped = None;
     {
         use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -709,15 +949,15 @@ pub async fn run(
             None;
         loop {
             tokio::select! {
-                Some((i, r)) = pending.next(), if !pending.is_empty() => {
-                    if i == first_index && r.is_ok() {
-                        boot = Some(Box::pin(bootstrap_once(first_cp, &cx)));
+                Some((i, r)) = pending.next(), if !pending.is_empty() => match r {
+                    Ok(done) => {
+                        if i == first_index {
+                            boot = Some(Box::pin(bootstrap_once(first_cp, &cx)));
+                        }
+                        settled[i] = Some(done);
                     }
-                    if let Err(e) = r {
-                        return Err(e);
-                    }
-                    results[i] = Some(r);
-                }
+                    Err(e) => failed.push(e),
+                },
                 b = async { boot.as_mut().expect("guarded").await }, if boot.is_some() => {
                     boot = None;
                     bootstrapped = Some(b?);
@@ -729,34 +969,54 @@ pub async fn run(
             }
         }
     }
+    if !failed.is_empty() {
+        return Err(BootstrapError::Nodes {
+            failed,
+            etcd: bootstrapped.map(|now| (first_cp.name.clone(), now)),
+        });
+    }
     let bootstrapped = bootstrapped.expect("bootstrap ran once the first control plane settled");
 
     let health_deadline = Instant::now() + opts.health_timeout;
     let mut kube_state = KubeState::load(&plan.kubeconfig_path);
     let mut last_pending: Vec<String> = Vec::new();
-    loop {
-        let pending = health_round(plan, first_cp, &cx, &mut kube_state).await;
-        if pending.is_empty() {
-            break;
+    let no_cni = cni_missing(&plan.nodes);
+    let (health, last) = loop {
+        let round = health_round(plan, first_cp, &cx, &mut kube_state).await;
+        if round.pending.is_empty() {
+            break (Health::Healthy, round);
         }
-        if pending != last_pending {
+        if no_cni && round.only_not_ready() {
+            let not_ready = round.not_ready.iter().map(|(n, _)| n.clone()).collect();
+            let message = round
+                .not_ready
+                .iter()
+                .map(|(_, m)| m.clone())
+                .find(|m| !m.is_empty())
+                .unwrap_or_default();
+            break (Health::NoCni { not_ready, message }, round);
+        }
+        if round.pending != last_pending {
             observer.event(
                 "cluster",
                 &Event::Waiting {
-                    pending: pending.clone(),
+                    pending: round.pending.clone(),
                 },
             );
         }
         if Instant::now() + opts.poll > health_deadline {
             return Err(BootstrapError::Unhealthy {
                 timeout: opts.health_timeout,
-                pending,
+                pending: round.pending,
             });
         }
-        last_pending = pending;
+        last_pending = round.pending;
         tokio::time::sleep(opts.poll).await;
+    };
+    match &health {
+        Health::Healthy => observer.event("cluster", &Event::Healthy),
+        Health::NoCni { .. } => observer.event("cluster", &Event::NoCni),
     }
-    observer.event("cluster", &Event::Healthy);
 
     let mut outcome = Outcome {
         applied: Vec::new(),
@@ -765,10 +1025,13 @@ pub async fn run(
         bootstrap_node: first_cp.name.clone(),
         kubeconfig_server: kube_state.config.map(|k| k.server).unwrap_or_default(),
         versions: BTreeMap::new(),
+        ready: last.ready,
+        health,
+        fallbacks: last.fallback.into_iter().collect(),
         elapsed_ms: started.elapsed().as_millis(),
     };
-    for (node, r) in plan.nodes.iter().zip(results) {
-        let done = r.expect("every node settled")?;
+    for (node, done) in plan.nodes.iter().zip(settled) {
+        let done = done.expect("every node settled");
         if done.applied {
             outcome.applied.push(node.name.clone());
         } else {
@@ -797,21 +1060,77 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_unanswering_vip_is_replaced_by_the_first_control_plane() {
+    async fn an_unanswering_vip_is_replaced_by_the_first_control_plane_and_named() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let endpoint = format!("https://127.0.0.1:{port}");
+        let cp = ("cp-01", "127.0.0.2".parse().unwrap());
+        let vip = Some("127.0.0.1".parse().unwrap());
         assert_eq!(
-            reachable_server(&endpoint, "127.0.0.2".parse().unwrap()).await,
-            endpoint,
+            reachable_server(&endpoint, vip, cp).await,
+            (endpoint.clone(), None),
             "an answering endpoint is kept"
         );
         drop(listener);
         // Nothing listens on this loopback port any more.
+        let (server, fallback) = reachable_server(&endpoint, vip, cp).await;
+        assert_eq!(server, format!("https://127.0.0.2:{port}"));
+        let f = fallback.unwrap();
         assert_eq!(
-            reachable_server(&endpoint, "127.0.0.2".parse().unwrap()).await,
-            format!("https://127.0.0.2:{port}")
+            (f.setting.as_str(), f.node.as_str(), f.used.as_str()),
+            ("cluster.vip", "cp-01", server.as_str())
         );
+        assert!(f.reason.contains("refused"), "{f:?}");
+        assert_eq!(
+            f.to_string(),
+            format!(
+                "cluster.vip 127.0.0.1 (in {endpoint}) did not answer ({}), so the kubeconfig points at cp-01 ({server})",
+                f.reason
+            )
+        );
+        // An endpoint that is not the VIP is named as cluster.endpoint.
+        let (_, f) = reachable_server(&endpoint, None, cp).await;
+        assert_eq!(f.unwrap().setting, "cluster.endpoint");
+    }
+
+    #[test]
+    fn only_none_without_manifests_means_no_cni() {
+        let doc = |cluster: &str| {
+            format!(
+                "version: v1alpha1\nmachine:\n  type: controlplane\ncluster:\n{cluster}---\napiVersion: v1alpha1\nkind: HostnameConfig\n"
+            )
+        };
+        let none = "  network:\n    cni:\n      name: none\n";
+        let v = v1alpha1(doc(none).as_bytes()).unwrap();
+        assert_eq!(
+            v["cluster"]["network"]["cni"]["name"].as_str(),
+            Some("none")
+        );
+        let missing = |cluster: &str| {
+            let node = |role, config: String| PlannedNode {
+                name: "n".into(),
+                role,
+                address: "127.0.0.1".parse().unwrap(),
+                target: Target::new(Some("127.0.0.1".parse().unwrap()), None).unwrap(),
+                install_disk: "/dev/sda".into(),
+                config: config.into_bytes(),
+            };
+            cni_missing(&[
+                node(Role::Controlplane, doc(cluster)),
+                node(
+                    Role::Worker,
+                    doc("  inlineManifests: [{name: x, contents: y}]\n"),
+                ),
+            ])
+        };
+        assert!(missing(none), "a worker's manifests are not applied");
+        assert!(!missing("  network: {}\n"), "flannel by default");
+        assert!(!missing(&format!(
+            "{none}  extraManifests: [https://x/cni.yaml]\n"
+        )));
+        assert!(!missing(&format!(
+            "{none}  inlineManifests: [{{name: cilium, contents: x}}]\n"
+        )));
     }
 
     #[test]

@@ -62,6 +62,13 @@ pub enum ApiError {
     /// The node's certificate is not from our CA (or ours is not from its).
     #[error("certificate signed by unknown authority: {0}")]
     UnknownAuthority(String),
+    /// The node's certificate is from our CA but does not name the address
+    /// it was reached as.
+    #[error("the node's certificate is not valid for {expected}: it names {}", if presented.is_empty() { "no address at all".to_owned() } else { presented.join(", ") })]
+    WrongName {
+        expected: String,
+        presented: Vec<String>,
+    },
     #[error("the node's certificate has SHA-256 {found}, not the pinned {expected}")]
     PinMismatch { expected: String, found: String },
     #[error("cannot connect: {0}")]
@@ -482,6 +489,17 @@ fn from_rustls(e: &rustls::Error) -> ApiError {
                 found: m.found.hex(),
             }
         }
+        Error::InvalidCertificate(CertificateError::NotValidForNameContext {
+            expected,
+            presented,
+        }) => ApiError::WrongName {
+            expected: expected.to_str().into_owned(),
+            presented: presented.iter().map(|n| plain_name(n)).collect(),
+        },
+        Error::InvalidCertificate(CertificateError::NotValidForName) => ApiError::WrongName {
+            expected: String::new(),
+            presented: Vec::new(),
+        },
         Error::InvalidCertificate(CertificateError::UnknownIssuer)
         | Error::InvalidCertificate(CertificateError::BadSignature)
         | Error::AlertReceived(AlertDescription::UnknownCA)
@@ -490,6 +508,17 @@ fn from_rustls(e: &rustls::Error) -> ApiError {
         }
         other => ApiError::Tls(other.to_string()),
     }
+}
+
+/// A name as webpki presents it (`IpAddress(10.0.0.1)`, `DnsName("cp-01")`)
+/// as a user writes it.
+fn plain_name(presented: &str) -> String {
+    presented
+        .split_once('(')
+        .and_then(|(_, rest)| rest.strip_suffix(')'))
+        .unwrap_or(presented)
+        .trim_matches('"')
+        .to_owned()
 }
 
 /// Finds the TLS or socket failure inside a transport error.
@@ -690,5 +719,19 @@ mod tests {
         assert!(matches!(classify(&io), Some(ApiError::CertificateRequired)));
         let io = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
         assert!(matches!(classify(&io), Some(ApiError::Unreachable(_))));
+        let io = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            Error::InvalidCertificate(CertificateError::NotValidForNameContext {
+                expected: rustls::pki_types::ServerName::IpAddress(
+                    "10.0.0.11".parse::<IpAddr>().unwrap().into(),
+                ),
+                presented: vec!["IpAddress(10.0.0.99)".into(), "DnsName(\"cp-01\")".into()],
+            }),
+        );
+        let e = classify(&io).unwrap();
+        assert_eq!(
+            e.to_string(),
+            "the node's certificate is not valid for 10.0.0.11: it names 10.0.0.99, cp-01"
+        );
     }
 }

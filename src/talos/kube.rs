@@ -145,9 +145,9 @@ impl Kubeconfig {
         .map_err(|e| KubeError::Invalid(e.to_string()))
     }
 
-    /// Every registered node and whether its Ready condition is True.
+    /// Every registered node and its Ready condition.
     /// Blocking: call it off the async runtime.
-    pub fn node_readiness(&self, timeout: Duration) -> Result<Vec<(String, bool)>, KubeError> {
+    pub fn node_readiness(&self, timeout: Duration) -> Result<Vec<NodeReady>, KubeError> {
         let api = |message: String| KubeError::Api {
             server: self.server.clone(),
             message,
@@ -162,20 +162,35 @@ impl Kubeconfig {
     }
 }
 
-/// (name, Ready) for each item of a `NodeList`.
-fn readiness(list: &serde_json::Value) -> Vec<(String, bool)> {
+/// One Kubernetes node as the health check reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeReady {
+    pub name: String,
+    /// The Ready condition is True.
+    pub ready: bool,
+    /// The Ready condition's message (the kubelet's reason when not Ready).
+    pub message: String,
+}
+
+/// Each item of a `NodeList` with its Ready condition.
+fn readiness(list: &serde_json::Value) -> Vec<NodeReady> {
     list["items"]
         .as_array()
         .map(|items| {
             items
                 .iter()
                 .map(|n| {
-                    let name = n["metadata"]["name"].as_str().unwrap_or("").to_owned();
-                    let ready = n["status"]["conditions"].as_array().is_some_and(|cs| {
-                        cs.iter()
-                            .any(|c| c["type"] == "Ready" && c["status"] == "True")
-                    });
-                    (name, ready)
+                    let condition = n["status"]["conditions"]
+                        .as_array()
+                        .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"));
+                    NodeReady {
+                        name: n["metadata"]["name"].as_str().unwrap_or("").to_owned(),
+                        ready: condition.is_some_and(|c| c["status"] == "True"),
+                        message: condition
+                            .and_then(|c| c["message"].as_str())
+                            .unwrap_or("")
+                            .to_owned(),
+                    }
                 })
                 .collect()
         })
@@ -233,12 +248,22 @@ mod tests {
     fn readiness_reads_the_ready_condition() {
         let list = serde_json::json!({"items": [
             {"metadata": {"name": "a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
-            {"metadata": {"name": "b"}, "status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+            {"metadata": {"name": "b"}, "status": {"conditions": [
+                {"type": "MemoryPressure", "status": "False", "message": "ok"},
+                {"type": "Ready", "status": "False", "message": "cni plugin not initialized"}]}},
             {"metadata": {"name": "c"}, "status": {}},
         ]});
+        let seen: Vec<(String, bool, String)> = readiness(&list)
+            .into_iter()
+            .map(|n| (n.name, n.ready, n.message))
+            .collect();
         assert_eq!(
-            readiness(&list),
-            [("a".into(), true), ("b".into(), false), ("c".into(), false)]
+            seen,
+            [
+                ("a".into(), true, "".into()),
+                ("b".into(), false, "cni plugin not initialized".into()),
+                ("c".into(), false, "".into())
+            ]
         );
     }
 

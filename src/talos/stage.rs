@@ -293,6 +293,7 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
     let plan = Plan {
         nodes,
         endpoint: inv.cluster.endpoint.clone(),
+        vip: inv.cluster.vip,
         identity: Arc::new(identity),
         kubeconfig_path: state_dir.kubeconfig_path(),
     };

@@ -14,12 +14,16 @@ pub fn root() -> PathBuf {
 
 /// Runs imgbuild from the repository root, ignoring any $IMGBUILD_CONFIG.
 pub fn imgbuild(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .args(args)
+    imgbuild_command(args).output().unwrap()
+}
+
+/// The command [`imgbuild`] runs, for a test that wires it otherwise.
+pub fn imgbuild_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
+    cmd.args(args)
         .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
-        .output()
-        .unwrap()
+        .env_remove("IMGBUILD_CONFIG");
+    cmd
 }
 
 pub fn text(b: &[u8]) -> String {

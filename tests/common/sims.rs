@@ -201,6 +201,21 @@ impl Pve {
             .unwrap();
         serde_json::from_slice(&o.stdout).unwrap()
     }
+
+    /// [`Pve::stats`] once no task runs: a task outlives its client (an
+    /// upload whose sender was killed still imports), so counts read
+    /// earlier may still grow.
+    pub fn idle_stats(&self) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let stats = self.stats();
+            if stats["tasksRunning"] == 0 {
+                return stats;
+            }
+            assert!(Instant::now() < deadline, "tasks never ended: {stats}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
 
 impl Drop for Pve {

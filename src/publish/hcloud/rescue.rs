@@ -147,8 +147,8 @@ impl Rescue {
 
     /// Runs `command` with `input` streamed on its stdin (read on a thread
     /// of its own in chunks: compressing is CPU work), telling `sent` of
-    /// every chunk's size; `input` comes back once read (to ask it what
-    /// it read). Output is kept up to 64 KiB per stream.
+    /// every chunk's size once the channel has taken it; `input` comes
+    /// back once read (to ask it what it read). Output is kept up to 64 KiB per stream.
     pub async fn exec<R: Read + Send + 'static>(
         &self,
         command: &str,
@@ -183,8 +183,9 @@ impl Rescue {
                     chunk = next.recv() => match chunk {
                         Some(Ok(data)) => {
                             cancel.check()?;
-                            sent(data.len());
+                            let n = data.len();
                             tx.data_bytes(data).await.map_err(ssh)?;
+                            sent(n);
                         }
                         Some(Err(e)) => return Err(HcloudError::Io(format!("reading the image: {e}"))),
                         None => {
