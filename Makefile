@@ -17,8 +17,9 @@ ATLAS := examples/atlas/cluster.yaml
 # differential oracle), OpenSSH's sshd, ssh and ssh-keygen and zstd (the
 # Hetzner simulator's rescue system and the tests that log in to it), jq
 # (docs/ci.md's snapshot collector and make fuzz), man-db (the installed man
-# page is rendered with man -l) and GNU time (tests/hostile_input.rs and
-# tests/hostile_images.rs measure peak RSS with it).
+# page is rendered with man -l), GNU time (tests/hostile_input.rs and
+# tests/hostile_images.rs measure peak RSS with it) and xorriso (per-node
+# ISOs and the factory simulator's ISOs).
 deps:
 	@need=""; \
 	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
@@ -29,8 +30,8 @@ deps:
 	command -v zstd >/dev/null 2>&1 || need="$$need zstd"; \
 	command -v jq >/dev/null 2>&1 || need="$$need jq"; \
 	[ -x /usr/bin/time ] || need="$$need time"; \
+	command -v xorriso >/dev/null 2>&1 || need="$$need xorriso"; \
 	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
-	[ -x /usr/bin/time ] || need="$$need time"; \
 	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
 	if [ -n "$$need" ]; then \

@@ -203,6 +203,10 @@ pub enum BuildError {
     Fetch(#[from] FetchError),
     #[error(transparent)]
     Disk(#[from] DiskError),
+    #[error(transparent)]
+    Iso(#[from] crate::iso::IsoError),
+    #[error(transparent)]
+    Boot(#[from] Box<crate::boot::BootError>),
     #[error("{}", path.display())]
     Io {
         path: PathBuf,
@@ -218,6 +222,7 @@ fn factory_ext(format: ImageFormat) -> &'static str {
     match format {
         ImageFormat::Raw => "raw.zst",
         ImageFormat::Qcow2 => "qcow2",
+        ImageFormat::Iso => "iso",
     }
 }
 
@@ -225,6 +230,7 @@ fn out_name(node: &str, format: ImageFormat) -> String {
     match format {
         ImageFormat::Raw => format!("{node}.raw"),
         ImageFormat::Qcow2 => format!("{node}.qcow2"),
+        ImageFormat::Iso => format!("{node}.iso"),
     }
 }
 
@@ -331,6 +337,9 @@ pub fn build(
     progress: &dyn Progress,
 ) -> Result<Vec<Outcome>, BuildError> {
     let plans = plan(inv, nodes, opts)?;
+    if inv.image.format == ImageFormat::Iso && opts.route == Route::Patch {
+        crate::iso::check_patchable(&inv.cluster.talos_version, inv.image.bootloader)?;
+    }
     std::fs::create_dir_all(&opts.out_dir).map_err(|source| BuildError::Io {
         path: opts.out_dir.clone(),
         source: match std::fs::metadata(&opts.out_dir) {
@@ -452,11 +461,22 @@ fn build_one(
             let id = factory.register(&schematic::base_for_node(inv, node))?;
             let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
             let art = fetch::fetch(client, &url, None, &opts.fetch, progress)?;
-            let edits: Vec<_> = schematic::network_value(inv, node)
-                .map(|v| (u32::from(KEY_NETWORK), Some(v.into_bytes())))
-                .into_iter()
-                .collect();
-            disk::write_patched_copy(&art.path, &plan.file, &edits)?;
+            if format == ImageFormat::Iso {
+                // Key 10 as PXE carries it; off metal nothing reads it and
+                // the node's ISO is the base's.
+                match crate::boot::meta_arg(inv, node).map_err(Box::new)? {
+                    Some(arg) => {
+                        crate::iso::write_node_iso(&art.path, &plan.file, &arg)?;
+                    }
+                    None => copy_out(&art.path, &plan.file)?,
+                }
+            } else {
+                let edits: Vec<_> = schematic::network_value(inv, node)
+                    .map(|v| (u32::from(KEY_NETWORK), Some(v.into_bytes())))
+                    .into_iter()
+                    .collect();
+                disk::write_patched_copy(&art.path, &plan.file, &edits)?;
+            }
             let (sha256, size) = hash_file(&plan.file)?;
             (url, sha256, size)
         }
@@ -500,6 +520,34 @@ pub fn hash_file(path: &Path) -> Result<(String, u64), BuildError> {
     crate::io::sha256_of(f).map_err(io_err)
 }
 
+/// What is wrong with a metal node's ISO beyond its bytes: a kernel menu
+/// entry without the node's META, or with META that does not decode.
+fn iso_problem(file: &Path) -> Option<String> {
+    let report = match crate::iso::inspect(file, &file.with_extension("grub.cfg")) {
+        Ok(r) => r,
+        Err(e) => return Some(e.to_string()),
+    };
+    let bad: Vec<String> = report
+        .entries
+        .iter()
+        .filter_map(|e| match (&e.problem, e.meta.is_empty()) {
+            (Some(p), _) => Some(format!("menu entry {:?}: {p}", e.entry.title)),
+            (None, true) => Some(format!("menu entry {:?} carries no META", e.entry.title)),
+            (None, false) => None,
+        })
+        .collect();
+    (!bad.is_empty() || report.entries.is_empty()).then(|| {
+        format!(
+            "grub.cfg: {}",
+            if bad.is_empty() {
+                "no kernel menu entry".to_owned()
+            } else {
+                bad.join("; ")
+            }
+        )
+    })
+}
+
 /// One manifest entry checked against the file on disk.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Verified {
@@ -530,6 +578,9 @@ pub fn verify(out_dir: &Path) -> Result<Vec<Verified>, BuildError> {
                 }
                 Ok((sha, _)) if sha != m.sha256 => {
                     Some(format!("sha256 {sha}, manifest says {}", m.sha256))
+                }
+                Ok(_) if m.format == ImageFormat::Iso && m.platform == "metal" => {
+                    iso_problem(&file)
                 }
                 Ok(_) => None,
             };

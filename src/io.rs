@@ -228,6 +228,9 @@ impl Magic {
                     Some(Magic::Xz | Magic::Zstd | Magic::Gzip)
                 ) || head.starts_with(b"070701")
             }
+            // A hybrid ISO (grub-mkrescue's) also has an MBR or GPT in
+            // front, which `detect` would name first.
+            Magic::Iso => head.get(0x8001..0x8006) == Some(b"CD001"),
             kind => Magic::detect(head) == Some(kind),
         }
     }
@@ -415,6 +418,10 @@ mod tests {
         let mut iso = vec![0u8; 0x8006];
         iso[0x8001..0x8006].copy_from_slice(b"CD001");
         assert_eq!(Magic::detect(&iso), Some(Magic::Iso));
+        // A hybrid ISO, with a GPT in front, is still an ISO.
+        iso[512..520].copy_from_slice(b"EFI PART");
+        assert!(Magic::Iso.matches(&iso));
+        assert!(!Magic::Iso.matches(&gpt));
         assert_eq!(Magic::detect(b"Not Found"), None);
     }
 

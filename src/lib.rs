@@ -13,6 +13,7 @@ pub mod import;
 pub mod input;
 pub mod inventory;
 pub mod io;
+pub mod iso;
 pub mod meta;
 pub mod net;
 pub mod plan;

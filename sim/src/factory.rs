@@ -499,6 +499,15 @@ fn boot_asset(schematic: &SchematicShape, version: &str, file: &str) -> Option<R
         return Some(bytes(xz));
     }
     let (platform, arch) = file.strip_prefix("cmdline-")?.rsplit_once('-')?;
+    Some(text(
+        StatusCode::OK,
+        cmdline(schematic, version, platform, arch),
+    ))
+}
+
+/// The kernel command line the factory gives a schematic's boot assets,
+/// with its META on it when it has any.
+fn cmdline(schematic: &SchematicShape, version: &str, platform: &str, arch: &str) -> String {
     let mut args = vec![
         format!("talos.platform={platform}"),
         "console=ttyS0".into(),
@@ -522,7 +531,7 @@ fn boot_asset(schematic: &SchematicShape, version: &str, file: &str) -> Option<R
             encode_meta_values(&schematic.customization.meta, version)
         ));
     }
-    Some(text(StatusCode::OK, args.join(" ")))
+    args.join(" ")
 }
 
 /// A few KiB that a boot loader would take for a kernel of `arch`: an x86
@@ -594,6 +603,7 @@ enum Kind {
     RawXz,
     RawGz,
     Qcow2,
+    Iso,
 }
 
 fn image_kind(file: &str) -> Option<Kind> {
@@ -607,6 +617,8 @@ fn image_kind(file: &str) -> Option<Kind> {
         (s, Kind::Raw)
     } else if let Some(s) = file.strip_suffix(".qcow2") {
         (s, Kind::Qcow2)
+    } else if let Some(s) = file.strip_suffix(".iso") {
+        (s, Kind::Iso)
     } else {
         return None;
     };
@@ -632,7 +644,8 @@ fn build(
         return Ok(out);
     }
     let raw = dir.join("disk.raw");
-    if !raw.exists() {
+    // An ISO is made from the boot assets, not from the disk.
+    if kind != Kind::Iso && !raw.exists() {
         let tags: Vec<(u32, Vec<u8>)> = schematic
             .customization
             .meta
@@ -683,9 +696,77 @@ fn build(
                 .status()?;
             anyhow::ensure!(st.success(), "qemu-img convert failed");
         }
+        Kind::Iso => {
+            let stem = file.strip_suffix(".iso").unwrap_or(file);
+            let (platform, arch) = stem.rsplit_once('-').unwrap_or((stem, "amd64"));
+            let cmdline = cmdline(schematic, version, platform, arch);
+            make_iso(&tmp, &cmdline, version, arch)?;
+        }
     }
     std::fs::rename(&tmp, &out)?;
     Ok(out)
+}
+
+/// The volume date of every simulated ISO (`YYYYMMDDhhmmsscc`): GRUB's EFI
+/// image finds its root by the UUID made of it, so a remaster must keep it.
+const ISO_VOLUME_DATE: &str = "2025061210203000";
+
+/// A small ISO in the layout of siderolabs/talos `pkg/imager/iso/grub.go`
+/// and `grub.cfg`: `/boot/vmlinuz`, `/boot/initramfs.xz`, a
+/// `/boot/grub/grub.cfg` whose menu entries boot the kernel with the
+/// schematic's command line (META included), and El Torito BIOS and EFI
+/// boot images (dummy files here) as grub-mkrescue lays them out, hybrid
+/// (GPT with the EFI image as a partition).
+fn make_iso(out: &std::path::Path, cmdline: &str, version: &str, arch: &str) -> anyhow::Result<()> {
+    let tree = out.with_extension("tree");
+    let _ = std::fs::remove_dir_all(&tree);
+    let boot = tree.join("boot");
+    std::fs::create_dir_all(boot.join("grub/i386-pc"))?;
+    let kernel =
+        simulated_kernel(version, arch).ok_or_else(|| anyhow::anyhow!("no kernel for {arch}"))?;
+    std::fs::write(boot.join("vmlinuz"), kernel)?;
+    std::fs::write(
+        boot.join("initramfs.xz"),
+        format!("simulated initramfs {version} {arch}"),
+    )?;
+    std::fs::write(boot.join("grub/i386-pc/eltorito.img"), [0xEBu8; 2048])?;
+    std::fs::write(boot.join("grub/efi.img"), vec![0xF6u8; 64 << 10])?;
+    let cfg = format!(
+        "set default=0\nset timeout=3\n\ninsmod all_video\n\nterminal_input console\nterminal_output console\n\n\
+         menuentry \"Talos ISO\" {{\n\tset gfxmode=auto\n\tset gfxpayload=text\n\tlinux /boot/vmlinuz {cmdline}\n\tinitrd /boot/initramfs.xz\n}}\n\n\
+         menuentry \"Reset Talos installation\" {{\n\tset gfxmode=auto\n\tset gfxpayload=text\n\tlinux /boot/vmlinuz {cmdline} talos.experimental.wipe=system\n\tinitrd /boot/initramfs.xz\n}}\n"
+    );
+    std::fs::write(boot.join("grub/grub.cfg"), cfg)?;
+    let _ = std::fs::remove_file(out);
+    let o = std::process::Command::new("xorriso")
+        .args(["-as", "mkisofs", "-R", "-iso-level", "3", "-V", "TALOS"])
+        .args(["-b", "boot/grub/i386-pc/eltorito.img", "-no-emul-boot"])
+        .args(["-boot-load-size", "4", "-boot-info-table"])
+        .args([
+            "-eltorito-alt-boot",
+            "-e",
+            "boot/grub/efi.img",
+            "-no-emul-boot",
+        ])
+        // Hybrid as grub-mkrescue makes it: the EFI image also a GPT
+        // partition, behind a protective MBR.
+        .args([
+            "-efi-boot-part",
+            "--efi-boot-image",
+            "--protective-msdos-label",
+        ])
+        .arg(format!("--modification-date={ISO_VOLUME_DATE}"))
+        .arg("-o")
+        .arg(out)
+        .arg(&tree)
+        .output()?;
+    std::fs::remove_dir_all(&tree)?;
+    anyhow::ensure!(
+        o.status.success(),
+        "xorriso failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(())
 }
 
 /// Serves a built file, honouring `Range: bytes=N-` (for resumed downloads)
@@ -711,6 +792,7 @@ async fn serve(
         Kind::RawXz => "application/x-xz",
         Kind::RawGz => "application/gzip",
         Kind::Qcow2 => "application/x-qemu-disk",
+        Kind::Iso => "application/x-iso9660-image",
         _ => "application/octet-stream",
     };
     let start = headers

@@ -1735,14 +1735,16 @@ fn power_on(pve: &Pve, vmid: u32, vm: &mut Vm, log: &mut Vec<String>) {
         return;
     };
     let booted = boot_disk(&vm.config)
-        .and_then(|volid| {
+        .and_then(|(volid, cdrom)| {
             let path = pve.volume_path(&volid)?;
-            let scratch = pve
-                .args
-                .state_dir
-                .join("tmp")
-                .join(format!("meta-{vmid}.raw"));
-            key10_address(&path, &scratch).map_err(|e| format!("{volid}: {e}"))
+            let scratch = pve.args.state_dir.join("tmp");
+            if cdrom {
+                let cfg = scratch.join(format!("grub-{vmid}.cfg"));
+                iso_key10_address(&path, &cfg).map_err(|e| format!("{volid}: {e}"))
+            } else {
+                let raw = scratch.join(format!("meta-{vmid}.raw"));
+                key10_address(&path, &raw).map_err(|e| format!("{volid}: {e}"))
+            }
         })
         .and_then(|(ip, hostname)| {
             let body = json!({"name": format!("vm-{vmid}"), "ip": ip, "hostname": hostname});
@@ -1772,9 +1774,9 @@ fn power_off(pve: &Pve, vm: &mut Vm, log: &mut Vec<String>) {
     }
 }
 
-/// The volume the VM boots from: the first disk in `boot: order=…`, else
-/// scsi0, else virtio0.
-fn boot_disk(config: &BTreeMap<String, String>) -> Result<String, String> {
+/// The volume the VM boots from, and whether it is a cdrom: the first drive
+/// in `boot: order=…` that holds a volume, else scsi0, else virtio0.
+fn boot_disk(config: &BTreeMap<String, String>) -> Result<(String, bool), String> {
     let order = config
         .get("boot")
         .and_then(|b| b.split(',').find_map(|p| p.strip_prefix("order=")))
@@ -1788,7 +1790,8 @@ fn boot_disk(config: &BTreeMap<String, String>) -> Result<String, String> {
         .find_map(|k| {
             let (file, opts) = split_drive(config.get(k)?);
             let cdrom = opts.iter().any(|(o, v)| o == "media" && v == "cdrom");
-            (!cdrom && file != "none").then_some(file)
+            // `none` is an empty drive, `cdrom` the host's physical drive.
+            (file != "none" && file != "cdrom").then_some((file, cdrom))
         })
         .ok_or_else(|| "no boot disk".to_owned())
 }
@@ -1817,6 +1820,62 @@ fn key10_address(path: &Path, scratch: &Path) -> Result<(String, Option<String>)
         crate::disk::read_meta(path)?
     };
     key10_target(tags.get(&10).ok_or("META has no key 10")?)
+}
+
+/// The address a node booted from a Talos ISO comes up at: the META that
+/// the kernel line of the first GRUB menu entry carries
+/// (`talos.environment=INSTALLER_META_BASE64=<v>`, siderolabs/talos
+/// `pkg/imager/imager.go` `buildCmdline`), decoded as `Values.Decode` in
+/// `pkg/machinery/meta/meta.go` does: base64, gunzip when gzip, `0x<key>=<value>`
+/// split on `;`. `grub.cfg` is extracted with xorriso to `scratch`.
+fn iso_key10_address(iso: &Path, scratch: &Path) -> Result<(String, Option<String>), String> {
+    let _ = std::fs::create_dir_all(scratch.parent().unwrap_or(Path::new(".")));
+    let _ = std::fs::remove_file(scratch);
+    let o = std::process::Command::new("xorriso")
+        .args(["-osirrox", "on", "-indev"])
+        .arg(iso)
+        .args(["-extract", "/boot/grub/grub.cfg"])
+        .arg(scratch)
+        .output()
+        .map_err(|e| format!("xorriso: {e}"))?;
+    let cfg = std::fs::read_to_string(scratch);
+    let _ = std::fs::remove_file(scratch);
+    if !o.status.success() {
+        return Err("no /boot/grub/grub.cfg on the ISO".into());
+    }
+    let cfg = cfg.map_err(|e| e.to_string())?;
+    let kernel = cfg
+        .lines()
+        .map(str::trim_start)
+        .find(|l| l.starts_with("linux "))
+        .ok_or("grub.cfg has no linux line")?;
+    let v = kernel
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("talos.environment=INSTALLER_META_BASE64="))
+        .ok_or("the kernel line carries no META")?;
+    let value = installer_meta_key(v, 10)?.ok_or("META has no key 10")?;
+    key10_target(value.as_bytes())
+}
+
+/// One key's value in an `INSTALLER_META_BASE64` value.
+fn installer_meta_key(v: &str, key: u8) -> Result<Option<String>, String> {
+    use base64::Engine;
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(v)
+        .map_err(|e| format!("META is not base64: {e}"))?;
+    let text = if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&raw[..]), &mut out)
+            .map_err(|e| format!("META is not gzip text: {e}"))?;
+        out
+    } else {
+        String::from_utf8(raw).map_err(|_| "META is not text".to_owned())?
+    };
+    let want = format!("0x{key:x}");
+    Ok(text
+        .split(';')
+        .find_map(|kv| kv.split_once('=').filter(|(k, _)| *k == want))
+        .map(|(_, v)| v.to_owned()))
 }
 
 /// The first loopback address and the hostname in a key-10 value
@@ -2089,10 +2148,39 @@ mod tests {
             ("scsi0", "local-lvm:vm-1-disk-0,size=1G"),
             ("virtio1", "local-lvm:vm-1-disk-1,size=1G"),
         ]);
-        assert_eq!(boot_disk(&c).unwrap(), "local-lvm:vm-1-disk-1");
+        assert_eq!(boot_disk(&c).unwrap(), ("local:iso/x.iso".to_owned(), true));
+        let c = config(&[
+            ("boot", "order=ide2;virtio1;net0"),
+            ("ide2", "none,media=cdrom"),
+            ("virtio1", "local-lvm:vm-1-disk-1,size=1G"),
+        ]);
+        assert_eq!(
+            boot_disk(&c).unwrap(),
+            ("local-lvm:vm-1-disk-1".to_owned(), false)
+        );
         let c = config(&[("virtio0", "local-lvm:vm-1-disk-2,size=1G")]);
-        assert_eq!(boot_disk(&c).unwrap(), "local-lvm:vm-1-disk-2");
+        assert_eq!(
+            boot_disk(&c).unwrap(),
+            ("local-lvm:vm-1-disk-2".to_owned(), false)
+        );
         assert_eq!(boot_disk(&config(&[])).unwrap_err(), "no boot disk");
+    }
+
+    #[test]
+    fn installer_meta_is_read_plain_and_gzipped() {
+        use base64::Engine;
+        let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+        // Talos' own vector (pkg/machinery/meta): 0xa=foo.
+        assert_eq!(
+            installer_meta_key("MHhhPWZvbw==", 10).unwrap().as_deref(),
+            Some("foo")
+        );
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        std::io::Write::write_all(&mut gz, b"0xc=x;0xa=bar").unwrap();
+        let v = b64(&gz.finish().unwrap());
+        assert_eq!(installer_meta_key(&v, 10).unwrap().as_deref(), Some("bar"));
+        assert_eq!(installer_meta_key(&v, 11).unwrap(), None);
+        assert!(installer_meta_key("%%", 10).is_err());
     }
 
     #[test]

@@ -80,7 +80,63 @@ pub struct PatchArgs {
     out: PathBuf,
 }
 
+/// Where `grub.cfg` is extracted while an ISO is read (under a temporary
+/// name that is removed again).
+fn grub_scratch() -> PathBuf {
+    std::env::temp_dir().join("imgbuild-grub.cfg")
+}
+
+/// A text rendering of one META value, indented under its key.
+fn show_value(key: u32, text: &str) {
+    let name = key_name(key).unwrap_or("unknown");
+    // META is whatever the image's maker wrote.
+    let text = escape(text);
+    if text.contains('\n') {
+        outln!("  {key:>3} {name}:");
+        for line in text.lines() {
+            outln!("        {line}");
+        }
+    } else {
+        outln!("  {key:>3} {name}: {text}");
+    }
+}
+
+/// `inspect` of an ISO: its volume date, and per kernel menu entry the
+/// command line and the META it carries, decoded.
+fn inspect_iso(path: &Path, output: Output) -> Result<()> {
+    let r = imgbuild::iso::inspect(path, &grub_scratch())?;
+    match output {
+        Output::Json => outln!(
+            "{}",
+            json!({"image": path, "format": "iso", "volumeDate": r.volume_date,
+                   "entries": r.entries.iter().map(|e| json!({
+                       "title": e.entry.title, "kernel": e.entry.kernel, "args": e.entry.args,
+                       "meta": e.meta.iter().map(|(k, v)| json!({"key": k, "name": key_name(u32::from(*k)), "value": v})).collect::<Vec<_>>(),
+                       "problem": e.problem,
+                   })).collect::<Vec<_>>()})
+        ),
+        Output::Text => {
+            outln!("{}: ISO, volume date {}", path.display(), r.volume_date);
+            for e in &r.entries {
+                outln!("menu entry {:?}: {}", e.entry.title, e.entry.kernel);
+                outln!("  command line: {}", e.entry.args.join(" "));
+                if let Some(p) = &e.problem {
+                    eprintln!("warning: menu entry {:?}: {p}", e.entry.title);
+                }
+                outln!("  META on the command line: {} value(s)", e.meta.len());
+                for (key, value) in &e.meta {
+                    show_value(u32::from(*key), value);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn inspect(args: InspectArgs, output: Output) -> Result<()> {
+    if imgbuild::iso::is_iso(&args.image) {
+        return inspect_iso(&args.image, output);
+    }
     let mut img = Image::open(&args.image, false)?;
     let meta = img.read_meta()?;
     let tags: Vec<_> = meta
@@ -144,17 +200,7 @@ pub fn inspect(args: InspectArgs, output: Output) -> Result<()> {
             }
             outln!("META ({:?} copy): {} tag(s)", meta.source, tags.len());
             for (key, text, _) in &tags {
-                let name = key_name(*key).unwrap_or("unknown");
-                // META is whatever the image's maker wrote.
-                let text = escape(text);
-                if text.contains('\n') {
-                    outln!("  {key:>3} {name}:");
-                    for line in text.lines() {
-                        outln!("        {line}");
-                    }
-                } else {
-                    outln!("  {key:>3} {name}: {text}");
-                }
+                show_value(*key, text);
             }
         }
     }
@@ -270,6 +316,9 @@ pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
 /// Exit 0 when the images are the same bytes, 1 (after the report) when
 /// they are not, also when only the bytes differ (ADV tag order, say).
 pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
+    if imgbuild::iso::is_iso(&args.a) && imgbuild::iso::is_iso(&args.b) {
+        return diff_iso(args, output);
+    }
     let d = disk::diff(&args.a, &args.b)?;
     match output {
         Output::Json => outln!(
@@ -292,6 +341,38 @@ pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
         }
     }
     if !d.identical() {
+        return Err(super::Reported(format!(
+            "{} and {} differ",
+            args.a.display(),
+            args.b.display()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// `diff` of two ISOs: volume date, kernel menu entries and their decoded
+/// META; exit 1 unless they are the same bytes.
+fn diff_iso(args: DiffArgs, output: Output) -> Result<()> {
+    let d = imgbuild::iso::diff(&args.a, &args.b, &grub_scratch())?;
+    match output {
+        Output::Json => outln!(
+            "{}",
+            json!({"a": args.a, "b": args.b, "identical": d.identical,
+                   "equivalent": d.equivalent(), "diff": d})
+        ),
+        Output::Text => {
+            for line in &d.changes {
+                outln!("{line}");
+            }
+            if d.identical {
+                outln!("identical: the same bytes");
+            } else if d.equivalent() {
+                outln!("same volume date, menu entries and META, different bytes");
+            }
+        }
+    }
+    if !d.identical {
         return Err(super::Reported(format!(
             "{} and {} differ",
             args.a.display(),

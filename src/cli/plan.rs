@@ -170,6 +170,7 @@ fn entry_name(cluster: &str, a: &Artifact) -> String {
             a.format.map_or("", |f| match f {
                 ImageFormat::Raw => "raw",
                 ImageFormat::Qcow2 => "qcow2",
+                ImageFormat::Iso => "iso",
             })
         ),
         ArtifactKind::Snapshot => {

@@ -10,9 +10,10 @@ pub use locate::LineIndex;
 pub use net::{Cidr, MacAddr};
 pub use publish::{
     HcloudServers, HcloudSettings, ProxmoxSettings, ProxmoxVm, PublishSettings, RESERVED_LABELS,
-    label_problem,
+    VmBoot, label_problem,
 };
 
+pub use crate::schematic::Bootloader;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
@@ -66,6 +67,11 @@ pub struct ImageSettings {
     pub arch: Arch,
     #[serde(default)]
     pub format: ImageFormat,
+    /// The schematic's `customization.bootloader`: `grub` makes ISOs of
+    /// Talos v1.10 and later boot GRUB on UEFI too, so a per-node ISO can
+    /// carry META on its kernel lines.
+    #[serde(default, skip_serializing_if = "Bootloader::is_none")]
+    pub bootloader: Bootloader,
     #[serde(default)]
     pub extensions: Vec<String>,
     #[serde(default)]
@@ -81,6 +87,7 @@ impl Default for ImageSettings {
             platform: default_platform(),
             arch: Arch::default(),
             format: ImageFormat::default(),
+            bootloader: Bootloader::default(),
             extensions: Vec::new(),
             kernel_args: Vec::new(),
             factory: default_factory(),
@@ -121,6 +128,9 @@ pub enum ImageFormat {
     #[default]
     Raw,
     Qcow2,
+    /// A boot ISO (the factory's GRUB ISO with the node's META on its
+    /// kernel lines, on the patch route).
+    Iso,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]

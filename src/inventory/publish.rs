@@ -142,6 +142,19 @@ pub struct ProxmoxVm {
     pub bridge: String,
     #[serde(default = "default_start")]
     pub start: bool,
+    /// What the VM boots: its image as `scsi0` (`disk`), or its node ISO
+    /// as a cdrom before a blank `scsi0` Talos installs to (`iso`).
+    #[serde(default)]
+    pub boot: VmBoot,
+}
+
+/// What a node's VM boots from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmBoot {
+    #[default]
+    Disk,
+    Iso,
 }
 
 fn default_cores() -> u32 {
@@ -245,6 +258,17 @@ impl Validator<'_> {
             self.problem(
                 "publish.proxmox.vm.storage",
                 format!("{:?} is not a Proxmox storage identifier", vm.storage),
+            );
+        }
+        let iso = inv.image.format == super::ImageFormat::Iso;
+        if (vm.boot == VmBoot::Iso) != iso {
+            self.problem(
+                "publish.proxmox.vm.boot",
+                if iso {
+                    "image.format iso needs boot: iso (the VM boots the node's ISO as a cdrom)"
+                } else {
+                    "boot: iso needs image.format: iso"
+                },
             );
         }
         if !is_pve_id(&vm.bridge) {

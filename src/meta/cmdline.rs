@@ -18,6 +18,54 @@ pub enum CmdlineError {
     /// Talos splits the decoded text on `;`, so such a value would arrive cut.
     #[error("META key 0x{key:x} contains ';', which the kernel-argument encoding cannot carry")]
     Semicolon { key: u8 },
+    /// An `INSTALLER_META_BASE64` value that `Values.Decode` would refuse.
+    #[error("INSTALLER_META_BASE64 value cannot be decoded: {0}")]
+    Undecodable(String),
+}
+
+/// The prefix of the kernel argument that carries META.
+pub const ENVIRONMENT_PREFIX: &str = "talos.environment=INSTALLER_META_BASE64=";
+
+/// The longest decoded META text accepted (META itself holds 256 KiB at
+/// most), so a crafted gzip stream cannot fill memory.
+const DECODED_MAX: u64 = 256 << 10;
+
+/// The values an `INSTALLER_META_BASE64` value carries, as `Values.Decode`
+/// reads them: base64, gunzip when it is gzip, `0x<key>=<value>` split on `;`.
+pub fn decode_installer_meta(v: &str) -> Result<Vec<(u8, String)>, CmdlineError> {
+    use base64::Engine;
+    use std::io::Read;
+    let bad = |m: String| CmdlineError::Undecodable(m);
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(v)
+        .map_err(|e| bad(format!("base64: {e}")))?;
+    let text = if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        flate2::read::GzDecoder::new(&raw[..])
+            .take(DECODED_MAX + 1)
+            .read_to_end(&mut out)
+            .map_err(|e| bad(format!("gzip: {e}")))?;
+        if out.len() as u64 > DECODED_MAX {
+            return Err(bad(format!("over {DECODED_MAX} bytes once unpacked")));
+        }
+        out
+    } else {
+        raw
+    };
+    let text = String::from_utf8(text).map_err(|_| bad("not UTF-8 text".into()))?;
+    text.split(';')
+        .filter(|part| !part.is_empty())
+        .map(|part| {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| bad(format!("{part:?} is not 0x<key>=<value>")))?;
+            let key = key
+                .strip_prefix("0x")
+                .and_then(|k| u8::from_str_radix(k, 16).ok())
+                .ok_or_else(|| bad(format!("{key:?} is not a META key like 0xa")))?;
+            Ok((key, value.to_owned()))
+        })
+        .collect()
 }
 
 /// `v` of `INSTALLER_META_BASE64=<v>`: the values as `0x<key>=<value>`
@@ -46,7 +94,7 @@ pub fn installer_meta_base64(values: &[(u8, &str)], gzip: bool) -> Result<String
 /// The whole kernel argument carrying `values`.
 pub fn environment_arg(values: &[(u8, &str)], gzip: bool) -> Result<String, CmdlineError> {
     Ok(format!(
-        "talos.environment=INSTALLER_META_BASE64={}",
+        "{ENVIRONMENT_PREFIX}{}",
         installer_meta_base64(values, gzip)?
     ))
 }
@@ -95,6 +143,46 @@ mod tests {
             environment_arg(&[(10, "foo")], true).unwrap(),
             "talos.environment=INSTALLER_META_BASE64=MHhhPWZvbw=="
         );
+    }
+
+    #[test]
+    fn encoded_values_decode_back_plain_and_gzipped() {
+        let long = "z".repeat(400);
+        for gzip in [false, true] {
+            let v = installer_meta_base64(&[(10, &long), (0x11, "b")], gzip).unwrap();
+            assert_eq!(
+                decode_installer_meta(&v).unwrap(),
+                vec![(10, long.clone()), (0x11, "b".to_owned())]
+            );
+        }
+        // Talos' own vector: 0xa=foo.
+        assert_eq!(
+            decode_installer_meta("MHhhPWZvbw==").unwrap(),
+            vec![(10, "foo".to_owned())]
+        );
+    }
+
+    #[test]
+    fn undecodable_values_say_why() {
+        use base64::Engine;
+        let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+        let cases = [
+            ("not base64!".to_owned(), "base64"),
+            (b64(b"0xzz=1"), "not a META key"),
+            (b64(b"novalue"), "is not 0x<key>=<value>"),
+            (b64(&[0x1f, 0x8b, 8, 0, 1, 2]), "gzip"),
+            (b64(&[0xff, 0xfe]), "UTF-8"),
+        ];
+        for (v, want) in cases {
+            let e = decode_installer_meta(&v).unwrap_err().to_string();
+            assert!(e.contains(want), "{v}: {e}");
+        }
+        // A gzip bomb stops at the limit.
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        gz.write_all(&vec![b'a'; (DECODED_MAX + 10) as usize])
+            .unwrap();
+        let e = decode_installer_meta(&b64(&gz.finish().unwrap())).unwrap_err();
+        assert!(e.to_string().contains("once unpacked"), "{e}");
     }
 
     #[test]

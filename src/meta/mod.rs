@@ -6,7 +6,10 @@ pub mod cmdline;
 pub mod network;
 
 pub use adv::{Adv, AdvError, Decoded, Source};
-pub use cmdline::{CMDLINE_MAX, CmdlineError, environment_arg, installer_meta_base64};
+pub use cmdline::{
+    CMDLINE_MAX, CmdlineError, ENVIRONMENT_PREFIX, decode_installer_meta, environment_arg,
+    installer_meta_base64,
+};
 pub use network::{NetworkPlan, PlatformNetworkConfig};
 
 /// META key 10: the metal platform's network configuration.

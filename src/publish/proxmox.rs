@@ -14,7 +14,7 @@ use reqwest::multipart::{Form, Part};
 use serde_json::Value;
 
 use super::{PublishImage, Secret};
-use crate::inventory::{ImageFormat, Inventory, ProxmoxSettings, ProxmoxVm};
+use crate::inventory::{ImageFormat, Inventory, ProxmoxSettings, ProxmoxVm, VmBoot};
 use crate::net::{self, Fingerprint, NetError, RetryPolicy, Trust};
 
 /// Why publishing to Proxmox failed. Never carries the token.
@@ -296,6 +296,7 @@ pub fn volume_file(
     let ext = match format {
         ImageFormat::Raw => "raw",
         ImageFormat::Qcow2 => "qcow2",
+        ImageFormat::Iso => "iso",
     };
     let stem: String = format!(
         "{cluster}-{node}-{talos}-{}",
@@ -331,6 +332,7 @@ fn upload_form(
     size: u64,
     name: &str,
     sha256: &str,
+    content: &'static str,
     sent: Arc<AtomicU64>,
 ) -> Form {
     let body = reqwest::Body::wrap_stream(Counted {
@@ -339,7 +341,7 @@ fn upload_form(
         sent,
     });
     Form::new()
-        .text("content", "import")
+        .text("content", content)
         .text("checksum-algorithm", "sha256")
         .text("checksum", sha256.to_owned())
         .part(
@@ -349,6 +351,15 @@ fn upload_form(
                 .mime_str("application/octet-stream")
                 .expect("a valid MIME type"),
         )
+}
+
+/// The storage content type a format is uploaded as: disk images to
+/// `import` (for `import-from`), boot ISOs to `iso` (for a cdrom drive).
+pub fn content_for(format: ImageFormat) -> &'static str {
+    match format {
+        ImageFormat::Iso => "iso",
+        ImageFormat::Raw | ImageFormat::Qcow2 => "import",
+    }
 }
 
 /// The VM settings that boot Talos. The API's defaults do not: its CPU type
@@ -374,8 +385,25 @@ fn vm_params(
         ),
         ("cpu", "host".into()),
         ("scsihw", "virtio-scsi-pci".into()),
-        ("scsi0", scsi0(vm, volid)),
-        ("boot", "order=scsi0".into()),
+    ];
+    match vm.boot {
+        VmBoot::Disk => p.extend([("scsi0", scsi0(vm, volid)), ("boot", "order=scsi0".into())]),
+        // The node ISO boots first; Talos installs to the blank scsi0
+        // (installDisk) when its config is applied, and from then on the
+        // ISO's installer-less boot falls through to the disk
+        // (qemu-server `boot` order, `ide2` media=cdrom; a new volume is
+        // `STORAGE_ID:SIZE_IN_GiB`, sim/api-schemas/proxmox-ve.apidata.json
+        // `scsi[n]`).
+        VmBoot::Iso => p.extend([
+            (
+                "scsi0",
+                format!("{}:{},discard=on,ssd=1", vm.storage, vm.disk_size),
+            ),
+            ("ide2", format!("{volid},media=cdrom")),
+            ("boot", "order=ide2;scsi0".into()),
+        ]),
+    }
+    p.extend([
         (
             "net0",
             match &node.mac {
@@ -394,7 +422,7 @@ fn vm_params(
         ("cores", vm.cores.to_string()),
         ("memory", vm.memory.to_string()),
         ("description", description(inv, &node.name, volid, sha256)),
-    ];
+    ]);
     let agent = inv
         .image
         .extensions
@@ -661,14 +689,15 @@ fn survey(
     settings: &ProxmoxSettings,
     creds: &Credentials,
     opts: &PublishOptions,
+    content: &'static str,
 ) -> Result<(Api, BTreeMap<String, u64>, Value), ProxmoxError> {
     let api = Api::new(creds, opts.retry)?;
-    preflight(&api, settings)?;
+    preflight(&api, settings, content)?;
     let node = &settings.node;
     let listed = api.get(
         "listing storage",
         &format!(
-            "/nodes/{node}/storage/{}/content?content=import",
+            "/nodes/{node}/storage/{}/content?content={content}",
             settings.storage
         ),
     )?;
@@ -696,7 +725,7 @@ pub fn publish(
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<Vec<Result<NodePublished, ProxmoxError>>, ProxmoxError> {
-    let (api, stored, vms) = survey(settings, creds, opts)?;
+    let (api, stored, vms) = survey(settings, creds, opts, content_for(inv.image.format))?;
     Ok(images
         .iter()
         .map(|img| {
@@ -715,7 +744,7 @@ pub fn publish(
 
 /// The token works, the node exists, the storage takes `import` (and, for
 /// VMs, the VM storage takes `images`): checked before anything is sent.
-fn preflight(api: &Api, s: &ProxmoxSettings) -> Result<(), ProxmoxError> {
+fn preflight(api: &Api, s: &ProxmoxSettings, content: &str) -> Result<(), ProxmoxError> {
     api.get("checking the API token", "/version")?;
     let nodes = api.get("listing nodes", "/nodes")?;
     let names: Vec<&str> = nodes
@@ -742,7 +771,14 @@ fn preflight(api: &Api, s: &ProxmoxSettings) -> Result<(), ProxmoxError> {
             .flatten()
             .any(|st| st["storage"] == storage))
     };
-    if !has("import", &s.storage)? {
+    if content == "iso" && !has("iso", &s.storage)? {
+        return Err(ProxmoxError::Setup(format!(
+            "publish.proxmox.storage: storage {:?} on node {:?} does not hold ISO images (content `iso`); \
+             enable it under Datacenter → Storage → {} → Content: ISO image",
+            s.storage, s.node, s.storage
+        )));
+    }
+    if content == "import" && !has("import", &s.storage)? {
         return Err(ProxmoxError::Setup(format!(
             "publish.proxmox.storage: storage {:?} on node {:?} is not enabled for the `import` content type. \
              Enable it under Datacenter → Storage → {} → Content: Import (Proxmox VE 8.4 or later; \
@@ -783,7 +819,7 @@ fn publish_node(
         &img.sha256,
         img.format,
     );
-    let volid = format!("{}:import/{file}", s.storage);
+    let volid = format!("{}:{}/{file}", s.storage, content_for(img.format));
     let uploaded = if stored.get(&volid) == Some(&img.size) {
         observer.event(
             &img.node,
@@ -814,7 +850,7 @@ fn publish_node(
         .iter()
         .position(|n| n.name == img.node)
         .ok_or_else(|| node_err("not in the inventory".into()))?;
-    if img.size > u64::from(vm.disk_size) << 30 {
+    if vm.boot == VmBoot::Disk && img.size > u64::from(vm.disk_size) << 30 {
         return Err(node_err(format!(
             "the image ({} bytes) is larger than publish.proxmox.vm.diskSize ({} GiB)",
             img.size, vm.disk_size
@@ -840,7 +876,9 @@ fn publish_node(
             let params = vm_params(inv, index, vm, vmid, &volid, &img.sha256);
             let task = api.post("creating VM", &format!("/nodes/{pve}/qemu"), &params)?;
             api.wait(&format!("creating VM {vmid}"), &task, opts)?;
-            resize(api, &base, vm, opts)?;
+            if vm.boot == VmBoot::Disk {
+                resize(api, &base, vm, opts)?;
+            }
             observer.event(&img.node, &Event::VmCreated { vmid });
             out.vm = Some(VmChange::Created);
             false
@@ -863,6 +901,20 @@ fn publish_node(
                         },
                     );
                     out.vm = Some(VmChange::Outdated);
+                }
+                VmChange::Created | VmChange::Updated if vm.boot == VmBoot::Iso => {
+                    // The new ISO goes into the cdrom drive; the disk Talos
+                    // installed to stays.
+                    let desc = description(inv, &img.node, &volid, &img.sha256);
+                    api.put(
+                        "attaching the node ISO",
+                        &format!("{base}/config"),
+                        &[
+                            ("ide2", format!("{volid},media=cdrom")),
+                            ("description", desc),
+                        ],
+                    )?;
+                    out.vm = Some(VmChange::Updated);
                 }
                 VmChange::Created | VmChange::Updated => {
                     let old = config["scsi0"].as_str().map(drive_volume);
@@ -1045,7 +1097,7 @@ pub fn plan(
     images: &[(String, Option<PublishImage>)],
     opts: &PublishOptions,
 ) -> Result<Vec<Result<NodePlan, ProxmoxError>>, ProxmoxError> {
-    let (api, stored, vms) = survey(settings, creds, opts)?;
+    let (api, stored, vms) = survey(settings, creds, opts, content_for(inv.image.format))?;
     let pve = &settings.node;
     let plan_node = |node: &str, img: Option<&PublishImage>| -> Result<NodePlan, ProxmoxError> {
         let volid = img.map(|img| {
@@ -1056,7 +1108,7 @@ pub fn plan(
                 &img.sha256,
                 img.format,
             );
-            format!("{}:import/{file}", settings.storage)
+            format!("{}:{}/{file}", settings.storage, content_for(img.format))
         });
         let upload = img
             .zip(volid.as_ref())
@@ -1310,7 +1362,14 @@ fn send_upload(
             .header(reqwest::header::AUTHORIZATION, api.auth.clone())
             // The API deadline, plus the image at 256 KiB/s.
             .timeout(net::request_deadline() + Duration::from_secs(img.size >> 18))
-            .multipart(upload_form(file, img.size, file_name, &img.sha256, counter));
+            .multipart(upload_form(
+                file,
+                img.size,
+                file_name,
+                &img.sha256,
+                content_for(img.format),
+                counter,
+            ));
         let resp = net::send_once_async(req).await?;
         net::read_limited_async(resp, 1 << 20, false).await
     };

@@ -119,7 +119,18 @@ pub enum Bootloader {
     Grub,
 }
 
+impl serde::Serialize for Bootloader {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
 impl Bootloader {
+    /// The zero value, which schematics omit.
+    pub fn is_none(&self) -> bool {
+        *self == Bootloader::None
+    }
+
     fn name(self) -> &'static str {
         match self {
             Bootloader::None => "none",

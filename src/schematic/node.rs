@@ -68,6 +68,7 @@ pub fn base(inv: &Inventory) -> Schematic {
     Schematic {
         customization: Customization {
             extra_kernel_args: inv.image.kernel_args.clone(),
+            bootloader: inv.image.bootloader,
             system_extensions: SystemExtensions {
                 official_extensions: inv.image.extensions.clone(),
             },

@@ -222,3 +222,39 @@ fn a_vm_is_the_nodes_only_when_imgbuild_made_it_for_that_node_of_that_cluster() 
         Owner::NotImgbuild
     );
 }
+
+#[test]
+fn iso_vms_boot_the_cdrom_before_a_blank_disk() {
+    let text = "cluster: {name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: \"https://10.0.0.10:6443\"}\nimage: {format: iso, bootloader: grub}\nnetwork: {cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}\npublish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 12, boot: iso}\nnodes:\n  - {name: cp-01, role: controlplane, address: 10.0.0.11}\n";
+    let inv = Inventory::parse(text, Path::new("c.yaml")).unwrap();
+    let vm = inv.publish.proxmox.as_ref().unwrap().vm.clone().unwrap();
+    let p: BTreeMap<&str, String> = vm_params(&inv, 0, &vm, 300, "local:iso/x.iso", "ab")
+        .into_iter()
+        .collect();
+    assert_eq!(p["ide2"], "local:iso/x.iso,media=cdrom");
+    assert_eq!(p["boot"], "order=ide2;scsi0");
+    assert_eq!(p["scsi0"], "local-lvm:12,discard=on,ssd=1");
+    assert_eq!(content_for(ImageFormat::Iso), "iso");
+    assert_eq!(content_for(ImageFormat::Qcow2), "import");
+    let config = serde_json::json!({"description": p["description"]});
+    assert_eq!(
+        described_volume(&config).as_deref(),
+        Some("local:iso/x.iso")
+    );
+
+    // The VM boots what the image is: an ISO needs boot: iso, and back.
+    for (from, to, want) in [
+        (
+            "boot: iso}",
+            "boot: disk}",
+            "image.format iso needs boot: iso",
+        ),
+        ("format: iso, ", "", "boot: iso needs image.format: iso"),
+    ] {
+        let err = Inventory::parse(&text.replace(from, to), Path::new("c.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("publish.proxmox.vm.boot"), "{err}");
+        assert!(err.contains(want), "{err}");
+    }
+}

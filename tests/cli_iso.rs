@@ -1,0 +1,482 @@
+//! End to end: per-node ISOs (`image.format: iso`) against the factory
+//! simulator. Each node's ISO must carry its META on every kernel line of
+//! `grub.cfg` (the same values the factory bakes into the node's own
+//! schematic's ISO), keep the base ISO's boot records and volume date, and
+//! the factory must learn nothing about the nodes on the patch route.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+mod common;
+use common::sims::{Nodes, Pve, Sim};
+use common::{json, root, text};
+
+/// A loopback inventory of two metal nodes with ISOs; `bootloader` is the
+/// `image.bootloader` line (or none).
+fn inventory(dir: &Path, version: &str, bootloader: &str) -> PathBuf {
+    inventory_on(dir, version, bootloader, "127.0.0", "")
+}
+
+/// The same on the network `net` (`127.x.y`), with `extra` appended.
+fn inventory_on(dir: &Path, version: &str, bootloader: &str, net: &str, extra: &str) -> PathBuf {
+    let mut s = format!(
+        "cluster:\n  name: iso\n  talosVersion: {version}\n  kubernetesVersion: v1.32.1\n  endpoint: https://127.0.0.30:6443\n\
+         image:\n  platform: metal\n  arch: amd64\n  format: iso\n{bootloader}  factory: http://127.0.0.1:9\n\
+         network:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\n\
+         nodes:\n"
+    );
+    for (i, (name, role)) in [("cp-01", "controlplane"), ("worker-01", "worker")]
+        .iter()
+        .enumerate()
+    {
+        s.push_str(&format!(
+            "  - name: {name}\n    role: {role}\n    address: {net}.{}\n    interface: eth0\n",
+            31 + i
+        ));
+    }
+    s.push_str(extra);
+    let path = dir.join("cluster.yaml");
+    std::fs::write(&path, s).unwrap();
+    path
+}
+
+fn run(config: &Path, dir: &Path, sim: &Sim, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .args(["--factory", &sim.url, "--cache-dir"])
+        .arg(dir.join("cache"))
+        .args(["--retry-delay-ms", "10"])
+        .current_dir(root())
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap()
+}
+
+fn xorriso(args: &[&str]) -> String {
+    let o = Command::new("xorriso").args(args).output().unwrap();
+    assert!(o.status.success(), "xorriso {args:?}: {}", text(&o.stderr));
+    text(&o.stdout)
+}
+
+/// `grub.cfg` of an ISO, as xorriso extracts it.
+fn grub_cfg(iso: &Path, scratch: &Path) -> String {
+    let to = scratch.join(format!(
+        "{}.grub.cfg",
+        iso.file_name().unwrap().to_string_lossy()
+    ));
+    xorriso(&[
+        "-osirrox",
+        "on",
+        "-indev",
+        iso.to_str().unwrap(),
+        "-extract",
+        "/boot/grub/grub.cfg",
+        to.to_str().unwrap(),
+    ]);
+    std::fs::read_to_string(to).unwrap()
+}
+
+fn el_torito(iso: &Path) -> String {
+    xorriso(&[
+        "-indev",
+        iso.to_str().unwrap(),
+        "-report_el_torito",
+        "plain",
+    ])
+}
+
+/// The creation and modification dates of the primary volume descriptor.
+fn volume_dates(iso: &Path) -> Vec<String> {
+    xorriso(&["-indev", iso.to_str().unwrap(), "-pvd_info"])
+        .lines()
+        .filter(|l| l.starts_with("Creation Time") || l.starts_with("Modif. Time"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The META text an `INSTALLER_META_BASE64` value carries, decoded here
+/// (base64, then gunzip when it is gzip), as Talos' `Values.Decode` does.
+fn decode_meta(arg: &str) -> String {
+    use base64::Engine;
+    let v = arg
+        .strip_prefix("talos.environment=INSTALLER_META_BASE64=")
+        .unwrap_or_else(|| panic!("not a META argument: {arg}"));
+    let raw = base64::engine::general_purpose::STANDARD.decode(v).unwrap();
+    let bytes = if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&raw[..]), &mut out).unwrap();
+        out
+    } else {
+        raw
+    };
+    String::from_utf8(bytes).unwrap()
+}
+
+/// The kernel lines of a `grub.cfg`, each as its words.
+fn kernel_lines(cfg: &str) -> Vec<Vec<String>> {
+    cfg.lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("linux "))
+        .map(|l| l.split_whitespace().map(str::to_owned).collect())
+        .collect()
+}
+
+/// The one META value every kernel line of `cfg` carries.
+fn meta_of(cfg: &str) -> String {
+    let lines = kernel_lines(cfg);
+    assert!(lines.len() >= 2, "{cfg}");
+    let values: Vec<String> = lines
+        .iter()
+        .map(|words| {
+            let metas: Vec<&String> = words
+                .iter()
+                .filter(|w| w.starts_with("talos.environment="))
+                .collect();
+            assert_eq!(metas.len(), 1, "{cfg}");
+            decode_meta(metas[0])
+        })
+        .collect();
+    assert!(values.windows(2).all(|w| w[0] == w[1]), "{cfg}");
+    values[0].clone()
+}
+
+fn curl(url: &str, to: &Path) {
+    let o = Command::new("curl")
+        .args(["-sf", "-o", to.to_str().unwrap(), url])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{url}");
+}
+
+#[test]
+fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_records() {
+    let sim = Sim::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = inventory(dir.path(), "v1.11.2", "  bootloader: grub\n");
+    let out = dir.path().join("out");
+    let o = run(
+        &config,
+        dir.path(),
+        &sim,
+        &[
+            "build",
+            "--out-dir",
+            out.to_str().unwrap(),
+            "--output",
+            "json",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let report = json(&o);
+
+    // The factory saw base schematics only: GRUB, no META, no address.
+    let posted = text(
+        &Command::new("curl")
+            .args(["-sf", &format!("{}/_sim/schematics", sim.url)])
+            .output()
+            .unwrap()
+            .stdout,
+    );
+    assert!(posted.contains("bootloader: grub"), "{posted}");
+    assert!(!posted.contains("meta"), "{posted}");
+    assert!(!posted.contains("127.0.0.3"), "{posted}");
+
+    // The factory route's ISOs: the node's own schematic, META baked in by
+    // the simulator's own encoder.
+    let theirs = dir.path().join("factory");
+    let o = run(
+        &config,
+        dir.path(),
+        &sim,
+        &[
+            "build",
+            "--route",
+            "factory",
+            "--out-dir",
+            theirs.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+
+    let images = report["images"].as_array().unwrap();
+    assert_eq!(images.len(), 2, "{report}");
+    for (i, node) in ["cp-01", "worker-01"].iter().enumerate() {
+        let img = images.iter().find(|i| i["node"] == *node).unwrap();
+        let iso = PathBuf::from(img["file"].as_str().unwrap());
+        assert_eq!(iso, out.join(format!("{node}.iso")));
+        let base = dir.path().join(format!("{node}-base.iso"));
+        curl(img["sourceUrl"].as_str().unwrap(), &base);
+
+        let ours = meta_of(&grub_cfg(&iso, dir.path()));
+        let key10 = ours
+            .strip_prefix("0xa=")
+            .unwrap_or_else(|| panic!("{ours}"));
+        assert!(key10.contains(&format!("127.0.0.{}/8", 31 + i)), "{key10}");
+        assert!(key10.contains(node), "{key10}");
+        let factory_iso = theirs.join(format!("{node}.iso"));
+        assert_eq!(ours, meta_of(&grub_cfg(&factory_iso, dir.path())), "{node}");
+
+        // Nothing but the argument changed in grub.cfg.
+        let base_cfg = grub_cfg(&base, dir.path());
+        assert!(
+            kernel_lines(&base_cfg)
+                .iter()
+                .all(|w| !w.iter().any(|a| a.starts_with("talos.environment=")))
+        );
+        let node_cfg = grub_cfg(&iso, dir.path());
+        let stripped: String = node_cfg
+            .lines()
+            .map(|l| match l.find(" talos.environment=") {
+                Some(at) => l[..at].to_owned() + "\n",
+                None => format!("{l}\n"),
+            })
+            .collect();
+        assert_eq!(stripped, base_cfg, "{node}");
+
+        // The same boot records and volume date as the base ISO.
+        assert!(el_torito(&base).contains("El Torito boot img"));
+        assert_eq!(el_torito(&iso), el_torito(&base), "{node}");
+        // The hybrid GPT: the same disk and partition GUIDs, types, names
+        // and EFI partition. The image's size, and with it the trailing gap
+        // partition and the usable LBA range, follow grub.cfg's size.
+        let system_area = |iso: &Path| {
+            let report = xorriso(&[
+                "-indev",
+                iso.to_str().unwrap(),
+                "-report_system_area",
+                "plain",
+            ]);
+            let mut lines: Vec<String> = report
+                .lines()
+                .filter(|l| l.starts_with("GPT ") && !l.starts_with("GPT lba range"))
+                .map(str::to_owned)
+                .collect();
+            let last_extent = lines
+                .iter()
+                .rposition(|l| l.starts_with("GPT start and size"))
+                .unwrap();
+            lines.remove(last_extent);
+            lines.join("\n")
+        };
+        assert!(
+            system_area(&base).contains("GPT partition path"),
+            "{}",
+            system_area(&base)
+        );
+        assert_eq!(system_area(&iso), system_area(&base), "{node}");
+        assert_eq!(volume_dates(&iso), volume_dates(&base), "{node}");
+        assert_eq!(volume_dates(&base).len(), 2);
+
+        // inspect shows every menu entry's command line and decoded META.
+        let v = json(&imgbuild(&[
+            "inspect",
+            iso.to_str().unwrap(),
+            "--output",
+            "json",
+        ]));
+        assert_eq!(v["format"], "iso", "{v}");
+        let entries = v["entries"].as_array().unwrap();
+        assert_eq!(entries.len(), kernel_lines(&node_cfg).len(), "{v}");
+        for e in entries {
+            assert_eq!(e["meta"][0]["key"], 10, "{v}");
+            assert_eq!(e["meta"][0]["value"].as_str().unwrap(), key10, "{v}");
+            assert!(
+                e["args"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|a| a == "talos.platform=metal")
+            );
+        }
+        let t = text(&imgbuild(&["inspect", iso.to_str().unwrap()]).stdout);
+        assert!(t.contains("menu entry \"Reset Talos installation\""), "{t}");
+        assert!(t.contains(&format!("127.0.0.{}/8", 31 + i)), "{t}");
+
+        // diff: against the base, key 10 is only in the node's ISO; against
+        // the factory's ISO for the node, the decoded META is the same.
+        let o = imgbuild(&["diff", iso.to_str().unwrap(), base.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1));
+        let t = text(&o.stdout);
+        assert!(
+            t.contains("entry 1 \"Talos ISO\": META key 0xa only in the first"),
+            "{t}"
+        );
+        let o = imgbuild(&[
+            "diff",
+            iso.to_str().unwrap(),
+            factory_iso.to_str().unwrap(),
+            "--output",
+            "json",
+        ]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["equivalent"], true, "{v}");
+    }
+
+    // verify re-hashes the ISOs like any image.
+    let o = imgbuild(&["verify", "--out-dir", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}{}", text(&o.stdout), text(&o.stderr));
+    // No temporary names are left behind.
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["cp-01.iso", "manifest.json", "worker-01.iso"]);
+
+    // verify finds a node ISO whose grub.cfg lost its META, even with a
+    // manifest that matches its bytes.
+    let base = dir.path().join("cp-01-base.iso");
+    let cp = out.join("cp-01.iso");
+    std::fs::copy(&base, &cp).unwrap();
+    let manifest = out.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    let (sha, size) = {
+        use sha2::Digest;
+        let bytes = std::fs::read(&cp).unwrap();
+        (hex::encode(sha2::Sha256::digest(&bytes)), bytes.len())
+    };
+    m["images"]["cp-01"]["sha256"] = sha.into();
+    m["images"]["cp-01"]["size"] = size.into();
+    std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+    let o = imgbuild(&["verify", "--out-dir", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let t = format!("{}{}", text(&o.stdout), text(&o.stderr));
+    assert!(
+        t.contains("menu entry \"Talos ISO\" carries no META"),
+        "{t}"
+    );
+}
+
+fn imgbuild(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(args)
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_uki_iso_of_talos_1_10_and_later_is_refused_naming_the_choices() {
+    let sim = Sim::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = inventory(dir.path(), "v1.11.2", "");
+    let out = dir.path().join("out");
+    let o = run(
+        &config,
+        dir.path(),
+        &sim,
+        &["build", "--out-dir", out.to_str().unwrap()],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("bootloader: grub"), "{err}");
+    assert!(err.contains("--route factory"), "{err}");
+    assert_eq!(sim.image_gets(), 0);
+    assert!(!out.join("cp-01.iso").exists());
+
+    // The named alternative works: the factory's ISO of the node's own
+    // schematic, with its META from the factory.
+    let o = run(
+        &config,
+        dir.path(),
+        &sim,
+        &[
+            "build",
+            "--route",
+            "factory",
+            "--out-dir",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let key10 = meta_of(&grub_cfg(&out.join("cp-01.iso"), dir.path()));
+    assert!(key10.contains("127.0.0.31/8"), "{key10}");
+}
+
+/// A /24 of this test process (another run's leftovers cannot hold it).
+fn net() -> String {
+    format!("127.{}.3", 150 + std::process::id() % 50)
+}
+
+#[test]
+fn a_proxmox_vm_boots_its_node_iso_and_comes_up_at_the_address_the_iso_carries() {
+    let sim = Sim::start(&[]);
+    let nodes = Nodes::start(&[]);
+    let pve = Pve::start(&["--nodes-control", &nodes.control]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = inventory_on(
+        dir.path(),
+        "v1.11.2",
+        "  bootloader: grub\n",
+        &net(),
+        "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048, boot: iso}\n",
+    );
+    let out = dir.path().join("out");
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(&config)
+        .args([
+            "publish",
+            "--factory",
+            &sim.url,
+            "--poll-ms",
+            "50",
+            "--quiet",
+        ])
+        .arg("--out-dir")
+        .arg(&out)
+        .arg("--cache-dir")
+        .arg(dir.path().join("cache"))
+        .env_remove("IMGBUILD_CONFIG")
+        .env("PROXMOX_VE_ENDPOINT", &pve.url)
+        .env("PROXMOX_VE_API_TOKEN", &pve.token)
+        .env("PROXMOX_VE_FINGERPRINT", &pve.fingerprint)
+        .env_remove("PROXMOX_VE_INSECURE")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+
+    let stats = nodes.stats();
+    for (i, node) in ["cp-01", "worker-01"].iter().enumerate() {
+        let vmid = 300 + i;
+        let n = &stats["nodes"][node];
+        assert_eq!(n["ip"], format!("{}.{}", net(), 31 + i), "{node}: {stats}");
+        assert_eq!(n["booted_by"], format!("vm-{vmid}"), "{node}");
+        assert_eq!(n["phase"], "maintenance", "{node}");
+
+        let (code, cfg) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &[]);
+        assert_eq!(code, 200, "{cfg}");
+        let cfg = &cfg["data"];
+        assert_eq!(cfg["boot"], "order=ide2;scsi0", "{cfg}");
+        let ide2 = cfg["ide2"].as_str().unwrap();
+        assert!(
+            ide2.starts_with("local:iso/iso-") && ide2.contains(".iso,"),
+            "{ide2}"
+        );
+        assert!(ide2.split(',').any(|o| o == "media=cdrom"), "{ide2}");
+        let scsi0 = cfg["scsi0"].as_str().unwrap();
+        assert!(scsi0.split(',').any(|o| o == "size=10G"), "{scsi0}");
+        assert!(!scsi0.contains("import-from"), "{scsi0}");
+
+        // The stored ISO is the node's ISO, byte for byte.
+        let volume = ide2.split(',').next().unwrap();
+        let stored = pve.dir.path().join(format!(
+            "state/storage/local/template/iso/{}",
+            volume.strip_prefix("local:iso/").unwrap()
+        ));
+        assert_eq!(
+            std::fs::read(&stored).unwrap(),
+            std::fs::read(out.join(format!("{node}.iso"))).unwrap(),
+            "{node}"
+        );
+    }
+    assert_eq!(stats["totals"]["nodes"], 2, "{stats}");
+}
