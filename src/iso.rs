@@ -111,7 +111,7 @@ pub fn pvd_modified(pvd: &[u8]) -> Result<String, String> {
 
 /// The volume date of the ISO at `path`, read from its sector 16 only.
 pub fn volume_date(path: &Path) -> Result<String, IsoError> {
-    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut f = crate::io::open_regular(path, false).map_err(io_err(path))?;
     let mut pvd = vec![0u8; 2048];
     f.seek(SeekFrom::Start(16 * 2048))
         .and_then(|_| f.read_exact(&mut pvd))
@@ -136,7 +136,7 @@ pub fn gpt_disk_guid(lba1: &[u8]) -> Option<String> {
 
 /// The GPT disk GUID of the ISO at `path`, if it is hybrid.
 fn read_gpt_disk_guid(path: &Path) -> Result<Option<String>, IsoError> {
-    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut f = crate::io::open_regular(path, false).map_err(io_err(path))?;
     let mut lba1 = [0u8; 512];
     f.seek(SeekFrom::Start(512))
         .and_then(|_| f.read_exact(&mut lba1))
@@ -494,7 +494,7 @@ pub fn compare(a: &IsoReport, b: &IsoReport) -> Vec<String> {
 pub fn diff(a: &Path, b: &Path, scratch: &Path) -> Result<IsoDiff, IsoError> {
     let (ra, rb) = (inspect(a, scratch)?, inspect(b, scratch)?);
     let hash = |p: &Path| -> Result<(String, u64), IsoError> {
-        let f = std::fs::File::open(p).map_err(io_err(p))?;
+        let f = crate::io::open_regular(p, false).map_err(io_err(p))?;
         crate::io::sha256_of(f).map_err(io_err(p))
     };
     Ok(IsoDiff {

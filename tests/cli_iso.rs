@@ -323,7 +323,16 @@ fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_record
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert_eq!(names, ["cp-01.iso", "manifest.json", "worker-01.iso"]);
+    // `.manifest.lock` is the manifest's lock file, kept on purpose.
+    assert_eq!(
+        names,
+        [
+            ".manifest.lock",
+            "cp-01.iso",
+            "manifest.json",
+            "worker-01.iso"
+        ]
+    );
 
     // verify finds a node ISO whose grub.cfg lost its META, even with a
     // manifest that matches its bytes.

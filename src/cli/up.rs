@@ -86,7 +86,15 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
     // A healthy cluster may still run other versions, schematics or configs
     // than the inventory asks for: the same rows as `imgbuild status`.
     let drift = if report.stopped.is_none() && report.healthy && !args.dry_run {
-        match super::day2::drift(&inv, &opts.bootstrap) {
+        // Hetzner servers answer at the public IPs the run reached them at,
+        // not at their inventory (private network) addresses.
+        let mut reach = opts.bootstrap.clone();
+        if matches!(target, Target::Hcloud(_)) {
+            reach.targets.extend(report.nodes.iter().filter_map(|n| {
+                imgbuild::talos::client::Target::new(n.address, None).map(|t| (n.node.clone(), t))
+            }));
+        }
+        match super::day2::drift(&inv, &reach) {
             Ok(d) => d,
             Err(e) => {
                 if output == Output::Text {

@@ -544,58 +544,42 @@ impl Image {
     /// Whether both images present the same disk, byte for byte, read
     /// piece by piece through their backends.
     pub fn same_bytes(&self, other: &Image) -> Result<bool, DiskError> {
-        if self.size != other.size {
-            return Ok(false);
-        }
-        let (mut a, mut b) = (vec![0u8; BUF_SIZE], vec![0u8; BUF_SIZE]);
-        let mut pos = 0;
-        while pos < self.size {
-            let n = (self.size - pos).min(BUF_SIZE as u64) as usize;
-            self.backend
-                .read_at(&mut a[..n], pos)
-                .map_err(io(&self.path))?;
-            other
-                .backend
-                .read_at(&mut b[..n], pos)
-                .map_err(io(&other.path))?;
-            if a[..n] != b[..n] {
-                return Ok(false);
-            }
-            pos += n as u64;
-        }
-        Ok(true)
+        Ok(self.size == other.size && same_range(self, 0, other, 0, self.size)?)
     }
 }
 
 /// Whether partition `pa` of `a` and `pb` of `b` (of one size) hold the same
-/// bytes. Only ranges where either side has data are read: where both have
-/// holes, both read as zeros, so a 1 PiB empty disk compares in no time.
+/// bytes.
 fn same_contents(a: &Image, pa: &Partition, b: &Image, pb: &Partition) -> Result<bool, DiskError> {
-    let rel = |img: &Image, p: &Partition| -> Result<Vec<(u64, u64)>, DiskError> {
+    same_range(a, pa.offset, b, pb.offset, pa.size)
+}
+
+/// Whether `len` bytes of `a` from `at_a` equal those of `b` from `at_b`.
+/// Only ranges where either side has data are read: where both have holes,
+/// both read as zeros, so a 1 PiB empty disk compares in no time.
+fn same_range(a: &Image, at_a: u64, b: &Image, at_b: u64, len: u64) -> Result<bool, DiskError> {
+    let rel = |img: &Image, at: u64| -> Result<Vec<(u64, u64)>, DiskError> {
         Ok(img
-            .data_ranges(p.offset, p.offset + p.size)
+            .data_ranges(at, at + len)
             .map_err(io(&img.path))?
             .into_iter()
-            .map(|(s, e)| (s - p.offset, e - p.offset))
+            .map(|(s, e)| (s - at, e - at))
             .collect())
     };
-    let mut ranges = rel(a, pa)?;
-    ranges.extend(rel(b, pb)?);
+    let mut ranges = rel(a, at_a)?;
+    ranges.extend(rel(b, at_b)?);
     ranges.sort_unstable();
-    let (mut ba, mut bb) = (
-        vec![0u8; crate::io::BUF_SIZE],
-        vec![0u8; crate::io::BUF_SIZE],
-    );
+    let (mut ba, mut bb) = (vec![0u8; BUF_SIZE], vec![0u8; BUF_SIZE]);
     let mut done = 0u64;
     for (start, end) in ranges {
         let mut pos = start.max(done);
         while pos < end {
             let n = (end - pos).min(ba.len() as u64) as usize;
             a.backend
-                .read_at(&mut ba[..n], pa.offset + pos)
+                .read_at(&mut ba[..n], at_a + pos)
                 .map_err(io(&a.path))?;
             b.backend
-                .read_at(&mut bb[..n], pb.offset + pos)
+                .read_at(&mut bb[..n], at_b + pos)
                 .map_err(io(&b.path))?;
             if ba[..n] != bb[..n] {
                 return Ok(false);
