@@ -4,11 +4,10 @@
 # on loopback) against the sum of the simulated delays of ONE node. Nodes are
 # settled concurrently and bootstrap starts as soon as the first control plane
 # answers, so the ratio stays near 1 (a serial run of five nodes would be ~5).
-# Needs target/release/{imgbuild,imgbuild-sim}, bc.
+# Needs the release imgbuild and imgbuild-sim, bc.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-bin=$root/target/release/imgbuild
-sim_bin=$root/target/release/imgbuild-sim
+. "$root/bench/bins.sh"
 work=$(mktemp -d -p "${TMPDIR:-/var/tmp}" imgbuild-bootstrap.XXXXXX)
 sim_pid=
 cleanup() { [ -n "$sim_pid" ] && kill "$sim_pid" 2>/dev/null; rm -rf "$work"; }

@@ -6,12 +6,11 @@
 #     the image, sparse, and fsyncs it) vs `curl | zstd -d | sha256sum`
 #     (resp. `xz -d -T0`), and vs the same pipeline with `tee` to a file + sync;
 #  2. ten node images by the patch route vs the factory route.
-# Needs target/release/{imgbuild,imgbuild-sim}, sgdisk, qemu-img, curl, zstd,
+# Needs the release imgbuild and imgbuild-sim, sgdisk, qemu-img, curl, zstd,
 # xz, GNU time, bc.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-bin=$root/target/release/imgbuild
-sim_bin=$root/target/release/imgbuild-sim
+. "$root/bench/bins.sh"
 work=${BENCH_DIR:-$(mktemp -d -p "${TMPDIR:-/var/tmp}" imgbuild-fetch.XXXXXX)}
 sim_pid=
 cleanup() { [ -n "$sim_pid" ] && kill "$sim_pid" 2>/dev/null; rm -rf "$work"; }

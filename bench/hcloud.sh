@@ -10,12 +10,11 @@
 # Interleaved runs, each against a fresh simulator; bytes on the wire from
 # imgbuild's own count and from `wc -c` of the baseline's zstd output;
 # imgbuild's peak RSS from GNU time. Needs root (sshd on port 22),
-# target/release/{imgbuild,imgbuild-sim}, sgdisk, zstd, ssh, curl, GNU time,
+# the release imgbuild and imgbuild-sim, sgdisk, zstd, ssh, curl, GNU time,
 # bc, python3.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-bin=$root/target/release/imgbuild
-sim_bin=$root/target/release/imgbuild-sim
+. "$root/bench/bins.sh"
 runs=${BENCH_RUNS:-3}
 # On tmpfs by default: the rescue system's final `sync` (which the baseline
 # lacks) then costs nothing, and neither side waits for the host's disk.

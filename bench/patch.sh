@@ -7,10 +7,10 @@
 #     raw -> qcow2): in place (`imgbuild meta set`, the like-for-like edit)
 #     and into a new file (`imgbuild patch`, which must copy the qcow2's data);
 #  3. peak RSS of imgbuild for each.
-# Needs: target/release/imgbuild, sgdisk, qemu-img, GNU time.
+# Needs: the release imgbuild, sgdisk, qemu-img, GNU time.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-bin=$root/target/release/imgbuild
+. "$root/bench/bins.sh"
 inv=$root/examples/atlas/cluster.yaml
 work=${BENCH_DIR:-$(mktemp -d -p "${TMPDIR:-/var/tmp}" imgbuild-bench.XXXXXX)}
 trap 'rm -rf "$work"' EXIT

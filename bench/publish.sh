@@ -5,12 +5,11 @@
 # order, same checksum), both waiting for the server's task (checksum,
 # `qemu-img info`, copy) to finish. Interleaved runs, each against a fresh
 # simulator; imgbuild's peak RSS from GNU time.
-# Needs target/release/{imgbuild,imgbuild-sim}, sgdisk, qemu-img, curl, GNU
+# Needs the release imgbuild and imgbuild-sim, sgdisk, qemu-img, curl, GNU
 # time, bc.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-bin=$root/target/release/imgbuild
-sim_bin=$root/target/release/imgbuild-sim
+. "$root/bench/bins.sh"
 runs=${BENCH_RUNS:-3}
 work=${BENCH_DIR:-$(mktemp -d -p "${TMPDIR:-/var/tmp}" imgbuild-publish.XXXXXX)}
 pids=()
