@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 
 mod common;
 use common::sims::{Nodes, Pve, Sim};
-use common::{json, root, text};
+use common::{decode_meta, json, text, with_factory};
 
 /// A loopback inventory of two metal nodes with ISOs; `bootloader` is the
 /// `image.bootloader` line (or none).
@@ -38,20 +38,6 @@ fn inventory_on(dir: &Path, version: &str, bootloader: &str, net: &str, extra: &
     let path = dir.join("cluster.yaml");
     std::fs::write(&path, s).unwrap();
     path
-}
-
-fn run(config: &Path, dir: &Path, sim: &Sim, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .arg("--config")
-        .arg(config)
-        .args(args)
-        .args(["--factory", &sim.url, "--cache-dir"])
-        .arg(dir.join("cache"))
-        .args(["--retry-delay-ms", "10"])
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
-        .output()
-        .unwrap()
 }
 
 fn xorriso(args: &[&str]) -> String {
@@ -96,24 +82,6 @@ fn volume_dates(iso: &Path) -> Vec<String> {
         .collect()
 }
 
-/// The META text an `INSTALLER_META_BASE64` value carries, decoded here
-/// (base64, then gunzip when it is gzip), as Talos' `Values.Decode` does.
-fn decode_meta(arg: &str) -> String {
-    use base64::Engine;
-    let v = arg
-        .strip_prefix("talos.environment=INSTALLER_META_BASE64=")
-        .unwrap_or_else(|| panic!("not a META argument: {arg}"));
-    let raw = base64::engine::general_purpose::STANDARD.decode(v).unwrap();
-    let bytes = if raw.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&raw[..]), &mut out).unwrap();
-        out
-    } else {
-        raw
-    };
-    String::from_utf8(bytes).unwrap()
-}
-
 /// The kernel lines of a `grub.cfg`, each as its words.
 fn kernel_lines(cfg: &str) -> Vec<Vec<String>> {
     cfg.lines()
@@ -135,7 +103,7 @@ fn meta_of(cfg: &str) -> String {
                 .filter(|w| w.starts_with("talos.environment="))
                 .collect();
             assert_eq!(metas.len(), 1, "{cfg}");
-            decode_meta(metas[0])
+            String::from_utf8(decode_meta(metas[0])).unwrap()
         })
         .collect();
     assert!(values.windows(2).all(|w| w[0] == w[1]), "{cfg}");
@@ -156,7 +124,7 @@ fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_record
     let dir = tempfile::tempdir().unwrap();
     let config = inventory(dir.path(), "v1.11.2", "  bootloader: grub\n");
     let out = dir.path().join("out");
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,
@@ -186,7 +154,7 @@ fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_record
     // The factory route's ISOs: the node's own schematic, META baked in by
     // the simulator's own encoder.
     let theirs = dir.path().join("factory");
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,
@@ -373,7 +341,7 @@ fn the_uki_iso_of_talos_1_10_and_later_is_refused_naming_the_choices() {
     let dir = tempfile::tempdir().unwrap();
     let config = inventory(dir.path(), "v1.11.2", "");
     let out = dir.path().join("out");
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,
@@ -388,7 +356,7 @@ fn the_uki_iso_of_talos_1_10_and_later_is_refused_naming_the_choices() {
 
     // The named alternative works: the factory's ISO of the node's own
     // schematic, with its META from the factory.
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,

@@ -4,11 +4,11 @@
 //! factory learns nothing about the nodes.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 mod common;
 use common::sims::Sim;
-use common::{json, root, text};
+use common::{decode_meta, json, text, with_factory};
 
 /// A loopback inventory of five nodes with MACs; worker-02 has one more
 /// extension, so two base schematics are in play.
@@ -43,37 +43,6 @@ fn inventory(dir: &Path, version: &str, extra_network: &str) -> PathBuf {
     path
 }
 
-fn run(config: &Path, dir: &Path, sim: &Sim, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .arg("--config")
-        .arg(config)
-        .args(args)
-        .args(["--factory", &sim.url, "--cache-dir"])
-        .arg(dir.join("cache"))
-        .args(["--retry-delay-ms", "10"])
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
-        .output()
-        .unwrap()
-}
-
-/// The META text an `INSTALLER_META_BASE64` value carries, decoded here
-/// (base64, then gunzip when it is gzip), as Talos' `Values.Decode` does.
-fn decode_meta(arg: &str) -> Vec<u8> {
-    use base64::Engine;
-    let v = arg
-        .strip_prefix("talos.environment=INSTALLER_META_BASE64=")
-        .unwrap_or_else(|| panic!("not a META argument: {arg}"));
-    let raw = base64::engine::general_purpose::STANDARD.decode(v).unwrap();
-    if raw.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&raw[..]), &mut out).unwrap();
-        out
-    } else {
-        raw
-    }
-}
-
 /// The kernel line of a node's script, split into the kernel URL and args.
 fn kernel_line(script: &str) -> (String, Vec<String>) {
     let line = script
@@ -101,7 +70,7 @@ fn every_script_carries_the_key10_its_disk_image_would_and_the_factory_learns_no
     let dir = tempfile::tempdir().unwrap();
     let config = inventory(dir.path(), "v1.11.2", "");
     let pxe = dir.path().join("pxe");
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,
@@ -120,7 +89,7 @@ fn every_script_carries_the_key10_its_disk_image_would_and_the_factory_learns_no
 
     // The patch route's disk images, for the key-10 value each node gets.
     let out = dir.path().join("out");
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,
@@ -212,7 +181,7 @@ fn every_script_carries_the_key10_its_disk_image_would_and_the_factory_learns_no
     );
 
     // A rerun rewrites nothing.
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,
@@ -247,7 +216,7 @@ fn an_absolute_url_base_is_used_when_given() {
     let dir = tempfile::tempdir().unwrap();
     let config = inventory(dir.path(), "v1.11.2", "");
     let pxe = dir.path().join("pxe");
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,
@@ -277,7 +246,7 @@ fn an_absolute_url_base_is_used_when_given() {
         "ftp://x/",
         "http://x/$net0",
     ] {
-        let o = run(
+        let o = with_factory(
             &config,
             dir.path(),
             &sim,
@@ -295,7 +264,7 @@ fn talos_before_1_6_3_gets_meta_uncompressed() {
     for (version, gzipped) in [("v1.6.2", false), ("v1.11.2", true)] {
         let config = inventory(dir.path(), version, "");
         let pxe = dir.path().join(format!("pxe-{version}"));
-        let o = run(
+        let o = with_factory(
             &config,
             dir.path(),
             &sim,
@@ -329,7 +298,7 @@ fn what_cannot_be_carried_is_refused_naming_the_node() {
 
     // A value with ';' would arrive cut.
     let config = inventory(dir.path(), "v1.11.2", "  searchDomains: [\"lab;evil\"]\n");
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,
@@ -347,7 +316,7 @@ fn what_cannot_be_carried_is_refused_naming_the_node() {
     let config = inventory(dir.path(), "v1.11.2", "");
     let text_in = std::fs::read_to_string(&config).unwrap();
     std::fs::write(&config, text_in.replace("    mac: BC:24:11:00:00:14\n", "")).unwrap();
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,
@@ -377,7 +346,7 @@ fn what_cannot_be_carried_is_refused_naming_the_node() {
         ),
     )
     .unwrap();
-    let o = run(
+    let o = with_factory(
         &config,
         dir.path(),
         &sim,

@@ -69,3 +69,36 @@ pub fn atlas_copy(dir: &Path, from: &str, to: &str) -> PathBuf {
     }
     path
 }
+
+/// `imgbuild --config CONFIG ARGS` against the factory simulator `sim`, with
+/// its download cache in `dir` and short retry pauses.
+pub fn with_factory(config: &Path, dir: &Path, sim: &sims::Sim, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .args(["--factory", &sim.url, "--cache-dir"])
+        .arg(dir.join("cache"))
+        .args(["--retry-delay-ms", "10"])
+        .current_dir(root())
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap()
+}
+
+/// The META text an `INSTALLER_META_BASE64` kernel argument carries, decoded
+/// here (base64, then gunzip when it is gzip), as Talos' `Values.Decode` does.
+pub fn decode_meta(arg: &str) -> Vec<u8> {
+    use base64::Engine;
+    let v = arg
+        .strip_prefix("talos.environment=INSTALLER_META_BASE64=")
+        .unwrap_or_else(|| panic!("not a META argument: {arg}"));
+    let raw = base64::engine::general_purpose::STANDARD.decode(v).unwrap();
+    if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&raw[..]), &mut out).unwrap();
+        out
+    } else {
+        raw
+    }
+}
