@@ -817,7 +817,7 @@ impl Build<'_> {
             }
             self.observer.event(&Event::Discarded { supported });
             self.observer.event(&Event::Writing { size: image.size });
-            let file = std::fs::File::open(&image.path).map_err(|e| {
+            let file = crate::io::open_regular(&image.path, false).map_err(|e| {
                 HcloudError::Io(format!("opening {}: {e}", image.path.display()))
             })?;
             let read = Arc::new(std::sync::atomic::AtomicU64::new(0));

@@ -1355,7 +1355,8 @@ fn send_upload(
     let sent = Arc::new(AtomicU64::new(0));
     let counter = sent.clone();
     let attempt = async {
-        let file = tokio::fs::File::open(&img.path).await.map_err(local)?;
+        let file =
+            tokio::fs::File::from_std(crate::io::open_regular(&img.path, false).map_err(local)?);
         let req = api
             .uploads
             .post(url)

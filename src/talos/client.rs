@@ -405,22 +405,7 @@ impl NodeClient {
 
     /// Applies `config` in AUTO mode; returns the node's mode details.
     pub async fn apply(&self, config: Vec<u8>) -> Result<String, ApiError> {
-        let req = ApplyConfigurationRequest {
-            data: config,
-            mode: ApplyMode::Auto as i32,
-            dry_run: false,
-            try_mode_timeout: None,
-        };
-        let reply = self
-            .call(self.machine().apply_configuration(self.request(req)))
-            .await?;
-        self.check(&reply.messages)?;
-        Ok(reply
-            .messages
-            .into_iter()
-            .map(|m| m.mode_details)
-            .collect::<Vec<_>>()
-            .join("; "))
+        self.apply_mode(config, ApplyMode::Auto, false).await
     }
 
     /// Applies `config` in `mode`, or with `dry_run` only asks for the
