@@ -154,7 +154,7 @@ pub fn node_cmdline(base: &str, meta_arg: Option<&str>) -> String {
 /// `node`'s META as one kernel argument, encoded for the inventory's Talos
 /// version; `None` off the metal platform (nothing else reads key 10).
 pub fn meta_arg(inv: &Inventory, node: &NodeSpec) -> Result<Option<String>, BootError> {
-    let Some(value) = schematic::network_value(inv, node) else {
+    let Some(value) = schematic::node::network_value(inv, node) else {
         return Ok(None);
     };
     let gzip = talos_at_least(&inv.cluster.talos_version, (1, 6, 3));
@@ -209,7 +209,7 @@ pub fn pxe(
             node: node.name.clone(),
         })?;
         let mac = mac.to_string();
-        let base = schematic::base_for_node(inv, node);
+        let base = schematic::node::base_for_node(inv, node);
         let id = schematic::id_of(&base.canonical()?);
         planned.push((*node, mac, base, id, meta_arg(inv, node)?));
     }

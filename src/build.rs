@@ -262,11 +262,11 @@ fn plan<'a>(
     };
     let mut plans = Vec::new();
     for node in selected {
-        let own = schematic::for_node(inv, node);
+        let own = schematic::node::for_node(inv, node);
         let schematic_id = own.id().map_err(FactoryError::from)?;
         let base_schematic_id = match opts.route {
             Route::Patch => Some(
-                schematic::base_for_node(inv, node)
+                schematic::node::base_for_node(inv, node)
                     .id()
                     .map_err(FactoryError::from)?,
             ),
@@ -444,12 +444,12 @@ fn build_one(
     let ext = factory_ext(format);
     let (source_url, sha256, size) = match opts.route {
         Route::Factory => {
-            let id = factory.register(&schematic::for_node(inv, node))?;
+            let id = factory.register(&schematic::node::for_node(inv, node))?;
             // The installer the node's config names is the META-less
             // schematic's (see `factory::installer_for`): the factory
             // serves installers only for schematics it was given.
-            let base = schematic::base_for_node(inv, node);
-            if base != schematic::for_node(inv, node) {
+            let base = schematic::node::base_for_node(inv, node);
+            if base != schematic::node::for_node(inv, node) {
                 factory.register(&base)?;
             }
             let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
@@ -458,7 +458,7 @@ fn build_one(
             (url, art.sha256, art.size)
         }
         Route::Patch => {
-            let id = factory.register(&schematic::base_for_node(inv, node))?;
+            let id = factory.register(&schematic::node::base_for_node(inv, node))?;
             let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
             let art = fetch::fetch(client, &url, None, &opts.fetch, progress)?;
             if format == ImageFormat::Iso {
@@ -471,7 +471,7 @@ fn build_one(
                     None => copy_out(&art.path, &plan.file)?,
                 }
             } else {
-                let edits: Vec<_> = schematic::network_value(inv, node)
+                let edits: Vec<_> = schematic::node::network_value(inv, node)
                     .map(|v| (u32::from(KEY_NETWORK), Some(v.into_bytes())))
                     .into_iter()
                     .collect();

@@ -210,7 +210,7 @@ pub fn installer_for(
     inv: &crate::inventory::Inventory,
     node: &crate::inventory::NodeSpec,
 ) -> Result<String, crate::schematic::EmitError> {
-    let canonical = crate::schematic::base_for_node(inv, node).canonical()?;
+    let canonical = crate::schematic::node::base_for_node(inv, node).canonical()?;
     Ok(installer_of(inv, &crate::schematic::id_of(&canonical)))
 }
 

@@ -6,6 +6,7 @@
 pub mod atomic;
 pub mod boot;
 pub mod build;
+pub mod digest;
 pub mod disk;
 pub mod factory;
 pub mod fetch;

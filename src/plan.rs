@@ -90,17 +90,17 @@ pub fn artifacts(inv: &Inventory, route: Route) -> Result<Vec<Artifact>, EmitErr
         let (kind, schematic_id, format) = match (target, route) {
             (Target::Hcloud, _) => (
                 ArtifactKind::Snapshot,
-                schematic::for_node(inv, node).id()?,
+                schematic::node::for_node(inv, node).id()?,
                 None,
             ),
             (_, Route::Patch) => (
                 ArtifactKind::BaseImage,
-                schematic::base_for_node(inv, node).id()?,
+                schematic::node::base_for_node(inv, node).id()?,
                 Some(inv.image.format),
             ),
             (_, Route::Factory) => (
                 ArtifactKind::NodeImage,
-                schematic::for_node(inv, node).id()?,
+                schematic::node::for_node(inv, node).id()?,
                 Some(inv.image.format),
             ),
         };
@@ -153,7 +153,7 @@ mod tests {
         assert_eq!(a[0].kind, ArtifactKind::BaseImage);
         assert_eq!(a[0].nodes.len(), 5);
         assert_eq!(a[0].command_nodes(), a[0].nodes.as_slice());
-        let base = schematic::base(&inv).id().unwrap();
+        let base = schematic::node::base(&inv).id().unwrap();
         assert_eq!(a[0].schematic_id, base);
         assert_eq!(a[0].target, Target::Files);
     }
@@ -177,7 +177,7 @@ mod tests {
             assert_eq!(artifact.nodes, std::slice::from_ref(&node.name));
             assert_eq!(
                 artifact.schematic_id,
-                schematic::for_node(&inv, node).id().unwrap()
+                schematic::node::for_node(&inv, node).id().unwrap()
             );
         }
     }

@@ -53,7 +53,7 @@ fn targets(
         // The factory serves installers only for schematics posted to it;
         // `register` also checks that its ID is ours.
         factory
-            .register(&imgbuild::schematic::base_for_node(inv, node))
+            .register(&imgbuild::schematic::node::base_for_node(inv, node))
             .with_context(|| format!("node {}: registering its schematic", node.name))?;
     }
     Ok(upgrade::wanted(inv)?)

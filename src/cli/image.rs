@@ -282,7 +282,7 @@ fn edit_in_place(image: &Path, changes: Vec<MetaChange>, output: Output) -> Resu
 pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let node = inv.node(&args.node)?;
-    let Some(value) = schematic::network_value(&inv, node) else {
+    let Some(value) = schematic::node::network_value(&inv, node) else {
         bail!(
             "platform {} does not read META key 10: nothing to write for {}",
             inv.image.platform,

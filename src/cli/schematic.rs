@@ -3,7 +3,8 @@
 use super::{Output, load_inventory};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use imgbuild::schematic::{self, ReviewFile, Schematic, write_review_files};
+use imgbuild::schematic::review::{ReviewFile, write_review_files};
+use imgbuild::schematic::{self, Schematic};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -43,15 +44,27 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
     match (&args.node, args.all) {
         (Some(name), false) => {
             let node = inv.node(name)?;
-            let own = schematic::for_node(&inv, node);
-            entries.push((name.clone(), own, schematic::base_for_node(&inv, node)));
+            let own = schematic::node::for_node(&inv, node);
+            entries.push((
+                name.clone(),
+                own,
+                schematic::node::base_for_node(&inv, node),
+            ));
         }
         (None, true) => {
             for node in &inv.nodes {
-                let own = schematic::for_node(&inv, node);
-                entries.push((node.name.clone(), own, schematic::base_for_node(&inv, node)));
+                let own = schematic::node::for_node(&inv, node);
+                entries.push((
+                    node.name.clone(),
+                    own,
+                    schematic::node::base_for_node(&inv, node),
+                ));
             }
-            entries.push(("base".into(), schematic::base(&inv), schematic::base(&inv)));
+            entries.push((
+                "base".into(),
+                schematic::node::base(&inv),
+                schematic::node::base(&inv),
+            ));
         }
         (Some(_), true) => bail!("give a node name or --all, not both"),
         (None, false) => bail!("give a node name, --all, or `schematic id FILE`"),

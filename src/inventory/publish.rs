@@ -241,7 +241,7 @@ impl Validator<'_> {
             }
         }
         if let Some(fp) = &px.fingerprint
-            && let Err(e) = fp.parse::<crate::net::Fingerprint>()
+            && let Err(e) = fp.parse::<crate::digest::Sha256>()
         {
             self.problem("publish.proxmox.fingerprint", e);
         }

@@ -11,7 +11,7 @@ use reqwest::header;
 use std::io::Read;
 use std::time::{Duration, SystemTime};
 
-pub use tls::{ClientIdentity, Fingerprint, Trust};
+pub use tls::{ClientIdentity, Trust};
 
 /// `User-Agent` on every request, so server logs can tell imgbuild apart.
 pub const USER_AGENT: &str = concat!("imgbuild/", env!("CARGO_PKG_VERSION"));

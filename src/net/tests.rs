@@ -1,4 +1,5 @@
 use super::*;
+use crate::digest::Sha256;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -245,14 +246,14 @@ fn oversized_replies_are_refused() {
 /// HTTP it received after a handshake.
 struct Tls {
     url: String,
-    fingerprint: Fingerprint,
+    fingerprint: Sha256,
     request_bytes: Arc<AtomicUsize>,
 }
 
 fn tls_server() -> Tls {
     let cert = rcgen::generate_simple_self_signed(vec!["127.0.0.1".into()]).unwrap();
     let der = cert.cert.der().to_vec();
-    let fingerprint = Fingerprint::of(&der);
+    let fingerprint = Sha256::of(&der);
     let key = rustls::pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
     let config = Arc::new(
         rustls::ServerConfig::builder_with_provider(tls::provider())
@@ -309,7 +310,7 @@ fn the_right_pin_is_accepted_in_both_spellings() {
 #[test]
 fn a_wrong_pin_is_refused_before_any_request_is_sent() {
     let srv = tls_server();
-    let wrong = Fingerprint::of(b"another certificate");
+    let wrong = Sha256::of(b"another certificate");
     let client = pinned_client(&wrong.to_string());
     let err = send_once(client.post(&srv.url).body(vec![7u8; 1 << 16])).unwrap_err();
     let msg = err.to_string();

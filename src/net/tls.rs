@@ -3,10 +3,10 @@
 //! and which identity is shown. HTTP clients and the Talos gRPC client both
 //! take their `rustls::ClientConfig` from here, always on aws-lc-rs.
 
+use crate::digest::Sha256;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
-use sha2::{Digest, Sha256};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -26,59 +26,6 @@ fn invalid(what: &'static str) -> impl Fn(String) -> TlsError {
     move |message| TlsError::Invalid { what, message }
 }
 
-/// SHA-256 of a DER certificate: what a pin compares. Proxmox prints it as
-/// `AB:CD:…` (`pvenode cert info`), talosctl as plain hex; both parse.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Fingerprint([u8; 32]);
-
-impl Fingerprint {
-    pub fn of(der: &[u8]) -> Fingerprint {
-        Fingerprint(Sha256::digest(der).into())
-    }
-
-    /// Lowercase hex without separators.
-    pub fn hex(&self) -> String {
-        hex::encode(self.0)
-    }
-}
-
-impl fmt::Display for Fingerprint {
-    /// Uppercase with colons, as Proxmox shows it.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let parts: Vec<String> = self.0.iter().map(|b| format!("{b:02X}")).collect();
-        f.write_str(&parts.join(":"))
-    }
-}
-
-impl fmt::Debug for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({self})")
-    }
-}
-
-impl std::str::FromStr for Fingerprint {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let t = s.trim();
-        let plain: String = if t.contains(':') {
-            let groups: Vec<&str> = t.split(':').collect();
-            if groups.len() != 32 || groups.iter().any(|g| g.len() != 2) {
-                return Err(format!(
-                    "{t:?} is not a SHA-256 fingerprint (32 colon-separated byte pairs such as AB:CD:…)"
-                ));
-            }
-            groups.concat()
-        } else {
-            t.to_owned()
-        };
-        let mut out = [0u8; 32];
-        hex::decode_to_slice(&plain, &mut out).map_err(|_| {
-            format!("{t:?} is not a SHA-256 fingerprint (64 hex digits, with or without colons)")
-        })?;
-        Ok(Fingerprint(out))
-    }
-}
-
 /// Which server certificates a client accepts.
 #[derive(Clone, Debug)]
 pub enum Trust {
@@ -86,7 +33,7 @@ pub enum Trust {
     System,
     /// Exactly the certificate with this fingerprint, whoever signed it and
     /// whatever name it carries: self-signed servers such as Proxmox VE.
-    Pinned(Fingerprint),
+    Pinned(Sha256),
     /// Any certificate (handshake signatures are still checked): Talos
     /// maintenance mode, or an explicit insecure switch.
     Any,
@@ -111,10 +58,10 @@ impl fmt::Debug for ClientIdentity {
 
 /// The certificate a server showed, kept for error messages and probes.
 #[derive(Clone, Default, Debug)]
-pub struct SeenCertificate(Arc<Mutex<Option<Fingerprint>>>);
+pub struct SeenCertificate(Arc<Mutex<Option<Sha256>>>);
 
 impl SeenCertificate {
-    pub fn get(&self) -> Option<Fingerprint> {
+    pub fn get(&self) -> Option<Sha256> {
         *self.0.lock().expect("not poisoned")
     }
 }
@@ -122,17 +69,17 @@ impl SeenCertificate {
 /// A pin that did not match, carried inside the rustls error so that every
 /// client (reqwest, tonic) reports both fingerprints.
 #[derive(Debug, thiserror::Error)]
-#[error("the server's certificate has fingerprint {found}, not the pinned {expected}")]
+#[error("the server's certificate has fingerprint {}, not the pinned {}", found.colons(), expected.colons())]
 pub struct PinMismatch {
-    pub expected: Fingerprint,
-    pub found: Fingerprint,
+    pub expected: Sha256,
+    pub found: Sha256,
 }
 
 /// Checks the leaf against a pin (or nothing, for [`Trust::Any`]) and
 /// records it; handshake signatures are verified as usual.
 #[derive(Debug)]
 struct LeafVerifier {
-    pin: Option<Fingerprint>,
+    pin: Option<Sha256>,
     seen: SeenCertificate,
     provider: Arc<rustls::crypto::CryptoProvider>,
 }
@@ -146,7 +93,7 @@ impl ServerCertVerifier for LeafVerifier {
         _ocsp: &[u8],
         _now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        let found = Fingerprint::of(end_entity);
+        let found = Sha256::of(end_entity);
         *self.seen.0.lock().expect("not poisoned") = Some(found);
         match self.pin {
             Some(expected) if expected != found => Err(rustls::Error::InvalidCertificate(
@@ -305,34 +252,6 @@ pub fn client_config(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fingerprints_parse_in_every_spelling_users_paste() {
-        let hex64 = "ab".repeat(31) + "0f";
-        let plain: Fingerprint = hex64.parse().unwrap();
-        let colons = plain.to_string();
-        assert!(colons.starts_with("AB:AB:"), "{colons}");
-        assert!(colons.ends_with(":0F"));
-        assert_eq!(colons.parse::<Fingerprint>().unwrap(), plain);
-        assert_eq!(colons.to_lowercase().parse::<Fingerprint>().unwrap(), plain);
-        assert_eq!(hex64.to_uppercase().parse::<Fingerprint>().unwrap(), plain);
-        assert_eq!(plain.hex(), hex64);
-    }
-
-    #[test]
-    fn malformed_fingerprints_say_what_is_expected() {
-        for bad in [
-            "",
-            "abc",
-            &"ab".repeat(31),
-            &"zz".repeat(32),
-            "AB:CD",
-            &"ABC:".repeat(31),
-        ] {
-            let err = bad.parse::<Fingerprint>().unwrap_err();
-            assert!(err.contains("SHA-256 fingerprint"), "{bad:?}: {err}");
-        }
-    }
 
     #[test]
     fn ed25519_labelled_keys_read_as_pkcs8() {

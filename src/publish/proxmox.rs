@@ -14,8 +14,9 @@ use reqwest::multipart::{Form, Part};
 use serde_json::Value;
 
 use super::{PublishImage, Secret};
+use crate::digest::Sha256;
 use crate::inventory::{ImageFormat, Inventory, ProxmoxSettings, ProxmoxVm, VmBoot};
-use crate::net::{self, Fingerprint, NetError, RetryPolicy, Trust};
+use crate::net::{self, NetError, RetryPolicy, Trust};
 
 /// Why publishing to Proxmox failed. Never carries the token.
 #[derive(Debug, thiserror::Error)]
@@ -130,13 +131,13 @@ impl Credentials {
         });
         let pin = match env("PROXMOX_VE_FINGERPRINT").filter(|v| !v.trim().is_empty()) {
             Some(v) => Some(
-                v.parse::<Fingerprint>()
+                v.parse::<Sha256>()
                     .map_err(|e| setup(format!("PROXMOX_VE_FINGERPRINT: {e}")))?,
             ),
             None => settings
                 .fingerprint
                 .as_deref()
-                .map(str::parse::<Fingerprint>)
+                .map(str::parse::<Sha256>)
                 .transpose()
                 .map_err(|e| setup(format!("publish.proxmox.fingerprint: {e}")))?,
         };

@@ -3,13 +3,11 @@
 //! can be reviewed and reproduced without the factory.
 
 mod emit;
-mod node;
+pub mod node;
 mod resolve;
-mod review;
+pub mod review;
 
 pub use emit::EmitError;
-pub use node::{base, base_for_node, for_node, network_plan, network_value};
-pub use review::{ReviewFile, WriteError, write_review_files};
 
 use emit::{Node, emit_document, go_float};
 use serde::{Deserialize, Deserializer};

@@ -377,7 +377,7 @@ fn base_config(
 ) -> Result<Value, ConfigError> {
     let k8s = version_tag(&inv.cluster.kubernetes_version);
     let control_plane = node.role == Role::Controlplane;
-    let plan = schematic::network_plan(inv, node);
+    let plan = schematic::node::network_plan(inv, node);
     let node_err = |message: &str| ConfigError::Node {
         node: node.name.clone(),
         message: message.to_owned(),

@@ -38,9 +38,10 @@ pub fn wanted(
     inv.nodes
         .iter()
         .map(|node| {
-            let canonical = crate::schematic::base_for_node(inv, node).canonical()?;
+            let canonical = crate::schematic::node::base_for_node(inv, node).canonical()?;
             let id = crate::schematic::id_of(&canonical);
-            let own = crate::schematic::id_of(&crate::schematic::for_node(inv, node).canonical()?);
+            let own =
+                crate::schematic::id_of(&crate::schematic::node::for_node(inv, node).canonical()?);
             Ok((
                 node.name.clone(),
                 Wanted {
