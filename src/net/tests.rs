@@ -315,7 +315,7 @@ fn a_wrong_pin_is_refused_before_any_request_is_sent() {
     let err = send_once(client.post(&srv.url).body(vec![7u8; 1 << 16])).unwrap_err();
     let msg = err.to_string();
     assert!(
-        msg.contains(&srv.fingerprint.to_string()) && msg.contains(&wrong.to_string()),
+        msg.contains(&srv.fingerprint.colons()) && msg.contains(&wrong.colons()),
         "{msg}"
     );
     assert!(matches!(err, NetError::Untrusted { .. }), "{err:?}");
