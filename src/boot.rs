@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::digest::Sha256;
 use crate::factory::{Factory, FactoryError};
 use crate::fetch::{self, FetchError, FetchOptions, Progress};
 use crate::inventory::{Inventory, NodeSpec, UnknownNode, talos_at_least};
@@ -72,7 +73,7 @@ pub struct PxeOptions {
 pub struct ServedFile {
     /// Relative to the out dir.
     pub path: PathBuf,
-    pub sha256: String,
+    pub sha256: Sha256,
     pub size: u64,
     /// False when the file already held these bytes.
     pub written: bool,
@@ -233,7 +234,7 @@ pub fn pxe(
                 progress,
             )?;
             let path = dir.join(&file);
-            let written = place(&art.path, &art.sha256, &opts.out_dir.join(&path))?;
+            let written = place(&art.path, art.sha256, &opts.out_dir.join(&path))?;
             Ok(ServedFile {
                 path,
                 sha256: art.sha256,
@@ -321,7 +322,7 @@ fn write_text(out_dir: &Path, rel: &Path, text: &str) -> Result<ServedFile, Boot
 }
 
 /// Copies a verified cache file to `to` unless `to` already holds it.
-fn place(from: &Path, sha256: &str, to: &Path) -> Result<bool, BootError> {
+fn place(from: &Path, sha256: Sha256, to: &Path) -> Result<bool, BootError> {
     if let Ok(f) = std::fs::File::open(to)
         && crate::io::sha256_of(f).is_ok_and(|(have, _)| have == sha256)
     {

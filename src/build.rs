@@ -7,6 +7,7 @@
 //! The manifest names images relative to the out dir, so `out`, `./out` and
 //! its absolute path, from any working directory, mean the same images.
 
+use crate::digest::Sha256;
 use crate::disk::{self, DiskError};
 use crate::factory::{Factory, FactoryError};
 use crate::fetch::{self, FetchError, FetchOptions, Progress};
@@ -45,12 +46,26 @@ pub struct NodeImage {
     pub arch: Arch,
     pub format: ImageFormat,
     pub size: u64,
-    pub sha256: String,
+    #[serde(deserialize_with = "manifest_sha256")]
+    pub sha256: Sha256,
     /// Relative to the out dir (see [`NodeImage::file`]), so the out dir can
     /// be named any way, or moved.
     pub path: PathBuf,
     /// Where the bytes came from.
     pub source_url: String,
+}
+
+/// A manifest's digest only as imgbuild writes it and `sha256sum` prints
+/// it, 64 lowercase hex digits: another spelling means a hand-edited
+/// manifest, refused like any other damage.
+fn manifest_sha256<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Sha256, D::Error> {
+    let text = <String as serde::Deserialize>::deserialize(d)?;
+    match text.parse::<Sha256>() {
+        Ok(sha) if sha.hex() == text => Ok(sha),
+        _ => Err(serde::de::Error::custom(format!(
+            "sha256 {text:?} is not 64 lowercase hex digits"
+        ))),
+    }
 }
 
 impl NodeImage {
@@ -92,7 +107,7 @@ impl Manifest {
     }
 
     /// What serde cannot check: entries filed under their own node, paths
-    /// that stay inside the out dir, digests that are digests.
+    /// that stay inside the out dir.
     fn check(&self) -> Result<(), String> {
         for (key, image) in &self.images {
             if *key != image.node {
@@ -110,17 +125,6 @@ impl Manifest {
                 return Err(format!(
                     "entry {key:?}: path {:?} must be relative to the out dir, without '..'",
                     image.path
-                ));
-            }
-            let hex = image.sha256.len() == 64
-                && image
-                    .sha256
-                    .bytes()
-                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-            if !hex {
-                return Err(format!(
-                    "entry {key:?}: sha256 {:?} is not 64 lowercase hex digits",
-                    image.sha256
                 ));
             }
         }
@@ -510,7 +514,7 @@ fn copy_out(from: &Path, to: &Path) -> Result<(), BuildError> {
 }
 
 /// Streams a file through SHA-256.
-pub fn hash_file(path: &Path) -> Result<(String, u64), BuildError> {
+pub fn hash_file(path: &Path) -> Result<(Sha256, u64), BuildError> {
     let io_err = |source| BuildError::Io {
         path: path.to_owned(),
         source,

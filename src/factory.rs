@@ -47,14 +47,12 @@ pub enum FactoryError {
     Emit(#[from] crate::schematic::EmitError),
 }
 
-/// One entry of `/version/{v}/extensions/official`.
+/// One entry of `/version/{v}/extensions/official`. Only the name is read:
+/// the entry's `ref` and OCI `digest` (`sha256:<hex>`, siderolabs/image-factory
+/// `README.md`) name the container image, which the factory itself pulls.
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct Extension {
     pub name: String,
-    #[serde(default, rename = "ref")]
-    pub reference: String,
-    #[serde(default)]
-    pub digest: String,
 }
 
 impl<'a> Factory<'a> {

@@ -2,7 +2,8 @@
 //! stack of them (body → length check → hash → magic check → decompress →
 //! hash → sparse temp file); builds, disks and publishers reuse them.
 
-use sha2::{Digest, Sha256, Sha512};
+use crate::digest::Sha256;
+use sha2::{Digest, Sha512};
 use std::io::{self, Read};
 
 /// Buffer size for every copy loop.
@@ -11,7 +12,7 @@ pub const BUF_SIZE: usize = 1 << 20;
 /// Hashes everything read through it (SHA-256 always, SHA-512 on request).
 pub struct HashingReader<R> {
     inner: R,
-    sha256: Sha256,
+    sha256: sha2::Sha256,
     sha512: Option<Sha512>,
     count: u64,
 }
@@ -20,7 +21,7 @@ impl<R: Read> HashingReader<R> {
     pub fn new(inner: R, with_sha512: bool) -> Self {
         HashingReader {
             inner,
-            sha256: Sha256::new(),
+            sha256: sha2::Sha256::new(),
             sha512: with_sha512.then(Sha512::new),
             count: 0,
         }
@@ -31,10 +32,10 @@ impl<R: Read> HashingReader<R> {
         self.count
     }
 
-    /// Hex digests of everything read: (sha256, sha512 if requested).
-    pub fn finish(self) -> (String, Option<String>) {
+    /// Digests of everything read: (sha256, sha512 in hex if requested).
+    pub fn finish(self) -> (Sha256, Option<String>) {
         (
-            hex::encode(self.sha256.finalize()),
+            Sha256::from(self.sha256),
             self.sha512.map(|h| hex::encode(h.finalize())),
         )
     }
@@ -56,8 +57,8 @@ impl<R: Read> Read for HashingReader<R> {
     }
 }
 
-/// SHA-256 (hex) and length of everything `r` yields: the one hash loop.
-pub fn sha256_of(r: impl Read) -> io::Result<(String, u64)> {
+/// SHA-256 and length of everything `r` yields: the one hash loop.
+pub fn sha256_of(r: impl Read) -> io::Result<(Sha256, u64)> {
     let mut h = HashingReader::new(r, false);
     io::copy(&mut h, &mut io::sink())?;
     let n = h.count();
@@ -350,7 +351,7 @@ mod tests {
         assert_eq!(r.count(), 3);
         let (s256, s512) = r.finish();
         assert_eq!(
-            s256,
+            s256.to_string(),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
         assert!(s512.unwrap().starts_with("ddaf35a193617aba"));

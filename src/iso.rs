@@ -493,7 +493,7 @@ pub fn compare(a: &IsoReport, b: &IsoReport) -> Vec<String> {
 /// Compares two ISOs: bytes, volume date, menu entries and decoded META.
 pub fn diff(a: &Path, b: &Path, scratch: &Path) -> Result<IsoDiff, IsoError> {
     let (ra, rb) = (inspect(a, scratch)?, inspect(b, scratch)?);
-    let hash = |p: &Path| -> Result<(String, u64), IsoError> {
+    let hash = |p: &Path| -> Result<(crate::digest::Sha256, u64), IsoError> {
         let f = crate::io::open_regular(p, false).map_err(io_err(p))?;
         crate::io::sha256_of(f).map_err(io_err(p))
     };

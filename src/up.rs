@@ -707,7 +707,7 @@ fn plan_hcloud(
             n.stages.vm = Some(Change::Created);
             n.stages.start = Some(Change::Started);
             if let Some(img) = image {
-                n.sha256 = Some(img.sha256.clone());
+                n.sha256 = Some(img.sha256.to_string());
                 n.image = Some(img.file(&opts.build.out_dir));
                 built.push((img, img.file(&opts.build.out_dir)));
             }
@@ -749,7 +749,7 @@ fn build_stage(
     };
     for o in &built {
         if let Some(n) = report.node(&o.image.node) {
-            n.sha256 = Some(o.image.sha256.clone());
+            n.sha256 = Some(o.image.sha256.to_string());
             n.image = Some(o.file.clone());
             n.stages.build = Some(changed(o.built, Change::Built));
         }
@@ -851,14 +851,14 @@ fn plan_publish(
                 None => Change::Built,
             });
             if let Some(img) = &image {
-                n.sha256 = Some(img.sha256.clone());
+                n.sha256 = Some(img.sha256.to_string());
                 n.image = Some(img.file(&opts.build.out_dir));
             }
         }
         let image = image.map(|img| PublishImage {
             node: img.node.clone(),
             path: img.file(&opts.build.out_dir),
-            sha256: img.sha256,
+            sha256: img.sha256.to_string(),
             size: img.size,
             format: img.format,
         });

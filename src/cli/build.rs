@@ -199,7 +199,7 @@ fn print_outcomes(outcomes: &[Outcome], out_dir: &Path, complete: bool) {
             o.image.node,
             format!("{:?}", o.image.route).to_lowercase(),
             o.file.display(),
-            o.image.sha256.get(..16).unwrap_or(&o.image.sha256)
+            &o.image.sha256.hex()[..16]
         );
     }
     if complete && outcomes.iter().all(|o| !o.built) {

@@ -4,6 +4,7 @@
 //! that a crash or kill cannot promote.
 
 use crate::atomic::AtomicFile;
+use crate::digest::Sha256;
 use crate::io::{
     self, ExactLengthReader, HashingReader, Magic, PeekReader, copy_sparse_from, describe,
 };
@@ -11,7 +12,7 @@ use crate::net::{self, NetError};
 use reqwest::StatusCode;
 use reqwest::blocking::{Client, Response};
 use reqwest::header;
-use sha2::{Digest, Sha256};
+use sha2::Digest;
 use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -72,7 +73,8 @@ impl Expect {
 /// A pinned digest of the bytes as served.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Pin {
-    Sha256(String),
+    Sha256(Sha256),
+    /// Lowercase hex.
     Sha512(String),
 }
 
@@ -83,12 +85,18 @@ impl std::str::FromStr for Pin {
             .split_once(':')
             .ok_or_else(|| format!("{s:?}: pin as sha256:<hex> or sha512:<hex>"))?;
         let hex = hex.to_ascii_lowercase();
-        let ok = |n: usize| hex.len() == n && hex.bytes().all(|b| b.is_ascii_hexdigit());
-        match algo {
-            "sha256" if ok(64) => Ok(Pin::Sha256(hex)),
-            "sha512" if ok(128) => Ok(Pin::Sha512(hex)),
-            _ => Err(format!("{s:?}: pin as sha256:<64 hex> or sha512:<128 hex>")),
-        }
+        let pin = match algo {
+            // Plain hex only: what the digest spells back.
+            "sha256" => hex
+                .parse::<Sha256>()
+                .ok()
+                .filter(|d| d.hex() == hex)
+                .map(Pin::Sha256),
+            "sha512" => (hex.len() == 128 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+                .then_some(Pin::Sha512(hex)),
+            _ => None,
+        };
+        pin.ok_or_else(|| format!("{s:?}: pin as sha256:<64 hex> or sha512:<128 hex>"))
     }
 }
 
@@ -149,10 +157,10 @@ pub struct Artifact {
     pub url: String,
     pub path: PathBuf,
     /// SHA-256 and size of the (decompressed) file.
-    pub sha256: String,
+    pub sha256: Sha256,
     pub size: u64,
     /// SHA-256 and size of the bytes as served.
-    pub served_sha256: String,
+    pub served_sha256: Sha256,
     pub served_size: u64,
     /// True when it came from the cache without a download.
     #[serde(skip)]
@@ -236,7 +244,7 @@ pub fn fetch(
             url: url.to_owned(),
             name: name.clone(),
         })?;
-    let key = hex::encode(&Sha256::digest(url.as_bytes())[..16]);
+    let key = hex::encode(&sha2::Sha256::digest(url.as_bytes())[..16]);
     let dir = opts.cache_dir.join("images").join(&key);
     fs::create_dir_all(&dir).map_err(cache_err(&dir))?;
     let lock_path = dir.join(".lock");
@@ -456,8 +464,8 @@ fn download(
             return Err(FetchError::PinMismatch {
                 url: url.to_owned(),
                 algo: "sha256",
-                want: want.clone(),
-                got: served_sha256,
+                want: want.to_string(),
+                got: served_sha256.to_string(),
             });
         }
         Some(Pin::Sha512(want)) if Some(want) != served_sha512.as_ref() => {
@@ -728,7 +736,7 @@ mod tests {
         let h = "a".repeat(64);
         assert_eq!(
             format!("sha256:{h}").parse::<Pin>(),
-            Ok(Pin::Sha256(h.clone()))
+            Ok(Pin::Sha256(h.parse().unwrap()))
         );
         assert!(format!("sha512:{h}").parse::<Pin>().is_err());
         assert!("md5:abc".parse::<Pin>().is_err());

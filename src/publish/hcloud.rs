@@ -228,10 +228,10 @@ impl SnapshotImage {
         let mut by_sha: BTreeMap<String, SnapshotImage> = BTreeMap::new();
         for (image, path) in images {
             by_sha
-                .entry(image.sha256.clone())
+                .entry(image.sha256.to_string())
                 .or_insert_with(|| SnapshotImage {
                     path,
-                    sha256: image.sha256.clone(),
+                    sha256: image.sha256.to_string(),
                     size: image.size,
                     schematic_id: image.schematic_id.to_string(),
                     talos_version: image.talos_version.clone(),
@@ -855,7 +855,7 @@ impl Build<'_> {
                 .into_inner();
             let read = hashing.count();
             let (sha, _) = hashing.finish();
-            if read != image.size || sha != image.sha256 {
+            if read != image.size || sha.hex() != image.sha256 {
                 return Err(HcloudError::Io(format!(
                     "{} changed while it was sent ({read} bytes, sha256 {sha}; the manifest says {} bytes, {}): no snapshot is made",
                     image.path.display(),

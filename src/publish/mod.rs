@@ -43,7 +43,7 @@ impl From<&crate::build::Outcome> for PublishImage {
         PublishImage {
             node: o.image.node.clone(),
             path: o.file.clone(),
-            sha256: o.image.sha256.clone(),
+            sha256: o.image.sha256.to_string(),
             size: o.image.size,
             format: o.image.format,
         }
