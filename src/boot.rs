@@ -333,7 +333,7 @@ fn place(from: &Path, sha256: Sha256, to: &Path) -> Result<bool, BootError> {
     }
     let src = std::fs::File::open(from).map_err(io_err(from))?;
     let mut tmp = crate::atomic::AtomicFile::create(to, false).map_err(io_err(to))?;
-    crate::disk::copy_sparse(&src, tmp.file()).map_err(io_err(to))?;
+    crate::io::copy_sparse(&src, tmp.file()).map_err(io_err(to))?;
     tmp.commit().map_err(io_err(to))?;
     Ok(true)
 }

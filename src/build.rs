@@ -509,7 +509,7 @@ fn copy_out(from: &Path, to: &Path) -> Result<(), BuildError> {
     };
     let src = std::fs::File::open(from).map_err(io_err(from))?;
     let mut tmp = crate::atomic::AtomicFile::create(to, false).map_err(io_err(to))?;
-    disk::copy_sparse(&src, tmp.file()).map_err(io_err(to))?;
+    crate::io::copy_sparse(&src, tmp.file()).map_err(io_err(to))?;
     tmp.commit().map_err(io_err(to))
 }
 
@@ -601,6 +601,7 @@ pub fn verify(out_dir: &Path) -> Result<Vec<Verified>, BuildError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use serde_json::{Value, json};
 
     fn entry() -> Value {
@@ -696,6 +697,49 @@ mod tests {
             let file = Manifest::path(dir.path()).display().to_string();
             assert!(err.starts_with(&file), "{err}");
             assert!(err.contains(want), "want {want:?} in {err}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(crate::disk::fuzz::config())]
+
+        /// `verify` over a manifest with mutated bytes and entries that point
+        /// at crafted files (a FIFO, a directory, a truncated image).
+        #[test]
+        fn fuzz_verify_on_mutated_manifests(
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+            target in proptest::sample::select(vec!["cp-01.raw", "fifo", "dir", "../dual-boot.raw", "missing"]),
+        ) {
+            if crate::fuzz_time_left() {
+                let dir = tempfile::tempdir().unwrap();
+                let out = dir.path().join("out");
+                std::fs::create_dir(&out).unwrap();
+                let fixture = crate::disk::fuzz::fixtures().join("dual-boot.raw");
+                std::fs::copy(fixture, out.join("cp-01.raw")).unwrap();
+                std::fs::create_dir(out.join("dir")).unwrap();
+                let fifo = std::ffi::CString::new(out.join("fifo").to_str().unwrap()).unwrap();
+                // SAFETY: a valid NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+                let entry = serde_json::json!({
+                    "node": "cp-01", "route": "patch", "schematicId": "a".repeat(64),
+                    "baseSchematicId": "b".repeat(64), "talosVersion": "v1.11.2",
+                    "platform": "metal", "arch": "amd64", "format": "raw", "size": 4096,
+                    "sha256": "c".repeat(64), "path": target,
+                    "sourceUrl": "http://127.0.0.1:1/image/x/v1.11.2/metal-amd64.raw",
+                });
+                let mut bytes =
+                    serde_json::to_vec(&serde_json::json!({"images": {"cp-01": entry}})).unwrap();
+                for (at, byte) in edits {
+                    let at = at.index(bytes.len());
+                    bytes[at] = byte;
+                }
+                std::fs::write(Manifest::path(&out), &bytes).unwrap();
+                if let Ok(results) = verify(&out) {
+                    for r in results {
+                        prop_assert!(!r.ok, "{r:?} cannot match a made-up sha256");
+                    }
+                }
+            }
         }
     }
 }

@@ -3,9 +3,10 @@
 //! base image (`imgbuild patch`). Both read and check the image, merge the
 //! edits into the ADV it holds (other keys survive), and write META once.
 
-use super::{DiskError, Image, write_patched_copy};
-use crate::meta::Adv;
-use std::path::PathBuf;
+use super::error::{DiskError, io};
+use super::image::Image;
+use crate::meta::{Adv, Decoded};
+use std::path::{Path, PathBuf};
 
 /// One META change: `Some(value)` sets the key, `None` deletes it.
 pub type MetaChange = (u32, Option<Vec<u8>>);
@@ -37,7 +38,7 @@ pub fn edit_meta(opts: &MetaEditOptions) -> Result<MetaEdited, DiskError> {
     let mut img = Image::open(&opts.image, true)?;
     let before = img.read_meta()?;
     let mut adv = before.adv.clone();
-    super::apply(&opts.image, &mut adv, &opts.changes)?;
+    apply(&opts.image, &mut adv, &opts.changes)?;
     let changed = adv != before.adv;
     if changed {
         img.write_meta(&adv)?;
@@ -83,6 +84,48 @@ pub fn patch(opts: &PatchOptions) -> Result<Patched, DiskError> {
         problems: before.problems,
         kept_keys,
     })
+}
+
+/// Writes `out` as a copy of `base` (holes kept) with `edits` applied to
+/// META: `Some(value)` sets a key, `None` deletes it; other keys survive in
+/// their order. When the edits change no tag, META is not rewritten and
+/// `out` is `base` byte for byte (blocks shared where the filesystem can).
+/// `base` is checked before anything is written, and `out` appears only
+/// complete (temp name, fsync, rename).
+pub fn write_patched_copy(
+    base: &Path,
+    out: &Path,
+    edits: &[MetaChange],
+) -> Result<Decoded, DiskError> {
+    let before = Image::open(base, false)?.read_meta()?;
+    let mut adv = before.adv.clone();
+    apply(out, &mut adv, edits)?;
+    let mut tmp = crate::atomic::AtomicFile::create(out, false).map_err(io(out))?;
+    let src = crate::io::open_regular(base, false).map_err(io(base))?;
+    crate::io::copy_sparse(&src, tmp.file()).map_err(io(out))?;
+    if adv != before.adv {
+        Image::open(tmp.temp_path(), true)?.write_meta(&adv)?;
+    }
+    tmp.commit().map_err(io(out))?;
+    Ok(before)
+}
+
+/// Applies META edits to the ADV of `image` (named when it would overflow).
+pub fn apply(image: &Path, adv: &mut Adv, edits: &[MetaChange]) -> Result<(), DiskError> {
+    for (key, value) in edits {
+        match value {
+            Some(v) => adv
+                .set(*key, v.clone())
+                .map_err(|source| DiskError::MetaFull {
+                    path: image.to_owned(),
+                    source,
+                })?,
+            None => {
+                adv.delete(*key);
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -281,5 +324,16 @@ mod tests {
             err.to_string().contains("notes.txt: not a disk image"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn meta_full_names_the_image() {
+        let mut adv = Adv::default();
+        let big = vec![b'x'; 300 * 1024];
+        let err = apply(Path::new("out/cp-01.raw"), &mut adv, &[(10, Some(big))]).unwrap_err();
+        assert_eq!(err.to_string(), "out/cp-01.raw");
+        let why = std::error::Error::source(&err).unwrap().to_string();
+        assert!(why.starts_with("META is full"), "{why}");
+        assert_eq!(adv, Adv::default(), "nothing was set");
     }
 }

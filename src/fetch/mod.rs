@@ -12,7 +12,6 @@ use crate::net::{self, NetError};
 use reqwest::StatusCode;
 use reqwest::blocking::{Client, Response};
 use reqwest::header;
-use sha2::Digest;
 use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -244,8 +243,9 @@ pub fn fetch(
             url: url.to_owned(),
             name: name.clone(),
         })?;
-    let key = hex::encode(&sha2::Sha256::digest(url.as_bytes())[..16]);
-    let dir = opts.cache_dir.join("images").join(&key);
+    // The first 16 bytes of the URL's digest name its cache folder.
+    let key = &Sha256::of(url.as_bytes()).hex()[..32];
+    let dir = opts.cache_dir.join("images").join(key);
     fs::create_dir_all(&dir).map_err(cache_err(&dir))?;
     let lock_path = dir.join(".lock");
     let _lock = lock(&lock_path)?;
