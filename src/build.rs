@@ -166,9 +166,10 @@ pub struct BuildOptions {
     pub jobs: usize,
 }
 
-/// What happened to one node.
+/// What a build did for one node: the image as the manifest records it,
+/// and whether it was made now or already current.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct Outcome {
+pub struct BuildOutcome {
     #[serde(flatten)]
     pub image: NodeImage,
     /// The image file, under the out dir as it was given.
@@ -196,7 +197,7 @@ pub enum BuildError {
         failed.iter().map(|f| f.node.as_str()).collect::<Vec<_>>().join(", ")
     )]
     Incomplete {
-        built: Vec<Outcome>,
+        built: Vec<BuildOutcome>,
         failed: Vec<NodeFailure>,
     },
     #[error(transparent)]
@@ -339,7 +340,7 @@ pub fn build(
     nodes: &[String],
     opts: &BuildOptions,
     progress: &dyn Progress,
-) -> Result<Vec<Outcome>, BuildError> {
+) -> Result<Vec<BuildOutcome>, BuildError> {
     let plans = plan(inv, nodes, opts)?;
     if inv.image.format == ImageFormat::Iso && opts.route == Route::Patch {
         crate::iso::check_patchable(&inv.cluster.talos_version, inv.image.bootloader)?;
@@ -357,13 +358,13 @@ pub fn build(
     let manifest = Manifest::load(&opts.out_dir)?;
     let current = |p: &Plan| p.current(inv, opts, &manifest);
     let todo: Vec<&Plan> = plans.iter().filter(|p| current(p).is_none()).collect();
-    let mut outcomes: BTreeMap<String, Outcome> = plans
+    let mut outcomes: BTreeMap<String, BuildOutcome> = plans
         .iter()
         .filter_map(|p| {
             current(p).map(|m| {
                 (
                     m.node.clone(),
-                    Outcome {
+                    BuildOutcome {
                         image: m.clone(),
                         file: p.file.clone(),
                         built: false,
@@ -394,7 +395,7 @@ pub fn build(
                             break;
                         };
                         let r = build_one(inv, plan, opts, &client, &factory, progress)
-                            .map(|image| Outcome {
+                            .map(|image| BuildOutcome {
                                 image,
                                 file: plan.file.clone(),
                                 built: true,
@@ -421,7 +422,7 @@ pub fn build(
         // Record what did succeed, even when another node failed.
         Manifest::record(&opts.out_dir, images)?;
     }
-    let built: Vec<Outcome> = plans
+    let built: Vec<BuildOutcome> = plans
         .iter()
         .filter_map(|p| outcomes.remove(&p.node.name))
         .collect();

@@ -741,7 +741,7 @@ fn build_stage(
     opts: &UpOptions,
     obs: Observers<'_>,
     report: &mut Report,
-) -> Result<(Vec<build::Outcome>, Vec<String>), (Stage, UpError)> {
+) -> Result<(Vec<build::BuildOutcome>, Vec<String>), (Stage, UpError)> {
     let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
         Ok(built) => (built, Vec::new()),
         Err(BuildError::Incomplete { built, failed }) => (built, failed),

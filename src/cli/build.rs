@@ -3,7 +3,7 @@
 use super::{Output, Partial, Reported, load_inventory};
 use anyhow::{Result, bail};
 use clap::Args;
-use imgbuild::build::{self, BuildError, BuildOptions, Outcome, Route};
+use imgbuild::build::{self, BuildError, BuildOptions, BuildOutcome, Route};
 use imgbuild::fetch::{FetchOptions, Progress};
 use indicatif::{MultiProgress, ProgressBar};
 use serde_json::json;
@@ -123,7 +123,7 @@ impl BuildArgs {
 /// The images that were built or already current, each node that failed
 /// (one line: the node, then its error chain), and the summary of the
 /// failure, if any.
-pub(super) type Built = (Vec<Outcome>, Vec<(String, String)>, Option<String>);
+pub(super) type Built = (Vec<BuildOutcome>, Vec<(String, String)>, Option<String>);
 
 /// Builds `nodes` with download progress shown as `args` asks; a build that
 /// failed for some nodes still returns the others.
@@ -191,7 +191,7 @@ fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Re
     }
 }
 
-fn print_outcomes(outcomes: &[Outcome], out_dir: &Path, complete: bool) {
+fn print_outcomes(outcomes: &[BuildOutcome], out_dir: &Path, complete: bool) {
     for o in outcomes {
         let state = if o.built { "built" } else { "up to date" };
         outln!(

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::Args;
-use imgbuild::build::Outcome;
+use imgbuild::build::BuildOutcome;
 use imgbuild::input::escape;
 use imgbuild::inventory::HcloudSettings;
 use imgbuild::publish::hcloud::{
@@ -117,7 +117,7 @@ pub fn credentials() -> Result<Credentials> {
 pub fn publish(
     settings: &HcloudSettings,
     creds: &Credentials,
-    built: &[Outcome],
+    built: &[BuildOutcome],
     build_failures: Vec<(String, String)>,
     opts: &SnapshotOptions,
     output: Output,

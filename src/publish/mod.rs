@@ -37,9 +37,9 @@ impl Secret {
     }
 }
 
-impl From<&crate::build::Outcome> for PublishImage {
+impl From<&crate::build::BuildOutcome> for PublishImage {
     /// A built (or already current) image, as the build reported it.
-    fn from(o: &crate::build::Outcome) -> PublishImage {
+    fn from(o: &crate::build::BuildOutcome) -> PublishImage {
         PublishImage {
             node: o.image.node.clone(),
             path: o.file.clone(),
