@@ -230,11 +230,11 @@ fn record(out: &mut Exec, m: ChannelMsg, keep: &dyn Fn(&mut String, &[u8])) {
     }
 }
 
-/// Reads `input` in 1 MiB chunks into `chunks` until it ends, fails, or the
-/// receiver is gone.
+/// Reads `input` in [`crate::io::BUF_SIZE`] chunks into `chunks` until it
+/// ends, fails, or the receiver is gone.
 fn pump<R: Read>(input: &mut R, chunks: &tokio::sync::mpsc::Sender<std::io::Result<Vec<u8>>>) {
     loop {
-        let mut buf = vec![0u8; 1 << 20];
+        let mut buf = vec![0u8; crate::io::BUF_SIZE];
         let mut filled = 0;
         while filled < buf.len() {
             match input.read(&mut buf[filled..]) {
