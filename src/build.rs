@@ -648,6 +648,56 @@ mod tests {
         );
     }
 
+    /// The manifest as imgbuild has always written it (field order, digest
+    /// spelling, indentation) loads and saves back byte for byte.
+    #[test]
+    fn a_manifest_is_saved_as_it_was_read() {
+        let text = format!(
+            r#"{{
+  "images": {{
+    "cp-01": {{
+      "node": "cp-01",
+      "route": "patch",
+      "schematicId": "{a}",
+      "baseSchematicId": "{b}",
+      "talosVersion": "v1.11.2",
+      "platform": "metal",
+      "arch": "amd64",
+      "format": "raw",
+      "size": 4096,
+      "sha256": "{c}",
+      "path": "cp-01.raw",
+      "sourceUrl": "http://127.0.0.1:1/image/x/v1.11.2/metal-amd64.raw.zst"
+    }}
+  }}
+}}"#,
+            a = "a".repeat(64),
+            b = "b".repeat(64),
+            c = "0123456789abcdef".repeat(4),
+        );
+        let (dir, loaded) = load(text.as_bytes());
+        loaded.unwrap().save(dir.path()).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(Manifest::path(dir.path())).unwrap(),
+            text
+        );
+    }
+
+    /// Spellings the digest type parses elsewhere (pins, fingerprints)
+    /// are not what imgbuild writes: in a manifest they mean a hand edit.
+    #[test]
+    fn a_manifest_digest_in_another_spelling_is_refused() {
+        let digest: crate::digest::Sha256 = "ab".repeat(32).parse().unwrap();
+        for spelling in [digest.hex().to_uppercase(), digest.colons()] {
+            let mut e = entry();
+            e["sha256"] = json!(spelling);
+            let (_dir, loaded) = load(&with_entry(e));
+            let err = loaded.unwrap_err().to_string();
+            let want = format!("sha256 {spelling:?} is not 64 lowercase hex digits at line 1");
+            assert!(err.contains(&want), "{err}");
+        }
+    }
+
     #[test]
     fn a_missing_manifest_is_an_empty_one() {
         let dir = tempfile::tempdir().unwrap();
