@@ -1,7 +1,7 @@
 //! `imgbuild import talhelper`: a talhelper talconfig.yaml as a cluster.yaml,
 //! with everything that could not be carried over listed by line.
 
-use super::{Output, Reported};
+use super::output::{Output, Reported};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use imgbuild::import::{self, ImportOptions, Imported, Skipped};

@@ -1,6 +1,7 @@
 //! `imgbuild schematic`: per-node schematics, files for review, IDs of any file.
 
-use super::{Output, load_inventory};
+use super::inventory::load_inventory;
+use super::output::Output;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use imgbuild::schematic::review::{ReviewFile, write_review_files};
