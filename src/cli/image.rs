@@ -8,7 +8,7 @@ use clap::{Args, Subcommand};
 use imgbuild::disk::edit::{self, MetaChange, MetaEditOptions, PatchOptions};
 use imgbuild::disk::{self, Image};
 use imgbuild::input::escape;
-use imgbuild::meta::{KEY_NETWORK, PlatformNetworkConfig, adv, key_name};
+use imgbuild::meta::{self, KEY_NETWORK, PlatformNetworkConfig, adv, key_name};
 use imgbuild::schematic;
 use serde_json::json;
 use std::io::IsTerminal;
@@ -293,7 +293,7 @@ pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
     let patched = edit::patch(&PatchOptions {
         base: args.base.clone(),
         out: args.out.clone(),
-        changes: vec![(u32::from(KEY_NETWORK), Some(value.into_bytes()))],
+        changes: vec![meta::network_change(value)],
     })?;
     for problem in &patched.problems {
         eprintln!("warning: base {}: {problem}", args.base.display());
