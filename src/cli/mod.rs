@@ -1,4 +1,7 @@
-//! Commands, their flags, and how their results are shown.
+//! The command line: every flag parsed (into typed values, so a bad one
+//! is exit 2 before any stage runs), the command dispatched, its error
+//! turned into an exit code. Commands import their siblings (`output`,
+//! `inventory`, `flags`), never this file.
 
 #[macro_use]
 mod output;
