@@ -12,7 +12,6 @@ use crate::disk::{self, DiskError};
 use crate::factory::{Factory, FactoryError};
 use crate::fetch::{self, FetchError, FetchOptions, Progress};
 use crate::inventory::{Arch, ImageFormat, Inventory, NodeSpec};
-use crate::meta::KEY_NETWORK;
 use crate::schematic::{self, SchematicId};
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
@@ -477,7 +476,7 @@ fn build_one(
                 }
             } else {
                 let edits: Vec<_> = schematic::node::network_value(inv, node)
-                    .map(|v| (u32::from(KEY_NETWORK), Some(v.into_bytes())))
+                    .map(crate::meta::network_change)
                     .into_iter()
                     .collect();
                 disk::write_patched_copy(&art.path, &plan.file, &edits)?;

@@ -12,7 +12,7 @@
 //! over: SOPS-encrypted files, unset variables, JSON6902 patches, and every
 //! field cluster.yaml has no place for.
 
-use crate::inventory::{Cidr, LineIndex};
+use crate::inventory::{Cidr, Inventory, InventoryError, LineIndex};
 use crate::schematic::{Customization, Schematic, SystemExtensions};
 use serde::Serialize;
 use serde_yaml_ng::{Mapping, Value};
@@ -85,6 +85,38 @@ pub enum ImportError {
         field: String,
         message: String,
     },
+    #[error("{} exists: give --force to replace it, or another --out", path.display())]
+    Exists { path: PathBuf },
+    #[error("creating {}", path.display())]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("writing {}", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where [`talhelper_into`] writes the converted inventory.
+pub struct Destination<'a> {
+    /// The cluster.yaml to write (its inline patches go to `patches/`
+    /// beside it); `None` writes nothing and leaves printing to the caller.
+    pub out: Option<&'a Path>,
+    /// Replace an existing `out`.
+    pub force: bool,
+}
+
+/// A conversion, written where it was asked to go, and the inventory
+/// parser's verdict on it there.
+#[derive(Debug)]
+pub struct Converted {
+    pub imported: Imported,
+    /// Why the inventory does not load yet; `None` when it is valid.
+    pub problems: Option<InventoryError>,
 }
 
 /// talhelper's names for the variables file, plain and SOPS-encrypted.
@@ -902,7 +934,7 @@ fn parse_guard<'t>(text: &'t str, path: &Path) -> Result<&'t str, ImportError> {
 
 /// Where patch file `rel` (from [`Imported::patch_files`]) goes under
 /// `dir`: a path that stays inside it, else an error.
-pub fn patch_target(dir: &Path, rel: &Path) -> Result<PathBuf, ImportError> {
+fn patch_target(dir: &Path, rel: &Path) -> Result<PathBuf, ImportError> {
     let inside = rel
         .components()
         .all(|c| matches!(c, std::path::Component::Normal(_)));
@@ -913,6 +945,73 @@ pub fn patch_target(dir: &Path, rel: &Path) -> Result<PathBuf, ImportError> {
         });
     }
     Ok(dir.join(rel))
+}
+
+/// Converts the talhelper config at `path` (`env` as in [`ImportOptions`])
+/// and writes it to `dest`: the patch files first, then the inventory, each
+/// atomically and only when changed, so no reader sees a half-written file
+/// and an inventory never names a patch that is not there yet. An existing
+/// inventory is refused before anything is read unless `dest.force`. The
+/// result is then parsed where it lives, so its patch paths resolve.
+pub fn talhelper_into(
+    path: &Path,
+    dest: &Destination,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Converted, ImportError> {
+    if let Some(out) = dest.out
+        && out.exists()
+        && !dest.force
+    {
+        return Err(ImportError::Exists {
+            path: out.to_owned(),
+        });
+    }
+    let out_dir = dest.out.map(|o| {
+        o.parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_owned()
+    });
+    let create_dir = |dir: &Path| {
+        std::fs::create_dir_all(dir).map_err(|source| ImportError::CreateDir {
+            path: dir.to_owned(),
+            source,
+        })
+    };
+    if let Some(dir) = &out_dir {
+        create_dir(dir)?;
+    }
+    let imported = talhelper(
+        path,
+        &ImportOptions {
+            out_dir: out_dir.as_deref(),
+            env,
+        },
+    )?;
+    let write = |target: &Path, text: &str| {
+        crate::atomic::write_if_changed(target, text.as_bytes(), false).map_err(|source| {
+            ImportError::Write {
+                path: target.to_owned(),
+                source,
+            }
+        })
+    };
+    let home = match (dest.out, &out_dir) {
+        (Some(out), Some(dir)) => {
+            for p in &imported.patch_files {
+                let target = patch_target(dir, &p.path)?;
+                if let Some(parent) = target.parent() {
+                    create_dir(parent)?;
+                }
+                write(&target, &p.content)?;
+            }
+            write(out, &imported.inventory)?;
+            out.to_owned()
+        }
+        _ => path.parent().unwrap_or(Path::new(".")).join("cluster.yaml"),
+    };
+    let problems = Inventory::parse(&imported.inventory, &home).err();
+    Ok(Converted { imported, problems })
 }
 
 fn same_path(a: &Path, b: &Path) -> bool {
@@ -1023,5 +1122,86 @@ mod tests {
             "{}",
             done.inventory
         );
+    }
+
+    const WITH_PATCH: &str = "    patches:\n      - |\n        machine:\n          kubelet:\n            extraArgs:\n              max-pods: \"200\"\n";
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    #[test]
+    fn an_import_writes_its_patches_then_an_inventory_that_loads_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("talconfig.yaml");
+        let text = MINIMAL.replace("${VIP}", "10.0.0.2") + WITH_PATCH;
+        std::fs::write(&source, text).unwrap();
+        let out = dir.path().join("new/cluster.yaml");
+        let dest = Destination {
+            out: Some(&out),
+            force: false,
+        };
+        let done = talhelper_into(&source, &dest, &no_env).unwrap();
+        assert!(done.problems.is_none(), "{:?}", done.problems);
+        assert_eq!(
+            std::fs::read_to_string(&out).unwrap(),
+            done.imported.inventory
+        );
+        let [patch] = &done.imported.patch_files[..] else {
+            panic!("{:?}", done.imported.patch_files);
+        };
+        let written = std::fs::read_to_string(dir.path().join("new").join(&patch.path)).unwrap();
+        assert!(written.contains("max-pods"), "{written}");
+        // What `load` reads from disk is what was checked.
+        Inventory::load(&out).unwrap();
+        let again = talhelper_into(&source, &dest, &no_env).unwrap_err();
+        assert!(matches!(again, ImportError::Exists { .. }), "{again:?}");
+    }
+
+    #[test]
+    fn an_existing_inventory_is_refused_before_the_source_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("cluster.yaml");
+        std::fs::write(&out, "mine\n").unwrap();
+        let missing = dir.path().join("no-such-talconfig.yaml");
+        let dest = Destination {
+            out: Some(&out),
+            force: false,
+        };
+        let err = talhelper_into(&missing, &dest, &no_env).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{} exists: give --force to replace it, or another --out",
+                out.display()
+            )
+        );
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "mine\n");
+        let source = dir.path().join("talconfig.yaml");
+        std::fs::write(&source, MINIMAL.replace("${VIP}", "10.0.0.2")).unwrap();
+        let forced = Destination {
+            out: Some(&out),
+            force: true,
+        };
+        talhelper_into(&source, &forced, &no_env).unwrap();
+        assert!(std::fs::read_to_string(&out).unwrap().contains("10.0.0.2"));
+    }
+
+    #[test]
+    fn printing_writes_nothing_and_still_reports_an_inventory_that_does_not_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("talconfig.yaml");
+        let twice = "  - hostname: a\n    ipAddress: 10.0.0.6\n";
+        let text = MINIMAL.replace("${VIP}", "10.0.0.2") + twice;
+        std::fs::write(&source, text).unwrap();
+        let dest = Destination {
+            out: None,
+            force: false,
+        };
+        let done = talhelper_into(&source, &dest, &no_env).unwrap();
+        let problems = done.problems.expect("node a twice").to_string();
+        assert!(problems.contains("nodes[1]"), "{problems}");
+        let files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(files.len(), 1, "only the source: {files:?}");
     }
 }

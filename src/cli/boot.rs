@@ -1,7 +1,8 @@
 //! `imgbuild pxe`: a folder of iPXE scripts and boot files for bare metal.
 
 use super::build::{DownloadArgs, progress_for};
-use super::{Output, Usage, load_inventory};
+use super::inventory::load_inventory;
+use super::output::{Output, Usage};
 use anyhow::Result;
 use clap::Args;
 use imgbuild::boot::{self, BootError, PxeOptions};

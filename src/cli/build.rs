@@ -1,6 +1,7 @@
 //! `imgbuild node`, `build` and `verify`, and download progress display.
 
-use super::{Output, Partial, Reported, load_inventory};
+use super::inventory::load_inventory;
+use super::output::{Output, Partial, Reported, failed_json, print_failures};
 use anyhow::{Result, bail};
 use clap::Args;
 use imgbuild::build::{self, BuildError, BuildOptions, BuildOutcome, Route};
@@ -150,21 +151,6 @@ pub(super) fn build_nodes(
         .map(|f| (f.node, format!("{:#}", anyhow::Error::new(f.error))))
         .collect();
     Ok((outcomes, failures, summary))
-}
-
-/// Failed nodes as the `failed` list of a JSON result.
-pub(super) fn failed_json(failures: &[(String, String)]) -> serde_json::Value {
-    failures
-        .iter()
-        .map(|(node, error)| json!({"node": node, "error": error}))
-        .collect()
-}
-
-/// Failed nodes on stderr, one line each.
-pub(super) fn print_failures(failures: &[(String, String)]) {
-    for (node, error) in failures {
-        eprintln!("error: node {node}: {error}");
-    }
 }
 
 fn run(nodes: Vec<String>, args: BuildArgs, config: &Path, output: Output) -> Result<()> {

@@ -2,8 +2,9 @@
 //! version and schematics, `apply` pushes config changes, `status` shows
 //! drift.
 
+use super::inventory::load_inventory;
+use super::output::{Output, Partial, Reported};
 use super::talos::BootstrapRunArgs;
-use super::{Output, Partial, load_inventory};
 use anyhow::{Context, Result};
 use clap::Args;
 use imgbuild::factory::Factory;
@@ -121,7 +122,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         return Err(if unread.len() < rows.len() {
             Partial(message).into()
         } else {
-            super::Reported(message).into()
+            Reported(message).into()
         });
     }
     let progress = |node: &str, what: &str| {
@@ -167,7 +168,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     match outcome.failed {
         None => Ok(()),
         Some((node, why)) if outcome.upgraded.is_empty() => {
-            Err(super::Reported(format!("node {node}: {why}")).into())
+            Err(Reported(format!("node {node}: {why}")).into())
         }
         Some((node, why)) => Err(Partial(format!(
             "node {node}: {why}; upgraded: {}; not touched: {}",
@@ -274,7 +275,7 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
     if outcome.nodes.iter().any(|n| n.applied || args.dry_run) {
         Err(Partial(message).into())
     } else {
-        Err(super::Reported(message).into())
+        Err(Reported(message).into())
     }
 }
 
@@ -341,9 +342,7 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
         }
     }
     if args.check && !drift.is_empty() {
-        return Err(
-            super::Reported(format!("{} difference(s) from the inventory", drift.len())).into(),
-        );
+        return Err(Reported(format!("{} difference(s) from the inventory", drift.len())).into());
     }
     Ok(())
 }

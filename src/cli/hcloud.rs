@@ -13,11 +13,11 @@ use imgbuild::publish::hcloud::{
 };
 use serde_json::json;
 
-use super::build::{failed_json, print_failures};
+use super::flags::parse_duration;
+use super::inventory::load_inventory;
+use super::output::{Output, Partial, Reported, Usage, failed_json, print_failures};
 use super::progress::{PublishView, Screen, Show};
 use super::signals::cancel_on_signals;
-use super::talos::parse_duration;
-use super::{Output, Partial, Reported, Usage};
 
 /// Flags only the Hetzner target reads.
 #[derive(Args)]
@@ -256,7 +256,7 @@ pub struct DownArgs {
 /// confirmation. Snapshots stay: the next `up` boots from them again.
 pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<()> {
     use std::io::{BufRead, IsTerminal, Write};
-    let inv = super::load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
+    let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
     if inv
         .publish
         .hcloud

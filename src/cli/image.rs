@@ -1,13 +1,14 @@
 //! `imgbuild inspect`, `meta get|set|delete` and `patch`: looking inside
 //! images and writing a node's network into them.
 
-use super::{Output, load_inventory};
+use super::inventory::load_inventory;
+use super::output::{Output, Reported, stdout_write};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use imgbuild::disk::edit::{self, MetaChange, MetaEditOptions, PatchOptions};
 use imgbuild::disk::{self, Image};
 use imgbuild::input::escape;
-use imgbuild::meta::{KEY_NETWORK, PlatformNetworkConfig, adv, key_name};
+use imgbuild::meta::{self, KEY_NETWORK, PlatformNetworkConfig, adv, key_name};
 use imgbuild::schematic;
 use serde_json::json;
 use std::io::IsTerminal;
@@ -223,7 +224,7 @@ pub fn meta(args: MetaArgs, output: Output) -> Result<()> {
                 Output::Text if std::io::stdout().is_terminal() => {
                     out!("{}", escape(&String::from_utf8_lossy(value)))
                 }
-                Output::Text => super::stdout_write(value),
+                Output::Text => stdout_write(value),
             }
         }
         MetaCommand::Set {
@@ -292,7 +293,7 @@ pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
     let patched = edit::patch(&PatchOptions {
         base: args.base.clone(),
         out: args.out.clone(),
-        changes: vec![(u32::from(KEY_NETWORK), Some(value.into_bytes()))],
+        changes: vec![meta::network_change(value)],
     })?;
     for problem in &patched.problems {
         eprintln!("warning: base {}: {problem}", args.base.display());
@@ -341,7 +342,7 @@ pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
         }
     }
     if !d.identical() {
-        return Err(super::Reported(format!(
+        return Err(Reported(format!(
             "{} and {} differ",
             args.a.display(),
             args.b.display()
@@ -373,7 +374,7 @@ fn diff_iso(args: DiffArgs, output: Output) -> Result<()> {
         }
     }
     if !d.identical {
-        return Err(super::Reported(format!(
+        return Err(Reported(format!(
             "{} and {} differ",
             args.a.display(),
             args.b.display()

@@ -1,11 +1,10 @@
 //! `imgbuild import talhelper`: a talhelper talconfig.yaml as a cluster.yaml,
 //! with everything that could not be carried over listed by line.
 
-use super::{Output, Reported};
-use anyhow::{Context, Result, bail};
+use super::output::{Output, Reported};
+use anyhow::Result;
 use clap::{Args, Subcommand};
-use imgbuild::import::{self, ImportOptions, Imported, Skipped};
-use imgbuild::inventory::Inventory;
+use imgbuild::import::{self, Converted, Imported, Skipped};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -42,24 +41,6 @@ pub fn run(args: ImportArgs, output: Output) -> Result<()> {
         force,
         env: allowed,
     } = args.from;
-    if let Some(out) = &out
-        && out.exists()
-        && !force
-    {
-        bail!(
-            "{} exists: give --force to replace it, or another --out",
-            out.display()
-        );
-    }
-    let out_dir = out.as_deref().map(|o| {
-        o.parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."))
-            .to_owned()
-    });
-    if let Some(dir) = &out_dir {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
     let env = |k: &str| {
         allowed
             .iter()
@@ -67,34 +48,12 @@ pub fn run(args: ImportArgs, output: Output) -> Result<()> {
             .then(|| std::env::var(k).ok())
             .flatten()
     };
-    let imported = import::talhelper(
-        &file,
-        &ImportOptions {
-            out_dir: out_dir.as_deref(),
-            env: &env,
-        },
-    )?;
-    // The inventory is checked where it will live, so its patch paths resolve.
-    let home = match (&out, &out_dir) {
-        (Some(out), Some(dir)) => {
-            for p in &imported.patch_files {
-                let target = import::patch_target(dir, &p.path)?;
-                if let Some(parent) = target.parent() {
-                    std::fs::create_dir_all(parent)?;
-                }
-                imgbuild::atomic::write_if_changed(&target, p.content.as_bytes(), false)
-                    .with_context(|| format!("writing {}", target.display()))?;
-            }
-            imgbuild::atomic::write_if_changed(out, imported.inventory.as_bytes(), false)
-                .with_context(|| format!("writing {}", out.display()))?;
-            out.clone()
-        }
-        _ => file.parent().unwrap_or(Path::new(".")).join("cluster.yaml"),
+    let dest = import::Destination {
+        out: out.as_deref(),
+        force,
     };
-    let problems = match Inventory::parse(&imported.inventory, &home) {
-        Ok(_) => None,
-        Err(e) => Some(e.to_string()),
-    };
+    let Converted { imported, problems } = import::talhelper_into(&file, &dest, &env)?;
+    let problems = problems.map(|e| e.to_string());
     render(&imported, out.as_deref(), problems.as_deref(), output);
     match problems {
         None => Ok(()),

@@ -1,31 +1,20 @@
-//! Commands, their flags, and how their results are shown.
+//! The command line: every flag parsed (into typed values, so a bad one
+//! is exit 2 before any stage runs), the command dispatched, its error
+//! turned into an exit code. Commands import their siblings (`output`,
+//! `inventory`, `flags`), never this file.
 
-/// `println!` that ends the program the way other tools end when their
-/// reader went away (`imgbuild … | head -1`), instead of panicking: every
-/// line the CLI prints goes through [`stdout_write`].
-macro_rules! outln {
-    () => {
-        $crate::cli::stdout_write(b"\n")
-    };
-    ($($arg:tt)*) => {
-        $crate::cli::stdout_write(format!("{}\n", format_args!($($arg)*)).as_bytes())
-    };
-}
-
-/// `print!` through [`stdout_write`], as [`outln!`].
-macro_rules! out {
-    ($($arg:tt)*) => {
-        $crate::cli::stdout_write(format!($($arg)*).as_bytes())
-    };
-}
+#[macro_use]
+mod output;
 
 mod board;
 mod boot;
 mod build;
 mod day2;
+mod flags;
 mod hcloud;
 mod image;
 mod import;
+mod inventory;
 mod plan;
 mod progress;
 mod publish;
@@ -33,13 +22,14 @@ mod schematic;
 mod signals;
 mod talos;
 mod up;
+mod validate;
 
-use anyhow::{Context, Result};
-use clap::{ArgAction, CommandFactory, Parser, Subcommand, ValueEnum};
-use imgbuild::inventory::{Inventory, InventoryError};
+use anyhow::Result;
+use clap::{ArgAction, CommandFactory, Parser, Subcommand};
+use imgbuild::inventory::InventoryError;
+use output::{EXIT_FAILURE, EXIT_PARTIAL, EXIT_USAGE, Output, Partial, Reported, Usage};
 use serde_json::json;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 #[derive(Parser)]
 #[command(
@@ -74,23 +64,17 @@ pub struct Cli {
     color: progress::ColorChoice,
     /// Off a terminal, a line after this long without one while a wait
     /// goes on (for tests; 30s).
-    #[arg(long, global = true, hide = true, default_value = "30s", value_parser = talos::parse_duration)]
+    #[arg(long, global = true, hide = true, default_value = "30s", value_parser = flags::parse_duration)]
     heartbeat: std::time::Duration,
     #[command(subcommand)]
     command: Command,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Output {
-    Text,
-    Json,
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// Check the inventory and report every problem with its line; render
     /// every node's machine config and resolve how each node is reached.
-    Validate(ValidateArgs),
+    Validate(validate::ValidateArgs),
     /// Show, write or compute Image Factory schematics and their IDs.
     Schematic(schematic::SchematicArgs),
     /// Show an image's format, partitions and META tags.
@@ -148,29 +132,6 @@ enum Command {
     Man,
 }
 
-/// A failure whose details the command already printed (e.g. as its JSON
-/// result): exit 1 with a one-line summary in text mode, nothing more in JSON.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct Reported(pub String);
-
-/// Some nodes done, some failed, details already printed: exit 3.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct Partial(pub String);
-
-/// A command line, inventory or environment that asks for something
-/// imgbuild cannot do: exit 2, as clap's own usage errors.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct Usage(pub String);
-
-/// The documented exit codes: 0 ok, 1 failure, 2 usage error or invalid
-/// inventory, 3 partial.
-const EXIT_FAILURE: i32 = 1;
-const EXIT_USAGE: i32 = 2;
-const EXIT_PARTIAL: i32 = 3;
-
 /// Runs the CLI; returns the process exit code.
 pub fn run() -> i32 {
     let cli = match Cli::try_parse() {
@@ -188,7 +149,7 @@ pub fn run() -> i32 {
             format!("--factory / IMGBUILD_FACTORY: {url:?} is not an http(s) URL"),
         ));
     }
-    let _ = FACTORY.set(cli.factory.clone());
+    inventory::set_factory(cli.factory.clone());
     progress::init(cli.color, cli.heartbeat);
     match dispatch(cli) {
         Ok(()) => 0,
@@ -270,7 +231,7 @@ struct Invocation<'a> {
 
 fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
     match command {
-        Command::Validate(args) => validate(args, &cli.config, cli.output),
+        Command::Validate(args) => validate::run(args, &cli.config, cli.output),
         Command::Schematic(args) => schematic::run(args, &cli.config, cli.output),
         Command::Inspect(args) => image::inspect(args, cli.output),
         Command::Meta(args) => image::meta(args, cli.output),
@@ -312,7 +273,7 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
 /// `text` of one document (`fields` say what it is).
 fn print_generated(bytes: &[u8], mut fields: serde_json::Value, output: Output) -> Result<()> {
     match output {
-        Output::Text => stdout_write(bytes),
+        Output::Text => output::stdout_write(bytes),
         Output::Json => {
             fields["text"] = json!(String::from_utf8_lossy(bytes));
             outln!("{fields}");
@@ -321,94 +282,51 @@ fn print_generated(bytes: &[u8], mut fields: serde_json::Value, output: Output) 
     Ok(())
 }
 
-/// Writes `bytes` to stdout at once. A reader that closed the pipe ends
-/// the program as it ends `cat` or `seq`: killed by SIGPIPE, silently, so
-/// the shell sees the usual status (141). Rust ignores SIGPIPE so that
-/// sockets and child pipes report EPIPE instead; only stdout dies of it.
-/// Any other write error (a full disk behind `>`) is one message and exit 1.
-pub fn stdout_write(bytes: &[u8]) {
-    let mut out = std::io::stdout().lock();
-    let Err(e) = out.write_all(bytes).and_then(|()| out.flush()) else {
-        return;
-    };
-    if e.kind() == std::io::ErrorKind::BrokenPipe {
-        // SAFETY: restoring the default action and raising a signal have
-        // no memory effects; the default action for SIGPIPE ends the process.
-        unsafe {
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-            libc::raise(libc::SIGPIPE);
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::error::ErrorKind;
+
+    /// A bad pin is clap's usage error (exit 2): `up` never reaches its
+    /// build, publish or bootstrap stage with it.
+    #[test]
+    fn a_bad_cert_fingerprint_is_a_usage_error_before_any_stage() {
+        for command in ["up", "bootstrap", "upgrade", "apply", "status"] {
+            for bad in ["nothex", "AB:CD", &"ab".repeat(31)] {
+                let argv = ["imgbuild", command, "--cert-fingerprint", bad];
+                let Err(e) = Cli::try_parse_from(argv) else {
+                    panic!("{command} --cert-fingerprint {bad:?} was accepted");
+                };
+                assert_eq!(e.kind(), ErrorKind::ValueValidation, "{command} {bad:?}");
+                assert_eq!(e.exit_code(), EXIT_USAGE);
+                let text = e.to_string();
+                assert!(
+                    text.contains("--cert-fingerprint") && text.contains("SHA-256 fingerprint"),
+                    "{text}"
+                );
+            }
         }
     }
-    eprintln!("error: writing to stdout: {e}");
-    std::process::exit(EXIT_FAILURE);
-}
 
-/// `--factory` (or `IMGBUILD_FACTORY`), set once before any command runs:
-/// every command that reads the inventory must see the same factory, or a
-/// config would name an installer on a factory the images never came from.
-static FACTORY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-
-/// Loads the inventory, with `--factory` in place of `image.factory`, and
-/// shows its warnings on stderr.
-pub fn load_inventory(path: &Path, output: Output) -> Result<Inventory> {
-    let mut inv = Inventory::load(path)?;
-    if let Some(Some(url)) = FACTORY.get() {
-        inv.image.factory.clone_from(url);
-    }
-    if output == Output::Text {
-        for w in &inv.warnings {
-            eprintln!("{} {w}", progress::paint("warning:", "33"));
+    #[test]
+    fn a_good_cert_fingerprint_in_either_spelling_parses() {
+        let hex = "0f".repeat(32);
+        let colons = vec!["0F"; 32].join(":");
+        for pin in [hex.as_str(), &colons, &hex.to_uppercase()] {
+            let argv = ["imgbuild", "up", "--cert-fingerprint", pin];
+            let cli = Cli::try_parse_from(argv).unwrap_or_else(|e| panic!("{pin}: {e}"));
+            assert!(matches!(cli.command, Command::Up(_)));
         }
     }
-    Ok(inv)
-}
 
-#[derive(clap::Args)]
-struct ValidateArgs {
-    /// Whose secrets render the configs (none there: a throwaway bundle,
-    /// never written).
-    #[command(flatten)]
-    state: talos::StateArgs,
-}
-
-fn validate(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
-    let mut inv = load_inventory(config, output).context("inventory is not valid")?;
-    if let Some(advice) = inv.vmid_advice() {
-        if output == Output::Text {
-            eprintln!("warning: {advice}");
+    #[test]
+    fn a_bad_duration_is_a_usage_error_before_any_stage() {
+        for flag in ["--node-timeout", "--poll", "--heartbeat"] {
+            let argv = ["imgbuild", "up", flag, "3d"];
+            let e = Cli::try_parse_from(argv).err().expect(flag);
+            assert_eq!(e.kind(), ErrorKind::ValueValidation, "{flag}");
+            assert_eq!(e.exit_code(), EXIT_USAGE);
+            assert!(e.to_string().contains("unknown unit"), "{e}");
         }
-        inv.warnings.push(advice);
     }
-    let opts = imgbuild::talos::stage::BootstrapOptions {
-        state_dir: args.state.state_dir,
-        patch_vars: talos::patch_vars(),
-        ..Default::default()
-    };
-    let checked = imgbuild::talos::stage::check(&inv, &opts)
-        .map_err(|e| Usage(format!("{}: {}", config.display(), imgbuild::up::chain(&e))))?;
-    match output {
-        Output::Json => outln!(
-            "{}",
-            json!({
-                "valid": true,
-                "file": config,
-                "cluster": inv.cluster.name,
-                "nodes": inv.nodes.len(),
-                "controlPlanes": inv.control_planes().count(),
-                "warnings": inv.warnings,
-                "throwawaySecrets": checked.throwaway_secrets,
-                "reach": checked.reach.iter().map(|(node, t)| {
-                    (node.clone(), json!(t.as_ref().map(|t| t.addr.to_string())))
-                }).collect::<serde_json::Map<_, _>>(),
-            })
-        ),
-        Output::Text => outln!(
-            "{}: valid ({} nodes, {} control planes, {} warnings)",
-            config.display(),
-            inv.nodes.len(),
-            inv.control_planes().count(),
-            inv.warnings.len()
-        ),
-    }
-    Ok(())
 }

@@ -2,7 +2,8 @@
 //! with the exact command that builds and publishes only it, as a table, as
 //! JSON, or as a GitHub Actions matrix.
 
-use super::{Output, Usage, load_inventory};
+use super::inventory::load_inventory;
+use super::output::{Output, Usage};
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use imgbuild::build::Route;

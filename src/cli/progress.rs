@@ -3,7 +3,7 @@
 //! nothing with `--quiet`. The library only reports typed events; this is
 //! where they are drawn.
 
-use super::Output;
+use super::output::Output;
 use clap::ValueEnum;
 use imgbuild::publish::{hcloud, proxmox};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};

@@ -1,10 +1,11 @@
 //! `imgbuild publish`: build what is missing, then put each node's image
 //! where the inventory's `publish` section says.
 
-use super::build::{BuildArgs, build_nodes, failed_json, print_failures};
+use super::build::{BuildArgs, build_nodes};
 use super::hcloud::{self as hc, HcloudArgs};
+use super::inventory::load_inventory;
+use super::output::{Output, Partial, Reported, failed_json, print_failures};
 use super::progress::{PublishView, Screen, Show};
-use super::{Output, Partial, Reported, load_inventory};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use imgbuild::publish::PublishImage;

@@ -1,10 +1,11 @@
 //! `imgbuild schematic`: per-node schematics, files for review, IDs of any file.
 
-use super::{Output, load_inventory};
+use super::inventory::load_inventory;
+use super::output::Output;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
+use imgbuild::schematic::Schematic;
 use imgbuild::schematic::review::{ReviewFile, write_review_files};
-use imgbuild::schematic::{self, Schematic};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -37,55 +38,12 @@ pub fn run(args: SchematicArgs, config: &Path, output: Output) -> Result<()> {
         return id_of_file(file, output);
     }
     let inv = load_inventory(config, output)?;
-    // Each entry: its name, its schematic, and the schematic whose installer
-    // its machine config names (the META-less one: the factory never bakes
-    // META into installers).
-    let mut entries = Vec::new();
-    match (&args.node, args.all) {
-        (Some(name), false) => {
-            let node = inv.node(name)?;
-            let own = schematic::node::for_node(&inv, node);
-            entries.push((
-                name.clone(),
-                own,
-                schematic::node::base_for_node(&inv, node),
-            ));
-        }
-        (None, true) => {
-            for node in &inv.nodes {
-                let own = schematic::node::for_node(&inv, node);
-                entries.push((
-                    node.name.clone(),
-                    own,
-                    schematic::node::base_for_node(&inv, node),
-                ));
-            }
-            entries.push((
-                "base".into(),
-                schematic::node::base(&inv),
-                schematic::node::base(&inv),
-            ));
-        }
+    let rendered = match (&args.node, args.all) {
+        (Some(name), false) => vec![ReviewFile::for_node(&inv, inv.node(name)?)?],
+        (None, true) => ReviewFile::all(&inv)?,
         (Some(_), true) => bail!("give a node name or --all, not both"),
         (None, false) => bail!("give a node name, --all, or `schematic id FILE`"),
-    }
-    let mut rendered = Vec::new();
-    for (name, s, installs_from) in &entries {
-        let canonical = s
-            .canonical()
-            .with_context(|| format!("schematic of {name}"))?;
-        let id = schematic::id_of(&canonical);
-        let base = installs_from
-            .canonical()
-            .with_context(|| format!("installer schematic of {name}"))?;
-        let installer = imgbuild::factory::installer_of(&inv, &schematic::id_of(&base));
-        rendered.push(ReviewFile {
-            name: name.clone(),
-            id,
-            installer,
-            canonical,
-        });
-    }
+    };
     if args.write {
         return write_all(&rendered, &args.dir, output);
     }

@@ -2,10 +2,13 @@
 //! state directory and the way from booted images to a healthy cluster.
 
 use super::board::Board;
+use super::flags::parse_duration;
+use super::inventory::load_inventory;
+use super::output::{Output, Partial};
 use super::progress::Show;
-use super::{Output, Partial, load_inventory};
 use anyhow::Result;
 use clap::{Args, Subcommand};
+use imgbuild::digest::Sha256;
 use imgbuild::inventory::Inventory;
 use imgbuild::talos::bootstrap;
 use imgbuild::talos::config;
@@ -104,9 +107,10 @@ pub struct BootstrapRunArgs {
     /// Pause between polls.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     poll: Duration,
-    /// Accept only a maintenance-mode certificate with this SHA-256 (hex).
+    /// Accept only a maintenance-mode certificate with this SHA-256 (hex,
+    /// with or without colons).
     #[arg(long)]
-    cert_fingerprint: Option<String>,
+    cert_fingerprint: Option<Sha256>,
 }
 
 impl BootstrapRunArgs {
@@ -122,9 +126,7 @@ impl BootstrapRunArgs {
                 health_timeout: self.health_timeout,
                 call_timeout: self.call_timeout,
                 poll: self.poll,
-                pin: self
-                    .cert_fingerprint
-                    .map(|f| f.replace(':', "").to_ascii_lowercase()),
+                pin: self.cert_fingerprint.map(|f| f.hex()),
             },
         }
     }
@@ -136,36 +138,6 @@ pub(super) fn patch_vars() -> config::PatchVars {
     std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
         .collect()
-}
-
-/// The longest wait a flag may ask for. Deadlines are `now + duration`, and
-/// a clock cannot hold arbitrary sums (`Duration` itself ends near 584
-/// billion years): a year is far more than any bootstrap needs.
-const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
-
-/// `90s`, `10m`, `1h`, `500ms`, or plain seconds, at most [`MAX_DURATION`].
-pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
-    let t = text.trim();
-    let (num, unit) = t
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .map_or((t, "s"), |i| t.split_at(i));
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration like 90s or 10m"))?;
-    let secs = match unit {
-        "ms" => n / 1000.0,
-        "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("{text:?}: unknown unit {unit:?} (ms, s, m, h)")),
-    };
-    match Duration::try_from_secs_f64(secs) {
-        Ok(d) if d <= MAX_DURATION => Ok(d),
-        _ => Err(format!(
-            "{text:?} is too long: at most {}h (a year)",
-            MAX_DURATION.as_secs() / 3600
-        )),
-    }
 }
 
 pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
@@ -329,24 +301,29 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_DURATION, parse_duration};
-    use std::time::Duration;
+    use super::BootstrapRunArgs;
+    use clap::Parser;
 
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        run: BootstrapRunArgs,
+    }
+
+    fn pin_of(args: &[&str]) -> Option<String> {
+        let argv = std::iter::once("test").chain(args.iter().copied());
+        let flags = Flags::try_parse_from(argv).unwrap();
+        flags.run.options().limits.pin
+    }
+
+    /// The pin reaches the client as one spelling, whichever the user pasted.
     #[test]
-    fn durations_read_like_talosctl_flags() {
-        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
-        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
-        assert!(parse_duration("3d").unwrap_err().contains("unknown unit"));
-        assert!(parse_duration("x").is_err());
-        assert_eq!(parse_duration("8760h"), Ok(MAX_DURATION));
-        let infinite = format!("{}s", "9".repeat(400));
-        for huge in ["8761h", "99999999999999999999h", &infinite] {
-            assert!(
-                parse_duration(huge).unwrap_err().contains("too long"),
-                "{huge}"
-            );
-        }
+    fn the_pin_is_lowercase_hex_in_either_spelling() {
+        let hex = "ab".repeat(31) + "0f";
+        let colons = hex.parse::<imgbuild::digest::Sha256>().unwrap().colons();
+        assert_eq!(pin_of(&["--cert-fingerprint", &colons]), Some(hex.clone()));
+        let upper = hex.to_uppercase();
+        assert_eq!(pin_of(&["--cert-fingerprint", &upper]), Some(hex));
+        assert_eq!(pin_of(&[]), None);
     }
 }

@@ -2,10 +2,11 @@
 //! document) for the whole run.
 
 use super::board::Board;
+use super::inventory::load_inventory;
+use super::output::{Output, Partial, Reported, Usage};
 use super::progress::Show;
 use super::publish::PublishArgs;
 use super::talos::BootstrapRunArgs;
-use super::{Output, Partial, Reported, Usage, load_inventory};
 use anyhow::Result;
 use clap::Args;
 use imgbuild::publish::Cancel;

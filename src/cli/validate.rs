@@ -1,0 +1,59 @@
+//! `imgbuild validate`: the inventory checked, every node's machine config
+//! rendered and the address it is reached at resolved.
+
+use super::inventory::load_inventory;
+use super::output::{Output, Usage};
+use super::talos;
+use anyhow::{Context, Result};
+use serde_json::json;
+use std::path::Path;
+
+#[derive(clap::Args)]
+pub struct ValidateArgs {
+    /// Whose secrets render the configs (none there: a throwaway bundle,
+    /// never written).
+    #[command(flatten)]
+    state: talos::StateArgs,
+}
+
+pub fn run(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
+    let mut inv = load_inventory(config, output).context("inventory is not valid")?;
+    if let Some(advice) = inv.vmid_advice() {
+        if output == Output::Text {
+            eprintln!("warning: {advice}");
+        }
+        inv.warnings.push(advice);
+    }
+    let opts = imgbuild::talos::stage::BootstrapOptions {
+        state_dir: args.state.state_dir,
+        patch_vars: talos::patch_vars(),
+        ..Default::default()
+    };
+    let checked = imgbuild::talos::stage::check(&inv, &opts)
+        .map_err(|e| Usage(format!("{}: {}", config.display(), imgbuild::up::chain(&e))))?;
+    match output {
+        Output::Json => outln!(
+            "{}",
+            json!({
+                "valid": true,
+                "file": config,
+                "cluster": inv.cluster.name,
+                "nodes": inv.nodes.len(),
+                "controlPlanes": inv.control_planes().count(),
+                "warnings": inv.warnings,
+                "throwawaySecrets": checked.throwaway_secrets,
+                "reach": checked.reach.iter().map(|(node, t)| {
+                    (node.clone(), json!(t.as_ref().map(|t| t.addr.to_string())))
+                }).collect::<serde_json::Map<_, _>>(),
+            })
+        ),
+        Output::Text => outln!(
+            "{}: valid ({} nodes, {} control planes, {} warnings)",
+            config.display(),
+            inv.nodes.len(),
+            inv.control_planes().count(),
+            inv.warnings.len()
+        ),
+    }
+    Ok(())
+}
