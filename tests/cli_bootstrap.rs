@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 mod common;
+use common::inventory::{Inventory, NODES};
 use common::{root, sim_bin, text};
 
 /// Delays small enough for tests, large enough to be states.
@@ -39,30 +40,12 @@ fn net(k: u8) -> String {
     format!("127.{}.{k}", 100 + std::process::id() % 100)
 }
 
-const NODES: [(&str, u8, &str); 5] = [
-    ("cp-01", 11, "controlplane"),
-    ("cp-02", 12, "controlplane"),
-    ("cp-03", 13, "controlplane"),
-    ("worker-01", 21, "worker"),
-    ("worker-02", 22, "worker"),
-];
-
-fn inventory(net: &str) -> String {
-    let mut s = format!(
-        "cluster:\n  name: sim\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.10:6443\n  vip: {net}.10\nimage:\n  factory: http://127.0.0.1:9\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\nnodes:\n"
-    );
-    for (name, host, role) in NODES {
-        s += &format!("  - name: {name}\n    role: {role}\n    address: {net}.{host}\n");
-    }
-    s
-}
-
 impl Cluster {
     /// `vip`: whether the simulator brings the VIP up after bootstrap.
     fn start(k: u8, vip: bool, extra: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let net = net(k);
-        std::fs::write(dir.path().join("cluster.yaml"), inventory(&net)).unwrap();
+        Inventory::five_nodes("sim", &net).write(dir.path());
         let mut cmd = Command::new(sim_bin());
         cmd.arg("nodes")
             .args(FAST)
@@ -535,7 +518,7 @@ fn a_missing_install_disk_is_caught_before_apply() {
 fn a_node_that_never_boots_is_named_with_its_port() {
     // Inventory with one node the simulator does not run.
     let c = Cluster::start(12, true, &[]);
-    let inv = inventory(&c.net)
+    let inv = Inventory::five_nodes("sim", &c.net).text()
         + &format!(
             "  - name: worker-03\n    role: worker\n    address: {}.23\n",
             c.net
@@ -551,7 +534,7 @@ fn a_node_that_never_boots_is_named_with_its_port() {
 #[test]
 fn a_duration_too_large_for_the_clock_is_a_usage_error_not_a_panic() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("cluster.yaml"), inventory(&net(15))).unwrap();
+    Inventory::five_nodes("sim", &net(15)).write(dir.path());
     let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(dir.path().join("cluster.yaml"))
@@ -572,7 +555,7 @@ fn a_duration_too_large_for_the_clock_is_a_usage_error_not_a_panic() {
 #[test]
 fn config_secrets_and_talosconfig_commands() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("cluster.yaml"), inventory(&net(13))).unwrap();
+    Inventory::five_nodes("sim", &net(13)).write(dir.path());
     let cfg = dir.path().join("cluster.yaml");
     let run = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_imgbuild"))
@@ -790,7 +773,9 @@ fn a_node_that_fails_early_does_not_hold_back_etcd_bootstrap() {
 /// Writes `patch` as the inventory's patch for every node.
 fn patch_all(c: &Cluster, patch: &str) {
     std::fs::write(c.dir.path().join("cni.yaml"), patch).unwrap();
-    let inv = inventory(&c.net) + "patches:\n  all: [cni.yaml]\n";
+    let inv = Inventory::five_nodes("sim", &c.net)
+        .append("patches:\n  all: [cni.yaml]\n")
+        .text();
     std::fs::write(c.config(), inv).unwrap();
 }
 

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
+use common::inventory::{Inventory, Node};
 use common::sims::Nodes;
 use common::{atlas_copy, json, root, text};
 
@@ -20,10 +21,14 @@ fn net(k: u8) -> String {
 
 /// One control plane and one worker on `net`, no publish target, `extra`
 /// appended (patches, a publish section).
-fn inventory(net: &str, extra: &str) -> String {
-    format!(
-        "cluster:\n  name: cfg\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.11:6443\nimage:\n  factory: http://127.0.0.1:9\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  interface: eth0\nnodes:\n  - name: cp-01\n    role: controlplane\n    address: {net}.11\n  - name: worker-01\n    role: worker\n    address: {net}.21\n{extra}"
-    )
+fn two_nodes(net: &str, extra: &str) -> String {
+    Inventory::new("cfg")
+        .endpoint(&format!("{net}.11"))
+        .no_nameservers()
+        .node(Node::new("cp-01", "controlplane").address(&format!("{net}.11")))
+        .node(Node::new("worker-01", "worker").address(&format!("{net}.21")))
+        .append(extra)
+        .text()
 }
 
 /// The node simulator with this inventory's two nodes.
@@ -73,7 +78,7 @@ fn a_multi_document_patch_with_a_variable_reaches_every_node() {
     std::fs::write(d.join("ts.yaml"), TAILSCALE).unwrap();
     std::fs::write(
         d.join("cluster.yaml"),
-        inventory(&net, "patches:\n  all: [ts.yaml]\n"),
+        two_nodes(&net, "patches:\n  all: [ts.yaml]\n"),
     )
     .unwrap();
 
@@ -171,7 +176,7 @@ fn a_dhcp_node_nobody_can_reach_fails_validate_and_up_before_anything_is_built()
     let d = dir.path();
     let publish = "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300}\n";
     let dhcp =
-        inventory(&net, publish).replace(&format!("    address: {net}.21\n"), "    dhcp: true\n");
+        two_nodes(&net, publish).replace(&format!("    address: {net}.21\n"), "    dhcp: true\n");
     std::fs::write(d.join("cluster.yaml"), &dhcp).unwrap();
     // Nothing listens there: any request would fail with exit 1, not 2.
     let pve = [
@@ -212,7 +217,7 @@ fn a_dhcp_node_nobody_can_reach_fails_validate_and_up_before_anything_is_built()
 
 /// A bundle made by `imgbuild secrets gen` in a fresh state dir under `dir`.
 fn generated_bundle(dir: &Path) -> (PathBuf, String) {
-    std::fs::write(dir.join("cluster.yaml"), inventory(&net(2), "")).unwrap();
+    std::fs::write(dir.join("cluster.yaml"), two_nodes(&net(2), "")).unwrap();
     let out = run(dir, &["secrets", "gen"], &[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let path = dir.join("state/secrets.yaml");
@@ -286,7 +291,7 @@ fn a_bundle_with_an_ecdsa_os_ca_and_rsa_kubernetes_cas_bootstraps_a_cluster() {
     }
     let file = d.join("fips.yaml");
     std::fs::write(&file, serde_yaml_ng::to_string(&doc).unwrap()).unwrap();
-    std::fs::write(d.join("cluster.yaml"), inventory(&net, "")).unwrap();
+    std::fs::write(d.join("cluster.yaml"), two_nodes(&net, "")).unwrap();
     let out = run(
         d,
         &["secrets", "gen", "--secrets", file.to_str().unwrap()],

@@ -6,29 +6,12 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 mod common;
+use common::inventory::{Inventory, NODES};
 use common::sims::{Nodes, Sim};
 use common::{root, text};
 
-const NODES: [(&str, u8, &str); 5] = [
-    ("cp-01", 11, "controlplane"),
-    ("cp-02", 12, "controlplane"),
-    ("cp-03", 13, "controlplane"),
-    ("worker-01", 21, "worker"),
-    ("worker-02", 22, "worker"),
-];
-
 fn net() -> String {
     format!("127.{}.201", 100 + std::process::id() % 100)
-}
-
-fn inventory(net: &str, factory: &str, version: &str) -> String {
-    let mut s = format!(
-        "cluster:\n  name: sim\n  talosVersion: {version}\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.10:6443\n  vip: {net}.10\nimage:\n  factory: {factory}\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\nnodes:\n"
-    );
-    for (name, host, role) in NODES {
-        s += &format!("  - name: {name}\n    role: {role}\n    address: {net}.{host}\n");
-    }
-    s
 }
 
 const LIMITS: [&str; 10] = [
@@ -107,18 +90,27 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     // A version the factory does not offer is refused before any node is
     // contacted: the nodes are still in maintenance mode and nothing is
     // written, not even the secrets.
-    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.9")).unwrap();
+    Inventory::five_nodes("sim", &net)
+        .talos("v1.11.9")
+        .factory(&factory.url)
+        .write(dir.path());
     let o = imgbuild(&config, &["upgrade"], true);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
     assert!(text(&o.stderr).contains("v1.11.9"), "{}", text(&o.stderr));
     assert!(!dir.path().join(".talos").exists());
     assert_eq!(nodes.stats()["totals"]["applies"], 0);
 
-    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.2")).unwrap();
+    Inventory::five_nodes("sim", &net)
+        .talos("v1.11.2")
+        .factory(&factory.url)
+        .write(dir.path());
     let o = imgbuild(&config, &["--output", "json", "bootstrap"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
 
-    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.5")).unwrap();
+    Inventory::five_nodes("sim", &net)
+        .talos("v1.11.5")
+        .factory(&factory.url)
+        .write(dir.path());
     // --dry-run: every node from → to, no Upgrade sent.
     let o = imgbuild(&config, &["--output", "json", "upgrade", "--dry-run"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
@@ -253,7 +245,11 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     .unwrap();
     std::fs::write(
         &config,
-        inventory(&net, &factory.url, "v1.11.5") + "patches:\n  worker: [worker.yaml]\n",
+        Inventory::five_nodes("sim", &net)
+            .talos("v1.11.5")
+            .factory(&factory.url)
+            .append("patches:\n  worker: [worker.yaml]\n")
+            .text(),
     )
     .unwrap();
     let applies_before = nodes.stats()["totals"]["applies"].as_u64().unwrap();
@@ -296,7 +292,11 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     // A version drift: the inventory moves on, status --check fails.
     std::fs::write(
         &config,
-        inventory(&net, &factory.url, "v1.11.6") + "patches:\n  worker: [worker.yaml]\n",
+        Inventory::five_nodes("sim", &net)
+            .talos("v1.11.6")
+            .factory(&factory.url)
+            .append("patches:\n  worker: [worker.yaml]\n")
+            .text(),
     )
     .unwrap();
     let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
@@ -368,10 +368,15 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     );
 
     // A schematic drift: worker-02 gets an extension (a new base schematic).
-    let with_ext = inventory(&net, &factory.url, "v1.11.5").replace(
-        &format!("address: {net}.22\n"),
-        &format!("address: {net}.22\n    extensions: [siderolabs/qemu-guest-agent]\n"),
-    ) + "patches:\n  worker: [worker.yaml]\n";
+    let with_ext = Inventory::five_nodes("sim", &net)
+        .talos("v1.11.5")
+        .factory(&factory.url)
+        .text()
+        .replace(
+            &format!("address: {net}.22\n"),
+            &format!("address: {net}.22\n    extensions: [siderolabs/qemu-guest-agent]\n"),
+        )
+        + "patches:\n  worker: [worker.yaml]\n";
     std::fs::write(&config, with_ext).unwrap();
     let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
     assert_eq!(o.status.code(), Some(1));

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 mod common;
+use common::inventory::Inventory;
 use common::sims::{Pve, Sim};
 use common::{imgbuild, root, text};
 
@@ -30,14 +31,11 @@ fn one_document(o: &Output) -> serde_json::Value {
     docs.remove(0)
 }
 
+/// The loopback example with two nodes on one address, as `dir/broken.yaml`.
 fn broken_inventory(dir: &Path) -> String {
-    let text = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let path = dir.join("broken.yaml");
-    std::fs::write(
-        &path,
-        text.replace("address: 127.0.0.12", "address: 127.0.0.11"),
-    )
-    .unwrap();
+    let path = Inventory::loopback()
+        .replace("address: 127.0.0.12", "address: 127.0.0.11")
+        .write_to(&dir.join("broken.yaml"));
     path.to_str().unwrap().to_owned()
 }
 

@@ -9,40 +9,15 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
+use common::inventory::{Inventory, NODES};
 use common::sims::{Nodes, Pve, Sim};
 use common::{json, text};
-
-const NODES: [(&str, u8, &str); 5] = [
-    ("cp-01", 11, "controlplane"),
-    ("cp-02", 12, "controlplane"),
-    ("cp-03", 13, "controlplane"),
-    ("worker-01", 21, "worker"),
-    ("worker-02", 22, "worker"),
-];
 
 /// The /24 for test number `k`, offset by the process id so a stale
 /// simulator from another run cannot hold the ports (and apart from the
 /// /24s tests/cli_bootstrap.rs uses).
 fn net(k: u8) -> String {
     format!("127.{}.{k}", 200 + std::process::id() % 50)
-}
-
-/// A five-node cluster on `net`, published to Proxmox with VMs when `vm`,
-/// with no publish section when `publish` is false.
-fn inventory(net: &str, publish: bool, vm: bool) -> String {
-    let mut s = format!(
-        "cluster:\n  name: up\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.10:6443\n  vip: {net}.10\nimage:\n  platform: metal\n  arch: amd64\n  format: raw\n  factory: http://127.0.0.1:9\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\nnodes:\n"
-    );
-    for (name, host, role) in NODES {
-        s += &format!("  - name: {name}\n    role: {role}\n    address: {net}.{host}\n");
-    }
-    if publish {
-        s += "publish:\n  proxmox:\n    node: pve\n    storage: local\n";
-        if vm {
-            s += "    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048}\n";
-        }
-    }
-    s
 }
 
 /// The three simulators wired as a chain, and a working folder.
@@ -67,7 +42,10 @@ impl Chain {
         extra.extend_from_slice(pve_extra);
         let pve = Pve::start(&extra);
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("cluster.yaml"), inventory(&net, true, true)).unwrap();
+        Inventory::five_nodes("up", &net)
+            .metal("raw")
+            .proxmox(true)
+            .write(dir.path());
         Chain {
             factory: Sim::start(&[]),
             pve,
@@ -369,7 +347,10 @@ fn an_image_without_meta_fails_naming_the_node_and_its_address() {
     let c = Chain::start(3);
     // Upload only (no VMs yet), then remove worker-02's META in the storage.
     let uploads = c.dir.path().join("uploads.yaml");
-    std::fs::write(&uploads, inventory(&c.net, true, false)).unwrap();
+    Inventory::five_nodes("up", &c.net)
+        .metal("raw")
+        .proxmox(false)
+        .write_to(&uploads);
     let out = c
         .command(&uploads, &["--output", "json", "publish"])
         .output()
@@ -537,7 +518,9 @@ fn without_a_target_up_bootstraps_machines_booted_otherwise() {
     let nodes = Nodes::start(&args);
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("cluster.yaml");
-    std::fs::write(&config, inventory(&net, false, false)).unwrap();
+    Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .write_to(&config);
     let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(&config)
@@ -584,20 +567,31 @@ fn an_inventory_up_cannot_use_exits_2() {
             .unwrap()
     };
     let net = net(6);
-    let out = run(&inventory(&net, true, false));
+    let out = run(&Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .proxmox(false)
+        .text());
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(
         text(&out.stderr).contains("publish.proxmox has no vm section"),
         "{}",
         text(&out.stderr)
     );
-    let out = run(&inventory(&net, true, true));
+    let out = run(&Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .proxmox(true)
+        .text());
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("PROXMOX_VE_ENDPOINT is not set"));
-    let out = run(&inventory(&net, false, false).replace("role: worker", "role: boss"));
+    let out = run(&Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .text()
+        .replace("role: worker", "role: boss"));
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let config = dir.path().join("cluster.yaml");
-    std::fs::write(&config, inventory(&net, false, false)).unwrap();
+    Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .write_to(&config);
     let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(&config)
@@ -625,7 +619,10 @@ fn a_cluster_without_a_cni_is_never_called_healthy() {
         "cluster:\n  network:\n    cni:\n      name: none\n",
     )
     .unwrap();
-    let yaml = inventory(&net, false, false) + "patches:\n  all: [no-cni.yaml]\n";
+    let yaml = Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .append("patches:\n  all: [no-cni.yaml]\n")
+        .text();
     std::fs::write(&config, yaml).unwrap();
     let up = |json: bool| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));

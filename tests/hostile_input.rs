@@ -14,6 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
+use common::inventory::Inventory;
 use common::root;
 
 const LIMIT_RSS_KIB: i64 = 64 << 10;
@@ -96,8 +97,7 @@ impl Case {
 
     /// The loopback inventory as `in/cluster.yaml` after `edit`.
     fn inventory(&self, edit: impl FnOnce(String) -> String) -> String {
-        let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-        self.write("in/cluster.yaml", edit(base))
+        self.write("in/cluster.yaml", edit(Inventory::loopback().text()))
     }
 
     /// Runs imgbuild with `args` under GNU time, which reports its peak RSS

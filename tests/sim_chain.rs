@@ -8,7 +8,7 @@
 //! public address the API reports.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,8 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 mod common;
+use common::inventory::{Inventory, NODES};
+use common::run::Run;
 use common::sims::{Hc, Pve, Sim};
 use common::{root, sim_bin, text};
 
@@ -68,57 +70,19 @@ fn net() -> String {
     format!("127.{}.1", 200 + std::process::id() % 50)
 }
 
-const NODES: [(&str, u8); 5] = [
-    ("cp-01", 11),
-    ("cp-02", 12),
-    ("cp-03", 13),
-    ("worker-01", 21),
-    ("worker-02", 22),
-];
-
-/// The loopback example on this process's addresses, published to Proxmox
-/// with VMs from id 300.
-fn inventory(dir: &Path) -> PathBuf {
-    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let mut inv = base
-        .replace("address: 127.0.0.", &format!("address: {}.", net()))
-        .replace("127.0.0.20", &format!("{}.20", net()));
-    for (name, host) in NODES {
-        assert!(
-            inv.contains(&format!("address: {}.{host}", net())),
-            "{name}"
-        );
-    }
-    inv.push_str("\npublish:\n  proxmox:\n    node: pve\n    storage: local\n");
-    inv.push_str("    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048}\n");
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, inv).unwrap();
-    path
-}
-
+/// Publishes the loopback example, on this process's addresses, to
+/// Proxmox with VMs from id 300.
 fn publish(dir: &Path, sim: &Sim, pve: &Pve) {
-    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .arg("--config")
-        .arg(inventory(dir))
-        .args([
-            "publish",
-            "--factory",
-            &sim.url,
-            "--poll-ms",
-            "50",
-            "--quiet",
-        ])
-        .arg("--out-dir")
-        .arg(dir.join("out"))
-        .arg("--cache-dir")
-        .arg(dir.join("cache"))
-        .env_remove("IMGBUILD_CONFIG")
-        .env("PROXMOX_VE_ENDPOINT", &pve.url)
-        .env("PROXMOX_VE_API_TOKEN", &pve.token)
-        .env("PROXMOX_VE_FINGERPRINT", &pve.fingerprint)
-        .env_remove("PROXMOX_VE_INSECURE")
-        .output()
-        .unwrap();
+    let config = Inventory::loopback()
+        .replace("address: 127.0.0.", &format!("address: {}.", net()))
+        .replace("127.0.0.20", &format!("{}.20", net()))
+        .proxmox(true)
+        .write(dir);
+    let o = Run::with_config(&config, &["publish", "--poll-ms", "50", "--quiet"])
+        .factory(sim)
+        .folders(dir)
+        .proxmox(pve)
+        .output();
     assert!(
         o.status.success(),
         "{}\n{}",
@@ -205,7 +169,7 @@ fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
     publish(dir.path(), &sim, &pve);
     let stats = nodes.stats();
     assert_eq!(stats["totals"]["nodes"], 5, "{stats}");
-    for (i, (name, host)) in NODES.iter().enumerate() {
+    for (i, (name, host, _)) in NODES.iter().enumerate() {
         let n = &stats["nodes"][name];
         assert_eq!(n["ip"], format!("{}.{host}", net()), "{name}: {stats}");
         assert_eq!(n["booted_by"], format!("vm-{}", 300 + i), "{name}");
