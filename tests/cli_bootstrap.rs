@@ -4,32 +4,20 @@
 //! after apply, bootstrap twice, an endpoint on the VIP, a talosconfig from
 //! other secrets, a reboot after apply.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 
 mod common;
 use common::inventory::{Inventory, NODES};
-use common::{root, sim_bin, text};
-
-/// Delays small enough for tests, large enough to be states.
-const FAST: [&str; 8] = [
-    "--apply-delay",
-    "200",
-    "--etcd-delay",
-    "400",
-    "--kubelet-delay",
-    "300",
-    "--ready-delay",
-    "300",
-];
+use common::run::Run;
+use common::sims::Nodes;
+use common::{root, text};
 
 /// A simulated cluster (3 control planes, 2 workers) on its own /24 inside
 /// 127.0.0.0/8, its inventory and state dir; the simulator dies on drop.
 struct Cluster {
-    child: Child,
-    control: String,
+    nodes: Nodes,
     dir: tempfile::TempDir,
     net: String,
 }
@@ -46,27 +34,14 @@ impl Cluster {
         let dir = tempfile::tempdir().unwrap();
         let net = net(k);
         Inventory::five_nodes("sim", &net).write(dir.path());
-        let mut cmd = Command::new(sim_bin());
-        cmd.arg("nodes")
-            .args(FAST)
-            .args(extra)
-            .stdout(Stdio::piped());
-        for (name, host, role) in NODES {
-            cmd.args(["--node", &format!("{name}={net}.{host}:{role}")]);
-        }
+        let mut args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        args.extend(Nodes::flags(&net));
         if vip {
-            cmd.args(["--vip", &format!("{net}.10")]);
+            args.extend(["--vip".to_owned(), format!("{net}.10")]);
         }
-        let mut child = cmd.spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("simulator did not start ({e}): {line:?}"));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         Cluster {
-            child,
-            control: v["control"].as_str().unwrap().to_owned(),
+            nodes: Nodes::start(&args),
             dir,
             net,
         }
@@ -81,35 +56,20 @@ impl Cluster {
     }
 
     fn imgbuild(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-            .arg("--config")
-            .arg(self.config())
-            .args(args)
-            .current_dir(root())
-            .env_remove("IMGBUILD_CONFIG")
+        Run::with_config(&self.config(), args)
             .env_remove("IMGBUILD_STATE_DIR")
             .env_remove("TALOSCONFIG")
             .output()
-            .unwrap()
     }
 
     /// `imgbuild --output json bootstrap` with test-sized timeouts.
     fn bootstrap(&self, extra: &[&str]) -> (Output, serde_json::Value) {
-        let defaults = [
-            ("--poll", "100ms"),
-            ("--node-timeout", "20s"),
-            ("--bootstrap-timeout", "20s"),
-            ("--health-timeout", "30s"),
-            ("--call-timeout", "5s"),
-        ];
-        let mut args = vec!["--output", "json", "bootstrap"];
-        for (flag, value) in defaults {
-            if !extra.contains(&flag) {
-                args.extend([flag, value]);
-            }
-        }
-        args.extend_from_slice(extra);
-        let out = self.imgbuild(&args);
+        let out = Run::with_config(&self.config(), &["--output", "json", "bootstrap"])
+            .timeouts(extra)
+            .args(extra)
+            .env_remove("IMGBUILD_STATE_DIR")
+            .env_remove("TALOSCONFIG")
+            .output();
         let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
             panic!(
                 "not JSON ({e}): {}\nstderr: {}",
@@ -128,22 +88,11 @@ impl Cluster {
     }
 
     fn stats(&self) -> serde_json::Value {
-        let out = Command::new("curl")
-            .args(["-sf", &format!("{}/_sim/stats", self.control)])
-            .output()
-            .unwrap();
-        serde_json::from_slice(&out.stdout).unwrap()
+        self.nodes.stats()
     }
 
     fn node_stat(&self, node: &str, key: &str) -> u64 {
         self.stats()["nodes"][node][key].as_u64().unwrap()
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

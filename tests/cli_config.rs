@@ -6,12 +6,13 @@
 //! from a newer or FIPS-mode talosctl import and bootstrap.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 mod common;
 use common::inventory::{Inventory, Node};
+use common::run::Run;
 use common::sims::Nodes;
-use common::{atlas_copy, json, root, text};
+use common::{atlas_copy, json, text};
 
 /// The /24 for test number `k`: the `.24x` ranges beside tests/cli_bootstrap.rs's,
 /// offset by the process id so a stale simulator cannot hold the ports.
@@ -43,26 +44,17 @@ fn nodes(net: &str) -> Nodes {
 
 /// `imgbuild --config <dir>/cluster.yaml <args>` with the state dir, out dir
 /// and cache in `dir`, test-sized timeouts for `up`, and `env` set.
-fn run(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-    cmd.arg("--config")
-        .arg(dir.join("cluster.yaml"))
-        .args(args)
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
-        .env_remove("IMGBUILD_STATE_DIR")
-        .env_remove("TALOSCONFIG")
+fn imgbuild(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut run = Run::with_config(&dir.join("cluster.yaml"), args);
+    run.env_remove("TALOSCONFIG")
         .env_remove("TS_AUTHKEY")
         .env("IMGBUILD_STATE_DIR", dir.join("state"));
     if args.contains(&"up") {
-        cmd.args(["--quiet", "--poll", "100ms", "--node-timeout", "20s"])
+        run.args(["--quiet", "--poll", "100ms", "--node-timeout", "20s"])
             .args(["--health-timeout", "30s", "--call-timeout", "5s"])
-            .arg("--out-dir")
-            .arg(dir.join("out"))
-            .arg("--cache-dir")
-            .arg(dir.join("cache"));
+            .folders(dir);
     }
-    cmd.envs(env.iter().copied()).output().unwrap()
+    run.envs(env.iter().copied()).output()
 }
 
 const TAILSCALE: &str = "machine:\n  sysctls:\n    net.ipv4.ip_forward: \"1\"\n---\napiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\nenvironment:\n  - TS_AUTHKEY=${TS_AUTHKEY}\n";
@@ -83,7 +75,7 @@ fn a_multi_document_patch_with_a_variable_reaches_every_node() {
     .unwrap();
 
     // Unset: refused before any node is contacted, naming file and line.
-    let out = run(d, &["--output", "json", "up"], &[]);
+    let out = imgbuild(d, &["--output", "json", "up"], &[]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let err = json(&out)["error"].as_str().unwrap().to_owned();
     assert!(err.contains("node cp-01"), "{err}");
@@ -94,7 +86,7 @@ fn a_multi_document_patch_with_a_variable_reaches_every_node() {
     assert_eq!(sim.stats()["totals"]["applies"], 0);
     assert!(!d.join("state").exists(), "nothing written");
 
-    let out = run(d, &["--output", "json", "up"], &[("TS_AUTHKEY", KEY)]);
+    let out = imgbuild(d, &["--output", "json", "up"], &[("TS_AUTHKEY", KEY)]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(json(&out)["healthy"], true);
     let stats = sim.stats();
@@ -127,14 +119,10 @@ fn validate_renders_every_config_and_names_the_node_and_patch_that_break() {
         "name: worker-02\n    patches: [bad.yaml]",
     );
     let validate = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-            .arg("--config")
-            .arg(&config)
-            .args(extra)
+        Run::with_config(&config, extra)
             .arg("validate")
             .env_remove("IMGBUILD_STATE_DIR")
             .output()
-            .unwrap()
     };
     for (patch, want) in [
         ("machine:\n  kubelet:\n    imagee: x\n", "/machine/kubelet"),
@@ -189,7 +177,7 @@ fn a_dhcp_node_nobody_can_reach_fails_validate_and_up_before_anything_is_built()
         &["up"][..],
         &["--output", "json", "up"][..],
     ] {
-        let out = run(d, args, &pve);
+        let out = imgbuild(d, args, &pve);
         let all = text(&out.stdout) + &text(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {all}");
         assert!(all.contains("cluster.yaml"), "{args:?}: {all}");
@@ -210,7 +198,7 @@ fn a_dhcp_node_nobody_can_reach_fails_validate_and_up_before_anything_is_built()
         ),
     )
     .unwrap();
-    let out = run(d, &["--output", "json", "validate"], &[]);
+    let out = imgbuild(d, &["--output", "json", "validate"], &[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(json(&out)["reach"]["worker-01"], format!("{net}.99:50001"));
 }
@@ -218,7 +206,7 @@ fn a_dhcp_node_nobody_can_reach_fails_validate_and_up_before_anything_is_built()
 /// A bundle made by `imgbuild secrets gen` in a fresh state dir under `dir`.
 fn generated_bundle(dir: &Path) -> (PathBuf, String) {
     std::fs::write(dir.join("cluster.yaml"), two_nodes(&net(2), "")).unwrap();
-    let out = run(dir, &["secrets", "gen"], &[]);
+    let out = imgbuild(dir, &["secrets", "gen"], &[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let path = dir.join("state/secrets.yaml");
     let bundle = std::fs::read_to_string(&path).unwrap();
@@ -235,7 +223,7 @@ fn a_bundle_from_a_newer_talosctl_imports_with_a_warning_naming_its_new_fields()
         + "futurefield: {a: 1}\n";
     let file = d.join("newer.yaml");
     std::fs::write(&file, newer).unwrap();
-    let out = run(
+    let out = imgbuild(
         d,
         &["secrets", "gen", "--secrets", file.to_str().unwrap()],
         &[],
@@ -249,7 +237,7 @@ fn a_bundle_from_a_newer_talosctl_imports_with_a_warning_naming_its_new_fields()
     // Imported as imgbuild writes bundles: the fields are not kept.
     let imported = std::fs::read_to_string(&path).unwrap();
     assert!(!imported.contains("futurefield") && !imported.contains("rotation"));
-    let out = run(
+    let out = imgbuild(
         d,
         &[
             "--output",
@@ -292,14 +280,14 @@ fn a_bundle_with_an_ecdsa_os_ca_and_rsa_kubernetes_cas_bootstraps_a_cluster() {
     let file = d.join("fips.yaml");
     std::fs::write(&file, serde_yaml_ng::to_string(&doc).unwrap()).unwrap();
     std::fs::write(d.join("cluster.yaml"), two_nodes(&net, "")).unwrap();
-    let out = run(
+    let out = imgbuild(
         d,
         &["secrets", "gen", "--secrets", file.to_str().unwrap()],
         &[],
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
 
-    let out = run(d, &["--output", "json", "up"], &[]);
+    let out = imgbuild(d, &["--output", "json", "up"], &[]);
     assert!(
         out.status.success(),
         "{}{}",

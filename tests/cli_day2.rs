@@ -7,39 +7,23 @@ use std::process::{Command, Output};
 
 mod common;
 use common::inventory::{Inventory, NODES};
+use common::run::Run;
 use common::sims::{Nodes, Sim};
-use common::{root, text};
+use common::text;
 
 fn net() -> String {
     format!("127.{}.201", 100 + std::process::id() % 100)
 }
 
-const LIMITS: [&str; 10] = [
-    "--poll",
-    "100ms",
-    "--node-timeout",
-    "20s",
-    "--bootstrap-timeout",
-    "20s",
-    "--health-timeout",
-    "30s",
-    "--call-timeout",
-    "5s",
-];
-
 fn imgbuild(config: &Path, args: &[&str], limits: bool) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-    cmd.arg("--config").arg(config).args(args);
+    let mut run = Run::with_config(config, args);
     if limits {
-        cmd.args(LIMITS);
+        run.timeouts(&[]);
     }
-    cmd.current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
-        .env_remove("IMGBUILD_STATE_DIR")
+    run.env_remove("IMGBUILD_STATE_DIR")
         .env_remove("IMGBUILD_FACTORY")
         .env_remove("TALOSCONFIG")
         .output()
-        .unwrap()
 }
 
 fn json_of(o: &Output) -> serde_json::Value {
@@ -78,10 +62,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         .map(|s| s.to_string())
         .collect();
     args.push(format!("{net}.10"));
-    for (name, host, role) in NODES {
-        args.push("--node".into());
-        args.push(format!("{name}={net}.{host}:{role}"));
-    }
+    args.extend(Nodes::flags(&net));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let nodes = Nodes::start(&args);
     let dir = tempfile::tempdir().unwrap();

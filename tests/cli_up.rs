@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::inventory::{Inventory, NODES};
+use common::run::Run;
 use common::sims::{Nodes, Pve, Sim};
 use common::{json, text};
 
@@ -71,43 +72,17 @@ impl Chain {
     /// pin, test-sized timeouts and the working folder's out, cache and
     /// state dirs.
     fn command(&self, config: &Path, args: &[&str]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-        cmd.arg("--config").arg(config).args(args);
+        let mut run = Run::with_config(config, args);
         if args.contains(&"up") {
-            for (flag, value) in [
-                ("--poll", "100ms"),
-                ("--node-timeout", "20s"),
-                ("--bootstrap-timeout", "20s"),
-                ("--health-timeout", "30s"),
-                ("--call-timeout", "5s"),
-            ] {
-                if !args.contains(&flag) {
-                    cmd.args([flag, value]);
-                }
-            }
-            cmd.arg("--state-dir").arg(self.state());
+            run.timeouts(args).arg("--state-dir").arg(self.state());
         }
-        cmd.args([
-            "--factory",
-            &self.factory.url,
-            "--retry-delay-ms",
-            "10",
-            "--poll-ms",
-            "50",
-            "--quiet",
-        ])
-        .arg("--out-dir")
-        .arg(self.out())
-        .arg("--cache-dir")
-        .arg(self.dir.path().join("cache"))
-        .env_remove("IMGBUILD_CONFIG")
-        .env_remove("IMGBUILD_STATE_DIR")
-        .env_remove("TALOSCONFIG")
-        .env("PROXMOX_VE_ENDPOINT", &self.pve.url)
-        .env("PROXMOX_VE_API_TOKEN", &self.pve.token)
-        .env("PROXMOX_VE_FINGERPRINT", &self.pve.fingerprint)
-        .env_remove("PROXMOX_VE_INSECURE");
-        cmd
+        run.factory(&self.factory)
+            .args(["--poll-ms", "50", "--quiet"])
+            .folders(self.dir.path())
+            .env_remove("IMGBUILD_STATE_DIR")
+            .env_remove("TALOSCONFIG")
+            .proxmox(&self.pve);
+        run.into_command()
     }
 
     /// `imgbuild --output json up <extra>`: its output and JSON document.
@@ -510,10 +485,7 @@ fn a_node_that_fails_to_publish_stops_up_before_bootstrap_with_exit_3() {
 fn without_a_target_up_bootstraps_machines_booted_otherwise() {
     let net = net(5);
     let mut args = vec!["--vip".to_owned(), format!("{net}.10")];
-    for (name, host, role) in NODES {
-        args.push("--node".into());
-        args.push(format!("{name}={net}.{host}:{role}"));
-    }
+    args.extend(Nodes::flags(&net));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let nodes = Nodes::start(&args);
     let dir = tempfile::tempdir().unwrap();
@@ -606,10 +578,7 @@ fn an_inventory_up_cannot_use_exits_2() {
 fn a_cluster_without_a_cni_is_never_called_healthy() {
     let net = net(8);
     let mut args = vec!["--vip".to_owned(), format!("{net}.10")];
-    for (name, host, role) in NODES {
-        args.push("--node".into());
-        args.push(format!("{name}={net}.{host}:{role}"));
-    }
+    args.extend(Nodes::flags(&net));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let nodes = Nodes::start(&args);
     let dir = tempfile::tempdir().unwrap();

@@ -7,9 +7,8 @@
 //! from its user_data (a config the real `imgbuild config` renders) on the
 //! public address the API reports.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -18,51 +17,23 @@ use sha2::{Digest, Sha256};
 mod common;
 use common::inventory::{Inventory, NODES};
 use common::run::Run;
-use common::sims::{Hc, Pve, Sim};
-use common::{root, sim_bin, text};
+use common::sims::{Hc, Nodes, Pve, Sim};
+use common::{root, text};
 
-/// A node simulator with no fixed nodes: machines boot them.
-struct Nodes {
-    child: Child,
-    control: String,
-}
-
-impl Nodes {
-    fn start(extra: &[&str]) -> Nodes {
-        let mut child = Command::new(sim_bin())
-            .args(["nodes", "--apply-delay", "50", "--etcd-delay", "100"])
-            .args(["--kubelet-delay", "100", "--ready-delay", "100"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("node simulator did not start ({e}): {line:?}"));
-        assert_eq!(v["nodes"], serde_json::json!({}));
-        Nodes {
-            child,
-            control: v["control"].as_str().unwrap().to_owned(),
-        }
-    }
-
-    fn stats(&self) -> serde_json::Value {
-        let o = Command::new("curl")
-            .args(["-sf", &format!("{}/_sim/stats", self.control)])
-            .output()
-            .unwrap();
-        serde_json::from_slice(&o.stdout).unwrap()
-    }
-}
-
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A node simulator with no fixed nodes (machines boot them), quicker
+/// than [`Nodes::FAST`].
+fn machine_nodes(extra: &[&str]) -> Nodes {
+    let delays = ["--apply-delay", "50", "--etcd-delay", "100"];
+    let nodes = Nodes::start_with(
+        &[
+            &delays[..],
+            &["--kubelet-delay", "100", "--ready-delay", "100"],
+        ]
+        .concat(),
+        extra,
+    );
+    assert_eq!(nodes.stats()["totals"]["nodes"], 0);
+    nodes
 }
 
 /// A /24 of this test process (another run's leftovers cannot hold it).
@@ -163,7 +134,7 @@ fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
 #[test]
 fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
     let sim = Sim::start(&[]);
-    let nodes = Nodes::start(&["--vip", &format!("{}.20", net())]);
+    let nodes = machine_nodes(&["--vip", &format!("{}.20", net())]);
     let pve = Pve::start(&["--nodes-control", &nodes.control]);
     let dir = tempfile::tempdir().unwrap();
     publish(dir.path(), &sim, &pve);
@@ -259,7 +230,7 @@ fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
 
 #[test]
 fn disks_without_a_loopback_key_10_run_but_boot_no_node() {
-    let nodes = Nodes::start(&[]);
+    let nodes = machine_nodes(&[]);
     let pve = Pve::start(&["--nodes-control", &nodes.control]);
     let fx = pve.dir.path().join("fx");
     let ok = Command::new(root().join("fixtures/make-images.sh"))
@@ -394,7 +365,7 @@ fn ip_of(server: &Value) -> String {
 
 #[test]
 fn servers_from_a_snapshot_boot_talos_configured_from_their_user_data() {
-    let nodes = Nodes::start(&[]);
+    let nodes = machine_nodes(&[]);
     let hc = Hc::start(&["--nodes-control", &nodes.control]);
     let image = snapshot(&hc);
     let dir = tempfile::tempdir().unwrap();

@@ -3,8 +3,11 @@
 //! folder holding a test's inventory, `out/` and `cache/`.
 
 use std::ffi::OsStr;
+use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use super::inventory::Inventory;
 use super::root;
@@ -58,6 +61,28 @@ impl Run {
         self
     }
 
+    pub fn current_dir(&mut self, dir: &Path) -> &mut Run {
+        self.0.current_dir(dir);
+        self
+    }
+
+    /// Test-sized poll interval and timeouts for `bootstrap`, `up` and the
+    /// day-two commands, each unless `given` names its flag.
+    pub fn timeouts(&mut self, given: &[&str]) -> &mut Run {
+        for (flag, value) in [
+            ("--poll", "100ms"),
+            ("--node-timeout", "20s"),
+            ("--bootstrap-timeout", "20s"),
+            ("--health-timeout", "30s"),
+            ("--call-timeout", "5s"),
+        ] {
+            if !given.contains(&flag) {
+                self.args([flag, value]);
+            }
+        }
+        self
+    }
+
     /// `--factory` the simulator, with short retry pauses.
     pub fn factory(&mut self, sim: &Sim) -> &mut Run {
         self.args(["--factory", &sim.url, "--retry-delay-ms", "10"])
@@ -93,6 +118,102 @@ impl Run {
     /// Runs it to the end: exit status, stdout and stderr.
     pub fn output(&mut self) -> Output {
         self.0.output().unwrap()
+    }
+}
+
+/// How a [`Run::measured`] ended.
+pub struct Measured {
+    /// GNU time's status: imgbuild's exit code, or 128 + signal.
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    /// The signal that ended imgbuild, if one did.
+    pub signal: Option<i32>,
+    /// imgbuild's peak resident set size.
+    pub rss_kib: i64,
+    pub took: Duration,
+    /// Killed at the deadline.
+    pub killed: bool,
+    /// GNU time's report, for messages.
+    pub report: String,
+}
+
+impl Run {
+    /// Runs it under GNU time, which reports imgbuild's own peak RSS
+    /// (wait4 in the test process would count the test's size too: Linux
+    /// carries the hiwater mark across fork and exec), stdin closed, in its
+    /// own process group, which is killed once `deadline` has passed (so a
+    /// hang fails the test instead of stalling it).
+    pub fn measured(&mut self, deadline: Duration) -> Measured {
+        let time = Path::new("/usr/bin/time");
+        assert!(time.exists(), "GNU time is missing: run `make deps`");
+        let report = tempfile::NamedTempFile::new().unwrap();
+        let mut cmd = Command::new(time);
+        cmd.args(["-f", "maxrss %M", "-o"])
+            .arg(report.path())
+            .arg(self.0.get_program())
+            .args(self.0.get_args());
+        if let Some(dir) = self.0.get_current_dir() {
+            cmd.current_dir(dir);
+        }
+        for (k, v) in self.0.get_envs() {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
+        let started = Instant::now();
+        let mut child = cmd
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let drain = |mut r: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut s = Vec::new();
+                let _ = r.read_to_end(&mut s);
+                String::from_utf8_lossy(&s).into_owned()
+            })
+        };
+        let out = drain(Box::new(child.stdout.take().unwrap()));
+        let err = drain(Box::new(child.stderr.take().unwrap()));
+        let mut killed = false;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if !killed && started.elapsed() > deadline {
+                // SAFETY: signalling the process group of our own child.
+                unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
+                killed = true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let took = started.elapsed();
+        let report = std::fs::read_to_string(report.path()).unwrap();
+        // GNU time says "Command terminated by signal N" before the
+        // numbers when imgbuild died of a signal.
+        let signal = report
+            .lines()
+            .find_map(|l| l.strip_prefix("Command terminated by signal "))
+            .map(|n| n.trim().parse().unwrap());
+        let rss_kib = report
+            .lines()
+            .find_map(|l| l.strip_prefix("maxrss "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no RSS in GNU time's report: {report}"));
+        Measured {
+            status,
+            stdout: out.join().unwrap(),
+            stderr: err.join().unwrap(),
+            signal,
+            rss_kib,
+            took,
+            killed,
+            report,
+        }
     }
 }
 

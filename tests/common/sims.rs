@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::inventory::NODES;
 use super::{root, sim_bin, text};
 
 /// Starts `imgbuild-sim <args>` and reads the JSON line it prints.
@@ -405,16 +406,31 @@ impl Nodes {
     ];
 
     pub fn start(extra: &[&str]) -> Nodes {
+        Self::start_with(&Self::FAST, extra)
+    }
+
+    /// With other `delays` (flags and values) than [`Nodes::FAST`].
+    pub fn start_with(delays: &[&str], extra: &[&str]) -> Nodes {
         let (child, v) = spawn(
             Command::new(sim_bin())
                 .arg("nodes")
-                .args(Self::FAST)
+                .args(delays)
                 .args(extra),
         );
         Nodes {
             child,
             control: v["control"].as_str().unwrap().to_owned(),
         }
+    }
+
+    /// `--node NAME=ADDRESS:ROLE` for each of [`NODES`] on the /24 `net`.
+    pub fn flags(net: &str) -> Vec<String> {
+        NODES
+            .iter()
+            .flat_map(|(name, host, role)| {
+                ["--node".to_owned(), format!("{name}={net}.{host}:{role}")]
+            })
+            .collect()
     }
 
     pub fn stats(&self) -> serde_json::Value {
