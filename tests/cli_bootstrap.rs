@@ -34,14 +34,8 @@ impl Cluster {
         let dir = tempfile::tempdir().unwrap();
         let net = net(k);
         Inventory::five_nodes("sim", &net).write(dir.path());
-        let mut args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        args.extend(Nodes::flags(&net));
-        if vip {
-            args.extend(["--vip".to_owned(), format!("{net}.10")]);
-        }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         Cluster {
-            nodes: Nodes::start(&args),
+            nodes: Nodes::cluster(&net, vip, extra),
             dir,
             net,
         }

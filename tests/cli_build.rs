@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 mod common;
+use common::inventory::Inventory;
 use common::otherfs::other_fs;
 use common::run::Work;
 use common::sims::Sim;
@@ -502,13 +503,9 @@ fn diff_finds_the_patch_route_image_identical_to_the_factorys_own() {
 fn an_image_that_needs_no_edit_is_the_factorys_byte_for_byte() {
     let sim = Sim::start_on("two-tags.raw");
     let dir = tempfile::tempdir().unwrap();
-    let loopback = std::fs::read_to_string(root().join(LOOPBACK)).unwrap();
-    let hcloud = dir.path().join("hcloud.yaml");
-    std::fs::write(
-        &hcloud,
-        loopback.replacen("platform: metal", "platform: hcloud", 1),
-    )
-    .unwrap();
+    let hcloud = Inventory::loopback()
+        .replace("platform: metal", "platform: hcloud")
+        .write_to(&dir.path().join("hcloud.yaml"));
     let build = |config: &Path, route: &str| {
         let out = dir.path().join(format!(
             "{}-{route}",
@@ -625,10 +622,9 @@ fn qcow2_format_builds_by_both_routes() {
     let sim = Sim::start(&[]);
     let work = Work::on(LOOPBACK);
     let inv = work.dir.path().join("qcow2.yaml");
-    let text_inv = std::fs::read_to_string(root().join(LOOPBACK))
-        .unwrap()
-        .replace("format: raw", "format: qcow2");
-    std::fs::write(&inv, text_inv).unwrap();
+    Inventory::loopback()
+        .replace("format: raw", "format: qcow2")
+        .write_to(&inv);
     let build = |route: &str, out: &str| {
         Command::new(env!("CARGO_BIN_EXE_imgbuild"))
             .args([

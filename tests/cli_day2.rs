@@ -57,14 +57,11 @@ fn post(url: &str, body: &str) {
 fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     let factory = Sim::start_with(&[], 0, &["--versions", "v1.11.2,v1.11.5"]);
     let net = net();
-    let mut args: Vec<String> = ["--reboot-delay", "300", "--upgrade-delay", "50", "--vip"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.push(format!("{net}.10"));
-    args.extend(Nodes::flags(&net));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let nodes = Nodes::start(&args);
+    let nodes = Nodes::cluster(
+        &net,
+        true,
+        &["--reboot-delay", "300", "--upgrade-delay", "50"],
+    );
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("cluster.yaml");
 

@@ -11,7 +11,7 @@ mod common;
 use common::inventory::Inventory;
 use common::run::Run;
 use common::sims::{Hc, Nodes, Pve, Sim};
-use common::{json, root, text};
+use common::{json, text};
 
 /// The terminal width the runs get (`stty cols`).
 const COLS: usize = 100;
@@ -400,28 +400,18 @@ fn piped_uploads_print_two_lines_each_and_quiet_prints_none() {
 
 /// `imgbuild publish` of the loopback example as Hetzner snapshots.
 fn hcloud_publish(dir: &Path, sim: &Sim, hc: &Hc) -> Command {
-    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let config = dir.join("cluster.yaml");
-    std::fs::write(
-        &config,
-        base.replace("platform: metal", "platform: hcloud")
-            + "\npublish:\n  hcloud:\n    location: fsn1\n",
-    )
-    .unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-    cmd.arg("--config")
-        .arg(&config)
-        .args(["publish", "--factory", &sim.url, "--poll-ms", "100"])
-        .arg("--out-dir")
-        .arg(dir.join("out"))
-        .arg("--cache-dir")
-        .arg(dir.join("cache"))
-        .env_remove("IMGBUILD_CONFIG")
+    let config = Inventory::loopback()
+        .replace("platform: metal", "platform: hcloud")
+        .hcloud("    location: fsn1\n")
+        .write(dir);
+    let mut run = Run::with_config(&config, &["publish"]);
+    run.factory(sim)
+        .args(["--poll-ms", "100"])
+        .folders(dir)
         .env_remove("NO_COLOR")
-        .env("HCLOUD_ENDPOINT", &hc.url)
-        .env("HCLOUD_TOKEN", &hc.token)
+        .hcloud(hc)
         .envs(hc.rescue_env());
-    cmd
+    run.into_command()
 }
 
 /// Piped, the stream into the Hetzner rescue system is also exactly a start

@@ -484,10 +484,7 @@ fn a_node_that_fails_to_publish_stops_up_before_bootstrap_with_exit_3() {
 #[test]
 fn without_a_target_up_bootstraps_machines_booted_otherwise() {
     let net = net(5);
-    let mut args = vec!["--vip".to_owned(), format!("{net}.10")];
-    args.extend(Nodes::flags(&net));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let nodes = Nodes::start(&args);
+    let nodes = Nodes::cluster(&net, true, &[]);
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("cluster.yaml");
     Inventory::five_nodes("up", &net)
@@ -577,10 +574,7 @@ fn an_inventory_up_cannot_use_exits_2() {
 #[test]
 fn a_cluster_without_a_cni_is_never_called_healthy() {
     let net = net(8);
-    let mut args = vec!["--vip".to_owned(), format!("{net}.10")];
-    args.extend(Nodes::flags(&net));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let nodes = Nodes::start(&args);
+    let nodes = Nodes::cluster(&net, true, &[]);
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("cluster.yaml");
     std::fs::write(

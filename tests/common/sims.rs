@@ -423,14 +423,17 @@ impl Nodes {
         }
     }
 
-    /// `--node NAME=ADDRESS:ROLE` for each of [`NODES`] on the /24 `net`.
-    pub fn flags(net: &str) -> Vec<String> {
-        NODES
-            .iter()
-            .flat_map(|(name, host, role)| {
-                ["--node".to_owned(), format!("{name}={net}.{host}:{role}")]
-            })
-            .collect()
+    /// The [`NODES`] on the /24 `net` (`--node NAME=ADDRESS:ROLE` each),
+    /// with the VIP `net.10` when `vip`, and `extra`.
+    pub fn cluster(net: &str, vip: bool, extra: &[&str]) -> Nodes {
+        let mut args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        for (name, host, role) in NODES {
+            args.extend(["--node".to_owned(), format!("{name}={net}.{host}:{role}")]);
+        }
+        if vip {
+            args.extend(["--vip".to_owned(), format!("{net}.10")]);
+        }
+        Self::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
     }
 
     pub fn stats(&self) -> serde_json::Value {
