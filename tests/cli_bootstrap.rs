@@ -12,7 +12,7 @@ mod common;
 use common::inventory::{Inventory, NODES};
 use common::run::Run;
 use common::sims::Nodes;
-use common::{root, text};
+use common::{json, root, text};
 
 /// A simulated cluster (3 control planes, 2 workers) on its own /24 inside
 /// 127.0.0.0/8, its inventory and state dir; the simulator dies on drop.
@@ -64,13 +64,7 @@ impl Cluster {
             .env_remove("IMGBUILD_STATE_DIR")
             .env_remove("TALOSCONFIG")
             .output();
-        let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "not JSON ({e}): {}\nstderr: {}",
-                text(&out.stdout),
-                text(&out.stderr)
-            )
-        });
+        let v = json(&out);
         (out, v)
     }
 

@@ -9,7 +9,7 @@ mod common;
 use common::inventory::{Inventory, NODES};
 use common::run::Run;
 use common::sims::{Nodes, Sim};
-use common::text;
+use common::{json, text};
 
 fn net() -> String {
     format!("127.{}.201", 100 + std::process::id() % 100)
@@ -24,16 +24,6 @@ fn imgbuild(config: &Path, args: &[&str], limits: bool) -> Output {
         .env_remove("IMGBUILD_FACTORY")
         .env_remove("TALOSCONFIG")
         .output()
-}
-
-fn json_of(o: &Output) -> serde_json::Value {
-    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
-        panic!(
-            "not JSON ({e}): {}\nstderr: {}",
-            text(&o.stdout),
-            text(&o.stderr)
-        )
-    })
 }
 
 fn upgrades(nodes: &Nodes) -> Vec<u64> {
@@ -92,7 +82,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     // --dry-run: every node from → to, no Upgrade sent.
     let o = imgbuild(&config, &["--output", "json", "upgrade", "--dry-run"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let plan = json_of(&o);
+    let plan = json(&o);
     let rows = plan["nodes"].as_array().unwrap();
     assert_eq!(
         rows.iter()
@@ -133,7 +123,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     );
     let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
-    let run = json_of(&o);
+    let run = json(&o);
     assert_eq!(run["failed"]["node"], "worker-01", "{run}");
     assert!(
         run["failed"]["error"].as_str().unwrap().contains("v1.11.2"),
@@ -180,7 +170,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     );
     let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let run = json_of(&o);
+    let run = json(&o);
     assert_eq!(
         run["upgraded"],
         serde_json::json!(["worker-01", "worker-02"])
@@ -206,7 +196,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     // A further rerun sends nothing.
     let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(json_of(&o)["upgraded"], serde_json::json!([]));
+    assert_eq!(json(&o)["upgraded"], serde_json::json!([]));
     assert_eq!(upgrades(&nodes), [1, 1, 1, 2, 1]);
 
     // After the upgrade every node's config is the rendered one.
@@ -279,7 +269,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     .unwrap();
     let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
     assert_eq!(o.status.code(), Some(1));
-    let drift = &json_of(&o)["drift"];
+    let drift = &json(&o)["drift"];
     // Every node: its version, and its config (install.image names the new
     // installer), each with the command that fixes it.
     let drift: Vec<(&str, &str, &str)> = drift
@@ -321,7 +311,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         true,
     );
     assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
-    let up = json_of(&o);
+    let up = json(&o);
     assert_eq!(up["healthy"], true, "{up}");
     let up_drift = up["drift"].as_array().unwrap();
     assert_eq!(up_drift.len(), 10, "{up}");
@@ -358,7 +348,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     std::fs::write(&config, with_ext).unwrap();
     let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
     assert_eq!(o.status.code(), Some(1));
-    let v = json_of(&o);
+    let v = json(&o);
     let whats: Vec<(&str, &str)> = v["drift"]
         .as_array()
         .unwrap()
@@ -376,7 +366,7 @@ fn apply(config: &Path, extra: &[&str]) -> (serde_json::Value, Option<i32>) {
     let mut args = vec!["--output", "json", "apply"];
     args.extend_from_slice(extra);
     let o = imgbuild(config, &args, true);
-    (json_of(&o), o.status.code())
+    (json(&o), o.status.code())
 }
 
 fn changed(v: &serde_json::Value) -> Vec<bool> {
@@ -390,7 +380,7 @@ fn changed(v: &serde_json::Value) -> Vec<bool> {
 
 fn status_check(config: &Path) -> Option<i32> {
     let o = imgbuild(config, &["--output", "json", "status", "--check"], true);
-    let v = json_of(&o);
+    let v = json(&o);
     assert_eq!(v["nodes"].as_array().map(Vec::len), Some(5), "{v}");
     o.status.code()
 }

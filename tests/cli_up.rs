@@ -12,7 +12,7 @@ mod common;
 use common::inventory::{Inventory, NODES};
 use common::run::Run;
 use common::sims::{Nodes, Pve, Sim};
-use common::{json, text};
+use common::{json, stdout_ok, text};
 
 /// The /24 for test number `k`, offset by the process id so a stale
 /// simulator from another run cannot hold the ports (and apart from the
@@ -127,22 +127,12 @@ const PVE_CHANGES: [&str; 7] = [
     "stops",
 ];
 
-fn assert_ok(o: &Output) {
-    assert!(
-        o.status.success(),
-        "exit {:?}\n{}\n{}",
-        o.status.code(),
-        text(&o.stdout),
-        text(&o.stderr)
-    );
-}
-
 #[test]
 fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
     let c = Chain::start(1);
     let started = Instant::now();
     let (out, v) = c.up(&[]);
-    assert_ok(&out);
+    stdout_ok(&out);
     eprintln!("first up: {:?}", started.elapsed());
     assert_eq!(v["healthy"], true, "{v}");
     assert_eq!(v["target"], "proxmox");
@@ -194,7 +184,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
 
     // Again: every stage is unchanged, and the simulators count nothing new.
     let (out, v) = c.up(&[]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["healthy"], true);
     assert_eq!(v["bootstrap"], "unchanged");
     for n in v["nodes"].as_array().unwrap() {
@@ -214,7 +204,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
 
     // The text summary: one row per node, every stage unchanged.
     let out = c.command(&c.config(), &["up"]).output().unwrap();
-    assert_ok(&out);
+    stdout_ok(&out);
     let table = text(&out.stdout);
     for (name, host, _) in NODES {
         let row = table
@@ -237,7 +227,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
     // A dry run on the healthy cluster plans nothing and sends nothing.
     let before = (c.pve.stats(), c.nodes.stats());
     let (out, v) = c.up(&["--dry-run"]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["dryRun"], true);
     for n in v["nodes"].as_array().unwrap() {
         let want = serde_json::json!({"build": "unchanged", "upload": "unchanged", "vm": "unchanged", "start": "unchanged", "apply": "unchanged"});
@@ -255,7 +245,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
 fn a_dry_run_plans_everything_and_changes_nothing() {
     let c = Chain::start(2);
     let (out, v) = c.up(&["--dry-run"]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["dryRun"], true);
     assert_eq!(v["bootstrap"], "bootstrapped", "{v}");
     for (i, n) in v["nodes"].as_array().unwrap().iter().enumerate() {
@@ -281,7 +271,7 @@ fn a_dry_run_plans_everything_and_changes_nothing() {
         .command(&c.config(), &["up", "--dry-run"])
         .output()
         .unwrap();
-    assert_ok(&out);
+    stdout_ok(&out);
     let plan = text(&out.stdout);
     assert!(plan.contains("nothing was changed"), "{plan}");
     assert!(
@@ -330,7 +320,7 @@ fn an_image_without_meta_fails_naming_the_node_and_its_address() {
         .command(&uploads, &["--output", "json", "publish"])
         .output()
         .unwrap();
-    assert_ok(&out);
+    stdout_ok(&out);
     let published = json(&out);
     let volid = published["nodes"]
         .as_array()
@@ -412,7 +402,7 @@ fn up_killed_during_publish_resumes_without_uploading_twice() {
     );
 
     let (out, v) = c.up(&[]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["healthy"], true);
     let pve = c.pve.stats();
     assert_eq!(pve["uploads"], 5, "an image was uploaded twice: {pve}");
@@ -472,7 +462,7 @@ fn a_node_that_fails_to_publish_stops_up_before_bootstrap_with_exit_3() {
 
     // Rerun: only cp-01 goes up now, and the cluster comes up.
     let (out, v) = c.up(&[]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["healthy"], true);
     assert_eq!(v["nodes"][0]["stages"]["upload"], "uploaded");
     for n in &v["nodes"].as_array().unwrap()[1..] {
@@ -503,7 +493,7 @@ fn without_a_target_up_bootstraps_machines_booted_otherwise() {
         .env_remove("TALOSCONFIG")
         .output()
         .unwrap();
-    assert_ok(&out);
+    stdout_ok(&out);
     let v = json(&out);
     assert_eq!(v["target"], "none");
     assert_eq!(v["healthy"], true);

@@ -28,6 +28,19 @@ pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// A command's stdout, after asserting it succeeded (else its exit code
+/// and both outputs).
+pub fn stdout_ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "exit {:?}\n{}\n{}",
+        o.status.code(),
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    text(&o.stdout)
+}
+
 /// A command's stdout as its one JSON document; the output when it is not.
 pub fn json(o: &std::process::Output) -> serde_json::Value {
     serde_json::from_slice(&o.stdout)
