@@ -4,31 +4,20 @@
 //! after apply, bootstrap twice, an endpoint on the VIP, a talosconfig from
 //! other secrets, a reboot after apply.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 
 mod common;
-use common::{root, sim_bin, text};
-
-/// Delays small enough for tests, large enough to be states.
-const FAST: [&str; 8] = [
-    "--apply-delay",
-    "200",
-    "--etcd-delay",
-    "400",
-    "--kubelet-delay",
-    "300",
-    "--ready-delay",
-    "300",
-];
+use common::inventory::{Inventory, NODES};
+use common::run::Run;
+use common::sims::Nodes;
+use common::{json, root, text};
 
 /// A simulated cluster (3 control planes, 2 workers) on its own /24 inside
 /// 127.0.0.0/8, its inventory and state dir; the simulator dies on drop.
 struct Cluster {
-    child: Child,
-    control: String,
+    nodes: Nodes,
     dir: tempfile::TempDir,
     net: String,
 }
@@ -39,51 +28,14 @@ fn net(k: u8) -> String {
     format!("127.{}.{k}", 100 + std::process::id() % 100)
 }
 
-const NODES: [(&str, u8, &str); 5] = [
-    ("cp-01", 11, "controlplane"),
-    ("cp-02", 12, "controlplane"),
-    ("cp-03", 13, "controlplane"),
-    ("worker-01", 21, "worker"),
-    ("worker-02", 22, "worker"),
-];
-
-fn inventory(net: &str) -> String {
-    let mut s = format!(
-        "cluster:\n  name: sim\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.10:6443\n  vip: {net}.10\nimage:\n  factory: http://127.0.0.1:9\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\nnodes:\n"
-    );
-    for (name, host, role) in NODES {
-        s += &format!("  - name: {name}\n    role: {role}\n    address: {net}.{host}\n");
-    }
-    s
-}
-
 impl Cluster {
     /// `vip`: whether the simulator brings the VIP up after bootstrap.
     fn start(k: u8, vip: bool, extra: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let net = net(k);
-        std::fs::write(dir.path().join("cluster.yaml"), inventory(&net)).unwrap();
-        let mut cmd = Command::new(sim_bin());
-        cmd.arg("nodes")
-            .args(FAST)
-            .args(extra)
-            .stdout(Stdio::piped());
-        for (name, host, role) in NODES {
-            cmd.args(["--node", &format!("{name}={net}.{host}:{role}")]);
-        }
-        if vip {
-            cmd.args(["--vip", &format!("{net}.10")]);
-        }
-        let mut child = cmd.spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("simulator did not start ({e}): {line:?}"));
+        Inventory::five_nodes("sim", &net).write(dir.path());
         Cluster {
-            child,
-            control: v["control"].as_str().unwrap().to_owned(),
+            nodes: Nodes::cluster(&net, vip, extra),
             dir,
             net,
         }
@@ -98,42 +50,21 @@ impl Cluster {
     }
 
     fn imgbuild(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-            .arg("--config")
-            .arg(self.config())
-            .args(args)
-            .current_dir(root())
-            .env_remove("IMGBUILD_CONFIG")
+        Run::with_config(&self.config(), args)
             .env_remove("IMGBUILD_STATE_DIR")
             .env_remove("TALOSCONFIG")
             .output()
-            .unwrap()
     }
 
     /// `imgbuild --output json bootstrap` with test-sized timeouts.
     fn bootstrap(&self, extra: &[&str]) -> (Output, serde_json::Value) {
-        let defaults = [
-            ("--poll", "100ms"),
-            ("--node-timeout", "20s"),
-            ("--bootstrap-timeout", "20s"),
-            ("--health-timeout", "30s"),
-            ("--call-timeout", "5s"),
-        ];
-        let mut args = vec!["--output", "json", "bootstrap"];
-        for (flag, value) in defaults {
-            if !extra.contains(&flag) {
-                args.extend([flag, value]);
-            }
-        }
-        args.extend_from_slice(extra);
-        let out = self.imgbuild(&args);
-        let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "not JSON ({e}): {}\nstderr: {}",
-                text(&out.stdout),
-                text(&out.stderr)
-            )
-        });
+        let out = Run::with_config(&self.config(), &["--output", "json", "bootstrap"])
+            .timeouts(extra)
+            .args(extra)
+            .env_remove("IMGBUILD_STATE_DIR")
+            .env_remove("TALOSCONFIG")
+            .output();
+        let v = json(&out);
         (out, v)
     }
 
@@ -145,22 +76,11 @@ impl Cluster {
     }
 
     fn stats(&self) -> serde_json::Value {
-        let out = Command::new("curl")
-            .args(["-sf", &format!("{}/_sim/stats", self.control)])
-            .output()
-            .unwrap();
-        serde_json::from_slice(&out.stdout).unwrap()
+        self.nodes.stats()
     }
 
     fn node_stat(&self, node: &str, key: &str) -> u64 {
         self.stats()["nodes"][node][key].as_u64().unwrap()
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -535,7 +455,7 @@ fn a_missing_install_disk_is_caught_before_apply() {
 fn a_node_that_never_boots_is_named_with_its_port() {
     // Inventory with one node the simulator does not run.
     let c = Cluster::start(12, true, &[]);
-    let inv = inventory(&c.net)
+    let inv = Inventory::five_nodes("sim", &c.net).text()
         + &format!(
             "  - name: worker-03\n    role: worker\n    address: {}.23\n",
             c.net
@@ -551,7 +471,7 @@ fn a_node_that_never_boots_is_named_with_its_port() {
 #[test]
 fn a_duration_too_large_for_the_clock_is_a_usage_error_not_a_panic() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("cluster.yaml"), inventory(&net(15))).unwrap();
+    Inventory::five_nodes("sim", &net(15)).write(dir.path());
     let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(dir.path().join("cluster.yaml"))
@@ -572,7 +492,7 @@ fn a_duration_too_large_for_the_clock_is_a_usage_error_not_a_panic() {
 #[test]
 fn config_secrets_and_talosconfig_commands() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("cluster.yaml"), inventory(&net(13))).unwrap();
+    Inventory::five_nodes("sim", &net(13)).write(dir.path());
     let cfg = dir.path().join("cluster.yaml");
     let run = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_imgbuild"))
@@ -790,7 +710,9 @@ fn a_node_that_fails_early_does_not_hold_back_etcd_bootstrap() {
 /// Writes `patch` as the inventory's patch for every node.
 fn patch_all(c: &Cluster, patch: &str) {
     std::fs::write(c.dir.path().join("cni.yaml"), patch).unwrap();
-    let inv = inventory(&c.net) + "patches:\n  all: [cni.yaml]\n";
+    let inv = Inventory::five_nodes("sim", &c.net)
+        .append("patches:\n  all: [cni.yaml]\n")
+        .text();
     std::fs::write(c.config(), inv).unwrap();
 }
 

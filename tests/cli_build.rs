@@ -5,69 +5,39 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 mod common;
+use common::inventory::Inventory;
 use common::otherfs::other_fs;
+use common::run::Work;
 use common::sims::Sim;
 use common::{root, text};
 
 const LOOPBACK: &str = "examples/loopback/cluster.yaml";
 
-struct Run {
-    dir: tempfile::TempDir,
-}
-
-impl Run {
-    fn new() -> Run {
-        Run {
-            dir: tempfile::tempdir().unwrap(),
-        }
-    }
-    fn out(&self) -> PathBuf {
-        self.dir.path().join("out")
-    }
-    fn cache(&self) -> PathBuf {
-        self.dir.path().join("cache")
-    }
-    fn imgbuild(&self, sim: &Sim, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-            .args(["--config", LOOPBACK])
-            .args(args)
-            .args(["--factory", &sim.url, "--out-dir"])
-            .arg(self.out())
-            .arg("--cache-dir")
-            .arg(self.cache())
-            .args(["--retry-delay-ms", "10"])
-            .current_dir(root())
-            .env_remove("IMGBUILD_CONFIG")
-            .output()
-            .unwrap()
-    }
-
-    /// Every file and folder under the cache's images/ (the lock file of a
-    /// download in progress included).
-    fn cache_entries(&self) -> Vec<PathBuf> {
-        fn walk(p: &Path, acc: &mut Vec<PathBuf>) {
-            for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
-                let path = e.path();
-                acc.push(path.clone());
-                if path.is_dir() {
-                    walk(&path, acc);
-                }
+/// Every file and folder under the cache's images/ (the lock file of a
+/// download in progress included).
+fn cache_entries(work: &Work) -> Vec<PathBuf> {
+    fn walk(p: &Path, acc: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
+            let path = e.path();
+            acc.push(path.clone());
+            if path.is_dir() {
+                walk(&path, acc);
             }
         }
-        let mut acc = Vec::new();
-        walk(&self.cache().join("images"), &mut acc);
-        acc
     }
+    let mut acc = Vec::new();
+    walk(&work.cache().join("images"), &mut acc);
+    acc
+}
 
-    fn out_images(&self) -> Vec<PathBuf> {
-        std::fs::read_dir(self.out())
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|e| e == "raw" || e == "qcow2"))
-            .collect()
-    }
+fn out_images(work: &Work) -> Vec<PathBuf> {
+    std::fs::read_dir(work.out())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "raw" || e == "qcow2"))
+        .collect()
 }
 
 fn key10_address(image: &Path) -> String {
@@ -90,7 +60,7 @@ fn build_json(o: &Output) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
-fn check_built(run: &Run, v: &serde_json::Value, nodes: &[(&str, &str)]) {
+fn check_built(work: &Work, v: &serde_json::Value, nodes: &[(&str, &str)]) {
     let images = v["images"].as_array().unwrap();
     assert_eq!(images.len(), nodes.len());
     for (node, addr) in nodes {
@@ -99,12 +69,12 @@ fn check_built(run: &Run, v: &serde_json::Value, nodes: &[(&str, &str)]) {
         assert_eq!(key10_address(&path), *addr, "{node}");
     }
     let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(run.out().join("manifest.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(work.out().join("manifest.json")).unwrap()).unwrap();
     for (node, _) in nodes {
         let m = &manifest["images"][node];
         assert_eq!(m["platform"], "metal", "{node}");
         assert_eq!(m["arch"], "amd64", "{node}");
-        let path = run.out().join(m["path"].as_str().unwrap());
+        let path = work.out().join(m["path"].as_str().unwrap());
         let sha = Command::new("sha256sum").arg(&path).output().unwrap();
         assert_eq!(
             text(&sha.stdout).split(' ').next().unwrap(),
@@ -128,8 +98,8 @@ const ALL: &[(&str, &str)] = &[
 /// Every node's machine config names an installer the factory can serve:
 /// its registry answers the installer's manifest (it knows the schematic
 /// and the version) for each node, as a node's upgrade would pull it.
-fn installers_resolve(run: &Run, sim: &Sim) {
-    let state = run.dir.path().join("state");
+fn installers_resolve(work: &Work, sim: &Sim) {
+    let state = work.dir.path().join("state");
     for (node, _) in ALL {
         let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
             .args(["--config", LOOPBACK, "config", node, "--factory", &sim.url])
@@ -170,21 +140,21 @@ fn installers_resolve(run: &Run, sim: &Sim) {
 #[test]
 fn patch_route_builds_every_node_from_one_download_and_reruns_do_nothing() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    let v = build_json(&run.imgbuild(&sim, &["build", "--output", "json"]));
-    check_built(&run, &v, ALL);
+    let work = Work::on(LOOPBACK);
+    let v = build_json(&work.imgbuild(&sim, &["build", "--output", "json"]).output());
+    check_built(&work, &v, ALL);
     assert_eq!(sim.image_gets(), 1, "one base image for five nodes");
-    let again = run.imgbuild(&sim, &["build"]);
+    let again = work.imgbuild(&sim, &["build"]).output();
     assert!(
         text(&again.stdout).contains("nothing to do"),
         "{}",
         text(&again.stdout)
     );
     assert_eq!(sim.image_gets(), 1, "a re-run downloads nothing");
-    installers_resolve(&run, &sim);
+    installers_resolve(&work, &sim);
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .args(["verify", "--out-dir"])
-        .arg(run.out())
+        .arg(work.out())
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o.stdout));
@@ -194,19 +164,27 @@ fn patch_route_builds_every_node_from_one_download_and_reruns_do_nothing() {
 #[test]
 fn factory_route_gets_each_nodes_own_image() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    let v = build_json(&run.imgbuild(&sim, &["build", "--route", "factory", "--output", "json"]));
-    check_built(&run, &v, ALL);
+    let work = Work::on(LOOPBACK);
+    let v = build_json(
+        &work
+            .imgbuild(&sim, &["build", "--route", "factory", "--output", "json"])
+            .output(),
+    );
+    check_built(&work, &v, ALL);
     assert_eq!(sim.image_gets(), 5, "one factory image per node");
-    installers_resolve(&run, &sim);
+    installers_resolve(&work, &sim);
 }
 
 #[test]
 fn verify_catches_a_changed_image() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    build_json(&run.imgbuild(&sim, &["node", "cp-01", "--output", "json"]));
-    let img = run.out().join("cp-01.raw");
+    let work = Work::on(LOOPBACK);
+    build_json(
+        &work
+            .imgbuild(&sim, &["node", "cp-01", "--output", "json"])
+            .output(),
+    );
+    let img = work.out().join("cp-01.raw");
     {
         use std::os::unix::fs::FileExt;
         std::fs::File::options()
@@ -218,7 +196,7 @@ fn verify_catches_a_changed_image() {
     }
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .args(["verify", "--out-dir"])
-        .arg(run.out())
+        .arg(work.out())
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
@@ -232,10 +210,10 @@ fn verify_catches_a_changed_image() {
 /// A failing build: names the URL and the problem; nothing in cache or out.
 fn fails_cleanly(misbehave: &[&str], extra: &[&str], want: &[&str]) {
     let sim = Sim::start(misbehave);
-    let run = Run::new();
+    let work = Work::on(LOOPBACK);
     let mut args = vec!["node", "cp-01"];
     args.extend_from_slice(extra);
-    let o = run.imgbuild(&sim, &args);
+    let o = work.imgbuild(&sim, &args).output();
     assert_eq!(
         o.status.code(),
         Some(1),
@@ -251,12 +229,12 @@ fn fails_cleanly(misbehave: &[&str], extra: &[&str], want: &[&str]) {
         assert!(err.contains(w), "{misbehave:?}: want {w:?} in {err}");
     }
     assert_eq!(
-        run.cache_entries(),
+        cache_entries(&work),
         Vec::<PathBuf>::new(),
         "{misbehave:?}: cache not clean"
     );
     assert_eq!(
-        run.out_images(),
+        out_images(&work),
         Vec::<PathBuf>::new(),
         "{misbehave:?}: out not clean"
     );
@@ -312,15 +290,15 @@ fn persistent_5xx_fails_with_the_status() {
 /// Misbehaves at first, then works: the build succeeds after retrying.
 fn recovers(misbehave: &[&str], want_stderr: &str) {
     let sim = Sim::start(misbehave);
-    let run = Run::new();
-    let o = run.imgbuild(&sim, &["node", "cp-02"]);
+    let work = Work::on(LOOPBACK);
+    let o = work.imgbuild(&sim, &["node", "cp-02"]).output();
     assert!(o.status.success(), "{misbehave:?}: {}", text(&o.stderr));
     assert!(
         text(&o.stderr).contains(want_stderr),
         "{misbehave:?}: {}",
         text(&o.stderr)
     );
-    assert_eq!(key10_address(&run.out().join("cp-02.raw")), "127.0.0.12/8");
+    assert_eq!(key10_address(&work.out().join("cp-02.raw")), "127.0.0.12/8");
 }
 
 #[test]
@@ -328,7 +306,9 @@ fn a_factory_answering_503_twice_then_201_to_a_schematic_post_succeeds() {
     recovers(&["schematics-503:2"], "");
     // Always 503: the retries run out and the error names the request.
     let sim = Sim::start(&["schematics-503"]);
-    let o = Run::new().imgbuild(&sim, &["node", "cp-01", "--retries", "2"]);
+    let o = Work::on(LOOPBACK)
+        .imgbuild(&sim, &["node", "cp-01", "--retries", "2"])
+        .output();
     assert_eq!(o.status.code(), Some(1));
     let err = text(&o.stderr);
     let want = format!("POST {}/schematics: HTTP 503: service unavailable", sim.url);
@@ -344,8 +324,8 @@ fn a_5xx_then_success_is_retried() {
 fn a_cut_body_is_resumed_with_range_where_it_stopped() {
     // 6 MiB of incompressible data, so the cut lands mid-stream.
     let sim = Sim::start_with(&["truncate:1"], 6, &[]);
-    let run = Run::new();
-    let o = run.imgbuild(&sim, &["node", "cp-02"]);
+    let work = Work::on(LOOPBACK);
+    let o = work.imgbuild(&sim, &["node", "cp-02"]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
     let err = text(&o.stderr);
     assert!(err.contains("resuming") && err.contains("at byte"), "{err}");
@@ -354,7 +334,7 @@ fn a_cut_body_is_resumed_with_range_where_it_stopped() {
         "resumed, not restarted: {err}"
     );
     assert_eq!(sim.image_gets(), 2, "one GET and one ranged GET");
-    assert_eq!(key10_address(&run.out().join("cp-02.raw")), "127.0.0.12/8");
+    assert_eq!(key10_address(&work.out().join("cp-02.raw")), "127.0.0.12/8");
 }
 
 #[test]
@@ -370,8 +350,8 @@ fn a_slow_stream_completes() {
 #[test]
 fn a_factory_that_disagrees_on_the_id_is_an_error_naming_both() {
     let sim = Sim::start(&["wrong-id:1"]);
-    let run = Run::new();
-    let o = run.imgbuild(&sim, &["node", "cp-01"]);
+    let work = Work::on(LOOPBACK);
+    let o = work.imgbuild(&sim, &["node", "cp-01"]).output();
     assert_eq!(o.status.code(), Some(1));
     let err = text(&o.stderr);
     assert!(
@@ -384,8 +364,8 @@ fn a_factory_that_disagrees_on_the_id_is_an_error_naming_both() {
 #[test]
 fn an_extension_the_factory_lacks_is_named_before_any_download() {
     let sim = Sim::start_with(&[], 0, &["--extensions", "siderolabs/qemu-guest-agent"]);
-    let run = Run::new();
-    let o = run.imgbuild(&sim, &["build"]);
+    let work = Work::on(LOOPBACK);
+    let o = work.imgbuild(&sim, &["build"]).output();
     assert_eq!(o.status.code(), Some(1));
     assert!(
         text(&o.stderr)
@@ -399,7 +379,7 @@ fn an_extension_the_factory_lacks_is_named_before_any_download() {
 #[test]
 fn sigkill_mid_download_leaves_no_cache_entry_and_the_next_run_succeeds() {
     let sim = Sim::start_with(&["slow:1"], 6, &[]);
-    let run = Run::new();
+    let work = Work::on(LOOPBACK);
     let mut child = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .args([
             "--config",
@@ -410,9 +390,9 @@ fn sigkill_mid_download_leaves_no_cache_entry_and_the_next_run_succeeds() {
             &sim.url,
             "--out-dir",
         ])
-        .arg(run.out())
+        .arg(work.out())
         .arg("--cache-dir")
-        .arg(run.cache())
+        .arg(work.cache())
         .current_dir(root())
         .stderr(Stdio::null())
         .spawn()
@@ -420,7 +400,7 @@ fn sigkill_mid_download_leaves_no_cache_entry_and_the_next_run_succeeds() {
     // Wait until the download's temp file exists, then kill.
     let seen = (0..3000).any(|_| {
         std::thread::sleep(std::time::Duration::from_millis(5));
-        run.cache_entries()
+        cache_entries(&work)
             .iter()
             .any(|p| p.to_string_lossy().contains(".tmp-"))
     });
@@ -428,32 +408,36 @@ fn sigkill_mid_download_leaves_no_cache_entry_and_the_next_run_succeeds() {
     child.wait().unwrap();
     assert!(seen, "the download never started");
     assert!(
-        !run.cache_entries()
+        !cache_entries(&work)
             .iter()
             .any(|p| p.ends_with("artifact.json")),
         "a killed download left a cache entry: {:?}",
-        run.cache_entries()
+        cache_entries(&work)
     );
-    assert!(run.out_images().is_empty());
-    let o = run.imgbuild(&sim, &["node", "cp-01"]);
+    assert!(out_images(&work).is_empty());
+    let o = work.imgbuild(&sim, &["node", "cp-01"]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(key10_address(&run.out().join("cp-01.raw")), "127.0.0.11/8");
+    assert_eq!(key10_address(&work.out().join("cp-01.raw")), "127.0.0.11/8");
     assert!(
-        !run.cache_entries()
+        !cache_entries(&work)
             .iter()
             .any(|p| p.to_string_lossy().contains(".tmp-")),
         "debris: {:?}",
-        run.cache_entries()
+        cache_entries(&work)
     );
 }
 
 #[test]
 fn diff_finds_the_patch_route_image_identical_to_the_factorys_own() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    build_json(&run.imgbuild(&sim, &["node", "worker-01", "--output", "json"]));
-    let patched = run.out().join("worker-01.raw");
-    let factory_dir = run.dir.path().join("factory");
+    let work = Work::on(LOOPBACK);
+    build_json(
+        &work
+            .imgbuild(&sim, &["node", "worker-01", "--output", "json"])
+            .output(),
+    );
+    let patched = work.out().join("worker-01.raw");
+    let factory_dir = work.dir.path().join("factory");
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .args([
             "--config",
@@ -468,7 +452,7 @@ fn diff_finds_the_patch_route_image_identical_to_the_factorys_own() {
         ])
         .arg(&factory_dir)
         .arg("--cache-dir")
-        .arg(run.cache())
+        .arg(work.cache())
         .current_dir(root())
         .output()
         .unwrap();
@@ -488,7 +472,7 @@ fn diff_finds_the_patch_route_image_identical_to_the_factorys_own() {
     );
 
     // The same disk as qcow2 is still identical; another node differs in key 10 only.
-    let q = run.dir.path().join("w.qcow2");
+    let q = work.dir.path().join("w.qcow2");
     assert!(
         Command::new("qemu-img")
             .args(["convert", "-O", "qcow2"])
@@ -499,8 +483,12 @@ fn diff_finds_the_patch_route_image_identical_to_the_factorys_own() {
             .success()
     );
     assert_eq!(diff(&patched, &q).status.code(), Some(0));
-    build_json(&run.imgbuild(&sim, &["node", "worker-02", "--output", "json"]));
-    let o = diff(&patched, &run.out().join("worker-02.raw"));
+    build_json(
+        &work
+            .imgbuild(&sim, &["node", "worker-02", "--output", "json"])
+            .output(),
+    );
+    let o = diff(&patched, &work.out().join("worker-02.raw"));
     assert_eq!(o.status.code(), Some(1));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["diff"]["meta"], serde_json::json!(["key 10 differs"]));
@@ -515,13 +503,9 @@ fn diff_finds_the_patch_route_image_identical_to_the_factorys_own() {
 fn an_image_that_needs_no_edit_is_the_factorys_byte_for_byte() {
     let sim = Sim::start_on("two-tags.raw");
     let dir = tempfile::tempdir().unwrap();
-    let loopback = std::fs::read_to_string(root().join(LOOPBACK)).unwrap();
-    let hcloud = dir.path().join("hcloud.yaml");
-    std::fs::write(
-        &hcloud,
-        loopback.replacen("platform: metal", "platform: hcloud", 1),
-    )
-    .unwrap();
+    let hcloud = Inventory::loopback()
+        .replace("platform: metal", "platform: hcloud")
+        .write_to(&dir.path().join("hcloud.yaml"));
     let build = |config: &Path, route: &str| {
         let out = dir.path().join(format!(
             "{}-{route}",
@@ -569,10 +553,14 @@ fn an_image_that_needs_no_edit_is_the_factorys_byte_for_byte() {
 #[test]
 fn fetch_honours_a_pinned_digest() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    build_json(&run.imgbuild(&sim, &["node", "cp-01", "--output", "json"]));
+    let work = Work::on(LOOPBACK);
+    build_json(
+        &work
+            .imgbuild(&sim, &["node", "cp-01", "--output", "json"])
+            .output(),
+    );
     let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(run.out().join("manifest.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(work.out().join("manifest.json")).unwrap()).unwrap();
     let url = manifest["images"]["cp-01"]["sourceUrl"]
         .as_str()
         .unwrap()
@@ -594,7 +582,7 @@ fn fetch_honours_a_pinned_digest() {
         })
         .unwrap();
     let good = text(&sha.stdout).split(' ').next().unwrap().to_owned();
-    let fresh = run.dir.path().join("fresh-cache");
+    let fresh = work.dir.path().join("fresh-cache");
     let fetch = |pin: &str| {
         Command::new(env!("CARGO_BIN_EXE_imgbuild"))
             .args([
@@ -632,12 +620,11 @@ fn fetch_honours_a_pinned_digest() {
 #[test]
 fn qcow2_format_builds_by_both_routes() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    let inv = run.dir.path().join("qcow2.yaml");
-    let text_inv = std::fs::read_to_string(root().join(LOOPBACK))
-        .unwrap()
-        .replace("format: raw", "format: qcow2");
-    std::fs::write(&inv, text_inv).unwrap();
+    let work = Work::on(LOOPBACK);
+    let inv = work.dir.path().join("qcow2.yaml");
+    Inventory::loopback()
+        .replace("format: raw", "format: qcow2")
+        .write_to(&inv);
     let build = |route: &str, out: &str| {
         Command::new(env!("CARGO_BIN_EXE_imgbuild"))
             .args([
@@ -649,9 +636,9 @@ fn qcow2_format_builds_by_both_routes() {
                 route,
             ])
             .args(["--factory", &sim.url, "--output", "json", "--out-dir"])
-            .arg(run.dir.path().join(out))
+            .arg(work.dir.path().join(out))
             .arg("--cache-dir")
-            .arg(run.cache())
+            .arg(work.cache())
             .output()
             .unwrap()
     };
@@ -669,8 +656,8 @@ fn qcow2_format_builds_by_both_routes() {
     }
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("diff")
-        .arg(run.dir.path().join("p/cp-03.qcow2"))
-        .arg(run.dir.path().join("f/cp-03.qcow2"))
+        .arg(work.dir.path().join("p/cp-03.qcow2"))
+        .arg(work.dir.path().join("f/cp-03.qcow2"))
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stdout));
@@ -696,17 +683,17 @@ fn bytes_after_the_compressed_image_are_refused() {
 /// misbehaving as told: exit 1, `want` after the URL, nothing in the cache.
 fn fetch_refused(misbehave: &[&str], ext: &str, want: &str) {
     let sim = Sim::start(misbehave);
-    let run = Run::new();
+    let work = Work::on(LOOPBACK);
     let url = format!("{}.{ext}", empty_schematic_url(&sim));
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .args(["fetch", &url, "--cache-dir"])
-        .arg(run.cache())
+        .arg(work.cache())
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     let err = text(&o.stderr);
     assert!(err.contains(&format!("{url}: {want}")), "{err}");
-    assert_eq!(run.cache_entries(), Vec::<PathBuf>::new());
+    assert_eq!(cache_entries(&work), Vec::<PathBuf>::new());
 }
 
 /// Registers an empty schematic with the simulator; returns its image URL stem.
@@ -727,7 +714,7 @@ fn empty_schematic_url(sim: &Sim) -> String {
 #[test]
 fn every_wire_format_decodes_to_the_same_verified_image() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
+    let work = Work::on(LOOPBACK);
     let stem = empty_schematic_url(&sim);
     let mut hashes = Vec::new();
     for ext in ["raw", "raw.zst", "raw.xz", "raw.gz"] {
@@ -739,7 +726,7 @@ fn every_wire_format_decodes_to_the_same_verified_image() {
                 "json",
                 "--cache-dir",
             ])
-            .arg(run.cache())
+            .arg(work.cache())
             .output()
             .unwrap();
         assert!(o.status.success(), "{ext}: {}", text(&o.stderr));
@@ -762,12 +749,12 @@ fn gzip_with_trailing_bytes_is_refused() {
 #[test]
 fn progress_is_plain_lines_off_a_terminal_and_nothing_with_quiet() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    let quiet = run.imgbuild(&sim, &["node", "cp-01", "--quiet"]);
+    let work = Work::on(LOOPBACK);
+    let quiet = work.imgbuild(&sim, &["node", "cp-01", "--quiet"]).output();
     assert!(quiet.status.success(), "{}", text(&quiet.stderr));
     assert_eq!(text(&quiet.stderr), "", "--quiet must print no progress");
-    let other = Run::new();
-    let loud = other.imgbuild(&sim, &["node", "cp-01"]);
+    let other = Work::on(LOOPBACK);
+    let loud = other.imgbuild(&sim, &["node", "cp-01"]).output();
     let err = text(&loud.stderr);
     assert!(
         err.contains("downloading ") && err.contains("downloaded "),
@@ -861,10 +848,10 @@ fn both_routes_build_across_filesystems_and_the_images_stay_sparse() {
 #[test]
 fn verify_works_from_another_directory_with_an_absolute_out_dir() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    build_json(&run.imgbuild(&sim, &["build", "--output", "json"]));
+    let work = Work::on(LOOPBACK);
+    build_json(&work.imgbuild(&sim, &["build", "--output", "json"]).output());
     let elsewhere = tempfile::tempdir().unwrap();
-    let o = verify_in(elsewhere.path(), &run.out());
+    let o = verify_in(elsewhere.path(), &work.out());
     assert!(o.status.success(), "{}{}", text(&o.stdout), text(&o.stderr));
     assert_eq!(text(&o.stdout).matches(" ok ").count(), 5);
 }
@@ -872,9 +859,9 @@ fn verify_works_from_another_directory_with_an_absolute_out_dir() {
 #[test]
 fn out_dot_out_and_the_absolute_path_are_the_same_images() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    let cwd = run.dir.path();
-    let cache = run.cache();
+    let work = Work::on(LOOPBACK);
+    let cwd = work.dir.path();
+    let cache = work.cache();
     let build = |out: &str| {
         imgbuild_in(
             cwd,
@@ -892,9 +879,9 @@ fn out_dot_out_and_the_absolute_path_are_the_same_images() {
     assert!(first.status.success(), "{}", text(&first.stderr));
     assert_eq!(text(&first.stdout).matches("(built)").count(), 5);
     let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(run.out().join("manifest.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(work.out().join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest["images"]["cp-01"]["path"], "cp-01.raw");
-    let absolute = run.out();
+    let absolute = work.out();
     for out in ["./out", absolute.to_str().unwrap(), "out/"] {
         let again = build(out);
         assert!(again.status.success(), "{out}: {}", text(&again.stderr));
@@ -914,19 +901,21 @@ fn out_dot_out_and_the_absolute_path_are_the_same_images() {
 fn a_build_where_two_nodes_fail_names_both_and_keeps_the_others() {
     // The factory's first two image downloads are a 9-byte "Not Found".
     let sim = Sim::start(&["not-found-200:2"]);
-    let run = Run::new();
-    let o = run.imgbuild(
-        &sim,
-        &[
-            "build",
-            "--route",
-            "factory",
-            "--jobs",
-            "1",
-            "--retries",
-            "0",
-        ],
-    );
+    let work = Work::on(LOOPBACK);
+    let o = work
+        .imgbuild(
+            &sim,
+            &[
+                "build",
+                "--route",
+                "factory",
+                "--jobs",
+                "1",
+                "--retries",
+                "0",
+            ],
+        )
+        .output();
     assert_eq!(o.status.code(), Some(3), "partial: {}", text(&o.stdout));
     let err = text(&o.stderr);
     let failed: Vec<&str> = err
@@ -950,13 +939,17 @@ fn a_build_where_two_nodes_fail_names_both_and_keeps_the_others() {
         assert!(out.contains(node), "{out}");
     }
     let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(run.out().join("manifest.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(work.out().join("manifest.json")).unwrap()).unwrap();
     let mut recorded: Vec<&String> = manifest["images"].as_object().unwrap().keys().collect();
     recorded.sort();
     assert_eq!(recorded, ["cp-03", "worker-01", "worker-02"]);
-    assert_eq!(run.out_images().len(), 3);
+    assert_eq!(out_images(&work).len(), 3);
     // A re-run builds only the two that failed.
-    let v = build_json(&run.imgbuild(&sim, &["build", "--route", "factory", "--output", "json"]));
+    let v = build_json(
+        &work
+            .imgbuild(&sim, &["build", "--route", "factory", "--output", "json"])
+            .output(),
+    );
     let built: Vec<&str> = v["images"]
         .as_array()
         .unwrap()
@@ -971,21 +964,23 @@ fn a_build_where_two_nodes_fail_names_both_and_keeps_the_others() {
 #[test]
 fn json_lists_every_failed_node() {
     let sim = Sim::start(&["not-found-200:2"]);
-    let run = Run::new();
-    let o = run.imgbuild(
-        &sim,
-        &[
-            "build",
-            "--route",
-            "factory",
-            "--jobs",
-            "3",
-            "--retries",
-            "0",
-            "--output",
-            "json",
-        ],
-    );
+    let work = Work::on(LOOPBACK);
+    let o = work
+        .imgbuild(
+            &sim,
+            &[
+                "build",
+                "--route",
+                "factory",
+                "--jobs",
+                "3",
+                "--retries",
+                "0",
+                "--output",
+                "json",
+            ],
+        )
+        .output();
     assert_eq!(o.status.code(), Some(3), "partial: {}", text(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let failed = v["failed"].as_array().unwrap();
@@ -1009,9 +1004,9 @@ fn json_lists_every_failed_node() {
 #[test]
 fn a_damaged_manifest_is_an_error_naming_it() {
     let sim = Sim::start(&[]);
-    let run = Run::new();
-    std::fs::create_dir_all(run.out()).unwrap();
-    let manifest = run.out().join("manifest.json");
+    let work = Work::on(LOOPBACK);
+    std::fs::create_dir_all(work.out()).unwrap();
+    let manifest = work.out().join("manifest.json");
     for damage in [
         "{\"images\": {\"cp-01\": ".to_owned(),
         serde_json::json!({"images": {"cp-01": {"node": "cp-01"}}}).to_string(),
@@ -1019,8 +1014,8 @@ fn a_damaged_manifest_is_an_error_naming_it() {
     ] {
         std::fs::write(&manifest, &damage).unwrap();
         for o in [
-            run.imgbuild(&sim, &["build"]),
-            verify_in(&root(), &run.out()),
+            work.imgbuild(&sim, &["build"]).output(),
+            verify_in(&root(), &work.out()),
         ] {
             assert_eq!(o.status.code(), Some(1), "{}", text(&o.stdout));
             let err = text(&o.stderr);

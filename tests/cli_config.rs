@@ -6,11 +6,13 @@
 //! from a newer or FIPS-mode talosctl import and bootstrap.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 mod common;
+use common::inventory::{Inventory, Node};
+use common::run::Run;
 use common::sims::Nodes;
-use common::{atlas_copy, json, root, text};
+use common::{atlas_copy, json, text};
 
 /// The /24 for test number `k`: the `.24x` ranges beside tests/cli_bootstrap.rs's,
 /// offset by the process id so a stale simulator cannot hold the ports.
@@ -20,10 +22,14 @@ fn net(k: u8) -> String {
 
 /// One control plane and one worker on `net`, no publish target, `extra`
 /// appended (patches, a publish section).
-fn inventory(net: &str, extra: &str) -> String {
-    format!(
-        "cluster:\n  name: cfg\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.11:6443\nimage:\n  factory: http://127.0.0.1:9\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  interface: eth0\nnodes:\n  - name: cp-01\n    role: controlplane\n    address: {net}.11\n  - name: worker-01\n    role: worker\n    address: {net}.21\n{extra}"
-    )
+fn two_nodes(net: &str, extra: &str) -> String {
+    Inventory::new("cfg")
+        .endpoint(&format!("{net}.11"))
+        .no_nameservers()
+        .node(Node::new("cp-01", "controlplane").address(&format!("{net}.11")))
+        .node(Node::new("worker-01", "worker").address(&format!("{net}.21")))
+        .append(extra)
+        .text()
 }
 
 /// The node simulator with this inventory's two nodes.
@@ -38,26 +44,17 @@ fn nodes(net: &str) -> Nodes {
 
 /// `imgbuild --config <dir>/cluster.yaml <args>` with the state dir, out dir
 /// and cache in `dir`, test-sized timeouts for `up`, and `env` set.
-fn run(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-    cmd.arg("--config")
-        .arg(dir.join("cluster.yaml"))
-        .args(args)
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
-        .env_remove("IMGBUILD_STATE_DIR")
-        .env_remove("TALOSCONFIG")
+fn imgbuild(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut run = Run::with_config(&dir.join("cluster.yaml"), args);
+    run.env_remove("TALOSCONFIG")
         .env_remove("TS_AUTHKEY")
         .env("IMGBUILD_STATE_DIR", dir.join("state"));
     if args.contains(&"up") {
-        cmd.args(["--quiet", "--poll", "100ms", "--node-timeout", "20s"])
+        run.args(["--quiet", "--poll", "100ms", "--node-timeout", "20s"])
             .args(["--health-timeout", "30s", "--call-timeout", "5s"])
-            .arg("--out-dir")
-            .arg(dir.join("out"))
-            .arg("--cache-dir")
-            .arg(dir.join("cache"));
+            .folders(dir);
     }
-    cmd.envs(env.iter().copied()).output().unwrap()
+    run.envs(env.iter().copied()).output()
 }
 
 const TAILSCALE: &str = "machine:\n  sysctls:\n    net.ipv4.ip_forward: \"1\"\n---\napiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\nenvironment:\n  - TS_AUTHKEY=${TS_AUTHKEY}\n";
@@ -73,12 +70,12 @@ fn a_multi_document_patch_with_a_variable_reaches_every_node() {
     std::fs::write(d.join("ts.yaml"), TAILSCALE).unwrap();
     std::fs::write(
         d.join("cluster.yaml"),
-        inventory(&net, "patches:\n  all: [ts.yaml]\n"),
+        two_nodes(&net, "patches:\n  all: [ts.yaml]\n"),
     )
     .unwrap();
 
     // Unset: refused before any node is contacted, naming file and line.
-    let out = run(d, &["--output", "json", "up"], &[]);
+    let out = imgbuild(d, &["--output", "json", "up"], &[]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let err = json(&out)["error"].as_str().unwrap().to_owned();
     assert!(err.contains("node cp-01"), "{err}");
@@ -89,7 +86,7 @@ fn a_multi_document_patch_with_a_variable_reaches_every_node() {
     assert_eq!(sim.stats()["totals"]["applies"], 0);
     assert!(!d.join("state").exists(), "nothing written");
 
-    let out = run(d, &["--output", "json", "up"], &[("TS_AUTHKEY", KEY)]);
+    let out = imgbuild(d, &["--output", "json", "up"], &[("TS_AUTHKEY", KEY)]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(json(&out)["healthy"], true);
     let stats = sim.stats();
@@ -122,14 +119,10 @@ fn validate_renders_every_config_and_names_the_node_and_patch_that_break() {
         "name: worker-02\n    patches: [bad.yaml]",
     );
     let validate = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-            .arg("--config")
-            .arg(&config)
-            .args(extra)
+        Run::with_config(&config, extra)
             .arg("validate")
             .env_remove("IMGBUILD_STATE_DIR")
             .output()
-            .unwrap()
     };
     for (patch, want) in [
         ("machine:\n  kubelet:\n    imagee: x\n", "/machine/kubelet"),
@@ -171,7 +164,7 @@ fn a_dhcp_node_nobody_can_reach_fails_validate_and_up_before_anything_is_built()
     let d = dir.path();
     let publish = "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300}\n";
     let dhcp =
-        inventory(&net, publish).replace(&format!("    address: {net}.21\n"), "    dhcp: true\n");
+        two_nodes(&net, publish).replace(&format!("    address: {net}.21\n"), "    dhcp: true\n");
     std::fs::write(d.join("cluster.yaml"), &dhcp).unwrap();
     // Nothing listens there: any request would fail with exit 1, not 2.
     let pve = [
@@ -184,7 +177,7 @@ fn a_dhcp_node_nobody_can_reach_fails_validate_and_up_before_anything_is_built()
         &["up"][..],
         &["--output", "json", "up"][..],
     ] {
-        let out = run(d, args, &pve);
+        let out = imgbuild(d, args, &pve);
         let all = text(&out.stdout) + &text(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {all}");
         assert!(all.contains("cluster.yaml"), "{args:?}: {all}");
@@ -205,15 +198,15 @@ fn a_dhcp_node_nobody_can_reach_fails_validate_and_up_before_anything_is_built()
         ),
     )
     .unwrap();
-    let out = run(d, &["--output", "json", "validate"], &[]);
+    let out = imgbuild(d, &["--output", "json", "validate"], &[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(json(&out)["reach"]["worker-01"], format!("{net}.99:50001"));
 }
 
 /// A bundle made by `imgbuild secrets gen` in a fresh state dir under `dir`.
 fn generated_bundle(dir: &Path) -> (PathBuf, String) {
-    std::fs::write(dir.join("cluster.yaml"), inventory(&net(2), "")).unwrap();
-    let out = run(dir, &["secrets", "gen"], &[]);
+    std::fs::write(dir.join("cluster.yaml"), two_nodes(&net(2), "")).unwrap();
+    let out = imgbuild(dir, &["secrets", "gen"], &[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let path = dir.join("state/secrets.yaml");
     let bundle = std::fs::read_to_string(&path).unwrap();
@@ -230,7 +223,7 @@ fn a_bundle_from_a_newer_talosctl_imports_with_a_warning_naming_its_new_fields()
         + "futurefield: {a: 1}\n";
     let file = d.join("newer.yaml");
     std::fs::write(&file, newer).unwrap();
-    let out = run(
+    let out = imgbuild(
         d,
         &["secrets", "gen", "--secrets", file.to_str().unwrap()],
         &[],
@@ -244,7 +237,7 @@ fn a_bundle_from_a_newer_talosctl_imports_with_a_warning_naming_its_new_fields()
     // Imported as imgbuild writes bundles: the fields are not kept.
     let imported = std::fs::read_to_string(&path).unwrap();
     assert!(!imported.contains("futurefield") && !imported.contains("rotation"));
-    let out = run(
+    let out = imgbuild(
         d,
         &[
             "--output",
@@ -286,15 +279,15 @@ fn a_bundle_with_an_ecdsa_os_ca_and_rsa_kubernetes_cas_bootstraps_a_cluster() {
     }
     let file = d.join("fips.yaml");
     std::fs::write(&file, serde_yaml_ng::to_string(&doc).unwrap()).unwrap();
-    std::fs::write(d.join("cluster.yaml"), inventory(&net, "")).unwrap();
-    let out = run(
+    std::fs::write(d.join("cluster.yaml"), two_nodes(&net, "")).unwrap();
+    let out = imgbuild(
         d,
         &["secrets", "gen", "--secrets", file.to_str().unwrap()],
         &[],
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
 
-    let out = run(d, &["--output", "json", "up"], &[]);
+    let out = imgbuild(d, &["--output", "json", "up"], &[]);
     assert!(
         out.status.success(),
         "{}{}",

@@ -6,67 +6,24 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 mod common;
+use common::inventory::{Inventory, NODES};
+use common::run::Run;
 use common::sims::{Nodes, Sim};
-use common::{root, text};
-
-const NODES: [(&str, u8, &str); 5] = [
-    ("cp-01", 11, "controlplane"),
-    ("cp-02", 12, "controlplane"),
-    ("cp-03", 13, "controlplane"),
-    ("worker-01", 21, "worker"),
-    ("worker-02", 22, "worker"),
-];
+use common::{json, text};
 
 fn net() -> String {
     format!("127.{}.201", 100 + std::process::id() % 100)
 }
 
-fn inventory(net: &str, factory: &str, version: &str) -> String {
-    let mut s = format!(
-        "cluster:\n  name: sim\n  talosVersion: {version}\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.10:6443\n  vip: {net}.10\nimage:\n  factory: {factory}\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\nnodes:\n"
-    );
-    for (name, host, role) in NODES {
-        s += &format!("  - name: {name}\n    role: {role}\n    address: {net}.{host}\n");
-    }
-    s
-}
-
-const LIMITS: [&str; 10] = [
-    "--poll",
-    "100ms",
-    "--node-timeout",
-    "20s",
-    "--bootstrap-timeout",
-    "20s",
-    "--health-timeout",
-    "30s",
-    "--call-timeout",
-    "5s",
-];
-
 fn imgbuild(config: &Path, args: &[&str], limits: bool) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-    cmd.arg("--config").arg(config).args(args);
+    let mut run = Run::with_config(config, args);
     if limits {
-        cmd.args(LIMITS);
+        run.timeouts(&[]);
     }
-    cmd.current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
-        .env_remove("IMGBUILD_STATE_DIR")
+    run.env_remove("IMGBUILD_STATE_DIR")
         .env_remove("IMGBUILD_FACTORY")
         .env_remove("TALOSCONFIG")
         .output()
-        .unwrap()
-}
-
-fn json_of(o: &Output) -> serde_json::Value {
-    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
-        panic!(
-            "not JSON ({e}): {}\nstderr: {}",
-            text(&o.stdout),
-            text(&o.stderr)
-        )
-    })
 }
 
 fn upgrades(nodes: &Nodes) -> Vec<u64> {
@@ -90,39 +47,42 @@ fn post(url: &str, body: &str) {
 fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     let factory = Sim::start_with(&[], 0, &["--versions", "v1.11.2,v1.11.5"]);
     let net = net();
-    let mut args: Vec<String> = ["--reboot-delay", "300", "--upgrade-delay", "50", "--vip"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.push(format!("{net}.10"));
-    for (name, host, role) in NODES {
-        args.push("--node".into());
-        args.push(format!("{name}={net}.{host}:{role}"));
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let nodes = Nodes::start(&args);
+    let nodes = Nodes::cluster(
+        &net,
+        true,
+        &["--reboot-delay", "300", "--upgrade-delay", "50"],
+    );
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("cluster.yaml");
 
     // A version the factory does not offer is refused before any node is
     // contacted: the nodes are still in maintenance mode and nothing is
     // written, not even the secrets.
-    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.9")).unwrap();
+    Inventory::five_nodes("sim", &net)
+        .talos("v1.11.9")
+        .factory(&factory.url)
+        .write(dir.path());
     let o = imgbuild(&config, &["upgrade"], true);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
     assert!(text(&o.stderr).contains("v1.11.9"), "{}", text(&o.stderr));
     assert!(!dir.path().join(".talos").exists());
     assert_eq!(nodes.stats()["totals"]["applies"], 0);
 
-    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.2")).unwrap();
+    Inventory::five_nodes("sim", &net)
+        .talos("v1.11.2")
+        .factory(&factory.url)
+        .write(dir.path());
     let o = imgbuild(&config, &["--output", "json", "bootstrap"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
 
-    std::fs::write(&config, inventory(&net, &factory.url, "v1.11.5")).unwrap();
+    Inventory::five_nodes("sim", &net)
+        .talos("v1.11.5")
+        .factory(&factory.url)
+        .write(dir.path());
     // --dry-run: every node from → to, no Upgrade sent.
     let o = imgbuild(&config, &["--output", "json", "upgrade", "--dry-run"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let plan = json_of(&o);
+    let plan = json(&o);
     let rows = plan["nodes"].as_array().unwrap();
     assert_eq!(
         rows.iter()
@@ -163,7 +123,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     );
     let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
-    let run = json_of(&o);
+    let run = json(&o);
     assert_eq!(run["failed"]["node"], "worker-01", "{run}");
     assert!(
         run["failed"]["error"].as_str().unwrap().contains("v1.11.2"),
@@ -210,7 +170,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     );
     let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let run = json_of(&o);
+    let run = json(&o);
     assert_eq!(
         run["upgraded"],
         serde_json::json!(["worker-01", "worker-02"])
@@ -236,7 +196,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     // A further rerun sends nothing.
     let o = imgbuild(&config, &["--output", "json", "upgrade"], true);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(json_of(&o)["upgraded"], serde_json::json!([]));
+    assert_eq!(json(&o)["upgraded"], serde_json::json!([]));
     assert_eq!(upgrades(&nodes), [1, 1, 1, 2, 1]);
 
     // After the upgrade every node's config is the rendered one.
@@ -253,7 +213,11 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     .unwrap();
     std::fs::write(
         &config,
-        inventory(&net, &factory.url, "v1.11.5") + "patches:\n  worker: [worker.yaml]\n",
+        Inventory::five_nodes("sim", &net)
+            .talos("v1.11.5")
+            .factory(&factory.url)
+            .append("patches:\n  worker: [worker.yaml]\n")
+            .text(),
     )
     .unwrap();
     let applies_before = nodes.stats()["totals"]["applies"].as_u64().unwrap();
@@ -296,12 +260,16 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     // A version drift: the inventory moves on, status --check fails.
     std::fs::write(
         &config,
-        inventory(&net, &factory.url, "v1.11.6") + "patches:\n  worker: [worker.yaml]\n",
+        Inventory::five_nodes("sim", &net)
+            .talos("v1.11.6")
+            .factory(&factory.url)
+            .append("patches:\n  worker: [worker.yaml]\n")
+            .text(),
     )
     .unwrap();
     let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
     assert_eq!(o.status.code(), Some(1));
-    let drift = &json_of(&o)["drift"];
+    let drift = &json(&o)["drift"];
     // Every node: its version, and its config (install.image names the new
     // installer), each with the command that fixes it.
     let drift: Vec<(&str, &str, &str)> = drift
@@ -343,7 +311,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         true,
     );
     assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
-    let up = json_of(&o);
+    let up = json(&o);
     assert_eq!(up["healthy"], true, "{up}");
     let up_drift = up["drift"].as_array().unwrap();
     assert_eq!(up_drift.len(), 10, "{up}");
@@ -368,14 +336,19 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     );
 
     // A schematic drift: worker-02 gets an extension (a new base schematic).
-    let with_ext = inventory(&net, &factory.url, "v1.11.5").replace(
-        &format!("address: {net}.22\n"),
-        &format!("address: {net}.22\n    extensions: [siderolabs/qemu-guest-agent]\n"),
-    ) + "patches:\n  worker: [worker.yaml]\n";
+    let with_ext = Inventory::five_nodes("sim", &net)
+        .talos("v1.11.5")
+        .factory(&factory.url)
+        .text()
+        .replace(
+            &format!("address: {net}.22\n"),
+            &format!("address: {net}.22\n    extensions: [siderolabs/qemu-guest-agent]\n"),
+        )
+        + "patches:\n  worker: [worker.yaml]\n";
     std::fs::write(&config, with_ext).unwrap();
     let o = imgbuild(&config, &["--output", "json", "status", "--check"], true);
     assert_eq!(o.status.code(), Some(1));
-    let v = json_of(&o);
+    let v = json(&o);
     let whats: Vec<(&str, &str)> = v["drift"]
         .as_array()
         .unwrap()
@@ -393,7 +366,7 @@ fn apply(config: &Path, extra: &[&str]) -> (serde_json::Value, Option<i32>) {
     let mut args = vec!["--output", "json", "apply"];
     args.extend_from_slice(extra);
     let o = imgbuild(config, &args, true);
-    (json_of(&o), o.status.code())
+    (json(&o), o.status.code())
 }
 
 fn changed(v: &serde_json::Value) -> Vec<bool> {
@@ -407,7 +380,7 @@ fn changed(v: &serde_json::Value) -> Vec<bool> {
 
 fn status_check(config: &Path) -> Option<i32> {
     let o = imgbuild(config, &["--output", "json", "status", "--check"], true);
-    let v = json_of(&o);
+    let v = json(&o);
     assert_eq!(v["nodes"].as_array().map(Vec::len), Some(5), "{v}");
     o.status.code()
 }

@@ -3,11 +3,13 @@
 //! stdout holds exactly one JSON document, whatever happens.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 mod common;
+use common::inventory::Inventory;
+use common::run::Run;
 use common::sims::{Pve, Sim};
-use common::{imgbuild, root, text};
+use common::{imgbuild, text};
 
 /// The JSON documents on stdout, however many there are.
 fn documents(o: &Output) -> Vec<serde_json::Value> {
@@ -30,14 +32,11 @@ fn one_document(o: &Output) -> serde_json::Value {
     docs.remove(0)
 }
 
+/// The loopback example with two nodes on one address, as `dir/broken.yaml`.
 fn broken_inventory(dir: &Path) -> String {
-    let text = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let path = dir.join("broken.yaml");
-    std::fs::write(
-        &path,
-        text.replace("address: 127.0.0.12", "address: 127.0.0.11"),
-    )
-    .unwrap();
+    let path = Inventory::loopback()
+        .replace("address: 127.0.0.12", "address: 127.0.0.11")
+        .write_to(&dir.join("broken.yaml"));
     path.to_str().unwrap().to_owned()
 }
 
@@ -232,25 +231,17 @@ fn a_partial_publish_is_3_with_one_document() {
     assert_eq!(code, 200, "{v}");
     pve.wait(&v["data"]);
     let dir = tempfile::tempdir().unwrap();
-    let inv = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap()
-        + "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 10}\n";
-    let config = dir.path().join("cluster.yaml");
-    std::fs::write(&config, inv).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .arg("--config")
-        .arg(&config)
-        .args(["--output", "json", "publish", "--quiet", "--poll-ms", "50"])
-        .args(["--factory", &sim.url])
-        .arg("--out-dir")
-        .arg(dir.path().join("out"))
-        .arg("--cache-dir")
-        .arg(dir.path().join("cache"))
-        .env("PROXMOX_VE_ENDPOINT", &pve.url)
-        .env("PROXMOX_VE_API_TOKEN", &pve.token)
-        .env("PROXMOX_VE_FINGERPRINT", &pve.fingerprint)
-        .env_remove("PROXMOX_VE_INSECURE")
-        .output()
-        .unwrap();
+    let config = Inventory::loopback()
+        .append("publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 10}\n")
+        .write(dir.path());
+    let o = Run::with_config(
+        &config,
+        &["--output", "json", "publish", "--quiet", "--poll-ms", "50"],
+    )
+    .factory(&sim)
+    .folders(dir.path())
+    .proxmox(&pve)
+    .output();
     assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
     let v = one_document(&o);
     assert_eq!(v["nodes"].as_array().unwrap().len(), 4, "{v}");

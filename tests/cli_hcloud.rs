@@ -7,81 +7,48 @@
 //! running the simulator).
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 mod common;
+use common::inventory::Inventory;
+use common::run::{Run, Work};
 use common::sims::{Hc, Sim};
-use common::{json, root, text};
+use common::{json, text};
 
-/// The loopback example as a Hetzner inventory.
-fn inventory(dir: &Path, hcloud: &str) -> PathBuf {
-    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let mut inv = base.replace("platform: metal", "platform: hcloud");
-    inv.push_str("\npublish:\n  hcloud:\n");
-    inv.push_str(hcloud);
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, inv).unwrap();
-    path
+/// The loopback example as a Hetzner inventory (`hcloud`: the target's
+/// fields).
+fn hetzner(hcloud: &str) -> Inventory {
+    Inventory::loopback()
+        .replace("platform: metal", "platform: hcloud")
+        .hcloud(hcloud)
 }
 
-struct Run {
-    dir: tempfile::TempDir,
-    config: PathBuf,
+/// `imgbuild publish ARGS` against the simulators, writing into `work`.
+fn publish(work: &Work, sim: &Sim, hc: &Hc, args: &[&str]) -> Run {
+    let mut run = Run::with_config(&work.config, &["publish"]);
+    run.args(args)
+        .factory(sim)
+        .args(["--poll-ms", "100"])
+        .envs(hc.rescue_env())
+        .folders(work.dir.path())
+        .hcloud(hc);
+    run
 }
 
-impl Run {
-    fn new(hcloud: &str) -> Run {
-        let dir = tempfile::tempdir().unwrap();
-        let config = inventory(dir.path(), hcloud);
-        Run { dir, config }
-    }
-
-    fn out(&self) -> PathBuf {
-        self.dir.path().join("out")
-    }
-
-    fn command(&self, sim: &Sim, hc: &Hc, args: &[&str]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-        cmd.arg("--config")
-            .arg(&self.config)
-            .arg("publish")
-            .args(args)
-            .args(["--factory", &sim.url, "--poll-ms", "100"])
-            .envs(hc.rescue_env())
-            .arg("--out-dir")
-            .arg(self.out())
-            .arg("--cache-dir")
-            .arg(self.dir.path().join("cache"))
-            .env_remove("IMGBUILD_CONFIG")
-            .env("HCLOUD_ENDPOINT", &hc.url)
-            .env("HCLOUD_TOKEN", &hc.token);
-        cmd
-    }
-
-    fn publish(&self, sim: &Sim, hc: &Hc, args: &[&str]) -> Output {
-        self.command(sim, hc, args).output().unwrap()
-    }
-
-    fn image(&self) -> (PathBuf, Value) {
-        let m: Value =
-            serde_json::from_slice(&std::fs::read(self.out().join("manifest.json")).unwrap())
-                .unwrap();
-        let e = m["images"]["cp-01"].clone();
-        (self.out().join(e["path"].as_str().unwrap()), e)
-    }
+/// cp-01's image and its manifest entry.
+fn image(work: &Work) -> (PathBuf, Value) {
+    let e = work.manifest()["images"]["cp-01"].clone();
+    (work.out().join(e["path"].as_str().unwrap()), e)
 }
 
 fn cleanup(hc: &Hc) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .args(["cleanup", "--output", "json"])
-        .env("HCLOUD_ENDPOINT", &hc.url)
-        .env("HCLOUD_TOKEN", &hc.token)
+    Run::new(&["cleanup", "--output", "json"])
+        .hcloud(hc)
         .output()
-        .unwrap()
 }
 
 /// Zero servers and SSH keys in the simulator.
@@ -95,8 +62,8 @@ fn nothing_left(hc: &Hc) {
 fn snapshot_is_the_image_labelled_exactly_and_a_rerun_creates_nothing() {
     let sim = Sim::start(&[]);
     let hc = Hc::start(&[]);
-    let run = Run::new("    location: fsn1\n    labels: {team: infra}\n");
-    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    let work = Work::new(&hetzner("    location: fsn1\n    labels: {team: infra}\n"));
+    let o = publish(&work, &sim, &hc, &["--output", "json"]).output();
     assert!(
         o.status.success(),
         "{}\n{}",
@@ -110,7 +77,7 @@ fn snapshot_is_the_image_labelled_exactly_and_a_rerun_creates_nothing() {
     let snap = &snaps[0];
     assert_eq!(snap["created"], true);
     assert_eq!(snap["nodes"].as_array().unwrap().len(), 5);
-    let (image, entry) = run.image();
+    let (image, entry) = image(&work);
     let sha = entry["sha256"].as_str().unwrap();
     let schematic = entry["schematicId"].as_str().unwrap();
     let want = serde_json::json!({
@@ -145,7 +112,7 @@ fn snapshot_is_the_image_labelled_exactly_and_a_rerun_creates_nothing() {
     assert_eq!(hc.stat("rejected"), 0, "requests the API schema refused");
 
     let servers = hc.stat("serversCreated");
-    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    let o = publish(&work, &sim, &hc, &["--output", "json"]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v = json(&o);
     assert_eq!(v["snapshots"][0]["created"], false, "{v}");
@@ -163,9 +130,11 @@ fn snapshot_is_the_image_labelled_exactly_and_a_rerun_creates_nothing() {
 fn ssh_refused_for_a_while_then_accepted_and_the_first_type_unavailable() {
     let sim = Sim::start(&[]);
     let hc = Hc::start(&["--ssh-refuse-seconds", "20", "--unavailable", "cx23@fsn1"]);
-    let run = Run::new("    location: fsn1\n    serverTypes: [cx23, cpx22]\n");
+    let work = Work::new(&hetzner(
+        "    location: fsn1\n    serverTypes: [cx23, cpx22]\n",
+    ));
     let t = Instant::now();
-    let o = run.publish(&sim, &hc, &[]);
+    let o = publish(&work, &sim, &hc, &[]).output();
     let err = text(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(t.elapsed() >= Duration::from_secs(20), "{:?}", t.elapsed());
@@ -189,12 +158,12 @@ fn ssh_refused_for_a_while_then_accepted_and_the_first_type_unavailable() {
 fn builds_take_the_smallest_disk_and_too_large_snapshots_are_remade() {
     let sim = Sim::start(&[]);
     let hc = Hc::start(&["--unavailable", "cx23@fsn1"]);
-    let run = Run::new("    location: fsn1\n    serverTypes: [cpx22]\n");
+    let work = Work::new(&hetzner("    location: fsn1\n    serverTypes: [cpx22]\n"));
     let disk_of = |id: &Value| {
         let (_, _, img) = hc.call("GET", &format!("/images/{id}"), None);
         img["image"]["disk_size"].as_f64().unwrap()
     };
-    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    let o = publish(&work, &sim, &hc, &["--output", "json"]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
     let large = json(&o)["snapshots"][0].clone();
     assert_eq!(large["created"], true, "{large}");
@@ -203,8 +172,8 @@ fn builds_take_the_smallest_disk_and_too_large_snapshots_are_remade() {
 
     // The default types: the 80 GB snapshot is too large for cx23 (full for
     // now, but listed available), so cpx12 makes one that fits.
-    inventory(run.dir.path(), "    location: fsn1\n");
-    let o = run.publish(&sim, &hc, &[]);
+    hetzner("    location: fsn1\n").write(work.dir.path());
+    let o = publish(&work, &sim, &hc, &[]).output();
     let err = text(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(
@@ -217,7 +186,7 @@ fn builds_take_the_smallest_disk_and_too_large_snapshots_are_remade() {
     assert!(err.contains("server type cx23 skipped"), "{err}");
     assert!(err.contains("(cpx12) created"), "{err}");
     assert!(!err.contains("(cpx22) created"), "{err}");
-    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    let o = publish(&work, &sim, &hc, &["--output", "json"]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
     let fits = json(&o)["snapshots"][0].clone();
     assert_eq!(fits["created"], false, "the fitting one is reused: {fits}");
@@ -232,9 +201,9 @@ fn builds_take_the_smallest_disk_and_too_large_snapshots_are_remade() {
 fn ssh_never_accepted_is_bounded_and_named() {
     let sim = Sim::start(&[]);
     let hc = Hc::start(&["--ssh-never"]);
-    let run = Run::new("    location: fsn1\n");
+    let work = Work::new(&hetzner("    location: fsn1\n"));
     let t = Instant::now();
-    let o = run.publish(&sim, &hc, &["--ssh-timeout", "4s"]);
+    let o = publish(&work, &sim, &hc, &["--ssh-timeout", "4s"]).output();
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
@@ -261,8 +230,8 @@ fn remote_dd_failure_and_failed_actions_leave_nothing() {
         ),
     ] {
         let hc = Hc::start(switch);
-        let run = Run::new("    location: fsn1\n");
-        let o = run.publish(&sim, &hc, &["--output", "json"]);
+        let work = Work::new(&hetzner("    location: fsn1\n"));
+        let o = publish(&work, &sim, &hc, &["--output", "json"]).output();
         assert_eq!(o.status.code(), Some(1), "{switch:?}: {}", text(&o.stderr));
         let v = json(&o);
         let why = v["failed"][0]["error"]
@@ -282,8 +251,8 @@ fn remote_dd_failure_and_failed_actions_leave_nothing() {
 fn rate_limits_are_waited_out() {
     let sim = Sim::start(&[]);
     let hc = Hc::start(&["--rate-limit-every", "4"]);
-    let run = Run::new("    location: fsn1\n");
-    let o = run.publish(&sim, &hc, &["--output", "json"]);
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let o = publish(&work, &sim, &hc, &["--output", "json"]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v = json(&o);
     assert_eq!(v["snapshots"][0]["created"], true);
@@ -292,9 +261,9 @@ fn rate_limits_are_waited_out() {
 }
 
 /// Starts a publish of a large image and waits until it streams.
-fn publish_until_streaming(run: &Run, sim: &Sim, hc: &Hc) -> (Child, Vec<String>) {
-    let mut child = run
-        .command(sim, hc, &[])
+fn publish_until_streaming(work: &Work, sim: &Sim, hc: &Hc) -> (Child, Vec<String>) {
+    let mut child = publish(work, sim, hc, &[])
+        .into_command()
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -322,8 +291,8 @@ fn publish_until_streaming(run: &Run, sim: &Sim, hc: &Hc) -> (Child, Vec<String>
 fn sigint_during_the_stream_cleans_up() {
     let sim = Sim::start_with(&[], 400, &[]);
     let hc = Hc::start(&[]);
-    let run = Run::new("    location: fsn1\n");
-    let (mut child, _) = publish_until_streaming(&run, &sim, &hc);
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let (mut child, _) = publish_until_streaming(&work, &sim, &hc);
     assert_eq!(hc.stats()["servers"], 1);
     let kill = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
@@ -350,8 +319,8 @@ fn sigkill_during_the_stream_then_cleanup_leaves_nothing() {
         })),
     );
     assert_eq!(status, 201);
-    let run = Run::new("    location: fsn1\n");
-    let (mut child, _) = publish_until_streaming(&run, &sim, &hc);
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let (mut child, _) = publish_until_streaming(&work, &sim, &hc);
     child.kill().unwrap();
     child.wait().unwrap();
     assert_eq!(hc.stats()["servers"], 2);
@@ -378,30 +347,24 @@ fn sigkill_during_the_stream_then_cleanup_leaves_nothing() {
 
 #[test]
 fn token_problems_stop_before_anything_is_built() {
-    let run = Run::new("    location: fsn1\n");
-    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .arg("--config")
-        .arg(&run.config)
-        .args(["publish", "--out-dir"])
-        .arg(run.out())
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let o = Run::with_config(&work.config, &["publish", "--out-dir"])
+        .arg(work.out())
         .env_remove("HCLOUD_TOKEN")
-        .output()
-        .unwrap();
+        .output();
     assert_eq!(o.status.code(), Some(1));
     assert!(
         text(&o.stderr).contains("HCLOUD_TOKEN is not set"),
         "{}",
         text(&o.stderr)
     );
-    assert!(!run.out().exists());
+    assert!(!work.out().exists());
     // A wrong token: the API's error object, verbatim, with the request; the token nowhere.
     let sim = Sim::start(&[]);
     let hc = Hc::start(&[]);
-    let o = run
-        .command(&sim, &hc, &[])
+    let o = publish(&work, &sim, &hc, &[])
         .env("HCLOUD_TOKEN", "wrongtoken123")
-        .output()
-        .unwrap();
+        .output();
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("GET /server_types: HTTP 401"), "{err}");

@@ -7,9 +7,10 @@
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 mod common;
+use common::run::Run;
 use common::{json, root, text};
 
 fn fixture(name: &str) -> PathBuf {
@@ -19,17 +20,12 @@ fn fixture(name: &str) -> PathBuf {
         .join("talconfig.yaml")
 }
 
-fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-    cmd.args(args)
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
+fn imgbuild(args: &[&str], env: &[(&str, &str)]) -> Output {
+    Run::new(args)
         .env_remove("SITE")
-        .env_remove("STORAGE_MODULE");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().unwrap()
+        .env_remove("STORAGE_MODULE")
+        .envs(env.iter().copied())
+        .output()
 }
 
 /// A conversion into a fresh folder: the JSON result and the inventory.
@@ -85,7 +81,7 @@ fn convert(name: &str, env: &[(&str, &str)]) -> Converted {
     for (k, _) in env {
         args.extend(["--env", k]);
     }
-    let o = run(&args, env);
+    let o = imgbuild(&args, env);
     assert!(
         o.status.success(),
         "{}\n{}",
@@ -103,7 +99,7 @@ fn convert(name: &str, env: &[(&str, &str)]) -> Converted {
     // It validates as imgbuild reads it, in the same environment: a
     // variable the import left as written must be set when the configs are
     // rendered, and validate names it.
-    let o = run(&["--config", &c.config_str(), "validate"], env);
+    let o = imgbuild(&["--config", &c.config_str(), "validate"], env);
     let unset: Vec<&str> = c.result["skipped"]
         .as_array()
         .unwrap()
@@ -170,7 +166,7 @@ fn talhelper_schematic(talconfig: &Path, node: &str) -> Option<serde_yaml_ng::Va
 /// secure boot) describe another image and are reported, not compared.
 fn assert_schematic_ids_match(name: &str, c: &Converted, compared: usize) {
     let talconfig = fixture(name);
-    let o = run(
+    let o = imgbuild(
         &["--config", &c.config_str(), "--output", "json", "plan"],
         &[],
     );
@@ -192,7 +188,7 @@ fn assert_schematic_ids_match(name: &str, c: &Converted, compared: usize) {
         }
         let file = c.dir.path().join(format!("{node}.schematic.yaml"));
         std::fs::write(&file, serde_yaml_ng::to_string(&schematic).unwrap()).unwrap();
-        let o = run(
+        let o = imgbuild(
             &[
                 "--output",
                 "json",
@@ -289,7 +285,7 @@ fn homelab_converts_addresses_vip_groups_and_patches() {
     assert!(json6902["reason"].as_str().unwrap().contains("JSON6902"));
     assert_schematic_ids_match("homelab", &c, 4);
     // The converted cluster renders machine configs with those patches.
-    let o = run(
+    let o = imgbuild(
         &[
             "--config",
             &c.config_str(),
@@ -402,7 +398,7 @@ fn edge_keeps_arch_factory_and_per_node_schematics() {
 
 #[test]
 fn without_out_the_inventory_is_printed_and_inline_patches_are_reported() {
-    let o = run(
+    let o = imgbuild(
         &["import", "talhelper", fixture("homelab").to_str().unwrap()],
         &[],
     );
@@ -433,11 +429,11 @@ fn an_existing_inventory_is_kept_unless_forced() {
         "--out",
         out.to_str().unwrap(),
     ];
-    let o = run(&args, &[]);
+    let o = imgbuild(&args, &[]);
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o.stderr).contains("--force"), "{}", text(&o.stderr));
     assert_eq!(std::fs::read_to_string(&out).unwrap(), "mine\n");
-    let o = run(&[&args[..], &["--force"]].concat(), &[]);
+    let o = imgbuild(&[&args[..], &["--force"]].concat(), &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert!(
         std::fs::read_to_string(&out)
@@ -456,7 +452,7 @@ fn import_text(text: &str, json_output: bool) -> Output {
         args.extend(["--output", "json"]);
     }
     args.extend(["import", "talhelper", src.to_str().unwrap()]);
-    run(&args, &[])
+    imgbuild(&args, &[])
 }
 
 #[test]

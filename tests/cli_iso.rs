@@ -8,36 +8,29 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
+use common::inventory::{Inventory, Node};
+use common::run::Run;
 use common::sims::{Nodes, Pve, Sim};
 use common::{decode_meta, json, text, with_factory};
 
-/// A loopback inventory of two metal nodes with ISOs; `bootloader` is the
-/// `image.bootloader` line (or none).
-fn inventory(dir: &Path, version: &str, bootloader: &str) -> PathBuf {
-    inventory_on(dir, version, bootloader, "127.0.0", "")
-}
-
-/// The same on the network `net` (`127.x.y`), with `extra` appended.
-fn inventory_on(dir: &Path, version: &str, bootloader: &str, net: &str, extra: &str) -> PathBuf {
-    let mut s = format!(
-        "cluster:\n  name: iso\n  talosVersion: {version}\n  kubernetesVersion: v1.32.1\n  endpoint: https://127.0.0.30:6443\n\
-         image:\n  platform: metal\n  arch: amd64\n  format: iso\n{bootloader}  factory: http://127.0.0.1:9\n\
-         network:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\n\
-         nodes:\n"
-    );
+/// Two metal nodes with ISOs on the network `net` (`127.x.y`), Talos
+/// `version`.
+fn two_isos(net: &str, version: &str) -> Inventory {
+    let mut inv = Inventory::new("iso")
+        .talos(version)
+        .endpoint("127.0.0.30")
+        .metal("iso");
     for (i, (name, role)) in [("cp-01", "controlplane"), ("worker-01", "worker")]
         .iter()
         .enumerate()
     {
-        s.push_str(&format!(
-            "  - name: {name}\n    role: {role}\n    address: {net}.{}\n    interface: eth0\n",
-            31 + i
-        ));
+        inv = inv.node(
+            Node::new(name, role)
+                .address(&format!("{net}.{}", 31 + i))
+                .interface(),
+        );
     }
-    s.push_str(extra);
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, s).unwrap();
-    path
+    inv
 }
 
 fn xorriso(args: &[&str]) -> String {
@@ -122,7 +115,9 @@ fn curl(url: &str, to: &Path) {
 fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_records() {
     let sim = Sim::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let config = inventory(dir.path(), "v1.11.2", "  bootloader: grub\n");
+    let config = two_isos("127.0.0", "v1.11.2")
+        .bootloader("grub")
+        .write(dir.path());
     let out = dir.path().join("out");
     let o = with_factory(
         &config,
@@ -339,7 +334,7 @@ fn imgbuild(args: &[&str]) -> Output {
 fn the_uki_iso_of_talos_1_10_and_later_is_refused_naming_the_choices() {
     let sim = Sim::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let config = inventory(dir.path(), "v1.11.2", "");
+    let config = two_isos("127.0.0", "v1.11.2").write(dir.path());
     let out = dir.path().join("out");
     let o = with_factory(
         &config,
@@ -384,36 +379,16 @@ fn a_proxmox_vm_boots_its_node_iso_and_comes_up_at_the_address_the_iso_carries()
     let nodes = Nodes::start(&[]);
     let pve = Pve::start(&["--nodes-control", &nodes.control]);
     let dir = tempfile::tempdir().unwrap();
-    let config = inventory_on(
-        dir.path(),
-        "v1.11.2",
-        "  bootloader: grub\n",
-        &net(),
-        "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048, boot: iso}\n",
-    );
+    let config = two_isos(&net(), "v1.11.2")
+        .bootloader("grub")
+        .append("publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048, boot: iso}\n")
+        .write(dir.path());
     let out = dir.path().join("out");
-    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .arg("--config")
-        .arg(&config)
-        .args([
-            "publish",
-            "--factory",
-            &sim.url,
-            "--poll-ms",
-            "50",
-            "--quiet",
-        ])
-        .arg("--out-dir")
-        .arg(&out)
-        .arg("--cache-dir")
-        .arg(dir.path().join("cache"))
-        .env_remove("IMGBUILD_CONFIG")
-        .env("PROXMOX_VE_ENDPOINT", &pve.url)
-        .env("PROXMOX_VE_API_TOKEN", &pve.token)
-        .env("PROXMOX_VE_FINGERPRINT", &pve.fingerprint)
-        .env_remove("PROXMOX_VE_INSECURE")
-        .output()
-        .unwrap();
+    let o = Run::with_config(&config, &["publish", "--poll-ms", "50", "--quiet"])
+        .factory(&sim)
+        .folders(dir.path())
+        .proxmox(&pve)
+        .output();
     assert!(
         o.status.success(),
         "{}\n{}",

@@ -10,20 +10,9 @@ use std::process::{Command, Output};
 
 mod common;
 use common::sims::{Hc, Pve, Sim};
-use common::{imgbuild, root, text};
+use common::{imgbuild, root, stdout_ok, text};
 
 const SECRET: &str = "s3cr3t-sentinel-0123456789";
-
-fn ok(o: &Output) -> String {
-    assert!(
-        o.status.success(),
-        "exit {:?}\n{}\n{}",
-        o.status.code(),
-        text(&o.stdout),
-        text(&o.stderr)
-    );
-    text(&o.stdout)
-}
 
 /// `imgbuild --config C… plan ARGS` from the repository root.
 fn plan(configs: &[&str], args: &[&str]) -> Output {
@@ -39,7 +28,7 @@ fn plan(configs: &[&str], args: &[&str]) -> Output {
 fn plan_json(configs: &[&str], args: &[&str]) -> Vec<serde_json::Value> {
     let mut args = args.to_vec();
     args.extend(["--output", "json"]);
-    let v: serde_json::Value = serde_json::from_str(&ok(&plan(configs, &args))).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&stdout_ok(&plan(configs, &args))).unwrap();
     v["artifacts"].as_array().unwrap().clone()
 }
 
@@ -48,7 +37,7 @@ const ATLAS: &str = "examples/atlas/cluster.yaml";
 /// `schematic --all` of an inventory: every node's ID and the base's.
 fn schematic_ids(config: &str) -> serde_json::Value {
     let o = imgbuild(&["--config", config, "--output", "json", "schematic", "--all"]);
-    serde_json::from_str(&ok(&o)).unwrap()
+    serde_json::from_str(&stdout_ok(&o)).unwrap()
 }
 const LAB: &str = "examples/ci/clusters/lab.yaml";
 const HETZNER: &str = "examples/ci/clusters/hetzner.yaml";
@@ -151,7 +140,7 @@ fn the_github_format_is_a_valid_matrix_without_secrets() {
         .env("PROXMOX_VE_API_TOKEN", format!("root@pam!ci={SECRET}"))
         .output()
         .unwrap();
-    let out = ok(&o);
+    let out = stdout_ok(&o);
     assert!(out.ends_with('\n') && out.lines().count() == 1, "{out:?}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(out.trim_end(), v.to_string(), "not compact");
@@ -187,9 +176,9 @@ fn the_github_format_is_a_valid_matrix_without_secrets() {
 #[test]
 fn an_empty_plan_is_an_empty_include_and_exit_0() {
     let o = plan(&[HETZNER], &["--target", "proxmox", "--format", "github"]);
-    assert_eq!(ok(&o), "{\"include\":[]}\n");
+    assert_eq!(stdout_ok(&o), "{\"include\":[]}\n");
     let o = plan(&[HETZNER], &["--target", "proxmox", "--format", "gitlab"]);
-    let jobs: serde_yaml_ng::Mapping = serde_yaml_ng::from_str(&ok(&o)).unwrap();
+    let jobs: serde_yaml_ng::Mapping = serde_yaml_ng::from_str(&stdout_ok(&o)).unwrap();
     assert_eq!(jobs.len(), 1, "GitLab needs one job: {jobs:?}");
 }
 
@@ -221,7 +210,7 @@ fn more_than_256_matrix_entries_is_an_error_that_suggests_splitting() {
         &[at_limit.to_str().unwrap()],
         &["--route", "factory", "--format", "github"],
     );
-    let v: serde_json::Value = serde_json::from_str(&ok(&o)).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&stdout_ok(&o)).unwrap();
     assert_eq!(v["include"].as_array().unwrap().len(), 256);
 
     let over = big_inventory(dir.path(), 257);
@@ -449,7 +438,7 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
 
     // Hetzner: the plan step gives a matrix of two snapshots.
     let o = c.bash(&step_run(&hcloud, "plan", "plan"), &[]);
-    ok(&o);
+    stdout_ok(&o);
     let snapshots = matrix(&c);
     assert_eq!(snapshots.len(), 2, "{snapshots:?}");
     assert_eq!(
@@ -459,7 +448,7 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
 
     // Proxmox: the plan step, then one entry's step against the simulators.
     let o = c.bash(&step_run(&proxmox, "plan", "plan"), &[]);
-    ok(&o);
+    stdout_ok(&o);
     let entries = matrix(&c);
     assert_eq!(entries.len(), 2, "{entries:?}");
     assert!(
@@ -492,7 +481,7 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
             ("PROXMOX_VE_FINGERPRINT", pve.fingerprint.as_str()),
         ],
     );
-    ok(&o);
+    stdout_ok(&o);
     c.ran.push(step.clone());
     let result: serde_json::Value =
         serde_json::from_slice(&std::fs::read(c.path("result.json")).unwrap()).unwrap();
@@ -546,7 +535,7 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
             (user_var, user.as_str()),
         ],
     );
-    ok(&o);
+    stdout_ok(&o);
     let snapshot: serde_json::Value =
         serde_json::from_slice(&std::fs::read(c.path("result.json")).unwrap()).unwrap();
     let made = snapshot["snapshots"].as_array().unwrap();
@@ -564,7 +553,7 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
     )
     .unwrap();
     let o = c.bash(&step_run(&hcloud, "snapshots", "collect"), &[]);
-    ok(&o);
+    stdout_ok(&o);
     let collected: serde_json::Value =
         serde_json::from_slice(&std::fs::read(c.path("snapshots.json")).unwrap()).unwrap();
     let plan = plan_json(&[HETZNER], &["--target", "hcloud"]);
@@ -600,7 +589,7 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
         .filter(|s| !s.starts_with("cargo install"))
         .collect();
     let o = c.bash(&script.join("\n"), &[]);
-    ok(&o);
+    stdout_ok(&o);
     let child: serde_yaml_ng::Mapping =
         serde_yaml_ng::from_str(&std::fs::read_to_string(c.path("child-pipeline.yml")).unwrap())
             .unwrap();

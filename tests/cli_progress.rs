@@ -3,13 +3,15 @@
 //! pseudo-terminal; a small terminal model below replays what was drawn.
 //! Piped runs must hold no escape sequence at all.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
+use common::inventory::Inventory;
+use common::run::Run;
 use common::sims::{Hc, Nodes, Pve, Sim};
-use common::{json, root, text};
+use common::{json, text};
 
 /// The terminal width the runs get (`stty cols`).
 const COLS: usize = 100;
@@ -185,41 +187,19 @@ fn has_color(s: &str) -> bool {
     })
 }
 
-/// The loopback example with a Proxmox target.
-fn publish_inventory(dir: &Path) -> PathBuf {
-    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let path = dir.join("cluster.yaml");
-    std::fs::write(
-        &path,
-        base + "\npublish:\n  proxmox:\n    node: pve\n    storage: local\n",
-    )
-    .unwrap();
-    path
-}
-
 /// `imgbuild <args>` against the factory and Proxmox simulators.
 fn publish_command(dir: &Path, sim: &Sim, pve: &Pve, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-    cmd.arg("--config")
-        .arg(publish_inventory(dir))
-        .args(args)
-        .args(["--factory", &sim.url, "--retry-delay-ms", "10"])
-        .arg("--out-dir")
-        .arg(dir.join("out"))
-        .arg("--cache-dir")
-        .arg(dir.join("cache"))
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
+    let config = Inventory::loopback().proxmox(false).write(dir);
+    let mut run = Run::with_config(&config, args);
+    run.factory(sim)
+        .folders(dir)
         .env_remove("NO_COLOR")
         .env_remove("CLICOLOR_FORCE")
-        .env("PROXMOX_VE_ENDPOINT", &pve.url)
-        .env("PROXMOX_VE_API_TOKEN", &pve.token)
-        .env("PROXMOX_VE_FINGERPRINT", &pve.fingerprint)
-        .env_remove("PROXMOX_VE_INSECURE");
+        .proxmox(pve);
     if args.contains(&"publish") {
-        cmd.args(["--poll-ms", "50"]);
+        run.args(["--poll-ms", "50"]);
     }
-    cmd
+    run.into_command()
 }
 
 /// Builds cp-01's image, then makes it a 1.3 GB sparse disk (its GPT
@@ -420,28 +400,18 @@ fn piped_uploads_print_two_lines_each_and_quiet_prints_none() {
 
 /// `imgbuild publish` of the loopback example as Hetzner snapshots.
 fn hcloud_publish(dir: &Path, sim: &Sim, hc: &Hc) -> Command {
-    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let config = dir.join("cluster.yaml");
-    std::fs::write(
-        &config,
-        base.replace("platform: metal", "platform: hcloud")
-            + "\npublish:\n  hcloud:\n    location: fsn1\n",
-    )
-    .unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-    cmd.arg("--config")
-        .arg(&config)
-        .args(["publish", "--factory", &sim.url, "--poll-ms", "100"])
-        .arg("--out-dir")
-        .arg(dir.join("out"))
-        .arg("--cache-dir")
-        .arg(dir.join("cache"))
-        .env_remove("IMGBUILD_CONFIG")
+    let config = Inventory::loopback()
+        .replace("platform: metal", "platform: hcloud")
+        .hcloud("    location: fsn1\n")
+        .write(dir);
+    let mut run = Run::with_config(&config, &["publish"]);
+    run.factory(sim)
+        .args(["--poll-ms", "100"])
+        .folders(dir)
         .env_remove("NO_COLOR")
-        .env("HCLOUD_ENDPOINT", &hc.url)
-        .env("HCLOUD_TOKEN", &hc.token)
+        .hcloud(hc)
         .envs(hc.rescue_env());
-    cmd
+    run.into_command()
 }
 
 /// Piped, the stream into the Hetzner rescue system is also exactly a start

@@ -2,84 +2,36 @@
 //! simulators on loopback: build → upload → VMs, idempotent reruns, and
 //! every way the Proxmox side goes wrong.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 mod common;
+use common::inventory::Inventory;
+use common::run::{Run, Work};
 use common::sims::{Pve, Sim};
-use common::{json, root, text};
+use common::{json, text};
 
-/// The loopback example with a Proxmox target (and `format`).
-fn inventory(dir: &Path, format: &str, vm: bool) -> PathBuf {
-    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let mut inv = base.replace("format: raw", &format!("format: {format}"));
-    inv.push_str("\npublish:\n  proxmox:\n    node: pve\n    storage: local\n");
-    if vm {
-        inv.push_str("    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048}\n");
-    }
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, inv).unwrap();
-    path
+/// A folder with the loopback example as a Proxmox inventory (and
+/// `format`), with VMs when `vm`.
+fn proxmox(format: &str, vm: bool) -> Work {
+    Work::new(
+        &Inventory::loopback()
+            .replace("format: raw", &format!("format: {format}"))
+            .proxmox(vm),
+    )
 }
 
-struct Run {
-    dir: tempfile::TempDir,
-    config: PathBuf,
-}
-
-impl Run {
-    fn new(format: &str, vm: bool) -> Run {
-        let dir = tempfile::tempdir().unwrap();
-        let config = inventory(dir.path(), format, vm);
-        Run { dir, config }
-    }
-
-    /// Replaces `from` (which must be there) by `to` in the inventory.
-    fn edit(&self, from: &str, to: &str) {
-        let text = std::fs::read_to_string(&self.config).unwrap();
-        assert!(text.contains(from), "the inventory lacks {from:?}");
-        std::fs::write(&self.config, text.replacen(from, to, 1)).unwrap();
-    }
-
-    fn out(&self) -> PathBuf {
-        self.dir.path().join("out")
-    }
-
-    /// `imgbuild publish` with the simulator's endpoint, token and pin in
-    /// the environment (`env` overrides them).
-    fn publish(&self, sim: &Sim, pve: &Pve, args: &[&str], env: &[(&str, &str)]) -> Output {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-        cmd.arg("--config")
-            .arg(&self.config)
-            .arg("publish")
-            .args(args)
-            .args([
-                "--factory",
-                &sim.url,
-                "--retry-delay-ms",
-                "10",
-                "--poll-ms",
-                "50",
-                "--quiet",
-            ])
-            .arg("--out-dir")
-            .arg(self.out())
-            .arg("--cache-dir")
-            .arg(self.dir.path().join("cache"))
-            .env_remove("IMGBUILD_CONFIG")
-            .env("PROXMOX_VE_ENDPOINT", &pve.url)
-            .env("PROXMOX_VE_API_TOKEN", &pve.token)
-            .env("PROXMOX_VE_FINGERPRINT", &pve.fingerprint)
-            .env_remove("PROXMOX_VE_INSECURE");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        cmd.output().unwrap()
-    }
-
-    fn manifest(&self) -> serde_json::Value {
-        serde_json::from_slice(&std::fs::read(self.out().join("manifest.json")).unwrap()).unwrap()
-    }
+/// `imgbuild publish` with the simulator's endpoint, token and pin in
+/// the environment (`env` overrides them).
+fn publish(work: &Work, sim: &Sim, pve: &Pve, args: &[&str], env: &[(&str, &str)]) -> Output {
+    Run::with_config(&work.config, &["publish"])
+        .args(args)
+        .factory(sim)
+        .args(["--poll-ms", "50", "--quiet"])
+        .folders(work.dir.path())
+        .proxmox(pve)
+        .envs(env.iter().copied())
+        .output()
 }
 
 /// sha256sum's verdict, so the check does not trust imgbuild's own hashing.
@@ -203,12 +155,12 @@ fn stat(pve: &Pve, key: &str) -> u64 {
 fn publishes_and_reruns_change_nothing(format: &str) {
     let sim = Sim::start(&[]);
     let pve = Pve::start(&[]);
-    let run = Run::new(format, true);
-    run.edit(
+    let work = proxmox(format, true);
+    work.edit(
         "    address: 127.0.0.11\n",
         &format!("    address: 127.0.0.11\n    mac: {MAC}\n"),
     );
-    let o = run.publish(&sim, &pve, &["--output", "json"], &[]);
+    let o = publish(&work, &sim, &pve, &["--output", "json"], &[]);
     assert!(
         o.status.success(),
         "{}\n{}",
@@ -218,11 +170,11 @@ fn publishes_and_reruns_change_nothing(format: &str) {
     let v = json(&o);
     let nodes = v["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 5, "{v}");
-    let manifest = run.manifest();
+    let manifest = work.manifest();
     for (i, n) in nodes.iter().enumerate() {
         let name = n["node"].as_str().unwrap();
         let entry = &manifest["images"][name];
-        let local = run.out().join(entry["path"].as_str().unwrap());
+        let local = work.out().join(entry["path"].as_str().unwrap());
         let volid = n["volid"].as_str().unwrap();
         let file = volid.strip_prefix("local:import/").unwrap();
         assert!(file.ends_with(&format!(".{format}")), "{volid}");
@@ -247,7 +199,7 @@ fn publishes_and_reruns_change_nothing(format: &str) {
     assert_eq!(stat(&pve, "rejected"), 0);
 
     let before = pve.stats();
-    let again = run.publish(&sim, &pve, &["--output", "json"], &[]);
+    let again = publish(&work, &sim, &pve, &["--output", "json"], &[]);
     assert!(again.status.success(), "{}", text(&again.stderr));
     let v = json(&again);
     for n in v["nodes"].as_array().unwrap() {
@@ -283,10 +235,11 @@ fn qcow2_images_publish_and_reruns_change_nothing() {
 fn a_refused_token_is_named_and_never_shown() {
     let sim = Sim::start(&[]);
     let pve = Pve::start(&[]);
-    let run = Run::new("raw", false);
+    let work = proxmox("raw", false);
     let bad = "root@pam!imgbuild=0000-not-the-secret";
     for output in ["text", "json"] {
-        let o = run.publish(
+        let o = publish(
+            &work,
             &sim,
             &pve,
             &["--output", output, "cp-01"],
@@ -310,9 +263,10 @@ fn a_refused_token_is_named_and_never_shown() {
 fn a_wrong_fingerprint_sends_no_byte_of_the_image() {
     let sim = Sim::start(&[]);
     let pve = Pve::start(&[]);
-    let run = Run::new("raw", false);
+    let work = proxmox("raw", false);
     let wrong = "AB:".repeat(31) + "CD";
-    let o = run.publish(
+    let o = publish(
+        &work,
         &sim,
         &pve,
         &["cp-01"],
@@ -333,8 +287,8 @@ fn a_wrong_fingerprint_sends_no_byte_of_the_image() {
 fn a_storage_without_import_is_explained_before_any_upload() {
     let sim = Sim::start(&[]);
     let pve = Pve::start(&["--no-import-storage"]);
-    let run = Run::new("raw", false);
-    let o = run.publish(&sim, &pve, &[], &[]);
+    let work = proxmox("raw", false);
+    let o = publish(&work, &sim, &pve, &[], &[]);
     assert_eq!(o.status.code(), Some(1));
     let err = text(&o.stderr);
     assert!(
@@ -349,8 +303,8 @@ fn a_storage_without_import_is_explained_before_any_upload() {
 fn a_failed_task_is_shown_with_its_log_and_stores_nothing() {
     let sim = Sim::start(&[]);
     let pve = Pve::start(&["--fail-task", "imgcopy"]);
-    let run = Run::new("raw", false);
-    let o = run.publish(&sim, &pve, &["cp-01"], &[]);
+    let work = proxmox("raw", false);
+    let o = publish(&work, &sim, &pve, &["cp-01"], &[]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
     let err = text(&o.stderr);
     assert!(
@@ -368,8 +322,8 @@ fn a_dropped_upload_is_retried_then_reported() {
     let sim = Sim::start(&[]);
     // One drop: the second attempt succeeds.
     let pve = Pve::start(&["--drop-upload-after", "1000000", "--drop-uploads", "1"]);
-    let run = Run::new("raw", false);
-    let o = run.publish(&sim, &pve, &["cp-01", "--output", "json"], &[]);
+    let work = proxmox("raw", false);
+    let o = publish(&work, &sim, &pve, &["cp-01", "--output", "json"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json(&o)["nodes"][0]["uploaded"], true);
     assert_eq!(stat(&pve, "uploadAttempts"), 2);
@@ -377,7 +331,7 @@ fn a_dropped_upload_is_retried_then_reported() {
 
     // Every attempt dropped: bounded, then a clear error.
     let pve = Pve::start(&["--drop-upload-after", "1000000", "--drop-uploads", "100"]);
-    let o = run.publish(&sim, &pve, &["cp-01"], &[]);
+    let o = publish(&work, &sim, &pve, &["cp-01"], &[]);
     assert_eq!(o.status.code(), Some(1));
     let err = text(&o.stderr);
     assert!(
@@ -398,8 +352,8 @@ fn a_vmid_held_by_another_vm_is_never_touched() {
     );
     assert_eq!(code, 200, "{v}");
     pve.wait(&v["data"]);
-    let run = Run::new("raw", true);
-    let o = run.publish(&sim, &pve, &["--output", "json"], &[]);
+    let work = proxmox("raw", true);
+    let o = publish(&work, &sim, &pve, &["--output", "json"], &[]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
     let v = json(&o);
     assert_eq!(v["nodes"].as_array().unwrap().len(), 4, "{v}");
@@ -439,8 +393,8 @@ fn vm_config(pve: &Pve, vmid: u32) -> serde_json::Value {
 fn replace_disk_keeps_a_disk_the_user_parked_on_the_vm() {
     let sim = Sim::start(&[]);
     let pve = Pve::start(&[]);
-    let run = Run::new("raw", true);
-    let o = run.publish(&sim, &pve, &["cp-01"], &[]);
+    let work = proxmox("raw", true);
+    let o = publish(&work, &sim, &pve, &["cp-01"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let before = vm_config(&pve, 300);
     let old = options(before["scsi0"].as_str().unwrap())[""].clone();
@@ -461,7 +415,8 @@ fn replace_disk_keeps_a_disk_the_user_parked_on_the_vm() {
     );
     configure(&pve, 300, &[&format!("description={older}")]);
 
-    let o = run.publish(
+    let o = publish(
+        &work,
         &sim,
         &pve,
         &["cp-01", "--replace-disk", "--output", "json"],
@@ -503,15 +458,15 @@ fn replace_disk_keeps_a_disk_the_user_parked_on_the_vm() {
 fn an_inserted_node_shifts_no_vm_and_makes_no_second_one() {
     let sim = Sim::start(&[]);
     let pve = Pve::start(&[]);
-    let run = Run::new("raw", true);
-    let o = run.publish(&sim, &pve, &[], &[]);
+    let work = proxmox("raw", true);
+    let o = publish(&work, &sim, &pve, &[], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(stat(&pve, "vmCreates"), 5);
-    run.edit(
+    work.edit(
         "  - name: worker-01\n",
         "  - name: worker-00\n    role: worker\n    address: 127.0.0.23\n  - name: worker-01\n",
     );
-    let o = run.publish(&sim, &pve, &["--output", "json"], &[]);
+    let o = publish(&work, &sim, &pve, &["--output", "json"], &[]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
     let v = json(&o);
     let node = |name: &str| {
@@ -544,17 +499,17 @@ fn an_inserted_node_shifts_no_vm_and_makes_no_second_one() {
 
     // The text result names both IDs (even under --quiet, which keeps only
     // errors and the result).
-    let o = run.publish(&sim, &pve, &["worker-02"], &[]);
+    let o = publish(&work, &sim, &pve, &["worker-02"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let out = text(&o.stdout);
     assert!(out.contains("VM 304 (not 305: pin vmid 304)"), "{out}");
 
     // Pinned, the new node gets its own VM.
-    run.edit(
+    work.edit(
         "    address: 127.0.0.23\n",
         "    address: 127.0.0.23\n    vmid: 310\n",
     );
-    let o = run.publish(&sim, &pve, &["worker-00", "--output", "json"], &[]);
+    let o = publish(&work, &sim, &pve, &["worker-00", "--output", "json"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json(&o)["nodes"][0]["vmid"], 310);
     assert_eq!(json(&o)["nodes"][0]["vm"], "created");
@@ -586,8 +541,14 @@ fn a_vm_imgbuild_did_not_make_is_never_started_or_duplicated() {
     }
     let before = vm_config(&pve, 300);
     let counts = pve.stats();
-    let run = Run::new("raw", true);
-    let o = run.publish(&sim, &pve, &["cp-01", "cp-02", "--output", "json"], &[]);
+    let work = proxmox("raw", true);
+    let o = publish(
+        &work,
+        &sim,
+        &pve,
+        &["cp-01", "cp-02", "--output", "json"],
+        &[],
+    );
     assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
     let v = json(&o);
     let failed = v["failed"].as_array().unwrap();
@@ -613,12 +574,12 @@ fn a_vm_imgbuild_did_not_make_is_never_started_or_duplicated() {
 /// commands do not repeat it.
 #[test]
 fn validate_suggests_pinning_vmids_from_first_id() {
-    let run = Run::new("raw", true);
-    run.edit(
+    let work = proxmox("raw", true);
+    work.edit(
         "    address: 127.0.0.11\n",
         "    address: 127.0.0.11\n    vmid: 300\n",
     );
-    let config = run.config.to_str().unwrap();
+    let config = work.config.to_str().unwrap();
     let o = common::imgbuild(&["--config", config, "--output", "json", "validate"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let warnings = json(&o)["warnings"].clone();

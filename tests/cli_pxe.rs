@@ -3,44 +3,32 @@
 //! disk image, over the factory's own kernel and initramfs, while the
 //! factory learns nothing about the nodes.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
+use common::inventory::{Inventory, NODES, Node};
 use common::sims::Sim;
 use common::{decode_meta, json, text, with_factory};
 
-/// A loopback inventory of five nodes with MACs; worker-02 has one more
-/// extension, so two base schematics are in play.
-fn inventory(dir: &Path, version: &str, extra_network: &str) -> PathBuf {
-    let mut s = format!(
-        "cluster:\n  name: pxe\n  talosVersion: {version}\n  kubernetesVersion: v1.32.1\n  endpoint: https://127.0.0.20:6443\n  vip: 127.0.0.20\n\
-         image:\n  platform: metal\n  arch: amd64\n  format: raw\n  factory: http://127.0.0.1:9\n  extensions: [siderolabs/qemu-guest-agent]\n\
-         network:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\n{extra_network}\
-         nodes:\n"
-    );
-    for (i, (name, role)) in [
-        ("cp-01", "controlplane"),
-        ("cp-02", "controlplane"),
-        ("cp-03", "controlplane"),
-        ("worker-01", "worker"),
-        ("worker-02", "worker"),
-    ]
-    .iter()
-    .enumerate()
-    {
-        s.push_str(&format!(
-            "  - name: {name}\n    role: {role}\n    address: 127.0.0.{}\n    mac: BC:24:11:00:00:{:02X}\n    interface: eth0\n",
-            11 + i,
-            0x11 + i
-        ));
+/// A loopback inventory of five nodes with MACs at Talos `version`;
+/// worker-02 has one more extension, so two base schematics are in play.
+fn five_macs(version: &str) -> Inventory {
+    let mut inv = Inventory::new("pxe")
+        .talos(version)
+        .vip("127.0.0.20")
+        .metal("raw")
+        .extensions("siderolabs/qemu-guest-agent");
+    for (i, (name, _, role)) in NODES.iter().enumerate() {
+        let mut node = Node::new(name, role)
+            .address(&format!("127.0.0.{}", 11 + i))
+            .mac(&format!("BC:24:11:00:00:{:02X}", 0x11 + i))
+            .interface();
         if *name == "worker-02" {
-            s.push_str("    extensions: [siderolabs/iscsi-tools]\n");
+            node = node.extensions("siderolabs/iscsi-tools");
         }
+        inv = inv.node(node);
     }
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, s).unwrap();
-    path
+    inv
 }
 
 /// The kernel line of a node's script, split into the kernel URL and args.
@@ -68,7 +56,7 @@ fn curl(url: &str) -> Vec<u8> {
 fn every_script_carries_the_key10_its_disk_image_would_and_the_factory_learns_no_address() {
     let sim = Sim::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let config = inventory(dir.path(), "v1.11.2", "");
+    let config = five_macs("v1.11.2").write(dir.path());
     let pxe = dir.path().join("pxe");
     let o = with_factory(
         &config,
@@ -214,7 +202,7 @@ fn every_script_carries_the_key10_its_disk_image_would_and_the_factory_learns_no
 fn an_absolute_url_base_is_used_when_given() {
     let sim = Sim::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let config = inventory(dir.path(), "v1.11.2", "");
+    let config = five_macs("v1.11.2").write(dir.path());
     let pxe = dir.path().join("pxe");
     let o = with_factory(
         &config,
@@ -262,7 +250,7 @@ fn talos_before_1_6_3_gets_meta_uncompressed() {
     let sim = Sim::start_with(&[], 0, &["--versions", "v1.6.2,v1.11.2"]);
     let dir = tempfile::tempdir().unwrap();
     for (version, gzipped) in [("v1.6.2", false), ("v1.11.2", true)] {
-        let config = inventory(dir.path(), version, "");
+        let config = five_macs(version).write(dir.path());
         let pxe = dir.path().join(format!("pxe-{version}"));
         let o = with_factory(
             &config,
@@ -297,7 +285,9 @@ fn what_cannot_be_carried_is_refused_naming_the_node() {
     let pxe = dir.path().join("pxe");
 
     // A value with ';' would arrive cut.
-    let config = inventory(dir.path(), "v1.11.2", "  searchDomains: [\"lab;evil\"]\n");
+    let config = five_macs("v1.11.2")
+        .network("  searchDomains: [\"lab;evil\"]\n")
+        .write(dir.path());
     let o = with_factory(
         &config,
         dir.path(),
@@ -313,7 +303,7 @@ fn what_cannot_be_carried_is_refused_naming_the_node() {
     assert!(!pxe.join("nodes").exists(), "nothing written on refusal");
 
     // A node without a MAC cannot be found by iPXE.
-    let config = inventory(dir.path(), "v1.11.2", "");
+    let config = five_macs("v1.11.2").write(dir.path());
     let text_in = std::fs::read_to_string(&config).unwrap();
     std::fs::write(&config, text_in.replace("    mac: BC:24:11:00:00:14\n", "")).unwrap();
     let o = with_factory(
@@ -330,7 +320,7 @@ fn what_cannot_be_carried_is_refused_naming_the_node() {
     );
 
     // A command line over the kernel's 2048 bytes.
-    let config = inventory(dir.path(), "v1.11.2", "");
+    let config = five_macs("v1.11.2").write(dir.path());
     let long: Vec<String> = (0..22)
         .map(|i| format!("imgbuild.pad{i}={}", "x".repeat(60)))
         .collect();

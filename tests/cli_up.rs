@@ -9,40 +9,16 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
+use common::inventory::{Inventory, NODES};
+use common::run::Run;
 use common::sims::{Nodes, Pve, Sim};
-use common::{json, text};
-
-const NODES: [(&str, u8, &str); 5] = [
-    ("cp-01", 11, "controlplane"),
-    ("cp-02", 12, "controlplane"),
-    ("cp-03", 13, "controlplane"),
-    ("worker-01", 21, "worker"),
-    ("worker-02", 22, "worker"),
-];
+use common::{json, stdout_ok, text};
 
 /// The /24 for test number `k`, offset by the process id so a stale
 /// simulator from another run cannot hold the ports (and apart from the
 /// /24s tests/cli_bootstrap.rs uses).
 fn net(k: u8) -> String {
     format!("127.{}.{k}", 200 + std::process::id() % 50)
-}
-
-/// A five-node cluster on `net`, published to Proxmox with VMs when `vm`,
-/// with no publish section when `publish` is false.
-fn inventory(net: &str, publish: bool, vm: bool) -> String {
-    let mut s = format!(
-        "cluster:\n  name: up\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://{net}.10:6443\n  vip: {net}.10\nimage:\n  platform: metal\n  arch: amd64\n  format: raw\n  factory: http://127.0.0.1:9\nnetwork:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\nnodes:\n"
-    );
-    for (name, host, role) in NODES {
-        s += &format!("  - name: {name}\n    role: {role}\n    address: {net}.{host}\n");
-    }
-    if publish {
-        s += "publish:\n  proxmox:\n    node: pve\n    storage: local\n";
-        if vm {
-            s += "    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048}\n";
-        }
-    }
-    s
 }
 
 /// The three simulators wired as a chain, and a working folder.
@@ -67,7 +43,10 @@ impl Chain {
         extra.extend_from_slice(pve_extra);
         let pve = Pve::start(&extra);
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("cluster.yaml"), inventory(&net, true, true)).unwrap();
+        Inventory::five_nodes("up", &net)
+            .metal("raw")
+            .proxmox(true)
+            .write(dir.path());
         Chain {
             factory: Sim::start(&[]),
             pve,
@@ -93,43 +72,17 @@ impl Chain {
     /// pin, test-sized timeouts and the working folder's out, cache and
     /// state dirs.
     fn command(&self, config: &Path, args: &[&str]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-        cmd.arg("--config").arg(config).args(args);
+        let mut run = Run::with_config(config, args);
         if args.contains(&"up") {
-            for (flag, value) in [
-                ("--poll", "100ms"),
-                ("--node-timeout", "20s"),
-                ("--bootstrap-timeout", "20s"),
-                ("--health-timeout", "30s"),
-                ("--call-timeout", "5s"),
-            ] {
-                if !args.contains(&flag) {
-                    cmd.args([flag, value]);
-                }
-            }
-            cmd.arg("--state-dir").arg(self.state());
+            run.timeouts(args).arg("--state-dir").arg(self.state());
         }
-        cmd.args([
-            "--factory",
-            &self.factory.url,
-            "--retry-delay-ms",
-            "10",
-            "--poll-ms",
-            "50",
-            "--quiet",
-        ])
-        .arg("--out-dir")
-        .arg(self.out())
-        .arg("--cache-dir")
-        .arg(self.dir.path().join("cache"))
-        .env_remove("IMGBUILD_CONFIG")
-        .env_remove("IMGBUILD_STATE_DIR")
-        .env_remove("TALOSCONFIG")
-        .env("PROXMOX_VE_ENDPOINT", &self.pve.url)
-        .env("PROXMOX_VE_API_TOKEN", &self.pve.token)
-        .env("PROXMOX_VE_FINGERPRINT", &self.pve.fingerprint)
-        .env_remove("PROXMOX_VE_INSECURE");
-        cmd
+        run.factory(&self.factory)
+            .args(["--poll-ms", "50", "--quiet"])
+            .folders(self.dir.path())
+            .env_remove("IMGBUILD_STATE_DIR")
+            .env_remove("TALOSCONFIG")
+            .proxmox(&self.pve);
+        run.into_command()
     }
 
     /// `imgbuild --output json up <extra>`: its output and JSON document.
@@ -174,22 +127,12 @@ const PVE_CHANGES: [&str; 7] = [
     "stops",
 ];
 
-fn assert_ok(o: &Output) {
-    assert!(
-        o.status.success(),
-        "exit {:?}\n{}\n{}",
-        o.status.code(),
-        text(&o.stdout),
-        text(&o.stderr)
-    );
-}
-
 #[test]
 fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
     let c = Chain::start(1);
     let started = Instant::now();
     let (out, v) = c.up(&[]);
-    assert_ok(&out);
+    stdout_ok(&out);
     eprintln!("first up: {:?}", started.elapsed());
     assert_eq!(v["healthy"], true, "{v}");
     assert_eq!(v["target"], "proxmox");
@@ -241,7 +184,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
 
     // Again: every stage is unchanged, and the simulators count nothing new.
     let (out, v) = c.up(&[]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["healthy"], true);
     assert_eq!(v["bootstrap"], "unchanged");
     for n in v["nodes"].as_array().unwrap() {
@@ -261,7 +204,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
 
     // The text summary: one row per node, every stage unchanged.
     let out = c.command(&c.config(), &["up"]).output().unwrap();
-    assert_ok(&out);
+    stdout_ok(&out);
     let table = text(&out.stdout);
     for (name, host, _) in NODES {
         let row = table
@@ -284,7 +227,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
     // A dry run on the healthy cluster plans nothing and sends nothing.
     let before = (c.pve.stats(), c.nodes.stats());
     let (out, v) = c.up(&["--dry-run"]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["dryRun"], true);
     for n in v["nodes"].as_array().unwrap() {
         let want = serde_json::json!({"build": "unchanged", "upload": "unchanged", "vm": "unchanged", "start": "unchanged", "apply": "unchanged"});
@@ -302,7 +245,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
 fn a_dry_run_plans_everything_and_changes_nothing() {
     let c = Chain::start(2);
     let (out, v) = c.up(&["--dry-run"]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["dryRun"], true);
     assert_eq!(v["bootstrap"], "bootstrapped", "{v}");
     for (i, n) in v["nodes"].as_array().unwrap().iter().enumerate() {
@@ -328,7 +271,7 @@ fn a_dry_run_plans_everything_and_changes_nothing() {
         .command(&c.config(), &["up", "--dry-run"])
         .output()
         .unwrap();
-    assert_ok(&out);
+    stdout_ok(&out);
     let plan = text(&out.stdout);
     assert!(plan.contains("nothing was changed"), "{plan}");
     assert!(
@@ -369,12 +312,15 @@ fn an_image_without_meta_fails_naming_the_node_and_its_address() {
     let c = Chain::start(3);
     // Upload only (no VMs yet), then remove worker-02's META in the storage.
     let uploads = c.dir.path().join("uploads.yaml");
-    std::fs::write(&uploads, inventory(&c.net, true, false)).unwrap();
+    Inventory::five_nodes("up", &c.net)
+        .metal("raw")
+        .proxmox(false)
+        .write_to(&uploads);
     let out = c
         .command(&uploads, &["--output", "json", "publish"])
         .output()
         .unwrap();
-    assert_ok(&out);
+    stdout_ok(&out);
     let published = json(&out);
     let volid = published["nodes"]
         .as_array()
@@ -456,7 +402,7 @@ fn up_killed_during_publish_resumes_without_uploading_twice() {
     );
 
     let (out, v) = c.up(&[]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["healthy"], true);
     let pve = c.pve.stats();
     assert_eq!(pve["uploads"], 5, "an image was uploaded twice: {pve}");
@@ -516,7 +462,7 @@ fn a_node_that_fails_to_publish_stops_up_before_bootstrap_with_exit_3() {
 
     // Rerun: only cp-01 goes up now, and the cluster comes up.
     let (out, v) = c.up(&[]);
-    assert_ok(&out);
+    stdout_ok(&out);
     assert_eq!(v["healthy"], true);
     assert_eq!(v["nodes"][0]["stages"]["upload"], "uploaded");
     for n in &v["nodes"].as_array().unwrap()[1..] {
@@ -528,16 +474,12 @@ fn a_node_that_fails_to_publish_stops_up_before_bootstrap_with_exit_3() {
 #[test]
 fn without_a_target_up_bootstraps_machines_booted_otherwise() {
     let net = net(5);
-    let mut args = vec!["--vip".to_owned(), format!("{net}.10")];
-    for (name, host, role) in NODES {
-        args.push("--node".into());
-        args.push(format!("{name}={net}.{host}:{role}"));
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let nodes = Nodes::start(&args);
+    let nodes = Nodes::cluster(&net, true, &[]);
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("cluster.yaml");
-    std::fs::write(&config, inventory(&net, false, false)).unwrap();
+    Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .write_to(&config);
     let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(&config)
@@ -551,7 +493,7 @@ fn without_a_target_up_bootstraps_machines_booted_otherwise() {
         .env_remove("TALOSCONFIG")
         .output()
         .unwrap();
-    assert_ok(&out);
+    stdout_ok(&out);
     let v = json(&out);
     assert_eq!(v["target"], "none");
     assert_eq!(v["healthy"], true);
@@ -584,20 +526,31 @@ fn an_inventory_up_cannot_use_exits_2() {
             .unwrap()
     };
     let net = net(6);
-    let out = run(&inventory(&net, true, false));
+    let out = run(&Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .proxmox(false)
+        .text());
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(
         text(&out.stderr).contains("publish.proxmox has no vm section"),
         "{}",
         text(&out.stderr)
     );
-    let out = run(&inventory(&net, true, true));
+    let out = run(&Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .proxmox(true)
+        .text());
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("PROXMOX_VE_ENDPOINT is not set"));
-    let out = run(&inventory(&net, false, false).replace("role: worker", "role: boss"));
+    let out = run(&Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .text()
+        .replace("role: worker", "role: boss"));
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let config = dir.path().join("cluster.yaml");
-    std::fs::write(&config, inventory(&net, false, false)).unwrap();
+    Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .write_to(&config);
     let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(&config)
@@ -611,13 +564,7 @@ fn an_inventory_up_cannot_use_exits_2() {
 #[test]
 fn a_cluster_without_a_cni_is_never_called_healthy() {
     let net = net(8);
-    let mut args = vec!["--vip".to_owned(), format!("{net}.10")];
-    for (name, host, role) in NODES {
-        args.push("--node".into());
-        args.push(format!("{name}={net}.{host}:{role}"));
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let nodes = Nodes::start(&args);
+    let nodes = Nodes::cluster(&net, true, &[]);
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("cluster.yaml");
     std::fs::write(
@@ -625,7 +572,10 @@ fn a_cluster_without_a_cni_is_never_called_healthy() {
         "cluster:\n  network:\n    cni:\n      name: none\n",
     )
     .unwrap();
-    let yaml = inventory(&net, false, false) + "patches:\n  all: [no-cni.yaml]\n";
+    let yaml = Inventory::five_nodes("up", &net)
+        .metal("raw")
+        .append("patches:\n  all: [no-cni.yaml]\n")
+        .text();
     std::fs::write(&config, yaml).unwrap();
     let up = |json: bool| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));

@@ -6,11 +6,12 @@
 //! Needs OpenSSH (the snapshot's rescue system), like cli_hcloud.
 
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 
 use serde_json::Value;
 
 mod common;
+use common::run::Run;
 use common::sims::{Hc, Nodes, Sim};
 use common::{json, text};
 
@@ -68,33 +69,23 @@ impl Chain {
         self.dir.path().join("cluster.yaml")
     }
 
-    fn imgbuild(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-        cmd.arg("--config")
-            .arg(self.config())
-            .args(args)
-            .env_remove("IMGBUILD_CONFIG")
-            .env("HCLOUD_ENDPOINT", &self.hc.url)
-            .env("HCLOUD_TOKEN", &self.hc.token)
-            .stdin(Stdio::null());
-        cmd
+    fn imgbuild(&self, args: &[&str]) -> Run {
+        let mut run = Run::with_config(&self.config(), args);
+        run.hcloud(&self.hc);
+        run
     }
 
     fn up(&self, extra: &[&str]) -> Output {
         let dir = self.dir.path();
         self.imgbuild(&["up", "--output", "json", "--quiet", "--poll-ms", "100"])
             .args(extra)
-            .args(["--factory", &self.factory.url])
+            .factory(&self.factory)
             .envs(self.hc.rescue_env())
-            .arg("--out-dir")
-            .arg(dir.join("out"))
-            .arg("--cache-dir")
-            .arg(dir.join("cache"))
+            .folders(dir)
             .arg("--state-dir")
             .arg(dir.join("state"))
             .args(["--node-timeout", "60s", "--health-timeout", "90s"])
             .output()
-            .unwrap()
     }
 
     /// Counts that change when anything is created anywhere.
@@ -209,17 +200,14 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
 
     // cleanup leaves the cluster alone; down without --yes asks, and a
     // script cannot answer: exit 2, nothing deleted.
-    let o = c.imgbuild(&["cleanup"]).output().unwrap();
+    let o = c.imgbuild(&["cleanup"]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(c.hc.stat("servers"), 3);
-    let o = c.imgbuild(&["down"]).output().unwrap();
+    let o = c.imgbuild(&["down"]).output();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     assert!(text(&o.stderr).contains("--yes"), "{}", text(&o.stderr));
     assert_eq!(c.hc.stat("servers"), 3);
-    let o = c
-        .imgbuild(&["down", "--yes", "--output", "json"])
-        .output()
-        .unwrap();
+    let o = c.imgbuild(&["down", "--yes", "--output", "json"]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json(&o)["deleted"].as_array().unwrap().len(), 3);
     assert_eq!(c.hc.stat("servers"), 0);

@@ -10,9 +10,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
+use common::run::Run;
 use common::{root, sim_bin, text};
 
 const MAX_RSS_KIB: i64 = 64 * 1024;
@@ -212,73 +213,29 @@ struct Ran {
     secs: f64,
 }
 
-/// Runs imgbuild in `work` (its HOME and TMPDIR inside it too) under GNU
-/// time, which reports the peak RSS of imgbuild itself (wait4 in this
-/// process would count this test process's size: Linux carries the
-/// hiwater mark across fork and exec). Killed after 30 s, so a hang fails
-/// the test instead of stalling it.
+/// Runs imgbuild in `work` (its HOME and TMPDIR inside it too), measured
+/// ([`Run::measured`]), killed after 30 s.
 fn run(work: &Path, args: &[&dyn AsRef<std::ffi::OsStr>]) -> Ran {
-    use std::io::Read;
-    use std::os::unix::process::CommandExt;
     let args: Vec<OsString> = args.iter().map(|a| a.as_ref().to_owned()).collect();
-    let report = tempfile::NamedTempFile::new().unwrap();
-    let started = Instant::now();
-    let mut child = Command::new("/usr/bin/time")
-        .arg("-o")
-        .arg(report.path())
-        .args(["-f", "%M"])
-        .arg(env!("CARGO_BIN_EXE_imgbuild"))
+    let m = Run::new(&[])
         .args(&args)
         .current_dir(work)
-        .env_remove("IMGBUILD_CONFIG")
         .env("HOME", work.join("home"))
         .env("TMPDIR", work.join("tmp"))
         .env("XDG_CACHE_HOME", work.join("home/.cache"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let drain = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut s = Vec::new();
-            let _ = r.read_to_end(&mut s);
-            text(&s)
-        })
-    };
-    let out = drain(Box::new(child.stdout.take().unwrap()));
-    let err = drain(Box::new(child.stderr.take().unwrap()));
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > Duration::from_secs(30) {
-            // SAFETY: signalling the process group of our own child.
-            unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    let secs = started.elapsed().as_secs_f64();
-    let report = std::fs::read_to_string(report.path()).unwrap();
-    // GNU time says "Command terminated by signal N" before the number
-    // when imgbuild died of a signal.
+        .measured(Duration::from_secs(30));
     assert!(
-        !report.contains("signal"),
-        "imgbuild {args:?} was killed: {report}"
+        m.signal.is_none(),
+        "imgbuild {args:?} was killed: {}",
+        m.report
     );
-    let max_rss_kib = report
-        .lines()
-        .last()
-        .and_then(|l| l.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no RSS for imgbuild {args:?}: {report}"));
     Ran {
         args,
-        status,
-        stdout: out.join().unwrap(),
-        stderr: err.join().unwrap(),
-        max_rss_kib,
-        secs,
+        status: m.status,
+        stdout: m.stdout,
+        stderr: m.stderr,
+        max_rss_kib: m.rss_kib,
+        secs: m.took.as_secs_f64(),
     }
 }
 

@@ -8,13 +8,14 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
+use common::inventory::Inventory;
 use common::root;
+use common::run::Run;
 
 const LIMIT_RSS_KIB: i64 = 64 << 10;
 const LIMIT_TIME: Duration = Duration::from_secs(10);
@@ -96,30 +97,16 @@ impl Case {
 
     /// The loopback inventory as `in/cluster.yaml` after `edit`.
     fn inventory(&self, edit: impl FnOnce(String) -> String) -> String {
-        let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-        self.write("in/cluster.yaml", edit(base))
+        self.write("in/cluster.yaml", edit(Inventory::loopback().text()))
     }
 
-    /// Runs imgbuild with `args` under GNU time, which reports its peak RSS
-    /// (the test process cannot: a child's ru_maxrss counts the parent's
-    /// memory it was spawned from); kills it (and fails) past twice the
-    /// time limit.
+    /// Runs imgbuild with `args` in `cwd`, its HOME in `home`, measured
+    /// ([`Run::measured`]); fails past twice the time limit.
     fn run(&self, args: &[&str], env: &[(&str, &str)]) -> Ran {
-        let time = Path::new("/usr/bin/time");
-        assert!(time.exists(), "GNU time is missing: run `make deps`");
-        let report = self.path("home/time");
-        let mut cmd = Command::new(time);
-        cmd.args(["-f", "maxrss %M", "-o"])
-            .arg(&report)
-            .arg(env!("CARGO_BIN_EXE_imgbuild"))
-            .args(args)
-            .process_group(0)
-            .current_dir(self.path("cwd"))
+        let mut run = Run::new(args);
+        run.current_dir(&self.path("cwd"))
             .env("HOME", self.path("home"))
-            .env("XDG_CACHE_HOME", self.path("home/cache"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .env("XDG_CACHE_HOME", self.path("home/cache"));
         for k in [
             "IMGBUILD_CONFIG",
             "TALOSCONFIG",
@@ -128,60 +115,38 @@ impl Case {
             "HCLOUD_TOKEN",
             "HCLOUD_ENDPOINT",
         ] {
-            cmd.env_remove(k);
+            run.env_remove(k);
         }
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let started = Instant::now();
-        let mut child = cmd.spawn().unwrap();
-        let pid = child.id() as libc::pid_t;
-        let pipe = |r: Option<Box<dyn Read + Send>>| {
-            std::thread::spawn(move || {
-                let mut s = Vec::new();
-                r.unwrap().read_to_end(&mut s).unwrap();
-                String::from_utf8_lossy(&s).into_owned()
-            })
+        let m = run.envs(env.iter().copied()).measured(2 * LIMIT_TIME);
+        assert!(!m.killed, "{args:?} ran past {:?}", 2 * LIMIT_TIME);
+        let Some(code) = m.status.code() else {
+            panic!("GNU time died: {}", m.status);
         };
-        let out = pipe(child.stdout.take().map(|r| Box::new(r) as _));
-        let err = pipe(child.stderr.take().map(|r| Box::new(r) as _));
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if started.elapsed() > 2 * LIMIT_TIME {
-                // SAFETY: our own child's process group.
-                unsafe { libc::kill(-pid, libc::SIGKILL) };
-                let _ = child.wait();
-                panic!("{args:?} ran past {:?}", 2 * LIMIT_TIME);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        let took = started.elapsed();
-        let Some(code) = status.code() else {
-            panic!("GNU time died: {status}");
-        };
-        let report = std::fs::read_to_string(&report).unwrap();
-        let _ = std::fs::remove_file(self.path("home/time"));
-        let signal = report
-            .lines()
-            .find_map(|l| l.strip_prefix("Command terminated by signal "))
-            .map(|n| n.trim().parse().unwrap());
-        let rss_kib = report
-            .lines()
-            .find_map(|l| l.strip_prefix("maxrss "))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
         Ran {
-            code: signal.is_none().then_some(code),
-            signal,
-            stdout: out.join().unwrap(),
-            stderr: err.join().unwrap(),
-            rss_kib,
-            took,
+            code: m.signal.is_none().then_some(code),
+            signal: m.signal,
+            stdout: m.stdout,
+            stderr: m.stderr,
+            rss_kib: m.rss_kib,
+            took: m.took,
         }
+    }
+
+    /// `imgbuild build` of the loopback example from the factory at `url`,
+    /// with no retries.
+    fn build_from(&self, url: &str, env: &[(&str, &str)]) -> Ran {
+        let config = self.inventory(|t| t);
+        let args = [
+            "--config",
+            &config,
+            "build",
+            "--factory",
+            url,
+            "--retries",
+            "0",
+        ];
+        let out = self.s("out/img");
+        self.run(&[&args[..], &["--out-dir", &out, "--quiet"]].concat(), env)
     }
 
     /// Every promise for a refused input: `codes`, one message naming
@@ -672,22 +637,7 @@ fn a_trickling_factory_ends_at_the_deadline() {
             }
         }
     });
-    let config = c.inventory(|t| t);
-    let ran = c.run(
-        &[
-            "--config",
-            &config,
-            "build",
-            "--factory",
-            &url,
-            "--retries",
-            "0",
-            "--out-dir",
-            &c.s("out/img"),
-            "--quiet",
-        ],
-        &[("IMGBUILD_REQUEST_DEADLINE_SECS", "2")],
-    );
+    let ran = c.build_from(&url, &[("IMGBUILD_REQUEST_DEADLINE_SECS", "2")]);
     c.refused(&ran, &[1], &url, &[]);
 }
 
@@ -697,22 +647,7 @@ fn a_redirect_to_a_file_url_is_explained() {
     let url = serve(4, |_, _, _, conn| {
         reply(conn, "302 Found", "Location: file:///etc/passwd\r\n", b"");
     });
-    let config = c.inventory(|t| t);
-    let ran = c.run(
-        &[
-            "--config",
-            &config,
-            "build",
-            "--factory",
-            &url,
-            "--retries",
-            "0",
-            "--out-dir",
-            &c.s("out/img"),
-            "--quiet",
-        ],
-        &[],
-    );
+    let ran = c.build_from(&url, &[]);
     c.refused(&ran, &[1], "file:///etc/passwd", &["root:"]);
     assert!(ran.stderr.contains("redirect"), "{}", ran.stderr);
 }

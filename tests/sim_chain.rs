@@ -7,60 +7,33 @@
 //! from its user_data (a config the real `imgbuild config` renders) on the
 //! public address the API reports.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 mod common;
-use common::sims::{Hc, Pve, Sim};
-use common::{root, sim_bin, text};
+use common::inventory::{Inventory, NODES};
+use common::run::Run;
+use common::sims::{Hc, Nodes, Pve, Sim};
+use common::{root, text};
 
-/// A node simulator with no fixed nodes: machines boot them.
-struct Nodes {
-    child: Child,
-    control: String,
-}
-
-impl Nodes {
-    fn start(extra: &[&str]) -> Nodes {
-        let mut child = Command::new(sim_bin())
-            .args(["nodes", "--apply-delay", "50", "--etcd-delay", "100"])
-            .args(["--kubelet-delay", "100", "--ready-delay", "100"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("node simulator did not start ({e}): {line:?}"));
-        assert_eq!(v["nodes"], serde_json::json!({}));
-        Nodes {
-            child,
-            control: v["control"].as_str().unwrap().to_owned(),
-        }
-    }
-
-    fn stats(&self) -> serde_json::Value {
-        let o = Command::new("curl")
-            .args(["-sf", &format!("{}/_sim/stats", self.control)])
-            .output()
-            .unwrap();
-        serde_json::from_slice(&o.stdout).unwrap()
-    }
-}
-
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A node simulator with no fixed nodes (machines boot them), quicker
+/// than [`Nodes::FAST`].
+fn machine_nodes(extra: &[&str]) -> Nodes {
+    let delays = ["--apply-delay", "50", "--etcd-delay", "100"];
+    let nodes = Nodes::start_with(
+        &[
+            &delays[..],
+            &["--kubelet-delay", "100", "--ready-delay", "100"],
+        ]
+        .concat(),
+        extra,
+    );
+    assert_eq!(nodes.stats()["totals"]["nodes"], 0);
+    nodes
 }
 
 /// A /24 of this test process (another run's leftovers cannot hold it).
@@ -68,57 +41,19 @@ fn net() -> String {
     format!("127.{}.1", 200 + std::process::id() % 50)
 }
 
-const NODES: [(&str, u8); 5] = [
-    ("cp-01", 11),
-    ("cp-02", 12),
-    ("cp-03", 13),
-    ("worker-01", 21),
-    ("worker-02", 22),
-];
-
-/// The loopback example on this process's addresses, published to Proxmox
-/// with VMs from id 300.
-fn inventory(dir: &Path) -> PathBuf {
-    let base = std::fs::read_to_string(root().join("examples/loopback/cluster.yaml")).unwrap();
-    let mut inv = base
-        .replace("address: 127.0.0.", &format!("address: {}.", net()))
-        .replace("127.0.0.20", &format!("{}.20", net()));
-    for (name, host) in NODES {
-        assert!(
-            inv.contains(&format!("address: {}.{host}", net())),
-            "{name}"
-        );
-    }
-    inv.push_str("\npublish:\n  proxmox:\n    node: pve\n    storage: local\n");
-    inv.push_str("    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048}\n");
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, inv).unwrap();
-    path
-}
-
+/// Publishes the loopback example, on this process's addresses, to
+/// Proxmox with VMs from id 300.
 fn publish(dir: &Path, sim: &Sim, pve: &Pve) {
-    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .arg("--config")
-        .arg(inventory(dir))
-        .args([
-            "publish",
-            "--factory",
-            &sim.url,
-            "--poll-ms",
-            "50",
-            "--quiet",
-        ])
-        .arg("--out-dir")
-        .arg(dir.join("out"))
-        .arg("--cache-dir")
-        .arg(dir.join("cache"))
-        .env_remove("IMGBUILD_CONFIG")
-        .env("PROXMOX_VE_ENDPOINT", &pve.url)
-        .env("PROXMOX_VE_API_TOKEN", &pve.token)
-        .env("PROXMOX_VE_FINGERPRINT", &pve.fingerprint)
-        .env_remove("PROXMOX_VE_INSECURE")
-        .output()
-        .unwrap();
+    let config = Inventory::loopback()
+        .replace("address: 127.0.0.", &format!("address: {}.", net()))
+        .replace("127.0.0.20", &format!("{}.20", net()))
+        .proxmox(true)
+        .write(dir);
+    let o = Run::with_config(&config, &["publish", "--poll-ms", "50", "--quiet"])
+        .factory(sim)
+        .folders(dir)
+        .proxmox(pve)
+        .output();
     assert!(
         o.status.success(),
         "{}\n{}",
@@ -199,13 +134,13 @@ fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
 #[test]
 fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
     let sim = Sim::start(&[]);
-    let nodes = Nodes::start(&["--vip", &format!("{}.20", net())]);
+    let nodes = machine_nodes(&["--vip", &format!("{}.20", net())]);
     let pve = Pve::start(&["--nodes-control", &nodes.control]);
     let dir = tempfile::tempdir().unwrap();
     publish(dir.path(), &sim, &pve);
     let stats = nodes.stats();
     assert_eq!(stats["totals"]["nodes"], 5, "{stats}");
-    for (i, (name, host)) in NODES.iter().enumerate() {
+    for (i, (name, host, _)) in NODES.iter().enumerate() {
         let n = &stats["nodes"][name];
         assert_eq!(n["ip"], format!("{}.{host}", net()), "{name}: {stats}");
         assert_eq!(n["booted_by"], format!("vm-{}", 300 + i), "{name}");
@@ -295,7 +230,7 @@ fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
 
 #[test]
 fn disks_without_a_loopback_key_10_run_but_boot_no_node() {
-    let nodes = Nodes::start(&[]);
+    let nodes = machine_nodes(&[]);
     let pve = Pve::start(&["--nodes-control", &nodes.control]);
     let fx = pve.dir.path().join("fx");
     let ok = Command::new(root().join("fixtures/make-images.sh"))
@@ -430,7 +365,7 @@ fn ip_of(server: &Value) -> String {
 
 #[test]
 fn servers_from_a_snapshot_boot_talos_configured_from_their_user_data() {
-    let nodes = Nodes::start(&[]);
+    let nodes = machine_nodes(&[]);
     let hc = Hc::start(&["--nodes-control", &nodes.control]);
     let image = snapshot(&hc);
     let dir = tempfile::tempdir().unwrap();

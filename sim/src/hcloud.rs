@@ -773,6 +773,36 @@ fn list(q: &Query, key: &str, items: Vec<Value>) -> Answer {
     Ok((200, json!({ key: items, "meta": {"pagination": meta} })))
 }
 
+/// A list endpoint's answer, the way every Hetzner `GET /<resources>`
+/// treats its query: `label_selector` parsed first (a bad one is 422
+/// `invalid_input` before anything else), then the resources whose name
+/// equals `name` (when given), whose labels match the selector, and which
+/// `keep` accepts (the endpoint's own filters), as JSON, sorted by the
+/// `sort` parameters (each one of `sortable`), one page of them. `named`
+/// reads a resource's name and labels.
+fn list_matching<'r, R: 'r>(
+    q: &Query,
+    key: &str,
+    sortable: &[&str],
+    resources: impl Iterator<Item = &'r R>,
+    named: fn(&R) -> (Option<&str>, &Labels),
+    keep: impl Fn(&R) -> bool,
+    to_json: impl Fn(&R) -> Value,
+) -> Answer {
+    let selector = q.selector()?;
+    let mut items: Vec<Value> = resources
+        .filter(|r| {
+            let (name, labels) = named(r);
+            q.one("name").is_none_or(|n| name == Some(n))
+                && selector.as_ref().is_none_or(|s| labels::matches(s, labels))
+                && keep(r)
+        })
+        .map(to_json)
+        .collect();
+    sort(q, &mut items, sortable)?;
+    list(q, key, items)
+}
+
 fn paginate(q: &Query, items: Vec<Value>) -> Result<(Vec<Value>, Value), ApiError> {
     let page = q.number("page", 1)?;
     let per_page = q.number("per_page", 25)?;
@@ -907,27 +937,22 @@ fn image_json(i: &Image) -> Value {
 }
 
 fn list_images(sim: &Sim, q: &Query) -> Answer {
-    let selector = q.selector()?;
     let (types, statuses, archs) = (q.all("type"), q.all("status"), q.all("architecture"));
-    let mut items: Vec<Value> = {
-        let w = sim.world.lock().unwrap();
-        w.images
-            .values()
-            .filter(|i| {
-                let kind = if i.snapshot { "snapshot" } else { "system" };
-                (types.is_empty() || types.contains(&kind))
-                    && (statuses.is_empty() || statuses.contains(&i.status))
-                    && (archs.is_empty() || archs.contains(&i.arch))
-                    && q.one("name").is_none_or(|n| i.name.as_deref() == Some(n))
-                    && selector
-                        .as_ref()
-                        .is_none_or(|s| labels::matches(s, &i.labels))
-            })
-            .map(image_json)
-            .collect()
-    };
-    sort(q, &mut items, &["id", "name", "created", "description"])?;
-    list(q, "images", items)
+    let w = sim.world.lock().unwrap();
+    list_matching(
+        q,
+        "images",
+        &["id", "name", "created", "description"],
+        w.images.values(),
+        |i| (i.name.as_deref(), &i.labels),
+        |i| {
+            let kind = if i.snapshot { "snapshot" } else { "system" };
+            (types.is_empty() || types.contains(&kind))
+                && (statuses.is_empty() || statuses.contains(&i.status))
+                && (archs.is_empty() || archs.contains(&i.arch))
+        },
+        image_json,
+    )
 }
 
 fn get_image(sim: &Sim, id: u64) -> Answer {
@@ -963,23 +988,16 @@ fn ssh_key_json(k: &SshKey) -> Value {
 }
 
 fn list_ssh_keys(sim: &Sim, q: &Query) -> Answer {
-    let selector = q.selector()?;
-    let mut items: Vec<Value> = {
-        let w = sim.world.lock().unwrap();
-        w.ssh_keys
-            .values()
-            .filter(|k| {
-                q.one("name").is_none_or(|n| n == k.name)
-                    && q.one("fingerprint").is_none_or(|f| f == k.fingerprint)
-                    && selector
-                        .as_ref()
-                        .is_none_or(|s| labels::matches(s, &k.labels))
-            })
-            .map(ssh_key_json)
-            .collect()
-    };
-    sort(q, &mut items, &["id", "name"])?;
-    list(q, "ssh_keys", items)
+    let w = sim.world.lock().unwrap();
+    list_matching(
+        q,
+        "ssh_keys",
+        &["id", "name"],
+        w.ssh_keys.values(),
+        |k| (Some(&k.name), &k.labels),
+        |k| q.one("fingerprint").is_none_or(|f| f == k.fingerprint),
+        ssh_key_json,
+    )
 }
 
 fn body_labels(body: &Value) -> Result<Labels, ApiError> {
@@ -1081,22 +1099,16 @@ fn server_json(s: &Server, w: &World) -> Value {
 }
 
 fn list_networks(sim: &Sim, q: &Query) -> Answer {
-    let selector = q.selector()?;
-    let mut items: Vec<Value> = {
-        let w = sim.world.lock().unwrap();
-        w.networks
-            .values()
-            .filter(|n| {
-                q.one("name").is_none_or(|name| name == n.name)
-                    && selector
-                        .as_ref()
-                        .is_none_or(|sel| labels::matches(sel, &n.labels))
-            })
-            .map(|n| network_json(n, iso))
-            .collect()
-    };
-    sort(q, &mut items, &["id", "name", "created"])?;
-    list(q, "networks", items)
+    let w = sim.world.lock().unwrap();
+    list_matching(
+        q,
+        "networks",
+        &["id", "name", "created"],
+        w.networks.values(),
+        |n| (Some(&n.name), &n.labels),
+        |_| true,
+        |n| network_json(n, iso),
+    )
 }
 
 /// The network zone of a location.
@@ -1108,24 +1120,17 @@ fn zone_of(location: &str) -> &'static str {
 }
 
 fn list_servers(sim: &Sim, q: &Query) -> Answer {
-    let selector = q.selector()?;
     let statuses = q.all("status");
-    let mut items: Vec<Value> = {
-        let w = sim.world.lock().unwrap();
-        w.servers
-            .values()
-            .filter(|s| {
-                q.one("name").is_none_or(|n| n == s.name)
-                    && (statuses.is_empty() || statuses.contains(&s.status))
-                    && selector
-                        .as_ref()
-                        .is_none_or(|sel| labels::matches(sel, &s.labels))
-            })
-            .map(|s| server_json(s, &w))
-            .collect()
-    };
-    sort(q, &mut items, &["id", "name", "created"])?;
-    list(q, "servers", items)
+    let w = sim.world.lock().unwrap();
+    list_matching(
+        q,
+        "servers",
+        &["id", "name", "created"],
+        w.servers.values(),
+        |s| (Some(&s.name), &s.labels),
+        |s| statuses.is_empty() || statuses.contains(&s.status),
+        |s| server_json(s, &w),
+    )
 }
 
 /// An "ID (integer) or name (string)" field's two forms.

@@ -2,7 +2,9 @@
 //! run the real binary, how to read its output.
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod inventory;
 pub mod otherfs;
+pub mod run;
 pub mod sims;
 
 use std::path::{Path, PathBuf};
@@ -14,20 +16,29 @@ pub fn root() -> PathBuf {
 
 /// Runs imgbuild from the repository root, ignoring any $IMGBUILD_CONFIG.
 pub fn imgbuild(args: &[&str]) -> Output {
-    imgbuild_command(args).output().unwrap()
+    run::Run::new(args).output()
 }
 
 /// The command [`imgbuild`] runs, for a test that wires it otherwise.
 pub fn imgbuild_command(args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imgbuild"));
-    cmd.args(args)
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG");
-    cmd
+    run::Run::new(args).into_command()
 }
 
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
+}
+
+/// A command's stdout, after asserting it succeeded (else its exit code
+/// and both outputs).
+pub fn stdout_ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "exit {:?}\n{}\n{}",
+        o.status.code(),
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    text(&o.stdout)
 }
 
 /// A command's stdout as its one JSON document; the output when it is not.
@@ -73,17 +84,11 @@ pub fn atlas_copy(dir: &Path, from: &str, to: &str) -> PathBuf {
 /// `imgbuild --config CONFIG ARGS` against the factory simulator `sim`, with
 /// its download cache in `dir` and short retry pauses.
 pub fn with_factory(config: &Path, dir: &Path, sim: &sims::Sim, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_imgbuild"))
-        .arg("--config")
-        .arg(config)
-        .args(args)
-        .args(["--factory", &sim.url, "--cache-dir"])
+    run::Run::with_config(config, args)
+        .factory(sim)
+        .arg("--cache-dir")
         .arg(dir.join("cache"))
-        .args(["--retry-delay-ms", "10"])
-        .current_dir(root())
-        .env_remove("IMGBUILD_CONFIG")
         .output()
-        .unwrap()
 }
 
 /// The META text an `INSTALLER_META_BASE64` kernel argument carries, decoded

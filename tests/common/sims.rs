@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::inventory::NODES;
 use super::{root, sim_bin, text};
 
 /// Starts `imgbuild-sim <args>` and reads the JSON line it prints.
@@ -405,16 +406,34 @@ impl Nodes {
     ];
 
     pub fn start(extra: &[&str]) -> Nodes {
+        Self::start_with(&Self::FAST, extra)
+    }
+
+    /// With other `delays` (flags and values) than [`Nodes::FAST`].
+    pub fn start_with(delays: &[&str], extra: &[&str]) -> Nodes {
         let (child, v) = spawn(
             Command::new(sim_bin())
                 .arg("nodes")
-                .args(Self::FAST)
+                .args(delays)
                 .args(extra),
         );
         Nodes {
             child,
             control: v["control"].as_str().unwrap().to_owned(),
         }
+    }
+
+    /// The [`NODES`] on the /24 `net` (`--node NAME=ADDRESS:ROLE` each),
+    /// with the VIP `net.10` when `vip`, and `extra`.
+    pub fn cluster(net: &str, vip: bool, extra: &[&str]) -> Nodes {
+        let mut args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        for (name, host, role) in NODES {
+            args.extend(["--node".to_owned(), format!("{name}={net}.{host}:{role}")]);
+        }
+        if vip {
+            args.extend(["--vip".to_owned(), format!("{net}.10")]);
+        }
+        Self::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
     }
 
     pub fn stats(&self) -> serde_json::Value {
