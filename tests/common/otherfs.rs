@@ -3,7 +3,7 @@
 //! tmpfs is mounted for the test; else /dev/shm serves when it is a
 //! filesystem of its own; else the test says it is skipped. Either way the
 //! two folders' st_dev differ, checked. Shared by the unit tests
-//! (`src/disk/sparse.rs`, through `#[path]`) and the end-to-end tests.
+//! (`src/io.rs`, through `#[path]`) and the end-to-end tests.
 
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
