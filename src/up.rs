@@ -3,22 +3,28 @@
 //! ([`build::build`], [`proxmox::publish`], [`stage::bootstrap`]), and each is
 //! idempotent, so a rerun after any failure (or SIGKILL) continues from what
 //! is done and reports every finished stage as unchanged. [`plan`] is the dry
-//! run: it reads (manifest, GETs, TLS probes) and changes nothing.
+//! run: it reads (manifest, GETs, TLS probes) and changes nothing. What each
+//! stage did goes into a [`Report`] ([`report`] shapes its table and JSON).
+
+mod error;
+mod report;
+
+pub use error::{Stage, UpError};
+pub use report::{Change, Line, NodeReport, Report, Stages, TalosState, chain};
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::build::{self, BuildError, BuildOptions};
 use crate::fetch::Progress;
 use crate::inventory::{HcloudSettings, Inventory, ProxmoxSettings};
 use crate::publish::hcloud::{self, HcloudError, SnapshotImage, SnapshotOptions, servers};
-use crate::publish::proxmox::{self, Credentials, ProxmoxError, PublishOptions, VmChange};
+use crate::publish::proxmox::{self, Credentials, ProxmoxError, PublishOptions};
 use crate::publish::{Cancel, PublishImage};
 use crate::talos::bootstrap;
-use crate::talos::client::{self, Probe, Target as NodeTarget};
-use crate::talos::stage::{self, BootstrapOptions, StageError};
+use crate::talos::client::NodeEndpoint;
+use crate::talos::stage::{self, BootstrapOptions, Reach};
+use report::changed;
 
 /// Where the machines come from. Each target publishes the images and starts
 /// one machine per node; then every target is bootstrapped the same way.
@@ -145,301 +151,16 @@ pub struct Observers<'a> {
     pub bootstrap: &'a dyn bootstrap::Observer,
 }
 
-/// Why `up` could not start or a stage stopped it. Never carries a secret.
-#[derive(Debug, thiserror::Error)]
-pub enum UpError {
-    /// The inventory or environment lacks what `up` needs.
-    #[error("{0}")]
-    Setup(String),
-    #[error(transparent)]
-    Build(#[from] BuildError),
-    #[error(transparent)]
-    Proxmox(#[from] ProxmoxError),
-    #[error(transparent)]
-    Hcloud(#[from] HcloudError),
-    #[error(transparent)]
-    Bootstrap(#[from] StageError),
-    /// Some nodes failed a stage (each named in its report); the others
-    /// finished it. Bootstrapping waits until every node is published.
-    #[error("{stage}: {} failed ({}); the cluster was not bootstrapped", failed.len(), failed.join(", "))]
-    Nodes { stage: Stage, failed: Vec<String> },
-}
-
-impl UpError {
-    /// Whether the inventory or environment is at fault (not a server or node).
-    pub fn is_setup(&self) -> bool {
-        match self {
-            UpError::Setup(_)
-            | UpError::Proxmox(ProxmoxError::Setup(_))
-            | UpError::Hcloud(HcloudError::Setup(_)) => true,
-            UpError::Build(BuildError::UnknownNode(_)) => true,
-            UpError::Bootstrap(e) => matches!(
-                e,
-                StageError::UnknownTarget(_)
-                    | StageError::BadEndpoint { .. }
-                    | StageError::NoAddress { .. }
-                    | StageError::Config(_)
-            ),
-            _ => false,
-        }
-    }
-}
-
-/// The stages, in the order they run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Stage {
-    Build,
-    Publish,
-    Bootstrap,
-}
-
-impl std::fmt::Display for Stage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Stage::Build => "build",
-            Stage::Publish => "publish",
-            Stage::Bootstrap => "bootstrap",
-        })
-    }
-}
-
-/// What a stage did to one node (or, in a dry run, would do).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Change {
-    Built,
-    Uploaded,
-    Created,
-    Updated,
-    Started,
-    Applied,
-    Bootstrapped,
-    Unchanged,
-    /// Left booting an older image (`--replace-disk` swaps it).
-    Outdated,
-    Failed,
-}
-
-impl Change {
-    /// The word a summary shows.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Change::Built => "built",
-            Change::Uploaded => "uploaded",
-            Change::Created => "created",
-            Change::Updated => "updated",
-            Change::Started => "started",
-            Change::Applied => "applied",
-            Change::Bootstrapped => "bootstrapped",
-            Change::Unchanged => "unchanged",
-            Change::Outdated => "outdated",
-            Change::Failed => "failed",
-        }
-    }
-}
-
-impl From<VmChange> for Change {
-    fn from(v: VmChange) -> Change {
-        match v {
-            VmChange::Created => Change::Created,
-            VmChange::Updated => Change::Updated,
-            VmChange::Unchanged => Change::Unchanged,
-            VmChange::Outdated => Change::Outdated,
-        }
-    }
-}
-
-/// Per node, what each stage did; absent: the stage did not run for it.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct Stages {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub build: Option<Change>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub upload: Option<Change>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub vm: Option<Change>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub start: Option<Change>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub apply: Option<Change>,
-}
-
-impl Stages {
-    /// Each stage by name, in the order they run.
-    pub fn named(&self) -> [(&'static str, Option<Change>); 5] {
-        [
-            ("build", self.build),
-            ("upload", self.upload),
-            ("vm", self.vm),
-            ("start", self.start),
-            ("apply", self.apply),
-        ]
-    }
-}
-
-/// A node's Talos API as last seen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TalosState {
-    /// Answers without a client certificate: waiting for its config.
-    Maintenance,
-    /// Answers over mTLS only: configured.
-    Configured,
-    /// Port closed or no TLS answer.
-    Unreachable,
-}
-
-/// One row of the summary.
-#[derive(Debug, Clone, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct NodeReport {
-    pub node: String,
-    /// Where imgbuild reaches its Talos API.
-    pub address: Option<IpAddr>,
-    /// The image's sha256 (as the manifest records it).
-    pub sha256: Option<String>,
-    pub image: Option<PathBuf>,
-    /// Where the image was published (a Proxmox volume, a Hetzner snapshot).
-    pub volume: Option<String>,
-    pub vmid: Option<u32>,
-    /// The Hetzner server.
-    pub server: Option<u64>,
-    pub talos: Option<TalosState>,
-    pub talos_version: Option<String>,
-    /// Whether Kubernetes reports the node Ready.
-    pub kubernetes_ready: Option<bool>,
-    pub stages: Stages,
-    /// Why a stage failed for this node.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-/// What one `up` (or its dry run) did, stage by stage and node by node.
-#[derive(Debug, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Report {
-    pub cluster: String,
-    pub target: &'static str,
-    pub dry_run: bool,
-    /// Every inventory node, in inventory order.
-    pub nodes: Vec<NodeReport>,
-    /// Bootstrapped now, or unchanged (etcd was running); in a dry run
-    /// unknown when the first control plane is already configured.
-    pub bootstrap: Option<Change>,
-    pub bootstrap_node: Option<String>,
-    /// True only when every node is configured and Kubernetes calls every
-    /// node Ready: the table has no row that is not healthy.
-    pub healthy: bool,
-    /// How the health checks ended (absent: they did not run to the end).
-    pub health: Option<bootstrap::Health>,
-    /// Settings that did not work as given, and what was used instead
-    /// (the kubeconfig pointing at a control plane, not the VIP).
-    pub fallbacks: Vec<bootstrap::Fallback>,
-    pub kubeconfig: Option<PathBuf>,
-    pub talosconfig: Option<PathBuf>,
-    pub elapsed_ms: u128,
-    /// The stage that stopped the run, and why.
-    #[serde(skip)]
-    pub stopped: Option<(Stage, UpError)>,
-}
-
-impl Report {
-    fn new(inv: &Inventory, target: &Target, dry_run: bool, opts: &BootstrapOptions) -> Report {
-        let nodes = inv
-            .nodes
-            .iter()
-            .map(|n| NodeReport {
-                node: n.name.clone(),
-                address: opts
-                    .targets
-                    .get(&n.name)
-                    .map(|t| t.server_name)
-                    .or(n.address)
-                    .or_else(|| node_target(n, opts).map(|t| t.server_name)),
-                sha256: None,
-                image: None,
-                volume: None,
-                vmid: None,
-                server: None,
-                talos: None,
-                talos_version: None,
-                kubernetes_ready: None,
-                stages: Stages::default(),
-                error: None,
-            })
-            .collect();
-        Report {
-            cluster: inv.cluster.name.clone(),
-            target: target.name(),
-            dry_run,
-            nodes,
-            bootstrap: None,
-            bootstrap_node: None,
-            healthy: false,
-            health: None,
-            fallbacks: Vec::new(),
-            kubeconfig: None,
-            talosconfig: None,
-            elapsed_ms: 0,
-            stopped: None,
-        }
-    }
-
-    fn node(&mut self, name: &str) -> Option<&mut NodeReport> {
-        self.nodes.iter_mut().find(|n| n.node == name)
-    }
-
-    fn fail(&mut self, node: &str, stage: impl FnOnce(&mut Stages), error: String) {
-        if let Some(n) = self.node(node) {
-            stage(&mut n.stages);
-            n.error = Some(error);
-        }
-    }
-
-    /// Whether some nodes finished every stage that ran for them while
-    /// others failed (nodes not selected do not count as finished), or the
-    /// cluster came up healthy as far as Talos goes but has no CNI.
-    pub fn partial(&self) -> bool {
-        let some_failed = matches!(self.stopped, Some((_, UpError::Nodes { .. })))
-            && self
-                .nodes
-                .iter()
-                .any(|n| n.error.is_none() && n.stages.build.is_some());
-        some_failed || matches!(self.health, Some(bootstrap::Health::NoCni { .. }))
-    }
-}
-
-/// Where the bootstrap reaches `node`: the override, else its talosEndpoint
-/// or address (as [`stage::prepare`] decides).
-fn node_target(node: &crate::inventory::NodeSpec, opts: &BootstrapOptions) -> Option<NodeTarget> {
-    opts.targets
-        .get(&node.name)
-        .cloned()
-        .or_else(|| NodeTarget::new(node.address, node.talos_endpoint.as_deref()))
-}
-
-/// The error chain of `e` on one line, as the reports carry it.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
-}
-
 /// Runs every stage. Never fails outright: the report says how far it got
 /// and, in [`Report::stopped`], which stage stopped it and why.
 pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>) -> Report {
     let started = Instant::now();
-    let mut report = Report::new(inv, target, false, &opts.bootstrap);
+    let reach = Reach::of(inv, &opts.bootstrap);
+    let mut report = Report::new(inv, target.name(), false, &reach);
     // A bad patch or an unreachable node stops the run before any machine
     // exists, not after the VMs were created and started.
     if let Err(e) = stage::check(inv, &opts.bootstrap) {
-        report.stopped = Some((Stage::Bootstrap, UpError::Bootstrap(e)));
+        report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
         report.elapsed_ms = started.elapsed().as_millis();
         return report;
     }
@@ -447,35 +168,18 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
         Target::Hcloud(hc) => hcloud_stage(inv, hc, opts, obs, &mut report),
         _ => publish_stage(inv, target, opts, obs, &mut report).map(|()| BTreeMap::new()),
     };
-    let mut opts = opts.clone();
-    let bootstrapped = match published {
-        Err(stop) => Err(stop),
+    match published {
+        Err((stage, e)) => report.stop(stage, e),
         Ok(targets) => {
-            opts.bootstrap.targets.extend(targets);
-            bootstrap_stage(inv, &opts, obs, &mut report).map_err(|e| (Stage::Bootstrap, e))
-        }
-    };
-    if let Err((stage, e)) = bootstrapped {
-        if let UpError::Bootstrap(StageError::Bootstrap(b)) = &e {
-            let failed = match b {
-                bootstrap::BootstrapError::Nodes { failed, .. } => failed.iter().collect(),
-                other => vec![other],
-            };
-            for f in failed {
-                if let Some(node) = f.node() {
-                    report.fail(node, |s| s.apply = Some(Change::Failed), f.to_string());
-                }
-            }
-            if let bootstrap::BootstrapError::Nodes {
-                etcd: Some((node, now)),
-                ..
-            } = b
-            {
-                report.bootstrap = Some(changed(*now, Change::Bootstrapped));
-                report.bootstrap_node = Some(node.clone());
+            // Apply, bootstrap once, health: each node's readiness as the
+            // last health round saw it.
+            let mut bootstrap = opts.bootstrap.clone();
+            bootstrap.targets.extend(targets);
+            match stage::bootstrap(inv, &bootstrap, obs.bootstrap) {
+                Ok(done) => report.bootstrapped(&done),
+                Err(e) => report.stop(Stage::Bootstrap, e.into()),
             }
         }
-        report.stopped = Some((stage, e));
     }
     report.elapsed_ms = started.elapsed().as_millis();
     report
@@ -551,7 +255,7 @@ fn hcloud_stage(
     opts: &UpOptions,
     obs: Observers<'_>,
     report: &mut Report,
-) -> Result<BTreeMap<String, NodeTarget>, (Stage, UpError)> {
+) -> Result<BTreeMap<String, NodeEndpoint>, (Stage, UpError)> {
     let publish = |e: HcloudError| (Stage::Publish, UpError::Hcloud(e));
     let (built, failed) = build_stage(inv, opts, obs, report)?;
     if !failed.is_empty() {
@@ -657,16 +361,11 @@ fn hcloud_stage(
     Ok(targets)
 }
 
-/// `then` when `yes`, else unchanged.
-fn changed(yes: bool, then: Change) -> Change {
-    if yes { then } else { Change::Unchanged }
-}
-
 /// Puts server `s` in its node's row (with its vm and start outcomes, if
 /// this run dealt with it) and notes where the bootstrap reaches it.
 fn record_server(
     report: &mut Report,
-    targets: &mut BTreeMap<String, NodeTarget>,
+    targets: &mut BTreeMap<String, NodeEndpoint>,
     s: &servers::ClusterServer,
     stages: Option<(Change, Change)>,
 ) {
@@ -680,7 +379,7 @@ fn record_server(
     }
     if let Some(ip) = s.public_ip {
         n.address = Some(ip);
-        targets.extend(NodeTarget::new(Some(ip), None).map(|t| (s.node.clone(), t)));
+        targets.extend(NodeEndpoint::new(Some(ip), None).map(|t| (s.node.clone(), t)));
     }
 }
 
@@ -691,7 +390,7 @@ fn plan_hcloud(
     hc: &HcloudTarget,
     opts: &UpOptions,
     report: &mut Report,
-) -> Result<BTreeMap<String, NodeTarget>, (Stage, UpError)> {
+) -> Result<BTreeMap<String, NodeEndpoint>, (Stage, UpError)> {
     let publish = |e: HcloudError| (Stage::Publish, UpError::Hcloud(e));
     let current = build::current_images(inv, &opts.nodes, &opts.build)
         .map_err(|e| (Stage::Build, e.into()))?;
@@ -707,8 +406,7 @@ fn plan_hcloud(
             n.stages.vm = Some(Change::Created);
             n.stages.start = Some(Change::Started);
             if let Some(img) = image {
-                n.sha256 = Some(img.sha256.clone());
-                n.image = Some(img.file(&opts.build.out_dir));
+                n.show_image(img, img.file(&opts.build.out_dir));
                 built.push((img, img.file(&opts.build.out_dir)));
             }
         }
@@ -747,59 +445,8 @@ fn build_stage(
         Err(BuildError::Incomplete { built, failed }) => (built, failed),
         Err(e) => return Err((Stage::Build, e.into())),
     };
-    for o in &built {
-        if let Some(n) = report.node(&o.image.node) {
-            n.sha256 = Some(o.image.sha256.clone());
-            n.image = Some(o.file.clone());
-            n.stages.build = Some(changed(o.built, Change::Built));
-        }
-    }
-    let mut failed_nodes: Vec<String> = Vec::new();
-    for f in &failed {
-        report.fail(&f.node, |s| s.build = Some(Change::Failed), chain(&f.error));
-        failed_nodes.push(f.node.clone());
-    }
+    let failed_nodes = report.built(&built, &failed);
     Ok((built, failed_nodes))
-}
-
-/// Apply, bootstrap once, health; then each node's readiness as the
-/// Kubernetes API reports it.
-fn bootstrap_stage(
-    inv: &Inventory,
-    opts: &UpOptions,
-    obs: Observers<'_>,
-    report: &mut Report,
-) -> Result<(), UpError> {
-    let done = stage::bootstrap(inv, &opts.bootstrap, obs.bootstrap)?;
-    let outcome = &done.outcome;
-    report.bootstrap = Some(changed(outcome.bootstrapped, Change::Bootstrapped));
-    report.bootstrap_node = Some(outcome.bootstrap_node.clone());
-    report.kubeconfig = Some(done.prepared.plan.kubeconfig_path.clone());
-    report.talosconfig = Some(done.prepared.talosconfig.clone());
-    report.fallbacks = outcome.fallbacks.clone();
-    for planned in &done.prepared.plan.nodes {
-        if let Some(n) = report.node(&planned.name) {
-            n.address = Some(planned.address);
-            n.talos = Some(TalosState::Configured);
-            n.talos_version = outcome.versions.get(&planned.name).cloned();
-            n.stages.apply = Some(if outcome.applied.contains(&planned.name) {
-                Change::Applied
-            } else {
-                Change::Unchanged
-            });
-        }
-    }
-    // What Kubernetes said in the health round that ended the run.
-    for n in &mut report.nodes {
-        n.kubernetes_ready = Some(outcome.ready.get(&n.node).copied().unwrap_or(false));
-    }
-    report.healthy = outcome.health.is_healthy()
-        && report
-            .nodes
-            .iter()
-            .all(|n| n.kubernetes_ready == Some(true) && n.talos == Some(TalosState::Configured));
-    report.health = Some(outcome.health.clone());
-    Ok(())
 }
 
 /// The dry run: what `up` would build, upload, create, start, apply and
@@ -807,9 +454,10 @@ fn bootstrap_stage(
 /// node's TLS; builds nothing, writes nothing, changes nothing anywhere.
 pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     let started = Instant::now();
-    let mut report = Report::new(inv, target, true, &opts.bootstrap);
+    let reach = Reach::of(inv, &opts.bootstrap);
+    let mut report = Report::new(inv, target.name(), true, &reach);
     if let Err(e) = stage::check(inv, &opts.bootstrap) {
-        report.stopped = Some((Stage::Bootstrap, UpError::Bootstrap(e)));
+        report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
         report.elapsed_ms = started.elapsed().as_millis();
         return report;
     }
@@ -817,12 +465,15 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
         Target::Hcloud(hc) => plan_hcloud(inv, hc, opts, &mut report),
         _ => plan_publish(inv, target, opts, &mut report).map(|()| BTreeMap::new()),
     };
-    let mut opts = opts.clone();
+    let mut bootstrap = opts.bootstrap.clone();
     match planned {
-        Ok(targets) => opts.bootstrap.targets.extend(targets),
-        Err(stop) => report.stopped = Some(stop),
+        Ok(targets) => bootstrap.targets.extend(targets),
+        Err((stage, e)) => report.stop(stage, e),
     }
-    plan_bootstrap(inv, &opts, &mut report);
+    // Without a runtime to probe on, the nodes' Talos state stays unknown.
+    if let Ok(survey) = stage::survey(inv, &bootstrap) {
+        report.surveyed(&survey);
+    }
     report.elapsed_ms = started.elapsed().as_millis();
     report
 }
@@ -851,8 +502,7 @@ fn plan_publish(
                 None => Change::Built,
             });
             if let Some(img) = &image {
-                n.sha256 = Some(img.sha256.clone());
-                n.image = Some(img.file(&opts.build.out_dir));
+                n.show_image(img, img.file(&opts.build.out_dir));
             }
         }
         let image = image.map(|img| PublishImage {
@@ -907,62 +557,6 @@ fn plan_publish(
 }
 
 /// Probes each node's TLS (no API call, no certificate): a node in
-/// maintenance mode would get its config, a configured one nothing.
-fn plan_bootstrap(inv: &Inventory, opts: &UpOptions, report: &mut Report) {
-    let timeout = opts
-        .bootstrap
-        .limits
-        .call_timeout
-        .min(Duration::from_secs(3));
-    let targets: Vec<(String, Option<NodeTarget>)> = inv
-        .nodes
-        .iter()
-        .map(|n| (n.name.clone(), node_target(n, &opts.bootstrap)))
-        .collect();
-    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        return;
-    };
-    let states: Vec<TalosState> = runtime.block_on(async {
-        let probes = targets.iter().map(|(_, t)| async move {
-            let Some(t) = t else {
-                return TalosState::Unreachable;
-            };
-            match client::probe(t, timeout).await {
-                Ok(Probe::Maintenance { .. }) => TalosState::Maintenance,
-                Ok(Probe::Configured) => TalosState::Configured,
-                Err(_) => TalosState::Unreachable,
-            }
-        });
-        futures_util::future::join_all(probes).await
-    });
-    for ((name, _), state) in targets.iter().zip(states) {
-        if let Some(n) = report.node(name) {
-            n.talos = Some(state);
-            n.stages.apply = Some(if state == TalosState::Configured {
-                Change::Unchanged
-            } else {
-                Change::Applied
-            });
-        }
-    }
-    let first_cp = inv
-        .nodes
-        .iter()
-        .find(|n| n.role == crate::inventory::Role::Controlplane);
-    if let Some(cp) = first_cp {
-        report.bootstrap_node = Some(cp.name.clone());
-        let configured = report
-            .nodes
-            .iter()
-            .any(|n| n.node == cp.name && n.talos == Some(TalosState::Configured));
-        // A configured control plane may or may not run etcd yet: the run
-        // asks it (over mTLS) and bootstraps only when etcd is not running.
-        report.bootstrap = (!configured).then_some(Change::Bootstrapped);
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -1058,67 +652,4 @@ nodes:
         assert!(!format!("{t:?}").contains("t0ken"));
     }
 
-    #[test]
-    fn a_run_stopped_for_some_nodes_is_partial_only_if_others_finished() {
-        let inv = inv("");
-        let mut r = Report::new(&inv, &Target::None, false, &BootstrapOptions::default());
-        r.fail("w-01", |s| s.build = Some(Change::Failed), "boom".into());
-        r.stopped = Some((
-            Stage::Build,
-            UpError::Nodes {
-                stage: Stage::Build,
-                failed: vec!["w-01".into()],
-            },
-        ));
-        assert!(!r.partial(), "cp-01 was not selected: nothing finished");
-        r.node("cp-01").unwrap().stages.build = Some(Change::Built);
-        r.stopped = Some((
-            Stage::Build,
-            UpError::Nodes {
-                stage: Stage::Build,
-                failed: vec!["w-01".into()],
-            },
-        ));
-        assert!(r.partial());
-        r.fail("cp-01", |s| s.build = Some(Change::Failed), "boom".into());
-        assert!(!r.partial());
-        r.stopped = Some((Stage::Bootstrap, UpError::Setup("x".into())));
-        assert!(!r.partial());
-        let err = UpError::Nodes {
-            stage: Stage::Publish,
-            failed: vec!["a".into(), "b".into()],
-        };
-        assert_eq!(
-            err.to_string(),
-            "publish: 2 failed (a, b); the cluster was not bootstrapped"
-        );
-    }
-
-    #[test]
-    fn reports_carry_the_stage_words_and_every_node() {
-        let inv = inv("");
-        let mut r = Report::new(&inv, &Target::None, true, &BootstrapOptions::default());
-        r.node("cp-01").unwrap().stages.apply = Some(Change::Unchanged);
-        let v = serde_json::to_value(&r).unwrap();
-        assert_eq!(v["dryRun"], true);
-        assert_eq!(v["target"], "none");
-        assert_eq!(v["nodes"][0]["address"], "10.0.0.11");
-        assert_eq!(
-            v["nodes"][0]["stages"],
-            serde_json::json!({"apply": "unchanged"})
-        );
-        assert_eq!(v["nodes"][1]["stages"], serde_json::json!({}));
-        for c in [Change::Built, Change::Outdated, Change::Failed] {
-            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
-        }
-    }
-
-    #[test]
-    fn error_chains_read_on_one_line() {
-        let e = StageError::Io {
-            path: "/x/kubeconfig".into(),
-            source: std::io::Error::other("disk full"),
-        };
-        assert_eq!(chain(&e), "/x/kubeconfig: disk full");
-    }
 }

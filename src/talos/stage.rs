@@ -5,11 +5,13 @@
 //! renders what comes back.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
-use super::client::Target;
+use super::client::{self, NodeEndpoint, Probe};
 use super::config::{self, ConfigError, PatchVars};
 use super::secrets::{SecretsBundle, SecretsError};
 use super::talosconfig::{Talosconfig, TalosconfigError};
@@ -226,7 +228,7 @@ pub struct BootstrapOptions {
     /// Where to reach nodes whose address the inventory does not know or
     /// that answer elsewhere (a cloud's public IP), by node name. The
     /// target's server name becomes the node's address.
-    pub targets: BTreeMap<String, Target>,
+    pub targets: BTreeMap<String, NodeEndpoint>,
     /// Timeouts, polling, certificate pin.
     pub limits: bootstrap::Options,
     /// What `${NAME}` in patch files stands for.
@@ -256,7 +258,7 @@ pub struct Bootstrapped {
     /// The files and plan the run used.
     pub prepared: Prepared,
     /// What the run did to the nodes.
-    pub outcome: bootstrap::Outcome,
+    pub outcome: bootstrap::BootstrapOutcome,
 }
 
 /// Readies a run without contacting any node: state dir, secrets,
@@ -291,20 +293,21 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
     let mut nodes = Vec::new();
     let mut configs_written = Vec::new();
     for node in &inv.nodes {
-        let (target, address) = reach(node, opts)?;
+        let (endpoint, address) = reach(node, opts)?;
         let text =
             state_dir.render_config(inv, node, &bundle, &opts.patch_vars, &mut configs_written)?;
         nodes.push(PlannedNode {
             name: node.name.clone(),
             role: node.role,
             address,
-            target,
+            endpoint,
             install_disk: node.install_disk.clone(),
             config: text.into_bytes(),
         });
     }
     let plan = Plan {
         nodes,
+        bootstrap_node: bootstrap_node(inv),
         endpoint: inv.cluster.endpoint.clone(),
         vip: inv.cluster.vip,
         identity: Arc::new(identity),
@@ -321,15 +324,16 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
 }
 
 /// Where the bootstrap reaches `node`, and the address it has there: the
-/// override, else its talosEndpoint or address.
+/// override, else its talosEndpoint or address. The one rule [`prepare`],
+/// [`check`] and [`Reach::of`] follow.
 fn reach(
     node: &crate::inventory::NodeSpec,
     opts: &BootstrapOptions,
-) -> Result<(Target, std::net::IpAddr), StageError> {
+) -> Result<(NodeEndpoint, IpAddr), StageError> {
     if let Some(t) = opts.targets.get(&node.name) {
         return Ok((t.clone(), t.server_name));
     }
-    let t = Target::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(|| match &node
+    let t = NodeEndpoint::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(|| match &node
         .talos_endpoint
     {
         Some(endpoint) => StageError::BadEndpoint {
@@ -344,12 +348,94 @@ fn reach(
     Ok((t, address))
 }
 
+/// The node etcd is bootstrapped on: the first control plane (see
+/// [`Inventory::control_planes`]).
+fn bootstrap_node(inv: &Inventory) -> Option<String> {
+    inv.control_planes().next().map(|n| n.name.clone())
+}
+
+/// Where the bootstrap reaches one node.
+#[derive(Debug, Clone)]
+pub struct NodeReach {
+    pub node: String,
+    /// Its Talos API; None when the inventory gives no way in ([`check`]
+    /// and [`prepare`] refuse that, naming the node).
+    pub endpoint: Option<NodeEndpoint>,
+    /// Its own address: the override's, else the inventory's, else the
+    /// talosEndpoint's host.
+    pub address: Option<IpAddr>,
+}
+
+/// What the bootstrap decides before it touches any node: where it reaches
+/// each one and which one gets etcd bootstrapped. [`prepare`] plans by the
+/// same rules; `up` reports these and its dry run probes them, so it never
+/// decides them itself.
+#[derive(Debug, Clone)]
+pub struct Reach {
+    /// In inventory order.
+    pub nodes: Vec<NodeReach>,
+    /// The first control plane.
+    pub bootstrap_node: Option<String>,
+}
+
+impl Reach {
+    /// Reads nothing and fails for no node: a node without a way in is
+    /// left without an endpoint here, for [`check`] or [`prepare`] to name.
+    pub fn of(inv: &Inventory, opts: &BootstrapOptions) -> Reach {
+        let nodes = inv
+            .nodes
+            .iter()
+            .map(|node| {
+                let (endpoint, address) = match reach(node, opts) {
+                    Ok((endpoint, address)) => (Some(endpoint), Some(address)),
+                    Err(_) => (None, node.address),
+                };
+                NodeReach {
+                    node: node.name.clone(),
+                    endpoint,
+                    address,
+                }
+            })
+            .collect();
+        Reach {
+            nodes,
+            bootstrap_node: bootstrap_node(inv),
+        }
+    }
+}
+
+/// What a bootstrap would find, found without changing anything.
+#[derive(Debug, Clone)]
+pub struct Survey {
+    pub reach: Reach,
+    /// Per node, in the order of `reach.nodes`, how its Talos API answered
+    /// a TLS handshake; None when it did not (port closed, no TLS answer,
+    /// no way in).
+    pub answers: Vec<Option<Probe>>,
+}
+
+/// The dry run of [`bootstrap`]: one TLS handshake per node, all at once,
+/// without a client certificate or any API call. A node in maintenance
+/// mode would get its config, a configured one nothing.
+pub fn survey(inv: &Inventory, opts: &BootstrapOptions) -> Result<Survey, StageError> {
+    let reach = Reach::of(inv, opts);
+    let timeout = opts.limits.call_timeout.min(Duration::from_secs(3));
+    let probes = reach.nodes.iter().map(|n| async move {
+        match &n.endpoint {
+            Some(endpoint) => client::probe(endpoint, timeout).await.ok(),
+            None => None,
+        }
+    });
+    let answers = runtime()?.block_on(futures_util::future::join_all(probes));
+    Ok(Survey { reach, answers })
+}
+
 /// What [`check`] found: nothing is wrong with the configs or the reach.
 #[derive(Debug, Clone)]
 pub struct Checked {
     /// Where each node is reached, by node; None where the target reports
     /// it later (Hetzner servers, at their public IP).
-    pub reach: Vec<(String, Option<Target>)>,
+    pub reach: Vec<(String, Option<NodeEndpoint>)>,
     /// Whether the configs were rendered with a throwaway bundle (the
     /// state dir has no secrets yet).
     pub throwaway_secrets: bool,
@@ -426,13 +512,17 @@ pub fn bootstrap(
     observer: &dyn Observer,
 ) -> Result<Bootstrapped, StageError> {
     let prepared = prepare(inv, opts)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let outcome = runtime()?.block_on(bootstrap::run(&prepared.plan, &opts.limits, observer))?;
+    Ok(Bootstrapped { prepared, outcome })
+}
+
+/// The runtime [`bootstrap`] and [`survey`] run their node calls on.
+fn runtime() -> Result<tokio::runtime::Runtime, StageError> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| BootstrapError::Local(format!("cannot start the async runtime: {e}")))?;
-    let outcome = runtime.block_on(bootstrap::run(&prepared.plan, &opts.limits, observer))?;
-    Ok(Bootstrapped { prepared, outcome })
+        .map_err(|e| BootstrapError::Local(format!("cannot start the async runtime: {e}")).into())
 }
 
 #[cfg(test)]
@@ -526,7 +616,7 @@ mod tests {
             assert_eq!(planned.name, node.name);
             assert_eq!(Some(planned.address), node.address);
             assert_eq!(
-                planned.target.addr.to_string(),
+                planned.endpoint.addr.to_string(),
                 format!("{}:50000", planned.address)
             );
         }
@@ -611,7 +701,7 @@ mod tests {
             "{err}"
         );
         // An override (a cloud's address) reaches it.
-        let t = Target::new(Some("127.0.0.9".parse().unwrap()), None).unwrap();
+        let t = NodeEndpoint::new(Some("127.0.0.9".parse().unwrap()), None).unwrap();
         opts.targets.insert("worker-01".into(), t);
         assert!(check(&inv, &opts).is_ok());
         assert!(!state.exists());
@@ -642,16 +732,16 @@ mod tests {
         let mut opts = seeded(root.path());
         let mut inv = atlas();
         inv.nodes[3].address = None;
-        let target = Target::new(None, Some("127.0.0.9:50123")).unwrap();
+        let target = NodeEndpoint::new(None, Some("127.0.0.9:50123")).unwrap();
         opts.targets.insert("worker-01".into(), target);
         let p = prepare(&inv, &opts).unwrap();
         let w = &p.plan.nodes[3];
-        assert_eq!(w.target.addr.to_string(), "127.0.0.9:50123");
+        assert_eq!(w.endpoint.addr.to_string(), "127.0.0.9:50123");
         assert_eq!(w.address.to_string(), "127.0.0.9");
 
         opts.targets.insert(
             "worker-09".into(),
-            Target::new(None, Some("127.0.0.9")).unwrap(),
+            NodeEndpoint::new(None, Some("127.0.0.9")).unwrap(),
         );
         let err = prepare(&inv, &opts).unwrap_err().to_string();
         assert!(err.contains("no node named \"worker-09\""), "{err}");

@@ -104,7 +104,7 @@ pub async fn collect(
             error: now.error,
         };
         if row.reachable
-            && let Ok(conn) = NodeClient::connect(&node.target, &mode, opts.call_timeout).await
+            && let Ok(conn) = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await
         {
             match conn
                 .apply_mode(node.config.clone(), ApplyMode::NoReboot, true)
