@@ -556,8 +556,6 @@ fn plan_publish(
     }
 }
 
-/// Probes each node's TLS (no API call, no certificate): a node in
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -651,5 +649,4 @@ nodes:
         assert_eq!(t.name(), "hcloud");
         assert!(!format!("{t:?}").contains("t0ken"));
     }
-
 }

@@ -91,7 +91,8 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         let mut reach = opts.bootstrap.clone();
         if matches!(target, Target::Hcloud(_)) {
             reach.targets.extend(report.nodes.iter().filter_map(|n| {
-                imgbuild::talos::client::NodeEndpoint::new(n.address, None).map(|t| (n.node.clone(), t))
+                imgbuild::talos::client::NodeEndpoint::new(n.address, None)
+                    .map(|t| (n.node.clone(), t))
             }));
         }
         match super::day2::drift(&inv, &reach) {

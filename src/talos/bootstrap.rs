@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::client::{self, ApiError, Mode, NodeClient, Probe, NodeEndpoint};
+use super::client::{self, ApiError, Mode, NodeClient, NodeEndpoint, Probe};
 use super::kube::{self, Kubeconfig};
 use super::talosconfig::Identity;
 use crate::inventory::Role;
@@ -729,7 +729,8 @@ async fn health_round(
     // Like talosctl, through one endpoint (the first control plane) with
     // `nodes` routing to each member; the client checks each reply came
     // back stamped with the member's address.
-    let endpoint = match NodeClient::connect(&first_cp.endpoint, &mode, cx.opts.call_timeout).await {
+    let endpoint = match NodeClient::connect(&first_cp.endpoint, &mode, cx.opts.call_timeout).await
+    {
         Ok(c) => c,
         Err(e) => {
             return Round::failed(vec![format!("{}: API not answering ({e})", first_cp.name)]);

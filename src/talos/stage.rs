@@ -333,17 +333,18 @@ fn reach(
     if let Some(t) = opts.targets.get(&node.name) {
         return Ok((t.clone(), t.server_name));
     }
-    let t = NodeEndpoint::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(|| match &node
-        .talos_endpoint
-    {
-        Some(endpoint) => StageError::BadEndpoint {
-            node: node.name.clone(),
-            endpoint: endpoint.clone(),
-        },
-        None => StageError::NoAddress {
-            node: node.name.clone(),
-        },
-    })?;
+    let t =
+        NodeEndpoint::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(
+            || match &node.talos_endpoint {
+                Some(endpoint) => StageError::BadEndpoint {
+                    node: node.name.clone(),
+                    endpoint: endpoint.clone(),
+                },
+                None => StageError::NoAddress {
+                    node: node.name.clone(),
+                },
+            },
+        )?;
     let address = node.address.unwrap_or(t.server_name);
     Ok((t, address))
 }

@@ -244,7 +244,12 @@ pub enum Line {
 impl Report {
     /// A row per inventory node at the address the bootstrap reaches it
     /// at (as the stage decided); nothing done yet.
-    pub(super) fn new(inv: &Inventory, target: &'static str, dry_run: bool, reach: &Reach) -> Report {
+    pub(super) fn new(
+        inv: &Inventory,
+        target: &'static str,
+        dry_run: bool,
+        reach: &Reach,
+    ) -> Report {
         let nodes = reach
             .nodes
             .iter()
@@ -637,7 +642,10 @@ nodes:
             out[2],
             "cp-01  abababababab  -       -          10.0.0.11  maintenance  -"
         );
-        assert_eq!(out[3], "w-01   -             -       -          10.0.0.21  -            -");
+        assert_eq!(
+            out[3],
+            "w-01   -             -       -          10.0.0.21  -            -"
+        );
         assert_eq!(
             out[4],
             "build: 1 to build, 1 unchanged; etcd: bootstrapped on cp-01 unless it already runs"
@@ -648,7 +656,11 @@ nodes:
     #[test]
     fn failed_nodes_go_to_standard_error() {
         let mut r = report(false);
-        r.fail("w-01", |s| s.upload = Some(Change::Failed), "disk full".into());
+        r.fail(
+            "w-01",
+            |s| s.upload = Some(Change::Failed),
+            "disk full".into(),
+        );
         r.stop(
             Stage::Publish,
             UpError::Nodes {
