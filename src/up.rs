@@ -168,20 +168,36 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
         Target::Hcloud(hc) => hcloud_stage(inv, hc, opts, obs, &mut report),
         _ => publish_stage(inv, target, opts, obs, &mut report).map(|()| BTreeMap::new()),
     };
-    match published {
-        Err((stage, e)) => report.stop(stage, e),
+    let mut bootstrap = opts.bootstrap.clone();
+    let done = match published {
+        Err((stage, e)) => {
+            report.stop(stage, e);
+            None
+        }
         Ok(targets) => {
             // Apply, bootstrap once, health: each node's readiness as the
             // last health round saw it.
-            let mut bootstrap = opts.bootstrap.clone();
             bootstrap.targets.extend(targets);
             match stage::bootstrap(inv, &bootstrap, obs.bootstrap) {
-                Ok(done) => report.bootstrapped(&done),
-                Err(e) => report.stop(Stage::Bootstrap, e.into()),
+                Ok(done) => {
+                    report.bootstrapped(&done);
+                    Some(done)
+                }
+                Err(e) => {
+                    report.stop(Stage::Bootstrap, e.into());
+                    None
+                }
             }
         }
-    }
+    };
     report.elapsed_ms = started.elapsed().as_millis();
+    // A healthy cluster may still run other versions, schematics or
+    // configs than the inventory asks for: what `imgbuild status` flags.
+    if let Some(done) = done
+        && report.healthy
+    {
+        report.drifted(stage::drift(inv, &done.prepared, &bootstrap));
+    }
     report
 }
 

@@ -83,36 +83,13 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
     {
         return Err(Usage(format!("{}: {e:#}", config.display())).into());
     }
-    // A healthy cluster may still run other versions, schematics or configs
-    // than the inventory asks for: the same rows as `imgbuild status`.
-    let drift = if report.stopped.is_none() && report.healthy && !args.dry_run {
-        // Hetzner servers answer at the public IPs the run reached them at,
-        // not at their inventory (private network) addresses.
-        let mut reach = opts.bootstrap.clone();
-        if matches!(target, Target::Hcloud(_)) {
-            reach.targets.extend(report.nodes.iter().filter_map(|n| {
-                imgbuild::talos::client::NodeEndpoint::new(n.address, None)
-                    .map(|t| (n.node.clone(), t))
-            }));
-        }
-        match super::day2::drift(&inv, &reach) {
-            Ok(d) => d,
-            Err(e) => {
-                if output == Output::Text {
-                    eprintln!("warning: drift not checked: {e:#}");
-                }
-                Vec::new()
-            }
-        }
-    } else {
-        Vec::new()
-    };
+    if let Some(why) = &report.drift_unchecked
+        && output == Output::Text
+    {
+        eprintln!("warning: drift not checked: {why}");
+    }
     match output {
-        Output::Json => {
-            let mut doc = report.json()?;
-            doc["drift"] = serde_json::json!(drift);
-            outln!("{doc}");
-        }
+        Output::Json => outln!("{}", report.json()?),
         Output::Text => {
             for line in report.text() {
                 match line {
@@ -120,7 +97,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
                     Line::Err(text) => eprintln!("{text}"),
                 }
             }
-            super::day2::print_drift(&drift);
+            super::day2::print_drift(&report.drift);
         }
     }
     match &report.stopped {
@@ -134,7 +111,9 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
                 .unwrap_or_default()
         ))
         .into()),
-        None if !drift.is_empty() => Err(Partial(super::day2::drift_summary(&drift)).into()),
+        None if !report.drift.is_empty() => {
+            Err(Partial(super::day2::drift_summary(&report.drift)).into())
+        }
         None => Ok(()),
         Some((_, e)) if report.partial() => Err(Partial(e.to_string()).into()),
         Some((_, e)) => Err(Reported(up::chain(e)).into()),

@@ -14,7 +14,9 @@ use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
 use super::client::{self, NodeEndpoint, Probe};
 use super::config::{self, ConfigError, PatchVars};
 use super::secrets::{SecretsBundle, SecretsError};
+use super::status::{self, Drift};
 use super::talosconfig::{Talosconfig, TalosconfigError};
+use super::upgrade;
 use crate::inventory::{Inventory, UnknownNode};
 
 /// Why the stage stopped before or during the run. Never quotes a secret.
@@ -50,6 +52,9 @@ pub enum StageError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Bootstrap(#[from] BootstrapError),
+    /// A node's schematic, to compare with the one it runs.
+    #[error(transparent)]
+    Schematic(#[from] crate::schematic::EmitError),
 }
 
 /// The folder holding one cluster's secrets and client files: 0700, each
@@ -111,6 +116,11 @@ impl StateDir {
     /// Where each node's rendered config is kept, for the user to read.
     pub fn configs_dir(&self) -> PathBuf {
         self.path.join("configs")
+    }
+
+    /// What `imgbuild upgrade` installed on each node ([`upgrade::Record`]).
+    pub fn upgrades_path(&self) -> PathBuf {
+        self.path.join("upgrades.json")
     }
 
     /// The cluster's secrets, generated and saved on first use. The flag
@@ -517,7 +527,22 @@ pub fn bootstrap(
     Ok(Bootstrapped { prepared, outcome })
 }
 
-/// The runtime [`bootstrap`] and [`survey`] run their node calls on.
+/// How the cluster a [`bootstrap`] just brought up differs from the
+/// inventory (version, schematic, config), as `imgbuild status` would
+/// flag it: read over the plan that run used (its endpoints, its configs).
+pub fn drift(
+    inv: &Inventory,
+    prepared: &Prepared,
+    opts: &BootstrapOptions,
+) -> Result<Vec<Drift>, StageError> {
+    let wanted = upgrade::wanted(inv)?;
+    let record = upgrade::Record::load(&prepared.state_dir.upgrades_path());
+    let plan = &prepared.plan;
+    Ok(runtime()?.block_on(status::drift(plan, &wanted, &record, &opts.limits)))
+}
+
+/// The runtime [`bootstrap`], [`survey`] and [`drift`] run their node
+/// calls on.
 fn runtime() -> Result<tokio::runtime::Runtime, StageError> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

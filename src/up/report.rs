@@ -14,6 +14,7 @@ use crate::publish::proxmox::VmChange;
 use crate::talos::bootstrap::{self, BootstrapError};
 use crate::talos::client::Probe;
 use crate::talos::stage::{Bootstrapped, Reach, StageError, Survey};
+use crate::talos::status::Drift;
 
 /// What a stage did to one node (or, in a dry run, would do).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -230,6 +231,13 @@ pub struct Report {
     /// The stage that stopped the run, and why.
     #[serde(skip)]
     pub stopped: Option<(Stage, UpError)>,
+    /// How a healthy cluster differs from the inventory (version,
+    /// schematic, config), as `imgbuild status` would flag it.
+    #[serde(skip)]
+    pub drift: Vec<Drift>,
+    /// Why the drift could not be checked.
+    #[serde(skip)]
+    pub drift_unchecked: Option<String>,
 }
 
 /// One line of the text report, and where it goes.
@@ -282,6 +290,8 @@ impl Report {
             talosconfig: None,
             elapsed_ms: 0,
             stopped: None,
+            drift: Vec::new(),
+            drift_unchecked: None,
         }
     }
 
@@ -344,6 +354,15 @@ impl Report {
                 n.kubernetes_ready == Some(true) && n.talos == Some(TalosState::Configured)
             });
         self.health = Some(outcome.health.clone());
+    }
+
+    /// Records how the cluster differs from the inventory, or why that
+    /// could not be read.
+    pub(super) fn drifted(&mut self, drift: Result<Vec<Drift>, StageError>) {
+        match drift {
+            Ok(drift) => self.drift = drift,
+            Err(e) => self.drift_unchecked = Some(chain(&e)),
+        }
     }
 
     /// Records what the bootstrap would do, from how each node answered:
@@ -410,13 +429,15 @@ impl Report {
         some_failed || matches!(self.health, Some(bootstrap::Health::NoCni { .. }))
     }
 
-    /// The JSON document: the report, and the stage that stopped it and why.
+    /// The JSON document: the report, the stage that stopped it and why,
+    /// and the drift.
     pub fn json(&self) -> serde_json::Result<serde_json::Value> {
         let mut doc = serde_json::to_value(self)?;
         if let Some((stage, e)) = &self.stopped {
             doc["failedStage"] = serde_json::json!(stage);
             doc["error"] = serde_json::json!(chain(e));
         }
+        doc["drift"] = serde_json::to_value(&self.drift)?;
         Ok(doc)
     }
 
