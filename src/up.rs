@@ -12,119 +12,14 @@ use std::time::{Duration, Instant};
 
 use crate::build::{self, BuildError, BuildOptions};
 use crate::fetch::Progress;
-use crate::inventory::{HcloudSettings, Inventory, ProxmoxSettings};
-use crate::publish::hcloud::{self, HcloudError, SnapshotImage, SnapshotOptions, servers};
-use crate::publish::proxmox::{self, Credentials, ProxmoxError, PublishOptions, VmChange};
-use crate::publish::{Cancel, PublishImage};
+use crate::inventory::Inventory;
+use crate::publish::PublishImage;
+use crate::publish::hcloud::{self, HcloudError, SnapshotImage, servers};
+use crate::publish::proxmox::{self, ProxmoxError, VmChange};
+use crate::publish::target::{HcloudTarget, ProxmoxTarget, Target};
 use crate::talos::bootstrap;
 use crate::talos::client::{self, Probe, Target as NodeTarget};
 use crate::talos::stage::{self, BootstrapOptions, StageError};
-
-/// Where the machines come from. Each target publishes the images and starts
-/// one machine per node; then every target is bootstrapped the same way.
-#[derive(Debug, Clone)]
-pub enum Target {
-    /// Machines booted by other means: only the bootstrap runs.
-    None,
-    /// Images uploaded to Proxmox VE, one started VM per node.
-    Proxmox(Box<ProxmoxTarget>),
-    /// Snapshots in Hetzner Cloud, one server per node created from them
-    /// with its machine config as `user_data`.
-    Hcloud(Box<HcloudTarget>),
-}
-
-/// A Hetzner Cloud target: where, as whom, and how patiently.
-#[derive(Debug, Clone)]
-pub struct HcloudTarget {
-    pub settings: HcloudSettings,
-    pub credentials: hcloud::Credentials,
-    pub options: SnapshotOptions,
-    /// Stops the snapshot runs (which then delete their temporary server).
-    pub cancel: Cancel,
-}
-
-impl HcloudTarget {
-    fn api(&self) -> Result<hcloud::Api, (Stage, UpError)> {
-        hcloud::Api::new(
-            &self.credentials.endpoint,
-            self.credentials.token.clone(),
-            self.options.retry,
-        )
-        .map_err(|e| (Stage::Publish, UpError::Hcloud(e)))
-    }
-}
-
-/// How each kind of target publishes.
-#[derive(Debug, Clone)]
-pub struct TargetOptions {
-    pub proxmox: PublishOptions,
-    pub hcloud: SnapshotOptions,
-    pub cancel: Cancel,
-}
-
-/// A Proxmox VE target: where, as whom, and how to publish.
-#[derive(Debug, Clone)]
-pub struct ProxmoxTarget {
-    pub settings: ProxmoxSettings,
-    pub credentials: Credentials,
-    pub options: PublishOptions,
-}
-
-impl Target {
-    /// The inventory's `publish` section as a target, credentials read through
-    /// `env`. `up` starts the VMs it publishes, whatever `vm.start` says:
-    /// bootstrapping needs them running.
-    pub fn from_inventory(
-        inv: &Inventory,
-        env: &dyn Fn(&str) -> Option<String>,
-        options: TargetOptions,
-    ) -> Result<Target, UpError> {
-        match (&inv.publish.proxmox, &inv.publish.hcloud) {
-            (None, None) => Ok(Target::None),
-            (Some(_), Some(_)) => Err(UpError::Setup(
-                "publish has both proxmox and hcloud: `up` brings a cluster up on one target; keep one"
-                    .into(),
-            )),
-            (None, Some(settings)) => {
-                if settings.servers.is_none() {
-                    return Err(UpError::Setup(
-                        "publish.hcloud has no servers section (`servers: {type: cpx22}`): `up` needs servers to bootstrap (`imgbuild publish` only makes snapshots)".into(),
-                    ));
-                }
-                Ok(Target::Hcloud(Box::new(HcloudTarget {
-                    settings: settings.clone(),
-                    credentials: hcloud::Credentials::from_env(env)?,
-                    options: options.hcloud,
-                    cancel: options.cancel,
-                })))
-            }
-            (Some(settings), None) => {
-                let mut settings = settings.clone();
-                let Some(vm) = settings.vm.as_mut() else {
-                    return Err(UpError::Setup(
-                        "publish.proxmox has no vm section: `up` needs VMs to bootstrap (`imgbuild publish` only uploads)".into(),
-                    ));
-                };
-                vm.start = true;
-                let credentials = Credentials::from_env(&settings, env)?;
-                Ok(Target::Proxmox(Box::new(ProxmoxTarget {
-                    settings,
-                    credentials,
-                    options: options.proxmox,
-                })))
-            }
-        }
-    }
-
-    /// The name reports carry.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Target::None => "none",
-            Target::Proxmox(_) => "proxmox",
-            Target::Hcloud(_) => "hcloud",
-        }
-    }
-}
 
 /// What one `up` does besides the target.
 #[derive(Clone)]
@@ -563,18 +458,19 @@ fn hcloud_stage(
             },
         ));
     }
-    let api = hc.api()?;
+    let api = hc.api().map_err(publish)?;
     let mut snapshot_of: BTreeMap<String, u64> = BTreeMap::new();
     let mut failed = Vec::new();
-    for image in SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone()))) {
-        let run = hcloud::publish_snapshot(
-            &api,
-            &hc.settings,
-            &image,
-            &hc.options,
-            &hc.cancel,
-            obs.hcloud,
-        );
+    let images = SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone())));
+    let runs = hcloud::publish_snapshots(
+        &api,
+        &hc.settings,
+        &images,
+        &hc.options,
+        &hc.cancel,
+        obs.hcloud,
+    );
+    for (image, run) in images.iter().zip(runs) {
         let leftovers: Vec<String> = run
             .leftovers
             .iter()
@@ -713,7 +609,7 @@ fn plan_hcloud(
             }
         }
     }
-    let api = hc.api()?;
+    let api = hc.api().map_err(publish)?;
     for image in SnapshotImage::distinct(built) {
         let found = hcloud::find_snapshot(&api, &hc.settings, &image).map_err(publish)?;
         for node in &image.nodes {
@@ -981,81 +877,6 @@ nodes:
 "#
         );
         Inventory::parse(&text, Path::new("cluster.yaml")).unwrap()
-    }
-
-    const ENV: [(&str, &str); 2] = [
-        ("PROXMOX_VE_ENDPOINT", "https://127.0.0.1:8006/"),
-        ("PROXMOX_VE_API_TOKEN", "root@pam!up=secret"),
-    ];
-
-    fn target(publish: &str, env: &[(&str, &str)]) -> Result<Target, UpError> {
-        let lookup = |k: &str| {
-            env.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.to_string())
-        };
-        let options = TargetOptions {
-            proxmox: PublishOptions::default(),
-            hcloud: SnapshotOptions::default(),
-            cancel: Cancel::never(),
-        };
-        Target::from_inventory(&inv(publish), &lookup, options)
-    }
-
-    #[test]
-    fn no_publish_section_means_bootstrap_only() {
-        assert!(matches!(target("", &[]).unwrap(), Target::None));
-    }
-
-    #[test]
-    fn proxmox_vms_are_started_whatever_the_inventory_says() {
-        let t = target(
-            "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, start: false}",
-            &ENV,
-        )
-        .unwrap();
-        let Target::Proxmox(pve) = t else {
-            panic!("not proxmox: {t:?}")
-        };
-        assert!(pve.settings.vm.unwrap().start);
-    }
-
-    #[test]
-    fn targets_up_cannot_use_are_setup_errors() {
-        let no_vm = target(
-            "publish:\n  proxmox:\n    node: pve\n    storage: local",
-            &ENV,
-        )
-        .unwrap_err();
-        assert!(no_vm.is_setup());
-        assert!(no_vm.to_string().contains("no vm section"), "{no_vm}");
-        let no_env = target(
-            "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300}",
-            &[],
-        )
-        .unwrap_err();
-        assert!(no_env.is_setup());
-        assert!(
-            no_env.to_string().contains("PROXMOX_VE_ENDPOINT"),
-            "{no_env}"
-        );
-        let hcloud = target(
-            "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1}",
-            &ENV,
-        )
-        .unwrap_err();
-        assert!(hcloud.is_setup());
-        assert!(
-            hcloud.to_string().contains("no servers section"),
-            "{hcloud}"
-        );
-        let servers = "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1, servers: {type: cpx22}}";
-        let no_token = target(servers, &ENV).unwrap_err();
-        assert!(no_token.is_setup());
-        assert!(no_token.to_string().contains("HCLOUD_TOKEN"), "{no_token}");
-        let t = target(servers, &[("HCLOUD_TOKEN", "t0ken")]).unwrap();
-        assert_eq!(t.name(), "hcloud");
-        assert!(!format!("{t:?}").contains("t0ken"));
     }
 
     #[test]

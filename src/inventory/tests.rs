@@ -363,7 +363,7 @@ fn hcloud_publish_loads_with_defaults() {
         "    location: fsn1\n    labels: {team: infra}\n",
     ))
     .unwrap();
-    let hc = inv.publish.hcloud.unwrap();
+    let hc = inv.publish.hcloud().unwrap().clone();
     assert_eq!(hc.location, "fsn1");
     assert!(hc.server_types.is_empty());
     assert_eq!(hc.labels["team"], "infra");

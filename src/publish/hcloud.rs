@@ -116,6 +116,9 @@ pub enum HcloudError {
     },
     #[error("interrupted")]
     Interrupted,
+    /// An earlier image's run was interrupted, so this one never began.
+    #[error("not started: interrupted")]
+    NotStarted,
 }
 
 impl From<Interrupted> for HcloudError {
@@ -163,6 +166,11 @@ impl Credentials {
             endpoint: url.as_str().trim_end_matches('/').to_owned(),
             token: Secret::new(token),
         })
+    }
+
+    /// The API client, retrying as `retry` says: the one place it is built.
+    pub fn api(&self, retry: RetryPolicy) -> Result<Api, HcloudError> {
+        Api::new(&self.endpoint, self.token.clone(), retry)
     }
 }
 
@@ -384,22 +392,22 @@ pub struct Leftover {
 /// What a snapshot run left: its result, and anything it failed to delete
 /// (empty unless the API refused every attempt).
 #[derive(Debug)]
-pub struct Outcome {
+pub struct SnapshotOutcome {
     pub result: Result<Snapshot, HcloudError>,
     pub leftovers: Vec<Leftover>,
 }
 
 /// Makes (or finds) the snapshot of `image`. The temporary server and key
 /// are deleted on every path, cancellation included; what could not be
-/// deleted is in [`Outcome::leftovers`].
-pub fn publish_snapshot(
+/// deleted is in [`SnapshotOutcome::leftovers`].
+fn publish_snapshot(
     api: &Api,
     settings: &HcloudSettings,
     image: &SnapshotImage,
     opts: &SnapshotOptions,
     cancel: &Cancel,
     observer: &dyn Observer,
-) -> Outcome {
+) -> SnapshotOutcome {
     let labels = snapshot_labels(image);
     let found = build_types(api, settings, image.arch).and_then(|types| {
         let found = find_fitting(api, &labels, &types, observer)?;
@@ -408,7 +416,7 @@ pub fn publish_snapshot(
     let types = match found {
         Ok((_, Some((id, disk_size)))) => {
             observer.event(&Event::Found { id });
-            return Outcome {
+            return SnapshotOutcome {
                 result: Ok(Snapshot {
                     id,
                     labels,
@@ -424,7 +432,7 @@ pub fn publish_snapshot(
         }
         Ok((types, None)) => types,
         Err(e) => {
-            return Outcome {
+            return SnapshotOutcome {
                 result: Err(e),
                 leftovers: Vec::new(),
             };
@@ -444,7 +452,35 @@ pub fn publish_snapshot(
     };
     let result = build.make();
     let leftovers = delete_run(api, &run, opts, observer);
-    Outcome { result, leftovers }
+    SnapshotOutcome { result, leftovers }
+}
+
+/// Snapshots of `images`, one after another, each with its outcome. After
+/// an interrupt the images not yet started are not started (their outcome
+/// says so); the run under way has deleted what it made.
+pub fn publish_snapshots(
+    api: &Api,
+    settings: &HcloudSettings,
+    images: &[SnapshotImage],
+    opts: &SnapshotOptions,
+    cancel: &Cancel,
+    observer: &dyn Observer,
+) -> Vec<SnapshotOutcome> {
+    let mut out = Vec::with_capacity(images.len());
+    let mut interrupted = false;
+    for image in images {
+        if interrupted {
+            out.push(SnapshotOutcome {
+                result: Err(HcloudError::NotStarted),
+                leftovers: Vec::new(),
+            });
+            continue;
+        }
+        let run = publish_snapshot(api, settings, image, opts, cancel, observer);
+        interrupted |= matches!(run.result, Err(HcloudError::Interrupted));
+        out.push(run);
+    }
+    out
 }
 
 fn description(image: &SnapshotImage) -> String {

@@ -4,6 +4,7 @@
 
 pub mod hcloud;
 pub mod proxmox;
+pub mod target;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -44,7 +44,7 @@ fn volume_names_carry_the_content_and_survive_normalisation() {
 
 #[test]
 fn credentials_come_from_the_environment_only() {
-    let px = inv("", VM).publish.proxmox.unwrap();
+    let px = inv("", VM).publish.proxmox().unwrap().clone();
     let c = Credentials::from_env(
         &px,
         &env(&[
@@ -87,7 +87,7 @@ fn credentials_come_from_the_environment_only() {
 
 #[test]
 fn bad_credentials_are_named_but_never_shown() {
-    let px = inv("", VM).publish.proxmox.unwrap();
+    let px = inv("", VM).publish.proxmox().unwrap().clone();
     let cases: [(&[(&str, &str)], &str); 4] = [
         (
             &[("PROXMOX_VE_API_TOKEN", "a@b!c=d")],
@@ -126,7 +126,7 @@ fn bad_credentials_are_named_but_never_shown() {
 #[test]
 fn vms_get_settings_that_boot_talos() {
     let inv = inv("", VM);
-    let vm = inv.publish.proxmox.as_ref().unwrap().vm.clone().unwrap();
+    let vm = inv.publish.proxmox().unwrap().vm.clone().unwrap();
     let p: BTreeMap<&str, String> = vm_params(&inv, 0, &vm, 300, "local:import/x.raw", "ab")
         .into_iter()
         .collect();
@@ -227,7 +227,7 @@ fn a_vm_is_the_nodes_only_when_imgbuild_made_it_for_that_node_of_that_cluster() 
 fn iso_vms_boot_the_cdrom_before_a_blank_disk() {
     let text = "cluster: {name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: \"https://10.0.0.10:6443\"}\nimage: {format: iso, bootloader: grub}\nnetwork: {cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}\npublish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 12, boot: iso}\nnodes:\n  - {name: cp-01, role: controlplane, address: 10.0.0.11}\n";
     let inv = Inventory::parse(text, Path::new("c.yaml")).unwrap();
-    let vm = inv.publish.proxmox.as_ref().unwrap().vm.clone().unwrap();
+    let vm = inv.publish.proxmox().unwrap().vm.clone().unwrap();
     let p: BTreeMap<&str, String> = vm_params(&inv, 0, &vm, 300, "local:iso/x.iso", "ab")
         .into_iter()
         .collect();
