@@ -1,5 +1,10 @@
+use super::api::*;
+use super::credentials::*;
+use super::vm::*;
 use super::*;
+use crate::inventory::ImageFormat;
 use crate::inventory::Inventory;
+use crate::net::Trust;
 use std::path::Path;
 
 fn inv(extra_node: &str, publish: &str) -> Inventory {
