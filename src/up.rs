@@ -338,10 +338,7 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
         report.elapsed_ms = started.elapsed().as_millis();
         return report;
     }
-    let published = match target {
-        Target::Hcloud(hc) => hcloud_stage(inv, hc, opts, obs, &mut report),
-        _ => publish_stage(inv, target, opts, obs, &mut report).map(|()| BTreeMap::new()),
-    };
+    let published = publish(inv, target, opts, Mode::Run(obs), &mut report);
     let mut opts = opts.clone();
     let bootstrapped = match published {
         Err(stop) => Err(stop),
@@ -376,47 +373,152 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     report
 }
 
-/// Build and publish (nothing for [`Target::None`]); stops when any node
-/// failed, since a cluster missing a node cannot become healthy.
-fn publish_stage(
+/// Whether the publish part runs or is planned.
+#[derive(Clone, Copy)]
+enum Mode<'a> {
+    /// Build, then publish, reporting to the observers.
+    Run(Observers<'a>),
+    /// Read the manifest and the target (GETs only); change nothing.
+    Plan,
+}
+
+/// Build and publish on `target` (nothing for [`Target::None`]), or in a
+/// dry run what that would do; where the bootstrap reaches each node (a
+/// Hetzner server's public IP). Stops when any node failed, since a cluster
+/// missing a node cannot become healthy.
+fn publish(
     inv: &Inventory,
     target: &Target,
     opts: &UpOptions,
-    obs: Observers<'_>,
+    mode: Mode<'_>,
+    report: &mut Report,
+) -> Result<BTreeMap<String, NodeTarget>, (Stage, UpError)> {
+    match target {
+        Target::None => Ok(BTreeMap::new()),
+        Target::Proxmox(pve) => proxmox(inv, pve, opts, mode, report).map(|()| BTreeMap::new()),
+        Target::Hcloud(hc) => hcloud(inv, hc, opts, mode, report),
+    }
+}
+
+/// The row of the node at inventory position `index`.
+fn row(report: &mut Report, index: usize) -> Option<&mut NodeReport> {
+    report.nodes.get_mut(index)
+}
+
+/// Marks the node at `index` failed at `stage`.
+fn fail_row(report: &mut Report, index: usize, stage: impl FnOnce(&mut Stages), error: String) {
+    if let Some(n) = row(report, index) {
+        stage(&mut n.stages);
+        n.error = Some(error);
+    }
+}
+
+/// A node's inventory position and its image, when current.
+type Current = (usize, Option<build::NodeImage>);
+
+/// The selected nodes' images as the manifest has them (a dry run: what
+/// the build would skip), recorded as the build would leave them.
+fn current(
+    inv: &Inventory,
+    opts: &UpOptions,
+    report: &mut Report,
+) -> Result<Vec<Current>, (Stage, UpError)> {
+    let current = build::current_images(inv, &opts.nodes, &opts.build)
+        .map_err(|e| (Stage::Build, e.into()))?;
+    let mut out = Vec::new();
+    for (node, image) in current {
+        let Some(index) = inv.nodes.iter().position(|n| n.name == node) else {
+            continue;
+        };
+        if let Some(n) = row(report, index) {
+            n.stages.build = Some(if image.is_some() {
+                Change::Unchanged
+            } else {
+                Change::Built
+            });
+            if let Some(img) = &image {
+                n.sha256 = Some(img.sha256.clone());
+                n.image = Some(img.file(&opts.build.out_dir));
+            }
+        }
+        out.push((index, image));
+    }
+    Ok(out)
+}
+
+/// Proxmox: upload each image and make, update and start each node's VM
+/// (or plan it). The real run and the dry run report the same decision.
+fn proxmox(
+    inv: &Inventory,
+    pve: &ProxmoxTarget,
+    opts: &UpOptions,
+    mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<(), (Stage, UpError)> {
-    let Target::Proxmox(pve) = target else {
-        return Ok(());
+    let bad_image = |e: crate::publish::ImageError| (Stage::Build, UpError::Setup(e.to_string()));
+    let (images, mut failed_nodes) = match mode {
+        Mode::Run(obs) => {
+            let (built, failed) = build_stage(inv, opts, obs, report)?;
+            let images = PublishImage::built(inv, &built).map_err(bad_image)?;
+            (
+                images.into_iter().map(|i| (i.index, Some(i))).collect(),
+                failed,
+            )
+        }
+        Mode::Plan => {
+            let mut images = Vec::new();
+            for (index, image) in current(inv, opts, report)? {
+                let image = image
+                    .map(|img| PublishImage::new(inv, &img, img.file(&opts.build.out_dir)))
+                    .transpose()
+                    .map_err(bad_image)?;
+                images.push((index, image));
+            }
+            (images, Vec::new())
+        }
     };
-    let ProxmoxTarget {
-        settings,
-        credentials,
-        options,
-    } = pve.as_ref();
-    let (built, mut failed_nodes) = build_stage(inv, opts, obs, report)?;
     let build_failed = !failed_nodes.is_empty();
-    let images: Vec<PublishImage> = built.iter().map(PublishImage::from).collect();
-    let results = proxmox::publish(inv, settings, credentials, &images, options, obs.publish)
-        .map_err(|e| (Stage::Publish, e.into()))?;
-    for (img, r) in images.iter().zip(results) {
+    let to_publish = |e: ProxmoxError| (Stage::Publish, UpError::from(e));
+    // Per node: (volume, vmid, uploaded, vm, started), or why it failed.
+    type Done = Result<(Option<String>, Option<u32>, bool, Option<VmChange>, bool), ProxmoxError>;
+    let done: Vec<Done> = match mode {
+        Mode::Run(obs) => {
+            let images: Vec<PublishImage> = images.iter().filter_map(|(_, i)| i.clone()).collect();
+            let (settings, creds) = (&pve.settings, &pve.credentials);
+            proxmox::publish(inv, settings, creds, &images, &pve.options, obs.publish)
+                .map_err(to_publish)?
+                .into_iter()
+                .map(|r| r.map(|p| (Some(p.volid), p.vmid, p.uploaded, p.vm, p.started)))
+                .collect()
+        }
+        // An image not built yet is uploaded unless the storage happens
+        // to hold its exact bytes already.
+        Mode::Plan => proxmox::plan(inv, &pve.settings, &pve.credentials, &images, &pve.options)
+            .map_err(to_publish)?
+            .into_iter()
+            .map(|r| r.map(|d| (d.volid, d.vmid, d.upload != Some(false), d.vm, d.start)))
+            .collect(),
+    };
+    // The real run publishes every entry: only built images are listed.
+    for ((index, _), r) in images.iter().zip(done) {
         match r {
-            Ok(p) => {
-                let Some(n) = report.node(&p.node) else {
+            Ok((volume, vmid, uploaded, vm, started)) => {
+                let Some(n) = row(report, *index) else {
                     continue;
                 };
-                n.volume = Some(p.volid);
-                n.vmid = p.vmid;
-                n.stages.upload = Some(changed(p.uploaded, Change::Uploaded));
-                n.stages.vm = p.vm.map(Change::from);
-                n.stages.start = Some(changed(p.started, Change::Started));
+                n.volume = volume;
+                n.vmid = vmid;
+                n.stages.upload = Some(changed(uploaded, Change::Uploaded));
+                n.stages.vm = vm.map(Change::from);
+                n.stages.start = Some(changed(started, Change::Started));
             }
             Err(e) => {
                 let message = match e {
                     ProxmoxError::Node { message, .. } => message,
                     e => e.to_string(),
                 };
-                report.fail(&img.node, |s| s.upload = Some(Change::Failed), message);
-                failed_nodes.push(img.node.clone());
+                fail_row(report, *index, |s| s.upload = Some(Change::Failed), message);
+                failed_nodes.push(inv.nodes[*index].name.clone());
             }
         }
     }
@@ -437,31 +539,73 @@ fn publish_stage(
     ))
 }
 
-/// Snapshots of the built images, then one server per node from them with
-/// its machine config as `user_data`; where the bootstrap reaches each
+/// Hetzner Cloud: snapshots of the built images, then one server per node
+/// from them with its machine config as `user_data` (or, in a dry run,
+/// which snapshots and servers exist); where the bootstrap reaches each
 /// node (the public IP the API reports).
-fn hcloud_stage(
+fn hcloud(
     inv: &Inventory,
     hc: &HcloudTarget,
     opts: &UpOptions,
-    obs: Observers<'_>,
+    mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<BTreeMap<String, NodeTarget>, (Stage, UpError)> {
     let publish = |e: HcloudError| (Stage::Publish, UpError::Hcloud(e));
-    let (built, failed) = build_stage(inv, opts, obs, report)?;
-    if !failed.is_empty() {
-        return Err((
-            Stage::Build,
-            UpError::Nodes {
-                stage: Stage::Build,
-                failed,
-            },
-        ));
-    }
+    let images = match mode {
+        Mode::Run(obs) => {
+            let (built, failed) = build_stage(inv, opts, obs, report)?;
+            if !failed.is_empty() {
+                return Err((
+                    Stage::Build,
+                    UpError::Nodes {
+                        stage: Stage::Build,
+                        failed,
+                    },
+                ));
+            }
+            SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone())))
+        }
+        Mode::Plan => {
+            let current = current(inv, opts, report)?;
+            for (index, _) in &current {
+                if let Some(n) = row(report, *index) {
+                    n.stages.upload = Some(Change::Uploaded);
+                    n.stages.vm = Some(Change::Created);
+                    n.stages.start = Some(Change::Started);
+                }
+            }
+            let out_dir = &opts.build.out_dir;
+            SnapshotImage::distinct(
+                current
+                    .iter()
+                    .filter_map(|(_, img)| img.as_ref())
+                    .map(|img| (img, img.file(out_dir))),
+            )
+        }
+    };
     let api = hc.api().map_err(publish)?;
+    let Mode::Run(obs) = mode else {
+        for image in &images {
+            let found = hcloud::find_snapshot(&api, &hc.settings, image).map_err(publish)?;
+            for node in &image.nodes {
+                if let (Some(id), Some(n)) = (found, report.node(node)) {
+                    n.volume = Some(format!("snapshot {id}"));
+                    n.stages.upload = Some(Change::Unchanged);
+                }
+            }
+        }
+        let mut targets = BTreeMap::new();
+        for s in servers::existing(&api, &inv.cluster.name).map_err(publish)? {
+            let stages = (
+                Change::Unchanged,
+                changed(s.status == "off", Change::Started),
+            );
+            record_server(report, &mut targets, &s, Some(stages));
+        }
+        return Ok(targets);
+    };
     let mut snapshot_of: BTreeMap<String, u64> = BTreeMap::new();
     let mut failed = Vec::new();
-    let images = SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone())));
     let runs = hcloud::publish_snapshots(
         &api,
         &hc.settings,
@@ -580,56 +724,6 @@ fn record_server(
     }
 }
 
-/// The dry run of [`hcloud_stage`]: which snapshots exist for the images
-/// already built, which servers exist; GETs only.
-fn plan_hcloud(
-    inv: &Inventory,
-    hc: &HcloudTarget,
-    opts: &UpOptions,
-    report: &mut Report,
-) -> Result<BTreeMap<String, NodeTarget>, (Stage, UpError)> {
-    let publish = |e: HcloudError| (Stage::Publish, UpError::Hcloud(e));
-    let current = build::current_images(inv, &opts.nodes, &opts.build)
-        .map_err(|e| (Stage::Build, e.into()))?;
-    let mut built = Vec::new();
-    for (node, image) in &current {
-        if let Some(n) = report.node(node) {
-            n.stages.build = Some(if image.is_some() {
-                Change::Unchanged
-            } else {
-                Change::Built
-            });
-            n.stages.upload = Some(Change::Uploaded);
-            n.stages.vm = Some(Change::Created);
-            n.stages.start = Some(Change::Started);
-            if let Some(img) = image {
-                n.sha256 = Some(img.sha256.clone());
-                n.image = Some(img.file(&opts.build.out_dir));
-                built.push((img, img.file(&opts.build.out_dir)));
-            }
-        }
-    }
-    let api = hc.api().map_err(publish)?;
-    for image in SnapshotImage::distinct(built) {
-        let found = hcloud::find_snapshot(&api, &hc.settings, &image).map_err(publish)?;
-        for node in &image.nodes {
-            if let (Some(id), Some(n)) = (found, report.node(node)) {
-                n.volume = Some(format!("snapshot {id}"));
-                n.stages.upload = Some(Change::Unchanged);
-            }
-        }
-    }
-    let mut targets = BTreeMap::new();
-    for s in servers::existing(&api, &inv.cluster.name).map_err(publish)? {
-        let stages = (
-            Change::Unchanged,
-            changed(s.status == "off", Change::Started),
-        );
-        record_server(report, &mut targets, &s, Some(stages));
-    }
-    Ok(targets)
-}
-
 /// Builds the selected nodes' images and records them; the built ones and
 /// the names of those that failed.
 fn build_stage(
@@ -709,10 +803,7 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
         report.elapsed_ms = started.elapsed().as_millis();
         return report;
     }
-    let planned = match target {
-        Target::Hcloud(hc) => plan_hcloud(inv, hc, opts, &mut report),
-        _ => plan_publish(inv, target, opts, &mut report).map(|()| BTreeMap::new()),
-    };
+    let planned = publish(inv, target, opts, Mode::Plan, &mut report);
     let mut opts = opts.clone();
     match planned {
         Ok(targets) => opts.bootstrap.targets.extend(targets),
@@ -721,85 +812,6 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     plan_bootstrap(inv, &opts, &mut report);
     report.elapsed_ms = started.elapsed().as_millis();
     report
-}
-
-fn plan_publish(
-    inv: &Inventory,
-    target: &Target,
-    opts: &UpOptions,
-    report: &mut Report,
-) -> Result<(), (Stage, UpError)> {
-    let Target::Proxmox(pve) = target else {
-        return Ok(());
-    };
-    let ProxmoxTarget {
-        settings,
-        credentials,
-        options,
-    } = pve.as_ref();
-    let current = build::current_images(inv, &opts.nodes, &opts.build)
-        .map_err(|e| (Stage::Build, e.into()))?;
-    let mut images = Vec::new();
-    for (node, image) in current {
-        if let Some(n) = report.node(&node) {
-            n.stages.build = Some(match &image {
-                Some(_) => Change::Unchanged,
-                None => Change::Built,
-            });
-            if let Some(img) = &image {
-                n.sha256 = Some(img.sha256.clone());
-                n.image = Some(img.file(&opts.build.out_dir));
-            }
-        }
-        let image = image.map(|img| PublishImage {
-            node: img.node.clone(),
-            path: img.file(&opts.build.out_dir),
-            sha256: img.sha256,
-            size: img.size,
-            format: img.format,
-        });
-        images.push((node, image));
-    }
-    let planned = proxmox::plan(inv, settings, credentials, &images, options)
-        .map_err(|e| (Stage::Publish, e.into()))?;
-    let mut failed = Vec::new();
-    for ((node, _), r) in images.iter().zip(planned) {
-        match r {
-            Ok(p) => {
-                let Some(n) = report.node(node) else { continue };
-                n.volume = p.volid;
-                n.vmid = p.vmid;
-                // An image not built yet is uploaded unless the storage
-                // happens to hold its exact bytes already.
-                n.stages.upload = Some(if p.upload == Some(false) {
-                    Change::Unchanged
-                } else {
-                    Change::Uploaded
-                });
-                n.stages.vm = p.vm.map(Change::from);
-                n.stages.start = Some(changed(p.start, Change::Started));
-            }
-            Err(e) => {
-                let message = match e {
-                    ProxmoxError::Node { message, .. } => message,
-                    e => e.to_string(),
-                };
-                report.fail(node, |s| s.upload = Some(Change::Failed), message);
-                failed.push(node.clone());
-            }
-        }
-    }
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err((
-            Stage::Publish,
-            UpError::Nodes {
-                stage: Stage::Publish,
-                failed,
-            },
-        ))
-    }
 }
 
 /// Probes each node's TLS (no API call, no certificate): a node in

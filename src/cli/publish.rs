@@ -122,7 +122,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
         }
     }
     let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
-    let images: Vec<PublishImage> = built.iter().map(PublishImage::from).collect();
+    let images = PublishImage::built(&inv, &built)?;
     let show = Show::for_output(args.build.download.quiet, output);
     let view = PublishView::new(Screen::new(show), show);
     let results = proxmox::publish(
@@ -179,7 +179,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
                     "{:<12} {}  sha256 {}  ({stored}){vm}",
                     p.node,
                     p.volid,
-                    &p.sha256[..p.sha256.len().min(16)]
+                    &p.sha256.hex()[..16]
                 );
             }
             print_failures(&failures);

@@ -21,45 +21,175 @@ pub use error::ProxmoxError;
 pub use types::{Event, NodePublished, Observer, PublishOptions, VmChange};
 pub use upload::{content_for, volume_file};
 
-use crate::inventory::{Inventory, ProxmoxSettings, VmBoot};
+use crate::inventory::{Inventory, ProxmoxSettings, ProxmoxVm, VmBoot};
 use crate::publish::PublishImage;
 use api::Api;
 use upload::upload;
 use vm::{
-    NewDisk, described_volume, description, drive_volume, place, replace_disk, resize,
-    start_if_wanted, vm_params, vm_verdict,
+    NewDisk, Placement, described_volume, description, drive_volume, place, replace_disk, resize,
+    start, vm_params, vm_verdict,
 };
 
 /// What publishing and planning both start from, read-only: the checked
 /// API, the storage's import volumes with their sizes, and the node's VMs
 /// (when there are VMs to make).
-fn survey(
-    settings: &ProxmoxSettings,
-    creds: &Credentials,
-    opts: &PublishOptions,
-    content: &'static str,
-) -> Result<(Api, BTreeMap<String, u64>, Value), ProxmoxError> {
-    let api = Api::new(creds, opts.retry)?;
-    preflight(&api, settings, content)?;
-    let node = &settings.node;
-    let listed = api.get(
-        "listing storage",
-        &format!(
-            "/nodes/{node}/storage/{}/content?content={content}",
-            settings.storage
-        ),
-    )?;
-    let stored: BTreeMap<String, u64> = listed
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|v| Some((v["volid"].as_str()?.to_owned(), v["size"].as_u64()?)))
-        .collect();
-    let vms = match &settings.vm {
-        Some(_) => api.get("listing VMs", &format!("/nodes/{node}/qemu"))?,
-        None => Value::Null,
-    };
-    Ok((api, stored, vms))
+struct Survey<'a> {
+    inv: &'a Inventory,
+    settings: &'a ProxmoxSettings,
+    api: Api,
+    stored: BTreeMap<String, u64>,
+    vms: Value,
+}
+
+/// Where a node's image goes: the storage half of its [`Decision`].
+struct Volume {
+    file: String,
+    volid: String,
+    /// False when the storage already holds these exact bytes.
+    upload: bool,
+}
+
+/// What happens to a node's VM: the VM half of its [`Decision`].
+struct VmDecision {
+    place: Placement,
+    /// Unknown for an existing VM while the image is not built.
+    change: Option<VmChange>,
+    start: bool,
+}
+
+impl<'a> Survey<'a> {
+    fn new(
+        inv: &'a Inventory,
+        settings: &'a ProxmoxSettings,
+        creds: &Credentials,
+        opts: &PublishOptions,
+    ) -> Result<Survey<'a>, ProxmoxError> {
+        let content = content_for(inv.image.format);
+        let api = Api::new(creds, opts.retry)?;
+        preflight(&api, settings, content)?;
+        let node = &settings.node;
+        let listed = api.get(
+            "listing storage",
+            &format!(
+                "/nodes/{node}/storage/{}/content?content={content}",
+                settings.storage
+            ),
+        )?;
+        let stored: BTreeMap<String, u64> = listed
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|v| Some((v["volid"].as_str()?.to_owned(), v["size"].as_u64()?)))
+            .collect();
+        let vms = match &settings.vm {
+            Some(_) => api.get("listing VMs", &format!("/nodes/{node}/qemu"))?,
+            None => Value::Null,
+        };
+        Ok(Survey {
+            inv,
+            settings,
+            api,
+            stored,
+            vms,
+        })
+    }
+
+    /// The volume `img` is stored as, and whether it must be uploaded.
+    fn volume(&self, img: &PublishImage) -> Volume {
+        let inv = self.inv;
+        let file = volume_file(
+            &inv.cluster.name,
+            &img.node,
+            &inv.cluster.talos_version,
+            &img.sha256,
+            img.format,
+        );
+        let volid = format!(
+            "{}:{}/{file}",
+            self.settings.storage,
+            content_for(img.format)
+        );
+        let upload = self.stored.get(&volid) != Some(&img.size);
+        Volume {
+            file,
+            volid,
+            upload,
+        }
+    }
+
+    /// Where the VM of the node at `index` is and what happens to it, given
+    /// its image's volume and size once built. GETs the VM configs of the
+    /// node's name.
+    fn vm(
+        &self,
+        vm: &ProxmoxVm,
+        index: usize,
+        image: Option<(&str, u64)>,
+        replace: bool,
+    ) -> Result<VmDecision, ProxmoxError> {
+        if let Some((_, size)) = image
+            && vm.boot == VmBoot::Disk
+            && size > u64::from(vm.disk_size) << 30
+        {
+            return Err(ProxmoxError::Node {
+                node: self.inv.nodes[index].name.clone(),
+                message: format!(
+                    "the image ({size} bytes) is larger than publish.proxmox.vm.diskSize ({} GiB)",
+                    vm.disk_size
+                ),
+            });
+        }
+        let place = place(&self.api, self.inv, &self.settings.node, &self.vms, index)?;
+        let (change, start) = match (&place.existing, image) {
+            (None, _) => (Some(VmChange::Created), vm.start),
+            (Some((running, config)), Some((volid, _))) => {
+                let change = vm_verdict(described_volume(config).as_deref(), volid, replace);
+                // A new disk is swapped in with the VM stopped; a new ISO
+                // goes into the running VM's cdrom drive.
+                let restarts = change == VmChange::Updated && vm.boot == VmBoot::Disk;
+                (Some(change), vm.start && (restarts || !running))
+            }
+            (Some((running, _)), None) => (None, vm.start && !running),
+        };
+        Ok(VmDecision {
+            place,
+            change,
+            start,
+        })
+    }
+
+    /// What publishing the node at `index` (its image when built) does:
+    /// both halves, as the dry run reports them.
+    fn decide(
+        &self,
+        index: usize,
+        img: Option<&PublishImage>,
+        replace: bool,
+    ) -> Result<Decision, ProxmoxError> {
+        let volume = img.map(|img| self.volume(img));
+        let mut out = Decision {
+            node: self.inv.nodes[index].name.clone(),
+            volid: volume.as_ref().map(|v| v.volid.clone()),
+            upload: volume.as_ref().map(|v| v.upload),
+            vmid: None,
+            inventory_vmid: None,
+            vm: None,
+            start: false,
+        };
+        let Some(vm) = &self.settings.vm else {
+            return Ok(out);
+        };
+        let image = volume
+            .as_ref()
+            .zip(img)
+            .map(|(v, i)| (v.volid.as_str(), i.size));
+        let decided = self.vm(vm, index, image, replace)?;
+        out.vmid = Some(decided.place.vmid);
+        out.inventory_vmid = decided.place.inventory_vmid;
+        out.vm = decided.change;
+        out.start = decided.start;
+        Ok(out)
+    }
 }
 
 /// Publishes `images` (built, verified) to the target in `settings`.
@@ -73,18 +203,16 @@ pub fn publish(
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<Vec<Result<NodePublished, ProxmoxError>>, ProxmoxError> {
-    let (api, stored, vms) = survey(settings, creds, opts, content_for(inv.image.format))?;
+    let survey = Survey::new(inv, settings, creds, opts)?;
     Ok(images
         .iter()
         .map(|img| {
-            publish_node(&api, inv, settings, &stored, &vms, img, opts, observer).map_err(|e| {
-                match e {
-                    e @ ProxmoxError::Node { .. } => e,
-                    e => ProxmoxError::Node {
-                        node: img.node.clone(),
-                        message: e.to_string(),
-                    },
-                }
+            publish_node(&survey, img, opts, observer).map_err(|e| match e {
+                e @ ProxmoxError::Node { .. } => e,
+                e => ProxmoxError::Node {
+                    node: img.node.clone(),
+                    message: e.to_string(),
+                },
             })
         })
         .collect())
@@ -145,46 +273,36 @@ fn preflight(api: &Api, s: &ProxmoxSettings, content: &str) -> Result<(), Proxmo
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Carries out one node's decision, half by half as it is made: the
+/// upload, then the VM (so nothing about the VM is read before the image
+/// is stored).
 fn publish_node(
-    api: &Api,
-    inv: &Inventory,
-    s: &ProxmoxSettings,
-    stored: &BTreeMap<String, u64>,
-    vms: &Value,
+    survey: &Survey,
     img: &PublishImage,
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<NodePublished, ProxmoxError> {
-    let node_err = |message: String| ProxmoxError::Node {
-        node: img.node.clone(),
-        message,
-    };
-    let file = volume_file(
-        &inv.cluster.name,
-        &img.node,
-        &inv.cluster.talos_version,
-        &img.sha256,
-        img.format,
-    );
-    let volid = format!("{}:{}/{file}", s.storage, content_for(img.format));
-    let uploaded = if stored.get(&volid) == Some(&img.size) {
+    let (api, inv, s) = (&survey.api, survey.inv, survey.settings);
+    let Volume {
+        file,
+        volid,
+        upload: needed,
+    } = survey.volume(img);
+    if needed {
+        upload(api, s, img, &file, &volid, opts, observer)?;
+    } else {
         observer.event(
             &img.node,
             &Event::AlreadyStored {
                 volid: volid.clone(),
             },
         );
-        false
-    } else {
-        upload(api, s, img, &file, &volid, opts, observer)?;
-        true
-    };
+    }
     let mut out = NodePublished {
         node: img.node.clone(),
         volid: volid.clone(),
-        sha256: img.sha256.clone(),
-        uploaded,
+        sha256: img.sha256,
+        uploaded: needed,
         vmid: None,
         inventory_vmid: None,
         vm: None,
@@ -193,19 +311,9 @@ fn publish_node(
     let Some(vm) = &s.vm else {
         return Ok(out);
     };
-    let index = inv
-        .nodes
-        .iter()
-        .position(|n| n.name == img.node)
-        .ok_or_else(|| node_err("not in the inventory".into()))?;
-    if vm.boot == VmBoot::Disk && img.size > u64::from(vm.disk_size) << 30 {
-        return Err(node_err(format!(
-            "the image ({} bytes) is larger than publish.proxmox.vm.diskSize ({} GiB)",
-            img.size, vm.disk_size
-        )));
-    }
-    let pve = &s.node;
-    let place = place(api, inv, pve, vms, index)?;
+    let index = img.index;
+    let decided = survey.vm(vm, index, Some((&volid, img.size)), opts.replace_disk)?;
+    let place = decided.place;
     let vmid = place.vmid;
     out.vmid = Some(vmid);
     out.inventory_vmid = place.inventory_vmid;
@@ -218,9 +326,11 @@ fn publish_node(
             },
         );
     }
+    let pve = &s.node;
     let base = format!("/nodes/{pve}/qemu/{vmid}");
-    let running = match place.existing {
-        None => {
+    let desc = || description(inv, &img.node, &volid, &img.sha256);
+    match (place.existing, decided.change) {
+        (None, _) => {
             let params = vm_params(inv, index, vm, vmid, &volid, &img.sha256);
             let task = api.post("creating VM", &format!("/nodes/{pve}/qemu"), &params)?;
             api.wait(&format!("creating VM {vmid}"), &task, opts)?;
@@ -229,68 +339,61 @@ fn publish_node(
             }
             observer.event(&img.node, &Event::VmCreated { vmid });
             out.vm = Some(VmChange::Created);
-            false
         }
-        Some((running, config)) => {
-            let current = described_volume(&config);
-            match vm_verdict(current.as_deref(), &volid, opts.replace_disk) {
-                VmChange::Unchanged => {
-                    observer.event(&img.node, &Event::VmUnchanged { vmid });
-                    out.vm = Some(VmChange::Unchanged);
-                }
-                VmChange::Outdated => {
-                    let running_image =
-                        current.unwrap_or_else(|| "an image imgbuild did not record".into());
-                    observer.event(
-                        &img.node,
-                        &Event::VmOutdated {
-                            vmid,
-                            running: running_image,
-                        },
-                    );
-                    out.vm = Some(VmChange::Outdated);
-                }
-                VmChange::Created | VmChange::Updated if vm.boot == VmBoot::Iso => {
-                    // The new ISO goes into the cdrom drive; the disk Talos
-                    // installed to stays.
-                    let desc = description(inv, &img.node, &volid, &img.sha256);
-                    api.put(
-                        "attaching the node ISO",
-                        &format!("{base}/config"),
-                        &[
-                            ("ide2", format!("{volid},media=cdrom")),
-                            ("description", desc),
-                        ],
-                    )?;
-                    out.vm = Some(VmChange::Updated);
-                }
-                VmChange::Created | VmChange::Updated => {
-                    let old = config["scsi0"].as_str().map(drive_volume);
-                    let disk = NewDisk {
-                        volid: &volid,
-                        description: &description(inv, &img.node, &volid, &img.sha256),
-                        replaces: old,
-                    };
-                    replace_disk(api, &base, vm, vmid, &disk, running, opts)?;
-                    observer.event(&img.node, &Event::DiskReplaced { vmid });
-                    out.vm = Some(VmChange::Updated);
-                    return start_if_wanted(
-                        api, &base, vm, vmid, false, opts, observer, &img.node, out,
-                    );
-                }
-            }
-            running
+        (Some(_), Some(VmChange::Unchanged)) => {
+            observer.event(&img.node, &Event::VmUnchanged { vmid });
+            out.vm = Some(VmChange::Unchanged);
         }
-    };
-    start_if_wanted(
-        api, &base, vm, vmid, running, opts, observer, &img.node, out,
-    )
+        (Some((_, config)), Some(VmChange::Outdated)) => {
+            let running_image = described_volume(&config)
+                .unwrap_or_else(|| "an image imgbuild did not record".into());
+            observer.event(
+                &img.node,
+                &Event::VmOutdated {
+                    vmid,
+                    running: running_image,
+                },
+            );
+            out.vm = Some(VmChange::Outdated);
+        }
+        (Some(_), _) if vm.boot == VmBoot::Iso => {
+            // The new ISO goes into the cdrom drive; the disk Talos
+            // installed to stays.
+            api.put(
+                "attaching the node ISO",
+                &format!("{base}/config"),
+                &[
+                    ("ide2", format!("{volid},media=cdrom")),
+                    ("description", desc()),
+                ],
+            )?;
+            out.vm = Some(VmChange::Updated);
+        }
+        (Some((running, config)), _) => {
+            let old = config["scsi0"].as_str().map(drive_volume);
+            let disk = NewDisk {
+                volid: &volid,
+                description: &desc(),
+                replaces: old,
+            };
+            replace_disk(api, &base, vm, vmid, &disk, running, opts)?;
+            observer.event(&img.node, &Event::DiskReplaced { vmid });
+            out.vm = Some(VmChange::Updated);
+        }
+    }
+    if decided.start {
+        start(api, &base, vmid, opts)?;
+        observer.event(&img.node, &Event::VmStarted { vmid });
+        out.started = true;
+    }
+    Ok(out)
 }
 
-/// What publishing one node would do, read from the server with GETs only.
+/// What publishing one node would do, read from the server with GETs only;
+/// the real run makes the same decision (see [`Survey::decide`]).
 #[derive(Debug, Clone, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct NodePlan {
+pub struct Decision {
     pub node: String,
     /// The volume its image would be stored as; unknown until the image is
     /// built (the name holds its sha256).
@@ -311,78 +414,20 @@ pub struct NodePlan {
     pub start: bool,
 }
 
-/// The dry run of [`publish`]: for each node (its image when built) what
-/// would be uploaded, created and started. Sends only GETs.
+/// The dry run of [`publish`]: for each node (by inventory position, with
+/// its image when built) what would be uploaded, created and started.
+/// Sends only GETs.
 pub fn plan(
     inv: &Inventory,
     settings: &ProxmoxSettings,
     creds: &Credentials,
-    images: &[(String, Option<PublishImage>)],
+    nodes: &[(usize, Option<PublishImage>)],
     opts: &PublishOptions,
-) -> Result<Vec<Result<NodePlan, ProxmoxError>>, ProxmoxError> {
-    let (api, stored, vms) = survey(settings, creds, opts, content_for(inv.image.format))?;
-    let pve = &settings.node;
-    let plan_node = |node: &str, img: Option<&PublishImage>| -> Result<NodePlan, ProxmoxError> {
-        let volid = img.map(|img| {
-            let file = volume_file(
-                &inv.cluster.name,
-                node,
-                &inv.cluster.talos_version,
-                &img.sha256,
-                img.format,
-            );
-            format!("{}:{}/{file}", settings.storage, content_for(img.format))
-        });
-        let upload = img
-            .zip(volid.as_ref())
-            .map(|(img, volid)| stored.get(volid) != Some(&img.size));
-        let mut out = NodePlan {
-            node: node.to_owned(),
-            volid,
-            upload,
-            vmid: None,
-            inventory_vmid: None,
-            vm: None,
-            start: false,
-        };
-        let Some(vm) = &settings.vm else {
-            return Ok(out);
-        };
-        let index = inv
-            .nodes
-            .iter()
-            .position(|n| n.name == node)
-            .ok_or_else(|| ProxmoxError::Node {
-                node: node.to_owned(),
-                message: "not in the inventory".into(),
-            })?;
-        let place = place(&api, inv, pve, &vms, index)?;
-        out.vmid = Some(place.vmid);
-        out.inventory_vmid = place.inventory_vmid;
-        match place.existing {
-            None => {
-                out.vm = Some(VmChange::Created);
-                out.start = vm.start;
-            }
-            Some((running, config)) => {
-                if let Some(volid) = &out.volid {
-                    let verdict = vm_verdict(
-                        described_volume(&config).as_deref(),
-                        volid,
-                        opts.replace_disk,
-                    );
-                    out.vm = Some(verdict);
-                    out.start = vm.start && (!running || verdict == VmChange::Updated);
-                } else {
-                    out.start = vm.start && !running;
-                }
-            }
-        }
-        Ok(out)
-    };
-    Ok(images
+) -> Result<Vec<Result<Decision, ProxmoxError>>, ProxmoxError> {
+    let survey = Survey::new(inv, settings, creds, opts)?;
+    Ok(nodes
         .iter()
-        .map(|(node, img)| plan_node(node, img.as_ref()))
+        .map(|(index, img)| survey.decide(*index, img.as_ref(), opts.replace_disk))
         .collect())
 }
 

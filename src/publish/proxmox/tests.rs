@@ -36,7 +36,7 @@ fn env(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option
 
 #[test]
 fn volume_names_carry_the_content_and_survive_normalisation() {
-    let sha = "0123456789abcdef".repeat(4);
+    let sha: crate::digest::Sha256 = "0123456789abcdef".repeat(4).parse().unwrap();
     assert_eq!(
         volume_file("lab", "cp-01", "v1.11.2", &sha, ImageFormat::Raw),
         "lab-cp-01-v1.11.2-0123456789ab.raw"
@@ -132,9 +132,16 @@ fn bad_credentials_are_named_but_never_shown() {
 fn vms_get_settings_that_boot_talos() {
     let inv = inv("", VM);
     let vm = inv.publish.proxmox().unwrap().vm.clone().unwrap();
-    let p: BTreeMap<&str, String> = vm_params(&inv, 0, &vm, 300, "local:import/x.raw", "ab")
-        .into_iter()
-        .collect();
+    let p: BTreeMap<&str, String> = vm_params(
+        &inv,
+        0,
+        &vm,
+        300,
+        "local:import/x.raw",
+        &crate::digest::Sha256::of(b"ab"),
+    )
+    .into_iter()
+    .collect();
     assert_eq!(p["machine"], "q35");
     assert_eq!(p["bios"], "ovmf");
     assert_eq!(p["cpu"], "host");
@@ -156,9 +163,10 @@ fn vms_get_settings_that_boot_talos() {
         Some("local:import/x.raw")
     );
     assert_eq!(owner(&config, "lab", "cp-01"), Owner::Node);
-    let w: BTreeMap<&str, String> = vm_params(&inv, 1, &vm, 301, "v", "ab")
-        .into_iter()
-        .collect();
+    let w: BTreeMap<&str, String> =
+        vm_params(&inv, 1, &vm, 301, "v", &crate::digest::Sha256::of(b"ab"))
+            .into_iter()
+            .collect();
     assert_eq!(w["net0"], "virtio,bridge=vmbr0");
 }
 
@@ -233,9 +241,16 @@ fn iso_vms_boot_the_cdrom_before_a_blank_disk() {
     let text = "cluster: {name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: \"https://10.0.0.10:6443\"}\nimage: {format: iso, bootloader: grub}\nnetwork: {cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}\npublish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 12, boot: iso}\nnodes:\n  - {name: cp-01, role: controlplane, address: 10.0.0.11}\n";
     let inv = Inventory::parse(text, Path::new("c.yaml")).unwrap();
     let vm = inv.publish.proxmox().unwrap().vm.clone().unwrap();
-    let p: BTreeMap<&str, String> = vm_params(&inv, 0, &vm, 300, "local:iso/x.iso", "ab")
-        .into_iter()
-        .collect();
+    let p: BTreeMap<&str, String> = vm_params(
+        &inv,
+        0,
+        &vm,
+        300,
+        "local:iso/x.iso",
+        &crate::digest::Sha256::of(b"ab"),
+    )
+    .into_iter()
+    .collect();
     assert_eq!(p["ide2"], "local:iso/x.iso,media=cdrom");
     assert_eq!(p["boot"], "order=ide2;scsi0");
     assert_eq!(p["scsi0"], "local-lvm:12,discard=on,ssd=1");

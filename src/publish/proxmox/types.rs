@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::digest::Sha256;
 use crate::net::RetryPolicy;
 
 /// What a publish run does.
@@ -100,7 +101,7 @@ pub enum VmChange {
 pub struct NodePublished {
     pub node: String,
     pub volid: String,
-    pub sha256: String,
+    pub sha256: Sha256,
     /// False when the storage already held this exact volume.
     pub uploaded: bool,
     #[serde(skip_serializing_if = "Option::is_none")]

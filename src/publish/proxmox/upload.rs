@@ -11,6 +11,7 @@ use serde_json::Value;
 use super::api::{Api, api_error, urlencode};
 use super::error::ProxmoxError;
 use super::types::{Event, Observer, PublishOptions};
+use crate::digest::Sha256;
 use crate::inventory::{ImageFormat, ProxmoxSettings};
 use crate::net::{self, NetError};
 use crate::publish::PublishImage;
@@ -23,7 +24,7 @@ pub fn volume_file(
     cluster: &str,
     node: &str,
     talos: &str,
-    sha256: &str,
+    sha256: &Sha256,
     format: ImageFormat,
 ) -> String {
     let ext = match format {
@@ -31,19 +32,16 @@ pub fn volume_file(
         ImageFormat::Qcow2 => "qcow2",
         ImageFormat::Iso => "iso",
     };
-    let stem: String = format!(
-        "{cluster}-{node}-{talos}-{}",
-        &sha256[..sha256.len().min(12)]
-    )
-    .chars()
-    .map(|c| {
-        if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
-            c
-        } else {
-            '_'
-        }
-    })
-    .collect();
+    let stem: String = format!("{cluster}-{node}-{talos}-{}", &sha256.hex()[..12])
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
     format!("{stem}.{ext}")
 }
 
@@ -52,11 +50,11 @@ pub fn volume_file(
 /// file part named `filename`, with a known length (so a Content-Length and
 /// no chunking), streamed from the file in constant memory.
 /// `sent` counts the file's bytes as they leave (see [`Counted`]).
-pub(super) fn upload_form(
+fn upload_form(
     file: tokio::fs::File,
     size: u64,
     name: &str,
-    sha256: &str,
+    sha256: &Sha256,
     content: &'static str,
     sent: Arc<AtomicU64>,
 ) -> Form {
@@ -70,7 +68,7 @@ pub(super) fn upload_form(
     Form::new()
         .text("content", content)
         .text("checksum-algorithm", "sha256")
-        .text("checksum", sha256.to_owned())
+        .text("checksum", sha256.hex())
         .part(
             "filename",
             Part::stream_with_length(body, size)
@@ -157,7 +155,7 @@ pub(super) fn upload(
 /// One upload attempt on a runtime of its own (the publisher is blocking
 /// code), telling `progress` how many bytes have left; returns the reply
 /// body.
-pub(super) fn send_upload(
+fn send_upload(
     api: &Api,
     url: &str,
     img: &PublishImage,
@@ -252,6 +250,21 @@ where
     }
 }
 
+/// How often an upload's progress is reported.
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+/// Removes a volume an upload may have left half-checked; best effort,
+/// since the upload's own error is what the user needs to see.
+fn discard_volume(api: &Api, s: &ProxmoxSettings, volid: &str) {
+    let path = format!(
+        "/nodes/{}/storage/{}/content/{}",
+        s.node,
+        s.storage,
+        urlencode(volid)
+    );
+    let _ = api.delete("removing a failed upload", &path);
+}
+
 #[cfg(test)]
 mod counted {
     use super::*;
@@ -280,19 +293,4 @@ mod counted {
         assert_eq!(seen, [0, 5, 12]);
         assert_eq!(sent.load(Ordering::Relaxed), 15);
     }
-}
-
-/// How often an upload's progress is reported.
-pub(super) const PROGRESS_EVERY: Duration = Duration::from_millis(100);
-
-/// Removes a volume an upload may have left half-checked; best effort,
-/// since the upload's own error is what the user needs to see.
-pub(super) fn discard_volume(api: &Api, s: &ProxmoxSettings, volid: &str) {
-    let path = format!(
-        "/nodes/{}/storage/{}/content/{}",
-        s.node,
-        s.storage,
-        urlencode(volid)
-    );
-    let _ = api.delete("removing a failed upload", &path);
 }

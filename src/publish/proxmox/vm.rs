@@ -5,7 +5,8 @@ use serde_json::Value;
 
 use super::api::Api;
 use super::error::ProxmoxError;
-use super::types::{Event, NodePublished, Observer, PublishOptions, VmChange};
+use super::types::{PublishOptions, VmChange};
+use crate::digest::Sha256;
 use crate::inventory::{Inventory, ProxmoxVm, VmBoot};
 
 /// The VM settings that boot Talos. The API's defaults do not: its CPU type
@@ -17,7 +18,7 @@ pub(super) fn vm_params(
     vm: &ProxmoxVm,
     vmid: u32,
     volid: &str,
-    sha256: &str,
+    sha256: &Sha256,
 ) -> Vec<(&'static str, String)> {
     let node = &inv.nodes[node_index];
     let mut p = vec![
@@ -92,7 +93,7 @@ pub(super) const MANAGED: &str = "Talos node image managed by imgbuild";
 /// The VM's description records whose VM it is (cluster and node: the name
 /// alone may be anyone's) and the volume it was made from (the config shows
 /// only the VM's own copy of the disk).
-pub(super) fn description(inv: &Inventory, node: &str, volid: &str, sha256: &str) -> String {
+pub(super) fn description(inv: &Inventory, node: &str, volid: &str, sha256: &Sha256) -> String {
     format!(
         "{MANAGED}\nimgbuild-cluster: {}\nimgbuild-node: {node}\nimgbuild-volume: {volid}\nimgbuild-sha256: {sha256}\n",
         inv.cluster.name
@@ -269,25 +270,15 @@ pub(super) fn vm_verdict(current: Option<&str>, volid: &str, replace: bool) -> V
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(super) fn start_if_wanted(
+/// Starts the VM at `base` and waits until it runs.
+pub(super) fn start(
     api: &Api,
     base: &str,
-    vm: &ProxmoxVm,
     vmid: u32,
-    running: bool,
     opts: &PublishOptions,
-    observer: &dyn Observer,
-    node: &str,
-    mut out: NodePublished,
-) -> Result<NodePublished, ProxmoxError> {
-    if vm.start && !running {
-        let task = api.post("starting VM", &format!("{base}/status/start"), &[])?;
-        api.wait(&format!("starting VM {vmid}"), &task, opts)?;
-        observer.event(node, &Event::VmStarted { vmid });
-        out.started = true;
-    }
-    Ok(out)
+) -> Result<(), ProxmoxError> {
+    let task = api.post("starting VM", &format!("{base}/status/start"), &[])?;
+    api.wait(&format!("starting VM {vmid}"), &task, opts)
 }
 
 pub(super) fn resize(
