@@ -484,8 +484,7 @@ fn proxmox(
     let done: Vec<Done> = match mode {
         Mode::Run(obs) => {
             let images: Vec<PublishImage> = images.iter().filter_map(|(_, i)| i.clone()).collect();
-            let (settings, creds) = (&pve.settings, &pve.credentials);
-            proxmox::publish(inv, settings, creds, &images, &pve.options, obs.publish)
+            pve.publish(inv, &images, obs.publish)
                 .map_err(to_publish)?
                 .into_iter()
                 .map(|r| r.map(|p| (Some(p.volid), p.vmid, p.uploaded, p.vm, p.started)))
@@ -493,7 +492,8 @@ fn proxmox(
         }
         // An image not built yet is uploaded unless the storage happens
         // to hold its exact bytes already.
-        Mode::Plan => proxmox::plan(inv, &pve.settings, &pve.credentials, &images, &pve.options)
+        Mode::Plan => pve
+            .plan(inv, &images)
             .map_err(to_publish)?
             .into_iter()
             .map(|r| r.map(|d| (d.volid, d.vmid, d.upload != Some(false), d.vm, d.start)))
@@ -585,8 +585,8 @@ fn hcloud(
     };
     let api = hc.api().map_err(publish)?;
     let Mode::Run(obs) = mode else {
-        for image in &images {
-            let found = hcloud::find_snapshot(&api, &hc.settings, image).map_err(publish)?;
+        let planned = hc.plan(&api, &images).map_err(publish)?;
+        for (image, found) in images.iter().zip(planned) {
             for node in &image.nodes {
                 if let (Some(id), Some(n)) = (found, report.node(node)) {
                     n.volume = Some(format!("snapshot {id}"));
@@ -606,14 +606,7 @@ fn hcloud(
     };
     let mut snapshot_of: BTreeMap<String, u64> = BTreeMap::new();
     let mut failed = Vec::new();
-    let runs = hcloud::publish_snapshots(
-        &api,
-        &hc.settings,
-        &images,
-        &hc.options,
-        &hc.cancel,
-        obs.hcloud,
-    );
+    let runs = hc.publish(&api, &images, obs.hcloud);
     for (image, run) in images.iter().zip(runs) {
         let leftovers: Vec<String> = run
             .leftovers

@@ -7,7 +7,7 @@ use clap::Args;
 use imgbuild::build::Outcome;
 use imgbuild::input::escape;
 use imgbuild::publish::hcloud::{
-    self, Credentials, Event, Leftover, Snapshot, SnapshotImage, SnapshotOptions, servers,
+    self, Credentials, Leftover, Snapshot, SnapshotImage, SnapshotOptions, servers,
 };
 use imgbuild::publish::target::HcloudTarget;
 use serde_json::json;
@@ -64,47 +64,6 @@ pub struct CleanupArgs {
     older_than: Duration,
 }
 
-/// One step of a snapshot run as a log line.
-pub(super) fn step(e: &Event) -> String {
-    match e {
-        Event::Found { id } => format!("snapshot {id} already holds this image"),
-        Event::TooLarge {
-            id,
-            disk_size,
-            server_type,
-            disk,
-        } => format!(
-            "snapshot {id} holds this image on a {disk_size} GB disk, larger than {server_type}'s {disk} GB: servers of that type could not boot it, so one that fits is made"
-        ),
-        Event::KeyCreated { id } => format!("temporary SSH key {id} created"),
-        Event::TypeSkipped { server_type, why } => {
-            format!("server type {server_type} skipped: {why}")
-        }
-        Event::ServerCreated { id, server_type } => {
-            format!("temporary server {id} ({server_type}) created")
-        }
-        Event::RescueBooting { id } => format!("server {id} boots its rescue system"),
-        Event::Connected { addr, host_key } => format!(
-            "logged in to the rescue system at {addr}; its host key {host_key} is new on every rescue boot and was accepted for this session only"
-        ),
-        Event::Discarded { supported } => {
-            if *supported {
-                "disk discarded".to_owned()
-            } else {
-                "disk cannot discard; dd overwrites it".to_owned()
-            }
-        }
-        Event::Writing { size } => {
-            format!("writing {size} bytes to /dev/sda (zstd on the wire)")
-        }
-        Event::Written { bytes, sent } => format!("dd wrote {bytes} bytes ({sent} bytes sent)"),
-        Event::PoweredOff => "server off".to_owned(),
-        Event::Snapshotting => "creating the snapshot".to_owned(),
-        Event::SnapshotReady { id } => format!("snapshot {id} available"),
-        Event::Deleted { kind, id } => format!("deleted {} {id}", kind.replace('_', " ")),
-    }
-}
-
 /// The API client of a command that only needs the token (`cleanup`,
 /// `down`).
 fn api() -> Result<(hcloud::Api, SnapshotOptions)> {
@@ -125,14 +84,7 @@ pub fn publish(
     let view = PublishView::new(Screen::new(show), show);
     let api = target.api()?;
     let images = SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone())));
-    let runs = hcloud::publish_snapshots(
-        &api,
-        &target.settings,
-        &images,
-        &target.options,
-        &target.cancel,
-        &view,
-    );
+    let runs = target.publish(&api, &images, &view);
     let mut snapshots: Vec<Snapshot> = Vec::new();
     let mut failures = build_failures;
     let mut leftovers: Vec<Leftover> = Vec::new();

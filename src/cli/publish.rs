@@ -8,7 +8,7 @@ use super::{Output, Partial, Reported, load_inventory};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use imgbuild::publish::hcloud::SnapshotOptions;
-use imgbuild::publish::proxmox::{self, Event, NodePublished, PublishOptions, VmChange};
+use imgbuild::publish::proxmox::{self, NodePublished, PublishOptions, VmChange};
 use imgbuild::publish::target::{Target, TargetOptions};
 use imgbuild::publish::{Cancel, PublishImage};
 use serde_json::json;
@@ -60,29 +60,6 @@ impl PublishArgs {
     }
 }
 
-/// One step of a node's publish as a log line (without the node).
-pub(super) fn step(e: &Event) -> String {
-    match e {
-        Event::Uploading { volid, size } => format!("uploading {volid} ({size} bytes)"),
-        Event::UploadRetry { attempt, why } => format!("upload retry {attempt}: {why}"),
-        Event::Uploaded { volid } => format!("stored {volid}"),
-        Event::AlreadyStored { volid } => format!("{volid} already stored"),
-        Event::VmFound {
-            vmid,
-            inventory_vmid,
-        } => format!(
-            "its VM is {vmid}, not {inventory_vmid} (firstId + position): kept; pin `vmid: {vmid}` on the node"
-        ),
-        Event::VmCreated { vmid } => format!("VM {vmid} created"),
-        Event::VmUnchanged { vmid } => format!("VM {vmid} already boots this image"),
-        Event::VmOutdated { vmid, running } => format!(
-            "VM {vmid} boots {running}, not this image: left as it is (`imgbuild upgrade` moves the running node; --replace-disk wipes it)"
-        ),
-        Event::DiskReplaced { vmid } => format!("VM {vmid} got the new disk"),
-        Event::VmStarted { vmid } => format!("VM {vmid} started"),
-    }
-}
-
 pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let options = TargetOptions {
@@ -125,15 +102,9 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     let images = PublishImage::built(&inv, &built)?;
     let show = Show::for_output(args.build.download.quiet, output);
     let view = PublishView::new(Screen::new(show), show);
-    let results = proxmox::publish(
-        &inv,
-        &pve.settings,
-        &pve.credentials,
-        &images,
-        &pve.options,
-        &view,
-    )
-    .context("publishing to Proxmox VE")?;
+    let results = pve
+        .publish(&inv, &images, &view)
+        .context("publishing to Proxmox VE")?;
     view.clear();
     let mut published: Vec<NodePublished> = Vec::new();
     let mut failures = build_failures;

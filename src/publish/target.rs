@@ -1,9 +1,9 @@
 //! The inventory's publish target as a value: chosen here, in one function,
 //! for `publish`, `plan`, `up` and the day-two commands alike.
 
-use super::Cancel;
-use super::hcloud::{self, Api, HcloudError, SnapshotOptions};
-use super::proxmox::{self, ProxmoxError, PublishOptions};
+use super::hcloud::{self, Api, HcloudError, SnapshotImage, SnapshotOptions, SnapshotOutcome};
+use super::proxmox::{self, Decision, NodePublished, ProxmoxError, PublishOptions};
+use super::{Cancel, PublishImage};
 use crate::inventory::{HcloudSettings, Inventory, ProxmoxSettings, PublishSettings};
 
 /// Where the images go and the machines come from.
@@ -34,6 +34,37 @@ impl HcloudTarget {
     pub fn api(&self) -> Result<Api, HcloudError> {
         self.credentials.api(self.options.retry)
     }
+
+    /// The dry run: the snapshot each image would be published as, where
+    /// one exists (the lookup the real run starts with). GETs only.
+    pub fn plan(
+        &self,
+        api: &Api,
+        images: &[SnapshotImage],
+    ) -> Result<Vec<Option<u64>>, HcloudError> {
+        images
+            .iter()
+            .map(|image| hcloud::find_snapshot(api, &self.settings, image))
+            .collect()
+    }
+
+    /// Snapshots of `images`, one after another; none is started after an
+    /// interrupt (see [`hcloud::publish_snapshots`]).
+    pub fn publish(
+        &self,
+        api: &Api,
+        images: &[SnapshotImage],
+        observer: &dyn hcloud::Observer,
+    ) -> Vec<SnapshotOutcome> {
+        hcloud::publish_snapshots(
+            api,
+            &self.settings,
+            images,
+            &self.options,
+            &self.cancel,
+            observer,
+        )
+    }
 }
 
 /// A Proxmox VE target: where, as whom, and how to publish.
@@ -42,6 +73,35 @@ pub struct ProxmoxTarget {
     pub settings: ProxmoxSettings,
     pub credentials: proxmox::Credentials,
     pub options: PublishOptions,
+}
+
+impl ProxmoxTarget {
+    /// The dry run: each node's [`Decision`] (by inventory position, with
+    /// its image when built). GETs only.
+    pub fn plan(
+        &self,
+        inv: &Inventory,
+        nodes: &[(usize, Option<PublishImage>)],
+    ) -> Result<Vec<Result<Decision, ProxmoxError>>, ProxmoxError> {
+        proxmox::plan(inv, &self.settings, &self.credentials, nodes, &self.options)
+    }
+
+    /// Publishes `images`, each node carrying out the same decision.
+    pub fn publish(
+        &self,
+        inv: &Inventory,
+        images: &[PublishImage],
+        observer: &dyn proxmox::Observer,
+    ) -> Result<Vec<Result<NodePublished, ProxmoxError>>, ProxmoxError> {
+        proxmox::publish(
+            inv,
+            &self.settings,
+            &self.credentials,
+            images,
+            &self.options,
+            observer,
+        )
+    }
 }
 
 /// How each kind of target publishes, and what the command needs of it.
