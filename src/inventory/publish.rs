@@ -62,7 +62,7 @@ impl PublishSection {
     /// else `firstId + index`.
     pub fn vmid(&self, own: Option<u32>, index: usize) -> Option<u32> {
         own.or_else(|| {
-            let first = self.proxmox()?.vm.as_ref()?.first_id?;
+            let first = self.proxmox.as_ref()?.vm.as_ref()?.first_id?;
             first.checked_add(u32::try_from(index).ok()?)
         })
     }
