@@ -27,7 +27,7 @@ use api::Api;
 use upload::upload;
 use vm::{
     NewDisk, Placement, described_volume, description, drive_volume, place, replace_disk, resize,
-    start, vm_params, vm_verdict,
+    start, vm_decision, vm_params,
 };
 
 /// What publishing and planning both start from, read-only: the checked
@@ -140,17 +140,8 @@ impl<'a> Survey<'a> {
             });
         }
         let place = place(&self.api, self.inv, &self.settings.node, &self.vms, index)?;
-        let (change, start) = match (&place.existing, image) {
-            (None, _) => (Some(VmChange::Created), vm.start),
-            (Some((running, config)), Some((volid, _))) => {
-                let change = vm_verdict(described_volume(config).as_deref(), volid, replace);
-                // A new disk is swapped in with the VM stopped; a new ISO
-                // goes into the running VM's cdrom drive.
-                let restarts = change == VmChange::Updated && vm.boot == VmBoot::Disk;
-                (Some(change), vm.start && (restarts || !running))
-            }
-            (Some((running, _)), None) => (None, vm.start && !running),
-        };
+        let volid = image.map(|(volid, _)| volid);
+        let (change, start) = vm_decision(vm, place.existing.as_ref(), volid, replace);
         Ok(VmDecision {
             place,
             change,

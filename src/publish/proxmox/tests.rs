@@ -2,8 +2,8 @@ use super::api::*;
 use super::credentials::*;
 use super::vm::*;
 use super::*;
-use crate::inventory::ImageFormat;
 use crate::inventory::Inventory;
+use crate::inventory::{ImageFormat, ProxmoxVm, VmBoot};
 use crate::net::Trust;
 use std::path::Path;
 
@@ -277,4 +277,90 @@ fn iso_vms_boot_the_cdrom_before_a_blank_disk() {
         assert!(err.contains("publish.proxmox.vm.boot"), "{err}");
         assert!(err.contains(want), "{err}");
     }
+}
+
+/// The decision both runs share: which VMs are made, given a disk or an
+/// ISO, and started, for every state a VM can be found in.
+#[test]
+fn the_vm_decision_says_what_happens_and_whether_it_starts() {
+    use serde_json::json;
+    let inv = inv("", VM);
+    let disk = inv.publish.proxmox().unwrap().vm.clone().unwrap();
+    let iso = ProxmoxVm {
+        boot: VmBoot::Iso,
+        ..disk.clone()
+    };
+    let held = |volid: &str| json!({"description": format!("imgbuild-volume: {volid}\n")});
+    let (old, new) = ("local:import/old.raw", "local:import/new.raw");
+    let cases = [
+        (
+            &disk,
+            None,
+            Some(new),
+            false,
+            (Some(VmChange::Created), true),
+        ),
+        (
+            &disk,
+            Some((true, held(new))),
+            Some(new),
+            true,
+            (Some(VmChange::Unchanged), false),
+        ),
+        (
+            &disk,
+            Some((false, held(new))),
+            Some(new),
+            false,
+            (Some(VmChange::Unchanged), true),
+        ),
+        (
+            &disk,
+            Some((true, held(old))),
+            Some(new),
+            false,
+            (Some(VmChange::Outdated), false),
+        ),
+        // Stopped for the swap, so started again.
+        (
+            &disk,
+            Some((true, held(old))),
+            Some(new),
+            true,
+            (Some(VmChange::Updated), true),
+        ),
+        // The new ISO goes into the running VM: nothing to start.
+        (
+            &iso,
+            Some((true, held(old))),
+            Some(new),
+            true,
+            (Some(VmChange::Updated), false),
+        ),
+        (
+            &iso,
+            Some((false, held(old))),
+            Some(new),
+            true,
+            (Some(VmChange::Updated), true),
+        ),
+        // Not built yet: only whether it runs is known.
+        (&disk, Some((false, held(old))), None, true, (None, true)),
+        (&disk, Some((true, held(old))), None, true, (None, false)),
+    ];
+    for (i, (vm, existing, volid, replace, want)) in cases.into_iter().enumerate() {
+        assert_eq!(
+            vm_decision(vm, existing.as_ref(), volid, replace),
+            want,
+            "case {i}"
+        );
+    }
+    let stay_off = ProxmoxVm {
+        start: false,
+        ..disk.clone()
+    };
+    assert_eq!(
+        vm_decision(&stay_off, None, Some(new), false),
+        (Some(VmChange::Created), false)
+    );
 }

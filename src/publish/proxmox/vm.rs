@@ -270,6 +270,29 @@ pub(super) fn vm_verdict(current: Option<&str>, volid: &str, replace: bool) -> V
     }
 }
 
+/// What happens to a node's VM and whether it is started afterwards: the
+/// one rule the real run follows and the dry run reports. `existing` is the
+/// node's VM when it has one (running, config); `volid` the image's volume,
+/// unknown while the image is not built.
+pub(super) fn vm_decision(
+    vm: &ProxmoxVm,
+    existing: Option<&(bool, Value)>,
+    volid: Option<&str>,
+    replace: bool,
+) -> (Option<VmChange>, bool) {
+    match (existing, volid) {
+        (None, _) => (Some(VmChange::Created), vm.start),
+        (Some((running, config)), Some(volid)) => {
+            let change = vm_verdict(described_volume(config).as_deref(), volid, replace);
+            // A new disk is swapped in with the VM stopped; a new ISO goes
+            // into the running VM's cdrom drive.
+            let restarts = change == VmChange::Updated && vm.boot == VmBoot::Disk;
+            (Some(change), vm.start && (restarts || !running))
+        }
+        (Some((running, _)), None) => (None, vm.start && !running),
+    }
+}
+
 /// Starts the VM at `base` and waits until it runs.
 pub(super) fn start(
     api: &Api,
