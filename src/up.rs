@@ -1,10 +1,12 @@
 //! `imgbuild up`: the whole line as library calls: build → publish → start →
 //! bootstrap → health. Each stage is the call its own command makes
-//! ([`build::build`], [`proxmox::publish`], [`stage::bootstrap`]), and each is
-//! idempotent, so a rerun after any failure (or SIGKILL) continues from what
-//! is done and reports every finished stage as unchanged. [`plan`] is the dry
-//! run: it reads (manifest, GETs, TLS probes) and changes nothing. What each
-//! stage did goes into a [`Report`] ([`report`] shapes its table and JSON).
+//! ([`build::build`], the target's publish, [`stage::bootstrap`]), and each
+//! is idempotent, so a rerun after any failure (or SIGKILL) continues from
+//! what is done and reports every finished stage as unchanged. [`plan`] is
+//! the dry run: it reads (manifest, GETs, TLS probes) and changes nothing.
+//! Every decision is the stage's own (the target's per node, the
+//! bootstrap's reach); `up` records them in a [`Report`], whose table and
+//! JSON [`report`] shapes.
 
 mod error;
 mod report;
@@ -17,120 +19,15 @@ use std::time::Instant;
 
 use crate::build::{self, BuildError, BuildOptions};
 use crate::fetch::Progress;
-use crate::inventory::{HcloudSettings, Inventory, ProxmoxSettings};
-use crate::publish::hcloud::{self, HcloudError, SnapshotImage, SnapshotOptions, servers};
-use crate::publish::proxmox::{self, Credentials, ProxmoxError, PublishOptions};
-use crate::publish::{Cancel, PublishImage};
+use crate::inventory::Inventory;
+use crate::publish::PublishImage;
+use crate::publish::hcloud::{self, HcloudError, SnapshotImage, servers};
+use crate::publish::proxmox::{self, ProxmoxError, VmChange};
+use crate::publish::target::{HcloudTarget, ProxmoxTarget, Target};
 use crate::talos::bootstrap;
 use crate::talos::client::NodeEndpoint;
 use crate::talos::stage::{self, BootstrapOptions, Reach};
 use report::changed;
-
-/// Where the machines come from. Each target publishes the images and starts
-/// one machine per node; then every target is bootstrapped the same way.
-#[derive(Debug, Clone)]
-pub enum Target {
-    /// Machines booted by other means: only the bootstrap runs.
-    None,
-    /// Images uploaded to Proxmox VE, one started VM per node.
-    Proxmox(Box<ProxmoxTarget>),
-    /// Snapshots in Hetzner Cloud, one server per node created from them
-    /// with its machine config as `user_data`.
-    Hcloud(Box<HcloudTarget>),
-}
-
-/// A Hetzner Cloud target: where, as whom, and how patiently.
-#[derive(Debug, Clone)]
-pub struct HcloudTarget {
-    pub settings: HcloudSettings,
-    pub credentials: hcloud::Credentials,
-    pub options: SnapshotOptions,
-    /// Stops the snapshot runs (which then delete their temporary server).
-    pub cancel: Cancel,
-}
-
-impl HcloudTarget {
-    fn api(&self) -> Result<hcloud::Api, (Stage, UpError)> {
-        hcloud::Api::new(
-            &self.credentials.endpoint,
-            self.credentials.token.clone(),
-            self.options.retry,
-        )
-        .map_err(|e| (Stage::Publish, UpError::Hcloud(e)))
-    }
-}
-
-/// How each kind of target publishes.
-#[derive(Debug, Clone)]
-pub struct TargetOptions {
-    pub proxmox: PublishOptions,
-    pub hcloud: SnapshotOptions,
-    pub cancel: Cancel,
-}
-
-/// A Proxmox VE target: where, as whom, and how to publish.
-#[derive(Debug, Clone)]
-pub struct ProxmoxTarget {
-    pub settings: ProxmoxSettings,
-    pub credentials: Credentials,
-    pub options: PublishOptions,
-}
-
-impl Target {
-    /// The inventory's `publish` section as a target, credentials read through
-    /// `env`. `up` starts the VMs it publishes, whatever `vm.start` says:
-    /// bootstrapping needs them running.
-    pub fn from_inventory(
-        inv: &Inventory,
-        env: &dyn Fn(&str) -> Option<String>,
-        options: TargetOptions,
-    ) -> Result<Target, UpError> {
-        match (&inv.publish.proxmox, &inv.publish.hcloud) {
-            (None, None) => Ok(Target::None),
-            (Some(_), Some(_)) => Err(UpError::Setup(
-                "publish has both proxmox and hcloud: `up` brings a cluster up on one target; keep one"
-                    .into(),
-            )),
-            (None, Some(settings)) => {
-                if settings.servers.is_none() {
-                    return Err(UpError::Setup(
-                        "publish.hcloud has no servers section (`servers: {type: cpx22}`): `up` needs servers to bootstrap (`imgbuild publish` only makes snapshots)".into(),
-                    ));
-                }
-                Ok(Target::Hcloud(Box::new(HcloudTarget {
-                    settings: settings.clone(),
-                    credentials: hcloud::Credentials::from_env(env)?,
-                    options: options.hcloud,
-                    cancel: options.cancel,
-                })))
-            }
-            (Some(settings), None) => {
-                let mut settings = settings.clone();
-                let Some(vm) = settings.vm.as_mut() else {
-                    return Err(UpError::Setup(
-                        "publish.proxmox has no vm section: `up` needs VMs to bootstrap (`imgbuild publish` only uploads)".into(),
-                    ));
-                };
-                vm.start = true;
-                let credentials = Credentials::from_env(&settings, env)?;
-                Ok(Target::Proxmox(Box::new(ProxmoxTarget {
-                    settings,
-                    credentials,
-                    options: options.proxmox,
-                })))
-            }
-        }
-    }
-
-    /// The name reports carry.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Target::None => "none",
-            Target::Proxmox(_) => "proxmox",
-            Target::Hcloud(_) => "hcloud",
-        }
-    }
-}
 
 /// What one `up` does besides the target.
 #[derive(Clone)]
@@ -164,20 +61,19 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
         report.elapsed_ms = started.elapsed().as_millis();
         return report;
     }
-    let published = match target {
-        Target::Hcloud(hc) => hcloud_stage(inv, hc, opts, obs, &mut report),
-        _ => publish_stage(inv, target, opts, obs, &mut report).map(|()| BTreeMap::new()),
-    };
+    let mode = Mode::Run(obs);
+    let published = build(inv, target, opts, mode, &mut report)
+        .and_then(|built| publish(inv, target, opts, built, mode, &mut report));
     let mut bootstrap = opts.bootstrap.clone();
     let done = match published {
         Err((stage, e)) => {
             report.stop(stage, e);
             None
         }
-        Ok(targets) => {
+        Ok(reached) => {
             // Apply, bootstrap once, health: each node's readiness as the
             // last health round saw it.
-            bootstrap.targets.extend(targets);
+            bootstrap.targets.extend(reached);
             match stage::bootstrap(inv, &bootstrap, obs.bootstrap) {
                 Ok(done) => {
                     report.bootstrapped(&done);
@@ -201,47 +97,181 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     report
 }
 
-/// Build and publish (nothing for [`Target::None`]); stops when any node
-/// failed, since a cluster missing a node cannot become healthy.
-fn publish_stage(
+/// The dry run: what `up` would build, upload, create, start, apply and
+/// bootstrap. Reads the manifest, sends GETs to the target and probes each
+/// node's TLS; builds nothing, writes nothing, changes nothing anywhere.
+pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
+    let started = Instant::now();
+    let reach = Reach::of(inv, &opts.bootstrap);
+    let mut report = Report::new(inv, target.name(), true, &reach);
+    if let Err(e) = stage::check(inv, &opts.bootstrap) {
+        report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
+        report.elapsed_ms = started.elapsed().as_millis();
+        return report;
+    }
+    let planned = build(inv, target, opts, Mode::Plan, &mut report)
+        .and_then(|built| publish(inv, target, opts, built, Mode::Plan, &mut report));
+    let mut bootstrap = opts.bootstrap.clone();
+    match planned {
+        Ok(reached) => bootstrap.targets.extend(reached),
+        Err((stage, e)) => report.stop(stage, e),
+    }
+    // Without a runtime to probe on, the nodes' Talos state stays unknown.
+    if let Ok(survey) = stage::survey(inv, &bootstrap) {
+        report.surveyed(&survey);
+    }
+    report.elapsed_ms = started.elapsed().as_millis();
+    report
+}
+
+/// Whether the publish part runs or is planned.
+#[derive(Clone, Copy)]
+enum Mode<'a> {
+    /// Build, then publish, reporting to the observers.
+    Run(Observers<'a>),
+    /// Read the manifest and the target (GETs only); change nothing.
+    Plan,
+}
+
+/// What the build leaves for the publish part.
+#[derive(Default)]
+struct Built {
+    /// Each selected node's inventory position and its image: in a dry run
+    /// the current one (as the build would leave it), None where none is.
+    images: Vec<(usize, Option<build::Outcome>)>,
+    /// Nodes whose build failed (the others were built).
+    failed: Vec<String>,
+}
+
+/// Builds the selected nodes' images, or in a dry run reads which ones the
+/// manifest holds current; records each. Nothing for [`Target::None`]:
+/// machines booted by other means need no image.
+fn build(
     inv: &Inventory,
     target: &Target,
     opts: &UpOptions,
-    obs: Observers<'_>,
+    mode: Mode<'_>,
+    report: &mut Report,
+) -> Result<Built, (Stage, UpError)> {
+    if let Target::None = target {
+        return Ok(Built::default());
+    }
+    let (outcomes, failed) = match mode {
+        Mode::Run(obs) => {
+            let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
+                Ok(built) => (built, Vec::new()),
+                Err(BuildError::Incomplete { built, failed }) => (built, failed),
+                Err(e) => return Err((Stage::Build, e.into())),
+            };
+            let outcomes = built.into_iter().map(|o| (o.image.node.clone(), Some(o)));
+            (outcomes.collect::<Vec<_>>(), failed)
+        }
+        Mode::Plan => {
+            let current = build::current_images(inv, &opts.nodes, &opts.build)
+                .map_err(|e| (Stage::Build, e.into()))?;
+            let out_dir = &opts.build.out_dir;
+            let outcomes = current.into_iter().map(|(node, image)| {
+                let current = image.map(|image| build::Outcome {
+                    file: image.file(out_dir),
+                    image,
+                    built: false,
+                });
+                (node, current)
+            });
+            (outcomes.collect(), Vec::new())
+        }
+    };
+    let images: Vec<(usize, Option<build::Outcome>)> = outcomes
+        .into_iter()
+        .filter_map(|(node, o)| Some((inv.nodes.iter().position(|n| n.name == node)?, o)))
+        .collect();
+    report.built(&images, &failed);
+    Ok(Built {
+        images,
+        failed: failed.into_iter().map(|f| f.node).collect(),
+    })
+}
+
+/// Publishes the built images on `target` (nothing for [`Target::None`]),
+/// or in a dry run says what that would do; where the bootstrap reaches
+/// each node (a Hetzner server's public IP). Stops when any node failed,
+/// since a cluster missing a node cannot become healthy.
+fn publish(
+    inv: &Inventory,
+    target: &Target,
+    opts: &UpOptions,
+    built: Built,
+    mode: Mode<'_>,
+    report: &mut Report,
+) -> Result<BTreeMap<String, NodeEndpoint>, (Stage, UpError)> {
+    match target {
+        Target::None => Ok(BTreeMap::new()),
+        Target::Proxmox(pve) => proxmox(inv, pve, built, mode, report).map(|()| BTreeMap::new()),
+        Target::Hcloud(hc) => hcloud(inv, hc, opts, built, mode, report),
+    }
+}
+
+/// Proxmox: upload each image and make, update and start each node's VM
+/// (or plan it). The real run and the dry run report the same decision.
+fn proxmox(
+    inv: &Inventory,
+    pve: &ProxmoxTarget,
+    built: Built,
+    mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<(), (Stage, UpError)> {
-    let Target::Proxmox(pve) = target else {
-        return Ok(());
-    };
-    let ProxmoxTarget {
-        settings,
-        credentials,
-        options,
-    } = pve.as_ref();
-    let (built, mut failed_nodes) = build_stage(inv, opts, obs, report)?;
+    let bad_image = |e: crate::publish::ImageError| (Stage::Build, UpError::Setup(e.to_string()));
+    let mut images = Vec::new();
+    for (index, outcome) in built.images {
+        let image = outcome
+            .map(|o| PublishImage::new(inv, &o.image, o.file))
+            .transpose()
+            .map_err(bad_image)?;
+        images.push((index, image));
+    }
+    let mut failed_nodes = built.failed;
     let build_failed = !failed_nodes.is_empty();
-    let images: Vec<PublishImage> = built.iter().map(PublishImage::from).collect();
-    let results = proxmox::publish(inv, settings, credentials, &images, options, obs.publish)
-        .map_err(|e| (Stage::Publish, e.into()))?;
-    for (img, r) in images.iter().zip(results) {
+    let to_publish = |e: ProxmoxError| (Stage::Publish, UpError::from(e));
+    // Per node: (volume, vmid, uploaded, vm, started), or why it failed.
+    type Done = Result<(Option<String>, Option<u32>, bool, Option<VmChange>, bool), ProxmoxError>;
+    let done: Vec<Done> = match mode {
+        Mode::Run(obs) => {
+            let images: Vec<PublishImage> = images.iter().filter_map(|(_, i)| i.clone()).collect();
+            pve.publish(inv, &images, obs.publish)
+                .map_err(to_publish)?
+                .into_iter()
+                .map(|r| r.map(|p| (Some(p.volid), p.vmid, p.uploaded, p.vm, p.started)))
+                .collect()
+        }
+        // An image not built yet is uploaded unless the storage happens
+        // to hold its exact bytes already.
+        Mode::Plan => pve
+            .plan(inv, &images)
+            .map_err(to_publish)?
+            .into_iter()
+            .map(|r| r.map(|d| (d.volid, d.vmid, d.upload != Some(false), d.vm, d.start)))
+            .collect(),
+    };
+    // The real run publishes every entry: only built images are listed.
+    for ((index, _), r) in images.iter().zip(done) {
         match r {
-            Ok(p) => {
-                let Some(n) = report.node(&p.node) else {
+            Ok((volume, vmid, uploaded, vm, started)) => {
+                let Some(n) = report.row(*index) else {
                     continue;
                 };
-                n.volume = Some(p.volid);
-                n.vmid = p.vmid;
-                n.stages.upload = Some(changed(p.uploaded, Change::Uploaded));
-                n.stages.vm = p.vm.map(Change::from);
-                n.stages.start = Some(changed(p.started, Change::Started));
+                n.volume = volume;
+                n.vmid = vmid;
+                n.stages.upload = Some(changed(uploaded, Change::Uploaded));
+                n.stages.vm = vm.map(Change::from);
+                n.stages.start = Some(changed(started, Change::Started));
             }
             Err(e) => {
                 let message = match e {
                     ProxmoxError::Node { message, .. } => message,
                     e => e.to_string(),
                 };
-                report.fail(&img.node, |s| s.upload = Some(Change::Failed), message);
-                failed_nodes.push(img.node.clone());
+                report.fail_row(*index, |s| s.upload = Some(Change::Failed), message);
+                failed_nodes.push(inv.nodes[*index].name.clone());
             }
         }
     }
@@ -262,39 +292,69 @@ fn publish_stage(
     ))
 }
 
-/// Snapshots of the built images, then one server per node from them with
-/// its machine config as `user_data`; where the bootstrap reaches each
+/// Hetzner Cloud: snapshots of the built images, then one server per node
+/// from them with its machine config as `user_data` (or, in a dry run,
+/// which snapshots and servers exist); where the bootstrap reaches each
 /// node (the public IP the API reports).
-fn hcloud_stage(
+fn hcloud(
     inv: &Inventory,
     hc: &HcloudTarget,
     opts: &UpOptions,
-    obs: Observers<'_>,
+    built: Built,
+    mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<BTreeMap<String, NodeEndpoint>, (Stage, UpError)> {
     let publish = |e: HcloudError| (Stage::Publish, UpError::Hcloud(e));
-    let (built, failed) = build_stage(inv, opts, obs, report)?;
-    if !failed.is_empty() {
+    if !built.failed.is_empty() {
         return Err((
             Stage::Build,
             UpError::Nodes {
                 stage: Stage::Build,
-                failed,
+                failed: built.failed,
             },
         ));
     }
-    let api = hc.api()?;
+    if let Mode::Plan = mode {
+        for (index, _) in &built.images {
+            if let Some(n) = report.row(*index) {
+                n.stages.upload = Some(Change::Uploaded);
+                n.stages.vm = Some(Change::Created);
+                n.stages.start = Some(Change::Started);
+            }
+        }
+    }
+    let images = SnapshotImage::distinct(
+        built
+            .images
+            .iter()
+            .filter_map(|(_, o)| o.as_ref())
+            .map(|o| (&o.image, o.file.clone())),
+    );
+    let api = hc.api().map_err(publish)?;
+    let Mode::Run(obs) = mode else {
+        let planned = hc.plan(&api, &images).map_err(publish)?;
+        for (image, found) in images.iter().zip(planned) {
+            for node in &image.nodes {
+                if let (Some(id), Some(n)) = (found, report.node(node)) {
+                    n.volume = Some(format!("snapshot {id}"));
+                    n.stages.upload = Some(Change::Unchanged);
+                }
+            }
+        }
+        let mut targets = BTreeMap::new();
+        for s in servers::existing(&api, &inv.cluster.name).map_err(publish)? {
+            let stages = (
+                Change::Unchanged,
+                changed(s.status == "off", Change::Started),
+            );
+            record_server(report, &mut targets, &s, Some(stages));
+        }
+        return Ok(targets);
+    };
     let mut snapshot_of: BTreeMap<String, u64> = BTreeMap::new();
     let mut failed = Vec::new();
-    for image in SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone()))) {
-        let run = hcloud::publish_snapshot(
-            &api,
-            &hc.settings,
-            &image,
-            &hc.options,
-            &hc.cancel,
-            obs.hcloud,
-        );
+    let runs = hc.publish(&api, &images, obs.hcloud);
+    for (image, run) in images.iter().zip(runs) {
         let leftovers: Vec<String> = run
             .leftovers
             .iter()
@@ -396,273 +456,5 @@ fn record_server(
     if let Some(ip) = s.public_ip {
         n.address = Some(ip);
         targets.extend(NodeEndpoint::new(Some(ip), None).map(|t| (s.node.clone(), t)));
-    }
-}
-
-/// The dry run of [`hcloud_stage`]: which snapshots exist for the images
-/// already built, which servers exist; GETs only.
-fn plan_hcloud(
-    inv: &Inventory,
-    hc: &HcloudTarget,
-    opts: &UpOptions,
-    report: &mut Report,
-) -> Result<BTreeMap<String, NodeEndpoint>, (Stage, UpError)> {
-    let publish = |e: HcloudError| (Stage::Publish, UpError::Hcloud(e));
-    let current = build::current_images(inv, &opts.nodes, &opts.build)
-        .map_err(|e| (Stage::Build, e.into()))?;
-    let mut built = Vec::new();
-    for (node, image) in &current {
-        if let Some(n) = report.node(node) {
-            n.stages.build = Some(if image.is_some() {
-                Change::Unchanged
-            } else {
-                Change::Built
-            });
-            n.stages.upload = Some(Change::Uploaded);
-            n.stages.vm = Some(Change::Created);
-            n.stages.start = Some(Change::Started);
-            if let Some(img) = image {
-                n.show_image(img, img.file(&opts.build.out_dir));
-                built.push((img, img.file(&opts.build.out_dir)));
-            }
-        }
-    }
-    let api = hc.api()?;
-    for image in SnapshotImage::distinct(built) {
-        let found = hcloud::find_snapshot(&api, &hc.settings, &image).map_err(publish)?;
-        for node in &image.nodes {
-            if let (Some(id), Some(n)) = (found, report.node(node)) {
-                n.volume = Some(format!("snapshot {id}"));
-                n.stages.upload = Some(Change::Unchanged);
-            }
-        }
-    }
-    let mut targets = BTreeMap::new();
-    for s in servers::existing(&api, &inv.cluster.name).map_err(publish)? {
-        let stages = (
-            Change::Unchanged,
-            changed(s.status == "off", Change::Started),
-        );
-        record_server(report, &mut targets, &s, Some(stages));
-    }
-    Ok(targets)
-}
-
-/// Builds the selected nodes' images and records them; the built ones and
-/// the names of those that failed.
-fn build_stage(
-    inv: &Inventory,
-    opts: &UpOptions,
-    obs: Observers<'_>,
-    report: &mut Report,
-) -> Result<(Vec<build::Outcome>, Vec<String>), (Stage, UpError)> {
-    let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
-        Ok(built) => (built, Vec::new()),
-        Err(BuildError::Incomplete { built, failed }) => (built, failed),
-        Err(e) => return Err((Stage::Build, e.into())),
-    };
-    let failed_nodes = report.built(&built, &failed);
-    Ok((built, failed_nodes))
-}
-
-/// The dry run: what `up` would build, upload, create, start, apply and
-/// bootstrap. Reads the manifest, sends GETs to the target and probes each
-/// node's TLS; builds nothing, writes nothing, changes nothing anywhere.
-pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
-    let started = Instant::now();
-    let reach = Reach::of(inv, &opts.bootstrap);
-    let mut report = Report::new(inv, target.name(), true, &reach);
-    if let Err(e) = stage::check(inv, &opts.bootstrap) {
-        report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
-        report.elapsed_ms = started.elapsed().as_millis();
-        return report;
-    }
-    let planned = match target {
-        Target::Hcloud(hc) => plan_hcloud(inv, hc, opts, &mut report),
-        _ => plan_publish(inv, target, opts, &mut report).map(|()| BTreeMap::new()),
-    };
-    let mut bootstrap = opts.bootstrap.clone();
-    match planned {
-        Ok(targets) => bootstrap.targets.extend(targets),
-        Err((stage, e)) => report.stop(stage, e),
-    }
-    // Without a runtime to probe on, the nodes' Talos state stays unknown.
-    if let Ok(survey) = stage::survey(inv, &bootstrap) {
-        report.surveyed(&survey);
-    }
-    report.elapsed_ms = started.elapsed().as_millis();
-    report
-}
-
-fn plan_publish(
-    inv: &Inventory,
-    target: &Target,
-    opts: &UpOptions,
-    report: &mut Report,
-) -> Result<(), (Stage, UpError)> {
-    let Target::Proxmox(pve) = target else {
-        return Ok(());
-    };
-    let ProxmoxTarget {
-        settings,
-        credentials,
-        options,
-    } = pve.as_ref();
-    let current = build::current_images(inv, &opts.nodes, &opts.build)
-        .map_err(|e| (Stage::Build, e.into()))?;
-    let mut images = Vec::new();
-    for (node, image) in current {
-        if let Some(n) = report.node(&node) {
-            n.stages.build = Some(match &image {
-                Some(_) => Change::Unchanged,
-                None => Change::Built,
-            });
-            if let Some(img) = &image {
-                n.show_image(img, img.file(&opts.build.out_dir));
-            }
-        }
-        let image = image.map(|img| PublishImage {
-            node: img.node.clone(),
-            path: img.file(&opts.build.out_dir),
-            sha256: img.sha256,
-            size: img.size,
-            format: img.format,
-        });
-        images.push((node, image));
-    }
-    let planned = proxmox::plan(inv, settings, credentials, &images, options)
-        .map_err(|e| (Stage::Publish, e.into()))?;
-    let mut failed = Vec::new();
-    for ((node, _), r) in images.iter().zip(planned) {
-        match r {
-            Ok(p) => {
-                let Some(n) = report.node(node) else { continue };
-                n.volume = p.volid;
-                n.vmid = p.vmid;
-                // An image not built yet is uploaded unless the storage
-                // happens to hold its exact bytes already.
-                n.stages.upload = Some(if p.upload == Some(false) {
-                    Change::Unchanged
-                } else {
-                    Change::Uploaded
-                });
-                n.stages.vm = p.vm.map(Change::from);
-                n.stages.start = Some(changed(p.start, Change::Started));
-            }
-            Err(e) => {
-                let message = match e {
-                    ProxmoxError::Node { message, .. } => message,
-                    e => e.to_string(),
-                };
-                report.fail(node, |s| s.upload = Some(Change::Failed), message);
-                failed.push(node.clone());
-            }
-        }
-    }
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err((
-            Stage::Publish,
-            UpError::Nodes {
-                stage: Stage::Publish,
-                failed,
-            },
-        ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::path::Path;
-
-    fn inv(publish: &str) -> Inventory {
-        let text = format!(
-            r#"
-cluster: {{name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: "https://10.0.0.10:6443"}}
-network: {{cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}}
-{publish}
-nodes:
-  - {{name: cp-01, role: controlplane, address: 10.0.0.11}}
-  - {{name: w-01, role: worker, address: 10.0.0.21}}
-"#
-        );
-        Inventory::parse(&text, Path::new("cluster.yaml")).unwrap()
-    }
-
-    const ENV: [(&str, &str); 2] = [
-        ("PROXMOX_VE_ENDPOINT", "https://127.0.0.1:8006/"),
-        ("PROXMOX_VE_API_TOKEN", "root@pam!up=secret"),
-    ];
-
-    fn target(publish: &str, env: &[(&str, &str)]) -> Result<Target, UpError> {
-        let lookup = |k: &str| {
-            env.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.to_string())
-        };
-        let options = TargetOptions {
-            proxmox: PublishOptions::default(),
-            hcloud: SnapshotOptions::default(),
-            cancel: Cancel::never(),
-        };
-        Target::from_inventory(&inv(publish), &lookup, options)
-    }
-
-    #[test]
-    fn no_publish_section_means_bootstrap_only() {
-        assert!(matches!(target("", &[]).unwrap(), Target::None));
-    }
-
-    #[test]
-    fn proxmox_vms_are_started_whatever_the_inventory_says() {
-        let t = target(
-            "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, start: false}",
-            &ENV,
-        )
-        .unwrap();
-        let Target::Proxmox(pve) = t else {
-            panic!("not proxmox: {t:?}")
-        };
-        assert!(pve.settings.vm.unwrap().start);
-    }
-
-    #[test]
-    fn targets_up_cannot_use_are_setup_errors() {
-        let no_vm = target(
-            "publish:\n  proxmox:\n    node: pve\n    storage: local",
-            &ENV,
-        )
-        .unwrap_err();
-        assert!(no_vm.is_setup());
-        assert!(no_vm.to_string().contains("no vm section"), "{no_vm}");
-        let no_env = target(
-            "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300}",
-            &[],
-        )
-        .unwrap_err();
-        assert!(no_env.is_setup());
-        assert!(
-            no_env.to_string().contains("PROXMOX_VE_ENDPOINT"),
-            "{no_env}"
-        );
-        let hcloud = target(
-            "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1}",
-            &ENV,
-        )
-        .unwrap_err();
-        assert!(hcloud.is_setup());
-        assert!(
-            hcloud.to_string().contains("no servers section"),
-            "{hcloud}"
-        );
-        let servers = "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1, servers: {type: cpx22}}";
-        let no_token = target(servers, &ENV).unwrap_err();
-        assert!(no_token.is_setup());
-        assert!(no_token.to_string().contains("HCLOUD_TOKEN"), "{no_token}");
-        let t = target(servers, &[("HCLOUD_TOKEN", "t0ken")]).unwrap();
-        assert_eq!(t.name(), "hcloud");
-        assert!(!format!("{t:?}").contains("t0ken"));
     }
 }

@@ -9,7 +9,8 @@ use super::{Output, Partial, Reported, Usage, load_inventory};
 use anyhow::Result;
 use clap::Args;
 use imgbuild::publish::Cancel;
-use imgbuild::up::{self, Line, Observers, Target, TargetOptions, UpOptions};
+use imgbuild::publish::target::{Target, TargetOptions};
+use imgbuild::up::{self, Line, Observers, UpOptions};
 use std::path::Path;
 
 #[derive(Args)]
@@ -32,6 +33,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         proxmox: args.publish.options(),
         hcloud: args.publish.hcloud_options(),
         cancel: Cancel::never(),
+        machines: true,
     };
     let mut target = Target::from_inventory(&inv, &|k| std::env::var(k).ok(), options)
         .map_err(|e| Usage(format!("{}: {e}", config.display())))?;

@@ -472,11 +472,7 @@ pub fn check(inv: &Inventory, opts: &BootstrapOptions) -> Result<Checked, StageE
         (SecretsBundle::throwaway()?, true)
     };
     // Hetzner servers are reached at the public IP the API reports.
-    let reported = inv
-        .publish
-        .hcloud
-        .as_ref()
-        .is_some_and(|h| h.servers.is_some());
+    let reported = inv.publish.hcloud().is_some_and(|h| h.servers.is_some());
     let mut reach_of = Vec::new();
     for node in &inv.nodes {
         config::machine_config(inv, node, &bundle, &opts.patch_vars)?;

@@ -162,7 +162,7 @@ pub struct NodeReport {
 
 impl NodeReport {
     /// Notes the node's image, built now or already current.
-    pub(super) fn show_image(&mut self, image: &NodeImage, file: PathBuf) {
+    fn show_image(&mut self, image: &NodeImage, file: PathBuf) {
         // The manifest holds 64 lowercase hex digits (checked when it is read).
         self.sha256 = image.sha256.parse().ok();
         self.image = Some(file);
@@ -306,23 +306,45 @@ impl Report {
         }
     }
 
-    /// Records the build: each built (or current) image, each failure. The
-    /// names of the nodes that failed.
+    /// The row of the node at inventory position `index`.
+    pub(super) fn row(&mut self, index: usize) -> Option<&mut NodeReport> {
+        self.nodes.get_mut(index)
+    }
+
+    /// Marks the node at inventory position `index` failed at `stage`.
+    pub(super) fn fail_row(
+        &mut self,
+        index: usize,
+        stage: impl FnOnce(&mut Stages),
+        error: String,
+    ) {
+        if let Some(n) = self.row(index) {
+            stage(&mut n.stages);
+            n.error = Some(error);
+        }
+    }
+
+    /// Records the build, by inventory position: each image built now or
+    /// already current (None: in a dry run, one still to build), and each
+    /// node that failed.
     pub(super) fn built(
         &mut self,
-        built: &[build::Outcome],
+        images: &[(usize, Option<build::Outcome>)],
         failed: &[build::NodeFailure],
-    ) -> Vec<String> {
-        for o in built {
-            if let Some(n) = self.node(&o.image.node) {
-                n.show_image(&o.image, o.file.clone());
-                n.stages.build = Some(changed(o.built, Change::Built));
-            }
+    ) {
+        for (index, outcome) in images {
+            let Some(n) = self.row(*index) else { continue };
+            n.stages.build = Some(match outcome {
+                Some(o) => {
+                    n.show_image(&o.image, o.file.clone());
+                    changed(o.built, Change::Built)
+                }
+                None => Change::Built,
+            });
         }
         for f in failed {
             self.fail(&f.node, |s| s.build = Some(Change::Failed), chain(&f.error));
         }
-        failed.iter().map(|f| f.node.clone()).collect()
     }
 
     /// Records what the bootstrap stage did: apply, etcd, health, each
