@@ -770,6 +770,66 @@ mod tests {
     }
 
     #[test]
+    fn up_reports_and_probes_where_prepare_plans() {
+        let root = tempfile::tempdir().unwrap();
+        let mut opts = seeded(root.path());
+        let mut inv = atlas();
+        // Control planes listed after a worker: the first control plane
+        // is bootstrapped, not the first node.
+        inv.nodes.rotate_left(3);
+        inv.nodes[0].address = None;
+        opts.targets.insert(
+            inv.nodes[0].name.clone(),
+            NodeEndpoint::new(None, Some("127.0.0.9:50123")).unwrap(),
+        );
+        inv.nodes[1].talos_endpoint = Some("127.0.0.8:50001".into());
+        let reach = Reach::of(&inv, &opts);
+        let plan = prepare(&inv, &opts).unwrap().plan;
+        assert_eq!(reach.bootstrap_node.as_deref(), Some("cp-01"));
+        assert_eq!(plan.bootstrap_node, reach.bootstrap_node);
+        assert_eq!(reach.nodes.len(), plan.nodes.len());
+        for (r, p) in reach.nodes.iter().zip(&plan.nodes) {
+            assert_eq!(r.node, p.name);
+            assert_eq!(r.address, Some(p.address));
+            assert_eq!(r.endpoint.as_ref().unwrap().addr, p.endpoint.addr);
+        }
+        assert_eq!(reach.nodes[0].address, "127.0.0.9".parse().ok());
+        assert_eq!(
+            reach.nodes[1].endpoint.as_ref().unwrap().addr.to_string(),
+            "127.0.0.8:50001"
+        );
+        // A node without a way in has no endpoint here (prepare names it).
+        inv.nodes[2].address = None;
+        let reach = Reach::of(&inv, &opts);
+        assert!(reach.nodes[2].endpoint.is_none());
+        assert!(reach.nodes[2].address.is_none());
+        assert!(prepare(&inv, &opts).is_err());
+    }
+
+    #[test]
+    fn a_survey_finds_closed_ports_and_writes_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        inv.nodes.truncate(2);
+        // Bound, then closed: nothing answers there.
+        let free = |_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        };
+        for node in &mut inv.nodes {
+            node.talos_endpoint = Some(free(()));
+        }
+        let opts = BootstrapOptions {
+            state_dir: Some(root.path().join("state")),
+            ..Default::default()
+        };
+        let survey = survey(&inv, &opts).unwrap();
+        assert_eq!(survey.answers, [None, None]);
+        assert_eq!(survey.reach.nodes.len(), 2);
+        assert!(!root.path().join("state").exists());
+    }
+
+    #[test]
     fn a_talosconfig_from_other_secrets_is_refused_before_any_node() {
         let root = tempfile::tempdir().unwrap();
         let inv = atlas();
