@@ -1,6 +1,7 @@
 //! The bootstrap stage as library calls: the cluster's state dir (secrets,
-//! talosconfig, rendered configs), the node targets, and the run of the
-//! [`bootstrap`] state machine. `imgbuild bootstrap` and `imgbuild up` both
+//! talosconfig, rendered configs), where each node is reached and which one
+//! gets etcd ([`Reach`]), and the run of the [`bootstrap`] state machine or
+//! its dry run ([`survey`]). `imgbuild bootstrap` and `imgbuild up` both
 //! call [`bootstrap`]; the CLI only turns flags into [`BootstrapOptions`] and
 //! renders what comes back.
 
