@@ -631,7 +631,7 @@ nodes:
     }
 
     #[test]
-    fn reports_carry_the_stage_words_and_every_node() {
+    fn reports_carry_the_change_words_and_every_node() {
         let mut r = report(true);
         r.node("cp-01").unwrap().stages.apply = Some(Change::Unchanged);
         let v = r.json().unwrap();
