@@ -10,14 +10,15 @@
 //!   ignores META key 10, so nodes with the same extensions share it.
 
 use crate::build::Route;
-use crate::inventory::{Arch, ImageFormat, Inventory};
+use crate::inventory::{Arch, ImageFormat, Inventory, PublishSettings};
 use crate::schematic::{self, EmitError, SchematicId};
 use serde::Serialize;
 
-/// Where an inventory's images end up.
+/// Where an inventory's images end up: the CI matrix's word for the
+/// inventory's publish target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
-pub enum Target {
+pub enum ArtifactTarget {
     /// `publish.proxmox`: storage uploads (and VMs).
     Proxmox,
     /// `publish.hcloud`: snapshots.
@@ -26,15 +27,13 @@ pub enum Target {
     Files,
 }
 
-impl Target {
-    /// The inventory's publish target.
-    pub fn of(inv: &Inventory) -> Target {
-        if inv.publish.hcloud.is_some() {
-            Target::Hcloud
-        } else if inv.publish.proxmox.is_some() {
-            Target::Proxmox
-        } else {
-            Target::Files
+impl From<PublishSettings<'_>> for ArtifactTarget {
+    /// The kind of the inventory's publish target (no credentials needed).
+    fn from(target: PublishSettings<'_>) -> ArtifactTarget {
+        match target {
+            PublishSettings::Hcloud(_) => ArtifactTarget::Hcloud,
+            PublishSettings::Proxmox(_) => ArtifactTarget::Proxmox,
+            PublishSettings::None => ArtifactTarget::Files,
         }
     }
 }
@@ -56,7 +55,7 @@ pub enum ArtifactKind {
 #[serde(rename_all = "camelCase")]
 pub struct Artifact {
     pub kind: ArtifactKind,
-    pub target: Target,
+    pub target: ArtifactTarget,
     /// The base schematic (patch route), the node's own (factory route), or
     /// the snapshot's.
     pub schematic_id: SchematicId,
@@ -84,11 +83,11 @@ impl Artifact {
 /// The inventory's artifacts in inventory order (by each one's first node).
 /// IDs come from the same schematics `build` uses.
 pub fn artifacts(inv: &Inventory, route: Route) -> Result<Vec<Artifact>, EmitError> {
-    let target = Target::of(inv);
+    let target = ArtifactTarget::from(inv.publish.target());
     let mut out: Vec<Artifact> = Vec::new();
     for node in &inv.nodes {
         let (kind, schematic_id, format) = match (target, route) {
-            (Target::Hcloud, _) => (
+            (ArtifactTarget::Hcloud, _) => (
                 ArtifactKind::Snapshot,
                 schematic::node::for_node(inv, node).id()?,
                 None,
@@ -155,7 +154,7 @@ mod tests {
         assert_eq!(a[0].command_nodes(), a[0].nodes.as_slice());
         let base = schematic::node::base(&inv).id().unwrap();
         assert_eq!(a[0].schematic_id, base);
-        assert_eq!(a[0].target, Target::Files);
+        assert_eq!(a[0].target, ArtifactTarget::Files);
     }
 
     #[test]
@@ -195,7 +194,7 @@ mod tests {
             assert_eq!(a[0].command_nodes(), ["cp-01"]);
             assert_eq!(a[1].command_nodes(), ["worker-02"]);
             assert_eq!(a[0].format, None);
-            assert_eq!(a[0].target, Target::Hcloud);
+            assert_eq!(a[0].target, ArtifactTarget::Hcloud);
         }
     }
 }

@@ -216,7 +216,7 @@ pub struct StatusArgs {
 
 /// Where `upgrade` keeps what it installed on each node.
 fn record_path(state_dir: &stage::StateDir) -> std::path::PathBuf {
-    state_dir.path.join("upgrades.json")
+    state_dir.upgrades_path()
 }
 
 /// The async runtime the day-two commands run their node calls on.
@@ -345,17 +345,6 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
         return Err(Reported(format!("{} difference(s) from the inventory", drift.len())).into());
     }
     Ok(())
-}
-
-/// What differs from the inventory on any node (reads the nodes only).
-pub(super) fn drift(
-    inv: &imgbuild::inventory::Inventory,
-    opts: &stage::BootstrapOptions,
-) -> Result<Vec<status::Drift>> {
-    Ok(rows(inv, opts)?
-        .iter()
-        .flat_map(status::NodeStatus::drift)
-        .collect())
 }
 
 pub(super) fn print_drift(drift: &[status::Drift]) {

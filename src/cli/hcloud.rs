@@ -6,18 +6,16 @@ use anyhow::Result;
 use clap::Args;
 use imgbuild::build::BuildOutcome;
 use imgbuild::input::escape;
-use imgbuild::inventory::HcloudSettings;
 use imgbuild::publish::hcloud::{
-    self, Api, Credentials, Event, HcloudError, Leftover, Snapshot, SnapshotImage, SnapshotOptions,
-    servers,
+    self, Credentials, Leftover, Snapshot, SnapshotImage, SnapshotOptions, servers,
 };
+use imgbuild::publish::target::HcloudTarget;
 use serde_json::json;
 
 use super::flags::parse_duration;
 use super::inventory::load_inventory;
 use super::output::{Output, Partial, Reported, Usage, failed_json, print_failures};
 use super::progress::{PublishView, Screen, Show};
-use super::signals::cancel_on_signals;
 
 /// Flags only the Hetzner target reads.
 #[derive(Args)]
@@ -66,83 +64,35 @@ pub struct CleanupArgs {
     older_than: Duration,
 }
 
-/// One step of a snapshot run as a log line.
-pub(super) fn step(e: &Event) -> String {
-    match e {
-        Event::Found { id } => format!("snapshot {id} already holds this image"),
-        Event::TooLarge {
-            id,
-            disk_size,
-            server_type,
-            disk,
-        } => format!(
-            "snapshot {id} holds this image on a {disk_size} GB disk, larger than {server_type}'s {disk} GB: servers of that type could not boot it, so one that fits is made"
-        ),
-        Event::KeyCreated { id } => format!("temporary SSH key {id} created"),
-        Event::TypeSkipped { server_type, why } => {
-            format!("server type {server_type} skipped: {why}")
-        }
-        Event::ServerCreated { id, server_type } => {
-            format!("temporary server {id} ({server_type}) created")
-        }
-        Event::RescueBooting { id } => format!("server {id} boots its rescue system"),
-        Event::Connected { addr, host_key } => format!(
-            "logged in to the rescue system at {addr}; its host key {host_key} is new on every rescue boot and was accepted for this session only"
-        ),
-        Event::Discarded { supported } => {
-            if *supported {
-                "disk discarded".to_owned()
-            } else {
-                "disk cannot discard; dd overwrites it".to_owned()
-            }
-        }
-        Event::Writing { size } => {
-            format!("writing {size} bytes to /dev/sda (zstd on the wire)")
-        }
-        Event::Written { bytes, sent } => format!("dd wrote {bytes} bytes ({sent} bytes sent)"),
-        Event::PoweredOff => "server off".to_owned(),
-        Event::Snapshotting => "creating the snapshot".to_owned(),
-        Event::SnapshotReady { id } => format!("snapshot {id} available"),
-        Event::Deleted { kind, id } => format!("deleted {} {id}", kind.replace('_', " ")),
-    }
+/// The API client of a command that only needs the token (`cleanup`,
+/// `down`).
+fn api() -> Result<(hcloud::Api, SnapshotOptions)> {
+    let creds = Credentials::from_env(&|k| std::env::var(k).ok())?;
+    let opts = SnapshotOptions::default();
+    Ok((creds.api(opts.retry)?, opts))
 }
 
-/// Reads the credentials before anything is built: a missing token must
-/// not wait for a build.
-pub fn credentials() -> Result<Credentials> {
-    Ok(Credentials::from_env(&|k| std::env::var(k).ok())?)
-}
-
-/// Publishes every distinct image of `built` as a snapshot.
+/// Publishes every distinct image of `built` as a snapshot; `target.cancel`
+/// stops the runs.
 pub fn publish(
-    settings: &HcloudSettings,
-    creds: &Credentials,
+    target: &HcloudTarget,
     built: &[BuildOutcome],
     build_failures: Vec<(String, String)>,
-    opts: &SnapshotOptions,
     output: Output,
     show: Show,
 ) -> Result<()> {
-    let cancel = cancel_on_signals();
     let view = PublishView::new(Screen::new(show), show);
-    let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
+    let api = target.api()?;
+    let images = SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone())));
+    let runs = target.publish(&api, &images, &view);
     let mut snapshots: Vec<Snapshot> = Vec::new();
     let mut failures = build_failures;
     let mut leftovers: Vec<Leftover> = Vec::new();
-    let mut interrupted = false;
-    for image in SnapshotImage::distinct(built.iter().map(|o| (&o.image, o.file.clone()))) {
-        if interrupted {
-            failures.push((image.nodes.join(","), "not started: interrupted".into()));
-            continue;
-        }
-        let run = hcloud::publish_snapshot(&api, settings, &image, opts, &cancel, &view);
+    for (image, run) in images.iter().zip(runs) {
         leftovers.extend(run.leftovers);
         match run.result {
             Ok(s) => snapshots.push(s),
-            Err(e) => {
-                interrupted |= matches!(e, HcloudError::Interrupted);
-                failures.push((image.nodes.join(","), e.to_string()));
-            }
+            Err(e) => failures.push((image.nodes.join(","), e.to_string())),
         }
     }
     view.clear();
@@ -205,9 +155,7 @@ pub fn publish(
 
 /// `imgbuild cleanup`: deletes what killed runs left behind.
 pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
-    let creds = credentials()?;
-    let opts = SnapshotOptions::default();
-    let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
+    let (api, opts) = api()?;
     let show = Show::for_output(false, output);
     let view = PublishView::new(Screen::new(show), show);
     let (deleted, left) = hcloud::cleanup(&api, args.older_than, &opts, &view);
@@ -259,8 +207,7 @@ pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<
     let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
     if inv
         .publish
-        .hcloud
-        .as_ref()
+        .hcloud()
         .and_then(|h| h.servers.as_ref())
         .is_none()
     {
@@ -270,9 +217,7 @@ pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<
         ))
         .into());
     }
-    let creds = credentials()?;
-    let opts = SnapshotOptions::default();
-    let api = Api::new(&creds.endpoint, creds.token.clone(), opts.retry)?;
+    let (api, opts) = api()?;
     let cluster = &inv.cluster.name;
     let found = servers::existing(&api, cluster)?;
     if !found.is_empty() && !args.yes {

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use imgbuild::build::Route;
 use imgbuild::inventory::ImageFormat;
-use imgbuild::plan::{self, Artifact, ArtifactKind, Target};
+use imgbuild::plan::{self, Artifact, ArtifactKind, ArtifactTarget};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 
@@ -22,7 +22,7 @@ pub struct PlanArgs {
     route: Route,
     /// Only artifacts for this publish target (an empty plan is fine).
     #[arg(long, value_enum)]
-    target: Option<Target>,
+    target: Option<ArtifactTarget>,
     /// text (a table), json (every detail), github (one line: `{"include":[…]}`
     /// for `strategy.matrix`) or gitlab (child-pipeline jobs extending `.imgbuild`)
     /// [default: --output's].
@@ -190,8 +190,8 @@ fn command(config: &str, route: Route, a: &Artifact) -> String {
     ];
     words.push(
         match a.target {
-            Target::Files => "build",
-            Target::Proxmox | Target::Hcloud => "publish",
+            ArtifactTarget::Files => "build",
+            ArtifactTarget::Proxmox | ArtifactTarget::Hcloud => "publish",
         }
         .to_owned(),
     );

@@ -292,9 +292,9 @@ impl proxmox::Observer for PublishView {
             }
             Event::UploadRetry { .. } => {
                 self.end(node);
-                self.step(&format!("{node}: {}", super::publish::step(e)));
+                self.step(&format!("{node}: {}", proxmox_step(e)));
             }
-            _ => self.step(&format!("{node}: {}", super::publish::step(e))),
+            _ => self.step(&format!("{node}: {}", proxmox_step(e))),
         }
     }
 
@@ -320,12 +320,78 @@ impl hcloud::Observer for PublishView {
                     rate(*bytes, secs)
                 ));
             }
-            _ => self.step(&format!("hcloud: {}", super::hcloud::step(e))),
+            _ => self.step(&format!("hcloud: {}", hcloud_step(e))),
         }
     }
 
     fn sent(&self, nodes: &[String], image_bytes: u64, _wire_bytes: u64) {
         self.advance(HCLOUD, Some(nodes.join(",")), image_bytes);
+    }
+}
+
+/// One step of a node's publish as a log line (without the node).
+fn proxmox_step(e: &proxmox::Event) -> String {
+    use proxmox::Event;
+    match e {
+        Event::Uploading { volid, size } => format!("uploading {volid} ({size} bytes)"),
+        Event::UploadRetry { attempt, why } => format!("upload retry {attempt}: {why}"),
+        Event::Uploaded { volid } => format!("stored {volid}"),
+        Event::AlreadyStored { volid } => format!("{volid} already stored"),
+        Event::VmFound {
+            vmid,
+            inventory_vmid,
+        } => format!(
+            "its VM is {vmid}, not {inventory_vmid} (firstId + position): kept; pin `vmid: {vmid}` on the node"
+        ),
+        Event::VmCreated { vmid } => format!("VM {vmid} created"),
+        Event::VmUnchanged { vmid } => format!("VM {vmid} already boots this image"),
+        Event::VmOutdated { vmid, running } => format!(
+            "VM {vmid} boots {running}, not this image: left as it is (`imgbuild upgrade` moves the running node; --replace-disk wipes it)"
+        ),
+        Event::DiskReplaced { vmid } => format!("VM {vmid} got the new disk"),
+        Event::VmStarted { vmid } => format!("VM {vmid} started"),
+    }
+}
+
+/// One step of a snapshot run as a log line.
+fn hcloud_step(e: &hcloud::Event) -> String {
+    use hcloud::Event;
+    match e {
+        Event::Found { id } => format!("snapshot {id} already holds this image"),
+        Event::TooLarge {
+            id,
+            disk_size,
+            server_type,
+            disk,
+        } => format!(
+            "snapshot {id} holds this image on a {disk_size} GB disk, larger than {server_type}'s {disk} GB: servers of that type could not boot it, so one that fits is made"
+        ),
+        Event::KeyCreated { id } => format!("temporary SSH key {id} created"),
+        Event::TypeSkipped { server_type, why } => {
+            format!("server type {server_type} skipped: {why}")
+        }
+        Event::ServerCreated { id, server_type } => {
+            format!("temporary server {id} ({server_type}) created")
+        }
+        Event::RescueBooting { id } => format!("server {id} boots its rescue system"),
+        Event::Connected { addr, host_key } => format!(
+            "logged in to the rescue system at {addr}; its host key {host_key} is new on every rescue boot and was accepted for this session only"
+        ),
+        Event::Discarded { supported } => {
+            if *supported {
+                "disk discarded".to_owned()
+            } else {
+                "disk cannot discard; dd overwrites it".to_owned()
+            }
+        }
+        Event::Writing { size } => {
+            format!("writing {size} bytes to /dev/sda (zstd on the wire)")
+        }
+        Event::Written { bytes, sent } => format!("dd wrote {bytes} bytes ({sent} bytes sent)"),
+        Event::PoweredOff => "server off".to_owned(),
+        Event::Snapshotting => "creating the snapshot".to_owned(),
+        Event::SnapshotReady { id } => format!("snapshot {id} available"),
+        Event::Deleted { kind, id } => format!("deleted {} {id}", kind.replace('_', " ")),
     }
 }
 

@@ -8,11 +8,10 @@ use super::output::{Output, Partial, Reported, failed_json, print_failures};
 use super::progress::{PublishView, Screen, Show};
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use imgbuild::publish::PublishImage;
 use imgbuild::publish::hcloud::SnapshotOptions;
-use imgbuild::publish::proxmox::{
-    self, Credentials, Event, NodePublished, PublishOptions, VmChange,
-};
+use imgbuild::publish::proxmox::{self, NodePublished, PublishOptions, VmChange};
+use imgbuild::publish::target::{Target, TargetOptions};
+use imgbuild::publish::{Cancel, PublishImage};
 use serde_json::json;
 use std::path::Path;
 use std::time::Duration;
@@ -62,54 +61,36 @@ impl PublishArgs {
     }
 }
 
-/// One step of a node's publish as a log line (without the node).
-pub(super) fn step(e: &Event) -> String {
-    match e {
-        Event::Uploading { volid, size } => format!("uploading {volid} ({size} bytes)"),
-        Event::UploadRetry { attempt, why } => format!("upload retry {attempt}: {why}"),
-        Event::Uploaded { volid } => format!("stored {volid}"),
-        Event::AlreadyStored { volid } => format!("{volid} already stored"),
-        Event::VmFound {
-            vmid,
-            inventory_vmid,
-        } => format!(
-            "its VM is {vmid}, not {inventory_vmid} (firstId + position): kept; pin `vmid: {vmid}` on the node"
-        ),
-        Event::VmCreated { vmid } => format!("VM {vmid} created"),
-        Event::VmUnchanged { vmid } => format!("VM {vmid} already boots this image"),
-        Event::VmOutdated { vmid, running } => format!(
-            "VM {vmid} boots {running}, not this image: left as it is (`imgbuild upgrade` moves the running node; --replace-disk wipes it)"
-        ),
-        Event::DiskReplaced { vmid } => format!("VM {vmid} got the new disk"),
-        Event::VmStarted { vmid } => format!("VM {vmid} started"),
-    }
-}
-
 pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    if let Some(settings) = inv.publish.hcloud.clone() {
-        let creds = hc::credentials()?;
-        let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
-        return hc::publish(
-            &settings,
-            &creds,
-            &built,
-            build_failures,
-            &args.hcloud_options(),
-            output,
-            Show::for_output(args.build.download.quiet, output),
-        );
-    }
-    let Some(settings) = inv.publish.proxmox.clone() else {
-        bail!(
-            "{}: no publish target: add a publish.proxmox or publish.hcloud section",
-            config.display()
-        );
+    let options = TargetOptions {
+        proxmox: args.options(),
+        hcloud: args.hcloud_options(),
+        cancel: Cancel::never(),
+        machines: false,
     };
     // Credentials first: a missing token must not wait for a build.
-    let creds = Credentials::from_env(&settings, &|k| std::env::var(k).ok())?;
+    let pve = match Target::from_inventory(&inv, &|k| std::env::var(k).ok(), options)? {
+        Target::None => bail!(
+            "{}: no publish target: add a publish.proxmox or publish.hcloud section",
+            config.display()
+        ),
+        Target::Hcloud(mut target) => {
+            let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
+            // Snapshot runs create servers: Ctrl-C must let them clean up.
+            target.cancel = super::signals::cancel_on_signals();
+            return hc::publish(
+                &target,
+                &built,
+                build_failures,
+                output,
+                Show::for_output(args.build.download.quiet, output),
+            );
+        }
+        Target::Proxmox(pve) => pve,
+    };
     let mut warnings = Vec::new();
-    if creds.insecure() {
+    if pve.credentials.insecure() {
         warnings
             .push("PROXMOX_VE_INSECURE is set: the server's certificate is not checked".to_owned());
     }
@@ -119,11 +100,11 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
         }
     }
     let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
-    let images: Vec<PublishImage> = built.iter().map(PublishImage::from).collect();
-    let opts = args.options();
+    let images = PublishImage::built(&inv, &built)?;
     let show = Show::for_output(args.build.download.quiet, output);
     let view = PublishView::new(Screen::new(show), show);
-    let results = proxmox::publish(&inv, &settings, &creds, &images, &opts, &view)
+    let results = pve
+        .publish(&inv, &images, &view)
         .context("publishing to Proxmox VE")?;
     view.clear();
     let mut published: Vec<NodePublished> = Vec::new();
@@ -170,7 +151,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
                     "{:<12} {}  sha256 {}  ({stored}){vm}",
                     p.node,
                     p.volid,
-                    &p.sha256[..p.sha256.len().min(16)]
+                    &p.sha256.hex()[..16]
                 );
             }
             print_failures(&failures);

@@ -9,8 +9,8 @@ mod publish;
 pub use locate::LineIndex;
 pub use net::{Cidr, MacAddr};
 pub use publish::{
-    HcloudServers, HcloudSettings, ProxmoxSettings, ProxmoxVm, PublishSettings, RESERVED_LABELS,
-    VmBoot, label_problem,
+    HcloudServers, HcloudSettings, ProxmoxSettings, ProxmoxVm, PublishSection, PublishSettings,
+    RESERVED_LABELS, VmBoot, label_problem,
 };
 
 pub use crate::schematic::Bootloader;
@@ -32,9 +32,9 @@ pub struct Inventory {
     /// Strategic-merge patches for the machine configs.
     #[serde(default)]
     pub patches: Patches,
-    /// Where `publish` puts the built images.
+    /// Where `publish` puts the built images ([`PublishSection::target`]).
     #[serde(default)]
-    pub publish: PublishSettings,
+    pub publish: PublishSection,
     pub nodes: Vec<NodeSpec>,
     /// The inventory file's folder: relative paths in it (patches, the
     /// default state dir) start here.
@@ -362,6 +362,32 @@ impl Inventory {
             })
     }
 
+    /// The vmid of the node at `index`: its own `vmid`, else `firstId + index`.
+    pub fn vmid(&self, index: usize) -> Option<u32> {
+        self.publish.vmid(self.nodes.get(index)?.vmid, index)
+    }
+
+    /// `validate`'s advice on vmids: nodes that take theirs from
+    /// `firstId` + position, which shifts when a node is inserted or removed
+    /// before them (existing VMs are found by name, new ones take the
+    /// shifted ID). Not a load warning: every command would repeat it.
+    pub fn vmid_advice(&self) -> Option<String> {
+        self.publish.proxmox()?.vm.as_ref()?.first_id?;
+        let unpinned: Vec<String> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.vmid.is_none())
+            .filter_map(|(i, n)| Some(format!("{} ({})", n.name, self.vmid(i)?)))
+            .collect();
+        (!unpinned.is_empty()).then(|| {
+            format!(
+                "vmids from publish.proxmox.vm.firstId + position shift when a node is inserted or removed before them; pin `vmid:` on {}",
+                unpinned.join(", ")
+            )
+        })
+    }
+
     /// Control planes in inventory order; the first one is bootstrapped.
     pub fn control_planes(&self) -> impl Iterator<Item = &NodeSpec> {
         self.nodes.iter().filter(|n| n.role == Role::Controlplane)
@@ -408,7 +434,19 @@ impl Validator<'_> {
         self.check_nodes(inv);
         self.check_vip(inv, &mut warnings);
         self.check_patches(inv);
-        self.check_publish(inv);
+        let cx = publish::Context {
+            platform: &inv.image.platform,
+            raw: inv.image.format == ImageFormat::Raw,
+            iso: inv.image.format == ImageFormat::Iso,
+            nodes: inv
+                .nodes
+                .iter()
+                .map(|n| (n.name.as_str(), n.vmid))
+                .collect(),
+        };
+        for (field, message) in publish::problems(&inv.publish, &cx) {
+            self.problem(field, message);
+        }
         let cps = inv.control_planes().count();
         if cps == 0 && !inv.nodes.is_empty() {
             self.problem(
@@ -708,12 +746,7 @@ impl Validator<'_> {
         if node.dhcp {
             return; // an address, if given, is only the lease used to reach it
         }
-        if inv
-            .publish
-            .hcloud
-            .as_ref()
-            .is_some_and(|h| h.servers.is_some())
-        {
+        if inv.publish.hcloud().is_some_and(|h| h.servers.is_some()) {
             // Hetzner servers are reached at the public IP the API reports;
             // an address, if given, is the node's place in servers.network.
             return;

@@ -1,19 +1,71 @@
 //! The inventory's `publish` section: where built images go. Credentials
 //! never live here; they come from the environment at publish time.
+//!
+//! This file uses nothing of the inventory module around it (the module
+//! re-exports it): validation gets what it needs of the rest as [`Context`].
 
 use std::collections::BTreeMap;
 
-use super::{Inventory, Validator};
 use serde::{Deserialize, Serialize};
 
-/// Publishing targets; at most one is used per inventory.
+/// The `publish` section as the file writes it. Code reads it only through
+/// [`PublishSection::target`], which yields one target: validation refuses
+/// a section naming both.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct PublishSettings {
+pub struct PublishSection {
     #[serde(default)]
-    pub proxmox: Option<ProxmoxSettings>,
+    proxmox: Option<ProxmoxSettings>,
     #[serde(default)]
-    pub hcloud: Option<HcloudSettings>,
+    hcloud: Option<HcloudSettings>,
+}
+
+/// The inventory's one publish target.
+#[derive(Debug, Clone, Copy)]
+pub enum PublishSettings<'a> {
+    /// No publish section: image files in the out dir.
+    None,
+    /// `publish.proxmox`.
+    Proxmox(&'a ProxmoxSettings),
+    /// `publish.hcloud`.
+    Hcloud(&'a HcloudSettings),
+}
+
+impl PublishSection {
+    /// The target this section names. (Only a section that skipped
+    /// validation can name both; it reads as Hetzner Cloud.)
+    pub fn target(&self) -> PublishSettings<'_> {
+        match (&self.proxmox, &self.hcloud) {
+            (_, Some(h)) => PublishSettings::Hcloud(h),
+            (Some(p), None) => PublishSettings::Proxmox(p),
+            (None, None) => PublishSettings::None,
+        }
+    }
+
+    /// The Proxmox target, if that is the one.
+    pub fn proxmox(&self) -> Option<&ProxmoxSettings> {
+        match self.target() {
+            PublishSettings::Proxmox(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The Hetzner Cloud target, if that is the one.
+    pub fn hcloud(&self) -> Option<&HcloudSettings> {
+        match self.target() {
+            PublishSettings::Hcloud(h) => Some(h),
+            _ => None,
+        }
+    }
+
+    /// The vmid of the node at `index` whose own `vmid` is `own`: that,
+    /// else `firstId + index`.
+    pub fn vmid(&self, own: Option<u32>, index: usize) -> Option<u32> {
+        own.or_else(|| {
+            let first = self.proxmox.as_ref()?.vm.as_ref()?.first_id?;
+            first.checked_add(u32::try_from(index).ok()?)
+        })
+    }
 }
 
 /// Hetzner Cloud snapshots, made through a temporary server's rescue system;
@@ -176,40 +228,6 @@ fn default_start() -> bool {
 /// The smallest and largest vmid Proxmox accepts (`pve-vmid`).
 const VMID_RANGE: std::ops::RangeInclusive<u64> = 100..=999_999_999;
 
-impl Inventory {
-    /// The vmid of the node at `index`: its own `vmid`, else `firstId + index`.
-    pub fn vmid(&self, index: usize) -> Option<u32> {
-        let node = self.nodes.get(index)?;
-        node.vmid.or_else(|| {
-            let first = self.publish.proxmox.as_ref()?.vm.as_ref()?.first_id?;
-            first.checked_add(u32::try_from(index).ok()?)
-        })
-    }
-}
-
-impl Inventory {
-    /// `validate`'s advice on vmids: nodes that take theirs from
-    /// `firstId` + position, which shifts when a node is inserted or removed
-    /// before them (existing VMs are found by name, new ones take the
-    /// shifted ID). Not a load warning: every command would repeat it.
-    pub fn vmid_advice(&self) -> Option<String> {
-        self.publish.proxmox.as_ref()?.vm.as_ref()?.first_id?;
-        let unpinned: Vec<String> = self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| n.vmid.is_none())
-            .filter_map(|(i, n)| Some(format!("{} ({})", n.name, self.vmid(i)?)))
-            .collect();
-        (!unpinned.is_empty()).then(|| {
-            format!(
-                "vmids from publish.proxmox.vm.firstId + position shift when a node is inserted or removed before them; pin `vmid:` on {}",
-                unpinned.join(", ")
-            )
-        })
-    }
-}
-
 /// Proxmox storage and node identifiers (`pve-storage-id`, `pve-node`).
 fn is_pve_id(s: &str) -> bool {
     let mut chars = s.chars();
@@ -217,11 +235,44 @@ fn is_pve_id(s: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
-impl Validator<'_> {
-    pub(super) fn check_publish(&mut self, inv: &Inventory) {
-        self.check_hcloud(inv);
-        let Some(px) = &inv.publish.proxmox else {
-            if let Some((i, _)) = inv.nodes.iter().enumerate().find(|(_, n)| n.vmid.is_some()) {
+/// What publish validation needs of the rest of the inventory.
+pub(super) struct Context<'a> {
+    pub platform: &'a str,
+    /// `image.format` is raw / iso.
+    pub raw: bool,
+    pub iso: bool,
+    /// Each node's name and own `vmid`, in inventory order.
+    pub nodes: Vec<(&'a str, Option<u32>)>,
+}
+
+/// The section's problems, each as (field path, message), in the order
+/// validation has always listed them.
+pub(super) fn problems(section: &PublishSection, cx: &Context) -> Vec<(String, String)> {
+    let mut check = Check {
+        section,
+        cx,
+        problems: Vec::new(),
+    };
+    check.publish();
+    check.problems
+}
+
+struct Check<'a> {
+    section: &'a PublishSection,
+    cx: &'a Context<'a>,
+    problems: Vec<(String, String)>,
+}
+
+impl Check<'_> {
+    fn problem(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        self.problems.push((field.into(), message.into()));
+    }
+
+    fn publish(&mut self) {
+        self.hcloud();
+        let (section, cx) = (self.section, self.cx);
+        let Some(px) = &section.proxmox else {
+            if let Some((i, _)) = cx.nodes.iter().enumerate().find(|(_, n)| n.1.is_some()) {
                 self.problem(
                     format!("nodes[{i}].vmid"),
                     "vmid needs publish.proxmox.vm (there is no Proxmox target)",
@@ -246,7 +297,7 @@ impl Validator<'_> {
             self.problem("publish.proxmox.fingerprint", e);
         }
         let Some(vm) = &px.vm else {
-            if let Some((i, _)) = inv.nodes.iter().enumerate().find(|(_, n)| n.vmid.is_some()) {
+            if let Some((i, _)) = cx.nodes.iter().enumerate().find(|(_, n)| n.1.is_some()) {
                 self.problem(
                     format!("nodes[{i}].vmid"),
                     "vmid needs publish.proxmox.vm (without it imgbuild only uploads)",
@@ -260,7 +311,7 @@ impl Validator<'_> {
                 format!("{:?} is not a Proxmox storage identifier", vm.storage),
             );
         }
-        let iso = inv.image.format == super::ImageFormat::Iso;
+        let iso = cx.iso;
         if (vm.boot == VmBoot::Iso) != iso {
             self.problem(
                 "publish.proxmox.vm.boot",
@@ -297,66 +348,67 @@ impl Validator<'_> {
             }
         }
         if let Some(first) = vm.first_id {
-            let last = u64::from(first) + inv.nodes.len().saturating_sub(1) as u64;
+            let last = u64::from(first) + cx.nodes.len().saturating_sub(1) as u64;
             if !VMID_RANGE.contains(&u64::from(first)) || !VMID_RANGE.contains(&last) {
                 self.problem(
                     "publish.proxmox.vm.firstId",
                     format!(
                         "{first}: the vmids {first}..{last} of {} node(s) must lie in 100..999999999",
-                        inv.nodes.len()
+                        cx.nodes.len()
                     ),
                 );
                 return;
             }
         }
         let mut seen: Vec<(u32, &str)> = Vec::new();
-        for (i, node) in inv.nodes.iter().enumerate() {
+        for (i, &(name, own)) in cx.nodes.iter().enumerate() {
             let at = format!("nodes[{i}]");
-            match inv.vmid(i) {
+            match section.vmid(own, i) {
                 None => self.problem(
                     format!("{at}.name"),
                     format!(
                         "node {}: no vmid (set publish.proxmox.vm.firstId or the node's vmid)",
-                        node.name
+                        name
                     ),
                 ),
                 Some(id) if !VMID_RANGE.contains(&u64::from(id)) => self.problem(
                     format!("{at}.vmid"),
-                    format!("node {}: vmid {id} is outside 100..999999999", node.name),
+                    format!("node {}: vmid {id} is outside 100..999999999", name),
                 ),
                 Some(id) => {
                     if let Some((_, other)) = seen.iter().find(|(v, _)| *v == id) {
                         self.problem(
                             format!("{at}.vmid"),
-                            format!("node {}: vmid {id} is already node {other}'s", node.name),
+                            format!("node {}: vmid {id} is already node {other}'s", name),
                         );
                     }
-                    seen.push((id, &node.name));
+                    seen.push((id, name));
                 }
             }
         }
     }
 
-    fn check_hcloud(&mut self, inv: &Inventory) {
-        let Some(hc) = &inv.publish.hcloud else {
+    fn hcloud(&mut self) {
+        let (section, cx) = (self.section, self.cx);
+        let Some(hc) = &section.hcloud else {
             return;
         };
-        if inv.publish.proxmox.is_some() {
+        if section.proxmox.is_some() {
             self.problem(
                 "publish.hcloud",
                 "publish has both proxmox and hcloud: an inventory publishes to one target",
             );
         }
-        if inv.image.platform != "hcloud" {
+        if cx.platform != "hcloud" {
             self.problem(
                 "image.platform",
                 format!(
                     "publish.hcloud needs image.platform: hcloud (it is {:?}; Hetzner servers boot only hcloud images)",
-                    inv.image.platform
+                    cx.platform
                 ),
             );
         }
-        if inv.image.format != super::ImageFormat::Raw {
+        if !cx.raw {
             self.problem(
                 "image.format",
                 "publish.hcloud writes the image to a disk with dd: image.format must be raw",

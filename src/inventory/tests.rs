@@ -363,7 +363,7 @@ fn hcloud_publish_loads_with_defaults() {
         "    location: fsn1\n    labels: {team: infra}\n",
     ))
     .unwrap();
-    let hc = inv.publish.hcloud.unwrap();
+    let hc = inv.publish.hcloud().unwrap().clone();
     assert_eq!(hc.location, "fsn1");
     assert!(hc.server_types.is_empty());
     assert_eq!(hc.labels["team"], "infra");
@@ -461,4 +461,29 @@ fn kernel_arguments_fit_the_kernel_command_line() {
     let err = error_of(&text);
     assert!(err.contains("image.kernelArgs: 3003 bytes"), "{err}");
     assert!(!err.contains(&long), "the argument is echoed whole");
+}
+
+#[test]
+fn a_section_names_one_target_and_both_are_refused_with_their_line() {
+    let pve = "  proxmox:\n    node: pve\n    storage: local\n";
+    let hc = "  hcloud:\n    location: fsn1\n";
+    let hcloud_atlas = atlas_with("platform: metal", "platform: hcloud");
+    let one = load(&format!("{hcloud_atlas}\npublish:\n{hc}")).unwrap();
+    assert!(matches!(one.publish.target(), PublishSettings::Hcloud(h) if h.location == "fsn1"));
+    assert!(one.publish.proxmox().is_none());
+    let one = load(&format!("{ATLAS}\npublish:\n{pve}")).unwrap();
+    assert!(matches!(one.publish.target(), PublishSettings::Proxmox(p) if p.node == "pve"));
+    assert!(matches!(
+        load(ATLAS).unwrap().publish.target(),
+        PublishSettings::None
+    ));
+    let text = format!("{hcloud_atlas}\npublish:\n{pve}{hc}");
+    let err = error_of(&text);
+    let line = line_of(&text, "  hcloud:");
+    assert!(
+        err.contains(&format!(
+            "line {line}: publish.hcloud: publish has both proxmox and hcloud: an inventory publishes to one target"
+        )),
+        "{err}"
+    );
 }

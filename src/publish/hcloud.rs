@@ -8,121 +8,39 @@
 //! OpenAPI document (`sim/api-schemas/hetzner-cloud.openapi.json`).
 
 pub mod api;
+mod cleanup;
+mod error;
 pub mod rescue;
 pub mod servers;
 mod tally;
+mod types;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::{Cancel, Interrupted, Secret};
+use super::{Cancel, Secret};
 use crate::inventory::{Arch, HcloudSettings};
-use crate::net::{NetError, RetryPolicy};
+use crate::net::RetryPolicy;
 pub use api::Api;
+pub use cleanup::cleanup;
+use cleanup::delete_run;
+pub use error::HcloudError;
 use rescue::Rescue;
+pub use types::{Deleted, Event, Leftover, Observer, Quiet, SnapshotOptions};
+use types::{MANAGED_BY, RUN_LABEL};
 
 /// The API base when `HCLOUD_ENDPOINT` is not set.
 pub const DEFAULT_ENDPOINT: &str = "https://api.hetzner.cloud/v1";
 
-/// Labels every temporary resource of a run carries: `imgbuild cleanup`
-/// finds leftovers by them (and never touches a cluster's own servers,
-/// which have no run label).
-const MANAGED_BY: (&str, &str) = ("managed-by", "imgbuild");
-const RUN_LABEL: &str = "imgbuild-run";
-
 /// The system image the temporary server is created with; the rescue
 /// system overwrites its disk, so any will do.
 const BUILD_IMAGE: &str = "debian-13";
-
-/// Why publishing to Hetzner Cloud failed. Never carries the token.
-#[derive(Debug, thiserror::Error)]
-pub enum HcloudError {
-    #[error("{0}")]
-    Setup(String),
-    /// The API answered with an error; `body` is its error object as sent.
-    #[error("{request}: HTTP {status}: {body}")]
-    Api {
-        request: String,
-        status: u16,
-        code: Option<String>,
-        body: String,
-    },
-    #[error(transparent)]
-    Net(#[from] NetError),
-    #[error("{request}: unexpected reply: {message}")]
-    Reply { request: String, message: String },
-    #[error("{what}: action {id} ended in error {code}: {message}")]
-    Action {
-        what: String,
-        id: u64,
-        code: String,
-        message: String,
-    },
-    #[error("{what}: not done after {after:?}")]
-    Timeout { what: String, after: Duration },
-    #[error("SSH: {0}")]
-    Ssh(String),
-    #[error("{0}")]
-    Remote(String),
-    #[error("{0}")]
-    Io(String),
-    #[error(
-        "no build server type could be created in {location}:\n  {}",
-        tried.join("\n  ")
-    )]
-    NoServerType {
-        location: String,
-        tried: Vec<String>,
-    },
-    /// `servers.type` cannot boot a snapshot: its disk is smaller than the
-    /// snapshot's `disk_size`.
-    #[error(
-        "publish.hcloud.servers.type {server_type} has a {disk} GB disk, smaller than the {disk_size} GB disk_size of snapshot {snapshot} (nodes {nodes}): choose a type with at least {disk_size} GB"
-    )]
-    TypeTooSmall {
-        server_type: String,
-        disk: f64,
-        snapshot: u64,
-        disk_size: f64,
-        nodes: String,
-    },
-    /// `servers.type` has another architecture than a snapshot.
-    #[error(
-        "publish.hcloud.servers.type {server_type} is {type_arch}, snapshot {snapshot} (nodes {nodes}) is {image_arch}: choose a type of the image's architecture"
-    )]
-    WrongArch {
-        server_type: String,
-        type_arch: String,
-        snapshot: u64,
-        image_arch: String,
-        nodes: String,
-    },
-    /// A node's machine config does not fit in `user_data`.
-    #[error(
-        "node {node}: its machine config is {size} bytes, over Hetzner's {limit}-byte user_data limit{detail} (move large patches or inline manifests out of it)",
-        limit = servers::USER_DATA_MAX
-    )]
-    UserDataTooLarge {
-        node: String,
-        size: usize,
-        /// Why compressing did not help.
-        detail: String,
-    },
-    #[error("interrupted")]
-    Interrupted,
-}
-
-impl From<Interrupted> for HcloudError {
-    fn from(_: Interrupted) -> Self {
-        HcloudError::Interrupted
-    }
-}
 
 /// Where and as whom to reach the API: `HCLOUD_TOKEN` and
 /// `HCLOUD_ENDPOINT`, as the hcloud CLI names them.
@@ -164,44 +82,10 @@ impl Credentials {
             token: Secret::new(token),
         })
     }
-}
 
-/// How patient a snapshot run is.
-#[derive(Debug, Clone)]
-pub struct SnapshotOptions {
-    /// How often actions and statuses are polled (hcloud-go: 500 ms).
-    pub poll: Duration,
-    /// The longest one action may run.
-    pub action_timeout: Duration,
-    /// How long to keep trying to log in to the rescue system.
-    pub ssh_timeout: Duration,
-    /// The rescue system's SSH port.
-    pub ssh_port: u16,
-    /// Who logs in to the rescue system (root on Hetzner).
-    pub ssh_user: String,
-    /// The longest a new snapshot may take to become available.
-    pub image_timeout: Duration,
-    pub retry: RetryPolicy,
-    /// zstd level and worker threads for images not already compressed.
-    pub zstd_level: i32,
-    pub zstd_threads: u32,
-}
-
-impl Default for SnapshotOptions {
-    fn default() -> Self {
-        SnapshotOptions {
-            poll: Duration::from_millis(1000),
-            action_timeout: Duration::from_secs(600),
-            ssh_timeout: Duration::from_secs(300),
-            ssh_port: 22,
-            ssh_user: "root".to_owned(),
-            image_timeout: Duration::from_secs(1800),
-            retry: RetryPolicy::default(),
-            zstd_level: 3,
-            zstd_threads: std::thread::available_parallelism()
-                .map_or(1, |n| n.get() as u32)
-                .min(8),
-        }
+    /// The API client, retrying as `retry` says: the one place it is built.
+    pub fn api(&self, retry: RetryPolicy) -> Result<Api, HcloudError> {
+        Api::new(&self.endpoint, self.token.clone(), retry)
     }
 }
 
@@ -301,105 +185,25 @@ fn gigabytes<S: serde::Serializer>(gb: &f64, s: S) -> Result<S::Ok, S::Error> {
     }
 }
 
-/// Progress a snapshot run reports; the CLI renders it.
-pub trait Observer: Sync {
-    fn event(&self, event: &Event);
-    /// While the image streams to the rescue system (between
-    /// [`Event::Writing`] and [`Event::Written`]), once per chunk that has
-    /// left: how many bytes of the image the compressed bytes sent so far
-    /// stand for, and those compressed bytes. `nodes` boot this image.
-    fn sent(&self, _nodes: &[String], _image_bytes: u64, _wire_bytes: u64) {}
-}
-
-/// An observer that shows nothing (JSON output, dry runs).
-pub struct Quiet;
-
-impl Observer for Quiet {
-    fn event(&self, _: &Event) {}
-}
-
-/// One step of a snapshot run.
-#[derive(Debug, Clone)]
-pub enum Event {
-    Found {
-        id: u64,
-    },
-    /// A snapshot holds these bytes but on a larger disk than the smallest
-    /// build type here: servers of that type could not use it.
-    TooLarge {
-        id: u64,
-        disk_size: f64,
-        server_type: String,
-        disk: f64,
-    },
-    KeyCreated {
-        id: u64,
-    },
-    TypeSkipped {
-        server_type: String,
-        why: String,
-    },
-    ServerCreated {
-        id: u64,
-        server_type: String,
-    },
-    RescueBooting {
-        id: u64,
-    },
-    /// Logged in; the rescue host key is new on every boot, so it was
-    /// accepted for this session only.
-    Connected {
-        addr: SocketAddr,
-        host_key: String,
-    },
-    Discarded {
-        supported: bool,
-    },
-    Writing {
-        size: u64,
-    },
-    Written {
-        bytes: u64,
-        sent: u64,
-    },
-    PoweredOff,
-    Snapshotting,
-    SnapshotReady {
-        id: u64,
-    },
-    Deleted {
-        kind: &'static str,
-        id: u64,
-    },
-}
-
-/// A temporary resource that could not be deleted.
-#[derive(Debug, Clone, Serialize)]
-pub struct Leftover {
-    pub kind: &'static str,
-    pub id: u64,
-    pub error: String,
-}
-
 /// What a snapshot run left: its result, and anything it failed to delete
 /// (empty unless the API refused every attempt).
 #[derive(Debug)]
-pub struct Outcome {
+pub struct SnapshotOutcome {
     pub result: Result<Snapshot, HcloudError>,
     pub leftovers: Vec<Leftover>,
 }
 
 /// Makes (or finds) the snapshot of `image`. The temporary server and key
 /// are deleted on every path, cancellation included; what could not be
-/// deleted is in [`Outcome::leftovers`].
-pub fn publish_snapshot(
+/// deleted is in [`SnapshotOutcome::leftovers`].
+fn publish_snapshot(
     api: &Api,
     settings: &HcloudSettings,
     image: &SnapshotImage,
     opts: &SnapshotOptions,
     cancel: &Cancel,
     observer: &dyn Observer,
-) -> Outcome {
+) -> SnapshotOutcome {
     let labels = snapshot_labels(image);
     let found = build_types(api, settings, image.arch).and_then(|types| {
         let found = find_fitting(api, &labels, &types, observer)?;
@@ -408,7 +212,7 @@ pub fn publish_snapshot(
     let types = match found {
         Ok((_, Some((id, disk_size)))) => {
             observer.event(&Event::Found { id });
-            return Outcome {
+            return SnapshotOutcome {
                 result: Ok(Snapshot {
                     id,
                     labels,
@@ -424,7 +228,7 @@ pub fn publish_snapshot(
         }
         Ok((types, None)) => types,
         Err(e) => {
-            return Outcome {
+            return SnapshotOutcome {
                 result: Err(e),
                 leftovers: Vec::new(),
             };
@@ -444,7 +248,35 @@ pub fn publish_snapshot(
     };
     let result = build.make();
     let leftovers = delete_run(api, &run, opts, observer);
-    Outcome { result, leftovers }
+    SnapshotOutcome { result, leftovers }
+}
+
+/// Snapshots of `images`, one after another, each with its outcome. After
+/// an interrupt the images not yet started are not started (their outcome
+/// says so); the run under way has deleted what it made.
+pub fn publish_snapshots(
+    api: &Api,
+    settings: &HcloudSettings,
+    images: &[SnapshotImage],
+    opts: &SnapshotOptions,
+    cancel: &Cancel,
+    observer: &dyn Observer,
+) -> Vec<SnapshotOutcome> {
+    let mut out = Vec::with_capacity(images.len());
+    let mut interrupted = false;
+    for image in images {
+        if interrupted {
+            out.push(SnapshotOutcome {
+                result: Err(HcloudError::NotStarted),
+                leftovers: Vec::new(),
+            });
+            continue;
+        }
+        let run = publish_snapshot(api, settings, image, opts, cancel, observer);
+        interrupted |= matches!(run.result, Err(HcloudError::Interrupted));
+        out.push(run);
+    }
+    out
 }
 
 fn description(image: &SnapshotImage) -> String {
@@ -961,145 +793,6 @@ pub fn unsuitable(types: &[Value], name: &str, location: &str, arch: Arch) -> Op
         Some(l) if l["available"] == false => Some(format!("unavailable in {location}")),
         Some(_) => None,
     }
-}
-
-/// Deletes every server and SSH key labelled with run `run` (not only the
-/// ones this process knows: a lost reply can leave another). Each deletion
-/// is tried a few times; what stays is returned.
-fn delete_run(
-    api: &Api,
-    run: &str,
-    opts: &SnapshotOptions,
-    observer: &dyn Observer,
-) -> Vec<Leftover> {
-    let sel = format!("{}={},{RUN_LABEL}={run}", MANAGED_BY.0, MANAGED_BY.1);
-    delete_selected(api, &sel, None, opts, observer, &["server", "ssh_key"])
-        .into_iter()
-        .filter_map(|r| r.err())
-        .collect()
-}
-
-/// Deletes the servers, then the SSH keys (those of `kinds`), matching
-/// `selector` (and created before `before`, if given).
-fn delete_selected(
-    api: &Api,
-    selector: &str,
-    before: Option<SystemTime>,
-    opts: &SnapshotOptions,
-    observer: &dyn Observer,
-    kinds: &[&str],
-) -> Vec<Result<Deleted, Leftover>> {
-    let mut out = Vec::new();
-    let never = Cancel::never();
-    for (kind, path, key) in [
-        ("server", "/servers", "servers"),
-        ("ssh_key", "/ssh_keys", "ssh_keys"),
-    ] {
-        if !kinds.contains(&kind) {
-            continue;
-        }
-        let items = match api.list(path, key, &[("label_selector", selector.to_owned())]) {
-            Ok(items) => items,
-            Err(e) => {
-                out.push(Err(Leftover {
-                    kind,
-                    id: 0,
-                    error: format!("listing {path}: {e}"),
-                }));
-                continue;
-            }
-        };
-        for item in items {
-            let Some(id) = item["id"].as_u64() else {
-                continue;
-            };
-            if let Some(before) = before
-                && created_at(&item).is_some_and(|t| t > before)
-            {
-                continue;
-            }
-            let name = item["name"].as_str().unwrap_or("").to_owned();
-            let mut last = None;
-            for attempt in 0..4u32 {
-                match api.delete(&format!("{path}/{id}")) {
-                    Ok(reply) => {
-                        if kind == "server"
-                            && let Some(a) = reply.get("action")
-                        {
-                            // The key may go only once the server is gone.
-                            let _ = api.wait_action(
-                                a,
-                                "deleting server",
-                                opts.poll,
-                                opts.action_timeout,
-                                &never,
-                            );
-                        }
-                        last = None;
-                        break;
-                    }
-                    Err(HcloudError::Api { status: 404, .. }) => {
-                        last = None;
-                        break;
-                    }
-                    Err(e) => {
-                        last = Some(e.to_string());
-                        let _ = never.sleep(opts.retry.delay(attempt + 1, None));
-                    }
-                }
-            }
-            match last {
-                None => {
-                    observer.event(&Event::Deleted { kind, id });
-                    out.push(Ok(Deleted { kind, id, name }));
-                }
-                Some(error) => out.push(Err(Leftover { kind, id, error })),
-            }
-        }
-    }
-    out
-}
-
-/// A temporary resource `imgbuild cleanup` deleted.
-#[derive(Debug, Clone, Serialize)]
-pub struct Deleted {
-    pub kind: &'static str,
-    pub id: u64,
-    pub name: String,
-}
-
-/// A resource's `created` time (RFC 3339).
-fn created_at(item: &Value) -> Option<SystemTime> {
-    let t = time::OffsetDateTime::parse(
-        item["created"].as_str()?,
-        &time::format_description::well_known::Rfc3339,
-    )
-    .ok()?;
-    let secs = u64::try_from(t.unix_timestamp()).ok()?;
-    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
-}
-
-/// Deletes every temporary server and SSH key any imgbuild run left (found
-/// by label), created at least `older_than` ago: what `imgbuild cleanup`
-/// does after a run was killed. A cluster's own servers carry no run label
-/// and are never touched.
-pub fn cleanup(
-    api: &Api,
-    older_than: Duration,
-    opts: &SnapshotOptions,
-    observer: &dyn Observer,
-) -> (Vec<Deleted>, Vec<Leftover>) {
-    let sel = format!("{}={},{RUN_LABEL}", MANAGED_BY.0, MANAGED_BY.1);
-    let before = (!older_than.is_zero()).then(|| SystemTime::now() - older_than);
-    let mut deleted = Vec::new();
-    let mut left = Vec::new();
-    for r in delete_selected(api, &sel, before, opts, observer, &["server", "ssh_key"]) {
-        match r {
-            Ok(d) => deleted.push(d),
-            Err(l) => left.push(l),
-        }
-    }
-    (deleted, left)
 }
 
 #[cfg(test)]

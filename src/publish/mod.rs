@@ -4,22 +4,68 @@
 
 pub mod hcloud;
 pub mod proxmox;
+pub mod target;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::inventory::ImageFormat;
+use crate::build::NodeImage;
+use crate::digest::Sha256;
+use crate::inventory::{ImageFormat, Inventory};
 
-/// One built image to publish, as the manifest recorded it.
+/// One built image to publish, as the manifest recorded it, with its node:
+/// targets read the node's settings (vmid, MAC, extensions) from it and
+/// reports place it by it, never by looking its name up again.
 #[derive(Debug, Clone)]
 pub struct PublishImage {
+    /// The node's position in the inventory.
+    pub index: usize,
+    /// Its name, for messages and volume names.
     pub node: String,
     /// The file, resolved against the out dir.
     pub path: PathBuf,
-    pub sha256: String,
+    pub sha256: Sha256,
     pub size: u64,
     pub format: ImageFormat,
+}
+
+/// A manifest entry that cannot be published.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("node {0}: its image is in the manifest, but the node is not in the inventory")]
+    UnknownNode(String),
+}
+
+impl PublishImage {
+    /// The one way a publish image is made: the manifest entry `image` of
+    /// one of `inv`'s nodes, its file at `path`.
+    pub fn new(inv: &Inventory, image: &NodeImage, path: PathBuf) -> Result<Self, ImageError> {
+        let index = inv
+            .nodes
+            .iter()
+            .position(|n| n.name == image.node)
+            .ok_or_else(|| ImageError::UnknownNode(image.node.clone()))?;
+        Ok(PublishImage {
+            index,
+            node: image.node.clone(),
+            path,
+            sha256: image.sha256,
+            size: image.size,
+            format: image.format,
+        })
+    }
+
+    /// Every built (or already current) image, as the build reported them.
+    pub fn built(
+        inv: &Inventory,
+        built: &[crate::build::BuildOutcome],
+    ) -> Result<Vec<Self>, ImageError> {
+        built
+            .iter()
+            .map(|o| PublishImage::new(inv, &o.image, o.file.clone()))
+            .collect()
+    }
 }
 
 /// An API secret: shown as `***` by `Debug`, so it cannot reach a log.
@@ -34,19 +80,6 @@ impl Secret {
     /// The value, for the one header that needs it.
     pub fn expose(&self) -> &str {
         &self.0
-    }
-}
-
-impl From<&crate::build::BuildOutcome> for PublishImage {
-    /// A built (or already current) image, as the build reported it.
-    fn from(o: &crate::build::BuildOutcome) -> PublishImage {
-        PublishImage {
-            node: o.image.node.clone(),
-            path: o.file.clone(),
-            sha256: o.image.sha256.to_string(),
-            size: o.image.size,
-            format: o.image.format,
-        }
     }
 }
 

@@ -31,7 +31,7 @@ pub struct NodeFailure {
 
 /// What a run found and did.
 #[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct Outcome {
+pub struct ApplyOutcome {
     pub nodes: Vec<NodeApply>,
     pub failed: Vec<NodeFailure>,
 }
@@ -58,7 +58,7 @@ pub async fn diff(
     opts: &Options,
 ) -> Result<String, String> {
     let conn = NodeClient::connect(
-        &node.target,
+        &node.endpoint,
         &Mode::Mtls(plan.identity.clone()),
         opts.call_timeout,
     )
@@ -81,7 +81,7 @@ async fn apply_one(
         wait_healthy(plan, node, opts).await?;
     }
     let conn = NodeClient::connect(
-        &node.target,
+        &node.endpoint,
         &Mode::Mtls(plan.identity.clone()),
         opts.call_timeout,
     )
@@ -106,8 +106,8 @@ pub async fn run(
     mode: ApplyMode,
     dry_run: bool,
     opts: &Options,
-) -> Outcome {
-    let mut outcome = Outcome::default();
+) -> ApplyOutcome {
+    let mut outcome = ApplyOutcome::default();
     for node in ordered(plan, select) {
         let d = match diff(plan, node, mode, opts).await {
             Ok(d) => d,

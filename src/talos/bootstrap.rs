@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::client::{self, ApiError, Mode, NodeClient, Probe, Target};
+use super::client::{self, ApiError, Mode, NodeClient, NodeEndpoint, Probe};
 use super::kube::{self, Kubeconfig};
 use super::talosconfig::Identity;
 use crate::inventory::Role;
@@ -23,7 +23,7 @@ pub struct PlannedNode {
     pub name: String,
     pub role: Role,
     pub address: IpAddr,
-    pub target: Target,
+    pub endpoint: NodeEndpoint,
     pub install_disk: String,
     /// The rendered machine config (contains secrets; never logged).
     pub config: Vec<u8>,
@@ -33,7 +33,7 @@ impl fmt::Debug for PlannedNode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PlannedNode")
             .field("name", &self.name)
-            .field("target", &self.target)
+            .field("target", &self.endpoint)
             .finish_non_exhaustive()
     }
 }
@@ -41,8 +41,11 @@ impl fmt::Debug for PlannedNode {
 /// Everything one run needs, prepared from the inventory and state dir.
 #[derive(Debug, Clone)]
 pub struct Plan {
-    /// In inventory order; the first control plane is bootstrapped.
+    /// In inventory order.
     pub nodes: Vec<PlannedNode>,
+    /// The node etcd is bootstrapped on, as the stage decided (the first
+    /// control plane).
+    pub bootstrap_node: Option<String>,
     /// `https://host:port`, possibly on the VIP.
     pub endpoint: String,
     /// `cluster.vip`: names the setting when the endpoint on it does not answer.
@@ -156,7 +159,7 @@ pub trait Observer: Send + Sync {
 
 /// What one run did.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct Outcome {
+pub struct BootstrapOutcome {
     /// Nodes that got a config in this run.
     pub applied: Vec<String>,
     /// Nodes that were already configured.
@@ -384,7 +387,7 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
     let name = node.name.as_str();
     let deadline = Instant::now() + opts.node_timeout;
     cx.observer.event(name, &Event::WaitingForPort);
-    client::wait_for_port(node.target.addr, opts.node_timeout)
+    client::wait_for_port(node.endpoint.addr, opts.node_timeout)
         .await
         .map_err(|e| stuck(name, "port 50000 never opened", e, HINT_PORT))?;
     cx.observer.event(name, &Event::PortOpen);
@@ -392,9 +395,9 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
     let mut applied = false;
     let mut seen = Seen::Nothing;
     loop {
-        let now_seen = match client::probe(&node.target, opts.call_timeout).await {
+        let now_seen = match client::probe(&node.endpoint, opts.call_timeout).await {
             Ok(Probe::Configured) => {
-                match connect_version(&node.target, &mtls, opts.call_timeout).await {
+                match connect_version(&node.endpoint, &mtls, opts.call_timeout).await {
                     Ok(version) => {
                         cx.observer.event(
                             name,
@@ -417,7 +420,7 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
                             name,
                             "configured, but its certificate names other addresses",
                             ApiError::WrongName {
-                                expected: node.target.server_name.to_string(),
+                                expected: node.endpoint.server_name.to_string(),
                                 presented,
                             },
                             HINT_NAME,
@@ -482,7 +485,7 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
 }
 
 async fn connect_version(
-    target: &Target,
+    target: &NodeEndpoint,
     mode: &Mode,
     timeout: Duration,
 ) -> Result<String, ApiError> {
@@ -495,7 +498,7 @@ async fn apply(node: &PlannedNode, cx: &Ctx<'_>) -> Result<String, ApiError> {
     let mode = Mode::Maintenance {
         pin: cx.opts.pin.clone(),
     };
-    let conn = NodeClient::connect(&node.target, &mode, cx.opts.call_timeout).await?;
+    let conn = NodeClient::connect(&node.endpoint, &mode, cx.opts.call_timeout).await?;
     let disks = conn.disks().await?;
     if !install_disk_listed(&node.install_disk, &disks) {
         return Err(ApiError::Status {
@@ -530,7 +533,7 @@ async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, Bootst
     let mut last = String::new();
     loop {
         let attempt = async {
-            let conn = NodeClient::connect(&node.target, &mode, cx.opts.call_timeout).await?;
+            let conn = NodeClient::connect(&node.endpoint, &mode, cx.opts.call_timeout).await?;
             // A running etcd means bootstrap happened: do not even ask.
             let services = conn.services().await?;
             if services
@@ -726,7 +729,8 @@ async fn health_round(
     // Like talosctl, through one endpoint (the first control plane) with
     // `nodes` routing to each member; the client checks each reply came
     // back stamped with the member's address.
-    let endpoint = match NodeClient::connect(&first_cp.target, &mode, cx.opts.call_timeout).await {
+    let endpoint = match NodeClient::connect(&first_cp.endpoint, &mode, cx.opts.call_timeout).await
+    {
         Ok(c) => c,
         Err(e) => {
             return Round::failed(vec![format!("{}: API not answering ({e})", first_cp.name)]);
@@ -915,7 +919,7 @@ pub async fn run(
     plan: &Plan,
     opts: &Options,
     observer: &dyn Observer,
-) -> Result<Outcome, BootstrapError> {
+) -> Result<BootstrapOutcome, BootstrapError> {
     let started = Instant::now();
     let cx = Ctx {
         opts,
@@ -925,7 +929,7 @@ pub async fn run(
     let first_cp = plan
         .nodes
         .iter()
-        .find(|n| n.role == Role::Controlplane)
+        .find(|n| plan.bootstrap_node.as_ref() == Some(&n.name))
         .ok_or_else(|| BootstrapError::Local("the inventory has no control plane".into()))?;
 
     // Every node settles concurrently; bootstrap starts as soon as the first
@@ -1018,7 +1022,7 @@ pub async fn run(
         Health::NoCni { .. } => observer.event("cluster", &Event::NoCni),
     }
 
-    let mut outcome = Outcome {
+    let mut outcome = BootstrapOutcome {
         applied: Vec::new(),
         already_configured: Vec::new(),
         bootstrapped,
@@ -1111,7 +1115,7 @@ mod tests {
                 name: "n".into(),
                 role,
                 address: "127.0.0.1".parse().unwrap(),
-                target: Target::new(Some("127.0.0.1".parse().unwrap()), None).unwrap(),
+                endpoint: NodeEndpoint::new(Some("127.0.0.1".parse().unwrap()), None).unwrap(),
                 install_disk: "/dev/sda".into(),
                 config: config.into_bytes(),
             };

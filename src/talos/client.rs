@@ -102,26 +102,31 @@ impl ApiError {
 
 /// Where a node's API is and which name its certificate carries.
 #[derive(Debug, Clone)]
-pub struct Target {
+pub struct NodeEndpoint {
     pub addr: SocketAddr,
     pub server_name: IpAddr,
 }
 
-impl Target {
+impl NodeEndpoint {
     /// `endpoint` is the inventory's talosEndpoint (see
     /// [`crate::inventory::talos_endpoint`]), else `address:50000`. The
     /// certificate is checked against `address` when there is one.
-    pub fn new(address: Option<IpAddr>, endpoint: Option<&str>) -> Option<Target> {
+    pub fn new(address: Option<IpAddr>, endpoint: Option<&str>) -> Option<NodeEndpoint> {
         let addr = match endpoint {
             Some(ep) => crate::inventory::talos_endpoint(ep)?,
             None => SocketAddr::new(address?, PORT),
         };
-        Some(Target {
+        Some(NodeEndpoint {
             addr,
             server_name: address.unwrap_or(addr.ip()),
         })
     }
 }
+
+/// The former name of [`NodeEndpoint`], kept only because
+/// tests/cli_bootstrap.rs imports it and tests/ is not edited in this pass;
+/// remove it once that test imports `NodeEndpoint`.
+pub type Target = NodeEndpoint;
 
 /// A Version answer: the Talos tag and the reply's `metadata.hostname`,
 /// which apid leaves empty on a direct call and sets to the target as sent
@@ -232,7 +237,7 @@ pub async fn wait_for_port(addr: SocketAddr, timeout: Duration) -> Result<(), Ap
 /// One TLS handshake without a client certificate: tells maintenance mode
 /// (no certificate request) from a configured node (request, then the
 /// `certificate_required` alert) without calling any API.
-pub async fn probe(target: &Target, timeout: Duration) -> Result<Probe, ApiError> {
+pub async fn probe(target: &NodeEndpoint, timeout: Duration) -> Result<Probe, ApiError> {
     let (mut config, seen) = tls_config(&Mode::Maintenance { pin: None })?;
     let noted = Arc::new(NoteRequest::default());
     config.client_auth_cert_resolver = noted.clone();
@@ -264,7 +269,7 @@ pub async fn probe(target: &Target, timeout: Duration) -> Result<Probe, ApiError
 #[derive(Clone)]
 pub struct NodeClient {
     channel: Channel,
-    target: Target,
+    endpoint: NodeEndpoint,
     insecure: bool,
     /// The target apid proxies every call to (`nodes` metadata), exactly as
     /// sent: each reply must come back stamped with it.
@@ -275,7 +280,7 @@ pub struct NodeClient {
 impl NodeClient {
     /// Connects (TCP + TLS handshake) to `target` in `mode`.
     pub async fn connect(
-        target: &Target,
+        target: &NodeEndpoint,
         mode: &Mode,
         timeout: Duration,
     ) -> Result<NodeClient, ApiError> {
@@ -302,7 +307,7 @@ impl NodeClient {
             .map_err(|e| classify(&e).unwrap_or_else(|| ApiError::Unreachable(error_chain(&e))))?;
         Ok(NodeClient {
             channel,
-            target: target.clone(),
+            endpoint: target.clone(),
             insecure: matches!(mode, Mode::Maintenance { .. }),
             node: None,
             timeout,
@@ -347,7 +352,7 @@ impl NodeClient {
         if self.insecure
             && transport
             && matches!(
-                probe(&self.target, self.timeout).await,
+                probe(&self.endpoint, self.timeout).await,
                 Ok(Probe::Configured)
             )
         {
@@ -724,16 +729,16 @@ mod tests {
     #[test]
     fn targets_default_to_port_50000_and_honour_endpoints() {
         let ip: IpAddr = "127.0.0.5".parse().unwrap();
-        let t = Target::new(Some(ip), None).unwrap();
+        let t = NodeEndpoint::new(Some(ip), None).unwrap();
         assert_eq!(t.addr, "127.0.0.5:50000".parse().unwrap());
-        let t = Target::new(Some(ip), Some("127.0.0.1:50001")).unwrap();
+        let t = NodeEndpoint::new(Some(ip), Some("127.0.0.1:50001")).unwrap();
         assert_eq!(t.addr, "127.0.0.1:50001".parse().unwrap());
         assert_eq!(
             t.server_name, ip,
             "the certificate names the node, not the forward"
         );
-        assert!(Target::new(None, None).is_none());
-        assert!(Target::new(Some(ip), Some("host:port")).is_none());
+        assert!(NodeEndpoint::new(None, None).is_none());
+        assert!(NodeEndpoint::new(Some(ip), Some("host:port")).is_none());
     }
 
     fn version_stamped(hostname: &str, error: &str, code: i32) -> Version {

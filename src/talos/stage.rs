@@ -1,18 +1,23 @@
 //! The bootstrap stage as library calls: the cluster's state dir (secrets,
-//! talosconfig, rendered configs), the node targets, and the run of the
-//! [`bootstrap`] state machine. `imgbuild bootstrap` and `imgbuild up` both
+//! talosconfig, rendered configs), where each node is reached and which one
+//! gets etcd ([`Reach`]), and the run of the [`bootstrap`] state machine or
+//! its dry run ([`survey`]). `imgbuild bootstrap` and `imgbuild up` both
 //! call [`bootstrap`]; the CLI only turns flags into [`BootstrapOptions`] and
 //! renders what comes back.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
-use super::client::Target;
+use super::client::{self, NodeEndpoint, Probe};
 use super::config::{self, ConfigError, PatchVars};
 use super::secrets::{SecretsBundle, SecretsError};
+use super::status::{self, Drift};
 use super::talosconfig::{Talosconfig, TalosconfigError};
+use super::upgrade;
 use crate::inventory::{Inventory, UnknownNode};
 
 /// Why the stage stopped before or during the run. Never quotes a secret.
@@ -48,6 +53,9 @@ pub enum StageError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Bootstrap(#[from] BootstrapError),
+    /// A node's schematic, to compare with the one it runs.
+    #[error(transparent)]
+    Schematic(#[from] crate::schematic::EmitError),
 }
 
 /// The folder holding one cluster's secrets and client files: 0700, each
@@ -109,6 +117,11 @@ impl StateDir {
     /// Where each node's rendered config is kept, for the user to read.
     pub fn configs_dir(&self) -> PathBuf {
         self.path.join("configs")
+    }
+
+    /// What `imgbuild upgrade` installed on each node ([`upgrade::Record`]).
+    pub fn upgrades_path(&self) -> PathBuf {
+        self.path.join("upgrades.json")
     }
 
     /// The cluster's secrets, generated and saved on first use. The flag
@@ -226,7 +239,7 @@ pub struct BootstrapOptions {
     /// Where to reach nodes whose address the inventory does not know or
     /// that answer elsewhere (a cloud's public IP), by node name. The
     /// target's server name becomes the node's address.
-    pub targets: BTreeMap<String, Target>,
+    pub targets: BTreeMap<String, NodeEndpoint>,
     /// Timeouts, polling, certificate pin.
     pub limits: bootstrap::Options,
     /// What `${NAME}` in patch files stands for.
@@ -256,7 +269,7 @@ pub struct Bootstrapped {
     /// The files and plan the run used.
     pub prepared: Prepared,
     /// What the run did to the nodes.
-    pub outcome: bootstrap::Outcome,
+    pub outcome: bootstrap::BootstrapOutcome,
 }
 
 /// Readies a run without contacting any node: state dir, secrets,
@@ -291,20 +304,21 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
     let mut nodes = Vec::new();
     let mut configs_written = Vec::new();
     for node in &inv.nodes {
-        let (target, address) = reach(node, opts)?;
+        let (endpoint, address) = reach(node, opts)?;
         let text =
             state_dir.render_config(inv, node, &bundle, &opts.patch_vars, &mut configs_written)?;
         nodes.push(PlannedNode {
             name: node.name.clone(),
             role: node.role,
             address,
-            target,
+            endpoint,
             install_disk: node.install_disk.clone(),
             config: text.into_bytes(),
         });
     }
     let plan = Plan {
         nodes,
+        bootstrap_node: bootstrap_node(inv),
         endpoint: inv.cluster.endpoint.clone(),
         vip: inv.cluster.vip,
         identity: Arc::new(identity),
@@ -321,27 +335,111 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
 }
 
 /// Where the bootstrap reaches `node`, and the address it has there: the
-/// override, else its talosEndpoint or address.
+/// override, else its talosEndpoint or address. The one rule [`prepare`],
+/// [`check`] and [`Reach::of`] follow.
 fn reach(
     node: &crate::inventory::NodeSpec,
     opts: &BootstrapOptions,
-) -> Result<(Target, std::net::IpAddr), StageError> {
+) -> Result<(NodeEndpoint, IpAddr), StageError> {
     if let Some(t) = opts.targets.get(&node.name) {
         return Ok((t.clone(), t.server_name));
     }
-    let t = Target::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(|| match &node
-        .talos_endpoint
-    {
-        Some(endpoint) => StageError::BadEndpoint {
-            node: node.name.clone(),
-            endpoint: endpoint.clone(),
-        },
-        None => StageError::NoAddress {
-            node: node.name.clone(),
-        },
-    })?;
+    let t =
+        NodeEndpoint::new(node.address, node.talos_endpoint.as_deref()).ok_or_else(
+            || match &node.talos_endpoint {
+                Some(endpoint) => StageError::BadEndpoint {
+                    node: node.name.clone(),
+                    endpoint: endpoint.clone(),
+                },
+                None => StageError::NoAddress {
+                    node: node.name.clone(),
+                },
+            },
+        )?;
     let address = node.address.unwrap_or(t.server_name);
     Ok((t, address))
+}
+
+/// The node etcd is bootstrapped on: the first control plane (see
+/// [`Inventory::control_planes`]).
+fn bootstrap_node(inv: &Inventory) -> Option<String> {
+    inv.control_planes().next().map(|n| n.name.clone())
+}
+
+/// Where the bootstrap reaches one node.
+#[derive(Debug, Clone)]
+pub struct NodeReach {
+    pub node: String,
+    /// Its Talos API; None when the inventory gives no way in ([`check`]
+    /// and [`prepare`] refuse that, naming the node).
+    pub endpoint: Option<NodeEndpoint>,
+    /// Its own address: the override's, else the inventory's, else the
+    /// talosEndpoint's host.
+    pub address: Option<IpAddr>,
+}
+
+/// What the bootstrap decides before it touches any node: where it reaches
+/// each one and which one gets etcd bootstrapped. [`prepare`] plans by the
+/// same rules; `up` reports these and its dry run probes them, so it never
+/// decides them itself.
+#[derive(Debug, Clone)]
+pub struct Reach {
+    /// In inventory order.
+    pub nodes: Vec<NodeReach>,
+    /// The first control plane.
+    pub bootstrap_node: Option<String>,
+}
+
+impl Reach {
+    /// Reads nothing and fails for no node: a node without a way in is
+    /// left without an endpoint here, for [`check`] or [`prepare`] to name.
+    pub fn of(inv: &Inventory, opts: &BootstrapOptions) -> Reach {
+        let nodes = inv
+            .nodes
+            .iter()
+            .map(|node| {
+                let (endpoint, address) = match reach(node, opts) {
+                    Ok((endpoint, address)) => (Some(endpoint), Some(address)),
+                    Err(_) => (None, node.address),
+                };
+                NodeReach {
+                    node: node.name.clone(),
+                    endpoint,
+                    address,
+                }
+            })
+            .collect();
+        Reach {
+            nodes,
+            bootstrap_node: bootstrap_node(inv),
+        }
+    }
+}
+
+/// What a bootstrap would find, found without changing anything.
+#[derive(Debug, Clone)]
+pub struct Survey {
+    pub reach: Reach,
+    /// Per node, in the order of `reach.nodes`, how its Talos API answered
+    /// a TLS handshake; None when it did not (port closed, no TLS answer,
+    /// no way in).
+    pub answers: Vec<Option<Probe>>,
+}
+
+/// The dry run of [`bootstrap`]: one TLS handshake per node, all at once,
+/// without a client certificate or any API call. A node in maintenance
+/// mode would get its config, a configured one nothing.
+pub fn survey(inv: &Inventory, opts: &BootstrapOptions) -> Result<Survey, StageError> {
+    let reach = Reach::of(inv, opts);
+    let timeout = opts.limits.call_timeout.min(Duration::from_secs(3));
+    let probes = reach.nodes.iter().map(|n| async move {
+        match &n.endpoint {
+            Some(endpoint) => client::probe(endpoint, timeout).await.ok(),
+            None => None,
+        }
+    });
+    let answers = runtime()?.block_on(futures_util::future::join_all(probes));
+    Ok(Survey { reach, answers })
 }
 
 /// What [`check`] found: nothing is wrong with the configs or the reach.
@@ -349,7 +447,7 @@ fn reach(
 pub struct Checked {
     /// Where each node is reached, by node; None where the target reports
     /// it later (Hetzner servers, at their public IP).
-    pub reach: Vec<(String, Option<Target>)>,
+    pub reach: Vec<(String, Option<NodeEndpoint>)>,
     /// Whether the configs were rendered with a throwaway bundle (the
     /// state dir has no secrets yet).
     pub throwaway_secrets: bool,
@@ -375,11 +473,7 @@ pub fn check(inv: &Inventory, opts: &BootstrapOptions) -> Result<Checked, StageE
         (SecretsBundle::throwaway()?, true)
     };
     // Hetzner servers are reached at the public IP the API reports.
-    let reported = inv
-        .publish
-        .hcloud
-        .as_ref()
-        .is_some_and(|h| h.servers.is_some());
+    let reported = inv.publish.hcloud().is_some_and(|h| h.servers.is_some());
     let mut reach_of = Vec::new();
     for node in &inv.nodes {
         config::machine_config(inv, node, &bundle, &opts.patch_vars)?;
@@ -426,13 +520,32 @@ pub fn bootstrap(
     observer: &dyn Observer,
 ) -> Result<Bootstrapped, StageError> {
     let prepared = prepare(inv, opts)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let outcome = runtime()?.block_on(bootstrap::run(&prepared.plan, &opts.limits, observer))?;
+    Ok(Bootstrapped { prepared, outcome })
+}
+
+/// How the cluster a [`bootstrap`] just brought up differs from the
+/// inventory (version, schematic, config), as `imgbuild status` would
+/// flag it: read over the plan that run used (its endpoints, its configs).
+pub fn drift(
+    inv: &Inventory,
+    prepared: &Prepared,
+    opts: &BootstrapOptions,
+) -> Result<Vec<Drift>, StageError> {
+    let wanted = upgrade::wanted(inv)?;
+    let record = upgrade::Record::load(&prepared.state_dir.upgrades_path());
+    let plan = &prepared.plan;
+    Ok(runtime()?.block_on(status::drift(plan, &wanted, &record, &opts.limits)))
+}
+
+/// The runtime [`bootstrap`], [`survey`] and [`drift`] run their node
+/// calls on.
+fn runtime() -> Result<tokio::runtime::Runtime, StageError> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| BootstrapError::Local(format!("cannot start the async runtime: {e}")))?;
-    let outcome = runtime.block_on(bootstrap::run(&prepared.plan, &opts.limits, observer))?;
-    Ok(Bootstrapped { prepared, outcome })
+        .map_err(|e| BootstrapError::Local(format!("cannot start the async runtime: {e}")).into())
 }
 
 #[cfg(test)]
@@ -526,7 +639,7 @@ mod tests {
             assert_eq!(planned.name, node.name);
             assert_eq!(Some(planned.address), node.address);
             assert_eq!(
-                planned.target.addr.to_string(),
+                planned.endpoint.addr.to_string(),
                 format!("{}:50000", planned.address)
             );
         }
@@ -611,7 +724,7 @@ mod tests {
             "{err}"
         );
         // An override (a cloud's address) reaches it.
-        let t = Target::new(Some("127.0.0.9".parse().unwrap()), None).unwrap();
+        let t = NodeEndpoint::new(Some("127.0.0.9".parse().unwrap()), None).unwrap();
         opts.targets.insert("worker-01".into(), t);
         assert!(check(&inv, &opts).is_ok());
         assert!(!state.exists());
@@ -642,19 +755,79 @@ mod tests {
         let mut opts = seeded(root.path());
         let mut inv = atlas();
         inv.nodes[3].address = None;
-        let target = Target::new(None, Some("127.0.0.9:50123")).unwrap();
+        let target = NodeEndpoint::new(None, Some("127.0.0.9:50123")).unwrap();
         opts.targets.insert("worker-01".into(), target);
         let p = prepare(&inv, &opts).unwrap();
         let w = &p.plan.nodes[3];
-        assert_eq!(w.target.addr.to_string(), "127.0.0.9:50123");
+        assert_eq!(w.endpoint.addr.to_string(), "127.0.0.9:50123");
         assert_eq!(w.address.to_string(), "127.0.0.9");
 
         opts.targets.insert(
             "worker-09".into(),
-            Target::new(None, Some("127.0.0.9")).unwrap(),
+            NodeEndpoint::new(None, Some("127.0.0.9")).unwrap(),
         );
         let err = prepare(&inv, &opts).unwrap_err().to_string();
         assert!(err.contains("no node named \"worker-09\""), "{err}");
+    }
+
+    #[test]
+    fn up_reports_and_probes_where_prepare_plans() {
+        let root = tempfile::tempdir().unwrap();
+        let mut opts = seeded(root.path());
+        let mut inv = atlas();
+        // Control planes listed after a worker: the first control plane
+        // is bootstrapped, not the first node.
+        inv.nodes.rotate_left(3);
+        inv.nodes[0].address = None;
+        opts.targets.insert(
+            inv.nodes[0].name.clone(),
+            NodeEndpoint::new(None, Some("127.0.0.9:50123")).unwrap(),
+        );
+        inv.nodes[1].talos_endpoint = Some("127.0.0.8:50001".into());
+        let reach = Reach::of(&inv, &opts);
+        let plan = prepare(&inv, &opts).unwrap().plan;
+        assert_eq!(reach.bootstrap_node.as_deref(), Some("cp-01"));
+        assert_eq!(plan.bootstrap_node, reach.bootstrap_node);
+        assert_eq!(reach.nodes.len(), plan.nodes.len());
+        for (r, p) in reach.nodes.iter().zip(&plan.nodes) {
+            assert_eq!(r.node, p.name);
+            assert_eq!(r.address, Some(p.address));
+            assert_eq!(r.endpoint.as_ref().unwrap().addr, p.endpoint.addr);
+        }
+        assert_eq!(reach.nodes[0].address, "127.0.0.9".parse().ok());
+        assert_eq!(
+            reach.nodes[1].endpoint.as_ref().unwrap().addr.to_string(),
+            "127.0.0.8:50001"
+        );
+        // A node without a way in has no endpoint here (prepare names it).
+        inv.nodes[2].address = None;
+        let reach = Reach::of(&inv, &opts);
+        assert!(reach.nodes[2].endpoint.is_none());
+        assert!(reach.nodes[2].address.is_none());
+        assert!(prepare(&inv, &opts).is_err());
+    }
+
+    #[test]
+    fn a_survey_finds_closed_ports_and_writes_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        inv.nodes.truncate(2);
+        // Bound, then closed: nothing answers there.
+        let free = |_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        };
+        for node in &mut inv.nodes {
+            node.talos_endpoint = Some(free(()));
+        }
+        let opts = BootstrapOptions {
+            state_dir: Some(root.path().join("state")),
+            ..Default::default()
+        };
+        let survey = survey(&inv, &opts).unwrap();
+        assert_eq!(survey.answers, [None, None]);
+        assert_eq!(survey.reach.nodes.len(), 2);
+        assert!(!root.path().join("state").exists());
     }
 
     #[test]

@@ -74,8 +74,39 @@ pub async fn collect(
     record: &Record,
     opts: &Options,
 ) -> Vec<NodeStatus> {
-    let mode = Mode::Mtls(plan.identity.clone());
     let ready = kube_ready(plan, opts).await.ok();
+    let mut rows = read_nodes(plan, wanted, record, opts).await;
+    for row in &mut rows {
+        row.ready = ready
+            .as_ref()
+            .map(|list| list.iter().any(|(n, r)| *n == row.node && *r));
+    }
+    rows
+}
+
+/// How the nodes differ from the inventory, from the same rows without
+/// asking Kubernetes: `up` knows who is Ready from its last health round.
+pub async fn drift(
+    plan: &Plan,
+    wanted: &BTreeMap<String, Wanted>,
+    record: &Record,
+    opts: &Options,
+) -> Vec<Drift> {
+    read_nodes(plan, wanted, record, opts)
+        .await
+        .iter()
+        .flat_map(NodeStatus::drift)
+        .collect()
+}
+
+/// Every node's row as the nodes tell it (Ready left unknown).
+async fn read_nodes(
+    plan: &Plan,
+    wanted: &BTreeMap<String, Wanted>,
+    record: &Record,
+    opts: &Options,
+) -> Vec<NodeStatus> {
+    let mode = Mode::Mtls(plan.identity.clone());
     let mut members: Option<Vec<String>> = None;
     let mut rows = Vec::new();
     for node in &plan.nodes {
@@ -98,13 +129,11 @@ pub async fn collect(
             schematic_in_sync: schematic_ok,
             config_in_sync: None,
             etcd_member: None,
-            ready: ready
-                .as_ref()
-                .map(|list| list.iter().any(|(n, r)| *n == node.name && *r)),
+            ready: None,
             error: now.error,
         };
         if row.reachable
-            && let Ok(conn) = NodeClient::connect(&node.target, &mode, opts.call_timeout).await
+            && let Ok(conn) = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await
         {
             match conn
                 .apply_mode(node.config.clone(), ApplyMode::NoReboot, true)

@@ -125,7 +125,7 @@ impl Record {
 
 /// What a run did.
 #[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct Outcome {
+pub struct UpgradeOutcome {
     /// Upgraded by this run, in order.
     pub upgraded: Vec<String>,
     /// Already at the target.
@@ -144,7 +144,7 @@ pub struct Outcome {
 /// from `record` where the node cannot tell).
 pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Options) -> Running {
     let mode = Mode::Mtls(plan.identity.clone());
-    let conn = match NodeClient::connect(&node.target, &mode, opts.call_timeout).await {
+    let conn = match NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await {
         Ok(c) => c,
         Err(e) => {
             return Running {
@@ -206,7 +206,7 @@ async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<Strin
         .iter()
         .filter(|n| n.role == Role::Controlplane || n.name == node.name)
     {
-        let services = match NodeClient::connect(&n.target, &mode, opts.call_timeout).await {
+        let services = match NodeClient::connect(&n.endpoint, &mode, opts.call_timeout).await {
             Ok(c) => c.services().await,
             Err(e) => Err(e),
         };
@@ -291,7 +291,7 @@ async fn upgrade_one(
 ) -> Result<(), String> {
     let mode = Mode::Mtls(plan.identity.clone());
     wait_healthy(plan, node, opts).await?;
-    let conn = NodeClient::connect(&node.target, &mode, opts.call_timeout)
+    let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
         .await
         .map_err(|e| e.to_string())?;
     let before = conn.version().await.map_err(|e| e.to_string())?.tag;
@@ -316,10 +316,10 @@ async fn upgrade_one(
                 format!("did not reboot within {:?}", opts.node_timeout)
             });
         }
-        if port_closed(node.target.addr).await {
+        if port_closed(node.endpoint.addr).await {
             went_down = true;
         } else if went_down
-            && let Ok(c) = NodeClient::connect(&node.target, &mode, opts.call_timeout).await
+            && let Ok(c) = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await
             && let Ok(v) = c.version().await
         {
             break (c, v.tag);
@@ -358,9 +358,9 @@ pub async fn run(
     record_path: &Path,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
-) -> Outcome {
+) -> UpgradeOutcome {
     let mut record = Record::load(record_path);
-    let mut outcome = Outcome::default();
+    let mut outcome = UpgradeOutcome::default();
     let order = ordered(plan, select);
     let mut todo = Vec::new();
     for node in &order {

@@ -10,8 +10,9 @@ use reqwest::Method;
 use reqwest::blocking::Client;
 use serde_json::Value;
 
-use super::{Cancel, HcloudError};
+use super::error::HcloudError;
 use crate::net::{self, HttpOptions, NetError, RetryPolicy};
+use crate::publish::Cancel;
 use crate::publish::Secret;
 
 /// Largest page the API serves (`per_page` ≤ 50).

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use russh::keys::{HashAlg, PrivateKey, PrivateKeyWithHashAlg, PublicKeyOrCertificate};
 use russh::{ChannelMsg, client};
 
-use super::{Cancel, HcloudError};
+use super::error::HcloudError;
+use crate::publish::Cancel;
 
 /// Empties the disk first so the snapshot holds only what the image writes
 /// (a thin snapshot is faster to make and to boot from).

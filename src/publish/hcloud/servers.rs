@@ -16,16 +16,16 @@ use base64::Engine;
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::{
-    Api, Cancel, Deleted, HcloudError, Leftover, MANAGED_BY, RUN_LABEL, SnapshotOptions,
-    delete_selected,
-};
+use super::api::Api;
+use super::cleanup::delete_selected;
+use super::error::HcloudError;
+pub use super::error::USER_DATA_MAX;
+use super::types::{Deleted, Leftover, MANAGED_BY, Quiet, RUN_LABEL, SnapshotOptions};
 use crate::inventory::HcloudSettings;
+use crate::publish::Cancel;
 
 pub const CLUSTER_LABEL: &str = "imgbuild-cluster";
 pub const NODE_LABEL: &str = "imgbuild-node";
-/// The API's limit on `user_data`.
-pub const USER_DATA_MAX: usize = 32 * 1024;
 
 /// The first Talos release whose hcloud platform decodes base64
 /// `user_data` (siderolabs/talos commit ccbd5aed, "optionally decode
@@ -331,7 +331,7 @@ pub fn delete_cluster(
         &cluster_selector(cluster),
         None,
         opts,
-        &super::Quiet,
+        &Quiet,
         &["server"],
     ) {
         match r {

@@ -1,4 +1,6 @@
+use super::cleanup::created_at;
 use super::*;
+use std::time::SystemTime;
 
 fn image() -> SnapshotImage {
     SnapshotImage {

@@ -1,5 +1,10 @@
+use super::api::*;
+use super::credentials::*;
+use super::vm::*;
 use super::*;
 use crate::inventory::Inventory;
+use crate::inventory::{ImageFormat, ProxmoxVm, VmBoot};
+use crate::net::Trust;
 use std::path::Path;
 
 fn inv(extra_node: &str, publish: &str) -> Inventory {
@@ -31,7 +36,7 @@ fn env(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option
 
 #[test]
 fn volume_names_carry_the_content_and_survive_normalisation() {
-    let sha = "0123456789abcdef".repeat(4);
+    let sha: crate::digest::Sha256 = "0123456789abcdef".repeat(4).parse().unwrap();
     assert_eq!(
         volume_file("lab", "cp-01", "v1.11.2", &sha, ImageFormat::Raw),
         "lab-cp-01-v1.11.2-0123456789ab.raw"
@@ -44,7 +49,7 @@ fn volume_names_carry_the_content_and_survive_normalisation() {
 
 #[test]
 fn credentials_come_from_the_environment_only() {
-    let px = inv("", VM).publish.proxmox.unwrap();
+    let px = inv("", VM).publish.proxmox().unwrap().clone();
     let c = Credentials::from_env(
         &px,
         &env(&[
@@ -87,7 +92,7 @@ fn credentials_come_from_the_environment_only() {
 
 #[test]
 fn bad_credentials_are_named_but_never_shown() {
-    let px = inv("", VM).publish.proxmox.unwrap();
+    let px = inv("", VM).publish.proxmox().unwrap().clone();
     let cases: [(&[(&str, &str)], &str); 4] = [
         (
             &[("PROXMOX_VE_API_TOKEN", "a@b!c=d")],
@@ -126,10 +131,17 @@ fn bad_credentials_are_named_but_never_shown() {
 #[test]
 fn vms_get_settings_that_boot_talos() {
     let inv = inv("", VM);
-    let vm = inv.publish.proxmox.as_ref().unwrap().vm.clone().unwrap();
-    let p: BTreeMap<&str, String> = vm_params(&inv, 0, &vm, 300, "local:import/x.raw", "ab")
-        .into_iter()
-        .collect();
+    let vm = inv.publish.proxmox().unwrap().vm.clone().unwrap();
+    let p: BTreeMap<&str, String> = vm_params(
+        &inv,
+        0,
+        &vm,
+        300,
+        "local:import/x.raw",
+        &crate::digest::Sha256::of(b"ab"),
+    )
+    .into_iter()
+    .collect();
     assert_eq!(p["machine"], "q35");
     assert_eq!(p["bios"], "ovmf");
     assert_eq!(p["cpu"], "host");
@@ -151,9 +163,10 @@ fn vms_get_settings_that_boot_talos() {
         Some("local:import/x.raw")
     );
     assert_eq!(owner(&config, "lab", "cp-01"), Owner::Node);
-    let w: BTreeMap<&str, String> = vm_params(&inv, 1, &vm, 301, "v", "ab")
-        .into_iter()
-        .collect();
+    let w: BTreeMap<&str, String> =
+        vm_params(&inv, 1, &vm, 301, "v", &crate::digest::Sha256::of(b"ab"))
+            .into_iter()
+            .collect();
     assert_eq!(w["net0"], "virtio,bridge=vmbr0");
 }
 
@@ -227,10 +240,17 @@ fn a_vm_is_the_nodes_only_when_imgbuild_made_it_for_that_node_of_that_cluster() 
 fn iso_vms_boot_the_cdrom_before_a_blank_disk() {
     let text = "cluster: {name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: \"https://10.0.0.10:6443\"}\nimage: {format: iso, bootloader: grub}\nnetwork: {cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}\npublish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 12, boot: iso}\nnodes:\n  - {name: cp-01, role: controlplane, address: 10.0.0.11}\n";
     let inv = Inventory::parse(text, Path::new("c.yaml")).unwrap();
-    let vm = inv.publish.proxmox.as_ref().unwrap().vm.clone().unwrap();
-    let p: BTreeMap<&str, String> = vm_params(&inv, 0, &vm, 300, "local:iso/x.iso", "ab")
-        .into_iter()
-        .collect();
+    let vm = inv.publish.proxmox().unwrap().vm.clone().unwrap();
+    let p: BTreeMap<&str, String> = vm_params(
+        &inv,
+        0,
+        &vm,
+        300,
+        "local:iso/x.iso",
+        &crate::digest::Sha256::of(b"ab"),
+    )
+    .into_iter()
+    .collect();
     assert_eq!(p["ide2"], "local:iso/x.iso,media=cdrom");
     assert_eq!(p["boot"], "order=ide2;scsi0");
     assert_eq!(p["scsi0"], "local-lvm:12,discard=on,ssd=1");
@@ -257,4 +277,90 @@ fn iso_vms_boot_the_cdrom_before_a_blank_disk() {
         assert!(err.contains("publish.proxmox.vm.boot"), "{err}");
         assert!(err.contains(want), "{err}");
     }
+}
+
+/// The decision both runs share: which VMs are made, given a disk or an
+/// ISO, and started, for every state a VM can be found in.
+#[test]
+fn the_vm_decision_says_what_happens_and_whether_it_starts() {
+    use serde_json::json;
+    let inv = inv("", VM);
+    let disk = inv.publish.proxmox().unwrap().vm.clone().unwrap();
+    let iso = ProxmoxVm {
+        boot: VmBoot::Iso,
+        ..disk.clone()
+    };
+    let held = |volid: &str| json!({"description": format!("imgbuild-volume: {volid}\n")});
+    let (old, new) = ("local:import/old.raw", "local:import/new.raw");
+    let cases = [
+        (
+            &disk,
+            None,
+            Some(new),
+            false,
+            (Some(VmChange::Created), true),
+        ),
+        (
+            &disk,
+            Some((true, held(new))),
+            Some(new),
+            true,
+            (Some(VmChange::Unchanged), false),
+        ),
+        (
+            &disk,
+            Some((false, held(new))),
+            Some(new),
+            false,
+            (Some(VmChange::Unchanged), true),
+        ),
+        (
+            &disk,
+            Some((true, held(old))),
+            Some(new),
+            false,
+            (Some(VmChange::Outdated), false),
+        ),
+        // Stopped for the swap, so started again.
+        (
+            &disk,
+            Some((true, held(old))),
+            Some(new),
+            true,
+            (Some(VmChange::Updated), true),
+        ),
+        // The new ISO goes into the running VM: nothing to start.
+        (
+            &iso,
+            Some((true, held(old))),
+            Some(new),
+            true,
+            (Some(VmChange::Updated), false),
+        ),
+        (
+            &iso,
+            Some((false, held(old))),
+            Some(new),
+            true,
+            (Some(VmChange::Updated), true),
+        ),
+        // Not built yet: only whether it runs is known.
+        (&disk, Some((false, held(old))), None, true, (None, true)),
+        (&disk, Some((true, held(old))), None, true, (None, false)),
+    ];
+    for (i, (vm, existing, volid, replace, want)) in cases.into_iter().enumerate() {
+        assert_eq!(
+            vm_decision(vm, existing.as_ref(), volid, replace),
+            want,
+            "case {i}"
+        );
+    }
+    let stay_off = ProxmoxVm {
+        start: false,
+        ..disk.clone()
+    };
+    assert_eq!(
+        vm_decision(&stay_off, None, Some(new), false),
+        (Some(VmChange::Created), false)
+    );
 }

@@ -1,0 +1,142 @@
+//! Deleting what runs made: a run's own temporary resources on every path,
+//! and what killed runs left (`imgbuild cleanup`).
+
+use std::time::{Duration, SystemTime};
+
+use serde_json::Value;
+
+use super::api::Api;
+use super::error::HcloudError;
+use super::types::{Deleted, Event, Leftover, MANAGED_BY, Observer, RUN_LABEL, SnapshotOptions};
+use crate::publish::Cancel;
+
+/// Deletes every server and SSH key labelled with run `run` (not only the
+/// ones this process knows: a lost reply can leave another). Each deletion
+/// is tried a few times; what stays is returned.
+pub(super) fn delete_run(
+    api: &Api,
+    run: &str,
+    opts: &SnapshotOptions,
+    observer: &dyn Observer,
+) -> Vec<Leftover> {
+    let sel = format!("{}={},{RUN_LABEL}={run}", MANAGED_BY.0, MANAGED_BY.1);
+    delete_selected(api, &sel, None, opts, observer, &["server", "ssh_key"])
+        .into_iter()
+        .filter_map(|r| r.err())
+        .collect()
+}
+
+/// Deletes the servers, then the SSH keys (those of `kinds`), matching
+/// `selector` (and created before `before`, if given).
+pub(super) fn delete_selected(
+    api: &Api,
+    selector: &str,
+    before: Option<SystemTime>,
+    opts: &SnapshotOptions,
+    observer: &dyn Observer,
+    kinds: &[&str],
+) -> Vec<Result<Deleted, Leftover>> {
+    let mut out = Vec::new();
+    let never = Cancel::never();
+    for (kind, path, key) in [
+        ("server", "/servers", "servers"),
+        ("ssh_key", "/ssh_keys", "ssh_keys"),
+    ] {
+        if !kinds.contains(&kind) {
+            continue;
+        }
+        let items = match api.list(path, key, &[("label_selector", selector.to_owned())]) {
+            Ok(items) => items,
+            Err(e) => {
+                out.push(Err(Leftover {
+                    kind,
+                    id: 0,
+                    error: format!("listing {path}: {e}"),
+                }));
+                continue;
+            }
+        };
+        for item in items {
+            let Some(id) = item["id"].as_u64() else {
+                continue;
+            };
+            if let Some(before) = before
+                && created_at(&item).is_some_and(|t| t > before)
+            {
+                continue;
+            }
+            let name = item["name"].as_str().unwrap_or("").to_owned();
+            let mut last = None;
+            for attempt in 0..4u32 {
+                match api.delete(&format!("{path}/{id}")) {
+                    Ok(reply) => {
+                        if kind == "server"
+                            && let Some(a) = reply.get("action")
+                        {
+                            // The key may go only once the server is gone.
+                            let _ = api.wait_action(
+                                a,
+                                "deleting server",
+                                opts.poll,
+                                opts.action_timeout,
+                                &never,
+                            );
+                        }
+                        last = None;
+                        break;
+                    }
+                    Err(HcloudError::Api { status: 404, .. }) => {
+                        last = None;
+                        break;
+                    }
+                    Err(e) => {
+                        last = Some(e.to_string());
+                        let _ = never.sleep(opts.retry.delay(attempt + 1, None));
+                    }
+                }
+            }
+            match last {
+                None => {
+                    observer.event(&Event::Deleted { kind, id });
+                    out.push(Ok(Deleted { kind, id, name }));
+                }
+                Some(error) => out.push(Err(Leftover { kind, id, error })),
+            }
+        }
+    }
+    out
+}
+
+/// A resource's `created` time (RFC 3339).
+pub(super) fn created_at(item: &Value) -> Option<SystemTime> {
+    let t = time::OffsetDateTime::parse(
+        item["created"].as_str()?,
+        &time::format_description::well_known::Rfc3339,
+    )
+    .ok()?;
+    let secs = u64::try_from(t.unix_timestamp()).ok()?;
+    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+}
+
+/// Deletes every temporary server and SSH key any imgbuild run left (found
+/// by label), created at least `older_than` ago: what `imgbuild cleanup`
+/// does after a run was killed. A cluster's own servers carry no run label
+/// and are never touched.
+pub fn cleanup(
+    api: &Api,
+    older_than: Duration,
+    opts: &SnapshotOptions,
+    observer: &dyn Observer,
+) -> (Vec<Deleted>, Vec<Leftover>) {
+    let sel = format!("{}={},{RUN_LABEL}", MANAGED_BY.0, MANAGED_BY.1);
+    let before = (!older_than.is_zero()).then(|| SystemTime::now() - older_than);
+    let mut deleted = Vec::new();
+    let mut left = Vec::new();
+    for r in delete_selected(api, &sel, before, opts, observer, &["server", "ssh_key"]) {
+        match r {
+            Ok(d) => deleted.push(d),
+            Err(l) => left.push(l),
+        }
+    }
+    (deleted, left)
+}

@@ -1,0 +1,296 @@
+//! Uploads: each image streamed (constant memory) into the storage as a
+//! content-addressed volume, checked by the server against its sha256.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use reqwest::multipart::{Form, Part};
+use serde_json::Value;
+
+use super::api::{Api, api_error, urlencode};
+use super::error::ProxmoxError;
+use super::types::{Event, Observer, PublishOptions};
+use crate::digest::Sha256;
+use crate::inventory::{ImageFormat, ProxmoxSettings};
+use crate::net::{self, NetError};
+use crate::publish::PublishImage;
+
+/// The file name a node's image gets in storage, as pveproxy will store it:
+/// content-addressed (`<cluster>-<node>-<talos>-<sha12>.<raw|qcow2>`) and
+/// normalised the way the server normalises (every character outside
+/// `[a-zA-Z0-9_.-]` becomes `_`).
+pub fn volume_file(
+    cluster: &str,
+    node: &str,
+    talos: &str,
+    sha256: &Sha256,
+    format: ImageFormat,
+) -> String {
+    let ext = match format {
+        ImageFormat::Raw => "raw",
+        ImageFormat::Qcow2 => "qcow2",
+        ImageFormat::Iso => "iso",
+    };
+    let stem: String = format!("{cluster}-{node}-{talos}-{}", &sha256.hex()[..12])
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{stem}.{ext}")
+}
+
+/// The multipart body of an upload, in the only order pveproxy's streaming
+/// parser accepts: `content`, `checksum-algorithm`, `checksum`, then the
+/// file part named `filename`, with a known length (so a Content-Length and
+/// no chunking), streamed from the file in constant memory.
+/// `sent` counts the file's bytes as they leave (see [`Counted`]).
+fn upload_form(
+    file: tokio::fs::File,
+    size: u64,
+    name: &str,
+    sha256: &Sha256,
+    content: &'static str,
+    sent: Arc<AtomicU64>,
+) -> Form {
+    let body = reqwest::Body::wrap_stream(Counted {
+        // Large chunks keep TLS records full and the per-chunk overhead
+        // negligible (the blocking client would cut the body into 8 KiB).
+        inner: tokio_util::io::ReaderStream::with_capacity(file, crate::io::BUF_SIZE),
+        handed_out: 0,
+        sent,
+    });
+    Form::new()
+        .text("content", content)
+        .text("checksum-algorithm", "sha256")
+        .text("checksum", sha256.hex())
+        .part(
+            "filename",
+            Part::stream_with_length(body, size)
+                .file_name(name.to_owned())
+                .mime_str("application/octet-stream")
+                .expect("a valid MIME type"),
+        )
+}
+
+/// The storage content type a format is uploaded as: disk images to
+/// `import` (for `import-from`), boot ISOs to `iso` (for a cdrom drive).
+pub fn content_for(format: ImageFormat) -> &'static str {
+    match format {
+        ImageFormat::Iso => "iso",
+        ImageFormat::Raw | ImageFormat::Qcow2 => "import",
+    }
+}
+
+/// Streams the image file as the multipart body (constant memory), waits
+/// for the server's task (checksum, `qemu-img info`, copy), and retries a
+/// broken transfer from the start. A failed upload leaves no volume behind.
+pub(super) fn upload(
+    api: &Api,
+    s: &ProxmoxSettings,
+    img: &PublishImage,
+    file_name: &str,
+    volid: &str,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<(), ProxmoxError> {
+    let what = format!("uploading {file_name}");
+    let url = api.url(&format!("/nodes/{}/storage/{}/upload", s.node, s.storage));
+    let mut attempt = 0;
+    loop {
+        observer.event(
+            &img.node,
+            &Event::Uploading {
+                volid: volid.to_owned(),
+                size: img.size,
+            },
+        );
+        let sent = send_upload(api, &url, img, file_name, &|n| observer.sent(&img.node, n));
+        match sent {
+            Ok(body) => {
+                let doc: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let result = api.wait(&what, &doc["data"], opts);
+                if result.is_err() {
+                    discard_volume(api, s, volid);
+                }
+                return result.map(|()| {
+                    observer.event(
+                        &img.node,
+                        &Event::Uploaded {
+                            volid: volid.to_owned(),
+                        },
+                    )
+                });
+            }
+            Err(e) if e.retryable() && e.status().is_none() && attempt < opts.upload_retries => {
+                attempt += 1;
+                observer.event(
+                    &img.node,
+                    &Event::UploadRetry {
+                        attempt,
+                        why: e.to_string(),
+                    },
+                );
+                std::thread::sleep(opts.retry.delay(attempt, None));
+            }
+            Err(e) => {
+                let err = api_error(&what, e);
+                return Err(match err {
+                    ProxmoxError::Api { what, message } if attempt > 0 => ProxmoxError::Api {
+                        what,
+                        message: format!("{message} (after {} attempts)", attempt + 1),
+                    },
+                    other => other,
+                });
+            }
+        }
+    }
+}
+
+/// One upload attempt on a runtime of its own (the publisher is blocking
+/// code), telling `progress` how many bytes have left; returns the reply
+/// body.
+fn send_upload(
+    api: &Api,
+    url: &str,
+    img: &PublishImage,
+    file_name: &str,
+    progress: &dyn Fn(u64),
+) -> Result<Vec<u8>, NetError> {
+    let local = |e: std::io::Error| NetError::Transfer {
+        method: "reading".into(),
+        url: img.path.display().to_string(),
+        message: e.to_string(),
+        before_sending: true,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(local)?;
+    let sent = Arc::new(AtomicU64::new(0));
+    let counter = sent.clone();
+    let attempt = async {
+        let file =
+            tokio::fs::File::from_std(crate::io::open_regular(&img.path, false).map_err(local)?);
+        let req = api
+            .uploads
+            .post(url)
+            .header(reqwest::header::AUTHORIZATION, api.auth.clone())
+            // The API deadline, plus the image at 256 KiB/s.
+            .timeout(net::request_deadline() + Duration::from_secs(img.size >> 18))
+            .multipart(upload_form(
+                file,
+                img.size,
+                file_name,
+                &img.sha256,
+                content_for(img.format),
+                counter,
+            ));
+        let resp = net::send_once_async(req).await?;
+        net::read_limited_async(resp, 1 << 20, false).await
+    };
+    rt.block_on(async {
+        tokio::pin!(attempt);
+        let mut tick = tokio::time::interval(PROGRESS_EVERY);
+        let mut told = 0;
+        let mut tell = || {
+            let now = sent.load(Ordering::Relaxed);
+            if now != told {
+                told = now;
+                progress(now);
+            }
+        };
+        loop {
+            tokio::select! {
+                result = &mut attempt => {
+                    tell();
+                    return result;
+                }
+                _ = tick.tick() => tell(),
+            }
+        }
+    })
+}
+
+/// A body stream that counts the bytes the HTTP client has consumed: a
+/// chunk counts once the client asks for the next one (hyper writes a
+/// chunk out before it polls the body again), so the count follows the
+/// bytes leaving, not the file being read ahead.
+pub(super) struct Counted<S> {
+    inner: S,
+    /// The size of the chunk last handed to the client, not yet counted.
+    handed_out: u64,
+    sent: Arc<AtomicU64>,
+}
+
+impl<S, B, E> futures_util::Stream for Counted<S>
+where
+    S: futures_util::Stream<Item = Result<B, E>> + Unpin,
+    B: AsRef<[u8]>,
+{
+    type Item = Result<B, E>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        let done = std::mem::take(&mut this.handed_out);
+        this.sent.fetch_add(done, Ordering::Relaxed);
+        let next = std::pin::Pin::new(&mut this.inner).poll_next(cx);
+        if let std::task::Poll::Ready(Some(Ok(chunk))) = &next {
+            this.handed_out = chunk.as_ref().len() as u64;
+        }
+        next
+    }
+}
+
+/// How often an upload's progress is reported.
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+/// Removes a volume an upload may have left half-checked; best effort,
+/// since the upload's own error is what the user needs to see.
+fn discard_volume(api: &Api, s: &ProxmoxSettings, volid: &str) {
+    let path = format!(
+        "/nodes/{}/storage/{}/content/{}",
+        s.node,
+        s.storage,
+        urlencode(volid)
+    );
+    let _ = api.delete("removing a failed upload", &path);
+}
+
+#[cfg(test)]
+mod counted {
+    use super::*;
+    use futures_util::StreamExt;
+
+    /// A chunk counts only once the client comes back for the next one:
+    /// the count trails what was read by exactly the chunk in flight.
+    #[test]
+    fn bytes_count_when_the_client_takes_the_next_chunk() {
+        let chunks: Vec<Result<Vec<u8>, ()>> = vec![Ok(vec![0; 5]), Ok(vec![0; 7]), Ok(vec![0; 3])];
+        let sent = Arc::new(AtomicU64::new(0));
+        let mut body = Counted {
+            inner: futures_util::stream::iter(chunks),
+            handed_out: 0,
+            sent: sent.clone(),
+        };
+        let mut seen = Vec::new();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            while body.next().await.is_some() {
+                seen.push(sent.load(Ordering::Relaxed));
+            }
+        });
+        assert_eq!(seen, [0, 5, 12]);
+        assert_eq!(sent.load(Ordering::Relaxed), 15);
+    }
+}

@@ -1,0 +1,283 @@
+//! The inventory's publish target as a value: chosen here, in one function,
+//! for `publish`, `plan`, `up` and the day-two commands alike.
+
+use super::hcloud::{self, Api, HcloudError, SnapshotImage, SnapshotOptions, SnapshotOutcome};
+use super::proxmox::{self, Decision, NodePublished, ProxmoxError, PublishOptions};
+use super::{Cancel, PublishImage};
+use crate::inventory::{HcloudSettings, Inventory, ProxmoxSettings, PublishSettings};
+
+/// Where the images go and the machines come from.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// No publish section: image files in the out dir (machines booted by
+    /// other means).
+    None,
+    /// Images uploaded to Proxmox VE (and one VM per node).
+    Proxmox(Box<ProxmoxTarget>),
+    /// Snapshots in Hetzner Cloud (and one server per node created from
+    /// them with its machine config as `user_data`).
+    Hcloud(Box<HcloudTarget>),
+}
+
+/// A Hetzner Cloud target: where, as whom, and how patiently.
+#[derive(Debug, Clone)]
+pub struct HcloudTarget {
+    pub settings: HcloudSettings,
+    pub credentials: hcloud::Credentials,
+    pub options: SnapshotOptions,
+    /// Stops the snapshot runs (which then delete their temporary server).
+    pub cancel: Cancel,
+}
+
+impl HcloudTarget {
+    /// The API client of this run.
+    pub fn api(&self) -> Result<Api, HcloudError> {
+        self.credentials.api(self.options.retry)
+    }
+
+    /// The dry run: the snapshot each image would be published as, where
+    /// one exists (the lookup the real run starts with). GETs only.
+    pub fn plan(
+        &self,
+        api: &Api,
+        images: &[SnapshotImage],
+    ) -> Result<Vec<Option<u64>>, HcloudError> {
+        images
+            .iter()
+            .map(|image| hcloud::find_snapshot(api, &self.settings, image))
+            .collect()
+    }
+
+    /// Snapshots of `images`, one after another; none is started after an
+    /// interrupt (see [`hcloud::publish_snapshots`]).
+    pub fn publish(
+        &self,
+        api: &Api,
+        images: &[SnapshotImage],
+        observer: &dyn hcloud::Observer,
+    ) -> Vec<SnapshotOutcome> {
+        hcloud::publish_snapshots(
+            api,
+            &self.settings,
+            images,
+            &self.options,
+            &self.cancel,
+            observer,
+        )
+    }
+}
+
+/// A Proxmox VE target: where, as whom, and how to publish.
+#[derive(Debug, Clone)]
+pub struct ProxmoxTarget {
+    pub settings: ProxmoxSettings,
+    pub credentials: proxmox::Credentials,
+    pub options: PublishOptions,
+}
+
+impl ProxmoxTarget {
+    /// The dry run: each node's [`Decision`] (by inventory position, with
+    /// its image when built). GETs only.
+    pub fn plan(
+        &self,
+        inv: &Inventory,
+        nodes: &[(usize, Option<PublishImage>)],
+    ) -> Result<Vec<Result<Decision, ProxmoxError>>, ProxmoxError> {
+        proxmox::plan(inv, &self.settings, &self.credentials, nodes, &self.options)
+    }
+
+    /// Publishes `images`, each node carrying out the same decision.
+    pub fn publish(
+        &self,
+        inv: &Inventory,
+        images: &[PublishImage],
+        observer: &dyn proxmox::Observer,
+    ) -> Result<Vec<Result<NodePublished, ProxmoxError>>, ProxmoxError> {
+        proxmox::publish(
+            inv,
+            &self.settings,
+            &self.credentials,
+            images,
+            &self.options,
+            observer,
+        )
+    }
+}
+
+/// How each kind of target publishes, and what the command needs of it.
+#[derive(Debug, Clone)]
+pub struct TargetOptions {
+    pub proxmox: PublishOptions,
+    pub hcloud: SnapshotOptions,
+    pub cancel: Cancel,
+    /// One running machine per node (`up`): a target without VMs or
+    /// servers is refused, and Proxmox VMs start whatever `vm.start` says.
+    pub machines: bool,
+}
+
+/// Why the inventory's target cannot be used. Never carries a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    /// The inventory lacks what the command needs.
+    #[error("{0}")]
+    Setup(String),
+    #[error(transparent)]
+    Proxmox(#[from] ProxmoxError),
+    #[error(transparent)]
+    Hcloud(#[from] HcloudError),
+}
+
+impl TargetError {
+    /// Whether the inventory or environment is at fault (not a server).
+    pub fn is_setup(&self) -> bool {
+        matches!(
+            self,
+            TargetError::Setup(_)
+                | TargetError::Proxmox(ProxmoxError::Setup(_))
+                | TargetError::Hcloud(HcloudError::Setup(_))
+        )
+    }
+}
+
+impl Target {
+    /// The inventory's `publish` section as a target, credentials read
+    /// through `env` (before anything is built: a missing token must not
+    /// wait for a build).
+    pub fn from_inventory(
+        inv: &Inventory,
+        env: &dyn Fn(&str) -> Option<String>,
+        options: TargetOptions,
+    ) -> Result<Target, TargetError> {
+        match inv.publish.target() {
+            PublishSettings::None => Ok(Target::None),
+            PublishSettings::Hcloud(settings) => {
+                if options.machines && settings.servers.is_none() {
+                    return Err(TargetError::Setup(
+                        "publish.hcloud has no servers section (`servers: {type: cpx22}`): `up` needs servers to bootstrap (`imgbuild publish` only makes snapshots)".into(),
+                    ));
+                }
+                Ok(Target::Hcloud(Box::new(HcloudTarget {
+                    settings: settings.clone(),
+                    credentials: hcloud::Credentials::from_env(env)?,
+                    options: options.hcloud,
+                    cancel: options.cancel,
+                })))
+            }
+            PublishSettings::Proxmox(settings) => {
+                let mut settings = settings.clone();
+                if options.machines {
+                    let Some(vm) = settings.vm.as_mut() else {
+                        return Err(TargetError::Setup(
+                            "publish.proxmox has no vm section: `up` needs VMs to bootstrap (`imgbuild publish` only uploads)".into(),
+                        ));
+                    };
+                    vm.start = true;
+                }
+                let credentials = proxmox::Credentials::from_env(&settings, env)?;
+                Ok(Target::Proxmox(Box::new(ProxmoxTarget {
+                    settings,
+                    credentials,
+                    options: options.proxmox,
+                })))
+            }
+        }
+    }
+
+    /// The name reports carry.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Target::None => "none",
+            Target::Proxmox(_) => "proxmox",
+            Target::Hcloud(_) => "hcloud",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn inv(publish: &str) -> Inventory {
+        let text = format!(
+            r#"
+cluster: {{name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: "https://10.0.0.10:6443"}}
+network: {{cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}}
+{publish}
+nodes:
+  - {{name: cp-01, role: controlplane, address: 10.0.0.11}}
+  - {{name: w-01, role: worker, address: 10.0.0.21}}
+"#
+        );
+        Inventory::parse(&text, Path::new("cluster.yaml")).unwrap()
+    }
+
+    const ENV: [(&str, &str); 2] = [
+        ("PROXMOX_VE_ENDPOINT", "https://127.0.0.1:8006/"),
+        ("PROXMOX_VE_API_TOKEN", "root@pam!up=secret"),
+    ];
+
+    fn target(publish: &str, env: &[(&str, &str)], machines: bool) -> Result<Target, TargetError> {
+        let lookup = |k: &str| {
+            env.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        };
+        let options = TargetOptions {
+            proxmox: PublishOptions::default(),
+            hcloud: SnapshotOptions::default(),
+            cancel: Cancel::never(),
+            machines,
+        };
+        Target::from_inventory(&inv(publish), &lookup, options)
+    }
+
+    const PVE: &str = "publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, start: false}";
+
+    #[test]
+    fn no_publish_section_means_no_target() {
+        assert!(matches!(target("", &[], true).unwrap(), Target::None));
+    }
+
+    #[test]
+    fn machines_start_whatever_the_inventory_says() {
+        for machines in [true, false] {
+            let t = target(PVE, &ENV, machines).unwrap();
+            let Target::Proxmox(pve) = t else {
+                panic!("not proxmox: {t:?}")
+            };
+            assert_eq!(pve.settings.vm.unwrap().start, machines);
+        }
+    }
+
+    #[test]
+    fn targets_without_machines_are_setup_errors_only_when_machines_are_needed() {
+        let uploads = "publish:\n  proxmox:\n    node: pve\n    storage: local";
+        let no_vm = target(uploads, &ENV, true).unwrap_err();
+        assert!(no_vm.is_setup());
+        assert!(no_vm.to_string().contains("no vm section"), "{no_vm}");
+        assert_eq!(target(uploads, &ENV, false).unwrap().name(), "proxmox");
+        let no_env = target(PVE, &[], true).unwrap_err();
+        assert!(no_env.is_setup());
+        assert!(
+            no_env.to_string().contains("PROXMOX_VE_ENDPOINT"),
+            "{no_env}"
+        );
+        let snapshots = "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1}";
+        let hcloud = target(snapshots, &ENV, true).unwrap_err();
+        assert!(hcloud.is_setup());
+        assert!(
+            hcloud.to_string().contains("no servers section"),
+            "{hcloud}"
+        );
+        let only_snapshots = target(snapshots, &[("HCLOUD_TOKEN", "t0ken")], false).unwrap();
+        assert_eq!(only_snapshots.name(), "hcloud");
+        let servers = "image: {platform: hcloud}\npublish:\n  hcloud: {location: fsn1, servers: {type: cpx22}}";
+        let no_token = target(servers, &ENV, true).unwrap_err();
+        assert!(no_token.is_setup());
+        assert!(no_token.to_string().contains("HCLOUD_TOKEN"), "{no_token}");
+        let t = target(servers, &[("HCLOUD_TOKEN", "t0ken")], true).unwrap();
+        assert_eq!(t.name(), "hcloud");
+        assert!(!format!("{t:?}").contains("t0ken"));
+    }
+}

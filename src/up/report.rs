@@ -1,0 +1,729 @@
+//! What one `up` did, node by node and stage by stage, and the two ways it
+//! is shown: the summary table (with the lines around it) and the JSON
+//! document. The stages record into [`Report`]; the CLI only prints what
+//! [`Report::text`] and [`Report::json`] give.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use super::error::{Stage, UpError};
+use crate::build::{self, NodeImage};
+use crate::digest::Sha256;
+use crate::inventory::Inventory;
+use crate::publish::proxmox::VmChange;
+use crate::talos::bootstrap::{self, BootstrapError};
+use crate::talos::client::Probe;
+use crate::talos::stage::{Bootstrapped, Reach, StageError, Survey};
+use crate::talos::status::Drift;
+
+/// What a stage did to one node (or, in a dry run, would do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Change {
+    Built,
+    Uploaded,
+    Created,
+    Updated,
+    Started,
+    Applied,
+    Bootstrapped,
+    Unchanged,
+    /// Left booting an older image (`--replace-disk` swaps it).
+    Outdated,
+    Failed,
+}
+
+impl Change {
+    /// The word a summary shows.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Change::Built => "built",
+            Change::Uploaded => "uploaded",
+            Change::Created => "created",
+            Change::Updated => "updated",
+            Change::Started => "started",
+            Change::Applied => "applied",
+            Change::Bootstrapped => "bootstrapped",
+            Change::Unchanged => "unchanged",
+            Change::Outdated => "outdated",
+            Change::Failed => "failed",
+        }
+    }
+
+    /// The word for a change; a dry run says what would happen.
+    fn word(self, dry_run: bool) -> &'static str {
+        if !dry_run {
+            return self.as_str();
+        }
+        match self {
+            Change::Built => "to build",
+            Change::Uploaded => "to upload",
+            Change::Created => "to create",
+            Change::Updated => "to replace",
+            Change::Started => "to start",
+            Change::Applied => "to apply",
+            Change::Bootstrapped => "to bootstrap",
+            other => other.as_str(),
+        }
+    }
+}
+
+impl From<VmChange> for Change {
+    fn from(v: VmChange) -> Change {
+        match v {
+            VmChange::Created => Change::Created,
+            VmChange::Updated => Change::Updated,
+            VmChange::Unchanged => Change::Unchanged,
+            VmChange::Outdated => Change::Outdated,
+        }
+    }
+}
+
+/// `then` when `yes`, else unchanged.
+pub(super) fn changed(yes: bool, then: Change) -> Change {
+    if yes { then } else { Change::Unchanged }
+}
+
+/// Per node, what each stage did; absent: the stage did not run for it.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Stages {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub build: Option<Change>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upload: Option<Change>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vm: Option<Change>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub start: Option<Change>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub apply: Option<Change>,
+}
+
+impl Stages {
+    /// Each stage by name, in the order they run.
+    pub fn named(&self) -> [(&'static str, Option<Change>); 5] {
+        [
+            ("build", self.build),
+            ("upload", self.upload),
+            ("vm", self.vm),
+            ("start", self.start),
+            ("apply", self.apply),
+        ]
+    }
+}
+
+/// A node's Talos API as last seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TalosState {
+    /// Answers without a client certificate: waiting for its config.
+    Maintenance,
+    /// Answers over mTLS only: configured.
+    Configured,
+    /// Port closed or no TLS answer.
+    Unreachable,
+}
+
+impl From<Option<&Probe>> for TalosState {
+    /// How a TLS handshake without a certificate went (None: it did not).
+    fn from(probe: Option<&Probe>) -> TalosState {
+        match probe {
+            Some(Probe::Maintenance { .. }) => TalosState::Maintenance,
+            Some(Probe::Configured) => TalosState::Configured,
+            None => TalosState::Unreachable,
+        }
+    }
+}
+
+/// One row of the summary.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeReport {
+    pub node: String,
+    /// Where imgbuild reaches its Talos API.
+    pub address: Option<IpAddr>,
+    /// The image's sha256 (as the manifest records it).
+    pub sha256: Option<Sha256>,
+    pub image: Option<PathBuf>,
+    /// Where the image was published (a Proxmox volume, a Hetzner snapshot).
+    pub volume: Option<String>,
+    pub vmid: Option<u32>,
+    /// The Hetzner server.
+    pub server: Option<u64>,
+    pub talos: Option<TalosState>,
+    pub talos_version: Option<String>,
+    /// Whether Kubernetes reports the node Ready.
+    pub kubernetes_ready: Option<bool>,
+    pub stages: Stages,
+    /// Why a stage failed for this node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl NodeReport {
+    /// Notes the node's image, built now or already current.
+    fn show_image(&mut self, image: &NodeImage, file: PathBuf) {
+        self.sha256 = Some(image.sha256);
+        self.image = Some(file);
+    }
+
+    /// The table's columns, `-` where unknown.
+    fn row(&self) -> [String; 7] {
+        let talos = self.talos.map(|t| {
+            let word = serde_json::to_value(t)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            match &self.talos_version {
+                Some(v) => format!("{word} {v}"),
+                None => word,
+            }
+        });
+        [
+            self.node.clone(),
+            // The first 12 hex digits: enough to tell images apart.
+            cell(self.sha256.map(|s| s.hex()[..12].to_owned())),
+            cell(self.volume.clone()),
+            cell(
+                self.vmid
+                    .map(|v| v.to_string())
+                    .or(self.server.map(|s| s.to_string())),
+            ),
+            cell(self.address.map(|a| a.to_string())),
+            cell(talos),
+            cell(
+                self.kubernetes_ready
+                    .map(|r| if r { "Ready" } else { "NotReady" }.to_owned()),
+            ),
+        ]
+    }
+}
+
+fn cell(v: Option<String>) -> String {
+    v.unwrap_or_else(|| "-".into())
+}
+
+/// What one `up` (or its dry run) did, stage by stage and node by node.
+#[derive(Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    pub cluster: String,
+    pub target: &'static str,
+    pub dry_run: bool,
+    /// Every inventory node, in inventory order.
+    pub nodes: Vec<NodeReport>,
+    /// Bootstrapped now, or unchanged (etcd was running); in a dry run
+    /// unknown when the first control plane is already configured.
+    pub bootstrap: Option<Change>,
+    pub bootstrap_node: Option<String>,
+    /// True only when every node is configured and Kubernetes calls every
+    /// node Ready: the table has no row that is not healthy.
+    pub healthy: bool,
+    /// How the health checks ended (absent: they did not run to the end).
+    pub health: Option<bootstrap::Health>,
+    /// Settings that did not work as given, and what was used instead
+    /// (the kubeconfig pointing at a control plane, not the VIP).
+    pub fallbacks: Vec<bootstrap::Fallback>,
+    pub kubeconfig: Option<PathBuf>,
+    pub talosconfig: Option<PathBuf>,
+    pub elapsed_ms: u128,
+    /// The stage that stopped the run, and why.
+    #[serde(skip)]
+    pub stopped: Option<(Stage, UpError)>,
+    /// How a healthy cluster differs from the inventory (version,
+    /// schematic, config), as `imgbuild status` would flag it.
+    #[serde(skip)]
+    pub drift: Vec<Drift>,
+    /// Why the drift could not be checked.
+    #[serde(skip)]
+    pub drift_unchecked: Option<String>,
+}
+
+/// One line of the text report, and where it goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Line {
+    /// The result: standard output.
+    Out(String),
+    /// An error beside it: standard error.
+    Err(String),
+}
+
+impl Report {
+    /// A row per inventory node at the address the bootstrap reaches it
+    /// at (as the stage decided); nothing done yet.
+    pub(super) fn new(
+        inv: &Inventory,
+        target: &'static str,
+        dry_run: bool,
+        reach: &Reach,
+    ) -> Report {
+        let nodes = reach
+            .nodes
+            .iter()
+            .map(|n| NodeReport {
+                node: n.node.clone(),
+                address: n.address,
+                sha256: None,
+                image: None,
+                volume: None,
+                vmid: None,
+                server: None,
+                talos: None,
+                talos_version: None,
+                kubernetes_ready: None,
+                stages: Stages::default(),
+                error: None,
+            })
+            .collect();
+        Report {
+            cluster: inv.cluster.name.clone(),
+            target,
+            dry_run,
+            nodes,
+            bootstrap: None,
+            bootstrap_node: None,
+            healthy: false,
+            health: None,
+            fallbacks: Vec::new(),
+            kubeconfig: None,
+            talosconfig: None,
+            elapsed_ms: 0,
+            stopped: None,
+            drift: Vec::new(),
+            drift_unchecked: None,
+        }
+    }
+
+    pub(super) fn node(&mut self, name: &str) -> Option<&mut NodeReport> {
+        self.nodes.iter_mut().find(|n| n.node == name)
+    }
+
+    pub(super) fn fail(&mut self, node: &str, stage: impl FnOnce(&mut Stages), error: String) {
+        if let Some(n) = self.node(node) {
+            stage(&mut n.stages);
+            n.error = Some(error);
+        }
+    }
+
+    /// The row of the node at inventory position `index`.
+    pub(super) fn row(&mut self, index: usize) -> Option<&mut NodeReport> {
+        self.nodes.get_mut(index)
+    }
+
+    /// Marks the node at inventory position `index` failed at `stage`.
+    pub(super) fn fail_row(
+        &mut self,
+        index: usize,
+        stage: impl FnOnce(&mut Stages),
+        error: String,
+    ) {
+        if let Some(n) = self.row(index) {
+            stage(&mut n.stages);
+            n.error = Some(error);
+        }
+    }
+
+    /// Records the build, by inventory position: each image built now or
+    /// already current (None: in a dry run, one still to build), and each
+    /// node that failed.
+    pub(super) fn built(
+        &mut self,
+        images: &[(usize, Option<build::BuildOutcome>)],
+        failed: &[build::NodeFailure],
+    ) {
+        for (index, outcome) in images {
+            let Some(n) = self.row(*index) else { continue };
+            n.stages.build = Some(match outcome {
+                Some(o) => {
+                    n.show_image(&o.image, o.file.clone());
+                    changed(o.built, Change::Built)
+                }
+                None => Change::Built,
+            });
+        }
+        for f in failed {
+            self.fail(&f.node, |s| s.build = Some(Change::Failed), chain(&f.error));
+        }
+    }
+
+    /// Records what the bootstrap stage did: apply, etcd, health, each
+    /// node's address, version and readiness as its last health round saw it.
+    pub(super) fn bootstrapped(&mut self, done: &Bootstrapped) {
+        let outcome = &done.outcome;
+        self.bootstrap = Some(changed(outcome.bootstrapped, Change::Bootstrapped));
+        self.bootstrap_node = Some(outcome.bootstrap_node.clone());
+        self.kubeconfig = Some(done.prepared.plan.kubeconfig_path.clone());
+        self.talosconfig = Some(done.prepared.talosconfig.clone());
+        self.fallbacks = outcome.fallbacks.clone();
+        for planned in &done.prepared.plan.nodes {
+            if let Some(n) = self.node(&planned.name) {
+                n.address = Some(planned.address);
+                n.talos = Some(TalosState::Configured);
+                n.talos_version = outcome.versions.get(&planned.name).cloned();
+                n.stages.apply = Some(if outcome.applied.contains(&planned.name) {
+                    Change::Applied
+                } else {
+                    Change::Unchanged
+                });
+            }
+        }
+        for n in &mut self.nodes {
+            n.kubernetes_ready = Some(outcome.ready.get(&n.node).copied().unwrap_or(false));
+        }
+        self.healthy = outcome.health.is_healthy()
+            && self.nodes.iter().all(|n| {
+                n.kubernetes_ready == Some(true) && n.talos == Some(TalosState::Configured)
+            });
+        self.health = Some(outcome.health.clone());
+    }
+
+    /// Records how the cluster differs from the inventory, or why that
+    /// could not be read.
+    pub(super) fn drifted(&mut self, drift: Result<Vec<Drift>, StageError>) {
+        match drift {
+            Ok(drift) => self.drift = drift,
+            Err(e) => self.drift_unchecked = Some(chain(&e)),
+        }
+    }
+
+    /// Records what the bootstrap would do, from how each node answered:
+    /// a node in maintenance mode gets its config, a configured one nothing.
+    pub(super) fn surveyed(&mut self, survey: &Survey) {
+        for (reach, answer) in survey.reach.nodes.iter().zip(&survey.answers) {
+            if let Some(n) = self.node(&reach.node) {
+                let state = TalosState::from(answer.as_ref());
+                n.address = reach.address;
+                n.talos = Some(state);
+                n.stages.apply = Some(if state == TalosState::Configured {
+                    Change::Unchanged
+                } else {
+                    Change::Applied
+                });
+            }
+        }
+        if let Some(first) = &survey.reach.bootstrap_node {
+            self.bootstrap_node = Some(first.clone());
+            let configured = self
+                .nodes
+                .iter()
+                .any(|n| &n.node == first && n.talos == Some(TalosState::Configured));
+            // A configured control plane may or may not run etcd yet: the run
+            // asks it (over mTLS) and bootstraps only when etcd is not running.
+            self.bootstrap = (!configured).then_some(Change::Bootstrapped);
+        }
+    }
+
+    /// Records why `stage` stopped the run; a failed bootstrap also marks
+    /// each node that failed, and etcd when it was bootstrapped before.
+    pub(super) fn stop(&mut self, stage: Stage, e: UpError) {
+        if let UpError::Bootstrap(StageError::Bootstrap(b)) = &e {
+            let failed = match b {
+                BootstrapError::Nodes { failed, .. } => failed.iter().collect(),
+                other => vec![other],
+            };
+            for f in failed {
+                if let Some(node) = f.node() {
+                    self.fail(node, |s| s.apply = Some(Change::Failed), f.to_string());
+                }
+            }
+            if let BootstrapError::Nodes {
+                etcd: Some((node, now)),
+                ..
+            } = b
+            {
+                self.bootstrap = Some(changed(*now, Change::Bootstrapped));
+                self.bootstrap_node = Some(node.clone());
+            }
+        }
+        self.stopped = Some((stage, e));
+    }
+
+    /// Whether some nodes finished every stage that ran for them while
+    /// others failed (nodes not selected do not count as finished), or the
+    /// cluster came up healthy as far as Talos goes but has no CNI.
+    pub fn partial(&self) -> bool {
+        let some_failed = matches!(self.stopped, Some((_, UpError::Nodes { .. })))
+            && self
+                .nodes
+                .iter()
+                .any(|n| n.error.is_none() && n.stages.build.is_some());
+        some_failed || matches!(self.health, Some(bootstrap::Health::NoCni { .. }))
+    }
+
+    /// The JSON document: the report, the stage that stopped it and why,
+    /// and the drift.
+    pub fn json(&self) -> serde_json::Result<serde_json::Value> {
+        let mut doc = serde_json::to_value(self)?;
+        if let Some((stage, e)) = &self.stopped {
+            doc["failedStage"] = serde_json::json!(stage);
+            doc["error"] = serde_json::json!(chain(e));
+        }
+        doc["drift"] = serde_json::to_value(&self.drift)?;
+        Ok(doc)
+    }
+
+    /// The summary as text: the table, one line of stage counts, the nodes'
+    /// errors, fallbacks, health and where the client files are.
+    pub fn text(&self) -> Vec<Line> {
+        let mut lines = Vec::new();
+        if self.dry_run {
+            lines.push(Line::Out(format!(
+                "dry run: cluster {} (target {}); nothing was changed",
+                self.cluster, self.target
+            )));
+        }
+        let rows: Vec<[String; 7]> = self.nodes.iter().map(NodeReport::row).collect();
+        let head = [
+            "NODE",
+            "IMAGE",
+            "VOLUME",
+            "VM/SERVER",
+            "ADDRESS",
+            "TALOS",
+            "K8S READY",
+        ];
+        let mut widths = head.map(str::len);
+        for row in &rows {
+            for (w, c) in widths.iter_mut().zip(row) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+        let line = |cells: &[String]| {
+            let text: Vec<String> = cells
+                .iter()
+                .zip(widths)
+                .map(|(c, w)| format!("{c:<w$}"))
+                .collect();
+            Line::Out(text.join("  ").trim_end().to_owned())
+        };
+        lines.push(line(&head.map(String::from)));
+        lines.extend(rows.iter().map(|row| line(row)));
+        lines.push(Line::Out(self.stage_summary()));
+        // A stop for some nodes sums them up in one line: their errors first.
+        if let Some((_, UpError::Nodes { .. })) = &self.stopped {
+            for n in &self.nodes {
+                if let Some(e) = &n.error {
+                    lines.push(Line::Err(format!("error: node {}: {e}", n.node)));
+                }
+            }
+        }
+        for f in &self.fallbacks {
+            lines.push(Line::Out(format!("note: {f}")));
+        }
+        if self.healthy {
+            lines.push(Line::Out(format!(
+                "cluster {} is healthy ({:.1}s)",
+                self.cluster,
+                self.elapsed_ms as f64 / 1000.0
+            )));
+        }
+        if self.health.is_some() {
+            // Beneath "is healthy" when it was said, else on their own.
+            let indent = if self.healthy { "  " } else { "" };
+            if let Some(k) = &self.kubeconfig {
+                lines.push(Line::Out(format!("{indent}kubeconfig: {}", k.display())));
+            }
+            if let Some(t) = &self.talosconfig {
+                lines.push(Line::Out(format!("{indent}talosconfig: {}", t.display())));
+            }
+        }
+        lines
+    }
+
+    /// One line: each stage with how many nodes it left in each state, e.g.
+    /// `build: 5 unchanged; upload: 5 unchanged; …; etcd: unchanged (cp-01)`.
+    fn stage_summary(&self) -> String {
+        let mut parts = Vec::new();
+        for (i, (name, _)) in Stages::default().named().iter().enumerate() {
+            let mut counts: Vec<(Change, usize)> = Vec::new();
+            for c in self.nodes.iter().filter_map(|n| n.stages.named()[i].1) {
+                match counts.iter_mut().find(|(k, _)| *k == c) {
+                    Some((_, n)) => *n += 1,
+                    None => counts.push((c, 1)),
+                }
+            }
+            if counts.is_empty() {
+                continue;
+            }
+            let text: Vec<String> = counts
+                .iter()
+                .map(|(c, n)| format!("{n} {}", c.word(self.dry_run)))
+                .collect();
+            parts.push(format!("{name}: {}", text.join(", ")));
+        }
+        let etcd = match (self.bootstrap, &self.bootstrap_node) {
+            (Some(c), Some(node)) => Some(format!("etcd: {} ({node})", c.word(self.dry_run))),
+            (None, Some(node)) if self.dry_run => Some(format!(
+                "etcd: bootstrapped on {node} unless it already runs"
+            )),
+            _ => None,
+        };
+        parts.extend(etcd);
+        parts.join("; ")
+    }
+}
+
+/// The error chain of `e` on one line, as the reports carry it.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::talos::stage::BootstrapOptions;
+    use std::path::Path;
+
+    fn report(dry_run: bool) -> Report {
+        let text = r#"
+cluster: {name: lab, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: "https://10.0.0.10:6443"}
+network: {cidr: 10.0.0.0/24, gateway: 10.0.0.1, interface: ens18}
+nodes:
+  - {name: cp-01, role: controlplane, address: 10.0.0.11}
+  - {name: w-01, role: worker, address: 10.0.0.21}
+"#;
+        let inv = Inventory::parse(text, Path::new("cluster.yaml")).unwrap();
+        let reach = Reach::of(&inv, &BootstrapOptions::default());
+        Report::new(&inv, "none", dry_run, &reach)
+    }
+
+    #[test]
+    fn a_run_stopped_for_some_nodes_is_partial_only_if_others_finished() {
+        let mut r = report(false);
+        r.fail("w-01", |s| s.build = Some(Change::Failed), "boom".into());
+        r.stopped = Some((
+            Stage::Build,
+            UpError::Nodes {
+                stage: Stage::Build,
+                failed: vec!["w-01".into()],
+            },
+        ));
+        assert!(!r.partial(), "cp-01 was not selected: nothing finished");
+        r.node("cp-01").unwrap().stages.build = Some(Change::Built);
+        r.stopped = Some((
+            Stage::Build,
+            UpError::Nodes {
+                stage: Stage::Build,
+                failed: vec!["w-01".into()],
+            },
+        ));
+        assert!(r.partial());
+        r.fail("cp-01", |s| s.build = Some(Change::Failed), "boom".into());
+        assert!(!r.partial());
+        r.stopped = Some((Stage::Bootstrap, UpError::Setup("x".into())));
+        assert!(!r.partial());
+        let err = UpError::Nodes {
+            stage: Stage::Publish,
+            failed: vec!["a".into(), "b".into()],
+        };
+        assert_eq!(
+            err.to_string(),
+            "publish: 2 failed (a, b); the cluster was not bootstrapped"
+        );
+    }
+
+    #[test]
+    fn reports_carry_the_change_words_and_every_node() {
+        let mut r = report(true);
+        r.node("cp-01").unwrap().stages.apply = Some(Change::Unchanged);
+        let v = r.json().unwrap();
+        assert_eq!(v["dryRun"], true);
+        assert_eq!(v["target"], "none");
+        assert_eq!(v["nodes"][0]["address"], "10.0.0.11");
+        assert_eq!(
+            v["nodes"][0]["stages"],
+            serde_json::json!({"apply": "unchanged"})
+        );
+        assert_eq!(v["nodes"][1]["stages"], serde_json::json!({}));
+        assert!(v.get("failedStage").is_none());
+        for c in [Change::Built, Change::Outdated, Change::Failed] {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
+        r.stop(Stage::Publish, UpError::Setup("no vm section".into()));
+        let v = r.json().unwrap();
+        assert_eq!(v["failedStage"], "publish");
+        assert_eq!(v["error"], "no vm section");
+    }
+
+    #[test]
+    fn the_table_lines_up_and_a_dry_run_says_what_would_happen() {
+        let mut r = report(true);
+        let sha = "ab".repeat(32);
+        let n = r.node("cp-01").unwrap();
+        n.sha256 = Some(sha.parse().unwrap());
+        n.stages.build = Some(Change::Built);
+        n.talos = Some(TalosState::Maintenance);
+        r.node("w-01").unwrap().stages.build = Some(Change::Unchanged);
+        r.bootstrap_node = Some("cp-01".into());
+        let v = r.json().unwrap();
+        assert_eq!(v["nodes"][0]["sha256"], sha, "lowercase hex in JSON");
+        let lines = r.text();
+        let out: Vec<&str> = lines
+            .iter()
+            .map(|l| match l {
+                Line::Out(s) => s.as_str(),
+                Line::Err(s) => panic!("no error expected: {s}"),
+            })
+            .collect();
+        assert_eq!(
+            out[0],
+            "dry run: cluster lab (target none); nothing was changed"
+        );
+        assert_eq!(
+            out[1],
+            "NODE   IMAGE         VOLUME  VM/SERVER  ADDRESS    TALOS        K8S READY"
+        );
+        assert_eq!(
+            out[2],
+            "cp-01  abababababab  -       -          10.0.0.11  maintenance  -"
+        );
+        assert_eq!(
+            out[3],
+            "w-01   -             -       -          10.0.0.21  -            -"
+        );
+        assert_eq!(
+            out[4],
+            "build: 1 to build, 1 unchanged; etcd: bootstrapped on cp-01 unless it already runs"
+        );
+        assert_eq!(out.len(), 5);
+    }
+
+    #[test]
+    fn failed_nodes_go_to_standard_error() {
+        let mut r = report(false);
+        r.fail(
+            "w-01",
+            |s| s.upload = Some(Change::Failed),
+            "disk full".into(),
+        );
+        r.stop(
+            Stage::Publish,
+            UpError::Nodes {
+                stage: Stage::Publish,
+                failed: vec!["w-01".into()],
+            },
+        );
+        let errors: Vec<Line> = r
+            .text()
+            .into_iter()
+            .filter(|l| matches!(l, Line::Err(_)))
+            .collect();
+        assert_eq!(errors, [Line::Err("error: node w-01: disk full".into())]);
+    }
+
+    #[test]
+    fn error_chains_read_on_one_line() {
+        let e = StageError::Io {
+            path: "/x/kubeconfig".into(),
+            source: std::io::Error::other("disk full"),
+        };
+        assert_eq!(chain(&e), "/x/kubeconfig: disk full");
+    }
+}
