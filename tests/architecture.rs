@@ -560,6 +560,10 @@ fn load_crate(
     while let Some((file, path)) = todo.pop() {
         let text = &files[&file];
         let scan = scan(text);
+        if scan.test_only {
+            test_files.push(file.clone());
+            continue;
+        }
         let dir = {
             let p = Path::new(&file);
             let parent = p.parent().unwrap().to_str().unwrap().to_string();
@@ -587,10 +591,6 @@ fn load_crate(
             todo.push((child, p));
         }
         test_files.extend(scan.test_mods.iter().filter_map(|name| child_file(name, 0)));
-        if scan.test_only {
-            test_files.push(file.clone());
-            continue;
-        }
         modules.push(Module {
             krate,
             path,
@@ -1230,8 +1230,9 @@ mod checker {
             ),
             ("src/a/c.rs", ""),
             ("src/a/tests.rs", "use crate::b::*;"),
-            ("src/b.rs", "#[cfg(test)]\nmod fuzz;\n"),
+            ("src/b.rs", "#[cfg(test)]\nmod fuzz;\nmod only;\n"),
             ("src/b/fuzz.rs", "use crate::a::*;"),
+            ("src/b/only.rs", "#![cfg(test)]\nuse crate::a::*;"),
         ]);
         assert_eq!(edges(&g), ["a → b @11"]);
         assert_eq!(g.modules.len(), 4, "lib, a, a::c, b");
