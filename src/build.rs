@@ -450,7 +450,7 @@ fn build_one(
         Route::Factory => {
             let id = factory.register(&schematic::node::for_node(inv, node))?;
             // The installer the node's config names is the META-less
-            // schematic's (see `factory::installer_for`): the factory
+            // schematic's (see `schematic::installer::installer_for`): the factory
             // serves installers only for schematics it was given.
             let base = schematic::node::base_for_node(inv, node);
             if base != schematic::node::for_node(inv, node) {

@@ -25,6 +25,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::{Cancel, Secret};
+use crate::digest::Sha256;
 use crate::inventory::{Arch, HcloudSettings};
 use crate::net::RetryPolicy;
 pub use api::Api;
@@ -94,7 +95,7 @@ impl Credentials {
 #[derive(Debug, Clone)]
 pub struct SnapshotImage {
     pub path: PathBuf,
-    pub sha256: String,
+    pub sha256: Sha256,
     pub size: u64,
     pub schematic_id: String,
     pub talos_version: String,
@@ -109,13 +110,13 @@ impl SnapshotImage {
     pub fn distinct<'a>(
         images: impl IntoIterator<Item = (&'a crate::build::NodeImage, PathBuf)>,
     ) -> Vec<SnapshotImage> {
-        let mut by_sha: BTreeMap<String, SnapshotImage> = BTreeMap::new();
+        let mut by_sha: BTreeMap<Sha256, SnapshotImage> = BTreeMap::new();
         for (image, path) in images {
             by_sha
-                .entry(image.sha256.to_string())
+                .entry(image.sha256)
                 .or_insert_with(|| SnapshotImage {
                     path,
-                    sha256: image.sha256.to_string(),
+                    sha256: image.sha256,
                     size: image.size,
                     schematic_id: image.schematic_id.to_string(),
                     talos_version: image.talos_version.clone(),
@@ -138,7 +139,7 @@ pub fn snapshot_labels(image: &SnapshotImage) -> BTreeMap<String, String> {
         ("talos-version".to_owned(), image.talos_version.clone()),
         ("talos-schematic".to_owned(), short(&image.schematic_id)),
         ("arch".to_owned(), image.arch.to_string()),
-        ("image-sha256".to_owned(), short(&image.sha256)),
+        ("image-sha256".to_owned(), short(&image.sha256.hex())),
     ])
 }
 
@@ -167,7 +168,7 @@ pub struct Snapshot {
     /// False when a snapshot with these labels already existed.
     pub created: bool,
     pub description: String,
-    pub sha256: String,
+    pub sha256: Sha256,
     pub nodes: Vec<String>,
     /// Compressed bytes sent to the rescue system (0 when nothing was made).
     pub bytes_sent: u64,
@@ -218,7 +219,7 @@ fn publish_snapshot(
                     labels,
                     created: false,
                     description: description(image),
-                    sha256: image.sha256.clone(),
+                    sha256: image.sha256,
                     nodes: image.nodes.clone(),
                     bytes_sent: 0,
                     disk_size,
@@ -537,7 +538,7 @@ impl Build<'_> {
             labels,
             created: true,
             description,
-            sha256: self.image.sha256.clone(),
+            sha256: self.image.sha256,
             nodes: self.image.nodes.clone(),
             bytes_sent: sent,
             disk_size,
@@ -687,7 +688,7 @@ impl Build<'_> {
                 .into_inner();
             let read = hashing.count();
             let (sha, _) = hashing.finish();
-            if read != image.size || sha.hex() != image.sha256 {
+            if read != image.size || sha != image.sha256 {
                 return Err(HcloudError::Io(format!(
                     "{} changed while it was sent ({read} bytes, sha256 {sha}; the manifest says {} bytes, {}): no snapshot is made",
                     image.path.display(),

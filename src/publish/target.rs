@@ -1,5 +1,6 @@
-//! The inventory's publish target as a value: chosen here, in one function,
-//! for `publish`, `plan`, `up` and the day-two commands alike.
+//! The inventory's publish target as a value, chosen here in one function
+//! for `publish` and `up` (`plan` names the same choice through
+//! `PublishSection::target`, as it runs without credentials).
 
 use super::hcloud::{self, Api, HcloudError, SnapshotImage, SnapshotOptions, SnapshotOutcome};
 use super::proxmox::{self, Decision, NodePublished, ProxmoxError, PublishOptions};

@@ -3,6 +3,7 @@
 //! can be reviewed and reproduced without the factory.
 
 mod emit;
+pub mod installer;
 pub mod node;
 mod resolve;
 pub mod review;

@@ -36,14 +36,15 @@ pub enum ReviewError {
 
 impl ReviewFile {
     /// `node`'s file: its image's schematic, and the installer its machine
-    /// config names ([`crate::factory::installer_for`]).
+    /// config names ([`super::installer::installer_for`]).
     pub fn for_node(inv: &Inventory, node: &NodeSpec) -> Result<ReviewFile, ReviewError> {
         let canonical = canonical(&node.name, &node::for_node(inv, node))?;
-        let installer =
-            crate::factory::installer_for(inv, node).map_err(|source| ReviewError::Installer {
+        let installer = super::installer::installer_for(inv, node).map_err(|source| {
+            ReviewError::Installer {
                 name: node.name.clone(),
                 source,
-            })?;
+            }
+        })?;
         Ok(ReviewFile {
             name: node.name.clone(),
             id: id_of(&canonical),
@@ -59,7 +60,7 @@ impl ReviewFile {
         let id = id_of(&canonical);
         Ok(ReviewFile {
             name: "base".into(),
-            installer: crate::factory::installer_of(inv, &id),
+            installer: super::installer::installer_of(inv, &id),
             id,
             canonical,
         })

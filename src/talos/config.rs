@@ -360,9 +360,9 @@ fn version_tag(v: &str) -> String {
     format!("v{}", v.trim_start_matches('v'))
 }
 
-/// The installer image of `node`'s config: see [`crate::factory::installer_for`].
+/// The installer image of `node`'s config: see [`crate::schematic::installer::installer_for`].
 pub fn install_image(inv: &Inventory, node: &NodeSpec) -> Result<String, ConfigError> {
-    crate::factory::installer_for(inv, node).map_err(|e| ConfigError::Node {
+    crate::schematic::installer::installer_for(inv, node).map_err(|e| ConfigError::Node {
         node: node.name.clone(),
         message: format!("schematic: {e}"),
     })

@@ -30,7 +30,7 @@ pub struct Wanted {
 
 /// Every node's target, computed here without asking anyone: the
 /// inventory's version and the node's base schematic (without META) with
-/// its installer ([`crate::factory::installer_for`]).
+/// its installer ([`crate::schematic::installer::installer_for`]).
 pub fn wanted(
     inv: &crate::inventory::Inventory,
 ) -> Result<BTreeMap<String, Wanted>, crate::schematic::EmitError> {
@@ -46,7 +46,7 @@ pub fn wanted(
                 node.name.clone(),
                 Wanted {
                     version: version.clone(),
-                    installer: crate::factory::installer_of(inv, &id),
+                    installer: crate::schematic::installer::installer_of(inv, &id),
                     schematic: id.to_string(),
                     own_schematic: own.to_string(),
                 },

@@ -5,7 +5,7 @@ use std::time::SystemTime;
 fn image() -> SnapshotImage {
     SnapshotImage {
         path: PathBuf::from("out/cp-01.raw"),
-        sha256: "ab".repeat(32),
+        sha256: "ab".repeat(32).parse().unwrap(),
         size: 1 << 20,
         schematic_id: "376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba".into(),
         talos_version: "v1.11.2".into(),
@@ -201,7 +201,7 @@ fn disk_sizes_are_written_as_the_api_writes_them() {
         labels: BTreeMap::new(),
         created: true,
         description: String::new(),
-        sha256: String::new(),
+        sha256: Sha256::of(b""),
         nodes: Vec::new(),
         bytes_sent: 0,
         disk_size,

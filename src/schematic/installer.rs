@@ -1,0 +1,100 @@
+//! Installer image references: which installer a node's machine config
+//! names, spelled from the inventory and the node's META-less schematic
+//! alone. Pure, so configs, review files and upgrades agree on it without a
+//! factory client.
+
+use super::{EmitError, SchematicId, id_of};
+use crate::inventory::{Inventory, NodeSpec, talos_at_least};
+
+/// The installer `node`'s machine config installs and upgrades from: the
+/// factory's installer for the node's schematic *without* META. The factory
+/// bakes META only into disk images and ISOs, never into installers
+/// (siderolabs/image-factory `internal/profile/profile.go`), and serves
+/// installers only for schematics posted to it (`internal/registry/registry.go`
+/// `handleManifest`), which on the patch route is the META-less one. Key 10
+/// stays in the node's META partition across upgrades, so nothing is lost,
+/// and nodes with the same extensions share one installer.
+pub fn installer_for(inv: &Inventory, node: &NodeSpec) -> Result<String, EmitError> {
+    let canonical = super::node::base_for_node(inv, node).canonical()?;
+    Ok(installer_of(inv, &id_of(&canonical)))
+}
+
+/// The installer of schematic `id` for `inv`'s factory, platform and Talos version.
+pub fn installer_of(inv: &Inventory, id: &SchematicId) -> String {
+    installer_ref(
+        registry_host(&inv.image.factory),
+        &inv.image.platform,
+        id,
+        &inv.cluster.talos_version,
+    )
+}
+
+/// The registry host of a factory URL: installer images are pulled from the
+/// factory's own host and port, as the factory's UI prints them from its
+/// external URL's `Host` (`https://factory.talos.dev/` → `factory.talos.dev`).
+fn registry_host(factory: &str) -> &str {
+    let rest = factory.split_once("://").map_or(factory, |(_, rest)| rest);
+    rest.split(['/', '?', '#']).next().unwrap_or(rest)
+}
+
+/// The installer image for a schematic, spelled as the factory's own UI
+/// gives it (siderolabs/image-factory `internal/frontend/http/wizard.go`):
+/// `<platform>-installer/<id>` from Talos v1.10 on, when installers became
+/// per platform (`quirks.SupportsUnifiedInstaller`), `installer/<id>` before.
+fn installer_ref(registry_host: &str, platform: &str, id: &SchematicId, version: &str) -> String {
+    let tag = format!("v{}", version.trim_start_matches('v'));
+    if talos_at_least(version, (1, 10, 0)) {
+        format!("{registry_host}/{platform}-installer/{id}:{tag}")
+    } else {
+        format!("{registry_host}/installer/{id}:{tag}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn installers_are_spelled_like_the_factory_ui() {
+        let id = id_of("customization: {}\n");
+        assert_eq!(
+            installer_ref("factory.talos.dev", "metal", &id, "v1.11.2"),
+            "factory.talos.dev/metal-installer/376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba:v1.11.2"
+        );
+    }
+
+    #[test]
+    fn the_registry_is_the_factory_host_and_port_only() {
+        assert_eq!(
+            registry_host("https://factory.talos.dev/"),
+            "factory.talos.dev"
+        );
+        assert_eq!(
+            registry_host("http://127.0.0.1:8080/api/"),
+            "127.0.0.1:8080"
+        );
+        assert_eq!(registry_host("http://[::1]:80"), "[::1]:80");
+    }
+
+    #[test]
+    fn installers_before_talos_1_10_are_not_per_platform() {
+        let id = id_of("customization: {}\n");
+        let cases = [
+            ("v1.9.5", "f.example/installer/"),
+            ("1.9.0", "f.example/installer/"),
+            ("v1.5.0", "f.example/installer/"),
+            ("v1.10.0", "f.example/nocloud-installer/"),
+            ("v1.10.0-alpha.1", "f.example/nocloud-installer/"),
+            ("v2.0.0", "f.example/nocloud-installer/"),
+            ("v1.100.0", "f.example/nocloud-installer/"),
+        ];
+        for (version, prefix) in cases {
+            let r = installer_ref("f.example", "nocloud", &id, version);
+            assert!(r.starts_with(&format!("{prefix}{id}:v")), "{version}: {r}");
+            assert!(
+                r.ends_with(&format!(":v{}", version.trim_start_matches('v'))),
+                "{r}"
+            );
+        }
+    }
+}
