@@ -194,14 +194,7 @@ pub fn pxe(
             version: version.clone(),
         });
     }
-    let selected: Vec<&NodeSpec> = if nodes.is_empty() {
-        inv.nodes.iter().collect()
-    } else {
-        nodes
-            .iter()
-            .map(|n| inv.node(n))
-            .collect::<Result<_, _>>()?
-    };
+    let selected = inv.select(nodes)?;
     // Everything that can be refused is refused before any download.
     // The inventory refuses a MAC used twice, so each script is one node's.
     let mut planned = Vec::new();

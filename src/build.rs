@@ -256,14 +256,7 @@ fn plan<'a>(
     nodes: &[String],
     opts: &BuildOptions,
 ) -> Result<Vec<Plan<'a>>, BuildError> {
-    let selected: Vec<&NodeSpec> = if nodes.is_empty() {
-        inv.nodes.iter().collect()
-    } else {
-        nodes
-            .iter()
-            .map(|n| inv.node(n))
-            .collect::<Result<_, _>>()?
-    };
+    let selected = inv.select(nodes)?;
     let mut plans = Vec::new();
     for node in selected {
         let own = schematic::node::for_node(inv, node);

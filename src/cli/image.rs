@@ -341,15 +341,7 @@ pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
             }
         }
     }
-    if !d.identical() {
-        return Err(Reported(format!(
-            "{} and {} differ",
-            args.a.display(),
-            args.b.display()
-        ))
-        .into());
-    }
-    Ok(())
+    differ_unless(d.identical(), &args)
 }
 
 /// `diff` of two ISOs: volume date, kernel menu entries and their decoded
@@ -373,13 +365,18 @@ fn diff_iso(args: DiffArgs, output: Output) -> Result<()> {
             }
         }
     }
-    if !d.identical {
-        return Err(Reported(format!(
-            "{} and {} differ",
-            args.a.display(),
-            args.b.display()
-        ))
-        .into());
+    differ_unless(d.identical, &args)
+}
+
+/// `diff`'s exit: 0 for the same bytes, else 1 naming both files.
+fn differ_unless(identical: bool, args: &DiffArgs) -> Result<()> {
+    if identical {
+        return Ok(());
     }
-    Ok(())
+    Err(Reported(format!(
+        "{} and {} differ",
+        args.a.display(),
+        args.b.display()
+    ))
+    .into())
 }

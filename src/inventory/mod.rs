@@ -362,6 +362,15 @@ impl Inventory {
             })
     }
 
+    /// The nodes a command names, in the order given; every node when it
+    /// names none (how `build`, `node` and `pxe` read their arguments).
+    pub fn select(&self, names: &[String]) -> Result<Vec<&NodeSpec>, UnknownNode> {
+        if names.is_empty() {
+            return Ok(self.nodes.iter().collect());
+        }
+        names.iter().map(|n| self.node(n)).collect()
+    }
+
     /// The vmid of the node at `index`: its own `vmid`, else `firstId + index`.
     pub fn vmid(&self, index: usize) -> Option<u32> {
         self.publish.vmid(self.nodes.get(index)?.vmid, index)

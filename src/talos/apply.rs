@@ -50,6 +50,17 @@ pub fn diff_of(mode_details: &str) -> String {
     }
 }
 
+/// `node`'s API over mTLS as the cluster's admin.
+async fn connect(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<NodeClient, String> {
+    NodeClient::connect(
+        &node.endpoint,
+        &Mode::Mtls(plan.identity.clone()),
+        opts.call_timeout,
+    )
+    .await
+    .map_err(|e| e.to_string())
+}
+
 /// Asks `node` for the diff between its config and the rendered one.
 pub async fn diff(
     plan: &Plan,
@@ -57,13 +68,7 @@ pub async fn diff(
     mode: ApplyMode,
     opts: &Options,
 ) -> Result<String, String> {
-    let conn = NodeClient::connect(
-        &node.endpoint,
-        &Mode::Mtls(plan.identity.clone()),
-        opts.call_timeout,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let conn = connect(plan, node, opts).await?;
     let details = conn
         .apply_mode(node.config.clone(), mode, true)
         .await
@@ -80,13 +85,7 @@ async fn apply_one(
     if node.role == Role::Controlplane {
         wait_healthy(plan, node, opts).await?;
     }
-    let conn = NodeClient::connect(
-        &node.endpoint,
-        &Mode::Mtls(plan.identity.clone()),
-        opts.call_timeout,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let conn = connect(plan, node, opts).await?;
     conn.apply_mode(node.config.clone(), mode, false)
         .await
         .map_err(|e| e.to_string())?;
