@@ -195,7 +195,7 @@ fn a_node_stuck_in_maintenance_times_out_naming_maintenance_mode() {
 
 #[test]
 fn certificate_required_after_apply_is_handled_by_switching_to_mtls() {
-    use imgbuild::talos::client::{ApiError, Mode, NodeClient, Probe, Target, probe};
+    use imgbuild::talos::client::{ApiError, Mode, NodeClient, NodeEndpoint, Probe, probe};
     let c = Cluster::start(3, true, &[]);
     let (out, _) = c.bootstrap(&[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -203,7 +203,7 @@ fn certificate_required_after_apply_is_handled_by_switching_to_mtls() {
     // apply gets "tls: certificate required" from the configured node.
     let rt = tokio::runtime::Runtime::new().unwrap();
     let ip = format!("{}.11", c.net).parse().unwrap();
-    let target = Target::new(Some(ip), None).unwrap();
+    let target = NodeEndpoint::new(Some(ip), None).unwrap();
     let timeout = std::time::Duration::from_secs(5);
     let insecure = rt.block_on(async {
         let conn = NodeClient::connect(&target, &Mode::Maintenance { pin: None }, timeout).await?;
@@ -290,11 +290,11 @@ fn bootstrapping_twice_at_once_bootstraps_etcd_once() {
     let total_applies: u64 = NODES.iter().map(|(n, ..)| c.node_stat(n, "applies")).sum();
     assert!(total_applies >= 5);
     // The node's answer itself, to a direct second call.
-    use imgbuild::talos::client::{ApiError, Mode, NodeClient, Target};
+    use imgbuild::talos::client::{ApiError, Mode, NodeClient, NodeEndpoint};
     let tc =
         imgbuild::talos::talosconfig::Talosconfig::load(&c.state().join("talosconfig")).unwrap();
     let mode = Mode::Mtls(std::sync::Arc::new(tc.identity().unwrap()));
-    let target = Target::new(Some(format!("{}.11", c.net).parse().unwrap()), None).unwrap();
+    let target = NodeEndpoint::new(Some(format!("{}.11", c.net).parse().unwrap()), None).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let again = rt.block_on(async {
         NodeClient::connect(&target, &mode, std::time::Duration::from_secs(5))
@@ -598,11 +598,11 @@ fn config_secrets_and_talosconfig_commands() {
 
 #[test]
 fn the_simulator_speaks_maintenance_mode_like_talos() {
-    use imgbuild::talos::client::{ApiError, Mode, NodeClient, Probe, Target, probe};
+    use imgbuild::talos::client::{ApiError, Mode, NodeClient, NodeEndpoint, Probe, probe};
     use tonic::Code;
     let c = Cluster::start(14, true, &[]);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let target = Target::new(Some(format!("{}.11", c.net).parse().unwrap()), None).unwrap();
+    let target = NodeEndpoint::new(Some(format!("{}.11", c.net).parse().unwrap()), None).unwrap();
     let t = std::time::Duration::from_secs(5);
     let status = |r: Result<_, ApiError>| match r {
         Err(ApiError::Status { code, message }) => (code, message),

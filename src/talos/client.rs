@@ -123,11 +123,6 @@ impl NodeEndpoint {
     }
 }
 
-/// The former name of [`NodeEndpoint`], kept only because
-/// tests/cli_bootstrap.rs imports it and tests/ is not edited in this pass;
-/// remove it once that test imports `NodeEndpoint`.
-pub type Target = NodeEndpoint;
-
 /// A Version answer: the Talos tag and the reply's `metadata.hostname`,
 /// which apid leaves empty on a direct call and sets to the target as sent
 /// on a routed one (never the machine's hostname).
