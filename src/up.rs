@@ -52,13 +52,8 @@ pub struct Observers<'a> {
 /// and, in [`Report::stopped`], which stage stopped it and why.
 pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>) -> Report {
     let started = Instant::now();
-    let reach = Reach::of(inv, &opts.bootstrap);
-    let mut report = Report::new(inv, target.name(), false, &reach);
-    // A bad patch or an unreachable node stops the run before any machine
-    // exists, not after the VMs were created and started.
-    if let Err(e) = stage::check(inv, &opts.bootstrap) {
-        report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
-        report.elapsed_ms = started.elapsed().as_millis();
+    let mut report = begin(inv, target, opts, false, started);
+    if report.stopped.is_some() {
         return report;
     }
     let mode = Mode::Run(obs);
@@ -102,11 +97,8 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
 /// node's TLS; builds nothing, writes nothing, changes nothing anywhere.
 pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     let started = Instant::now();
-    let reach = Reach::of(inv, &opts.bootstrap);
-    let mut report = Report::new(inv, target.name(), true, &reach);
-    if let Err(e) = stage::check(inv, &opts.bootstrap) {
-        report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
-        report.elapsed_ms = started.elapsed().as_millis();
+    let mut report = begin(inv, target, opts, true, started);
+    if report.stopped.is_some() {
         return report;
     }
     let planned = build(inv, target, opts, Mode::Plan, &mut report)
@@ -121,6 +113,26 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
         report.surveyed(&survey);
     }
     report.elapsed_ms = started.elapsed().as_millis();
+    report
+}
+
+/// The report of a run (or dry run) about to start, every row placed
+/// where the bootstrap will reach its node; already stopped when a bad
+/// patch or an unreachable node stops it before any machine exists (not
+/// after the VMs were created and started).
+fn begin(
+    inv: &Inventory,
+    target: &Target,
+    opts: &UpOptions,
+    dry_run: bool,
+    started: Instant,
+) -> Report {
+    let reach = Reach::of(inv, &opts.bootstrap);
+    let mut report = Report::new(inv, target.name(), dry_run, &reach);
+    if let Err(e) = stage::check(inv, &opts.bootstrap) {
+        report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
+        report.elapsed_ms = started.elapsed().as_millis();
+    }
     report
 }
 
