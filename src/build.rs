@@ -45,7 +45,6 @@ pub struct NodeImage {
     pub arch: Arch,
     pub format: ImageFormat,
     pub size: u64,
-    #[serde(deserialize_with = "manifest_sha256")]
     pub sha256: Sha256,
     /// Relative to the out dir (see [`NodeImage::file`]), so the out dir can
     /// be named any way, or moved.
@@ -54,24 +53,28 @@ pub struct NodeImage {
     pub source_url: String,
 }
 
-/// A manifest's digest only as imgbuild writes it and `sha256sum` prints
-/// it, 64 lowercase hex digits: another spelling means a hand-edited
-/// manifest, refused like any other damage.
-fn manifest_sha256<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Sha256, D::Error> {
-    let text = <String as serde::Deserialize>::deserialize(d)?;
-    match text.parse::<Sha256>() {
-        Ok(sha) if sha.hex() == text => Ok(sha),
-        _ => Err(serde::de::Error::custom(format!(
-            "sha256 {text:?} is not 64 lowercase hex digits"
-        ))),
-    }
-}
-
 impl NodeImage {
     /// The image file in `out_dir`, however that is spelled.
     pub fn file(&self, out_dir: &Path) -> PathBuf {
         out_dir.join(&self.path)
     }
+}
+
+/// Digests only as imgbuild writes them and `sha256sum` prints them, 64
+/// lowercase hex digits: another spelling (which [`Sha256`] would parse)
+/// means a hand-edited manifest, refused by the entry it is in.
+fn own_digests(doc: &serde_json::Value) -> Result<(), String> {
+    let entries = doc.get("images").and_then(|i| i.as_object());
+    for (key, image) in entries.into_iter().flatten() {
+        if let Some(text) = image.get("sha256").and_then(|s| s.as_str())
+            && !(text.len() == 64 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        {
+            return Err(format!(
+                "entry {key:?}: sha256 {text:?} is not 64 lowercase hex digits"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `<out>/manifest.json`.
@@ -94,11 +97,15 @@ impl Manifest {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Manifest::default()),
             Err(e) => return Err(BuildError::Io { path, source: e }),
         };
+        let damaged = |message: String| BuildError::Manifest {
+            path: path.clone(),
+            message,
+        };
+        let doc: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| damaged(e.to_string()))?;
+        own_digests(&doc).map_err(damaged)?;
         let manifest: Manifest =
-            serde_json::from_slice(&bytes).map_err(|e| BuildError::Manifest {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
+            serde_json::from_slice(&bytes).map_err(|e| damaged(e.to_string()))?;
         manifest
             .check()
             .map_err(|message| BuildError::Manifest { path, message })?;
@@ -685,7 +692,8 @@ mod tests {
             e["sha256"] = json!(spelling);
             let (_dir, loaded) = load(&with_entry(e));
             let err = loaded.unwrap_err().to_string();
-            let want = format!("sha256 {spelling:?} is not 64 lowercase hex digits at line 1");
+            let want =
+                format!("entry \"cp-01\": sha256 {spelling:?} is not 64 lowercase hex digits");
             assert!(err.contains(&want), "{err}");
         }
     }

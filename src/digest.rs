@@ -1,7 +1,8 @@
 //! The one digest type: a SHA-256 value, whether it names an image in a
-//! manifest, a file the factory served, or a pinned certificate. Parsed once
-//! here so every field and flag that holds one refuses the same bad input
-//! with the same words, before any work starts.
+//! manifest, a file the factory served, or a pinned certificate. Parsed
+//! here once, so a field or flag that holds a digest holds this type and a
+//! bad one is refused before any work starts (a manifest adds its own
+//! stricter spelling rule: only what imgbuild writes).
 
 use sha2::Digest;
 use std::fmt;

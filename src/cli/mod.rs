@@ -290,7 +290,7 @@ mod tests {
     /// A bad pin is clap's usage error (exit 2): `up` never reaches its
     /// build, publish or bootstrap stage with it.
     #[test]
-    fn a_bad_cert_fingerprint_is_a_usage_error_before_any_stage() {
+    fn a_bad_cert_fingerprint_is_a_usage_error_before_anything_runs() {
         for command in ["up", "bootstrap", "upgrade", "apply", "status"] {
             for bad in ["nothex", "AB:CD", &"ab".repeat(31)] {
                 let argv = ["imgbuild", command, "--cert-fingerprint", bad];
@@ -320,7 +320,7 @@ mod tests {
     }
 
     #[test]
-    fn a_bad_duration_is_a_usage_error_before_any_stage() {
+    fn a_bad_duration_is_a_usage_error_before_anything_runs() {
         for flag in ["--node-timeout", "--poll", "--heartbeat"] {
             let argv = ["imgbuild", "up", flag, "3d"];
             let e = Cli::try_parse_from(argv).err().expect(flag);

@@ -30,7 +30,7 @@ pub fn run(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
         ..Default::default()
     };
     let checked = imgbuild::talos::stage::check(&inv, &opts)
-        .map_err(|e| Usage(format!("{}: {}", config.display(), imgbuild::up::chain(&e))))?;
+        .map_err(|e| Usage(format!("{}: {:#}", config.display(), anyhow::Error::new(e))))?;
     match output {
         Output::Json => outln!(
             "{}",
