@@ -98,11 +98,7 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
     assert_eq!(upgrades(&nodes), [0, 0, 0, 0, 0]);
 
     // The base schematic the factory now knows: every installer names it.
-    let posted = Command::new("curl")
-        .args(["-sf", &format!("{}/_sim/schematics", factory.url)])
-        .output()
-        .unwrap();
-    let posted: serde_json::Value = serde_json::from_slice(&posted.stdout).unwrap();
+    let posted = factory.posted_schematics();
     let ids: Vec<&String> = posted.as_object().unwrap().keys().collect();
     assert_eq!(
         ids.len(),

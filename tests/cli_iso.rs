@@ -135,13 +135,7 @@ fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_record
     let report = json(&o);
 
     // The factory saw base schematics only: GRUB, no META, no address.
-    let posted = text(
-        &Command::new("curl")
-            .args(["-sf", &format!("{}/_sim/schematics", sim.url)])
-            .output()
-            .unwrap()
-            .stdout,
-    );
+    let posted = sim.posted_schematics().to_string();
     assert!(posted.contains("bootloader: grub"), "{posted}");
     assert!(!posted.contains("meta"), "{posted}");
     assert!(!posted.contains("127.0.0.3"), "{posted}");

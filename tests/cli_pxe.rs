@@ -152,8 +152,7 @@ fn every_script_carries_the_key10_its_disk_image_would_and_the_factory_learns_no
     }
 
     // What the factory was told: schematics without META or any address.
-    let posted: serde_json::Value =
-        serde_json::from_slice(&curl(&format!("{}/_sim/schematics", sim.url))).unwrap();
+    let posted = sim.posted_schematics();
     let posted = posted.as_object().unwrap();
     assert_eq!(posted.len(), 2, "{posted:?}");
     for body in posted.values() {

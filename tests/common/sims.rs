@@ -74,13 +74,24 @@ impl Sim {
         }
     }
 
-    pub fn image_gets(&self) -> u64 {
+    /// One of the simulator's own `/_sim/…` reports, as JSON.
+    fn report(&self, name: &str) -> serde_json::Value {
         let out = Command::new("curl")
-            .args(["-s", &format!("{}/_sim/stats", self.url)])
+            .args(["-sf", &format!("{}/_sim/{name}", self.url)])
             .output()
             .unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v.as_object()
+        assert!(out.status.success(), "/_sim/{name}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// Every schematic posted so far: ID → the body the factory was sent.
+    pub fn posted_schematics(&self) -> serde_json::Value {
+        self.report("schematics")
+    }
+
+    pub fn image_gets(&self) -> u64 {
+        self.report("stats")
+            .as_object()
             .unwrap()
             .values()
             .map(|n| n.as_u64().unwrap())
