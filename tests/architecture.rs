@@ -906,6 +906,64 @@ fn graph() -> &'static Graph {
     G.get_or_init(|| build_graph(&sources()))
 }
 
+/// The pass's other promises, held by the code's definitions: the publish
+/// target is chosen in one function, no stage has a run twin and a dry-run
+/// twin (`foo_stage`/`plan_foo`), and no two public types share the name
+/// `Target` or `Outcome`. Declarations are matched on lines of code only
+/// (comments skipped), so a test name or a doc sentence does not count.
+#[test]
+fn one_chooser_no_twins_and_names_that_say_which() {
+    let mut choosers = Vec::new();
+    let mut twins = Vec::new();
+    let mut names: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    let sources = sources();
+    for (file, text) in &sources {
+        for (i, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with("//") {
+                continue;
+            }
+            let at = format!("{file}:{}", i + 1);
+            let Some(rest) = code.strip_prefix("pub ").or(Some(code)).and_then(|c| {
+                c.strip_prefix("fn ")
+                    .or_else(|| c.strip_prefix("async fn "))
+            }) else {
+                for kind in ["pub struct ", "pub enum ", "pub type "] {
+                    if let Some(name) = code.strip_prefix(kind) {
+                        let name = name
+                            .split(|c: char| !c.is_alphanumeric() && c != '_')
+                            .next();
+                        if let Some(n @ ("Target" | "Outcome")) = name {
+                            names.entry(n).or_default().push(at.clone());
+                        }
+                    }
+                }
+                continue;
+            };
+            let name = rest.split(['(', '<']).next().unwrap_or("");
+            if name == "from_inventory" {
+                choosers.push(at.clone());
+            }
+            if name.ends_with("_stage") || name.starts_with("plan_") {
+                twins.push(at);
+            }
+        }
+    }
+    assert_eq!(choosers.len(), 1, "one target chooser, found: {choosers:?}");
+    assert!(
+        choosers[0].starts_with("src/publish/target.rs:"),
+        "{choosers:?}"
+    );
+    assert!(twins.is_empty(), "run/dry-run twins: {twins:?}");
+    for (name, at) in &names {
+        assert!(
+            at.len() <= 1,
+            "{} public types named {name}: {at:?}",
+            at.len()
+        );
+    }
+}
+
 // ---------------------------------------------------------------- the document
 
 fn doc() -> String {
