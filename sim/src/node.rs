@@ -48,6 +48,71 @@
 //!   booted node its config's hostname, else the boot `hostname`, else `name`
 //!   (also its Kubernetes node name).
 //!
+//! ## Talos versions and day two (issue 26; `node/` modules, each naming its upstream file)
+//! Every node runs its own Talos version and behaves as that version's
+//! source says; the version (and schematic) change with a successful upgrade.
+//! ```text
+//!     [--talos-version v1.11.2]        every node's version unless set otherwise
+//!     [--node-version NAME=TAG]...     one node's version at start (NAME as for MODE@NODE)
+//!     [--pull-delay MS]                the first pull of an installer reference (the
+//!                                      factory builds it; the build goes on when a pull is
+//!                                      cancelled, later pulls wait for what is left of it)
+//!     [--pull-cached-delay MS]         every later pull of the same reference
+//!     [--drain-delay MS]               cordon + drain after the ack (and before a Reboot):
+//!                                      the node answers on the OLD version meanwhile
+//!     [--upgrade-delay MS]             from the end of the drain until the node goes down
+//!     [--reboot-delay MS]              how long a reboot keeps port 50000 closed
+//!     [--stall-delay MS]               with `stall-connects`: how long each new
+//!                                      connection waits before its TLS handshake while
+//!                                      the node drains (the "port closed" trap)
+//!     [--misbehave MODE[@NODE]]        besides the above: stall-connects, stock (no
+//!                                      `schematic` extension: a node without the factory),
+//!                                      schematic-read-fails, leave-cordoned (still
+//!                                      unschedulable after a drain), installer-fails
+//! ```
+//! - `POST /_sim/boot` also takes `"talos_version": TAG` (else `--node-version`, else
+//!   `--talos-version`).
+//! - `POST /_sim/node` `{"node": NAME, "version"?: TAG, "installer_fails"?: bool,
+//!   "schematic_read_fails"?: bool, "stock"?: bool, "stall_connects"?: bool,
+//!   "leave_cordoned"?: bool, "cordoned"?: bool, "pull_ms"?: MS, "drain_ms"?: MS}`
+//!   → 200 with the node's switches; 404 for an unknown NAME, 400 for a bad body.
+//!   `pull_ms`/`drain_ms` override the flags for that node. (`POST /_sim/installer`
+//!   `{"node","fail"}` stays, the same as `installer_fails`.)
+//! - `POST /_sim/k8s` `{"kube_proxy_ready"?: bool, "coredns_ready"?: bool,
+//!   "stale_etcd_member"?: bool}`: the health facts `talosctl health` checks
+//!   (`pkg/cluster/check/default.go`) beyond node readiness; all true/false/false
+//!   by default. A stale member is one more etcd member with no control plane.
+//! - Kubernetes API: `GET /api/v1/nodes` items carry `spec.unschedulable` (true
+//!   while cordoned); `GET /api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3D
+//!   {kube-proxy|kube-dns}` lists one pod per node (kube-proxy) or two (CoreDNS)
+//!   with a `Ready` condition; `GET /apis/apps/v1/namespaces/kube-system/
+//!   {daemonsets|deployments}?labelSelector=…` list the kube-proxy DaemonSet and
+//!   the CoreDNS Deployment.
+//! - Talos API, per the node's version: `MachineService.Upgrade` (all; deprecated
+//!   from v1.13), `LifecycleService` Upgrade (from v1.13, once `proto/` has it;
+//!   Unimplemented below), `MachineService.Read` of `/proc/sys/kernel/random/boot_id`
+//!   (a new UUID every boot), `MachineService.Reboot` (mode DEFAULT or POWERCYCLE:
+//!   drain, down, new boot ID, up), ApplyConfiguration per FORMATS.md §7 (v1.9–v1.13:
+//!   CanApplyImmediate, AUTO → REBOOT for other changes, NO_REBOOT/TRY refused with
+//!   InvalidArgument; v1.14: REBOOT Unimplemented, AUTO → NO_REBOOT; concurrent apply
+//!   FailedPrecondition on v1.12.9+, v1.13.3+, v1.14), the Upgrade order pull →
+//!   etcd checks (unless `force`, or `preserve` on v1.12.9+, v1.13.4+, v1.14) → ack →
+//!   drain → installer (host floor: v1.N refuses hosts below v1.(N-2).0; a refusal
+//!   reverts: reboot on the old version) → reboot. A pull longer than the caller's
+//!   gRPC deadline is cancelled (DeadlineExceeded) and upgrades nothing.
+//! - `GET /_sim/stats`: each node's `day2` adds `boot_id`, `boot_ids` (every
+//!   boot, oldest first), `reboots`, `cordoned`, `staged` (bool), `upgrade_calls`
+//!   (every Upgrade received, refused or not), `upgrades` (acked), `upgrade_refusals`
+//!   (before the ack), `pulls`, `pulls_cancelled`, `installer_refusals` (after the
+//!   ack: the floor or `installer-fails`), `last_error` (the last refusal's text),
+//!   `applies_by_mode` (`{"reboot","auto","no_reboot","staged","try"}`: requests
+//!   taken, not dry runs), `apply_refusals`, `dry_runs`, `try_cancellations`
+//!   (pending TRY rollbacks a later request cancelled), `read_calls`,
+//!   `lifecycle_upgrades`, `timeline` (`[{"down_ms":N,"up_ms":N|null,"why":
+//!   "upgrade|revert|apply|reboot"}]`, ms since start). Top level adds
+//!   `timeline`: every node's down/up pairs as `{"node","down_ms","up_ms","why",
+//!   "control_plane"}` sorted by `down_ms`, and `now_ms`.
+//!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
 //! and numbers are upstream's `api/machine/machine.proto`) and the certificate helpers
