@@ -121,7 +121,6 @@
 //! the vendored schema), routing, disks, states — is written here.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, RwLock};
@@ -151,7 +150,14 @@ use api::storage::storage_service_server::{StorageService, StorageServiceServer}
 use api::storage::{Disk, Disks, DisksResponse};
 use imgbuild::talos::api;
 
+mod apply;
+mod boot;
 mod day2;
+mod health;
+mod immediate;
+mod switches;
+mod upgrade;
+mod version;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -166,8 +172,31 @@ pub struct Args {
     talos_port: u16,
     #[arg(long, default_value_t = 6443)]
     k8s_port: u16,
+    /// Every node's Talos version unless `--node-version` or the boot
+    /// request names another.
     #[arg(long, default_value = "v1.11.2")]
     talos_version: String,
+    /// NAME=TAG: one node's Talos version at start (NAME as in MODE@NODE).
+    #[arg(long = "node-version")]
+    node_versions: Vec<String>,
+    /// Milliseconds the first pull of an installer reference takes (the
+    /// factory builds it); later pulls wait for what is left of it.
+    #[arg(long, default_value_t = 0)]
+    pull_delay: u64,
+    /// Milliseconds every later pull of a reference takes at least.
+    #[arg(long, default_value_t = 0)]
+    pull_cached_delay: u64,
+    /// Milliseconds an upgrade cordons and drains after the ack, the node
+    /// answering on its old version meanwhile.
+    #[arg(long, default_value_t = 0)]
+    drain_delay: u64,
+    /// Milliseconds a new connection waits before its TLS handshake while
+    /// a node with `stall-connects` drains.
+    #[arg(long, default_value_t = 1500)]
+    stall_delay: u64,
+    /// Milliseconds an apply on a configured node holds the apply lock.
+    #[arg(long, default_value_t = 0)]
+    apply_time: u64,
     /// Milliseconds from apply until mTLS takes over port 50000.
     #[arg(long, default_value_t = 300)]
     apply_delay: u64,
@@ -187,8 +216,8 @@ pub struct Args {
     /// Milliseconds port 50000 stays closed with `reboot-after-apply`.
     #[arg(long, default_value_t = 2000)]
     reboot_delay: u64,
-    /// Milliseconds from an Upgrade's ack until the node goes down; it
-    /// then stays down `--reboot-delay`.
+    /// Milliseconds from the end of an upgrade's drain (or a reboot's
+    /// start) until the node goes down; it then stays down `--reboot-delay`.
     #[arg(long, default_value_t = 100)]
     upgrade_delay: u64,
     /// Milliseconds the clock stays unsynchronised with `slow-time-sync`.
@@ -199,7 +228,9 @@ pub struct Args {
     disks: Vec<String>,
     /// MODE or MODE@NODE: never-leave-maintenance, reboot-after-apply,
     /// foreign-ca, slow-time-sync, wrong-cert-name (the mTLS certificate
-    /// names x.y.z.254, not the node's address).
+    /// names x.y.z.254, not the node's address); the day-two switches
+    /// stall-connects, stock, schematic-read-fails, leave-cordoned,
+    /// installer-fails (as `POST /_sim/node` sets them).
     #[arg(long)]
     misbehave: Vec<String>,
 }
@@ -218,6 +249,8 @@ struct Applied {
     documents: Vec<String>,
     /// The config as applied (dry runs diff against it).
     raw: String,
+    /// Its v1alpha1 document (what `CanApplyImmediate` compares).
+    v1alpha1: Value,
     /// `machine.install.image`: names the schematic it was installed from.
     install_image: String,
     /// The config brings a pod network: the default flannel, a custom CNI's
@@ -303,6 +336,21 @@ impl Node {
             .collect();
         let cert = pki::self_signed_server(&[ip])?;
         let mut st = NodeState::default();
+        let named = |n: &str| n == name || hostname.as_deref() == Some(n);
+        st.day2.version = args
+            .node_versions
+            .iter()
+            .filter_map(|s| s.split_once('='))
+            .filter(|(n, _)| named(n))
+            .map(|(_, tag)| tag.to_owned())
+            .next_back();
+        let has = |m: &str| modes.iter().any(|x| x == m);
+        st.day2.stall_connects = has("stall-connects");
+        st.day2.stock = has("stock");
+        st.day2.schematic_read_fails = has("schematic-read-fails");
+        st.day2.leave_cordoned = has("leave-cordoned");
+        st.day2.installer_fails = has("installer-fails");
+        st.day2.life.boot_ids.push(boot::new_boot_id(&name, 0));
         // A node "configured by someone else": another cluster's CA.
         if modes.iter().any(|m| m == "foreign-ca") {
             st.applied = Some(Arc::new(Applied {
@@ -315,6 +363,7 @@ impl Node {
                 api_sans: Vec::new(),
                 documents: Vec::new(),
                 raw: String::new(),
+                v1alpha1: Value::Null,
                 install_image: String::new(),
                 cni: true,
             }));
@@ -400,6 +449,10 @@ struct Cluster {
     /// CA certificate: made once, as a kube-apiserver keeps its own (an RSA
     /// CA's leaf takes seconds to make).
     apiserver_tls: Mutex<HashMap<(usize, String), Arc<ServerConfig>>>,
+    /// Health facts beyond node readiness (`POST /_sim/k8s`).
+    facts: Mutex<health::Facts>,
+    /// When the factory has built each installer reference.
+    builds: Mutex<upgrade::Builds>,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -698,6 +751,7 @@ fn read_config(data: &[u8]) -> Result<Applied, Status> {
         api_sans,
         documents,
         raw: String::from_utf8_lossy(data).into_owned(),
+        v1alpha1: doc.clone(),
         install_image: doc["machine"]["install"]["image"]
             .as_str()
             .unwrap_or_default()
@@ -723,6 +777,17 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
     if let Some(vip) = args.vip {
         anyhow::ensure!(vip.is_loopback(), "--vip {vip} is not a loopback address");
     }
+    anyhow::ensure!(
+        version::Talos::parse(&args.talos_version).is_some(),
+        "--talos-version {}: not a Talos version (vX.Y.Z)",
+        args.talos_version
+    );
+    for spec in &args.node_versions {
+        let ok = spec
+            .split_once('=')
+            .is_some_and(|(_, tag)| version::Talos::parse(tag).is_some());
+        anyhow::ensure!(ok, "--node-version {spec}: want NAME=vX.Y.Z");
+    }
     Ok(Arc::new(Cluster {
         args,
         nodes: RwLock::new(nodes),
@@ -731,6 +796,8 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         started: Instant::now(),
         events: Mutex::new(Vec::new()),
         apiserver_tls: Mutex::new(HashMap::new()),
+        facts: Mutex::new(health::Facts::default()),
+        builds: Mutex::new(upgrade::Builds::new()),
     }))
 }
 
@@ -768,7 +835,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/stats", get(stats))
         .route("/_sim/boot", post(boot))
         .route("/_sim/halt", post(halt))
-        .route("/_sim/installer", post(day2::installer_switch))
+        .route("/_sim/installer", post(switches::installer_switch))
+        .route("/_sim/node", post(switches::node_switch))
+        .route("/_sim/k8s", post(health::facts_switch))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())
@@ -789,6 +858,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
                 secure: true,
             };
             let (version, schematic) = (api.version_tag(i), api.schematic_on(i));
+            let cordoned = n.st.lock().unwrap().day2.life.cordoned;
             let phase = n.phase(now);
             let name = n.display_name();
             let st = n.st.lock().unwrap();
@@ -807,7 +877,8 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
             v["config_error"] = json!(st.config_error);
             v["halted"] = json!(st.halted);
             v["documents"] = json!(st.applied.as_ref().map(|a| &a.documents));
-            v["day2"] = day2::stats_of(&st.day2, version, schematic);
+            v["day2"] = day2::stats_of(&cluster, &st.day2, version, schematic, now);
+            v["cordoned"] = json!(cordoned);
             (name, v)
         })
         .collect();
@@ -820,6 +891,9 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
         "nodes": nodes,
         "bootstrapped": cluster.boot.lock().unwrap().is_some(),
         "upgrades": *cluster.events.lock().unwrap(),
+        "timeline": cluster.timeline_json(now),
+        "now_ms": cluster.now_ms(),
+        "facts": *cluster.facts.lock().unwrap(),
         "totals": totals,
     }))
 }
@@ -833,6 +907,8 @@ struct BootRequest {
     hostname: Option<String>,
     /// A machine config the platform hands over (hcloud `user_data`).
     config: Option<String>,
+    /// The Talos version it boots (else `--node-version`, `--talos-version`).
+    talos_version: Option<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -863,6 +939,14 @@ async fn boot(
             format!("ip {} is not a loopback address", req.ip),
         );
     }
+    if let Some(v) = req.talos_version.as_deref()
+        && version::Talos::parse(v).is_none()
+    {
+        return control_error(
+            StatusCode::BAD_REQUEST,
+            format!("talos_version {v:?} is not a Talos version (vX.Y.Z)"),
+        );
+    }
     let slot = cluster.index_of(req.ip);
     let previous = slot.map(|i| cluster.node(i));
     if let Some(p) = &previous
@@ -889,6 +973,11 @@ async fn boot(
             st.configured_at = old.configured_at;
             st.stats = old.stats.clone();
             st.day2 = old.day2.clone();
+            let id = boot::new_boot_id(&req.name, st.day2.life.boot_ids.len());
+            st.day2.life.boot_ids.push(id);
+        }
+        if req.talos_version.is_some() {
+            st.day2.version = req.talos_version.clone();
         }
         if let Some(config) = &req.config {
             match read_config(config.as_bytes()) {
@@ -1103,6 +1192,13 @@ async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
             None => return,
         },
     };
+    let stalls = {
+        let st = node.st.lock().unwrap();
+        st.day2.stall_connects && st.day2.life.draining(Instant::now())
+    };
+    if stalls {
+        tokio::time::sleep(ms(cluster.args.stall_delay)).await;
+    }
     let Ok(tls) = tokio_rustls::TlsAcceptor::from(config).accept(tcp).await else {
         return;
     };
@@ -1408,6 +1504,20 @@ impl Api {
                     is_learner: false,
                 }
             })
+            .chain(
+                self.cluster
+                    .facts
+                    .lock()
+                    .unwrap()
+                    .stale_etcd_member
+                    .then(|| EtcdMember {
+                        id: health::STALE_MEMBER_ID,
+                        hostname: "cp-gone".into(),
+                        peer_urls: vec!["https://127.0.0.254:2380".into()],
+                        client_urls: vec!["https://127.0.0.254:2379".into()],
+                        is_learner: false,
+                    }),
+            )
             .collect();
         Ok(EtcdMembers {
             metadata: None,
@@ -1570,7 +1680,13 @@ impl MachineService for Api {
     ) -> Result<Response<ApplyConfigurationResponse>, Status> {
         let mode = ApplyMode::try_from(req.get_ref().mode).unwrap_or(ApplyMode::Reboot);
         let messages = if self.secure {
-            self.answer(&req, |i| Ok(vec![self.apply_configured(i, req.get_ref())?]))?
+            let messages =
+                self.answer(&req, |i| Ok(vec![self.apply_configured(i, req.get_ref())?]))?;
+            // Persisting takes a while, the apply lock held meanwhile.
+            if !req.get_ref().dry_run {
+                tokio::time::sleep(ms(self.cluster.args.apply_time)).await;
+            }
+            messages
         } else if matches!(mode, ApplyMode::Auto | ApplyMode::Reboot | ApplyMode::Try) {
             vec![self.apply_on(self.me, &req.get_ref().data)?]
         } else {
@@ -1738,7 +1854,16 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
                 return;
             };
             let app = Router::new()
-                .route("/api/v1/nodes", get(k8s_nodes))
+                .route("/api/v1/nodes", get(health::nodes))
+                .route("/api/v1/namespaces/kube-system/pods", get(health::pods))
+                .route(
+                    "/apis/apps/v1/namespaces/kube-system/daemonsets",
+                    get(health::daemonsets),
+                )
+                .route(
+                    "/apis/apps/v1/namespaces/kube-system/deployments",
+                    get(health::deployments),
+                )
                 .with_state(cluster);
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app))
@@ -1758,47 +1883,6 @@ async fn serve_vip(cluster: Arc<Cluster>, vip: IpAddr) {
     if let Ok(l) = TcpListener::bind(SocketAddr::new(vip, cluster.args.k8s_port)).await {
         serve_k8s(cluster, None, l).await;
     }
-}
-
-/// The Ready message of a kubelet whose runtime has no network plugin.
-const NO_CNI: &str = "container runtime network not ready: NetworkReady=false reason:NetworkPluginNotReady message:Network plugin returns error: cni plugin not initialized";
-
-async fn k8s_nodes(State(cluster): State<Arc<Cluster>>) -> Result<axum::Json<Value>, Infallible> {
-    let now = Instant::now();
-    let api_up = cluster.api_up_at();
-    // A CNI runs once a control plane's config brought one.
-    let cni = cluster.all().iter().any(|n| {
-        let st = n.st.lock().unwrap();
-        st.applied
-            .as_ref()
-            .is_some_and(|a| a.control_plane && a.cni && reached(st.configured_at, now))
-    });
-    let items: Vec<Value> = (0..cluster.count())
-        .filter_map(|i| {
-            let registered = cluster.kubelet_healthy_at(i)?.max(api_up?);
-            if now < registered {
-                return None;
-            }
-            let ready = cni && now >= registered + ms(cluster.args.ready_delay);
-            // The kubelet's Ready condition (kubernetes pkg/kubelet/nodestatus
-            // setters.go ReadyCondition): without a network plugin it names
-            // the runtime's NetworkReady error.
-            let condition = if ready {
-                json!({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"})
-            } else if !cni {
-                json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": NO_CNI})
-            } else {
-                json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "kubelet is starting"})
-            };
-            Some(json!({
-                "metadata": {"name": cluster.node(i).display_name()},
-                "status": {"conditions": [condition]},
-            }))
-        })
-        .collect();
-    Ok(axum::Json(
-        json!({"kind": "NodeList", "apiVersion": "v1", "items": items}),
-    ))
 }
 
 #[cfg(test)]
