@@ -2,8 +2,10 @@
 //! (pure Rust: no protoc on the build machine); with the `server-api`
 //! feature (the node simulator's) also into server traits.
 
-const PROTOS: [&str; 4] = [
+const PROTOS: [&str; 6] = [
     "machine/machine.proto",
+    "machine/lifecycle.proto",
+    "machine/image.proto",
     "storage/storage.proto",
     "common/common.proto",
     "cosi/state.proto",

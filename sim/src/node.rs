@@ -1763,6 +1763,24 @@ impl MachineService for Api {
     ) -> Result<Response<MetaWriteResponse>, Status> {
         self.meta_write_call(req)
     }
+
+    // Placeholders until the version-faithful node (branch h26sim) answers
+    // Read and Reboot as machined does.
+    type ReadStream = DataStream;
+
+    async fn read(
+        &self,
+        _req: Request<api::machine::ReadRequest>,
+    ) -> Result<Response<Self::ReadStream>, Status> {
+        Err(Status::unimplemented("Read is not simulated yet"))
+    }
+
+    async fn reboot(
+        &self,
+        _req: Request<api::machine::RebootRequest>,
+    ) -> Result<Response<api::machine::RebootResponse>, Status> {
+        Err(Status::unimplemented("Reboot is not simulated yet"))
+    }
 }
 
 #[tonic::async_trait]
