@@ -57,61 +57,80 @@
 //!     [--pull-delay MS]                the first pull of an installer reference (the
 //!                                      factory builds it; the build goes on when a pull is
 //!                                      cancelled, later pulls wait for what is left of it)
-//!     [--pull-cached-delay MS]         every later pull of the same reference
-//!     [--drain-delay MS]               cordon + drain after the ack (and before a Reboot):
-//!                                      the node answers on the OLD version meanwhile
-//!     [--upgrade-delay MS]             from the end of the drain until the node goes down
+//!     [--pull-cached-delay MS]         every later pull of the same reference (a node
+//!                                      that pulled it since its last boot: none)
+//!     [--drain-delay MS]               cordon + drain after an Upgrade's ack: the node
+//!                                      answers on the OLD version meanwhile
+//!     [--upgrade-delay MS]             from the end of the drain (or a Reboot, or the
+//!                                      reboot AUTO/REBOOT asks for) until it goes down
 //!     [--reboot-delay MS]              how long a reboot keeps port 50000 closed
 //!     [--stall-delay MS]               with `stall-connects`: how long each new
 //!                                      connection waits before its TLS handshake while
 //!                                      the node drains (the "port closed" trap)
+//!     [--apply-time MS]                how long an apply on a configured node holds the
+//!                                      apply lock (and its reply waits)
 //!     [--misbehave MODE[@NODE]]        besides the above: stall-connects, stock (no
 //!                                      `schematic` extension: a node without the factory),
 //!                                      schematic-read-fails, leave-cordoned (still
 //!                                      unschedulable after a drain), installer-fails
 //! ```
 //! - `POST /_sim/boot` also takes `"talos_version": TAG` (else `--node-version`, else
-//!   `--talos-version`).
+//!   `--talos-version`); a restarted machine gets a new boot ID.
 //! - `POST /_sim/node` `{"node": NAME, "version"?: TAG, "installer_fails"?: bool,
 //!   "schematic_read_fails"?: bool, "stock"?: bool, "stall_connects"?: bool,
 //!   "leave_cordoned"?: bool, "cordoned"?: bool, "pull_ms"?: MS, "drain_ms"?: MS}`
 //!   → 200 with the node's switches; 404 for an unknown NAME, 400 for a bad body.
 //!   `pull_ms`/`drain_ms` override the flags for that node. (`POST /_sim/installer`
-//!   `{"node","fail"}` stays, the same as `installer_fails`.)
+//!   `{"node","fail"}` stays, the same as `installer_fails`.) A failing schematic
+//!   read is Unavailable from the COSI State List/Get of ExtensionStatuses.
 //! - `POST /_sim/k8s` `{"kube_proxy_ready"?: bool, "coredns_ready"?: bool,
 //!   "stale_etcd_member"?: bool}`: the health facts `talosctl health` checks
-//!   (`pkg/cluster/check/default.go`) beyond node readiness; all true/false/false
-//!   by default. A stale member is one more etcd member with no control plane.
+//!   (`pkg/cluster/check/default.go`) beyond node readiness; true/true/false by
+//!   default. A stale member is one more etcd member (`cp-gone`, id 0x1fff) with
+//!   no control plane: EtcdMemberList shows it and the Upgrade checks fail on it.
 //! - Kubernetes API: `GET /api/v1/nodes` items carry `spec.unschedulable` (true
 //!   while cordoned); `GET /api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3D
-//!   {kube-proxy|kube-dns}` lists one pod per node (kube-proxy) or two (CoreDNS)
-//!   with a `Ready` condition; `GET /apis/apps/v1/namespaces/kube-system/
-//!   {daemonsets|deployments}?labelSelector=…` list the kube-proxy DaemonSet and
-//!   the CoreDNS Deployment.
+//!   {kube-proxy|kube-dns}` lists one kube-proxy pod per node and two CoreDNS pods,
+//!   each with a `Ready` condition; `GET /apis/apps/v1/namespaces/kube-system/
+//!   {daemonsets|deployments}?labelSelector=…` list the kube-proxy DaemonSet
+//!   (`status.desiredNumberScheduled`) and the CoreDNS Deployment (`spec.replicas`),
+//!   absent when a control plane's config sets `cluster.proxy.disabled` /
+//!   `cluster.coreDNS.disabled`.
 //! - Talos API, per the node's version: `MachineService.Upgrade` (all; deprecated
-//!   from v1.13), `LifecycleService` Upgrade (from v1.13, once `proto/` has it;
-//!   Unimplemented below), `MachineService.Read` of `/proc/sys/kernel/random/boot_id`
-//!   (a new UUID every boot), `MachineService.Reboot` (mode DEFAULT or POWERCYCLE:
-//!   drain, down, new boot ID, up), ApplyConfiguration per FORMATS.md §7 (v1.9–v1.13:
-//!   CanApplyImmediate, AUTO → REBOOT for other changes, NO_REBOOT/TRY refused with
-//!   InvalidArgument; v1.14: REBOOT Unimplemented, AUTO → NO_REBOOT; concurrent apply
-//!   FailedPrecondition on v1.12.9+, v1.13.3+, v1.14), the Upgrade order pull →
-//!   etcd checks (unless `force`, or `preserve` on v1.12.9+, v1.13.4+, v1.14) → ack →
-//!   drain → installer (host floor: v1.N refuses hosts below v1.(N-2).0; a refusal
-//!   reverts: reboot on the old version) → reboot. A pull longer than the caller's
-//!   gRPC deadline is cancelled (DeadlineExceeded) and upgrades nothing.
+//!   from v1.13) in the order pull (timed, under the caller's gRPC deadline: past
+//!   it DeadlineExceeded and no upgrade) → etcd checks on control planes (unless
+//!   `force`, or `preserve` on v1.12.9+, v1.13.4+, v1.14: 2 members refuse
+//!   "…insufficient to maintain quorum…", then every member started and
+//!   healthy) → ack → drain → installer (host floor: v1.N refuses hosts below
+//!   v1.(N-2).0 (v1.9/v1.10: v1.8.0); a refusal reverts: reboot on the old
+//!   version) → reboot; an Upgrade while a sequence runs is acked and does
+//!   nothing. From v1.13: `ImageService.Pull` (the same timed pull) and
+//!   `LifecycleService.Upgrade` (the pulled installer, its pre-flight failure
+//!   a non-zero `exit_code`; success boots at the next reboot; no etcd check,
+//!   no drain, no reboot); Unimplemented below v1.13. `MachineService.Read` of
+//!   `/proc/sys/kernel/random/boot_id` (a new UUID every boot),
+//!   `MachineService.Reboot` (DEFAULT, POWERCYCLE, FORCE: no drain, down, new boot
+//!   ID, up). ApplyConfiguration per FORMATS.md §7 (v1.9–v1.13: CanApplyImmediate,
+//!   AUTO → REBOOT for other changes, NO_REBOOT/TRY refused with InvalidArgument
+//!   even in a dry run; v1.14: REBOOT Unimplemented, AUTO → NO_REBOOT; the apply
+//!   lock's FailedPrecondition on v1.12.9+, v1.13.3+, v1.14; every non-TRY request
+//!   cancels a pending TRY rollback).
 //! - `GET /_sim/stats`: each node's `day2` adds `boot_id`, `boot_ids` (every
-//!   boot, oldest first), `reboots`, `cordoned`, `staged` (bool), `upgrade_calls`
-//!   (every Upgrade received, refused or not), `upgrades` (acked), `upgrade_refusals`
-//!   (before the ack), `pulls`, `pulls_cancelled`, `installer_refusals` (after the
-//!   ack: the floor or `installer-fails`), `last_error` (the last refusal's text),
-//!   `applies_by_mode` (`{"reboot","auto","no_reboot","staged","try"}`: requests
-//!   taken, not dry runs), `apply_refusals`, `dry_runs`, `try_cancellations`
-//!   (pending TRY rollbacks a later request cancelled), `read_calls`,
-//!   `lifecycle_upgrades`, `timeline` (`[{"down_ms":N,"up_ms":N|null,"why":
-//!   "upgrade|revert|apply|reboot"}]`, ms since start). Top level adds
-//!   `timeline`: every node's down/up pairs as `{"node","down_ms","up_ms","why",
-//!   "control_plane"}` sorted by `down_ms`, and `now_ms`.
+//!   boot, oldest first), `reboots`, `cordoned`, `staged` (bool), `try_pending`,
+//!   `upgrade_calls` (every MachineService or LifecycleService Upgrade received,
+//!   refused or not), `upgrades` (acked, or a LifecycleService install that
+//!   succeeded), `upgrade_refusals` (before the ack), `sequences_locked`, `pulls`,
+//!   `pulls_cancelled`, `pulled`, `installer_refusals` (after the ack: the floor or
+//!   `installer-fails`), `last_error` (the last refusal's text), `next_boot`,
+//!   `requests_by_mode` (every ApplyConfiguration on a configured node, dry runs
+//!   and refusals included) and `applies_by_mode` (taken, by the mode it became),
+//!   both `{"reboot"|"auto"|"no_reboot"|"staged"|"try": N}`, `apply_refusals`,
+//!   `dry_runs`, `try_cancellations` (pending TRY rollbacks a later request
+//!   cancelled), `try_rollbacks`, `read_calls`, `reboot_calls`, `reboot_modes`
+//!   (each Upgrade's or Reboot's mode name), `lifecycle_upgrades`, `timeline`
+//!   (`[{"down_ms":N,"up_ms":N|null,"why":"upgrade|revert|apply|reboot"}]`, ms since
+//!   start). Top level adds `timeline` (every node's outages with `"node"` and
+//!   `"control_plane"`, by `down_ms`), `now_ms` and `facts`.
 //!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
@@ -155,6 +174,7 @@ mod boot;
 mod day2;
 mod health;
 mod immediate;
+mod lifecycle;
 mod switches;
 mod upgrade;
 mod version;
@@ -858,7 +878,6 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
                 secure: true,
             };
             let (version, schematic) = (api.version_tag(i), api.schematic_on(i));
-            let cordoned = n.st.lock().unwrap().day2.life.cordoned;
             let phase = n.phase(now);
             let name = n.display_name();
             let st = n.st.lock().unwrap();
@@ -878,7 +897,6 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
             v["halted"] = json!(st.halted);
             v["documents"] = json!(st.applied.as_ref().map(|a| &a.documents));
             v["day2"] = day2::stats_of(&cluster, &st.day2, version, schematic, now);
-            v["cordoned"] = json!(cordoned);
             (name, v)
         })
         .collect();
@@ -1224,6 +1242,8 @@ async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
     };
     let routes = tonic::service::Routes::new(MachineServiceServer::new(api.clone()))
         .add_service(StorageServiceServer::new(api.clone()))
+        .add_service(api::machine::lifecycle_service_server::LifecycleServiceServer::new(api.clone()))
+        .add_service(api::machine::image_service_server::ImageServiceServer::new(api.clone()))
         .add_service(api::cosi::resource::state_server::StateServer::new(api))
         .prepare();
     let conn = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
@@ -1296,7 +1316,8 @@ envelopes!(
     Disks,
     Data,
     Upgrade,
-    MetaWrite
+    MetaWrite,
+    Reboot
 );
 
 impl Api {
@@ -1764,22 +1785,27 @@ impl MachineService for Api {
         self.meta_write_call(req)
     }
 
-    // Placeholders until the version-faithful node (branch h26sim) answers
-    // Read and Reboot as machined does.
     type ReadStream = DataStream;
 
-    async fn read(
-        &self,
-        _req: Request<api::machine::ReadRequest>,
-    ) -> Result<Response<Self::ReadStream>, Status> {
-        Err(Status::unimplemented("Read is not simulated yet"))
+    async fn read(&self, req: Request<ReadRequest>) -> Result<Response<Self::ReadStream>, Status> {
+        let chunks = self.answer(&req, |i| self.read_on(i, &req.get_ref().path))?;
+        Ok(Response::new(Box::pin(futures_util::stream::iter(
+            chunks.into_iter().map(Ok),
+        ))))
     }
 
     async fn reboot(
         &self,
-        _req: Request<api::machine::RebootRequest>,
-    ) -> Result<Response<api::machine::RebootResponse>, Status> {
-        Err(Status::unimplemented("Reboot is not simulated yet"))
+        req: Request<RebootRequest>,
+    ) -> Result<Response<RebootResponse>, Status> {
+        let messages = self.answer(&req, |i| {
+            self.reboot_on(i, req.get_ref())?;
+            Ok(vec![Reboot {
+                metadata: None,
+                actor_id: format!("sim-reboot-{i}-{}", self.cluster.now_ms()),
+            }])
+        })?;
+        Ok(Response::new(RebootResponse { messages }))
     }
 }
 
@@ -2002,6 +2028,7 @@ mod tests {
                     ip: ip.parse().unwrap(),
                     hostname: Some("cp-01".into()),
                     config: config.map(str::to_owned),
+                    talos_version: None,
                 })
             };
             let st = State(cluster.clone());

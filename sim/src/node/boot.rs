@@ -108,6 +108,16 @@ impl Cluster {
             let node = cluster.node(i);
             {
                 let mut st = node.st.lock().unwrap();
+                // What LifecycleService.Upgrade installed boots now.
+                if let Some((version, schematic)) = st.day2.next_boot.take() {
+                    st.day2.version = Some(version);
+                    if schematic.is_some() {
+                        st.day2.schematic = schematic;
+                        st.day2.stock = false;
+                    }
+                }
+                // containerd's images live in memory: gone with the boot.
+                st.day2.pulled.clear();
                 let why = (seq.then)(&mut st);
                 let staged = st.day2.staged.take();
                 if let Some(staged) = staged {
@@ -177,6 +187,32 @@ impl Cluster {
         self.ms_since_start(Instant::now())
     }
 }
+
+impl super::Api {
+    /// MachineService.Read of node `i` (machined streams the file): the
+    /// boot ID is the only file this node has.
+    pub(super) fn read_on(
+        &self,
+        i: usize,
+        path: &str,
+    ) -> Result<Vec<super::api::common::Data>, tonic::Status> {
+        let node = self.cluster.node(i);
+        let mut st = node.st.lock().unwrap();
+        st.day2.read_calls += 1;
+        if path != BOOT_ID {
+            return Err(tonic::Status::unknown(format!(
+                "open {path}: no such file or directory"
+            )));
+        }
+        Ok(vec![super::api::common::Data {
+            metadata: None,
+            bytes: format!("{}\n", st.day2.life.boot_id()).into_bytes(),
+        }])
+    }
+}
+
+/// Where Linux shows the boot ID.
+const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
 
 #[cfg(test)]
 mod tests {

@@ -3,7 +3,7 @@
 //! State API, as machined answers them (siderolabs/talos
 //! `internal/app/machined/internal/server/v1alpha1/v1alpha1_server.go`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
@@ -54,6 +54,12 @@ pub(super) struct Day2 {
     /// The apply lock is held until then.
     pub applying_until: Option<Instant>,
     pub life: Life,
+    /// Installer images containerd holds since the last boot.
+    pub pulled: BTreeSet<String>,
+    /// What LifecycleService.Upgrade installed: the tag and schematic the
+    /// next boot runs.
+    pub next_boot: Option<(String, Option<String>)>,
+    pub lifecycle_upgrades: u32,
     pub upgrade_calls: u32,
     pub upgrades: u32,
     pub upgrade_refusals: u32,
@@ -151,7 +157,7 @@ impl Api {
 
     /// The node a COSI call is for: apid routes it by `nodes`/`node`
     /// metadata like any other (one target only for State).
-    fn state_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
+    pub(super) fn state_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
         match self.route(req)? {
             super::Route::Local => Ok(self.me),
             super::Route::One2One(t) => self.backend(&t),
@@ -261,6 +267,9 @@ pub(super) fn stats_of(
         "try_cancellations": d.try_cancellations,
         "try_rollbacks": d.try_rollbacks,
         "read_calls": d.read_calls,
+        "lifecycle_upgrades": d.lifecycle_upgrades,
+        "pulled": d.pulled,
+        "next_boot": d.next_boot.as_ref().map(|(v, _)| v),
         "reboot_calls": d.reboot_calls,
         "meta_writes": d.meta_writes,
         "meta_keys": d.meta.keys().collect::<Vec<_>>(),

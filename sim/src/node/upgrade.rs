@@ -299,20 +299,46 @@ impl Api {
             self.cluster.node(i).st.lock().unwrap().day2.upgrade_calls += 1;
         }
         let image = req.get_ref().image.clone();
-        let (tag, schematic) = resolve_installer(&image).await?;
-        // Each target pulls in parallel; the reply waits for the slowest.
+        let (tag, schematic) = self.timed_pull(&req, &nodes, &image).await?;
+        let messages = self.answer(&req, |i| {
+            Ok(vec![self.upgrade_on(i, req.get_ref(), &tag, &schematic)?])
+        })?;
+        Ok(Response::new(UpgradeResponse { messages }))
+    }
+
+    /// Pulls `image` on `nodes` as containerd does for machined: resolved
+    /// at its registry, then as long as [`Cluster::pull_time`] says (none
+    /// for a node that has it since its last boot), all nodes in parallel;
+    /// past the caller's deadline the pull is cancelled. The installer's
+    /// tag and schematic.
+    pub(super) async fn timed_pull<T>(
+        &self,
+        req: &Request<T>,
+        nodes: &[usize],
+        image: &str,
+    ) -> Result<(String, String), Status> {
+        let resolved = resolve_installer(image).await?;
         let now = Instant::now();
         let wait = nodes
             .iter()
             .map(|&i| {
-                self.cluster.node(i).st.lock().unwrap().day2.pulls += 1;
-                self.cluster.pull_time(i, &image, now)
+                let cached = {
+                    let node = self.cluster.node(i);
+                    let mut st = node.st.lock().unwrap();
+                    st.day2.pulls += 1;
+                    st.day2.pulled.contains(image)
+                };
+                if cached {
+                    Duration::ZERO
+                } else {
+                    self.cluster.pull_time(i, image, now)
+                }
             })
             .max()
             .unwrap_or_default();
         let mut guard = PullGuard {
             cluster: self.cluster.clone(),
-            nodes,
+            nodes: nodes.to_vec(),
             done: false,
         };
         match grpc_deadline(req.metadata()) {
@@ -325,17 +351,28 @@ impl Api {
             _ => tokio::time::sleep(wait).await,
         }
         guard.done = true;
-        let messages = self.answer(&req, |i| {
-            Ok(vec![self.upgrade_on(i, req.get_ref(), &tag, &schematic)?])
-        })?;
-        Ok(Response::new(UpgradeResponse { messages }))
+        for &i in nodes {
+            let node = self.cluster.node(i);
+            node.st.lock().unwrap().day2.pulled.insert(image.to_owned());
+        }
+        Ok(resolved)
     }
 
-    /// machined's Reboot on node `i` (`SequenceReboot`: no drain).
-    fn reboot_on(&self, i: usize) -> Result<(), Status> {
+    /// machined's Reboot on node `i` (`SequenceReboot`: no drain; every
+    /// mode reboots, POWERCYCLE without kexec).
+    pub(super) fn reboot_on(&self, i: usize, req: &RebootRequest) -> Result<(), Status> {
         let node = self.cluster.node(i);
-        if node.st.lock().unwrap().day2.life.busy(Instant::now()) {
-            return Err(Status::failed_precondition("locked"));
+        {
+            let mut st = node.st.lock().unwrap();
+            st.day2.reboot_calls += 1;
+            st.day2.reboot_modes.push(
+                reboot_request::Mode::try_from(req.mode)
+                    .map_or("unknown", |m| m.as_str_name())
+                    .to_owned(),
+            );
+            if st.day2.life.busy(Instant::now()) {
+                return Err(Status::failed_precondition("locked"));
+            }
         }
         self.cluster.run_sequence(
             i,

@@ -36,9 +36,9 @@ impl Talos {
         (self.major, self.minor, self.patch) >= (1, minor, patch)
     }
 
-    /// `minor` and at least `patch` of it, or any later minor.
+    /// `minor`, at least its `patch`.
     fn from_patch(&self, minor: u64, patch: u64) -> bool {
-        (self.major == 1 && self.minor == minor && self.patch >= patch) || self.at_least(minor + 1, 0)
+        self.major == 1 && self.minor == minor && self.patch >= patch
     }
 
     /// v1.9–v1.13 hold a configured node's changes against
@@ -52,14 +52,14 @@ impl Talos {
     /// `applyConfigMu.TryLock` in `ApplyConfiguration`: v1.14, backported
     /// to v1.12.9 and v1.13.3.
     pub fn locks_apply(&self) -> bool {
-        self.from_patch(12, 9) || self.from_patch(13, 3)
+        self.from_patch(12, 9) || self.from_patch(13, 3) || self.at_least(14, 0)
     }
 
     /// `!in.GetForce() && !in.GetPreserve()` guards the etcd checks in
     /// `Upgrade` from v1.12.9, v1.13.4 and v1.14 (talos commit 89e307e);
     /// before, only `force` skips them.
     pub fn preserve_skips_etcd_checks(&self) -> bool {
-        self.from_patch(12, 9) || self.from_patch(13, 4)
+        self.from_patch(12, 9) || self.from_patch(13, 4) || self.at_least(14, 0)
     }
 
     /// `api/machine/lifecycle.proto` exists from v1.13.0.
