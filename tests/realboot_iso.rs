@@ -38,7 +38,12 @@ fn inventory(dir: &Path, version: &str) -> PathBuf {
 /// `imgbuild build` on the patch route into `dir/out`.
 fn build(dir: &Path, sim: &Sim, config: &Path) -> Output {
     let out = dir.join("out");
-    with_factory(config, dir, sim, &["build", "--out-dir", out.to_str().unwrap()])
+    with_factory(
+        config,
+        dir,
+        sim,
+        &["build", "--out-dir", out.to_str().unwrap()],
+    )
 }
 
 /// The v1.12 GRUB ISOs of both nodes, built; the inventory's path.
@@ -199,7 +204,10 @@ fn a_v1_11_node_iso_carries_meta_on_uefi_or_is_refused() {
         eprintln!("refused: {err}");
         assert!(!cp.exists(), "a refused build left {}", cp.display());
         assert_eq!(sim.image_gets(), 0, "refused only after a download");
-        assert!(err.contains("v1.11"), "the refusal names the version: {err}");
+        assert!(
+            err.contains("v1.11"),
+            "the refusal names the version: {err}"
+        );
         return;
     }
     let b = timed(realboot::boot(

@@ -45,7 +45,13 @@ fn served(dir: &Path, sim: &common::sims::Sim) -> std::path::PathBuf {
         &config,
         dir,
         sim,
-        &["pxe", "--out-dir", pxe.to_str().unwrap(), "--output", "json"],
+        &[
+            "pxe",
+            "--out-dir",
+            pxe.to_str().unwrap(),
+            "--output",
+            "json",
+        ],
     );
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json(&o)["nodes"].as_array().unwrap().len(), 2);

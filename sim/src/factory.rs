@@ -153,11 +153,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         modes: Mutex::new(modes),
         image_gets: Mutex::new(HashMap::new()),
         build: tokio::sync::Mutex::new(()),
-        real: args.kernel.zip(args.initramfs).map(|(kernel, initramfs)| RealBoot {
-            kernel,
-            initramfs,
-            uki_stub: args.uki_stub,
-        }),
+        real: args
+            .kernel
+            .zip(args.initramfs)
+            .map(|(kernel, initramfs)| RealBoot {
+                kernel,
+                initramfs,
+                uki_stub: args.uki_stub,
+            }),
         base_cmdline: args.cmdline,
     });
     let app = Router::new()
@@ -973,9 +976,20 @@ fn make_esp(uki: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> 
     std::fs::File::create(out)?.set_len(sectors * 512)?;
     let img = out.to_string_lossy().into_owned();
     let steps: [Vec<String>; 3] = [
-        ["mformat", "-i", &img, "-T", &sectors.to_string(), "-h", "64", "-s", "32", "::"]
-            .map(str::to_owned)
-            .to_vec(),
+        [
+            "mformat",
+            "-i",
+            &img,
+            "-T",
+            &sectors.to_string(),
+            "-h",
+            "64",
+            "-s",
+            "32",
+            "::",
+        ]
+        .map(str::to_owned)
+        .to_vec(),
         ["mmd", "-i", &img, "::/EFI", "::/EFI/BOOT"]
             .map(str::to_owned)
             .to_vec(),
@@ -988,7 +1002,9 @@ fn make_esp(uki: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> 
         ],
     ];
     for step in steps {
-        let o = std::process::Command::new(&step[0]).args(&step[1..]).output()?;
+        let o = std::process::Command::new(&step[0])
+            .args(&step[1..])
+            .output()?;
         anyhow::ensure!(
             o.status.success(),
             "{} failed: {}",
@@ -1127,12 +1143,15 @@ mod tests {
 
     #[test]
     fn isos_are_dual_boot_from_v1_10_unless_grub_is_asked_for_from_v1_12() {
-        let grub = serde_yaml_ng::from_str::<SchematicShape>("customization: {bootloader: grub}")
-            .unwrap();
+        let grub =
+            serde_yaml_ng::from_str::<SchematicShape>("customization: {bootloader: grub}").unwrap();
         let default = SchematicShape::default();
         assert!(!dual_boot_iso("v1.9.5", &default));
         assert!(dual_boot_iso("v1.10.0", &default));
-        assert!(dual_boot_iso("v1.11.2", &grub), "grub is not honoured before v1.12");
+        assert!(
+            dual_boot_iso("v1.11.2", &grub),
+            "grub is not honoured before v1.12"
+        );
         assert!(dual_boot_iso("v1.12.0", &default));
         assert!(!dual_boot_iso("v1.12.0", &grub));
     }

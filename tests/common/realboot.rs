@@ -18,8 +18,7 @@ use super::{decode_meta, root, text};
 /// `quiet`, `panic=-1` so that a kernel that cannot go on ends the VM at
 /// once, and `no_timer_check` (under TCG on a busy machine the kernel's
 /// IO-APIC timer check can miss its ticks and panic).
-pub const FACTORY_CMDLINE: &str =
-    "talos.platform=metal console=ttyS0 console=tty0 quiet panic=-1 no_timer_check module.sig_enforce=1";
+pub const FACTORY_CMDLINE: &str = "talos.platform=metal console=ttyS0 console=tty0 quiet panic=-1 no_timer_check module.sig_enforce=1";
 
 /// The longest one boot may take under TCG on a busy machine.
 const BOOT_DEADLINE: Duration = Duration::from_secs(240);
