@@ -699,7 +699,15 @@ fn build(
         Kind::Iso => {
             let stem = file.strip_suffix(".iso").unwrap_or(file);
             let (platform, arch) = stem.rsplit_once('-').unwrap_or((stem, "amd64"));
-            let cmdline = cmdline(schematic, version, platform, arch);
+            let mut cmdline = cmdline(schematic, version, platform, arch);
+            // Talos ISOs from v1.8 halt when booted again once installed
+            // (siderolabs/talos `pkg/imager/imager.go`:
+            // `SupportsHaltIfInstalled`, ISO output only).
+            let mut v = version.trim_start_matches('v').split('.');
+            let (major, minor) = (v.next(), v.next().and_then(|m| m.parse::<u32>().ok()));
+            if major != Some("1") || minor >= Some(8) {
+                cmdline.push_str(" talos.halt_if_installed=1");
+            }
             make_iso(&tmp, &cmdline, version, arch)?;
         }
     }
