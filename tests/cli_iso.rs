@@ -502,7 +502,7 @@ fn vm_state(pve: &Pve, vmid: u32) -> serde_json::Value {
 fn after_up_from_iso_a_restarted_vm_comes_back_on_its_disk() {
     let net = format!("127.{}.4", 150 + std::process::id() % 50);
     let sim = factory();
-    let nodes = Nodes::start(&["--vip", &format!("{net}.10")]);
+    let nodes = Nodes::start(&["--vip", &format!("{net}.10"), "--talos-version", "v1.12.1"]);
     let pve = Pve::start(&["--nodes-control", &nodes.control]);
     let dir = tempfile::tempdir().unwrap();
     let config = Inventory::five_nodes("isoup", &net)
