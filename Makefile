@@ -140,7 +140,9 @@ schematics: build
 	$(IMGBUILD) --config $(ATLAS) schematic --all --write --dir schematics
 
 # The fuzz targets: property tests over arbitrary bytes (ADV decoder, qcow2
-# header and tables, GPT reader) and over mutated headers of real images
+# header and tables, GPT reader, grub.cfg text, PE headers, Rock Ridge
+# entries of a mutated ISO, the iPXE and GRUB quoting read back by each
+# language's reader: src/iso.rs, src/bootscript.rs) and over mutated headers of real images
 # driven through the commands' own entry points (inspect, meta set, patch,
 # diff, verify: src/disk/fuzz.rs). Each runs alone for at most FUZZ_SECS with
 # its address space capped at FUZZ_MEM_MB, so an allocation a header drives

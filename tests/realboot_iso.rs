@@ -79,7 +79,7 @@ fn grub_node_isos_boot_with_their_meta_from_a_cd_under_seabios_and_ovmf() {
         Medium::Cdrom(&cp),
         &[],
     ));
-    assert_node_cmdline(&b, true, &key10(&config, "cp-01"));
+    assert_node_cmdline(&b, true, &realboot::iso_cmdline(), &key10(&config, "cp-01"));
     let b = timed(realboot::boot(
         "iso-worker-01-ovmf-cd",
         dir.path(),
@@ -87,7 +87,12 @@ fn grub_node_isos_boot_with_their_meta_from_a_cd_under_seabios_and_ovmf() {
         Medium::Cdrom(&worker),
         &[],
     ));
-    assert_node_cmdline(&b, true, &key10(&config, "worker-01"));
+    assert_node_cmdline(
+        &b,
+        true,
+        &realboot::iso_cmdline(),
+        &key10(&config, "worker-01"),
+    );
 }
 
 #[test]
@@ -106,7 +111,7 @@ fn grub_node_isos_boot_with_their_meta_from_a_usb_stick() {
         Medium::UsbStick(&cp),
         &[],
     ));
-    assert_node_cmdline(&b, true, &key10(&config, "cp-01"));
+    assert_node_cmdline(&b, true, &realboot::iso_cmdline(), &key10(&config, "cp-01"));
     let b = timed(realboot::boot(
         "iso-worker-01-seabios-usb",
         dir.path(),
@@ -114,7 +119,12 @@ fn grub_node_isos_boot_with_their_meta_from_a_usb_stick() {
         Medium::UsbStick(&worker),
         &[],
     ));
-    assert_node_cmdline(&b, true, &key10(&config, "worker-01"));
+    assert_node_cmdline(
+        &b,
+        true,
+        &realboot::iso_cmdline(),
+        &key10(&config, "worker-01"),
+    );
 }
 
 /// The primary volume descriptor's modification date, as xorriso shows it.
@@ -174,7 +184,7 @@ fn debian_grub_efi_boots_a_node_iso_whose_volume_date_changed() {
         Medium::Cdrom(&redated),
         &[],
     ));
-    assert_node_cmdline(&b, true, &key10);
+    assert_node_cmdline(&b, true, &realboot::iso_cmdline(), &key10);
     let b = timed(realboot::boot(
         "iso-redated-ovmf-usb",
         dir.path(),
@@ -182,7 +192,7 @@ fn debian_grub_efi_boots_a_node_iso_whose_volume_date_changed() {
         Medium::UsbStick(&redated),
         &[],
     ));
-    assert_node_cmdline(&b, true, &key10);
+    assert_node_cmdline(&b, true, &realboot::iso_cmdline(), &key10);
 }
 
 /// Talos v1.11's ISO is dual-boot whatever `bootloader` says: UEFI boots a
@@ -218,7 +228,7 @@ fn a_v1_11_node_iso_carries_meta_on_uefi_or_is_refused() {
         &[],
     ));
     let grub = b.args()[0].starts_with("BOOT_IMAGE=");
-    assert_node_cmdline(&b, grub, &key10(&config, "cp-01"));
+    assert_node_cmdline(&b, grub, &realboot::iso_cmdline(), &key10(&config, "cp-01"));
 }
 
 /// The factory's own v1.11 ISO for a node's schematic (the factory route)
@@ -255,5 +265,10 @@ fn the_factorys_own_v1_11_iso_boots_its_uki_with_meta_under_ovmf() {
         &[],
     ));
     // No GRUB: the UKI's own command line.
-    assert_node_cmdline(&b, false, &key10(&config, "worker-01"));
+    assert_node_cmdline(
+        &b,
+        false,
+        &realboot::iso_cmdline(),
+        &key10(&config, "worker-01"),
+    );
 }

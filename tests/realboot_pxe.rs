@@ -101,7 +101,12 @@ fn ipxe_boots_a_node_by_its_mac_with_its_meta_and_tells_a_stranger_why_not() {
         network(&pxe, &nics),
         &[&explanation],
     );
-    assert_node_cmdline(&b, false, &key10(&config, "cp-01"));
+    assert_node_cmdline(
+        &b,
+        false,
+        realboot::FACTORY_CMDLINE,
+        &key10(&config, "cp-01"),
+    );
     eprintln!("{}: {:.1} s", b.name, b.secs);
 
     // A machine in no inventory gets the boot script's explanation and no
@@ -159,5 +164,10 @@ fn ipxe_boots_a_node_from_its_second_network_card() {
         &[&explanation(&pxe)],
     );
     eprintln!("{}: {:.1} s", b.name, b.secs);
-    assert_node_cmdline(&b, false, &key10(&config, "worker-01"));
+    assert_node_cmdline(
+        &b,
+        false,
+        realboot::FACTORY_CMDLINE,
+        &key10(&config, "worker-01"),
+    );
 }

@@ -763,7 +763,13 @@ fn build(
         Kind::Iso => {
             let stem = file.strip_suffix(".iso").unwrap_or(file);
             let (platform, arch) = stem.rsplit_once('-').unwrap_or((stem, "amd64"));
-            let cmdline = cmdline(sim, schematic, version, platform, arch);
+            let mut cmdline = cmdline(sim, schematic, version, platform, arch);
+            // Talos ISOs from v1.8 halt when booted again once installed
+            // (siderolabs/talos `pkg/imager/imager.go`:
+            // `SupportsHaltIfInstalled`, ISO output only).
+            if talos_version(version) >= (1, 8, 0) {
+                cmdline.push_str(" talos.halt_if_installed=1");
+            }
             match &sim.real {
                 Some(real) => real_iso(real, &tmp, &cmdline, version, schematic)?,
                 None => make_iso(&tmp, &cmdline, version, arch)?,

@@ -20,6 +20,13 @@ use super::{decode_meta, root, text};
 /// IO-APIC timer check can miss its ticks and panic).
 pub const FACTORY_CMDLINE: &str = "talos.platform=metal console=ttyS0 console=tty0 quiet panic=-1 no_timer_check module.sig_enforce=1";
 
+/// The factory's command line for an ISO of Talos v1.8 or later: the ISO
+/// output adds `talos.halt_if_installed=1` (siderolabs/talos
+/// `pkg/imager/imager.go`), on GRUB's kernel lines and in a UKI alike.
+pub fn iso_cmdline() -> String {
+    format!("{FACTORY_CMDLINE} talos.halt_if_installed=1")
+}
+
 /// The longest one boot may take under TCG on a busy machine.
 const BOOT_DEADLINE: Duration = Duration::from_secs(240);
 
@@ -364,10 +371,10 @@ fn run_qemu(
     }
 }
 
-/// Asserts that `boot`'s kernel got exactly [`FACTORY_CMDLINE`] (behind
-/// GRUB's `BOOT_IMAGE=` when `grub`) and one META argument whose value,
-/// decoded here, is `0xa=<key10>`.
-pub fn assert_node_cmdline(boot: &Boot, grub: bool, key10: &str) {
+/// Asserts that `boot`'s kernel got exactly the factory's command line
+/// `factory` (behind GRUB's `BOOT_IMAGE=` when `grub`) and one META
+/// argument whose value, decoded here, is `0xa=<key10>`.
+pub fn assert_node_cmdline(boot: &Boot, grub: bool, factory: &str, key10: &str) {
     let mut args = boot.args();
     let shown = args.join(" ");
     if grub {
@@ -384,7 +391,7 @@ pub fn assert_node_cmdline(boot: &Boot, grub: bool, key10: &str) {
         .partition(|a| a.starts_with("talos.environment="));
     assert_eq!(
         rest.join(" "),
-        FACTORY_CMDLINE,
+        factory,
         "{}: the factory's command line, nothing more or less: {shown}",
         boot.name
     );
