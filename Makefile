@@ -19,7 +19,15 @@ ATLAS := examples/atlas/cluster.yaml
 # (docs/ci.md's snapshot collector and make fuzz), man-db (the installed man
 # page is rendered with man -l), GNU time (tests/hostile_input.rs and
 # tests/hostile_images.rs measure peak RSS with it) and xorriso (per-node
-# ISOs and the factory simulator's ISOs).
+# ISOs and the factory simulator's ISOs). The real-boot tests
+# (tests/realboot_*.rs) boot under QEMU (qemu-system-x86) with SeaBIOS, OVMF
+# (ovmf) and QEMU's iPXE ROMs (ipxe-qemu), from ISOs that grub-mkrescue
+# (grub-common, grub-pc-bin, grub-efi-amd64-bin, mtools) and a UKI on
+# systemd's EFI stub (systemd-boot-efi) make, over busybox-static and
+# Debian's cloud kernel, which is downloaded and unpacked under
+# $(REALBOOT_KERNEL), not installed. qemu-system-x86 may replace the
+# machine's qemu-utils: qemu-img is checked again after it.
+REALBOOT_KERNEL := $(TARGET_DIR)/realboot-kernel
 deps:
 	@need=""; \
 	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
@@ -34,9 +42,30 @@ deps:
 	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
 	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
+	command -v qemu-system-x86_64 >/dev/null 2>&1 || need="$$need qemu-system-x86"; \
+	[ -f /usr/lib/ipxe/qemu/efi-e1000.rom ] || need="$$need ipxe-qemu"; \
+	[ -f /usr/share/OVMF/OVMF_CODE_4M.fd ] || need="$$need ovmf"; \
+	command -v grub-mkrescue >/dev/null 2>&1 || need="$$need grub-common"; \
+	[ -d /usr/lib/grub/i386-pc ] || need="$$need grub-pc-bin"; \
+	[ -d /usr/lib/grub/x86_64-efi ] || need="$$need grub-efi-amd64-bin"; \
+	command -v mformat >/dev/null 2>&1 || need="$$need mtools"; \
+	[ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need="$$need busybox-static"; \
+	[ -f /usr/lib/systemd/boot/efi/linuxx64.efi.stub ] || need="$$need systemd-boot-efi"; \
+	command -v objcopy >/dev/null 2>&1 || need="$$need binutils"; \
+	updated=""; \
 	if [ -n "$$need" ]; then \
 		echo "installing:$$need"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need >/dev/null; \
+		apt-get update -qq && updated=1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need >/dev/null; \
+	fi; \
+	if ! command -v qemu-img >/dev/null 2>&1; then \
+		echo "installing: qemu-utils"; \
+		[ -n "$$updated" ] || apt-get update -qq; updated=1; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-utils >/dev/null; \
+	fi; \
+	if ! ls $(REALBOOT_KERNEL)/boot/vmlinuz-* >/dev/null 2>&1; then \
+		echo "downloading Debian's cloud kernel into $(REALBOOT_KERNEL)"; \
+		[ -n "$$updated" ] || apt-get update -qq; \
+		fixtures/realboot.sh kernel $(REALBOOT_KERNEL); \
 	fi
 
 build:
@@ -111,7 +140,9 @@ schematics: build
 	$(IMGBUILD) --config $(ATLAS) schematic --all --write --dir schematics
 
 # The fuzz targets: property tests over arbitrary bytes (ADV decoder, qcow2
-# header and tables, GPT reader) and over mutated headers of real images
+# header and tables, GPT reader, grub.cfg text, PE headers, Rock Ridge
+# entries of a mutated ISO, the iPXE and GRUB quoting read back by each
+# language's reader: src/iso.rs, src/bootscript.rs) and over mutated headers of real images
 # driven through the commands' own entry points (inspect, meta set, patch,
 # diff, verify: src/disk/fuzz.rs). Each runs alone for at most FUZZ_SECS with
 # its address space capped at FUZZ_MEM_MB, so an allocation a header drives

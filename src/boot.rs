@@ -43,6 +43,16 @@ pub enum BootError {
     CmdlineTooLong { node: String, len: usize },
     #[error("--url {0:?} is not a plain http(s) URL (no query, fragment, spaces or quotes)")]
     BadUrl(String),
+    /// The factory's command line holds a word iPXE or the kernel would not
+    /// read as one argument (a command separator, a comment, an expansion),
+    /// or a META of its own: written into a script, it could run commands
+    /// or drop the node's META.
+    #[error("node {node}: the factory's command line for schematic {schematic}: {refused}")]
+    Script {
+        node: String,
+        schematic: SchematicId,
+        refused: crate::bootscript::Refused,
+    },
     #[error(transparent)]
     Emit(#[from] EmitError),
     #[error(transparent)]
@@ -110,14 +120,17 @@ pub struct PxeReport {
     pub nodes: Vec<NodeScript>,
 }
 
-/// The file name iPXE's `${net0/mac:hexhyp}` gives a MAC: lowercase hex
+/// The file name iPXE's `${netX/mac:hexhyp}` gives a MAC: lowercase hex
 /// pairs joined by hyphens.
 pub fn mac_hexhyp(mac: &str) -> String {
     mac.to_ascii_lowercase().replace(':', "-")
 }
 
 /// The script every machine boots first: it chains the script named after
-/// its own MAC, and says so plainly when there is none.
+/// the MAC of the device it booted from (`netX`, the last opened network
+/// device; `net0` is the first NIC, which a machine booting from its second
+/// port would not be: matchbox #410/#415), and says so plainly when there
+/// is none.
 pub fn boot_script(nodes: &[(String, String)]) -> String {
     let mut known = String::new();
     for (node, mac) in nodes {
@@ -127,9 +140,9 @@ pub fn boot_script(nodes: &[(String, String)]) -> String {
         "#!ipxe\n\
          # imgbuild: each machine chains nodes/<its MAC>.ipxe. Known machines:\n\
          {known}\
-         chain --autofree nodes/${{net0/mac:hexhyp}}.ipxe || goto unknown\n\
+         chain --autofree nodes/${{netX/mac:hexhyp}}.ipxe || goto unknown\n\
          :unknown\n\
-         echo imgbuild: no Talos node has the MAC ${{net0/mac}} (no nodes/${{net0/mac:hexhyp}}.ipxe).\n\
+         echo imgbuild: no Talos node has the MAC ${{netX/mac}} (no nodes/${{netX/mac:hexhyp}}.ipxe).\n\
          echo Add it as a node's mac in the inventory and run imgbuild pxe again.\n\
          sleep 10\n\
          exit 1\n"
@@ -137,19 +150,36 @@ pub fn boot_script(nodes: &[(String, String)]) -> String {
 }
 
 /// A node's script, in the shape of the factory's own
-/// (siderolabs/image-factory `internal/frontend/http/pxe.go`).
-pub fn node_script(node: &str, kernel: &str, initramfs: &str, cmdline: &str) -> String {
-    format!(
-        "#!ipxe\n# imgbuild: Talos node {node}\nimgfree\nkernel {kernel} {cmdline}\ninitrd {initramfs}\nboot\n"
-    )
+/// (siderolabs/image-factory `internal/frontend/http/pxe.go`): its kernel
+/// line is the kernel URL and `args`, each one iPXE word
+/// ([`crate::bootscript::ipxe_line`]). `node` is a DNS label (the inventory
+/// checks it), the URLs are plain (checked in [`pxe`]).
+pub fn node_script(
+    node: &str,
+    kernel: &str,
+    initramfs: &str,
+    args: &[&str],
+) -> Result<String, crate::bootscript::Refused> {
+    let mut line = vec!["kernel", kernel];
+    line.extend_from_slice(args);
+    let kernel_line = crate::bootscript::ipxe_line(&line)?;
+    let initrd = crate::bootscript::ipxe_line(&["initrd", initramfs])?;
+    Ok(format!(
+        "#!ipxe\n# imgbuild: Talos node {node}\nimgfree\n{kernel_line}\n{initrd}\nboot\n"
+    ))
 }
 
-/// The factory's command line for the base schematic plus `node`'s META.
-pub fn node_cmdline(base: &str, meta_arg: Option<&str>) -> String {
-    match meta_arg {
-        Some(arg) => format!("{base} {arg}"),
-        None => base.to_owned(),
-    }
+/// The kernel's arguments: the factory's command line for the base
+/// schematic, each word checked ([`crate::bootscript::split_cmdline`]: no
+/// separator, comment, expansion, quote or META of its own), then `node`'s
+/// META as one more argument.
+pub fn node_cmdline<'a>(
+    base: &'a str,
+    meta_arg: Option<&'a str>,
+) -> Result<Vec<&'a str>, crate::bootscript::Refused> {
+    let mut args = crate::bootscript::split_cmdline(base)?;
+    args.extend(meta_arg);
+    Ok(args)
 }
 
 /// `node`'s META as one kernel argument, encoded for the inventory's Talos
@@ -254,7 +284,13 @@ pub fn pxe(
     let mut scripts = Vec::new();
     for (node, mac, _, id, arg) in &planned {
         let a = &assets[id];
-        let cmdline = node_cmdline(&a.cmdline, arg.as_deref());
+        let refused = |refused| BootError::Script {
+            node: node.name.clone(),
+            schematic: id.clone(),
+            refused,
+        };
+        let args = node_cmdline(&a.cmdline, arg.as_deref()).map_err(refused)?;
+        let cmdline = args.join(" ");
         if cmdline.len() > CMDLINE_MAX {
             return Err(BootError::CmdlineTooLong {
                 node: node.name.clone(),
@@ -265,8 +301,9 @@ pub fn pxe(
             &node.name,
             &url_of(&a.kernel.path),
             &url_of(&a.initramfs.path),
-            &cmdline,
-        );
+            &args,
+        )
+        .map_err(refused)?;
         let path = Path::new("nodes").join(format!("{}.ipxe", mac_hexhyp(mac)));
         scripts.push(NodeScript {
             node: node.name.clone(),
@@ -345,7 +382,7 @@ mod tests {
         let s = boot_script(&[("cp-01".into(), "bc:24:11:00:00:11".into())]);
         assert!(s.starts_with("#!ipxe\n"), "{s}");
         assert!(
-            s.contains("chain --autofree nodes/${net0/mac:hexhyp}.ipxe || goto unknown"),
+            s.contains("chain --autofree nodes/${netX/mac:hexhyp}.ipxe || goto unknown"),
             "{s}"
         );
         assert!(s.contains("bc:24:11:00:00:11  cp-01"), "{s}");
@@ -359,7 +396,7 @@ mod tests {
 
     #[test]
     fn a_node_script_boots_the_kernel_with_its_command_line() {
-        let s = node_script("w1", "../k", "../i.xz", "talos.platform=metal x=1");
+        let s = node_script("w1", "../k", "../i.xz", &["talos.platform=metal", "x=1"]).unwrap();
         let lines: Vec<&str> = s.lines().collect();
         assert_eq!(lines[0], "#!ipxe");
         assert!(
@@ -368,7 +405,45 @@ mod tests {
         );
         assert!(lines.contains(&"initrd ../i.xz"), "{s}");
         assert_eq!(lines.last(), Some(&"boot"));
-        assert_eq!(node_cmdline("a b", Some("c")), "a b c");
-        assert_eq!(node_cmdline("a b", None), "a b");
+        assert_eq!(node_cmdline("a  b", Some("c")).unwrap(), ["a", "b", "c"]);
+        assert_eq!(node_cmdline("a b", None).unwrap(), ["a", "b"]);
+    }
+
+    /// What iPXE runs for a node script: exactly imgfree, the kernel with
+    /// the factory's arguments and META last, initrd, boot.
+    fn commands(base: &str) -> Result<Vec<Vec<String>>, crate::bootscript::Refused> {
+        let meta = "talos.environment=INSTALLER_META_BASE64=AAAA";
+        let args = node_cmdline(base, Some(meta))?;
+        let s = node_script("w1", "../k", "../i.xz", &args)?;
+        Ok(crate::bootscript::ipxe_read(&s))
+    }
+
+    #[test]
+    fn factory_text_never_becomes_an_ipxe_command_or_drops_meta() {
+        let ok = commands("talos.platform=metal console=ttyS0").unwrap();
+        assert_eq!(ok.len(), 4, "{ok:?}");
+        assert_eq!(
+            ok[1],
+            [
+                "kernel",
+                "../k",
+                "talos.platform=metal",
+                "console=ttyS0",
+                "talos.environment=INSTALLER_META_BASE64=AAAA"
+            ]
+        );
+        for hostile in [
+            "a ; chain http://127.0.0.1/evil.ipxe",
+            "a && shell",
+            "a || shell ||",
+            "a #",
+            "a ;",
+            "a ${net0/mac}",
+            "a talos.environment=INSTALLER_META_BASE64=BBBB",
+            "a x\\",
+        ] {
+            let e = commands(hostile).unwrap_err();
+            assert!(!e.why.is_empty(), "{hostile:?}");
+        }
     }
 }

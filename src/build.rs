@@ -525,9 +525,10 @@ pub fn hash_file(path: &Path) -> Result<(Sha256, u64), BuildError> {
 }
 
 /// What is wrong with a metal node's ISO beyond its bytes: a kernel menu
-/// entry without the node's META, or with META that does not decode.
+/// entry without the node's META, or with META that does not decode, or a
+/// UKI (UEFI boot) whose baked-in command line has none.
 fn iso_problem(file: &Path) -> Option<String> {
-    let report = match crate::iso::inspect(file, &file.with_extension("grub.cfg")) {
+    let report = match crate::iso::inspect(file) {
         Ok(r) => r,
         Err(e) => return Some(e.to_string()),
     };
@@ -540,6 +541,12 @@ fn iso_problem(file: &Path) -> Option<String> {
             (None, false) => None,
         })
         .collect();
+    if let Some(u) = report.ukis.iter().find(|u| !u.has_meta) {
+        return Some(format!(
+            "UEFI boots a UKI (at byte {}) whose command line carries no META",
+            u.offset
+        ));
+    }
     (!bad.is_empty() || report.entries.is_empty()).then(|| {
         format!(
             "grub.cfg: {}",

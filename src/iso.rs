@@ -2,15 +2,43 @@
 //! argument goes on every kernel line of `/boot/grub/grub.cfg`, where Talos
 //! (v1.5 and later) applies it before it installs (see [`crate::boot`]).
 //!
+//! Only an ISO whose every boot path reads that `grub.cfg` can be made this
+//! way. Talos v1.10 and v1.11 ISOs are dual-boot: GRUB on BIOS, and on UEFI
+//! a UKI whose command line is baked into the EFI image; the factory
+//! honours `customization.bootloader: grub` for ISOs only from v1.12
+//! (siderolabs/talos `pkg/imager/profile/output.go`,
+//! `quirks.ISOSupportsSettingBootloader`). Those are refused
+//! ([`check_patchable`]), and so is any base ISO that holds a UKI
+//! ([`ukis`]): an ISO that boots without the node's META is never made.
+//!
+//! `grub.cfg` is read straight from the ISO's bytes at the extent xorriso
+//! reports for it, and only when it is a regular file of at most
+//! [`GRUB_CFG_MAX`] bytes: nothing is extracted to the host, so a symlink,
+//! FIFO, device or directory in its place cannot pull in a host file, hang,
+//! or leave a tree behind. Its kernel lines are read as GRUB reads them
+//! ([`crate::bootscript::grub_read_line`]) and written back as quoted
+//! words with META as one more word.
+//!
 //! xorriso writes the new ISO: it replays the base's boot records
-//! (El Torito catalog and system area) and keeps the volume date, because
-//! GRUB's EFI image finds its root by the ISO9660 volume UUID, which GRUB
-//! makes of the modification date in the primary volume descriptor
-//! (grub `grub-core/fs/iso9660.c` `grub_iso9660_uuid`). The factory's ISOs
-//! are grub-mkrescue output with `grub.cfg` in this layout
-//! (siderolabs/talos `pkg/imager/iso/grub.go`, `pkg/imager/iso/grub.cfg`).
+//! (El Torito catalog and system area), keeps the `/.disk/*.uuid` file and
+//! keeps the volume date. Which of these GRUB needs to find its
+//! `grub.cfg` depends on the GRUB that made the ISO (grub
+//! `util/grub-mkrescue.c` `make_image_abs`): grub-mkrescue before GRUB 2.12
+//! embeds `search --fs-uuid <uuid>` in its EFI images, and GRUB makes an
+//! ISO's UUID of the modification date in the primary volume descriptor
+//! (`grub-core/fs/iso9660.c` `grub_iso9660_uuid`), so a changed date loses
+//! the root there; from 2.12 (commit b7ec14c8 "Search by file UUID rather
+//! than partition UUID") the EFI images search for the file
+//! `/.disk/<uuid>.uuid` instead; the BIOS El Torito image searches for
+//! nothing and reads `/boot/grub` of the device it booted from; and
+//! Debian's grub-mkrescue EFI image sets its prefix to `()/boot/grub` and
+//! boots with the date changed. Keeping the date costs nothing and covers
+//! the pre-2.12 EFI images. The factory's ISOs are grub-mkrescue
+//! output with `grub.cfg` in this layout (siderolabs/talos
+//! `pkg/imager/iso/grub.go`, `pkg/imager/iso/grub.cfg`).
 
 use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -22,7 +50,10 @@ use crate::schematic::Bootloader;
 pub const GRUB_CFG: &str = "/boot/grub/grub.cfg";
 
 /// The longest `grub.cfg` read: the factory's is under 1 KiB.
-const GRUB_CFG_MAX: u64 = 1 << 20;
+pub const GRUB_CFG_MAX: u64 = 1 << 20;
+
+/// The longest UKI command line read (the kernel's limit, with room).
+const UKI_CMDLINE_MAX: u64 = 8 << 10;
 
 /// Why an ISO could not be read or made; each names the file.
 #[derive(Debug, thiserror::Error)]
@@ -43,8 +74,27 @@ pub enum IsoError {
         title: String,
         len: usize,
     },
-    #[error("{}: {GRUB_CFG} is over {GRUB_CFG_MAX} bytes", path.display())]
-    GrubCfgTooLarge { path: PathBuf },
+    #[error("{}: {GRUB_CFG} is {size} bytes, over the {GRUB_CFG_MAX} imgbuild reads", path.display())]
+    GrubCfgTooLarge { path: PathBuf, size: u64 },
+    #[error(
+        "{}: {GRUB_CFG} is not a regular file in the ISO (a symlink, directory, FIFO, device, or missing); only a regular file is read",
+        path.display()
+    )]
+    GrubCfgNotRegular { path: PathBuf },
+    #[error(
+        "{}: {GRUB_CFG} line {line}: {why}; the node's META would not be exactly one argument of every kernel line",
+        path.display()
+    )]
+    Script {
+        path: PathBuf,
+        line: usize,
+        why: String,
+    },
+    #[error(
+        "{}: the ISO's UEFI boot is a UKI (a PE image with a .cmdline section, at byte {offset}) whose command line is baked into the EFI image, where imgbuild cannot add the node's META; a per-node ISO made from it would boot UEFI machines without their address. Use a GRUB ISO (Talos v1.12 or later with image.bootloader: grub), imgbuild pxe, or --route factory (the factory then learns the node's addresses)",
+        path.display()
+    )]
+    UefiUki { path: PathBuf, offset: u64 },
     #[error("{}: xorriso {action} failed: {stderr}", path.display())]
     Xorriso {
         path: PathBuf,
@@ -54,9 +104,13 @@ pub enum IsoError {
     #[error("xorriso is not installed (Debian package xorriso): {0}")]
     NoXorriso(std::io::Error),
     #[error(
-        "Talos {version}'s default ISO boots a UKI on UEFI, with its command line inside the EFI image, where imgbuild cannot add META; set image.bootloader: grub in the inventory, or build with --route factory (which sends the node's network to the factory)"
+        "Talos {version}'s default ISO boots a UKI on UEFI, with its command line inside the EFI image, where imgbuild cannot add META; set image.bootloader: grub in the inventory (honoured for ISOs from v1.12), use imgbuild pxe, or build with --route factory (an explicit opt-in: the factory then learns each node's addresses)"
     )]
     UkiIso { version: String },
+    #[error(
+        "Talos {version}'s ISO is dual-boot whatever image.bootloader says (the factory honours it for ISOs only from v1.12): GRUB on BIOS, and on UEFI a UKI whose command line is baked into the EFI image, where imgbuild cannot add META, so every UEFI boot (every Proxmox VM imgbuild makes) would come up without the node's address. Ways out: Talos v1.12 or later with image.bootloader: grub; imgbuild pxe; or build with --route factory (an explicit opt-in: the factory then learns each node's addresses)"
+    )]
+    DualBootIso { version: String },
     #[error(
         "Talos {version} reads META from the kernel command line only at install; a per-node ISO needs v1.5 or later"
     )]
@@ -76,18 +130,25 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> IsoError + '_ {
     }
 }
 
-/// Refuses what the patch route cannot make an ISO for: Talos before v1.5
-/// (META on the command line is applied only at install), and the dual-boot
-/// ISO of Talos v1.10 and later, whose UEFI boot is a UKI with its command
-/// line inside the EFI image (siderolabs/talos `pkg/imager/iso/grub.go`:
-/// GRUB covers only BIOS there).
+/// Refuses what the patch route cannot make an ISO for, before anything is
+/// downloaded: Talos before v1.5 (META on the command line is applied only
+/// at install); v1.10 and v1.11, whose ISO is dual-boot whatever the
+/// schematic's bootloader (the factory honours `customization.bootloader`
+/// for ISOs only from v1.12, siderolabs/talos `pkg/imager/profile/output.go`
+/// `quirks.ISOSupportsSettingBootloader`); and from v1.12 any bootloader but
+/// GRUB (the default ISO boots a UKI on UEFI).
 pub fn check_patchable(version: &str, bootloader: Bootloader) -> Result<(), IsoError> {
     if !talos_at_least(version, (1, 5, 0)) {
         return Err(IsoError::TooOld {
             version: version.to_owned(),
         });
     }
-    if talos_at_least(version, (1, 10, 0)) && bootloader != Bootloader::Grub {
+    if talos_at_least(version, (1, 10, 0)) && !talos_at_least(version, (1, 12, 0)) {
+        return Err(IsoError::DualBootIso {
+            version: version.to_owned(),
+        });
+    }
+    if talos_at_least(version, (1, 12, 0)) && bootloader != Bootloader::Grub {
         return Err(IsoError::UkiIso {
             version: version.to_owned(),
         });
@@ -151,6 +212,10 @@ pub struct MenuEntry {
     pub kernel: String,
     /// The arguments after the kernel path, as GRUB passes them.
     pub args: Vec<String>,
+    /// Why the kernel line is not one command of literal words (a
+    /// separator, comment, variable, wildcard or open quote), when it is not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub script_problem: Option<String>,
 }
 
 impl MenuEntry {
@@ -161,54 +226,41 @@ impl MenuEntry {
             .find_map(|a| a.strip_prefix(meta::ENVIRONMENT_PREFIX))
             .map(meta::decode_installer_meta)
     }
+
+    /// How many arguments carry META.
+    pub fn meta_args(&self) -> usize {
+        self.args
+            .iter()
+            .filter(|a| a.contains(crate::bootscript::META_MARKER))
+            .count()
+    }
 }
 
-/// GRUB's words of one line: blanks separate them, `'…'` and `"…"` quote,
-/// `\` escapes one character (GRUB's shell-like lexer).
-fn words(line: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut cur = String::new();
-    let mut in_word = false;
-    let mut chars = line.chars();
-    let mut quote: Option<char> = None;
-    while let Some(c) = chars.next() {
-        match (quote, c) {
-            (Some(q), c) if c == q => quote = None,
-            (Some('"'), '\\') | (None, '\\') => {
-                if let Some(n) = chars.next() {
-                    cur.push(n);
-                }
-                in_word = true;
-            }
-            (Some(_), c) => cur.push(c),
-            (None, '\'' | '"') => {
-                quote = Some(c);
-                in_word = true;
-            }
-            (None, c) if c.is_whitespace() => {
-                if in_word {
-                    out.push(std::mem::take(&mut cur));
-                    in_word = false;
-                }
-            }
-            (None, c) => {
-                cur.push(c);
-                in_word = true;
-            }
-        }
-    }
-    if in_word {
-        out.push(cur);
-    }
-    out
+/// The commands that load a kernel: each kernel GRUB can boot from the ISO
+/// is on a line that starts with one of these.
+const KERNEL_COMMANDS: [&str; 3] = ["linux", "linuxefi", "linux16"];
+
+/// Commands that read another script, whose kernel lines imgbuild could not
+/// give META.
+const SCRIPT_COMMANDS: [&str; 4] = [
+    "configfile",
+    "source",
+    "extract_entries_configfile",
+    "extract_entries_source",
+];
+
+/// The raw tokens of a line, split at blanks and GRUB's operators: enough
+/// to find a command name, not to read its arguments.
+fn raw_tokens(line: &str) -> impl Iterator<Item = &str> {
+    line.split(|c: char| c.is_whitespace() || matches!(c, ';' | '&' | '|' | '{' | '}' | '(' | ')'))
+        .filter(|t| !t.is_empty())
 }
 
 /// Whether a line of `grub.cfg` loads a kernel (`linux`, `linuxefi`).
 fn is_kernel_line(line: &str) -> bool {
-    matches!(
-        line.split_whitespace().next(),
-        Some("linux" | "linuxefi" | "linux16")
-    )
+    raw_tokens(line)
+        .next()
+        .is_some_and(|t| KERNEL_COMMANDS.contains(&t))
 }
 
 /// The kernel-booting menu entries of a `grub.cfg`, in order.
@@ -216,15 +268,28 @@ pub fn menu_entries(cfg: &str) -> Vec<MenuEntry> {
     let mut title = String::new();
     let mut out = Vec::new();
     for line in cfg.lines() {
-        let w = words(line);
-        match w.first().map(String::as_str) {
-            Some("menuentry") => title = w.get(1).cloned().unwrap_or_default(),
-            Some(_) if is_kernel_line(line) => out.push(MenuEntry {
+        if raw_tokens(line).next() == Some("menuentry") {
+            let head = line.trim_end().strip_suffix('{').unwrap_or(line);
+            title = crate::bootscript::grub_read_line(head)
+                .ok()
+                .and_then(|w| w.get(1).cloned())
+                .unwrap_or_default();
+        } else if is_kernel_line(line) {
+            let (words, script_problem) = match crate::bootscript::grub_read_line(line) {
+                Ok(w) => (w, None),
+                Err(e) => (
+                    raw_tokens(line).map(str::to_owned).collect(),
+                    Some(format!(
+                        "the kernel line is not one command of literal words: {e}"
+                    )),
+                ),
+            };
+            out.push(MenuEntry {
                 title: title.clone(),
-                kernel: w.get(1).cloned().unwrap_or_default(),
-                args: w.iter().skip(2).cloned().collect(),
-            }),
-            _ => {}
+                kernel: words.get(1).cloned().unwrap_or_default(),
+                args: words.iter().skip(2).cloned().collect(),
+                script_problem,
+            });
         }
     }
     out
@@ -239,77 +304,228 @@ pub fn too_long(cfg: &str) -> Option<(String, usize)> {
     })
 }
 
-/// `cfg` with `arg` appended to every kernel line, and how many lines that
-/// was. `arg` must need no quoting (a META argument is base64).
-pub fn add_kernel_arg(cfg: &str, arg: &str) -> (String, usize) {
+/// `cfg` with `arg` as one more argument of every kernel line, and how many
+/// lines that was. Each kernel line is read as GRUB reads it and written
+/// back as quoted words ([`crate::bootscript::grub_line`]), so `arg` is
+/// exactly one argument; a line GRUB would read as more than one command
+/// of literal words, a word the kernel would not read as one argument, a
+/// META already there, a kernel command later in a line, or a command that
+/// reads another script is refused with its line number.
+pub fn add_kernel_arg(cfg: &str, arg: &str) -> Result<(String, usize), (usize, String)> {
     let mut n = 0;
     let mut out = String::with_capacity(cfg.len() + 4 * arg.len());
-    for line in cfg.split_inclusive('\n') {
+    for (i, line) in cfg.split_inclusive('\n').enumerate() {
+        let at = i + 1;
         let (body, end) = match line.strip_suffix('\n') {
             Some(b) => (b, "\n"),
             None => (line, ""),
         };
-        if is_kernel_line(body) {
-            n += 1;
-            out.push_str(body.trim_end());
-            out.push(' ');
-            out.push_str(arg);
-            out.push_str(end);
-        } else {
-            out.push_str(line);
+        let mut tokens = raw_tokens(body);
+        let first = tokens.next();
+        if let Some(t) = first.filter(|t| SCRIPT_COMMANDS.contains(t)) {
+            return Err((at, format!("{t} reads another script")));
         }
+        // A menu title or a message may say "linux"; a command may not.
+        let prose = matches!(first, Some("menuentry" | "submenu" | "echo"));
+        if !prose && tokens.any(|t| KERNEL_COMMANDS.contains(&t) || SCRIPT_COMMANDS.contains(&t)) {
+            return Err((
+                at,
+                "a kernel or script command after the start of the line".into(),
+            ));
+        }
+        if !first.is_some_and(|t| KERNEL_COMMANDS.contains(&t)) {
+            out.push_str(line);
+            continue;
+        }
+        let words = crate::bootscript::grub_read_line(body).map_err(|e| {
+            (
+                at,
+                format!("the kernel line is not one command of literal words: {e}"),
+            )
+        })?;
+        if words.len() < 2 {
+            return Err((at, "a kernel command without a kernel".into()));
+        }
+        for w in &words[2..] {
+            crate::bootscript::check_grub_kernel_word(w).map_err(|e| (at, e.to_string()))?;
+        }
+        let mut all: Vec<&str> = words.iter().map(String::as_str).collect();
+        all.push(arg);
+        let text = crate::bootscript::grub_line(&all).map_err(|e| (at, e.to_string()))?;
+        n += 1;
+        out.push_str(&body[..body.len() - body.trim_start().len()]);
+        out.push_str(&text);
+        out.push_str(end);
     }
-    (out, n)
+    Ok((out, n))
 }
 
-fn xorriso(path: &Path, action: &'static str, args: &mut Command) -> Result<(), IsoError> {
+fn xorriso(
+    path: &Path,
+    action: &'static str,
+    args: &mut Command,
+) -> Result<std::process::Output, IsoError> {
     let o = args.output().map_err(IsoError::NoXorriso)?;
     if o.status.success() {
-        return Ok(());
+        return Ok(o);
     }
     let stderr = String::from_utf8_lossy(&o.stderr);
     // xorriso is chatty; its failure is in the lines it marks so.
     let lines: Vec<&str> = stderr
         .lines()
         .filter(|l| l.contains("FAILURE") || l.contains("SORRY") || l.contains("FATAL"))
+        .take(5)
         .collect();
+    let text = if lines.is_empty() {
+        stderr.trim().to_owned()
+    } else {
+        lines.join("; ")
+    };
     Err(IsoError::Xorriso {
         path: path.to_owned(),
         action,
-        stderr: if lines.is_empty() {
-            stderr.trim().to_owned()
-        } else {
-            lines.join("; ")
-        },
+        stderr: text.chars().take(1000).collect(),
     })
 }
 
-/// `/boot/grub/grub.cfg` of the ISO at `iso`, extracted with xorriso next
-/// to `scratch` (a temporary name that is removed again).
-pub fn read_grub_cfg(iso: &Path, scratch: &Path) -> Result<String, IsoError> {
+/// Where a regular file's data lies in the ISO, from xorriso's
+/// `-exec report_lba` lines (`File data lba: XT , LBA , BLOCKS , SIZE ,
+/// 'PATH'`): `(byte offset, size)` when `path` is one single-extent regular
+/// file. A symlink, FIFO, device or missing file has no such line; a
+/// directory has lines for the files under it only.
+pub fn data_extent(report: &str, path: &str) -> Option<(u64, u64)> {
+    let quoted = format!("'{path}'");
+    let mut found = report
+        .lines()
+        .filter_map(|l| l.strip_prefix("File data lba:"))
+        .filter_map(|l| {
+            let f: Vec<&str> = l.splitn(5, ',').map(str::trim).collect();
+            (f.len() == 5 && f[4] == quoted).then_some(f)
+        });
+    let f = found.next()?;
+    if found.next().is_some() || f[0] != "0" {
+        return None;
+    }
+    let lba: u64 = f[1].parse().ok()?;
+    let size: u64 = f[3].parse().ok()?;
+    Some((lba.checked_mul(2048)?, size))
+}
+
+/// `/boot/grub/grub.cfg` of the ISO at `iso`: a regular file of at most
+/// [`GRUB_CFG_MAX`] bytes, read from the ISO's own bytes at the extent
+/// xorriso reports. Nothing is extracted, so nothing is left behind, and a
+/// symlink, FIFO, device or directory in its place is refused unread.
+pub fn read_grub_cfg(iso: &Path) -> Result<String, IsoError> {
     volume_date(iso)?;
-    let tmp = crate::atomic::AtomicFile::create(scratch, false).map_err(io_err(scratch))?;
-    xorriso(
+    let o = xorriso(
         iso,
-        "extracting /boot/grub/grub.cfg",
+        "listing /boot/grub/grub.cfg",
         Command::new("xorriso")
-            .args(["-osirrox", "on", "-overwrite", "on", "-indev"])
+            .args(["-abort_on", "FAILURE", "-indev"])
             .arg(iso)
-            .args(["-extract", GRUB_CFG])
-            .arg(tmp.temp_path()),
+            .args(["-find", GRUB_CFG, "-maxdepth", "0", "-exec", "report_lba"]),
     )?;
-    // Dropped uncommitted: the extracted copy goes away with `tmp`.
-    let f = std::fs::File::open(tmp.temp_path()).map_err(io_err(tmp.temp_path()))?;
-    let mut bytes = Vec::new();
-    f.take(GRUB_CFG_MAX + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io_err(tmp.temp_path()))?;
-    if bytes.len() as u64 > GRUB_CFG_MAX {
+    let report = String::from_utf8_lossy(&o.stdout);
+    let (offset, size) =
+        data_extent(&report, GRUB_CFG).ok_or_else(|| IsoError::GrubCfgNotRegular {
+            path: iso.to_owned(),
+        })?;
+    if size > GRUB_CFG_MAX {
         return Err(IsoError::GrubCfgTooLarge {
             path: iso.to_owned(),
+            size,
         });
     }
+    let f = crate::io::open_regular(iso, false).map_err(io_err(iso))?;
+    let mut bytes = vec![0u8; size as usize];
+    f.read_exact_at(&mut bytes, offset)
+        .map_err(|e| IsoError::NotIso {
+            path: iso.to_owned(),
+            why: format!("{GRUB_CFG} lies past the end of the image: {e}"),
+        })?;
     Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// A UKI found in an ISO: a PE image with a `.cmdline` section.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Uki {
+    /// Where its PE image starts in the ISO.
+    pub offset: u64,
+    /// Whether its baked-in command line carries META.
+    pub has_meta: bool,
+}
+
+/// The `.cmdline` section of a PE image as `(offset from the image's
+/// start, size)`, from the image's first bytes (the DOS header's
+/// `e_lfanew`, the COFF header's section count and optional-header size,
+/// then 40-byte section headers: name, VirtualSize, VirtualAddress,
+/// SizeOfRawData, PointerToRawData; PE/COFF specification). `None` for
+/// anything else.
+pub fn pe_cmdline_section(head: &[u8]) -> Option<(u64, u64)> {
+    let u16_at = |o: usize| Some(u16::from_le_bytes(head.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(head.get(o..o + 4)?.try_into().ok()?));
+    if head.get(..2)? != b"MZ" {
+        return None;
+    }
+    let pe = u32_at(0x3c)? as usize;
+    if head.get(pe..pe + 4)? != b"PE\0\0" {
+        return None;
+    }
+    let sections = usize::from(u16_at(pe + 6)?);
+    let table = pe + 24 + usize::from(u16_at(pe + 20)?);
+    (0..sections).find_map(|i| {
+        let h = table + 40 * i;
+        (head.get(h..h + 8)? == b".cmdline").then_some(())?;
+        let virtual_size = u32_at(h + 8)?;
+        let raw_size = u32_at(h + 16)?;
+        let size = if virtual_size == 0 {
+            raw_size
+        } else {
+            virtual_size.min(raw_size)
+        };
+        Some((u64::from(u32_at(h + 20)?), u64::from(size)))
+    })
+}
+
+/// The UKIs in the ISO at `iso`, wherever they lie (the ISO9660 tree, an
+/// El Torito EFI image, an appended EFI partition): every 512-byte aligned
+/// PE image with a `.cmdline` section (files in ISO9660 and FAT start on
+/// sector boundaries). Reads the ISO once, in bounded chunks.
+pub fn ukis(iso: &Path) -> Result<Vec<Uki>, IsoError> {
+    let f = crate::io::open_regular(iso, false).map_err(io_err(iso))?;
+    let len = f.metadata().map_err(io_err(iso))?.len();
+    let mut found = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut head = vec![0u8; 8 << 10];
+    let mut pos = 0u64;
+    while pos < len {
+        let n = (len - pos).min(buf.len() as u64) as usize;
+        f.read_exact_at(&mut buf[..n], pos).map_err(io_err(iso))?;
+        for at in (0..n).step_by(512) {
+            if buf.get(at..at + 2) != Some(b"MZ") {
+                continue;
+            }
+            let start = pos + at as u64;
+            let h = (len - start).min(head.len() as u64) as usize;
+            f.read_exact_at(&mut head[..h], start)
+                .map_err(io_err(iso))?;
+            let Some((off, size)) = pe_cmdline_section(&head[..h]) else {
+                continue;
+            };
+            let mut cmdline = vec![0u8; size.min(UKI_CMDLINE_MAX) as usize];
+            let has_meta = start
+                .checked_add(off)
+                .is_some_and(|o| f.read_exact_at(&mut cmdline, o).is_ok())
+                && String::from_utf8_lossy(&cmdline).contains(crate::bootscript::META_MARKER);
+            found.push(Uki {
+                offset: start,
+                has_meta,
+            });
+        }
+        pos += n as u64;
+    }
+    Ok(found)
 }
 
 /// Writes `out`: the ISO `base` with `arg` on every kernel line of its
@@ -317,14 +533,23 @@ pub fn read_grub_cfg(iso: &Path, scratch: &Path) -> Result<String, IsoError> {
 /// number of kernel lines. Written under a temporary name, fsynced, renamed.
 pub fn write_node_iso(base: &Path, out: &Path, arg: &str) -> Result<usize, IsoError> {
     let date = volume_date(base)?;
-    let cfg_path = out.with_extension("grub.cfg");
-    let cfg = read_grub_cfg(base, &cfg_path)?;
-    if cfg.contains(meta::ENVIRONMENT_PREFIX) {
+    let cfg = read_grub_cfg(base)?;
+    if let Some(uki) = ukis(base)?.first() {
+        return Err(IsoError::UefiUki {
+            path: base.to_owned(),
+            offset: uki.offset,
+        });
+    }
+    if cfg.contains(crate::bootscript::META_MARKER) {
         return Err(IsoError::AlreadyHasMeta {
             path: base.to_owned(),
         });
     }
-    let (cfg, lines) = add_kernel_arg(&cfg, arg);
+    let (cfg, lines) = add_kernel_arg(&cfg, arg).map_err(|(line, why)| IsoError::Script {
+        path: base.to_owned(),
+        line,
+        why,
+    })?;
     if lines == 0 {
         return Err(IsoError::NoKernelLine {
             path: base.to_owned(),
@@ -337,6 +562,7 @@ pub fn write_node_iso(base: &Path, out: &Path, arg: &str) -> Result<usize, IsoEr
             len,
         });
     }
+    let cfg_path = out.with_extension("grub.cfg");
     let mut new_cfg =
         crate::atomic::AtomicFile::create(&cfg_path, false).map_err(io_err(&cfg_path))?;
     std::io::Write::write_all(new_cfg.file(), cfg.as_bytes()).map_err(io_err(&cfg_path))?;
@@ -374,6 +600,8 @@ pub fn write_node_iso(base: &Path, out: &Path, arg: &str) -> Result<usize, IsoEr
 pub struct IsoReport {
     pub volume_date: String,
     pub entries: Vec<EntryReport>,
+    /// The UKIs its UEFI boot may start, which `grub.cfg` does not reach.
+    pub ukis: Vec<Uki>,
 }
 
 /// One menu entry with its decoded META.
@@ -387,17 +615,21 @@ pub struct EntryReport {
     pub problem: Option<String>,
 }
 
-/// The volume date and the menu entries (with decoded META) of an ISO.
-pub fn inspect(iso: &Path, scratch: &Path) -> Result<IsoReport, IsoError> {
+/// The volume date, the menu entries (with decoded META) and the UKIs of
+/// an ISO.
+pub fn inspect(iso: &Path) -> Result<IsoReport, IsoError> {
     let volume_date = volume_date(iso)?;
-    let cfg = read_grub_cfg(iso, scratch)?;
+    let cfg = read_grub_cfg(iso)?;
+    let ukis = ukis(iso)?;
     let entries = menu_entries(&cfg)
         .into_iter()
         .map(|entry| {
-            let (meta, problem) = match entry.meta() {
-                None => (Vec::new(), None),
-                Some(Ok(v)) => (v, None),
-                Some(Err(e)) => (Vec::new(), Some(e.to_string())),
+            let (meta, problem) = match (&entry.script_problem, entry.meta_args(), entry.meta()) {
+                (Some(p), _, _) => (Vec::new(), Some(p.clone())),
+                (None, n, _) if n > 1 => (Vec::new(), Some(format!("{n} META arguments"))),
+                (None, _, None) => (Vec::new(), None),
+                (None, _, Some(Ok(v))) => (v, None),
+                (None, _, Some(Err(e))) => (Vec::new(), Some(e.to_string())),
             };
             EntryReport {
                 entry,
@@ -409,6 +641,7 @@ pub fn inspect(iso: &Path, scratch: &Path) -> Result<IsoReport, IsoError> {
     Ok(IsoReport {
         volume_date,
         entries,
+        ukis,
     })
 }
 
@@ -439,7 +672,7 @@ pub fn compare(a: &IsoReport, b: &IsoReport) -> Vec<String> {
     let mut out = Vec::new();
     if a.volume_date != b.volume_date {
         out.push(format!(
-            "volume date: {} vs {} (GRUB's EFI image finds its root by it)",
+            "volume date: {} vs {} (GRUB EFI images made before GRUB 2.12 find their root by it)",
             a.volume_date, b.volume_date
         ));
     }
@@ -491,8 +724,8 @@ pub fn compare(a: &IsoReport, b: &IsoReport) -> Vec<String> {
 }
 
 /// Compares two ISOs: bytes, volume date, menu entries and decoded META.
-pub fn diff(a: &Path, b: &Path, scratch: &Path) -> Result<IsoDiff, IsoError> {
-    let (ra, rb) = (inspect(a, scratch)?, inspect(b, scratch)?);
+pub fn diff(a: &Path, b: &Path) -> Result<IsoDiff, IsoError> {
+    let (ra, rb) = (inspect(a)?, inspect(b)?);
     let hash = |p: &Path| -> Result<(crate::digest::Sha256, u64), IsoError> {
         let f = crate::io::open_regular(p, false).map_err(io_err(p))?;
         crate::io::sha256_of(f).map_err(io_err(p))
@@ -512,7 +745,7 @@ mod tests {
 
     #[test]
     fn every_kernel_line_gets_the_argument_and_nothing_else_changes() {
-        let (cfg, n) = add_kernel_arg(FACTORY_CFG, "a=1");
+        let (cfg, n) = add_kernel_arg(FACTORY_CFG, "a=1").unwrap();
         assert_eq!(n, 2);
         let changed: Vec<(&str, &str)> = FACTORY_CFG
             .lines()
@@ -525,7 +758,7 @@ mod tests {
         }
         assert_eq!(cfg.lines().count(), FACTORY_CFG.lines().count());
         assert!(cfg.ends_with("}\n"));
-        assert_eq!(add_kernel_arg("set x=1\ninitrd /i", "a").1, 0);
+        assert_eq!(add_kernel_arg("set x=1\ninitrd /i", "a").unwrap().1, 0);
     }
 
     #[test]
@@ -543,6 +776,7 @@ mod tests {
     fn report(cfg: &str, date: &str) -> IsoReport {
         IsoReport {
             volume_date: date.into(),
+            ukis: Vec::new(),
             entries: menu_entries(cfg)
                 .into_iter()
                 .map(|entry| EntryReport {
@@ -558,10 +792,15 @@ mod tests {
     fn compare_names_dates_arguments_and_meta_keys() {
         let one = meta::environment_arg(&[(10, "a")], true).unwrap();
         let two = meta::environment_arg(&[(10, "b"), (12, "x")], true).unwrap();
-        let a = report(&add_kernel_arg(FACTORY_CFG, &one).0, "2025061210203000");
+        let a = report(
+            &add_kernel_arg(FACTORY_CFG, &one).unwrap().0,
+            "2025061210203000",
+        );
         assert!(compare(&a, &a).is_empty());
         let b = report(
-            &add_kernel_arg(&FACTORY_CFG.replace("console=ttyS0", "quiet"), &two).0,
+            &add_kernel_arg(&FACTORY_CFG.replace("console=ttyS0", "quiet"), &two)
+                .unwrap()
+                .0,
             "2025061210203001",
         );
         let lines = compare(&a, &b);
@@ -586,7 +825,7 @@ mod tests {
     fn command_lines_over_the_kernel_limit_are_found() {
         assert_eq!(too_long(FACTORY_CFG), None);
         let arg = "x".repeat(meta::CMDLINE_MAX);
-        let (cfg, _) = add_kernel_arg(FACTORY_CFG, &arg);
+        let (cfg, _) = add_kernel_arg(FACTORY_CFG, &arg).unwrap();
         let (title, len) = too_long(&cfg).unwrap();
         assert_eq!(title, "Talos ISO");
         assert_eq!(len, "talos.platform=metal console=ttyS0 ".len() + arg.len());
@@ -609,16 +848,161 @@ mod tests {
 
     #[test]
     fn grub_quoting_is_undone() {
+        let e = menu_entries("menuentry 'T' {\n  linux /k 'a b' \"c\\\"d\" e\\ f \"\" x\n}\n");
+        assert_eq!(e[0].title, "T");
+        assert_eq!(e[0].args, ["a b", "c\"d", "e f", "", "x"]);
+        assert_eq!(e[0].script_problem, None);
+    }
+
+    /// The entries a GRUB reading `cfg` would boot, each as its words.
+    fn booted(cfg: &str) -> Vec<Vec<String>> {
+        menu_entries(cfg)
+            .into_iter()
+            .map(|e| {
+                assert_eq!(e.script_problem, None, "{cfg}");
+                e.args
+            })
+            .collect()
+    }
+
+    #[test]
+    fn meta_is_exactly_one_argument_of_every_kernel_line() {
+        let meta = "talos.environment=INSTALLER_META_BASE64=AAAA";
+        let cfg = FACTORY_CFG.replace("console=ttyS0", "console=ttyS0 'a b' x\\'y");
+        let (out, n) = add_kernel_arg(&cfg, meta).unwrap();
+        assert_eq!(n, 2);
+        for args in booted(&out) {
+            assert_eq!(args.iter().filter(|a| *a == meta).count(), 1, "{out}");
+            assert_eq!(args.last().unwrap(), meta);
+            assert!(
+                args.contains(&"a b".to_owned()) && args.contains(&"x'y".to_owned()),
+                "{out}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_kernel_line_grub_would_not_read_as_literal_words_is_refused() {
+        let meta = "talos.environment=INSTALLER_META_BASE64=AAAA";
+        for (hostile, why) in [
+            ("console=ttyS0 ; chain x", "\";\""),
+            ("console=ttyS0 # x", ""),
+            ("console=ttyS0 && shell", "&&"),
+            ("console=ttyS0 || shell ||", "||"),
+            ("console=ttyS0 ${root}", "variable"),
+            ("a=\"b", "quote"),
+            ("a='b", "quote"),
+            ("x talos.environment=INSTALLER_META_BASE64=BBBB", "META"),
+            ("a=\\\"b", "double quote"),
+        ] {
+            let cfg = FACTORY_CFG.replace("console=ttyS0", hostile);
+            match add_kernel_arg(&cfg, meta) {
+                // A comment: GRUB drops the rest, so META must go in the
+                // words before it; it does, and the comment goes.
+                Ok((out, _)) if hostile.contains('#') => {
+                    for args in booted(&out) {
+                        assert_eq!(args.last().unwrap(), meta, "{out}");
+                    }
+                }
+                Ok((out, _)) => panic!("{hostile:?} accepted: {out}"),
+                Err((line, e)) => {
+                    assert_eq!(line, 12, "{hostile:?}");
+                    assert!(e.contains(why), "{hostile:?}: {e}");
+                }
+            }
+        }
+        for cfg in [
+            "set x=1; linux /k a\n",
+            "configfile /x.cfg\n",
+            "if true; then linux /k; fi\n",
+        ] {
+            assert!(add_kernel_arg(cfg, meta).is_err(), "{cfg}");
+        }
+    }
+
+    #[test]
+    fn xorriso_reports_only_regular_single_extent_files() {
+        let report = "Report layout: xt , Startlba ,   Blocks , Filesize , ISO image path\n\
+            File data lba:  0 ,       34 ,        1 ,       11 , '/boot/grub/grub.cfg'\n\
+            File data lba:  0 ,       33 ,        1 ,        2 , '/boot/grub/grub.cfg/f'\n";
+        assert_eq!(data_extent(report, GRUB_CFG), Some((34 * 2048, 11)));
+        assert_eq!(data_extent("Report layout: xt\n", GRUB_CFG), None);
+        let dir = "File data lba:  0 ,       33 ,        1 ,        2 , '/boot/grub/grub.cfg/f'\n";
+        assert_eq!(data_extent(dir, GRUB_CFG), None);
+        let two = "File data lba:  0 , 1 , 1 , 9 , '/boot/grub/grub.cfg'\nFile data lba:  1 , 9 , 1 , 9 , '/boot/grub/grub.cfg'\n";
+        assert_eq!(data_extent(two, GRUB_CFG), None);
+    }
+
+    /// A minimal PE image with the given section names; `.cmdline`'s data
+    /// is `cmdline`, at offset 0x400.
+    fn pe(sections: &[&str], cmdline: &str) -> Vec<u8> {
+        let mut b = vec![0u8; 0x400];
+        b[..2].copy_from_slice(b"MZ");
+        b[0x3c..0x40].copy_from_slice(&0x80u32.to_le_bytes());
+        b[0x80..0x84].copy_from_slice(b"PE\0\0");
+        b[0x86..0x88].copy_from_slice(&(sections.len() as u16).to_le_bytes());
+        b[0x94..0x96].copy_from_slice(&0xf0u16.to_le_bytes());
+        for (i, name) in sections.iter().enumerate() {
+            let h = 0x80 + 24 + 0xf0 + 40 * i;
+            b[h..h + name.len()].copy_from_slice(name.as_bytes());
+            b[h + 8..h + 12].copy_from_slice(&(cmdline.len() as u32).to_le_bytes());
+            b[h + 16..h + 20].copy_from_slice(&0x200u32.to_le_bytes());
+            b[h + 20..h + 24].copy_from_slice(&0x400u32.to_le_bytes());
+        }
+        b.extend_from_slice(cmdline.as_bytes());
+        b.resize(0x600, 0);
+        b
+    }
+
+    #[test]
+    fn a_uki_is_a_pe_image_with_a_cmdline_section() {
+        let uki = pe(&[".text", ".linux", ".cmdline"], "console=ttyS0");
+        assert_eq!(pe_cmdline_section(&uki), Some((0x400, 13)));
+        assert_eq!(pe_cmdline_section(&pe(&[".text", ".reloc"], "")), None);
+        assert_eq!(pe_cmdline_section(&uki[..0x100]), None);
+        assert_eq!(pe_cmdline_section(b"MZ"), None);
+        let mut not_pe = uki.clone();
+        not_pe[0x80] = b'X';
+        assert_eq!(pe_cmdline_section(&not_pe), None);
+    }
+
+    #[test]
+    fn ukis_are_found_anywhere_in_an_iso_and_their_meta_seen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.iso");
+        let mut bytes = vec![0u8; 3 << 20];
+        let plain = pe(&[".cmdline"], "console=ttyS0");
+        let with_meta = pe(
+            &[".cmdline"],
+            "a talos.environment=INSTALLER_META_BASE64=AA==",
+        );
+        // One across the 1 MiB chunk boundary's neighbourhood, one later.
+        let at1 = (1 << 20) - 512;
+        bytes[at1..at1 + plain.len()].copy_from_slice(&plain);
+        let at2 = (2 << 20) + 4096;
+        bytes[at2..at2 + with_meta.len()].copy_from_slice(&with_meta);
+        // Not sector aligned: not a file start.
+        bytes[100..100 + plain.len()].copy_from_slice(&plain);
+        std::fs::write(&path, &bytes).unwrap();
         assert_eq!(
-            words("  linux /k 'a b' \"c\\\"d\" e\\ f \"\" x"),
-            ["linux", "/k", "a b", "c\"d", "e f", "", "x"]
+            ukis(&path).unwrap(),
+            [
+                Uki {
+                    offset: at1 as u64,
+                    has_meta: false
+                },
+                Uki {
+                    offset: at2 as u64,
+                    has_meta: true
+                },
+            ]
         );
     }
 
     #[test]
     fn the_meta_of_an_entry_decodes() {
         let arg = meta::environment_arg(&[(10, "hello")], true).unwrap();
-        let (cfg, _) = add_kernel_arg(FACTORY_CFG, &arg);
+        let (cfg, _) = add_kernel_arg(FACTORY_CFG, &arg).unwrap();
         let e = menu_entries(&cfg);
         for entry in &e {
             assert_eq!(entry.meta().unwrap().unwrap(), [(10, "hello".to_owned())]);
@@ -644,17 +1028,117 @@ mod tests {
     #[test]
     fn only_grub_isos_of_v1_5_and_later_can_be_patched() {
         assert!(check_patchable("v1.9.5", Bootloader::None).is_ok());
-        assert!(check_patchable("v1.11.2", Bootloader::Grub).is_ok());
-        let e = check_patchable("v1.10.0", Bootloader::None).unwrap_err();
-        let msg = e.to_string();
-        assert!(
-            msg.contains("bootloader: grub") && msg.contains("--route factory"),
-            "{msg}"
-        );
-        assert!(check_patchable("v1.11.2", Bootloader::SdBoot).is_err());
+        assert!(check_patchable("v1.12.0", Bootloader::Grub).is_ok());
+        assert!(check_patchable("v1.13.1", Bootloader::Grub).is_ok());
+        // v1.10 and v1.11 ISOs are dual-boot whatever the bootloader.
+        for v in ["v1.10.0", "v1.11.2"] {
+            for b in [Bootloader::None, Bootloader::Grub, Bootloader::SdBoot] {
+                let msg = check_patchable(v, b).unwrap_err().to_string();
+                assert!(
+                    msg.contains("v1.12")
+                        && msg.contains("bootloader: grub")
+                        && msg.contains("imgbuild pxe")
+                        && msg.contains("--route factory"),
+                    "{msg}"
+                );
+            }
+        }
+        let e = check_patchable("v1.12.0", Bootloader::None).unwrap_err();
+        assert!(matches!(e, IsoError::UkiIso { .. }), "{e}");
+        assert!(check_patchable("v1.12.0", Bootloader::SdBoot).is_err());
         assert!(matches!(
             check_patchable("v1.4.8", Bootloader::Grub),
             Err(IsoError::TooOld { .. })
         ));
+    }
+
+    #[test]
+    fn fuzz_grub_cfg_text_never_panics_and_meta_stays_one_last_argument() {
+        use proptest::prelude::*;
+        let line = proptest::string::string_regex(
+            "(linux|linuxefi|menuentry|set|if|configfile|echo)?[ -~\t]{0,40}",
+        )
+        .unwrap();
+        let meta = "talos.environment=INSTALLER_META_BASE64=AAAA";
+        proptest!(crate::fuzz_config(), |(lines in proptest::collection::vec(line, 0..12))| {
+            if !crate::fuzz_time_left() { return Ok(()); }
+            let cfg = lines.join("\n");
+            let _ = menu_entries(&cfg);
+            let _ = too_long(&cfg);
+            if let Ok((out, n)) = add_kernel_arg(&cfg, meta) {
+                let entries = menu_entries(&out);
+                prop_assert_eq!(entries.len(), n);
+                for e in entries {
+                    prop_assert_eq!(&e.script_problem, &None);
+                    prop_assert_eq!(e.meta_args(), 1);
+                    prop_assert_eq!(e.args.last().map(String::as_str), Some(meta));
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn fuzz_xorriso_reports_and_pe_headers_never_panic() {
+        use proptest::prelude::*;
+        proptest!(crate::fuzz_config(), |(report in "[ -~\n]{0,200}", head in proptest::collection::vec(any::<u8>(), 0..2048), at in 0usize..1024)| {
+            if !crate::fuzz_time_left() { return Ok(()); }
+            let _ = data_extent(&report, GRUB_CFG);
+            let _ = pe_cmdline_section(&head);
+            // A real PE header with one byte changed: found or not, never
+            // a section past the bytes it was given.
+            let mut pe = pe(&[".text", ".cmdline"], "x");
+            let i = at % pe.len();
+            pe[i] = head.first().copied().unwrap_or(0);
+            let _ = pe_cmdline_section(&pe);
+        });
+    }
+
+    /// Rock Ridge entries and directory records mutated at random in a
+    /// small ISO made by xorriso: reading `grub.cfg` ends (xorriso parses the
+    /// tree; imgbuild reads at most 1 MiB from the image), never panics and
+    /// leaves nothing behind. 32 cases unless `IMGBUILD_FUZZ_CASES` says.
+    #[test]
+    fn fuzz_rock_ridge_entries_of_a_mutated_iso() {
+        use proptest::prelude::*;
+        let dir = tempfile::tempdir().unwrap();
+        let tree = dir.path().join("tree");
+        std::fs::create_dir_all(tree.join("boot/grub")).unwrap();
+        std::fs::write(tree.join("boot/grub/grub.cfg"), FACTORY_CFG).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", tree.join("boot/grub/link")).unwrap();
+        let base = dir.path().join("base.iso");
+        let ok = Command::new("xorriso")
+            .args(["-as", "mkisofs", "-R", "-o"])
+            .arg(&base)
+            .arg(&tree)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            panic!("xorriso is needed (Debian package xorriso)");
+        }
+        let bytes = std::fs::read(&base).unwrap();
+        let cases = std::env::var("IMGBUILD_FUZZ_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(32);
+        let work = dir.path().join("work");
+        std::fs::create_dir(&work).unwrap();
+        let iso = work.join("m.iso");
+        // Sectors 18 on: path tables and directory records with their
+        // Rock Ridge (SUSP) entries; 16 and 17 stay a valid volume.
+        let span = bytes.len().min(40 * 2048) - 18 * 2048;
+        proptest!(ProptestConfig::with_cases(cases), |(edits in proptest::collection::vec((0..span, any::<u8>()), 1..16))| {
+            if !crate::fuzz_time_left() { return Ok(()); }
+            let mut m = bytes.clone();
+            for (at, b) in &edits {
+                m[18 * 2048 + at] = *b;
+            }
+            std::fs::write(&iso, &m).unwrap();
+            if let Ok(cfg) = read_grub_cfg(&iso) {
+                prop_assert!(cfg.len() as u64 <= GRUB_CFG_MAX);
+            }
+            let _ = ukis(&iso);
+            let left: Vec<_> = std::fs::read_dir(&work).unwrap().map(|e| e.unwrap().file_name()).collect();
+            prop_assert_eq!(left, vec![std::ffi::OsString::from("m.iso")]);
+        });
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod atomic;
 pub mod boot;
+pub mod bootscript;
 pub mod build;
 pub mod digest;
 pub mod disk;

@@ -3,6 +3,9 @@
 //! `grub.cfg` (the same values the factory bakes into the node's own
 //! schematic's ISO), keep the base ISO's boot records and volume date, and
 //! the factory must learn nothing about the nodes on the patch route.
+//! Talos v1.12 is the first whose ISO the factory makes GRUB-only on
+//! `bootloader: grub`; v1.10 and v1.11 ISOs are dual-boot (a UKI on UEFI)
+//! and refused before anything is downloaded.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -111,11 +114,17 @@ fn curl(url: &str, to: &Path) {
     assert!(o.status.success(), "{url}");
 }
 
+/// The factory simulator serving Talos v1.12.1 (GRUB ISOs on request) and
+/// v1.11.2 (dual-boot ISOs).
+fn factory() -> Sim {
+    Sim::start_with(&[], 0, &["--versions", "v1.12.1,v1.11.2"])
+}
+
 #[test]
 fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_records() {
-    let sim = Sim::start(&[]);
+    let sim = factory();
     let dir = tempfile::tempdir().unwrap();
-    let config = two_isos("127.0.0", "v1.11.2")
+    let config = two_isos("127.0.0", "v1.12.1")
         .bootloader("grub")
         .write(dir.path());
     let out = dir.path().join("out");
@@ -325,10 +334,46 @@ fn imgbuild(args: &[&str]) -> Output {
 }
 
 #[test]
-fn the_uki_iso_of_talos_1_10_and_later_is_refused_naming_the_choices() {
-    let sim = Sim::start(&[]);
+fn the_dual_boot_iso_of_talos_1_10_and_1_11_is_refused_before_any_download() {
+    let sim = factory();
     let dir = tempfile::tempdir().unwrap();
-    let config = two_isos("127.0.0", "v1.11.2").write(dir.path());
+    // bootloader: grub changes nothing for a v1.11 ISO: the factory honours
+    // it for ISOs only from v1.12.
+    for bootloader in [None, Some("grub")] {
+        let mut inv = two_isos("127.0.0", "v1.11.2");
+        if let Some(b) = bootloader {
+            inv = inv.bootloader(b);
+        }
+        let config = inv.write(dir.path());
+        let out = dir.path().join("out");
+        let o = with_factory(
+            &config,
+            dir.path(),
+            &sim,
+            &["build", "--out-dir", out.to_str().unwrap()],
+        );
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+        let err = text(&o.stderr);
+        for way_out in [
+            "v1.12",
+            "bootloader: grub",
+            "imgbuild pxe",
+            "--route factory",
+        ] {
+            assert!(err.contains(way_out), "{bootloader:?}: {way_out}: {err}");
+        }
+        // Before: the factory saw no schematic and served no image.
+        assert_eq!(sim.image_gets(), 0, "{bootloader:?}");
+        assert_eq!(
+            sim.posted_schematics(),
+            serde_json::json!({}),
+            "{bootloader:?}"
+        );
+        assert!(!out.join("cp-01.iso").exists());
+    }
+
+    // v1.12 without GRUB: the default ISO boots a UKI on UEFI.
+    let config = two_isos("127.0.0", "v1.12.1").write(dir.path());
     let out = dir.path().join("out");
     let o = with_factory(
         &config,
@@ -337,14 +382,16 @@ fn the_uki_iso_of_talos_1_10_and_later_is_refused_naming_the_choices() {
         &["build", "--out-dir", out.to_str().unwrap()],
     );
     assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
-    let err = text(&o.stderr);
-    assert!(err.contains("bootloader: grub"), "{err}");
-    assert!(err.contains("--route factory"), "{err}");
+    assert!(
+        text(&o.stderr).contains("bootloader: grub"),
+        "{}",
+        text(&o.stderr)
+    );
     assert_eq!(sim.image_gets(), 0);
-    assert!(!out.join("cp-01.iso").exists());
 
     // The named alternative works: the factory's ISO of the node's own
     // schematic, with its META from the factory.
+    let config = two_isos("127.0.0", "v1.11.2").write(dir.path());
     let o = with_factory(
         &config,
         dir.path(),
@@ -369,11 +416,11 @@ fn net() -> String {
 
 #[test]
 fn a_proxmox_vm_boots_its_node_iso_and_comes_up_at_the_address_the_iso_carries() {
-    let sim = Sim::start(&[]);
+    let sim = factory();
     let nodes = Nodes::start(&[]);
     let pve = Pve::start(&["--nodes-control", &nodes.control]);
     let dir = tempfile::tempdir().unwrap();
-    let config = two_isos(&net(), "v1.11.2")
+    let config = two_isos(&net(), "v1.12.1")
         .bootloader("grub")
         .append("publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048, boot: iso}\n")
         .write(dir.path());
@@ -401,7 +448,8 @@ fn a_proxmox_vm_boots_its_node_iso_and_comes_up_at_the_address_the_iso_carries()
         let (code, cfg) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &[]);
         assert_eq!(code, 200, "{cfg}");
         let cfg = &cfg["data"];
-        assert_eq!(cfg["boot"], "order=ide2;scsi0", "{cfg}");
+        // The disk first: blank, the firmware skips it and boots the ISO.
+        assert_eq!(cfg["boot"], "order=scsi0;ide2", "{cfg}");
         let ide2 = cfg["ide2"].as_str().unwrap();
         assert!(
             ide2.starts_with("local:iso/iso-") && ide2.contains(".iso,"),
@@ -425,4 +473,99 @@ fn a_proxmox_vm_boots_its_node_iso_and_comes_up_at_the_address_the_iso_carries()
         );
     }
     assert_eq!(stats["totals"]["nodes"], 2, "{stats}");
+}
+
+/// `POST …/status/<what>` and waits for the task.
+fn power(pve: &Pve, vmid: u32, what: &str) {
+    let (code, v) = pve.curl(
+        &format!("/nodes/pve/qemu/{vmid}/status/{what}"),
+        &["-X", "POST"],
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK", "{what} {vmid}");
+}
+
+/// `GET /_sim/vms/<vmid>`: running, bootedIp, bootError.
+fn vm_state(pve: &Pve, vmid: u32) -> serde_json::Value {
+    let o = Command::new("curl")
+        .args(["-sk", &format!("{}_sim/vms/{vmid}", pve.url)])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// Talos v1.12.1, whose ISOs carry `talos.halt_if_installed=1`: after `up`
+/// installed every node from its ISO, a VM stopped and started again (a
+/// Proxmox host restart) boots its disk and comes back configured; with
+/// the ISO first in the boot order it would halt.
+#[test]
+fn after_up_from_iso_a_restarted_vm_comes_back_on_its_disk() {
+    let net = format!("127.{}.4", 150 + std::process::id() % 50);
+    let sim = factory();
+    let nodes = Nodes::start(&["--vip", &format!("{net}.10"), "--talos-version", "v1.12.1"]);
+    let pve = Pve::start(&["--nodes-control", &nodes.control]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = Inventory::five_nodes("isoup", &net)
+        .talos("v1.12.1")
+        .metal("iso")
+        .bootloader("grub")
+        .append("publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048, boot: iso}\n")
+        .write(dir.path());
+    let mut run = Run::with_config(&config, &["--output", "json", "up"]);
+    run.timeouts(&[])
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .factory(&sim)
+        .args(["--poll-ms", "50", "--quiet"])
+        .folders(dir.path())
+        .env_remove("IMGBUILD_STATE_DIR")
+        .env_remove("TALOSCONFIG")
+        .proxmox(&pve);
+    let o = run.output();
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    assert_eq!(json(&o)["healthy"], true);
+
+    // cp-01 (VM 300) and worker-01's VM: configured from the ISO, so
+    // installed to scsi0.
+    let cp = format!("{net}.11");
+    for vmid in [300, 304] {
+        let before = vm_state(&pve, vmid);
+        assert_eq!(before["bootError"], serde_json::Value::Null, "{before}");
+        let ip = before["bootedIp"].clone();
+        power(&pve, vmid, "stop");
+        power(&pve, vmid, "start");
+        let after = vm_state(&pve, vmid);
+        assert_eq!(after["bootedIp"], ip, "{vmid}: {after}");
+        assert_eq!(after["bootError"], serde_json::Value::Null, "{after}");
+    }
+    assert_eq!(vm_state(&pve, 300)["bootedIp"], cp.as_str());
+    let stats = nodes.stats();
+    assert_eq!(stats["nodes"]["cp-01"]["phase"], "configured", "{stats}");
+
+    // The same VM with the ISO first: Talos halts ("Please reboot from the
+    // disk") and no node comes up. The order imgbuild sends is what keeps
+    // the VM alive.
+    let (code, v) = pve.curl(
+        "/nodes/pve/qemu/300/config",
+        &["-X", "POST", "--data-urlencode", "boot=order=ide2;scsi0"],
+    );
+    assert_eq!(code, 200, "{v}");
+    if let Some(upid) = v["data"].as_str() {
+        pve.wait(&serde_json::Value::from(upid));
+    }
+    power(&pve, 300, "stop");
+    power(&pve, 300, "start");
+    let halted = vm_state(&pve, 300);
+    assert_eq!(halted["bootedIp"], serde_json::Value::Null, "{halted}");
+    assert!(
+        halted["bootError"]
+            .as_str()
+            .is_some_and(|e| e.contains("Please reboot from the disk")),
+        "{halted}"
+    );
 }

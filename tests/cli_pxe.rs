@@ -163,7 +163,7 @@ fn every_script_carries_the_key10_its_disk_image_would_and_the_factory_learns_no
 
     let boot = std::fs::read_to_string(pxe.join("boot.ipxe")).unwrap();
     assert!(
-        boot.contains("chain --autofree nodes/${net0/mac:hexhyp}.ipxe"),
+        boot.contains("chain --autofree nodes/${netX/mac:hexhyp}.ipxe"),
         "{boot}"
     );
 

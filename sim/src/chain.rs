@@ -40,14 +40,15 @@ impl Nodes {
         self.post("/_sim/boot", body).await
     }
 
-    /// Halts the node on `ip`. A node that never booted is not an error.
-    pub async fn halt(&self, ip: &str) -> Result<(), String> {
+    /// Halts the node on `ip`, with the node simulator's reply (`null` for a
+    /// node that never booted, which is not an error).
+    pub async fn halt(&self, ip: &str) -> Result<Value, String> {
         match self
             .post("/_sim/halt", &serde_json::json!({ "ip": ip }))
             .await
         {
-            Ok(_) => Ok(()),
-            Err(e) if e.starts_with("404") => Ok(()),
+            Ok(v) => Ok(v),
+            Err(e) if e.starts_with("404") => Ok(Value::Null),
             Err(e) => Err(e),
         }
     }

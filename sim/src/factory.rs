@@ -52,6 +52,28 @@ pub struct Args {
     /// schematics-503 (`POST /schematics` answers 503 Service Unavailable).
     #[arg(long)]
     misbehave: Vec<String>,
+    /// A real x86 kernel (bzImage): served as `kernel-amd64` and booted by
+    /// real ISOs (grub-mkrescue) instead of the simulated ones.
+    #[arg(long, requires = "initramfs")]
+    kernel: Option<PathBuf>,
+    /// The initramfs served as `initramfs-amd64.xz` and put on real ISOs.
+    #[arg(long, requires = "kernel")]
+    initramfs: Option<PathBuf>,
+    /// The factory's own kernel arguments (instead of Talos's defaults);
+    /// extra kernel arguments and META follow them.
+    #[arg(long)]
+    cmdline: Option<String>,
+    /// systemd's EFI stub (`linuxx64.efi.stub`): with it, real ISOs of
+    /// Talos v1.10 and later are dual-boot (GRUB on BIOS, a UKI on UEFI).
+    #[arg(long, requires = "kernel")]
+    uki_stub: Option<PathBuf>,
+}
+
+/// What real boot media are made of (see [`Args::kernel`]).
+struct RealBoot {
+    kernel: PathBuf,
+    initramfs: PathBuf,
+    uki_stub: Option<PathBuf>,
 }
 
 struct Misbehaviour {
@@ -70,6 +92,8 @@ struct Sim {
     modes: Mutex<Vec<Misbehaviour>>,
     image_gets: Mutex<HashMap<String, u64>>,
     build: tokio::sync::Mutex<()>,
+    real: Option<RealBoot>,
+    base_cmdline: Option<String>,
 }
 
 fn loopback(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
@@ -129,6 +153,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         modes: Mutex::new(modes),
         image_gets: Mutex::new(HashMap::new()),
         build: tokio::sync::Mutex::new(()),
+        real: args
+            .kernel
+            .zip(args.initramfs)
+            .map(|(kernel, initramfs)| RealBoot {
+                kernel,
+                initramfs,
+                uki_stub: args.uki_stub,
+            }),
+        base_cmdline: args.cmdline,
     });
     let app = Router::new()
         .route("/schematics", post(post_schematic))
@@ -386,7 +419,7 @@ async fn image(
             );
         }
     }
-    if let Some(asset) = boot_asset(&schematic, &version, &file) {
+    if let Some(asset) = boot_asset(&sim, &schematic, &version, &file) {
         if method == Method::GET {
             *sim.image_gets
                 .lock()
@@ -461,10 +494,28 @@ async fn image(
 /// extensions too, never on META (`internal/profile/profile.go` puts META
 /// on the command line of boot assets instead, as `buildCmdline` in
 /// siderolabs/talos `pkg/imager/imager.go` does).
-fn boot_asset(schematic: &SchematicShape, version: &str, file: &str) -> Option<Response> {
+fn boot_asset(
+    sim: &Sim,
+    schematic: &SchematicShape,
+    version: &str,
+    file: &str,
+) -> Option<Response> {
     let bytes = |body: Vec<u8>| {
         ([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response()
     };
+    if let Some(real) = &sim.real {
+        let path = match file {
+            "kernel-amd64" => Some(&real.kernel),
+            "initramfs-amd64.xz" => Some(&real.initramfs),
+            _ => None,
+        };
+        if let Some(path) = path {
+            return Some(match std::fs::read(path) {
+                Ok(b) => bytes(b),
+                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            });
+        }
+    }
     if let Some(arch) = file.strip_prefix("kernel-") {
         return Some(match simulated_kernel(version, arch) {
             Some(k) => bytes(k),
@@ -501,14 +552,20 @@ fn boot_asset(schematic: &SchematicShape, version: &str, file: &str) -> Option<R
     let (platform, arch) = file.strip_prefix("cmdline-")?.rsplit_once('-')?;
     Some(text(
         StatusCode::OK,
-        cmdline(schematic, version, platform, arch),
+        cmdline(sim, schematic, version, platform, arch),
     ))
 }
 
 /// The kernel command line the factory gives a schematic's boot assets,
 /// with its META on it when it has any.
-fn cmdline(schematic: &SchematicShape, version: &str, platform: &str, arch: &str) -> String {
-    let mut args = vec![
+fn cmdline(
+    sim: &Sim,
+    schematic: &SchematicShape,
+    version: &str,
+    platform: &str,
+    arch: &str,
+) -> String {
+    let mut args: Vec<String> = vec![
         format!("talos.platform={platform}"),
         "console=ttyS0".into(),
         "console=tty0".into(),
@@ -523,6 +580,9 @@ fn cmdline(schematic: &SchematicShape, version: &str, platform: &str, arch: &str
     ];
     if arch != "amd64" {
         args.retain(|a| a != "pti=on");
+    }
+    if let Some(base) = &sim.base_cmdline {
+        args = base.split_whitespace().map(str::to_owned).collect();
     }
     args.extend(schematic.customization.extra_kernel_args.iter().cloned());
     if !schematic.customization.meta.is_empty() {
@@ -564,16 +624,7 @@ fn encode_meta_values(values: &[MetaShape], version: &str) -> String {
         .map(|m| format!("0x{:x}={}", m.key, m.value))
         .collect::<Vec<_>>()
         .join(";");
-    let mut parts = version
-        .trim_start_matches('v')
-        .split('.')
-        .map(|p| p.parse::<u32>().unwrap_or(0));
-    let v = (
-        parts.next().unwrap_or(0),
-        parts.next().unwrap_or(0),
-        parts.next().unwrap_or(0),
-    );
-    let bytes = if v >= (1, 6, 3) && joined.len() > 256 {
+    let bytes = if talos_version(version) >= (1, 6, 3) && joined.len() > 256 {
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
         std::io::Write::write_all(&mut gz, joined.as_bytes()).expect("in memory");
         gz.finish().expect("in memory")
@@ -581,6 +632,19 @@ fn encode_meta_values(values: &[MetaShape], version: &str) -> String {
         joined.into_bytes()
     };
     base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// `vX.Y.Z` as numbers (a missing or odd part is 0).
+fn talos_version(version: &str) -> (u32, u32, u32) {
+    let mut parts = version
+        .trim_start_matches('v')
+        .split('.')
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    (
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+    )
 }
 
 /// Every schematic posted so far, as received: what the factory's operator
@@ -699,8 +763,17 @@ fn build(
         Kind::Iso => {
             let stem = file.strip_suffix(".iso").unwrap_or(file);
             let (platform, arch) = stem.rsplit_once('-').unwrap_or((stem, "amd64"));
-            let cmdline = cmdline(schematic, version, platform, arch);
-            make_iso(&tmp, &cmdline, version, arch)?;
+            let mut cmdline = cmdline(sim, schematic, version, platform, arch);
+            // Talos ISOs from v1.8 halt when booted again once installed
+            // (siderolabs/talos `pkg/imager/imager.go`:
+            // `SupportsHaltIfInstalled`, ISO output only).
+            if talos_version(version) >= (1, 8, 0) {
+                cmdline.push_str(" talos.halt_if_installed=1");
+            }
+            match &sim.real {
+                Some(real) => real_iso(real, &tmp, &cmdline, version, schematic)?,
+                None => make_iso(&tmp, &cmdline, version, arch)?,
+            }
         }
     }
     std::fs::rename(&tmp, &out)?;
@@ -731,12 +804,7 @@ fn make_iso(out: &std::path::Path, cmdline: &str, version: &str, arch: &str) -> 
     )?;
     std::fs::write(boot.join("grub/i386-pc/eltorito.img"), [0xEBu8; 2048])?;
     std::fs::write(boot.join("grub/efi.img"), vec![0xF6u8; 64 << 10])?;
-    let cfg = format!(
-        "set default=0\nset timeout=3\n\ninsmod all_video\n\nterminal_input console\nterminal_output console\n\n\
-         menuentry \"Talos ISO\" {{\n\tset gfxmode=auto\n\tset gfxpayload=text\n\tlinux /boot/vmlinuz {cmdline}\n\tinitrd /boot/initramfs.xz\n}}\n\n\
-         menuentry \"Reset Talos installation\" {{\n\tset gfxmode=auto\n\tset gfxpayload=text\n\tlinux /boot/vmlinuz {cmdline} talos.experimental.wipe=system\n\tinitrd /boot/initramfs.xz\n}}\n"
-    );
-    std::fs::write(boot.join("grub/grub.cfg"), cfg)?;
+    std::fs::write(boot.join("grub/grub.cfg"), grub_cfg(cmdline))?;
     let _ = std::fs::remove_file(out);
     let o = std::process::Command::new("xorriso")
         .args(["-as", "mkisofs", "-R", "-iso-level", "3", "-V", "TALOS"])
@@ -766,6 +834,190 @@ fn make_iso(out: &std::path::Path, cmdline: &str, version: &str, arch: &str) -> 
         "xorriso failed: {}",
         String::from_utf8_lossy(&o.stderr)
     );
+    Ok(())
+}
+
+/// The GRUB menu of siderolabs/talos `pkg/imager/iso/grub.cfg`, filled.
+fn grub_cfg(cmdline: &str) -> String {
+    format!(
+        "set default=0\nset timeout=3\n\ninsmod all_video\n\nterminal_input console\nterminal_output console\n\n\
+         menuentry \"Talos ISO\" {{\n\tset gfxmode=auto\n\tset gfxpayload=text\n\tlinux /boot/vmlinuz {cmdline}\n\tinitrd /boot/initramfs.xz\n}}\n\n\
+         menuentry \"Reset Talos installation\" {{\n\tset gfxmode=auto\n\tset gfxpayload=text\n\tlinux /boot/vmlinuz {cmdline} talos.experimental.wipe=system\n\tinitrd /boot/initramfs.xz\n}}\n"
+    )
+}
+
+/// Whether Talos `version` makes the dual-boot ISO for `schematic`: from
+/// v1.10 the default ISO boots GRUB on BIOS and a UKI on UEFI, and
+/// `customization.bootloader: grub` makes a GRUB-only ISO from v1.12 on
+/// (`quirks.ISOSupportsSettingBootloader`, siderolabs/talos
+/// `pkg/imager/profile/output.go`, `pkg/imager/iso/`).
+fn dual_boot_iso(version: &str, schematic: &SchematicShape) -> bool {
+    let v = talos_version(version);
+    v >= (1, 10, 0) && !(v >= (1, 12, 0) && schematic.customization.bootloader == "grub")
+}
+
+/// A bootable ISO of the real kernel and initramfs, made as Talos makes
+/// its own: grub-mkrescue over `/boot/vmlinuz`, `/boot/initramfs.xz` and
+/// the `grub.cfg` above; the dual-boot kind has GRUB for BIOS only and, in
+/// an appended EFI system partition, `EFI/BOOT/BOOTX64.EFI`: a UKI with
+/// `cmdline` baked in.
+fn real_iso(
+    real: &RealBoot,
+    out: &std::path::Path,
+    cmdline: &str,
+    version: &str,
+    schematic: &SchematicShape,
+) -> anyhow::Result<()> {
+    let tree = out.with_extension("tree");
+    let _ = std::fs::remove_dir_all(&tree);
+    std::fs::create_dir_all(tree.join("boot/grub"))?;
+    std::fs::copy(&real.kernel, tree.join("boot/vmlinuz"))?;
+    std::fs::copy(&real.initramfs, tree.join("boot/initramfs.xz"))?;
+    std::fs::write(tree.join("boot/grub/grub.cfg"), grub_cfg(cmdline))?;
+    let (uki, esp) = (out.with_extension("uki"), out.with_extension("esp"));
+    let mut cmd = std::process::Command::new("grub-mkrescue");
+    cmd.arg("-o").arg(out);
+    let stub = real
+        .uki_stub
+        .as_ref()
+        .filter(|_| dual_boot_iso(version, schematic));
+    if let Some(stub) = stub {
+        make_uki(stub, &real.kernel, &real.initramfs, cmdline, &uki)?;
+        make_esp(&uki, &esp)?;
+        // GRUB for BIOS only; UEFI firmware boots the appended partition.
+        cmd.args(["-d", "/usr/lib/grub/i386-pc"])
+            .arg(&tree)
+            .args(["--", "-append_partition", "2", "0xef"])
+            .arg(&esp)
+            .args(["-boot_image", "any", "next"])
+            .args([
+                "-boot_image",
+                "any",
+                "efi_path=--interval:appended_partition_2:all::",
+            ]);
+    } else {
+        cmd.arg(&tree);
+    }
+    let o = cmd.output();
+    let _ = std::fs::remove_dir_all(&tree);
+    let _ = std::fs::remove_file(&uki);
+    let _ = std::fs::remove_file(&esp);
+    let o = o?;
+    anyhow::ensure!(
+        o.status.success(),
+        "grub-mkrescue failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(())
+}
+
+fn le(b: &[u8], at: usize, n: usize) -> anyhow::Result<u64> {
+    let bytes = b
+        .get(at..at + n)
+        .ok_or_else(|| anyhow::anyhow!("PE header cut short at {at}"))?;
+    Ok(bytes.iter().rev().fold(0, |v, &x| (v << 8) | u64::from(x)))
+}
+
+/// The first address past the sections of a PE32+ image (PE/COFF: the
+/// optional header's ImageBase plus each section's VirtualAddress and
+/// VirtualSize): where a UKI's own sections may start.
+fn pe_end(image: &[u8]) -> anyhow::Result<u64> {
+    let pe = le(image, 0x3c, 4)? as usize;
+    anyhow::ensure!(image.get(pe..pe + 4) == Some(b"PE\0\0"), "not a PE image");
+    let coff = pe + 4;
+    let sections = le(image, coff + 2, 2)? as usize;
+    let optional = coff + 20;
+    anyhow::ensure!(le(image, optional, 2)? == 0x20b, "not PE32+");
+    let base = le(image, optional + 24, 8)?;
+    let table = optional + le(image, coff + 16, 2)? as usize;
+    let mut end = 0;
+    for i in 0..sections {
+        let s = table + 40 * i;
+        end = end.max(le(image, s + 12, 4)? + le(image, s + 8, 4)?);
+    }
+    Ok(base + end)
+}
+
+/// A UKI (systemd's `ukify` layout): the EFI stub with `.cmdline`, `.initrd`
+/// and `.linux` sections added past its own, page-aligned, by objcopy.
+fn make_uki(
+    stub: &std::path::Path,
+    kernel: &std::path::Path,
+    initramfs: &std::path::Path,
+    cmdline: &str,
+    out: &std::path::Path,
+) -> anyhow::Result<()> {
+    let align = |n: u64| n.div_ceil(4096) * 4096;
+    let cmdline_file = out.with_extension("cmdline");
+    std::fs::write(&cmdline_file, cmdline)?;
+    let mut at = align(pe_end(&std::fs::read(stub)?)?);
+    let mut cmd = std::process::Command::new("objcopy");
+    for (name, file) in [
+        (".cmdline", cmdline_file.as_path()),
+        (".initrd", initramfs),
+        (".linux", kernel),
+    ] {
+        cmd.arg("--add-section")
+            .arg(format!("{name}={}", file.display()))
+            .arg("--change-section-vma")
+            .arg(format!("{name}={at:#x}"));
+        at = align(at + std::fs::metadata(file)?.len());
+    }
+    let o = cmd.arg(stub).arg(out).output();
+    let _ = std::fs::remove_file(&cmdline_file);
+    let o = o?;
+    anyhow::ensure!(
+        o.status.success(),
+        "objcopy failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(())
+}
+
+/// A FAT EFI system partition image holding `uki` as the removable-media
+/// boot file `EFI/BOOT/BOOTX64.EFI` (mtools).
+fn make_esp(uki: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
+    let sectors = (std::fs::metadata(uki)?.len() + (2 << 20)).div_ceil(512);
+    let _ = std::fs::remove_file(out);
+    std::fs::File::create(out)?.set_len(sectors * 512)?;
+    let img = out.to_string_lossy().into_owned();
+    let steps: [Vec<String>; 3] = [
+        [
+            "mformat",
+            "-i",
+            &img,
+            "-T",
+            &sectors.to_string(),
+            "-h",
+            "64",
+            "-s",
+            "32",
+            "::",
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+        ["mmd", "-i", &img, "::/EFI", "::/EFI/BOOT"]
+            .map(str::to_owned)
+            .to_vec(),
+        vec![
+            "mcopy".into(),
+            "-i".into(),
+            img.clone(),
+            uki.to_string_lossy().into_owned(),
+            "::/EFI/BOOT/BOOTX64.EFI".into(),
+        ],
+    ];
+    for step in steps {
+        let o = std::process::Command::new(&step[0])
+            .args(&step[1..])
+            .output()?;
+        anyhow::ensure!(
+            o.status.success(),
+            "{} failed: {}",
+            step[0],
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
     Ok(())
 }
 
@@ -893,6 +1145,43 @@ mod tests {
             schematic_id(b"customization: {}"),
             schematic_id(b"customization: {}\n")
         );
+    }
+
+    #[test]
+    fn isos_are_dual_boot_from_v1_10_unless_grub_is_asked_for_from_v1_12() {
+        let grub =
+            serde_yaml_ng::from_str::<SchematicShape>("customization: {bootloader: grub}").unwrap();
+        let default = SchematicShape::default();
+        assert!(!dual_boot_iso("v1.9.5", &default));
+        assert!(dual_boot_iso("v1.10.0", &default));
+        assert!(
+            dual_boot_iso("v1.11.2", &grub),
+            "grub is not honoured before v1.12"
+        );
+        assert!(dual_boot_iso("v1.12.0", &default));
+        assert!(!dual_boot_iso("v1.12.0", &grub));
+    }
+
+    #[test]
+    fn a_pe_image_ends_past_its_last_section() {
+        let mut pe = vec![0u8; 0x200];
+        pe[0x3c] = 0x40;
+        pe[0x40..0x44].copy_from_slice(b"PE\0\0");
+        pe[0x46] = 2; // two sections
+        pe[0x54] = 0xf0; // optional header size
+        pe[0x58..0x5a].copy_from_slice(&0x20bu16.to_le_bytes());
+        pe[0x58 + 24..0x58 + 32].copy_from_slice(&0x1000_0000u64.to_le_bytes());
+        let table = 0x58 + 0xf0;
+        for (i, (size, addr)) in [(0x500u32, 0x9000u32), (0x100, 0x4000)].iter().enumerate() {
+            let s = table + 40 * i;
+            pe[s + 8..s + 12].copy_from_slice(&size.to_le_bytes());
+            pe[s + 12..s + 16].copy_from_slice(&addr.to_le_bytes());
+        }
+        assert_eq!(pe_end(&pe).unwrap(), 0x1000_9500);
+        pe[0x58] = 0x0b;
+        pe[0x59] = 0x01;
+        assert!(pe_end(&pe).unwrap_err().to_string().contains("PE32+"));
+        assert!(pe_end(&pe[..0x60]).is_err());
     }
 
     #[test]

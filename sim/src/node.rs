@@ -36,8 +36,10 @@
 //!   config it had (a restarted VM); another name gets a fresh node.
 //!   `MODE@NODE` misbehaviour matches the boot `name` or `hostname`.
 //!   400/422 for a bad body or a non-loopback ip.
-//! - `POST /_sim/halt` `{"ip"}` → 200 `{"halted":bool,"ip"}` (false: was
-//!   halted already), 404 for an unknown ip: its ports close, connections end.
+//! - `POST /_sim/halt` `{"ip"}` → 200 `{"halted":bool,"ip","configured":bool}`
+//!   (halted false: was halted already; configured: it held an applied
+//!   config, which a node booted from an ISO installed to its disk), 404
+//!   for an unknown ip: its ports close, connections end.
 //! - `GET /_sim/stats` → `{"nodes":{NAME:{applies,bootstraps,
 //!   bootstrap_refusals,maintenance_version_calls,kubeconfigs,phase
 //!   (down|maintenance|configured),ip,booted_by(null|boot name),
@@ -1068,11 +1070,17 @@ async fn halt(
         );
     };
     let node = cluster.node(i);
-    let was_up = !std::mem::replace(&mut node.st.lock().unwrap().halted, true);
+    let (was_up, configured) = {
+        let mut st = node.st.lock().unwrap();
+        (
+            !std::mem::replace(&mut st.halted, true),
+            st.applied.is_some(),
+        )
+    };
     node.bump();
     (
         axum::http::StatusCode::OK,
-        axum::Json(json!({"halted": was_up, "ip": req.ip})),
+        axum::Json(json!({"halted": was_up, "ip": req.ip, "configured": configured})),
     )
 }
 

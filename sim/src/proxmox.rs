@@ -39,13 +39,26 @@
 //! finishes its import, as a pveproxy worker does).
 //!
 //! The chain (with `--nodes-control`, the node simulator's `control` URL):
-//! every VM start (create with `start=1`, `status/start`) reads the VM's boot
-//! disk — the first disk of `boot: order=…`, else scsi0, else virtio0; raw
-//! directly, qcow2 through `qemu-img convert` — finds the GPT partition named
-//! META, reads its ADV with this crate's own reader ([`crate::disk`]), takes
-//! key 10 and POSTs `/_sim/boot {"name":"vm-<vmid>","ip":<first address of
+//! every VM start (create with `start=1`, `status/start`) boots as the
+//! firmware does, by the VM's boot order (qemu-server `boot: order=…`, else
+//! scsi0, else virtio0): a blank disk (its first MiB all zeros: no MBR, no
+//! GPT) is skipped, as SeaBIOS and OVMF skip a disk with nothing to boot;
+//! the first drive with something on it boots. A disk is read raw
+//! directly, qcow2 through `qemu-img convert`: the GPT partition named
+//! META, its ADV read with this crate's own reader ([`crate::disk`]), key
+//! 10; a cdrom (a Talos ISO) by the META on the first kernel line of its
+//! `grub.cfg`. The node then comes up: POST `/_sim/boot {"name":"vm-<vmid>","ip":<first address of
 //! `addresses[]` in 127.0.0.0/8, prefix stripped>,"hostname":<first
-//! `hostnames[].hostname`>|null}`. No GPT, no META, no valid ADV, no key 10,
+//! `hostnames[].hostname`>|null}`. Installing: a node booted from an ISO
+//! whose config was applied installed Talos to the VM's first blank disk
+//! in the boot order (its installDisk), with the ISO's META; the node
+//! simulator says so when the VM stops (`/_sim/halt` answers
+//! `configured`). From then on that disk boots the installed node, and an
+//! ISO whose kernel line carries `talos.halt_if_installed=1` (Talos ISOs
+//! from v1.8, siderolabs/talos `pkg/imager/imager.go`) halts instead:
+//! "Talos is already installed to disk but booted from another media …
+//! Please reboot from the disk." (`v1alpha1_sequencer_tasks.go`
+//! `haltIfInstalled`): the VM runs, no node comes up. No GPT, no META, no valid ADV, no key 10,
 //! no loopback address (or the node simulator refusing) → the VM runs but no
 //! node boots: the start task's log says why (`no Talos node boots: …`),
 //! bootFailures counts it. Stop and destroy POST `/_sim/halt {"ip"}`.
@@ -178,6 +191,19 @@ struct Vm {
     booted_ip: Option<String>,
     /// Why no node booted on the last start.
     boot_error: Option<String>,
+    /// The hostname the ISO's META gave, when the last start booted an ISO.
+    booted_iso: Option<Option<String>>,
+    /// The disk Talos was installed to from an ISO, and the address and
+    /// hostname its META gives the installed node.
+    installed: Option<Installed>,
+}
+
+/// A disk Talos installed itself to from an ISO.
+#[derive(Clone)]
+struct Installed {
+    volid: String,
+    ip: String,
+    hostname: Option<String>,
 }
 
 struct Pve {
@@ -1691,6 +1717,8 @@ impl Pve {
             current.running = vm.running;
             current.booted_ip = vm.booted_ip;
             current.boot_error = vm.boot_error;
+            current.booted_iso = vm.booted_iso;
+            current.installed = vm.installed;
             Ok(())
         }))
     }
@@ -1730,27 +1758,17 @@ fn power_on(pve: &Pve, vmid: u32, vm: &mut Vm, log: &mut Vec<String>) {
     vm.running = true;
     vm.booted_ip = None;
     vm.boot_error = None;
+    vm.booted_iso = None;
     bump(&pve.stats.starts_changed);
     let Some(nodes) = &pve.nodes else {
         return;
     };
-    let booted = boot_disk(&vm.config)
-        .and_then(|(volid, cdrom)| {
-            let path = pve.volume_path(&volid)?;
-            let scratch = pve.args.state_dir.join("tmp");
-            if cdrom {
-                let cfg = scratch.join(format!("grub-{vmid}.cfg"));
-                iso_key10_address(&path, &cfg).map_err(|e| format!("{volid}: {e}"))
-            } else {
-                let raw = scratch.join(format!("meta-{vmid}.raw"));
-                key10_address(&path, &raw).map_err(|e| format!("{volid}: {e}"))
-            }
-        })
-        .and_then(|(ip, hostname)| {
-            let body = json!({"name": format!("vm-{vmid}"), "ip": ip, "hostname": hostname});
-            tokio::runtime::Handle::current().block_on(nodes.boot(&body))?;
-            Ok(ip)
-        });
+    let booted = boot_target(pve, vmid, vm).and_then(|(ip, hostname, iso)| {
+        vm.booted_iso = iso.then(|| hostname.clone());
+        let body = json!({"name": format!("vm-{vmid}"), "ip": ip, "hostname": hostname});
+        tokio::runtime::Handle::current().block_on(nodes.boot(&body))?;
+        Ok(ip)
+    });
     match booted {
         Ok(ip) => {
             log.push(format!("Talos node up at {ip}"));
@@ -1764,36 +1782,101 @@ fn power_on(pve: &Pve, vmid: u32, vm: &mut Vm, log: &mut Vec<String>) {
     }
 }
 
-/// A VM stops (or is destroyed): its node halts.
+/// What a start boots, as the firmware walks the boot order: the address
+/// and hostname of the node that comes up, and whether it came from an ISO.
+fn boot_target(pve: &Pve, vmid: u32, vm: &Vm) -> Result<(String, Option<String>, bool), String> {
+    let scratch = pve.args.state_dir.join("tmp");
+    for (volid, cdrom) in boot_drives(&vm.config) {
+        let path = pve.volume_path(&volid)?;
+        if cdrom {
+            let cfg = scratch.join(format!("grub-{vmid}.cfg"));
+            let (ip, hostname, halts) =
+                iso_key10_address(&path, &cfg).map_err(|e| format!("{volid}: {e}"))?;
+            if halts && vm.installed.is_some() {
+                return Err(format!(
+                    "{volid}: Talos is already installed to disk but booted from another media and talos.halt_if_installed kernel parameter is set. Please reboot from the disk."
+                ));
+            }
+            return Ok((ip, hostname, true));
+        }
+        if let Some(i) = vm.installed.as_ref().filter(|i| i.volid == volid) {
+            return Ok((i.ip.clone(), i.hostname.clone(), false));
+        }
+        if is_blank(&path) {
+            continue;
+        }
+        let raw = scratch.join(format!("meta-{vmid}.raw"));
+        let (ip, hostname) = key10_address(&path, &raw).map_err(|e| format!("{volid}: {e}"))?;
+        return Ok((ip, hostname, false));
+    }
+    Err("no boot disk".to_owned())
+}
+
+/// Whether a disk holds nothing a firmware would boot: its first MiB is
+/// zeros (no MBR boot signature, no GPT).
+fn is_blank(path: &Path) -> bool {
+    let Ok(f) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut head = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(f, 1 << 20), &mut head).is_ok()
+        && head.iter().all(|b| *b == 0)
+}
+
+/// A VM stops (or is destroyed): its node halts. A node booted from an ISO
+/// whose config was applied has installed Talos to the VM's first blank
+/// disk in the boot order, with the META the ISO gave it.
 fn power_off(pve: &Pve, vm: &mut Vm, log: &mut Vec<String>) {
     vm.running = false;
-    if let (Some(nodes), Some(ip)) = (&pve.nodes, vm.booted_ip.take())
-        && let Err(e) = tokio::runtime::Handle::current().block_on(nodes.halt(&ip))
-    {
-        log.push(format!("halting the Talos node at {ip}: {e}"));
+    let Some(ip) = vm.booted_ip.take() else {
+        return;
+    };
+    let Some(nodes) = &pve.nodes else {
+        return;
+    };
+    match tokio::runtime::Handle::current().block_on(nodes.halt(&ip)) {
+        Err(e) => log.push(format!("halting the Talos node at {ip}: {e}")),
+        Ok(reply) => {
+            let configured = reply.get("configured") == Some(&Value::Bool(true));
+            if let (true, Some(hostname), None) = (configured, vm.booted_iso.clone(), &vm.installed)
+            {
+                let disk = boot_drives(&vm.config)
+                    .into_iter()
+                    .filter(|(_, cdrom)| !cdrom)
+                    .find(|(volid, _)| pve.volume_path(volid).is_ok_and(|p| is_blank(&p)));
+                if let Some((volid, _)) = disk {
+                    log.push(format!("Talos installed to {volid}"));
+                    vm.installed = Some(Installed {
+                        volid,
+                        ip,
+                        hostname,
+                    });
+                }
+            }
+        }
     }
 }
 
-/// The volume the VM boots from, and whether it is a cdrom: the first drive
-/// in `boot: order=…` that holds a volume, else scsi0, else virtio0.
-fn boot_disk(config: &BTreeMap<String, String>) -> Result<(String, bool), String> {
+/// The volumes a VM may boot from, in its boot order, and whether each is a
+/// cdrom: the drives of `boot: order=…` that hold a volume, else scsi0,
+/// else virtio0.
+fn boot_drives(config: &BTreeMap<String, String>) -> Vec<(String, bool)> {
     let order = config
         .get("boot")
         .and_then(|b| b.split(',').find_map(|p| p.strip_prefix("order=")))
         .map(|o| o.split(';').map(str::to_owned).collect::<Vec<_>>())
-        .unwrap_or_default();
+        .unwrap_or_else(|| vec!["scsi0".to_owned(), "virtio0".to_owned()]);
     order
         .iter()
         .map(String::as_str)
-        .chain(["scsi0", "virtio0"])
         .filter(|k| is_drive(k))
-        .find_map(|k| {
+        .filter_map(|k| {
             let (file, opts) = split_drive(config.get(k)?);
             let cdrom = opts.iter().any(|(o, v)| o == "media" && v == "cdrom");
             // `none` is an empty drive, `cdrom` the host's physical drive.
             (file != "none" && file != "cdrom").then_some((file, cdrom))
         })
-        .ok_or_else(|| "no boot disk".to_owned())
+        .collect()
 }
 
 /// The first loopback address (prefix stripped) and the hostname in META
@@ -1827,8 +1910,9 @@ fn key10_address(path: &Path, scratch: &Path) -> Result<(String, Option<String>)
 /// (`talos.environment=INSTALLER_META_BASE64=<v>`, siderolabs/talos
 /// `pkg/imager/imager.go` `buildCmdline`), decoded as `Values.Decode` in
 /// `pkg/machinery/meta/meta.go` does: base64, gunzip when gzip, `0x<key>=<value>`
-/// split on `;`. `grub.cfg` is extracted with xorriso to `scratch`.
-fn iso_key10_address(iso: &Path, scratch: &Path) -> Result<(String, Option<String>), String> {
+/// split on `;`; and whether that line sets `talos.halt_if_installed=1`.
+/// `grub.cfg` is extracted with xorriso to `scratch`.
+fn iso_key10_address(iso: &Path, scratch: &Path) -> Result<(String, Option<String>, bool), String> {
     let _ = std::fs::create_dir_all(scratch.parent().unwrap_or(Path::new(".")));
     let _ = std::fs::remove_file(scratch);
     let o = std::process::Command::new("xorriso")
@@ -1849,12 +1933,20 @@ fn iso_key10_address(iso: &Path, scratch: &Path) -> Result<(String, Option<Strin
         .map(str::trim_start)
         .find(|l| l.starts_with("linux "))
         .ok_or("grub.cfg has no linux line")?;
+    // Talos reads the parameter with strconv.ParseBool.
+    let halts = kernel.split_whitespace().any(|w| {
+        matches!(
+            w.strip_prefix("talos.halt_if_installed="),
+            Some("1" | "t" | "T" | "true" | "TRUE" | "True")
+        )
+    });
     let v = kernel
         .split_whitespace()
         .find_map(|w| w.strip_prefix("talos.environment=INSTALLER_META_BASE64="))
         .ok_or("the kernel line carries no META")?;
     let value = installer_meta_key(v, 10)?.ok_or("META has no key 10")?;
-    key10_target(value.as_bytes())
+    let (ip, hostname) = key10_target(value.as_bytes())?;
+    Ok((ip, hostname, halts))
 }
 
 /// One key's value in an `INSTALLER_META_BASE64` value.
@@ -2148,22 +2240,42 @@ mod tests {
             ("scsi0", "local-lvm:vm-1-disk-0,size=1G"),
             ("virtio1", "local-lvm:vm-1-disk-1,size=1G"),
         ]);
-        assert_eq!(boot_disk(&c).unwrap(), ("local:iso/x.iso".to_owned(), true));
+        assert_eq!(
+            boot_drives(&c),
+            [
+                ("local:iso/x.iso".to_owned(), true),
+                ("local-lvm:vm-1-disk-1".to_owned(), false)
+            ]
+        );
         let c = config(&[
-            ("boot", "order=ide2;virtio1;net0"),
+            ("boot", "order=scsi0;ide2"),
             ("ide2", "none,media=cdrom"),
-            ("virtio1", "local-lvm:vm-1-disk-1,size=1G"),
+            ("scsi0", "local-lvm:vm-1-disk-1,size=1G"),
         ]);
         assert_eq!(
-            boot_disk(&c).unwrap(),
-            ("local-lvm:vm-1-disk-1".to_owned(), false)
+            boot_drives(&c),
+            [("local-lvm:vm-1-disk-1".to_owned(), false)]
         );
         let c = config(&[("virtio0", "local-lvm:vm-1-disk-2,size=1G")]);
         assert_eq!(
-            boot_disk(&c).unwrap(),
-            ("local-lvm:vm-1-disk-2".to_owned(), false)
+            boot_drives(&c),
+            [("local-lvm:vm-1-disk-2".to_owned(), false)]
         );
-        assert_eq!(boot_disk(&config(&[])).unwrap_err(), "no boot disk");
+        assert!(boot_drives(&config(&[])).is_empty());
+    }
+
+    #[test]
+    fn a_blank_disk_is_skipped_and_one_with_a_boot_sector_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.raw");
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(4 << 20).unwrap();
+        assert!(is_blank(&p));
+        let mut b = vec![0u8; 512];
+        b[510] = 0x55;
+        b[511] = 0xaa;
+        std::os::unix::fs::FileExt::write_all_at(&f, &b, 0).unwrap();
+        assert!(!is_blank(&p));
     }
 
     #[test]

@@ -81,12 +81,6 @@ pub struct PatchArgs {
     out: PathBuf,
 }
 
-/// Where `grub.cfg` is extracted while an ISO is read (under a temporary
-/// name that is removed again).
-fn grub_scratch() -> PathBuf {
-    std::env::temp_dir().join("imgbuild-grub.cfg")
-}
-
 /// A text rendering of one META value, indented under its key.
 fn show_value(key: u32, text: &str) {
     let name = key_name(key).unwrap_or("unknown");
@@ -105,7 +99,7 @@ fn show_value(key: u32, text: &str) {
 /// `inspect` of an ISO: its volume date, and per kernel menu entry the
 /// command line and the META it carries, decoded.
 fn inspect_iso(path: &Path, output: Output) -> Result<()> {
-    let r = imgbuild::iso::inspect(path, &grub_scratch())?;
+    let r = imgbuild::iso::inspect(path)?;
     match output {
         Output::Json => outln!(
             "{}",
@@ -114,13 +108,18 @@ fn inspect_iso(path: &Path, output: Output) -> Result<()> {
                        "title": e.entry.title, "kernel": e.entry.kernel, "args": e.entry.args,
                        "meta": e.meta.iter().map(|(k, v)| json!({"key": k, "name": key_name(u32::from(*k)), "value": v})).collect::<Vec<_>>(),
                        "problem": e.problem,
-                   })).collect::<Vec<_>>()})
+                   })).collect::<Vec<_>>(), "ukis": r.ukis})
         ),
         Output::Text => {
             outln!("{}: ISO, volume date {}", path.display(), r.volume_date);
             for e in &r.entries {
-                outln!("menu entry {:?}: {}", e.entry.title, e.entry.kernel);
-                outln!("  command line: {}", e.entry.args.join(" "));
+                // grub.cfg is whatever the ISO's maker wrote.
+                outln!(
+                    "menu entry {:?}: {}",
+                    e.entry.title,
+                    escape(&e.entry.kernel)
+                );
+                outln!("  command line: {}", escape(&e.entry.args.join(" ")));
                 if let Some(p) = &e.problem {
                     eprintln!("warning: menu entry {:?}: {p}", e.entry.title);
                 }
@@ -128,6 +127,17 @@ fn inspect_iso(path: &Path, output: Output) -> Result<()> {
                 for (key, value) in &e.meta {
                     show_value(u32::from(*key), value);
                 }
+            }
+            for u in &r.ukis {
+                outln!(
+                    "UEFI: a UKI at byte {}, its baked-in command line {}",
+                    u.offset,
+                    if u.has_meta {
+                        "carries META"
+                    } else {
+                        "carries no META"
+                    }
+                );
             }
         }
     }
@@ -347,7 +357,7 @@ pub fn diff(args: DiffArgs, output: Output) -> Result<()> {
 /// `diff` of two ISOs: volume date, kernel menu entries and their decoded
 /// META; exit 1 unless they are the same bytes.
 fn diff_iso(args: DiffArgs, output: Output) -> Result<()> {
-    let d = imgbuild::iso::diff(&args.a, &args.b, &grub_scratch())?;
+    let d = imgbuild::iso::diff(&args.a, &args.b)?;
     match output {
         Output::Json => outln!(
             "{}",

@@ -594,13 +594,17 @@ impl Validator<'_> {
     }
 
     fn check_kernel_args(&mut self, field: &str, args: &[String]) {
+        // Each argument reaches the kernel through iPXE scripts and GRUB
+        // menus as well as the factory: one that either language would
+        // split, expand, comment out or end a command at is refused here.
         for (i, arg) in args.iter().enumerate() {
-            if arg.is_empty() || arg.chars().any(char::is_whitespace) {
+            if let Err(refused) = crate::bootscript::check_kernel_arg(arg) {
                 self.problem(
                     format!("{field}[{i}]"),
                     format!(
-                        "{}: a kernel argument must be one non-empty word",
-                        crate::input::quote(arg)
+                        "{}: a kernel argument must be one word every boot medium carries as itself; it {}",
+                        crate::input::quote(arg),
+                        refused.why
                     ),
                 );
             }

@@ -4,6 +4,7 @@
 
 pub mod inventory;
 pub mod otherfs;
+pub mod realboot;
 pub mod run;
 pub mod sims;
 

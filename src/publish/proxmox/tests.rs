@@ -252,7 +252,7 @@ fn iso_vms_boot_the_cdrom_before_a_blank_disk() {
     .into_iter()
     .collect();
     assert_eq!(p["ide2"], "local:iso/x.iso,media=cdrom");
-    assert_eq!(p["boot"], "order=ide2;scsi0");
+    assert_eq!(p["boot"], "order=scsi0;ide2");
     assert_eq!(p["scsi0"], "local-lvm:12,discard=on,ssd=1");
     assert_eq!(content_for(ImageFormat::Iso), "iso");
     assert_eq!(content_for(ImageFormat::Qcow2), "import");

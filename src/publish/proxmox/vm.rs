@@ -35,19 +35,23 @@ pub(super) fn vm_params(
     ];
     match vm.boot {
         VmBoot::Disk => p.extend([("scsi0", scsi0(vm, volid)), ("boot", "order=scsi0".into())]),
-        // The node ISO boots first; Talos installs to the blank scsi0
-        // (installDisk) when its config is applied, and from then on the
-        // ISO's installer-less boot falls through to the disk
-        // (qemu-server `boot` order, `ide2` media=cdrom; a new volume is
-        // `STORAGE_ID:SIZE_IN_GiB`, sim/api-schemas/proxmox-ve.apidata.json
-        // `scsi[n]`).
+        // The disk boots first: while it is blank the firmware skips it
+        // and boots the node ISO, which installs Talos to it (installDisk)
+        // when the config is applied; from then on every start, a Proxmox
+        // host restart included, boots the installed disk. The ISO first
+        // would halt every boot after the install: Talos ISOs from v1.8
+        // carry `talos.halt_if_installed=1` (siderolabs/talos
+        // `pkg/imager/imager.go`; `v1alpha1_sequencer.go`, "Please reboot
+        // from the disk"). qemu-server `boot` order, `ide2` media=cdrom; a
+        // new volume is `STORAGE_ID:SIZE_IN_GiB`
+        // (sim/api-schemas/proxmox-ve.apidata.json `scsi[n]`).
         VmBoot::Iso => p.extend([
             (
                 "scsi0",
                 format!("{}:{},discard=on,ssd=1", vm.storage, vm.disk_size),
             ),
             ("ide2", format!("{volid},media=cdrom")),
-            ("boot", "order=ide2;scsi0".into()),
+            ("boot", "order=scsi0;ide2".into()),
         ]),
     }
     p.extend([
