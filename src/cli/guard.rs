@@ -48,11 +48,19 @@ fn url_password(url: &str) -> Option<&str> {
     userinfo.split_once(':').map(|(_, p)| p)
 }
 
+/// The environment, for `${NAME}` in patch files (names or values that are
+/// not UTF-8 cannot be written in a patch and are left out).
+pub fn patch_vars() -> config::PatchVars {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect()
+}
+
 /// After the inventory is loaded: every `${NAME}` its patches refer to
 /// (under NAME), every secret field written in a patch, and the default
 /// state dir.
 pub fn inventory(inv: &Inventory) {
-    let vars = super::talos::patch_vars();
+    let vars = patch_vars();
     let files: BTreeSet<PathBuf> = inv
         .nodes
         .iter()

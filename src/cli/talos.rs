@@ -141,13 +141,7 @@ impl BootstrapRunArgs {
     }
 }
 
-/// The environment, for `${NAME}` in patch files (names or values that are
-/// not UTF-8 cannot be written in a patch and are left out).
-pub(super) fn patch_vars() -> config::PatchVars {
-    std::env::vars_os()
-        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-        .collect()
-}
+pub(super) use super::guard::patch_vars;
 
 pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
     let SecretsCommand::Gen(args) = args.command;
