@@ -159,7 +159,10 @@ pub fn shown(text: &str, json: bool) -> String {
         }
     };
     if !json {
-        return imgbuild::input::escape(&redacted).into_owned();
+        // imgbuild's own lines never hold a CR: a CRLF came from outside
+        // and must not start a line of its own.
+        let one_line = redacted.replace("\r\n", "\\r\\n");
+        return imgbuild::input::escape(&one_line).into_owned();
     }
     // In a JSON document control characters are already escaped inside
     // strings and never occur outside them; the others are spelled `\uXXXX`,
