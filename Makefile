@@ -52,6 +52,8 @@ deps:
 	[ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need="$$need busybox-static"; \
 	[ -f /usr/lib/systemd/boot/efi/linuxx64.efi.stub ] || need="$$need systemd-boot-efi"; \
 	command -v objcopy >/dev/null 2>&1 || need="$$need binutils"; \
+	command -v script >/dev/null 2>&1 || need="$$need bsdutils"; \
+	command -v git >/dev/null 2>&1 || need="$$need git"; \
 	updated=""; \
 	if [ -n "$$need" ]; then \
 		echo "installing:$$need"; \

@@ -354,6 +354,11 @@ pub fn build(
             _ => source,
         },
     })?;
+    // Gigabytes of images never belong in a commit.
+    crate::secrets::protect::ignore_in_git(&opts.out_dir).map_err(|source| BuildError::Io {
+        path: opts.out_dir.join(".gitignore"),
+        source,
+    })?;
     let manifest = Manifest::load(&opts.out_dir)?;
     let current = |p: &Plan| p.current(inv, opts, &manifest);
     let todo: Vec<&Plan> = plans.iter().filter(|p| current(p).is_none()).collect();

@@ -214,10 +214,11 @@ struct Done {
 }
 
 /// Text from an image, a reply or a foreign file, safe for a terminal:
-/// control characters (ESC, CSI, BEL, DEL, carriage returns…) become
-/// `\u{..}` escapes. Newlines and tabs stay.
+/// control characters (ESC, CSI, BEL, DEL, carriage returns, C1…) and the
+/// characters that reorder or hide text (bidi overrides, zero-width
+/// marks, line separators) become `\u{..}` escapes. Newlines and tabs stay.
 pub fn escape(s: &str) -> Cow<'_, str> {
-    let unsafe_char = |c: char| c.is_control() && c != '\n' && c != '\t';
+    let unsafe_char = |c: char| (c.is_control() && c != '\n' && c != '\t') || hides_text(c);
     if !s.chars().any(unsafe_char) {
         return Cow::Borrowed(s);
     }
@@ -230,6 +231,32 @@ pub fn escape(s: &str) -> Cow<'_, str> {
         }
     }
     Cow::Owned(out)
+}
+
+/// Characters that reorder or hide what a terminal shows: bidi marks,
+/// embeddings, overrides and isolates, zero-width characters, the Unicode
+/// line and paragraph separators, and the byte order mark.
+pub fn hides_text(c: char) -> bool {
+    matches!(c, '\u{61c}' | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+}
+
+/// Foreign text as one cell of a row: every control character, newlines
+/// and tabs included, escaped (so it cannot start a row of its own), and
+/// at most `n` characters (an ellipsis says more followed).
+pub fn one_line(s: &str, n: usize) -> String {
+    let mut out = String::new();
+    for c in cut(s, n).chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() || hides_text(c) => {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// A short excerpt of foreign text for a message: at most 40 characters,

@@ -15,6 +15,8 @@
 //!
 //! `cargo test --test architecture -- --nocapture` prints the figures; when
 //! the document is stale, the failure prints the table rows to paste.
+// A test's stderr is libtest's to capture, not the CLI's one writer.
+#![allow(clippy::disallowed_macros)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt::Write as _;

@@ -503,8 +503,9 @@ fn config_secrets_and_talosconfig_commands() {
             .output()
             .unwrap()
     };
-    // `config` creates the secrets on first use and prints a schema-valid config.
-    let out = run(&["config", "cp-01"]);
+    // `config` creates the secrets on first use and prints a schema-valid
+    // config (its secrets shown only when asked: else they are redacted).
+    let out = run(&["--show-secrets", "--yes", "config", "cp-01"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let doc: serde_json::Value = serde_yaml_ng::from_slice(&out.stdout).unwrap();
     let schema: serde_json::Value = serde_json::from_str(
@@ -518,7 +519,7 @@ fn config_secrets_and_talosconfig_commands() {
     assert_eq!(mode(&state), 0o700);
     assert_eq!(mode(&state.join("secrets.yaml")), 0o600);
     // The same secrets every time: configs are stable.
-    let again = run(&["config", "cp-01"]);
+    let again = run(&["--show-secrets", "--yes", "config", "cp-01"]);
     assert_eq!(out.stdout, again.stdout);
     let out = run(&["config", "nope"]);
     assert!(!out.status.success());

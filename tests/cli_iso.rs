@@ -289,10 +289,12 @@ fn each_node_iso_carries_its_meta_on_every_kernel_line_with_the_base_boot_record
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    // `.manifest.lock` is the manifest's lock file, kept on purpose.
+    // `.manifest.lock` is the manifest's lock file, kept on purpose;
+    // `.gitignore` keeps the folder out of a commit.
     assert_eq!(
         names,
         [
+            ".gitignore",
             ".manifest.lock",
             "cp-01.iso",
             "manifest.json",

@@ -3,6 +3,8 @@
 //! starts at the address in that VM disk's META key 10, so a node answers
 //! only if the image published for it carries its own network: the chain is
 //! checked, not assumed.
+// A test's stderr is libtest's to capture, not the CLI's one writer.
+#![allow(clippy::disallowed_macros)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -12,6 +12,8 @@
 //! go-yaml issue 755), multi-line text that is all whitespace (rc.4 quotes
 //! it), "0b"/"0o" prefixes followed by a sign (v3 reads them as numbers), and
 //! the merge key "<<" (rc.4 quotes it).
+// A test's stderr is libtest's to capture, not the CLI's one writer.
+#![allow(clippy::disallowed_macros)]
 
 use imgbuild::schematic::Schematic;
 use serde_json::{Value, json};

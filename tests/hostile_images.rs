@@ -4,6 +4,8 @@
 //! naming the file: no panic, no signal, peak RSS under 64 MiB, nothing
 //! written anywhere. The crafted files are made here, at run time, from the
 //! fixture script's images by the `craft` generator below.
+// A test's stderr is libtest's to capture, not the CLI's one writer.
+#![allow(clippy::disallowed_macros)]
 
 use std::ffi::OsString;
 use std::os::unix::fs::FileExt;

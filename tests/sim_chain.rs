@@ -309,7 +309,8 @@ fn machine_config(dir: &Path, node: &str) -> String {
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(root().join("examples/loopback/cluster.yaml"))
-        .args(["config", node, "--state-dir"])
+        // Secrets included: the simulators boot from it.
+        .args(["--show-secrets", "--yes", "config", node, "--state-dir"])
         .arg(dir.join("state"))
         .env_remove("IMGBUILD_CONFIG")
         .output()

@@ -180,6 +180,7 @@ mod lifecycle;
 mod switches;
 mod upgrade;
 mod version;
+mod hostile;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -255,6 +256,10 @@ pub struct Args {
     /// installer-fails (as `POST /_sim/node` sets them).
     #[arg(long)]
     misbehave: Vec<String>,
+    /// Text every etcd member hostname and service message ends with
+    /// (hostile-output tests; see node/hostile.rs).
+    #[arg(long)]
+    hostile_text: Option<String>,
 }
 
 /// What a node got from its machine config.
@@ -1531,7 +1536,7 @@ impl Api {
                         .unwrap_or_default();
                 EtcdMember {
                     id: 0x1000 + j as u64,
-                    hostname,
+                    hostname: hostile::said(self.cluster.args.hostile_text.as_deref(), &hostname),
                     peer_urls: vec![format!("https://{}:2380", n.ip)],
                     client_urls: vec![format!("https://{}:2379", n.ip)],
                     is_learner: false,
@@ -1626,7 +1631,7 @@ impl Api {
             health: Some(ServiceHealth {
                 unknown: healthy.is_none(),
                 healthy: healthy.unwrap_or(false),
-                last_message: msg.into(),
+                last_message: hostile::said(self.cluster.args.hostile_text.as_deref(), msg),
                 last_change: None,
             }),
         };

@@ -8,7 +8,6 @@ use super::progress::{PublishView, Screen, Show, paint};
 use imgbuild::publish::{hcloud, proxmox};
 use imgbuild::talos::bootstrap::{self, Event};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -16,6 +15,9 @@ use std::time::{Duration, Instant};
 
 /// The name bootstrap events carry for the cluster as a whole.
 const CLUSTER: &str = "cluster";
+
+/// How long one log line may grow with what a node said.
+const LOG_LINE_CHARS: usize = 2000;
 
 /// How often the board's seconds move and the log checks its waits.
 const TICK: Duration = Duration::from_millis(250);
@@ -190,7 +192,10 @@ fn node_state(e: &Event) -> Option<(String, Tone)> {
         Event::Applied { .. } => ("applied".into(), Plain),
         Event::PortClosed => ("rebooting".into(), Waiting),
         Event::StillInMaintenance => ("maintenance, waiting".into(), Waiting),
-        Event::Configured { version } => (format!("configured (Talos {version})"), Plain),
+        Event::Configured { version } => (
+            format!("configured (Talos {})", super::output::outside(version)),
+            Plain,
+        ),
         Event::Bootstrapping => ("bootstrapping etcd".into(), Waiting),
         Event::BootstrapRetry { .. } => ("bootstrapping etcd".into(), Waiting),
         Event::Bootstrapped => ("etcd bootstrapped".into(), Plain),
@@ -218,13 +223,14 @@ fn publish_state(e: &proxmox::Event) -> (String, Tone) {
 }
 
 impl Inner {
-    /// A log line with the time since start.
+    /// A log line with the time since start: one line, whatever the
+    /// event quotes from a node.
     fn log(&self, st: &mut State, text: &str) {
         st.last_line = Instant::now();
-        let _ = writeln!(
-            std::io::stderr().lock(),
-            "[{:>6.1}s] {text}",
-            self.start.elapsed().as_secs_f64()
+        errln!(
+            "[{:>6.1}s] {}",
+            self.start.elapsed().as_secs_f64(),
+            imgbuild::input::one_line(text, LOG_LINE_CHARS)
         );
     }
 
@@ -367,8 +373,11 @@ fn pending_text(c: &Cluster) -> Option<String> {
     ))
 }
 
+/// A board line. indicatif draws it, not the one writer, so it is
+/// escaped and redacted here, before our colors are added.
 fn row_text(row: &Row, width: usize, detail: Option<String>) -> String {
     let state = detail.unwrap_or_else(|| row.state.clone());
+    let state = super::output::shown(&super::output::outside(&state), false);
     let state = match row.tone {
         Tone::Good => paint(&state, "32"),
         Tone::Waiting => paint(&state, "33"),

@@ -336,7 +336,7 @@ impl Progress for Lines {
                 last: now,
             },
         );
-        eprintln!(
+        errln!(
             "downloading {url} ({} bytes)",
             total.map_or("unknown".into(), |t| t.to_string())
         );
@@ -348,7 +348,7 @@ impl Progress for Lines {
         if s.last.elapsed() >= Duration::from_secs(10) {
             s.last = Instant::now();
             let rate = s.bytes as f64 / s.started.elapsed().as_secs_f64().max(0.001);
-            eprintln!(
+            errln!(
                 "  {url}: {} / {} bytes, {:.1} MB/s",
                 s.bytes,
                 s.total.map_or("?".into(), |t| t.to_string()),
@@ -357,14 +357,14 @@ impl Progress for Lines {
         }
     }
     fn retry(&self, url: &str, attempt: u32, why: &str) {
-        eprintln!("retry {attempt} for {url}: {why}");
+        errln!("retry {attempt} for {url}: {why}");
     }
     fn resume(&self, url: &str, offset: u64, why: &str) {
-        eprintln!("resuming {url} at byte {offset} after: {why}");
+        errln!("resuming {url} at byte {offset} after: {why}");
     }
     fn finish(&self, url: &str) {
         if let Some(s) = self.downloads.lock().unwrap().remove(url) {
-            eprintln!(
+            errln!(
                 "downloaded {url}: {} bytes in {:.1}s",
                 s.bytes,
                 s.started.elapsed().as_secs_f64()

@@ -3,7 +3,7 @@
 //! drift.
 
 use super::inventory::load_inventory;
-use super::output::{Output, Partial, Reported};
+use super::output::{Output, Partial, Reported, outside};
 use super::talos::BootstrapRunArgs;
 use anyhow::{Context, Result};
 use clap::Args;
@@ -93,7 +93,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
             Output::Json => outln!("{}", json!({"dryRun": true, "nodes": rows})),
             Output::Text => {
                 for r in &rows {
-                    let show = |v: &serde_json::Value| v.as_str().unwrap_or("?").to_owned();
+                    let show = |v: &serde_json::Value| outside(v.as_str().unwrap_or("?"));
                     outln!(
                         "{}: {} → {}, schematic {} → {}{}",
                         show(&r["node"]),
@@ -104,7 +104,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
                         if r["upgrade"] == true { "" } else { " (done)" }
                     );
                     if let Some(e) = r["error"].as_str() {
-                        outln!("    not read from the node: {e}");
+                        outln!("    not read from the node: {}", outside(e));
                     }
                 }
             }
@@ -127,7 +127,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     }
     let progress = |node: &str, what: &str| {
         if output == Output::Text {
-            eprintln!("{node}: {what}");
+            errln!("{node}: {}", outside(what));
         }
     };
     let outcome = runtime.block_on(upgrade::run(
@@ -142,7 +142,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     if let Some(e) = &outcome.record_error
         && output == Output::Text
     {
-        eprintln!("warning: the upgrade record was not written: {e}");
+        errln!("warning: the upgrade record was not written: {e}");
     }
     let failed = outcome
         .failed
@@ -161,7 +161,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         ),
         Output::Text => {
             for (node, v) in &outcome.versions {
-                outln!("{node}: {}", v.as_deref().unwrap_or("unreachable"));
+                outln!("{node}: {}", outside(v.as_deref().unwrap_or("unreachable")));
             }
         }
     }
@@ -239,13 +239,16 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
         ModeArg::NoReboot => ApplyMode::NoReboot,
         ModeArg::Staged => ApplyMode::Staged,
     };
-    let outcome = runtime()?.block_on(apply::run(
+    let mut outcome = runtime()?.block_on(apply::run(
         &prepared.plan,
         &args.nodes,
         mode,
         args.dry_run,
         &opts.limits,
     ));
+    for n in &mut outcome.nodes {
+        n.diff = super::output::diff(&n.diff);
+    }
     match output {
         Output::Json => outln!("{}", json!(outcome)),
         Output::Text => {
@@ -261,7 +264,7 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
                 }
             }
             for f in &outcome.failed {
-                outln!("{}: FAILED: {}", f.node, f.error);
+                outln!("{}: FAILED: {}", f.node, outside(&f.error));
             }
         }
     }
@@ -304,8 +307,9 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
         Output::Json => outln!("{}", json!({"nodes": rows, "drift": drift})),
         Output::Text => {
             let short = |s: &Option<String>| {
-                s.as_deref()
-                    .map_or("-".to_owned(), |s| s.chars().take(12).collect())
+                s.as_deref().map_or("-".to_owned(), |s| {
+                    outside(&s.chars().take(12).collect::<String>())
+                })
             };
             let yes = |b: Option<bool>| match b {
                 Some(true) => "yes",

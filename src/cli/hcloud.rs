@@ -122,7 +122,7 @@ pub fn publish(
                     s.nodes.join(", ")
                 );
             }
-            eprintln!("hcloud: {requests} API requests");
+            errln!("hcloud: {requests} API requests");
             print_failures(&failures);
         }
     }
@@ -139,7 +139,7 @@ pub fn publish(
             })
             .collect();
         if output == Output::Text {
-            eprintln!(
+            errln!(
                 "error: could not delete temporary resources (they cost money until deleted):\n  {}\n  run `imgbuild cleanup` (HCLOUD_TOKEN set) to delete them",
                 list.join("\n  ")
             );
@@ -177,7 +177,7 @@ pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
                 );
             }
             for l in &left {
-                eprintln!(
+                errln!(
                     "could not delete {} {}: {}",
                     l.kind.replace('_', " "),
                     l.id,
@@ -193,17 +193,15 @@ pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
     }
 }
 
+/// `--yes` (global) deletes without asking; it is required when stdin is
+/// not a terminal.
 #[derive(Args)]
-pub struct DownArgs {
-    /// Delete without asking (required when stdin is not a terminal).
-    #[arg(long)]
-    yes: bool,
-}
+pub struct DownArgs {}
 
 /// `imgbuild down`: deletes the cluster's servers (found by label) after a
 /// confirmation. Snapshots stay: the next `up` boots from them again.
-pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<()> {
-    use std::io::{BufRead, IsTerminal, Write};
+pub fn down(_: DownArgs, config: &std::path::Path, output: Output, yes: bool) -> Result<()> {
+    use std::io::{BufRead, IsTerminal};
     let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
     if inv
         .publish
@@ -220,7 +218,7 @@ pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<
     let (api, opts) = api()?;
     let cluster = &inv.cluster.name;
     let found = servers::existing(&api, cluster)?;
-    if !found.is_empty() && !args.yes {
+    if !found.is_empty() && !yes {
         if !std::io::stdin().is_terminal() {
             return Err(Usage(format!(
                 "would delete {} server(s) of cluster {cluster}: pass --yes to confirm (stdin is not a terminal)",
@@ -228,12 +226,11 @@ pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<
             ))
             .into());
         }
-        eprintln!("These servers of cluster {cluster} will be deleted:");
+        errln!("These servers of cluster {cluster} will be deleted:");
         for s in &found {
-            eprintln!("  {} (server {}, node {})", s.name, s.id, s.node);
+            errln!("  {} (server {}, node {})", s.name, s.id, s.node);
         }
-        eprint!("Delete them? [y/N] ");
-        std::io::stderr().flush()?;
+        err!("Delete them? [y/N] ");
         let mut answer = String::new();
         std::io::stdin().lock().read_line(&mut answer)?;
         if !matches!(answer.trim(), "y" | "Y" | "yes") {
@@ -254,7 +251,7 @@ pub fn down(args: DownArgs, config: &std::path::Path, output: Output) -> Result<
                 outln!("deleted server {} ({})", d.id, escape(&d.name));
             }
             for l in &left {
-                eprintln!("could not delete server {}: {}", l.id, escape(&l.error));
+                errln!("could not delete server {}: {}", l.id, escape(&l.error));
             }
         }
     }

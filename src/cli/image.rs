@@ -121,7 +121,7 @@ fn inspect_iso(path: &Path, output: Output) -> Result<()> {
                 );
                 outln!("  command line: {}", escape(&e.entry.args.join(" ")));
                 if let Some(p) = &e.problem {
-                    eprintln!("warning: menu entry {:?}: {p}", e.entry.title);
+                    errln!("warning: menu entry {:?}: {p}", e.entry.title);
                 }
                 outln!("  META on the command line: {} value(s)", e.meta.len());
                 for (key, value) in &e.meta {
@@ -207,7 +207,7 @@ pub fn inspect(args: InspectArgs, output: Output) -> Result<()> {
                 );
             }
             for problem in &meta.problems {
-                eprintln!("warning: {}", escape(problem));
+                errln!("warning: {}", escape(problem));
             }
             outln!("META ({:?} copy): {} tag(s)", meta.source, tags.len());
             for (key, text, _) in &tags {
@@ -272,7 +272,7 @@ fn edit_in_place(image: &Path, changes: Vec<MetaChange>, output: Output) -> Resu
         changes,
     })?;
     for problem in &edited.problems {
-        eprintln!("warning: {problem}");
+        errln!("warning: {problem}");
     }
     let keys: Vec<u32> = edited.adv.iter().map(|(k, _)| k).collect();
     let changed = edited.changed;
@@ -306,7 +306,7 @@ pub fn patch(args: PatchArgs, config: &Path, output: Output) -> Result<()> {
         changes: vec![meta::network_change(value)],
     })?;
     for problem in &patched.problems {
-        eprintln!("warning: base {}: {problem}", args.base.display());
+        errln!("warning: base {}: {problem}", args.base.display());
     }
     let kept = patched.kept_keys;
     match output {

@@ -91,22 +91,22 @@ fn render(imported: &Imported, out: Option<&Path>, problems: Option<&str>, outpu
             match out {
                 Some(out) => {
                     for p in &imported.patch_files {
-                        eprintln!("wrote {}", p.path.display());
+                        errln!("wrote {}", p.path.display());
                     }
-                    eprintln!("wrote {}", out.display());
+                    errln!("wrote {}", out.display());
                 }
                 None => out!("{}", imported.inventory),
             }
             if imported.skipped.is_empty() {
-                eprintln!("everything was carried over");
+                errln!("everything was carried over");
             } else {
-                eprintln!("not carried over ({}):", imported.skipped.len());
+                errln!("not carried over ({}):", imported.skipped.len());
                 for s in &imported.skipped {
-                    eprintln!("  {}", skipped_line(s));
+                    errln!("  {}", skipped_line(s));
                 }
             }
             if let Some(p) = problems {
-                eprintln!("the converted inventory is not valid yet: {p}");
+                errln!("the converted inventory is not valid yet: {p}");
             }
         }
     }

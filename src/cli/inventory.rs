@@ -26,8 +26,9 @@ pub fn load_inventory(path: &Path, output: Output) -> Result<Inventory> {
     }
     if output == Output::Text {
         for w in &inv.warnings {
-            eprintln!("{} {w}", paint("warning:", "33"));
+            super::output::stderr_line(&paint("warning:", "33"), &w.to_string());
         }
     }
+    super::guard::inventory(&inv);
     Ok(inv)
 }

@@ -11,6 +11,7 @@ mod boot;
 mod build;
 mod day2;
 mod flags;
+mod guard;
 mod hcloud;
 mod image;
 mod import;
@@ -66,6 +67,18 @@ pub struct Cli {
     /// goes on (for tests; 30s).
     #[arg(long, global = true, hide = true, default_value = "30s", value_parser = flags::parse_duration)]
     heartbeat: std::time::Duration,
+    /// Show secrets instead of `<redacted: NAME>`: only when stdout is a
+    /// terminal, or with --yes.
+    #[arg(long, global = true)]
+    show_secrets: bool,
+    /// Confirm: `down` deletes without asking; `--show-secrets` prints
+    /// secrets also where stdout is not a terminal (a log, a pipe).
+    #[arg(long, global = true)]
+    yes: bool,
+    /// Make the state dir's files that hold secrets 0600 when others can
+    /// read them (otherwise a warning names each).
+    #[arg(long, global = true)]
+    fix_permissions: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -139,6 +152,14 @@ pub fn run() -> i32 {
         Err(e) => return usage_error(e),
     };
     let output = cli.output;
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    output::init(output, cli.show_secrets && (terminal || cli.yes));
+    if cli.show_secrets && !terminal && !cli.yes {
+        errln!(
+            "--show-secrets ignored: stdout is not a terminal, and a log keeps what it shows (add --yes to show them anyway)"
+        );
+    }
+    guard::init(cli.fix_permissions, cli.factory.as_deref());
     if let Some(url) = cli
         .factory
         .as_ref()
@@ -162,7 +183,7 @@ pub fn run() -> i32 {
             } else if output == Output::Json {
                 outln!("{}", json!({ "error": message }));
             } else {
-                eprintln!("{} {message}", progress::paint("error:", "1;31"));
+                output::stderr_line(&progress::paint("error:", "1;31"), &message);
             }
             exit_code(&e)
         }
@@ -217,6 +238,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         config: cli.config[0].clone(),
         configs: &cli.config,
         output: cli.output,
+        yes: cli.yes,
     };
     dispatch_one(cli.command, one)
 }
@@ -227,6 +249,8 @@ struct Invocation<'a> {
     config: PathBuf,
     configs: &'a [PathBuf],
     output: Output,
+    /// `--yes`.
+    yes: bool,
 }
 
 fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
@@ -251,7 +275,7 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Status(args) => day2::status(args, &cli.config, cli.output),
         Command::Publish(args) => publish::run(args, &cli.config, cli.output),
         Command::Cleanup(args) => hcloud::cleanup(args, cli.output),
-        Command::Down(args) => hcloud::down(args, &cli.config, cli.output),
+        Command::Down(args) => hcloud::down(args, &cli.config, cli.output, cli.yes),
         Command::Up(args) => up::run(args, &cli.config, cli.output),
         Command::Plan(args) => plan::run(args, cli.configs, cli.output),
         Command::Import(args) => import::run(args, cli.output),

@@ -8,7 +8,7 @@ use clap::ValueEnum;
 use imgbuild::publish::{hcloud, proxmox};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::collections::HashMap;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -121,12 +121,10 @@ impl Screen {
         self.multi.is_some()
     }
 
-    /// One line on stderr, above the bars when there are some. A closed
-    /// stderr loses the line instead of panicking.
+    /// One line on stderr, above the bars when there are some, through
+    /// the one writer (escaped, redacted; a closed stderr loses it).
     pub fn line(&self, text: &str) {
-        let write = || {
-            let _ = writeln!(std::io::stderr().lock(), "{text}");
-        };
+        let write = || errln!("{text}");
         match &self.multi {
             Some(m) => m.suspend(write),
             None => write(),

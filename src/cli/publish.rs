@@ -96,7 +96,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     }
     if output == Output::Text {
         for w in &warnings {
-            eprintln!("warning: {w}");
+            errln!("warning: {w}");
         }
     }
     let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;

@@ -28,7 +28,9 @@ pub struct StateArgs {
 
 impl StateArgs {
     fn open(&self, inv: &Inventory) -> Result<StateDir> {
-        Ok(StateDir::open(inv, self.state_dir.as_deref())?)
+        let dir = StateDir::open(inv, self.state_dir.as_deref())?;
+        super::guard::state_dir(&dir.path);
+        Ok(dir)
     }
 }
 
@@ -63,6 +65,10 @@ pub struct ConfigArgs {
     node: String,
     #[command(flatten)]
     state: StateArgs,
+    /// Write the config into this file (0600), secrets included; printed,
+    /// its secrets are redacted unless --show-secrets.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -115,6 +121,9 @@ pub struct BootstrapRunArgs {
 
 impl BootstrapRunArgs {
     pub(super) fn options(self) -> BootstrapOptions {
+        if let Some(dir) = &self.state.state_dir {
+            super::guard::state_dir(dir);
+        }
         BootstrapOptions {
             state_dir: self.state.state_dir,
             talosconfig: self.talosconfig,
@@ -132,13 +141,7 @@ impl BootstrapRunArgs {
     }
 }
 
-/// The environment, for `${NAME}` in patch files (names or values that are
-/// not UTF-8 cannot be written in a patch and are left out).
-pub(super) fn patch_vars() -> config::PatchVars {
-    std::env::vars_os()
-        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-        .collect()
-}
+pub(super) use super::guard::patch_vars;
 
 pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
     let SecretsCommand::Gen(args) = args.command;
@@ -149,7 +152,7 @@ pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
         .save_secrets(args.secrets.as_deref(), args.force)?;
     let path = &saved.path;
     if output == Output::Text && !saved.ignored_fields.is_empty() {
-        eprintln!(
+        errln!(
             "warning: {}: ignored fields imgbuild does not know (as talosctl ignores them; not kept): {}",
             args.secrets.as_deref().unwrap_or(path).display(),
             saved.ignored_fields.join(", ")
@@ -183,6 +186,15 @@ pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result
     let node = inv.node(&args.node)?;
     let (bundle, _) = args.state.open(&inv)?.secrets()?;
     let text = config::machine_config(&inv, node, &bundle, &patch_vars())?;
+    if let Some(path) = &args.out {
+        imgbuild::atomic::write_if_changed(path, text.as_bytes(), true)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        match output {
+            Output::Json => outln!("{}", json!({"node": node.name, "out": path})),
+            Output::Text => outln!("{}: {} (0600)", node.name, path.display()),
+        }
+        return Ok(());
+    }
     match output {
         Output::Json => outln!("{}", json!({"node": node.name, "config": text})),
         Output::Text => out!("{text}"),

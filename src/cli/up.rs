@@ -48,7 +48,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         && pve.credentials.insecure()
         && output == Output::Text
     {
-        eprintln!("warning: PROXMOX_VE_INSECURE is set: the server's certificate is not checked");
+        errln!("warning: PROXMOX_VE_INSECURE is set: the server's certificate is not checked");
     }
     let build = args.publish.build();
     let quiet = build.download.quiet;
@@ -89,7 +89,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
     if let Some(why) = &report.drift_unchecked
         && output == Output::Text
     {
-        eprintln!("warning: drift not checked: {why}");
+        errln!("warning: drift not checked: {why}");
     }
     match output {
         Output::Json => outln!("{}", report.json()?),
@@ -97,7 +97,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
             for line in report.text() {
                 match line {
                     Line::Out(text) => outln!("{text}"),
-                    Line::Err(text) => eprintln!("{text}"),
+                    Line::Err(text) => errln!("{text}"),
                 }
             }
             super::day2::print_drift(&report.drift);

@@ -20,7 +20,7 @@ pub fn run(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
     let mut inv = load_inventory(config, output).context("inventory is not valid")?;
     if let Some(advice) = inv.vmid_advice() {
         if output == Output::Text {
-            eprintln!("warning: {advice}");
+            errln!("warning: {advice}");
         }
         inv.warnings.push(advice);
     }

@@ -758,7 +758,9 @@ async fn health_round(
                                     let msg = s
                                         .health
                                         .as_ref()
-                                        .map(|h| h.last_message.clone())
+                                        // The node's words, one line: they
+                                        // become a row of the wait's list.
+                                        .map(|h| crate::input::one_line(&h.last_message, 200))
                                         .filter(|m| !m.is_empty())
                                         .map(|m| format!(", {m}"))
                                         .unwrap_or_default();
@@ -785,9 +787,12 @@ async fn health_round(
     // etcd membership, as the first control plane sees it.
     match endpoint.etcd_members().await {
         Ok(members) => {
-            let mut names: Vec<&str> = members.iter().map(|m| m.hostname.as_str()).collect();
+            let mut names: Vec<String> = members
+                .iter()
+                .map(|m| crate::input::one_line(&m.hostname, 64))
+                .collect();
             names.sort_unstable();
-            let mut want: Vec<&str> = control_planes.iter().map(|n| n.name.as_str()).collect();
+            let mut want: Vec<String> = control_planes.iter().map(|n| n.name.clone()).collect();
             want.sort_unstable();
             if names != want {
                 pending.push(format!(

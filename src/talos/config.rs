@@ -50,6 +50,18 @@ impl FromIterator<(String, String)> for PatchVars {
     }
 }
 
+impl PatchVars {
+    /// The `(name, value)` pairs `text` refers to as `${NAME}`: what the
+    /// redaction set must hide wherever a rendered config shows.
+    pub fn referenced_in<'a>(&'a self, text: &str) -> Vec<(&'a str, &'a str)> {
+        self.0
+            .iter()
+            .filter(|(name, _)| text.contains(&format!("${{{name}}}")))
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect()
+    }
+}
+
 impl fmt::Debug for PatchVars {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_set().entries(self.0.keys()).finish()

@@ -92,10 +92,12 @@ impl StateDir {
     /// existing one is tightened or refused, see [`config::ensure_private_dir`]).
     pub fn open(inv: &Inventory, dir: Option<&Path>) -> Result<StateDir, StageError> {
         let path = dir.map_or_else(|| config::default_state_dir(inv), Path::to_owned);
-        config::ensure_private_dir(&path).map_err(|source| StageError::StateDir {
-            path: path.clone(),
-            source,
-        })?;
+        config::ensure_private_dir(&path)
+            .and_then(|()| crate::secrets::protect::ignore_in_git(&path))
+            .map_err(|source| StageError::StateDir {
+                path: path.clone(),
+                source,
+            })?;
         Ok(StateDir { path })
     }
 

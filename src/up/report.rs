@@ -200,7 +200,8 @@ impl NodeReport {
 }
 
 fn cell(v: Option<String>) -> String {
-    v.unwrap_or_else(|| "-".into())
+    // A node's version tag may carry a newline: it must not forge a row.
+    v.map_or_else(|| "-".into(), |v| crate::input::one_line(&v, 64))
 }
 
 /// What one `up` (or its dry run) did, stage by stage and node by node.
