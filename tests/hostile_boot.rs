@@ -474,13 +474,16 @@ fn a_base_iso_kernel_line_never_runs_commands_or_drops_meta() {
     }
 }
 
+/// What stands at `/boot/grub/grub.cfg` in a crafted tree.
+type MakeCfg = dyn Fn(&Path, &Case);
+
 /// `grub.cfg` as a symlink to a host file, a FIFO, a directory (holding
 /// 20 MB) and a 100 MB file: `inspect`, `diff` and `build` refuse each
 /// unread, show no host file, hang on none and leave nothing behind.
 #[test]
 fn a_crafted_base_iso_never_reaches_host_files_hangs_or_leaves_trees() {
     let sim = Sim::start_with(&[], 0, &["--versions", "v1.12.1"]);
-    let kinds: [(&str, Box<dyn Fn(&Path, &Case)>); 4] = [
+    let kinds: [(&str, Box<MakeCfg>); 4] = [
         (
             "symlink",
             Box::new(|p: &Path, c: &Case| {
