@@ -202,9 +202,12 @@ fn a_damaged_talosconfig_never_quotes_its_key() {
         // The key twice: serde would report it at the document's start.
         format!("{indent}key: a\n{indent}key: LS0t{KEY_MARKER}"),
     ];
-    for (i, line) in damaged.iter().enumerate() {
+    let mut files: Vec<String> = damaged.iter().map(|l| good.replace(key_line, l)).collect();
+    // The context's fields lost: the key's text where the context belongs.
+    files.push(format!("context: hostile\ncontexts:\n  hostile: LS0t{KEY_MARKER}\n"));
+    for (i, damaged) in files.iter().enumerate() {
         let file = case.path(&format!("in/talosconfig-{i}"));
-        std::fs::write(&file, good.replace(key_line, line)).unwrap();
+        std::fs::write(&file, damaged).unwrap();
         let m = case.run(&["status", "--talosconfig", file.to_str().unwrap()]);
         case.refused(&m, &format!("talosconfig-{i}"));
     }

@@ -242,6 +242,7 @@ mod tests {
             "context: a\ncontexts:\n  a:\n    ca: x\n    crt: y\n    key: [LS0tSECRET]\n",
             "context: a\ncontexts:\n  a:\n    ca: x\n    crt: y\n    key: \"LS0tSECRET\n",
             "context: a\ncontexts:\n  a:\n    ca: x\n    crt: y\n    key: a\n    key: LS0tSECRET\n",
+            "context: a\ncontexts:\n  a: LS0tSECRET\n",
         ];
         for text in cases {
             std::fs::write(&path, text).unwrap();
