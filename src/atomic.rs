@@ -138,7 +138,10 @@ fn holds(target: &Path, data: &[u8]) -> bool {
         return false;
     }
     let mut old = Vec::with_capacity(data.len());
-    file.take(data.len() as u64 + 1).read_to_end(&mut old).is_ok() && old == data
+    file.take(data.len() as u64 + 1)
+        .read_to_end(&mut old)
+        .is_ok()
+        && old == data
 }
 
 /// An exclusive `flock` on `path` (created if missing), held until the

@@ -457,7 +457,9 @@ impl Converter<'_> {
                 group.nameservers = strings(g.get("nameservers"));
                 if let Some(list) = g.get("extensionServices") {
                     let at = format!("{key}.extensionServices");
-                    group.patches.extend(self.extension_services(list, &at, scope));
+                    group
+                        .patches
+                        .extend(self.extension_services(list, &at, scope));
                 }
             }
             groups.insert(key, group);
@@ -652,7 +654,8 @@ impl Converter<'_> {
         if let Some(list) = n.get("extensionServices") {
             let at = format!("{at}.extensionServices");
             let scope = node.scope.clone();
-            node.patches.extend(self.extension_services(list, &at, &scope));
+            node.patches
+                .extend(self.extension_services(list, &at, &scope));
         }
         Ok(node)
     }
@@ -759,7 +762,13 @@ impl Converter<'_> {
         nodes: &mut [NodeOut],
         groups: &mut BTreeMap<&str, Group>,
     ) -> Vec<String> {
-        let role = |n: &NodeOut| if n.controlplane { "controlPlane" } else { "worker" };
+        let role = |n: &NodeOut| {
+            if n.controlplane {
+                "controlPlane"
+            } else {
+                "worker"
+            }
+        };
         let effective: Vec<Option<Vec<String>>> = nodes
             .iter()
             .map(|n| {
@@ -774,7 +783,9 @@ impl Converter<'_> {
             return first.clone().unwrap_or_default();
         }
         for (key, scope) in [("controlPlane", "controlplane"), ("worker", "worker")] {
-            let mine: Vec<usize> = (0..nodes.len()).filter(|&i| role(&nodes[i]) == key).collect();
+            let mine: Vec<usize> = (0..nodes.len())
+                .filter(|&i| role(&nodes[i]) == key)
+                .collect();
             let Some(&first) = mine.first() else {
                 continue;
             };
@@ -782,7 +793,11 @@ impl Converter<'_> {
                 if let Some(ns) = &effective[first] {
                     let at = format!("{key}.nameservers");
                     let patch = self.nameserver_patch(ns, &at, scope);
-                    groups.get_mut(key).expect("both roles").patches.extend(patch);
+                    groups
+                        .get_mut(key)
+                        .expect("both roles")
+                        .patches
+                        .extend(patch);
                 }
                 continue;
             }
@@ -1307,7 +1322,11 @@ mod tests {
         let ns = |list: &str| format!("    nameservers: [{list}]\n");
         // All alike: the cluster's.
         let same = three([&ns("10.0.0.1"), &ns("10.0.0.1"), &ns("10.0.0.1")], "");
-        assert!(same.inventory.contains("nameservers:\n  - 10.0.0.1"), "{}", same.inventory);
+        assert!(
+            same.inventory.contains("nameservers:\n  - 10.0.0.1"),
+            "{}",
+            same.inventory
+        );
         assert!(same.patch_files.is_empty() && same.skipped.is_empty());
         // By role: the control plane its own, the workers the group's.
         let roles = three(
@@ -1339,15 +1358,23 @@ mod tests {
         );
         let svc = patch(&i, "patches/services-node-a-1.yaml");
         assert!(
-            svc.starts_with("apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\n"),
+            svc.starts_with(
+                "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\n"
+            ),
             "{svc}"
         );
-        assert!(svc.contains("mountPath: /etc/x") && !svc.contains("content: y"), "{svc}");
+        assert!(
+            svc.contains("mountPath: /etc/x") && !svc.contains("content: y"),
+            "{svc}"
+        );
         // The config file without a mount path is the one thing not carried.
         let fields: Vec<&str> = i.skipped.iter().map(|s| s.field.as_str()).collect();
         assert_eq!(fields, ["nodes[0].extensionServices[0].configFiles[1]"]);
         // `custom` without urls, or an unknown name: reported, no patch.
-        for bad in ["cniConfig:\n  name: custom\n", "cniConfig:\n  name: calico\n"] {
+        for bad in [
+            "cniConfig:\n  name: custom\n",
+            "cniConfig:\n  name: calico\n",
+        ] {
             let i = three(["", "", ""], bad);
             assert!(i.patch_files.is_empty(), "{bad}");
             assert_eq!(i.skipped.len(), 1, "{bad}: {:?}", i.skipped);

@@ -303,7 +303,10 @@ fn homelab_converts_addresses_vip_groups_and_patches() {
     assert!(config.contains("max-pods"), "{config}");
     // cniConfig (name: none) and the worker group's extensionServices
     // came over as patches, and the rendered config carries both.
-    assert_eq!(inv["patches"]["all"][1].as_str(), Some("patches/cni-1.yaml"));
+    assert_eq!(
+        inv["patches"]["all"][1].as_str(),
+        Some("patches/cni-1.yaml")
+    );
     assert_eq!(
         inv["patches"]["worker"][0].as_str(),
         Some("patches/services-worker-1.yaml")
@@ -311,7 +314,10 @@ fn homelab_converts_addresses_vip_groups_and_patches() {
     let docs: Vec<serde_yaml_ng::Value> = serde_yaml_ng::Deserializer::from_str(&config)
         .map(|d| serde::Deserialize::deserialize(d).unwrap())
         .collect();
-    assert_eq!(docs[0]["cluster"]["network"]["cni"]["name"].as_str(), Some("none"));
+    assert_eq!(
+        docs[0]["cluster"]["network"]["cni"]["name"].as_str(),
+        Some("none")
+    );
     let service = docs
         .iter()
         .find(|d| d["kind"].as_str() == Some("ExtensionServiceConfig"))
@@ -335,7 +341,10 @@ fn homelab_converts_addresses_vip_groups_and_patches() {
         &[],
     );
     let cp = text(&o.stdout);
-    assert!(cp.contains("name: none") && !cp.contains("nut-client"), "{cp}");
+    assert!(
+        cp.contains("name: none") && !cp.contains("nut-client"),
+        "{cp}"
+    );
 }
 
 #[test]
@@ -398,7 +407,10 @@ fn edge_keeps_arch_factory_and_per_node_schematics() {
         assert_eq!(c.node(node)["dhcp"].as_bool(), Some(true), "{node}");
     }
     // The roles' nameservers differ: one patch per role, none in network.
-    assert!(inv.get("network").is_none_or(|n| n.get("nameservers").is_none()));
+    assert!(
+        inv.get("network")
+            .is_none_or(|n| n.get("nameservers").is_none())
+    );
     let cp_ns = inv["patches"]["controlPlane"][0].as_str().unwrap();
     assert_eq!(cp_ns, "patches/nameservers-controlplane-1.yaml");
     assert!(

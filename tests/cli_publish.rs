@@ -645,5 +645,8 @@ fn missing_proxmox_credentials_are_a_usage_error_as_in_up() {
         "{}",
         text(&o.stderr)
     );
-    assert!(!work.out().exists(), "built before the credentials were read");
+    assert!(
+        !work.out().exists(),
+        "built before the credentials were read"
+    );
 }

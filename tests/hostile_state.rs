@@ -79,10 +79,21 @@ impl Case {
     /// A day-two or bootstrap command with short timeouts, measured.
     fn run(&self, args: &[&str]) -> Measured {
         let mut run = self.command(args);
-        run.args(["--state-dir", &self.s("state")])
-            .args(["--call-timeout", "1s", "--node-timeout", "2s", "--poll", "100ms"]);
+        run.args(["--state-dir", &self.s("state")]).args([
+            "--call-timeout",
+            "1s",
+            "--node-timeout",
+            "2s",
+            "--poll",
+            "100ms",
+        ]);
         let m = run.measured(2 * LIMIT_TIME);
-        assert!(!m.killed, "{args:?} ran past {:?}: {}", 2 * LIMIT_TIME, m.stderr);
+        assert!(
+            !m.killed,
+            "{args:?} ran past {:?}: {}",
+            2 * LIMIT_TIME,
+            m.stderr
+        );
         m
     }
 
@@ -106,10 +117,15 @@ impl Case {
         assert!(!all.contains("panicked"), "{all}");
         assert!(!all.contains(KEY_MARKER), "the key marker was shown: {all}");
         assert!(
-            !all.chars().any(|c| c.is_control() && c != '\n' && c != '\t'),
+            !all.chars()
+                .any(|c| c.is_control() && c != '\n' && c != '\t'),
             "a raw control character reached the terminal: {all:?}"
         );
-        assert!(m.rss_kib < LIMIT_RSS_KIB, "peak RSS {} KiB: {all}", m.rss_kib);
+        assert!(
+            m.rss_kib < LIMIT_RSS_KIB,
+            "peak RSS {} KiB: {all}",
+            m.rss_kib
+        );
         assert!(m.took < LIMIT_TIME, "took {:?}: {all}", m.took);
         for d in ["cwd", "home"] {
             let left: Vec<_> = std::fs::read_dir(self.path(d)).unwrap().collect();
@@ -204,7 +220,9 @@ fn a_damaged_talosconfig_never_quotes_its_key() {
     ];
     let mut files: Vec<String> = damaged.iter().map(|l| good.replace(key_line, l)).collect();
     // The context's fields lost: the key's text where the context belongs.
-    files.push(format!("context: hostile\ncontexts:\n  hostile: LS0t{KEY_MARKER}\n"));
+    files.push(format!(
+        "context: hostile\ncontexts:\n  hostile: LS0t{KEY_MARKER}\n"
+    ));
     for (i, damaged) in files.iter().enumerate() {
         let file = case.path(&format!("in/talosconfig-{i}"));
         std::fs::write(&file, damaged).unwrap();
@@ -267,7 +285,13 @@ fn a_second_upgrade_is_refused_naming_the_first_and_one_control_plane_is_down_at
     let case = &up.case;
     // The lock file of the bootstrap names a process that has ended.
     let _ = std::fs::remove_file(case.path("state/.imgbuild.lock"));
-    let mut run = case.command(&["--output", "json", "upgrade", "--state-dir", &case.s("state")]);
+    let mut run = case.command(&[
+        "--output",
+        "json",
+        "upgrade",
+        "--state-dir",
+        &case.s("state"),
+    ]);
     run.timeouts(&[]);
     let first = run
         .into_command()

@@ -155,7 +155,10 @@ mod tests {
         assert_eq!((h.pid, h.command.as_str()), (std::process::id(), "upgrade"));
         let shown = e.to_string();
         assert!(
-            shown.contains(&format!("pid {} (imgbuild upgrade) since 20", std::process::id())),
+            shown.contains(&format!(
+                "pid {} (imgbuild upgrade) since 20",
+                std::process::id()
+            )),
             "{shown}"
         );
         drop(held);
@@ -178,6 +181,9 @@ mod tests {
             since: i64::MAX,
         };
         let shown = h.to_string();
-        assert!(!shown.contains('\x1b') && shown.ends_with("an unknown time"), "{shown}");
+        assert!(
+            !shown.contains('\x1b') && shown.ends_with("an unknown time"),
+            "{shown}"
+        );
     }
 }

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
 use super::client::{self, NodeEndpoint, Probe};
-use super::lock::{self, LockError, StateLock};
 use super::config::{self, ConfigError, PatchVars};
+use super::lock::{self, LockError, StateLock};
 use super::secrets::{SecretsBundle, SecretsError};
 use super::status::{self, Drift};
 use super::talosconfig::{Talosconfig, TalosconfigError};

@@ -112,13 +112,15 @@ impl Talosconfig {
             path: path.display().to_string(),
             message,
         };
-        let text = crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| {
-            TalosconfigError::Io {
-                path: path.display().to_string(),
-                source,
-            }
-        })?;
-        let text = crate::input::yaml(&text).map_err(|e| invalid(format!("not a talosconfig: {e}")))?;
+        let text =
+            crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| {
+                TalosconfigError::Io {
+                    path: path.display().to_string(),
+                    source,
+                }
+            })?;
+        let text =
+            crate::input::yaml(&text).map_err(|e| invalid(format!("not a talosconfig: {e}")))?;
         let cfg: Talosconfig = serde_yaml_ng::from_str(text).map_err(|e| {
             invalid(format!(
                 "not a talosconfig: {}",
@@ -247,7 +249,10 @@ mod tests {
         for text in cases {
             std::fs::write(&path, text).unwrap();
             let e = Talosconfig::load(&path).unwrap_err().to_string();
-            assert!(e.contains("not a talosconfig") && !e.contains("SECRET"), "{e}");
+            assert!(
+                e.contains("not a talosconfig") && !e.contains("SECRET"),
+                "{e}"
+            );
         }
         // Neither a FIFO nor an endless device is read.
         std::fs::remove_file(&path).unwrap();

@@ -461,12 +461,11 @@ impl Report {
     pub fn json(&self) -> serde_json::Result<serde_json::Value> {
         let mut doc = serde_json::to_value(self)?;
         if self.dry_run {
-            for (n, row) in self.nodes.iter().zip(
-                doc["nodes"]
-                    .as_array_mut()
-                    .into_iter()
-                    .flatten(),
-            ) {
+            for (n, row) in self
+                .nodes
+                .iter()
+                .zip(doc["nodes"].as_array_mut().into_iter().flatten())
+            {
                 for (stage, change) in n.stages.named() {
                     if let Some(c) = change {
                         row["stages"][stage] = c.word(true).into();

@@ -61,7 +61,10 @@ impl ProxmoxError {
         let done = done.map(|d| Box::new(d.clone()));
         match self {
             ProxmoxError::Node {
-                node, step, message, ..
+                node,
+                step,
+                message,
+                ..
             } => ProxmoxError::Node {
                 node,
                 step,

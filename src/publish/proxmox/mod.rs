@@ -313,11 +313,12 @@ fn publish_node(
         );
     }
     let base = format!("/nodes/{}/qemu/{vmid}", s.node);
+    let start_it = decided.start;
     out.vm = Some(
-        converge_vm(survey, img, &volid, vm, decided.place, decided.change, opts, observer)
+        converge_vm(survey, img, &volid, vm, decided, opts, observer)
             .map_err(|e| e.at(&img.node, Step::Vm, Some(&out)))?,
     );
-    if decided.start {
+    if start_it {
         start(api, &base, vmid, opts).map_err(|e| e.at(&img.node, Step::Start, Some(&out)))?;
         observer.event(&img.node, &Event::VmStarted { vmid });
         out.started = true;
@@ -332,11 +333,11 @@ fn converge_vm(
     img: &PublishImage,
     volid: &str,
     vm: &ProxmoxVm,
-    place: Placement,
-    change: Option<VmChange>,
+    decided: VmDecision,
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<VmChange, ProxmoxError> {
+    let VmDecision { place, change, .. } = decided;
     let (api, inv, s) = (&survey.api, survey.inv, survey.settings);
     let (index, vmid) = (img.index, place.vmid);
     let pve = &s.node;
