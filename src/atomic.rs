@@ -109,13 +109,39 @@ fn sweep_stale(dir: &Path, prefix: &str) {
 /// Writes `data` to `target` atomically. Returns false (and writes nothing)
 /// when the file already holds exactly `data`.
 pub fn write_if_changed(target: &Path, data: &[u8], private: bool) -> io::Result<bool> {
-    if fs::read(target).is_ok_and(|old| old == data) {
+    if holds(target, data) {
         return Ok(false);
     }
     let mut f = AtomicFile::create(target, private)?;
     f.file().write_all(data)?;
     f.commit()?;
     Ok(true)
+}
+
+/// Whether `target` is a regular file holding exactly `data`. Never
+/// blocking on a FIFO nor reading a device: what was planted there is
+/// replaced, not read.
+fn holds(target: &Path, data: &[u8]) -> bool {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(target)
+    else {
+        return false;
+    };
+    if !file
+        .metadata()
+        .is_ok_and(|m| m.is_file() && m.len() == data.len() as u64)
+    {
+        return false;
+    }
+    let mut old = Vec::with_capacity(data.len());
+    file.take(data.len() as u64 + 1)
+        .read_to_end(&mut old)
+        .is_ok()
+        && old == data
 }
 
 /// An exclusive `flock` on `path` (created if missing), held until the
@@ -139,6 +165,22 @@ pub fn lock(path: &Path) -> io::Result<File> {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_fifo_or_device_in_the_way_is_replaced_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.yaml");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string; mkfifo only creates the node.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let zero = dir.path().join("zero.yaml");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        for target in [&fifo, &zero] {
+            assert!(write_if_changed(target, b"new", true).unwrap());
+            assert_eq!(fs::read(target).unwrap(), b"new");
+            assert!(!write_if_changed(target, b"new", true).unwrap());
+        }
+    }
 
     #[test]
     fn dropped_writes_leave_nothing_behind() {

@@ -8,9 +8,12 @@
 //! `deviceSelector.hardwareAddr`, nameservers, `schematic.customization`
 //! extensions and kernel args), strategic-merge patches (cluster, control
 //! plane, worker, node) and `${VAR}` substitution from `talenv.yaml` or the
-//! environment. Everything else is listed, with its line, as not carried
-//! over: SOPS-encrypted files, unset variables, JSON6902 patches, and every
-//! field cluster.yaml has no place for.
+//! environment. Settings cluster.yaml has no field for but a machine config
+//! has become patch files beside it: `cniConfig` (Talos'
+//! `cluster.network.cni`), `extensionServices` (`ExtensionServiceConfig`
+//! documents) and nameservers that differ by role or node. Everything else
+//! is listed, with its line, as not carried over: SOPS-encrypted files,
+//! unset variables, JSON6902 patches, and every other field.
 
 use crate::inventory::{Cidr, Inventory, InventoryError, LineIndex};
 use crate::schematic::{Customization, Schematic, SystemExtensions};
@@ -191,6 +194,10 @@ struct NodeOut {
     extensions: Vec<String>,
     kernel_args: Vec<String>,
     patches: Vec<String>,
+    /// Its own `nameservers`, if it lists any.
+    nameservers: Option<Vec<String>>,
+    /// The file-name stem of its patches, e.g. `node-cp-a`.
+    scope: String,
 }
 
 /// Values that are one per cluster in cluster.yaml but one per node in
@@ -199,7 +206,6 @@ struct NodeOut {
 struct Shared {
     cidr: Option<String>,
     gateway: Option<String>,
-    nameservers: Option<Vec<String>>,
     mtu: Option<u64>,
     vip: Option<String>,
     arch: Option<String>,
@@ -412,6 +418,7 @@ impl Converter<'_> {
                 "controlPlane",
                 "worker",
                 "imageFactory",
+                "cniConfig",
             ],
         );
         let name = self.required(top, "clusterName", "the cluster's name")?;
@@ -431,18 +438,31 @@ impl Converter<'_> {
         if let Some(list) = top.get("patches") {
             all_patches = self.patches(list, "patches", "all");
         }
-        let mut groups: BTreeMap<&str, (Vec<String>, Option<Value>)> = BTreeMap::new();
+        if let Some(cni) = top.get("cniConfig") {
+            all_patches.extend(self.cni(cni));
+        }
+        let mut groups: BTreeMap<&str, Group> = BTreeMap::new();
         for (key, scope) in [("controlPlane", "controlplane"), ("worker", "worker")] {
-            let mut patches = Vec::new();
-            let mut schematic = None;
+            let mut group = Group::default();
             if let Some(Value::Mapping(g)) = top.get(key) {
-                self.skip_unknown(g, key, &["patches", "schematic"]);
+                self.skip_unknown(
+                    g,
+                    key,
+                    &["patches", "schematic", "nameservers", "extensionServices"],
+                );
                 if let Some(list) = g.get("patches") {
-                    patches = self.patches(list, &format!("{key}.patches"), scope);
+                    group.patches = self.patches(list, &format!("{key}.patches"), scope);
                 }
-                schematic = g.get("schematic").cloned();
+                group.schematic = g.get("schematic").cloned();
+                group.nameservers = strings(g.get("nameservers"));
+                if let Some(list) = g.get("extensionServices") {
+                    let at = format!("{key}.extensionServices");
+                    group
+                        .patches
+                        .extend(self.extension_services(list, &at, scope));
+                }
             }
-            groups.insert(key, (patches, schematic));
+            groups.insert(key, group);
         }
         let mut shared = Shared::default();
         let mut nodes = Vec::new();
@@ -464,9 +484,10 @@ impl Converter<'_> {
             } else {
                 "worker"
             };
-            let group_schematic = groups[group].1.clone();
+            let group_schematic = groups[group].schematic.clone();
             nodes.push(self.node(n, &at, group_schematic.as_ref(), &mut shared)?);
         }
+        let nameservers = self.nameservers(&mut nodes, &mut groups);
         // Extensions and kernel args every node shares belong to the image.
         let common = |f: fn(&NodeOut) -> &Vec<String>| -> Option<Vec<String>> {
             let first = f(nodes.first()?);
@@ -503,11 +524,7 @@ impl Converter<'_> {
         let mut network = Mapping::new();
         insert_some(&mut network, "cidr", shared.cidr);
         insert_some(&mut network, "gateway", shared.gateway);
-        insert_list(
-            &mut network,
-            "nameservers",
-            shared.nameservers.unwrap_or_default(),
-        );
+        insert_list(&mut network, "nameservers", nameservers);
         if let Some(mtu) = shared.mtu {
             network.insert("mtu".into(), mtu.into());
         }
@@ -519,9 +536,9 @@ impl Converter<'_> {
         insert_list(
             &mut patches,
             "controlPlane",
-            groups["controlPlane"].0.clone(),
+            groups["controlPlane"].patches.clone(),
         );
-        insert_list(&mut patches, "worker", groups["worker"].0.clone());
+        insert_list(&mut patches, "worker", groups["worker"].patches.clone());
         if !patches.is_empty() {
             out.insert("patches".into(), patches.into());
         }
@@ -571,10 +588,20 @@ impl Converter<'_> {
                 "schematic",
                 "patches",
                 "machineSpec",
+                "extensionServices",
             ],
         );
+        let name = self.string(n, "hostname", at)?.unwrap_or_default();
+        // The name becomes a file name: only a valid node name will do
+        // (the inventory check reports the name itself).
+        let scope = if crate::inventory::is_node_name(&name) {
+            format!("node-{name}")
+        } else {
+            at.replace(['[', ']'], "-").trim_end_matches('-').to_owned()
+        };
         let mut node = NodeOut {
-            name: self.string(n, "hostname", at)?.unwrap_or_default(),
+            name,
+            scope,
             controlplane: n.get("controlPlane").and_then(Value::as_bool) == Some(true),
             install_disk: self.string(n, "installDisk", at)?,
             ..NodeOut::default()
@@ -606,13 +633,7 @@ impl Converter<'_> {
                 "differs from the interface's address; the node is reached at the interface's",
             );
         }
-        if let Some(list) = n.get("nameservers").and_then(Value::as_sequence) {
-            let ns: Vec<String> = list
-                .iter()
-                .filter_map(|v| v.as_str().map(str::to_owned))
-                .collect();
-            self.one_per_cluster(&mut shared.nameservers, ns, &format!("{at}.nameservers"));
-        }
+        node.nameservers = strings(n.get("nameservers"));
         if let Some(Value::Mapping(spec)) = n.get("machineSpec") {
             let sat = format!("{at}.machineSpec");
             self.skip_unknown(spec, &sat, &["arch", "mode"]);
@@ -628,16 +649,174 @@ impl Converter<'_> {
             self.schematic(s, &format!("{at}.schematic"), &mut node)?;
         }
         if let Some(list) = n.get("patches") {
-            // The name becomes a file name: only a valid node name will do
-            // (the inventory check reports the name itself).
-            let scope = if crate::inventory::is_node_name(&node.name) {
-                format!("node-{}", node.name)
-            } else {
-                at.replace(['[', ']'], "-").trim_end_matches('-').to_owned()
-            };
-            node.patches = self.patches(list, &format!("{at}.patches"), &scope);
+            node.patches = self.patches(list, &format!("{at}.patches"), &node.scope.clone());
+        }
+        if let Some(list) = n.get("extensionServices") {
+            let at = format!("{at}.extensionServices");
+            let scope = node.scope.clone();
+            node.patches
+                .extend(self.extension_services(list, &at, &scope));
         }
         Ok(node)
+    }
+
+    /// `cniConfig` as a patch for every node: Talos' `cluster.network.cni`
+    /// with the same `name` (`flannel`, `custom` with its `urls`, or `none`,
+    /// which talhelper passes through unchanged).
+    fn cni(&mut self, v: &Value) -> Option<String> {
+        let at = "cniConfig";
+        let Value::Mapping(m) = v else {
+            self.skip(at, "not a mapping");
+            return None;
+        };
+        self.skip_unknown(m, at, &["name", "urls"]);
+        let name = m.get("name").and_then(Value::as_str).unwrap_or("flannel");
+        if !matches!(name, "flannel" | "custom" | "none") {
+            self.skip(
+                format!("{at}.name"),
+                "Talos' CNI is flannel, custom (with urls) or none",
+            );
+            return None;
+        }
+        let urls = strings(m.get("urls")).unwrap_or_default();
+        if (name == "custom") == urls.is_empty() {
+            self.skip(
+                format!("{at}.urls"),
+                "Talos takes manifest urls with `custom`, and only with it",
+            );
+            return None;
+        }
+        let mut cni = Mapping::new();
+        cni.insert("name".into(), name.into());
+        insert_list(&mut cni, "urls", urls);
+        let doc = nest(&["cluster", "network", "cni"], cni.into());
+        self.write_patch(to_yaml(&doc), at, "cni", 0)
+    }
+
+    /// talhelper's `extensionServices` (a list of name, configFiles,
+    /// environment) as one patch of `ExtensionServiceConfig` documents.
+    fn extension_services(&mut self, list: &Value, at: &str, scope: &str) -> Option<String> {
+        let Some(items) = list.as_sequence() else {
+            self.skip(at, "not a list of extension services");
+            return None;
+        };
+        let mut docs = Vec::new();
+        for (j, item) in items.iter().enumerate() {
+            let sat = format!("{at}[{j}]");
+            let Value::Mapping(svc) = item else {
+                self.skip(sat, "not a mapping");
+                continue;
+            };
+            self.skip_unknown(svc, &sat, &["name", "configFiles", "environment"]);
+            let Some(name) = svc.get("name").and_then(Value::as_str) else {
+                self.skip(format!("{sat}.name"), "an extension service needs a name");
+                continue;
+            };
+            let mut doc = Mapping::new();
+            doc.insert("apiVersion".into(), "v1alpha1".into());
+            doc.insert("kind".into(), "ExtensionServiceConfig".into());
+            doc.insert("name".into(), name.into());
+            let mut files = Vec::new();
+            for (k, f) in svc
+                .get("configFiles")
+                .and_then(Value::as_sequence)
+                .into_iter()
+                .flatten()
+                .enumerate()
+            {
+                let fat = format!("{sat}.configFiles[{k}]");
+                let (Some(content), Some(mount)) = (
+                    f.get("content").and_then(Value::as_str),
+                    f.get("mountPath").and_then(Value::as_str),
+                ) else {
+                    self.skip(fat, "a config file needs content and mountPath");
+                    continue;
+                };
+                let mut file = Mapping::new();
+                file.insert("content".into(), content.into());
+                file.insert("mountPath".into(), mount.into());
+                files.push(Value::from(file));
+            }
+            if !files.is_empty() {
+                doc.insert("configFiles".into(), files.into());
+            }
+            insert_list(
+                &mut doc,
+                "environment",
+                strings(svc.get("environment")).unwrap_or_default(),
+            );
+            docs.push(to_yaml(&doc.into()));
+        }
+        if docs.is_empty() {
+            return None;
+        }
+        self.write_patch(docs.join("---\n"), at, &format!("services-{scope}"), 0)
+    }
+
+    /// The nameservers every node shares, for cluster.yaml's `network`.
+    /// When they differ, each role whose nodes agree gets a patch, and else
+    /// each node with its own (a node's own list wins over its role's, as
+    /// in talhelper; Talos appends patched lists, so no node gets two).
+    fn nameservers(
+        &mut self,
+        nodes: &mut [NodeOut],
+        groups: &mut BTreeMap<&str, Group>,
+    ) -> Vec<String> {
+        let role = |n: &NodeOut| {
+            if n.controlplane {
+                "controlPlane"
+            } else {
+                "worker"
+            }
+        };
+        let effective: Vec<Option<Vec<String>>> = nodes
+            .iter()
+            .map(|n| {
+                n.nameservers
+                    .clone()
+                    .or_else(|| groups[role(n)].nameservers.clone())
+            })
+            .collect();
+        if let Some(first) = effective.first()
+            && effective.iter().all(|e| e == first)
+        {
+            return first.clone().unwrap_or_default();
+        }
+        for (key, scope) in [("controlPlane", "controlplane"), ("worker", "worker")] {
+            let mine: Vec<usize> = (0..nodes.len())
+                .filter(|&i| role(&nodes[i]) == key)
+                .collect();
+            let Some(&first) = mine.first() else {
+                continue;
+            };
+            if mine.iter().all(|&i| effective[i] == effective[first]) {
+                if let Some(ns) = &effective[first] {
+                    let at = format!("{key}.nameservers");
+                    let patch = self.nameserver_patch(ns, &at, scope);
+                    groups
+                        .get_mut(key)
+                        .expect("both roles")
+                        .patches
+                        .extend(patch);
+                }
+                continue;
+            }
+            for i in mine {
+                if let Some(ns) = &effective[i] {
+                    let at = format!("nodes[{i}].nameservers");
+                    let scope = nodes[i].scope.clone();
+                    let patch = self.nameserver_patch(ns, &at, &scope);
+                    nodes[i].patches.extend(patch);
+                }
+            }
+        }
+        Vec::new()
+    }
+
+    fn nameserver_patch(&mut self, ns: &[String], at: &str, scope: &str) -> Option<String> {
+        let list: Vec<Value> = ns.iter().map(|s| s.as_str().into()).collect();
+        let doc = nest(&["machine", "network", "nameservers"], list.into());
+        self.write_patch(to_yaml(&doc), at, &format!("nameservers-{scope}"), 0)
     }
 
     /// The node's link; returns its static address.
@@ -902,6 +1081,37 @@ impl Converter<'_> {
     }
 }
 
+/// What a talhelper `controlPlane` or `worker` section gives its nodes.
+#[derive(Default)]
+struct Group {
+    patches: Vec<String>,
+    schematic: Option<Value>,
+    nameservers: Option<Vec<String>>,
+}
+
+/// A list of strings (other items dropped), if `v` is a list.
+fn strings(v: Option<&Value>) -> Option<Vec<String>> {
+    let list = v?.as_sequence()?;
+    Some(
+        list.iter()
+            .filter_map(|v| v.as_str().map(str::to_owned))
+            .collect(),
+    )
+}
+
+/// `value` under the mapping keys `path`, outermost first.
+fn nest(path: &[&str], value: Value) -> Value {
+    path.iter().rev().fold(value, |inner, key| {
+        let mut m = Mapping::new();
+        m.insert((*key).into(), inner);
+        m.into()
+    })
+}
+
+fn to_yaml(v: &Value) -> String {
+    serde_yaml_ng::to_string(v).expect("plain data")
+}
+
 enum PatchKind {
     Strategic,
     Json6902,
@@ -1089,6 +1299,87 @@ mod tests {
     }
 
     const MINIMAL: &str = "clusterName: c\ntalosVersion: v1.11.2\nkubernetesVersion: v1.32.1\nendpoint: https://${VIP}:6443\nnodes:\n  - hostname: a\n    ipAddress: 10.0.0.5\n    controlPlane: true\n";
+
+    /// Three nodes (control plane a, workers b and c), then `tail`.
+    fn three(nodes: [&str; 3], tail: &str) -> Imported {
+        let text = format!(
+            "clusterName: c\ntalosVersion: v1.11.2\nkubernetesVersion: v1.32.1\nendpoint: https://10.0.0.2:6443\nnodes:\n  - hostname: a\n    ipAddress: 10.0.0.5\n    controlPlane: true\n{}  - hostname: b\n    ipAddress: 10.0.0.6\n{}  - hostname: c\n    ipAddress: 10.0.0.7\n{}{tail}",
+            nodes[0], nodes[1], nodes[2]
+        );
+        convert(&text, &[])
+    }
+
+    fn patch<'a>(i: &'a Imported, path: &str) -> &'a str {
+        i.patch_files
+            .iter()
+            .find(|p| p.path == Path::new(path))
+            .map(|p| p.content.as_str())
+            .unwrap_or_else(|| panic!("no {path}: {:?}", i.patch_files))
+    }
+
+    #[test]
+    fn nameservers_go_to_the_cluster_a_role_or_a_node_never_twice() {
+        let ns = |list: &str| format!("    nameservers: [{list}]\n");
+        // All alike: the cluster's.
+        let same = three([&ns("10.0.0.1"), &ns("10.0.0.1"), &ns("10.0.0.1")], "");
+        assert!(
+            same.inventory.contains("nameservers:\n  - 10.0.0.1"),
+            "{}",
+            same.inventory
+        );
+        assert!(same.patch_files.is_empty() && same.skipped.is_empty());
+        // By role: the control plane its own, the workers the group's.
+        let roles = three(
+            [&ns("10.0.0.53"), "", ""],
+            "worker:\n  nameservers: [10.0.0.1]\n",
+        );
+        assert!(roles.skipped.is_empty(), "{:?}", roles.skipped);
+        assert!(!roles.inventory.contains("network:"), "{}", roles.inventory);
+        assert_eq!(
+            patch(&roles, "patches/nameservers-controlplane-1.yaml"),
+            "machine:\n  network:\n    nameservers:\n    - 10.0.0.53\n"
+        );
+        assert!(patch(&roles, "patches/nameservers-worker-1.yaml").contains("10.0.0.1"));
+        // Workers that differ: one patch each, and no role patch.
+        let nodes = three(["", &ns("10.0.0.1"), &ns("10.0.0.2")], "");
+        assert!(patch(&nodes, "patches/nameservers-node-b-1.yaml").contains("10.0.0.1"));
+        assert!(patch(&nodes, "patches/nameservers-node-c-1.yaml").contains("10.0.0.2"));
+        assert_eq!(nodes.patch_files.len(), 2, "{:?}", nodes.patch_files);
+    }
+
+    #[test]
+    fn cni_and_extension_services_become_patches_and_what_talos_refuses_is_reported() {
+        let services = "    extensionServices:\n      - name: tailscale\n        environment: [TS_ROUTES=10.0.0.0/24]\n        configFiles:\n          - {content: x, mountPath: /etc/x}\n          - {content: y}\n";
+        let tail = "cniConfig:\n  name: custom\n  urls: [https://example.net/cilium.yaml]\n";
+        let i = three([services, "", ""], tail);
+        assert_eq!(
+            patch(&i, "patches/cni-1.yaml"),
+            "cluster:\n  network:\n    cni:\n      name: custom\n      urls:\n      - https://example.net/cilium.yaml\n"
+        );
+        let svc = patch(&i, "patches/services-node-a-1.yaml");
+        assert!(
+            svc.starts_with(
+                "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\n"
+            ),
+            "{svc}"
+        );
+        assert!(
+            svc.contains("mountPath: /etc/x") && !svc.contains("content: y"),
+            "{svc}"
+        );
+        // The config file without a mount path is the one thing not carried.
+        let fields: Vec<&str> = i.skipped.iter().map(|s| s.field.as_str()).collect();
+        assert_eq!(fields, ["nodes[0].extensionServices[0].configFiles[1]"]);
+        // `custom` without urls, or an unknown name: reported, no patch.
+        for bad in [
+            "cniConfig:\n  name: custom\n",
+            "cniConfig:\n  name: calico\n",
+        ] {
+            let i = three(["", "", ""], bad);
+            assert!(i.patch_files.is_empty(), "{bad}");
+            assert_eq!(i.skipped.len(), 1, "{bad}: {:?}", i.skipped);
+        }
+    }
 
     #[test]
     fn variables_come_from_the_environment_and_unset_ones_are_reported_with_their_line() {

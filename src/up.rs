@@ -278,11 +278,32 @@ fn proxmox(
                 n.stages.start = Some(changed(started, Change::Started));
             }
             Err(e) => {
-                let message = match e {
-                    ProxmoxError::Node { message, .. } => message,
-                    e => e.to_string(),
+                // Marked where it happened (upload, VM or start), after
+                // what finished before.
+                let (step, message, done) = match e {
+                    ProxmoxError::Node {
+                        step,
+                        message,
+                        done,
+                        ..
+                    } => (step, message, done),
+                    e => (proxmox::Step::Upload, e.to_string(), None),
                 };
-                report.fail_row(*index, |s| s.upload = Some(Change::Failed), message);
+                if let (Some(p), Some(n)) = (done, report.row(*index)) {
+                    n.volume = Some(p.volid);
+                    n.vmid = p.vmid;
+                    n.stages.upload = Some(changed(p.uploaded, Change::Uploaded));
+                    n.stages.vm = p.vm.map(Change::from);
+                }
+                let failed = |s: &mut Stages| {
+                    let column = match step {
+                        proxmox::Step::Upload => &mut s.upload,
+                        proxmox::Step::Vm => &mut s.vm,
+                        proxmox::Step::Start => &mut s.start,
+                    };
+                    *column = Some(Change::Failed);
+                };
+                report.fail_row(*index, failed, message);
                 failed_nodes.push(inv.nodes[*index].name.clone());
             }
         }

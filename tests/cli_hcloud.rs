@@ -352,7 +352,8 @@ fn token_problems_stop_before_anything_is_built() {
         .arg(work.out())
         .env_remove("HCLOUD_TOKEN")
         .output();
-    assert_eq!(o.status.code(), Some(1));
+    // A missing credential is a usage error, as in `up`.
+    assert_eq!(o.status.code(), Some(2));
     assert!(
         text(&o.stderr).contains("HCLOUD_TOKEN is not set"),
         "{}",

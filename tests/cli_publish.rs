@@ -601,3 +601,52 @@ fn validate_suggests_pinning_vmids_from_first_id() {
     let o = common::imgbuild(&["--config", config, "schematic", "--all"]);
     assert!(!text(&o.stderr).contains("firstId"), "{}", text(&o.stderr));
 }
+
+/// A run killed after "VM 300 created" may leave a start task running:
+/// the rerun lists the VM stopped, starts it, and qemu-server answers
+/// "VM 300 already running" (src/PVE/QemuServer.pm `vm_start`). The VM
+/// runs, as asked: no failure.
+#[test]
+fn a_start_still_in_flight_from_a_killed_run_is_no_failure() {
+    let sim = Sim::start(&[]);
+    let pve = Pve::start(&["--task-delay-ms", "1500"]);
+    let work = Work::new(
+        &Inventory::loopback()
+            .proxmox(true)
+            .replace("memory: 2048}", "memory: 2048, start: true}"),
+    );
+    let o = publish(&work, &sim, &pve, &["cp-01", "--output", "json"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let (_, v) = pve.curl("/nodes/pve/qemu/300/status/stop", &["-X", "POST"]);
+    pve.wait(&v["data"]);
+    let (code, v) = pve.curl("/nodes/pve/qemu/300/status/start", &["-X", "POST"]);
+    assert_eq!(code, 200, "{v}");
+    let o = publish(&work, &sim, &pve, &["cp-01", "--output", "json"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["nodes"][0]["started"], true, "{v}");
+    let (_, st) = pve.curl("/nodes/pve/qemu/300/status/current", &[]);
+    assert_eq!(st["data"]["status"], "running", "{st}");
+    // Two starts were asked for after the stop: the test's and the rerun's.
+    assert!(pve.stats()["starts"].as_u64().unwrap() >= 3);
+}
+
+#[test]
+fn missing_proxmox_credentials_are_a_usage_error_as_in_up() {
+    let work = proxmox("raw", true);
+    let o = Run::with_config(&work.config, &["publish"])
+        .folders(work.dir.path())
+        .env_remove("PROXMOX_VE_ENDPOINT")
+        .env_remove("PROXMOX_VE_API_TOKEN")
+        .output();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("PROXMOX_VE_ENDPOINT is not set"),
+        "{}",
+        text(&o.stderr)
+    );
+    assert!(
+        !work.out().exists(),
+        "built before the credentials were read"
+    );
+}

@@ -249,9 +249,10 @@ fn a_dry_run_plans_everything_and_changes_nothing() {
     let (out, v) = c.up(&["--dry-run"]);
     stdout_ok(&out);
     assert_eq!(v["dryRun"], true);
-    assert_eq!(v["bootstrap"], "bootstrapped", "{v}");
+    // Planned values: a consumer never takes a plan for a finished run.
+    assert_eq!(v["bootstrap"], "to bootstrap", "{v}");
     for (i, n) in v["nodes"].as_array().unwrap().iter().enumerate() {
-        let want = serde_json::json!({"build": "built", "upload": "uploaded", "vm": "created", "start": "started", "apply": "applied"});
+        let want = serde_json::json!({"build": "to build", "upload": "to upload", "vm": "to create", "start": "to start", "apply": "to apply"});
         assert_eq!(n["stages"], want, "{n}");
         assert_eq!(n["vmid"], 300 + i as u64);
         assert_eq!(n["talos"], "unreachable", "{n}");
@@ -627,4 +628,35 @@ fn a_cluster_without_a_cni_is_never_called_healthy() {
         err.contains("cluster.network.cni.name is none") && err.contains("cluster.inlineManifests"),
         "{err}"
     );
+}
+
+#[test]
+fn a_proxmox_failure_is_recorded_where_it_happened() {
+    // Every start task fails: the images are stored and the VMs made.
+    let c = Chain::start_with(10, &["--fail-task", "qmstart"]);
+    let (out, v) = c.up(&[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert_eq!(v["failedStage"], "publish", "{v}");
+    for n in v["nodes"].as_array().unwrap() {
+        let want = serde_json::json!({"build": "built", "upload": "uploaded", "vm": "created", "start": "failed"});
+        assert_eq!(n["stages"], want, "{n}");
+        assert!(n["vmid"].as_u64().is_some(), "{n}");
+        assert!(n["error"].as_str().unwrap().contains("starting VM"), "{n}");
+    }
+}
+
+#[test]
+fn up_of_one_node_shows_its_apply_beside_the_absent_others() {
+    let c = Chain::start(11);
+    let (out, v) = c.up(&["cp-01", "--node-timeout", "5s"]);
+    assert_ne!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(v["failedStage"], "bootstrap", "{v}");
+    let nodes = v["nodes"].as_array().unwrap();
+    assert_eq!(nodes[0]["node"], "cp-01");
+    assert_eq!(nodes[0]["stages"]["apply"], "applied", "{}", nodes[0]);
+    assert_eq!(nodes[0]["talos"], "configured", "{}", nodes[0]);
+    for n in &nodes[1..] {
+        assert_eq!(n["stages"]["apply"], "failed", "{n}");
+    }
+    assert_eq!(v["bootstrap"], "bootstrapped", "{v}");
 }

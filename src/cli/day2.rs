@@ -67,6 +67,9 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     }
     let wanted = targets(&inv, &args.download.options())?;
     let opts = args.run.options();
+    let _lock = (!args.dry_run)
+        .then(|| stage::lock_state_dir(&inv, &opts, "upgrade"))
+        .transpose()?;
     let limits = opts.limits.clone();
     let prepared = stage::prepare(&inv, &opts)?;
     let plan = &prepared.plan;
@@ -233,6 +236,9 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
         inv.node(name)?;
     }
     let opts = args.run.options();
+    let _lock = (!args.dry_run)
+        .then(|| stage::lock_state_dir(&inv, &opts, "apply"))
+        .transpose()?;
     let prepared = stage::prepare(&inv, &opts)?;
     let mode = match args.mode {
         ModeArg::Auto => ApplyMode::Auto,

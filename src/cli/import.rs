@@ -1,7 +1,7 @@
 //! `imgbuild import talhelper`: a talhelper talconfig.yaml as a cluster.yaml,
 //! with everything that could not be carried over listed by line.
 
-use super::output::{Output, Reported};
+use super::output::{Output, Partial, Reported};
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use imgbuild::import::{self, Converted, Imported, Skipped};
@@ -55,11 +55,19 @@ pub fn run(args: ImportArgs, output: Output) -> Result<()> {
     let Converted { imported, problems } = import::talhelper_into(&file, &dest, &env)?;
     let problems = problems.map(|e| e.to_string());
     render(&imported, out.as_deref(), problems.as_deref(), output);
+    let at = out.as_deref().unwrap_or(Path::new("it"));
     match problems {
+        // Valid, but without something the talconfig asked for: partial.
+        None if !imported.skipped.is_empty() => Err(Partial(format!(
+            "{} setting(s) not carried over: add them to {} as listed",
+            imported.skipped.len(),
+            at.display()
+        ))
+        .into()),
         None => Ok(()),
         Some(_) => Err(Reported(format!(
             "the converted inventory is not valid yet: fix {} as listed",
-            out.as_deref().unwrap_or(Path::new("it")).display()
+            at.display()
         ))
         .into()),
     }

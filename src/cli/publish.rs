@@ -4,7 +4,7 @@
 use super::build::{BuildArgs, build_nodes};
 use super::hcloud::{self as hc, HcloudArgs};
 use super::inventory::load_inventory;
-use super::output::{Output, Partial, Reported, failed_json, print_failures};
+use super::output::{Output, Partial, Reported, Usage, failed_json, print_failures};
 use super::progress::{PublishView, Screen, Show};
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -69,8 +69,11 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
         cancel: Cancel::never(),
         machines: false,
     };
-    // Credentials first: a missing token must not wait for a build.
-    let pve = match Target::from_inventory(&inv, &|k| std::env::var(k).ok(), options)? {
+    // Credentials first: a missing token must not wait for a build. Like
+    // `up`, a missing or malformed setting is a usage error (exit 2).
+    let target = Target::from_inventory(&inv, &|k| std::env::var(k).ok(), options)
+        .map_err(|e| Usage(format!("{}: {e}", config.display())))?;
+    let pve = match target {
         Target::None => bail!(
             "{}: no publish target: add a publish.proxmox or publish.hcloud section",
             config.display()
@@ -112,7 +115,9 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
     for r in results {
         match r {
             Ok(p) => published.push(p),
-            Err(proxmox::ProxmoxError::Node { node, message }) => failures.push((node, message)),
+            Err(proxmox::ProxmoxError::Node { node, message, .. }) => {
+                failures.push((node, message));
+            }
             Err(e) => failures.push((String::new(), e.to_string())),
         }
     }

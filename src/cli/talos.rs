@@ -231,6 +231,7 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let opts = args.run.options();
+    let _lock = stage::lock_state_dir(&inv, &opts, "bootstrap")?;
     let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
     let board = Board::new(&nodes, Show::log_for(args.quiet, output), Show::Nothing);
     let done = stage::bootstrap(&inv, &opts, &board);

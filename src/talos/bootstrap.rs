@@ -269,6 +269,9 @@ pub enum BootstrapError {
         failed: Vec<BootstrapError>,
         /// (first control plane, bootstrapped now) when etcd runs.
         etcd: Option<(String, bool)>,
+        /// The nodes that did settle, each with whether its config was
+        /// applied now: what a summary shows beside the failures.
+        settled: Vec<(String, bool)>,
     },
     #[error("health checks still failing after {timeout:?}:\n  {}", pending.join("\n  "))]
     Unhealthy {
@@ -319,6 +322,7 @@ fn stuck(node: &str, state: &str, detail: impl fmt::Display, hint: &str) -> Boot
 
 const HINT_PORT: &str = "The machine is not up, not reachable from here, or has another address: check that it booted this cluster's image, and nodes[].address / talosEndpoint.";
 const HINT_MAINTENANCE: &str = "The node accepted the config but never left maintenance mode. This usually means it cannot act on it: the install disk is missing (check nodes[].installDisk against the disks it reports), the install image cannot be pulled, or the config failed on the node; its console tells which.";
+const HINT_APPLY_TIMEOUT: &str = "The node answered in maintenance mode, but the call that sends its config timed out, every time: whether the node received it is not known. The node or the network to it is slow or stalling: check its console, or give it more time (--call-timeout).";
 const HINT_REBOOT: &str = "The node went away after the config was applied and did not come back: it is rebooting into an install that fails, or booted from media without the installed system.";
 const HINT_NAME: &str = "Talos names the node's own addresses (and machine.certSANs) in its API certificate, and imgbuild checks it against nodes[].address: the node has another address than the inventory says (DHCP?), or is reached through NAT or a port forward (talosEndpoint). Fix nodes[].address, or add the address to machine.certSANs with a patch.";
 const HINT_NO_CNI: &str = "cluster.network.cni.name is none and no CNI manifest is given (cluster.inlineManifests, cluster.extraManifests), so no pod network comes up and the nodes stay NotReady. Add the CNI's manifest to cluster.inlineManifests or cluster.extraManifests with a patch and run again, or install one now with the kubeconfig (e.g. helm install cilium).";
@@ -343,6 +347,9 @@ enum Seen {
     Nothing,
     ConfiguredSilent(String),
     ApplyFailed(String),
+    /// The apply call got no answer in time: whether the node received
+    /// the config is not known.
+    ApplyTimedOut(String),
     StillInMaintenance,
     PortClosed(String),
     ProbeFailed(String),
@@ -371,6 +378,11 @@ impl Seen {
                 "maintenance mode, apply failing",
                 d.clone(),
                 HINT_MAINTENANCE,
+            ),
+            Seen::ApplyTimedOut(d) => (
+                "maintenance mode, apply timed out",
+                d.clone(),
+                HINT_APPLY_TIMEOUT,
             ),
             Seen::PortClosed(d) | Seen::ProbeFailed(d) => {
                 ("not reachable in maintenance mode", d.clone(), HINT_PORT)
@@ -455,6 +467,7 @@ async fn settle(node: &PlannedNode, cx: &Ctx<'_>) -> Result<NodeDone, BootstrapE
                             message: format!("{e}; refusing to send it the config"),
                         });
                     }
+                    Err(e @ ApiError::Timeout(_)) => Seen::ApplyTimedOut(e.to_string()),
                     Err(e) => Seen::ApplyFailed(e.to_string()),
                 }
             }
@@ -672,8 +685,10 @@ struct KubeState {
 }
 
 impl KubeState {
+    /// Through the bounded reader: a FIFO or `/dev/zero` there is no
+    /// kubeconfig (the bootstrap fetches a new one and replaces it).
     fn load(path: &std::path::Path) -> KubeState {
-        let config = std::fs::read_to_string(path)
+        let config = crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
             .ok()
             .and_then(|t| Kubeconfig::parse(&t).ok());
         KubeState {
@@ -979,9 +994,16 @@ pub async fn run(
         }
     }
     if !failed.is_empty() {
+        let settled = plan
+            .nodes
+            .iter()
+            .zip(&settled)
+            .filter_map(|(n, done)| Some((n.name.clone(), done.as_ref()?.applied)))
+            .collect();
         return Err(BootstrapError::Nodes {
             failed,
             etcd: bootstrapped.map(|now| (first_cp.name.clone(), now)),
+            settled,
         });
     }
     let bootstrapped = bootstrapped.expect("bootstrap ran once the first control plane settled");
@@ -1054,6 +1076,21 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kubeconfig_that_is_a_fifo_or_endless_is_no_kubeconfig() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("kubeconfig");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string; mkfifo only creates the node.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let zero = dir.path().join("zero");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        for path in [&fifo, &zero] {
+            let state = KubeState::load(path);
+            assert!(state.config.is_none() && !state.from_disk);
+        }
+    }
 
     #[test]
     fn endpoints_split_into_host_and_port() {

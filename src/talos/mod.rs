@@ -7,6 +7,7 @@ pub mod bootstrap;
 pub mod client;
 pub mod config;
 pub mod kube;
+pub mod lock;
 pub mod pki;
 pub mod secrets;
 pub mod stage;

@@ -14,6 +14,7 @@ use std::time::Duration;
 use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
 use super::client::{self, NodeEndpoint, Probe};
 use super::config::{self, ConfigError, PatchVars};
+use super::lock::{self, LockError, StateLock};
 use super::secrets::{SecretsBundle, SecretsError};
 use super::status::{self, Drift};
 use super::talosconfig::{Talosconfig, TalosconfigError};
@@ -53,6 +54,8 @@ pub enum StageError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Bootstrap(#[from] BootstrapError),
+    #[error(transparent)]
+    Lock(#[from] LockError),
     /// A node's schematic, to compare with the one it runs.
     #[error(transparent)]
     Schematic(#[from] crate::schematic::EmitError),
@@ -334,6 +337,19 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
         secrets_created,
         configs_written,
     })
+}
+
+/// Takes the lock of the state dir `opts` names for `command`, one that
+/// changes nodes (`up`, `bootstrap`, `upgrade`, `apply`), before it reads or
+/// writes anything there. Read-only commands and dry runs do not take it.
+/// Held until the returned value is dropped.
+pub fn lock_state_dir(
+    inv: &Inventory,
+    opts: &BootstrapOptions,
+    command: &str,
+) -> Result<StateLock, StageError> {
+    let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?;
+    Ok(lock::acquire(&state_dir.path, command)?)
 }
 
 /// Where the bootstrap reaches `node`, and the address it has there: the

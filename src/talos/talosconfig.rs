@@ -104,17 +104,29 @@ impl Talosconfig {
         })
     }
 
-    /// Reads `path`.
+    /// Reads `path` through the bounded reader (a FIFO or `/dev/zero` is
+    /// refused, not waited on or read forever). A parse error names field
+    /// paths and types, never a value: the file holds the admin key.
     pub fn load(path: &Path) -> Result<Self, TalosconfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TalosconfigError::Io {
+        let invalid = |message: String| TalosconfigError::Invalid {
             path: path.display().to_string(),
-            source,
-        })?;
-        let cfg: Talosconfig =
-            serde_yaml_ng::from_str(&text).map_err(|e| TalosconfigError::Invalid {
-                path: path.display().to_string(),
-                message: format!("not a talosconfig: {e}"),
+            message,
+        };
+        let text =
+            crate::input::read_text(path, crate::input::MAX_TEXT_FILE).map_err(|source| {
+                TalosconfigError::Io {
+                    path: path.display().to_string(),
+                    source,
+                }
             })?;
+        let text =
+            crate::input::yaml(&text).map_err(|e| invalid(format!("not a talosconfig: {e}")))?;
+        let cfg: Talosconfig = serde_yaml_ng::from_str(text).map_err(|e| {
+            invalid(format!(
+                "not a talosconfig: {}",
+                crate::input::yaml_error_without_values(&e)
+            ))
+        })?;
         cfg.identity()
             .map_err(|message| TalosconfigError::Invalid {
                 path: path.display().to_string(),
@@ -222,6 +234,31 @@ mod tests {
     fn atlas() -> Inventory {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/atlas/cluster.yaml");
         Inventory::load(&path).unwrap()
+    }
+
+    #[test]
+    fn a_damaged_talosconfig_is_refused_without_its_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("talosconfig");
+        let cases = [
+            "context: a\ncontexts:\n  a:\n    ca: x\n    crt: y\n    key: [LS0tSECRET]\n",
+            "context: a\ncontexts:\n  a:\n    ca: x\n    crt: y\n    key: \"LS0tSECRET\n",
+            "context: a\ncontexts:\n  a:\n    ca: x\n    crt: y\n    key: a\n    key: LS0tSECRET\n",
+            "context: a\ncontexts:\n  a: LS0tSECRET\n",
+        ];
+        for text in cases {
+            std::fs::write(&path, text).unwrap();
+            let e = Talosconfig::load(&path).unwrap_err().to_string();
+            assert!(
+                e.contains("not a talosconfig") && !e.contains("SECRET"),
+                "{e}"
+            );
+        }
+        // Neither a FIFO nor an endless device is read.
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        let e = Talosconfig::load(&path).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
     }
 
     #[test]

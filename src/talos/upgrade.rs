@@ -99,9 +99,9 @@ impl Record {
     /// The record at `path`; an absent or unreadable one is empty (it is a
     /// fallback, never the only source).
     pub fn load(path: &Path) -> Record {
-        std::fs::read(path)
+        crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
             .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
+            .and_then(|t| serde_json::from_str(&t).ok())
             .unwrap_or_default()
     }
 
@@ -244,7 +244,7 @@ async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<Strin
 /// Every Kubernetes node and whether it is Ready, through the kubeconfig
 /// the bootstrap wrote into the state dir.
 pub(crate) async fn kube_ready(plan: &Plan, opts: &Options) -> Result<Vec<(String, bool)>, String> {
-    let text = std::fs::read_to_string(&plan.kubeconfig_path)
+    let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
         .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
     let kc = super::kube::Kubeconfig::parse(&text).map_err(|e| e.to_string())?;
     let timeout = opts.call_timeout;

@@ -427,13 +427,17 @@ impl Report {
                     self.fail(node, |s| s.apply = Some(Change::Failed), f.to_string());
                 }
             }
-            if let BootstrapError::Nodes {
-                etcd: Some((node, now)),
-                ..
-            } = b
-            {
-                self.bootstrap = Some(changed(*now, Change::Bootstrapped));
-                self.bootstrap_node = Some(node.clone());
+            if let BootstrapError::Nodes { etcd, settled, .. } = b {
+                if let Some((node, now)) = etcd {
+                    self.bootstrap = Some(changed(*now, Change::Bootstrapped));
+                    self.bootstrap_node = Some(node.clone());
+                }
+                for (node, applied) in settled {
+                    if let Some(n) = self.node(node) {
+                        n.talos = Some(TalosState::Configured);
+                        n.stages.apply = Some(changed(*applied, Change::Applied));
+                    }
+                }
             }
         }
         self.stopped = Some((stage, e));
@@ -452,9 +456,27 @@ impl Report {
     }
 
     /// The JSON document: the report, the stage that stopped it and why,
-    /// and the drift.
+    /// and the drift. A dry run's stage outcomes are planned ones (`to
+    /// build`, `to bootstrap`…, as its text says), so no consumer takes a
+    /// plan for a finished run.
     pub fn json(&self) -> serde_json::Result<serde_json::Value> {
         let mut doc = serde_json::to_value(self)?;
+        if self.dry_run {
+            for (n, row) in self
+                .nodes
+                .iter()
+                .zip(doc["nodes"].as_array_mut().into_iter().flatten())
+            {
+                for (stage, change) in n.stages.named() {
+                    if let Some(c) = change {
+                        row["stages"][stage] = c.word(true).into();
+                    }
+                }
+            }
+            if let Some(c) = self.bootstrap {
+                doc["bootstrap"] = c.word(true).into();
+            }
+        }
         if let Some((stage, e)) = &self.stopped {
             doc["failedStage"] = serde_json::json!(stage);
             doc["error"] = serde_json::json!(chain(e));

@@ -122,15 +122,17 @@ impl Pve {
 
     pub fn start_with(auth_delay_ms: &str, extra: &[&str]) -> Pve {
         let dir = tempfile::tempdir().unwrap();
+        // Tasks take 50 ms unless `extra` says otherwise.
+        let delay: &[&str] = if extra.contains(&"--task-delay-ms") {
+            &[]
+        } else {
+            &["--task-delay-ms", "50"]
+        };
         let (child, v) = spawn(
             Command::new(sim_bin())
-                .args([
-                    "proxmox",
-                    "--task-delay-ms",
-                    "50",
-                    "--auth-delay-ms",
-                    auth_delay_ms,
-                ])
+                .arg("proxmox")
+                .args(delay)
+                .args(["--auth-delay-ms", auth_delay_ms])
                 .arg("--state-dir")
                 .arg(dir.path().join("state"))
                 .args(extra),

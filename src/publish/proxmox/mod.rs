@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 pub use credentials::Credentials;
-pub use error::ProxmoxError;
+pub use error::{ProxmoxError, Step};
 pub use types::{Event, NodePublished, Observer, PublishOptions, VmChange};
 pub use upload::{content_for, volume_file};
 
@@ -133,6 +133,8 @@ impl<'a> Survey<'a> {
         {
             return Err(ProxmoxError::Node {
                 node: self.inv.nodes[index].name.clone(),
+                step: Step::Vm,
+                done: None,
                 message: format!(
                     "the image ({size} bytes) is larger than publish.proxmox.vm.diskSize ({} GiB)",
                     vm.disk_size
@@ -197,15 +199,7 @@ pub fn publish(
     let survey = Survey::new(inv, settings, creds, opts)?;
     Ok(images
         .iter()
-        .map(|img| {
-            publish_node(&survey, img, opts, observer).map_err(|e| match e {
-                e @ ProxmoxError::Node { .. } => e,
-                e => ProxmoxError::Node {
-                    node: img.node.clone(),
-                    message: e.to_string(),
-                },
-            })
-        })
+        .map(|img| publish_node(&survey, img, opts, observer))
         .collect())
 }
 
@@ -266,21 +260,22 @@ fn preflight(api: &Api, s: &ProxmoxSettings, content: &str) -> Result<(), Proxmo
 
 /// Carries out one node's decision, half by half as it is made: the
 /// upload, then the VM (so nothing about the VM is read before the image
-/// is stored).
+/// is stored). Every error is the node's, at the step it happened in.
 fn publish_node(
     survey: &Survey,
     img: &PublishImage,
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<NodePublished, ProxmoxError> {
-    let (api, inv, s) = (&survey.api, survey.inv, survey.settings);
+    let (api, s) = (&survey.api, survey.settings);
     let Volume {
         file,
         volid,
         upload: needed,
     } = survey.volume(img);
     if needed {
-        upload(api, s, img, &file, &volid, opts, observer)?;
+        upload(api, s, img, &file, &volid, opts, observer)
+            .map_err(|e| e.at(&img.node, Step::Upload, None))?;
     } else {
         observer.event(
             &img.node,
@@ -302,13 +297,13 @@ fn publish_node(
     let Some(vm) = &s.vm else {
         return Ok(out);
     };
-    let index = img.index;
-    let decided = survey.vm(vm, index, Some((&volid, img.size)), opts.replace_disk)?;
-    let place = decided.place;
-    let vmid = place.vmid;
+    let decided = survey
+        .vm(vm, img.index, Some((&volid, img.size)), opts.replace_disk)
+        .map_err(|e| e.at(&img.node, Step::Vm, Some(&out)))?;
+    let vmid = decided.place.vmid;
     out.vmid = Some(vmid);
-    out.inventory_vmid = place.inventory_vmid;
-    if let Some(inventory_vmid) = place.inventory_vmid {
+    out.inventory_vmid = decided.place.inventory_vmid;
+    if let Some(inventory_vmid) = decided.place.inventory_vmid {
         observer.event(
             &img.node,
             &Event::VmFound {
@@ -317,23 +312,51 @@ fn publish_node(
             },
         );
     }
+    let base = format!("/nodes/{}/qemu/{vmid}", s.node);
+    let start_it = decided.start;
+    out.vm = Some(
+        converge_vm(survey, img, &volid, vm, decided, opts, observer)
+            .map_err(|e| e.at(&img.node, Step::Vm, Some(&out)))?,
+    );
+    if start_it {
+        start(api, &base, vmid, opts).map_err(|e| e.at(&img.node, Step::Start, Some(&out)))?;
+        observer.event(&img.node, &Event::VmStarted { vmid });
+        out.started = true;
+    }
+    Ok(out)
+}
+
+/// Makes the node's VM what its decision says (created, left, or its disk
+/// or ISO replaced); what it did.
+fn converge_vm(
+    survey: &Survey,
+    img: &PublishImage,
+    volid: &str,
+    vm: &ProxmoxVm,
+    decided: VmDecision,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<VmChange, ProxmoxError> {
+    let VmDecision { place, change, .. } = decided;
+    let (api, inv, s) = (&survey.api, survey.inv, survey.settings);
+    let (index, vmid) = (img.index, place.vmid);
     let pve = &s.node;
     let base = format!("/nodes/{pve}/qemu/{vmid}");
-    let desc = || description(inv, &img.node, &volid, &img.sha256);
-    match (place.existing, decided.change) {
+    let desc = || description(inv, &img.node, volid, &img.sha256);
+    Ok(match (place.existing, change) {
         (None, _) => {
-            let params = vm_params(inv, index, vm, vmid, &volid, &img.sha256);
+            let params = vm_params(inv, index, vm, vmid, volid, &img.sha256);
             let task = api.post("creating VM", &format!("/nodes/{pve}/qemu"), &params)?;
             api.wait(&format!("creating VM {vmid}"), &task, opts)?;
             if vm.boot == VmBoot::Disk {
                 resize(api, &base, vm, opts)?;
             }
             observer.event(&img.node, &Event::VmCreated { vmid });
-            out.vm = Some(VmChange::Created);
+            VmChange::Created
         }
         (Some(_), Some(VmChange::Unchanged)) => {
             observer.event(&img.node, &Event::VmUnchanged { vmid });
-            out.vm = Some(VmChange::Unchanged);
+            VmChange::Unchanged
         }
         (Some((_, config)), Some(VmChange::Outdated)) => {
             let running_image = described_volume(&config)
@@ -345,7 +368,7 @@ fn publish_node(
                     running: running_image,
                 },
             );
-            out.vm = Some(VmChange::Outdated);
+            VmChange::Outdated
         }
         (Some(_), _) if vm.boot == VmBoot::Iso => {
             // The new ISO goes into the cdrom drive; the disk Talos
@@ -358,26 +381,20 @@ fn publish_node(
                     ("description", desc()),
                 ],
             )?;
-            out.vm = Some(VmChange::Updated);
+            VmChange::Updated
         }
         (Some((running, config)), _) => {
             let old = config["scsi0"].as_str().map(drive_volume);
             let disk = NewDisk {
-                volid: &volid,
+                volid,
                 description: &desc(),
                 replaces: old,
             };
             replace_disk(api, &base, vm, vmid, &disk, running, opts)?;
             observer.event(&img.node, &Event::DiskReplaced { vmid });
-            out.vm = Some(VmChange::Updated);
+            VmChange::Updated
         }
-    }
-    if decided.start {
-        start(api, &base, vmid, opts)?;
-        observer.event(&img.node, &Event::VmStarted { vmid });
-        out.started = true;
-    }
-    Ok(out)
+    })
 }
 
 /// What publishing one node would do, read from the server with GETs only;

@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::api::Api;
-use super::error::ProxmoxError;
+use super::error::{ProxmoxError, Step};
 use super::types::{PublishOptions, VmChange};
 use crate::digest::Sha256;
 use crate::inventory::{Inventory, ProxmoxVm, VmBoot};
@@ -191,7 +191,9 @@ pub(super) fn place(
     let node = &inv.nodes[index];
     let err = |message: String| ProxmoxError::Node {
         node: node.name.clone(),
+        step: Step::Vm,
         message,
+        done: None,
     };
     let wanted = inv
         .vmid(index)
@@ -298,14 +300,29 @@ pub(super) fn vm_decision(
 }
 
 /// Starts the VM at `base` and waits until it runs.
+/// Starts the VM; one found running when the start fails is started, as
+/// asked. qemu-server's `vm_start` dies "VM N already running" (its
+/// src/PVE/QemuServer.pm), which is what a rerun meets when a start posted
+/// by a killed run is still in flight or finished after the VMs were listed.
 pub(super) fn start(
     api: &Api,
     base: &str,
     vmid: u32,
     opts: &PublishOptions,
 ) -> Result<(), ProxmoxError> {
-    let task = api.post("starting VM", &format!("{base}/status/start"), &[])?;
-    api.wait(&format!("starting VM {vmid}"), &task, opts)
+    let started = api
+        .post("starting VM", &format!("{base}/status/start"), &[])
+        .and_then(|task| api.wait(&format!("starting VM {vmid}"), &task, opts));
+    match started {
+        Err(_) if running(api, base) => Ok(()),
+        other => other,
+    }
+}
+
+/// Whether the VM runs now, as its current status says.
+fn running(api: &Api, base: &str) -> bool {
+    api.get("reading the VM's status", &format!("{base}/status/current"))
+        .is_ok_and(|s| s["status"] == "running")
 }
 
 pub(super) fn resize(

@@ -1,0 +1,189 @@
+//! One imgbuild at a time changes a cluster's nodes: two concurrent
+//! `upgrade` runs would reboot two control planes at once and lose etcd's
+//! quorum, and `up` during an `upgrade` would bootstrap a rebooting node.
+//! The lock is an `flock(2)` on a file in the state dir, so the kernel
+//! releases it when its holder dies (even by SIGKILL); the file says who
+//! holds it, for the message the next run shows.
+
+use std::fs::File;
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+/// The lock file's name in the state dir (a dot file, so
+/// [`super::config::ensure_private_dir`] counts it as imgbuild's).
+pub const LOCK_FILE: &str = ".imgbuild.lock";
+
+/// The most of the lock file read back: it holds one short JSON line.
+const MAX_HOLDER_BYTES: u64 = 4096;
+
+/// Who holds a state dir's lock, as the holder wrote it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Holder {
+    pub pid: u32,
+    /// The imgbuild command, e.g. `upgrade`.
+    pub command: String,
+    /// Seconds since the Unix epoch when it took the lock.
+    pub since: i64,
+}
+
+impl std::fmt::Display for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The file may have been edited by anyone: bounded and escaped.
+        let command = crate::input::excerpt(&self.command, 40);
+        write!(f, "pid {} (imgbuild {command}) since ", self.pid)?;
+        match time::OffsetDateTime::from_unix_timestamp(self.since) {
+            Ok(t) => write!(
+                f,
+                "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z",
+                t.year(),
+                u8::from(t.month()),
+                t.day(),
+                t.hour(),
+                t.minute(),
+                t.second()
+            ),
+            Err(_) => write!(f, "an unknown time"),
+        }
+    }
+}
+
+/// Why the lock was not taken.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error(
+        "state dir {} is in use: another imgbuild is changing this cluster's nodes ({}); wait until it ends, then run again",
+        dir.display(),
+        holder.as_ref().map_or_else(|| "holder unknown".to_owned(), ToString::to_string)
+    )]
+    Held {
+        dir: PathBuf,
+        holder: Option<Holder>,
+    },
+    #[error("{}: cannot take the state dir lock", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The held lock; dropping it (or the process ending) releases it.
+#[derive(Debug)]
+pub struct StateLock {
+    _file: File,
+}
+
+/// Takes `dir`'s lock for `command` without waiting: a held lock is an
+/// error naming its holder. `dir` must exist.
+pub fn acquire(dir: &Path, command: &str) -> Result<StateLock, LockError> {
+    let path = dir.join(LOCK_FILE);
+    let io = |source: std::io::Error| LockError::Io {
+        path: path.clone(),
+        source,
+    };
+    let mut file = open(&path).map_err(io)?;
+    // SAFETY: flock on a valid descriptor; released when the file closes.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(io(e));
+        }
+        return Err(LockError::Held {
+            dir: dir.to_owned(),
+            holder: read_holder(&mut file),
+        });
+    }
+    let holder = Holder {
+        pid: std::process::id(),
+        command: command.to_owned(),
+        since: time::OffsetDateTime::now_utc().unix_timestamp(),
+    };
+    let mut line = serde_json::to_vec(&holder).expect("a holder serialises");
+    line.push(b'\n');
+    file.set_len(0).map_err(io)?;
+    file.rewind().map_err(io)?;
+    file.write_all(&line).map_err(io)?;
+    Ok(StateLock { _file: file })
+}
+
+/// Opens the lock file: never through a symlink, never blocking on a FIFO,
+/// a regular file only, 0600.
+fn open(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "is not a regular file (a FIFO, socket or device)",
+        ));
+    }
+    Ok(file)
+}
+
+/// What the holder wrote, if it is readable: it may be midway through
+/// writing it.
+fn read_holder(file: &mut File) -> Option<Holder> {
+    let mut text = Vec::new();
+    file.rewind().ok()?;
+    file.take(MAX_HOLDER_BYTES).read_to_end(&mut text).ok()?;
+    serde_json::from_slice(&text).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_taker_is_told_who_holds_the_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = acquire(dir.path(), "upgrade").unwrap();
+        let e = acquire(dir.path(), "up").unwrap_err();
+        let LockError::Held {
+            holder: Some(h), ..
+        } = &e
+        else {
+            panic!("{e:?}");
+        };
+        assert_eq!((h.pid, h.command.as_str()), (std::process::id(), "upgrade"));
+        let shown = e.to_string();
+        assert!(
+            shown.contains(&format!(
+                "pid {} (imgbuild upgrade) since 20",
+                std::process::id()
+            )),
+            "{shown}"
+        );
+        drop(held);
+        let again = acquire(dir.path(), "up").unwrap();
+        drop(again);
+    }
+
+    #[test]
+    fn a_tampered_lock_file_is_neither_followed_nor_shown_raw() {
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join(LOCK_FILE)).unwrap();
+        assert!(matches!(
+            acquire(dir.path(), "up"),
+            Err(LockError::Io { .. })
+        ));
+        std::fs::remove_file(dir.path().join(LOCK_FILE)).unwrap();
+        let h = Holder {
+            pid: 7,
+            command: "x\x1b[2J".repeat(30),
+            since: i64::MAX,
+        };
+        let shown = h.to_string();
+        assert!(
+            !shown.contains('\x1b') && shown.ends_with("an unknown time"),
+            "{shown}"
+        );
+    }
+}
