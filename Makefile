@@ -34,6 +34,7 @@ deps:
 	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
 	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
+	command -v age >/dev/null 2>&1 && command -v age-keygen >/dev/null 2>&1 || need="$$need age"; \
 	if [ -n "$$need" ]; then \
 		echo "installing:$$need"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need >/dev/null; \

@@ -20,6 +20,7 @@ pub mod net;
 pub mod plan;
 pub mod publish;
 pub mod schematic;
+pub mod secrets;
 pub mod talos;
 pub mod up;
 

@@ -19,6 +19,7 @@ mod plan;
 mod progress;
 mod publish;
 mod schematic;
+mod secrets;
 mod signals;
 mod talos;
 mod up;
