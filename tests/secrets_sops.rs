@@ -290,7 +290,14 @@ fn a_changed_file_or_a_wrong_key_is_refused() {
         .unwrap();
     let data = line.split_once("data:").unwrap().1;
     let flipped = if data.starts_with('A') { "B" } else { "A" };
-    let changed = enc.replace(line, &line.replacen(&data[..1], flipped, 1));
+    let changed = enc.replace(
+        line,
+        &line.replacen(
+            &format!("data:{}", &data[..1]),
+            &format!("data:{flipped}"),
+            1,
+        ),
+    );
     let (code, out) = config(&changed, &[("SOPS_AGE_KEY_FILE", &key)]);
     assert_eq!(code, Some(1), "{out}");
     assert!(
@@ -306,7 +313,14 @@ fn a_changed_file_or_a_wrong_key_is_refused() {
         .unwrap();
     let data = line.split_once("data:").unwrap().1;
     let flipped = if data.starts_with('A') { "B" } else { "A" };
-    let changed = enc.replace(line, &line.replacen(&data[..1], flipped, 1));
+    let changed = enc.replace(
+        line,
+        &line.replacen(
+            &format!("data:{}", &data[..1]),
+            &format!("data:{flipped}"),
+            1,
+        ),
+    );
     let (code, out) = config(&changed, &[("SOPS_AGE_KEY_FILE", &key)]);
     assert_eq!(code, Some(1), "{out}");
     assert!(

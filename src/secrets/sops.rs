@@ -700,7 +700,14 @@ mod tests {
             .unwrap();
         let mac = mac_line.split_once("data:").unwrap().1;
         let flipped = if mac.starts_with('A') { "B" } else { "A" };
-        let bad = enc.replace(mac_line, &mac_line.replacen(&mac[..1], flipped, 1));
+        let bad = enc.replace(
+            mac_line,
+            &mac_line.replacen(
+                &format!("data:{}", &mac[..1]),
+                &format!("data:{flipped}"),
+                1,
+            ),
+        );
         let err = decrypt(&bad, Path::new("s.yaml"), &keys)
             .unwrap_err()
             .to_string();
