@@ -15,8 +15,10 @@ use std::path::{Path, PathBuf};
 
 #[derive(Args)]
 pub struct EncryptArgs {
-    #[command(flatten)]
-    state: super::talos::StateArgs,
+    /// The state dir whose secrets.yaml to encrypt [default: .talos/<cluster
+    /// name>/ beside the inventory].
+    #[arg(long, env = "IMGBUILD_STATE_DIR")]
+    state_dir: Option<PathBuf>,
     /// An age recipient (age1…) that may open the file; repeat for several.
     #[arg(long = "age", required = true, value_parser = Recipient::parse)]
     age: Vec<Recipient>,
@@ -30,7 +32,7 @@ pub struct EncryptArgs {
 
 pub fn encrypt(args: EncryptArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let state = StateDir::open(&inv, args.state.state_dir.as_deref())?;
+    let state = StateDir::open(&inv, args.state_dir.as_deref())?;
     let from = state.secrets_path();
     if !from.exists() {
         return Err(Usage(format!(

@@ -361,7 +361,7 @@ fn wrapped_b64(body: &[u8]) -> String {
         out.push('\n');
     }
     // A body ending on a full line is closed by an empty one.
-    if b64.len() % 64 == 0 {
+    if b64.len().is_multiple_of(64) {
         out.push('\n');
     }
     out
