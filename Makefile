@@ -54,6 +54,7 @@ deps:
 	command -v objcopy >/dev/null 2>&1 || need="$$need binutils"; \
 	command -v script >/dev/null 2>&1 || need="$$need bsdutils"; \
 	command -v git >/dev/null 2>&1 || need="$$need git"; \
+	command -v age >/dev/null 2>&1 && command -v age-keygen >/dev/null 2>&1 || need="$$need age"; \
 	updated=""; \
 	if [ -n "$$need" ]; then \
 		echo "installing:$$need"; \

@@ -7,13 +7,15 @@
 //! network interface with its addresses, default route, VIP, DHCP and
 //! `deviceSelector.hardwareAddr`, nameservers, `schematic.customization`
 //! extensions and kernel args), strategic-merge patches (cluster, control
-//! plane, worker, node) and `${VAR}` substitution from `talenv.yaml` or the
-//! environment. Settings cluster.yaml has no field for but a machine config
-//! has become patch files beside it: `cniConfig` (Talos'
-//! `cluster.network.cni`), `extensionServices` (`ExtensionServiceConfig`
-//! documents) and nameservers that differ by role or node. Everything else
-//! is listed, with its line, as not carried over: SOPS-encrypted files,
-//! unset variables, JSON6902 patches, and every other field.
+//! plane, worker, node; SOPS-encrypted patch files kept encrypted) and
+//! `${VAR}` substitution from `talenv.yaml` or the environment (a
+//! `talenv.sops.yaml` opened with the environment's age keys). Settings
+//! cluster.yaml has no field for but a machine config has become patch files
+//! beside it: `cniConfig` (Talos' `cluster.network.cni`), `extensionServices`
+//! (`ExtensionServiceConfig` documents) and nameservers that differ by role
+//! or node. Everything else is listed, with its line, as not carried over:
+//! SOPS files no key opens, inline SOPS patches, unset variables, JSON6902
+//! patches, and every other field.
 
 use crate::inventory::{Cidr, Inventory, InventoryError, LineIndex};
 use crate::schematic::{Customization, Schematic, SystemExtensions};
@@ -88,6 +90,8 @@ pub enum ImportError {
         field: String,
         message: String,
     },
+    #[error(transparent)]
+    Sops(#[from] crate::secrets::sops::SopsError),
     #[error("{} exists: give --force to replace it, or another --out", path.display())]
     Exists { path: PathBuf },
     #[error("creating {}", path.display())]
@@ -125,6 +129,13 @@ pub struct Converted {
 /// talhelper's names for the variables file, plain and SOPS-encrypted.
 const TALENV_PLAIN: [&str; 2] = ["talenv.yaml", "talenv.yml"];
 const TALENV_SOPS: [&str; 2] = ["talenv.sops.yaml", "talenv.sops.yml"];
+/// talhelper's names for the cluster secrets (a `talosctl gen secrets` bundle).
+const TALSECRET: [&str; 4] = [
+    "talsecret.sops.yaml",
+    "talsecret.sops.yml",
+    "talsecret.yaml",
+    "talsecret.yml",
+];
 
 /// Converts the talhelper config at `path`.
 pub fn talhelper(path: &Path, opts: &ImportOptions) -> Result<Imported, ImportError> {
@@ -234,41 +245,57 @@ impl Converter<'_> {
         });
     }
 
-    /// Variables from a plain talenv.yaml beside the config; a SOPS one
-    /// cannot be read and is reported.
+    /// Variables from talenv.yaml beside the config, plain or SOPS-encrypted
+    /// (opened with the environment's age keys; reported when none fits),
+    /// and a note on talsecret.sops.yaml, whose secrets go to the state dir.
     fn load_talenv(
         &mut self,
         read: &dyn Fn(&Path) -> Result<String, ImportError>,
     ) -> Result<(), ImportError> {
-        for name in TALENV_SOPS {
-            let p = self.dir.join(name);
-            if p.is_file() {
-                self.skipped.push(Skipped {
-                    file: p,
-                    line: None,
-                    field: name.into(),
-                    reason: "SOPS-encrypted variables cannot be read: decrypt the file (sops -d) \
-                             or export its variables, then import again"
-                        .into(),
-                });
-            }
-        }
-        for name in TALENV_PLAIN {
+        for name in TALSECRET {
             let p = self.dir.join(name);
             if !p.is_file() {
                 continue;
             }
             let text = read(&p)?;
+            let plain = if crate::secrets::sops::is_encrypted(&text) {
+                self.open_sops_file(&text, &p, name)?
+            } else {
+                Some(text)
+            };
+            if plain.is_some() {
+                self.skipped.push(Skipped {
+                    file: p.clone(),
+                    line: None,
+                    field: name.into(),
+                    reason: format!(
+                        "the cluster's secrets are not part of cluster.yaml: import them into \
+                         the state dir with `imgbuild secrets gen --secrets {}` (a SOPS file is \
+                         read with your age key)",
+                        p.display()
+                    ),
+                });
+            }
+        }
+        for name in TALENV_SOPS.iter().chain(&TALENV_PLAIN) {
+            let p = self.dir.join(name);
+            if !p.is_file() {
+                continue;
+            }
+            let mut text = read(&p)?;
+            if crate::secrets::sops::is_encrypted(&text) {
+                match self.open_sops_file(&text, &p, name)? {
+                    Some(plain) => text = plain,
+                    None => continue,
+                }
+            }
             let parsed: Value = serde_yaml_ng::from_str(parse_guard(&text, &p)?).map_err(|e| {
                 ImportError::Parse {
                     path: p.clone(),
-                    message: e.to_string(),
+                    message: crate::input::yaml_error_without_values(&e),
                 }
             })?;
             if let Value::Mapping(m) = parsed {
-                if m.contains_key("sops") {
-                    return Err(ImportError::Encrypted { path: p });
-                }
                 for (k, v) in m {
                     let value = match v {
                         Value::String(s) => s,
@@ -283,6 +310,45 @@ impl Converter<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The plaintext of a SOPS file beside the talconfig, opened with the
+    /// environment's age keys, or why it cannot be (for the caller to
+    /// report). A file changed after it was encrypted is refused.
+    fn open_sops(text: &str, path: &Path) -> Result<Result<String, String>, ImportError> {
+        use crate::secrets::sops::{self, AgeKeys, SopsError};
+        let opened = AgeKeys::from_env().and_then(|keys| sops::decrypt(text, path, &keys));
+        match opened {
+            Ok(plain) => Ok(Ok(plain)),
+            Err(e @ SopsError::Tampered { .. }) => Err(e.into()),
+            Err(e @ (SopsError::NoKey { .. } | SopsError::Keys { .. })) => Ok(Err(format!(
+                "{e}: give the age key (SOPS_AGE_KEY_FILE, SOPS_AGE_KEY or \
+                 ~/.config/sops/age/keys.txt) and import again"
+            ))),
+            Err(e) => Ok(Err(e.to_string())),
+        }
+    }
+
+    /// [`Converter::open_sops`] for a file of its own: None (and reported
+    /// as `field` of `path`) when it does not open.
+    fn open_sops_file(
+        &mut self,
+        text: &str,
+        path: &Path,
+        field: &str,
+    ) -> Result<Option<String>, ImportError> {
+        Ok(match Self::open_sops(text, path)? {
+            Ok(plain) => Some(plain),
+            Err(reason) => {
+                self.skipped.push(Skipped {
+                    file: path.to_owned(),
+                    line: None,
+                    field: field.into(),
+                    reason,
+                });
+                None
+            }
+        })
     }
 
     /// talhelper's envsubst for `${NAME}` and `${NAME:-default}`: talenv.yaml
@@ -950,7 +1016,8 @@ impl Converter<'_> {
 
     /// talhelper patches: `@file` references and inline documents. Strategic
     /// merge patches carry over (inline ones as files under `patches/`);
-    /// JSON6902 ones (a list of operations) and SOPS files are reported.
+    /// JSON6902 ones (a list of operations) and inline SOPS documents are
+    /// reported; SOPS patch files are kept as they are.
     fn patches(&mut self, list: &Value, at: &str, scope: &str) -> Vec<String> {
         let Some(items) = list.as_sequence() else {
             self.skip(at, "not a list of patches");
@@ -1020,22 +1087,25 @@ impl Converter<'_> {
                 );
                 return None;
             }
-            PatchKind::Sops => {
-                self.skip(
-                    at,
-                    format!(
-                        "{} is SOPS-encrypted: decrypt it (sops -d) and import again",
-                        path.display()
-                    ),
-                );
-                return None;
-            }
+            // Kept encrypted (imgbuild opens SOPS patches when it renders)
+            // once the age key here opens it.
+            PatchKind::Sops => match Self::open_sops(&text, &path) {
+                Ok(Ok(_)) => {}
+                Ok(Err(reason)) => {
+                    self.skip(at, format!("{}: {reason}", path.display()));
+                    return None;
+                }
+                Err(e) => {
+                    self.skip(at, e.to_string());
+                    return None;
+                }
+            },
             PatchKind::Invalid(e) => {
                 self.skip(at, format!("{} is not YAML: {e}", path.display()));
                 return None;
             }
         }
-        if text.contains("${") {
+        if text.contains("${") && !crate::secrets::sops::is_encrypted(&text) {
             let substituted = match self.substitute(&text, &path) {
                 Ok(t) => t,
                 Err(e) => {

@@ -66,7 +66,11 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         inv.node(name)?;
     }
     let wanted = targets(&inv, &args.download.options())?;
-    let opts = args.run.options();
+    let mut opts = args.run.options();
+    if args.dry_run {
+        // A dry run sends no config: unset `${NAME}`s need not be given.
+        opts.patch_vars = opts.patch_vars.comparing_unset();
+    }
     let _lock = (!args.dry_run)
         .then(|| stage::lock_state_dir(&inv, &opts, "upgrade"))
         .transpose()?;
@@ -252,6 +256,12 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
         args.dry_run,
         &opts.limits,
     ));
+    if !args.dry_run && outcome.nodes.iter().any(|n| n.applied) {
+        // What is on the nodes now, for read-only commands run without it.
+        let dir = &prepared.state_dir.path;
+        imgbuild::talos::config::Fingerprints::record(dir, &inv, &opts.patch_vars)
+            .with_context(|| format!("recording fingerprints in {}", dir.display()))?;
+    }
     for n in &mut outcome.nodes {
         n.diff = super::output::diff(&n.diff);
     }
@@ -296,17 +306,21 @@ pub(super) fn rows(
     let wanted = upgrade::wanted(inv)?;
     let prepared = stage::prepare(inv, opts)?;
     let record = upgrade::Record::load(&record_path(&prepared.state_dir));
+    let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);
     Ok(runtime()?.block_on(status::collect(
         &prepared.plan,
         &wanted,
         &record,
+        &fingerprints,
         &opts.limits,
     )))
 }
 
 pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let opts = args.run.options();
+    let mut opts = args.run.options();
+    // Status changes nothing: an unset `${NAME}` is compared by fingerprint.
+    opts.patch_vars = opts.patch_vars.comparing_unset();
     let rows = rows(&inv, &opts)?;
     let drift: Vec<status::Drift> = rows.iter().flat_map(status::NodeStatus::drift).collect();
     match output {
@@ -349,12 +363,29 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                 );
             }
             print_drift(&drift);
+            print_fingerprinted(&rows);
         }
     }
     if args.check && !drift.is_empty() {
         return Err(Reported(format!("{} difference(s) from the inventory", drift.len())).into());
     }
     Ok(())
+}
+
+/// Which unset `${NAME}`s could only be compared by fingerprint, and where.
+fn print_fingerprinted(rows: &[status::NodeStatus]) {
+    let mut names: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for r in rows {
+        for n in &r.compared_by_fingerprint {
+            names.entry(n).or_default().push(&r.node);
+        }
+    }
+    for (name, nodes) in names {
+        outln!(
+            "note: {name} is not set: compared by the fingerprint recorded when it was last applied ({})",
+            nodes.join(", ")
+        );
+    }
 }
 
 pub(super) fn print_drift(drift: &[status::Drift]) {

@@ -20,6 +20,7 @@ mod plan;
 mod progress;
 mod publish;
 mod schematic;
+mod secrets;
 mod signals;
 mod talos;
 mod up;

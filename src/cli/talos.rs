@@ -45,6 +45,8 @@ enum SecretsCommand {
     /// Create the cluster's secrets.yaml (talosctl gen secrets layout), or
     /// import one made by `talosctl gen secrets` with --secrets.
     Gen(SecretsGenArgs),
+    /// Write the secrets bundle as a SOPS file for age recipients (for Git).
+    Encrypt(super::secrets::EncryptArgs),
 }
 
 #[derive(Args)]
@@ -144,7 +146,10 @@ impl BootstrapRunArgs {
 pub(super) use super::guard::patch_vars;
 
 pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
-    let SecretsCommand::Gen(args) = args.command;
+    let args = match args.command {
+        SecretsCommand::Gen(args) => args,
+        SecretsCommand::Encrypt(args) => return super::secrets::encrypt(args, config, output),
+    };
     let inv = load_inventory(config, output)?;
     let saved = args
         .state

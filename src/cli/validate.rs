@@ -14,6 +14,10 @@ pub struct ValidateArgs {
     /// never written).
     #[command(flatten)]
     state: talos::StateArgs,
+    /// Check without the secrets a run needs: a `${NAME}` that is not set
+    /// is rendered as a placeholder and named, not an error.
+    #[arg(long)]
+    offline: bool,
 }
 
 pub fn run(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
@@ -26,7 +30,11 @@ pub fn run(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
     }
     let opts = imgbuild::talos::stage::BootstrapOptions {
         state_dir: args.state.state_dir,
-        patch_vars: talos::patch_vars(),
+        patch_vars: if args.offline {
+            talos::patch_vars().comparing_unset()
+        } else {
+            talos::patch_vars()
+        },
         ..Default::default()
     };
     let checked = imgbuild::talos::stage::check(&inv, &opts)
@@ -42,18 +50,24 @@ pub fn run(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
                 "controlPlanes": inv.control_planes().count(),
                 "warnings": inv.warnings,
                 "throwawaySecrets": checked.throwaway_secrets,
+                "unset": checked.unset,
                 "reach": checked.reach.iter().map(|(node, t)| {
                     (node.clone(), json!(t.as_ref().map(|t| t.addr.to_string())))
                 }).collect::<serde_json::Map<_, _>>(),
             })
         ),
-        Output::Text => outln!(
-            "{}: valid ({} nodes, {} control planes, {} warnings)",
-            config.display(),
-            inv.nodes.len(),
-            inv.control_planes().count(),
-            inv.warnings.len()
-        ),
+        Output::Text => {
+            outln!(
+                "{}: valid ({} nodes, {} control planes, {} warnings)",
+                config.display(),
+                inv.nodes.len(),
+                inv.control_planes().count(),
+                inv.warnings.len()
+            );
+            for name in &checked.unset {
+                outln!("note: {name} is not set: rendered with a placeholder");
+            }
+        }
     }
     Ok(())
 }

@@ -30,6 +30,11 @@ pub enum ConfigError {
     },
     #[error("node {node}: {message}")]
     Node { node: String, message: String },
+    #[error("node {node}: patch {source}")]
+    Sops {
+        node: String,
+        source: crate::secrets::sops::SopsError,
+    },
     #[error("node {node}: the machine config does not match the Talos v1.11 schema{}:\n  {}", .patched.as_ref().map(|p| format!(" after patches {p}")).unwrap_or_default(), .problems.join("\n  "))]
     Schema {
         node: String,
@@ -42,11 +47,19 @@ pub enum ConfigError {
 /// Git), given by the caller: the CLI passes its environment. `Debug`
 /// shows the names only.
 #[derive(Clone, Default)]
-pub struct PatchVars(BTreeMap<String, String>);
+pub struct PatchVars {
+    values: BTreeMap<String, String>,
+    /// Render an unset `${NAME}` as [`unset_placeholder`] instead of
+    /// failing: for commands that change nothing ([`PatchVars::comparing_unset`]).
+    placeholders: bool,
+}
 
 impl FromIterator<(String, String)> for PatchVars {
     fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Self {
-        PatchVars(iter.into_iter().collect())
+        PatchVars {
+            values: iter.into_iter().collect(),
+            placeholders: false,
+        }
     }
 }
 
@@ -64,15 +77,56 @@ impl PatchVars {
 
 impl fmt::Debug for PatchVars {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_set().entries(self.0.keys()).finish()
+        f.debug_set().entries(self.values.keys()).finish()
     }
 }
 
+impl PatchVars {
+    /// For read-only commands (`status`, dry runs): a `${NAME}` that is not
+    /// set is rendered as a placeholder, and the node's value there is
+    /// compared by its recorded fingerprint ([`Fingerprints::compare`]).
+    pub fn comparing_unset(mut self) -> PatchVars {
+        self.placeholders = true;
+        self
+    }
+}
+
+/// What an unset `${NAME}` renders as in a read-only command: a plain YAML
+/// scalar no real value has, found again in the node's diff.
+pub fn unset_placeholder(name: &str) -> String {
+    format!("{UNSET_MARK}{name}-")
+}
+
+const UNSET_MARK: &str = "imgbuild-unset-";
+
+/// The names rendered as placeholders in `config`, each once, in order.
+pub fn unset_in(config: &str) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for (at, _) in config.match_indices(UNSET_MARK) {
+        let rest = &config[at + UNSET_MARK.len()..];
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if rest[name.len()..].starts_with('-') && !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names
+}
+
+/// One `${NAME}` a patch used, and the value it had.
+struct Used {
+    name: String,
+    value: Option<String>,
+}
+
 /// `text` with every `${NAME}` replaced by its value and `$${` by a
-/// literal `${`, and the values used (to keep them out of messages).
-/// Comment lines are left alone. An unset name or a `${` that is no
-/// `${NAME}` is an error naming the line.
-fn substitute(text: &str, vars: &PatchVars) -> Result<(String, Vec<String>), String> {
+/// literal `${`, and the names used with their values (to keep them out
+/// of messages). Comment lines are left alone. An unset name (unless
+/// placeholders are asked for) or a `${` that is no `${NAME}` is an error
+/// naming the line.
+fn substitute(text: &str, vars: &PatchVars) -> Result<(String, Vec<Used>), String> {
     let mut out = String::with_capacity(text.len());
     let mut used = Vec::new();
     for (i, line) in text.split_inclusive('\n').enumerate() {
@@ -107,19 +161,176 @@ fn substitute(text: &str, vars: &PatchVars) -> Result<(String, Vec<String>), Str
                     i + 1
                 ));
             };
-            let Some(value) = vars.0.get(name) else {
-                return Err(format!(
-                    "line {}: ${{{name}}} is not set in the environment",
-                    i + 1
-                ));
-            };
-            out.push_str(value);
-            used.push(value.clone());
+            match vars.values.get(name) {
+                Some(value) => out.push_str(value),
+                None if vars.placeholders => out.push_str(&unset_placeholder(name)),
+                None => {
+                    return Err(format!(
+                        "line {}: ${{{name}}} is not set in the environment",
+                        i + 1
+                    ));
+                }
+            }
+            used.push(Used {
+                name: name.to_owned(),
+                value: vars.values.get(name).cloned(),
+            });
             rest = &after[name.len() + 1..];
         }
         out.push_str(rest);
     }
     Ok((out, used))
+}
+
+/// Salted hashes (HMAC-SHA256 under a random per-state-dir salt) of the
+/// `${NAME}` values last applied, kept in the state dir (0600) so a
+/// read-only command without the value can still tell whether a node has
+/// it. Never holds a value.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct Fingerprints {
+    salt: String,
+    #[serde(default)]
+    values: BTreeMap<String, String>,
+}
+
+/// How a node's config diff looks once the values rendered as placeholders
+/// are compared by fingerprint.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UnsetComparison {
+    /// Nothing but fingerprint-equal values differs.
+    pub in_sync: bool,
+    /// Names compared only by their fingerprint.
+    pub by_fingerprint: Vec<String>,
+}
+
+impl Fingerprints {
+    /// Where a state dir keeps them.
+    pub fn path(state_dir: &Path) -> PathBuf {
+        state_dir.join("patch-vars.json")
+    }
+
+    /// The record in `state_dir`; none yet (or unreadable) is an empty one.
+    pub fn load(state_dir: &Path) -> Fingerprints {
+        crate::input::read_text(&Self::path(state_dir), 1 << 20)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default()
+    }
+
+    fn of(&self, value: &str) -> Option<String> {
+        let salt = hex::decode(&self.salt).ok().filter(|s| s.len() == 32)?;
+        let key = aws_lc_rs::hmac::Key::new(aws_lc_rs::hmac::HMAC_SHA256, &salt);
+        Some(hex::encode(aws_lc_rs::hmac::sign(&key, value.as_bytes())))
+    }
+
+    /// Records the fingerprint of every set `${NAME}` the inventory's
+    /// patches use, after the configs holding them were applied.
+    pub fn record(state_dir: &Path, inv: &Inventory, vars: &PatchVars) -> std::io::Result<()> {
+        let mut record = Self::load(state_dir);
+        if record.of("").is_none() {
+            let mut salt = [0u8; 32];
+            aws_lc_rs::rand::fill(&mut salt)
+                .map_err(|_| std::io::Error::other("no random bytes"))?;
+            record = Fingerprints {
+                salt: hex::encode(salt),
+                values: BTreeMap::new(),
+            };
+        }
+        let mut files: Vec<PathBuf> = inv.nodes.iter().flat_map(|n| patch_files(inv, n)).collect();
+        files.sort();
+        files.dedup();
+        for path in files {
+            let Ok(text) = crate::input::read_text(&path, crate::input::MAX_TEXT_FILE) else {
+                continue;
+            };
+            let strict = PatchVars {
+                placeholders: true,
+                ..vars.clone()
+            };
+            let Ok((_, used)) = substitute(&text, &strict) else {
+                continue;
+            };
+            for u in used {
+                if let Some(fp) = u.value.and_then(|v| record.of(&v)) {
+                    record.values.insert(u.name, fp);
+                }
+            }
+        }
+        let text = serde_json::to_string_pretty(&record).map_err(std::io::Error::other)?;
+        crate::atomic::write_if_changed(&Self::path(state_dir), text.as_bytes(), true).map(|_| ())
+    }
+
+    /// `diff` (a node's dry-run diff against a config with placeholders)
+    /// with every changed line pair that differs only where a placeholder
+    /// stands, by a value whose fingerprint is the recorded one, taken out.
+    pub fn compare(&self, diff: &str) -> UnsetComparison {
+        let changed = |sign: char| -> Vec<&str> {
+            diff.lines()
+                .filter(|l| {
+                    !(l.starts_with("--- ") || l.starts_with("+++ ") || l.starts_with("@@"))
+                })
+                .filter_map(|l| l.strip_prefix(sign))
+                .collect()
+        };
+        let (mut old, new) = (changed('-'), changed('+'));
+        let mut left = Vec::new();
+        let mut by_fingerprint = Vec::new();
+        for line in new {
+            let names = unset_in(line);
+            if names.is_empty() {
+                left.push(line);
+                continue;
+            }
+            let found = old
+                .iter()
+                .position(|o| self.matches(line, o).is_some_and(|ok| ok));
+            match found {
+                Some(i) => {
+                    old.remove(i);
+                    for n in names {
+                        if !by_fingerprint.contains(&n) {
+                            by_fingerprint.push(n);
+                        }
+                    }
+                }
+                None => left.push(line),
+            }
+        }
+        UnsetComparison {
+            in_sync: left.is_empty() && old.is_empty(),
+            by_fingerprint,
+        }
+    }
+
+    /// Whether `old` is `new` with each placeholder standing for a value of
+    /// the recorded fingerprint; None when the shapes differ.
+    fn matches(&self, new: &str, old: &str) -> Option<bool> {
+        let mut rest = old;
+        let mut pattern = new;
+        let mut ok = true;
+        while let Some(at) = pattern.find(UNSET_MARK) {
+            let literal = &pattern[..at];
+            rest = rest.strip_prefix(literal)?;
+            let after = &pattern[at + UNSET_MARK.len()..];
+            let name_len = after
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(after.len());
+            let name = &after[..name_len];
+            pattern = after[name_len..].strip_prefix('-')?;
+            // The value runs up to the next literal text of the line.
+            let next = pattern.find(UNSET_MARK).map_or(pattern, |i| &pattern[..i]);
+            let end = if next.is_empty() {
+                if pattern.is_empty() { rest.len() } else { 0 }
+            } else {
+                rest.find(next)?
+            };
+            let value = &rest[..end];
+            rest = &rest[end..];
+            let want = self.values.get(name)?;
+            ok &= self.of(value).as_deref() == Some(want.as_str());
+        }
+        (rest == pattern).then_some(ok)
+    }
 }
 
 /// `message` with every value in `values` (substituted from the
@@ -287,8 +498,13 @@ pub fn machine_config(
         };
         let text = crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
             .map_err(|e| patch_err(e.to_string(), &[]))?;
+        // A SOPS/age-encrypted patch (kept in Git) renders as its plaintext.
+        let text = crate::secrets::sops::open(&text, path).map_err(|e| ConfigError::Sops {
+            node: node.name.clone(),
+            source: e,
+        })?;
         let (text, values) = substitute(&text, vars).map_err(|e| patch_err(e, &[]))?;
-        used.extend(values);
+        used.extend(values.into_iter().filter_map(|u| u.value));
         let text = crate::input::yaml(&text).map_err(|e| patch_err(e.to_string(), &used))?;
         let docs = patch_documents(text).map_err(|e| patch_err(e, &used))?;
         let mut seen: Vec<DocId> = Vec::new();
@@ -804,7 +1020,13 @@ pub fn default_state_dir(inv: &Inventory) -> PathBuf {
 
 /// The files imgbuild keeps in a state dir; a dir holding only these (or
 /// nothing) is ours to tighten.
-const STATE_FILES: [&str; 4] = ["secrets.yaml", "talosconfig", "kubeconfig", "configs"];
+const STATE_FILES: [&str; 5] = [
+    "secrets.yaml",
+    "talosconfig",
+    "kubeconfig",
+    "configs",
+    "patch-vars.json",
+];
 
 /// Creates `dir` (and parents) with mode 0700. An existing dir that others
 /// can read is tightened when it holds only imgbuild's files, and refused

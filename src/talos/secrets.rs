@@ -27,6 +27,8 @@ pub enum SecretsError {
     Exists { path: String },
     #[error("could not generate secrets: {0}")]
     Generate(#[from] pki::PkiError),
+    #[error(transparent)]
+    Sops(#[from] crate::secrets::sops::SopsError),
 }
 
 /// `talosctl gen secrets` output. Field names are go-yaml's lower-cased Go
@@ -201,6 +203,8 @@ impl SecretsBundle {
                     source,
                 }
             })?;
+        // A SOPS/age-encrypted bundle (kept in Git) reads as its plaintext.
+        let text = crate::secrets::sops::open(&text, path)?;
         let bundle = Self::parse(&text, path)?;
         Ok((bundle, unknown_fields(&text)))
     }

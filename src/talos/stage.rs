@@ -469,6 +469,9 @@ pub struct Checked {
     /// Whether the configs were rendered with a throwaway bundle (the
     /// state dir has no secrets yet).
     pub throwaway_secrets: bool,
+    /// `${NAME}`s not set, rendered as placeholders (only when the options'
+    /// [`PatchVars::comparing_unset`] asked for it).
+    pub unset: Vec<String>,
 }
 
 /// The checks a run would otherwise fail only after machines exist: every
@@ -493,8 +496,14 @@ pub fn check(inv: &Inventory, opts: &BootstrapOptions) -> Result<Checked, StageE
     // Hetzner servers are reached at the public IP the API reports.
     let reported = inv.publish.hcloud().is_some_and(|h| h.servers.is_some());
     let mut reach_of = Vec::new();
+    let mut unset: Vec<String> = Vec::new();
     for node in &inv.nodes {
-        config::machine_config(inv, node, &bundle, &opts.patch_vars)?;
+        let text = config::machine_config(inv, node, &bundle, &opts.patch_vars)?;
+        for name in config::unset_in(&text) {
+            if !unset.contains(&name) {
+                unset.push(name);
+            }
+        }
         let target = if reported && !opts.targets.contains_key(&node.name) {
             None
         } else {
@@ -505,6 +514,7 @@ pub fn check(inv: &Inventory, opts: &BootstrapOptions) -> Result<Checked, StageE
     Ok(Checked {
         reach: reach_of,
         throwaway_secrets,
+        unset,
     })
 }
 
@@ -539,6 +549,12 @@ pub fn bootstrap(
 ) -> Result<Bootstrapped, StageError> {
     let prepared = prepare(inv, opts)?;
     let outcome = runtime()?.block_on(bootstrap::run(&prepared.plan, &opts.limits, observer))?;
+    // What is on the nodes now, for read-only commands run without it.
+    let dir = &prepared.state_dir.path;
+    config::Fingerprints::record(dir, inv, &opts.patch_vars).map_err(|source| StageError::Io {
+        path: config::Fingerprints::path(dir),
+        source,
+    })?;
     Ok(Bootstrapped { prepared, outcome })
 }
 
@@ -552,8 +568,15 @@ pub fn drift(
 ) -> Result<Vec<Drift>, StageError> {
     let wanted = upgrade::wanted(inv)?;
     let record = upgrade::Record::load(&prepared.state_dir.upgrades_path());
+    let fingerprints = config::Fingerprints::load(&prepared.state_dir.path);
     let plan = &prepared.plan;
-    Ok(runtime()?.block_on(status::drift(plan, &wanted, &record, &opts.limits)))
+    Ok(runtime()?.block_on(status::drift(
+        plan,
+        &wanted,
+        &record,
+        &fingerprints,
+        &opts.limits,
+    )))
 }
 
 /// The runtime [`bootstrap`], [`survey`] and [`drift`] run their node

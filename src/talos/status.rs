@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use super::bootstrap::{Options, Plan};
 use super::client::{ApplyMode, Mode, NodeClient};
+use super::config::Fingerprints;
 use super::upgrade::{Record, Wanted, kube_ready, running};
 use crate::inventory::Role;
 
@@ -31,6 +32,9 @@ pub struct NodeStatus {
     pub ready: Option<bool>,
     /// What went wrong asking the node.
     pub error: Option<String>,
+    /// `${NAME}`s not set here whose values were compared by the
+    /// fingerprint recorded when they were last applied.
+    pub compared_by_fingerprint: Vec<String>,
 }
 
 /// What differs from the inventory, and the command that fixes it.
@@ -72,10 +76,11 @@ pub async fn collect(
     plan: &Plan,
     wanted: &BTreeMap<String, Wanted>,
     record: &Record,
+    fingerprints: &Fingerprints,
     opts: &Options,
 ) -> Vec<NodeStatus> {
     let ready = kube_ready(plan, opts).await.ok();
-    let mut rows = read_nodes(plan, wanted, record, opts).await;
+    let mut rows = read_nodes(plan, wanted, record, fingerprints, opts).await;
     for row in &mut rows {
         row.ready = ready
             .as_ref()
@@ -90,9 +95,10 @@ pub async fn drift(
     plan: &Plan,
     wanted: &BTreeMap<String, Wanted>,
     record: &Record,
+    fingerprints: &Fingerprints,
     opts: &Options,
 ) -> Vec<Drift> {
-    read_nodes(plan, wanted, record, opts)
+    read_nodes(plan, wanted, record, fingerprints, opts)
         .await
         .iter()
         .flat_map(NodeStatus::drift)
@@ -104,6 +110,7 @@ async fn read_nodes(
     plan: &Plan,
     wanted: &BTreeMap<String, Wanted>,
     record: &Record,
+    fingerprints: &Fingerprints,
     opts: &Options,
 ) -> Vec<NodeStatus> {
     let mode = Mode::Mtls(plan.identity.clone());
@@ -131,6 +138,7 @@ async fn read_nodes(
             etcd_member: None,
             ready: None,
             error: now.error,
+            compared_by_fingerprint: Vec::new(),
         };
         if row.reachable
             && let Ok(conn) = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await
@@ -140,7 +148,10 @@ async fn read_nodes(
                 .await
             {
                 Ok(details) => {
-                    row.config_in_sync = Some(super::apply::diff_of(&details).is_empty())
+                    let diff = super::apply::diff_of(&details);
+                    let compared = fingerprints.compare(&diff);
+                    row.config_in_sync = Some(compared.in_sync);
+                    row.compared_by_fingerprint = compared.by_fingerprint;
                 }
                 Err(e) => row.error = Some(format!("config diff: {e}")),
             }
@@ -180,6 +191,7 @@ mod tests {
             etcd_member: Some(true),
             ready: Some(true),
             error: None,
+            compared_by_fingerprint: Vec::new(),
         }
     }
 

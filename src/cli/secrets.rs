@@ -1,0 +1,73 @@
+//! `imgbuild secrets encrypt`: the cluster's secrets bundle as a SOPS file
+//! for age recipients, to keep in Git; `sops -d` opens it, and imgbuild
+//! reads it wherever it reads a secrets.yaml.
+
+use super::inventory::load_inventory;
+use super::output::{Output, Usage};
+use anyhow::{Context, Result};
+use clap::Args;
+use imgbuild::secrets::age::Recipient;
+use imgbuild::secrets::sops;
+use imgbuild::talos::secrets::SecretsBundle;
+use imgbuild::talos::stage::StateDir;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+#[derive(Args)]
+pub struct EncryptArgs {
+    /// The state dir whose secrets.yaml to encrypt [default: .talos/<cluster
+    /// name>/ beside the inventory].
+    #[arg(long, env = "IMGBUILD_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// An age recipient (age1…) that may open the file; repeat for several.
+    #[arg(long = "age", required = true, value_parser = Recipient::parse)]
+    age: Vec<Recipient>,
+    /// The file to write [default: secrets.sops.yaml beside the inventory].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Replace an existing file.
+    #[arg(long)]
+    force: bool,
+}
+
+pub fn encrypt(args: EncryptArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let state = StateDir::open(&inv, args.state_dir.as_deref())?;
+    let from = state.secrets_path();
+    if !from.exists() {
+        return Err(Usage(format!(
+            "{}: no secrets yet; make them with `imgbuild secrets gen` first",
+            from.display()
+        ))
+        .into());
+    }
+    let bundle = SecretsBundle::load(&from)?;
+    let plain = serde_yaml_ng::to_string(&bundle).context("the secrets bundle as YAML")?;
+    let text = sops::encrypt(&plain, &args.age)?;
+    let out = args
+        .out
+        .unwrap_or_else(|| inv.base_dir.join("secrets.sops.yaml"));
+    if out.exists() && !args.force {
+        return Err(Usage(format!(
+            "{} exists: give --force to replace it, or another --out",
+            out.display()
+        ))
+        .into());
+    }
+    imgbuild::atomic::write_if_changed(&out, text.as_bytes(), true)
+        .with_context(|| format!("writing {}", out.display()))?;
+    let recipients: Vec<String> = args.age.iter().map(ToString::to_string).collect();
+    match output {
+        Output::Json => outln!(
+            "{}",
+            json!({"file": out, "from": from, "recipients": recipients})
+        ),
+        Output::Text => outln!(
+            "{}: the secrets of {}, SOPS-encrypted for {} (sops -d opens it)",
+            out.display(),
+            from.display(),
+            recipients.join(", ")
+        ),
+    }
+    Ok(())
+}

@@ -1,0 +1,781 @@
+//! SOPS-encrypted YAML files for age recipients, read and written natively,
+//! so `secrets.yaml`, patches and talhelper's `talsecret.sops.yaml` /
+//! `talenv.sops.yaml` can live in Git encrypted and `sops -d` still opens
+//! what imgbuild writes. Every value is AES-256-GCM with a 32-byte IV and
+//! its key path as AAD; `sops.mac` is the SHA-512 of the plaintext values,
+//! encrypted with `sops.lastmodified` as AAD; the data key is an age file
+//! per recipient in `sops.age[].enc`. Read from getsops/sops
+//! `aes/cipher.go`, `sops.go` (tree walk, MAC), `decrypt/decrypt.go`,
+//! `stores/stores.go`, `stores/metadata.go` and `age/keysource.go`.
+
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+
+use aes_gcm::aead::consts::U32;
+use aes_gcm::aead::{AeadInOut, KeyInit};
+use aes_gcm::{AesGcm, aes::Aes256};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use serde_yaml_ng::{Mapping, Value};
+
+use super::age::{self, AgeError, Identity, Recipient};
+
+/// AES-256-GCM with the 32-byte IV SOPS uses (`aes/cipher.go`, nonceSize).
+type SopsGcm = AesGcm<Aes256, U32>;
+
+/// The suffix whose keys SOPS leaves in the clear by default.
+const UNENCRYPTED_SUFFIX: &str = "_unencrypted";
+/// The SOPS format version written into `sops.version`.
+const SOPS_VERSION: &str = "3.9.0";
+/// sops's `MACOnlyEncryptedInitialization` (sha256 of "sops").
+const MAC_ONLY_ENCRYPTED_INIT: [u8; 32] = [
+    0x8a, 0x3f, 0xd2, 0xad, 0x54, 0xce, 0x66, 0x52, 0x7b, 0x10, 0x34, 0xf3, 0xd1, 0x47, 0xbe, 0x0b,
+    0x0b, 0x97, 0x5b, 0x3b, 0xf4, 0x4f, 0x72, 0xc6, 0xfd, 0xad, 0xec, 0x81, 0x76, 0xf2, 0x7d, 0x69,
+];
+
+/// Why a SOPS file could not be opened or written. Names the file and, for
+/// a key problem, the recipients; never a value or a key.
+#[derive(Debug, thiserror::Error)]
+pub enum SopsError {
+    #[error("{}: not a SOPS file imgbuild can read: {message}", path.display())]
+    Invalid { path: PathBuf, message: String },
+    #[error(
+        "{}: no age key opens it; it is encrypted for {} ({looked})",
+        path.display(),
+        recipients.join(", ")
+    )]
+    NoKey {
+        path: PathBuf,
+        recipients: Vec<String>,
+        looked: String,
+    },
+    #[error(
+        "{}: refused: the file was changed after it was encrypted ({what}); restore it from Git or encrypt it again",
+        path.display()
+    )]
+    Tampered { path: PathBuf, what: String },
+    #[error("age key {source_name}: {message}")]
+    Keys {
+        source_name: String,
+        message: String,
+    },
+    #[error("cannot encrypt: {0}")]
+    Encrypt(String),
+}
+
+/// The age identities SOPS would use, from where sops looks
+/// (`age/keysource.go`): `SOPS_AGE_KEY`, the file `SOPS_AGE_KEY_FILE`
+/// names, and `$XDG_CONFIG_HOME/sops/age/keys.txt` (default
+/// `~/.config/sops/age/keys.txt`). SSH keys and `SOPS_AGE_KEY_CMD` are not
+/// read.
+#[derive(Debug, Clone, Default)]
+pub struct AgeKeys {
+    identities: Vec<Identity>,
+    /// Where keys were looked for, for the message when none fits.
+    looked: Vec<String>,
+}
+
+impl AgeKeys {
+    /// The given identities (tests, or keys from elsewhere).
+    pub fn new(identities: Vec<Identity>) -> AgeKeys {
+        AgeKeys {
+            identities,
+            looked: vec!["the keys given".into()],
+        }
+    }
+
+    /// The keys of this process's environment, as sops finds them.
+    pub fn from_env() -> Result<AgeKeys, SopsError> {
+        let config_dir = std::env::var_os("XDG_CONFIG_HOME")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")));
+        AgeKeys::from_sources(
+            std::env::var("SOPS_AGE_KEY").ok(),
+            std::env::var_os("SOPS_AGE_KEY_FILE").map(PathBuf::from),
+            config_dir.map(|d| d.join("sops/age/keys.txt")),
+        )
+    }
+
+    /// The keys from these sources; a named key file that cannot be read
+    /// or holds a malformed key is an error naming it, a missing default
+    /// file is not.
+    pub fn from_sources(
+        key: Option<String>,
+        key_file: Option<PathBuf>,
+        default_file: Option<PathBuf>,
+    ) -> Result<AgeKeys, SopsError> {
+        let mut keys = AgeKeys::default();
+        let bad = |source_name: &str, message: String| SopsError::Keys {
+            source_name: source_name.to_owned(),
+            message,
+        };
+        keys.looked.push("SOPS_AGE_KEY".into());
+        if let Some(text) = key {
+            let found = age::parse_identities(&text, true).map_err(|e| bad("SOPS_AGE_KEY", e))?;
+            keys.identities.extend(found);
+        }
+        keys.looked.push("SOPS_AGE_KEY_FILE".into());
+        if let Some(file) = key_file {
+            let name = format!("file {} (SOPS_AGE_KEY_FILE)", file.display());
+            let text =
+                crate::input::read_text(&file, 1 << 20).map_err(|e| bad(&name, e.to_string()))?;
+            keys.identities
+                .extend(age::parse_identities(&text, false).map_err(|e| bad(&name, e))?);
+        }
+        if let Some(file) = default_file {
+            keys.looked.push(file.display().to_string());
+            if file.exists() {
+                let name = format!("file {}", file.display());
+                let text = crate::input::read_text(&file, 1 << 20)
+                    .map_err(|e| bad(&name, e.to_string()))?;
+                keys.identities
+                    .extend(age::parse_identities(&text, false).map_err(|e| bad(&name, e))?);
+            }
+        }
+        Ok(keys)
+    }
+
+    fn looked(&self) -> String {
+        match self.identities.len() {
+            0 => format!("no age key found in {}", self.looked.join(", ")),
+            n => format!(
+                "tried {n} age key(s) from {}: {}",
+                self.looked.join(", "),
+                self.identities
+                    .iter()
+                    .map(Identity::recipient)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
+}
+
+/// Whether `text` is a SOPS file: its first YAML document has a top-level
+/// `sops` mapping (cheap: looked at only when a line starts with `sops:`).
+pub fn is_encrypted(text: &str) -> bool {
+    let has_line = text.starts_with("sops:") || text.contains("\nsops:");
+    has_line
+        && documents(text, Path::new(""))
+            .ok()
+            .and_then(|docs| docs.into_iter().next())
+            .is_some_and(|d| metadata_of(&d).is_some())
+}
+
+/// `text` as it is when it is no SOPS file, else decrypted (with the
+/// environment's keys, [`AgeKeys::from_env`]) and its MAC verified.
+pub fn open<'a>(text: &'a str, path: &Path) -> Result<Cow<'a, str>, SopsError> {
+    if !is_encrypted(text) {
+        return Ok(Cow::Borrowed(text));
+    }
+    Ok(Cow::Owned(decrypt(text, path, &AgeKeys::from_env()?)?))
+}
+
+/// The plaintext YAML of the SOPS file `text` (from `path`, named in
+/// errors), every value decrypted and the MAC checked over all of them.
+pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsError> {
+    let invalid = |message: String| SopsError::Invalid {
+        path: path.to_owned(),
+        message,
+    };
+    let tampered = |what: String| SopsError::Tampered {
+        path: path.to_owned(),
+        what,
+    };
+    let mut docs = documents(text, path)?;
+    let meta = docs
+        .first()
+        .and_then(metadata_of)
+        .cloned()
+        .ok_or_else(|| invalid("no sops metadata".into()))?;
+    for doc in &mut docs {
+        if let Value::Mapping(m) = doc {
+            m.remove("sops");
+        }
+    }
+    let field = |name: &str| meta.get(name).and_then(Value::as_str);
+    let stanzas = age_stanzas(&meta).map_err(invalid)?;
+    if stanzas.is_empty() {
+        return Err(invalid(
+            "it has no age recipients (sops.age); imgbuild opens only age-encrypted files".into(),
+        ));
+    }
+    let mut data_key = None;
+    for (_, enc) in &stanzas {
+        let file = age::dearmor(enc).map_err(|e| invalid(format!("sops.age[].enc: {e}")))?;
+        match age::decrypt(&file, &keys.identities) {
+            Ok(key) => {
+                data_key = Some(key);
+                break;
+            }
+            Err(AgeError::NoIdentityMatches) => {}
+            Err(AgeError::Tampered(what)) => {
+                return Err(tampered(format!("the data key's age file: {what}")));
+            }
+            Err(e) => return Err(invalid(format!("sops.age[].enc: {e}"))),
+        }
+    }
+    let Some(data_key) = data_key else {
+        return Err(SopsError::NoKey {
+            path: path.to_owned(),
+            recipients: stanzas.into_iter().map(|(r, _)| r).collect(),
+            looked: keys.looked(),
+        });
+    };
+    let cipher = SopsGcm::new_from_slice(&data_key)
+        .map_err(|_| invalid("the data key is not 32 bytes".into()))?;
+    let mac_only = meta
+        .get("mac_only_encrypted")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let mut hash = Sha512::new();
+    if mac_only {
+        hash.update(&MAC_ONLY_ENCRYPTED_INIT);
+    }
+    for doc in &mut docs {
+        walk_decrypt(doc, &mut Vec::new(), &cipher, mac_only, &mut hash).map_err(|e| match e {
+            WalkError::Tampered(at) => tampered(format!("the value at {at} does not decrypt")),
+            WalkError::Invalid(m) => invalid(m),
+        })?;
+    }
+    let computed = hex::encode_upper(hash.finish());
+    let last_modified = field("lastmodified")
+        .ok_or_else(|| invalid("no sops.lastmodified".into()))
+        .and_then(|t| {
+            go_rfc3339(t).ok_or_else(|| invalid("sops.lastmodified is no RFC 3339 time".into()))
+        })?;
+    let mac = field("mac").ok_or_else(|| invalid("no sops.mac".into()))?;
+    let stored = match decrypt_value(&cipher, mac, &last_modified) {
+        Ok(Decrypted::Text(s)) => s,
+        Ok(_) => return Err(tampered("sops.mac".into())),
+        Err(WalkError::Tampered(_)) => return Err(tampered("sops.mac does not decrypt".into())),
+        Err(WalkError::Invalid(m)) => return Err(invalid(format!("sops.mac: {m}"))),
+    };
+    if aws_lc_rs::constant_time::verify_slices_are_equal(stored.as_bytes(), computed.as_bytes())
+        .is_err()
+    {
+        return Err(tampered("the MAC over the values does not match".into()));
+    }
+    emit(&docs).map_err(invalid)
+}
+
+/// `plain` (YAML) as a SOPS file for `recipients`: every value but those
+/// under keys ending in `_unencrypted` encrypted, the MAC over all values,
+/// the data key as an armored age file per recipient (what `sops
+/// --encrypt --age` writes).
+pub fn encrypt(plain: &str, recipients: &[Recipient]) -> Result<String, SopsError> {
+    if recipients.is_empty() {
+        return Err(SopsError::Encrypt("no age recipient given".into()));
+    }
+    let mut docs =
+        documents(plain, Path::new("")).map_err(|e| SopsError::Encrypt(e.to_string()))?;
+    if docs.first().and_then(metadata_of).is_some() {
+        return Err(SopsError::Encrypt("it is already SOPS-encrypted".into()));
+    }
+    let mut data_key = [0u8; 32];
+    aws_lc_rs::rand::fill(&mut data_key)
+        .map_err(|_| SopsError::Encrypt("no random bytes".into()))?;
+    let cipher =
+        SopsGcm::new_from_slice(&data_key).map_err(|_| SopsError::Encrypt("AES key".into()))?;
+    let mut hash = Sha512::new();
+    for doc in &mut docs {
+        walk_encrypt(doc, &mut Vec::new(), false, &cipher, &mut hash)?;
+    }
+    let last_modified = now_rfc3339();
+    let mac = encrypt_value(
+        &cipher,
+        hex::encode_upper(hash.finish()).as_bytes(),
+        "str",
+        &last_modified,
+    )?;
+    let mut age_list = Vec::new();
+    for r in recipients {
+        let file = age::encrypt(&data_key, std::slice::from_ref(r))
+            .map_err(|e| SopsError::Encrypt(e.to_string()))?;
+        let mut entry = Mapping::new();
+        entry.insert("recipient".into(), r.to_string().into());
+        entry.insert("enc".into(), age::armor(&file).into());
+        age_list.push(Value::Mapping(entry));
+    }
+    let mut meta = Mapping::new();
+    meta.insert("age".into(), Value::Sequence(age_list));
+    meta.insert("lastmodified".into(), last_modified.into());
+    meta.insert("mac".into(), mac.into());
+    meta.insert("unencrypted_suffix".into(), UNENCRYPTED_SUFFIX.into());
+    meta.insert("version".into(), SOPS_VERSION.into());
+    for doc in &mut docs {
+        let Value::Mapping(m) = doc else {
+            return Err(SopsError::Encrypt("a document is not a mapping".into()));
+        };
+        m.insert("sops".into(), Value::Mapping(meta.clone()));
+    }
+    emit(&docs).map_err(SopsError::Encrypt)
+}
+
+/// The YAML documents of `text`, through the input gate's budget.
+fn documents(text: &str, path: &Path) -> Result<Vec<Value>, SopsError> {
+    use serde::Deserialize;
+    let invalid = |message: String| SopsError::Invalid {
+        path: path.to_owned(),
+        message,
+    };
+    let text = crate::input::yaml(text).map_err(|e| invalid(e.to_string()))?;
+    serde_yaml_ng::Deserializer::from_str(text)
+        .map(|de| {
+            Value::deserialize(de).map_err(|e| {
+                invalid(format!(
+                    "not YAML: {}",
+                    crate::input::yaml_error_without_values(&e)
+                ))
+            })
+        })
+        .filter(|v| !matches!(v, Ok(Value::Null)))
+        .collect()
+}
+
+fn metadata_of(doc: &Value) -> Option<&Mapping> {
+    doc.as_mapping()?.get("sops")?.as_mapping()
+}
+
+/// `(recipient, armored age file)` of every age key, at `sops.age` or in
+/// a single key group (`sops.key_groups[].age`; Shamir splits are refused).
+fn age_stanzas(meta: &Mapping) -> Result<Vec<(String, String)>, String> {
+    let mut lists: Vec<&Value> = meta.get("age").into_iter().collect();
+    if let Some(groups) = meta.get("key_groups").and_then(Value::as_sequence) {
+        let threshold = meta
+            .get("shamir_threshold")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+        if groups.len() > 1 && threshold > 1 {
+            return Err(
+                "its data key is split over key groups (Shamir); decrypt it with sops".into(),
+            );
+        }
+        lists.extend(groups.iter().filter_map(|g| g.get("age")));
+    }
+    let mut out = Vec::new();
+    for list in lists {
+        for entry in list.as_sequence().ok_or("sops.age is not a list")? {
+            let (Some(r), Some(enc)) = (
+                entry.get("recipient").and_then(Value::as_str),
+                entry.get("enc").and_then(Value::as_str),
+            ) else {
+                return Err("a sops.age entry needs recipient and enc".into());
+            };
+            out.push((crate::input::excerpt(r, 100), enc.to_owned()));
+        }
+    }
+    Ok(out)
+}
+
+enum WalkError {
+    /// The key path of the value that failed authentication.
+    Tampered(String),
+    Invalid(String),
+}
+
+/// A decrypted `ENC[…]` value, by its `type:`.
+enum Decrypted {
+    Text(String),
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+}
+
+/// `path` as SOPS's AAD: every map key followed by `:` (list indices are
+/// not part of it).
+fn aad(path: &[String]) -> String {
+    path.iter().map(|k| format!("{k}:")).collect()
+}
+
+fn key_text(key: &Value) -> Result<String, String> {
+    match key {
+        Value::String(s) => Ok(s.clone()),
+        _ => Err("a map key is not a string; SOPS supports only string keys".into()),
+    }
+}
+
+fn walk_decrypt(
+    value: &mut Value,
+    path: &mut Vec<String>,
+    cipher: &SopsGcm,
+    mac_only: bool,
+    hash: &mut Sha512,
+) -> Result<(), WalkError> {
+    match value {
+        Value::Mapping(m) => {
+            for (k, v) in m.iter_mut() {
+                path.push(key_text(k).map_err(WalkError::Invalid)?);
+                walk_decrypt(v, path, cipher, mac_only, hash)?;
+                path.pop();
+            }
+        }
+        Value::Sequence(items) => {
+            for v in items {
+                walk_decrypt(v, path, cipher, mac_only, hash)?;
+            }
+        }
+        Value::Tagged(t) => walk_decrypt(&mut t.value, path, cipher, mac_only, hash)?,
+        Value::Null => {}
+        Value::String(s) if s.starts_with("ENC[AES256_GCM,") => {
+            let plain = decrypt_value(cipher, s, &aad(path)).map_err(|e| match e {
+                WalkError::Tampered(_) => WalkError::Tampered(shown_path(path)),
+                other => other,
+            })?;
+            let (bytes, new) = match plain {
+                Decrypted::Text(t) => (t.clone(), Value::String(t)),
+                Decrypted::Int(i) => (i.to_string(), Value::from(i)),
+                Decrypted::Float(f) => (f.to_string(), Value::from(f)),
+                Decrypted::Bool(b) => (go_bool(b).into(), Value::Bool(b)),
+            };
+            hash.update(bytes.as_bytes());
+            *value = new;
+        }
+        leaf => {
+            if !mac_only {
+                hash.update(plain_bytes(leaf).as_bytes());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn walk_encrypt(
+    value: &mut Value,
+    path: &mut Vec<String>,
+    clear: bool,
+    cipher: &SopsGcm,
+    hash: &mut Sha512,
+) -> Result<(), SopsError> {
+    match value {
+        Value::Mapping(m) => {
+            for (k, v) in m.iter_mut() {
+                let key = key_text(k).map_err(SopsError::Encrypt)?;
+                let clear = clear || key.ends_with(UNENCRYPTED_SUFFIX);
+                path.push(key);
+                walk_encrypt(v, path, clear, cipher, hash)?;
+                path.pop();
+            }
+        }
+        Value::Sequence(items) => {
+            for v in items {
+                walk_encrypt(v, path, clear, cipher, hash)?;
+            }
+        }
+        Value::Tagged(t) => walk_encrypt(&mut t.value, path, clear, cipher, hash)?,
+        Value::Null => {}
+        leaf => {
+            let bytes = plain_bytes(leaf);
+            hash.update(bytes.as_bytes());
+            let kind = match leaf {
+                Value::Bool(_) => "bool",
+                Value::Number(n) if n.is_f64() => "float",
+                Value::Number(_) => "int",
+                _ => "str",
+            };
+            // sops keeps empty strings as they are (aes.Cipher.Encrypt).
+            if !clear && !bytes.is_empty() {
+                *leaf = Value::String(encrypt_value(cipher, bytes.as_bytes(), kind, &aad(path))?);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A leaf as sops's `ToBytes` spells it for the MAC.
+fn plain_bytes(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Bool(b) => go_bool(*b).into(),
+        Value::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
+            (Some(i), _, _) => i.to_string(),
+            (_, Some(u), _) => u.to_string(),
+            (_, _, Some(f)) => f.to_string(),
+            _ => n.to_string(),
+        },
+        _ => String::new(),
+    }
+}
+
+fn go_bool(b: bool) -> &'static str {
+    if b { "True" } else { "False" }
+}
+
+/// Where a value sits, for messages: `cluster.secret`.
+fn shown_path(path: &[String]) -> String {
+    crate::input::excerpt(&path.join("."), 200)
+}
+
+fn decrypt_value(cipher: &SopsGcm, text: &str, aad: &str) -> Result<Decrypted, WalkError> {
+    let bad = |m: &str| WalkError::Invalid(format!("malformed ENC[…] value: {m}"));
+    let inner = text
+        .strip_prefix("ENC[AES256_GCM,")
+        .and_then(|t| t.strip_suffix(']'))
+        .ok_or_else(|| bad("not ENC[AES256_GCM,…]"))?;
+    let mut parts = inner.split(',');
+    let mut field = |name: &str| {
+        parts
+            .next()
+            .and_then(|p| p.strip_prefix(name))
+            .and_then(|p| p.strip_prefix(':'))
+            .ok_or_else(|| bad(&format!("no {name}")))
+    };
+    let (data, iv, tag, kind) = (field("data")?, field("iv")?, field("tag")?, field("type")?);
+    let decode = |s: &str, what: &str| STANDARD.decode(s).map_err(|_| bad(what));
+    let mut data = decode(data, "data is not base64")?;
+    let iv = decode(iv, "iv is not base64")?;
+    let tag = decode(tag, "tag is not base64")?;
+    let nonce =
+        <&aes_gcm::Nonce<U32>>::try_from(iv.as_slice()).map_err(|_| bad("iv is not 32 bytes"))?;
+    let tag = <&aes_gcm::Tag>::try_from(tag.as_slice()).map_err(|_| bad("tag is not 16 bytes"))?;
+    cipher
+        .decrypt_inout_detached(nonce, aad.as_bytes(), data.as_mut_slice().into(), tag)
+        .map_err(|_| WalkError::Tampered(String::new()))?;
+    let text = String::from_utf8(data).map_err(|_| bad("not UTF-8"))?;
+    Ok(match kind {
+        "str" | "bytes" | "time" | "comment" => Decrypted::Text(text),
+        "int" => Decrypted::Int(
+            text.parse()
+                .map_err(|_| bad("type int, but not an integer"))?,
+        ),
+        "float" => Decrypted::Float(
+            text.parse()
+                .map_err(|_| bad("type float, but not a number"))?,
+        ),
+        "bool" => Decrypted::Bool(match text.as_str() {
+            "1" | "t" | "T" | "TRUE" | "true" | "True" => true,
+            "0" | "f" | "F" | "FALSE" | "false" | "False" => false,
+            _ => return Err(bad("type bool, but not a boolean")),
+        }),
+        _ => return Err(bad("unknown type")),
+    })
+}
+
+fn encrypt_value(
+    cipher: &SopsGcm,
+    plain: &[u8],
+    kind: &str,
+    aad: &str,
+) -> Result<String, SopsError> {
+    let mut iv = [0u8; 32];
+    aws_lc_rs::rand::fill(&mut iv).map_err(|_| SopsError::Encrypt("no random bytes".into()))?;
+    let mut data = plain.to_vec();
+    let nonce = <&aes_gcm::Nonce<U32>>::from(&iv);
+    let tag = cipher
+        .encrypt_inout_detached(nonce, aad.as_bytes(), data.as_mut_slice().into())
+        .map_err(|_| SopsError::Encrypt("AES-GCM failed".into()))?;
+    Ok(format!(
+        "ENC[AES256_GCM,data:{},iv:{},tag:{},type:{kind}]",
+        STANDARD.encode(&data),
+        STANDARD.encode(iv),
+        STANDARD.encode(tag.as_slice())
+    ))
+}
+
+/// `sops.lastmodified` as Go's `time.Parse(RFC3339)` then
+/// `Format(RFC3339)` spells it (the MAC's AAD): fractions of a second
+/// dropped, UTC as `Z`.
+fn go_rfc3339(text: &str) -> Option<String> {
+    let t =
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).ok()?;
+    let off = t.offset();
+    let zone = if off.is_utc() {
+        "Z".to_owned()
+    } else {
+        let (h, m, _) = off.as_hms();
+        let sign = if off.is_negative() { '-' } else { '+' };
+        format!("{sign}{:02}:{:02}", h.abs(), m.abs())
+    };
+    Some(format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}{zone}",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
+    ))
+}
+
+fn now_rfc3339() -> String {
+    let t = time::OffsetDateTime::now_utc();
+    format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
+    )
+}
+
+/// The documents as YAML, `---` between them.
+fn emit(docs: &[Value]) -> Result<String, String> {
+    let texts: Result<Vec<String>, String> = docs
+        .iter()
+        .map(|d| serde_yaml_ng::to_string(d).map_err(|e| e.to_string()))
+        .collect();
+    Ok(texts?.join("---\n"))
+}
+
+/// SHA-512 through aws-lc-rs.
+struct Sha512(aws_lc_rs::digest::Context);
+
+impl Sha512 {
+    fn new() -> Self {
+        Sha512(aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA512))
+    }
+
+    fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    fn finish(self) -> Vec<u8> {
+        self.0.finish().as_ref().to_vec()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PLAIN: &str = "cluster:\n  id: abc\n  secret: s3cr3t-value\nsecrets:\n  bootstraptoken: tok.en\n  count: 3\n  ratio: 0.5\n  on: true\n  empty: \"\"\n  none: null\n  list:\n    - one\n    - 2\n  note_unencrypted: visible\n";
+
+    fn keys() -> (AgeKeys, Recipient) {
+        let id = Identity::generate().unwrap();
+        let r = Recipient::parse(&id.recipient()).unwrap();
+        (AgeKeys::new(vec![id]), r)
+    }
+
+    #[test]
+    fn a_file_round_trips_with_every_value_encrypted_but_unencrypted_keys() {
+        let (keys, r) = keys();
+        let enc = encrypt(PLAIN, &[r]).unwrap();
+        assert!(is_encrypted(&enc));
+        assert!(!is_encrypted(PLAIN));
+        assert!(
+            !enc.contains("s3cr3t-value") && !enc.contains("tok.en"),
+            "{enc}"
+        );
+        assert!(enc.contains("note_unencrypted: visible"), "{enc}");
+        assert!(
+            enc.contains("type:int]") && enc.contains("type:bool]"),
+            "{enc}"
+        );
+        let plain = decrypt(&enc, Path::new("s.yaml"), &keys).unwrap();
+        let want: Value = serde_yaml_ng::from_str(PLAIN).unwrap();
+        let got: Value = serde_yaml_ng::from_str(&plain).unwrap();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_changed_value_or_mac_is_refused_naming_the_file() {
+        let (keys, r) = keys();
+        let enc = encrypt(PLAIN, &[r]).unwrap();
+        // Swap two encrypted values: each still decrypts under its own
+        // path only, so the swap is caught by the value's AAD.
+        let line = enc.lines().find(|l| l.contains("secret: ENC[")).unwrap();
+        let value = line.split_once(": ").unwrap().1;
+        let other = enc.lines().find(|l| l.contains(" id: ENC[")).unwrap();
+        let swapped = enc.replacen(other, &format!("  id: {value}"), 1);
+        let err = decrypt(&swapped, Path::new("s.yaml"), &keys)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("s.yaml: refused") && err.contains("cluster.id"),
+            "{err}"
+        );
+        // A plain value replaced: the MAC no longer matches.
+        let plain = enc.replace("note_unencrypted: visible", "note_unencrypted: changed");
+        let err = decrypt(&plain, Path::new("s.yaml"), &keys)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MAC over the values does not match"), "{err}");
+        // The MAC itself changed.
+        let mac_line = enc
+            .lines()
+            .find(|l| l.trim_start().starts_with("mac: "))
+            .unwrap();
+        let mac = mac_line.split_once("data:").unwrap().1;
+        let flipped = if mac.starts_with('A') { "B" } else { "A" };
+        let bad = enc.replace(
+            mac_line,
+            &mac_line.replacen(
+                &format!("data:{}", &mac[..1]),
+                &format!("data:{flipped}"),
+                1,
+            ),
+        );
+        let err = decrypt(&bad, Path::new("s.yaml"), &keys)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("s.yaml: refused") && err.contains("sops.mac"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_wrong_key_is_refused_naming_the_recipients() {
+        let (_, r) = keys();
+        let (other, _) = keys();
+        let enc = encrypt(PLAIN, std::slice::from_ref(&r)).unwrap();
+        let err = decrypt(&enc, Path::new("s.yaml"), &other)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("encrypted for {r}")), "{err}");
+        assert!(err.starts_with("s.yaml: no age key opens it"), "{err}");
+        let none = AgeKeys::from_sources(None, None, None).unwrap();
+        let err = decrypt(&enc, Path::new("s.yaml"), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no age key found in SOPS_AGE_KEY, SOPS_AGE_KEY_FILE"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn keys_come_from_sops_age_key_and_the_key_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Identity::generate().unwrap();
+        let b = Identity::generate().unwrap();
+        let c = Identity::generate().unwrap();
+        let file = dir.path().join("keys.txt");
+        std::fs::write(&file, format!("# created: now\n{}\n", b.to_secret_string())).unwrap();
+        let default = dir.path().join("default.txt");
+        std::fs::write(&default, c.to_secret_string()).unwrap();
+        let keys = AgeKeys::from_sources(
+            Some(a.to_secret_string()),
+            Some(file.clone()),
+            Some(default),
+        )
+        .unwrap();
+        let got: Vec<String> = keys.identities.iter().map(Identity::recipient).collect();
+        assert_eq!(got, [a.recipient(), b.recipient(), c.recipient()]);
+        std::fs::write(&file, "AGE-SECRET-KEY-1NOTAKEY\n").unwrap();
+        let err = AgeKeys::from_sources(None, Some(file.clone()), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&file.display().to_string()) && err.contains("line 1"),
+            "{err}"
+        );
+        assert!(!err.contains("NOTAKEY"), "{err}");
+    }
+
+    #[test]
+    fn lastmodified_is_spelled_as_go_formats_it() {
+        assert_eq!(
+            go_rfc3339("2024-05-01T10:11:12Z").unwrap(),
+            "2024-05-01T10:11:12Z"
+        );
+        assert_eq!(
+            go_rfc3339("2024-05-01T10:11:12.5+02:00").unwrap(),
+            "2024-05-01T10:11:12+02:00"
+        );
+        assert!(go_rfc3339("yesterday").is_none());
+    }
+}

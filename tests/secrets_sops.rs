@@ -1,0 +1,349 @@
+//! End to end: the secrets bundle as a SOPS file for age recipients.
+//! `imgbuild secrets encrypt --age` writes a file whose data key the real
+//! `age` (Debian package) opens, whose values this test decrypts itself
+//! (AES-256-GCM, 32-byte IV, key path as AAD, as getsops/sops
+//! `aes/cipher.go` does) and whose MAC it recomputes (`sops.go`); the
+//! encrypted file bootstraps a cluster on the Talos node simulator
+//! (modelling Talos v1.11); a changed value, a changed MAC and a wrong key
+//! are refused, naming the file or the recipients.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+mod common;
+use common::inventory::{Inventory, Node};
+use common::run::Run;
+use common::sims::Nodes;
+use common::{json, text};
+
+use aes_gcm::aead::consts::U32;
+use aes_gcm::aead::{AeadInOut, KeyInit};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use serde_yaml_ng::Value;
+
+/// The /24 for test number `k`, beside the other suites' ranges.
+fn net(k: u8) -> String {
+    format!("127.{}.{}", 100 + std::process::id() % 100, 225 + k)
+}
+
+/// A test folder: a two-node inventory, its state dir `state/`, and a home
+/// without age keys.
+struct Work {
+    dir: tempfile::TempDir,
+}
+
+impl Work {
+    fn new(net: &str) -> Work {
+        let dir = tempfile::tempdir().unwrap();
+        let inv = Inventory::new("sops")
+            .endpoint(&format!("{net}.11"))
+            .no_nameservers()
+            .node(Node::new("cp-01", "controlplane").address(&format!("{net}.11")))
+            .node(Node::new("worker-01", "worker").address(&format!("{net}.21")))
+            .text();
+        std::fs::write(dir.path().join("cluster.yaml"), inv).unwrap();
+        std::fs::create_dir(dir.path().join("home")).unwrap();
+        Work { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// imgbuild with the state dir `state` and only the age keys in `env`.
+    fn imgbuild(&self, args: &[&str], env: &[(&str, &Path)]) -> Output {
+        let mut run = Run::with_config(&self.path("cluster.yaml"), args);
+        run.env("IMGBUILD_STATE_DIR", self.path("state"))
+            .env("HOME", self.path("home"))
+            .env_remove("XDG_CONFIG_HOME")
+            .env_remove("SOPS_AGE_KEY")
+            .env_remove("SOPS_AGE_KEY_FILE")
+            .env_remove("TALOSCONFIG");
+        for (k, v) in env {
+            run.env(k, v);
+        }
+        run.output()
+    }
+
+    /// A fresh age key pair from `age-keygen`: the key file and recipient.
+    fn keygen(&self, name: &str) -> (PathBuf, String) {
+        let file = self.path(name);
+        let o = Command::new("age-keygen")
+            .arg("-o")
+            .arg(&file)
+            .output()
+            .expect("age-keygen (Debian package age; make deps installs it)");
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let keys = std::fs::read_to_string(&file).unwrap();
+        let recipient = keys
+            .lines()
+            .find_map(|l| l.strip_prefix("# public key: "))
+            .unwrap()
+            .to_owned();
+        (file, recipient)
+    }
+
+    /// `secrets gen`, then `secrets encrypt --age recipient`: the SOPS file.
+    fn encrypted_bundle(&self, recipient: &str) -> String {
+        let o = self.imgbuild(&["secrets", "gen"], &[]);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let o = self.imgbuild(&["secrets", "encrypt", "--age", recipient], &[]);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let out = self.path("secrets.sops.yaml");
+        assert!(text(&o.stdout).contains(&out.display().to_string()));
+        std::fs::read_to_string(out).unwrap()
+    }
+}
+
+/// The data key of a SOPS file, from its first age stanza by the real
+/// `age -d`.
+fn data_key_by_age(doc: &Value, key_file: &Path, dir: &Path) -> Vec<u8> {
+    let enc = doc["sops"]["age"][0]["enc"].as_str().unwrap();
+    let armored = dir.join("datakey.age");
+    std::fs::write(&armored, enc).unwrap();
+    let o = Command::new("age")
+        .arg("-d")
+        .arg("-i")
+        .arg(key_file)
+        .arg(&armored)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "age -d: {}", text(&o.stderr));
+    o.stdout
+}
+
+/// One `ENC[AES256_GCM,…]` value opened with `key` under `aad`.
+fn open_value(key: &[u8], value: &str, aad: &str) -> (String, String) {
+    let inner = value
+        .strip_prefix("ENC[AES256_GCM,")
+        .and_then(|v| v.strip_suffix(']'))
+        .unwrap_or_else(|| panic!("not an ENC value: {value}"));
+    let f: Vec<&str> = inner.split(',').collect();
+    let field = |i: usize, name: &str| {
+        let (k, v) = f[i].split_once(':').unwrap();
+        assert_eq!(k, name);
+        v
+    };
+    let mut data = STANDARD.decode(field(0, "data")).unwrap();
+    let iv = STANDARD.decode(field(1, "iv")).unwrap();
+    let tag = STANDARD.decode(field(2, "tag")).unwrap();
+    assert_eq!(iv.len(), 32, "sops uses 32-byte IVs");
+    let cipher = aes_gcm::AesGcm::<aes_gcm::aes::Aes256, U32>::new_from_slice(key).unwrap();
+    let nonce = <&aes_gcm::Nonce<U32>>::try_from(iv.as_slice()).unwrap();
+    let tag = <&aes_gcm::Tag>::try_from(tag.as_slice()).unwrap();
+    cipher
+        .decrypt_inout_detached(nonce, aad.as_bytes(), data.as_mut_slice().into(), tag)
+        .unwrap_or_else(|_| panic!("{aad} does not open"));
+    (
+        String::from_utf8(data).unwrap(),
+        field(3, "type").to_owned(),
+    )
+}
+
+/// Every leaf of `enc` opened, in document order, beside the plaintext
+/// document's leaf at the same place; the SHA-512 of the plaintexts.
+fn open_tree(
+    key: &[u8],
+    enc: &Value,
+    plain: &Value,
+    path: &mut Vec<String>,
+    hash: &mut sha2::Sha512,
+) {
+    use sha2::Digest;
+    match (enc, plain) {
+        (Value::Mapping(e), Value::Mapping(p)) => {
+            for (k, v) in e {
+                let k = k.as_str().unwrap();
+                if k == "sops" {
+                    continue;
+                }
+                path.push(k.to_owned());
+                open_tree(key, v, &p[k], path, hash);
+                path.pop();
+            }
+        }
+        (Value::String(e), Value::String(p)) => {
+            let aad: String = path.iter().map(|k| format!("{k}:")).collect();
+            let (value, kind) = open_value(key, e, &aad);
+            assert_eq!(kind, "str");
+            assert_eq!(&value, p, "{aad}");
+            hash.update(value.as_bytes());
+        }
+        other => panic!("unexpected leaf pair {other:?}"),
+    }
+}
+
+#[test]
+fn the_encrypted_bundle_opens_with_age_and_bootstraps_a_cluster() {
+    let net = net(0);
+    let w = Work::new(&net);
+    let (key, recipient) = w.keygen("key.txt");
+    let enc_text = w.encrypted_bundle(&recipient);
+    let plain_text = std::fs::read_to_string(w.path("state/secrets.yaml")).unwrap();
+    let plain: Value = serde_yaml_ng::from_str(&plain_text).unwrap();
+    let secret = plain["cluster"]["secret"].as_str().unwrap();
+    assert!(
+        !enc_text.contains(secret),
+        "a value in the clear:\n{enc_text}"
+    );
+
+    // What sops -d does, with the real age for the data key.
+    let enc: Value = serde_yaml_ng::from_str(&enc_text).unwrap();
+    assert_eq!(enc["sops"]["age"][0]["recipient"], recipient.as_str());
+    let data_key = data_key_by_age(&enc, &key, w.dir.path());
+    assert_eq!(data_key.len(), 32);
+    let mut hash = <sha2::Sha512 as sha2::Digest>::new();
+    open_tree(&data_key, &enc, &plain, &mut Vec::new(), &mut hash);
+    let last_modified = enc["sops"]["lastmodified"].as_str().unwrap();
+    let (mac, _) = open_value(
+        &data_key,
+        enc["sops"]["mac"].as_str().unwrap(),
+        last_modified,
+    );
+    assert_eq!(mac, hex::encode_upper(sha2::Digest::finalize(hash)));
+
+    // The encrypted file as the cluster's secrets.yaml bootstraps it.
+    std::fs::write(w.path("state/secrets.yaml"), &enc_text).unwrap();
+    let sim = Nodes::start(&[
+        "--node",
+        &format!("cp-01={net}.11:controlplane"),
+        "--node",
+        &format!("worker-01={net}.21:worker"),
+    ]);
+    let mut run = Run::with_config(&w.path("cluster.yaml"), &["--output", "json", "bootstrap"]);
+    let o = run
+        .timeouts(&[])
+        .env("IMGBUILD_STATE_DIR", w.path("state"))
+        .env("HOME", w.path("home"))
+        .env("SOPS_AGE_KEY_FILE", &key)
+        .env_remove("SOPS_AGE_KEY")
+        .env_remove("TALOSCONFIG")
+        .output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(json(&o)["healthy"], true);
+    assert_eq!(sim.stats()["totals"]["applies"], 2);
+    // The cluster's CA is the encrypted bundle's.
+    let tc = std::fs::read_to_string(w.path("state/talosconfig")).unwrap();
+    assert!(
+        tc.contains(plain["certs"]["os"]["crt"].as_str().unwrap()),
+        "{tc}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(w.path("state/secrets.yaml")).unwrap(),
+        enc_text,
+        "the encrypted file is read, never rewritten"
+    );
+    assert!(!(text(&o.stdout) + &text(&o.stderr)).contains(secret));
+}
+
+#[test]
+fn a_changed_file_or_a_wrong_key_is_refused() {
+    let w = Work::new(&net(1));
+    let (key, recipient) = w.keygen("key.txt");
+    let (other, other_recipient) = w.keygen("other.txt");
+    let enc = w.encrypted_bundle(&recipient);
+    let secrets = w.path("state/secrets.yaml");
+    let config = |text: &str, env: &[(&str, &Path)]| {
+        std::fs::write(&secrets, text).unwrap();
+        let o = w.imgbuild(&["config", "cp-01"], env);
+        (o.status.code(), text_of(&o))
+    };
+    fn text_of(o: &Output) -> String {
+        text(&o.stdout) + &text(&o.stderr)
+    }
+
+    let (code, out) = config(&enc, &[("SOPS_AGE_KEY_FILE", &key)]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("machine:"), "{out}");
+    // The key in SOPS_AGE_KEY, and in the default keys file, open it too.
+    let key_text = std::fs::read_to_string(&key).unwrap();
+    let secret_key = key_text
+        .lines()
+        .find(|l| l.starts_with("AGE-SECRET-KEY-"))
+        .unwrap();
+    assert_eq!(
+        config(&enc, &[("SOPS_AGE_KEY", Path::new(secret_key))]).0,
+        Some(0)
+    );
+    let home_keys = w.path("home/.config/sops/age");
+    std::fs::create_dir_all(&home_keys).unwrap();
+    std::fs::copy(&key, home_keys.join("keys.txt")).unwrap();
+    assert_eq!(config(&enc, &[]).0, Some(0));
+    std::fs::remove_file(home_keys.join("keys.txt")).unwrap();
+
+    // No key, and the wrong key: the recipients are named.
+    let (code, out) = config(&enc, &[]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains(&secrets.display().to_string()), "{out}");
+    assert!(out.contains(&format!("encrypted for {recipient}")), "{out}");
+    assert!(out.contains("no age key found"), "{out}");
+    let (code, out) = config(&enc, &[("SOPS_AGE_KEY_FILE", &other)]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains(&format!("encrypted for {recipient}")), "{out}");
+    assert!(out.contains(&other_recipient), "the key tried: {out}");
+
+    // A changed ciphertext: the file and the value are named.
+    let line = enc
+        .lines()
+        .find(|l| l.trim_start().starts_with("secret: ENC["))
+        .unwrap();
+    let data = line.split_once("data:").unwrap().1;
+    let flipped = if data.starts_with('A') { "B" } else { "A" };
+    let changed = enc.replace(
+        line,
+        &line.replacen(
+            &format!("data:{}", &data[..1]),
+            &format!("data:{flipped}"),
+            1,
+        ),
+    );
+    let (code, out) = config(&changed, &[("SOPS_AGE_KEY_FILE", &key)]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!("{}: refused", secrets.display())),
+        "{out}"
+    );
+    assert!(out.contains("cluster.secret"), "{out}");
+
+    // A changed MAC.
+    let line = enc
+        .lines()
+        .find(|l| l.trim_start().starts_with("mac: ENC["))
+        .unwrap();
+    let data = line.split_once("data:").unwrap().1;
+    let flipped = if data.starts_with('A') { "B" } else { "A" };
+    let changed = enc.replace(
+        line,
+        &line.replacen(
+            &format!("data:{}", &data[..1]),
+            &format!("data:{flipped}"),
+            1,
+        ),
+    );
+    let (code, out) = config(&changed, &[("SOPS_AGE_KEY_FILE", &key)]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!("{}: refused", secrets.display())),
+        "{out}"
+    );
+    assert!(out.contains("sops.mac"), "{out}");
+
+    // Two values swapped: each still decrypts, but not under the other's path.
+    let a = enc
+        .lines()
+        .find(|l| l.trim_start().starts_with("id: ENC["))
+        .unwrap();
+    let b = enc
+        .lines()
+        .find(|l| l.trim_start().starts_with("secret: ENC["))
+        .unwrap();
+    let (va, vb) = (a.split_once(": ").unwrap().1, b.split_once(": ").unwrap().1);
+    let swapped = enc
+        .replace(a, &a.replace(va, "@A@"))
+        .replace(b, &b.replace(vb, va))
+        .replace("@A@", vb);
+    let (code, out) = config(&swapped, &[("SOPS_AGE_KEY_FILE", &key)]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("refused"), "{out}");
+}
