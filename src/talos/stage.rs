@@ -19,6 +19,7 @@ use super::status::{self, Drift};
 use super::talosconfig::{Talosconfig, TalosconfigError};
 use super::upgrade;
 use crate::inventory::{Inventory, UnknownNode};
+use crate::publish::Cancel;
 
 /// Why the stage stopped before or during the run. Never quotes a secret.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +54,8 @@ pub enum StageError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Bootstrap(#[from] BootstrapError),
+    #[error("interrupted; run again to go on (every step is safe to repeat)")]
+    Interrupted,
     /// A node's schematic, to compare with the one it runs.
     #[error(transparent)]
     Schematic(#[from] crate::schematic::EmitError),
@@ -244,6 +247,9 @@ pub struct BootstrapOptions {
     pub limits: bootstrap::Options,
     /// What `${NAME}` in patch files stands for.
     pub patch_vars: PatchVars,
+    /// Stops the bootstrap (`up` on a target whose Ctrl-C is caught sets
+    /// it; every step is safe to repeat, so a rerun goes on).
+    pub cancel: Cancel,
 }
 
 /// Everything made ready for the run, and what making it ready changed.
@@ -520,7 +526,12 @@ pub fn bootstrap(
     observer: &dyn Observer,
 ) -> Result<Bootstrapped, StageError> {
     let prepared = prepare(inv, opts)?;
-    let outcome = runtime()?.block_on(bootstrap::run(&prepared.plan, &opts.limits, observer))?;
+    let outcome = runtime()?.block_on(async {
+        tokio::select! {
+            done = bootstrap::run(&prepared.plan, &opts.limits, observer) => Ok(done?),
+            () = opts.cancel.cancelled() => Err(StageError::Interrupted),
+        }
+    })?;
     Ok(Bootstrapped { prepared, outcome })
 }
 
