@@ -308,9 +308,9 @@ fn sigint_during_the_stream_cleans_up() {
 #[test]
 fn a_dd_that_fails_before_reading_ends_the_stream_at_once() {
     // dd cannot open the disk: it exits before reading a byte, and the
-    // image (400 MiB of random data, far more than the SSH window and the
-    // pipe hold) must not be pushed into a channel nobody reads.
-    let sim = Sim::start_with(&[], 400, &[]);
+    // image (64 MiB of random data, far more than the SSH window and the
+    // pipes hold) must not be pushed into a channel nobody reads.
+    let sim = Sim::start_with(&[], 64, &[]);
     let hc = Hc::start(&["--dd-fails"]);
     let work = Work::new(&hetzner("    location: fsn1\n"));
     let t = Instant::now();

@@ -142,7 +142,7 @@ fn one_node_inventory(endpoint: &str) -> String {
     format!(
         "cluster:\n  name: hostile\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://127.0.0.11:6443\n\
          image:\n  platform: metal\n  arch: amd64\n  format: raw\n  factory: http://127.0.0.1:9\n\
-         network:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n\
+         network:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\n\
          nodes:\n  - name: cp-01\n    role: controlplane\n    address: 127.0.0.11\n    talosEndpoint: {endpoint}\n"
     )
 }
@@ -156,7 +156,11 @@ fn secrets(c: &Case, config: &str) -> (String, String) {
         .env_remove("IMGBUILD_CONFIG")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let bundle: serde_yaml_ng::Value =
         serde_yaml_ng::from_slice(&std::fs::read(c.path("out/state/secrets.yaml")).unwrap())
             .unwrap();
@@ -192,8 +196,8 @@ fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
 /// `content-type`). Each connection is served by a thread that ends when
 /// the client goes.
 fn stalling_node(ca_crt: &str, ca_key: &str) -> SocketAddr {
-    let issuer = rcgen::Issuer::from_ca_cert_pem(ca_crt, rcgen::KeyPair::from_pem(ca_key).unwrap())
-        .unwrap();
+    let issuer =
+        rcgen::Issuer::from_ca_cert_pem(ca_crt, rcgen::KeyPair::from_pem(ca_key).unwrap()).unwrap();
     let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
     params.subject_alt_names = vec![rcgen::SanType::IpAddress("127.0.0.11".parse().unwrap())];
     let key = rcgen::KeyPair::generate().unwrap();
@@ -315,11 +319,12 @@ fn misbehaving_cluster(c: &Case, net: &str, misbehave: &str) -> (Nodes, String) 
     ]);
     let config = c.write(
         "in/cluster.yaml",
-        one_node_inventory(&format!("{net}.11:50000")).replace(
-            "endpoint: https://127.0.0.11:6443",
-            &format!("endpoint: https://{net}.11:6443"),
-        )
-        .replace("address: 127.0.0.11", &format!("address: {net}.11")),
+        one_node_inventory(&format!("{net}.11:50000"))
+            .replace(
+                "endpoint: https://127.0.0.11:6443",
+                &format!("endpoint: https://{net}.11:6443"),
+            )
+            .replace("address: 127.0.0.11", &format!("address: {net}.11")),
     );
     (nodes, config)
 }
@@ -360,7 +365,11 @@ fn an_endless_kubeconfig_stream_is_cut_at_its_bound() {
     let (_nodes, config) = misbehaving_cluster(&c, &net(1), "endless-kubeconfig");
     let limit = Duration::from_secs(30);
     let ran = bootstrap(&c, &config, limit);
-    c.refused(&ran, "the kubeconfig archive is larger than 4194304 bytes", limit);
+    c.refused(
+        &ran,
+        "the kubeconfig archive is larger than 4194304 bytes",
+        limit,
+    );
 }
 
 #[test]
@@ -381,10 +390,7 @@ fn a_kubeconfig_archive_that_unpacks_to_128_mib_is_refused_unpacked() {
 /// A plain-HTTP server on loopback that hands each of at most `n`
 /// connections to `answer` (request line, body, the stream); it stops by
 /// itself.
-fn serve(
-    n: usize,
-    answer: impl Fn(&str, &[u8], &mut TcpStream) + Send + Sync + 'static,
-) -> String {
+fn serve(n: usize, answer: impl Fn(&str, &[u8], &mut TcpStream) + Send + Sync + 'static) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let answer = Arc::new(answer);
@@ -448,7 +454,11 @@ fn factory(asset: impl Fn(&str, &mut TcpStream) + Send + Sync + 'static) -> Stri
         } else if path == "/schematics" {
             use sha2::Digest;
             let id = hex::encode(sha2::Sha256::digest(body));
-            reply(conn, "201 Created", format!(r#"{{"id":"{id}"}}"#).as_bytes());
+            reply(
+                conn,
+                "201 Created",
+                format!(r#"{{"id":"{id}"}}"#).as_bytes(),
+            );
         } else if path.contains("/cmdline-") {
             reply(conn, "200 OK", b"talos.platform=metal console=ttyS0");
         } else if path.starts_with("/image/") {
@@ -525,7 +535,12 @@ fn an_endless_kernel_stops_at_the_kernel_bound() {
         }
     });
     let limit = Duration::from_secs(20);
-    let ran = pxe(&c, &url, &["--max-kernel-mib", "8", "--retries", "0"], limit);
+    let ran = pxe(
+        &c,
+        &url,
+        &["--max-kernel-mib", "8", "--retries", "0"],
+        limit,
+    );
     c.refused(&ran, "raise --max-kernel-mib", limit);
     assert!(
         du(&c.path("out/cache")) <= 9 << 20,
@@ -665,7 +680,8 @@ fn credentials_in_endpoint_urls_are_refused_and_never_shown() {
     let ran = c.run(&["--config", &config, "validate"], limit);
     c.refused(&ran, "image.factory", limit);
     // HCLOUD_ENDPOINT: refused before any request, the value not echoed.
-    let hetzner = factory_inventory("http://127.0.0.1:9").replace("platform: metal", "platform: hcloud")
+    let hetzner = factory_inventory("http://127.0.0.1:9")
+        .replace("platform: metal", "platform: hcloud")
         + "publish:\n  hcloud:\n    location: fsn1\n";
     let config = c.write("in/cluster.yaml", hetzner);
     for endpoint in [

@@ -95,7 +95,13 @@ fn mount_tmpfs(size: &str) -> Result<OtherFs, String> {
     }
     let dir = tempfile::tempdir().unwrap();
     let out = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "imgbuild-test"])
+        .args([
+            "-t",
+            "tmpfs",
+            "-o",
+            &format!("size={size}"),
+            "imgbuild-test",
+        ])
         .arg(dir.path())
         .output();
     match out {

@@ -140,7 +140,10 @@ pub(super) fn sweep_killed_runs(
     let Some(boot) = boot() else {
         return Vec::new();
     };
-    let sel = format!("{}={},{RUN_LABEL},{OWNER_LABEL}", MANAGED_BY.0, MANAGED_BY.1);
+    let sel = format!(
+        "{}={},{RUN_LABEL},{OWNER_LABEL}",
+        MANAGED_BY.0, MANAGED_BY.1
+    );
     let mut runs = std::collections::BTreeSet::new();
     for (path, key) in [("/servers", "servers"), ("/ssh_keys", "ssh_keys")] {
         let Ok(items) = api.list(path, key, &[("label_selector", sel.clone())]) else {
