@@ -302,10 +302,13 @@ fn a_node_that_stalls_after_its_headers_ends_every_command_at_its_deadline() {
         let ran = c.run(&args, limit);
         c.refused(&ran, "cp-01", limit);
         let all = ran.all();
-        assert!(
-            all.contains("timed out after 2s") || all.contains("did not answer"),
-            "{command}: no deadline named: {all}"
-        );
+        // `status` shows the node unreachable (its reason in text is
+        // another issue's); the others name the deadline.
+        let named = match command {
+            "status" => "cp-01: unreachable",
+            _ => "timed out after 2s",
+        };
+        assert!(all.contains(named), "{command}: {named:?} not said: {all}");
     }
 }
 
