@@ -229,6 +229,9 @@ fn publish_snapshot(
             };
         }
     };
+    // Before a run makes servers of its own, what a killed run before it
+    // left goes (what cannot be deleted is reported as a leftover).
+    let mut leftovers = cleanup::sweep_killed_runs(api, opts, observer);
     let run = run_id();
     let mut build = Build {
         api,
@@ -242,7 +245,7 @@ fn publish_snapshot(
         types,
     };
     let result = build.make();
-    let leftovers = delete_run(api, &run, opts, observer);
+    leftovers.extend(delete_run(api, &run, opts, observer));
     SnapshotOutcome { result, leftovers }
 }
 
@@ -258,9 +261,6 @@ pub fn publish_snapshots(
     observer: &dyn Observer,
 ) -> Vec<SnapshotOutcome> {
     let mut out = Vec::with_capacity(images.len());
-    // What a killed run before this one left goes first; what cannot be
-    // deleted is reported with the first snapshot's leftovers.
-    let mut swept = cleanup::sweep_killed_runs(api, opts, observer);
     let mut interrupted = false;
     for image in images {
         if interrupted {
@@ -270,8 +270,7 @@ pub fn publish_snapshots(
             });
             continue;
         }
-        let mut run = publish_snapshot(api, settings, image, opts, cancel, observer);
-        run.leftovers.append(&mut swept);
+        let run = publish_snapshot(api, settings, image, opts, cancel, observer);
         interrupted |= matches!(run.result, Err(HcloudError::Interrupted));
         out.push(run);
     }
