@@ -60,6 +60,11 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     let published = build(inv, target, opts, mode, &mut report)
         .and_then(|built| publish(inv, target, opts, built, mode, &mut report));
     let mut bootstrap = opts.bootstrap.clone();
+    if let Target::Hcloud(hc) = target {
+        // The signal handler that lets a snapshot run clean up keeps
+        // Ctrl-C from ending the process: the bootstrap must stop on it too.
+        bootstrap.cancel = hc.cancel;
+    }
     let done = match published {
         Err((stage, e)) => {
             report.stop(stage, e);

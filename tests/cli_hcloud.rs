@@ -306,6 +306,47 @@ fn sigint_during_the_stream_cleans_up() {
 }
 
 #[test]
+fn a_dd_that_fails_before_reading_ends_the_stream_at_once() {
+    // dd cannot open the disk: it exits before reading a byte, and the
+    // image (64 MiB of random data, far more than the SSH window and the
+    // pipes hold) must not be pushed into a channel nobody reads.
+    let sim = Sim::start_with(&[], 64, &[]);
+    let hc = Hc::start(&["--dd-fails"]);
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let t = Instant::now();
+    let o = publish(&work, &sim, &hc, &[]).output();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    assert!(
+        err.contains("dd: failed to open '/dev/sda': Input/output error"),
+        "{err}"
+    );
+    nothing_left(&hc);
+    assert_eq!(hc.stat("imagesCreated"), 0);
+}
+
+#[test]
+fn sigterm_during_the_stream_cleans_up_within_10_seconds() {
+    let sim = Sim::start_with(&[], 400, &[]);
+    let hc = Hc::start(&[]);
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let (mut child, _) = publish_until_streaming(&work, &sim, &hc);
+    assert_eq!(hc.stats()["servers"], 1);
+    let t = Instant::now();
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert_eq!(status.code(), Some(1), "{status:?}");
+    nothing_left(&hc);
+    assert_eq!(hc.stat("imagesCreated"), 0);
+}
+
+#[test]
 fn sigkill_during_the_stream_then_cleanup_leaves_nothing() {
     let sim = Sim::start_with(&[], 400, &[]);
     let hc = Hc::start(&[]);
@@ -343,6 +384,22 @@ fn sigkill_during_the_stream_then_cleanup_leaves_nothing() {
     // Nothing more to do.
     let v = json(&cleanup(&hc));
     assert!(v["deleted"].as_array().unwrap().is_empty(), "{v}");
+}
+
+#[test]
+fn the_next_publish_removes_what_a_killed_run_left() {
+    let sim = Sim::start_with(&[], 128, &[]);
+    let hc = Hc::start(&[]);
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let (mut child, _) = publish_until_streaming(&work, &sim, &hc);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(hc.stats()["servers"], 1);
+    assert_eq!(hc.stats()["sshKeys"], 1);
+    let o = publish(&work, &sim, &hc, &[]).output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    nothing_left(&hc);
+    assert_eq!(hc.stat("imagesCreated"), 1);
 }
 
 #[test]

@@ -347,7 +347,7 @@ fn ssh_refused_then_accepted_and_dd_failing() {
     );
     assert!(!o.status.success(), "dd was to fail");
     assert!(
-        text(&o.stderr).contains("dd: error writing '/dev/sda'"),
+        text(&o.stderr).contains("dd: failed to open '/dev/sda'"),
         "{}",
         text(&o.stderr)
     );

@@ -43,7 +43,7 @@
 //! server's simulator-only `sim_ssh_port`. Login: `root`, only the keys given to
 //! `enable_rescue`; `hostname` prints `rescue`, `blkdiscard --force
 //! /dev/sda` empties the disk file, `dd of=/dev/sda …` writes it (fails with
-//! `--dd-fails`). sshd stops on poweroff, shutdown, delete and exit; a
+//! `--dd-fails`, before reading any input). sshd stops on poweroff, shutdown, delete and exit; a
 //! rescue boot is for the next boot only (poweroff clears `rescue_enabled`).
 //! (Logging in as root needs the simulator to run as root; otherwise sshd
 //! lets in only the user running it, which is how the tests run without
@@ -136,7 +136,7 @@ pub struct Args {
     /// The rescue sshd never accepts connections.
     #[arg(long)]
     ssh_never: bool,
-    /// The rescue system's `dd` exits non-zero.
+    /// The rescue system's `dd` exits non-zero before reading its input.
     #[arg(long)]
     dd_fails: bool,
     /// Actions of this endpoint or command (e.g. create_image, enable_rescue,

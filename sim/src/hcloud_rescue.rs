@@ -90,9 +90,11 @@ if [ $force = 0 ]; then echo "blkdiscard: /dev/sda contains existing partition (
         ),
     )?;
     let dd = if spec.dd_fails {
+        // As GNU dd fails when it cannot open its output (coreutils
+        // `src/dd.c`, `open_fd` of `of=`): before reading a byte of input,
+        // so the client must notice the exit, not a full pipe.
         "#!/bin/bash\n# dd of the simulated rescue system, failing (--dd-fails).\n\
-         head -c 4194304 >/dev/null\n\
-         echo \"dd: error writing '/dev/sda': Input/output error\" >&2\nexit 1\n"
+         echo \"dd: failed to open '/dev/sda': Input/output error\" >&2\nexit 1\n"
             .to_owned()
     } else {
         let real = find(&["/usr/bin/dd", "/bin/dd"])?;

@@ -251,9 +251,11 @@ pub struct Args {
     disks: Vec<String>,
     /// MODE or MODE@NODE: never-leave-maintenance, reboot-after-apply,
     /// foreign-ca, slow-time-sync, wrong-cert-name (the mTLS certificate
-    /// names x.y.z.254, not the node's address); the day-two switches
-    /// stall-connects, stock, schematic-read-fails, leave-cordoned,
-    /// installer-fails (as `POST /_sim/node` sets them).
+    /// names x.y.z.254, not the node's address), endless-kubeconfig (the
+    /// Kubeconfig stream never ends), kubeconfig-bomb (its archive unpacks
+    /// to 128 MiB of zeros); the day-two switches stall-connects, stock,
+    /// schematic-read-fails, leave-cordoned, installer-fails (as
+    /// `POST /_sim/node` sets them).
     #[arg(long)]
     misbehave: Vec<String>,
     /// Text every etcd member hostname and service message ends with
@@ -1710,6 +1712,25 @@ impl Api {
 
 type DataStream = Pin<Box<dyn Stream<Item = Result<Data, Status>> + Send>>;
 
+/// A Kubeconfig archive (gzip'd tar, one entry) whose entry is 128 MiB of
+/// zeros: about 128 KiB on the wire. Made once.
+fn zeros_archive() -> &'static [u8] {
+    static ARCHIVE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    ARCHIVE.get_or_init(|| {
+        let size = 128u64 << 20;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let mut h = tar::Header::new_gnu();
+        h.set_path("kubeconfig").expect("a short name");
+        h.set_size(size);
+        h.set_mode(0o600);
+        h.set_cksum();
+        std::io::Write::write_all(&mut gz, h.as_bytes()).expect("in memory");
+        std::io::copy(&mut std::io::Read::take(std::io::repeat(0), size), &mut gz)
+            .expect("in memory");
+        gz.finish().expect("in memory")
+    })
+}
+
 #[tonic::async_trait]
 impl MachineService for Api {
     async fn apply_configuration(
@@ -1761,6 +1782,31 @@ impl MachineService for Api {
         req: Request<()>,
     ) -> Result<Response<Self::KubeconfigStream>, Status> {
         let chunks = self.answer(&req, |i| self.kubeconfig_on(i))?;
+        // Hostile nodes (the tests of imgbuild's bounds): a stream that
+        // never ends, or an archive whose one entry unpacks to 128 MiB.
+        let me = self.cluster.node(self.me);
+        let metadata = chunks.first().and_then(|c| c.metadata.clone());
+        if me.has("endless-kubeconfig") {
+            let chunk = Data {
+                metadata,
+                bytes: vec![0x1f; 1 << 20],
+            };
+            return Ok(Response::new(Box::pin(futures_util::stream::repeat_with(
+                move || Ok(chunk.clone()),
+            ))));
+        }
+        if me.has("kubeconfig-bomb") {
+            let chunks: Vec<Data> = zeros_archive()
+                .chunks(1 << 20)
+                .map(|bytes| Data {
+                    metadata: metadata.clone(),
+                    bytes: bytes.to_vec(),
+                })
+                .collect();
+            return Ok(Response::new(Box::pin(futures_util::stream::iter(
+                chunks.into_iter().map(Ok),
+            ))));
+        }
         Ok(Response::new(Box::pin(futures_util::stream::iter(
             chunks.into_iter().map(Ok),
         ))))

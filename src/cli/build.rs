@@ -29,12 +29,18 @@ pub struct DownloadArgs {
     /// Longest silence from the server before an attempt is abandoned.
     #[arg(long, default_value_t = 60)]
     read_timeout_secs: u64,
-    /// Longest time one download attempt may take, first byte to last.
+    /// Longest time a download may take, all attempts together.
     #[arg(long, default_value_t = 3600)]
     download_deadline_secs: u64,
     /// Largest image a download may decompress to, in MiB.
     #[arg(long, default_value_t = 16384)]
     max_image_mib: u64,
+    /// Largest kernel a download may be, in MiB (Talos': about 20).
+    #[arg(long, default_value_t = 64)]
+    max_kernel_mib: u64,
+    /// Largest initramfs a download may be, in MiB (Talos': about 100).
+    #[arg(long, default_value_t = 512)]
+    max_initramfs_mib: u64,
     /// No progress output.
     #[arg(long)]
     pub(super) quiet: bool,
@@ -52,6 +58,8 @@ impl DownloadArgs {
             read_timeout: Duration::from_secs(self.read_timeout_secs),
             deadline: Duration::from_secs(self.download_deadline_secs),
             max_image_size: self.max_image_mib.saturating_mul(1 << 20),
+            max_kernel_size: self.max_kernel_mib.saturating_mul(1 << 20),
+            max_initramfs_size: self.max_initramfs_mib.saturating_mul(1 << 20),
         }
     }
 }

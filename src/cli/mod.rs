@@ -161,14 +161,10 @@ pub fn run() -> i32 {
         );
     }
     guard::init(cli.fix_permissions, cli.factory.as_deref());
-    if let Some(url) = cli
-        .factory
-        .as_ref()
-        .filter(|u| !imgbuild::inventory::is_http_url(u))
-    {
+    if let Some(Err(e)) = cli.factory.as_deref().map(imgbuild::net::base_url) {
         return usage_error(Cli::command().error(
             clap::error::ErrorKind::ValueValidation,
-            format!("--factory / IMGBUILD_FACTORY: {url:?} is not an http(s) URL"),
+            format!("--factory / IMGBUILD_FACTORY {e}"),
         ));
     }
     inventory::set_factory(cli.factory.clone());

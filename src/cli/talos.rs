@@ -131,6 +131,7 @@ impl BootstrapRunArgs {
             talosconfig: self.talosconfig,
             targets: Default::default(),
             patch_vars: patch_vars(),
+            cancel: Default::default(),
             limits: bootstrap::Options {
                 node_timeout: self.node_timeout,
                 bootstrap_timeout: self.bootstrap_timeout,

@@ -63,18 +63,28 @@ impl Backend {
     }
 }
 
-/// A `Read + Seek` view of an image's blocks, for the GPT reader.
+/// A `Read + Seek` view of an image's blocks, for the GPT reader. With
+/// `hide_primary`, LBA 1 reads as zeros, so the reader takes the backup
+/// GPT (as sgdisk does when the primary's entry array is unusable).
 #[derive(Debug)]
 struct BlockCursor<'a> {
     backend: &'a Backend,
     pos: u64,
     len: u64,
+    hide_primary: bool,
 }
 
 impl Read for BlockCursor<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = (buf.len() as u64).min(self.len.saturating_sub(self.pos)) as usize;
         self.backend.read_at(&mut buf[..n], self.pos)?;
+        if self.hide_primary {
+            let (from, to) = (self.pos, self.pos + n as u64);
+            let (lo, hi) = (from.max(SECTOR), to.min(2 * SECTOR));
+            if lo < hi {
+                buf[(lo - from) as usize..(hi - from) as usize].fill(0);
+            }
+        }
         self.pos += n as u64;
         Ok(n)
     }
@@ -222,26 +232,50 @@ pub fn sniff(head: &[u8]) -> Option<Format> {
     }
 }
 
-/// The header the gpt crate will use (the primary at LBA 1 when its CRC
-/// holds, else the backup in the disk's last sector: gpt 4.1
-/// `GptConfig::open_from_device`), checked.
-fn gpt_header_in_use(backend: &Backend, len: u64, path: &Path) -> Result<GptHeader, DiskError> {
+/// Whether `header`'s entry array lies within the disk and matches its
+/// CRC: sgdisk loads the backup table otherwise (gptfdisk `gpt.cc`,
+/// `GPTData::LoadMainTable` and the "Main partition table CRC mismatch"
+/// recovery).
+fn table_intact(backend: &Backend, len: u64, header: &GptHeader) -> bool {
+    let Some(range) = header.table_range().filter(|r| r.end <= len) else {
+        return false;
+    };
+    // At most 1024 entries of 128 bytes (checked by the precheck).
+    let mut table = vec![0u8; (range.end - range.start) as usize];
+    backend.read_at(&mut table, range.start).is_ok() && header.table_matches(&table)
+}
+
+/// The header the gpt crate will use, checked, and whether it is the
+/// backup: the primary at LBA 1 when its CRC holds and its entry array is
+/// intact, else the backup in the disk's last sector (gpt 4.1
+/// `GptConfig::open_from_device` falls back on a bad header only; for a
+/// bad entry array [`BlockCursor`] hides the primary from it).
+fn gpt_header_in_use(
+    backend: &Backend,
+    len: u64,
+    path: &Path,
+) -> Result<(GptHeader, bool), DiskError> {
     let no_gpt = |reason: String| DiskError::NoGpt {
         path: path.to_owned(),
         reason,
     };
     let mut primary = [0u8; 512];
     backend.read_at(&mut primary, SECTOR).map_err(io(path))?;
-    let sector = if gpt_header_valid(&primary) {
+    let usable_primary = gpt_header_valid(&primary)
+        && precheck_gpt_header(&primary).is_ok_and(|h| table_intact(backend, len, &h));
+    let mut backup = [0u8; 512];
+    let last = (len / SECTOR).checked_sub(1).filter(|&l| l >= 2);
+    if let Some(last) = last {
+        backend
+            .read_at(&mut backup, last * SECTOR)
+            .map_err(io(path))?;
+    }
+    // A primary header whose table is gone is used only when there is no
+    // backup to take instead (its own error then says what is wrong).
+    let use_backup = !usable_primary && gpt_header_valid(&backup);
+    let sector = if gpt_header_valid(&primary) && !use_backup {
         primary
     } else {
-        let mut backup = [0u8; 512];
-        let last = (len / SECTOR).checked_sub(1).filter(|&l| l >= 2);
-        if let Some(last) = last {
-            backend
-                .read_at(&mut backup, last * SECTOR)
-                .map_err(io(path))?;
-        }
         if !gpt_header_valid(&backup) {
             return Err(no_gpt(
                 "neither the primary GPT header (LBA 1) nor the backup (last LBA) is valid".into(),
@@ -267,15 +301,16 @@ fn gpt_header_in_use(backend: &Backend, len: u64, path: &Path) -> Result<GptHead
             path: path.to_owned(),
             reason,
         })?;
-    Ok(header)
+    Ok((header, use_backup))
 }
 
 fn read_gpt(backend: &Backend, len: u64, path: &Path) -> Result<Vec<Partition>, DiskError> {
-    let header = gpt_header_in_use(backend, len, path)?;
+    let (header, use_backup) = gpt_header_in_use(backend, len, path)?;
     let cursor = BlockCursor {
         backend,
         pos: 0,
         len,
+        hide_primary: use_backup,
     };
     let disk = gpt::GptConfig::new()
         .writable(false)
@@ -540,6 +575,64 @@ mod tests {
             std::fs::write(&path, &img).unwrap();
             let _ = Image::open(&path, false).map(|mut i| i.read_meta());
         }
+    }
+
+    /// A 4 MiB disk partitioned by sgdisk: one partition named META.
+    fn sgdisk_image(dir: &Path) -> PathBuf {
+        let path = dir.join("disk.raw");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(4 << 20)
+            .unwrap();
+        let out = std::process::Command::new("sgdisk")
+            .args(["-n", "1:2048:4095", "-c", "1:META"])
+            .arg(&path)
+            .output()
+            .expect("sgdisk (package gdisk)");
+        assert!(out.status.success(), "{out:?}");
+        path
+    }
+
+    #[test]
+    fn a_primary_table_past_the_end_is_read_from_the_backup_as_sgdisk_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = sgdisk_image(dir.path());
+        // The primary header says its entries lie far past the disk's end;
+        // its own CRC is made right, so only the table is wrong.
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let mut h = [0u8; 92];
+        f.read_exact_at(&mut h, SECTOR).unwrap();
+        h[72..80].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        h[16..20].fill(0);
+        let mut c = flate2::Crc::new();
+        c.update(&h);
+        h[16..20].copy_from_slice(&c.sum().to_le_bytes());
+        f.write_all_at(&h, SECTOR).unwrap();
+        drop(f);
+        // What sgdisk does with it: the backup table instead.
+        let out = std::process::Command::new("sgdisk")
+            .arg("-p")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("Loaded backup partition table"),
+            "{out:?}"
+        );
+        let image = Image::open(&path, false).unwrap();
+        let meta = image.meta_partition().unwrap();
+        assert_eq!((meta.offset, meta.size), (2048 * 512, 1 << 20));
+        // A table whose CRC does not match goes the same way.
+        let path = sgdisk_image(dir.path());
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(b"garbage", 2 * SECTOR + 56).unwrap();
+        drop(f);
+        let image = Image::open(&path, false).unwrap();
+        assert_eq!(image.partitions[0].name, "META");
     }
 
     #[test]

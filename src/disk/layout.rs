@@ -28,6 +28,8 @@ pub struct GptHeader {
     pub entries_lba: u64,
     pub entries: u32,
     pub entry_size: u32,
+    /// CRC32 of the partition entry array.
+    pub entries_crc: u32,
 }
 
 fn gpt_crc32(b: &[u8]) -> u32 {
@@ -79,10 +81,24 @@ pub fn precheck_gpt_header(sector: &[u8]) -> Result<GptHeader, String> {
         entries_lba: le64(72),
         entries,
         entry_size,
+        entries_crc: le32(88),
     })
 }
 
 impl GptHeader {
+    /// The byte range of this header's partition entry array, if it is one.
+    pub fn table_range(&self) -> Option<std::ops::Range<u64>> {
+        let start = self.entries_lba.checked_mul(SECTOR)?;
+        let len = u64::from(self.entries) * u64::from(self.entry_size);
+        Some(start..start.checked_add(len)?)
+    }
+
+    /// Whether `table` (read from [`GptHeader::table_range`]) is the entry
+    /// array this header's CRC describes.
+    pub fn table_matches(&self, table: &[u8]) -> bool {
+        gpt_crc32(table) == self.entries_crc
+    }
+
     /// Where the disk this header describes ends: just past the later of
     /// its two headers. An image shorter than that lost its tail.
     pub fn disk_end(&self) -> Option<u64> {
@@ -242,6 +258,7 @@ mod tests {
             entries_lba: 2,
             entries: 128,
             entry_size: 128,
+            entries_crc: 0,
         }
     }
 

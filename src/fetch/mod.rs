@@ -15,7 +15,7 @@ use reqwest::header;
 use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What a URL promises to deliver, from its file name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,14 +120,21 @@ pub struct FetchOptions {
     pub retries: u32,
     /// First pause between attempts; doubles each time.
     pub backoff: Duration,
-    /// Longest silence from the server before the attempt is abandoned.
+    /// Longest silence from the server before the attempt is abandoned
+    /// (the stall timeout).
     pub read_timeout: Duration,
-    /// Longest time one attempt may take, headers to last byte (a server
-    /// trickling bytes never trips `read_timeout`).
+    /// Longest time the whole download may take, every attempt, resume and
+    /// pause included (a server trickling bytes never trips
+    /// `read_timeout`, and a per-attempt bound would multiply by the
+    /// attempts).
     pub deadline: Duration,
     /// Most bytes a compressed download may decompress to (a bomb of a few
     /// hundred KB can unfold to terabytes).
     pub max_image_size: u64,
+    /// Most bytes a kernel may have (a Talos kernel is about 20 MiB).
+    pub max_kernel_size: u64,
+    /// Most bytes an initramfs may have (a Talos one is about 100 MiB).
+    pub max_initramfs_size: u64,
 }
 
 impl FetchOptions {
@@ -138,6 +145,15 @@ impl FetchOptions {
             .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
             .unwrap_or_else(|| PathBuf::from(".cache"))
             .join("imgbuild")
+    }
+
+    /// The bound on what `content` may be, and the flag that raises it.
+    fn bound(&self, content: Magic) -> (u64, &'static str) {
+        match content {
+            Magic::Kernel => (self.max_kernel_size, "--max-kernel-mib"),
+            Magic::Initramfs => (self.max_initramfs_size, "--max-initramfs-mib"),
+            _ => (self.max_image_size, "--max-image-mib"),
+        }
     }
 
     /// The retry behaviour of the network layer for these options.
@@ -190,6 +206,28 @@ pub enum FetchError {
         "{url}: don't know what {name:?} should contain (expected .raw[.zst|.xz], .qcow2[.zst|.xz] or .iso)"
     )]
     UnknownKind { url: String, name: String },
+    #[error(
+        "{url}: the server announces {announced} bytes, more than the {limit} a {what} may have (raise {flag} if it is real)"
+    )]
+    TooLarge {
+        url: String,
+        what: String,
+        announced: u64,
+        limit: u64,
+        flag: &'static str,
+    },
+    #[error("{url}: no download within {after:?} (all attempts together; last: {last})")]
+    Deadline {
+        url: String,
+        after: Duration,
+        last: String,
+    },
+    #[error("cache {}: the disk is full (free space, or give --cache-dir on another disk)", path.display())]
+    CacheFull {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cache {}", path.display())]
     Cache {
         path: PathBuf,
@@ -210,10 +248,21 @@ impl FetchError {
 }
 
 fn cache_err(path: &Path) -> impl FnOnce(std::io::Error) -> FetchError + '_ {
-    move |source| FetchError::Cache {
-        path: path.to_owned(),
-        source,
+    move |source| {
+        let path = path.to_owned();
+        if disk_full(&source) {
+            FetchError::CacheFull { path, source }
+        } else {
+            FetchError::Cache { path, source }
+        }
     }
+}
+
+/// Whether writing failed for want of space (ENOSPC, or a quota: EDQUOT).
+fn disk_full(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::StorageFull
+        || e.raw_os_error() == Some(libc::ENOSPC)
+        || e.raw_os_error() == Some(libc::EDQUOT)
 }
 
 /// The client downloads and factory calls share: system roots, and a fresh
@@ -257,27 +306,36 @@ pub fn fetch(
         return Ok(hit);
     }
     let target = dir.join(&stored_name);
+    let until = Instant::now() + opts.deadline;
     let mut attempt = 0;
     let artifact = loop {
-        match download(client, url, expect, pin, &target, opts, progress) {
+        let failed = match download(client, url, expect, pin, &target, opts, until, progress) {
             Ok(a) => break a,
             Err(e) if e.retryable() && attempt < opts.retries => {
-                attempt += 1;
-                progress.retry(url, attempt, &e.to_string());
                 let hint = match &e {
                     FetchError::Http(n) => n.wait_hint(),
                     _ => None,
                 };
-                std::thread::sleep(opts.retry_policy().delay(attempt, hint));
+                let pause = opts.retry_policy().delay(attempt + 1, hint);
+                if Instant::now() + pause < until {
+                    attempt += 1;
+                    progress.retry(url, attempt, &e.to_string());
+                    std::thread::sleep(pause);
+                    continue;
+                }
+                FetchError::Deadline {
+                    url: url.to_owned(),
+                    after: opts.deadline,
+                    last: e.to_string(),
+                }
             }
-            Err(e) => {
-                // Leave no trace of a failed entry (a waiter on the lock
-                // then simply downloads again).
-                let _ = fs::remove_file(&lock_path);
-                let _ = fs::remove_dir(&dir);
-                return Err(e);
-            }
-        }
+            Err(e) => e,
+        };
+        // Leave no trace of a failed entry (a waiter on the lock then
+        // simply downloads again).
+        let _ = fs::remove_file(&lock_path);
+        let _ = fs::remove_dir(&dir);
+        return Err(failed);
     };
     // The record is the commit point: without it the entry does not exist.
     let json = serde_json::to_vec_pretty(&artifact).expect("plain data");
@@ -353,8 +411,22 @@ fn io_cause(e: &std::io::Error) -> String {
         .map_or_else(|| e.to_string(), |inner| net::error_chain(inner))
 }
 
-/// One attempt: GET, check, stream through the verifying stack into a temp
-/// file next to `target`, then rename.
+/// What is left of the time until `until`, or the deadline error.
+fn left(url: &str, until: Instant, opts: &FetchOptions) -> Result<Duration, FetchError> {
+    let left = until.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(FetchError::Deadline {
+            url: url.to_owned(),
+            after: opts.deadline,
+            last: "the time ran out".into(),
+        });
+    }
+    Ok(left)
+}
+
+/// One attempt, ending by `until`: GET, check, stream through the
+/// verifying stack into a temp file next to `target`, then rename.
+#[allow(clippy::too_many_arguments)]
 fn download(
     client: &Client,
     url: &str,
@@ -362,23 +434,34 @@ fn download(
     pin: Option<&Pin>,
     target: &Path,
     opts: &FetchOptions,
+    until: Instant,
     progress: &dyn Progress,
 ) -> Result<Artifact, FetchError> {
-    let resp = net::send_once(client.get(url).timeout(opts.deadline))?;
+    let resp = net::send_once(client.get(url).timeout(left(url, until, opts)?))?;
     let total = resp.content_length();
-    // What the image may unfold to: the configured bound, and for a
-    // compressed body of known length 1000 times that length (Talos images
-    // compress about 10:1; zeros alone go past 10000:1), but never less
-    // than 64 MiB (small test images are mostly zeros).
+    let (bound, flag) = opts.bound(expect.content);
+    // A body larger than its content may be is refused before it is read
+    // (a compressed one is smaller than what it unfolds to).
+    if let Some(n) = total.filter(|&n| n > bound) {
+        return Err(FetchError::TooLarge {
+            url: url.to_owned(),
+            what: format!("{:?}", expect.content).to_lowercase(),
+            announced: n,
+            limit: bound,
+            flag,
+        });
+    }
+    // What the content may unfold to: the bound, and for a compressed body
+    // of known length 1000 times that length (Talos images compress about
+    // 10:1; zeros alone go past 10000:1), but never less than 64 MiB
+    // (small test images are mostly zeros).
     let cap = match (expect.wire, total) {
-        (Some(_), Some(n)) => opts
-            .max_image_size
-            .min(n.saturating_mul(MAX_RATIO).max(MIN_RATIO_CAP)),
-        _ => opts.max_image_size,
+        (Some(_), Some(n)) => bound.min(n.saturating_mul(MAX_RATIO).max(MIN_RATIO_CAP)),
+        _ => bound,
     };
     progress.start(url, total);
     let body = ProgressReader {
-        inner: ResumableBody::new(client, url, resp, opts, progress),
+        inner: ResumableBody::new(client, url, resp, opts, until, progress),
         url,
         progress,
     };
@@ -424,6 +507,10 @@ fn download(
     }
     let mut tmp = AtomicFile::create(target, false).map_err(cache_err(target))?;
     if let Err(e) = copy_sparse_from(inner, tmp.file()) {
+        // Writing the cache failed: the disk, not the content (not retried).
+        if disk_full(&e) {
+            return Err(cache_err(target)(e));
+        }
         drop(content); // ends the borrow of the served-bytes counter
         return Err(body_error(url, &e, served.count(), total, expect));
     }
@@ -431,13 +518,17 @@ fn download(
     let unfolded = content.count();
     let (sha256, _) = content.finish();
     if unfolded > cap {
+        let what = format!("{:?}", expect.content).to_lowercase();
         return Err(FetchError::WrongContent {
             url: url.to_owned(),
-            expected: format!("an image of at most {cap} bytes"),
-            found: format!(
-                "more after decompressing {} served bytes (raise --max-image-mib if the image is real)",
-                served.count()
-            ),
+            expected: format!("a {what} of at most {cap} bytes"),
+            found: match expect.wire {
+                Some(_) => format!(
+                    "more after decompressing {} served bytes (raise {flag} if it is real)",
+                    served.count()
+                ),
+                None => format!("more (raise {flag} if it is real)"),
+            },
         });
     }
     // The decompressor stops at the end of its stream; whatever follows must
@@ -545,7 +636,8 @@ struct ResumableBody<'a> {
     ranges: bool,
     resumes_left: u32,
     backoff: Duration,
-    deadline: Duration,
+    /// When the whole download must be done.
+    until: Instant,
     progress: &'a dyn Progress,
 }
 
@@ -555,6 +647,7 @@ impl<'a> ResumableBody<'a> {
         url: &'a str,
         resp: Response,
         opts: &FetchOptions,
+        until: Instant,
         progress: &'a dyn Progress,
     ) -> Self {
         let h = resp.headers();
@@ -576,18 +669,22 @@ impl<'a> ResumableBody<'a> {
             ranges,
             resumes_left: opts.retries,
             backoff: opts.backoff,
-            deadline: opts.deadline,
+            until,
             progress,
         }
     }
 
     /// GET the rest; only a 206 starting exactly at `offset` will do.
     fn reopen(&self) -> Result<Response, String> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err("the download deadline has passed".into());
+        }
         let mut req = self
             .client
             .get(self.url)
             .header(header::RANGE, format!("bytes={}-", self.offset))
-            .timeout(self.deadline);
+            .timeout(left);
         if let Some(v) = &self.validator {
             req = req.header(header::IF_RANGE, v);
         }
@@ -722,6 +819,8 @@ mod tests {
             read_timeout: Duration::from_secs(10),
             deadline: Duration::from_secs(30),
             max_image_size: 16 << 30,
+            max_kernel_size: 64 << 20,
+            max_initramfs_size: 512 << 20,
         };
         let err = fetch(&client(&opts), &url, None, &opts, &Silent).unwrap_err();
         assert!(

@@ -570,11 +570,8 @@ impl Validator<'_> {
                 ),
             );
         }
-        if !is_http_url(&img.factory) {
-            self.problem(
-                "image.factory",
-                format!("{:?} is not an http(s) URL", img.factory),
-            );
+        if let Err(e) = crate::net::base_url(&img.factory) {
+            self.problem("image.factory", e.to_string());
         }
         self.check_extensions("image.extensions", &img.extensions);
         self.check_kernel_args("image.kernelArgs", &img.kernel_args);

@@ -491,6 +491,53 @@ pub fn read_limited(resp: Response, limit: u64) -> Result<Vec<u8>, NetError> {
     Ok(body)
 }
 
+/// Why a base URL given by the user (a flag, the environment, the
+/// inventory) was refused. Never quotes the value: it may carry a password
+/// or a token; [`BaseUrlError::shown`] is what may be said of it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BaseUrlError {
+    #[error("is not a URL (value not shown)")]
+    Unparsable,
+    #[error("{shown} is not an http(s) URL with a host")]
+    NotHttp { shown: String },
+    #[error(
+        "{shown} carries a user name or password: give the URL without them (a password in a URL ends up in logs and machine configs)"
+    )]
+    Credentials { shown: String },
+    #[error(
+        "{shown} has a query or fragment (it may hold a token, which would end up in logs and machine configs): give scheme, host, port and path only"
+    )]
+    Query { shown: String },
+}
+
+/// `url` as a base URL imgbuild may use, show and write down: http or
+/// https, a host, and no user name, password, query or fragment (each of
+/// which can carry a secret into every derived URL, download line, cache
+/// record and machine config).
+pub fn base_url(url: &str) -> Result<reqwest::Url, BaseUrlError> {
+    let u = reqwest::Url::parse(url.trim()).map_err(|_| BaseUrlError::Unparsable)?;
+    let shown = origin(&u);
+    if !matches!(u.scheme(), "http" | "https") || u.host_str().is_none_or(str::is_empty) {
+        return Err(BaseUrlError::NotHttp { shown });
+    }
+    if !u.username().is_empty() || u.password().is_some() {
+        return Err(BaseUrlError::Credentials { shown });
+    }
+    if u.query().is_some() || u.fragment().is_some() {
+        return Err(BaseUrlError::Query { shown });
+    }
+    Ok(u)
+}
+
+/// Scheme, host and port of `u`: all a message says of a refused URL.
+fn origin(u: &reqwest::Url) -> String {
+    match (u.host_str(), u.port()) {
+        (Some(h), Some(p)) => format!("{}://{h}:{p}", u.scheme()),
+        (Some(h), None) => format!("{}://{h}", u.scheme()),
+        (None, _) => format!("a {}: URL", u.scheme()),
+    }
+}
+
 /// A URL as messages show it: no user name or password.
 pub fn display_url(url: &reqwest::Url) -> String {
     let mut u = url.clone();

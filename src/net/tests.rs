@@ -434,3 +434,49 @@ fn an_endless_async_reply_is_refused_at_its_limit() {
         .unwrap_err();
     assert!(matches!(err, NetError::TooLarge { .. }), "{err}");
 }
+
+#[test]
+fn base_urls_with_secrets_are_refused_without_quoting_them() {
+    assert_eq!(
+        base_url("https://factory.talos.dev/").unwrap().as_str(),
+        "https://factory.talos.dev/"
+    );
+    assert!(base_url("http://127.0.0.1:8080/sub").is_ok());
+    for (bad, want) in [
+        (
+            "http://user:PASSMARK@127.0.0.1:8080/",
+            BaseUrlError::Credentials {
+                shown: "http://127.0.0.1:8080".into(),
+            },
+        ),
+        (
+            "https://PASSMARK@factory.talos.dev/",
+            BaseUrlError::Credentials {
+                shown: "https://factory.talos.dev".into(),
+            },
+        ),
+        (
+            "https://factory.talos.dev/?token=PASSMARK",
+            BaseUrlError::Query {
+                shown: "https://factory.talos.dev".into(),
+            },
+        ),
+        (
+            "https://factory.talos.dev/#PASSMARK",
+            BaseUrlError::Query {
+                shown: "https://factory.talos.dev".into(),
+            },
+        ),
+        (
+            "ftp://factory.talos.dev/PASSMARK",
+            BaseUrlError::NotHttp {
+                shown: "ftp://factory.talos.dev".into(),
+            },
+        ),
+        ("PASSMARK not a url", BaseUrlError::Unparsable),
+    ] {
+        let e = base_url(bad).unwrap_err();
+        assert_eq!(e, want, "{bad}");
+        assert!(!e.to_string().contains("PASSMARK"), "{e}");
+    }
+}

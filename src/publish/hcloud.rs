@@ -34,7 +34,7 @@ use cleanup::delete_run;
 pub use error::HcloudError;
 use rescue::Rescue;
 pub use types::{Deleted, Event, Leftover, Observer, Quiet, SnapshotOptions};
-use types::{MANAGED_BY, RUN_LABEL};
+use types::{MANAGED_BY, OWNER_LABEL, RUN_LABEL};
 
 /// The API base when `HCLOUD_ENDPOINT` is not set.
 pub const DEFAULT_ENDPOINT: &str = "https://api.hetzner.cloud/v1";
@@ -68,16 +68,10 @@ impl Credentials {
         let endpoint = env("HCLOUD_ENDPOINT")
             .filter(|e| !e.trim().is_empty())
             .unwrap_or_else(|| DEFAULT_ENDPOINT.to_owned());
-        let url = reqwest::Url::parse(endpoint.trim()).map_err(|e| {
-            HcloudError::Setup(format!(
-                "HCLOUD_ENDPOINT {endpoint:?} is not a URL ({e}); e.g. {DEFAULT_ENDPOINT}"
-            ))
+        // The value itself is never shown: it may carry a password or token.
+        let url = crate::net::base_url(&endpoint).map_err(|e| {
+            HcloudError::Setup(format!("HCLOUD_ENDPOINT {e}; e.g. {DEFAULT_ENDPOINT}"))
         })?;
-        if !matches!(url.scheme(), "https" | "http") || url.host_str().is_none() {
-            return Err(HcloudError::Setup(format!(
-                "HCLOUD_ENDPOINT {endpoint:?} must be an http(s) URL such as {DEFAULT_ENDPOINT}"
-            )));
-        }
         Ok(Credentials {
             endpoint: url.as_str().trim_end_matches('/').to_owned(),
             token: Secret::new(token),
@@ -235,6 +229,9 @@ fn publish_snapshot(
             };
         }
     };
+    // Before a run makes servers of its own, what a killed run before it
+    // left goes (what cannot be deleted is reported as a leftover).
+    let mut leftovers = cleanup::sweep_killed_runs(api, opts, observer);
     let run = run_id();
     let mut build = Build {
         api,
@@ -248,7 +245,7 @@ fn publish_snapshot(
         types,
     };
     let result = build.make();
-    let leftovers = delete_run(api, &run, opts, observer);
+    leftovers.extend(delete_run(api, &run, opts, observer));
     SnapshotOutcome { result, leftovers }
 }
 
@@ -419,7 +416,11 @@ struct Build<'a> {
 
 impl Build<'_> {
     fn temp_labels(&self) -> Value {
-        json!({MANAGED_BY.0: MANAGED_BY.1, RUN_LABEL: self.run})
+        let mut labels = json!({MANAGED_BY.0: MANAGED_BY.1, RUN_LABEL: self.run});
+        if let Some(owner) = cleanup::owner() {
+            labels[OWNER_LABEL] = owner.into();
+        }
+        labels
     }
 
     fn wait(&self, reply: &Value, what: &str) -> Result<(), HcloudError> {

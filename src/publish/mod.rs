@@ -91,7 +91,7 @@ impl std::fmt::Debug for Secret {
 
 /// Asks a long run to stop at its next step (the CLI sets it on SIGINT or
 /// SIGTERM); the run then cleans up what it created.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Cancel(Option<&'static AtomicBool>);
 
 /// The run was asked to stop.
@@ -114,6 +114,14 @@ impl Cancel {
         match self.0 {
             Some(f) if f.load(Ordering::SeqCst) => Err(Interrupted),
             _ => Ok(()),
+        }
+    }
+
+    /// Resolves once cancelled (never for [`Cancel::never`]): for racing
+    /// async work that has no step of its own to check at.
+    pub async fn cancelled(&self) {
+        while self.check().is_ok() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 

@@ -34,7 +34,10 @@ pub fn installer_of(inv: &Inventory, id: &SchematicId) -> String {
 /// external URL's `Host` (`https://factory.talos.dev/` → `factory.talos.dev`).
 fn registry_host(factory: &str) -> &str {
     let rest = factory.split_once("://").map_or(factory, |(_, rest)| rest);
-    rest.split(['/', '?', '#']).next().unwrap_or(rest)
+    let host = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+    // Never a user name or password into a machine config (validation
+    // refuses them; this keeps any that slip through out of the reference).
+    host.rsplit_once('@').map_or(host, |(_, h)| h)
 }
 
 /// The installer image for a schematic, spelled as the factory's own UI

@@ -75,6 +75,9 @@ pub enum ApiError {
     Unreachable(String),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
+    /// A reply larger than anything the node should send.
+    #[error("{what} is larger than {limit} bytes")]
+    TooLarge { what: &'static str, limit: usize },
     #[error("{code:?}: {message}")]
     Status { code: tonic::Code, message: String },
     #[error("TLS: {0}")]
@@ -360,15 +363,26 @@ impl NodeClient {
         MachineServiceClient::new(self.channel.clone())
     }
 
-    /// Awaits one call, sorting its failure.
+    /// Awaits one call, sorting its failure. The client's timeout bounds
+    /// the whole call, body included: tonic's own covers only the response
+    /// headers, and a node that sends them and then stalls would hold the
+    /// caller forever.
     async fn call<T>(
         &self,
         reply: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     ) -> Result<T, ApiError> {
-        match reply.await {
+        match self.within(reply).await? {
             Ok(r) => Ok(r.into_inner()),
             Err(s) => Err(self.fail(s).await),
         }
+    }
+
+    /// `work` within the client's timeout: a call, or a whole server stream
+    /// (the replies imgbuild streams are small and come at once).
+    async fn within<T>(&self, work: impl std::future::Future<Output = T>) -> Result<T, ApiError> {
+        tokio::time::timeout(self.timeout, work)
+            .await
+            .map_err(|_| ApiError::Timeout(self.timeout))
     }
 
     /// The node's disks: answers in maintenance mode too.
@@ -471,22 +485,25 @@ impl NodeClient {
         };
         let mut state = StateClient::new(self.channel.clone());
         let mut stream = self.call(state.list(self.request(req))).await?;
-        loop {
-            match stream.message().await {
-                Ok(Some(item)) => {
-                    let yaml = item
-                        .resource
-                        .and_then(|r| r.spec)
-                        .map(|s| s.yaml_spec)
-                        .unwrap_or_default();
-                    if let Some(id) = schematic_extension_version(&yaml) {
-                        return Ok(Some(id));
+        let read = async {
+            loop {
+                match stream.message().await {
+                    Ok(Some(item)) => {
+                        let yaml = item
+                            .resource
+                            .and_then(|r| r.spec)
+                            .map(|s| s.yaml_spec)
+                            .unwrap_or_default();
+                        if let Some(id) = schematic_extension_version(&yaml) {
+                            return Ok(Some(id));
+                        }
                     }
+                    Ok(None) => return Ok(None),
+                    Err(s) => return Err(self.fail(s).await),
                 }
-                Ok(None) => return Ok(None),
-                Err(s) => return Err(self.fail(s).await),
             }
-        }
+        };
+        self.within(read).await?
     }
 
     /// Asks the node to bootstrap etcd.
@@ -523,24 +540,39 @@ impl NodeClient {
         Ok(reply.messages.into_iter().flat_map(|m| m.members).collect())
     }
 
-    /// The admin kubeconfig archive (a .tar.gz) streamed by the node.
+    /// The admin kubeconfig archive (a .tar.gz) streamed by the node, read
+    /// within the client's timeout and refused past [`KUBECONFIG_LIMIT`]
+    /// bytes (an endless stream must not fill memory).
     pub async fn kubeconfig(&self) -> Result<Vec<u8>, ApiError> {
         let mut stream = self
             .call(self.machine().kubeconfig(self.request(())))
             .await?;
-        let mut out = Vec::new();
-        loop {
-            match stream.message().await {
-                Ok(Some(chunk)) => {
-                    self.check(std::slice::from_ref(&chunk))?;
-                    out.extend_from_slice(&chunk.bytes);
+        let read = async {
+            let mut out = Vec::new();
+            loop {
+                match stream.message().await {
+                    Ok(Some(chunk)) => {
+                        self.check(std::slice::from_ref(&chunk))?;
+                        if out.len() + chunk.bytes.len() > KUBECONFIG_LIMIT {
+                            return Err(ApiError::TooLarge {
+                                what: "the kubeconfig archive",
+                                limit: KUBECONFIG_LIMIT,
+                            });
+                        }
+                        out.extend_from_slice(&chunk.bytes);
+                    }
+                    Ok(None) => return Ok(out),
+                    Err(s) => return Err(self.fail(s).await),
                 }
-                Ok(None) => return Ok(out),
-                Err(s) => return Err(self.fail(s).await),
             }
-        }
+        };
+        self.within(read).await?
     }
 }
+
+/// The most a kubeconfig archive may take on the wire: talosctl's is a few
+/// KiB (one file, gzip).
+pub const KUBECONFIG_LIMIT: usize = 4 << 20;
 
 fn from_rustls(e: &rustls::Error) -> ApiError {
     use rustls::{AlertDescription, CertificateError, Error};

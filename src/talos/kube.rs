@@ -24,8 +24,13 @@ pub enum KubeError {
     Api { server: String, message: String },
 }
 
+/// The most the kubeconfig inside the archive may unpack to: talosctl's is
+/// a few KiB, and a small archive of zeros can unfold to gigabytes.
+pub const KUBECONFIG_TEXT_LIMIT: u64 = 1 << 20;
+
 /// The kubeconfig file from the `.tar.gz` the Kubeconfig call streams. The
-/// archive has no end-of-archive blocks, so only the first entry is read.
+/// archive has no end-of-archive blocks, so only the first entry is read,
+/// and only up to [`KUBECONFIG_TEXT_LIMIT`] bytes of it.
 pub fn from_archive(archive: &[u8]) -> Result<String, KubeError> {
     let gz = flate2::read::GzDecoder::new(archive);
     let mut tar = tar::Archive::new(gz);
@@ -36,10 +41,21 @@ pub fn from_archive(archive: &[u8]) -> Result<String, KubeError> {
         .next()
         .ok_or_else(|| KubeError::Archive("empty archive".into()))?
         .map_err(|e| KubeError::Archive(e.to_string()))?;
+    if entry.size() > KUBECONFIG_TEXT_LIMIT {
+        return Err(KubeError::Archive(format!(
+            "the kubeconfig inside is larger than {KUBECONFIG_TEXT_LIMIT} bytes"
+        )));
+    }
     let mut text = String::new();
-    entry
+    (&mut entry)
+        .take(KUBECONFIG_TEXT_LIMIT + 1)
         .read_to_string(&mut text)
         .map_err(|e| KubeError::Archive(format!("first entry: {e}")))?;
+    if text.len() as u64 > KUBECONFIG_TEXT_LIMIT {
+        return Err(KubeError::Archive(format!(
+            "the kubeconfig inside is larger than {KUBECONFIG_TEXT_LIMIT} bytes"
+        )));
+    }
     Ok(text)
 }
 
@@ -230,6 +246,36 @@ mod tests {
         let archive = gz.finish().unwrap();
         assert_eq!(from_archive(&archive).unwrap(), text);
         assert!(from_archive(b"not gzip").is_err());
+    }
+
+    /// A gzip'd tar whose one entry is `size` zeros under a header that
+    /// says `declared`.
+    fn zeros_archive(size: u64, declared: u64) -> Vec<u8> {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let mut h = tar::Header::new_gnu();
+        h.set_path("kubeconfig").unwrap();
+        h.set_size(declared);
+        h.set_mode(0o600);
+        h.set_cksum();
+        std::io::Write::write_all(&mut gz, h.as_bytes()).unwrap();
+        std::io::copy(&mut std::io::repeat(0).take(size), &mut gz).unwrap();
+        gz.finish().unwrap()
+    }
+
+    #[test]
+    fn an_archive_unpacking_past_the_limit_is_refused_unread() {
+        // Declared honestly: refused from the header.
+        let honest = zeros_archive(64 << 20, 64 << 20);
+        let e = from_archive(&honest).unwrap_err().to_string();
+        assert!(e.contains("larger than 1048576 bytes"), "{e}");
+        // A header that lies small and a body that goes on: cut at the limit.
+        let liar = zeros_archive(64 << 20, 100);
+        assert_eq!(from_archive(&liar).unwrap().len(), 100);
+        let liar = zeros_archive(8 << 20, KUBECONFIG_TEXT_LIMIT);
+        assert_eq!(
+            from_archive(&liar).unwrap().len() as u64,
+            KUBECONFIG_TEXT_LIMIT
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ use super::status::{self, Drift};
 use super::talosconfig::{Talosconfig, TalosconfigError};
 use super::upgrade;
 use crate::inventory::{Inventory, UnknownNode};
+use crate::publish::Cancel;
 
 /// Why the stage stopped before or during the run. Never quotes a secret.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +57,8 @@ pub enum StageError {
     Bootstrap(#[from] BootstrapError),
     #[error(transparent)]
     Lock(#[from] LockError),
+    #[error("interrupted; run again to go on (every step is safe to repeat)")]
+    Interrupted,
     /// A node's schematic, to compare with the one it runs.
     #[error(transparent)]
     Schematic(#[from] crate::schematic::EmitError),
@@ -249,6 +252,9 @@ pub struct BootstrapOptions {
     pub limits: bootstrap::Options,
     /// What `${NAME}` in patch files stands for.
     pub patch_vars: PatchVars,
+    /// Stops the bootstrap (`up` on a target whose Ctrl-C is caught sets
+    /// it; every step is safe to repeat, so a rerun goes on).
+    pub cancel: Cancel,
 }
 
 /// Everything made ready for the run, and what making it ready changed.
@@ -548,7 +554,12 @@ pub fn bootstrap(
     observer: &dyn Observer,
 ) -> Result<Bootstrapped, StageError> {
     let prepared = prepare(inv, opts)?;
-    let outcome = runtime()?.block_on(bootstrap::run(&prepared.plan, &opts.limits, observer))?;
+    let outcome = runtime()?.block_on(async {
+        tokio::select! {
+            done = bootstrap::run(&prepared.plan, &opts.limits, observer) => Ok(done?),
+            () = opts.cancel.cancelled() => Err(StageError::Interrupted),
+        }
+    })?;
     // What is on the nodes now, for read-only commands run without it.
     let dir = &prepared.state_dir.path;
     config::Fingerprints::record(dir, inv, &opts.patch_vars).map_err(|source| StageError::Io {

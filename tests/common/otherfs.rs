@@ -59,20 +59,10 @@ pub fn other_fs(other: &Path) -> Option<OtherFs> {
         );
         Some(fs)
     };
-    let mut mount_failed = String::new();
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        let dir = tempfile::tempdir().unwrap();
-        let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=512m", "imgbuild-test"])
-            .arg(dir.path())
-            .output();
-        match out {
-            Ok(o) if o.status.success() => return cross(OtherFs { dir, mounted: true }),
-            Ok(o) => mount_failed = String::from_utf8_lossy(&o.stderr).trim().to_owned(),
-            Err(e) => mount_failed = e.to_string(),
-        }
-    }
+    let mount_failed = match mount_tmpfs("512m") {
+        Ok(fs) => return cross(fs),
+        Err(why) => why,
+    };
     let shm = Path::new("/dev/shm");
     if dev(shm).is_some_and(|d| d != here) {
         let dir = tempfile::tempdir_in(shm).unwrap();
@@ -81,13 +71,45 @@ pub fn other_fs(other: &Path) -> Option<OtherFs> {
             mounted: false,
         });
     }
-    let why = if mount_failed.is_empty() {
-        "not root, so no tmpfs can be mounted".to_owned()
-    } else {
-        format!("mounting a tmpfs failed: {mount_failed}")
-    };
     skipped(&format!(
-        "nothing crosses filesystems here: {why}, and /dev/shm is not a filesystem of its own"
+        "nothing crosses filesystems here: {mount_failed}, and /dev/shm is not a filesystem of its own"
     ));
     None
+}
+
+/// A tmpfs of `size` (`mount -o size=`), for the tests of a full disk, or
+/// None (said) when none can be mounted.
+#[allow(dead_code)] // src/io.rs's unit tests include this file too
+pub fn tmpfs(size: &str) -> Option<OtherFs> {
+    mount_tmpfs(size)
+        .map_err(|why| skipped(&format!("no small filesystem to fill: {why}")))
+        .ok()
+}
+
+/// Mounts a tmpfs of `size` on a new temporary folder (root only), or
+/// says why not.
+fn mount_tmpfs(size: &str) -> Result<OtherFs, String> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("not root, so no tmpfs can be mounted".into());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new("mount")
+        .args([
+            "-t",
+            "tmpfs",
+            "-o",
+            &format!("size={size}"),
+            "imgbuild-test",
+        ])
+        .arg(dir.path())
+        .output();
+    match out {
+        Ok(o) if o.status.success() => Ok(OtherFs { dir, mounted: true }),
+        Ok(o) => Err(format!(
+            "mounting a tmpfs failed: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("mounting a tmpfs failed: {e}")),
+    }
 }

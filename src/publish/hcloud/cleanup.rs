@@ -7,7 +7,9 @@ use serde_json::Value;
 
 use super::api::Api;
 use super::error::HcloudError;
-use super::types::{Deleted, Event, Leftover, MANAGED_BY, Observer, RUN_LABEL, SnapshotOptions};
+use super::types::{
+    Deleted, Event, Leftover, MANAGED_BY, OWNER_LABEL, Observer, RUN_LABEL, SnapshotOptions,
+};
 use crate::publish::Cancel;
 
 /// Deletes every server and SSH key labelled with run `run` (not only the
@@ -105,6 +107,64 @@ pub(super) fn delete_selected(
         }
     }
     out
+}
+
+/// This boot's part of [`OWNER_LABEL`], if the kernel tells its boot id.
+fn boot() -> Option<String> {
+    let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    Some(crate::digest::Sha256::of(id.trim().as_bytes()).hex()[..16].to_owned())
+}
+
+/// The [`OWNER_LABEL`] value of this process's runs.
+pub(super) fn owner() -> Option<String> {
+    Some(format!("{}-{}", boot()?, std::process::id()))
+}
+
+/// Whether process `pid` of this boot is gone.
+fn gone(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let r = unsafe { libc::kill(pid, 0) };
+    r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
+/// Deletes what runs killed earlier in this boot left (found by their
+/// owner label, their process gone): a publish or up that follows a killed
+/// one cleans up after it. Runs of other machines or boots are left to
+/// `imgbuild cleanup`, which cannot tell them from live ones. What stays
+/// is returned.
+pub(super) fn sweep_killed_runs(
+    api: &Api,
+    opts: &SnapshotOptions,
+    observer: &dyn Observer,
+) -> Vec<Leftover> {
+    let Some(boot) = boot() else {
+        return Vec::new();
+    };
+    let sel = format!(
+        "{}={},{RUN_LABEL},{OWNER_LABEL}",
+        MANAGED_BY.0, MANAGED_BY.1
+    );
+    let mut runs = std::collections::BTreeSet::new();
+    for (path, key) in [("/servers", "servers"), ("/ssh_keys", "ssh_keys")] {
+        let Ok(items) = api.list(path, key, &[("label_selector", sel.clone())]) else {
+            continue;
+        };
+        for item in items {
+            let labels = &item["labels"];
+            let owner = labels[OWNER_LABEL].as_str().unwrap_or_default();
+            let dead = owner
+                .strip_prefix(&boot)
+                .and_then(|rest| rest.strip_prefix('-'))
+                .and_then(|pid| pid.parse::<i32>().ok())
+                .is_some_and(|pid| pid != std::process::id() as i32 && gone(pid));
+            if let (true, Some(run)) = (dead, labels[RUN_LABEL].as_str()) {
+                runs.insert(run.to_owned());
+            }
+        }
+    }
+    runs.iter()
+        .flat_map(|run| delete_run(api, run, opts, observer))
+        .collect()
 }
 
 /// A resource's `created` time (RFC 3339).

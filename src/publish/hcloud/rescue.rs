@@ -23,6 +23,16 @@ pub const DISCARD: &str = "blkdiscard --force /dev/sda";
 pub const WRITE: &str =
     "set -euo pipefail; zstd -d | dd of=/dev/sda bs=4M conv=sparse iflag=fullblock; sync";
 
+/// How often a wait looks at the cancel flag.
+const TICK: Duration = Duration::from_millis(200);
+
+/// How long the rescue system may leave the image unread while its command
+/// runs (the SSH window is full) before the copy is given up.
+const STALL: Duration = Duration::from_secs(120);
+
+/// Output kept per stream of a remote command.
+const KEEP: usize = 64 << 10;
+
 /// Bytes `dd` reports having copied, from its final statistics line
 /// (`N bytes (… MB, … MiB) copied, …`).
 pub fn dd_bytes(stderr: &str) -> Option<u64> {
@@ -149,7 +159,12 @@ impl Rescue {
     /// Runs `command` with `input` streamed on its stdin (read on a thread
     /// of its own in chunks: compressing is CPU work), telling `sent` of
     /// every chunk's size once the channel has taken it; `input` comes
-    /// back once read (to ask it what it read). Output is kept up to 64 KiB per stream.
+    /// back once read (to ask it what it read). Output is kept up to 64 KiB
+    /// per stream. The channel is watched while sending: when the command
+    /// exits or the channel closes before the input ends (a `dd` that
+    /// cannot open the disk), the copy stops at once and the output so far
+    /// is returned; a command that stops reading without ending fails after
+    /// [`STALL`]. A cancel is honoured within a fraction of a second.
     pub async fn exec<R: Read + Send + 'static>(
         &self,
         command: &str,
@@ -166,49 +181,93 @@ impl Rescue {
             stdout: String::new(),
             stderr: String::new(),
         };
-        let keep = |buf: &mut String, data: &[u8]| {
-            if buf.len() < 64 << 10 {
-                buf.push_str(&String::from_utf8_lossy(data));
-            }
-        };
         let mut returned = None;
+        let mut ended = false;
         if let Some(mut input) = input {
             let (chunks, mut next) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(2);
             let reader = std::thread::spawn(move || {
                 pump(&mut input, &chunks);
                 input
             });
-            let mut ended = false;
-            while !ended {
-                tokio::select! {
-                    chunk = next.recv() => match chunk {
-                        Some(Ok(data)) => {
-                            cancel.check()?;
-                            let n = data.len();
-                            tx.data_bytes(data).await.map_err(ssh)?;
-                            sent(n);
-                        }
-                        Some(Err(e)) => return Err(HcloudError::Io(format!("reading the image: {e}"))),
-                        None => {
-                            tx.eof().await.map_err(ssh)?;
+            'copy: loop {
+                let chunk = tokio::select! {
+                    chunk = next.recv() => chunk,
+                    msg = rx.wait() => {
+                        if record(&mut out, msg) {
                             ended = true;
+                            break 'copy;
                         }
-                    },
-                    msg = rx.wait() => match msg {
-                        // The command ended before its input did: it failed.
-                        None | Some(ChannelMsg::Close) => break,
-                        Some(m) => record(&mut out, m, &keep),
-                    },
+                        continue;
+                    }
+                    () = tokio::time::sleep(TICK) => {
+                        cancel.check()?;
+                        continue;
+                    }
+                };
+                let data = match chunk {
+                    Some(Ok(data)) => data,
+                    Some(Err(e)) => {
+                        return Err(HcloudError::Io(format!("reading the image: {e}")));
+                    }
+                    None => {
+                        tx.eof().await.map_err(ssh)?;
+                        break;
+                    }
+                };
+                cancel.check()?;
+                let n = data.len();
+                let send = tx.data_bytes(data);
+                tokio::pin!(send);
+                let stalled = tokio::time::Instant::now() + STALL;
+                loop {
+                    tokio::select! {
+                        r = &mut send => {
+                            r.map_err(ssh)?;
+                            sent(n);
+                            break;
+                        }
+                        msg = rx.wait() => if record(&mut out, msg) {
+                            ended = true;
+                            break 'copy;
+                        },
+                        () = tokio::time::sleep(TICK) => {
+                            cancel.check()?;
+                            if tokio::time::Instant::now() >= stalled {
+                                return Err(HcloudError::Ssh(format!(
+                                    "{command:?}: the rescue system took no input for {STALL:?} and did not end"
+                                )));
+                            }
+                        }
+                    }
                 }
             }
             drop(next);
             returned = reader.join().ok();
         }
-        while let Some(m) = rx.wait().await {
-            if matches!(m, ChannelMsg::Close) {
-                break;
+        drop(tx);
+        if ended {
+            // The command is gone: what it still says (its stderr, the
+            // close) comes at once or not at all.
+            let rest = async {
+                while let Some(m) = rx.wait().await {
+                    if matches!(m, ChannelMsg::Close) {
+                        break;
+                    }
+                    record(&mut out, Some(m));
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(2), rest).await;
+            return Ok((out, returned));
+        }
+        loop {
+            tokio::select! {
+                msg = rx.wait() => if matches!(msg, None | Some(ChannelMsg::Close)) {
+                    break;
+                } else {
+                    record(&mut out, msg);
+                },
+                () = tokio::time::sleep(TICK) => cancel.check()?,
             }
-            record(&mut out, m, &keep);
         }
         Ok((out, returned))
     }
@@ -222,13 +281,25 @@ impl Rescue {
     }
 }
 
-fn record(out: &mut Exec, m: ChannelMsg, keep: &dyn Fn(&mut String, &[u8])) {
+/// Notes what the channel said; true when it says the command is over
+/// (its exit status or signal, the channel's close, or the session's end).
+fn record(out: &mut Exec, m: Option<ChannelMsg>) -> bool {
+    let keep = |buf: &mut String, data: &[u8]| {
+        if buf.len() < KEEP {
+            buf.push_str(&String::from_utf8_lossy(data));
+        }
+    };
     match m {
-        ChannelMsg::Data { data } => keep(&mut out.stdout, &data),
-        ChannelMsg::ExtendedData { data, ext: 1 } => keep(&mut out.stderr, &data),
-        ChannelMsg::ExitStatus { exit_status } => out.status = Some(exit_status),
-        _ => {}
+        Some(ChannelMsg::Data { data }) => keep(&mut out.stdout, &data),
+        Some(ChannelMsg::ExtendedData { data, ext: 1 }) => keep(&mut out.stderr, &data),
+        Some(ChannelMsg::ExitStatus { exit_status }) => {
+            out.status = Some(exit_status);
+            return true;
+        }
+        Some(ChannelMsg::ExitSignal { .. } | ChannelMsg::Close) | None => return true,
+        Some(_) => {}
     }
+    false
 }
 
 /// Reads `input` in [`crate::io::BUF_SIZE`] chunks into `chunks` until it

@@ -12,6 +12,11 @@ use crate::net::RetryPolicy;
 /// which have no run label).
 pub(super) const MANAGED_BY: (&str, &str) = ("managed-by", "imgbuild");
 pub(super) const RUN_LABEL: &str = "imgbuild-run";
+/// Which process made a run's resources: `<boot>-<pid>`, `<boot>` the
+/// first 16 hex digits of the SHA-256 of the kernel's boot id. A later run
+/// in the same boot whose owner process is gone knows them as a killed
+/// run's leftovers.
+pub(super) const OWNER_LABEL: &str = "imgbuild-owner";
 
 /// How patient a snapshot run is.
 #[derive(Debug, Clone)]

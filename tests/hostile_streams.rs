@@ -1,0 +1,706 @@
+//! Streams from hostile peers (issue 28): Talos nodes that send response
+//! headers and then nothing, Kubeconfig streams that never end or unpack to
+//! far more than they weigh, factories serving endless kernels, 20 GiB
+//! Content-Lengths or trickles that outlast every attempt, and a cache disk
+//! that fills up. Each case runs the real binary and checks what imgbuild
+//! promises for untrusted input (as `tests/hostile_input.rs` does): exit 1
+//! or 2, no panic and no signal death, peak RSS under 64 MiB, an end within
+//! the case's deadline, nothing written outside the folders given, no
+//! secret marker and no raw control character in any output. Every hostile
+//! peer is made here, by code, on loopback (the Talos ones model v1.11.2's
+//! apid; the Kubeconfig ones are the node simulator's `--misbehave` modes).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+mod common;
+use common::otherfs;
+use common::run::Run;
+use common::sims::Nodes;
+
+const LIMIT_RSS_KIB: i64 = 64 << 10;
+
+/// One case's folders: `in` (the crafted inputs), `out` (where the command
+/// may write), `cwd`, `home` and `outside` (which must stay as they were).
+struct Case {
+    dir: tempfile::TempDir,
+}
+
+/// How a run ended.
+struct Ran {
+    code: Option<i32>,
+    signal: Option<i32>,
+    stdout: String,
+    stderr: String,
+    rss_kib: i64,
+    took: Duration,
+}
+
+impl Ran {
+    fn all(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+}
+
+impl Case {
+    fn new() -> Case {
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["in", "out", "cwd", "outside", "home"] {
+            std::fs::create_dir(dir.path().join(d)).unwrap();
+        }
+        std::fs::write(dir.path().join("outside/keep"), "untouched").unwrap();
+        Case { dir }
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    fn s(&self, rel: &str) -> String {
+        self.path(rel).to_str().unwrap().to_owned()
+    }
+
+    fn write(&self, rel: &str, content: impl AsRef<[u8]>) -> String {
+        let p = self.path(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, content).unwrap();
+        self.s(rel)
+    }
+
+    /// Runs imgbuild with `args` in `cwd`, its HOME in `home`, measured;
+    /// killed (and failed) past twice `limit`.
+    fn run(&self, args: &[&str], limit: Duration) -> Ran {
+        let mut run = Run::new(args);
+        run.current_dir(&self.path("cwd"))
+            .env("HOME", self.path("home"))
+            .env("XDG_CACHE_HOME", self.path("home/cache"));
+        for k in [
+            "IMGBUILD_CONFIG",
+            "IMGBUILD_FACTORY",
+            "IMGBUILD_STATE_DIR",
+            "TALOSCONFIG",
+        ] {
+            run.env_remove(k);
+        }
+        let m = run.measured(2 * limit);
+        assert!(!m.killed, "{args:?} ran past {:?}", 2 * limit);
+        let Some(code) = m.status.code() else {
+            panic!("GNU time died: {}", m.status);
+        };
+        Ran {
+            code: m.signal.is_none().then_some(code),
+            signal: m.signal,
+            stdout: m.stdout,
+            stderr: m.stderr,
+            rss_kib: m.rss_kib,
+            took: m.took,
+        }
+    }
+
+    /// Every promise for a refused stream: exit 1 or 2, a message holding
+    /// `names`, the bounds, and untouched folders.
+    fn refused(&self, ran: &Ran, names: &str, limit: Duration) {
+        let all = ran.all();
+        assert_eq!(ran.signal, None, "killed by a signal: {all}");
+        assert!(
+            ran.code.is_some_and(|c| c == 1 || c == 2),
+            "exit {:?}, wanted 1 or 2: {all}",
+            ran.code
+        );
+        assert!(all.contains(names), "no mention of {names:?}: {all}");
+        assert!(!all.contains("panicked"), "{all}");
+        assert!(!all.contains("SECRETMARK"), "a secret marker shown: {all}");
+        assert!(
+            !all.chars()
+                .any(|c| c.is_control() && c != '\n' && c != '\t'),
+            "a raw control character reached the terminal: {all:?}"
+        );
+        assert!(
+            ran.rss_kib < LIMIT_RSS_KIB,
+            "peak RSS {} KiB: {all}",
+            ran.rss_kib
+        );
+        assert!(ran.took < limit, "took {:?}: {all}", ran.took);
+        for (folder, allowed) in [("cwd", &[][..]), ("home", &[]), ("outside", &["keep"])] {
+            let found: Vec<String> = std::fs::read_dir(self.path(folder))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| !allowed.contains(&n.as_str()))
+                .collect();
+            assert!(found.is_empty(), "wrote into {folder}: {found:?}");
+        }
+    }
+}
+
+// ---- hostile Talos nodes --------------------------------------------------
+
+/// A one-node cluster whose cp-01 (127.0.0.11) is reached at `endpoint`.
+fn one_node_inventory(endpoint: &str) -> String {
+    format!(
+        "cluster:\n  name: hostile\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://127.0.0.11:6443\n\
+         image:\n  platform: metal\n  arch: amd64\n  format: raw\n  factory: http://127.0.0.1:9\n\
+         network:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n  interface: eth0\n\
+         nodes:\n  - name: cp-01\n    role: controlplane\n    address: 127.0.0.11\n    talosEndpoint: {endpoint}\n"
+    )
+}
+
+/// `secrets gen` into `out/state` of `c` for `config`; the OS CA (PEM
+/// certificate and key) from the bundle.
+fn secrets(c: &Case, config: &str) -> (String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["--config", config, "secrets", "gen", "--state-dir"])
+        .arg(c.path("out/state"))
+        .env_remove("IMGBUILD_CONFIG")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bundle: serde_yaml_ng::Value =
+        serde_yaml_ng::from_slice(&std::fs::read(c.path("out/state/secrets.yaml")).unwrap())
+            .unwrap();
+    let pem = |field: &str| {
+        use base64::Engine;
+        let b64 = bundle["certs"]["os"][field].as_str().unwrap();
+        String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    (pem("crt"), pem("key"))
+}
+
+/// One HTTP/2 frame (RFC 9113 4.1).
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A Talos API endpoint that completes TLS with a certificate for
+/// 127.0.0.11 from the cluster's OS CA (so mTLS clients accept it; it asks
+/// for no client certificate, so a probe sees maintenance mode), reads each
+/// gRPC request and answers its response headers (`:status 200`,
+/// `content-type: application/grpc`), then never sends a body or trailers.
+/// HTTP/2 by hand: the connection preface, SETTINGS and their ACK, PING
+/// ACKs, HPACK's static table (RFC 7541 appendix A: 8 is `:status 200`, 31
+/// `content-type`). Each connection is served by a thread that ends when
+/// the client goes.
+fn stalling_node(ca_crt: &str, ca_key: &str) -> SocketAddr {
+    let issuer =
+        rcgen::Issuer::from_ca_cert_pem(ca_crt, rcgen::KeyPair::from_pem(ca_key).unwrap()).unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.subject_alt_names = vec![rcgen::SanType::IpAddress("127.0.0.11".parse().unwrap())];
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap(),
+        )
+        .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let config = Arc::new(config);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming().take(64) {
+            let Ok(tcp) = tcp else { return };
+            let config = config.clone();
+            std::thread::spawn(move || {
+                let _ = tcp.set_read_timeout(Some(Duration::from_secs(60)));
+                let tls = rustls::ServerConnection::new(config).unwrap();
+                let _ = serve_headers_only(rustls::StreamOwned::new(tls, tcp));
+            });
+        }
+    });
+    addr
+}
+
+fn serve_headers_only(
+    mut conn: rustls::StreamOwned<rustls::ServerConnection, TcpStream>,
+) -> std::io::Result<()> {
+    let mut preface = [0u8; 24];
+    conn.read_exact(&mut preface)?;
+    conn.write_all(&frame(4, 0, 0, &[]))?;
+    conn.flush()?;
+    let mut content_type = vec![0x0f, 0x10, 16];
+    content_type.extend_from_slice(b"application/grpc");
+    loop {
+        let mut head = [0u8; 9];
+        conn.read_exact(&mut head)?;
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let (kind, flags) = (head[3], head[4]);
+        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        let mut payload = vec![0u8; len];
+        conn.read_exact(&mut payload)?;
+        let answer = match kind {
+            4 if flags & 1 == 0 => frame(4, 1, 0, &[]),
+            6 if flags & 1 == 0 => frame(6, 1, 0, &payload),
+            1 => {
+                let mut block = vec![0x88];
+                block.extend_from_slice(&content_type);
+                frame(1, 0x4, stream, &block)
+            }
+            _ => continue,
+        };
+        conn.write_all(&answer)?;
+        conn.flush()?;
+    }
+}
+
+#[test]
+fn a_node_that_stalls_after_its_headers_ends_every_command_at_its_deadline() {
+    let c = Case::new();
+    let ep = "127.0.0.1:1".to_owned();
+    let config = c.write("in/cluster.yaml", one_node_inventory(&ep));
+    let (crt, key) = secrets(&c, &config);
+    let addr = stalling_node(&crt, &key);
+    let config = c.write("in/cluster.yaml", one_node_inventory(&addr.to_string()));
+    let state = c.s("out/state");
+    let sim = common::sims::Sim::start(&[]);
+    let limit = Duration::from_secs(20);
+    let common_args = [
+        "--state-dir",
+        &state,
+        "--call-timeout",
+        "2s",
+        "--node-timeout",
+        "5s",
+        "--bootstrap-timeout",
+        "5s",
+        "--health-timeout",
+        "5s",
+        "--poll",
+        "200ms",
+    ];
+    for (command, extra) in [
+        ("status", &["--check"][..]),
+        ("apply", &[][..]),
+        ("upgrade", &["--retries", "0"][..]),
+        ("bootstrap", &[][..]),
+    ] {
+        let args = [
+            &["--config", &config, "--factory", &sim.url, command][..],
+            &common_args,
+            extra,
+        ]
+        .concat();
+        let ran = c.run(&args, limit);
+        c.refused(&ran, "cp-01", limit);
+        let all = ran.all();
+        // `status` shows the node unreachable (its reason in text is
+        // another issue's); the others name the deadline.
+        let named = match command {
+            "status" => "cp-01: unreachable",
+            _ => "timed out after 2s",
+        };
+        assert!(all.contains(named), "{command}: {named:?} not said: {all}");
+    }
+}
+
+/// A one-node cluster on the node simulator at `net.11` with `misbehave`.
+fn misbehaving_cluster(c: &Case, net: &str, misbehave: &str) -> (Nodes, String) {
+    let nodes = Nodes::start(&[
+        "--node",
+        &format!("cp-01={net}.11:controlplane"),
+        "--misbehave",
+        misbehave,
+    ]);
+    let config = c.write(
+        "in/cluster.yaml",
+        one_node_inventory(&format!("{net}.11:50000"))
+            .replace(
+                "endpoint: https://127.0.0.11:6443",
+                &format!("endpoint: https://{net}.11:6443"),
+            )
+            .replace("address: 127.0.0.11", &format!("address: {net}.11")),
+    );
+    (nodes, config)
+}
+
+/// The /24 for case `k`, offset by the process id so a stale simulator
+/// from another run cannot hold the ports.
+fn net(k: u8) -> String {
+    format!("127.{}.{k}", 150 + std::process::id() % 100)
+}
+
+fn bootstrap(c: &Case, config: &str, limit: Duration) -> Ran {
+    let state = c.s("out/state");
+    c.run(
+        &[
+            "--config",
+            config,
+            "bootstrap",
+            "--state-dir",
+            &state,
+            "--poll",
+            "100ms",
+            "--node-timeout",
+            "20s",
+            "--bootstrap-timeout",
+            "20s",
+            "--health-timeout",
+            "6s",
+            "--call-timeout",
+            "5s",
+        ],
+        limit,
+    )
+}
+
+#[test]
+fn an_endless_kubeconfig_stream_is_cut_at_its_bound() {
+    let c = Case::new();
+    let (_nodes, config) = misbehaving_cluster(&c, &net(1), "endless-kubeconfig");
+    let limit = Duration::from_secs(30);
+    let ran = bootstrap(&c, &config, limit);
+    c.refused(
+        &ran,
+        "the kubeconfig archive is larger than 4194304 bytes",
+        limit,
+    );
+}
+
+#[test]
+fn a_kubeconfig_archive_that_unpacks_to_128_mib_is_refused_unpacked() {
+    let c = Case::new();
+    let (_nodes, config) = misbehaving_cluster(&c, &net(2), "kubeconfig-bomb");
+    let limit = Duration::from_secs(30);
+    let ran = bootstrap(&c, &config, limit);
+    c.refused(
+        &ran,
+        "the kubeconfig inside is larger than 1048576 bytes",
+        limit,
+    );
+}
+
+// ---- hostile factories and a full disk ------------------------------------
+
+/// A plain-HTTP server on loopback that hands each of at most `n`
+/// connections to `answer` (request line, body, the stream); it stops by
+/// itself.
+fn serve(n: usize, answer: impl Fn(&str, &[u8], &mut TcpStream) + Send + Sync + 'static) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let answer = Arc::new(answer);
+    std::thread::spawn(move || {
+        for conn in listener.incoming().take(n) {
+            let Ok(mut conn) = conn else { return };
+            let answer = answer.clone();
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut head = Vec::new();
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        break;
+                    }
+                    if line.trim_end().is_empty() {
+                        break;
+                    }
+                    head.push(line.trim_end().to_owned());
+                }
+                let len = head
+                    .iter()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                    })
+                    .unwrap_or(0);
+                let mut body = vec![0; len];
+                let _ = reader.read_exact(&mut body);
+                if let Some(first) = head.first() {
+                    answer(first, &body, &mut conn);
+                }
+            });
+        }
+    });
+    url
+}
+
+fn reply(conn: &mut TcpStream, status: &str, body: &[u8]) {
+    let _ = write!(
+        conn,
+        "HTTP/1.1 {status}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let _ = conn.write_all(body);
+}
+
+/// A factory that answers the API calls `pxe` makes (a schematic's ID is
+/// the SHA-256 of the YAML posted, as the real one computes it for
+/// imgbuild's canonical form; the kernel command line is one line of
+/// text) and hands kernel and initramfs requests to `asset`.
+fn factory(asset: impl Fn(&str, &mut TcpStream) + Send + Sync + 'static) -> String {
+    serve(64, move |first, body, conn| {
+        let path = first.split(' ').nth(1).unwrap_or("");
+        if path == "/versions" {
+            reply(conn, "200 OK", br#"["v1.11.2"]"#);
+        } else if path.ends_with("/extensions/official") {
+            reply(conn, "200 OK", b"[]");
+        } else if path == "/schematics" {
+            use sha2::Digest;
+            let id = hex::encode(sha2::Sha256::digest(body));
+            reply(
+                conn,
+                "201 Created",
+                format!(r#"{{"id":"{id}"}}"#).as_bytes(),
+            );
+        } else if path.contains("/cmdline-") {
+            reply(conn, "200 OK", b"talos.platform=metal console=ttyS0");
+        } else if path.starts_with("/image/") {
+            asset(path, conn);
+        } else {
+            reply(conn, "404 Not Found", b"not found");
+        }
+    })
+}
+
+/// One metal node with a MAC and no extensions, on the factory at `url`.
+fn factory_inventory(url: &str) -> String {
+    format!(
+        "cluster:\n  name: hostile\n  talosVersion: v1.11.2\n  kubernetesVersion: v1.32.1\n  endpoint: https://127.0.0.11:6443\n\
+         image:\n  platform: metal\n  arch: amd64\n  format: raw\n  factory: {url}\n\
+         network:\n  cidr: 127.0.0.0/8\n  gateway: 127.0.0.1\n  nameservers: [127.0.0.53]\n\
+         nodes:\n  - name: cp-01\n    role: controlplane\n    address: 127.0.0.11\n    mac: 52:54:00:00:00:11\n"
+    )
+}
+
+/// `imgbuild pxe` of the one node from the factory at `url`.
+fn pxe(c: &Case, url: &str, extra: &[&str], limit: Duration) -> Ran {
+    let config = c.write("in/cluster.yaml", factory_inventory(url));
+    let (out, cache) = (c.s("out/pxe"), c.s("out/cache"));
+    let args = [
+        &[
+            "--config",
+            &config,
+            "pxe",
+            "--out-dir",
+            &out,
+            "--cache-dir",
+            &cache,
+            "--quiet",
+        ][..],
+        extra,
+    ]
+    .concat();
+    c.run(&args, limit)
+}
+
+/// Bytes under `dir`, every file counted.
+fn du(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .map(|e| {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                du(&e.path())
+            } else {
+                e.metadata().unwrap().len()
+            }
+        })
+        .sum()
+}
+
+#[test]
+fn an_endless_kernel_stops_at_the_kernel_bound() {
+    let c = Case::new();
+    let url = factory(|path, conn| {
+        if path.ends_with("/kernel-amd64") {
+            // No length, a bzImage's "HdrS" at 0x202, then zeros for ever
+            // (until imgbuild hangs up).
+            let _ = write!(conn, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n");
+            let mut head = vec![0x4du8; 1 << 16];
+            head[0x202..0x206].copy_from_slice(b"HdrS");
+            let _ = conn.write_all(&head);
+            let chunk = vec![0x90u8; 1 << 16];
+            while conn.write_all(&chunk).is_ok() {}
+        } else {
+            reply(conn, "404 Not Found", b"");
+        }
+    });
+    let limit = Duration::from_secs(20);
+    let ran = pxe(
+        &c,
+        &url,
+        &["--max-kernel-mib", "8", "--retries", "0"],
+        limit,
+    );
+    c.refused(&ran, "raise --max-kernel-mib", limit);
+    assert!(
+        du(&c.path("out/cache")) <= 9 << 20,
+        "the cache holds {} bytes",
+        du(&c.path("out/cache"))
+    );
+}
+
+#[test]
+fn a_huge_content_length_is_refused_before_the_body() {
+    let c = Case::new();
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = sent.clone();
+    let url = factory(move |_, conn| {
+        let _ = write!(
+            conn,
+            "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 21474836480\r\n\r\n"
+        );
+        let chunk = vec![0u8; 1 << 16];
+        while conn.write_all(&chunk).is_ok() {
+            counter.fetch_add(chunk.len() as u64, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let limit = Duration::from_secs(10);
+    let ran = pxe(&c, &url, &["--retries", "0"], limit);
+    c.refused(&ran, "announces 21474836480 bytes", limit);
+    // Only what the socket buffers took before imgbuild hung up.
+    let sent = sent.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(sent < 16 << 20, "{sent} bytes of the body were read");
+}
+
+#[test]
+fn the_download_deadline_covers_every_attempt() {
+    let c = Case::new();
+    // Every attempt: a length, then a byte now and then, never the end.
+    let url = factory(|_, conn| {
+        let _ = write!(
+            conn,
+            "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1000000\r\n\r\n"
+        );
+        while conn.write_all(b"\0").is_ok() {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let limit = Duration::from_secs(10);
+    let ran = pxe(
+        &c,
+        &url,
+        &[
+            "--download-deadline-secs",
+            "4",
+            "--read-timeout-secs",
+            "30",
+            "--retries",
+            "4",
+            "--retry-delay-ms",
+            "100",
+        ],
+        limit,
+    );
+    c.refused(&ran, "no download within 4s (all attempts together", limit);
+    assert!(ran.took < Duration::from_secs(8), "took {:?}", ran.took);
+}
+
+#[test]
+fn a_full_cache_disk_is_named_as_such() {
+    let c = Case::new();
+    let Some(small) = otherfs::tmpfs("2m") else {
+        return;
+    };
+    let url = factory(|path, conn| {
+        if path.ends_with("/kernel-amd64") {
+            // 8 MiB of kernel bytes that are not zeros (no hole to skip).
+            let mut body: Vec<u8> = (0..8u32 << 20).map(|i| (i % 251) as u8 | 1).collect();
+            body[0x202..0x206].copy_from_slice(b"HdrS");
+            reply(conn, "200 OK", &body);
+        } else {
+            reply(conn, "404 Not Found", b"");
+        }
+    });
+    let config = c.write("in/cluster.yaml", factory_inventory(&url));
+    let out = c.s("out/pxe");
+    let cache = small.path().to_str().unwrap().to_owned();
+    let limit = Duration::from_secs(10);
+    let ran = c.run(
+        &[
+            "--config",
+            &config,
+            "pxe",
+            "--out-dir",
+            &out,
+            "--cache-dir",
+            &cache,
+            "--quiet",
+        ],
+        limit,
+    );
+    c.refused(&ran, "the disk is full", limit);
+    assert!(!ran.all().contains("corrupt"), "{}", ran.all());
+}
+
+// ---- credentials in URLs from the environment ----------------------------
+
+#[test]
+fn credentials_in_endpoint_urls_are_refused_and_never_shown() {
+    let c = Case::new();
+    let config = c.write("in/cluster.yaml", factory_inventory("http://127.0.0.1:9"));
+    let limit = Duration::from_secs(10);
+    let out = c.s("out/img");
+    for factory in [
+        "http://user:SECRETMARK@127.0.0.1:9/",
+        "http://127.0.0.1:9/?token=SECRETMARK",
+        "SECRETMARK\u{1b}[31m",
+    ] {
+        let ran = c.run(
+            &[
+                "--config",
+                &config,
+                "--factory",
+                factory,
+                "build",
+                "--out-dir",
+                &out,
+                "--cache-dir",
+                &c.s("out/cache"),
+            ],
+            limit,
+        );
+        c.refused(&ran, "IMGBUILD_FACTORY", limit);
+        assert_eq!(ran.code, Some(2), "{}", ran.all());
+    }
+    // The same in the inventory: named by field, never quoted.
+    let config = c.write(
+        "in/cluster.yaml",
+        factory_inventory("https://ci:SECRETMARK@factory.example/"),
+    );
+    let ran = c.run(&["--config", &config, "validate"], limit);
+    c.refused(&ran, "image.factory", limit);
+    // HCLOUD_ENDPOINT: refused before any request, the value not echoed.
+    let hetzner = factory_inventory("http://127.0.0.1:9")
+        .replace("platform: metal", "platform: hcloud")
+        + "publish:\n  hcloud:\n    location: fsn1\n";
+    let config = c.write("in/cluster.yaml", hetzner);
+    for endpoint in [
+        "https://u:SECRETMARK@127.0.0.1:9/v1",
+        "https://127.0.0.1:9/v1?token=SECRETMARK",
+        "::SECRETMARK::",
+    ] {
+        let mut run = Run::new(&["--config", &config, "cleanup"]);
+        run.current_dir(&c.path("cwd"))
+            .env("HOME", c.path("home"))
+            .env("HCLOUD_TOKEN", "tokenSECRETMARK")
+            .env("HCLOUD_ENDPOINT", endpoint);
+        let m = run.measured(limit);
+        let all = format!("{}{}", m.stdout, m.stderr);
+        assert_eq!(m.status.code(), Some(1), "{endpoint}: {all}");
+        assert!(all.contains("HCLOUD_ENDPOINT"), "{all}");
+        assert!(!all.contains("SECRETMARK"), "{endpoint}: {all}");
+    }
+}
