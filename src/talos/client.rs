@@ -22,7 +22,7 @@ pub use super::api::machine::apply_configuration_request::Mode as ApplyMode;
 use super::api::machine::machine_service_client::MachineServiceClient;
 use super::api::machine::{
     ApplyConfiguration, ApplyConfigurationRequest, Bootstrap, BootstrapRequest, EtcdMember,
-    EtcdMemberListRequest, EtcdMembers, ServiceInfo, ServiceList, Upgrade, UpgradeRequest, Version,
+    EtcdMemberListRequest, EtcdMembers, ServiceInfo, ServiceList, Upgrade, Version,
 };
 use super::api::storage::Disks;
 use super::api::storage::storage_service_client::StorageServiceClient;
@@ -31,6 +31,9 @@ use crate::net::error_chain;
 use crate::net::tls::{self, ClientIdentity, SeenCertificate, Trust};
 
 pub use crate::inventory::TALOS_API_PORT as PORT;
+
+mod day2;
+pub use day2::{BOOT_ID_PATH, RebootMode, UpgradeFlags};
 
 /// How to authenticate to a node.
 #[derive(Clone)]
@@ -430,26 +433,6 @@ impl NodeClient {
             .messages
             .into_iter()
             .map(|m| m.mode_details)
-            .collect::<Vec<_>>()
-            .join("; "))
-    }
-
-    /// `MachineService.Upgrade{image, preserve: true}`; returns the ack.
-    /// The only place imgbuild asks for an upgrade: the call is deprecated
-    /// from Talos 1.13 (LifecycleService; removal planned for 1.18), and
-    /// this is where the newer API will replace it.
-    pub async fn upgrade(&self, image: &str) -> Result<String, ApiError> {
-        let req = UpgradeRequest {
-            image: image.to_owned(),
-            preserve: true,
-            ..UpgradeRequest::default()
-        };
-        let reply = self.call(self.machine().upgrade(self.request(req))).await?;
-        self.check(&reply.messages)?;
-        Ok(reply
-            .messages
-            .into_iter()
-            .map(|m| m.ack)
             .collect::<Vec<_>>()
             .join("; "))
     }
