@@ -48,6 +48,90 @@
 //!   booted node its config's hostname, else the boot `hostname`, else `name`
 //!   (also its Kubernetes node name).
 //!
+//! ## Talos versions and day two (issue 26; `node/` modules, each naming its upstream file)
+//! Every node runs its own Talos version and behaves as that version's
+//! source says; the version (and schematic) change with a successful upgrade.
+//! ```text
+//!     [--talos-version v1.11.2]        every node's version unless set otherwise
+//!     [--node-version NAME=TAG]...     one node's version at start (NAME as for MODE@NODE)
+//!     [--pull-delay MS]                the first pull of an installer reference (the
+//!                                      factory builds it; the build goes on when a pull is
+//!                                      cancelled, later pulls wait for what is left of it)
+//!     [--pull-cached-delay MS]         every later pull of the same reference (a node
+//!                                      that pulled it since its last boot: none)
+//!     [--drain-delay MS]               cordon + drain after an Upgrade's ack: the node
+//!                                      answers on the OLD version meanwhile
+//!     [--upgrade-delay MS]             from the end of the drain (or a Reboot, or the
+//!                                      reboot AUTO/REBOOT asks for) until it goes down
+//!     [--reboot-delay MS]              how long a reboot keeps port 50000 closed
+//!     [--stall-delay MS]               with `stall-connects`: how long each new
+//!                                      connection waits before its TLS handshake while
+//!                                      the node drains (the "port closed" trap)
+//!     [--apply-time MS]                how long an apply on a configured node holds the
+//!                                      apply lock (and its reply waits)
+//!     [--misbehave MODE[@NODE]]        besides the above: stall-connects, stock (no
+//!                                      `schematic` extension: a node without the factory),
+//!                                      schematic-read-fails, leave-cordoned (still
+//!                                      unschedulable after a drain), installer-fails
+//! ```
+//! - `POST /_sim/boot` also takes `"talos_version": TAG` (else `--node-version`, else
+//!   `--talos-version`); a restarted machine gets a new boot ID.
+//! - `POST /_sim/node` `{"node": NAME, "version"?: TAG, "installer_fails"?: bool,
+//!   "schematic_read_fails"?: bool, "stock"?: bool, "stall_connects"?: bool,
+//!   "leave_cordoned"?: bool, "cordoned"?: bool, "pull_ms"?: MS, "drain_ms"?: MS}`
+//!   → 200 with the node's switches; 404 for an unknown NAME, 400 for a bad body.
+//!   `pull_ms`/`drain_ms` override the flags for that node. (`POST /_sim/installer`
+//!   `{"node","fail"}` stays, the same as `installer_fails`.) A failing schematic
+//!   read is Unavailable from the COSI State List/Get of ExtensionStatuses.
+//! - `POST /_sim/k8s` `{"kube_proxy_ready"?: bool, "coredns_ready"?: bool,
+//!   "stale_etcd_member"?: bool}`: the health facts `talosctl health` checks
+//!   (`pkg/cluster/check/default.go`) beyond node readiness; true/true/false by
+//!   default. A stale member is one more etcd member (`cp-gone`, id 0x1fff) with
+//!   no control plane: EtcdMemberList shows it and the Upgrade checks fail on it.
+//! - Kubernetes API: `GET /api/v1/nodes` items carry `spec.unschedulable` (true
+//!   while cordoned); `GET /api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3D
+//!   {kube-proxy|kube-dns}` lists one kube-proxy pod per node and two CoreDNS pods,
+//!   each with a `Ready` condition; `GET /apis/apps/v1/namespaces/kube-system/
+//!   {daemonsets|deployments}?labelSelector=…` list the kube-proxy DaemonSet
+//!   (`status.desiredNumberScheduled`) and the CoreDNS Deployment (`spec.replicas`),
+//!   absent when a control plane's config sets `cluster.proxy.disabled` /
+//!   `cluster.coreDNS.disabled`.
+//! - Talos API, per the node's version: `MachineService.Upgrade` (all; deprecated
+//!   from v1.13) in the order pull (timed, under the caller's gRPC deadline: past
+//!   it DeadlineExceeded and no upgrade) → etcd checks on control planes (unless
+//!   `force`, or `preserve` on v1.12.9+, v1.13.4+, v1.14: 2 members refuse
+//!   "…insufficient to maintain quorum…", then every member started and
+//!   healthy) → ack → drain → installer (host floor: v1.N refuses hosts below
+//!   v1.(N-2).0 (v1.9/v1.10: v1.8.0); a refusal reverts: reboot on the old
+//!   version) → reboot; an Upgrade while a sequence runs is acked and does
+//!   nothing. From v1.13: `ImageService.Pull` (the same timed pull) and
+//!   `LifecycleService.Upgrade` (the pulled installer, its pre-flight failure
+//!   a non-zero `exit_code`; success boots at the next reboot; no etcd check,
+//!   no drain, no reboot); Unimplemented below v1.13. `MachineService.Read` of
+//!   `/proc/sys/kernel/random/boot_id` (a new UUID every boot),
+//!   `MachineService.Reboot` (DEFAULT, POWERCYCLE, FORCE: no drain, down, new boot
+//!   ID, up). ApplyConfiguration per FORMATS.md §7 (v1.9–v1.13: CanApplyImmediate,
+//!   AUTO → REBOOT for other changes, NO_REBOOT/TRY refused with InvalidArgument
+//!   even in a dry run; v1.14: REBOOT Unimplemented, AUTO → NO_REBOOT; the apply
+//!   lock's FailedPrecondition on v1.12.9+, v1.13.3+, v1.14; every non-TRY request
+//!   cancels a pending TRY rollback).
+//! - `GET /_sim/stats`: each node's `day2` adds `boot_id`, `boot_ids` (every
+//!   boot, oldest first), `reboots`, `cordoned`, `staged` (bool), `try_pending`,
+//!   `upgrade_calls` (every MachineService or LifecycleService Upgrade received,
+//!   refused or not), `upgrades` (acked, or a LifecycleService install that
+//!   succeeded), `upgrade_refusals` (before the ack), `sequences_locked`, `pulls`,
+//!   `pulls_cancelled`, `pulled`, `installer_refusals` (after the ack: the floor or
+//!   `installer-fails`), `last_error` (the last refusal's text), `next_boot`,
+//!   `requests_by_mode` (every ApplyConfiguration on a configured node, dry runs
+//!   and refusals included) and `applies_by_mode` (taken, by the mode it became),
+//!   both `{"reboot"|"auto"|"no_reboot"|"staged"|"try": N}`, `apply_refusals`,
+//!   `dry_runs`, `try_cancellations` (pending TRY rollbacks a later request
+//!   cancelled), `try_rollbacks`, `read_calls`, `reboot_calls`, `reboot_modes`
+//!   (each Upgrade's or Reboot's mode name), `lifecycle_upgrades`, `timeline`
+//!   (`[{"down_ms":N,"up_ms":N|null,"why":"upgrade|revert|apply|reboot"}]`, ms since
+//!   start). Top level adds `timeline` (every node's outages with `"node"` and
+//!   `"control_plane"`, by `down_ms`), `now_ms` and `facts`.
+//!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
 //! and numbers are upstream's `api/machine/machine.proto`) and the certificate helpers
@@ -56,7 +140,6 @@
 //! the vendored schema), routing, disks, states — is written here.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, RwLock};
@@ -86,7 +169,15 @@ use api::storage::storage_service_server::{StorageService, StorageServiceServer}
 use api::storage::{Disk, Disks, DisksResponse};
 use imgbuild::talos::api;
 
+mod apply;
+mod boot;
 mod day2;
+mod health;
+mod immediate;
+mod lifecycle;
+mod switches;
+mod upgrade;
+mod version;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -101,8 +192,31 @@ pub struct Args {
     talos_port: u16,
     #[arg(long, default_value_t = 6443)]
     k8s_port: u16,
+    /// Every node's Talos version unless `--node-version` or the boot
+    /// request names another.
     #[arg(long, default_value = "v1.11.2")]
     talos_version: String,
+    /// NAME=TAG: one node's Talos version at start (NAME as in MODE@NODE).
+    #[arg(long = "node-version")]
+    node_versions: Vec<String>,
+    /// Milliseconds the first pull of an installer reference takes (the
+    /// factory builds it); later pulls wait for what is left of it.
+    #[arg(long, default_value_t = 0)]
+    pull_delay: u64,
+    /// Milliseconds every later pull of a reference takes at least.
+    #[arg(long, default_value_t = 0)]
+    pull_cached_delay: u64,
+    /// Milliseconds an upgrade cordons and drains after the ack, the node
+    /// answering on its old version meanwhile.
+    #[arg(long, default_value_t = 0)]
+    drain_delay: u64,
+    /// Milliseconds a new connection waits before its TLS handshake while
+    /// a node with `stall-connects` drains.
+    #[arg(long, default_value_t = 1500)]
+    stall_delay: u64,
+    /// Milliseconds an apply on a configured node holds the apply lock.
+    #[arg(long, default_value_t = 0)]
+    apply_time: u64,
     /// Milliseconds from apply until mTLS takes over port 50000.
     #[arg(long, default_value_t = 300)]
     apply_delay: u64,
@@ -122,8 +236,8 @@ pub struct Args {
     /// Milliseconds port 50000 stays closed with `reboot-after-apply`.
     #[arg(long, default_value_t = 2000)]
     reboot_delay: u64,
-    /// Milliseconds from an Upgrade's ack until the node goes down; it
-    /// then stays down `--reboot-delay`.
+    /// Milliseconds from the end of an upgrade's drain (or a reboot's
+    /// start) until the node goes down; it then stays down `--reboot-delay`.
     #[arg(long, default_value_t = 100)]
     upgrade_delay: u64,
     /// Milliseconds the clock stays unsynchronised with `slow-time-sync`.
@@ -134,7 +248,9 @@ pub struct Args {
     disks: Vec<String>,
     /// MODE or MODE@NODE: never-leave-maintenance, reboot-after-apply,
     /// foreign-ca, slow-time-sync, wrong-cert-name (the mTLS certificate
-    /// names x.y.z.254, not the node's address).
+    /// names x.y.z.254, not the node's address); the day-two switches
+    /// stall-connects, stock, schematic-read-fails, leave-cordoned,
+    /// installer-fails (as `POST /_sim/node` sets them).
     #[arg(long)]
     misbehave: Vec<String>,
 }
@@ -153,6 +269,8 @@ struct Applied {
     documents: Vec<String>,
     /// The config as applied (dry runs diff against it).
     raw: String,
+    /// Its v1alpha1 document (what `CanApplyImmediate` compares).
+    v1alpha1: Value,
     /// `machine.install.image`: names the schematic it was installed from.
     install_image: String,
     /// The config brings a pod network: the default flannel, a custom CNI's
@@ -238,6 +356,21 @@ impl Node {
             .collect();
         let cert = pki::self_signed_server(&[ip])?;
         let mut st = NodeState::default();
+        let named = |n: &str| n == name || hostname.as_deref() == Some(n);
+        st.day2.version = args
+            .node_versions
+            .iter()
+            .filter_map(|s| s.split_once('='))
+            .filter(|(n, _)| named(n))
+            .map(|(_, tag)| tag.to_owned())
+            .next_back();
+        let has = |m: &str| modes.iter().any(|x| x == m);
+        st.day2.stall_connects = has("stall-connects");
+        st.day2.stock = has("stock");
+        st.day2.schematic_read_fails = has("schematic-read-fails");
+        st.day2.leave_cordoned = has("leave-cordoned");
+        st.day2.installer_fails = has("installer-fails");
+        st.day2.life.boot_ids.push(boot::new_boot_id(&name, 0));
         // A node "configured by someone else": another cluster's CA.
         if modes.iter().any(|m| m == "foreign-ca") {
             st.applied = Some(Arc::new(Applied {
@@ -250,6 +383,7 @@ impl Node {
                 api_sans: Vec::new(),
                 documents: Vec::new(),
                 raw: String::new(),
+                v1alpha1: Value::Null,
                 install_image: String::new(),
                 cni: true,
             }));
@@ -335,6 +469,10 @@ struct Cluster {
     /// CA certificate: made once, as a kube-apiserver keeps its own (an RSA
     /// CA's leaf takes seconds to make).
     apiserver_tls: Mutex<HashMap<(usize, String), Arc<ServerConfig>>>,
+    /// Health facts beyond node readiness (`POST /_sim/k8s`).
+    facts: Mutex<health::Facts>,
+    /// When the factory has built each installer reference.
+    builds: Mutex<upgrade::Builds>,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -633,6 +771,7 @@ fn read_config(data: &[u8]) -> Result<Applied, Status> {
         api_sans,
         documents,
         raw: String::from_utf8_lossy(data).into_owned(),
+        v1alpha1: doc.clone(),
         install_image: doc["machine"]["install"]["image"]
             .as_str()
             .unwrap_or_default()
@@ -658,6 +797,17 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
     if let Some(vip) = args.vip {
         anyhow::ensure!(vip.is_loopback(), "--vip {vip} is not a loopback address");
     }
+    anyhow::ensure!(
+        version::Talos::parse(&args.talos_version).is_some(),
+        "--talos-version {}: not a Talos version (vX.Y.Z)",
+        args.talos_version
+    );
+    for spec in &args.node_versions {
+        let ok = spec
+            .split_once('=')
+            .is_some_and(|(_, tag)| version::Talos::parse(tag).is_some());
+        anyhow::ensure!(ok, "--node-version {spec}: want NAME=vX.Y.Z");
+    }
     Ok(Arc::new(Cluster {
         args,
         nodes: RwLock::new(nodes),
@@ -666,6 +816,8 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         started: Instant::now(),
         events: Mutex::new(Vec::new()),
         apiserver_tls: Mutex::new(HashMap::new()),
+        facts: Mutex::new(health::Facts::default()),
+        builds: Mutex::new(upgrade::Builds::new()),
     }))
 }
 
@@ -703,7 +855,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/stats", get(stats))
         .route("/_sim/boot", post(boot))
         .route("/_sim/halt", post(halt))
-        .route("/_sim/installer", post(day2::installer_switch))
+        .route("/_sim/installer", post(switches::installer_switch))
+        .route("/_sim/node", post(switches::node_switch))
+        .route("/_sim/k8s", post(health::facts_switch))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())
@@ -742,7 +896,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
             v["config_error"] = json!(st.config_error);
             v["halted"] = json!(st.halted);
             v["documents"] = json!(st.applied.as_ref().map(|a| &a.documents));
-            v["day2"] = day2::stats_of(&st.day2, version, schematic);
+            v["day2"] = day2::stats_of(&cluster, &st.day2, version, schematic, now);
             (name, v)
         })
         .collect();
@@ -755,6 +909,9 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
         "nodes": nodes,
         "bootstrapped": cluster.boot.lock().unwrap().is_some(),
         "upgrades": *cluster.events.lock().unwrap(),
+        "timeline": cluster.timeline_json(now),
+        "now_ms": cluster.now_ms(),
+        "facts": *cluster.facts.lock().unwrap(),
         "totals": totals,
     }))
 }
@@ -768,6 +925,8 @@ struct BootRequest {
     hostname: Option<String>,
     /// A machine config the platform hands over (hcloud `user_data`).
     config: Option<String>,
+    /// The Talos version it boots (else `--node-version`, `--talos-version`).
+    talos_version: Option<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -798,6 +957,14 @@ async fn boot(
             format!("ip {} is not a loopback address", req.ip),
         );
     }
+    if let Some(v) = req.talos_version.as_deref()
+        && version::Talos::parse(v).is_none()
+    {
+        return control_error(
+            StatusCode::BAD_REQUEST,
+            format!("talos_version {v:?} is not a Talos version (vX.Y.Z)"),
+        );
+    }
     let slot = cluster.index_of(req.ip);
     let previous = slot.map(|i| cluster.node(i));
     if let Some(p) = &previous
@@ -824,6 +991,11 @@ async fn boot(
             st.configured_at = old.configured_at;
             st.stats = old.stats.clone();
             st.day2 = old.day2.clone();
+            let id = boot::new_boot_id(&req.name, st.day2.life.boot_ids.len());
+            st.day2.life.boot_ids.push(id);
+        }
+        if req.talos_version.is_some() {
+            st.day2.version = req.talos_version.clone();
         }
         if let Some(config) = &req.config {
             match read_config(config.as_bytes()) {
@@ -1038,6 +1210,13 @@ async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
             None => return,
         },
     };
+    let stalls = {
+        let st = node.st.lock().unwrap();
+        st.day2.stall_connects && st.day2.life.draining(Instant::now())
+    };
+    if stalls {
+        tokio::time::sleep(ms(cluster.args.stall_delay)).await;
+    }
     let Ok(tls) = tokio_rustls::TlsAcceptor::from(config).accept(tcp).await else {
         return;
     };
@@ -1063,6 +1242,8 @@ async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
     };
     let routes = tonic::service::Routes::new(MachineServiceServer::new(api.clone()))
         .add_service(StorageServiceServer::new(api.clone()))
+        .add_service(api::machine::lifecycle_service_server::LifecycleServiceServer::new(api.clone()))
+        .add_service(api::machine::image_service_server::ImageServiceServer::new(api.clone()))
         .add_service(api::cosi::resource::state_server::StateServer::new(api))
         .prepare();
     let conn = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
@@ -1135,7 +1316,8 @@ envelopes!(
     Disks,
     Data,
     Upgrade,
-    MetaWrite
+    MetaWrite,
+    Reboot
 );
 
 impl Api {
@@ -1343,6 +1525,20 @@ impl Api {
                     is_learner: false,
                 }
             })
+            .chain(
+                self.cluster
+                    .facts
+                    .lock()
+                    .unwrap()
+                    .stale_etcd_member
+                    .then(|| EtcdMember {
+                        id: health::STALE_MEMBER_ID,
+                        hostname: "cp-gone".into(),
+                        peer_urls: vec!["https://127.0.0.254:2380".into()],
+                        client_urls: vec!["https://127.0.0.254:2379".into()],
+                        is_learner: false,
+                    }),
+            )
             .collect();
         Ok(EtcdMembers {
             metadata: None,
@@ -1505,7 +1701,13 @@ impl MachineService for Api {
     ) -> Result<Response<ApplyConfigurationResponse>, Status> {
         let mode = ApplyMode::try_from(req.get_ref().mode).unwrap_or(ApplyMode::Reboot);
         let messages = if self.secure {
-            self.answer(&req, |i| Ok(vec![self.apply_configured(i, req.get_ref())?]))?
+            let messages =
+                self.answer(&req, |i| Ok(vec![self.apply_configured(i, req.get_ref())?]))?;
+            // Persisting takes a while, the apply lock held meanwhile.
+            if !req.get_ref().dry_run {
+                tokio::time::sleep(ms(self.cluster.args.apply_time)).await;
+            }
+            messages
         } else if matches!(mode, ApplyMode::Auto | ApplyMode::Reboot | ApplyMode::Try) {
             vec![self.apply_on(self.me, &req.get_ref().data)?]
         } else {
@@ -1583,22 +1785,27 @@ impl MachineService for Api {
         self.meta_write_call(req)
     }
 
-    // Placeholders until the version-faithful node (branch h26sim) answers
-    // Read and Reboot as machined does.
     type ReadStream = DataStream;
 
-    async fn read(
-        &self,
-        _req: Request<api::machine::ReadRequest>,
-    ) -> Result<Response<Self::ReadStream>, Status> {
-        Err(Status::unimplemented("Read is not simulated yet"))
+    async fn read(&self, req: Request<ReadRequest>) -> Result<Response<Self::ReadStream>, Status> {
+        let chunks = self.answer(&req, |i| self.read_on(i, &req.get_ref().path))?;
+        Ok(Response::new(Box::pin(futures_util::stream::iter(
+            chunks.into_iter().map(Ok),
+        ))))
     }
 
     async fn reboot(
         &self,
-        _req: Request<api::machine::RebootRequest>,
-    ) -> Result<Response<api::machine::RebootResponse>, Status> {
-        Err(Status::unimplemented("Reboot is not simulated yet"))
+        req: Request<RebootRequest>,
+    ) -> Result<Response<RebootResponse>, Status> {
+        let messages = self.answer(&req, |i| {
+            self.reboot_on(i, req.get_ref())?;
+            Ok(vec![Reboot {
+                metadata: None,
+                actor_id: format!("sim-reboot-{i}-{}", self.cluster.now_ms()),
+            }])
+        })?;
+        Ok(Response::new(RebootResponse { messages }))
     }
 }
 
@@ -1691,7 +1898,16 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
                 return;
             };
             let app = Router::new()
-                .route("/api/v1/nodes", get(k8s_nodes))
+                .route("/api/v1/nodes", get(health::nodes))
+                .route("/api/v1/namespaces/kube-system/pods", get(health::pods))
+                .route(
+                    "/apis/apps/v1/namespaces/kube-system/daemonsets",
+                    get(health::daemonsets),
+                )
+                .route(
+                    "/apis/apps/v1/namespaces/kube-system/deployments",
+                    get(health::deployments),
+                )
                 .with_state(cluster);
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app))
@@ -1711,47 +1927,6 @@ async fn serve_vip(cluster: Arc<Cluster>, vip: IpAddr) {
     if let Ok(l) = TcpListener::bind(SocketAddr::new(vip, cluster.args.k8s_port)).await {
         serve_k8s(cluster, None, l).await;
     }
-}
-
-/// The Ready message of a kubelet whose runtime has no network plugin.
-const NO_CNI: &str = "container runtime network not ready: NetworkReady=false reason:NetworkPluginNotReady message:Network plugin returns error: cni plugin not initialized";
-
-async fn k8s_nodes(State(cluster): State<Arc<Cluster>>) -> Result<axum::Json<Value>, Infallible> {
-    let now = Instant::now();
-    let api_up = cluster.api_up_at();
-    // A CNI runs once a control plane's config brought one.
-    let cni = cluster.all().iter().any(|n| {
-        let st = n.st.lock().unwrap();
-        st.applied
-            .as_ref()
-            .is_some_and(|a| a.control_plane && a.cni && reached(st.configured_at, now))
-    });
-    let items: Vec<Value> = (0..cluster.count())
-        .filter_map(|i| {
-            let registered = cluster.kubelet_healthy_at(i)?.max(api_up?);
-            if now < registered {
-                return None;
-            }
-            let ready = cni && now >= registered + ms(cluster.args.ready_delay);
-            // The kubelet's Ready condition (kubernetes pkg/kubelet/nodestatus
-            // setters.go ReadyCondition): without a network plugin it names
-            // the runtime's NetworkReady error.
-            let condition = if ready {
-                json!({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"})
-            } else if !cni {
-                json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": NO_CNI})
-            } else {
-                json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "kubelet is starting"})
-            };
-            Some(json!({
-                "metadata": {"name": cluster.node(i).display_name()},
-                "status": {"conditions": [condition]},
-            }))
-        })
-        .collect();
-    Ok(axum::Json(
-        json!({"kind": "NodeList", "apiVersion": "v1", "items": items}),
-    ))
 }
 
 #[cfg(test)]
@@ -1853,6 +2028,7 @@ mod tests {
                     ip: ip.parse().unwrap(),
                     hostname: Some("cp-01".into()),
                     config: config.map(str::to_owned),
+                    talos_version: None,
                 })
             };
             let st = State(cluster.clone());

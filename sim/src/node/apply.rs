@@ -1,0 +1,273 @@
+//! ApplyConfiguration on a configured node, per the version it runs
+//! (siderolabs/talos `internal/app/machined/internal/server/v1alpha1/
+//! v1alpha1_server.go`, read at v1.9.6, v1.11.5, v1.12.9, v1.13.3 and
+//! v1.14.0): the apply lock (v1.12.9+, v1.13.3+, v1.14) first, then every
+//! non-TRY request cancels a pending TRY rollback, then the config is read;
+//! v1.9–v1.13 hold NO_REBOOT and TRY to `CanApplyImmediate` and turn AUTO
+//! into REBOOT where it refuses (the config persisted, then a reboot);
+//! v1.14 refuses REBOOT and turns AUTO into NO_REBOOT. A dry run answers
+//! the summary and the diff against the RUNNING config.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tonic::Status;
+
+use super::api::machine::apply_configuration_request::Mode as ApplyMode;
+use super::api::machine::*;
+use super::{Api, immediate, read_config};
+
+/// `constants.ConfigTryTimeout`.
+const TRY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A TRY apply waiting to be rolled back.
+#[derive(Clone)]
+pub(super) struct TryRollback {
+    /// Which TRY this is (a later one replaces it).
+    id: u64,
+    previous: Arc<super::Applied>,
+}
+
+/// A line diff (`-` old, `+` new) by longest common subsequence: enough to
+/// show which settings change; empty when the configs are the same.
+fn line_diff(old: &str, new: &str) -> String {
+    let (a, b): (Vec<&str>, Vec<&str>) = (old.lines().collect(), new.lines().collect());
+    let mut lcs = vec![vec![0u32; b.len() + 1]; a.len() + 1];
+    for i in (0..a.len()).rev() {
+        for j in (0..b.len()).rev() {
+            lcs[i][j] = if a[i] == b[j] {
+                lcs[i + 1][j + 1] + 1
+            } else {
+                lcs[i + 1][j].max(lcs[i][j + 1])
+            };
+        }
+    }
+    let (mut i, mut j, mut out) = (0, 0, String::new());
+    while i < a.len() || j < b.len() {
+        if i < a.len() && j < b.len() && a[i] == b[j] {
+            i += 1;
+            j += 1;
+        } else if j < b.len() && (i == a.len() || lcs[i][j + 1] >= lcs[i + 1][j]) {
+            out += &format!("+{}\n", b[j]);
+            j += 1;
+        } else {
+            out += &format!("-{}\n", a[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Go's `time.Duration.String()` for whole seconds (`1m0s`, `30s`).
+fn go_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    match (s / 3600, s % 3600 / 60, s % 60) {
+        (0, 0, sec) => format!("{sec}s"),
+        (0, m, sec) => format!("{m}m{sec}s"),
+        (h, m, sec) => format!("{h}h{m}m{sec}s"),
+    }
+}
+
+/// The stats name of a mode.
+pub(super) fn mode_name(mode: ApplyMode) -> &'static str {
+    match mode {
+        ApplyMode::Reboot => "reboot",
+        ApplyMode::Auto => "auto",
+        ApplyMode::NoReboot => "no_reboot",
+        ApplyMode::Staged => "staged",
+        ApplyMode::Try => "try",
+    }
+}
+
+impl Api {
+    pub(super) fn apply_configured(
+        &self,
+        i: usize,
+        req: &ApplyConfigurationRequest,
+    ) -> Result<ApplyConfiguration, Status> {
+        let talos = self.talos(i);
+        let node = self.cluster.node(i);
+        let now = Instant::now();
+        let requested = ApplyMode::try_from(req.mode).unwrap_or(ApplyMode::Reboot);
+        let mut st = node.st.lock().unwrap();
+        *st.day2
+            .requests_by_mode
+            .entry(mode_name(requested))
+            .or_default() += 1;
+        if talos.locks_apply() && st.day2.applying_until.is_some_and(|t| now < t) {
+            st.day2.apply_refusals += 1;
+            return Err(Status::failed_precondition(
+                "another apply configuration is already in progress",
+            ));
+        }
+        if requested != ApplyMode::Try && st.day2.try_rollback.take().is_some() {
+            st.day2.try_cancellations += 1;
+        }
+        let refuse = |st: &mut super::NodeState, s: Status| {
+            st.day2.apply_refusals += 1;
+            s
+        };
+        let mut applied = read_config(&req.data).map_err(|s| refuse(&mut st, s))?;
+        let running = st.applied.clone().expect("a configured node has a config");
+        let (mode, details, why) = if talos.checks_immediate() {
+            let blocked = immediate::blocking_fields(&running.v1alpha1, &applied.v1alpha1);
+            let refusal = blocked.as_ref().map(|fields| {
+                format!(
+                    "this config change can't be applied in immediate mode\ndiff:\n{}",
+                    fields
+                        .iter()
+                        .map(|f| format!("  {f}\n"))
+                        .collect::<String>()
+                )
+            });
+            match (requested, refusal) {
+                (ApplyMode::Try | ApplyMode::NoReboot, Some(why)) => {
+                    return Err(refuse(&mut st, Status::invalid_argument(why)));
+                }
+                (ApplyMode::Try | ApplyMode::NoReboot, None) | (ApplyMode::Auto, None) => (
+                    if requested == ApplyMode::Try {
+                        ApplyMode::Try
+                    } else {
+                        ApplyMode::NoReboot
+                    },
+                    "Applied configuration without a reboot",
+                    None,
+                ),
+                (ApplyMode::Auto, Some(why)) => (
+                    ApplyMode::Reboot,
+                    "Applied configuration with a reboot",
+                    Some(why),
+                ),
+                (ApplyMode::Reboot, _) => {
+                    (ApplyMode::Reboot, "Applied configuration with a reboot", None)
+                }
+                (ApplyMode::Staged, _) => (
+                    ApplyMode::Staged,
+                    "Staged configuration to be applied after the next reboot",
+                    None,
+                ),
+            }
+        } else {
+            match requested {
+                ApplyMode::Reboot => {
+                    return Err(refuse(
+                        &mut st,
+                        Status::unimplemented(
+                            "the REBOOT mode is not supported, please use AUTO or NO_REBOOT modes instead",
+                        ),
+                    ));
+                }
+                ApplyMode::Auto | ApplyMode::NoReboot => (
+                    ApplyMode::NoReboot,
+                    "Applied configuration without a reboot",
+                    None,
+                ),
+                ApplyMode::Try => (
+                    ApplyMode::Try,
+                    "Applied configuration without a reboot",
+                    None,
+                ),
+                ApplyMode::Staged => (
+                    ApplyMode::Staged,
+                    "Staged configuration to be applied after the next reboot",
+                    None,
+                ),
+            }
+        };
+        if req.dry_run {
+            st.day2.dry_runs += 1;
+            let diff = line_diff(&running.raw, &applied.raw);
+            let diff = if diff.is_empty() {
+                "No changes.".to_owned()
+            } else {
+                diff
+            };
+            return Ok(ApplyConfiguration {
+                metadata: None,
+                warnings: Vec::new(),
+                mode: mode as i32,
+                mode_details: format!(
+                    "Dry run summary:\n{details} (skipped in dry-run).\nConfig diff:\n\n{diff}"
+                ),
+            });
+        }
+        st.stats.applies += 1;
+        *st.day2.applies_by_mode.entry(mode_name(mode)).or_default() += 1;
+        st.day2.applying_until = Some(now + super::ms(self.cluster.args.apply_time));
+        if applied.os_ca.key.is_empty() {
+            applied.os_ca.key = running.os_ca.key.clone();
+        }
+        let applied = Arc::new(applied);
+        let mut details = details.to_owned();
+        match mode {
+            ApplyMode::NoReboot => {
+                st.applied = Some(applied);
+                st.day2.staged = None;
+                st.mtls = None;
+            }
+            ApplyMode::Try => {
+                let timeout = req
+                    .try_mode_timeout
+                    .as_ref()
+                    .and_then(|d| u64::try_from(d.seconds).ok())
+                    .map_or(TRY_TIMEOUT, Duration::from_secs);
+                details += &format!(
+                    "\nThe config is applied in 'try' mode and will be automatically reverted back in {}",
+                    go_duration(timeout)
+                );
+                st.day2.tries += 1;
+                let id = st.day2.tries;
+                st.day2.try_rollback = Some(TryRollback {
+                    id,
+                    previous: running,
+                });
+                st.applied = Some(applied);
+                st.mtls = None;
+                let node = node.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(timeout).await;
+                    let mut st = node.st.lock().unwrap();
+                    if let Some(r) = st.day2.try_rollback.take_if(|r| r.id == id) {
+                        st.applied = Some(r.previous);
+                        st.mtls = None;
+                        st.day2.try_rollbacks += 1;
+                    }
+                });
+            }
+            ApplyMode::Staged => st.day2.staged = Some(applied),
+            ApplyMode::Reboot | ApplyMode::Auto => {
+                st.day2.staged = Some(applied);
+                drop(st);
+                self.reboot_for_apply(i);
+            }
+        }
+        Ok(ApplyConfiguration {
+            metadata: None,
+            warnings: Vec::new(),
+            mode: mode as i32,
+            mode_details: match why {
+                Some(why) => format!("{details}: {why}"),
+                None => details,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_diff_names_changed_lines_only() {
+        assert_eq!(line_diff("a\nb\nc\n", "a\nb\nc\n"), "");
+        assert_eq!(line_diff("a\nb\nc\n", "a\nx\nc\n"), "+x\n-b\n");
+        assert_eq!(line_diff("a\n", "a\nb\n"), "+b\n");
+    }
+
+    #[test]
+    fn durations_print_as_go_prints_them() {
+        assert_eq!(go_duration(TRY_TIMEOUT), "1m0s");
+        assert_eq!(go_duration(Duration::from_secs(30)), "30s");
+        assert_eq!(go_duration(Duration::from_secs(3725)), "1h2m5s");
+    }
+}

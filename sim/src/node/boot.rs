@@ -1,0 +1,229 @@
+//! A node's boots: the boot ID (`/proc/sys/kernel/random/boot_id`, new on
+//! every boot, which talosctl's `BootIDChangedPostCheckFn` watches), the
+//! down/up timeline, and the sequences that end in a reboot. machined runs
+//! one sequence at a time (`internal/app/machined/pkg/runtime/v1alpha1/
+//! v1alpha1_controller.go`: a second one without takeover fails with
+//! "locked"); Upgrade cordons and drains first, Reboot does not
+//! (`v1alpha1_sequencer.go`: `Upgrade` starts with `CordonAndDrainNode`,
+//! `Reboot` with `StopAllPods`), and the boot after uncordons the node
+//! (`Boot`: `UncordonNode`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use super::{Cluster, NodeState};
+
+/// One time a node was down.
+#[derive(Clone)]
+pub(super) struct Outage {
+    down: Instant,
+    up: Instant,
+    why: &'static str,
+}
+
+/// What a node keeps about its boots.
+#[derive(Default, Clone)]
+pub(super) struct Life {
+    /// Every boot's ID, the running one last.
+    pub boot_ids: Vec<String>,
+    outages: Vec<Outage>,
+    pub reboots: u32,
+    /// `spec.unschedulable` of its Kubernetes node.
+    pub cordoned: bool,
+    /// A sequence (upgrade, reboot) runs until the node is back up.
+    pub busy_until: Option<Instant>,
+    /// Cordoned and draining until then (the node answers meanwhile).
+    pub draining_until: Option<Instant>,
+}
+
+impl Life {
+    pub fn boot_id(&self) -> &str {
+        self.boot_ids.last().map_or("", String::as_str)
+    }
+
+    pub fn busy(&self, now: Instant) -> bool {
+        self.busy_until.is_some_and(|t| now < t)
+    }
+
+    pub fn draining(&self, now: Instant) -> bool {
+        self.draining_until.is_some_and(|t| now < t)
+    }
+}
+
+/// A random-looking UUID, distinct per node and boot: the kernel makes a
+/// random one every boot.
+pub(super) fn new_boot_id(name: &str, boots: usize) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let h = Sha256::digest(format!("{name}/{boots}/{nanos}"));
+    let hex: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-4{}-a{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[13..16],
+        &hex[17..20],
+        &hex[20..32]
+    )
+}
+
+/// A sequence that ends in a reboot: drain for `drain` (cordoned, still
+/// answering), stop for `stop`, down for `down`. `then` runs as the node
+/// goes down and says why it rebooted (an upgrade may turn into a revert).
+pub(super) struct Sequence {
+    pub drain: Duration,
+    pub stop: Duration,
+    pub down: Duration,
+    pub then: Box<dyn FnOnce(&mut NodeState) -> &'static str + Send>,
+}
+
+impl Cluster {
+    fn ms_since_start(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.started).as_millis() as u64
+    }
+
+    /// Runs `seq` on node `i` (the caller checked that none runs): the
+    /// node is busy from now until it is back up.
+    pub(super) fn run_sequence(self: &Arc<Self>, i: usize, seq: Sequence) {
+        let now = Instant::now();
+        let drained = now + seq.drain;
+        let down_at = drained + seq.stop;
+        let up_at = down_at + seq.down;
+        {
+            let node = self.node(i);
+            let mut st = node.st.lock().unwrap();
+            st.day2.life.busy_until = Some(up_at);
+            if !seq.drain.is_zero() {
+                st.day2.life.cordoned = true;
+                st.day2.life.draining_until = Some(drained);
+            }
+        }
+        let cluster = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep_until(down_at.into()).await;
+            let node = cluster.node(i);
+            {
+                let mut st = node.st.lock().unwrap();
+                // What LifecycleService.Upgrade installed boots now.
+                if let Some((version, schematic)) = st.day2.next_boot.take() {
+                    st.day2.version = Some(version);
+                    if schematic.is_some() {
+                        st.day2.schematic = schematic;
+                        st.day2.stock = false;
+                    }
+                }
+                // containerd's images live in memory: gone with the boot.
+                st.day2.pulled.clear();
+                let why = (seq.then)(&mut st);
+                let staged = st.day2.staged.take();
+                if let Some(staged) = staged {
+                    st.applied = Some(staged);
+                    st.mtls = None;
+                }
+                st.down_until = Some(up_at);
+                st.configured_at = Some(up_at);
+                let life = &mut st.day2.life;
+                life.reboots += 1;
+                let id = new_boot_id(&node.name, life.boot_ids.len());
+                life.boot_ids.push(id);
+                life.outages.push(Outage {
+                    down: down_at,
+                    up: up_at,
+                    why,
+                });
+            }
+            node.bump();
+            tokio::time::sleep_until(up_at.into()).await;
+            {
+                let mut st = node.st.lock().unwrap();
+                if !st.day2.leave_cordoned {
+                    st.day2.life.cordoned = false;
+                }
+            }
+            node.bump();
+        });
+    }
+
+    /// A node's outages for stats: `[{"down_ms","up_ms","why"}]`, `up_ms`
+    /// null while it is still down.
+    pub(super) fn outages_json(&self, life: &Life, now: Instant) -> Vec<Value> {
+        life.outages
+            .iter()
+            .map(|o| {
+                json!({
+                    "down_ms": self.ms_since_start(o.down),
+                    "up_ms": (now >= o.up).then(|| self.ms_since_start(o.up)),
+                    "why": o.why,
+                })
+            })
+            .collect()
+    }
+
+    /// Every node's outages, by the time each went down.
+    pub(super) fn timeline_json(&self, now: Instant) -> Vec<Value> {
+        let mut all: Vec<Value> = self
+            .all()
+            .iter()
+            .flat_map(|n| {
+                let name = n.display_name();
+                let cp = n.control_plane();
+                let life = n.st.lock().unwrap().day2.life.clone();
+                self.outages_json(&life, now).into_iter().map(move |mut o| {
+                    o["node"] = json!(name);
+                    o["control_plane"] = json!(cp);
+                    o
+                })
+            })
+            .collect();
+        all.sort_by_key(|o| o["down_ms"].as_u64());
+        all
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        self.ms_since_start(Instant::now())
+    }
+}
+
+impl super::Api {
+    /// MachineService.Read of node `i` (machined streams the file): the
+    /// boot ID is the only file this node has.
+    pub(super) fn read_on(
+        &self,
+        i: usize,
+        path: &str,
+    ) -> Result<Vec<super::api::common::Data>, tonic::Status> {
+        let node = self.cluster.node(i);
+        let mut st = node.st.lock().unwrap();
+        st.day2.read_calls += 1;
+        if path != BOOT_ID {
+            return Err(tonic::Status::unknown(format!(
+                "open {path}: no such file or directory"
+            )));
+        }
+        Ok(vec![super::api::common::Data {
+            metadata: None,
+            bytes: format!("{}\n", st.day2.life.boot_id()).into_bytes(),
+        }])
+    }
+}
+
+/// Where Linux shows the boot ID.
+const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boot_ids_are_uuids_and_differ_per_boot() {
+        let a = new_boot_id("cp-01", 0);
+        let b = new_boot_id("cp-01", 1);
+        assert_ne!(a, b);
+        let groups: Vec<usize> = a.split('-').map(str::len).collect();
+        assert_eq!(groups, [8, 4, 4, 4, 12], "{a}");
+    }
+}

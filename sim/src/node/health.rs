@@ -1,0 +1,257 @@
+//! The simulated Kubernetes API's answers to what `talosctl health` checks
+//! beyond etcd and services (siderolabs/talos `pkg/cluster/check/
+//! default.go` and `kubernetes.go`): nodes Ready and schedulable
+//! (`spec.unschedulable`, set while a node is cordoned), the kube-proxy
+//! DaemonSet and the CoreDNS Deployment with their pods' Ready conditions
+//! (`DaemonSetPresent`/`DeploymentPresent` by label selector, then
+//! `K8sPodReadyAssertion`), and the switches that break them.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{Query, State};
+use serde_json::{Value, json};
+
+use super::{Cluster, ControlReply, ms, reached};
+
+/// The etcd member ID of a stale member (a removed control plane's).
+pub(super) const STALE_MEMBER_ID: u64 = 0x1fff;
+
+/// Cluster-wide health facts a test may break.
+#[derive(Clone, serde::Serialize)]
+pub(super) struct Facts {
+    pub kube_proxy_ready: bool,
+    pub coredns_ready: bool,
+    /// etcd lists one more member than there are control planes.
+    pub stale_etcd_member: bool,
+}
+
+impl Default for Facts {
+    fn default() -> Self {
+        Facts {
+            kube_proxy_ready: true,
+            coredns_ready: true,
+            stale_etcd_member: false,
+        }
+    }
+}
+
+/// `POST /_sim/k8s`: each field given replaces the fact.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FactsSwitch {
+    kube_proxy_ready: Option<bool>,
+    coredns_ready: Option<bool>,
+    stale_etcd_member: Option<bool>,
+}
+
+pub(super) async fn facts_switch(
+    State(cluster): State<Arc<Cluster>>,
+    axum::Json(req): axum::Json<FactsSwitch>,
+) -> ControlReply {
+    let mut f = cluster.facts.lock().unwrap();
+    if let Some(v) = req.kube_proxy_ready {
+        f.kube_proxy_ready = v;
+    }
+    if let Some(v) = req.coredns_ready {
+        f.coredns_ready = v;
+    }
+    if let Some(v) = req.stale_etcd_member {
+        f.stale_etcd_member = v;
+    }
+    (axum::http::StatusCode::OK, axum::Json(json!(*f)))
+}
+
+/// The Ready message of a kubelet whose runtime has no network plugin.
+const NO_CNI: &str = "container runtime network not ready: NetworkReady=false reason:NetworkPluginNotReady message:Network plugin returns error: cni plugin not initialized";
+
+/// A registered Kubernetes node: its name, whether it is Ready, cordoned.
+struct Registered {
+    name: String,
+    ready: bool,
+    cni: bool,
+    cordoned: bool,
+}
+
+impl Cluster {
+    /// The nodes the API server lists now.
+    fn registered(&self, now: Instant) -> Vec<Registered> {
+        let api_up = self.api_up_at();
+        // A CNI runs once a control plane's config brought one.
+        let cni = self.all().iter().any(|n| {
+            let st = n.st.lock().unwrap();
+            st.applied
+                .as_ref()
+                .is_some_and(|a| a.control_plane && a.cni && reached(st.configured_at, now))
+        });
+        (0..self.count())
+            .filter_map(|i| {
+                let registered = self.kubelet_healthy_at(i)?.max(api_up?);
+                if now < registered {
+                    return None;
+                }
+                let node = self.node(i);
+                let cordoned = node.st.lock().unwrap().day2.life.cordoned;
+                Some(Registered {
+                    name: node.display_name(),
+                    ready: cni && now >= registered + ms(self.args.ready_delay),
+                    cni,
+                    cordoned,
+                })
+            })
+            .collect()
+    }
+
+    /// Whether a control plane's config turns an addon off
+    /// (`cluster.proxy.disabled`, `cluster.coreDNS.disabled`).
+    fn addon_disabled(&self, key: &str) -> bool {
+        self.all().iter().any(|n| {
+            let st = n.st.lock().unwrap();
+            st.applied.as_ref().is_some_and(|a| {
+                a.control_plane && a.v1alpha1["cluster"][key]["disabled"] == json!(true)
+            })
+        })
+    }
+}
+
+pub(super) async fn nodes(
+    State(cluster): State<Arc<Cluster>>,
+) -> Result<axum::Json<Value>, Infallible> {
+    let items: Vec<Value> = cluster
+        .registered(Instant::now())
+        .into_iter()
+        .map(|r| {
+            // The kubelet's Ready condition (kubernetes pkg/kubelet/nodestatus
+            // setters.go ReadyCondition): without a network plugin it names
+            // the runtime's NetworkReady error.
+            let condition = if r.ready {
+                json!({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"})
+            } else if !r.cni {
+                json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": NO_CNI})
+            } else {
+                json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "kubelet is starting"})
+            };
+            json!({
+                "metadata": {"name": r.name},
+                "spec": {"unschedulable": r.cordoned},
+                "status": {"conditions": [condition]},
+            })
+        })
+        .collect();
+    Ok(axum::Json(
+        json!({"kind": "NodeList", "apiVersion": "v1", "items": items}),
+    ))
+}
+
+#[derive(serde::Deserialize)]
+pub(super) struct Selector {
+    #[serde(rename = "labelSelector")]
+    label_selector: Option<String>,
+}
+
+/// The `k8s-app` a selector asks for: `Some(None)` for no selector,
+/// `None` for one this API does not match anything with.
+fn app_of(sel: &Selector) -> Option<Option<&str>> {
+    match sel.label_selector.as_deref() {
+        None | Some("") => Some(None),
+        Some(s) => s.strip_prefix("k8s-app=").map(Some),
+    }
+}
+
+fn list(kind: &str, items: Vec<Value>) -> axum::Json<Value> {
+    axum::Json(json!({"kind": kind, "apiVersion": "v1", "items": items}))
+}
+
+/// kube-proxy pods (one per registered node) and CoreDNS pods (two, once a
+/// node is Ready), each Ready as the facts say.
+pub(super) async fn pods(
+    State(cluster): State<Arc<Cluster>>,
+    Query(sel): Query<Selector>,
+) -> axum::Json<Value> {
+    let Some(app) = app_of(&sel) else {
+        return list("PodList", Vec::new());
+    };
+    let facts = cluster.facts.lock().unwrap().clone();
+    let nodes = cluster.registered(Instant::now());
+    let pod = |name: String, app: &str, node: &str, ready: bool| {
+        json!({
+            "metadata": {"name": name, "namespace": "kube-system", "labels": {"k8s-app": app}},
+            "spec": {"nodeName": node},
+            "status": {"phase": "Running", "conditions": [
+                {"type": "Ready", "status": if ready { "True" } else { "False" }}
+            ]},
+        })
+    };
+    let mut items = Vec::new();
+    if app.is_none_or(|a| a == "kube-proxy") && !cluster.addon_disabled("proxy") {
+        for (k, n) in nodes.iter().enumerate() {
+            items.push(pod(
+                format!("kube-proxy-{k:05}"),
+                "kube-proxy",
+                &n.name,
+                facts.kube_proxy_ready,
+            ));
+        }
+    }
+    if app.is_none_or(|a| a == "kube-dns") && !cluster.addon_disabled("coreDNS") {
+        let ready: Vec<&Registered> = nodes.iter().filter(|n| n.ready).collect();
+        for k in 0..2 {
+            if let Some(n) = ready.get(k % ready.len().max(1)) {
+                items.push(pod(
+                    format!("coredns-{k}"),
+                    "kube-dns",
+                    &n.name,
+                    facts.coredns_ready,
+                ));
+            }
+        }
+    }
+    list("PodList", items)
+}
+
+pub(super) async fn daemonsets(
+    State(cluster): State<Arc<Cluster>>,
+    Query(sel): Query<Selector>,
+) -> axum::Json<Value> {
+    let wanted = app_of(&sel).is_some_and(|a| a.is_none_or(|a| a == "kube-proxy"));
+    if !wanted || cluster.addon_disabled("proxy") {
+        return list("DaemonSetList", Vec::new());
+    }
+    let desired = cluster.registered(Instant::now()).len();
+    let ready = if cluster.facts.lock().unwrap().kube_proxy_ready {
+        desired
+    } else {
+        0
+    };
+    list(
+        "DaemonSetList",
+        vec![json!({
+            "metadata": {"name": "kube-proxy", "namespace": "kube-system", "labels": {"k8s-app": "kube-proxy"}},
+            "status": {"desiredNumberScheduled": desired, "numberReady": ready},
+        })],
+    )
+}
+
+pub(super) async fn deployments(
+    State(cluster): State<Arc<Cluster>>,
+    Query(sel): Query<Selector>,
+) -> axum::Json<Value> {
+    let wanted = app_of(&sel).is_some_and(|a| a.is_none_or(|a| a == "kube-dns"));
+    if !wanted || cluster.addon_disabled("coreDNS") {
+        return list("DeploymentList", Vec::new());
+    }
+    let ready = if cluster.facts.lock().unwrap().coredns_ready {
+        2
+    } else {
+        0
+    };
+    list(
+        "DeploymentList",
+        vec![json!({
+            "metadata": {"name": "coredns", "namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}},
+            "spec": {"replicas": 2},
+            "status": {"readyReplicas": ready},
+        })],
+    )
+}
