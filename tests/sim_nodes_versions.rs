@@ -296,7 +296,11 @@ async fn upgrade_pulls_before_the_ack_and_a_short_deadline_cancels_it_v1_11_2_to
         matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled),
         "{e:?}"
     );
-    assert!(t.elapsed() < Duration::from_millis(2500), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        t.elapsed()
+    );
     tokio::time::sleep(Duration::from_millis(800)).await;
     let d = c.day2("worker-01");
     assert_eq!(
@@ -314,7 +318,11 @@ async fn upgrade_pulls_before_the_ack_and_a_short_deadline_cancels_it_v1_11_2_to
     let t = Instant::now();
     let ack = c.machine(21).await.upgrade(req).await.unwrap().into_inner();
     assert_eq!(ack.messages[0].ack, "Upgrade request received");
-    assert!(t.elapsed() >= Duration::from_millis(700), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(700),
+        "{:?}",
+        t.elapsed()
+    );
     assert_eq!(c.version(21).await, "v1.11.2", "still draining");
     assert_eq!(c.day2("worker-01")["cordoned"], true);
     let second = c.next_boot(21, &first).await;
@@ -362,7 +370,11 @@ async fn two_etcd_members_refuse_unless_forced_and_preserve_skips_from_v1_12_9_v
         let case = format!("{version} preserve={preserve} force={force}: {r:?} {d}");
         if acked {
             assert!(r.is_ok(), "{case}");
-            assert_eq!(d["upgrades"], before["upgrades"].as_u64().unwrap() + 1, "{case}");
+            assert_eq!(
+                d["upgrades"],
+                before["upgrades"].as_u64().unwrap() + 1,
+                "{case}"
+            );
             c.next_boot(11, &boot).await;
             tokio::time::sleep(Duration::from_millis(400)).await;
         } else {
@@ -453,9 +465,16 @@ async fn machine_files_need_a_reboot_on_v1_11_5_and_apply_immediately_on_v1_14_0
         "{}",
         dry.mode_details
     );
-    assert!(dry.mode_details.contains("+    op: create"), "{}", dry.mode_details);
+    assert!(
+        dry.mode_details.contains("+    op: create"),
+        "{}",
+        dry.mode_details
+    );
     let sysctl_only = c.config("worker-11", false, &sysctls);
-    let dry = c.apply(21, &sysctl_only, Mode::NoReboot, true).await.unwrap();
+    let dry = c
+        .apply(21, &sysctl_only, Mode::NoReboot, true)
+        .await
+        .unwrap();
     assert_eq!(dry.mode, Mode::NoReboot as i32);
     // AUTO becomes REBOOT: persisted, then a reboot into it.
     let first = c.boot_id(21).await.unwrap();
@@ -469,15 +488,25 @@ async fn machine_files_need_a_reboot_on_v1_11_5_and_apply_immediately_on_v1_14_0
         r.mode_details
     );
     c.next_boot(21, &first).await;
-    let dry = c.apply(21, &with_files, Mode::NoReboot, true).await.unwrap();
-    assert!(dry.mode_details.ends_with("No changes."), "{}", dry.mode_details);
+    let dry = c
+        .apply(21, &with_files, Mode::NoReboot, true)
+        .await
+        .unwrap();
+    assert!(
+        dry.mode_details.ends_with("No changes."),
+        "{}",
+        dry.mode_details
+    );
     let d = c.day2("worker-11");
     assert_eq!(d["applies_by_mode"], json!({"reboot": 1}), "{d}");
     assert_eq!(d["timeline"][0]["why"], "apply", "{d}");
 
     // v1.14.0: no CanApplyImmediate, no REBOOT mode, AUTO is NO_REBOOT.
     let with_files = c.config("worker-14", false, &files);
-    let dry = c.apply(22, &with_files, Mode::NoReboot, true).await.unwrap();
+    let dry = c
+        .apply(22, &with_files, Mode::NoReboot, true)
+        .await
+        .unwrap();
     assert!(
         dry.mode_details.starts_with(
             "Dry run summary:\nApplied configuration without a reboot (skipped in dry-run)."
@@ -485,7 +514,10 @@ async fn machine_files_need_a_reboot_on_v1_11_5_and_apply_immediately_on_v1_14_0
         "{}",
         dry.mode_details
     );
-    let e = c.apply(22, &with_files, Mode::Reboot, true).await.unwrap_err();
+    let e = c
+        .apply(22, &with_files, Mode::Reboot, true)
+        .await
+        .unwrap_err();
     assert_eq!(
         (e.code(), e.message()),
         (
@@ -497,19 +529,32 @@ async fn machine_files_need_a_reboot_on_v1_11_5_and_apply_immediately_on_v1_14_0
     let r = c.apply(22, &with_files, Mode::Auto, false).await.unwrap();
     assert_eq!(
         (r.mode, r.mode_details.as_str()),
-        (Mode::NoReboot as i32, "Applied configuration without a reboot")
+        (
+            Mode::NoReboot as i32,
+            "Applied configuration without a reboot"
+        )
     );
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(c.boot_id(22).await.unwrap(), boot, "no reboot on v1.14");
-    let dry = c.apply(22, &with_files, Mode::NoReboot, true).await.unwrap();
-    assert!(dry.mode_details.ends_with("No changes."), "{}", dry.mode_details);
+    let dry = c
+        .apply(22, &with_files, Mode::NoReboot, true)
+        .await
+        .unwrap();
+    assert!(
+        dry.mode_details.ends_with("No changes."),
+        "{}",
+        dry.mode_details
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_boot_id_changes_on_every_reboot_v1_12_9() {
     let c = Cluster::start(5, &[], &[("worker-01", 21, false, "v1.12.9")]).await;
     let mut ids = vec![c.boot_id(21).await.unwrap()];
-    for mode in [reboot_request::Mode::Powercycle, reboot_request::Mode::Default] {
+    for mode in [
+        reboot_request::Mode::Powercycle,
+        reboot_request::Mode::Default,
+    ] {
         let r = c
             .machine(21)
             .await
@@ -542,13 +587,10 @@ async fn a_second_apply_meets_the_apply_lock_on_v1_14_0_not_on_v1_11_5() {
     let sysctls = ["sysctls:", "  vm.max_map_count: \"262144\""];
     for (name, host, locks) in [("worker-14", 22, true), ("worker-11", 21, false)] {
         let config = c.config(name, false, &sysctls);
-        let (a, b) = tokio::join!(
-            c.apply(host, &config, Mode::NoReboot, false),
-            async {
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                c.apply(host, &config, Mode::NoReboot, false).await
-            }
-        );
+        let (a, b) = tokio::join!(c.apply(host, &config, Mode::NoReboot, false), async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            c.apply(host, &config, Mode::NoReboot, false).await
+        });
         assert!(a.is_ok(), "{name}: {a:?}");
         if locks {
             let e = b.unwrap_err();
@@ -579,7 +621,12 @@ async fn any_non_try_request_even_a_dry_run_cancels_a_pending_try_v1_11_5() {
             nanos: 0,
         }),
     };
-    let r = c.machine(21).await.apply_configuration(try_for(2)).await.unwrap();
+    let r = c
+        .machine(21)
+        .await
+        .apply_configuration(try_for(2))
+        .await
+        .unwrap();
     assert!(
         r.into_inner().messages[0]
             .mode_details
@@ -588,14 +635,26 @@ async fn any_non_try_request_even_a_dry_run_cancels_a_pending_try_v1_11_5() {
     assert_eq!(c.day2("worker-01")["try_pending"], true);
     // A NO_REBOOT dry run (what a status check sends) cancels the rollback.
     let dry = c.apply(21, &tried, Mode::NoReboot, true).await.unwrap();
-    assert!(dry.mode_details.ends_with("No changes."), "{}", dry.mode_details);
+    assert!(
+        dry.mode_details.ends_with("No changes."),
+        "{}",
+        dry.mode_details
+    );
     let d = c.day2("worker-01");
-    assert_eq!((&d["try_pending"], &d["try_cancellations"]), (&json!(false), &json!(1)), "{d}");
+    assert_eq!(
+        (&d["try_pending"], &d["try_cancellations"]),
+        (&json!(false), &json!(1)),
+        "{d}"
+    );
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let d = c.day2("worker-01");
     assert_eq!(d["try_rollbacks"], 0, "{d}");
     let dry = c.apply(21, &tried, Mode::NoReboot, true).await.unwrap();
-    assert!(dry.mode_details.ends_with("No changes."), "kept: {}", dry.mode_details);
+    assert!(
+        dry.mode_details.ends_with("No changes."),
+        "kept: {}",
+        dry.mode_details
+    );
 
     // Left alone, a TRY rolls back.
     let other = c.config("worker-01", false, &["sysctls:", "  a.b: \"2\""]);
@@ -604,9 +663,17 @@ async fn any_non_try_request_even_a_dry_run_cancels_a_pending_try_v1_11_5() {
     c.machine(21).await.apply_configuration(req).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let d = c.day2("worker-01");
-    assert_eq!((&d["try_rollbacks"], &d["try_cancellations"]), (&json!(1), &json!(1)), "{d}");
+    assert_eq!(
+        (&d["try_rollbacks"], &d["try_cancellations"]),
+        (&json!(1), &json!(1)),
+        "{d}"
+    );
     let dry = c.apply(21, &tried, Mode::NoReboot, true).await.unwrap();
-    assert!(dry.mode_details.ends_with("No changes."), "rolled back: {}", dry.mode_details);
+    assert!(
+        dry.mode_details.ends_with("No changes."),
+        "rolled back: {}",
+        dry.mode_details
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -667,7 +734,10 @@ async fn lifecycle_upgrade_installs_for_the_next_boot_from_v1_13_not_below() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
-    let e = ImageServiceClient::new(ch).pull(pull.clone()).await.unwrap_err();
+    let e = ImageServiceClient::new(ch)
+        .pull(pull.clone())
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
 
     let ch = c.channel(22).await.unwrap();
@@ -712,7 +782,11 @@ async fn lifecycle_upgrade_installs_for_the_next_boot_from_v1_13_not_below() {
     c.next_boot(22, &first).await;
     assert_eq!(c.version(22).await, "v1.13.6");
     let d = c.day2("worker-13");
-    assert_eq!((&d["lifecycle_upgrades"], &d["upgrades"]), (&json!(2), &json!(1)), "{d}");
+    assert_eq!(
+        (&d["lifecycle_upgrades"], &d["upgrades"]),
+        (&json!(2), &json!(1)),
+        "{d}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -749,6 +823,9 @@ async fn stock_nodes_have_no_schematic_and_a_read_can_fail_v1_11_5() {
     };
     assert_eq!(count(21).await.unwrap(), 0, "stock: no schematic extension");
     assert_eq!(count(22).await.unwrap(), 1);
-    c.post("node", json!({"node": "worker-02", "schematic_read_fails": true}));
+    c.post(
+        "node",
+        json!({"node": "worker-02", "schematic_read_fails": true}),
+    );
     assert_eq!(count(22).await.unwrap_err().code(), Code::Unavailable);
 }

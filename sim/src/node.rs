@@ -1242,8 +1242,12 @@ async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
     };
     let routes = tonic::service::Routes::new(MachineServiceServer::new(api.clone()))
         .add_service(StorageServiceServer::new(api.clone()))
-        .add_service(api::machine::lifecycle_service_server::LifecycleServiceServer::new(api.clone()))
-        .add_service(api::machine::image_service_server::ImageServiceServer::new(api.clone()))
+        .add_service(
+            api::machine::lifecycle_service_server::LifecycleServiceServer::new(api.clone()),
+        )
+        .add_service(api::machine::image_service_server::ImageServiceServer::new(
+            api.clone(),
+        ))
         .add_service(api::cosi::resource::state_server::StateServer::new(api))
         .prepare();
     let conn = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())

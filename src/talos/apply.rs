@@ -79,38 +79,63 @@ pub fn summary_reboots(mode_details: &str) -> bool {
         .contains("with a reboot")
 }
 
-/// The YAML paths the diff's changed lines sit under, two levels deep
-/// (`machine.files`), from the context the unified diff carries.
-pub fn changed_fields(diff: &str) -> Vec<String> {
-    let mut stack: Vec<(usize, String)> = Vec::new();
+/// The fields a diff changes, two levels deep (`machine.files`): each
+/// changed key whose enclosing keys did not change too, under the context
+/// the diff carries, else found in the rendered config's `machine` or
+/// `cluster` section.
+pub fn changed_fields(diff: &str, rendered: &[u8]) -> Vec<String> {
+    let text = String::from_utf8_lossy(rendered);
+    let docs: Vec<serde_yaml_ng::Value> = serde_yaml_ng::Deserializer::from_str(&text)
+        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
+        .collect();
+    let section_of = |key: &str| {
+        ["machine", "cluster"].into_iter().find(|s| {
+            docs.iter()
+                .any(|d| d[*s].as_mapping().is_some_and(|m| m.contains_key(key)))
+        })
+    };
+    // (indent, key, changed) of the lines enclosing the current one.
+    let mut stack: Vec<(usize, String, bool)> = Vec::new();
     let mut out: Vec<String> = Vec::new();
     for line in diff.lines() {
         if line.starts_with("+++") || line.starts_with("---") || line.starts_with("@@") {
             continue;
         }
         let (changed, body) = match line.chars().next() {
-            Some('+') | Some('-') => (true, &line[1..]),
+            Some('+' | '-') => (true, &line[1..]),
             Some(' ') => (false, &line[1..]),
             _ => (false, line),
         };
-        let indent = body.len() - body.trim_start().len();
-        let text = body.trim_start().trim_start_matches("- ");
-        let Some((key, _)) = text.split_once(':') else {
+        let mut indent = body.len() - body.trim_start().len();
+        let mut rest = body.trim_start();
+        while let Some(r) = rest.strip_prefix("- ") {
+            indent += 2;
+            rest = r.trim_start();
+        }
+        let Some((key, _)) = rest.split_once(':') else {
             continue;
         };
         if key.is_empty() || key.contains(' ') {
             continue;
         }
-        while stack.last().is_some_and(|(i, _)| *i >= indent) {
+        while stack.last().is_some_and(|(i, _, _)| *i >= indent) {
             stack.pop();
         }
-        stack.push((indent, key.to_owned()));
-        if changed {
-            let path: Vec<&str> = stack.iter().take(2).map(|(_, k)| k.as_str()).collect();
-            let path = crate::input::excerpt(&path.join("."), 80);
-            if !out.contains(&path) {
-                out.push(path);
-            }
+        let inside_change = stack.iter().any(|(_, _, c)| *c);
+        stack.push((indent, key.to_owned(), changed));
+        if !changed || inside_change {
+            continue;
+        }
+        let mut path: Vec<&str> = stack.iter().map(|(_, k, _)| k.as_str()).collect();
+        if path.len() == 1
+            && let Some(section) = section_of(key)
+        {
+            path.insert(0, section);
+        }
+        path.truncate(2);
+        let path = crate::input::excerpt(&path.join("."), 80);
+        if !out.contains(&path) {
+            out.push(path);
         }
     }
     out
@@ -234,7 +259,7 @@ pub async fn run(
         match c {
             Ok(c) => {
                 let fields = if c.needs_reboot {
-                    changed_fields(&c.diff)
+                    changed_fields(&c.diff, &node.config)
                 } else {
                     Vec::new()
                 };
@@ -327,6 +352,13 @@ mod tests {
     #[test]
     fn the_fields_come_from_the_diffs_context() {
         let diff = "--- a\n+++ b\n@@ -1,5 +1,9 @@\n machine:\n     type: worker\n+    files:\n+        - content: x\n+          path: /var/etc/x\n     kubelet:\n-        image: a\n+        image: b\n";
-        assert_eq!(changed_fields(diff), ["machine.files", "machine.kubelet"]);
+        assert_eq!(
+            changed_fields(diff, b""),
+            ["machine.files", "machine.kubelet"]
+        );
+        // Without context: the rendered config says where a key lives.
+        let bare = "+  files:\n+  - path: /var/etc/motd\n+    op: create\n";
+        let rendered = b"version: v1alpha1\nmachine:\n  files: []\ncluster: {}\n";
+        assert_eq!(changed_fields(bare, rendered), ["machine.files"]);
     }
 }

@@ -490,10 +490,14 @@ fn refused(e: &ApiError, run: &RunOptions) -> String {
             "the node did not pull the installer within {:?} (--pull-timeout)",
             run.pull_timeout
         ),
-        ApiError::Status { code, .. } if *code == tonic::Code::DeadlineExceeded => format!(
-            "the node did not pull the installer within {:?} (--pull-timeout)",
-            run.pull_timeout
-        ),
+        ApiError::Status { code, message }
+            if *code == tonic::Code::DeadlineExceeded || message.contains("Timeout expired") =>
+        {
+            format!(
+                "the node did not pull the installer within {:?} (--pull-timeout)",
+                run.pull_timeout
+            )
+        }
         other => format!("Upgrade refused: {}", one_line(&other.to_string())),
     }
 }

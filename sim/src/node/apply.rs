@@ -138,9 +138,11 @@ impl Api {
                     "Applied configuration with a reboot",
                     Some(why),
                 ),
-                (ApplyMode::Reboot, _) => {
-                    (ApplyMode::Reboot, "Applied configuration with a reboot", None)
-                }
+                (ApplyMode::Reboot, _) => (
+                    ApplyMode::Reboot,
+                    "Applied configuration with a reboot",
+                    None,
+                ),
                 (ApplyMode::Staged, _) => (
                     ApplyMode::Staged,
                     "Staged configuration to be applied after the next reboot",

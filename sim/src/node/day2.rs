@@ -176,7 +176,15 @@ impl Api {
     ) -> Result<Vec<Resource>, Status> {
         let i = self.state_target(req)?;
         if namespace == RUNTIME && kind == EXTENSION_STATUS {
-            if self.cluster.node(i).st.lock().unwrap().day2.schematic_read_fails {
+            if self
+                .cluster
+                .node(i)
+                .st
+                .lock()
+                .unwrap()
+                .day2
+                .schematic_read_fails
+            {
                 return Err(Status::unavailable(
                     "error listing resources: the runtime state is not available",
                 ));

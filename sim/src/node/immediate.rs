@@ -73,7 +73,12 @@ pub(crate) fn blocking_fields(current: &Value, new: &Value) -> Option<Vec<String
         return None;
     }
     let mut paths = Vec::new();
-    differing(&Value::Object(cur.clone()), &Value::Object(masked), "", &mut paths);
+    differing(
+        &Value::Object(cur.clone()),
+        &Value::Object(masked),
+        "",
+        &mut paths,
+    );
     Some(paths)
 }
 
@@ -86,7 +91,10 @@ fn differing(a: &Value, b: &Value, at: &str, out: &mut Vec<String>) {
             keys.sort();
             keys.dedup();
             for k in keys {
-                let (va, vb) = (x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null));
+                let (va, vb) = (
+                    x.get(k).unwrap_or(&Value::Null),
+                    y.get(k).unwrap_or(&Value::Null),
+                );
                 if va != vb {
                     differing(va, vb, &format!("{at}.{k}"), out);
                 }
@@ -112,7 +120,10 @@ mod tests {
         new["debug"] = json!(true);
         assert_eq!(blocking_fields(&cur, &new), None);
         for (key, value) in [
-            ("files", json!([{"path": "/var/f", "content": "x", "op": "create"}])),
+            (
+                "files",
+                json!([{"path": "/var/f", "content": "x", "op": "create"}]),
+            ),
             ("env", json!({"A": "b"})),
             ("udev", json!({"rules": ["x"]})),
         ] {

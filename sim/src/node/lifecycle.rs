@@ -15,8 +15,8 @@ use tonic::{Request, Response, Status};
 
 use super::Api;
 use super::api::machine::image_service_server::ImageService;
-use super::api::machine::lifecycle_service_server::LifecycleService;
 use super::api::machine::lifecycle_service_install_progress::Response as Progress;
+use super::api::machine::lifecycle_service_server::LifecycleService;
 use super::api::machine::*;
 use super::version::Talos;
 

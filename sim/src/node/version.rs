@@ -140,7 +140,11 @@ mod tests {
         ] {
             let t = v(tag);
             assert_eq!(
-                (t.locks_apply(), t.preserve_skips_etcd_checks(), t.checks_immediate()),
+                (
+                    t.locks_apply(),
+                    t.preserve_skips_etcd_checks(),
+                    t.checks_immediate()
+                ),
                 (lock, preserve, immediate),
                 "{tag}"
             );

@@ -14,14 +14,19 @@ use crate::inventory::parse_version;
 /// A Talos version as `(major, minor, patch)`.
 type Version = (u32, u32, u32);
 
-/// The oldest host the installer of Talos `target` accepts: the v1.11
-/// installer refuses hosts older than v1.9.0, v1.12 older than v1.10.0,
-/// v1.13 older than v1.11.0 (siderolabs/talos
+/// The oldest host the installer of Talos `target` accepts
+/// (`MinimumHostUpgradeVersion`, siderolabs/talos
 /// `cmd/installer/pkg/install/preflight.go`, `pkg/machinery/compatibility/
-/// talos111..talos113`); later minors keep the two-minor rule. None below
-/// v1.11 (no such check).
+/// talos19..talos113`): v1.9 and v1.10 refuse hosts older than v1.8.0,
+/// v1.11 older than v1.9.0, v1.12 older than v1.10.0, v1.13 older than
+/// v1.11.0; later minors keep the two-minor rule. None below v1.9 (not
+/// modelled).
 pub fn host_floor(target: Version) -> Option<Version> {
-    (target.0 == 1 && target.1 >= 11).then(|| (1, target.1 - 2, 0))
+    match target {
+        (1, 9 | 10, _) => Some((1, 8, 0)),
+        (1, m, _) if m >= 11 => Some((1, m - 2, 0)),
+        _ => None,
+    }
 }
 
 /// Whether a node on `host` upgrades through `LifecycleService` (Talos
@@ -307,7 +312,8 @@ mod tests {
         assert_eq!(host_floor((1, 11, 5)), Some((1, 9, 0)));
         assert_eq!(host_floor((1, 12, 0)), Some((1, 10, 0)));
         assert_eq!(host_floor((1, 13, 5)), Some((1, 11, 0)));
-        assert_eq!(host_floor((1, 10, 3)), None);
+        assert_eq!(host_floor((1, 10, 3)), Some((1, 8, 0)));
+        assert_eq!(host_floor((1, 8, 3)), None);
     }
 
     #[test]
