@@ -145,7 +145,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         RebootArg::Default => RebootMode::Default,
         RebootArg::Powercycle => RebootMode::Powercycle,
     };
-    let up = upgrade::plan_upgrade(
+    let up = upgrade::decide_upgrade(
         &inv,
         &factory,
         &targets,

@@ -18,7 +18,7 @@ use futures_util::StreamExt;
 use super::bootstrap::{Options, Plan, PlannedNode};
 use super::client::{ApplyMode, Mode, NodeClient};
 use super::health::wait_healthy;
-use super::status::{ConfigState, config_state};
+use super::status::{ConfigState, config_state, diff_of};
 use super::upgrade::{READ_CONCURRENCY, ordered, wait_rebooted};
 use crate::inventory::Role;
 
@@ -55,20 +55,6 @@ pub struct ApplyOutcome {
     /// Why nothing was applied (`--mode no-reboot` and a change needing a reboot).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub refused: Option<String>,
-}
-
-/// The diff in a dry run's mode details: what follows "Config diff:",
-/// empty for "No changes.".
-pub fn diff_of(mode_details: &str) -> String {
-    let diff = mode_details
-        .split_once("Config diff:")
-        .map_or(mode_details, |(_, d)| d)
-        .trim();
-    if diff == "No changes." {
-        String::new()
-    } else {
-        diff.to_owned()
-    }
 }
 
 /// Whether a dry run's summary says the node would reboot for it.

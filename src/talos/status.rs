@@ -124,6 +124,20 @@ pub enum ConfigState {
     NeedsReboot,
 }
 
+/// The diff in a dry run's mode details: what follows "Config diff:",
+/// empty for "No changes.".
+pub fn diff_of(mode_details: &str) -> String {
+    let diff = mode_details
+        .split_once("Config diff:")
+        .map_or(mode_details, |(_, d)| d)
+        .trim();
+    if diff == "No changes." {
+        String::new()
+    } else {
+        diff.to_owned()
+    }
+}
+
 /// Whether an error is Talos v1.9–v1.13 refusing a change in immediate
 /// mode (`CanApplyImmediate`: "this config change can't be applied in
 /// immediate mode"): the change needs a reboot.
@@ -138,7 +152,7 @@ pub async fn config_state(conn: &NodeClient, node: &PlannedNode) -> Result<Confi
         .apply_mode(node.config.clone(), ApplyMode::Try, true)
         .await
     {
-        Ok(details) if super::apply::diff_of(&details).is_empty() => Ok(ConfigState::InSync),
+        Ok(details) if diff_of(&details).is_empty() => Ok(ConfigState::InSync),
         Ok(_) => Ok(ConfigState::Differs),
         Err(e) if needs_reboot_error(&e) => Ok(ConfigState::NeedsReboot),
         Err(e) => Err(e),

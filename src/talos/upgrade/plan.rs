@@ -8,8 +8,109 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::{Record, Running, Wanted};
+use std::path::Path;
+
 use crate::inventory::parse_version;
+use crate::talos::client::RebootMode;
+
+/// What a node should run after the upgrade.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Wanted {
+    /// `v1.11.5`.
+    pub version: String,
+    /// The installer image (factory host + `<platform>-installer/<base ID>:<version>`).
+    pub installer: String,
+    /// The base schematic ID (without META) the installer installs.
+    pub schematic: String,
+    /// The node's own schematic (with META): a factory-route node reports
+    /// it until its first upgrade on the base installer, and runs what the
+    /// inventory asks for all the same.
+    pub own_schematic: String,
+}
+
+/// What a node runs now.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Running {
+    pub version: Option<String>,
+    pub schematic: Option<String>,
+    /// Why the node could not tell (unreachable, call failed).
+    pub error: Option<String>,
+}
+
+impl Running {
+    /// Whether the node runs `wanted` already.
+    pub fn is(&self, wanted: &Wanted) -> bool {
+        self.version.as_deref() == Some(wanted.version.as_str()) && self.schematic_is(wanted)
+    }
+
+    /// Whether the node runs the wanted schematic (the base one, or its
+    /// own with META, as a factory-route node does before any upgrade).
+    pub fn schematic_is(&self, wanted: &Wanted) -> bool {
+        self.schematic
+            .as_deref()
+            .is_some_and(|s| s == wanted.schematic || s == wanted.own_schematic)
+    }
+}
+
+/// What `upgrade` installed on each node, kept in the state dir
+/// (`upgrades.json`, by node): the running schematic for nodes that cannot
+/// report theirs (an image without the factory's `schematic` extension).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Record {
+    pub nodes: BTreeMap<String, Installed>,
+    /// The path (versions, the target last) a node is on while a run moves
+    /// it through several minors: a rerun after a stop resumes it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub paths: BTreeMap<String, Vec<String>>,
+}
+
+/// One node's entry in the [`Record`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Installed {
+    pub version: String,
+    pub schematic: String,
+    pub installer: String,
+}
+
+impl Record {
+    /// The record at `path`; an absent or unreadable one is empty (it is a
+    /// fallback, never the only source).
+    pub fn load(path: &Path) -> Record {
+        std::fs::read(path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    /// Writes the record atomically (0600, beside the secrets).
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        crate::atomic::write_if_changed(path, &text, true).map(|_| ())
+    }
+
+    /// What is left of the path `node` was on, while it runs a version of
+    /// it and the path still ends at `target`.
+    pub fn resume(&self, node: &str, host: &str, target: &str) -> Option<Vec<String>> {
+        let path = self.paths.get(node)?;
+        if path.last().map(String::as_str) != Some(target) {
+            return None;
+        }
+        let at = path.iter().position(|v| v == host)?;
+        let rest = path[at + 1..].to_vec();
+        (!rest.is_empty()).then_some(rest)
+    }
+
+    /// Fills in `running`'s schematic from the record when the node did not
+    /// report one and runs the version the record says it installed.
+    pub fn fill(&self, node: &str, running: &mut Running) {
+        if running.schematic.is_none()
+            && let Some(i) = self.nodes.get(node)
+            && running.version.as_deref() == Some(i.version.as_str())
+        {
+            running.schematic = Some(i.schematic.clone());
+        }
+    }
+}
 
 /// A Talos version as `(major, minor, patch)`.
 type Version = (u32, u32, u32);
@@ -143,7 +244,7 @@ pub struct UpgradePlan {
     pub nodes: Vec<NodePlan>,
     /// `--force`: the etcd checks are skipped.
     pub force: bool,
-    pub reboot_mode: super::RebootMode,
+    pub reboot_mode: RebootMode,
     /// How many etcd members there are (from the nodes, else the inventory's
     /// control planes).
     pub etcd_members: usize,
@@ -193,7 +294,7 @@ pub fn decide(
     record: &Record,
     etcd_members: usize,
     force: bool,
-    reboot_mode: super::RebootMode,
+    reboot_mode: RebootMode,
     installer_at: &dyn Fn(&str, &str) -> String,
 ) -> UpgradePlan {
     let mut nodes = Vec::new();
@@ -376,7 +477,7 @@ mod tests {
             &Record::default(),
             members,
             force,
-            super::super::RebootMode::Default,
+            RebootMode::Default,
             &|_, v| format!("f/metal-installer/b:{v}"),
         )
     }
