@@ -236,20 +236,20 @@ fn v1_9_to_v1_12_goes_through_each_minor_and_a_stopped_run_resumes() {
 
 #[test]
 fn v1_11_a_first_pull_longer_than_the_call_timeout_upgrades_every_node_once() {
-    // v1.11.2 → v1.11.5. The first pull of the installer takes 2.5 s, the
-    // call timeout is 1 s (the old code gave Upgrade the call timeout, so
+    // v1.11.2 → v1.11.5. The first pull of the installer takes 6 s, the
+    // call timeout is 2 s (the old code gave Upgrade the call timeout, so
     // its deadline cancelled the pull); Upgrade has its own deadline.
     let c = Cluster::five(1, "v1.11.2", "v1.11.2,v1.11.5", &[]);
     c.want("v1.11.5", "");
     for name in &c.names {
-        c.switch(&format!(r#"{{"node":"{name}","pull_ms":2500}}"#));
+        c.switch(&format!(r#"{{"node":"{name}","pull_ms":6000}}"#));
     }
     let o = imgbuild(
         &c.config,
-        &["--output", "json", "upgrade", "--call-timeout", "1s"],
+        &["--output", "json", "upgrade", "--call-timeout", "2s"],
         &["--call-timeout"],
     );
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(o.status.success(), "{}", text(&o.stdout));
     assert_eq!(c.per_node("upgrade_calls"), [1; 5]);
     assert_eq!(c.per_node("upgrades"), [1; 5]);
     assert_eq!(c.per_node("pulls_cancelled"), [0; 5]);
@@ -262,9 +262,9 @@ fn v1_11_a_first_pull_longer_than_the_call_timeout_upgrades_every_node_once() {
         &[
             "upgrade",
             "--call-timeout",
-            "1s",
+            "2s",
             "--pull-timeout",
-            "1s",
+            "2s",
             "cp-01",
         ],
         &["--call-timeout"],
@@ -427,7 +427,7 @@ fn two_control_planes(block: u32, from: &str, to: &str) {
     assert!(json(&o)["notes"][0].as_str().unwrap().contains("--force"));
 
     let o = imgbuild(&c.config, &["--output", "json", "upgrade", "--force"], &[]);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(o.status.success(), "{}", text(&o.stdout));
     let report = json(&o);
     for name in &c.names {
         assert_eq!(report["versions"][name], to, "{report}");
