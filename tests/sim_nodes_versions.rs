@@ -7,7 +7,7 @@
 //! registry on loopback answers the installers' manifests.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -466,7 +466,7 @@ async fn machine_files_need_a_reboot_on_v1_11_5_and_apply_immediately_on_v1_14_0
         dry.mode_details
     );
     assert!(
-        dry.mode_details.contains("+    op: create"),
+        dry.mode_details.contains("+      op: create"),
         "{}",
         dry.mode_details
     );

@@ -25,7 +25,7 @@ const TRY_TIMEOUT: Duration = Duration::from_secs(60);
 pub(super) struct TryRollback {
     /// Which TRY this is (a later one replaces it).
     id: u64,
-    previous: Arc<super::Applied>,
+    pub previous: Arc<super::Applied>,
 }
 
 /// A line diff (`-` old, `+` new) by longest common subsequence: enough to

@@ -119,6 +119,11 @@ impl Cluster {
                 // containerd's images live in memory: gone with the boot.
                 st.day2.pulled.clear();
                 let why = (seq.then)(&mut st);
+                // A TRY config was never persisted: the boot runs the one
+                // that was (or what is staged).
+                if let Some(r) = st.day2.try_rollback.take() {
+                    st.applied = Some(r.previous);
+                }
                 let staged = st.day2.staged.take();
                 if let Some(staged) = staged {
                     st.applied = Some(staged);

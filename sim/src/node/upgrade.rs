@@ -441,6 +441,87 @@ mod tests {
         assert_eq!(grpc_deadline(&md), None);
     }
 
+    /// Three control planes configured long ago, etcd bootstrapped on the
+    /// first and healthy everywhere (Talos v1.11.2, the default).
+    fn three_control_planes() -> Arc<Cluster> {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: super::super::Args,
+        }
+        let cli = Cli::parse_from([
+            "sim",
+            "--node",
+            "cp-01=127.0.0.11:controlplane",
+            "--node",
+            "cp-02=127.0.0.12:controlplane",
+            "--node",
+            "cp-03=127.0.0.13:controlplane",
+            "--etcd-delay",
+            "10",
+        ]);
+        let cluster = super::super::new_cluster(cli.args).unwrap();
+        let long_ago = Instant::now() - Duration::from_secs(60);
+        for n in cluster.all() {
+            n.st.lock().unwrap().configured_at = Some(long_ago);
+        }
+        *cluster.boot.lock().unwrap() = Some(super::super::Boot {
+            at: long_ago,
+            node: 0,
+        });
+        cluster
+    }
+
+    #[tokio::test]
+    async fn a_member_down_or_a_stale_one_fails_the_etcd_checks_unless_forced() {
+        let cluster = three_control_planes();
+        let api = Api {
+            cluster: cluster.clone(),
+            me: 0,
+            secure: true,
+        };
+        let image = format!("127.0.0.1:1/metal-installer/{}:v1.11.5", "ab".repeat(32));
+        let request = |force| UpgradeRequest {
+            image: image.clone(),
+            preserve: true,
+            force,
+            ..UpgradeRequest::default()
+        };
+        assert!(cluster.validate_etcd_for_upgrade(Instant::now()).is_ok());
+        cluster.facts.lock().unwrap().stale_etcd_member = true;
+        let e = cluster
+            .validate_etcd_for_upgrade(Instant::now())
+            .unwrap_err();
+        assert!(
+            e.starts_with("etcd member 0000000000001fff is not healthy"),
+            "{e}"
+        );
+        cluster.facts.lock().unwrap().stale_etcd_member = false;
+        // cp-02 is rebooting.
+        cluster.node(1).st.lock().unwrap().down_until =
+            Some(Instant::now() + Duration::from_secs(30));
+        let e = api
+            .upgrade_on(0, &request(false), "v1.11.5", "ab")
+            .unwrap_err();
+        assert!(
+            e.message().starts_with(
+                "error validating etcd for upgrade: etcd member 0000000000001001 is not healthy"
+            ),
+            "{e:?}"
+        );
+        let d = cluster.node(0).st.lock().unwrap().day2.clone();
+        assert_eq!((d.upgrade_refusals, d.upgrades), (1, 0));
+        // Forced: acked, draining on the old version, then the sequence.
+        let ack = api.upgrade_on(0, &request(true), "v1.11.5", "ab").unwrap();
+        assert_eq!(ack.ack, "Upgrade request received");
+        assert_eq!(api.version_tag(0), "v1.11.2");
+        // A second Upgrade while the sequence runs is acked and does nothing.
+        api.upgrade_on(0, &request(true), "v1.11.5", "ab").unwrap();
+        let d = cluster.node(0).st.lock().unwrap().day2.clone();
+        assert_eq!((d.upgrades, d.sequences_locked), (2, 1));
+    }
+
     #[tokio::test]
     async fn an_installer_the_registry_does_not_serve_is_refused() {
         // Nothing listens on port 1: the pull fails, as containerd's would.

@@ -37,7 +37,7 @@ impl Talos {
     }
 
     /// `minor`, at least its `patch`.
-    fn from_patch(&self, minor: u64, patch: u64) -> bool {
+    fn patch_of(&self, minor: u64, patch: u64) -> bool {
         self.major == 1 && self.minor == minor && self.patch >= patch
     }
 
@@ -52,14 +52,14 @@ impl Talos {
     /// `applyConfigMu.TryLock` in `ApplyConfiguration`: v1.14, backported
     /// to v1.12.9 and v1.13.3.
     pub fn locks_apply(&self) -> bool {
-        self.from_patch(12, 9) || self.from_patch(13, 3) || self.at_least(14, 0)
+        self.patch_of(12, 9) || self.patch_of(13, 3) || self.at_least(14, 0)
     }
 
     /// `!in.GetForce() && !in.GetPreserve()` guards the etcd checks in
     /// `Upgrade` from v1.12.9, v1.13.4 and v1.14 (talos commit 89e307e);
     /// before, only `force` skips them.
     pub fn preserve_skips_etcd_checks(&self) -> bool {
-        self.from_patch(12, 9) || self.from_patch(13, 4) || self.at_least(14, 0)
+        self.patch_of(12, 9) || self.patch_of(13, 4) || self.at_least(14, 0)
     }
 
     /// `api/machine/lifecycle.proto` exists from v1.13.0.
@@ -74,7 +74,8 @@ impl Talos {
     /// Talos logs before it reverts.
     pub fn installer_accepts(&self, host: &Talos) -> Result<(), String> {
         // (installer minor, MinimumHostUpgradeVersion, MaximumHostDowngradeVersion)
-        const BOUNDS: [(u64, (u64, u64), (u64, u64)); 6] = [
+        type MajorMinor = (u64, u64);
+        const BOUNDS: [(u64, MajorMinor, MajorMinor); 6] = [
             (9, (1, 8), (1, 11)),
             (10, (1, 8), (1, 12)),
             (11, (1, 9), (1, 13)),
