@@ -150,6 +150,32 @@ impl<'a> Factory<'a> {
         Ok(())
     }
 
+    /// Asks the factory's registry for an installer's manifest
+    /// (`GET /v2/<image>/<id>/manifests/<tag>`, siderolabs/image-factory
+    /// `internal/frontend/http/registry.go`): the factory builds an
+    /// installer on its first request, so a node's pull later finds it
+    /// ready. `installer` is `<host>/<image>/<id>:<tag>` on this factory.
+    pub fn warm_installer(&self, installer: &str) -> Result<(), FactoryError> {
+        let reply = |message: String| FactoryError::Reply {
+            url: installer.to_owned(),
+            message,
+        };
+        let (_, path) = installer
+            .split_once('/')
+            .ok_or_else(|| reply("not <host>/<image>/<id>:<tag>".into()))?;
+        let (repo, tag) = path
+            .rsplit_once(':')
+            .ok_or_else(|| reply("no :<tag>".into()))?;
+        let url = format!("{}/v2/{repo}/manifests/{tag}", self.base);
+        self.call(&|| {
+            self.client.get(&url).header(
+                "accept",
+                "application/vnd.oci.image.index.v1+json, application/vnd.oci.image.manifest.v1+json",
+            )
+        })?;
+        Ok(())
+    }
+
     /// `/image/{id}/{version}/{file}`: a boot asset such as `kernel-amd64`
     /// or `initramfs-amd64.xz`.
     pub fn asset_url(&self, id: &SchematicId, version: &str, file: &str) -> String {

@@ -1,3 +1,4 @@
+#![allow(clippy::disallowed_macros)] // boot timings and refusals go to the test harness's stderr
 //! Real firmware boots the per-node ISOs of imgbuild's patch route: the
 //! factory simulator makes the base ISO as Talos does (grub-mkrescue over
 //! Debian's cloud kernel and a busybox initramfs; below v1.12 dual-boot,

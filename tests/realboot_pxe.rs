@@ -1,3 +1,4 @@
+#![allow(clippy::disallowed_macros)] // boot timings and refusals go to the test harness's stderr
 //! Real iPXE boots `imgbuild pxe` output: QEMU's iPXE ROM (Debian
 //! ipxe-qemu) under SeaBIOS fetches `boot.ipxe` from QEMU's TFTP server (the
 //! served folder as imgbuild wrote it), chains the node's script by the MAC

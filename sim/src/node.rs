@@ -175,12 +175,12 @@ mod apply;
 mod boot;
 mod day2;
 mod health;
+mod hostile;
 mod immediate;
 mod lifecycle;
 mod switches;
 mod upgrade;
 mod version;
-mod hostile;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -1,63 +1,129 @@
 //! Day two: `imgbuild upgrade` moves running nodes to the inventory's Talos
 //! version and schematics, `apply` pushes config changes, `status` shows
-//! drift.
+//! drift. Each parses its flags, calls the library and prints what it says.
 
+use super::flags::parse_duration;
 use super::inventory::load_inventory;
 use super::output::{Output, Partial, Reported, outside};
 use super::talos::BootstrapRunArgs;
 use anyhow::{Context, Result};
 use clap::Args;
 use imgbuild::factory::Factory;
+use imgbuild::input::excerpt;
 use imgbuild::talos::client::ApplyMode;
 use imgbuild::talos::stage;
-use imgbuild::talos::upgrade::{self, Wanted};
+use imgbuild::talos::upgrade::plan::{Action, UpgradePlan};
+use imgbuild::talos::upgrade::report::Ending;
+use imgbuild::talos::upgrade::{self, RebootMode, RunOptions};
 use imgbuild::talos::{apply, status};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::Duration;
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RebootArg {
+    /// kexec where the node can.
+    Default,
+    /// A full power cycle through the firmware.
+    Powercycle,
+}
 
 #[derive(Args)]
 pub struct UpgradeArgs {
     /// Nodes to upgrade [default: all], still control planes first.
     nodes: Vec<String>,
-    /// List every node with its version and schematic from → to; send nothing.
+    /// List every node with its version and schematic from → to, and the
+    /// hops on the way; send nothing.
     #[arg(long)]
     dry_run: bool,
     /// Workers upgraded at once (control planes always one at a time).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     parallel: u16,
+    /// Upgrade what Talos refuses by default: a 2-member etcd, which loses
+    /// quorum while a control plane reboots.
+    #[arg(long)]
+    force: bool,
+    /// How the node reboots into the new version.
+    #[arg(long, value_enum, default_value = "default")]
+    reboot_mode: RebootArg,
+    /// The call that makes a node pull the installer (Talos pulls before it
+    /// answers; a new installer is built by the factory first).
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    pull_timeout: Duration,
+    /// Per node and hop: from the request until the node runs its new boot
+    /// (drain, install, reboot).
+    #[arg(long, default_value = "30m", value_parser = parse_duration)]
+    upgrade_timeout: Duration,
     #[command(flatten)]
     run: BootstrapRunArgs,
     #[command(flatten)]
     download: super::build::DownloadArgs,
 }
 
-/// Each node's target: the inventory's version and the installer of its
-/// base schematic (without META), registered at the factory, which must
-/// offer the version and every extension. Contacts no node.
-fn targets(
-    inv: &imgbuild::inventory::Inventory,
-    fetch: &imgbuild::fetch::FetchOptions,
-) -> Result<BTreeMap<String, Wanted>> {
-    let client = imgbuild::fetch::client(fetch);
-    let factory = Factory::new(&inv.image.factory, &client).with_retry(fetch.retry_policy());
-    let mut extensions: Vec<String> = inv.image.extensions.clone();
-    for n in &inv.nodes {
-        extensions.extend(n.extensions.iter().cloned());
+/// A node's string on one line, escaped and bounded.
+fn shown(s: Option<&str>) -> String {
+    s.map_or_else(|| "?".to_owned(), outside)
+}
+
+/// The dry run's document and lines.
+fn print_plan(up: &UpgradePlan, output: Output) {
+    let rows: Vec<serde_json::Value> = up
+        .nodes
+        .iter()
+        .map(|n| {
+            json!({
+                "node": n.node,
+                "from": {"version": n.from.version, "schematic": n.from.schematic},
+                "to": {"version": n.to.version, "schematic": n.to.schematic, "installer": n.to.installer},
+                "upgrade": n.action == Action::Upgrade,
+                "action": n.action,
+                "hops": n.hops,
+                "api": n.api,
+                "error": n.from.error.clone().or(n.problem.clone()),
+            })
+        })
+        .collect();
+    match output {
+        Output::Json => outln!(
+            "{}",
+            json!({"dryRun": true, "nodes": rows, "force": up.force,
+                   "rebootMode": up.reboot_mode, "etcdMembers": up.etcd_members,
+                   "notes": up.notes, "refusal": up.refusal})
+        ),
+        Output::Text => {
+            for n in &up.nodes {
+                let path: Vec<&str> = n.hops.iter().map(|h| h.version.as_str()).collect();
+                let what = match n.action {
+                    Action::Done => " (done)".to_owned(),
+                    Action::SchematicUnknown => " (on the target; schematic: unknown)".to_owned(),
+                    Action::Blocked => " (blocked)".to_owned(),
+                    Action::Upgrade if path.len() > 1 => format!(" via {}", path.join(" → ")),
+                    Action::Upgrade => String::new(),
+                };
+                outln!(
+                    "{}: {} → {}, schematic {} → {}{what}",
+                    n.node,
+                    shown(n.from.version.as_deref()),
+                    n.to.version,
+                    n.from
+                        .schematic
+                        .as_deref()
+                        .map_or("unknown".into(), |s| shown(Some(s))),
+                    n.to.schematic,
+                );
+                if let Some(e) = n.problem.as_deref().or(n.from.error.as_deref()) {
+                    outln!("    not read from the node: {}", shown(Some(e)));
+                }
+            }
+            for note in &up.notes {
+                outln!("note: {note}");
+            }
+            if let Some(r) = &up.refusal {
+                outln!("refused: {r}");
+            }
+        }
     }
-    extensions.sort();
-    extensions.dedup();
-    factory
-        .check_available(&inv.cluster.talos_version, &extensions)
-        .context("the factory cannot provide the upgrade")?;
-    for node in &inv.nodes {
-        // The factory serves installers only for schematics posted to it;
-        // `register` also checks that its ID is ours.
-        factory
-            .register(&imgbuild::schematic::node::base_for_node(inv, node))
-            .with_context(|| format!("node {}: registering its schematic", node.name))?;
-    }
-    Ok(upgrade::wanted(inv)?)
 }
 
 pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
@@ -65,7 +131,10 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     for name in &args.nodes {
         inv.node(name)?;
     }
-    let wanted = targets(&inv, &args.download.options())?;
+    let fetch = args.download.options();
+    let client = imgbuild::fetch::client(&fetch);
+    let factory = Factory::new(&inv.image.factory, &client).with_retry(fetch.retry_policy());
+    let targets = upgrade::targets(&inv, &factory)?;
     let mut opts = args.run.options();
     if args.dry_run {
         // A dry run sends no config: unset `${NAME}`s need not be given.
@@ -76,57 +145,39 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         .transpose()?;
     let limits = opts.limits.clone();
     let prepared = stage::prepare(&inv, &opts)?;
-    let plan = &prepared.plan;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let record_path = prepared.state_dir.upgrades_path();
+    let reboot_mode = match args.reboot_mode {
+        RebootArg::Default => RebootMode::Default,
+        RebootArg::Powercycle => RebootMode::Powercycle,
+    };
+    let up = upgrade::decide_upgrade(
+        &inv,
+        &factory,
+        &targets,
+        &prepared.plan,
+        &args.nodes,
+        &upgrade::Record::load(&record_path),
+        args.force,
+        reboot_mode,
+        &limits,
+    )?;
     if args.dry_run {
-        let order = upgrade::ordered(plan, &args.nodes);
-        let record = upgrade::Record::load(&record_path(&prepared.state_dir));
-        let mut rows = Vec::new();
-        for node in order {
-            let now = runtime.block_on(upgrade::running(plan, node, &record, &limits));
-            let to = &wanted[&node.name];
-            rows.push(json!({
-                "node": node.name,
-                "from": {"version": now.version, "schematic": now.schematic},
-                "to": {"version": to.version, "schematic": to.schematic, "installer": to.installer},
-                "upgrade": !now.is(to),
-                "error": now.error,
-            }));
-        }
-        match output {
-            Output::Json => outln!("{}", json!({"dryRun": true, "nodes": rows})),
-            Output::Text => {
-                for r in &rows {
-                    let show = |v: &serde_json::Value| outside(v.as_str().unwrap_or("?"));
-                    outln!(
-                        "{}: {} → {}, schematic {} → {}{}",
-                        show(&r["node"]),
-                        show(&r["from"]["version"]),
-                        show(&r["to"]["version"]),
-                        show(&r["from"]["schematic"]),
-                        show(&r["to"]["schematic"]),
-                        if r["upgrade"] == true { "" } else { " (done)" }
-                    );
-                    if let Some(e) = r["error"].as_str() {
-                        outln!("    not read from the node: {}", outside(e));
-                    }
-                }
-            }
+        print_plan(&up, output);
+        if let Some(r) = &up.refusal {
+            return Err(Reported(r.clone()).into());
         }
         // A node that could not say what it runs is not known to be fine.
-        let unread: Vec<&str> = rows
+        let unread: Vec<&str> = up
+            .nodes
             .iter()
-            .filter(|r| !r["error"].is_null())
-            .filter_map(|r| r["node"].as_str())
+            .filter(|n| n.action == Action::Blocked)
+            .map(|n| n.node.as_str())
             .collect();
         if unread.is_empty() {
             return Ok(());
         }
-        let message = format!("could not read what {} run(s)", unread.join(", "));
-        return Err(if unread.len() < rows.len() {
+        let message = format!("could not read or plan {}", unread.join(", "));
+        return Err(if unread.len() < up.nodes.len() {
             Partial(message).into()
         } else {
             Reported(message).into()
@@ -137,63 +188,57 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
             errln!("{node}: {}", outside(what));
         }
     };
-    let outcome = runtime.block_on(upgrade::run(
-        plan,
-        &wanted,
-        &args.nodes,
-        usize::from(args.parallel),
-        &record_path(&prepared.state_dir),
+    let run = RunOptions {
+        pull_timeout: args.pull_timeout,
+        node_timeout: args.upgrade_timeout,
+        parallel: usize::from(args.parallel),
+    };
+    let report = upgrade::execute(
+        &factory,
+        &prepared.plan,
+        &up,
+        &record_path,
+        &run,
         &limits,
         &progress,
-    ));
-    if let Some(e) = &outcome.record_error
-        && output == Output::Text
-    {
-        errln!("warning: the upgrade record was not written: {e}");
+    )?;
+    if output == Output::Text {
+        if let Some(e) = &report.record_error {
+            errln!("warning: the upgrade record was not written: {e}");
+        }
+        for note in &report.notes {
+            errln!("note: {note}");
+        }
     }
-    let failed = outcome
-        .failed
-        .as_ref()
-        .map(|(node, why)| json!({"node": node, "error": why}));
     match output {
-        Output::Json => outln!(
-            "{}",
-            json!({
-                "upgraded": outcome.upgraded,
-                "unchanged": outcome.unchanged,
-                "untouched": outcome.untouched,
-                "failed": failed,
-                "versions": outcome.versions,
-            })
-        ),
+        Output::Json => outln!("{}", json!(report)),
         Output::Text => {
-            for (node, v) in &outcome.versions {
-                outln!("{node}: {}", outside(v.as_deref().unwrap_or("unreachable")));
+            for (node, v) in &report.versions {
+                let unknown = if report.schematic_unknown.contains(node) {
+                    " (schematic: unknown)"
+                } else {
+                    ""
+                };
+                outln!(
+                    "{node}: {}{unknown}",
+                    outside(v.as_deref().unwrap_or("unreachable"))
+                );
             }
         }
     }
-    match outcome.failed {
-        None => Ok(()),
-        Some((node, why)) if outcome.upgraded.is_empty() => {
-            Err(Reported(format!("node {node}: {why}")).into())
-        }
-        Some((node, why)) => Err(Partial(format!(
-            "node {node}: {why}; upgraded: {}; not touched: {}",
-            outcome.upgraded.join(", "),
-            if outcome.untouched.is_empty() {
-                "none".to_owned()
-            } else {
-                outcome.untouched.join(", ")
-            }
-        ))
-        .into()),
+    match report.ending() {
+        Ending::Ok => Ok(()),
+        Ending::Failed(m) => Err(Reported(m).into()),
+        Ending::Partial(m) => Err(Partial(m).into()),
     }
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum ModeArg {
-    /// Talos decides; a configured node applies without a reboot.
+    /// Talos decides: live where it can, else (v1.9–v1.13) with a reboot,
+    /// one node at a time.
     Auto,
+    /// Refuse up front any change that needs a reboot.
     NoReboot,
     /// Kept for the next reboot.
     Staged,
@@ -208,6 +253,9 @@ pub struct ApplyArgs {
     dry_run: bool,
     #[arg(long, value_enum, default_value = "auto")]
     mode: ModeArg,
+    /// Per node that reboots for its change: until its new boot answers.
+    #[arg(long, default_value = "30m", value_parser = parse_duration)]
+    reboot_timeout: Duration,
     #[command(flatten)]
     run: BootstrapRunArgs,
 }
@@ -254,6 +302,7 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
         &args.nodes,
         mode,
         args.dry_run,
+        args.reboot_timeout,
         &opts.limits,
     ));
     if !args.dry_run && outcome.nodes.iter().any(|n| n.applied) {
@@ -269,20 +318,28 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
         Output::Json => outln!("{}", json!(outcome)),
         Output::Text => {
             for n in &outcome.nodes {
-                let state = match (n.changed, n.applied) {
-                    (false, _) => "no change",
-                    (true, true) => "applied",
-                    (true, false) => "would change",
+                let state = match (n.changed, n.applied, n.needs_reboot) {
+                    (false, _, _) => "no change",
+                    (true, true, true) => "applied, rebooted",
+                    (true, true, false) => "applied",
+                    (true, false, true) => "would change, needs a reboot",
+                    (true, false, false) => "would change",
                 };
                 outln!("{}: {state}", n.node);
                 for line in n.diff.lines() {
-                    outln!("    {line}");
+                    outln!("    {}", excerpt(line, 400));
                 }
             }
             for f in &outcome.failed {
                 outln!("{}: FAILED: {}", f.node, outside(&f.error));
             }
+            if let Some(r) = &outcome.refused {
+                outln!("refused: {}", outside(r));
+            }
         }
+    }
+    if let Some(r) = outcome.refused {
+        return Err(Reported(r).into());
     }
     if outcome.failed.is_empty() {
         return Ok(());
@@ -327,7 +384,7 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
         Output::Json => outln!("{}", json!({"nodes": rows, "drift": drift})),
         Output::Text => {
             let short = |s: &Option<String>| {
-                s.as_deref().map_or("-".to_owned(), |s| {
+                s.as_deref().map_or("unknown".to_owned(), |s| {
                     outside(&s.chars().take(12).collect::<String>())
                 })
             };
@@ -347,20 +404,46 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                 "READY"
             );
             for r in &rows {
+                let version = r
+                    .version
+                    .as_deref()
+                    .map_or("-".to_owned(), |v| shown(Some(v)));
                 outln!(
                     "{:<12} {:<9} {:<20} {:<27} {:<7} {:<5} {}",
                     r.node,
                     if r.reachable { "yes" } else { "NO" },
-                    format!("{} ({})", short(&r.version), r.wanted_version),
+                    format!("{version} ({})", r.wanted_version),
                     format!(
                         "{} ({})",
                         short(&r.schematic),
                         short(&Some(r.wanted_schematic.clone()))
                     ),
-                    yes(r.config_in_sync),
+                    if r.config_needs_reboot {
+                        "REBOOT"
+                    } else {
+                        yes(r.config_in_sync)
+                    },
                     yes(r.etcd_member),
                     yes(r.ready)
                 );
+            }
+            for r in &rows {
+                if let Some(e) = &r.error {
+                    let what = if r.reachable { "" } else { "not reachable: " };
+                    outln!("{}: {what}{}", r.node, shown(Some(e)));
+                }
+                if r.reachable && r.schematic.is_none() {
+                    outln!(
+                        "{}: schematic: unknown (the node does not report one)",
+                        r.node
+                    );
+                }
+                if r.config_needs_reboot {
+                    outln!(
+                        "{}: the config change needs a reboot (imgbuild apply reboots it)",
+                        r.node
+                    );
+                }
             }
             print_drift(&drift);
             print_fingerprinted(&rows);

@@ -21,11 +21,16 @@ pub fn installer_for(inv: &Inventory, node: &NodeSpec) -> Result<String, EmitErr
 
 /// The installer of schematic `id` for `inv`'s factory, platform and Talos version.
 pub fn installer_of(inv: &Inventory, id: &SchematicId) -> String {
+    installer_at(inv, id, &inv.cluster.talos_version)
+}
+
+/// The installer of schematic `id` at Talos `version` (an upgrade's hop).
+pub fn installer_at(inv: &Inventory, id: &SchematicId, version: &str) -> String {
     installer_ref(
         registry_host(&inv.image.factory),
         &inv.image.platform,
         id,
-        &inv.cluster.talos_version,
+        version,
     )
 }
 

@@ -67,27 +67,25 @@ impl PatchVars {
     /// The `(name, value)` pairs `text` refers to as `${NAME}`: what the
     /// redaction set must hide wherever a rendered config shows.
     pub fn referenced_in<'a>(&'a self, text: &str) -> Vec<(&'a str, &'a str)> {
-        self.0
+        self.values
             .iter()
             .filter(|(name, _)| text.contains(&format!("${{{name}}}")))
             .map(|(n, v)| (n.as_str(), v.as_str()))
             .collect()
     }
-}
 
-impl fmt::Debug for PatchVars {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_set().entries(self.values.keys()).finish()
-    }
-}
-
-impl PatchVars {
     /// For read-only commands (`status`, dry runs): a `${NAME}` that is not
     /// set is rendered as a placeholder, and the node's value there is
     /// compared by its recorded fingerprint ([`Fingerprints::compare`]).
     pub fn comparing_unset(mut self) -> PatchVars {
         self.placeholders = true;
         self
+    }
+}
+
+impl fmt::Debug for PatchVars {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.values.keys()).finish()
     }
 }
 

@@ -164,17 +164,21 @@ impl Kubeconfig {
     /// Every registered node and its Ready condition.
     /// Blocking: call it off the async runtime.
     pub fn node_readiness(&self, timeout: Duration) -> Result<Vec<NodeReady>, KubeError> {
+        Ok(readiness(&self.get_json("/api/v1/nodes", timeout)?))
+    }
+
+    /// One GET of the API (`path` with its query), its reply as JSON,
+    /// bounded like a node list. Blocking: call it off the async runtime.
+    pub fn get_json(&self, path: &str, timeout: Duration) -> Result<serde_json::Value, KubeError> {
         let api = |message: String| KubeError::Api {
             server: self.server.clone(),
             message,
         };
-        let url = format!("{}/api/v1/nodes", self.server.trim_end_matches('/'));
+        let url = format!("{}{path}", self.server.trim_end_matches('/'));
         let reply =
             net::send_once(self.client(timeout)?.get(&url)).map_err(|e| api(e.to_string()))?;
         let body = net::read_limited(reply, NODE_LIST_LIMIT).map_err(|e| api(e.to_string()))?;
-        let list: serde_json::Value = serde_json::from_slice(&body)
-            .map_err(|e| api(format!("node list is not JSON: {e}")))?;
-        Ok(readiness(&list))
+        serde_json::from_slice(&body).map_err(|e| api(format!("{path}: not JSON: {e}")))
     }
 }
 

@@ -1,14 +1,21 @@
 //! `imgbuild status`: each node against the inventory, read from the
-//! nodes themselves: reachable, Talos version, schematic, config in sync
-//! (the node's dry-run diff is empty), etcd member, Kubernetes Ready.
-//! `up` reports drift from the same rows.
+//! nodes themselves, all at once (bounded): reachable, Talos version,
+//! schematic, config in sync, etcd member, Kubernetes Ready. `up` reports
+//! drift from the same rows. Nothing here changes a node: the config is
+//! compared with a TRY dry run, the one request that does not cancel a
+//! pending TRY rollback (siderolabs/talos
+//! `internal/app/machined/internal/server/v1alpha1/v1alpha1_server.go`,
+//! `CancelConfigRollbackTimeout` for every other mode, dry runs included).
 
 use std::collections::BTreeMap;
 
-use super::bootstrap::{Options, Plan};
-use super::client::{ApplyMode, Mode, NodeClient};
+use futures_util::StreamExt;
+
+use super::bootstrap::{Options, Plan, PlannedNode};
+use super::client::{ApiError, ApplyMode, Mode, NodeClient};
 use super::config::Fingerprints;
-use super::upgrade::{Record, Wanted, kube_ready, running};
+use super::health::kube_nodes;
+use super::upgrade::{READ_CONCURRENCY, Record, Running, Wanted, running};
 use crate::inventory::Role;
 
 /// One node's row.
@@ -19,18 +26,23 @@ pub struct NodeStatus {
     pub reachable: bool,
     pub version: Option<String>,
     pub wanted_version: String,
+    /// None when the node cannot tell (no `schematic` extension: stock
+    /// Talos, or the read failed): unknown, which is not different.
     pub schematic: Option<String>,
     pub wanted_schematic: String,
     /// Whether the running schematic is the wanted one (base, or the node's
-    /// own with META before its first upgrade).
+    /// own with META before its first upgrade); true when unknown.
     pub schematic_in_sync: bool,
     /// None when the node could not be asked.
     pub config_in_sync: Option<bool>,
+    /// The config change needs a reboot (Talos v1.9–v1.13 refuse it in
+    /// immediate mode): `imgbuild apply` reboots the node.
+    pub config_needs_reboot: bool,
     /// Control planes only: whether etcd lists it as a member.
     pub etcd_member: Option<bool>,
     /// None when Kubernetes could not be asked.
     pub ready: Option<bool>,
-    /// What went wrong asking the node.
+    /// What went wrong asking the node (why it is not reachable).
     pub error: Option<String>,
     /// `${NAME}`s not set here whose values were compared by the
     /// fingerprint recorded when they were last applied.
@@ -79,12 +91,15 @@ pub async fn collect(
     fingerprints: &Fingerprints,
     opts: &Options,
 ) -> Vec<NodeStatus> {
-    let ready = kube_ready(plan, opts).await.ok();
-    let mut rows = read_nodes(plan, wanted, record, fingerprints, opts).await;
+    let (ready, mut rows) = futures_util::join!(
+        kube_nodes(plan, opts),
+        read_nodes(plan, wanted, record, fingerprints, opts)
+    );
+    let ready = ready.ok();
     for row in &mut rows {
         row.ready = ready
             .as_ref()
-            .map(|list| list.iter().any(|(n, r)| *n == row.node && *r));
+            .map(|list| list.iter().any(|k| k.name == row.node && k.ready));
     }
     rows
 }
@@ -105,7 +120,129 @@ pub async fn drift(
         .collect()
 }
 
-/// Every node's row as the nodes tell it (Ready left unknown).
+/// How a node's config compares with the rendered one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigState {
+    InSync,
+    /// Differs; applies without a reboot.
+    Differs,
+    /// Differs in a way the node applies only with a reboot.
+    NeedsReboot,
+}
+
+/// The diff in a dry run's mode details: what follows "Config diff:",
+/// empty for "No changes.".
+pub fn diff_of(mode_details: &str) -> String {
+    let diff = mode_details
+        .split_once("Config diff:")
+        .map_or(mode_details, |(_, d)| d)
+        .trim();
+    if diff == "No changes." {
+        String::new()
+    } else {
+        diff.to_owned()
+    }
+}
+
+/// Whether an error is Talos v1.9–v1.13 refusing a change in immediate
+/// mode (`CanApplyImmediate`: "this config change can't be applied in
+/// immediate mode"): the change needs a reboot.
+pub fn needs_reboot_error(e: &ApiError) -> bool {
+    e.code() == Some(tonic::Code::InvalidArgument) && e.to_string().contains("immediate mode")
+}
+
+/// Compares `node`'s config with the rendered one by a TRY dry run: the
+/// node answers its diff, or refuses a change that needs a reboot.
+pub async fn config_state(conn: &NodeClient, node: &PlannedNode) -> Result<ConfigState, ApiError> {
+    Ok(compared_config_state(conn, node, &Fingerprints::default())
+        .await?
+        .0)
+}
+
+/// [`config_state`] of a config rendered with placeholders for unset
+/// `${NAME}`s, those compared by the fingerprints recorded when they were
+/// last applied; also the names so compared.
+async fn compared_config_state(
+    conn: &NodeClient,
+    node: &PlannedNode,
+    fingerprints: &Fingerprints,
+) -> Result<(ConfigState, Vec<String>), ApiError> {
+    match conn
+        .apply_mode(node.config.clone(), ApplyMode::Try, true)
+        .await
+    {
+        Ok(details) => {
+            let compared = fingerprints.compare(&diff_of(&details));
+            let state = if compared.in_sync {
+                ConfigState::InSync
+            } else {
+                ConfigState::Differs
+            };
+            Ok((state, compared.by_fingerprint))
+        }
+        Err(e) if needs_reboot_error(&e) => Ok((ConfigState::NeedsReboot, Vec::new())),
+        Err(e) => Err(e),
+    }
+}
+
+/// One node's row as the node tells it, and (control planes) the etcd
+/// members it sees.
+async fn read_node(
+    plan: &Plan,
+    node: &PlannedNode,
+    want: &Wanted,
+    record: &Record,
+    fingerprints: &Fingerprints,
+    opts: &Options,
+) -> (NodeStatus, Option<Vec<String>>) {
+    let mode = Mode::Mtls(plan.identity.clone());
+    let now: Running = running(plan, node, record, opts).await;
+    let mut row = NodeStatus {
+        node: node.name.clone(),
+        role: if node.role == Role::Controlplane {
+            "controlplane"
+        } else {
+            "worker"
+        }
+        .into(),
+        reachable: now.version.is_some(),
+        schematic_in_sync: now.schematic.is_none() || now.schematic_is(want),
+        version: now.version,
+        wanted_version: want.version.clone(),
+        schematic: now.schematic,
+        wanted_schematic: want.schematic.clone(),
+        config_in_sync: None,
+        config_needs_reboot: false,
+        etcd_member: None,
+        ready: None,
+        error: now.error,
+        compared_by_fingerprint: Vec::new(),
+    };
+    let mut members = None;
+    if row.reachable
+        && let Ok(conn) = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await
+    {
+        match compared_config_state(&conn, node, fingerprints).await {
+            Ok((state, by_fingerprint)) => {
+                row.config_in_sync = Some(state == ConfigState::InSync);
+                row.config_needs_reboot = state == ConfigState::NeedsReboot;
+                row.compared_by_fingerprint = by_fingerprint;
+            }
+            Err(e) => row.error = Some(format!("config diff: {e}")),
+        }
+        if node.role == Role::Controlplane {
+            members = conn
+                .etcd_members()
+                .await
+                .ok()
+                .map(|m| m.into_iter().map(|m| m.hostname).collect());
+        }
+    }
+    (row, members)
+}
+
+/// Every node's row as the nodes tell it (Ready left unknown), all nodes
+/// at once (bounded).
 async fn read_nodes(
     plan: &Plan,
     wanted: &BTreeMap<String, Wanted>,
@@ -113,58 +250,16 @@ async fn read_nodes(
     fingerprints: &Fingerprints,
     opts: &Options,
 ) -> Vec<NodeStatus> {
-    let mode = Mode::Mtls(plan.identity.clone());
-    let mut members: Option<Vec<String>> = None;
-    let mut rows = Vec::new();
-    for node in &plan.nodes {
-        let want = &wanted[&node.name];
-        let now = running(plan, node, record, opts).await;
-        let schematic_ok = now.schematic_is(want);
-        let mut row = NodeStatus {
-            node: node.name.clone(),
-            role: if node.role == Role::Controlplane {
-                "controlplane"
-            } else {
-                "worker"
-            }
-            .into(),
-            reachable: now.version.is_some(),
-            version: now.version,
-            wanted_version: want.version.clone(),
-            schematic: now.schematic,
-            wanted_schematic: want.schematic.clone(),
-            schematic_in_sync: schematic_ok,
-            config_in_sync: None,
-            etcd_member: None,
-            ready: None,
-            error: now.error,
-            compared_by_fingerprint: Vec::new(),
-        };
-        if row.reachable
-            && let Ok(conn) = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await
-        {
-            match conn
-                .apply_mode(node.config.clone(), ApplyMode::NoReboot, true)
-                .await
-            {
-                Ok(details) => {
-                    let diff = super::apply::diff_of(&details);
-                    let compared = fingerprints.compare(&diff);
-                    row.config_in_sync = Some(compared.in_sync);
-                    row.compared_by_fingerprint = compared.by_fingerprint;
-                }
-                Err(e) => row.error = Some(format!("config diff: {e}")),
-            }
-            if node.role == Role::Controlplane && members.is_none() {
-                members = conn
-                    .etcd_members()
-                    .await
-                    .ok()
-                    .map(|m| m.into_iter().map(|m| m.hostname).collect());
-            }
-        }
-        rows.push(row);
-    }
+    let read: Vec<(NodeStatus, Option<Vec<String>>)> = futures_util::stream::iter(
+        plan.nodes
+            .iter()
+            .map(|node| read_node(plan, node, &wanted[&node.name], record, fingerprints, opts)),
+    )
+    .buffered(READ_CONCURRENCY)
+    .collect()
+    .await;
+    let members = read.iter().find_map(|(_, m)| m.clone());
+    let mut rows: Vec<NodeStatus> = read.into_iter().map(|(r, _)| r).collect();
     for (row, node) in rows.iter_mut().zip(&plan.nodes) {
         if node.role == Role::Controlplane {
             row.etcd_member = members.as_ref().map(|m| m.contains(&node.name));
@@ -188,6 +283,7 @@ mod tests {
             wanted_schematic: "a".into(),
             schematic_in_sync: true,
             config_in_sync: Some(true),
+            config_needs_reboot: false,
             etcd_member: Some(true),
             ready: Some(true),
             error: None,

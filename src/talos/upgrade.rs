@@ -1,32 +1,29 @@
 //! `imgbuild upgrade`: moves nodes to the inventory's Talos version and
 //! schematic, control planes one at a time first, then the workers, with
-//! the cluster healthy between nodes. A node is done when it runs the
-//! target version and its running schematic is the target; a rerun
-//! continues where a stopped run left off.
+//! the cluster healthy between nodes ([`super::health`]). A node is done
+//! when it runs the target version and its running schematic is the target
+//! (or cannot be told: unknown is not different); a rerun continues where
+//! a stopped run left off, mid-path too. The plan is decided up front
+//! ([`plan`]), what happened is the [`report`].
+
+pub mod plan;
+pub mod report;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::bootstrap::{Options, Plan, PlannedNode};
-use super::client::{ApplyMode, Mode, NodeClient};
-use crate::inventory::Role;
+use futures_util::StreamExt;
 
-/// What a node should run after the upgrade.
-#[derive(Debug, Clone)]
-pub struct Wanted {
-    /// `v1.11.5`.
-    pub version: String,
-    /// The installer image (factory host + `<platform>-installer/<base ID>:<version>`).
-    pub installer: String,
-    /// The base schematic ID (without META) the installer installs.
-    pub schematic: String,
-    /// The node's own schematic (with META): a factory-route node reports
-    /// it until its first upgrade on the base installer, and runs what the
-    /// inventory asks for all the same.
-    pub own_schematic: String,
-}
+use super::bootstrap::{Options, Plan, PlannedNode};
+pub use super::client::RebootMode;
+use super::client::{ApiError, ApplyMode, Mode, NodeClient, UpgradeFlags};
+use super::health::wait_healthy;
+use crate::factory::{Factory, FactoryError};
+use crate::inventory::{Inventory, Role};
+use plan::{Action, Hop, NodePlan, Observed, UpgradePlan};
+pub use plan::{Installed, Record, Running, Wanted};
+use report::{Failure, UpgradeReport};
 
 /// Every node's target, computed here without asking anyone: the
 /// inventory's version and the node's base schematic (without META) with
@@ -55,89 +52,84 @@ pub fn wanted(
         .collect()
 }
 
-/// What a node runs now.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct Running {
-    pub version: Option<String>,
-    pub schematic: Option<String>,
-    /// Why the node could not tell (unreachable, call failed).
-    pub error: Option<String>,
+/// What the run may do beyond the plan.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// The deadline of the call that makes a node pull the installer
+    /// (MachineService.Upgrade acks only after the pull; ImageService.Pull).
+    pub pull_timeout: Duration,
+    /// Per node and hop: from the request until the node runs its new boot.
+    pub node_timeout: Duration,
+    /// Workers upgraded at once (control planes always one at a time).
+    pub parallel: usize,
 }
 
-impl Running {
-    /// Whether the node runs `wanted` already.
-    pub fn is(&self, wanted: &Wanted) -> bool {
-        self.version.as_deref() == Some(wanted.version.as_str()) && self.schematic_is(wanted)
-    }
-
-    /// Whether the node runs the wanted schematic (the base one, or its
-    /// own with META, as a factory-route node does before any upgrade).
-    pub fn schematic_is(&self, wanted: &Wanted) -> bool {
-        self.schematic
-            .as_deref()
-            .is_some_and(|s| s == wanted.schematic || s == wanted.own_schematic)
-    }
-}
-
-/// What `upgrade` installed on each node, kept in the state dir
-/// (`upgrades.json`, by node): the running schematic for nodes that cannot
-/// report theirs (an image without the factory's `schematic` extension).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Record {
-    pub nodes: BTreeMap<String, Installed>,
-}
-
-/// One node's entry in the [`Record`].
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Installed {
-    pub version: String,
-    pub schematic: String,
-    pub installer: String,
-}
-
-impl Record {
-    /// The record at `path`; an absent or unreadable one is empty (it is a
-    /// fallback, never the only source).
-    pub fn load(path: &Path) -> Record {
-        crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or_default()
-    }
-
-    /// Writes the record atomically (0600, beside the secrets).
-    pub fn save(&self, path: &Path) -> std::io::Result<()> {
-        let text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
-        crate::atomic::write_if_changed(path, &text, true).map(|_| ())
-    }
-
-    /// Fills in `running`'s schematic from the record when the node did not
-    /// report one and runs the version the record says it installed.
-    pub fn fill(&self, node: &str, running: &mut Running) {
-        if running.schematic.is_none()
-            && let Some(i) = self.nodes.get(node)
-            && running.version.as_deref() == Some(i.version.as_str())
-        {
-            running.schematic = Some(i.schematic.clone());
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            pull_timeout: Duration::from_secs(600),
+            node_timeout: Duration::from_secs(1800),
+            parallel: 1,
         }
     }
 }
 
-/// What a run did.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct UpgradeOutcome {
-    /// Upgraded by this run, in order.
-    pub upgraded: Vec<String>,
-    /// Already at the target.
-    pub unchanged: Vec<String>,
-    /// The node that failed and why; nodes after it were not touched.
-    pub failed: Option<(String, String)>,
-    /// Not reached because of the failure.
-    pub untouched: Vec<String>,
-    /// What each selected node runs at the end, by node.
-    pub versions: BTreeMap<String, Option<String>>,
-    /// The state dir's record could not be written.
-    pub record_error: Option<String>,
+/// Why `upgrade` could not plan or start.
+#[derive(Debug, thiserror::Error)]
+pub enum UpgradeError {
+    #[error("the factory cannot provide the upgrade: {0}")]
+    Factory(#[from] FactoryError),
+    #[error("node {node}: registering its schematic: {source}")]
+    Register { node: String, source: FactoryError },
+    #[error("the hop to {version} on the way: {source}")]
+    Hop {
+        version: String,
+        source: FactoryError,
+    },
+    #[error(transparent)]
+    Emit(#[from] crate::schematic::EmitError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(String),
+}
+
+/// What the factory says, for planning: each node's target and the
+/// versions it offers (for hops).
+#[derive(Debug, Clone)]
+pub struct Targets {
+    pub wanted: BTreeMap<String, Wanted>,
+    pub offered: Vec<String>,
+}
+
+/// Every extension any node of `inv` asks for.
+fn extensions(inv: &Inventory) -> Vec<String> {
+    let mut out: Vec<String> = inv.image.extensions.clone();
+    for n in &inv.nodes {
+        out.extend(n.extensions.iter().cloned());
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Each node's target: the inventory's version and the installer of its
+/// base schematic (without META), registered at the factory, which must
+/// offer the version and every extension. Contacts no node. Blocking.
+pub fn targets(inv: &Inventory, factory: &Factory) -> Result<Targets, UpgradeError> {
+    factory.check_available(&inv.cluster.talos_version, &extensions(inv))?;
+    for node in &inv.nodes {
+        // The factory serves installers only for schematics posted to it;
+        // `register` also checks that its ID is ours.
+        factory
+            .register(&crate::schematic::node::base_for_node(inv, node))
+            .map_err(|source| UpgradeError::Register {
+                node: node.name.clone(),
+                source,
+            })?;
+    }
+    Ok(Targets {
+        wanted: wanted(inv)?,
+        offered: factory.versions()?,
+    })
 }
 
 /// Reads what `node` runs, straight from its API over mTLS (the schematic
@@ -166,6 +158,23 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
     out
 }
 
+/// How many nodes day two reads at once: all of a small cluster, a bounded
+/// number of a large one.
+pub const READ_CONCURRENCY: usize = 16;
+
+/// [`running`] for every node of `nodes` at once (bounded), in order.
+pub async fn running_all(
+    plan: &Plan,
+    nodes: &[&PlannedNode],
+    record: &Record,
+    opts: &Options,
+) -> Vec<Running> {
+    futures_util::stream::iter(nodes.iter().map(|n| running(plan, n, record, opts)))
+        .buffered(READ_CONCURRENCY)
+        .collect()
+        .await
+}
+
 /// Control planes in inventory order, then workers: the order upgrades go in.
 pub fn ordered<'a>(plan: &'a Plan, select: &[String]) -> Vec<&'a PlannedNode> {
     let chosen = |n: &&PlannedNode| select.is_empty() || select.contains(&n.name);
@@ -182,244 +191,521 @@ pub fn ordered<'a>(plan: &'a Plan, select: &[String]) -> Vec<&'a PlannedNode> {
     cps.chain(workers).collect()
 }
 
-/// Whether a TCP connection to `addr` is refused or times out (the node is
-/// rebooting).
-async fn port_closed(addr: SocketAddr) -> bool {
-    !matches!(
-        tokio::time::timeout(
-            Duration::from_millis(500),
-            tokio::net::TcpStream::connect(addr)
+/// The etcd member count from the first control plane that answers, else
+/// the inventory's control planes.
+async fn etcd_members(plan: &Plan, opts: &Options) -> usize {
+    let mode = Mode::Mtls(plan.identity.clone());
+    let cps: Vec<&PlannedNode> = plan
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Controlplane)
+        .collect();
+    for cp in &cps {
+        if let Ok(c) = NodeClient::connect(&cp.endpoint, &mode, opts.call_timeout).await
+            && let Ok(m) = c.etcd_members().await
+        {
+            return m.len();
+        }
+    }
+    cps.len()
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, UpgradeError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| UpgradeError::Runtime(e.to_string()))
+}
+
+/// Reads the selected nodes (all at once) and decides the plan; checks
+/// that the factory offers every hop's version with the extensions.
+/// Touches no node. Blocking.
+#[allow(clippy::too_many_arguments)]
+pub fn decide_upgrade(
+    inv: &Inventory,
+    factory: &Factory,
+    targets: &Targets,
+    plan: &Plan,
+    select: &[String],
+    record: &Record,
+    force: bool,
+    reboot_mode: RebootMode,
+    opts: &Options,
+) -> Result<UpgradePlan, UpgradeError> {
+    let order = ordered(plan, select);
+    let (now, members) = runtime()?.block_on(async {
+        (
+            running_all(plan, &order, record, opts).await,
+            etcd_members(plan, opts).await,
         )
-        .await,
-        Ok(Ok(_))
+    });
+    let observed: Vec<Observed> = order
+        .iter()
+        .zip(now)
+        .map(|(n, running)| Observed {
+            node: n.name.clone(),
+            control_plane: n.role == Role::Controlplane,
+            running,
+        })
+        .collect();
+    let installer_at = |node: &str, version: &str| {
+        inv.nodes
+            .iter()
+            .find(|n| n.name == node)
+            .and_then(|n| {
+                let base = crate::schematic::node::base_for_node(inv, n)
+                    .canonical()
+                    .ok()?;
+                let id = crate::schematic::id_of(&base);
+                Some(crate::schematic::installer::installer_at(inv, &id, version))
+            })
+            .unwrap_or_default()
+    };
+    let decided = plan::decide(
+        &observed,
+        &targets.wanted,
+        &targets.offered,
+        record,
+        members,
+        force,
+        reboot_mode,
+        &installer_at,
+    );
+    let mut hop_versions: Vec<&str> = decided
+        .nodes
+        .iter()
+        .flat_map(|n| &n.hops)
+        .map(|h| h.version.as_str())
+        .filter(|v| *v != inv.cluster.talos_version.as_str())
+        .collect();
+    hop_versions.sort_unstable();
+    hop_versions.dedup();
+    for v in hop_versions {
+        factory
+            .check_available(v, &extensions(inv))
+            .map_err(|source| UpgradeError::Hop {
+                version: v.to_owned(),
+                source,
+            })?;
+    }
+    Ok(decided)
+}
+
+/// Asks the factory for every installer of the plan once, before the first
+/// node: the factory builds an installer on its first request, and the
+/// nodes then pull what is ready. Blocking. Failures are returned as
+/// notes: the nodes' own pulls still wait for the build.
+pub fn warm(factory: &Factory, plan: &UpgradePlan) -> Vec<String> {
+    plan.installers()
+        .into_iter()
+        .filter_map(|i| {
+            factory
+                .warm_installer(i)
+                .err()
+                .map(|e| format!("warming {i} at the factory: {e}"))
+        })
+        .collect()
+}
+
+/// Whether an error says the node is not who we think (our CA, its name,
+/// its certificate): waiting does not fix it.
+fn is_certificate_error(e: &ApiError) -> bool {
+    matches!(
+        e,
+        ApiError::UnknownAuthority(_)
+            | ApiError::WrongName { .. }
+            | ApiError::PinMismatch { .. }
+            | ApiError::CertificateRequired
     )
 }
 
-/// What still keeps the cluster from being healthy around `node`: every
-/// control plane answers with etcd healthy, `node` has kubelet healthy
-/// and `node` is Ready in Kubernetes.
-async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<String> {
-    let mode = Mode::Mtls(plan.identity.clone());
-    let mut pending = Vec::new();
-    for n in plan
-        .nodes
-        .iter()
-        .filter(|n| n.role == Role::Controlplane || n.name == node.name)
-    {
-        let services = match NodeClient::connect(&n.endpoint, &mode, opts.call_timeout).await {
-            Ok(c) => c.services().await,
-            Err(e) => Err(e),
-        };
-        let services = match services {
-            Ok(s) => s,
-            Err(e) => {
-                pending.push(format!("{}: {e}", n.name));
-                continue;
-            }
-        };
-        let mut wanted = Vec::new();
-        if n.role == Role::Controlplane {
-            wanted.push("etcd");
-        }
-        if n.name == node.name {
-            wanted.push("kubelet");
-        }
-        for id in wanted {
-            let ok = services.iter().any(|s| {
-                s.id == id && s.state == "Running" && s.health.as_ref().is_some_and(|h| h.healthy)
-            });
-            if !ok {
-                pending.push(format!("{}: {id} not healthy", n.name));
-            }
-        }
-    }
-    match kube_ready(plan, opts).await {
-        Ok(list) if list.iter().any(|(n, ready)| *n == node.name && *ready) => {}
-        Ok(_) => pending.push(format!("{}: Kubernetes node not Ready", node.name)),
-        Err(e) => pending.push(format!("Kubernetes: {e}")),
-    }
-    pending
+/// A node string safe for one line of output.
+fn one_line(s: &str) -> String {
+    crate::input::excerpt(&s.replace(['\n', '\r'], " "), 200)
 }
 
-/// Every Kubernetes node and whether it is Ready, through the kubeconfig
-/// the bootstrap wrote into the state dir.
-pub(crate) async fn kube_ready(plan: &Plan, opts: &Options) -> Result<Vec<(String, bool)>, String> {
-    let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
-        .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
-    let kc = super::kube::Kubeconfig::parse(&text).map_err(|e| e.to_string())?;
-    let timeout = opts.call_timeout;
-    let nodes = tokio::task::spawn_blocking(move || kc.node_readiness(timeout))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())?;
-    Ok(nodes.into_iter().map(|n| (n.name, n.ready)).collect())
+/// The boot ID, or None where the node cannot tell (no Read).
+async fn boot_id(conn: &NodeClient) -> Result<Option<String>, ApiError> {
+    match conn.boot_id().await {
+        Ok(id) if !id.is_empty() => Ok(Some(id)),
+        Ok(_) => Ok(None),
+        Err(e) if e.code() == Some(tonic::Code::Unimplemented) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
-/// Waits until [`unhealthy`] has nothing to say, at most `opts.health_timeout`.
-pub(crate) async fn wait_healthy(
+/// Waits until `node` runs a boot other than `old_boot` and answers its
+/// version, at most `timeout`: talosctl's `BootIDChangedPostCheckFn`. A
+/// closed port, a stalled connect or an old-boot answer is "not yet"; a
+/// certificate error is not. Where the boot ID cannot be read, a version
+/// other than `before` stands in for it. Returns the version it runs.
+pub async fn wait_rebooted(
     plan: &Plan,
     node: &PlannedNode,
+    old_boot: Option<&str>,
+    before: &str,
+    timeout: Duration,
     opts: &Options,
-) -> Result<(), String> {
-    let deadline = Instant::now() + opts.health_timeout;
+) -> Result<String, String> {
+    let mode = Mode::Mtls(plan.identity.clone());
+    let deadline = Instant::now() + timeout;
     loop {
-        let pending = unhealthy(plan, node, opts).await;
-        if pending.is_empty() {
-            return Ok(());
-        }
+        let attempt = async {
+            let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await?;
+            let boot = boot_id(&conn).await?;
+            let version = conn.version().await?.tag;
+            Ok::<_, ApiError>((boot, version))
+        };
+        let last = match tokio::time::timeout(opts.call_timeout * 2, attempt).await {
+            Ok(Ok((boot, version))) => {
+                let rebooted = match (old_boot, boot.as_deref()) {
+                    (Some(old), Some(new)) => old != new,
+                    _ => version != before,
+                };
+                if rebooted {
+                    return Ok(version);
+                }
+                format!("still on its old boot ({})", one_line(&version))
+            }
+            Ok(Err(e)) if is_certificate_error(&e) => {
+                return Err(format!(
+                    "{e} (a certificate error does not go away by waiting)"
+                ));
+            }
+            Ok(Err(e)) => one_line(&e.to_string()),
+            Err(_) => "a call stalled".into(),
+        };
         if Instant::now() + opts.poll > deadline {
             return Err(format!(
-                "the cluster did not become healthy within {:?}: {}",
-                opts.health_timeout,
-                pending.join("; ")
+                "did not reboot into a new boot within {timeout:?} ({last})"
             ));
         }
         tokio::time::sleep(opts.poll).await;
     }
 }
 
-/// Upgrades one node: waits for a healthy cluster, sends the Upgrade, sees
-/// the port close and mTLS come back, checks the new version and
-/// schematic (the same old version means the installer failed and Talos
-/// kept running), brings its config to the rendered one, waits for health.
-async fn upgrade_one(
+/// Why the node refused or failed the Upgrade request, in words.
+fn refused(e: &ApiError, run: &RunOptions) -> String {
+    match e {
+        ApiError::Timeout(_) => format!(
+            "the node did not pull the installer within {:?} (--pull-timeout)",
+            run.pull_timeout
+        ),
+        ApiError::Status { code, message }
+            if *code == tonic::Code::DeadlineExceeded || message.contains("Timeout expired") =>
+        {
+            format!(
+                "the node did not pull the installer within {:?} (--pull-timeout)",
+                run.pull_timeout
+            )
+        }
+        other => format!("Upgrade refused: {}", one_line(&other.to_string())),
+    }
+}
+
+/// Sends one hop's request the way the node's version takes it. Returns
+/// once the node has taken it (MachineService: acked; LifecycleService:
+/// installed and Reboot sent).
+#[allow(clippy::too_many_arguments)]
+async fn request_hop(
     plan: &Plan,
     node: &PlannedNode,
-    wanted: &Wanted,
+    host: &str,
+    hop: &Hop,
+    up: &UpgradePlan,
+    run: &RunOptions,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
 ) -> Result<(), String> {
     let mode = Mode::Mtls(plan.identity.clone());
-    wait_healthy(plan, node, opts).await?;
-    let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
-        .await
-        .map_err(|e| e.to_string())?;
-    let before = conn.version().await.map_err(|e| e.to_string())?.tag;
+    // The pull happens inside the call: it gets its own deadline; the
+    // connection itself still gets the call timeout.
+    let puller = tokio::time::timeout(
+        opts.call_timeout,
+        NodeClient::connect(&node.endpoint, &mode, run.pull_timeout),
+    )
+    .await
+    .map_err(|_| format!("connect timed out after {:?}", opts.call_timeout))?
+    .map_err(|e| one_line(&e.to_string()))?;
     progress(
         &node.name,
-        &format!(
-            "upgrading {before} → {} ({})",
-            wanted.version, wanted.installer
-        ),
+        &format!("pulling the installer {}", hop.installer),
     );
-    conn.upgrade(&wanted.installer)
-        .await
-        .map_err(|e| format!("Upgrade refused: {e}"))?;
-    drop(conn);
-    let deadline = Instant::now() + opts.node_timeout;
-    let mut went_down = false;
-    let back = loop {
-        if Instant::now() > deadline {
-            return Err(if went_down {
-                format!("did not come back within {:?}", opts.node_timeout)
-            } else {
-                format!("did not reboot within {:?}", opts.node_timeout)
-            });
+    if plan::uses_lifecycle(host) {
+        match puller.pull(&hop.installer).await {
+            Ok(_) => {
+                progress(&node.name, "installing");
+                let code = puller
+                    .lifecycle_upgrade(&hop.installer, &|m| {
+                        progress(&node.name, &one_line(m));
+                    })
+                    .await
+                    .map_err(|e| refused(&e, run))?;
+                if code != 0 {
+                    return Err(format!(
+                        "the installer exited with {code}; the node keeps running {}",
+                        one_line(host)
+                    ));
+                }
+                let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
+                    .await
+                    .map_err(|e| one_line(&e.to_string()))?;
+                return conn
+                    .reboot(up.reboot_mode)
+                    .await
+                    .map_err(|e| format!("Reboot: {}", one_line(&e.to_string())));
+            }
+            // A node that does not offer the newer API takes the old one.
+            Err(e) if e.code() == Some(tonic::Code::Unimplemented) => {}
+            Err(e) => return Err(refused(&e, run)),
         }
-        if port_closed(node.endpoint.addr).await {
-            went_down = true;
-        } else if went_down
-            && let Ok(c) = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await
-            && let Ok(v) = c.version().await
-        {
-            break (c, v.tag);
-        }
-        tokio::time::sleep(opts.poll.min(Duration::from_millis(200))).await;
-    };
-    let (conn, tag) = back;
-    if tag != wanted.version {
-        return Err(format!(
-            "came back on {tag}, not {}: the installer failed and Talos kept running the old version",
-            wanted.version
-        ));
     }
+    let flags = UpgradeFlags {
+        preserve: plan::sends_preserve(host),
+        force: up.force,
+        reboot_mode: up.reboot_mode,
+    };
+    puller
+        .upgrade(&hop.installer, flags)
+        .await
+        .map(|_| ())
+        .map_err(|e| refused(&e, run))
+}
+
+/// Moves one node through its hops, recording each in `record`.
+#[allow(clippy::too_many_arguments)]
+async fn upgrade_node(
+    plan: &Plan,
+    node: &PlannedNode,
+    np: &NodePlan,
+    up: &UpgradePlan,
+    record: &std::sync::Mutex<(Record, Option<String>)>,
+    record_path: &Path,
+    run: &RunOptions,
+    opts: &Options,
+    progress: &(dyn Fn(&str, &str) + Sync),
+) -> Result<(), String> {
+    let mode = Mode::Mtls(plan.identity.clone());
+    let save = |f: &dyn Fn(&mut Record)| {
+        let mut guard = record.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut guard.0);
+        if let Err(e) = guard.0.save(record_path) {
+            guard.1 = Some(format!("{}: {e}", record_path.display()));
+        }
+    };
+    if np.hops.len() > 1 {
+        let path: Vec<String> = std::iter::once(np.from.version.clone().unwrap_or_default())
+            .chain(np.hops.iter().map(|h| h.version.clone()))
+            .collect();
+        save(&|r: &mut Record| {
+            r.paths.insert(node.name.clone(), path.clone());
+        });
+    }
+    for hop in &np.hops {
+        wait_healthy(plan, node, opts).await?;
+        let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
+            .await
+            .map_err(|e| one_line(&e.to_string()))?;
+        let before = conn
+            .version()
+            .await
+            .map_err(|e| one_line(&e.to_string()))?
+            .tag;
+        let old_boot = boot_id(&conn)
+            .await
+            .map_err(|e| format!("reading the boot ID: {}", one_line(&e.to_string())))?;
+        drop(conn);
+        progress(
+            &node.name,
+            &format!("upgrading {} → {}", one_line(&before), hop.version),
+        );
+        request_hop(plan, node, &before, hop, up, run, opts, progress).await?;
+        progress(&node.name, "waiting for the node to reboot");
+        let now = wait_rebooted(
+            plan,
+            node,
+            old_boot.as_deref(),
+            &before,
+            run.node_timeout,
+            opts,
+        )
+        .await?;
+        if now != hop.version {
+            return Err(format!(
+                "rebooted on {}, not {}: the installer failed and Talos kept the old version",
+                one_line(&now),
+                hop.version
+            ));
+        }
+        save(&|r: &mut Record| {
+            r.nodes.insert(
+                node.name.clone(),
+                Installed {
+                    version: hop.version.clone(),
+                    schematic: np.to.schematic.clone(),
+                    installer: hop.installer.clone(),
+                },
+            );
+        });
+        progress(&node.name, &format!("runs {}", hop.version));
+    }
+    save(&|r: &mut Record| {
+        r.paths.remove(&node.name);
+    });
+    let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
+        .await
+        .map_err(|e| one_line(&e.to_string()))?;
     // A node without the factory's `schematic` extension cannot say; the
     // installer it booted is then the record's word.
-    let schematic = conn.running_schematic().await.map_err(|e| e.to_string())?;
-    if let Some(s) = schematic.filter(|s| *s != wanted.schematic) {
-        return Err(format!("runs schematic {s}, not {}", wanted.schematic));
+    match conn.running_schematic().await {
+        Ok(Some(s)) if s != np.to.schematic && s != np.to.own_schematic => {
+            return Err(format!(
+                "runs schematic {}, not {}",
+                one_line(&s),
+                np.to.schematic
+            ));
+        }
+        Ok(_) => {}
+        Err(e) => {
+            return Err(format!(
+                "upgraded to {}, but its schematic could not be read: {}",
+                np.to.version,
+                one_line(&e.to_string())
+            ));
+        }
     }
     conn.apply_mode(node.config.clone(), ApplyMode::NoReboot, false)
         .await
-        .map_err(|e| format!("applying the rendered config after the upgrade: {e}"))?;
-    wait_healthy(plan, node, opts).await?;
-    progress(&node.name, &format!("runs {tag}"));
-    Ok(())
+        .map_err(|e| {
+            format!(
+                "applying the rendered config after the upgrade: {}",
+                one_line(&e.to_string())
+            )
+        })?;
+    wait_healthy(plan, node, opts).await
 }
 
-/// Upgrades the selected nodes (all when `select` is empty) that do not
-/// run their target yet: control planes one at a time, then workers,
-/// `parallel` at a time; stops at the first failure.
-pub async fn run(
+/// Executes `up`: warms the factory, then control planes one at a time,
+/// then workers `run.parallel` at a time; stops at the first failure.
+/// Nothing runs when the plan refuses. Blocking.
+pub fn execute(
+    factory: &Factory,
     plan: &Plan,
-    wanted: &BTreeMap<String, Wanted>,
-    select: &[String],
-    parallel: usize,
+    up: &UpgradePlan,
     record_path: &Path,
+    run: &RunOptions,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
-) -> UpgradeOutcome {
-    let mut record = Record::load(record_path);
-    let mut outcome = UpgradeOutcome::default();
-    let order = ordered(plan, select);
-    let mut todo = Vec::new();
-    for node in &order {
-        let now = running(plan, node, &record, opts).await;
-        if now.is(&wanted[&node.name]) {
-            outcome.unchanged.push(node.name.clone());
-        } else {
-            todo.push(*node);
+) -> Result<UpgradeReport, UpgradeError> {
+    let mut report = UpgradeReport::default();
+    if let Some(why) = &up.refusal {
+        report.refused = Some(why.clone());
+        return Ok(report);
+    }
+    report.notes = up.notes.clone();
+    if up.has_work() {
+        report.notes.extend(warm(factory, up));
+    }
+    let rt = runtime()?;
+    rt.block_on(run_plan(
+        plan,
+        up,
+        record_path,
+        run,
+        opts,
+        progress,
+        &mut report,
+    ));
+    Ok(report)
+}
+
+async fn run_plan(
+    plan: &Plan,
+    up: &UpgradePlan,
+    record_path: &Path,
+    run: &RunOptions,
+    opts: &Options,
+    progress: &(dyn Fn(&str, &str) + Sync),
+    report: &mut UpgradeReport,
+) {
+    let record = std::sync::Mutex::new((Record::load(record_path), None));
+    let node_of = |name: &str| plan.nodes.iter().find(|n| n.name == name);
+    let mut batches: Vec<Vec<&NodePlan>> = Vec::new();
+    let mut workers = Vec::new();
+    for np in &up.nodes {
+        match np.action {
+            Action::Done => report.unchanged.push(np.node.clone()),
+            Action::SchematicUnknown => report.schematic_unknown.push(np.node.clone()),
+            Action::Upgrade | Action::Blocked if np.control_plane => batches.push(vec![np]),
+            Action::Upgrade | Action::Blocked => workers.push(np),
         }
     }
-    let (cps, workers): (Vec<_>, Vec<_>) =
-        todo.into_iter().partition(|n| n.role == Role::Controlplane);
-    let mut batches: Vec<Vec<&PlannedNode>> = cps.into_iter().map(|n| vec![n]).collect();
-    batches.extend(workers.chunks(parallel.max(1)).map(<[_]>::to_vec));
+    batches.extend(workers.chunks(run.parallel.max(1)).map(<[_]>::to_vec));
     let mut rest = batches.into_iter();
     for batch in rest.by_ref() {
-        let results = futures_util::future::join_all(
-            batch
-                .iter()
-                .map(|n| upgrade_one(plan, n, &wanted[&n.name], opts, progress)),
-        )
+        let results = futures_util::future::join_all(batch.iter().map(|np| async {
+            if np.action == Action::Blocked {
+                return Err(np.problem.clone().unwrap_or_default());
+            }
+            let Some(node) = node_of(&np.node) else {
+                return Err("not in the plan".into());
+            };
+            upgrade_node(
+                plan,
+                node,
+                np,
+                up,
+                &record,
+                record_path,
+                run,
+                opts,
+                progress,
+            )
+            .await
+        }))
         .await;
-        for (n, r) in batch.iter().zip(results) {
+        for (np, r) in batch.iter().zip(results) {
             match r {
-                Ok(()) => {
-                    let w = &wanted[&n.name];
-                    record.nodes.insert(
-                        n.name.clone(),
-                        Installed {
-                            version: w.version.clone(),
-                            schematic: w.schematic.clone(),
-                            installer: w.installer.clone(),
-                        },
-                    );
-                    if let Err(e) = record.save(record_path) {
-                        outcome.record_error = Some(format!("{}: {e}", record_path.display()));
-                    }
-                    outcome.upgraded.push(n.name.clone());
+                Ok(()) => report.upgraded.push(np.node.clone()),
+                Err(error) if report.failed.is_none() => {
+                    report.failed = Some(Failure {
+                        node: np.node.clone(),
+                        error,
+                    })
                 }
-                Err(e) if outcome.failed.is_none() => {
-                    outcome.failed = Some((n.name.clone(), e));
-                }
-                Err(e) => outcome.untouched.push(format!("{} ({e})", n.name)),
+                Err(e) => report.untouched.push(format!("{} ({e})", np.node)),
             }
         }
-        if outcome.failed.is_some() {
+        if report.failed.is_some() {
             break;
         }
     }
-    outcome
+    report
         .untouched
-        .extend(rest.flatten().map(|n| n.name.clone()));
-    for node in &order {
-        outcome.versions.insert(
-            node.name.clone(),
-            running(plan, node, &record, opts).await.version,
-        );
+        .extend(rest.flatten().map(|np| np.node.clone()));
+    let record = record.into_inner().unwrap_or_else(|e| e.into_inner());
+    report.record_error = record.1;
+    let order: Vec<&PlannedNode> = up.nodes.iter().filter_map(|np| node_of(&np.node)).collect();
+    let now = running_all(plan, &order, &record.0, opts).await;
+    for (np, r) in up.nodes.iter().zip(now) {
+        // A node planned as done that no longer runs its target changed
+        // under the run: it is not "unchanged".
+        if np.action == Action::Done && r.version.as_deref() != Some(np.to.version.as_str()) {
+            report.unchanged.retain(|n| *n != np.node);
+            report.changed_during_run.push(format!(
+                "{} ran {} when planned, {} now",
+                np.node,
+                np.to.version,
+                r.version
+                    .as_deref()
+                    .map_or("nothing readable".into(), one_line)
+            ));
+        }
+        report
+            .versions
+            .insert(np.node.clone(), r.version.map(|v| one_line(&v)));
     }
-    outcome
 }
 
 #[cfg(test)]

@@ -1,3 +1,4 @@
+#![allow(clippy::disallowed_macros)] // a skipped test says so on the test harness's stderr
 //! Real firmware and bootloaders for the real-boot tests: Debian's cloud
 //! kernel over a busybox initramfs that prints `/proc/cmdline` to the serial
 //! port (fixtures/realboot.sh), booted by QEMU with SeaBIOS or OVMF from a

@@ -1,0 +1,261 @@
+//! The gate day two passes between nodes: the checks `talosctl health`
+//! runs (siderolabs/talos `pkg/cluster/check/default.go`): etcd healthy on
+//! every control plane, etcd members equal to the control planes, the
+//! node's kubelet healthy, every Kubernetes node Ready and schedulable,
+//! kube-proxy and CoreDNS ready unless the config disables them.
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use super::bootstrap::{Options, Plan, PlannedNode};
+use super::client::{Mode, NodeClient};
+use super::kube::Kubeconfig;
+use crate::inventory::Role;
+
+/// What one Kubernetes node says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubeNode {
+    pub name: String,
+    pub ready: bool,
+    /// `spec.unschedulable`: cordoned.
+    pub cordoned: bool,
+}
+
+/// The add-ons whose pods must be ready, by `k8s-app` label, unless the
+/// config disables them (`cluster.proxy.disabled`, `cluster.coreDNS.disabled`).
+const ADDONS: [(&str, &str, &str); 2] = [
+    ("kube-proxy", "kube-proxy", "proxy"),
+    ("CoreDNS", "kube-dns", "coreDNS"),
+];
+
+/// The kubeconfig the bootstrap wrote into the state dir.
+fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
+    let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
+        .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
+    Kubeconfig::parse(&text).map_err(|e| e.to_string())
+}
+
+/// Every Kubernetes node, Ready and cordoned.
+pub async fn kube_nodes(plan: &Plan, opts: &Options) -> Result<Vec<KubeNode>, String> {
+    let kc = kubeconfig(plan)?;
+    let timeout = opts.call_timeout;
+    let list = tokio::task::spawn_blocking(move || kc.get_json("/api/v1/nodes", timeout))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    Ok(nodes_of(&list))
+}
+
+/// Each item of a `NodeList`.
+fn nodes_of(list: &serde_json::Value) -> Vec<KubeNode> {
+    let items = list["items"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    items
+        .iter()
+        .map(|n| KubeNode {
+            name: n["metadata"]["name"].as_str().unwrap_or("").to_owned(),
+            ready: ready(n),
+            cordoned: n["spec"]["unschedulable"] == true,
+        })
+        .collect()
+}
+
+/// Whether an object's `Ready` condition is `True`.
+fn ready(obj: &serde_json::Value) -> bool {
+    obj["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
+        .is_some_and(|c| c["status"] == "True")
+}
+
+/// Whether `section` (`proxy`, `coreDNS`) is disabled in a machine config's
+/// `cluster` document.
+fn disabled(config: &[u8], section: &str) -> bool {
+    let text = String::from_utf8_lossy(config);
+    serde_yaml_ng::Deserializer::from_str(&text).any(|doc| {
+        <serde_yaml_ng::Value as serde::Deserialize>::deserialize(doc)
+            .is_ok_and(|v| v["cluster"][section]["disabled"] == serde_yaml_ng::Value::Bool(true))
+    })
+}
+
+/// What keeps `label`'s pods in kube-system from being ready, if anything.
+async fn addon_pending(kc: &Kubeconfig, name: &str, label: &str, opts: &Options) -> Option<String> {
+    let kc = kc.clone();
+    let timeout = opts.call_timeout;
+    let path = format!("/api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3D{label}");
+    let list = tokio::task::spawn_blocking(move || kc.get_json(&path, timeout)).await;
+    let list = match list {
+        Ok(Ok(l)) => l,
+        Ok(Err(e)) => return Some(format!("{name}: {e}")),
+        Err(e) => return Some(format!("{name}: {e}")),
+    };
+    let pods = list["items"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    let unready = pods.iter().filter(|p| !ready(p)).count();
+    if pods.is_empty() {
+        Some(format!("{name}: no pods"))
+    } else if unready > 0 {
+        Some(format!(
+            "{name}: {unready} of {} pods not ready",
+            pods.len()
+        ))
+    } else {
+        None
+    }
+}
+
+/// What still keeps the cluster from being healthy around `node`.
+pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<String> {
+    let mode = Mode::Mtls(plan.identity.clone());
+    let mut pending = Vec::new();
+    let control_planes: BTreeSet<&str> = plan
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Controlplane)
+        .map(|n| n.name.as_str())
+        .collect();
+    let mut members: Option<BTreeSet<String>> = None;
+    for n in plan
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Controlplane || n.name == node.name)
+    {
+        let conn = match NodeClient::connect(&n.endpoint, &mode, opts.call_timeout).await {
+            Ok(c) => c,
+            Err(e) => {
+                pending.push(format!("{}: {e}", n.name));
+                continue;
+            }
+        };
+        let services = match conn.services().await {
+            Ok(s) => s,
+            Err(e) => {
+                pending.push(format!("{}: {e}", n.name));
+                continue;
+            }
+        };
+        let mut wanted = Vec::new();
+        if n.role == Role::Controlplane {
+            wanted.push("etcd");
+            if members.is_none() {
+                members = conn
+                    .etcd_members()
+                    .await
+                    .ok()
+                    .map(|m| m.into_iter().map(|m| m.hostname).collect());
+            }
+        }
+        if n.name == node.name {
+            wanted.push("kubelet");
+        }
+        for id in wanted {
+            let ok = services.iter().any(|s| {
+                s.id == id && s.state == "Running" && s.health.as_ref().is_some_and(|h| h.healthy)
+            });
+            if !ok {
+                pending.push(format!("{}: {id} not healthy", n.name));
+            }
+        }
+    }
+    if let Some(m) = members
+        && m.iter().map(String::as_str).collect::<BTreeSet<_>>() != control_planes
+    {
+        pending.push(format!(
+            "etcd members ({}) are not the control planes ({})",
+            m.iter()
+                .map(|h| crate::input::excerpt(h, 64))
+                .collect::<Vec<_>>()
+                .join(", "),
+            control_planes
+                .iter()
+                .copied()
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    match kube_nodes(plan, opts).await {
+        Ok(list) => {
+            for n in &plan.nodes {
+                match list.iter().find(|k| k.name == n.name) {
+                    Some(k) if k.ready && !k.cordoned => {}
+                    Some(k) if k.ready => {
+                        pending.push(format!("{}: Kubernetes node cordoned", n.name))
+                    }
+                    _ => pending.push(format!("{}: Kubernetes node not Ready", n.name)),
+                }
+            }
+        }
+        Err(e) => pending.push(format!("Kubernetes: {e}")),
+    }
+    if let (Ok(kc), Some(cp)) = (
+        kubeconfig(plan),
+        plan.nodes.iter().find(|n| n.role == Role::Controlplane),
+    ) {
+        for (name, label, section) in ADDONS {
+            if !disabled(&cp.config, section)
+                && let Some(p) = addon_pending(&kc, name, label, opts).await
+            {
+                pending.push(p);
+            }
+        }
+    }
+    pending
+}
+
+/// Waits until [`unhealthy`] has nothing to say, at most `opts.health_timeout`.
+pub async fn wait_healthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<(), String> {
+    let deadline = Instant::now() + opts.health_timeout;
+    loop {
+        let pending = unhealthy(plan, node, opts).await;
+        if pending.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() + opts.poll > deadline {
+            return Err(format!(
+                "the cluster did not become healthy within {:?}: {}",
+                opts.health_timeout,
+                pending.join("; ")
+            ));
+        }
+        tokio::time::sleep(opts.poll).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cordoned_node_is_read_as_such() {
+        let list = serde_json::json!({"items": [
+            {"metadata": {"name": "w1"}, "spec": {"unschedulable": true},
+             "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+            {"metadata": {"name": "w2"}, "spec": {},
+             "status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+        ]});
+        assert_eq!(
+            nodes_of(&list),
+            [
+                KubeNode {
+                    name: "w1".into(),
+                    ready: true,
+                    cordoned: true
+                },
+                KubeNode {
+                    name: "w2".into(),
+                    ready: false,
+                    cordoned: false
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn addons_count_unless_the_config_disables_them() {
+        let cfg = b"version: v1alpha1\ncluster:\n  proxy:\n    disabled: true\n---\nkind: Other\n";
+        assert!(disabled(cfg, "proxy"));
+        assert!(!disabled(cfg, "coreDNS"));
+        assert!(!disabled(
+            b"cluster:\n  proxy:\n    disabled: false\n",
+            "proxy"
+        ));
+    }
+}
