@@ -5,6 +5,7 @@
 //! node with exit 2 before building or creating anything; secrets bundles
 //! from a newer or FIPS-mode talosctl import and bootstrap.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
@@ -98,8 +99,20 @@ fn a_multi_document_patch_with_a_variable_reaches_every_node() {
             serde_json::json!(["ExtensionServiceConfig/tailscale"]),
             "{n}"
         );
-        let rendered =
-            std::fs::read_to_string(d.join(format!("state/configs/{node}.yaml"))).unwrap();
+        // Rendered configs are written only when asked, secrets included.
+        let file = d.join(format!("{node}.yaml"));
+        let out = imgbuild(
+            d,
+            &["config", node, "--out", file.to_str().unwrap()],
+            &[("TS_AUTHKEY", KEY)],
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(!(text(&out.stdout) + &text(&out.stderr)).contains(KEY));
+        assert_eq!(
+            std::fs::metadata(&file).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        let rendered = std::fs::read_to_string(&file).unwrap();
         assert!(
             rendered.contains(&format!("TS_AUTHKEY={KEY}")),
             "{rendered}"

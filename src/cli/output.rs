@@ -34,7 +34,7 @@ macro_rules! out {
     };
 }
 
-/// `eprintln!` through [`stderr_line`]: escaped, redacted, and a stderr
+/// A stderr line (std's `eprintln`) through [`stderr_line`]: escaped, redacted, and a stderr
 /// that cannot be written loses the line instead of panicking.
 macro_rules! errln {
     ($($arg:tt)*) => {
@@ -42,7 +42,7 @@ macro_rules! errln {
     };
 }
 
-/// `eprint!` (a prompt) through [`stderr_text`], as [`errln!`].
+/// Stderr text without a newline (a prompt) through [`stderr_text`], as [`errln!`].
 macro_rules! err {
     ($($arg:tt)*) => {
         $crate::cli::output::stderr_text(&format!($($arg)*))

@@ -122,11 +122,6 @@ impl StateDir {
         self.path.join("kubeconfig")
     }
 
-    /// Where each node's rendered config is kept, for the user to read.
-    pub fn configs_dir(&self) -> PathBuf {
-        self.path.join("configs")
-    }
-
     /// What `imgbuild upgrade` installed on each node ([`upgrade::Record`]).
     pub fn upgrades_path(&self) -> PathBuf {
         self.path.join("upgrades.json")
@@ -204,35 +199,6 @@ impl StateDir {
             written: true,
         })
     }
-
-    /// Writes `configs/<node>.yaml` (0600) unless it already holds `text`.
-    /// Renders `node`'s config and keeps it in the state dir, noting the
-    /// node in `written` when the file changed.
-    fn render_config(
-        &self,
-        inv: &Inventory,
-        node: &crate::inventory::NodeSpec,
-        bundle: &SecretsBundle,
-        vars: &PatchVars,
-        written: &mut Vec<String>,
-    ) -> Result<String, StageError> {
-        let text = config::machine_config(inv, node, bundle, vars)?;
-        if self.write_config(&node.name, &text)? {
-            written.push(node.name.clone());
-        }
-        Ok(text)
-    }
-
-    fn write_config(&self, node: &str, text: &str) -> Result<bool, StageError> {
-        let dir = self.configs_dir();
-        config::ensure_private_dir(&dir).map_err(|source| StageError::Io {
-            path: dir.clone(),
-            source,
-        })?;
-        let path = dir.join(format!("{node}.yaml"));
-        crate::atomic::write_if_changed(&path, text.as_bytes(), true)
-            .map_err(|source| StageError::Io { path, source })
-    }
 }
 
 /// What the bootstrap stage does. The inventory is passed beside it, as to
@@ -260,7 +226,9 @@ pub struct BootstrapOptions {
 /// Everything made ready for the run, and what making it ready changed.
 #[derive(Debug, Clone)]
 pub struct Prepared {
-    /// Holds the secrets, talosconfig, configs and (later) kubeconfig.
+    /// Holds the secrets, talosconfig and (later) kubeconfig. Rendered
+    /// configs hold secrets (and `${NAME}` values) in the clear, so they stay
+    /// in memory; `imgbuild config --out` writes one when asked.
     pub state_dir: StateDir,
     /// What [`bootstrap::run`] works through; carries the rendered configs.
     pub plan: Plan,
@@ -270,8 +238,6 @@ pub struct Prepared {
     pub secrets_created: bool,
     /// Whether this call wrote `<state dir>/talosconfig`.
     pub talosconfig_written: bool,
-    /// Nodes whose `configs/<node>.yaml` this call wrote (changed or new).
-    pub configs_written: Vec<String>,
 }
 
 /// What one bootstrap stage did.
@@ -285,8 +251,8 @@ pub struct Bootstrapped {
 
 /// Readies a run without contacting any node: state dir, secrets,
 /// talosconfig (checked against the secrets), every node's config rendered
-/// and kept under `configs/`, and each node's target. A second call with
-/// the same inputs writes nothing.
+/// in memory, and each node's target. A second call with the same inputs
+/// writes nothing.
 pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, StageError> {
     for name in opts.targets.keys() {
         inv.node(name)?;
@@ -313,11 +279,9 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
         })?;
 
     let mut nodes = Vec::new();
-    let mut configs_written = Vec::new();
     for node in &inv.nodes {
         let (endpoint, address) = reach(node, opts)?;
-        let text =
-            state_dir.render_config(inv, node, &bundle, &opts.patch_vars, &mut configs_written)?;
+        let text = config::machine_config(inv, node, &bundle, &opts.patch_vars)?;
         nodes.push(PlannedNode {
             name: node.name.clone(),
             role: node.role,
@@ -341,7 +305,6 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
         talosconfig_written: talosconfig.written,
         talosconfig: talosconfig.path,
         secrets_created,
-        configs_written,
     })
 }
 
@@ -526,19 +489,17 @@ pub fn check(inv: &Inventory, opts: &BootstrapOptions) -> Result<Checked, StageE
 
 /// Every node's machine config, by node, for machines that take it at
 /// creation (Hetzner `user_data`) before anyone knows their address: the
-/// secrets and configs [`prepare`] would use, kept in the state dir alike.
+/// secrets and configs [`prepare`] would use (rendered in memory alike).
 pub fn machine_configs(
     inv: &Inventory,
     opts: &BootstrapOptions,
 ) -> Result<Vec<(String, String)>, StageError> {
     let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?;
     let (bundle, _) = state_dir.secrets()?;
-    let mut written = Vec::new();
     inv.nodes
         .iter()
         .map(|node| {
-            let text =
-                state_dir.render_config(inv, node, &bundle, &opts.patch_vars, &mut written)?;
+            let text = config::machine_config(inv, node, &bundle, &opts.patch_vars)?;
             Ok((node.name.clone(), text))
         })
         .collect()
@@ -671,7 +632,7 @@ mod tests {
     }
 
     #[test]
-    fn prepare_writes_talosconfig_and_every_config_privately() {
+    fn prepare_writes_the_talosconfig_privately_and_no_rendered_config() {
         let root = tempfile::tempdir().unwrap();
         let inv = atlas();
         let opts = seeded(root.path());
@@ -681,13 +642,12 @@ mod tests {
         assert!(p.talosconfig_written);
         assert_eq!(p.talosconfig, state.talosconfig_path());
         assert_eq!(mode(&state.talosconfig_path()), 0o600);
-        assert_eq!(mode(&state.configs_dir()), 0o700);
-        let names: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
-        assert_eq!(p.configs_written, names);
+        assert!(!state.path.join("configs").exists());
         for (node, planned) in inv.nodes.iter().zip(&p.plan.nodes) {
-            let file = state.configs_dir().join(format!("{}.yaml", node.name));
-            assert_eq!(mode(&file), 0o600);
-            assert_eq!(std::fs::read(&file).unwrap(), planned.config);
+            let rendered =
+                config::machine_config(&inv, node, &state.secrets().unwrap().0, &opts.patch_vars)
+                    .unwrap();
+            assert_eq!(rendered.as_bytes(), planned.config);
             assert_eq!(planned.name, node.name);
             assert_eq!(Some(planned.address), node.address);
             assert_eq!(
@@ -710,24 +670,27 @@ mod tests {
         let second = prepare(&inv, &opts).unwrap();
         assert!(!second.secrets_created);
         assert!(!second.talosconfig_written);
-        assert!(
-            second.configs_written.is_empty(),
-            "{:?}",
-            second.configs_written
-        );
         assert_eq!(snapshot(&second.state_dir.path), before);
-        assert_eq!(before.len(), 2 + 1 + inv.nodes.len());
+        assert_eq!(before.len(), 2 + 1, "{before:?}");
     }
 
     #[test]
-    fn a_changed_node_config_is_the_only_one_rewritten() {
+    fn a_changed_node_config_changes_only_that_nodes_plan() {
         let root = tempfile::tempdir().unwrap();
         let mut inv = atlas();
         let opts = seeded(root.path());
-        prepare(&inv, &opts).unwrap();
+        let first = prepare(&inv, &opts).unwrap();
         inv.nodes[4].install_disk = "/dev/vdb".into();
         let p = prepare(&inv, &opts).unwrap();
-        assert_eq!(p.configs_written, ["worker-02"]);
+        let changed: Vec<&str> = first
+            .plan
+            .nodes
+            .iter()
+            .zip(&p.plan.nodes)
+            .filter(|(a, b)| a.config != b.config)
+            .map(|(_, b)| b.name.as_str())
+            .collect();
+        assert_eq!(changed, ["worker-02"]);
         assert!(!p.talosconfig_written);
     }
 
