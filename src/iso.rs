@@ -31,8 +31,9 @@
 //! than partition UUID") the EFI images search for the file
 //! `/.disk/<uuid>.uuid` instead; the BIOS El Torito image searches for
 //! nothing and reads `/boot/grub` of the device it booted from; and
-//! Debian's grub-mkrescue EFI image sets its prefix to `()/boot/grub` and
-//! boots with the date changed. Keeping the date costs nothing and covers
+//! Debian bookworm's grub-mkrescue (GRUB 2.06) EFI image embeds no search,
+//! only the prefix `()/boot/grub`, and boots with the date changed (booted
+//! under OVMF in `tests/realboot_iso.rs`). Keeping the date costs nothing and covers
 //! the pre-2.12 EFI images. The factory's ISOs are grub-mkrescue
 //! output with `grub.cfg` in this layout (siderolabs/talos
 //! `pkg/imager/iso/grub.go`, `pkg/imager/iso/grub.cfg`).

@@ -56,6 +56,15 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     if report.stopped.is_some() {
         return report;
     }
+    // One run at a time changes this cluster's nodes; taken after the
+    // pre-flight check, so an inventory that fails it leaves nothing behind.
+    let _lock = match stage::lock_state_dir(inv, &opts.bootstrap, "up") {
+        Ok(lock) => lock,
+        Err(e) => {
+            report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
+            return report;
+        }
+    };
     let mode = Mode::Run(obs);
     let published = build(inv, target, opts, mode, &mut report)
         .and_then(|built| publish(inv, target, opts, built, mode, &mut report));

@@ -319,3 +319,34 @@ fn a_closed_stdout_ends_every_command_quietly() {
         "error: writing to stdout: No space left on device (os error 28)"
     );
 }
+
+#[test]
+fn day_two_commands_on_a_missing_state_dir_fail_and_create_nothing() {
+    // A mistyped --state-dir must not mint a new cluster identity (secrets,
+    // talosconfig) that a later bootstrap would then use.
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("typo");
+    for args in [
+        &["status"][..],
+        &["status", "--check"],
+        &["apply", "--dry-run"],
+        &["apply"],
+        &["upgrade", "--dry-run"],
+        &["upgrade"],
+    ] {
+        let mut all = vec!["--config", LOOPBACK, "--output", "json"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--state-dir", state.to_str().unwrap()]);
+        let o = imgbuild(&all);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o.stderr));
+        let doc = one_document(&o);
+        assert!(
+            doc["error"]
+                .as_str()
+                .unwrap_or("")
+                .contains("no cluster here"),
+            "{args:?}: {doc}"
+        );
+        assert!(!state.exists(), "{args:?} created {}", state.display());
+    }
+}

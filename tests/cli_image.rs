@@ -423,22 +423,33 @@ fn bad_inputs_are_refused_cleanly() {
     );
 
     // A GPT whose entry size the gpt crate would assert on, its header CRC
-    // made right so the crate would use it.
-    let odd = dir.path().join("odd-entries.raw");
-    std::fs::copy(fixtures().join("dual-boot.raw"), &odd).unwrap();
-    {
+    // made right so the crate would use it: in the primary header alone,
+    // the backup is read (as sgdisk does); in both, refused.
+    let odd = |name: &str, both: bool| {
         use std::os::unix::fs::FileExt;
-        let f = File::options().read(true).write(true).open(&odd).unwrap();
-        let mut h = [0u8; 92];
-        f.read_exact_at(&mut h, 512).unwrap();
-        h[84..88].copy_from_slice(&256u32.to_le_bytes());
-        h[16..20].fill(0);
-        let mut crc = flate2::Crc::new();
-        crc.update(&h);
-        h[16..20].copy_from_slice(&crc.sum().to_le_bytes());
-        f.write_all_at(&h, 512).unwrap();
-    }
-    refused(&odd, "partition entry size 256");
+        let path = dir.path().join(name);
+        std::fs::copy(fixtures().join("dual-boot.raw"), &path).unwrap();
+        let f = File::options().read(true).write(true).open(&path).unwrap();
+        let mut primary = [0u8; 92];
+        f.read_exact_at(&mut primary, 512).unwrap();
+        let backup_lba = u64::from_le_bytes(primary[32..40].try_into().unwrap());
+        let headers = if both { vec![1, backup_lba] } else { vec![1] };
+        for lba in headers {
+            let mut h = [0u8; 92];
+            f.read_exact_at(&mut h, lba * 512).unwrap();
+            h[84..88].copy_from_slice(&256u32.to_le_bytes());
+            h[16..20].fill(0);
+            let mut crc = flate2::Crc::new();
+            crc.update(&h);
+            h[16..20].copy_from_slice(&crc.sum().to_le_bytes());
+            f.write_all_at(&h, lba * 512).unwrap();
+        }
+        path
+    };
+    let one = odd("odd-primary.raw", false);
+    let o = patch(&one, "cp-01", &dir.path().join("from-backup.raw"));
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    refused(&odd("odd-entries.raw", true), "partition entry size 256");
 }
 
 fn qemu_img_create(dir: &Path, name: &str, opts: &[&str]) -> PathBuf {

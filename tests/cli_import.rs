@@ -291,6 +291,8 @@ fn homelab_converts_addresses_vip_groups_and_patches() {
         &[
             "--config",
             &c.config_str(),
+            "--show-secrets",
+            "--yes",
             "config",
             "worker-a",
             "--state-dir",

@@ -131,6 +131,8 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     for name in &args.nodes {
         inv.node(name)?;
     }
+    // Before the factory is asked anything: day two needs a cluster.
+    stage::StateDir::existing(&inv, args.run.state.state_dir.as_deref())?;
     let fetch = args.download.options();
     let client = imgbuild::fetch::client(&fetch);
     let factory = Factory::new(&inv.image.factory, &client).with_retry(fetch.retry_policy());
@@ -288,6 +290,7 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
         inv.node(name)?;
     }
     let opts = args.run.options();
+    stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
     let _lock = (!args.dry_run)
         .then(|| stage::lock_state_dir(&inv, &opts, "apply"))
         .transpose()?;
@@ -361,6 +364,7 @@ pub(super) fn rows(
     opts: &stage::BootstrapOptions,
 ) -> Result<Vec<status::NodeStatus>> {
     let wanted = upgrade::wanted(inv)?;
+    stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
     let prepared = stage::prepare(inv, opts)?;
     let record = upgrade::Record::load(&record_path(&prepared.state_dir));
     let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);

@@ -119,8 +119,8 @@ enum Command {
     Talosconfig(talos::TalosconfigArgs),
     /// Apply configs, bootstrap etcd once, wait until the cluster is healthy.
     Bootstrap(talos::BootstrapArgs),
-    /// Move running nodes to the inventory's Talos version, keeping each
-    /// node's schematic (control planes one at a time, then workers).
+    /// Move running nodes to the inventory's Talos version and schematics
+    /// (control planes one at a time, then workers), hopping through each minor where needed.
     Upgrade(day2::UpgradeArgs),
     /// Push config changes to running nodes (each node's diff first).
     Apply(day2::ApplyArgs),

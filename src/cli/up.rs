@@ -57,9 +57,6 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         build: build.options(),
         bootstrap: args.bootstrap.options(),
     };
-    let _lock = (!args.dry_run)
-        .then(|| imgbuild::talos::stage::lock_state_dir(&inv, &opts.bootstrap, "up"))
-        .transpose()?;
     let report = if args.dry_run {
         up::plan(&inv, &target, &opts)
     } else {

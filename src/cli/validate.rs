@@ -37,6 +37,12 @@ pub fn run(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
         },
         ..Default::default()
     };
+    if inv.image.format == imgbuild::inventory::ImageFormat::Iso {
+        // Decided by the version alone: `build` would refuse it on the
+        // patch route before downloading anything.
+        imgbuild::iso::check_patchable(&inv.cluster.talos_version, inv.image.bootloader)
+            .map_err(|e| Usage(format!("{}: image.format: iso: {e}", config.display())))?;
+    }
     let checked = imgbuild::talos::stage::check(&inv, &opts)
         .map_err(|e| Usage(format!("{}: {:#}", config.display(), anyhow::Error::new(e))))?;
     match output {

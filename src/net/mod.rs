@@ -78,11 +78,8 @@ fn shown(body: &str) -> String {
     if lower.starts_with("<!doctype html") || lower.starts_with("<html") {
         return "an HTML error page".into();
     }
-    let mut s: String = t.chars().take(ERROR_BODY_SHOW).collect();
-    if t.chars().count() > ERROR_BODY_SHOW {
-        s.push('…');
-    }
-    crate::input::escape(&s).into_owned()
+    // One line: a newline in a server's text must not start a line of ours.
+    crate::input::one_line(t, ERROR_BODY_SHOW)
 }
 
 impl NetError {

@@ -160,6 +160,15 @@ fn substitute(text: &str, vars: &PatchVars) -> Result<(String, Vec<Used>), Strin
                 ));
             };
             match vars.values.get(name) {
+                // Pasted as text, a line break would add YAML of its own
+                // (another list entry, another key) to what is applied.
+                Some(value) if value.chars().any(char::is_control) => {
+                    return Err(format!(
+                        "line {}: ${{{name}}} holds a line break or another control character, \
+                         which would change the YAML around it (its value is not shown)",
+                        i + 1
+                    ));
+                }
                 Some(value) => out.push_str(value),
                 None if vars.placeholders => out.push_str(&unset_placeholder(name)),
                 None => {
@@ -1513,6 +1522,19 @@ mod tests {
             documents(&yaml)[0]["machine"]["sysctls"]["a"],
             json!("${HOME} $X vv")
         );
+    }
+
+    #[test]
+    fn a_value_with_a_line_break_is_refused_not_pasted_into_the_yaml() {
+        let patch = "machine:\n  env:\n    TS_AUTHKEY: ${K}\n";
+        let err = render_with(
+            &[("p.yaml", patch)],
+            &[("K", "tskey-abc\n    INJECTED: \"1\"")],
+        )
+        .unwrap_err();
+        assert!(err.contains("line 3: ${K} holds a line break"), "{err}");
+        assert!(!err.contains("tskey-abc"), "{err}");
+        assert!(render_with(&[("p.yaml", patch)], &[("K", "tskey-abc")]).is_ok());
     }
 
     #[test]

@@ -59,6 +59,11 @@ pub enum StageError {
     Lock(#[from] LockError),
     #[error("interrupted; run again to go on (every step is safe to repeat)")]
     Interrupted,
+    #[error(
+        "no cluster here: {} holds no secrets.yaml (bootstrap or up makes one; or name the cluster's state dir with --state-dir)",
+        path.display()
+    )]
+    NoCluster { path: PathBuf },
     /// A node's schematic, to compare with the one it runs.
     #[error(transparent)]
     Schematic(#[from] crate::schematic::EmitError),
@@ -105,6 +110,17 @@ impl StateDir {
                 source,
             })?;
         Ok(StateDir { path })
+    }
+
+    /// The state dir of a cluster that exists, for the day-two commands:
+    /// unlike [`StateDir::open`] it creates nothing, so a mistyped
+    /// `--state-dir` never mints a new cluster identity.
+    pub fn existing(inv: &Inventory, dir: Option<&Path>) -> Result<StateDir, StageError> {
+        let path = dir.map_or_else(|| config::default_state_dir(inv), Path::to_owned);
+        if !path.join("secrets.yaml").is_file() {
+            return Err(StageError::NoCluster { path });
+        }
+        StateDir::open(inv, Some(&path))
     }
 
     /// The talosctl-compatible bundle every cluster certificate comes from.
