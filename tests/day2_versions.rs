@@ -1,6 +1,6 @@
 //! Day two against the version-faithful node simulator (issue 26): each
 //! test names the Talos version its nodes run, and the simulator behaves
-//! as that version's source says (FORMATS.md §7). Delays are scaled down;
+//! as that version's source says (siderolabs/talos, each behaviour named in sim/src/node/). Delays are scaled down;
 //! where a test is about a deadline, the deadline is scaled with them
 //! (`--call-timeout`), so what must outlast it still does.
 

@@ -18,8 +18,9 @@ fn net(k: u8) -> String {
 }
 
 /// A version tag that would print a fake `worker-09` row, set the window
-/// title, clear the screen and reverse the rest of the line.
-const HOSTILE: &str = "v1.11.2\r\nworker-09    yes       v6.6.6 (v1.11.2)\u{1b}]0;owned\u{7}\u{1b}[2J\u{9b}1m\u{202e}gnp.exe";
+/// title, clear the screen and reverse the rest of the line; after a `-`,
+/// where a pre-release suffix goes, so the node still runs v1.11.2.
+const HOSTILE: &str = "v1.11.2-\r\nworker-09    yes       v6.6.6 (v1.11.2)\u{1b}]0;owned\u{7}\u{1b}[2J\u{9b}1m\u{202e}gnp.exe";
 
 fn inventory(net: &str, factory: &str) -> String {
     Inventory::new("hostile")
@@ -121,9 +122,11 @@ fn a_hostile_version_tag_is_shown_escaped_and_forges_no_row() {
     clean("status json", &o);
     assert_eq!(json(&o)["nodes"][0]["version"], HOSTILE);
 
+    // A tag no upgrade path can start from: the plan refuses the nodes
+    // (exit 1), and says so escaped.
     let o = run(d, &["upgrade", "--dry-run"]);
     clean("upgrade --dry-run", &o);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
 
     // up: the table's TALOS column, and the drift it reports (exit 3).
     let o = run(d, &["up"]);

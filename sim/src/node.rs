@@ -112,7 +112,7 @@
 //!   no drain, no reboot); Unimplemented below v1.13. `MachineService.Read` of
 //!   `/proc/sys/kernel/random/boot_id` (a new UUID every boot),
 //!   `MachineService.Reboot` (DEFAULT, POWERCYCLE, FORCE: no drain, down, new boot
-//!   ID, up). ApplyConfiguration per FORMATS.md §7 (v1.9–v1.13: CanApplyImmediate,
+//!   ID, up). ApplyConfiguration per v1alpha1_server.go (v1.9–v1.13: CanApplyImmediate,
 //!   AUTO → REBOOT for other changes, NO_REBOOT/TRY refused with InvalidArgument
 //!   even in a dry run; v1.14: REBOOT Unimplemented, AUTO → NO_REBOOT; the apply
 //!   lock's FailedPrecondition on v1.12.9+, v1.13.3+, v1.14; every non-TRY request

@@ -131,8 +131,6 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     for name in &args.nodes {
         inv.node(name)?;
     }
-    // Before the factory is asked anything: day two needs a cluster.
-    stage::StateDir::existing(&inv, args.run.state.state_dir.as_deref())?;
     let fetch = args.download.options();
     let client = imgbuild::fetch::client(&fetch);
     let factory = Factory::new(&inv.image.factory, &client).with_retry(fetch.retry_policy());
@@ -142,6 +140,8 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         // A dry run sends no config: unset `${NAME}`s need not be given.
         opts.patch_vars = opts.patch_vars.comparing_unset();
     }
+    // Day two needs a cluster: a missing state dir is never made here.
+    stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
     let _lock = (!args.dry_run)
         .then(|| stage::lock_state_dir(&inv, &opts, "upgrade"))
         .transpose()?;

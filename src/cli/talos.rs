@@ -96,7 +96,7 @@ pub struct BootstrapArgs {
 #[derive(Args)]
 pub struct BootstrapRunArgs {
     #[command(flatten)]
-    pub(super) state: StateArgs,
+    state: StateArgs,
     /// Client identity to use [default: <state-dir>/talosconfig, made from the secrets].
     #[arg(long, env = "TALOSCONFIG")]
     talosconfig: Option<PathBuf>,

@@ -5,7 +5,7 @@
 //! `internal/app/machined/internal/server/v1alpha1/v1alpha1_server.go`
 //! `ApplyConfiguration`, `generateDiff`).
 //!
-//! Per version (FORMATS.md §7): on v1.9–v1.13 a change `CanApplyImmediate`
+//! Per version (siderolabs/talos `v1alpha1_server.go` ApplyConfiguration): on v1.9–v1.13 a change `CanApplyImmediate`
 //! refuses turns AUTO into REBOOT, and a NO_REBOOT or TRY dry run of it
 //! fails before any diff; so the comparison is an AUTO dry run, whose
 //! summary says "with a reboot" for such a change. Those nodes are applied
