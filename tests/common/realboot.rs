@@ -2,7 +2,8 @@
 //! Real firmware and bootloaders for the real-boot tests: Debian's cloud
 //! kernel over a busybox initramfs that prints `/proc/cmdline` to the serial
 //! port (fixtures/realboot.sh), booted by QEMU with SeaBIOS or OVMF from a
-//! CD, a USB stick or QEMU's iPXE ROM over QEMU's own TFTP server. Guests get
+//! CD, a USB stick, an NVMe disk or QEMU's iPXE ROM over QEMU's own TFTP
+//! server; or by OVMF's Secure Boot build with swtpm as the TPM. Guests get
 //! `-netdev user,restrict=on` only: nothing beyond the VM.
 
 use std::io::Read;
@@ -182,9 +183,16 @@ pub fn factory() -> Sim {
 }
 
 #[derive(Clone, Copy, Debug)]
-pub enum Firmware {
+pub enum Firmware<'a> {
     SeaBios,
     Ovmf,
+    /// OVMF's Secure Boot build (`OVMF_CODE_4M.secboot.fd`: q35 with SMM,
+    /// so that only SMM code writes the variables) on this variable store,
+    /// which the boot writes in place (keys enrolled stay enrolled), and a
+    /// TPM 2.0 from swtpm, fresh for each boot.
+    OvmfSecureBoot {
+        vars: &'a Path,
+    },
 }
 
 /// One network card of a VM.
@@ -198,6 +206,9 @@ pub enum Medium<'a> {
     Cdrom(&'a Path),
     /// The image written to a USB stick as it is (a hybrid ISO's MBR/GPT).
     UsbStick(&'a Path),
+    /// A disk image on an NVMe drive (the kernel's driver is built in);
+    /// writes go to a throwaway overlay, so the file stays as it is.
+    Nvme(&'a Path),
     /// iPXE over QEMU's TFTP server, which serves `tftp` and names
     /// `bootfile` in its DHCP answer.
     Network {
@@ -217,6 +228,19 @@ pub struct Boot {
     pub secs: f64,
 }
 
+/// What the initramfs reports before the command line (fixtures/realboot.sh):
+/// the kernel's lines on Secure Boot, the TPM's PCRs, a META partition's
+/// first 4 KiB.
+#[derive(Debug, Default)]
+pub struct Facts {
+    /// dmesg lines naming Secure Boot.
+    pub secure_boot: Vec<String>,
+    /// `(7, hex)` and `(11, hex)` when the kernel found a TPM.
+    pub pcrs: Vec<(u32, String)>,
+    /// The first 4 KiB of the partition named META, as the kernel read it.
+    pub meta_head: Option<Vec<u8>>,
+}
+
 impl Boot {
     /// The kernel's arguments, after asserting that the kernel ran.
     pub fn args(&self) -> Vec<String> {
@@ -229,6 +253,47 @@ impl Boot {
             )
         });
         c.split_whitespace().map(str::to_owned).collect()
+    }
+}
+
+impl Boot {
+    /// What the initramfs reported; panics (with the serial output) when the
+    /// kernel never got there.
+    pub fn facts(&self) -> Facts {
+        let body = self
+            .serial
+            .find(FACTS_BEGIN)
+            .and_then(|b| {
+                let rest = &self.serial[b + FACTS_BEGIN.len()..];
+                rest.find(FACTS_END).map(|e| &rest[..e])
+            })
+            .unwrap_or_else(|| {
+                panic!(
+                    "{}: the initramfs reported nothing; serial output:\n{}",
+                    self.name,
+                    tail(&self.serial)
+                )
+            });
+        let mut facts = Facts::default();
+        for line in body.lines().map(str::trim) {
+            if let Some(b64) = line.strip_prefix("meta=") {
+                use base64::Engine;
+                facts.meta_head = Some(
+                    base64::engine::general_purpose::STANDARD
+                        .decode(b64)
+                        .unwrap(),
+                );
+            } else if let Some((pcr, hex)) = line
+                .strip_prefix("pcr")
+                .and_then(|l| l.split_once('='))
+                .and_then(|(n, h)| Some((n.parse().ok()?, h.to_ascii_lowercase())))
+            {
+                facts.pcrs.push((pcr, hex));
+            } else if line.to_ascii_lowercase().contains("secure boot") {
+                facts.secure_boot.push(line.to_owned());
+            }
+        }
+        facts
     }
 }
 
@@ -251,15 +316,39 @@ pub fn boot(
     let fx = fixtures();
     let mut args: Vec<String> = Vec::new();
     let mut push = |a: &[&str]| args.extend(a.iter().map(|s| (*s).to_owned()));
-    if let Firmware::Ovmf = firmware {
-        let vars = scratch.join(format!("{name}.vars.fd"));
-        std::fs::copy("/usr/share/OVMF/OVMF_VARS_4M.fd", &vars).unwrap();
-        push(&[
-            "-drive",
-            "if=pflash,format=raw,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd",
-            "-drive",
-            &format!("if=pflash,format=raw,file={}", vars.display()),
-        ]);
+    let mut _tpm = None;
+    match firmware {
+        Firmware::SeaBios => {}
+        Firmware::Ovmf => {
+            let vars = scratch.join(format!("{name}.vars.fd"));
+            std::fs::copy("/usr/share/OVMF/OVMF_VARS_4M.fd", &vars).unwrap();
+            push(&[
+                "-drive",
+                "if=pflash,format=raw,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd",
+                "-drive",
+                &format!("if=pflash,format=raw,file={}", vars.display()),
+            ]);
+        }
+        Firmware::OvmfSecureBoot { vars } => {
+            let tpm = Swtpm::start(&scratch.join(format!("{name}.tpm")));
+            push(&[
+                "-machine",
+                "q35,smm=on",
+                "-global",
+                "driver=cfi.pflash01,property=secure,value=on",
+                "-drive",
+                &format!("if=pflash,format=raw,unit=0,readonly=on,file={SECBOOT_CODE}"),
+                "-drive",
+                &format!("if=pflash,format=raw,unit=1,file={}", vars.display()),
+                "-chardev",
+                &format!("socket,id=chrtpm,path={}", tpm.socket.display()),
+                "-tpmdev",
+                "emulator,id=tpm0,chardev=chrtpm",
+                "-device",
+                "tpm-tis,tpmdev=tpm0",
+            ]);
+            _tpm = Some(tpm);
+        }
     }
     match medium {
         Medium::Cdrom(iso) => push(&[
@@ -278,6 +367,17 @@ pub fn boot(
             "qemu-xhci",
             "-device",
             "usb-storage,drive=stick,bootindex=1",
+        ]),
+        Medium::Nvme(img) => push(&[
+            "-drive",
+            &format!(
+                "if=none,id=disk,snapshot=on,format=raw,file={}",
+                img.display()
+            ),
+            "-device",
+            "nvme,drive=disk,serial=realboot,bootindex=1",
+            "-nic",
+            "none",
         ]),
         Medium::Network {
             tftp,
@@ -309,10 +409,68 @@ pub fn boot(
 
 /// What firmware and GRUB print when they have nothing to boot: a boot that
 /// shows one of these has failed, and ends at once.
-const DEAD_ENDS: [&str; 4] = ["No bootable device", "Shell> ", "grub rescue>", "grub> "];
+const DEAD_ENDS: [&str; 5] = [
+    "No bootable device",
+    "No bootable option or device was found",
+    "Shell> ",
+    "grub rescue>",
+    "grub> ",
+];
 
 const BEGIN: &str = "REALBOOT-CMDLINE-BEGIN";
 const END: &str = "REALBOOT-CMDLINE-END";
+const FACTS_BEGIN: &str = "REALBOOT-FACTS-BEGIN";
+const FACTS_END: &str = "REALBOOT-FACTS-END";
+
+/// OVMF built with Secure Boot and SMM (Debian's ovmf); its variable store
+/// template `OVMF_VARS_4M.fd` holds no keys: setup mode.
+pub const SECBOOT_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.secboot.fd";
+pub const BLANK_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
+
+/// A swtpm TPM 2.0 on a Unix socket for one VM; it ends when QEMU lets go
+/// of it (`--terminate`) or when this is dropped.
+struct Swtpm {
+    child: std::process::Child,
+    socket: PathBuf,
+}
+
+impl Swtpm {
+    fn start(dir: &Path) -> Swtpm {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).unwrap();
+        let socket = dir.join("sock");
+        let child = Command::new("swtpm")
+            .arg("socket")
+            .arg("--tpm2")
+            .arg("--terminate")
+            .arg("--tpmstate")
+            .arg(format!("dir={}", dir.display()))
+            .arg("--ctrl")
+            .arg(format!("type=unixio,path={}", socket.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("swtpm (Debian package swtpm): run make deps");
+        let started = Instant::now();
+        while !socket.exists() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "swtpm did not open {}",
+                socket.display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Swtpm { child, socket }
+    }
+}
+
+impl Drop for Swtpm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
 
 fn run_qemu(
     accel: &str,
