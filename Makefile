@@ -25,8 +25,13 @@ ATLAS := examples/atlas/cluster.yaml
 # (grub-common, grub-pc-bin, grub-efi-amd64-bin, mtools) and a UKI on
 # systemd's EFI stub (systemd-boot-efi) make, over busybox-static and
 # Debian's cloud kernel, which is downloaded and unpacked under
-# $(REALBOOT_KERNEL), not installed. qemu-system-x86 may replace the
-# machine's qemu-utils: qemu-img is checked again after it.
+# $(REALBOOT_KERNEL), not installed. The Secure Boot real-boot test
+# (tests/realboot_secureboot.rs) adds OVMF's Secure Boot build (ovmf),
+# systemd-boot (systemd-boot-efi), swtpm as the TPM, openssl, sbsign
+# (sbsigntool) and efitools' cert-to-efi-sig-list and sign-efi-sig-list for
+# its test keys.
+# qemu-system-x86 may replace the machine's qemu-utils: qemu-img is checked
+# again after it.
 REALBOOT_KERNEL := $(TARGET_DIR)/realboot-kernel
 deps:
 	@need=""; \
@@ -44,13 +49,17 @@ deps:
 	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
 	command -v qemu-system-x86_64 >/dev/null 2>&1 || need="$$need qemu-system-x86"; \
 	[ -f /usr/lib/ipxe/qemu/efi-e1000.rom ] || need="$$need ipxe-qemu"; \
-	[ -f /usr/share/OVMF/OVMF_CODE_4M.fd ] || need="$$need ovmf"; \
+	[ -f /usr/share/OVMF/OVMF_CODE_4M.fd ] && [ -f /usr/share/OVMF/OVMF_CODE_4M.secboot.fd ] || need="$$need ovmf"; \
 	command -v grub-mkrescue >/dev/null 2>&1 || need="$$need grub-common"; \
 	[ -d /usr/lib/grub/i386-pc ] || need="$$need grub-pc-bin"; \
 	[ -d /usr/lib/grub/x86_64-efi ] || need="$$need grub-efi-amd64-bin"; \
 	command -v mformat >/dev/null 2>&1 || need="$$need mtools"; \
 	[ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need="$$need busybox-static"; \
-	[ -f /usr/lib/systemd/boot/efi/linuxx64.efi.stub ] || need="$$need systemd-boot-efi"; \
+	[ -f /usr/lib/systemd/boot/efi/linuxx64.efi.stub ] && [ -f /usr/lib/systemd/boot/efi/systemd-bootx64.efi ] || need="$$need systemd-boot-efi"; \
+	command -v swtpm >/dev/null 2>&1 || need="$$need swtpm"; \
+	command -v openssl >/dev/null 2>&1 || need="$$need openssl"; \
+	command -v sbsign >/dev/null 2>&1 && command -v sbverify >/dev/null 2>&1 || need="$$need sbsigntool"; \
+	command -v sign-efi-sig-list >/dev/null 2>&1 && command -v cert-to-efi-sig-list >/dev/null 2>&1 || need="$$need efitools"; \
 	command -v objcopy >/dev/null 2>&1 || need="$$need binutils"; \
 	command -v script >/dev/null 2>&1 || need="$$need bsdutils"; \
 	command -v git >/dev/null 2>&1 || need="$$need git"; \

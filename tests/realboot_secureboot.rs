@@ -98,6 +98,7 @@ fn disks() -> &'static Disks {
         for (tool, package) in [
             ("swtpm", "swtpm"),
             ("sbsign", "sbsigntool"),
+            ("sbverify", "sbsigntool"),
             ("sign-efi-sig-list", "efitools"),
         ] {
             let ok = Command::new("sh")
