@@ -187,8 +187,12 @@ fn timed(b: Boot) -> Boot {
     b
 }
 
+/// What systemd-boot prints when the firmware's LoadImage refuses the UKI.
+const REFUSED: &str = "Error loading \\EFI\\Linux\\Talos-test.efi: Access Denied";
+
 /// Boots `disk` under Secure Boot with the enrolled keys (a copy of the
-/// store for this boot), stopping once the firmware gave the disk up.
+/// store for this boot), stopping once the firmware refused the UKI or gave
+/// the disk up.
 fn boot_enrolled(name: &str, disk: &Path) -> Boot {
     let e = enrolled();
     let d = disks();
@@ -199,7 +203,7 @@ fn boot_enrolled(name: &str, disk: &Path) -> Boot {
         &d.dir,
         Firmware::OvmfSecureBoot { vars: &vars },
         Medium::Nvme(disk),
-        &["BdsDxe: failed to start Boot0001"],
+        &[REFUSED, "BdsDxe: failed to start Boot0001"],
     ))
 }
 
@@ -430,8 +434,7 @@ fn the_signed_uki_boots_from_the_patched_disk_under_secure_boot_with_a_tpm() {
 fn assert_refused(name: &str, disk: &Path) {
     let b = boot_enrolled(name, disk);
     assert!(
-        b.serial
-            .contains("Error loading \\EFI\\Linux\\Talos-test.efi: Access Denied"),
+        b.serial.contains(REFUSED),
         "{name}: the firmware did not refuse the UKI; serial output:\n{}",
         b.serial
     );
