@@ -14,21 +14,23 @@
 //! (`OVMF_CODE_4M.secboot.fd`) boots them under QEMU with swtpm as the TPM.
 //!
 //! What these tests prove, with real firmware:
-//! - a blank OVMF variable store has no PK (setup mode, UEFI 2.10 §32.3:
-//!   SetupMode is 1 while no PK is enrolled); systemd-boot enrolls the
-//!   test keys from the ESP and resets; the store then holds PK, KEK and db
-//!   with the test certificates;
+//! - a blank OVMF variable store has no PK (setup mode: the UEFI
+//!   specification's Secure Boot chapter has SetupMode 1 while no PK is
+//!   enrolled, and the firmware then runs unsigned code); systemd-boot
+//!   enrolls the test keys from the ESP and resets; the store then holds PK,
+//!   KEK and db with the test certificates;
 //! - the patch leaves every byte outside META alone (the EFI partition
 //!   byte-identical, so every signature in it still verifies), and the GPT
 //!   stays valid (`sgdisk -v`);
 //! - with the keys enrolled, the signed UKI boots from the patched disk: the
-//!   kernel says Secure Boot is on, the stub measured into the TPM (PCR 11),
+//!   kernel says Secure Boot is on, swtpm's PCRs 7 (firmware) and 11
+//!   (systemd-stub's measurement of the UKI) hold measurements,
 //!   the command line is the UKI's signed one, and the kernel reads the
 //!   patched META bytes from the disk it booted from;
 //! - the unsigned UKI, and one signed by a key not in db, on otherwise
 //!   identical disks, are refused by the firmware: its LoadImage answers
 //!   Access Denied, which systemd-boot prints as "Error loading …: Access
-//!   Denied", and the firmware's boot manager gives the disk up.
+//!   Denied", and no kernel runs.
 //!
 //! What rests on upstream sources, not on these tests:
 //! - Talos reads META from the partition labelled META at boot
@@ -40,7 +42,9 @@
 //! - Talos's Secure Boot disk has EFI and META only
 //!   (`internal/pkg/partition/partition.go`) and its sd-boot enrolls
 //!   `loader/keys/auto` per `secure-boot-enroll`
-//!   (`internal/app/machined/pkg/runtime/v1alpha1/bootloader/sdboot/sdboot.go`);
+//!   (`internal/app/machined/pkg/runtime/v1alpha1/bootloader/sdboot/sdboot.go`;
+//!   Talos ships its own systemd-boot, which also knows `if-safe`; Debian
+//!   bookworm's 252 knows off, manual and force);
 //! - the refusal is EDK II's `DxeImageVerificationLib` (Debian's OVMF is a
 //!   release build: no debug log says so; the status text is the evidence).
 
@@ -95,21 +99,12 @@ fn disks() -> &'static Disks {
     static D: OnceLock<Disks> = OnceLock::new();
     D.get_or_init(|| {
         let fx = realboot::fixtures();
-        for (tool, package) in [
+        realboot::require(&[
             ("swtpm", "swtpm"),
             ("sbsign", "sbsigntool"),
             ("sbverify", "sbsigntool"),
             ("sign-efi-sig-list", "efitools"),
-        ] {
-            let ok = Command::new("sh")
-                .args(["-c", &format!("command -v {tool}")])
-                .output()
-                .is_ok_and(|o| o.status.success());
-            assert!(
-                ok,
-                "{tool} is missing (Debian package {package}): run make deps, or set IMGBUILD_SKIP_REALBOOT=1"
-            );
-        }
+        ]);
         let dir = scratch();
         let o = Command::new(root().join("fixtures/secureboot.sh"))
             .arg("build")

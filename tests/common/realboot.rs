@@ -64,21 +64,12 @@ fn target_dir() -> PathBuf {
 pub fn fixtures() -> &'static Fixtures {
     static FX: OnceLock<Fixtures> = OnceLock::new();
     FX.get_or_init(|| {
-        for (tool, package) in [
+        require(&[
             ("qemu-system-x86_64", "qemu-system-x86"),
             ("grub-mkrescue", "grub-common"),
             ("mformat", "mtools"),
             ("objcopy", "binutils"),
-        ] {
-            let ok = Command::new("sh")
-                .args(["-c", &format!("command -v {tool}")])
-                .output()
-                .is_ok_and(|o| o.status.success());
-            assert!(
-                ok,
-                "{tool} is missing (Debian package {package}): run make deps, or set IMGBUILD_SKIP_REALBOOT=1"
-            );
-        }
+        ]);
         let stub = PathBuf::from("/usr/lib/systemd/boot/efi/linuxx64.efi.stub");
         assert!(
             stub.exists(),
@@ -133,6 +124,21 @@ pub fn fixtures() -> &'static Fixtures {
             accel: std::fs::read_to_string(dir.join("accel")).unwrap(),
         }
     })
+}
+
+/// Panics naming the Debian package of the first `(tool, package)` whose
+/// tool is not on the PATH.
+pub fn require(tools: &[(&str, &str)]) {
+    for (tool, package) in tools {
+        let ok = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        assert!(
+            ok,
+            "{tool} is missing (Debian package {package}): run make deps, or set IMGBUILD_SKIP_REALBOOT=1"
+        );
+    }
 }
 
 /// `kvm` when a KVM guest boots the fixture kernel within seconds; on
