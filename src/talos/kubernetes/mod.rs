@@ -4,6 +4,10 @@
 //! plan ([`plan`]), what the live cluster shows ([`observe`]) and the run
 //! ([`run`]).
 
+pub mod api;
 pub mod compat;
+pub mod observe;
 pub mod plan;
 pub mod removed;
+pub mod run;
+pub mod status;
