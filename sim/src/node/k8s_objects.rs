@@ -511,15 +511,6 @@ impl Cluster {
             .min()
     }
 
-    /// Whether the API servers still serve `stored` (its API version not
-    /// removed in the release they run).
-    fn serves(&self, removed: Option<(u64, u64)>) -> bool {
-        match (removed, self.apiserver_minor()) {
-            (Some(r), Some(running)) => running < r,
-            _ => true,
-        }
-    }
-
     /// A stored workload with its status as the controllers keep it.
     fn with_status(&self, key: &Key, stored: &Stored, now: Instant) -> Value {
         let mut o = shown(stored);
@@ -632,6 +623,8 @@ fn selects(selector: Option<&str>, object: &Value) -> bool {
 fn get(cluster: &Cluster, t: Target, params: &Params) -> Response {
     let now = Instant::now();
     cluster.k8s_bootstrap_manifests(now);
+    // Read before the store is locked (it locks the store itself).
+    let running = cluster.apiserver_minor();
     let k8s = cluster.k8s.lock().unwrap();
     let Some((kind, namespaced)) = k8s.objects.kind_of(&t.api, &t.resource) else {
         return no_resource();
@@ -639,7 +632,11 @@ fn get(cluster: &Cluster, t: Target, params: &Params) -> Response {
     if namespaced == t.namespace.is_empty() && t.name.is_some() {
         return no_resource();
     }
-    let visible = |s: &Stored| cluster.serves(s.removed_release);
+    // An API version the running release removed is not served.
+    let visible = |s: &Stored| match (s.removed_release, running) {
+        (Some(removed), Some(running)) => running < removed,
+        _ => true,
+    };
     match &t.name {
         Some(name) => {
             let key = (
