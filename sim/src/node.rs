@@ -177,6 +177,10 @@ mod day2;
 mod health;
 mod hostile;
 mod immediate;
+mod k8s_manifests;
+mod k8s_objects;
+mod k8s_pods;
+mod k8s_versions;
 mod lifecycle;
 mod switches;
 mod upgrade;
@@ -262,6 +266,8 @@ pub struct Args {
     /// (hostile-output tests; see node/hostile.rs).
     #[arg(long)]
     hostile_text: Option<String>,
+    #[command(flatten)]
+    k8s: k8s_pods::Delays,
 }
 
 /// What a node got from its machine config.
@@ -482,6 +488,8 @@ struct Cluster {
     facts: Mutex<health::Facts>,
     /// When the factory has built each installer reference.
     builds: Mutex<upgrade::Builds>,
+    /// Kubernetes components, objects and restarts (issue 31).
+    k8s: Mutex<k8s_pods::K8s>,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -827,6 +835,7 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         apiserver_tls: Mutex::new(HashMap::new()),
         facts: Mutex::new(health::Facts::default()),
         builds: Mutex::new(upgrade::Builds::new()),
+        k8s: Mutex::default(),
     }))
 }
 
@@ -860,6 +869,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(vip) = cluster.args.vip {
         tokio::spawn(serve_vip(cluster.clone(), vip));
     }
+    tokio::spawn(k8s_pods::watch(cluster.clone()));
     let app = Router::new()
         .route("/_sim/stats", get(stats))
         .route("/_sim/boot", post(boot))
@@ -867,6 +877,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/installer", post(switches::installer_switch))
         .route("/_sim/node", post(switches::node_switch))
         .route("/_sim/k8s", post(health::facts_switch))
+        .route("/_sim/k8s-apis", post(k8s_objects::apis_switch))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())
@@ -921,6 +932,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
         "timeline": cluster.timeline_json(now),
         "now_ms": cluster.now_ms(),
         "facts": *cluster.facts.lock().unwrap(),
+        "k8s": cluster.k8s_stats(now),
         "totals": totals,
     }))
 }
@@ -1436,6 +1448,7 @@ impl Api {
     /// later (or misbehaves), configured it applies without a reboot.
     fn apply_on(&self, i: usize, data: &[u8]) -> Result<ApplyConfiguration, Status> {
         let applied = read_config(data)?;
+        k8s_versions::runtime_validate(&self.talos(i), &applied.v1alpha1)?;
         let node = &self.cluster.node(i);
         let now = Instant::now();
         if !applied.os_ca.key.is_empty() {
@@ -1643,7 +1656,9 @@ impl Api {
         ];
         let kubelet = self.cluster.kubelet_healthy_at(i);
         services.push(match kubelet {
-            Some(t) if now >= t => service("kubelet", "Running", Some(true), ""),
+            Some(t) if now >= t && !self.cluster.k8s_kubelet_restarting(i, now) => {
+                service("kubelet", "Running", Some(true), "")
+            }
             _ => service(
                 "kubelet",
                 "Running",
@@ -1893,7 +1908,7 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
         return None;
     }
     if let Some(i) = serving
-        && !reached(cluster.etcd_healthy_at(i), now)
+        && (!reached(cluster.etcd_healthy_at(i), now) || cluster.k8s_apiserver_down(i, now))
     {
         return None;
     }
@@ -1971,6 +1986,7 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
                     "/apis/apps/v1/namespaces/kube-system/deployments",
                     get(health::deployments),
                 )
+                .merge(k8s_objects::routes())
                 .with_state(cluster);
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app))

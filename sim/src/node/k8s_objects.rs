@@ -1,0 +1,1193 @@
+//! The Kubernetes API objects the simulated API server stores: the
+//! bootstrap manifests' objects (`k8s_manifests.rs` creates them), objects
+//! of API versions a later release removes, server-side apply, and the
+//! deprecated-API metric.
+//!
+//! Upstream (kubernetes/kubernetes, read at v1.33): server-side apply is
+//! `PATCH` with `Content-Type: application/apply-patch+yaml`
+//! (`staging/src/k8s.io/apiserver/pkg/endpoints/handlers/patch.go`);
+//! `ValidatePatchOptions` (`apimachinery/pkg/apis/meta/v1/validation/
+//! validation.go`) requires `fieldManager` (422) and forbids `force` on other
+//! patch types; an apply creates a missing object (201); a field another
+//! manager owns with another value is a conflict (409, `Apply failed with 1
+//! conflict: conflict with "talos" using apps/v1: .spec…`, causes of type
+//! `FieldManagerConflict`: `apiserver/pkg/endpoints/handlers/fieldmanager/
+//! internal/conflict.go`) unless `force=true`, which takes the field over;
+//! fields the applier leaves out stay as they are (nothing a user added is
+//! pruned). `apiserver_requested_deprecated_apis` is a STABLE gauge with
+//! labels group, version, resource, subresource, removed_release
+//! (`apiserver/pkg/endpoints/metrics/metrics.go`) on `GET /metrics`. An API
+//! version a release removed answers 404 on that release's API server.
+//!
+//! # Interface (issue 31; the rest in `k8s_pods.rs`)
+//! - Objects: `GET` and `PATCH` (apply only) on `/api/v1/namespaces/{ns}/{resource}/{name}`,
+//!   `/api/v1/{resource}/{name}`, `/apis/{group}/{version}/namespaces/{ns}/{resource}/{name}`,
+//!   `/apis/{group}/{version}/{resource}/{name}`; `GET` lists on `/api/v1/namespaces/{ns}/
+//!   {resource}`, `/apis/{group}/{version}/namespaces/{ns}/{resource}`, `/apis/{group}/
+//!   {version}/{resource}` (an object list; `labelSelector=k=v` filters). Resources:
+//!   configmaps, services, serviceaccounts, secrets, namespaces (v1); daemonsets,
+//!   deployments (apps/v1); clusterroles, clusterrolebindings, roles, rolebindings
+//!   (rbac.authorization.k8s.io/v1); customresourcedefinitions (apiextensions.k8s.io/v1);
+//!   and the removed-API resources the switch below stores. Errors are `Status` objects.
+//!   A DaemonSet/Deployment has `metadata.generation` (up when its spec changes) and a
+//!   `status` (`observedGeneration`, `updatedNumberScheduled`/`updatedReplicas` once the
+//!   rollout of a changed template is over: `--rollout-delay`). The kube-proxy DaemonSet
+//!   and CoreDNS Deployment lists (`health.rs`) show these stored objects.
+//! - Apply: `PATCH …?fieldManager=NAME[&force=true]` with `application/apply-patch+yaml`
+//!   (YAML or JSON body with apiVersion, kind, metadata.name); other patch types → 415.
+//!   Talos created the bootstrap objects as manager `talos` (operation Update), so an
+//!   apply changing their images conflicts without `force`.
+//! - `GET /metrics`: Prometheus text with `apiserver_requested_deprecated_apis{group=…,
+//!   removed_release=…,resource=…,subresource=…,version=…} 1` per requested deprecated API,
+//!   among other lines (`apiserver_storage_objects{resource=…}`).
+//! - `POST /_sim/k8s-apis` `{"requested"?: [{"group","version","resource","subresource"?,
+//!   "removed_release"}], "stored"?: [{"group","version","resource","kind","namespace"?,
+//!   "name","removed_release"}]}`: each list given replaces the last; stored objects are
+//!   listed under their group/version/resource until every API server runs a version ≥
+//!   `removed_release` (then 404). → 200 with both lists.
+//! - `GET /_sim/stats` `k8s` adds `workloads` ({"kube-proxy"|"coredns"|"kube-flannel":
+//!   image}), `applies` ([{manager, force, object: "apps/v1/daemonsets/kube-system/
+//!   kube-proxy", code}]), `requested_deprecated`, `removed_stored`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use super::k8s_versions::{self, Component};
+use super::{Cluster, ControlReply, ms};
+
+/// A resource the API server serves: (apiVersion, plural, kind, namespaced).
+type Kind = (&'static str, &'static str, &'static str, bool);
+
+const KINDS: [Kind; 12] = [
+    ("v1", "configmaps", "ConfigMap", true),
+    ("v1", "services", "Service", true),
+    ("v1", "serviceaccounts", "ServiceAccount", true),
+    ("v1", "secrets", "Secret", true),
+    ("v1", "namespaces", "Namespace", false),
+    ("apps/v1", "daemonsets", "DaemonSet", true),
+    ("apps/v1", "deployments", "Deployment", true),
+    (
+        "rbac.authorization.k8s.io/v1",
+        "clusterroles",
+        "ClusterRole",
+        false,
+    ),
+    (
+        "rbac.authorization.k8s.io/v1",
+        "clusterrolebindings",
+        "ClusterRoleBinding",
+        false,
+    ),
+    ("rbac.authorization.k8s.io/v1", "roles", "Role", true),
+    (
+        "rbac.authorization.k8s.io/v1",
+        "rolebindings",
+        "RoleBinding",
+        true,
+    ),
+    (
+        "apiextensions.k8s.io/v1",
+        "customresourcedefinitions",
+        "CustomResourceDefinition",
+        false,
+    ),
+];
+
+/// (apiVersion, resource, namespace, name).
+type Key = (String, String, String, String);
+
+/// A field manager's entry (`metadata.managedFields`): its fields, as
+/// dotted paths with their values when it set them.
+#[derive(Clone)]
+struct Manager {
+    manager: String,
+    operation: &'static str,
+    api_version: String,
+    fields: BTreeMap<String, Value>,
+}
+
+struct Stored {
+    object: Value,
+    managers: Vec<Manager>,
+    generation: u64,
+    resource_version: u64,
+    /// When the pod template last changed (a rollout starts).
+    template_at: Instant,
+    /// The Kubernetes minor that removed this object's API version.
+    removed_release: Option<(u64, u64)>,
+}
+
+/// A resource of a removed API version the switch registered.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RemovedObject {
+    group: String,
+    version: String,
+    resource: String,
+    kind: String,
+    #[serde(default)]
+    namespace: Option<String>,
+    name: String,
+    removed_release: String,
+}
+
+/// A deprecated API some client still requests.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Requested {
+    group: String,
+    version: String,
+    resource: String,
+    #[serde(default)]
+    subresource: String,
+    removed_release: String,
+}
+
+/// The API server's objects.
+#[derive(Default)]
+pub(super) struct Store {
+    objects: BTreeMap<Key, Stored>,
+    revision: u64,
+    applies: Vec<Value>,
+    requested: Vec<Requested>,
+    removed: Vec<RemovedObject>,
+}
+
+/// A Kubernetes `Status` error reply.
+fn status(code: StatusCode, reason: &str, message: String, details: Value) -> Response {
+    let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": message, "reason": reason, "details": details, "code": code.as_u16()});
+    (code, axum::Json(body)).into_response()
+}
+
+fn no_resource() -> Response {
+    status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        "the server could not find the requested resource".into(),
+        json!({}),
+    )
+}
+
+/// The group of an apiVersion (`apps/v1` → `apps`, `v1` → ``).
+fn group_of(api: &str) -> &str {
+    api.rsplit_once('/').map_or("", |(g, _)| g)
+}
+
+/// `daemonsets.apps "kube-proxy" not found`.
+fn not_found(api: &str, resource: &str, name: &str) -> Response {
+    let group = group_of(api);
+    let qualified = if group.is_empty() {
+        resource.to_owned()
+    } else {
+        format!("{resource}.{group}")
+    };
+    status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        format!("{qualified} {name:?} not found"),
+        json!({"name": name, "group": group, "kind": resource}),
+    )
+}
+
+/// The leaf fields of an object as structured-merge-diff paths
+/// (`.spec.template.spec.containers[name="kube-proxy"].image`): lists of
+/// mappings with a `name` are keyed by it, other lists are atomic; of
+/// `metadata` only labels and annotations are fields.
+fn fields_of(v: &Value, at: &str, out: &mut BTreeMap<String, Value>) {
+    match v {
+        Value::Object(map) if !map.is_empty() => {
+            for (k, child) in map {
+                let skip = match at {
+                    "" => matches!(k.as_str(), "apiVersion" | "kind" | "status"),
+                    ".metadata" => !matches!(k.as_str(), "labels" | "annotations"),
+                    _ => false,
+                };
+                if !skip {
+                    fields_of(child, &format!("{at}.{k}"), out);
+                }
+            }
+        }
+        Value::Array(items) if keyed(items) => {
+            for item in items {
+                let name = item["name"].as_str().unwrap_or_default();
+                fields_of(item, &format!("{at}[name={name:?}]"), out);
+            }
+        }
+        _ => {
+            out.insert(at.to_owned(), v.clone());
+        }
+    }
+}
+
+/// A list merged by its items' `name` (containers, ports, volumes).
+fn keyed(items: &[Value]) -> bool {
+    !items.is_empty() && items.iter().all(|i| i["name"].is_string())
+}
+
+/// Merges an applied configuration into the live object: mappings key by
+/// key, keyed lists item by item, anything else replaced.
+fn merge(live: &mut Value, applied: &Value) {
+    match (live, applied) {
+        (Value::Object(l), Value::Object(a)) => {
+            for (k, v) in a {
+                match l.get_mut(k) {
+                    Some(existing) => merge(existing, v),
+                    None => {
+                        l.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        (Value::Array(l), Value::Array(a)) if keyed(l) && keyed(a) => {
+            for item in a {
+                match l.iter_mut().find(|x| x["name"] == item["name"]) {
+                    Some(existing) => merge(existing, item),
+                    None => l.push(item.clone()),
+                }
+            }
+        }
+        (live, applied) => *live = applied.clone(),
+    }
+}
+
+/// The value at a field path of `fields_of`, if the object has it.
+fn value_at(object: &Value, path: &str) -> Option<Value> {
+    let mut all = BTreeMap::new();
+    fields_of(object, "", &mut all);
+    all.remove(path)
+}
+
+/// `printManager`: an Update manager names its API version.
+fn manager_name(m: &Manager) -> String {
+    if m.operation == "Update" {
+        format!("{:?} using {}", m.manager, m.api_version)
+    } else {
+        format!("{:?}", m.manager)
+    }
+}
+
+/// What an apply did, as the handler answers it.
+pub(super) enum Applied {
+    Created,
+    Updated,
+    Conflict(Vec<(String, String)>),
+    Invalid(String),
+}
+
+impl Store {
+    fn kind_of(&self, api: &str, resource: &str) -> Option<(String, bool)> {
+        KINDS
+            .iter()
+            .find(|(a, r, _, _)| *a == api && *r == resource)
+            .map(|(_, _, k, n)| ((*k).to_owned(), *n))
+            .or_else(|| {
+                self.removed
+                    .iter()
+                    .find(|o| format!("{}/{}", o.group, o.version) == api && o.resource == resource)
+                    .map(|o| (o.kind.clone(), o.namespace.is_some()))
+            })
+    }
+
+    fn resource_of(kind: &str, api: &str) -> Option<&'static str> {
+        KINDS
+            .iter()
+            .find(|(a, _, k, _)| *a == api && *k == kind)
+            .map(|(_, r, _, _)| *r)
+    }
+
+    fn next_revision(&mut self) -> u64 {
+        self.revision += 1;
+        self.revision
+    }
+
+    /// Talos's `manifest_apply.go`: creates `object` as `manager`
+    /// (operation Update) unless it exists.
+    pub(super) fn create_if_missing(&mut self, object: Value, manager: &str, now: Instant) {
+        let api = object["apiVersion"].as_str().unwrap_or_default().to_owned();
+        let Some(resource) = Self::resource_of(object["kind"].as_str().unwrap_or_default(), &api)
+        else {
+            return;
+        };
+        let key = (
+            api.clone(),
+            resource.to_owned(),
+            object["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            object["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        );
+        if self.objects.contains_key(&key) {
+            return;
+        }
+        let mut fields = BTreeMap::new();
+        fields_of(&object, "", &mut fields);
+        let rv = self.next_revision();
+        self.objects.insert(
+            key,
+            Stored {
+                object,
+                managers: vec![Manager {
+                    manager: manager.into(),
+                    operation: "Update",
+                    api_version: api,
+                    fields,
+                }],
+                generation: 1,
+                resource_version: rv,
+                template_at: now,
+                removed_release: None,
+            },
+        );
+    }
+
+    /// Server-side apply of `body` to `key` by `manager`.
+    fn apply(
+        &mut self,
+        key: &Key,
+        kind: &str,
+        body: Value,
+        manager: &str,
+        force: bool,
+        now: Instant,
+    ) -> Applied {
+        let (api, _, ns, name) = key;
+        if body["apiVersion"].as_str() != Some(api) {
+            return Applied::Invalid(format!(
+                "the API version in the data ({}) does not match the expected API version ({api})",
+                body["apiVersion"].as_str().unwrap_or_default()
+            ));
+        }
+        if body["kind"].as_str() != Some(kind) {
+            return Applied::Invalid(format!(
+                "the kind in the data ({}) does not match the expected kind ({kind})",
+                body["kind"].as_str().unwrap_or_default()
+            ));
+        }
+        if body["metadata"]["name"].as_str() != Some(name) {
+            return Applied::Invalid(format!(
+                "the name of the object ({}) does not match the name on the URL ({name})",
+                body["metadata"]["name"].as_str().unwrap_or_default()
+            ));
+        }
+        match body["metadata"]["namespace"].as_str() {
+            Some(n) if n != ns => {
+                return Applied::Invalid(
+                    "the namespace of the provided object does not match the namespace sent on the request".into(),
+                );
+            }
+            _ => {}
+        }
+        let mut wanted = BTreeMap::new();
+        fields_of(&body, "", &mut wanted);
+        let mine = Manager {
+            manager: manager.into(),
+            operation: "Apply",
+            api_version: api.clone(),
+            fields: wanted.clone(),
+        };
+        let rv = self.next_revision();
+        let Some(stored) = self.objects.get_mut(key) else {
+            let mut object = body;
+            if !ns.is_empty() {
+                object["metadata"]["namespace"] = json!(ns);
+            }
+            self.objects.insert(
+                key.clone(),
+                Stored {
+                    object,
+                    managers: vec![mine],
+                    generation: 1,
+                    resource_version: rv,
+                    template_at: now,
+                    removed_release: None,
+                },
+            );
+            return Applied::Created;
+        };
+        let mut conflicts = Vec::new();
+        for other in &stored.managers {
+            if other.manager == manager && other.operation == "Apply" {
+                continue;
+            }
+            for (path, value) in &wanted {
+                if other.fields.contains_key(path)
+                    && value_at(&stored.object, path).as_ref() != Some(value)
+                {
+                    conflicts.push((manager_name(other), path.clone()));
+                }
+            }
+        }
+        if !conflicts.is_empty() && !force {
+            return Applied::Conflict(conflicts);
+        }
+        for other in &mut stored.managers {
+            for (_, path) in &conflicts {
+                other.fields.remove(path);
+            }
+        }
+        stored
+            .managers
+            .retain(|m| !(m.manager == manager && m.operation == "Apply") && !m.fields.is_empty());
+        stored.managers.push(mine);
+        let before = stored.object.clone();
+        merge(&mut stored.object, &body);
+        if before["spec"] != stored.object["spec"] {
+            stored.generation += 1;
+        }
+        if before["spec"]["template"] != stored.object["spec"]["template"] {
+            stored.template_at = now;
+        }
+        if before != stored.object {
+            stored.resource_version = rv;
+        }
+        Applied::Updated
+    }
+
+    /// The first container image of a stored workload.
+    fn image(&self, api: &str, resource: &str, name: &str) -> Option<String> {
+        let key = (
+            api.into(),
+            resource.into(),
+            "kube-system".into(),
+            name.into(),
+        );
+        let o = &self.objects.get(&key)?.object;
+        o["spec"]["template"]["spec"]["containers"][0]["image"]
+            .as_str()
+            .map(str::to_owned)
+    }
+
+    /// Adds the store's part of the stats.
+    pub(super) fn stats_into(&self, out: &mut Value) {
+        out["workloads"] = json!({
+            "kube-proxy": self.image("apps/v1", "daemonsets", "kube-proxy"),
+            "kube-flannel": self.image("apps/v1", "daemonsets", "kube-flannel"),
+            "coredns": self.image("apps/v1", "deployments", "coredns"),
+        });
+        out["applies"] = json!(self.applies);
+        out["requested_deprecated"] = json!(self.requested);
+        out["removed_stored"] = json!(self.removed);
+    }
+}
+
+/// `metadata` as the API server shows it.
+fn shown(stored: &Stored) -> Value {
+    let mut o = stored.object.clone();
+    let md = &mut o["metadata"];
+    md["generation"] = json!(stored.generation);
+    md["resourceVersion"] = json!(stored.resource_version.to_string());
+    md["uid"] = json!(format!(
+        "00000000-0000-4000-8000-{:012x}",
+        stored.resource_version ^ 0x5eed
+    ));
+    md["managedFields"] = Value::Array(
+        stored
+            .managers
+            .iter()
+            .map(|m| json!({"manager": m.manager, "operation": m.operation, "apiVersion": m.api_version, "fieldsType": "FieldsV1"}))
+            .collect(),
+    );
+    o
+}
+
+impl Cluster {
+    /// The oldest Kubernetes minor any control plane's API server runs.
+    fn apiserver_minor(&self) -> Option<(u64, u64)> {
+        (0..self.count())
+            .filter_map(|i| self.k8s_component(i, Component::ApiServer, Instant::now()))
+            .filter_map(|(image, _)| k8s_versions::version_of_image(&image).ok())
+            .map(|(a, b, _)| (a, b))
+            .min()
+    }
+
+    /// A stored workload with its status as the controllers keep it.
+    fn with_status(&self, key: &Key, stored: &Stored, now: Instant) -> Value {
+        let mut o = shown(stored);
+        let rolled = now >= stored.template_at + ms(self.args.k8s.rollout_delay);
+        let observed = if rolled {
+            stored.generation
+        } else {
+            stored.generation - 1
+        };
+        let facts = self.facts.lock().unwrap().clone();
+        match (key.1.as_str(), key.3.as_str()) {
+            ("daemonsets", name) => {
+                let n = self.registered(now).len();
+                let ready = if name == "kube-proxy" && !facts.kube_proxy_ready {
+                    0
+                } else {
+                    n
+                };
+                o["status"] = json!({"currentNumberScheduled": n, "desiredNumberScheduled": n,
+                    "numberReady": ready, "numberAvailable": ready, "numberMisscheduled": 0,
+                    "observedGeneration": observed, "updatedNumberScheduled": if rolled { n } else { 0 }});
+            }
+            ("deployments", name) => {
+                let n = o["spec"]["replicas"].as_u64().unwrap_or(1);
+                let ready = if name == "coredns" && !facts.coredns_ready {
+                    0
+                } else {
+                    n
+                };
+                o["status"] = json!({"replicas": n, "readyReplicas": ready, "availableReplicas": ready,
+                    "observedGeneration": observed, "updatedReplicas": if rolled { n } else { 0 }});
+            }
+            _ => {}
+        }
+        o
+    }
+
+    /// The stored workload `name` in kube-system (`daemonsets`,
+    /// `deployments`), as the list handlers of `health.rs` show it.
+    pub(super) fn k8s_workload(&self, resource: &str, name: &str, now: Instant) -> Option<Value> {
+        let key = (
+            "apps/v1".to_owned(),
+            resource.to_owned(),
+            "kube-system".to_owned(),
+            name.to_owned(),
+        );
+        let k8s = self.k8s.lock().unwrap();
+        let stored = k8s.objects.objects.get(&key)?;
+        Some(self.with_status(&key, stored, now))
+    }
+}
+
+/// Where a request points: apiVersion, resource, namespace, name.
+struct Target {
+    api: String,
+    resource: String,
+    namespace: String,
+    name: Option<String>,
+}
+
+impl Target {
+    fn core(resource: String, namespace: String, name: Option<String>) -> Target {
+        Target {
+            api: "v1".into(),
+            resource,
+            namespace,
+            name,
+        }
+    }
+
+    fn grouped(
+        group: &str,
+        version: &str,
+        resource: String,
+        namespace: String,
+        name: Option<String>,
+    ) -> Target {
+        Target {
+            api: format!("{group}/{version}"),
+            resource,
+            namespace,
+            name,
+        }
+    }
+}
+
+#[derive(serde::Deserialize, Default)]
+pub(super) struct Params {
+    #[serde(rename = "fieldManager")]
+    field_manager: Option<String>,
+    force: Option<String>,
+    #[serde(rename = "labelSelector")]
+    label_selector: Option<String>,
+}
+
+/// `k=v` (spaces allowed around `=`), the only selector form served.
+fn selects(selector: Option<&str>, object: &Value) -> bool {
+    let Some(sel) = selector.filter(|s| !s.is_empty()) else {
+        return true;
+    };
+    sel.split(',').all(|term| match term.split_once('=') {
+        Some((k, v)) => {
+            object["metadata"]["labels"][k.trim()].as_str()
+                == Some(v.trim_start_matches('=').trim())
+        }
+        None => false,
+    })
+}
+
+fn get(cluster: &Cluster, t: Target, params: &Params) -> Response {
+    let now = Instant::now();
+    cluster.k8s_bootstrap_manifests(now);
+    // Read before the store is locked (it locks the store itself).
+    let running = cluster.apiserver_minor();
+    let k8s = cluster.k8s.lock().unwrap();
+    let Some((kind, namespaced)) = k8s.objects.kind_of(&t.api, &t.resource) else {
+        return no_resource();
+    };
+    if namespaced == t.namespace.is_empty() && t.name.is_some() {
+        return no_resource();
+    }
+    // An API version the running release removed is not served.
+    let visible = |s: &Stored| match (s.removed_release, running) {
+        (Some(removed), Some(running)) => running < removed,
+        _ => true,
+    };
+    match &t.name {
+        Some(name) => {
+            let key = (
+                t.api.clone(),
+                t.resource.clone(),
+                t.namespace.clone(),
+                name.clone(),
+            );
+            match k8s.objects.objects.get(&key).filter(|s| visible(s)) {
+                Some(s) => axum::Json(cluster.with_status(&key, s, now)).into_response(),
+                None if !k8s.objects.objects.get(&key).is_none_or(visible) => no_resource(),
+                None => not_found(&t.api, &t.resource, name),
+            }
+        }
+        None => {
+            let mut served = true;
+            let items: Vec<Value> = k8s
+                .objects
+                .objects
+                .iter()
+                .filter(|(k, _)| k.0 == t.api && k.1 == t.resource)
+                .filter(|(k, _)| t.namespace.is_empty() || k.2 == t.namespace)
+                .filter(|(_, s)| {
+                    let ok = visible(s);
+                    served &= ok;
+                    ok
+                })
+                .map(|(k, s)| cluster.with_status(k, s, now))
+                .filter(|o| selects(params.label_selector.as_deref(), o))
+                .collect();
+            if !served {
+                return no_resource();
+            }
+            axum::Json(json!({"kind": format!("{kind}List"), "apiVersion": t.api,
+                "metadata": {"resourceVersion": k8s.objects.revision.to_string()}, "items": items}))
+            .into_response()
+        }
+    }
+}
+
+fn patch(
+    cluster: &Cluster,
+    t: Target,
+    params: &Params,
+    headers: &HeaderMap,
+    body: &str,
+) -> Response {
+    let now = Instant::now();
+    cluster.k8s_bootstrap_manifests(now);
+    let content_type = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let apply = content_type.starts_with("application/apply-patch+yaml");
+    let manager = params.field_manager.clone().unwrap_or_default();
+    let invalid = |field: &str, why: &str| {
+        status(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            format!("PatchOptions.meta.k8s.io \"\" is invalid: {field}: {why}"),
+            json!({"group": "meta.k8s.io", "kind": "PatchOptions"}),
+        )
+    };
+    if !apply && params.force.is_some() {
+        return invalid(
+            "force",
+            "Forbidden: may not be specified for non-apply patch",
+        );
+    }
+    if apply && manager.is_empty() {
+        return invalid(
+            "fieldManager",
+            "Required value: is required for apply patch",
+        );
+    }
+    if !apply {
+        return status(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "UnsupportedMediaType",
+            format!(
+                "the simulated API server takes only application/apply-patch+yaml, not {content_type:?}"
+            ),
+            json!({}),
+        );
+    }
+    let force = params.force.as_deref() == Some("true");
+    let Some(name) = t.name.clone() else {
+        return no_resource();
+    };
+    let parsed: Result<Value, _> = serde_yaml_ng::from_str(body);
+    let Ok(body @ Value::Object(_)) = parsed else {
+        return status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "error decoding YAML: the body is not a YAML or JSON mapping".into(),
+            json!({}),
+        );
+    };
+    let mut k8s = cluster.k8s.lock().unwrap();
+    let Some((kind, namespaced)) = k8s.objects.kind_of(&t.api, &t.resource) else {
+        return no_resource();
+    };
+    if namespaced == t.namespace.is_empty() {
+        return no_resource();
+    }
+    let key = (t.api.clone(), t.resource.clone(), t.namespace.clone(), name);
+    let outcome = k8s.objects.apply(&key, &kind, body, &manager, force, now);
+    let code = match &outcome {
+        Applied::Created => 201,
+        Applied::Updated => 200,
+        Applied::Conflict(_) => 409,
+        Applied::Invalid(_) => 400,
+    };
+    k8s.objects
+        .applies
+        .push(json!({"manager": manager, "force": force,
+        "object": format!("{}/{}/{}/{}", key.0, key.1, key.2, key.3), "code": code}));
+    let stored = k8s.objects.objects.get(&key);
+    match outcome {
+        Applied::Created | Applied::Updated => {
+            let o = cluster.with_status(&key, stored.expect("applied"), now);
+            (StatusCode::from_u16(code).unwrap(), axum::Json(o)).into_response()
+        }
+        Applied::Invalid(why) => status(StatusCode::BAD_REQUEST, "BadRequest", why, json!({})),
+        Applied::Conflict(conflicts) => {
+            let message = if let [(m, path)] = conflicts.as_slice() {
+                format!("Apply failed with 1 conflict: conflict with {m}: {path}")
+            } else {
+                let mut by: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+                for (m, p) in &conflicts {
+                    by.entry(m).or_default().push(p);
+                }
+                let lines: Vec<String> = by
+                    .iter()
+                    .flat_map(|(m, ps)| {
+                        std::iter::once(format!("conflicts with {m}:"))
+                            .chain(ps.iter().map(|p| format!("- {p}")))
+                    })
+                    .collect();
+                format!(
+                    "Apply failed with {} conflicts: {}",
+                    conflicts.len(),
+                    lines.join("\n")
+                )
+            };
+            let causes: Vec<Value> = conflicts
+                .iter()
+                .map(|(m, p)| json!({"reason": "FieldManagerConflict", "message": format!("conflict with {m}"), "field": p}))
+                .collect();
+            status(
+                StatusCode::CONFLICT,
+                "Conflict",
+                message,
+                json!({"causes": causes}),
+            )
+        }
+    }
+}
+
+type Shared = State<Arc<Cluster>>;
+
+pub(super) async fn core_named(
+    State(c): Shared,
+    Path((ns, resource, name)): Path<(String, String, String)>,
+    Query(p): Query<Params>,
+) -> Response {
+    get(&c, Target::core(resource, ns, Some(name)), &p)
+}
+
+pub(super) async fn core_cluster_named(
+    State(c): Shared,
+    Path((resource, name)): Path<(String, String)>,
+    Query(p): Query<Params>,
+) -> Response {
+    get(&c, Target::core(resource, String::new(), Some(name)), &p)
+}
+
+pub(super) async fn core_list(
+    State(c): Shared,
+    Path((ns, resource)): Path<(String, String)>,
+    Query(p): Query<Params>,
+) -> Response {
+    get(&c, Target::core(resource, ns, None), &p)
+}
+
+pub(super) async fn group_named(
+    State(c): Shared,
+    Path((g, v, ns, resource, name)): Path<(String, String, String, String, String)>,
+    Query(p): Query<Params>,
+) -> Response {
+    get(&c, Target::grouped(&g, &v, resource, ns, Some(name)), &p)
+}
+
+pub(super) async fn group_cluster_named(
+    State(c): Shared,
+    Path((g, v, resource, name)): Path<(String, String, String, String)>,
+    Query(p): Query<Params>,
+) -> Response {
+    get(
+        &c,
+        Target::grouped(&g, &v, resource, String::new(), Some(name)),
+        &p,
+    )
+}
+
+pub(super) async fn group_list(
+    State(c): Shared,
+    Path((g, v, ns, resource)): Path<(String, String, String, String)>,
+    Query(p): Query<Params>,
+) -> Response {
+    get(&c, Target::grouped(&g, &v, resource, ns, None), &p)
+}
+
+pub(super) async fn group_cluster_list(
+    State(c): Shared,
+    Path((g, v, resource)): Path<(String, String, String)>,
+    Query(p): Query<Params>,
+) -> Response {
+    get(
+        &c,
+        Target::grouped(&g, &v, resource, String::new(), None),
+        &p,
+    )
+}
+
+pub(super) async fn patch_core_named(
+    State(c): Shared,
+    Path((ns, resource, name)): Path<(String, String, String)>,
+    Query(p): Query<Params>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    patch(
+        &c,
+        Target::core(resource, ns, Some(name)),
+        &p,
+        &headers,
+        &body,
+    )
+}
+
+pub(super) async fn patch_core_cluster_named(
+    State(c): Shared,
+    Path((resource, name)): Path<(String, String)>,
+    Query(p): Query<Params>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    patch(
+        &c,
+        Target::core(resource, String::new(), Some(name)),
+        &p,
+        &headers,
+        &body,
+    )
+}
+
+pub(super) async fn patch_group_named(
+    State(c): Shared,
+    Path((g, v, ns, resource, name)): Path<(String, String, String, String, String)>,
+    Query(p): Query<Params>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    patch(
+        &c,
+        Target::grouped(&g, &v, resource, ns, Some(name)),
+        &p,
+        &headers,
+        &body,
+    )
+}
+
+pub(super) async fn patch_group_cluster_named(
+    State(c): Shared,
+    Path((g, v, resource, name)): Path<(String, String, String, String)>,
+    Query(p): Query<Params>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    patch(
+        &c,
+        Target::grouped(&g, &v, resource, String::new(), Some(name)),
+        &p,
+        &headers,
+        &body,
+    )
+}
+
+/// The object routes and `/metrics`, merged into the API server's router
+/// (its static routes, such as the health lists, win over these).
+pub(super) fn routes() -> axum::Router<Arc<Cluster>> {
+    use axum::routing::get as on_get;
+    axum::Router::new()
+        .route("/metrics", on_get(metrics))
+        .route(
+            "/api/v1/namespaces/{ns}/{resource}/{name}",
+            on_get(core_named).patch(patch_core_named),
+        )
+        .route("/api/v1/namespaces/{ns}/{resource}", on_get(core_list))
+        .route(
+            "/api/v1/{resource}/{name}",
+            on_get(core_cluster_named).patch(patch_core_cluster_named),
+        )
+        .route(
+            "/apis/{group}/{version}/namespaces/{ns}/{resource}/{name}",
+            on_get(group_named).patch(patch_group_named),
+        )
+        .route(
+            "/apis/{group}/{version}/namespaces/{ns}/{resource}",
+            on_get(group_list),
+        )
+        .route(
+            "/apis/{group}/{version}/{resource}/{name}",
+            on_get(group_cluster_named).patch(patch_group_cluster_named),
+        )
+        .route(
+            "/apis/{group}/{version}/{resource}",
+            on_get(group_cluster_list),
+        )
+}
+
+/// Prometheus label values escape `\`, `"` and newlines.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// `GET /metrics` of the API server.
+pub(super) async fn metrics(State(c): Shared) -> Response {
+    let k8s = c.k8s.lock().unwrap();
+    let mut text = String::from(
+        "# HELP apiserver_requested_deprecated_apis [STABLE] Gauge of deprecated APIs that have been requested, broken out by API group, version, resource, subresource, and removed_release.\n# TYPE apiserver_requested_deprecated_apis gauge\n",
+    );
+    for r in &k8s.objects.requested {
+        text += &format!(
+            "apiserver_requested_deprecated_apis{{group=\"{}\",removed_release=\"{}\",resource=\"{}\",subresource=\"{}\",version=\"{}\"}} 1\n",
+            label(&r.group),
+            label(&r.removed_release),
+            label(&r.resource),
+            label(&r.subresource),
+            label(&r.version)
+        );
+    }
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for k in k8s.objects.objects.keys() {
+        let group = group_of(&k.0);
+        let name = if group.is_empty() {
+            k.1.clone()
+        } else {
+            format!("{}.{group}", k.1)
+        };
+        *counts.entry(name).or_default() += 1;
+    }
+    let mut counts: Vec<_> = counts.into_iter().collect();
+    counts.sort();
+    text += "# HELP apiserver_storage_objects [STABLE] Number of stored objects at the time of last check split by kind. In case of a fetching error, the value will be -1.\n# TYPE apiserver_storage_objects gauge\n";
+    for (resource, n) in counts {
+        text += &format!(
+            "apiserver_storage_objects{{resource=\"{}\"}} {n}\n",
+            label(&resource)
+        );
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// `POST /_sim/k8s-apis`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ApisSwitch {
+    requested: Option<Vec<Requested>>,
+    stored: Option<Vec<RemovedObject>>,
+}
+
+pub(super) async fn apis_switch(
+    State(c): Shared,
+    axum::Json(req): axum::Json<ApisSwitch>,
+) -> ControlReply {
+    let now = Instant::now();
+    let mut k8s = c.k8s.lock().unwrap();
+    let store = &mut k8s.objects;
+    if let Some(r) = req.requested {
+        store.requested = r;
+    }
+    if let Some(objects) = req.stored {
+        for bad in objects
+            .iter()
+            .filter(|o| k8s_versions::parse(&o.removed_release).is_none())
+        {
+            return super::control_error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "removed_release {:?} is not a Kubernetes version",
+                    bad.removed_release
+                ),
+            );
+        }
+        store.objects.retain(|_, s| s.removed_release.is_none());
+        for o in &objects {
+            let api = format!("{}/{}", o.group, o.version);
+            let mut object =
+                json!({"apiVersion": api, "kind": o.kind, "metadata": {"name": o.name}});
+            if let Some(ns) = &o.namespace {
+                object["metadata"]["namespace"] = json!(ns);
+            }
+            let rv = store.next_revision();
+            let release = k8s_versions::parse(&o.removed_release).map(|(a, b, _)| (a, b));
+            store.objects.insert(
+                (
+                    api.clone(),
+                    o.resource.clone(),
+                    o.namespace.clone().unwrap_or_default(),
+                    o.name.clone(),
+                ),
+                Stored {
+                    object,
+                    managers: Vec::new(),
+                    generation: 1,
+                    resource_version: rv,
+                    template_at: now,
+                    removed_release: release,
+                },
+            );
+        }
+        store.removed = objects;
+    }
+    (
+        StatusCode::OK,
+        axum::Json(json!({"requested": store.requested, "stored": store.removed})),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn daemonset(image: &str) -> Value {
+        json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": "kube-proxy", "namespace": "kube-system", "labels": {"k8s-app": "kube-proxy"}},
+            "spec": {"template": {"spec": {"containers": [{"name": "kube-proxy", "image": image}]}}}})
+    }
+
+    fn key() -> Key {
+        (
+            "apps/v1".into(),
+            "daemonsets".into(),
+            "kube-system".into(),
+            "kube-proxy".into(),
+        )
+    }
+
+    #[test]
+    fn fields_are_paths_keyed_by_name() {
+        let mut f = BTreeMap::new();
+        fields_of(&daemonset("a:v1"), "", &mut f);
+        let paths: Vec<&str> = f.keys().map(String::as_str).collect();
+        assert_eq!(
+            paths,
+            [
+                ".metadata.labels.k8s-app",
+                ".spec.template.spec.containers[name=\"kube-proxy\"].image",
+                ".spec.template.spec.containers[name=\"kube-proxy\"].name",
+            ]
+        );
+    }
+
+    #[test]
+    fn an_apply_over_talos_fields_conflicts_unless_forced_and_keeps_what_others_added() {
+        let now = Instant::now();
+        let mut s = Store::default();
+        s.create_if_missing(
+            daemonset("registry.k8s.io/kube-proxy:v1.32.1"),
+            "talos",
+            now,
+        );
+        // Talos never updates what exists.
+        s.create_if_missing(
+            daemonset("registry.k8s.io/kube-proxy:v1.33.5"),
+            "talos",
+            now,
+        );
+        assert_eq!(
+            s.image("apps/v1", "daemonsets", "kube-proxy").unwrap(),
+            "registry.k8s.io/kube-proxy:v1.32.1"
+        );
+        // A user's label, by another manager.
+        let mut user = daemonset("registry.k8s.io/kube-proxy:v1.32.1");
+        user["metadata"]["labels"]["team"] = json!("net");
+        user.as_object_mut().unwrap().remove("spec");
+        assert!(matches!(
+            s.apply(&key(), "DaemonSet", user, "kubectl", false, now),
+            Applied::Updated
+        ));
+
+        let new = daemonset("registry.k8s.io/kube-proxy:v1.33.5");
+        match s.apply(&key(), "DaemonSet", new.clone(), "imgbuild", false, now) {
+            Applied::Conflict(c) => assert_eq!(
+                c,
+                [(
+                    "\"talos\" using apps/v1".to_owned(),
+                    ".spec.template.spec.containers[name=\"kube-proxy\"].image".to_owned()
+                )]
+            ),
+            _ => panic!("no conflict"),
+        }
+        assert!(matches!(
+            s.apply(&key(), "DaemonSet", new, "imgbuild", true, now),
+            Applied::Updated
+        ));
+        let o = &s.objects[&key()].object;
+        assert_eq!(
+            o["spec"]["template"]["spec"]["containers"][0]["image"],
+            "registry.k8s.io/kube-proxy:v1.33.5"
+        );
+        assert_eq!(
+            o["metadata"]["labels"]["team"], "net",
+            "nothing the user added is pruned"
+        );
+        assert_eq!(s.objects[&key()].generation, 2);
+        // Now imgbuild owns the image: its next apply needs no force.
+        let again = daemonset("registry.k8s.io/kube-proxy:v1.33.6");
+        assert!(matches!(
+            s.apply(&key(), "DaemonSet", again, "imgbuild", false, now),
+            Applied::Updated
+        ));
+    }
+
+    #[test]
+    fn an_apply_names_what_does_not_match_the_url() {
+        let now = Instant::now();
+        let mut s = Store::default();
+        let mut wrong = daemonset("x:v1");
+        wrong["metadata"]["name"] = json!("other");
+        let Applied::Invalid(why) = s.apply(&key(), "DaemonSet", wrong, "m", false, now) else {
+            panic!("accepted");
+        };
+        assert_eq!(
+            why,
+            "the name of the object (other) does not match the name on the URL (kube-proxy)"
+        );
+        assert!(matches!(
+            s.apply(&key(), "DaemonSet", daemonset("x:v1"), "m", false, now),
+            Applied::Created
+        ));
+    }
+}
