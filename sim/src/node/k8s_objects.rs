@@ -112,6 +112,7 @@ struct Manager {
     fields: BTreeMap<String, Value>,
 }
 
+#[derive(Clone)]
 struct Stored {
     object: Value,
     managers: Vec<Manager>,
@@ -604,6 +605,8 @@ pub(super) struct Params {
     force: Option<String>,
     #[serde(rename = "labelSelector")]
     label_selector: Option<String>,
+    #[serde(rename = "dryRun")]
+    dry_run: Option<String>,
 }
 
 /// `k=v` (spaces allowed around `=`), the only selector form served.
@@ -743,6 +746,17 @@ fn patch(
         return no_resource();
     }
     let key = (t.api.clone(), t.resource.clone(), t.namespace.clone(), name);
+    // `dryRun=All` answers what the apply would store and stores nothing
+    // (how an SSA diff is taken).
+    if params.dry_run.as_deref() == Some("All") {
+        let mut scratch = Store::default();
+        if let Some(s) = k8s.objects.objects.get(&key) {
+            scratch.objects.insert(key.clone(), s.clone());
+        }
+        scratch.revision = k8s.objects.revision;
+        let outcome = scratch.apply(&key, &kind, body, &manager, force, now);
+        return answer(cluster, &scratch, &key, outcome, now);
+    }
     let outcome = k8s.objects.apply(&key, &kind, body, &manager, force, now);
     let code = match &outcome {
         Applied::Created => 201,
@@ -754,11 +768,20 @@ fn patch(
         .applies
         .push(json!({"manager": manager, "force": force,
         "object": format!("{}/{}/{}/{}", key.0, key.1, key.2, key.3), "code": code}));
-    let stored = k8s.objects.objects.get(&key);
+    answer(cluster, &k8s.objects, &key, outcome, now)
+}
+
+/// The reply to an apply.
+fn answer(cluster: &Cluster, store: &Store, key: &Key, outcome: Applied, now: Instant) -> Response {
+    let code = match &outcome {
+        Applied::Created => StatusCode::CREATED,
+        _ => StatusCode::OK,
+    };
+    let stored = store.objects.get(key);
     match outcome {
         Applied::Created | Applied::Updated => {
-            let o = cluster.with_status(&key, stored.expect("applied"), now);
-            (StatusCode::from_u16(code).unwrap(), axum::Json(o)).into_response()
+            let o = cluster.with_status(key, stored.expect("applied"), now);
+            (code, axum::Json(o)).into_response()
         }
         Applied::Invalid(why) => status(StatusCode::BAD_REQUEST, "BadRequest", why, json!({})),
         Applied::Conflict(conflicts) => {
