@@ -24,6 +24,7 @@ use hyper_util::rt::TokioIo;
 use imgbuild::talos::api::cosi::resource::state_client::StateClient;
 use imgbuild::talos::api::cosi::resource::{GetRequest, ListRequest};
 use imgbuild::talos::api::machine::apply_configuration_request::Mode;
+use imgbuild::talos::api::machine::image_service_client::ImageServiceClient;
 use imgbuild::talos::api::machine::machine_service_client::MachineServiceClient;
 use imgbuild::talos::api::machine::*;
 use imgbuild::talos::pki::{self, CertAndKey, KeyKind, LeafSpec};
@@ -657,12 +658,16 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
         v["message"],
         "Apply failed with 1 conflict: conflict with \"talos\" using apps/v1: .spec.template.spec.containers[name=\"kube-proxy\"].image"
     );
-    let (code, v) = c.kube(
-        10,
-        "PATCH",
-        &format!("{proxy}?fieldManager=imgbuild&force=true"),
-        apply,
+    let forced = format!("{proxy}?fieldManager=imgbuild&force=true");
+    let (code, v) = c.kube(10, "PATCH", &format!("{forced}&dryRun=All"), apply);
+    assert_eq!((code, image(&v)), (200, new), "{v}");
+    let (_, ds) = c.kube(10, "GET", proxy, None);
+    assert_eq!(
+        image(&ds),
+        "registry.k8s.io/kube-proxy:v1.32.1",
+        "a dry run stored it"
     );
+    let (code, v) = c.kube(10, "PATCH", &forced, apply);
     assert_eq!(code, 200, "{v}");
     assert_eq!(image(&v), new);
     assert_eq!(
@@ -692,7 +697,28 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
         .iter()
         .map(|a| &a["code"])
         .collect();
-    assert_eq!(codes, [&json!(409), &json!(200)]);
+    assert_eq!(codes, [&json!(409), &json!(200)], "dry runs are not logged");
+
+    // v1.13's ImageService pre-pulls Kubernetes images (talosctl's
+    // `--pre-pull-images`); a tag that is no version is not found.
+    let pull = |image: &str| ImageServicePullRequest {
+        containerd: None,
+        image_ref: image.into(),
+    };
+    let mut images = ImageServiceClient::new(c.channel(11).await);
+    images
+        .pull(pull("registry.k8s.io/kube-apiserver:v1.33.5"))
+        .await
+        .unwrap();
+    let e = images
+        .pull(pull("registry.k8s.io/kube-apiserver:latest"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert_eq!(
+        c.k8s_stats()["pulled"]["cp-01"],
+        json!(["registry.k8s.io/kube-apiserver:v1.33.5"])
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -177,9 +177,11 @@ mod day2;
 mod health;
 mod hostile;
 mod immediate;
+mod k8s_deprecated;
 mod k8s_manifests;
 mod k8s_objects;
 mod k8s_pods;
+mod k8s_ssa;
 mod k8s_versions;
 mod lifecycle;
 mod switches;
@@ -877,7 +879,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/installer", post(switches::installer_switch))
         .route("/_sim/node", post(switches::node_switch))
         .route("/_sim/k8s", post(health::facts_switch))
-        .route("/_sim/k8s-apis", post(k8s_objects::apis_switch))
+        .route("/_sim/k8s-apis", post(k8s_deprecated::apis_switch))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())

@@ -58,8 +58,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
+use super::k8s_deprecated::{RemovedObject, Requested};
+use super::k8s_ssa::{self, Manager, fields_of, merge, value_at};
 use super::k8s_versions::{self, Component};
-use super::{Cluster, ControlReply, ms};
+use super::{Cluster, ms};
 
 /// A resource the API server serves: (apiVersion, plural, kind, namespaced).
 type Kind = (&'static str, &'static str, &'static str, bool);
@@ -100,63 +102,28 @@ const KINDS: [Kind; 12] = [
 ];
 
 /// (apiVersion, resource, namespace, name).
-type Key = (String, String, String, String);
+pub(super) type Key = (String, String, String, String);
 
-/// A field manager's entry (`metadata.managedFields`): its fields, as
-/// dotted paths with their values when it set them.
 #[derive(Clone)]
-struct Manager {
-    manager: String,
-    operation: &'static str,
-    api_version: String,
-    fields: BTreeMap<String, Value>,
-}
-
-struct Stored {
-    object: Value,
-    managers: Vec<Manager>,
-    generation: u64,
-    resource_version: u64,
+pub(super) struct Stored {
+    pub object: Value,
+    pub managers: Vec<Manager>,
+    pub generation: u64,
+    pub resource_version: u64,
     /// When the pod template last changed (a rollout starts).
-    template_at: Instant,
+    pub template_at: Instant,
     /// The Kubernetes minor that removed this object's API version.
-    removed_release: Option<(u64, u64)>,
-}
-
-/// A resource of a removed API version the switch registered.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RemovedObject {
-    group: String,
-    version: String,
-    resource: String,
-    kind: String,
-    #[serde(default)]
-    namespace: Option<String>,
-    name: String,
-    removed_release: String,
-}
-
-/// A deprecated API some client still requests.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Requested {
-    group: String,
-    version: String,
-    resource: String,
-    #[serde(default)]
-    subresource: String,
-    removed_release: String,
+    pub removed_release: Option<(u64, u64)>,
 }
 
 /// The API server's objects.
 #[derive(Default)]
 pub(super) struct Store {
-    objects: BTreeMap<Key, Stored>,
+    pub objects: BTreeMap<Key, Stored>,
     revision: u64,
     applies: Vec<Value>,
-    requested: Vec<Requested>,
-    removed: Vec<RemovedObject>,
+    pub requested: Vec<Requested>,
+    pub removed: Vec<RemovedObject>,
 }
 
 /// A Kubernetes `Status` error reply.
@@ -176,7 +143,7 @@ fn no_resource() -> Response {
 }
 
 /// The group of an apiVersion (`apps/v1` → `apps`, `v1` → ``).
-fn group_of(api: &str) -> &str {
+pub(super) fn group_of(api: &str) -> &str {
     api.rsplit_once('/').map_or("", |(g, _)| g)
 }
 
@@ -194,83 +161,6 @@ fn not_found(api: &str, resource: &str, name: &str) -> Response {
         format!("{qualified} {name:?} not found"),
         json!({"name": name, "group": group, "kind": resource}),
     )
-}
-
-/// The leaf fields of an object as structured-merge-diff paths
-/// (`.spec.template.spec.containers[name="kube-proxy"].image`): lists of
-/// mappings with a `name` are keyed by it, other lists are atomic; of
-/// `metadata` only labels and annotations are fields.
-fn fields_of(v: &Value, at: &str, out: &mut BTreeMap<String, Value>) {
-    match v {
-        Value::Object(map) if !map.is_empty() => {
-            for (k, child) in map {
-                let skip = match at {
-                    "" => matches!(k.as_str(), "apiVersion" | "kind" | "status"),
-                    ".metadata" => !matches!(k.as_str(), "labels" | "annotations"),
-                    _ => false,
-                };
-                if !skip {
-                    fields_of(child, &format!("{at}.{k}"), out);
-                }
-            }
-        }
-        Value::Array(items) if keyed(items) => {
-            for item in items {
-                let name = item["name"].as_str().unwrap_or_default();
-                fields_of(item, &format!("{at}[name={name:?}]"), out);
-            }
-        }
-        _ => {
-            out.insert(at.to_owned(), v.clone());
-        }
-    }
-}
-
-/// A list merged by its items' `name` (containers, ports, volumes).
-fn keyed(items: &[Value]) -> bool {
-    !items.is_empty() && items.iter().all(|i| i["name"].is_string())
-}
-
-/// Merges an applied configuration into the live object: mappings key by
-/// key, keyed lists item by item, anything else replaced.
-fn merge(live: &mut Value, applied: &Value) {
-    match (live, applied) {
-        (Value::Object(l), Value::Object(a)) => {
-            for (k, v) in a {
-                match l.get_mut(k) {
-                    Some(existing) => merge(existing, v),
-                    None => {
-                        l.insert(k.clone(), v.clone());
-                    }
-                }
-            }
-        }
-        (Value::Array(l), Value::Array(a)) if keyed(l) && keyed(a) => {
-            for item in a {
-                match l.iter_mut().find(|x| x["name"] == item["name"]) {
-                    Some(existing) => merge(existing, item),
-                    None => l.push(item.clone()),
-                }
-            }
-        }
-        (live, applied) => *live = applied.clone(),
-    }
-}
-
-/// The value at a field path of `fields_of`, if the object has it.
-fn value_at(object: &Value, path: &str) -> Option<Value> {
-    let mut all = BTreeMap::new();
-    fields_of(object, "", &mut all);
-    all.remove(path)
-}
-
-/// `printManager`: an Update manager names its API version.
-fn manager_name(m: &Manager) -> String {
-    if m.operation == "Update" {
-        format!("{:?} using {}", m.manager, m.api_version)
-    } else {
-        format!("{:?}", m.manager)
-    }
 }
 
 /// What an apply did, as the handler answers it.
@@ -302,7 +192,7 @@ impl Store {
             .map(|(_, r, _, _)| *r)
     }
 
-    fn next_revision(&mut self) -> u64 {
+    pub(super) fn next_revision(&mut self) -> u64 {
         self.revision += 1;
         self.revision
     }
@@ -424,7 +314,7 @@ impl Store {
                 if other.fields.contains_key(path)
                     && value_at(&stored.object, path).as_ref() != Some(value)
                 {
-                    conflicts.push((manager_name(other), path.clone()));
+                    conflicts.push((k8s_ssa::manager_name(other), path.clone()));
                 }
             }
         }
@@ -438,7 +328,7 @@ impl Store {
         }
         stored
             .managers
-            .retain(|m| !(m.manager == manager && m.operation == "Apply") && !m.fields.is_empty());
+            .retain(|m| !(m.fields.is_empty() || m.manager == manager && m.operation == "Apply"));
         stored.managers.push(mine);
         let before = stored.object.clone();
         merge(&mut stored.object, &body);
@@ -571,32 +461,6 @@ struct Target {
     name: Option<String>,
 }
 
-impl Target {
-    fn core(resource: String, namespace: String, name: Option<String>) -> Target {
-        Target {
-            api: "v1".into(),
-            resource,
-            namespace,
-            name,
-        }
-    }
-
-    fn grouped(
-        group: &str,
-        version: &str,
-        resource: String,
-        namespace: String,
-        name: Option<String>,
-    ) -> Target {
-        Target {
-            api: format!("{group}/{version}"),
-            resource,
-            namespace,
-            name,
-        }
-    }
-}
-
 #[derive(serde::Deserialize, Default)]
 pub(super) struct Params {
     #[serde(rename = "fieldManager")]
@@ -604,6 +468,8 @@ pub(super) struct Params {
     force: Option<String>,
     #[serde(rename = "labelSelector")]
     label_selector: Option<String>,
+    #[serde(rename = "dryRun")]
+    dry_run: Option<String>,
 }
 
 /// `k=v` (spaces allowed around `=`), the only selector form served.
@@ -743,6 +609,17 @@ fn patch(
         return no_resource();
     }
     let key = (t.api.clone(), t.resource.clone(), t.namespace.clone(), name);
+    // `dryRun=All` answers what the apply would store and stores nothing
+    // (how an SSA diff is taken).
+    if params.dry_run.as_deref() == Some("All") {
+        let mut scratch = Store::default();
+        if let Some(s) = k8s.objects.objects.get(&key) {
+            scratch.objects.insert(key.clone(), s.clone());
+        }
+        scratch.revision = k8s.objects.revision;
+        let outcome = scratch.apply(&key, &kind, body, &manager, force, now);
+        return answer(cluster, &scratch, &key, outcome, now);
+    }
     let outcome = k8s.objects.apply(&key, &kind, body, &manager, force, now);
     let code = match &outcome {
         Applied::Created => 201,
@@ -754,38 +631,24 @@ fn patch(
         .applies
         .push(json!({"manager": manager, "force": force,
         "object": format!("{}/{}/{}/{}", key.0, key.1, key.2, key.3), "code": code}));
-    let stored = k8s.objects.objects.get(&key);
+    answer(cluster, &k8s.objects, &key, outcome, now)
+}
+
+/// The reply to an apply.
+fn answer(cluster: &Cluster, store: &Store, key: &Key, outcome: Applied, now: Instant) -> Response {
+    let code = match &outcome {
+        Applied::Created => StatusCode::CREATED,
+        _ => StatusCode::OK,
+    };
+    let stored = store.objects.get(key);
     match outcome {
         Applied::Created | Applied::Updated => {
-            let o = cluster.with_status(&key, stored.expect("applied"), now);
-            (StatusCode::from_u16(code).unwrap(), axum::Json(o)).into_response()
+            let o = cluster.with_status(key, stored.expect("applied"), now);
+            (code, axum::Json(o)).into_response()
         }
         Applied::Invalid(why) => status(StatusCode::BAD_REQUEST, "BadRequest", why, json!({})),
         Applied::Conflict(conflicts) => {
-            let message = if let [(m, path)] = conflicts.as_slice() {
-                format!("Apply failed with 1 conflict: conflict with {m}: {path}")
-            } else {
-                let mut by: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-                for (m, p) in &conflicts {
-                    by.entry(m).or_default().push(p);
-                }
-                let lines: Vec<String> = by
-                    .iter()
-                    .flat_map(|(m, ps)| {
-                        std::iter::once(format!("conflicts with {m}:"))
-                            .chain(ps.iter().map(|p| format!("- {p}")))
-                    })
-                    .collect();
-                format!(
-                    "Apply failed with {} conflicts: {}",
-                    conflicts.len(),
-                    lines.join("\n")
-                )
-            };
-            let causes: Vec<Value> = conflicts
-                .iter()
-                .map(|(m, p)| json!({"reason": "FieldManagerConflict", "message": format!("conflict with {m}"), "field": p}))
-                .collect();
+            let (message, causes) = k8s_ssa::conflict_report(&conflicts);
             status(
                 StatusCode::CONFLICT,
                 "Conflict",
@@ -796,285 +659,60 @@ fn patch(
     }
 }
 
-type Shared = State<Arc<Cluster>>;
+/// The path parameters of the object routes: `group` and `version`
+/// (absent: the core API `v1`), `ns` (absent: cluster-scoped), `resource`,
+/// `name` (absent: a list).
+type Where = Path<HashMap<String, String>>;
 
-pub(super) async fn core_named(
-    State(c): Shared,
-    Path((ns, resource, name)): Path<(String, String, String)>,
-    Query(p): Query<Params>,
-) -> Response {
-    get(&c, Target::core(resource, ns, Some(name)), &p)
+impl Target {
+    fn from(mut p: HashMap<String, String>) -> Target {
+        let api = match (p.remove("group"), p.remove("version")) {
+            (Some(g), Some(v)) => format!("{g}/{v}"),
+            _ => "v1".into(),
+        };
+        Target {
+            api,
+            resource: p.remove("resource").unwrap_or_default(),
+            namespace: p.remove("ns").unwrap_or_default(),
+            name: p.remove("name"),
+        }
+    }
 }
 
-pub(super) async fn core_cluster_named(
-    State(c): Shared,
-    Path((resource, name)): Path<(String, String)>,
+async fn get_handler(
+    State(c): State<Arc<Cluster>>,
+    Path(at): Where,
     Query(p): Query<Params>,
 ) -> Response {
-    get(&c, Target::core(resource, String::new(), Some(name)), &p)
+    get(&c, Target::from(at), &p)
 }
 
-pub(super) async fn core_list(
-    State(c): Shared,
-    Path((ns, resource)): Path<(String, String)>,
-    Query(p): Query<Params>,
-) -> Response {
-    get(&c, Target::core(resource, ns, None), &p)
-}
-
-pub(super) async fn group_named(
-    State(c): Shared,
-    Path((g, v, ns, resource, name)): Path<(String, String, String, String, String)>,
-    Query(p): Query<Params>,
-) -> Response {
-    get(&c, Target::grouped(&g, &v, resource, ns, Some(name)), &p)
-}
-
-pub(super) async fn group_cluster_named(
-    State(c): Shared,
-    Path((g, v, resource, name)): Path<(String, String, String, String)>,
-    Query(p): Query<Params>,
-) -> Response {
-    get(
-        &c,
-        Target::grouped(&g, &v, resource, String::new(), Some(name)),
-        &p,
-    )
-}
-
-pub(super) async fn group_list(
-    State(c): Shared,
-    Path((g, v, ns, resource)): Path<(String, String, String, String)>,
-    Query(p): Query<Params>,
-) -> Response {
-    get(&c, Target::grouped(&g, &v, resource, ns, None), &p)
-}
-
-pub(super) async fn group_cluster_list(
-    State(c): Shared,
-    Path((g, v, resource)): Path<(String, String, String)>,
-    Query(p): Query<Params>,
-) -> Response {
-    get(
-        &c,
-        Target::grouped(&g, &v, resource, String::new(), None),
-        &p,
-    )
-}
-
-pub(super) async fn patch_core_named(
-    State(c): Shared,
-    Path((ns, resource, name)): Path<(String, String, String)>,
+async fn patch_handler(
+    State(c): State<Arc<Cluster>>,
+    Path(at): Where,
     Query(p): Query<Params>,
     headers: HeaderMap,
     body: String,
 ) -> Response {
-    patch(
-        &c,
-        Target::core(resource, ns, Some(name)),
-        &p,
-        &headers,
-        &body,
-    )
-}
-
-pub(super) async fn patch_core_cluster_named(
-    State(c): Shared,
-    Path((resource, name)): Path<(String, String)>,
-    Query(p): Query<Params>,
-    headers: HeaderMap,
-    body: String,
-) -> Response {
-    patch(
-        &c,
-        Target::core(resource, String::new(), Some(name)),
-        &p,
-        &headers,
-        &body,
-    )
-}
-
-pub(super) async fn patch_group_named(
-    State(c): Shared,
-    Path((g, v, ns, resource, name)): Path<(String, String, String, String, String)>,
-    Query(p): Query<Params>,
-    headers: HeaderMap,
-    body: String,
-) -> Response {
-    patch(
-        &c,
-        Target::grouped(&g, &v, resource, ns, Some(name)),
-        &p,
-        &headers,
-        &body,
-    )
-}
-
-pub(super) async fn patch_group_cluster_named(
-    State(c): Shared,
-    Path((g, v, resource, name)): Path<(String, String, String, String)>,
-    Query(p): Query<Params>,
-    headers: HeaderMap,
-    body: String,
-) -> Response {
-    patch(
-        &c,
-        Target::grouped(&g, &v, resource, String::new(), Some(name)),
-        &p,
-        &headers,
-        &body,
-    )
+    patch(&c, Target::from(at), &p, &headers, &body)
 }
 
 /// The object routes and `/metrics`, merged into the API server's router
 /// (its static routes, such as the health lists, win over these).
 pub(super) fn routes() -> axum::Router<Arc<Cluster>> {
     use axum::routing::get as on_get;
-    axum::Router::new()
-        .route("/metrics", on_get(metrics))
-        .route(
-            "/api/v1/namespaces/{ns}/{resource}/{name}",
-            on_get(core_named).patch(patch_core_named),
-        )
-        .route("/api/v1/namespaces/{ns}/{resource}", on_get(core_list))
-        .route(
-            "/api/v1/{resource}/{name}",
-            on_get(core_cluster_named).patch(patch_core_cluster_named),
-        )
-        .route(
-            "/apis/{group}/{version}/namespaces/{ns}/{resource}/{name}",
-            on_get(group_named).patch(patch_group_named),
-        )
-        .route(
-            "/apis/{group}/{version}/namespaces/{ns}/{resource}",
-            on_get(group_list),
-        )
-        .route(
-            "/apis/{group}/{version}/{resource}/{name}",
-            on_get(group_cluster_named).patch(patch_group_cluster_named),
-        )
-        .route(
-            "/apis/{group}/{version}/{resource}",
-            on_get(group_cluster_list),
-        )
-}
-
-/// Prometheus label values escape `\`, `"` and newlines.
-fn label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-/// `GET /metrics` of the API server.
-pub(super) async fn metrics(State(c): Shared) -> Response {
-    let k8s = c.k8s.lock().unwrap();
-    let mut text = String::from(
-        "# HELP apiserver_requested_deprecated_apis [STABLE] Gauge of deprecated APIs that have been requested, broken out by API group, version, resource, subresource, and removed_release.\n# TYPE apiserver_requested_deprecated_apis gauge\n",
-    );
-    for r in &k8s.objects.requested {
-        text += &format!(
-            "apiserver_requested_deprecated_apis{{group=\"{}\",removed_release=\"{}\",resource=\"{}\",subresource=\"{}\",version=\"{}\"}} 1\n",
-            label(&r.group),
-            label(&r.removed_release),
-            label(&r.resource),
-            label(&r.subresource),
-            label(&r.version)
-        );
-    }
-    let mut counts: HashMap<String, usize> = HashMap::new();
-    for k in k8s.objects.objects.keys() {
-        let group = group_of(&k.0);
-        let name = if group.is_empty() {
-            k.1.clone()
-        } else {
-            format!("{}.{group}", k.1)
-        };
-        *counts.entry(name).or_default() += 1;
-    }
-    let mut counts: Vec<_> = counts.into_iter().collect();
-    counts.sort();
-    text += "# HELP apiserver_storage_objects [STABLE] Number of stored objects at the time of last check split by kind. In case of a fetching error, the value will be -1.\n# TYPE apiserver_storage_objects gauge\n";
-    for (resource, n) in counts {
-        text += &format!(
-            "apiserver_storage_objects{{resource=\"{}\"}} {n}\n",
-            label(&resource)
-        );
-    }
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response()
-}
-
-/// `POST /_sim/k8s-apis`.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct ApisSwitch {
-    requested: Option<Vec<Requested>>,
-    stored: Option<Vec<RemovedObject>>,
-}
-
-pub(super) async fn apis_switch(
-    State(c): Shared,
-    axum::Json(req): axum::Json<ApisSwitch>,
-) -> ControlReply {
-    let now = Instant::now();
-    let mut k8s = c.k8s.lock().unwrap();
-    let store = &mut k8s.objects;
-    if let Some(r) = req.requested {
-        store.requested = r;
-    }
-    if let Some(objects) = req.stored {
-        for bad in objects
-            .iter()
-            .filter(|o| k8s_versions::parse(&o.removed_release).is_none())
-        {
-            return super::control_error(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "removed_release {:?} is not a Kubernetes version",
-                    bad.removed_release
-                ),
-            );
+    let mut router = axum::Router::new().route("/metrics", on_get(super::k8s_deprecated::metrics));
+    for prefix in ["/api/v1", "/apis/{group}/{version}"] {
+        for at in ["/namespaces/{ns}/{resource}", "/{resource}"] {
+            router = router
+                .route(&format!("{prefix}{at}"), on_get(get_handler))
+                .route(
+                    &format!("{prefix}{at}/{{name}}"),
+                    on_get(get_handler).patch(patch_handler),
+                );
         }
-        store.objects.retain(|_, s| s.removed_release.is_none());
-        for o in &objects {
-            let api = format!("{}/{}", o.group, o.version);
-            let mut object =
-                json!({"apiVersion": api, "kind": o.kind, "metadata": {"name": o.name}});
-            if let Some(ns) = &o.namespace {
-                object["metadata"]["namespace"] = json!(ns);
-            }
-            let rv = store.next_revision();
-            let release = k8s_versions::parse(&o.removed_release).map(|(a, b, _)| (a, b));
-            store.objects.insert(
-                (
-                    api.clone(),
-                    o.resource.clone(),
-                    o.namespace.clone().unwrap_or_default(),
-                    o.name.clone(),
-                ),
-                Stored {
-                    object,
-                    managers: Vec::new(),
-                    generation: 1,
-                    resource_version: rv,
-                    template_at: now,
-                    removed_release: release,
-                },
-            );
-        }
-        store.removed = objects;
     }
-    (
-        StatusCode::OK,
-        axum::Json(json!({"requested": store.requested, "stored": store.removed})),
-    )
+    router
 }
 
 #[cfg(test)]
@@ -1094,21 +732,6 @@ mod tests {
             "kube-system".into(),
             "kube-proxy".into(),
         )
-    }
-
-    #[test]
-    fn fields_are_paths_keyed_by_name() {
-        let mut f = BTreeMap::new();
-        fields_of(&daemonset("a:v1"), "", &mut f);
-        let paths: Vec<&str> = f.keys().map(String::as_str).collect();
-        assert_eq!(
-            paths,
-            [
-                ".metadata.labels.k8s-app",
-                ".spec.template.spec.containers[name=\"kube-proxy\"].image",
-                ".spec.template.spec.containers[name=\"kube-proxy\"].name",
-            ]
-        );
     }
 
     #[test]

@@ -112,6 +112,7 @@ struct Running {
 /// One restart of one component.
 struct Restart {
     node: String,
+    control_plane: bool,
     component: Component,
     from_image: String,
     image: String,
@@ -133,12 +134,15 @@ pub(super) struct K8s {
     nodes: HashMap<usize, NodeComponents>,
     timeline: Vec<Restart>,
     pub objects: super::k8s_objects::Store,
+    /// Kubernetes images each node pulled through ImageService.
+    pulled: BTreeMap<String, Vec<String>>,
 }
 
 /// What the watcher reads from one node.
 struct Seen {
     identity: usize,
     name: String,
+    control_plane: bool,
     images: Vec<(Component, String)>,
 }
 
@@ -168,6 +172,7 @@ impl Cluster {
         Some(Seen {
             identity: Arc::as_ptr(&node) as usize,
             name,
+            control_plane,
             images,
         })
     }
@@ -219,6 +224,7 @@ impl Cluster {
                 }
                 timeline.push(Restart {
                     node: s.name.clone(),
+                    control_plane: s.control_plane,
                     component,
                     from_image: r.image.clone(),
                     image: image.clone(),
@@ -370,6 +376,7 @@ impl Cluster {
             .map(|r| {
                 json!({
                     "node": r.node,
+                    "control_plane": r.control_plane,
                     "component": r.component.id(),
                     "from_image": r.from_image,
                     "image": r.image,
@@ -396,9 +403,47 @@ impl Cluster {
                 Some((names.get(i)?.clone(), Value::Object(comps)))
             })
             .collect();
-        let mut out = json!({"restarts": restarts, "components": components});
+        let mut out = json!({"restarts": restarts, "components": components, "pulled": k8s.pulled});
         k8s.objects.stats_into(&mut out);
         out
+    }
+}
+
+/// The repositories of the images a Kubernetes upgrade pre-pulls.
+const KUBERNETES_IMAGES: [&str; 6] = [
+    "registry.k8s.io/kube-apiserver",
+    "registry.k8s.io/kube-controller-manager",
+    "registry.k8s.io/kube-scheduler",
+    "registry.k8s.io/kube-proxy",
+    "registry.k8s.io/coredns/coredns",
+    "ghcr.io/siderolabs/kubelet",
+];
+
+impl super::Api {
+    /// `ImageService.Pull` (v1.13+) of a Kubernetes image, as talosctl's
+    /// `upgrade-k8s --pre-pull-images` sends them (`talos_managed.go`
+    /// `prePullImages`): one with a version tag is pulled after
+    /// `--pull-cached-delay`; another tag of those repositories is not
+    /// found. None: not a Kubernetes image (an installer's pull).
+    pub(super) async fn k8s_image_pull(
+        &self,
+        i: usize,
+        image: &str,
+    ) -> Option<Result<(), tonic::Status>> {
+        let (repo, _) = image.rsplit_once(':')?;
+        if !KUBERNETES_IMAGES.contains(&repo) {
+            return None;
+        }
+        if k8s_versions::version_of_image(image).is_err() {
+            return Some(Err(tonic::Status::not_found(format!(
+                "failed to pull image {image:?}: {image}: not found"
+            ))));
+        }
+        tokio::time::sleep(ms(self.cluster.args.pull_cached_delay)).await;
+        let name = self.cluster.node(i).display_name();
+        let mut k8s = self.cluster.k8s.lock().unwrap();
+        k8s.pulled.entry(name).or_default().push(image.to_owned());
+        Some(Ok(()))
     }
 }
 
