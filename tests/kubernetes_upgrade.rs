@@ -189,6 +189,35 @@ fn a_3_plus_2_cluster_moves_from_1_32_1_to_1_33_5_in_order_and_a_rerun_does_noth
     assert_eq!(c.applies(), applies, "a dry run applies nothing");
     assert!(c.restarts_to("v1.33.5").is_empty());
 
+    // Kubernetes moves only through upgrade: apply keeps each node's
+    // versions, and status names the components, not the configs.
+    let o = imgbuild(&c.config, &["apply"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(
+        c.restarts_to("v1.33.5").is_empty(),
+        "apply moved Kubernetes"
+    );
+    let o = imgbuild(&c.config, &["--output", "json", "status", "--check"]);
+    assert_eq!(o.status.code(), Some(1));
+    let doc = json(&o);
+    let what: std::collections::BTreeSet<&str> = doc["drift"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["what"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        what.into_iter().collect::<Vec<_>>(),
+        [
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-proxy",
+            "kube-scheduler",
+            "kubelet"
+        ],
+        "{doc}"
+    );
+
     let o = imgbuild(&c.config, &["--output", "json", "upgrade"]);
     assert!(
         o.status.success(),

@@ -268,7 +268,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     // the Kubernetes versions it runs, so Kubernetes moves only in order.
     let mut talos_plan = prepared.plan.clone();
     if let Some((seen, k)) = &kube {
-        kube_run::pin_running(&mut talos_plan, seen, k).map_err(|e| anyhow::anyhow!(e))?;
+        kube_run::pin_running(&mut talos_plan, seen, &k.to).map_err(|e| anyhow::anyhow!(e))?;
     }
     let report = upgrade::execute(
         &factory,
@@ -433,7 +433,9 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
     let _lock = (!args.dry_run)
         .then(|| stage::lock_state_dir(&inv, &opts, "apply"))
         .transpose()?;
-    let prepared = stage::prepare(&inv, &opts)?;
+    let mut prepared = stage::prepare(&inv, &opts)?;
+    // Kubernetes versions move only through `upgrade`, in order.
+    pin_kubernetes(&inv, &mut prepared.plan, &opts.limits)?;
     let mode = match args.mode {
         ModeArg::Auto => ApplyMode::Auto,
         ModeArg::NoReboot => ApplyMode::NoReboot,
@@ -497,23 +499,39 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
     }
 }
 
-/// Every node's status row, read from the nodes (nothing is changed).
+/// Pins each node's rendered config to the Kubernetes versions it runs
+/// (read from the cluster); returns what was read.
+fn pin_kubernetes(
+    inv: &imgbuild::inventory::Inventory,
+    plan: &mut imgbuild::talos::bootstrap::Plan,
+    limits: &imgbuild::talos::bootstrap::Options,
+) -> Result<observe::Observed> {
+    let observed = observe::observe(plan, &BTreeMap::new(), limits);
+    kube_run::pin_running(plan, &observed.cluster, &inv.cluster.kubernetes_version)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    Ok(observed)
+}
+
+/// Every node's status row, read from the nodes (nothing is changed), and
+/// what the cluster shows of Kubernetes.
 pub(super) fn rows(
     inv: &imgbuild::inventory::Inventory,
     opts: &stage::BootstrapOptions,
-) -> Result<Vec<status::NodeStatus>> {
+) -> Result<(Vec<status::NodeStatus>, observe::Observed)> {
     let wanted = upgrade::wanted(inv)?;
     stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
-    let prepared = stage::prepare(inv, opts)?;
+    let mut prepared = stage::prepare(inv, opts)?;
+    let observed = pin_kubernetes(inv, &mut prepared.plan, &opts.limits)?;
     let record = upgrade::Record::load(&record_path(&prepared.state_dir));
     let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);
-    Ok(runtime()?.block_on(status::collect(
+    let rows = runtime()?.block_on(status::collect(
         &prepared.plan,
         &wanted,
         &record,
         &fingerprints,
         &opts.limits,
-    )))
+    ));
+    Ok((rows, observed))
 }
 
 pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
@@ -521,8 +539,8 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
     let mut opts = args.run.options();
     // Status changes nothing: an unset `${NAME}` is compared by fingerprint.
     opts.patch_vars = opts.patch_vars.comparing_unset();
-    let rows = rows(&inv, &opts)?;
-    let kube = kube_rows(&inv, &opts)?;
+    let (rows, observed) = rows(&inv, &opts)?;
+    let kube = kstatus::rows(&observed, &inv.cluster.kubernetes_version);
     let drift: Vec<status::Drift> = rows
         .iter()
         .flat_map(status::NodeStatus::drift)
@@ -605,16 +623,6 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
         return Err(Reported(format!("{} difference(s) from the inventory", drift.len())).into());
     }
     Ok(())
-}
-
-/// Each Kubernetes component's version, read from the cluster.
-fn kube_rows(
-    inv: &imgbuild::inventory::Inventory,
-    opts: &stage::BootstrapOptions,
-) -> Result<Vec<kstatus::ComponentStatus>> {
-    let prepared = stage::prepare(inv, opts)?;
-    let observed = observe::observe(&prepared.plan, &BTreeMap::new(), &opts.limits);
-    Ok(kstatus::rows(&observed, &inv.cluster.kubernetes_version))
 }
 
 fn print_kube_rows(rows: &[kstatus::ComponentStatus]) {

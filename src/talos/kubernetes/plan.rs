@@ -224,6 +224,17 @@ fn has_image_service(talos: Option<&str>) -> bool {
     talos.and_then(parsed).is_some_and(|v| v >= (1, 13, 0))
 }
 
+/// The cluster's Kubernetes version: what its API servers run (the oldest
+/// when they differ).
+pub fn cluster_version(seen: &ClusterSeen) -> Option<String> {
+    seen.nodes
+        .iter()
+        .filter_map(|n| n.components.get(&Component::KubeApiserver))
+        .filter_map(|s| s.version.as_deref().and_then(parsed))
+        .min()
+        .map(compat::tag)
+}
+
 /// Decides the plan: refuses on any check, else lists every step with what
 /// the cluster shows done. `skip_api_check` turns removed-API findings into
 /// a note.
@@ -259,14 +270,8 @@ pub fn decide(seen: &ClusterSeen, target: &str, skip_api_check: bool) -> KubePla
             }
         }
     }
-    let apiservers: Vec<Version> = seen
-        .nodes
-        .iter()
-        .filter_map(|n| n.components.get(&Component::KubeApiserver))
-        .filter_map(|s| s.version.as_deref().and_then(parsed))
-        .collect();
-    let from = apiservers.iter().min().copied();
-    plan.from = from.map(compat::tag);
+    plan.from = cluster_version(seen);
+    let from = plan.from.as_deref().and_then(parsed);
     if from.is_none() {
         refusals.push("no control plane reports its kube-apiserver version".to_owned());
     }

@@ -21,7 +21,10 @@ use super::api::{Kube, contains, object_name, object_path};
 use super::observe::{
     MANIFESTS, kubelet_seen, manifest_objects, one_line, ordered, pod_on, pod_seen, pods_of,
 };
-use super::plan::{ClusterSeen, Component, KubePlan, Step, images_of, pins, retag, with_versions};
+use super::plan::{
+    ClusterSeen, Component, KubePlan, Step, cluster_version, images_of, pins, retag, version_tag,
+    with_versions,
+};
 use crate::inventory::Role;
 use crate::talos::api::common::ContainerdNamespace;
 use crate::talos::bootstrap::{Options, Plan, PlannedNode};
@@ -94,12 +97,18 @@ fn config_at(node: &PlannedNode, pins: &BTreeMap<Component, String>) -> Result<V
 }
 
 /// The plan with each node's config pinned to the Kubernetes versions it
-/// runs, so a Talos upgrade's config apply leaves Kubernetes alone (it
-/// moves afterwards, in order).
-pub fn pin_running(plan: &mut Plan, seen: &ClusterSeen, kplan: &KubePlan) -> Result<(), String> {
+/// runs, so a Talos upgrade's or `apply`'s config push leaves Kubernetes
+/// alone (it moves in `upgrade`'s Kubernetes part, in order). A node that
+/// runs the target everywhere keeps its rendered config as it is.
+pub fn pin_running(plan: &mut Plan, seen: &ClusterSeen, to: &str) -> Result<(), String> {
+    let from = cluster_version(seen);
+    let to = version_tag(to);
     for node in &mut plan.nodes {
         if let Some(n) = seen.nodes.iter().find(|s| s.node == node.name) {
-            node.config = config_at(node, &pins(n, kplan.from.as_deref(), &kplan.to))?;
+            let pins = pins(n, from.as_deref(), &to);
+            if pins.values().any(|v| *v != to) {
+                node.config = config_at(node, &pins)?;
+            }
         }
     }
     Ok(())
