@@ -73,7 +73,7 @@ pub fn manifest_objects(yaml: &str) -> Vec<Value> {
     let Ok(text) = crate::input::yaml(yaml) else {
         return Vec::new();
     };
-    serde_yaml_ng::from_str::<Vec<Value>>(&text).unwrap_or_default()
+    serde_yaml_ng::from_str::<Vec<Value>>(text).unwrap_or_default()
 }
 
 /// The first container's image of a workload object.
