@@ -134,6 +134,11 @@
 //!   start). Top level adds `timeline` (every node's outages with `"node"` and
 //!   `"control_plane"`, by `down_ms`), `now_ms` and `facts`.
 //!
+//! ## Kubernetes components and objects (issue 31)
+//! Static pods, kubelet versions, bootstrap manifests, server-side apply and
+//! the deprecated-API metric: the flags, endpoints and stats are listed in
+//! `node/k8s_pods.rs` and `node/k8s_objects.rs`.
+//!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
 //! and numbers are upstream's `api/machine/machine.proto`) and the certificate helpers
