@@ -1,23 +1,14 @@
-//! The Kubernetes API objects the simulated API server stores: the
-//! bootstrap manifests' objects (`k8s_manifests.rs` creates them), objects
-//! of API versions a later release removes, server-side apply, and the
-//! deprecated-API metric.
-//!
-//! Upstream (kubernetes/kubernetes, read at v1.33): server-side apply is
-//! `PATCH` with `Content-Type: application/apply-patch+yaml`
-//! (`staging/src/k8s.io/apiserver/pkg/endpoints/handlers/patch.go`);
-//! `ValidatePatchOptions` (`apimachinery/pkg/apis/meta/v1/validation/
-//! validation.go`) requires `fieldManager` (422) and forbids `force` on other
-//! patch types; an apply creates a missing object (201); a field another
-//! manager owns with another value is a conflict (409, `Apply failed with 1
-//! conflict: conflict with "talos" using apps/v1: .spec…`, causes of type
-//! `FieldManagerConflict`: `apiserver/pkg/endpoints/handlers/fieldmanager/
-//! internal/conflict.go`) unless `force=true`, which takes the field over;
-//! fields the applier leaves out stay as they are (nothing a user added is
-//! pruned). `apiserver_requested_deprecated_apis` is a STABLE gauge with
-//! labels group, version, resource, subresource, removed_release
-//! (`apiserver/pkg/endpoints/metrics/metrics.go`) on `GET /metrics`. An API
-//! version a release removed answers 404 on that release's API server.
+//! The Kubernetes API objects the simulated API server stores — the
+//! bootstrap manifests' objects (`k8s_manifests.rs` creates them) and
+//! objects of API versions a later release removes (`k8s_deprecated.rs`) —
+//! read by GET and changed by server-side apply (`k8s_ssa.rs`), as
+//! kubernetes/kubernetes v1.33 `staging/src/k8s.io/apiserver/pkg/endpoints/
+//! handlers/{get,patch}.go` answer: `ValidatePatchOptions`
+//! (`apimachinery/pkg/apis/meta/v1/validation/validation.go`) requires a
+//! `fieldManager` for an apply (422) and forbids `force` on other patches;
+//! an apply creates a missing object (201); `dryRun=All` stores nothing.
+//! Simplified: only apply patches (others 415), no PUT/POST/DELETE, no
+//! watch; pods and nodes are served as lists only (`health.rs`).
 //!
 //! # Interface (issue 31; the rest in `k8s_pods.rs`)
 //! - Objects: `GET` and `PATCH` (apply only) on `/api/v1/namespaces/{ns}/{resource}/{name}`,
@@ -33,8 +24,11 @@
 //!   `status` (`observedGeneration`, `updatedNumberScheduled`/`updatedReplicas` once the
 //!   rollout of a changed template is over: `--rollout-delay`). The kube-proxy DaemonSet
 //!   and CoreDNS Deployment lists (`health.rs`) show these stored objects.
-//! - Apply: `PATCH …?fieldManager=NAME[&force=true]` with `application/apply-patch+yaml`
-//!   (YAML or JSON body with apiVersion, kind, metadata.name); other patch types → 415.
+//! - Apply: `PATCH …?fieldManager=NAME[&force=true][&dryRun=All]` with
+//!   `application/apply-patch+yaml` (YAML or JSON body with apiVersion, kind,
+//!   metadata.name); other patch types → 415. A conflict → 409 `Apply failed with 1
+//!   conflict: conflict with "talos" using apps/v1: .spec.template.spec.containers[name=
+//!   "kube-proxy"].image`.
 //!   Talos created the bootstrap objects as manager `talos` (operation Update), so an
 //!   apply changing their images conflicts without `force`.
 //! - `GET /metrics`: Prometheus text with `apiserver_requested_deprecated_apis{group=…,
