@@ -61,10 +61,14 @@
 //!   version the running Talos does not support → InvalidArgument "1 error occurred:\n\t*
 //!   kubelet image is not valid: version of Kubernetes 1.35.0 is too new to be used with
 //!   Talos 1.11.5\n\n" (`k8s_versions.rs`); nothing changes.
-//! - `GET /_sim/stats` adds `k8s`: `restarts` ([{node, component, from_image, image,
-//!   start_ms, ready_ms (null while restarting or when a later change superseded it)}], by
-//!   start), `components` ({NODE: {COMPONENT: {image, ready, config_version}}}), and what
-//!   `k8s_objects.rs` adds.
+//! - ImageService.Pull (v1.13+) of a Kubernetes image (`registry.k8s.io/kube-apiserver`,
+//!   `…/kube-controller-manager`, `…/kube-scheduler`, `…/kube-proxy`, `…/coredns/coredns`,
+//!   `ghcr.io/siderolabs/kubelet`) with a version tag succeeds after `--pull-cached-delay`
+//!   (no registry is asked); another tag of those → NotFound.
+//! - `GET /_sim/stats` adds `k8s`: `restarts` ([{node, control_plane, component,
+//!   from_image, image, start_ms, ready_ms (null while restarting or when a later change
+//!   superseded it)}], by start), `components` ({NODE: {COMPONENT: {image, ready,
+//!   config_version}}}), `pulled` ({NODE: [image…]}), and what `k8s_objects.rs` adds.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
