@@ -677,11 +677,21 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
         ),
         (&json!(2), &json!(0))
     );
+    // The pods (what talosctl's `DetectLowestVersion` reads) follow the
+    // rollout.
+    let proxy_pods = || -> Vec<String> {
+        c.items("/api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3Dkube-proxy")
+            .iter()
+            .map(|p| image(p).to_owned())
+            .collect()
+    };
+    assert_eq!(proxy_pods(), ["registry.k8s.io/kube-proxy:v1.32.1"; 2]);
     c.wait("the rollout", || {
         let (_, ds) = c.kube(10, "GET", proxy, None);
         ds["status"]["observedGeneration"] == 2 && ds["status"]["updatedNumberScheduled"] == 2
     })
     .await;
+    assert_eq!(proxy_pods(), [new; 2]);
     let (code, _) = c.kube(
         10,
         "PATCH",

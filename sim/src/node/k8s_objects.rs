@@ -23,7 +23,9 @@
 //!   A DaemonSet/Deployment has `metadata.generation` (up when its spec changes) and a
 //!   `status` (`observedGeneration`, `updatedNumberScheduled`/`updatedReplicas` once the
 //!   rollout of a changed template is over: `--rollout-delay`). The kube-proxy DaemonSet
-//!   and CoreDNS Deployment lists (`health.rs`) show these stored objects.
+//!   and CoreDNS Deployment lists (`health.rs`) show these stored objects, and their pods
+//!   (`…/pods?labelSelector=k8s-app%3Dkube-proxy`, `k8s-app%3Dkube-dns`) carry
+//!   `spec.containers` of the template rolled out (the one before during a rollout).
 //! - Apply: `PATCH …?fieldManager=NAME[&force=true][&dryRun=All]` with
 //!   `application/apply-patch+yaml` (YAML or JSON body with apiVersion, kind,
 //!   metadata.name); other patch types → 415. A conflict → 409 `Apply failed with 1
@@ -104,8 +106,10 @@ pub(super) struct Stored {
     pub managers: Vec<Manager>,
     pub generation: u64,
     pub resource_version: u64,
-    /// When the pod template last changed (a rollout starts).
+    /// When the pod template last changed (a rollout starts), and the
+    /// template the pods ran before.
     pub template_at: Instant,
+    pub previous_template: Option<Value>,
     /// The Kubernetes minor that removed this object's API version.
     pub removed_release: Option<(u64, u64)>,
 }
@@ -230,6 +234,7 @@ impl Store {
                 generation: 1,
                 resource_version: rv,
                 template_at: now,
+                previous_template: None,
                 removed_release: None,
             },
         );
@@ -294,6 +299,7 @@ impl Store {
                     generation: 1,
                     resource_version: rv,
                     template_at: now,
+                    previous_template: None,
                     removed_release: None,
                 },
             );
@@ -331,6 +337,7 @@ impl Store {
         }
         if before["spec"]["template"] != stored.object["spec"]["template"] {
             stored.template_at = now;
+            stored.previous_template = Some(before["spec"]["template"].clone());
         }
         if before != stored.object {
             stored.resource_version = rv;
@@ -430,6 +437,41 @@ impl Cluster {
             _ => {}
         }
         o
+    }
+
+    /// Gives the kube-proxy and CoreDNS pods among `pods` (by `k8s-app`)
+    /// the container their workload's pods run: the template's once
+    /// rolled out, the one before meanwhile. talosctl's `DetectLowestVersion`
+    /// (`pkg/cluster/kubernetes/detect.go`) reads the kube-proxy pods'.
+    pub(super) fn k8s_workload_pods(&self, pods: &mut [Value], now: Instant) {
+        let k8s = self.k8s.lock().unwrap();
+        let container = |resource: &str, name: &str| -> Option<Value> {
+            let key = (
+                "apps/v1".to_owned(),
+                resource.to_owned(),
+                "kube-system".to_owned(),
+                name.to_owned(),
+            );
+            let s = k8s.objects.objects.get(&key)?;
+            let rolled = now >= s.template_at + ms(self.args.k8s.rollout_delay);
+            let template = match &s.previous_template {
+                Some(before) if !rolled => before,
+                _ => &s.object["spec"]["template"],
+            };
+            Some(template["spec"]["containers"].clone())
+        };
+        let proxy = container("daemonsets", "kube-proxy");
+        let dns = container("deployments", "coredns");
+        for pod in pods {
+            let containers = match pod["metadata"]["labels"]["k8s-app"].as_str() {
+                Some("kube-proxy") => &proxy,
+                Some("kube-dns") => &dns,
+                _ => continue,
+            };
+            if let Some(c) = containers {
+                pod["spec"]["containers"] = c.clone();
+            }
+        }
     }
 
     /// The stored workload `name` in kube-system (`daemonsets`,
