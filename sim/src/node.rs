@@ -1662,10 +1662,11 @@ impl Api {
             service("machined", "Running", Some(true), ""),
         ];
         let kubelet = self.cluster.kubelet_healthy_at(i);
+        let restarting = self
+            .cluster
+            .k8s_restarting(i, k8s_versions::Component::Kubelet, now);
         services.push(match kubelet {
-            Some(t) if now >= t && !self.cluster.k8s_kubelet_restarting(i, now) => {
-                service("kubelet", "Running", Some(true), "")
-            }
+            Some(t) if now >= t && !restarting => service("kubelet", "Running", Some(true), ""),
             _ => service(
                 "kubelet",
                 "Running",
@@ -1915,7 +1916,8 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
         return None;
     }
     if let Some(i) = serving
-        && (!reached(cluster.etcd_healthy_at(i), now) || cluster.k8s_apiserver_down(i, now))
+        && (!reached(cluster.etcd_healthy_at(i), now)
+            || cluster.k8s_restarting(i, k8s_versions::Component::ApiServer, now))
     {
         return None;
     }

@@ -249,16 +249,10 @@ impl Cluster {
         k8s.nodes.get(&i)?.running.get(&c).cloned()
     }
 
-    /// Node `i`'s kube-apiserver is restarting: its port 6443 refuses.
-    pub(super) fn k8s_apiserver_down(&self, i: usize, now: Instant) -> bool {
-        self.running(i, Component::ApiServer)
-            .is_some_and(|r| now < r.ready_at)
-    }
-
-    /// Node `i`'s kubelet is restarting.
-    pub(super) fn k8s_kubelet_restarting(&self, i: usize, now: Instant) -> bool {
-        self.running(i, Component::Kubelet)
-            .is_some_and(|r| now < r.ready_at)
+    /// Node `i`'s `c` is restarting (a kube-apiserver's port 6443 refuses
+    /// meanwhile, a kubelet's service is unhealthy).
+    pub(super) fn k8s_restarting(&self, i: usize, c: Component, now: Instant) -> bool {
+        self.running(i, c).is_some_and(|r| now < r.ready_at)
     }
 
     /// The image node `i` runs `c` with, and whether it is ready.
