@@ -444,6 +444,8 @@ async fn a_static_pod_restarts_after_its_image_changes_and_its_api_server_is_dow
         t.elapsed()
     );
     assert_eq!(c.kube(11, "GET", "/api/v1/nodes", None).0, 200);
+    let (_, version) = c.kube(10, "GET", "/version", None);
+    assert_eq!(version["gitVersion"], "v1.32.1", "cp-02's is the oldest");
     // Nothing else restarted.
     let other = mirror_pod(&c, "kube-scheduler", "cp-01").unwrap();
     assert_eq!(

@@ -33,6 +33,8 @@
 //!   "kube-proxy"].image`.
 //!   Talos created the bootstrap objects as manager `talos` (operation Update), so an
 //!   apply changing their images conflicts without `force`.
+//! - `GET /version`: `{"major","minor","gitVersion": "v1.32.1","platform"}` of the oldest
+//!   kube-apiserver image among the control planes.
 //! - `GET /metrics`: Prometheus text with `apiserver_requested_deprecated_apis{group=…,
 //!   removed_release=…,resource=…,subresource=…,version=…} 1` per requested deprecated API,
 //!   among other lines (`apiserver_storage_objects{resource=…}`).
@@ -395,10 +397,14 @@ fn shown(stored: &Stored) -> Value {
 impl Cluster {
     /// The oldest Kubernetes minor any control plane's API server runs.
     fn apiserver_minor(&self) -> Option<(u64, u64)> {
+        self.apiserver_version().map(|(a, b, _)| (a, b))
+    }
+
+    /// The oldest Kubernetes version any control plane's API server runs.
+    fn apiserver_version(&self) -> Option<k8s_versions::Version> {
         (0..self.count())
             .filter_map(|i| self.k8s_component(i, Component::ApiServer, Instant::now()))
             .filter_map(|(image, _)| k8s_versions::version_of_image(&image).ok())
-            .map(|(a, b, _)| (a, b))
             .min()
     }
 
@@ -715,6 +721,22 @@ impl Target {
     }
 }
 
+/// `GET /version` (`staging/src/k8s.io/apimachinery/pkg/version/types.go`
+/// `Info`): the oldest API server's (the simulator does not tell which one
+/// answers).
+async fn version(State(c): State<Arc<Cluster>>) -> Response {
+    match c.apiserver_version() {
+        Some((major, minor, patch)) => axum::Json(json!({
+            "major": major.to_string(),
+            "minor": minor.to_string(),
+            "gitVersion": format!("v{major}.{minor}.{patch}"),
+            "platform": "linux/amd64",
+        }))
+        .into_response(),
+        None => no_resource(),
+    }
+}
+
 async fn get_handler(
     State(c): State<Arc<Cluster>>,
     Path(at): Where,
@@ -737,7 +759,9 @@ async fn patch_handler(
 /// (its static routes, such as the health lists, win over these).
 pub(super) fn routes() -> axum::Router<Arc<Cluster>> {
     use axum::routing::get as on_get;
-    let mut router = axum::Router::new().route("/metrics", on_get(super::k8s_deprecated::metrics));
+    let mut router = axum::Router::new()
+        .route("/metrics", on_get(super::k8s_deprecated::metrics))
+        .route("/version", on_get(version));
     for prefix in ["/api/v1", "/apis/{group}/{version}"] {
         for at in ["/namespaces/{ns}/{resource}", "/{resource}"] {
             router = router
