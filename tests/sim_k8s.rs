@@ -444,6 +444,8 @@ async fn a_static_pod_restarts_after_its_image_changes_and_its_api_server_is_dow
         t.elapsed()
     );
     assert_eq!(c.kube(11, "GET", "/api/v1/nodes", None).0, 200);
+    let (_, version) = c.kube(10, "GET", "/version", None);
+    assert_eq!(version["gitVersion"], "v1.32.1", "cp-02's is the oldest");
     // Nothing else restarted.
     let other = mirror_pod(&c, "kube-scheduler", "cp-01").unwrap();
     assert_eq!(
@@ -677,11 +679,21 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
         ),
         (&json!(2), &json!(0))
     );
+    // The pods (what talosctl's `DetectLowestVersion` reads) follow the
+    // rollout.
+    let proxy_pods = || -> Vec<String> {
+        c.items("/api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3Dkube-proxy")
+            .iter()
+            .map(|p| image(p).to_owned())
+            .collect()
+    };
+    assert_eq!(proxy_pods(), ["registry.k8s.io/kube-proxy:v1.32.1"; 2]);
     c.wait("the rollout", || {
         let (_, ds) = c.kube(10, "GET", proxy, None);
         ds["status"]["observedGeneration"] == 2 && ds["status"]["updatedNumberScheduled"] == 2
     })
     .await;
+    assert_eq!(proxy_pods(), [new; 2]);
     let (code, _) = c.kube(
         10,
         "PATCH",
@@ -755,4 +767,117 @@ async fn removed_apis_are_in_the_metric_and_listed_until_the_release_that_remove
         c.kube(10, "GET", list, None).0 == 404
     })
     .await;
+}
+
+/// The (start, ready) of each restart of `component` in the timeline.
+fn intervals(restarts: &[Value], component: &str) -> Vec<(u64, u64)> {
+    restarts
+        .iter()
+        .filter(|r| r["component"] == component)
+        .map(|r| {
+            (
+                r["start_ms"].as_u64().unwrap(),
+                r["ready_ms"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_timeline_shows_a_talosctl_ordered_upgrade_of_three_control_planes_and_two_workers_v1_11_5()
+ {
+    let nodes = [
+        ("cp-01", 11, true, "v1.11.5"),
+        ("cp-02", 12, true, "v1.11.5"),
+        ("cp-03", 13, true, "v1.11.5"),
+        ("worker-01", 21, false, "v1.11.5"),
+        ("worker-02", 22, false, "v1.11.5"),
+    ];
+    let c = Cluster::start(5, &nodes).await;
+    // Driven here as talosctl's `upgrade-k8s` drives it: per component,
+    // control plane after control plane, each waited for; then kubelets.
+    let mut edits: Vec<Vec<(&str, Value)>> = vec![Vec::new(); nodes.len()];
+    for (pointer, component) in [
+        ("/cluster/apiServer/image", "kube-apiserver"),
+        (
+            "/cluster/controllerManager/image",
+            "kube-controller-manager",
+        ),
+        ("/cluster/scheduler/image", "kube-scheduler"),
+    ] {
+        for (k, (name, host, _, _)) in nodes.iter().enumerate().take(3) {
+            let new = format!("registry.k8s.io/{component}:v1.33.5");
+            edits[k].push((pointer, json!(new)));
+            c.apply(*host, &c.config(name, true, "v1.32.1", &edits[k]))
+                .await
+                .unwrap();
+            c.wait(&format!("{component} on {name}"), || {
+                mirror_pod(&c, component, name).is_some_and(|p| image(&p) == new && ready(&p))
+            })
+            .await;
+        }
+    }
+    for (k, (name, host, cp, _)) in nodes.iter().enumerate() {
+        edits[k].push((
+            "/machine/kubelet/image",
+            json!("ghcr.io/siderolabs/kubelet:v1.33.5"),
+        ));
+        c.apply(*host, &c.config(name, *cp, "v1.32.1", &edits[k]))
+            .await
+            .unwrap();
+        c.wait(&format!("the kubelet on {name}"), || {
+            c.items("/api/v1/nodes").iter().any(|n| {
+                n["metadata"]["name"] == *name
+                    && n["status"]["nodeInfo"]["kubeletVersion"] == "v1.33.5"
+                    && n["status"]["conditions"][0]["status"] == "True"
+            })
+        })
+        .await;
+    }
+    let stats = c.k8s_stats();
+    let restarts = stats["restarts"].as_array().unwrap();
+    assert_eq!(restarts.len(), 3 * 3 + 5, "{stats}");
+    let apiservers = intervals(restarts, "kube-apiserver");
+    assert_eq!(apiservers.len(), 3);
+    for pair in apiservers.windows(2) {
+        assert!(pair[0].1 <= pair[1].0, "two apiservers at once: {pair:?}");
+    }
+    let control_plane_done = restarts
+        .iter()
+        .filter(|r| r["component"] != "kubelet")
+        .map(|r| r["ready_ms"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    let kubelets = intervals(restarts, "kubelet");
+    assert_eq!(kubelets.len(), 5);
+    assert!(
+        kubelets
+            .iter()
+            .all(|(start, _)| *start >= control_plane_done),
+        "{stats}"
+    );
+    assert!(
+        restarts
+            .iter()
+            .filter(|r| r["component"] == "kubelet")
+            .all(|r| r["control_plane"] == (r["node"].as_str().unwrap().starts_with("cp-"))),
+        "{stats}"
+    );
+    for name in ["cp-01", "cp-02", "cp-03"] {
+        for component in [
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-scheduler",
+        ] {
+            let v = &stats["components"][name][component];
+            assert_eq!(
+                (&v["image"], &v["config_version"]),
+                (
+                    &json!(format!("registry.k8s.io/{component}:v1.33.5")),
+                    &json!(2)
+                ),
+                "{name} {component}"
+            );
+        }
+    }
 }

@@ -134,6 +134,11 @@
 //!   start). Top level adds `timeline` (every node's outages with `"node"` and
 //!   `"control_plane"`, by `down_ms`), `now_ms` and `facts`.
 //!
+//! ## Kubernetes components and objects (issue 31)
+//! Static pods, kubelet versions, bootstrap manifests, server-side apply and
+//! the deprecated-API metric: the flags, endpoints and stats are listed in
+//! `node/k8s_pods.rs` and `node/k8s_objects.rs`.
+//!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
 //! and numbers are upstream's `api/machine/machine.proto`) and the certificate helpers
@@ -1657,10 +1662,11 @@ impl Api {
             service("machined", "Running", Some(true), ""),
         ];
         let kubelet = self.cluster.kubelet_healthy_at(i);
+        let restarting = self
+            .cluster
+            .k8s_restarting(i, k8s_versions::Component::Kubelet, now);
         services.push(match kubelet {
-            Some(t) if now >= t && !self.cluster.k8s_kubelet_restarting(i, now) => {
-                service("kubelet", "Running", Some(true), "")
-            }
+            Some(t) if now >= t && !restarting => service("kubelet", "Running", Some(true), ""),
             _ => service(
                 "kubelet",
                 "Running",
@@ -1910,7 +1916,8 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
         return None;
     }
     if let Some(i) = serving
-        && (!reached(cluster.etcd_healthy_at(i), now) || cluster.k8s_apiserver_down(i, now))
+        && (!reached(cluster.etcd_healthy_at(i), now)
+            || cluster.k8s_restarting(i, k8s_versions::Component::ApiServer, now))
     {
         return None;
     }

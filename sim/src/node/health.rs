@@ -217,6 +217,7 @@ pub(super) async fn pods(
             }
         }
     }
+    cluster.k8s_workload_pods(&mut items, now);
     let named: Vec<(usize, String)> = nodes.iter().map(|n| (n.index, n.name.clone())).collect();
     items.extend(cluster.k8s_static_pods(&named, app, now));
     list("PodList", items)

@@ -159,6 +159,7 @@ pub(super) async fn apis_switch(
                     generation: 1,
                     resource_version: rv,
                     template_at: now,
+                    previous_template: None,
                     removed_release: release,
                 },
             );

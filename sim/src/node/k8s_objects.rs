@@ -1,23 +1,14 @@
-//! The Kubernetes API objects the simulated API server stores: the
-//! bootstrap manifests' objects (`k8s_manifests.rs` creates them), objects
-//! of API versions a later release removes, server-side apply, and the
-//! deprecated-API metric.
-//!
-//! Upstream (kubernetes/kubernetes, read at v1.33): server-side apply is
-//! `PATCH` with `Content-Type: application/apply-patch+yaml`
-//! (`staging/src/k8s.io/apiserver/pkg/endpoints/handlers/patch.go`);
-//! `ValidatePatchOptions` (`apimachinery/pkg/apis/meta/v1/validation/
-//! validation.go`) requires `fieldManager` (422) and forbids `force` on other
-//! patch types; an apply creates a missing object (201); a field another
-//! manager owns with another value is a conflict (409, `Apply failed with 1
-//! conflict: conflict with "talos" using apps/v1: .spec…`, causes of type
-//! `FieldManagerConflict`: `apiserver/pkg/endpoints/handlers/fieldmanager/
-//! internal/conflict.go`) unless `force=true`, which takes the field over;
-//! fields the applier leaves out stay as they are (nothing a user added is
-//! pruned). `apiserver_requested_deprecated_apis` is a STABLE gauge with
-//! labels group, version, resource, subresource, removed_release
-//! (`apiserver/pkg/endpoints/metrics/metrics.go`) on `GET /metrics`. An API
-//! version a release removed answers 404 on that release's API server.
+//! The Kubernetes API objects the simulated API server stores — the
+//! bootstrap manifests' objects (`k8s_manifests.rs` creates them) and
+//! objects of API versions a later release removes (`k8s_deprecated.rs`) —
+//! read by GET and changed by server-side apply (`k8s_ssa.rs`), as
+//! kubernetes/kubernetes v1.33 `staging/src/k8s.io/apiserver/pkg/endpoints/
+//! handlers/{get,patch}.go` answer: `ValidatePatchOptions`
+//! (`apimachinery/pkg/apis/meta/v1/validation/validation.go`) requires a
+//! `fieldManager` for an apply (422) and forbids `force` on other patches;
+//! an apply creates a missing object (201); `dryRun=All` stores nothing.
+//! Simplified: only apply patches (others 415), no PUT/POST/DELETE, no
+//! watch; pods and nodes are served as lists only (`health.rs`).
 //!
 //! # Interface (issue 31; the rest in `k8s_pods.rs`)
 //! - Objects: `GET` and `PATCH` (apply only) on `/api/v1/namespaces/{ns}/{resource}/{name}`,
@@ -32,11 +23,18 @@
 //!   A DaemonSet/Deployment has `metadata.generation` (up when its spec changes) and a
 //!   `status` (`observedGeneration`, `updatedNumberScheduled`/`updatedReplicas` once the
 //!   rollout of a changed template is over: `--rollout-delay`). The kube-proxy DaemonSet
-//!   and CoreDNS Deployment lists (`health.rs`) show these stored objects.
-//! - Apply: `PATCH …?fieldManager=NAME[&force=true]` with `application/apply-patch+yaml`
-//!   (YAML or JSON body with apiVersion, kind, metadata.name); other patch types → 415.
+//!   and CoreDNS Deployment lists (`health.rs`) show these stored objects, and their pods
+//!   (`…/pods?labelSelector=k8s-app%3Dkube-proxy`, `k8s-app%3Dkube-dns`) carry
+//!   `spec.containers` of the template rolled out (the one before during a rollout).
+//! - Apply: `PATCH …?fieldManager=NAME[&force=true][&dryRun=All]` with
+//!   `application/apply-patch+yaml` (YAML or JSON body with apiVersion, kind,
+//!   metadata.name); other patch types → 415. A conflict → 409 `Apply failed with 1
+//!   conflict: conflict with "talos" using apps/v1: .spec.template.spec.containers[name=
+//!   "kube-proxy"].image`.
 //!   Talos created the bootstrap objects as manager `talos` (operation Update), so an
 //!   apply changing their images conflicts without `force`.
+//! - `GET /version`: `{"major","minor","gitVersion": "v1.32.1","platform"}` of the oldest
+//!   kube-apiserver image among the control planes.
 //! - `GET /metrics`: Prometheus text with `apiserver_requested_deprecated_apis{group=…,
 //!   removed_release=…,resource=…,subresource=…,version=…} 1` per requested deprecated API,
 //!   among other lines (`apiserver_storage_objects{resource=…}`).
@@ -110,8 +108,10 @@ pub(super) struct Stored {
     pub managers: Vec<Manager>,
     pub generation: u64,
     pub resource_version: u64,
-    /// When the pod template last changed (a rollout starts).
+    /// When the pod template last changed (a rollout starts), and the
+    /// template the pods ran before.
     pub template_at: Instant,
+    pub previous_template: Option<Value>,
     /// The Kubernetes minor that removed this object's API version.
     pub removed_release: Option<(u64, u64)>,
 }
@@ -236,6 +236,7 @@ impl Store {
                 generation: 1,
                 resource_version: rv,
                 template_at: now,
+                previous_template: None,
                 removed_release: None,
             },
         );
@@ -300,6 +301,7 @@ impl Store {
                     generation: 1,
                     resource_version: rv,
                     template_at: now,
+                    previous_template: None,
                     removed_release: None,
                 },
             );
@@ -337,6 +339,7 @@ impl Store {
         }
         if before["spec"]["template"] != stored.object["spec"]["template"] {
             stored.template_at = now;
+            stored.previous_template = Some(before["spec"]["template"].clone());
         }
         if before != stored.object {
             stored.resource_version = rv;
@@ -394,10 +397,14 @@ fn shown(stored: &Stored) -> Value {
 impl Cluster {
     /// The oldest Kubernetes minor any control plane's API server runs.
     fn apiserver_minor(&self) -> Option<(u64, u64)> {
+        self.apiserver_version().map(|(a, b, _)| (a, b))
+    }
+
+    /// The oldest Kubernetes version any control plane's API server runs.
+    fn apiserver_version(&self) -> Option<k8s_versions::Version> {
         (0..self.count())
             .filter_map(|i| self.k8s_component(i, Component::ApiServer, Instant::now()))
             .filter_map(|(image, _)| k8s_versions::version_of_image(&image).ok())
-            .map(|(a, b, _)| (a, b))
             .min()
     }
 
@@ -436,6 +443,41 @@ impl Cluster {
             _ => {}
         }
         o
+    }
+
+    /// Gives the kube-proxy and CoreDNS pods among `pods` (by `k8s-app`)
+    /// the container their workload's pods run: the template's once
+    /// rolled out, the one before meanwhile. talosctl's `DetectLowestVersion`
+    /// (`pkg/cluster/kubernetes/detect.go`) reads the kube-proxy pods'.
+    pub(super) fn k8s_workload_pods(&self, pods: &mut [Value], now: Instant) {
+        let k8s = self.k8s.lock().unwrap();
+        let container = |resource: &str, name: &str| -> Option<Value> {
+            let key = (
+                "apps/v1".to_owned(),
+                resource.to_owned(),
+                "kube-system".to_owned(),
+                name.to_owned(),
+            );
+            let s = k8s.objects.objects.get(&key)?;
+            let rolled = now >= s.template_at + ms(self.args.k8s.rollout_delay);
+            let template = match &s.previous_template {
+                Some(before) if !rolled => before,
+                _ => &s.object["spec"]["template"],
+            };
+            Some(template["spec"]["containers"].clone())
+        };
+        let proxy = container("daemonsets", "kube-proxy");
+        let dns = container("deployments", "coredns");
+        for pod in pods {
+            let containers = match pod["metadata"]["labels"]["k8s-app"].as_str() {
+                Some("kube-proxy") => &proxy,
+                Some("kube-dns") => &dns,
+                _ => continue,
+            };
+            if let Some(c) = containers {
+                pod["spec"]["containers"] = c.clone();
+            }
+        }
     }
 
     /// The stored workload `name` in kube-system (`daemonsets`,
@@ -679,6 +721,22 @@ impl Target {
     }
 }
 
+/// `GET /version` (`staging/src/k8s.io/apimachinery/pkg/version/types.go`
+/// `Info`): the oldest API server's (the simulator does not tell which one
+/// answers).
+async fn version(State(c): State<Arc<Cluster>>) -> Response {
+    match c.apiserver_version() {
+        Some((major, minor, patch)) => axum::Json(json!({
+            "major": major.to_string(),
+            "minor": minor.to_string(),
+            "gitVersion": format!("v{major}.{minor}.{patch}"),
+            "platform": "linux/amd64",
+        }))
+        .into_response(),
+        None => no_resource(),
+    }
+}
+
 async fn get_handler(
     State(c): State<Arc<Cluster>>,
     Path(at): Where,
@@ -701,7 +759,9 @@ async fn patch_handler(
 /// (its static routes, such as the health lists, win over these).
 pub(super) fn routes() -> axum::Router<Arc<Cluster>> {
     use axum::routing::get as on_get;
-    let mut router = axum::Router::new().route("/metrics", on_get(super::k8s_deprecated::metrics));
+    let mut router = axum::Router::new()
+        .route("/metrics", on_get(super::k8s_deprecated::metrics))
+        .route("/version", on_get(version));
     for prefix in ["/api/v1", "/apis/{group}/{version}"] {
         for at in ["/namespaces/{ns}/{resource}", "/{resource}"] {
             router = router

@@ -61,10 +61,14 @@
 //!   version the running Talos does not support → InvalidArgument "1 error occurred:\n\t*
 //!   kubelet image is not valid: version of Kubernetes 1.35.0 is too new to be used with
 //!   Talos 1.11.5\n\n" (`k8s_versions.rs`); nothing changes.
-//! - `GET /_sim/stats` adds `k8s`: `restarts` ([{node, component, from_image, image,
-//!   start_ms, ready_ms (null while restarting or when a later change superseded it)}], by
-//!   start), `components` ({NODE: {COMPONENT: {image, ready, config_version}}}), and what
-//!   `k8s_objects.rs` adds.
+//! - ImageService.Pull (v1.13+) of a Kubernetes image (`registry.k8s.io/kube-apiserver`,
+//!   `…/kube-controller-manager`, `…/kube-scheduler`, `…/kube-proxy`, `…/coredns/coredns`,
+//!   `ghcr.io/siderolabs/kubelet`) with a version tag succeeds after `--pull-cached-delay`
+//!   (no registry is asked); another tag of those → NotFound.
+//! - `GET /_sim/stats` adds `k8s`: `restarts` ([{node, control_plane, component,
+//!   from_image, image, start_ms, ready_ms (null while restarting or when a later change
+//!   superseded it)}], by start), `components` ({NODE: {COMPONENT: {image, ready,
+//!   config_version}}}), `pulled` ({NODE: [image…]}), and what `k8s_objects.rs` adds.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -245,16 +249,10 @@ impl Cluster {
         k8s.nodes.get(&i)?.running.get(&c).cloned()
     }
 
-    /// Node `i`'s kube-apiserver is restarting: its port 6443 refuses.
-    pub(super) fn k8s_apiserver_down(&self, i: usize, now: Instant) -> bool {
-        self.running(i, Component::ApiServer)
-            .is_some_and(|r| now < r.ready_at)
-    }
-
-    /// Node `i`'s kubelet is restarting.
-    pub(super) fn k8s_kubelet_restarting(&self, i: usize, now: Instant) -> bool {
-        self.running(i, Component::Kubelet)
-            .is_some_and(|r| now < r.ready_at)
+    /// Node `i`'s `c` is restarting (a kube-apiserver's port 6443 refuses
+    /// meanwhile, a kubelet's service is unhealthy).
+    pub(super) fn k8s_restarting(&self, i: usize, c: Component, now: Instant) -> bool {
+        self.running(i, c).is_some_and(|r| now < r.ready_at)
     }
 
     /// The image node `i` runs `c` with, and whether it is ready.

@@ -3,8 +3,9 @@
 //! release), the version in an image tag, and the runtime check that refuses
 //! a Kubernetes version the running Talos does not support.
 //!
-//! Upstream (siderolabs/talos, read at v1.9.6, v1.10.9, v1.11.5, v1.12.9,
-//! v1.13.5, v1.14.0-rc.1): `pkg/machinery/constants/constants.go`
+//! Upstream (siderolabs/talos, the defaults read at every tag v1.9.0–v1.13.9
+//! and v1.14.0-rc.1, the rest at v1.9.6, v1.10.9, v1.11.5, v1.12.9, v1.13.5):
+//! `pkg/machinery/constants/constants.go`
 //! (`DefaultKubernetesVersion`, `DefaultCoreDNSVersion`, `FlannelVersion`),
 //! `pkg/machinery/config/types/v1alpha1/*` `Image()` (an empty image field
 //! means the default), `pkg/machinery/compatibility/kubernetes_version.go`
@@ -61,26 +62,59 @@ impl Component {
 }
 
 /// What a Talos release uses when the config names no image
-/// (`constants.go` at the tag read for each minor).
+/// (`constants.go` `DefaultKubernetesVersion`, `DefaultCoreDNSVersion`,
+/// `FlannelVersion`): (minor, first patch with these values, Kubernetes,
+/// CoreDNS, flannel), read at every tag from v1.9.0 to v1.13.9; v1.14 as of
+/// v1.14.0-rc.1.
+const DEFAULTS: [(u64, u64, &str, &str, &str); 28] = [
+    (9, 0, "1.32.0", "v1.12.0", "v0.26.1"),
+    (9, 3, "1.32.1", "v1.12.0", "v0.26.1"),
+    (9, 4, "1.32.2", "v1.12.0", "v0.26.4"),
+    (9, 5, "1.32.3", "v1.12.0", "v0.26.5"),
+    (9, 6, "1.32.4", "v1.12.0", "v0.26.5"),
+    (10, 0, "1.33.0", "v1.12.1", "v0.26.7"),
+    (10, 3, "1.33.1", "v1.12.1", "v0.26.7"),
+    (10, 5, "1.33.2", "v1.12.1", "v0.26.7"),
+    (10, 6, "1.33.3", "v1.12.1", "v0.26.7"),
+    (10, 7, "1.33.4", "v1.12.1", "v0.26.7"),
+    (10, 8, "1.33.6", "v1.12.1", "v0.26.7"),
+    (11, 0, "1.34.0", "v1.12.2", "v0.27.2"),
+    (11, 1, "1.34.0", "v1.12.3", "v0.27.2"),
+    (11, 2, "1.34.1", "v1.12.3", "v0.27.2"),
+    (11, 3, "1.34.1", "v1.12.4", "v0.27.4"),
+    (12, 0, "1.35.0", "v1.13.2", "v0.27.4"),
+    (12, 5, "1.35.2", "v1.13.2", "v0.27.4"),
+    (12, 7, "1.35.4", "v1.13.2", "v0.27.4"),
+    (12, 8, "1.35.4", "v1.14.3", "v0.27.4"),
+    (12, 9, "1.35.4", "v1.14.2", "v0.27.4"),
+    (13, 0, "1.36.0", "v1.14.2", "v0.28.4"),
+    (13, 3, "1.36.1", "v1.14.2", "v0.28.4"),
+    (13, 4, "1.36.1", "v1.14.2", "v0.28.5"),
+    (13, 5, "1.36.2", "v1.14.2", "v0.28.5"),
+    (13, 7, "1.36.2", "v1.14.4", "v0.28.7"),
+    (13, 8, "1.36.2", "v1.14.6", "v0.28.8"),
+    (13, 9, "1.36.3", "v1.14.6", "v0.28.8"),
+    (14, 0, "1.37.0-rc.0", "v1.14.6", "v0.28.9"),
+];
+
 struct Defaults {
     kubernetes: &'static str,
     coredns: &'static str,
     flannel: &'static str,
 }
 
+/// The defaults of `talos` (below v1.9.0: v1.9.0's; past the table: its last).
 fn defaults(talos: &Talos) -> Defaults {
-    let (kubernetes, coredns, flannel) = match talos.minor {
-        ..=9 => ("1.32.4", "v1.12.0", "v0.26.5"),
-        10 => ("1.33.6", "v1.12.1", "v0.26.7"),
-        11 => ("1.34.1", "v1.12.4", "v0.27.4"),
-        12 => ("1.35.4", "v1.14.2", "v0.27.4"),
-        13 => ("1.36.2", "v1.14.2", "v0.28.5"),
-        _ => ("1.37.0-rc.0", "v1.14.6", "v0.28.9"),
-    };
+    let at = (talos.minor, talos.patch);
+    let row = DEFAULTS
+        .iter()
+        .rev()
+        .find(|(minor, patch, ..)| (*minor, *patch) <= at)
+        .unwrap_or(&DEFAULTS[0]);
     Defaults {
-        kubernetes,
-        coredns,
-        flannel,
+        kubernetes: row.2,
+        coredns: row.3,
+        flannel: row.4,
     }
 }
 
@@ -255,6 +289,19 @@ mod tests {
         assert_eq!(
             proxy_image(&cfg, &talos("v1.13.5")),
             "registry.k8s.io/kube-proxy:v1.36.2"
+        );
+        // Patch releases moved the defaults.
+        assert_eq!(
+            coredns_image(&cfg, &talos("v1.11.2")),
+            "registry.k8s.io/coredns/coredns:v1.12.3"
+        );
+        assert_eq!(
+            coredns_image(&cfg, &talos("v1.12.8")),
+            "registry.k8s.io/coredns/coredns:v1.14.3"
+        );
+        assert_eq!(
+            flannel_image(&talos("v1.10.9")),
+            "ghcr.io/siderolabs/flannel:v0.26.7"
         );
     }
 
