@@ -227,6 +227,14 @@ fn a_3_plus_2_cluster_moves_from_1_32_1_to_1_33_5_in_order_and_a_rerun_does_noth
     );
     let report = json(&o);
     assert!(report["kubernetes"]["failed"].is_null(), "{report}");
+    let all = format!("{}{}", text(&o.stdout), text(&o.stderr));
+    for secret in [
+        "PRIVATE KEY",
+        "client-key-data",
+        "certificate-authority-data",
+    ] {
+        assert!(!all.contains(secret), "{secret} in the output");
+    }
 
     // In order, by the simulator's own clock.
     let restarts = c.restarts_to("v1.33.5");
@@ -490,4 +498,46 @@ fn status_check_exits_1_while_coredns_is_on_the_old_image() {
     );
     let o = imgbuild(&c.config, &["status", "--check"]);
     assert!(o.status.success(), "{}", text(&o.stdout));
+}
+
+#[test]
+fn talos_1_13_pre_pulls_the_new_images_before_moving_anything() {
+    // Talos v1.13.5 offers ImageService.Pull; talosctl's --pre-pull-images.
+    let c = Cluster::start(6, "v1.13.5", "v1.32.1", "v1.13.5");
+    c.want("v1.13.5", "v1.33.5");
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade", "--dry-run"]);
+    let plan = json(&o);
+    let pulls = left(&plan).iter().take_while(|s| *s == "prePull").count();
+    assert_eq!(pulls, 5, "one pre-pull per node first: {:?}", left(&plan));
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade"]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    let pulled = &c.k8s()["pulled"];
+    for cp in CPS {
+        let images: Vec<&str> = pulled[cp]
+            .as_array()
+            .unwrap_or_else(|| panic!("{cp}: {pulled}"))
+            .iter()
+            .map(|i| i.as_str().unwrap())
+            .collect();
+        assert_eq!(
+            images,
+            [
+                "registry.k8s.io/kube-apiserver:v1.33.5",
+                "registry.k8s.io/kube-controller-manager:v1.33.5",
+                "registry.k8s.io/kube-scheduler:v1.33.5",
+                "ghcr.io/siderolabs/kubelet:v1.33.5"
+            ],
+            "{cp}"
+        );
+    }
+    assert_eq!(
+        pulled["worker-01"],
+        serde_json::json!(["ghcr.io/siderolabs/kubelet:v1.33.5"])
+    );
+    assert_eq!(c.restarts_to("v1.33.5").len(), 14);
 }
