@@ -626,13 +626,14 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
 }
 
 fn print_kube_rows(rows: &[kstatus::ComponentStatus]) {
-    outln!("{:<12} {:<24} {}", "NODE", "COMPONENT", "RUNNING (WANTED)");
+    // By component first: a node's rows above start with its name.
+    outln!("{:<24} {:<12} {}", "COMPONENT", "NODE", "RUNNING (WANTED)");
     for r in rows {
         let shown = |v: &Option<String>| v.as_deref().map_or("unknown".to_owned(), outside);
         outln!(
-            "{:<12} {:<24} {} ({}){}",
-            r.node,
+            "{:<24} {:<12} {} ({}){}",
             r.component,
+            r.node,
             shown(&r.running),
             shown(&r.wanted),
             if r.in_sync { "" } else { "  DRIFT" }
