@@ -134,6 +134,11 @@
 //!   start). Top level adds `timeline` (every node's outages with `"node"` and
 //!   `"control_plane"`, by `down_ms`), `now_ms` and `facts`.
 //!
+//! ## Kubernetes components and objects (issue 31)
+//! Static pods, kubelet versions, bootstrap manifests, server-side apply and
+//! the deprecated-API metric: the flags, endpoints and stats are listed in
+//! `node/k8s_pods.rs` and `node/k8s_objects.rs`.
+//!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
 //! and numbers are upstream's `api/machine/machine.proto`) and the certificate helpers
@@ -177,6 +182,12 @@ mod day2;
 mod health;
 mod hostile;
 mod immediate;
+mod k8s_deprecated;
+mod k8s_manifests;
+mod k8s_objects;
+mod k8s_pods;
+mod k8s_ssa;
+mod k8s_versions;
 mod lifecycle;
 mod switches;
 mod upgrade;
@@ -262,6 +273,8 @@ pub struct Args {
     /// (hostile-output tests; see node/hostile.rs).
     #[arg(long)]
     hostile_text: Option<String>,
+    #[command(flatten)]
+    k8s: k8s_pods::Delays,
 }
 
 /// What a node got from its machine config.
@@ -482,6 +495,8 @@ struct Cluster {
     facts: Mutex<health::Facts>,
     /// When the factory has built each installer reference.
     builds: Mutex<upgrade::Builds>,
+    /// Kubernetes components, objects and restarts (issue 31).
+    k8s: Mutex<k8s_pods::K8s>,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -827,6 +842,7 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         apiserver_tls: Mutex::new(HashMap::new()),
         facts: Mutex::new(health::Facts::default()),
         builds: Mutex::new(upgrade::Builds::new()),
+        k8s: Mutex::default(),
     }))
 }
 
@@ -860,6 +876,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(vip) = cluster.args.vip {
         tokio::spawn(serve_vip(cluster.clone(), vip));
     }
+    tokio::spawn(k8s_pods::watch(cluster.clone()));
     let app = Router::new()
         .route("/_sim/stats", get(stats))
         .route("/_sim/boot", post(boot))
@@ -867,6 +884,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/installer", post(switches::installer_switch))
         .route("/_sim/node", post(switches::node_switch))
         .route("/_sim/k8s", post(health::facts_switch))
+        .route("/_sim/k8s-apis", post(k8s_deprecated::apis_switch))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())
@@ -921,6 +939,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
         "timeline": cluster.timeline_json(now),
         "now_ms": cluster.now_ms(),
         "facts": *cluster.facts.lock().unwrap(),
+        "k8s": cluster.k8s_stats(now),
         "totals": totals,
     }))
 }
@@ -1436,6 +1455,7 @@ impl Api {
     /// later (or misbehaves), configured it applies without a reboot.
     fn apply_on(&self, i: usize, data: &[u8]) -> Result<ApplyConfiguration, Status> {
         let applied = read_config(data)?;
+        k8s_versions::runtime_validate(&self.talos(i), &applied.v1alpha1)?;
         let node = &self.cluster.node(i);
         let now = Instant::now();
         if !applied.os_ca.key.is_empty() {
@@ -1642,8 +1662,11 @@ impl Api {
             service("machined", "Running", Some(true), ""),
         ];
         let kubelet = self.cluster.kubelet_healthy_at(i);
+        let restarting = self
+            .cluster
+            .k8s_restarting(i, k8s_versions::Component::Kubelet, now);
         services.push(match kubelet {
-            Some(t) if now >= t => service("kubelet", "Running", Some(true), ""),
+            Some(t) if now >= t && !restarting => service("kubelet", "Running", Some(true), ""),
             _ => service(
                 "kubelet",
                 "Running",
@@ -1893,7 +1916,8 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
         return None;
     }
     if let Some(i) = serving
-        && !reached(cluster.etcd_healthy_at(i), now)
+        && (!reached(cluster.etcd_healthy_at(i), now)
+            || cluster.k8s_restarting(i, k8s_versions::Component::ApiServer, now))
     {
         return None;
     }
@@ -1971,6 +1995,7 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
                     "/apis/apps/v1/namespaces/kube-system/deployments",
                     get(health::deployments),
                 )
+                .merge(k8s_objects::routes())
                 .with_state(cluster);
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app))

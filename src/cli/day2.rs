@@ -11,6 +11,8 @@ use clap::Args;
 use imgbuild::factory::Factory;
 use imgbuild::input::excerpt;
 use imgbuild::talos::client::ApplyMode;
+use imgbuild::talos::kubernetes::plan::{self as kplan, KubePlan};
+use imgbuild::talos::kubernetes::{observe, run as kube_run, status as kstatus};
 use imgbuild::talos::stage;
 use imgbuild::talos::upgrade::plan::{Action, UpgradePlan};
 use imgbuild::talos::upgrade::report::Ending;
@@ -55,6 +57,14 @@ pub struct UpgradeArgs {
     /// (drain, install, reboot).
     #[arg(long, default_value = "30m", value_parser = parse_duration)]
     upgrade_timeout: Duration,
+    /// Upgrade Kubernetes although the cluster still uses an API the new
+    /// version removes (stated in the output).
+    #[arg(long)]
+    skip_api_check: bool,
+    /// Per Kubernetes component: from its new image until it runs and is
+    /// Ready (also a rollout of kube-proxy or CoreDNS).
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    component_timeout: Duration,
     #[command(flatten)]
     run: BootstrapRunArgs,
     #[command(flatten)]
@@ -66,8 +76,35 @@ fn shown(s: Option<&str>) -> String {
     s.map_or_else(|| "?".to_owned(), outside)
 }
 
+/// The Kubernetes part of the dry run, as lines.
+fn print_kube_plan(k: &KubePlan) {
+    outln!(
+        "kubernetes: {} → {}",
+        k.from.as_deref().map_or("?".to_owned(), |v| shown(Some(v))),
+        k.to
+    );
+    for s in &k.steps {
+        let mark = if s.done { " (done)" } else { "" };
+        outln!("    {}{mark}", outside(&s.step.describe()));
+    }
+    for f in &k.removed_apis {
+        outln!(
+            "    removed API: {} ({}, removed in {})",
+            outside(&f.resource),
+            outside(&f.detail),
+            f.removed_in
+        );
+    }
+    for note in &k.notes {
+        outln!("note: {}", outside(note));
+    }
+    if let Some(r) = &k.refusal {
+        outln!("refused: kubernetes: {}", outside(r));
+    }
+}
+
 /// The dry run's document and lines.
-fn print_plan(up: &UpgradePlan, output: Output) {
+fn print_plan(up: &UpgradePlan, kube: Option<&KubePlan>, output: Output) {
     let rows: Vec<serde_json::Value> = up
         .nodes
         .iter()
@@ -89,7 +126,7 @@ fn print_plan(up: &UpgradePlan, output: Output) {
             "{}",
             json!({"dryRun": true, "nodes": rows, "force": up.force,
                    "rebootMode": up.reboot_mode, "etcdMembers": up.etcd_members,
-                   "notes": up.notes, "refusal": up.refusal})
+                   "notes": up.notes, "refusal": up.refusal, "kubernetes": kube})
         ),
         Output::Text => {
             for n in &up.nodes {
@@ -121,6 +158,9 @@ fn print_plan(up: &UpgradePlan, output: Output) {
             }
             if let Some(r) = &up.refusal {
                 outln!("refused: {r}");
+            }
+            if let Some(k) = kube {
+                print_kube_plan(k);
             }
         }
     }
@@ -163,10 +203,32 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         reboot_mode,
         &limits,
     )?;
+    // Kubernetes moves with the whole cluster only, after Talos: its
+    // checks run against the Talos version each node will run then.
+    let kube = args.nodes.is_empty().then(|| {
+        let talos_after: BTreeMap<String, String> = up
+            .nodes
+            .iter()
+            .filter(|n| n.action == Action::Upgrade)
+            .map(|n| (n.node.clone(), n.to.version.clone()))
+            .collect();
+        let seen = observe::observe(&prepared.plan, &talos_after, &limits);
+        let k = kplan::decide(
+            &seen.cluster,
+            &inv.cluster.kubernetes_version,
+            args.skip_api_check,
+        );
+        (seen.cluster, k)
+    });
+    let kube_refusal = kube.as_ref().and_then(|(_, k)| {
+        k.refusal
+            .as_ref()
+            .map(|r| format!("kubernetes {}: {r}", k.to))
+    });
     if args.dry_run {
-        print_plan(&up, output);
-        if let Some(r) = &up.refusal {
-            return Err(Reported(r.clone()).into());
+        print_plan(&up, kube.as_ref().map(|(_, k)| k), output);
+        if let Some(r) = up.refusal.clone().or(kube_refusal) {
+            return Err(Reported(r).into());
         }
         // A node that could not say what it runs is not known to be fine.
         let unread: Vec<&str> = up
@@ -185,6 +247,13 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
             Reported(message).into()
         });
     }
+    if let Some(r) = kube_refusal {
+        // Refused before any change: Talos is not touched either.
+        if output == Output::Text {
+            outln!("refused: {}", outside(&r));
+        }
+        return Err(Reported(r).into());
+    }
     let progress = |node: &str, what: &str| {
         if output == Output::Text {
             errln!("{node}: {}", outside(what));
@@ -195,25 +264,70 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         node_timeout: args.upgrade_timeout,
         parallel: usize::from(args.parallel),
     };
+    // The Talos part applies each node's config after its upgrade: with
+    // the Kubernetes versions it runs, so Kubernetes moves only in order.
+    let mut talos_plan = prepared.plan.clone();
+    if let Some((seen, k)) = &kube {
+        kube_run::pin_running(&mut talos_plan, seen, &k.to).map_err(|e| anyhow::anyhow!(e))?;
+    }
     let report = upgrade::execute(
         &factory,
-        &prepared.plan,
+        &talos_plan,
         &up,
         &record_path,
         &run,
         &limits,
         &progress,
     )?;
+    let talos_ending = report.ending();
+    let kube_report = match kube {
+        Some((seen, k)) if talos_ending == Ending::Ok => {
+            // What the Talos part changed is read again.
+            let (seen, k) = if up.has_work() {
+                let seen = observe::observe(&prepared.plan, &BTreeMap::new(), &limits).cluster;
+                let k = kplan::decide(&seen, &inv.cluster.kubernetes_version, args.skip_api_check);
+                (seen, k)
+            } else {
+                (seen, k)
+            };
+            let krun = kube_run::RunOptions {
+                pull_timeout: args.pull_timeout,
+                component_timeout: args.component_timeout,
+            };
+            let say = |what: &str| {
+                if output == Output::Text {
+                    errln!("kubernetes: {}", outside(what));
+                }
+            };
+            Some(kube_run::execute(
+                &prepared.plan,
+                &k,
+                &seen,
+                &limits,
+                &krun,
+                &say,
+            ))
+        }
+        _ => None,
+    };
     if output == Output::Text {
         if let Some(e) = &report.record_error {
             errln!("warning: the upgrade record was not written: {e}");
         }
-        for note in &report.notes {
-            errln!("note: {note}");
+        for note in report
+            .notes
+            .iter()
+            .chain(kube_report.iter().flat_map(|k| &k.notes))
+        {
+            errln!("note: {}", outside(note));
         }
     }
     match output {
-        Output::Json => outln!("{}", json!(report)),
+        Output::Json => {
+            let mut doc = json!(report);
+            doc["kubernetes"] = json!(kube_report);
+            outln!("{doc}");
+        }
         Output::Text => {
             for (node, v) in &report.versions {
                 let unknown = if report.schematic_unknown.contains(node) {
@@ -226,12 +340,37 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
                     outside(v.as_deref().unwrap_or("unreachable"))
                 );
             }
+            if let Some(k) = &kube_report {
+                outln!(
+                    "kubernetes: {} ({} step(s) done now, {} done before)",
+                    k.to,
+                    k.done.len(),
+                    k.already_done
+                );
+                for o in &k.applied {
+                    outln!("    applied {}", outside(o));
+                }
+                if let Some(f) = &k.failed {
+                    outln!(
+                        "kubernetes: FAILED at {}: {}",
+                        outside(&f.step),
+                        outside(&f.error)
+                    );
+                }
+            }
         }
     }
-    match report.ending() {
-        Ending::Ok => Ok(()),
-        Ending::Failed(m) => Err(Reported(m).into()),
-        Ending::Partial(m) => Err(Partial(m).into()),
+    let kube_ending = kube_report.as_ref().map_or(Ending::Ok, |k| k.ending());
+    match (talos_ending, kube_ending) {
+        (Ending::Failed(m), _) => Err(Reported(m).into()),
+        (Ending::Partial(m), _) => Err(Partial(m).into()),
+        (Ending::Ok, Ending::Ok) => Ok(()),
+        (Ending::Ok, Ending::Failed(m)) if report.upgraded.is_empty() => {
+            Err(Reported(format!("kubernetes: {m}")).into())
+        }
+        (Ending::Ok, Ending::Failed(m) | Ending::Partial(m)) => {
+            Err(Partial(format!("kubernetes: {m}")).into())
+        }
     }
 }
 
@@ -294,7 +433,9 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
     let _lock = (!args.dry_run)
         .then(|| stage::lock_state_dir(&inv, &opts, "apply"))
         .transpose()?;
-    let prepared = stage::prepare(&inv, &opts)?;
+    let mut prepared = stage::prepare(&inv, &opts)?;
+    // Kubernetes versions move only through `upgrade`, in order.
+    pin_kubernetes(&inv, &mut prepared.plan, &opts.limits)?;
     let mode = match args.mode {
         ModeArg::Auto => ApplyMode::Auto,
         ModeArg::NoReboot => ApplyMode::NoReboot,
@@ -358,23 +499,39 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
     }
 }
 
-/// Every node's status row, read from the nodes (nothing is changed).
+/// Pins each node's rendered config to the Kubernetes versions it runs
+/// (read from the cluster); returns what was read.
+fn pin_kubernetes(
+    inv: &imgbuild::inventory::Inventory,
+    plan: &mut imgbuild::talos::bootstrap::Plan,
+    limits: &imgbuild::talos::bootstrap::Options,
+) -> Result<observe::Observed> {
+    let observed = observe::observe(plan, &BTreeMap::new(), limits);
+    kube_run::pin_running(plan, &observed.cluster, &inv.cluster.kubernetes_version)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    Ok(observed)
+}
+
+/// Every node's status row, read from the nodes (nothing is changed), and
+/// what the cluster shows of Kubernetes.
 pub(super) fn rows(
     inv: &imgbuild::inventory::Inventory,
     opts: &stage::BootstrapOptions,
-) -> Result<Vec<status::NodeStatus>> {
+) -> Result<(Vec<status::NodeStatus>, observe::Observed)> {
     let wanted = upgrade::wanted(inv)?;
     stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
-    let prepared = stage::prepare(inv, opts)?;
+    let mut prepared = stage::prepare(inv, opts)?;
+    let observed = pin_kubernetes(inv, &mut prepared.plan, &opts.limits)?;
     let record = upgrade::Record::load(&record_path(&prepared.state_dir));
     let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);
-    Ok(runtime()?.block_on(status::collect(
+    let rows = runtime()?.block_on(status::collect(
         &prepared.plan,
         &wanted,
         &record,
         &fingerprints,
         &opts.limits,
-    )))
+    ));
+    Ok((rows, observed))
 }
 
 pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
@@ -382,10 +539,18 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
     let mut opts = args.run.options();
     // Status changes nothing: an unset `${NAME}` is compared by fingerprint.
     opts.patch_vars = opts.patch_vars.comparing_unset();
-    let rows = rows(&inv, &opts)?;
-    let drift: Vec<status::Drift> = rows.iter().flat_map(status::NodeStatus::drift).collect();
+    let (rows, observed) = rows(&inv, &opts)?;
+    let kube = kstatus::rows(&observed, &inv.cluster.kubernetes_version);
+    let drift: Vec<status::Drift> = rows
+        .iter()
+        .flat_map(status::NodeStatus::drift)
+        .chain(kube.iter().filter_map(kstatus::ComponentStatus::drift))
+        .collect();
     match output {
-        Output::Json => outln!("{}", json!({"nodes": rows, "drift": drift})),
+        Output::Json => outln!(
+            "{}",
+            json!({"nodes": rows, "kubernetes": kube, "drift": drift})
+        ),
         Output::Text => {
             let short = |s: &Option<String>| {
                 s.as_deref().map_or("unknown".to_owned(), |s| {
@@ -449,6 +614,7 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                     );
                 }
             }
+            print_kube_rows(&kube);
             print_drift(&drift);
             print_fingerprinted(&rows);
         }
@@ -457,6 +623,22 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
         return Err(Reported(format!("{} difference(s) from the inventory", drift.len())).into());
     }
     Ok(())
+}
+
+fn print_kube_rows(rows: &[kstatus::ComponentStatus]) {
+    // By component first: a node's rows above start with its name.
+    outln!("{:<24} {:<12} {}", "COMPONENT", "NODE", "RUNNING (WANTED)");
+    for r in rows {
+        let shown = |v: &Option<String>| v.as_deref().map_or("unknown".to_owned(), outside);
+        outln!(
+            "{:<24} {:<12} {} ({}){}",
+            r.component,
+            r.node,
+            shown(&r.running),
+            shown(&r.wanted),
+            if r.in_sync { "" } else { "  DRIFT" }
+        );
+    }
 }
 
 /// Which unset `${NAME}`s could only be compared by fingerprint, and where.

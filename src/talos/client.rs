@@ -466,29 +466,50 @@ impl NodeClient {
     /// `pkg/machinery/resources/runtime/extension_status.go`). None when the
     /// node runs an image without one.
     pub async fn running_schematic(&self) -> Result<Option<String>, ApiError> {
+        let specs = self
+            .cosi_list("runtime", "ExtensionStatuses.runtime.talos.dev")
+            .await?;
+        Ok(specs
+            .iter()
+            .find_map(|(_, yaml)| schematic_extension_version(yaml)))
+    }
+
+    /// Every resource of `kind` in `namespace` as `talosctl get` lists them
+    /// (the COSI State API): each one's ID and YAML spec, read within the
+    /// client's timeout and refused past [`COSI_LIST_LIMIT`] bytes.
+    pub async fn cosi_list(
+        &self,
+        namespace: &str,
+        kind: &str,
+    ) -> Result<Vec<(String, String)>, ApiError> {
         use super::api::cosi::resource::ListRequest;
         use super::api::cosi::resource::state_client::StateClient;
         let req = ListRequest {
-            namespace: "runtime".into(),
-            r#type: "ExtensionStatuses.runtime.talos.dev".into(),
+            namespace: namespace.into(),
+            r#type: kind.into(),
             options: None,
         };
         let mut state = StateClient::new(self.channel.clone());
         let mut stream = self.call(state.list(self.request(req))).await?;
         let read = async {
+            let mut out = Vec::new();
+            let mut size = 0;
             loop {
                 match stream.message().await {
                     Ok(Some(item)) => {
-                        let yaml = item
-                            .resource
-                            .and_then(|r| r.spec)
-                            .map(|s| s.yaml_spec)
-                            .unwrap_or_default();
-                        if let Some(id) = schematic_extension_version(&yaml) {
-                            return Ok(Some(id));
+                        let Some(r) = item.resource else { continue };
+                        let id = r.metadata.map(|m| m.id).unwrap_or_default();
+                        let yaml = r.spec.map(|s| s.yaml_spec).unwrap_or_default();
+                        size += id.len() + yaml.len();
+                        if size > COSI_LIST_LIMIT {
+                            return Err(ApiError::TooLarge {
+                                what: "the resource list",
+                                limit: COSI_LIST_LIMIT,
+                            });
                         }
+                        out.push((id, yaml));
                     }
-                    Ok(None) => return Ok(None),
+                    Ok(None) => return Ok(out),
                     Err(s) => return Err(self.fail(s).await),
                 }
             }
@@ -564,6 +585,10 @@ impl NodeClient {
 /// KiB (one file, gzip).
 pub const KUBECONFIG_LIMIT: usize = 4 << 20;
 
+/// The most one COSI list may hold: the bootstrap manifests are a few
+/// hundred KiB.
+pub const COSI_LIST_LIMIT: usize = 16 << 20;
+
 // The calls only day two makes: the boot ID (how talosctl's
 // `BootIDChangedPostCheckFn` knows a node rebooted), Reboot, and the two
 // ways a node is asked to upgrade — `MachineService.Upgrade` below Talos
@@ -607,9 +632,14 @@ pub struct UpgradeFlags {
 
 /// The system containerd, where Talos runs its installer from.
 fn system_containerd() -> ContainerdInstance {
+    containerd(ContainerdNamespace::NsSystem)
+}
+
+/// `namespace` of the system containerd.
+fn containerd(namespace: ContainerdNamespace) -> ContainerdInstance {
     ContainerdInstance {
         driver: ContainerDriver::Containerd as i32,
-        namespace: ContainerdNamespace::NsSystem as i32,
+        namespace: namespace as i32,
     }
 }
 
@@ -684,8 +714,19 @@ impl NodeClient {
     /// `ImageService.Pull` of the installer into the system containerd
     /// (v1.13+), read to its end: the name of the pulled image.
     pub async fn pull(&self, image: &str) -> Result<String, ApiError> {
+        self.pull_into(image, ContainerdNamespace::NsSystem).await
+    }
+
+    /// `ImageService.Pull` of `image` into `namespace` of the system
+    /// containerd (v1.13+; Kubernetes' own images go to the CRI one, as
+    /// talosctl `upgrade-k8s --pre-pull-images` puts them).
+    pub async fn pull_into(
+        &self,
+        image: &str,
+        namespace: ContainerdNamespace,
+    ) -> Result<String, ApiError> {
         let req = ImageServicePullRequest {
-            containerd: Some(system_containerd()),
+            containerd: Some(containerd(namespace)),
             image_ref: image.to_owned(),
         };
         let mut images = ImageServiceClient::new(self.channel.clone());

@@ -29,7 +29,7 @@ const ADDONS: [(&str, &str, &str); 2] = [
 ];
 
 /// The kubeconfig the bootstrap wrote into the state dir.
-fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
+pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
     let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
         .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
     Kubeconfig::parse(&text).map_err(|e| e.to_string())
@@ -60,7 +60,7 @@ fn nodes_of(list: &serde_json::Value) -> Vec<KubeNode> {
 }
 
 /// Whether an object's `Ready` condition is `True`.
-fn ready(obj: &serde_json::Value) -> bool {
+pub(crate) fn ready(obj: &serde_json::Value) -> bool {
     obj["status"]["conditions"]
         .as_array()
         .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))

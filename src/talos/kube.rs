@@ -147,7 +147,7 @@ impl Kubeconfig {
         serde_yaml_ng::to_string(&self.doc).expect("kubeconfig serialises")
     }
 
-    fn client(&self, timeout: Duration) -> Result<reqwest::blocking::Client, KubeError> {
+    pub(crate) fn client(&self, timeout: Duration) -> Result<reqwest::blocking::Client, KubeError> {
         net::http_client(&net::HttpOptions {
             trust: net::Trust::Ca(self.ca.clone()),
             identity: Some(net::ClientIdentity {

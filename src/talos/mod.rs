@@ -8,6 +8,7 @@ pub mod client;
 pub mod config;
 pub mod health;
 pub mod kube;
+pub mod kubernetes;
 pub mod lock;
 pub mod pki;
 pub mod secrets;

@@ -108,6 +108,8 @@ impl Api {
             s
         };
         let mut applied = read_config(&req.data).map_err(|s| refuse(&mut st, s))?;
+        super::k8s_versions::runtime_validate(&talos, &applied.v1alpha1)
+            .map_err(|s| refuse(&mut st, s))?;
         let running = st.applied.clone().expect("a configured node has a config");
         let (mode, details, why) = if talos.checks_immediate() {
             let blocked = immediate::blocking_fields(&running.v1alpha1, &applied.v1alpha1);

@@ -190,6 +190,8 @@ impl Api {
                 ));
             }
             Ok(self.extensions_on(i))
+        } else if let Some(found) = self.k8s_resources(i, namespace, kind) {
+            Ok(found)
         } else {
             Err(Status::not_found(format!(
                 "resource type {kind:?} in namespace {namespace:?} is not registered"

@@ -67,8 +67,9 @@ pub(super) async fn facts_switch(
 const NO_CNI: &str = "container runtime network not ready: NetworkReady=false reason:NetworkPluginNotReady message:Network plugin returns error: cni plugin not initialized";
 
 /// A registered Kubernetes node: its name, whether it is Ready, cordoned.
-struct Registered {
-    name: String,
+pub(super) struct Registered {
+    pub index: usize,
+    pub name: String,
     ready: bool,
     cni: bool,
     cordoned: bool,
@@ -76,7 +77,7 @@ struct Registered {
 
 impl Cluster {
     /// The nodes the API server lists now.
-    fn registered(&self, now: Instant) -> Vec<Registered> {
+    pub(super) fn registered(&self, now: Instant) -> Vec<Registered> {
         let api_up = self.api_up_at();
         // A CNI runs once a control plane's config brought one.
         let cni = self.all().iter().any(|n| {
@@ -94,6 +95,7 @@ impl Cluster {
                 let node = self.node(i);
                 let cordoned = node.st.lock().unwrap().day2.life.cordoned;
                 Some(Registered {
+                    index: i,
                     name: node.display_name(),
                     ready: cni && now >= registered + ms(self.args.ready_delay),
                     cni,
@@ -118,8 +120,9 @@ impl Cluster {
 pub(super) async fn nodes(
     State(cluster): State<Arc<Cluster>>,
 ) -> Result<axum::Json<Value>, Infallible> {
+    let now = Instant::now();
     let items: Vec<Value> = cluster
-        .registered(Instant::now())
+        .registered(now)
         .into_iter()
         .map(|r| {
             // The kubelet's Ready condition (kubernetes pkg/kubelet/nodestatus
@@ -132,11 +135,13 @@ pub(super) async fn nodes(
             } else {
                 json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "kubelet is starting"})
             };
-            json!({
+            let mut item = json!({
                 "metadata": {"name": r.name},
                 "spec": {"unschedulable": r.cordoned},
                 "status": {"conditions": [condition]},
-            })
+            });
+            cluster.k8s_node_item(r.index, &mut item, now);
+            item
         })
         .collect();
     Ok(axum::Json(
@@ -150,12 +155,16 @@ pub(super) struct Selector {
     label_selector: Option<String>,
 }
 
-/// The `k8s-app` a selector asks for: `Some(None)` for no selector,
-/// `None` for one this API does not match anything with.
+/// The `k8s-app` a selector asks for (`k8s-app=x`, `k8s-app = x` as
+/// talosctl sends it): `Some(None)` for no selector, `None` for one this
+/// API does not match anything with.
 fn app_of(sel: &Selector) -> Option<Option<&str>> {
     match sel.label_selector.as_deref() {
         None | Some("") => Some(None),
-        Some(s) => s.strip_prefix("k8s-app=").map(Some),
+        Some(s) => {
+            let (key, value) = s.split_once('=')?;
+            (key.trim() == "k8s-app").then(|| Some(value.trim_start_matches('=').trim()))
+        }
     }
 }
 
@@ -173,7 +182,8 @@ pub(super) async fn pods(
         return list("PodList", Vec::new());
     };
     let facts = cluster.facts.lock().unwrap().clone();
-    let nodes = cluster.registered(Instant::now());
+    let now = Instant::now();
+    let nodes = cluster.registered(now);
     let pod = |name: String, app: &str, node: &str, ready: bool| {
         json!({
             "metadata": {"name": name, "namespace": "kube-system", "labels": {"k8s-app": app}},
@@ -207,6 +217,9 @@ pub(super) async fn pods(
             }
         }
     }
+    cluster.k8s_workload_pods(&mut items, now);
+    let named: Vec<(usize, String)> = nodes.iter().map(|n| (n.index, n.name.clone())).collect();
+    items.extend(cluster.k8s_static_pods(&named, app, now));
     list("PodList", items)
 }
 
@@ -224,12 +237,13 @@ pub(super) async fn daemonsets(
     } else {
         0
     };
+    let stored = cluster.k8s_workload("daemonsets", "kube-proxy", Instant::now());
     list(
         "DaemonSetList",
-        vec![json!({
+        vec![stored.unwrap_or_else(|| json!({
             "metadata": {"name": "kube-proxy", "namespace": "kube-system", "labels": {"k8s-app": "kube-proxy"}},
             "status": {"desiredNumberScheduled": desired, "numberReady": ready},
-        })],
+        }))],
     )
 }
 
@@ -246,12 +260,13 @@ pub(super) async fn deployments(
     } else {
         0
     };
+    let stored = cluster.k8s_workload("deployments", "coredns", Instant::now());
     list(
         "DeploymentList",
-        vec![json!({
+        vec![stored.unwrap_or_else(|| json!({
             "metadata": {"name": "coredns", "namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}},
             "spec": {"replicas": 2},
             "status": {"readyReplicas": ready},
-        })],
+        }))],
     )
 }

@@ -46,7 +46,12 @@ impl ImageService for Api {
     ) -> Result<Response<Self::PullStream>, Status> {
         let i = self.v113_target(&req, "ImageService")?;
         let image = req.get_ref().image_ref.clone();
-        self.timed_pull(&req, &[i], &image).await?;
+        match self.k8s_image_pull(i, &image).await {
+            Some(pulled) => pulled?,
+            None => {
+                self.timed_pull(&req, &[i], &image).await?;
+            }
+        }
         let reply = ImageServicePullResponse {
             response: Some(image_service_pull_response::Response::Name(image)),
         };

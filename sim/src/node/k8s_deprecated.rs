@@ -1,0 +1,173 @@
+//! The signals of APIs a Kubernetes release removes: the API server's
+//! `apiserver_requested_deprecated_apis` gauge on `GET /metrics`
+//! (kubernetes/kubernetes v1.33 `staging/src/k8s.io/apiserver/pkg/endpoints/
+//! metrics/metrics.go`: STABLE, labels group, version, resource,
+//! subresource, removed_release; Prometheus text sorts labels by name) and
+//! stored objects of such an API version (listed until the API servers run
+//! the release that removed it: then 404, as siderolabs/go-kubernetes
+//! `kubernetes/upgrade/checks.go` `PopulateRemovedAPIResources` expects).
+//! A test sets both with `POST /_sim/k8s-apis` (see `k8s_objects.rs`).
+//!
+//! Simplified: every API server reports the same requests (a real one
+//! counts what it served since it started).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use super::k8s_objects::{Stored, group_of};
+use super::k8s_versions;
+use super::{Cluster, ControlReply};
+
+/// A resource of a removed API version the switch registered.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RemovedObject {
+    pub group: String,
+    pub version: String,
+    pub resource: String,
+    pub kind: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    pub name: String,
+    pub removed_release: String,
+}
+
+/// A deprecated API some client still requests.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Requested {
+    group: String,
+    version: String,
+    resource: String,
+    #[serde(default)]
+    subresource: String,
+    removed_release: String,
+}
+
+/// Prometheus label values escape `\`, `"` and newlines.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// `GET /metrics` of the API server.
+pub(super) async fn metrics(State(c): State<Arc<Cluster>>) -> Response {
+    let k8s = c.k8s.lock().unwrap();
+    let mut text = String::from(
+        "# HELP apiserver_requested_deprecated_apis [STABLE] Gauge of deprecated APIs that have been requested, broken out by API group, version, resource, subresource, and removed_release.\n# TYPE apiserver_requested_deprecated_apis gauge\n",
+    );
+    for r in &k8s.objects.requested {
+        text += &format!(
+            "apiserver_requested_deprecated_apis{{group=\"{}\",removed_release=\"{}\",resource=\"{}\",subresource=\"{}\",version=\"{}\"}} 1\n",
+            label(&r.group),
+            label(&r.removed_release),
+            label(&r.resource),
+            label(&r.subresource),
+            label(&r.version)
+        );
+    }
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for k in k8s.objects.objects.keys() {
+        let group = group_of(&k.0);
+        let name = if group.is_empty() {
+            k.1.clone()
+        } else {
+            format!("{}.{group}", k.1)
+        };
+        *counts.entry(name).or_default() += 1;
+    }
+    let mut counts: Vec<_> = counts.into_iter().collect();
+    counts.sort();
+    text += "# HELP apiserver_storage_objects [STABLE] Number of stored objects at the time of last check split by kind. In case of a fetching error, the value will be -1.\n# TYPE apiserver_storage_objects gauge\n";
+    for (resource, n) in counts {
+        text += &format!(
+            "apiserver_storage_objects{{resource=\"{}\"}} {n}\n",
+            label(&resource)
+        );
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// `POST /_sim/k8s-apis`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ApisSwitch {
+    requested: Option<Vec<Requested>>,
+    stored: Option<Vec<RemovedObject>>,
+}
+
+pub(super) async fn apis_switch(
+    State(c): State<Arc<Cluster>>,
+    axum::Json(req): axum::Json<ApisSwitch>,
+) -> ControlReply {
+    let now = Instant::now();
+    // Checked before anything changes.
+    if let Some(bad) = req
+        .stored
+        .iter()
+        .flatten()
+        .find(|o| k8s_versions::parse(&o.removed_release).is_none())
+    {
+        return super::control_error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "removed_release {:?} is not a Kubernetes version",
+                bad.removed_release
+            ),
+        );
+    }
+    let mut k8s = c.k8s.lock().unwrap();
+    let store = &mut k8s.objects;
+    if let Some(r) = req.requested {
+        store.requested = r;
+    }
+    if let Some(objects) = req.stored {
+        store.objects.retain(|_, s| s.removed_release.is_none());
+        for o in &objects {
+            let api = format!("{}/{}", o.group, o.version);
+            let mut object =
+                json!({"apiVersion": api, "kind": o.kind, "metadata": {"name": o.name}});
+            if let Some(ns) = &o.namespace {
+                object["metadata"]["namespace"] = json!(ns);
+            }
+            let rv = store.next_revision();
+            let release = k8s_versions::parse(&o.removed_release).map(|(a, b, _)| (a, b));
+            store.objects.insert(
+                (
+                    api.clone(),
+                    o.resource.clone(),
+                    o.namespace.clone().unwrap_or_default(),
+                    o.name.clone(),
+                ),
+                Stored {
+                    object,
+                    managers: Vec::new(),
+                    generation: 1,
+                    resource_version: rv,
+                    template_at: now,
+                    previous_template: None,
+                    removed_release: release,
+                },
+            );
+        }
+        store.removed = objects;
+    }
+    (
+        StatusCode::OK,
+        axum::Json(json!({"requested": store.requested, "stored": store.removed})),
+    )
+}

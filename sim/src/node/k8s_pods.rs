@@ -1,0 +1,456 @@
+//! The Kubernetes components a node runs from its machine config, and how
+//! they restart when the config changes: kube-apiserver, kube-controller-
+//! manager and kube-scheduler as static pods on control planes (their mirror
+//! pods in `kube-system`), the kubelet on every node (its Node's
+//! `status.nodeInfo.kubeletVersion`).
+//!
+//! Upstream (siderolabs/talos, v1.9.6–v1.14): a config change reaches
+//! `internal/app/machined/pkg/controllers/k8s/control_plane.go` (the
+//! `APIServerConfig`/`ControllerManagerConfig`/`SchedulerConfig` resources,
+//! whose version goes up when they change), then
+//! `control_plane_static_pod.go` writes the static pod with labels
+//! `k8s-app`/`tier: control-plane` and the annotation
+//! `talos.dev/config-version` = that resource version; the kubelet replaces
+//! the pod (not Ready until the new container is). talosctl's
+//! `pkg/cluster/kubernetes/talos_managed.go` `checkPodStatus` waits for the
+//! mirror pod with `k8s-app=<component>`, `status.hostIP` = the node, the
+//! expected config version and Ready. A kubelet image change restarts the
+//! kubelet service (`kubelet_service.go`); talosctl's `kubelet.go` then waits
+//! for the Node (matched by `status.addresses`) to report the new
+//! `kubeletVersion` and Ready. Config fields under `.cluster` and
+//! `.machine.kubelet` apply without a reboot on every modelled version
+//! (`immediate.rs`), so these restarts follow an `ApplyConfiguration`
+//! NO_REBOOT.
+//!
+//! A watcher notices config changes within [`TICK`] (every way a config
+//! changes — apply, TRY and its rollback, a staged config at boot — goes
+//! through `NodeState::applied`), so no apply path needs a hook.
+//!
+//! # Interface (issue 31; see also `k8s_objects.rs`)
+//! ```text
+//!     [--static-pod-delay MS]     a static pod's restart after its image changes (default 300):
+//!                                 not Ready meanwhile, and that node's API server (port
+//!                                 6443) refuses connections while its kube-apiserver restarts
+//!     [--kubelet-restart-delay MS] a kubelet's restart after its image changes (default 300):
+//!                                 its Node NotReady with the old kubeletVersion meanwhile, the
+//!                                 `kubelet` service unhealthy in ServiceList
+//!     [--rollout-delay MS]        a DaemonSet/Deployment rollout after its pod template
+//!                                 changes (default 300)
+//! ```
+//! - `GET /api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3Dkube-apiserver`
+//!   (also `k8s-app = kube-apiserver`, as client-go sends it; likewise
+//!   `kube-controller-manager`, `kube-scheduler`): one mirror pod per registered control
+//!   plane, `metadata.name` `<component>-<node>`, `labels` {k8s-app, tier}, `annotations`
+//!   {`talos.dev/config-version`: "N", `kubernetes.io/config.source`: "file",
+//!   `kubernetes.io/config.mirror`}, `spec.nodeName`, `spec.containers[0].image`,
+//!   `status.{phase, hostIP, podIP, conditions[Ready], containerStatuses[0].{image, ready}}`.
+//!   Restarting: the new image, phase Pending, Ready False.
+//! - `GET /api/v1/nodes` items add `metadata.labels` (`kubernetes.io/hostname`,
+//!   `node-role.kubernetes.io/control-plane: ""` on control planes),
+//!   `status.addresses` [{InternalIP: the node's address}, {Hostname}] and
+//!   `status.nodeInfo.kubeletVersion` (`v1.33.5`, from the kubelet image tag).
+//! - COSI State Get/List (over the node's Talos API, routed by `node`):
+//!   `controlplane`/`APIServerConfigs.kubernetes.talos.dev` (`kube-apiserver`),
+//!   `ControllerManagerConfigs…` (`kube-controller-manager`), `SchedulerConfigs…`
+//!   (`kube-scheduler`) on control planes: `metadata.version` = the config version the
+//!   mirror pod's annotation reaches, spec `image: …`; `k8s`/`KubeletSpecs.kubernetes.
+//!   talos.dev` (`kubelet`): spec `image: …`; `config`/`MachineConfigs.config.talos.dev`
+//!   (`v1alpha1`): spec = the running config as applied.
+//! - ApplyConfiguration (and a boot with a config) on Talos v1.11+: a kubelet image (or, on
+//!   a control plane, a kube-apiserver/controller-manager/scheduler image) whose Kubernetes
+//!   version the running Talos does not support → InvalidArgument "1 error occurred:\n\t*
+//!   kubelet image is not valid: version of Kubernetes 1.35.0 is too new to be used with
+//!   Talos 1.11.5\n\n" (`k8s_versions.rs`); nothing changes.
+//! - ImageService.Pull (v1.13+) of a Kubernetes image (`registry.k8s.io/kube-apiserver`,
+//!   `…/kube-controller-manager`, `…/kube-scheduler`, `…/kube-proxy`, `…/coredns/coredns`,
+//!   `ghcr.io/siderolabs/kubelet`) with a version tag succeeds after `--pull-cached-delay`
+//!   (no registry is asked); another tag of those → NotFound.
+//! - `GET /_sim/stats` adds `k8s`: `restarts` ([{node, control_plane, component,
+//!   from_image, image, start_ms, ready_ms (null while restarting or when a later change
+//!   superseded it)}], by start), `components` ({NODE: {COMPONENT: {image, ready,
+//!   config_version}}}), `pulled` ({NODE: [image…]}), and what `k8s_objects.rs` adds.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use super::k8s_versions::{self, Component};
+use super::version::Talos;
+use super::{Cluster, Phase, ms};
+
+/// How often the watcher looks at the nodes' configs.
+pub(super) const TICK: Duration = Duration::from_millis(20);
+
+#[derive(clap::Args)]
+pub struct Delays {
+    /// Milliseconds a control-plane static pod takes to restart after its
+    /// image changes (not Ready meanwhile).
+    #[arg(long, default_value_t = 300)]
+    static_pod_delay: u64,
+    /// Milliseconds a kubelet takes to restart after its image changes
+    /// (its Node NotReady meanwhile).
+    #[arg(long, default_value_t = 300)]
+    kubelet_restart_delay: u64,
+    /// Milliseconds a DaemonSet or Deployment takes to roll out a changed
+    /// pod template.
+    #[arg(long, default_value_t = 300)]
+    pub rollout_delay: u64,
+}
+
+/// One component as a node runs it.
+#[derive(Clone)]
+struct Running {
+    image: String,
+    /// What ran before the last change (the same as `image` at first).
+    previous: String,
+    /// Ready (running `image`) from then on.
+    ready_at: Instant,
+    /// The Talos config resource's version (`talos.dev/config-version`).
+    config_version: u64,
+    /// Its entry in the timeline, if it restarted.
+    restart: Option<usize>,
+}
+
+/// One restart of one component.
+struct Restart {
+    node: String,
+    control_plane: bool,
+    component: Component,
+    from_image: String,
+    image: String,
+    start: Instant,
+    ready: Instant,
+    superseded: bool,
+}
+
+/// A node's components, and which node object they belong to (a slot
+/// reused by another machine starts afresh).
+struct NodeComponents {
+    node: usize,
+    running: BTreeMap<Component, Running>,
+}
+
+/// What the simulated cluster's Kubernetes side keeps.
+#[derive(Default)]
+pub(super) struct K8s {
+    nodes: HashMap<usize, NodeComponents>,
+    timeline: Vec<Restart>,
+    pub objects: super::k8s_objects::Store,
+    /// Kubernetes images each node pulled through ImageService.
+    pulled: BTreeMap<String, Vec<String>>,
+}
+
+/// What the watcher reads from one node.
+struct Seen {
+    identity: usize,
+    name: String,
+    control_plane: bool,
+    images: Vec<(Component, String)>,
+}
+
+impl Cluster {
+    /// The node `i`'s configured components, if it runs any now.
+    fn seen(&self, i: usize, now: Instant) -> Option<Seen> {
+        let node = self.node(i);
+        if node.phase(now) != Phase::Configured {
+            return None;
+        }
+        let name = node.display_name();
+        let control_plane = node.control_plane();
+        let st = node.st.lock().unwrap();
+        let applied = st.applied.as_ref()?;
+        if applied.v1alpha1.is_null() {
+            return None;
+        }
+        let talos = Talos::parse(&st.day2.version_or(&self.args.talos_version))?;
+        let mut components = vec![Component::Kubelet];
+        if control_plane {
+            components.extend(Component::CONTROL_PLANE);
+        }
+        let images = components
+            .into_iter()
+            .map(|c| (c, k8s_versions::image_of(c, &applied.v1alpha1, &talos)))
+            .collect();
+        Some(Seen {
+            identity: Arc::as_ptr(&node) as usize,
+            name,
+            control_plane,
+            images,
+        })
+    }
+
+    /// Records every component whose image changed since the last look:
+    /// it restarts from `now`.
+    pub(super) fn k8s_observe(&self, now: Instant) {
+        let seen: Vec<(usize, Seen)> = (0..self.count())
+            .filter_map(|i| Some((i, self.seen(i, now)?)))
+            .collect();
+        let delays = &self.args.k8s;
+        let mut k8s = self.k8s.lock().unwrap();
+        let K8s {
+            nodes, timeline, ..
+        } = &mut *k8s;
+        for (i, s) in seen {
+            let entry = nodes.entry(i).or_insert_with(|| NodeComponents {
+                node: s.identity,
+                running: BTreeMap::new(),
+            });
+            if entry.node != s.identity {
+                entry.node = s.identity;
+                entry.running.clear();
+            }
+            for (component, image) in s.images {
+                let Some(r) = entry.running.get_mut(&component) else {
+                    entry.running.insert(
+                        component,
+                        Running {
+                            previous: image.clone(),
+                            image,
+                            ready_at: now,
+                            config_version: 1,
+                            restart: None,
+                        },
+                    );
+                    continue;
+                };
+                if r.image == image {
+                    continue;
+                }
+                let delay = if component == Component::Kubelet {
+                    delays.kubelet_restart_delay
+                } else {
+                    delays.static_pod_delay
+                };
+                if let Some(prev) = r.restart.filter(|_| now < r.ready_at) {
+                    timeline[prev].superseded = true;
+                }
+                timeline.push(Restart {
+                    node: s.name.clone(),
+                    control_plane: s.control_plane,
+                    component,
+                    from_image: r.image.clone(),
+                    image: image.clone(),
+                    start: now,
+                    ready: now + ms(delay),
+                    superseded: false,
+                });
+                r.previous = std::mem::replace(&mut r.image, image);
+                r.ready_at = now + ms(delay);
+                r.config_version += 1;
+                r.restart = Some(timeline.len() - 1);
+            }
+        }
+    }
+
+    fn running(&self, i: usize, c: Component) -> Option<Running> {
+        let k8s = self.k8s.lock().unwrap();
+        k8s.nodes.get(&i)?.running.get(&c).cloned()
+    }
+
+    /// Node `i`'s `c` is restarting (a kube-apiserver's port 6443 refuses
+    /// meanwhile, a kubelet's service is unhealthy).
+    pub(super) fn k8s_restarting(&self, i: usize, c: Component, now: Instant) -> bool {
+        self.running(i, c).is_some_and(|r| now < r.ready_at)
+    }
+
+    /// The image node `i` runs `c` with, and whether it is ready.
+    pub(super) fn k8s_component(
+        &self,
+        i: usize,
+        c: Component,
+        now: Instant,
+    ) -> Option<(String, bool)> {
+        self.running(i, c).map(|r| (r.image, now >= r.ready_at))
+    }
+
+    /// The config version of node `i`'s `c` (its Talos config resource's).
+    pub(super) fn k8s_config_version(&self, i: usize, c: Component) -> Option<u64> {
+        self.running(i, c).map(|r| r.config_version)
+    }
+
+    /// Adds to a Node item what the kubelet reports: labels, addresses,
+    /// its version; NotReady while it restarts.
+    pub(super) fn k8s_node_item(&self, i: usize, item: &mut Value, now: Instant) {
+        let node = self.node(i);
+        let name = item["metadata"]["name"].clone();
+        let mut labels = json!({"kubernetes.io/hostname": name, "kubernetes.io/os": "linux"});
+        if node.control_plane() {
+            labels["node-role.kubernetes.io/control-plane"] = json!("");
+        }
+        item["metadata"]["labels"] = labels;
+        item["status"]["addresses"] = json!([
+            {"type": "InternalIP", "address": node.ip.to_string()},
+            {"type": "Hostname", "address": name},
+        ]);
+        let Some(kubelet) = self.running(i, Component::Kubelet) else {
+            return;
+        };
+        let restarting = now < kubelet.ready_at;
+        let image = if restarting {
+            &kubelet.previous
+        } else {
+            &kubelet.image
+        };
+        item["status"]["nodeInfo"] = json!({
+            "kubeletVersion": k8s_versions::kubelet_version(image),
+            "containerRuntimeVersion": "containerd://2.1.4",
+            "operatingSystem": "linux",
+        });
+        if restarting {
+            // kubernetes pkg/kubelet/nodestatus/setters.go: a kubelet that
+            // just started has no runtime status yet.
+            item["status"]["conditions"] = json!([{"type": "Ready", "status": "False",
+                "reason": "KubeletNotReady",
+                "message": "container runtime status check may not have completed yet"}]);
+        }
+    }
+
+    /// The mirror pods of the control planes among `registered` (node
+    /// index, name), for the `k8s-app` asked (None: all).
+    pub(super) fn k8s_static_pods(
+        &self,
+        registered: &[(usize, String)],
+        app: Option<&str>,
+        now: Instant,
+    ) -> Vec<Value> {
+        let mut pods = Vec::new();
+        for (i, name) in registered {
+            let ip = self.node(*i).ip.to_string();
+            for c in Component::CONTROL_PLANE {
+                if app.is_some_and(|a| a != c.id()) {
+                    continue;
+                }
+                let Some(r) = self.running(*i, c) else {
+                    continue;
+                };
+                let ready = now >= r.ready_at;
+                let flag = if ready { "True" } else { "False" };
+                pods.push(json!({
+                    "metadata": {
+                        "name": format!("{}-{name}", c.id()),
+                        "namespace": "kube-system",
+                        "labels": {"k8s-app": c.id(), "tier": "control-plane"},
+                        "annotations": {
+                            "kubernetes.io/config.mirror": format!("{:016x}", r.config_version ^ (*i as u64) << 32),
+                            "kubernetes.io/config.source": "file",
+                            "talos.dev/config-version": r.config_version.to_string(),
+                        },
+                    },
+                    "spec": {
+                        "nodeName": name,
+                        "hostNetwork": true,
+                        "priorityClassName": "system-cluster-critical",
+                        "containers": [{"name": c.id(), "image": r.image}],
+                    },
+                    "status": {
+                        "phase": if ready { "Running" } else { "Pending" },
+                        "hostIP": ip,
+                        "podIP": ip,
+                        "conditions": [
+                            {"type": "ContainersReady", "status": flag},
+                            {"type": "Ready", "status": flag},
+                        ],
+                        "containerStatuses": [{"name": c.id(), "image": r.image,
+                            "ready": ready, "started": ready, "restartCount": 0}],
+                    },
+                }));
+            }
+        }
+        pods
+    }
+
+    /// The `k8s` part of the stats.
+    pub(super) fn k8s_stats(&self, now: Instant) -> Value {
+        let names: HashMap<usize, String> = (0..self.count())
+            .map(|i| (i, self.node(i).display_name()))
+            .collect();
+        let k8s = self.k8s.lock().unwrap();
+        let at = |t: Instant| t.saturating_duration_since(self.started).as_millis() as u64;
+        let restarts: Vec<Value> = k8s
+            .timeline
+            .iter()
+            .map(|r| {
+                json!({
+                    "node": r.node,
+                    "control_plane": r.control_plane,
+                    "component": r.component.id(),
+                    "from_image": r.from_image,
+                    "image": r.image,
+                    "start_ms": at(r.start),
+                    "ready_ms": (!r.superseded && now >= r.ready).then(|| at(r.ready)),
+                })
+            })
+            .collect();
+        let components: serde_json::Map<String, Value> = k8s
+            .nodes
+            .iter()
+            .filter_map(|(i, n)| {
+                let comps: serde_json::Map<String, Value> = n
+                    .running
+                    .iter()
+                    .map(|(c, r)| {
+                        (
+                            c.id().to_owned(),
+                            json!({"image": r.image, "ready": now >= r.ready_at,
+                                "config_version": r.config_version}),
+                        )
+                    })
+                    .collect();
+                Some((names.get(i)?.clone(), Value::Object(comps)))
+            })
+            .collect();
+        let mut out = json!({"restarts": restarts, "components": components, "pulled": k8s.pulled});
+        k8s.objects.stats_into(&mut out);
+        out
+    }
+}
+
+/// The repositories of the images a Kubernetes upgrade pre-pulls.
+const KUBERNETES_IMAGES: [&str; 6] = [
+    "registry.k8s.io/kube-apiserver",
+    "registry.k8s.io/kube-controller-manager",
+    "registry.k8s.io/kube-scheduler",
+    "registry.k8s.io/kube-proxy",
+    "registry.k8s.io/coredns/coredns",
+    "ghcr.io/siderolabs/kubelet",
+];
+
+impl super::Api {
+    /// `ImageService.Pull` (v1.13+) of a Kubernetes image, as talosctl's
+    /// `upgrade-k8s --pre-pull-images` sends them (`talos_managed.go`
+    /// `prePullImages`): one with a version tag is pulled after
+    /// `--pull-cached-delay`; another tag of those repositories is not
+    /// found. None: not a Kubernetes image (an installer's pull).
+    pub(super) async fn k8s_image_pull(
+        &self,
+        i: usize,
+        image: &str,
+    ) -> Option<Result<(), tonic::Status>> {
+        let (repo, _) = image.rsplit_once(':')?;
+        if !KUBERNETES_IMAGES.contains(&repo) {
+            return None;
+        }
+        if k8s_versions::version_of_image(image).is_err() {
+            return Some(Err(tonic::Status::not_found(format!(
+                "failed to pull image {image:?}: {image}: not found"
+            ))));
+        }
+        tokio::time::sleep(ms(self.cluster.args.pull_cached_delay)).await;
+        let name = self.cluster.node(i).display_name();
+        let mut k8s = self.cluster.k8s.lock().unwrap();
+        k8s.pulled.entry(name).or_default().push(image.to_owned());
+        Some(Ok(()))
+    }
+}
+
+/// Watches the configs for the life of the simulator.
+pub(super) async fn watch(cluster: Arc<Cluster>) {
+    loop {
+        let now = Instant::now();
+        cluster.k8s_observe(now);
+        cluster.k8s_bootstrap_manifests(now);
+        tokio::time::sleep(TICK).await;
+    }
+}

@@ -1,0 +1,438 @@
+//! Executes a [`KubePlan`]: each step not done, in order, waited for before
+//! the next, stopping at the first failure. A component moves by
+//! ApplyConfiguration NO_REBOOT of the node's rendered config with that
+//! component's image at the target and every other one where it runs
+//! (siderolabs/talos `pkg/cluster/kubernetes/patch.go` patches the one image
+//! the same way); a static pod is done when its mirror pod runs the new
+//! image and is Ready (`talos_managed.go`, `checkPodStatus`), a kubelet when
+//! its Node reports the new version and is Ready (`kubelet.go`,
+//! `checkNodeKubeletVersion`). The manifests are read from the first
+//! control plane that answers and applied server-side, each object only
+//! when the live one lacks what Talos renders; then each changed
+//! DaemonSet and Deployment is waited for until rolled out. Nothing is
+//! deleted.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::api::{Kube, contains, object_name, object_path};
+use super::observe::{
+    MANIFESTS, kubelet_seen, manifest_objects, one_line, ordered, pod_on, pod_seen, pods_of,
+};
+use super::plan::{
+    ClusterSeen, Component, KubePlan, Step, cluster_version, images_of, pins, retag, version_tag,
+    with_versions,
+};
+use crate::inventory::Role;
+use crate::talos::api::common::ContainerdNamespace;
+use crate::talos::bootstrap::{Options, Plan, PlannedNode};
+use crate::talos::client::{ApplyMode, Mode, NodeClient};
+use crate::talos::health::kubeconfig;
+use crate::talos::upgrade::report::Ending;
+
+/// Deadlines of a run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// One image pull (ImageService.Pull answers when the pull is done).
+    pub pull_timeout: Duration,
+    /// From a component's apply until it runs the new version and is
+    /// Ready; also a rollout.
+    pub component_timeout: Duration,
+}
+
+/// The step that failed and why; later steps were not run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Failure {
+    pub step: String,
+    pub error: String,
+}
+
+/// What one Kubernetes run did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KubeReport {
+    pub from: Option<String>,
+    pub to: String,
+    /// Why nothing was changed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+    /// Steps this run carried out, in order.
+    pub done: Vec<String>,
+    /// Steps the cluster showed done already.
+    pub already_done: usize,
+    pub failed: Option<Failure>,
+    /// Steps not reached because of the failure.
+    pub not_run: Vec<String>,
+    /// Manifest objects applied.
+    pub applied: Vec<String>,
+    /// `--skip-api-check`, pre-pulls Talos did not offer.
+    pub notes: Vec<String>,
+}
+
+impl KubeReport {
+    pub fn ending(&self) -> Ending {
+        if let Some(r) = &self.refused {
+            return Ending::Failed(r.clone());
+        }
+        match &self.failed {
+            None => Ending::Ok,
+            Some(f) if self.done.is_empty() => Ending::Failed(format!("{}: {}", f.step, f.error)),
+            Some(f) => Ending::Partial(format!(
+                "{}: {}; done: {}; not run: {}",
+                f.step,
+                f.error,
+                self.done.join(", "),
+                self.not_run.len()
+            )),
+        }
+    }
+}
+
+/// The rendered config of `node` with its Kubernetes images at `pins`.
+fn config_at(node: &PlannedNode, pins: &BTreeMap<Component, String>) -> Result<Vec<u8>, String> {
+    with_versions(&node.config, pins)
+        .map_err(|e| format!("{}: rendering the config: {e}", node.name))
+}
+
+/// The plan with each node's config pinned to the Kubernetes versions it
+/// runs, so a Talos upgrade's or `apply`'s config push leaves Kubernetes
+/// alone (it moves in `upgrade`'s Kubernetes part, in order). A node that
+/// runs the target everywhere keeps its rendered config as it is.
+pub fn pin_running(plan: &mut Plan, seen: &ClusterSeen, to: &str) -> Result<(), String> {
+    let from = cluster_version(seen);
+    let to = version_tag(to);
+    for node in &mut plan.nodes {
+        if let Some(n) = seen.nodes.iter().find(|s| s.node == node.name) {
+            let pins = pins(n, from.as_deref(), &to);
+            if pins.values().any(|v| *v != to) {
+                node.config = config_at(node, &pins)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Polls `check` until it says done, at most `timeout`; its last answer
+/// names what was still missing.
+fn wait_until(
+    timeout: Duration,
+    poll: Duration,
+    mut check: impl FnMut() -> Result<(), String>,
+) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match check() {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if Instant::now() + poll > deadline {
+            return Err(format!("not done within {timeout:?}: {last}"));
+        }
+        std::thread::sleep(poll);
+    }
+}
+
+/// Whether a DaemonSet or Deployment has rolled its template out
+/// (kubectl `rollout status`: the controller saw the generation, and every
+/// replica is updated).
+pub fn rolled_out(obj: &Value) -> Result<(), String> {
+    let status = &obj["status"];
+    let observed = status["observedGeneration"].as_i64().unwrap_or(-1);
+    let generation = obj["metadata"]["generation"].as_i64().unwrap_or(0);
+    if observed < generation {
+        return Err("the controller has not seen the change yet".into());
+    }
+    let (updated, wanted) = match obj["kind"].as_str() {
+        Some("DaemonSet") => (
+            status["updatedNumberScheduled"].as_i64().unwrap_or(0),
+            status["desiredNumberScheduled"].as_i64().unwrap_or(0),
+        ),
+        _ => (
+            status["updatedReplicas"].as_i64().unwrap_or(0),
+            obj["spec"]["replicas"].as_i64().unwrap_or(1),
+        ),
+    };
+    if updated < wanted {
+        return Err(format!("{updated} of {wanted} updated"));
+    }
+    Ok(())
+}
+
+struct Runner<'a> {
+    plan: &'a Plan,
+    opts: &'a Options,
+    run: &'a RunOptions,
+    rt: tokio::runtime::Runtime,
+    kube: Kube,
+    pins: BTreeMap<String, BTreeMap<Component, String>>,
+    notes: Vec<String>,
+    applied: Vec<String>,
+}
+
+impl Runner<'_> {
+    fn node(&self, name: &str) -> Result<&PlannedNode, String> {
+        self.plan
+            .nodes
+            .iter()
+            .find(|n| n.name == name)
+            .ok_or_else(|| format!("{name} is not in the inventory"))
+    }
+
+    fn connect(&self, node: &PlannedNode, timeout: Duration) -> Result<NodeClient, String> {
+        let mode = Mode::Mtls(self.plan.identity.clone());
+        self.rt
+            .block_on(NodeClient::connect(&node.endpoint, &mode, timeout))
+            .map_err(|e| one_line(&e.to_string()))
+    }
+
+    fn pre_pull(&mut self, name: &str, images: &[String]) -> Result<(), String> {
+        let node = self.node(name)?;
+        let conn = self.connect(node, self.run.pull_timeout)?;
+        let kubelet = images_of(&node.config)
+            .remove(&Component::Kubelet)
+            .map(|k| retag(&k, ""));
+        for image in images {
+            // The kubelet runs in the system containerd, pods in the CRI one.
+            let ns = if kubelet.as_deref() == Some(retag(image, "").as_str()) {
+                ContainerdNamespace::NsSystem
+            } else {
+                ContainerdNamespace::NsCri
+            };
+            match self.rt.block_on(conn.pull_into(image, ns)) {
+                Ok(_) => {}
+                Err(e) if e.code() == Some(tonic::Code::Unimplemented) => {
+                    self.notes.push(format!(
+                        "{name}: Talos does not offer ImageService: not pre-pulled"
+                    ));
+                    return Ok(());
+                }
+                Err(e) => return Err(format!("pulling {image}: {}", one_line(&e.to_string()))),
+            }
+        }
+        Ok(())
+    }
+
+    fn component(&mut self, name: &str, c: Component, to: &str) -> Result<(), String> {
+        let node = self.node(name)?.clone();
+        let pins = self.pins.entry(name.to_owned()).or_default();
+        pins.insert(c, to.to_owned());
+        let config = config_at(&node, pins)?;
+        let conn = self.connect(&node, self.opts.call_timeout)?;
+        self.rt
+            .block_on(conn.apply_mode(config, ApplyMode::NoReboot, false))
+            .map_err(|e| format!("ApplyConfiguration: {}", one_line(&e.to_string())))?;
+        let (kube, poll) = (&self.kube, self.opts.poll);
+        match c {
+            Component::KubeProxy => Ok(()),
+            Component::Kubelet => wait_until(self.run.component_timeout, poll, || {
+                let nodes = kube.get_some("/api/v1/nodes").map_err(|e| e.to_string())?;
+                let seen = kubelet_seen(&nodes, &node).ok_or("its Node is not registered")?;
+                match seen.version.as_deref() {
+                    Some(v) if v == to && seen.ready => Ok(()),
+                    Some(v) if v == to => Err(format!("the Node reports {v}, not Ready")),
+                    v => Err(format!("the Node reports kubelet {}", v.unwrap_or("?"))),
+                }
+            }),
+            _ => wait_until(self.run.component_timeout, poll, || {
+                let pods = pods_of(kube, c)?;
+                let pod = pod_on(&pods, &node).ok_or("no mirror pod")?;
+                let seen = pod_seen(pod);
+                match seen.version.as_deref() {
+                    Some(v) if v == to && seen.ready => Ok(()),
+                    Some(v) if v == to => Err(format!("the pod runs {v}, not Ready")),
+                    v => Err(format!("the pod runs {}", v.unwrap_or("?"))),
+                }
+            }),
+        }
+    }
+
+    /// The manifest objects of the first control plane that answers.
+    fn manifests(&self) -> Result<Vec<Value>, String> {
+        let mut last = "no control plane".to_owned();
+        for cp in self
+            .plan
+            .nodes
+            .iter()
+            .filter(|n| n.role == Role::Controlplane)
+        {
+            let read = self.connect(cp, self.opts.call_timeout).and_then(|c| {
+                self.rt
+                    .block_on(c.cosi_list(MANIFESTS.0, MANIFESTS.1))
+                    .map_err(|e| one_line(&e.to_string()))
+            });
+            match read {
+                Ok(list) => {
+                    return Ok(list.iter().flat_map(|(_, y)| manifest_objects(y)).collect());
+                }
+                Err(e) => last = format!("{}: {e}", cp.name),
+            }
+        }
+        Err(format!("reading the bootstrap manifests: {last}"))
+    }
+
+    fn sync(&mut self) -> Result<(), String> {
+        let objects = self.manifests()?;
+        let mut discovery = BTreeMap::new();
+        let mut rollouts = Vec::new();
+        for o in &objects {
+            let name = object_name(o);
+            let res = self
+                .kube
+                .resource_of(o, &mut discovery)
+                .map_err(|e| e.to_string())?;
+            let path = object_path(&res, o);
+            let live = self.kube.get(&path).map_err(|e| e.to_string())?;
+            if live.as_ref().is_some_and(|l| contains(l, o)) {
+                continue;
+            }
+            self.kube
+                .apply(&path, o)
+                .map_err(|e| format!("applying {name}: {e}"))?;
+            self.applied.push(name);
+            if matches!(o["kind"].as_str(), Some("DaemonSet" | "Deployment")) {
+                rollouts.push(path);
+            }
+        }
+        let kube = &self.kube;
+        for path in rollouts {
+            wait_until(self.run.component_timeout, self.opts.poll, || {
+                rolled_out(&kube.get_some(&path).map_err(|e| e.to_string())?)
+                    .map_err(|e| format!("{path}: {e}"))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs every step of `kplan` not done; nothing when it refuses.
+/// `progress` hears each step as it starts and ends. Blocking.
+pub fn execute(
+    plan: &Plan,
+    kplan: &KubePlan,
+    seen: &ClusterSeen,
+    opts: &Options,
+    run: &RunOptions,
+    progress: &dyn Fn(&str),
+) -> KubeReport {
+    let mut report = KubeReport {
+        from: kplan.from.clone(),
+        to: kplan.to.clone(),
+        notes: kplan.notes.clone(),
+        already_done: kplan.steps.iter().filter(|s| s.done).count(),
+        ..KubeReport::default()
+    };
+    if let Some(r) = &kplan.refusal {
+        report.refused = Some(r.clone());
+        return report;
+    }
+    let todo: Vec<&Step> = kplan
+        .steps
+        .iter()
+        .filter(|s| !s.done)
+        .map(|s| &s.step)
+        .collect();
+    if todo.is_empty() {
+        return report;
+    }
+    let setup = || -> Result<Runner<'_>, String> {
+        Ok(Runner {
+            plan,
+            opts,
+            run,
+            rt: tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?,
+            kube: Kube {
+                kc: kubeconfig(plan)?,
+                timeout: opts.call_timeout,
+            },
+            pins: ordered(plan)
+                .iter()
+                .filter_map(|n| seen.nodes.iter().find(|s| s.node == n.name))
+                .map(|s| (s.node.clone(), pins(s, kplan.from.as_deref(), &kplan.to)))
+                .collect(),
+            notes: Vec::new(),
+            applied: Vec::new(),
+        })
+    };
+    let mut runner = match setup() {
+        Ok(r) => r,
+        Err(error) => {
+            report.failed = Some(Failure {
+                step: "starting".into(),
+                error,
+            });
+            report.not_run = todo.iter().map(|s| s.describe()).collect();
+            return report;
+        }
+    };
+    let mut rest = todo.into_iter();
+    for step in rest.by_ref() {
+        let what = step.describe();
+        progress(&what);
+        let result = match step {
+            Step::PrePull { node, images } => runner.pre_pull(node, images),
+            Step::Component {
+                node,
+                component,
+                to,
+                ..
+            } => runner.component(node, *component, to),
+            Step::SyncManifests { .. } => runner.sync(),
+        };
+        match result {
+            Ok(()) => {
+                progress(&format!("done: {what}"));
+                report.done.push(what);
+            }
+            Err(error) => {
+                report.failed = Some(Failure { step: what, error });
+                break;
+            }
+        }
+    }
+    report.not_run = rest.map(Step::describe).collect();
+    report.notes.extend(runner.notes);
+    report.applied = runner.applied;
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_rollout_is_over_when_every_replica_is_updated() {
+        let ds = |obs: i64, upd: i64| {
+            json!({"kind": "DaemonSet", "metadata": {"generation": 2},
+                "status": {"observedGeneration": obs, "updatedNumberScheduled": upd, "desiredNumberScheduled": 5}})
+        };
+        assert!(rolled_out(&ds(1, 5)).is_err(), "generation not seen");
+        assert_eq!(rolled_out(&ds(2, 3)).unwrap_err(), "3 of 5 updated");
+        assert_eq!(rolled_out(&ds(2, 5)), Ok(()));
+        let dep = json!({"kind": "Deployment", "metadata": {"generation": 1},
+            "spec": {"replicas": 2}, "status": {"observedGeneration": 1, "updatedReplicas": 2}});
+        assert_eq!(rolled_out(&dep), Ok(()));
+        assert!(rolled_out(&json!({"kind": "Deployment", "metadata": {"generation": 1}})).is_err());
+    }
+
+    #[test]
+    fn the_ending_says_what_was_done_before_a_failure() {
+        let mut r = KubeReport::default();
+        assert_eq!(r.ending(), Ending::Ok);
+        r.failed = Some(Failure {
+            step: "cp-02: kube-apiserver".into(),
+            error: "boom".into(),
+        });
+        assert!(matches!(r.ending(), Ending::Failed(m) if m.contains("cp-02")));
+        r.done.push("cp-01: kube-apiserver".into());
+        assert!(matches!(r.ending(), Ending::Partial(m) if m.contains("done: cp-01")));
+        r.refused = Some("too new".into());
+        assert!(matches!(r.ending(), Ending::Failed(m) if m == "too new"));
+    }
+}
