@@ -6,10 +6,14 @@
 
 pub mod tls;
 
-use reqwest::blocking::{Client, RequestBuilder, Response};
+mod body;
+
+use reqwest::blocking::{Client, RequestBuilder};
 use reqwest::header;
 use std::io::Read;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
+
+pub use body::{Response, Stalled};
 
 pub use tls::{ClientIdentity, Trust};
 
@@ -145,7 +149,10 @@ pub struct HttpOptions {
     pub trust: Trust,
     pub identity: Option<ClientIdentity>,
     pub connect_timeout: Duration,
-    /// Longest wait for any read or write (a silent server).
+    /// The stall timeout: the longest wait for the response headers or
+    /// for any piece of a body (a silent server). A body that delivers
+    /// less than [`body::TRICKLE_FLOOR`] bytes in this long is cut off too
+    /// (see [`Response`]).
     pub timeout: Duration,
     /// Keep idle connections for the next request. Off for downloads: a
     /// retry after a broken body must not reuse the broken connection.
@@ -158,7 +165,7 @@ impl Default for HttpOptions {
             trust: Trust::System,
             identity: None,
             connect_timeout: Duration::from_secs(10),
-            timeout: Duration::from_secs(60),
+            timeout: stall_timeout(Duration::from_secs(60)),
             reuse_connections: true,
         }
     }
@@ -192,8 +199,16 @@ fn build_error(e: reqwest::Error) -> NetError {
 /// A blocking client with imgbuild's User-Agent, the environment's proxies
 /// (`HTTPS_PROXY`, `NO_PROXY`, … as reqwest reads them) and `opts`' TLS.
 /// Blocking: build and use it off the async runtime.
+///
+/// Built from the async builder, since only that one has a read timeout
+/// (reset by every piece of the body, so a stalled body is cut after
+/// `opts.timeout` whatever the request's total deadline). Its timer is
+/// made while the body is read, on the reading thread: [`Response`] lends
+/// that thread a timer runtime, so read bodies only through it (the bare
+/// `RequestBuilder::send` is banned in clippy.toml).
 pub fn http_client(opts: &HttpOptions) -> Result<Client, NetError> {
-    configure!(Client::builder(), opts)
+    let builder = configure!(reqwest::Client::builder(), opts).read_timeout(opts.timeout);
+    reqwest::blocking::ClientBuilder::from(builder)
         .timeout(opts.timeout)
         .build()
         .map_err(build_error)
@@ -264,15 +279,26 @@ pub async fn read_limited_async(
 }
 
 /// The longest any request may take, from connecting to the body's last
-/// byte, unless its caller set another (downloads do): a server that
-/// trickles a byte every few seconds would otherwise hold a build for
-/// hours, since the client's timeout bounds each read. 10 minutes, or
+/// byte, unless its caller set another (downloads do). 10 minutes, or
 /// `IMGBUILD_REQUEST_DEADLINE_SECS`.
 pub fn request_deadline() -> Duration {
-    std::env::var("IMGBUILD_REQUEST_DEADLINE_SECS")
+    secs_from_env("IMGBUILD_REQUEST_DEADLINE_SECS").unwrap_or(Duration::from_secs(600))
+}
+
+/// The stall timeout API clients use (see [`HttpOptions::timeout`]):
+/// `default`, or `IMGBUILD_READ_TIMEOUT_SECS` (the environment twin of
+/// the download commands' `--read-timeout-secs`).
+pub fn stall_timeout(default: Duration) -> Duration {
+    secs_from_env("IMGBUILD_READ_TIMEOUT_SECS").unwrap_or(default)
+}
+
+/// A whole number of seconds above zero from the environment variable `name`.
+fn secs_from_env(name: &str) -> Option<Duration> {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.trim().parse().ok())
-        .map_or(Duration::from_secs(600), Duration::from_secs)
+        .filter(|&s| s > 0)
+        .map(Duration::from_secs)
 }
 
 /// The credentials a request carries, to be cut out of anything a server
@@ -429,13 +455,16 @@ impl RetryPolicy {
 pub fn send_once(make: RequestBuilder) -> Result<Response, NetError> {
     let (client, req) = make.build_split();
     let mut req = req.map_err(unbuildable)?;
-    req.timeout_mut().get_or_insert_with(request_deadline);
+    let total = *req.timeout_mut().get_or_insert_with(request_deadline);
     let method = req.method().to_string();
     let url = display_url(req.url());
     let sent = credentials(req.headers());
+    let started = Instant::now();
+    #[allow(clippy::disallowed_methods)] // the one place: wrapped just below
     let resp = client
         .execute(req)
         .map_err(|e| transfer_error(&method, &url, e))?;
+    let resp = Response::new(resp, started + total);
     if resp.status().is_success() {
         Ok(resp)
     } else {
@@ -472,7 +501,7 @@ pub fn send(
 pub fn read_limited(resp: Response, limit: u64) -> Result<Vec<u8>, NetError> {
     // The response does not know its request method; say what was done.
     let method = "reading the reply of".to_owned();
-    let url = display_url(resp.url());
+    let url = resp.shown_url().to_owned();
     let mut body = Vec::new();
     resp.take(limit + 1)
         .read_to_end(&mut body)

@@ -300,7 +300,7 @@ fn the_right_pin_is_accepted_in_both_spellings() {
     let srv = tls_server();
     for pin in [srv.fingerprint.colons(), srv.fingerprint.hex()] {
         let resp = send_once(pinned_client(&pin).get(&srv.url)).unwrap();
-        assert_eq!(resp.text().unwrap(), "pinned", "pin {pin}");
+        assert_eq!(read_limited(resp, 100).unwrap(), b"pinned", "pin {pin}");
     }
     // Lowercase with colons, as some users paste it.
     let lower = srv.fingerprint.colons().to_lowercase();
@@ -406,6 +406,90 @@ fn a_trickling_body_ends_at_the_deadline() {
     let resp = send_once(client.get(&url).timeout(Duration::from_secs(1))).unwrap();
     let err = read_limited(resp, 1000).unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(5), "{err}");
+    assert!(err.to_string().contains("deadline passed"), "{err}");
+}
+
+/// A loopback server whose one connection, after the request head, is
+/// handed to `answer`; the URL to reach it.
+fn one_connection(answer: impl FnOnce(std::net::TcpStream) + Send + 'static) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/reply", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let Ok((mut conn, _)) = listener.accept() else {
+            return;
+        };
+        let _ = read_request(&mut conn);
+        answer(conn);
+    });
+    url
+}
+
+fn stall_after(secs: u64) -> Client {
+    http_client(&HttpOptions {
+        timeout: Duration::from_secs(secs),
+        ..HttpOptions::default()
+    })
+    .unwrap()
+}
+
+/// Holds a connection open, silent, for longer than any test waits.
+fn hold(conn: std::net::TcpStream) {
+    std::thread::sleep(Duration::from_secs(120));
+    drop(conn);
+}
+
+#[test]
+fn a_body_that_stalls_after_its_headers_is_cut_at_the_stall_timeout() {
+    let url = one_connection(|mut conn| {
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nfirst");
+        hold(conn);
+    });
+    let started = std::time::Instant::now();
+    let resp = send_once(stall_after(1).get(&url)).unwrap();
+    let err = read_limited(resp, 1000).unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+    assert!(err.contains("the server sent nothing for"), "{err}");
+    assert!(err.contains(&url), "{err}");
+}
+
+#[test]
+fn a_server_silent_after_the_request_is_cut_at_the_stall_timeout() {
+    let url = one_connection(hold);
+    let started = std::time::Instant::now();
+    let err = send_once(stall_after(1).get(&url)).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+    assert!(matches!(err, NetError::Transfer { .. }), "{err}");
+    assert!(err.to_string().contains("timed out"), "{err}");
+}
+
+#[test]
+fn a_body_trickling_in_time_is_cut_after_a_stall_window() {
+    let url = one_connection(|mut conn| {
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n");
+        // A byte every 300 ms: each read gets one well within the timeout.
+        while conn.write_all(b"x").is_ok() {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let started = std::time::Instant::now();
+    let resp = send_once(stall_after(2).get(&url))
+        .unwrap()
+        .with_stall(Duration::from_secs(2));
+    let err = read_limited(resp, 1 << 20).unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+    assert!(err.contains("the server sent only"), "{err}");
+}
+
+#[test]
+fn an_endless_blocking_reply_is_refused_at_its_limit() {
+    let url = one_connection(|mut conn| {
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
+        let chunk = format!("10000\r\n{}\r\n", "z".repeat(0x10000));
+        while conn.write_all(chunk.as_bytes()).is_ok() {}
+    });
+    let resp = send_once(stall_after(2).get(&url)).unwrap();
+    let err = read_limited(resp, 1 << 20).unwrap_err();
+    assert!(matches!(err, NetError::TooLarge { .. }), "{err}");
 }
 
 #[test]

@@ -31,7 +31,7 @@ impl Api {
     pub(super) fn new(creds: &Credentials, retry: RetryPolicy) -> Result<Api, ProxmoxError> {
         let opts = net::HttpOptions {
             trust: creds.trust.clone(),
-            timeout: Duration::from_secs(300),
+            timeout: net::stall_timeout(Duration::from_secs(300)),
             ..net::HttpOptions::default()
         };
         let client = net::http_client(&opts)?;
