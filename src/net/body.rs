@@ -27,7 +27,7 @@ pub enum Stalled {
     Deadline,
 }
 
-/// A blocking response from [`super::send_once`]. Reads go through here
+/// A blocking response from `net::send_once`. Reads go through here
 /// only: reqwest's read timeout makes its timer on the reading thread,
 /// and panics there without a runtime.
 pub struct Response {
@@ -87,12 +87,19 @@ impl std::fmt::Debug for Response {
 }
 
 impl Response {
-    pub(super) fn new(inner: reqwest::blocking::Response, deadline: Instant) -> Response {
+    /// `inner`, shown as `url`, its request over at `deadline`, its trickle
+    /// window `stall`.
+    pub(super) fn new(
+        inner: reqwest::blocking::Response,
+        url: String,
+        deadline: Instant,
+        stall: Duration,
+    ) -> Response {
         Response {
-            url: super::display_url(inner.url()),
             inner,
+            url,
             deadline,
-            window: Window::new(super::stall_timeout(Duration::from_secs(60))),
+            window: Window::new(stall),
         }
     }
 

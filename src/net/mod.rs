@@ -464,7 +464,9 @@ pub fn send_once(make: RequestBuilder) -> Result<Response, NetError> {
     let resp = client
         .execute(req)
         .map_err(|e| transfer_error(&method, &url, e))?;
-    let resp = Response::new(resp, started + total);
+    let stall = stall_timeout(Duration::from_secs(60));
+    let shown = display_url(resp.url()); // where any redirect led
+    let resp = Response::new(resp, shown, started + total, stall);
     if resp.status().is_success() {
         Ok(resp)
     } else {
