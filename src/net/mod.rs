@@ -215,11 +215,13 @@ pub fn http_client(opts: &HttpOptions) -> Result<Client, NetError> {
 }
 
 /// The same client for async use: large streamed request bodies (uploads),
-/// whose chunks the blocking client cuts to 8 KiB. `opts.timeout` bounds
-/// each read, not the whole transfer.
+/// whose chunks the blocking client cuts to 8 KiB. Without reqwest's read
+/// timeout, which runs from the request's start to the reply's headers and
+/// so would cut any upload longer than it: the request's own deadline
+/// bounds the upload, and [`read_limited_async`] gives each piece of the
+/// reply the stall timeout.
 pub fn async_http_client(opts: &HttpOptions) -> Result<reqwest::Client, NetError> {
     configure!(reqwest::Client::builder(), opts)
-        .read_timeout(opts.timeout)
         .build()
         .map_err(build_error)
 }
@@ -241,29 +243,37 @@ pub async fn send_once_async(make: reqwest::RequestBuilder) -> Result<reqwest::R
         return Ok(resp);
     }
     let (status, headers) = (resp.status(), resp.headers().clone());
-    let body = read_limited_async(resp, ERROR_BODY_KEEP, true)
+    let stall = stall_timeout(Duration::from_secs(60));
+    let body = read_limited_async(resp, ERROR_BODY_KEEP, true, stall)
         .await
         .unwrap_or_default();
     Err(status_error(&method, &url, status, &headers, &body, &sent))
 }
 
 /// The async twin of [`read_limited`]; `cut` keeps the first `limit` bytes
-/// of a longer body instead of refusing it (error bodies).
+/// of a longer body instead of refusing it (error bodies). A piece of the
+/// body that takes longer than `stall` ends it.
 pub async fn read_limited_async(
     mut resp: reqwest::Response,
     limit: u64,
     cut: bool,
+    stall: Duration,
 ) -> Result<Vec<u8>, NetError> {
     let method = "reading the reply of".to_owned();
     let url = display_url(resp.url());
+    let failed = |message: String| NetError::Transfer {
+        method: method.clone(),
+        url: url.clone(),
+        message,
+        before_sending: false,
+    };
     let mut body = Vec::new();
     loop {
-        let chunk = resp.chunk().await.map_err(|e| NetError::Transfer {
-            method: method.clone(),
-            url: url.clone(),
-            message: request_error(e),
-            before_sending: false,
-        })?;
+        let waited = Instant::now();
+        let chunk = tokio::time::timeout(stall, resp.chunk())
+            .await
+            .map_err(|_| failed(Stalled::Silent(waited.elapsed()).to_string()))?
+            .map_err(|e| failed(request_error(e)))?;
         let Some(chunk) = chunk else {
             return Ok(body);
         };

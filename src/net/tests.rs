@@ -513,7 +513,7 @@ fn an_endless_async_reply_is_refused_at_its_limit() {
         .block_on(async {
             let client = async_http_client(&HttpOptions::default()).unwrap();
             let resp = send_once_async(client.get(&url)).await.unwrap();
-            read_limited_async(resp, 1 << 20, false).await
+            read_limited_async(resp, 1 << 20, false, Duration::from_secs(5)).await
         })
         .unwrap_err();
     assert!(matches!(err, NetError::TooLarge { .. }), "{err}");
@@ -563,4 +563,75 @@ fn base_urls_with_secrets_are_refused_without_quoting_them() {
         assert_eq!(e, want, "{bad}");
         assert!(!e.to_string().contains("PASSMARK"), "{e}");
     }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn an_upload_longer_than_the_stall_timeout_completes() {
+    const SIZE: usize = 12 << 20;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/upload", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let Ok((mut conn, _)) = listener.accept() else {
+            return;
+        };
+        let mut reader = BufReader::new(conn.try_clone().unwrap());
+        let mut line = String::new();
+        while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+            line.clear();
+        }
+        // The body at about 4 MiB/s: some 3 s for 12 MiB, three stall
+        // timeouts, each piece well within one.
+        let (mut buf, mut got) = (vec![0; 64 << 10], 0);
+        while got < SIZE {
+            match reader.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got += n,
+            }
+            std::thread::sleep(Duration::from_millis(15));
+        }
+        let body = got.to_string();
+        let _ = write!(
+            conn,
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+    });
+    let reply = runtime().block_on(async {
+        let client = async_http_client(&HttpOptions {
+            timeout: Duration::from_secs(1),
+            ..HttpOptions::default()
+        })
+        .unwrap();
+        let resp = send_once_async(client.post(&url).body(vec![7u8; SIZE]))
+            .await
+            .unwrap();
+        read_limited_async(resp, 100, false, Duration::from_secs(1)).await
+    });
+    assert_eq!(reply.unwrap(), SIZE.to_string().as_bytes());
+}
+
+#[test]
+fn an_async_reply_that_stalls_is_cut_at_the_stall_timeout() {
+    let url = one_connection(|mut conn| {
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{");
+        hold(conn);
+    });
+    let started = std::time::Instant::now();
+    let err = runtime()
+        .block_on(async {
+            let client = async_http_client(&HttpOptions::default()).unwrap();
+            let resp = send_once_async(client.get(&url)).await.unwrap();
+            read_limited_async(resp, 1000, false, Duration::from_secs(1)).await
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+    assert!(err.contains("the server sent nothing for"), "{err}");
 }
