@@ -427,9 +427,9 @@ fn du(dir: &std::path::Path) -> u64 {
 
 #[test]
 fn an_endless_kernel_stops_at_the_kernel_bound() {
-    let c = case();
-    let url = factory(|path, conn| {
-        if path.ends_with("/kernel-amd64") {
+    let limit = Duration::from_secs(20);
+    let (c, ran) = pxe_kernel(
+        |conn| {
             // No length, a bzImage's "HdrS" at 0x202, then zeros for ever
             // (until imgbuild hangs up).
             let _ = write!(conn, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n");
@@ -438,14 +438,7 @@ fn an_endless_kernel_stops_at_the_kernel_bound() {
             let _ = conn.write_all(&head);
             let chunk = vec![0x90u8; 1 << 16];
             while conn.write_all(&chunk).is_ok() {}
-        } else {
-            reply(conn, "404 Not Found", b"");
-        }
-    });
-    let limit = Duration::from_secs(20);
-    let ran = pxe(
-        &c,
-        &url,
+        },
         &["--max-kernel-mib", "8", "--retries", "0"],
         limit,
     );
@@ -631,9 +624,8 @@ fn trickle(conn: &mut TcpStream, length: u64, every: Duration) {
     }
 }
 
-/// `pxe` from a factory whose kernel download is `kernel`, with a stall
-/// timeout of 2 s and no retries; refused naming `names` and the URL.
-fn stalled_kernel(kernel: fn(&mut TcpStream), names: &str) {
+/// `pxe` (with `extra`) from a factory whose kernel download is `kernel`.
+fn pxe_kernel(kernel: fn(&mut TcpStream), extra: &[&str], limit: Duration) -> (Case, Ran) {
     let c = case();
     let url = factory(move |path, conn| {
         if path.ends_with("/kernel-amd64") {
@@ -642,13 +634,16 @@ fn stalled_kernel(kernel: fn(&mut TcpStream), names: &str) {
             reply(conn, "404 Not Found", b"");
         }
     });
+    let ran = pxe(&c, &url, extra, limit);
+    (c, ran)
+}
+
+/// [`pxe_kernel`] with a stall timeout of 2 s and no retries: refused
+/// naming `names` and the URL.
+fn stalled_kernel(kernel: fn(&mut TcpStream), names: &str) {
     let limit = Duration::from_secs(30);
-    let ran = pxe(
-        &c,
-        &url,
-        &["--read-timeout-secs", "2", "--retries", "0"],
-        limit,
-    );
+    let extra = ["--read-timeout-secs", "2", "--retries", "0"];
+    let (c, ran) = pxe_kernel(kernel, &extra, limit);
     refused(&c, &ran, names, limit);
     assert!(ran.all().contains("/kernel-amd64"), "{}", ran.all());
 }

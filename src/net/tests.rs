@@ -384,15 +384,24 @@ fn a_redirect_imgbuild_cannot_follow_says_where_it_leads() {
     );
 }
 
-#[test]
-fn a_trickling_body_ends_at_the_deadline() {
+/// A loopback server whose one connection, after the request head, is
+/// handed to `answer`; the URL to reach it.
+fn one_connection(answer: impl FnOnce(std::net::TcpStream) + Send + 'static) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
+    let url = format!("http://{}/reply", listener.local_addr().unwrap());
     std::thread::spawn(move || {
         let Ok((mut conn, _)) = listener.accept() else {
             return;
         };
         let _ = read_request(&mut conn);
+        answer(conn);
+    });
+    url
+}
+
+#[test]
+fn a_trickling_body_ends_at_the_deadline() {
+    let url = one_connection(|mut conn| {
         let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n");
         for _ in 0..100 {
             if conn.write_all(b"x").is_err() {
@@ -407,21 +416,6 @@ fn a_trickling_body_ends_at_the_deadline() {
     let err = read_limited(resp, 1000).unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(5), "{err}");
     assert!(err.to_string().contains("deadline passed"), "{err}");
-}
-
-/// A loopback server whose one connection, after the request head, is
-/// handed to `answer`; the URL to reach it.
-fn one_connection(answer: impl FnOnce(std::net::TcpStream) + Send + 'static) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}/reply", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        let Ok((mut conn, _)) = listener.accept() else {
-            return;
-        };
-        let _ = read_request(&mut conn);
-        answer(conn);
-    });
-    url
 }
 
 fn stall_after(secs: u64) -> Client {
