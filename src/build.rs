@@ -423,8 +423,11 @@ pub fn build(
                 Err(f) => failed.push(f),
             }
         }
-        // Record what did succeed, even when another node failed.
-        Manifest::record(&opts.out_dir, images)?;
+        // Record what did succeed, even when another node failed; when
+        // nothing did, the manifest (or its absence) stays as it was.
+        if !images.is_empty() {
+            Manifest::record(&opts.out_dir, images)?;
+        }
     }
     let built: Vec<BuildOutcome> = plans
         .iter()

@@ -340,6 +340,11 @@ impl Converter<'_> {
         Ok(match Self::open_sops(text, path)? {
             Ok(plain) => Some(plain),
             Err(reason) => {
+                // The entry names the file; its reason need not again.
+                let named = format!("{}: ", path.display());
+                let reason = reason
+                    .strip_prefix(&named)
+                    .map_or(reason.clone(), str::to_owned);
                 self.skipped.push(Skipped {
                     file: path.to_owned(),
                     line: None,

@@ -238,6 +238,11 @@ fn fails_cleanly(misbehave: &[&str], extra: &[&str], want: &[&str]) {
         Vec::<PathBuf>::new(),
         "{misbehave:?}: out not clean"
     );
+    // Every node failed: no manifest (an empty one would say "built").
+    assert!(
+        !work.out().join("manifest.json").exists(),
+        "{misbehave:?}: a manifest was written"
+    );
 }
 
 #[test]

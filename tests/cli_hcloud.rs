@@ -403,6 +403,66 @@ fn the_next_publish_removes_what_a_killed_run_left() {
 }
 
 #[test]
+fn the_next_publish_removes_another_machines_stale_run_and_nothing_without_imgbuilds_labels() {
+    let sim = Sim::start_with(&[], 128, &[]);
+    let hc = Hc::start(&[]);
+    let server = |name: &str, labels: Value| {
+        let (status, _, v) = hc.call(
+            "POST",
+            "/servers",
+            Some(serde_json::json!({
+                "name": name, "server_type": "cx23", "image": "debian-13",
+                "location": "fsn1", "labels": labels
+            })),
+        );
+        assert_eq!(status, 201, "{v}");
+    };
+    let run = |run: &str, started: u64| {
+        serde_json::json!({
+            "managed-by": "imgbuild", "imgbuild-run": run,
+            // Another machine's boot: its process cannot be asked.
+            "imgbuild-owner": "00000000deadbeef-4242",
+            "imgbuild-started": started.to_string(),
+        })
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // Killed on another machine a day ago: a leftover.
+    server("imgbuild-killed", run("0123456789abcdef", now - 86400));
+    // Under way on another machine: left alone.
+    server("imgbuild-running", run("fedcba9876543210", now - 60));
+    // Someone else's, old, one with a label like ours but not imgbuild's
+    // managed-by: never touched.
+    server(
+        "someone-elses",
+        serde_json::json!({"imgbuild-started": "1000000000"}),
+    );
+    server(
+        "lookalike",
+        serde_json::json!({"imgbuild-run": "0123456789abcdef", "imgbuild-started": "1000000000"}),
+    );
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let o = publish(&work, &sim, &hc, &[]).output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let (_, _, left) = hc.call("GET", "/servers", None);
+    let mut names: Vec<&str> = left["servers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["imgbuild-running", "lookalike", "someone-elses"],
+        "{left}"
+    );
+    assert_eq!(hc.stats()["sshKeys"], 0);
+}
+
+#[test]
 fn token_problems_stop_before_anything_is_built() {
     let work = Work::new(&hetzner("    location: fsn1\n"));
     let o = Run::with_config(&work.config, &["publish", "--out-dir"])

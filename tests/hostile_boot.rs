@@ -16,119 +16,53 @@ use std::process::Command;
 use std::time::Duration;
 
 mod common;
+use common::hostile::{self, Ran};
 use common::inventory::{Inventory, Node};
-use common::run::Run;
 use common::sims::Sim;
 
-const LIMIT_RSS_KIB: i64 = 64 << 10;
 const LIMIT_TIME: Duration = Duration::from_secs(10);
 
 /// What the host holds that no output may show.
 const HOST_SECRET: &str = "HOSTFILE-MARKER-do-not-show";
 
-/// One case's folders: `in` (crafted inputs), `out`, `cache` and `tmp`
-/// (where imgbuild may write), `cwd`, `home` and `outside` (which must stay
-/// as they were; `outside/host` is the host file a symlink points at).
-struct Case {
-    dir: tempfile::TempDir,
-}
+/// A case (`tests/common/hostile.rs`) with `in` (crafted inputs), `out`,
+/// `cache` and `tmp` (where imgbuild may write; `tmp` must end empty), and
+/// `outside/host`, the host file a symlink points at.
+struct Case(hostile::Case);
 
-/// How a run ended.
-struct Ran {
-    code: Option<i32>,
-    signal: Option<i32>,
-    stdout: String,
-    stderr: String,
-    rss_kib: i64,
-    took: Duration,
+impl std::ops::Deref for Case {
+    type Target = hostile::Case;
+    fn deref(&self) -> &hostile::Case {
+        &self.0
+    }
 }
 
 impl Case {
     fn new() -> Case {
-        let dir = tempfile::tempdir().unwrap();
-        for d in ["in", "out", "cache", "tmp", "cwd", "outside", "home"] {
-            std::fs::create_dir(dir.path().join(d)).unwrap();
-        }
-        std::fs::write(dir.path().join("outside/host"), HOST_SECRET).unwrap();
-        Case { dir }
-    }
-
-    fn path(&self, rel: &str) -> PathBuf {
-        self.dir.path().join(rel)
-    }
-
-    fn s(&self, rel: &str) -> String {
-        self.path(rel).to_str().unwrap().to_owned()
+        let c = hostile::Case::new(&["in", "out", "cache", "tmp"]);
+        c.write("outside/host", HOST_SECRET);
+        Case(c)
     }
 
     /// Runs imgbuild measured, in `cwd`, HOME in `home`, TMPDIR in `tmp`.
     fn run(&self, args: &[&str]) -> Ran {
-        let mut run = Run::new(args);
-        run.current_dir(&self.path("cwd"))
-            .env("HOME", self.path("home"))
-            .env("TMPDIR", self.path("tmp"))
-            .env("XDG_CACHE_HOME", self.path("home/cache"));
-        for k in ["IMGBUILD_CONFIG", "IMGBUILD_FACTORY", "TALOSCONFIG"] {
-            run.env_remove(k);
-        }
-        let m = run.measured(2 * LIMIT_TIME);
-        assert!(!m.killed, "{args:?} ran past {:?}", 2 * LIMIT_TIME);
-        let code = m.status.code().expect("GNU time exits");
-        Ran {
-            code: m.signal.is_none().then_some(code),
-            signal: m.signal,
-            stdout: m.stdout,
-            stderr: m.stderr,
-            rss_kib: m.rss_kib,
-            took: m.took,
-        }
+        self.0.run(args, LIMIT_TIME)
     }
 
-    /// The bounds every run keeps.
+    /// The bounds every run keeps; the host file never shown.
     fn bounded(&self, ran: &Ran) {
-        let all = format!("{}{}", ran.stdout, ran.stderr);
-        assert_eq!(ran.signal, None, "killed by a signal: {all}");
-        assert!(!all.contains("panicked"), "{all}");
+        self.0.bounded(ran, LIMIT_TIME);
         assert!(
-            !all.chars()
-                .any(|c| c.is_control() && c != '\n' && c != '\t'),
-            "a raw control character reached the terminal: {all:?}"
-        );
-        assert!(!all.contains(HOST_SECRET), "a host file was shown: {all}");
-        assert!(
-            ran.rss_kib < LIMIT_RSS_KIB,
-            "peak RSS {} KiB: {all}",
-            ran.rss_kib
-        );
-        assert!(ran.took < LIMIT_TIME, "took {:?}: {all}", ran.took);
-        for d in ["cwd", "home", "tmp"] {
-            let left: Vec<_> = std::fs::read_dir(self.path(d))
-                .unwrap()
-                .map(|e| e.unwrap().file_name())
-                .collect();
-            assert!(left.is_empty(), "wrote into {d}: {left:?}");
-        }
-        let outside: Vec<_> = std::fs::read_dir(self.path("outside"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(outside, ["host"], "wrote outside");
-        assert_eq!(
-            std::fs::read_to_string(self.path("outside/host")).unwrap(),
-            HOST_SECRET
+            !ran.all().contains(HOST_SECRET),
+            "a host file was shown: {}",
+            ran.all()
         );
     }
 
     /// A refused input: exit 1 or 2 naming `names`, within the bounds.
     fn refused(&self, ran: &Ran, names: &str) {
-        let all = format!("{}{}", ran.stdout, ran.stderr);
         self.bounded(ran);
-        assert!(
-            matches!(ran.code, Some(1 | 2)),
-            "exit {:?}, wanted 1 or 2: {all}",
-            ran.code
-        );
-        assert!(all.contains(names), "no mention of {names:?}: {all}");
+        self.0.refused(ran, &[1, 2], names, LIMIT_TIME);
     }
 
     /// Every file under `out`, relative, sorted.

@@ -8,63 +8,30 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 mod common;
+use common::hostile::{self, Ran};
 use common::inventory::Inventory;
 use common::root;
-use common::run::Run;
 
-const LIMIT_RSS_KIB: i64 = 64 << 10;
 const LIMIT_TIME: Duration = Duration::from_secs(10);
 
-/// One case's folders: `in` (the crafted inputs), `out` (where the command
-/// may write), `cwd` and `outside` (which must stay as they were).
-struct Case {
-    dir: tempfile::TempDir,
-}
+/// A case (`tests/common/hostile.rs`) with `in` (the crafted inputs) and
+/// `out` (where the command may write), and this file's time limit.
+struct Case(hostile::Case);
 
-/// How a run ended.
-struct Ran {
-    code: Option<i32>,
-    signal: Option<i32>,
-    stdout: String,
-    stderr: String,
-    rss_kib: i64,
-    took: Duration,
-}
-
-impl Ran {
-    fn all(&self) -> String {
-        format!("{}{}", self.stdout, self.stderr)
+impl std::ops::Deref for Case {
+    type Target = hostile::Case;
+    fn deref(&self) -> &hostile::Case {
+        &self.0
     }
 }
 
 impl Case {
     fn new() -> Case {
-        let dir = tempfile::tempdir().unwrap();
-        for d in ["in", "out", "cwd", "outside", "home"] {
-            std::fs::create_dir(dir.path().join(d)).unwrap();
-        }
-        std::fs::write(dir.path().join("outside/keep"), "untouched").unwrap();
-        Case { dir }
-    }
-
-    fn path(&self, rel: &str) -> PathBuf {
-        self.dir.path().join(rel)
-    }
-
-    fn s(&self, rel: &str) -> String {
-        self.path(rel).to_str().unwrap().to_owned()
-    }
-
-    fn write(&self, rel: &str, content: impl AsRef<[u8]>) -> String {
-        let p = self.path(rel);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(&p, content).unwrap();
-        self.s(rel)
+        Case(hostile::Case::new(&["in", "out"]))
     }
 
     /// `out/state` holding a valid secrets bundle, generated once per test
@@ -100,36 +67,12 @@ impl Case {
         self.write("in/cluster.yaml", edit(Inventory::loopback().text()))
     }
 
-    /// Runs imgbuild with `args` in `cwd`, its HOME in `home`, measured
-    /// ([`Run::measured`]); fails past twice the time limit.
+    /// Runs imgbuild with `args` and `env`, measured (see
+    /// [`hostile::Case::command`]).
     fn run(&self, args: &[&str], env: &[(&str, &str)]) -> Ran {
-        let mut run = Run::new(args);
-        run.current_dir(&self.path("cwd"))
-            .env("HOME", self.path("home"))
-            .env("XDG_CACHE_HOME", self.path("home/cache"));
-        for k in [
-            "IMGBUILD_CONFIG",
-            "TALOSCONFIG",
-            "PROXMOX_VE_ENDPOINT",
-            "PROXMOX_VE_API_TOKEN",
-            "HCLOUD_TOKEN",
-            "HCLOUD_ENDPOINT",
-        ] {
-            run.env_remove(k);
-        }
-        let m = run.envs(env.iter().copied()).measured(2 * LIMIT_TIME);
-        assert!(!m.killed, "{args:?} ran past {:?}", 2 * LIMIT_TIME);
-        let Some(code) = m.status.code() else {
-            panic!("GNU time died: {}", m.status);
-        };
-        Ran {
-            code: m.signal.is_none().then_some(code),
-            signal: m.signal,
-            stdout: m.stdout,
-            stderr: m.stderr,
-            rss_kib: m.rss_kib,
-            took: m.took,
-        }
+        let mut run = self.command(args);
+        run.envs(env.iter().copied());
+        self.measure(&mut run, LIMIT_TIME)
     }
 
     /// `imgbuild build` of the loopback example from the factory at `url`,
@@ -152,15 +95,8 @@ impl Case {
     /// Every promise for a refused input: `codes`, one message naming
     /// `names`, none of `hidden`, the bounds, and untouched folders.
     fn refused(&self, ran: &Ran, codes: &[i32], names: &str, hidden: &[&str]) {
+        self.0.refused(ran, codes, names, LIMIT_TIME);
         let all = ran.all();
-        assert_eq!(ran.signal, None, "killed by a signal: {all}");
-        assert!(
-            ran.code.is_some_and(|c| codes.contains(&c)),
-            "exit {:?}, wanted one of {codes:?}: {all}",
-            ran.code
-        );
-        self.bounded(ran);
-        assert!(all.contains(names), "no mention of {names:?}: {all}");
         let errors: Vec<&str> = ran
             .stderr
             .lines()
@@ -176,36 +112,7 @@ impl Case {
 
     /// The bounds every run keeps, accepted input or not.
     fn bounded(&self, ran: &Ran) {
-        let all = ran.all();
-        assert!(!all.contains("panicked"), "{all}");
-        assert!(
-            !all.contains('\x1b'),
-            "a raw escape reached the terminal: {all:?}"
-        );
-        assert!(
-            ran.rss_kib < LIMIT_RSS_KIB,
-            "peak RSS {} KiB: {all}",
-            ran.rss_kib
-        );
-        assert!(ran.took < LIMIT_TIME, "took {:?}: {all}", ran.took);
-        assert_eq!(
-            std::fs::read_dir(self.path("cwd")).unwrap().count(),
-            0,
-            "wrote into the working directory"
-        );
-        let home: Vec<_> = std::fs::read_dir(self.path("home"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert!(home.is_empty(), "wrote into $HOME: {home:?}");
-        let outside: Vec<_> = std::fs::read_dir(self.path("outside"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert!(
-            outside.iter().all(|n| n == "keep" || n == "shadow"),
-            "wrote outside: {outside:?}"
-        );
+        self.0.bounded(ran, LIMIT_TIME);
     }
 }
 

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 mod common;
+use common::hostile::no_raw_control;
 use common::inventory::{Inventory, Node};
 use common::run::Run;
 use common::sims::{Nodes, Sim};
@@ -44,17 +45,6 @@ fn run(dir: &Path, args: &[&str]) -> Output {
     run.output()
 }
 
-/// Fails when `bytes` hold a control character other than newline and
-/// tab (C0, DEL, C1) or a bidi override, raw.
-fn no_raw_control(what: &str, bytes: &[u8]) {
-    let s = String::from_utf8_lossy(bytes);
-    let bad = s.chars().find(|&c| {
-        (c.is_control() && c != '\n' && c != '\t')
-            || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
-    });
-    assert!(bad.is_none(), "{what}: raw {bad:?} in:\n{s:?}");
-}
-
 /// No line (of a table or a log) starts as the forged row does.
 fn no_forged_row(what: &str, bytes: &[u8]) {
     let s = text(bytes);
@@ -72,7 +62,7 @@ fn clean(what: &str, o: &Output) {
         text(&o.stderr)
     );
     for (stream, bytes) in [("stdout", &o.stdout), ("stderr", &o.stderr)] {
-        no_raw_control(&format!("{what} {stream}"), bytes);
+        no_raw_control(&format!("{what} {stream}"), &text(bytes));
         no_forged_row(&format!("{what} {stream}"), bytes);
     }
 }
@@ -251,6 +241,14 @@ fn a_full_or_closed_stderr_never_panics_and_keeps_the_exit_code() {
     assert!(text(&o.stderr).contains("writing to stdout"), "{o:?}");
     let o = with_streams(&["completions", "bash"], "full", "full");
     assert_eq!(o.status.code(), Some(1), "{o:?}");
+    // Help and version too: clap's own printing would say 0.
+    for flag in ["--help", "--version", "-h", "-V"] {
+        let o = with_streams(&[flag], "full", "");
+        assert_eq!(o.status.code(), Some(1), "{flag} >/dev/full: {o:?}");
+        let o = with_streams(&[flag], "", "");
+        assert_eq!(o.status.code(), Some(0), "{flag}: {o:?}");
+        assert!(text(&o.stdout).contains("imgbuild"), "{flag}: {o:?}");
+    }
 }
 
 #[test]

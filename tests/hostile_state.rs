@@ -9,17 +9,17 @@
 //! character in the output. The node cases model Talos v1.11 (the node
 //! simulator's `nodes` mode).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 mod common;
+use common::hostile::{self, Ran};
 use common::inventory::Inventory;
-use common::run::{Measured, Run};
+use common::run::Run;
 use common::sims::{Nodes, Sim};
 use common::text;
 
-const LIMIT_RSS_KIB: i64 = 64 << 10;
 const LIMIT_TIME: Duration = Duration::from_secs(10);
 const KEY_MARKER: &str = "S3CRETKEYMARKER";
 
@@ -29,29 +29,22 @@ fn net(case: u8) -> String {
     format!("127.{}.{}", 100 + std::process::id() % 100, 230 + case)
 }
 
-/// One case's folders: `in` (its inventory), `state` (the state dir),
-/// `cwd` and `outside`, which must stay as they were.
-struct Case {
-    dir: tempfile::TempDir,
+/// A case (`tests/common/hostile.rs`) with `in` (its inventory) and
+/// `state` (the state dir), and this file's time limit.
+struct Case(hostile::Case);
+
+impl std::ops::Deref for Case {
+    type Target = hostile::Case;
+    fn deref(&self) -> &hostile::Case {
+        &self.0
+    }
 }
 
 impl Case {
     fn new(inventory: &Inventory) -> Case {
-        let dir = tempfile::tempdir().unwrap();
-        for d in ["in", "cwd", "outside", "home"] {
-            std::fs::create_dir(dir.path().join(d)).unwrap();
-        }
-        std::fs::write(dir.path().join("outside/keep"), "untouched").unwrap();
-        inventory.write_to(&dir.path().join("in/cluster.yaml"));
-        Case { dir }
-    }
-
-    fn path(&self, rel: &str) -> PathBuf {
-        self.dir.path().join(rel)
-    }
-
-    fn s(&self, rel: &str) -> String {
-        self.path(rel).to_str().unwrap().to_owned()
+        let c = hostile::Case::new(&["in"]);
+        inventory.write_to(&c.path("in/cluster.yaml"));
+        Case(c)
     }
 
     /// `state/` holding a secrets bundle and a talosconfig, made by
@@ -63,21 +56,15 @@ impl Case {
         assert!(o.status.success(), "{}", text(&o.stderr));
     }
 
-    /// imgbuild on this case's inventory, in `cwd`, HOME in `home`.
+    /// imgbuild on this case's inventory (see [`hostile::Case::command`]).
     fn command(&self, args: &[&str]) -> Run {
-        let mut run = Run::new(&["--config", &self.s("in/cluster.yaml")]);
-        run.args(args)
-            .current_dir(&self.path("cwd"))
-            .env("HOME", self.path("home"))
-            .env("XDG_CACHE_HOME", self.path("home/cache"))
-            .env_remove("IMGBUILD_CONFIG")
-            .env_remove("IMGBUILD_STATE_DIR")
-            .env_remove("TALOSCONFIG");
+        let mut run = self.0.command(&["--config", &self.s("in/cluster.yaml")]);
+        run.args(args);
         run
     }
 
     /// A day-two or bootstrap command with short timeouts, measured.
-    fn run(&self, args: &[&str]) -> Measured {
+    fn run(&self, args: &[&str]) -> Ran {
         let mut run = self.command(args);
         run.args(["--state-dir", &self.s("state")]).args([
             "--call-timeout",
@@ -87,58 +74,17 @@ impl Case {
             "--poll",
             "100ms",
         ]);
-        let m = run.measured(2 * LIMIT_TIME);
-        assert!(
-            !m.killed,
-            "{args:?} ran past {:?}: {}",
-            2 * LIMIT_TIME,
-            m.stderr
-        );
-        m
+        self.measure(&mut run, LIMIT_TIME)
     }
 
     /// Every promise for a refused or failed run: exit 1 or 2, the bounds,
     /// untouched folders, no key marker.
-    fn refused(&self, m: &Measured, names: &str) {
-        let all = format!("{}{}", m.stdout, m.stderr);
-        assert_eq!(m.signal, None, "killed by a signal: {all}");
+    fn refused(&self, m: &Ran, names: &str) {
+        self.0.refused(m, &[1, 2], names, LIMIT_TIME);
         assert!(
-            matches!(m.status.code(), Some(1 | 2)),
-            "exit {:?}: {all}",
-            m.status.code()
-        );
-        assert!(all.contains(names), "no mention of {names:?}: {all}");
-        self.bounded(m);
-    }
-
-    /// The bounds every run keeps.
-    fn bounded(&self, m: &Measured) {
-        let all = format!("{}{}", m.stdout, m.stderr);
-        assert!(!all.contains("panicked"), "{all}");
-        assert!(!all.contains(KEY_MARKER), "the key marker was shown: {all}");
-        assert!(
-            !all.chars()
-                .any(|c| c.is_control() && c != '\n' && c != '\t'),
-            "a raw control character reached the terminal: {all:?}"
-        );
-        assert!(
-            m.rss_kib < LIMIT_RSS_KIB,
-            "peak RSS {} KiB: {all}",
-            m.rss_kib
-        );
-        assert!(m.took < LIMIT_TIME, "took {:?}: {all}", m.took);
-        for d in ["cwd", "home"] {
-            let left: Vec<_> = std::fs::read_dir(self.path(d)).unwrap().collect();
-            assert!(left.is_empty(), "wrote into {d}: {left:?}");
-        }
-        let outside: Vec<_> = std::fs::read_dir(self.path("outside"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(outside, ["keep"], "wrote outside");
-        assert_eq!(
-            std::fs::read_to_string(self.path("outside/keep")).unwrap(),
-            "untouched"
+            !m.all().contains(KEY_MARKER),
+            "the key marker was shown: {}",
+            m.all()
         );
     }
 }
@@ -188,6 +134,24 @@ fn state_files_that_are_fifos_or_endless_are_not_waited_on_or_read_whole() {
             assert!(
                 m.stderr.contains("not a regular file"),
                 "{command}: {}",
+                m.stderr
+            );
+            // Said once, naming the path.
+            assert_eq!(
+                m.stderr.matches("not a regular file").count(),
+                1,
+                "{command}: {}",
+                m.stderr
+            );
+        }
+        // The path named on the command line directly (not a symlink).
+        if !fifo {
+            let m = case.run(&["status", "--talosconfig", "/dev/zero"]);
+            case.refused(&m, "/dev/zero: is not a regular file");
+            assert_eq!(
+                m.stderr.matches("not a regular file").count(),
+                1,
+                "{}",
                 m.stderr
             );
         }
@@ -304,7 +268,7 @@ fn a_second_upgrade_is_refused_naming_the_first_and_one_control_plane_is_down_at
     assert_eq!(pid, u64::from(first.id()));
     let second = case.run(&["upgrade"]);
     case.refused(&second, &format!("pid {pid} (imgbuild upgrade) since 20"));
-    assert_eq!(second.status.code(), Some(1), "{}", second.stderr);
+    assert_eq!(second.code, Some(1), "{}", second.stderr);
     assert!(second.stderr.contains("is in use"), "{}", second.stderr);
     // A read-only command does not wait for the lock nor take it.
     let status = case.run(&["status"]);
@@ -345,7 +309,7 @@ fn a_lock_holder_killed_by_sigkill_does_not_block_the_next_run() {
     assert_eq!(pid, Some(u64::from(holder.id())));
     let refused = case.run(&["bootstrap"]);
     case.refused(&refused, "(imgbuild bootstrap)");
-    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(refused.code, Some(1));
     holder.kill().unwrap(); // SIGKILL: no destructor runs
     holder.wait().unwrap();
     // The kernel released the lock with the process: the rerun runs (and

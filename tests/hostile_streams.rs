@@ -12,127 +12,30 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
+use common::hostile::{Case, Ran};
 use common::otherfs;
-use common::run::Run;
 use common::sims::Nodes;
 
-const LIMIT_RSS_KIB: i64 = 64 << 10;
+/// The folders a case has besides `cwd`, `home` and `outside`.
+const FOLDERS: &[&str] = &["in", "out"];
 
-/// One case's folders: `in` (the crafted inputs), `out` (where the command
-/// may write), `cwd`, `home` and `outside` (which must stay as they were).
-struct Case {
-    dir: tempfile::TempDir,
+fn case() -> Case {
+    Case::new(FOLDERS)
 }
 
-/// How a run ended.
-struct Ran {
-    code: Option<i32>,
-    signal: Option<i32>,
-    stdout: String,
-    stderr: String,
-    rss_kib: i64,
-    took: Duration,
-}
-
-impl Ran {
-    fn all(&self) -> String {
-        format!("{}{}", self.stdout, self.stderr)
-    }
-}
-
-impl Case {
-    fn new() -> Case {
-        let dir = tempfile::tempdir().unwrap();
-        for d in ["in", "out", "cwd", "outside", "home"] {
-            std::fs::create_dir(dir.path().join(d)).unwrap();
-        }
-        std::fs::write(dir.path().join("outside/keep"), "untouched").unwrap();
-        Case { dir }
-    }
-
-    fn path(&self, rel: &str) -> PathBuf {
-        self.dir.path().join(rel)
-    }
-
-    fn s(&self, rel: &str) -> String {
-        self.path(rel).to_str().unwrap().to_owned()
-    }
-
-    fn write(&self, rel: &str, content: impl AsRef<[u8]>) -> String {
-        let p = self.path(rel);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(&p, content).unwrap();
-        self.s(rel)
-    }
-
-    /// Runs imgbuild with `args` in `cwd`, its HOME in `home`, measured;
-    /// killed (and failed) past twice `limit`.
-    fn run(&self, args: &[&str], limit: Duration) -> Ran {
-        let mut run = Run::new(args);
-        run.current_dir(&self.path("cwd"))
-            .env("HOME", self.path("home"))
-            .env("XDG_CACHE_HOME", self.path("home/cache"));
-        for k in [
-            "IMGBUILD_CONFIG",
-            "IMGBUILD_FACTORY",
-            "IMGBUILD_STATE_DIR",
-            "TALOSCONFIG",
-        ] {
-            run.env_remove(k);
-        }
-        let m = run.measured(2 * limit);
-        assert!(!m.killed, "{args:?} ran past {:?}", 2 * limit);
-        let Some(code) = m.status.code() else {
-            panic!("GNU time died: {}", m.status);
-        };
-        Ran {
-            code: m.signal.is_none().then_some(code),
-            signal: m.signal,
-            stdout: m.stdout,
-            stderr: m.stderr,
-            rss_kib: m.rss_kib,
-            took: m.took,
-        }
-    }
-
-    /// Every promise for a refused stream: exit 1 or 2, a message holding
-    /// `names`, the bounds, and untouched folders.
-    fn refused(&self, ran: &Ran, names: &str, limit: Duration) {
-        let all = ran.all();
-        assert_eq!(ran.signal, None, "killed by a signal: {all}");
-        assert!(
-            ran.code.is_some_and(|c| c == 1 || c == 2),
-            "exit {:?}, wanted 1 or 2: {all}",
-            ran.code
-        );
-        assert!(all.contains(names), "no mention of {names:?}: {all}");
-        assert!(!all.contains("panicked"), "{all}");
-        assert!(!all.contains("SECRETMARK"), "a secret marker shown: {all}");
-        assert!(
-            !all.chars()
-                .any(|c| c.is_control() && c != '\n' && c != '\t'),
-            "a raw control character reached the terminal: {all:?}"
-        );
-        assert!(
-            ran.rss_kib < LIMIT_RSS_KIB,
-            "peak RSS {} KiB: {all}",
-            ran.rss_kib
-        );
-        assert!(ran.took < limit, "took {:?}: {all}", ran.took);
-        for (folder, allowed) in [("cwd", &[][..]), ("home", &[]), ("outside", &["keep"])] {
-            let found: Vec<String> = std::fs::read_dir(self.path(folder))
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .filter(|n| !allowed.contains(&n.as_str()))
-                .collect();
-            assert!(found.is_empty(), "wrote into {folder}: {found:?}");
-        }
-    }
+/// Every promise for a refused stream: exit 1 or 2, a message holding
+/// `names`, the bounds (`tests/common/hostile.rs`), no secret marker.
+fn refused(c: &Case, ran: &Ran, names: &str, limit: Duration) {
+    c.refused(ran, &[1, 2], names, limit);
+    assert!(
+        !ran.all().contains("SECRETMARK"),
+        "a secret marker shown: {}",
+        ran.all()
+    );
 }
 
 // ---- hostile Talos nodes --------------------------------------------------
@@ -264,7 +167,7 @@ fn serve_headers_only(
 
 #[test]
 fn a_node_that_stalls_after_its_headers_ends_every_command_at_its_deadline() {
-    let c = Case::new();
+    let c = case();
     let ep = "127.0.0.1:1".to_owned();
     let config = c.write("in/cluster.yaml", one_node_inventory(&ep));
     let (crt, key) = secrets(&c, &config);
@@ -300,7 +203,7 @@ fn a_node_that_stalls_after_its_headers_ends_every_command_at_its_deadline() {
         ]
         .concat();
         let ran = c.run(&args, limit);
-        c.refused(&ran, "cp-01", limit);
+        refused(&c, &ran, "cp-01", limit);
         let all = ran.all();
         // `status` shows the node unreachable (its reason in text is
         // another issue's); the others name the deadline.
@@ -364,11 +267,12 @@ fn bootstrap(c: &Case, config: &str, limit: Duration) -> Ran {
 
 #[test]
 fn an_endless_kubeconfig_stream_is_cut_at_its_bound() {
-    let c = Case::new();
+    let c = case();
     let (_nodes, config) = misbehaving_cluster(&c, &net(1), "endless-kubeconfig");
     let limit = Duration::from_secs(30);
     let ran = bootstrap(&c, &config, limit);
-    c.refused(
+    refused(
+        &c,
         &ran,
         "the kubeconfig archive is larger than 4194304 bytes",
         limit,
@@ -377,11 +281,12 @@ fn an_endless_kubeconfig_stream_is_cut_at_its_bound() {
 
 #[test]
 fn a_kubeconfig_archive_that_unpacks_to_128_mib_is_refused_unpacked() {
-    let c = Case::new();
+    let c = case();
     let (_nodes, config) = misbehaving_cluster(&c, &net(2), "kubeconfig-bomb");
     let limit = Duration::from_secs(30);
     let ran = bootstrap(&c, &config, limit);
-    c.refused(
+    refused(
+        &c,
         &ran,
         "the kubeconfig inside is larger than 1048576 bytes",
         limit,
@@ -522,9 +427,9 @@ fn du(dir: &std::path::Path) -> u64 {
 
 #[test]
 fn an_endless_kernel_stops_at_the_kernel_bound() {
-    let c = Case::new();
-    let url = factory(|path, conn| {
-        if path.ends_with("/kernel-amd64") {
+    let limit = Duration::from_secs(20);
+    let (c, ran) = pxe_kernel(
+        |conn| {
             // No length, a bzImage's "HdrS" at 0x202, then zeros for ever
             // (until imgbuild hangs up).
             let _ = write!(conn, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n");
@@ -533,18 +438,11 @@ fn an_endless_kernel_stops_at_the_kernel_bound() {
             let _ = conn.write_all(&head);
             let chunk = vec![0x90u8; 1 << 16];
             while conn.write_all(&chunk).is_ok() {}
-        } else {
-            reply(conn, "404 Not Found", b"");
-        }
-    });
-    let limit = Duration::from_secs(20);
-    let ran = pxe(
-        &c,
-        &url,
+        },
         &["--max-kernel-mib", "8", "--retries", "0"],
         limit,
     );
-    c.refused(&ran, "raise --max-kernel-mib", limit);
+    refused(&c, &ran, "raise --max-kernel-mib", limit);
     assert!(
         du(&c.path("out/cache")) <= 9 << 20,
         "the cache holds {} bytes",
@@ -554,7 +452,7 @@ fn an_endless_kernel_stops_at_the_kernel_bound() {
 
 #[test]
 fn a_huge_content_length_is_refused_before_the_body() {
-    let c = Case::new();
+    let c = case();
     let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let counter = sent.clone();
     let url = factory(move |_, conn| {
@@ -569,7 +467,7 @@ fn a_huge_content_length_is_refused_before_the_body() {
     });
     let limit = Duration::from_secs(10);
     let ran = pxe(&c, &url, &["--retries", "0"], limit);
-    c.refused(&ran, "announces 21474836480 bytes", limit);
+    refused(&c, &ran, "announces 21474836480 bytes", limit);
     // Only what the socket buffers took before imgbuild hung up.
     let sent = sent.load(std::sync::atomic::Ordering::SeqCst);
     assert!(sent < 16 << 20, "{sent} bytes of the body were read");
@@ -577,7 +475,7 @@ fn a_huge_content_length_is_refused_before_the_body() {
 
 #[test]
 fn the_download_deadline_covers_every_attempt() {
-    let c = Case::new();
+    let c = case();
     // Every attempt: a length, then a byte now and then, never the end.
     let url = factory(|_, conn| {
         let _ = write!(
@@ -604,13 +502,18 @@ fn the_download_deadline_covers_every_attempt() {
         ],
         limit,
     );
-    c.refused(&ran, "no download within 4s (all attempts together", limit);
+    refused(
+        &c,
+        &ran,
+        "no download within 4s (all attempts together",
+        limit,
+    );
     assert!(ran.took < Duration::from_secs(8), "took {:?}", ran.took);
 }
 
 #[test]
 fn a_full_cache_disk_is_named_as_such() {
-    let c = Case::new();
+    let c = case();
     let Some(small) = otherfs::tmpfs("2m") else {
         return;
     };
@@ -641,7 +544,7 @@ fn a_full_cache_disk_is_named_as_such() {
         ],
         limit,
     );
-    c.refused(&ran, "the disk is full", limit);
+    refused(&c, &ran, "the disk is full", limit);
     assert!(!ran.all().contains("corrupt"), "{}", ran.all());
 }
 
@@ -649,7 +552,7 @@ fn a_full_cache_disk_is_named_as_such() {
 
 #[test]
 fn credentials_in_endpoint_urls_are_refused_and_never_shown() {
-    let c = Case::new();
+    let c = case();
     let config = c.write("in/cluster.yaml", factory_inventory("http://127.0.0.1:9"));
     let limit = Duration::from_secs(10);
     let out = c.s("out/img");
@@ -672,7 +575,7 @@ fn credentials_in_endpoint_urls_are_refused_and_never_shown() {
             ],
             limit,
         );
-        c.refused(&ran, "IMGBUILD_FACTORY", limit);
+        refused(&c, &ran, "IMGBUILD_FACTORY", limit);
         assert_eq!(ran.code, Some(2), "{}", ran.all());
     }
     // The same in the inventory: named by field, never quoted.
@@ -681,7 +584,7 @@ fn credentials_in_endpoint_urls_are_refused_and_never_shown() {
         factory_inventory("https://ci:SECRETMARK@factory.example/"),
     );
     let ran = c.run(&["--config", &config, "validate"], limit);
-    c.refused(&ran, "image.factory", limit);
+    refused(&c, &ran, "image.factory", limit);
     // HCLOUD_ENDPOINT: refused before any request, the value not echoed.
     let hetzner = factory_inventory("http://127.0.0.1:9")
         .replace("platform: metal", "platform: hcloud")
@@ -692,15 +595,132 @@ fn credentials_in_endpoint_urls_are_refused_and_never_shown() {
         "https://127.0.0.1:9/v1?token=SECRETMARK",
         "::SECRETMARK::",
     ] {
-        let mut run = Run::new(&["--config", &config, "cleanup"]);
-        run.current_dir(&c.path("cwd"))
-            .env("HOME", c.path("home"))
-            .env("HCLOUD_TOKEN", "tokenSECRETMARK")
+        let mut run = c.command(&["--config", &config, "cleanup"]);
+        run.env("HCLOUD_TOKEN", "tokenSECRETMARK")
             .env("HCLOUD_ENDPOINT", endpoint);
-        let m = run.measured(limit);
-        let all = format!("{}{}", m.stdout, m.stderr);
-        assert_eq!(m.status.code(), Some(1), "{endpoint}: {all}");
-        assert!(all.contains("HCLOUD_ENDPOINT"), "{all}");
-        assert!(!all.contains("SECRETMARK"), "{endpoint}: {all}");
+        let ran = c.measure(&mut run, limit);
+        refused(&c, &ran, "HCLOUD_ENDPOINT", limit);
+        assert_eq!(ran.code, Some(1), "{endpoint}: {}", ran.all());
     }
+}
+
+// ---- bodies that stall, trickle or never end (the stall timeout) ----------
+
+/// Holds a connection open and silent for longer than any case waits.
+fn hold(conn: &mut TcpStream) {
+    std::thread::sleep(Duration::from_secs(120));
+    let _ = conn.flush();
+}
+
+/// A reply's head with `length` announced, then a byte every `every`
+/// for as long as the client listens.
+fn trickle(conn: &mut TcpStream, length: u64, every: Duration) {
+    let _ = write!(
+        conn,
+        "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: {length}\r\n\r\n"
+    );
+    while conn.write_all(b"\0").is_ok() {
+        std::thread::sleep(every);
+    }
+}
+
+/// `pxe` (with `extra`) from a factory whose kernel download is `kernel`.
+fn pxe_kernel(kernel: fn(&mut TcpStream), extra: &[&str], limit: Duration) -> (Case, Ran) {
+    let c = case();
+    let url = factory(move |path, conn| {
+        if path.ends_with("/kernel-amd64") {
+            kernel(conn);
+        } else {
+            reply(conn, "404 Not Found", b"");
+        }
+    });
+    let ran = pxe(&c, &url, extra, limit);
+    (c, ran)
+}
+
+/// [`pxe_kernel`] with a stall timeout of 2 s and no retries: refused
+/// naming `names` and the URL.
+fn stalled_kernel(kernel: fn(&mut TcpStream), names: &str) {
+    let limit = Duration::from_secs(30);
+    let extra = ["--read-timeout-secs", "2", "--retries", "0"];
+    let (c, ran) = pxe_kernel(kernel, &extra, limit);
+    refused(&c, &ran, names, limit);
+    assert!(ran.all().contains("/kernel-amd64"), "{}", ran.all());
+}
+
+#[test]
+fn a_factory_that_stalls_after_the_headers_is_cut_at_the_stall_timeout() {
+    stalled_kernel(
+        |conn| {
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 20000000\r\n\r\n"
+            );
+            hold(conn);
+        },
+        "the server sent nothing for",
+    );
+}
+
+#[test]
+fn a_factory_trickling_a_byte_a_second_is_cut_at_the_stall_timeout() {
+    stalled_kernel(
+        |conn| trickle(conn, 20_000_000, Duration::from_secs(1)),
+        "the server sent only",
+    );
+}
+
+/// `imgbuild cleanup` against a Hetzner API on loopback whose every
+/// answer is `answer`, with a stall timeout of 2 s from the environment;
+/// refused naming `names` and the request.
+fn stalled_hetzner(answer: fn(&mut TcpStream), names: &str) {
+    let c = case();
+    let url = serve(64, move |_, _, conn| answer(conn));
+    let mut run = c.command(&["cleanup"]);
+    run.env("HCLOUD_TOKEN", "tokenSECRETMARK")
+        .env("HCLOUD_ENDPOINT", format!("{url}/v1"))
+        .env("IMGBUILD_READ_TIMEOUT_SECS", "2");
+    // Five attempts (a GET is retried), each cut at 2 s, and their pauses.
+    let limit = Duration::from_secs(60);
+    let ran = c.measure(&mut run, limit);
+    refused(&c, &ran, names, limit);
+    assert_eq!(ran.code, Some(1), "{}", ran.all());
+    assert!(ran.all().contains("/servers"), "{}", ran.all());
+}
+
+#[test]
+fn a_hetzner_api_that_stalls_after_the_headers_is_cut_at_the_stall_timeout() {
+    stalled_hetzner(
+        |conn| {
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{"
+            );
+            hold(conn);
+        },
+        "the server sent nothing for",
+    );
+}
+
+#[test]
+fn a_hetzner_api_trickling_a_byte_a_second_is_cut_at_the_stall_timeout() {
+    stalled_hetzner(
+        |conn| trickle(conn, 100_000, Duration::from_secs(1)),
+        "the server sent only",
+    );
+}
+
+#[test]
+fn a_hetzner_api_that_never_ends_its_reply_is_cut_at_the_reply_bound() {
+    stalled_hetzner(
+        |conn| {
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: application/json\r\n\r\n{{\"servers\":["
+            );
+            let chunk = "{\"id\":1},".repeat(4096);
+            while conn.write_all(chunk.as_bytes()).is_ok() {}
+        },
+        "the reply is larger than",
+    );
 }

@@ -226,12 +226,18 @@ impl Inner {
     /// A log line with the time since start: one line, whatever the
     /// event quotes from a node.
     fn log(&self, st: &mut State, text: &str) {
+        self.log_lines(st, &[imgbuild::input::one_line(text, LOG_LINE_CHARS)]);
+    }
+
+    /// Prints `lines` (each already one line) as one stamped entry, the
+    /// lines after the first indented under it.
+    fn log_lines(&self, st: &mut State, lines: &[String]) {
         st.last_line = Instant::now();
-        errln!(
-            "[{:>6.1}s] {}",
-            self.start.elapsed().as_secs_f64(),
-            imgbuild::input::one_line(text, LOG_LINE_CHARS)
-        );
+        let stamp = format!("[{:>6.1}s]", self.start.elapsed().as_secs_f64());
+        for (i, line) in lines.iter().enumerate() {
+            let lead: &str = if i == 0 { &stamp } else { "" };
+            errln!("{lead:<w$} {line}", w = stamp.len());
+        }
     }
 
     fn bootstrap_event(&self, node: &str, e: &Event) {
@@ -285,7 +291,10 @@ impl Inner {
             }
         }
         match self.show {
-            Show::Lines => self.log(&mut st, &format!("{node}: {e}")),
+            Show::Lines => {
+                let lines = event_lines(node, e);
+                self.log_lines(&mut st, &lines);
+            }
             Show::Draw => self.draw(&mut st),
             Show::Nothing => {}
         }
@@ -364,6 +373,23 @@ impl Inner {
 }
 
 /// "2 check(s) pending, oldest 12.5s: etcd members", or None when none is.
+/// The lines a bootstrap event prints off a terminal: the checks a wait
+/// lists go one per line (imgbuild's own line breaks), while whatever came
+/// from outside is escaped into its line and cannot start one.
+fn event_lines(node: &str, e: &Event) -> Vec<String> {
+    let one = |t: &str| imgbuild::input::one_line(t, LOG_LINE_CHARS);
+    match e {
+        Event::Waiting { pending } => std::iter::once(format!(
+            "{}: waiting for {} check(s):",
+            one(node),
+            pending.len()
+        ))
+        .chain(pending.iter().map(|p| format!("    - {}", one(p))))
+        .collect(),
+        other => vec![one(&format!("{node}: {other}"))],
+    }
+}
+
 fn pending_text(c: &Cluster) -> Option<String> {
     let (oldest, since) = c.pending.iter().min_by_key(|(_, t)| *t)?;
     Some(format!(
@@ -449,6 +475,28 @@ mod tests {
             Show::Nothing,
             Show::Nothing,
         )
+    }
+
+    #[test]
+    fn a_wait_lists_its_checks_on_lines_of_their_own_and_outside_breaks_stay_escaped() {
+        let e = Event::Waiting {
+            pending: vec!["etcd healthy".into(), "x\ncp-09: forged".into()],
+        };
+        assert_eq!(
+            event_lines("cluster", &e),
+            [
+                "cluster: waiting for 2 check(s):",
+                "    - etcd healthy",
+                "    - x\\ncp-09: forged",
+            ]
+        );
+        let e = Event::BootstrapRetry {
+            reason: "busy\r\nfake line".into(),
+        };
+        assert_eq!(
+            event_lines("cp-01", &e),
+            ["cp-01: bootstrap not possible yet: busy\\r\\nfake line"]
+        );
     }
 
     #[test]

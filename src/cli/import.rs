@@ -76,6 +76,10 @@ pub fn run(args: ImportArgs, output: Output) -> Result<()> {
 fn skipped_line(s: &Skipped) -> String {
     match s.line {
         Some(line) => format!("{}:{line}: {}: {}", s.file.display(), s.field, s.reason),
+        // A whole file (the field is its name): named once.
+        None if s.file.file_name().is_some_and(|n| n == s.field.as_str()) => {
+            format!("{}: {}", s.file.display(), s.reason)
+        }
         None => format!("{}: {}: {}", s.file.display(), s.field, s.reason),
     }
 }

@@ -172,8 +172,11 @@ pub fn run() -> i32 {
     match dispatch(cli) {
         Ok(()) => 0,
         Err(e) => {
-            // Errors may carry text from files, images and replies.
-            let message = imgbuild::input::escape(&format!("{e:#}")).into_owned();
+            // Errors may carry text from files, images and replies. Each
+            // cause once: an error that shows its source (`{path}: {source}`)
+            // would otherwise say it twice.
+            let message = imgbuild::net::error_chain(e.as_ref());
+            let message = imgbuild::input::escape(&message).into_owned();
             let partial = e.downcast_ref::<Partial>().is_some();
             if output == Output::Json && (partial || e.downcast_ref::<Reported>().is_some()) {
                 // The JSON result on stdout already says what went wrong.
@@ -200,13 +203,17 @@ fn exit_code(e: &anyhow::Error) -> i32 {
     }
 }
 
-/// clap's verdict on the command line: help and version as clap prints
-/// them; a usage error as one JSON document on stdout when `--output json`
-/// was asked for (CI parses stdout), else clap's message. Exit 2 either way.
+/// clap's verdict on the command line: help and version on stdout (exit
+/// 0, or 1 when stdout cannot take them); a usage error as one JSON
+/// document on stdout when `--output json` was asked for (CI parses
+/// stdout), else clap's message, exit 2 either way.
 fn usage_error(e: clap::Error) -> i32 {
     use clap::error::ErrorKind;
     if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
-        e.exit();
+        // Through stdout_write, which exits 1 when stdout cannot take it
+        // (clap's own printing ignores a full or closed stdout and exits 0).
+        outln!("{}", e.render().to_string().trim_end());
+        return 0;
     }
     let args: Vec<String> = std::env::args().collect();
     let json_wanted = args

@@ -8,9 +8,9 @@ use crate::digest::Sha256;
 use crate::io::{
     self, ExactLengthReader, HashingReader, Magic, PeekReader, copy_sparse_from, describe,
 };
-use crate::net::{self, NetError};
+use crate::net::{self, NetError, Response};
 use reqwest::StatusCode;
-use reqwest::blocking::{Client, Response};
+use reqwest::blocking::Client;
 use reqwest::header;
 use std::fs::{self, File};
 use std::io::Read;
@@ -437,7 +437,8 @@ fn download(
     until: Instant,
     progress: &dyn Progress,
 ) -> Result<Artifact, FetchError> {
-    let resp = net::send_once(client.get(url).timeout(left(url, until, opts)?))?;
+    let resp = net::send_once(client.get(url).timeout(left(url, until, opts)?))?
+        .with_stall(opts.read_timeout);
     let total = resp.content_length();
     let (bound, flag) = opts.bound(expect.content);
     // A body larger than its content may be is refused before it is read
@@ -636,6 +637,8 @@ struct ResumableBody<'a> {
     ranges: bool,
     resumes_left: u32,
     backoff: Duration,
+    /// The stall timeout each reopened body gets.
+    stall: Duration,
     /// When the whole download must be done.
     until: Instant,
     progress: &'a dyn Progress,
@@ -669,6 +672,7 @@ impl<'a> ResumableBody<'a> {
             ranges,
             resumes_left: opts.retries,
             backoff: opts.backoff,
+            stall: opts.read_timeout,
             until,
             progress,
         }
@@ -688,7 +692,9 @@ impl<'a> ResumableBody<'a> {
         if let Some(v) = &self.validator {
             req = req.header(header::IF_RANGE, v);
         }
-        let resp = req.send().map_err(net::request_error)?;
+        let resp = net::send_once(req)
+            .map_err(|e| e.to_string())?
+            .with_stall(self.stall);
         let want = format!("bytes {}-", self.offset);
         let starts_right = resp
             .headers()

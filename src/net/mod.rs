@@ -6,10 +6,14 @@
 
 pub mod tls;
 
-use reqwest::blocking::{Client, RequestBuilder, Response};
+mod body;
+
+use reqwest::blocking::{Client, RequestBuilder};
 use reqwest::header;
 use std::io::Read;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
+
+pub use body::{Response, Stalled};
 
 pub use tls::{ClientIdentity, Trust};
 
@@ -145,7 +149,10 @@ pub struct HttpOptions {
     pub trust: Trust,
     pub identity: Option<ClientIdentity>,
     pub connect_timeout: Duration,
-    /// Longest wait for any read or write (a silent server).
+    /// The stall timeout: the longest wait for the response headers or
+    /// for any piece of a body (a silent server). A body that delivers
+    /// less than [`body::TRICKLE_FLOOR`] bytes in this long is cut off too
+    /// (see [`Response`]).
     pub timeout: Duration,
     /// Keep idle connections for the next request. Off for downloads: a
     /// retry after a broken body must not reuse the broken connection.
@@ -158,7 +165,7 @@ impl Default for HttpOptions {
             trust: Trust::System,
             identity: None,
             connect_timeout: Duration::from_secs(10),
-            timeout: Duration::from_secs(60),
+            timeout: stall_timeout(Duration::from_secs(60)),
             reuse_connections: true,
         }
     }
@@ -192,19 +199,29 @@ fn build_error(e: reqwest::Error) -> NetError {
 /// A blocking client with imgbuild's User-Agent, the environment's proxies
 /// (`HTTPS_PROXY`, `NO_PROXY`, … as reqwest reads them) and `opts`' TLS.
 /// Blocking: build and use it off the async runtime.
+///
+/// Built from the async builder, since only that one has a read timeout
+/// (reset by every piece of the body, so a stalled body is cut after
+/// `opts.timeout` whatever the request's total deadline). Its timer is
+/// made while the body is read, on the reading thread: [`Response`] lends
+/// that thread a timer runtime, so read bodies only through it (the bare
+/// `RequestBuilder::send` is banned in clippy.toml).
 pub fn http_client(opts: &HttpOptions) -> Result<Client, NetError> {
-    configure!(Client::builder(), opts)
+    let builder = configure!(reqwest::Client::builder(), opts).read_timeout(opts.timeout);
+    reqwest::blocking::ClientBuilder::from(builder)
         .timeout(opts.timeout)
         .build()
         .map_err(build_error)
 }
 
 /// The same client for async use: large streamed request bodies (uploads),
-/// whose chunks the blocking client cuts to 8 KiB. `opts.timeout` bounds
-/// each read, not the whole transfer.
+/// whose chunks the blocking client cuts to 8 KiB. Without reqwest's read
+/// timeout, which runs from the request's start to the reply's headers and
+/// so would cut any upload longer than it: the request's own deadline
+/// bounds the upload, and [`read_limited_async`] gives each piece of the
+/// reply the stall timeout.
 pub fn async_http_client(opts: &HttpOptions) -> Result<reqwest::Client, NetError> {
     configure!(reqwest::Client::builder(), opts)
-        .read_timeout(opts.timeout)
         .build()
         .map_err(build_error)
 }
@@ -226,29 +243,37 @@ pub async fn send_once_async(make: reqwest::RequestBuilder) -> Result<reqwest::R
         return Ok(resp);
     }
     let (status, headers) = (resp.status(), resp.headers().clone());
-    let body = read_limited_async(resp, ERROR_BODY_KEEP, true)
+    let stall = stall_timeout(Duration::from_secs(60));
+    let body = read_limited_async(resp, ERROR_BODY_KEEP, true, stall)
         .await
         .unwrap_or_default();
     Err(status_error(&method, &url, status, &headers, &body, &sent))
 }
 
 /// The async twin of [`read_limited`]; `cut` keeps the first `limit` bytes
-/// of a longer body instead of refusing it (error bodies).
+/// of a longer body instead of refusing it (error bodies). A piece of the
+/// body that takes longer than `stall` ends it.
 pub async fn read_limited_async(
     mut resp: reqwest::Response,
     limit: u64,
     cut: bool,
+    stall: Duration,
 ) -> Result<Vec<u8>, NetError> {
     let method = "reading the reply of".to_owned();
     let url = display_url(resp.url());
+    let failed = |message: String| NetError::Transfer {
+        method: method.clone(),
+        url: url.clone(),
+        message,
+        before_sending: false,
+    };
     let mut body = Vec::new();
     loop {
-        let chunk = resp.chunk().await.map_err(|e| NetError::Transfer {
-            method: method.clone(),
-            url: url.clone(),
-            message: request_error(e),
-            before_sending: false,
-        })?;
+        let waited = Instant::now();
+        let chunk = tokio::time::timeout(stall, resp.chunk())
+            .await
+            .map_err(|_| failed(Stalled::Silent(waited.elapsed()).to_string()))?
+            .map_err(|e| failed(request_error(e)))?;
         let Some(chunk) = chunk else {
             return Ok(body);
         };
@@ -264,15 +289,26 @@ pub async fn read_limited_async(
 }
 
 /// The longest any request may take, from connecting to the body's last
-/// byte, unless its caller set another (downloads do): a server that
-/// trickles a byte every few seconds would otherwise hold a build for
-/// hours, since the client's timeout bounds each read. 10 minutes, or
+/// byte, unless its caller set another (downloads do). 10 minutes, or
 /// `IMGBUILD_REQUEST_DEADLINE_SECS`.
 pub fn request_deadline() -> Duration {
-    std::env::var("IMGBUILD_REQUEST_DEADLINE_SECS")
+    secs_from_env("IMGBUILD_REQUEST_DEADLINE_SECS").unwrap_or(Duration::from_secs(600))
+}
+
+/// The stall timeout API clients use (see [`HttpOptions::timeout`]):
+/// `default`, or `IMGBUILD_READ_TIMEOUT_SECS` (the environment twin of
+/// the download commands' `--read-timeout-secs`).
+pub fn stall_timeout(default: Duration) -> Duration {
+    secs_from_env("IMGBUILD_READ_TIMEOUT_SECS").unwrap_or(default)
+}
+
+/// A whole number of seconds above zero from the environment variable `name`.
+fn secs_from_env(name: &str) -> Option<Duration> {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.trim().parse().ok())
-        .map_or(Duration::from_secs(600), Duration::from_secs)
+        .filter(|&s| s > 0)
+        .map(Duration::from_secs)
 }
 
 /// The credentials a request carries, to be cut out of anything a server
@@ -429,13 +465,18 @@ impl RetryPolicy {
 pub fn send_once(make: RequestBuilder) -> Result<Response, NetError> {
     let (client, req) = make.build_split();
     let mut req = req.map_err(unbuildable)?;
-    req.timeout_mut().get_or_insert_with(request_deadline);
+    let total = *req.timeout_mut().get_or_insert_with(request_deadline);
     let method = req.method().to_string();
     let url = display_url(req.url());
     let sent = credentials(req.headers());
+    let started = Instant::now();
+    #[allow(clippy::disallowed_methods)] // the one place: wrapped just below
     let resp = client
         .execute(req)
         .map_err(|e| transfer_error(&method, &url, e))?;
+    let stall = stall_timeout(Duration::from_secs(60));
+    let shown = display_url(resp.url()); // where any redirect led
+    let resp = Response::new(resp, shown, started + total, stall);
     if resp.status().is_success() {
         Ok(resp)
     } else {
@@ -472,7 +513,7 @@ pub fn send(
 pub fn read_limited(resp: Response, limit: u64) -> Result<Vec<u8>, NetError> {
     // The response does not know its request method; say what was done.
     let method = "reading the reply of".to_owned();
-    let url = display_url(resp.url());
+    let url = resp.shown_url().to_owned();
     let mut body = Vec::new();
     resp.take(limit + 1)
         .read_to_end(&mut body)

@@ -300,7 +300,7 @@ fn the_right_pin_is_accepted_in_both_spellings() {
     let srv = tls_server();
     for pin in [srv.fingerprint.colons(), srv.fingerprint.hex()] {
         let resp = send_once(pinned_client(&pin).get(&srv.url)).unwrap();
-        assert_eq!(resp.text().unwrap(), "pinned", "pin {pin}");
+        assert_eq!(read_limited(resp, 100).unwrap(), b"pinned", "pin {pin}");
     }
     // Lowercase with colons, as some users paste it.
     let lower = srv.fingerprint.colons().to_lowercase();
@@ -384,15 +384,24 @@ fn a_redirect_imgbuild_cannot_follow_says_where_it_leads() {
     );
 }
 
-#[test]
-fn a_trickling_body_ends_at_the_deadline() {
+/// A loopback server whose one connection, after the request head, is
+/// handed to `answer`; the URL to reach it.
+fn one_connection(answer: impl FnOnce(std::net::TcpStream) + Send + 'static) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
+    let url = format!("http://{}/reply", listener.local_addr().unwrap());
     std::thread::spawn(move || {
         let Ok((mut conn, _)) = listener.accept() else {
             return;
         };
         let _ = read_request(&mut conn);
+        answer(conn);
+    });
+    url
+}
+
+#[test]
+fn a_trickling_body_ends_at_the_deadline() {
+    let url = one_connection(|mut conn| {
         let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n");
         for _ in 0..100 {
             if conn.write_all(b"x").is_err() {
@@ -406,6 +415,75 @@ fn a_trickling_body_ends_at_the_deadline() {
     let resp = send_once(client.get(&url).timeout(Duration::from_secs(1))).unwrap();
     let err = read_limited(resp, 1000).unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(5), "{err}");
+    assert!(err.to_string().contains("deadline passed"), "{err}");
+}
+
+fn stall_after(secs: u64) -> Client {
+    http_client(&HttpOptions {
+        timeout: Duration::from_secs(secs),
+        ..HttpOptions::default()
+    })
+    .unwrap()
+}
+
+/// Holds a connection open, silent, for longer than any test waits.
+fn hold(conn: std::net::TcpStream) {
+    std::thread::sleep(Duration::from_secs(120));
+    drop(conn);
+}
+
+#[test]
+fn a_body_that_stalls_after_its_headers_is_cut_at_the_stall_timeout() {
+    let url = one_connection(|mut conn| {
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nfirst");
+        hold(conn);
+    });
+    let started = std::time::Instant::now();
+    let resp = send_once(stall_after(1).get(&url)).unwrap();
+    let err = read_limited(resp, 1000).unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+    assert!(err.contains("the server sent nothing for"), "{err}");
+    assert!(err.contains(&url), "{err}");
+}
+
+#[test]
+fn a_server_silent_after_the_request_is_cut_at_the_stall_timeout() {
+    let url = one_connection(hold);
+    let started = std::time::Instant::now();
+    let err = send_once(stall_after(1).get(&url)).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+    assert!(matches!(err, NetError::Transfer { .. }), "{err}");
+    assert!(err.to_string().contains("timed out"), "{err}");
+}
+
+#[test]
+fn a_body_trickling_in_time_is_cut_after_a_stall_window() {
+    let url = one_connection(|mut conn| {
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n");
+        // A byte every 300 ms: each read gets one well within the timeout.
+        while conn.write_all(b"x").is_ok() {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let started = std::time::Instant::now();
+    let resp = send_once(stall_after(2).get(&url))
+        .unwrap()
+        .with_stall(Duration::from_secs(2));
+    let err = read_limited(resp, 1 << 20).unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+    assert!(err.contains("the server sent only"), "{err}");
+}
+
+#[test]
+fn an_endless_blocking_reply_is_refused_at_its_limit() {
+    let url = one_connection(|mut conn| {
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
+        let chunk = format!("10000\r\n{}\r\n", "z".repeat(0x10000));
+        while conn.write_all(chunk.as_bytes()).is_ok() {}
+    });
+    let resp = send_once(stall_after(2).get(&url)).unwrap();
+    let err = read_limited(resp, 1 << 20).unwrap_err();
+    assert!(matches!(err, NetError::TooLarge { .. }), "{err}");
 }
 
 #[test]
@@ -429,7 +507,7 @@ fn an_endless_async_reply_is_refused_at_its_limit() {
         .block_on(async {
             let client = async_http_client(&HttpOptions::default()).unwrap();
             let resp = send_once_async(client.get(&url)).await.unwrap();
-            read_limited_async(resp, 1 << 20, false).await
+            read_limited_async(resp, 1 << 20, false, Duration::from_secs(5)).await
         })
         .unwrap_err();
     assert!(matches!(err, NetError::TooLarge { .. }), "{err}");
@@ -479,4 +557,75 @@ fn base_urls_with_secrets_are_refused_without_quoting_them() {
         assert_eq!(e, want, "{bad}");
         assert!(!e.to_string().contains("PASSMARK"), "{e}");
     }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn an_upload_longer_than_the_stall_timeout_completes() {
+    const SIZE: usize = 12 << 20;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/upload", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let Ok((mut conn, _)) = listener.accept() else {
+            return;
+        };
+        let mut reader = BufReader::new(conn.try_clone().unwrap());
+        let mut line = String::new();
+        while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+            line.clear();
+        }
+        // The body at about 4 MiB/s: some 3 s for 12 MiB, three stall
+        // timeouts, each piece well within one.
+        let (mut buf, mut got) = (vec![0; 64 << 10], 0);
+        while got < SIZE {
+            match reader.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got += n,
+            }
+            std::thread::sleep(Duration::from_millis(15));
+        }
+        let body = got.to_string();
+        let _ = write!(
+            conn,
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+    });
+    let reply = runtime().block_on(async {
+        let client = async_http_client(&HttpOptions {
+            timeout: Duration::from_secs(1),
+            ..HttpOptions::default()
+        })
+        .unwrap();
+        let resp = send_once_async(client.post(&url).body(vec![7u8; SIZE]))
+            .await
+            .unwrap();
+        read_limited_async(resp, 100, false, Duration::from_secs(1)).await
+    });
+    assert_eq!(reply.unwrap(), SIZE.to_string().as_bytes());
+}
+
+#[test]
+fn an_async_reply_that_stalls_is_cut_at_the_stall_timeout() {
+    let url = one_connection(|mut conn| {
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{");
+        hold(conn);
+    });
+    let started = std::time::Instant::now();
+    let err = runtime()
+        .block_on(async {
+            let client = async_http_client(&HttpOptions::default()).unwrap();
+            let resp = send_once_async(client.get(&url)).await.unwrap();
+            read_limited_async(resp, 1000, false, Duration::from_secs(1)).await
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+    assert!(err.contains("the server sent nothing for"), "{err}");
 }

@@ -34,7 +34,7 @@ use cleanup::delete_run;
 pub use error::HcloudError;
 use rescue::Rescue;
 pub use types::{Deleted, Event, Leftover, Observer, Quiet, SnapshotOptions};
-use types::{MANAGED_BY, OWNER_LABEL, RUN_LABEL};
+use types::{MANAGED_BY, OWNER_LABEL, RUN_LABEL, STARTED_LABEL};
 
 /// The API base when `HCLOUD_ENDPOINT` is not set.
 pub const DEFAULT_ENDPOINT: &str = "https://api.hetzner.cloud/v1";
@@ -416,7 +416,14 @@ struct Build<'a> {
 
 impl Build<'_> {
     fn temp_labels(&self) -> Value {
-        let mut labels = json!({MANAGED_BY.0: MANAGED_BY.1, RUN_LABEL: self.run});
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let mut labels = json!({
+            MANAGED_BY.0: MANAGED_BY.1,
+            RUN_LABEL: self.run,
+            STARTED_LABEL: now.to_string(),
+        });
         if let Some(owner) = cleanup::owner() {
             labels[OWNER_LABEL] = owner.into();
         }

@@ -66,7 +66,7 @@ impl Api {
     /// `endpoint` is the API base (`https://api.hetzner.cloud/v1`).
     pub fn new(endpoint: &str, token: Secret, policy: RetryPolicy) -> Result<Api, HcloudError> {
         let client = net::http_client(&HttpOptions {
-            timeout: Duration::from_secs(60),
+            timeout: net::stall_timeout(Duration::from_secs(60)),
             ..HttpOptions::default()
         })?;
         Ok(Api {

@@ -8,7 +8,8 @@ use serde_json::Value;
 use super::api::Api;
 use super::error::HcloudError;
 use super::types::{
-    Deleted, Event, Leftover, MANAGED_BY, OWNER_LABEL, Observer, RUN_LABEL, SnapshotOptions,
+    Deleted, Event, Leftover, MANAGED_BY, OWNER_LABEL, Observer, RUN_LABEL, STARTED_LABEL,
+    SnapshotOptions,
 };
 use crate::publish::Cancel;
 
@@ -127,23 +128,19 @@ fn gone(pid: i32) -> bool {
     r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
-/// Deletes what runs killed earlier in this boot left (found by their
-/// owner label, their process gone): a publish or up that follows a killed
-/// one cleans up after it. Runs of other machines or boots are left to
-/// `imgbuild cleanup`, which cannot tell them from live ones. What stays
-/// is returned.
+/// Deletes what killed runs left (found by imgbuild's labels; nothing
+/// without them is looked at): a publish or up that follows a killed one
+/// cleans up after it, on this machine or another. A run is over when its
+/// process, of this boot, is gone, or when it started longer ago than
+/// [`SnapshotOptions::stale_after`] (another machine's process cannot be
+/// asked). What stays is returned.
 pub(super) fn sweep_killed_runs(
     api: &Api,
     opts: &SnapshotOptions,
     observer: &dyn Observer,
 ) -> Vec<Leftover> {
-    let Some(boot) = boot() else {
-        return Vec::new();
-    };
-    let sel = format!(
-        "{}={},{RUN_LABEL},{OWNER_LABEL}",
-        MANAGED_BY.0, MANAGED_BY.1
-    );
+    let sel = format!("{}={},{RUN_LABEL}", MANAGED_BY.0, MANAGED_BY.1);
+    let (boot, now) = (boot(), SystemTime::now());
     let mut runs = std::collections::BTreeSet::new();
     for (path, key) in [("/servers", "servers"), ("/ssh_keys", "ssh_keys")] {
         let Ok(items) = api.list(path, key, &[("label_selector", sel.clone())]) else {
@@ -151,13 +148,15 @@ pub(super) fn sweep_killed_runs(
         };
         for item in items {
             let labels = &item["labels"];
-            let owner = labels[OWNER_LABEL].as_str().unwrap_or_default();
-            let dead = owner
-                .strip_prefix(&boot)
-                .and_then(|rest| rest.strip_prefix('-'))
-                .and_then(|pid| pid.parse::<i32>().ok())
+            let Some(run) = labels[RUN_LABEL].as_str() else {
+                continue;
+            };
+            let gone_here = owner_pid(labels, boot.as_deref())
                 .is_some_and(|pid| pid != std::process::id() as i32 && gone(pid));
-            if let (true, Some(run)) = (dead, labels[RUN_LABEL].as_str()) {
+            let stale = started(&item)
+                .and_then(|t| now.duration_since(t).ok())
+                .is_some_and(|age| age > opts.stale_after);
+            if gone_here || stale {
                 runs.insert(run.to_owned());
             }
         }
@@ -165,6 +164,25 @@ pub(super) fn sweep_killed_runs(
     runs.iter()
         .flat_map(|run| delete_run(api, run, opts, observer))
         .collect()
+}
+
+/// The process that made a resource, when it ran in this boot.
+fn owner_pid(labels: &Value, boot: Option<&str>) -> Option<i32> {
+    labels[OWNER_LABEL]
+        .as_str()?
+        .strip_prefix(boot?)?
+        .strip_prefix('-')?
+        .parse()
+        .ok()
+}
+
+/// When a run made a resource: its [`STARTED_LABEL`], else the API's
+/// `created` (resources of runs from before the label).
+fn started(item: &Value) -> Option<SystemTime> {
+    match item["labels"][STARTED_LABEL].as_str() {
+        Some(secs) => SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs.parse().ok()?)),
+        None => created_at(item),
+    }
 }
 
 /// A resource's `created` time (RFC 3339).

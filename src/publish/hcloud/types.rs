@@ -17,6 +17,10 @@ pub(super) const RUN_LABEL: &str = "imgbuild-run";
 /// in the same boot whose owner process is gone knows them as a killed
 /// run's leftovers.
 pub(super) const OWNER_LABEL: &str = "imgbuild-owner";
+/// When a run made the resource, in unix seconds: a run on another machine
+/// or boot, whose process cannot be asked, is over once this is older than
+/// [`SnapshotOptions::stale_after`].
+pub(super) const STARTED_LABEL: &str = "imgbuild-started";
 
 /// How patient a snapshot run is.
 #[derive(Debug, Clone)]
@@ -37,6 +41,10 @@ pub struct SnapshotOptions {
     /// zstd level and worker threads for images not already compressed.
     pub zstd_level: i32,
     pub zstd_threads: u32,
+    /// How old another machine's run must be before a later run takes its
+    /// temporary resources for a killed run's leftovers: longer than any
+    /// run lasts (action, login, stream and snapshot waits together).
+    pub stale_after: Duration,
 }
 
 impl Default for SnapshotOptions {
@@ -53,6 +61,7 @@ impl Default for SnapshotOptions {
             zstd_threads: std::thread::available_parallelism()
                 .map_or(1, |n| n.get() as u32)
                 .min(8),
+            stale_after: Duration::from_secs(6 * 3600),
         }
     }
 }

@@ -22,6 +22,8 @@ pub(super) struct Api {
     pub(super) client: Client,
     /// For upload bodies only.
     pub(super) uploads: reqwest::Client,
+    /// The stall timeout, for the replies to uploads.
+    pub(super) stall: Duration,
     pub(super) base: String,
     pub(super) auth: HeaderValue,
     pub(super) retry: RetryPolicy,
@@ -31,7 +33,7 @@ impl Api {
     pub(super) fn new(creds: &Credentials, retry: RetryPolicy) -> Result<Api, ProxmoxError> {
         let opts = net::HttpOptions {
             trust: creds.trust.clone(),
-            timeout: Duration::from_secs(300),
+            timeout: net::stall_timeout(Duration::from_secs(300)),
             ..net::HttpOptions::default()
         };
         let client = net::http_client(&opts)?;
@@ -46,6 +48,7 @@ impl Api {
         Ok(Api {
             client,
             uploads,
+            stall: opts.timeout,
             base: creds.api.clone(),
             auth,
             retry,

@@ -192,7 +192,7 @@ fn send_upload(
                 counter,
             ));
         let resp = net::send_once_async(req).await?;
-        net::read_limited_async(resp, 1 << 20, false).await
+        net::read_limited_async(resp, 1 << 20, false, api.stall).await
     };
     rt.block_on(async {
         tokio::pin!(attempt);
