@@ -97,6 +97,10 @@ fn print_plan(up: &UpgradePlan, output: Output) {
                 let what = match n.action {
                     Action::Done => " (done)".to_owned(),
                     Action::SchematicUnknown => " (on the target; schematic: unknown)".to_owned(),
+                    Action::Config => {
+                        " (on the target; its config names another installer: the config is applied)"
+                            .to_owned()
+                    }
                     Action::Blocked => " (blocked)".to_owned(),
                     Action::Upgrade if path.len() > 1 => format!(" via {}", path.join(" → ")),
                     Action::Upgrade => String::new(),
@@ -158,7 +162,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         &targets,
         &prepared.plan,
         &args.nodes,
-        &upgrade::Record::load(&record_path),
+        &upgrade::Record::load(&record_path)?,
         args.force,
         reboot_mode,
         &limits,
@@ -323,6 +327,7 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
             for n in &outcome.nodes {
                 let state = match (n.changed, n.applied, n.needs_reboot) {
                     (false, _, _) => "no change",
+                    (true, false, _) if n.staged => "staged, applies at the next reboot",
                     (true, true, true) => "applied, rebooted",
                     (true, true, false) => "applied",
                     (true, false, true) => "would change, needs a reboot",
@@ -366,7 +371,7 @@ pub(super) fn rows(
     let wanted = upgrade::wanted(inv)?;
     stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
     let prepared = stage::prepare(inv, opts)?;
-    let record = upgrade::Record::load(&record_path(&prepared.state_dir));
+    let record = upgrade::Record::load(&record_path(&prepared.state_dir))?;
     let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);
     Ok(runtime()?.block_on(status::collect(
         &prepared.plan,
@@ -422,7 +427,9 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                         short(&r.schematic),
                         short(&Some(r.wanted_schematic.clone()))
                     ),
-                    if r.config_needs_reboot {
+                    if r.config_staged {
+                        "STAGED"
+                    } else if r.config_needs_reboot {
                         "REBOOT"
                     } else {
                         yes(r.config_in_sync)
@@ -442,7 +449,12 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                         r.node
                     );
                 }
-                if r.config_needs_reboot {
+                if r.config_staged {
+                    outln!(
+                        "{}: config staged, reboot pending (it applies at the next reboot)",
+                        r.node
+                    );
+                } else if r.config_needs_reboot {
                     outln!(
                         "{}: the config change needs a reboot (imgbuild apply reboots it)",
                         r.node
@@ -477,12 +489,7 @@ fn print_fingerprinted(rows: &[status::NodeStatus]) {
 
 pub(super) fn print_drift(drift: &[status::Drift]) {
     for d in drift {
-        outln!(
-            "drift: {}: {} differs from the inventory (fix: {})",
-            d.node,
-            d.what,
-            d.fix
-        );
+        outln!("drift: {d}");
     }
 }
 

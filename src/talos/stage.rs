@@ -67,6 +67,9 @@ pub enum StageError {
     /// A node's schematic, to compare with the one it runs.
     #[error(transparent)]
     Schematic(#[from] crate::schematic::EmitError),
+    /// `upgrades.json` cannot be read.
+    #[error(transparent)]
+    Record(#[from] upgrade::RecordError),
 }
 
 /// The folder holding one cluster's secrets and client files: 0700, each
@@ -555,7 +558,7 @@ pub fn drift(
     opts: &BootstrapOptions,
 ) -> Result<Vec<Drift>, StageError> {
     let wanted = upgrade::wanted(inv)?;
-    let record = upgrade::Record::load(&prepared.state_dir.upgrades_path());
+    let record = upgrade::Record::load(&prepared.state_dir.upgrades_path())?;
     let fingerprints = config::Fingerprints::load(&prepared.state_dir.path);
     let plan = &prepared.plan;
     Ok(runtime()?.block_on(status::drift(

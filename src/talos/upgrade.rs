@@ -22,7 +22,7 @@ use super::health::wait_healthy;
 use crate::factory::{Factory, FactoryError};
 use crate::inventory::{Inventory, Role};
 use plan::{Action, Hop, NodePlan, Observed, UpgradePlan};
-pub use plan::{Installed, Record, Running, Wanted};
+pub use plan::{Installed, Record, RecordError, Running, Wanted};
 use report::{Failure, UpgradeReport};
 
 /// Every node's target, computed here without asking anyone: the
@@ -90,6 +90,8 @@ pub enum UpgradeError {
     Emit(#[from] crate::schematic::EmitError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(String),
+    #[error(transparent)]
+    Record(#[from] RecordError),
 }
 
 /// What the factory says, for planning: each node's target and the
@@ -153,6 +155,10 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
     match conn.running_schematic().await {
         Ok(s) => out.schematic = s,
         Err(e) => out.error = Some(format!("extension status: {e}")),
+    }
+    // Unread is not different: a failed read plans nothing extra.
+    if let Ok(Some(config)) = conn.machine_config("v1alpha1").await {
+        out.install_image = plan::install_image_of(&String::from_utf8_lossy(&config));
     }
     record.fill(&node.name, &mut out);
     out
@@ -575,6 +581,19 @@ async fn upgrade_node(
             ));
         }
     }
+    drop(conn);
+    configure_node(plan, node, opts).await
+}
+
+/// Applies the rendered config (which names the new installer) without a
+/// reboot, then waits for the cluster to be healthy: the last step of a
+/// node's upgrade, and all of it for a node a stopped run left on the
+/// target with its old config ([`Action::Config`]).
+async fn configure_node(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<(), String> {
+    let mode = Mode::Mtls(plan.identity.clone());
+    let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
+        .await
+        .map_err(|e| one_line(&e.to_string()))?;
     conn.apply_mode(node.config.clone(), ApplyMode::NoReboot, false)
         .await
         .map_err(|e| {
@@ -607,10 +626,12 @@ pub fn execute(
     if up.has_work() {
         report.notes.extend(warm(factory, up));
     }
+    let record = Record::load(record_path)?;
     let rt = runtime()?;
     rt.block_on(run_plan(
         plan,
         up,
+        record,
         record_path,
         run,
         opts,
@@ -620,16 +641,18 @@ pub fn execute(
     Ok(report)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_plan(
     plan: &Plan,
     up: &UpgradePlan,
+    record: Record,
     record_path: &Path,
     run: &RunOptions,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
     report: &mut UpgradeReport,
 ) {
-    let record = std::sync::Mutex::new((Record::load(record_path), None));
+    let record = std::sync::Mutex::new((record, None));
     let node_of = |name: &str| plan.nodes.iter().find(|n| n.name == name);
     let mut batches: Vec<Vec<&NodePlan>> = Vec::new();
     let mut workers = Vec::new();
@@ -637,8 +660,10 @@ async fn run_plan(
         match np.action {
             Action::Done => report.unchanged.push(np.node.clone()),
             Action::SchematicUnknown => report.schematic_unknown.push(np.node.clone()),
-            Action::Upgrade | Action::Blocked if np.control_plane => batches.push(vec![np]),
-            Action::Upgrade | Action::Blocked => workers.push(np),
+            Action::Upgrade | Action::Config | Action::Blocked if np.control_plane => {
+                batches.push(vec![np])
+            }
+            Action::Upgrade | Action::Config | Action::Blocked => workers.push(np),
         }
     }
     batches.extend(workers.chunks(run.parallel.max(1)).map(<[_]>::to_vec));
@@ -651,6 +676,16 @@ async fn run_plan(
             let Some(node) = node_of(&np.node) else {
                 return Err("not in the plan".into());
             };
+            if np.action == Action::Config {
+                if node.role == Role::Controlplane {
+                    wait_healthy(plan, node, opts).await?;
+                }
+                progress(
+                    &node.name,
+                    "applying the config that names the new installer",
+                );
+                return configure_node(plan, node, opts).await;
+            }
             upgrade_node(
                 plan,
                 node,
@@ -667,6 +702,7 @@ async fn run_plan(
         .await;
         for (np, r) in batch.iter().zip(results) {
             match r {
+                Ok(()) if np.action == Action::Config => report.configured.push(np.node.clone()),
                 Ok(()) => report.upgraded.push(np.node.clone()),
                 Err(error) if report.failed.is_none() => {
                     report.failed = Some(Failure {
@@ -726,7 +762,7 @@ mod tests {
         let run = |v: &str, s: Option<&str>| Running {
             version: Some(v.into()),
             schematic: s.map(str::to_owned),
-            error: None,
+            ..Running::default()
         };
         assert!(run("v1.11.5", Some("b")).is(&wanted()));
         assert!(run("v1.11.5", Some("o")).is(&wanted()));
@@ -739,7 +775,7 @@ mod tests {
     fn the_record_answers_only_for_nodes_that_cannot_and_run_its_version() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("upgrades.json");
-        assert_eq!(Record::load(&path), Record::default());
+        assert_eq!(Record::load(&path).unwrap(), Record::default());
         let mut record = Record::default();
         record.nodes.insert(
             "w1".into(),
@@ -755,7 +791,7 @@ mod tests {
             std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
             0o600
         );
-        let record = Record::load(&path);
+        let record = Record::load(&path).unwrap();
         let mut silent = Running {
             version: Some("v1.11.5".into()),
             ..Running::default()
@@ -771,7 +807,7 @@ mod tests {
         let mut speaks = Running {
             version: Some("v1.11.5".into()),
             schematic: Some("x".into()),
-            error: None,
+            ..Running::default()
         };
         record.fill("w1", &mut speaks);
         assert_eq!(
