@@ -905,6 +905,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
             v["config_error"] = json!(st.config_error);
             v["halted"] = json!(st.halted);
             v["documents"] = json!(st.applied.as_ref().map(|a| &a.documents));
+            v["install_image"] = json!(st.applied.as_ref().map(|a| &a.install_image));
             v["day2"] = day2::stats_of(&cluster, &st.day2, version, schematic, now);
             (name, v)
         })
