@@ -616,7 +616,8 @@ fn v1_11_an_upgrade_killed_while_a_node_reboots_leaves_no_stale_config_after_the
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     assert!(
-        seen.iter().any(|l| l.contains("cp-01: waiting for the node to reboot")),
+        seen.iter()
+            .any(|l| l.contains("cp-01: waiting for the node to reboot")),
         "{seen:?}"
     );
     wait_for_version(&c, "cp-01", "v1.11.5");
@@ -628,7 +629,11 @@ fn v1_11_an_upgrade_killed_while_a_node_reboots_leaves_no_stale_config_after_the
     };
     assert!(image("cp-01").ends_with(":v1.11.2"), "{}", image("cp-01"));
 
-    let o = imgbuild(&c.config, &["--output", "json", "upgrade", "--dry-run"], &[]);
+    let o = imgbuild(
+        &c.config,
+        &["--output", "json", "upgrade", "--dry-run"],
+        &[],
+    );
     assert!(o.status.success(), "{}", text(&o.stderr));
     let plan = json(&o);
     assert_eq!(plan["nodes"][0]["node"], "cp-01", "{plan}");
@@ -637,7 +642,11 @@ fn v1_11_an_upgrade_killed_while_a_node_reboots_leaves_no_stale_config_after_the
     let o = imgbuild(&c.config, &["--output", "json", "upgrade"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let report = json(&o);
-    assert_eq!(report["configured"], serde_json::json!(["cp-01"]), "{report}");
+    assert_eq!(
+        report["configured"],
+        serde_json::json!(["cp-01"]),
+        "{report}"
+    );
     for name in &c.names {
         assert!(image(name).ends_with(":v1.11.5"), "{name}: {}", image(name));
     }
@@ -649,13 +658,7 @@ fn v1_11_an_upgrade_killed_while_a_node_reboots_leaves_no_stale_config_after_the
 /// A worker sysctl staged with `apply --mode staged` on `version`: status
 /// shows it staged (not drift), a rerun stages nothing again.
 fn staged_config_is_not_drift(block: u32, version: &str) {
-    let c = Cluster::start(
-        block,
-        version,
-        version,
-        &[NODES[0], NODES[3]],
-        &[],
-    );
+    let c = Cluster::start(block, version, version, &[NODES[0], NODES[3]], &[]);
     std::fs::write(
         c.dir.path().join("worker.yaml"),
         "machine:\n  sysctls:\n    vm.max_map_count: \"262144\"\n",
@@ -680,7 +683,10 @@ fn staged_config_is_not_drift(block: u32, version: &str) {
         .find(|r| r["node"] == worker)
         .unwrap();
     assert_eq!(row["config_staged"], true, "{v}");
-    assert_eq!(row["config_in_sync"], false, "the running config differs: {v}");
+    assert_eq!(
+        row["config_in_sync"], false,
+        "the running config differs: {v}"
+    );
     assert_eq!(row["error"], serde_json::Value::Null, "not unreadable: {v}");
     let o = imgbuild(&c.config, &["status"], &[]);
     assert!(
@@ -714,4 +720,32 @@ fn v1_9_a_staged_config_is_not_drift() {
 #[test]
 fn v1_11_a_staged_config_is_not_drift() {
     staged_config_is_not_drift(15, "v1.11.5");
+}
+
+#[test]
+fn v1_13_the_client_drains_before_a_lifecycle_reboot_and_uncordons_after() {
+    // Talos v1.13.3 → v1.13.5 through LifecycleService. The node's Reboot
+    // sequence does not drain (v1alpha1_sequencer.go `Reboot`), so imgbuild
+    // cordons and drains first, as talosctl does, and uncordons after the
+    // node is Ready again (Talos uncordons only nodes it cordoned).
+    let c = Cluster::five(16, "v1.13.3", "v1.13.3,v1.13.5", &[]);
+    c.want("v1.13.5", "");
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(c.per_node("lifecycle_upgrades"), [1; 5]);
+    assert_eq!(c.per_node("reboot_calls"), [1; 5]);
+    assert_eq!(
+        c.per_node("reboots_undrained"),
+        [0; 5],
+        "a Reboot undrained"
+    );
+    assert!(
+        c.per_node("evictions").iter().sum::<u64>() >= 2,
+        "CoreDNS was never evicted: {:?}",
+        c.per_node("evictions")
+    );
+    for name in &c.names {
+        assert_eq!(c.day2(name, "cordoned"), false, "{name} left cordoned");
+    }
+    one_down_at_a_time(&c.stats());
 }

@@ -1963,6 +1963,15 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
             };
             let app = Router::new()
                 .route("/api/v1/nodes", get(health::nodes))
+                .route(
+                    "/api/v1/nodes/{name}",
+                    axum::routing::patch(health::patch_node),
+                )
+                .route("/api/v1/pods", get(health::all_pods))
+                .route(
+                    "/api/v1/namespaces/{ns}/pods/{name}/eviction",
+                    post(health::evict),
+                )
                 .route("/api/v1/namespaces/kube-system/pods", get(health::pods))
                 .route(
                     "/apis/apps/v1/namespaces/kube-system/daemonsets",

@@ -198,6 +198,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         pull_timeout: args.pull_timeout,
         node_timeout: args.upgrade_timeout,
         parallel: usize::from(args.parallel),
+        ..RunOptions::default()
     };
     let report = upgrade::execute(
         &factory,

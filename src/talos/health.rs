@@ -29,7 +29,7 @@ const ADDONS: [(&str, &str, &str); 2] = [
 ];
 
 /// The kubeconfig the bootstrap wrote into the state dir.
-fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
+pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
     let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
         .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
     Kubeconfig::parse(&text).map_err(|e| e.to_string())

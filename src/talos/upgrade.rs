@@ -6,6 +6,7 @@
 //! a stopped run left off, mid-path too. The plan is decided up front
 //! ([`plan`]), what happened is the [`report`].
 
+pub mod drain;
 pub mod plan;
 pub mod report;
 
@@ -62,6 +63,8 @@ pub struct RunOptions {
     pub node_timeout: Duration,
     /// Workers upgraded at once (control planes always one at a time).
     pub parallel: usize,
+    /// The client's cordon and drain before a LifecycleService reboot.
+    pub drain_timeout: Duration,
 }
 
 impl Default for RunOptions {
@@ -70,6 +73,7 @@ impl Default for RunOptions {
             pull_timeout: Duration::from_secs(600),
             node_timeout: Duration::from_secs(1800),
             parallel: 1,
+            drain_timeout: drain::DRAIN_TIMEOUT,
         }
     }
 }
@@ -412,7 +416,8 @@ fn refused(e: &ApiError, run: &RunOptions) -> String {
 
 /// Sends one hop's request the way the node's version takes it. Returns
 /// once the node has taken it (MachineService: acked; LifecycleService:
-/// installed and Reboot sent).
+/// installed, the Kubernetes node cordoned and drained, Reboot sent), and
+/// whether the client cordoned it (then the client uncordons it).
 #[allow(clippy::too_many_arguments)]
 async fn request_hop(
     plan: &Plan,
@@ -423,7 +428,7 @@ async fn request_hop(
     run: &RunOptions,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
-) -> Result<(), String> {
+) -> Result<bool, String> {
     let mode = Mode::Mtls(plan.identity.clone());
     // The pull happens inside the call: it gets its own deadline; the
     // connection itself still gets the call timeout.
@@ -454,13 +459,29 @@ async fn request_hop(
                         one_line(host)
                     ));
                 }
-                let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
-                    .await
-                    .map_err(|e| one_line(&e.to_string()))?;
-                return conn
-                    .reboot(up.reboot_mode)
-                    .await
-                    .map_err(|e| format!("Reboot: {}", one_line(&e.to_string())));
+                // Reboot does not drain (talosctl drains first).
+                drain::cordon_and_drain(plan, &node.name, run.drain_timeout, opts, &|m| {
+                    progress(&node.name, m)
+                })
+                .await?;
+                let rebooted = async {
+                    NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
+                        .await?
+                        .reboot(up.reboot_mode)
+                        .await
+                };
+                return match rebooted.await {
+                    Ok(()) => Ok(true),
+                    Err(e) => {
+                        // As talosctl's deferred uncordon: not left cordoned.
+                        let undo =
+                            drain::uncordon_when_ready(plan, &node.name, opts.call_timeout, opts)
+                                .await
+                                .err()
+                                .map_or(String::new(), |u| format!("; {u}"));
+                        Err(format!("Reboot: {}{undo}", one_line(&e.to_string())))
+                    }
+                };
             }
             // A node that does not offer the newer API takes the old one.
             Err(e) if e.code() == Some(tonic::Code::Unimplemented) => {}
@@ -475,7 +496,7 @@ async fn request_hop(
     puller
         .upgrade(&hop.installer, flags)
         .await
-        .map(|_| ())
+        .map(|_| false)
         .map_err(|e| refused(&e, run))
 }
 
@@ -526,7 +547,7 @@ async fn upgrade_node(
             &node.name,
             &format!("upgrading {} → {}", one_line(&before), hop.version),
         );
-        request_hop(plan, node, &before, hop, up, run, opts, progress).await?;
+        let cordoned = request_hop(plan, node, &before, hop, up, run, opts, progress).await?;
         progress(&node.name, "waiting for the node to reboot");
         let now = wait_rebooted(
             plan,
@@ -537,6 +558,10 @@ async fn upgrade_node(
             opts,
         )
         .await?;
+        if cordoned {
+            progress(&node.name, "waiting for Ready to uncordon it");
+            drain::uncordon_when_ready(plan, &node.name, run.node_timeout, opts).await?;
+        }
         if now != hop.version {
             return Err(format!(
                 "rebooted on {}, not {}: the installer failed and Talos kept the old version",

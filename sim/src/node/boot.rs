@@ -33,6 +33,19 @@ pub(super) struct Life {
     pub reboots: u32,
     /// `spec.unschedulable` of its Kubernetes node.
     pub cordoned: bool,
+    /// Cordoned through the Kubernetes API (talosctl's drain on the
+    /// LifecycleService path), not by Talos: Talos uncordons only nodes it
+    /// cordoned (`controllers/k8s/node_apply.go` `ApplyCordoned`, by its
+    /// annotation), so the boot leaves this one cordoned.
+    pub cordoned_by_client: bool,
+    /// Its evictable pods left (evicted, or stopped by a reboot) since it
+    /// was cordoned: nothing is scheduled back while it stays cordoned.
+    pub pods_gone: bool,
+    /// Pods evicted from it through the Kubernetes API.
+    pub evictions: u32,
+    /// `Reboot` calls that found its Kubernetes node schedulable (nobody
+    /// drained it first).
+    pub reboots_undrained: u32,
     /// A sequence (upgrade, reboot) runs until the node is back up.
     pub busy_until: Option<Instant>,
     /// Cordoned and draining until then (the node answers meanwhile).
@@ -144,6 +157,7 @@ impl Cluster {
                 st.configured_at = Some(up_at);
                 let life = &mut st.day2.life;
                 life.reboots += 1;
+                life.pods_gone = true;
                 let id = new_boot_id(&node.name, life.boot_ids.len());
                 life.boot_ids.push(id);
                 life.outages.push(Outage {
@@ -156,8 +170,9 @@ impl Cluster {
             tokio::time::sleep_until(up_at.into()).await;
             {
                 let mut st = node.st.lock().unwrap();
-                if !st.day2.leave_cordoned {
-                    st.day2.life.cordoned = false;
+                let day2 = &mut st.day2;
+                if !day2.leave_cordoned && !day2.life.cordoned_by_client {
+                    day2.life.cordoned = false;
                 }
             }
             node.bump();

@@ -423,6 +423,9 @@ impl Api {
         {
             let mut st = node.st.lock().unwrap();
             st.day2.reboot_calls += 1;
+            if !st.day2.life.cordoned {
+                st.day2.life.reboots_undrained += 1;
+            }
             st.day2.reboot_modes.push(
                 reboot_request::Mode::try_from(req.mode)
                     .map_or("unknown", |m| m.as_str_name())
