@@ -235,24 +235,30 @@ fn v1_9_to_v1_12_goes_through_each_minor_and_a_stopped_run_resumes() {
 }
 
 #[test]
-fn v1_11_a_first_pull_longer_than_the_call_timeout_upgrades_every_node_once() {
-    // v1.11.2 → v1.11.5. The first pull of the installer takes 6 s, the
-    // call timeout is 2 s (the old code gave Upgrade the call timeout, so
-    // its deadline cancelled the pull); Upgrade has its own deadline.
-    let c = Cluster::five(1, "v1.11.2", "v1.11.2,v1.11.5", &[]);
+fn v1_11_a_40_s_first_pull_over_the_default_15_s_call_timeout_upgrades_every_node_once() {
+    // v1.11.2 → v1.11.5 with the issue's real numbers and imgbuild's
+    // default timeouts (--call-timeout 15s, --pull-timeout 10m): the
+    // factory builds the installer on its first request, so the first
+    // node's pull takes 40 s before Talos acks the Upgrade (the old code
+    // gave Upgrade the call timeout, whose deadline cancelled the pull).
+    let c = Cluster::five(1, "v1.11.2", "v1.11.2,v1.11.5", &["--pull-delay", "40000"]);
     c.want("v1.11.5", "");
-    for name in &c.names {
-        c.switch(&format!(r#"{{"node":"{name}","pull_ms":6000}}"#));
-    }
-    let o = imgbuild(
-        &c.config,
-        &["--output", "json", "upgrade", "--call-timeout", "2s"],
-        &["--call-timeout"],
-    );
-    assert!(o.status.success(), "{}", text(&o.stdout));
+    let before = c.stats()["now_ms"].as_u64().unwrap();
+    let o = imgbuild(&c.config, &["upgrade"], &["--call-timeout"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(c.per_node("upgrade_calls"), [1; 5]);
     assert_eq!(c.per_node("upgrades"), [1; 5]);
     assert_eq!(c.per_node("pulls_cancelled"), [0; 5]);
+    let stats = c.stats();
+    let first = &stats["upgrades"][0];
+    assert_eq!(first["node"], "cp-01", "{first}");
+    let waited = first["acked_ms"].as_u64().unwrap() - before;
+    assert!(waited >= 40_000, "the first ack came after {waited} ms");
+    assert!(
+        text(&o.stderr).contains("pulling the installer"),
+        "{}",
+        text(&o.stderr)
+    );
 
     // With the pull deadline below the pull, the node's cancelled pull is
     // reported as such, not as a refusal or a failed installer.
