@@ -797,6 +797,20 @@ mod tests {
     }
 
     #[test]
+    fn an_unreadable_record_is_an_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upgrades.json");
+        std::fs::write(&path, "{\"nodes\": 7}").unwrap();
+        let e = Record::load(&path).unwrap_err().to_string();
+        assert!(e.contains(&path.display().to_string()), "{e}");
+        assert!(e.contains("not an upgrade record"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let e = Record::load(&path).unwrap_err().to_string();
+        assert!(e.contains("directory"), "{e}");
+    }
+
+    #[test]
     fn the_record_answers_only_for_nodes_that_cannot_and_run_its_version() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("upgrades.json");
