@@ -715,6 +715,24 @@ fn staged_config_is_not_drift(block: u32, version: &str) {
         staged_applies,
         "staged again: {v}"
     );
+    // `up`'s status step: staged, not drift (exit 0).
+    let out_dir = c.dir.path().join("out");
+    let o = imgbuild(
+        &c.config,
+        &[
+            "--output",
+            "json",
+            "up",
+            "--quiet",
+            "--out-dir",
+            out_dir.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let report = json(&o);
+    assert_eq!(report["drift"], serde_json::json!([]), "{report}");
+    assert_eq!(report["staged"], serde_json::json!([worker]), "{report}");
 }
 
 #[test]

@@ -451,10 +451,7 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                     );
                 }
                 if r.config_staged {
-                    outln!(
-                        "{}: config staged, reboot pending (it applies at the next reboot)",
-                        r.node
-                    );
+                    print_staged(std::slice::from_ref(&r.node));
                 } else if r.config_needs_reboot {
                     outln!(
                         "{}: the config change needs a reboot (imgbuild apply reboots it)",
@@ -485,6 +482,13 @@ fn print_fingerprinted(rows: &[status::NodeStatus]) {
             "note: {name} is not set: compared by the fingerprint recorded when it was last applied ({})",
             nodes.join(", ")
         );
+    }
+}
+
+/// One line per node whose config is staged for its next reboot.
+pub(super) fn print_staged(nodes: &[String]) {
+    for node in nodes {
+        outln!("{node}: config staged, reboot pending (it applies at the next reboot)");
     }
 }
 

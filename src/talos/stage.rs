@@ -16,7 +16,7 @@ use super::client::{self, NodeEndpoint, Probe};
 use super::config::{self, ConfigError, PatchVars};
 use super::lock::{self, LockError, StateLock};
 use super::secrets::{SecretsBundle, SecretsError};
-use super::status::{self, Drift};
+use super::status::{self, Differences};
 use super::talosconfig::{Talosconfig, TalosconfigError};
 use super::upgrade;
 use crate::inventory::{Inventory, UnknownNode};
@@ -556,7 +556,7 @@ pub fn drift(
     inv: &Inventory,
     prepared: &Prepared,
     opts: &BootstrapOptions,
-) -> Result<Vec<Drift>, StageError> {
+) -> Result<Differences, StageError> {
     let wanted = upgrade::wanted(inv)?;
     let record = upgrade::Record::load(&prepared.state_dir.upgrades_path())?;
     let fingerprints = config::Fingerprints::load(&prepared.state_dir.path);

@@ -130,6 +130,15 @@ pub async fn collect(
     rows
 }
 
+/// How the nodes differ from the inventory, and which hold the rendered
+/// config staged for their next reboot (not a difference).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Differences {
+    pub drift: Vec<Drift>,
+    /// Nodes whose config is staged, reboot pending.
+    pub staged: Vec<String>,
+}
+
 /// How the nodes differ from the inventory, from the same rows without
 /// asking Kubernetes: `up` knows who is Ready from its last health round.
 pub async fn drift(
@@ -138,12 +147,16 @@ pub async fn drift(
     record: &Record,
     fingerprints: &Fingerprints,
     opts: &Options,
-) -> Vec<Drift> {
-    read_nodes(plan, wanted, record, fingerprints, opts)
-        .await
-        .iter()
-        .flat_map(NodeStatus::drift)
-        .collect()
+) -> Differences {
+    let rows = read_nodes(plan, wanted, record, fingerprints, opts).await;
+    Differences {
+        drift: rows.iter().flat_map(NodeStatus::drift).collect(),
+        staged: rows
+            .iter()
+            .filter(|r| r.config_staged)
+            .map(|r| r.node.clone())
+            .collect(),
+    }
 }
 
 /// How a node's config compares with the rendered one.
