@@ -235,24 +235,30 @@ fn v1_9_to_v1_12_goes_through_each_minor_and_a_stopped_run_resumes() {
 }
 
 #[test]
-fn v1_11_a_first_pull_longer_than_the_call_timeout_upgrades_every_node_once() {
-    // v1.11.2 → v1.11.5. The first pull of the installer takes 6 s, the
-    // call timeout is 2 s (the old code gave Upgrade the call timeout, so
-    // its deadline cancelled the pull); Upgrade has its own deadline.
-    let c = Cluster::five(1, "v1.11.2", "v1.11.2,v1.11.5", &[]);
+fn v1_11_a_40_s_first_pull_over_the_default_15_s_call_timeout_upgrades_every_node_once() {
+    // v1.11.2 → v1.11.5 with the issue's real numbers and imgbuild's
+    // default timeouts (--call-timeout 15s, --pull-timeout 10m): the
+    // factory builds the installer on its first request, so the first
+    // node's pull takes 40 s before Talos acks the Upgrade (the old code
+    // gave Upgrade the call timeout, whose deadline cancelled the pull).
+    let c = Cluster::five(1, "v1.11.2", "v1.11.2,v1.11.5", &["--pull-delay", "40000"]);
     c.want("v1.11.5", "");
-    for name in &c.names {
-        c.switch(&format!(r#"{{"node":"{name}","pull_ms":6000}}"#));
-    }
-    let o = imgbuild(
-        &c.config,
-        &["--output", "json", "upgrade", "--call-timeout", "2s"],
-        &["--call-timeout"],
-    );
-    assert!(o.status.success(), "{}", text(&o.stdout));
+    let before = c.stats()["now_ms"].as_u64().unwrap();
+    let o = imgbuild(&c.config, &["upgrade"], &["--call-timeout"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(c.per_node("upgrade_calls"), [1; 5]);
     assert_eq!(c.per_node("upgrades"), [1; 5]);
     assert_eq!(c.per_node("pulls_cancelled"), [0; 5]);
+    let stats = c.stats();
+    let first = &stats["upgrades"][0];
+    assert_eq!(first["node"], "cp-01", "{first}");
+    let waited = first["acked_ms"].as_u64().unwrap() - before;
+    assert!(waited >= 40_000, "the first ack came after {waited} ms");
+    assert!(
+        text(&o.stderr).contains("pulling the installer"),
+        "{}",
+        text(&o.stderr)
+    );
 
     // With the pull deadline below the pull, the node's cancelled pull is
     // reported as such, not as a refusal or a failed installer.
@@ -573,4 +579,197 @@ fn scenario_v1_12() {
 #[test]
 fn scenario_v1_14() {
     scenario(12, "v1.14.0", "v1.14.1");
+}
+
+/// Waits until `node` answers on `version` (the simulator's own word).
+fn wait_for_version(c: &Cluster, node: &str, version: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::time::Instant::now() < deadline {
+        let stats = c.stats();
+        if stats["nodes"][node]["day2"]["version"] == version
+            && stats["nodes"][node]["phase"] == "configured"
+        {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("{node} never came up on {version}");
+}
+
+#[test]
+fn v1_11_an_upgrade_killed_while_a_node_reboots_leaves_no_stale_config_after_the_rerun() {
+    // Talos v1.11.2 → v1.11.5. SIGKILL while cp-01 reboots into v1.11.5:
+    // the config apply that follows its reboot never ran, so its machine
+    // config still names the v1.11.2 installer. The rerun sees cp-01 on
+    // the target and applies the config (no second Upgrade).
+    let c = Cluster::five(13, "v1.11.2", "v1.11.2,v1.11.5", &[]);
+    c.want("v1.11.5", "");
+    let mut child = run(&c.config, &["upgrade"], &[])
+        .into_command()
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = Vec::new();
+    for line in stderr.lines() {
+        let line = line.unwrap();
+        seen.push(line.clone());
+        if line.contains("cp-01: waiting for the node to reboot") {
+            break;
+        }
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(
+        seen.iter()
+            .any(|l| l.contains("cp-01: waiting for the node to reboot")),
+        "{seen:?}"
+    );
+    wait_for_version(&c, "cp-01", "v1.11.5");
+    let image = |node: &str| {
+        c.stats()["nodes"][node]["install_image"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert!(image("cp-01").ends_with(":v1.11.2"), "{}", image("cp-01"));
+
+    let o = imgbuild(
+        &c.config,
+        &["--output", "json", "upgrade", "--dry-run"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let plan = json(&o);
+    assert_eq!(plan["nodes"][0]["node"], "cp-01", "{plan}");
+    assert_eq!(plan["nodes"][0]["action"], "config", "{plan}");
+
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let report = json(&o);
+    assert_eq!(
+        report["configured"],
+        serde_json::json!(["cp-01"]),
+        "{report}"
+    );
+    for name in &c.names {
+        assert!(image(name).ends_with(":v1.11.5"), "{name}: {}", image(name));
+    }
+    assert_eq!(c.day2("cp-01", "upgrade_calls"), 1, "no second Upgrade");
+    let (v, code) = status_check(&c);
+    assert_eq!(code, Some(0), "{v}");
+}
+
+/// A worker sysctl staged with `apply --mode staged` on `version`: status
+/// shows it staged (not drift), a rerun stages nothing again.
+fn staged_config_is_not_drift(block: u32, version: &str) {
+    let c = Cluster::start(block, version, version, &[NODES[0], NODES[3]], &[]);
+    std::fs::write(
+        c.dir.path().join("worker.yaml"),
+        "machine:\n  sysctls:\n    vm.max_map_count: \"262144\"\n",
+    )
+    .unwrap();
+    c.want(version, "patches:\n  worker: [worker.yaml]\n");
+    let (v, code) = status_check(&c);
+    assert_eq!(code, Some(1), "not staged yet: drift {v}");
+    let worker = NODES[3].0;
+    let (v, code) = apply(&c, &["--mode", "staged"]);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(c.day2(worker, "staged"), true);
+    let staged_applies = c.day2(worker, "applies_by_mode")["staged"].clone();
+    assert_eq!(staged_applies, 1, "{v}");
+
+    let (v, code) = status_check(&c);
+    assert_eq!(code, Some(0), "staged is not drift: {v}");
+    let row = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["node"] == worker)
+        .unwrap();
+    assert_eq!(row["config_staged"], true, "{v}");
+    assert_eq!(
+        row["config_in_sync"], false,
+        "the running config differs: {v}"
+    );
+    assert_eq!(row["error"], serde_json::Value::Null, "not unreadable: {v}");
+    let o = imgbuild(&c.config, &["status"], &[]);
+    assert!(
+        text(&o.stdout).contains(&format!("{worker}: config staged, reboot pending")),
+        "{}",
+        text(&o.stdout)
+    );
+
+    let o = imgbuild(&c.config, &["apply", "--dry-run", "--mode", "staged"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stdout).contains(&format!("{worker}: staged, applies at the next reboot")),
+        "{}",
+        text(&o.stdout)
+    );
+    let (v, code) = apply(&c, &["--mode", "staged"]);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(
+        c.day2(worker, "applies_by_mode")["staged"],
+        staged_applies,
+        "staged again: {v}"
+    );
+    // `up`'s status step: staged, not drift (exit 0).
+    let out_dir = c.dir.path().join("out");
+    let o = imgbuild(
+        &c.config,
+        &[
+            "--output",
+            "json",
+            "up",
+            "--quiet",
+            "--out-dir",
+            out_dir.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let report = json(&o);
+    assert_eq!(report["drift"], serde_json::json!([]), "{report}");
+    assert_eq!(report["staged"], serde_json::json!([worker]), "{report}");
+}
+
+#[test]
+fn v1_9_a_staged_config_is_not_drift() {
+    // v1.9 has no `persistent` MachineConfig: the file is read.
+    staged_config_is_not_drift(14, "v1.9.5");
+}
+
+#[test]
+fn v1_11_a_staged_config_is_not_drift() {
+    staged_config_is_not_drift(15, "v1.11.5");
+}
+
+#[test]
+fn v1_13_the_client_drains_before_a_lifecycle_reboot_and_uncordons_after() {
+    // Talos v1.13.3 → v1.13.5 through LifecycleService. The node's Reboot
+    // sequence does not drain (v1alpha1_sequencer.go `Reboot`), so imgbuild
+    // cordons and drains first, as talosctl does, and uncordons after the
+    // node is Ready again (Talos uncordons only nodes it cordoned).
+    let c = Cluster::five(16, "v1.13.3", "v1.13.3,v1.13.5", &[]);
+    c.want("v1.13.5", "");
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(c.per_node("lifecycle_upgrades"), [1; 5]);
+    assert_eq!(c.per_node("reboot_calls"), [1; 5]);
+    assert_eq!(
+        c.per_node("reboots_undrained"),
+        [0; 5],
+        "a Reboot undrained"
+    );
+    assert!(
+        c.per_node("evictions").iter().sum::<u64>() >= 2,
+        "CoreDNS was never evicted: {:?}",
+        c.per_node("evictions")
+    );
+    for name in &c.names {
+        assert_eq!(c.day2(name, "cordoned"), false, "{name} left cordoned");
+    }
+    one_down_at_a_time(&c.stats());
 }

@@ -923,6 +923,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
             v["config_error"] = json!(st.config_error);
             v["halted"] = json!(st.halted);
             v["documents"] = json!(st.applied.as_ref().map(|a| &a.documents));
+            v["install_image"] = json!(st.applied.as_ref().map(|a| &a.install_image));
             v["day2"] = day2::stats_of(&cluster, &st.day2, version, schematic, now);
             (name, v)
         })
@@ -1986,6 +1987,15 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
             };
             let app = Router::new()
                 .route("/api/v1/nodes", get(health::nodes))
+                .route(
+                    "/api/v1/nodes/{name}",
+                    axum::routing::patch(health::patch_node),
+                )
+                .route("/api/v1/pods", get(health::all_pods))
+                .route(
+                    "/api/v1/namespaces/{ns}/pods/{name}/eviction",
+                    post(health::evict),
+                )
                 .route("/api/v1/namespaces/kube-system/pods", get(health::pods))
                 .route(
                     "/apis/apps/v1/namespaces/kube-system/daemonsets",

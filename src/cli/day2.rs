@@ -134,6 +134,10 @@ fn print_plan(up: &UpgradePlan, kube: Option<&KubePlan>, output: Output) {
                 let what = match n.action {
                     Action::Done => " (done)".to_owned(),
                     Action::SchematicUnknown => " (on the target; schematic: unknown)".to_owned(),
+                    Action::Config => {
+                        " (on the target; its config names another installer: the config is applied)"
+                            .to_owned()
+                    }
                     Action::Blocked => " (blocked)".to_owned(),
                     Action::Upgrade if path.len() > 1 => format!(" via {}", path.join(" → ")),
                     Action::Upgrade => String::new(),
@@ -198,7 +202,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         &targets,
         &prepared.plan,
         &args.nodes,
-        &upgrade::Record::load(&record_path),
+        &upgrade::Record::load(&record_path)?,
         args.force,
         reboot_mode,
         &limits,
@@ -263,6 +267,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         pull_timeout: args.pull_timeout,
         node_timeout: args.upgrade_timeout,
         parallel: usize::from(args.parallel),
+        ..RunOptions::default()
     };
     // The Talos part applies each node's config after its upgrade: with
     // the Kubernetes versions it runs, so Kubernetes moves only in order.
@@ -464,6 +469,7 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
             for n in &outcome.nodes {
                 let state = match (n.changed, n.applied, n.needs_reboot) {
                     (false, _, _) => "no change",
+                    (true, false, _) if n.staged => "staged, applies at the next reboot",
                     (true, true, true) => "applied, rebooted",
                     (true, true, false) => "applied",
                     (true, false, true) => "would change, needs a reboot",
@@ -522,7 +528,7 @@ pub(super) fn rows(
     stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
     let mut prepared = stage::prepare(inv, opts)?;
     let observed = pin_kubernetes(inv, &mut prepared.plan, &opts.limits)?;
-    let record = upgrade::Record::load(&record_path(&prepared.state_dir));
+    let record = upgrade::Record::load(&record_path(&prepared.state_dir))?;
     let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);
     let rows = runtime()?.block_on(status::collect(
         &prepared.plan,
@@ -587,7 +593,9 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                         short(&r.schematic),
                         short(&Some(r.wanted_schematic.clone()))
                     ),
-                    if r.config_needs_reboot {
+                    if r.config_staged {
+                        "STAGED"
+                    } else if r.config_needs_reboot {
                         "REBOOT"
                     } else {
                         yes(r.config_in_sync)
@@ -607,7 +615,9 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                         r.node
                     );
                 }
-                if r.config_needs_reboot {
+                if r.config_staged {
+                    print_staged(std::slice::from_ref(&r.node));
+                } else if r.config_needs_reboot {
                     outln!(
                         "{}: the config change needs a reboot (imgbuild apply reboots it)",
                         r.node
@@ -657,14 +667,16 @@ fn print_fingerprinted(rows: &[status::NodeStatus]) {
     }
 }
 
+/// One line per node whose config is staged for its next reboot.
+pub(super) fn print_staged(nodes: &[String]) {
+    for node in nodes {
+        outln!("{node}: config staged, reboot pending (it applies at the next reboot)");
+    }
+}
+
 pub(super) fn print_drift(drift: &[status::Drift]) {
     for d in drift {
-        outln!(
-            "drift: {}: {} differs from the inventory (fix: {})",
-            d.node,
-            d.what,
-            d.fix
-        );
+        outln!("drift: {d}");
     }
 }
 

@@ -101,6 +101,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
                 }
             }
             super::day2::print_drift(&report.drift);
+            super::day2::print_staged(&report.staged);
         }
     }
     match &report.stopped {

@@ -17,8 +17,9 @@ use futures_util::StreamExt;
 
 use super::bootstrap::{Options, Plan, PlannedNode};
 use super::client::{ApplyMode, Mode, NodeClient};
+use super::config::Fingerprints;
 use super::health::wait_healthy;
-use super::status::{ConfigState, config_state, diff_of};
+use super::status::{ConfigState, config_state, diff_of, staged};
 use super::upgrade::{READ_CONCURRENCY, ordered, wait_rebooted};
 use crate::inventory::Role;
 
@@ -34,6 +35,9 @@ pub struct NodeApply {
     pub needs_reboot: bool,
     /// What the reboot-needing change touches (`machine.files`, …).
     pub fields: Vec<String>,
+    /// The node persisted the rendered config for its next boot (a STAGED
+    /// apply): staged, applies at the next reboot. `--mode staged` leaves it.
+    pub staged: bool,
     /// Whether this run applied the rendered config.
     pub applied: bool,
     /// Whether this run rebooted the node for it.
@@ -143,6 +147,8 @@ async fn connect(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<Node
 pub struct Compared {
     pub diff: String,
     pub needs_reboot: bool,
+    /// The node's next boot runs the rendered config already.
+    pub staged: bool,
 }
 
 /// Asks `node` for the diff between its config and the rendered one: an
@@ -164,9 +170,19 @@ pub async fn compare(
         .apply_mode(node.config.clone(), ask, true)
         .await
         .map_err(|e| e.to_string())?;
+    let diff = diff_of(&details);
+    let staged = if diff.is_empty() {
+        false
+    } else {
+        let version = conn.version().await.map_err(|e| e.to_string())?.tag;
+        staged(&conn, node, &version, &Fingerprints::default())
+            .await
+            .map_err(|e| format!("reading the persisted config: {e}"))?
+    };
     Ok(Compared {
-        diff: diff_of(&details),
+        diff,
         needs_reboot: ask == ApplyMode::Auto && summary_reboots(&details),
+        staged,
     })
 }
 
@@ -255,6 +271,7 @@ pub async fn run(
                     diff: c.diff,
                     needs_reboot: c.needs_reboot,
                     fields,
+                    staged: c.staged,
                     applied: false,
                     rebooted: false,
                 });
@@ -287,7 +304,8 @@ pub async fn run(
     // Live changes first, then the rebooting ones, one at a time.
     todo.sort_by_key(|(_, i)| outcome.nodes[*i].needs_reboot);
     for (node, i) in todo {
-        if !outcome.nodes[i].changed || !outcome.failed.is_empty() {
+        let staged_already = mode == ApplyMode::Staged && outcome.nodes[i].staged;
+        if !outcome.nodes[i].changed || staged_already || !outcome.failed.is_empty() {
             continue;
         }
         let reboot = outcome.nodes[i].needs_reboot;

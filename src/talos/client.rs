@@ -602,6 +602,12 @@ pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 /// A boot ID is a UUID and a newline; anything longer is not one.
 const BOOT_ID_LIMIT: usize = 128;
 
+/// Where Talos keeps the config its next boot runs (`constants.ConfigPath`).
+pub const PERSISTED_CONFIG_PATH: &str = "/system/state/config.yaml";
+
+/// A machine config larger than this is not one imgbuild rendered.
+const CONFIG_LIMIT: usize = 4 << 20;
+
 impl Reply for Reboot {
     fn metadata(&self) -> Option<&Metadata> {
         self.metadata.as_ref()
@@ -646,9 +652,21 @@ fn containerd(namespace: ContainerdNamespace) -> ContainerdInstance {
 impl NodeClient {
     /// The node's boot ID (`MachineService.Read` of [`BOOT_ID_PATH`]).
     pub async fn boot_id(&self) -> Result<String, ApiError> {
-        let req = ReadRequest {
-            path: BOOT_ID_PATH.into(),
-        };
+        let bytes = self
+            .read_file(BOOT_ID_PATH, "the boot ID", BOOT_ID_LIMIT)
+            .await?;
+        Ok(String::from_utf8_lossy(&bytes).trim().to_owned())
+    }
+
+    /// `MachineService.Read` of `path` (machined streams the file), at most
+    /// `limit` bytes.
+    async fn read_file(
+        &self,
+        path: &str,
+        what: &'static str,
+        limit: usize,
+    ) -> Result<Vec<u8>, ApiError> {
+        let req = ReadRequest { path: path.into() };
         let mut stream = self.call(self.machine().read(self.request(req))).await?;
         let read = async {
             let mut out = Vec::new();
@@ -657,19 +675,70 @@ impl NodeClient {
                     Ok(Some(chunk)) => {
                         self.check(std::slice::from_ref(&chunk))?;
                         out.extend_from_slice(&chunk.bytes);
-                        if out.len() > BOOT_ID_LIMIT {
-                            return Err(ApiError::TooLarge {
-                                what: "the boot ID",
-                                limit: BOOT_ID_LIMIT,
-                            });
+                        if out.len() > limit {
+                            return Err(ApiError::TooLarge { what, limit });
                         }
                     }
-                    Ok(None) => return Ok(String::from_utf8_lossy(&out).trim().to_owned()),
+                    Ok(None) => return Ok(out),
                     Err(s) => return Err(self.fail(s).await),
                 }
             }
         };
         self.within(read).await?
+    }
+
+    /// The machine config the node persisted: what its next boot runs (a
+    /// STAGED apply's config until that boot; behind the running one while
+    /// a TRY is pending). From Talos v1.10 the COSI resource
+    /// `MachineConfigs.config.talos.dev` `persistent` (siderolabs/talos
+    /// `pkg/machinery/resources/config/machine_config.go`, `PersistentID`);
+    /// v1.9 has no such resource and the file at `constants.ConfigPath` is
+    /// read instead. None when the node has none.
+    pub async fn persisted_config(&self, as_resource: bool) -> Result<Option<Vec<u8>>, ApiError> {
+        if !as_resource {
+            return match self
+                .read_file(PERSISTED_CONFIG_PATH, "the persisted config", CONFIG_LIMIT)
+                .await
+            {
+                Ok(b) => Ok(Some(b)),
+                Err(e) if e.code() == Some(tonic::Code::NotFound) => Ok(None),
+                Err(e) => Err(e),
+            };
+        }
+        self.machine_config("persistent").await
+    }
+
+    /// The COSI resource `MachineConfigs.config.talos.dev` `id`: its YAML,
+    /// the config as applied (`v1alpha1`: the active one, every version;
+    /// `persistent` from v1.10). None when the node has no such resource.
+    pub async fn machine_config(&self, id: &str) -> Result<Option<Vec<u8>>, ApiError> {
+        use super::api::cosi::resource::GetRequest;
+        use super::api::cosi::resource::state_client::StateClient;
+        let req = GetRequest {
+            namespace: "config".into(),
+            r#type: "MachineConfigs.config.talos.dev".into(),
+            id: id.into(),
+            options: None,
+        };
+        let mut state = StateClient::new(self.channel.clone());
+        match self.call(state.get(self.request(req))).await {
+            Ok(reply) => {
+                let yaml = reply
+                    .resource
+                    .and_then(|r| r.spec)
+                    .map(|s| s.yaml_spec)
+                    .unwrap_or_default();
+                if yaml.len() > CONFIG_LIMIT {
+                    return Err(ApiError::TooLarge {
+                        what: "a machine config",
+                        limit: CONFIG_LIMIT,
+                    });
+                }
+                Ok(Some(yaml.into_bytes()))
+            }
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// `MachineService.Reboot`: the node stops its pods and services and

@@ -170,13 +170,31 @@ impl Kubeconfig {
     /// One GET of the API (`path` with its query), its reply as JSON,
     /// bounded like a node list. Blocking: call it off the async runtime.
     pub fn get_json(&self, path: &str, timeout: Duration) -> Result<serde_json::Value, KubeError> {
+        self.send_json(reqwest::Method::GET, path, None, timeout)
+    }
+
+    /// One request with an optional JSON body and its content type (a
+    /// node's patch, a pod's eviction), its reply as JSON, bounded like a
+    /// node list. Blocking: call it off the async runtime.
+    pub fn send_json(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<(&str, &serde_json::Value)>,
+        timeout: Duration,
+    ) -> Result<serde_json::Value, KubeError> {
         let api = |message: String| KubeError::Api {
             server: self.server.clone(),
             message,
         };
         let url = format!("{}{path}", self.server.trim_end_matches('/'));
-        let reply =
-            net::send_once(self.client(timeout)?.get(&url)).map_err(|e| api(e.to_string()))?;
+        let mut request = self.client(timeout)?.request(method, &url);
+        if let Some((content_type, body)) = body {
+            request = request
+                .header(reqwest::header::CONTENT_TYPE, content_type)
+                .body(body.to_string());
+        }
+        let reply = net::send_once(request).map_err(|e| api(e.to_string()))?;
         let body = net::read_limited(reply, NODE_LIST_LIMIT).map_err(|e| api(e.to_string()))?;
         serde_json::from_slice(&body).map_err(|e| api(format!("{path}: not JSON: {e}")))
     }

@@ -16,7 +16,7 @@ use super::client::{self, NodeEndpoint, Probe};
 use super::config::{self, ConfigError, PatchVars};
 use super::lock::{self, LockError, StateLock};
 use super::secrets::{SecretsBundle, SecretsError};
-use super::status::{self, Drift};
+use super::status::{self, Differences};
 use super::talosconfig::{Talosconfig, TalosconfigError};
 use super::upgrade;
 use crate::inventory::{Inventory, UnknownNode};
@@ -67,6 +67,9 @@ pub enum StageError {
     /// A node's schematic, to compare with the one it runs.
     #[error(transparent)]
     Schematic(#[from] crate::schematic::EmitError),
+    /// `upgrades.json` cannot be read.
+    #[error(transparent)]
+    Record(#[from] upgrade::RecordError),
 }
 
 /// The folder holding one cluster's secrets and client files: 0700, each
@@ -553,9 +556,9 @@ pub fn drift(
     inv: &Inventory,
     prepared: &Prepared,
     opts: &BootstrapOptions,
-) -> Result<Vec<Drift>, StageError> {
+) -> Result<Differences, StageError> {
     let wanted = upgrade::wanted(inv)?;
-    let record = upgrade::Record::load(&prepared.state_dir.upgrades_path());
+    let record = upgrade::Record::load(&prepared.state_dir.upgrades_path())?;
     let fingerprints = config::Fingerprints::load(&prepared.state_dir.path);
     let plan = &prepared.plan;
     Ok(runtime()?.block_on(status::drift(

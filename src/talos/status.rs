@@ -38,6 +38,9 @@ pub struct NodeStatus {
     /// The config change needs a reboot (Talos v1.9–v1.13 refuse it in
     /// immediate mode): `imgbuild apply` reboots the node.
     pub config_needs_reboot: bool,
+    /// The running config differs, but the node persisted the rendered one
+    /// (a STAGED apply): staged, reboot pending. Not drift.
+    pub config_staged: bool,
     /// Control planes only: whether etcd lists it as a member.
     pub etcd_member: Option<bool>,
     /// None when Kubernetes could not be asked.
@@ -58,6 +61,29 @@ pub struct Drift {
     pub fix: &'static str,
 }
 
+impl std::fmt::Display for Drift {
+    /// One line: an unreachable node is said to be unreachable (nothing
+    /// could be compared), anything else is what differs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.what == UNREACHABLE {
+            write!(
+                f,
+                "{}: unreachable, so not compared with the inventory (if it was never set up: {})",
+                self.node, self.fix
+            )
+        } else {
+            write!(
+                f,
+                "{}: {} differs from the inventory (fix: {})",
+                self.node, self.what, self.fix
+            )
+        }
+    }
+}
+
+/// [`Drift::what`] of a node that could not be asked.
+pub const UNREACHABLE: &str = "unreachable";
+
 impl NodeStatus {
     /// The ways this node drifted from the inventory.
     pub fn drift(&self) -> Vec<Drift> {
@@ -67,7 +93,7 @@ impl NodeStatus {
             fix,
         };
         if !self.reachable {
-            return vec![d("unreachable", "imgbuild bootstrap")];
+            return vec![d(UNREACHABLE, "imgbuild bootstrap")];
         }
         let mut out = Vec::new();
         if self.version.as_deref() != Some(self.wanted_version.as_str()) {
@@ -76,7 +102,7 @@ impl NodeStatus {
         if !self.schematic_in_sync {
             out.push(d("schematic", "imgbuild upgrade"));
         }
-        if self.config_in_sync == Some(false) {
+        if self.config_in_sync == Some(false) && !self.config_staged {
             out.push(d("config", "imgbuild apply"));
         }
         out
@@ -104,6 +130,15 @@ pub async fn collect(
     rows
 }
 
+/// How the nodes differ from the inventory, and which hold the rendered
+/// config staged for their next reboot (not a difference).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Differences {
+    pub drift: Vec<Drift>,
+    /// Nodes whose config is staged, reboot pending.
+    pub staged: Vec<String>,
+}
+
 /// How the nodes differ from the inventory, from the same rows without
 /// asking Kubernetes: `up` knows who is Ready from its last health round.
 pub async fn drift(
@@ -112,12 +147,16 @@ pub async fn drift(
     record: &Record,
     fingerprints: &Fingerprints,
     opts: &Options,
-) -> Vec<Drift> {
-    read_nodes(plan, wanted, record, fingerprints, opts)
-        .await
-        .iter()
-        .flat_map(NodeStatus::drift)
-        .collect()
+) -> Differences {
+    let rows = read_nodes(plan, wanted, record, fingerprints, opts).await;
+    Differences {
+        drift: rows.iter().flat_map(NodeStatus::drift).collect(),
+        staged: rows
+            .iter()
+            .filter(|r| r.config_staged)
+            .map(|r| r.node.clone())
+            .collect(),
+    }
 }
 
 /// How a node's config compares with the rendered one.
@@ -185,6 +224,56 @@ async fn compared_config_state(
     }
 }
 
+/// Whether Talos `version` keeps its persisted config as the COSI resource
+/// `MachineConfigs.config.talos.dev` `persistent` (v1.10 on; siderolabs/talos
+/// `pkg/machinery/resources/config/machine_config.go`); v1.9 keeps only
+/// the file.
+pub fn persisted_as_resource(version: &str) -> bool {
+    crate::inventory::parse_version(version, false).is_some_and(|v| v >= (1, 10, 0))
+}
+
+/// The lines only `old` has (`-`) and only `new` has (`+`), as multisets:
+/// enough to tell whether two configs hold the same settings, and in the
+/// shape [`Fingerprints::compare`] reads.
+pub fn changed_lines(old: &str, new: &str) -> String {
+    let mut left: Vec<&str> = old.lines().collect();
+    let mut out = String::new();
+    for line in new.lines() {
+        match left.iter().position(|l| *l == line) {
+            Some(i) => {
+                left.swap_remove(i);
+            }
+            None => out += &format!("+{line}\n"),
+        }
+    }
+    for line in left {
+        out += &format!("-{line}\n");
+    }
+    out
+}
+
+/// Whether `node` (running Talos `version`) persisted the rendered config
+/// for its next boot: a STAGED apply waiting for a reboot. The persisted
+/// config is compared line by line, unset `${NAME}`s by `fingerprints`.
+pub async fn staged(
+    conn: &NodeClient,
+    node: &PlannedNode,
+    version: &str,
+    fingerprints: &Fingerprints,
+) -> Result<bool, ApiError> {
+    let Some(persisted) = conn
+        .persisted_config(persisted_as_resource(version))
+        .await?
+    else {
+        return Ok(false);
+    };
+    let diff = changed_lines(
+        &String::from_utf8_lossy(&persisted),
+        &String::from_utf8_lossy(&node.config),
+    );
+    Ok(fingerprints.compare(&diff).in_sync)
+}
+
 /// One node's row as the node tells it, and (control planes) the etcd
 /// members it sees.
 async fn read_node(
@@ -213,6 +302,7 @@ async fn read_node(
         wanted_schematic: want.schematic.clone(),
         config_in_sync: None,
         config_needs_reboot: false,
+        config_staged: false,
         etcd_member: None,
         ready: None,
         error: now.error,
@@ -227,6 +317,14 @@ async fn read_node(
                 row.config_in_sync = Some(state == ConfigState::InSync);
                 row.config_needs_reboot = state == ConfigState::NeedsReboot;
                 row.compared_by_fingerprint = by_fingerprint;
+                // A read that fails leaves the difference standing.
+                if state != ConfigState::InSync
+                    && let Some(version) = row.version.as_deref()
+                {
+                    row.config_staged = staged(&conn, node, version, fingerprints)
+                        .await
+                        .unwrap_or(false);
+                }
             }
             Err(e) => row.error = Some(format!("config diff: {e}")),
         }
@@ -284,11 +382,30 @@ mod tests {
             schematic_in_sync: true,
             config_in_sync: Some(true),
             config_needs_reboot: false,
+            config_staged: false,
             etcd_member: Some(true),
             ready: Some(true),
             error: None,
             compared_by_fingerprint: Vec::new(),
         }
+    }
+
+    #[test]
+    fn changed_lines_are_a_multiset_difference() {
+        assert_eq!(changed_lines("a\nb\nb\n", "b\na\nb\n"), "");
+        assert_eq!(changed_lines("a\nb\n", "a\nc\n"), "+c\n-b\n");
+        assert_eq!(changed_lines("a\nb\nb\n", "a\nb\n"), "-b\n");
+        assert!(persisted_as_resource("v1.10.0") && !persisted_as_resource("v1.9.6"));
+    }
+
+    #[test]
+    fn a_staged_config_is_not_drift() {
+        let mut r = row();
+        r.config_in_sync = Some(false);
+        r.config_staged = true;
+        assert!(r.drift().is_empty());
+        r.config_staged = false;
+        assert_eq!(r.drift()[0].what, "config");
     }
 
     #[test]
@@ -308,7 +425,16 @@ mod tests {
         let mut r = row();
         r.schematic_in_sync = false;
         assert_eq!(r.drift()[0].what, "schematic");
+        assert_eq!(
+            r.drift()[0].to_string(),
+            "cp-01: schematic differs from the inventory (fix: imgbuild upgrade)"
+        );
         r.reachable = false;
         assert_eq!(r.drift()[0].what, "unreachable");
+        let said = r.drift()[0].to_string();
+        assert!(
+            said.starts_with("cp-01: unreachable, so not compared") && !said.contains("differs"),
+            "{said}"
+        );
     }
 }

@@ -6,6 +6,7 @@
 //! a stopped run left off, mid-path too. The plan is decided up front
 //! ([`plan`]), what happened is the [`report`].
 
+pub mod drain;
 pub mod plan;
 pub mod report;
 
@@ -22,7 +23,7 @@ use super::health::wait_healthy;
 use crate::factory::{Factory, FactoryError};
 use crate::inventory::{Inventory, Role};
 use plan::{Action, Hop, NodePlan, Observed, UpgradePlan};
-pub use plan::{Installed, Record, Running, Wanted};
+pub use plan::{Installed, Record, RecordError, Running, Wanted};
 use report::{Failure, UpgradeReport};
 
 /// Every node's target, computed here without asking anyone: the
@@ -62,6 +63,8 @@ pub struct RunOptions {
     pub node_timeout: Duration,
     /// Workers upgraded at once (control planes always one at a time).
     pub parallel: usize,
+    /// The client's cordon and drain before a LifecycleService reboot.
+    pub drain_timeout: Duration,
 }
 
 impl Default for RunOptions {
@@ -70,6 +73,7 @@ impl Default for RunOptions {
             pull_timeout: Duration::from_secs(600),
             node_timeout: Duration::from_secs(1800),
             parallel: 1,
+            drain_timeout: drain::DRAIN_TIMEOUT,
         }
     }
 }
@@ -90,6 +94,8 @@ pub enum UpgradeError {
     Emit(#[from] crate::schematic::EmitError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(String),
+    #[error(transparent)]
+    Record(#[from] RecordError),
 }
 
 /// What the factory says, for planning: each node's target and the
@@ -153,6 +159,10 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
     match conn.running_schematic().await {
         Ok(s) => out.schematic = s,
         Err(e) => out.error = Some(format!("extension status: {e}")),
+    }
+    // Unread is not different: a failed read plans nothing extra.
+    if let Ok(Some(config)) = conn.machine_config("v1alpha1").await {
+        out.install_image = plan::install_image_of(&String::from_utf8_lossy(&config));
     }
     record.fill(&node.name, &mut out);
     out
@@ -406,7 +416,8 @@ fn refused(e: &ApiError, run: &RunOptions) -> String {
 
 /// Sends one hop's request the way the node's version takes it. Returns
 /// once the node has taken it (MachineService: acked; LifecycleService:
-/// installed and Reboot sent).
+/// installed, the Kubernetes node cordoned and drained, Reboot sent), and
+/// whether the client cordoned it (then the client uncordons it).
 #[allow(clippy::too_many_arguments)]
 async fn request_hop(
     plan: &Plan,
@@ -417,7 +428,7 @@ async fn request_hop(
     run: &RunOptions,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
-) -> Result<(), String> {
+) -> Result<bool, String> {
     let mode = Mode::Mtls(plan.identity.clone());
     // The pull happens inside the call: it gets its own deadline; the
     // connection itself still gets the call timeout.
@@ -448,13 +459,29 @@ async fn request_hop(
                         one_line(host)
                     ));
                 }
-                let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
-                    .await
-                    .map_err(|e| one_line(&e.to_string()))?;
-                return conn
-                    .reboot(up.reboot_mode)
-                    .await
-                    .map_err(|e| format!("Reboot: {}", one_line(&e.to_string())));
+                // Reboot does not drain (talosctl drains first).
+                drain::cordon_and_drain(plan, &node.name, run.drain_timeout, opts, &|m| {
+                    progress(&node.name, m)
+                })
+                .await?;
+                let rebooted = async {
+                    NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
+                        .await?
+                        .reboot(up.reboot_mode)
+                        .await
+                };
+                return match rebooted.await {
+                    Ok(()) => Ok(true),
+                    Err(e) => {
+                        // As talosctl's deferred uncordon: not left cordoned.
+                        let undo =
+                            drain::uncordon_when_ready(plan, &node.name, opts.call_timeout, opts)
+                                .await
+                                .err()
+                                .map_or(String::new(), |u| format!("; {u}"));
+                        Err(format!("Reboot: {}{undo}", one_line(&e.to_string())))
+                    }
+                };
             }
             // A node that does not offer the newer API takes the old one.
             Err(e) if e.code() == Some(tonic::Code::Unimplemented) => {}
@@ -469,7 +496,7 @@ async fn request_hop(
     puller
         .upgrade(&hop.installer, flags)
         .await
-        .map(|_| ())
+        .map(|_| false)
         .map_err(|e| refused(&e, run))
 }
 
@@ -520,7 +547,7 @@ async fn upgrade_node(
             &node.name,
             &format!("upgrading {} → {}", one_line(&before), hop.version),
         );
-        request_hop(plan, node, &before, hop, up, run, opts, progress).await?;
+        let cordoned = request_hop(plan, node, &before, hop, up, run, opts, progress).await?;
         progress(&node.name, "waiting for the node to reboot");
         let now = wait_rebooted(
             plan,
@@ -531,6 +558,10 @@ async fn upgrade_node(
             opts,
         )
         .await?;
+        if cordoned {
+            progress(&node.name, "waiting for Ready to uncordon it");
+            drain::uncordon_when_ready(plan, &node.name, run.node_timeout, opts).await?;
+        }
         if now != hop.version {
             return Err(format!(
                 "rebooted on {}, not {}: the installer failed and Talos kept the old version",
@@ -575,6 +606,19 @@ async fn upgrade_node(
             ));
         }
     }
+    drop(conn);
+    configure_node(plan, node, opts).await
+}
+
+/// Applies the rendered config (which names the new installer) without a
+/// reboot, then waits for the cluster to be healthy: the last step of a
+/// node's upgrade, and all of it for a node a stopped run left on the
+/// target with its old config ([`Action::Config`]).
+async fn configure_node(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<(), String> {
+    let mode = Mode::Mtls(plan.identity.clone());
+    let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
+        .await
+        .map_err(|e| one_line(&e.to_string()))?;
     conn.apply_mode(node.config.clone(), ApplyMode::NoReboot, false)
         .await
         .map_err(|e| {
@@ -607,10 +651,12 @@ pub fn execute(
     if up.has_work() {
         report.notes.extend(warm(factory, up));
     }
+    let record = Record::load(record_path)?;
     let rt = runtime()?;
     rt.block_on(run_plan(
         plan,
         up,
+        record,
         record_path,
         run,
         opts,
@@ -620,16 +666,18 @@ pub fn execute(
     Ok(report)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_plan(
     plan: &Plan,
     up: &UpgradePlan,
+    record: Record,
     record_path: &Path,
     run: &RunOptions,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
     report: &mut UpgradeReport,
 ) {
-    let record = std::sync::Mutex::new((Record::load(record_path), None));
+    let record = std::sync::Mutex::new((record, None));
     let node_of = |name: &str| plan.nodes.iter().find(|n| n.name == name);
     let mut batches: Vec<Vec<&NodePlan>> = Vec::new();
     let mut workers = Vec::new();
@@ -637,8 +685,10 @@ async fn run_plan(
         match np.action {
             Action::Done => report.unchanged.push(np.node.clone()),
             Action::SchematicUnknown => report.schematic_unknown.push(np.node.clone()),
-            Action::Upgrade | Action::Blocked if np.control_plane => batches.push(vec![np]),
-            Action::Upgrade | Action::Blocked => workers.push(np),
+            Action::Upgrade | Action::Config | Action::Blocked if np.control_plane => {
+                batches.push(vec![np])
+            }
+            Action::Upgrade | Action::Config | Action::Blocked => workers.push(np),
         }
     }
     batches.extend(workers.chunks(run.parallel.max(1)).map(<[_]>::to_vec));
@@ -651,6 +701,16 @@ async fn run_plan(
             let Some(node) = node_of(&np.node) else {
                 return Err("not in the plan".into());
             };
+            if np.action == Action::Config {
+                if node.role == Role::Controlplane {
+                    wait_healthy(plan, node, opts).await?;
+                }
+                progress(
+                    &node.name,
+                    "applying the config that names the new installer",
+                );
+                return configure_node(plan, node, opts).await;
+            }
             upgrade_node(
                 plan,
                 node,
@@ -667,6 +727,7 @@ async fn run_plan(
         .await;
         for (np, r) in batch.iter().zip(results) {
             match r {
+                Ok(()) if np.action == Action::Config => report.configured.push(np.node.clone()),
                 Ok(()) => report.upgraded.push(np.node.clone()),
                 Err(error) if report.failed.is_none() => {
                     report.failed = Some(Failure {
@@ -726,7 +787,7 @@ mod tests {
         let run = |v: &str, s: Option<&str>| Running {
             version: Some(v.into()),
             schematic: s.map(str::to_owned),
-            error: None,
+            ..Running::default()
         };
         assert!(run("v1.11.5", Some("b")).is(&wanted()));
         assert!(run("v1.11.5", Some("o")).is(&wanted()));
@@ -736,10 +797,24 @@ mod tests {
     }
 
     #[test]
+    fn an_unreadable_record_is_an_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upgrades.json");
+        std::fs::write(&path, "{\"nodes\": 7}").unwrap();
+        let e = Record::load(&path).unwrap_err().to_string();
+        assert!(e.contains(&path.display().to_string()), "{e}");
+        assert!(e.contains("not an upgrade record"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let e = Record::load(&path).unwrap_err().to_string();
+        assert!(e.contains("directory"), "{e}");
+    }
+
+    #[test]
     fn the_record_answers_only_for_nodes_that_cannot_and_run_its_version() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("upgrades.json");
-        assert_eq!(Record::load(&path), Record::default());
+        assert_eq!(Record::load(&path).unwrap(), Record::default());
         let mut record = Record::default();
         record.nodes.insert(
             "w1".into(),
@@ -755,7 +830,7 @@ mod tests {
             std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
             0o600
         );
-        let record = Record::load(&path);
+        let record = Record::load(&path).unwrap();
         let mut silent = Running {
             version: Some("v1.11.5".into()),
             ..Running::default()
@@ -771,7 +846,7 @@ mod tests {
         let mut speaks = Running {
             version: Some("v1.11.5".into()),
             schematic: Some("x".into()),
-            error: None,
+            ..Running::default()
         };
         record.fill("w1", &mut speaks);
         assert_eq!(

@@ -14,7 +14,7 @@ use crate::publish::proxmox::VmChange;
 use crate::talos::bootstrap::{self, BootstrapError};
 use crate::talos::client::Probe;
 use crate::talos::stage::{Bootstrapped, Reach, StageError, Survey};
-use crate::talos::status::Drift;
+use crate::talos::status::{Differences, Drift};
 
 /// What a stage did to one node (or, in a dry run, would do).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -238,6 +238,9 @@ pub struct Report {
     /// Why the drift could not be checked.
     #[serde(skip)]
     pub drift_unchecked: Option<String>,
+    /// Nodes whose config is staged for their next reboot (not drift).
+    #[serde(skip)]
+    pub staged: Vec<String>,
 }
 
 /// One line of the text report, and where it goes.
@@ -292,6 +295,7 @@ impl Report {
             stopped: None,
             drift: Vec::new(),
             drift_unchecked: None,
+            staged: Vec::new(),
         }
     }
 
@@ -380,9 +384,12 @@ impl Report {
 
     /// Records how the cluster differs from the inventory, or why that
     /// could not be read.
-    pub(super) fn drifted(&mut self, drift: Result<Vec<Drift>, StageError>) {
+    pub(super) fn drifted(&mut self, drift: Result<Differences, StageError>) {
         match drift {
-            Ok(drift) => self.drift = drift,
+            Ok(d) => {
+                self.drift = d.drift;
+                self.staged = d.staged;
+            }
             Err(e) => self.drift_unchecked = Some(chain(&e)),
         }
     }
@@ -482,6 +489,7 @@ impl Report {
             doc["error"] = serde_json::json!(chain(e));
         }
         doc["drift"] = serde_json::to_value(&self.drift)?;
+        doc["staged"] = serde_json::json!(self.staged);
         Ok(doc)
     }
 

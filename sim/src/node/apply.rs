@@ -28,9 +28,14 @@ pub(super) struct TryRollback {
     pub previous: Arc<super::Applied>,
 }
 
-/// A line diff (`-` old, `+` new) by longest common subsequence: enough to
-/// show which settings change; empty when the configs are the same.
+/// The config diff a dry run answers: a unified diff of the old and new
+/// YAML with three lines of context around each change, hunks closer than
+/// that merged, under `--- a` / `+++ b` (siderolabs/talos
+/// `pkg/machinery/config/configdiff/configdiff.go`: gotextdiff's
+/// `ToUnified`, printed by `outputDiff`); empty when the configs are the
+/// same. Lines are matched by longest common subsequence, deletions first.
 fn line_diff(old: &str, new: &str) -> String {
+    const CONTEXT: usize = 3;
     let (a, b): (Vec<&str>, Vec<&str>) = (old.lines().collect(), new.lines().collect());
     let mut lcs = vec![vec![0u32; b.len() + 1]; a.len() + 1];
     for i in (0..a.len()).rev() {
@@ -42,17 +47,54 @@ fn line_diff(old: &str, new: &str) -> String {
             };
         }
     }
-    let (mut i, mut j, mut out) = (0, 0, String::new());
+    let (mut i, mut j) = (0, 0);
+    let mut ops: Vec<(char, &str)> = Vec::new();
     while i < a.len() || j < b.len() {
         if i < a.len() && j < b.len() && a[i] == b[j] {
+            ops.push((' ', a[i]));
             i += 1;
             j += 1;
-        } else if j < b.len() && (i == a.len() || lcs[i][j + 1] >= lcs[i + 1][j]) {
-            out += &format!("+{}\n", b[j]);
-            j += 1;
+        } else if i < a.len() && (j == b.len() || lcs[i + 1][j] >= lcs[i][j + 1]) {
+            ops.push(('-', a[i]));
+            i += 1;
         } else {
-            out += &format!("-{}\n", a[i]);
-            i += 1;
+            ops.push(('+', b[j]));
+            j += 1;
+        }
+    }
+    let changes: Vec<usize> = (0..ops.len()).filter(|&k| ops[k].0 != ' ').collect();
+    let Some(&first) = changes.first() else {
+        return String::new();
+    };
+    // Hunks: runs of changes whose gaps are at most twice the context.
+    let mut hunks: Vec<(usize, usize)> = vec![(first, first + 1)];
+    for &k in &changes[1..] {
+        let last = hunks.last_mut().expect("one hunk at least");
+        if k - last.1 <= 2 * CONTEXT {
+            last.1 = k + 1;
+        } else {
+            hunks.push((k, k + 1));
+        }
+    }
+    let mut out = String::from("--- a\n+++ b\n");
+    for (s, e) in hunks {
+        let (from, to) = (s.saturating_sub(CONTEXT), (e + CONTEXT).min(ops.len()));
+        let line_at = |keep: char| 1 + ops[..from].iter().filter(|(c, _)| *c != keep).count();
+        let count = |keep: char| ops[from..to].iter().filter(|(c, _)| *c != keep).count();
+        let range = |sign: char, at: usize, n: usize| {
+            if n > 1 {
+                format!("{sign}{at},{n}")
+            } else {
+                format!("{sign}{at}")
+            }
+        };
+        out += &format!(
+            "@@ {} {} @@\n",
+            range('-', line_at('+'), count('+')),
+            range('+', line_at('-'), count('-'))
+        );
+        for (c, line) in &ops[from..to] {
+            out += &format!("{c}{line}\n");
         }
     }
     out
@@ -262,10 +304,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_diff_names_changed_lines_only() {
+    fn the_diff_is_unified_with_three_lines_of_context() {
         assert_eq!(line_diff("a\nb\nc\n", "a\nb\nc\n"), "");
-        assert_eq!(line_diff("a\nb\nc\n", "a\nx\nc\n"), "+x\n-b\n");
-        assert_eq!(line_diff("a\n", "a\nb\n"), "+b\n");
+        assert_eq!(
+            line_diff("a\nb\nc\n", "a\nx\nc\n"),
+            "--- a\n+++ b\n@@ -1,3 +1,3 @@\n a\n-b\n+x\n c\n"
+        );
+        assert_eq!(
+            line_diff("a\n", "a\nb\n"),
+            "--- a\n+++ b\n@@ -1 +1,2 @@\n a\n+b\n"
+        );
+        // Changes eight lines apart: two hunks, three lines around each.
+        let old: String = (1..=12).map(|n| format!("l{n}\n")).collect();
+        let new = old.replace("l2\n", "L2\n").replace("l11\n", "L11\n");
+        assert_eq!(
+            line_diff(&old, &new),
+            "--- a\n+++ b\n@@ -1,5 +1,5 @@\n l1\n-l2\n+L2\n l3\n l4\n l5\n@@ -8,5 +8,5 @@\n l8\n l9\n l10\n-l11\n+L11\n l12\n"
+        );
     }
 
     #[test]

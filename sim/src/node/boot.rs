@@ -33,10 +33,27 @@ pub(super) struct Life {
     pub reboots: u32,
     /// `spec.unschedulable` of its Kubernetes node.
     pub cordoned: bool,
+    /// Cordoned through the Kubernetes API (talosctl's drain on the
+    /// LifecycleService path), not by Talos: Talos uncordons only nodes it
+    /// cordoned (`controllers/k8s/node_apply.go` `ApplyCordoned`, by its
+    /// annotation), so the boot leaves this one cordoned.
+    pub cordoned_by_client: bool,
+    /// Its evictable pods left (evicted, or stopped by a reboot) since it
+    /// was cordoned: nothing is scheduled back while it stays cordoned.
+    pub pods_gone: bool,
+    /// Pods evicted from it through the Kubernetes API.
+    pub evictions: u32,
+    /// `Reboot` calls that found its Kubernetes node schedulable (nobody
+    /// drained it first).
+    pub reboots_undrained: u32,
     /// A sequence (upgrade, reboot) runs until the node is back up.
     pub busy_until: Option<Instant>,
     /// Cordoned and draining until then (the node answers meanwhile).
     pub draining_until: Option<Instant>,
+    /// When the running sequence stops the node's services, etcd among
+    /// them (`stopAllPhaselist` after the drain): apid still answers, but
+    /// its etcd member is down from then until it is healthy again.
+    pub services_stop_at: Option<Instant>,
 }
 
 impl Life {
@@ -50,6 +67,12 @@ impl Life {
 
     pub fn draining(&self, now: Instant) -> bool {
         self.draining_until.is_some_and(|t| now < t)
+    }
+
+    /// Whether a sequence has stopped the services (etcd) and the node is
+    /// not back up yet.
+    pub fn services_stopped(&self, now: Instant) -> bool {
+        self.busy(now) && self.services_stop_at.is_some_and(|t| now >= t)
     }
 }
 
@@ -97,6 +120,7 @@ impl Cluster {
             let node = self.node(i);
             let mut st = node.st.lock().unwrap();
             st.day2.life.busy_until = Some(up_at);
+            st.day2.life.services_stop_at = Some(drained);
             if !seq.drain.is_zero() {
                 st.day2.life.cordoned = true;
                 st.day2.life.draining_until = Some(drained);
@@ -133,6 +157,7 @@ impl Cluster {
                 st.configured_at = Some(up_at);
                 let life = &mut st.day2.life;
                 life.reboots += 1;
+                life.pods_gone = true;
                 let id = new_boot_id(&node.name, life.boot_ids.len());
                 life.boot_ids.push(id);
                 life.outages.push(Outage {
@@ -145,8 +170,9 @@ impl Cluster {
             tokio::time::sleep_until(up_at.into()).await;
             {
                 let mut st = node.st.lock().unwrap();
-                if !st.day2.leave_cordoned {
-                    st.day2.life.cordoned = false;
+                let day2 = &mut st.day2;
+                if !day2.leave_cordoned && !day2.life.cordoned_by_client {
+                    day2.life.cordoned = false;
                 }
             }
             node.bump();
@@ -195,7 +221,7 @@ impl Cluster {
 
 impl super::Api {
     /// MachineService.Read of node `i` (machined streams the file): the
-    /// boot ID is the only file this node has.
+    /// boot ID and the persisted config are the files this node has.
     pub(super) fn read_on(
         &self,
         i: usize,
@@ -204,20 +230,34 @@ impl super::Api {
         let node = self.cluster.node(i);
         let mut st = node.st.lock().unwrap();
         st.day2.read_calls += 1;
-        if path != BOOT_ID {
-            return Err(tonic::Status::unknown(format!(
-                "open {path}: no such file or directory"
-            )));
-        }
+        let bytes = match path {
+            BOOT_ID => format!("{}\n", st.day2.life.boot_id()).into_bytes(),
+            // `constants.ConfigPath`, on the STATE partition: what the next
+            // boot loads (every version writes it on a non-TRY apply).
+            CONFIG_PATH => match st.persisted() {
+                Some(a) => a.raw.clone().into_bytes(),
+                None => return Err(not_found(path)),
+            },
+            // Read stats the path first: codes.NotFound for a missing file.
+            _ => return Err(not_found(path)),
+        };
         Ok(vec![super::api::common::Data {
             metadata: None,
-            bytes: format!("{}\n", st.day2.life.boot_id()).into_bytes(),
+            bytes,
         }])
     }
 }
 
 /// Where Linux shows the boot ID.
 const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
+
+/// Where Talos keeps the persisted machine config (`constants.ConfigPath`).
+const CONFIG_PATH: &str = "/system/state/config.yaml";
+
+/// machined's `Read` of a missing file (`os.Stat` fails: codes.NotFound).
+fn not_found(path: &str) -> tonic::Status {
+    tonic::Status::not_found(format!("stat {path}: no such file or directory"))
+}
 
 #[cfg(test)]
 mod tests {

@@ -60,6 +60,8 @@ pub(super) struct Day2 {
     /// next boot runs.
     pub next_boot: Option<(String, Option<String>)>,
     pub lifecycle_upgrades: u32,
+    /// Upgrades acked with `stage: true`.
+    pub staged_upgrades: u32,
     pub upgrade_calls: u32,
     pub upgrades: u32,
     pub upgrade_refusals: u32,
@@ -87,6 +89,20 @@ impl Day2 {
     /// The running tag, `default` (`--talos-version`) unless set.
     pub fn version_or(&self, default: &str) -> String {
         self.version.clone().unwrap_or_else(|| default.to_owned())
+    }
+}
+
+impl super::NodeState {
+    /// The config the next boot runs: what a STAGED (or a rebooting) apply
+    /// persisted, else the running one, except during a TRY, which is
+    /// never persisted (siderolabs/talos `v1alpha1_server.go`
+    /// ApplyConfiguration: `SetPersistedConfig` for every mode but TRY).
+    pub fn persisted(&self) -> Option<Arc<Applied>> {
+        self.day2
+            .staged
+            .clone()
+            .or_else(|| self.day2.try_rollback.as_ref().map(|r| r.previous.clone()))
+            .or_else(|| self.applied.clone())
     }
 }
 
@@ -155,6 +171,39 @@ impl Api {
         }]
     }
 
+    /// The MachineConfig resources of node `i` (siderolabs/talos
+    /// `pkg/machinery/resources/config/machine_config.go`): `v1alpha1`, the
+    /// active config, and from v1.10 `persistent`, the one saved for the
+    /// next boot (ahead of the active one after a STAGED apply, behind it
+    /// during a TRY). The spec is the config's YAML as applied.
+    fn machine_configs_on(&self, i: usize) -> Vec<Resource> {
+        let has_persistent = self.talos(i).has_persistent_config_resource();
+        let node = self.cluster.node(i);
+        let st = node.st.lock().unwrap();
+        let resource = |id: &str, a: &Applied| Resource {
+            metadata: Some(ResMetadata {
+                namespace: CONFIG.into(),
+                r#type: MACHINE_CONFIG.into(),
+                id: id.into(),
+                version: "1".into(),
+                phase: "running".into(),
+                ..ResMetadata::default()
+            }),
+            spec: Some(Spec {
+                proto_spec: Vec::new(),
+                yaml_spec: a.raw.clone(),
+            }),
+        };
+        let mut out = Vec::new();
+        if let Some(a) = &st.applied {
+            out.push(resource("v1alpha1", a));
+        }
+        if has_persistent && let Some(p) = st.persisted() {
+            out.push(resource("persistent", &p));
+        }
+        out
+    }
+
     /// The node a COSI call is for: apid routes it by `nodes`/`node`
     /// metadata like any other (one target only for State).
     pub(super) fn state_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
@@ -190,6 +239,8 @@ impl Api {
                 ));
             }
             Ok(self.extensions_on(i))
+        } else if namespace == CONFIG && kind == MACHINE_CONFIG {
+            Ok(self.machine_configs_on(i))
         } else if let Some(found) = self.k8s_resources(i, namespace, kind) {
             Ok(found)
         } else {
@@ -209,6 +260,8 @@ impl Api {
 }
 
 const RUNTIME: &str = "runtime";
+const CONFIG: &str = "config";
+const MACHINE_CONFIG: &str = "MachineConfigs.config.talos.dev";
 const EXTENSION_STATUS: &str = "ExtensionStatuses.runtime.talos.dev";
 
 type ListStream = Pin<Box<dyn Stream<Item = Result<ListResponse, Status>> + Send>>;
@@ -259,10 +312,14 @@ pub(super) fn stats_of(
         "boot_ids": d.life.boot_ids,
         "reboots": d.life.reboots,
         "cordoned": d.life.cordoned,
+        "cordoned_by_client": d.life.cordoned_by_client,
+        "evictions": d.life.evictions,
+        "reboots_undrained": d.life.reboots_undrained,
         "timeline": cluster.outages_json(&d.life, now),
         "staged": d.staged.is_some(),
         "try_pending": d.try_rollback.is_some(),
         "upgrade_calls": d.upgrade_calls,
+        "staged_upgrades": d.staged_upgrades,
         "upgrades": d.upgrades,
         "upgrade_refusals": d.upgrade_refusals,
         "sequences_locked": d.sequences_locked,

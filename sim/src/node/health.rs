@@ -73,6 +73,8 @@ pub(super) struct Registered {
     ready: bool,
     cni: bool,
     cordoned: bool,
+    /// Cordoned and its pods gone: nothing is scheduled onto it.
+    drained: bool,
 }
 
 impl Cluster {
@@ -93,13 +95,17 @@ impl Cluster {
                     return None;
                 }
                 let node = self.node(i);
-                let cordoned = node.st.lock().unwrap().day2.life.cordoned;
+                let (cordoned, pods_gone) = {
+                    let life = &node.st.lock().unwrap().day2.life;
+                    (life.cordoned, life.pods_gone)
+                };
                 Some(Registered {
                     index: i,
                     name: node.display_name(),
                     ready: cni && now >= registered + ms(self.args.ready_delay),
                     cni,
                     cordoned,
+                    drained: cordoned && pods_gone,
                 })
             })
             .collect()
@@ -172,27 +178,30 @@ fn list(kind: &str, items: Vec<Value>) -> axum::Json<Value> {
     axum::Json(json!({"kind": kind, "apiVersion": "v1", "items": items}))
 }
 
-/// kube-proxy pods (one per registered node) and CoreDNS pods (two, once a
-/// node is Ready), each Ready as the facts say.
-pub(super) async fn pods(
-    State(cluster): State<Arc<Cluster>>,
-    Query(sel): Query<Selector>,
-) -> axum::Json<Value> {
-    let Some(app) = app_of(&sel) else {
-        return list("PodList", Vec::new());
-    };
+/// The pods now: kube-proxy (a DaemonSet's, one per registered node), the
+/// API server's mirror pod on each control plane (a static pod), and two
+/// CoreDNS pods (a ReplicaSet's) on Ready nodes, each Ready as the facts
+/// say. A CoreDNS pod stays on a cordoned node until it is evicted (or
+/// the node reboots): cordoning alone moves nothing.
+fn pods_now(cluster: &Cluster, app: Option<&str>) -> Vec<Value> {
     let facts = cluster.facts.lock().unwrap().clone();
     let now = Instant::now();
     let nodes = cluster.registered(now);
-    let pod = |name: String, app: &str, node: &str, ready: bool| {
+    let pod = |name: String, app: &str, node: &str, ready: bool, meta: Value| {
+        let mut metadata =
+            json!({"name": name, "namespace": "kube-system", "labels": {"k8s-app": app}});
+        if let (Some(m), Some(extra)) = (metadata.as_object_mut(), meta.as_object()) {
+            m.extend(extra.clone());
+        }
         json!({
-            "metadata": {"name": name, "namespace": "kube-system", "labels": {"k8s-app": app}},
+            "metadata": metadata,
             "spec": {"nodeName": node},
             "status": {"phase": "Running", "conditions": [
                 {"type": "Ready", "status": if ready { "True" } else { "False" }}
             ]},
         })
     };
+    let owned = |kind: &str, name: &str| json!({"ownerReferences": [{"kind": kind, "name": name}]});
     let mut items = Vec::new();
     if app.is_none_or(|a| a == "kube-proxy") && !cluster.addon_disabled("proxy") {
         for (k, n) in nodes.iter().enumerate() {
@@ -201,11 +210,12 @@ pub(super) async fn pods(
                 "kube-proxy",
                 &n.name,
                 facts.kube_proxy_ready,
+                owned("DaemonSet", "kube-proxy"),
             ));
         }
     }
     if app.is_none_or(|a| a == "kube-dns") && !cluster.addon_disabled("coreDNS") {
-        let ready: Vec<&Registered> = nodes.iter().filter(|n| n.ready).collect();
+        let ready: Vec<&Registered> = nodes.iter().filter(|n| n.ready && !n.drained).collect();
         for k in 0..2 {
             if let Some(n) = ready.get(k % ready.len().max(1)) {
                 items.push(pod(
@@ -213,6 +223,7 @@ pub(super) async fn pods(
                     "kube-dns",
                     &n.name,
                     facts.coredns_ready,
+                    owned("ReplicaSet", "coredns-sim"),
                 ));
             }
         }
@@ -220,7 +231,110 @@ pub(super) async fn pods(
     cluster.k8s_workload_pods(&mut items, now);
     let named: Vec<(usize, String)> = nodes.iter().map(|n| (n.index, n.name.clone())).collect();
     items.extend(cluster.k8s_static_pods(&named, app, now));
+    items
+}
+
+pub(super) async fn pods(
+    State(cluster): State<Arc<Cluster>>,
+    Query(sel): Query<Selector>,
+) -> axum::Json<Value> {
+    let Some(app) = app_of(&sel) else {
+        return list("PodList", Vec::new());
+    };
+    list("PodList", pods_now(&cluster, app))
+}
+
+#[derive(serde::Deserialize)]
+pub(super) struct FieldSelector {
+    #[serde(rename = "fieldSelector")]
+    field_selector: Option<String>,
+}
+
+/// `GET /api/v1/pods` (all namespaces), `fieldSelector=spec.nodeName=X`
+/// as kubectl's drain asks for a node's pods.
+pub(super) async fn all_pods(
+    State(cluster): State<Arc<Cluster>>,
+    Query(sel): Query<FieldSelector>,
+) -> axum::Json<Value> {
+    let on = sel
+        .field_selector
+        .as_deref()
+        .and_then(|s| s.strip_prefix("spec.nodeName="));
+    let items = pods_now(&cluster, None)
+        .into_iter()
+        .filter(|p| on.is_none_or(|n| p["spec"]["nodeName"] == n))
+        .collect();
     list("PodList", items)
+}
+
+/// The index of the node Kubernetes calls `name`.
+fn node_named(cluster: &Cluster, name: &str) -> Option<usize> {
+    (0..cluster.count()).find(|&i| cluster.node(i).display_name() == name)
+}
+
+/// `PATCH /api/v1/nodes/{name}`: `spec.unschedulable` (kubectl's cordon
+/// and uncordon). An uncordon lets pods be scheduled back.
+pub(super) async fn patch_node(
+    State(cluster): State<Arc<Cluster>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+    axum::Json(patch): axum::Json<Value>,
+) -> ControlReply {
+    let Some(i) = node_named(&cluster, &name) else {
+        return (
+            axum::http::StatusCode::NOT_FOUND,
+            axum::Json(
+                json!({"kind": "Status", "code": 404, "message": format!("nodes \"{name}\" not found")}),
+            ),
+        );
+    };
+    let Some(on) = patch["spec"]["unschedulable"].as_bool() else {
+        return (
+            axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+            axum::Json(
+                json!({"kind": "Status", "code": 422, "message": "only spec.unschedulable is patched here"}),
+            ),
+        );
+    };
+    let node = cluster.node(i);
+    let life = &mut node.st.lock().unwrap().day2.life;
+    life.cordoned = on;
+    life.cordoned_by_client = on;
+    if !on {
+        life.pods_gone = false;
+    }
+    (
+        axum::http::StatusCode::OK,
+        axum::Json(json!({"metadata": {"name": name}, "spec": {"unschedulable": on}})),
+    )
+}
+
+/// `POST /api/v1/namespaces/{ns}/pods/{name}/eviction`: the pod leaves its
+/// node (its controller makes a new one elsewhere, not on a cordoned node).
+pub(super) async fn evict(
+    State(cluster): State<Arc<Cluster>>,
+    axum::extract::Path((ns, name)): axum::extract::Path<(String, String)>,
+) -> ControlReply {
+    let found = pods_now(&cluster, None).into_iter().find(|p| {
+        p["metadata"]["namespace"] == ns.as_str() && p["metadata"]["name"] == name.as_str()
+    });
+    let Some(i) = found.and_then(|p| node_named(&cluster, p["spec"]["nodeName"].as_str()?)) else {
+        return (
+            axum::http::StatusCode::NOT_FOUND,
+            axum::Json(
+                json!({"kind": "Status", "code": 404, "message": format!("pods \"{name}\" not found")}),
+            ),
+        );
+    };
+    let node = cluster.node(i);
+    let life = &mut node.st.lock().unwrap().day2.life;
+    life.evictions += 1;
+    if life.cordoned {
+        life.pods_gone = true;
+    }
+    (
+        axum::http::StatusCode::CREATED,
+        axum::Json(json!({"kind": "Status", "status": "Success", "code": 201})),
+    )
 }
 
 pub(super) async fn daemonsets(

@@ -24,6 +24,10 @@ use super::boot::Sequence;
 use super::version::Talos;
 use super::{Api, Cluster, Phase, Route, ms, reached};
 
+/// META keys of a staged upgrade (`pkg/machinery/meta/constants.go`).
+const META_STAGED_IMAGE: u32 = 7;
+const META_STAGED_OPTIONS: u32 = 8;
+
 /// The schematic ID in an installer reference
 /// (`host/<platform>-installer/<id>:<tag>`).
 pub(super) fn schematic_of_installer(image: &str) -> Option<String> {
@@ -157,12 +161,23 @@ impl Cluster {
                 continue;
             };
             let id = 0x1000 + j as u64;
-            if now < start {
+            let node = self.node(j);
+            let (rebooted, stopped) = {
+                let st = node.st.lock().unwrap();
+                let life = &st.day2.life;
+                (life.reboots > 0, life.services_stopped(now))
+            };
+            // A member's name is empty only until its etcd first started
+            // (etcd.go: "If the member is not started, the name will be an
+            // empty string"); one that started before and is down now (its
+            // node rebooting, or its services stopped by a sequence that
+            // still answers on apid) fails the health check of every member.
+            if now < start && !rebooted {
                 return Err(format!(
                     "etcd member {id:016x} is not started, all members must be running to perform an upgrade"
                 ));
             }
-            if self.node(j).phase(now) == Phase::Down || !reached(self.etcd_healthy_at(j), now) {
+            if node.phase(now) == Phase::Down || stopped || !reached(self.etcd_healthy_at(j), now) {
                 return Err(format!(
                     "etcd member {id:016x} is not healthy; all members must be healthy to perform an upgrade: context deadline exceeded"
                 ));
@@ -277,13 +292,56 @@ impl Api {
             }));
             if ok { "upgrade" } else { "revert" }
         };
+        let args = &self.cluster.args;
+        if req.stage {
+            // `stage`: the image and install options go into META
+            // (`pkg/machinery/meta/constants.go`: StagedUpgradeImageRef = 7,
+            // StagedUpgradeInstallOptions = 8), then `SequenceStageUpgrade`
+            // reboots WITHOUT a drain; the next boot reads and deletes the
+            // tags, installs before apid starts and reboots again
+            // (`v1alpha1_state.go`): seen from outside, one long outage.
+            {
+                let mut st = node.st.lock().unwrap();
+                st.day2
+                    .meta
+                    .insert(META_STAGED_IMAGE, req.image.clone().into_bytes());
+                st.day2
+                    .meta
+                    .insert(META_STAGED_OPTIONS, b"{\"Upgrade\":true}".to_vec());
+                st.day2.staged_upgrades += 1;
+            }
+            let name = node.name.clone();
+            self.cluster.run_sequence(
+                i,
+                Sequence {
+                    drain: Duration::ZERO,
+                    stop: ms(args.upgrade_delay),
+                    down: ms(2 * args.reboot_delay + args.upgrade_delay),
+                    then: Box::new(move |st| {
+                        st.day2.meta.remove(&META_STAGED_IMAGE);
+                        st.day2.meta.remove(&META_STAGED_OPTIONS);
+                        // The boot that installed, never seen by a client.
+                        let n = st.day2.life.boot_ids.len();
+                        st.day2
+                            .life
+                            .boot_ids
+                            .push(super::boot::new_boot_id(&name, n));
+                        match then(st) {
+                            "upgrade" => "staged upgrade",
+                            _ => "revert",
+                        }
+                    }),
+                },
+            );
+            return Ok(ack);
+        }
         let drain = node.st.lock().unwrap().day2.drain_ms;
         self.cluster.run_sequence(
             i,
             Sequence {
-                drain: ms(drain.unwrap_or(self.cluster.args.drain_delay)),
-                stop: ms(self.cluster.args.upgrade_delay),
-                down: ms(self.cluster.args.reboot_delay),
+                drain: ms(drain.unwrap_or(args.drain_delay)),
+                stop: ms(args.upgrade_delay),
+                down: ms(args.reboot_delay),
                 then: Box::new(then),
             },
         );
@@ -365,6 +423,9 @@ impl Api {
         {
             let mut st = node.st.lock().unwrap();
             st.day2.reboot_calls += 1;
+            if !st.day2.life.cordoned {
+                st.day2.life.reboots_undrained += 1;
+            }
             st.day2.reboot_modes.push(
                 reboot_request::Mode::try_from(req.mode)
                     .map_or("unknown", |m| m.as_str_name())
@@ -520,6 +581,60 @@ mod tests {
         api.upgrade_on(0, &request(true), "v1.11.5", "ab").unwrap();
         let d = cluster.node(0).st.lock().unwrap().day2.clone();
         assert_eq!((d.upgrades, d.sequences_locked), (2, 1));
+    }
+
+    #[tokio::test]
+    async fn a_member_whose_services_stopped_or_that_rebooted_is_not_healthy() {
+        let cluster = three_control_planes();
+        let now = Instant::now();
+        let not_healthy = |e: String| {
+            assert!(
+                e.starts_with("etcd member 0000000000001001 is not healthy"),
+                "{e}"
+            )
+        };
+        // cp-02 drained and stopped its services; apid still answers.
+        {
+            let n = cluster.node(1);
+            let mut st = n.st.lock().unwrap();
+            st.day2.life.busy_until = Some(now + Duration::from_secs(30));
+            st.day2.life.services_stop_at = Some(now - Duration::from_secs(1));
+        }
+        assert_eq!(cluster.node(1).phase(now), Phase::Configured);
+        not_healthy(cluster.validate_etcd_for_upgrade(now).unwrap_err());
+        // Back up after the reboot, etcd not healthy yet: it started before,
+        // so its name is set: "not healthy", never "not started".
+        {
+            let n = cluster.node(1);
+            let mut st = n.st.lock().unwrap();
+            st.day2.life.busy_until = None;
+            st.day2.life.reboots = 1;
+            st.configured_at = Some(now);
+        }
+        not_healthy(cluster.validate_etcd_for_upgrade(now).unwrap_err());
+    }
+
+    #[tokio::test]
+    async fn a_staged_upgrade_writes_meta_and_reboots_without_a_drain() {
+        let cluster = three_control_planes();
+        let api = Api {
+            cluster: cluster.clone(),
+            me: 0,
+            secure: true,
+        };
+        let image = format!("127.0.0.1:1/metal-installer/{}:v1.11.5", "ab".repeat(32));
+        let req = UpgradeRequest {
+            image: image.clone(),
+            stage: true,
+            ..UpgradeRequest::default()
+        };
+        api.upgrade_on(2, &req, "v1.11.5", "ab").unwrap();
+        let d = cluster.node(2).st.lock().unwrap().day2.clone();
+        assert!(!d.life.cordoned && d.life.draining_until.is_none());
+        assert_eq!(d.meta.get(&7), Some(&image.into_bytes()));
+        assert!(d.meta.contains_key(&8));
+        assert_eq!(d.staged_upgrades, 1);
+        assert_eq!(api.version_tag(2), "v1.11.2", "installed at the next boot");
     }
 
     #[tokio::test]

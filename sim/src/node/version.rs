@@ -62,6 +62,13 @@ impl Talos {
         self.patch_of(12, 9) || self.patch_of(13, 4) || self.at_least(14, 0)
     }
 
+    /// The persisted config is a COSI resource (`MachineConfigs.config.
+    /// talos.dev` `persistent`) from v1.10.0 (`pkg/machinery/resources/
+    /// config/machine_config.go` `PersistentID`); v1.9 keeps only the file.
+    pub fn has_persistent_config_resource(&self) -> bool {
+        self.at_least(10, 0)
+    }
+
     /// `api/machine/lifecycle.proto` exists from v1.13.0.
     pub fn has_lifecycle_service(&self) -> bool {
         self.at_least(13, 0)

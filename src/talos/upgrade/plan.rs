@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use std::path::Path;
 
@@ -35,6 +35,10 @@ pub struct Running {
     pub schematic: Option<String>,
     /// Why the node could not tell (unreachable, call failed).
     pub error: Option<String>,
+    /// The installer its active machine config names
+    /// (`machine.install.image`); None when it could not be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub install_image: Option<String>,
 }
 
 impl Running {
@@ -50,6 +54,29 @@ impl Running {
             .as_deref()
             .is_some_and(|s| s == wanted.schematic || s == wanted.own_schematic)
     }
+
+    /// Whether its config is known to name another installer than the
+    /// wanted one: a run stopped between a node's reboot and the config
+    /// applied after it leaves the old reference behind.
+    pub fn config_names_another_installer(&self, wanted: &Wanted) -> bool {
+        self.install_image
+            .as_deref()
+            .is_some_and(|i| i != wanted.installer)
+    }
+}
+
+/// `machine.install.image` of a machine config (the v1alpha1 document of
+/// a multi-document config); None when it names none.
+pub fn install_image_of(config: &str) -> Option<String> {
+    serde_yaml_ng::Deserializer::from_str(config)
+        .filter_map(|d| serde_yaml_ng::Value::deserialize(d).ok())
+        .find_map(|doc| {
+            doc.get("machine")?
+                .get("install")?
+                .get("image")?
+                .as_str()
+                .map(str::to_owned)
+        })
 }
 
 /// What `upgrade` installed on each node, kept in the state dir
@@ -64,6 +91,17 @@ pub struct Record {
     pub paths: BTreeMap<String, Vec<String>>,
 }
 
+/// Why the [`Record`] could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{}: {why} (it records where a stopped upgrade left each node; fix it, or remove it to plan from what the nodes report)",
+    path.display()
+)]
+pub struct RecordError {
+    pub path: std::path::PathBuf,
+    pub why: String,
+}
+
 /// One node's entry in the [`Record`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Installed {
@@ -73,13 +111,28 @@ pub struct Installed {
 }
 
 impl Record {
-    /// The record at `path`; an absent or unreadable one is empty (it is a
-    /// fallback, never the only source).
-    pub fn load(path: &Path) -> Record {
-        crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or_default()
+    /// The record at `path`; an absent one is empty. One that cannot be
+    /// read or parsed is an error naming the file, never taken as empty:
+    /// it holds the paths of nodes stopped mid-hop and the schematics of
+    /// nodes that cannot report theirs, and planning without them could
+    /// send a stock node its Upgrade again.
+    pub fn load(path: &Path) -> Result<Record, RecordError> {
+        let bad = |why: String| RecordError {
+            path: path.to_owned(),
+            why,
+        };
+        let text = match crate::input::read_text(path, crate::input::MAX_TEXT_FILE) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Record::default()),
+            Err(e) => return Err(bad(e.to_string())),
+        };
+        // serde may quote what it found: bounded (the writer escapes it).
+        serde_json::from_str(&text).map_err(|e| {
+            bad(format!(
+                "not an upgrade record: {}",
+                crate::input::excerpt(&e.to_string(), 200)
+            ))
+        })
     }
 
     /// Writes the record atomically (0600, beside the secrets).
@@ -214,6 +267,10 @@ pub enum Action {
     /// Runs the target version; its schematic cannot be told (no `schematic`
     /// extension, or the read failed): left alone, never upgraded again.
     SchematicUnknown,
+    /// Runs the target, but its config still names another installer (a
+    /// run stopped after the reboot, before the config apply): the
+    /// rendered config is applied, no upgrade.
+    Config,
     /// Goes through `hops`.
     Upgrade,
     /// Could not be read or planned: the run stops here.
@@ -318,6 +375,9 @@ pub fn decide(
                     "could not read what it runs: {}",
                     o.running.error.as_deref().unwrap_or("no answer")
                 ));
+            }
+            Some(_) if on_target && o.running.config_names_another_installer(to) => {
+                plan.action = Action::Config;
             }
             Some(_) if on_target && o.running.schematic_is(to) => {}
             // Unknown is not different: only a schematic known to differ
@@ -464,7 +524,7 @@ mod tests {
             running: Running {
                 version: v.map(String::from),
                 schematic: s.map(String::from),
-                error: None,
+                ..Running::default()
             },
         }
     }
@@ -499,6 +559,29 @@ mod tests {
             [&Action::SchematicUnknown, &Action::Upgrade, &Action::Done]
         );
         assert_eq!(plan.installers(), ["f/metal-installer/b:v1.12.4"]);
+    }
+
+    #[test]
+    fn a_node_on_the_target_whose_config_names_the_old_installer_gets_the_config() {
+        let mut stale = seen("cp-01", true, Some("v1.12.4"), Some("b"));
+        stale.running.install_image = Some("f/metal-installer/b:v1.11.5".into());
+        let mut fresh = seen("cp-02", true, Some("v1.12.4"), Some("b"));
+        fresh.running.install_image = Some("f/metal-installer/b:v1.12.4".into());
+        let plan = decide_with(&[stale, fresh], 3, false);
+        let actions: Vec<&Action> = plan.nodes.iter().map(|n| &n.action).collect();
+        assert_eq!(actions, [&Action::Config, &Action::Done]);
+        assert!(plan.nodes[0].hops.is_empty());
+        assert!(plan.installers().is_empty(), "nothing to pull");
+    }
+
+    #[test]
+    fn the_install_image_is_read_from_the_v1alpha1_document() {
+        let config = "version: v1alpha1\nmachine:\n  type: worker\n  install:\n    disk: /dev/sda\n    image: f/metal-installer/b:v1.12.4\n---\napiVersion: v1alpha1\nkind: HostnameConfig\n";
+        assert_eq!(
+            install_image_of(config).as_deref(),
+            Some("f/metal-installer/b:v1.12.4")
+        );
+        assert_eq!(install_image_of("version: v1alpha1\nmachine: {}\n"), None);
     }
 
     #[test]

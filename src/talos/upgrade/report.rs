@@ -21,6 +21,9 @@ pub struct UpgradeReport {
     pub upgraded: Vec<String>,
     /// Already at the target.
     pub unchanged: Vec<String>,
+    /// On the target already; this run applied the config naming the new
+    /// installer (a stopped run had left the old one).
+    pub configured: Vec<String>,
     /// On the target version, schematic unknown: left alone.
     pub schematic_unknown: Vec<String>,
     pub failed: Option<Failure>,

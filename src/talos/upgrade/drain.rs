@@ -1,0 +1,218 @@
+//! Cordon and drain where the node does not: on the LifecycleService path
+//! (Talos v1.13 on) talosctl installs, then cordons and drains the node
+//! through the Kubernetes API, reboots it, waits for it to be Ready and
+//! uncordons it (siderolabs/talos `cmd/talosctl/cmd/talos/upgrade.go`
+//! `upgradeViaLifecycleService`, `drain.go`, `cmd/talosctl/pkg/talos/
+//! nodedrain/nodedrain.go`: kubectl's drain helper with `Force`,
+//! `IgnoreAllDaemonSets` and `DeleteEmptyDirData`, 5 minutes by default).
+//! The node's own Reboot sequence only stops its pods
+//! (`v1alpha1_sequencer.go` `Reboot`), and Talos uncordons only a node it
+//! cordoned itself (`controllers/k8s/node_apply.go` `ApplyCordoned`), so
+//! the uncordon is the client's too.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::talos::bootstrap::{Options, Plan};
+use crate::talos::health::{kube_nodes, kubeconfig};
+use crate::talos::kube::Kubeconfig;
+
+/// talosctl's `--drain-timeout` default (`nodedrain.DefaultDrainTimeout`).
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Whether kubectl's drain evicts `pod`: not one a DaemonSet owns (it would
+/// come straight back), not a mirror pod (the kubelet's static pods), not
+/// one that has finished.
+pub fn evictable(pod: &Value) -> bool {
+    let daemon = pod["metadata"]["ownerReferences"]
+        .as_array()
+        .is_some_and(|o| o.iter().any(|r| r["kind"] == "DaemonSet"));
+    let mirror = pod["metadata"]["annotations"]
+        .get("kubernetes.io/config.mirror")
+        .is_some();
+    let finished = matches!(
+        pod["status"]["phase"].as_str(),
+        Some("Succeeded" | "Failed")
+    );
+    !daemon && !mirror && !finished
+}
+
+/// `namespace/name` of a pod.
+fn key(pod: &Value) -> String {
+    format!(
+        "{}/{}",
+        pod["metadata"]["namespace"].as_str().unwrap_or(""),
+        pod["metadata"]["name"].as_str().unwrap_or("")
+    )
+}
+
+/// Runs a blocking Kubernetes call off the async runtime.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| e.to_string())?
+}
+
+/// Sets `spec.unschedulable` of Kubernetes node `name` (kubectl's cordon:
+/// a strategic merge patch of the node).
+async fn set_unschedulable(
+    kc: &Kubeconfig,
+    name: &str,
+    on: bool,
+    t: Duration,
+) -> Result<(), String> {
+    let (kc, path) = (kc.clone(), format!("/api/v1/nodes/{name}"));
+    blocking(move || {
+        kc.send_json(
+            reqwest::Method::PATCH,
+            &path,
+            Some((
+                "application/strategic-merge-patch+json",
+                &json!({"spec": {"unschedulable": on}}),
+            )),
+            t,
+        )
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    })
+    .await
+}
+
+/// The pods kubectl's drain evicts from node `name`, by `namespace/name`.
+async fn evictable_pods(kc: &Kubeconfig, name: &str, t: Duration) -> Result<Vec<Value>, String> {
+    let kc = kc.clone();
+    let path = format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{name}");
+    let list = blocking(move || kc.get_json(&path, t).map_err(|e| e.to_string())).await?;
+    Ok(list["items"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+        .iter()
+        .filter(|p| evictable(p))
+        .cloned()
+        .collect())
+}
+
+/// Cordons Kubernetes node `name`, then evicts its pods (a refused
+/// eviction, a PodDisruptionBudget's 429, is retried) and waits until they
+/// are gone, within `timeout`.
+pub async fn cordon_and_drain(
+    plan: &Plan,
+    name: &str,
+    timeout: Duration,
+    opts: &Options,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<(), String> {
+    let kc = kubeconfig(plan)?;
+    let t = opts.call_timeout;
+    let deadline = Instant::now() + timeout;
+    progress("cordoning the Kubernetes node");
+    set_unschedulable(&kc, name, true, t)
+        .await
+        .map_err(|e| format!("cordoning: {e}"))?;
+    progress("draining the Kubernetes node");
+    loop {
+        let pods = evictable_pods(&kc, name, t)
+            .await
+            .map_err(|e| format!("draining: {e}"))?;
+        if pods.is_empty() {
+            return Ok(());
+        }
+        let mut last = String::new();
+        for pod in &pods {
+            let (ns, pod_name) = (
+                pod["metadata"]["namespace"].as_str().unwrap_or(""),
+                pod["metadata"]["name"].as_str().unwrap_or(""),
+            );
+            let path = format!("/api/v1/namespaces/{ns}/pods/{pod_name}/eviction");
+            let body = json!({
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": pod_name, "namespace": ns},
+            });
+            let kc = kc.clone();
+            if let Err(e) = blocking(move || {
+                kc.send_json(
+                    reqwest::Method::POST,
+                    &path,
+                    Some(("application/json", &body)),
+                    t,
+                )
+                .map_err(|e| e.to_string())
+            })
+            .await
+            {
+                last = format!("evicting {}: {e}", key(pod));
+            }
+        }
+        if Instant::now() + opts.poll > deadline {
+            let left: Vec<String> = pods.iter().map(key).collect();
+            return Err(format!(
+                "draining: {} still on the node after {timeout:?}{}",
+                left.join(", "),
+                if last.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({last})")
+                }
+            ));
+        }
+        tokio::time::sleep(opts.poll).await;
+    }
+}
+
+/// Waits (within `timeout`) for Kubernetes node `name` to be Ready again,
+/// then uncordons it, as talosctl does after the reboot.
+pub async fn uncordon_when_ready(
+    plan: &Plan,
+    name: &str,
+    timeout: Duration,
+    opts: &Options,
+) -> Result<(), String> {
+    let kc = kubeconfig(plan)?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        let ready = kube_nodes(plan, opts)
+            .await
+            .is_ok_and(|nodes| nodes.iter().any(|n| n.name == name && n.ready));
+        if ready {
+            return set_unschedulable(&kc, name, false, opts.call_timeout)
+                .await
+                .map_err(|e| format!("uncordoning: {e}"));
+        }
+        if Instant::now() + opts.poll > deadline {
+            return Err(format!(
+                "the Kubernetes node was not Ready within {timeout:?}; it stays cordoned"
+            ));
+        }
+        tokio::time::sleep(opts.poll).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn daemonset_mirror_and_finished_pods_are_left_alone() {
+        let pod = |owner: &str, annotations: Value, phase: &str| {
+            json!({
+                "metadata": {"name": "p", "namespace": "kube-system", "annotations": annotations,
+                             "ownerReferences": [{"kind": owner, "name": "x"}]},
+                "status": {"phase": phase},
+            })
+        };
+        assert!(evictable(&pod("ReplicaSet", json!({}), "Running")));
+        assert!(!evictable(&pod("DaemonSet", json!({}), "Running")));
+        assert!(!evictable(&pod(
+            "Node",
+            json!({"kubernetes.io/config.mirror": "abc"}),
+            "Running"
+        )));
+        assert!(!evictable(&pod("ReplicaSet", json!({}), "Succeeded")));
+        assert!(evictable(&json!({"metadata": {"name": "bare"}})));
+    }
+}
