@@ -14,6 +14,7 @@ mod node;
 mod proxmox;
 mod proxmox_schema;
 mod proxmox_upload;
+mod secureboot_disk;
 
 use clap::{Parser, Subcommand};
 

@@ -43,7 +43,7 @@ pub fn wanted(
                 node.name.clone(),
                 Wanted {
                     version: version.clone(),
-                    installer: crate::schematic::installer::installer_of(inv, &id),
+                    installer: crate::schematic::installer::installer_for(inv, node)?,
                     schematic: id.to_string(),
                     own_schematic: own.to_string(),
                 },
@@ -258,7 +258,12 @@ pub fn decide_upgrade(
                     .canonical()
                     .ok()?;
                 let id = crate::schematic::id_of(&base);
-                Some(crate::schematic::installer::installer_at(inv, &id, version))
+                Some(crate::schematic::installer::installer_at(
+                    inv,
+                    &id,
+                    version,
+                    inv.secure_boot(n),
+                ))
             })
             .unwrap_or_default()
     };
