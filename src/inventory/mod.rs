@@ -665,6 +665,17 @@ impl Validator<'_> {
             }
             return;
         }
+        if img.encryption == Some(Encryption::Tpm)
+            && !talos_at_least(&inv.cluster.talos_version, (1, 11, 0))
+        {
+            self.problem(
+                "image.encryption",
+                format!(
+                    "tpm encryption is written as VolumeConfig documents, which Talos reads from v1.11.0 (talosVersion is {}); imgbuild writes it for v1.11.0 and later",
+                    inv.cluster.talos_version
+                ),
+            );
+        }
         if img.encryption == Some(Encryption::Tpm) {
             for (i, n) in inv.nodes.iter().enumerate() {
                 if !inv.secure_boot(n) {
