@@ -1774,7 +1774,16 @@ fn power_on(pve: &Pve, vmid: u32, vm: &mut Vm, log: &mut Vec<String>) {
     };
     let booted = boot_target(pve, vmid, vm).and_then(|(ip, hostname, iso)| {
         vm.booted_iso = iso.then(|| hostname.clone());
-        let body = json!({"name": format!("vm-{vmid}"), "ip": ip, "hostname": hostname});
+        // A Secure Boot disk that boots at all boots with Secure Boot on
+        // (systemd-boot enrolled the keys in setup mode).
+        let secure_boot = !iso
+            && boot_drives(&vm.config).into_iter().any(|(volid, cdrom)| {
+                !cdrom
+                    && pve
+                        .volume_path(&volid)
+                        .is_ok_and(|p| crate::proxmox_secureboot::is_secure_boot_disk(&p))
+            });
+        let body = json!({"name": format!("vm-{vmid}"), "ip": ip, "hostname": hostname, "secure_boot": secure_boot});
         tokio::runtime::Handle::current().block_on(nodes.boot(&body))?;
         Ok(ip)
     });

@@ -46,6 +46,7 @@ pub fn wanted(
                     installer: crate::schematic::installer::installer_for(inv, node)?,
                     schematic: id.to_string(),
                     own_schematic: own.to_string(),
+                    secure_boot: inv.secure_boot(node),
                 },
             ))
         })
@@ -90,6 +91,20 @@ pub enum UpgradeError {
     Emit(#[from] crate::schematic::EmitError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(String),
+    #[error(
+        "node {node}: it runs with Secure Boot {}, the inventory asks for it {}; an upgrade cannot move a node between Secure Boot and not (the installer keeps the boot layout the disk was made with, siderolabs/talos#9245). Set secureBoot on the node to match, or rebuild its disk from the other image and reinstall it",
+        on_off(*running),
+        on_off(*wanted)
+    )]
+    SecureBootSwitch {
+        node: String,
+        running: bool,
+        wanted: bool,
+    },
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b { "on" } else { "off" }
 }
 
 /// What the factory says, for planning: each node's target and the
@@ -154,6 +169,8 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
         Ok(s) => out.schematic = s,
         Err(e) => out.error = Some(format!("extension status: {e}")),
     }
+    // Unknown (None) when the node cannot tell: not a difference.
+    out.security = conn.security_state().await.ok().flatten();
     record.fill(&node.name, &mut out);
     out
 }
@@ -249,6 +266,19 @@ pub fn decide_upgrade(
             running,
         })
         .collect();
+    // The node's SecurityState against the inventory, before anything is
+    // planned: an installer of the other kind would not switch it.
+    for o in &observed {
+        if let (Some(sec), Some(want)) = (&o.running.security, targets.wanted.get(&o.node))
+            && sec.secure_boot != want.secure_boot
+        {
+            return Err(UpgradeError::SecureBootSwitch {
+                node: o.node.clone(),
+                running: sec.secure_boot,
+                wanted: want.secure_boot,
+            });
+        }
+    }
     let installer_at = |node: &str, version: &str| {
         inv.nodes
             .iter()
@@ -723,6 +753,7 @@ mod tests {
             installer: "f/metal-installer/b:v1.11.5".into(),
             schematic: "b".into(),
             own_schematic: "o".into(),
+            secure_boot: false,
         }
     }
 
@@ -732,6 +763,7 @@ mod tests {
             version: Some(v.into()),
             schematic: s.map(str::to_owned),
             error: None,
+            security: None,
         };
         assert!(run("v1.11.5", Some("b")).is(&wanted()));
         assert!(run("v1.11.5", Some("o")).is(&wanted()));
@@ -777,6 +809,7 @@ mod tests {
             version: Some("v1.11.5".into()),
             schematic: Some("x".into()),
             error: None,
+            security: None,
         };
         record.fill("w1", &mut speaks);
         assert_eq!(

@@ -190,6 +190,9 @@ impl Api {
                 ));
             }
             Ok(self.extensions_on(i))
+        } else if namespace == RUNTIME && kind == super::security::SECURITY_STATE {
+            let secure_boot = self.cluster.node(i).st.lock().unwrap().secure_boot;
+            Ok(vec![super::security::resource(secure_boot)])
         } else {
             Err(Status::not_found(format!(
                 "resource type {kind:?} in namespace {namespace:?} is not registered"

@@ -26,6 +26,9 @@ pub struct Wanted {
     /// it until its first upgrade on the base installer, and runs what the
     /// inventory asks for all the same.
     pub own_schematic: String,
+    /// The inventory boots the node with Secure Boot (its installer is
+    /// `…-installer-secureboot`).
+    pub secure_boot: bool,
 }
 
 /// What a node runs now.
@@ -35,6 +38,9 @@ pub struct Running {
     pub schematic: Option<String>,
     /// Why the node could not tell (unreachable, call failed).
     pub error: Option<String>,
+    /// Its SecurityState; None when it could not tell.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub security: Option<crate::talos::client::SecurityState>,
 }
 
 impl Running {
@@ -451,6 +457,7 @@ mod tests {
                         installer: "f/metal-installer/b:v1.12.4".into(),
                         schematic: "b".into(),
                         own_schematic: "o".into(),
+                        secure_boot: false,
                     },
                 )
             })
@@ -465,6 +472,7 @@ mod tests {
                 version: v.map(String::from),
                 schematic: s.map(String::from),
                 error: None,
+                security: None,
             },
         }
     }
