@@ -379,3 +379,120 @@ fn a_per_node_secure_boot_iso_and_pxe_are_refused_with_the_ways_out() {
         "no script was written"
     );
 }
+
+fn day2(config: &Path, args: &[&str]) -> Output {
+    let mut run = Run::with_config(config, args);
+    if args.contains(&"bootstrap") || args.contains(&"upgrade") {
+        run.timeouts(&[]);
+    }
+    run.env_remove("IMGBUILD_STATE_DIR")
+        .env_remove("IMGBUILD_FACTORY")
+        .env_remove("TALOSCONFIG");
+    run.output()
+}
+
+/// Talos v1.11.2 → v1.11.5 with Secure Boot: every machine config installs
+/// from `metal-installer-secureboot/<base id>`, the upgrade names Secure
+/// Boot installers, `status` reads each node's SecurityState, and a node
+/// the inventory would switch out of Secure Boot is reported by `status`
+/// and refused by `upgrade`, with the reason.
+#[test]
+fn secure_boot_installers_from_the_first_config_through_upgrades_and_status() {
+    let factory = Sim::start_with(&[], 0, &["--versions", "v1.11.2,v1.11.5"]);
+    let net = net(5);
+    let nodes = Nodes::cluster(&net, true, &["--secure-boot"]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.yaml");
+    let inventory = |talos: &str| {
+        Inventory::five_nodes("sb", &net)
+            .talos(talos)
+            .factory(&factory.url)
+            .replace("image:\n", "image:\n  secureBoot: true\n")
+    };
+    inventory("v1.11.2").write(dir.path());
+    let o = day2(&config, &["--output", "json", "bootstrap"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let host = factory
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches('/');
+
+    for (node, _, _) in NODES {
+        let file = dir.path().join(format!("{node}.yaml"));
+        let o = day2(&config, &["config", node, "--out", file.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let rendered = std::fs::read_to_string(&file).unwrap();
+        let first = serde_yaml_ng::Deserializer::from_str(&rendered)
+            .next()
+            .unwrap();
+        let doc: serde_yaml_ng::Value = serde::Deserialize::deserialize(first).unwrap();
+        let image = doc["machine"]["install"]["image"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{node}: no install image in {rendered}"));
+        let prefix = format!("{host}/metal-installer-secureboot/");
+        assert!(image.starts_with(&prefix), "{node}: {image}");
+        assert!(image.ends_with(":v1.11.2"), "{image}");
+    }
+
+    // status: every node booted with Secure Boot, as the inventory says.
+    let o = day2(&config, &["--output", "json", "status"]);
+    let v = json(&o);
+    for row in v["nodes"].as_array().unwrap() {
+        assert_eq!(row["security"]["secureBoot"], true, "{row}");
+        let pcr = row["security"]["pcrSigningKeyFingerprint"]
+            .as_str()
+            .unwrap();
+        assert_eq!(pcr.split(':').count(), 32, "{pcr}");
+    }
+    assert!(
+        !v["drift"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["what"] == "secureBoot"),
+        "{v}"
+    );
+
+    // The upgrade names Secure Boot installers of the base schematic.
+    inventory("v1.11.5").write(dir.path());
+    let o = day2(&config, &["--output", "json", "upgrade", "--dry-run"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let plan = json(&o);
+    let posted = factory.posted_schematics();
+    let ids: Vec<&String> = posted.as_object().unwrap().keys().collect();
+    assert_eq!(ids.len(), 1, "{posted}");
+    let want = format!("{host}/metal-installer-secureboot/{}:v1.11.5", ids[0]);
+    for r in plan["nodes"].as_array().unwrap() {
+        assert_eq!(r["to"]["installer"], want.as_str(), "{r}");
+    }
+
+    // worker-02 would leave Secure Boot: status says so, upgrade refuses.
+    inventory("v1.11.5")
+        .replace(
+            &format!("    address: {net}.22\n"),
+            &format!("    address: {net}.22\n    secureBoot: false\n"),
+        )
+        .write(dir.path());
+    let o = day2(&config, &["--output", "json", "status"]);
+    let v = json(&o);
+    let drift: Vec<&serde_json::Value> = v["drift"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["what"] == "secureBoot")
+        .collect();
+    assert_eq!(drift.len(), 1, "{v}");
+    assert_eq!(drift[0]["node"], "worker-02");
+    let o = day2(&config, &["upgrade", "--dry-run"]);
+    assert!(!o.status.success());
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("worker-02") && err.contains("siderolabs/talos#9245"),
+        "{err}"
+    );
+    assert_eq!(
+        nodes.stats()["nodes"]["worker-02"]["day2"]["upgrades"],
+        0,
+        "nothing was upgraded"
+    );
+}
