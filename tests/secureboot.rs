@@ -355,6 +355,23 @@ fn a_per_node_secure_boot_iso_and_pxe_are_refused_with_the_ways_out() {
         assert!(err.contains(way), "{way}: {err}");
     }
     assert_eq!(sim.image_gets(), 0, "nothing is downloaded");
+    // The explicit opt-in: the factory's own Secure Boot ISO per node, its
+    // META signed into the UKI's command line by the factory.
+    let o = work
+        .imgbuild(
+            &sim,
+            &["--output", "json", "build", "--route", "factory", "cp-01"],
+        )
+        .output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let entry = &work.manifest()["images"]["cp-01"];
+    assert!(
+        entry["sourceUrl"]
+            .as_str()
+            .unwrap()
+            .ends_with("/metal-amd64-secureboot.iso"),
+        "{entry}"
+    );
 
     let cp01 = format!("    address: {}.11\n", net(4));
     let work = Work::new(
@@ -363,6 +380,7 @@ fn a_per_node_secure_boot_iso_and_pxe_are_refused_with_the_ways_out() {
             .replace("image:\n", SECURE_BOOT)
             .replace(&cp01, &format!("{cp01}    mac: bc:24:11:0a:00:11\n")),
     );
+    let gets = sim.image_gets();
     let o = work.imgbuild(&sim, &["pxe", "cp-01"]).output();
     assert!(!o.status.success());
     let err = text(&o.stderr);
@@ -375,9 +393,10 @@ fn a_per_node_secure_boot_iso_and_pxe_are_refused_with_the_ways_out() {
         assert!(err.contains(way), "{way}: {err}");
     }
     assert!(
-        !work.dir.path().join("pxe").exists(),
+        !work.out().join("boot.ipxe").exists(),
         "no script was written"
     );
+    assert_eq!(sim.image_gets(), gets, "nothing is downloaded");
 }
 
 fn day2(config: &Path, args: &[&str]) -> Output {

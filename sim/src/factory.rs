@@ -726,6 +726,14 @@ fn is_secure_boot(file: &str) -> bool {
         .is_some_and(|stem| stem.ends_with("-secureboot"))
 }
 
+/// The platform and architecture an image path names
+/// (`metal-amd64-secureboot.raw.xz` → `metal`, `amd64`).
+fn platform_arch(file: &str) -> (&str, &str) {
+    let stem = file.split('.').next().unwrap_or(file);
+    let stem = stem.strip_suffix("-secureboot").unwrap_or(stem);
+    stem.rsplit_once('-').unwrap_or((stem, "amd64"))
+}
+
 /// Builds (once) the image for a schematic: the base with its META, then
 /// compressed or converted as the path asks.
 fn build(
@@ -758,7 +766,8 @@ fn build(
                 r.uki_stub.as_deref(),
             )
         });
-        let cmdline = cmdline(sim, schematic, version, "metal", "amd64");
+        let (platform, arch) = platform_arch(file);
+        let cmdline = cmdline(sim, schematic, version, platform, arch);
         crate::secureboot_disk::make(&tmp, version, enroll, &cmdline, real)?;
         let mut tags: Vec<(u32, Vec<u8>)> = Vec::new();
         // Talos v1.10+ images record their bootloader in META key 17
@@ -829,6 +838,19 @@ fn build(
                 .arg(&tmp)
                 .status()?;
             anyhow::ensure!(st.success(), "qemu-img convert failed");
+        }
+        Kind::Iso if secure_boot => {
+            let enroll = &schematic.customization.secure_boot.enroll_keys;
+            let real = sim.real.as_ref().map(|r| {
+                (
+                    r.kernel.as_path(),
+                    r.initramfs.as_path(),
+                    r.uki_stub.as_deref(),
+                )
+            });
+            let (platform, arch) = platform_arch(file);
+            let cmdline = cmdline(sim, schematic, version, platform, arch);
+            crate::secureboot_disk::make_iso(&tmp, version, enroll, &cmdline, real)?;
         }
         Kind::Iso => {
             let stem = file.strip_suffix(".iso").unwrap_or(file);

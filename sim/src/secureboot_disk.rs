@@ -52,16 +52,86 @@ pub fn make(
             "-c2:META",
         ])
         .arg(out))?;
-    let work = out.with_extension("esp.d");
+    esp_at(
+        out,
+        2048 * 512,
+        EFI_MIB,
+        version,
+        enroll_keys,
+        cmdline,
+        real,
+    )
+}
+
+/// The Secure Boot ISO (`metal-amd64-secureboot.iso`, siderolabs/talos
+/// `pkg/imager/iso/uefi.go`): UEFI only, an El Torito EFI image holding the
+/// same EFI partition contents (systemd-boot, the UKI with the schematic's
+/// command line, META included, signed into it; loader.conf; the keys to
+/// enroll). No GRUB and no BIOS boot: the command line is only in the UKI.
+pub fn make_iso(
+    out: &Path,
+    version: &str,
+    enroll_keys: &str,
+    cmdline: &str,
+    real: Option<(&Path, &Path, Option<&Path>)>,
+) -> anyhow::Result<()> {
+    let tree = out.with_extension("tree");
+    let _ = std::fs::remove_dir_all(&tree);
+    std::fs::create_dir_all(&tree)?;
+    let esp = tree.join("efiboot.img");
+    std::fs::File::create(&esp)?.set_len(EFI_MIB << 20)?;
+    let r = esp_at(&esp, 0, EFI_MIB, version, enroll_keys, cmdline, real).and_then(|()| {
+        run(Command::new("xorriso")
+            .args([
+                "-as",
+                "mkisofs",
+                "-V",
+                "TALOS",
+                "-e",
+                "efiboot.img",
+                "-no-emul-boot",
+            ])
+            .arg("-o")
+            .arg(out)
+            .arg(&tree))
+    });
+    let _ = std::fs::remove_dir_all(&tree);
+    r
+}
+
+/// Formats a FAT file system of `mib` MiB at byte `offset` of `image` and
+/// fills it as the sd-boot bootloader does.
+fn esp_at(
+    image: &Path,
+    offset: u64,
+    mib: u64,
+    version: &str,
+    enroll_keys: &str,
+    cmdline: &str,
+    real: Option<(&Path, &Path, Option<&Path>)>,
+) -> anyhow::Result<()> {
+    let work = image.with_extension("esp.d");
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work)?;
-    let r = fill_esp(out, &work, version, enroll_keys, cmdline, real);
+    let r = fill_esp(
+        image,
+        offset,
+        mib,
+        &work,
+        version,
+        enroll_keys,
+        cmdline,
+        real,
+    );
     let _ = std::fs::remove_dir_all(&work);
     r
 }
 
+#[allow(clippy::too_many_arguments)]
 fn fill_esp(
     out: &Path,
+    offset: u64,
+    mib: u64,
     work: &Path,
     version: &str,
     enroll_keys: &str,
@@ -96,11 +166,10 @@ fn fill_esp(
             format!("simulated {name} of the factory's Secure Boot keys\n"),
         )?;
     }
-    // The FAT file system lives at the EFI partition's offset (sector 2048).
-    let img = format!("{}@@{}", out.display(), 2048 * 512);
+    let img = format!("{}@@{offset}", out.display());
     run(Command::new("mformat")
         .args(["-i", &img, "-T"])
-        .arg(((EFI_MIB << 20) / 512).to_string())
+        .arg(((mib << 20) / 512).to_string())
         .args(["-h", "64", "-s", "32", "-v", "EFI", "::"]))?;
     run(Command::new("mmd").args([
         "-i",
