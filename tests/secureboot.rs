@@ -372,6 +372,10 @@ fn a_per_node_secure_boot_iso_and_pxe_are_refused_with_the_ways_out() {
             .ends_with("/metal-amd64-secureboot.iso"),
         "{entry}"
     );
+    let o = Run::with_config(&work.config, &["verify", "--out-dir"])
+        .arg(work.out())
+        .output();
+    assert!(o.status.success(), "{}{}", text(&o.stdout), text(&o.stderr));
 
     let cp01 = format!("    address: {}.11\n", net(4));
     let work = Work::new(
