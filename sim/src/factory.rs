@@ -173,6 +173,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "/v2/{image}/{id}/manifests/{tag}",
             get(installer_manifest).head(installer_manifest),
         )
+        .route(
+            "/secureboot/signing-cert.pem",
+            get(crate::secureboot_disk::signing_cert),
+        )
         .route("/_sim/stats", get(stats))
         .route("/_sim/schematics", get(posted))
         .with_state(sim);
