@@ -41,6 +41,10 @@ pub enum BootError {
         "node {node}: the kernel command line is {len} bytes, over the kernel's limit of {CMDLINE_MAX}"
     )]
     CmdlineTooLong { node: String, len: usize },
+    #[error(
+        "node {node}: PXE with Secure Boot would boot the factory's signed UKI, and systemd-stub ignores a command line passed to a signed UKI under Secure Boot, so the node's META (its address) would never arrive; imgbuild does not hand out a script that boots without it. Ways out: the Secure Boot disk image (image.format raw or qcow2, META patched per node); the factory's own Secure Boot ISO with --route factory (an explicit opt-in: the factory learns the addresses); or dhcp: true on the node"
+    )]
+    SecureBoot { node: String },
     #[error("--url {0:?} is not a plain http(s) URL (no query, fragment, spaces or quotes)")]
     BadUrl(String),
     /// The factory's command line holds a word iPXE or the kernel would not
@@ -232,6 +236,11 @@ pub fn pxe(
         let mac = node.mac.as_ref().ok_or_else(|| BootError::NoMac {
             node: node.name.clone(),
         })?;
+        if inv.secure_boot(node) {
+            return Err(BootError::SecureBoot {
+                node: node.name.clone(),
+            });
+        }
         let mac = mac.to_string();
         let base = schematic::node::base_for_node(inv, node);
         let id = schematic::id_of(&base.canonical()?);

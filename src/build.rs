@@ -44,6 +44,10 @@ pub struct NodeImage {
     pub platform: String,
     pub arch: Arch,
     pub format: ImageFormat,
+    /// A Secure Boot image (`…-secureboot.*`): the firmware must boot it
+    /// with Secure Boot keys it can enroll, and a TPM 2.0 for encryption.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub secure_boot: bool,
     pub size: u64,
     pub sha256: Sha256,
     /// Relative to the out dir (see [`NodeImage::file`]), so the out dir can
@@ -305,6 +309,7 @@ impl Plan<'_> {
                 && m.platform == inv.image.platform
                 && m.arch == inv.image.arch
                 && m.format == inv.image.format
+                && m.secure_boot == inv.secure_boot(self.node)
                 && m.path == self.path
                 && std::fs::metadata(&self.file).is_ok_and(|md| md.len() == m.size)
         })
@@ -342,6 +347,8 @@ pub fn build(
 ) -> Result<Vec<BuildOutcome>, BuildError> {
     let plans = plan(inv, nodes, opts)?;
     if inv.image.format == ImageFormat::Iso && opts.route == Route::Patch {
+        let nodes: Vec<&NodeSpec> = plans.iter().map(|p| p.node).collect();
+        crate::iso::check_secure_boot(inv, &nodes)?;
         crate::iso::check_patchable(&inv.cluster.talos_version, inv.image.bootloader)?;
     }
     std::fs::create_dir_all(&opts.out_dir).map_err(|source| BuildError::Io {
@@ -454,6 +461,7 @@ fn build_one(
     let arch = inv.image.arch.to_string();
     let format = inv.image.format;
     let ext = factory_ext(format);
+    let secure_boot = inv.secure_boot(node);
     let (source_url, sha256, size) = match opts.route {
         Route::Factory => {
             let id = factory.register(&schematic::node::for_node(inv, node))?;
@@ -464,14 +472,14 @@ fn build_one(
             if base != schematic::node::for_node(inv, node) {
                 factory.register(&base)?;
             }
-            let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
+            let url = factory.image_url(&id, version, &inv.image.platform, &arch, secure_boot, ext);
             let art = fetch::fetch(client, &url, None, &opts.fetch, progress)?;
             copy_out(&art.path, &plan.file)?;
             (url, art.sha256, art.size)
         }
         Route::Patch => {
             let id = factory.register(&schematic::node::base_for_node(inv, node))?;
-            let url = factory.image_url(&id, version, &inv.image.platform, &arch, ext);
+            let url = factory.image_url(&id, version, &inv.image.platform, &arch, secure_boot, ext);
             let art = fetch::fetch(client, &url, None, &opts.fetch, progress)?;
             if format == ImageFormat::Iso {
                 // Key 10 as PXE carries it; off metal nothing reads it and
@@ -502,6 +510,7 @@ fn build_one(
         platform: inv.image.platform.clone(),
         arch: inv.image.arch,
         format,
+        secure_boot,
         size,
         sha256,
         path: plan.path.clone(),
@@ -598,7 +607,11 @@ pub fn verify(out_dir: &Path) -> Result<Vec<Verified>, BuildError> {
                 Ok((sha, _)) if sha != m.sha256 => {
                     Some(format!("sha256 {sha}, manifest says {}", m.sha256))
                 }
-                Ok(_) if m.format == ImageFormat::Iso && m.platform == "metal" => {
+                // A Secure Boot ISO (the factory route's opt-in) has no
+                // grub.cfg: its META is signed into the UKI by the factory.
+                Ok(_)
+                    if m.format == ImageFormat::Iso && m.platform == "metal" && !m.secure_boot =>
+                {
                     iso_problem(&file)
                 }
                 Ok(_) => None,

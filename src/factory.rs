@@ -210,16 +210,24 @@ impl<'a> Factory<'a> {
         Ok(line.to_owned())
     }
 
-    /// `/image/{id}/{version}/{platform}-{arch}.{ext}`.
+    /// `/image/{id}/{version}/{platform}-{arch}[-secureboot].{ext}`: the
+    /// Secure Boot assets carry `-secureboot` after the architecture
+    /// (siderolabs/talos `pkg/imager/profile` output names, as the factory
+    /// parses them in `internal/frontend/http/image.go`).
     pub fn image_url(
         &self,
         id: &SchematicId,
         version: &str,
         platform: &str,
         arch: &str,
+        secure_boot: bool,
         ext: &str,
     ) -> String {
-        format!("{}/image/{id}/{version}/{platform}-{arch}.{ext}", self.base)
+        let sb = if secure_boot { "-secureboot" } else { "" };
+        format!(
+            "{}/image/{id}/{version}/{platform}-{arch}{sb}.{ext}",
+            self.base
+        )
     }
 }
 
@@ -233,8 +241,12 @@ mod tests {
         let client = Client::new();
         let f = Factory::new("https://factory.talos.dev/", &client);
         assert_eq!(
-            f.image_url(&id, "v1.11.2", "metal", "amd64", "raw.zst"),
+            f.image_url(&id, "v1.11.2", "metal", "amd64", false, "raw.zst"),
             "https://factory.talos.dev/image/376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba/v1.11.2/metal-amd64.raw.zst"
+        );
+        assert!(
+            f.image_url(&id, "v1.11.2", "metal", "amd64", true, "raw.xz")
+                .ends_with("/v1.11.2/metal-amd64-secureboot.raw.xz")
         );
     }
 }

@@ -116,6 +116,10 @@ pub enum IsoError {
         "Talos {version} reads META from the kernel command line only at install; a per-node ISO needs v1.5 or later"
     )]
     TooOld { version: String },
+    #[error(
+        "node {node}: a Secure Boot ISO boots a signed UKI whose kernel command line is part of what is signed, so a per-node ISO cannot carry the node's META (its address). Ways out: image.format raw or qcow2 (the Secure Boot disk image, whose META partition is outside what is signed, patched per node); build with --route factory (an explicit opt-in: the factory's own Secure Boot ISO, and the factory then learns each node's addresses); or dhcp: true on the node (no META needed)"
+    )]
+    SecureBootIso { node: String },
     #[error("{}", path.display())]
     Io {
         path: PathBuf,
@@ -128,6 +132,23 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> IsoError + '_ {
     move |source| IsoError::Io {
         path: path.to_owned(),
         source,
+    }
+}
+
+/// Refuses a per-node ISO for a Secure Boot node that needs META: the
+/// UKI's `.cmdline` is measured and signed with the rest of it
+/// (siderolabs/talos `pkg/imager/uki`), and systemd-stub ignores a command
+/// line passed to a signed UKI under Secure Boot, so remastering would
+/// either break the signature or be ignored. A DHCP node needs no META.
+pub fn check_secure_boot(
+    inv: &crate::inventory::Inventory,
+    nodes: &[&crate::inventory::NodeSpec],
+) -> Result<(), IsoError> {
+    match nodes.iter().find(|n| inv.secure_boot(n) && !n.dhcp) {
+        Some(n) => Err(IsoError::SecureBootIso {
+            node: n.name.clone(),
+        }),
+        None => Ok(()),
     }
 }
 

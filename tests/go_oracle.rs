@@ -214,44 +214,11 @@ fn canonical_bytes_match_go_yaml_on_generated_schematics() {
          set IMGBUILD_SKIP_ORACLE=1 to skip this test deliberately"
     );
     let dir = tempfile::tempdir().unwrap();
-    let oracle_src =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/schematic_oracle.go");
-    let oracle = dir.path().join("oracle");
-    let build = Command::new("go")
-        .args(["build", "-o"])
-        .arg(&oracle)
-        .arg(&oracle_src)
-        .env("GOPATH", "/usr/share/gocode")
-        .env("GO111MODULE", "off")
-        .env("GOCACHE", dir.path().join("gocache"))
-        .output()
-        .unwrap();
-    assert!(
-        build.status.success(),
-        "{}",
-        String::from_utf8_lossy(&build.stderr)
-    );
-
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let inputs: Vec<String> = (0..CASES)
         .map(|_| schematic(&mut rng).to_string())
         .collect();
-    let paths: Vec<PathBuf> = inputs
-        .iter()
-        .enumerate()
-        .map(|(i, text)| {
-            let p = dir.path().join(format!("{i}.json"));
-            std::fs::write(&p, text).unwrap();
-            p
-        })
-        .collect();
-    let run = Command::new(&oracle).args(&paths).output().unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let results: Vec<Value> = serde_json::from_slice(&run.stdout).unwrap();
+    let results = go_marshal(dir.path(), &inputs);
     assert_eq!(results.len(), CASES);
 
     let mut compared = 0;
@@ -278,6 +245,96 @@ fn canonical_bytes_match_go_yaml_on_generated_schematics() {
         compared > CASES * 3 / 4,
         "only {compared} of {CASES} compared"
     );
+}
+
+/// The oracle's result for each input: Go's canonical bytes or its error.
+fn go_marshal(dir: &Path, inputs: &[String]) -> Vec<Value> {
+    let oracle_src =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/schematic_oracle.go");
+    let oracle = dir.join("oracle");
+    let build = Command::new("go")
+        .args(["build", "-o"])
+        .arg(&oracle)
+        .arg(&oracle_src)
+        .env("GOPATH", "/usr/share/gocode")
+        .env("GO111MODULE", "off")
+        .env("GOCACHE", dir.join("gocache"))
+        .output()
+        .unwrap();
+    assert!(
+        build.status.success(),
+        "{}",
+        String::from_utf8_lossy(&build.stderr)
+    );
+    let paths: Vec<PathBuf> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let p = dir.join(format!("{i}.json"));
+            std::fs::write(&p, text).unwrap();
+            p
+        })
+        .collect();
+    let run = Command::new(&oracle).args(&paths).output().unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let results: Vec<Value> = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(results.len(), inputs.len());
+    results
+}
+
+/// The schematics a Secure Boot inventory makes (issue 32): every
+/// `enrollKeys` value, with and without well-known certificates, a node's
+/// own extension and its key 10 — each byte-identical to what Go's YAML
+/// marshals from the factory's struct, which the ID is the hash of.
+#[test]
+fn secure_boot_schematics_from_the_inventory_match_go_yaml() {
+    if std::env::var_os("IMGBUILD_SKIP_ORACLE").is_some_and(|v| v == "1") {
+        eprintln!("SKIPPED: IMGBUILD_SKIP_ORACLE=1: the emitter is not compared with Go's YAML");
+        return;
+    }
+    assert!(
+        go_available(),
+        "the Go oracle needs `go` and golang-gopkg-yaml.v3-dev"
+    );
+    let atlas = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/atlas/cluster.yaml");
+    let text = std::fs::read_to_string(&atlas).unwrap();
+    let mut ours = Vec::new();
+    for enroll in ["", "off", "manual", "if-safe", "force"] {
+        for well_known in [false, true] {
+            let mut image = String::from("image:\n  secureBoot: true\n");
+            if !enroll.is_empty() {
+                image.push_str(&format!("  enrollKeys: {enroll}\n"));
+            }
+            if well_known {
+                image.push_str("  includeWellKnownCertificates: true\n");
+            }
+            let inv = imgbuild::inventory::Inventory::parse(
+                &text.replacen("image:\n", &image, 1),
+                &atlas,
+            )
+            .unwrap();
+            for node in &inv.nodes {
+                for s in [
+                    imgbuild::schematic::node::for_node(&inv, node),
+                    imgbuild::schematic::node::base_for_node(&inv, node),
+                ] {
+                    let c = s.canonical().unwrap();
+                    assert_eq!(c.contains("secureboot:"), !enroll.is_empty() || well_known);
+                    ours.push(c);
+                }
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let results = go_marshal(dir.path(), &ours);
+    for (ours, go) in ours.iter().zip(&results) {
+        assert_eq!(go["error"], Value::Null, "{ours}");
+        assert_eq!(ours, go["canonical"].as_str().unwrap());
+    }
 }
 
 /// True when any string in `v` falls in one of the four v3/rc.4 differences.

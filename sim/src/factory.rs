@@ -173,6 +173,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "/v2/{image}/{id}/manifests/{tag}",
             get(installer_manifest).head(installer_manifest),
         )
+        .route(
+            "/secureboot/signing-cert.pem",
+            get(crate::secureboot_disk::signing_cert),
+        )
         .route("/_sim/stats", get(stats))
         .route("/_sim/schematics", get(posted))
         .with_state(sim);
@@ -251,9 +255,20 @@ struct CustomizationShape {
     #[serde(default)]
     bootloader: String,
     #[serde(default, rename = "secureboot")]
-    secure_boot: serde_yaml_ng::Mapping,
+    secure_boot: SecureBootShape,
     #[serde(default)]
     disk_image: DiskImageShape,
+}
+
+/// `SecureBootCustomization` (siderolabs/image-factory `pkg/schematic/schematic.go`).
+#[derive(Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub(crate) struct SecureBootShape {
+    #[serde(default)]
+    pub(crate) enroll_keys: String,
+    #[serde(default)]
+    #[allow(dead_code)] // parsed only so that unknown fields are refused
+    include_well_known_certificates: bool,
 }
 
 #[derive(Clone, serde::Deserialize)]
@@ -333,8 +348,11 @@ async fn installer_manifest(
     if !sim.schematics.lock().unwrap().contains_key(&id) {
         return text(StatusCode::NOT_FOUND, "schematic not found");
     }
-    let platform = image.strip_suffix("-installer");
-    if image != "installer" && platform.is_none_or(str::is_empty) {
+    // `installer-secureboot` and `<platform>-installer-secureboot` are the
+    // Secure Boot installers (`getRequestedImage` tries that suffix first).
+    let plain = image.strip_suffix("-secureboot").unwrap_or(&image);
+    let platform = plain.strip_suffix("-installer");
+    if plain != "installer" && platform.is_none_or(str::is_empty) {
         return text(StatusCode::NOT_FOUND, format!("unknown image {image:?}"));
     }
     if !sim.versions.contains(&tag) {
@@ -428,6 +446,18 @@ async fn image(
                 .or_default() += 1;
         }
         return asset;
+    }
+    // `internal/profile/profile.go`: an enrollKeys value the imager does not
+    // know is an invalid request, for Secure Boot assets only.
+    let enroll = &schematic.customization.secure_boot.enroll_keys;
+    if is_secure_boot(&file)
+        && !enroll.is_empty()
+        && !["off", "manual", "if-safe", "force"].contains(&enroll.as_str())
+    {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!("invalid secureboot enrollKeys value {enroll:?}"),
+        );
     }
     let Some(kind) = image_kind(&file) else {
         return text(
@@ -691,6 +721,23 @@ fn image_kind(file: &str) -> Option<Kind> {
     (!platform.is_empty() && matches!(arch, "amd64" | "arm64")).then_some(kind)
 }
 
+/// Whether an image path asks for a Secure Boot asset
+/// (`metal-amd64-secureboot.raw.xz`, siderolabs/talos `pkg/imager/profile`
+/// output names: `-secureboot` after the architecture).
+fn is_secure_boot(file: &str) -> bool {
+    file.split('.')
+        .next()
+        .is_some_and(|stem| stem.ends_with("-secureboot"))
+}
+
+/// The platform and architecture an image path names
+/// (`metal-amd64-secureboot.raw.xz` → `metal`, `amd64`).
+fn platform_arch(file: &str) -> (&str, &str) {
+    let stem = file.split('.').next().unwrap_or(file);
+    let stem = stem.strip_suffix("-secureboot").unwrap_or(stem);
+    stem.rsplit_once('-').unwrap_or((stem, "amd64"))
+}
+
 /// Builds (once) the image for a schematic: the base with its META, then
 /// compressed or converted as the path asks.
 fn build(
@@ -707,7 +754,43 @@ fn build(
     if out.exists() {
         return Ok(out);
     }
-    let raw = dir.join("disk.raw");
+    let secure_boot = is_secure_boot(file);
+    let raw = dir.join(if secure_boot {
+        "disk-secureboot.raw"
+    } else {
+        "disk.raw"
+    });
+    if secure_boot && kind != Kind::Iso && !raw.exists() {
+        let tmp = dir.join(".disk-secureboot.raw.tmp");
+        let enroll = &schematic.customization.secure_boot.enroll_keys;
+        let real = sim.real.as_ref().map(|r| {
+            (
+                r.kernel.as_path(),
+                r.initramfs.as_path(),
+                r.uki_stub.as_deref(),
+            )
+        });
+        let (platform, arch) = platform_arch(file);
+        let cmdline = cmdline(sim, schematic, version, platform, arch);
+        crate::secureboot_disk::make(&tmp, version, enroll, &cmdline, real)?;
+        let mut tags: Vec<(u32, Vec<u8>)> = Vec::new();
+        // Talos v1.10+ images record their bootloader in META key 17
+        // (DiskImageBootloader); a Secure Boot image boots sd-boot.
+        if talos_version(version) >= (1, 10, 0) {
+            tags.push((17, b"sd-boot".to_vec()));
+        }
+        tags.extend(
+            schematic
+                .customization
+                .meta
+                .iter()
+                .map(|m| (u32::from(m.key), m.value.clone().into_bytes())),
+        );
+        if !tags.is_empty() {
+            crate::disk::merge_meta(&tmp, &tags)?;
+        }
+        std::fs::rename(&tmp, &raw)?;
+    }
     // An ISO is made from the boot assets, not from the disk.
     if kind != Kind::Iso && !raw.exists() {
         let tags: Vec<(u32, Vec<u8>)> = schematic
@@ -759,6 +842,19 @@ fn build(
                 .arg(&tmp)
                 .status()?;
             anyhow::ensure!(st.success(), "qemu-img convert failed");
+        }
+        Kind::Iso if secure_boot => {
+            let enroll = &schematic.customization.secure_boot.enroll_keys;
+            let real = sim.real.as_ref().map(|r| {
+                (
+                    r.kernel.as_path(),
+                    r.initramfs.as_path(),
+                    r.uki_stub.as_deref(),
+                )
+            });
+            let (platform, arch) = platform_arch(file);
+            let cmdline = cmdline(sim, schematic, version, platform, arch);
+            crate::secureboot_disk::make_iso(&tmp, version, enroll, &cmdline, real)?;
         }
         Kind::Iso => {
             let stem = file.strip_suffix(".iso").unwrap_or(file);
@@ -940,7 +1036,7 @@ fn pe_end(image: &[u8]) -> anyhow::Result<u64> {
 
 /// A UKI (systemd's `ukify` layout): the EFI stub with `.cmdline`, `.initrd`
 /// and `.linux` sections added past its own, page-aligned, by objcopy.
-fn make_uki(
+pub(crate) fn make_uki(
     stub: &std::path::Path,
     kernel: &std::path::Path,
     initramfs: &std::path::Path,

@@ -13,7 +13,9 @@ mod hcloud_schema;
 mod node;
 mod proxmox;
 mod proxmox_schema;
+mod proxmox_secureboot;
 mod proxmox_upload;
+mod secureboot_disk;
 
 use clap::{Parser, Subcommand};
 

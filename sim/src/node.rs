@@ -77,7 +77,8 @@
 //!                                      unschedulable after a drain), installer-fails
 //! ```
 //! - `POST /_sim/boot` also takes `"talos_version": TAG` (else `--node-version`, else
-//!   `--talos-version`); a restarted machine gets a new boot ID.
+//!   `--talos-version`) and `"secure_boot": bool` (else `--secure-boot`: the
+//!   SecurityState it reports, `node/security.rs`); a restarted machine gets a new boot ID.
 //! - `POST /_sim/node` `{"node": NAME, "version"?: TAG, "installer_fails"?: bool,
 //!   "schematic_read_fails"?: bool, "stock"?: bool, "stall_connects"?: bool,
 //!   "leave_cordoned"?: bool, "cordoned"?: bool, "pull_ms"?: MS, "drain_ms"?: MS}`
@@ -189,6 +190,7 @@ mod k8s_pods;
 mod k8s_ssa;
 mod k8s_versions;
 mod lifecycle;
+mod security;
 mod switches;
 mod upgrade;
 mod version;
@@ -199,6 +201,10 @@ pub struct Args {
     /// loopback. None at all is fine: nodes then come with `POST /_sim/boot`.
     #[arg(long = "node")]
     nodes: Vec<String>,
+    /// Every node booted with Secure Boot on (its SecurityState, see
+    /// `node/security.rs`) unless its boot request says otherwise.
+    #[arg(long)]
+    secure_boot: bool,
     /// The shared control-plane address, bound once etcd elects a leader.
     #[arg(long)]
     vip: Option<IpAddr>,
@@ -324,6 +330,8 @@ struct NodeState {
     /// Why the config it booted with (hcloud `user_data`) was refused.
     config_error: Option<String>,
     day2: day2::Day2,
+    /// Booted with Secure Boot on (the SecurityState it reports).
+    secure_boot: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -377,7 +385,10 @@ impl Node {
             })
             .collect();
         let cert = pki::self_signed_server(&[ip])?;
-        let mut st = NodeState::default();
+        let mut st = NodeState {
+            secure_boot: args.secure_boot,
+            ..NodeState::default()
+        };
         let named = |n: &str| n == name || hostname.as_deref() == Some(n);
         st.day2.version = args
             .node_versions
@@ -956,6 +967,8 @@ struct BootRequest {
     config: Option<String>,
     /// The Talos version it boots (else `--node-version`, `--talos-version`).
     talos_version: Option<String>,
+    /// Whether the firmware booted it with Secure Boot on (else `--secure-boot`).
+    secure_boot: Option<bool>,
 }
 
 #[derive(serde::Deserialize)]
@@ -1025,6 +1038,9 @@ async fn boot(
         }
         if req.talos_version.is_some() {
             st.day2.version = req.talos_version.clone();
+        }
+        if let Some(sb) = req.secure_boot {
+            st.secure_boot = sb;
         }
         if let Some(config) = &req.config {
             match read_config(config.as_bytes()) {
@@ -2127,6 +2143,7 @@ mod tests {
                     hostname: Some("cp-01".into()),
                     config: config.map(str::to_owned),
                     talos_version: None,
+                    secure_boot: None,
                 })
             };
             let st = State(cluster.clone());

@@ -1379,7 +1379,8 @@ impl Pve {
         }
         for (k, v) in &config {
             if is_drive(k) {
-                self.check_drive(v)
+                crate::proxmox_secureboot::check_drive_param(k, v)
+                    .and_then(|()| self.check_drive(v))
                     .map_err(|e| param_exc(Errors::from([(k.clone(), e)])))?;
             }
         }
@@ -1493,7 +1494,9 @@ impl Pve {
             .iter()
             .find(|(k, _)| k == "import-from")
             .map(|(_, v)| v.clone());
-        let is_efi = opts.iter().any(|(k, _)| k == "efitype");
+        // EFI vars and TPM state are small fixed-size volumes (Drive.pm:
+        // "SIZE_IN_GiB is ignored here and 4 MiB will be used instead").
+        let is_efi = opts.iter().any(|(k, _)| k == "efitype" || k == "version");
         let bytes = if let Some(src) = &import {
             let from = self.volume_path(src)?;
             if !from.exists() {
@@ -1564,10 +1567,16 @@ impl Pve {
                 changes.insert(k.clone(), v.clone());
             }
         }
+        let current = self.vm(vmid)?.config;
         for (k, v) in &changes {
             if is_drive(k) {
-                self.check_drive(v)
+                crate::proxmox_secureboot::check_drive_param(k, v)
+                    .and_then(|()| self.check_drive(v))
                     .map_err(|e| param_exc(Errors::from([(k.clone(), e)])))?;
+            }
+            if k == "tpmstate0" {
+                crate::proxmox_secureboot::check_tpm_change(current.get(k).map(String::as_str), v)
+                    .map_err(die)?;
             }
         }
         let deletes: Vec<String> = p
@@ -1765,7 +1774,16 @@ fn power_on(pve: &Pve, vmid: u32, vm: &mut Vm, log: &mut Vec<String>) {
     };
     let booted = boot_target(pve, vmid, vm).and_then(|(ip, hostname, iso)| {
         vm.booted_iso = iso.then(|| hostname.clone());
-        let body = json!({"name": format!("vm-{vmid}"), "ip": ip, "hostname": hostname});
+        // A Secure Boot disk that boots at all boots with Secure Boot on
+        // (systemd-boot enrolled the keys in setup mode).
+        let secure_boot = !iso
+            && boot_drives(&vm.config).into_iter().any(|(volid, cdrom)| {
+                !cdrom
+                    && pve
+                        .volume_path(&volid)
+                        .is_ok_and(|p| crate::proxmox_secureboot::is_secure_boot_disk(&p))
+            });
+        let body = json!({"name": format!("vm-{vmid}"), "ip": ip, "hostname": hostname, "secure_boot": secure_boot});
         tokio::runtime::Handle::current().block_on(nodes.boot(&body))?;
         Ok(ip)
     });
@@ -1804,6 +1822,11 @@ fn boot_target(pve: &Pve, vmid: u32, vm: &Vm) -> Result<(String, Option<String>,
         }
         if is_blank(&path) {
             continue;
+        }
+        if crate::proxmox_secureboot::is_secure_boot_disk(&path)
+            && let Some(why) = crate::proxmox_secureboot::firmware_refusal(&vm.config)
+        {
+            return Err(format!("{volid}: {why}"));
         }
         let raw = scratch.join(format!("meta-{vmid}.raw"));
         let (ip, hostname) = key10_address(&path, &raw).map_err(|e| format!("{volid}: {e}"))?;

@@ -623,6 +623,22 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                         r.node
                     );
                 }
+                if let Some(sec) = r
+                    .security
+                    .as_ref()
+                    .filter(|s| s.secure_boot || r.wanted_secure_boot)
+                {
+                    let on = |b: bool| if b { "on" } else { "off" };
+                    let key = |k: &Option<String>| k.clone().unwrap_or_else(|| "-".into());
+                    outln!(
+                        "{}: Secure Boot {} (wanted {}), UKI signing key {}, PCR signing key {}",
+                        r.node,
+                        on(sec.secure_boot),
+                        on(r.wanted_secure_boot),
+                        key(&sec.uki_signing_key_fingerprint),
+                        key(&sec.pcr_signing_key_fingerprint)
+                    );
+                }
             }
             print_kube_rows(&kube);
             print_drift(&drift);

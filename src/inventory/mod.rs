@@ -79,7 +79,40 @@ pub struct ImageSettings {
     /// Image Factory base URL.
     #[serde(default = "default_factory")]
     pub factory: String,
+    /// Secure Boot images (`<platform>-<arch>-secureboot.*`, installers
+    /// `…-installer-secureboot`) for every node that does not say otherwise.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub secure_boot: bool,
+    /// The schematic's `customization.secureboot.enrollKeys`: how
+    /// systemd-boot enrolls the Secure Boot keys on first boot
+    /// (`off`, `manual`, `if-safe`, `force`; the factory's default is `if-safe`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enroll_keys: Option<String>,
+    /// The schematic's `customization.secureboot.includeWellKnownCertificates`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub include_well_known_certificates: bool,
+    /// `tpm`: the STATE and EPHEMERAL volumes are encrypted with keys
+    /// sealed to the TPM, enrolled only while Secure Boot is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encryption: Option<Encryption>,
 }
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// How the system disk's volumes are encrypted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Encryption {
+    /// LUKS2 with a key sealed to the TPM (Talos `tpm` key slot).
+    Tpm,
+}
+
+/// The values `customization.secureboot.enrollKeys` takes: systemd-boot's
+/// `secure-boot-enroll` (siderolabs/image-factory `pkg/schematic/schematic.go`,
+/// parsed by `profile.SDBootEnrollKeysString`).
+pub const ENROLL_KEYS: &[&str] = &["off", "manual", "if-safe", "force"];
 
 impl Default for ImageSettings {
     fn default() -> Self {
@@ -91,6 +124,10 @@ impl Default for ImageSettings {
             extensions: Vec::new(),
             kernel_args: Vec::new(),
             factory: default_factory(),
+            secure_boot: false,
+            enroll_keys: None,
+            include_well_known_certificates: false,
+            encryption: None,
         }
     }
 }
@@ -219,6 +256,9 @@ pub struct NodeSpec {
     /// The Proxmox VM ID (default: `publish.proxmox.vm.firstId` + position).
     #[serde(default)]
     pub vmid: Option<u32>,
+    /// Overrides `image.secureBoot` for this node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_boot: Option<bool>,
 }
 
 fn default_install_disk() -> String {
@@ -397,6 +437,12 @@ impl Inventory {
         })
     }
 
+    /// Whether `node` boots Secure Boot images: its own `secureBoot`, else
+    /// the image's.
+    pub fn secure_boot(&self, node: &NodeSpec) -> bool {
+        node.secure_boot.unwrap_or(self.image.secure_boot)
+    }
+
     /// Control planes in inventory order; the first one is bootstrapped.
     pub fn control_planes(&self) -> impl Iterator<Item = &NodeSpec> {
         self.nodes.iter().filter(|n| n.role == Role::Controlplane)
@@ -443,6 +489,7 @@ impl Validator<'_> {
         self.check_nodes(inv);
         self.check_vip(inv, &mut warnings);
         self.check_patches(inv);
+        self.check_secure_boot(inv);
         let cx = publish::Context {
             platform: &inv.image.platform,
             raw: inv.image.format == ImageFormat::Raw,
@@ -575,6 +622,107 @@ impl Validator<'_> {
         }
         self.check_extensions("image.extensions", &img.extensions);
         self.check_kernel_args("image.kernelArgs", &img.kernel_args);
+    }
+
+    /// Secure Boot settings: known values, a Talos that boots UKIs, a target
+    /// that can boot them, and TPM encryption only where Secure Boot is on.
+    fn check_secure_boot(&mut self, inv: &Inventory) {
+        let img = &inv.image;
+        let sb_nodes: Vec<&NodeSpec> = inv.nodes.iter().filter(|n| inv.secure_boot(n)).collect();
+        if let Some(v) = &img.enroll_keys
+            && !ENROLL_KEYS.contains(&v.as_str())
+        {
+            self.problem(
+                "image.enrollKeys",
+                format!(
+                    "{} is not one of {} (systemd-boot's secure-boot-enroll)",
+                    crate::input::quote(v),
+                    ENROLL_KEYS.join(", ")
+                ),
+            );
+        }
+        if sb_nodes.is_empty() {
+            for (set, field) in [
+                (img.enroll_keys.is_some(), "image.enrollKeys"),
+                (
+                    img.include_well_known_certificates,
+                    "image.includeWellKnownCertificates",
+                ),
+            ] {
+                if set {
+                    self.problem(
+                        field,
+                        "is a Secure Boot setting, but no node has secureBoot: true",
+                    );
+                }
+            }
+            if img.encryption == Some(Encryption::Tpm) {
+                self.problem(
+                    "image.encryption",
+                    "tpm encryption is enrolled only while Secure Boot is on \
+                     (checkSecurebootStatusOnEnroll); set image.secureBoot: true",
+                );
+            }
+            return;
+        }
+        if img.encryption == Some(Encryption::Tpm)
+            && !talos_at_least(&inv.cluster.talos_version, (1, 11, 0))
+        {
+            self.problem(
+                "image.encryption",
+                format!(
+                    "tpm encryption is written as VolumeConfig documents, which Talos reads from v1.11.0 (talosVersion is {}); imgbuild writes it for v1.11.0 and later",
+                    inv.cluster.talos_version
+                ),
+            );
+        }
+        if img.encryption == Some(Encryption::Tpm) {
+            for (i, n) in inv.nodes.iter().enumerate() {
+                if !inv.secure_boot(n) {
+                    self.problem(
+                        format!("nodes[{i}].secureBoot"),
+                        format!(
+                            "node {}: image.encryption: tpm seals keys only under Secure Boot \
+                             (checkSecurebootStatusOnEnroll); this node turns Secure Boot off",
+                            n.name
+                        ),
+                    );
+                }
+            }
+        }
+        let field = if img.secure_boot {
+            "image.secureBoot".to_owned()
+        } else {
+            let i = inv
+                .nodes
+                .iter()
+                .position(|n| inv.secure_boot(n))
+                .unwrap_or(0);
+            format!("nodes[{i}].secureBoot")
+        };
+        if !talos_at_least(&inv.cluster.talos_version, (1, 5, 0)) {
+            self.problem(
+                field.clone(),
+                format!(
+                    "Secure Boot images are UKIs, which Talos boots from v1.5.0 (talosVersion is {})",
+                    inv.cluster.talos_version
+                ),
+            );
+        }
+        if inv.publish.hcloud().is_some() {
+            self.problem(
+                field,
+                format!(
+                    "Hetzner Cloud offers no Secure Boot for user images (snapshots boot \
+                     without it); nodes {} cannot be published there with secureBoot: true",
+                    sb_nodes
+                        .iter()
+                        .map(|n| n.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            );
+        }
     }
 
     fn check_extensions(&mut self, field: &str, exts: &[String]) {

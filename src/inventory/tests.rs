@@ -487,3 +487,71 @@ fn a_section_names_one_target_and_both_are_refused_with_their_line() {
         "{err}"
     );
 }
+
+#[test]
+fn secure_boot_settings_are_checked_with_their_field_and_line() {
+    let text = atlas_with(
+        "image:\n",
+        "image:\n  secureBoot: true\n  enrollKeys: always\n",
+    );
+    let err = error_of(&text);
+    let line = line_of(&text, "enrollKeys");
+    assert!(
+        err.contains(&format!(
+            "line {line}: image.enrollKeys: \"always\" is not one of off, manual, if-safe, force"
+        )),
+        "{err}"
+    );
+    // Factory settings without any Secure Boot node change IDs for nothing.
+    let err = error_of(&atlas_with(
+        "image:\n",
+        "image:\n  includeWellKnownCertificates: true\n",
+    ));
+    assert!(
+        err.contains("image.includeWellKnownCertificates: is a Secure Boot setting"),
+        "{err}"
+    );
+    let err = error_of(&atlas_with("image:\n", "image:\n  encryption: tpm\n"));
+    assert!(
+        err.contains("image.encryption: tpm encryption is enrolled only while Secure Boot is on"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_node_that_turns_secure_boot_off_cannot_have_tpm_encryption() {
+    let text = atlas_with(
+        "image:\n",
+        "image:\n  secureBoot: true\n  encryption: tpm\n",
+    )
+    .replacen(
+        "  - name: cp-02\n",
+        "  - name: cp-02\n    secureBoot: false\n",
+        1,
+    );
+    let err = error_of(&text);
+    assert!(err.contains("nodes[1].secureBoot: node cp-02"), "{err}");
+    let inv = load(
+        &atlas_with("image:\n", "image:\n  secureBoot: true\n").replacen(
+            "  - name: cp-02\n",
+            "  - name: cp-02\n    secureBoot: false\n",
+            1,
+        ),
+    )
+    .unwrap();
+    assert!(inv.secure_boot(&inv.nodes[0]) && !inv.secure_boot(&inv.nodes[1]));
+}
+
+#[test]
+fn secure_boot_needs_a_talos_that_boots_ukis() {
+    let text = atlas_with("image:\n", "image:\n  secureBoot: true\n").replacen(
+        "talosVersion: v1.11.2",
+        "talosVersion: v1.4.8",
+        1,
+    );
+    let err = error_of(&text);
+    assert!(
+        err.contains("image.secureBoot: Secure Boot images are UKIs"),
+        "{err}"
+    );
+}

@@ -1,7 +1,7 @@
 //! Per-node schematics from the inventory: the cluster's and the node's
 //! extensions and kernel arguments, plus the node's network in META key 10.
 
-use super::{Customization, MetaValue, Schematic, SystemExtensions};
+use super::{Customization, MetaValue, Schematic, SecureBoot, SystemExtensions};
 use crate::inventory::{Inventory, NodeSpec};
 use crate::meta::{KEY_NETWORK, NetworkPlan, PlatformNetworkConfig};
 
@@ -53,9 +53,17 @@ pub fn for_node(inv: &Inventory, node: &NodeSpec) -> Schematic {
 }
 
 /// `node`'s schematic without META: what its patch-route base image is built from.
+/// A Secure Boot node's carries the image's `secureboot` settings; Secure
+/// Boot itself is not in the schematic but in the asset's name
+/// (`…-secureboot.raw.xz`, `…-installer-secureboot`).
 pub fn base_for_node(inv: &Inventory, node: &NodeSpec) -> Schematic {
     let mut s = base(inv);
     let c = &mut s.customization;
+    c.secure_boot = if inv.secure_boot(node) {
+        secure_boot(inv)
+    } else {
+        SecureBoot::default()
+    };
     c.system_extensions
         .official_extensions
         .extend(node.extensions.iter().cloned());
@@ -63,10 +71,26 @@ pub fn base_for_node(inv: &Inventory, node: &NodeSpec) -> Schematic {
     s
 }
 
-/// The cluster-wide schematic: the image's extensions and kernel arguments only.
+/// The image's `customization.secureboot` (siderolabs/image-factory
+/// `pkg/schematic/schematic.go` `SecureBootCustomization`; the factory
+/// applies it to Secure Boot assets only, `internal/profile/profile.go`).
+fn secure_boot(inv: &Inventory) -> SecureBoot {
+    SecureBoot {
+        enroll_keys: inv.image.enroll_keys.clone().unwrap_or_default(),
+        include_well_known_certificates: inv.image.include_well_known_certificates,
+    }
+}
+
+/// The cluster-wide schematic: the image's extensions and kernel arguments
+/// (and its Secure Boot settings when the image is Secure Boot).
 pub fn base(inv: &Inventory) -> Schematic {
     Schematic {
         customization: Customization {
+            secure_boot: if inv.image.secure_boot {
+                secure_boot(inv)
+            } else {
+                SecureBoot::default()
+            },
             extra_kernel_args: inv.image.kernel_args.clone(),
             bootloader: inv.image.bootloader,
             system_extensions: SystemExtensions {

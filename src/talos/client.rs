@@ -517,6 +517,51 @@ impl NodeClient {
         self.within(read).await?
     }
 
+    /// The node's SecurityState (siderolabs/talos
+    /// `pkg/machinery/resources/runtime/security_status.go`, Talos v1.5+):
+    /// whether it booted with Secure Boot on and the signing keys' fingerprints,
+    /// read as `talosctl get securitystate` does. None when the node has no
+    /// such resource.
+    pub async fn security_state(&self) -> Result<Option<SecurityState>, ApiError> {
+        use super::api::cosi::resource::GetRequest;
+        use super::api::cosi::resource::state_client::StateClient;
+        let req = GetRequest {
+            namespace: "runtime".into(),
+            r#type: "SecurityStates.talos.dev".into(),
+            id: "securitystate".into(),
+            options: None,
+        };
+        let mut state = StateClient::new(self.channel.clone());
+        let reply = match self.call(state.get(self.request(req))).await {
+            Ok(r) => r,
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let yaml = reply
+            .resource
+            .and_then(|r| r.spec)
+            .map(|s| s.yaml_spec)
+            .unwrap_or_default();
+        let Ok(mut read) = serde_yaml_ng::from_str::<SecurityState>(&yaml) else {
+            return Ok(None);
+        };
+        // Shown to the user: keep only what a fingerprint can be.
+        let plain = |f: &Option<String>| {
+            f.as_ref().is_some_and(|f| {
+                f.len() <= 200 && f.chars().all(|c| c.is_ascii_hexdigit() || c == ':')
+            })
+        };
+        for f in [
+            &mut read.uki_signing_key_fingerprint,
+            &mut read.pcr_signing_key_fingerprint,
+        ] {
+            if !plain(f) {
+                *f = None;
+            }
+        }
+        Ok(Some(read))
+    }
+
     /// Asks the node to bootstrap etcd.
     pub async fn bootstrap(&self) -> Result<(), ApiError> {
         let reply = self
@@ -1004,6 +1049,25 @@ fn status_error(s: &tonic::Status, timeout: Duration) -> ApiError {
         code: s.code(),
         message: msg.to_owned(),
     }
+}
+
+/// What a node's SecurityState says (its spec's YAML field names).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SecurityState {
+    pub secure_boot: bool,
+    #[serde(
+        default,
+        rename = "ukiSigningKeyFingerprint",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub uki_signing_key_fingerprint: Option<String>,
+    #[serde(
+        default,
+        rename = "pcrSigningKeyFingerprint",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub pcr_signing_key_fingerprint: Option<String>,
 }
 
 /// The version of an extension status spec (`extensions.Layer` as YAML)

@@ -494,7 +494,8 @@ pub fn machine_config(
     vars: &PatchVars,
 ) -> Result<String, ConfigError> {
     let mut doc = base_config(inv, node, secrets)?;
-    let mut extra: Vec<ExtraDoc> = Vec::new();
+    // Built in first, so the user's own patches merge over them.
+    let mut extra: Vec<ExtraDoc> = tpm_encryption(inv, node);
     let mut used = Vec::new();
     let files = patch_files(inv, node);
     for path in &files {
@@ -589,6 +590,39 @@ pub fn machine_config(
         text.push_str(&serde_yaml_ng::to_string(&e.doc).expect("JSON values serialise as YAML"));
     }
     Ok(text)
+}
+
+/// `image.encryption: tpm`: STATE and EPHEMERAL as LUKS2 volumes whose key
+/// is sealed to the TPM and enrolled only while Secure Boot is on, as
+/// VolumeConfig documents (Talos v1.11+, siderolabs/talos
+/// `pkg/machinery/config/types/block/volume_config.go`, `EncryptionSpec`,
+/// `EncryptionKeyTPM.checkSecurebootStatusOnEnroll`; the inventory refuses
+/// it before v1.11, whose `machine.systemDiskEncryption` the v1.11 schema
+/// no longer lists).
+fn tpm_encryption(inv: &Inventory, node: &NodeSpec) -> Vec<ExtraDoc> {
+    if inv.image.encryption != Some(crate::inventory::Encryption::Tpm) || !inv.secure_boot(node) {
+        return Vec::new();
+    }
+    ["STATE", "EPHEMERAL"]
+        .into_iter()
+        .map(|name| ExtraDoc {
+            key: DocKey {
+                api_version: "v1alpha1".into(),
+                kind: "VolumeConfig".into(),
+                name: Some(name.into()),
+            },
+            doc: json!({
+                "apiVersion": "v1alpha1",
+                "kind": "VolumeConfig",
+                "name": name,
+                "encryption": {
+                    "provider": "luks2",
+                    "keys": [{"slot": 0, "tpm": {"checkSecurebootStatusOnEnroll": true}}],
+                },
+            }),
+            path: PathBuf::from("image.encryption"),
+        })
+        .collect()
 }
 
 fn version_tag(v: &str) -> String {
@@ -1110,6 +1144,37 @@ mod tests {
             assert!(image.contains("-installer/"), "{image}");
             assert!(image.ends_with(&format!(":{}", inv.cluster.talos_version)));
         }
+    }
+
+    #[test]
+    fn tpm_encryption_adds_state_and_ephemeral_volume_configs_that_pass_the_schema() {
+        let text = include_str!("../../examples/atlas/cluster.yaml").replacen(
+            "image:\n",
+            "image:\n  secureBoot: true\n  encryption: tpm\n",
+            1,
+        );
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/atlas/cluster.yaml");
+        let inv = Inventory::parse(&text, &path).unwrap();
+        let secrets = SecretsBundle::generate().unwrap();
+        let node = &inv.nodes[0];
+        let config = machine_config(&inv, node, &secrets, &PatchVars::default()).unwrap();
+        let docs: Vec<serde_yaml_ng::Value> = serde_yaml_ng::Deserializer::from_str(&config)
+            .map(|d| serde::Deserialize::deserialize(d).unwrap())
+            .collect();
+        for name in ["STATE", "EPHEMERAL"] {
+            let doc = docs
+                .iter()
+                .find(|d| d["kind"] == "VolumeConfig" && d["name"] == name)
+                .unwrap_or_else(|| panic!("no VolumeConfig {name} in {config}"));
+            let key = &doc["encryption"]["keys"][0];
+            assert_eq!(
+                key["tpm"]["checkSecurebootStatusOnEnroll"], true,
+                "{config}"
+            );
+            assert_eq!(doc["encryption"]["provider"], "luks2");
+        }
+        let image = docs[0]["machine"]["install"]["image"].as_str().unwrap();
+        assert!(image.contains("/metal-installer-secureboot/"), "{image}");
     }
 
     #[test]

@@ -50,13 +50,17 @@ pub struct NodeStatus {
     /// `${NAME}`s not set here whose values were compared by the
     /// fingerprint recorded when they were last applied.
     pub compared_by_fingerprint: Vec<String>,
+    /// What the node's SecurityState says (None: it could not tell).
+    pub security: Option<super::client::SecurityState>,
+    /// Whether the inventory boots it with Secure Boot.
+    pub wanted_secure_boot: bool,
 }
 
 /// What differs from the inventory, and the command that fixes it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Drift {
     pub node: String,
-    /// `version`, `schematic`, `config` or `unreachable`.
+    /// `version`, `schematic`, `config`, `secureBoot` or `unreachable`.
     pub what: &'static str,
     pub fix: &'static str,
 }
@@ -104,6 +108,17 @@ impl NodeStatus {
         }
         if self.config_in_sync == Some(false) && !self.config_staged {
             out.push(d("config", "imgbuild apply"));
+        }
+        if self
+            .security
+            .as_ref()
+            .is_some_and(|s| s.secure_boot != self.wanted_secure_boot)
+        {
+            // siderolabs/talos#9245: no upgrade switches it.
+            out.push(d(
+                "secureBoot",
+                "rebuild the node's disk from the matching image and reinstall it (an upgrade cannot switch Secure Boot)",
+            ));
         }
         out
     }
@@ -307,6 +322,8 @@ async fn read_node(
         ready: None,
         error: now.error,
         compared_by_fingerprint: Vec::new(),
+        security: now.security,
+        wanted_secure_boot: want.secure_boot,
     };
     let mut members = None;
     if row.reachable
@@ -387,6 +404,8 @@ mod tests {
             ready: Some(true),
             error: None,
             compared_by_fingerprint: Vec::new(),
+            security: None,
+            wanted_secure_boot: false,
         }
     }
 
@@ -422,6 +441,15 @@ mod tests {
                 ("config", "imgbuild apply")
             ]
         );
+        let mut r = row();
+        r.wanted_secure_boot = true;
+        assert!(r.drift().is_empty(), "unknown is not different");
+        r.security = Some(super::super::client::SecurityState {
+            secure_boot: false,
+            uki_signing_key_fingerprint: None,
+            pcr_signing_key_fingerprint: None,
+        });
+        assert_eq!(r.drift()[0].what, "secureBoot");
         let mut r = row();
         r.schematic_in_sync = false;
         assert_eq!(r.drift()[0].what, "schematic");

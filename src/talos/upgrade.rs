@@ -44,9 +44,10 @@ pub fn wanted(
                 node.name.clone(),
                 Wanted {
                     version: version.clone(),
-                    installer: crate::schematic::installer::installer_of(inv, &id),
+                    installer: crate::schematic::installer::installer_for(inv, node)?,
                     schematic: id.to_string(),
                     own_schematic: own.to_string(),
+                    secure_boot: inv.secure_boot(node),
                 },
             ))
         })
@@ -96,6 +97,20 @@ pub enum UpgradeError {
     Runtime(String),
     #[error(transparent)]
     Record(#[from] RecordError),
+    #[error(
+        "node {node}: it runs with Secure Boot {}, the inventory asks for it {}; an upgrade cannot move a node between Secure Boot and not (the installer keeps the boot layout the disk was made with, siderolabs/talos#9245). Set secureBoot on the node to match, or rebuild its disk from the other image and reinstall it",
+        on_off(*running),
+        on_off(*wanted)
+    )]
+    SecureBootSwitch {
+        node: String,
+        running: bool,
+        wanted: bool,
+    },
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b { "on" } else { "off" }
 }
 
 /// What the factory says, for planning: each node's target and the
@@ -164,6 +179,8 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
     if let Ok(Some(config)) = conn.machine_config("v1alpha1").await {
         out.install_image = plan::install_image_of(&String::from_utf8_lossy(&config));
     }
+    // Unknown (None) when the node cannot tell: not a difference.
+    out.security = conn.security_state().await.ok().flatten();
     record.fill(&node.name, &mut out);
     out
 }
@@ -259,6 +276,19 @@ pub fn decide_upgrade(
             running,
         })
         .collect();
+    // The node's SecurityState against the inventory, before anything is
+    // planned: an installer of the other kind would not switch it.
+    for o in &observed {
+        if let (Some(sec), Some(want)) = (&o.running.security, targets.wanted.get(&o.node))
+            && sec.secure_boot != want.secure_boot
+        {
+            return Err(UpgradeError::SecureBootSwitch {
+                node: o.node.clone(),
+                running: sec.secure_boot,
+                wanted: want.secure_boot,
+            });
+        }
+    }
     let installer_at = |node: &str, version: &str| {
         inv.nodes
             .iter()
@@ -268,7 +298,12 @@ pub fn decide_upgrade(
                     .canonical()
                     .ok()?;
                 let id = crate::schematic::id_of(&base);
-                Some(crate::schematic::installer::installer_at(inv, &id, version))
+                Some(crate::schematic::installer::installer_at(
+                    inv,
+                    &id,
+                    version,
+                    inv.secure_boot(n),
+                ))
             })
             .unwrap_or_default()
     };
@@ -779,6 +814,7 @@ mod tests {
             installer: "f/metal-installer/b:v1.11.5".into(),
             schematic: "b".into(),
             own_schematic: "o".into(),
+            secure_boot: false,
         }
     }
 

@@ -243,6 +243,9 @@ impl Api {
             Ok(self.machine_configs_on(i))
         } else if let Some(found) = self.k8s_resources(i, namespace, kind) {
             Ok(found)
+        } else if namespace == RUNTIME && kind == super::security::SECURITY_STATE {
+            let secure_boot = self.cluster.node(i).st.lock().unwrap().secure_boot;
+            Ok(vec![super::security::resource(secure_boot)])
         } else {
             Err(Status::not_found(format!(
                 "resource type {kind:?} in namespace {namespace:?} is not registered"

@@ -33,6 +33,14 @@ pub(super) fn vm_params(
         ("cpu", "host".into()),
         ("scsihw", "virtio-scsi-pci".into()),
     ];
+    // Secure Boot: the EFI disk above is in setup mode (4m vars without
+    // pre-enrolled keys, so systemd-boot can enroll Talos's keys as
+    // `enrollKeys` allows), and the TPM is 2.0: qemu-server's default is
+    // v1.2 (`PVE/QemuServer/Drive.pm` `tpmstate` `version`), which Talos's
+    // disk encryption cannot seal to.
+    if inv.secure_boot(node) {
+        p.push(("tpmstate0", format!("{}:1,version=v2.0", vm.storage)));
+    }
     match vm.boot {
         VmBoot::Disk => p.extend([("scsi0", scsi0(vm, volid)), ("boot", "order=scsi0".into())]),
         // The disk boots first: while it is blank the firmware skips it

@@ -26,6 +26,9 @@ pub struct Wanted {
     /// it until its first upgrade on the base installer, and runs what the
     /// inventory asks for all the same.
     pub own_schematic: String,
+    /// The inventory boots the node with Secure Boot (its installer is
+    /// `…-installer-secureboot`).
+    pub secure_boot: bool,
 }
 
 /// What a node runs now.
@@ -39,6 +42,9 @@ pub struct Running {
     /// (`machine.install.image`); None when it could not be read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub install_image: Option<String>,
+    /// Its SecurityState; None when it could not tell.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub security: Option<crate::talos::client::SecurityState>,
 }
 
 impl Running {
@@ -511,6 +517,7 @@ mod tests {
                         installer: "f/metal-installer/b:v1.12.4".into(),
                         schematic: "b".into(),
                         own_schematic: "o".into(),
+                        secure_boot: false,
                     },
                 )
             })
