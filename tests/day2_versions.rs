@@ -773,3 +773,48 @@ fn v1_13_the_client_drains_before_a_lifecycle_reboot_and_uncordons_after() {
     }
     one_down_at_a_time(&c.stats());
 }
+
+#[test]
+fn v1_13_a_run_killed_while_a_node_is_cordoned_leaves_the_uncordon_to_the_rerun() {
+    // Talos v1.13.3 → v1.13.5. SIGKILL once cp-01 is cordoned for its
+    // reboot: the killed run never uncordons it, and Talos uncordons only
+    // nodes it cordoned itself (controllers/k8s/node_apply.go). The state
+    // dir's record names it; the rerun uncordons it once it is Ready.
+    let c = Cluster::five(17, "v1.13.3", "v1.13.3,v1.13.5", &[]);
+    c.want("v1.13.5", "");
+    let mut child = run(&c.config, &["upgrade"], &[])
+        .into_command()
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = Vec::new();
+    for line in stderr.lines() {
+        let line = line.unwrap();
+        seen.push(line.clone());
+        if line.contains("cp-01: waiting for the node to reboot") {
+            break;
+        }
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(
+        seen.iter()
+            .any(|l| l.contains("cp-01: waiting for the node to reboot")),
+        "{seen:?}"
+    );
+    assert_eq!(
+        c.day2("cp-01", "cordoned"),
+        true,
+        "the kill left it cordoned"
+    );
+    wait_for_version(&c, "cp-01", "v1.13.5");
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    for name in &c.names {
+        assert_eq!(c.day2(name, "cordoned"), false, "{name} left cordoned");
+    }
+    let notes = json(&o)["notes"].to_string();
+    assert!(notes.contains("cp-01: uncordoned"), "{notes}");
+}

@@ -409,6 +409,17 @@ fn kubernetes_1_35_on_talos_1_11_is_refused_naming_both_versions() {
         ),
         "{all}"
     );
+    // JSON readers get one document carrying the refusal.
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade"]);
+    assert_eq!(o.status.code(), Some(1));
+    let doc: serde_json::Value =
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {:?}", text(&o.stdout)));
+    assert!(
+        doc["kubernetes"]["refusal"]
+            .as_str()
+            .is_some_and(|r| r.contains("too new for Talos v1.11.5")),
+        "{doc}"
+    );
     assert_eq!(c.applies(), applies);
 }
 

@@ -252,9 +252,12 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         });
     }
     if let Some(r) = kube_refusal {
-        // Refused before any change: Talos is not touched either.
+        // Refused before any change: Talos is not touched either. JSON
+        // readers get the plan that carries the refusal, as a dry run.
         if output == Output::Text {
             outln!("refused: {}", outside(&r));
+        } else {
+            print_plan(&up, kube.as_ref().map(|(_, k)| k), output);
         }
         return Err(Reported(r).into());
     }

@@ -582,6 +582,13 @@ async fn upgrade_node(
             &node.name,
             &format!("upgrading {} → {}", one_line(&before), hop.version),
         );
+        if plan::uses_lifecycle(&before) {
+            // Before the cordon: a run killed while the node is cordoned
+            // leaves the uncordon to the next run.
+            save(&|r: &mut Record| {
+                r.cordoned.insert(node.name.clone());
+            });
+        }
         let cordoned = request_hop(plan, node, &before, hop, up, run, opts, progress).await?;
         progress(&node.name, "waiting for the node to reboot");
         let now = wait_rebooted(
@@ -597,6 +604,9 @@ async fn upgrade_node(
             progress(&node.name, "waiting for Ready to uncordon it");
             drain::uncordon_when_ready(plan, &node.name, run.node_timeout, opts).await?;
         }
+        save(&|r: &mut Record| {
+            r.cordoned.remove(&node.name);
+        });
         if now != hop.version {
             return Err(format!(
                 "rebooted on {}, not {}: the installer failed and Talos kept the old version",
@@ -701,6 +711,39 @@ pub fn execute(
     Ok(report)
 }
 
+/// Uncordons the nodes a stopped run left cordoned, once each is Ready
+/// (waiting one call timeout); a node not Ready yet stays in the record
+/// for the next run, and the report says so.
+async fn uncordon_left(
+    plan: &Plan,
+    mut record: Record,
+    record_path: &Path,
+    opts: &Options,
+    report: &mut UpgradeReport,
+) -> Record {
+    let left: Vec<String> = record.cordoned.iter().cloned().collect();
+    if left.is_empty() {
+        return record;
+    }
+    for name in left {
+        match drain::uncordon_when_ready(plan, &name, opts.call_timeout, opts).await {
+            Ok(()) => {
+                record.cordoned.remove(&name);
+                report.notes.push(format!(
+                    "{name}: uncordoned (a stopped run had cordoned it for its reboot)"
+                ));
+            }
+            Err(e) => report.notes.push(format!(
+                "{name}: a stopped run cordoned it and it is still cordoned: {e}"
+            )),
+        }
+    }
+    if let Err(e) = record.save(record_path) {
+        report.record_error = Some(format!("{}: {e}", record_path.display()));
+    }
+    record
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn run_plan(
     plan: &Plan,
@@ -712,7 +755,10 @@ async fn run_plan(
     progress: &(dyn Fn(&str, &str) + Sync),
     report: &mut UpgradeReport,
 ) {
-    let record = std::sync::Mutex::new((record, None));
+    let record = std::sync::Mutex::new((
+        uncordon_left(plan, record, record_path, opts, report).await,
+        None,
+    ));
     let node_of = |name: &str| plan.nodes.iter().find(|n| n.name == name);
     let mut batches: Vec<Vec<&NodePlan>> = Vec::new();
     let mut workers = Vec::new();

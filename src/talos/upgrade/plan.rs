@@ -95,6 +95,10 @@ pub struct Record {
     /// it through several minors: a rerun after a stop resumes it.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub paths: BTreeMap<String, Vec<String>>,
+    /// Kubernetes nodes a run cordoned before a reboot (Talos v1.13 on) and
+    /// has not uncordoned yet: a run stopped there leaves them to the next.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
+    pub cordoned: std::collections::BTreeSet<String>,
 }
 
 /// Why the [`Record`] could not be read.
@@ -382,7 +386,13 @@ pub fn decide(
                     o.running.error.as_deref().unwrap_or("no answer")
                 ));
             }
-            Some(_) if on_target && o.running.config_names_another_installer(to) => {
+            // Only a resumed run's leftover: a schematic known to differ
+            // needs the installer itself, not just the config naming it.
+            Some(_)
+                if on_target
+                    && (o.running.schematic_is(to) || o.running.schematic.is_none())
+                    && o.running.config_names_another_installer(to) =>
+            {
                 plan.action = Action::Config;
             }
             Some(_) if on_target && o.running.schematic_is(to) => {}
@@ -566,6 +576,14 @@ mod tests {
             [&Action::SchematicUnknown, &Action::Upgrade, &Action::Done]
         );
         assert_eq!(plan.installers(), ["f/metal-installer/b:v1.12.4"]);
+    }
+
+    #[test]
+    fn a_node_on_the_target_with_another_schematic_is_upgraded_not_just_reconfigured() {
+        let mut other = seen("cp-01", true, Some("v1.12.4"), Some("x"));
+        other.running.install_image = Some("f/metal-installer/x:v1.12.4".into());
+        let plan = decide_with(&[other], 3, false);
+        assert_eq!(plan.nodes[0].action, Action::Upgrade);
     }
 
     #[test]
