@@ -518,4 +518,12 @@ fn secure_boot_installers_from_the_first_config_through_upgrades_and_status() {
         0,
         "nothing was upgraded"
     );
+    // apply refuses it as well: its config would name the other installer.
+    let o = day2(&config, &["apply", "--dry-run"]);
+    assert!(!o.status.success());
+    let all = format!("{}{}", text(&o.stdout), text(&o.stderr));
+    assert!(
+        all.contains("worker-02") && all.contains("siderolabs/talos#9245"),
+        "{all}"
+    );
 }

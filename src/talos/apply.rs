@@ -161,6 +161,7 @@ pub async fn compare(
     opts: &Options,
 ) -> Result<Compared, String> {
     let conn = connect(plan, node, opts).await?;
+    refuse_secure_boot_switch(&conn, node).await?;
     let ask = if mode == ApplyMode::Staged {
         ApplyMode::Staged
     } else {
@@ -184,6 +185,25 @@ pub async fn compare(
         needs_reboot: ask == ApplyMode::Auto && summary_reboots(&details),
         staged,
     })
+}
+
+/// A config whose installer would move the node between Secure Boot and
+/// not is refused, as `upgrade` refuses it: the next install would keep
+/// the disk's boot layout (siderolabs/talos#9245). Unknown is no reason.
+async fn refuse_secure_boot_switch(conn: &NodeClient, node: &PlannedNode) -> Result<(), String> {
+    let Ok(Some(state)) = conn.security_state().await else {
+        return Ok(());
+    };
+    let wanted = String::from_utf8_lossy(&node.config).contains("installer-secureboot/");
+    if state.secure_boot == wanted {
+        return Ok(());
+    }
+    let on_off = |b: bool| if b { "on" } else { "off" };
+    Err(format!(
+        "it runs with Secure Boot {}, its rendered config names a Secure Boot {} installer; applying it cannot move the node between Secure Boot and not (siderolabs/talos#9245): set secureBoot on the node to match what it runs",
+        on_off(state.secure_boot),
+        on_off(wanted)
+    ))
 }
 
 /// Applies without a reboot; control planes with the health gate around.

@@ -31,17 +31,20 @@ pub struct Api {
 }
 
 /// The API's error object, `{"error": {"code", "message"}}`, when the body
-/// holds one.
+/// holds one; each on one escaped line, since JSON unescaping gives back
+/// any line break the server put there.
 pub fn error_code(body: &str) -> Option<(String, String)> {
     let v: Value = serde_json::from_str(body).ok()?;
     let e = v.get("error")?;
     Some((
-        e.get("code")?.as_str()?.to_owned(),
-        e.get("message")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned(),
+        foreign(e.get("code")?.as_str()?),
+        foreign(e.get("message").and_then(Value::as_str).unwrap_or("")),
     ))
+}
+
+/// A string from the API's JSON, bounded and on one escaped line.
+fn foreign(s: &str) -> String {
+    crate::input::one_line(s, 200)
 }
 
 /// Worth sending again: rate limited, a gateway failing, or the resource
@@ -214,8 +217,8 @@ impl Api {
                     return Err(HcloudError::Action {
                         what: what.to_owned(),
                         id,
-                        code: err["code"].as_str().unwrap_or("unknown").to_owned(),
-                        message: err["message"].as_str().unwrap_or("").to_owned(),
+                        code: foreign(err["code"].as_str().unwrap_or("unknown")),
+                        message: foreign(err["message"].as_str().unwrap_or("")),
                     });
                 }
                 _ => {}
@@ -267,6 +270,14 @@ mod tests {
             message: "reset".into(),
             before_sending,
         }
+    }
+
+    #[test]
+    fn an_error_message_with_line_breaks_stays_on_one_line() {
+        let (code, message) =
+            error_code(r#"{"error":{"code":"x\ny","message":"boom\r\nerror: fake"}}"#).unwrap();
+        assert_eq!(code, "x\\ny");
+        assert_eq!(message, "boom\\r\\nerror: fake");
     }
 
     #[test]
