@@ -4,9 +4,8 @@
 //! where a test is about a deadline, the deadline is scaled with them
 //! (`--call-timeout`), so what must outlast it still does.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 
 mod common;
 use common::inventory::{Inventory, NODES, Node};
@@ -179,27 +178,7 @@ fn v1_9_to_v1_12_goes_through_each_minor_and_a_stopped_run_resumes() {
     assert_eq!(c.per_node("upgrade_calls"), [0; 5]);
 
     // Stop the run once cp-01 is on its first hop.
-    let mut cmd = run(&c.config, &["upgrade"], &[]).into_command();
-    let mut child = cmd
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut seen = Vec::new();
-    for line in stderr.lines() {
-        let line = line.unwrap();
-        seen.push(line.clone());
-        if line.contains("cp-01: runs v1.10.7") {
-            break;
-        }
-    }
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert!(
-        seen.iter().any(|l| l.contains("cp-01: runs v1.10.7")),
-        "{seen:?}"
-    );
+    run(&c.config, &["upgrade"], &[]).kill_at("cp-01: runs v1.10.7");
     let cp01 = c.day2("cp-01", "version");
     assert!(cp01 == "v1.10.7" || cp01 == "v1.11.5", "{cp01}");
 
@@ -604,28 +583,7 @@ fn v1_11_an_upgrade_killed_while_a_node_reboots_leaves_no_stale_config_after_the
     // the target and applies the config (no second Upgrade).
     let c = Cluster::five(13, "v1.11.2", "v1.11.2,v1.11.5", &[]);
     c.want("v1.11.5", "");
-    let mut child = run(&c.config, &["upgrade"], &[])
-        .into_command()
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut seen = Vec::new();
-    for line in stderr.lines() {
-        let line = line.unwrap();
-        seen.push(line.clone());
-        if line.contains("cp-01: waiting for the node to reboot") {
-            break;
-        }
-    }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
-    assert!(
-        seen.iter()
-            .any(|l| l.contains("cp-01: waiting for the node to reboot")),
-        "{seen:?}"
-    );
+    run(&c.config, &["upgrade"], &[]).kill_at("cp-01: waiting for the node to reboot");
     wait_for_version(&c, "cp-01", "v1.11.5");
     let image = |node: &str| {
         c.stats()["nodes"][node]["install_image"]
@@ -782,28 +740,7 @@ fn v1_13_a_run_killed_while_a_node_is_cordoned_leaves_the_uncordon_to_the_rerun(
     // dir's record names it; the rerun uncordons it once it is Ready.
     let c = Cluster::five(17, "v1.13.3", "v1.13.3,v1.13.5", &[]);
     c.want("v1.13.5", "");
-    let mut child = run(&c.config, &["upgrade"], &[])
-        .into_command()
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut seen = Vec::new();
-    for line in stderr.lines() {
-        let line = line.unwrap();
-        seen.push(line.clone());
-        if line.contains("cp-01: waiting for the node to reboot") {
-            break;
-        }
-    }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
-    assert!(
-        seen.iter()
-            .any(|l| l.contains("cp-01: waiting for the node to reboot")),
-        "{seen:?}"
-    );
+    run(&c.config, &["upgrade"], &[]).kill_at("cp-01: waiting for the node to reboot");
     assert_eq!(
         c.day2("cp-01", "cordoned"),
         true,

@@ -119,6 +119,37 @@ impl Run {
     pub fn output(&mut self) -> Output {
         self.0.output().unwrap()
     }
+
+    /// Runs it until a line of its stderr contains `marker`, then SIGKILLs
+    /// it: a run stopped at a known point. Returns the lines seen; fails
+    /// the test when the run ended without printing the marker.
+    #[allow(dead_code)]
+    pub fn kill_at(self, marker: &str) -> Vec<String> {
+        use std::io::{BufRead, BufReader};
+        let mut child = self
+            .into_command()
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut seen = Vec::new();
+        for line in stderr.lines() {
+            let line = line.unwrap();
+            let found = line.contains(marker);
+            seen.push(line);
+            if found {
+                break;
+            }
+        }
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        assert!(
+            seen.last().is_some_and(|l| l.contains(marker)),
+            "never printed {marker:?}: {seen:#?}"
+        );
+        seen
+    }
 }
 
 /// How a [`Run::measured`] ended.
