@@ -13,14 +13,11 @@
 //! deprecated-API metric and removed API versions (kubernetes
 //! `apiserver/pkg/endpoints/metrics/metrics.go`).
 
-use std::net::{IpAddr, SocketAddr};
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use hyper_util::rt::TokioIo;
 use imgbuild::talos::api::cosi::resource::state_client::StateClient;
 use imgbuild::talos::api::cosi::resource::{GetRequest, ListRequest};
 use imgbuild::talos::api::machine::apply_configuration_request::Mode;
@@ -28,7 +25,6 @@ use imgbuild::talos::api::machine::image_service_client::ImageServiceClient;
 use imgbuild::talos::api::machine::machine_service_client::MachineServiceClient;
 use imgbuild::talos::api::machine::*;
 use imgbuild::talos::pki::{self, CertAndKey, KeyKind, LeafSpec};
-use rustls::pki_types::ServerName;
 use serde_json::{Value, json};
 use tonic::Code;
 use tonic::transport::Channel;
@@ -247,37 +243,13 @@ impl Cluster {
 
     /// An mTLS channel to the Talos API of the node on `host`.
     async fn channel(&self, host: u8) -> Channel {
-        let mut roots = rustls::RootCertStore::empty();
-        for der in pki::certs_der(&self.talos_ca.crt).unwrap() {
-            roots.add(der).unwrap();
-        }
-        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_client_auth_cert(
-                pki::certs_der(&self.talos_admin.crt).unwrap(),
-                pki::private_key_der(&self.talos_admin.key).unwrap(),
-            )
-            .unwrap();
-        config.alpn_protocols = vec![b"h2".to_vec()];
-        let (config, ip) = (Arc::new(config), self.ip(host).parse::<IpAddr>().unwrap());
-        let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
-            let config = config.clone();
-            async move {
-                let tcp = tokio::net::TcpStream::connect(SocketAddr::new(ip, 50000)).await?;
-                let tls = tokio_rustls::TlsConnector::from(config)
-                    .connect(ServerName::IpAddress(ip.into()), tcp)
-                    .await?;
-                Ok::<_, std::io::Error>(TokioIo::new(tls))
-            }
-        });
-        tonic::transport::Endpoint::from_static("http://talos-node")
-            .connect_timeout(Duration::from_secs(3))
-            .connect_with_connector(connector)
-            .await
-            .unwrap()
+        common::talos::channel(
+            &self.talos_ca,
+            &self.talos_admin,
+            self.ip(host).parse().unwrap(),
+        )
+        .await
+        .unwrap()
     }
 
     async fn machine(&self, host: u8) -> MachineServiceClient<Channel> {

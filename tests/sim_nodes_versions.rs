@@ -7,14 +7,12 @@
 //! registry on loopback answers the installers' manifests.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use hyper_util::rt::TokioIo;
 use imgbuild::talos::api::common::Data;
 use imgbuild::talos::api::machine::apply_configuration_request::Mode;
 use imgbuild::talos::api::machine::image_service_client::ImageServiceClient;
@@ -23,10 +21,9 @@ use imgbuild::talos::api::machine::lifecycle_service_install_progress::Response 
 use imgbuild::talos::api::machine::machine_service_client::MachineServiceClient;
 use imgbuild::talos::api::machine::*;
 use imgbuild::talos::pki::{self, CertAndKey, KeyKind, LeafSpec};
-use rustls::pki_types::ServerName;
 use serde_json::{Value, json};
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 mod common;
 use common::sims::Nodes;
@@ -175,37 +172,7 @@ impl Cluster {
 
     /// An mTLS channel to the node on `host`, as talosctl opens one.
     async fn channel(&self, host: u8) -> Result<Channel, tonic::transport::Error> {
-        let mut roots = rustls::RootCertStore::empty();
-        for der in pki::certs_der(&self.ca.crt).unwrap() {
-            roots.add(der).unwrap();
-        }
-        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_client_auth_cert(
-                pki::certs_der(&self.admin.crt).unwrap(),
-                pki::private_key_der(&self.admin.key).unwrap(),
-            )
-            .unwrap();
-        config.alpn_protocols = vec![b"h2".to_vec()];
-        let config = Arc::new(config);
-        let ip: IpAddr = self.ip(host).parse().unwrap();
-        let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
-            let config = config.clone();
-            async move {
-                let tcp = tokio::net::TcpStream::connect(SocketAddr::new(ip, 50000)).await?;
-                let tls = tokio_rustls::TlsConnector::from(config)
-                    .connect(ServerName::IpAddress(ip.into()), tcp)
-                    .await?;
-                Ok::<_, std::io::Error>(TokioIo::new(tls))
-            }
-        });
-        Endpoint::from_static("http://talos-node")
-            .connect_timeout(Duration::from_secs(3))
-            .connect_with_connector(connector)
-            .await
+        common::talos::channel(&self.ca, &self.admin, self.ip(host).parse().unwrap()).await
     }
 
     async fn machine(&self, host: u8) -> MachineServiceClient<Channel> {

@@ -8,6 +8,7 @@ pub mod otherfs;
 pub mod realboot;
 pub mod run;
 pub mod sims;
+pub mod talos;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
