@@ -114,7 +114,8 @@ fn usage_errors_are_2_and_one_document_with_json() {
     assert!(text(&o.stdout).contains("Usage: imgbuild"));
 }
 
-/// Every command, failing for its own reason, exits 1 with one document.
+/// Every command, failing for its own reason, exits 1 with one document
+/// (an unknown node name is a usage error: see below).
 #[test]
 fn failures_are_1_and_one_document_from_every_command() {
     let dir = tempfile::tempdir().unwrap();
@@ -125,15 +126,12 @@ fn failures_are_1_and_one_document_from_every_command() {
     let talconfig = format!("{d}/talconfig.yaml");
     std::fs::write(&talconfig, "clusterName: [not, a, name]\n").unwrap();
     let cases: Vec<Vec<&str>> = vec![
-        vec!["schematic", "nosuchnode"],
         vec!["schematic", "id", &missing],
         vec!["inspect", &missing],
         vec!["meta", "get", &missing, "--key", "10"],
         vec![
             "patch", "--base", &missing, "--node", "cp-01", "--out", &missing,
         ],
-        vec!["node", "nosuchnode", "--out-dir", &empty_out],
-        vec!["build", "nosuchnode", "--out-dir", &empty_out],
         vec!["verify", "--out-dir", &empty_out],
         vec!["diff", &missing, &missing],
         vec![
@@ -350,5 +348,32 @@ fn day_two_commands_on_a_missing_state_dir_fail_and_create_nothing() {
             "{args:?}: {doc}"
         );
         assert!(!state.exists(), "{args:?} created {}", state.display());
+    }
+}
+
+/// A node name the inventory lacks is a usage error (exit 2) in every
+/// command that takes node names, named with the nodes there are. The
+/// factory given is a closed loopback port: nothing is asked of anyone.
+#[test]
+fn an_unknown_node_name_is_a_usage_error_everywhere() {
+    let factory = ["--factory", "http://127.0.0.1:9"];
+    let cases: [&[&str]; 6] = [
+        &["build", "nope"],
+        &["node", "nope"],
+        &["schematic", "nope"],
+        &["config", "nope"],
+        &["upgrade", "--dry-run", "nope"],
+        &["apply", "--dry-run", "nope"],
+    ];
+    for args in cases {
+        let mut full = vec!["--config", LOOPBACK];
+        full.extend_from_slice(args);
+        if matches!(args[0], "upgrade" | "apply") {
+            full.extend_from_slice(&factory);
+        }
+        let o = imgbuild(&full);
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("no node named \"nope\""), "{args:?}: {err}");
     }
 }

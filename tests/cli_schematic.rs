@@ -342,7 +342,8 @@ fn missing_config_names_the_file() {
 #[test]
 fn unknown_node_lists_the_known_ones() {
     let o = imgbuild(&["--config", ATLAS, "schematic", "cp-9"]);
-    assert_eq!(o.status.code(), Some(1));
+    // 2: a node name the inventory lacks is a usage error.
+    assert_eq!(o.status.code(), Some(2));
     assert!(
         stderr(&o).contains("no node named \"cp-9\""),
         "{}",

@@ -191,8 +191,16 @@ pub fn run() -> i32 {
 }
 
 fn exit_code(e: &anyhow::Error) -> i32 {
+    // A node name the inventory lacks is a usage error, wherever it surfaced.
     let usage = e.chain().any(|c| {
-        c.downcast_ref::<InventoryError>().is_some() || c.downcast_ref::<Usage>().is_some()
+        c.downcast_ref::<InventoryError>().is_some()
+            || c.downcast_ref::<Usage>().is_some()
+            || c.downcast_ref::<imgbuild::inventory::UnknownNode>()
+                .is_some()
+            || matches!(
+                c.downcast_ref::<imgbuild::build::BuildError>(),
+                Some(imgbuild::build::BuildError::UnknownNode(_))
+            )
     });
     if e.downcast_ref::<Partial>().is_some() {
         EXIT_PARTIAL
