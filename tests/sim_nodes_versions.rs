@@ -104,7 +104,13 @@ impl Cluster {
             },
         )
         .unwrap();
-        let mut flags: Vec<&str> = DELAYS.to_vec();
+        // A delay `extra` names replaces the default one.
+        let mut flags: Vec<&str> = DELAYS
+            .chunks(2)
+            .filter(|pair| !extra.contains(&pair[0]))
+            .flatten()
+            .copied()
+            .collect();
         flags.extend(extra);
         let c = Cluster {
             sim: Nodes::start_with(&flags, &[]),
@@ -247,7 +253,16 @@ fn upgrade_request(image: &str, preserve: bool, force: bool) -> tonic::Request<U
 async fn upgrade_pulls_before_the_ack_and_a_short_deadline_cancels_it_v1_11_2_to_v1_11_5() {
     let c = Cluster::start(
         1,
-        &["--pull-delay", "3000", "--pull-cached-delay", "100"],
+        // A drain long enough that the two reads after the ack land
+        // inside it on a loaded machine too.
+        &[
+            "--pull-delay",
+            "3000",
+            "--pull-cached-delay",
+            "100",
+            "--drain-delay",
+            "1500",
+        ],
         &[("worker-01", 21, false, "v1.11.2")],
     )
     .await;

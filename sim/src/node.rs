@@ -1291,16 +1291,41 @@ async fn handle_talos(cluster: Arc<Cluster>, i: usize, tcp: TcpStream) {
         me: i,
         secure,
     };
-    let routes = tonic::service::Routes::new(MachineServiceServer::new(api.clone()))
-        .add_service(StorageServiceServer::new(api.clone()))
-        .add_service(
-            api::machine::lifecycle_service_server::LifecycleServiceServer::new(api.clone()),
-        )
-        .add_service(api::machine::image_service_server::ImageServiceServer::new(
+    // A reboot ends every connection (the kernel goes with it): a call that
+    // reaches this connection after the node went down, before the close
+    // below runs, must not be answered from the new boot's state.
+    let up = {
+        let node = node.clone();
+        move |req: tonic::Request<()>| {
+            if node.phase(Instant::now()) == Phase::Down {
+                Err(Status::unavailable("error reading from server: EOF"))
+            } else {
+                Ok(req)
+            }
+        }
+    };
+    let routes = tonic::service::Routes::new(MachineServiceServer::with_interceptor(
+        api.clone(),
+        up.clone(),
+    ))
+    .add_service(StorageServiceServer::with_interceptor(
+        api.clone(),
+        up.clone(),
+    ))
+    .add_service(
+        api::machine::lifecycle_service_server::LifecycleServiceServer::with_interceptor(
             api.clone(),
-        ))
-        .add_service(api::cosi::resource::state_server::StateServer::new(api))
-        .prepare();
+            up.clone(),
+        ),
+    )
+    .add_service(
+        api::machine::image_service_server::ImageServiceServer::with_interceptor(
+            api.clone(),
+            up.clone(),
+        ),
+    )
+    .add_service(api::cosi::resource::state_server::StateServer::with_interceptor(api, up))
+    .prepare();
     let conn = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
         .http2_only()
         .serve_connection(TokioIo::new(tls), TowerToHyperService::new(routes))
