@@ -8,7 +8,9 @@
 //! bootstrap's reach); `up` records them in a [`Report`], whose table and
 //! JSON [`report`] shapes.
 
+pub mod converge;
 mod error;
+pub mod plan;
 mod report;
 
 pub use error::{Stage, UpError};
@@ -18,15 +20,22 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use crate::build::{self, BuildError, BuildOptions};
+use crate::factory::Factory;
 use crate::fetch::Progress;
 use crate::inventory::Inventory;
 use crate::publish::PublishImage;
 use crate::publish::hcloud::{self, HcloudError, SnapshotImage, servers};
 use crate::publish::proxmox::{self, ProxmoxError, VmChange};
 use crate::publish::target::{HcloudTarget, ProxmoxTarget, Target};
+use crate::talos::apply;
 use crate::talos::bootstrap;
 use crate::talos::client::NodeEndpoint;
-use crate::talos::stage::{self, BootstrapOptions, Reach};
+use crate::talos::kubernetes::plan::KubePlan;
+use crate::talos::kubernetes::run as kube_run;
+use crate::talos::stage::{self, BootstrapOptions, Reach, StageError};
+use crate::talos::upgrade::{self, plan::Action as UpAction, report::Ending};
+use converge::{ApplySettings, UpgradeSettings};
+use plan::{Action, Outcome, Step};
 use report::changed;
 
 /// What one `up` does besides the target.
@@ -37,6 +46,13 @@ pub struct UpOptions {
     pub nodes: Vec<String>,
     pub build: BuildOptions,
     pub bootstrap: BootstrapOptions,
+    /// How the upgrade step runs (as `imgbuild upgrade` with its defaults).
+    pub upgrade: UpgradeSettings,
+    /// How the config step runs (as `imgbuild apply`).
+    pub apply: ApplySettings,
+    /// Carry out destructive actions (remove a node, delete a machine,
+    /// prune); without it they are planned and left.
+    pub allow_destroy: bool,
 }
 
 /// Where each stage reports its progress; the CLI renders it.
@@ -46,6 +62,8 @@ pub struct Observers<'a> {
     pub publish: &'a dyn proxmox::Observer,
     pub hcloud: &'a dyn hcloud::Observer,
     pub bootstrap: &'a dyn bootstrap::Observer,
+    /// The steps after the bootstrap: (node or `kubernetes`, what happens).
+    pub steps: &'a (dyn Fn(&str, &str) + Sync),
 }
 
 /// Runs every stage. Never fails outright: the report says how far it got
@@ -95,14 +113,26 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
             }
         }
     };
-    report.elapsed_ms = started.elapsed().as_millis();
-    // A healthy cluster may still run other versions, schematics or
-    // configs than the inventory asks for: what `imgbuild status` flags.
+    // A healthy cluster is converged to the inventory: upgrades,
+    // Kubernetes and configs as `upgrade` and `apply` do them; what still
+    // differs afterwards is reported as `imgbuild status` flags it.
     if let Some(done) = done
         && report.healthy
     {
-        report.drifted(stage::drift(inv, &done.prepared, &bootstrap));
+        let day2 = DayTwo {
+            inv,
+            opts,
+            bootstrap: &bootstrap,
+            prepared: &done.prepared,
+            select: Vec::new(),
+            dry_run: false,
+        };
+        match day2.converge(&mut report, obs.steps) {
+            Ok(()) => report.drifted(stage::drift(inv, &done.prepared, &bootstrap)),
+            Err((stage, e)) => report.stop(stage, e),
+        }
     }
+    report.elapsed_ms = started.elapsed().as_millis();
     report
 }
 
@@ -126,8 +156,360 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     if let Ok(survey) = stage::survey(inv, &bootstrap) {
         report.surveyed(&survey);
     }
+    // The day-two steps over the nodes that run Talos configured already
+    // (the others get the inventory's version and config when they come
+    // up), when the cluster has a state dir: a dry run creates none.
+    let configured: Vec<String> = report
+        .nodes
+        .iter()
+        .filter(|n| n.talos == Some(TalosState::Configured))
+        .map(|n| n.node.clone())
+        .collect();
+    if report.stopped.is_none()
+        && !configured.is_empty()
+        && stage::StateDir::existing(inv, bootstrap.state_dir.as_deref()).is_ok()
+    {
+        // A dry run sends no config: unset `${NAME}`s need not be given.
+        bootstrap.patch_vars = bootstrap.patch_vars.clone().comparing_unset();
+        let select = if configured.len() == inv.nodes.len() {
+            Vec::new()
+        } else {
+            configured
+        };
+        let planned = stage::prepare(inv, &bootstrap)
+            .map_err(|e| (Stage::Upgrade, UpError::Bootstrap(e)))
+            .and_then(|prepared| {
+                let day2 = DayTwo {
+                    inv,
+                    opts,
+                    bootstrap: &bootstrap,
+                    prepared: &prepared,
+                    select,
+                    dry_run: true,
+                };
+                day2.converge(&mut report, &|_: &str, _: &str| {})
+            });
+        if let Err((stage, e)) = planned {
+            report.stop(stage, e);
+        }
+    }
     report.elapsed_ms = started.elapsed().as_millis();
     report
+}
+
+/// The steps after the bootstrap, over a cluster that exists: the upgrade
+/// (Talos, then Kubernetes), then configs, each the library call its own
+/// command makes ([`converge`]); in a dry run only their plans.
+struct DayTwo<'a> {
+    inv: &'a Inventory,
+    opts: &'a UpOptions,
+    bootstrap: &'a BootstrapOptions,
+    prepared: &'a stage::Prepared,
+    /// The nodes to converge (all when empty; Kubernetes only then).
+    select: Vec<String>,
+    dry_run: bool,
+}
+
+impl DayTwo<'_> {
+    /// Runs (or plans) every step in order, recording each action; stops
+    /// at the first step that fails.
+    fn converge(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), (Stage, UpError)> {
+        let at = |stage: Stage| move |e: StageError| (stage, UpError::Bootstrap(e));
+        let differences =
+            stage::drift(self.inv, self.prepared, self.bootstrap).map_err(at(Stage::Upgrade))?;
+        let chosen = |node: &str| self.select.is_empty() || self.select.iter().any(|s| s == node);
+        let differs = |what: &[&str]| {
+            differences
+                .drift
+                .iter()
+                .any(|d| chosen(&d.node) && what.contains(&d.what))
+        };
+        let upgraded = if differs(&["version", "schematic"]) {
+            self.upgrade(report, progress)?
+        } else {
+            self.kubernetes(report, progress)?;
+            Vec::new()
+        };
+        if differs(&["config"]) || !upgraded.is_empty() {
+            self.configs(report, &upgraded)?;
+        }
+        Ok(())
+    }
+
+    fn limits(&self) -> &bootstrap::Options {
+        &self.bootstrap.limits
+    }
+
+    /// Talos version and schematic, node by node, then Kubernetes: as
+    /// `imgbuild upgrade`. Returns the nodes planned for an upgrade (whose
+    /// config the upgrade applies).
+    fn upgrade(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<Vec<String>, (Stage, UpError)> {
+        let at = |e: converge::ConvergeError| (Stage::Upgrade, UpError::Converge(e));
+        let fetch = &self.opts.build.fetch;
+        let client = crate::fetch::client(fetch);
+        let factory =
+            Factory::new(&self.inv.image.factory, &client).with_retry(fetch.retry_policy());
+        let targets = upgrade::targets(self.inv, &factory)
+            .map_err(|e| at(converge::ConvergeError::Upgrade(e)))?;
+        let planned = converge::plan_upgrade(
+            self.inv,
+            &factory,
+            &targets,
+            self.prepared,
+            &self.select,
+            &self.opts.upgrade,
+            self.limits(),
+        )
+        .map_err(at)?;
+        let mut actions: Vec<Action> = Vec::new();
+        for n in &planned.talos.nodes {
+            if n.action == UpAction::Done || n.action == UpAction::SchematicUnknown {
+                continue;
+            }
+            let hops: Vec<&str> = n.hops.iter().map(|h| h.version.as_str()).collect();
+            let mut a = Action::new(Step::Upgrade, Some(&n.node), "upgrade")
+                .change("talos", n.from.version.as_deref(), Some(&n.to.version))
+                .change(
+                    "schematic",
+                    n.from.schematic.as_deref(),
+                    Some(&n.to.schematic),
+                );
+            a = match n.action {
+                UpAction::Config => a.detail(
+                    "on the target; its config names another installer: the config is applied",
+                ),
+                UpAction::Blocked => a.detail(format!(
+                    "blocked: {}",
+                    n.problem
+                        .as_deref()
+                        .or(n.from.error.as_deref())
+                        .unwrap_or("not read")
+                )),
+                _ if hops.len() > 1 => a.detail(format!("via {}", hops.join(" → "))),
+                _ => a,
+            };
+            actions.push(a);
+        }
+        let kube_action = planned.kube.as_ref().and_then(|(_, k)| kube_action(k));
+        let nodes: Vec<String> = actions.iter().filter_map(|a| a.node.clone()).collect();
+        if let Some(r) = planned.refusal() {
+            report.actions.extend(actions);
+            report.actions.extend(kube_action);
+            return Err((
+                Stage::Upgrade,
+                UpError::Refused {
+                    stage: Stage::Upgrade,
+                    why: r,
+                },
+            ));
+        }
+        if self.dry_run {
+            report.actions.extend(actions);
+            report.actions.extend(kube_action);
+            return Ok(nodes);
+        }
+        let say = |what: &str| progress("kubernetes", what);
+        let done = converge::run_upgrade(
+            self.inv,
+            &factory,
+            self.prepared,
+            planned,
+            &self.opts.upgrade,
+            self.limits(),
+            progress,
+            &say,
+        )
+        .map_err(at)?;
+        for mut a in actions {
+            let node = a.node.clone().unwrap_or_default();
+            a.outcome = match &done.talos.failed {
+                Some(f) if f.node == node => {
+                    a.detail = Some(f.error.clone());
+                    Outcome::Failed
+                }
+                _ if done.talos.untouched.contains(&node) => Outcome::NotReached,
+                _ => Outcome::Done,
+            };
+            report.act(a);
+        }
+        if let Some(mut a) = kube_action {
+            a.outcome = match done.kube.as_ref().map(|k| k.ending()) {
+                Some(Ending::Ok) => Outcome::Done,
+                Some(_) => Outcome::Failed,
+                None => Outcome::NotReached,
+            };
+            report.act(a);
+        }
+        match done.ending() {
+            Ending::Ok => Ok(nodes),
+            Ending::Failed(message) => Err(step_failed(Stage::Upgrade, message, false)),
+            Ending::Partial(message) => Err(step_failed(Stage::Upgrade, message, true)),
+        }
+    }
+
+    /// The cluster's Kubernetes version when no Talos node moves: as the
+    /// Kubernetes part of `imgbuild upgrade`.
+    fn kubernetes(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), (Stage, UpError)> {
+        if !self.select.is_empty() {
+            return Ok(());
+        }
+        let (seen, k) = converge::plan_kubernetes(
+            self.inv,
+            &self.prepared.plan,
+            &BTreeMap::new(),
+            &self.opts.upgrade,
+            self.limits(),
+        );
+        let Some(mut action) = kube_action(&k) else {
+            return Ok(());
+        };
+        if let Some(r) = &k.refusal {
+            report.act(action);
+            let why = format!("kubernetes {}: {r}", k.to);
+            return Err((
+                Stage::Kubernetes,
+                UpError::Refused {
+                    stage: Stage::Kubernetes,
+                    why,
+                },
+            ));
+        }
+        if self.dry_run {
+            report.act(action);
+            return Ok(());
+        }
+        let say = |what: &str| progress("kubernetes", what);
+        let done = kube_run::execute(
+            &self.prepared.plan,
+            &k,
+            &seen,
+            self.limits(),
+            &self.opts.upgrade.kube,
+            &say,
+        );
+        let ending = done.ending();
+        action.outcome = if ending == Ending::Ok {
+            Outcome::Done
+        } else {
+            Outcome::Failed
+        };
+        report.act(action);
+        match ending {
+            Ending::Ok => Ok(()),
+            Ending::Failed(m) => Err(step_failed(Stage::Kubernetes, m, false)),
+            Ending::Partial(m) => Err(step_failed(Stage::Kubernetes, m, true)),
+        }
+    }
+
+    /// Each node's machine config: as `imgbuild apply` (live where Talos
+    /// can, else a reboot one node at a time). Nodes `upgraded` had theirs
+    /// applied by the upgrade; a dry run does not list them twice.
+    fn configs(&self, report: &mut Report, upgraded: &[String]) -> Result<(), (Stage, UpError)> {
+        let outcome = converge::apply_configs(
+            self.inv,
+            self.prepared,
+            &self.select,
+            &self.opts.apply,
+            self.dry_run,
+            &self.bootstrap.patch_vars,
+            self.limits(),
+        )
+        .map_err(|e| (Stage::Configs, UpError::Converge(e)))?;
+        for n in outcome.nodes.iter().filter(|n| n.changed) {
+            if self.dry_run && upgraded.contains(&n.node) {
+                continue;
+            }
+            let rendered = self
+                .prepared
+                .plan
+                .nodes
+                .iter()
+                .find(|p| p.name == n.node)
+                .map_or(&[][..], |p| p.config.as_slice());
+            let fields = apply::changed_fields(&n.diff, rendered);
+            let what = match (n.needs_reboot, n.staged) {
+                (_, true) => "config staged, applies at the next reboot",
+                (true, _) => "apply config (with a reboot)",
+                (false, _) => "apply config",
+            };
+            let outcome = if self.dry_run || n.staged {
+                Outcome::Planned
+            } else if n.applied {
+                Outcome::Done
+            } else {
+                Outcome::NotReached
+            };
+            report.act(
+                Action::new(Step::Configs, Some(&n.node), what)
+                    .detail(plan::diff_summary(&n.diff, &fields))
+                    .outcome(outcome),
+            );
+        }
+        for f in &outcome.failed {
+            report.act(
+                Action::new(Step::Configs, Some(&f.node), "apply config")
+                    .detail(f.error.clone())
+                    .outcome(Outcome::Failed),
+            );
+        }
+        if let Some(r) = outcome.refused {
+            return Err((
+                Stage::Configs,
+                UpError::Refused {
+                    stage: Stage::Configs,
+                    why: r,
+                },
+            ));
+        }
+        if outcome.failed.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = outcome.failed.iter().map(|f| f.node.as_str()).collect();
+        let partial = outcome.nodes.iter().any(|n| n.applied);
+        Err(step_failed(
+            Stage::Configs,
+            format!("apply failed on {}", names.join(", ")),
+            partial,
+        ))
+    }
+}
+
+/// The Kubernetes action of a plan with work left (or a refusal).
+fn kube_action(k: &KubePlan) -> Option<Action> {
+    let left = k.steps.iter().filter(|s| !s.done).count();
+    if left == 0 && k.refusal.is_none() {
+        return None;
+    }
+    let mut a = Action::new(Step::Kubernetes, None, "upgrade Kubernetes")
+        .change("kubernetes", k.from.as_deref(), Some(&k.to))
+        .detail(format!("{left} step(s)"));
+    if let Some(r) = &k.refusal {
+        a = a.detail(format!("refused: {r}"));
+    }
+    Some(a)
+}
+
+fn step_failed(stage: Stage, message: String, partial: bool) -> (Stage, UpError) {
+    (
+        stage,
+        UpError::Step {
+            stage,
+            message,
+            partial,
+        },
+    )
 }
 
 /// The report of a run (or dry run) about to start, every row placed

@@ -3,7 +3,7 @@
 
 use super::board::Board;
 use super::inventory::load_inventory;
-use super::output::{Output, Partial, Reported, Usage};
+use super::output::{Output, Partial, Reported, Usage, outside};
 use super::progress::Show;
 use super::publish::PublishArgs;
 use super::talos::BootstrapRunArgs;
@@ -11,14 +11,21 @@ use anyhow::Result;
 use clap::Args;
 use imgbuild::publish::Cancel;
 use imgbuild::publish::target::{Target, TargetOptions};
+use imgbuild::up::converge::{ApplySettings, UpgradeSettings};
 use imgbuild::up::{self, Line, Observers, UpOptions};
 use std::path::Path;
 
 #[derive(Args)]
 pub struct UpArgs {
-    /// Print what would be built, uploaded, created and applied; change nothing.
+    /// Print every action (build, publish, machines, bootstrap, upgrade,
+    /// Kubernetes, configs, settings, removal, prune) at field level; change nothing.
     #[arg(long)]
     dry_run: bool,
+    /// Carry out the destructive actions: remove nodes gone from the
+    /// inventory (drain, reset, delete the VM or server and its volumes)
+    /// and prune. Without it they are shown and left.
+    #[arg(long)]
+    allow_destroy: bool,
     #[command(flatten)]
     publish: PublishArgs,
     #[command(flatten)]
@@ -56,6 +63,9 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         nodes: args.publish.nodes().to_vec(),
         build: build.options(),
         bootstrap: args.bootstrap.options(),
+        upgrade: UpgradeSettings::default(),
+        apply: ApplySettings::default(),
+        allow_destroy: args.allow_destroy,
     };
     let report = if args.dry_run {
         up::plan(&inv, &target, &opts)
@@ -76,6 +86,11 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
                 publish: &board,
                 hcloud: &board,
                 bootstrap: &board,
+                steps: &|node: &str, what: &str| {
+                    if output == Output::Text {
+                        errln!("{node}: {}", outside(what));
+                    }
+                },
             },
         );
         board.finish();

@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use super::error::{Stage, UpError};
+use super::plan::{Action, Outcome, Step};
 use crate::build::{self, NodeImage};
 use crate::digest::Sha256;
 use crate::inventory::Inventory;
@@ -241,6 +242,11 @@ pub struct Report {
     /// Nodes whose config is staged for their next reboot (not drift).
     #[serde(skip)]
     pub staged: Vec<String>,
+    /// The steps after the bootstrap (upgrade, Kubernetes, configs,
+    /// settings, removal, prune) as actions; the table's stages are in
+    /// [`Report::plan`] too.
+    #[serde(skip)]
+    pub actions: Vec<Action>,
 }
 
 /// One line of the text report, and where it goes.
@@ -296,7 +302,83 @@ impl Report {
             drift: Vec::new(),
             drift_unchecked: None,
             staged: Vec::new(),
+            actions: Vec::new(),
         }
+    }
+
+    /// Records an action of a step after the bootstrap.
+    pub(super) fn act(&mut self, action: Action) {
+        self.actions.push(action);
+    }
+
+    /// The whole plan, in the order the steps run: each node's build,
+    /// upload, machine and config from the table (what is not unchanged),
+    /// then the recorded actions. A dry run's are planned; a run's done or
+    /// failed.
+    pub fn plan(&self) -> Vec<Action> {
+        let mut out = Vec::new();
+        let outcome = |c: Change| match c {
+            Change::Failed => Outcome::Failed,
+            _ if self.dry_run => Outcome::Planned,
+            _ => Outcome::Done,
+        };
+        let worth =
+            |c: &Option<Change>| c.filter(|c| !matches!(c, Change::Unchanged | Change::Outdated));
+        for n in &self.nodes {
+            let node = Some(n.node.as_str());
+            let sha = n.sha256.map(|s| s.hex()[..12].to_owned());
+            if let Some(c) = worth(&n.stages.build) {
+                out.push(
+                    Action::new(Step::Build, node, c.word(self.dry_run))
+                        .change("image", None, sha.as_deref())
+                        .outcome(outcome(c)),
+                );
+            }
+            if let Some(c) = worth(&n.stages.upload) {
+                out.push(
+                    Action::new(Step::Publish, node, c.word(self.dry_run))
+                        .change("volume", None, n.volume.as_deref())
+                        .outcome(outcome(c)),
+                );
+            }
+            let machine = n
+                .vmid
+                .map(|v| format!("VM {v}"))
+                .or(n.server.map(|s| format!("server {s}")));
+            for c in [worth(&n.stages.vm), worth(&n.stages.start)]
+                .into_iter()
+                .flatten()
+            {
+                out.push(
+                    Action::new(Step::Machines, node, c.word(self.dry_run))
+                        .change("machine", None, machine.as_deref())
+                        .outcome(outcome(c)),
+                );
+            }
+            if let Some(c) = worth(&n.stages.apply) {
+                out.push(
+                    Action::new(Step::Bootstrap, node, "apply its first config")
+                        .change("talos", Some("maintenance"), Some("configured"))
+                        .outcome(outcome(c)),
+                );
+            }
+        }
+        if let (Some(c @ Change::Bootstrapped), Some(node)) = (self.bootstrap, &self.bootstrap_node)
+        {
+            out.push(
+                Action::new(Step::Bootstrap, Some(node), "bootstrap etcd").outcome(outcome(c)),
+            );
+        }
+        out.extend(self.actions.iter().cloned());
+        out
+    }
+
+    /// The destructive actions not done for want of `--allow-destroy`.
+    pub fn left(&self) -> Vec<&Action> {
+        self.actions
+            .iter()
+            .filter(|a| a.outcome == Outcome::Left)
+            .collect()
     }
 
     pub(super) fn node(&mut self, name: &str) -> Option<&mut NodeReport> {
@@ -459,7 +541,9 @@ impl Report {
                 .nodes
                 .iter()
                 .any(|n| n.error.is_none() && n.stages.build.is_some());
-        some_failed || matches!(self.health, Some(bootstrap::Health::NoCni { .. }))
+        some_failed
+            || matches!(self.health, Some(bootstrap::Health::NoCni { .. }))
+            || matches!(self.stopped, Some((_, UpError::Step { partial: true, .. })))
     }
 
     /// The JSON document: the report, the stage that stopped it and why,
@@ -490,6 +574,8 @@ impl Report {
         }
         doc["drift"] = serde_json::to_value(&self.drift)?;
         doc["staged"] = serde_json::json!(self.staged);
+        doc["plan"] = serde_json::to_value(self.plan())?;
+        doc["left"] = serde_json::to_value(self.left())?;
         Ok(doc)
     }
 
@@ -530,6 +616,23 @@ impl Report {
         lines.push(line(&head.map(String::from)));
         lines.extend(rows.iter().map(|row| line(row)));
         lines.push(Line::Out(self.stage_summary()));
+        for a in &self.actions {
+            let mark = match a.outcome {
+                Outcome::Planned => "plan:",
+                Outcome::Done => "done:",
+                Outcome::Failed => "FAILED:",
+                Outcome::Left => "left:",
+                Outcome::NotReached => "not reached:",
+            };
+            lines.push(Line::Out(format!("{mark} {}", a.line())));
+        }
+        let left = self.left();
+        if !left.is_empty() {
+            lines.push(Line::Err(format!(
+                "note: {} destructive action(s) left undone; rerun with --allow-destroy to carry them out",
+                left.len()
+            )));
+        }
         // A stop for some nodes sums them up in one line: their errors first.
         if let Some((_, UpError::Nodes { .. })) = &self.stopped {
             for n in &self.nodes {
