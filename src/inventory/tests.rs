@@ -573,7 +573,11 @@ fn a_node_s_own_vm_settings_override_the_cluster_s() {
         "    memory: 8192\n    cores: 4\n    diskSize: 40\n    dataDisks: [50, 60]\n    bridge: vmbr1\n    vlan: 20\n    proxmoxNode: pve2\n",
     ))
     .unwrap();
-    let w2 = inv.nodes.iter().position(|n| n.name == "worker-02").unwrap();
+    let w2 = inv
+        .nodes
+        .iter()
+        .position(|n| n.name == "worker-02")
+        .unwrap();
     let own = inv.machine(w2).unwrap();
     assert_eq!(
         own,
@@ -599,13 +603,34 @@ fn a_node_s_own_vm_settings_override_the_cluster_s() {
 #[test]
 fn bad_node_vm_settings_name_the_node_and_field() {
     for (own, want) in [
-        ("    memory: 1024\n", "nodes[4].memory: node worker-02: 1024 is below the 2048"),
-        ("    vlan: 4095\n", "nodes[4].vlan: node worker-02: VLAN tag 4095 is outside 1..4094"),
-        ("    bridge: \"vm br\"\n", "nodes[4].bridge: node worker-02: \"vm br\" is not a bridge name"),
-        ("    proxmoxNode: 9pve\n", "nodes[4].proxmoxNode: node worker-02: \"9pve\" is not a Proxmox node name"),
-        ("    dataDisks: [0]\n", "nodes[4].dataDisks[0]: node worker-02: 0 GiB"),
-        ("    diskSize: 9\n", "nodes[4].diskSize: node worker-02: 9 is below"),
-        ("    cores: 0\n", "nodes[4].cores: node worker-02: 0 is below"),
+        (
+            "    memory: 1024\n",
+            "nodes[4].memory: node worker-02: 1024 is below the 2048",
+        ),
+        (
+            "    vlan: 4095\n",
+            "nodes[4].vlan: node worker-02: VLAN tag 4095 is outside 1..4094",
+        ),
+        (
+            "    bridge: \"vm br\"\n",
+            "nodes[4].bridge: node worker-02: \"vm br\" is not a bridge name",
+        ),
+        (
+            "    proxmoxNode: 9pve\n",
+            "nodes[4].proxmoxNode: node worker-02: \"9pve\" is not a Proxmox node name",
+        ),
+        (
+            "    dataDisks: [0]\n",
+            "nodes[4].dataDisks[0]: node worker-02: 0 GiB",
+        ),
+        (
+            "    diskSize: 9\n",
+            "nodes[4].diskSize: node worker-02: 9 is below",
+        ),
+        (
+            "    cores: 0\n",
+            "nodes[4].cores: node worker-02: 0 is below",
+        ),
     ] {
         let err = error_of(&atlas_vms(own));
         assert!(err.contains(want), "{own}: {err}");
