@@ -20,19 +20,18 @@ fn work() -> Work {
     Work::new(&Inventory::loopback().proxmox(true))
 }
 
-/// `imgbuild ARGS` on the work's inventory against both simulators.
-fn run(work: &Work, sim: &Sim, pve: &Pve, args: &[&str]) -> Output {
-    Run::with_config(&work.config, args)
-        .factory(sim)
-        .folders(work.dir.path())
-        .proxmox(pve)
-        .output()
+/// `imgbuild ARGS` on the work's inventory against the Proxmox simulator.
+fn run(work: &Work, pve: &Pve, args: &[&str]) -> Output {
+    Run::with_config(&work.config, args).proxmox(pve).output()
 }
 
 fn publish(work: &Work, sim: &Sim, pve: &Pve, nodes: &[&str]) {
-    let mut args = vec!["publish", "--poll-ms", "20", "--quiet"];
-    args.extend(nodes);
-    let o = run(work, sim, pve, &args);
+    let o = Run::with_config(&work.config, &["publish", "--poll-ms", "20", "--quiet"])
+        .args(nodes)
+        .factory(sim)
+        .folders(work.dir.path())
+        .proxmox(pve)
+        .output();
     assert!(o.status.success(), "{}", text(&o.stderr));
 }
 
@@ -125,7 +124,7 @@ fn down_deletes_the_clusters_vms_and_volumes_and_nothing_else() {
     assert_eq!(before.len(), 4, "{before:?}");
 
     // Without --yes and without a terminal: the list, exit 2, nothing gone.
-    let o = run(&work, &sim, &pve, &["down"]);
+    let o = run(&work, &pve, &["down"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     let err = text(&o.stderr);
     assert!(
@@ -138,7 +137,6 @@ fn down_deletes_the_clusters_vms_and_volumes_and_nothing_else() {
 
     let o = run(
         &work,
-        &sim,
         &pve,
         &["down", "--yes", "--poll-ms", "20", "--output", "json"],
     );
@@ -164,7 +162,7 @@ fn down_deletes_the_clusters_vms_and_volumes_and_nothing_else() {
     );
 
     // A rerun has nothing left to do.
-    let o = run(&work, &sim, &pve, &["down", "--yes"]);
+    let o = run(&work, &pve, &["down", "--yes"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert!(
         text(&o.stdout).contains("has no VMs"),

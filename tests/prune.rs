@@ -20,9 +20,21 @@ fn factory() -> Sim {
     Sim::start_with(&[], 0, &["--versions", &VERSIONS.join(",")])
 }
 
-fn run(work: &Work, sim: &Sim, pve: &Pve, args: &[&str]) -> Output {
-    Run::with_config(&work.config, args)
-        .factory(sim)
+fn publish(work: &Work, sim: &Sim, pve: &Pve) -> Output {
+    Run::with_config(
+        &work.config,
+        &["publish", "cp-01", "cp-02", "--poll-ms", "20", "--quiet"],
+    )
+    .factory(sim)
+    .folders(work.dir.path())
+    .proxmox(pve)
+    .output()
+}
+
+/// `imgbuild prune ARGS` with the work's out dir and cache.
+fn prune(work: &Work, pve: &Pve, args: &[&str]) -> Output {
+    Run::with_config(&work.config, &["prune"])
+        .args(args)
         .folders(work.dir.path())
         .proxmox(pve)
         .output()
@@ -72,12 +84,7 @@ fn three_versions(pve: &Pve, sim: &Sim) -> Work {
                 &format!("talosVersion: {version}"),
             );
         }
-        let o = run(
-            &work,
-            sim,
-            pve,
-            &["publish", "cp-01", "cp-02", "--poll-ms", "20", "--quiet"],
-        );
+        let o = publish(&work, sim, pve);
         assert!(o.status.success(), "{version}: {}", text(&o.stderr));
         // Storage keeps whole seconds: give each version its own hour.
         let age = format!("{} hours ago", 3 - i);
@@ -132,11 +139,10 @@ fn keep_1_leaves_what_machines_use_plus_the_newest_and_nothing_of_anyone_else() 
     assert_eq!(all.len(), 6, "{before:?}");
     assert_eq!(cache_entries(&work), 3);
 
-    let o = run(
+    let o = prune(
         &work,
-        &sim,
         &pve,
-        &["prune", "--keep", "1", "--dry-run", "--output", "json"],
+        &["--keep", "1", "--dry-run", "--output", "json"],
     );
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v = json(&o);
@@ -162,12 +168,7 @@ fn keep_1_leaves_what_machines_use_plus_the_newest_and_nothing_of_anyone_else() 
     assert_eq!(imports(&pve), before);
     assert_eq!(cache_entries(&work), 3);
 
-    let o = run(
-        &work,
-        &sim,
-        &pve,
-        &["prune", "--keep", "1", "--poll-ms", "20"],
-    );
+    let o = prune(&work, &pve, &["--keep", "1", "--poll-ms", "20"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let after = imports(&pve);
     assert_eq!(ours(&after), with(&["v1.11.2", "v1.11.5"], &all));
@@ -177,11 +178,10 @@ fn keep_1_leaves_what_machines_use_plus_the_newest_and_nothing_of_anyone_else() 
     assert_eq!(cache_entries(&work), 1);
 
     // Converged: nothing more to do.
-    let o = run(
+    let o = prune(
         &work,
-        &sim,
         &pve,
-        &["prune", "--keep", "1", "--dry-run", "--output", "json"],
+        &["--keep", "1", "--dry-run", "--output", "json"],
     );
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json(&o)["plan"]["delete"], serde_json::json!([]));
@@ -195,7 +195,7 @@ fn a_prune_killed_midway_converges_when_run_again() {
     let work = three_versions(&pve, &sim);
     let before = imports(&pve);
     let mut cmd = Run::with_config(&work.config, &["prune", "--keep", "0", "--poll-ms", "20"]);
-    cmd.factory(&sim).folders(work.dir.path()).proxmox(&pve);
+    cmd.folders(work.dir.path()).proxmox(&pve);
     let mut child = cmd
         .into_command()
         .stdout(Stdio::null())
@@ -216,12 +216,7 @@ fn a_prune_killed_midway_converges_when_run_again() {
         "it was not midway: {midway:?}"
     );
 
-    let o = run(
-        &work,
-        &sim,
-        &pve,
-        &["prune", "--keep", "0", "--poll-ms", "20"],
-    );
+    let o = prune(&work, &pve, &["--keep", "0", "--poll-ms", "20"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let after = imports(&pve);
     assert_eq!(ours(&after), with(&["v1.11.2"], &ours(&before)));
@@ -231,11 +226,9 @@ fn a_prune_killed_midway_converges_when_run_again() {
 /// A snapshot labelled and described as imgbuild's publish does, with
 /// `extra` labels.
 fn snapshot(hc: &Hc, version: &str, extra: serde_json::Value) -> u64 {
-    let build = server(
-        hc,
-        &format!("build-{}", version.replace('.', "-")),
-        "debian-13".into(),
-    );
+    static BUILDS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let build = server(hc, &format!("build-{n}"), "debian-13".into());
     let schematic = "ab".repeat(32);
     let mut labels = serde_json::json!({"os": "talos", "talos-version": version,
         "talos-schematic": &schematic[..32], "arch": "amd64", "image-sha256": "cd".repeat(16)});
