@@ -21,7 +21,8 @@
 //! `DIR/storage/local-lvm/vm-<vmid>-disk-<n>.raw` (imports converted to raw,
 //! as lvmthin holds raw). Under `/api2/json`: version, nodes, storage list
 //! and content (list, delete), upload, task status and log, qemu list,
-//! create, config (GET/POST/PUT), resize, status/start|stop|current, delete.
+//! create, config (GET/POST/PUT), resize, status/start|stop|current; delete,
+//! shutdown and the cluster-wide listing are in `proxmox_destroy.rs`.
 //! Config changes follow qemu-server (src/PVE/API2/Qemu.pm `update_vm_api`):
 //! a replaced or detached drive the VM owns (`vm-<vmid>-…`) is parked as the
 //! first free `unusedN`; `delete=unusedN` frees its volume only when the VM
@@ -89,6 +90,10 @@ use tokio::net::TcpListener;
 use crate::chain::Nodes;
 use crate::proxmox_schema::{self as schema, Errors, Schema};
 use crate::proxmox_upload::{Multipart, normalize_filename, parse_content_type};
+
+/// Deleting VMs and listing them cluster-wide (its own contract).
+#[path = "proxmox_destroy.rs"]
+mod destroy;
 
 /// pveproxy drops a connection idle for this long.
 const IDLE: Duration = Duration::from_secs(5);
@@ -1019,6 +1024,9 @@ impl Pve {
                 vmid()
             ))));
         }
+        if let Some(answer) = self.destroy_routes(method, path, p) {
+            return Some(answer);
+        }
         Some(match (method, path) {
             ("GET", "/version") => Ok(json!({"version": "9.1.1", "release": "9.1", "repoid": "42ab1fbe"})),
             ("GET", "/nodes") => Ok(json!(self.hosts().map(|node| json!({
@@ -1048,7 +1056,6 @@ impl Pve {
                 let st = if vm.running { "running" } else { "stopped" };
                 json!({"vmid": vmid(), "name": vm.config.get("name"), "status": st, "qmpstatus": st})
             }),
-            ("DELETE", "/nodes/{node}/qemu/{vmid}") => self.destroy_vm(vmid()),
             _ => return None,
         })
     }
@@ -1793,31 +1800,6 @@ impl Pve {
                 apply_pending(&mut vm);
                 power_on(pve, vmid, &mut vm, log);
                 pve.vms.lock().unwrap().insert(vmid, vm);
-                Ok(())
-            }),
-        )
-    }
-
-    fn destroy_vm(self: &Arc<Self>, vmid: u32) -> ApiResult {
-        let vm = self.vm(vmid)?;
-        if vm.running {
-            return Err(die(format!("VM {vmid} is running - destroy failed")));
-        }
-        Ok(
-            self.spawn_task("qmdestroy", &vmid.to_string(), move |pve, log| {
-                let mut vm = pve.vms.lock().unwrap().remove(&vmid).unwrap_or_default();
-                power_off(pve, &mut vm, log);
-                for (k, v) in &vm.config {
-                    if is_drive(k) || k.starts_with("unused") {
-                        let (file, _) = split_drive(v);
-                        if let Ok(path) = pve.volume_path(&file)
-                            && volume_owner(&file) == Some(vmid)
-                        {
-                            let _ = std::fs::remove_file(path);
-                            log.push(format!("  Logical volume \"{file}\" successfully removed."));
-                        }
-                    }
-                }
                 Ok(())
             }),
         )

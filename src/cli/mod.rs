@@ -10,6 +10,7 @@ mod board;
 mod boot;
 mod build;
 mod day2;
+mod down;
 mod flags;
 mod guard;
 mod hcloud;
@@ -18,6 +19,7 @@ mod import;
 mod inventory;
 mod plan;
 mod progress;
+mod prune;
 mod publish;
 mod schematic;
 mod secrets;
@@ -132,8 +134,13 @@ enum Command {
     /// Delete the temporary Hetzner servers and SSH keys that killed
     /// `publish` runs left (found by label).
     Cleanup(hcloud::CleanupArgs),
-    /// Delete the cluster's Hetzner servers that `up` created (by label).
-    Down(hcloud::DownArgs),
+    /// Delete the machines imgbuild made for the cluster: Hetzner servers
+    /// (by label), or Proxmox VMs with their disks and uploaded volumes (by
+    /// the record in their description).
+    Down(down::DownArgs),
+    /// Delete what imgbuild made for the cluster and nothing uses: Proxmox
+    /// import volumes and ISOs, Hetzner snapshots, download cache entries.
+    Prune(prune::PruneArgs),
     /// Build, publish, start, bootstrap and check health: the whole line, resumable.
     Up(up::UpArgs),
     /// List the distinct artifacts the inventories need, each with the command that makes it (CI matrix).
@@ -287,7 +294,8 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Status(args) => day2::status(args, &cli.config, cli.output),
         Command::Publish(args) => publish::run(args, &cli.config, cli.output),
         Command::Cleanup(args) => hcloud::cleanup(args, cli.output),
-        Command::Down(args) => hcloud::down(args, &cli.config, cli.output, cli.yes),
+        Command::Down(args) => down::run(args, &cli.config, cli.output, cli.yes),
+        Command::Prune(args) => prune::run(args, &cli.config, cli.output),
         Command::Up(args) => up::run(args, &cli.config, cli.output),
         Command::Plan(args) => plan::run(args, cli.configs, cli.output),
         Command::Import(args) => import::run(args, cli.output),

@@ -10,6 +10,7 @@
 pub mod api;
 mod cleanup;
 mod error;
+pub mod prune;
 pub mod rescue;
 pub mod servers;
 mod tally;

@@ -7,6 +7,7 @@
 
 mod api;
 mod credentials;
+pub mod destroy;
 mod error;
 mod settings;
 mod types;
