@@ -90,6 +90,9 @@ impl Cluster {
         });
         (0..self.count())
             .filter_map(|i| {
+                if self.k8s_node_deleted(i) {
+                    return None;
+                }
                 let registered = self.kubelet_healthy_at(i)?.max(api_up?);
                 if now < registered {
                     return None;
