@@ -15,7 +15,7 @@ use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
 use super::client::{self, NodeEndpoint, Probe};
 use super::config::{self, ConfigError, PatchVars};
 use super::lock::{self, LockError, StateLock};
-use super::remove;
+use super::remove::record;
 use super::secrets::{SecretsBundle, SecretsError};
 use super::status::{self, Differences};
 use super::talosconfig::{Talosconfig, TalosconfigError};
@@ -548,8 +548,8 @@ pub fn bootstrap(
         source,
     })?;
     // The nodes of record: a node later gone from the inventory is removed.
-    remove::record::record_nodes(dir, &prepared.plan).map_err(|source| StageError::Io {
-        path: remove::NodesRecord::path(dir),
+    record::record_nodes(dir, &prepared.plan).map_err(|source| StageError::Io {
+        path: record::NodesRecord::path(dir),
         source,
     })?;
     Ok(Bootstrapped { prepared, outcome })

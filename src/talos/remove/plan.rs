@@ -21,9 +21,94 @@
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 
-use super::{RemoveError, RemovedNode, shown};
 use crate::inventory::{Inventory, Role};
+
+/// Why nodes cannot be removed (or the removal cannot start). Names the
+/// node; text from outside is escaped and bounded.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoveError {
+    #[error("{}: {source}", path.display())]
+    Record {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "{node} is not a Kubernetes node name (an RFC 1123 subdomain: lowercase letters, digits, '-' and '.'): not removed"
+    )]
+    InvalidName { node: String },
+    #[error("node {node} is in the inventory: only nodes gone from it are removed")]
+    InInventory { node: String },
+    #[error(
+        "node {node}: neither etcd nor Kubernetes could be read to tell whether it is a control plane; not removed (is a control plane up? is the kubeconfig in the state dir?)"
+    )]
+    UnknownRole { node: String },
+    #[error(
+        "node {node} is a control plane, but no remaining control plane listed the etcd members, so quorum cannot be checked; not removed"
+    )]
+    NoEtcdView { node: String },
+    #[error(
+        "node {node}: refusing to remove the last control plane (etcd would have no member left)"
+    )]
+    LastControlPlane { node: String },
+    #[error(
+        "node {node}: etcd would refuse to remove its member: of the {others} other members {healthy} are started and healthy, and etcd needs {needed} (a quorum of the others); bring the unhealthy members back first"
+    )]
+    Quorum {
+        node: String,
+        others: usize,
+        healthy: usize,
+        needed: usize,
+    },
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(String),
+}
+
+/// Where a removed node was found.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FoundBy {
+    /// The state dir's record of the cluster's nodes.
+    Record,
+    /// The platform (a VM or server carrying imgbuild's marker).
+    Platform,
+}
+
+/// A node to remove: in the record (or on the platform) but not in the
+/// inventory. Role and address may be unknown for one found on the
+/// platform: [`survey`] and [`plan`] then take them from etcd and
+/// Kubernetes.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RemovedNode {
+    pub name: String,
+    pub role: Option<Role>,
+    /// Its own address (the name its Talos certificate carries).
+    pub address: Option<IpAddr>,
+    /// Where its Talos API is (else `address:50000`).
+    pub endpoint: Option<SocketAddr>,
+    pub found_by: FoundBy,
+}
+
+impl RemovedNode {
+    /// A node found on the platform by name, its address if the platform
+    /// knows it.
+    pub fn on_platform(name: &str, address: Option<IpAddr>) -> RemovedNode {
+        RemovedNode {
+            name: name.to_owned(),
+            role: None,
+            address,
+            endpoint: None,
+            found_by: FoundBy::Platform,
+        }
+    }
+}
+
+/// A node's text for a message: escaped, one line, bounded.
+pub(crate) fn shown(s: &str) -> String {
+    crate::input::one_line(s, 200)
+}
 
 /// One etcd member as a remaining control plane lists it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -124,6 +209,9 @@ impl RemovalPlan {
 
 /// The warning for an etcd left with two members.
 pub const TWO_MEMBERS: &str = "etcd is left with 2 members: a 2-member etcd cannot be upgraded without --force (Talos refuses: \"insufficient to maintain quorum\"), and losing either member loses quorum; add a control plane";
+
+/// The warning for an etcd left with one member.
+pub const ONE_MEMBER: &str = "etcd is left with a single member: the cluster has no fault tolerance, and losing that node loses the cluster; add control planes";
 
 /// Why etcd would refuse to remove a member ([`may_remove`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -279,8 +367,12 @@ pub fn plan(
             steps,
         });
     }
-    // Workers first: they never touch etcd.
-    out.sort_by_key(|n| n.role == Role::Controlplane);
+    // Workers first (they never touch etcd), then control planes whose
+    // member is down or gone (removing those never costs quorum), then the
+    // healthy ones.
+    let healthy =
+        |id: Option<u64>| id.is_some_and(|id| members.iter().any(|m| m.id == id && m.healthy));
+    out.sort_by_key(|n| (n.role == Role::Controlplane, healthy(n.member)));
     if out.iter().any(|n| n.role == Role::Controlplane) && inv.control_planes().next().is_none() {
         let last = out.iter().rev().find(|n| n.role == Role::Controlplane);
         return Err(RemoveError::LastControlPlane {
@@ -308,8 +400,12 @@ pub fn plan(
         .as_ref()
         .map(|_| left.iter().filter(|m| !m.learner).count());
     let mut warnings = Vec::new();
-    if members_after == Some(2) && out.iter().any(|n| n.member.is_some()) {
-        warnings.push(TWO_MEMBERS.to_owned());
+    if out.iter().any(|n| n.member.is_some()) {
+        match members_after {
+            Some(2) => warnings.push(TWO_MEMBERS.to_owned()),
+            Some(1) => warnings.push(ONE_MEMBER.to_owned()),
+            _ => {}
+        }
     }
     Ok(RemovalPlan {
         nodes: out,
@@ -386,6 +482,199 @@ mod tests {
             ..member(4, "cp-04", true)
         });
         assert!(may_remove(&m, 1).is_err());
+    }
+
+    /// examples/atlas without `gone` (cp-01..03, worker-01..02).
+    fn atlas_without(gone: &[&str]) -> Inventory {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/atlas/cluster.yaml");
+        let mut inv = Inventory::load(&path).unwrap();
+        inv.nodes.retain(|n| !gone.contains(&n.name.as_str()));
+        inv
+    }
+
+    fn recorded(name: &str, role: Role, last: u8) -> RemovedNode {
+        let address: IpAddr = format!("10.0.0.{last}").parse().unwrap();
+        RemovedNode {
+            name: name.into(),
+            role: Some(role),
+            address: Some(address),
+            endpoint: Some(SocketAddr::new(address, 50000)),
+            found_by: FoundBy::Record,
+        }
+    }
+
+    fn kube(names: &[(&str, u8, bool)]) -> Vec<SeenKubeNode> {
+        names
+            .iter()
+            .map(|(n, last, cp)| SeenKubeNode {
+                name: (*n).into(),
+                internal_ip: Some(format!("10.0.0.{last}").parse().unwrap()),
+                control_plane: *cp,
+            })
+            .collect()
+    }
+
+    /// A healthy 3+2 cluster as the survey would see it.
+    fn healthy_view() -> ClusterView {
+        let mut members = three(&[]);
+        for (m, last) in members.iter_mut().zip([11, 12, 13]) {
+            m.peer_hosts = vec![format!("10.0.0.{last}").parse().unwrap()];
+        }
+        ClusterView {
+            members: Some(members),
+            members_from: Some("cp-01".into()),
+            kube_nodes: Some(kube(&[
+                ("cp-01", 11, true),
+                ("cp-02", 12, true),
+                ("cp-03", 13, true),
+                ("worker-01", 21, false),
+                ("worker-02", 22, false),
+            ])),
+            answering: ["cp-03", "worker-02"].map(String::from).into(),
+        }
+    }
+
+    #[test]
+    fn a_worker_is_drained_reset_and_its_node_deleted_without_etcd() {
+        let p = plan(
+            &atlas_without(&["worker-02"]),
+            &[recorded("worker-02", Role::Worker, 22)],
+            &healthy_view(),
+        )
+        .unwrap();
+        assert_eq!(
+            p.nodes[0].steps,
+            [Step::Drain, Step::Reset, Step::DeleteNode]
+        );
+        assert_eq!(p.nodes[0].member, None);
+        assert_eq!(p.members_after, Some(3));
+        assert!(p.warnings.is_empty());
+    }
+
+    #[test]
+    fn a_control_plane_leaves_etcd_and_two_members_left_warn() {
+        let p = plan(
+            &atlas_without(&["cp-03"]),
+            &[recorded("cp-03", Role::Controlplane, 13)],
+            &healthy_view(),
+        )
+        .unwrap();
+        assert_eq!(
+            p.nodes[0].steps,
+            [Step::Drain, Step::LeaveEtcd, Step::Reset, Step::DeleteNode]
+        );
+        assert_eq!(p.nodes[0].member, Some(3));
+        assert_eq!(p.members_after, Some(2));
+        assert_eq!(p.warnings, [TWO_MEMBERS]);
+    }
+
+    #[test]
+    fn workers_go_first_and_a_platform_node_gets_role_and_address_from_the_cluster() {
+        let found = RemovedNode {
+            name: "cp-03".into(),
+            role: None,
+            address: None,
+            endpoint: None,
+            found_by: FoundBy::Platform,
+        };
+        let p = plan(
+            &atlas_without(&["cp-03", "worker-02"]),
+            &[found, recorded("worker-02", Role::Worker, 22)],
+            &healthy_view(),
+        )
+        .unwrap();
+        assert_eq!(p.nodes[0].node, "worker-02");
+        assert_eq!(p.nodes[1].role, Role::Controlplane);
+        assert_eq!(p.nodes[1].address, Some("10.0.0.13".parse().unwrap()));
+        assert_eq!(
+            p.nodes[1].endpoint,
+            Some("10.0.0.13:50000".parse().unwrap())
+        );
+    }
+
+    #[test]
+    fn two_of_three_may_go_one_after_the_other_leaving_one_member_with_a_warning() {
+        let p = plan(
+            &atlas_without(&["cp-02", "cp-03"]),
+            &[
+                recorded("cp-02", Role::Controlplane, 12),
+                recorded("cp-03", Role::Controlplane, 13),
+            ],
+            &healthy_view(),
+        )
+        .unwrap();
+        assert_eq!(p.members_after, Some(1));
+        assert_eq!(p.warnings, [ONE_MEMBER]);
+    }
+
+    #[test]
+    fn a_down_member_goes_before_a_healthy_one_so_quorum_holds() {
+        let mut view = healthy_view();
+        view.members.as_mut().unwrap()[2].healthy = false; // cp-03 down
+        let removed = [
+            recorded("cp-02", Role::Controlplane, 12),
+            recorded("cp-03", Role::Controlplane, 13),
+        ];
+        let p = plan(&atlas_without(&["cp-02", "cp-03"]), &removed, &view).unwrap();
+        let order: Vec<&str> = p.nodes.iter().map(|n| n.node.as_str()).collect();
+        assert_eq!(order, ["cp-03", "cp-02"]);
+    }
+
+    #[test]
+    fn a_healthy_member_is_refused_while_another_is_down() {
+        let mut view = healthy_view();
+        view.members.as_mut().unwrap()[1].healthy = false; // cp-02 down
+        let e = plan(
+            &atlas_without(&["cp-03"]),
+            &[recorded("cp-03", Role::Controlplane, 13)],
+            &view,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, RemoveError::Quorum { ref node, others: 2, healthy: 1, needed: 2 } if node == "cp-03"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_last_control_plane_is_refused() {
+        let view = ClusterView {
+            members: Some(vec![member(1, "cp-01", true)]),
+            ..healthy_view()
+        };
+        let mut inv = atlas_without(&["cp-01", "cp-02", "cp-03"]);
+        let e = plan(&inv, &[recorded("cp-01", Role::Controlplane, 11)], &view).unwrap_err();
+        assert!(
+            matches!(e, RemoveError::LastControlPlane { ref node } if node == "cp-01"),
+            "{e}"
+        );
+        // Even with another control plane in the inventory that never joined.
+        inv = atlas_without(&["cp-01"]);
+        let e = plan(&inv, &[recorded("cp-01", Role::Controlplane, 11)], &view).unwrap_err();
+        assert!(matches!(e, RemoveError::LastControlPlane { .. }), "{e}");
+    }
+
+    #[test]
+    fn unknown_roles_nodes_still_listed_and_bad_names_are_refused() {
+        let found = RemovedNode::on_platform("worker-09", None);
+        let blind = ClusterView::default();
+        let e = plan(&atlas_without(&[]), std::slice::from_ref(&found), &blind).unwrap_err();
+        assert!(matches!(e, RemoveError::UnknownRole { .. }), "{e}");
+        let e = plan(
+            &atlas_without(&[]),
+            &[recorded("worker-02", Role::Worker, 22)],
+            &healthy_view(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, RemoveError::InInventory { .. }), "{e}");
+        let e = plan(
+            &atlas_without(&[]),
+            &[RemovedNode::on_platform("vm/../x\n", None)],
+            &healthy_view(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, RemoveError::InvalidName { .. }), "{e}");
     }
 
     #[test]

@@ -5,12 +5,15 @@
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::plan::{self, ClusterView, Member, NodeRemoval, RemovalPlan, SeenKubeNode, Step};
-use super::{RemoveError, RemoveOptions, RemovedNode, record, shown, state_dir};
+use super::plan::{
+    self, ClusterView, Member, NodeRemoval, RemovalPlan, RemoveError, RemovedNode, SeenKubeNode,
+    Step, shown,
+};
+use super::record;
 use crate::inventory::Role;
 use crate::talos::api::machine::{ResetPartitionSpec, ResetRequest, reset_request};
 use crate::talos::bootstrap::{Options, Plan};
@@ -85,6 +88,27 @@ impl RemovalReport {
     /// Every planned node was removed.
     pub fn complete(&self) -> bool {
         self.failed.is_none()
+    }
+}
+
+/// What the run may take beyond the plan.
+#[derive(Debug, Clone)]
+pub struct RemoveOptions {
+    /// Call timeout and polling (as the bootstrap's).
+    pub limits: Options,
+    /// Cordon and drain, per node (talosctl's default, 5 minutes).
+    pub drain_timeout: Duration,
+    /// From Reset until the node stops answering.
+    pub reset_timeout: Duration,
+}
+
+impl Default for RemoveOptions {
+    fn default() -> Self {
+        RemoveOptions {
+            limits: Options::default(),
+            drain_timeout: crate::talos::upgrade::drain::DRAIN_TIMEOUT,
+            reset_timeout: Duration::from_secs(600),
+        }
     }
 }
 
@@ -310,7 +334,7 @@ pub fn remove(
                 }
             }
         }
-        let dir = state_dir(prepared);
+        let dir = &prepared.state_dir.path;
         record::forget_node(dir, &n.node).map_err(|source| RemoveError::Record {
             path: record::NodesRecord::path(dir),
             source,
