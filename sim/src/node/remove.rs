@@ -31,8 +31,8 @@
 //!
 //! `GET /_sim/stats` → `removals`: `{"calls": [{"node", "via", "call",
 //! "ok", "error", "at_ms", …}], "left_etcd": [NAME], "deleted_nodes":
-//! [NAME]}`; each Reset call carries `cordoned`/`drained` as the node was
-//! when it came, each DeleteNode `kubelet_running`, and the reset sequence
+//! [NAME]}`; each Reset call carries `cordoned`, `evictions` and `pods_left`
+//! (evictable pods still on it) as the node was when it came, each DeleteNode `kubelet_running`, and the reset sequence
 //! logs a `ResetSequence` entry (its `left_etcd`, or why it failed).
 
 use std::collections::BTreeSet;
@@ -164,9 +164,10 @@ impl Api {
         }
     }
 
-    fn logged<T>(&self, i: usize, call: &str, extra: Value, result: &Result<T, Status>) {
+    /// Logs a call about node `node` served by node `i`.
+    fn logged<T>(&self, node: &str, call: &str, extra: Value, result: &Result<T, Status>) {
         let mut e = json!({
-            "node": self.cluster.node(i).display_name(),
+            "node": node,
             "via": self.cluster.node(self.me).display_name(),
             "call": call,
             "ok": result.is_ok(),
@@ -204,7 +205,8 @@ impl Api {
                 ))
             })
         })();
-        self.logged(i, "EtcdLeaveCluster", json!({}), &result);
+        let name = self.cluster.node(i).display_name();
+        self.logged(&name, "EtcdLeaveCluster", json!({}), &result);
         result.map(|()| EtcdLeaveCluster { metadata: None })
     }
 
@@ -217,6 +219,7 @@ impl Api {
     }
 
     fn remove_by_id_on(&self, i: usize, id: u64) -> Result<EtcdRemoveMemberById, Status> {
+        let mut name = format!("member {id:x}");
         let result = (|| {
             self.control_plane_only(i, "etcd remove member")?;
             let now = Instant::now();
@@ -234,6 +237,7 @@ impl Api {
                             "failed to remove member {id}: etcdserver: member not found"
                         ))
                     })?;
+                name = self.cluster.node(j).display_name();
                 Some(j)
             };
             self.cluster.remove_member(target, now).map_err(|e| {
@@ -242,7 +246,12 @@ impl Api {
                 ))
             })
         })();
-        self.logged(i, "EtcdRemoveMemberByID", json!({"member_id": id}), &result);
+        self.logged(
+            &name,
+            "EtcdRemoveMemberByID",
+            json!({"member_id": id}),
+            &result,
+        );
         result.map(|()| EtcdRemoveMemberById { metadata: None })
     }
 
@@ -311,18 +320,33 @@ impl Api {
 
     fn reset_on(&self, i: usize, req: &ResetRequest) -> Result<Reset, Status> {
         let node = self.cluster.node(i);
-        let (cordoned, drained) = {
+        let name = node.display_name();
+        let (cordoned, evictions) = {
             let life = &node.st.lock().unwrap().day2.life;
-            (life.cordoned, life.cordoned && life.pods_gone)
+            (life.cordoned, life.evictions)
         };
+        // What kubectl's drain would still evict: not a DaemonSet's, not a
+        // mirror pod.
+        let pods_left = super::health::pods_now(&self.cluster, None)
+            .iter()
+            .filter(|p| p["spec"]["nodeName"] == name.as_str())
+            .filter(|p| {
+                let owners = p["metadata"]["ownerReferences"].as_array();
+                !owners.is_some_and(|o| o.iter().any(|r| r["kind"] == "DaemonSet"))
+                    && p["metadata"]["annotations"]
+                        .get("kubernetes.io/config.mirror")
+                        .is_none()
+            })
+            .count();
         let result = self.check_reset(req);
         let extra = json!({
             "graceful": req.graceful,
             "cordoned": cordoned,
-            "drained": drained,
+            "evictions": evictions,
+            "pods_left": pods_left,
             "member": self.cluster.members().contains(&i),
         });
-        self.logged(i, "Reset", extra, &result);
+        self.logged(&name, "Reset", extra, &result);
         result?;
         let cluster = self.cluster.clone();
         let graceful = req.graceful;

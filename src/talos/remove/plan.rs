@@ -330,11 +330,6 @@ pub fn plan(
                 });
             }
         };
-        if role == Role::Controlplane && view.members.is_none() {
-            return Err(RemoveError::NoEtcdView {
-                node: r.name.clone(),
-            });
-        }
         let endpoint = r
             .endpoint
             .or_else(|| address.map(|a| SocketAddr::new(a, crate::inventory::TALOS_API_PORT)));
@@ -377,6 +372,13 @@ pub fn plan(
         let last = out.iter().rev().find(|n| n.role == Role::Controlplane);
         return Err(RemoveError::LastControlPlane {
             node: last.map(|n| n.node.clone()).unwrap_or_default(),
+        });
+    }
+    if let Some(n) = out.iter().find(|n| n.role == Role::Controlplane)
+        && view.members.is_none()
+    {
+        return Err(RemoveError::NoEtcdView {
+            node: n.node.clone(),
         });
     }
     let mut left: Vec<Member> = members.to_vec();

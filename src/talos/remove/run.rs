@@ -141,22 +141,33 @@ async fn answering(plan: &Plan, t: &NodeEndpoint, opts: &Options) -> Result<Node
 }
 
 /// The etcd members as the first remaining control plane (the plan's, in
-/// order) lists them, with the name of the one that did and a client of
-/// it; each member marked healthy only when it is started and the node
-/// behind it (a remaining one, or a removed one of `removed`) reports etcd
-/// healthy.
+/// order) lists them — or, with `or_removed`, a removed node when none
+/// does — with the name of the one that did and a client of it; each
+/// member marked healthy only when it is started and the node behind it (a
+/// remaining one, or a removed one of `removed`) reports etcd healthy.
 async fn members(
     plan: &Plan,
     removed: &[(String, Option<NodeEndpoint>)],
+    or_removed: bool,
     opts: &Options,
 ) -> Option<(Vec<Member>, String, NodeClient)> {
     let mode = mtls(plan);
+    let remaining = plan
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Controlplane)
+        .map(|n| (&n.name, Some(&n.endpoint)));
+    let fallback = removed
+        .iter()
+        .filter(|_| or_removed)
+        .map(|(name, t)| (name, t.as_ref()));
     let mut listed = None;
-    for cp in plan.nodes.iter().filter(|n| n.role == Role::Controlplane) {
-        if let Ok(c) = NodeClient::connect(&cp.endpoint, &mode, opts.call_timeout).await
+    for (name, endpoint) in remaining.chain(fallback) {
+        let Some(endpoint) = endpoint else { continue };
+        if let Ok(c) = NodeClient::connect(endpoint, &mode, opts.call_timeout).await
             && let Ok(m) = c.etcd_members().await
         {
-            listed = Some((m, cp.name.clone(), c));
+            listed = Some((m, name.clone(), c));
             break;
         }
     }
@@ -272,7 +283,7 @@ pub fn survey(
             .iter()
             .map(|r| (r.name.clone(), endpoint_of(r, kube.as_deref(), None)))
             .collect();
-        let listed = members(plan, &given, limits).await;
+        let listed = members(plan, &given, true, limits).await;
         let (members, from) = match listed {
             Some((m, from, _)) => (Some(m), Some(from)),
             None => (None, None),
@@ -457,7 +468,7 @@ async fn leave_etcd(
     limits: &Options,
 ) -> Result<Outcome, String> {
     let removed = [(n.node.clone(), own.cloned())];
-    let Some((now, from, lister)) = members(plan, &removed, limits).await else {
+    let Some((now, from, lister)) = members(plan, &removed, false, limits).await else {
         return Err("no remaining control plane lists the etcd members".into());
     };
     let member = now
