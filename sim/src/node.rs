@@ -190,6 +190,7 @@ mod k8s_pods;
 mod k8s_ssa;
 mod k8s_versions;
 mod lifecycle;
+mod remove;
 mod security;
 mod switches;
 mod upgrade;
@@ -508,6 +509,8 @@ struct Cluster {
     builds: Mutex<upgrade::Builds>,
     /// Kubernetes components, objects and restarts (issue 31).
     k8s: Mutex<k8s_pods::K8s>,
+    /// Members removed from etcd, Nodes deleted, the calls (issue 30).
+    removals: Mutex<remove::Removals>,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -537,7 +540,7 @@ impl Cluster {
     }
 
     fn etcd_start(&self, i: usize) -> Option<Instant> {
-        if !self.node(i).control_plane() {
+        if !self.node(i).control_plane() || self.left_etcd(i) {
             return None;
         }
         let conf = self.configured_at(i)?;
@@ -854,6 +857,7 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         facts: Mutex::new(health::Facts::default()),
         builds: Mutex::new(upgrade::Builds::new()),
         k8s: Mutex::default(),
+        removals: Mutex::default(),
     }))
 }
 
@@ -952,6 +956,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
         "now_ms": cluster.now_ms(),
         "facts": *cluster.facts.lock().unwrap(),
         "k8s": cluster.k8s_stats(now),
+        "removals": cluster.removal_stats(),
         "totals": totals,
     }))
 }
@@ -1372,7 +1377,10 @@ envelopes!(
     Data,
     Upgrade,
     MetaWrite,
-    Reboot
+    Reboot,
+    EtcdLeaveCluster,
+    EtcdRemoveMemberById,
+    Reset
 );
 
 impl Api {
@@ -1910,6 +1918,24 @@ impl MachineService for Api {
         })?;
         Ok(Response::new(RebootResponse { messages }))
     }
+
+    async fn etcd_leave_cluster(
+        &self,
+        req: Request<EtcdLeaveClusterRequest>,
+    ) -> Result<Response<EtcdLeaveClusterResponse>, Status> {
+        self.etcd_leave_cluster_call(req)
+    }
+
+    async fn etcd_remove_member_by_id(
+        &self,
+        req: Request<EtcdRemoveMemberByIdRequest>,
+    ) -> Result<Response<EtcdRemoveMemberByIdResponse>, Status> {
+        self.etcd_remove_member_by_id_call(req)
+    }
+
+    async fn reset(&self, req: Request<ResetRequest>) -> Result<Response<ResetResponse>, Status> {
+        self.reset_call(req)
+    }
 }
 
 #[tonic::async_trait]
@@ -2005,7 +2031,7 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
                 .route("/api/v1/nodes", get(health::nodes))
                 .route(
                     "/api/v1/nodes/{name}",
-                    axum::routing::patch(health::patch_node),
+                    axum::routing::patch(health::patch_node).delete(remove::delete_node),
                 )
                 .route("/api/v1/pods", get(health::all_pods))
                 .route(

@@ -36,6 +36,10 @@ use super::api::machine::image_service_pull_response::Response as PullReply;
 use super::api::machine::lifecycle_service_client::LifecycleServiceClient;
 use super::api::machine::lifecycle_service_install_progress::Response as Progress;
 use super::api::machine::{
+    EtcdLeaveCluster, EtcdLeaveClusterRequest, EtcdRemoveMemberById, EtcdRemoveMemberByIdRequest,
+    Reset, ResetRequest,
+};
+use super::api::machine::{
     ImageServicePullRequest, InstallArtifactsSource, LifecycleServiceUpgradeRequest, ReadRequest,
     Reboot, RebootRequest, UpgradeRequest, reboot_request, upgrade_request,
 };
@@ -623,6 +627,44 @@ impl NodeClient {
             }
         };
         self.within(read).await?
+    }
+}
+
+// The calls only node removal makes (siderolabs/talos
+// `internal/app/machined/internal/server/v1alpha1/v1alpha1_server.go`, the
+// same from v1.9 to v1.14): etcd leave / remove by member ID (control
+// planes only), and Reset.
+replies!(EtcdLeaveCluster, EtcdRemoveMemberById, Reset);
+
+impl NodeClient {
+    /// `MachineService.EtcdLeaveCluster`: this node removes its own etcd
+    /// member, stops etcd and empties its data directory.
+    pub async fn etcd_leave_cluster(&self) -> Result<(), ApiError> {
+        let reply = self
+            .call(
+                self.machine()
+                    .etcd_leave_cluster(self.request(EtcdLeaveClusterRequest {})),
+            )
+            .await?;
+        self.check(&reply.messages)
+    }
+
+    /// `MachineService.EtcdRemoveMemberByID`: this control plane removes
+    /// member `id` (NotFound when there is no such member).
+    pub async fn etcd_remove_member_by_id(&self, id: u64) -> Result<(), ApiError> {
+        let req = EtcdRemoveMemberByIdRequest { member_id: id };
+        let reply = self
+            .call(self.machine().etcd_remove_member_by_id(self.request(req)))
+            .await?;
+        self.check(&reply.messages)
+    }
+
+    /// `MachineService.Reset`: acked at once, the reset sequence then runs
+    /// on the node (graceful: cordon, drain, leave etcd; then wipe the
+    /// labelled system partitions; then reboot or power off).
+    pub async fn reset(&self, req: ResetRequest) -> Result<(), ApiError> {
+        let reply = self.call(self.machine().reset(self.request(req))).await?;
+        self.check(&reply.messages)
     }
 }
 

@@ -11,6 +11,7 @@ pub mod kube;
 pub mod kubernetes;
 pub mod lock;
 pub mod pki;
+pub mod remove;
 pub mod secrets;
 pub mod stage;
 pub mod status;
