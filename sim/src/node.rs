@@ -180,6 +180,7 @@ use imgbuild::talos::api;
 mod apply;
 mod boot;
 mod day2;
+mod etcd;
 mod health;
 mod hostile;
 mod immediate;
@@ -511,6 +512,8 @@ struct Cluster {
     k8s: Mutex<k8s_pods::K8s>,
     /// Members removed from etcd, Nodes deleted, the calls (issue 30).
     removals: Mutex<remove::Removals>,
+    /// etcd's keyspace, snapshots and recoveries (`node/etcd.rs`).
+    etcd: Mutex<etcd::Etcd>,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -858,6 +861,7 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         builds: Mutex::new(upgrade::Builds::new()),
         k8s: Mutex::default(),
         removals: Mutex::default(),
+        etcd: Mutex::default(),
     }))
 }
 
@@ -900,6 +904,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/node", post(switches::node_switch))
         .route("/_sim/k8s", post(health::facts_switch))
         .route("/_sim/k8s-apis", post(k8s_deprecated::apis_switch))
+        .route("/_sim/etcd", get(etcd::show).post(etcd::control))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())
@@ -1536,7 +1541,7 @@ impl Api {
         })
     }
 
-    fn bootstrap_on(&self, i: usize) -> Result<Bootstrap, Status> {
+    fn bootstrap_on(&self, i: usize, recover: bool) -> Result<Bootstrap, Status> {
         let node = &self.cluster.node(i);
         if !node.control_plane() {
             return Err(Status::failed_precondition(
@@ -1555,11 +1560,15 @@ impl Api {
             node.st.lock().unwrap().stats.bootstrap_refusals += 1;
             return Err(Status::already_exists("etcd data directory is not empty"));
         }
+        node.st.lock().unwrap().stats.bootstraps += 1;
+        // A recovery that cannot restore leaves etcd failed, not started.
+        if recover && self.restore_on(i).is_err() {
+            return Ok(Bootstrap { metadata: None });
+        }
         *boot = Some(Boot {
             at: Instant::now(),
             node: i,
         });
-        node.st.lock().unwrap().stats.bootstraps += 1;
         Ok(Bootstrap { metadata: None })
     }
 
@@ -1811,7 +1820,8 @@ impl MachineService for Api {
         if !self.secure {
             return Err(Status::unimplemented("method Bootstrap not implemented"));
         }
-        let messages = self.answer(&req, |i| Ok(vec![self.bootstrap_on(i)?]))?;
+        let recover = req.get_ref().recover_etcd;
+        let messages = self.answer(&req, |i| Ok(vec![self.bootstrap_on(i, recover)?]))?;
         Ok(Response::new(BootstrapResponse { messages }))
     }
 
@@ -1821,6 +1831,22 @@ impl MachineService for Api {
     ) -> Result<Response<EtcdMemberListResponse>, Status> {
         let messages = self.answer(&req, |i| Ok(vec![self.etcd_members_on(i)?]))?;
         Ok(Response::new(EtcdMemberListResponse { messages }))
+    }
+
+    async fn etcd_recover(
+        &self,
+        req: Request<tonic::Streaming<Data>>,
+    ) -> Result<Response<EtcdRecoverResponse>, Status> {
+        self.etcd_recover_call(req).await
+    }
+
+    type EtcdSnapshotStream = DataStream;
+
+    async fn etcd_snapshot(
+        &self,
+        req: Request<EtcdSnapshotRequest>,
+    ) -> Result<Response<Self::EtcdSnapshotStream>, Status> {
+        self.etcd_snapshot_call(req)
     }
 
     type KubeconfigStream = DataStream;

@@ -12,6 +12,7 @@ use imgbuild::factory::Factory;
 use imgbuild::input::excerpt;
 use imgbuild::talos::client::ApplyMode;
 use imgbuild::talos::kubernetes::plan::KubePlan;
+use imgbuild::talos::etcd;
 use imgbuild::talos::kubernetes::{observe, run as kube_run, status as kstatus};
 use imgbuild::talos::stage;
 use imgbuild::talos::status;
@@ -50,6 +51,10 @@ pub struct UpgradeArgs {
     /// How the node reboots into the new version.
     #[arg(long, value_enum, default_value = "default")]
     reboot_mode: RebootArg,
+    /// Upgrade control planes without first saving an etcd snapshot into
+    /// the state dir (taken by default; its failure stops the upgrade).
+    #[arg(long)]
+    skip_etcd_snapshot: bool,
     /// The call that makes a node pull the installer (Talos pulls before it
     /// answers; a new installer is built by the factory first).
     #[arg(long, default_value = "10m", value_parser = parse_duration)]
@@ -203,6 +208,14 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
             pull_timeout: args.pull_timeout,
             node_timeout: args.upgrade_timeout,
             parallel: usize::from(args.parallel),
+            etcd: std::sync::Arc::new(if args.skip_etcd_snapshot {
+                etcd::BeforeChange::skip()
+            } else {
+                etcd::BeforeChange::new(etcd::SnapshotOptions::in_state_dir(
+                    &prepared.state_dir.path,
+                    &inv.cluster.name,
+                ))
+            }),
             ..RunOptions::default()
         },
         kube: kube_run::RunOptions {

@@ -11,6 +11,7 @@ mod boot;
 mod build;
 mod day2;
 mod down;
+mod etcd;
 mod flags;
 mod guard;
 mod hcloud;
@@ -126,6 +127,8 @@ enum Command {
     Upgrade(day2::UpgradeArgs),
     /// Push config changes to running nodes (each node's diff first).
     Apply(day2::ApplyArgs),
+    /// etcd: save a snapshot of the cluster's database.
+    Etcd(etcd::EtcdArgs),
     /// One row per node: version, schematic and config against the inventory.
     Status(day2::StatusArgs),
     /// Build what is missing, then publish every node's image (Proxmox VE
@@ -291,6 +294,7 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
         Command::Upgrade(args) => day2::upgrade(args, &cli.config, cli.output),
         Command::Apply(args) => day2::apply(args, &cli.config, cli.output),
+        Command::Etcd(args) => etcd::run(args, &cli.config, cli.output),
         Command::Status(args) => day2::status(args, &cli.config, cli.output),
         Command::Publish(args) => publish::run(args, &cli.config, cli.output),
         Command::Cleanup(args) => hcloud::cleanup(args, cli.output),

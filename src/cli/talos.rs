@@ -89,6 +89,10 @@ pub struct BootstrapArgs {
     /// Only errors and the result: no board, no progress lines.
     #[arg(long)]
     quiet: bool,
+    /// Recover etcd from this snapshot (`imgbuild etcd snapshot`, `talosctl
+    /// etcd snapshot`) on control planes whose etcd has no data.
+    #[arg(long, value_name = "FILE")]
+    recover_from: Option<PathBuf>,
 }
 
 /// The bootstrap's state dir, identity, timeouts and pin: shared by
@@ -139,6 +143,7 @@ impl BootstrapRunArgs {
                 call_timeout: self.call_timeout,
                 poll: self.poll,
                 pin: self.cert_fingerprint.map(|f| f.hex()),
+                recover_from: None,
             },
         }
     }
@@ -236,7 +241,8 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
 
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let opts = args.run.options();
+    let mut opts = args.run.options();
+    opts.limits.recover_from = args.recover_from.clone();
     let _lock = stage::lock_state_dir(&inv, &opts, "bootstrap")?;
     let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
     let board = Board::new(&nodes, Show::log_for(args.quiet, output), Show::Nothing);
@@ -264,6 +270,7 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 "alreadyConfigured": outcome.already_configured,
                 "bootstrapped": outcome.bootstrapped,
                 "bootstrapNode": outcome.bootstrap_node,
+                "recoveredFrom": args.recover_from,
                 "versions": outcome.versions,
                 "kubeconfig": plan.kubeconfig_path,
                 "kubeconfigServer": outcome.kubeconfig_server,
@@ -289,10 +296,10 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
             );
             outln!(
                 "  etcd: {} on {}",
-                if outcome.bootstrapped {
-                    "bootstrapped"
-                } else {
-                    "already bootstrapped"
+                match &args.recover_from {
+                    Some(file) => format!("recovered from {}", file.display()),
+                    None if outcome.bootstrapped => "bootstrapped".to_owned(),
+                    None => "already bootstrapped".to_owned(),
                 },
                 outcome.bootstrap_node
             );

@@ -69,6 +69,9 @@ pub struct Options {
     pub poll: Duration,
     /// SHA-256 of the maintenance certificate to accept (all nodes).
     pub pin: Option<String>,
+    /// Bootstrap etcd from this snapshot instead of empty
+    /// (`bootstrap --recover-from`, see [`super::etcd::recover`]).
+    pub recover_from: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -80,6 +83,7 @@ impl Default for Options {
             call_timeout: Duration::from_secs(15),
             poll: Duration::from_secs(2),
             pin: None,
+            recover_from: None,
         }
     }
 }
@@ -538,6 +542,27 @@ fn install_disk_listed(install_disk: &str, disks: &[String]) -> bool {
         || disks.iter().any(|d| d == install_disk)
 }
 
+/// Recovers etcd from `snapshot` on the bootstrap node: the upload gets
+/// a client whose deadline covers it; a refusal that waiting cannot change
+/// comes back as InvalidArgument, which is not retried.
+async fn recover_once(
+    target: &NodeEndpoint,
+    mode: &Mode,
+    snapshot: &std::path::Path,
+    opts: &Options,
+) -> Result<bool, ApiError> {
+    let upload_timeout = opts.call_timeout.max(opts.bootstrap_timeout);
+    let conn = NodeClient::connect(target, mode, upload_timeout).await?;
+    match super::etcd::recover(&conn, snapshot).await {
+        Ok(_) => Ok(true),
+        Err(super::etcd::RecoverError::Api(e)) => Err(e),
+        Err(super::etcd::RecoverError::Local(message)) => Err(ApiError::Status {
+            code: tonic::Code::InvalidArgument,
+            message,
+        }),
+    }
+}
+
 /// Bootstrap once on `node`'s own address. `Ok(false)`: it already was.
 async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, BootstrapError> {
     let name = node.name.as_str();
@@ -546,6 +571,11 @@ async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, Bootst
     let mut last = String::new();
     loop {
         let attempt = async {
+            // A recovery refuses a running etcd instead (no "done").
+            if let Some(snapshot) = &cx.opts.recover_from {
+                cx.observer.event(name, &Event::Bootstrapping);
+                return recover_once(&node.endpoint, &mode, snapshot, cx.opts).await;
+            }
             let conn = NodeClient::connect(&node.endpoint, &mode, cx.opts.call_timeout).await?;
             // A running etcd means bootstrap happened: do not even ask.
             let services = conn.services().await?;
@@ -951,6 +981,10 @@ pub async fn run(
         .iter()
         .find(|n| plan.bootstrap_node.as_ref() == Some(&n.name))
         .ok_or_else(|| BootstrapError::Local("the inventory has no control plane".into()))?;
+    // A snapshot etcd would not restore is refused before any node is touched.
+    if let Some(snapshot) = &opts.recover_from {
+        super::etcd::verify_file(snapshot).map_err(|e| BootstrapError::Local(e.to_string()))?;
+    }
 
     // Every node settles concurrently; bootstrap starts as soon as the first
     // control plane is ready, while the others are still coming up.

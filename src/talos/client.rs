@@ -22,7 +22,8 @@ pub use super::api::machine::apply_configuration_request::Mode as ApplyMode;
 use super::api::machine::machine_service_client::MachineServiceClient;
 use super::api::machine::{
     ApplyConfiguration, ApplyConfigurationRequest, Bootstrap, BootstrapRequest, EtcdMember,
-    EtcdMemberListRequest, EtcdMembers, ServiceInfo, ServiceList, Upgrade, Version,
+    EtcdMemberListRequest, EtcdMembers, EtcdRecover, EtcdSnapshotRequest, ServiceInfo, ServiceList,
+    Upgrade, Version,
 };
 use super::api::storage::Disks;
 use super::api::storage::storage_service_client::StorageServiceClient;
@@ -664,6 +665,51 @@ impl NodeClient {
     /// labelled system partitions; then reboot or power off).
     pub async fn reset(&self, req: ResetRequest) -> Result<(), ApiError> {
         let reply = self.call(self.machine().reset(self.request(req))).await?;
+        self.check(&reply.messages)
+    }
+}
+
+// etcd backup and recovery (siderolabs/talos `cmd/talosctl/cmd/talos/etcd.go`
+// snapshot, `cmd/talosctl/cmd/talos/bootstrap.go` --recover-from); the
+// reading, bounds and files are [`super::etcd`]'s.
+impl Reply for EtcdRecover {
+    fn metadata(&self) -> Option<&Metadata> {
+        self.metadata.as_ref()
+    }
+}
+
+impl NodeClient {
+    /// The node's etcd snapshot as it streams it (`EtcdSnapshot`). The
+    /// request carries no gRPC deadline, as Talos would end a snapshot at it:
+    /// the caller reads with its own deadline per message and its own bound.
+    pub async fn etcd_snapshot(&self) -> Result<tonic::Streaming<Data>, ApiError> {
+        let req = tonic::Request::new(EtcdSnapshotRequest {});
+        self.call(self.machine().etcd_snapshot(req)).await
+    }
+
+    /// Uploads a snapshot to recover etcd from (`EtcdRecover`, a client
+    /// stream), within this client's timeout: connect it with one that
+    /// covers the upload.
+    pub async fn etcd_recover(
+        &self,
+        chunks: impl futures_util::Stream<Item = Data> + Send + 'static,
+    ) -> Result<(), ApiError> {
+        let reply = self
+            .call(self.machine().etcd_recover(tonic::Request::new(chunks)))
+            .await?;
+        self.check(&reply.messages)
+    }
+
+    /// Bootstrap that starts etcd from the snapshot [`Self::etcd_recover`]
+    /// uploaded (`recover_etcd`).
+    pub async fn bootstrap_recover(&self) -> Result<(), ApiError> {
+        let req = BootstrapRequest {
+            recover_etcd: true,
+            recover_skip_hash_check: false,
+        };
+        let reply = self
+            .call(self.machine().bootstrap(self.request(req)))
+            .await?;
         self.check(&reply.messages)
     }
 }

@@ -6,6 +6,7 @@ pub mod apply;
 pub mod bootstrap;
 pub mod client;
 pub mod config;
+pub mod etcd;
 pub mod health;
 pub mod kube;
 pub mod kubernetes;
