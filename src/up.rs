@@ -863,6 +863,10 @@ fn hcloud(
     for s in &all {
         record_server(report, &mut targets, s, None);
     }
+    // For the commands after it, when the API cannot be asked.
+    let dir = stage::StateDir::open(inv, opts.bootstrap.state_dir.as_deref())
+        .map_err(|e| (Stage::Publish, UpError::Bootstrap(e)))?;
+    servers::record(inv, &dir.path, made.iter().chain(&all)).map_err(publish)?;
     Ok(targets)
 }
 

@@ -185,7 +185,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     let client = imgbuild::fetch::client(&fetch);
     let factory = Factory::new(&inv.image.factory, &client).with_retry(fetch.retry_policy());
     let targets = upgrade::targets(&inv, &factory)?;
-    let mut opts = args.run.options();
+    let mut opts = args.run.options_for(&inv)?;
     if args.dry_run {
         // A dry run sends no config: unset `${NAME}`s need not be given.
         opts.patch_vars = opts.patch_vars.comparing_unset();
@@ -378,7 +378,7 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
     for name in &args.nodes {
         inv.node(name)?;
     }
-    let opts = args.run.options();
+    let opts = args.run.options_for(&inv)?;
     stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
     let _lock = (!args.dry_run)
         .then(|| stage::lock_state_dir(&inv, &opts, "apply"))
@@ -471,7 +471,7 @@ pub(super) fn rows(
 
 pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let mut opts = args.run.options();
+    let mut opts = args.run.options_for(&inv)?;
     // Status changes nothing: an unset `${NAME}` is compared by fingerprint.
     opts.patch_vars = opts.patch_vars.comparing_unset();
     let (rows, observed) = rows(&inv, &opts)?;

@@ -149,6 +149,34 @@ impl BootstrapRunArgs {
     }
 }
 
+impl BootstrapRunArgs {
+    /// [`Self::options`] for a cluster that exists: on a Hetzner target the
+    /// servers are found where the platform says (by label, else the last
+    /// `up`'s record, with a warning), so the inventory needs no addresses.
+    /// Every command after `up` goes through here.
+    pub(super) fn options_for(self, inv: &Inventory) -> Result<BootstrapOptions> {
+        let mut opts = self.options();
+        if inv.publish.hcloud().is_some_and(|h| h.servers.is_some()) {
+            let dir = (opts.state_dir.clone()).unwrap_or_else(|| config::default_state_dir(inv));
+            let found = imgbuild::publish::hcloud::servers::addresses(inv, &dir, &|k| {
+                std::env::var(k).ok()
+            })?;
+            if let Some(warning) = found.stale() {
+                errln!("warning: {warning}");
+            }
+            // Reached at the public IP, as `up` reaches them.
+            let reached = found.reached.into_iter().filter_map(|(node, ip)| {
+                Some((
+                    node,
+                    imgbuild::talos::client::NodeEndpoint::new(Some(ip), None)?,
+                ))
+            });
+            opts.targets.extend(reached);
+        }
+        Ok(opts)
+    }
+}
+
 pub(super) use super::guard::patch_vars;
 
 pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
@@ -241,7 +269,7 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
 
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let mut opts = args.run.options();
+    let mut opts = args.run.options_for(&inv)?;
     opts.limits.recover_from = args.recover_from.clone();
     let _lock = stage::lock_state_dir(&inv, &opts, "bootstrap")?;
     let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();

@@ -10,18 +10,22 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use super::Credentials;
 use super::api::Api;
 use super::cleanup::delete_selected;
 use super::error::HcloudError;
 pub use super::error::USER_DATA_MAX;
 use super::types::{Deleted, Leftover, MANAGED_BY, Quiet, RUN_LABEL, SnapshotOptions};
-use crate::inventory::HcloudSettings;
+use crate::inventory::{HcloudSettings, Inventory};
+use crate::net::RetryPolicy;
 use crate::publish::Cancel;
 
 pub const CLUSTER_LABEL: &str = "imgbuild-cluster";
@@ -342,6 +346,190 @@ pub fn delete_cluster(
     (deleted, left)
 }
 
+/// The state dir's record of where the last `up` found the servers: the
+/// fallback when the API cannot be asked. Names, IDs and addresses only.
+pub const RECORD_FILE: &str = "hcloud-servers.json";
+
+/// The record's largest size: one line per server, a few hundred servers.
+const RECORD_MAX: u64 = 1 << 20;
+
+/// What [`RECORD_FILE`] holds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Record {
+    cluster: String,
+    /// Unix seconds.
+    recorded_at: u64,
+    servers: Vec<RecordedServer>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RecordedServer {
+    node: String,
+    id: u64,
+    name: String,
+    public_ip: Option<IpAddr>,
+}
+
+fn record_path(state_dir: &Path) -> PathBuf {
+    state_dir.join(RECORD_FILE)
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Writes where `servers` are into `state_dir` (atomically, 0600 like
+/// everything there): what `up` found, for the commands after it.
+pub fn record<'a>(
+    inv: &Inventory,
+    state_dir: &Path,
+    servers: impl IntoIterator<Item = &'a ClusterServer>,
+) -> Result<(), HcloudError> {
+    let mut servers: Vec<RecordedServer> = servers
+        .into_iter()
+        .map(|s| RecordedServer {
+            node: s.node.clone(),
+            id: s.id,
+            name: s.name.clone(),
+            public_ip: s.public_ip,
+        })
+        .collect();
+    servers.sort_by(|a, b| a.node.cmp(&b.node));
+    let record = Record {
+        cluster: inv.cluster.name.clone(),
+        recorded_at: now(),
+        servers,
+    };
+    let path = record_path(state_dir);
+    let mut text = serde_json::to_vec_pretty(&record)
+        .map_err(|e| HcloudError::Io(format!("encoding {}: {e}", path.display())))?;
+    text.push(b'\n');
+    crate::atomic::write_if_changed(&path, &text, true)
+        .map(drop)
+        .map_err(|e| HcloudError::Io(format!("writing {}: {e}", path.display())))
+}
+
+/// The record `up` left, if it is this cluster's.
+fn read_record(inv: &Inventory, state_dir: &Path) -> Result<Record, String> {
+    let path = record_path(state_dir);
+    let shown = path.display();
+    let file = crate::io::open_regular(&path, false).map_err(|e| format!("{shown}: {e}"))?;
+    let bytes = crate::io::read_bounded(file, RECORD_MAX).map_err(|e| format!("{shown}: {e}"))?;
+    let record: Record = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("{shown}: {}", crate::input::one_line(&e.to_string(), 200)))?;
+    if record.cluster != inv.cluster.name {
+        return Err(format!(
+            "{shown} is cluster {:?}'s, not {:?}'s",
+            crate::input::one_line(&record.cluster, 64),
+            inv.cluster.name
+        ));
+    }
+    Ok(record)
+}
+
+/// Where the addresses came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase", tag = "source")]
+pub enum Source {
+    /// The API listed the servers now.
+    Api,
+    /// The API could not be asked (`why`): the last `up`'s record, written
+    /// `age` ago. Stale: servers may have changed since.
+    Recorded {
+        #[serde(serialize_with = "seconds")]
+        age: Duration,
+        why: String,
+    },
+}
+
+fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(d.as_secs())
+}
+
+/// Where the bootstrap reaches each of the cluster's servers, and how that
+/// is known.
+#[derive(Debug, Clone)]
+pub struct Addresses {
+    /// Each server's public IP by node (inventory nodes only): where `up`
+    /// reaches them (`BootstrapOptions::targets`).
+    pub reached: BTreeMap<String, IpAddr>,
+    pub source: Source,
+}
+
+impl Addresses {
+    /// A warning when the addresses are the record's, not the API's.
+    pub fn stale(&self) -> Option<String> {
+        match &self.source {
+            Source::Api => None,
+            Source::Recorded { age, why } => Some(format!(
+                "the Hetzner API could not be asked where the servers are ({why}): using the addresses the last `up` recorded {} ago (stale: servers may have changed since)",
+                age_text(*age)
+            )),
+        }
+    }
+}
+
+/// `3m`, `2h`, `5d`: how old a record is, roughly.
+fn age_text(age: Duration) -> String {
+    let s = age.as_secs();
+    match s {
+        0..120 => format!("{s}s"),
+        120..7200 => format!("{}m", s / 60),
+        7200..172_800 => format!("{}h", s / 3600),
+        _ => format!("{}d", s / 86_400),
+    }
+}
+
+/// Retries for a lookup: brief, since the record stands in when the API
+/// does not answer.
+const LOOKUP_RETRY: RetryPolicy = RetryPolicy {
+    retries: 2,
+    backoff: Duration::from_millis(250),
+    max_wait: Duration::from_secs(2),
+};
+
+/// Where the cluster's servers are, for every command after `up`: found by
+/// label through the API (the token from `env`, as `up` reads it), else
+/// from the state dir's record of the last `up` (marked stale). Only
+/// inventory nodes; an error only when neither answers.
+pub fn addresses(
+    inv: &Inventory,
+    state_dir: &Path,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Addresses, HcloudError> {
+    let listed = Credentials::from_env(env)
+        .and_then(|c| c.api(LOOKUP_RETRY))
+        .and_then(|api| existing(&api, &inv.cluster.name));
+    let (found, source): (Vec<(String, Option<IpAddr>)>, Source) = match listed {
+        Ok(servers) => (
+            servers.into_iter().map(|s| (s.node, s.public_ip)).collect(),
+            Source::Api,
+        ),
+        Err(e) => {
+            let why = crate::input::one_line(&e.to_string(), 300);
+            let record = read_record(inv, state_dir).map_err(|r| {
+                HcloudError::NoAddresses(format!(
+                    "the Hetzner API could not be asked where cluster {}'s servers are ({why}), and there is no record of the last `up` ({r})",
+                    inv.cluster.name
+                ))
+            })?;
+            let age = Duration::from_secs(now().saturating_sub(record.recorded_at));
+            let found = record.servers.into_iter().map(|s| (s.node, s.public_ip));
+            (found.collect(), Source::Recorded { age, why })
+        }
+    };
+    let reached = found
+        .into_iter()
+        .filter(|(node, _)| inv.node(node).is_ok())
+        .filter_map(|(node, ip)| Some((node, ip?)))
+        .collect();
+    Ok(Addresses { reached, source })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -430,6 +618,62 @@ mod tests {
             err.contains("node worker-02") && err.contains("even gzipped"),
             "{err}"
         );
+    }
+
+    fn inventory(name: &str) -> Inventory {
+        let text = format!(
+            "cluster: {{name: {name}, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: \"https://10.0.0.10:6443\"}}\n\
+             image: {{platform: hcloud}}\n\
+             publish:\n  hcloud: {{location: fsn1, servers: {{type: cpx22}}}}\n\
+             nodes:\n  - {{name: cp-01, role: controlplane}}\n  - {{name: w-01, role: worker}}\n"
+        );
+        Inventory::parse(&text, Path::new("cluster.yaml")).unwrap()
+    }
+
+    /// Without a token the API cannot be asked: the record stands in,
+    /// marked stale; only inventory nodes with an address are kept; another
+    /// cluster's record, or none, is an error naming the file.
+    #[test]
+    fn the_record_stands_in_when_the_api_cannot_be_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let no_env = |_: &str| None;
+        let err = addresses(&inventory("lab"), dir.path(), &no_env)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("HCLOUD_TOKEN") && err.contains(RECORD_FILE),
+            "{err}"
+        );
+        let server = |node: &str, ip: Option<&str>| ClusterServer {
+            node: node.into(),
+            id: 1,
+            name: format!("lab-{node}"),
+            public_ip: ip.map(|i| i.parse().unwrap()),
+            created: true,
+            started: true,
+            status: "running".into(),
+        };
+        let servers = [
+            server("cp-01", Some("127.4.0.2")),
+            server("w-01", None),
+            server("gone", Some("127.4.0.9")),
+        ];
+        record(&inventory("lab"), dir.path(), &servers).unwrap();
+        let found = addresses(&inventory("lab"), dir.path(), &no_env).unwrap();
+        assert_eq!(
+            found.reached,
+            BTreeMap::from([("cp-01".to_owned(), "127.4.0.2".parse().unwrap())])
+        );
+        assert!(matches!(found.source, Source::Recorded { .. }));
+        let warning = found.stale().unwrap();
+        assert!(
+            warning.contains("HCLOUD_TOKEN is not set") && warning.contains("stale"),
+            "{warning}"
+        );
+        let err = addresses(&inventory("other"), dir.path(), &no_env)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cluster \"lab\"'s, not \"other\"'s"), "{err}");
     }
 
     #[test]
