@@ -2043,9 +2043,7 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
         let Ok((tcp, _)) = accepted else {
             continue;
         };
-        cluster
-            .connections
-            .record(k8s_forward::Api::Kubernetes, on);
+        cluster.connections.record(k8s_forward::Api::Kubernetes, on);
         let cluster = cluster.clone();
         tokio::spawn(async move {
             let Some(cfg) = k8s_tls(&cluster, serving) else {

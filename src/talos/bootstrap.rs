@@ -888,7 +888,9 @@ async fn health_round(
         }
     };
     if kc.server != server || kc.tls_server_name != tls_name {
-        *kc = kc.with_server(&server).with_tls_server_name(tls_name.as_deref());
+        *kc = kc
+            .with_server(&server)
+            .with_tls_server_name(tls_name.as_deref());
     }
     let probe = kc.clone();
     let timeout = cx.opts.call_timeout;
@@ -933,10 +935,8 @@ async fn health_round(
             if moved_from.is_some() {
                 kube_state.moved_from.clone_from(&moved_from);
             }
-            cx.observer.event(
-                &first_cp.name,
-                &Event::Kubeconfig { server, moved_from },
-            )
+            cx.observer
+                .event(&first_cp.name, &Event::Kubeconfig { server, moved_from })
         }
         Ok(false) => {}
         Err(e) => pending.push(e),
@@ -1173,8 +1173,8 @@ mod tests {
         let open = tokio::spawn(async move {
             loop {
                 let (mut tcp, _) = listener.accept().await.unwrap();
-                let _ = tokio::io::AsyncWriteExt::write_all(&mut tcp, b"HTTP/1.1 400 no\r\n\r\n")
-                    .await;
+                let _ =
+                    tokio::io::AsyncWriteExt::write_all(&mut tcp, b"HTTP/1.1 400 no\r\n\r\n").await;
             }
         });
         let (server, fallback) = reachable_server(&kc, &endpoint, vip, cp).await;

@@ -363,7 +363,10 @@ pub(crate) mod tests {
         assert!(named.to_yaml().contains("tls-server-name: 10.5.0.2"));
         let plain = again.with_tls_server_name(None);
         assert!(!plain.to_yaml().contains("tls-server-name"));
-        assert_eq!(Kubeconfig::parse(&plain.to_yaml()).unwrap().tls_server_name, None);
+        assert_eq!(
+            Kubeconfig::parse(&plain.to_yaml()).unwrap().tls_server_name,
+            None
+        );
     }
 
     #[test]
