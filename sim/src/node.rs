@@ -21,7 +21,14 @@
 //! imgbuild-sim nodes [--node NAME=IP:ROLE]... [--vip IP] [--talos-port 50000]
 //!     [--k8s-port 6443] [--*-delay MS] [--disks sda] [--misbehave MODE[@NODE]]...
 //! ```
-//! Prints `{"control":"http://127.0.0.1:PORT","nodes":{NAME:"IP:PORT",…}}`.
+//! Prints `{"control":"http://127.0.0.1:PORT","nodes":{NAME:"IP:PORT",…},
+//! "forwards":{"kube":{NAME:"IP:PORT"},"talos":{NAME:"IP:PORT"}}}`.
+//! - `--kube-forward NAME=IP:PORT`, `--talos-forward NAME=IP:PORT` (port 0:
+//!   a free one): control plane NAME's Kubernetes API, node NAME's Talos API
+//!   also served there, as a published port of a Talos container is (same
+//!   certificates; see `node/k8s_forward.rs`). `GET /_sim/stats` has
+//!   `"connections":{"k8s":{"IP:PORT":n},"talos":{…}}`: every connection
+//!   accepted, by the address it came in on.
 //! Zero `--node`s is fine: machines then boot nodes through the control server.
 //! - `POST /_sim/boot` `{"name":"vm-300","ip":"127.x.y.z","hostname":"cp-01"?,
 //!   "config":"<machine config YAML>"?}` → 200 `{"booted":true,"name","ip",
@@ -185,6 +192,7 @@ mod health;
 mod hostile;
 mod immediate;
 mod k8s_deprecated;
+mod k8s_forward;
 mod k8s_manifests;
 mod k8s_objects;
 mod k8s_pods;
@@ -283,6 +291,8 @@ pub struct Args {
     hostile_text: Option<String>,
     #[command(flatten)]
     k8s: k8s_pods::Delays,
+    #[command(flatten)]
+    forwards: k8s_forward::Forwards,
 }
 
 /// What a node got from its machine config.
@@ -514,6 +524,10 @@ struct Cluster {
     removals: Mutex<remove::Removals>,
     /// etcd's keyspace, snapshots and recoveries (`node/etcd.rs`).
     etcd: Mutex<etcd::Etcd>,
+    /// Every connection accepted, by the address it came in on.
+    connections: k8s_forward::ConnLog,
+    /// Holds the VIP back (`--vip-held`) until `POST /_sim/vip`.
+    vip_gate: k8s_forward::VipGate,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -850,7 +864,6 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         anyhow::ensure!(ok, "--node-version {spec}: want NAME=vX.Y.Z");
     }
     Ok(Arc::new(Cluster {
-        args,
         nodes: RwLock::new(nodes),
         boot: Mutex::new(None),
         ca_keys: Mutex::new(HashMap::new()),
@@ -862,6 +875,9 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         k8s: Mutex::default(),
         removals: Mutex::default(),
         etcd: Mutex::default(),
+        connections: k8s_forward::ConnLog::default(),
+        vip_gate: k8s_forward::VipGate::new(args.forwards.vip_held),
+        args,
     }))
 }
 
@@ -879,17 +895,43 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         };
         listeners.push((i, talos, k8s));
     }
+    let mut forwards = Vec::new();
+    let mut forwarded = json!({"kube": {}, "talos": {}});
+    for (flag, key, specs) in [
+        ("--kube-forward", "kube", &cluster.args.forwards.kube),
+        ("--talos-forward", "talos", &cluster.args.forwards.talos),
+    ] {
+        for spec in specs {
+            let (name, addr) = k8s_forward::parse(flag, spec)?;
+            let i = cluster
+                .all()
+                .iter()
+                .position(|n| n.name == name && (key == "talos" || n.control_plane()))
+                .ok_or_else(|| anyhow::anyhow!("{flag} {spec}: no such control plane or node"))?;
+            let l = TcpListener::bind(addr).await?;
+            forwarded[key][&name] = json!(l.local_addr()?.to_string());
+            forwards.push((key == "kube", i, l));
+        }
+    }
     println!(
         "{}",
         json!({
             "control": control_url,
             "nodes": cluster.all().iter().map(|n| (n.name.clone(), format!("{}:{}", n.ip, cluster.args.talos_port))).collect::<HashMap<_, _>>(),
+            "forwards": forwarded,
         })
     );
     for (i, talos, k8s) in listeners {
         tokio::spawn(serve_talos(cluster.clone(), i, talos));
         if let Some(k8s) = k8s {
             tokio::spawn(serve_k8s(cluster.clone(), Some(i), k8s));
+        }
+    }
+    for (kube, i, l) in forwards {
+        if kube {
+            tokio::spawn(serve_k8s(cluster.clone(), Some(i), l));
+        } else {
+            tokio::spawn(serve_talos(cluster.clone(), i, l));
         }
     }
     if let Some(vip) = cluster.args.vip {
@@ -905,6 +947,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/k8s", post(health::facts_switch))
         .route("/_sim/k8s-apis", post(k8s_deprecated::apis_switch))
         .route("/_sim/etcd", get(etcd::show).post(etcd::control))
+        .route("/_sim/vip", post(release_vip))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())
@@ -962,6 +1005,7 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
         "facts": *cluster.facts.lock().unwrap(),
         "k8s": cluster.k8s_stats(now),
         "removals": cluster.removal_stats(),
+        "connections": cluster.connections.json(),
         "totals": totals,
     }))
 }
@@ -1169,11 +1213,13 @@ async fn serve_k8s_once_control_plane(cluster: Arc<Cluster>, node: Arc<Node>, i:
     }
 }
 
-/// Port 50000 of one node: closed while it reboots, maintenance TLS or mTLS
-/// depending on its phase at accept time.
+/// Port 50000 of one node (or a forward to it): closed while it reboots,
+/// maintenance TLS or mTLS depending on its phase at accept time.
 async fn serve_talos(cluster: Arc<Cluster>, i: usize, first: TcpListener) {
     let node = cluster.node(i).clone();
-    let addr = SocketAddr::new(node.ip, cluster.args.talos_port);
+    let addr = first
+        .local_addr()
+        .unwrap_or(SocketAddr::new(node.ip, cluster.args.talos_port));
     let mut listener = Some(first);
     let mut changes = node.changed.subscribe();
     loop {
@@ -1199,6 +1245,7 @@ async fn serve_talos(cluster: Arc<Cluster>, i: usize, first: TcpListener) {
         tokio::select! {
             accepted = l.accept() => {
                 if let Ok((tcp, _)) = accepted {
+                    cluster.connections.record(k8s_forward::Api::Talos, addr);
                     tokio::spawn(handle_talos(cluster.clone(), i, tcp));
                 }
                 listener = Some(l);
@@ -2023,6 +2070,9 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
 
 async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpListener) {
     let node = serving.map(|i| cluster.node(i));
+    let Ok(on) = listener.local_addr() else {
+        return;
+    };
     let mut changes = node.as_ref().map(|n| n.changed.subscribe());
     loop {
         let halted = async {
@@ -2045,6 +2095,7 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
         let Ok((tcp, _)) = accepted else {
             continue;
         };
+        cluster.connections.record(k8s_forward::Api::Kubernetes, on);
         let cluster = cluster.clone();
         tokio::spawn(async move {
             let Some(cfg) = k8s_tls(&cluster, serving) else {
@@ -2082,8 +2133,16 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
     }
 }
 
-/// The VIP appears once etcd elects a leader (after bootstrap), never before.
+/// `POST /_sim/vip`: the held VIP may appear now.
+async fn release_vip(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
+    cluster.vip_gate.release();
+    axum::Json(json!({"released": true}))
+}
+
+/// The VIP appears once etcd elects a leader (after bootstrap), never before,
+/// and not while `--vip-held` holds it.
 async fn serve_vip(cluster: Arc<Cluster>, vip: IpAddr) {
+    cluster.vip_gate.open().await;
     loop {
         if reached(cluster.api_up_at(), Instant::now()) {
             break;

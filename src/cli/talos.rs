@@ -302,6 +302,7 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 "versions": outcome.versions,
                 "kubeconfig": plan.kubeconfig_path,
                 "kubeconfigServer": outcome.kubeconfig_server,
+                "kubeconfigMovedFrom": outcome.kubeconfig_moved_from,
                 "talosconfig": tc_path,
                 "elapsedMs": outcome.elapsed_ms,
             })
@@ -339,6 +340,12 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
             outln!("  talosconfig: {}", tc_path.display());
             for f in &outcome.fallbacks {
                 outln!("note: {f}");
+            }
+            if let Some(from) = &outcome.kubeconfig_moved_from {
+                outln!(
+                    "note: the kubeconfig moved from {from} to {}: the endpoint answers now",
+                    outcome.kubeconfig_server
+                );
             }
         }
     }

@@ -56,6 +56,12 @@ pub struct ClusterSettings {
     /// A shared control-plane address that exists only after bootstrap.
     #[serde(default)]
     pub vip: Option<IpAddr>,
+    /// Where this host reaches the Kubernetes API (`https://host:port`)
+    /// when `endpoint` is in-cluster only: a port forward or NAT. Used for
+    /// every Kubernetes call and in the written kubeconfig; machine
+    /// configs keep `endpoint`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes_endpoint: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -619,6 +625,16 @@ impl Validator<'_> {
                 format!(
                     "{:?} is not an https://host:port URL (e.g. https://10.0.0.20:6443)",
                     c.endpoint
+                ),
+            );
+        }
+        if let Some(ep) = &c.kubernetes_endpoint
+            && endpoint_host(ep).is_none()
+        {
+            self.problem(
+                "cluster.kubernetesEndpoint",
+                format!(
+                    "{ep:?} is not an https://host:port URL (the host-side address of the Kubernetes API, e.g. https://127.0.0.1:6443)"
                 ),
             );
         }

@@ -28,11 +28,25 @@ const ADDONS: [(&str, &str, &str); 2] = [
     ("CoreDNS", "kube-dns", "coreDNS"),
 ];
 
-/// The kubeconfig the bootstrap wrote into the state dir.
+/// The kubeconfig the bootstrap wrote into the state dir, pointed at
+/// `cluster.kubernetesEndpoint` when the inventory has one (even if the
+/// file predates the setting): every Kubernetes call goes through here.
 pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
     let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
         .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
-    Kubeconfig::parse(&text).map_err(|e| e.to_string())
+    let kc = Kubeconfig::parse(&text).map_err(|e| e.to_string())?;
+    Ok(match &plan.kubernetes_endpoint {
+        Some(outside) => outside_view(&kc, outside, &plan.endpoint),
+        None => kc,
+    })
+}
+
+/// `kc` reaching the API at `outside` (a port forward), checking the
+/// certificate against the name the API server's certificate carries: the
+/// in-cluster `endpoint`'s host, as kubectl's `tls-server-name` does.
+pub(crate) fn outside_view(kc: &Kubeconfig, outside: &str, endpoint: &str) -> Kubeconfig {
+    kc.with_server(outside)
+        .with_tls_server_name(crate::inventory::endpoint_host(endpoint))
 }
 
 /// Every Kubernetes node, Ready and cordoned.

@@ -316,6 +316,7 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
         bootstrap_node: bootstrap_node(inv),
         endpoint: inv.cluster.endpoint.clone(),
         vip: inv.cluster.vip,
+        kubernetes_endpoint: inv.cluster.kubernetes_endpoint.clone(),
         identity: Arc::new(identity),
         kubeconfig_path: state_dir.kubeconfig_path(),
     };
