@@ -25,15 +25,16 @@ use crate::fetch::Progress;
 use crate::inventory::Inventory;
 use crate::publish::PublishImage;
 use crate::publish::hcloud::{self, HcloudError, SnapshotImage, servers};
-use crate::publish::proxmox::{self, ProxmoxError, VmChange};
+use crate::publish::proxmox::{self, ProxmoxError, SettingChange, VmChange};
+use crate::publish::prune;
 use crate::publish::target::{HcloudTarget, ProxmoxTarget, Target};
-use crate::talos::apply;
 use crate::talos::bootstrap;
 use crate::talos::client::NodeEndpoint;
 use crate::talos::kubernetes::plan::KubePlan;
 use crate::talos::kubernetes::run as kube_run;
 use crate::talos::stage::{self, BootstrapOptions, Reach, StageError};
 use crate::talos::upgrade::{self, plan::Action as UpAction, report::Ending};
+use crate::talos::{apply, etcd, remove};
 use converge::{ApplySettings, UpgradeSettings};
 use plan::{Action, Outcome, Step};
 use report::changed;
@@ -121,11 +122,13 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     {
         let day2 = DayTwo {
             inv,
+            target,
             opts,
             bootstrap: &bootstrap,
             prepared: &done.prepared,
             select: Vec::new(),
             dry_run: false,
+            upgrade: snapshotting(&opts.upgrade, inv, &done.prepared),
         };
         match day2.converge(&mut report, obs.steps) {
             Ok(()) => report.drifted(stage::drift(inv, &done.prepared, &bootstrap)),
@@ -181,11 +184,13 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
             .and_then(|prepared| {
                 let day2 = DayTwo {
                     inv,
+                    target,
                     opts,
                     bootstrap: &bootstrap,
                     prepared: &prepared,
                     select,
                     dry_run: true,
+                    upgrade: opts.upgrade.clone(),
                 };
                 day2.converge(&mut report, &|_: &str, _: &str| {})
             });
@@ -202,12 +207,15 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
 /// command makes ([`converge`]); in a dry run only their plans.
 struct DayTwo<'a> {
     inv: &'a Inventory,
+    target: &'a Target,
     opts: &'a UpOptions,
     bootstrap: &'a BootstrapOptions,
     prepared: &'a stage::Prepared,
     /// The nodes to converge (all when empty; Kubernetes only then).
     select: Vec<String>,
     dry_run: bool,
+    /// As `opts.upgrade`, with the run's etcd snapshot in the state dir.
+    upgrade: UpgradeSettings,
 }
 
 impl DayTwo<'_> {
@@ -237,7 +245,301 @@ impl DayTwo<'_> {
         if differs(&["config"]) || !upgraded.is_empty() {
             self.configs(report, &upgraded)?;
         }
+        // Destructive steps go over the whole cluster only.
+        if self.select.is_empty() {
+            let removed = self.remove(report, progress)?;
+            self.prune(report, removed)?;
+        }
         Ok(())
+    }
+
+    /// Whether the destructive actions planned are carried out now.
+    fn destroying(&self) -> bool {
+        self.opts.allow_destroy && !self.dry_run
+    }
+
+    /// A destructive action as this run leaves it: planned in a dry run,
+    /// left without `--allow-destroy`.
+    fn held(&self, action: Action) -> Action {
+        let outcome = if self.dry_run {
+            Outcome::Planned
+        } else {
+            Outcome::Left
+        };
+        action.destructive().outcome(outcome)
+    }
+
+    /// The etcd snapshot taken before this run's first control-plane
+    /// change (one per run, however many steps ask).
+    fn etcd(&self) -> &etcd::BeforeChange {
+        &self.upgrade.run.etcd
+    }
+
+    /// Takes the run's etcd snapshot unless it was taken: before the
+    /// first control-plane change.
+    fn snapshot_etcd(&self, stage: Stage, change: &str) -> Result<(), (Stage, UpError)> {
+        let taken = converge::runtime()
+            .map_err(|e| (stage, UpError::Converge(e)))?
+            .block_on(etcd::snapshot_before_change(
+                self.etcd(),
+                &self.prepared.plan,
+                self.limits(),
+            ));
+        taken.map(|_| ()).map_err(|e| {
+            step_failed(
+                stage,
+                format!("the etcd snapshot before the first control-plane {change} failed, so nothing was changed: {e}"),
+                false,
+            )
+        })
+    }
+
+    /// Nodes gone from the inventory, found in the state dir's record of
+    /// the cluster's nodes or by imgbuild's marker on their machine (a
+    /// Proxmox VM's description, a Hetzner server's labels): drained,
+    /// reset and deleted from Kubernetes (and etcd), then their machine
+    /// and its volumes deleted. Returns the names removed (or planned).
+    fn remove(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<Vec<String>, (Stage, UpError)> {
+        let at = |e: remove::RemoveError| (Stage::Remove, UpError::Remove(e));
+        let mut removed =
+            remove::removed_nodes(self.inv, &self.prepared.state_dir.path).map_err(at)?;
+        let machines = self.machines_gone()?;
+        for m in &machines {
+            remove::add_found(
+                &mut removed,
+                remove::RemovedNode::on_platform(&m.node, None),
+            );
+        }
+        if removed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let limits = self.limits();
+        let view = remove::survey(self.prepared, &removed, limits).map_err(at)?;
+        let plan = remove::plan(self.inv, &removed, &view).map_err(at)?;
+        report.warnings.extend(plan.warnings.iter().cloned());
+        let mut actions: Vec<(Action, Option<String>)> = Vec::new();
+        for n in &plan.nodes {
+            let steps: Vec<String> = n.steps.iter().map(ToString::to_string).collect();
+            let role = match n.role {
+                crate::inventory::Role::Controlplane => "controlplane",
+                _ => "worker",
+            };
+            let mut a = Action::new(Step::Remove, Some(&n.node), "remove from the cluster")
+                .change("role", Some(role), None)
+                .detail(steps.join(", "));
+            if let Some(addr) = n.address {
+                a = a.change("address", Some(&addr.to_string()), None);
+            }
+            actions.push((self.held(a), None));
+        }
+        let names: Vec<String> = removed.iter().map(|r| r.name.clone()).collect();
+        for m in &machines {
+            let detail = if m.volumes.is_empty() {
+                String::new()
+            } else {
+                format!("volumes {}", m.volumes.join(", "))
+            };
+            let mut a = Action::new(Step::Remove, Some(&m.node), &format!("delete {}", m.what))
+                .change("machine", Some(&m.what), None);
+            if !detail.is_empty() {
+                a = a.detail(detail);
+            }
+            actions.push((self.held(a), Some(m.node.clone())));
+        }
+        if !self.destroying() {
+            report.actions.extend(actions.into_iter().map(|(a, _)| a));
+            return Ok(names);
+        }
+        if plan
+            .nodes
+            .iter()
+            .any(|n| n.role == crate::inventory::Role::Controlplane)
+        {
+            self.snapshot_etcd(Stage::Remove, "removal")?;
+        }
+        let options = remove::RemoveOptions {
+            limits: limits.clone(),
+            ..remove::RemoveOptions::default()
+        };
+        let observer = |node: &str, event: &remove::Event| {
+            if let remove::Event::Started(step) = event {
+                progress(node, &step.to_string());
+            }
+        };
+        let done = remove::remove(self.prepared, &plan, &options, &observer).map_err(at)?;
+        let removed_now: Vec<&str> = done
+            .nodes
+            .iter()
+            .filter(|n| n.removed)
+            .map(|n| n.node.as_str())
+            .collect();
+        // A machine goes once its node left the cluster (or was never in it).
+        let talos_done =
+            |node: &str| removed_now.contains(&node) || !plan.nodes.iter().any(|n| n.node == node);
+        let mut failure = done.failed.as_ref().map(|f| f.to_string());
+        for (mut a, machine) in actions {
+            let node = a.node.clone().unwrap_or_default();
+            a.outcome = match &machine {
+                None if removed_now.contains(&node.as_str()) => Outcome::Done,
+                None => Outcome::Failed,
+                Some(_)
+                    if !talos_done(&node)
+                        || failure.is_some() && !removed_now.contains(&node.as_str()) =>
+                {
+                    Outcome::NotReached
+                }
+                Some(node) => match self.delete_machine(node, &machines, progress) {
+                    Ok(()) => Outcome::Done,
+                    Err(e) => {
+                        a.detail = Some(e.clone());
+                        failure.get_or_insert(e);
+                        Outcome::Failed
+                    }
+                },
+            };
+            report.act(a);
+        }
+        match failure {
+            None => Ok(names),
+            Some(message) => Err(step_failed(Stage::Remove, message, !removed_now.is_empty())),
+        }
+    }
+
+    /// The machines imgbuild made for this cluster whose node the
+    /// inventory no longer has (never one without imgbuild's marker).
+    fn machines_gone(&self) -> Result<Vec<GoneMachine>, (Stage, UpError)> {
+        let known = |node: &str| self.inv.nodes.iter().any(|n| n.name == node);
+        let cluster = &self.inv.cluster.name;
+        Ok(match self.target {
+            Target::None => Vec::new(),
+            Target::Proxmox(pve) => {
+                proxmox::destroy::cluster_vms(&pve.credentials, cluster, pve.options.retry)
+                    .map_err(|e| (Stage::Remove, UpError::Proxmox(e)))?
+                    .into_iter()
+                    .filter(|vm| !known(&vm.node))
+                    .map(|vm| GoneMachine {
+                        node: vm.node.clone(),
+                        what: format!("VM {} on {}", vm.vmid, vm.pve_node),
+                        volumes: vm.disks.clone(),
+                        vm: Some(vm),
+                    })
+                    .collect()
+            }
+            Target::Hcloud(hc) => {
+                let api = hc.api().map_err(|e| (Stage::Remove, UpError::Hcloud(e)))?;
+                servers::existing(&api, cluster)
+                    .map_err(|e| (Stage::Remove, UpError::Hcloud(e)))?
+                    .into_iter()
+                    .filter(|s| !known(&s.node))
+                    .map(|s| GoneMachine {
+                        node: s.node.clone(),
+                        what: format!("server {} ({})", s.id, s.name),
+                        volumes: Vec::new(),
+                        vm: None,
+                    })
+                    .collect()
+            }
+        })
+    }
+
+    /// Deletes the machine of removed `node` with its volumes, as `imgbuild
+    /// down` deletes each.
+    fn delete_machine(
+        &self,
+        node: &str,
+        machines: &[GoneMachine],
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), String> {
+        let cluster = &self.inv.cluster.name;
+        for m in machines.iter().filter(|m| m.node == node) {
+            progress(node, &format!("deleting {}", m.what));
+            match (self.target, &m.vm) {
+                (Target::Proxmox(pve), Some(vm)) => {
+                    let opts = proxmox::destroy::DeleteOptions {
+                        poll: pve.options.poll,
+                        retry: pve.options.retry,
+                        ..proxmox::destroy::DeleteOptions::default()
+                    };
+                    proxmox::destroy::delete_vm(&pve.credentials, cluster, vm, &opts)
+                        .map_err(|e| format!("deleting {}: {e}", m.what))?;
+                }
+                (Target::Hcloud(hc), _) => {
+                    let api = hc.api().map_err(|e| e.to_string())?;
+                    let (_, left) = servers::delete_node(&api, cluster, node, &hc.options);
+                    if let Some(l) = left.first() {
+                        return Err(format!("deleting server {}: {}", l.id, l.error));
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// What imgbuild made for the cluster and nothing uses any more (as
+    /// `imgbuild prune`): each volume or snapshot to delete, by name.
+    fn prune(
+        &self,
+        report: &mut Report,
+        former_nodes: Vec<String>,
+    ) -> Result<(), (Stage, UpError)> {
+        let at = |e: prune::PruneError| (Stage::Prune, UpError::Prune(e));
+        let delete = match self.target {
+            Target::Proxmox(pve) => proxmox::destroy::DeleteOptions {
+                poll: pve.options.poll,
+                retry: pve.options.retry,
+                ..proxmox::destroy::DeleteOptions::default()
+            },
+            _ => proxmox::destroy::DeleteOptions::default(),
+        };
+        let scope = prune::PruneScope {
+            inv: self.inv,
+            target: self.target,
+            keep: PRUNE_KEEP,
+            cache: None,
+            former_nodes,
+            delete,
+        };
+        let plan = prune::plan(&scope).map_err(at)?;
+        let action = |p: &prune::Pruned| {
+            let size = p.item.size().map(|s| format!("{s} bytes"));
+            let mut a = Action::new(Step::Prune, None, &format!("delete {}", p.item.name()))
+                .change("exists", Some("yes"), None);
+            if let Some(size) = size {
+                a = a.detail(size);
+            }
+            a
+        };
+        if !self.destroying() {
+            for p in &plan.delete {
+                report.act(self.held(action(p)));
+            }
+            return Ok(());
+        }
+        let done = prune::prune(&scope, &plan);
+        for p in &done.deleted {
+            report.act(action(p).destructive().outcome(Outcome::Done));
+        }
+        for (p, why) in &done.failed {
+            report.act(
+                action(p)
+                    .destructive()
+                    .outcome(Outcome::Failed)
+                    .detail(why.clone()),
+            );
+        }
+        match done.failed.first() {
+            None => Ok(()),
+            Some((p, why)) => Err(step_failed(
+                Stage::Prune,
+                format!("{}: {why}", p.item.name()),
+                !done.deleted.is_empty(),
+            )),
+        }
     }
 
     fn limits(&self) -> &bootstrap::Options {
@@ -265,7 +567,7 @@ impl DayTwo<'_> {
             &targets,
             self.prepared,
             &self.select,
-            &self.opts.upgrade,
+            &self.upgrade,
             self.limits(),
         )
         .map_err(at)?;
@@ -322,7 +624,7 @@ impl DayTwo<'_> {
             &factory,
             self.prepared,
             planned,
-            &self.opts.upgrade,
+            &self.upgrade,
             self.limits(),
             progress,
             &say,
@@ -369,7 +671,7 @@ impl DayTwo<'_> {
             self.inv,
             &self.prepared.plan,
             &BTreeMap::new(),
-            &self.opts.upgrade,
+            &self.upgrade,
             self.limits(),
         );
         let Some(mut action) = kube_action(&k) else {
@@ -396,7 +698,7 @@ impl DayTwo<'_> {
             &k,
             &seen,
             self.limits(),
-            &self.opts.upgrade.kube,
+            &self.upgrade.kube,
             &say,
         );
         let ending = done.ending();
@@ -413,10 +715,41 @@ impl DayTwo<'_> {
         }
     }
 
+    /// Whether a control plane's config change takes a reboot (asked with
+    /// the apply's own dry run).
+    fn reboots_a_control_plane(&self) -> Result<bool, (Stage, UpError)> {
+        let cps: Vec<String> = self
+            .prepared
+            .plan
+            .nodes
+            .iter()
+            .filter(|n| n.role == crate::inventory::Role::Controlplane)
+            .filter(|n| self.select.is_empty() || self.select.contains(&n.name))
+            .map(|n| n.name.clone())
+            .collect();
+        if cps.is_empty() {
+            return Ok(false);
+        }
+        let compared = converge::apply_configs(
+            self.inv,
+            self.prepared,
+            &cps,
+            &self.opts.apply,
+            true,
+            &self.bootstrap.patch_vars,
+            self.limits(),
+        )
+        .map_err(|e| (Stage::Configs, UpError::Converge(e)))?;
+        Ok(compared.nodes.iter().any(|n| n.changed && n.needs_reboot))
+    }
+
     /// Each node's machine config: as `imgbuild apply` (live where Talos
     /// can, else a reboot one node at a time). Nodes `upgraded` had theirs
     /// applied by the upgrade; a dry run does not list them twice.
     fn configs(&self, report: &mut Report, upgraded: &[String]) -> Result<(), (Stage, UpError)> {
+        if !self.dry_run && self.reboots_a_control_plane()? {
+            self.snapshot_etcd(Stage::Configs, "config change")?;
+        }
         let outcome = converge::apply_configs(
             self.inv,
             self.prepared,
@@ -484,6 +817,34 @@ impl DayTwo<'_> {
             partial,
         ))
     }
+}
+
+/// The upgrade settings of a run over `prepared`'s cluster: the etcd
+/// snapshot before its first control-plane change goes into the state dir.
+fn snapshotting(
+    settings: &UpgradeSettings,
+    inv: &Inventory,
+    prepared: &stage::Prepared,
+) -> UpgradeSettings {
+    let mut out = settings.clone();
+    out.run.etcd = std::sync::Arc::new(etcd::BeforeChange::new(
+        etcd::SnapshotOptions::in_state_dir(&prepared.state_dir.path, &inv.cluster.name),
+    ));
+    out
+}
+
+/// How many of the newest unused volumes or snapshots per node and base a
+/// prune keeps (as `imgbuild prune` by default): one to go back to.
+const PRUNE_KEEP: usize = 1;
+
+/// A machine imgbuild made for a node the inventory no longer has.
+struct GoneMachine {
+    node: String,
+    /// `VM 304 on pve`, `server 42 (demo-worker-02)`.
+    what: String,
+    /// The volumes deleting it frees.
+    volumes: Vec<String>,
+    vm: Option<proxmox::destroy::ClusterVm>,
 }
 
 /// The Kubernetes action of a plan with work left (or a refusal).
@@ -641,14 +1002,35 @@ fn proxmox(
     let build_failed = !failed_nodes.is_empty();
     let to_publish = |e: ProxmoxError| (Stage::Publish, UpError::from(e));
     // Per node: (volume, vmid, uploaded, vm, started), or why it failed.
-    type Done = Result<(Option<String>, Option<u32>, bool, Option<VmChange>, bool), ProxmoxError>;
+    type Done = Result<
+        (
+            Option<String>,
+            Option<u32>,
+            bool,
+            Option<VmChange>,
+            bool,
+            Vec<SettingChange>,
+        ),
+        ProxmoxError,
+    >;
     let done: Vec<Done> = match mode {
         Mode::Run(obs) => {
             let images: Vec<PublishImage> = images.iter().filter_map(|(_, i)| i.clone()).collect();
             pve.publish(inv, &images, obs.publish)
                 .map_err(to_publish)?
                 .into_iter()
-                .map(|r| r.map(|p| (Some(p.volid), p.vmid, p.uploaded, p.vm, p.started)))
+                .map(|r| {
+                    r.map(|p| {
+                        (
+                            Some(p.volid),
+                            p.vmid,
+                            p.uploaded,
+                            p.vm,
+                            p.started,
+                            p.settings,
+                        )
+                    })
+                })
                 .collect()
         }
         // An image not built yet is uploaded unless the storage happens
@@ -657,13 +1039,33 @@ fn proxmox(
             .plan(inv, &images)
             .map_err(to_publish)?
             .into_iter()
-            .map(|r| r.map(|d| (d.volid, d.vmid, d.upload != Some(false), d.vm, d.start)))
+            .map(|r| {
+                r.map(|d| {
+                    let upload = d.upload != Some(false);
+                    (d.volid, d.vmid, upload, d.vm, d.start, d.settings)
+                })
+            })
             .collect(),
     };
     // The real run publishes every entry: only built images are listed.
     for ((index, _), r) in images.iter().zip(done) {
         match r {
-            Ok((volume, vmid, uploaded, vm, started)) => {
+            Ok((volume, vmid, uploaded, vm, started, settings)) => {
+                // Each VM setting from → to, applied as Proxmox allows.
+                if !settings.is_empty() {
+                    let node = &inv.nodes[*index].name;
+                    let mut a = Action::new(Step::Settings, Some(node), "change VM settings")
+                        .outcome(if report.dry_run {
+                            Outcome::Planned
+                        } else {
+                            Outcome::Done
+                        });
+                    for c in &settings {
+                        a = a.change(&c.field, Some(&c.from), Some(&c.to));
+                    }
+                    let how: Vec<String> = settings.iter().map(ToString::to_string).collect();
+                    report.act(a.detail(how.join("; ")));
+                }
                 let Some(n) = report.row(*index) else {
                     continue;
                 };

@@ -23,6 +23,10 @@ pub enum UpError {
     Bootstrap(#[from] StageError),
     #[error(transparent)]
     Converge(#[from] ConvergeError),
+    #[error(transparent)]
+    Remove(#[from] crate::talos::remove::RemoveError),
+    #[error(transparent)]
+    Prune(#[from] crate::publish::prune::PruneError),
     /// A day-two step refused to start (as its own command would).
     #[error("{stage} refused: {why}")]
     Refused { stage: Stage, why: String },

@@ -247,6 +247,8 @@ pub struct Report {
     /// [`Report::plan`] too.
     #[serde(skip)]
     pub actions: Vec<Action>,
+    /// What the user should know (an etcd left with 2 members).
+    pub warnings: Vec<String>,
 }
 
 /// One line of the text report, and where it goes.
@@ -303,6 +305,7 @@ impl Report {
             drift_unchecked: None,
             staged: Vec::new(),
             actions: Vec::new(),
+            warnings: Vec::new(),
         }
     }
 
@@ -370,6 +373,8 @@ impl Report {
             );
         }
         out.extend(self.actions.iter().cloned());
+        // In the order the steps run (settings are recorded at publish).
+        out.sort_by_key(|a| a.step);
         out
     }
 
@@ -616,8 +621,11 @@ impl Report {
         lines.push(line(&head.map(String::from)));
         lines.extend(rows.iter().map(|row| line(row)));
         lines.push(Line::Out(self.stage_summary()));
-        for a in &self.actions {
+        let mut actions: Vec<&Action> = self.actions.iter().collect();
+        actions.sort_by_key(|a| a.step);
+        for a in actions {
             let mark = match a.outcome {
+                Outcome::Planned if a.destructive => "plan (with --allow-destroy):",
                 Outcome::Planned => "plan:",
                 Outcome::Done => "done:",
                 Outcome::Failed => "FAILED:",
@@ -625,6 +633,9 @@ impl Report {
                 Outcome::NotReached => "not reached:",
             };
             lines.push(Line::Out(format!("{mark} {}", a.line())));
+        }
+        for w in &self.warnings {
+            lines.push(Line::Err(format!("warning: {w}")));
         }
         let left = self.left();
         if !left.is_empty() {

@@ -328,16 +328,25 @@ pub fn delete_cluster(
     cluster: &str,
     opts: &SnapshotOptions,
 ) -> (Vec<Deleted>, Vec<Leftover>) {
+    delete_by(api, &cluster_selector(cluster), opts)
+}
+
+/// Deletes the server imgbuild made for `node` of `cluster` (by its
+/// labels, as [`delete_cluster`]): `up --allow-destroy` removing a node.
+pub fn delete_node(
+    api: &Api,
+    cluster: &str,
+    node: &str,
+    opts: &SnapshotOptions,
+) -> (Vec<Deleted>, Vec<Leftover>) {
+    let selector = format!("{},{NODE_LABEL}={node}", cluster_selector(cluster));
+    delete_by(api, &selector, opts)
+}
+
+fn delete_by(api: &Api, selector: &str, opts: &SnapshotOptions) -> (Vec<Deleted>, Vec<Leftover>) {
     let mut deleted = Vec::new();
     let mut left = Vec::new();
-    for r in delete_selected(
-        api,
-        &cluster_selector(cluster),
-        None,
-        opts,
-        &Quiet,
-        &["server"],
-    ) {
+    for r in delete_selected(api, selector, None, opts, &Quiet, &["server"]) {
         match r {
             Ok(d) => deleted.push(d),
             Err(l) => left.push(l),
