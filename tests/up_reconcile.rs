@@ -242,3 +242,226 @@ fn up_converges_a_patch_edit_and_a_version_bump() {
         assert_eq!(c.day2(name, "upgrades"), 1, "{name} upgraded twice");
     }
 }
+
+/// Creates VM `vmid` named `name` with a disk of its own, as someone else
+/// would: no imgbuild record in its description.
+fn foreign_vm(pve: &Pve, vmid: u32, name: &str) {
+    let (code, v) = pve.curl(
+        "/nodes/pve/qemu",
+        &[
+            "-d",
+            &format!("vmid={vmid}"),
+            "-d",
+            &format!("name={name}"),
+            "-d",
+            "memory=512",
+            "-d",
+            "scsi0=local-lvm:1",
+            "--data-urlencode",
+            "description=Managed by Terraform",
+        ],
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+}
+
+/// VM `vmid`'s config, or None when there is no such VM.
+fn vm_config(pve: &Pve, vmid: u32) -> Option<serde_json::Value> {
+    let (code, v) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/config"), &[]);
+    (code == 200).then(|| v["data"].clone())
+}
+
+/// The volumes VM `vmid` owns (named for it) in the Proxmox simulator.
+fn owned_volumes(config: &serde_json::Value, vmid: u32) -> Vec<String> {
+    config
+        .as_object()
+        .unwrap()
+        .values()
+        .filter_map(|v| v.as_str())
+        .filter_map(|v| v.split(',').next())
+        .filter(|v| v.contains(&format!("vm-{vmid}-")))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn volume_exists(pve: &Pve, volid: &str) -> bool {
+    let (storage, _) = volid.split_once(':').unwrap();
+    let (_, v) = pve.curl(&format!("/nodes/pve/storage/{storage}/content"), &[]);
+    v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|c| c["volid"] == volid)
+}
+
+/// The Kubernetes nodes the cluster lists now.
+fn kube_nodes(c: &Cluster) -> Vec<String> {
+    let kc = std::fs::read_to_string(c.dir.path().join("state/kubeconfig")).unwrap();
+    let kc = imgbuild::talos::kube::Kubeconfig::parse(&kc).unwrap();
+    let mut names: Vec<String> = kc
+        .node_readiness(std::time::Duration::from_secs(5))
+        .unwrap()
+        .into_iter()
+        .map(|n| n.name)
+        .collect();
+    names.sort();
+    names
+}
+
+/// The inventory without the nodes named.
+fn without(c: &Cluster, gone: &[&str]) -> Inventory {
+    let mut inv = Inventory::new("demo").vip(&format!("{}.10", c.net));
+    for (name, host, role) in NODES {
+        if !gone.contains(&name) {
+            inv = inv.node(
+                common::inventory::Node::new(name, role).address(&format!("{}.{host}", c.net)),
+            );
+        }
+    }
+    inv.metal("raw").proxmox(true)
+}
+
+/// Talos v1.11.2: worker-02 leaves the inventory. The dry run shows its
+/// removal (exit 0); `up` alone deletes nothing and says so; `up
+/// --allow-destroy` drains and resets it, deletes its Kubernetes Node, VM
+/// 304 and its volumes, and leaves the VM of the same name imgbuild did
+/// not make. Then cp-03 goes: etcd keeps 2 members, with a warning, and a
+/// snapshot was taken before the first control-plane change.
+#[test]
+fn a_node_gone_from_the_inventory_is_removed_only_with_allow_destroy() {
+    let c = Cluster::start(2);
+    let (out, v) = c.up(&[]);
+    stdout_ok(&out);
+    assert_eq!(v["healthy"], true, "{v}");
+    foreign_vm(&c.pve, 900, "worker-02");
+    let vm304 = vm_config(&c.pve, 304).expect("VM 304");
+    let volumes = owned_volumes(&vm304, 304);
+    assert!(!volumes.is_empty(), "{vm304}");
+
+    c.write(&without(&c, &["worker-02"]));
+    let (out, v) = c.up(&["--dry-run"]);
+    stdout_ok(&out);
+    let removal = actions(&v, "remove");
+    assert_eq!(removal.len(), 2, "{v}");
+    for a in &removal {
+        assert_eq!(a["node"], "worker-02", "{a}");
+        assert_eq!(a["destructive"], true, "{a}");
+        assert_eq!(a["outcome"], "planned", "{a}");
+    }
+    assert_eq!(removal[0]["what"], "remove from the cluster", "{v}");
+    assert_eq!(removal[1]["what"], "delete VM 304 on pve", "{v}");
+    let plan_text = text(&c.run(&["up", "--dry-run"]).stdout);
+    assert!(
+        plan_text.contains("plan (with --allow-destroy): remove worker-02: delete VM 304 on pve"),
+        "{plan_text}"
+    );
+
+    // Without the flag: nothing deleted, and it says what it left.
+    let out = c.run(&["up"]);
+    stdout_ok(&out);
+    assert!(
+        text(&out.stderr)
+            .contains("2 destructive action(s) left undone; rerun with --allow-destroy"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(
+        text(&out.stdout).contains("left: remove worker-02"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(vm_config(&c.pve, 304).is_some(), "VM 304 was deleted");
+    assert!(kube_nodes(&c).contains(&"worker-02".to_owned()));
+    assert_eq!(c.nodes.stats()["removals"]["calls"], serde_json::json!([]));
+    let (out, v) = c.up(&[]);
+    stdout_ok(&out);
+    assert_eq!(v["left"].as_array().unwrap().len(), 2, "{v}");
+
+    // With it: drained, reset, its Node deleted, its VM and volumes gone.
+    let (out, v) = c.up(&["--allow-destroy"]);
+    stdout_ok(&out);
+    for a in actions(&v, "remove") {
+        assert_eq!(a["outcome"], "done", "{a}");
+    }
+    assert_eq!(v["left"], serde_json::json!([]), "{v}");
+    let calls: Vec<(String, String)> = c.nodes.stats()["removals"]["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["node"].as_str().unwrap().to_owned(),
+                c["call"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert!(
+        calls.contains(&("worker-02".into(), "Reset".into())),
+        "{calls:?}"
+    );
+    assert!(
+        calls.contains(&("worker-02".into(), "DeleteNode".into())),
+        "{calls:?}"
+    );
+    let reset = c.nodes.stats()["removals"]["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["call"] == "Reset")
+        .unwrap()
+        .clone();
+    assert_eq!(reset["cordoned"], true, "drained before the reset: {reset}");
+    assert!(!kube_nodes(&c).contains(&"worker-02".to_owned()));
+    assert!(vm_config(&c.pve, 304).is_none(), "VM 304 survived");
+    for vol in &volumes {
+        assert!(!volume_exists(&c.pve, vol), "{vol} survived");
+    }
+    let foreign = vm_config(&c.pve, 900).expect("the VM imgbuild did not make was deleted");
+    assert_eq!(foreign["name"], "worker-02");
+    // Converged: nothing left to remove.
+    let (out, v) = c.up(&["--allow-destroy"]);
+    stdout_ok(&out);
+    assert!(actions(&v, "remove").is_empty(), "{v}");
+
+    // A control plane: etcd keeps 2 members, with a warning; the run took
+    // an etcd snapshot before it touched the control plane.
+    c.write(&without(&c, &["worker-02", "cp-03"]));
+    let (out, v) = c.up(&["--allow-destroy"]);
+    stdout_ok(&out);
+    let warnings = v["warnings"].to_string();
+    assert!(warnings.contains("etcd is left with 2 members"), "{v}");
+    let members = imgbuild::talos::remove::survey(
+        &prepared(&c),
+        &[],
+        &imgbuild::talos::bootstrap::Options::default(),
+    )
+    .unwrap()
+    .members
+    .unwrap();
+    let mut names: Vec<String> = members.into_iter().map(|m| m.hostname).collect();
+    names.sort();
+    assert_eq!(names, ["cp-01", "cp-02"]);
+    assert!(vm_config(&c.pve, 302).is_none(), "VM 302 survived");
+    let snapshots = etcd_snapshots(&c);
+    assert_eq!(snapshots.len(), 1, "{snapshots:?}");
+}
+
+/// The simulator's record of the etcd snapshots it served.
+fn etcd_snapshots(c: &Cluster) -> Vec<serde_json::Value> {
+    let o = std::process::Command::new("curl")
+        .args(["-sf", &format!("{}/_sim/etcd", c.nodes.control)])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["snapshots"].as_array().cloned().unwrap_or_default()
+}
+
+/// The cluster's state as the library prepares it (for reading etcd).
+fn prepared(c: &Cluster) -> imgbuild::talos::stage::Prepared {
+    let inv = imgbuild::inventory::Inventory::load(&c.config()).unwrap();
+    let opts = imgbuild::talos::stage::BootstrapOptions {
+        state_dir: Some(c.dir.path().join("state")),
+        ..Default::default()
+    };
+    imgbuild::talos::stage::prepare(&inv, &opts).unwrap()
+}

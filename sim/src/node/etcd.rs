@@ -219,16 +219,6 @@ impl Api {
         }
     }
 
-    fn control_plane_only(&self, i: usize, api: &str) -> Result<(), Status> {
-        if self.cluster.node(i).control_plane() {
-            Ok(())
-        } else {
-            Err(Status::unimplemented(format!(
-                "{api} is only available on control plane nodes"
-            )))
-        }
-    }
-
     pub(super) fn etcd_snapshot_call(
         &self,
         req: Request<EtcdSnapshotRequest>,

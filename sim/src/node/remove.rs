@@ -154,7 +154,7 @@ fn leave_ignores_missing(t: &Talos) -> bool {
 }
 
 impl Api {
-    fn control_plane_only(&self, i: usize, api: &str) -> Result<(), Status> {
+    pub(super) fn control_plane_only(&self, i: usize, api: &str) -> Result<(), Status> {
         if self.cluster.node(i).control_plane() {
             Ok(())
         } else {
