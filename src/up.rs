@@ -88,6 +88,7 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     let published = build(inv, target, opts, mode, &mut report)
         .and_then(|built| publish(inv, target, opts, built, mode, &mut report));
     let mut bootstrap = opts.bootstrap.clone();
+    bootstrap.limits.leaving = leaving(inv, &bootstrap);
     if let Target::Hcloud(hc) = target {
         // The signal handler that lets a snapshot run clean up keeps
         // Ctrl-C from ending the process: the bootstrap must stop on it too.
@@ -151,6 +152,7 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     let planned = build(inv, target, opts, Mode::Plan, &mut report)
         .and_then(|built| publish(inv, target, opts, built, Mode::Plan, &mut report));
     let mut bootstrap = opts.bootstrap.clone();
+    bootstrap.limits.leaving = leaving(inv, &bootstrap);
     match planned {
         Ok(reached) => bootstrap.targets.extend(reached),
         Err((stage, e)) => report.stop(stage, e),
@@ -817,6 +819,23 @@ impl DayTwo<'_> {
             partial,
         ))
     }
+}
+
+/// The control planes of record the inventory no longer has: etcd lists
+/// them until the removal step, so the health check lets them be.
+fn leaving(inv: &Inventory, opts: &BootstrapOptions) -> Vec<String> {
+    let Ok(dir) = stage::StateDir::existing(inv, opts.state_dir.as_deref()) else {
+        return Vec::new();
+    };
+    remove::removed_nodes(inv, &dir.path)
+        .map(|removed| {
+            removed
+                .into_iter()
+                .filter(|r| r.role == Some(crate::inventory::Role::Controlplane))
+                .map(|r| r.name)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The upgrade settings of a run over `prepared`'s cluster: the etcd

@@ -144,6 +144,7 @@ impl BootstrapRunArgs {
                 poll: self.poll,
                 pin: self.cert_fingerprint.map(|f| f.hex()),
                 recover_from: None,
+                leaving: Vec::new(),
             },
         }
     }

@@ -17,10 +17,6 @@ use std::path::Path;
 
 #[derive(Args)]
 pub struct UpArgs {
-    /// Print every action (build, publish, machines, bootstrap, upgrade,
-    /// Kubernetes, configs, settings, removal, prune) at field level; change nothing.
-    #[arg(long)]
-    dry_run: bool,
     /// Carry out the destructive actions: remove nodes gone from the
     /// inventory (drain, reset, delete the VM or server and its volumes)
     /// and prune. Without it they are shown and left.
@@ -46,7 +42,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
     let mut target = Target::from_inventory(&inv, &|k| std::env::var(k).ok(), options)
         .map_err(|e| Usage(format!("{}: {e}", config.display())))?;
     if let Target::Hcloud(hc) = &mut target
-        && !args.dry_run
+        && !args.publish.dry_run()
     {
         // Snapshot runs create servers: Ctrl-C must let them clean up.
         hc.cancel = super::signals::cancel_on_signals();
@@ -67,7 +63,7 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         apply: ApplySettings::default(),
         allow_destroy: args.allow_destroy,
     };
-    let report = if args.dry_run {
+    let report = if args.publish.dry_run() {
         up::plan(&inv, &target, &opts)
     } else {
         let download = super::build::progress_for(quiet, output);

@@ -75,6 +75,10 @@ pub struct Options {
     /// Bootstrap etcd from this snapshot instead of empty
     /// (`bootstrap --recover-from`, see [`super::etcd::recover`]).
     pub recover_from: Option<PathBuf>,
+    /// Control planes on their way out: of record but gone from the
+    /// inventory (`up` removes them after the health check), so etcd may
+    /// still list them as members.
+    pub leaving: Vec<String>,
 }
 
 impl Default for Options {
@@ -87,6 +91,7 @@ impl Default for Options {
             poll: Duration::from_secs(2),
             pin: None,
             recover_from: None,
+            leaving: Vec::new(),
         }
     }
 }
@@ -867,6 +872,7 @@ async fn health_round(
             let mut names: Vec<String> = members
                 .iter()
                 .map(|m| crate::input::one_line(&m.hostname, 64))
+                .filter(|name| !cx.opts.leaving.contains(name))
                 .collect();
             names.sort_unstable();
             let mut want: Vec<String> = control_planes.iter().map(|n| n.name.clone()).collect();

@@ -150,11 +150,13 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
         if n.role == Role::Controlplane {
             wanted.push("etcd");
             if members.is_none() {
-                members = conn
-                    .etcd_members()
-                    .await
-                    .ok()
-                    .map(|m| m.into_iter().map(|m| m.hostname).collect());
+                members = conn.etcd_members().await.ok().map(|m| {
+                    m.into_iter()
+                        .map(|m| m.hostname)
+                        // Control planes `up` removes later in the run.
+                        .filter(|name| !opts.leaving.contains(name))
+                        .collect()
+                });
             }
         }
         if n.name == node.name {
