@@ -213,7 +213,8 @@ struct DayTwo<'a> {
     opts: &'a UpOptions,
     bootstrap: &'a BootstrapOptions,
     prepared: &'a stage::Prepared,
-    /// The nodes to converge (all when empty; Kubernetes only then).
+    /// The nodes to converge (all when empty; Kubernetes, removal and
+    /// prune only then), or for [`replace`] the nodes to remove.
     select: Vec<String>,
     dry_run: bool,
     /// As `opts.upgrade`, with the run's etcd snapshot in the state dir.
@@ -307,9 +308,12 @@ impl DayTwo<'_> {
         progress: &(dyn Fn(&str, &str) + Sync),
     ) -> Result<Vec<String>, (Stage, UpError)> {
         let at = |e: remove::RemoveError| (Stage::Remove, UpError::Remove(e));
+        let chosen = |node: &str| self.select.is_empty() || self.select.iter().any(|s| s == node);
         let mut removed =
             remove::removed_nodes(self.inv, &self.prepared.state_dir.path).map_err(at)?;
-        let machines = self.machines_gone()?;
+        removed.retain(|r| chosen(&r.name));
+        let mut machines = self.machines_gone()?;
+        machines.retain(|m| chosen(&m.node));
         for m in &machines {
             remove::add_found(
                 &mut removed,
@@ -890,6 +894,87 @@ fn step_failed(stage: Stage, message: String, partial: bool) -> (Stage, UpError)
             partial,
         },
     )
+}
+
+/// `imgbuild replace NODE…`: each node is removed as a node gone from the
+/// inventory is (drained, out of etcd, reset, its Kubernetes Node, machine
+/// and volumes deleted), then `up` creates it again under the same name:
+/// for a changed address or a broken disk. The removal is the destructive
+/// step the command asks for, so it needs no `--allow-destroy`; the rest
+/// of the run is `up`'s. A dry run shows the removal, then what `up` plans.
+pub fn replace(
+    inv: &Inventory,
+    target: &Target,
+    opts: &UpOptions,
+    nodes: &[String],
+    obs: Option<Observers<'_>>,
+) -> Report {
+    let started = Instant::now();
+    let dry_run = obs.is_none();
+    let mut report = begin(inv, target, opts, dry_run, started);
+    if report.stopped.is_some() {
+        return report;
+    }
+    // The cluster as it is without them: what the removal compares with.
+    let mut without = inv.clone();
+    without.nodes.retain(|n| !nodes.contains(&n.name));
+    let removal = {
+        let _lock = match (!dry_run).then(|| stage::lock_state_dir(inv, &opts.bootstrap, "replace"))
+        {
+            Some(Err(e)) => {
+                report.stop(Stage::Remove, UpError::Bootstrap(e));
+                return report;
+            }
+            lock => lock,
+        };
+        let mut bootstrap = opts.bootstrap.clone();
+        bootstrap.limits.leaving = nodes.to_vec();
+        if let Target::Hcloud(hc) = target {
+            bootstrap.cancel = hc.cancel.clone();
+        }
+        let opts = UpOptions {
+            allow_destroy: true,
+            ..opts.clone()
+        };
+        stage::StateDir::existing(inv, bootstrap.state_dir.as_deref())
+            .and_then(|_| stage::prepare(&without, &bootstrap))
+            .map_err(|e| (Stage::Remove, UpError::Bootstrap(e)))
+            .and_then(|prepared| {
+                let upgrade = if dry_run {
+                    opts.upgrade.clone()
+                } else {
+                    snapshotting(&opts.upgrade, inv, &prepared)
+                };
+                let day2 = DayTwo {
+                    inv: &without,
+                    target,
+                    opts: &opts,
+                    bootstrap: &bootstrap,
+                    prepared: &prepared,
+                    select: nodes.to_vec(),
+                    dry_run,
+                    upgrade,
+                };
+                let quiet = |_: &str, _: &str| {};
+                day2.remove(&mut report, obs.map_or(&quiet, |o| o.steps))
+            })
+    };
+    let removal_actions = std::mem::take(&mut report.actions);
+    if let Err((stage, e)) = removal {
+        report.actions = removal_actions;
+        report.stop(stage, e);
+        return report;
+    }
+    let mut done = match obs {
+        Some(obs) => up(inv, target, opts, obs),
+        None => plan(inv, target, opts),
+    };
+    let mut actions = removal_actions;
+    actions.append(&mut done.actions);
+    done.actions = actions;
+    done.warnings.splice(0..0, report.warnings);
+    done.elapsed_ms = started.elapsed().as_millis();
+    done
 }
 
 /// The report of a run (or dry run) about to start, every row placed

@@ -226,6 +226,17 @@ fn up_converges_a_patch_edit_and_a_version_bump() {
         assert_eq!(c.day2(name, "version"), "v1.11.5", "{name}");
         assert_eq!(c.day2(name, "upgrades"), 1, "{name}");
     }
+    // One etcd snapshot, taken before the first control plane was upgraded.
+    let snapshots = etcd_snapshots(&c);
+    assert_eq!(snapshots.len(), 1, "{snapshots:?}");
+    assert_eq!(snapshots[0]["upgrade_calls_before"], 0, "{snapshots:?}");
+    assert!(
+        std::fs::read_dir(c.dir.path().join("state/etcd"))
+            .unwrap()
+            .count()
+            >= 1,
+        "no snapshot in the state dir"
+    );
 
     // Converged: another `up` uploads nothing, upgrades nothing, and calls
     // nothing outdated.

@@ -146,6 +146,10 @@ enum Command {
     Prune(prune::PruneArgs),
     /// Build, publish, start, bootstrap and check health: the whole line, resumable.
     Up(up::UpArgs),
+    /// Remove nodes (drain, leave etcd, reset, delete the machine and its
+    /// volumes) and create them again under the same names through `up`:
+    /// for a changed address or a broken disk.
+    Replace(up::UpArgs),
     /// List the distinct artifacts the inventories need, each with the command that makes it (CI matrix).
     Plan(plan::PlanArgs),
     /// Convert another tool's cluster definition into a cluster.yaml.
@@ -301,6 +305,7 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Down(args) => down::run(args, &cli.config, cli.output, cli.yes),
         Command::Prune(args) => prune::run(args, &cli.config, cli.output),
         Command::Up(args) => up::run(args, &cli.config, cli.output),
+        Command::Replace(args) => up::replace(args, &cli.config, cli.output),
         Command::Plan(args) => plan::run(args, cli.configs, cli.output),
         Command::Import(args) => import::run(args, cli.output),
         Command::Completions { shell } => {

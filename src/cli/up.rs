@@ -29,6 +29,20 @@ pub struct UpArgs {
 }
 
 pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
+    converge(args, config, output, false)
+}
+
+/// `imgbuild replace NODE…`: the nodes removed (drained, out of etcd,
+/// reset, machine and volumes deleted), then `up` with their new settings.
+pub fn replace(args: UpArgs, config: &Path, output: Output) -> Result<()> {
+    if args.publish.nodes().is_empty() {
+        return Err(Usage("replace: name the node(s) to replace".into()).into());
+    }
+    converge(args, config, output, true)
+}
+
+/// `up`, or with `replace` the named nodes replaced first.
+fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Result<()> {
     let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
     for node in args.publish.nodes() {
         inv.node(node).map_err(|e| Usage(e.to_string()))?;
@@ -63,8 +77,12 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         apply: ApplySettings::default(),
         allow_destroy: args.allow_destroy,
     };
+    let replaced = replace.then(|| opts.nodes.clone());
     let report = if args.publish.dry_run() {
-        up::plan(&inv, &target, &opts)
+        match &replaced {
+            Some(nodes) => up::replace(&inv, &target, &opts, nodes, None),
+            None => up::plan(&inv, &target, &opts),
+        }
     } else {
         let download = super::build::progress_for(quiet, output);
         let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
@@ -73,22 +91,22 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
             Show::log_for(quiet, output),
             Show::for_output(quiet, output),
         );
-        let report = up::up(
-            &inv,
-            &target,
-            &opts,
-            Observers {
-                download: download.as_ref(),
-                publish: &board,
-                hcloud: &board,
-                bootstrap: &board,
-                steps: &|node: &str, what: &str| {
-                    if output == Output::Text {
-                        errln!("{node}: {}", outside(what));
-                    }
-                },
-            },
-        );
+        let steps = |node: &str, what: &str| {
+            if output == Output::Text && !quiet {
+                errln!("{node}: {}", outside(what));
+            }
+        };
+        let obs = Observers {
+            download: download.as_ref(),
+            publish: &board,
+            hcloud: &board,
+            bootstrap: &board,
+            steps: &steps,
+        };
+        let report = match &replaced {
+            Some(nodes) => up::replace(&inv, &target, &opts, nodes, Some(obs)),
+            None => up::up(&inv, &target, &opts, obs),
+        };
         board.finish();
         report
     };
