@@ -455,6 +455,31 @@ fn a_node_gone_from_the_inventory_is_removed_only_with_allow_destroy() {
     assert!(vm_config(&c.pve, 302).is_none(), "VM 302 survived");
     let snapshots = etcd_snapshots(&c);
     assert_eq!(snapshots.len(), 1, "{snapshots:?}");
+
+    // `replace worker-01`: removed (its VM deleted), then made again by up.
+    let creates = c.pve.stats()["vmCreates"].as_u64().unwrap();
+    let out = c.run(&["--output", "json", "replace", "worker-01"]);
+    stdout_ok(&out);
+    let v = json(&out);
+    assert_eq!(v["healthy"], true, "{v}");
+    let removal = actions(&v, "remove");
+    assert_eq!(nodes_of(&removal), ["worker-01", "worker-01"], "{v}");
+    assert_eq!(c.pve.stats()["vmCreates"].as_u64().unwrap(), creates + 1);
+    let worker = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node"] == "worker-01")
+        .unwrap();
+    assert_eq!(worker["stages"]["vm"], "created", "{worker}");
+    assert_eq!(worker["stages"]["apply"], "applied", "{worker}");
+    assert_eq!(worker["kubernetesReady"], true, "{worker}");
+    assert!(kube_nodes(&c).contains(&"worker-01".to_owned()));
+    let new_disk = owned_volumes(
+        &vm_config(&c.pve, worker["vmid"].as_u64().unwrap() as u32).unwrap(),
+        worker["vmid"].as_u64().unwrap() as u32,
+    );
+    assert!(!new_disk.is_empty());
 }
 
 /// The simulator's record of the etcd snapshots it served.
