@@ -583,13 +583,19 @@ impl DayTwo<'_> {
                 continue;
             }
             let hops: Vec<&str> = n.hops.iter().map(|h| h.version.as_str()).collect();
-            let mut a = Action::new(Step::Upgrade, Some(&n.node), "upgrade")
-                .change("talos", n.from.version.as_deref(), Some(&n.to.version))
-                .change(
+            let mut a = Action::new(Step::Upgrade, Some(&n.node), "upgrade").change(
+                "talos",
+                n.from.version.as_deref(),
+                Some(&n.to.version),
+            );
+            // Shown when it moves (unknown is not different).
+            if n.from.schematic.as_deref() != Some(n.to.schematic.as_str()) {
+                a = a.change(
                     "schematic",
                     n.from.schematic.as_deref(),
                     Some(&n.to.schematic),
                 );
+            }
             a = match n.action {
                 UpAction::Config => a.detail(
                     "on the target; its config names another installer: the config is applied",
