@@ -8,9 +8,9 @@
 //! bootstrap's reach); `up` records them in a [`Report`], whose table and
 //! JSON [`report`] shapes.
 
+pub mod actions;
 pub mod converge;
 mod error;
-pub mod plan;
 mod report;
 
 pub use error::{Stage, UpError};
@@ -35,8 +35,8 @@ use crate::talos::kubernetes::run as kube_run;
 use crate::talos::stage::{self, BootstrapOptions, Reach, StageError};
 use crate::talos::upgrade::{self, plan::Action as UpAction, report::Ending};
 use crate::talos::{apply, etcd, remove};
+use actions::{Action, State, Step};
 use converge::{ApplySettings, UpgradeSettings};
-use plan::{Action, Outcome, Step};
 use report::changed;
 
 /// What one `up` does besides the target.
@@ -265,9 +265,9 @@ impl DayTwo<'_> {
     /// left without `--allow-destroy`.
     fn held(&self, action: Action) -> Action {
         let outcome = if self.dry_run {
-            Outcome::Planned
+            State::Planned
         } else {
-            Outcome::Left
+            State::Left
         };
         action.destructive().outcome(outcome)
     }
@@ -390,20 +390,20 @@ impl DayTwo<'_> {
         for (mut a, machine) in actions {
             let node = a.node.clone().unwrap_or_default();
             a.outcome = match &machine {
-                None if removed_now.contains(&node.as_str()) => Outcome::Done,
-                None => Outcome::Failed,
+                None if removed_now.contains(&node.as_str()) => State::Done,
+                None => State::Failed,
                 Some(_)
                     if !talos_done(&node)
                         || failure.is_some() && !removed_now.contains(&node.as_str()) =>
                 {
-                    Outcome::NotReached
+                    State::NotReached
                 }
                 Some(node) => match self.delete_machine(node, &machines, progress) {
-                    Ok(()) => Outcome::Done,
+                    Ok(()) => State::Done,
                     Err(e) => {
                         a.detail = Some(e.clone());
                         failure.get_or_insert(e);
-                        Outcome::Failed
+                        State::Failed
                     }
                 },
             };
@@ -528,13 +528,13 @@ impl DayTwo<'_> {
         }
         let done = prune::prune(&scope, &plan);
         for p in &done.deleted {
-            report.act(action(p).destructive().outcome(Outcome::Done));
+            report.act(action(p).destructive().outcome(State::Done));
         }
         for (p, why) in &done.failed {
             report.act(
                 action(p)
                     .destructive()
-                    .outcome(Outcome::Failed)
+                    .outcome(State::Failed)
                     .detail(why.clone()),
             );
         }
@@ -567,7 +567,7 @@ impl DayTwo<'_> {
             Factory::new(&self.inv.image.factory, &client).with_retry(fetch.retry_policy());
         let targets = upgrade::targets(self.inv, &factory)
             .map_err(|e| at(converge::ConvergeError::Upgrade(e)))?;
-        let planned = converge::plan_upgrade(
+        let planned = converge::upgrade_plan(
             self.inv,
             &factory,
             &targets,
@@ -647,18 +647,18 @@ impl DayTwo<'_> {
             a.outcome = match &done.talos.failed {
                 Some(f) if f.node == node => {
                     a.detail = Some(f.error.clone());
-                    Outcome::Failed
+                    State::Failed
                 }
-                _ if done.talos.untouched.contains(&node) => Outcome::NotReached,
-                _ => Outcome::Done,
+                _ if done.talos.untouched.contains(&node) => State::NotReached,
+                _ => State::Done,
             };
             report.act(a);
         }
         if let Some(mut a) = kube_action {
             a.outcome = match done.kube.as_ref().map(|k| k.ending()) {
-                Some(Ending::Ok) => Outcome::Done,
-                Some(_) => Outcome::Failed,
-                None => Outcome::NotReached,
+                Some(Ending::Ok) => State::Done,
+                Some(_) => State::Failed,
+                None => State::NotReached,
             };
             report.act(a);
         }
@@ -679,7 +679,7 @@ impl DayTwo<'_> {
         if !self.select.is_empty() {
             return Ok(());
         }
-        let (seen, k) = converge::plan_kubernetes(
+        let (seen, k) = converge::kubernetes_plan(
             self.inv,
             &self.prepared.plan,
             &BTreeMap::new(),
@@ -715,9 +715,9 @@ impl DayTwo<'_> {
         );
         let ending = done.ending();
         action.outcome = if ending == Ending::Ok {
-            Outcome::Done
+            State::Done
         } else {
-            Outcome::Failed
+            State::Failed
         };
         report.act(action);
         match ending {
@@ -790,15 +790,15 @@ impl DayTwo<'_> {
                 (false, _) => "apply config",
             };
             let outcome = if self.dry_run || n.staged {
-                Outcome::Planned
+                State::Planned
             } else if n.applied {
-                Outcome::Done
+                State::Done
             } else {
-                Outcome::NotReached
+                State::NotReached
             };
             report.act(
                 Action::new(Step::Configs, Some(&n.node), what)
-                    .detail(plan::diff_summary(&n.diff, &fields))
+                    .detail(actions::diff_summary(&n.diff, &fields))
                     .outcome(outcome),
             );
         }
@@ -806,7 +806,7 @@ impl DayTwo<'_> {
             report.act(
                 Action::new(Step::Configs, Some(&f.node), "apply config")
                     .detail(f.error.clone())
-                    .outcome(Outcome::Failed),
+                    .outcome(State::Failed),
             );
         }
         if let Some(r) = outcome.refused {
@@ -1166,9 +1166,9 @@ fn proxmox(
                     let node = &inv.nodes[*index].name;
                     let mut a = Action::new(Step::Settings, Some(node), "change VM settings")
                         .outcome(if report.dry_run {
-                            Outcome::Planned
+                            State::Planned
                         } else {
-                            Outcome::Done
+                            State::Done
                         });
                     for c in &settings {
                         a = a.change(&c.field, Some(&c.from), Some(&c.to));

@@ -223,7 +223,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
             component_timeout: args.component_timeout,
         },
     };
-    let planned = converge::plan_upgrade(
+    let planned = converge::upgrade_plan(
         &inv,
         &factory,
         &targets,

@@ -107,7 +107,7 @@ impl UpgradePlanned {
 
 /// Reads the selected nodes (all when `select` is empty) and the cluster's
 /// Kubernetes, and decides the upgrade. Changes nothing. Blocking.
-pub fn plan_upgrade(
+pub fn upgrade_plan(
     inv: &Inventory,
     factory: &Factory,
     targets: &Targets,
@@ -137,7 +137,7 @@ pub fn plan_upgrade(
             .filter(|n| n.action == Action::Upgrade)
             .map(|n| (n.node.clone(), n.to.version.clone()))
             .collect();
-        plan_kubernetes(inv, &prepared.plan, &talos_after, settings, limits)
+        kubernetes_plan(inv, &prepared.plan, &talos_after, settings, limits)
     });
     Ok(UpgradePlanned { talos, kube })
 }
@@ -145,7 +145,7 @@ pub fn plan_upgrade(
 /// Reads the cluster's Kubernetes (as it will be with each node at the
 /// Talos version `talos_after` gives) and decides its upgrade. Changes
 /// nothing. Blocking.
-pub fn plan_kubernetes(
+pub fn kubernetes_plan(
     inv: &Inventory,
     plan: &Plan,
     talos_after: &BTreeMap<String, String>,
@@ -187,7 +187,7 @@ impl Upgraded {
     }
 }
 
-/// Runs a plan from [`plan_upgrade`] (refused plans must not get here):
+/// Runs a plan from [`upgrade_plan`] (refused plans must not get here):
 /// the Talos nodes in order, each node's config applied after its upgrade
 /// pinned to the Kubernetes it runs, then every Kubernetes step not done.
 /// `progress` hears each node's steps, `say` each Kubernetes step. Blocking.
@@ -220,7 +220,7 @@ pub fn run_upgrade(
         Some((seen, k)) if report.ending() == Ending::Ok => {
             // What the Talos part changed is read again.
             let (seen, k) = if up.has_work() {
-                plan_kubernetes(inv, &prepared.plan, &BTreeMap::new(), settings, limits)
+                kubernetes_plan(inv, &prepared.plan, &BTreeMap::new(), settings, limits)
             } else {
                 (seen, k)
             };

@@ -6,8 +6,8 @@
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use super::actions::{Action, State, Step};
 use super::error::{Stage, UpError};
-use super::plan::{Action, Outcome, Step};
 use crate::build::{self, NodeImage};
 use crate::digest::Sha256;
 use crate::inventory::Inventory;
@@ -321,9 +321,9 @@ impl Report {
     pub fn plan(&self) -> Vec<Action> {
         let mut out = Vec::new();
         let outcome = |c: Change| match c {
-            Change::Failed => Outcome::Failed,
-            _ if self.dry_run => Outcome::Planned,
-            _ => Outcome::Done,
+            Change::Failed => State::Failed,
+            _ if self.dry_run => State::Planned,
+            _ => State::Done,
         };
         let worth =
             |c: &Option<Change>| c.filter(|c| !matches!(c, Change::Unchanged | Change::Outdated));
@@ -382,7 +382,7 @@ impl Report {
     pub fn left(&self) -> Vec<&Action> {
         self.actions
             .iter()
-            .filter(|a| a.outcome == Outcome::Left)
+            .filter(|a| a.outcome == State::Left)
             .collect()
     }
 
@@ -625,12 +625,12 @@ impl Report {
         actions.sort_by_key(|a| a.step);
         for a in actions {
             let mark = match a.outcome {
-                Outcome::Planned if a.destructive => "plan (with --allow-destroy):",
-                Outcome::Planned => "plan:",
-                Outcome::Done => "done:",
-                Outcome::Failed => "FAILED:",
-                Outcome::Left => "left:",
-                Outcome::NotReached => "not reached:",
+                State::Planned if a.destructive => "plan (with --allow-destroy):",
+                State::Planned => "plan:",
+                State::Done => "done:",
+                State::Failed => "FAILED:",
+                State::Left => "left:",
+                State::NotReached => "not reached:",
             };
             lines.push(Line::Out(format!("{mark} {}", a.line())));
         }

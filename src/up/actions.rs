@@ -80,7 +80,7 @@ impl FieldChange {
 /// Where an action stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Outcome {
+pub enum State {
     /// A dry run's: would be done.
     Planned,
     Done,
@@ -104,7 +104,7 @@ pub struct Action {
     pub changes: Vec<FieldChange>,
     /// Deletes something: done only with `--allow-destroy`.
     pub destructive: bool,
-    pub outcome: Outcome,
+    pub outcome: State,
     /// A summary beside it (a config diff's size and fields), or why it failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
@@ -118,7 +118,7 @@ impl Action {
             what: what.to_owned(),
             changes: Vec::new(),
             destructive: false,
-            outcome: Outcome::Planned,
+            outcome: State::Planned,
             detail: None,
         }
     }
@@ -138,7 +138,7 @@ impl Action {
         self
     }
 
-    pub fn outcome(mut self, outcome: Outcome) -> Action {
+    pub fn outcome(mut self, outcome: State) -> Action {
         self.outcome = outcome;
         self
     }
