@@ -47,7 +47,6 @@ struct Survey<'a> {
 
 /// Where a node's image goes: the storage half of its [`Decision`].
 struct Volume {
-    file: String,
     volid: String,
     /// True when the node's host's storage already holds these exact bytes.
     stored: bool,
@@ -155,11 +154,7 @@ impl<'a> Survey<'a> {
         } else {
             listed == Some(&img.size)
         };
-        Volume {
-            file,
-            volid,
-            stored,
-        }
+        Volume { volid, stored }
     }
 
     /// Where the VM of the node at `index` is and what happens to it, given
@@ -355,11 +350,7 @@ fn publish_node(
 ) -> Result<NodePublished, ProxmoxError> {
     let (api, s) = (&survey.api, survey.settings);
     let host = survey.host(img.index);
-    let Volume {
-        file,
-        volid,
-        stored,
-    } = survey.volume(img);
+    let Volume { volid, stored } = survey.volume(img);
     let mut out = NodePublished {
         node: img.node.clone(),
         volid: volid.clone(),
@@ -381,7 +372,7 @@ fn publish_node(
     };
     let needs_image = decided.as_ref().is_none_or(|d| d.needs_image);
     if needs_image && !stored {
-        send(api, &host, s, img, &file, &volid, opts, observer)
+        send(api, &host, s, img, &volid, opts, observer)
             .map_err(|e| e.at(&img.node, Step::Upload, None))?;
         out.uploaded = true;
     } else if needs_image {
@@ -427,22 +418,20 @@ fn converts(s: &ProxmoxSettings, format: ImageFormat) -> bool {
     format == ImageFormat::Raw && s.upload == UploadFormat::Qcow2
 }
 
-/// Uploads the node's image as the volume `file`: a raw image converted to
+/// Uploads the node's image as the volume `volid`: a raw image converted to
 /// a qcow2 file beside it first (removed afterwards), so only its allocated
 /// clusters cross the wire.
-#[allow(clippy::too_many_arguments)]
 fn send(
     api: &Api,
     host: &str,
     s: &ProxmoxSettings,
     img: &PublishImage,
-    file: &str,
     volid: &str,
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<(), ProxmoxError> {
     if !converts(s, img.format) {
-        return upload(api, host, s, img, file, volid, opts, observer);
+        return upload(api, host, s, img, volid, opts, observer);
     }
     let mut path = img.path.clone().into_os_string();
     path.push(".upload.qcow2");
@@ -459,7 +448,7 @@ fn send(
             what: format!("converting {} to qcow2", img.path.display()),
             message: e.to_string(),
         })
-        .and_then(|qcow2| upload(api, host, s, &qcow2, file, volid, opts, observer));
+        .and_then(|qcow2| upload(api, host, s, &qcow2, volid, opts, observer));
     let _ = std::fs::remove_file(&path);
     result
 }
