@@ -35,7 +35,8 @@ fn ok(o: &Output) -> &Output {
     o
 }
 
-/// The loopback cluster with VMs (2048 MiB, 10 GiB, 2 cores on `pve`);
+/// The loopback cluster with VMs (2048 MiB, 10 GiB, 2 cores on `pve`,
+/// `upload: raw` as the shared test inventory has it);
 /// worker-02 carries its own settings `own` (YAML under the node).
 fn cluster(own: &str) -> Work {
     let work = Work::new(&Inventory::loopback().proxmox(true));
@@ -239,10 +240,6 @@ fn qcow2_uploads_send_far_fewer_bytes_than_raw() {
     let sim = Sim::start(&[]);
     let raw_pve = Pve::start(&[]);
     let raw = cluster("");
-    raw.edit(
-        "    storage: local\n",
-        "    storage: local\n    upload: raw\n",
-    );
     let r = json(ok(&publish(
         &raw,
         &sim,
@@ -251,6 +248,7 @@ fn qcow2_uploads_send_far_fewer_bytes_than_raw() {
     )));
     let q_pve = Pve::start(&[]);
     let q = cluster("");
+    q.edit("    upload: raw\n", "");
     let v = json(ok(&publish(
         &q,
         &sim,
