@@ -35,7 +35,8 @@ fn ok(o: &Output) -> &Output {
     o
 }
 
-/// The loopback cluster with VMs (2048 MiB, 10 GiB, 2 cores on `pve`);
+/// The loopback cluster with VMs (2048 MiB, 10 GiB, 2 cores on `pve`,
+/// `upload: raw` as the shared test inventory has it);
 /// worker-02 carries its own settings `own` (YAML under the node).
 fn cluster(own: &str) -> Work {
     let work = Work::new(&Inventory::loopback().proxmox(true));
@@ -228,4 +229,68 @@ fn after_a_version_bump_nothing_is_uploaded_unless_the_disk_is_replaced() {
     assert_eq!(stat(&pve, "uploads"), 6);
     let described = vm(&pve, 300)["config"]["description"].to_string();
     assert!(described.contains("v1.11.5"), "{described}");
+}
+
+/// Raw images cross the wire as qcow2 by default: far fewer bytes than
+/// `upload: raw` for the same cluster, and the imported disks are the same
+/// (the simulator checks the qcow2 with `qemu-img info` on upload and
+/// converts it at import, as pve-storage does).
+#[test]
+fn qcow2_uploads_send_far_fewer_bytes_than_raw() {
+    let sim = Sim::start(&[]);
+    let raw_pve = Pve::start(&[]);
+    let raw = cluster("");
+    let r = json(ok(&publish(
+        &raw,
+        &sim,
+        &raw_pve,
+        &["cp-01", "--output", "json"],
+    )));
+    let q_pve = Pve::start(&[]);
+    let q = cluster("");
+    q.edit("    upload: raw\n", "");
+    let v = json(ok(&publish(
+        &q,
+        &sim,
+        &q_pve,
+        &["cp-01", "--output", "json"],
+    )));
+    let (raw_bytes, q_bytes) = (stat(&raw_pve, "uploadBytes"), stat(&q_pve, "uploadBytes"));
+    assert!(
+        q_bytes * 10 < raw_bytes,
+        "qcow2 sent {q_bytes} bytes, raw {raw_bytes}"
+    );
+    for (a, b) in r["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(v["nodes"].as_array().unwrap())
+    {
+        assert!(a["volid"].as_str().unwrap().ends_with(".raw"), "{a}");
+        assert!(b["volid"].as_str().unwrap().ends_with(".qcow2"), "{b}");
+        assert_eq!(
+            a["sha256"], b["sha256"],
+            "the volume name carries the raw image's sha256"
+        );
+    }
+    // Each VM disk holds the same bytes either way.
+    let disk = |pve: &Pve, vmid: u32| {
+        let volume = vm(pve, vmid)["config"]["scsi0"]
+            .as_str()
+            .unwrap()
+            .split(',')
+            .next()
+            .unwrap()
+            .to_owned();
+        pve.dir.path().join(format!(
+            "state/storage/local-lvm/{}.raw",
+            volume.strip_prefix("local-lvm:").unwrap()
+        ))
+    };
+    let same = std::process::Command::new("cmp")
+        .arg(disk(&raw_pve, 300))
+        .arg(disk(&q_pve, 300))
+        .output()
+        .unwrap();
+    assert!(same.status.success(), "{}", text(&same.stdout));
 }

@@ -27,10 +27,6 @@ pub struct PublishArgs {
     /// to a new version or schematic with `imgbuild upgrade`.
     #[arg(long)]
     replace_disk: bool,
-    /// Show what would be uploaded, created and changed (VM settings from →
-    /// to) without building or changing anything.
-    #[arg(long)]
-    dry_run: bool,
     /// How often server-side tasks are polled, in milliseconds.
     #[arg(long, default_value_t = 500)]
     poll_ms: u64,
@@ -38,6 +34,17 @@ pub struct PublishArgs {
     hcloud: HcloudArgs,
     #[command(flatten)]
     build: BuildArgs,
+}
+
+/// `imgbuild publish`: the flags `up` shares, and its own dry run.
+#[derive(Args)]
+pub struct PublishCommand {
+    #[command(flatten)]
+    args: PublishArgs,
+    /// Show what would be uploaded, created and changed (VM settings from →
+    /// to) without building or changing anything.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 impl PublishArgs {
@@ -72,7 +79,11 @@ impl PublishArgs {
     }
 }
 
-pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
+pub fn run(cmd: PublishCommand, config: &Path, output: Output) -> Result<()> {
+    let PublishCommand {
+        args,
+        dry_run: plan_only,
+    } = cmd;
     let inv = load_inventory(config, output)?;
     let options = TargetOptions {
         proxmox: args.options(),
@@ -103,7 +114,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
         }
         Target::Proxmox(pve) => pve,
     };
-    if args.dry_run {
+    if plan_only {
         return dry_run(&inv, &pve, &args.nodes, output);
     }
     let mut warnings = Vec::new();

@@ -10,7 +10,7 @@ pub use locate::LineIndex;
 pub use net::{Cidr, MacAddr};
 pub use publish::{
     HcloudServers, HcloudSettings, Machine, NodeMachine, ProxmoxSettings, ProxmoxVm,
-    PublishSection, PublishSettings, RESERVED_LABELS, VmBoot, label_problem,
+    PublishSection, PublishSettings, RESERVED_LABELS, UploadFormat, VmBoot, label_problem,
 };
 
 pub use crate::schematic::Bootloader;

@@ -170,6 +170,19 @@ pub struct ProxmoxSettings {
     pub fingerprint: Option<String>,
     #[serde(default)]
     pub vm: Option<ProxmoxVm>,
+    /// How a raw image crosses the wire: as qcow2 (only its allocated
+    /// clusters; Proxmox's import converts it) or as the raw bytes.
+    #[serde(default)]
+    pub upload: UploadFormat,
+}
+
+/// The form a raw image is uploaded in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UploadFormat {
+    #[default]
+    Qcow2,
+    Raw,
 }
 
 /// The VMs' shape. Explicit values throughout: the API's defaults (SeaBIOS,

@@ -9,6 +9,7 @@ mod api;
 mod credentials;
 pub mod destroy;
 mod error;
+mod qcow2;
 mod settings;
 mod types;
 mod upload;
@@ -23,7 +24,9 @@ pub use error::{ProxmoxError, Step};
 pub use types::{Apply, Event, NodePublished, Observer, PublishOptions, SettingChange, VmChange};
 pub use upload::{content_for, volume_file};
 
-use crate::inventory::{Inventory, Machine, ProxmoxSettings, ProxmoxVm, VmBoot};
+use crate::inventory::{
+    ImageFormat, Inventory, Machine, ProxmoxSettings, ProxmoxVm, UploadFormat, VmBoot,
+};
 use crate::publish::PublishImage;
 use api::Api;
 use upload::upload;
@@ -45,7 +48,6 @@ struct Survey<'a> {
 
 /// Where a node's image goes: the storage half of its [`Decision`].
 struct Volume {
-    file: String,
     volid: String,
     /// True when the node's host's storage already holds these exact bytes.
     stored: bool,
@@ -121,31 +123,39 @@ impl<'a> Survey<'a> {
             .map_or_else(|| self.settings.node.clone(), |m| m.host)
     }
 
-    /// The volume `img` is stored as on its node's host.
+    /// The volume `img` is stored as on its node's host: a raw image is
+    /// sent as qcow2 unless `upload: raw`, under the raw image's sha256.
     fn volume(&self, img: &PublishImage) -> Volume {
         let inv = self.inv;
+        let converted = converts(self.settings, img.format);
         let file = volume_file(
             &inv.cluster.name,
             &img.node,
             &inv.cluster.talos_version,
             &img.sha256,
-            img.format,
+            if converted {
+                ImageFormat::Qcow2
+            } else {
+                img.format
+            },
         );
         let volid = format!(
             "{}:{}/{file}",
             self.settings.storage,
             content_for(img.format)
         );
-        let stored = self
+        // A converted image's size is known only once converted; its name
+        // holds the raw image's sha256, and a failed upload leaves no volume.
+        let listed = self
             .stored
             .get(&self.host(img.index))
-            .and_then(|s| s.get(&volid))
-            == Some(&img.size);
-        Volume {
-            file,
-            volid,
-            stored,
-        }
+            .and_then(|s| s.get(&volid));
+        let stored = if converted {
+            listed.is_some()
+        } else {
+            listed == Some(&img.size)
+        };
+        Volume { volid, stored }
     }
 
     /// Where the VM of the node at `index` is and what happens to it, given
@@ -341,11 +351,7 @@ fn publish_node(
 ) -> Result<NodePublished, ProxmoxError> {
     let (api, s) = (&survey.api, survey.settings);
     let host = survey.host(img.index);
-    let Volume {
-        file,
-        volid,
-        stored,
-    } = survey.volume(img);
+    let Volume { volid, stored } = survey.volume(img);
     let mut out = NodePublished {
         node: img.node.clone(),
         volid: volid.clone(),
@@ -367,7 +373,7 @@ fn publish_node(
     };
     let needs_image = decided.as_ref().is_none_or(|d| d.needs_image);
     if needs_image && !stored {
-        upload(api, &host, s, img, &file, &volid, opts, observer)
+        send(api, &host, s, img, &volid, opts, observer)
             .map_err(|e| e.at(&img.node, Step::Upload, None))?;
         out.uploaded = true;
     } else if needs_image {
@@ -406,6 +412,46 @@ fn publish_node(
         out.started = true;
     }
     Ok(out)
+}
+
+/// Whether a publish to `s` sends an image of `format` as qcow2.
+fn converts(s: &ProxmoxSettings, format: ImageFormat) -> bool {
+    format == ImageFormat::Raw && s.upload == UploadFormat::Qcow2
+}
+
+/// Uploads the node's image as the volume `volid`: a raw image converted to
+/// a qcow2 file beside it first (removed afterwards), so only its allocated
+/// clusters cross the wire.
+fn send(
+    api: &Api,
+    host: &str,
+    s: &ProxmoxSettings,
+    img: &PublishImage,
+    volid: &str,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<(), ProxmoxError> {
+    if !converts(s, img.format) {
+        return upload(api, host, s, img, volid, opts, observer);
+    }
+    let mut path = img.path.clone().into_os_string();
+    path.push(".upload.qcow2");
+    let path = std::path::PathBuf::from(path);
+    let converted = qcow2::raw_to_qcow2(&img.path, &path).map(|(size, sha256)| PublishImage {
+        path: path.clone(),
+        size,
+        sha256,
+        format: ImageFormat::Qcow2,
+        ..img.clone()
+    });
+    let result = converted
+        .map_err(|e| ProxmoxError::Api {
+            what: format!("converting {} to qcow2", img.path.display()),
+            message: e.to_string(),
+        })
+        .and_then(|qcow2| upload(api, host, s, &qcow2, volid, opts, observer));
+    let _ = std::fs::remove_file(&path);
+    result
 }
 
 /// Makes the node's VM what its decision says (created, its settings

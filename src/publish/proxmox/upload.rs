@@ -87,19 +87,20 @@ pub fn content_for(format: ImageFormat) -> &'static str {
     }
 }
 
-/// Streams the image file to Proxmox node `host` as the multipart body (constant memory), waits
-/// for the server's task (checksum, `qemu-img info`, copy), and retries a
-/// broken transfer from the start. A failed upload leaves no volume behind.
+/// Streams the image file to Proxmox node `host` as the multipart body
+/// of the volume `volid` (constant memory), waits for the server's task
+/// (checksum, `qemu-img info`, copy), and retries a broken transfer from
+/// the start. A failed upload leaves no volume behind.
 pub(super) fn upload(
     api: &Api,
     host: &str,
     s: &ProxmoxSettings,
     img: &PublishImage,
-    file_name: &str,
     volid: &str,
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<(), ProxmoxError> {
+    let file_name = volid.rsplit('/').next().unwrap_or(volid);
     let what = format!("uploading {file_name}");
     let url = api.url(&format!("/nodes/{host}/storage/{}/upload", s.storage));
     let mut attempt = 0;
