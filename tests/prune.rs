@@ -147,7 +147,7 @@ fn keep_1_leaves_what_machines_use_plus_the_newest_and_nothing_of_anyone_else() 
     assert!(o.status.success(), "{}", text(&o.stderr));
     let v = json(&o);
     let planned = v["plan"]["delete"].as_array().unwrap();
-    let volumes: Vec<String> = planned
+    let mut volumes: Vec<String> = planned
         .iter()
         .filter(|p| p["item"]["kind"] == "proxmoxVolume")
         .map(|p| {
@@ -157,6 +157,7 @@ fn keep_1_leaves_what_machines_use_plus_the_newest_and_nothing_of_anyone_else() 
             volid.strip_prefix("local:import/").unwrap().to_owned()
         })
         .collect();
+    volumes.sort();
     assert_eq!(volumes, with(&["v1.11.3"], &all), "{v}");
     let cache: Vec<&serde_json::Value> = planned
         .iter()
