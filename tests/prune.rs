@@ -186,6 +186,25 @@ fn keep_1_leaves_what_machines_use_plus_the_newest_and_nothing_of_anyone_else() 
     );
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json(&o)["plan"]["delete"], serde_json::json!([]));
+
+    // cp-02 leaves the inventory (its VM stays): its newest upload goes,
+    // what its VM was made from stays.
+    work.edit(
+        "  - name: cp-02\n    role: controlplane\n    address: 127.0.0.12\n",
+        "",
+    );
+    let o = prune(
+        &work,
+        &pve,
+        &["--keep", "1", "--dry-run", "--output", "json"],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    let planned = v["plan"]["delete"].as_array().unwrap();
+    assert_eq!(planned.len(), 1, "{v}");
+    assert_eq!(planned[0]["why"]["reason"], "nodeGone", "{v}");
+    let volid = planned[0]["item"]["volid"].as_str().unwrap();
+    assert!(volid.contains("-cp-02-v1.11.5-"), "{volid}");
 }
 
 /// Killed with a volume's delete task in flight, then run again at once
