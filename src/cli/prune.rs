@@ -134,6 +134,7 @@ fn line(p: &Pruned) -> String {
         .map_or("size unknown".to_owned(), |s| HumanBytes(s).to_string());
     let why = match p.why {
         Why::Unreferenced => "no manifest references it".to_owned(),
+        Why::NodeGone => "unused, and its node is no longer in the inventory".to_owned(),
         Why::OlderThanNewest { keep } => {
             format!("unused, and older than the newest {keep} of its node/base")
         }

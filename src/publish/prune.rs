@@ -16,7 +16,8 @@
 //!   download is under way (its lock held) is left.
 //!
 //! "Newest" counts every item of a group, used or not, so what stays is
-//! what is used plus the newest `keep`.
+//! what is used plus the newest `keep`. A node no longer in the inventory
+//! keeps only what a VM uses.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -104,6 +105,8 @@ pub enum Why {
     Unreferenced,
     /// Unused, and not among the newest `keep` of its group.
     OlderThanNewest { keep: usize },
+    /// Unused, and its node is no longer in the inventory.
+    NodeGone,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -185,25 +188,32 @@ pub fn plan(scope: &PruneScope) -> Result<PrunePlan, PruneError> {
     match scope.target {
         Target::None => {}
         Target::Proxmox(t) => {
-            let (volumes, kept) = beyond_newest(
-                proxmox_volumes(scope, t)?,
-                scope.keep,
-                |v| {
-                    (
-                        v.pve_node.clone(),
-                        v.storage.clone(),
-                        v.content.clone(),
-                        v.node.clone(),
-                    )
-                },
-                |v| (v.ctime, v.volid.clone()),
-                |v| !v.used_by.is_empty(),
-            );
-            plan.kept += kept;
-            plan.delete.extend(volumes.into_iter().map(|v| Pruned {
-                item: Item::ProxmoxVolume(v),
-                why: old,
-            }));
+            // A node gone from the inventory keeps nothing but what a VM
+            // still uses: no machine of its will be made again.
+            let (current, former): (Vec<_>, Vec<_>) = proxmox_volumes(scope, t)?
+                .into_iter()
+                .partition(|v| scope.inv.nodes.iter().any(|n| n.name == v.node));
+            for (volumes, keep, why) in [(current, scope.keep, old), (former, 0, Why::NodeGone)] {
+                let (volumes, kept) = beyond_newest(
+                    volumes,
+                    keep,
+                    |v| {
+                        (
+                            v.pve_node.clone(),
+                            v.storage.clone(),
+                            v.content.clone(),
+                            v.node.clone(),
+                        )
+                    },
+                    |v| (v.ctime, v.volid.clone()),
+                    |v| !v.used_by.is_empty(),
+                );
+                plan.kept += kept;
+                plan.delete.extend(volumes.into_iter().map(|v| Pruned {
+                    item: Item::ProxmoxVolume(v),
+                    why,
+                }));
+            }
         }
         Target::Hcloud(t) => {
             let snapshots = cluster_snapshots(&t.api()?, &t.settings.labels)?;

@@ -608,12 +608,34 @@ pub fn delete_volume(
         urlencode(&volume.storage),
         urlencode(&volume.volid)
     );
-    match api.delete(&what, &path) {
-        Ok(task) => api.wait(&what, &task, &opts.publish())?,
-        Err(e) if gone(&e) => return Ok(()),
-        Err(e) => return Err(e),
+    let deleted = api
+        .delete(&what, &path)
+        .and_then(|task| api.wait(&what, &task, &opts.publish()));
+    match deleted {
+        Ok(()) => Ok(()),
+        // A delete a killed run sent may have freed it meanwhile: a task
+        // that failed on a volume no longer there is done.
+        Err(e) if gone(&e) || !still_stored(&api, volume)? => Ok(()),
+        Err(e) => Err(e),
     }
-    Ok(())
+}
+
+/// Whether the storage still lists the volume.
+fn still_stored(api: &Api, volume: &StoredVolume) -> Result<bool, ProxmoxError> {
+    let listed = api.get(
+        "listing storage",
+        &format!(
+            "/nodes/{}/storage/{}/content?content={}",
+            volume.pve_node,
+            urlencode(&volume.storage),
+            volume.content
+        ),
+    )?;
+    Ok(listed
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|v| v["volid"] == volume.volid.as_str()))
 }
 
 #[cfg(test)]
