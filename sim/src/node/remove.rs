@@ -429,3 +429,130 @@ pub(super) async fn delete_node(
         ),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Args, Boot, new_cluster};
+    use super::*;
+    use clap::Parser;
+    use std::time::Duration;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    /// `cps` control planes and a worker on Talos `version`, configured and
+    /// bootstrapped 10 s ago (etcd healthy on every control plane); the API
+    /// of the first.
+    fn cluster(version: &str, cps: usize) -> Api {
+        let mut argv = vec!["sim".to_owned(), "--talos-version".into(), version.into()];
+        for k in 1..=cps {
+            argv.extend([
+                "--node".into(),
+                format!("cp-0{k}=127.0.0.{}:controlplane", 10 + k),
+            ]);
+        }
+        argv.extend(["--node".into(), "worker-01=127.0.0.21:worker".into()]);
+        let cluster = new_cluster(Cli::parse_from(argv).args).unwrap();
+        let then = Instant::now() - Duration::from_secs(10);
+        for n in cluster.all() {
+            n.st.lock().unwrap().configured_at = Some(then);
+        }
+        *cluster.boot.lock().unwrap() = Some(Boot { at: then, node: 0 });
+        Api {
+            cluster,
+            me: 0,
+            secure: true,
+        }
+    }
+
+    fn message<T: std::fmt::Debug>(r: Result<T, Status>) -> (tonic::Code, String) {
+        let s = r.unwrap_err();
+        (s.code(), s.message().to_owned())
+    }
+
+    #[test]
+    fn v1_11_a_worker_cannot_leave_etcd_or_remove_members() {
+        let api = cluster("v1.11.5", 3);
+        let worker = 3;
+        assert_eq!(
+            message(api.leave_on(worker)),
+            (
+                tonic::Code::Unimplemented,
+                "etcd leave is only available on control plane nodes".into()
+            )
+        );
+        assert_eq!(
+            message(api.remove_by_id_on(worker, 0x1000)).0,
+            tonic::Code::Unimplemented
+        );
+    }
+
+    #[test]
+    fn v1_11_the_only_member_cannot_leave() {
+        let api = cluster("v1.11.5", 1);
+        let (code, text) = message(api.leave_on(0));
+        assert_eq!(code, tonic::Code::Unknown);
+        assert!(text.contains(NOT_ENOUGH), "{text}");
+        assert!(!api.cluster.left_etcd(0));
+    }
+
+    #[test]
+    fn v1_12_a_healthy_member_stays_while_another_is_down_but_the_down_one_may_go() {
+        let api = cluster("v1.12.4", 3);
+        api.cluster.node(2).st.lock().unwrap().halted = true; // cp-03 down
+        let (_, text) = message(api.remove_by_id_on(0, 0x1001));
+        assert!(text.contains(NOT_ENOUGH), "{text}");
+        api.remove_by_id_on(0, 0x1002).unwrap();
+        assert_eq!(api.cluster.members(), [0, 1]);
+        // Gone is gone: NotFound, as EtcdRemoveMemberByID maps etcd's error.
+        assert_eq!(
+            message(api.remove_by_id_on(0, 0x1002)).0,
+            tonic::Code::NotFound
+        );
+    }
+
+    #[test]
+    fn leaving_twice_fails_on_v1_9_0_only() {
+        let old = cluster("v1.9.0", 3);
+        old.leave_on(2).unwrap();
+        let (_, text) = message(old.leave_on(2));
+        assert!(text.contains("member not found"), "{text}");
+        let new = cluster("v1.9.1", 3);
+        new.leave_on(2).unwrap();
+        new.leave_on(2).unwrap();
+        assert_eq!(new.cluster.members(), [0, 1]);
+    }
+
+    #[test]
+    fn v1_13_reset_checks_labels_and_refuses_what_is_not_modelled() {
+        let api = cluster("v1.13.4", 3);
+        let spec = |label: &str| ResetPartitionSpec {
+            label: label.into(),
+            wipe: true,
+        };
+        let ok = ResetRequest {
+            graceful: true,
+            system_partitions_to_wipe: vec![spec("STATE"), spec("EPHEMERAL")],
+            ..ResetRequest::default()
+        };
+        api.check_reset(&ok).unwrap();
+        let bad = ResetRequest {
+            system_partitions_to_wipe: vec![spec("DATA")],
+            ..ok.clone()
+        };
+        assert!(message(api.check_reset(&bad)).1.contains("\"DATA\""));
+        let users = ResetRequest {
+            mode: WipeMode::UserDisks as i32,
+            ..ok.clone()
+        };
+        assert!(message(api.check_reset(&users)).1.contains("USER_DISKS"));
+        let reboot = ResetRequest { reboot: true, ..ok };
+        assert_eq!(
+            message(api.check_reset(&reboot)).0,
+            tonic::Code::FailedPrecondition
+        );
+    }
+}

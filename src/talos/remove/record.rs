@@ -2,8 +2,8 @@
 //! and where its Talos API was reached, as the last successful bootstrap
 //! (or `up`) left them. A node in the record but not in the inventory is a
 //! node to remove; it leaves the record only once its removal is done, so
-//! a bootstrap in between does not forget it. Holds no secret (plain 0644
-//! file, written atomically).
+//! a bootstrap in between does not forget it. Holds no secret; written
+//! atomically, 0600 as every file of the state dir.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -60,7 +60,7 @@ impl NodesRecord {
     pub fn save(&self, state_dir: &Path) -> io::Result<()> {
         let mut text = serde_json::to_string_pretty(self).map_err(io::Error::other)?;
         text.push('\n');
-        crate::atomic::write_if_changed(&Self::path(state_dir), text.as_bytes(), false)?;
+        crate::atomic::write_if_changed(&Self::path(state_dir), text.as_bytes(), true)?;
         Ok(())
     }
 

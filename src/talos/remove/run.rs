@@ -365,6 +365,10 @@ async fn run_step(
     opts: &RemoveOptions,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Outcome, String> {
+    // A plan made by hand never puts a foreign name in an API path.
+    if !plan::valid_node_name(&n.node) {
+        return Err(format!("{} is not a Kubernetes node name", shown(&n.node)));
+    }
     let plan = &prepared.plan;
     let limits = &opts.limits;
     let own = n.endpoint.map(|e| target(e, n.address));
