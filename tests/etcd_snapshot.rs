@@ -167,6 +167,11 @@ fn v1_11_upgrade_snapshots_etcd_once_before_the_first_control_plane_upgrade() {
     );
     let path = c.snapshots_dir().join(&files[0]);
     assert_whole_snapshot(&path);
+    let mode = std::fs::metadata(c.snapshots_dir())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700, "made by imgbuild, private");
     assert_eq!(
         std::fs::metadata(&path).unwrap().len(),
         taken[0]["size"].as_u64().unwrap()
@@ -283,8 +288,6 @@ fn v1_11_etcd_snapshot_writes_a_verified_file_and_keeps_the_newest_n() {
     for p in &paths[1..] {
         assert_whole_snapshot(Path::new(p));
     }
-    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode, 0o700);
 }
 
 #[test]

@@ -91,8 +91,10 @@ pub enum EtcdError {
     TooLarge { node: String, limit: u64 },
     #[error("node {node}: the etcd snapshot did not finish within {timeout:?} (nothing kept)")]
     TimedOut { node: String, timeout: Duration },
-    #[error("{what}: not a whole etcd snapshot: {problem}")]
-    Invalid { what: String, problem: FormatError },
+    #[error("{}: not a whole etcd snapshot: {problem}", path.display())]
+    Invalid { path: PathBuf, problem: FormatError },
+    #[error("node {node}: the etcd snapshot it sent is not whole: {problem} (nothing kept)")]
+    Incomplete { node: String, problem: FormatError },
     #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: io::Error },
     #[error("cannot start the async runtime: {0}")]
@@ -236,7 +238,7 @@ pub fn verify_file(path: &Path) -> Result<SnapshotInfo, EtcdError> {
         v.update(&buf[..n]);
     }
     v.finish().map_err(|problem| EtcdError::Invalid {
-        what: path.display().to_string(),
+        path: path.to_owned(),
         problem,
     })
 }
@@ -473,8 +475,8 @@ async fn stream_into(
             .write_all(&chunk.bytes)
             .map_err(io_at(out.temp_path()))?;
     }
-    let info = v.finish().map_err(|problem| EtcdError::Invalid {
-        what: format!("node {node}: the snapshot it sent"),
+    let info = v.finish().map_err(|problem| EtcdError::Incomplete {
+        node: node.to_owned(),
         problem,
     })?;
     out.commit().map_err(io_at(path))?;
