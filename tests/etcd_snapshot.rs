@@ -354,18 +354,18 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     );
     assert!(o.status.success(), "{}", text(&o.stderr));
 
+    // `bootstrap --recover-from file` fails, saying `why`.
+    let refused = |file: &Path, why: &str| {
+        let o = imgbuild(
+            &c.config,
+            &["bootstrap", "--recover-from", file.to_str().unwrap()],
+            &[],
+        );
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+        assert!(text(&o.stderr).contains(why), "{}", text(&o.stderr));
+    };
     // A cluster whose etcd runs is not recovered over: nothing is uploaded.
-    let o = imgbuild(
-        &c.config,
-        &["bootstrap", "--recover-from", snap.to_str().unwrap()],
-        &[],
-    );
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
-    assert!(
-        text(&o.stderr).contains("etcd already has data"),
-        "{}",
-        text(&o.stderr)
-    );
+    refused(&snap, "etcd already has data");
     assert_eq!(c.etcd()["uploads"], serde_json::json!({}));
 
     // A file that is not a whole snapshot is refused before any node.
@@ -373,17 +373,7 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     let mut bytes = std::fs::read(&snap).unwrap();
     bytes[5000] ^= 1;
     std::fs::write(&bad, &bytes).unwrap();
-    let o = imgbuild(
-        &c.config,
-        &["bootstrap", "--recover-from", bad.to_str().unwrap()],
-        &[],
-    );
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
-    assert!(
-        text(&o.stderr).contains("not a whole etcd snapshot"),
-        "{}",
-        text(&o.stderr)
-    );
+    refused(&bad, "not a whole etcd snapshot");
 
     // The disaster: every control plane's etcd data is gone (EPHEMERAL
     // wiped), the nodes keep their configs; etcd waits for bootstrap.
