@@ -343,7 +343,7 @@ fn stamp_of<'a>(name: &'a str, cluster: &str) -> Option<&'a str> {
 /// Deletes all but the newest `keep` snapshots of `cluster` in `dir`, and
 /// only those imgbuild wrote: named as it names them, with its `.sha256`
 /// record beside them naming the file. Returns what it deleted.
-pub fn prune(dir: &Path, cluster: &str, keep: usize) -> io::Result<Vec<PathBuf>> {
+fn prune(dir: &Path, cluster: &str, keep: usize) -> io::Result<Vec<PathBuf>> {
     let mut ours: Vec<(String, PathBuf)> = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;

@@ -21,7 +21,7 @@ const UPLOAD_CHUNK: usize = 64 << 10;
 /// chunks read from disk, checking it again on the way (the file may have
 /// changed since it was checked): a file that fails is reported before
 /// the node is asked to bootstrap from it.
-pub async fn upload(conn: &NodeClient, path: &Path) -> Result<SnapshotInfo, RecoverError> {
+async fn upload(conn: &NodeClient, path: &Path) -> Result<SnapshotInfo, RecoverError> {
     let file = tokio::fs::File::open(path)
         .await
         .map_err(|e| RecoverError::Local(format!("{}: {e}", path.display())))?;
@@ -79,7 +79,7 @@ pub enum RecoverError {
 
 /// What a recovery needs of the bootstrap node, said when its etcd runs
 /// (Talos answers its `Bootstrap` with "etcd data directory is not empty").
-pub const RECOVER_NEEDS_WIPED: &str = "etcd already has data on this node: recovery needs control planes whose etcd waits for bootstrap (service etcd Preparing), as after `talosctl reset --system-labels-to-wipe EPHEMERAL` or on fresh machines; nothing was uploaded";
+const RECOVER_NEEDS_WIPED: &str = "etcd already has data on this node: recovery needs control planes whose etcd waits for bootstrap (service etcd Preparing), as after `talosctl reset --system-labels-to-wipe EPHEMERAL` or on fresh machines; nothing was uploaded";
 
 /// Recovers etcd on `conn`'s node from the snapshot at `path`, as
 /// `talosctl bootstrap --recover-from` does: refuses a node whose etcd
