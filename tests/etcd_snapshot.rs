@@ -409,3 +409,62 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     let o = imgbuild(&c.config, &["--output", "json", "status"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
 }
+
+#[test]
+fn v1_11_bootstrap_recover_from_configures_replaced_machines_and_restores_the_data() {
+    let c = Cluster::start(5, &[]);
+    c.etcd_post(r#"{"put": {"/registry/secrets/default/marker": "kept"}}"#);
+    let snap = c.dir.path().join("db.snapshot");
+    let o = imgbuild(
+        &c.config,
+        &["etcd", "snapshot", "--out", snap.to_str().unwrap()],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    // Every machine is lost and replaced by a fresh one on its address, in
+    // maintenance mode; the state dir (secrets.yaml) is what is left.
+    let control = &c.nodes.control;
+    for (name, host, _) in NODES {
+        let ip = format!("{}.{host}", c.net);
+        curl(&[
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            &format!(r#"{{"ip": "{ip}"}}"#),
+            &format!("{control}/_sim/halt"),
+        ]);
+        c.etcd_post(r#"{"wipe": true}"#);
+        curl(&[
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            &format!(r#"{{"name": "new-{name}", "ip": "{ip}", "hostname": "{name}"}}"#),
+            &format!("{control}/_sim/boot"),
+        ]);
+    }
+    let o = imgbuild(
+        &c.config,
+        &[
+            "--output",
+            "json",
+            "bootstrap",
+            "--recover-from",
+            snap.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let done = json(&o);
+    assert_eq!(done["healthy"], true, "{done}");
+    assert_eq!(done["applied"].as_array().unwrap().len(), 5, "{done}");
+    let etcd = c.etcd();
+    assert_eq!(
+        etcd["keys"]["/registry/secrets/default/marker"], "kept",
+        "{etcd}"
+    );
+    assert_eq!(etcd["recoveries"][0]["node"], "cp-01", "{etcd}");
+}
