@@ -167,6 +167,11 @@ fn v1_11_upgrade_snapshots_etcd_once_before_the_first_control_plane_upgrade() {
     );
     let path = c.snapshots_dir().join(&files[0]);
     assert_whole_snapshot(&path);
+    let mode = std::fs::metadata(c.snapshots_dir())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700, "made by imgbuild, private");
     assert_eq!(
         std::fs::metadata(&path).unwrap().len(),
         taken[0]["size"].as_u64().unwrap()
@@ -283,8 +288,6 @@ fn v1_11_etcd_snapshot_writes_a_verified_file_and_keeps_the_newest_n() {
     for p in &paths[1..] {
         assert_whole_snapshot(Path::new(p));
     }
-    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode, 0o700);
 }
 
 #[test]
@@ -351,18 +354,18 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     );
     assert!(o.status.success(), "{}", text(&o.stderr));
 
+    // `bootstrap --recover-from file` fails, saying `why`.
+    let refused = |file: &Path, why: &str| {
+        let o = imgbuild(
+            &c.config,
+            &["bootstrap", "--recover-from", file.to_str().unwrap()],
+            &[],
+        );
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+        assert!(text(&o.stderr).contains(why), "{}", text(&o.stderr));
+    };
     // A cluster whose etcd runs is not recovered over: nothing is uploaded.
-    let o = imgbuild(
-        &c.config,
-        &["bootstrap", "--recover-from", snap.to_str().unwrap()],
-        &[],
-    );
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
-    assert!(
-        text(&o.stderr).contains("etcd already has data"),
-        "{}",
-        text(&o.stderr)
-    );
+    refused(&snap, "etcd already has data");
     assert_eq!(c.etcd()["uploads"], serde_json::json!({}));
 
     // A file that is not a whole snapshot is refused before any node.
@@ -370,17 +373,7 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     let mut bytes = std::fs::read(&snap).unwrap();
     bytes[5000] ^= 1;
     std::fs::write(&bad, &bytes).unwrap();
-    let o = imgbuild(
-        &c.config,
-        &["bootstrap", "--recover-from", bad.to_str().unwrap()],
-        &[],
-    );
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
-    assert!(
-        text(&o.stderr).contains("not a whole etcd snapshot"),
-        "{}",
-        text(&o.stderr)
-    );
+    refused(&bad, "not a whole etcd snapshot");
 
     // The disaster: every control plane's etcd data is gone (EPHEMERAL
     // wiped), the nodes keep their configs; etcd waits for bootstrap.
@@ -415,4 +408,63 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     // others joined the recovered one.
     let o = imgbuild(&c.config, &["--output", "json", "status"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
+}
+
+#[test]
+fn v1_11_bootstrap_recover_from_configures_replaced_machines_and_restores_the_data() {
+    let c = Cluster::start(5, &[]);
+    c.etcd_post(r#"{"put": {"/registry/secrets/default/marker": "kept"}}"#);
+    let snap = c.dir.path().join("db.snapshot");
+    let o = imgbuild(
+        &c.config,
+        &["etcd", "snapshot", "--out", snap.to_str().unwrap()],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    // Every machine is lost and replaced by a fresh one on its address, in
+    // maintenance mode; the state dir (secrets.yaml) is what is left.
+    let control = &c.nodes.control;
+    for (name, host, _) in NODES {
+        let ip = format!("{}.{host}", c.net);
+        curl(&[
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            &format!(r#"{{"ip": "{ip}"}}"#),
+            &format!("{control}/_sim/halt"),
+        ]);
+        c.etcd_post(r#"{"wipe": true}"#);
+        curl(&[
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            &format!(r#"{{"name": "new-{name}", "ip": "{ip}", "hostname": "{name}"}}"#),
+            &format!("{control}/_sim/boot"),
+        ]);
+    }
+    let o = imgbuild(
+        &c.config,
+        &[
+            "--output",
+            "json",
+            "bootstrap",
+            "--recover-from",
+            snap.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let done = json(&o);
+    assert_eq!(done["healthy"], true, "{done}");
+    assert_eq!(done["applied"].as_array().unwrap().len(), 5, "{done}");
+    let etcd = c.etcd();
+    assert_eq!(
+        etcd["keys"]["/registry/secrets/default/marker"], "kept",
+        "{etcd}"
+    );
+    assert_eq!(etcd["recoveries"][0]["node"], "cp-01", "{etcd}");
 }

@@ -147,6 +147,10 @@
 //! the deprecated-API metric: the flags, endpoints and stats are listed in
 //! `node/k8s_pods.rs` and `node/k8s_objects.rs`.
 //!
+//! ## etcd snapshots and recovery (issue 30)
+//! `EtcdSnapshot`, `EtcdRecover`, `Bootstrap{recover_etcd}`, `/_sim/etcd` and
+//! the `etcd-snapshot-*` misbehaviours: see `node/etcd.rs`.
+//!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
 //! and numbers are upstream's `api/machine/machine.proto`) and the certificate helpers

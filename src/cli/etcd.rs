@@ -6,7 +6,7 @@ use super::output::Output;
 use super::talos::BootstrapRunArgs;
 use anyhow::Result;
 use clap::{Args, Subcommand};
-use imgbuild::talos::etcd::{self, SnapshotOptions, Target};
+use imgbuild::talos::etcd::{self, SnapshotOptions, SnapshotTarget};
 use imgbuild::talos::stage;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -65,8 +65,8 @@ pub fn run(args: EtcdArgs, config: &Path, output: Output) -> Result<()> {
     let mut snap = SnapshotOptions::in_state_dir(&prepared.state_dir.path, &inv.cluster.name);
     snap.max_size = args.max_size;
     snap.target = match args.out {
-        Some(file) => Target::File(file),
-        None => Target::Dir {
+        Some(file) => SnapshotTarget::File(file),
+        None => SnapshotTarget::Dir {
             dir: prepared.state_dir.path.join(etcd::SNAPSHOT_DIR),
             cluster: inv.cluster.name.clone(),
             keep: usize::from(args.keep),

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::client::{self, ApiError, Mode, NodeClient, NodeEndpoint, Probe};
+use super::etcd::recover;
 use super::kube::{self, Kubeconfig};
 use super::talosconfig::Identity;
 use crate::inventory::Role;
@@ -73,7 +74,7 @@ pub struct Options {
     /// SHA-256 of the maintenance certificate to accept (all nodes).
     pub pin: Option<String>,
     /// Bootstrap etcd from this snapshot instead of empty
-    /// (`bootstrap --recover-from`, see [`super::etcd::recover`]).
+    /// (`bootstrap --recover-from`, see [`recover::recover`]).
     pub recover_from: Option<PathBuf>,
     /// Control planes on their way out: of record but gone from the
     /// inventory (`up` removes them after the health check), so etcd may
@@ -577,10 +578,10 @@ async fn recover_once(
 ) -> Result<bool, ApiError> {
     let upload_timeout = opts.call_timeout.max(opts.bootstrap_timeout);
     let conn = NodeClient::connect(target, mode, upload_timeout).await?;
-    match super::etcd::recover(&conn, snapshot).await {
+    match recover::recover(&conn, snapshot).await {
         Ok(_) => Ok(true),
-        Err(super::etcd::RecoverError::Api(e)) => Err(e),
-        Err(super::etcd::RecoverError::Local(message)) => Err(ApiError::Status {
+        Err(recover::RecoverError::Api(e)) => Err(e),
+        Err(recover::RecoverError::Local(message)) => Err(ApiError::Status {
             code: tonic::Code::InvalidArgument,
             message,
         }),
@@ -1044,7 +1045,8 @@ pub async fn run(
         .ok_or_else(|| BootstrapError::Local("the inventory has no control plane".into()))?;
     // A snapshot etcd would not restore is refused before any node is touched.
     if let Some(snapshot) = &opts.recover_from {
-        super::etcd::verify_file(snapshot).map_err(|e| BootstrapError::Local(e.to_string()))?;
+        super::etcd::format::verify_file(snapshot)
+            .map_err(|e| BootstrapError::Local(e.to_string()))?;
     }
 
     // Every node settles concurrently; bootstrap starts as soon as the first

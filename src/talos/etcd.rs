@@ -2,30 +2,23 @@
 //! (an upgrade, a reboot-needing apply, a removal) it saves etcd's snapshot
 //! into the state dir ([`snapshot_before_change`]); `imgbuild etcd snapshot`
 //! takes one on demand ([`snapshot`]); `bootstrap --recover-from` brings a
-//! wiped cluster back from one ([`recover`]).
-//!
-//! A snapshot is what etcd's maintenance `Snapshot` streams through Talos
-//! (siderolabs/talos `v1alpha1_server.go` EtcdSnapshot): the bolt database
-//! with its SHA-256 appended, so its size modulo 512 is 32. talosctl checks
-//! that size after saving (`cmd/talosctl/cmd/talos/etcd.go`), then opens the
-//! database; etcd's restore checks the hash (`etcdutl/snapshot/v3_snapshot.go`,
-//! `hasHash := (off % 512) == sha256.Size`). imgbuild checks all three as the
-//! bytes arrive — the size, the hash, and the bolt meta page at its start
-//! (go.etcd.io/bbolt `page.go`, `db.go`: magic 0xED0CDAED, version 2,
-//! FNV-64a checksum) — so a file it keeps is one etcd restores.
+//! wiped cluster back from one ([`recover::recover`]). A snapshot is
+//! streamed from the first control plane whose etcd is healthy (siderolabs/
+//! talos `v1alpha1_server.go` EtcdSnapshot), checked as it arrives
+//! ([`format`]), and kept only whole.
+
+pub mod format;
+pub mod recover;
 
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sha2::Digest;
-
-use super::api::common::Data;
 use super::bootstrap::{Options, Plan, PlannedNode};
 use super::client::{ApiError, Mode, NodeClient};
 use crate::atomic::AtomicFile;
 use crate::inventory::Role;
+use format::{FormatError, SnapshotInfo, Verifier};
 
 /// Snapshots kept in the state dir unless told otherwise.
 pub const DEFAULT_KEEP: usize = 5;
@@ -41,36 +34,7 @@ pub const SNAPSHOT_DIR: &str = "etcd";
 const SUFFIX: &str = ".snapshot";
 const RECORD_SUFFIX: &str = ".sha256";
 
-/// How much of a snapshot one upload message carries.
-const UPLOAD_CHUNK: usize = 64 << 10;
-
-/// The bolt meta page: a 16-byte page header (id u64, flags u16, count u16,
-/// overflow u32), then magic u32, version u32, page size u32, flags u32,
-/// root bucket (u64, u64), freelist u64, pgid u64, txid u64 and the FNV-64a
-/// of the 56 meta bytes before it.
-const BOLT_MAGIC: u32 = 0xED0C_DAED;
-const BOLT_VERSION: u32 = 2;
-const BOLT_META_FLAG: u16 = 0x04;
-const META_AT: usize = 16;
-const META_SUMMED: usize = 56;
-const HEAD: usize = META_AT + META_SUMMED + 8;
-
-/// Why a byte stream is not a whole etcd snapshot.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum FormatError {
-    #[error("it is empty")]
-    Empty,
-    #[error(
-        "sha256 checksum not found (size {size}: a snapshot is a bolt database of whole 512-byte blocks with its 32-byte SHA-256 appended)"
-    )]
-    NoChecksum { size: u64 },
-    #[error("its database hashes to {found}, but the snapshot carries {expected}")]
-    ChecksumMismatch { expected: String, found: String },
-    #[error("it does not start with a bolt meta page: {0}")]
-    NotBolt(String),
-}
-
-/// Why a snapshot or a recovery did not happen.
+/// Why a snapshot was not taken.
 #[derive(Debug, thiserror::Error)]
 pub enum EtcdError {
     #[error("no control plane to take the etcd snapshot from: {}", .0.join("; "))]
@@ -91,8 +55,8 @@ pub enum EtcdError {
     TooLarge { node: String, limit: u64 },
     #[error("node {node}: the etcd snapshot did not finish within {timeout:?} (nothing kept)")]
     TimedOut { node: String, timeout: Duration },
-    #[error("{what}: not a whole etcd snapshot: {problem}")]
-    Invalid { what: String, problem: FormatError },
+    #[error("node {node}: the etcd snapshot it sent is not whole: {problem} (nothing kept)")]
+    Incomplete { node: String, problem: FormatError },
     #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: io::Error },
     #[error("cannot start the async runtime: {0}")]
@@ -106,144 +70,9 @@ fn io_at(path: &Path) -> impl FnOnce(io::Error) -> EtcdError + '_ {
     }
 }
 
-/// What a whole snapshot holds, read from its bytes.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SnapshotInfo {
-    /// Bytes, the appended hash included.
-    pub size: u64,
-    /// SHA-256 of the whole file (what the `.sha256` record holds).
-    pub sha256: String,
-    /// The bolt database's page size and last transaction.
-    pub page_size: u32,
-    pub txid: u64,
-}
-
-/// Checks a snapshot as its bytes go by, holding only its first page's
-/// meta and its last 32 bytes.
-pub struct Verifier {
-    head: Vec<u8>,
-    tail: Vec<u8>,
-    db: sha2::Sha256,
-    file: sha2::Sha256,
-    size: u64,
-}
-
-impl Default for Verifier {
-    fn default() -> Self {
-        Verifier {
-            head: Vec::with_capacity(HEAD),
-            tail: Vec::with_capacity(2 * sha2::Sha256::output_size()),
-            db: sha2::Sha256::new(),
-            file: sha2::Sha256::new(),
-            size: 0,
-        }
-    }
-}
-
-impl Verifier {
-    /// Bytes so far.
-    pub fn size(&self) -> u64 {
-        self.size
-    }
-
-    pub fn update(&mut self, bytes: &[u8]) {
-        const HASH: usize = 32;
-        self.size += bytes.len() as u64;
-        self.file.update(bytes);
-        let room = HEAD.saturating_sub(self.head.len()).min(bytes.len());
-        self.head.extend_from_slice(&bytes[..room]);
-        // Everything but the last 32 bytes seen is database.
-        if bytes.len() >= HASH {
-            self.db.update(&self.tail);
-            self.db.update(&bytes[..bytes.len() - HASH]);
-            self.tail.clear();
-            self.tail.extend_from_slice(&bytes[bytes.len() - HASH..]);
-        } else {
-            self.tail.extend_from_slice(bytes);
-            let extra = self.tail.len().saturating_sub(HASH);
-            self.db.update(&self.tail[..extra]);
-            self.tail.drain(..extra);
-        }
-    }
-
-    /// The verdict on everything seen.
-    pub fn finish(self) -> Result<SnapshotInfo, FormatError> {
-        if self.size == 0 {
-            return Err(FormatError::Empty);
-        }
-        if self.size % 512 != 32 {
-            return Err(FormatError::NoChecksum { size: self.size });
-        }
-        let found = hex::encode(self.db.finalize());
-        let expected = hex::encode(&self.tail);
-        if found != expected {
-            return Err(FormatError::ChecksumMismatch { expected, found });
-        }
-        let (page_size, txid) = bolt_meta(&self.head)?;
-        Ok(SnapshotInfo {
-            size: self.size,
-            sha256: hex::encode(self.file.finalize()),
-            page_size,
-            txid,
-        })
-    }
-}
-
-/// The page size and txid of the bolt meta page `head` starts with. Bolt
-/// writes two meta pages and a snapshot writes both fresh, so the first
-/// must be valid.
-fn bolt_meta(head: &[u8]) -> Result<(u32, u64), FormatError> {
-    let bad = |why: &str| Err(FormatError::NotBolt(why.to_owned()));
-    if head.len() < HEAD {
-        return bad("shorter than a meta page");
-    }
-    let u16_at = |at: usize| u16::from_le_bytes([head[at], head[at + 1]]);
-    let u32_at = |at: usize| u32::from_le_bytes(head[at..at + 4].try_into().expect("4 bytes"));
-    let u64_at = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().expect("8 bytes"));
-    if u16_at(8) & BOLT_META_FLAG == 0 {
-        return bad("page 0 is not flagged as meta");
-    }
-    if u32_at(META_AT) != BOLT_MAGIC {
-        return bad("no bolt magic");
-    }
-    if u32_at(META_AT + 4) != BOLT_VERSION {
-        return bad("not bolt format version 2");
-    }
-    if fnv64a(&head[META_AT..META_AT + META_SUMMED]) != u64_at(META_AT + META_SUMMED) {
-        return bad("its meta checksum does not match");
-    }
-    Ok((u32_at(META_AT + 8), u64_at(META_AT + 48)))
-}
-
-/// FNV-1a, 64 bits (Go's `hash/fnv` New64a, which bolt sums its meta with).
-fn fnv64a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-/// Checks a snapshot file, reading it once (streamed).
-pub fn verify_file(path: &Path) -> Result<SnapshotInfo, EtcdError> {
-    let mut file = crate::io::open_regular(path, false).map_err(io_at(path))?;
-    let mut v = Verifier::default();
-    let mut buf = vec![0; crate::io::BUF_SIZE];
-    loop {
-        let n = io::Read::read(&mut file, &mut buf).map_err(io_at(path))?;
-        if n == 0 {
-            break;
-        }
-        v.update(&buf[..n]);
-    }
-    v.finish().map_err(|problem| EtcdError::Invalid {
-        what: path.display().to_string(),
-        problem,
-    })
-}
-
 /// Where a snapshot goes.
 #[derive(Debug, Clone)]
-pub enum Target {
+pub enum SnapshotTarget {
     /// Into a directory (the state dir's `etcd/`), named
     /// `<cluster>-<UTC time>-<node>.snapshot`, the newest `keep` of them
     /// kept.
@@ -259,7 +88,7 @@ pub enum Target {
 /// How a snapshot is taken.
 #[derive(Debug, Clone)]
 pub struct SnapshotOptions {
-    pub target: Target,
+    pub target: SnapshotTarget,
     /// The stream is stopped (and nothing kept) past this many bytes.
     pub max_size: u64,
     /// The whole stream; each message also waits at most the call timeout.
@@ -270,7 +99,7 @@ impl SnapshotOptions {
     /// Into `<state_dir>/etcd/`, the newest [`DEFAULT_KEEP`] kept.
     pub fn in_state_dir(state_dir: &Path, cluster: &str) -> SnapshotOptions {
         SnapshotOptions {
-            target: Target::Dir {
+            target: SnapshotTarget::Dir {
                 dir: state_dir.join(SNAPSHOT_DIR),
                 cluster: cluster.to_owned(),
                 keep: DEFAULT_KEEP,
@@ -350,8 +179,8 @@ pub async fn snapshot(
 ) -> Result<SnapshotFile, EtcdError> {
     let (node, conn) = healthy_control_plane(plan, limits).await?;
     let path = match &opts.target {
-        Target::File(path) => path.clone(),
-        Target::Dir { dir, cluster, .. } => {
+        SnapshotTarget::File(path) => path.clone(),
+        SnapshotTarget::Dir { dir, cluster, .. } => {
             create_private_dir(dir)?;
             dir.join(snapshot_name(
                 cluster,
@@ -365,10 +194,10 @@ pub async fn snapshot(
     let line = format!("{}  {}\n", info.sha256, file_name(&path));
     crate::atomic::write_if_changed(&record, line.as_bytes(), true).map_err(io_at(&record))?;
     let pruned = match &opts.target {
-        Target::Dir {
+        SnapshotTarget::Dir {
             dir, cluster, keep, ..
         } => prune(dir, cluster, *keep).map_err(io_at(dir))?,
-        Target::File(_) => Vec::new(),
+        SnapshotTarget::File(_) => Vec::new(),
     };
     Ok(SnapshotFile {
         path,
@@ -473,8 +302,8 @@ async fn stream_into(
             .write_all(&chunk.bytes)
             .map_err(io_at(out.temp_path()))?;
     }
-    let info = v.finish().map_err(|problem| EtcdError::Invalid {
-        what: format!("node {node}: the snapshot it sent"),
+    let info = v.finish().map_err(|problem| EtcdError::Incomplete {
+        node: node.to_owned(),
         problem,
     })?;
     out.commit().map_err(io_at(path))?;
@@ -514,7 +343,7 @@ fn stamp_of<'a>(name: &'a str, cluster: &str) -> Option<&'a str> {
 /// Deletes all but the newest `keep` snapshots of `cluster` in `dir`, and
 /// only those imgbuild wrote: named as it names them, with its `.sha256`
 /// record beside them naming the file. Returns what it deleted.
-pub fn prune(dir: &Path, cluster: &str, keep: usize) -> io::Result<Vec<PathBuf>> {
+fn prune(dir: &Path, cluster: &str, keep: usize) -> io::Result<Vec<PathBuf>> {
     let mut ours: Vec<(String, PathBuf)> = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
@@ -602,160 +431,9 @@ pub async fn snapshot_before_change(
     Ok(Some(file))
 }
 
-/// Uploads the snapshot at `path` to `conn`'s node (`EtcdRecover`) in
-/// chunks read from disk, checking it again on the way (the file may have
-/// changed since it was checked): a file that fails is reported before
-/// the node is asked to bootstrap from it.
-pub async fn upload(conn: &NodeClient, path: &Path) -> Result<SnapshotInfo, RecoverError> {
-    let file = tokio::fs::File::open(path)
-        .await
-        .map_err(|e| RecoverError::Local(format!("{}: {e}", path.display())))?;
-    let verdict = Arc::new(Mutex::new((Verifier::default(), None::<io::Error>)));
-    let seen = verdict.clone();
-    let chunks = futures_util::stream::unfold(Some(file), move |file| {
-        let seen = seen.clone();
-        async move {
-            use tokio::io::AsyncReadExt;
-            let mut file = file?;
-            let mut buf = vec![0; UPLOAD_CHUNK];
-            match file.read(&mut buf).await {
-                Ok(0) => None,
-                Ok(n) => {
-                    buf.truncate(n);
-                    seen.lock().expect("not poisoned").0.update(&buf);
-                    Some((
-                        Data {
-                            metadata: None,
-                            bytes: buf,
-                        },
-                        Some(file),
-                    ))
-                }
-                Err(e) => {
-                    seen.lock().expect("not poisoned").1 = Some(e);
-                    None
-                }
-            }
-        }
-    });
-    conn.etcd_recover(chunks).await.map_err(RecoverError::Api)?;
-    let (v, failed) = std::mem::take(&mut *verdict.lock().expect("not poisoned"));
-    if let Some(e) = failed {
-        return Err(RecoverError::Local(format!("{}: {e}", path.display())));
-    }
-    v.finish().map_err(|problem| {
-        RecoverError::Local(format!(
-            "{}: changed while it was uploaded, and is not a whole etcd snapshot now: {problem}",
-            path.display()
-        ))
-    })
-}
-
-/// Why a recovery step on the bootstrap node failed.
-#[derive(Debug, thiserror::Error)]
-pub enum RecoverError {
-    /// From the node: retried where it means "not yet".
-    #[error(transparent)]
-    Api(ApiError),
-    /// The file on this machine.
-    #[error("{0}")]
-    Local(String),
-}
-
-/// What a recovery needs of the bootstrap node, said when its etcd runs
-/// (Talos answers its `Bootstrap` with "etcd data directory is not empty").
-pub const RECOVER_NEEDS_WIPED: &str = "etcd already has data on this node: recovery needs control planes whose etcd waits for bootstrap (service etcd Preparing), as after `talosctl reset --system-labels-to-wipe EPHEMERAL` or on fresh machines; nothing was uploaded";
-
-/// Recovers etcd on `conn`'s node from the snapshot at `path`, as
-/// `talosctl bootstrap --recover-from` does: refuses a node whose etcd
-/// runs, uploads (`EtcdRecover`), then `Bootstrap{recover_etcd}`. Talos
-/// restores the database on that node with itself as the only member;
-/// the other control planes join it as after any bootstrap.
-pub async fn recover(conn: &NodeClient, path: &Path) -> Result<SnapshotInfo, RecoverError> {
-    let services = conn.services().await.map_err(RecoverError::Api)?;
-    if services
-        .iter()
-        .any(|s| s.id == "etcd" && s.state == "Running")
-    {
-        return Err(RecoverError::Local(RECOVER_NEEDS_WIPED.to_owned()));
-    }
-    let info = upload(conn, path).await?;
-    conn.bootstrap_recover().await.map_err(|e| match e {
-        ApiError::Status {
-            code: tonic::Code::AlreadyExists,
-            message,
-        } => RecoverError::Local(format!("{message}: {RECOVER_NEEDS_WIPED}")),
-        e => RecoverError::Api(e),
-    })?;
-    Ok(info)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A bolt-shaped database of `pages` 4 KiB pages with its hash appended,
-    /// built here by hand from the layout in bbolt's `page.go`/`db.go`.
-    fn snapshot_bytes(pages: usize) -> Vec<u8> {
-        let mut db = vec![0u8; pages * 4096];
-        db[8..10].copy_from_slice(&BOLT_META_FLAG.to_le_bytes());
-        db[16..20].copy_from_slice(&BOLT_MAGIC.to_le_bytes());
-        db[20..24].copy_from_slice(&2u32.to_le_bytes());
-        db[24..28].copy_from_slice(&4096u32.to_le_bytes());
-        db[64..72].copy_from_slice(&7u64.to_le_bytes());
-        let sum = fnv64a(&db[16..72]);
-        db[72..80].copy_from_slice(&sum.to_le_bytes());
-        let hash = sha2::Sha256::digest(&db);
-        db.extend_from_slice(&hash);
-        db
-    }
-
-    fn verdict(bytes: &[u8], chunk: usize) -> Result<SnapshotInfo, FormatError> {
-        let mut v = Verifier::default();
-        for c in bytes.chunks(chunk) {
-            v.update(c);
-        }
-        v.finish()
-    }
-
-    #[test]
-    fn a_whole_snapshot_passes_in_any_chunking() {
-        let bytes = snapshot_bytes(4);
-        for chunk in [1, 7, 31, 32, 33, 4096, 1 << 20] {
-            let info = verdict(&bytes, chunk).unwrap();
-            assert_eq!((info.size, info.page_size, info.txid), (16416, 4096, 7));
-            assert_eq!(info.sha256, hex::encode(sha2::Sha256::digest(&bytes)));
-        }
-    }
-
-    #[test]
-    fn fnv64a_matches_go_hash_fnv() {
-        // Go: fnv.New64a().Sum64() of "" and of "a".
-        assert_eq!(fnv64a(b""), 0xcbf29ce484222325);
-        assert_eq!(fnv64a(b"a"), 0xaf63dc4c8601ec8c);
-    }
-
-    #[test]
-    fn truncated_flipped_or_foreign_bytes_fail() {
-        let bytes = snapshot_bytes(2);
-        assert_eq!(
-            verdict(&bytes[..bytes.len() - 1], 100),
-            Err(FormatError::NoChecksum { size: 8223 })
-        );
-        assert_eq!(verdict(&[], 1), Err(FormatError::Empty));
-        let mut flipped = bytes.clone();
-        flipped[5000] ^= 1;
-        assert!(matches!(
-            verdict(&flipped, 1000),
-            Err(FormatError::ChecksumMismatch { .. })
-        ));
-        let mut foreign = vec![0u8; 4096];
-        foreign.extend_from_slice(&sha2::Sha256::digest(&foreign));
-        assert!(matches!(
-            verdict(&foreign, 4096),
-            Err(FormatError::NotBolt(_))
-        ));
-    }
 
     #[test]
     fn names_sort_by_time_and_parse_back() {
