@@ -361,6 +361,11 @@ fn hcloud(
             },
         ));
     }
+    for (index, _) in &built.images {
+        if let Some(n) = report.row(*index) {
+            n.shared = Some(hcloud::snapshot_key(inv, &inv.nodes[*index]));
+        }
+    }
     if let Mode::Plan = mode {
         for (index, _) in &built.images {
             if let Some(n) = report.row(*index) {

@@ -252,3 +252,57 @@ fn day_two_on_hetzner_needs_no_addresses_in_the_inventory() {
     );
     assert!(!err.contains(&c.hc.token), "{err}");
 }
+
+/// `up` in text, with its summary line on stdout.
+fn up_text(c: &Chain, extra: &[&str]) -> String {
+    let o = c
+        .imgbuild(&["up", "--quiet", "--poll-ms", "100"])
+        .args(extra)
+        .factory(&c.factory)
+        .envs(c.hc.rescue_env())
+        .folders(c.dir.path())
+        .args(["--node-timeout", "60s", "--health-timeout", "90s"])
+        .output();
+    assert!(
+        o.status.success(),
+        "exit {:?}\n{}\n{}",
+        o.status.code(),
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    text(&o.stdout)
+}
+
+/// The summary's stage counts line.
+fn counts(out: &str) -> &str {
+    out.lines()
+        .find(|l| l.starts_with("build: "))
+        .unwrap_or_else(|| panic!("no counts in {out}"))
+}
+
+/// One snapshot for four nodes is one build and one upload in the dry run
+/// and in the summary; servers are counted per node.
+#[test]
+fn reports_count_one_snapshot_once() {
+    let four = INVENTORY.replace(
+        "  - {name: worker-01, role: worker}\n",
+        "  - {name: worker-01, role: worker}\n  - {name: worker-02, role: worker}\n  - {name: worker-03, role: worker}\n",
+    );
+    let c = Chain::start(&four);
+    let out = up_text(&c, &["--dry-run"]);
+    assert!(
+        counts(&out).starts_with("build: 1 to build; upload: 1 to upload; vm: 4 to create"),
+        "{out}"
+    );
+    let out = up_text(&c, &[]);
+    assert!(
+        counts(&out).starts_with("build: 1 built; upload: 1 uploaded; vm: 4 created"),
+        "{out}"
+    );
+    assert_eq!(c.hc.stat("imagesCreated"), 1);
+    let out = up_text(&c, &[]);
+    assert!(
+        counts(&out).starts_with("build: 1 unchanged; upload: 1 unchanged; vm: 4 unchanged"),
+        "{out}"
+    );
+}

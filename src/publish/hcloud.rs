@@ -124,6 +124,26 @@ impl SnapshotImage {
     }
 }
 
+/// What the nodes that share one snapshot have in common, known before
+/// anything is built: architecture, Secure Boot and base schematic (hcloud
+/// images carry no per-node META). Reports count a shared image once.
+pub fn snapshot_key(
+    inv: &crate::inventory::Inventory,
+    node: &crate::inventory::NodeSpec,
+) -> String {
+    let schematic = crate::schematic::node::base_for_node(inv, node)
+        .canonical()
+        .map(|c| crate::schematic::id_of(&c).to_string())
+        // Unknowable here: the node counts on its own.
+        .unwrap_or_else(|_| format!("node {}", node.name));
+    let secure_boot = if inv.secure_boot(node) {
+        "-secureboot"
+    } else {
+        ""
+    };
+    format!("{}{secure_boot} {schematic}", inv.image.arch)
+}
+
 /// The labels that identify a snapshot's content: what Terraform selects
 /// it by. Values are at most 63 characters, hence the 32-hex prefixes.
 pub fn snapshot_labels(image: &SnapshotImage) -> BTreeMap<String, String> {
