@@ -179,12 +179,23 @@ fn build(
     mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<Built, (Stage, UpError)> {
-    if let Target::None = target {
-        return Ok(Built::default());
-    }
+    let nodes = match target {
+        Target::None => return Ok(Built::default()),
+        // Only nodes without a server need an image (their image of record).
+        Target::Hcloud(hc) => {
+            let to_publish = |e| (Stage::Publish, UpError::Hcloud(e));
+            let api = hc.api().map_err(to_publish)?;
+            let nodes = servers::without_server(&api, inv, &opts.nodes).map_err(to_publish)?;
+            if nodes.is_empty() {
+                return Ok(Built::default());
+            }
+            nodes
+        }
+        Target::Proxmox(_) => opts.nodes.clone(),
+    };
     let (outcomes, failed) = match mode {
         Mode::Run(obs) => {
-            let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
+            let (built, failed) = match build::build(inv, &nodes, &opts.build, obs.download) {
                 Ok(built) => (built, Vec::new()),
                 Err(BuildError::Incomplete { built, failed }) => (built, failed),
                 Err(e) => return Err((Stage::Build, e.into())),
@@ -193,7 +204,7 @@ fn build(
             (outcomes.collect::<Vec<_>>(), failed)
         }
         Mode::Plan => {
-            let current = build::current_images(inv, &opts.nodes, &opts.build)
+            let current = build::current_images(inv, &nodes, &opts.build)
                 .map_err(|e| (Stage::Build, e.into()))?;
             let out_dir = &opts.build.out_dir;
             let outcomes = current.into_iter().map(|(node, image)| {
@@ -451,8 +462,9 @@ fn hcloud(
         .map_err(|e| (Stage::Publish, UpError::Bootstrap(e)))?;
     let specs: Vec<servers::ServerSpec> = configs
         .into_iter()
+        .filter(|(node, _)| opts.nodes.is_empty() || opts.nodes.contains(node))
         .filter_map(|(node, user_data)| {
-            let snapshot = *snapshot_of.get(&node)?;
+            let snapshot = snapshot_of.get(&node).copied();
             let private_ip = inv.node(&node).ok()?.address;
             Some(servers::ServerSpec {
                 node,
@@ -506,6 +518,8 @@ fn record_server(
     };
     n.server = Some(s.id);
     if let Some((vm, start)) = stages {
+        // A server's image is history: nothing to upload for it.
+        n.stages.upload.get_or_insert(Change::Unchanged);
         n.stages.vm = Some(vm);
         n.stages.start = Some(start);
     }

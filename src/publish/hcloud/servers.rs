@@ -87,8 +87,9 @@ pub fn encode_user_data(
 #[derive(Debug, Clone)]
 pub struct ServerSpec {
     pub node: String,
-    /// The snapshot holding the node's image.
-    pub snapshot: u64,
+    /// The snapshot holding the node's image: needed only to create its
+    /// server (an existing server's image is history, not drift).
+    pub snapshot: Option<u64>,
     /// The node's machine config ([`encode_user_data`] makes it fit).
     pub user_data: String,
     /// The Talos version of its image: whether it can read compressed
@@ -165,6 +166,25 @@ pub fn check(specs: &[ServerSpec]) -> Result<Vec<String>, HcloudError> {
         .collect()
 }
 
+/// The nodes among `nodes` (every inventory node when empty) that have no
+/// server yet: the only ones a run builds and publishes an image for. Once
+/// a server exists its image is history; `imgbuild upgrade` moves it on.
+pub fn without_server(
+    api: &Api,
+    inv: &Inventory,
+    nodes: &[String],
+) -> Result<Vec<String>, HcloudError> {
+    let have = existing(api, &inv.cluster.name)?;
+    Ok(inv
+        .nodes
+        .iter()
+        .map(|n| &n.name)
+        .filter(|n| nodes.is_empty() || nodes.contains(n))
+        .filter(|n| !have.iter().any(|h| &h.node == *n))
+        .cloned()
+        .collect())
+}
+
 /// Checks that `server_type` can boot the snapshots of the servers to be
 /// created (`specs`), before any is: the same architecture, and a disk at
 /// least each snapshot's `disk_size` (the API refuses others with 422
@@ -190,7 +210,13 @@ fn check_fits(api: &Api, server_type: &str, specs: &[&ServerSpec]) -> Result<(),
     let disk = t["disk"].as_f64().unwrap_or(0.0);
     let mut nodes_of: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
     for s in specs {
-        nodes_of.entry(s.snapshot).or_default().push(&s.node);
+        let snapshot = s.snapshot.ok_or_else(|| {
+            HcloudError::Setup(format!(
+                "node {} has no server and no snapshot to create one from",
+                s.node
+            ))
+        })?;
+        nodes_of.entry(snapshot).or_default().push(&s.node);
     }
     for (snapshot, nodes) in nodes_of {
         let image = api.get(&format!("/images/{snapshot}"), &[])?;
@@ -563,7 +589,7 @@ mod tests {
     fn spec(node: &str, user_data: String, talos_version: &str) -> ServerSpec {
         ServerSpec {
             node: node.into(),
-            snapshot: 1,
+            snapshot: Some(1),
             user_data,
             talos_version: talos_version.into(),
             private_ip: None,
