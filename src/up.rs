@@ -465,10 +465,15 @@ fn hcloud(
         .filter(|(node, _)| opts.nodes.is_empty() || opts.nodes.contains(node))
         .filter_map(|(node, user_data)| {
             let snapshot = snapshot_of.get(&node).copied();
-            let private_ip = inv.node(&node).ok()?.address;
+            let spec = inv.node(&node).ok()?;
+            let server_type = hc.settings.server_type_for(spec)?.to_owned();
+            let location = hc.settings.location_for(spec).to_owned();
+            let private_ip = spec.address;
             Some(servers::ServerSpec {
                 node,
                 snapshot,
+                server_type,
+                location,
                 user_data,
                 talos_version: inv.cluster.talos_version.clone(),
                 private_ip,

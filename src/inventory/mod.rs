@@ -259,6 +259,15 @@ pub struct NodeSpec {
     /// Overrides `image.secureBoot` for this node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_boot: Option<bool>,
+    /// Overrides `image.arch` for this node (a mixed arm64/amd64 cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arch: Option<Arch>,
+    /// Hetzner: this node's server type (default `publish.hcloud.servers.type`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_type: Option<String>,
+    /// Hetzner: where this node's server runs (default `publish.hcloud.location`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
 }
 
 fn default_install_disk() -> String {
@@ -443,6 +452,11 @@ impl Inventory {
         node.secure_boot.unwrap_or(self.image.secure_boot)
     }
 
+    /// The architecture of `node`'s image: its own, else `image.arch`.
+    pub fn arch(&self, node: &NodeSpec) -> Arch {
+        node.arch.unwrap_or(self.image.arch)
+    }
+
     /// Control planes in inventory order; the first one is bootstrapped.
     pub fn control_planes(&self) -> impl Iterator<Item = &NodeSpec> {
         self.nodes.iter().filter(|n| n.role == Role::Controlplane)
@@ -501,6 +515,9 @@ impl Validator<'_> {
                 .collect(),
         };
         for (field, message) in publish::problems(&inv.publish, &cx) {
+            self.problem(field, message);
+        }
+        for (field, message) in publish::hcloud_node_problems(&inv.publish, &inv.nodes) {
             self.problem(field, message);
         }
         let cps = inv.control_planes().count();

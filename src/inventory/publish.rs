@@ -90,6 +90,20 @@ pub struct HcloudSettings {
     pub servers: Option<HcloudServers>,
 }
 
+impl HcloudSettings {
+    /// `node`'s server type: its own, else `servers.type` (None without
+    /// a servers section).
+    pub fn server_type_for<'a>(&'a self, node: &'a super::NodeSpec) -> Option<&'a str> {
+        let shape = self.servers.as_ref()?;
+        Some(node.server_type.as_deref().unwrap_or(&shape.server_type))
+    }
+
+    /// Where `node`'s server runs: its own location, else the cluster's.
+    pub fn location_for<'a>(&'a self, node: &'a super::NodeSpec) -> &'a str {
+        node.location.as_deref().unwrap_or(&self.location)
+    }
+}
+
 /// The cluster's servers.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -233,6 +247,51 @@ fn is_pve_id(s: &str) -> bool {
     let mut chars = s.chars();
     chars.next().is_some_and(|c| c.is_ascii_alphabetic())
         && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// A Hetzner location or server type name: lowercase letters, digits, `-`.
+fn is_hcloud_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+}
+
+/// The nodes' own Hetzner `serverType` and `location`: names, and only
+/// where there are servers to make.
+pub(super) fn hcloud_node_problems(
+    section: &PublishSection,
+    nodes: &[super::NodeSpec],
+) -> Vec<(String, String)> {
+    let servers = section.hcloud.as_ref().is_some_and(|h| h.servers.is_some());
+    let mut out = Vec::new();
+    for (i, n) in nodes.iter().enumerate() {
+        for (field, value, example) in [
+            ("serverType", &n.server_type, "cax21"),
+            ("location", &n.location, "nbg1"),
+        ] {
+            let Some(value) = value else { continue };
+            let at = format!("nodes[{i}].{field}");
+            if !servers {
+                out.push((
+                    at,
+                    format!(
+                        "node {}: {field} needs publish.hcloud.servers (there are no Hetzner servers to make)",
+                        n.name
+                    ),
+                ));
+            } else if !is_hcloud_name(value) {
+                out.push((
+                    at,
+                    format!(
+                        "node {}: {value:?} is not a Hetzner {field} such as {example}",
+                        n.name
+                    ),
+                ));
+            }
+        }
+    }
+    out
 }
 
 /// What publish validation needs of the rest of the inventory.

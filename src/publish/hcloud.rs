@@ -99,15 +99,17 @@ pub struct SnapshotImage {
 
 impl SnapshotImage {
     /// The distinct images among `images` (each with its file): nodes whose
-    /// images have the same bytes share one snapshot (hcloud images carry
+    /// images have the same bytes and architecture share one snapshot (hcloud images carry
     /// no per-node META, so usually every node shares one).
     pub fn distinct<'a>(
         images: impl IntoIterator<Item = (&'a crate::build::NodeImage, PathBuf)>,
     ) -> Vec<SnapshotImage> {
-        let mut by_sha: BTreeMap<Sha256, SnapshotImage> = BTreeMap::new();
+        // One snapshot per architecture even for equal bytes: a snapshot
+        // has one architecture, and servers boot only their own.
+        let mut by_sha: BTreeMap<(String, Sha256), SnapshotImage> = BTreeMap::new();
         for (image, path) in images {
             by_sha
-                .entry(image.sha256)
+                .entry((image.arch.to_string(), image.sha256))
                 .or_insert_with(|| SnapshotImage {
                     path,
                     sha256: image.sha256,
@@ -141,7 +143,7 @@ pub fn snapshot_key(
     } else {
         ""
     };
-    format!("{}{secure_boot} {schematic}", inv.image.arch)
+    format!("{}{secure_boot} {schematic}", inv.arch(node))
 }
 
 /// The labels that identify a snapshot's content: what Terraform selects

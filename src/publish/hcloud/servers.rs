@@ -97,6 +97,9 @@ pub struct ServerSpec {
     pub talos_version: String,
     /// Its address in the inventory: where it joins `servers.network`.
     pub private_ip: Option<IpAddr>,
+    /// Its server type and location (its own, else the cluster's).
+    pub server_type: String,
+    pub location: String,
 }
 
 /// One node's server as it is.
@@ -175,14 +178,44 @@ pub fn without_server(
     nodes: &[String],
 ) -> Result<Vec<String>, HcloudError> {
     let have = existing(api, &inv.cluster.name)?;
-    Ok(inv
+    let create: Vec<&crate::inventory::NodeSpec> = inv
         .nodes
         .iter()
-        .map(|n| &n.name)
-        .filter(|n| nodes.is_empty() || nodes.contains(n))
-        .filter(|n| !have.iter().any(|h| &h.node == *n))
-        .cloned()
-        .collect())
+        .filter(|n| nodes.is_empty() || nodes.contains(&n.name))
+        .filter(|n| !have.iter().any(|h| h.node == n.name))
+        .collect();
+    check_types(api, inv, &create)?;
+    Ok(create.into_iter().map(|n| n.name.clone()).collect())
+}
+
+/// Checks, before anything is built, that each node's server type exists,
+/// has the node's architecture (`GET /server_types`, `architecture`) and
+/// is offered in its location.
+fn check_types(
+    api: &Api,
+    inv: &Inventory,
+    nodes: &[&crate::inventory::NodeSpec],
+) -> Result<(), HcloudError> {
+    let Some(settings) = inv.publish.hcloud() else {
+        return Ok(());
+    };
+    if nodes.is_empty() {
+        return Ok(());
+    }
+    let types = api.list("/server_types", "server_types", &[])?;
+    for node in nodes {
+        let Some(server_type) = settings.server_type_for(node) else {
+            continue;
+        };
+        let location = settings.location_for(node);
+        if let Some(why) = super::unsuitable(&types, server_type, location, inv.arch(node)) {
+            return Err(HcloudError::Setup(format!(
+                "node {}: server type {server_type} cannot run it in {location}: {why}",
+                node.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Checks that `server_type` can boot the snapshots of the servers to be
@@ -268,7 +301,13 @@ pub fn ensure(
         .iter()
         .filter(|s| !have.iter().any(|h| h.node == s.node))
         .collect();
-    check_fits(api, &shape.server_type, &missing)?;
+    let mut by_type: BTreeMap<&str, Vec<&ServerSpec>> = BTreeMap::new();
+    for s in &missing {
+        by_type.entry(&s.server_type).or_default().push(s);
+    }
+    for (server_type, specs) in by_type {
+        check_fits(api, server_type, &specs)?;
+    }
     let network = match &shape.network {
         Some(name) => Some(network_id(api, name)?),
         None => None,
@@ -302,9 +341,9 @@ pub fn ensure(
             "/servers",
             &json!({
                 "name": server_name(cluster, &spec.node),
-                "server_type": shape.server_type,
+                "server_type": spec.server_type,
                 "image": spec.snapshot,
-                "location": settings.location,
+                "location": spec.location,
                 "labels": labels,
                 "user_data": user_data,
                 "start_after_create": network.is_none(),
@@ -593,6 +632,8 @@ mod tests {
             user_data,
             talos_version: talos_version.into(),
             private_ip: None,
+            server_type: "cpx22".into(),
+            location: "fsn1".into(),
         }
     }
 
