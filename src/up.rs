@@ -466,8 +466,8 @@ fn hcloud(
         .filter_map(|(node, user_data)| {
             let snapshot = snapshot_of.get(&node).copied();
             let spec = inv.node(&node).ok()?;
-            let server_type = hc.settings.server_type_for(spec)?.to_owned();
-            let location = hc.settings.location_for(spec).to_owned();
+            let server_type = spec.hcloud_server_type(&hc.settings)?.to_owned();
+            let location = spec.hcloud_location(&hc.settings).to_owned();
             let private_ip = spec.address;
             Some(servers::ServerSpec {
                 node,

@@ -275,6 +275,18 @@ fn default_install_disk() -> String {
 }
 
 impl NodeSpec {
+    /// Its Hetzner server type: its own, else `servers.type` (None without
+    /// a servers section).
+    pub fn hcloud_server_type<'a>(&'a self, hc: &'a HcloudSettings) -> Option<&'a str> {
+        let shape = hc.servers.as_ref()?;
+        Some(self.server_type.as_deref().unwrap_or(&shape.server_type))
+    }
+
+    /// Where its Hetzner server runs: its own location, else the cluster's.
+    pub fn hcloud_location<'a>(&'a self, hc: &'a HcloudSettings) -> &'a str {
+        self.location.as_deref().unwrap_or(&hc.location)
+    }
+
     /// The link name a static address, its route and its `links[]` entry in
     /// key 10 use: Talos resolves altnames there, so a MAC's `enx…` works.
     pub fn link_name(&self, network: &NetworkSettings) -> Option<String> {
@@ -517,7 +529,16 @@ impl Validator<'_> {
         for (field, message) in publish::problems(&inv.publish, &cx) {
             self.problem(field, message);
         }
-        for (field, message) in publish::hcloud_node_problems(&inv.publish, &inv.nodes) {
+        let own: Vec<_> = (inv.nodes.iter())
+            .map(|n| {
+                (
+                    n.name.as_str(),
+                    n.server_type.as_deref(),
+                    n.location.as_deref(),
+                )
+            })
+            .collect();
+        for (field, message) in publish::hcloud_node_problems(&inv.publish, &own) {
             self.problem(field, message);
         }
         let cps = inv.control_planes().count();

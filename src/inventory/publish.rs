@@ -90,20 +90,6 @@ pub struct HcloudSettings {
     pub servers: Option<HcloudServers>,
 }
 
-impl HcloudSettings {
-    /// `node`'s server type: its own, else `servers.type` (None without
-    /// a servers section).
-    pub fn server_type_for<'a>(&'a self, node: &'a super::NodeSpec) -> Option<&'a str> {
-        let shape = self.servers.as_ref()?;
-        Some(node.server_type.as_deref().unwrap_or(&shape.server_type))
-    }
-
-    /// Where `node`'s server runs: its own location, else the cluster's.
-    pub fn location_for<'a>(&'a self, node: &'a super::NodeSpec) -> &'a str {
-        node.location.as_deref().unwrap_or(&self.location)
-    }
-}
-
 /// The cluster's servers.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -259,16 +245,17 @@ fn is_hcloud_name(s: &str) -> bool {
 
 /// The nodes' own Hetzner `serverType` and `location`: names, and only
 /// where there are servers to make.
+/// `nodes`: each node's name, own server type and location.
 pub(super) fn hcloud_node_problems(
     section: &PublishSection,
-    nodes: &[super::NodeSpec],
+    nodes: &[(&str, Option<&str>, Option<&str>)],
 ) -> Vec<(String, String)> {
     let servers = section.hcloud.as_ref().is_some_and(|h| h.servers.is_some());
     let mut out = Vec::new();
-    for (i, n) in nodes.iter().enumerate() {
+    for (i, (name, server_type, location)) in nodes.iter().enumerate() {
         for (field, value, example) in [
-            ("serverType", &n.server_type, "cax21"),
-            ("location", &n.location, "nbg1"),
+            ("serverType", server_type, "cax21"),
+            ("location", location, "nbg1"),
         ] {
             let Some(value) = value else { continue };
             let at = format!("nodes[{i}].{field}");
@@ -276,17 +263,13 @@ pub(super) fn hcloud_node_problems(
                 out.push((
                     at,
                     format!(
-                        "node {}: {field} needs publish.hcloud.servers (there are no Hetzner servers to make)",
-                        n.name
+                        "node {name}: {field} needs publish.hcloud.servers (there are no Hetzner servers to make)"
                     ),
                 ));
             } else if !is_hcloud_name(value) {
                 out.push((
                     at,
-                    format!(
-                        "node {}: {value:?} is not a Hetzner {field} such as {example}",
-                        n.name
-                    ),
+                    format!("node {name}: {value:?} is not a Hetzner {field} such as {example}"),
                 ));
             }
         }
@@ -517,5 +500,40 @@ impl Check<'_> {
                 ),
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn section(yaml: &str) -> PublishSection {
+        serde_yaml_ng::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn node_server_types_and_locations_need_servers_and_names() {
+        let with = section("hcloud: {location: fsn1, servers: {type: cpx22}}");
+        let without = section("hcloud: {location: fsn1}");
+        let nodes = [
+            ("cp-01", None, None),
+            ("w-01", Some("cax21"), Some("nbg1")),
+            ("w-02", Some("CAX21"), Some("nbg 1")),
+        ];
+        let fields = |p: Vec<(String, String)>| p.into_iter().map(|(f, _)| f).collect::<Vec<_>>();
+        assert_eq!(
+            fields(hcloud_node_problems(&with, &nodes)),
+            ["nodes[2].serverType", "nodes[2].location"]
+        );
+        let p = hcloud_node_problems(&without, &nodes[..2]);
+        assert_eq!(
+            fields(p.clone()),
+            ["nodes[1].serverType", "nodes[1].location"]
+        );
+        assert!(
+            p[0].1
+                .contains("node w-01: serverType needs publish.hcloud.servers"),
+            "{p:?}"
+        );
     }
 }

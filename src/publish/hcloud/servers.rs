@@ -204,10 +204,10 @@ fn check_types(
     }
     let types = api.list("/server_types", "server_types", &[])?;
     for node in nodes {
-        let Some(server_type) = settings.server_type_for(node) else {
+        let Some(server_type) = node.hcloud_server_type(settings) else {
             continue;
         };
-        let location = settings.location_for(node);
+        let location = node.hcloud_location(settings);
         if let Some(why) = super::unsuitable(&types, server_type, location, inv.arch(node)) {
             return Err(HcloudError::Setup(format!(
                 "node {}: server type {server_type} cannot run it in {location}: {why}",
