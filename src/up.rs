@@ -1032,12 +1032,23 @@ fn build(
     mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<Built, (Stage, UpError)> {
-    if let Target::None = target {
-        return Ok(Built::default());
-    }
+    let nodes = match target {
+        Target::None => return Ok(Built::default()),
+        // Only nodes without a server need an image (their image of record).
+        Target::Hcloud(hc) => {
+            let to_publish = |e| (Stage::Publish, UpError::Hcloud(e));
+            let api = hc.api().map_err(to_publish)?;
+            let nodes = servers::without_server(&api, inv, &opts.nodes).map_err(to_publish)?;
+            if nodes.is_empty() {
+                return Ok(Built::default());
+            }
+            nodes
+        }
+        Target::Proxmox(_) => opts.nodes.clone(),
+    };
     let (outcomes, failed) = match mode {
         Mode::Run(obs) => {
-            let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
+            let (built, failed) = match build::build(inv, &nodes, &opts.build, obs.download) {
                 Ok(built) => (built, Vec::new()),
                 Err(BuildError::Incomplete { built, failed }) => (built, failed),
                 Err(e) => return Err((Stage::Build, e.into())),
@@ -1046,7 +1057,7 @@ fn build(
             (outcomes.collect::<Vec<_>>(), failed)
         }
         Mode::Plan => {
-            let current = build::current_images(inv, &opts.nodes, &opts.build)
+            let current = build::current_images(inv, &nodes, &opts.build)
                 .map_err(|e| (Stage::Build, e.into()))?;
             let out_dir = &opts.build.out_dir;
             let outcomes = current.into_iter().map(|(node, image)| {
@@ -1255,6 +1266,11 @@ fn hcloud(
             },
         ));
     }
+    for (index, _) in &built.images {
+        if let Some(n) = report.row(*index) {
+            n.shared = Some(hcloud::snapshot_key(inv, &inv.nodes[*index]));
+        }
+    }
     if let Mode::Plan = mode {
         for (index, _) in &built.images {
             if let Some(n) = report.row(*index) {
@@ -1340,12 +1356,18 @@ fn hcloud(
         .map_err(|e| (Stage::Publish, UpError::Bootstrap(e)))?;
     let specs: Vec<servers::ServerSpec> = configs
         .into_iter()
+        .filter(|(node, _)| opts.nodes.is_empty() || opts.nodes.contains(node))
         .filter_map(|(node, user_data)| {
-            let snapshot = *snapshot_of.get(&node)?;
-            let private_ip = inv.node(&node).ok()?.address;
+            let snapshot = snapshot_of.get(&node).copied();
+            let spec = inv.node(&node).ok()?;
+            let server_type = spec.hcloud_server_type(&hc.settings)?.to_owned();
+            let location = spec.hcloud_location(&hc.settings).to_owned();
+            let private_ip = spec.address;
             Some(servers::ServerSpec {
                 node,
                 snapshot,
+                server_type,
+                location,
                 user_data,
                 talos_version: inv.cluster.talos_version.clone(),
                 private_ip,
@@ -1395,6 +1417,8 @@ fn record_server(
     };
     n.server = Some(s.id);
     if let Some((vm, start)) = stages {
+        // A server's image is history: nothing to upload for it.
+        n.stages.upload.get_or_insert(Change::Unchanged);
         n.stages.vm = Some(vm);
         n.stages.start = Some(start);
     }

@@ -230,6 +230,20 @@ fn day_two_on_hetzner_needs_no_addresses_in_the_inventory() {
     assert_eq!(v["healthy"], true, "{v}");
     assert_eq!(v["bootstrapped"], false, "{v}");
 
+    // `up` after the upgrade: each server's image is history, so nothing
+    // is built, downloaded or uploaded, and nothing is outdated.
+    let (images, downloads) = (c.hc.stat("imagesCreated"), c.factory.image_gets());
+    let v = ok(&c.up());
+    assert_eq!(v["healthy"], true, "{v}");
+    for n in v["nodes"].as_array().unwrap() {
+        assert!(n["stages"].get("build").is_none(), "{n}");
+        assert_eq!(n["stages"]["upload"], "unchanged", "{n}");
+        assert_eq!(n["stages"]["vm"], "unchanged", "{n}");
+    }
+    assert!(!v.to_string().contains("outdated"), "{v}");
+    assert_eq!(c.hc.stat("imagesCreated"), images);
+    assert_eq!(c.factory.image_gets(), downloads);
+
     // The API down: the record stands in, and says it may be stale.
     let o = c.day2_api_down(&["status"]);
     let v = ok(&o);
@@ -251,4 +265,128 @@ fn day_two_on_hetzner_needs_no_addresses_in_the_inventory() {
         "{err}"
     );
     assert!(!err.contains(&c.hc.token), "{err}");
+}
+
+/// `up` in text, with its summary line on stdout.
+fn up_text(c: &Chain, extra: &[&str]) -> String {
+    let o = c
+        .imgbuild(&["up", "--quiet", "--poll-ms", "100"])
+        .args(extra)
+        .factory(&c.factory)
+        .envs(c.hc.rescue_env())
+        .folders(c.dir.path())
+        .args(["--node-timeout", "60s", "--health-timeout", "90s"])
+        .output();
+    assert!(
+        o.status.success(),
+        "exit {:?}\n{}\n{}",
+        o.status.code(),
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    text(&o.stdout)
+}
+
+/// The summary's stage counts line.
+fn counts(out: &str) -> &str {
+    out.lines()
+        .find(|l| l.contains("vm: "))
+        .unwrap_or_else(|| panic!("no counts in {out}"))
+}
+
+/// One snapshot for four nodes is one build and one upload in the dry run
+/// and in the summary; servers are counted per node.
+#[test]
+fn reports_count_one_snapshot_once() {
+    let four = INVENTORY.replace(
+        "  - {name: worker-01, role: worker}\n",
+        "  - {name: worker-01, role: worker}\n  - {name: worker-02, role: worker}\n  - {name: worker-03, role: worker}\n",
+    );
+    let c = Chain::start(&four);
+    let out = up_text(&c, &["--dry-run"]);
+    assert!(
+        counts(&out).starts_with("build: 1 to build; upload: 1 to upload; vm: 4 to create"),
+        "{out}"
+    );
+    let out = up_text(&c, &[]);
+    assert!(
+        counts(&out).starts_with("build: 1 built; upload: 1 uploaded; vm: 4 created"),
+        "{out}"
+    );
+    assert_eq!(c.hc.stat("imagesCreated"), 1);
+    // A rerun: the servers exist, nothing is built or uploaded for them.
+    let out = up_text(&c, &[]);
+    assert!(
+        counts(&out).starts_with("upload: 4 unchanged; vm: 4 unchanged"),
+        "{out}"
+    );
+}
+
+/// A mixed cluster: an amd64 control plane on cpx22 in fsn1 and an arm64
+/// worker on cax21 in nbg1 (their own `serverType`, `location`, `arch`).
+/// One snapshot per architecture, each server made from its own arch's,
+/// in its own location; the cluster comes up healthy.
+#[test]
+fn a_mixed_arm64_amd64_cluster_gets_one_snapshot_per_arch() {
+    let mixed = INVENTORY.replace(
+        "  - {name: worker-01, role: worker}\n",
+        "  - {name: worker-01, role: worker, arch: arm64, serverType: cax21, location: nbg1}\n  - {name: worker-02, role: worker, arch: arm64, serverType: cax21, location: nbg1}\n",
+    );
+    let c = Chain::start(&mixed);
+    let out = up_text(&c, &[]);
+    assert!(
+        counts(&out).starts_with("build: 2 built; upload: 2 uploaded; vm: 3 created"),
+        "{out}"
+    );
+    assert_eq!(c.hc.stat("imagesCreated"), 2);
+    let (_, _, v) =
+        c.hc.call("GET", "/servers?label_selector=imgbuild-cluster=hd2", None);
+    let mut seen: Vec<(String, String, String, String, String)> = v["servers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            let image = s["image"]["id"].as_u64().unwrap();
+            let (_, _, i) = c.hc.call("GET", &format!("/images/{image}"), None);
+            (
+                s["labels"]["imgbuild-node"].as_str().unwrap().to_owned(),
+                s["server_type"]["name"].as_str().unwrap().to_owned(),
+                s["location"]["name"].as_str().unwrap().to_owned(),
+                i["image"]["architecture"].as_str().unwrap().to_owned(),
+                i["image"]["labels"]["arch"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    seen.sort();
+    let row = |n: &str, t: &str, l: &str, a: &str, label: &str| {
+        (n.into(), t.into(), l.into(), a.into(), label.into())
+    };
+    assert_eq!(
+        seen,
+        [
+            row("cp-01", "cpx22", "fsn1", "x86", "amd64"),
+            row("worker-01", "cax21", "nbg1", "arm", "arm64"),
+            row("worker-02", "cax21", "nbg1", "arm", "arm64"),
+        ]
+    );
+    assert!(out.contains("is healthy"), "{out}");
+
+    // A server type without the node's architecture: refused, naming the
+    // node, before anything is built.
+    let wrong = mixed.replace(
+        "  - {name: worker-02, role: worker, arch: arm64, serverType: cax21, location: nbg1}\n",
+        "  - {name: worker-02, role: worker, arch: arm64, serverType: cax21, location: nbg1}\n  - {name: worker-03, role: worker, arch: arm64, serverType: cpx22}\n",
+    );
+    c.write(&wrong);
+    let o = c
+        .imgbuild(&["up", "--dry-run"])
+        .factory(&c.factory)
+        .folders(c.dir.path())
+        .output();
+    let all = format!("{}{}", text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(2), "{all}");
+    assert!(
+        all.contains("node worker-03: server type cpx22 cannot run it in fsn1: its architecture is x86, the image's arm64"),
+        "{all}"
+    );
 }

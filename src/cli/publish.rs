@@ -48,11 +48,6 @@ pub struct PublishCommand {
 }
 
 impl PublishArgs {
-    /// `--dry-run` (for `up`, which flattens these flags: its whole plan).
-    pub(super) fn dry_run(&self) -> bool {
-        self.dry_run
-    }
-
     /// The nodes named on the command line (all when empty).
     pub(super) fn nodes(&self) -> &[String] {
         &self.nodes

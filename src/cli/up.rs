@@ -22,6 +22,11 @@ pub struct UpArgs {
     /// and prune. Without it they are shown and left.
     #[arg(long)]
     allow_destroy: bool,
+    /// Print every action (build, publish, machines, bootstrap, upgrade,
+    /// Kubernetes, configs, settings, removal, prune) at field level;
+    /// change nothing.
+    #[arg(long)]
+    dry_run: bool,
     #[command(flatten)]
     publish: PublishArgs,
     #[command(flatten)]
@@ -56,7 +61,7 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
     let mut target = Target::from_inventory(&inv, &|k| std::env::var(k).ok(), options)
         .map_err(|e| Usage(format!("{}: {e}", config.display())))?;
     if let Target::Hcloud(hc) = &mut target
-        && !args.publish.dry_run()
+        && !args.dry_run
     {
         // Snapshot runs create servers: Ctrl-C must let them clean up.
         hc.cancel = super::signals::cancel_on_signals();
@@ -78,7 +83,7 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
         allow_destroy: args.allow_destroy,
     };
     let replaced = replace.then(|| opts.nodes.clone());
-    let report = if args.publish.dry_run() {
+    let report = if args.dry_run {
         match &replaced {
             Some(nodes) => up::replace(&inv, &target, &opts, nodes, None),
             None => up::plan(&inv, &target, &opts),

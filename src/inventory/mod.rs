@@ -282,6 +282,15 @@ pub struct NodeSpec {
     pub vlan: Option<u16>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxmox_node: Option<String>,
+    /// Overrides `image.arch` for this node (a mixed arm64/amd64 cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arch: Option<Arch>,
+    /// Hetzner: this node's server type (default `publish.hcloud.servers.type`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_type: Option<String>,
+    /// Hetzner: where this node's server runs (default `publish.hcloud.location`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
 }
 
 fn default_install_disk() -> String {
@@ -300,6 +309,18 @@ impl NodeSpec {
             vlan: self.vlan,
             host: self.proxmox_node.as_deref(),
         }
+    }
+
+    /// Its Hetzner server type: its own, else `servers.type` (None without
+    /// a servers section).
+    pub fn hcloud_server_type<'a>(&'a self, hc: &'a HcloudSettings) -> Option<&'a str> {
+        let shape = hc.servers.as_ref()?;
+        Some(self.server_type.as_deref().unwrap_or(&shape.server_type))
+    }
+
+    /// Where its Hetzner server runs: its own location, else the cluster's.
+    pub fn hcloud_location<'a>(&'a self, hc: &'a HcloudSettings) -> &'a str {
+        self.location.as_deref().unwrap_or(&hc.location)
     }
 
     /// The link name a static address, its route and its `links[]` entry in
@@ -486,6 +507,11 @@ impl Inventory {
         node.secure_boot.unwrap_or(self.image.secure_boot)
     }
 
+    /// The architecture of `node`'s image: its own, else `image.arch`.
+    pub fn arch(&self, node: &NodeSpec) -> Arch {
+        node.arch.unwrap_or(self.image.arch)
+    }
+
     /// Control planes in inventory order; the first one is bootstrapped.
     pub fn control_planes(&self) -> impl Iterator<Item = &NodeSpec> {
         self.nodes.iter().filter(|n| n.role == Role::Controlplane)
@@ -544,6 +570,18 @@ impl Validator<'_> {
                 .collect(),
         };
         for (field, message) in publish::problems(&inv.publish, &cx) {
+            self.problem(field, message);
+        }
+        let own: Vec<_> = (inv.nodes.iter())
+            .map(|n| {
+                (
+                    n.name.as_str(),
+                    n.server_type.as_deref(),
+                    n.location.as_deref(),
+                )
+            })
+            .collect();
+        for (field, message) in publish::hcloud_node_problems(&inv.publish, &own) {
             self.problem(field, message);
         }
         let cps = inv.control_planes().count();

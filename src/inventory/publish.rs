@@ -302,6 +302,48 @@ fn is_pve_id(s: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
+/// A Hetzner location or server type name: lowercase letters, digits, `-`.
+fn is_hcloud_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+}
+
+/// The nodes' own Hetzner `serverType` and `location`: names, and only
+/// where there are servers to make.
+/// `nodes`: each node's name, own server type and location.
+pub(super) fn hcloud_node_problems(
+    section: &PublishSection,
+    nodes: &[(&str, Option<&str>, Option<&str>)],
+) -> Vec<(String, String)> {
+    let servers = section.hcloud.as_ref().is_some_and(|h| h.servers.is_some());
+    let mut out = Vec::new();
+    for (i, (name, server_type, location)) in nodes.iter().enumerate() {
+        for (field, value, example) in [
+            ("serverType", server_type, "cax21"),
+            ("location", location, "nbg1"),
+        ] {
+            let Some(value) = value else { continue };
+            let at = format!("nodes[{i}].{field}");
+            if !servers {
+                out.push((
+                    at,
+                    format!(
+                        "node {name}: {field} needs publish.hcloud.servers (there are no Hetzner servers to make)"
+                    ),
+                ));
+            } else if !is_hcloud_name(value) {
+                out.push((
+                    at,
+                    format!("node {name}: {value:?} is not a Hetzner {field} such as {example}"),
+                ));
+            }
+        }
+    }
+    out
+}
+
 /// What publish validation needs of the rest of the inventory.
 pub(super) struct Context<'a> {
     pub platform: &'a str,
@@ -608,5 +650,40 @@ impl Check<'_> {
                 ),
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn section(yaml: &str) -> PublishSection {
+        serde_yaml_ng::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn node_server_types_and_locations_need_servers_and_names() {
+        let with = section("hcloud: {location: fsn1, servers: {type: cpx22}}");
+        let without = section("hcloud: {location: fsn1}");
+        let nodes = [
+            ("cp-01", None, None),
+            ("w-01", Some("cax21"), Some("nbg1")),
+            ("w-02", Some("CAX21"), Some("nbg 1")),
+        ];
+        let fields = |p: Vec<(String, String)>| p.into_iter().map(|(f, _)| f).collect::<Vec<_>>();
+        assert_eq!(
+            fields(hcloud_node_problems(&with, &nodes)),
+            ["nodes[2].serverType", "nodes[2].location"]
+        );
+        let p = hcloud_node_problems(&without, &nodes[..2]);
+        assert_eq!(
+            fields(p.clone()),
+            ["nodes[1].serverType", "nodes[1].location"]
+        );
+        assert!(
+            p[0].1
+                .contains("node w-01: serverType needs publish.hcloud.servers"),
+            "{p:?}"
+        );
     }
 }

@@ -159,6 +159,10 @@ pub struct NodeReport {
     /// Why a stage failed for this node.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// What its image is shared as (a Hetzner snapshot): rows with the
+    /// same key count once in the build and upload summary.
+    #[serde(skip)]
+    pub(super) shared: Option<String>,
 }
 
 impl NodeReport {
@@ -285,6 +289,7 @@ impl Report {
                 kubernetes_ready: None,
                 stages: Stages::default(),
                 error: None,
+                shared: None,
             })
             .collect();
         Report {
@@ -681,7 +686,18 @@ impl Report {
         let mut parts = Vec::new();
         for (i, (name, _)) in Stages::default().named().iter().enumerate() {
             let mut counts: Vec<(Change, usize)> = Vec::new();
-            for c in self.nodes.iter().filter_map(|n| n.stages.named()[i].1) {
+            let mut seen: Vec<(Change, &str)> = Vec::new();
+            for n in &self.nodes {
+                let Some(c) = n.stages.named()[i].1 else {
+                    continue;
+                };
+                // One image shared by several rows is built and uploaded once.
+                if let (Some(key), "build" | "upload") = (&n.shared, *name) {
+                    if seen.contains(&(c, key.as_str())) {
+                        continue;
+                    }
+                    seen.push((c, key));
+                }
                 match counts.iter_mut().find(|(k, _)| *k == c) {
                     Some((_, n)) => *n += 1,
                     None => counts.push((c, 1)),

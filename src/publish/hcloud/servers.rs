@@ -87,8 +87,9 @@ pub fn encode_user_data(
 #[derive(Debug, Clone)]
 pub struct ServerSpec {
     pub node: String,
-    /// The snapshot holding the node's image.
-    pub snapshot: u64,
+    /// The snapshot holding the node's image: needed only to create its
+    /// server (an existing server's image is history, not drift).
+    pub snapshot: Option<u64>,
     /// The node's machine config ([`encode_user_data`] makes it fit).
     pub user_data: String,
     /// The Talos version of its image: whether it can read compressed
@@ -96,6 +97,9 @@ pub struct ServerSpec {
     pub talos_version: String,
     /// Its address in the inventory: where it joins `servers.network`.
     pub private_ip: Option<IpAddr>,
+    /// Its server type and location (its own, else the cluster's).
+    pub server_type: String,
+    pub location: String,
 }
 
 /// One node's server as it is.
@@ -165,6 +169,55 @@ pub fn check(specs: &[ServerSpec]) -> Result<Vec<String>, HcloudError> {
         .collect()
 }
 
+/// The nodes among `nodes` (every inventory node when empty) that have no
+/// server yet: the only ones a run builds and publishes an image for. Once
+/// a server exists its image is history; `imgbuild upgrade` moves it on.
+pub fn without_server(
+    api: &Api,
+    inv: &Inventory,
+    nodes: &[String],
+) -> Result<Vec<String>, HcloudError> {
+    let have = existing(api, &inv.cluster.name)?;
+    let create: Vec<&crate::inventory::NodeSpec> = inv
+        .nodes
+        .iter()
+        .filter(|n| nodes.is_empty() || nodes.contains(&n.name))
+        .filter(|n| !have.iter().any(|h| h.node == n.name))
+        .collect();
+    check_types(api, inv, &create)?;
+    Ok(create.into_iter().map(|n| n.name.clone()).collect())
+}
+
+/// Checks, before anything is built, that each node's server type exists,
+/// has the node's architecture (`GET /server_types`, `architecture`) and
+/// is offered in its location.
+fn check_types(
+    api: &Api,
+    inv: &Inventory,
+    nodes: &[&crate::inventory::NodeSpec],
+) -> Result<(), HcloudError> {
+    let Some(settings) = inv.publish.hcloud() else {
+        return Ok(());
+    };
+    if nodes.is_empty() {
+        return Ok(());
+    }
+    let types = api.list("/server_types", "server_types", &[])?;
+    for node in nodes {
+        let Some(server_type) = node.hcloud_server_type(settings) else {
+            continue;
+        };
+        let location = node.hcloud_location(settings);
+        if let Some(why) = super::unsuitable(&types, server_type, location, inv.arch(node)) {
+            return Err(HcloudError::Setup(format!(
+                "node {}: server type {server_type} cannot run it in {location}: {why}",
+                node.name
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Checks that `server_type` can boot the snapshots of the servers to be
 /// created (`specs`), before any is: the same architecture, and a disk at
 /// least each snapshot's `disk_size` (the API refuses others with 422
@@ -190,7 +243,13 @@ fn check_fits(api: &Api, server_type: &str, specs: &[&ServerSpec]) -> Result<(),
     let disk = t["disk"].as_f64().unwrap_or(0.0);
     let mut nodes_of: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
     for s in specs {
-        nodes_of.entry(s.snapshot).or_default().push(&s.node);
+        let snapshot = s.snapshot.ok_or_else(|| {
+            HcloudError::Setup(format!(
+                "node {} has no server and no snapshot to create one from",
+                s.node
+            ))
+        })?;
+        nodes_of.entry(snapshot).or_default().push(&s.node);
     }
     for (snapshot, nodes) in nodes_of {
         let image = api.get(&format!("/images/{snapshot}"), &[])?;
@@ -242,7 +301,13 @@ pub fn ensure(
         .iter()
         .filter(|s| !have.iter().any(|h| h.node == s.node))
         .collect();
-    check_fits(api, &shape.server_type, &missing)?;
+    let mut by_type: BTreeMap<&str, Vec<&ServerSpec>> = BTreeMap::new();
+    for s in &missing {
+        by_type.entry(&s.server_type).or_default().push(s);
+    }
+    for (server_type, specs) in by_type {
+        check_fits(api, server_type, &specs)?;
+    }
     let network = match &shape.network {
         Some(name) => Some(network_id(api, name)?),
         None => None,
@@ -276,9 +341,9 @@ pub fn ensure(
             "/servers",
             &json!({
                 "name": server_name(cluster, &spec.node),
-                "server_type": shape.server_type,
+                "server_type": spec.server_type,
                 "image": spec.snapshot,
-                "location": settings.location,
+                "location": spec.location,
                 "labels": labels,
                 "user_data": user_data,
                 "start_after_create": network.is_none(),
@@ -572,10 +637,12 @@ mod tests {
     fn spec(node: &str, user_data: String, talos_version: &str) -> ServerSpec {
         ServerSpec {
             node: node.into(),
-            snapshot: 1,
+            snapshot: Some(1),
             user_data,
             talos_version: talos_version.into(),
             private_ip: None,
+            server_type: "cpx22".into(),
+            location: "fsn1".into(),
         }
     }
 
