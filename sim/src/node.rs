@@ -31,6 +31,7 @@
 //!   accepted, by the address it came in on.
 //! - `--vip-held`: the VIP stays unbound, even after the election, until
 //!   `POST /_sim/vip` → 200 `{"released":true}` (a VIP that comes late).
+//!
 //! Zero `--node`s is fine: machines then boot nodes through the control server.
 //! - `POST /_sim/boot` `{"name":"vm-300","ip":"127.x.y.z","hostname":"cp-01"?,
 //!   "config":"<machine config YAML>"?}` → 200 `{"booted":true,"name","ip",
