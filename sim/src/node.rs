@@ -29,6 +29,9 @@
 //!   certificates; see `node/k8s_forward.rs`). `GET /_sim/stats` has
 //!   `"connections":{"k8s":{"IP:PORT":n},"talos":{…}}`: every connection
 //!   accepted, by the address it came in on.
+//! - `--vip-held`: the VIP stays unbound, even after the election, until
+//!   `POST /_sim/vip` → 200 `{"released":true}` (a VIP that comes late).
+//!
 //! Zero `--node`s is fine: machines then boot nodes through the control server.
 //! - `POST /_sim/boot` `{"name":"vm-300","ip":"127.x.y.z","hostname":"cp-01"?,
 //!   "config":"<machine config YAML>"?}` → 200 `{"booted":true,"name","ip",

@@ -910,7 +910,7 @@ async fn health_round(
     // certificate against the in-cluster endpoint's name it carries.
     let (server, tls_name, fallback) = match &plan.kubernetes_endpoint {
         Some(outside) => {
-            let view = super::health::outside_view(kc, outside, &plan.endpoint);
+            let view = kc.through(outside, crate::inventory::endpoint_host(&plan.endpoint));
             (view.server, view.tls_server_name, None)
         }
         None => {

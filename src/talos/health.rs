@@ -36,17 +36,9 @@ pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
         .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
     let kc = Kubeconfig::parse(&text).map_err(|e| e.to_string())?;
     Ok(match &plan.kubernetes_endpoint {
-        Some(outside) => outside_view(&kc, outside, &plan.endpoint),
+        Some(outside) => kc.through(outside, crate::inventory::endpoint_host(&plan.endpoint)),
         None => kc,
     })
-}
-
-/// `kc` reaching the API at `outside` (a port forward), checking the
-/// certificate against the name the API server's certificate carries: the
-/// in-cluster `endpoint`'s host, as kubectl's `tls-server-name` does.
-pub(crate) fn outside_view(kc: &Kubeconfig, outside: &str, endpoint: &str) -> Kubeconfig {
-    kc.with_server(outside)
-        .with_tls_server_name(crate::inventory::endpoint_host(endpoint))
 }
 
 /// Every Kubernetes node, Ready and cordoned.

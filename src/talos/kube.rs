@@ -173,6 +173,15 @@ impl Kubeconfig {
         }
     }
 
+    /// The same kubeconfig reaching the API at `outside` (a port forward,
+    /// `cluster.kubernetesEndpoint`), checking the certificate against the
+    /// name it carries, the in-cluster endpoint's host: kubectl's
+    /// `tls-server-name`.
+    pub fn through(&self, outside: &str, in_cluster_host: Option<&str>) -> Kubeconfig {
+        self.with_server(outside)
+            .with_tls_server_name(in_cluster_host)
+    }
+
     /// The YAML text to write.
     pub fn to_yaml(&self) -> String {
         serde_yaml_ng::to_string(&self.doc).expect("kubeconfig serialises")
