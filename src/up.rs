@@ -282,7 +282,7 @@ impl DayTwo<'_> {
     /// first control-plane change.
     fn snapshot_etcd(&self, stage: Stage, change: &str) -> Result<(), (Stage, UpError)> {
         let taken = converge::runtime()
-            .map_err(|e| (stage, UpError::Converge(e)))?
+            .map_err(|e| (stage, UpError::Converge(Box::new(e))))?
             .block_on(etcd::snapshot_before_change(
                 self.etcd(),
                 &self.prepared.plan,
@@ -307,7 +307,7 @@ impl DayTwo<'_> {
         report: &mut Report,
         progress: &(dyn Fn(&str, &str) + Sync),
     ) -> Result<Vec<String>, (Stage, UpError)> {
-        let at = |e: remove::RemoveError| (Stage::Remove, UpError::Remove(e));
+        let at = |e: remove::RemoveError| (Stage::Remove, UpError::Remove(Box::new(e)));
         let chosen = |node: &str| self.select.is_empty() || self.select.iter().any(|s| s == node);
         let mut removed =
             remove::removed_nodes(self.inv, &self.prepared.state_dir.path).map_err(at)?;
@@ -493,7 +493,7 @@ impl DayTwo<'_> {
         report: &mut Report,
         former_nodes: Vec<String>,
     ) -> Result<(), (Stage, UpError)> {
-        let at = |e: prune::PruneError| (Stage::Prune, UpError::Prune(e));
+        let at = |e: prune::PruneError| (Stage::Prune, UpError::Prune(Box::new(e)));
         let delete = match self.target {
             Target::Proxmox(pve) => proxmox::destroy::DeleteOptions {
                 poll: pve.options.poll,
@@ -560,13 +560,13 @@ impl DayTwo<'_> {
         report: &mut Report,
         progress: &(dyn Fn(&str, &str) + Sync),
     ) -> Result<Vec<String>, (Stage, UpError)> {
-        let at = |e: converge::ConvergeError| (Stage::Upgrade, UpError::Converge(e));
+        let at = |e: converge::ConvergeError| (Stage::Upgrade, UpError::Converge(Box::new(e)));
         let fetch = &self.opts.build.fetch;
         let client = crate::fetch::client(fetch);
         let factory =
             Factory::new(&self.inv.image.factory, &client).with_retry(fetch.retry_policy());
         let targets = upgrade::targets(self.inv, &factory)
-            .map_err(|e| at(converge::ConvergeError::Upgrade(e)))?;
+            .map_err(|e| at(converge::ConvergeError::from(e)))?;
         let planned = converge::upgrade_plan(
             self.inv,
             &factory,
@@ -751,7 +751,7 @@ impl DayTwo<'_> {
             &self.bootstrap.patch_vars,
             self.limits(),
         )
-        .map_err(|e| (Stage::Configs, UpError::Converge(e)))?;
+        .map_err(|e| (Stage::Configs, UpError::Converge(Box::new(e))))?;
         Ok(compared.nodes.iter().any(|n| n.changed && n.needs_reboot))
     }
 
@@ -771,7 +771,7 @@ impl DayTwo<'_> {
             &self.bootstrap.patch_vars,
             self.limits(),
         )
-        .map_err(|e| (Stage::Configs, UpError::Converge(e)))?;
+        .map_err(|e| (Stage::Configs, UpError::Converge(Box::new(e))))?;
         for n in outcome.nodes.iter().filter(|n| n.changed) {
             if self.dry_run && upgraded.contains(&n.node) {
                 continue;
@@ -936,7 +936,7 @@ pub fn replace(
         let mut bootstrap = opts.bootstrap.clone();
         bootstrap.limits.leaving = nodes.to_vec();
         if let Target::Hcloud(hc) = target {
-            bootstrap.cancel = hc.cancel.clone();
+            bootstrap.cancel = hc.cancel;
         }
         let opts = UpOptions {
             allow_destroy: true,

@@ -24,7 +24,7 @@ use crate::talos::upgrade::{self, RebootMode, Record, RunOptions, Targets, Upgra
 #[derive(Debug, thiserror::Error)]
 pub enum ConvergeError {
     #[error(transparent)]
-    Upgrade(#[from] UpgradeError),
+    Upgrade(Box<UpgradeError>),
     /// A node's config could not be pinned to the Kubernetes it runs.
     #[error("{0}")]
     Kubernetes(String),
@@ -35,6 +35,12 @@ pub enum ConvergeError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+impl From<UpgradeError> for ConvergeError {
+    fn from(e: UpgradeError) -> Self {
+        ConvergeError::Upgrade(Box::new(e))
+    }
 }
 
 /// How an upgrade may run (the `upgrade` flags; `up` takes the defaults).

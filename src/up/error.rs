@@ -22,11 +22,11 @@ pub enum UpError {
     #[error(transparent)]
     Bootstrap(#[from] StageError),
     #[error(transparent)]
-    Converge(#[from] ConvergeError),
+    Converge(Box<ConvergeError>),
     #[error(transparent)]
-    Remove(#[from] crate::talos::remove::RemoveError),
+    Remove(Box<crate::talos::remove::RemoveError>),
     #[error(transparent)]
-    Prune(#[from] crate::publish::prune::PruneError),
+    Prune(Box<crate::publish::prune::PruneError>),
     /// A day-two step refused to start (as its own command would).
     #[error("{stage} refused: {why}")]
     Refused { stage: Stage, why: String },
