@@ -96,8 +96,12 @@ test: deps lint build
 # simulator, which boots a node for each VM it starts at the address the
 # VM's disk carries in META key 10. `imgbuild up` on examples/demo/cluster.yaml
 # shows its plan (--dry-run), builds, uploads, creates and starts the VMs,
-# bootstraps and checks health; the second `up` changes nothing. Everything
-# started here is stopped on exit; no secret is printed.
+# bootstraps and checks health; the second `up` changes nothing. Act two:
+# a copy of the inventory without worker-02 and with talosVersion v1.11.5;
+# its plan (`up --dry-run`), then `up --allow-destroy`, which upgrades the
+# nodes, removes worker-02 (drain, reset, its Kubernetes Node, VM 304 and
+# its volumes) and prunes the images nothing boots. Everything started
+# here is stopped on exit; no secret is printed.
 DEMO_CLUSTER := examples/demo/cluster.yaml
 DEMO := out/demo
 demo: build
@@ -107,7 +111,7 @@ demo: build
 	@set -e; sims=""; trap 'kill $$sims 2>/dev/null' EXIT; \
 	started() { for i in $$(seq 100); do [ -s "$$1" ] && return 0; sleep 0.1; done; echo "$$1: simulator did not start" >&2; exit 1; }; \
 	field() { sed 's/.*"'"$$2"'":"\([^"]*\)".*/\1/' "$$1"; }; \
-	$(SIM) factory --base-image $(DEMO)/base/dual-boot.raw \
+	$(SIM) factory --base-image $(DEMO)/base/dual-boot.raw --versions v1.11.2,v1.11.5 \
 		--state-dir $(DEMO)/factory > $(DEMO)/factory.json & sims="$$sims $$!"; \
 	$(SIM) nodes --vip 127.0.10.20 > $(DEMO)/nodes.json & sims="$$sims $$!"; \
 	started $(DEMO)/factory.json; started $(DEMO)/nodes.json; \
@@ -120,13 +124,22 @@ demo: build
 	echo "Image Factory simulator at $$(field $(DEMO)/factory.json url)"; \
 	echo "Proxmox VE simulator at $$PROXMOX_VE_ENDPOINT (certificate pinned)"; \
 	echo "Talos node simulator control at $$(field $(DEMO)/nodes.json control)"; \
-	up="$(IMGBUILD) --config $(DEMO_CLUSTER) up --factory $$(field $(DEMO)/factory.json url) \
+	flags="up --factory $$(field $(DEMO)/factory.json url) \
 		--out-dir $(DEMO)/out --cache-dir $(DEMO)/cache --state-dir $(DEMO)/state \
 		--poll-ms 100 --poll 250ms --node-timeout 60s --health-timeout 60s"; \
+	up="$(IMGBUILD) --config $(DEMO_CLUSTER) $$flags"; \
 	$(IMGBUILD) --config $(DEMO_CLUSTER) validate; \
 	echo; echo "== imgbuild up --dry-run"; $$up --dry-run; \
 	echo; echo "== imgbuild up"; $$up; \
 	echo; echo "== imgbuild up, again: nothing to do"; $$up --quiet; \
+	echo; echo "== act two: worker-02 leaves the inventory; talosVersion v1.11.2 -> v1.11.5"; \
+	sed -e '/name: worker-02/,/vmid: 304/d' -e 's/talosVersion: v1.11.2/talosVersion: v1.11.5/' \
+		$(DEMO_CLUSTER) > $(DEMO)/cluster.yaml; \
+	diff -u $(DEMO_CLUSTER) $(DEMO)/cluster.yaml || true; \
+	up2="$(IMGBUILD) --config $(DEMO)/cluster.yaml $$flags"; \
+	echo; echo "== imgbuild up --dry-run: the plan"; $$up2 --dry-run; \
+	echo; echo "== imgbuild up --allow-destroy"; $$up2 --allow-destroy --quiet; \
+	echo; echo "== imgbuild up, again: nothing left"; $$up2 --allow-destroy --quiet; \
 	echo; echo "state dir (secrets stay in these 0600 files):"; ls -l $(DEMO)/state
 
 # Installs imgbuild, its man page and its bash, zsh and fish completions under

@@ -307,7 +307,7 @@ impl Plan<'_> {
                 && m.base_schematic_id == self.base_schematic_id
                 && m.talos_version == inv.cluster.talos_version
                 && m.platform == inv.image.platform
-                && m.arch == inv.image.arch
+                && m.arch == inv.arch(self.node)
                 && m.format == inv.image.format
                 && m.secure_boot == inv.secure_boot(self.node)
                 && m.path == self.path
@@ -458,7 +458,7 @@ fn build_one(
 ) -> Result<NodeImage, BuildError> {
     let node = plan.node;
     let version = &inv.cluster.talos_version;
-    let arch = inv.image.arch.to_string();
+    let arch = inv.arch(node).to_string();
     let format = inv.image.format;
     let ext = factory_ext(format);
     let secure_boot = inv.secure_boot(node);
@@ -508,7 +508,7 @@ fn build_one(
         base_schematic_id: plan.base_schematic_id.clone(),
         talos_version: version.clone(),
         platform: inv.image.platform.clone(),
-        arch: inv.image.arch,
+        arch: inv.arch(node),
         format,
         secure_boot,
         size,

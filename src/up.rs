@@ -8,6 +8,8 @@
 //! bootstrap's reach); `up` records them in a [`Report`], whose table and
 //! JSON [`report`] shapes.
 
+pub mod actions;
+pub mod converge;
 mod error;
 mod report;
 
@@ -18,15 +20,23 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use crate::build::{self, BuildError, BuildOptions};
+use crate::factory::Factory;
 use crate::fetch::Progress;
 use crate::inventory::Inventory;
 use crate::publish::PublishImage;
 use crate::publish::hcloud::{self, HcloudError, SnapshotImage, servers};
-use crate::publish::proxmox::{self, ProxmoxError, VmChange};
+use crate::publish::proxmox::{self, ProxmoxError, SettingChange, VmChange};
+use crate::publish::prune;
 use crate::publish::target::{HcloudTarget, ProxmoxTarget, Target};
 use crate::talos::bootstrap;
 use crate::talos::client::NodeEndpoint;
-use crate::talos::stage::{self, BootstrapOptions, Reach};
+use crate::talos::kubernetes::plan::KubePlan;
+use crate::talos::kubernetes::run as kube_run;
+use crate::talos::stage::{self, BootstrapOptions, Reach, StageError};
+use crate::talos::upgrade::{self, plan::Action as UpAction, report::Ending};
+use crate::talos::{apply, etcd, remove};
+use actions::{Action, State, Step};
+use converge::{ApplySettings, UpgradeSettings};
 use report::changed;
 
 /// What one `up` does besides the target.
@@ -37,6 +47,13 @@ pub struct UpOptions {
     pub nodes: Vec<String>,
     pub build: BuildOptions,
     pub bootstrap: BootstrapOptions,
+    /// How the upgrade step runs (as `imgbuild upgrade` with its defaults).
+    pub upgrade: UpgradeSettings,
+    /// How the config step runs (as `imgbuild apply`).
+    pub apply: ApplySettings,
+    /// Carry out destructive actions (remove a node, delete a machine,
+    /// prune); without it they are planned and left.
+    pub allow_destroy: bool,
 }
 
 /// Where each stage reports its progress; the CLI renders it.
@@ -46,6 +63,8 @@ pub struct Observers<'a> {
     pub publish: &'a dyn proxmox::Observer,
     pub hcloud: &'a dyn hcloud::Observer,
     pub bootstrap: &'a dyn bootstrap::Observer,
+    /// The steps after the bootstrap: (node or `kubernetes`, what happens).
+    pub steps: &'a (dyn Fn(&str, &str) + Sync),
 }
 
 /// Runs every stage. Never fails outright: the report says how far it got
@@ -69,6 +88,7 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     let published = build(inv, target, opts, mode, &mut report)
         .and_then(|built| publish(inv, target, opts, built, mode, &mut report));
     let mut bootstrap = opts.bootstrap.clone();
+    bootstrap.limits.leaving = leaving(inv, &bootstrap);
     if let Target::Hcloud(hc) = target {
         // The signal handler that lets a snapshot run clean up keeps
         // Ctrl-C from ending the process: the bootstrap must stop on it too.
@@ -95,14 +115,28 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
             }
         }
     };
-    report.elapsed_ms = started.elapsed().as_millis();
-    // A healthy cluster may still run other versions, schematics or
-    // configs than the inventory asks for: what `imgbuild status` flags.
+    // A healthy cluster is converged to the inventory: upgrades,
+    // Kubernetes and configs as `upgrade` and `apply` do them; what still
+    // differs afterwards is reported as `imgbuild status` flags it.
     if let Some(done) = done
         && report.healthy
     {
-        report.drifted(stage::drift(inv, &done.prepared, &bootstrap));
+        let day2 = DayTwo {
+            inv,
+            target,
+            opts,
+            bootstrap: &bootstrap,
+            prepared: &done.prepared,
+            select: Vec::new(),
+            dry_run: false,
+            upgrade: snapshotting(&opts.upgrade, inv, &done.prepared),
+        };
+        match day2.converge(&mut report, obs.steps) {
+            Ok(()) => report.drifted(stage::drift(inv, &done.prepared, &bootstrap)),
+            Err((stage, e)) => report.stop(stage, e),
+        }
     }
+    report.elapsed_ms = started.elapsed().as_millis();
     report
 }
 
@@ -118,6 +152,7 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     let planned = build(inv, target, opts, Mode::Plan, &mut report)
         .and_then(|built| publish(inv, target, opts, built, Mode::Plan, &mut report));
     let mut bootstrap = opts.bootstrap.clone();
+    bootstrap.limits.leaving = leaving(inv, &bootstrap);
     match planned {
         Ok(reached) => bootstrap.targets.extend(reached),
         Err((stage, e)) => report.stop(stage, e),
@@ -126,8 +161,826 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     if let Ok(survey) = stage::survey(inv, &bootstrap) {
         report.surveyed(&survey);
     }
+    // The day-two steps over the nodes that run Talos configured already
+    // (the others get the inventory's version and config when they come
+    // up), when the cluster has a state dir: a dry run creates none.
+    let configured: Vec<String> = report
+        .nodes
+        .iter()
+        .filter(|n| n.talos == Some(TalosState::Configured))
+        .map(|n| n.node.clone())
+        .collect();
+    if report.stopped.is_none()
+        && !configured.is_empty()
+        && stage::StateDir::existing(inv, bootstrap.state_dir.as_deref()).is_ok()
+    {
+        // A dry run sends no config: unset `${NAME}`s need not be given.
+        bootstrap.patch_vars = bootstrap.patch_vars.clone().comparing_unset();
+        let select = if configured.len() == inv.nodes.len() {
+            Vec::new()
+        } else {
+            configured
+        };
+        let planned = stage::prepare(inv, &bootstrap)
+            .map_err(|e| (Stage::Upgrade, UpError::Bootstrap(e)))
+            .and_then(|prepared| {
+                let day2 = DayTwo {
+                    inv,
+                    target,
+                    opts,
+                    bootstrap: &bootstrap,
+                    prepared: &prepared,
+                    select,
+                    dry_run: true,
+                    upgrade: opts.upgrade.clone(),
+                };
+                day2.converge(&mut report, &|_: &str, _: &str| {})
+            });
+        if let Err((stage, e)) = planned {
+            report.stop(stage, e);
+        }
+    }
     report.elapsed_ms = started.elapsed().as_millis();
     report
+}
+
+/// The steps after the bootstrap, over a cluster that exists: the upgrade
+/// (Talos, then Kubernetes), then configs, each the library call its own
+/// command makes ([`converge`]); in a dry run only their plans.
+struct DayTwo<'a> {
+    inv: &'a Inventory,
+    target: &'a Target,
+    opts: &'a UpOptions,
+    bootstrap: &'a BootstrapOptions,
+    prepared: &'a stage::Prepared,
+    /// The nodes to converge (all when empty; Kubernetes, removal and
+    /// prune only then), or for [`replace`] the nodes to remove.
+    select: Vec<String>,
+    dry_run: bool,
+    /// As `opts.upgrade`, with the run's etcd snapshot in the state dir.
+    upgrade: UpgradeSettings,
+}
+
+impl DayTwo<'_> {
+    /// Runs (or plans) every step in order, recording each action; stops
+    /// at the first step that fails.
+    fn converge(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), (Stage, UpError)> {
+        let at = |stage: Stage| move |e: StageError| (stage, UpError::Bootstrap(e));
+        let differences =
+            stage::drift(self.inv, self.prepared, self.bootstrap).map_err(at(Stage::Upgrade))?;
+        let chosen = |node: &str| self.select.is_empty() || self.select.iter().any(|s| s == node);
+        let differs = |what: &[&str]| {
+            differences
+                .drift
+                .iter()
+                .any(|d| chosen(&d.node) && what.contains(&d.what))
+        };
+        let upgraded = if differs(&["version", "schematic"]) {
+            self.upgrade(report, progress)?
+        } else {
+            self.kubernetes(report, progress)?;
+            Vec::new()
+        };
+        if differs(&["config"]) || !upgraded.is_empty() {
+            self.configs(report, &upgraded)?;
+        }
+        // Destructive steps go over the whole cluster only.
+        if self.select.is_empty() {
+            let removed = self.remove(report, progress)?;
+            self.prune(report, removed)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the destructive actions planned are carried out now.
+    fn destroying(&self) -> bool {
+        self.opts.allow_destroy && !self.dry_run
+    }
+
+    /// A destructive action as this run leaves it: planned in a dry run,
+    /// left without `--allow-destroy`.
+    fn held(&self, action: Action) -> Action {
+        let outcome = if self.dry_run {
+            State::Planned
+        } else {
+            State::Left
+        };
+        action.destructive().outcome(outcome)
+    }
+
+    /// The etcd snapshot taken before this run's first control-plane
+    /// change (one per run, however many steps ask).
+    fn etcd(&self) -> &etcd::BeforeChange {
+        &self.upgrade.run.etcd
+    }
+
+    /// Takes the run's etcd snapshot unless it was taken: before the
+    /// first control-plane change.
+    fn snapshot_etcd(&self, stage: Stage, change: &str) -> Result<(), (Stage, UpError)> {
+        let taken = converge::runtime()
+            .map_err(|e| (stage, UpError::Converge(Box::new(e))))?
+            .block_on(etcd::snapshot_before_change(
+                self.etcd(),
+                &self.prepared.plan,
+                self.limits(),
+            ));
+        taken.map(|_| ()).map_err(|e| {
+            step_failed(
+                stage,
+                format!("the etcd snapshot before the first control-plane {change} failed, so nothing was changed: {e}"),
+                false,
+            )
+        })
+    }
+
+    /// Nodes gone from the inventory, found in the state dir's record of
+    /// the cluster's nodes or by imgbuild's marker on their machine (a
+    /// Proxmox VM's description, a Hetzner server's labels): drained,
+    /// reset and deleted from Kubernetes (and etcd), then their machine
+    /// and its volumes deleted. Returns the names removed (or planned).
+    fn remove(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<Vec<String>, (Stage, UpError)> {
+        let at = |e: remove::RemoveError| (Stage::Remove, UpError::Remove(Box::new(e)));
+        let chosen = |node: &str| self.select.is_empty() || self.select.iter().any(|s| s == node);
+        let mut removed =
+            remove::removed_nodes(self.inv, &self.prepared.state_dir.path).map_err(at)?;
+        removed.retain(|r| chosen(&r.name));
+        let mut machines = self.machines_gone()?;
+        machines.retain(|m| chosen(&m.node));
+        for m in &machines {
+            remove::add_found(
+                &mut removed,
+                remove::RemovedNode::on_platform(&m.node, None),
+            );
+        }
+        if removed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let limits = self.limits();
+        let view = remove::survey(self.prepared, &removed, limits).map_err(at)?;
+        let plan = remove::plan(self.inv, &removed, &view).map_err(at)?;
+        report.warnings.extend(plan.warnings.iter().cloned());
+        let mut actions: Vec<(Action, Option<String>)> = Vec::new();
+        for n in &plan.nodes {
+            let steps: Vec<String> = n.steps.iter().map(ToString::to_string).collect();
+            let role = match n.role {
+                crate::inventory::Role::Controlplane => "controlplane",
+                _ => "worker",
+            };
+            let mut a = Action::new(Step::Remove, Some(&n.node), "remove from the cluster")
+                .change("role", Some(role), None)
+                .detail(steps.join(", "));
+            if let Some(addr) = n.address {
+                a = a.change("address", Some(&addr.to_string()), None);
+            }
+            actions.push((self.held(a), None));
+        }
+        let names: Vec<String> = removed.iter().map(|r| r.name.clone()).collect();
+        for m in &machines {
+            let detail = if m.volumes.is_empty() {
+                String::new()
+            } else {
+                format!("volumes {}", m.volumes.join(", "))
+            };
+            let mut a = Action::new(Step::Remove, Some(&m.node), &format!("delete {}", m.what))
+                .change("machine", Some(&m.what), None);
+            if !detail.is_empty() {
+                a = a.detail(detail);
+            }
+            actions.push((self.held(a), Some(m.node.clone())));
+        }
+        if !self.destroying() {
+            report.actions.extend(actions.into_iter().map(|(a, _)| a));
+            return Ok(names);
+        }
+        if plan
+            .nodes
+            .iter()
+            .any(|n| n.role == crate::inventory::Role::Controlplane)
+        {
+            self.snapshot_etcd(Stage::Remove, "removal")?;
+        }
+        let options = remove::RemoveOptions {
+            limits: limits.clone(),
+            ..remove::RemoveOptions::default()
+        };
+        let observer = |node: &str, event: &remove::Event| {
+            if let remove::Event::Started(step) = event {
+                progress(node, &step.to_string());
+            }
+        };
+        let done = remove::remove(self.prepared, &plan, &options, &observer).map_err(at)?;
+        let removed_now: Vec<&str> = done
+            .nodes
+            .iter()
+            .filter(|n| n.removed)
+            .map(|n| n.node.as_str())
+            .collect();
+        // A machine goes once its node left the cluster (or was never in it).
+        let talos_done =
+            |node: &str| removed_now.contains(&node) || !plan.nodes.iter().any(|n| n.node == node);
+        let mut failure = done.failed.as_ref().map(|f| f.to_string());
+        for (mut a, machine) in actions {
+            let node = a.node.clone().unwrap_or_default();
+            a.outcome = match &machine {
+                None if removed_now.contains(&node.as_str()) => State::Done,
+                None => State::Failed,
+                Some(_)
+                    if !talos_done(&node)
+                        || failure.is_some() && !removed_now.contains(&node.as_str()) =>
+                {
+                    State::NotReached
+                }
+                Some(node) => match self.delete_machine(node, &machines, progress) {
+                    Ok(()) => State::Done,
+                    Err(e) => {
+                        a.detail = Some(e.clone());
+                        failure.get_or_insert(e);
+                        State::Failed
+                    }
+                },
+            };
+            report.act(a);
+        }
+        match failure {
+            None => Ok(names),
+            Some(message) => Err(step_failed(Stage::Remove, message, !removed_now.is_empty())),
+        }
+    }
+
+    /// The machines imgbuild made for this cluster whose node the
+    /// inventory no longer has (never one without imgbuild's marker).
+    fn machines_gone(&self) -> Result<Vec<GoneMachine>, (Stage, UpError)> {
+        let known = |node: &str| self.inv.nodes.iter().any(|n| n.name == node);
+        let cluster = &self.inv.cluster.name;
+        Ok(match self.target {
+            Target::None => Vec::new(),
+            Target::Proxmox(pve) => {
+                proxmox::destroy::cluster_vms(&pve.credentials, cluster, pve.options.retry)
+                    .map_err(|e| (Stage::Remove, UpError::Proxmox(e)))?
+                    .into_iter()
+                    .filter(|vm| !known(&vm.node))
+                    .map(|vm| GoneMachine {
+                        node: vm.node.clone(),
+                        what: format!("VM {} on {}", vm.vmid, vm.pve_node),
+                        volumes: vm.disks.clone(),
+                        vm: Some(vm),
+                    })
+                    .collect()
+            }
+            Target::Hcloud(hc) => {
+                let api = hc.api().map_err(|e| (Stage::Remove, UpError::Hcloud(e)))?;
+                servers::existing(&api, cluster)
+                    .map_err(|e| (Stage::Remove, UpError::Hcloud(e)))?
+                    .into_iter()
+                    .filter(|s| !known(&s.node))
+                    .map(|s| GoneMachine {
+                        node: s.node.clone(),
+                        what: format!("server {} ({})", s.id, s.name),
+                        volumes: Vec::new(),
+                        vm: None,
+                    })
+                    .collect()
+            }
+        })
+    }
+
+    /// Deletes the machine of removed `node` with its volumes, as `imgbuild
+    /// down` deletes each.
+    fn delete_machine(
+        &self,
+        node: &str,
+        machines: &[GoneMachine],
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), String> {
+        let cluster = &self.inv.cluster.name;
+        for m in machines.iter().filter(|m| m.node == node) {
+            progress(node, &format!("deleting {}", m.what));
+            match (self.target, &m.vm) {
+                (Target::Proxmox(pve), Some(vm)) => {
+                    let opts = proxmox::destroy::DeleteOptions {
+                        poll: pve.options.poll,
+                        retry: pve.options.retry,
+                        ..proxmox::destroy::DeleteOptions::default()
+                    };
+                    proxmox::destroy::delete_vm(&pve.credentials, cluster, vm, &opts)
+                        .map_err(|e| format!("deleting {}: {e}", m.what))?;
+                }
+                (Target::Hcloud(hc), _) => {
+                    let api = hc.api().map_err(|e| e.to_string())?;
+                    let (_, left) = servers::delete_node(&api, cluster, node, &hc.options);
+                    if let Some(l) = left.first() {
+                        return Err(format!("deleting server {}: {}", l.id, l.error));
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// What imgbuild made for the cluster and nothing uses any more (as
+    /// `imgbuild prune`): each volume or snapshot to delete, by name.
+    fn prune(
+        &self,
+        report: &mut Report,
+        former_nodes: Vec<String>,
+    ) -> Result<(), (Stage, UpError)> {
+        let at = |e: prune::PruneError| (Stage::Prune, UpError::Prune(Box::new(e)));
+        let delete = match self.target {
+            Target::Proxmox(pve) => proxmox::destroy::DeleteOptions {
+                poll: pve.options.poll,
+                retry: pve.options.retry,
+                ..proxmox::destroy::DeleteOptions::default()
+            },
+            _ => proxmox::destroy::DeleteOptions::default(),
+        };
+        let scope = prune::PruneScope {
+            inv: self.inv,
+            target: self.target,
+            keep: PRUNE_KEEP,
+            cache: None,
+            former_nodes,
+            delete,
+        };
+        let plan = prune::plan(&scope).map_err(at)?;
+        let action = |p: &prune::Pruned| {
+            let size = p.item.size().map(|s| format!("{s} bytes"));
+            let mut a = Action::new(Step::Prune, None, &format!("delete {}", p.item.name()))
+                .change("exists", Some("yes"), None);
+            if let Some(size) = size {
+                a = a.detail(size);
+            }
+            a
+        };
+        if !self.destroying() {
+            for p in &plan.delete {
+                report.act(self.held(action(p)));
+            }
+            return Ok(());
+        }
+        let done = prune::prune(&scope, &plan);
+        for p in &done.deleted {
+            report.act(action(p).destructive().outcome(State::Done));
+        }
+        for (p, why) in &done.failed {
+            report.act(
+                action(p)
+                    .destructive()
+                    .outcome(State::Failed)
+                    .detail(why.clone()),
+            );
+        }
+        match done.failed.first() {
+            None => Ok(()),
+            Some((p, why)) => Err(step_failed(
+                Stage::Prune,
+                format!("{}: {why}", p.item.name()),
+                !done.deleted.is_empty(),
+            )),
+        }
+    }
+
+    fn limits(&self) -> &bootstrap::Options {
+        &self.bootstrap.limits
+    }
+
+    /// Talos version and schematic, node by node, then Kubernetes: as
+    /// `imgbuild upgrade`. Returns the nodes planned for an upgrade (whose
+    /// config the upgrade applies).
+    fn upgrade(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<Vec<String>, (Stage, UpError)> {
+        let at = |e: converge::ConvergeError| (Stage::Upgrade, UpError::Converge(Box::new(e)));
+        let fetch = &self.opts.build.fetch;
+        let client = crate::fetch::client(fetch);
+        let factory =
+            Factory::new(&self.inv.image.factory, &client).with_retry(fetch.retry_policy());
+        let targets = upgrade::targets(self.inv, &factory)
+            .map_err(|e| at(converge::ConvergeError::from(e)))?;
+        let planned = converge::upgrade_plan(
+            self.inv,
+            &factory,
+            &targets,
+            self.prepared,
+            &self.select,
+            &self.upgrade,
+            self.limits(),
+        )
+        .map_err(at)?;
+        let mut actions: Vec<Action> = Vec::new();
+        for n in &planned.talos.nodes {
+            if n.action == UpAction::Done || n.action == UpAction::SchematicUnknown {
+                continue;
+            }
+            let hops: Vec<&str> = n.hops.iter().map(|h| h.version.as_str()).collect();
+            let mut a = Action::new(Step::Upgrade, Some(&n.node), "upgrade").change(
+                "talos",
+                n.from.version.as_deref(),
+                Some(&n.to.version),
+            );
+            // Shown when it moves (unknown is not different).
+            if n.from.schematic.as_deref() != Some(n.to.schematic.as_str()) {
+                a = a.change(
+                    "schematic",
+                    n.from.schematic.as_deref(),
+                    Some(&n.to.schematic),
+                );
+            }
+            a = match n.action {
+                UpAction::Config => a.detail(
+                    "on the target; its config names another installer: the config is applied",
+                ),
+                UpAction::Blocked => a.detail(format!(
+                    "blocked: {}",
+                    n.problem
+                        .as_deref()
+                        .or(n.from.error.as_deref())
+                        .unwrap_or("not read")
+                )),
+                _ if hops.len() > 1 => a.detail(format!("via {}", hops.join(" → "))),
+                _ => a,
+            };
+            actions.push(a);
+        }
+        let kube_action = planned.kube.as_ref().and_then(|(_, k)| kube_action(k));
+        let nodes: Vec<String> = actions.iter().filter_map(|a| a.node.clone()).collect();
+        if let Some(r) = planned.refusal() {
+            report.actions.extend(actions);
+            report.actions.extend(kube_action);
+            return Err((
+                Stage::Upgrade,
+                UpError::Refused {
+                    stage: Stage::Upgrade,
+                    why: r,
+                },
+            ));
+        }
+        if self.dry_run {
+            report.actions.extend(actions);
+            report.actions.extend(kube_action);
+            return Ok(nodes);
+        }
+        let say = |what: &str| progress("kubernetes", what);
+        let done = converge::run_upgrade(
+            self.inv,
+            &factory,
+            self.prepared,
+            planned,
+            &self.upgrade,
+            self.limits(),
+            progress,
+            &say,
+        )
+        .map_err(at)?;
+        for mut a in actions {
+            let node = a.node.clone().unwrap_or_default();
+            a.outcome = match &done.talos.failed {
+                Some(f) if f.node == node => {
+                    a.detail = Some(f.error.clone());
+                    State::Failed
+                }
+                _ if done.talos.untouched.contains(&node) => State::NotReached,
+                _ => State::Done,
+            };
+            report.act(a);
+        }
+        if let Some(mut a) = kube_action {
+            a.outcome = match done.kube.as_ref().map(|k| k.ending()) {
+                Some(Ending::Ok) => State::Done,
+                Some(_) => State::Failed,
+                None => State::NotReached,
+            };
+            report.act(a);
+        }
+        match done.ending() {
+            Ending::Ok => Ok(nodes),
+            Ending::Failed(message) => Err(step_failed(Stage::Upgrade, message, false)),
+            Ending::Partial(message) => Err(step_failed(Stage::Upgrade, message, true)),
+        }
+    }
+
+    /// The cluster's Kubernetes version when no Talos node moves: as the
+    /// Kubernetes part of `imgbuild upgrade`.
+    fn kubernetes(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), (Stage, UpError)> {
+        if !self.select.is_empty() {
+            return Ok(());
+        }
+        let (seen, k) = converge::kubernetes_plan(
+            self.inv,
+            &self.prepared.plan,
+            &BTreeMap::new(),
+            &self.upgrade,
+            self.limits(),
+        );
+        let Some(mut action) = kube_action(&k) else {
+            return Ok(());
+        };
+        if let Some(r) = &k.refusal {
+            report.act(action);
+            let why = format!("kubernetes {}: {r}", k.to);
+            return Err((
+                Stage::Kubernetes,
+                UpError::Refused {
+                    stage: Stage::Kubernetes,
+                    why,
+                },
+            ));
+        }
+        if self.dry_run {
+            report.act(action);
+            return Ok(());
+        }
+        let say = |what: &str| progress("kubernetes", what);
+        let done = kube_run::execute(
+            &self.prepared.plan,
+            &k,
+            &seen,
+            self.limits(),
+            &self.upgrade.kube,
+            &say,
+        );
+        let ending = done.ending();
+        action.outcome = if ending == Ending::Ok {
+            State::Done
+        } else {
+            State::Failed
+        };
+        report.act(action);
+        match ending {
+            Ending::Ok => Ok(()),
+            Ending::Failed(m) => Err(step_failed(Stage::Kubernetes, m, false)),
+            Ending::Partial(m) => Err(step_failed(Stage::Kubernetes, m, true)),
+        }
+    }
+
+    /// Whether a control plane's config change takes a reboot (asked with
+    /// the apply's own dry run).
+    fn reboots_a_control_plane(&self) -> Result<bool, (Stage, UpError)> {
+        let cps: Vec<String> = self
+            .prepared
+            .plan
+            .nodes
+            .iter()
+            .filter(|n| n.role == crate::inventory::Role::Controlplane)
+            .filter(|n| self.select.is_empty() || self.select.contains(&n.name))
+            .map(|n| n.name.clone())
+            .collect();
+        if cps.is_empty() {
+            return Ok(false);
+        }
+        let compared = converge::apply_configs(
+            self.inv,
+            self.prepared,
+            &cps,
+            &self.opts.apply,
+            true,
+            &self.bootstrap.patch_vars,
+            self.limits(),
+        )
+        .map_err(|e| (Stage::Configs, UpError::Converge(Box::new(e))))?;
+        Ok(compared.nodes.iter().any(|n| n.changed && n.needs_reboot))
+    }
+
+    /// Each node's machine config: as `imgbuild apply` (live where Talos
+    /// can, else a reboot one node at a time). Nodes `upgraded` had theirs
+    /// applied by the upgrade; a dry run does not list them twice.
+    fn configs(&self, report: &mut Report, upgraded: &[String]) -> Result<(), (Stage, UpError)> {
+        if !self.dry_run && self.reboots_a_control_plane()? {
+            self.snapshot_etcd(Stage::Configs, "config change")?;
+        }
+        let outcome = converge::apply_configs(
+            self.inv,
+            self.prepared,
+            &self.select,
+            &self.opts.apply,
+            self.dry_run,
+            &self.bootstrap.patch_vars,
+            self.limits(),
+        )
+        .map_err(|e| (Stage::Configs, UpError::Converge(Box::new(e))))?;
+        for n in outcome.nodes.iter().filter(|n| n.changed) {
+            if self.dry_run && upgraded.contains(&n.node) {
+                continue;
+            }
+            let rendered = self
+                .prepared
+                .plan
+                .nodes
+                .iter()
+                .find(|p| p.name == n.node)
+                .map_or(&[][..], |p| p.config.as_slice());
+            let fields = apply::changed_fields(&n.diff, rendered);
+            let what = match (n.needs_reboot, n.staged) {
+                (_, true) => "config staged, applies at the next reboot",
+                (true, _) => "apply config (with a reboot)",
+                (false, _) => "apply config",
+            };
+            let outcome = if self.dry_run || n.staged {
+                State::Planned
+            } else if n.applied {
+                State::Done
+            } else {
+                State::NotReached
+            };
+            report.act(
+                Action::new(Step::Configs, Some(&n.node), what)
+                    .detail(actions::diff_summary(&n.diff, &fields))
+                    .outcome(outcome),
+            );
+        }
+        for f in &outcome.failed {
+            report.act(
+                Action::new(Step::Configs, Some(&f.node), "apply config")
+                    .detail(f.error.clone())
+                    .outcome(State::Failed),
+            );
+        }
+        if let Some(r) = outcome.refused {
+            return Err((
+                Stage::Configs,
+                UpError::Refused {
+                    stage: Stage::Configs,
+                    why: r,
+                },
+            ));
+        }
+        if outcome.failed.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = outcome.failed.iter().map(|f| f.node.as_str()).collect();
+        let partial = outcome.nodes.iter().any(|n| n.applied);
+        Err(step_failed(
+            Stage::Configs,
+            format!("apply failed on {}", names.join(", ")),
+            partial,
+        ))
+    }
+}
+
+/// The control planes of record the inventory no longer has: etcd lists
+/// them until the removal step, so the health check lets them be.
+fn leaving(inv: &Inventory, opts: &BootstrapOptions) -> Vec<String> {
+    let Ok(dir) = stage::StateDir::existing(inv, opts.state_dir.as_deref()) else {
+        return Vec::new();
+    };
+    remove::removed_nodes(inv, &dir.path)
+        .map(|removed| {
+            removed
+                .into_iter()
+                .filter(|r| r.role == Some(crate::inventory::Role::Controlplane))
+                .map(|r| r.name)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The upgrade settings of a run over `prepared`'s cluster: the etcd
+/// snapshot before its first control-plane change goes into the state dir.
+fn snapshotting(
+    settings: &UpgradeSettings,
+    inv: &Inventory,
+    prepared: &stage::Prepared,
+) -> UpgradeSettings {
+    let mut out = settings.clone();
+    out.run.etcd = std::sync::Arc::new(etcd::BeforeChange::new(
+        etcd::SnapshotOptions::in_state_dir(&prepared.state_dir.path, &inv.cluster.name),
+    ));
+    out
+}
+
+/// How many of the newest unused volumes or snapshots per node and base a
+/// prune keeps (as `imgbuild prune` by default): one to go back to.
+const PRUNE_KEEP: usize = 1;
+
+/// A machine imgbuild made for a node the inventory no longer has.
+struct GoneMachine {
+    node: String,
+    /// `VM 304 on pve`, `server 42 (demo-worker-02)`.
+    what: String,
+    /// The volumes deleting it frees.
+    volumes: Vec<String>,
+    vm: Option<proxmox::destroy::ClusterVm>,
+}
+
+/// The Kubernetes action of a plan with work left (or a refusal).
+fn kube_action(k: &KubePlan) -> Option<Action> {
+    let left = k.steps.iter().filter(|s| !s.done).count();
+    if left == 0 && k.refusal.is_none() {
+        return None;
+    }
+    let mut a = Action::new(Step::Kubernetes, None, "upgrade Kubernetes")
+        .change("kubernetes", k.from.as_deref(), Some(&k.to))
+        .detail(format!("{left} step(s)"));
+    if let Some(r) = &k.refusal {
+        a = a.detail(format!("refused: {r}"));
+    }
+    Some(a)
+}
+
+fn step_failed(stage: Stage, message: String, partial: bool) -> (Stage, UpError) {
+    (
+        stage,
+        UpError::Step {
+            stage,
+            message,
+            partial,
+        },
+    )
+}
+
+/// `imgbuild replace NODE…`: each node is removed as a node gone from the
+/// inventory is (drained, out of etcd, reset, its Kubernetes Node, machine
+/// and volumes deleted), then `up` creates it again under the same name:
+/// for a changed address or a broken disk. The removal is the destructive
+/// step the command asks for, so it needs no `--allow-destroy`; the rest
+/// of the run is `up`'s. A dry run shows the removal, then what `up` plans.
+pub fn replace(
+    inv: &Inventory,
+    target: &Target,
+    opts: &UpOptions,
+    nodes: &[String],
+    obs: Option<Observers<'_>>,
+) -> Report {
+    let started = Instant::now();
+    let dry_run = obs.is_none();
+    let mut report = begin(inv, target, opts, dry_run, started);
+    if report.stopped.is_some() {
+        return report;
+    }
+    // The cluster as it is without them: what the removal compares with.
+    let mut without = inv.clone();
+    without.nodes.retain(|n| !nodes.contains(&n.name));
+    let removal = {
+        let _lock = match (!dry_run).then(|| stage::lock_state_dir(inv, &opts.bootstrap, "replace"))
+        {
+            Some(Err(e)) => {
+                report.stop(Stage::Remove, UpError::Bootstrap(e));
+                return report;
+            }
+            lock => lock,
+        };
+        let mut bootstrap = opts.bootstrap.clone();
+        bootstrap.limits.leaving = nodes.to_vec();
+        if let Target::Hcloud(hc) = target {
+            bootstrap.cancel = hc.cancel;
+        }
+        let opts = UpOptions {
+            allow_destroy: true,
+            ..opts.clone()
+        };
+        stage::StateDir::existing(inv, bootstrap.state_dir.as_deref())
+            .and_then(|_| stage::prepare(&without, &bootstrap))
+            .map_err(|e| (Stage::Remove, UpError::Bootstrap(e)))
+            .and_then(|prepared| {
+                let upgrade = if dry_run {
+                    opts.upgrade.clone()
+                } else {
+                    snapshotting(&opts.upgrade, inv, &prepared)
+                };
+                let day2 = DayTwo {
+                    inv: &without,
+                    target,
+                    opts: &opts,
+                    bootstrap: &bootstrap,
+                    prepared: &prepared,
+                    select: nodes.to_vec(),
+                    dry_run,
+                    upgrade,
+                };
+                let quiet = |_: &str, _: &str| {};
+                day2.remove(&mut report, obs.map_or(&quiet, |o| o.steps))
+            })
+    };
+    let removal_actions = std::mem::take(&mut report.actions);
+    if let Err((stage, e)) = removal {
+        report.actions = removal_actions;
+        report.stop(stage, e);
+        return report;
+    }
+    let mut done = match obs {
+        Some(obs) => up(inv, target, opts, obs),
+        None => plan(inv, target, opts),
+    };
+    let mut actions = removal_actions;
+    actions.append(&mut done.actions);
+    done.actions = actions;
+    done.warnings.splice(0..0, report.warnings);
+    done.elapsed_ms = started.elapsed().as_millis();
+    done
 }
 
 /// The report of a run (or dry run) about to start, every row placed
@@ -179,12 +1032,23 @@ fn build(
     mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<Built, (Stage, UpError)> {
-    if let Target::None = target {
-        return Ok(Built::default());
-    }
+    let nodes = match target {
+        Target::None => return Ok(Built::default()),
+        // Only nodes without a server need an image (their image of record).
+        Target::Hcloud(hc) => {
+            let to_publish = |e| (Stage::Publish, UpError::Hcloud(e));
+            let api = hc.api().map_err(to_publish)?;
+            let nodes = servers::without_server(&api, inv, &opts.nodes).map_err(to_publish)?;
+            if nodes.is_empty() {
+                return Ok(Built::default());
+            }
+            nodes
+        }
+        Target::Proxmox(_) => opts.nodes.clone(),
+    };
     let (outcomes, failed) = match mode {
         Mode::Run(obs) => {
-            let (built, failed) = match build::build(inv, &opts.nodes, &opts.build, obs.download) {
+            let (built, failed) = match build::build(inv, &nodes, &opts.build, obs.download) {
                 Ok(built) => (built, Vec::new()),
                 Err(BuildError::Incomplete { built, failed }) => (built, failed),
                 Err(e) => return Err((Stage::Build, e.into())),
@@ -193,7 +1057,7 @@ fn build(
             (outcomes.collect::<Vec<_>>(), failed)
         }
         Mode::Plan => {
-            let current = build::current_images(inv, &opts.nodes, &opts.build)
+            let current = build::current_images(inv, &nodes, &opts.build)
                 .map_err(|e| (Stage::Build, e.into()))?;
             let out_dir = &opts.build.out_dir;
             let outcomes = current.into_iter().map(|(node, image)| {
@@ -259,14 +1123,35 @@ fn proxmox(
     let build_failed = !failed_nodes.is_empty();
     let to_publish = |e: ProxmoxError| (Stage::Publish, UpError::from(e));
     // Per node: (volume, vmid, uploaded, vm, started), or why it failed.
-    type Done = Result<(Option<String>, Option<u32>, bool, Option<VmChange>, bool), ProxmoxError>;
+    type Done = Result<
+        (
+            Option<String>,
+            Option<u32>,
+            bool,
+            Option<VmChange>,
+            bool,
+            Vec<SettingChange>,
+        ),
+        ProxmoxError,
+    >;
     let done: Vec<Done> = match mode {
         Mode::Run(obs) => {
             let images: Vec<PublishImage> = images.iter().filter_map(|(_, i)| i.clone()).collect();
             pve.publish(inv, &images, obs.publish)
                 .map_err(to_publish)?
                 .into_iter()
-                .map(|r| r.map(|p| (Some(p.volid), p.vmid, p.uploaded, p.vm, p.started)))
+                .map(|r| {
+                    r.map(|p| {
+                        (
+                            Some(p.volid),
+                            p.vmid,
+                            p.uploaded,
+                            p.vm,
+                            p.started,
+                            p.settings,
+                        )
+                    })
+                })
                 .collect()
         }
         // An image not built yet is uploaded unless the storage happens
@@ -275,13 +1160,33 @@ fn proxmox(
             .plan(inv, &images)
             .map_err(to_publish)?
             .into_iter()
-            .map(|r| r.map(|d| (d.volid, d.vmid, d.upload != Some(false), d.vm, d.start)))
+            .map(|r| {
+                r.map(|d| {
+                    let upload = d.upload != Some(false);
+                    (d.volid, d.vmid, upload, d.vm, d.start, d.settings)
+                })
+            })
             .collect(),
     };
     // The real run publishes every entry: only built images are listed.
     for ((index, _), r) in images.iter().zip(done) {
         match r {
-            Ok((volume, vmid, uploaded, vm, started)) => {
+            Ok((volume, vmid, uploaded, vm, started, settings)) => {
+                // Each VM setting from → to, applied as Proxmox allows.
+                if !settings.is_empty() {
+                    let node = &inv.nodes[*index].name;
+                    let mut a = Action::new(Step::Settings, Some(node), "change VM settings")
+                        .outcome(if report.dry_run {
+                            State::Planned
+                        } else {
+                            State::Done
+                        });
+                    for c in &settings {
+                        a = a.change(&c.field, Some(&c.from), Some(&c.to));
+                    }
+                    let how: Vec<String> = settings.iter().map(ToString::to_string).collect();
+                    report.act(a.detail(how.join("; ")));
+                }
                 let Some(n) = report.row(*index) else {
                     continue;
                 };
@@ -360,6 +1265,11 @@ fn hcloud(
                 failed: built.failed,
             },
         ));
+    }
+    for (index, _) in &built.images {
+        if let Some(n) = report.row(*index) {
+            n.shared = Some(hcloud::snapshot_key(inv, &inv.nodes[*index]));
+        }
     }
     if let Mode::Plan = mode {
         for (index, _) in &built.images {
@@ -446,12 +1356,18 @@ fn hcloud(
         .map_err(|e| (Stage::Publish, UpError::Bootstrap(e)))?;
     let specs: Vec<servers::ServerSpec> = configs
         .into_iter()
+        .filter(|(node, _)| opts.nodes.is_empty() || opts.nodes.contains(node))
         .filter_map(|(node, user_data)| {
-            let snapshot = *snapshot_of.get(&node)?;
-            let private_ip = inv.node(&node).ok()?.address;
+            let snapshot = snapshot_of.get(&node).copied();
+            let spec = inv.node(&node).ok()?;
+            let server_type = spec.hcloud_server_type(&hc.settings)?.to_owned();
+            let location = spec.hcloud_location(&hc.settings).to_owned();
+            let private_ip = spec.address;
             Some(servers::ServerSpec {
                 node,
                 snapshot,
+                server_type,
+                location,
                 user_data,
                 talos_version: inv.cluster.talos_version.clone(),
                 private_ip,
@@ -481,6 +1397,10 @@ fn hcloud(
     for s in &all {
         record_server(report, &mut targets, s, None);
     }
+    // For the commands after it, when the API cannot be asked.
+    let dir = stage::StateDir::open(inv, opts.bootstrap.state_dir.as_deref())
+        .map_err(|e| (Stage::Publish, UpError::Bootstrap(e)))?;
+    servers::record(inv, &dir.path, made.iter().chain(&all)).map_err(publish)?;
     Ok(targets)
 }
 
@@ -497,6 +1417,8 @@ fn record_server(
     };
     n.server = Some(s.id);
     if let Some((vm, start)) = stages {
+        // A server's image is history: nothing to upload for it.
+        n.stages.upload.get_or_insert(Change::Unchanged);
         n.stages.vm = Some(vm);
         n.stages.start = Some(start);
     }

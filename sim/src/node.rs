@@ -21,7 +21,17 @@
 //! imgbuild-sim nodes [--node NAME=IP:ROLE]... [--vip IP] [--talos-port 50000]
 //!     [--k8s-port 6443] [--*-delay MS] [--disks sda] [--misbehave MODE[@NODE]]...
 //! ```
-//! Prints `{"control":"http://127.0.0.1:PORT","nodes":{NAME:"IP:PORT",…}}`.
+//! Prints `{"control":"http://127.0.0.1:PORT","nodes":{NAME:"IP:PORT",…},
+//! "forwards":{"kube":{NAME:"IP:PORT"},"talos":{NAME:"IP:PORT"}}}`.
+//! - `--kube-forward NAME=IP:PORT`, `--talos-forward NAME=IP:PORT` (port 0:
+//!   a free one): control plane NAME's Kubernetes API, node NAME's Talos API
+//!   also served there, as a published port of a Talos container is (same
+//!   certificates; see `node/k8s_forward.rs`). `GET /_sim/stats` has
+//!   `"connections":{"k8s":{"IP:PORT":n},"talos":{…}}`: every connection
+//!   accepted, by the address it came in on.
+//! - `--vip-held`: the VIP stays unbound, even after the election, until
+//!   `POST /_sim/vip` → 200 `{"released":true}` (a VIP that comes late).
+//!
 //! Zero `--node`s is fine: machines then boot nodes through the control server.
 //! - `POST /_sim/boot` `{"name":"vm-300","ip":"127.x.y.z","hostname":"cp-01"?,
 //!   "config":"<machine config YAML>"?}` → 200 `{"booted":true,"name","ip",
@@ -140,6 +150,10 @@
 //! the deprecated-API metric: the flags, endpoints and stats are listed in
 //! `node/k8s_pods.rs` and `node/k8s_objects.rs`.
 //!
+//! ## etcd snapshots and recovery (issue 30)
+//! `EtcdSnapshot`, `EtcdRecover`, `Bootstrap{recover_etcd}`, `/_sim/etcd` and
+//! the `etcd-snapshot-*` misbehaviours: see `node/etcd.rs`.
+//!
 //! What it shares with imgbuild, and why that is sound: the generated
 //! protobuf types (`imgbuild::talos::api`, built from `proto/`, whose names
 //! and numbers are upstream's `api/machine/machine.proto`) and the certificate helpers
@@ -180,16 +194,19 @@ use imgbuild::talos::api;
 mod apply;
 mod boot;
 mod day2;
+mod etcd;
 mod health;
 mod hostile;
 mod immediate;
 mod k8s_deprecated;
+mod k8s_forward;
 mod k8s_manifests;
 mod k8s_objects;
 mod k8s_pods;
 mod k8s_ssa;
 mod k8s_versions;
 mod lifecycle;
+mod remove;
 mod security;
 mod switches;
 mod upgrade;
@@ -281,6 +298,8 @@ pub struct Args {
     hostile_text: Option<String>,
     #[command(flatten)]
     k8s: k8s_pods::Delays,
+    #[command(flatten)]
+    forwards: k8s_forward::Forwards,
 }
 
 /// What a node got from its machine config.
@@ -508,6 +527,14 @@ struct Cluster {
     builds: Mutex<upgrade::Builds>,
     /// Kubernetes components, objects and restarts (issue 31).
     k8s: Mutex<k8s_pods::K8s>,
+    /// Members removed from etcd, Nodes deleted, the calls (issue 30).
+    removals: Mutex<remove::Removals>,
+    /// etcd's keyspace, snapshots and recoveries (`node/etcd.rs`).
+    etcd: Mutex<etcd::Etcd>,
+    /// Every connection accepted, by the address it came in on.
+    connections: k8s_forward::ConnLog,
+    /// Holds the VIP back (`--vip-held`) until `POST /_sim/vip`.
+    vip_gate: k8s_forward::VipGate,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -537,7 +564,7 @@ impl Cluster {
     }
 
     fn etcd_start(&self, i: usize) -> Option<Instant> {
-        if !self.node(i).control_plane() {
+        if !self.node(i).control_plane() || self.left_etcd(i) {
             return None;
         }
         let conf = self.configured_at(i)?;
@@ -844,7 +871,6 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         anyhow::ensure!(ok, "--node-version {spec}: want NAME=vX.Y.Z");
     }
     Ok(Arc::new(Cluster {
-        args,
         nodes: RwLock::new(nodes),
         boot: Mutex::new(None),
         ca_keys: Mutex::new(HashMap::new()),
@@ -854,6 +880,11 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         facts: Mutex::new(health::Facts::default()),
         builds: Mutex::new(upgrade::Builds::new()),
         k8s: Mutex::default(),
+        removals: Mutex::default(),
+        etcd: Mutex::default(),
+        connections: k8s_forward::ConnLog::default(),
+        vip_gate: k8s_forward::VipGate::new(args.forwards.vip_held),
+        args,
     }))
 }
 
@@ -871,17 +902,43 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         };
         listeners.push((i, talos, k8s));
     }
+    let mut forwards = Vec::new();
+    let mut forwarded = json!({"kube": {}, "talos": {}});
+    for (flag, key, specs) in [
+        ("--kube-forward", "kube", &cluster.args.forwards.kube),
+        ("--talos-forward", "talos", &cluster.args.forwards.talos),
+    ] {
+        for spec in specs {
+            let (name, addr) = k8s_forward::parse(flag, spec)?;
+            let i = cluster
+                .all()
+                .iter()
+                .position(|n| n.name == name && (key == "talos" || n.control_plane()))
+                .ok_or_else(|| anyhow::anyhow!("{flag} {spec}: no such control plane or node"))?;
+            let l = TcpListener::bind(addr).await?;
+            forwarded[key][&name] = json!(l.local_addr()?.to_string());
+            forwards.push((key == "kube", i, l));
+        }
+    }
     println!(
         "{}",
         json!({
             "control": control_url,
             "nodes": cluster.all().iter().map(|n| (n.name.clone(), format!("{}:{}", n.ip, cluster.args.talos_port))).collect::<HashMap<_, _>>(),
+            "forwards": forwarded,
         })
     );
     for (i, talos, k8s) in listeners {
         tokio::spawn(serve_talos(cluster.clone(), i, talos));
         if let Some(k8s) = k8s {
             tokio::spawn(serve_k8s(cluster.clone(), Some(i), k8s));
+        }
+    }
+    for (kube, i, l) in forwards {
+        if kube {
+            tokio::spawn(serve_k8s(cluster.clone(), Some(i), l));
+        } else {
+            tokio::spawn(serve_talos(cluster.clone(), i, l));
         }
     }
     if let Some(vip) = cluster.args.vip {
@@ -896,6 +953,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/node", post(switches::node_switch))
         .route("/_sim/k8s", post(health::facts_switch))
         .route("/_sim/k8s-apis", post(k8s_deprecated::apis_switch))
+        .route("/_sim/etcd", get(etcd::show).post(etcd::control))
+        .route("/_sim/vip", post(release_vip))
         .with_state(cluster);
     axum::serve(control, app).await?;
     Ok(())
@@ -952,6 +1011,8 @@ async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
         "now_ms": cluster.now_ms(),
         "facts": *cluster.facts.lock().unwrap(),
         "k8s": cluster.k8s_stats(now),
+        "removals": cluster.removal_stats(),
+        "connections": cluster.connections.json(),
         "totals": totals,
     }))
 }
@@ -1159,11 +1220,13 @@ async fn serve_k8s_once_control_plane(cluster: Arc<Cluster>, node: Arc<Node>, i:
     }
 }
 
-/// Port 50000 of one node: closed while it reboots, maintenance TLS or mTLS
-/// depending on its phase at accept time.
+/// Port 50000 of one node (or a forward to it): closed while it reboots,
+/// maintenance TLS or mTLS depending on its phase at accept time.
 async fn serve_talos(cluster: Arc<Cluster>, i: usize, first: TcpListener) {
     let node = cluster.node(i).clone();
-    let addr = SocketAddr::new(node.ip, cluster.args.talos_port);
+    let addr = first
+        .local_addr()
+        .unwrap_or(SocketAddr::new(node.ip, cluster.args.talos_port));
     let mut listener = Some(first);
     let mut changes = node.changed.subscribe();
     loop {
@@ -1189,6 +1252,7 @@ async fn serve_talos(cluster: Arc<Cluster>, i: usize, first: TcpListener) {
         tokio::select! {
             accepted = l.accept() => {
                 if let Ok((tcp, _)) = accepted {
+                    cluster.connections.record(k8s_forward::Api::Talos, addr);
                     tokio::spawn(handle_talos(cluster.clone(), i, tcp));
                 }
                 listener = Some(l);
@@ -1397,7 +1461,10 @@ envelopes!(
     Data,
     Upgrade,
     MetaWrite,
-    Reboot
+    Reboot,
+    EtcdLeaveCluster,
+    EtcdRemoveMemberById,
+    Reset
 );
 
 impl Api {
@@ -1553,7 +1620,7 @@ impl Api {
         })
     }
 
-    fn bootstrap_on(&self, i: usize) -> Result<Bootstrap, Status> {
+    fn bootstrap_on(&self, i: usize, recover: bool) -> Result<Bootstrap, Status> {
         let node = &self.cluster.node(i);
         if !node.control_plane() {
             return Err(Status::failed_precondition(
@@ -1572,11 +1639,15 @@ impl Api {
             node.st.lock().unwrap().stats.bootstrap_refusals += 1;
             return Err(Status::already_exists("etcd data directory is not empty"));
         }
+        node.st.lock().unwrap().stats.bootstraps += 1;
+        // A recovery that cannot restore leaves etcd failed, not started.
+        if recover && self.restore_on(i).is_err() {
+            return Ok(Bootstrap { metadata: None });
+        }
         *boot = Some(Boot {
             at: Instant::now(),
             node: i,
         });
-        node.st.lock().unwrap().stats.bootstraps += 1;
         Ok(Bootstrap { metadata: None })
     }
 
@@ -1828,7 +1899,8 @@ impl MachineService for Api {
         if !self.secure {
             return Err(Status::unimplemented("method Bootstrap not implemented"));
         }
-        let messages = self.answer(&req, |i| Ok(vec![self.bootstrap_on(i)?]))?;
+        let recover = req.get_ref().recover_etcd;
+        let messages = self.answer(&req, |i| Ok(vec![self.bootstrap_on(i, recover)?]))?;
         Ok(Response::new(BootstrapResponse { messages }))
     }
 
@@ -1838,6 +1910,22 @@ impl MachineService for Api {
     ) -> Result<Response<EtcdMemberListResponse>, Status> {
         let messages = self.answer(&req, |i| Ok(vec![self.etcd_members_on(i)?]))?;
         Ok(Response::new(EtcdMemberListResponse { messages }))
+    }
+
+    async fn etcd_recover(
+        &self,
+        req: Request<tonic::Streaming<Data>>,
+    ) -> Result<Response<EtcdRecoverResponse>, Status> {
+        self.etcd_recover_call(req).await
+    }
+
+    type EtcdSnapshotStream = DataStream;
+
+    async fn etcd_snapshot(
+        &self,
+        req: Request<EtcdSnapshotRequest>,
+    ) -> Result<Response<Self::EtcdSnapshotStream>, Status> {
+        self.etcd_snapshot_call(req)
     }
 
     type KubeconfigStream = DataStream;
@@ -1935,6 +2023,24 @@ impl MachineService for Api {
         })?;
         Ok(Response::new(RebootResponse { messages }))
     }
+
+    async fn etcd_leave_cluster(
+        &self,
+        req: Request<EtcdLeaveClusterRequest>,
+    ) -> Result<Response<EtcdLeaveClusterResponse>, Status> {
+        self.etcd_leave_cluster_call(req)
+    }
+
+    async fn etcd_remove_member_by_id(
+        &self,
+        req: Request<EtcdRemoveMemberByIdRequest>,
+    ) -> Result<Response<EtcdRemoveMemberByIdResponse>, Status> {
+        self.etcd_remove_member_by_id_call(req)
+    }
+
+    async fn reset(&self, req: Request<ResetRequest>) -> Result<Response<ResetResponse>, Status> {
+        self.reset_call(req)
+    }
 }
 
 #[tonic::async_trait]
@@ -1996,6 +2102,9 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
 
 async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpListener) {
     let node = serving.map(|i| cluster.node(i));
+    let Ok(on) = listener.local_addr() else {
+        return;
+    };
     let mut changes = node.as_ref().map(|n| n.changed.subscribe());
     loop {
         let halted = async {
@@ -2018,6 +2127,7 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
         let Ok((tcp, _)) = accepted else {
             continue;
         };
+        cluster.connections.record(k8s_forward::Api::Kubernetes, on);
         let cluster = cluster.clone();
         tokio::spawn(async move {
             let Some(cfg) = k8s_tls(&cluster, serving) else {
@@ -2030,7 +2140,7 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
                 .route("/api/v1/nodes", get(health::nodes))
                 .route(
                     "/api/v1/nodes/{name}",
-                    axum::routing::patch(health::patch_node),
+                    axum::routing::patch(health::patch_node).delete(remove::delete_node),
                 )
                 .route("/api/v1/pods", get(health::all_pods))
                 .route(
@@ -2055,8 +2165,16 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
     }
 }
 
-/// The VIP appears once etcd elects a leader (after bootstrap), never before.
+/// `POST /_sim/vip`: the held VIP may appear now.
+async fn release_vip(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
+    cluster.vip_gate.release();
+    axum::Json(json!({"released": true}))
+}
+
+/// The VIP appears once etcd elects a leader (after bootstrap), never before,
+/// and not while `--vip-held` holds it.
 async fn serve_vip(cluster: Arc<Cluster>, vip: IpAddr) {
+    cluster.vip_gate.open().await;
     loop {
         if reached(cluster.api_up_at(), Instant::now()) {
             break;

@@ -6,18 +6,20 @@ use super::flags::parse_duration;
 use super::inventory::load_inventory;
 use super::output::{Output, Partial, Reported, outside};
 use super::talos::BootstrapRunArgs;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use imgbuild::factory::Factory;
 use imgbuild::input::excerpt;
 use imgbuild::talos::client::ApplyMode;
-use imgbuild::talos::kubernetes::plan::{self as kplan, KubePlan};
+use imgbuild::talos::etcd;
+use imgbuild::talos::kubernetes::plan::KubePlan;
 use imgbuild::talos::kubernetes::{observe, run as kube_run, status as kstatus};
 use imgbuild::talos::stage;
+use imgbuild::talos::status;
 use imgbuild::talos::upgrade::plan::{Action, UpgradePlan};
 use imgbuild::talos::upgrade::report::Ending;
 use imgbuild::talos::upgrade::{self, RebootMode, RunOptions};
-use imgbuild::talos::{apply, status};
+use imgbuild::up::converge::{self, ApplySettings, UpgradeSettings};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -49,6 +51,10 @@ pub struct UpgradeArgs {
     /// How the node reboots into the new version.
     #[arg(long, value_enum, default_value = "default")]
     reboot_mode: RebootArg,
+    /// Upgrade control planes without first saving an etcd snapshot into
+    /// the state dir (taken by default; its failure stops the upgrade).
+    #[arg(long)]
+    skip_etcd_snapshot: bool,
     /// The call that makes a node pull the installer (Talos pulls before it
     /// answers; a new installer is built by the factory first).
     #[arg(long, default_value = "10m", value_parser = parse_duration)]
@@ -179,7 +185,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     let client = imgbuild::fetch::client(&fetch);
     let factory = Factory::new(&inv.image.factory, &client).with_retry(fetch.retry_policy());
     let targets = upgrade::targets(&inv, &factory)?;
-    let mut opts = args.run.options();
+    let mut opts = args.run.options_for(&inv)?;
     if args.dry_run {
         // A dry run sends no config: unset `${NAME}`s need not be given.
         opts.patch_vars = opts.patch_vars.comparing_unset();
@@ -191,73 +197,66 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         .transpose()?;
     let limits = opts.limits.clone();
     let prepared = stage::prepare(&inv, &opts)?;
-    let record_path = prepared.state_dir.upgrades_path();
-    let reboot_mode = match args.reboot_mode {
-        RebootArg::Default => RebootMode::Default,
-        RebootArg::Powercycle => RebootMode::Powercycle,
+    let settings = UpgradeSettings {
+        force: args.force,
+        reboot_mode: match args.reboot_mode {
+            RebootArg::Default => RebootMode::Default,
+            RebootArg::Powercycle => RebootMode::Powercycle,
+        },
+        skip_api_check: args.skip_api_check,
+        run: RunOptions {
+            pull_timeout: args.pull_timeout,
+            node_timeout: args.upgrade_timeout,
+            parallel: usize::from(args.parallel),
+            etcd: std::sync::Arc::new(if args.skip_etcd_snapshot {
+                etcd::BeforeChange::skip()
+            } else {
+                etcd::BeforeChange::new(etcd::SnapshotOptions::in_state_dir(
+                    &prepared.state_dir.path,
+                    &inv.cluster.name,
+                ))
+            }),
+            ..RunOptions::default()
+        },
+        kube: kube_run::RunOptions {
+            pull_timeout: args.pull_timeout,
+            component_timeout: args.component_timeout,
+        },
     };
-    let up = upgrade::decide_upgrade(
+    let planned = converge::upgrade_plan(
         &inv,
         &factory,
         &targets,
-        &prepared.plan,
+        &prepared,
         &args.nodes,
-        &upgrade::Record::load(&record_path)?,
-        args.force,
-        reboot_mode,
+        &settings,
         &limits,
     )?;
-    // Kubernetes moves with the whole cluster only, after Talos: its
-    // checks run against the Talos version each node will run then.
-    let kube = args.nodes.is_empty().then(|| {
-        let talos_after: BTreeMap<String, String> = up
-            .nodes
-            .iter()
-            .filter(|n| n.action == Action::Upgrade)
-            .map(|n| (n.node.clone(), n.to.version.clone()))
-            .collect();
-        let seen = observe::observe(&prepared.plan, &talos_after, &limits);
-        let k = kplan::decide(
-            &seen.cluster,
-            &inv.cluster.kubernetes_version,
-            args.skip_api_check,
-        );
-        (seen.cluster, k)
-    });
-    let kube_refusal = kube.as_ref().and_then(|(_, k)| {
-        k.refusal
-            .as_ref()
-            .map(|r| format!("kubernetes {}: {r}", k.to))
-    });
+    let kube_plan = planned.kube.as_ref().map(|(_, k)| k);
     if args.dry_run {
-        print_plan(&up, kube.as_ref().map(|(_, k)| k), output);
-        if let Some(r) = up.refusal.clone().or(kube_refusal) {
+        print_plan(&planned.talos, kube_plan, output);
+        if let Some(r) = planned.refusal() {
             return Err(Reported(r).into());
         }
         // A node that could not say what it runs is not known to be fine.
-        let unread: Vec<&str> = up
-            .nodes
-            .iter()
-            .filter(|n| n.action == Action::Blocked)
-            .map(|n| n.node.as_str())
-            .collect();
+        let unread = planned.blocked();
         if unread.is_empty() {
             return Ok(());
         }
         let message = format!("could not read or plan {}", unread.join(", "));
-        return Err(if unread.len() < up.nodes.len() {
+        return Err(if unread.len() < planned.talos.nodes.len() {
             Partial(message).into()
         } else {
             Reported(message).into()
         });
     }
-    if let Some(r) = kube_refusal {
+    if let Some(r) = planned.kube_refusal() {
         // Refused before any change: Talos is not touched either. JSON
         // readers get the plan that carries the refusal, as a dry run.
         if output == Output::Text {
             outln!("refused: {}", outside(&r));
         } else {
-            print_plan(&up, kube.as_ref().map(|(_, k)| k), output);
+            print_plan(&planned.talos, kube_plan, output);
         }
         return Err(Reported(r).into());
     }
@@ -266,58 +265,16 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
             errln!("{node}: {}", outside(what));
         }
     };
-    let run = RunOptions {
-        pull_timeout: args.pull_timeout,
-        node_timeout: args.upgrade_timeout,
-        parallel: usize::from(args.parallel),
-        ..RunOptions::default()
-    };
-    // The Talos part applies each node's config after its upgrade: with
-    // the Kubernetes versions it runs, so Kubernetes moves only in order.
-    let mut talos_plan = prepared.plan.clone();
-    if let Some((seen, k)) = &kube {
-        kube_run::pin_running(&mut talos_plan, seen, &k.to).map_err(|e| anyhow::anyhow!(e))?;
-    }
-    let report = upgrade::execute(
-        &factory,
-        &talos_plan,
-        &up,
-        &record_path,
-        &run,
-        &limits,
-        &progress,
-    )?;
-    let talos_ending = report.ending();
-    let kube_report = match kube {
-        Some((seen, k)) if talos_ending == Ending::Ok => {
-            // What the Talos part changed is read again.
-            let (seen, k) = if up.has_work() {
-                let seen = observe::observe(&prepared.plan, &BTreeMap::new(), &limits).cluster;
-                let k = kplan::decide(&seen, &inv.cluster.kubernetes_version, args.skip_api_check);
-                (seen, k)
-            } else {
-                (seen, k)
-            };
-            let krun = kube_run::RunOptions {
-                pull_timeout: args.pull_timeout,
-                component_timeout: args.component_timeout,
-            };
-            let say = |what: &str| {
-                if output == Output::Text {
-                    errln!("kubernetes: {}", outside(what));
-                }
-            };
-            Some(kube_run::execute(
-                &prepared.plan,
-                &k,
-                &seen,
-                &limits,
-                &krun,
-                &say,
-            ))
+    let say = |what: &str| {
+        if output == Output::Text {
+            errln!("kubernetes: {}", outside(what));
         }
-        _ => None,
     };
+    let upgraded = converge::run_upgrade(
+        &inv, &factory, &prepared, planned, &settings, &limits, &progress, &say,
+    )?;
+    let ending = upgraded.ending();
+    let (report, kube_report) = (upgraded.talos, upgraded.kube);
     if output == Output::Text {
         if let Some(e) = &report.record_error {
             errln!("warning: the upgrade record was not written: {e}");
@@ -368,17 +325,10 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
             }
         }
     }
-    let kube_ending = kube_report.as_ref().map_or(Ending::Ok, |k| k.ending());
-    match (talos_ending, kube_ending) {
-        (Ending::Failed(m), _) => Err(Reported(m).into()),
-        (Ending::Partial(m), _) => Err(Partial(m).into()),
-        (Ending::Ok, Ending::Ok) => Ok(()),
-        (Ending::Ok, Ending::Failed(m)) if report.upgraded.is_empty() => {
-            Err(Reported(format!("kubernetes: {m}")).into())
-        }
-        (Ending::Ok, Ending::Failed(m) | Ending::Partial(m)) => {
-            Err(Partial(format!("kubernetes: {m}")).into())
-        }
+    match ending {
+        Ending::Ok => Ok(()),
+        Ending::Failed(m) => Err(Reported(m).into()),
+        Ending::Partial(m) => Err(Partial(m).into()),
     }
 }
 
@@ -423,46 +373,35 @@ fn record_path(state_dir: &stage::StateDir) -> std::path::PathBuf {
     state_dir.upgrades_path()
 }
 
-/// The async runtime the day-two commands run their node calls on.
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?)
-}
-
 pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     for name in &args.nodes {
         inv.node(name)?;
     }
-    let opts = args.run.options();
+    let opts = args.run.options_for(&inv)?;
     stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
     let _lock = (!args.dry_run)
         .then(|| stage::lock_state_dir(&inv, &opts, "apply"))
         .transpose()?;
-    let mut prepared = stage::prepare(&inv, &opts)?;
-    // Kubernetes versions move only through `upgrade`, in order.
-    pin_kubernetes(&inv, &mut prepared.plan, &opts.limits)?;
-    let mode = match args.mode {
-        ModeArg::Auto => ApplyMode::Auto,
-        ModeArg::NoReboot => ApplyMode::NoReboot,
-        ModeArg::Staged => ApplyMode::Staged,
+    let prepared = stage::prepare(&inv, &opts)?;
+    let settings = ApplySettings {
+        mode: match args.mode {
+            ModeArg::Auto => ApplyMode::Auto,
+            ModeArg::NoReboot => ApplyMode::NoReboot,
+            ModeArg::Staged => ApplyMode::Staged,
+        },
+        reboot_timeout: args.reboot_timeout,
     };
-    let mut outcome = runtime()?.block_on(apply::run(
-        &prepared.plan,
+    // Kubernetes versions move only through `upgrade`, in order.
+    let mut outcome = converge::apply_configs(
+        &inv,
+        &prepared,
         &args.nodes,
-        mode,
+        &settings,
         args.dry_run,
-        args.reboot_timeout,
+        &opts.patch_vars,
         &opts.limits,
-    ));
-    if !args.dry_run && outcome.nodes.iter().any(|n| n.applied) {
-        // What is on the nodes now, for read-only commands run without it.
-        let dir = &prepared.state_dir.path;
-        imgbuild::talos::config::Fingerprints::record(dir, &inv, &opts.patch_vars)
-            .with_context(|| format!("recording fingerprints in {}", dir.display()))?;
-    }
+    )?;
     for n in &mut outcome.nodes {
         n.diff = super::output::diff(&n.diff);
     }
@@ -508,19 +447,6 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
     }
 }
 
-/// Pins each node's rendered config to the Kubernetes versions it runs
-/// (read from the cluster); returns what was read.
-fn pin_kubernetes(
-    inv: &imgbuild::inventory::Inventory,
-    plan: &mut imgbuild::talos::bootstrap::Plan,
-    limits: &imgbuild::talos::bootstrap::Options,
-) -> Result<observe::Observed> {
-    let observed = observe::observe(plan, &BTreeMap::new(), limits);
-    kube_run::pin_running(plan, &observed.cluster, &inv.cluster.kubernetes_version)
-        .map_err(|e| anyhow::anyhow!(e))?;
-    Ok(observed)
-}
-
 /// Every node's status row, read from the nodes (nothing is changed), and
 /// what the cluster shows of Kubernetes.
 pub(super) fn rows(
@@ -530,10 +456,10 @@ pub(super) fn rows(
     let wanted = upgrade::wanted(inv)?;
     stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
     let mut prepared = stage::prepare(inv, opts)?;
-    let observed = pin_kubernetes(inv, &mut prepared.plan, &opts.limits)?;
+    let observed = converge::pin_kubernetes(inv, &mut prepared.plan, &opts.limits)?;
     let record = upgrade::Record::load(&record_path(&prepared.state_dir))?;
     let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);
-    let rows = runtime()?.block_on(status::collect(
+    let rows = converge::runtime()?.block_on(status::collect(
         &prepared.plan,
         &wanted,
         &record,
@@ -545,7 +471,7 @@ pub(super) fn rows(
 
 pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let mut opts = args.run.options();
+    let mut opts = args.run.options_for(&inv)?;
     // Status changes nothing: an unset `${NAME}` is compared by fingerprint.
     opts.patch_vars = opts.patch_vars.comparing_unset();
     let (rows, observed) = rows(&inv, &opts)?;

@@ -7,14 +7,13 @@ use clap::Args;
 use imgbuild::build::BuildOutcome;
 use imgbuild::input::escape;
 use imgbuild::publish::hcloud::{
-    self, Credentials, Leftover, Snapshot, SnapshotImage, SnapshotOptions, servers,
+    self, Credentials, Leftover, Snapshot, SnapshotImage, SnapshotOptions,
 };
 use imgbuild::publish::target::HcloudTarget;
 use serde_json::json;
 
 use super::flags::parse_duration;
-use super::inventory::load_inventory;
-use super::output::{Output, Partial, Reported, Usage, failed_json, print_failures};
+use super::output::{Output, Partial, Reported, failed_json, print_failures};
 use super::progress::{PublishView, Screen, Show};
 
 /// Flags only the Hetzner target reads.
@@ -66,7 +65,7 @@ pub struct CleanupArgs {
 
 /// The API client of a command that only needs the token (`cleanup`,
 /// `down`).
-fn api() -> Result<(hcloud::Api, SnapshotOptions)> {
+pub(super) fn api() -> Result<(hcloud::Api, SnapshotOptions)> {
     let creds = Credentials::from_env(&|k| std::env::var(k).ok())?;
     let opts = SnapshotOptions::default();
     Ok((creds.api(opts.retry)?, opts))
@@ -190,74 +189,5 @@ pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
         Ok(())
     } else {
         Err(Reported(format!("{} resource(s) could not be deleted", left.len())).into())
-    }
-}
-
-/// `--yes` (global) deletes without asking; it is required when stdin is
-/// not a terminal.
-#[derive(Args)]
-pub struct DownArgs {}
-
-/// `imgbuild down`: deletes the cluster's servers (found by label) after a
-/// confirmation. Snapshots stay: the next `up` boots from them again.
-pub fn down(_: DownArgs, config: &std::path::Path, output: Output, yes: bool) -> Result<()> {
-    use std::io::{BufRead, IsTerminal};
-    let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
-    if inv
-        .publish
-        .hcloud()
-        .and_then(|h| h.servers.as_ref())
-        .is_none()
-    {
-        return Err(Usage(format!(
-            "{}: no publish.hcloud.servers section: `down` deletes the Hetzner servers `up` made",
-            config.display()
-        ))
-        .into());
-    }
-    let (api, opts) = api()?;
-    let cluster = &inv.cluster.name;
-    let found = servers::existing(&api, cluster)?;
-    if !found.is_empty() && !yes {
-        if !std::io::stdin().is_terminal() {
-            return Err(Usage(format!(
-                "would delete {} server(s) of cluster {cluster}: pass --yes to confirm (stdin is not a terminal)",
-                found.len()
-            ))
-            .into());
-        }
-        errln!("These servers of cluster {cluster} will be deleted:");
-        for s in &found {
-            errln!("  {} (server {}, node {})", s.name, s.id, s.node);
-        }
-        err!("Delete them? [y/N] ");
-        let mut answer = String::new();
-        std::io::stdin().lock().read_line(&mut answer)?;
-        if !matches!(answer.trim(), "y" | "Y" | "yes") {
-            return Err(Reported("nothing deleted".into()).into());
-        }
-    }
-    let (deleted, left) = servers::delete_cluster(&api, cluster, &opts);
-    match output {
-        Output::Json => outln!(
-            "{}",
-            json!({"cluster": cluster, "deleted": deleted, "leftovers": left, "requests": api.requests()})
-        ),
-        Output::Text => {
-            if deleted.is_empty() && left.is_empty() {
-                outln!("cluster {cluster} has no servers");
-            }
-            for d in &deleted {
-                outln!("deleted server {} ({})", d.id, escape(&d.name));
-            }
-            for l in &left {
-                errln!("could not delete server {}: {}", l.id, escape(&l.error));
-            }
-        }
-    }
-    if left.is_empty() {
-        Ok(())
-    } else {
-        Err(Reported(format!("{} server(s) could not be deleted", left.len())).into())
     }
 }

@@ -10,6 +10,8 @@ mod board;
 mod boot;
 mod build;
 mod day2;
+mod down;
+mod etcd;
 mod flags;
 mod guard;
 mod hcloud;
@@ -18,6 +20,7 @@ mod import;
 mod inventory;
 mod plan;
 mod progress;
+mod prune;
 mod publish;
 mod schematic;
 mod secrets;
@@ -124,18 +127,29 @@ enum Command {
     Upgrade(day2::UpgradeArgs),
     /// Push config changes to running nodes (each node's diff first).
     Apply(day2::ApplyArgs),
+    /// etcd: save a snapshot of the cluster's database.
+    Etcd(etcd::EtcdArgs),
     /// One row per node: version, schematic and config against the inventory.
     Status(day2::StatusArgs),
     /// Build what is missing, then publish every node's image (Proxmox VE
     /// storage and VMs, or Hetzner Cloud snapshots).
-    Publish(publish::PublishArgs),
+    Publish(publish::PublishCommand),
     /// Delete the temporary Hetzner servers and SSH keys that killed
     /// `publish` runs left (found by label).
     Cleanup(hcloud::CleanupArgs),
-    /// Delete the cluster's Hetzner servers that `up` created (by label).
-    Down(hcloud::DownArgs),
+    /// Delete the machines imgbuild made for the cluster: Hetzner servers
+    /// (by label), or Proxmox VMs with their disks and uploaded volumes (by
+    /// the record in their description).
+    Down(down::DownArgs),
+    /// Delete what imgbuild made for the cluster and nothing uses: Proxmox
+    /// import volumes and ISOs, Hetzner snapshots, download cache entries.
+    Prune(prune::PruneArgs),
     /// Build, publish, start, bootstrap and check health: the whole line, resumable.
     Up(up::UpArgs),
+    /// Remove nodes (drain, leave etcd, reset, delete the machine and its
+    /// volumes) and create them again under the same names through `up`:
+    /// for a changed address or a broken disk.
+    Replace(up::UpArgs),
     /// List the distinct artifacts the inventories need, each with the command that makes it (CI matrix).
     Plan(plan::PlanArgs),
     /// Convert another tool's cluster definition into a cluster.yaml.
@@ -284,11 +298,14 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
         Command::Upgrade(args) => day2::upgrade(args, &cli.config, cli.output),
         Command::Apply(args) => day2::apply(args, &cli.config, cli.output),
+        Command::Etcd(args) => etcd::run(args, &cli.config, cli.output),
         Command::Status(args) => day2::status(args, &cli.config, cli.output),
         Command::Publish(args) => publish::run(args, &cli.config, cli.output),
         Command::Cleanup(args) => hcloud::cleanup(args, cli.output),
-        Command::Down(args) => hcloud::down(args, &cli.config, cli.output, cli.yes),
+        Command::Down(args) => down::run(args, &cli.config, cli.output, cli.yes),
+        Command::Prune(args) => prune::run(args, &cli.config, cli.output),
         Command::Up(args) => up::run(args, &cli.config, cli.output),
+        Command::Replace(args) => up::replace(args, &cli.config, cli.output),
         Command::Plan(args) => plan::run(args, cli.configs, cli.output),
         Command::Import(args) => import::run(args, cli.output),
         Command::Completions { shell } => {

@@ -89,6 +89,10 @@ pub struct BootstrapArgs {
     /// Only errors and the result: no board, no progress lines.
     #[arg(long)]
     quiet: bool,
+    /// Recover etcd from this snapshot (`imgbuild etcd snapshot`, `talosctl
+    /// etcd snapshot`) on control planes whose etcd has no data.
+    #[arg(long, value_name = "FILE")]
+    recover_from: Option<PathBuf>,
 }
 
 /// The bootstrap's state dir, identity, timeouts and pin: shared by
@@ -139,8 +143,38 @@ impl BootstrapRunArgs {
                 call_timeout: self.call_timeout,
                 poll: self.poll,
                 pin: self.cert_fingerprint.map(|f| f.hex()),
+                recover_from: None,
+                leaving: Vec::new(),
             },
         }
+    }
+}
+
+impl BootstrapRunArgs {
+    /// [`Self::options`] for a cluster that exists: on a Hetzner target the
+    /// servers are found where the platform says (by label, else the last
+    /// `up`'s record, with a warning), so the inventory needs no addresses.
+    /// Every command after `up` goes through here.
+    pub(super) fn options_for(self, inv: &Inventory) -> Result<BootstrapOptions> {
+        let mut opts = self.options();
+        if inv.publish.hcloud().is_some_and(|h| h.servers.is_some()) {
+            let dir = (opts.state_dir.clone()).unwrap_or_else(|| config::default_state_dir(inv));
+            let found = imgbuild::publish::hcloud::servers::addresses(inv, &dir, &|k| {
+                std::env::var(k).ok()
+            })?;
+            if let Some(warning) = found.stale() {
+                errln!("warning: {warning}");
+            }
+            // Reached at the public IP, as `up` reaches them.
+            let reached = found.reached.into_iter().filter_map(|(node, ip)| {
+                Some((
+                    node,
+                    imgbuild::talos::client::NodeEndpoint::new(Some(ip), None)?,
+                ))
+            });
+            opts.targets.extend(reached);
+        }
+        Ok(opts)
     }
 }
 
@@ -236,7 +270,8 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
 
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let opts = args.run.options();
+    let mut opts = args.run.options_for(&inv)?;
+    opts.limits.recover_from = args.recover_from.clone();
     let _lock = stage::lock_state_dir(&inv, &opts, "bootstrap")?;
     let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
     let board = Board::new(&nodes, Show::log_for(args.quiet, output), Show::Nothing);
@@ -264,9 +299,11 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 "alreadyConfigured": outcome.already_configured,
                 "bootstrapped": outcome.bootstrapped,
                 "bootstrapNode": outcome.bootstrap_node,
+                "recoveredFrom": args.recover_from,
                 "versions": outcome.versions,
                 "kubeconfig": plan.kubeconfig_path,
                 "kubeconfigServer": outcome.kubeconfig_server,
+                "kubeconfigMovedFrom": outcome.kubeconfig_moved_from,
                 "talosconfig": tc_path,
                 "elapsedMs": outcome.elapsed_ms,
             })
@@ -289,10 +326,10 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
             );
             outln!(
                 "  etcd: {} on {}",
-                if outcome.bootstrapped {
-                    "bootstrapped"
-                } else {
-                    "already bootstrapped"
+                match &args.recover_from {
+                    Some(file) => format!("recovered from {}", file.display()),
+                    None if outcome.bootstrapped => "bootstrapped".to_owned(),
+                    None => "already bootstrapped".to_owned(),
                 },
                 outcome.bootstrap_node
             );
@@ -304,6 +341,12 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
             outln!("  talosconfig: {}", tc_path.display());
             for f in &outcome.fallbacks {
                 outln!("note: {f}");
+            }
+            if let Some(from) = &outcome.kubeconfig_moved_from {
+                outln!(
+                    "note: the kubeconfig moved from {from} to {}: the endpoint answers now",
+                    outcome.kubeconfig_server
+                );
             }
         }
     }

@@ -3,7 +3,7 @@
 
 use super::board::Board;
 use super::inventory::load_inventory;
-use super::output::{Output, Partial, Reported, Usage};
+use super::output::{Output, Partial, Reported, Usage, outside};
 use super::progress::Show;
 use super::publish::PublishArgs;
 use super::talos::BootstrapRunArgs;
@@ -11,12 +11,20 @@ use anyhow::Result;
 use clap::Args;
 use imgbuild::publish::Cancel;
 use imgbuild::publish::target::{Target, TargetOptions};
+use imgbuild::up::converge::{ApplySettings, UpgradeSettings};
 use imgbuild::up::{self, Line, Observers, UpOptions};
 use std::path::Path;
 
 #[derive(Args)]
 pub struct UpArgs {
-    /// Print what would be built, uploaded, created and applied; change nothing.
+    /// Carry out the destructive actions: remove nodes gone from the
+    /// inventory (drain, reset, delete the VM or server and its volumes)
+    /// and prune. Without it they are shown and left.
+    #[arg(long)]
+    allow_destroy: bool,
+    /// Print every action (build, publish, machines, bootstrap, upgrade,
+    /// Kubernetes, configs, settings, removal, prune) at field level;
+    /// change nothing.
     #[arg(long)]
     dry_run: bool,
     #[command(flatten)]
@@ -26,6 +34,20 @@ pub struct UpArgs {
 }
 
 pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
+    converge(args, config, output, false)
+}
+
+/// `imgbuild replace NODE…`: the nodes removed (drained, out of etcd,
+/// reset, machine and volumes deleted), then `up` with their new settings.
+pub fn replace(args: UpArgs, config: &Path, output: Output) -> Result<()> {
+    if args.publish.nodes().is_empty() {
+        return Err(Usage("replace: name the node(s) to replace".into()).into());
+    }
+    converge(args, config, output, true)
+}
+
+/// `up`, or with `replace` the named nodes replaced first.
+fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Result<()> {
     let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
     for node in args.publish.nodes() {
         inv.node(node).map_err(|e| Usage(e.to_string()))?;
@@ -56,9 +78,16 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
         nodes: args.publish.nodes().to_vec(),
         build: build.options(),
         bootstrap: args.bootstrap.options(),
+        upgrade: UpgradeSettings::default(),
+        apply: ApplySettings::default(),
+        allow_destroy: args.allow_destroy,
     };
+    let replaced = replace.then(|| opts.nodes.clone());
     let report = if args.dry_run {
-        up::plan(&inv, &target, &opts)
+        match &replaced {
+            Some(nodes) => up::replace(&inv, &target, &opts, nodes, None),
+            None => up::plan(&inv, &target, &opts),
+        }
     } else {
         let download = super::build::progress_for(quiet, output);
         let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
@@ -67,17 +96,22 @@ pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
             Show::log_for(quiet, output),
             Show::for_output(quiet, output),
         );
-        let report = up::up(
-            &inv,
-            &target,
-            &opts,
-            Observers {
-                download: download.as_ref(),
-                publish: &board,
-                hcloud: &board,
-                bootstrap: &board,
-            },
-        );
+        let steps = |node: &str, what: &str| {
+            if output == Output::Text && !quiet {
+                errln!("{node}: {}", outside(what));
+            }
+        };
+        let obs = Observers {
+            download: download.as_ref(),
+            publish: &board,
+            hcloud: &board,
+            bootstrap: &board,
+            steps: &steps,
+        };
+        let report = match &replaced {
+            Some(nodes) => up::replace(&inv, &target, &opts, nodes, Some(obs)),
+            None => up::up(&inv, &target, &opts, obs),
+        };
         board.finish();
         report
     };

@@ -9,8 +9,8 @@ mod publish;
 pub use locate::LineIndex;
 pub use net::{Cidr, MacAddr};
 pub use publish::{
-    HcloudServers, HcloudSettings, ProxmoxSettings, ProxmoxVm, PublishSection, PublishSettings,
-    RESERVED_LABELS, VmBoot, label_problem,
+    HcloudServers, HcloudSettings, Machine, NodeMachine, ProxmoxSettings, ProxmoxVm,
+    PublishSection, PublishSettings, RESERVED_LABELS, UploadFormat, VmBoot, label_problem,
 };
 
 pub use crate::schematic::Bootloader;
@@ -56,6 +56,12 @@ pub struct ClusterSettings {
     /// A shared control-plane address that exists only after bootstrap.
     #[serde(default)]
     pub vip: Option<IpAddr>,
+    /// Where this host reaches the Kubernetes API (`https://host:port`)
+    /// when `endpoint` is in-cluster only: a port forward or NAT. Used for
+    /// every Kubernetes call and in the written kubeconfig; machine
+    /// configs keep `endpoint`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes_endpoint: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -259,6 +265,32 @@ pub struct NodeSpec {
     /// Overrides `image.secureBoot` for this node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_boot: Option<bool>,
+    /// This node's Proxmox VM where it differs from `publish.proxmox.vm`
+    /// (cores, memory, disk, bridge, VLAN) and `publish.proxmox.node` (the
+    /// host it runs on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_size: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_disks: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vlan: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxmox_node: Option<String>,
+    /// Overrides `image.arch` for this node (a mixed arm64/amd64 cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arch: Option<Arch>,
+    /// Hetzner: this node's server type (default `publish.hcloud.servers.type`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_type: Option<String>,
+    /// Hetzner: where this node's server runs (default `publish.hcloud.location`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
 }
 
 fn default_install_disk() -> String {
@@ -266,6 +298,31 @@ fn default_install_disk() -> String {
 }
 
 impl NodeSpec {
+    /// The node's own Proxmox VM settings (each unset one is the cluster's).
+    pub fn machine(&self) -> NodeMachine<'_> {
+        NodeMachine {
+            cores: self.cores,
+            memory: self.memory,
+            disk_size: self.disk_size,
+            data_disks: self.data_disks.as_deref(),
+            bridge: self.bridge.as_deref(),
+            vlan: self.vlan,
+            host: self.proxmox_node.as_deref(),
+        }
+    }
+
+    /// Its Hetzner server type: its own, else `servers.type` (None without
+    /// a servers section).
+    pub fn hcloud_server_type<'a>(&'a self, hc: &'a HcloudSettings) -> Option<&'a str> {
+        let shape = hc.servers.as_ref()?;
+        Some(self.server_type.as_deref().unwrap_or(&shape.server_type))
+    }
+
+    /// Where its Hetzner server runs: its own location, else the cluster's.
+    pub fn hcloud_location<'a>(&'a self, hc: &'a HcloudSettings) -> &'a str {
+        self.location.as_deref().unwrap_or(&hc.location)
+    }
+
     /// The link name a static address, its route and its `links[]` entry in
     /// key 10 use: Talos resolves altnames there, so a MAC's `enx…` works.
     pub fn link_name(&self, network: &NetworkSettings) -> Option<String> {
@@ -416,6 +473,13 @@ impl Inventory {
         self.publish.vmid(self.nodes.get(index)?.vmid, index)
     }
 
+    /// The Proxmox VM of the node at `index`: its own settings over the
+    /// cluster's (`publish.proxmox.vm`, `publish.proxmox.node`).
+    pub fn machine(&self, index: usize) -> Option<Machine> {
+        let px = self.publish.proxmox()?;
+        px.machine(&self.nodes.get(index)?.machine())
+    }
+
     /// `validate`'s advice on vmids: nodes that take theirs from
     /// `firstId` + position, which shifts when a node is inserted or removed
     /// before them (existing VMs are found by name, new ones take the
@@ -441,6 +505,11 @@ impl Inventory {
     /// the image's.
     pub fn secure_boot(&self, node: &NodeSpec) -> bool {
         node.secure_boot.unwrap_or(self.image.secure_boot)
+    }
+
+    /// The architecture of `node`'s image: its own, else `image.arch`.
+    pub fn arch(&self, node: &NodeSpec) -> Arch {
+        node.arch.unwrap_or(self.image.arch)
     }
 
     /// Control planes in inventory order; the first one is bootstrapped.
@@ -497,10 +566,22 @@ impl Validator<'_> {
             nodes: inv
                 .nodes
                 .iter()
-                .map(|n| (n.name.as_str(), n.vmid))
+                .map(|n| (n.name.as_str(), n.vmid, n.machine()))
                 .collect(),
         };
         for (field, message) in publish::problems(&inv.publish, &cx) {
+            self.problem(field, message);
+        }
+        let own: Vec<_> = (inv.nodes.iter())
+            .map(|n| {
+                (
+                    n.name.as_str(),
+                    n.server_type.as_deref(),
+                    n.location.as_deref(),
+                )
+            })
+            .collect();
+        for (field, message) in publish::hcloud_node_problems(&inv.publish, &own) {
             self.problem(field, message);
         }
         let cps = inv.control_planes().count();
@@ -582,6 +663,16 @@ impl Validator<'_> {
                 format!(
                     "{:?} is not an https://host:port URL (e.g. https://10.0.0.20:6443)",
                     c.endpoint
+                ),
+            );
+        }
+        if let Some(ep) = &c.kubernetes_endpoint
+            && endpoint_host(ep).is_none()
+        {
+            self.problem(
+                "cluster.kubernetesEndpoint",
+                format!(
+                    "{ep:?} is not an https://host:port URL (the host-side address of the Kubernetes API, e.g. https://127.0.0.1:6443)"
                 ),
             );
         }

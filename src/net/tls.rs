@@ -40,6 +40,10 @@ pub enum Trust {
     /// Certificates that chain to these PEM CA certificates: Kubernetes and
     /// the Talos API in mTLS mode.
     Ca(String),
+    /// Certificates that chain to these PEM CA certificates and name
+    /// `name`, whatever address was dialled: kubectl's `tls-server-name`,
+    /// for an API server reached through a port forward or NAT.
+    CaNamed { ca: String, name: String },
 }
 
 /// A client certificate chain and its key, both PEM (Talos' Ed25519 key
@@ -173,6 +177,58 @@ pub fn describe_refusal(e: &rustls::Error) -> String {
     }
 }
 
+/// The CA's usual checks against a fixed name instead of the dialled one.
+#[derive(Debug)]
+struct NamedVerifier {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    name: ServerName<'static>,
+}
+
+impl ServerCertVerifier for NamedVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _dialled: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.inner
+            .verify_server_cert(end_entity, intermediates, &self.name, ocsp, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+/// The roots of a PEM CA text.
+fn ca_roots(pem_text: &str) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for der in certs_der(pem_text).map_err(invalid("CA"))? {
+        roots.add(der).map_err(|e| invalid("CA")(e.to_string()))?;
+    }
+    Ok(roots)
+}
+
 /// Every certificate in a PEM text, as DER.
 pub fn certs_der(pem_text: &str) -> Result<Vec<CertificateDer<'static>>, String> {
     let blocks = pem::parse_many(pem_text).map_err(|e| e.to_string())?;
@@ -228,12 +284,19 @@ pub fn client_config(
                     provider,
                 }))
         }
-        Trust::Ca(pem_text) => {
-            let mut roots = RootCertStore::empty();
-            for der in certs_der(pem_text).map_err(invalid("CA"))? {
-                roots.add(der).map_err(|e| invalid("CA")(e.to_string()))?;
-            }
-            builder.with_root_certificates(roots)
+        Trust::Ca(pem_text) => builder.with_root_certificates(ca_roots(pem_text)?),
+        Trust::CaNamed { ca, name } => {
+            let name = ServerName::try_from(name.clone())
+                .map_err(|e| invalid("TLS server name")(e.to_string()))?;
+            let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(
+                Arc::new(ca_roots(ca)?),
+                provider,
+            )
+            .build()
+            .map_err(|e| invalid("CA")(e.to_string()))?;
+            builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(NamedVerifier { inner, name }))
         }
     };
     let config = match identity {

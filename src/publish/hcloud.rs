@@ -10,6 +10,7 @@
 pub mod api;
 mod cleanup;
 mod error;
+pub mod prune;
 pub mod rescue;
 pub mod servers;
 mod tally;
@@ -99,15 +100,17 @@ pub struct SnapshotImage {
 
 impl SnapshotImage {
     /// The distinct images among `images` (each with its file): nodes whose
-    /// images have the same bytes share one snapshot (hcloud images carry
+    /// images have the same bytes and architecture share one snapshot (hcloud images carry
     /// no per-node META, so usually every node shares one).
     pub fn distinct<'a>(
         images: impl IntoIterator<Item = (&'a crate::build::NodeImage, PathBuf)>,
     ) -> Vec<SnapshotImage> {
-        let mut by_sha: BTreeMap<Sha256, SnapshotImage> = BTreeMap::new();
+        // One snapshot per architecture even for equal bytes: a snapshot
+        // has one architecture, and servers boot only their own.
+        let mut by_sha: BTreeMap<(String, Sha256), SnapshotImage> = BTreeMap::new();
         for (image, path) in images {
             by_sha
-                .entry(image.sha256)
+                .entry((image.arch.to_string(), image.sha256))
                 .or_insert_with(|| SnapshotImage {
                     path,
                     sha256: image.sha256,
@@ -122,6 +125,26 @@ impl SnapshotImage {
         }
         by_sha.into_values().collect()
     }
+}
+
+/// What the nodes that share one snapshot have in common, known before
+/// anything is built: architecture, Secure Boot and base schematic (hcloud
+/// images carry no per-node META). Reports count a shared image once.
+pub fn snapshot_key(
+    inv: &crate::inventory::Inventory,
+    node: &crate::inventory::NodeSpec,
+) -> String {
+    let schematic = crate::schematic::node::base_for_node(inv, node)
+        .canonical()
+        .map(|c| crate::schematic::id_of(&c).to_string())
+        // Unknowable here: the node counts on its own.
+        .unwrap_or_else(|_| format!("node {}", node.name));
+    let secure_boot = if inv.secure_boot(node) {
+        "-secureboot"
+    } else {
+        ""
+    };
+    format!("{}{secure_boot} {schematic}", inv.arch(node))
 }
 
 /// The labels that identify a snapshot's content: what Terraform selects

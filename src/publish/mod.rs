@@ -4,6 +4,7 @@
 
 pub mod hcloud;
 pub mod proxmox;
+pub mod prune;
 pub mod target;
 
 use std::path::PathBuf;

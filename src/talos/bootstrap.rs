@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::client::{self, ApiError, Mode, NodeClient, NodeEndpoint, Probe};
+use super::etcd::recover;
 use super::kube::{self, Kubeconfig};
 use super::talosconfig::Identity;
 use crate::inventory::Role;
@@ -50,6 +51,9 @@ pub struct Plan {
     pub endpoint: String,
     /// `cluster.vip`: names the setting when the endpoint on it does not answer.
     pub vip: Option<IpAddr>,
+    /// `cluster.kubernetesEndpoint`: where this host reaches the API
+    /// (a port forward), used instead of `endpoint` and the VIP.
+    pub kubernetes_endpoint: Option<String>,
     pub identity: Arc<Identity>,
     pub kubeconfig_path: PathBuf,
 }
@@ -69,6 +73,13 @@ pub struct Options {
     pub poll: Duration,
     /// SHA-256 of the maintenance certificate to accept (all nodes).
     pub pin: Option<String>,
+    /// Bootstrap etcd from this snapshot instead of empty
+    /// (`bootstrap --recover-from`, see [`recover::recover`]).
+    pub recover_from: Option<PathBuf>,
+    /// Control planes on their way out: of record but gone from the
+    /// inventory (`up` removes them after the health check), so etcd may
+    /// still list them as members.
+    pub leaving: Vec<String>,
 }
 
 impl Default for Options {
@@ -80,6 +91,8 @@ impl Default for Options {
             call_timeout: Duration::from_secs(15),
             poll: Duration::from_secs(2),
             pin: None,
+            recover_from: None,
+            leaving: Vec::new(),
         }
     }
 }
@@ -112,6 +125,9 @@ pub enum Event {
     },
     Kubeconfig {
         server: String,
+        /// The server the kubeconfig on disk pointed at before (the first
+        /// control plane, until the endpoint answered).
+        moved_from: Option<String>,
     },
     Healthy,
     /// Talos healthy, Kubernetes nodes NotReady for want of a CNI.
@@ -142,7 +158,17 @@ impl fmt::Display for Event {
                 write!(f, "waiting for {} check(s):", pending.len())?;
                 pending.iter().try_for_each(|p| write!(f, "\n    - {p}"))
             }
-            Event::Kubeconfig { server } => write!(f, "kubeconfig written (server {server})"),
+            Event::Kubeconfig {
+                server,
+                moved_from: None,
+            } => write!(f, "kubeconfig written (server {server})"),
+            Event::Kubeconfig {
+                server,
+                moved_from: Some(from),
+            } => write!(
+                f,
+                "kubeconfig moved from {from} to {server}: the endpoint answers now"
+            ),
             Event::Healthy => write!(f, "cluster healthy"),
             Event::NoCni => write!(
                 f,
@@ -168,6 +194,9 @@ pub struct BootstrapOutcome {
     pub bootstrapped: bool,
     pub bootstrap_node: String,
     pub kubeconfig_server: String,
+    /// The server the kubeconfig pointed at before this run moved it to
+    /// the endpoint (the VIP once it answers).
+    pub kubeconfig_moved_from: Option<String>,
     /// Talos version per node.
     pub versions: BTreeMap<String, String>,
     /// Per node, whether Kubernetes called it Ready in the last health round.
@@ -538,6 +567,27 @@ fn install_disk_listed(install_disk: &str, disks: &[String]) -> bool {
         || disks.iter().any(|d| d == install_disk)
 }
 
+/// Recovers etcd from `snapshot` on the bootstrap node: the upload gets
+/// a client whose deadline covers it; a refusal that waiting cannot change
+/// comes back as InvalidArgument, which is not retried.
+async fn recover_once(
+    target: &NodeEndpoint,
+    mode: &Mode,
+    snapshot: &std::path::Path,
+    opts: &Options,
+) -> Result<bool, ApiError> {
+    let upload_timeout = opts.call_timeout.max(opts.bootstrap_timeout);
+    let conn = NodeClient::connect(target, mode, upload_timeout).await?;
+    match recover::recover(&conn, snapshot).await {
+        Ok(_) => Ok(true),
+        Err(recover::RecoverError::Api(e)) => Err(e),
+        Err(recover::RecoverError::Local(message)) => Err(ApiError::Status {
+            code: tonic::Code::InvalidArgument,
+            message,
+        }),
+    }
+}
+
 /// Bootstrap once on `node`'s own address. `Ok(false)`: it already was.
 async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, BootstrapError> {
     let name = node.name.as_str();
@@ -546,6 +596,11 @@ async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, Bootst
     let mut last = String::new();
     loop {
         let attempt = async {
+            // A recovery refuses a running etcd instead (no "done").
+            if let Some(snapshot) = &cx.opts.recover_from {
+                cx.observer.event(name, &Event::Bootstrapping);
+                return recover_once(&node.endpoint, &mode, snapshot, cx.opts).await;
+            }
             let conn = NodeClient::connect(&node.endpoint, &mode, cx.opts.call_timeout).await?;
             // A running etcd means bootstrap happened: do not even ask.
             let services = conn.services().await?;
@@ -621,15 +676,21 @@ async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, Bootst
     }
 }
 
-/// Whether something accepts TCP on `addr` right now (for the VIP),
-/// without blocking the runtime's thread; what was seen when not.
-async fn answers(addr: SocketAddr) -> Result<(), String> {
-    let wait = Duration::from_millis(500);
-    match tokio::time::timeout(wait, tokio::net::TcpStream::connect(addr)).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no answer within {wait:?}")),
-    }
+/// Whether the API server answers at `server` right now (for the VIP): a
+/// TLS handshake verifying the cluster CA and the name in the URL, then
+/// `GET /version`, off the runtime's thread; what was seen when not. An
+/// open port alone is not an answer: the VIP may belong to something else.
+async fn answers(kc: &Kubeconfig, server: &str) -> Result<(), String> {
+    let probe = kc.with_server(server).with_tls_server_name(None);
+    let wait = Duration::from_secs(2);
+    tokio::task::spawn_blocking(move || probe.get_json("/version", wait))
+        .await
+        .map_err(|e| e.to_string())?
+        .map(drop)
+        .map_err(|e| match e {
+            kube::KubeError::Api { message, .. } => message,
+            other => other.to_string(),
+        })
 }
 
 fn endpoint_addr(endpoint: &str) -> Option<(String, SocketAddr)> {
@@ -648,6 +709,7 @@ fn endpoint_addr(endpoint: &str) -> Option<(String, SocketAddr)> {
 /// control plane's own address (the VIP appears only after etcd elects it),
 /// with the fallback named.
 async fn reachable_server(
+    kc: &Kubeconfig,
     endpoint: &str,
     vip: Option<IpAddr>,
     first_cp: (&str, IpAddr),
@@ -655,7 +717,7 @@ async fn reachable_server(
     let Some((_, addr)) = endpoint_addr(endpoint) else {
         return (endpoint.to_owned(), None);
     };
-    let Err(reason) = answers(addr).await else {
+    let Err(reason) = answers(kc, endpoint).await else {
         return (endpoint.to_owned(), None);
     };
     let host = match first_cp.1 {
@@ -682,6 +744,10 @@ async fn reachable_server(
 struct KubeState {
     config: Option<Kubeconfig>,
     from_disk: bool,
+    /// The server of the kubeconfig on disk (loaded, or written this run).
+    on_disk: Option<String>,
+    /// The server the kubeconfig on disk pointed at before it moved.
+    moved_from: Option<String>,
 }
 
 impl KubeState {
@@ -693,6 +759,8 @@ impl KubeState {
             .and_then(|t| Kubeconfig::parse(&t).ok());
         KubeState {
             from_disk: config.is_some(),
+            on_disk: config.as_ref().map(|k| k.server.clone()),
+            moved_from: None,
             config,
         }
     }
@@ -805,6 +873,7 @@ async fn health_round(
             let mut names: Vec<String> = members
                 .iter()
                 .map(|m| crate::input::one_line(&m.hostname, 64))
+                .filter(|name| !cx.opts.leaving.contains(name))
                 .collect();
             names.sort_unstable();
             let mut want: Vec<String> = control_planes.iter().map(|n| n.name.clone()).collect();
@@ -837,10 +906,28 @@ async fn health_round(
         pending.push("Kubernetes: no kubeconfig yet".into());
         return Round::failed(pending);
     };
-    let (server, fallback) =
-        reachable_server(&plan.endpoint, plan.vip, (&first_cp.name, first_cp.address)).await;
-    if kc.server != server {
-        *kc = kc.with_server(&server);
+    // Through the host-side address when there is one, checking the
+    // certificate against the in-cluster endpoint's name it carries.
+    let (server, tls_name, fallback) = match &plan.kubernetes_endpoint {
+        Some(outside) => {
+            let view = kc.through(outside, crate::inventory::endpoint_host(&plan.endpoint));
+            (view.server, view.tls_server_name, None)
+        }
+        None => {
+            let (server, fallback) = reachable_server(
+                kc,
+                &plan.endpoint,
+                plan.vip,
+                (&first_cp.name, first_cp.address),
+            )
+            .await;
+            (server, None, fallback)
+        }
+    };
+    if kc.server != server || kc.tls_server_name != tls_name {
+        *kc = kc
+            .with_server(&server)
+            .with_tls_server_name(tls_name.as_deref());
     }
     let probe = kc.clone();
     let timeout = cx.opts.call_timeout;
@@ -876,13 +963,18 @@ async fn health_round(
         }
         Err(e) => pending.push(e),
     }
-    match write_kubeconfig(kc, &plan.kubeconfig_path) {
-        Ok(true) => cx.observer.event(
-            &first_cp.name,
-            &Event::Kubeconfig {
-                server: kc.server.clone(),
-            },
-        ),
+    let written = write_kubeconfig(kc, &plan.kubeconfig_path);
+    let server = kc.server.clone();
+    match written {
+        Ok(true) => {
+            let before = kube_state.on_disk.replace(server.clone());
+            let moved_from = before.filter(|b| *b != server && server == plan.endpoint);
+            if moved_from.is_some() {
+                kube_state.moved_from.clone_from(&moved_from);
+            }
+            cx.observer
+                .event(&first_cp.name, &Event::Kubeconfig { server, moved_from })
+        }
         Ok(false) => {}
         Err(e) => pending.push(e),
     }
@@ -951,6 +1043,11 @@ pub async fn run(
         .iter()
         .find(|n| plan.bootstrap_node.as_ref() == Some(&n.name))
         .ok_or_else(|| BootstrapError::Local("the inventory has no control plane".into()))?;
+    // A snapshot etcd would not restore is refused before any node is touched.
+    if let Some(snapshot) = &opts.recover_from {
+        super::etcd::format::verify_file(snapshot)
+            .map_err(|e| BootstrapError::Local(e.to_string()))?;
+    }
 
     // Every node settles concurrently; bootstrap starts as soon as the first
     // control plane is ready, while the others are still coming up.
@@ -1054,6 +1151,7 @@ pub async fn run(
         already_configured: Vec::new(),
         bootstrapped,
         bootstrap_node: first_cp.name.clone(),
+        kubeconfig_moved_from: kube_state.moved_from,
         kubeconfig_server: kube_state.config.map(|k| k.server).unwrap_or_default(),
         versions: BTreeMap::new(),
         ready: last.ready,
@@ -1107,26 +1205,33 @@ mod tests {
 
     #[tokio::test]
     async fn an_unanswering_vip_is_replaced_by_the_first_control_plane_and_named() {
+        let kc = Kubeconfig::parse(&kube::tests::sample()).unwrap();
+        // An open port that speaks no TLS is not the API server.
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let endpoint = format!("https://127.0.0.1:{port}");
         let cp = ("cp-01", "127.0.0.2".parse().unwrap());
         let vip = Some("127.0.0.1".parse().unwrap());
-        assert_eq!(
-            reachable_server(&endpoint, vip, cp).await,
-            (endpoint.clone(), None),
-            "an answering endpoint is kept"
-        );
-        drop(listener);
+        let open = tokio::spawn(async move {
+            loop {
+                let (mut tcp, _) = listener.accept().await.unwrap();
+                let _ =
+                    tokio::io::AsyncWriteExt::write_all(&mut tcp, b"HTTP/1.1 400 no\r\n\r\n").await;
+            }
+        });
+        let (server, fallback) = reachable_server(&kc, &endpoint, vip, cp).await;
+        assert_eq!(server, format!("https://127.0.0.2:{port}"), "{fallback:?}");
+        open.abort();
+        let _ = open.await;
         // Nothing listens on this loopback port any more.
-        let (server, fallback) = reachable_server(&endpoint, vip, cp).await;
+        let (server, fallback) = reachable_server(&kc, &endpoint, vip, cp).await;
         assert_eq!(server, format!("https://127.0.0.2:{port}"));
         let f = fallback.unwrap();
         assert_eq!(
             (f.setting.as_str(), f.node.as_str(), f.used.as_str()),
             ("cluster.vip", "cp-01", server.as_str())
         );
-        assert!(f.reason.contains("refused"), "{f:?}");
+        assert!(f.reason.contains("onnect"), "{f:?}");
         assert_eq!(
             f.to_string(),
             format!(
@@ -1135,7 +1240,7 @@ mod tests {
             )
         );
         // An endpoint that is not the VIP is named as cluster.endpoint.
-        let (_, f) = reachable_server(&endpoint, None, cp).await;
+        let (_, f) = reachable_server(&kc, &endpoint, None, cp).await;
         assert_eq!(f.unwrap().setting, "cluster.endpoint");
     }
 

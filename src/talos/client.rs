@@ -22,7 +22,8 @@ pub use super::api::machine::apply_configuration_request::Mode as ApplyMode;
 use super::api::machine::machine_service_client::MachineServiceClient;
 use super::api::machine::{
     ApplyConfiguration, ApplyConfigurationRequest, Bootstrap, BootstrapRequest, EtcdMember,
-    EtcdMemberListRequest, EtcdMembers, ServiceInfo, ServiceList, Upgrade, Version,
+    EtcdMemberListRequest, EtcdMembers, EtcdRecover, EtcdSnapshotRequest, ServiceInfo, ServiceList,
+    Upgrade, Version,
 };
 use super::api::storage::Disks;
 use super::api::storage::storage_service_client::StorageServiceClient;
@@ -35,6 +36,10 @@ use super::api::machine::image_service_client::ImageServiceClient;
 use super::api::machine::image_service_pull_response::Response as PullReply;
 use super::api::machine::lifecycle_service_client::LifecycleServiceClient;
 use super::api::machine::lifecycle_service_install_progress::Response as Progress;
+use super::api::machine::{
+    EtcdLeaveCluster, EtcdLeaveClusterRequest, EtcdRemoveMemberById, EtcdRemoveMemberByIdRequest,
+    Reset, ResetRequest,
+};
 use super::api::machine::{
     ImageServicePullRequest, InstallArtifactsSource, LifecycleServiceUpgradeRequest, ReadRequest,
     Reboot, RebootRequest, UpgradeRequest, reboot_request, upgrade_request,
@@ -623,6 +628,89 @@ impl NodeClient {
             }
         };
         self.within(read).await?
+    }
+}
+
+// The calls only node removal makes (siderolabs/talos
+// `internal/app/machined/internal/server/v1alpha1/v1alpha1_server.go`, the
+// same from v1.9 to v1.14): etcd leave / remove by member ID (control
+// planes only), and Reset.
+replies!(EtcdLeaveCluster, EtcdRemoveMemberById, Reset);
+
+impl NodeClient {
+    /// `MachineService.EtcdLeaveCluster`: this node removes its own etcd
+    /// member, stops etcd and empties its data directory.
+    pub async fn etcd_leave_cluster(&self) -> Result<(), ApiError> {
+        let reply = self
+            .call(
+                self.machine()
+                    .etcd_leave_cluster(self.request(EtcdLeaveClusterRequest {})),
+            )
+            .await?;
+        self.check(&reply.messages)
+    }
+
+    /// `MachineService.EtcdRemoveMemberByID`: this control plane removes
+    /// member `id` (NotFound when there is no such member).
+    pub async fn etcd_remove_member_by_id(&self, id: u64) -> Result<(), ApiError> {
+        let req = EtcdRemoveMemberByIdRequest { member_id: id };
+        let reply = self
+            .call(self.machine().etcd_remove_member_by_id(self.request(req)))
+            .await?;
+        self.check(&reply.messages)
+    }
+
+    /// `MachineService.Reset`: acked at once, the reset sequence then runs
+    /// on the node (graceful: cordon, drain, leave etcd; then wipe the
+    /// labelled system partitions; then reboot or power off).
+    pub async fn reset(&self, req: ResetRequest) -> Result<(), ApiError> {
+        let reply = self.call(self.machine().reset(self.request(req))).await?;
+        self.check(&reply.messages)
+    }
+}
+
+// etcd backup and recovery (siderolabs/talos `cmd/talosctl/cmd/talos/etcd.go`
+// snapshot, `cmd/talosctl/cmd/talos/bootstrap.go` --recover-from); the
+// reading, bounds and files are [`super::etcd`]'s.
+impl Reply for EtcdRecover {
+    fn metadata(&self) -> Option<&Metadata> {
+        self.metadata.as_ref()
+    }
+}
+
+impl NodeClient {
+    /// The node's etcd snapshot as it streams it (`EtcdSnapshot`). The
+    /// request carries no gRPC deadline, as Talos would end a snapshot at it:
+    /// the caller reads with its own deadline per message and its own bound.
+    pub async fn etcd_snapshot(&self) -> Result<tonic::Streaming<Data>, ApiError> {
+        let req = tonic::Request::new(EtcdSnapshotRequest {});
+        self.call(self.machine().etcd_snapshot(req)).await
+    }
+
+    /// Uploads a snapshot to recover etcd from (`EtcdRecover`, a client
+    /// stream), within this client's timeout: connect it with one that
+    /// covers the upload.
+    pub async fn etcd_recover(
+        &self,
+        chunks: impl futures_util::Stream<Item = Data> + Send + 'static,
+    ) -> Result<(), ApiError> {
+        let reply = self
+            .call(self.machine().etcd_recover(tonic::Request::new(chunks)))
+            .await?;
+        self.check(&reply.messages)
+    }
+
+    /// Bootstrap that starts etcd from the snapshot [`Self::etcd_recover`]
+    /// uploaded (`recover_etcd`).
+    pub async fn bootstrap_recover(&self) -> Result<(), ApiError> {
+        let req = BootstrapRequest {
+            recover_etcd: true,
+            recover_skip_hash_check: false,
+        };
+        let reply = self
+            .call(self.machine().bootstrap(self.request(req)))
+            .await?;
+        self.check(&reply.messages)
     }
 }
 

@@ -28,11 +28,17 @@ const ADDONS: [(&str, &str, &str); 2] = [
     ("CoreDNS", "kube-dns", "coreDNS"),
 ];
 
-/// The kubeconfig the bootstrap wrote into the state dir.
+/// The kubeconfig the bootstrap wrote into the state dir, pointed at
+/// `cluster.kubernetesEndpoint` when the inventory has one (even if the
+/// file predates the setting): every Kubernetes call goes through here.
 pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
     let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
         .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
-    Kubeconfig::parse(&text).map_err(|e| e.to_string())
+    let kc = Kubeconfig::parse(&text).map_err(|e| e.to_string())?;
+    Ok(match &plan.kubernetes_endpoint {
+        Some(outside) => kc.through(outside, crate::inventory::endpoint_host(&plan.endpoint)),
+        None => kc,
+    })
 }
 
 /// Every Kubernetes node, Ready and cordoned.
@@ -136,11 +142,13 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
         if n.role == Role::Controlplane {
             wanted.push("etcd");
             if members.is_none() {
-                members = conn
-                    .etcd_members()
-                    .await
-                    .ok()
-                    .map(|m| m.into_iter().map(|m| m.hostname).collect());
+                members = conn.etcd_members().await.ok().map(|m| {
+                    m.into_iter()
+                        .map(|m| m.hostname)
+                        // Control planes `up` removes later in the run.
+                        .filter(|name| !opts.leaving.contains(name))
+                        .collect()
+                });
             }
         }
         if n.name == node.name {

@@ -64,6 +64,10 @@ pub fn from_archive(archive: &[u8]) -> Result<String, KubeError> {
 pub struct Kubeconfig {
     doc: Value,
     pub server: String,
+    /// The name the server's certificate must carry when `server` is not
+    /// it (kubectl's `tls-server-name`): the in-cluster endpoint's host
+    /// when the API is reached through a port forward.
+    pub tls_server_name: Option<String>,
     ca: String,
     crt: String,
     key: String,
@@ -73,6 +77,7 @@ impl std::fmt::Debug for Kubeconfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Kubeconfig")
             .field("server", &self.server)
+            .field("tls_server_name", &self.tls_server_name)
             .finish_non_exhaustive()
     }
 }
@@ -116,7 +121,12 @@ impl Kubeconfig {
             .and_then(Value::as_str)
             .ok_or_else(|| KubeError::Invalid(format!("cluster {cluster_name:?} has no server")))?
             .to_owned();
+        let tls_server_name = cluster
+            .and_then(|c| c.get("tls-server-name"))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
         Ok(Kubeconfig {
+            tls_server_name,
             ca: data(cluster, "certificate-authority-data")?,
             crt: data(user, "client-certificate-data")?,
             key: data(user, "client-key-data")?,
@@ -142,6 +152,36 @@ impl Kubeconfig {
         }
     }
 
+    /// The same kubeconfig whose server certificate must name `name` (or,
+    /// for `None`, the server's own host), in every cluster entry.
+    pub fn with_tls_server_name(&self, name: Option<&str>) -> Kubeconfig {
+        let mut doc = self.doc.clone();
+        if let Some(list) = doc.get_mut("clusters").and_then(Value::as_sequence_mut) {
+            for c in list {
+                if let Some(cluster) = c.get_mut("cluster").and_then(Value::as_mapping_mut) {
+                    match name {
+                        Some(n) => cluster.insert("tls-server-name".into(), n.into()),
+                        None => cluster.remove("tls-server-name"),
+                    };
+                }
+            }
+        }
+        Kubeconfig {
+            doc,
+            tls_server_name: name.map(str::to_owned),
+            ..self.clone()
+        }
+    }
+
+    /// The same kubeconfig reaching the API at `outside` (a port forward,
+    /// `cluster.kubernetesEndpoint`), checking the certificate against the
+    /// name it carries, the in-cluster endpoint's host: kubectl's
+    /// `tls-server-name`.
+    pub fn through(&self, outside: &str, in_cluster_host: Option<&str>) -> Kubeconfig {
+        self.with_server(outside)
+            .with_tls_server_name(in_cluster_host)
+    }
+
     /// The YAML text to write.
     pub fn to_yaml(&self) -> String {
         serde_yaml_ng::to_string(&self.doc).expect("kubeconfig serialises")
@@ -149,7 +189,13 @@ impl Kubeconfig {
 
     pub(crate) fn client(&self, timeout: Duration) -> Result<reqwest::blocking::Client, KubeError> {
         net::http_client(&net::HttpOptions {
-            trust: net::Trust::Ca(self.ca.clone()),
+            trust: match &self.tls_server_name {
+                Some(name) => net::Trust::CaNamed {
+                    ca: self.ca.clone(),
+                    name: name.clone(),
+                },
+                None => net::Trust::Ca(self.ca.clone()),
+            },
             identity: Some(net::ClientIdentity {
                 crt: self.crt.clone(),
                 key: self.key.clone(),
@@ -236,11 +282,12 @@ fn readiness(list: &serde_json::Value) -> Vec<NodeReady> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::talos::pki;
 
-    fn sample() -> String {
+    /// An admin kubeconfig for `https://10.0.0.10:6443` with a fresh CA.
+    pub(crate) fn sample() -> String {
         let b = |s: &str| STANDARD.encode(s);
         let ca = pki::new_ca(pki::KeyKind::EcdsaP256, "kubernetes", None, 1).unwrap();
         format!(
@@ -310,6 +357,25 @@ mod tests {
         assert_eq!(again.ca, kc.ca);
         assert_eq!(again.key, kc.key);
         assert!(!format!("{kc:?}").contains("PRIVATE"));
+    }
+
+    #[test]
+    fn tls_server_name_is_written_read_and_removed() {
+        let kc = Kubeconfig::parse(&sample()).unwrap();
+        assert_eq!(kc.tls_server_name, None);
+        let named = kc
+            .with_server("https://127.0.0.1:6443")
+            .with_tls_server_name(Some("10.5.0.2"));
+        let again = Kubeconfig::parse(&named.to_yaml()).unwrap();
+        assert_eq!(again.server, "https://127.0.0.1:6443");
+        assert_eq!(again.tls_server_name.as_deref(), Some("10.5.0.2"));
+        assert!(named.to_yaml().contains("tls-server-name: 10.5.0.2"));
+        let plain = again.with_tls_server_name(None);
+        assert!(!plain.to_yaml().contains("tls-server-name"));
+        assert_eq!(
+            Kubeconfig::parse(&plain.to_yaml()).unwrap().tls_server_name,
+            None
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
 use super::client::{self, NodeEndpoint, Probe};
 use super::config::{self, ConfigError, PatchVars};
 use super::lock::{self, LockError, StateLock};
+use super::remove::record;
 use super::secrets::{SecretsBundle, SecretsError};
 use super::status::{self, Differences};
 use super::talosconfig::{Talosconfig, TalosconfigError};
@@ -315,6 +316,7 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
         bootstrap_node: bootstrap_node(inv),
         endpoint: inv.cluster.endpoint.clone(),
         vip: inv.cluster.vip,
+        kubernetes_endpoint: inv.cluster.kubernetes_endpoint.clone(),
         identity: Arc::new(identity),
         kubeconfig_path: state_dir.kubeconfig_path(),
     };
@@ -544,6 +546,11 @@ pub fn bootstrap(
     let dir = &prepared.state_dir.path;
     config::Fingerprints::record(dir, inv, &opts.patch_vars).map_err(|source| StageError::Io {
         path: config::Fingerprints::path(dir),
+        source,
+    })?;
+    // The nodes of record: a node later gone from the inventory is removed.
+    record::record_nodes(dir, &prepared.plan).map_err(|source| StageError::Io {
+        path: record::NodesRecord::path(dir),
         source,
     })?;
     Ok(Bootstrapped { prepared, outcome })

@@ -66,6 +66,9 @@ pub struct RunOptions {
     pub parallel: usize,
     /// The client's cordon and drain before a LifecycleService reboot.
     pub drain_timeout: Duration,
+    /// The etcd snapshot taken before the first control-plane upgrade
+    /// (skipped unless the caller says where it goes).
+    pub etcd: std::sync::Arc<super::etcd::BeforeChange>,
 }
 
 impl Default for RunOptions {
@@ -75,6 +78,7 @@ impl Default for RunOptions {
             node_timeout: Duration::from_secs(1800),
             parallel: 1,
             drain_timeout: drain::DRAIN_TIMEOUT,
+            etcd: Default::default(),
         }
     }
 }
@@ -97,6 +101,10 @@ pub enum UpgradeError {
     Runtime(String),
     #[error(transparent)]
     Record(#[from] RecordError),
+    #[error(
+        "the etcd snapshot before the first control-plane upgrade failed, so nothing was upgraded: {0}\n  (--skip-etcd-snapshot goes on without one)"
+    )]
+    EtcdSnapshot(#[from] super::etcd::EtcdError),
     #[error(
         "node {node}: it runs with Secure Boot {}, the inventory asks for it {}; an upgrade cannot move a node between Secure Boot and not (the installer keeps the boot layout the disk was made with, siderolabs/talos#9245). Set secureBoot on the node to match, or rebuild its disk from the other image and reinstall it",
         on_off(*running),
@@ -698,6 +706,21 @@ pub fn execute(
     }
     let record = Record::load(record_path)?;
     let rt = runtime()?;
+    let touches_control_plane = up
+        .nodes
+        .iter()
+        .any(|np| np.control_plane && np.action == Action::Upgrade);
+    if touches_control_plane
+        && let Some(file) =
+            rt.block_on(super::etcd::snapshot_before_change(&run.etcd, plan, opts))?
+    {
+        report.notes.push(format!(
+            "etcd snapshot: {} ({} bytes, from {})",
+            file.path.display(),
+            file.info.size,
+            file.node
+        ));
+    }
     rt.block_on(run_plan(
         plan,
         up,

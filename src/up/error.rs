@@ -1,6 +1,7 @@
 //! Why `up` stopped, and at which stage: shared by the run ([`super::up`])
 //! and its report ([`super::report`]), so neither imports the other for it.
 
+use super::converge::ConvergeError;
 use crate::build::BuildError;
 use crate::publish::hcloud::HcloudError;
 use crate::publish::proxmox::ProxmoxError;
@@ -20,6 +21,22 @@ pub enum UpError {
     Hcloud(#[from] HcloudError),
     #[error(transparent)]
     Bootstrap(#[from] StageError),
+    #[error(transparent)]
+    Converge(Box<ConvergeError>),
+    #[error(transparent)]
+    Remove(Box<crate::talos::remove::RemoveError>),
+    #[error(transparent)]
+    Prune(Box<crate::publish::prune::PruneError>),
+    /// A day-two step refused to start (as its own command would).
+    #[error("{stage} refused: {why}")]
+    Refused { stage: Stage, why: String },
+    /// A day-two step failed; `partial` when it changed some nodes first.
+    #[error("{stage}: {message}")]
+    Step {
+        stage: Stage,
+        message: String,
+        partial: bool,
+    },
     /// Some nodes failed a stage (each named in its report); the others
     /// finished it. Bootstrapping waits until every node is published.
     #[error("{stage}: {} failed ({}); the cluster was not bootstrapped", failed.len(), failed.join(", "))]
@@ -53,6 +70,12 @@ pub enum Stage {
     Build,
     Publish,
     Bootstrap,
+    Upgrade,
+    Kubernetes,
+    Configs,
+    Settings,
+    Remove,
+    Prune,
 }
 
 impl std::fmt::Display for Stage {
@@ -61,6 +84,12 @@ impl std::fmt::Display for Stage {
             Stage::Build => "build",
             Stage::Publish => "publish",
             Stage::Bootstrap => "bootstrap",
+            Stage::Upgrade => "upgrade",
+            Stage::Kubernetes => "kubernetes",
+            Stage::Configs => "configs",
+            Stage::Settings => "settings",
+            Stage::Remove => "remove",
+            Stage::Prune => "prune",
         })
     }
 }

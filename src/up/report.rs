@@ -6,6 +6,7 @@
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use super::actions::{Action, State, Step};
 use super::error::{Stage, UpError};
 use crate::build::{self, NodeImage};
 use crate::digest::Sha256;
@@ -74,7 +75,7 @@ impl From<VmChange> for Change {
             VmChange::Created => Change::Created,
             VmChange::Updated => Change::Updated,
             VmChange::Unchanged => Change::Unchanged,
-            VmChange::Outdated => Change::Outdated,
+            VmChange::Changed => Change::Updated,
         }
     }
 }
@@ -158,6 +159,10 @@ pub struct NodeReport {
     /// Why a stage failed for this node.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// What its image is shared as (a Hetzner snapshot): rows with the
+    /// same key count once in the build and upload summary.
+    #[serde(skip)]
+    pub(super) shared: Option<String>,
 }
 
 impl NodeReport {
@@ -241,6 +246,13 @@ pub struct Report {
     /// Nodes whose config is staged for their next reboot (not drift).
     #[serde(skip)]
     pub staged: Vec<String>,
+    /// The steps after the bootstrap (upgrade, Kubernetes, configs,
+    /// settings, removal, prune) as actions; the table's stages are in
+    /// [`Report::plan`] too.
+    #[serde(skip)]
+    pub actions: Vec<Action>,
+    /// What the user should know (an etcd left with 2 members).
+    pub warnings: Vec<String>,
 }
 
 /// One line of the text report, and where it goes.
@@ -277,6 +289,7 @@ impl Report {
                 kubernetes_ready: None,
                 stages: Stages::default(),
                 error: None,
+                shared: None,
             })
             .collect();
         Report {
@@ -296,7 +309,86 @@ impl Report {
             drift: Vec::new(),
             drift_unchecked: None,
             staged: Vec::new(),
+            actions: Vec::new(),
+            warnings: Vec::new(),
         }
+    }
+
+    /// Records an action of a step after the bootstrap.
+    pub(super) fn act(&mut self, action: Action) {
+        self.actions.push(action);
+    }
+
+    /// The whole plan, in the order the steps run: each node's build,
+    /// upload, machine and config from the table (what is not unchanged),
+    /// then the recorded actions. A dry run's are planned; a run's done or
+    /// failed.
+    pub fn plan(&self) -> Vec<Action> {
+        let mut out = Vec::new();
+        let outcome = |c: Change| match c {
+            Change::Failed => State::Failed,
+            _ if self.dry_run => State::Planned,
+            _ => State::Done,
+        };
+        let worth =
+            |c: &Option<Change>| c.filter(|c| !matches!(c, Change::Unchanged | Change::Outdated));
+        for n in &self.nodes {
+            let node = Some(n.node.as_str());
+            let sha = n.sha256.map(|s| s.hex()[..12].to_owned());
+            if let Some(c) = worth(&n.stages.build) {
+                out.push(
+                    Action::new(Step::Build, node, c.word(self.dry_run))
+                        .change("image", None, sha.as_deref())
+                        .outcome(outcome(c)),
+                );
+            }
+            if let Some(c) = worth(&n.stages.upload) {
+                out.push(
+                    Action::new(Step::Publish, node, c.word(self.dry_run))
+                        .change("volume", None, n.volume.as_deref())
+                        .outcome(outcome(c)),
+                );
+            }
+            let machine = n
+                .vmid
+                .map(|v| format!("VM {v}"))
+                .or(n.server.map(|s| format!("server {s}")));
+            for c in [worth(&n.stages.vm), worth(&n.stages.start)]
+                .into_iter()
+                .flatten()
+            {
+                out.push(
+                    Action::new(Step::Machines, node, c.word(self.dry_run))
+                        .change("machine", None, machine.as_deref())
+                        .outcome(outcome(c)),
+                );
+            }
+            if let Some(c) = worth(&n.stages.apply) {
+                out.push(
+                    Action::new(Step::Bootstrap, node, "apply its first config")
+                        .change("talos", Some("maintenance"), Some("configured"))
+                        .outcome(outcome(c)),
+                );
+            }
+        }
+        if let (Some(c @ Change::Bootstrapped), Some(node)) = (self.bootstrap, &self.bootstrap_node)
+        {
+            out.push(
+                Action::new(Step::Bootstrap, Some(node), "bootstrap etcd").outcome(outcome(c)),
+            );
+        }
+        out.extend(self.actions.iter().cloned());
+        // In the order the steps run (settings are recorded at publish).
+        out.sort_by_key(|a| a.step);
+        out
+    }
+
+    /// The destructive actions not done for want of `--allow-destroy`.
+    pub fn left(&self) -> Vec<&Action> {
+        self.actions
+            .iter()
+            .filter(|a| a.outcome == State::Left)
+            .collect()
     }
 
     pub(super) fn node(&mut self, name: &str) -> Option<&mut NodeReport> {
@@ -459,7 +551,9 @@ impl Report {
                 .nodes
                 .iter()
                 .any(|n| n.error.is_none() && n.stages.build.is_some());
-        some_failed || matches!(self.health, Some(bootstrap::Health::NoCni { .. }))
+        some_failed
+            || matches!(self.health, Some(bootstrap::Health::NoCni { .. }))
+            || matches!(self.stopped, Some((_, UpError::Step { partial: true, .. })))
     }
 
     /// The JSON document: the report, the stage that stopped it and why,
@@ -490,6 +584,8 @@ impl Report {
         }
         doc["drift"] = serde_json::to_value(&self.drift)?;
         doc["staged"] = serde_json::json!(self.staged);
+        doc["plan"] = serde_json::to_value(self.plan())?;
+        doc["left"] = serde_json::to_value(self.left())?;
         Ok(doc)
     }
 
@@ -530,6 +626,29 @@ impl Report {
         lines.push(line(&head.map(String::from)));
         lines.extend(rows.iter().map(|row| line(row)));
         lines.push(Line::Out(self.stage_summary()));
+        let mut actions: Vec<&Action> = self.actions.iter().collect();
+        actions.sort_by_key(|a| a.step);
+        for a in actions {
+            let mark = match a.outcome {
+                State::Planned if a.destructive => "plan (with --allow-destroy):",
+                State::Planned => "plan:",
+                State::Done => "done:",
+                State::Failed => "FAILED:",
+                State::Left => "left:",
+                State::NotReached => "not reached:",
+            };
+            lines.push(Line::Out(format!("{mark} {}", a.line())));
+        }
+        for w in &self.warnings {
+            lines.push(Line::Err(format!("warning: {w}")));
+        }
+        let left = self.left();
+        if !left.is_empty() {
+            lines.push(Line::Err(format!(
+                "note: {} destructive action(s) left undone; rerun with --allow-destroy to carry them out",
+                left.len()
+            )));
+        }
         // A stop for some nodes sums them up in one line: their errors first.
         if let Some((_, UpError::Nodes { .. })) = &self.stopped {
             for n in &self.nodes {
@@ -567,7 +686,18 @@ impl Report {
         let mut parts = Vec::new();
         for (i, (name, _)) in Stages::default().named().iter().enumerate() {
             let mut counts: Vec<(Change, usize)> = Vec::new();
-            for c in self.nodes.iter().filter_map(|n| n.stages.named()[i].1) {
+            let mut seen: Vec<(Change, &str)> = Vec::new();
+            for n in &self.nodes {
+                let Some(c) = n.stages.named()[i].1 else {
+                    continue;
+                };
+                // One image shared by several rows is built and uploaded once.
+                if let (Some(key), "build" | "upload") = (&n.shared, *name) {
+                    if seen.contains(&(c, key.as_str())) {
+                        continue;
+                    }
+                    seen.push((c, key));
+                }
                 match counts.iter_mut().find(|(k, _)| *k == c) {
                     Some((_, n)) => *n += 1,
                     None => counts.push((c, 1)),

@@ -403,6 +403,9 @@ pub struct Nodes {
     /// Its control server: `/_sim/stats`, and `/_sim/boot` for the
     /// simulators that boot nodes.
     pub control: String,
+    /// `{"kube":{NAME:"IP:PORT"},"talos":{…}}`: the `--kube-forward` and
+    /// `--talos-forward` addresses as bound.
+    pub forwards: serde_json::Value,
 }
 
 impl Nodes {
@@ -433,6 +436,7 @@ impl Nodes {
         Nodes {
             child,
             control: v["control"].as_str().unwrap().to_owned(),
+            forwards: v["forwards"].clone(),
         }
     }
 

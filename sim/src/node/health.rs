@@ -90,6 +90,9 @@ impl Cluster {
         });
         (0..self.count())
             .filter_map(|i| {
+                if self.k8s_node_deleted(i) {
+                    return None;
+                }
                 let registered = self.kubelet_healthy_at(i)?.max(api_up?);
                 if now < registered {
                     return None;
@@ -183,7 +186,7 @@ fn list(kind: &str, items: Vec<Value>) -> axum::Json<Value> {
 /// CoreDNS pods (a ReplicaSet's) on Ready nodes, each Ready as the facts
 /// say. A CoreDNS pod stays on a cordoned node until it is evicted (or
 /// the node reboots): cordoning alone moves nothing.
-fn pods_now(cluster: &Cluster, app: Option<&str>) -> Vec<Value> {
+pub(super) fn pods_now(cluster: &Cluster, app: Option<&str>) -> Vec<Value> {
     let facts = cluster.facts.lock().unwrap().clone();
     let now = Instant::now();
     let nodes = cluster.registered(now);

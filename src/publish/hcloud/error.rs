@@ -82,6 +82,10 @@ pub enum HcloudError {
         /// Why compressing did not help.
         detail: String,
     },
+    /// Neither the API nor the state dir's record says where the
+    /// cluster's servers are.
+    #[error("{0}")]
+    NoAddresses(String),
     #[error("interrupted")]
     Interrupted,
     /// An earlier image's run was interrupted, so this one never began.

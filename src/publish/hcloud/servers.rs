@@ -10,18 +10,22 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use super::Credentials;
 use super::api::Api;
 use super::cleanup::delete_selected;
 use super::error::HcloudError;
 pub use super::error::USER_DATA_MAX;
 use super::types::{Deleted, Leftover, MANAGED_BY, Quiet, RUN_LABEL, SnapshotOptions};
-use crate::inventory::HcloudSettings;
+use crate::inventory::{HcloudSettings, Inventory};
+use crate::net::RetryPolicy;
 use crate::publish::Cancel;
 
 pub const CLUSTER_LABEL: &str = "imgbuild-cluster";
@@ -83,8 +87,9 @@ pub fn encode_user_data(
 #[derive(Debug, Clone)]
 pub struct ServerSpec {
     pub node: String,
-    /// The snapshot holding the node's image.
-    pub snapshot: u64,
+    /// The snapshot holding the node's image: needed only to create its
+    /// server (an existing server's image is history, not drift).
+    pub snapshot: Option<u64>,
     /// The node's machine config ([`encode_user_data`] makes it fit).
     pub user_data: String,
     /// The Talos version of its image: whether it can read compressed
@@ -92,6 +97,9 @@ pub struct ServerSpec {
     pub talos_version: String,
     /// Its address in the inventory: where it joins `servers.network`.
     pub private_ip: Option<IpAddr>,
+    /// Its server type and location (its own, else the cluster's).
+    pub server_type: String,
+    pub location: String,
 }
 
 /// One node's server as it is.
@@ -161,6 +169,55 @@ pub fn check(specs: &[ServerSpec]) -> Result<Vec<String>, HcloudError> {
         .collect()
 }
 
+/// The nodes among `nodes` (every inventory node when empty) that have no
+/// server yet: the only ones a run builds and publishes an image for. Once
+/// a server exists its image is history; `imgbuild upgrade` moves it on.
+pub fn without_server(
+    api: &Api,
+    inv: &Inventory,
+    nodes: &[String],
+) -> Result<Vec<String>, HcloudError> {
+    let have = existing(api, &inv.cluster.name)?;
+    let create: Vec<&crate::inventory::NodeSpec> = inv
+        .nodes
+        .iter()
+        .filter(|n| nodes.is_empty() || nodes.contains(&n.name))
+        .filter(|n| !have.iter().any(|h| h.node == n.name))
+        .collect();
+    check_types(api, inv, &create)?;
+    Ok(create.into_iter().map(|n| n.name.clone()).collect())
+}
+
+/// Checks, before anything is built, that each node's server type exists,
+/// has the node's architecture (`GET /server_types`, `architecture`) and
+/// is offered in its location.
+fn check_types(
+    api: &Api,
+    inv: &Inventory,
+    nodes: &[&crate::inventory::NodeSpec],
+) -> Result<(), HcloudError> {
+    let Some(settings) = inv.publish.hcloud() else {
+        return Ok(());
+    };
+    if nodes.is_empty() {
+        return Ok(());
+    }
+    let types = api.list("/server_types", "server_types", &[])?;
+    for node in nodes {
+        let Some(server_type) = node.hcloud_server_type(settings) else {
+            continue;
+        };
+        let location = node.hcloud_location(settings);
+        if let Some(why) = super::unsuitable(&types, server_type, location, inv.arch(node)) {
+            return Err(HcloudError::Setup(format!(
+                "node {}: server type {server_type} cannot run it in {location}: {why}",
+                node.name
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Checks that `server_type` can boot the snapshots of the servers to be
 /// created (`specs`), before any is: the same architecture, and a disk at
 /// least each snapshot's `disk_size` (the API refuses others with 422
@@ -186,7 +243,13 @@ fn check_fits(api: &Api, server_type: &str, specs: &[&ServerSpec]) -> Result<(),
     let disk = t["disk"].as_f64().unwrap_or(0.0);
     let mut nodes_of: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
     for s in specs {
-        nodes_of.entry(s.snapshot).or_default().push(&s.node);
+        let snapshot = s.snapshot.ok_or_else(|| {
+            HcloudError::Setup(format!(
+                "node {} has no server and no snapshot to create one from",
+                s.node
+            ))
+        })?;
+        nodes_of.entry(snapshot).or_default().push(&s.node);
     }
     for (snapshot, nodes) in nodes_of {
         let image = api.get(&format!("/images/{snapshot}"), &[])?;
@@ -238,7 +301,13 @@ pub fn ensure(
         .iter()
         .filter(|s| !have.iter().any(|h| h.node == s.node))
         .collect();
-    check_fits(api, &shape.server_type, &missing)?;
+    let mut by_type: BTreeMap<&str, Vec<&ServerSpec>> = BTreeMap::new();
+    for s in &missing {
+        by_type.entry(&s.server_type).or_default().push(s);
+    }
+    for (server_type, specs) in by_type {
+        check_fits(api, server_type, &specs)?;
+    }
     let network = match &shape.network {
         Some(name) => Some(network_id(api, name)?),
         None => None,
@@ -272,9 +341,9 @@ pub fn ensure(
             "/servers",
             &json!({
                 "name": server_name(cluster, &spec.node),
-                "server_type": shape.server_type,
+                "server_type": spec.server_type,
                 "image": spec.snapshot,
-                "location": settings.location,
+                "location": spec.location,
                 "labels": labels,
                 "user_data": user_data,
                 "start_after_create": network.is_none(),
@@ -324,22 +393,215 @@ pub fn delete_cluster(
     cluster: &str,
     opts: &SnapshotOptions,
 ) -> (Vec<Deleted>, Vec<Leftover>) {
+    delete_by(api, &cluster_selector(cluster), opts)
+}
+
+/// Deletes the server imgbuild made for `node` of `cluster` (by its
+/// labels, as [`delete_cluster`]): `up --allow-destroy` removing a node.
+pub fn delete_node(
+    api: &Api,
+    cluster: &str,
+    node: &str,
+    opts: &SnapshotOptions,
+) -> (Vec<Deleted>, Vec<Leftover>) {
+    let selector = format!("{},{NODE_LABEL}={node}", cluster_selector(cluster));
+    delete_by(api, &selector, opts)
+}
+
+fn delete_by(api: &Api, selector: &str, opts: &SnapshotOptions) -> (Vec<Deleted>, Vec<Leftover>) {
     let mut deleted = Vec::new();
     let mut left = Vec::new();
-    for r in delete_selected(
-        api,
-        &cluster_selector(cluster),
-        None,
-        opts,
-        &Quiet,
-        &["server"],
-    ) {
+    for r in delete_selected(api, selector, None, opts, &Quiet, &["server"]) {
         match r {
             Ok(d) => deleted.push(d),
             Err(l) => left.push(l),
         }
     }
     (deleted, left)
+}
+
+/// The state dir's record of where the last `up` found the servers: the
+/// fallback when the API cannot be asked. Names, IDs and addresses only.
+pub const RECORD_FILE: &str = "hcloud-servers.json";
+
+/// The record's largest size: one line per server, a few hundred servers.
+const RECORD_MAX: u64 = 1 << 20;
+
+/// What [`RECORD_FILE`] holds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Record {
+    cluster: String,
+    /// Unix seconds.
+    recorded_at: u64,
+    servers: Vec<RecordedServer>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RecordedServer {
+    node: String,
+    id: u64,
+    name: String,
+    public_ip: Option<IpAddr>,
+}
+
+fn record_path(state_dir: &Path) -> PathBuf {
+    state_dir.join(RECORD_FILE)
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Writes where `servers` are into `state_dir` (atomically, 0600 like
+/// everything there): what `up` found, for the commands after it.
+pub fn record<'a>(
+    inv: &Inventory,
+    state_dir: &Path,
+    servers: impl IntoIterator<Item = &'a ClusterServer>,
+) -> Result<(), HcloudError> {
+    let mut servers: Vec<RecordedServer> = servers
+        .into_iter()
+        .map(|s| RecordedServer {
+            node: s.node.clone(),
+            id: s.id,
+            name: s.name.clone(),
+            public_ip: s.public_ip,
+        })
+        .collect();
+    servers.sort_by(|a, b| a.node.cmp(&b.node));
+    let record = Record {
+        cluster: inv.cluster.name.clone(),
+        recorded_at: now(),
+        servers,
+    };
+    let path = record_path(state_dir);
+    let mut text = serde_json::to_vec_pretty(&record)
+        .map_err(|e| HcloudError::Io(format!("encoding {}: {e}", path.display())))?;
+    text.push(b'\n');
+    crate::atomic::write_if_changed(&path, &text, true)
+        .map(drop)
+        .map_err(|e| HcloudError::Io(format!("writing {}: {e}", path.display())))
+}
+
+/// The record `up` left, if it is this cluster's.
+fn read_record(inv: &Inventory, state_dir: &Path) -> Result<Record, String> {
+    let path = record_path(state_dir);
+    let shown = path.display();
+    let file = crate::io::open_regular(&path, false).map_err(|e| format!("{shown}: {e}"))?;
+    let bytes = crate::io::read_bounded(file, RECORD_MAX).map_err(|e| format!("{shown}: {e}"))?;
+    let record: Record = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("{shown}: {}", crate::input::one_line(&e.to_string(), 200)))?;
+    if record.cluster != inv.cluster.name {
+        return Err(format!(
+            "{shown} is cluster {:?}'s, not {:?}'s",
+            crate::input::one_line(&record.cluster, 64),
+            inv.cluster.name
+        ));
+    }
+    Ok(record)
+}
+
+/// Where the addresses came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase", tag = "source")]
+pub enum Source {
+    /// The API listed the servers now.
+    Api,
+    /// The API could not be asked (`why`): the last `up`'s record, written
+    /// `age` ago. Stale: servers may have changed since.
+    Recorded {
+        #[serde(serialize_with = "seconds")]
+        age: Duration,
+        why: String,
+    },
+}
+
+fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(d.as_secs())
+}
+
+/// Where the bootstrap reaches each of the cluster's servers, and how that
+/// is known.
+#[derive(Debug, Clone)]
+pub struct Addresses {
+    /// Each server's public IP by node (inventory nodes only): where `up`
+    /// reaches them (`BootstrapOptions::targets`).
+    pub reached: BTreeMap<String, IpAddr>,
+    pub source: Source,
+}
+
+impl Addresses {
+    /// A warning when the addresses are the record's, not the API's.
+    pub fn stale(&self) -> Option<String> {
+        match &self.source {
+            Source::Api => None,
+            Source::Recorded { age, why } => Some(format!(
+                "the Hetzner API could not be asked where the servers are ({why}): using the addresses the last `up` recorded {} ago (stale: servers may have changed since)",
+                age_text(*age)
+            )),
+        }
+    }
+}
+
+/// `3m`, `2h`, `5d`: how old a record is, roughly.
+fn age_text(age: Duration) -> String {
+    let s = age.as_secs();
+    match s {
+        0..120 => format!("{s}s"),
+        120..7200 => format!("{}m", s / 60),
+        7200..172_800 => format!("{}h", s / 3600),
+        _ => format!("{}d", s / 86_400),
+    }
+}
+
+/// Retries for a lookup: brief, since the record stands in when the API
+/// does not answer.
+const LOOKUP_RETRY: RetryPolicy = RetryPolicy {
+    retries: 2,
+    backoff: Duration::from_millis(250),
+    max_wait: Duration::from_secs(2),
+};
+
+/// Where the cluster's servers are, for every command after `up`: found by
+/// label through the API (the token from `env`, as `up` reads it), else
+/// from the state dir's record of the last `up` (marked stale). Only
+/// inventory nodes; an error only when neither answers.
+pub fn addresses(
+    inv: &Inventory,
+    state_dir: &Path,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Addresses, HcloudError> {
+    let listed = Credentials::from_env(env)
+        .and_then(|c| c.api(LOOKUP_RETRY))
+        .and_then(|api| existing(&api, &inv.cluster.name));
+    let (found, source): (Vec<(String, Option<IpAddr>)>, Source) = match listed {
+        Ok(servers) => (
+            servers.into_iter().map(|s| (s.node, s.public_ip)).collect(),
+            Source::Api,
+        ),
+        Err(e) => {
+            let why = crate::input::one_line(&e.to_string(), 300);
+            let record = read_record(inv, state_dir).map_err(|r| {
+                HcloudError::NoAddresses(format!(
+                    "the Hetzner API could not be asked where cluster {}'s servers are ({why}), and there is no record of the last `up` ({r})",
+                    inv.cluster.name
+                ))
+            })?;
+            let age = Duration::from_secs(now().saturating_sub(record.recorded_at));
+            let found = record.servers.into_iter().map(|s| (s.node, s.public_ip));
+            (found.collect(), Source::Recorded { age, why })
+        }
+    };
+    let reached = found
+        .into_iter()
+        .filter(|(node, _)| inv.node(node).is_ok())
+        .filter_map(|(node, ip)| Some((node, ip?)))
+        .collect();
+    Ok(Addresses { reached, source })
 }
 
 #[cfg(test)]
@@ -375,10 +637,12 @@ mod tests {
     fn spec(node: &str, user_data: String, talos_version: &str) -> ServerSpec {
         ServerSpec {
             node: node.into(),
-            snapshot: 1,
+            snapshot: Some(1),
             user_data,
             talos_version: talos_version.into(),
             private_ip: None,
+            server_type: "cpx22".into(),
+            location: "fsn1".into(),
         }
     }
 
@@ -430,6 +694,62 @@ mod tests {
             err.contains("node worker-02") && err.contains("even gzipped"),
             "{err}"
         );
+    }
+
+    fn inventory(name: &str) -> Inventory {
+        let text = format!(
+            "cluster: {{name: {name}, talosVersion: v1.11.2, kubernetesVersion: v1.34.1, endpoint: \"https://10.0.0.10:6443\"}}\n\
+             image: {{platform: hcloud}}\n\
+             publish:\n  hcloud: {{location: fsn1, servers: {{type: cpx22}}}}\n\
+             nodes:\n  - {{name: cp-01, role: controlplane}}\n  - {{name: w-01, role: worker}}\n"
+        );
+        Inventory::parse(&text, Path::new("cluster.yaml")).unwrap()
+    }
+
+    /// Without a token the API cannot be asked: the record stands in,
+    /// marked stale; only inventory nodes with an address are kept; another
+    /// cluster's record, or none, is an error naming the file.
+    #[test]
+    fn the_record_stands_in_when_the_api_cannot_be_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let no_env = |_: &str| None;
+        let err = addresses(&inventory("lab"), dir.path(), &no_env)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("HCLOUD_TOKEN") && err.contains(RECORD_FILE),
+            "{err}"
+        );
+        let server = |node: &str, ip: Option<&str>| ClusterServer {
+            node: node.into(),
+            id: 1,
+            name: format!("lab-{node}"),
+            public_ip: ip.map(|i| i.parse().unwrap()),
+            created: true,
+            started: true,
+            status: "running".into(),
+        };
+        let servers = [
+            server("cp-01", Some("127.4.0.2")),
+            server("w-01", None),
+            server("gone", Some("127.4.0.9")),
+        ];
+        record(&inventory("lab"), dir.path(), &servers).unwrap();
+        let found = addresses(&inventory("lab"), dir.path(), &no_env).unwrap();
+        assert_eq!(
+            found.reached,
+            BTreeMap::from([("cp-01".to_owned(), "127.4.0.2".parse().unwrap())])
+        );
+        assert!(matches!(found.source, Source::Recorded { .. }));
+        let warning = found.stale().unwrap();
+        assert!(
+            warning.contains("HCLOUD_TOKEN is not set") && warning.contains("stale"),
+            "{warning}"
+        );
+        let err = addresses(&inventory("other"), dir.path(), &no_env)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cluster \"lab\"'s, not \"other\"'s"), "{err}");
     }
 
     #[test]

@@ -352,8 +352,17 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
 /// under APIs without successor.
 fn removed_side(kube: &Kube, plan: &Plan, seen: &mut ClusterSeen) {
     let mut errors = Vec::new();
-    for cp in plan.nodes.iter().filter(|n| n.role == Role::Controlplane) {
-        match kube_on(kube, cp).metrics() {
+    // Behind a port forward (`cluster.kubernetesEndpoint`) only the API
+    // server it leads to can be asked.
+    let forwarded = plan.kubernetes_endpoint.is_some();
+    let cps = plan.nodes.iter().filter(|n| n.role == Role::Controlplane);
+    for cp in cps.take(if forwarded { 1 } else { usize::MAX }) {
+        let on = if forwarded {
+            kube.clone()
+        } else {
+            kube_on(kube, cp)
+        };
+        match on.metrics() {
             Ok(text) => seen.requested.extend(
                 parse_metric(&text)
                     .into_iter()

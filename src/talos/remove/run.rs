@@ -1,0 +1,585 @@
+//! Reading the cluster for the plan ([`survey`]) and carrying the plan out
+//! ([`remove`]): one node at a time, each step first looking whether a
+//! stopped run already did it (the member gone, the Node gone, the node
+//! silent after its reset).
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::plan::{
+    self, ClusterView, Member, NodeRemoval, RemovalPlan, RemoveError, RemovedNode, SeenKubeNode,
+    Step, shown,
+};
+use super::record;
+use crate::inventory::Role;
+use crate::talos::api::machine::{ResetPartitionSpec, ResetRequest, reset_request};
+use crate::talos::bootstrap::{Options, Plan};
+use crate::talos::client::{ApiError, Mode, NodeClient, NodeEndpoint};
+use crate::talos::health::kubeconfig;
+use crate::talos::stage::Prepared;
+use crate::talos::upgrade::drain;
+
+/// How one step went.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "outcome", content = "detail", rename_all = "kebab-case")]
+pub enum Outcome {
+    /// Done now, and how.
+    Done(String),
+    /// A stopped run (or someone else) did it already.
+    AlreadyDone(String),
+    /// Not done, and why that is fine.
+    Skipped(String),
+}
+
+/// What the run reports as it goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Started(Step),
+    /// A step's progress (the drain's cordon, its evictions).
+    Progress(String),
+    Finished(Step, Outcome),
+    /// Every step done: the node left the record of the cluster's nodes.
+    Removed,
+}
+
+/// Hears of the run's progress, per node.
+pub trait Observer: Sync {
+    fn event(&self, node: &str, event: &Event);
+}
+
+impl<F: Fn(&str, &Event) + Sync> Observer for F {
+    fn event(&self, node: &str, event: &Event) {
+        self(node, event)
+    }
+}
+
+/// One node's removal as it went.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct NodeReport {
+    pub node: String,
+    pub steps: Vec<(Step, Outcome)>,
+    /// Every step done, the node dropped from the record.
+    pub removed: bool,
+}
+
+/// A step that failed: the run stops there, a rerun goes on from it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
+#[error("node {node}: {step}: {message}")]
+pub struct StepFailed {
+    pub node: String,
+    pub step: Step,
+    pub message: String,
+}
+
+/// What [`remove`] did: the plan's nodes in order, as far as it got.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RemovalReport {
+    pub nodes: Vec<NodeReport>,
+    /// The plan's warnings (a 2-member etcd).
+    pub warnings: Vec<String>,
+    /// The step that stopped the run; None when every node was removed.
+    pub failed: Option<StepFailed>,
+}
+
+impl RemovalReport {
+    /// Every planned node was removed.
+    pub fn complete(&self) -> bool {
+        self.failed.is_none()
+    }
+}
+
+/// What the run may take beyond the plan.
+#[derive(Debug, Clone)]
+pub struct RemoveOptions {
+    /// Call timeout and polling (as the bootstrap's).
+    pub limits: Options,
+    /// Cordon and drain, per node (talosctl's default, 5 minutes).
+    pub drain_timeout: Duration,
+    /// From Reset until the node stops answering.
+    pub reset_timeout: Duration,
+}
+
+impl Default for RemoveOptions {
+    fn default() -> Self {
+        RemoveOptions {
+            limits: Options::default(),
+            drain_timeout: crate::talos::upgrade::drain::DRAIN_TIMEOUT,
+            reset_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, RemoveError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| RemoveError::Runtime(e.to_string()))
+}
+
+fn mtls(plan: &Plan) -> Mode {
+    Mode::Mtls(plan.identity.clone())
+}
+
+/// The Talos endpoint of a node reached at `endpoint`, its certificate
+/// naming `address` (else the endpoint's IP).
+fn target(endpoint: SocketAddr, address: Option<IpAddr>) -> NodeEndpoint {
+    NodeEndpoint {
+        addr: endpoint,
+        server_name: address.unwrap_or(endpoint.ip()),
+    }
+}
+
+/// A client of the node at `t`, if it answers its Version over mTLS.
+async fn answering(plan: &Plan, t: &NodeEndpoint, opts: &Options) -> Result<NodeClient, ApiError> {
+    let c = NodeClient::connect(t, &mtls(plan), opts.call_timeout).await?;
+    c.version().await?;
+    Ok(c)
+}
+
+/// The etcd members as the first remaining control plane (the plan's, in
+/// order) lists them — or, with `or_removed`, a removed node when none
+/// does — with the name of the one that did and a client of it; each
+/// member marked healthy only when it is started and the node behind it (a
+/// remaining one, or a removed one of `removed`) reports etcd healthy.
+async fn members(
+    plan: &Plan,
+    removed: &[(String, Option<NodeEndpoint>)],
+    or_removed: bool,
+    opts: &Options,
+) -> Option<(Vec<Member>, String, NodeClient)> {
+    let mode = mtls(plan);
+    let remaining = plan
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Controlplane)
+        .map(|n| (&n.name, Some(&n.endpoint)));
+    let fallback = removed
+        .iter()
+        .filter(|_| or_removed)
+        .map(|(name, t)| (name, t.as_ref()));
+    let mut listed = None;
+    for (name, endpoint) in remaining.chain(fallback) {
+        let Some(endpoint) = endpoint else { continue };
+        if let Ok(c) = NodeClient::connect(endpoint, &mode, opts.call_timeout).await
+            && let Ok(m) = c.etcd_members().await
+        {
+            listed = Some((m, name.clone(), c));
+            break;
+        }
+    }
+    let (raw, from, client) = listed?;
+    let mut out = Vec::new();
+    for m in raw {
+        let peer_hosts: Vec<IpAddr> = m
+            .peer_urls
+            .iter()
+            .filter_map(|u| reqwest::Url::parse(u).ok())
+            .filter_map(|u| {
+                let host = u.host_str()?;
+                host.trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        let behind = plan
+            .nodes
+            .iter()
+            .find(|n| n.name == m.hostname || peer_hosts.contains(&n.address))
+            .map(|n| n.endpoint.clone())
+            .or_else(|| {
+                removed
+                    .iter()
+                    .find(|(name, _)| *name == m.hostname)
+                    .and_then(|(_, t)| t.clone())
+            });
+        let started = !m.hostname.is_empty();
+        let healthy = match (started, behind) {
+            (true, Some(t)) => etcd_healthy(plan, &t, opts).await,
+            _ => false,
+        };
+        out.push(Member {
+            id: m.id,
+            hostname: m.hostname,
+            learner: m.is_learner,
+            healthy,
+            peer_hosts,
+        });
+    }
+    Some((out, from, client))
+}
+
+/// The node at `t` answers and reports its etcd service healthy.
+async fn etcd_healthy(plan: &Plan, t: &NodeEndpoint, opts: &Options) -> bool {
+    let Ok(c) = NodeClient::connect(t, &mtls(plan), opts.call_timeout).await else {
+        return false;
+    };
+    c.services().await.is_ok_and(|s| {
+        s.iter()
+            .any(|s| s.id == "etcd" && s.health.as_ref().is_some_and(|h| h.healthy))
+    })
+}
+
+/// The Kubernetes nodes, or None when the API does not answer.
+async fn kube_nodes(plan: &Plan, opts: &Options) -> Option<Vec<SeenKubeNode>> {
+    let kc = kubeconfig(plan).ok()?;
+    let t = opts.call_timeout;
+    let list = tokio::task::spawn_blocking(move || kc.get_json("/api/v1/nodes", t))
+        .await
+        .ok()?
+        .ok()?;
+    Some(seen_nodes(&list))
+}
+
+/// Each item of a NodeList: its name, InternalIP and control-plane label.
+fn seen_nodes(list: &Value) -> Vec<SeenKubeNode> {
+    list["items"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+        .iter()
+        .map(|n| SeenKubeNode {
+            name: n["metadata"]["name"].as_str().unwrap_or("").to_owned(),
+            internal_ip: n["status"]["addresses"]
+                .as_array()
+                .and_then(|a| a.iter().find(|a| a["type"] == "InternalIP"))
+                .and_then(|a| a["address"].as_str()?.parse().ok()),
+            control_plane: n["metadata"]["labels"]
+                .get("node-role.kubernetes.io/control-plane")
+                .is_some(),
+        })
+        .collect()
+}
+
+/// Where a removed node's Talos API is, by what is known of it.
+fn endpoint_of(
+    r: &RemovedNode,
+    kube: Option<&[SeenKubeNode]>,
+    members: Option<&[Member]>,
+) -> Option<NodeEndpoint> {
+    let address = plan::address_of(r, kube.unwrap_or(&[]), members.unwrap_or(&[]));
+    let endpoint = r
+        .endpoint
+        .or_else(|| address.map(|a| SocketAddr::new(a, crate::inventory::TALOS_API_PORT)))?;
+    Some(target(endpoint, address))
+}
+
+/// Reads what the plan needs, changing nothing: the etcd members (from a
+/// remaining control plane) and their health, the Kubernetes nodes, and
+/// which removed nodes answer. Blocking.
+pub fn survey(
+    prepared: &Prepared,
+    removed: &[RemovedNode],
+    limits: &Options,
+) -> Result<ClusterView, RemoveError> {
+    let plan = &prepared.plan;
+    runtime()?.block_on(async {
+        let kube = kube_nodes(plan, limits).await;
+        let given: Vec<(String, Option<NodeEndpoint>)> = removed
+            .iter()
+            .map(|r| (r.name.clone(), endpoint_of(r, kube.as_deref(), None)))
+            .collect();
+        let listed = members(plan, &given, true, limits).await;
+        let (members, from) = match listed {
+            Some((m, from, _)) => (Some(m), Some(from)),
+            None => (None, None),
+        };
+        let mut answering_nodes = BTreeSet::new();
+        for r in removed {
+            if let Some(t) = endpoint_of(r, kube.as_deref(), members.as_deref())
+                && answering(plan, &t, limits).await.is_ok()
+            {
+                answering_nodes.insert(r.name.clone());
+            }
+        }
+        Ok(ClusterView {
+            members,
+            members_from: from,
+            kube_nodes: kube,
+            answering: answering_nodes,
+        })
+    })
+}
+
+/// Carries `removal` out, node after node, each step in order; stops at
+/// the first step that fails (the report says which). A node whose steps
+/// are all done leaves the record of the cluster's nodes. Blocking.
+pub fn remove(
+    prepared: &Prepared,
+    removal: &RemovalPlan,
+    opts: &RemoveOptions,
+    observer: &dyn Observer,
+) -> Result<RemovalReport, RemoveError> {
+    let mut report = RemovalReport {
+        warnings: removal.warnings.clone(),
+        ..RemovalReport::default()
+    };
+    let rt = runtime()?;
+    for n in &removal.nodes {
+        let mut node = NodeReport {
+            node: n.node.clone(),
+            steps: Vec::new(),
+            removed: false,
+        };
+        for &step in &n.steps {
+            observer.event(&n.node, &Event::Started(step));
+            let progress = |m: &str| observer.event(&n.node, &Event::Progress(m.to_owned()));
+            let done = rt.block_on(run_step(prepared, n, step, opts, &progress));
+            match done {
+                Ok(outcome) => {
+                    observer.event(&n.node, &Event::Finished(step, outcome.clone()));
+                    node.steps.push((step, outcome));
+                }
+                Err(message) => {
+                    report.nodes.push(node);
+                    report.failed = Some(StepFailed {
+                        node: n.node.clone(),
+                        step,
+                        message,
+                    });
+                    return Ok(report);
+                }
+            }
+        }
+        let dir = &prepared.state_dir.path;
+        record::forget_node(dir, &n.node).map_err(|source| RemoveError::Record {
+            path: record::NodesRecord::path(dir),
+            source,
+        })?;
+        node.removed = true;
+        observer.event(&n.node, &Event::Removed);
+        report.nodes.push(node);
+    }
+    Ok(report)
+}
+
+/// One step of one node; the error is the message for [`StepFailed`].
+async fn run_step(
+    prepared: &Prepared,
+    n: &NodeRemoval,
+    step: Step,
+    opts: &RemoveOptions,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Outcome, String> {
+    // A plan made by hand never puts a foreign name in an API path.
+    if !plan::valid_node_name(&n.node) {
+        return Err(format!("{} is not a Kubernetes node name", shown(&n.node)));
+    }
+    let plan = &prepared.plan;
+    let limits = &opts.limits;
+    let own = n.endpoint.map(|e| target(e, n.address));
+    match step {
+        Step::Drain => {
+            if !in_kubernetes(plan, &n.node, limits).await? {
+                return Ok(Outcome::AlreadyDone(
+                    "no Kubernetes node by that name".into(),
+                ));
+            }
+            let up = match &own {
+                Some(t) => answering(plan, t, limits).await.is_ok(),
+                None => false,
+            };
+            if !up {
+                return Ok(Outcome::Skipped(
+                    "its Talos API does not answer: nothing runs there to drain".into(),
+                ));
+            }
+            drain::cordon_and_drain(plan, &n.node, opts.drain_timeout, limits, progress).await?;
+            Ok(Outcome::Done("cordoned and drained".into()))
+        }
+        Step::LeaveEtcd => leave_etcd(plan, n, own.as_ref(), limits).await,
+        Step::Reset => {
+            let Some(t) = own else {
+                return Ok(Outcome::Skipped("no address to reach it at".into()));
+            };
+            let client = match answering(plan, &t, limits).await {
+                Ok(c) => c,
+                Err(e) => {
+                    return Ok(Outcome::Skipped(format!(
+                        "it does not answer ({}): reset already, or gone",
+                        shown(&e.to_string())
+                    )));
+                }
+            };
+            client
+                .reset(reset_request())
+                .await
+                .map_err(|e| format!("Reset: {}", shown(&e.to_string())))?;
+            wait_silent(plan, &t, opts).await?;
+            Ok(Outcome::Done(
+                "Reset (graceful, STATE and EPHEMERAL wiped); it powered off".into(),
+            ))
+        }
+        Step::DeleteNode => delete_node(plan, &n.node, limits).await,
+    }
+}
+
+/// What `talosctl reset --graceful --reboot=false
+/// --system-labels-to-wipe STATE --system-labels-to-wipe EPHEMERAL` sends
+/// (`cmd/talosctl/cmd/talos/reset.go`): the node's config and its data
+/// go, the boot partitions and META stay, and it powers off.
+pub(crate) fn reset_request() -> ResetRequest {
+    ResetRequest {
+        graceful: true,
+        reboot: false,
+        system_partitions_to_wipe: ["STATE", "EPHEMERAL"]
+            .into_iter()
+            .map(|label| ResetPartitionSpec {
+                label: label.into(),
+                wipe: true,
+            })
+            .collect(),
+        user_disks_to_wipe: Vec::new(),
+        mode: reset_request::WipeMode::All as i32,
+    }
+}
+
+/// Waits until the node at `t` no longer answers (its reset sequence ran
+/// and it powered off), at most the reset timeout.
+async fn wait_silent(plan: &Plan, t: &NodeEndpoint, opts: &RemoveOptions) -> Result<(), String> {
+    let deadline = Instant::now() + opts.reset_timeout;
+    loop {
+        let probe = tokio::time::timeout(
+            opts.limits.call_timeout * 2,
+            answering(plan, t, &opts.limits),
+        )
+        .await;
+        if matches!(probe, Ok(Err(_))) {
+            return Ok(());
+        }
+        if Instant::now() + opts.limits.poll > deadline {
+            return Err(format!(
+                "it still answers {:?} after Reset (its reset sequence may have failed: see its console or `talosctl dmesg`)",
+                opts.reset_timeout
+            ));
+        }
+        tokio::time::sleep(opts.limits.poll).await;
+    }
+}
+
+/// The control plane leaves etcd: on itself when it answers
+/// (EtcdLeaveCluster), else removed by member ID from the remaining
+/// control plane that lists the members. Re-checks etcd's quorum rule on
+/// the members as they are now.
+async fn leave_etcd(
+    plan: &Plan,
+    n: &NodeRemoval,
+    own: Option<&NodeEndpoint>,
+    limits: &Options,
+) -> Result<Outcome, String> {
+    let removed = [(n.node.clone(), own.cloned())];
+    let Some((now, from, lister)) = members(plan, &removed, false, limits).await else {
+        return Err("no remaining control plane lists the etcd members".into());
+    };
+    let member = now
+        .iter()
+        .find(|m| m.hostname == n.node)
+        .or_else(|| n.member.and_then(|id| now.iter().find(|m| m.id == id)));
+    let Some(member) = member else {
+        return Ok(Outcome::AlreadyDone(format!(
+            "not an etcd member any more ({from} lists {})",
+            now.len()
+        )));
+    };
+    let id = member.id;
+    plan::may_remove(&now, id).map_err(|q| {
+        format!(
+            "etcd would refuse: of the {} other members {} are started and healthy, {} needed",
+            q.others, q.healthy, q.needed
+        )
+    })?;
+    if let Some(t) = own
+        && let Ok(c) = answering(plan, t, limits).await
+    {
+        c.etcd_leave_cluster()
+            .await
+            .map_err(|e| format!("EtcdLeaveCluster: {}", shown(&e.to_string())))?;
+        return Ok(Outcome::Done("EtcdLeaveCluster on the node".into()));
+    }
+    match lister.etcd_remove_member_by_id(id).await {
+        Ok(()) => Ok(Outcome::Done(format!(
+            "it does not answer: EtcdRemoveMemberByID {id:016x} on {from}"
+        ))),
+        Err(e) if e.code() == Some(tonic::Code::NotFound) => Ok(Outcome::AlreadyDone(format!(
+            "member {id:016x} was gone when {from} tried to remove it"
+        ))),
+        Err(e) => Err(format!(
+            "EtcdRemoveMemberByID {id:016x} on {from}: {}",
+            shown(&e.to_string())
+        )),
+    }
+}
+
+/// Whether Kubernetes has a Node `name` (the API must answer).
+async fn in_kubernetes(plan: &Plan, name: &str, limits: &Options) -> Result<bool, String> {
+    let nodes = kube_nodes(plan, limits)
+        .await
+        .ok_or_else(|| "the Kubernetes API does not answer".to_owned())?;
+    Ok(nodes.iter().any(|k| k.name == name))
+}
+
+/// `DELETE /api/v1/nodes/NAME` (bounded reply, deadline), unless it is gone.
+async fn delete_node(plan: &Plan, name: &str, limits: &Options) -> Result<Outcome, String> {
+    if !in_kubernetes(plan, name, limits).await? {
+        return Ok(Outcome::AlreadyDone(
+            "no Kubernetes node by that name".into(),
+        ));
+    }
+    let kc = kubeconfig(plan)?;
+    let (path, t) = (format!("/api/v1/nodes/{name}"), limits.call_timeout);
+    let deleted = tokio::task::spawn_blocking(move || {
+        kc.send_json(reqwest::Method::DELETE, &path, None, t)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    match deleted {
+        Ok(()) => Ok(Outcome::Done("Kubernetes Node deleted".into())),
+        // Someone else deleted it meanwhile: as good.
+        Err(_) if !in_kubernetes(plan, name, limits).await? => Ok(Outcome::AlreadyDone(
+            "no Kubernetes node by that name".into(),
+        )),
+        Err(e) => Err(format!("deleting the Kubernetes node: {}", shown(&e))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn node_list_items_give_internal_ip_and_control_plane_label() {
+        let list = json!({"items": [
+            {"metadata": {"name": "cp-01", "labels": {"node-role.kubernetes.io/control-plane": ""}},
+             "status": {"addresses": [{"type": "Hostname", "address": "cp-01"},
+                                      {"type": "InternalIP", "address": "10.0.0.11"}]}},
+            {"metadata": {"name": "w-01", "labels": {}}, "status": {}},
+        ]});
+        let seen = seen_nodes(&list);
+        assert_eq!(seen[0].internal_ip, Some("10.0.0.11".parse().unwrap()));
+        assert!(seen[0].control_plane);
+        assert_eq!(seen[1].internal_ip, None);
+        assert!(!seen[1].control_plane);
+    }
+
+    #[test]
+    fn reset_wipes_state_and_ephemeral_gracefully_and_powers_off() {
+        let r = reset_request();
+        assert!(r.graceful && !r.reboot);
+        let labels: Vec<&str> = r
+            .system_partitions_to_wipe
+            .iter()
+            .filter(|p| p.wipe)
+            .map(|p| p.label.as_str())
+            .collect();
+        assert_eq!(labels, ["STATE", "EPHEMERAL"]);
+        // talosctl's default wipe mode (no user disks named: none wiped).
+        assert_eq!(r.mode, reset_request::WipeMode::All as i32);
+    }
+}

@@ -1,0 +1,224 @@
+//! The one plan of `up`: every difference between the inventory and what
+//! exists, as actions in the fixed order the steps run, each at field level
+//! (from → to). The dry run shows the actions as planned; the run marks
+//! each one done, failed, or left (a destructive action without
+//! `--allow-destroy`). Each step's own plan (the upgrade's, the apply's,
+//! the removal's, the prune's) is made by its library call; this module
+//! only puts them in one list.
+
+use crate::input::one_line;
+
+/// The steps of `up`, in the order they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Step {
+    /// Each node's image.
+    Build,
+    /// New images onto the target (only for machines that will boot them).
+    Publish,
+    /// New machines created and started.
+    Machines,
+    /// New nodes configured; etcd bootstrapped once; health.
+    Bootstrap,
+    /// Talos version and schematic, node by node (as `imgbuild upgrade`).
+    Upgrade,
+    /// The cluster's Kubernetes version (as `imgbuild upgrade`).
+    Kubernetes,
+    /// Machine configs (as `imgbuild apply`).
+    Configs,
+    /// VM or server settings (cores, memory, disk, network).
+    Settings,
+    /// Nodes gone from the inventory: drained, reset, deleted.
+    Remove,
+    /// Volumes, ISOs and snapshots no machine uses.
+    Prune,
+}
+
+impl Step {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Step::Build => "build",
+            Step::Publish => "publish",
+            Step::Machines => "machines",
+            Step::Bootstrap => "bootstrap",
+            Step::Upgrade => "upgrade",
+            Step::Kubernetes => "kubernetes",
+            Step::Configs => "configs",
+            Step::Settings => "settings",
+            Step::Remove => "remove",
+            Step::Prune => "prune",
+        }
+    }
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One field an action changes.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct FieldChange {
+    pub field: String,
+    /// None: not there yet, or unknown.
+    pub from: Option<String>,
+    /// None: gone afterwards.
+    pub to: Option<String>,
+}
+
+impl FieldChange {
+    pub fn new(field: &str, from: Option<&str>, to: Option<&str>) -> FieldChange {
+        FieldChange {
+            field: field.to_owned(),
+            from: from.map(str::to_owned),
+            to: to.map(str::to_owned),
+        }
+    }
+}
+
+/// Where an action stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    /// A dry run's: would be done.
+    Planned,
+    Done,
+    Failed,
+    /// Destructive, and `--allow-destroy` was not given: not done.
+    Left,
+    /// An earlier step stopped the run before this one.
+    NotReached,
+}
+
+/// One thing `up` changes.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Action {
+    pub step: Step,
+    /// The node it is about; None for the cluster (Kubernetes, prune).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// What it does, in a few words ("upgrade", "apply config", "remove").
+    pub what: String,
+    pub changes: Vec<FieldChange>,
+    /// Deletes something: done only with `--allow-destroy`.
+    pub destructive: bool,
+    pub outcome: State,
+    /// A summary beside it (a config diff's size and fields), or why it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+impl Action {
+    pub fn new(step: Step, node: Option<&str>, what: &str) -> Action {
+        Action {
+            step,
+            node: node.map(str::to_owned),
+            what: what.to_owned(),
+            changes: Vec::new(),
+            destructive: false,
+            outcome: State::Planned,
+            detail: None,
+        }
+    }
+
+    pub fn change(mut self, field: &str, from: Option<&str>, to: Option<&str>) -> Action {
+        self.changes.push(FieldChange::new(field, from, to));
+        self
+    }
+
+    pub fn destructive(mut self) -> Action {
+        self.destructive = true;
+        self
+    }
+
+    pub fn detail(mut self, detail: impl Into<String>) -> Action {
+        self.detail = Some(detail.into());
+        self
+    }
+
+    pub fn outcome(mut self, outcome: State) -> Action {
+        self.outcome = outcome;
+        self
+    }
+
+    /// One line: `upgrade worker-01: talos v1.11.2 → v1.11.3; schematic
+    /// 376567… → 376567…`; every value from outside escaped and bounded.
+    pub fn line(&self) -> String {
+        let mut out = format!("{} ", self.step);
+        if let Some(node) = &self.node {
+            out.push_str(&one_line(node, 64));
+            out.push_str(": ");
+        }
+        out.push_str(&self.what);
+        let shown = |v: &Option<String>| v.as_deref().map_or("-".to_owned(), |v| one_line(v, 80));
+        let fields: Vec<String> = self
+            .changes
+            .iter()
+            .map(|c| format!("{} {} → {}", c.field, shown(&c.from), shown(&c.to)))
+            .collect();
+        if !fields.is_empty() {
+            out.push_str(": ");
+            out.push_str(&fields.join("; "));
+        }
+        if let Some(d) = &self.detail {
+            out.push_str(" (");
+            out.push_str(&one_line(d, 400));
+            out.push(')');
+        }
+        out
+    }
+}
+
+/// `+a −r lines` and the fields a config diff changes, as its summary: the
+/// diff itself may hold secrets, its shape does not.
+pub fn diff_summary(diff: &str, fields: &[String]) -> String {
+    let body = diff
+        .lines()
+        .filter(|l| !l.starts_with("+++") && !l.starts_with("---"));
+    let (mut added, mut removed) = (0, 0);
+    for l in body {
+        if l.starts_with('+') {
+            added += 1;
+        } else if l.starts_with('-') {
+            removed += 1;
+        }
+    }
+    let mut out = format!("+{added} −{removed} lines");
+    if !fields.is_empty() {
+        out.push_str(": ");
+        out.push_str(&fields.join(", "));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_action_reads_on_one_line_with_every_field_from_to() {
+        let a = Action::new(Step::Upgrade, Some("worker-01"), "upgrade")
+            .change("talos", Some("v1.11.2"), Some("v1.11.3"))
+            .change("schematic", None, Some("abc"));
+        assert_eq!(
+            a.line(),
+            "upgrade worker-01: upgrade: talos v1.11.2 → v1.11.3; schematic - → abc"
+        );
+        let a = Action::new(Step::Remove, Some("w\n2"), "remove")
+            .destructive()
+            .detail("VM 304");
+        assert_eq!(a.line(), "remove w\\n2: remove (VM 304)");
+        assert!(Step::Build < Step::Prune && Step::Configs < Step::Remove);
+    }
+
+    #[test]
+    fn a_diff_summary_counts_lines_and_names_fields_only() {
+        let diff = "--- a\n+++ b\n@@ -1 +1 @@\n-  hostname: a\n+  hostname: b\n+  extra: c\n";
+        assert_eq!(
+            diff_summary(diff, &["machine.network".into()]),
+            "+2 −1 lines: machine.network"
+        );
+    }
+}
