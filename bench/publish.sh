@@ -33,7 +33,7 @@ cat > cluster.yaml <<'EOF'
 cluster: {name: bench, talosVersion: v1.11.2, kubernetesVersion: v1.32.1, endpoint: "https://127.0.3.10:6443"}
 network: {cidr: 127.0.0.0/8, gateway: 127.0.0.1, interface: eth0}
 publish:
-  proxmox: {node: pve, storage: local}
+  proxmox: {node: pve, storage: local, upload: raw}
 nodes:
   - {name: cp-01, role: controlplane, address: 127.0.3.11}
 EOF
@@ -83,3 +83,20 @@ for i in $(seq "$runs"); do
 done
 printf '| benchmark | imgbuild publish | baseline | ratio | imgbuild peak RSS |\n|---|---|---|---|---|\n'
 printf '%s\n' "${rows[@]}"
+
+# The same image as qcow2 (the default: only allocated clusters cross the
+# wire) against `upload: raw`, interleaved, each against a fresh simulator:
+# bytes the simulator received (its uploadBytes) and wall time, conversion
+# and the server's task included.
+sent() { curl -sk "${url}_sim/stats" | sed 's/.*"uploadBytes":\([0-9]*\).*/\1/'; }
+with_upload() { sed -i "s/proxmox: {node: pve, storage: local.*}/proxmox: {node: pve, storage: local, upload: $1}/" cluster.yaml; }
+wire=()
+for i in $(seq "$runs"); do
+  for form in raw qcow2; do
+    with_upload "$form"; pve; sync; t0=$(now); run_imgbuild; t1=$(now); b=$(sent); stop_pve
+    wire+=("$(printf '| %s, run %d | %d | %.1f MiB | %.2f s |' "$form" "$i" "$b" "$(echo "$b / 1048576" | bc -l)" "$(secs "$t0" "$t1")")")
+  done
+done
+with_upload qcow2
+printf '\n| upload of the %d MiB image as | bytes sent | MiB | time |\n|---|---|---|---|\n' "$((size / 1048576))"
+printf '%s\n' "${wire[@]}"

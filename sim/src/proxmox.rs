@@ -132,6 +132,12 @@ pub struct Args {
     /// `local` lacks the import content type.
     #[arg(long)]
     no_import_storage: bool,
+    /// More cluster nodes (hosts) beside `--node`, comma-separated. The
+    /// storages are then the cluster's shared ones (`shared: 1`, as an NFS
+    /// or Ceph storage is listed on every node, pve-storage
+    /// `PVE/API2/Storage/Config.pm`), and each VM lives on one node.
+    #[arg(long, value_delimiter = ',')]
+    other_nodes: Vec<String>,
     /// The node simulator's control URL: a started VM boots a Talos node at
     /// the address in its boot disk's META key 10.
     #[arg(long)]
@@ -156,6 +162,7 @@ struct Stats {
     upload_bytes: AtomicU64,
     vm_creates: AtomicU64,
     vm_config_changes: AtomicU64,
+    reboots: AtomicU64,
     resizes: AtomicU64,
     starts: AtomicU64,
     /// Starts that took a stopped VM to running.
@@ -186,6 +193,11 @@ struct Task {
 #[derive(Clone, Default)]
 struct Vm {
     config: BTreeMap<String, String>,
+    /// Changes made while it ran that qemu-server could not hot-plug: they
+    /// apply at its next start (`vmconfig_apply_pending`).
+    pending: BTreeMap<String, String>,
+    /// The cluster node it lives on.
+    host: String,
     running: bool,
     /// The address its Talos node booted at on the last start.
     booted_ip: Option<String>,
@@ -606,7 +618,7 @@ async fn handle(
         return Some((Err(param_exc(errors)), true));
     }
     if let Some(node) = params.get("node")
-        && *node != pve.args.node
+        && !pve.hosts().any(|h| h == node)
     {
         return Some((
             Err(die(format!(
@@ -911,6 +923,7 @@ impl Pve {
             "uploadBytes": g(&s.upload_bytes),
             "vmCreates": g(&s.vm_creates),
             "vmConfigChanges": g(&s.vm_config_changes),
+            "reboots": g(&s.reboots),
             "resizes": g(&s.resizes),
             "starts": g(&s.starts),
             "startsChanged": g(&s.starts_changed),
@@ -934,7 +947,8 @@ impl Pve {
             Some(vm) => (
                 200,
                 "OK",
-                json!({"running": vm.running, "bootedIp": vm.booted_ip, "bootError": vm.boot_error}),
+                json!({"running": vm.running, "bootedIp": vm.booted_ip, "bootError": vm.boot_error,
+                       "host": vm.host, "config": vm.config, "pending": vm.pending}),
             ),
             None => (
                 404,
@@ -993,21 +1007,38 @@ impl Pve {
                 .and_then(|v| v.parse::<u32>().ok())
                 .unwrap_or(0)
         };
+        // A VM is reached through its own node only (its config file is in
+        // that node's directory of the cluster filesystem).
+        if path.starts_with("/nodes/{node}/qemu/{vmid}")
+            && let Some(vm) = self.vms.lock().unwrap().get(&vmid())
+            && vm.host != p["node"]
+        {
+            return Some(Err(die(format!(
+                "Configuration file 'nodes/{}/qemu-server/{}.conf' does not exist",
+                p["node"],
+                vmid()
+            ))));
+        }
         Some(match (method, path) {
             ("GET", "/version") => Ok(json!({"version": "9.1.1", "release": "9.1", "repoid": "42ab1fbe"})),
-            ("GET", "/nodes") => Ok(json!([{
-                "node": self.args.node, "status": "online", "type": "node",
-                "id": format!("node/{}", self.args.node), "maxcpu": 8, "cpu": 0.01,
+            ("GET", "/nodes") => Ok(json!(self.hosts().map(|node| json!({
+                "node": node, "status": "online", "type": "node",
+                "id": format!("node/{node}"), "maxcpu": 8, "cpu": 0.01,
                 "maxmem": 34359738368u64, "mem": 4294967296u64, "uptime": now() - self.started + 1,
-            }])),
+            })).collect::<Vec<_>>())),
             ("GET", "/nodes/{node}/storage") => Ok(self.list_storages(p)),
             ("GET", "/nodes/{node}/storage/{storage}/content") => self.list_content(p),
             ("DELETE", "/nodes/{node}/storage/{storage}/content/{volume}") => self.delete_volume(p),
             ("GET", "/nodes/{node}/tasks/{upid}/status") => self.task_status(&p["upid"]),
             ("GET", "/nodes/{node}/tasks/{upid}/log") => self.task_log(p),
-            ("GET", "/nodes/{node}/qemu") => Ok(self.list_vms()),
+            ("GET", "/nodes/{node}/qemu") => Ok(self.list_vms(&p["node"])),
             ("POST", "/nodes/{node}/qemu") => self.create_vm(p),
-            ("GET", "/nodes/{node}/qemu/{vmid}/config") => self.vm(vmid()).map(|vm| vm_config_json(&vm)),
+            ("GET", "/nodes/{node}/qemu/{vmid}/config") => self.vm(vmid()).map(|vm| {
+                // qemu-server `vm_config`: pending values unless `current`.
+                vm_config_json(&vm, p.get("current").is_none_or(|c| c != "1"))
+            }),
+            ("GET", "/nodes/{node}/qemu/{vmid}/pending") => self.vm(vmid()).map(|vm| vm_pending_json(&vm)),
+            ("POST", "/nodes/{node}/qemu/{vmid}/status/reboot") => self.reboot(vmid()),
             ("POST", "/nodes/{node}/qemu/{vmid}/config") => self.update_config(vmid(), p, true),
             ("PUT", "/nodes/{node}/qemu/{vmid}/config") => self.update_config(vmid(), p, false),
             ("PUT", "/nodes/{node}/qemu/{vmid}/resize") => self.resize(vmid(), p),
@@ -1034,7 +1065,7 @@ impl Pve {
             .map(|s| {
                 json!({
                     "storage": s.id, "type": s.kind, "content": s.content.join(","),
-                    "active": 1, "enabled": 1, "shared": 0,
+                    "active": 1, "enabled": 1, "shared": u8::from(!self.args.other_nodes.is_empty()),
                     "total": 1u64 << 40, "used": 1u64 << 30, "avail": (1u64 << 40) - (1u64 << 30),
                 })
             })
@@ -1117,7 +1148,7 @@ impl Pve {
     /// file (pve-storage src/PVE/API2/Storage/Status.pm).
     fn upload_call(self: &Arc<Self>, p: &BTreeMap<String, String>, tmp: &Path) -> ApiResult {
         let node = &p["node"];
-        if *node != self.args.node {
+        if !self.hosts().any(|h| h == node) {
             return Err(die(format!(
                 "hostname lookup '{node}' failed - failed to get address info for: {node}: Name or service not known"
             )));
@@ -1336,10 +1367,16 @@ impl Pve {
         })
     }
 
-    fn list_vms(&self) -> Value {
+    /// The cluster's nodes: `--node` first.
+    fn hosts(&self) -> impl Iterator<Item = &String> {
+        std::iter::once(&self.args.node).chain(&self.args.other_nodes)
+    }
+
+    fn list_vms(&self, node: &str) -> Value {
         let vms = self.vms.lock().unwrap();
         let list: Vec<Value> = vms
             .iter()
+            .filter(|(_, vm)| vm.host == node)
             .map(|(id, vm)| {
                 let mem: u64 = vm
                     .config
@@ -1398,6 +1435,7 @@ impl Pve {
         if start {
             bump(&self.stats.starts);
         }
+        let host = p["node"].clone();
         let upid = self.spawn_task("qmcreate", &vmid.to_string(), move |pve, log| {
             let res = (|| {
                 let mut built = BTreeMap::new();
@@ -1426,6 +1464,7 @@ impl Pve {
             })();
             let mut vm = Vm {
                 config: res?,
+                host,
                 ..Vm::default()
             };
             if start {
@@ -1617,7 +1656,12 @@ impl Pve {
                     v.clone()
                 };
                 log.push(format!("update VM {vmid}: -{k} {v}"));
-                vm.config.insert(k.clone(), v);
+                if vm.running && !hot_pluggable(&vm.config, k) {
+                    vm.pending.insert(k.clone(), v);
+                } else {
+                    vm.pending.remove(k);
+                    vm.config.insert(k.clone(), v);
+                }
             }
             pve.vms.lock().unwrap().insert(vmid, vm);
             Ok(())
@@ -1715,6 +1759,7 @@ impl Pve {
                 if vm.running {
                     return Err(format!("VM {vmid} already running"));
                 }
+                apply_pending(&mut vm);
                 power_on(pve, vmid, &mut vm, log);
             } else {
                 power_off(pve, &mut vm, log);
@@ -1724,12 +1769,33 @@ impl Pve {
                 .get_mut(&vmid)
                 .ok_or_else(|| format!("VM {vmid} does not exist"))?;
             current.running = vm.running;
+            current.config = vm.config;
+            current.pending = vm.pending;
             current.booted_ip = vm.booted_ip;
             current.boot_error = vm.boot_error;
             current.booted_iso = vm.booted_iso;
             current.installed = vm.installed;
             Ok(())
         }))
+    }
+
+    /// `status/reboot` (qemu-server `vm_reboot`): a running VM is shut
+    /// down and started again, its pending changes applied.
+    fn reboot(self: &Arc<Self>, vmid: u32) -> ApiResult {
+        if !self.vm(vmid)?.running {
+            return Err(die(format!("VM {vmid} not running")));
+        }
+        bump(&self.stats.reboots);
+        Ok(
+            self.spawn_task("qmreboot", &vmid.to_string(), move |pve, log| {
+                let mut vm = pve.vm(vmid).map_err(|e| e.message)?;
+                power_off(pve, &mut vm, log);
+                apply_pending(&mut vm);
+                power_on(pve, vmid, &mut vm, log);
+                pve.vms.lock().unwrap().insert(vmid, vm);
+                Ok(())
+            }),
+        )
     }
 
     fn destroy_vm(self: &Arc<Self>, vmid: u32) -> ApiResult {
@@ -1756,6 +1822,12 @@ impl Pve {
             }),
         )
     }
+}
+
+/// A start applies what waited (qemu-server `vmconfig_apply_pending`).
+fn apply_pending(vm: &mut Vm) {
+    let pending = std::mem::take(&mut vm.pending);
+    vm.config.extend(pending);
 }
 
 /// Where a VM comes to life: with `--nodes-control`, a Talos node boots for
@@ -2095,16 +2167,62 @@ fn uuid_for(vmid: u32, salt: u8) -> String {
 }
 
 /// `GET …/config`: each value typed as the config schema says, plus `digest`.
-fn vm_config_json(vm: &Vm) -> Value {
+fn vm_config_json(vm: &Vm, with_pending: bool) -> Value {
+    let mut config = vm.config.clone();
+    if with_pending {
+        config.extend(vm.pending.clone());
+    }
     let Some(Ok(route)) = Schema::get().route("PUT", "/nodes/n/qemu/100/config") else {
-        return json!(vm.config);
+        return json!(config);
     };
     let mut c = serde_json::Map::new();
-    for (k, v) in &vm.config {
+    for (k, v) in &config {
         c.insert(k.clone(), schema::typed(route.method, k, v));
     }
     c.insert("digest".into(), json!(config_digest(&vm.config)));
     Value::Object(c)
+}
+
+/// `GET …/pending` (qemu-server `vm_pending`): every key with its current
+/// value, and `pending` where a change waits for the next start.
+fn vm_pending_json(vm: &Vm) -> Value {
+    let keys: std::collections::BTreeSet<&String> =
+        vm.config.keys().chain(vm.pending.keys()).collect();
+    let list: Vec<Value> = keys
+        .into_iter()
+        .map(|k| {
+            let mut e = json!({"key": k});
+            if let Some(v) = vm.config.get(k) {
+                e["value"] = json!(v);
+            }
+            if let Some(v) = vm.pending.get(k) {
+                e["pending"] = json!(v);
+            }
+            e
+        })
+        .collect();
+    json!(list)
+}
+
+/// Whether qemu-server changes `key` of a running VM now or leaves it
+/// pending until the next start (src/PVE/QemuServer.pm
+/// `vmconfig_hotplug_pending`, `$fast_plug_option`): `hotplug` (default
+/// `network,disk,usb`) decides for NICs and disks; memory needs `memory`
+/// there and NUMA on; cores, sockets, CPU type, NUMA, machine and firmware
+/// are never hot-plugged.
+fn hot_pluggable(config: &BTreeMap<String, String>, key: &str) -> bool {
+    let hotplug = config
+        .get("hotplug")
+        .map_or("network,disk,usb", String::as_str);
+    let has = |what: &str| hotplug == "1" || hotplug.split(',').any(|h| h == what);
+    match key {
+        "memory" => has("memory") && config.get("numa").is_some_and(|n| n == "1"),
+        "cores" | "sockets" | "cpu" | "numa" | "machine" | "bios" | "vcpus" | "balloon"
+        | "hotplug" => false,
+        k if k.starts_with("net") => has("network"),
+        k if is_drive(k) && !k.starts_with("ide") => has("disk"),
+        _ => true,
+    }
 }
 
 fn config_digest(config: &BTreeMap<String, String>) -> String {

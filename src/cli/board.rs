@@ -215,7 +215,9 @@ fn publish_state(e: &proxmox::Event) -> (String, Tone) {
         P::VmFound { vmid, .. } => format!("VM {vmid} kept"),
         P::VmCreated { vmid } => format!("VM {vmid} created"),
         P::VmUnchanged { vmid } => format!("VM {vmid} unchanged"),
-        P::VmOutdated { vmid, .. } => format!("VM {vmid} outdated"),
+        P::VmKeepsDisk { vmid, .. } => format!("VM {vmid} keeps its disk"),
+        P::VmSetting { vmid, change } => format!("VM {vmid} {}", change.field),
+        P::VmRebooted { vmid } => format!("VM {vmid} rebooted"),
         P::DiskReplaced { vmid } => format!("VM {vmid} got the new disk"),
         P::VmStarted { vmid } => format!("VM {vmid} booting"),
     };

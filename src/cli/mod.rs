@@ -128,7 +128,7 @@ enum Command {
     Status(day2::StatusArgs),
     /// Build what is missing, then publish every node's image (Proxmox VE
     /// storage and VMs, or Hetzner Cloud snapshots).
-    Publish(publish::PublishArgs),
+    Publish(publish::PublishCommand),
     /// Delete the temporary Hetzner servers and SSH keys that killed
     /// `publish` runs left (found by label).
     Cleanup(hcloud::CleanupArgs),

@@ -343,9 +343,11 @@ fn proxmox_step(e: &proxmox::Event) -> String {
         ),
         Event::VmCreated { vmid } => format!("VM {vmid} created"),
         Event::VmUnchanged { vmid } => format!("VM {vmid} already boots this image"),
-        Event::VmOutdated { vmid, running } => format!(
-            "VM {vmid} boots {running}, not this image: left as it is (`imgbuild upgrade` moves the running node; --replace-disk wipes it)"
+        Event::VmKeepsDisk { vmid, running } => format!(
+            "VM {vmid} keeps its disk (installed from {running}; `imgbuild upgrade` moves the node; --replace-disk reinstalls it from this image)"
         ),
+        Event::VmSetting { vmid, change } => format!("VM {vmid}: {change}"),
+        Event::VmRebooted { vmid } => format!("VM {vmid} rebooted for its new settings"),
         Event::DiskReplaced { vmid } => format!("VM {vmid} got the new disk"),
         Event::VmStarted { vmid } => format!("VM {vmid} started"),
     }

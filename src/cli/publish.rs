@@ -20,9 +20,11 @@ use std::time::Duration;
 pub struct PublishArgs {
     /// Nodes to publish (all when none are given).
     nodes: Vec<String>,
-    /// Give a VM that boots an older image the new disk (stop, swap, start).
-    /// This wipes the node: for images that are really broken. A running
-    /// node moves to a new version or schematic with `imgbuild upgrade`.
+    /// Give each existing VM a new boot disk from this image (stop, import
+    /// it as scsi0, boot it, delete the old disk): the node is installed
+    /// afresh and loses its state. Without it an existing VM's disk is its
+    /// image of record and nothing is uploaded for it; a running node moves
+    /// to a new version or schematic with `imgbuild upgrade`.
     #[arg(long)]
     replace_disk: bool,
     /// How often server-side tasks are polled, in milliseconds.
@@ -32,6 +34,17 @@ pub struct PublishArgs {
     hcloud: HcloudArgs,
     #[command(flatten)]
     build: BuildArgs,
+}
+
+/// `imgbuild publish`: the flags `up` shares, and its own dry run.
+#[derive(Args)]
+pub struct PublishCommand {
+    #[command(flatten)]
+    args: PublishArgs,
+    /// Show what would be uploaded, created and changed (VM settings from →
+    /// to) without building or changing anything.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 impl PublishArgs {
@@ -61,7 +74,11 @@ impl PublishArgs {
     }
 }
 
-pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
+pub fn run(cmd: PublishCommand, config: &Path, output: Output) -> Result<()> {
+    let PublishCommand {
+        args,
+        dry_run: plan_only,
+    } = cmd;
     let inv = load_inventory(config, output)?;
     let options = TargetOptions {
         proxmox: args.options(),
@@ -92,6 +109,9 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
         }
         Target::Proxmox(pve) => pve,
     };
+    if plan_only {
+        return dry_run(&inv, &pve, &args.nodes, output);
+    }
     let mut warnings = Vec::new();
     if pve.credentials.insecure() {
         warnings
@@ -136,7 +156,7 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
                             VmChange::Created => "created",
                             VmChange::Updated => "updated",
                             VmChange::Unchanged => "unchanged",
-                            VmChange::Outdated => "outdated",
+                            VmChange::Changed => "changed",
                         };
                         let started = if p.started { ", started" } else { "" };
                         let moved = p
@@ -147,10 +167,12 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
                     }
                     _ => String::new(),
                 };
-                let stored = if p.uploaded {
-                    "uploaded"
-                } else {
-                    "already stored"
+                let stored = match (p.uploaded, p.vm) {
+                    (true, _) => "uploaded",
+                    (false, Some(VmChange::Unchanged | VmChange::Changed)) => {
+                        "not uploaded: the VM keeps its disk"
+                    }
+                    _ => "already stored",
                 };
                 outln!(
                     "{:<12} {}  sha256 {}  ({stored}){vm}",
@@ -158,6 +180,9 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
                     p.volid,
                     &p.sha256.hex()[..16]
                 );
+                for c in &p.settings {
+                    outln!("{:<12}   {c}", "");
+                }
             }
             print_failures(&failures);
         }
@@ -166,5 +191,72 @@ pub fn run(args: PublishArgs, config: &Path, output: Output) -> Result<()> {
         (0, _) => Ok(()),
         (n, 0) => Err(Reported(format!("{n} node(s) failed to publish")).into()),
         (n, ok) => Err(Partial(format!("{n} node(s) failed to publish, {ok} published")).into()),
+    }
+}
+
+/// `publish --dry-run` on Proxmox: each selected node's decision, with an
+/// existing VM's settings from → to. GETs only; nothing is built, so the
+/// upload of a new VM's image shows as unknown.
+fn dry_run(
+    inv: &imgbuild::inventory::Inventory,
+    pve: &imgbuild::publish::target::ProxmoxTarget,
+    names: &[String],
+    output: Output,
+) -> Result<()> {
+    let nodes: Vec<(usize, Option<PublishImage>)> = inv
+        .nodes
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| names.is_empty() || names.contains(&n.name))
+        .map(|(i, _)| (i, None))
+        .collect();
+    let decisions = pve.plan(inv, &nodes).context("planning the publish")?;
+    let mut planned = Vec::new();
+    let mut failures = Vec::new();
+    for d in decisions {
+        match d {
+            Ok(d) => planned.push(d),
+            Err(proxmox::ProxmoxError::Node { node, message, .. }) => {
+                failures.push((node, message));
+            }
+            Err(e) => failures.push((String::new(), e.to_string())),
+        }
+    }
+    match output {
+        Output::Json => outln!(
+            "{}",
+            json!({"target": "proxmox", "dryRun": true, "nodes": planned, "failed": failed_json(&failures)})
+        ),
+        Output::Text => {
+            for d in &planned {
+                let upload = match d.upload {
+                    Some(true) => "upload",
+                    Some(false) => "no upload",
+                    None => "upload once built",
+                };
+                let vm = match (d.vmid, d.vm) {
+                    (Some(id), Some(change)) => {
+                        let change = match change {
+                            VmChange::Created => "to create",
+                            VmChange::Updated => "to get a new disk",
+                            VmChange::Changed => "to change",
+                            VmChange::Unchanged => "unchanged",
+                        };
+                        format!("  VM {id} {change}")
+                    }
+                    _ => String::new(),
+                };
+                outln!("{:<12} {upload}{vm}", d.node);
+                for c in &d.settings {
+                    outln!("{:<12}   {c}", "");
+                }
+            }
+            print_failures(&failures);
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(Reported(format!("{} node(s) cannot be published", failures.len())).into())
     }
 }

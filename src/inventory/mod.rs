@@ -9,8 +9,8 @@ mod publish;
 pub use locate::LineIndex;
 pub use net::{Cidr, MacAddr};
 pub use publish::{
-    HcloudServers, HcloudSettings, ProxmoxSettings, ProxmoxVm, PublishSection, PublishSettings,
-    RESERVED_LABELS, VmBoot, label_problem,
+    HcloudServers, HcloudSettings, Machine, NodeMachine, ProxmoxSettings, ProxmoxVm,
+    PublishSection, PublishSettings, RESERVED_LABELS, UploadFormat, VmBoot, label_problem,
 };
 
 pub use crate::schematic::Bootloader;
@@ -259,6 +259,23 @@ pub struct NodeSpec {
     /// Overrides `image.secureBoot` for this node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_boot: Option<bool>,
+    /// This node's Proxmox VM where it differs from `publish.proxmox.vm`
+    /// (cores, memory, disk, bridge, VLAN) and `publish.proxmox.node` (the
+    /// host it runs on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_size: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_disks: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vlan: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxmox_node: Option<String>,
 }
 
 fn default_install_disk() -> String {
@@ -266,6 +283,19 @@ fn default_install_disk() -> String {
 }
 
 impl NodeSpec {
+    /// The node's own Proxmox VM settings (each unset one is the cluster's).
+    pub fn machine(&self) -> NodeMachine<'_> {
+        NodeMachine {
+            cores: self.cores,
+            memory: self.memory,
+            disk_size: self.disk_size,
+            data_disks: self.data_disks.as_deref(),
+            bridge: self.bridge.as_deref(),
+            vlan: self.vlan,
+            host: self.proxmox_node.as_deref(),
+        }
+    }
+
     /// The link name a static address, its route and its `links[]` entry in
     /// key 10 use: Talos resolves altnames there, so a MAC's `enx…` works.
     pub fn link_name(&self, network: &NetworkSettings) -> Option<String> {
@@ -416,6 +446,13 @@ impl Inventory {
         self.publish.vmid(self.nodes.get(index)?.vmid, index)
     }
 
+    /// The Proxmox VM of the node at `index`: its own settings over the
+    /// cluster's (`publish.proxmox.vm`, `publish.proxmox.node`).
+    pub fn machine(&self, index: usize) -> Option<Machine> {
+        let px = self.publish.proxmox()?;
+        px.machine(&self.nodes.get(index)?.machine())
+    }
+
     /// `validate`'s advice on vmids: nodes that take theirs from
     /// `firstId` + position, which shifts when a node is inserted or removed
     /// before them (existing VMs are found by name, new ones take the
@@ -497,7 +534,7 @@ impl Validator<'_> {
             nodes: inv
                 .nodes
                 .iter()
-                .map(|n| (n.name.as_str(), n.vmid))
+                .map(|n| (n.name.as_str(), n.vmid, n.machine()))
                 .collect(),
         };
         for (field, message) in publish::problems(&inv.publish, &cx) {

@@ -170,6 +170,19 @@ pub struct ProxmoxSettings {
     pub fingerprint: Option<String>,
     #[serde(default)]
     pub vm: Option<ProxmoxVm>,
+    /// How a raw image crosses the wire: as qcow2 (only its allocated
+    /// clusters; Proxmox's import converts it) or as the raw bytes.
+    #[serde(default)]
+    pub upload: UploadFormat,
+}
+
+/// The form a raw image is uploaded in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UploadFormat {
+    #[default]
+    Qcow2,
+    Raw,
 }
 
 /// The VMs' shape. Explicit values throughout: the API's defaults (SeaBIOS,
@@ -192,12 +205,66 @@ pub struct ProxmoxVm {
     pub disk_size: u32,
     #[serde(default = "default_bridge")]
     pub bridge: String,
+    /// The VLAN tag on `net0` (none: untagged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vlan: Option<u16>,
+    /// Extra blank disks (`scsi1`…, GiB each), e.g. for Longhorn or
+    /// user volumes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub data_disks: Vec<u32>,
     #[serde(default = "default_start")]
     pub start: bool,
     /// What the VM boots: its image as `scsi0` (`disk`), or its node ISO
     /// as a cdrom before a blank `scsi0` Talos installs to (`iso`).
     #[serde(default)]
     pub boot: VmBoot,
+}
+
+/// A node's own VM settings from the inventory; each unset one is the
+/// cluster's.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NodeMachine<'a> {
+    pub cores: Option<u32>,
+    pub memory: Option<u32>,
+    pub disk_size: Option<u32>,
+    pub data_disks: Option<&'a [u32]>,
+    pub bridge: Option<&'a str>,
+    pub vlan: Option<u16>,
+    /// The Proxmox node (host) the VM runs on.
+    pub host: Option<&'a str>,
+}
+
+/// A node's VM as it should be: its settings over the cluster's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Machine {
+    /// The Proxmox node (host) that stores its image and runs it.
+    pub host: String,
+    pub cores: u32,
+    /// MiB.
+    pub memory: u32,
+    /// GiB.
+    pub disk_size: u32,
+    /// GiB each, as `scsi1`, `scsi2`, ….
+    pub data_disks: Vec<u32>,
+    pub bridge: String,
+    pub vlan: Option<u16>,
+}
+
+impl ProxmoxSettings {
+    /// The VM of a node with settings `own`; none without `vm`.
+    pub fn machine(&self, own: &NodeMachine) -> Option<Machine> {
+        let vm = self.vm.as_ref()?;
+        Some(Machine {
+            host: own.host.unwrap_or(&self.node).to_owned(),
+            cores: own.cores.unwrap_or(vm.cores),
+            memory: own.memory.unwrap_or(vm.memory),
+            disk_size: own.disk_size.unwrap_or(vm.disk_size),
+            data_disks: own.data_disks.unwrap_or(&vm.data_disks).to_vec(),
+            bridge: own.bridge.unwrap_or(&vm.bridge).to_owned(),
+            vlan: own.vlan.or(vm.vlan),
+        })
+    }
 }
 
 /// What a node's VM boots from.
@@ -241,8 +308,8 @@ pub(super) struct Context<'a> {
     /// `image.format` is raw / iso.
     pub raw: bool,
     pub iso: bool,
-    /// Each node's name and own `vmid`, in inventory order.
-    pub nodes: Vec<(&'a str, Option<u32>)>,
+    /// Each node's name, own `vmid` and own VM settings, in inventory order.
+    pub nodes: Vec<(&'a str, Option<u32>, NodeMachine<'a>)>,
 }
 
 /// The section's problems, each as (field path, message), in the order
@@ -278,6 +345,7 @@ impl Check<'_> {
                     "vmid needs publish.proxmox.vm (there is no Proxmox target)",
                 );
             }
+            self.machines_unused("there is no Proxmox target");
             return;
         };
         for (field, value) in [
@@ -303,6 +371,7 @@ impl Check<'_> {
                     "vmid needs publish.proxmox.vm (without it imgbuild only uploads)",
                 );
             }
+            self.machines_unused("without it imgbuild only uploads");
             return;
         };
         if !is_pve_id(&vm.storage) {
@@ -322,28 +391,26 @@ impl Check<'_> {
                 },
             );
         }
-        if !is_pve_id(&vm.bridge) {
-            self.problem(
-                "publish.proxmox.vm.bridge",
-                format!("{:?} is not a bridge name such as vmbr0", vm.bridge),
-            );
-        }
-        // Upper bounds: qemu-server's MAX_MEM in MiB (proxmox qemu-server
-        // PVE/QemuServer/Memory.pm); 64 TiB of disk is beyond any Talos node.
-        for (field, value, min, max) in [
-            ("cores", vm.cores, 1, u32::MAX),
-            ("memory", vm.memory, 2048, 4_194_304),
-            ("diskSize", vm.disk_size, 10, 65_536),
-        ] {
-            if value < min {
+        let cluster = NodeMachine {
+            cores: Some(vm.cores),
+            memory: Some(vm.memory),
+            disk_size: Some(vm.disk_size),
+            data_disks: Some(&vm.data_disks),
+            bridge: Some(&vm.bridge),
+            vlan: vm.vlan,
+            host: None,
+        };
+        self.machine("publish.proxmox.vm", "", &cluster);
+        for (i, (name, _, own)) in cx.nodes.iter().enumerate() {
+            let at = format!("nodes[{i}]");
+            let whose = format!("node {name}: ");
+            self.machine(&at, &whose, own);
+            if let Some(host) = own.host
+                && !is_pve_id(host)
+            {
                 self.problem(
-                    format!("publish.proxmox.vm.{field}"),
-                    format!("{value} is below the {min} Talos needs"),
-                );
-            } else if value > max {
-                self.problem(
-                    format!("publish.proxmox.vm.{field}"),
-                    format!("{value} is above the largest value Proxmox takes ({max})"),
+                    format!("{at}.proxmoxNode"),
+                    format!("{whose}{host:?} is not a Proxmox node name (a letter, then letters, digits, '-', '_', '.')"),
                 );
             }
         }
@@ -361,7 +428,7 @@ impl Check<'_> {
             }
         }
         let mut seen: Vec<(u32, &str)> = Vec::new();
-        for (i, &(name, own)) in cx.nodes.iter().enumerate() {
+        for (i, &(name, own, _)) in cx.nodes.iter().enumerate() {
             let at = format!("nodes[{i}]");
             match section.vmid(own, i) {
                 None => self.problem(
@@ -385,6 +452,89 @@ impl Check<'_> {
                     seen.push((id, name));
                 }
             }
+        }
+    }
+
+    /// Per-node VM settings where no VM is made: each is a problem.
+    fn machines_unused(&mut self, why: &str) {
+        for (i, (name, _, own)) in self.cx.nodes.iter().enumerate() {
+            let set = [
+                ("cores", own.cores.is_some()),
+                ("memory", own.memory.is_some()),
+                ("diskSize", own.disk_size.is_some()),
+                ("dataDisks", own.data_disks.is_some()),
+                ("bridge", own.bridge.is_some()),
+                ("vlan", own.vlan.is_some()),
+                ("proxmoxNode", own.host.is_some()),
+            ];
+            for (field, _) in set.iter().filter(|(_, set)| *set) {
+                self.problem(
+                    format!("nodes[{i}].{field}"),
+                    format!("node {name}: {field} needs publish.proxmox.vm ({why})"),
+                );
+            }
+        }
+    }
+
+    /// The VM settings given at `at` (`publish.proxmox.vm` or `nodes[i]`),
+    /// each within what Talos needs and Proxmox takes. Upper bounds:
+    /// qemu-server's MAX_MEM in MiB (PVE/QemuServer/Memory.pm), its 30
+    /// SCSI drives (`scsi0` is the boot disk) and VLAN tags 1..4094
+    /// (PVE/QemuServer/Network.pm `tag`); 64 TiB of disk is beyond any
+    /// Talos node.
+    fn machine(&mut self, at: &str, whose: &str, m: &NodeMachine) {
+        let sizes = [
+            ("cores", m.cores, 1, u32::MAX),
+            ("memory", m.memory, 2048, 4_194_304),
+            ("diskSize", m.disk_size, 10, 65_536),
+        ];
+        for (field, value, min, max) in sizes {
+            let Some(value) = value else { continue };
+            if value < min {
+                self.problem(
+                    format!("{at}.{field}"),
+                    format!("{whose}{value} is below the {min} Talos needs"),
+                );
+            } else if value > max {
+                self.problem(
+                    format!("{at}.{field}"),
+                    format!("{whose}{value} is above the largest value Proxmox takes ({max})"),
+                );
+            }
+        }
+        let disks = m.data_disks.unwrap_or_default();
+        if disks.len() > 29 {
+            self.problem(
+                format!("{at}.dataDisks"),
+                format!(
+                    "{whose}{} data disks: a VM has scsi1..scsi29 for them",
+                    disks.len()
+                ),
+            );
+        }
+        for (j, &size) in disks.iter().enumerate() {
+            if !(1..=65_536).contains(&size) {
+                self.problem(
+                    format!("{at}.dataDisks[{j}]"),
+                    format!("{whose}{size} GiB: a data disk is 1..65536 GiB"),
+                );
+            }
+        }
+        if let Some(bridge) = m.bridge
+            && !is_pve_id(bridge)
+        {
+            self.problem(
+                format!("{at}.bridge"),
+                format!("{whose}{bridge:?} is not a bridge name such as vmbr0"),
+            );
+        }
+        if let Some(tag) = m.vlan
+            && !(1..=4094).contains(&tag)
+        {
+            self.problem(
+                format!("{at}.vlan"),
+                format!("{whose}VLAN tag {tag} is outside 1..4094"),
+            );
         }
     }
 

@@ -555,3 +555,94 @@ fn secure_boot_needs_a_talos_that_boots_ukis() {
         "{err}"
     );
 }
+
+/// The atlas inventory with a Proxmox VM section (cluster defaults) and
+/// worker-02's own settings `own` (YAML lines under the node).
+fn atlas_vms(own: &str) -> String {
+    let vm = "\npublish:\n  proxmox:\n    node: pve\n    storage: local\n    vm:\n      storage: local-lvm\n      firstId: 300\n      memory: 4096\n      vlan: 10\n";
+    let node = format!("  - name: worker-02\n    role: worker\n{own}");
+    format!(
+        "{}{vm}",
+        ATLAS.replacen("  - name: worker-02\n    role: worker\n", &node, 1)
+    )
+}
+
+#[test]
+fn a_node_s_own_vm_settings_override_the_cluster_s() {
+    let inv = load(&atlas_vms(
+        "    memory: 8192\n    cores: 4\n    diskSize: 40\n    dataDisks: [50, 60]\n    bridge: vmbr1\n    vlan: 20\n    proxmoxNode: pve2\n",
+    ))
+    .unwrap();
+    let w2 = inv
+        .nodes
+        .iter()
+        .position(|n| n.name == "worker-02")
+        .unwrap();
+    let own = inv.machine(w2).unwrap();
+    assert_eq!(
+        own,
+        Machine {
+            host: "pve2".into(),
+            cores: 4,
+            memory: 8192,
+            disk_size: 40,
+            data_disks: vec![50, 60],
+            bridge: "vmbr1".into(),
+            vlan: Some(20),
+        }
+    );
+    let other = inv.machine(0).unwrap();
+    assert_eq!(
+        (other.host.as_str(), other.memory, other.cores, other.vlan),
+        ("pve", 4096, 2, Some(10))
+    );
+    assert_eq!(other.bridge, "vmbr0");
+    assert!(other.data_disks.is_empty());
+}
+
+#[test]
+fn bad_node_vm_settings_name_the_node_and_field() {
+    for (own, want) in [
+        (
+            "    memory: 1024\n",
+            "nodes[4].memory: node worker-02: 1024 is below the 2048",
+        ),
+        (
+            "    vlan: 4095\n",
+            "nodes[4].vlan: node worker-02: VLAN tag 4095 is outside 1..4094",
+        ),
+        (
+            "    bridge: \"vm br\"\n",
+            "nodes[4].bridge: node worker-02: \"vm br\" is not a bridge name",
+        ),
+        (
+            "    proxmoxNode: 9pve\n",
+            "nodes[4].proxmoxNode: node worker-02: \"9pve\" is not a Proxmox node name",
+        ),
+        (
+            "    dataDisks: [0]\n",
+            "nodes[4].dataDisks[0]: node worker-02: 0 GiB",
+        ),
+        (
+            "    diskSize: 9\n",
+            "nodes[4].diskSize: node worker-02: 9 is below",
+        ),
+        (
+            "    cores: 0\n",
+            "nodes[4].cores: node worker-02: 0 is below",
+        ),
+    ] {
+        let err = error_of(&atlas_vms(own));
+        assert!(err.contains(want), "{own}: {err}");
+    }
+    let no_vm = ATLAS.replacen(
+        "  - name: worker-02\n    role: worker\n",
+        "  - name: worker-02\n    role: worker\n    memory: 8192\n",
+        1,
+    );
+    let err = error_of(&no_vm);
+    assert!(
+        err.contains("nodes[4].memory: node worker-02: memory needs publish.proxmox.vm"),
+        "{err}"
+    );
+}

@@ -74,7 +74,7 @@ impl From<VmChange> for Change {
             VmChange::Created => Change::Created,
             VmChange::Updated => Change::Updated,
             VmChange::Unchanged => Change::Unchanged,
-            VmChange::Outdated => Change::Outdated,
+            VmChange::Changed => Change::Updated,
         }
     }
 }

@@ -214,7 +214,10 @@ impl Inventory {
     /// A Proxmox target: node `pve`, storage `local`, and with `vm` VMs
     /// from id 300.
     pub fn proxmox(self, vm: bool) -> Inventory {
-        let mut s = self.append("publish:\n  proxmox:\n    node: pve\n    storage: local\n");
+        // The raw bytes: these tests count and cut uploads by the image's
+        // size (the qcow2 default is tested in tests/pve_machines.rs).
+        let mut s = self
+            .append("publish:\n  proxmox:\n    node: pve\n    storage: local\n    upload: raw\n");
         if vm {
             s = s
                 .append("    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048}\n");

@@ -8,45 +8,48 @@
 mod api;
 mod credentials;
 mod error;
+mod qcow2;
+mod settings;
 mod types;
 mod upload;
 mod vm;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::Value;
 
 pub use credentials::Credentials;
 pub use error::{ProxmoxError, Step};
-pub use types::{Event, NodePublished, Observer, PublishOptions, VmChange};
+pub use types::{Apply, Event, NodePublished, Observer, PublishOptions, SettingChange, VmChange};
 pub use upload::{content_for, volume_file};
 
-use crate::inventory::{Inventory, ProxmoxSettings, ProxmoxVm, VmBoot};
+use crate::inventory::{
+    ImageFormat, Inventory, Machine, ProxmoxSettings, ProxmoxVm, UploadFormat, VmBoot,
+};
 use crate::publish::PublishImage;
 use api::Api;
 use upload::upload;
 use vm::{
-    NewDisk, Placement, described_volume, description, drive_volume, place, replace_disk, resize,
-    start, vm_decision, vm_params,
+    NewDisk, Placement, apply_settings, described_volume, description, drive_volume, place, reboot,
+    replace_disk, resize, start, vm_decision, vm_params,
 };
 
 /// What publishing and planning both start from, read-only: the checked
-/// API, the storage's import volumes with their sizes, and the node's VMs
-/// (when there are VMs to make).
+/// API, each Proxmox host's import volumes with their sizes, and each
+/// host's VMs (when there are VMs to make).
 struct Survey<'a> {
     inv: &'a Inventory,
     settings: &'a ProxmoxSettings,
     api: Api,
-    stored: BTreeMap<String, u64>,
-    vms: Value,
+    stored: BTreeMap<String, BTreeMap<String, u64>>,
+    vms: BTreeMap<String, Value>,
 }
 
 /// Where a node's image goes: the storage half of its [`Decision`].
 struct Volume {
-    file: String,
     volid: String,
-    /// False when the storage already holds these exact bytes.
-    upload: bool,
+    /// True when the node's host's storage already holds these exact bytes.
+    stored: bool,
 }
 
 /// What happens to a node's VM: the VM half of its [`Decision`].
@@ -54,7 +57,20 @@ struct VmDecision {
     place: Placement,
     /// Unknown for an existing VM while the image is not built.
     change: Option<VmChange>,
+    /// Its settings from → to (an existing VM's).
+    settings: Vec<SettingChange>,
+    /// Whether the image must be stored: for a VM made or given a new disk.
+    needs_image: bool,
     start: bool,
+}
+
+/// The Proxmox hosts a publish touches: `publish.proxmox.node` and every
+/// node's own.
+fn hosts(inv: &Inventory, settings: &ProxmoxSettings) -> BTreeSet<String> {
+    (0..inv.nodes.len())
+        .filter_map(|i| inv.machine(i).map(|m| m.host))
+        .chain([settings.node.clone()])
+        .collect()
 }
 
 impl<'a> Survey<'a> {
@@ -66,25 +82,30 @@ impl<'a> Survey<'a> {
     ) -> Result<Survey<'a>, ProxmoxError> {
         let content = content_for(inv.image.format);
         let api = Api::new(creds, opts.retry)?;
-        preflight(&api, settings, content)?;
-        let node = &settings.node;
-        let listed = api.get(
-            "listing storage",
-            &format!(
-                "/nodes/{node}/storage/{}/content?content={content}",
-                settings.storage
-            ),
-        )?;
-        let stored: BTreeMap<String, u64> = listed
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|v| Some((v["volid"].as_str()?.to_owned(), v["size"].as_u64()?)))
-            .collect();
-        let vms = match &settings.vm {
-            Some(_) => api.get("listing VMs", &format!("/nodes/{node}/qemu"))?,
-            None => Value::Null,
-        };
+        let hosts = hosts(inv, settings);
+        preflight(&api, settings, &hosts, content)?;
+        let mut stored = BTreeMap::new();
+        let mut vms = BTreeMap::new();
+        for host in &hosts {
+            let listed = api.get(
+                "listing storage",
+                &format!(
+                    "/nodes/{host}/storage/{}/content?content={content}",
+                    settings.storage
+                ),
+            )?;
+            let volumes: BTreeMap<String, u64> = listed
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| Some((v["volid"].as_str()?.to_owned(), v["size"].as_u64()?)))
+                .collect();
+            stored.insert(host.clone(), volumes);
+            if settings.vm.is_some() {
+                let list = api.get("listing VMs", &format!("/nodes/{host}/qemu"))?;
+                vms.insert(host.clone(), list);
+            }
+        }
         Ok(Survey {
             inv,
             settings,
@@ -94,59 +115,93 @@ impl<'a> Survey<'a> {
         })
     }
 
-    /// The volume `img` is stored as, and whether it must be uploaded.
+    /// The Proxmox host the node at `index` belongs on.
+    fn host(&self, index: usize) -> String {
+        self.inv
+            .machine(index)
+            .map_or_else(|| self.settings.node.clone(), |m| m.host)
+    }
+
+    /// The volume `img` is stored as on its node's host: a raw image is
+    /// sent as qcow2 unless `upload: raw`, under the raw image's sha256.
     fn volume(&self, img: &PublishImage) -> Volume {
         let inv = self.inv;
+        let converted = converts(self.settings, img.format);
         let file = volume_file(
             &inv.cluster.name,
             &img.node,
             &inv.cluster.talos_version,
             &img.sha256,
-            img.format,
+            if converted {
+                ImageFormat::Qcow2
+            } else {
+                img.format
+            },
         );
         let volid = format!(
             "{}:{}/{file}",
             self.settings.storage,
             content_for(img.format)
         );
-        let upload = self.stored.get(&volid) != Some(&img.size);
-        Volume {
-            file,
-            volid,
-            upload,
-        }
+        // A converted image's size is known only once converted; its name
+        // holds the raw image's sha256, and a failed upload leaves no volume.
+        let listed = self
+            .stored
+            .get(&self.host(img.index))
+            .and_then(|s| s.get(&volid));
+        let stored = if converted {
+            listed.is_some()
+        } else {
+            listed == Some(&img.size)
+        };
+        Volume { volid, stored }
     }
 
     /// Where the VM of the node at `index` is and what happens to it, given
-    /// its image's volume and size once built. GETs the VM configs of the
-    /// node's name.
+    /// its image's size once built. GETs the VM configs of the node's name.
     fn vm(
         &self,
         vm: &ProxmoxVm,
+        machine: &Machine,
         index: usize,
-        image: Option<(&str, u64)>,
+        size: Option<u64>,
         replace: bool,
     ) -> Result<VmDecision, ProxmoxError> {
-        if let Some((_, size)) = image
+        let node = &self.inv.nodes[index].name;
+        let err = |message: String| ProxmoxError::Node {
+            node: node.clone(),
+            step: Step::Vm,
+            done: None,
+            message,
+        };
+        let place = place(&self.api, self.inv, &machine.host, &self.vms, index)?;
+        let settings = match &place.existing {
+            Some((running, config)) => settings::plan(config, &place.host, *running, machine)
+                .map_err(|r| {
+                    err(format!(
+                        "nodes[{index}].{}: {} (VM {} on {})",
+                        r.field, r.message, place.vmid, place.host
+                    ))
+                })?,
+            None => Vec::new(),
+        };
+        let (change, start) = vm_decision(vm, place.existing.as_ref(), &settings, replace);
+        let needs_image = matches!(change, VmChange::Created | VmChange::Updated);
+        if let Some(size) = size
+            && needs_image
             && vm.boot == VmBoot::Disk
-            && size > u64::from(vm.disk_size) << 30
+            && size > u64::from(machine.disk_size) << 30
         {
-            return Err(ProxmoxError::Node {
-                node: self.inv.nodes[index].name.clone(),
-                step: Step::Vm,
-                done: None,
-                message: format!(
-                    "the image ({size} bytes) is larger than publish.proxmox.vm.diskSize ({} GiB)",
-                    vm.disk_size
-                ),
-            });
+            return Err(err(format!(
+                "the image ({size} bytes) is larger than its diskSize ({} GiB)",
+                machine.disk_size
+            )));
         }
-        let place = place(&self.api, self.inv, &self.settings.node, &self.vms, index)?;
-        let volid = image.map(|(volid, _)| volid);
-        let (change, start) = vm_decision(vm, place.existing.as_ref(), volid, replace);
         Ok(VmDecision {
             place,
-            change,
+            change: Some(change),
+            settings,
+            needs_image,
             start,
         })
     }
@@ -163,23 +218,24 @@ impl<'a> Survey<'a> {
         let mut out = Decision {
             node: self.inv.nodes[index].name.clone(),
             volid: volume.as_ref().map(|v| v.volid.clone()),
-            upload: volume.as_ref().map(|v| v.upload),
+            upload: volume.as_ref().map(|v| !v.stored),
             vmid: None,
             inventory_vmid: None,
             vm: None,
+            settings: Vec::new(),
             start: false,
         };
-        let Some(vm) = &self.settings.vm else {
+        let (Some(vm), Some(machine)) = (&self.settings.vm, self.inv.machine(index)) else {
             return Ok(out);
         };
-        let image = volume
-            .as_ref()
-            .zip(img)
-            .map(|(v, i)| (v.volid.as_str(), i.size));
-        let decided = self.vm(vm, index, image, replace)?;
+        let decided = self.vm(vm, &machine, index, img.map(|i| i.size), replace)?;
+        if !decided.needs_image {
+            out.upload = Some(false);
+        }
         out.vmid = Some(decided.place.vmid);
         out.inventory_vmid = decided.place.inventory_vmid;
         out.vm = decided.change;
+        out.settings = decided.settings;
         out.start = decided.start;
         Ok(out)
     }
@@ -187,7 +243,8 @@ impl<'a> Survey<'a> {
 
 /// Publishes `images` (built, verified) to the target in `settings`.
 /// Preflight problems fail the whole run before a byte is uploaded; after
-/// that each node succeeds or fails on its own.
+/// that each node succeeds or fails on its own, one after the other (so a
+/// reboot for new settings takes one node down at a time).
 pub fn publish(
     inv: &Inventory,
     settings: &ProxmoxSettings,
@@ -203,9 +260,15 @@ pub fn publish(
         .collect())
 }
 
-/// The token works, the node exists, the storage takes `import` (and, for
-/// VMs, the VM storage takes `images`): checked before anything is sent.
-fn preflight(api: &Api, s: &ProxmoxSettings, content: &str) -> Result<(), ProxmoxError> {
+/// The token works, every host exists, the storage takes `import` there
+/// (and, for VMs, the VM storage takes `images`): checked before anything
+/// is sent.
+fn preflight(
+    api: &Api,
+    s: &ProxmoxSettings,
+    hosts: &BTreeSet<String>,
+    content: &str,
+) -> Result<(), ProxmoxError> {
     api.get("checking the API token", "/version")?;
     let nodes = api.get("listing nodes", "/nodes")?;
     let names: Vec<&str> = nodes
@@ -214,17 +277,34 @@ fn preflight(api: &Api, s: &ProxmoxSettings, content: &str) -> Result<(), Proxmo
         .flatten()
         .filter_map(|n| n["node"].as_str())
         .collect();
-    if !names.contains(&s.node.as_str()) {
-        return Err(ProxmoxError::Setup(format!(
-            "publish.proxmox.node: the cluster has no node {:?} (it has: {})",
-            s.node,
-            names.join(", ")
-        )));
+    for host in hosts {
+        if !names.contains(&host.as_str()) {
+            let field = if *host == s.node {
+                "publish.proxmox.node".to_owned()
+            } else {
+                "nodes[].proxmoxNode".to_owned()
+            };
+            return Err(ProxmoxError::Setup(format!(
+                "{field}: the cluster has no node {host:?} (it has: {})",
+                names.join(", ")
+            )));
+        }
+        preflight_host(api, s, host, content)?;
     }
+    Ok(())
+}
+
+/// The storages on one host take what is sent there.
+fn preflight_host(
+    api: &Api,
+    s: &ProxmoxSettings,
+    host: &str,
+    content: &str,
+) -> Result<(), ProxmoxError> {
     let has = |content: &str, storage: &str| -> Result<bool, ProxmoxError> {
         let list = api.get(
             "listing storages",
-            &format!("/nodes/{}/storage?content={content}&enabled=1", s.node),
+            &format!("/nodes/{host}/storage?content={content}&enabled=1"),
         )?;
         Ok(list
             .as_array()
@@ -234,33 +314,34 @@ fn preflight(api: &Api, s: &ProxmoxSettings, content: &str) -> Result<(), Proxmo
     };
     if content == "iso" && !has("iso", &s.storage)? {
         return Err(ProxmoxError::Setup(format!(
-            "publish.proxmox.storage: storage {:?} on node {:?} does not hold ISO images (content `iso`); \
+            "publish.proxmox.storage: storage {:?} on node {host:?} does not hold ISO images (content `iso`); \
              enable it under Datacenter → Storage → {} → Content: ISO image",
-            s.storage, s.node, s.storage
+            s.storage, s.storage
         )));
     }
     if content == "import" && !has("import", &s.storage)? {
         return Err(ProxmoxError::Setup(format!(
-            "publish.proxmox.storage: storage {:?} on node {:?} is not enabled for the `import` content type. \
+            "publish.proxmox.storage: storage {:?} on node {host:?} is not enabled for the `import` content type. \
              Enable it under Datacenter → Storage → {} → Content: Import (Proxmox VE 8.4 or later; \
              file-based storages only: dir, NFS, CIFS, CephFS, BTRFS)",
-            s.storage, s.node, s.storage
+            s.storage, s.storage
         )));
     }
     if let Some(vm) = &s.vm
         && !has("images", &vm.storage)?
     {
         return Err(ProxmoxError::Setup(format!(
-            "publish.proxmox.vm.storage: storage {:?} on node {:?} does not hold VM disks (content `images`)",
-            vm.storage, s.node
+            "publish.proxmox.vm.storage: storage {:?} on node {host:?} does not hold VM disks (content `images`)",
+            vm.storage
         )));
     }
     Ok(())
 }
 
-/// Carries out one node's decision, half by half as it is made: the
-/// upload, then the VM (so nothing about the VM is read before the image
-/// is stored). Every error is the node's, at the step it happened in.
+/// Carries out one node's decision: the VM is found first (an existing
+/// VM's disk is its image of record, so nothing is uploaded for it unless
+/// `--replace-disk`), then the upload, then the VM. Every error is the
+/// node's, at the step it happened in.
 fn publish_node(
     survey: &Survey,
     img: &PublishImage,
@@ -268,15 +349,33 @@ fn publish_node(
     observer: &dyn Observer,
 ) -> Result<NodePublished, ProxmoxError> {
     let (api, s) = (&survey.api, survey.settings);
-    let Volume {
-        file,
-        volid,
-        upload: needed,
-    } = survey.volume(img);
-    if needed {
-        upload(api, s, img, &file, &volid, opts, observer)
+    let host = survey.host(img.index);
+    let Volume { volid, stored } = survey.volume(img);
+    let mut out = NodePublished {
+        node: img.node.clone(),
+        volid: volid.clone(),
+        sha256: img.sha256,
+        uploaded: false,
+        vmid: None,
+        inventory_vmid: None,
+        vm: None,
+        settings: Vec::new(),
+        started: false,
+    };
+    let decided = match (&s.vm, survey.inv.machine(img.index)) {
+        (Some(vm), Some(machine)) => Some(
+            survey
+                .vm(vm, &machine, img.index, Some(img.size), opts.replace_disk)
+                .map_err(|e| e.at(&img.node, Step::Vm, None))?,
+        ),
+        _ => None,
+    };
+    let needs_image = decided.as_ref().is_none_or(|d| d.needs_image);
+    if needs_image && !stored {
+        send(api, &host, s, img, &volid, opts, observer)
             .map_err(|e| e.at(&img.node, Step::Upload, None))?;
-    } else {
+        out.uploaded = true;
+    } else if needs_image {
         observer.event(
             &img.node,
             &Event::AlreadyStored {
@@ -284,22 +383,9 @@ fn publish_node(
             },
         );
     }
-    let mut out = NodePublished {
-        node: img.node.clone(),
-        volid: volid.clone(),
-        sha256: img.sha256,
-        uploaded: needed,
-        vmid: None,
-        inventory_vmid: None,
-        vm: None,
-        started: false,
-    };
-    let Some(vm) = &s.vm else {
+    let (Some(vm), Some(decided)) = (&s.vm, decided) else {
         return Ok(out);
     };
-    let decided = survey
-        .vm(vm, img.index, Some((&volid, img.size)), opts.replace_disk)
-        .map_err(|e| e.at(&img.node, Step::Vm, Some(&out)))?;
     let vmid = decided.place.vmid;
     out.vmid = Some(vmid);
     out.inventory_vmid = decided.place.inventory_vmid;
@@ -312,8 +398,9 @@ fn publish_node(
             },
         );
     }
-    let base = format!("/nodes/{}/qemu/{vmid}", s.node);
+    let base = format!("/nodes/{}/qemu/{vmid}", decided.place.host);
     let start_it = decided.start;
+    out.settings = decided.settings.clone();
     out.vm = Some(
         converge_vm(survey, img, &volid, vm, decided, opts, observer)
             .map_err(|e| e.at(&img.node, Step::Vm, Some(&out)))?,
@@ -326,8 +413,48 @@ fn publish_node(
     Ok(out)
 }
 
-/// Makes the node's VM what its decision says (created, left, or its disk
-/// or ISO replaced); what it did.
+/// Whether a publish to `s` sends an image of `format` as qcow2.
+fn converts(s: &ProxmoxSettings, format: ImageFormat) -> bool {
+    format == ImageFormat::Raw && s.upload == UploadFormat::Qcow2
+}
+
+/// Uploads the node's image as the volume `volid`: a raw image converted to
+/// a qcow2 file beside it first (removed afterwards), so only its allocated
+/// clusters cross the wire.
+fn send(
+    api: &Api,
+    host: &str,
+    s: &ProxmoxSettings,
+    img: &PublishImage,
+    volid: &str,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<(), ProxmoxError> {
+    if !converts(s, img.format) {
+        return upload(api, host, s, img, volid, opts, observer);
+    }
+    let mut path = img.path.clone().into_os_string();
+    path.push(".upload.qcow2");
+    let path = std::path::PathBuf::from(path);
+    let converted = qcow2::raw_to_qcow2(&img.path, &path).map(|(size, sha256)| PublishImage {
+        path: path.clone(),
+        size,
+        sha256,
+        format: ImageFormat::Qcow2,
+        ..img.clone()
+    });
+    let result = converted
+        .map_err(|e| ProxmoxError::Api {
+            what: format!("converting {} to qcow2", img.path.display()),
+            message: e.to_string(),
+        })
+        .and_then(|qcow2| upload(api, host, s, &qcow2, volid, opts, observer));
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+/// Makes the node's VM what its decision says (created, its settings
+/// changed, its disk or ISO replaced, or left); what it did.
 fn converge_vm(
     survey: &Survey,
     img: &PublishImage,
@@ -337,64 +464,91 @@ fn converge_vm(
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<VmChange, ProxmoxError> {
-    let VmDecision { place, change, .. } = decided;
-    let (api, inv, s) = (&survey.api, survey.inv, survey.settings);
+    let VmDecision {
+        place,
+        change,
+        settings,
+        ..
+    } = decided;
+    let (api, inv) = (&survey.api, survey.inv);
     let (index, vmid) = (img.index, place.vmid);
-    let pve = &s.node;
+    let machine = inv
+        .machine(index)
+        .expect("a node with a VM decision has a machine");
+    let pve = &place.host;
     let base = format!("/nodes/{pve}/qemu/{vmid}");
     let desc = || description(inv, &img.node, volid, &img.sha256);
-    Ok(match (place.existing, change) {
-        (None, _) => {
-            let params = vm_params(inv, index, vm, vmid, volid, &img.sha256);
-            let task = api.post("creating VM", &format!("/nodes/{pve}/qemu"), &params)?;
-            api.wait(&format!("creating VM {vmid}"), &task, opts)?;
-            if vm.boot == VmBoot::Disk {
-                resize(api, &base, vm, opts)?;
-            }
-            observer.event(&img.node, &Event::VmCreated { vmid });
-            VmChange::Created
+    let Some((running, config)) = place.existing else {
+        let params = vm_params(inv, index, vm, &machine, vmid, volid, &img.sha256);
+        let task = api.post("creating VM", &format!("/nodes/{pve}/qemu"), &params)?;
+        api.wait(&format!("creating VM {vmid}"), &task, opts)?;
+        if vm.boot == VmBoot::Disk {
+            resize(api, &base, "scsi0", machine.disk_size, opts)?;
         }
-        (Some(_), Some(VmChange::Unchanged)) => {
-            observer.event(&img.node, &Event::VmUnchanged { vmid });
-            VmChange::Unchanged
+        observer.event(&img.node, &Event::VmCreated { vmid });
+        return Ok(VmChange::Created);
+    };
+    let replacing = change == Some(VmChange::Updated);
+    let reboot_for = apply_settings(api, &base, vm, &config, &settings, replacing, opts)?;
+    for c in &settings {
+        observer.event(
+            &img.node,
+            &Event::VmSetting {
+                vmid,
+                change: c.clone(),
+            },
+        );
+    }
+    if !replacing {
+        if reboot_for && running {
+            let node = &inv.nodes[index];
+            let talos = node
+                .talos_endpoint
+                .as_deref()
+                .and_then(crate::inventory::talos_endpoint)
+                .or_else(|| {
+                    node.address
+                        .map(|a| std::net::SocketAddr::new(a, crate::inventory::TALOS_API_PORT))
+                });
+            reboot(api, &base, vmid, talos, opts)?;
+            observer.event(&img.node, &Event::VmRebooted { vmid });
         }
-        (Some((_, config)), Some(VmChange::Outdated)) => {
+        if change == Some(VmChange::Unchanged) {
             let running_image = described_volume(&config)
                 .unwrap_or_else(|| "an image imgbuild did not record".into());
             observer.event(
                 &img.node,
-                &Event::VmOutdated {
+                &Event::VmKeepsDisk {
                     vmid,
                     running: running_image,
                 },
             );
-            VmChange::Outdated
         }
-        (Some(_), _) if vm.boot == VmBoot::Iso => {
-            // The new ISO goes into the cdrom drive; the disk Talos
-            // installed to stays.
-            api.put(
-                "attaching the node ISO",
-                &format!("{base}/config"),
-                &[
-                    ("ide2", format!("{volid},media=cdrom")),
-                    ("description", desc()),
-                ],
-            )?;
-            VmChange::Updated
-        }
-        (Some((running, config)), _) => {
-            let old = config["scsi0"].as_str().map(drive_volume);
-            let disk = NewDisk {
-                volid,
-                description: &desc(),
-                replaces: old,
-            };
-            replace_disk(api, &base, vm, vmid, &disk, running, opts)?;
-            observer.event(&img.node, &Event::DiskReplaced { vmid });
-            VmChange::Updated
-        }
-    })
+        return Ok(change.unwrap_or(VmChange::Unchanged));
+    }
+    if vm.boot == VmBoot::Iso {
+        // The new ISO goes into the cdrom drive; the disk Talos
+        // installed to stays.
+        api.put(
+            "attaching the node ISO",
+            &format!("{base}/config"),
+            &[
+                ("ide2", format!("{volid},media=cdrom")),
+                ("description", desc()),
+            ],
+        )?;
+        return Ok(VmChange::Updated);
+    }
+    let old = config["scsi0"].as_str().map(drive_volume);
+    let disk = NewDisk {
+        volid,
+        description: &desc(),
+        replaces: old,
+        size: machine.disk_size,
+    };
+    replace_disk(api, &base, vm, vmid, &disk, running, opts)?;
+    observer.event(&img.node, &Event::DiskReplaced { vmid });
+    Ok(VmChange::Updated)
 }
 
 /// What publishing one node would do, read from the server with GETs only;
@@ -407,17 +561,20 @@ pub struct Decision {
     /// built (the name holds its sha256).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub volid: Option<String>,
-    /// Whether the image would be uploaded; unknown until it is built.
+    /// Whether the image would be uploaded; unknown until it is built,
+    /// except for an existing VM (its disk is kept: no upload).
     pub upload: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vmid: Option<u32>,
     /// The vmid the inventory gives when the node's VM is another one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inventory_vmid: Option<u32>,
-    /// What would happen to its VM: `created` for a new one; unknown for an
-    /// existing VM while the image is not built.
+    /// What would happen to its VM.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vm: Option<VmChange>,
+    /// An existing VM's settings that would change, from → to.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub settings: Vec<SettingChange>,
     /// Whether the VM would be started.
     pub start: bool,
 }

@@ -136,6 +136,7 @@ fn vms_get_settings_that_boot_talos() {
         &inv,
         0,
         &vm,
+        &inv.machine(0).unwrap(),
         300,
         "local:import/x.raw",
         &crate::digest::Sha256::of(b"ab"),
@@ -163,11 +164,39 @@ fn vms_get_settings_that_boot_talos() {
         Some("local:import/x.raw")
     );
     assert_eq!(owner(&config, "lab", "cp-01"), Owner::Node);
-    let w: BTreeMap<&str, String> =
-        vm_params(&inv, 1, &vm, 301, "v", &crate::digest::Sha256::of(b"ab"))
-            .into_iter()
-            .collect();
+    let w: BTreeMap<&str, String> = vm_params(
+        &inv,
+        1,
+        &vm,
+        &inv.machine(1).unwrap(),
+        301,
+        "v",
+        &crate::digest::Sha256::of(b"ab"),
+    )
+    .into_iter()
+    .collect();
     assert_eq!(w["net0"], "virtio,bridge=vmbr0");
+    assert!(!w.contains_key("scsi1"));
+    // The node's own settings: memory, cores, bridge, VLAN, data disks.
+    let own = self::inv(
+        ", memory: 8192, cores: 6, bridge: vmbr1, vlan: 42, dataDisks: [50, 7]",
+        VM,
+    );
+    let o: BTreeMap<&str, String> = vm_params(
+        &own,
+        1,
+        &vm,
+        &own.machine(1).unwrap(),
+        301,
+        "v",
+        &crate::digest::Sha256::of(b"ab"),
+    )
+    .into_iter()
+    .collect();
+    assert_eq!((o["memory"].as_str(), o["cores"].as_str()), ("8192", "6"));
+    assert_eq!(o["net0"], "virtio,bridge=vmbr1,tag=42");
+    assert_eq!(o["scsi1"], "local-lvm:50,discard=on,ssd=1");
+    assert_eq!(o["scsi2"], "local-lvm:7,discard=on,ssd=1");
 }
 
 #[test]
@@ -196,15 +225,46 @@ fn task_ids_name_their_node() {
 }
 
 #[test]
-fn a_vm_keeps_its_disk_unless_asked_to_replace_an_older_one() {
-    let new = "local:import/lab-cp-01-v1.11.2-aaaaaaaaaaaa.raw";
-    let old = "local:import/lab-cp-01-v1.11.2-bbbbbbbbbbbb.raw";
-    assert_eq!(vm_verdict(Some(new), new, false), VmChange::Unchanged);
-    assert_eq!(vm_verdict(Some(new), new, true), VmChange::Unchanged);
-    assert_eq!(vm_verdict(Some(old), new, false), VmChange::Outdated);
-    assert_eq!(vm_verdict(Some(old), new, true), VmChange::Updated);
-    assert_eq!(vm_verdict(None, new, false), VmChange::Outdated);
-    assert_eq!(vm_verdict(None, new, true), VmChange::Updated);
+fn a_vm_keeps_its_disk_unless_asked_to_replace_it() {
+    let vm = self::inv("", VM)
+        .publish
+        .proxmox()
+        .unwrap()
+        .vm
+        .clone()
+        .unwrap();
+    let existing = (true, serde_json::json!({}));
+    let memory = settings::SettingChange {
+        field: "memory".into(),
+        from: "4096".into(),
+        to: "8192".into(),
+        apply: Apply::Reboot,
+    };
+    let host = settings::SettingChange {
+        field: "proxmoxNode".into(),
+        apply: Apply::Recreate,
+        ..memory.clone()
+    };
+    assert_eq!(
+        vm_decision(&vm, None, &[], false),
+        (VmChange::Created, true)
+    );
+    assert_eq!(
+        vm_decision(&vm, Some(&existing), &[], false),
+        (VmChange::Unchanged, false)
+    );
+    assert_eq!(
+        vm_decision(&vm, Some(&existing), &[memory], false),
+        (VmChange::Changed, false)
+    );
+    assert_eq!(
+        vm_decision(&vm, Some(&existing), &[host], false),
+        (VmChange::Unchanged, false)
+    );
+    assert_eq!(
+        vm_decision(&vm, Some(&existing), &[], true),
+        (VmChange::Updated, true)
+    );
 }
 
 #[test]
@@ -245,6 +305,7 @@ fn iso_vms_boot_the_cdrom_before_a_blank_disk() {
         &inv,
         0,
         &vm,
+        &inv.machine(0).unwrap(),
         300,
         "local:iso/x.iso",
         &crate::digest::Sha256::of(b"ab"),
@@ -280,77 +341,55 @@ fn iso_vms_boot_the_cdrom_before_a_blank_disk() {
 }
 
 /// The decision both runs share: which VMs are made, given a disk or an
-/// ISO, and started, for every state a VM can be found in.
+/// ISO, and started, for every state a VM can be found in. An existing
+/// VM's disk is its image of record: only `replace` gives it a new one.
 #[test]
 fn the_vm_decision_says_what_happens_and_whether_it_starts() {
-    use serde_json::json;
     let inv = inv("", VM);
     let disk = inv.publish.proxmox().unwrap().vm.clone().unwrap();
     let iso = ProxmoxVm {
         boot: VmBoot::Iso,
         ..disk.clone()
     };
-    let held = |volid: &str| json!({"description": format!("imgbuild-volume: {volid}\n")});
-    let (old, new) = ("local:import/old.raw", "local:import/new.raw");
+    let any = serde_json::json!({});
     let cases = [
+        (&disk, None, false, (VmChange::Created, true)),
         (
             &disk,
-            None,
-            Some(new),
+            Some((true, any.clone())),
             false,
-            (Some(VmChange::Created), true),
+            (VmChange::Unchanged, false),
         ),
         (
             &disk,
-            Some((true, held(new))),
-            Some(new),
-            true,
-            (Some(VmChange::Unchanged), false),
-        ),
-        (
-            &disk,
-            Some((false, held(new))),
-            Some(new),
+            Some((false, any.clone())),
             false,
-            (Some(VmChange::Unchanged), true),
-        ),
-        (
-            &disk,
-            Some((true, held(old))),
-            Some(new),
-            false,
-            (Some(VmChange::Outdated), false),
+            (VmChange::Unchanged, true),
         ),
         // Stopped for the swap, so started again.
         (
             &disk,
-            Some((true, held(old))),
-            Some(new),
+            Some((true, any.clone())),
             true,
-            (Some(VmChange::Updated), true),
+            (VmChange::Updated, true),
         ),
         // The new ISO goes into the running VM: nothing to start.
         (
             &iso,
-            Some((true, held(old))),
-            Some(new),
+            Some((true, any.clone())),
             true,
-            (Some(VmChange::Updated), false),
+            (VmChange::Updated, false),
         ),
         (
             &iso,
-            Some((false, held(old))),
-            Some(new),
+            Some((false, any.clone())),
             true,
-            (Some(VmChange::Updated), true),
+            (VmChange::Updated, true),
         ),
-        // Not built yet: only whether it runs is known.
-        (&disk, Some((false, held(old))), None, true, (None, true)),
-        (&disk, Some((true, held(old))), None, true, (None, false)),
     ];
-    for (i, (vm, existing, volid, replace, want)) in cases.into_iter().enumerate() {
+    for (i, (vm, existing, replace, want)) in cases.into_iter().enumerate() {
         assert_eq!(
-            vm_decision(vm, existing.as_ref(), volid, replace),
+            vm_decision(vm, existing.as_ref(), &[], replace),
             want,
             "case {i}"
         );
@@ -360,7 +399,7 @@ fn the_vm_decision_says_what_happens_and_whether_it_starts() {
         ..disk.clone()
     };
     assert_eq!(
-        vm_decision(&stay_off, None, Some(new), false),
-        (Some(VmChange::Created), false)
+        vm_decision(&stay_off, None, &[], false),
+        (VmChange::Created, false)
     );
 }

@@ -2,13 +2,16 @@
 
 use std::time::Duration;
 
+pub use super::settings::{Apply, SettingChange};
 use crate::digest::Sha256;
 use crate::net::RetryPolicy;
 
 /// What a publish run does.
 #[derive(Debug, Clone)]
 pub struct PublishOptions {
-    /// Give a VM running an older image the new disk (stop, swap, start).
+    /// Give each existing VM a new boot disk from this image (stop, import,
+    /// swap, start): the node is installed afresh. Without it an existing
+    /// VM's disk is its image of record and nothing is uploaded for it.
     pub replace_disk: bool,
     /// How often tasks are polled.
     pub poll: Duration,
@@ -71,10 +74,21 @@ pub enum Event {
     VmUnchanged {
         vmid: u32,
     },
-    /// The VM runs an older image and `--replace-disk` was not given.
-    VmOutdated {
+    /// The VM exists: its disk is the image of record (it was installed
+    /// from `running`, and upgrades move it), so nothing is uploaded for it.
+    VmKeepsDisk {
         vmid: u32,
         running: String,
+    },
+    /// One setting of the VM changed (or, for [`Apply::Reboot`], is
+    /// pending until the reboot that follows).
+    VmSetting {
+        vmid: u32,
+        change: SettingChange,
+    },
+    /// Rebooted for pending settings; it runs and its Talos API answers.
+    VmRebooted {
+        vmid: u32,
     },
     DiskReplaced {
         vmid: u32,
@@ -89,10 +103,11 @@ pub enum Event {
 #[serde(rename_all = "lowercase")]
 pub enum VmChange {
     Created,
+    /// Its boot disk replaced (`--replace-disk`).
     Updated,
+    /// Its settings changed (see `settings`).
+    Changed,
     Unchanged,
-    /// Left as it was although it boots an older image.
-    Outdated,
 }
 
 /// One node's result.
@@ -102,7 +117,8 @@ pub struct NodePublished {
     pub node: String,
     pub volid: String,
     pub sha256: Sha256,
-    /// False when the storage already held this exact volume.
+    /// False when nothing was sent: the storage held this exact volume, or
+    /// the node's VM exists and keeps its disk.
     pub uploaded: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vmid: Option<u32>,
@@ -112,5 +128,8 @@ pub struct NodePublished {
     pub inventory_vmid: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vm: Option<VmChange>,
+    /// The VM's settings that changed, from → to.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub settings: Vec<SettingChange>,
     pub started: bool,
 }

@@ -87,20 +87,22 @@ pub fn content_for(format: ImageFormat) -> &'static str {
     }
 }
 
-/// Streams the image file as the multipart body (constant memory), waits
-/// for the server's task (checksum, `qemu-img info`, copy), and retries a
-/// broken transfer from the start. A failed upload leaves no volume behind.
+/// Streams the image file to Proxmox node `host` as the multipart body
+/// of the volume `volid` (constant memory), waits for the server's task
+/// (checksum, `qemu-img info`, copy), and retries a broken transfer from
+/// the start. A failed upload leaves no volume behind.
 pub(super) fn upload(
     api: &Api,
+    host: &str,
     s: &ProxmoxSettings,
     img: &PublishImage,
-    file_name: &str,
     volid: &str,
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<(), ProxmoxError> {
+    let file_name = volid.rsplit('/').next().unwrap_or(volid);
     let what = format!("uploading {file_name}");
-    let url = api.url(&format!("/nodes/{}/storage/{}/upload", s.node, s.storage));
+    let url = api.url(&format!("/nodes/{host}/storage/{}/upload", s.storage));
     let mut attempt = 0;
     loop {
         observer.event(
@@ -116,7 +118,7 @@ pub(super) fn upload(
                 let doc: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 let result = api.wait(&what, &doc["data"], opts);
                 if result.is_err() {
-                    discard_volume(api, s, volid);
+                    discard_volume(api, host, s, volid);
                 }
                 return result.map(|()| {
                     observer.event(
@@ -255,10 +257,9 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
 /// Removes a volume an upload may have left half-checked; best effort,
 /// since the upload's own error is what the user needs to see.
-fn discard_volume(api: &Api, s: &ProxmoxSettings, volid: &str) {
+fn discard_volume(api: &Api, host: &str, s: &ProxmoxSettings, volid: &str) {
     let path = format!(
-        "/nodes/{}/storage/{}/content/{}",
-        s.node,
+        "/nodes/{host}/storage/{}/content/{}",
         s.storage,
         urlencode(volid)
     );
