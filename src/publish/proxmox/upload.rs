@@ -181,7 +181,10 @@ pub fn download_problem(img: &PublishImage) -> Option<String> {
 /// volume `volid` (storage `download-url`, checked there against the
 /// image's sha256) and waits for its task: the runner sends no image
 /// bytes. A failed task leaves no volume (the server fetches to a temp
-/// file); one left anyway is removed.
+/// file); one left anyway is removed. pve-storage Status.pm `download_url`
+/// takes `import` content for qcow2/raw images from libpve-storage-perl
+/// 8.3.6 (PVE 8.4); the factory's certificate is checked (the default
+/// `verify-certificates=1`); no `compression`, which it applies to ISOs only.
 pub(super) fn download(
     api: &Api,
     host: &str,
