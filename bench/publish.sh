@@ -4,7 +4,8 @@
 # `imgbuild publish` vs `curl -F` making the same multipart upload (same part
 # order, same checksum), both waiting for the server's task (checksum,
 # `qemu-img info`, copy) to finish. Interleaved runs, each against a fresh
-# simulator; imgbuild's peak RSS from GNU time.
+# simulator; imgbuild's peak RSS from GNU time. Then raw vs qcow2 uploads, and
+# the factory route's qcow2 uploaded vs fetched by Proxmox (`download-url`).
 # Needs the release imgbuild and imgbuild-sim, sgdisk, qemu-img, curl, GNU
 # time, bc.
 set -euo pipefail
@@ -100,3 +101,31 @@ done
 with_upload qcow2
 printf '\n| upload of the %d MiB image as | bytes sent | MiB | time |\n|---|---|---|---|\n' "$((size / 1048576))"
 printf '%s\n' "${wire[@]}"
+
+# download-url: the factory route's qcow2 image (the factory's own bytes),
+# uploaded by imgbuild (`upload: qcow2`) vs fetched by Proxmox from the
+# factory itself (`upload: download-url`, the runner sends nothing),
+# interleaved, each against a fresh simulator: bytes the runner sent
+# (uploadBytes), bytes Proxmox fetched (downloadBytes), wall time with the
+# server's task (checksum, `qemu-img info`) included.
+sed -e 's/upload: raw}/upload: qcow2}/' cluster.yaml > cluster-dl.yaml
+echo 'image: {platform: metal, arch: amd64, format: qcow2}' >> cluster-dl.yaml
+"$bin" --config cluster-dl.yaml build --route factory --factory "$factory" --out-dir out-dl --cache-dir cache --quiet >/dev/null
+dl_size=$(stat -c %s out-dl/cp-01.qcow2)
+fetched() { curl -sk "${url}_sim/stats" | sed 's/.*"downloadBytes":\([0-9]*\).*/\1/'; }
+run_dl() {
+  sed -i "s/upload: [a-z0-9-]*}/upload: $1}/" cluster-dl.yaml
+  PROXMOX_VE_ENDPOINT=$url PROXMOX_VE_API_TOKEN=$token PROXMOX_VE_FINGERPRINT=$fp \
+    "$bin" --config cluster-dl.yaml publish --route factory --factory "$factory" \
+    --out-dir out-dl --cache-dir cache --quiet --output json > published.json
+  grep -q '"uploaded":true' published.json
+}
+dl=()
+for i in $(seq "$runs"); do
+  for form in qcow2 download-url; do
+    pve; sync; t0=$(now); run_dl "$form"; t1=$(now); b=$(sent); f=$(fetched); stop_pve
+    dl+=("$(printf '| %s, run %d | %d | %d | %.2f s |' "$form" "$i" "$b" "$f" "$(secs "$t0" "$t1")")")
+  done
+done
+printf '\n| the factory'"'"'s %d MiB qcow2 image, stored by | bytes the runner sent | bytes Proxmox fetched | time |\n|---|---|---|---|\n' "$((dl_size / 1048576))"
+printf '%s\n' "${dl[@]}"

@@ -94,6 +94,8 @@ use crate::proxmox_upload::{Multipart, normalize_filename, parse_content_type};
 /// Deleting VMs and listing them cluster-wide (its own contract).
 #[path = "proxmox_destroy.rs"]
 mod destroy;
+#[path = "proxmox_download.rs"]
+mod download;
 
 /// pveproxy drops a connection idle for this long.
 const IDLE: Duration = Duration::from_secs(5);
@@ -165,6 +167,8 @@ struct Stats {
     uploads: AtomicU64,
     upload_attempts: AtomicU64,
     upload_bytes: AtomicU64,
+    /// Bytes download-url fetched (not sent by the client).
+    download_bytes: AtomicU64,
     vm_creates: AtomicU64,
     vm_config_changes: AtomicU64,
     reboots: AtomicU64,
@@ -926,6 +930,7 @@ impl Pve {
             "uploads": g(&s.uploads),
             "uploadAttempts": g(&s.upload_attempts),
             "uploadBytes": g(&s.upload_bytes),
+            "downloadBytes": g(&s.download_bytes),
             "vmCreates": g(&s.vm_creates),
             "vmConfigChanges": g(&s.vm_config_changes),
             "reboots": g(&s.reboots),
@@ -1037,6 +1042,7 @@ impl Pve {
             ("GET", "/nodes/{node}/storage") => Ok(self.list_storages(p)),
             ("GET", "/nodes/{node}/storage/{storage}/content") => self.list_content(p),
             ("DELETE", "/nodes/{node}/storage/{storage}/content/{volume}") => self.delete_volume(p),
+            ("POST", "/nodes/{node}/storage/{storage}/download-url") => self.download_url(p),
             ("GET", "/nodes/{node}/tasks/{upid}/status") => self.task_status(&p["upid"]),
             ("GET", "/nodes/{node}/tasks/{upid}/log") => self.task_log(p),
             ("GET", "/nodes/{node}/qemu") => Ok(self.list_vms(&p["node"])),
@@ -1160,59 +1166,9 @@ impl Pve {
                 "hostname lookup '{node}' failed - failed to get address info for: {node}: Name or service not known"
             )));
         }
-        let sid = &p["storage"];
-        let s = self.storage(sid)?;
-        if !s.has_path {
-            return Err(die(format!("can't upload to storage type '{}'", s.kind)));
-        }
         let content = p["content"].clone();
         let filename = normalize_filename(&p["filename"]);
-        let bad =
-            |key: &str, msg: &str| param_exc(Errors::from([(key.to_owned(), msg.to_owned())]));
-        let dir = self.storage_dir(s.id);
-        let lower_ext = |exts: &[&str]| {
-            filename
-                .rsplit_once('.')
-                .filter(|(stem, _)| !stem.is_empty())
-                .map(|(_, e)| e.to_ascii_lowercase())
-                .filter(|e| exts.contains(&e.as_str()))
-        };
-        let (dest_dir, image_format) = match content.as_str() {
-            "iso" => {
-                lower_ext(&["iso", "img"])
-                    .ok_or_else(|| bad("filename", "wrong file extension"))?;
-                (dir.join("template/iso"), None)
-            }
-            "vztmpl" => {
-                let ok = [".tar.gz", ".tar.xz", ".tar.zst", ".tar.bz2"]
-                    .iter()
-                    .any(|e| filename.ends_with(e));
-                if !ok || filename.len() < 8 {
-                    return Err(bad("filename", "wrong file extension"));
-                }
-                (dir.join("template/cache"), None)
-            }
-            "import" => {
-                let ext = filename
-                    .rsplit_once('.')
-                    .filter(|(stem, _)| !stem.is_empty())
-                    .map(|(_, e)| e)
-                    .filter(|e| ["ova", "qcow2", "raw", "vmdk"].contains(e))
-                    .ok_or_else(|| bad("filename", "invalid filename or wrong extension"))?;
-                (dir.join("import"), (ext != "ova").then(|| ext.to_owned()))
-            }
-            other => {
-                return Err(bad(
-                    "content",
-                    &format!("upload content type '{other}' not allowed"),
-                ));
-            }
-        };
-        if !s.content.contains(&content.as_str()) {
-            return Err(die(format!(
-                "storage '{sid}' does not support '{content}' content"
-            )));
-        }
+        let (dest_dir, image_format) = self.content_dir(&p["storage"], &content, &filename)?;
         let dest = dest_dir.join(&filename);
         let (tmp, sum, algo) = (
             tmp.to_owned(),
@@ -1264,6 +1220,68 @@ impl Pve {
             bump(&pve.stats.uploads);
             Ok(())
         }))
+    }
+
+    /// Where a file of `content` named `filename` goes in storage `sid`,
+    /// and the image format `qemu-img info` must find in it: the checks
+    /// upload and download-url share (pve-storage Status.pm).
+    fn content_dir(
+        &self,
+        sid: &str,
+        content: &str,
+        filename: &str,
+    ) -> Result<(PathBuf, Option<String>), ApiError> {
+        let s = self.storage(sid)?;
+        if !s.has_path {
+            return Err(die(format!("can't upload to storage type '{}'", s.kind)));
+        }
+        let bad =
+            |key: &str, msg: &str| param_exc(Errors::from([(key.to_owned(), msg.to_owned())]));
+        let dir = self.storage_dir(s.id);
+        let lower_ext = |exts: &[&str]| {
+            filename
+                .rsplit_once('.')
+                .filter(|(stem, _)| !stem.is_empty())
+                .map(|(_, e)| e.to_ascii_lowercase())
+                .filter(|e| exts.contains(&e.as_str()))
+        };
+        let (dest_dir, image_format) = match content {
+            "iso" => {
+                lower_ext(&["iso", "img"])
+                    .ok_or_else(|| bad("filename", "wrong file extension"))?;
+                (dir.join("template/iso"), None)
+            }
+            "vztmpl" => {
+                let ok = [".tar.gz", ".tar.xz", ".tar.zst", ".tar.bz2"]
+                    .iter()
+                    .any(|e| filename.ends_with(e));
+                if !ok || filename.len() < 8 {
+                    return Err(bad("filename", "wrong file extension"));
+                }
+                (dir.join("template/cache"), None)
+            }
+            "import" => {
+                let ext = filename
+                    .rsplit_once('.')
+                    .filter(|(stem, _)| !stem.is_empty())
+                    .map(|(_, e)| e)
+                    .filter(|e| ["ova", "qcow2", "raw", "vmdk"].contains(e))
+                    .ok_or_else(|| bad("filename", "invalid filename or wrong extension"))?;
+                (dir.join("import"), (ext != "ova").then(|| ext.to_owned()))
+            }
+            other => {
+                return Err(bad(
+                    "content",
+                    &format!("upload content type '{other}' not allowed"),
+                ));
+            }
+        };
+        if !s.content.contains(&content) {
+            return Err(die(format!(
+                "storage '{sid}' does not support '{content}' content"
+            )));
+        }
+        Ok((dest_dir, image_format))
     }
 
     /// `fork_worker`: a UPID now, the work after `--task-delay-ms`; a task

@@ -211,7 +211,10 @@ fn publish_state(e: &proxmox::Event) -> (String, Tone) {
     use proxmox::Event as P;
     let text = match e {
         P::Uploading { .. } | P::UploadRetry { .. } => "uploading".to_owned(),
-        P::Uploaded { .. } | P::AlreadyStored { .. } => "image stored".to_owned(),
+        P::Downloading { .. } => "Proxmox fetching".to_owned(),
+        P::Uploaded { .. } | P::AlreadyStored { .. } | P::Downloaded { .. } => {
+            "image stored".to_owned()
+        }
         P::VmFound { vmid, .. } => format!("VM {vmid} kept"),
         P::VmCreated { vmid } => format!("VM {vmid} created"),
         P::VmUnchanged { vmid } => format!("VM {vmid} unchanged"),

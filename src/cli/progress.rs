@@ -335,6 +335,8 @@ fn proxmox_step(e: &proxmox::Event) -> String {
         Event::UploadRetry { attempt, why } => format!("upload retry {attempt}: {why}"),
         Event::Uploaded { volid } => format!("stored {volid}"),
         Event::AlreadyStored { volid } => format!("{volid} already stored"),
+        Event::Downloading { volid, url } => format!("Proxmox fetching {volid} from {url}"),
+        Event::Downloaded { volid } => format!("stored {volid} (fetched by Proxmox, 0 bytes sent)"),
         Event::VmFound {
             vmid,
             inventory_vmid,

@@ -124,6 +124,11 @@ pub fn run(cmd: PublishCommand, config: &Path, output: Output) -> Result<()> {
     }
     let (built, build_failures, _) = build_nodes(&inv, &args.nodes, &args.build, output)?;
     let images = PublishImage::built(&inv, &built)?;
+    if pve.settings.upload == imgbuild::inventory::UploadFormat::DownloadUrl
+        && let Some(why) = images.iter().find_map(proxmox::download_problem)
+    {
+        return Err(Usage(format!("{}: {why}", config.display())).into());
+    }
     let show = Show::for_output(args.build.download.quiet, output);
     let view = PublishView::new(Screen::new(show), show);
     let results = pve

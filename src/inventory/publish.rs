@@ -171,7 +171,9 @@ pub struct ProxmoxSettings {
     #[serde(default)]
     pub vm: Option<ProxmoxVm>,
     /// How a raw image crosses the wire: as qcow2 (only its allocated
-    /// clusters; Proxmox's import converts it) or as the raw bytes.
+    /// clusters; Proxmox's import converts it) or as the raw bytes; or,
+    /// with `download-url`, not at all: Proxmox fetches each factory-route
+    /// image from the factory.
     #[serde(default)]
     pub upload: UploadFormat,
 }
@@ -183,6 +185,11 @@ pub enum UploadFormat {
     #[default]
     Qcow2,
     Raw,
+    /// Proxmox fetches the image from the factory itself (storage
+    /// `download-url`, checked against the image's sha256): opt-in, since
+    /// the factory then sees each node's schematic and addresses.
+    #[serde(rename = "download-url")]
+    DownloadUrl,
 }
 
 /// The VMs' shape. Explicit values throughout: the API's defaults (SeaBIOS,
@@ -405,6 +412,13 @@ impl Check<'_> {
             && let Err(e) = fp.parse::<crate::digest::Sha256>()
         {
             self.problem("publish.proxmox.fingerprint", e);
+        }
+        if px.upload == UploadFormat::DownloadUrl && cx.raw {
+            self.problem(
+                "publish.proxmox.upload",
+                "download-url needs image.format qcow2 or iso: the factory serves raw images \
+                 zstd-compressed, and Proxmox decompresses downloads only for ISOs",
+            );
         }
         let Some(vm) = &px.vm else {
             if let Some((i, _)) = cx.nodes.iter().enumerate().find(|(_, n)| n.1.is_some()) {

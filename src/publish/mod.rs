@@ -29,6 +29,9 @@ pub struct PublishImage {
     pub sha256: Sha256,
     pub size: u64,
     pub format: ImageFormat,
+    /// The factory URL that serves exactly these bytes (factory route);
+    /// `None` for an image patched offline.
+    pub source_url: Option<String>,
 }
 
 /// A manifest entry that cannot be published.
@@ -54,6 +57,8 @@ impl PublishImage {
             sha256: image.sha256,
             size: image.size,
             format: image.format,
+            source_url: (image.route == crate::build::Route::Factory)
+                .then(|| image.source_url.clone()),
         })
     }
 

@@ -74,6 +74,12 @@ impl Sim {
         }
     }
 
+    /// Where the simulator keeps the images it has built and serves
+    /// (`<schematic>/<version>/<file>`), for tests that alter them.
+    pub fn state_dir(&self) -> PathBuf {
+        self._dir.path().join("state")
+    }
+
     /// One of the simulator's own `/_sim/…` reports, as JSON.
     fn report(&self, name: &str) -> serde_json::Value {
         let out = Command::new("curl")

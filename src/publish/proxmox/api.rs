@@ -155,7 +155,7 @@ impl Api {
                 return Err(ProxmoxError::Task {
                     what: what.to_owned(),
                     upid: upid.to_owned(),
-                    exitstatus: exit,
+                    exitstatus: crate::input::excerpt(&exit, 300),
                     log: tail,
                 });
             }

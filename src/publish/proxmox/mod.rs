@@ -22,14 +22,14 @@ use serde_json::Value;
 pub use credentials::Credentials;
 pub use error::{ProxmoxError, Step};
 pub use types::{Apply, Event, NodePublished, Observer, PublishOptions, SettingChange, VmChange};
-pub use upload::{content_for, volume_file};
+pub use upload::{content_for, download_problem, volume_file};
 
 use crate::inventory::{
     ImageFormat, Inventory, Machine, ProxmoxSettings, ProxmoxVm, UploadFormat, VmBoot,
 };
 use crate::publish::PublishImage;
 use api::Api;
-use upload::upload;
+use upload::{download, upload};
 use vm::{
     NewDisk, Placement, apply_settings, described_volume, description, drive_volume, place, reboot,
     replace_disk, resize, start, vm_decision, vm_params,
@@ -254,6 +254,11 @@ pub fn publish(
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<Vec<Result<NodePublished, ProxmoxError>>, ProxmoxError> {
+    if settings.upload == UploadFormat::DownloadUrl
+        && let Some(why) = images.iter().find_map(download_problem)
+    {
+        return Err(ProxmoxError::Setup(why));
+    }
     let survey = Survey::new(inv, settings, creds, opts)?;
     Ok(images
         .iter()
@@ -419,9 +424,10 @@ fn converts(s: &ProxmoxSettings, format: ImageFormat) -> bool {
     format == ImageFormat::Raw && s.upload == UploadFormat::Qcow2
 }
 
-/// Uploads the node's image as the volume `volid`: a raw image converted to
-/// a qcow2 file beside it first (removed afterwards), so only its allocated
-/// clusters cross the wire.
+/// Stores the node's image as the volume `volid`: fetched by Proxmox from
+/// the factory (`upload: download-url`), or uploaded, a raw image converted
+/// to a qcow2 file beside it first (removed afterwards), so only its
+/// allocated clusters cross the wire.
 fn send(
     api: &Api,
     host: &str,
@@ -431,6 +437,9 @@ fn send(
     opts: &PublishOptions,
     observer: &dyn Observer,
 ) -> Result<(), ProxmoxError> {
+    if s.upload == UploadFormat::DownloadUrl {
+        return download(api, host, s, img, volid, opts, observer);
+    }
     if !converts(s, img.format) {
         return upload(api, host, s, img, volid, opts, observer);
     }

@@ -62,6 +62,15 @@ pub enum Event {
     AlreadyStored {
         volid: String,
     },
+    /// `upload: download-url`: Proxmox fetches the image from `url`.
+    Downloading {
+        volid: String,
+        url: String,
+    },
+    /// Proxmox fetched and checked it; the runner sent no image bytes.
+    Downloaded {
+        volid: String,
+    },
     /// The node's VM is `vmid`, not the `inventory_vmid` that `firstId` +
     /// position gives: it is kept, not made again.
     VmFound {

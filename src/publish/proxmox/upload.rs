@@ -154,6 +154,82 @@ pub(super) fn upload(
     }
 }
 
+/// Why `upload: download-url` cannot fetch a node's image from the
+/// factory, if it cannot: the image was patched offline (its bytes are on
+/// no server), or its factory URL is not http(s) (the only schemes
+/// download-url takes). Checked for every node before anything is sent.
+pub fn download_problem(img: &PublishImage) -> Option<String> {
+    let Some(url) = &img.source_url else {
+        return Some(format!(
+            "node {}: publish.proxmox.upload: download-url needs the image from the factory \
+             route (build --route factory); this one was patched offline, so no server has its bytes",
+            img.node
+        ));
+    };
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    if !matches!(scheme.as_deref(), Some("http" | "https")) {
+        return Some(format!(
+            "node {}: publish.proxmox.upload: download-url needs an http(s) factory URL, not {}",
+            img.node,
+            crate::input::quote(url)
+        ));
+    }
+    None
+}
+
+/// Has Proxmox node `host` fetch the node's image from the factory as the
+/// volume `volid` (storage `download-url`, checked there against the
+/// image's sha256) and waits for its task: the runner sends no image
+/// bytes. A failed task leaves no volume (the server fetches to a temp
+/// file); one left anyway is removed. pve-storage Status.pm `download_url`
+/// takes `import` content for qcow2/raw images from libpve-storage-perl
+/// 8.3.6 (PVE 8.4); the factory's certificate is checked (the default
+/// `verify-certificates=1`); no `compression`, which it applies to ISOs only.
+pub(super) fn download(
+    api: &Api,
+    host: &str,
+    s: &ProxmoxSettings,
+    img: &PublishImage,
+    volid: &str,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<(), ProxmoxError> {
+    if let Some(why) = download_problem(img) {
+        return Err(ProxmoxError::Setup(why));
+    }
+    let url = img.source_url.clone().unwrap_or_default();
+    let file_name = volid.rsplit('/').next().unwrap_or(volid);
+    observer.event(
+        &img.node,
+        &Event::Downloading {
+            volid: volid.to_owned(),
+            url: url.clone(),
+        },
+    );
+    let what = format!("Proxmox node {host} fetching {file_name} from the factory");
+    let form = [
+        ("url", url),
+        ("filename", file_name.to_owned()),
+        ("content", content_for(img.format).to_owned()),
+        ("checksum", img.sha256.hex()),
+        ("checksum-algorithm", "sha256".to_owned()),
+    ];
+    let path = format!("/nodes/{host}/storage/{}/download-url", s.storage);
+    let task = api.post(&what, &path, &form)?;
+    let result = api.wait(&what, &task, opts);
+    if result.is_err() {
+        discard_volume(api, host, s, volid);
+    }
+    result?;
+    observer.event(
+        &img.node,
+        &Event::Downloaded {
+            volid: volid.to_owned(),
+        },
+    );
+    Ok(())
+}
+
 /// One upload attempt on a runtime of its own (the publisher is blocking
 /// code), telling `progress` how many bytes have left; returns the reply
 /// body.
