@@ -71,13 +71,22 @@ fn foreign_upload(pve: &Pve, dir: &Path, name: &str) {
     assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
 }
 
-/// Publishes cp-01 and cp-02 at each version in turn (VMs made at the
-/// first), each version's uploads an hour apart, plus three volumes that
-/// are not the cluster's: by hand, another cluster's, and a name of the
-/// scheme for a node this cluster never had.
+/// The inventory's VM line (tests/common/inventory.rs `proxmox(true)`).
+const VM_LINE: &str = "    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048}\n";
+
+/// Publishes cp-01 and cp-02 at each version in turn, each version's
+/// uploads an hour apart, plus three volumes that are not the cluster's: by
+/// hand, another cluster's, and a name of the scheme for a node this
+/// cluster never had. The VMs are made at the first version; an existing
+/// VM's disk is its image of record (no upload for it), so the later
+/// versions are published to storage only, as a job that stages images
+/// ahead of an upgrade does (an inventory without `vm`).
 fn three_versions(pve: &Pve, sim: &Sim) -> Work {
     let work = Work::new(&Inventory::loopback().proxmox(true));
     for (i, version) in VERSIONS.iter().enumerate() {
+        if i == 1 {
+            work.edit(VM_LINE, "");
+        }
         if i > 0 {
             work.edit(
                 &format!("talosVersion: {}", VERSIONS[i - 1]),
@@ -104,6 +113,10 @@ fn three_versions(pve: &Pve, sim: &Sim) -> Work {
     ] {
         foreign_upload(pve, work.dir.path(), name);
     }
+    work.edit(
+        "    storage: local\n",
+        &format!("    storage: local\n{VM_LINE}"),
+    );
     work
 }
 

@@ -58,7 +58,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
 pub fn run(args: EtcdArgs, config: &Path, output: Output) -> Result<()> {
     let EtcdCommand::Snapshot(args) = args.command;
     let inv = load_inventory(config, output)?;
-    let opts = args.run.options();
+    let opts = args.run.options_for(&inv)?;
     // A snapshot needs a cluster: a missing state dir is never made here.
     stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
     let prepared = stage::prepare(&inv, &opts)?;

@@ -147,9 +147,11 @@ impl Api {
                     .ok()
                     .and_then(|v| v.as_array().cloned())
                     .unwrap_or_default();
+                // The task log is the server's text: one escaped, bounded
+                // line each, so it cannot forge lines of its own.
                 let lines: Vec<String> = log
                     .iter()
-                    .filter_map(|l| l["t"].as_str().map(str::to_owned))
+                    .filter_map(|l| l["t"].as_str().map(|t| crate::input::one_line(t, 300)))
                     .collect();
                 let tail = lines[lines.len().saturating_sub(5)..].to_vec();
                 return Err(ProxmoxError::Task {
