@@ -435,3 +435,26 @@ fn v1_9_an_unreachable_control_plane_is_removed_by_member_id_from_another() {
     assert_eq!(c.call("cp-03", "EtcdRemoveMemberByID")["member_id"], 0x1002);
     assert_eq!(c.removals()["left_etcd"], serde_json::json!(["cp-03"]));
 }
+
+#[test]
+fn v1_11_two_control_planes_leave_one_after_the_other() {
+    // 3 → 1: the plan allows it (with the one-member warning), so the run
+    // must not count the second leaver's healthy member as unhealthy.
+    let c = Cluster::start(6, "v1.11.5", &ALL);
+    c.keep("v1.11.5", &without(&["cp-02", "cp-03"]));
+    let prepared = c.prepared();
+    let plan = c.plan(&prepared).unwrap();
+    assert_eq!(plan.members_after, Some(1));
+    assert_eq!(plan.warnings, [remove::plan::ONE_MEMBER]);
+
+    let report = remove::remove(&prepared, &plan, &run_options(), &quiet).unwrap();
+    assert!(report.complete(), "{:?}", report.failed);
+    assert_eq!(
+        c.removals()["left_etcd"],
+        serde_json::json!(["cp-02", "cp-03"])
+    );
+    assert_eq!(
+        recorded(&c.state_dir()),
+        ["cp-01", "worker-01", "worker-02"]
+    );
+}

@@ -480,6 +480,32 @@ fn a_node_gone_from_the_inventory_is_removed_only_with_allow_destroy() {
         worker["vmid"].as_u64().unwrap() as u32,
     );
     assert!(!new_disk.is_empty());
+
+    // `replace cp-02`: it leaves etcd and is reset (STATE and EPHEMERAL
+    // wiped), its VM made again; the new machine boots in maintenance mode,
+    // takes its config and joins etcd as a new member.
+    let out = c.run(&["--output", "json", "replace", "cp-02"]);
+    stdout_ok(&out);
+    let v = json(&out);
+    assert_eq!(v["healthy"], true, "{v}");
+    let cp = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node"] == "cp-02")
+        .unwrap();
+    assert_eq!(cp["stages"]["apply"], "applied", "{cp}");
+    let members = imgbuild::talos::remove::survey(
+        &prepared(&c),
+        &[],
+        &imgbuild::talos::bootstrap::Options::default(),
+    )
+    .unwrap()
+    .members
+    .unwrap();
+    let mut names: Vec<String> = members.into_iter().map(|m| m.hostname).collect();
+    names.sort();
+    assert_eq!(names, ["cp-01", "cp-02"]);
 }
 
 /// The simulator's record of the etcd snapshots it served.

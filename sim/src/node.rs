@@ -346,6 +346,10 @@ struct NodeState {
     /// Stopped by `POST /_sim/halt` (VM stopped, server deleted): port
     /// 50000 closed for good; a later boot makes a new node.
     halted: bool,
+    /// A Reset wiped STATE and EPHEMERAL: the machine config Talos keeps
+    /// on STATE (`constants.ConfigPath`, /system/state/config.yaml) and the
+    /// etcd data are gone, so the machine boots again in maintenance mode.
+    wiped: bool,
     /// Why the config it booted with (hcloud `user_data`) was refused.
     config_error: Option<String>,
     day2: day2::Day2,
@@ -1085,9 +1089,12 @@ async fn boot(
         Ok(n) => n,
         Err(e) => return control_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
+    let wiped = previous
+        .as_ref()
+        .is_some_and(|p| p.name != req.name || p.st.lock().unwrap().wiped);
     {
         let mut st = node.st.lock().unwrap();
-        if let Some(p) = previous.as_ref().filter(|p| p.name == req.name) {
+        if let Some(p) = previous.as_ref().filter(|_| !wiped) {
             // The same machine restarted: its disk kept the config.
             let old = p.st.lock().unwrap();
             st.applied = old.applied.clone();
@@ -1143,6 +1150,9 @@ async fn boot(
             }
         }
     };
+    if wiped {
+        cluster.rejoin_etcd(i);
+    }
     tokio::spawn(serve_talos(cluster.clone(), i, talos));
     tokio::spawn(serve_k8s_once_control_plane(
         cluster.clone(),

@@ -73,6 +73,13 @@ impl Cluster {
         self.removals.lock().unwrap().left_etcd.contains(&i)
     }
 
+    /// A machine with no etcd data (a new one, or one whose EPHEMERAL a
+    /// Reset wiped) boots in slot `i`: as a control plane it joins etcd as
+    /// a new member, as Talos's etcd service does on a bootstrapped cluster.
+    pub(super) fn rejoin_etcd(&self, i: usize) {
+        self.removals.lock().unwrap().left_etcd.remove(&i);
+    }
+
     /// Node `i`'s Kubernetes Node was deleted and its kubelet is gone.
     pub(super) fn k8s_node_deleted(&self, i: usize) -> bool {
         self.removals.lock().unwrap().deleted.contains(&i) && self.node(i).halted()
@@ -390,7 +397,11 @@ fn reset_sequence(cluster: &Arc<Cluster>, i: usize, graceful: bool) {
         }
         left = true;
     }
-    node.st.lock().unwrap().halted = true;
+    {
+        let mut st = node.st.lock().unwrap();
+        st.wiped = true;
+        st.halted = true;
+    }
     node.bump();
     cluster.log(
         json!({"node": name, "call": "ResetSequence", "ok": true, "left_etcd": left,

@@ -328,7 +328,7 @@ pub fn remove(
         for &step in &n.steps {
             observer.event(&n.node, &Event::Started(step));
             let progress = |m: &str| observer.event(&n.node, &Event::Progress(m.to_owned()));
-            let done = rt.block_on(run_step(prepared, n, step, opts, &progress));
+            let done = rt.block_on(run_step(prepared, removal, n, step, opts, &progress));
             match done {
                 Ok(outcome) => {
                     observer.event(&n.node, &Event::Finished(step, outcome.clone()));
@@ -360,6 +360,7 @@ pub fn remove(
 /// One step of one node; the error is the message for [`StepFailed`].
 async fn run_step(
     prepared: &Prepared,
+    removal: &RemovalPlan,
     n: &NodeRemoval,
     step: Step,
     opts: &RemoveOptions,
@@ -391,7 +392,7 @@ async fn run_step(
             drain::cordon_and_drain(plan, &n.node, opts.drain_timeout, limits, progress).await?;
             Ok(Outcome::Done("cordoned and drained".into()))
         }
-        Step::LeaveEtcd => leave_etcd(plan, n, own.as_ref(), limits).await,
+        Step::LeaveEtcd => leave_etcd(plan, removal, n, own.as_ref(), limits).await,
         Step::Reset => {
             let Some(t) = own else {
                 return Ok(Outcome::Skipped("no address to reach it at".into()));
@@ -464,14 +465,21 @@ async fn wait_silent(plan: &Plan, t: &NodeEndpoint, opts: &RemoveOptions) -> Res
 /// The control plane leaves etcd: on itself when it answers
 /// (EtcdLeaveCluster), else removed by member ID from the remaining
 /// control plane that lists the members. Re-checks etcd's quorum rule on
-/// the members as they are now.
+/// the members as they are now: a member of another node this run removes
+/// later is healthy when that node says so (as `survey` judged it for the
+/// plan), so two control planes leave one after the other.
 async fn leave_etcd(
     plan: &Plan,
+    removal: &RemovalPlan,
     n: &NodeRemoval,
     own: Option<&NodeEndpoint>,
     limits: &Options,
 ) -> Result<Outcome, String> {
-    let removed = [(n.node.clone(), own.cloned())];
+    let removed: Vec<(String, Option<NodeEndpoint>)> = removal
+        .nodes
+        .iter()
+        .map(|r| (r.node.clone(), r.endpoint.map(|e| target(e, r.address))))
+        .collect();
     let Some((now, from, lister)) = members(plan, &removed, false, limits).await else {
         return Err("no remaining control plane lists the etcd members".into());
     };
