@@ -391,7 +391,10 @@ impl DayTwo<'_> {
             let node = a.node.clone().unwrap_or_default();
             a.outcome = match &machine {
                 None if removed_now.contains(&node.as_str()) => State::Done,
-                None => State::Failed,
+                // Only the node the removal stopped at failed; the ones
+                // after it were never tried.
+                None if done.failed.as_ref().is_some_and(|f| f.node == node) => State::Failed,
+                None => State::NotReached,
                 Some(_)
                     if !talos_done(&node)
                         || failure.is_some() && !removed_now.contains(&node.as_str()) =>
