@@ -377,3 +377,18 @@ fn an_unknown_node_name_is_a_usage_error_everywhere() {
         assert!(err.contains("no node named \"nope\""), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn validate_refuses_a_kubernetes_version_its_talos_does_not_run_with_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = Inventory::loopback()
+        .replace("kubernetesVersion: v1.32.1", "kubernetesVersion: v1.36.0")
+        .write_to(&dir.path().join("k8s.yaml"));
+    let o = imgbuild(&["--config", path.to_str().unwrap(), "validate"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("cluster.kubernetesVersion: Kubernetes v1.36.0 is too new for Talos v1.11.2"),
+        "{err}"
+    );
+}

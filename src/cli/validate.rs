@@ -22,6 +22,19 @@ pub struct ValidateArgs {
 
 pub fn run(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
     let mut inv = load_inventory(config, output).context("inventory is not valid")?;
+    // Talos's own range for its minor (pkg/machinery/compatibility): a pair
+    // outside it would bootstrap a cluster whose kubelet never starts. A
+    // Talos minor imgbuild has no table for is left to the node.
+    use imgbuild::talos::kubernetes::compat::{CompatError, supported};
+    if let Err(e @ (CompatError::TooOld { .. } | CompatError::TooNew { .. })) =
+        supported(&inv.cluster.talos_version, &inv.cluster.kubernetes_version)
+    {
+        return Err(Usage(format!(
+            "{}: cluster.kubernetesVersion: {e}",
+            config.display()
+        ))
+        .into());
+    }
     if let Some(advice) = inv.vmid_advice() {
         if output == Output::Text {
             errln!("warning: {advice}");

@@ -648,16 +648,18 @@ impl Validator<'_> {
             ),
             Some(_) => {}
         }
-        if parse_version(&c.kubernetes_version, false).is_none() {
+        if let Some(why) = kubernetes_version_rule(&c.kubernetes_version) {
             self.problem(
                 "cluster.kubernetesVersion",
-                format!(
-                    "{:?} is not a Kubernetes version like v1.32.1",
-                    c.kubernetes_version
-                ),
+                format!("{} {why}", crate::input::quote(&c.kubernetes_version)),
             );
         }
-        if endpoint_host(&c.endpoint).is_none() {
+        if let Some(why) = url_rule(&c.endpoint) {
+            self.problem(
+                "cluster.endpoint",
+                format!("{} {why}", crate::input::quote(&c.endpoint)),
+            );
+        } else if endpoint_host(&c.endpoint).is_none() {
             self.problem(
                 "cluster.endpoint",
                 format!(
@@ -666,15 +668,21 @@ impl Validator<'_> {
                 ),
             );
         }
-        if let Some(ep) = &c.kubernetes_endpoint
-            && endpoint_host(ep).is_none()
-        {
-            self.problem(
-                "cluster.kubernetesEndpoint",
-                format!(
-                    "{ep:?} is not an https://host:port URL (the host-side address of the Kubernetes API, e.g. https://127.0.0.1:6443)"
-                ),
-            );
+        if let Some(ep) = &c.kubernetes_endpoint {
+            if let Some(why) = url_rule(ep) {
+                self.problem(
+                    "cluster.kubernetesEndpoint",
+                    format!("{} {why}", crate::input::quote(ep)),
+                );
+            } else if endpoint_host(ep).is_none() {
+                self.problem(
+                    "cluster.kubernetesEndpoint",
+                    format!(
+                        "{} is not an https://host:port URL (the host-side address of the Kubernetes API, e.g. https://127.0.0.1:6443)",
+                        crate::input::quote(ep)
+                    ),
+                );
+            }
         }
     }
 
@@ -1113,6 +1121,55 @@ pub(crate) fn parse_version(v: &str, need_v: bool) -> Option<(u32, u32, u32)> {
     parts.next().is_none().then_some(v)
 }
 
+/// Why `v` is not a Kubernetes release tag (`v1.32.1`, `1.32.1`,
+/// `v1.33.0-rc.1`): Kubernetes has only major 1, and its tags carry no
+/// leading zeros (semver 2.0.0 §2), so `v1.32.01` names no release.
+fn kubernetes_version_rule(v: &str) -> Option<&'static str> {
+    let Some((major, minor, _)) = parse_version(v, false) else {
+        return Some("is not a Kubernetes version like v1.32.1");
+    };
+    let core = v.strip_prefix('v').unwrap_or(v);
+    let core = core.split_once('-').map_or(core, |(c, _)| c);
+    if core.split('.').any(|p| p.len() > 1 && p.starts_with('0')) {
+        return Some("has a leading zero: Kubernetes tags have none (v1.32.1, not v1.32.01)");
+    }
+    if major != 1 || minor == 0 {
+        return Some("is not a Kubernetes release: Kubernetes versions are v1.N.P");
+    }
+    None
+}
+
+/// What makes `url` more than an `https://host:port` endpoint: user info
+/// (a credential that would be sent, and logged, with every request), a
+/// path's query or fragment, or a space or control character (which a
+/// kubeconfig or talosconfig would carry, and a terminal would act on).
+fn url_rule(url: &str) -> Option<&'static str> {
+    if url
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || crate::input::hides_text(c))
+    {
+        return Some("holds a space or a control character: an endpoint is https://host:port");
+    }
+    let authority = url
+        .strip_prefix("https://")
+        .unwrap_or(url)
+        .split('/')
+        .next()
+        .unwrap_or("");
+    if authority.contains('@') {
+        return Some(
+            "carries user info (user@): an endpoint is https://host:port, credentials come from the secrets",
+        );
+    }
+    if url.contains('?') {
+        return Some("has a query (?…): an endpoint is https://host:port");
+    }
+    if url.contains('#') {
+        return Some("has a fragment (#…): an endpoint is https://host:port");
+    }
+    None
+}
+
 /// The host of an `https://host[:port][/]` URL.
 pub fn endpoint_host(endpoint: &str) -> Option<&str> {
     let rest = endpoint.strip_prefix("https://")?;
@@ -1135,7 +1192,11 @@ pub fn endpoint_host(endpoint: &str) -> Option<&str> {
             None => authority,
         }
     };
-    (!host.is_empty()).then_some(host)
+    // A host name or an address, nothing a URL parser would read as more.
+    let v6 = authority.starts_with('[');
+    let host_byte =
+        |b: u8| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || (v6 && b == b':');
+    (!host.is_empty() && host.bytes().all(host_byte)).then_some(host)
 }
 
 /// The port of the Talos API (apid, and machined in maintenance mode).

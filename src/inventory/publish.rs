@@ -303,10 +303,26 @@ fn default_start() -> bool {
 const VMID_RANGE: std::ops::RangeInclusive<u64> = 100..=999_999_999;
 
 /// Proxmox storage and node identifiers (`pve-storage-id`, `pve-node`).
+/// The most vCPUs KVM gives one VM (`KVM_MAX_VCPUS`).
+const MAX_VCPUS: u32 = 4096;
+
 fn is_pve_id(s: &str) -> bool {
     let mut chars = s.chars();
     chars.next().is_some_and(|c| c.is_ascii_alphabetic())
         && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// A Proxmox node is a host: its name is a host name label (at most 63
+/// characters, RFC 1123), so a longer one names no node and only makes
+/// every URL and message long.
+fn is_pve_node(s: &str) -> bool {
+    s.len() <= 63 && is_pve_id(s)
+}
+
+/// A Linux network interface name, as a bridge is: at most 15 bytes
+/// (`IFNAMSIZ` 16 with its NUL, linux include/uapi/linux/if.h).
+fn is_bridge_name(s: &str) -> bool {
+    s.len() <= 15 && is_pve_id(s)
 }
 
 /// A Hetzner location or server type name: lowercase letters, digits, `-`.
@@ -397,14 +413,18 @@ impl Check<'_> {
             self.machines_unused("there is no Proxmox target");
             return;
         };
-        for (field, value) in [
-            ("publish.proxmox.node", &px.node),
-            ("publish.proxmox.storage", &px.storage),
+        for (field, value, ok) in [
+            ("publish.proxmox.node", &px.node, is_pve_node(&px.node)),
+            (
+                "publish.proxmox.storage",
+                &px.storage,
+                is_pve_id(&px.storage),
+            ),
         ] {
-            if !is_pve_id(value) {
+            if !ok {
                 self.problem(
                     field,
-                    format!("{value:?} is not a Proxmox identifier (a letter, then letters, digits, '-', '_', '.')"),
+                    format!("{} is not a Proxmox identifier (at most 63 characters: a letter, then letters, digits, '-', '_', '.')", crate::input::quote(value)),
                 );
             }
         }
@@ -462,11 +482,11 @@ impl Check<'_> {
             let whose = format!("node {name}: ");
             self.machine(&at, &whose, own);
             if let Some(host) = own.host
-                && !is_pve_id(host)
+                && !is_pve_node(host)
             {
                 self.problem(
                     format!("{at}.proxmoxNode"),
-                    format!("{whose}{host:?} is not a Proxmox node name (a letter, then letters, digits, '-', '_', '.')"),
+                    format!("{whose}{} is not a Proxmox node name (at most 63 characters: a letter, then letters, digits, '-', '_', '.')", crate::input::quote(host)),
                 );
             }
         }
@@ -537,10 +557,11 @@ impl Check<'_> {
     /// qemu-server's MAX_MEM in MiB (PVE/QemuServer/Memory.pm), its 30
     /// SCSI drives (`scsi0` is the boot disk) and VLAN tags 1..4094
     /// (PVE/QemuServer/Network.pm `tag`); 64 TiB of disk is beyond any
-    /// Talos node.
+    /// Talos node; a VM has at most KVM's `KVM_MAX_VCPUS` (4096, linux
+    /// arch/x86/include/asm/kvm_host.h) cores.
     fn machine(&mut self, at: &str, whose: &str, m: &NodeMachine) {
         let sizes = [
-            ("cores", m.cores, 1, u32::MAX),
+            ("cores", m.cores, 1, MAX_VCPUS),
             ("memory", m.memory, 2048, 4_194_304),
             ("diskSize", m.disk_size, 10, 65_536),
         ];
@@ -577,11 +598,14 @@ impl Check<'_> {
             }
         }
         if let Some(bridge) = m.bridge
-            && !is_pve_id(bridge)
+            && !is_bridge_name(bridge)
         {
             self.problem(
                 format!("{at}.bridge"),
-                format!("{whose}{bridge:?} is not a bridge name such as vmbr0"),
+                format!(
+                    "{whose}{} is not a bridge name such as vmbr0 (Linux allows 15 characters)",
+                    crate::input::quote(bridge)
+                ),
             );
         }
         if let Some(tag) = m.vlan

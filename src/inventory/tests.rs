@@ -21,6 +21,11 @@ fn error_of(text: &str) -> String {
         .to_string()
 }
 
+/// The message of a refused inventory, or "" when it loads.
+fn error_of_or_empty(text: &str) -> String {
+    load(text).err().map(|e| e.to_string()).unwrap_or_default()
+}
+
 fn line_of(text: &str, needle: &str) -> usize {
     text.lines().position(|l| l.contains(needle)).unwrap() + 1
 }
@@ -631,6 +636,14 @@ fn bad_node_vm_settings_name_the_node_and_field() {
             "    cores: 0\n",
             "nodes[4].cores: node worker-02: 0 is below",
         ),
+        (
+            "    cores: 4294967295\n",
+            "nodes[4].cores: node worker-02: 4294967295 is above the largest value Proxmox takes (4096)",
+        ),
+        (
+            "    bridge: vmbr0123456789ab\n",
+            "nodes[4].bridge: node worker-02: \"vmbr0123456789ab\" is not a bridge name such as vmbr0 (Linux allows 15 characters)",
+        ),
     ] {
         let err = error_of(&atlas_vms(own));
         assert!(err.contains(want), "{own}: {err}");
@@ -645,4 +658,111 @@ fn bad_node_vm_settings_name_the_node_and_field() {
         err.contains("nodes[4].memory: node worker-02: memory needs publish.proxmox.vm"),
         "{err}"
     );
+}
+
+#[test]
+fn a_proxmox_node_name_longer_than_a_host_name_is_refused_and_cut_short() {
+    let long = "p".repeat(5000);
+    let err = error_of(&atlas_vms(&format!("    proxmoxNode: {long}\n")));
+    assert!(
+        err.contains("nodes[4].proxmoxNode: node worker-02: \"pppp"),
+        "{err}"
+    );
+    assert!(err.contains("at most 63 characters"), "{err}");
+    assert!(
+        err.len() < 1000,
+        "the name is quoted whole: {} bytes",
+        err.len()
+    );
+    let ok = "p".repeat(63);
+    let text = atlas_vms(&format!("    proxmoxNode: {ok}\n"));
+    assert!(!error_of_or_empty(&text).contains("proxmoxNode"));
+}
+
+#[test]
+fn kubernetes_versions_that_name_no_release_are_refused_with_the_rule() {
+    for (v, rule) in [
+        ("v1.32.01", "has a leading zero"),
+        ("v01.32.1", "has a leading zero"),
+        (
+            "v0.0.0",
+            "is not a Kubernetes release: Kubernetes versions are v1.N.P",
+        ),
+        (
+            "v99.0.0",
+            "is not a Kubernetes release: Kubernetes versions are v1.N.P",
+        ),
+        (
+            "v1.0.3",
+            "is not a Kubernetes release: Kubernetes versions are v1.N.P",
+        ),
+    ] {
+        let err = error_of(&atlas_with(
+            "kubernetesVersion: v1.32.1",
+            &format!("kubernetesVersion: {v}"),
+        ));
+        assert!(
+            err.contains(&format!("cluster.kubernetesVersion: \"{v}\" {rule}")),
+            "{v}: {err}"
+        );
+    }
+    for v in ["1.32.1", "v1.33.0-rc.1", "v1.32.10"] {
+        let text = atlas_with(
+            "kubernetesVersion: v1.32.1",
+            &format!("kubernetesVersion: {v}"),
+        );
+        assert!(
+            !error_of_or_empty(&text).contains("kubernetesVersion"),
+            "{v} refused"
+        );
+    }
+}
+
+#[test]
+fn endpoints_with_more_than_host_and_port_are_refused_with_the_rule() {
+    for (ep, rule) in [
+        ("https://admin:pw@127.0.0.1:6443", "carries user info"),
+        ("https://127.0.0.1:6443/?x=1", "has a query"),
+        ("https://127.0.0.1?x=1", "has a query"),
+        ("https://127.0.0.1#frag", "has a fragment"),
+        (
+            "https://127.0.0.1 :6443",
+            "holds a space or a control character",
+        ),
+        (
+            "https://127.0.0.1\u{1b}[31m:6443",
+            "holds a space or a control character",
+        ),
+    ] {
+        let yaml_ep = serde_json::to_string(ep).unwrap();
+        let err = error_of(&atlas_with(
+            "kubernetesVersion: v1.32.1",
+            &format!("kubernetesVersion: v1.32.1\n  kubernetesEndpoint: {yaml_ep}"),
+        ));
+        assert!(
+            err.contains("cluster.kubernetesEndpoint: ") && err.contains(rule),
+            "{ep:?}: {err}"
+        );
+        assert!(
+            !err.contains('\u{1b}'),
+            "escape reached the message: {err:?}"
+        );
+    }
+    for ep in [
+        "https://k8s.example.org:6443",
+        "https://[::1]:6443",
+        "https://127.0.0.1:6443/",
+    ] {
+        let text = atlas_with(
+            "kubernetesVersion: v1.32.1",
+            &format!("kubernetesVersion: v1.32.1\n  kubernetesEndpoint: {ep:?}"),
+        );
+        assert!(
+            !error_of_or_empty(&text).contains("kubernetesEndpoint"),
+            "{ep} refused"
+        );
+    }
+    assert_eq!(endpoint_host("https://a@b:6443"), None);
+    assert_eq!(endpoint_host("https://b?x"), None);
+    assert_eq!(endpoint_host("https://[::1]:6443"), Some("::1"));
 }
