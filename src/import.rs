@@ -6,16 +6,17 @@
 //! endpoint, nodes (hostname, ipAddress, controlPlane, installDisk, one
 //! network interface with its addresses, default route, VIP, DHCP and
 //! `deviceSelector.hardwareAddr`, nameservers, `schematic.customization`
-//! extensions and kernel args), strategic-merge patches (cluster, control
-//! plane, worker, node; SOPS-encrypted patch files kept encrypted) and
+//! extensions and kernel args), strategic-merge and JSON6902 patches
+//! (cluster, control plane, worker, node; SOPS-encrypted patch files kept
+//! encrypted) and
 //! `${VAR}` substitution from `talenv.yaml` or the environment (a
 //! `talenv.sops.yaml` opened with the environment's age keys). Settings
 //! cluster.yaml has no field for but a machine config has become patch files
 //! beside it: `cniConfig` (Talos' `cluster.network.cni`), `extensionServices`
 //! (`ExtensionServiceConfig` documents) and nameservers that differ by role
 //! or node. Everything else is listed, with its line, as not carried over:
-//! SOPS files no key opens, inline SOPS patches, unset variables, JSON6902
-//! patches, and every other field.
+//! SOPS files no key opens, inline SOPS patches, unset variables, and every
+//! other field.
 
 use crate::inventory::{Cidr, Inventory, InventoryError, LineIndex};
 use crate::schematic::{Customization, Schematic, SystemExtensions};
@@ -1020,9 +1021,9 @@ impl Converter<'_> {
     }
 
     /// talhelper patches: `@file` references and inline documents. Strategic
-    /// merge patches carry over (inline ones as files under `patches/`);
-    /// JSON6902 ones (a list of operations) and inline SOPS documents are
-    /// reported; SOPS patch files are kept as they are.
+    /// merge and JSON6902 patches carry over (inline ones as files under
+    /// `patches/`), as talhelper hands both to talosctl; inline SOPS
+    /// documents are reported; SOPS patch files are kept as they are.
     fn patches(&mut self, list: &Value, at: &str, scope: &str) -> Vec<String> {
         let Some(items) = list.as_sequence() else {
             self.skip(at, "not a list of patches");
@@ -1042,16 +1043,11 @@ impl Converter<'_> {
                 continue;
             }
             match patch_kind(text) {
-                PatchKind::Strategic => {
+                PatchKind::Strategic | PatchKind::Json6902 => {
                     if let Some(p) = self.write_patch(text.to_owned(), &pat, scope, j) {
                         out.push(p);
                     }
                 }
-                PatchKind::Json6902 => self.skip(
-                    pat,
-                    "a JSON6902 patch (a list of operations): imgbuild applies strategic-merge \
-                     patches; rewrite it as the YAML it should produce",
-                ),
                 PatchKind::Sops => self.skip(pat, "a SOPS-encrypted patch cannot be read"),
                 PatchKind::Invalid(e) => self.skip(pat, format!("not YAML: {e}")),
             }
@@ -1080,18 +1076,7 @@ impl Converter<'_> {
             }
         };
         match patch_kind(&text) {
-            PatchKind::Strategic => {}
-            PatchKind::Json6902 => {
-                self.skip(
-                    at,
-                    format!(
-                        "{} is a JSON6902 patch (a list of operations): imgbuild applies \
-                         strategic-merge patches; rewrite it as the YAML it should produce",
-                        path.display()
-                    ),
-                );
-                return None;
-            }
+            PatchKind::Strategic | PatchKind::Json6902 => {}
             // Kept encrypted (imgbuild opens SOPS patches when it renders)
             // once the age key here opens it.
             PatchKind::Sops => match Self::open_sops(&text, &path) {

@@ -273,18 +273,18 @@ fn homelab_converts_addresses_vip_groups_and_patches() {
             ("additionalApiServerCertSans", 8),
             ("clusterPodNets", 10),
             ("clusterSvcNets", 12),
-            ("patches[1]", 19),
             ("nodes[2].nodeLabels", 55),
             ("nodes[3].machineFiles", 70),
         ])
     );
-    let json6902 = c.result["skipped"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["field"] == "patches[1]")
-        .unwrap();
-    assert!(json6902["reason"].as_str().unwrap().contains("JSON6902"));
+    // The inline JSON6902 patch became a file, in its place in the order.
+    let json6902 = inv["patches"]["all"][1].as_str().unwrap();
+    assert_eq!(json6902, "patches/all-2.yaml");
+    assert!(
+        std::fs::read_to_string(c.dir.path().join(json6902))
+            .unwrap()
+            .contains("- op: add")
+    );
     assert_schematic_ids_match("homelab", &c, 4);
     // The converted cluster renders machine configs with those patches.
     let o = imgbuild(
@@ -303,10 +303,11 @@ fn homelab_converts_addresses_vip_groups_and_patches() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     let config = text(&o.stdout);
     assert!(config.contains("max-pods"), "{config}");
+    assert!(config.contains("rotate-server-certificates"), "{config}");
     // cniConfig (name: none) and the worker group's extensionServices
     // came over as patches, and the rendered config carries both.
     assert_eq!(
-        inv["patches"]["all"][1].as_str(),
+        inv["patches"]["all"][2].as_str(),
         Some("patches/cni-1.yaml")
     );
     assert_eq!(
@@ -436,7 +437,6 @@ fn edge_keeps_arch_factory_and_per_node_schematics() {
     assert_eq!(
         c.skipped(),
         skipped(&[
-            ("nodes[1].patches[0]", 40),
             ("nodes[2].machineSpec.secureboot", 48),
             ("nodes[2].schematic", 49),
             ("worker.patches[1]", 62),
@@ -476,8 +476,9 @@ fn without_out_the_inventory_is_printed_and_inline_patches_are_reported() {
         err.contains("talconfig.yaml:91: controlPlane.patches[0]: this patch becomes a new file"),
         "{err}"
     );
+    // An inline JSON6902 patch is a new file like any inline patch.
     assert!(
-        err.contains("talconfig.yaml:19: patches[1]: a JSON6902 patch"),
+        err.contains("talconfig.yaml:19: patches[1]: this patch becomes a new file"),
         "{err}"
     );
 }
@@ -548,4 +549,89 @@ fn missing_required_fields_are_named() {
         "{}",
         text(&o.stderr)
     );
+}
+
+/// `DOC` patched with the JSON6902 operations in `ops` (JSON) by
+/// github.com/evanphx/json-patch, the library Talos applies them with
+/// (tests/oracle/json6902_oracle.go; Go and Debian's
+/// golang-github-evanphx-json-patch-dev, which `make deps` installs).
+fn evanphx_patched(dir: &Path, doc: &Value, ops: &Value) -> Value {
+    let src = root().join("tests/oracle/json6902_oracle.go");
+    let oracle = dir.join("json6902_oracle");
+    let build = std::process::Command::new("go")
+        .args(["build", "-o"])
+        .arg(&oracle)
+        .arg(&src)
+        .env("GOPATH", "/usr/share/gocode")
+        .env("GO111MODULE", "off")
+        .env("GOCACHE", dir.join("gocache"))
+        .output()
+        .expect("go is installed (make deps)");
+    assert!(build.status.success(), "{}", text(&build.stderr));
+    std::fs::write(dir.join("doc.json"), doc.to_string()).unwrap();
+    std::fs::write(dir.join("ops.json"), ops.to_string()).unwrap();
+    let o = std::process::Command::new(&oracle)
+        .arg(dir.join("doc.json"))
+        .arg(dir.join("ops.json"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// worker-a's config of the converted homelab with only the cluster-wide
+/// patches `all` (the role and node patches left out), read as JSON.
+fn homelab_config_with(c: &Converted, all: &[&str], name: &str) -> Value {
+    let mut inv = c.inventory.clone();
+    inv["patches"] = serde_yaml_ng::from_str("{}").unwrap();
+    inv["patches"]["all"] = all.iter().map(|p| serde_yaml_ng::Value::from(*p)).collect();
+    for node in inv["nodes"].as_sequence_mut().unwrap() {
+        node.as_mapping_mut().unwrap().remove("patches");
+    }
+    let path = c.dir.path().join(format!("{name}.yaml"));
+    std::fs::write(&path, serde_yaml_ng::to_string(&inv).unwrap()).unwrap();
+    let out = c.dir.path().join(format!("{name}.config.yaml"));
+    let o = imgbuild(
+        &[
+            "--config",
+            path.to_str().unwrap(),
+            "config",
+            "worker-a",
+            "--state-dir",
+            c.dir.path().join("state").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    serde_yaml_ng::from_str(&std::fs::read_to_string(out).unwrap()).unwrap()
+}
+
+#[test]
+fn a_talhelper_json6902_patch_renders_what_talos_json_patch_library_makes() {
+    let c = convert("homelab", &[]);
+    let all: Vec<&str> = c.inventory["patches"]["all"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    let (before, json6902) = (&all[..1], all[1]);
+    let mut with = before.to_vec();
+    with.push(json6902);
+    // The config as the patches before it leave it, then with it.
+    let base = homelab_config_with(&c, before, "before");
+    let patched = homelab_config_with(&c, &with, "with");
+    let ops: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(c.dir.path().join(json6902)).unwrap())
+            .unwrap();
+    let ops: Value = serde_json::to_value(ops).unwrap();
+    let oracle = evanphx_patched(c.dir.path(), &base, &ops);
+    assert_ne!(base, patched, "the patch changed nothing");
+    assert_eq!(
+        patched["machine"]["kubelet"]["extraArgs"]["rotate-server-certificates"],
+        "true"
+    );
+    assert_eq!(patched, oracle);
 }

@@ -1,5 +1,5 @@
 //! Per-node machine configs from the inventory and the secrets bundle, with
-//! the user's strategic-merge patches, checked against the official Talos
+//! the user's strategic-merge and JSON6902 patches, checked against the official Talos
 //! 1.11 JSON schema before anything leaves the machine. A config is the
 //! v1alpha1 document followed by the other documents the patches bring
 //! (`ExtensionServiceConfig`, …), as Talos reads them (talos
@@ -436,11 +436,20 @@ fn doc_id(doc: &Map<String, Value>) -> Result<DocId, String> {
     }))
 }
 
-/// The documents of one patch file that is not a JSON patch: null
-/// documents skipped, each a mapping.
-fn patch_documents(text: &str) -> Result<Vec<Map<String, Value>>, String> {
+/// One patch file, as talos `configpatcher.LoadPatch` tells them apart: a
+/// list of RFC 6902 operations (in YAML or JSON), or strategic-merge
+/// documents.
+enum PatchFile {
+    Strategic(Vec<Map<String, Value>>),
+    Json6902(json_patch::Patch),
+}
+
+/// The documents of one patch file: null documents skipped, each a
+/// mapping; or, when the file is one list, its JSON6902 operations.
+fn patch_documents(text: &str) -> Result<PatchFile, String> {
     use serde::Deserialize;
     let mut docs = Vec::new();
+    let mut ops = None;
     for (i, de) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
         let n = i + 1;
         // serde quotes values; a patch may be any file, so none is shown.
@@ -449,15 +458,72 @@ fn patch_documents(text: &str) -> Result<Vec<Map<String, Value>>, String> {
         match value {
             Value::Null => {}
             Value::Object(map) => docs.push(map),
+            Value::Array(list) if ops.is_none() => ops = Some((n, list)),
             Value::Array(_) => {
-                return Err(
-                    "JSON patches (lists of op/path) are not supported; write a strategic merge patch (a partial machine config)".into(),
-                );
+                return Err(format!(
+                    "document {n}: a JSON6902 patch is one list of operations"
+                ));
             }
             _ => return Err(format!("document {n}: a patch must be a YAML mapping")),
         }
     }
-    Ok(docs)
+    let Some((n, list)) = ops else {
+        return Ok(PatchFile::Strategic(docs));
+    };
+    if !docs.is_empty() {
+        return Err(format!(
+            "document {n}: a JSON6902 patch (a list of operations) cannot share its file with strategic-merge documents"
+        ));
+    }
+    let mut patch = Vec::with_capacity(list.len());
+    for (j, op) in list.into_iter().enumerate() {
+        let what = json6902_op_name(&op);
+        // serde_json names the value it could not read: none is shown.
+        patch.push(serde_json::from_value(op).map_err(|_| {
+            format!(
+                "operation {j} ({what}): not a JSON6902 operation (op: add, remove, replace, move, copy or test; path; value or from)"
+            )
+        })?);
+    }
+    Ok(PatchFile::Json6902(json_patch::Patch(patch)))
+}
+
+/// `replace /machine/kubelet`: what an operation is, for a message (its
+/// `op` and `path`, never its value).
+fn json6902_op_name(op: &Value) -> String {
+    let field = |k: &str| {
+        op.get(k)
+            .and_then(Value::as_str)
+            .map(|s| crate::input::excerpt(s, 80))
+            .unwrap_or_else(|| "?".into())
+    };
+    format!("{} {}", field("op"), field("path"))
+}
+
+/// Talos applies a JSON6902 patch to the config as one YAML document and
+/// refuses it once the config has more than one
+/// (`configpatcher/json6902.go`); the operations run in order, all or
+/// nothing.
+fn apply_json6902(
+    doc: &mut Value,
+    extra: &[ExtraDoc],
+    patch: &json_patch::Patch,
+) -> Result<(), String> {
+    if let Some(other) = extra.first() {
+        return Err(format!(
+            "JSON6902 patches are not supported for multi-document machine configuration (the config has a {} document here)",
+            other.key
+        ));
+    }
+    json_patch::patch(doc, patch).map_err(|e| {
+        let what = patch
+            .0
+            .get(e.operation)
+            .and_then(|op| serde_json::to_value(op).ok())
+            .map(|op| json6902_op_name(&op))
+            .unwrap_or_default();
+        format!("operation {} ({what}): {}", e.operation, e.kind)
+    })
 }
 
 /// A document other than v1alpha1 in the config, and the patch file that
@@ -514,7 +580,13 @@ pub fn machine_config(
         let (text, values) = substitute(&text, vars).map_err(|e| patch_err(e, &[]))?;
         used.extend(values.into_iter().filter_map(|u| u.value));
         let text = crate::input::yaml(&text).map_err(|e| patch_err(e.to_string(), &used))?;
-        let docs = patch_documents(text).map_err(|e| patch_err(e, &used))?;
+        let docs = match patch_documents(text).map_err(|e| patch_err(e, &used))? {
+            PatchFile::Strategic(docs) => docs,
+            PatchFile::Json6902(ops) => {
+                apply_json6902(&mut doc, &extra, &ops).map_err(|e| patch_err(e, &used))?;
+                continue;
+            }
+        };
         let mut seen: Vec<DocId> = Vec::new();
         for (i, patch) in docs.into_iter().enumerate() {
             let at = |e: String| patch_err(format!("document {}: {e}", i + 1), &used);
@@ -1401,7 +1473,8 @@ mod tests {
         let err = machine_config(&inv, &node, bundle(), &PatchVars::default())
             .unwrap_err()
             .to_string();
-        assert!(err.contains("JSON patches"), "{err}");
+        assert!(err.contains("json.yaml"), "{err}");
+        assert!(err.contains("operation 0 (add /x)"), "{err}");
         inv.patches.all = vec!["missing.yaml".into()];
         let err = machine_config(&inv, &node, bundle(), &PatchVars::default())
             .unwrap_err()
@@ -1461,6 +1534,79 @@ mod tests {
         serde_yaml_ng::Deserializer::from_str(yaml)
             .map(|d| Value::deserialize(d).unwrap())
             .collect()
+    }
+
+    #[test]
+    fn json6902_patches_apply_in_order_with_strategic_ones() {
+        let strategic = "machine:\n  kubelet:\n    extraArgs:\n      max-pods: \"110\"\n";
+        let ops = "- op: replace\n  path: /machine/kubelet/extraArgs/max-pods\n  value: \"64\"\n\
+                   - op: add\n  path: /machine/sysctls\n  value: {a: \"1\"}\n\
+                   - op: test\n  path: /machine/sysctls/a\n  value: \"1\"\n\
+                   - op: remove\n  path: /machine/kubelet/extraArgs/max-pods\n\
+                   - op: add\n  path: /machine/certSANs/-\n  value: extra.example.org\n";
+        let json =
+            r#"[{"op": "copy", "from": "/machine/sysctls/a", "path": "/machine/sysctls/b"}]"#;
+        let yaml = render_with(
+            &[("s.yaml", strategic), ("j.yaml", ops), ("k.json", json)],
+            &[],
+        )
+        .unwrap();
+        let docs = documents(&yaml);
+        assert_eq!(docs.len(), 1, "{yaml}");
+        let machine = &docs[0]["machine"];
+        assert_eq!(machine["sysctls"], json!({"a": "1", "b": "1"}));
+        assert_eq!(
+            machine["kubelet"]["extraArgs"].get("max-pods"),
+            None,
+            "{yaml}"
+        );
+        let sans = machine["certSANs"].as_array().unwrap();
+        assert_eq!(sans.last(), Some(&json!("extra.example.org")));
+        assert!(full_schema().is_valid(&docs[0]));
+    }
+
+    #[test]
+    fn a_failing_json6902_operation_is_named_and_changes_nothing_it_did_not_say() {
+        let ops = "- op: add\n  path: /machine/sysctls\n  value: {a: \"1\"}\n\
+                   - op: replace\n  path: /machine/kubelet/nothing/here\n  value: s3cr3t-value\n";
+        let err = render_with(&[("j.yaml", ops)], &[]).unwrap_err();
+        assert!(err.contains("j.yaml"), "{err}");
+        assert!(
+            err.contains("operation 1 (replace /machine/kubelet/nothing/here)"),
+            "{err}"
+        );
+        assert!(
+            !err.contains("s3cr3t"),
+            "a value reached the message: {err}"
+        );
+        let test = "- op: test\n  path: /machine/type\n  value: worker\n";
+        let err = render_with(&[("t.yaml", test)], &[]).unwrap_err();
+        assert!(err.contains("operation 0 (test /machine/type)"), "{err}");
+        let bad = "- op: frobnicate\n  path: /machine\n";
+        let err = render_with(&[("b.yaml", bad)], &[]).unwrap_err();
+        assert!(
+            err.contains("operation 0 (frobnicate /machine): not a JSON6902 operation"),
+            "{err}"
+        );
+        let mixed = "- op: add\n  path: /x\n  value: 1\n---\nmachine: {}\n";
+        let err = render_with(&[("m.yaml", mixed)], &[]).unwrap_err();
+        assert!(err.contains("cannot share its file"), "{err}");
+    }
+
+    #[test]
+    fn json6902_patches_are_refused_on_a_multi_document_config_as_talos_refuses_them() {
+        let hostname = "apiVersion: v1alpha1\nkind: HostnameConfig\nhostname: cp-one\nauto: off\n";
+        let ops = "- op: add\n  path: /machine/sysctls\n  value: {a: \"1\"}\n";
+        // Before the second document arrives the config is one document.
+        render_with(&[("j.yaml", ops), ("host.yaml", hostname)], &[]).unwrap();
+        let err = render_with(&[("host.yaml", hostname), ("j.yaml", ops)], &[]).unwrap_err();
+        assert!(
+            err.contains(
+                "JSON6902 patches are not supported for multi-document machine configuration"
+            ),
+            "{err}"
+        );
+        assert!(err.contains("HostnameConfig"), "{err}");
     }
 
     const TAILSCALE: &str = "machine:\n  sysctls:\n    a: \"1\"\n---\napiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\nenvironment:\n  - TS_AUTHKEY=${TS_AUTHKEY}\n";
