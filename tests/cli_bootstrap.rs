@@ -786,3 +786,197 @@ fn a_cni_in_inline_manifests_brings_the_nodes_ready() {
     assert_eq!(v["healthy"], true);
     assert_eq!(v["health"]["state"], "healthy");
 }
+
+/// A state dir with secrets (`imgbuild secrets gen`) and an admin
+/// kubeconfig as a bootstrap leaves it (cluster `sim`, context `admin@sim`,
+/// Talos's names), for the merge commands; returns the inventory.
+fn cluster_with_kubeconfig(dir: &Path, key: &str) -> PathBuf {
+    let config = Inventory::five_nodes("sim", "127.0.0").write(dir);
+    if !dir.join(".talos/sim/secrets.yaml").exists() {
+        let o = Run::with_config(&config, &["secrets", "gen"])
+            .env_remove("IMGBUILD_STATE_DIR")
+            .output();
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    }
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: sim\n  cluster:\n    server: https://127.0.0.10:6443\n    certificate-authority-data: Q0E=\ncontexts:\n- name: admin@sim\n  context:\n    cluster: sim\n    namespace: default\n    user: admin@sim\nusers:\n- name: admin@sim\n  user:\n    client-certificate-data: Q1JU\n    client-key-data: {key}\ncurrent-context: admin@sim\n"
+    );
+    let path = dir.join(".talos/sim/kubeconfig");
+    std::fs::write(&path, kubeconfig).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    config
+}
+
+fn kubectl(file: &Path, args: &[&str]) -> Output {
+    let o = Command::new("kubectl")
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(file)
+        .output()
+        .expect("kubectl is installed (make deps: kubernetes-client)");
+    assert!(o.status.success(), "kubectl {args:?}: {}", text(&o.stderr));
+    o
+}
+
+#[test]
+fn kubeconfig_merge_adds_one_context_keeps_the_others_and_twice_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = cluster_with_kubeconfig(dir.path(), "S0VZ");
+    // A kubeconfig with two other clusters, written by kubectl itself.
+    let file = dir.path().join("home/.kube/config");
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    for (c, server) in [
+        ("lab", "https://10.1.0.1:6443"),
+        ("prod", "https://10.2.0.1:6443"),
+    ] {
+        kubectl(&file, &["config", "set-cluster", c, "--server", server]);
+        kubectl(
+            &file,
+            &[
+                "config",
+                "set-credentials",
+                c,
+                "--token",
+                &format!("tok-{c}"),
+            ],
+        );
+        kubectl(
+            &file,
+            &["config", "set-context", c, "--cluster", c, "--user", c],
+        );
+    }
+    kubectl(&file, &["config", "use-context", "lab"]);
+    let view = |f: &Path| -> serde_json::Value {
+        serde_json::from_slice(&kubectl(f, &["config", "view", "--raw", "-o", "json"]).stdout)
+            .unwrap()
+    };
+    let before = view(&file);
+    let written = std::fs::read_to_string(&file).unwrap();
+    let merge = || {
+        Run::with_config(&config, &["kubeconfig", "--merge"])
+            .env_remove("IMGBUILD_STATE_DIR")
+            .env_remove("KUBECONFIG")
+            .env("HOME", dir.path().join("home"))
+            .output()
+    };
+    let o = merge();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stdout).contains("merged (context admin@sim, current)"),
+        "{}",
+        text(&o.stdout)
+    );
+    let after = view(&file);
+    assert_eq!(after["current-context"], "admin@sim");
+    for list in ["clusters", "users", "contexts"] {
+        let entries =
+            |v: &serde_json::Value| -> std::collections::BTreeMap<String, serde_json::Value> {
+                v[list]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|e| (e["name"].as_str().unwrap().to_owned(), e.clone()))
+                    .collect()
+            };
+        let (was, now) = (entries(&before), entries(&after));
+        let ours = if list == "clusters" {
+            "sim"
+        } else {
+            "admin@sim"
+        };
+        assert!(now.contains_key(ours), "{list}: {now:?}");
+        assert_eq!(now.len(), was.len() + 1, "{list}");
+        // The other entries, as kubectl reads them, are what they were.
+        for (name, entry) in &was {
+            assert_eq!(now.get(name), Some(entry), "{list} {name}");
+        }
+    }
+    // ... and, in kubectl's own layout, byte for byte.
+    let merged = std::fs::read_to_string(&file).unwrap();
+    let mut items = Vec::new();
+    for line in written.lines() {
+        if line.starts_with("- ") {
+            items.push(line.to_owned());
+        } else if line.starts_with("  ") && !items.is_empty() {
+            let last = items.last_mut().unwrap();
+            last.push('\n');
+            last.push_str(line);
+        }
+    }
+    assert_eq!(items.len(), 6, "{written}");
+    for item in &items {
+        assert!(
+            merged.contains(item.as_str()),
+            "lost {item:?} in:\n{merged}"
+        );
+    }
+    let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    // Twice: nothing changes, not a byte.
+    let o = merge();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(text(&o.stdout).contains("unchanged"), "{}", text(&o.stdout));
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), merged);
+}
+
+#[test]
+fn kubeconfig_merge_replaces_an_entry_of_the_same_name_only_with_force() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = cluster_with_kubeconfig(dir.path(), "S0VZ");
+    let file = dir.path().join("mine.yaml");
+    let merge = |extra: &[&str]| {
+        let mut args = vec!["kubeconfig", "--merge", file.to_str().unwrap()];
+        args.extend(extra);
+        Run::with_config(&config, &args)
+            .env_remove("IMGBUILD_STATE_DIR")
+            .output()
+    };
+    assert!(merge(&[]).status.success());
+    // The secrets changed: the same names, another key.
+    cluster_with_kubeconfig(dir.path(), "TkVX");
+    let o = merge(&[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("user \"admin@sim\" already there"), "{err}");
+    assert!(!err.contains("TkVX") && !err.contains("S0VZ"), "{err}");
+    assert!(std::fs::read_to_string(&file).unwrap().contains("S0VZ"));
+    let o = merge(&["--force"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stdout).contains("replaced user \"admin@sim\""),
+        "{}",
+        text(&o.stdout)
+    );
+    let now = std::fs::read_to_string(&file).unwrap();
+    assert!(now.contains("TkVX") && !now.contains("S0VZ"), "{now}");
+}
+
+#[test]
+fn talosconfig_merge_adds_the_cluster_context_to_talosctl_s_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = cluster_with_kubeconfig(dir.path(), "S0VZ");
+    let file = dir.path().join("talos/config");
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    std::fs::write(
+        &file,
+        "context: lab\ncontexts:\n  lab:\n    endpoints:\n    - 192.168.1.2\n",
+    )
+    .unwrap();
+    let o = Run::with_config(&config, &["talosconfig", "--merge"])
+        .env_remove("IMGBUILD_STATE_DIR")
+        .env("TALOSCONFIG", &file)
+        .output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(v["context"].as_str(), Some("sim"));
+    assert_eq!(
+        v["contexts"]["lab"]["endpoints"][0].as_str(),
+        Some("192.168.1.2")
+    );
+    assert!(
+        v["contexts"]["sim"]["crt"]
+            .as_str()
+            .is_some_and(|c| !c.is_empty())
+    );
+}

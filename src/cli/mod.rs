@@ -18,6 +18,7 @@ mod hcloud;
 mod image;
 mod import;
 mod inventory;
+mod merge;
 mod plan;
 mod progress;
 mod prune;
@@ -118,8 +119,12 @@ enum Command {
     Secrets(talos::SecretsArgs),
     /// Print one node's machine config (patched, schema-checked).
     Config(talos::ConfigArgs),
-    /// Write the admin talosconfig into the state dir.
+    /// Write the admin talosconfig into the state dir (--merge: and into
+    /// ~/.talos/config, as talosctl config merge does).
     Talosconfig(talos::TalosconfigArgs),
+    /// Where the cluster's admin kubeconfig is (--merge: add it to
+    /// ~/.kube/config or $KUBECONFIG, as talosctl kubeconfig does).
+    Kubeconfig(talos::KubeconfigArgs),
     /// Apply configs, bootstrap etcd once, wait until the cluster is healthy.
     Bootstrap(talos::BootstrapArgs),
     /// Move running nodes to the inventory's Talos version and schematics
@@ -295,6 +300,7 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Secrets(args) => talos::secrets(args, &cli.config, cli.output),
         Command::Config(args) => talos::machine_config(args, &cli.config, cli.output),
         Command::Talosconfig(args) => talos::talosconfig(args, &cli.config, cli.output),
+        Command::Kubeconfig(args) => talos::kubeconfig(args, &cli.config, cli.output),
         Command::Bootstrap(args) => talos::bootstrap(args, &cli.config, cli.output),
         Command::Upgrade(args) => day2::upgrade(args, &cli.config, cli.output),
         Command::Apply(args) => day2::apply(args, &cli.config, cli.output),

@@ -77,9 +77,18 @@ pub struct ConfigArgs {
 pub struct TalosconfigArgs {
     #[command(flatten)]
     state: StateArgs,
-    /// Write a new admin certificate even if the current one is still good.
+    /// Write a new admin certificate even if the current one is still good;
+    /// with --merge, also replace a context of the same name.
     #[arg(long)]
     force: bool,
+    /// Then add the cluster's context to a talosconfig and make it the
+    /// current one, as `talosctl config merge` does: FILE, else
+    /// $TALOSCONFIG, else ~/.talos/config (created 0600 when missing).
+    #[arg(long)]
+    merge: bool,
+    /// The talosconfig to merge into (with --merge).
+    #[arg(requires = "merge")]
+    file: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -251,6 +260,9 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
         config: cfg,
         written,
     } = state.talosconfig(&inv, &bundle, args.force)?;
+    if args.merge {
+        return super::merge::talosconfig(&path, args.file, args.force, output);
+    }
     let endpoints = cfg.current().map_err(anyhow::Error::msg)?.endpoints.clone();
     match output {
         Output::Json => outln!(
@@ -266,6 +278,53 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
         ),
     }
     Ok(())
+}
+
+#[derive(Args)]
+pub struct KubeconfigArgs {
+    #[command(flatten)]
+    state: StateArgs,
+    /// Add the cluster's cluster, user and context to a kubeconfig and make
+    /// it the current context: FILE, else the first file in $KUBECONFIG,
+    /// else ~/.kube/config (created 0600 when missing).
+    #[arg(long)]
+    merge: bool,
+    /// The kubeconfig to merge into (with --merge).
+    #[arg(requires = "merge")]
+    file: Option<PathBuf>,
+    /// Replace an entry of the same name with other content (another
+    /// cluster's of that name, or this one's before its secrets changed).
+    #[arg(long, requires = "merge")]
+    force: bool,
+}
+
+/// `imgbuild kubeconfig`: where the admin kubeconfig is, or (--merge) the
+/// cluster added to the user's own.
+pub fn kubeconfig(args: KubeconfigArgs, config: &Path, output: Output) -> Result<()> {
+    let inv = load_inventory(config, output)?;
+    let state = StateDir::existing(&inv, args.state.state_dir.as_deref())?;
+    let ours = state.kubeconfig_path();
+    if !ours.is_file() {
+        return Err(super::output::Usage(format!(
+            "{}: no kubeconfig yet: `imgbuild bootstrap` (or `up`) writes it",
+            ours.display()
+        ))
+        .into());
+    }
+    if !args.merge {
+        match output {
+            Output::Json => outln!("{}", json!({"kubeconfig": ours})),
+            Output::Text => {
+                outln!("{}", ours.display());
+                outln!(
+                    "use it: export KUBECONFIG={} (or: imgbuild kubeconfig --merge)",
+                    ours.display()
+                );
+            }
+        }
+        return Ok(());
+    }
+    super::merge::kubeconfig(&ours, args.file, args.force, output)
 }
 
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
@@ -339,6 +398,12 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 outcome.kubeconfig_server
             );
             outln!("  talosconfig: {}", tc_path.display());
+            outln!(
+                "  use them: imgbuild kubeconfig --merge and imgbuild talosconfig --merge \
+                 (into ~/.kube/config and ~/.talos/config), or export KUBECONFIG={} TALOSCONFIG={}",
+                plan.kubeconfig_path.display(),
+                tc_path.display()
+            );
             for f in &outcome.fallbacks {
                 outln!("note: {f}");
             }

@@ -11,6 +11,7 @@ pub mod health;
 pub mod kube;
 pub mod kubernetes;
 pub mod lock;
+pub mod merge;
 pub mod pki;
 pub mod remove;
 pub mod secrets;

@@ -1,0 +1,108 @@
+//! `--merge` of `imgbuild kubeconfig` and `imgbuild talosconfig`: the
+//! cluster added to the user's own kubeconfig or talosconfig, as `talosctl
+//! kubeconfig` and `talosctl config merge` do.
+
+use super::output::{Output, Usage};
+use anyhow::{Context, Result};
+use imgbuild::talos::merge::{self, Merged};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+/// `talosctl kubeconfig --merge`: the cluster's kubeconfig (at `ours`)
+/// into `file`, else the first file of $KUBECONFIG, else ~/.kube/config.
+pub fn kubeconfig(ours: &Path, file: Option<PathBuf>, force: bool, output: Output) -> Result<()> {
+    let target = file.unwrap_or_else(default_kubeconfig);
+    let merged = merge_file(&target, ours, force, merge::kubeconfig)?;
+    report(&target, &merged, "kubeconfig", output);
+    Ok(())
+}
+
+/// `talosctl config merge`: the cluster's talosconfig (at `ours`) into
+/// `file`, else $TALOSCONFIG, else ~/.talos/config.
+pub fn talosconfig(ours: &Path, file: Option<PathBuf>, force: bool, output: Output) -> Result<()> {
+    let target = file.unwrap_or_else(default_talosconfig);
+    let merged = merge_file(&target, ours, force, merge::talosconfig)?;
+    report(&target, &merged, "talosconfig", output);
+    Ok(())
+}
+
+/// kubectl writes new entries to the first file of $KUBECONFIG.
+fn default_kubeconfig() -> PathBuf {
+    std::env::var_os("KUBECONFIG")
+        .and_then(|list| std::env::split_paths(&list).find(|p| !p.as_os_str().is_empty()))
+        .unwrap_or_else(|| home().join(".kube/config"))
+}
+
+fn default_talosconfig() -> PathBuf {
+    std::env::var_os("TALOSCONFIG")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home().join(".talos/config"))
+}
+
+fn home() -> PathBuf {
+    std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from)
+}
+
+/// Reads both files, merges, and writes `target` (through a symlink, as
+/// kubectl does, and 0600) only when something changed.
+fn merge_file(
+    target: &Path,
+    ours: &Path,
+    force: bool,
+    merge: fn(&str, &str, bool) -> Result<Merged, merge::MergeError>,
+) -> Result<Merged> {
+    let limit = imgbuild::input::MAX_TEXT_FILE;
+    let read =
+        |p: &Path| imgbuild::input::read_text(p, limit).with_context(|| format!("{}", p.display()));
+    let ours_text = read(ours)?;
+    let target = match std::fs::canonicalize(target) {
+        Ok(real) => real,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => target.to_owned(),
+        Err(e) => return Err(anyhow::anyhow!("{}: {e}", target.display())),
+    };
+    let theirs = if target.exists() {
+        read(&target)?
+    } else {
+        String::new()
+    };
+    let merged = merge(&theirs, &ours_text, force)
+        .map_err(|e| Usage(format!("{}: {e}", target.display())))?;
+    if merged.changed {
+        if let Some(dir) = target.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
+        }
+        imgbuild::atomic::write_if_changed(&target, merged.text.as_bytes(), true)
+            .with_context(|| format!("{}", target.display()))?;
+    }
+    Ok(merged)
+}
+
+fn report(target: &Path, merged: &Merged, kind: &str, output: Output) {
+    match output {
+        Output::Json => outln!(
+            "{}",
+            json!({
+                kind: target,
+                "context": merged.context,
+                "changed": merged.changed,
+                "replaced": merged.replaced,
+            })
+        ),
+        Output::Text => {
+            for r in &merged.replaced {
+                outln!("replaced {r}");
+            }
+            outln!(
+                "{}: {} (context {}, current)",
+                target.display(),
+                if merged.changed {
+                    "merged"
+                } else {
+                    "unchanged"
+                },
+                merged.context
+            );
+        }
+    }
+}
