@@ -168,3 +168,22 @@ fn make_runs_the_binaries_where_cargo_puts_them() {
         built.display()
     );
 }
+
+#[test]
+fn version_names_the_build_s_commit_and_the_talos_minors_it_knows() {
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let v = text(&o.stdout);
+    assert!(
+        v.starts_with(&format!("imgbuild {} (commit ", env!("CARGO_PKG_VERSION"))),
+        "{v}"
+    );
+    // A test build is a debug build: it says so rather than a stale commit.
+    assert!(
+        v.contains("(commit unknown (a debug build); Talos v1.9–v1.14)"),
+        "{v}"
+    );
+}

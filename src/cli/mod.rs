@@ -37,10 +37,23 @@ use output::{EXIT_FAILURE, EXIT_PARTIAL, EXIT_USAGE, Output, Partial, Reported, 
 use serde_json::json;
 use std::path::PathBuf;
 
+/// `imgbuild 0.1.0 (commit 1a2b3c4d5e6f; Talos v1.9–v1.14)`: what a bug
+/// report needs, the commit and the Talos minors this build knows.
+static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let table = imgbuild::talos::kubernetes::compat::TABLE;
+    format!(
+        "{} (commit {}; Talos v1.{}–v1.{})",
+        env!("CARGO_PKG_VERSION"),
+        env!("IMGBUILD_COMMIT"),
+        table.first().map_or(0, |r| r.talos_minor),
+        table.last().map_or(0, |r| r.talos_minor),
+    )
+});
+
 #[derive(Parser)]
 #[command(
     name = "imgbuild",
-    version,
+    version = VERSION.as_str(),
     about = "Per-node Talos Linux images from one cluster inventory",
     after_help = "Exit codes: 0 ok, 1 failure, 2 usage error or invalid inventory, 3 partial \
                   (some nodes or artifacts done, some failed). With --output json, stdout holds \
