@@ -457,6 +457,53 @@ pub(super) async fn show(State(cluster): State<Arc<Cluster>>) -> axum::Json<Valu
 mod tests {
     use super::*;
 
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::super::Args,
+    }
+
+    #[test]
+    fn v1_11_a_restore_that_fails_shows_etcd_failed_not_preparing() {
+        use clap::Parser;
+        let argv = [
+            "sim",
+            "--talos-version",
+            "v1.11.5",
+            "--node",
+            "cp-01=127.0.0.11:controlplane",
+        ];
+        let cluster = super::super::new_cluster(Cli::parse_from(argv).args).unwrap();
+        let then = std::time::Instant::now() - std::time::Duration::from_secs(10);
+        cluster.node(0).st.lock().unwrap().configured_at = Some(then);
+        let api = Api {
+            cluster,
+            me: 0,
+            secure: true,
+        };
+        let etcd_state = |api: &Api| {
+            let list = api.services_on(0);
+            let s = list.services.iter().find(|s| s.id == "etcd").unwrap();
+            (s.state.clone(), s.health.clone().unwrap().last_message)
+        };
+        assert_eq!(etcd_state(&api).0, "Preparing");
+        // An upload with no hash: etcd's pre-start fails, Bootstrap has
+        // answered already.
+        api.cluster
+            .etcd
+            .lock()
+            .unwrap()
+            .uploads
+            .insert(0, b"not a snapshot".to_vec());
+        api.bootstrap_on(0, true).unwrap();
+        let (state, message) = etcd_state(&api);
+        assert_eq!(state, "Failed");
+        assert!(message.contains("missing hash"), "{message}");
+        // A wipe (the disaster again) makes it wait for bootstrap anew.
+        api.cluster.etcd.lock().unwrap().failed.clear();
+        assert_eq!(etcd_state(&api).0, "Preparing");
+    }
+
     #[test]
     fn a_snapshot_restores_to_its_keys_and_a_flipped_byte_does_not() {
         let mut keys = BTreeMap::new();
