@@ -242,8 +242,8 @@ impl RealEtcd {
             .and_then(|m| m.healthy_since)
     }
 
-    /// The client URL of a running, healthy member, the nodes in `prefer`
-    /// first.
+    /// The client URL of a running, healthy member (the lowest node
+    /// index first).
     fn healthy_endpoint(&self) -> Option<String> {
         let m = self.members.lock().unwrap();
         let mut up: Vec<(&usize, &Member)> = m
