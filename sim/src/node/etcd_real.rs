@@ -254,6 +254,18 @@ impl RealEtcd {
         up.first().map(|(_, m)| m.client_url())
     }
 
+    /// A node other than `i` whose member is healthy.
+    pub(super) fn healthy_index_except(&self, i: usize) -> Option<usize> {
+        let m = self.members.lock().unwrap();
+        let mut up: Vec<usize> = m
+            .iter()
+            .filter(|(j, m)| **j != i && m.healthy_since.is_some())
+            .map(|(j, _)| *j)
+            .collect();
+        up.sort();
+        up.first().copied()
+    }
+
     /// Node index of the member named `name`.
     pub(super) fn index_of(&self, name: &str) -> Option<usize> {
         self.members

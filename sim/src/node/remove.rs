@@ -103,21 +103,55 @@ impl Cluster {
 
     /// Node `i` leaves etcd as Talos's `LeaveCluster` does: its own member
     /// ID from its member, then that member removed. Err: (member ID, why).
-    /// etcd answers "unhealthy cluster" when fewer than a quorum of the
-    /// voting members have been connected for its 5 s health interval
-    /// (etcd `mayRemoveMember`: a member that is down, or one that just
-    /// joined); Talos retries that one error for 5 minutes
-    /// (`--etcd-unhealthy-retry`), here every second. "not enough started
-    /// members" (a member that never started, or the only member) is not
-    /// retried.
+    /// Node `i` leaves through its own member, as Talos's `LeaveCluster`
+    /// does, retrying what Talos retries until `--etcd-unhealthy-retry`:
+    /// - "unhealthy cluster": fewer than a quorum of the voting members
+    ///   connected for etcd's 5 s health interval (etcd `mayRemoveMember`:
+    ///   a member that is down, or one that just joined), every second;
+    /// - "server stopped": the member was removed and stopped before it
+    ///   answered; the retry (through another member) then meets "member
+    ///   not found", which v1.9.1 on takes as done (talos f98efb3) and
+    ///   v1.9.0 returns.
+    ///
+    /// "not enough started members" (the only member, or one that never
+    /// started) is not retried.
     fn leave_real(&self, i: usize) -> Result<(), (Option<u64>, String)> {
         let real = self.real_etcd.as_ref().expect("--real-etcd");
         let id = real.own_id(self, i).map_err(|e| (None, e))?;
         let until = Instant::now() + super::ms(self.args.etcd_unhealthy_retry);
+        let tag = self
+            .node(i)
+            .st
+            .lock()
+            .unwrap()
+            .day2
+            .version_or(&self.args.talos_version);
+        let ignore_missing = Talos::parse(&tag).is_some_and(|t| leave_ignores_missing(&t));
+        let mut via = i;
+        let mut errors: Vec<String> = Vec::new();
         loop {
-            match self.remove_real(i, id) {
+            match self.remove_real(via, id) {
                 Err(e) if e.contains("unhealthy cluster") && Instant::now() < until => {
                     std::thread::sleep(std::time::Duration::from_secs(1));
+                }
+                Err(e) if e.contains("server stopped") && Instant::now() < until => {
+                    errors.push(format!("failed to remove member {id}: {e}"));
+                    match real.healthy_index_except(i) {
+                        Some(other) => via = other,
+                        None => return Err((Some(id), e)),
+                    }
+                }
+                Err(e) if via != i && e.contains("member not found") => {
+                    self.removals.lock().unwrap().left_etcd.insert(i);
+                    real.wipe(i);
+                    if ignore_missing {
+                        return Ok(());
+                    }
+                    errors.push(format!("failed to remove member {id}: {e}"));
+                    return Err((
+                        Some(id),
+                        format!("{} error(s) occurred: {}", errors.len(), errors.join("; ")),
+                    ));
                 }
                 done => return done.map_err(|e| (Some(id), e)),
             }
