@@ -195,6 +195,7 @@ mod apply;
 mod boot;
 mod day2;
 mod etcd;
+mod etcd_real;
 mod health;
 mod hostile;
 mod immediate;
@@ -264,6 +265,14 @@ pub struct Args {
     /// Bootstrap (a window in which a second Bootstrap meets AlreadyExists).
     #[arg(long, default_value_t = 0)]
     etcd_start_delay: u64,
+    /// A real etcd member (Debian etcd-server) behind each control plane
+    /// instead of the modelled one (`node/etcd_real.rs`). Off by default.
+    #[arg(long)]
+    real_etcd: bool,
+    /// Milliseconds Talos's LeaveCluster retries etcd's "unhealthy
+    /// cluster" before giving up (Talos: 5 minutes).
+    #[arg(long, default_value_t = 300_000)]
+    etcd_unhealthy_retry: u64,
     /// Milliseconds from configuration until kubelet is healthy.
     #[arg(long, default_value_t = 800)]
     kubelet_delay: u64,
@@ -535,6 +544,8 @@ struct Cluster {
     removals: Mutex<remove::Removals>,
     /// etcd's keyspace, snapshots and recoveries (`node/etcd.rs`).
     etcd: Mutex<etcd::Etcd>,
+    /// The real etcd members with `--real-etcd` (`node/etcd_real.rs`).
+    real_etcd: Option<etcd_real::RealEtcd>,
     /// Every connection accepted, by the address it came in on.
     connections: k8s_forward::ConnLog,
     /// Holds the VIP back (`--vip-held`) until `POST /_sim/vip`.
@@ -584,6 +595,10 @@ impl Cluster {
     }
 
     fn etcd_healthy_at(&self, i: usize) -> Option<Instant> {
+        if let Some(real) = &self.real_etcd {
+            // etcd's own /health, as the reconciler last saw it.
+            return self.etcd_start(i).and(real.healthy_since(i));
+        }
         self.etcd_start(i).map(|t| t + ms(self.args.etcd_delay))
     }
 
@@ -874,7 +889,13 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
             .is_some_and(|(_, tag)| version::Talos::parse(tag).is_some());
         anyhow::ensure!(ok, "--node-version {spec}: want NAME=vX.Y.Z");
     }
+    let real_etcd = if args.real_etcd {
+        Some(etcd_real::RealEtcd::new()?)
+    } else {
+        None
+    };
     Ok(Arc::new(Cluster {
+        real_etcd,
         nodes: RwLock::new(nodes),
         boot: Mutex::new(None),
         ca_keys: Mutex::new(HashMap::new()),
@@ -949,6 +970,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::spawn(serve_vip(cluster.clone(), vip));
     }
     tokio::spawn(k8s_pods::watch(cluster.clone()));
+    if cluster.real_etcd.is_some() {
+        etcd_real::reconcile_forever(cluster.clone());
+    }
     let app = Router::new()
         .route("/_sim/stats", get(stats))
         .route("/_sim/boot", post(boot))
@@ -1668,6 +1692,9 @@ impl Api {
                 "etcd is not running on this node",
             ));
         }
+        if self.cluster.real_etcd.is_some() {
+            return self.real_members_on(i);
+        }
         let members = (0..self.cluster.count())
             .filter(|&j| reached(self.cluster.etcd_start(j), now))
             .map(|j| {
@@ -1800,7 +1827,11 @@ impl Api {
         if self.cluster.node(i).control_plane() {
             let start = self.cluster.etcd_start(i);
             let healthy = self.cluster.etcd_healthy_at(i);
+            let failed = self.cluster.etcd_failed(i);
             services.push(match (start, healthy) {
+                _ if failed.is_some() => {
+                    service("etcd", "Failed", None, failed.as_deref().unwrap_or(""))
+                }
                 (Some(_), Some(h)) if now >= h => service("etcd", "Running", Some(true), ""),
                 (Some(s), _) if now >= s => {
                     service("etcd", "Running", Some(false), "etcd is starting")

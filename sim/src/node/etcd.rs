@@ -33,7 +33,12 @@
 //!   "node","ms","size","upgrade_calls_before"}],"uploads":{NODE:size},
 //!   "recoveries":[{"node","ms","keys"}],"failures":[{"node","ms","error"}]}`;
 //!   `upgrade_calls_before` counts the Upgrade calls every node had received
-//!   when the snapshot was asked for.
+//!   when the snapshot was asked for. Also `"failed": {NODE: error}` (etcd
+//!   Failed after a restore that failed: the service shows state Failed,
+//!   as Talos's does when etcd's pre-start fails, never Preparing), and
+//!   `"real"`; with `--real-etcd` (`node/etcd_real.rs`) the keys, revision,
+//!   snapshots and restores are the real members' and `"members": {NAME:
+//!   {"client","running","healthy","startup_ms":[…]}}` lists them.
 //! - `--misbehave` modes on a node's EtcdSnapshot: `etcd-snapshot-truncated`
 //!   (half the bytes, then a clean end), `etcd-snapshot-endless` (never
 //!   ends), `etcd-snapshot-stall` (one message, then nothing).
@@ -70,6 +75,16 @@ pub(super) struct Etcd {
     uploads: HashMap<usize, Vec<u8>>,
     recoveries: Vec<Value>,
     failures: Vec<Value>,
+    /// Nodes whose etcd failed to start (a restore that failed), and why:
+    /// the service shows Failed until the next wipe or bootstrap.
+    failed: HashMap<usize, String>,
+}
+
+impl Cluster {
+    /// Why node `i`'s etcd failed, if it did.
+    pub(super) fn etcd_failed(&self, i: usize) -> Option<String> {
+        self.etcd.lock().unwrap().failed.get(&i).cloned()
+    }
 }
 
 /// bbolt's meta checksum: Go's `hash/fnv` New64a.
@@ -236,9 +251,16 @@ impl Api {
             .iter()
             .map(|n| n.st.lock().unwrap().day2.upgrade_calls)
             .sum();
+        let real = match &self.cluster.real_etcd {
+            Some(r) => Some(
+                r.snapshot(&self.cluster, i)
+                    .map_err(|e| Status::unknown(format!("failed reading etcd snapshot: {e}")))?,
+            ),
+            None => None,
+        };
         let bytes = {
             let mut etcd = self.cluster.etcd.lock().unwrap();
-            let bytes = snapshot_of(&etcd.keys, etcd.revision);
+            let bytes = real.unwrap_or_else(|| snapshot_of(&etcd.keys, etcd.revision));
             let seq = etcd.snapshots.len() + 1;
             etcd.snapshots.push(json!({
                 "seq": seq,
@@ -305,25 +327,37 @@ impl Api {
     pub(super) fn restore_on(&self, i: usize) -> Result<(), String> {
         let name = self.cluster.node(i).display_name();
         let ms = self.cluster.now_ms();
-        let mut etcd = self.cluster.etcd.lock().unwrap();
-        let restored = match etcd.uploads.remove(&i) {
-            None => Err(
-                "error verifying snapshot: open /var/lib/etcd.snapshot: no such file or directory"
-                    .to_owned(),
-            ),
-            Some(upload) => restore(&upload),
+        let upload = self.cluster.etcd.lock().unwrap().uploads.remove(&i);
+        let missing =
+            "error verifying snapshot: open /var/lib/etcd.snapshot: no such file or directory";
+        let restored = match (upload, &self.cluster.real_etcd) {
+            (None, _) => Err(missing.to_owned()),
+            // etcd's own restore into the node's data dir; the keyspace
+            // stays etcd's.
+            (Some(upload), Some(real)) => real
+                .restore(&self.cluster, i, &upload)
+                .map(|n| (None, n as usize)),
+            (Some(upload), None) => restore(&upload).map(|(k, r)| {
+                let n = k.len();
+                (Some((k, r)), n)
+            }),
         };
+        let mut etcd = self.cluster.etcd.lock().unwrap();
         match restored {
-            Ok((keys, revision)) => {
+            Ok((model, keys)) => {
                 etcd.recoveries
-                    .push(json!({"node": name, "ms": ms, "keys": keys.len()}));
-                etcd.keys = keys;
-                etcd.revision = revision;
+                    .push(json!({"node": name, "ms": ms, "keys": keys}));
+                if let Some((keys, revision)) = model {
+                    etcd.keys = keys;
+                    etcd.revision = revision;
+                }
+                etcd.failed.remove(&i);
                 Ok(())
             }
             Err(error) => {
                 etcd.failures
                     .push(json!({"node": name, "ms": ms, "error": error}));
+                etcd.failed.insert(i, error.clone());
                 Err(error)
             }
         }
@@ -346,9 +380,15 @@ pub(super) async fn control(
 ) -> ControlReply {
     if req.wipe {
         *cluster.boot.lock().unwrap() = None;
+        if let Some(real) = &cluster.real_etcd {
+            for i in 0..cluster.count() {
+                real.wipe(i);
+            }
+        }
         let mut etcd = cluster.etcd.lock().unwrap();
         etcd.keys.clear();
         etcd.revision = 0;
+        etcd.failed.clear();
         return (StatusCode::OK, axum::Json(json!({"wiped": true})));
     }
     if cluster.boot.lock().unwrap().is_none() {
@@ -356,6 +396,15 @@ pub(super) async fn control(
             StatusCode::CONFLICT,
             "etcd is not bootstrapped: nothing to write to".into(),
         );
+    }
+    if let Some(real) = &cluster.real_etcd {
+        for (k, v) in &req.put {
+            if let Err(e) = real.put(k, v) {
+                return control_error(StatusCode::CONFLICT, e);
+            }
+        }
+        let revision = real.keys().map(|(_, r)| r).unwrap_or(0);
+        return (StatusCode::OK, axum::Json(json!({"revision": revision})));
     }
     let mut etcd = cluster.etcd.lock().unwrap();
     for (k, v) in req.put {
@@ -370,16 +419,33 @@ pub(super) async fn control(
 
 pub(super) async fn show(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
     let bootstrapped = cluster.boot.lock().unwrap().is_some();
+    // With real members, the keyspace is what a healthy one answers.
+    let real = cluster
+        .real_etcd
+        .as_ref()
+        .map(|r| (r.keys().unwrap_or_default(), r.members_json()));
     let etcd = cluster.etcd.lock().unwrap();
+    let failed: serde_json::Map<String, Value> = etcd
+        .failed
+        .iter()
+        .map(|(i, e)| (cluster.node(*i).display_name(), json!(e)))
+        .collect();
     let uploads: serde_json::Map<String, Value> = etcd
         .uploads
         .iter()
         .map(|(i, u)| (cluster.node(*i).display_name(), json!(u.len())))
         .collect();
+    let (keys, revision, startup) = match real {
+        Some(((keys, revision), startup)) => (json!(keys), revision, startup),
+        None => (json!(etcd.keys), etcd.revision, Value::Null),
+    };
     axum::Json(json!({
         "bootstrapped": bootstrapped,
-        "keys": etcd.keys,
-        "revision": etcd.revision,
+        "real": cluster.real_etcd.is_some(),
+        "members": startup,
+        "failed": failed,
+        "keys": keys,
+        "revision": revision,
         "snapshots": etcd.snapshots,
         "uploads": uploads,
         "recoveries": etcd.recoveries,
@@ -390,6 +456,50 @@ pub(super) async fn show(State(cluster): State<Arc<Cluster>>) -> axum::Json<Valu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::super::Args,
+    }
+
+    #[test]
+    fn v1_11_a_restore_that_fails_shows_etcd_failed_not_preparing() {
+        use clap::Parser;
+        let argv = [
+            "sim",
+            "--talos-version",
+            "v1.11.5",
+            "--node",
+            "cp-01=127.0.0.11:controlplane",
+        ];
+        let cluster = super::super::new_cluster(Cli::parse_from(argv).args).unwrap();
+        let then = std::time::Instant::now() - std::time::Duration::from_secs(10);
+        cluster.node(0).st.lock().unwrap().configured_at = Some(then);
+        let api = Api {
+            cluster,
+            me: 0,
+            secure: true,
+        };
+        let etcd_state = |api: &Api| {
+            let list = api.services_on(0);
+            let s = list.services.iter().find(|s| s.id == "etcd").unwrap();
+            (s.state.clone(), s.health.clone().unwrap().last_message)
+        };
+        assert_eq!(etcd_state(&api).0, "Preparing");
+        // An upload with no hash: etcd's pre-start fails, Bootstrap has
+        // answered already.
+        api.cluster
+            .etcd
+            .lock()
+            .unwrap()
+            .uploads
+            .insert(0, b"not a snapshot".to_vec());
+        api.bootstrap_on(0, true).unwrap();
+        let (state, message) = etcd_state(&api);
+        assert_eq!(state, "Failed");
+        assert!(message.contains("missing hash"), "{message}");
+    }
 
     #[test]
     fn a_snapshot_restores_to_its_keys_and_a_flipped_byte_does_not() {

@@ -78,6 +78,84 @@ impl Cluster {
     /// a new member, as Talos's etcd service does on a bootstrapped cluster.
     pub(super) fn rejoin_etcd(&self, i: usize) {
         self.removals.lock().unwrap().left_etcd.remove(&i);
+        if let Some(real) = &self.real_etcd {
+            real.wipe(i);
+        }
+    }
+
+    /// With `--real-etcd`: etcd's `member remove ID` through node `via`'s
+    /// member (Talos's local client), etcd deciding; the node whose member
+    /// it was has left (its etcd stopped, its data gone).
+    fn remove_real(&self, via: usize, id: u64) -> Result<(), String> {
+        let real = self.real_etcd.as_ref().expect("--real-etcd");
+        let name = real
+            .list(self, via)?
+            .into_iter()
+            .find(|m| m.id == id)
+            .map(|m| m.name);
+        real.remove(self, via, id)?;
+        if let Some(j) = name.and_then(|n| real.index_of(&n)) {
+            self.removals.lock().unwrap().left_etcd.insert(j);
+            real.wipe(j);
+        }
+        Ok(())
+    }
+
+    /// Node `i` leaves etcd as Talos's `LeaveCluster` does: its own member
+    /// ID from its member, then that member removed. Err: (member ID, why).
+    /// Node `i` leaves through its own member, as Talos's `LeaveCluster`
+    /// does, retrying what Talos retries until `--etcd-unhealthy-retry`:
+    /// - "unhealthy cluster": fewer than a quorum of the voting members
+    ///   connected for etcd's 5 s health interval (etcd `mayRemoveMember`:
+    ///   a member that is down, or one that just joined), every second;
+    /// - "server stopped": the member was removed and stopped before it
+    ///   answered; the retry (through another member) then meets "member
+    ///   not found", which v1.9.1 on takes as done (talos f98efb3) and
+    ///   v1.9.0 returns.
+    ///
+    /// "not enough started members" (the only member, or one that never
+    /// started) is not retried.
+    fn leave_real(&self, i: usize) -> Result<(), (Option<u64>, String)> {
+        let real = self.real_etcd.as_ref().expect("--real-etcd");
+        let id = real.own_id(self, i).map_err(|e| (None, e))?;
+        let until = Instant::now() + super::ms(self.args.etcd_unhealthy_retry);
+        let tag = self
+            .node(i)
+            .st
+            .lock()
+            .unwrap()
+            .day2
+            .version_or(&self.args.talos_version);
+        let ignore_missing = Talos::parse(&tag).is_some_and(|t| leave_ignores_missing(&t));
+        let mut via = i;
+        let mut errors: Vec<String> = Vec::new();
+        loop {
+            match self.remove_real(via, id) {
+                Err(e) if e.contains("unhealthy cluster") && Instant::now() < until => {
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                }
+                Err(e) if e.contains("server stopped") && Instant::now() < until => {
+                    errors.push(format!("failed to remove member {id}: {e}"));
+                    match real.healthy_index_except(i) {
+                        Some(other) => via = other,
+                        None => return Err((Some(id), e)),
+                    }
+                }
+                Err(e) if via != i && e.contains("member not found") => {
+                    self.removals.lock().unwrap().left_etcd.insert(i);
+                    real.wipe(i);
+                    if ignore_missing {
+                        return Ok(());
+                    }
+                    errors.push(format!("failed to remove member {id}: {e}"));
+                    return Err((
+                        Some(id),
+                        format!("{} error(s) occurred: {}", errors.len(), errors.join("; ")),
+                    ));
+                }
+                done => return done.map_err(|e| (Some(id), e)),
+            }
+        }
     }
 
     /// Node `i`'s Kubernetes Node was deleted and its kubelet is gone.
@@ -205,6 +283,14 @@ impl Api {
                     "failed to get local etcd member ID: context deadline exceeded",
                 ));
             }
+            if self.cluster.real_etcd.is_some() {
+                return self.cluster.leave_real(i).map_err(|(id, e)| match id {
+                    None => Status::unknown(format!("failed to get local etcd member ID: {e}")),
+                    Some(id) => Status::unknown(format!(
+                        "failed to leave cluster: failed to remove member {id}: {e}"
+                    )),
+                });
+            }
             self.cluster.remove_member(Some(i), now).map_err(|e| {
                 Status::unknown(format!(
                     "failed to leave cluster: failed to remove member {}: {e}",
@@ -231,6 +317,23 @@ impl Api {
             self.control_plane_only(i, "etcd remove member")?;
             let now = Instant::now();
             let stale = self.cluster.facts.lock().unwrap().stale_etcd_member;
+            if let (Some(real), false) = (&self.cluster.real_etcd, id == STALE_MEMBER_ID && stale) {
+                if let Some(m) = real
+                    .list(&self.cluster, i)
+                    .ok()
+                    .and_then(|l| l.into_iter().find(|m| m.id == id))
+                {
+                    name = m.name;
+                }
+                return self.cluster.remove_real(i, id).map_err(|e| {
+                    let text = format!("failed to remove member {id}: {e}");
+                    if e.contains("member not found") {
+                        Status::not_found(text)
+                    } else {
+                        Status::unknown(format!("failed to remove member: {text}"))
+                    }
+                });
+            }
             let target = if id == STALE_MEMBER_ID && stale {
                 None
             } else {
@@ -390,7 +493,12 @@ fn reset_sequence(cluster: &Arc<Cluster>, i: usize, graceful: bool) {
     let member = cluster.members().contains(&i);
     let mut left = false;
     if graceful && node.control_plane() && member {
-        if let Err(e) = cluster.remove_member(Some(i), Instant::now()) {
+        let removed = if cluster.real_etcd.is_some() {
+            cluster.leave_real(i).map_err(|(_, e)| e)
+        } else {
+            cluster.remove_member(Some(i), Instant::now())
+        };
+        if let Err(e) = removed {
             cluster.log(json!({"node": name, "call": "ResetSequence", "ok": false,
                 "error": format!("leaveEtcd: failed to leave cluster: failed to remove member {}: {e}", member_id(i))}));
             return;
