@@ -26,9 +26,8 @@ use super::plan::{
     with_versions,
 };
 use crate::inventory::Role;
-use crate::talos::api::common::ContainerdNamespace;
 use crate::talos::bootstrap::{Options, Plan, PlannedNode};
-use crate::talos::client::{ApplyMode, Mode, NodeClient};
+use crate::talos::client::{ApplyMode, Mode, NodeClient, PullApi};
 use crate::talos::health::kubeconfig;
 use crate::talos::upgrade::report::Ending;
 
@@ -187,28 +186,37 @@ impl Runner<'_> {
             .map_err(|e| one_line(&e.to_string()))
     }
 
-    fn pre_pull(&mut self, name: &str, images: &[String]) -> Result<(), String> {
+    /// talosctl `prePullImages`: each image into the node's CRI containerd
+    /// (the kubelet's into namespace `system`, where the kubelet service
+    /// looks, the rest into `k8s.io`); a node that answers Unimplemented is
+    /// skipped with a note.
+    fn pre_pull(&mut self, name: &str, images: &[String], via: PullApi) -> Result<(), String> {
         let node = self.node(name)?;
         let conn = self.connect(node, self.run.pull_timeout)?;
         let kubelet = images_of(&node.config)
             .remove(&Component::Kubelet)
             .map(|k| retag(&k, ""));
         for image in images {
-            // The kubelet runs in the system containerd, pods in the CRI one.
-            let ns = if kubelet.as_deref() == Some(retag(image, "").as_str()) {
-                ContainerdNamespace::NsSystem
-            } else {
-                ContainerdNamespace::NsCri
-            };
-            match self.rt.block_on(conn.pull_into(image, ns)) {
-                Ok(_) => {}
+            let is_kubelet = kubelet.as_deref() == Some(retag(image, "").as_str());
+            match self
+                .rt
+                .block_on(conn.pull_kubernetes_image(via, image, is_kubelet))
+            {
+                Ok(()) => {}
                 Err(e) if e.code() == Some(tonic::Code::Unimplemented) => {
                     self.notes.push(format!(
-                        "{name}: Talos does not offer ImageService: not pre-pulled"
+                        "{name}: Talos does not offer {}: not pre-pulled",
+                        via.name()
                     ));
                     return Ok(());
                 }
-                Err(e) => return Err(format!("pulling {image}: {}", one_line(&e.to_string()))),
+                Err(e) => {
+                    return Err(format!(
+                        "pulling {image} ({}): {}",
+                        via.name(),
+                        one_line(&e.to_string())
+                    ));
+                }
             }
         }
         Ok(())
@@ -375,7 +383,7 @@ pub fn execute(
         let what = step.describe();
         progress(&what);
         let result = match step {
-            Step::PrePull { node, images } => runner.pre_pull(node, images),
+            Step::PrePull { node, images, via } => runner.pre_pull(node, images, *via),
             Step::Component {
                 node,
                 component,
