@@ -7,12 +7,10 @@
 //! the minors the supported Talos releases run (1.26 → 1.27 to 1.35 → 1.36).
 //! The arguments are the ones the node's rendered config gives each
 //! component (`extraArgs`), from which Talos builds its command line.
-
-use std::collections::BTreeMap;
+//! Components are named as Kubernetes names them (`kube-apiserver`,
+//! `kubelet`).
 
 use serde::Serialize;
-
-use super::plan::Component;
 
 /// What one minor step removes (go-kubernetes `componentChecks`).
 struct Removed {
@@ -226,7 +224,7 @@ impl Kind {
 #[serde(rename_all = "camelCase")]
 pub struct RemovedSetting {
     pub node: String,
-    pub component: Component,
+    pub component: String,
     pub kind: Kind,
     pub value: String,
 }
@@ -240,38 +238,22 @@ impl RemovedSetting {
         format!(
             "{} {}: {} {value}",
             self.node,
-            self.component.name(),
+            self.component,
             self.kind.name()
         )
     }
 }
 
-/// The command-line arguments (`--key=value`) of each component in a
-/// rendered config's `extraArgs`; a list value is joined with commas.
-pub fn args_of(doc: &serde_json::Value) -> BTreeMap<Component, Vec<String>> {
-    Component::ALL
-        .into_iter()
-        .filter_map(|c| {
-            let [a, b] = c.config_path();
-            let args = doc[a][b]["extraArgs"].as_object()?;
-            let list = args
-                .iter()
-                .map(|(k, v)| {
-                    let v = match v {
-                        serde_json::Value::String(s) => s.clone(),
-                        serde_json::Value::Array(items) => items
-                            .iter()
-                            .map(|i| i.as_str().map_or_else(|| i.to_string(), str::to_owned))
-                            .collect::<Vec<_>>()
-                            .join(","),
-                        other => other.to_string(),
-                    };
-                    format!("--{k}={v}")
-                })
-                .collect();
-            Some((c, list))
-        })
-        .collect()
+/// One `extraArgs` value as it goes on the command line: a list joined
+/// with commas.
+pub fn arg_value(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Array(items) => {
+            items.iter().map(arg_value).collect::<Vec<_>>().join(",")
+        }
+        other => other.to_string(),
+    }
 }
 
 /// The settings removed between Kubernetes 1.`from` and 1.`to` that
@@ -281,7 +263,7 @@ pub fn removed_in(
     from: u32,
     to: u32,
     node: &str,
-    component: Component,
+    component: &str,
     args: &[String],
 ) -> Vec<RemovedSetting> {
     let Some(r) = TABLE.iter().find(|r| r.step == (from, to)) else {
@@ -289,19 +271,23 @@ pub fn removed_in(
     };
     let hit = |kind: Kind, value: &str| RemovedSetting {
         node: node.to_owned(),
-        component,
+        component: component.to_owned(),
         kind,
         value: value.to_owned(),
     };
     let mut out = Vec::new();
     let flags = match component {
-        Component::KubeApiserver => r.apiserver_flags,
-        Component::KubeControllerManager => r.controller_manager_flags,
-        Component::KubeScheduler => r.scheduler_flags,
-        Component::Kubelet => r.kubelet_flags,
-        Component::KubeProxy => NONE,
+        "kube-apiserver" => r.apiserver_flags,
+        "kube-controller-manager" => r.controller_manager_flags,
+        "kube-scheduler" => r.scheduler_flags,
+        "kubelet" => r.kubelet_flags,
+        _ => NONE,
     };
-    if component == Component::KubeApiserver {
+    let static_pod = matches!(
+        component,
+        "kube-apiserver" | "kube-controller-manager" | "kube-scheduler"
+    );
+    if component == "kube-apiserver" {
         // The first --enable-admission-plugins, split on commas.
         if let Some(list) = args
             .iter()
@@ -315,9 +301,7 @@ pub fn removed_in(
             }
         }
     }
-    if Component::STATIC_PODS.contains(&component)
-        && let Some(list) = args.iter().find_map(|a| a.strip_prefix("--feature-gates="))
-    {
+    if static_pod && let Some(list) = args.iter().find_map(|a| a.strip_prefix("--feature-gates=")) {
         let gates: Vec<&str> = list
             .split(',')
             .map(|g| g.split('=').next().unwrap_or(""))
@@ -352,18 +336,18 @@ mod tests {
     #[test]
     fn a_kubelet_flag_removed_in_1_35_is_found_and_named() {
         let a = args(&["--pod-infra-container-image=pause:3.10", "--v=2"]);
-        let found = removed_in(34, 35, "worker-01", Component::Kubelet, &a);
+        let found = removed_in(34, 35, "worker-01", "kubelet", &a);
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(
             found[0].describe(),
             "worker-01 kubelet: flag --pod-infra-container-image"
         );
         // A patch, or the minor before, removes nothing.
-        assert!(removed_in(35, 35, "worker-01", Component::Kubelet, &a).is_empty());
-        assert!(removed_in(33, 34, "worker-01", Component::Kubelet, &a).is_empty());
+        assert!(removed_in(35, 35, "worker-01", "kubelet", &a).is_empty());
+        assert!(removed_in(33, 34, "worker-01", "kubelet", &a).is_empty());
         // A flag that only shares the prefix is not the flag.
         let a = args(&["--pod-infra-container-image-pull=x"]);
-        assert!(removed_in(34, 35, "w", Component::Kubelet, &a).is_empty());
+        assert!(removed_in(34, 35, "w", "kubelet", &a).is_empty());
     }
 
     #[test]
@@ -372,7 +356,7 @@ mod tests {
             "--feature-gates=Foo=true,AppArmor=false",
             "--cloud-config=/etc/c",
         ]);
-        let found = removed_in(32, 33, "cp-01", Component::KubeApiserver, &a);
+        let found = removed_in(32, 33, "cp-01", "kube-apiserver", &a);
         let what: Vec<String> = found.iter().map(RemovedSetting::describe).collect();
         assert_eq!(
             what,
@@ -383,9 +367,9 @@ mod tests {
         );
         // The kubelet's feature gates are not checked (checks.go checks the
         // static pods' only); its cloud-config goes in 1.34.
-        assert!(removed_in(32, 33, "cp-01", Component::Kubelet, &a).is_empty());
+        assert!(removed_in(32, 33, "cp-01", "kubelet", &a).is_empty());
         let a = args(&["--enable-admission-plugins=NodeRestriction,SecurityContextDeny"]);
-        let found = removed_in(29, 30, "cp-02", Component::KubeApiserver, &a);
+        let found = removed_in(29, 30, "cp-02", "kube-apiserver", &a);
         assert_eq!(
             found[0].describe(),
             "cp-02 kube-apiserver: admission plugin SecurityContextDeny"
@@ -393,19 +377,9 @@ mod tests {
     }
 
     #[test]
-    fn extra_args_become_the_command_line() {
-        let doc = json!({
-            "machine": {"kubelet": {"extraArgs": {"pod-infra-container-image": "pause:3.10"}}},
-            "cluster": {"apiServer": {"extraArgs": {"feature-gates": ["A=true", "B=false"]}}}
-        });
-        let args = args_of(&doc);
-        assert_eq!(
-            args[&Component::Kubelet],
-            ["--pod-infra-container-image=pause:3.10"]
-        );
-        assert_eq!(
-            args[&Component::KubeApiserver],
-            ["--feature-gates=A=true,B=false"]
-        );
+    fn list_values_are_joined_with_commas() {
+        assert_eq!(arg_value(&json!(["A=true", "B=false"])), "A=true,B=false");
+        assert_eq!(arg_value(&json!("x")), "x");
+        assert_eq!(arg_value(&json!(3)), "3");
     }
 }

@@ -64,7 +64,7 @@ impl Component {
     }
 
     /// Where a v1alpha1 machine config holds its image.
-    pub(super) fn config_path(self) -> [&'static str; 2] {
+    fn config_path(self) -> [&'static str; 2] {
         match self {
             Component::KubeApiserver => ["cluster", "apiServer"],
             Component::KubeControllerManager => ["cluster", "controllerManager"],
@@ -304,7 +304,7 @@ pub fn decide(seen: &ClusterSeen, target: &str, skip_api_check: bool) -> KubePla
                     continue;
                 }
                 plan.removed_settings
-                    .extend(flags::removed_in(f.1, t.1, &n.node, *c, args));
+                    .extend(flags::removed_in(f.1, t.1, &n.node, c.name(), args));
             }
         }
         if !plan.removed_settings.is_empty() {
@@ -504,7 +504,21 @@ pub fn images_of(config: &[u8]) -> BTreeMap<Component, String> {
 /// Each component's `extraArgs` in a rendered config, as command-line
 /// arguments.
 pub fn args_of(config: &[u8]) -> BTreeMap<Component, Vec<String>> {
-    split(config).map_or_else(|_| BTreeMap::new(), |(doc, _)| flags::args_of(&doc))
+    let Ok((doc, _)) = split(config) else {
+        return BTreeMap::new();
+    };
+    Component::ALL
+        .into_iter()
+        .filter_map(|c| {
+            let [a, b] = c.config_path();
+            let args = doc[a][b]["extraArgs"].as_object()?;
+            let list = args
+                .iter()
+                .map(|(k, v)| format!("--{k}={}", flags::arg_value(v)))
+                .collect();
+            Some((c, list))
+        })
+        .collect()
 }
 
 /// Whether a rendered config disables kube-proxy (`cluster.proxy.disabled`).
@@ -635,6 +649,20 @@ mod tests {
         }
         assert_eq!(all[5..], want);
         assert!(p.has_work());
+    }
+
+    #[test]
+    fn extra_args_become_the_command_line() {
+        let config = b"machine:\n  kubelet:\n    extraArgs:\n      pod-infra-container-image: pause:3.10\ncluster:\n  apiServer:\n    extraArgs:\n      feature-gates: [A=true, B=false]\n";
+        let args = args_of(config);
+        assert_eq!(
+            args[&Component::Kubelet],
+            ["--pod-infra-container-image=pause:3.10"]
+        );
+        assert_eq!(
+            args[&Component::KubeApiserver],
+            ["--feature-gates=A=true,B=false"]
+        );
     }
 
     #[test]
