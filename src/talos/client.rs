@@ -753,10 +753,13 @@ impl NodeClient {
 
     /// Bootstrap that starts etcd from the snapshot [`Self::etcd_recover`]
     /// uploaded (`recover_etcd`).
-    pub async fn bootstrap_recover(&self) -> Result<(), ApiError> {
+    /// `skip_hash_check`: the upload is a copy of an etcd data directory's
+    /// `member/snap/db`, which carries no snapshot hash
+    /// (`recover_skip_hash_check`, talosctl `--recover-skip-hash-check`).
+    pub async fn bootstrap_recover(&self, skip_hash_check: bool) -> Result<(), ApiError> {
         let req = BootstrapRequest {
             recover_etcd: true,
-            recover_skip_hash_check: false,
+            recover_skip_hash_check: skip_hash_check,
         };
         let reply = self
             .call(self.machine().bootstrap(self.request(req)))
