@@ -364,8 +364,13 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
         assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
         assert!(text(&o.stderr).contains(why), "{}", text(&o.stderr));
     };
-    // A cluster whose etcd runs is not recovered over: nothing is uploaded.
-    refused(&snap, "etcd already has data");
+    // A cluster whose etcd runs is not recovered over: every control plane
+    // must be Preparing (Talos disaster recovery), each one that is not is
+    // named, and nothing is uploaded.
+    refused(
+        &snap,
+        "these are not: cp-01 (etcd Running), cp-02 (etcd Running), cp-03 (etcd Running)",
+    );
     assert_eq!(c.etcd()["uploads"], serde_json::json!({}));
 
     // A file that is not a whole snapshot is refused before any node.
@@ -467,4 +472,17 @@ fn v1_11_bootstrap_recover_from_configures_replaced_machines_and_restores_the_da
         "{etcd}"
     );
     assert_eq!(etcd["recoveries"][0]["node"], "cp-01", "{etcd}");
+}
+
+#[test]
+fn recover_skip_hash_check_needs_a_file_to_recover_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.yaml");
+    let o = imgbuild(&config, &["bootstrap", "--recover-skip-hash-check"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("--recover-from"),
+        "{}",
+        text(&o.stderr)
+    );
 }

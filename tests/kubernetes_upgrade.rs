@@ -93,12 +93,20 @@ impl Cluster {
 
     /// The inventory moves to Talos `talos` and Kubernetes `k8s`.
     fn want(&self, talos: &str, k8s: &str) {
+        self.want_with(talos, k8s, "");
+    }
+
+    /// [`Cluster::want`] with `extra` YAML after the inventory (patches).
+    fn want_with(&self, talos: &str, k8s: &str, extra: &str) {
         let mut inv = Inventory::new("sim")
             .vip(&format!("{}.10", self.net))
             .talos(talos)
             .factory(&self.factory.url);
         for (name, host, role) in NODES {
             inv = inv.node(Node::new(name, role).address(&format!("{}.{host}", self.net)));
+        }
+        if !extra.is_empty() {
+            inv = inv.append(extra);
         }
         let text = inv.text();
         assert!(text.contains("kubernetesVersion: v1.32.1"));
@@ -149,7 +157,16 @@ fn left(plan: &serde_json::Value) -> Vec<String> {
 
 const CPS: [&str; 3] = ["cp-01", "cp-02", "cp-03"];
 
-/// The order talosctl's `upgrade-k8s` goes in, for the 3+2 [`NODES`].
+/// The pre-pulls first, one per node (talosctl pre-pulls on every Talos
+/// version from v1.5: `talos_managed.go` `prePullImages`), then `rest`.
+fn pulls_then(rest: &[String]) -> Vec<String> {
+    let mut out = vec!["prePull".to_owned(); NODES.len()];
+    out.extend_from_slice(rest);
+    out
+}
+
+/// The order talosctl's `upgrade-k8s` goes in, for the 3+2 [`NODES`],
+/// after the pre-pulls.
 fn full_order() -> Vec<String> {
     let mut out = Vec::new();
     for c in [
@@ -177,7 +194,15 @@ fn a_3_plus_2_cluster_moves_from_1_32_1_to_1_33_5_in_order_and_a_rerun_does_noth
     let plan = json(&o);
     assert_eq!(plan["kubernetes"]["from"], "v1.32.1");
     assert_eq!(plan["kubernetes"]["to"], "v1.33.5");
-    assert_eq!(left(&plan), full_order());
+    assert_eq!(left(&plan), pulls_then(&full_order()));
+    let via: Vec<&str> = plan["kubernetes"]["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["kind"] == "prePull")
+        .map(|s| s["via"].as_str().unwrap())
+        .collect();
+    assert_eq!(via, ["ImagePull"; 5], "Talos v1.11 has no ImageService");
     let o = imgbuild(&c.config, &["upgrade", "--dry-run"]);
     let shown = text(&o.stdout);
     assert!(shown.contains("kubernetes: v1.32.1 → v1.33.5"), "{shown}");
@@ -226,6 +251,7 @@ fn a_3_plus_2_cluster_moves_from_1_32_1_to_1_33_5_in_order_and_a_rerun_does_noth
     );
     let report = json(&o);
     assert!(report["kubernetes"]["failed"].is_null(), "{report}");
+    assert_pre_pulled(&c, &report, "v1.33.5", "MachineService.ImagePull");
     let all = format!("{}{}", text(&o.stdout), text(&o.stderr));
     for secret in [
         "PRIVATE KEY",
@@ -313,7 +339,7 @@ fn a_stop_after_the_second_control_plane_resumes_without_repeating_work() {
 
     let o = imgbuild(&c.config, &["--output", "json", "upgrade", "--dry-run"]);
     let plan = json(&o);
-    assert_eq!(left(&plan), full_order()[2..].to_vec());
+    assert_eq!(left(&plan), pulls_then(&full_order()[2..]));
     let o = imgbuild(&c.config, &["--output", "json", "upgrade"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let report = json(&o);
@@ -370,6 +396,33 @@ fn a_cluster_still_requesting_a_removed_api_is_refused_before_any_change() {
         shown.contains("note: --skip-api-check: upgrading although the cluster still uses APIs Kubernetes v1.32.2 removes: flowschemas.v1beta3"),
         "{shown}"
     );
+}
+
+#[test]
+fn a_kubelet_flag_the_target_removes_is_refused_before_any_change_naming_flag_and_node() {
+    // Talos v1.11.5, Kubernetes 1.33.5 → 1.34.1: 1.34 removes the kubelet's
+    // --cloud-config (go-kubernetes kubernetes/upgrade/checks.go, "1.33->1.34").
+    let c = Cluster::start(8, "v1.11.5", "v1.33.5", "v1.11.5");
+    std::fs::write(
+        c.config.with_file_name("cloud.yaml"),
+        "machine:\n  kubelet:\n    extraArgs:\n      cloud-config: /etc/kubernetes/cloud.conf\n",
+    )
+    .unwrap();
+    c.want_with("v1.11.5", "v1.34.1", "patches:\n  worker: [cloud.yaml]\n");
+    let applies = c.applies();
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    let all = format!("{}{}", text(&o.stdout), text(&o.stderr));
+    for w in ["worker-01", "worker-02"] {
+        assert!(
+            all.contains(&format!("{w} kubelet: flag --cloud-config")),
+            "{all}"
+        );
+    }
+    assert!(!all.contains("cp-01 kubelet"), "{all}");
+    assert_eq!(c.applies(), applies, "refused before any change");
+    assert!(c.restarts_to("v1.34.1").is_empty());
+    assert!(c.k8s()["pulled"].as_object().is_none_or(|p| p.is_empty()));
 }
 
 #[test]
@@ -489,15 +542,51 @@ fn status_check_exits_1_while_coredns_is_on_the_old_image() {
     assert!(o.status.success(), "{}", text(&o.stdout));
 }
 
-#[test]
-fn talos_1_13_pre_pulls_the_new_images_before_moving_anything() {
-    // Talos v1.13.5 offers ImageService.Pull; talosctl's --pre-pull-images.
-    let c = Cluster::start(6, "v1.13.5", "v1.32.1", "v1.13.5");
-    c.want("v1.13.5", "v1.33.5");
+/// talosctl `prePullImages` (`talos_managed.go`): kube-apiserver,
+/// kube-controller-manager and kube-scheduler on each control plane, the
+/// kubelet on every node, each node either pulled exactly those (in the
+/// CRI containerd) or answered Unimplemented and was noted as skipped.
+fn assert_pre_pulled(c: &Cluster, report: &serde_json::Value, to: &str, api: &str) {
+    let pulled = &c.k8s()["pulled"];
+    let notes = report["kubernetes"]["notes"].to_string();
+    for (node, _, role) in NODES {
+        let mut want = Vec::new();
+        if role == "controlplane" {
+            for c in [
+                "kube-apiserver",
+                "kube-controller-manager",
+                "kube-scheduler",
+            ] {
+                want.push(format!("registry.k8s.io/{c}:{to}"));
+            }
+        }
+        want.push(format!("ghcr.io/siderolabs/kubelet:{to}"));
+        let skipped = format!("{node}: Talos does not offer {api}: not pre-pulled");
+        match pulled[node].as_array() {
+            Some(images) => {
+                let images: Vec<&str> = images.iter().map(|i| i.as_str().unwrap()).collect();
+                assert_eq!(images, want, "{node}: {pulled}");
+                assert!(!notes.contains(&skipped), "{node}: {notes}");
+            }
+            None => assert!(notes.contains(&skipped), "{node} pulled nothing: {notes}"),
+        }
+    }
+}
+
+/// Kubernetes 1.32.1 → 1.33.5 on Talos `talos` (v1.13+): the pre-pulls go
+/// through ImageService.Pull with the CRI driver (FORMATS.md §7.x;
+/// ctrhelper.go refuses the containerd driver with NS_CRI), then the rest.
+fn moves_with_image_service(block: u32, talos: &str) {
+    let c = Cluster::start(block, talos, "v1.32.1", talos);
+    c.want(talos, "v1.33.5");
     let o = imgbuild(&c.config, &["--output", "json", "upgrade", "--dry-run"]);
     let plan = json(&o);
-    let pulls = left(&plan).iter().take_while(|s| *s == "prePull").count();
-    assert_eq!(pulls, 5, "one pre-pull per node first: {:?}", left(&plan));
+    assert_eq!(left(&plan), pulls_then(&full_order()));
+    for step in plan["kubernetes"]["steps"].as_array().unwrap() {
+        if step["kind"] == "prePull" {
+            assert_eq!(step["via"], "ImageService", "{step}");
+        }
+    }
     let o = imgbuild(&c.config, &["--output", "json", "upgrade"]);
     assert!(
         o.status.success(),
@@ -505,28 +594,26 @@ fn talos_1_13_pre_pulls_the_new_images_before_moving_anything() {
         text(&o.stdout),
         text(&o.stderr)
     );
-    let pulled = &c.k8s()["pulled"];
-    for cp in CPS {
-        let images: Vec<&str> = pulled[cp]
-            .as_array()
-            .unwrap_or_else(|| panic!("{cp}: {pulled}"))
-            .iter()
-            .map(|i| i.as_str().unwrap())
-            .collect();
-        assert_eq!(
-            images,
-            [
-                "registry.k8s.io/kube-apiserver:v1.33.5",
-                "registry.k8s.io/kube-controller-manager:v1.33.5",
-                "registry.k8s.io/kube-scheduler:v1.33.5",
-                "ghcr.io/siderolabs/kubelet:v1.33.5"
-            ],
-            "{cp}"
-        );
-    }
-    assert_eq!(
-        pulled["worker-01"],
-        serde_json::json!(["ghcr.io/siderolabs/kubelet:v1.33.5"])
+    let report = json(&o);
+    assert!(report["kubernetes"]["failed"].is_null(), "{report}");
+    assert!(
+        !report["kubernetes"]["notes"]
+            .to_string()
+            .contains("not pre-pulled"),
+        "{report}"
     );
+    assert_pre_pulled(&c, &report, "v1.33.5", "ImageService.Pull");
     assert_eq!(c.restarts_to("v1.33.5").len(), 14);
+}
+
+#[test]
+fn talos_1_13_pre_pulls_through_image_service_into_the_cri_containerd() {
+    // Talos v1.13.5.
+    moves_with_image_service(6, "v1.13.5");
+}
+
+#[test]
+fn talos_1_14_pre_pulls_through_image_service_into_the_cri_containerd() {
+    // Talos v1.14.0 (Kubernetes 1.32–1.37).
+    moves_with_image_service(7, "v1.14.0");
 }

@@ -102,6 +102,11 @@ pub struct BootstrapArgs {
     /// etcd snapshot`) on control planes whose etcd has no data.
     #[arg(long, value_name = "FILE")]
     recover_from: Option<PathBuf>,
+    /// The --recover-from file is a copy of a member's data directory
+    /// database (`member/snap/db`), not a snapshot: Talos skips the hash
+    /// check (talosctl `--recover-skip-hash-check`).
+    #[arg(long, requires = "recover_from")]
+    recover_skip_hash_check: bool,
 }
 
 /// The bootstrap's state dir, identity, timeouts and pin: shared by
@@ -153,6 +158,7 @@ impl BootstrapRunArgs {
                 poll: self.poll,
                 pin: self.cert_fingerprint.map(|f| f.hex()),
                 recover_from: None,
+                recover_skip_hash_check: false,
                 leaving: Vec::new(),
             },
         }
@@ -331,6 +337,7 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
     let inv = load_inventory(config, output)?;
     let mut opts = args.run.options_for(&inv)?;
     opts.limits.recover_from = args.recover_from.clone();
+    opts.limits.recover_skip_hash_check = args.recover_skip_hash_check;
     let _lock = stage::lock_state_dir(&inv, &opts, "bootstrap")?;
     let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
     let board = Board::new(&nodes, Show::log_for(args.quiet, output), Show::Nothing);

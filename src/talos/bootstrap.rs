@@ -76,6 +76,9 @@ pub struct Options {
     /// Bootstrap etcd from this snapshot instead of empty
     /// (`bootstrap --recover-from`, see [`recover::recover`]).
     pub recover_from: Option<PathBuf>,
+    /// The recovery file is a copy of an etcd data directory's database,
+    /// not a snapshot: Talos skips its hash check (`recover_skip_hash_check`).
+    pub recover_skip_hash_check: bool,
     /// Control planes on their way out: of record but gone from the
     /// inventory (`up` removes them after the health check), so etcd may
     /// still list them as members.
@@ -92,6 +95,7 @@ impl Default for Options {
             poll: Duration::from_secs(2),
             pin: None,
             recover_from: None,
+            recover_skip_hash_check: false,
             leaving: Vec::new(),
         }
     }
@@ -361,6 +365,8 @@ struct Ctx<'a> {
     opts: &'a Options,
     identity: Arc<Identity>,
     observer: &'a dyn Observer,
+    /// Every control plane: a recovery checks each one's etcd first.
+    control_planes: Vec<(String, NodeEndpoint)>,
 }
 
 /// How a node reached mTLS.
@@ -574,11 +580,20 @@ async fn recover_once(
     target: &NodeEndpoint,
     mode: &Mode,
     snapshot: &std::path::Path,
-    opts: &Options,
+    cx: &Ctx<'_>,
 ) -> Result<bool, ApiError> {
+    let opts = cx.opts;
+    let states = recover::etcd_states(&cx.control_planes, mode, opts.call_timeout).await;
+    let ready = recover::all_preparing(&states);
     let upload_timeout = opts.call_timeout.max(opts.bootstrap_timeout);
-    let conn = NodeClient::connect(target, mode, upload_timeout).await?;
-    match recover::recover(&conn, snapshot).await {
+    let recovered = match ready {
+        Ok(()) => {
+            let conn = NodeClient::connect(target, mode, upload_timeout).await?;
+            recover::recover(&conn, snapshot, opts.recover_skip_hash_check).await
+        }
+        Err(e) => Err(e),
+    };
+    match recovered {
         Ok(_) => Ok(true),
         Err(recover::RecoverError::Api(e)) => Err(e),
         Err(recover::RecoverError::Local(message)) => Err(ApiError::Status {
@@ -599,7 +614,7 @@ async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, Bootst
             // A recovery refuses a running etcd instead (no "done").
             if let Some(snapshot) = &cx.opts.recover_from {
                 cx.observer.event(name, &Event::Bootstrapping);
-                return recover_once(&node.endpoint, &mode, snapshot, cx.opts).await;
+                return recover_once(&node.endpoint, &mode, snapshot, cx).await;
             }
             let conn = NodeClient::connect(&node.endpoint, &mode, cx.opts.call_timeout).await?;
             // A running etcd means bootstrap happened: do not even ask.
@@ -1037,6 +1052,12 @@ pub async fn run(
         opts,
         identity: plan.identity.clone(),
         observer,
+        control_planes: plan
+            .nodes
+            .iter()
+            .filter(|n| n.role == Role::Controlplane)
+            .map(|n| (n.name.clone(), n.endpoint.clone()))
+            .collect(),
     };
     let first_cp = plan
         .nodes
@@ -1044,7 +1065,9 @@ pub async fn run(
         .find(|n| plan.bootstrap_node.as_ref() == Some(&n.name))
         .ok_or_else(|| BootstrapError::Local("the inventory has no control plane".into()))?;
     // A snapshot etcd would not restore is refused before any node is touched.
-    if let Some(snapshot) = &opts.recover_from {
+    if let Some(snapshot) = &opts.recover_from
+        && !opts.recover_skip_hash_check
+    {
         super::etcd::format::verify_file(snapshot)
             .map_err(|e| BootstrapError::Local(e.to_string()))?;
     }

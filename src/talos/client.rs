@@ -37,8 +37,9 @@ use super::api::machine::image_service_pull_response::Response as PullReply;
 use super::api::machine::lifecycle_service_client::LifecycleServiceClient;
 use super::api::machine::lifecycle_service_install_progress::Response as Progress;
 use super::api::machine::{
-    EtcdLeaveCluster, EtcdLeaveClusterRequest, EtcdRemoveMemberById, EtcdRemoveMemberByIdRequest,
-    Reset, ResetRequest,
+    EtcdForfeitLeadership, EtcdForfeitLeadershipRequest, EtcdLeaveCluster, EtcdLeaveClusterRequest,
+    EtcdRemoveMemberById, EtcdRemoveMemberByIdRequest, ImagePull, ImagePullRequest, Reset,
+    ResetRequest,
 };
 use super::api::machine::{
     ImageServicePullRequest, InstallArtifactsSource, LifecycleServiceUpgradeRequest, ReadRequest,
@@ -378,6 +379,30 @@ impl NodeClient {
         MachineServiceClient::new(self.channel.clone())
     }
 
+    /// A unary `MachineService` call by its path: for the RPCs proto/ lists
+    /// only by their messages (the node simulator does not serve them all
+    /// yet); the same bytes on the wire as a generated method.
+    async fn machine_unary<Q, R>(&self, path: &'static str, msg: Q) -> Result<R, ApiError>
+    where
+        Q: prost::Message + Send + Sync + 'static,
+        R: prost::Message + Default + Send + Sync + 'static,
+    {
+        let mut grpc = tonic::client::Grpc::new(self.channel.clone());
+        let req = self.request(msg);
+        let reply = async move {
+            grpc.ready()
+                .await
+                .map_err(|e| tonic::Status::unknown(format!("Service was not ready: {e}")))?;
+            grpc.unary(
+                req,
+                tonic::codegen::http::uri::PathAndQuery::from_static(path),
+                tonic_prost::ProstCodec::<Q, R>::default(),
+            )
+            .await
+        };
+        self.call(reply).await
+    }
+
     /// Awaits one call, sorting its failure. The client's timeout bounds
     /// the whole call, body included: tonic's own covers only the response
     /// headers, and a node that sends them and then stalls would hold the
@@ -635,7 +660,13 @@ impl NodeClient {
 // `internal/app/machined/internal/server/v1alpha1/v1alpha1_server.go`, the
 // same from v1.9 to v1.14): etcd leave / remove by member ID (control
 // planes only), and Reset.
-replies!(EtcdLeaveCluster, EtcdRemoveMemberById, Reset);
+replies!(
+    EtcdLeaveCluster,
+    EtcdRemoveMemberById,
+    Reset,
+    EtcdForfeitLeadership,
+    ImagePull
+);
 
 impl NodeClient {
     /// `MachineService.EtcdLeaveCluster`: this node removes its own etcd
@@ -648,6 +679,26 @@ impl NodeClient {
             )
             .await?;
         self.check(&reply.messages)
+    }
+
+    /// `MachineService.EtcdForfeitLeadership`: if this node leads etcd, it
+    /// hands leadership to another member (talosctl `reset` does it before
+    /// the node leaves). The member that leads afterwards, when Talos names
+    /// it (empty when this node was not the leader).
+    pub async fn etcd_forfeit_leadership(&self) -> Result<String, ApiError> {
+        let reply: super::api::machine::EtcdForfeitLeadershipResponse = self
+            .machine_unary(
+                "/machine.MachineService/EtcdForfeitLeadership",
+                EtcdForfeitLeadershipRequest {},
+            )
+            .await?;
+        self.check(&reply.messages)?;
+        Ok(reply
+            .messages
+            .into_iter()
+            .map(|m| m.member)
+            .find(|m| !m.is_empty())
+            .unwrap_or_default())
     }
 
     /// `MachineService.EtcdRemoveMemberByID`: this control plane removes
@@ -702,10 +753,13 @@ impl NodeClient {
 
     /// Bootstrap that starts etcd from the snapshot [`Self::etcd_recover`]
     /// uploaded (`recover_etcd`).
-    pub async fn bootstrap_recover(&self) -> Result<(), ApiError> {
+    /// `skip_hash_check`: the upload is a copy of an etcd data directory's
+    /// `member/snap/db`, which carries no snapshot hash
+    /// (`recover_skip_hash_check`, talosctl `--recover-skip-hash-check`).
+    pub async fn bootstrap_recover(&self, skip_hash_check: bool) -> Result<(), ApiError> {
         let req = BootstrapRequest {
             recover_etcd: true,
-            recover_skip_hash_check: false,
+            recover_skip_hash_check: skip_hash_check,
         };
         let reply = self
             .call(self.machine().bootstrap(self.request(req)))
@@ -779,6 +833,58 @@ fn containerd(namespace: ContainerdNamespace) -> ContainerdInstance {
     ContainerdInstance {
         driver: ContainerDriver::Containerd as i32,
         namespace: namespace as i32,
+    }
+}
+
+/// Where a Kubernetes image must land: always the CRI containerd (the
+/// kubelet runs from its `system` namespace, services/kubelet.go; the static
+/// pods' images are in `k8s.io`). The system containerd with `NS_CRI` is
+/// refused by Talos (ctrhelper.go: "cannot use CRI namespace with
+/// containerd driver").
+pub fn kubernetes_containerd(kubelet: bool) -> ContainerdInstance {
+    ContainerdInstance {
+        driver: ContainerDriver::Cri as i32,
+        namespace: kubernetes_namespace(kubelet) as i32,
+    }
+}
+
+/// The CRI namespace of a Kubernetes image (talosctl `prePullImages`:
+/// `NS_SYSTEM` for the kubelet, `NS_CRI` for the rest).
+pub fn kubernetes_namespace(kubelet: bool) -> ContainerdNamespace {
+    if kubelet {
+        ContainerdNamespace::NsSystem
+    } else {
+        ContainerdNamespace::NsCri
+    }
+}
+
+/// The Talos API a Kubernetes image is pre-pulled through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum PullApi {
+    /// `MachineService.ImagePull` (v1.5–v1.12; deprecated from v1.13):
+    /// always the CRI containerd.
+    ImagePull,
+    /// `ImageService.Pull` (v1.13+) with the CRI driver.
+    ImageService,
+}
+
+impl PullApi {
+    /// The API for a node on Talos `(major, minor)`; None below v1.5, which
+    /// has neither.
+    pub fn for_talos(major: u64, minor: u64) -> Option<PullApi> {
+        match (major, minor) {
+            (1, m) if m >= 13 => Some(PullApi::ImageService),
+            (1, m) if m >= 5 => Some(PullApi::ImagePull),
+            (m, _) if m > 1 => Some(PullApi::ImageService),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PullApi::ImagePull => "MachineService.ImagePull",
+            PullApi::ImageService => "ImageService.Pull",
+        }
     }
 }
 
@@ -920,15 +1026,51 @@ impl NodeClient {
     }
 
     /// `ImageService.Pull` of `image` into `namespace` of the system
-    /// containerd (v1.13+; Kubernetes' own images go to the CRI one, as
-    /// talosctl `upgrade-k8s --pre-pull-images` puts them).
+    /// containerd (v1.13+): the installer.
     pub async fn pull_into(
         &self,
         image: &str,
         namespace: ContainerdNamespace,
     ) -> Result<String, ApiError> {
+        self.pull_with(image, containerd(namespace)).await
+    }
+
+    /// Pre-pulls a Kubernetes image into the CRI containerd (the kubelet's
+    /// into its `system` namespace) through `api`, as talosctl
+    /// `upgrade-k8s` does (`talos_managed.go` `prePullImages`).
+    pub async fn pull_kubernetes_image(
+        &self,
+        api: PullApi,
+        image: &str,
+        kubelet: bool,
+    ) -> Result<(), ApiError> {
+        match api {
+            PullApi::ImagePull => {
+                let req = ImagePullRequest {
+                    namespace: kubernetes_namespace(kubelet) as i32,
+                    reference: image.to_owned(),
+                };
+                let reply: super::api::machine::ImagePullResponse = self
+                    .machine_unary("/machine.MachineService/ImagePull", req)
+                    .await?;
+                self.check(&reply.messages)
+            }
+            PullApi::ImageService => self
+                .pull_with(image, kubernetes_containerd(kubelet))
+                .await
+                .map(drop),
+        }
+    }
+
+    /// `ImageService.Pull` of `image` into `instance`, read to its end: the
+    /// name of the pulled image.
+    async fn pull_with(
+        &self,
+        image: &str,
+        instance: ContainerdInstance,
+    ) -> Result<String, ApiError> {
         let req = ImageServicePullRequest {
-            containerd: Some(containerd(namespace)),
+            containerd: Some(instance),
             image_ref: image.to_owned(),
         };
         let mut images = ImageServiceClient::new(self.channel.clone());
@@ -1176,6 +1318,35 @@ fn schematic_extension_version(yaml: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn kubernetes_images_go_to_the_cri_containerd_on_every_talos_version() {
+        use super::*;
+        // FORMATS.md §7.x: ImagePull from v1.5, ImageService from v1.13.
+        assert_eq!(PullApi::for_talos(1, 4), None);
+        assert_eq!(PullApi::for_talos(1, 5), Some(PullApi::ImagePull));
+        assert_eq!(PullApi::for_talos(1, 11), Some(PullApi::ImagePull));
+        assert_eq!(PullApi::for_talos(1, 12), Some(PullApi::ImagePull));
+        assert_eq!(PullApi::for_talos(1, 13), Some(PullApi::ImageService));
+        assert_eq!(PullApi::for_talos(1, 14), Some(PullApi::ImageService));
+        // Talos v1.13/v1.14 ImageService.Pull: driver CRI, never CONTAINERD
+        // (ctrhelper.go refuses CONTAINERD with NS_CRI); the kubelet in the
+        // CRI containerd's `system` namespace (services/kubelet.go).
+        let pods = kubernetes_containerd(false);
+        assert_eq!(pods.driver, ContainerDriver::Cri as i32);
+        assert_eq!(pods.namespace, ContainerdNamespace::NsCri as i32);
+        let kubelet = kubernetes_containerd(true);
+        assert_eq!(kubelet.driver, ContainerDriver::Cri as i32);
+        assert_eq!(kubelet.namespace, ContainerdNamespace::NsSystem as i32);
+        // Talos v1.11 ImagePull: NS_CRI for the pods, NS_SYSTEM the kubelet.
+        assert_eq!(kubernetes_namespace(false), ContainerdNamespace::NsCri);
+        assert_eq!(kubernetes_namespace(true), ContainerdNamespace::NsSystem);
+        // The installer stays in the system containerd.
+        assert_eq!(
+            system_containerd().driver,
+            ContainerDriver::Containerd as i32
+        );
+    }
 
     #[test]
     fn the_schematic_comes_from_the_extension_named_schematic() {

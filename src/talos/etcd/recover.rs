@@ -5,6 +5,10 @@
 //! restores it before it starts (`internal/app/machined/pkg/system/services/
 //! etcd.go` recoverFromSnapshot). Talos checks only that the node is a
 //! control plane; "etcd data directory is not empty" comes at Bootstrap.
+//! The Talos disaster-recovery guide (`advanced/disaster-recovery`) asks
+//! that every control plane's etcd be wiped and waiting (service etcd
+//! Preparing) first, else the old members stay broken: [`all_preparing`]
+//! checks that before anything is uploaded.
 
 use std::io;
 use std::path::Path;
@@ -12,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use super::format::{SnapshotInfo, Verifier};
 use crate::talos::api::common::Data;
-use crate::talos::client::{ApiError, NodeClient};
+use crate::talos::client::{ApiError, Mode, NodeClient, NodeEndpoint};
 
 /// How much of a snapshot one upload message carries.
 const UPLOAD_CHUNK: usize = 64 << 10;
@@ -86,7 +90,11 @@ const RECOVER_NEEDS_WIPED: &str = "etcd already has data on this node: recovery 
 /// runs, uploads (`EtcdRecover`), then `Bootstrap{recover_etcd}`. Talos
 /// restores the database on that node with itself as the only member;
 /// the other control planes join it as after any bootstrap.
-pub async fn recover(conn: &NodeClient, path: &Path) -> Result<SnapshotInfo, RecoverError> {
+pub async fn recover(
+    conn: &NodeClient,
+    path: &Path,
+    skip_hash_check: bool,
+) -> Result<SnapshotInfo, RecoverError> {
     let services = conn.services().await.map_err(RecoverError::Api)?;
     if services
         .iter()
@@ -95,12 +103,112 @@ pub async fn recover(conn: &NodeClient, path: &Path) -> Result<SnapshotInfo, Rec
         return Err(RecoverError::Local(RECOVER_NEEDS_WIPED.to_owned()));
     }
     let info = upload(conn, path).await?;
-    conn.bootstrap_recover().await.map_err(|e| match e {
-        ApiError::Status {
-            code: tonic::Code::AlreadyExists,
-            message,
-        } => RecoverError::Local(format!("{message}: {RECOVER_NEEDS_WIPED}")),
-        e => RecoverError::Api(e),
-    })?;
+    conn.bootstrap_recover(skip_hash_check)
+        .await
+        .map_err(|e| match e {
+            ApiError::Status {
+                code: tonic::Code::AlreadyExists,
+                message,
+            } => RecoverError::Local(format!("{message}: {RECOVER_NEEDS_WIPED}")),
+            e => RecoverError::Api(e),
+        })?;
     Ok(info)
+}
+
+/// The state of each control plane's etcd service, by name; None for a
+/// node that does not answer (yet).
+pub type EtcdStates = Vec<(String, Option<String>)>;
+
+/// Reads each control plane's etcd service state (`ServiceList`).
+pub async fn etcd_states(
+    control_planes: &[(String, NodeEndpoint)],
+    mode: &Mode,
+    timeout: std::time::Duration,
+) -> EtcdStates {
+    let mut out = Vec::new();
+    for (name, endpoint) in control_planes {
+        let state = match NodeClient::connect(endpoint, mode, timeout).await {
+            Ok(c) => c.services().await.ok().map(|list| {
+                list.into_iter()
+                    .find(|s| s.id == "etcd")
+                    .map_or_else(|| "absent".to_owned(), |s| s.state)
+            }),
+            Err(_) => None,
+        };
+        out.push((name.clone(), state));
+    }
+    out
+}
+
+/// Whether a recovery may start: every control plane's etcd is Preparing
+/// (wiped, waiting for bootstrap). One whose etcd is in another state is
+/// named and refused (it would keep its old data and stay broken); one
+/// that does not answer yet is "not yet" (Unavailable, retried while the
+/// nodes come up).
+pub fn all_preparing(states: &EtcdStates) -> Result<(), RecoverError> {
+    let not: Vec<String> = states
+        .iter()
+        .filter_map(|(n, s)| match s.as_deref() {
+            Some("Preparing") | None => None,
+            Some(other) => Some(format!("{n} (etcd {other})")),
+        })
+        .collect();
+    if !not.is_empty() {
+        return Err(RecoverError::Local(format!(
+            "recovery needs every control plane's etcd wiped and waiting (service etcd Preparing), and these are not: {}; reset them first (`talosctl reset --graceful=false --system-labels-to-wipe EPHEMERAL`); nothing was uploaded",
+            not.join(", ")
+        )));
+    }
+    let silent: Vec<&str> = states
+        .iter()
+        .filter(|(_, s)| s.is_none())
+        .map(|(n, _)| n.as_str())
+        .collect();
+    if !silent.is_empty() {
+        return Err(RecoverError::Api(ApiError::Status {
+            code: tonic::Code::Unavailable,
+            message: format!(
+                "waiting for every control plane before recovering etcd: {} does not answer yet",
+                silent.join(", ")
+            ),
+        }));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn states(list: &[(&str, Option<&str>)]) -> EtcdStates {
+        list.iter()
+            .map(|(n, s)| (n.to_string(), s.map(str::to_owned)))
+            .collect()
+    }
+
+    #[test]
+    fn every_control_plane_must_be_preparing_and_those_that_are_not_are_named() {
+        // Talos v1.11 disaster recovery: all control planes wiped first.
+        let ok = states(&[("cp-01", Some("Preparing")), ("cp-02", Some("Preparing"))]);
+        assert!(all_preparing(&ok).is_ok());
+        let bad = states(&[
+            ("cp-01", Some("Preparing")),
+            ("cp-02", Some("Running")),
+            ("cp-03", Some("Failed")),
+        ]);
+        let e = all_preparing(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("cp-02 (etcd Running), cp-03 (etcd Failed)"),
+            "{e}"
+        );
+        assert!(!e.contains("cp-01"), "{e}");
+        let later = states(&[("cp-01", Some("Preparing")), ("cp-02", None)]);
+        match all_preparing(&later) {
+            Err(RecoverError::Api(e)) => {
+                assert_eq!(e.code(), Some(tonic::Code::Unavailable));
+                assert!(e.to_string().contains("cp-02 does not answer yet"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -15,7 +15,7 @@ use serde_json::Value;
 
 use super::api::{Kube, contains, object_name, object_path};
 use super::plan::{
-    ClusterSeen, Component, NodeSeen, ObjectState, Seen, images_of, proxy_disabled, tag_of,
+    ClusterSeen, Component, NodeSeen, ObjectState, Seen, args_of, images_of, proxy_disabled, tag_of,
 };
 use super::removed::{REMOVED, parse_metric};
 use crate::inventory::Role;
@@ -259,6 +259,7 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
             node: n.name.clone(),
             control_plane: n.role == Role::Controlplane,
             wanted_images: images_of(&n.config),
+            args: args_of(&n.config),
             ..NodeSeen::default()
         };
         let mut errors = Vec::new();

@@ -2,8 +2,10 @@
 //! runs before anything changes: the checks that refuse it (Talos ↔
 //! Kubernetes compatibility per node, the minor rule, removed APIs), then
 //! the steps in talosctl `upgrade-k8s` order (siderolabs/talos
-//! `pkg/cluster/kubernetes/talos_managed.go`, `Upgrade`): images pre-pulled
-//! where Talos has ImageService (v1.13+); kube-apiserver on each control
+//! `pkg/cluster/kubernetes/talos_managed.go`, `Upgrade`): the checks first,
+//! then the images pre-pulled into the CRI containerd (`prePullImages`:
+//! `MachineService.ImagePull` from v1.5, `ImageService.Pull` with the CRI
+//! driver from v1.13, where ImagePull is deprecated); kube-apiserver on each control
 //! plane one at a time, then kube-controller-manager on each, then
 //! kube-scheduler on each (no controller-manager or scheduler is ever newer
 //! than an API server, as the version skew policy asks); kube-proxy in each
@@ -18,8 +20,10 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::compat::{self, Version};
+use super::flags::{self, RemovedSetting};
 use super::removed::{self, Finding, RemovedApi, Requested};
 use crate::inventory::parse_version;
+use crate::talos::client::PullApi;
 
 /// A Kubernetes component Talos runs and its machine config pins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -98,6 +102,9 @@ pub struct NodeSeen {
     pub components: BTreeMap<Component, Seen>,
     /// The images of the target, from the node's rendered config.
     pub wanted_images: BTreeMap<Component, String>,
+    /// Each component's command-line arguments from the rendered config
+    /// (`extraArgs`), for the removed-settings check.
+    pub args: BTreeMap<Component, Vec<String>>,
     /// Why something could not be read.
     pub error: Option<String>,
 }
@@ -134,9 +141,14 @@ pub struct ClusterSeen {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "camelCase")]
 pub enum Step {
-    /// ImageService.Pull of the target's images (Talos v1.13+).
+    /// The target's images pulled into the node's CRI containerd through
+    /// `via` (the kubelet's into namespace `system`, the rest `k8s.io`).
     #[serde(rename_all = "camelCase")]
-    PrePull { node: String, images: Vec<String> },
+    PrePull {
+        node: String,
+        images: Vec<String>,
+        via: PullApi,
+    },
     /// The component's image moved in the node's config
     /// (ApplyConfiguration NO_REBOOT), then waited for.
     #[serde(rename_all = "camelCase")]
@@ -155,7 +167,7 @@ impl Step {
     /// One line for progress and the report.
     pub fn describe(&self) -> String {
         match self {
-            Step::PrePull { node, images } => {
+            Step::PrePull { node, images, .. } => {
                 format!("{node}: pre-pull {}", images.join(", "))
             }
             Step::Component {
@@ -196,6 +208,10 @@ pub struct KubePlan {
     pub steps: Vec<PlannedStep>,
     /// What still uses an API the target removes.
     pub removed_apis: Vec<Finding>,
+    /// Component flags, feature gates and admission plugins the target
+    /// removes that a node still starts a component with.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub removed_settings: Vec<RemovedSetting>,
     /// `--skip-api-check` was given and there were findings.
     pub api_check_skipped: bool,
     pub notes: Vec<String>,
@@ -219,9 +235,11 @@ fn parsed(v: &str) -> Option<Version> {
     parse_version(v, false)
 }
 
-/// The Talos version from which ImageService.Pull exists.
-fn has_image_service(talos: Option<&str>) -> bool {
-    talos.and_then(parsed).is_some_and(|v| v >= (1, 13, 0))
+/// The API a node on `talos` pre-pulls through; None when it has none
+/// (below v1.5) or its version is unknown.
+fn pull_api(talos: Option<&str>) -> Option<PullApi> {
+    let (major, minor, _) = talos.and_then(parsed)?;
+    PullApi::for_talos(major.into(), minor.into())
 }
 
 /// The cluster's Kubernetes version: what its API servers run (the oldest
@@ -278,6 +296,28 @@ pub fn decide(seen: &ClusterSeen, target: &str, skip_api_check: bool) -> KubePla
     if let Some(f) = from
         && f.1 < t.1
     {
+        // go-kubernetes checks.go: static pods on control planes, the
+        // kubelet everywhere; no flag skips it (the component would not start).
+        for n in &seen.nodes {
+            for (c, args) in &n.args {
+                if *c == Component::KubeProxy || (!n.control_plane && c.on_control_planes_only()) {
+                    continue;
+                }
+                plan.removed_settings
+                    .extend(flags::removed_in(f.1, t.1, &n.node, c.name(), args));
+            }
+        }
+        if !plan.removed_settings.is_empty() {
+            let list: Vec<String> = plan
+                .removed_settings
+                .iter()
+                .map(RemovedSetting::describe)
+                .collect();
+            refusals.push(format!(
+                "Kubernetes {to} removes settings the cluster still starts components with: {} (remove them from the inventory's patches first)",
+                list.join("; ")
+            ));
+        }
         if let Some(e) = &seen.api_check_error {
             if skip_api_check {
                 plan.notes.push(format!(
@@ -356,9 +396,9 @@ fn steps(seen: &ClusterSeen, to: &str) -> Vec<PlannedStep> {
     );
     let mut out: Vec<PlannedStep> = Vec::new();
     for n in &seen.nodes {
-        if !has_image_service(n.talos.as_deref()) {
+        let Some(via) = pull_api(n.talos.as_deref()) else {
             continue;
-        }
+        };
         let images: Vec<String> = [
             Component::KubeApiserver,
             Component::KubeControllerManager,
@@ -367,7 +407,8 @@ fn steps(seen: &ClusterSeen, to: &str) -> Vec<PlannedStep> {
         ]
         .into_iter()
         .filter(|c| n.control_plane || !c.on_control_planes_only())
-        .filter(|c| !done_in(n, *c, to))
+        // Running the target already (Ready or not): its image is there.
+        .filter(|c| n.components.get(c).and_then(|s| s.version.as_deref()) != Some(to))
         .filter_map(|c| n.wanted_images.get(&c).cloned())
         .collect();
         if !images.is_empty() {
@@ -375,6 +416,7 @@ fn steps(seen: &ClusterSeen, to: &str) -> Vec<PlannedStep> {
                 step: Step::PrePull {
                     node: n.node.clone(),
                     images,
+                    via,
                 },
                 done: false,
             });
@@ -459,6 +501,26 @@ pub fn images_of(config: &[u8]) -> BTreeMap<Component, String> {
         .collect()
 }
 
+/// Each component's `extraArgs` in a rendered config, as command-line
+/// arguments.
+pub fn args_of(config: &[u8]) -> BTreeMap<Component, Vec<String>> {
+    let Ok((doc, _)) = split(config) else {
+        return BTreeMap::new();
+    };
+    Component::ALL
+        .into_iter()
+        .filter_map(|c| {
+            let [a, b] = c.config_path();
+            let args = doc[a][b]["extraArgs"].as_object()?;
+            let list = args
+                .iter()
+                .map(|(k, v)| format!("--{k}={}", flags::arg_value(v)))
+                .collect();
+            Some((c, list))
+        })
+        .collect()
+}
+
 /// Whether a rendered config disables kube-proxy (`cluster.proxy.disabled`).
 pub fn proxy_disabled(config: &[u8]) -> bool {
     split(config).is_ok_and(|(doc, _)| doc["cluster"]["proxy"]["disabled"] == true)
@@ -515,6 +577,7 @@ mod tests {
                 .into_iter()
                 .filter(|(c, _)| cp || *c == Component::Kubelet)
                 .collect(),
+            args: BTreeMap::new(),
             error: None,
         }
     }
@@ -579,8 +642,62 @@ mod tests {
         .map(|s| format!("{s} v1.32.1 → v1.33.5"))
         .chain(["bootstrap manifests: sync apps/v1 DaemonSet kube-system/kube-proxy".to_owned()])
         .collect();
-        assert_eq!(described(&p), want);
+        // Talos v1.11 pre-pulls through ImagePull first, one step a node.
+        let all = described(&p);
+        for (step, node) in all.iter().zip(["cp-01", "cp-02", "cp-03", "w-01", "w-02"]) {
+            assert!(step.starts_with(&format!("{node}: pre-pull ")), "{step}");
+        }
+        assert_eq!(all[5..], want);
         assert!(p.has_work());
+    }
+
+    #[test]
+    fn extra_args_become_the_command_line() {
+        let config = b"machine:\n  kubelet:\n    extraArgs:\n      pod-infra-container-image: pause:3.10\ncluster:\n  apiServer:\n    extraArgs:\n      feature-gates: [A=true, B=false]\n";
+        let args = args_of(config);
+        assert_eq!(
+            args[&Component::Kubelet],
+            ["--pod-infra-container-image=pause:3.10"]
+        );
+        assert_eq!(
+            args[&Component::KubeApiserver],
+            ["--feature-gates=A=true,B=false"]
+        );
+    }
+
+    #[test]
+    fn a_setting_the_target_removes_refuses_naming_node_and_flag() {
+        // go-kubernetes checks.go "1.34->1.35": the kubelet's
+        // --pod-infra-container-image; Talos v1.12.4 runs 1.35.
+        let mut seen = cluster("v1.12.4", "v1.34.1");
+        seen.nodes[4].args.insert(
+            Component::Kubelet,
+            vec!["--pod-infra-container-image=registry.k8s.io/pause:3.10".into()],
+        );
+        seen.nodes[1].args.insert(
+            Component::KubeApiserver,
+            vec!["--feature-gates=SizeMemoryBackedVolumes=true".into()],
+        );
+        let p = decide(&seen, "v1.35.0", true);
+        let r = p.refusal.expect("refused");
+        assert!(
+            r.contains("w-02 kubelet: flag --pod-infra-container-image"),
+            "{r}"
+        );
+        assert!(
+            r.contains("cp-02 kube-apiserver: feature gate SizeMemoryBackedVolumes"),
+            "{r}"
+        );
+        assert!(p.steps.is_empty(), "nothing planned");
+        assert_eq!(p.removed_settings.len(), 2);
+        // A patch release removes nothing.
+        let mut seen = cluster("v1.12.4", "v1.35.0");
+        seen.nodes[4].args = [(
+            Component::Kubelet,
+            vec!["--pod-infra-container-image=x".to_owned()],
+        )]
+        .into();
+        assert_eq!(decide(&seen, "v1.35.1", false).refusal, None);
     }
 
     #[test]
@@ -599,7 +716,7 @@ mod tests {
             .take_while(|s| matches!(s.step, Step::PrePull { .. }))
             .map(|s| &s.step)
             .collect();
-        assert_eq!(pulls.len(), 4, "w-02 runs v1.12: no ImageService");
+        assert_eq!(pulls.len(), 5, "every node pre-pulls, as talosctl does");
         assert_eq!(
             *pulls[0],
             Step::PrePull {
@@ -608,15 +725,26 @@ mod tests {
                     "registry.k8s.io/kube-controller-manager:v1.33.5".into(),
                     "registry.k8s.io/kube-scheduler:v1.33.5".into(),
                     "ghcr.io/siderolabs/kubelet:v1.33.5".into(),
-                ]
+                ],
+                via: PullApi::ImageService,
             }
         );
         assert_eq!(
             *pulls[3],
             Step::PrePull {
                 node: "w-01".into(),
-                images: vec!["ghcr.io/siderolabs/kubelet:v1.33.5".into()]
+                images: vec!["ghcr.io/siderolabs/kubelet:v1.33.5".into()],
+                via: PullApi::ImageService,
             }
+        );
+        assert_eq!(
+            *pulls[4],
+            Step::PrePull {
+                node: "w-02".into(),
+                images: vec!["ghcr.io/siderolabs/kubelet:v1.33.5".into()],
+                via: PullApi::ImagePull,
+            },
+            "Talos v1.12 has ImagePull, not ImageService"
         );
         assert!(!described(&p).contains(&"cp-01: kube-apiserver v1.33.5 → v1.33.5".to_owned()));
     }
@@ -654,8 +782,13 @@ mod tests {
         let p = decide(&seen, "v1.33.5", false);
         assert_eq!(p.from.as_deref(), Some("v1.32.1"), "the oldest API server");
         let left = described(&p);
-        assert_eq!(left[0], "cp-03: kube-apiserver v1.32.1 → v1.33.5");
-        assert_eq!(left.len(), 16);
+        // Pre-pulls first (talosctl repeats them too), of what is left.
+        assert_eq!(
+            left[0],
+            "cp-01: pre-pull registry.k8s.io/kube-controller-manager:v1.33.5, registry.k8s.io/kube-scheduler:v1.33.5, ghcr.io/siderolabs/kubelet:v1.33.5"
+        );
+        assert_eq!(left[5], "cp-03: kube-apiserver v1.32.1 → v1.33.5");
+        assert_eq!(left.len(), 21);
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! control plane that answers and applied server-side, each object only
 //! when the live one lacks what Talos renders; then each changed
 //! DaemonSet and Deployment is waited for until rolled out. Nothing is
-//! deleted.
+//! deleted; the inventory annotation Talos v1.13+ sets is kept
+//! ([`keep_inventory`]).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -26,9 +27,8 @@ use super::plan::{
     with_versions,
 };
 use crate::inventory::Role;
-use crate::talos::api::common::ContainerdNamespace;
 use crate::talos::bootstrap::{Options, Plan, PlannedNode};
-use crate::talos::client::{ApplyMode, Mode, NodeClient};
+use crate::talos::client::{ApplyMode, Mode, NodeClient, PullApi};
 use crate::talos::health::kubeconfig;
 use crate::talos::upgrade::report::Ending;
 
@@ -160,6 +160,31 @@ pub fn rolled_out(obj: &Value) -> Result<(), String> {
     Ok(())
 }
 
+/// The annotation by which Talos v1.13+'s server-side apply manager
+/// (go-kubernetes `kubernetes/ssa`, field manager `talos`, the same as
+/// imgbuild's) tracks the objects of its inventory, to prune them later.
+pub const OWNING_INVENTORY: &str = "config.k8s.io/owning-inventory";
+
+/// `want` with the live object's [`OWNING_INVENTORY`] annotation kept:
+/// applying as manager `talos` without it would make the API server drop
+/// it (server-side apply removes what a manager stops applying), and
+/// Talos's next sync would no longer see the object as its own.
+pub fn keep_inventory(live: Option<&Value>, want: &Value) -> Value {
+    let mut out = want.clone();
+    if let Some(id) = live.and_then(|l| l["metadata"]["annotations"][OWNING_INVENTORY].as_str())
+        && out["metadata"]["annotations"][OWNING_INVENTORY].is_null()
+        && let Some(meta) = out["metadata"].as_object_mut()
+    {
+        let notes = meta
+            .entry("annotations")
+            .or_insert_with(|| Value::Object(serde_json::Map::new()));
+        if let Some(notes) = notes.as_object_mut() {
+            notes.insert(OWNING_INVENTORY.to_owned(), Value::String(id.to_owned()));
+        }
+    }
+    out
+}
+
 struct Runner<'a> {
     plan: &'a Plan,
     opts: &'a Options,
@@ -187,28 +212,37 @@ impl Runner<'_> {
             .map_err(|e| one_line(&e.to_string()))
     }
 
-    fn pre_pull(&mut self, name: &str, images: &[String]) -> Result<(), String> {
+    /// talosctl `prePullImages`: each image into the node's CRI containerd
+    /// (the kubelet's into namespace `system`, where the kubelet service
+    /// looks, the rest into `k8s.io`); a node that answers Unimplemented is
+    /// skipped with a note.
+    fn pre_pull(&mut self, name: &str, images: &[String], via: PullApi) -> Result<(), String> {
         let node = self.node(name)?;
         let conn = self.connect(node, self.run.pull_timeout)?;
         let kubelet = images_of(&node.config)
             .remove(&Component::Kubelet)
             .map(|k| retag(&k, ""));
         for image in images {
-            // The kubelet runs in the system containerd, pods in the CRI one.
-            let ns = if kubelet.as_deref() == Some(retag(image, "").as_str()) {
-                ContainerdNamespace::NsSystem
-            } else {
-                ContainerdNamespace::NsCri
-            };
-            match self.rt.block_on(conn.pull_into(image, ns)) {
-                Ok(_) => {}
+            let is_kubelet = kubelet.as_deref() == Some(retag(image, "").as_str());
+            match self
+                .rt
+                .block_on(conn.pull_kubernetes_image(via, image, is_kubelet))
+            {
+                Ok(()) => {}
                 Err(e) if e.code() == Some(tonic::Code::Unimplemented) => {
                     self.notes.push(format!(
-                        "{name}: Talos does not offer ImageService: not pre-pulled"
+                        "{name}: Talos does not offer {}: not pre-pulled",
+                        via.name()
                     ));
                     return Ok(());
                 }
-                Err(e) => return Err(format!("pulling {image}: {}", one_line(&e.to_string()))),
+                Err(e) => {
+                    return Err(format!(
+                        "pulling {image} ({}): {}",
+                        via.name(),
+                        one_line(&e.to_string())
+                    ));
+                }
             }
         }
         Ok(())
@@ -287,6 +321,7 @@ impl Runner<'_> {
             if live.as_ref().is_some_and(|l| contains(l, o)) {
                 continue;
             }
+            let o = &keep_inventory(live.as_ref(), o);
             self.kube
                 .apply(&path, o)
                 .map_err(|e| format!("applying {name}: {e}"))?;
@@ -375,7 +410,7 @@ pub fn execute(
         let what = step.describe();
         progress(&what);
         let result = match step {
-            Step::PrePull { node, images } => runner.pre_pull(node, images),
+            Step::PrePull { node, images, via } => runner.pre_pull(node, images, *via),
             Step::Component {
                 node,
                 component,
@@ -419,6 +454,25 @@ mod tests {
             "spec": {"replicas": 2}, "status": {"observedGeneration": 1, "updatedReplicas": 2}});
         assert_eq!(rolled_out(&dep), Ok(()));
         assert!(rolled_out(&json!({"kind": "Deployment", "metadata": {"generation": 1}})).is_err());
+    }
+
+    #[test]
+    fn talos_1_13s_inventory_annotation_is_kept_on_apply() {
+        // Talos v1.13 SSA sync annotates what it applied; a sync by
+        // imgbuild (same field manager) must not drop it.
+        let live = json!({"metadata": {"name": "coredns", "annotations": {
+            OWNING_INVENTORY: "talos-bootstrap-manifests", "other": "x"}}});
+        let want = json!({"metadata": {"name": "coredns"}, "spec": {"replicas": 2}});
+        let out = keep_inventory(Some(&live), &want);
+        assert_eq!(
+            out["metadata"]["annotations"],
+            json!({OWNING_INVENTORY: "talos-bootstrap-manifests"})
+        );
+        assert_eq!(out["spec"], want["spec"]);
+        // Before v1.13 (no annotation), or a new object: as rendered.
+        assert_eq!(keep_inventory(None, &want), want);
+        let old = json!({"metadata": {"name": "coredns"}});
+        assert_eq!(keep_inventory(Some(&old), &want), want);
     }
 
     #[test]

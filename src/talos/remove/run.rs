@@ -503,10 +503,26 @@ async fn leave_etcd(
     if let Some(t) = own
         && let Ok(c) = answering(plan, t, limits).await
     {
-        c.etcd_leave_cluster()
+        // talosctl reset's order: hand leadership off first, so the
+        // cluster does not lose its leader with the member.
+        let handed = match c.etcd_forfeit_leadership().await {
+            Ok(to) if !to.is_empty() => format!("leadership handed to {to}; "),
+            Ok(_) => String::new(),
+            Err(e) if e.code() == Some(tonic::Code::Unimplemented) => String::new(),
+            Err(e) => {
+                return Err(etcd_refusal(
+                    "EtcdForfeitLeadership",
+                    &shown(&e.to_string()),
+                ));
+            }
+        };
+        let long = NodeClient::connect(t, &mtls(plan), LEAVE_TIMEOUT + limits.call_timeout)
             .await
             .map_err(|e| format!("EtcdLeaveCluster: {}", shown(&e.to_string())))?;
-        return Ok(Outcome::Done("EtcdLeaveCluster on the node".into()));
+        leave_while_unhealthy(&long, LEAVE_TIMEOUT, limits.poll).await?;
+        return Ok(Outcome::Done(format!(
+            "{handed}EtcdLeaveCluster on the node"
+        )));
     }
     match lister.etcd_remove_member_by_id(id).await {
         Ok(()) => Ok(Outcome::Done(format!(
@@ -515,10 +531,66 @@ async fn leave_etcd(
         Err(e) if e.code() == Some(tonic::Code::NotFound) => Ok(Outcome::AlreadyDone(format!(
             "member {id:016x} was gone when {from} tried to remove it"
         ))),
-        Err(e) => Err(format!(
-            "EtcdRemoveMemberByID {id:016x} on {from}: {}",
-            shown(&e.to_string())
+        Err(e) => Err(etcd_refusal(
+            &format!("EtcdRemoveMemberByID {id:016x} on {from}"),
+            &shown(&e.to_string()),
         )),
+    }
+}
+
+/// How long Talos retries etcd's "unhealthy" inside EtcdLeaveCluster
+/// (siderolabs/talos `pkg/etcd/etcd.go` `LeaveCluster`:
+/// `retry.Constant(5*time.Minute, retry.WithUnits(10*time.Second))` on
+/// `rpctypes.ErrUnhealthy`): the call needs a deadline past it, and imgbuild
+/// keeps asking for as long where a node gives up sooner.
+pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// EtcdLeaveCluster on `c`, asked again every `poll` while etcd answers
+/// "unhealthy" (the member has no connection to a quorum of the others
+/// yet), at most `limit`.
+async fn leave_while_unhealthy(
+    c: &NodeClient,
+    limit: Duration,
+    poll: Duration,
+) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        match c.etcd_leave_cluster().await {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                let text = shown(&e.to_string());
+                if !is_unhealthy(&text) {
+                    return Err(etcd_refusal("EtcdLeaveCluster", &text));
+                }
+                if Instant::now() + poll > deadline {
+                    return Err(format!(
+                        "EtcdLeaveCluster: etcd still answered \"unhealthy\" after {limit:?} (the member has no connection to a quorum of the others): {text}"
+                    ));
+                }
+                tokio::time::sleep(poll).await;
+            }
+        }
+    }
+}
+
+/// Whether etcd said "unhealthy cluster" (`rpctypes.ErrUnhealthy`).
+fn is_unhealthy(text: &str) -> bool {
+    text.contains("etcdserver: unhealthy cluster")
+}
+
+/// An etcd failure as the user needs it: etcd's own refusal to remove a
+/// member that would cost quorum said in words, with etcd's message kept.
+fn etcd_refusal(call: &str, text: &str) -> String {
+    if text.contains("not enough started members") {
+        format!(
+            "{call}: etcd refused: removing this member would leave too few started members for quorum; bring the other control planes' etcd up first (etcd: {text})"
+        )
+    } else if is_unhealthy(text) {
+        format!(
+            "{call}: etcd refused: the cluster is unhealthy (no quorum among the started members) (etcd: {text})"
+        )
+    } else {
+        format!("{call}: {text}")
     }
 }
 
@@ -553,6 +625,24 @@ async fn delete_node(plan: &Plan, name: &str, limits: &Options) -> Result<Outcom
             "no Kubernetes node by that name".into(),
         )),
         Err(e) => Err(format!("deleting the Kubernetes node: {}", shown(&e))),
+    }
+}
+
+#[cfg(test)]
+mod etcd_tests {
+    use super::*;
+
+    #[test]
+    fn etcds_refusal_reaches_the_user_in_words() {
+        // etcd 3.4 ErrNotEnoughStartedMembers, as Talos passes it on.
+        let e = etcd_refusal(
+            "EtcdLeaveCluster",
+            "rpc error: code = Unknown desc = etcdserver: re-configuration failed due to not enough started members",
+        );
+        assert!(e.starts_with("EtcdLeaveCluster: etcd refused: removing this member would leave too few started members for quorum"), "{e}");
+        assert!(e.contains("(etcd: rpc error"), "{e}");
+        assert_eq!(etcd_refusal("X", "boom"), "X: boom");
+        assert!(is_unhealthy("etcdserver: unhealthy cluster"));
     }
 }
 
