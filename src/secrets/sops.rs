@@ -54,6 +54,11 @@ pub enum SopsError {
         path.display()
     )]
     Tampered { path: PathBuf, what: String },
+    #[error(
+        "{}: refused: could not decrypt value at {at}: it is in the clear where sops encrypts it (added without the key?); encrypt the file again",
+        path.display()
+    )]
+    NotEncrypted { path: PathBuf, at: String },
     #[error("age key {source_name}: {message}")]
     Keys {
         source_name: String,
@@ -166,15 +171,40 @@ pub fn is_encrypted(text: &str) -> bool {
 /// `text` as it is when it is no SOPS file, else decrypted (with the
 /// environment's keys, [`AgeKeys::from_env`]) and its MAC verified.
 pub fn open<'a>(text: &'a str, path: &Path) -> Result<Cow<'a, str>, SopsError> {
+    Ok(open_with_values(text, path)?.0)
+}
+
+/// [`open`], and every value that was encrypted, decrypted (as sops's
+/// `ToBytes` spells it): the caller's redaction set, whatever their length.
+pub fn open_with_values<'a>(
+    text: &'a str,
+    path: &Path,
+) -> Result<(Cow<'a, str>, Vec<String>), SopsError> {
     if !is_encrypted(text) {
-        return Ok(Cow::Borrowed(text));
+        return Ok((Cow::Borrowed(text), Vec::new()));
     }
-    Ok(Cow::Owned(decrypt(text, path, &AgeKeys::from_env()?)?))
+    let (plain, values) = decrypt_with_values(text, path, &AgeKeys::from_env()?)?;
+    Ok((Cow::Owned(plain), values))
 }
 
 /// The plaintext YAML of the SOPS file `text` (from `path`, named in
 /// errors), every value decrypted and the MAC checked over all of them.
 pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsError> {
+    Ok(decrypt_with_values(text, path, keys)?.0)
+}
+
+/// [`decrypt`], and the decrypted values of the leaves that were encrypted.
+/// Which leaves sops encrypts follows `sops.go` `shouldBeEncrypted`: the
+/// file's `unencrypted_suffix` (default `_unencrypted`),
+/// `encrypted_suffix`, `unencrypted_regex` or `encrypted_regex` on any key
+/// of the path; such a leaf that is not `ENC[…]` (nor empty) is refused as
+/// sops refuses it ("Could not decrypt value"), and a leaf left in the
+/// clear is kept as it is, even one that looks like `ENC[…]`.
+pub fn decrypt_with_values(
+    text: &str,
+    path: &Path,
+    keys: &AgeKeys,
+) -> Result<(String, Vec<String>), SopsError> {
     let invalid = |message: String| SopsError::Invalid {
         path: path.to_owned(),
         message,
@@ -184,6 +214,7 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
         what,
     };
     let mut docs = documents(text, path)?;
+    let mut hints = scalar_hints(text);
     let meta = docs
         .first()
         .and_then(metadata_of)
@@ -229,16 +260,29 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
         .get("mac_only_encrypted")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let mut hash = Sha512::new();
+    let rule = Rule::of(&meta).map_err(invalid)?;
+    let mut walk = Walk {
+        cipher: &cipher,
+        rule: &rule,
+        mac_only,
+        hash: Sha512::new(),
+        hints: hints.as_mut().map(|h| h.drain(..)),
+        values: Vec::new(),
+    };
     if mac_only {
-        hash.update(&MAC_ONLY_ENCRYPTED_INIT);
+        walk.hash.update(&MAC_ONLY_ENCRYPTED_INIT);
     }
     for doc in &mut docs {
-        walk_decrypt(doc, &mut Vec::new(), &cipher, mac_only, &mut hash).map_err(|e| match e {
+        walk.decrypt(doc, &mut Vec::new()).map_err(|e| match e {
             WalkError::Tampered(at) => tampered(format!("the value at {at} does not decrypt")),
+            WalkError::Clear(at) => SopsError::NotEncrypted {
+                path: path.to_owned(),
+                at,
+            },
             WalkError::Invalid(m) => invalid(m),
         })?;
     }
+    let Walk { hash, values, .. } = walk;
     let computed = hex::encode_upper(hash.finish());
     let last_modified = field("lastmodified")
         .ok_or_else(|| invalid("no sops.lastmodified".into()))
@@ -249,7 +293,9 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
     let stored = match decrypt_value(&cipher, mac, &last_modified) {
         Ok(Decrypted::Text(s)) => s,
         Ok(_) => return Err(tampered("sops.mac".into())),
-        Err(WalkError::Tampered(_)) => return Err(tampered("sops.mac does not decrypt".into())),
+        Err(WalkError::Tampered(_) | WalkError::Clear(_)) => {
+            return Err(tampered("sops.mac does not decrypt".into()));
+        }
         Err(WalkError::Invalid(m)) => return Err(invalid(format!("sops.mac: {m}"))),
     };
     if aws_lc_rs::constant_time::verify_slices_are_equal(stored.as_bytes(), computed.as_bytes())
@@ -257,7 +303,7 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
     {
         return Err(tampered("the MAC over the values does not match".into()));
     }
-    emit(&docs).map_err(invalid)
+    Ok((emit(&docs).map_err(invalid)?, values))
 }
 
 /// `plain` (YAML) as a SOPS file for `recipients`: every value but those
@@ -372,6 +418,8 @@ fn age_stanzas(meta: &Mapping) -> Result<Vec<(String, String)>, String> {
 enum WalkError {
     /// The key path of the value that failed authentication.
     Tampered(String),
+    /// The key path of a value in the clear where sops encrypts.
+    Clear(String),
     Invalid(String),
 }
 
@@ -396,49 +444,305 @@ fn key_text(key: &Value) -> Result<String, String> {
     }
 }
 
-fn walk_decrypt(
-    value: &mut Value,
-    path: &mut Vec<String>,
-    cipher: &SopsGcm,
-    mac_only: bool,
-    hash: &mut Sha512,
-) -> Result<(), WalkError> {
-    match value {
-        Value::Mapping(m) => {
-            for (k, v) in m.iter_mut() {
-                path.push(key_text(k).map_err(WalkError::Invalid)?);
-                walk_decrypt(v, path, cipher, mac_only, hash)?;
-                path.pop();
+/// Which keys' values sops encrypts (`sops.go` `shouldBeEncrypted`), from
+/// the file's metadata; at most one rule is set (`stores/stores.go`), none
+/// means the default unencrypted suffix.
+enum Rule {
+    UnencryptedSuffix(String),
+    EncryptedSuffix(String),
+    UnencryptedRegex(jsonschema::Validator),
+    EncryptedRegex(jsonschema::Validator),
+}
+
+impl Rule {
+    fn of(meta: &Mapping) -> Result<Rule, String> {
+        let field = |name: &str| {
+            meta.get(name)
+                .and_then(Value::as_str)
+                .filter(|v| !v.is_empty())
+        };
+        for name in ["unencrypted_comment_regex", "encrypted_comment_regex"] {
+            if field(name).is_some() {
+                return Err(format!(
+                    "it uses sops.{name}, which imgbuild does not read; decrypt it with sops"
+                ));
             }
         }
-        Value::Sequence(items) => {
-            for v in items {
-                walk_decrypt(v, path, cipher, mac_only, hash)?;
+        let set: Vec<&str> = [
+            "unencrypted_suffix",
+            "encrypted_suffix",
+            "unencrypted_regex",
+            "encrypted_regex",
+        ]
+        .into_iter()
+        .filter(|n| field(n).is_some())
+        .collect();
+        if set.len() > 1 {
+            return Err(format!(
+                "it sets more than one of {}; sops allows one",
+                set.join(", ")
+            ));
+        }
+        // Go's regexp.Match finds the pattern anywhere in the key, as a JSON
+        // Schema `pattern` does (jsonschema's regex engine).
+        let regex = |name: &str, re: &str| {
+            jsonschema::validator_for(&serde_json::json!({"type": "string", "pattern": re}))
+                .map_err(|_| format!("sops.{name} is not a regular expression imgbuild can read"))
+        };
+        Ok(match set.first().copied() {
+            None => Rule::UnencryptedSuffix(UNENCRYPTED_SUFFIX.into()),
+            Some(name) => {
+                let v = field(name).unwrap_or_default().to_owned();
+                match name {
+                    "unencrypted_suffix" => Rule::UnencryptedSuffix(v),
+                    "encrypted_suffix" => Rule::EncryptedSuffix(v),
+                    "unencrypted_regex" => Rule::UnencryptedRegex(regex(name, &v)?),
+                    _ => Rule::EncryptedRegex(regex(name, &v)?),
+                }
             }
+        })
+    }
+
+    /// Whether sops encrypts the leaf at `path` (its map keys).
+    fn encrypts(&self, path: &[String]) -> bool {
+        let matches = |re: &jsonschema::Validator, k: &String| re.is_valid(&serde_json::json!(k));
+        match self {
+            Rule::UnencryptedSuffix(s) => !path.iter().any(|k| k.ends_with(s.as_str())),
+            Rule::EncryptedSuffix(s) => path.iter().any(|k| k.ends_with(s.as_str())),
+            Rule::UnencryptedRegex(re) => !path.iter().any(|k| matches(re, k)),
+            Rule::EncryptedRegex(re) => path.iter().any(|k| matches(re, k)),
         }
-        Value::Tagged(t) => walk_decrypt(&mut t.value, path, cipher, mac_only, hash)?,
-        Value::Null => {}
-        Value::String(s) if s.starts_with("ENC[AES256_GCM,") => {
-            let plain = decrypt_value(cipher, s, &aad(path)).map_err(|e| match e {
-                WalkError::Tampered(_) => WalkError::Tampered(shown_path(path)),
-                other => other,
-            })?;
-            let (bytes, new) = match plain {
-                Decrypted::Text(t) => (t.clone(), Value::String(t)),
-                Decrypted::Int(i) => (i.to_string(), Value::from(i)),
-                Decrypted::Float(f) => (f.to_string(), Value::from(f)),
-                Decrypted::Bool(b) => (go_bool(b).into(), Value::Bool(b)),
-            };
-            hash.update(bytes.as_bytes());
-            *value = new;
-        }
-        leaf => {
-            if !mac_only {
-                hash.update(plain_bytes(leaf).as_bytes());
+    }
+}
+
+/// How a scalar was written: its text, when it was plain (unquoted,
+/// untagged) — the only scalars Go's yaml.v3 may read as another type than
+/// the YAML 1.2 reader here does (`0644`, `1_000`, `.inf`).
+type Hint = Option<String>;
+
+/// Every value scalar of `text` (not map keys) in document order, as
+/// [`Hint`]s; None when the text uses anchors or aliases (then the values
+/// are taken as read).
+fn scalar_hints(text: &str) -> Option<Vec<Hint>> {
+    use yaml_rust2::parser::{Event, EventReceiver, Parser};
+    use yaml_rust2::scanner::TScalarStyle;
+    #[derive(Default)]
+    struct Collect {
+        /// Per open container: Some(expecting a key) for a map, None for a
+        /// sequence.
+        stack: Vec<Option<bool>>,
+        hints: Vec<Hint>,
+        unusable: bool,
+    }
+    impl Collect {
+        /// A value (scalar or container) ended: a map expects a key again.
+        fn value_done(&mut self) {
+            if let Some(Some(expect_key)) = self.stack.last_mut() {
+                *expect_key = !*expect_key;
             }
         }
     }
-    Ok(())
+    impl EventReceiver for Collect {
+        fn on_event(&mut self, ev: Event) {
+            match ev {
+                Event::Alias(_) => self.unusable = true,
+                Event::Scalar(text, style, anchor, tag) => {
+                    if anchor != 0 {
+                        self.unusable = true;
+                    }
+                    let is_key = matches!(self.stack.last(), Some(Some(true)));
+                    if !is_key && !self.stack.is_empty() {
+                        let plain = style == TScalarStyle::Plain && tag.is_none();
+                        self.hints.push(plain.then_some(text));
+                    }
+                    self.value_done();
+                }
+                Event::MappingStart(anchor, _) | Event::SequenceStart(anchor, _) => {
+                    if anchor != 0 {
+                        self.unusable = true;
+                    }
+                    if matches!(self.stack.last(), Some(Some(true))) {
+                        // A complex key: sops refuses those anyway.
+                        self.unusable = true;
+                    }
+                    let map = matches!(ev, Event::MappingStart(..));
+                    self.stack.push(map.then_some(true));
+                }
+                Event::MappingEnd | Event::SequenceEnd => {
+                    self.stack.pop();
+                    self.value_done();
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut c = Collect::default();
+    Parser::new_from_str(text).load(&mut c, true).ok()?;
+    (!c.unusable).then_some(c.hints)
+}
+
+/// A plain scalar as Go's yaml.v3 resolves it (`resolve.go`), where that
+/// differs from a string: null, bool, int (base prefixes, legacy `0644`
+/// octal, `_` separators), float (`.inf`, `.nan`, exponents).
+fn go_resolve(text: &str) -> Option<Value> {
+    match text {
+        "" | "~" | "null" | "Null" | "NULL" => return Some(Value::Null),
+        "true" | "True" | "TRUE" => return Some(Value::Bool(true)),
+        "false" | "False" | "FALSE" => return Some(Value::Bool(false)),
+        ".inf" | ".Inf" | ".INF" | "+.inf" | "+.Inf" | "+.INF" => {
+            return Some(Value::from(f64::INFINITY));
+        }
+        "-.inf" | "-.Inf" | "-.INF" => return Some(Value::from(f64::NEG_INFINITY)),
+        ".nan" | ".NaN" | ".NAN" => return Some(Value::from(f64::NAN)),
+        _ => {}
+    }
+    if !text.starts_with(|c: char| c.is_ascii_digit() || "+-.".contains(c)) {
+        return None;
+    }
+    let plain = text.replace('_', "");
+    if let Some(i) = go_parse_int(&plain) {
+        return Some(match i64::try_from(i) {
+            Ok(i) => Value::from(i),
+            Err(_) => Value::from(u64::try_from(i).ok()?),
+        });
+    }
+    let (sign, digits) = match plain.strip_prefix('-') {
+        Some(d) => (-1.0, d),
+        None => (1.0, plain.strip_prefix('+').unwrap_or(&plain)),
+    };
+    // yamlStyleFloat: [-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?
+    let (mantissa, exp) = match digits.find(['e', 'E']) {
+        Some(at) => (&digits[..at], Some(&digits[at + 1..])),
+        None => (digits, None),
+    };
+    let all_digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let mantissa_ok = match mantissa.split_once('.') {
+        Some(("", frac)) => all_digits(frac),
+        Some((int, frac)) => all_digits(int) && (frac.is_empty() || all_digits(frac)),
+        None => all_digits(mantissa),
+    };
+    let exp_ok = exp.is_none_or(|e| all_digits(e.strip_prefix(['+', '-']).unwrap_or(e)));
+    if mantissa_ok && exp_ok {
+        return digits.parse::<f64>().ok().map(|f| go_float_value(sign * f));
+    }
+    None
+}
+
+/// Go's `strconv.ParseInt(s, 0, 64)`, then `ParseUint`: a sign, then
+/// `0x`/`0o`/`0b` or a leading `0` (octal) or decimal.
+fn go_parse_int(s: &str) -> Option<i128> {
+    let (neg, rest) = match s.strip_prefix('-') {
+        Some(r) => (true, r),
+        None => (false, s.strip_prefix('+').unwrap_or(s)),
+    };
+    let lower = rest.to_ascii_lowercase();
+    let (radix, digits) = if let Some(d) = lower.strip_prefix("0x") {
+        (16, d)
+    } else if let Some(d) = lower.strip_prefix("0o") {
+        (8, d)
+    } else if let Some(d) = lower.strip_prefix("0b") {
+        (2, d)
+    } else if lower.len() > 1 && lower.starts_with('0') {
+        (8, &lower[1..])
+    } else {
+        (10, lower.as_str())
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    let v = u64::from_str_radix(digits, radix).ok()?;
+    let v = i128::from(v);
+    let v = if neg { -v } else { v };
+    (v >= i128::from(i64::MIN) && (neg || v <= i128::from(u64::MAX))).then_some(v)
+}
+
+/// A float as `sops -d` writes it (yaml.v3 `FormatFloat(f, 'g', -1, 64)`):
+/// a whole number below 1e6 in magnitude reads back as an integer.
+fn go_float_value(f: f64) -> Value {
+    if f.is_finite() && f.fract() == 0.0 && f.abs() < 1e6 {
+        // Exact: a whole number of this size converts without loss.
+        #[allow(clippy::cast_possible_truncation)]
+        Value::from(f as i64)
+    } else {
+        Value::from(f)
+    }
+}
+
+/// Go's `strconv.FormatFloat(f, 'f', -1, 64)`.
+fn go_float(f: f64) -> String {
+    if f.is_nan() {
+        "NaN".into()
+    } else if f.is_infinite() {
+        if f > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else {
+        f.to_string()
+    }
+}
+
+/// One decryption pass over a file's documents.
+struct Walk<'a, I: Iterator<Item = Hint>> {
+    cipher: &'a SopsGcm,
+    rule: &'a Rule,
+    mac_only: bool,
+    hash: Sha512,
+    hints: Option<I>,
+    values: Vec<String>,
+}
+
+impl<I: Iterator<Item = Hint>> Walk<'_, I> {
+    fn decrypt(&mut self, value: &mut Value, path: &mut Vec<String>) -> Result<(), WalkError> {
+        match value {
+            Value::Mapping(m) => {
+                for (k, v) in m.iter_mut() {
+                    path.push(key_text(k).map_err(WalkError::Invalid)?);
+                    self.decrypt(v, path)?;
+                    path.pop();
+                }
+                return Ok(());
+            }
+            Value::Sequence(items) => {
+                for v in items {
+                    self.decrypt(v, path)?;
+                }
+                return Ok(());
+            }
+            Value::Tagged(t) => return self.decrypt(&mut t.value, path),
+            _ => {}
+        }
+        // A leaf: how it was written, for the values sops types otherwise.
+        let hint = self.hints.as_mut().and_then(Iterator::next).flatten();
+        if let Some(go) = hint.as_deref().and_then(go_resolve) {
+            *value = go;
+        }
+        if value.is_null() {
+            return Ok(());
+        }
+        if !self.rule.encrypts(path) {
+            if !self.mac_only {
+                self.hash.update(plain_bytes(value).as_bytes());
+            }
+            return Ok(());
+        }
+        let s = match value {
+            Value::String(s) if s.is_empty() => return Ok(()),
+            Value::String(s) if s.starts_with("ENC[AES256_GCM,") => s.clone(),
+            _ => return Err(WalkError::Clear(shown_path(path))),
+        };
+        let plain = decrypt_value(self.cipher, &s, &aad(path)).map_err(|e| match e {
+            WalkError::Tampered(_) => WalkError::Tampered(shown_path(path)),
+            other => other,
+        })?;
+        let (bytes, new) = match plain {
+            Decrypted::Text(t) => (t.clone(), Value::String(t)),
+            Decrypted::Int(i) => (i.to_string(), Value::from(i)),
+            Decrypted::Float(f) => (go_float(f), go_float_value(f)),
+            Decrypted::Bool(b) => (go_bool(b).into(), Value::Bool(b)),
+        };
+        self.hash.update(bytes.as_bytes());
+        self.values.push(bytes);
+        *value = new;
+        Ok(())
+    }
 }
 
 fn walk_encrypt(
@@ -491,7 +795,7 @@ fn plain_bytes(v: &Value) -> String {
         Value::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
             (Some(i), _, _) => i.to_string(),
             (_, Some(u), _) => u.to_string(),
-            (_, _, Some(f)) => f.to_string(),
+            (_, _, Some(f)) => go_float(f),
             _ => n.to_string(),
         },
         _ => String::new(),
