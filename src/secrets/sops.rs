@@ -174,12 +174,29 @@ pub fn open<'a>(text: &'a str, path: &Path) -> Result<Cow<'a, str>, SopsError> {
     Ok(open_with_values(text, path)?.0)
 }
 
-/// [`open`], and every value that was encrypted, decrypted (as sops's
-/// `ToBytes` spells it): the caller's redaction set, whatever their length.
+/// A value a SOPS file held encrypted, decrypted: for the caller's
+/// redaction set, whatever its length.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Revealed {
+    /// Its key path (`machine.token`).
+    pub at: String,
+    /// As sops's `ToBytes` spells it (`True`, `420`, the text).
+    pub value: String,
+    /// Whether it was a string (`type:str`), not a number or a bool.
+    pub text: bool,
+}
+
+impl std::fmt::Debug for Revealed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Revealed({})", self.at)
+    }
+}
+
+/// [`open`], and every value that was encrypted, decrypted.
 pub fn open_with_values<'a>(
     text: &'a str,
     path: &Path,
-) -> Result<(Cow<'a, str>, Vec<String>), SopsError> {
+) -> Result<(Cow<'a, str>, Vec<Revealed>), SopsError> {
     if !is_encrypted(text) {
         return Ok((Cow::Borrowed(text), Vec::new()));
     }
@@ -204,7 +221,7 @@ pub fn decrypt_with_values(
     text: &str,
     path: &Path,
     keys: &AgeKeys,
-) -> Result<(String, Vec<String>), SopsError> {
+) -> Result<(String, Vec<Revealed>), SopsError> {
     let invalid = |message: String| SopsError::Invalid {
         path: path.to_owned(),
         message,
@@ -686,7 +703,7 @@ struct Walk<'a, I: Iterator<Item = Hint>> {
     mac_only: bool,
     hash: Sha512,
     hints: Option<I>,
-    values: Vec<String>,
+    values: Vec<Revealed>,
 }
 
 impl<I: Iterator<Item = Hint>> Walk<'_, I> {
@@ -732,6 +749,7 @@ impl<I: Iterator<Item = Hint>> Walk<'_, I> {
             WalkError::Tampered(_) => WalkError::Tampered(shown_path(path)),
             other => other,
         })?;
+        let text = matches!(plain, Decrypted::Text(_));
         let (bytes, new) = match plain {
             Decrypted::Text(t) => (t.clone(), Value::String(t)),
             Decrypted::Int(i) => (i.to_string(), Value::from(i)),
@@ -739,7 +757,11 @@ impl<I: Iterator<Item = Hint>> Walk<'_, I> {
             Decrypted::Bool(b) => (go_bool(b).into(), Value::Bool(b)),
         };
         self.hash.update(bytes.as_bytes());
-        self.values.push(bytes);
+        self.values.push(Revealed {
+            at: shown_path(path),
+            value: bytes,
+            text,
+        });
         *value = new;
         Ok(())
     }
