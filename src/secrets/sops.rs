@@ -59,6 +59,17 @@ pub enum SopsError {
         path.display()
     )]
     NotEncrypted { path: PathBuf, at: String },
+    #[error(
+        "{}: it is encrypted for {kinds}, which imgbuild opens only through the sops binary, and {why}; install sops (https://github.com/getsops/sops) or add an age recipient to the file",
+        path.display()
+    )]
+    NeedsSops {
+        path: PathBuf,
+        kinds: String,
+        why: String,
+    },
+    #[error("{}: sops -d failed: {message}", path.display())]
+    SopsFailed { path: PathBuf, message: String },
     #[error("age key {source_name}: {message}")]
     Keys {
         source_name: String,
@@ -71,8 +82,10 @@ pub enum SopsError {
 /// The age identities SOPS would use, from where sops looks
 /// (`age/keysource.go`): `SOPS_AGE_KEY`, the file `SOPS_AGE_KEY_FILE`
 /// names, and `$XDG_CONFIG_HOME/sops/age/keys.txt` (default
-/// `~/.config/sops/age/keys.txt`). SSH keys and `SOPS_AGE_KEY_CMD` are not
-/// read.
+/// `~/.config/sops/age/keys.txt`, on macOS `~/Library/Application
+/// Support/sops/age/keys.txt`). SSH keys are not read; a file only
+/// `SOPS_AGE_KEY_CMD`, PGP, KMS or Vault opens goes to the sops binary
+/// ([`open`]).
 #[derive(Debug, Clone, Default)]
 pub struct AgeKeys {
     identities: Vec<Identity>,
@@ -91,10 +104,17 @@ impl AgeKeys {
 
     /// The keys of this process's environment, as sops finds them.
     pub fn from_env() -> Result<AgeKeys, SopsError> {
+        // sops's getUserConfigDir: XDG_CONFIG_HOME, else Go's
+        // os.UserConfigDir (`~/Library/Application Support` on macOS).
+        let home_config = if cfg!(target_os = "macos") {
+            "Library/Application Support"
+        } else {
+            ".config"
+        };
         let config_dir = std::env::var_os("XDG_CONFIG_HOME")
             .filter(|d| !d.is_empty())
             .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")));
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(home_config)));
         AgeKeys::from_sources(
             std::env::var("SOPS_AGE_KEY").ok(),
             std::env::var_os("SOPS_AGE_KEY_FILE").map(PathBuf::from),
@@ -169,7 +189,10 @@ pub fn is_encrypted(text: &str) -> bool {
 }
 
 /// `text` as it is when it is no SOPS file, else decrypted (with the
-/// environment's keys, [`AgeKeys::from_env`]) and its MAC verified.
+/// environment's keys, [`AgeKeys::from_env`]) and its MAC verified. A file
+/// only PGP, KMS, Vault or `SOPS_AGE_KEY_CMD` opens is decrypted by the
+/// `sops` binary on PATH (`sops -d`, its output never logged), or refused
+/// saying that none is there.
 pub fn open<'a>(text: &'a str, path: &Path) -> Result<Cow<'a, str>, SopsError> {
     Ok(open_with_values(text, path)?.0)
 }
@@ -200,8 +223,170 @@ pub fn open_with_values<'a>(
     if !is_encrypted(text) {
         return Ok((Cow::Borrowed(text), Vec::new()));
     }
-    let (plain, values) = decrypt_with_values(text, path, &AgeKeys::from_env()?)?;
+    let key_cmd = std::env::var_os("SOPS_AGE_KEY_CMD").filter(|c| !c.is_empty());
+    let opened = AgeKeys::from_env().and_then(|keys| decrypt_with_values(text, path, &keys));
+    let kinds = match &opened {
+        Err(SopsError::NeedsSops { kinds, .. }) => kinds.clone(),
+        Err(SopsError::NoKey { .. }) if key_cmd.is_some() => {
+            "age keys from SOPS_AGE_KEY_CMD".into()
+        }
+        _ => {
+            let (plain, values) = opened?;
+            return Ok((Cow::Owned(plain), values));
+        }
+    };
+    let (plain, values) = with_sops_binary(text, path, &kinds)?;
     Ok((Cow::Owned(plain), values))
+}
+
+/// The key types of a SOPS file imgbuild cannot use itself (sops
+/// `stores/stores.go` metadata: PGP, cloud KMS, Vault), by name.
+fn other_key_kinds(meta: &Mapping) -> Vec<&'static str> {
+    const KINDS: [(&str, &str); 5] = [
+        ("pgp", "PGP"),
+        ("kms", "AWS KMS"),
+        ("gcp_kms", "GCP KMS"),
+        ("azure_kv", "Azure Key Vault"),
+        ("hc_vault", "HashiCorp Vault"),
+    ];
+    let groups = meta.get("key_groups").and_then(Value::as_sequence);
+    let present = |field: &str| {
+        let nonempty = |v: Option<&Value>| {
+            v.and_then(Value::as_sequence)
+                .is_some_and(|l| !l.is_empty())
+        };
+        nonempty(meta.get(field))
+            || groups.is_some_and(|g| g.iter().any(|grp| nonempty(grp.get(field))))
+    };
+    KINDS
+        .iter()
+        .filter(|(field, _)| present(field))
+        .map(|(_, name)| *name)
+        .collect()
+}
+
+/// How long `sops -d` may take (a KMS or Vault round trip included).
+const SOPS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// `sops -d` of `path` by the sops binary on PATH, for keys imgbuild does
+/// not hold itself; its output is never logged, its error is shortened.
+/// The revealed values are the leaves that were `ENC[…]` in `text`.
+fn with_sops_binary(
+    text: &str,
+    path: &Path,
+    kinds: &str,
+) -> Result<(String, Vec<Revealed>), SopsError> {
+    use std::io::Read;
+    let failed = |message: String| SopsError::SopsFailed {
+        path: path.to_owned(),
+        message,
+    };
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    let kind = if ext == "json" { "json" } else { "yaml" };
+    let mut child = match std::process::Command::new("sops")
+        .args(["--decrypt", "--input-type", kind, "--output-type", "yaml"])
+        .arg(path)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(SopsError::NeedsSops {
+                path: path.to_owned(),
+                kinds: kinds.to_owned(),
+                why: "no sops binary is on PATH".into(),
+            });
+        }
+        Err(e) => return Err(failed(format!("cannot run sops: {e}"))),
+    };
+    let pipe = |p: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            if let Some(p) = p {
+                let _ = p
+                    .take(crate::input::MAX_TEXT_FILE as u64)
+                    .read_to_end(&mut out);
+            }
+            out
+        })
+    };
+    let stdout = pipe(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = pipe(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let start = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if start.elapsed() < SOPS_DEADLINE => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(failed(format!(
+                    "no answer within {} s",
+                    SOPS_DEADLINE.as_secs()
+                )));
+            }
+            Err(e) => return Err(failed(e.to_string())),
+        }
+    };
+    let out = stdout.join().unwrap_or_default();
+    let err = stderr.join().unwrap_or_default();
+    if !status.success() {
+        let err = String::from_utf8_lossy(&err);
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        return Err(failed(crate::input::excerpt(last.trim(), 300)));
+    }
+    let plain = String::from_utf8(out).map_err(|_| failed("its output is not UTF-8".into()))?;
+    let mut values = Vec::new();
+    let (enc, dec) = (documents(text, path)?, documents(&plain, path)?);
+    for (e, d) in enc.iter().zip(&dec) {
+        revealed_between(e, d, &mut Vec::new(), &mut values);
+    }
+    Ok((plain, values))
+}
+
+/// The leaves of `dec` whose place in `enc` holds an `ENC[…]` value.
+fn revealed_between(enc: &Value, dec: &Value, path: &mut Vec<String>, out: &mut Vec<Revealed>) {
+    match (enc, dec) {
+        (Value::Mapping(e), Value::Mapping(d)) => {
+            for (k, ev) in e {
+                let (Some(key), Some(dv)) = (k.as_str(), d.get(k)) else {
+                    continue;
+                };
+                path.push(key.to_owned());
+                revealed_between(ev, dv, path, out);
+                path.pop();
+            }
+        }
+        (Value::Sequence(e), Value::Sequence(d)) => {
+            for (ev, dv) in e.iter().zip(d) {
+                revealed_between(ev, dv, path, out);
+            }
+        }
+        (Value::String(e), leaf) if e.starts_with("ENC[AES256_GCM,") => out.push(Revealed {
+            at: shown_path(path),
+            value: plain_bytes(leaf),
+            text: matches!(leaf, Value::String(_)),
+        }),
+        _ => {}
+    }
 }
 
 /// The plaintext YAML of the SOPS file `text` (from `path`, named in
@@ -243,8 +428,26 @@ pub fn decrypt_with_values(
         }
     }
     let field = |name: &str| meta.get(name).and_then(Value::as_str);
-    let stanzas = age_stanzas(&meta).map_err(invalid)?;
+    let others = other_key_kinds(&meta);
+    let needs_sops = |why: &str| SopsError::NeedsSops {
+        path: path.to_owned(),
+        kinds: others.join(", "),
+        why: why.to_owned(),
+    };
+    let stanzas = match age_stanzas(&meta) {
+        Err(e) if e.contains("Shamir") => {
+            return Err(SopsError::NeedsSops {
+                path: path.to_owned(),
+                kinds: "key groups split by Shamir".into(),
+                why: "imgbuild does not combine them".into(),
+            });
+        }
+        other => other.map_err(invalid)?,
+    };
     if stanzas.is_empty() {
+        if !others.is_empty() {
+            return Err(needs_sops("it has no age recipient"));
+        }
         return Err(invalid(
             "it has no age recipients (sops.age); imgbuild opens only age-encrypted files".into(),
         ));
@@ -265,6 +468,12 @@ pub fn decrypt_with_values(
         }
     }
     let Some(data_key) = data_key else {
+        if !others.is_empty() {
+            return Err(needs_sops(&format!(
+                "no age key opens it ({})",
+                keys.looked()
+            )));
+        }
         return Err(SopsError::NoKey {
             path: path.to_owned(),
             recipients: stanzas.into_iter().map(|(r, _)| r).collect(),
