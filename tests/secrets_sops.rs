@@ -548,3 +548,29 @@ fn keys_only_the_sops_binary_has_go_through_it_or_are_named() {
         "{out}"
     );
 }
+
+#[test]
+fn a_file_secrets_encrypt_writes_opens_with_the_real_sops() {
+    let w = Work::new(&net(6));
+    let (key, recipient) = w.keygen("key.txt");
+    let (_, other) = w.keygen("other.txt");
+    let o = w.imgbuild(&["secrets", "gen"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = w.imgbuild(
+        &["secrets", "encrypt", "--age", &other, "--age", &recipient],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let plain = std::fs::read_to_string(w.path("state/secrets.yaml")).unwrap();
+    let o = Command::new(sops_bin())
+        .args(["-d"])
+        .arg(w.path("secrets.sops.yaml"))
+        .env_remove("SOPS_AGE_KEY")
+        .env("SOPS_AGE_KEY_FILE", &key)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let got: Value = serde_yaml_ng::from_str(&text(&o.stdout)).unwrap();
+    let want: Value = serde_yaml_ng::from_str(&plain).unwrap();
+    assert_eq!(got, want);
+}

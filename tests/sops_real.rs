@@ -85,6 +85,9 @@ inf: .inf
 ratio: 1.5
 exp: 1e3
 quoted_octal: "0644"
+day: 2024-01-01
+when: 2024-01-01T10:00:00Z
+day_unencrypted: 2024-01-01
 on: true
 off: false
 none: null

@@ -305,9 +305,7 @@ fn with_sops_binary(
         std::thread::spawn(move || {
             let mut out = Vec::new();
             if let Some(p) = p {
-                let _ = p
-                    .take(crate::input::MAX_TEXT_FILE as u64)
-                    .read_to_end(&mut out);
+                let _ = p.take(crate::input::MAX_TEXT_FILE).read_to_end(&mut out);
             }
             out
         })
@@ -551,8 +549,9 @@ pub fn encrypt(plain: &str, recipients: &[Recipient]) -> Result<String, SopsErro
     let cipher =
         SopsGcm::new_from_slice(&data_key).map_err(|_| SopsError::Encrypt("AES key".into()))?;
     let mut hash = Sha512::new();
+    let mut hints = scalar_hints(plain).map(Vec::into_iter);
     for doc in &mut docs {
-        walk_encrypt(doc, &mut Vec::new(), false, &cipher, &mut hash)?;
+        walk_encrypt(doc, &mut Vec::new(), false, &cipher, &mut hash, &mut hints)?;
     }
     let last_modified = now_rfc3339();
     let mac = encrypt_value(
@@ -825,6 +824,9 @@ fn go_resolve(text: &str) -> Option<Value> {
     if !text.starts_with(|c: char| c.is_ascii_digit() || "+-.".contains(c)) {
         return None;
     }
+    if let Some(t) = go_timestamp(text) {
+        return Some(Value::String(t));
+    }
     let plain = text.replace('_', "");
     if let Some(i) = go_parse_int(&plain) {
         return Some(match i64::try_from(i) {
@@ -852,6 +854,48 @@ fn go_resolve(text: &str) -> Option<Value> {
         return digits.parse::<f64>().ok().map(|f| go_float_value(sign * f));
     }
     None
+}
+
+/// A plain timestamp as yaml.v3 reads it (a date, or RFC 3339 with `T`)
+/// and sops then spells it (`time.RFC3339`): `2024-01-01T00:00:00Z`.
+fn go_timestamp(text: &str) -> Option<String> {
+    let digits = |s: &str, n: std::ops::RangeInclusive<usize>| {
+        n.contains(&s.len()) && s.bytes().all(|b| b.is_ascii_digit())
+    };
+    let mut parts = text.splitn(3, '-');
+    let (y, m, rest) = (parts.next()?, parts.next()?, parts.next()?);
+    if !digits(y, 4..=4) || !digits(m, 1..=2) {
+        return None;
+    }
+    let (d, time) = match rest.find(['T', 't']) {
+        Some(at) => (&rest[..at], Some(&rest[at + 1..])),
+        None => (rest, None),
+    };
+    if !digits(d, 1..=2) {
+        return None;
+    }
+    let date = format!("{y}-{m:0>2}-{d:0>2}");
+    match time {
+        None => {
+            let t = format!("{date}T00:00:00Z");
+            go_rfc3339(&t).map(|_| t)
+        }
+        Some(time) => {
+            let (hms, zone) = match time.find(['Z', 'z', '+', '-']) {
+                Some(at) => (&time[..at], &time[at..]),
+                None => return None,
+            };
+            let hms = hms.split('.').next()?;
+            let mut f = hms.split(':');
+            let (h, mi, sec) = (f.next()?, f.next()?, f.next()?);
+            let zone = if zone.eq_ignore_ascii_case("z") {
+                "Z"
+            } else {
+                zone
+            };
+            go_rfc3339(&format!("{date}T{h:0>2}:{mi:0>2}:{sec:0>2}{zone}"))
+        }
+    }
 }
 
 /// Go's `strconv.ParseInt(s, 0, 64)`, then `ParseUint`: a sign, then
@@ -976,12 +1020,15 @@ impl<I: Iterator<Item = Hint>> Walk<'_, I> {
     }
 }
 
+/// Every leaf but those under `_unencrypted` keys encrypted, each typed as
+/// Go's yaml.v3 reads it (`hints`, from [`scalar_hints`]), as `sops -e` does.
 fn walk_encrypt(
     value: &mut Value,
     path: &mut Vec<String>,
     clear: bool,
     cipher: &SopsGcm,
     hash: &mut Sha512,
+    hints: &mut Option<std::vec::IntoIter<Hint>>,
 ) -> Result<(), SopsError> {
     match value {
         Value::Mapping(m) => {
@@ -989,31 +1036,38 @@ fn walk_encrypt(
                 let key = key_text(k).map_err(SopsError::Encrypt)?;
                 let clear = clear || key.ends_with(UNENCRYPTED_SUFFIX);
                 path.push(key);
-                walk_encrypt(v, path, clear, cipher, hash)?;
+                walk_encrypt(v, path, clear, cipher, hash, hints)?;
                 path.pop();
             }
+            return Ok(());
         }
         Value::Sequence(items) => {
             for v in items {
-                walk_encrypt(v, path, clear, cipher, hash)?;
+                walk_encrypt(v, path, clear, cipher, hash, hints)?;
             }
+            return Ok(());
         }
-        Value::Tagged(t) => walk_encrypt(&mut t.value, path, clear, cipher, hash)?,
-        Value::Null => {}
-        leaf => {
-            let bytes = plain_bytes(leaf);
-            hash.update(bytes.as_bytes());
-            let kind = match leaf {
-                Value::Bool(_) => "bool",
-                Value::Number(n) if n.is_f64() => "float",
-                Value::Number(_) => "int",
-                _ => "str",
-            };
-            // sops keeps empty strings as they are (aes.Cipher.Encrypt).
-            if !clear && !bytes.is_empty() {
-                *leaf = Value::String(encrypt_value(cipher, bytes.as_bytes(), kind, &aad(path))?);
-            }
-        }
+        Value::Tagged(t) => return walk_encrypt(&mut t.value, path, clear, cipher, hash, hints),
+        _ => {}
+    }
+    let hint = hints.as_mut().and_then(Iterator::next).flatten();
+    if let Some(go) = hint.as_deref().and_then(go_resolve) {
+        *value = go;
+    }
+    if value.is_null() {
+        return Ok(());
+    }
+    let bytes = plain_bytes(value);
+    hash.update(bytes.as_bytes());
+    let kind = match value {
+        Value::Bool(_) => "bool",
+        Value::Number(n) if n.is_f64() => "float",
+        Value::Number(_) => "int",
+        _ => "str",
+    };
+    // sops keeps empty strings as they are (aes.Cipher.Encrypt).
+    if !clear && !bytes.is_empty() {
+        *value = Value::String(encrypt_value(cipher, bytes.as_bytes(), kind, &aad(path))?);
     }
     Ok(())
 }
