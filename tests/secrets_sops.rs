@@ -364,20 +364,16 @@ fn bundle_secrets(plain: &str) -> Vec<String> {
 
 #[test]
 fn a_sops_bundle_is_redacted_exactly_as_the_plain_one() {
-    let w = Work::new(&net(2));
+    let net = net(2);
+    let w = Work::new(&net);
     let (key, recipient) = w.keygen("key.txt");
     let enc = w.encrypted_bundle(&recipient);
     let secrets = w.path("state/secrets.yaml");
     let plain = std::fs::read_to_string(&secrets).unwrap();
     let hidden = bundle_secrets(&plain);
     assert!(hidden.len() >= 5, "{hidden:?}");
-    // A patch that breaks the schema makes an error that quotes values.
-    std::fs::write(
-        w.path("bad.yaml"),
-        "cluster:\n  network:\n    cni:\n      name: zz\n",
-    )
-    .unwrap();
-    let commands: &[&[&str]] = &[
+    // Without nodes: the dry runs fail (errors), `status` says unreachable.
+    let offline: &[&[&str]] = &[
         &["config", "cp-01"],
         &["config", "worker-01"],
         &["--output", "json", "config", "cp-01"],
@@ -386,23 +382,64 @@ fn a_sops_bundle_is_redacted_exactly_as_the_plain_one() {
         &["--output", "json", "apply", "--dry-run"],
         &["status"],
     ];
-    let run_all = |text: &str| -> Vec<(Option<i32>, String)> {
+    // With a bootstrapped cluster (Talos v1.11 node simulator): the dry
+    // runs compare the rendered configs with the nodes'.
+    let online: &[&[&str]] = &[
+        &["apply", "--dry-run"],
+        &["--output", "json", "apply", "--dry-run"],
+        &["up", "--dry-run"],
+        &["--output", "json", "status"],
+    ];
+    let run_all = |commands: &[&[&str]], text: &str| -> Vec<(Option<i32>, String)> {
         std::fs::write(&secrets, text).unwrap();
         commands
             .iter()
             .map(|args| shown(&w.imgbuild(args, &[("SOPS_AGE_KEY_FILE", &key)])))
             .collect()
     };
-    let from_plain = run_all(&plain);
-    let from_sops = run_all(&enc);
-    for ((args, p), s) in commands.iter().zip(&from_plain).zip(&from_sops) {
-        assert_eq!(p, s, "imgbuild {args:?}: plain, then SOPS");
-        for v in &hidden {
-            assert!(!s.1.contains(v.as_str()), "imgbuild {args:?}: {}", s.1);
+    let compare = |commands: &[&[&str]]| {
+        let from_plain = run_all(commands, &plain);
+        let from_sops = run_all(commands, &enc);
+        for ((args, p), s) in commands.iter().zip(&from_plain).zip(&from_sops) {
+            assert_eq!(p, s, "imgbuild {args:?}: plain, then SOPS");
+            for v in &hidden {
+                assert!(!s.1.contains(v.as_str()), "imgbuild {args:?}: {}", s.1);
+            }
         }
-    }
+        from_sops
+    };
+    let shown_offline = compare(offline);
     // Rendered configs hold the bundle's secrets: they are redacted, not absent.
-    assert!(from_sops[0].1.contains("<redacted: "), "{}", from_sops[0].1);
+    assert!(
+        shown_offline[0].1.contains("<redacted: "),
+        "{}",
+        shown_offline[0].1
+    );
+    assert_eq!(
+        shown_offline[4].0,
+        Some(1),
+        "an error: {}",
+        shown_offline[4].1
+    );
+
+    let _sim = Nodes::start(&[
+        "--node",
+        &format!("cp-01={net}.11:controlplane"),
+        "--node",
+        &format!("worker-01={net}.21:worker"),
+    ]);
+    std::fs::write(&secrets, &plain).unwrap();
+    let mut run = Run::with_config(&w.path("cluster.yaml"), &["bootstrap"]);
+    let o = run
+        .timeouts(&[])
+        .env("IMGBUILD_STATE_DIR", w.path("state"))
+        .env("HOME", w.path("home"))
+        .env_remove("SOPS_AGE_KEY")
+        .env_remove("TALOSCONFIG")
+        .output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let shown_online = compare(online);
+    assert_eq!(shown_online[0].0, Some(0), "{}", shown_online[0].1);
 }
 
 #[test]
