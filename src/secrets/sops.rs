@@ -1356,6 +1356,66 @@ mod tests {
     }
 
     #[test]
+    fn plain_scalars_are_typed_as_gos_yaml_reads_them() {
+        let v = |t: &str| go_resolve(t);
+        assert_eq!(v("0644"), Some(Value::from(420)));
+        assert_eq!(v("1_000"), Some(Value::from(1000)));
+        assert_eq!(v("0x1F"), Some(Value::from(31)));
+        assert_eq!(v("0o17"), Some(Value::from(15)));
+        assert_eq!(v("-0b101"), Some(Value::from(-5)));
+        assert_eq!(v("1e3"), Some(Value::from(1000)));
+        assert_eq!(v("1.5"), Some(Value::from(1.5)));
+        assert_eq!(v("09"), Some(Value::from(9)), "no octal: a float");
+        assert_eq!(v(".inf"), Some(Value::from(f64::INFINITY)));
+        assert_eq!(v("-.Inf"), Some(Value::from(f64::NEG_INFINITY)));
+        assert_eq!(v("True"), Some(Value::Bool(true)));
+        assert_eq!(v("~"), Some(Value::Null));
+        assert_eq!(
+            v("2024-1-2"),
+            Some(Value::from("2024-01-02T00:00:00Z".to_owned()))
+        );
+        assert_eq!(
+            v("2024-01-02T03:04:05.5+02:00"),
+            Some(Value::from("2024-01-02T03:04:05+02:00".to_owned()))
+        );
+        for text in [
+            "yes",
+            "1.2.3",
+            "10.0.0.1",
+            "v1.11",
+            "0x",
+            "2024-13-01",
+            "abc",
+        ] {
+            assert_eq!(v(text), None, "{text}");
+        }
+        assert_eq!(go_float(f64::INFINITY), "+Inf");
+        assert_eq!(go_float(0.1), "0.1");
+    }
+
+    #[test]
+    fn which_values_are_encrypted_follows_the_files_rule() {
+        let meta = |yaml: &str| -> Mapping { serde_yaml_ng::from_str(yaml).unwrap() };
+        let path = |p: &[&str]| p.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let default = Rule::of(&meta("version: 3.11.0")).unwrap();
+        assert!(default.encrypts(&path(&["a", "b"])));
+        assert!(!default.encrypts(&path(&["a_unencrypted", "b"])));
+        let re = Rule::of(&meta("encrypted_regex: ^(data|stringData)$")).unwrap();
+        assert!(re.encrypts(&path(&["data", "x"])));
+        assert!(!re.encrypts(&path(&["metadata", "name"])));
+        let un = Rule::of(&meta("unencrypted_regex: pub")).unwrap();
+        assert!(
+            !un.encrypts(&path(&["a", "my_pub_key"])),
+            "found anywhere, as Go's regexp.Match"
+        );
+        let suffix = Rule::of(&meta("encrypted_suffix: _secret")).unwrap();
+        assert!(suffix.encrypts(&path(&["db_secret", "x"])));
+        assert!(!suffix.encrypts(&path(&["db", "x"])));
+        assert!(Rule::of(&meta("encrypted_regex: a\nunencrypted_suffix: b")).is_err());
+        assert!(Rule::of(&meta("encrypted_comment_regex: sops")).is_err());
+    }
+
+    #[test]
     fn lastmodified_is_spelled_as_go_formats_it() {
         assert_eq!(
             go_rfc3339("2024-05-01T10:11:12Z").unwrap(),
