@@ -66,10 +66,24 @@ pub fn inventory(inv: &Inventory) {
         .iter()
         .flat_map(|n| config::patch_files(inv, n))
         .collect();
+    // A value the inventory itself writes in the clear (a node's name) is
+    // no secret, even where a SOPS patch holds it encrypted.
+    let clear = serde_json::to_string(inv).unwrap_or_default();
     for file in files {
         let Ok(text) = imgbuild::input::read_text(&file, imgbuild::input::MAX_TEXT_FILE) else {
             continue;
         };
+        // A SOPS patch: its fields as the plaintext's, and every string it
+        // held encrypted (one no key opens fails later, naming the file).
+        let Ok((text, revealed)) = imgbuild::secrets::sops::open_with_values(&text, &file) else {
+            continue;
+        };
+        for r in revealed.iter().filter(|r| r.text) {
+            let quoted = serde_json::to_string(&r.value).unwrap_or_default();
+            if !clear.contains(&quoted) {
+                super::output::redact_also(&r.at, &r.value);
+            }
+        }
         for (name, value) in vars.referenced_in(&text) {
             super::output::redact_also(name, value);
         }

@@ -73,12 +73,19 @@ pub fn secret_files(dir: &Path) -> Vec<PathBuf> {
 
 /// The secret values the files of `dir` hold, each with its field path
 /// (`certs.os.key`, `contexts.admin.key`, `machine.token`…). Only regular
-/// files are read, bounded; one that cannot be read gives nothing.
+/// files are read, bounded; one that cannot be read gives nothing. A SOPS
+/// file (`secrets.yaml` kept encrypted) gives the fields of its plaintext,
+/// so it is redacted exactly as the plain file would be; one no key opens
+/// gives nothing here (the command that reads it fails, naming it).
 pub fn state_secrets(dir: &Path) -> Vec<(String, String)> {
     secret_files(dir)
         .iter()
-        .filter_map(|f| crate::input::read_text(f, crate::input::MAX_TEXT_FILE).ok())
-        .flat_map(|text| super::redact::secret_fields_of_yaml(&text))
+        .filter_map(|f| {
+            let text = crate::input::read_text(f, crate::input::MAX_TEXT_FILE).ok()?;
+            let plain = super::sops::open(&text, f).ok()?;
+            Some(super::redact::secret_fields_of_yaml(&plain))
+        })
+        .flatten()
         .collect()
 }
 

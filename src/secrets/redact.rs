@@ -300,12 +300,16 @@ fn secret_key(key: &str) -> bool {
             .any(|w| k.contains(w))
 }
 
-/// An environment variable name that says it holds a secret.
+/// An environment variable name that says it holds a secret. One that
+/// names a file or folder (`SOPS_AGE_KEY_FILE`) holds a path, shown in
+/// clear so that an error can say which file.
 pub fn secret_name(name: &str) -> bool {
     let n = name.to_ascii_uppercase();
-    ["KEY", "TOKEN", "SECRET", "PASSWORD"]
-        .iter()
-        .any(|w| n.contains(w))
+    let path = ["_FILE", "_PATH", "_DIR"].iter().any(|s| n.ends_with(s));
+    !path
+        && ["KEY", "TOKEN", "SECRET", "PASSWORD"]
+            .iter()
+            .any(|w| n.contains(w))
 }
 
 /// A config diff with the value of every line that sets a secret field
@@ -453,5 +457,14 @@ mod tests {
             secret_fields(&ext),
             [("TS_AUTHKEY".to_owned(), "tskey-1".to_owned())]
         );
+    }
+
+    #[test]
+    fn a_variable_naming_a_key_file_holds_a_path_not_a_secret() {
+        assert!(secret_name("SOPS_AGE_KEY"));
+        assert!(secret_name("HCLOUD_TOKEN"));
+        assert!(!secret_name("SOPS_AGE_KEY_FILE"));
+        assert!(!secret_name("GOOGLE_APPLICATION_CREDENTIALS_KEY_PATH"));
+        assert!(!secret_name("TALOSCONFIG"));
     }
 }

@@ -54,6 +54,22 @@ pub enum SopsError {
         path.display()
     )]
     Tampered { path: PathBuf, what: String },
+    #[error(
+        "{}: refused: could not decrypt value at {at}: it is in the clear where sops encrypts it (added without the key?); encrypt the file again",
+        path.display()
+    )]
+    NotEncrypted { path: PathBuf, at: String },
+    #[error(
+        "{}: it is encrypted for {kinds}, which imgbuild opens only through the sops binary, and {why}; install sops (https://github.com/getsops/sops) or add an age recipient to the file",
+        path.display()
+    )]
+    NeedsSops {
+        path: PathBuf,
+        kinds: String,
+        why: String,
+    },
+    #[error("{}: sops -d failed: {message}", path.display())]
+    SopsFailed { path: PathBuf, message: String },
     #[error("age key {source_name}: {message}")]
     Keys {
         source_name: String,
@@ -66,8 +82,10 @@ pub enum SopsError {
 /// The age identities SOPS would use, from where sops looks
 /// (`age/keysource.go`): `SOPS_AGE_KEY`, the file `SOPS_AGE_KEY_FILE`
 /// names, and `$XDG_CONFIG_HOME/sops/age/keys.txt` (default
-/// `~/.config/sops/age/keys.txt`). SSH keys and `SOPS_AGE_KEY_CMD` are not
-/// read.
+/// `~/.config/sops/age/keys.txt`, on macOS `~/Library/Application
+/// Support/sops/age/keys.txt`). SSH keys are not read; a file only
+/// `SOPS_AGE_KEY_CMD`, PGP, KMS or Vault opens goes to the sops binary
+/// ([`open`]).
 #[derive(Debug, Clone, Default)]
 pub struct AgeKeys {
     identities: Vec<Identity>,
@@ -86,10 +104,17 @@ impl AgeKeys {
 
     /// The keys of this process's environment, as sops finds them.
     pub fn from_env() -> Result<AgeKeys, SopsError> {
+        // sops's getUserConfigDir: XDG_CONFIG_HOME, else Go's
+        // os.UserConfigDir (`~/Library/Application Support` on macOS).
+        let home_config = if cfg!(target_os = "macos") {
+            "Library/Application Support"
+        } else {
+            ".config"
+        };
         let config_dir = std::env::var_os("XDG_CONFIG_HOME")
             .filter(|d| !d.is_empty())
             .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")));
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(home_config)));
         AgeKeys::from_sources(
             std::env::var("SOPS_AGE_KEY").ok(),
             std::env::var_os("SOPS_AGE_KEY_FILE").map(PathBuf::from),
@@ -164,17 +189,222 @@ pub fn is_encrypted(text: &str) -> bool {
 }
 
 /// `text` as it is when it is no SOPS file, else decrypted (with the
-/// environment's keys, [`AgeKeys::from_env`]) and its MAC verified.
+/// environment's keys, [`AgeKeys::from_env`]) and its MAC verified. A file
+/// only PGP, KMS, Vault or `SOPS_AGE_KEY_CMD` opens is decrypted by the
+/// `sops` binary on PATH (`sops -d`, its output never logged), or refused
+/// saying that none is there.
 pub fn open<'a>(text: &'a str, path: &Path) -> Result<Cow<'a, str>, SopsError> {
-    if !is_encrypted(text) {
-        return Ok(Cow::Borrowed(text));
+    Ok(open_with_values(text, path)?.0)
+}
+
+/// A value a SOPS file held encrypted, decrypted: for the caller's
+/// redaction set, whatever its length.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Revealed {
+    /// Its key path (`machine.token`).
+    pub at: String,
+    /// As sops's `ToBytes` spells it (`True`, `420`, the text).
+    pub value: String,
+    /// Whether it was a string (`type:str`), not a number or a bool.
+    pub text: bool,
+}
+
+impl std::fmt::Debug for Revealed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Revealed({})", self.at)
     }
-    Ok(Cow::Owned(decrypt(text, path, &AgeKeys::from_env()?)?))
+}
+
+/// [`open`], and every value that was encrypted, decrypted.
+pub fn open_with_values<'a>(
+    text: &'a str,
+    path: &Path,
+) -> Result<(Cow<'a, str>, Vec<Revealed>), SopsError> {
+    if !is_encrypted(text) {
+        return Ok((Cow::Borrowed(text), Vec::new()));
+    }
+    let key_cmd = std::env::var_os("SOPS_AGE_KEY_CMD").filter(|c| !c.is_empty());
+    let opened = AgeKeys::from_env().and_then(|keys| decrypt_with_values(text, path, &keys));
+    let kinds = match &opened {
+        Err(SopsError::NeedsSops { kinds, .. }) => kinds.clone(),
+        Err(SopsError::NoKey { .. }) if key_cmd.is_some() => {
+            "age keys from SOPS_AGE_KEY_CMD".into()
+        }
+        _ => {
+            let (plain, values) = opened?;
+            return Ok((Cow::Owned(plain), values));
+        }
+    };
+    let (plain, values) = with_sops_binary(text, path, &kinds)?;
+    Ok((Cow::Owned(plain), values))
+}
+
+/// The key types of a SOPS file imgbuild cannot use itself (sops
+/// `stores/stores.go` metadata: PGP, cloud KMS, Vault), by name.
+fn other_key_kinds(meta: &Mapping) -> Vec<&'static str> {
+    const KINDS: [(&str, &str); 5] = [
+        ("pgp", "PGP"),
+        ("kms", "AWS KMS"),
+        ("gcp_kms", "GCP KMS"),
+        ("azure_kv", "Azure Key Vault"),
+        ("hc_vault", "HashiCorp Vault"),
+    ];
+    let groups = meta.get("key_groups").and_then(Value::as_sequence);
+    let present = |field: &str| {
+        let nonempty = |v: Option<&Value>| {
+            v.and_then(Value::as_sequence)
+                .is_some_and(|l| !l.is_empty())
+        };
+        nonempty(meta.get(field))
+            || groups.is_some_and(|g| g.iter().any(|grp| nonempty(grp.get(field))))
+    };
+    KINDS
+        .iter()
+        .filter(|(field, _)| present(field))
+        .map(|(_, name)| *name)
+        .collect()
+}
+
+/// How long `sops -d` may take (a KMS or Vault round trip included).
+const SOPS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// `sops -d` of `path` by the sops binary on PATH, for keys imgbuild does
+/// not hold itself; its output is never logged, its error is shortened.
+/// The revealed values are the leaves that were `ENC[…]` in `text`.
+fn with_sops_binary(
+    text: &str,
+    path: &Path,
+    kinds: &str,
+) -> Result<(String, Vec<Revealed>), SopsError> {
+    use std::io::Read;
+    let failed = |message: String| SopsError::SopsFailed {
+        path: path.to_owned(),
+        message,
+    };
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    let kind = if ext == "json" { "json" } else { "yaml" };
+    let mut child = match std::process::Command::new("sops")
+        .args(["--decrypt", "--input-type", kind, "--output-type", "yaml"])
+        .arg(path)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(SopsError::NeedsSops {
+                path: path.to_owned(),
+                kinds: kinds.to_owned(),
+                why: "no sops binary is on PATH".into(),
+            });
+        }
+        Err(e) => return Err(failed(format!("cannot run sops: {e}"))),
+    };
+    let pipe = |p: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            if let Some(p) = p {
+                let _ = p.take(crate::input::MAX_TEXT_FILE).read_to_end(&mut out);
+            }
+            out
+        })
+    };
+    let stdout = pipe(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = pipe(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let start = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if start.elapsed() < SOPS_DEADLINE => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(failed(format!(
+                    "no answer within {} s",
+                    SOPS_DEADLINE.as_secs()
+                )));
+            }
+            Err(e) => return Err(failed(e.to_string())),
+        }
+    };
+    let out = stdout.join().unwrap_or_default();
+    let err = stderr.join().unwrap_or_default();
+    if !status.success() {
+        let err = String::from_utf8_lossy(&err);
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        return Err(failed(crate::input::excerpt(last.trim(), 300)));
+    }
+    let plain = String::from_utf8(out).map_err(|_| failed("its output is not UTF-8".into()))?;
+    let mut values = Vec::new();
+    let (enc, dec) = (documents(text, path)?, documents(&plain, path)?);
+    for (e, d) in enc.iter().zip(&dec) {
+        revealed_between(e, d, &mut Vec::new(), &mut values);
+    }
+    Ok((plain, values))
+}
+
+/// The leaves of `dec` whose place in `enc` holds an `ENC[…]` value.
+fn revealed_between(enc: &Value, dec: &Value, path: &mut Vec<String>, out: &mut Vec<Revealed>) {
+    match (enc, dec) {
+        (Value::Mapping(e), Value::Mapping(d)) => {
+            for (k, ev) in e {
+                let (Some(key), Some(dv)) = (k.as_str(), d.get(k)) else {
+                    continue;
+                };
+                path.push(key.to_owned());
+                revealed_between(ev, dv, path, out);
+                path.pop();
+            }
+        }
+        (Value::Sequence(e), Value::Sequence(d)) => {
+            for (ev, dv) in e.iter().zip(d) {
+                revealed_between(ev, dv, path, out);
+            }
+        }
+        (Value::String(e), leaf) if e.starts_with("ENC[AES256_GCM,") => out.push(Revealed {
+            at: shown_path(path),
+            value: plain_bytes(leaf),
+            text: matches!(leaf, Value::String(_)),
+        }),
+        _ => {}
+    }
 }
 
 /// The plaintext YAML of the SOPS file `text` (from `path`, named in
 /// errors), every value decrypted and the MAC checked over all of them.
 pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsError> {
+    Ok(decrypt_with_values(text, path, keys)?.0)
+}
+
+/// [`decrypt`], and the decrypted values of the leaves that were encrypted.
+/// Which leaves sops encrypts follows `sops.go` `shouldBeEncrypted`: the
+/// file's `unencrypted_suffix` (default `_unencrypted`),
+/// `encrypted_suffix`, `unencrypted_regex` or `encrypted_regex` on any key
+/// of the path; such a leaf that is not `ENC[…]` (nor empty) is refused as
+/// sops refuses it ("Could not decrypt value"), and a leaf left in the
+/// clear is kept as it is, even one that looks like `ENC[…]`.
+pub fn decrypt_with_values(
+    text: &str,
+    path: &Path,
+    keys: &AgeKeys,
+) -> Result<(String, Vec<Revealed>), SopsError> {
     let invalid = |message: String| SopsError::Invalid {
         path: path.to_owned(),
         message,
@@ -184,6 +414,7 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
         what,
     };
     let mut docs = documents(text, path)?;
+    let mut hints = scalar_hints(text);
     let meta = docs
         .first()
         .and_then(metadata_of)
@@ -195,8 +426,26 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
         }
     }
     let field = |name: &str| meta.get(name).and_then(Value::as_str);
-    let stanzas = age_stanzas(&meta).map_err(invalid)?;
+    let others = other_key_kinds(&meta);
+    let needs_sops = |why: &str| SopsError::NeedsSops {
+        path: path.to_owned(),
+        kinds: others.join(", "),
+        why: why.to_owned(),
+    };
+    let stanzas = match age_stanzas(&meta) {
+        Err(e) if e.contains("Shamir") => {
+            return Err(SopsError::NeedsSops {
+                path: path.to_owned(),
+                kinds: "key groups split by Shamir".into(),
+                why: "imgbuild does not combine them".into(),
+            });
+        }
+        other => other.map_err(invalid)?,
+    };
     if stanzas.is_empty() {
+        if !others.is_empty() {
+            return Err(needs_sops("it has no age recipient"));
+        }
         return Err(invalid(
             "it has no age recipients (sops.age); imgbuild opens only age-encrypted files".into(),
         ));
@@ -217,6 +466,12 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
         }
     }
     let Some(data_key) = data_key else {
+        if !others.is_empty() {
+            return Err(needs_sops(&format!(
+                "no age key opens it ({})",
+                keys.looked()
+            )));
+        }
         return Err(SopsError::NoKey {
             path: path.to_owned(),
             recipients: stanzas.into_iter().map(|(r, _)| r).collect(),
@@ -229,16 +484,29 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
         .get("mac_only_encrypted")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let mut hash = Sha512::new();
+    let rule = Rule::of(&meta).map_err(invalid)?;
+    let mut walk = Walk {
+        cipher: &cipher,
+        rule: &rule,
+        mac_only,
+        hash: Sha512::new(),
+        hints: hints.as_mut().map(|h| h.drain(..)),
+        values: Vec::new(),
+    };
     if mac_only {
-        hash.update(&MAC_ONLY_ENCRYPTED_INIT);
+        walk.hash.update(&MAC_ONLY_ENCRYPTED_INIT);
     }
     for doc in &mut docs {
-        walk_decrypt(doc, &mut Vec::new(), &cipher, mac_only, &mut hash).map_err(|e| match e {
+        walk.decrypt(doc, &mut Vec::new()).map_err(|e| match e {
             WalkError::Tampered(at) => tampered(format!("the value at {at} does not decrypt")),
+            WalkError::Clear(at) => SopsError::NotEncrypted {
+                path: path.to_owned(),
+                at,
+            },
             WalkError::Invalid(m) => invalid(m),
         })?;
     }
+    let Walk { hash, values, .. } = walk;
     let computed = hex::encode_upper(hash.finish());
     let last_modified = field("lastmodified")
         .ok_or_else(|| invalid("no sops.lastmodified".into()))
@@ -249,7 +517,9 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
     let stored = match decrypt_value(&cipher, mac, &last_modified) {
         Ok(Decrypted::Text(s)) => s,
         Ok(_) => return Err(tampered("sops.mac".into())),
-        Err(WalkError::Tampered(_)) => return Err(tampered("sops.mac does not decrypt".into())),
+        Err(WalkError::Tampered(_) | WalkError::Clear(_)) => {
+            return Err(tampered("sops.mac does not decrypt".into()));
+        }
         Err(WalkError::Invalid(m)) => return Err(invalid(format!("sops.mac: {m}"))),
     };
     if aws_lc_rs::constant_time::verify_slices_are_equal(stored.as_bytes(), computed.as_bytes())
@@ -257,7 +527,7 @@ pub fn decrypt(text: &str, path: &Path, keys: &AgeKeys) -> Result<String, SopsEr
     {
         return Err(tampered("the MAC over the values does not match".into()));
     }
-    emit(&docs).map_err(invalid)
+    Ok((emit(&docs).map_err(invalid)?, values))
 }
 
 /// `plain` (YAML) as a SOPS file for `recipients`: every value but those
@@ -279,8 +549,9 @@ pub fn encrypt(plain: &str, recipients: &[Recipient]) -> Result<String, SopsErro
     let cipher =
         SopsGcm::new_from_slice(&data_key).map_err(|_| SopsError::Encrypt("AES key".into()))?;
     let mut hash = Sha512::new();
+    let mut hints = scalar_hints(plain).map(Vec::into_iter);
     for doc in &mut docs {
-        walk_encrypt(doc, &mut Vec::new(), false, &cipher, &mut hash)?;
+        walk_encrypt(doc, &mut Vec::new(), false, &cipher, &mut hash, &mut hints)?;
     }
     let last_modified = now_rfc3339();
     let mac = encrypt_value(
@@ -372,6 +643,8 @@ fn age_stanzas(meta: &Mapping) -> Result<Vec<(String, String)>, String> {
 enum WalkError {
     /// The key path of the value that failed authentication.
     Tampered(String),
+    /// The key path of a value in the clear where sops encrypts.
+    Clear(String),
     Invalid(String),
 }
 
@@ -396,57 +669,366 @@ fn key_text(key: &Value) -> Result<String, String> {
     }
 }
 
-fn walk_decrypt(
-    value: &mut Value,
-    path: &mut Vec<String>,
-    cipher: &SopsGcm,
-    mac_only: bool,
-    hash: &mut Sha512,
-) -> Result<(), WalkError> {
-    match value {
-        Value::Mapping(m) => {
-            for (k, v) in m.iter_mut() {
-                path.push(key_text(k).map_err(WalkError::Invalid)?);
-                walk_decrypt(v, path, cipher, mac_only, hash)?;
-                path.pop();
+/// Which keys' values sops encrypts (`sops.go` `shouldBeEncrypted`), from
+/// the file's metadata; at most one rule is set (`stores/stores.go`), none
+/// means the default unencrypted suffix.
+enum Rule {
+    UnencryptedSuffix(String),
+    EncryptedSuffix(String),
+    UnencryptedRegex(jsonschema::Validator),
+    EncryptedRegex(jsonschema::Validator),
+}
+
+impl Rule {
+    fn of(meta: &Mapping) -> Result<Rule, String> {
+        let field = |name: &str| {
+            meta.get(name)
+                .and_then(Value::as_str)
+                .filter(|v| !v.is_empty())
+        };
+        for name in ["unencrypted_comment_regex", "encrypted_comment_regex"] {
+            if field(name).is_some() {
+                return Err(format!(
+                    "it uses sops.{name}, which imgbuild does not read; decrypt it with sops"
+                ));
             }
         }
-        Value::Sequence(items) => {
-            for v in items {
-                walk_decrypt(v, path, cipher, mac_only, hash)?;
+        let set: Vec<&str> = [
+            "unencrypted_suffix",
+            "encrypted_suffix",
+            "unencrypted_regex",
+            "encrypted_regex",
+        ]
+        .into_iter()
+        .filter(|n| field(n).is_some())
+        .collect();
+        if set.len() > 1 {
+            return Err(format!(
+                "it sets more than one of {}; sops allows one",
+                set.join(", ")
+            ));
+        }
+        // Go's regexp.Match finds the pattern anywhere in the key, as a JSON
+        // Schema `pattern` does (jsonschema's regex engine).
+        let regex = |name: &str, re: &str| {
+            jsonschema::validator_for(&serde_json::json!({"type": "string", "pattern": re}))
+                .map_err(|_| format!("sops.{name} is not a regular expression imgbuild can read"))
+        };
+        Ok(match set.first().copied() {
+            None => Rule::UnencryptedSuffix(UNENCRYPTED_SUFFIX.into()),
+            Some(name) => {
+                let v = field(name).unwrap_or_default().to_owned();
+                match name {
+                    "unencrypted_suffix" => Rule::UnencryptedSuffix(v),
+                    "encrypted_suffix" => Rule::EncryptedSuffix(v),
+                    "unencrypted_regex" => Rule::UnencryptedRegex(regex(name, &v)?),
+                    _ => Rule::EncryptedRegex(regex(name, &v)?),
+                }
             }
+        })
+    }
+
+    /// Whether sops encrypts the leaf at `path` (its map keys).
+    fn encrypts(&self, path: &[String]) -> bool {
+        let matches = |re: &jsonschema::Validator, k: &String| re.is_valid(&serde_json::json!(k));
+        match self {
+            Rule::UnencryptedSuffix(s) => !path.iter().any(|k| k.ends_with(s.as_str())),
+            Rule::EncryptedSuffix(s) => path.iter().any(|k| k.ends_with(s.as_str())),
+            Rule::UnencryptedRegex(re) => !path.iter().any(|k| matches(re, k)),
+            Rule::EncryptedRegex(re) => path.iter().any(|k| matches(re, k)),
         }
-        Value::Tagged(t) => walk_decrypt(&mut t.value, path, cipher, mac_only, hash)?,
-        Value::Null => {}
-        Value::String(s) if s.starts_with("ENC[AES256_GCM,") => {
-            let plain = decrypt_value(cipher, s, &aad(path)).map_err(|e| match e {
-                WalkError::Tampered(_) => WalkError::Tampered(shown_path(path)),
-                other => other,
-            })?;
-            let (bytes, new) = match plain {
-                Decrypted::Text(t) => (t.clone(), Value::String(t)),
-                Decrypted::Int(i) => (i.to_string(), Value::from(i)),
-                Decrypted::Float(f) => (f.to_string(), Value::from(f)),
-                Decrypted::Bool(b) => (go_bool(b).into(), Value::Bool(b)),
-            };
-            hash.update(bytes.as_bytes());
-            *value = new;
-        }
-        leaf => {
-            if !mac_only {
-                hash.update(plain_bytes(leaf).as_bytes());
+    }
+}
+
+/// How a scalar was written: its text, when it was plain (unquoted,
+/// untagged) — the only scalars Go's yaml.v3 may read as another type than
+/// the YAML 1.2 reader here does (`0644`, `1_000`, `.inf`).
+type Hint = Option<String>;
+
+/// Every value scalar of `text` (not map keys) in document order, as
+/// [`Hint`]s; None when the text uses anchors or aliases (then the values
+/// are taken as read).
+fn scalar_hints(text: &str) -> Option<Vec<Hint>> {
+    use yaml_rust2::parser::{Event, EventReceiver, Parser};
+    use yaml_rust2::scanner::TScalarStyle;
+    #[derive(Default)]
+    struct Collect {
+        /// Per open container: Some(expecting a key) for a map, None for a
+        /// sequence.
+        stack: Vec<Option<bool>>,
+        hints: Vec<Hint>,
+        unusable: bool,
+    }
+    impl Collect {
+        /// A value (scalar or container) ended: a map expects a key again.
+        fn value_done(&mut self) {
+            if let Some(Some(expect_key)) = self.stack.last_mut() {
+                *expect_key = !*expect_key;
             }
         }
     }
-    Ok(())
+    impl EventReceiver for Collect {
+        fn on_event(&mut self, ev: Event) {
+            match ev {
+                Event::Alias(_) => self.unusable = true,
+                Event::Scalar(text, style, anchor, tag) => {
+                    if anchor != 0 {
+                        self.unusable = true;
+                    }
+                    let is_key = matches!(self.stack.last(), Some(Some(true)));
+                    if !is_key && !self.stack.is_empty() {
+                        let plain = style == TScalarStyle::Plain && tag.is_none();
+                        self.hints.push(plain.then_some(text));
+                    }
+                    self.value_done();
+                }
+                Event::MappingStart(anchor, _) | Event::SequenceStart(anchor, _) => {
+                    if anchor != 0 {
+                        self.unusable = true;
+                    }
+                    if matches!(self.stack.last(), Some(Some(true))) {
+                        // A complex key: sops refuses those anyway.
+                        self.unusable = true;
+                    }
+                    let map = matches!(ev, Event::MappingStart(..));
+                    self.stack.push(map.then_some(true));
+                }
+                Event::MappingEnd | Event::SequenceEnd => {
+                    self.stack.pop();
+                    self.value_done();
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut c = Collect::default();
+    Parser::new_from_str(text).load(&mut c, true).ok()?;
+    (!c.unusable).then_some(c.hints)
 }
 
+/// A plain scalar as Go's yaml.v3 resolves it (`resolve.go`), where that
+/// differs from a string: null, bool, int (base prefixes, legacy `0644`
+/// octal, `_` separators), float (`.inf`, `.nan`, exponents).
+fn go_resolve(text: &str) -> Option<Value> {
+    match text {
+        "" | "~" | "null" | "Null" | "NULL" => return Some(Value::Null),
+        "true" | "True" | "TRUE" => return Some(Value::Bool(true)),
+        "false" | "False" | "FALSE" => return Some(Value::Bool(false)),
+        ".inf" | ".Inf" | ".INF" | "+.inf" | "+.Inf" | "+.INF" => {
+            return Some(Value::from(f64::INFINITY));
+        }
+        "-.inf" | "-.Inf" | "-.INF" => return Some(Value::from(f64::NEG_INFINITY)),
+        ".nan" | ".NaN" | ".NAN" => return Some(Value::from(f64::NAN)),
+        _ => {}
+    }
+    if !text.starts_with(|c: char| c.is_ascii_digit() || "+-.".contains(c)) {
+        return None;
+    }
+    if let Some(t) = go_timestamp(text) {
+        return Some(Value::String(t));
+    }
+    let plain = text.replace('_', "");
+    if let Some(i) = go_parse_int(&plain) {
+        return Some(match i64::try_from(i) {
+            Ok(i) => Value::from(i),
+            Err(_) => Value::from(u64::try_from(i).ok()?),
+        });
+    }
+    let (sign, digits) = match plain.strip_prefix('-') {
+        Some(d) => (-1.0, d),
+        None => (1.0, plain.strip_prefix('+').unwrap_or(&plain)),
+    };
+    // yamlStyleFloat: [-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?
+    let (mantissa, exp) = match digits.find(['e', 'E']) {
+        Some(at) => (&digits[..at], Some(&digits[at + 1..])),
+        None => (digits, None),
+    };
+    let all_digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let mantissa_ok = match mantissa.split_once('.') {
+        Some(("", frac)) => all_digits(frac),
+        Some((int, frac)) => all_digits(int) && (frac.is_empty() || all_digits(frac)),
+        None => all_digits(mantissa),
+    };
+    let exp_ok = exp.is_none_or(|e| all_digits(e.strip_prefix(['+', '-']).unwrap_or(e)));
+    if mantissa_ok && exp_ok {
+        return digits.parse::<f64>().ok().map(|f| go_float_value(sign * f));
+    }
+    None
+}
+
+/// A plain timestamp as yaml.v3 reads it (a date, or RFC 3339 with `T`)
+/// and sops then spells it (`time.RFC3339`): `2024-01-01T00:00:00Z`.
+fn go_timestamp(text: &str) -> Option<String> {
+    let digits = |s: &str, n: std::ops::RangeInclusive<usize>| {
+        n.contains(&s.len()) && s.bytes().all(|b| b.is_ascii_digit())
+    };
+    let mut parts = text.splitn(3, '-');
+    let (y, m, rest) = (parts.next()?, parts.next()?, parts.next()?);
+    if !digits(y, 4..=4) || !digits(m, 1..=2) {
+        return None;
+    }
+    let (d, time) = match rest.find(['T', 't']) {
+        Some(at) => (&rest[..at], Some(&rest[at + 1..])),
+        None => (rest, None),
+    };
+    if !digits(d, 1..=2) {
+        return None;
+    }
+    let date = format!("{y}-{m:0>2}-{d:0>2}");
+    match time {
+        None => {
+            let t = format!("{date}T00:00:00Z");
+            go_rfc3339(&t).map(|_| t)
+        }
+        Some(time) => {
+            let (hms, zone) = match time.find(['Z', 'z', '+', '-']) {
+                Some(at) => (&time[..at], &time[at..]),
+                None => return None,
+            };
+            let hms = hms.split('.').next()?;
+            let mut f = hms.split(':');
+            let (h, mi, sec) = (f.next()?, f.next()?, f.next()?);
+            let zone = if zone.eq_ignore_ascii_case("z") {
+                "Z"
+            } else {
+                zone
+            };
+            go_rfc3339(&format!("{date}T{h:0>2}:{mi:0>2}:{sec:0>2}{zone}"))
+        }
+    }
+}
+
+/// Go's `strconv.ParseInt(s, 0, 64)`, then `ParseUint`: a sign, then
+/// `0x`/`0o`/`0b` or a leading `0` (octal) or decimal.
+fn go_parse_int(s: &str) -> Option<i128> {
+    let (neg, rest) = match s.strip_prefix('-') {
+        Some(r) => (true, r),
+        None => (false, s.strip_prefix('+').unwrap_or(s)),
+    };
+    let lower = rest.to_ascii_lowercase();
+    let (radix, digits) = if let Some(d) = lower.strip_prefix("0x") {
+        (16, d)
+    } else if let Some(d) = lower.strip_prefix("0o") {
+        (8, d)
+    } else if let Some(d) = lower.strip_prefix("0b") {
+        (2, d)
+    } else if lower.len() > 1 && lower.starts_with('0') {
+        (8, &lower[1..])
+    } else {
+        (10, lower.as_str())
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    let v = u64::from_str_radix(digits, radix).ok()?;
+    let v = i128::from(v);
+    let v = if neg { -v } else { v };
+    (v >= i128::from(i64::MIN) && (neg || v <= i128::from(u64::MAX))).then_some(v)
+}
+
+/// A float as `sops -d` writes it (yaml.v3 `FormatFloat(f, 'g', -1, 64)`):
+/// a whole number below 1e6 in magnitude reads back as an integer.
+fn go_float_value(f: f64) -> Value {
+    if f.is_finite() && f.fract() == 0.0 && f.abs() < 1e6 {
+        // Exact: a whole number of this size converts without loss.
+        #[allow(clippy::cast_possible_truncation)]
+        Value::from(f as i64)
+    } else {
+        Value::from(f)
+    }
+}
+
+/// Go's `strconv.FormatFloat(f, 'f', -1, 64)`.
+fn go_float(f: f64) -> String {
+    if f.is_nan() {
+        "NaN".into()
+    } else if f.is_infinite() {
+        if f > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else {
+        f.to_string()
+    }
+}
+
+/// One decryption pass over a file's documents.
+struct Walk<'a, I: Iterator<Item = Hint>> {
+    cipher: &'a SopsGcm,
+    rule: &'a Rule,
+    mac_only: bool,
+    hash: Sha512,
+    hints: Option<I>,
+    values: Vec<Revealed>,
+}
+
+impl<I: Iterator<Item = Hint>> Walk<'_, I> {
+    fn decrypt(&mut self, value: &mut Value, path: &mut Vec<String>) -> Result<(), WalkError> {
+        match value {
+            Value::Mapping(m) => {
+                for (k, v) in m.iter_mut() {
+                    path.push(key_text(k).map_err(WalkError::Invalid)?);
+                    self.decrypt(v, path)?;
+                    path.pop();
+                }
+                return Ok(());
+            }
+            Value::Sequence(items) => {
+                for v in items {
+                    self.decrypt(v, path)?;
+                }
+                return Ok(());
+            }
+            Value::Tagged(t) => return self.decrypt(&mut t.value, path),
+            _ => {}
+        }
+        // A leaf: how it was written, for the values sops types otherwise.
+        let hint = self.hints.as_mut().and_then(Iterator::next).flatten();
+        if let Some(go) = hint.as_deref().and_then(go_resolve) {
+            *value = go;
+        }
+        if value.is_null() {
+            return Ok(());
+        }
+        if !self.rule.encrypts(path) {
+            if !self.mac_only {
+                self.hash.update(plain_bytes(value).as_bytes());
+            }
+            return Ok(());
+        }
+        let s = match value {
+            Value::String(s) if s.is_empty() => return Ok(()),
+            Value::String(s) if s.starts_with("ENC[AES256_GCM,") => s.clone(),
+            _ => return Err(WalkError::Clear(shown_path(path))),
+        };
+        let plain = decrypt_value(self.cipher, &s, &aad(path)).map_err(|e| match e {
+            WalkError::Tampered(_) => WalkError::Tampered(shown_path(path)),
+            other => other,
+        })?;
+        let text = matches!(plain, Decrypted::Text(_));
+        let (bytes, new) = match plain {
+            Decrypted::Text(t) => (t.clone(), Value::String(t)),
+            Decrypted::Int(i) => (i.to_string(), Value::from(i)),
+            Decrypted::Float(f) => (go_float(f), go_float_value(f)),
+            Decrypted::Bool(b) => (go_bool(b).into(), Value::Bool(b)),
+        };
+        self.hash.update(bytes.as_bytes());
+        self.values.push(Revealed {
+            at: shown_path(path),
+            value: bytes,
+            text,
+        });
+        *value = new;
+        Ok(())
+    }
+}
+
+/// Every leaf but those under `_unencrypted` keys encrypted, each typed as
+/// Go's yaml.v3 reads it (`hints`, from [`scalar_hints`]), as `sops -e` does.
 fn walk_encrypt(
     value: &mut Value,
     path: &mut Vec<String>,
     clear: bool,
     cipher: &SopsGcm,
     hash: &mut Sha512,
+    hints: &mut Option<std::vec::IntoIter<Hint>>,
 ) -> Result<(), SopsError> {
     match value {
         Value::Mapping(m) => {
@@ -454,31 +1036,38 @@ fn walk_encrypt(
                 let key = key_text(k).map_err(SopsError::Encrypt)?;
                 let clear = clear || key.ends_with(UNENCRYPTED_SUFFIX);
                 path.push(key);
-                walk_encrypt(v, path, clear, cipher, hash)?;
+                walk_encrypt(v, path, clear, cipher, hash, hints)?;
                 path.pop();
             }
+            return Ok(());
         }
         Value::Sequence(items) => {
             for v in items {
-                walk_encrypt(v, path, clear, cipher, hash)?;
+                walk_encrypt(v, path, clear, cipher, hash, hints)?;
             }
+            return Ok(());
         }
-        Value::Tagged(t) => walk_encrypt(&mut t.value, path, clear, cipher, hash)?,
-        Value::Null => {}
-        leaf => {
-            let bytes = plain_bytes(leaf);
-            hash.update(bytes.as_bytes());
-            let kind = match leaf {
-                Value::Bool(_) => "bool",
-                Value::Number(n) if n.is_f64() => "float",
-                Value::Number(_) => "int",
-                _ => "str",
-            };
-            // sops keeps empty strings as they are (aes.Cipher.Encrypt).
-            if !clear && !bytes.is_empty() {
-                *leaf = Value::String(encrypt_value(cipher, bytes.as_bytes(), kind, &aad(path))?);
-            }
-        }
+        Value::Tagged(t) => return walk_encrypt(&mut t.value, path, clear, cipher, hash, hints),
+        _ => {}
+    }
+    let hint = hints.as_mut().and_then(Iterator::next).flatten();
+    if let Some(go) = hint.as_deref().and_then(go_resolve) {
+        *value = go;
+    }
+    if value.is_null() {
+        return Ok(());
+    }
+    let bytes = plain_bytes(value);
+    hash.update(bytes.as_bytes());
+    let kind = match value {
+        Value::Bool(_) => "bool",
+        Value::Number(n) if n.is_f64() => "float",
+        Value::Number(_) => "int",
+        _ => "str",
+    };
+    // sops keeps empty strings as they are (aes.Cipher.Encrypt).
+    if !clear && !bytes.is_empty() {
+        *value = Value::String(encrypt_value(cipher, bytes.as_bytes(), kind, &aad(path))?);
     }
     Ok(())
 }
@@ -491,7 +1080,7 @@ fn plain_bytes(v: &Value) -> String {
         Value::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
             (Some(i), _, _) => i.to_string(),
             (_, Some(u), _) => u.to_string(),
-            (_, _, Some(f)) => f.to_string(),
+            (_, _, Some(f)) => go_float(f),
             _ => n.to_string(),
         },
         _ => String::new(),
@@ -764,6 +1353,66 @@ mod tests {
             "{err}"
         );
         assert!(!err.contains("NOTAKEY"), "{err}");
+    }
+
+    #[test]
+    fn plain_scalars_are_typed_as_gos_yaml_reads_them() {
+        let v = |t: &str| go_resolve(t);
+        assert_eq!(v("0644"), Some(Value::from(420)));
+        assert_eq!(v("1_000"), Some(Value::from(1000)));
+        assert_eq!(v("0x1F"), Some(Value::from(31)));
+        assert_eq!(v("0o17"), Some(Value::from(15)));
+        assert_eq!(v("-0b101"), Some(Value::from(-5)));
+        assert_eq!(v("1e3"), Some(Value::from(1000)));
+        assert_eq!(v("1.5"), Some(Value::from(1.5)));
+        assert_eq!(v("09"), Some(Value::from(9)), "no octal: a float");
+        assert_eq!(v(".inf"), Some(Value::from(f64::INFINITY)));
+        assert_eq!(v("-.Inf"), Some(Value::from(f64::NEG_INFINITY)));
+        assert_eq!(v("True"), Some(Value::Bool(true)));
+        assert_eq!(v("~"), Some(Value::Null));
+        assert_eq!(
+            v("2024-1-2"),
+            Some(Value::from("2024-01-02T00:00:00Z".to_owned()))
+        );
+        assert_eq!(
+            v("2024-01-02T03:04:05.5+02:00"),
+            Some(Value::from("2024-01-02T03:04:05+02:00".to_owned()))
+        );
+        for text in [
+            "yes",
+            "1.2.3",
+            "10.0.0.1",
+            "v1.11",
+            "0x",
+            "2024-13-01",
+            "abc",
+        ] {
+            assert_eq!(v(text), None, "{text}");
+        }
+        assert_eq!(go_float(f64::INFINITY), "+Inf");
+        assert_eq!(go_float(0.1), "0.1");
+    }
+
+    #[test]
+    fn which_values_are_encrypted_follows_the_files_rule() {
+        let meta = |yaml: &str| -> Mapping { serde_yaml_ng::from_str(yaml).unwrap() };
+        let path = |p: &[&str]| p.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let default = Rule::of(&meta("version: 3.11.0")).unwrap();
+        assert!(default.encrypts(&path(&["a", "b"])));
+        assert!(!default.encrypts(&path(&["a_unencrypted", "b"])));
+        let re = Rule::of(&meta("encrypted_regex: ^(data|stringData)$")).unwrap();
+        assert!(re.encrypts(&path(&["data", "x"])));
+        assert!(!re.encrypts(&path(&["metadata", "name"])));
+        let un = Rule::of(&meta("unencrypted_regex: pub")).unwrap();
+        assert!(
+            !un.encrypts(&path(&["a", "my_pub_key"])),
+            "found anywhere, as Go's regexp.Match"
+        );
+        let suffix = Rule::of(&meta("encrypted_suffix: _secret")).unwrap();
+        assert!(suffix.encrypts(&path(&["db_secret", "x"])));
+        assert!(!suffix.encrypts(&path(&["db", "x"])));
+        assert!(Rule::of(&meta("encrypted_regex: a\nunencrypted_suffix: b")).is_err());
+        assert!(Rule::of(&meta("encrypted_comment_regex: sops")).is_err());
     }
 
     #[test]

@@ -345,8 +345,23 @@ impl Fingerprints {
 fn hide(message: &str, values: &[String]) -> String {
     values
         .iter()
-        .filter(|v| v.len() >= 4)
-        .fold(message.to_owned(), |m, v| m.replace(v.as_str(), "…"))
+        .filter(|v| !v.is_empty())
+        .fold(message.to_owned(), |m, v| {
+            if v.chars().count() >= 4 {
+                m.replace(v.as_str(), "…")
+            } else {
+                // A short value only where a message quotes one: as a JSON
+                // string, or a schema message's leading number or bool.
+                let quoted = serde_json::to_string(v).unwrap_or_default();
+                let bare = if v == "True" || v == "False" {
+                    v.to_ascii_lowercase()
+                } else {
+                    v.clone()
+                };
+                m.replace(&quoted, "\"…\"")
+                    .replace(&format!(": {bare} is "), ": … is ")
+            }
+        })
 }
 
 /// What a patch document is, by the rules of talos
@@ -573,10 +588,13 @@ pub fn machine_config(
         let text = crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
             .map_err(|e| patch_err(e.to_string(), &[]))?;
         // A SOPS/age-encrypted patch (kept in Git) renders as its plaintext.
-        let text = crate::secrets::sops::open(&text, path).map_err(|e| ConfigError::Sops {
-            node: node.name.clone(),
-            source: e,
-        })?;
+        let (text, revealed) =
+            crate::secrets::sops::open_with_values(&text, path).map_err(|e| ConfigError::Sops {
+                node: node.name.clone(),
+                source: e,
+            })?;
+        // What the patch held encrypted is hidden in messages, however short.
+        used.extend(revealed.into_iter().map(|r| r.value));
         let (text, values) = substitute(&text, vars).map_err(|e| patch_err(e, &[]))?;
         used.extend(values.into_iter().filter_map(|u| u.value));
         let text = crate::input::yaml(&text).map_err(|e| patch_err(e.to_string(), &used))?;

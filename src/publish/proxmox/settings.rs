@@ -98,11 +98,20 @@ fn memory_mib(config: &Value) -> Option<u32> {
     m.parse().ok()
 }
 
-/// Whether `hotplug` (default `network,disk,usb`; `1` all, `0` none)
-/// includes `what`.
+/// Whether `hotplug` includes `what`, as qemu-server's
+/// `parse_hotplug_features` reads it: `0` none, `1` the default
+/// (`network,disk,usb`, not everything), else a list split on commas,
+/// semicolons or spaces (`PVE::Tools::split_list`).
 fn hotplugs(config: &Value, what: &str) -> bool {
-    let list = text(config, "hotplug").unwrap_or_else(|| "network,disk,usb".into());
-    list == "1" || list.split(',').any(|h| h == what)
+    const DEFAULT: &str = "network,disk,usb";
+    let list = text(config, "hotplug").unwrap_or_else(|| DEFAULT.into());
+    let list = match list.trim() {
+        "0" => return false,
+        "1" => DEFAULT,
+        other => other,
+    };
+    list.split([',', ';', ' ', '\t', '\n'])
+        .any(|h| h.trim() == what)
 }
 
 /// What differs between the VM's `config` (its current values, found on
@@ -246,6 +255,38 @@ mod tests {
         assert_eq!(changes[1].apply, Apply::Reboot);
         let stopped = plan(&config(), "pve", false, &w).unwrap();
         assert!(stopped.iter().all(|c| c.apply == Apply::Now));
+    }
+
+    #[test]
+    fn hotplug_1_is_the_default_set_so_memory_waits_for_a_reboot() {
+        let w = Machine {
+            memory: 8192,
+            ..want()
+        };
+        let mut one = config();
+        one["hotplug"] = json!("1");
+        one["numa"] = json!(1);
+        let changes = plan(&one, "pve", true, &w).unwrap();
+        assert_eq!(changes[0].field, "memory");
+        assert_eq!(
+            changes[0].apply,
+            Apply::Reboot,
+            "hotplug 1 is network,disk,usb"
+        );
+        // Its network part is still online.
+        let vlan = Machine {
+            vlan: Some(20),
+            ..want()
+        };
+        assert_eq!(plan(&one, "pve", true, &vlan).unwrap()[0].apply, Apply::Now);
+        // `0` is none; a list may be split by `;` or spaces as well.
+        one["hotplug"] = json!("0");
+        assert_eq!(
+            plan(&one, "pve", true, &vlan).unwrap()[0].apply,
+            Apply::Reboot
+        );
+        one["hotplug"] = json!("disk; memory");
+        assert_eq!(plan(&one, "pve", true, &w).unwrap()[0].apply, Apply::Now);
     }
 
     #[test]
