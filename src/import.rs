@@ -317,11 +317,13 @@ impl Converter<'_> {
     /// environment's age keys, or why it cannot be (for the caller to
     /// report). A file changed after it was encrypted is refused.
     fn open_sops(text: &str, path: &Path) -> Result<Result<String, String>, ImportError> {
-        use crate::secrets::sops::{self, AgeKeys, SopsError};
-        let opened = AgeKeys::from_env().and_then(|keys| sops::decrypt(text, path, &keys));
-        match opened {
-            Ok(plain) => Ok(Ok(plain)),
-            Err(e @ SopsError::Tampered { .. }) => Err(e.into()),
+        use crate::secrets::sops::{self, SopsError};
+        // As a render opens it: age keys, else the sops binary for the
+        // key types only it has.
+        match sops::open(text, path) {
+            Ok(plain) => Ok(Ok(plain.into_owned())),
+            // A file changed without its key is an attack, not a gap.
+            Err(e @ (SopsError::Tampered { .. } | SopsError::NotEncrypted { .. })) => Err(e.into()),
             Err(e @ (SopsError::NoKey { .. } | SopsError::Keys { .. })) => Ok(Err(format!(
                 "{e}: give the age key (SOPS_AGE_KEY_FILE, SOPS_AGE_KEY or \
                  ~/.config/sops/age/keys.txt) and import again"
