@@ -177,11 +177,30 @@ fn no_command_shows_the_auth_key_the_machine_token_or_a_ca_key() {
         for mark in [
             "<redacted: TS_AUTHKEY>",
             "<redacted: ",
-            "token: <redacted: ",
+            "token: '<redacted: ",
         ] {
             assert!(out.contains(mark), "{mark}: {out}");
         }
+        // Still YAML, as another parser reads it: the placeholders are
+        // quoted strings.
+        let yaml = if args[0] == "--output" {
+            common::json(&o)["config"].as_str().unwrap().to_owned()
+        } else {
+            out.clone()
+        };
+        let token = python_yaml(&yaml, "docs[0]['machine']['token']");
+        assert!(token.starts_with("<redacted: "), "{token}");
     }
+    let shown = run(
+        d,
+        &["config", "cp-01", "--show-secrets", "--yes"],
+        Some(KEY1),
+    );
+    assert!(shown.status.success(), "{}", text(&shown.stderr));
+    assert_eq!(
+        python_yaml(&text(&shown.stdout), "docs[0]['machine']['token']"),
+        token1
+    );
     // Written where asked, 0600, it holds them.
     let file = d.join("cp-01.yaml");
     let o = run(
@@ -434,4 +453,33 @@ fn after_up_in_a_git_repository_nothing_of_the_state_dir_or_out_is_staged() {
         .collect();
     assert_eq!(tracked.len(), 1, "{err}");
     assert!(tracked[0].contains(".talos/sec/secrets.yaml"), "{err}");
+}
+
+/// `expr` (Python over `docs`, the YAML documents of `yaml`) as PyYAML
+/// reads them: a YAML parser that is not the one imgbuild writes with.
+fn python_yaml(yaml: &str, expr: &str) -> String {
+    use std::io::Write;
+    let mut child = std::process::Command::new("python3")
+        .args([
+            "-c",
+            &format!("import sys, yaml; docs = list(yaml.safe_load_all(sys.stdin)); print({expr})"),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 with PyYAML");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(yaml.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "PyYAML refused it: {}\n{yaml}",
+        text(&o.stderr)
+    );
+    text(&o.stdout).trim_end().to_owned()
 }

@@ -250,11 +250,39 @@ pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result
         }
         return Ok(());
     }
+    let text = redacted_yaml(&text);
     match output {
         Output::Json => outln!("{}", json!({"node": node.name, "config": text})),
         Output::Text => out!("{text}"),
     }
     Ok(())
+}
+
+/// A config's YAML with its secrets redacted value by value, so each
+/// placeholder is a (quoted) YAML string and `imgbuild config NODE | yq`
+/// still reads it; the stdout writer's own pass then finds nothing left.
+fn redacted_yaml(text: &str) -> String {
+    use serde::Deserialize;
+    use serde_yaml_ng::Value;
+    fn walk(v: &mut Value) {
+        match v {
+            Value::String(s) => *s = super::output::shown(s, false),
+            Value::Sequence(items) => items.iter_mut().for_each(walk),
+            Value::Mapping(m) => m.values_mut().for_each(walk),
+            Value::Tagged(t) => walk(&mut t.value),
+            _ => {}
+        }
+    }
+    let mut docs = Vec::new();
+    for de in serde_yaml_ng::Deserializer::from_str(text) {
+        let Ok(mut doc) = Value::deserialize(de) else {
+            // Rendered by imgbuild, so YAML; if not, the writer redacts it.
+            return text.to_owned();
+        };
+        walk(&mut doc);
+        docs.push(serde_yaml_ng::to_string(&doc).expect("YAML values serialise"));
+    }
+    docs.join("---\n")
 }
 
 pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Result<()> {
