@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
+use imgbuild::talos::api::common::{ContainerDriver, ContainerdInstance, ContainerdNamespace};
 use imgbuild::talos::api::cosi::resource::state_client::StateClient;
 use imgbuild::talos::api::cosi::resource::{GetRequest, ListRequest};
 use imgbuild::talos::api::machine::apply_configuration_request::Mode;
@@ -686,7 +687,7 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
     // v1.13's ImageService pre-pulls Kubernetes images (talosctl's
     // `--pre-pull-images`); a tag that is no version is not found.
     let pull = |image: &str| ImageServicePullRequest {
-        containerd: None,
+        containerd: Some(cri(ContainerdNamespace::NsCri)),
         image_ref: image.into(),
     };
     let mut images = ImageServiceClient::new(c.channel(11).await);
@@ -852,4 +853,178 @@ async fn the_timeline_shows_a_talosctl_ordered_upgrade_of_three_control_planes_a
             );
         }
     }
+}
+
+/// The CRI containerd's `namespace`.
+fn cri(namespace: ContainerdNamespace) -> ContainerdInstance {
+    ContainerdInstance {
+        driver: ContainerDriver::Cri as i32,
+        namespace: namespace as i32,
+    }
+}
+
+/// The images node `name` holds, by place (`cri/k8s.io`, `cri/system`,
+/// `system/system`).
+fn images_on(c: &Cluster, name: &str) -> Value {
+    c.sim.stats()["nodes"][name]["day2"]["images"].clone()
+}
+
+/// Talos v1.13.5 `ImageService.Pull` checks its containerd instance as
+/// `internal/app/internal/ctrhelper/ctrhelper.go` does; v1.11.5 has no
+/// ImageService, and `MachineService.ImagePull` (`v1alpha1_images.go`,
+/// v1.5+, still served on v1.13) always pulls into the CRI containerd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_pulls_land_where_talos_puts_them_and_the_cri_namespace_needs_the_cri_driver_v1_13_5_v1_11_5()
+ {
+    let c = Cluster::start(
+        6,
+        &[
+            ("cp-01", 11, true, "v1.13.5"),
+            ("worker-01", 21, false, "v1.11.5"),
+        ],
+    )
+    .await;
+    let apiserver = "registry.k8s.io/kube-apiserver:v1.33.5";
+    let kubelet = "ghcr.io/siderolabs/kubelet:v1.33.5";
+    let mut images = ImageServiceClient::new(c.channel(11).await);
+    let pull = |driver: i32, namespace: i32, image: &str| ImageServicePullRequest {
+        containerd: Some(ContainerdInstance { driver, namespace }),
+        image_ref: image.into(),
+    };
+    let (containerd, cri_driver) = (
+        ContainerDriver::Containerd as i32,
+        ContainerDriver::Cri as i32,
+    );
+    let (ns_cri, ns_system) = (
+        ContainerdNamespace::NsCri as i32,
+        ContainerdNamespace::NsSystem as i32,
+    );
+    let refused = [
+        (
+            pull(containerd, ns_cri, apiserver),
+            "cannot use CRI namespace with containerd driver",
+        ),
+        (
+            pull(cri_driver, 0, apiserver),
+            "invalid containerd namespace NS_UNKNOWN",
+        ),
+        (pull(7, ns_cri, apiserver), "invalid containerd driver 7"),
+        (
+            ImageServicePullRequest {
+                containerd: None,
+                image_ref: apiserver.into(),
+            },
+            "invalid containerd namespace NS_UNKNOWN",
+        ),
+    ];
+    for (req, message) in refused {
+        let e = images.pull(req).await.unwrap_err();
+        assert_eq!(
+            (e.code(), e.message()),
+            (Code::InvalidArgument, message),
+            "{e:?}"
+        );
+    }
+    images
+        .pull(pull(cri_driver, ns_cri, apiserver))
+        .await
+        .unwrap();
+    images
+        .pull(pull(cri_driver, ns_system, kubelet))
+        .await
+        .unwrap();
+    let held = images_on(&c, "cp-01");
+    let has = |place: &str, image: &str| {
+        held[place]
+            .as_array()
+            .is_some_and(|a| a.contains(&json!(image)))
+    };
+    assert!(has("cri/k8s.io", apiserver), "{held}");
+    assert!(has("cri/system", kubelet), "{held}");
+    assert!(!has("cri/system", apiserver), "{held}");
+    assert_eq!(held["system/system"], Value::Null, "{held}");
+
+    // v1.11.5: no ImageService; MachineService.ImagePull into the CRI one.
+    let e = ImageServiceClient::new(c.channel(21).await)
+        .pull(pull(cri_driver, ns_system, kubelet))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
+    let image_pull = |namespace: i32, image: &str| ImagePullRequest {
+        namespace,
+        reference: image.into(),
+    };
+    let mut machine = c.machine(21).await;
+    let e = machine
+        .image_pull(image_pull(0, kubelet))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (Code::InvalidArgument, "invalid namespace NS_UNKNOWN")
+    );
+    let e = machine
+        .image_pull(image_pull(ns_system, "ghcr.io/siderolabs/kubelet:latest"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // Pre-pulled into `k8s.io`, where the kubelet does not run from.
+    machine
+        .image_pull(image_pull(ns_cri, kubelet))
+        .await
+        .unwrap();
+    assert_eq!(images_on(&c, "worker-01")["cri/k8s.io"], json!([kubelet]));
+    // Also served on v1.13 (deprecated, not removed).
+    c.machine(11)
+        .await
+        .image_pull(image_pull(ns_cri, apiserver))
+        .await
+        .unwrap();
+
+    // A new kubelet image: the kubelet service pulls it into the CRI
+    // containerd's `system` namespace itself unless it is there already.
+    for (name, host) in [("cp-01", 11), ("worker-01", 21)] {
+        let config = c.config(name, name.starts_with("cp"), "v1.33.5", &[]);
+        c.apply(host, &config).await.unwrap();
+    }
+    c.wait("both kubelets on v1.33.5", || {
+        let comps = &c.k8s_stats()["components"];
+        ["cp-01", "worker-01"]
+            .iter()
+            .all(|n| comps[n]["kubelet"]["image"] == kubelet)
+    })
+    .await;
+    let calls = c.k8s_stats()["image_pulls"].clone();
+    let self_pulls: Vec<(&str, &str)> = calls
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["api"] == "kubelet service")
+        .map(|p| (p["node"].as_str().unwrap(), p["at"].as_str().unwrap()))
+        .collect();
+    assert_eq!(self_pulls, [("worker-01", "cri/system")], "{calls:#}");
+    let first = &calls[0];
+    assert_eq!(
+        (
+            &first["api"],
+            &first["driver"],
+            &first["namespace"],
+            &first["code"],
+            &first["at"]
+        ),
+        (
+            &json!("ImageService.Pull"),
+            &json!("CONTAINERD"),
+            &json!("NS_CRI"),
+            &json!("InvalidArgument"),
+            &Value::Null
+        ),
+        "{calls:#}"
+    );
+    assert!(
+        images_on(&c, "worker-01")["cri/system"]
+            .as_array()
+            .unwrap()
+            .contains(&json!(kubelet))
+    );
 }

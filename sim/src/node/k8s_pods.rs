@@ -76,6 +76,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use tonic::{Request, Response, Status};
+
+use super::api::common::{ContainerDriver, ContainerdInstance, ContainerdNamespace};
+use super::api::machine::{ImagePull, ImagePullRequest, ImagePullResponse};
 use super::k8s_versions::{self, Component};
 use super::version::Talos;
 use super::{Cluster, Phase, ms};
@@ -138,8 +142,11 @@ pub(super) struct K8s {
     nodes: HashMap<usize, NodeComponents>,
     timeline: Vec<Restart>,
     pub objects: super::k8s_objects::Store,
-    /// Kubernetes images each node pulled through ImageService.
+    /// Kubernetes images each node pulled through ImageService or
+    /// MachineService.ImagePull.
     pulled: BTreeMap<String, Vec<String>>,
+    /// Every image pull asked of a node, in order (see [`PullCall`]).
+    pull_calls: Vec<Value>,
 }
 
 /// What the watcher reads from one node.
@@ -188,6 +195,11 @@ impl Cluster {
             .filter_map(|i| Some((i, self.seen(i, now)?)))
             .collect();
         let delays = &self.args.k8s;
+        // Images the kubelet pulls itself: its own (services/kubelet.go
+        // PreFunc pulls it into the CRI containerd, namespace `system`,
+        // skipping it when already there) and the static pods' (CRI
+        // `k8s.io`); (node, component, image, restarted).
+        let mut pulls: Vec<(usize, Component, String, bool)> = Vec::new();
         let mut k8s = self.k8s.lock().unwrap();
         let K8s {
             nodes, timeline, ..
@@ -203,6 +215,7 @@ impl Cluster {
             }
             for (component, image) in s.images {
                 let Some(r) = entry.running.get_mut(&component) else {
+                    pulls.push((i, component, image.clone(), false));
                     entry.running.insert(
                         component,
                         Running {
@@ -236,11 +249,42 @@ impl Cluster {
                     ready: now + ms(delay),
                     superseded: false,
                 });
+                pulls.push((i, component, image.clone(), true));
                 r.previous = std::mem::replace(&mut r.image, image);
                 r.ready_at = now + ms(delay);
                 r.config_version += 1;
                 r.restart = Some(timeline.len() - 1);
             }
+        }
+        drop(k8s);
+        for (i, component, image, restarted) in pulls {
+            let (place, api) = if component == Component::Kubelet {
+                (CRI_SYSTEM, "kubelet service")
+            } else {
+                (CRI_K8S, "kubelet (static pod)")
+            };
+            let held = self
+                .node(i)
+                .st
+                .lock()
+                .unwrap()
+                .day2
+                .images
+                .contains(&(place, image.clone()));
+            if !restarted || held {
+                // There since the node booted, or pre-pulled: no pull.
+                let node = self.node(i);
+                node.st.lock().unwrap().day2.images.insert((place, image));
+                continue;
+            }
+            let call = PullCall {
+                node: i,
+                api,
+                driver: None,
+                namespace: None,
+                image: &image,
+            };
+            self.record_pull(call, &Ok(place));
         }
     }
 
@@ -401,7 +445,8 @@ impl Cluster {
                 Some((names.get(i)?.clone(), Value::Object(comps)))
             })
             .collect();
-        let mut out = json!({"restarts": restarts, "components": components, "pulled": k8s.pulled});
+        let mut out = json!({"restarts": restarts, "components": components, "pulled": k8s.pulled,
+            "image_pulls": k8s.pull_calls});
         k8s.objects.stats_into(&mut out);
         out
     }
@@ -417,12 +462,120 @@ const KUBERNETES_IMAGES: [&str; 6] = [
     "ghcr.io/siderolabs/kubelet",
 ];
 
+/// Where an image lands on a node (FORMATS.md §7.x): the CRI containerd
+/// (`/run/containerd/containerd.sock`), namespace `k8s.io` (pods' images)
+/// or `system` (the kubelet's, services/kubelet.go), or the system
+/// containerd (`/system/run/containerd/containerd.sock`), namespace
+/// `system` (the installer's).
+pub(super) const CRI_K8S: &str = "cri/k8s.io";
+pub(super) const CRI_SYSTEM: &str = "cri/system";
+pub(super) const SYSTEM_SYSTEM: &str = "system/system";
+
+/// An enum value as Go's `%s` prints a protobuf enum: its name, or its
+/// number when it has none.
+fn enum_name(name: Option<&str>, value: i32) -> String {
+    name.map_or_else(|| value.to_string(), str::to_owned)
+}
+
+fn driver_name(d: i32) -> String {
+    enum_name(
+        ContainerDriver::try_from(d).ok().map(|d| d.as_str_name()),
+        d,
+    )
+}
+
+fn namespace_name(n: i32) -> String {
+    enum_name(
+        ContainerdNamespace::try_from(n)
+            .ok()
+            .map(|n| n.as_str_name()),
+        n,
+    )
+}
+
+/// Talos v1.13+ `ctrhelper.ContainerdInstanceHelper`
+/// (`internal/app/internal/ctrhelper/ctrhelper.go`), used by
+/// ImageService and LifecycleService: driver `CONTAINERD` is the system
+/// containerd, `CRI` the CRI one; `NS_CRI` is `k8s.io`, `NS_SYSTEM`
+/// `system`; checked in that order, then `CONTAINERD` with `NS_CRI` is
+/// refused. An absent instance is driver 0 (`CONTAINERD`) and `NS_UNKNOWN`.
+pub(super) fn containerd_instance(c: Option<&ContainerdInstance>) -> Result<&'static str, Status> {
+    let (driver, namespace) = c.map_or((0, 0), |c| (c.driver, c.namespace));
+    let system = match ContainerDriver::try_from(driver) {
+        Ok(ContainerDriver::Containerd) => true,
+        Ok(ContainerDriver::Cri) => false,
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "invalid containerd driver {}",
+                driver_name(driver)
+            )));
+        }
+    };
+    let cri_namespace = match ContainerdNamespace::try_from(namespace) {
+        Ok(ContainerdNamespace::NsCri) => true,
+        Ok(ContainerdNamespace::NsSystem) => false,
+        _ => {
+            return Err(Status::invalid_argument(format!(
+                "invalid containerd namespace {}",
+                namespace_name(namespace)
+            )));
+        }
+    };
+    match (system, cri_namespace) {
+        (true, true) => Err(Status::invalid_argument(
+            "cannot use CRI namespace with containerd driver",
+        )),
+        (true, false) => Ok(SYSTEM_SYSTEM),
+        (false, true) => Ok(CRI_K8S),
+        (false, false) => Ok(CRI_SYSTEM),
+    }
+}
+
+/// One image pull a node was asked for (or its kubelet did), for the stats.
+pub(super) struct PullCall<'a> {
+    pub node: usize,
+    /// `ImageService.Pull`, `MachineService.ImagePull`, or who pulled
+    /// without being asked.
+    pub api: &'static str,
+    /// As sent (None: the call has no driver).
+    pub driver: Option<i32>,
+    pub namespace: Option<i32>,
+    pub image: &'a str,
+}
+
+impl Cluster {
+    /// Records a pull and, when it succeeded, the image at `place` on the
+    /// node.
+    pub(super) fn record_pull(&self, call: PullCall<'_>, outcome: &Result<&'static str, Status>) {
+        let node = self.node(call.node);
+        let name = node.display_name();
+        if let Ok(place) = outcome {
+            let mut st = node.st.lock().unwrap();
+            st.day2.images.insert((place, call.image.to_owned()));
+        }
+        let mut k8s = self.k8s.lock().unwrap();
+        k8s.pull_calls.push(json!({
+            "node": name,
+            "api": call.api,
+            "driver": call.driver.map(driver_name),
+            "namespace": call.namespace.map(namespace_name),
+            "image": call.image,
+            "at": outcome.as_ref().ok(),
+            "code": match outcome {
+                Ok(_) => "Ok".to_owned(),
+                Err(s) => format!("{:?}", s.code()),
+            },
+            "message": outcome.as_ref().err().map(|s| s.message().to_owned()),
+        }));
+    }
+}
+
 impl super::Api {
-    /// `ImageService.Pull` (v1.13+) of a Kubernetes image, as talosctl's
-    /// `upgrade-k8s --pre-pull-images` sends them (`talos_managed.go`
-    /// `prePullImages`): one with a version tag is pulled after
-    /// `--pull-cached-delay`; another tag of those repositories is not
-    /// found. None: not a Kubernetes image (an installer's pull).
+    /// A pull of a Kubernetes image, as talosctl's `upgrade-k8s`
+    /// pre-pull sends them (`talos_managed.go` `prePullImages`): one with a
+    /// version tag is pulled after `--pull-cached-delay`; another tag of
+    /// those repositories is not found. None: not a Kubernetes image (an
+    /// installer's pull).
     pub(super) async fn k8s_image_pull(
         &self,
         i: usize,
@@ -442,6 +595,77 @@ impl super::Api {
         let mut k8s = self.cluster.k8s.lock().unwrap();
         k8s.pulled.entry(name).or_default().push(image.to_owned());
         Some(Ok(()))
+    }
+
+    /// `MachineService.ImagePull` (Talos v1.5+, deprecated from v1.13 and
+    /// still served; `internal/app/machined/internal/server/v1alpha1/
+    /// v1alpha1_images.go`): always the CRI containerd, `NS_CRI` → `k8s.io`,
+    /// `NS_SYSTEM` → `system`, anything else InvalidArgument "invalid
+    /// namespace %s"; an image that is not there is NotFound "error pulling
+    /// image: …".
+    pub(super) async fn image_pull_call(
+        &self,
+        req: Request<ImagePullRequest>,
+    ) -> Result<Response<ImagePullResponse>, Status> {
+        let i = self.state_target(&req)?;
+        let r = req.get_ref();
+        let image = r.reference.clone();
+        let outcome = async {
+            let place = match ContainerdNamespace::try_from(r.namespace) {
+                Ok(ContainerdNamespace::NsCri) => CRI_K8S,
+                Ok(ContainerdNamespace::NsSystem) => CRI_SYSTEM,
+                _ => {
+                    return Err(Status::invalid_argument(format!(
+                        "invalid namespace {}",
+                        namespace_name(r.namespace)
+                    )));
+                }
+            };
+            match self.k8s_image_pull(i, &image).await {
+                Some(pulled) => pulled.map_err(|e| {
+                    Status::not_found(format!("error pulling image: {}", e.message()))
+                })?,
+                None => self.pull_elsewhere(&req, i, &image).await?,
+            }
+            Ok(place)
+        }
+        .await;
+        self.cluster.record_pull(
+            PullCall {
+                node: i,
+                api: "MachineService.ImagePull",
+                driver: None,
+                namespace: Some(r.namespace),
+                image: &image,
+            },
+            &outcome,
+        );
+        outcome?;
+        Ok(Response::new(ImagePullResponse {
+            messages: vec![ImagePull { metadata: None }],
+        }))
+    }
+
+    /// An installer pulled somewhere other than the system containerd:
+    /// timed as an installer pull, but not cached for the system
+    /// containerd's later pulls.
+    pub(super) async fn pull_elsewhere<T>(
+        &self,
+        req: &Request<T>,
+        i: usize,
+        image: &str,
+    ) -> Result<(), Status> {
+        let had = {
+            let node = self.cluster.node(i);
+            let st = node.st.lock().unwrap();
+            st.day2.pulled.contains(image)
+        };
+        self.timed_pull(req, &[i], image).await?;
+        if !had {
+            let node = self.cluster.node(i);
+            node.st.lock().unwrap().day2.pulled.remove(image);
+        }
+        Ok(())
     }
 }
 
