@@ -1028,3 +1028,55 @@ async fn image_pulls_land_where_talos_puts_them_and_the_cri_namespace_needs_the_
             .contains(&json!(kubelet))
     );
 }
+
+/// A node that goes down keeps its last status until kube-controller-
+/// manager's node lifecycle controller (`node_lifecycle_controller.go`
+/// `tryUpdateNodeHealth`, Kubernetes 1.32) finds no heartbeat for
+/// `--node-monitor-grace-period` (40 s by default): then Ready Unknown
+/// and the unreachable taints. Not instantly, not never; the Node object
+/// stays listed. Talos v1.11.5.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_goes_down_turns_unknown_after_the_node_monitor_grace_period_v1_11_5() {
+    let c = Cluster::start(
+        7,
+        &[
+            ("cp-01", 11, true, "v1.11.5"),
+            ("worker-01", 21, false, "v1.11.5"),
+        ],
+    )
+    .await;
+    let worker = || {
+        c.items("/api/v1/nodes")
+            .into_iter()
+            .find(|n| n["metadata"]["name"] == "worker-01")
+    };
+    let v = c.post("halt", json!({"ip": c.ip(21)}));
+    assert_eq!(v["halted"], true, "{v}");
+    // Within the default 40 s: still listed with its last status.
+    let node = worker().expect("the Node object stays");
+    assert_eq!(node["status"]["conditions"][0]["status"], "True", "{node}");
+    assert_eq!(node["spec"].get("taints"), None, "{node}");
+    // Past the grace period (shortened): Unknown, tainted unreachable.
+    c.post("k8s", json!({"node_monitor_grace_period": 100}));
+    c.wait("worker-01 Unknown", || {
+        worker().is_some_and(|n| n["status"]["conditions"][0]["status"] == "Unknown")
+    })
+    .await;
+    let node = worker().unwrap();
+    assert_eq!(
+        node["status"]["conditions"][0],
+        json!({"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+            "message": "Kubelet stopped posting node status."})
+    );
+    assert_eq!(
+        node["spec"]["taints"][1],
+        json!({"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"})
+    );
+    // The control plane still posts.
+    let cp = c
+        .items("/api/v1/nodes")
+        .into_iter()
+        .find(|n| n["metadata"]["name"] == "cp-01")
+        .unwrap();
+    assert_eq!(cp["status"]["conditions"][0]["status"], "True");
+}

@@ -101,6 +101,11 @@ pub struct Delays {
     /// pod template.
     #[arg(long, default_value_t = 300)]
     pub rollout_delay: u64,
+    /// Milliseconds after a node's kubelet last posted its status before
+    /// the node lifecycle controller marks it Ready Unknown
+    /// (kube-controller-manager `--node-monitor-grace-period`, 40 s).
+    #[arg(long, default_value_t = 40_000)]
+    pub node_monitor_grace_period: u64,
 }
 
 /// One component as a node runs it.
@@ -147,6 +152,8 @@ pub(super) struct K8s {
     pulled: BTreeMap<String, Vec<String>>,
     /// Every image pull asked of a node, in order (see [`PullCall`]).
     pull_calls: Vec<Value>,
+    /// The last status each node's kubelet posted (`health.rs`).
+    pub heartbeats: HashMap<usize, super::health::Heartbeat>,
 }
 
 /// What the watcher reads from one node.
@@ -674,6 +681,7 @@ pub(super) async fn watch(cluster: Arc<Cluster>) {
     loop {
         let now = Instant::now();
         cluster.k8s_observe(now);
+        cluster.k8s_heartbeats(now);
         cluster.k8s_bootstrap_manifests(now);
         tokio::time::sleep(TICK).await;
     }
