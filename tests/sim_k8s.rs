@@ -1080,3 +1080,79 @@ async fn a_node_that_goes_down_turns_unknown_after_the_node_monitor_grace_period
         .unwrap();
     assert_eq!(cp["status"]["conditions"][0]["status"], "True");
 }
+
+/// Talos (`control_plane.go`, v1.11.5): a component's config resource gets
+/// a new version on any change of what it is built from, not only its
+/// image; the static pod's `talos.dev/config-version` follows and the pod
+/// restarts. A change elsewhere in the config moves no version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_change_of_a_components_config_moves_its_config_version_v1_11_5() {
+    let c = Cluster::start(8, &[("cp-01", 11, true, "v1.11.5")]).await;
+    let version = |component: &str| {
+        mirror_pod(&c, component, "cp-01").map(|p| {
+            p["metadata"]["annotations"]["talos.dev/config-version"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+    };
+    assert_eq!(version("kube-apiserver").as_deref(), Some("1"));
+    let apiserver = json!({"image": "registry.k8s.io/kube-apiserver:v1.32.1",
+        "extraArgs": {"audit-log-maxage": "7"}});
+    let config = c.config(
+        "cp-01",
+        true,
+        "v1.32.1",
+        &[("/cluster/apiServer", apiserver.clone())],
+    );
+    c.apply(11, &config).await.unwrap();
+    c.wait("kube-apiserver's config version 2", || {
+        version("kube-apiserver").as_deref() == Some("2")
+    })
+    .await;
+    let pod = mirror_pod(&c, "kube-apiserver", "cp-01").unwrap();
+    assert_eq!(image(&pod), "registry.k8s.io/kube-apiserver:v1.32.1");
+    let (v, _) = c
+        .resource(
+            11,
+            "controlplane",
+            "APIServerConfigs.kubernetes.talos.dev",
+            "kube-apiserver",
+        )
+        .await;
+    assert_eq!(v, "2");
+    // Not a component's config: nothing moves. Then the scheduler's.
+    let mut edits = vec![
+        ("/cluster/apiServer", apiserver.clone()),
+        (
+            "/machine/install",
+            json!({"disk": "/dev/sdb", "image": "factory.talos.dev/metal-installer/5c:v1.11.5"}),
+        ),
+    ];
+    let config = c.config("cp-01", true, "v1.32.1", &edits);
+    c.apply(11, &config).await.unwrap();
+    edits.push((
+        "/cluster/scheduler",
+        json!({"image": "registry.k8s.io/kube-scheduler:v1.32.1", "extraArgs": {"v": "2"}}),
+    ));
+    let config = c.config("cp-01", true, "v1.32.1", &edits);
+    c.apply(11, &config).await.unwrap();
+    c.wait("kube-scheduler's config version 2", || {
+        version("kube-scheduler").as_deref() == Some("2")
+    })
+    .await;
+    assert_eq!(version("kube-apiserver").as_deref(), Some("2"));
+    assert_eq!(version("kube-controller-manager").as_deref(), Some("1"));
+    let restarts = c.k8s_stats()["restarts"].clone();
+    let components: Vec<&str> = restarts
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["component"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        components,
+        ["kube-apiserver", "kube-scheduler"],
+        "{restarts:#}"
+    );
+}

@@ -112,6 +112,8 @@ pub struct Delays {
 #[derive(Clone)]
 struct Running {
     image: String,
+    /// Its config resource's spec ([`spec_of`]).
+    spec: String,
     /// What ran before the last change (the same as `image` at first).
     previous: String,
     /// Ready (running `image`) from then on.
@@ -161,7 +163,36 @@ struct Seen {
     identity: usize,
     name: String,
     control_plane: bool,
-    images: Vec<(Component, String)>,
+    /// Each component's image and its Talos config resource's spec.
+    images: Vec<(Component, String, String)>,
+}
+
+/// The part of the machine config a component's Talos config resource is
+/// built from (`internal/app/machined/pkg/controllers/k8s/control_plane.go`
+/// `APIServerConfig`: image, cloud provider, control-plane endpoint,
+/// service CIDRs, extra args/volumes, env, resources…; likewise the
+/// controller manager's and the scheduler's; `kubelet_spec.go` for the
+/// kubelet: `.machine.kubelet` and the cluster DNS from `.cluster.network`).
+/// Any change in it is a new resource version, which the static pod's
+/// `talos.dev/config-version` follows, and restarts the component.
+fn spec_of(c: Component, v1alpha1: &Value) -> String {
+    let cluster = &v1alpha1["cluster"];
+    let parts = match c {
+        Component::ApiServer => json!([
+            cluster["apiServer"],
+            cluster["network"],
+            cluster["controlPlane"],
+            cluster["externalCloudProvider"]
+        ]),
+        Component::ControllerManager => json!([
+            cluster["controllerManager"],
+            cluster["network"],
+            cluster["externalCloudProvider"]
+        ]),
+        Component::Scheduler => json!([cluster["scheduler"]]),
+        Component::Kubelet => json!([v1alpha1["machine"]["kubelet"], cluster["network"]]),
+    };
+    parts.to_string()
 }
 
 impl Cluster {
@@ -185,7 +216,10 @@ impl Cluster {
         }
         let images = components
             .into_iter()
-            .map(|c| (c, k8s_versions::image_of(c, &applied.v1alpha1, &talos)))
+            .map(|c| {
+                let image = k8s_versions::image_of(c, &applied.v1alpha1, &talos);
+                (c, image, spec_of(c, &applied.v1alpha1))
+            })
             .collect();
         Some(Seen {
             identity: Arc::as_ptr(&node) as usize,
@@ -220,7 +254,7 @@ impl Cluster {
                 entry.node = s.identity;
                 entry.running.clear();
             }
-            for (component, image) in s.images {
+            for (component, image, spec) in s.images {
                 let Some(r) = entry.running.get_mut(&component) else {
                     pulls.push((i, component, image.clone(), false));
                     entry.running.insert(
@@ -228,6 +262,7 @@ impl Cluster {
                         Running {
                             previous: image.clone(),
                             image,
+                            spec,
                             ready_at: now,
                             config_version: 1,
                             restart: None,
@@ -235,7 +270,7 @@ impl Cluster {
                     );
                     continue;
                 };
-                if r.image == image {
+                if r.image == image && r.spec == spec {
                     continue;
                 }
                 let delay = if component == Component::Kubelet {
@@ -256,7 +291,10 @@ impl Cluster {
                     ready: now + ms(delay),
                     superseded: false,
                 });
-                pulls.push((i, component, image.clone(), true));
+                if r.image != image {
+                    pulls.push((i, component, image.clone(), true));
+                }
+                r.spec = spec;
                 r.previous = std::mem::replace(&mut r.image, image);
                 r.ready_at = now + ms(delay);
                 r.config_version += 1;
