@@ -303,6 +303,25 @@ impl Cluster {
         }
         out
     }
+
+    /// The IDs and versions of the `Manifests` on the node on `host`.
+    async fn manifest_versions(&self, host: u8) -> Vec<(String, String)> {
+        let mut stream = StateClient::new(self.channel(host).await)
+            .list(ListRequest {
+                namespace: "controlplane".into(),
+                r#type: "Manifests.kubernetes.talos.dev".into(),
+                ..ListRequest::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut out = Vec::new();
+        while let Some(r) = stream.message().await.unwrap() {
+            let m = r.resource.unwrap().metadata.unwrap();
+            out.push((m.id, m.version));
+        }
+        out
+    }
 }
 
 /// The mirror pod of `component` on `node`, as listed by label through the
@@ -580,6 +599,10 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
         "Talos 1.13.5's default"
     );
 
+    // Each Manifests resource starts at version 1.
+    let versions = c.manifest_versions(11).await;
+    assert!(versions.iter().all(|(_, v)| v == "1"), "{versions:?}");
+
     // talosctl's kube-proxy step patches the config; Talos re-renders the
     // manifest but leaves the DaemonSet that exists alone.
     let new = "registry.k8s.io/kube-proxy:v1.33.5";
@@ -605,6 +628,14 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
     );
     let rendered: Vec<Value> = serde_yaml_ng::from_str(&manifests[4].1).unwrap();
     assert_eq!(image(&rendered[0]), new);
+    // Only the re-rendered one has a new version (COSI: any spec change).
+    let versions = c.manifest_versions(11).await;
+    let changed: Vec<&(String, String)> = versions.iter().filter(|(_, v)| v != "1").collect();
+    assert_eq!(
+        changed,
+        [&("10-kube-proxy".to_owned(), "2".to_owned())],
+        "{versions:?}"
+    );
     assert!(c.manifests(21).await.is_empty(), "a worker renders none");
     let (_, ds) = c.kube(10, "GET", proxy, None);
     assert_eq!(

@@ -156,6 +156,8 @@ pub(super) struct K8s {
     pull_calls: Vec<Value>,
     /// The last status each node's kubelet posted (`health.rs`).
     pub heartbeats: HashMap<usize, super::health::Heartbeat>,
+    /// (node, Manifests ID) → (node identity, rendered YAML, version).
+    pub manifest_versions: HashMap<(usize, &'static str), (usize, String, u64)>,
 }
 
 /// What the watcher reads from one node.
