@@ -755,6 +755,30 @@ async fn removed_apis_are_in_the_metric_and_listed_until_the_release_that_remove
         metrics.lines().any(|l| l == "apiserver_requested_deprecated_apis{group=\"flowcontrol.apiserver.k8s.io\",removed_release=\"1.32\",resource=\"flowschemas\",subresource=\"\",version=\"v1beta3\"} 1"),
         "{metrics}"
     );
+    // Per API server: requests another one served are not counted here.
+    let deprecated = |c: &Cluster, host: u8| {
+        let (code, metrics) = c.kube(host, "GET", "/metrics", None);
+        assert_eq!(code, 200);
+        metrics
+            .as_str()
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with("apiserver_requested_deprecated_apis{"))
+            .count()
+    };
+    assert_eq!(deprecated(&c, 11), 1);
+    c.post(
+        "k8s-apis",
+        json!({"requested": [{"group": "flowcontrol.apiserver.k8s.io", "version": "v1beta3",
+            "resource": "flowschemas", "removed_release": "1.32", "nodes": ["cp-02"]}]}),
+    );
+    assert_eq!(deprecated(&c, 11), 0, "served by cp-02, counted by cp-01");
+    c.post(
+        "k8s-apis",
+        json!({"requested": [{"group": "flowcontrol.apiserver.k8s.io", "version": "v1beta3",
+            "resource": "flowschemas", "removed_release": "1.32"}]}),
+    );
+    assert_eq!(deprecated(&c, 11), 1);
     // Kubernetes 1.31 still serves flowcontrol v1beta3 …
     let downgrade = c.config("cp-01", true, "v1.31.4", &[]);
     c.apply(11, &downgrade).await.unwrap();
@@ -764,6 +788,8 @@ async fn removed_apis_are_in_the_metric_and_listed_until_the_release_that_remove
         code == 200 && v["items"][0]["metadata"]["name"] == "legacy"
     })
     .await;
+    // … and its restart reset the gauge (a process's own counters).
+    assert_eq!(deprecated(&c, 11), 0, "counted across a restart");
     // … 1.32 does not.
     let upgrade = c.config("cp-01", true, "v1.32.1", &[]);
     c.apply(11, &upgrade).await.unwrap();

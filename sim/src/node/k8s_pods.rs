@@ -356,6 +356,14 @@ impl Cluster {
         self.running(i, c).map(|r| (r.image, now >= r.ready_at))
     }
 
+    /// When node `i`'s `c` last came up after a restart (None: it never
+    /// restarted since it was first seen).
+    pub(super) fn k8s_started(&self, i: usize, c: Component) -> Option<Instant> {
+        self.running(i, c)
+            .filter(|r| r.restart.is_some())
+            .map(|r| r.ready_at)
+    }
+
     /// The config version of node `i`'s `c` (its Talos config resource's).
     pub(super) fn k8s_config_version(&self, i: usize, c: Component) -> Option<u64> {
         self.running(i, c).map(|r| r.config_version)
