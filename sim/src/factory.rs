@@ -173,10 +173,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "/v2/{image}/{id}/manifests/{tag}",
             get(installer_manifest).head(installer_manifest),
         )
-        .route(
-            "/secureboot/signing-cert.pem",
-            get(crate::secureboot_disk::signing_cert),
-        )
+        .route("/secureboot/signing-cert.pem", get(signing_cert))
         .route("/_sim/stats", get(stats))
         .route("/_sim/schematics", get(posted))
         .with_state(sim);
@@ -436,6 +433,29 @@ async fn image(
                 format!("extension {ext} is not available for version {version}"),
             );
         }
+    }
+    if let Some(stem) = file.strip_suffix("-secureboot-uki.efi") {
+        let Some((platform, arch)) = stem
+            .rsplit_once('-')
+            .filter(|(p, a)| !p.is_empty() && matches!(*a, "amd64" | "arm64"))
+        else {
+            return text(StatusCode::BAD_REQUEST, format!("invalid path {file}"));
+        };
+        let _guard = sim.build.lock().await;
+        let built = signed_uki(&sim, &schematic, &id, &version, platform, arch);
+        return match built.and_then(|p| Ok(std::fs::read(p)?)) {
+            Ok(bytes) => {
+                if method == Method::GET {
+                    *sim.image_gets
+                        .lock()
+                        .unwrap()
+                        .entry(format!("/image/{id}/{version}/{file}"))
+                        .or_default() += 1;
+                }
+                ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response()
+            }
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        };
     }
     if let Some(asset) = boot_asset(&sim, &schematic, &version, &file) {
         if method == Method::GET {
@@ -1032,6 +1052,121 @@ fn pe_end(image: &[u8]) -> anyhow::Result<u64> {
         end = end.max(le(image, s + 12, 4)? + le(image, s + 8, 4)?);
     }
     Ok(base + end)
+}
+
+/// The systemd EFI stub a UKI is built on when the factory has no real
+/// one (the Debian `systemd-boot-efi` package's).
+const SYSTEM_UKI_STUB: &str = "/usr/lib/systemd/boot/efi/linuxx64.efi.stub";
+
+/// The factory's Secure Boot signing key and certificate, made on first
+/// use (image-factory signs every Secure Boot asset with its own key,
+/// `internal/secureboot`, and serves the certificate).
+fn signing_pair(sim: &Sim) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let (key, cert) = (
+        sim.state.join("secureboot-signing.key"),
+        sim.state.join("secureboot-signing.pem"),
+    );
+    if cert.exists() {
+        return Ok((key, cert));
+    }
+    let (tmp_key, tmp_cert) = (
+        key.with_extension("key.tmp"),
+        cert.with_extension("pem.tmp"),
+    );
+    let o = std::process::Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
+        ])
+        .args([
+            "-subj",
+            "/CN=imgbuild-sim image factory Secure Boot signing",
+        ])
+        .arg("-keyout")
+        .arg(&tmp_key)
+        .arg("-out")
+        .arg(&tmp_cert)
+        .output()?;
+    anyhow::ensure!(
+        o.status.success(),
+        "openssl req failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::rename(&tmp_key, &key)?;
+    std::fs::rename(&tmp_cert, &cert)?;
+    Ok((key, cert))
+}
+
+/// `GET /secureboot/signing-cert.pem` (siderolabs/image-factory
+/// `internal/frontend/http/secureboot.go`): the certificate whose key signs
+/// the Secure Boot assets, `application/x-pem-file`.
+async fn signing_cert(State(sim): State<Arc<Sim>>) -> Response {
+    let _guard = sim.build.lock().await;
+    match signing_pair(&sim).and_then(|(_, cert)| Ok(std::fs::read(cert)?)) {
+        Ok(pem) => ([(header::CONTENT_TYPE, "application/x-pem-file")], pem).into_response(),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+/// `<platform>-<arch>-secureboot-uki.efi` (image-factory
+/// `internal/frontend/http/image.go`, the imager's `OutKindUKI`): the UKI
+/// with the schematic's command line (META included) baked in, signed
+/// with the factory's key (sbsign), per architecture.
+fn signed_uki(
+    sim: &Sim,
+    schematic: &SchematicShape,
+    id: &str,
+    version: &str,
+    platform: &str,
+    arch: &str,
+) -> anyhow::Result<PathBuf> {
+    let dir = sim.state.join(id).join(version);
+    std::fs::create_dir_all(&dir)?;
+    let out = dir.join(format!("{platform}-{arch}-secureboot-uki.efi"));
+    if out.exists() {
+        return Ok(out);
+    }
+    let (key, cert) = signing_pair(sim)?;
+    let real = sim.real.as_ref().filter(|_| arch == "amd64");
+    let stub = real
+        .and_then(|r| r.uki_stub.clone())
+        .or_else(|| sim.real.as_ref().and_then(|r| r.uki_stub.clone()))
+        .unwrap_or_else(|| PathBuf::from(SYSTEM_UKI_STUB));
+    let (kernel, initramfs) = match real {
+        Some(r) => (r.kernel.clone(), r.initramfs.clone()),
+        None => {
+            let kernel = dir.join(format!(".kernel-{arch}"));
+            let k = simulated_kernel(version, arch)
+                .ok_or_else(|| anyhow::anyhow!("no kernel for {arch}"))?;
+            std::fs::write(&kernel, k)?;
+            let initramfs = dir.join(format!(".initramfs-{arch}"));
+            std::fs::write(
+                &initramfs,
+                format!("070701 simulated initramfs {version} {arch}\n"),
+            )?;
+            (kernel, initramfs)
+        }
+    };
+    let cmdline = cmdline(sim, schematic, version, platform, arch);
+    let unsigned = dir.join(format!(".{platform}-{arch}-uki.unsigned"));
+    make_uki(&stub, &kernel, &initramfs, &cmdline, &unsigned)?;
+    let tmp = out.with_extension("efi.tmp");
+    let o = std::process::Command::new("sbsign")
+        .arg("--key")
+        .arg(&key)
+        .arg("--cert")
+        .arg(&cert)
+        .arg("--output")
+        .arg(&tmp)
+        .arg(&unsigned)
+        .output()?;
+    let _ = std::fs::remove_file(&unsigned);
+    anyhow::ensure!(
+        o.status.success(),
+        "sbsign failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::rename(&tmp, &out)?;
+    Ok(out)
 }
 
 /// A UKI (systemd's `ukify` layout): the EFI stub with `.cmdline`, `.initrd`

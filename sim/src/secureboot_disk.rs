@@ -15,19 +15,6 @@
 use std::path::Path;
 use std::process::Command;
 
-/// `GET /secureboot/signing-cert.pem` (siderolabs/image-factory
-/// `internal/frontend/http/secureboot.go`): the certificate whose key signs
-/// the Secure Boot assets, `application/x-pem-file`. A stand-in here: the
-/// double signs nothing, so there is no real certificate to give.
-pub async fn signing_cert() -> axum::response::Response {
-    use axum::response::IntoResponse;
-    (
-        [(axum::http::header::CONTENT_TYPE, "application/x-pem-file")],
-        "-----BEGIN CERTIFICATE-----\naW1nYnVpbGQtc2ltIGZhY3RvcnkgU2VjdXJlIEJvb3Qgc2lnbmluZyBjZXJ0aWZpY2F0ZQ==\n-----END CERTIFICATE-----\n",
-    )
-        .into_response()
-}
-
 /// Total size of the simulated disk and of its EFI partition, in MiB
 /// (scaled down like fixtures/make-images.sh; META is exactly 1 MiB).
 const DISK_MIB: u64 = 32;
