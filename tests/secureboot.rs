@@ -605,3 +605,63 @@ fn the_factory_serves_a_signed_secure_boot_uki_per_architecture() {
             .success()
     );
 }
+
+/// The factory builds each architecture's disk (Talos v1.11.2 imager,
+/// `pkg/imager`): an arm64 disk has no BIOS boot partition and its Secure
+/// Boot EFI partition boots `BOOTAA64.efi`; asking for amd64 first does
+/// not make arm64 get the amd64 disk.
+#[test]
+fn the_factory_serves_a_different_disk_per_architecture() {
+    let sim = Sim::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let body = "customization:\n  extraKernelArgs:\n    - sim.marker=arch\n";
+    let o = Command::new("curl")
+        .args(["-sf", "-X", "POST", "--data-binary", body])
+        .arg(format!("{}/schematics", sim.url))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let id = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let fetch = |file: &str| {
+        let out = dir.path().join(file);
+        curl_to(&format!("{}/image/{id}/v1.11.2/{file}", sim.url), &out);
+        out
+    };
+    let names = |image: &Path| -> Vec<String> {
+        partitions(image).into_iter().map(|(n, _, _)| n).collect()
+    };
+    let amd64 = fetch("metal-amd64.raw");
+    let arm64 = fetch("metal-arm64.raw");
+    assert!(
+        names(&amd64).contains(&"BIOS".to_owned()),
+        "{:?}",
+        names(&amd64)
+    );
+    assert!(
+        !names(&arm64).contains(&"BIOS".to_owned()),
+        "{:?}",
+        names(&arm64)
+    );
+    assert!(
+        names(&arm64).contains(&"META".to_owned()),
+        "{:?}",
+        names(&arm64)
+    );
+    for (arch, loader) in [("amd64", "BOOTX64.efi"), ("arm64", "BOOTAA64.efi")] {
+        let sb = fetch(&format!("metal-{arch}-secureboot.raw"));
+        let (_, efi, _) = partitions(&sb)
+            .into_iter()
+            .find(|(n, _, _)| n == "EFI")
+            .unwrap();
+        let files = fat_files(&sb, efi);
+        assert!(
+            files
+                .iter()
+                .any(|f| f.ends_with(&format!("/EFI/boot/{loader}"))),
+            "{arch}: {files:?}"
+        );
+    }
+}

@@ -775,13 +775,16 @@ fn build(
         return Ok(out);
     }
     let secure_boot = is_secure_boot(file);
+    // One disk per architecture (their layouts differ), not one per
+    // schematic and version.
+    let (_, disk_arch) = platform_arch(file);
     let raw = dir.join(if secure_boot {
-        "disk-secureboot.raw"
+        format!("disk-secureboot-{disk_arch}.raw")
     } else {
-        "disk.raw"
+        format!("disk-{disk_arch}.raw")
     });
     if secure_boot && kind != Kind::Iso && !raw.exists() {
-        let tmp = dir.join(".disk-secureboot.raw.tmp");
+        let tmp = dir.join(format!(".disk-secureboot-{disk_arch}.raw.tmp"));
         let enroll = &schematic.customization.secure_boot.enroll_keys;
         let real = sim.real.as_ref().map(|r| {
             (
@@ -792,7 +795,7 @@ fn build(
         });
         let (platform, arch) = platform_arch(file);
         let cmdline = cmdline(sim, schematic, version, platform, arch);
-        crate::secureboot_disk::make(&tmp, version, enroll, &cmdline, real)?;
+        crate::secureboot_disk::make(&tmp, arch, version, enroll, &cmdline, real)?;
         let mut tags: Vec<(u32, Vec<u8>)> = Vec::new();
         // Talos v1.10+ images record their bootloader in META key 17
         // (DiskImageBootloader); a Secure Boot image boots sd-boot.
@@ -819,8 +822,14 @@ fn build(
             .iter()
             .map(|m| (u32::from(m.key), m.value.clone().into_bytes()))
             .collect();
-        let tmp = dir.join(".disk.raw.tmp");
+        let tmp = dir.join(format!(".disk-{disk_arch}.raw.tmp"));
         crate::disk::sparse_copy(&sim.base, &tmp)?;
+        // An arm64 image has no BIOS boot partition (the imager installs
+        // GRUB's i386-pc core on amd64 only, siderolabs/talos
+        // `internal/pkg/partition`, `pkg/imager`).
+        if disk_arch == "arm64" {
+            drop_partition(&tmp, "BIOS")?;
+        }
         // The imager writes META only for a schematic's `meta` values: an
         // image without them is the base as the installer left it.
         if !tags.is_empty() {
@@ -874,7 +883,7 @@ fn build(
             });
             let (platform, arch) = platform_arch(file);
             let cmdline = cmdline(sim, schematic, version, platform, arch);
-            crate::secureboot_disk::make_iso(&tmp, version, enroll, &cmdline, real)?;
+            crate::secureboot_disk::make_iso(&tmp, arch, version, enroll, &cmdline, real)?;
         }
         Kind::Iso => {
             let stem = file.strip_suffix(".iso").unwrap_or(file);
@@ -1052,6 +1061,33 @@ fn pe_end(image: &[u8]) -> anyhow::Result<u64> {
         end = end.max(le(image, s + 12, 4)? + le(image, s + 8, 4)?);
     }
     Ok(base + end)
+}
+
+/// Deletes the GPT partition named `name` from `disk`, if it has one.
+fn drop_partition(disk: &std::path::Path, name: &str) -> anyhow::Result<()> {
+    let o = std::process::Command::new("sgdisk")
+        .arg("-p")
+        .arg(disk)
+        .output()?;
+    anyhow::ensure!(o.status.success(), "sgdisk -p failed");
+    let listing = String::from_utf8_lossy(&o.stdout);
+    let number = listing.lines().find_map(|l| {
+        let cols: Vec<&str> = l.split_whitespace().collect();
+        (cols.last() == Some(&name) && cols.first().is_some_and(|n| n.parse::<u32>().is_ok()))
+            .then(|| cols[0].to_owned())
+    });
+    if let Some(n) = number {
+        let st = std::process::Command::new("sgdisk")
+            .arg(format!("--delete={n}"))
+            .arg(disk)
+            .output()?;
+        anyhow::ensure!(
+            st.status.success(),
+            "sgdisk --delete failed: {}",
+            String::from_utf8_lossy(&st.stderr)
+        );
+    }
+    Ok(())
 }
 
 /// The systemd EFI stub a UKI is built on when the factory has no real
