@@ -36,10 +36,13 @@
 //! - `GET /version`: `{"major","minor","gitVersion": "v1.32.1","platform"}` of the oldest
 //!   kube-apiserver image among the control planes.
 //! - `GET /metrics`: Prometheus text with `apiserver_requested_deprecated_apis{group=…,
-//!   removed_release=…,resource=…,subresource=…,version=…} 1` per requested deprecated API,
-//!   among other lines (`apiserver_storage_objects{resource=…}`).
+//!   removed_release=…,resource=…,subresource=…,version=…} 1` per requested deprecated API
+//!   this API server served since its kube-apiserver (re)started (the VIP: the first
+//!   control plane whose kube-apiserver is up), among other lines
+//!   (`apiserver_storage_objects{resource=…}`).
 //! - `POST /_sim/k8s-apis` `{"requested"?: [{"group","version","resource","subresource"?,
-//!   "removed_release"}], "stored"?: [{"group","version","resource","kind","namespace"?,
+//!   "removed_release","nodes"?: [NAME…] (the API servers that served them; all by
+//!   default)}], "stored"?: [{"group","version","resource","kind","namespace"?,
 //!   "name","removed_release"}]}`: each list given replaces the last; stored objects are
 //!   listed under their group/version/resource until every API server runs a version ≥
 //!   `removed_release` (then 404). → 200 with both lists.

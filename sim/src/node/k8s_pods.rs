@@ -36,6 +36,8 @@
 //!                                 `kubelet` service unhealthy in ServiceList
 //!     [--rollout-delay MS]        a DaemonSet/Deployment rollout after its pod template
 //!                                 changes (default 300)
+//!     [--node-monitor-grace-period MS] a silent kubelet's Node turns Ready Unknown after
+//!                                 this (default 40000)
 //! ```
 //! - `GET /api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3Dkube-apiserver`
 //!   (also `k8s-app = kube-apiserver`, as client-go sends it; likewise
@@ -61,14 +63,41 @@
 //!   version the running Talos does not support → InvalidArgument "1 error occurred:\n\t*
 //!   kubelet image is not valid: version of Kubernetes 1.35.0 is too new to be used with
 //!   Talos 1.11.5\n\n" (`k8s_versions.rs`); nothing changes.
-//! - ImageService.Pull (v1.13+) of a Kubernetes image (`registry.k8s.io/kube-apiserver`,
+//! - Image pulls (FORMATS.md §7.x). `ImageService.Pull` (v1.13+, Unimplemented
+//!   before) checks its `ContainerdInstance` as `ctrhelper.go` does: driver
+//!   `CONTAINERD` = the system containerd, `CRI` = the CRI one; `NS_CRI` = `k8s.io`,
+//!   `NS_SYSTEM` = `system`; else InvalidArgument "invalid containerd driver %s" /
+//!   "invalid containerd namespace %s"; `CONTAINERD` with `NS_CRI` → InvalidArgument
+//!   "cannot use CRI namespace with containerd driver". `MachineService.ImagePull`
+//!   (v1.5+, deprecated from v1.13, still served; `v1alpha1_images.go`): always the CRI
+//!   containerd, `NS_CRI` → `k8s.io`, `NS_SYSTEM` → `system`, else InvalidArgument
+//!   "invalid namespace %s". A Kubernetes image (`registry.k8s.io/kube-apiserver`,
 //!   `…/kube-controller-manager`, `…/kube-scheduler`, `…/kube-proxy`, `…/coredns/coredns`,
-//!   `ghcr.io/siderolabs/kubelet`) with a version tag succeeds after `--pull-cached-delay`
-//!   (no registry is asked); another tag of those → NotFound.
+//!   `ghcr.io/siderolabs/kubelet`) with a version tag is pulled after
+//!   `--pull-cached-delay` (no registry is asked); another tag of those → NotFound.
+//!   `LifecycleService.Upgrade` runs the installer from the containerd and namespace
+//!   it names, so it must have been pulled there. A kubelet whose image changes pulls
+//!   it itself into the CRI containerd's `system` namespace (services/kubelet.go
+//!   PreFunc) unless it is there: a pre-pull elsewhere fails nothing, it only does
+//!   not save that pull — as on a real node.
+//! - A node that goes down (halted, rebooting) keeps its Node object and its last
+//!   status for `--node-monitor-grace-period` MS (default 40000, kube-controller-
+//!   manager's; `POST /_sim/k8s {"node_monitor_grace_period": MS}` replaces it), then
+//!   Ready `Unknown` (reason `NodeStatusUnknown`) with the `node.kubernetes.io/
+//!   unreachable` NoSchedule and NoExecute taints (`node_lifecycle_controller.go`).
+//! - A component restarts, and its config version goes up, on any change of the
+//!   config its Talos resource is built from (`spec_of`), not only its image.
 //! - `GET /_sim/stats` adds `k8s`: `restarts` ([{node, control_plane, component,
 //!   from_image, image, start_ms, ready_ms (null while restarting or when a later change
 //!   superseded it)}], by start), `components` ({NODE: {COMPONENT: {image, ready,
-//!   config_version}}}), `pulled` ({NODE: [image…]}), and what `k8s_objects.rs` adds.
+//!   config_version}}}), `pulled` ({NODE: [image…]}, Kubernetes images pulled through
+//!   either API), `image_pulls` ([{node, api (`ImageService.Pull`,
+//!   `MachineService.ImagePull`, `kubelet service`, `kubelet (static pod)`), driver,
+//!   namespace (enum names as sent, null when the API has none), image, at
+//!   (`cri/k8s.io`, `cri/system`, `system/system`; null when refused), code (`Ok` or
+//!   the gRPC code), message}] in order), and what `k8s_objects.rs` adds; each node's
+//!   `day2.images` is `{PLACE: [image…]}` (the system containerd's are gone with a
+//!   boot).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
