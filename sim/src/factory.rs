@@ -8,6 +8,16 @@
 //! the real factory's re-marshalled ID and this one agree exactly when
 //! imgbuild's canonical form is right), and META is baked by [`crate::disk`], a GPT
 //! reader and ADV writer of the simulator's own.
+//!
+//! Each architecture gets its own disk (an arm64 one has no BIOS boot
+//! partition; its Secure Boot ESP boots `BOOTAA64.efi`). Secure Boot
+//! assets are signed as image-factory signs them: `<platform>-<arch>-
+//! secureboot-uki.efi` is a UKI (the systemd stub, the kernel, the initramfs
+//! and the schematic's command line) signed with sbsign by a key the double
+//! makes on first use, whose certificate `/secureboot/signing-cert.pem`
+//! serves (sbverify accepts the UKI with it). Not modelled: the factory's
+//! PXE routes (none are served), signing the simulated systemd-boot inside
+//! the Secure Boot disk and ISO (not a PE file here).
 
 use axum::Router;
 use axum::body::Body;
