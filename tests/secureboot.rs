@@ -584,6 +584,32 @@ fn the_factory_serves_a_signed_secure_boot_uki_per_architecture() {
         ukis.push(bytes);
     }
     assert_ne!(ukis[0], ukis[1], "one UKI per architecture");
+    // The Secure Boot PXE script boots that UKI alone (pxe.go,
+    // secureboot.ipxe); the plain one kernel, command line and initramfs.
+    let script = |path: &str| {
+        let o = Command::new("curl")
+            .args(["-sf"])
+            .arg(format!("{}/pxe/{id}/v1.11.2/{path}", sim.url))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{path}");
+        text(&o.stdout)
+    };
+    let base = format!("{}/image/{id}/v1.11.2", sim.url);
+    assert_eq!(
+        script("metal-amd64-secureboot"),
+        format!("#!ipxe\n\nkernel {base}/metal-amd64-secureboot-uki.efi\nboot\n")
+    );
+    let plain = script("metal-arm64");
+    assert!(
+        plain.starts_with(&format!("#!ipxe\n\nimgfree\nkernel {base}/kernel-arm64 ")),
+        "{plain}"
+    );
+    assert!(plain.contains("sim.marker=uki"), "{plain}");
+    assert!(
+        plain.ends_with(&format!("\ninitrd {base}/initramfs-arm64.xz\nboot\n")),
+        "{plain}"
+    );
     // Another key's certificate does not verify it.
     let other_key = dir.path().join("other.key");
     let other = dir.path().join("other.pem");

@@ -184,6 +184,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             get(installer_manifest).head(installer_manifest),
         )
         .route("/secureboot/signing-cert.pem", get(signing_cert))
+        .route("/pxe/{id}/{version}/{path}", get(pxe))
         .route("/_sim/stats", get(stats))
         .route("/_sim/schematics", get(posted))
         .with_state(sim);
@@ -1071,6 +1072,51 @@ fn pe_end(image: &[u8]) -> anyhow::Result<u64> {
         end = end.max(le(image, s + 12, 4)? + le(image, s + 8, 4)?);
     }
     Ok(base + end)
+}
+
+/// `GET /pxe/{id}/{version}/{platform}-{arch}[-secureboot]`
+/// (image-factory `internal/frontend/http/pxe.go`, `standard.ipxe`,
+/// `secureboot.ipxe`): an iPXE script booting the kernel and initramfs with
+/// the schematic's command line, or, for Secure Boot, the signed UKI alone
+/// (its command line is inside it). URLs point back at this factory.
+async fn pxe(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    Path((id, version, path)): Path<(String, String, String)>,
+) -> Response {
+    let Some(Posted { schematic, .. }) = sim.schematics.lock().unwrap().get(&id).cloned() else {
+        return text(StatusCode::NOT_FOUND, "schematic not found");
+    };
+    if !sim.versions.contains(&version) {
+        return text(StatusCode::NOT_FOUND, "version not found");
+    }
+    let (stem, secure_boot) = match path.strip_suffix("-secureboot") {
+        Some(stem) => (stem, true),
+        None => (path.as_str(), false),
+    };
+    let Some((platform, arch)) = stem
+        .rsplit_once('-')
+        .filter(|(p, a)| !p.is_empty() && matches!(*a, "amd64" | "arm64"))
+    else {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!("error parsing profile from path: invalid path cmdline-{path}"),
+        );
+    };
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("localhost");
+    let base = format!("http://{host}/image/{id}/{version}");
+    let script = if secure_boot {
+        format!("#!ipxe\n\nkernel {base}/{platform}-{arch}-secureboot-uki.efi\nboot\n")
+    } else {
+        let cmdline = cmdline(&sim, &schematic, &version, platform, arch);
+        format!(
+            "#!ipxe\n\nimgfree\nkernel {base}/kernel-{arch} {cmdline}\ninitrd {base}/initramfs-{arch}.xz\nboot\n"
+        )
+    };
+    text(StatusCode::OK, script)
 }
 
 /// Deletes the GPT partition named `name` from `disk`, if it has one.
