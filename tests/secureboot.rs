@@ -527,3 +527,167 @@ fn secure_boot_installers_from_the_first_config_through_upgrades_and_status() {
         "{all}"
     );
 }
+
+/// image-factory (`internal/frontend/http/image.go`, `secureboot.go`;
+/// Talos v1.11.2 assets): `<platform>-<arch>-secureboot-uki.efi` is a UKI
+/// carrying the schematic's command line, signed with the factory's key,
+/// whose certificate `/secureboot/signing-cert.pem` serves: sbverify
+/// accepts it with that certificate and refuses it with another; each
+/// architecture gets its own.
+#[test]
+fn the_factory_serves_a_signed_secure_boot_uki_per_architecture() {
+    let sim = Sim::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let body = "customization:\n  extraKernelArgs:\n    - sim.marker=uki\n  secureboot:\n    enrollKeys: if-safe\n";
+    let o = Command::new("curl")
+        .args(["-sf", "-X", "POST", "--data-binary", body])
+        .arg(format!("{}/schematics", sim.url))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let id = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let cert = dir.path().join("cert.pem");
+    curl_to(&format!("{}/secureboot/signing-cert.pem", sim.url), &cert);
+    let verify = |uki: &Path, cert: &Path| {
+        Command::new("sbverify")
+            .arg("--cert")
+            .arg(cert)
+            .arg(uki)
+            .output()
+            .unwrap()
+    };
+    let mut ukis = Vec::new();
+    for arch in ["amd64", "arm64"] {
+        let uki = dir.path().join(format!("{arch}.efi"));
+        curl_to(
+            &format!(
+                "{}/image/{id}/v1.11.2/metal-{arch}-secureboot-uki.efi",
+                sim.url
+            ),
+            &uki,
+        );
+        let o = verify(&uki, &cert);
+        assert!(
+            o.status.success(),
+            "{arch}: {}{}",
+            text(&o.stdout),
+            text(&o.stderr)
+        );
+        let bytes = std::fs::read(&uki).unwrap();
+        assert!(
+            bytes.windows(14).any(|w| w == b"sim.marker=uki"),
+            "{arch}: the schematic's command line is in the UKI"
+        );
+        ukis.push(bytes);
+    }
+    assert_ne!(ukis[0], ukis[1], "one UKI per architecture");
+    // The Secure Boot PXE script boots that UKI alone (pxe.go,
+    // secureboot.ipxe); the plain one kernel, command line and initramfs.
+    let script = |path: &str| {
+        let o = Command::new("curl")
+            .args(["-sf"])
+            .arg(format!("{}/pxe/{id}/v1.11.2/{path}", sim.url))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{path}");
+        text(&o.stdout)
+    };
+    let base = format!("{}/image/{id}/v1.11.2", sim.url);
+    assert_eq!(
+        script("metal-amd64-secureboot"),
+        format!("#!ipxe\n\nkernel {base}/metal-amd64-secureboot-uki.efi\nboot\n")
+    );
+    let plain = script("metal-arm64");
+    assert!(
+        plain.starts_with(&format!("#!ipxe\n\nimgfree\nkernel {base}/kernel-arm64 ")),
+        "{plain}"
+    );
+    assert!(plain.contains("sim.marker=uki"), "{plain}");
+    assert!(
+        plain.ends_with(&format!("\ninitrd {base}/initramfs-arm64.xz\nboot\n")),
+        "{plain}"
+    );
+    // Another key's certificate does not verify it.
+    let other_key = dir.path().join("other.key");
+    let other = dir.path().join("other.pem");
+    let o = Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args(["-subj", "/CN=other"])
+        .arg("-keyout")
+        .arg(&other_key)
+        .arg("-out")
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    assert!(
+        !verify(&dir.path().join("amd64.efi"), &other)
+            .status
+            .success()
+    );
+}
+
+/// The factory builds each architecture's disk (Talos v1.11.2 imager,
+/// `pkg/imager`): an arm64 disk has no BIOS boot partition and its Secure
+/// Boot EFI partition boots `BOOTAA64.efi`; asking for amd64 first does
+/// not make arm64 get the amd64 disk.
+#[test]
+fn the_factory_serves_a_different_disk_per_architecture() {
+    let sim = Sim::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let body = "customization:\n  extraKernelArgs:\n    - sim.marker=arch\n";
+    let o = Command::new("curl")
+        .args(["-sf", "-X", "POST", "--data-binary", body])
+        .arg(format!("{}/schematics", sim.url))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let id = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let fetch = |file: &str| {
+        let out = dir.path().join(file);
+        curl_to(&format!("{}/image/{id}/v1.11.2/{file}", sim.url), &out);
+        out
+    };
+    let names = |image: &Path| -> Vec<String> {
+        partitions(image).into_iter().map(|(n, _, _)| n).collect()
+    };
+    let amd64 = fetch("metal-amd64.raw");
+    let arm64 = fetch("metal-arm64.raw");
+    assert!(
+        names(&amd64).contains(&"BIOS".to_owned()),
+        "{:?}",
+        names(&amd64)
+    );
+    assert!(
+        !names(&arm64).contains(&"BIOS".to_owned()),
+        "{:?}",
+        names(&arm64)
+    );
+    assert!(
+        names(&arm64).contains(&"META".to_owned()),
+        "{:?}",
+        names(&arm64)
+    );
+    for (arch, loader) in [("amd64", "BOOTX64.efi"), ("arm64", "BOOTAA64.efi")] {
+        let sb = fetch(&format!("metal-{arch}-secureboot.raw"));
+        let (_, efi, _) = partitions(&sb)
+            .into_iter()
+            .find(|(n, _, _)| n == "EFI")
+            .unwrap();
+        let files = fat_files(&sb, efi);
+        assert!(
+            files
+                .iter()
+                .any(|f| f.ends_with(&format!("/EFI/boot/{loader}"))),
+            "{arch}: {files:?}"
+        );
+    }
+}

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
+use imgbuild::talos::api::common::{ContainerDriver, ContainerdInstance, ContainerdNamespace};
 use imgbuild::talos::api::cosi::resource::state_client::StateClient;
 use imgbuild::talos::api::cosi::resource::{GetRequest, ListRequest};
 use imgbuild::talos::api::machine::apply_configuration_request::Mode;
@@ -302,6 +303,25 @@ impl Cluster {
         }
         out
     }
+
+    /// The IDs and versions of the `Manifests` on the node on `host`.
+    async fn manifest_versions(&self, host: u8) -> Vec<(String, String)> {
+        let mut stream = StateClient::new(self.channel(host).await)
+            .list(ListRequest {
+                namespace: "controlplane".into(),
+                r#type: "Manifests.kubernetes.talos.dev".into(),
+                ..ListRequest::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut out = Vec::new();
+        while let Some(r) = stream.message().await.unwrap() {
+            let m = r.resource.unwrap().metadata.unwrap();
+            out.push((m.id, m.version));
+        }
+        out
+    }
 }
 
 /// The mirror pod of `component` on `node`, as listed by label through the
@@ -579,6 +599,10 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
         "Talos 1.13.5's default"
     );
 
+    // Each Manifests resource starts at version 1.
+    let versions = c.manifest_versions(11).await;
+    assert!(versions.iter().all(|(_, v)| v == "1"), "{versions:?}");
+
     // talosctl's kube-proxy step patches the config; Talos re-renders the
     // manifest but leaves the DaemonSet that exists alone.
     let new = "registry.k8s.io/kube-proxy:v1.33.5";
@@ -604,6 +628,14 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
     );
     let rendered: Vec<Value> = serde_yaml_ng::from_str(&manifests[4].1).unwrap();
     assert_eq!(image(&rendered[0]), new);
+    // Only the re-rendered one has a new version (COSI: any spec change).
+    let versions = c.manifest_versions(11).await;
+    let changed: Vec<&(String, String)> = versions.iter().filter(|(_, v)| v != "1").collect();
+    assert_eq!(
+        changed,
+        [&("10-kube-proxy".to_owned(), "2".to_owned())],
+        "{versions:?}"
+    );
     assert!(c.manifests(21).await.is_empty(), "a worker renders none");
     let (_, ds) = c.kube(10, "GET", proxy, None);
     assert_eq!(
@@ -686,7 +718,7 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
     // v1.13's ImageService pre-pulls Kubernetes images (talosctl's
     // `--pre-pull-images`); a tag that is no version is not found.
     let pull = |image: &str| ImageServicePullRequest {
-        containerd: None,
+        containerd: Some(cri(ContainerdNamespace::NsCri)),
         image_ref: image.into(),
     };
     let mut images = ImageServiceClient::new(c.channel(11).await);
@@ -723,6 +755,30 @@ async fn removed_apis_are_in_the_metric_and_listed_until_the_release_that_remove
         metrics.lines().any(|l| l == "apiserver_requested_deprecated_apis{group=\"flowcontrol.apiserver.k8s.io\",removed_release=\"1.32\",resource=\"flowschemas\",subresource=\"\",version=\"v1beta3\"} 1"),
         "{metrics}"
     );
+    // Per API server: requests another one served are not counted here.
+    let deprecated = |c: &Cluster, host: u8| {
+        let (code, metrics) = c.kube(host, "GET", "/metrics", None);
+        assert_eq!(code, 200);
+        metrics
+            .as_str()
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with("apiserver_requested_deprecated_apis{"))
+            .count()
+    };
+    assert_eq!(deprecated(&c, 11), 1);
+    c.post(
+        "k8s-apis",
+        json!({"requested": [{"group": "flowcontrol.apiserver.k8s.io", "version": "v1beta3",
+            "resource": "flowschemas", "removed_release": "1.32", "nodes": ["cp-02"]}]}),
+    );
+    assert_eq!(deprecated(&c, 11), 0, "served by cp-02, counted by cp-01");
+    c.post(
+        "k8s-apis",
+        json!({"requested": [{"group": "flowcontrol.apiserver.k8s.io", "version": "v1beta3",
+            "resource": "flowschemas", "removed_release": "1.32"}]}),
+    );
+    assert_eq!(deprecated(&c, 11), 1);
     // Kubernetes 1.31 still serves flowcontrol v1beta3 …
     let downgrade = c.config("cp-01", true, "v1.31.4", &[]);
     c.apply(11, &downgrade).await.unwrap();
@@ -732,6 +788,8 @@ async fn removed_apis_are_in_the_metric_and_listed_until_the_release_that_remove
         code == 200 && v["items"][0]["metadata"]["name"] == "legacy"
     })
     .await;
+    // … and its restart reset the gauge (a process's own counters).
+    assert_eq!(deprecated(&c, 11), 0, "counted across a restart");
     // … 1.32 does not.
     let upgrade = c.config("cp-01", true, "v1.32.1", &[]);
     c.apply(11, &upgrade).await.unwrap();
@@ -852,4 +910,306 @@ async fn the_timeline_shows_a_talosctl_ordered_upgrade_of_three_control_planes_a
             );
         }
     }
+}
+
+/// The CRI containerd's `namespace`.
+fn cri(namespace: ContainerdNamespace) -> ContainerdInstance {
+    ContainerdInstance {
+        driver: ContainerDriver::Cri as i32,
+        namespace: namespace as i32,
+    }
+}
+
+/// The images node `name` holds, by place (`cri/k8s.io`, `cri/system`,
+/// `system/system`).
+fn images_on(c: &Cluster, name: &str) -> Value {
+    c.sim.stats()["nodes"][name]["day2"]["images"].clone()
+}
+
+/// Talos v1.13.5 `ImageService.Pull` checks its containerd instance as
+/// `internal/app/internal/ctrhelper/ctrhelper.go` does; v1.11.5 has no
+/// ImageService, and `MachineService.ImagePull` (`v1alpha1_images.go`,
+/// v1.5+, still served on v1.13) always pulls into the CRI containerd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_pulls_land_where_talos_puts_them_and_the_cri_namespace_needs_the_cri_driver_v1_13_5_v1_11_5()
+ {
+    let c = Cluster::start(
+        6,
+        &[
+            ("cp-01", 11, true, "v1.13.5"),
+            ("worker-01", 21, false, "v1.11.5"),
+        ],
+    )
+    .await;
+    let apiserver = "registry.k8s.io/kube-apiserver:v1.33.5";
+    let kubelet = "ghcr.io/siderolabs/kubelet:v1.33.5";
+    let mut images = ImageServiceClient::new(c.channel(11).await);
+    let pull = |driver: i32, namespace: i32, image: &str| ImageServicePullRequest {
+        containerd: Some(ContainerdInstance { driver, namespace }),
+        image_ref: image.into(),
+    };
+    let (containerd, cri_driver) = (
+        ContainerDriver::Containerd as i32,
+        ContainerDriver::Cri as i32,
+    );
+    let (ns_cri, ns_system) = (
+        ContainerdNamespace::NsCri as i32,
+        ContainerdNamespace::NsSystem as i32,
+    );
+    let refused = [
+        (
+            pull(containerd, ns_cri, apiserver),
+            "cannot use CRI namespace with containerd driver",
+        ),
+        (
+            pull(cri_driver, 0, apiserver),
+            "invalid containerd namespace NS_UNKNOWN",
+        ),
+        (pull(7, ns_cri, apiserver), "invalid containerd driver 7"),
+        (
+            ImageServicePullRequest {
+                containerd: None,
+                image_ref: apiserver.into(),
+            },
+            "invalid containerd namespace NS_UNKNOWN",
+        ),
+    ];
+    for (req, message) in refused {
+        let e = images.pull(req).await.unwrap_err();
+        assert_eq!(
+            (e.code(), e.message()),
+            (Code::InvalidArgument, message),
+            "{e:?}"
+        );
+    }
+    images
+        .pull(pull(cri_driver, ns_cri, apiserver))
+        .await
+        .unwrap();
+    images
+        .pull(pull(cri_driver, ns_system, kubelet))
+        .await
+        .unwrap();
+    let held = images_on(&c, "cp-01");
+    let has = |place: &str, image: &str| {
+        held[place]
+            .as_array()
+            .is_some_and(|a| a.contains(&json!(image)))
+    };
+    assert!(has("cri/k8s.io", apiserver), "{held}");
+    assert!(has("cri/system", kubelet), "{held}");
+    assert!(!has("cri/system", apiserver), "{held}");
+    assert_eq!(held["system/system"], Value::Null, "{held}");
+
+    // v1.11.5: no ImageService; MachineService.ImagePull into the CRI one.
+    let e = ImageServiceClient::new(c.channel(21).await)
+        .pull(pull(cri_driver, ns_system, kubelet))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
+    let image_pull = |namespace: i32, image: &str| ImagePullRequest {
+        namespace,
+        reference: image.into(),
+    };
+    let mut machine = c.machine(21).await;
+    let e = machine
+        .image_pull(image_pull(0, kubelet))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (Code::InvalidArgument, "invalid namespace NS_UNKNOWN")
+    );
+    let e = machine
+        .image_pull(image_pull(ns_system, "ghcr.io/siderolabs/kubelet:latest"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // Pre-pulled into `k8s.io`, where the kubelet does not run from.
+    machine
+        .image_pull(image_pull(ns_cri, kubelet))
+        .await
+        .unwrap();
+    assert_eq!(images_on(&c, "worker-01")["cri/k8s.io"], json!([kubelet]));
+    // Also served on v1.13 (deprecated, not removed).
+    c.machine(11)
+        .await
+        .image_pull(image_pull(ns_cri, apiserver))
+        .await
+        .unwrap();
+
+    // A new kubelet image: the kubelet service pulls it into the CRI
+    // containerd's `system` namespace itself unless it is there already.
+    for (name, host) in [("cp-01", 11), ("worker-01", 21)] {
+        let config = c.config(name, name.starts_with("cp"), "v1.33.5", &[]);
+        c.apply(host, &config).await.unwrap();
+    }
+    c.wait("both kubelets on v1.33.5", || {
+        let comps = &c.k8s_stats()["components"];
+        ["cp-01", "worker-01"]
+            .iter()
+            .all(|n| comps[n]["kubelet"]["image"] == kubelet)
+    })
+    .await;
+    let calls = c.k8s_stats()["image_pulls"].clone();
+    let self_pulls: Vec<(&str, &str)> = calls
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["api"] == "kubelet service")
+        .map(|p| (p["node"].as_str().unwrap(), p["at"].as_str().unwrap()))
+        .collect();
+    assert_eq!(self_pulls, [("worker-01", "cri/system")], "{calls:#}");
+    let first = &calls[0];
+    assert_eq!(
+        (
+            &first["api"],
+            &first["driver"],
+            &first["namespace"],
+            &first["code"],
+            &first["at"]
+        ),
+        (
+            &json!("ImageService.Pull"),
+            &json!("CONTAINERD"),
+            &json!("NS_CRI"),
+            &json!("InvalidArgument"),
+            &Value::Null
+        ),
+        "{calls:#}"
+    );
+    assert!(
+        images_on(&c, "worker-01")["cri/system"]
+            .as_array()
+            .unwrap()
+            .contains(&json!(kubelet))
+    );
+}
+
+/// A node that goes down keeps its last status until kube-controller-
+/// manager's node lifecycle controller (`node_lifecycle_controller.go`
+/// `tryUpdateNodeHealth`, Kubernetes 1.32) finds no heartbeat for
+/// `--node-monitor-grace-period` (40 s by default): then Ready Unknown
+/// and the unreachable taints. Not instantly, not never; the Node object
+/// stays listed. Talos v1.11.5.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_goes_down_turns_unknown_after_the_node_monitor_grace_period_v1_11_5() {
+    let c = Cluster::start(
+        7,
+        &[
+            ("cp-01", 11, true, "v1.11.5"),
+            ("worker-01", 21, false, "v1.11.5"),
+        ],
+    )
+    .await;
+    let worker = || {
+        c.items("/api/v1/nodes")
+            .into_iter()
+            .find(|n| n["metadata"]["name"] == "worker-01")
+    };
+    let v = c.post("halt", json!({"ip": c.ip(21)}));
+    assert_eq!(v["halted"], true, "{v}");
+    // Within the default 40 s: still listed with its last status.
+    let node = worker().expect("the Node object stays");
+    assert_eq!(node["status"]["conditions"][0]["status"], "True", "{node}");
+    assert_eq!(node["spec"].get("taints"), None, "{node}");
+    // Past the grace period (shortened): Unknown, tainted unreachable.
+    c.post("k8s", json!({"node_monitor_grace_period": 100}));
+    c.wait("worker-01 Unknown", || {
+        worker().is_some_and(|n| n["status"]["conditions"][0]["status"] == "Unknown")
+    })
+    .await;
+    let node = worker().unwrap();
+    assert_eq!(
+        node["status"]["conditions"][0],
+        json!({"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+            "message": "Kubelet stopped posting node status."})
+    );
+    assert_eq!(
+        node["spec"]["taints"][1],
+        json!({"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"})
+    );
+    // The control plane still posts.
+    let cp = c
+        .items("/api/v1/nodes")
+        .into_iter()
+        .find(|n| n["metadata"]["name"] == "cp-01")
+        .unwrap();
+    assert_eq!(cp["status"]["conditions"][0]["status"], "True");
+}
+
+/// Talos (`control_plane.go`, v1.11.5): a component's config resource gets
+/// a new version on any change of what it is built from, not only its
+/// image; the static pod's `talos.dev/config-version` follows and the pod
+/// restarts. A change elsewhere in the config moves no version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_change_of_a_components_config_moves_its_config_version_v1_11_5() {
+    let c = Cluster::start(8, &[("cp-01", 11, true, "v1.11.5")]).await;
+    let version = |component: &str| {
+        mirror_pod(&c, component, "cp-01").map(|p| {
+            p["metadata"]["annotations"]["talos.dev/config-version"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+    };
+    assert_eq!(version("kube-apiserver").as_deref(), Some("1"));
+    let apiserver = json!({"image": "registry.k8s.io/kube-apiserver:v1.32.1",
+        "extraArgs": {"audit-log-maxage": "7"}});
+    let config = c.config(
+        "cp-01",
+        true,
+        "v1.32.1",
+        &[("/cluster/apiServer", apiserver.clone())],
+    );
+    c.apply(11, &config).await.unwrap();
+    c.wait("kube-apiserver's config version 2", || {
+        version("kube-apiserver").as_deref() == Some("2")
+    })
+    .await;
+    let pod = mirror_pod(&c, "kube-apiserver", "cp-01").unwrap();
+    assert_eq!(image(&pod), "registry.k8s.io/kube-apiserver:v1.32.1");
+    let (v, _) = c
+        .resource(
+            11,
+            "controlplane",
+            "APIServerConfigs.kubernetes.talos.dev",
+            "kube-apiserver",
+        )
+        .await;
+    assert_eq!(v, "2");
+    // Not a component's config: nothing moves. Then the scheduler's.
+    let mut edits = vec![
+        ("/cluster/apiServer", apiserver.clone()),
+        (
+            "/machine/install",
+            json!({"disk": "/dev/sdb", "image": "factory.talos.dev/metal-installer/5c:v1.11.5"}),
+        ),
+    ];
+    let config = c.config("cp-01", true, "v1.32.1", &edits);
+    c.apply(11, &config).await.unwrap();
+    edits.push((
+        "/cluster/scheduler",
+        json!({"image": "registry.k8s.io/kube-scheduler:v1.32.1", "extraArgs": {"v": "2"}}),
+    ));
+    let config = c.config("cp-01", true, "v1.32.1", &edits);
+    c.apply(11, &config).await.unwrap();
+    c.wait("kube-scheduler's config version 2", || {
+        version("kube-scheduler").as_deref() == Some("2")
+    })
+    .await;
+    assert_eq!(version("kube-apiserver").as_deref(), Some("2"));
+    assert_eq!(version("kube-controller-manager").as_deref(), Some("1"));
+    let restarts = c.k8s_stats()["restarts"].clone();
+    let components: Vec<&str> = restarts
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["component"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        components,
+        ["kube-apiserver", "kube-scheduler"],
+        "{restarts:#}"
+    );
 }

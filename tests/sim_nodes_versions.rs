@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use imgbuild::talos::api::common::Data;
+use imgbuild::talos::api::common::{
+    ContainerDriver, ContainerdInstance, ContainerdNamespace, Data,
+};
 use imgbuild::talos::api::machine::apply_configuration_request::Mode;
 use imgbuild::talos::api::machine::image_service_client::ImageServiceClient;
 use imgbuild::talos::api::machine::lifecycle_service_client::LifecycleServiceClient;
@@ -699,14 +701,19 @@ async fn lifecycle_upgrade_installs_for_the_next_boot_from_v1_13_not_below() {
     )
     .await;
     let image = c.installer("v1.13.6");
+    // The system containerd, namespace `system` (ctrhelper.go).
+    let system = ContainerdInstance {
+        driver: ContainerDriver::Containerd as i32,
+        namespace: ContainerdNamespace::NsSystem as i32,
+    };
     let upgrade = |image: &str| LifecycleServiceUpgradeRequest {
-        containerd: None,
+        containerd: Some(system),
         source: Some(InstallArtifactsSource {
             image_name: image.into(),
         }),
     };
     let pull = ImageServicePullRequest {
-        containerd: None,
+        containerd: Some(system),
         image_ref: image.clone(),
     };
     // v1.12.9 has neither service.
@@ -729,6 +736,20 @@ async fn lifecycle_upgrade_installs_for_the_next_boot_from_v1_13_not_below() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::Internal, "{e:?}");
+    // No instance named: driver CONTAINERD, namespace NS_UNKNOWN.
+    let mut unnamed = upgrade(&image);
+    unnamed.containerd = None;
+    let e = LifecycleServiceClient::new(ch.clone())
+        .upgrade(unnamed)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (
+            Code::InvalidArgument,
+            "invalid containerd namespace NS_UNKNOWN"
+        )
+    );
     let mut s = ImageServiceClient::new(ch.clone())
         .pull(pull)
         .await
@@ -766,7 +787,7 @@ async fn lifecycle_upgrade_installs_for_the_next_boot_from_v1_13_not_below() {
     let d = c.day2("worker-13");
     assert_eq!(
         (&d["lifecycle_upgrades"], &d["upgrades"]),
-        (&json!(2), &json!(1)),
+        (&json!(3), &json!(1)),
         "{d}"
     );
 }

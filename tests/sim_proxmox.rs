@@ -333,3 +333,70 @@ fn deleting_an_unused_entry_frees_only_an_owned_volume_no_drive_uses() {
     assert_eq!(config(402, &["delete=unused0"])["exitstatus"], "OK");
     assert!(!other.exists());
 }
+
+/// qemu-server (PVE 9) `parse_hotplug_features`: `hotplug: 1` means the
+/// schema default `network,disk,usb` (no memory, no CPU), `0` none; a
+/// running VM's memory changes now only with `memory` listed AND `numa: 1`
+/// (`vmconfig_hotplug_pending`, `Memory.pm` `qemu_memory_hotplug`), else it
+/// stays pending until the next start.
+#[test]
+fn hotplug_1_is_network_disk_usb_and_memory_needs_the_memory_feature_and_numa() {
+    let pve = Pve::start(&[]);
+    // (vmid, hotplug, numa): whether a memory and a NIC change apply now.
+    let cases = [
+        ("501", "1", "1", false, true),
+        ("502", "0", "1", false, false),
+        ("503", "network,disk,memory", "1", true, true),
+        ("504", "memory", "0", false, false),
+        ("505", "disk,usb", "1", false, false),
+    ];
+    for (vmid, hotplug, numa, memory_now, nic_now) in cases {
+        let (code, v) = pve.curl(
+            "/nodes/pve/qemu",
+            &[
+                "-d",
+                &format!("vmid={vmid}"),
+                "--data-urlencode",
+                &format!("hotplug={hotplug}"),
+                "-d",
+                &format!("numa={numa}"),
+                "-d",
+                "memory=4096",
+                "--data-urlencode",
+                "net0=virtio=BC:24:11:00:00:11,bridge=vmbr0",
+            ],
+        );
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+        let (_, v) = pve.curl(
+            &format!("/nodes/pve/qemu/{vmid}/status/start"),
+            &["-X", "POST"],
+        );
+        assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+        let (code, v) = pve.curl(
+            &format!("/nodes/pve/qemu/{vmid}/config"),
+            &[
+                "-d",
+                "memory=8192",
+                "--data-urlencode",
+                "net0=virtio=BC:24:11:00:00:11,bridge=vmbr1",
+            ],
+        );
+        assert_eq!(code, 200, "{v}");
+        pve.wait(&v["data"]);
+        // GET …/config shows pending values; …/pending tells them apart.
+        let (_, pending) = pve.curl(&format!("/nodes/pve/qemu/{vmid}/pending"), &[]);
+        let is_pending = |key: &str| {
+            pending["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["key"] == key && e.get("pending").is_some())
+        };
+        assert_eq!(
+            (!is_pending("memory"), !is_pending("net0")),
+            (memory_now, nic_now),
+            "hotplug {hotplug}, numa {numa}: {pending}"
+        );
+    }
+}

@@ -8,6 +8,16 @@
 //! the real factory's re-marshalled ID and this one agree exactly when
 //! imgbuild's canonical form is right), and META is baked by [`crate::disk`], a GPT
 //! reader and ADV writer of the simulator's own.
+//!
+//! Each architecture gets its own disk (an arm64 one has no BIOS boot
+//! partition; its Secure Boot ESP boots `BOOTAA64.efi`). Secure Boot
+//! assets are signed as image-factory signs them: `<platform>-<arch>-
+//! secureboot-uki.efi` is a UKI (the systemd stub, the kernel, the initramfs
+//! and the schematic's command line) signed with sbsign by a key the double
+//! makes on first use, whose certificate `/secureboot/signing-cert.pem`
+//! serves (sbverify accepts the UKI with it). Not modelled: the factory's
+//! PXE routes (none are served), signing the simulated systemd-boot inside
+//! the Secure Boot disk and ISO (not a PE file here).
 
 use axum::Router;
 use axum::body::Body;
@@ -173,10 +183,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "/v2/{image}/{id}/manifests/{tag}",
             get(installer_manifest).head(installer_manifest),
         )
-        .route(
-            "/secureboot/signing-cert.pem",
-            get(crate::secureboot_disk::signing_cert),
-        )
+        .route("/secureboot/signing-cert.pem", get(signing_cert))
+        .route("/pxe/{id}/{version}/{path}", get(pxe))
         .route("/_sim/stats", get(stats))
         .route("/_sim/schematics", get(posted))
         .with_state(sim);
@@ -436,6 +444,29 @@ async fn image(
                 format!("extension {ext} is not available for version {version}"),
             );
         }
+    }
+    if let Some(stem) = file.strip_suffix("-secureboot-uki.efi") {
+        let Some((platform, arch)) = stem
+            .rsplit_once('-')
+            .filter(|(p, a)| !p.is_empty() && matches!(*a, "amd64" | "arm64"))
+        else {
+            return text(StatusCode::BAD_REQUEST, format!("invalid path {file}"));
+        };
+        let _guard = sim.build.lock().await;
+        let built = signed_uki(&sim, &schematic, &id, &version, platform, arch);
+        return match built.and_then(|p| Ok(std::fs::read(p)?)) {
+            Ok(bytes) => {
+                if method == Method::GET {
+                    *sim.image_gets
+                        .lock()
+                        .unwrap()
+                        .entry(format!("/image/{id}/{version}/{file}"))
+                        .or_default() += 1;
+                }
+                ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response()
+            }
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        };
     }
     if let Some(asset) = boot_asset(&sim, &schematic, &version, &file) {
         if method == Method::GET {
@@ -755,13 +786,16 @@ fn build(
         return Ok(out);
     }
     let secure_boot = is_secure_boot(file);
+    // One disk per architecture (their layouts differ), not one per
+    // schematic and version.
+    let (_, disk_arch) = platform_arch(file);
     let raw = dir.join(if secure_boot {
-        "disk-secureboot.raw"
+        format!("disk-secureboot-{disk_arch}.raw")
     } else {
-        "disk.raw"
+        format!("disk-{disk_arch}.raw")
     });
     if secure_boot && kind != Kind::Iso && !raw.exists() {
-        let tmp = dir.join(".disk-secureboot.raw.tmp");
+        let tmp = dir.join(format!(".disk-secureboot-{disk_arch}.raw.tmp"));
         let enroll = &schematic.customization.secure_boot.enroll_keys;
         let real = sim.real.as_ref().map(|r| {
             (
@@ -772,7 +806,7 @@ fn build(
         });
         let (platform, arch) = platform_arch(file);
         let cmdline = cmdline(sim, schematic, version, platform, arch);
-        crate::secureboot_disk::make(&tmp, version, enroll, &cmdline, real)?;
+        crate::secureboot_disk::make(&tmp, arch, version, enroll, &cmdline, real)?;
         let mut tags: Vec<(u32, Vec<u8>)> = Vec::new();
         // Talos v1.10+ images record their bootloader in META key 17
         // (DiskImageBootloader); a Secure Boot image boots sd-boot.
@@ -799,8 +833,14 @@ fn build(
             .iter()
             .map(|m| (u32::from(m.key), m.value.clone().into_bytes()))
             .collect();
-        let tmp = dir.join(".disk.raw.tmp");
+        let tmp = dir.join(format!(".disk-{disk_arch}.raw.tmp"));
         crate::disk::sparse_copy(&sim.base, &tmp)?;
+        // An arm64 image has no BIOS boot partition (the imager installs
+        // GRUB's i386-pc core on amd64 only, siderolabs/talos
+        // `internal/pkg/partition`, `pkg/imager`).
+        if disk_arch == "arm64" {
+            drop_partition(&tmp, "BIOS")?;
+        }
         // The imager writes META only for a schematic's `meta` values: an
         // image without them is the base as the installer left it.
         if !tags.is_empty() {
@@ -854,7 +894,7 @@ fn build(
             });
             let (platform, arch) = platform_arch(file);
             let cmdline = cmdline(sim, schematic, version, platform, arch);
-            crate::secureboot_disk::make_iso(&tmp, version, enroll, &cmdline, real)?;
+            crate::secureboot_disk::make_iso(&tmp, arch, version, enroll, &cmdline, real)?;
         }
         Kind::Iso => {
             let stem = file.strip_suffix(".iso").unwrap_or(file);
@@ -1032,6 +1072,193 @@ fn pe_end(image: &[u8]) -> anyhow::Result<u64> {
         end = end.max(le(image, s + 12, 4)? + le(image, s + 8, 4)?);
     }
     Ok(base + end)
+}
+
+/// `GET /pxe/{id}/{version}/{platform}-{arch}[-secureboot]`
+/// (image-factory `internal/frontend/http/pxe.go`, `standard.ipxe`,
+/// `secureboot.ipxe`): an iPXE script booting the kernel and initramfs with
+/// the schematic's command line, or, for Secure Boot, the signed UKI alone
+/// (its command line is inside it). URLs point back at this factory.
+async fn pxe(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    Path((id, version, path)): Path<(String, String, String)>,
+) -> Response {
+    let Some(Posted { schematic, .. }) = sim.schematics.lock().unwrap().get(&id).cloned() else {
+        return text(StatusCode::NOT_FOUND, "schematic not found");
+    };
+    if !sim.versions.contains(&version) {
+        return text(StatusCode::NOT_FOUND, "version not found");
+    }
+    let (stem, secure_boot) = match path.strip_suffix("-secureboot") {
+        Some(stem) => (stem, true),
+        None => (path.as_str(), false),
+    };
+    let Some((platform, arch)) = stem
+        .rsplit_once('-')
+        .filter(|(p, a)| !p.is_empty() && matches!(*a, "amd64" | "arm64"))
+    else {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!("error parsing profile from path: invalid path cmdline-{path}"),
+        );
+    };
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("localhost");
+    let base = format!("http://{host}/image/{id}/{version}");
+    let script = if secure_boot {
+        format!("#!ipxe\n\nkernel {base}/{platform}-{arch}-secureboot-uki.efi\nboot\n")
+    } else {
+        let cmdline = cmdline(&sim, &schematic, &version, platform, arch);
+        format!(
+            "#!ipxe\n\nimgfree\nkernel {base}/kernel-{arch} {cmdline}\ninitrd {base}/initramfs-{arch}.xz\nboot\n"
+        )
+    };
+    text(StatusCode::OK, script)
+}
+
+/// Deletes the GPT partition named `name` from `disk`, if it has one.
+fn drop_partition(disk: &std::path::Path, name: &str) -> anyhow::Result<()> {
+    let o = std::process::Command::new("sgdisk")
+        .arg("-p")
+        .arg(disk)
+        .output()?;
+    anyhow::ensure!(o.status.success(), "sgdisk -p failed");
+    let listing = String::from_utf8_lossy(&o.stdout);
+    let number = listing.lines().find_map(|l| {
+        let cols: Vec<&str> = l.split_whitespace().collect();
+        (cols.last() == Some(&name) && cols.first().is_some_and(|n| n.parse::<u32>().is_ok()))
+            .then(|| cols[0].to_owned())
+    });
+    if let Some(n) = number {
+        let st = std::process::Command::new("sgdisk")
+            .arg(format!("--delete={n}"))
+            .arg(disk)
+            .output()?;
+        anyhow::ensure!(
+            st.status.success(),
+            "sgdisk --delete failed: {}",
+            String::from_utf8_lossy(&st.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// The systemd EFI stub a UKI is built on when the factory has no real
+/// one (the Debian `systemd-boot-efi` package's).
+const SYSTEM_UKI_STUB: &str = "/usr/lib/systemd/boot/efi/linuxx64.efi.stub";
+
+/// The factory's Secure Boot signing key and certificate, made on first
+/// use (image-factory signs every Secure Boot asset with its own key,
+/// `internal/secureboot`, and serves the certificate).
+fn signing_pair(sim: &Sim) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let (key, cert) = (
+        sim.state.join("secureboot-signing.key"),
+        sim.state.join("secureboot-signing.pem"),
+    );
+    if cert.exists() {
+        return Ok((key, cert));
+    }
+    let (tmp_key, tmp_cert) = (
+        key.with_extension("key.tmp"),
+        cert.with_extension("pem.tmp"),
+    );
+    let o = std::process::Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
+        ])
+        .args([
+            "-subj",
+            "/CN=imgbuild-sim image factory Secure Boot signing",
+        ])
+        .arg("-keyout")
+        .arg(&tmp_key)
+        .arg("-out")
+        .arg(&tmp_cert)
+        .output()?;
+    anyhow::ensure!(
+        o.status.success(),
+        "openssl req failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::rename(&tmp_key, &key)?;
+    std::fs::rename(&tmp_cert, &cert)?;
+    Ok((key, cert))
+}
+
+/// `GET /secureboot/signing-cert.pem` (siderolabs/image-factory
+/// `internal/frontend/http/secureboot.go`): the certificate whose key signs
+/// the Secure Boot assets, `application/x-pem-file`.
+async fn signing_cert(State(sim): State<Arc<Sim>>) -> Response {
+    let _guard = sim.build.lock().await;
+    match signing_pair(&sim).and_then(|(_, cert)| Ok(std::fs::read(cert)?)) {
+        Ok(pem) => ([(header::CONTENT_TYPE, "application/x-pem-file")], pem).into_response(),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+/// `<platform>-<arch>-secureboot-uki.efi` (image-factory
+/// `internal/frontend/http/image.go`, the imager's `OutKindUKI`): the UKI
+/// with the schematic's command line (META included) baked in, signed
+/// with the factory's key (sbsign), per architecture.
+fn signed_uki(
+    sim: &Sim,
+    schematic: &SchematicShape,
+    id: &str,
+    version: &str,
+    platform: &str,
+    arch: &str,
+) -> anyhow::Result<PathBuf> {
+    let dir = sim.state.join(id).join(version);
+    std::fs::create_dir_all(&dir)?;
+    let out = dir.join(format!("{platform}-{arch}-secureboot-uki.efi"));
+    if out.exists() {
+        return Ok(out);
+    }
+    let (key, cert) = signing_pair(sim)?;
+    let real = sim.real.as_ref().filter(|_| arch == "amd64");
+    let stub = real
+        .and_then(|r| r.uki_stub.clone())
+        .or_else(|| sim.real.as_ref().and_then(|r| r.uki_stub.clone()))
+        .unwrap_or_else(|| PathBuf::from(SYSTEM_UKI_STUB));
+    let (kernel, initramfs) = match real {
+        Some(r) => (r.kernel.clone(), r.initramfs.clone()),
+        None => {
+            let kernel = dir.join(format!(".kernel-{arch}"));
+            let k = simulated_kernel(version, arch)
+                .ok_or_else(|| anyhow::anyhow!("no kernel for {arch}"))?;
+            std::fs::write(&kernel, k)?;
+            let initramfs = dir.join(format!(".initramfs-{arch}"));
+            std::fs::write(
+                &initramfs,
+                format!("070701 simulated initramfs {version} {arch}\n"),
+            )?;
+            (kernel, initramfs)
+        }
+    };
+    let cmdline = cmdline(sim, schematic, version, platform, arch);
+    let unsigned = dir.join(format!(".{platform}-{arch}-uki.unsigned"));
+    make_uki(&stub, &kernel, &initramfs, &cmdline, &unsigned)?;
+    let tmp = out.with_extension("efi.tmp");
+    let o = std::process::Command::new("sbsign")
+        .arg("--key")
+        .arg(&key)
+        .arg("--cert")
+        .arg(&cert)
+        .arg("--output")
+        .arg(&tmp)
+        .arg(&unsigned)
+        .output()?;
+    let _ = std::fs::remove_file(&unsigned);
+    anyhow::ensure!(
+        o.status.success(),
+        "sbsign failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::rename(&tmp, &out)?;
+    Ok(out)
 }
 
 /// A UKI (systemd's `ukify` layout): the EFI stub with `.cmdline`, `.initrd`

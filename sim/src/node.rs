@@ -2082,6 +2082,13 @@ impl MachineService for Api {
     async fn reset(&self, req: Request<ResetRequest>) -> Result<Response<ResetResponse>, Status> {
         self.reset_call(req)
     }
+
+    async fn image_pull(
+        &self,
+        req: Request<ImagePullRequest>,
+    ) -> Result<Response<ImagePullResponse>, Status> {
+        self.image_pull_call(req).await
+    }
 }
 
 #[tonic::async_trait]

@@ -2206,22 +2206,36 @@ fn vm_pending_json(vm: &Vm) -> Value {
 
 /// Whether qemu-server changes `key` of a running VM now or leaves it
 /// pending until the next start (src/PVE/QemuServer.pm
-/// `vmconfig_hotplug_pending`, `$fast_plug_option`): `hotplug` (default
-/// `network,disk,usb`) decides for NICs and disks; memory needs `memory`
-/// there and NUMA on; cores, sockets, CPU type, NUMA, machine and firmware
-/// are never hot-plugged.
+/// `vmconfig_hotplug_pending`, `$fast_plug_option`): the `hotplug`
+/// features decide for NICs (`network`), disks (`disk`) and vCPUs
+/// (`cpu`); memory needs `memory` there AND NUMA on
+/// (`PVE::QemuServer::Memory::qemu_memory_hotplug` dies "NUMA needs to be
+/// enabled for memory hotplug", the change stays pending); cores, sockets,
+/// CPU type, NUMA, machine and firmware are never hot-plugged.
 fn hot_pluggable(config: &BTreeMap<String, String>, key: &str) -> bool {
-    let hotplug = config
-        .get("hotplug")
-        .map_or("network,disk,usb", String::as_str);
-    let has = |what: &str| hotplug == "1" || hotplug.split(',').any(|h| h == what);
+    let features = hotplug_features(config.get("hotplug").map_or("1", String::as_str));
+    let has = |what: &str| features.contains(&what);
     match key {
         "memory" => has("memory") && config.get("numa").is_some_and(|n| n == "1"),
-        "cores" | "sockets" | "cpu" | "numa" | "machine" | "bios" | "vcpus" | "balloon"
-        | "hotplug" => false,
+        "vcpus" => has("cpu"),
+        "cores" | "sockets" | "cpu" | "numa" | "machine" | "bios" | "balloon" | "hotplug" => false,
         k if k.starts_with("net") => has("network"),
         k if is_drive(k) && !k.starts_with("ide") => has("disk"),
         _ => true,
+    }
+}
+
+/// qemu-server `parse_hotplug_features` (PVE 8/9, src/PVE/QemuServer.pm):
+/// `0` is none, `1` the schema default `network,disk,usb` (not every
+/// feature), else the comma list as written. Unset is the default too.
+fn hotplug_features(value: &str) -> Vec<&str> {
+    match value {
+        "0" => Vec::new(),
+        "1" => vec!["network", "disk", "usb"],
+        list => list
+            .split([',', ';', ' '])
+            .filter(|f| !f.is_empty())
+            .collect(),
     }
 }
 

@@ -15,19 +15,6 @@
 use std::path::Path;
 use std::process::Command;
 
-/// `GET /secureboot/signing-cert.pem` (siderolabs/image-factory
-/// `internal/frontend/http/secureboot.go`): the certificate whose key signs
-/// the Secure Boot assets, `application/x-pem-file`. A stand-in here: the
-/// double signs nothing, so there is no real certificate to give.
-pub async fn signing_cert() -> axum::response::Response {
-    use axum::response::IntoResponse;
-    (
-        [(axum::http::header::CONTENT_TYPE, "application/x-pem-file")],
-        "-----BEGIN CERTIFICATE-----\naW1nYnVpbGQtc2ltIGZhY3RvcnkgU2VjdXJlIEJvb3Qgc2lnbmluZyBjZXJ0aWZpY2F0ZQ==\n-----END CERTIFICATE-----\n",
-    )
-        .into_response()
-}
-
 /// Total size of the simulated disk and of its EFI partition, in MiB
 /// (scaled down like fixtures/make-images.sh; META is exactly 1 MiB).
 const DISK_MIB: u64 = 32;
@@ -49,6 +36,7 @@ fn run(cmd: &mut Command) -> anyhow::Result<()> {
 /// the UKI is then a bootable one with `cmdline` baked in.
 pub fn make(
     out: &Path,
+    arch: &str,
     version: &str,
     enroll_keys: &str,
     cmdline: &str,
@@ -69,6 +57,7 @@ pub fn make(
         out,
         2048 * 512,
         EFI_MIB,
+        arch,
         version,
         enroll_keys,
         cmdline,
@@ -83,6 +72,7 @@ pub fn make(
 /// enroll). No GRUB and no BIOS boot: the command line is only in the UKI.
 pub fn make_iso(
     out: &Path,
+    arch: &str,
     version: &str,
     enroll_keys: &str,
     cmdline: &str,
@@ -93,7 +83,7 @@ pub fn make_iso(
     std::fs::create_dir_all(&tree)?;
     let esp = tree.join("efiboot.img");
     std::fs::File::create(&esp)?.set_len(EFI_MIB << 20)?;
-    let r = esp_at(&esp, 0, EFI_MIB, version, enroll_keys, cmdline, real).and_then(|()| {
+    let r = esp_at(&esp, 0, EFI_MIB, arch, version, enroll_keys, cmdline, real).and_then(|()| {
         run(Command::new("xorriso")
             .args([
                 "-as",
@@ -114,10 +104,12 @@ pub fn make_iso(
 
 /// Formats a FAT file system of `mib` MiB at byte `offset` of `image` and
 /// fills it as the sd-boot bootloader does.
+#[allow(clippy::too_many_arguments)]
 fn esp_at(
     image: &Path,
     offset: u64,
     mib: u64,
+    arch: &str,
     version: &str,
     enroll_keys: &str,
     cmdline: &str,
@@ -131,6 +123,7 @@ fn esp_at(
         offset,
         mib,
         &work,
+        arch,
         version,
         enroll_keys,
         cmdline,
@@ -146,6 +139,7 @@ fn fill_esp(
     offset: u64,
     mib: u64,
     work: &Path,
+    arch: &str,
     version: &str,
     enroll_keys: &str,
     cmdline: &str,
@@ -161,8 +155,18 @@ fn fill_esp(
             format!("MZ simulated Talos {version} UKI (signed)\n.cmdline {cmdline}\n"),
         )?,
     }
-    let sdboot = work.join("BOOTX64.efi");
-    std::fs::write(&sdboot, b"MZ simulated systemd-boot (signed)\n")?;
+    // The removable-media loader's name is per architecture (UEFI spec
+    // 3.5.1.1): BOOTX64.efi on amd64, BOOTAA64.efi on arm64.
+    let loader = if arch == "arm64" {
+        "BOOTAA64.efi"
+    } else {
+        "BOOTX64.efi"
+    };
+    let sdboot = work.join(loader);
+    std::fs::write(
+        &sdboot,
+        format!("MZ simulated systemd-boot {arch} (signed)\n"),
+    )?;
     let mut conf = String::from("timeout 10\n");
     if !enroll_keys.is_empty() {
         conf.push_str(&format!("\nsecure-boot-enroll {enroll_keys}\n"));
@@ -195,7 +199,7 @@ fn fill_esp(
         "::/loader/keys/auto",
     ]))?;
     let mut copies: Vec<(std::path::PathBuf, String)> = vec![
-        (sdboot, "::/EFI/boot/BOOTX64.efi".into()),
+        (sdboot, format!("::/EFI/boot/{loader}")),
         (uki, format!("::/EFI/Linux/Talos-{version}.efi")),
         (loader_conf, "::/loader/loader.conf".into()),
     ];

@@ -140,8 +140,12 @@ impl Cluster {
                         st.day2.stock = false;
                     }
                 }
-                // containerd's images live in memory: gone with the boot.
+                // The system containerd's images live in memory: gone with the
+                // boot (the CRI one's stay on EPHEMERAL).
                 st.day2.pulled.clear();
+                st.day2
+                    .images
+                    .retain(|(place, _)| *place != super::k8s_pods::SYSTEM_SYSTEM);
                 let why = (seq.then)(&mut st);
                 // A TRY config was never persisted: the boot runs the one
                 // that was (or what is staged).

@@ -56,6 +56,11 @@ pub(super) struct Day2 {
     pub life: Life,
     /// Installer images containerd holds since the last boot.
     pub pulled: BTreeSet<String>,
+    /// Every image this node holds, by where (`k8s_pods::CRI_K8S`,
+    /// `CRI_SYSTEM`, `SYSTEM_SYSTEM`), as (place, image). The system
+    /// containerd's are gone with a boot; the CRI one keeps its images on
+    /// the EPHEMERAL partition.
+    pub images: BTreeSet<(&'static str, String)>,
     /// What LifecycleService.Upgrade installed: the tag and schematic the
     /// next boot runs.
     pub next_boot: Option<(String, Option<String>)>,
@@ -339,6 +344,7 @@ pub(super) fn stats_of(
         "read_calls": d.read_calls,
         "lifecycle_upgrades": d.lifecycle_upgrades,
         "pulled": d.pulled,
+        "images": images_by_place(&d.images),
         "next_boot": d.next_boot.as_ref().map(|(v, _)| v),
         "reboot_calls": d.reboot_calls,
         "meta_writes": d.meta_writes,
@@ -349,4 +355,17 @@ pub(super) fn stats_of(
         "stock": d.stock,
         "schematic_read_fails": d.schematic_read_fails,
     })
+}
+
+/// `{PLACE: [image…]}` for the stats.
+fn images_by_place(images: &BTreeSet<(&'static str, String)>) -> Value {
+    let mut out = serde_json::Map::new();
+    for (place, image) in images {
+        out.entry(place.to_string())
+            .or_insert_with(|| json!([]))
+            .as_array_mut()
+            .expect("made an array")
+            .push(json!(image));
+    }
+    Value::Object(out)
 }

@@ -13,7 +13,7 @@ use std::time::Instant;
 use axum::extract::{Query, State};
 use serde_json::{Value, json};
 
-use super::{Cluster, ControlReply, ms, reached};
+use super::{Cluster, ControlReply, Phase, ms, reached};
 
 /// The etcd member ID of a stale member (a removed control plane's).
 pub(super) const STALE_MEMBER_ID: u64 = 0x1fff;
@@ -25,6 +25,8 @@ pub(super) struct Facts {
     pub coredns_ready: bool,
     /// etcd lists one more member than there are control planes.
     pub stale_etcd_member: bool,
+    /// Replaces `--node-monitor-grace-period` (milliseconds) from now on.
+    pub node_monitor_grace_period: Option<u64>,
 }
 
 impl Default for Facts {
@@ -33,6 +35,7 @@ impl Default for Facts {
             kube_proxy_ready: true,
             coredns_ready: true,
             stale_etcd_member: false,
+            node_monitor_grace_period: None,
         }
     }
 }
@@ -44,6 +47,7 @@ pub(super) struct FactsSwitch {
     kube_proxy_ready: Option<bool>,
     coredns_ready: Option<bool>,
     stale_etcd_member: Option<bool>,
+    node_monitor_grace_period: Option<u64>,
 }
 
 pub(super) async fn facts_switch(
@@ -59,6 +63,9 @@ pub(super) async fn facts_switch(
     }
     if let Some(v) = req.stale_etcd_member {
         f.stale_etcd_member = v;
+    }
+    if let Some(v) = req.node_monitor_grace_period {
+        f.node_monitor_grace_period = Some(v);
     }
     (axum::http::StatusCode::OK, axum::Json(json!(*f)))
 }
@@ -126,14 +133,118 @@ impl Cluster {
     }
 }
 
+/// The status a node's kubelet last posted, which the API server keeps
+/// serving once the kubelet stops (its Node object stays).
+#[derive(Clone)]
+pub(super) struct Heartbeat {
+    name: String,
+    at: Instant,
+    ready: bool,
+}
+
+impl Cluster {
+    /// Notes the status every registered node's kubelet posts now (the
+    /// watcher's tick stands for `nodeStatusUpdateFrequency`); a node that
+    /// is down posts nothing.
+    pub(super) fn k8s_heartbeats(&self, now: Instant) {
+        let posted: Vec<(usize, Heartbeat)> = self
+            .registered(now)
+            .into_iter()
+            .filter(|r| self.node(r.index).phase(now) != Phase::Down)
+            .map(|r| {
+                let beat = Heartbeat {
+                    name: r.name,
+                    at: now,
+                    ready: r.ready,
+                };
+                (r.index, beat)
+            })
+            .collect();
+        self.k8s.lock().unwrap().heartbeats.extend(posted);
+    }
+
+    /// The Node of a node whose kubelet stopped posting (down, rebooting,
+    /// powered off) and whose Node object was not deleted: kube-controller-
+    /// manager's node lifecycle controller (kubernetes
+    /// `pkg/controller/nodelifecycle/node_lifecycle_controller.go`
+    /// `tryUpdateNodeHealth`) leaves its last status until
+    /// `--node-monitor-grace-period` has passed since the last heartbeat,
+    /// then sets Ready Unknown ("Kubelet stopped posting node status.") and
+    /// taints it unreachable.
+    fn silent_node(&self, i: usize, beat: &Heartbeat, now: Instant) -> Value {
+        let grace = ms(self
+            .facts
+            .lock()
+            .unwrap()
+            .node_monitor_grace_period
+            .unwrap_or(self.args.k8s.node_monitor_grace_period));
+        let cordoned = self.node(i).st.lock().unwrap().day2.life.cordoned;
+        let mut item = json!({
+            "metadata": {"name": beat.name},
+            "spec": {"unschedulable": cordoned},
+        });
+        self.k8s_node_item(i, &mut item, now);
+        let condition = if now < beat.at + grace {
+            if beat.ready {
+                json!({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"})
+            } else {
+                json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "kubelet is starting"})
+            }
+        } else {
+            item["spec"]["taints"] = json!([
+                {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"},
+                {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"},
+            ]);
+            json!({"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                "message": "Kubelet stopped posting node status."})
+        };
+        item["status"]["conditions"] = json!([condition]);
+        item
+    }
+
+    fn heartbeat(&self, i: usize) -> Option<Heartbeat> {
+        self.k8s.lock().unwrap().heartbeats.get(&i).cloned()
+    }
+
+    /// The Nodes of nodes that posted before but are not registered now
+    /// (and were not deleted), by name.
+    fn silent_nodes(&self, registered: &[Registered], now: Instant) -> Vec<Value> {
+        let beats: Vec<(usize, Heartbeat)> = {
+            let k8s = self.k8s.lock().unwrap();
+            let mut b: Vec<_> = k8s
+                .heartbeats
+                .iter()
+                .map(|(i, b)| (*i, b.clone()))
+                .collect();
+            b.sort_by(|x, y| x.1.name.cmp(&y.1.name));
+            b
+        };
+        beats
+            .into_iter()
+            .filter(|(i, b)| {
+                *i < self.count()
+                    && !registered.iter().any(|r| r.index == *i || r.name == b.name)
+                    && !self.k8s_node_deleted(*i)
+            })
+            .map(|(i, b)| self.silent_node(i, &b, now))
+            .collect()
+    }
+}
+
 pub(super) async fn nodes(
     State(cluster): State<Arc<Cluster>>,
 ) -> Result<axum::Json<Value>, Infallible> {
     let now = Instant::now();
-    let items: Vec<Value> = cluster
-        .registered(now)
+    let registered = cluster.registered(now);
+    let silent = cluster.silent_nodes(&registered, now);
+    let mut items: Vec<Value> = registered
         .into_iter()
         .map(|r| {
+            if cluster.node(r.index).phase(now) == Phase::Down
+                && let Some(beat) = cluster.heartbeat(r.index)
+            {
+                return cluster.silent_node(r.index, &beat, now);
+            }
             // The kubelet's Ready condition (kubernetes pkg/kubelet/nodestatus
             // setters.go ReadyCondition): without a network plugin it names
             // the runtime's NetworkReady error.
@@ -153,6 +264,7 @@ pub(super) async fn nodes(
             item
         })
         .collect();
+    items.extend(silent);
     Ok(axum::Json(
         json!({"kind": "NodeList", "apiVersion": "v1", "items": items}),
     ))

@@ -8,8 +8,11 @@
 //! `kubernetes/upgrade/checks.go` `PopulateRemovedAPIResources` expects).
 //! A test sets both with `POST /_sim/k8s-apis` (see `k8s_objects.rs`).
 //!
-//! Simplified: every API server reports the same requests (a real one
-//! counts what it served since it started).
+//! Per API server, as a real one counts what it served since it started:
+//! a requested API shows on the API servers the switch names (`nodes`,
+//! default all) until that kube-apiserver restarts (a new image or config,
+//! or its node's reboot); the VIP is answered by the first control plane
+//! whose kube-apiserver is up.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use super::k8s_objects::{Stored, group_of};
-use super::k8s_versions;
+use super::k8s_versions::{self, Component};
 use super::{Cluster, ControlReply};
 
 /// A resource of a removed API version the switch registered.
@@ -48,6 +51,12 @@ pub(super) struct Requested {
     #[serde(default)]
     subresource: String,
     removed_release: String,
+    /// The API servers that served the requests (None: every one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    nodes: Option<Vec<String>>,
+    /// When the switch registered them.
+    #[serde(skip)]
+    at: Option<Instant>,
 }
 
 /// Prometheus label values escape `\`, `"` and newlines.
@@ -57,13 +66,68 @@ fn label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
+impl Cluster {
+    /// The node whose kube-apiserver answers a request for `host` (the
+    /// authority asked for: a node's address, or the VIP).
+    fn apiserver_of(&self, host: &str, now: Instant) -> Option<usize> {
+        let ip = host
+            .rsplit_once(':')
+            .map_or(host, |(ip, _)| ip)
+            .trim_matches(['[', ']']);
+        let ip: std::net::IpAddr = ip.parse().ok()?;
+        if let Some(i) = self.index_of(ip) {
+            return Some(i);
+        }
+        (0..self.count()).find(|&i| {
+            self.node(i).control_plane()
+                && self
+                    .k8s_component(i, Component::ApiServer, now)
+                    .is_some_and(|(_, ready)| ready)
+        })
+    }
+
+    /// When node `i`'s kube-apiserver last started: its last restart, or
+    /// its node's last boot, whichever is later.
+    fn apiserver_started(&self, i: usize) -> Option<Instant> {
+        let restarted = self.k8s_started(i, Component::ApiServer);
+        let booted = self.configured_at(i);
+        restarted.max(booted)
+    }
+}
+
 /// `GET /metrics` of the API server.
-pub(super) async fn metrics(State(c): State<Arc<Cluster>>) -> Response {
+pub(super) async fn metrics(
+    State(c): State<Arc<Cluster>>,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    let now = Instant::now();
+    let host = uri
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .or_else(|| {
+            headers
+                .get(axum::http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_owned)
+        })
+        .unwrap_or_default();
+    let serving = c.apiserver_of(&host, now);
+    let name = serving.map(|i| c.node(i).display_name());
+    let started = serving.and_then(|i| c.apiserver_started(i));
     let k8s = c.k8s.lock().unwrap();
     let mut text = String::from(
         "# HELP apiserver_requested_deprecated_apis [STABLE] Gauge of deprecated APIs that have been requested, broken out by API group, version, resource, subresource, and removed_release.\n# TYPE apiserver_requested_deprecated_apis gauge\n",
     );
-    for r in &k8s.objects.requested {
+    let counted = k8s.objects.requested.iter().filter(|r| {
+        let here = match (&r.nodes, &name) {
+            (None, _) => true,
+            (Some(nodes), Some(name)) => nodes.contains(name),
+            (Some(_), None) => false,
+        };
+        here && r.at.zip(started).is_none_or(|(at, started)| at >= started)
+    });
+    for r in counted {
         text += &format!(
             "apiserver_requested_deprecated_apis{{group=\"{}\",removed_release=\"{}\",resource=\"{}\",subresource=\"{}\",version=\"{}\"}} 1\n",
             label(&r.group),
@@ -132,7 +196,10 @@ pub(super) async fn apis_switch(
     }
     let mut k8s = c.k8s.lock().unwrap();
     let store = &mut k8s.objects;
-    if let Some(r) = req.requested {
+    if let Some(mut r) = req.requested {
+        for one in &mut r {
+            one.at = Some(now);
+        }
         store.requested = r;
     }
     if let Some(objects) = req.stored {

@@ -24,6 +24,7 @@
 //! in-cluster`, `11-talos-node-rbac-template` and `13-talos-service-account-
 //! crd` manifests are left out (the first holds a bootstrap token).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::{Value, json};
@@ -260,6 +261,28 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// The version of node `i`'s `Manifests` resource `id` now rendering
+    /// `yaml`: COSI bumps a resource's version on every change of its spec
+    /// (`manifest.go` controller's `safe.WriterModify`), so it starts at 1
+    /// and goes up each time the rendered objects change (seen when read).
+    pub(super) fn k8s_manifest_version(&self, i: usize, id: &'static str, yaml: &str) -> u64 {
+        let identity = Arc::as_ptr(&self.node(i)) as usize;
+        let mut k8s = self.k8s.lock().unwrap();
+        let entry = k8s
+            .manifest_versions
+            .entry((i, id))
+            .or_insert_with(|| (identity, yaml.to_owned(), 1));
+        if entry.0 != identity {
+            *entry = (identity, yaml.to_owned(), 1);
+        } else if entry.1 != yaml {
+            entry.1 = yaml.to_owned();
+            entry.2 += 1;
+        }
+        entry.2
+    }
+}
+
 /// A resource with a YAML spec.
 fn resource(
     namespace: &str,
@@ -349,11 +372,12 @@ impl Api {
             .into_iter()
             .map(|m| {
                 let yaml = serde_yaml_ng::to_string(&m.objects).unwrap_or_default();
+                let version = self.cluster.k8s_manifest_version(i, m.id, &yaml);
                 resource(
                     CONTROL_PLANE_NS,
                     MANIFEST_TYPE,
                     m.id,
-                    1,
+                    version,
                     "k8s.ManifestController",
                     yaml,
                 )

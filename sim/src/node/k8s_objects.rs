@@ -36,10 +36,13 @@
 //! - `GET /version`: `{"major","minor","gitVersion": "v1.32.1","platform"}` of the oldest
 //!   kube-apiserver image among the control planes.
 //! - `GET /metrics`: Prometheus text with `apiserver_requested_deprecated_apis{group=…,
-//!   removed_release=…,resource=…,subresource=…,version=…} 1` per requested deprecated API,
-//!   among other lines (`apiserver_storage_objects{resource=…}`).
+//!   removed_release=…,resource=…,subresource=…,version=…} 1` per requested deprecated API
+//!   this API server served since its kube-apiserver (re)started (the VIP: the first
+//!   control plane whose kube-apiserver is up), among other lines
+//!   (`apiserver_storage_objects{resource=…}`).
 //! - `POST /_sim/k8s-apis` `{"requested"?: [{"group","version","resource","subresource"?,
-//!   "removed_release"}], "stored"?: [{"group","version","resource","kind","namespace"?,
+//!   "removed_release","nodes"?: [NAME…] (the API servers that served them; all by
+//!   default)}], "stored"?: [{"group","version","resource","kind","namespace"?,
 //!   "name","removed_release"}]}`: each list given replaces the last; stored objects are
 //!   listed under their group/version/resource until every API server runs a version ≥
 //!   `removed_release` (then 404). → 200 with both lists.
@@ -328,12 +331,31 @@ impl Store {
                 other.fields.remove(path);
             }
         }
+        let is_mine = |m: &Manager| m.manager == manager && m.operation == "Apply";
+        let previous = stored
+            .managers
+            .iter()
+            .find(|m| is_mine(m))
+            .map(|m| m.fields.clone())
+            .unwrap_or_default();
+        let others: std::collections::BTreeSet<String> = stored
+            .managers
+            .iter()
+            .filter(|m| !is_mine(m))
+            .flat_map(|m| m.fields.keys().cloned())
+            .collect();
         stored
             .managers
             .retain(|m| !(m.fields.is_empty() || m.manager == manager && m.operation == "Apply"));
         stored.managers.push(mine);
         let before = stored.object.clone();
         merge(&mut stored.object, &body);
+        // What this manager applied before and applies no more, and nobody
+        // else owns, leaves the object.
+        let kept = |p: &str| wanted.contains_key(p) || others.contains(p);
+        for path in previous.keys().filter(|p| !kept(p)) {
+            k8s_ssa::remove_field(&mut stored.object, path, &kept);
+        }
         if before["spec"] != stored.object["spec"] {
             stored.generation += 1;
         }
@@ -853,6 +875,87 @@ mod tests {
             s.apply(&key(), "DaemonSet", again, "imgbuild", false, now),
             Applied::Updated
         ));
+    }
+
+    /// structured-merge-diff (Kubernetes 1.33 apiserver): a manager that
+    /// stops applying a field gives it up and, when nobody else owns it,
+    /// it leaves the object; list-maps merge by their keys (ports by
+    /// containerPort+protocol), atomic lists are replaced whole.
+    #[test]
+    fn an_apply_removes_what_its_manager_stopped_applying_and_merges_lists_by_their_keys() {
+        let now = Instant::now();
+        let mut s = Store::default();
+        let ds = |containers: Value, labels: Value| {
+            json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+                "metadata": {"name": "kube-proxy", "namespace": "kube-system", "labels": labels},
+                "spec": {"template": {"spec": {"containers": containers}}}})
+        };
+        let first = ds(
+            json!([
+                {"name": "kube-proxy", "image": "p:1", "args": ["--a", "--b"],
+                    "ports": [{"containerPort": 10249, "name": "metrics"}]},
+                {"name": "sidecar", "image": "s:1"},
+            ]),
+            json!({"k8s-app": "kube-proxy", "old": "x"}),
+        );
+        assert!(matches!(
+            s.apply(&key(), "DaemonSet", first, "imgbuild", false, now),
+            Applied::Created
+        ));
+        // Another manager adds a port of its own and owns the sidecar's image.
+        let other = ds(
+            json!([
+                {"name": "kube-proxy", "ports": [{"containerPort": 10256, "protocol": "TCP"}]},
+                {"name": "sidecar", "image": "s:1"},
+            ]),
+            json!({}),
+        );
+        assert!(matches!(
+            s.apply(&key(), "DaemonSet", other, "kubectl", false, now),
+            Applied::Updated
+        ));
+        let o = &s.objects[&key()].object;
+        let ports = &o["spec"]["template"]["spec"]["containers"][0]["ports"];
+        assert_eq!(ports.as_array().unwrap().len(), 2, "merged by key: {o}");
+        // imgbuild drops a label, an arg, the metrics port and the sidecar.
+        let second = ds(
+            json!([{"name": "kube-proxy", "image": "p:2", "args": ["--a"]}]),
+            json!({"k8s-app": "kube-proxy"}),
+        );
+        assert!(matches!(
+            s.apply(&key(), "DaemonSet", second, "imgbuild", false, now),
+            Applied::Updated
+        ));
+        let o = &s.objects[&key()].object;
+        assert_eq!(
+            o["metadata"]["labels"],
+            json!({"k8s-app": "kube-proxy"}),
+            "{o}"
+        );
+        let containers = &o["spec"]["template"]["spec"]["containers"];
+        assert_eq!(containers[0]["args"], json!(["--a"]), "atomic: replaced");
+        assert_eq!(
+            containers[0]["ports"],
+            json!([{"containerPort": 10256, "protocol": "TCP"}]),
+            "kubectl's port stays, imgbuild's goes: {o}"
+        );
+        assert_eq!(
+            containers[1],
+            json!({"name": "sidecar", "image": "s:1"}),
+            "still kubectl's: {o}"
+        );
+        // Once kubectl gives the sidecar up too, it is gone.
+        let mine = ds(
+            json!([{"name": "kube-proxy", "ports": [{"containerPort": 10256, "protocol": "TCP"}]}]),
+            json!({}),
+        );
+        assert!(matches!(
+            s.apply(&key(), "DaemonSet", mine, "kubectl", false, now),
+            Applied::Updated
+        ));
+        let containers = &s.objects[&key()].object["spec"]["template"]["spec"]["containers"];
+        assert_eq!(containers.as_array().unwrap().len(), 1, "{containers}");
+        assert_eq!(containers[0]["image"], "p:2");
     }
 
     #[test]

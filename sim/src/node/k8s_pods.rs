@@ -36,6 +36,8 @@
 //!                                 `kubelet` service unhealthy in ServiceList
 //!     [--rollout-delay MS]        a DaemonSet/Deployment rollout after its pod template
 //!                                 changes (default 300)
+//!     [--node-monitor-grace-period MS] a silent kubelet's Node turns Ready Unknown after
+//!                                 this (default 40000)
 //! ```
 //! - `GET /api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3Dkube-apiserver`
 //!   (also `k8s-app = kube-apiserver`, as client-go sends it; likewise
@@ -61,14 +63,41 @@
 //!   version the running Talos does not support → InvalidArgument "1 error occurred:\n\t*
 //!   kubelet image is not valid: version of Kubernetes 1.35.0 is too new to be used with
 //!   Talos 1.11.5\n\n" (`k8s_versions.rs`); nothing changes.
-//! - ImageService.Pull (v1.13+) of a Kubernetes image (`registry.k8s.io/kube-apiserver`,
+//! - Image pulls (FORMATS.md §7.x). `ImageService.Pull` (v1.13+, Unimplemented
+//!   before) checks its `ContainerdInstance` as `ctrhelper.go` does: driver
+//!   `CONTAINERD` = the system containerd, `CRI` = the CRI one; `NS_CRI` = `k8s.io`,
+//!   `NS_SYSTEM` = `system`; else InvalidArgument "invalid containerd driver %s" /
+//!   "invalid containerd namespace %s"; `CONTAINERD` with `NS_CRI` → InvalidArgument
+//!   "cannot use CRI namespace with containerd driver". `MachineService.ImagePull`
+//!   (v1.5+, deprecated from v1.13, still served; `v1alpha1_images.go`): always the CRI
+//!   containerd, `NS_CRI` → `k8s.io`, `NS_SYSTEM` → `system`, else InvalidArgument
+//!   "invalid namespace %s". A Kubernetes image (`registry.k8s.io/kube-apiserver`,
 //!   `…/kube-controller-manager`, `…/kube-scheduler`, `…/kube-proxy`, `…/coredns/coredns`,
-//!   `ghcr.io/siderolabs/kubelet`) with a version tag succeeds after `--pull-cached-delay`
-//!   (no registry is asked); another tag of those → NotFound.
+//!   `ghcr.io/siderolabs/kubelet`) with a version tag is pulled after
+//!   `--pull-cached-delay` (no registry is asked); another tag of those → NotFound.
+//!   `LifecycleService.Upgrade` runs the installer from the containerd and namespace
+//!   it names, so it must have been pulled there. A kubelet whose image changes pulls
+//!   it itself into the CRI containerd's `system` namespace (services/kubelet.go
+//!   PreFunc) unless it is there: a pre-pull elsewhere fails nothing, it only does
+//!   not save that pull — as on a real node.
+//! - A node that goes down (halted, rebooting) keeps its Node object and its last
+//!   status for `--node-monitor-grace-period` MS (default 40000, kube-controller-
+//!   manager's; `POST /_sim/k8s {"node_monitor_grace_period": MS}` replaces it), then
+//!   Ready `Unknown` (reason `NodeStatusUnknown`) with the `node.kubernetes.io/
+//!   unreachable` NoSchedule and NoExecute taints (`node_lifecycle_controller.go`).
+//! - A component restarts, and its config version goes up, on any change of the
+//!   config its Talos resource is built from (`spec_of`), not only its image.
 //! - `GET /_sim/stats` adds `k8s`: `restarts` ([{node, control_plane, component,
 //!   from_image, image, start_ms, ready_ms (null while restarting or when a later change
 //!   superseded it)}], by start), `components` ({NODE: {COMPONENT: {image, ready,
-//!   config_version}}}), `pulled` ({NODE: [image…]}), and what `k8s_objects.rs` adds.
+//!   config_version}}}), `pulled` ({NODE: [image…]}, Kubernetes images pulled through
+//!   either API), `image_pulls` ([{node, api (`ImageService.Pull`,
+//!   `MachineService.ImagePull`, `kubelet service`, `kubelet (static pod)`), driver,
+//!   namespace (enum names as sent, null when the API has none), image, at
+//!   (`cri/k8s.io`, `cri/system`, `system/system`; null when refused), code (`Ok` or
+//!   the gRPC code), message}] in order), and what `k8s_objects.rs` adds; each node's
+//!   `day2.images` is `{PLACE: [image…]}` (the system containerd's are gone with a
+//!   boot).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -76,6 +105,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use tonic::{Request, Response, Status};
+
+use super::api::common::{ContainerDriver, ContainerdInstance, ContainerdNamespace};
+use super::api::machine::{ImagePull, ImagePullRequest, ImagePullResponse};
 use super::k8s_versions::{self, Component};
 use super::version::Talos;
 use super::{Cluster, Phase, ms};
@@ -97,12 +130,19 @@ pub struct Delays {
     /// pod template.
     #[arg(long, default_value_t = 300)]
     pub rollout_delay: u64,
+    /// Milliseconds after a node's kubelet last posted its status before
+    /// the node lifecycle controller marks it Ready Unknown
+    /// (kube-controller-manager `--node-monitor-grace-period`, 40 s).
+    #[arg(long, default_value_t = 40_000)]
+    pub node_monitor_grace_period: u64,
 }
 
 /// One component as a node runs it.
 #[derive(Clone)]
 struct Running {
     image: String,
+    /// Its config resource's spec ([`spec_of`]).
+    spec: String,
     /// What ran before the last change (the same as `image` at first).
     previous: String,
     /// Ready (running `image`) from then on.
@@ -138,8 +178,15 @@ pub(super) struct K8s {
     nodes: HashMap<usize, NodeComponents>,
     timeline: Vec<Restart>,
     pub objects: super::k8s_objects::Store,
-    /// Kubernetes images each node pulled through ImageService.
+    /// Kubernetes images each node pulled through ImageService or
+    /// MachineService.ImagePull.
     pulled: BTreeMap<String, Vec<String>>,
+    /// Every image pull asked of a node, in order (see [`PullCall`]).
+    pull_calls: Vec<Value>,
+    /// The last status each node's kubelet posted (`health.rs`).
+    pub heartbeats: HashMap<usize, super::health::Heartbeat>,
+    /// (node, Manifests ID) → (node identity, rendered YAML, version).
+    pub manifest_versions: HashMap<(usize, &'static str), (usize, String, u64)>,
 }
 
 /// What the watcher reads from one node.
@@ -147,7 +194,36 @@ struct Seen {
     identity: usize,
     name: String,
     control_plane: bool,
-    images: Vec<(Component, String)>,
+    /// Each component's image and its Talos config resource's spec.
+    images: Vec<(Component, String, String)>,
+}
+
+/// The part of the machine config a component's Talos config resource is
+/// built from (`internal/app/machined/pkg/controllers/k8s/control_plane.go`
+/// `APIServerConfig`: image, cloud provider, control-plane endpoint,
+/// service CIDRs, extra args/volumes, env, resources…; likewise the
+/// controller manager's and the scheduler's; `kubelet_spec.go` for the
+/// kubelet: `.machine.kubelet` and the cluster DNS from `.cluster.network`).
+/// Any change in it is a new resource version, which the static pod's
+/// `talos.dev/config-version` follows, and restarts the component.
+fn spec_of(c: Component, v1alpha1: &Value) -> String {
+    let cluster = &v1alpha1["cluster"];
+    let parts = match c {
+        Component::ApiServer => json!([
+            cluster["apiServer"],
+            cluster["network"],
+            cluster["controlPlane"],
+            cluster["externalCloudProvider"]
+        ]),
+        Component::ControllerManager => json!([
+            cluster["controllerManager"],
+            cluster["network"],
+            cluster["externalCloudProvider"]
+        ]),
+        Component::Scheduler => json!([cluster["scheduler"]]),
+        Component::Kubelet => json!([v1alpha1["machine"]["kubelet"], cluster["network"]]),
+    };
+    parts.to_string()
 }
 
 impl Cluster {
@@ -171,7 +247,10 @@ impl Cluster {
         }
         let images = components
             .into_iter()
-            .map(|c| (c, k8s_versions::image_of(c, &applied.v1alpha1, &talos)))
+            .map(|c| {
+                let image = k8s_versions::image_of(c, &applied.v1alpha1, &talos);
+                (c, image, spec_of(c, &applied.v1alpha1))
+            })
             .collect();
         Some(Seen {
             identity: Arc::as_ptr(&node) as usize,
@@ -188,6 +267,11 @@ impl Cluster {
             .filter_map(|i| Some((i, self.seen(i, now)?)))
             .collect();
         let delays = &self.args.k8s;
+        // Images the kubelet pulls itself: its own (services/kubelet.go
+        // PreFunc pulls it into the CRI containerd, namespace `system`,
+        // skipping it when already there) and the static pods' (CRI
+        // `k8s.io`); (node, component, image, restarted).
+        let mut pulls: Vec<(usize, Component, String, bool)> = Vec::new();
         let mut k8s = self.k8s.lock().unwrap();
         let K8s {
             nodes, timeline, ..
@@ -201,13 +285,15 @@ impl Cluster {
                 entry.node = s.identity;
                 entry.running.clear();
             }
-            for (component, image) in s.images {
+            for (component, image, spec) in s.images {
                 let Some(r) = entry.running.get_mut(&component) else {
+                    pulls.push((i, component, image.clone(), false));
                     entry.running.insert(
                         component,
                         Running {
                             previous: image.clone(),
                             image,
+                            spec,
                             ready_at: now,
                             config_version: 1,
                             restart: None,
@@ -215,7 +301,7 @@ impl Cluster {
                     );
                     continue;
                 };
-                if r.image == image {
+                if r.image == image && r.spec == spec {
                     continue;
                 }
                 let delay = if component == Component::Kubelet {
@@ -236,11 +322,45 @@ impl Cluster {
                     ready: now + ms(delay),
                     superseded: false,
                 });
+                if r.image != image {
+                    pulls.push((i, component, image.clone(), true));
+                }
+                r.spec = spec;
                 r.previous = std::mem::replace(&mut r.image, image);
                 r.ready_at = now + ms(delay);
                 r.config_version += 1;
                 r.restart = Some(timeline.len() - 1);
             }
+        }
+        drop(k8s);
+        for (i, component, image, restarted) in pulls {
+            let (place, api) = if component == Component::Kubelet {
+                (CRI_SYSTEM, "kubelet service")
+            } else {
+                (CRI_K8S, "kubelet (static pod)")
+            };
+            let held = self
+                .node(i)
+                .st
+                .lock()
+                .unwrap()
+                .day2
+                .images
+                .contains(&(place, image.clone()));
+            if !restarted || held {
+                // There since the node booted, or pre-pulled: no pull.
+                let node = self.node(i);
+                node.st.lock().unwrap().day2.images.insert((place, image));
+                continue;
+            }
+            let call = PullCall {
+                node: i,
+                api,
+                driver: None,
+                namespace: None,
+                image: &image,
+            };
+            self.record_pull(call, &Ok(place));
         }
     }
 
@@ -263,6 +383,14 @@ impl Cluster {
         now: Instant,
     ) -> Option<(String, bool)> {
         self.running(i, c).map(|r| (r.image, now >= r.ready_at))
+    }
+
+    /// When node `i`'s `c` last came up after a restart (None: it never
+    /// restarted since it was first seen).
+    pub(super) fn k8s_started(&self, i: usize, c: Component) -> Option<Instant> {
+        self.running(i, c)
+            .filter(|r| r.restart.is_some())
+            .map(|r| r.ready_at)
     }
 
     /// The config version of node `i`'s `c` (its Talos config resource's).
@@ -401,7 +529,8 @@ impl Cluster {
                 Some((names.get(i)?.clone(), Value::Object(comps)))
             })
             .collect();
-        let mut out = json!({"restarts": restarts, "components": components, "pulled": k8s.pulled});
+        let mut out = json!({"restarts": restarts, "components": components, "pulled": k8s.pulled,
+            "image_pulls": k8s.pull_calls});
         k8s.objects.stats_into(&mut out);
         out
     }
@@ -417,12 +546,120 @@ const KUBERNETES_IMAGES: [&str; 6] = [
     "ghcr.io/siderolabs/kubelet",
 ];
 
+/// Where an image lands on a node (FORMATS.md §7.x): the CRI containerd
+/// (`/run/containerd/containerd.sock`), namespace `k8s.io` (pods' images)
+/// or `system` (the kubelet's, services/kubelet.go), or the system
+/// containerd (`/system/run/containerd/containerd.sock`), namespace
+/// `system` (the installer's).
+pub(super) const CRI_K8S: &str = "cri/k8s.io";
+pub(super) const CRI_SYSTEM: &str = "cri/system";
+pub(super) const SYSTEM_SYSTEM: &str = "system/system";
+
+/// An enum value as Go's `%s` prints a protobuf enum: its name, or its
+/// number when it has none.
+fn enum_name(name: Option<&str>, value: i32) -> String {
+    name.map_or_else(|| value.to_string(), str::to_owned)
+}
+
+fn driver_name(d: i32) -> String {
+    enum_name(
+        ContainerDriver::try_from(d).ok().map(|d| d.as_str_name()),
+        d,
+    )
+}
+
+fn namespace_name(n: i32) -> String {
+    enum_name(
+        ContainerdNamespace::try_from(n)
+            .ok()
+            .map(|n| n.as_str_name()),
+        n,
+    )
+}
+
+/// Talos v1.13+ `ctrhelper.ContainerdInstanceHelper`
+/// (`internal/app/internal/ctrhelper/ctrhelper.go`), used by
+/// ImageService and LifecycleService: driver `CONTAINERD` is the system
+/// containerd, `CRI` the CRI one; `NS_CRI` is `k8s.io`, `NS_SYSTEM`
+/// `system`; checked in that order, then `CONTAINERD` with `NS_CRI` is
+/// refused. An absent instance is driver 0 (`CONTAINERD`) and `NS_UNKNOWN`.
+pub(super) fn containerd_instance(c: Option<&ContainerdInstance>) -> Result<&'static str, Status> {
+    let (driver, namespace) = c.map_or((0, 0), |c| (c.driver, c.namespace));
+    let system = match ContainerDriver::try_from(driver) {
+        Ok(ContainerDriver::Containerd) => true,
+        Ok(ContainerDriver::Cri) => false,
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "invalid containerd driver {}",
+                driver_name(driver)
+            )));
+        }
+    };
+    let cri_namespace = match ContainerdNamespace::try_from(namespace) {
+        Ok(ContainerdNamespace::NsCri) => true,
+        Ok(ContainerdNamespace::NsSystem) => false,
+        _ => {
+            return Err(Status::invalid_argument(format!(
+                "invalid containerd namespace {}",
+                namespace_name(namespace)
+            )));
+        }
+    };
+    match (system, cri_namespace) {
+        (true, true) => Err(Status::invalid_argument(
+            "cannot use CRI namespace with containerd driver",
+        )),
+        (true, false) => Ok(SYSTEM_SYSTEM),
+        (false, true) => Ok(CRI_K8S),
+        (false, false) => Ok(CRI_SYSTEM),
+    }
+}
+
+/// One image pull a node was asked for (or its kubelet did), for the stats.
+pub(super) struct PullCall<'a> {
+    pub node: usize,
+    /// `ImageService.Pull`, `MachineService.ImagePull`, or who pulled
+    /// without being asked.
+    pub api: &'static str,
+    /// As sent (None: the call has no driver).
+    pub driver: Option<i32>,
+    pub namespace: Option<i32>,
+    pub image: &'a str,
+}
+
+impl Cluster {
+    /// Records a pull and, when it succeeded, the image at `place` on the
+    /// node.
+    pub(super) fn record_pull(&self, call: PullCall<'_>, outcome: &Result<&'static str, Status>) {
+        let node = self.node(call.node);
+        let name = node.display_name();
+        if let Ok(place) = outcome {
+            let mut st = node.st.lock().unwrap();
+            st.day2.images.insert((place, call.image.to_owned()));
+        }
+        let mut k8s = self.k8s.lock().unwrap();
+        k8s.pull_calls.push(json!({
+            "node": name,
+            "api": call.api,
+            "driver": call.driver.map(driver_name),
+            "namespace": call.namespace.map(namespace_name),
+            "image": call.image,
+            "at": outcome.as_ref().ok(),
+            "code": match outcome {
+                Ok(_) => "Ok".to_owned(),
+                Err(s) => format!("{:?}", s.code()),
+            },
+            "message": outcome.as_ref().err().map(|s| s.message().to_owned()),
+        }));
+    }
+}
+
 impl super::Api {
-    /// `ImageService.Pull` (v1.13+) of a Kubernetes image, as talosctl's
-    /// `upgrade-k8s --pre-pull-images` sends them (`talos_managed.go`
-    /// `prePullImages`): one with a version tag is pulled after
-    /// `--pull-cached-delay`; another tag of those repositories is not
-    /// found. None: not a Kubernetes image (an installer's pull).
+    /// A pull of a Kubernetes image, as talosctl's `upgrade-k8s`
+    /// pre-pull sends them (`talos_managed.go` `prePullImages`): one with a
+    /// version tag is pulled after `--pull-cached-delay`; another tag of
+    /// those repositories is not found. None: not a Kubernetes image (an
+    /// installer's pull).
     pub(super) async fn k8s_image_pull(
         &self,
         i: usize,
@@ -443,6 +680,77 @@ impl super::Api {
         k8s.pulled.entry(name).or_default().push(image.to_owned());
         Some(Ok(()))
     }
+
+    /// `MachineService.ImagePull` (Talos v1.5+, deprecated from v1.13 and
+    /// still served; `internal/app/machined/internal/server/v1alpha1/
+    /// v1alpha1_images.go`): always the CRI containerd, `NS_CRI` → `k8s.io`,
+    /// `NS_SYSTEM` → `system`, anything else InvalidArgument "invalid
+    /// namespace %s"; an image that is not there is NotFound "error pulling
+    /// image: …".
+    pub(super) async fn image_pull_call(
+        &self,
+        req: Request<ImagePullRequest>,
+    ) -> Result<Response<ImagePullResponse>, Status> {
+        let i = self.state_target(&req)?;
+        let r = req.get_ref();
+        let image = r.reference.clone();
+        let outcome = async {
+            let place = match ContainerdNamespace::try_from(r.namespace) {
+                Ok(ContainerdNamespace::NsCri) => CRI_K8S,
+                Ok(ContainerdNamespace::NsSystem) => CRI_SYSTEM,
+                _ => {
+                    return Err(Status::invalid_argument(format!(
+                        "invalid namespace {}",
+                        namespace_name(r.namespace)
+                    )));
+                }
+            };
+            match self.k8s_image_pull(i, &image).await {
+                Some(pulled) => pulled.map_err(|e| {
+                    Status::not_found(format!("error pulling image: {}", e.message()))
+                })?,
+                None => self.pull_elsewhere(&req, i, &image).await?,
+            }
+            Ok(place)
+        }
+        .await;
+        self.cluster.record_pull(
+            PullCall {
+                node: i,
+                api: "MachineService.ImagePull",
+                driver: None,
+                namespace: Some(r.namespace),
+                image: &image,
+            },
+            &outcome,
+        );
+        outcome?;
+        Ok(Response::new(ImagePullResponse {
+            messages: vec![ImagePull { metadata: None }],
+        }))
+    }
+
+    /// An installer pulled somewhere other than the system containerd:
+    /// timed as an installer pull, but not cached for the system
+    /// containerd's later pulls.
+    pub(super) async fn pull_elsewhere<T>(
+        &self,
+        req: &Request<T>,
+        i: usize,
+        image: &str,
+    ) -> Result<(), Status> {
+        let had = {
+            let node = self.cluster.node(i);
+            let st = node.st.lock().unwrap();
+            st.day2.pulled.contains(image)
+        };
+        self.timed_pull(req, &[i], image).await?;
+        if !had {
+            let node = self.cluster.node(i);
+            node.st.lock().unwrap().day2.pulled.remove(image);
+        }
+        Ok(())
+    }
 }
 
 /// Watches the configs for the life of the simulator.
@@ -450,6 +758,7 @@ pub(super) async fn watch(cluster: Arc<Cluster>) {
     loop {
         let now = Instant::now();
         cluster.k8s_observe(now);
+        cluster.k8s_heartbeats(now);
         cluster.k8s_bootstrap_manifests(now);
         tokio::time::sleep(TICK).await;
     }

@@ -6,6 +6,10 @@
 //! checks, no drain, no reboot: its pre-flight check's failure is a
 //! non-zero exit code in the stream, success takes effect at the next boot
 //! (the client reboots the node). Below v1.13 neither service exists.
+//! Both name a containerd instance, checked as `ctrhelper.go` does
+//! (`k8s_pods::containerd_instance`): the installer runs from where it
+//! was pulled, and a Kubernetes image pulled with driver `CONTAINERD` and
+//! `NS_CRI` is refused.
 
 use std::pin::Pin;
 use std::time::Instant;
@@ -18,6 +22,7 @@ use super::api::machine::image_service_server::ImageService;
 use super::api::machine::lifecycle_service_install_progress::Response as Progress;
 use super::api::machine::lifecycle_service_server::LifecycleService;
 use super::api::machine::*;
+use super::k8s_pods::{PullCall, SYSTEM_SYSTEM, containerd_instance};
 use super::version::Talos;
 
 type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -45,13 +50,31 @@ impl ImageService for Api {
         req: Request<ImageServicePullRequest>,
     ) -> Result<Response<Self::PullStream>, Status> {
         let i = self.v113_target(&req, "ImageService")?;
-        let image = req.get_ref().image_ref.clone();
-        match self.k8s_image_pull(i, &image).await {
-            Some(pulled) => pulled?,
-            None => {
-                self.timed_pull(&req, &[i], &image).await?;
+        let r = req.get_ref();
+        let image = r.image_ref.clone();
+        let outcome = async {
+            let place = containerd_instance(r.containerd.as_ref())?;
+            match self.k8s_image_pull(i, &image).await {
+                Some(pulled) => pulled?,
+                None if place == SYSTEM_SYSTEM => {
+                    self.timed_pull(&req, &[i], &image).await?;
+                }
+                None => self.pull_elsewhere(&req, i, &image).await?,
             }
+            Ok(place)
         }
+        .await;
+        self.cluster.record_pull(
+            PullCall {
+                node: i,
+                api: "ImageService.Pull",
+                driver: Some(r.containerd.as_ref().map_or(0, |c| c.driver)),
+                namespace: Some(r.containerd.as_ref().map_or(0, |c| c.namespace)),
+                image: &image,
+            },
+            &outcome,
+        );
+        outcome?;
         let reply = ImageServicePullResponse {
             response: Some(image_service_pull_response::Response::Name(image)),
         };
@@ -77,9 +100,12 @@ impl LifecycleService for Api {
             .as_ref()
             .map(|s| s.image_name.clone())
             .unwrap_or_default();
+        let containerd = req.get_ref().containerd.as_ref();
         let mut st = node.st.lock().unwrap();
         st.day2.upgrade_calls += 1;
         st.day2.lifecycle_upgrades += 1;
+        // runInstallerContainer: the instance first, as ImageService.Pull.
+        let place = containerd_instance(containerd)?;
         if st.day2.life.busy(Instant::now()) {
             return Err(Status::failed_precondition(
                 "another installation/upgrade is already in progress",
@@ -88,7 +114,9 @@ impl LifecycleService for Api {
         if image.is_empty() {
             return Err(Status::invalid_argument("installer image name is required"));
         }
-        if !st.day2.pulled.contains(&image) {
+        // The installer runs from the containerd and namespace named, so
+        // it must have been pulled there.
+        if !st.day2.images.contains(&(place, image.clone())) {
             return Err(Status::internal(format!(
                 "upgrade failed: image \"{image}\": not found"
             )));
