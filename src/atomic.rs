@@ -144,20 +144,17 @@ fn holds(target: &Path, data: &[u8]) -> bool {
         && old == data
 }
 
-/// An exclusive `flock` on `path` (created if missing), held until the
-/// returned file is dropped: read-modify-write of a shared file (cache
-/// entries, the manifest, the secrets bundle) by concurrent processes.
+/// An exclusive lock (`File::lock`, flock(2) on Linux) on `path` (created
+/// if missing), held until the returned file is dropped: read-modify-write
+/// of a shared file (cache entries, the manifest, the secrets bundle) by
+/// concurrent processes.
 pub fn lock(path: &Path) -> io::Result<File> {
-    use std::os::fd::AsRawFd;
     let f = OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(path)?;
-    // SAFETY: flock on a valid descriptor; released when the file closes.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    f.lock()?;
     Ok(f)
 }
 
