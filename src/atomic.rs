@@ -163,6 +163,26 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
+    /// The lock excludes every other taker of the same file, whether it
+    /// waits (another `lock`) or only tries (prune's cache-entry check, the
+    /// state-dir lock): a second try while it is held is refused, and the
+    /// file is free again once the holder is dropped.
+    #[test]
+    fn a_held_lock_refuses_other_takers_until_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(".lock");
+        let held = lock(&path).unwrap();
+        let other = File::open(&path).unwrap();
+        assert!(matches!(
+            other.try_lock(),
+            Err(std::fs::TryLockError::WouldBlock)
+        ));
+        drop(held);
+        other.try_lock().unwrap();
+        other.unlock().unwrap();
+        drop(lock(&path).unwrap());
+    }
+
     #[test]
     fn a_fifo_or_device_in_the_way_is_replaced_unread() {
         let dir = tempfile::tempdir().unwrap();
