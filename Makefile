@@ -48,14 +48,15 @@ deps:
 build:
 	$(CARGO) build --locked --workspace
 
-# deny.toml (licenses, duplicate versions, sources, advisories) is checked
-# offline when cargo-deny is installed; `make deps` does not install it
-# (`cargo install cargo-deny --locked` is a long build of its own).
+# deny.toml (licenses, duplicate versions, sources) is checked offline when
+# cargo-deny is installed; `make deps` does not install it (`cargo install
+# cargo-deny --locked` is a long build of its own). Advisories need the
+# RustSec database: `cargo deny check advisories` online.
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 	@if $(CARGO) deny --version >/dev/null 2>&1; then \
-		$(CARGO) deny --offline --locked check; \
+		$(CARGO) deny --offline --locked check licenses bans sources; \
 	else \
 		echo "cargo-deny is not installed: deny.toml not checked (cargo install cargo-deny --locked)"; \
 	fi
