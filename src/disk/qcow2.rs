@@ -928,8 +928,9 @@ mod tests {
     }
 
     /// Images as qemu-img writes them (plain, deflate-compressed, 1-bit
-    /// refcounts, 4 KiB clusters), written through [`Qcow2`] over data,
-    /// over zeros and where no L2 table exists yet: reading back through
+    /// refcounts, 4 KiB clusters, 64-bit refcounts), written through
+    /// [`Qcow2`] over data, over zeros, where no L2 table exists yet and
+    /// past the last refcount block: reading back through
     /// [`Qcow2`] and through qemu-img gives what a raw copy given the same
     /// writes holds, and `qemu-img check` finds no error and no leak.
     #[test]
@@ -943,18 +944,22 @@ mod tests {
         let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
         base.write_all_at(&data, 0).unwrap();
         base.write_all_at(&data[..70_000], 300 << 20).unwrap();
-        let writes: [(u64, usize, u8); 5] = [
+        let writes: [(u64, usize, u8); 6] = [
             (0, 512, 0xaa),                          // inside data
             (3 * 65536 - 1024, 4096, 0xbb),          // across two data clusters
             ((2 << 20) + 1024, 70_144, 0xcc),        // zeros, L2 table present
             ((300 << 20) + 65536 - 512, 1024, 0xdd), // data, then zeros
             ((600 << 20) + 512, 8192, 0xee),         // no L2 table yet
+            (100 << 20, 5 << 19, 0xf1),              // past a refcount block
         ];
         for opts in [
             &[][..],
             &["-c"],
             &["-o", "refcount_bits=1"],
             &["-o", "cluster_size=4096"],
+            // A refcount block covers 2 MiB of file: the 2.5 MiB write
+            // needs a new one.
+            &["-o", "cluster_size=4096,refcount_bits=64"],
         ] {
             let q = dir.path().join("image.qcow2");
             let want = dir.path().join("want.raw");
