@@ -144,20 +144,17 @@ fn holds(target: &Path, data: &[u8]) -> bool {
         && old == data
 }
 
-/// An exclusive `flock` on `path` (created if missing), held until the
-/// returned file is dropped: read-modify-write of a shared file (cache
-/// entries, the manifest, the secrets bundle) by concurrent processes.
+/// An exclusive lock (`File::lock`, flock(2) on Linux) on `path` (created
+/// if missing), held until the returned file is dropped: read-modify-write
+/// of a shared file (cache entries, the manifest, the secrets bundle) by
+/// concurrent processes.
 pub fn lock(path: &Path) -> io::Result<File> {
-    use std::os::fd::AsRawFd;
     let f = OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(path)?;
-    // SAFETY: flock on a valid descriptor; released when the file closes.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    f.lock()?;
     Ok(f)
 }
 
@@ -165,6 +162,26 @@ pub fn lock(path: &Path) -> io::Result<File> {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// The lock excludes every other taker of the same file, whether it
+    /// waits (another `lock`) or only tries (prune's cache-entry check, the
+    /// state-dir lock): a second try while it is held is refused, and the
+    /// file is free again once the holder is dropped.
+    #[test]
+    fn a_held_lock_refuses_other_takers_until_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(".lock");
+        let held = lock(&path).unwrap();
+        let other = File::open(&path).unwrap();
+        assert!(matches!(
+            other.try_lock(),
+            Err(std::fs::TryLockError::WouldBlock)
+        ));
+        drop(held);
+        other.try_lock().unwrap();
+        other.unlock().unwrap();
+        drop(lock(&path).unwrap());
+    }
 
     #[test]
     fn a_fifo_or_device_in_the_way_is_replaced_unread() {

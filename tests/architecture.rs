@@ -1344,3 +1344,58 @@ mod checker {
         assert!(message.contains("src/forgotten.rs"), "{message}");
     }
 }
+
+/// The repository root holds the project's entry points and folders, nothing
+/// else: a background shell's stderr, pid or stdout file (issue 40 found
+/// `e12`, `hpid12` and `o12` committed) or a scratch file fails here. Only
+/// committed files count (`git ls-files`); a new top-level entry is added to
+/// this list on purpose.
+#[test]
+fn the_repository_root_holds_no_stray_files() {
+    const ROOT: &[&str] = &[
+        ".cargo",
+        ".ci",
+        ".github",
+        ".gitignore",
+        "BENCHMARKS.md",
+        "CHANGELOG.md",
+        "Cargo.lock",
+        "Cargo.toml",
+        "Makefile",
+        "README.md",
+        "action.yml",
+        "bench",
+        "build.rs",
+        "clippy.toml",
+        "deny.toml",
+        "docs",
+        "examples",
+        "fixtures",
+        "proptest-regressions",
+        "proto",
+        "schemas",
+        "sim",
+        "src",
+        "tests",
+    ];
+    let out = std::process::Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(repo())
+        .output()
+        .expect("git runs");
+    assert!(
+        out.status.success(),
+        "git ls-files: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let top: BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .split('\0')
+        .filter(|p| !p.is_empty())
+        .map(|p| p.split('/').next().unwrap_or(p).to_owned())
+        .collect();
+    let stray: Vec<&String> = top.iter().filter(|t| !ROOT.contains(&t.as_str())).collect();
+    assert!(
+        stray.is_empty(),
+        "files at the repository root that belong elsewhere (or in this list): {stray:?}"
+    );
+}

@@ -265,10 +265,11 @@ fn written_files_are_idempotent_and_match_the_committed_ones() {
     for name in ["base", "cp-01", "cp-02", "cp-03", "worker-01", "worker-02"] {
         let fresh = std::fs::read_to_string(Path::new(d).join(format!("{name}.yaml"))).unwrap();
         let committed =
-            std::fs::read_to_string(root().join(format!("schematics/{name}.yaml"))).unwrap();
+            std::fs::read_to_string(root().join(format!("examples/schematics/{name}.yaml")))
+                .unwrap();
         assert_eq!(
             fresh, committed,
-            "schematics/{name}.yaml is stale: run make schematics"
+            "examples/schematics/{name}.yaml is stale: run make schematics"
         );
         // The leading comment names the ID `schematic id` computes for the file.
         let id_line = fresh

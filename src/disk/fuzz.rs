@@ -416,7 +416,7 @@ proptest::proptest! {
         let mut img = qcow2_fixture();
         for (at, byte) in edits {
             // Keep the first 112 header bytes, so our check passes and
-            // the corruption reaches qcow2-rs.
+            // the corruption reaches the block access.
             let at = 112 + at % (img.len() - 112);
             img[at] = byte;
         }

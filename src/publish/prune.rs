@@ -359,7 +359,6 @@ fn entry_size(entry: &Path) -> u64 {
 /// download under way keeps it. Checked again to be inside the cache,
 /// a real folder, and unreferenced.
 fn delete_entry(scope: &PruneScope, entry: &CacheEntry) -> Result<(), String> {
-    use std::os::fd::AsRawFd;
     let Some(cache) = &scope.cache else {
         return Err("no cache in this prune".into());
     };
@@ -384,9 +383,14 @@ fn delete_entry(scope: &PruneScope, entry: &CacheEntry) -> Result<(), String> {
         .write(true)
         .open(entry.path.join(".lock"))
         .map_err(|e| e.to_string())?;
-    // SAFETY: flock on a valid descriptor; released when `lock` closes.
-    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err("a download of it is under way".into());
+    // Released when `lock` closes (flock(2) on Linux, as the download's
+    // atomic::lock takes it).
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err("a download of it is under way".into());
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(e.to_string()),
     }
     let used = Manifest::load(&cache.out_dir)
         .map_err(|e| e.to_string())?

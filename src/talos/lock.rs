@@ -7,7 +7,6 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 /// The lock file's name in the state dir (a dot file, so
@@ -83,16 +82,16 @@ pub fn acquire(dir: &Path, command: &str) -> Result<StateLock, LockError> {
         source,
     };
     let mut file = open(&path).map_err(io)?;
-    // SAFETY: flock on a valid descriptor; released when the file closes.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(io(e));
+    // Released when the file closes (flock(2) on Linux).
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(LockError::Held {
+                dir: dir.to_owned(),
+                holder: read_holder(&mut file),
+            });
         }
-        return Err(LockError::Held {
-            dir: dir.to_owned(),
-            holder: read_holder(&mut file),
-        });
+        Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
     }
     let holder = Holder {
         pid: std::process::id(),
