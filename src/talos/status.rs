@@ -45,6 +45,9 @@ pub struct NodeStatus {
     pub etcd_member: Option<bool>,
     /// None when Kubernetes could not be asked.
     pub ready: Option<bool>,
+    /// Whether Kubernetes marks it unschedulable (cordoned, e.g. by a
+    /// drain that did not finish); None when Kubernetes could not be asked.
+    pub cordoned: Option<bool>,
     /// What went wrong asking the node (why it is not reachable).
     pub error: Option<String>,
     /// `${NAME}`s not set here whose values were compared by the
@@ -122,7 +125,22 @@ impl NodeStatus {
         }
         out
     }
+
+    /// What `status` reports beyond [`NodeStatus::drift`]: a control plane
+    /// etcd does not list as a member (unknown is not different). `up`
+    /// leaves membership to its own steps, so it is not in `drift`.
+    pub fn etcd_drift(&self) -> Option<Drift> {
+        (self.etcd_member == Some(false)).then(|| Drift {
+            node: self.node.clone(),
+            what: ETCD_MEMBER,
+            fix: "wipe its EPHEMERAL partition so it joins etcd again \
+                  (talosctl reset --system-labels-to-wipe EPHEMERAL --reboot)",
+        })
+    }
 }
+
+/// [`Drift::what`] of a control plane that is not an etcd member.
+pub const ETCD_MEMBER: &str = "etcdMember";
 
 /// Every node's row, in inventory order.
 pub async fn collect(
@@ -141,6 +159,9 @@ pub async fn collect(
         row.ready = ready
             .as_ref()
             .map(|list| list.iter().any(|k| k.name == row.node && k.ready));
+        row.cordoned = ready
+            .as_ref()
+            .map(|list| list.iter().any(|k| k.name == row.node && k.cordoned));
     }
     rows
 }
@@ -320,6 +341,7 @@ async fn read_node(
         config_staged: false,
         etcd_member: None,
         ready: None,
+        cordoned: None,
         error: now.error,
         compared_by_fingerprint: Vec::new(),
         security: now.security,
@@ -402,6 +424,7 @@ mod tests {
             config_staged: false,
             etcd_member: Some(true),
             ready: Some(true),
+            cordoned: Some(false),
             error: None,
             compared_by_fingerprint: Vec::new(),
             security: None,
@@ -415,6 +438,20 @@ mod tests {
         assert_eq!(changed_lines("a\nb\n", "a\nc\n"), "+c\n-b\n");
         assert_eq!(changed_lines("a\nb\nb\n", "a\nb\n"), "-b\n");
         assert!(persisted_as_resource("v1.10.0") && !persisted_as_resource("v1.9.6"));
+    }
+
+    /// A control plane etcd does not list is a difference for `status`;
+    /// unknown membership (no control plane answered) is not.
+    #[test]
+    fn a_control_plane_outside_etcd_is_a_difference() {
+        assert_eq!(row().etcd_drift(), None);
+        let mut r = row();
+        r.etcd_member = None;
+        assert_eq!(r.etcd_drift(), None);
+        r.etcd_member = Some(false);
+        let d = r.etcd_drift().expect("a difference");
+        assert_eq!(d.what, ETCD_MEMBER);
+        assert!(d.to_string().contains("cp-01: etcdMember differs"), "{d}");
     }
 
     #[test]
