@@ -462,15 +462,27 @@ pub(super) fn rows(
     let wanted = upgrade::wanted(inv)?;
     stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
     let mut prepared = stage::prepare(inv, opts)?;
-    let observed = converge::pin_kubernetes(inv, &mut prepared.plan, &opts.limits)?;
+    let rt = converge::runtime()?;
+    // Nodes that do not answer are found once (one deadline each, all at
+    // once) and asked nothing more: a stalled node costs one call timeout.
+    let silent = rt.block_on(status::silent(&prepared.plan, &opts.limits));
+    let mut answering = prepared.plan.clone();
+    answering.nodes.retain(|n| !silent.contains_key(&n.name));
+    let observed = converge::pin_kubernetes(inv, &mut answering, &opts.limits)?;
+    for node in &mut prepared.plan.nodes {
+        if let Some(pinned) = answering.nodes.iter().find(|a| a.name == node.name) {
+            node.config = pinned.config.clone();
+        }
+    }
     let record = upgrade::Record::load(&record_path(&prepared.state_dir))?;
     let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);
-    let rows = converge::runtime()?.block_on(status::collect(
+    let rows = rt.block_on(status::collect(
         &prepared.plan,
         &wanted,
         &record,
         &fingerprints,
         &opts.limits,
+        &silent,
     ));
     Ok((rows, observed))
 }

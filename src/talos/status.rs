@@ -142,18 +142,64 @@ impl NodeStatus {
 /// [`Drift::what`] of a control plane that is not an etcd member.
 pub const ETCD_MEMBER: &str = "etcdMember";
 
-/// Every node's row, in inventory order.
+/// The nodes that do not answer, each with why: a connect and a Version
+/// call under one deadline (the call timeout), all nodes at once
+/// (bounded). Status asks these once, so that a stalled node costs one
+/// call timeout however many reads the command makes.
+pub async fn silent(plan: &Plan, opts: &Options) -> BTreeMap<String, String> {
+    let mode = Mode::Mtls(plan.identity.clone());
+    let probes = plan.nodes.iter().map(|node| {
+        let mode = mode.clone();
+        async move {
+            let started = std::time::Instant::now();
+            let answer = tokio::time::timeout(opts.call_timeout, async {
+                let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await?;
+                conn.version().await
+            })
+            .await;
+            let why = match answer {
+                Ok(Ok(_)) => None,
+                Ok(Err(_)) | Err(_) if started.elapsed() >= opts.call_timeout => {
+                    Some(super::upgrade::no_answer(opts.call_timeout))
+                }
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => Some(super::upgrade::no_answer(opts.call_timeout)),
+            };
+            why.map(|w| (node.name.clone(), w))
+        }
+    });
+    futures_util::stream::iter(probes)
+        .buffered(READ_CONCURRENCY)
+        .filter_map(|x| async move { x })
+        .collect()
+        .await
+}
+
+/// Every node's row, in inventory order; the nodes in `silent` (see
+/// [`silent`]) are reported unreachable without being asked again.
 pub async fn collect(
     plan: &Plan,
     wanted: &BTreeMap<String, Wanted>,
     record: &Record,
     fingerprints: &Fingerprints,
     opts: &Options,
+    silent: &BTreeMap<String, String>,
 ) -> Vec<NodeStatus> {
-    let (ready, mut rows) = futures_util::join!(
+    let mut asked = plan.clone();
+    asked.nodes.retain(|n| !silent.contains_key(&n.name));
+    let (ready, read) = futures_util::join!(
         kube_nodes(plan, opts),
-        read_nodes(plan, wanted, record, fingerprints, opts)
+        read_nodes(&asked, wanted, record, fingerprints, opts)
     );
+    let mut read = read.into_iter();
+    let mut rows: Vec<NodeStatus> = plan
+        .nodes
+        .iter()
+        .map(|node| match silent.get(&node.name) {
+            Some(why) => unreachable_row(node, &wanted[&node.name], why),
+            None => read.next().expect("a row per asked node"),
+        })
+        .collect();
     let ready = ready.ok();
     for row in &mut rows {
         row.ready = ready
@@ -376,6 +422,35 @@ async fn read_node(
         }
     }
     (row, members)
+}
+
+/// The row of a node that did not answer.
+fn unreachable_row(node: &PlannedNode, want: &Wanted, why: &str) -> NodeStatus {
+    NodeStatus {
+        node: node.name.clone(),
+        role: if node.role == Role::Controlplane {
+            "controlplane"
+        } else {
+            "worker"
+        }
+        .into(),
+        reachable: false,
+        version: None,
+        wanted_version: want.version.clone(),
+        schematic: None,
+        wanted_schematic: want.schematic.clone(),
+        schematic_in_sync: true,
+        config_in_sync: None,
+        config_needs_reboot: false,
+        config_staged: false,
+        etcd_member: None,
+        ready: None,
+        cordoned: None,
+        error: Some(why.to_owned()),
+        compared_by_fingerprint: Vec::new(),
+        security: None,
+        wanted_secure_boot: want.secure_boot,
+    }
 }
 
 /// Every node's row as the nodes tell it (Ready left unknown), all nodes

@@ -222,9 +222,10 @@ pub fn no_answer(timeout: std::time::Duration) -> String {
     )
 }
 
-/// How many nodes day two reads at once: all of a small cluster, a bounded
-/// number of a large one.
-pub const READ_CONCURRENCY: usize = 16;
+/// How many nodes day two reads at once: all of a cluster of up to 64
+/// nodes (so 50 stalled nodes cost one call timeout, not four), a bounded
+/// number of a larger one. A read is a connection and a few small calls.
+pub const READ_CONCURRENCY: usize = 64;
 
 /// [`running`] for every node of `nodes` at once (bounded), in order.
 pub async fn running_all(
