@@ -222,7 +222,6 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
                     &inv.cluster.name,
                 ))
             }),
-            ..RunOptions::default()
         },
         kube: kube_run::RunOptions {
             pull_timeout: args.pull_timeout,

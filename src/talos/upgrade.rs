@@ -851,18 +851,7 @@ async fn run_plan(
                 );
                 return configure_node(plan, node, opts).await;
             }
-            upgrade_node(
-                plan,
-                node,
-                np,
-                up,
-                &record,
-                record_path,
-                run,
-                opts,
-                progress,
-            )
-            .await
+            upgrade_node(plan, node, np, up, record, record_path, run, opts, progress).await
         }
     };
     let mut rest = batches.into_iter();
