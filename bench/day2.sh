@@ -33,7 +33,7 @@ ls = []
 for i in range(n):
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((f"{net}.{11 + i}", 50000)); s.listen(64); ls.append(s)
-print("ready", flush=True)
+print("ready", file=sys.stderr, flush=True)
 held = []
 while True:
     r, _, _ = select.select(ls, [], [])
