@@ -755,3 +755,32 @@ fn v1_13_a_run_killed_while_a_node_is_cordoned_leaves_the_uncordon_to_the_rerun(
     let notes = json(&o)["notes"].to_string();
     assert!(notes.contains("cp-01: uncordoned"), "{notes}");
 }
+
+#[test]
+fn v1_11_status_shows_a_cordoned_node() {
+    // Talos v1.11.5: worker-01 is unschedulable (a drain that did not
+    // finish, or an operator): `status` says so in its row and its JSON,
+    // and names the way back.
+    let c = Cluster::five(18, "v1.11.5", "v1.11.5", &[]);
+    c.switch(r#"{"node": "worker-01", "cordoned": true}"#);
+    let o = imgbuild(&c.config, &["--output", "json", "status"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    let cordoned: Vec<(&str, bool)> = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["node"].as_str().unwrap(), r["cordoned"] == true))
+        .collect();
+    assert_eq!(
+        cordoned,
+        c.names
+            .iter()
+            .map(|n| (*n, *n == "worker-01"))
+            .collect::<Vec<_>>(),
+        "{v}"
+    );
+    let o = imgbuild(&c.config, &["status"], &[]);
+    let out = text(&o.stdout);
+    assert!(out.contains("worker-01: cordoned (unschedulable)"), "{out}");
+}
