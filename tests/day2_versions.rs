@@ -784,3 +784,31 @@ fn v1_11_status_shows_a_cordoned_node() {
     let out = text(&o.stdout);
     assert!(out.contains("worker-01: cordoned (unschedulable)"), "{out}");
 }
+
+#[test]
+fn v1_13_drain_timeout_bounds_the_clients_drain() {
+    // Talos v1.13.3 → v1.13.5 through LifecycleService, where imgbuild
+    // drains: with `--drain-timeout 0s` the first node with evictable pods
+    // (CoreDNS) stops the run at its drain, before its Reboot, naming the
+    // pods and the deadline (talosctl's `--drain-timeout`).
+    let c = Cluster::five(19, "v1.13.3", "v1.13.3,v1.13.5", &[]);
+    c.want("v1.13.5", "");
+    let o = imgbuild(
+        &c.config,
+        &["--output", "json", "upgrade", "--drain-timeout", "0s"],
+        &[],
+    );
+    assert_ne!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let report = json(&o);
+    let error = report["failed"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with("draining: ") && error.contains("still on the node after 0ns"),
+        "{report}"
+    );
+    let failed = report["failed"]["node"].as_str().unwrap();
+    assert_eq!(
+        c.day2(failed, "reboot_calls"),
+        0,
+        "{failed} rebooted undrained"
+    );
+}
