@@ -364,3 +364,49 @@ fn status_check(config: &Path) -> Option<i32> {
     assert_eq!(v["nodes"].as_array().map(Vec::len), Some(5), "{v}");
     o.status.code()
 }
+
+/// Five nodes that accept TCP on the Talos API port and never answer (no
+/// TLS handshake, no reply): `status` reports each as not reachable, naming
+/// the one deadline that covered its connect and its first call, in
+/// inventory order. (How long it takes is measured by `make bench`.)
+#[test]
+fn status_reports_stalled_nodes_with_the_one_deadline_that_covered_them() {
+    let net = format!("127.{}.207", 100 + std::process::id() % 100);
+    let mut held = Vec::new();
+    for (_, last, _) in NODES {
+        let listener = std::net::TcpListener::bind(format!("{net}.{last}:50000")).unwrap();
+        held.push(std::thread::spawn(move || {
+            let mut open = Vec::new();
+            for conn in listener.incoming() {
+                open.push(conn); // accepted, never read, never answered
+            }
+        }));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = Inventory::five_nodes("stalled", &net).write(dir.path());
+    let o = Run::with_config(&config, &["talosconfig"])
+        .env_remove("IMGBUILD_STATE_DIR")
+        .env_remove("TALOSCONFIG")
+        .output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let mut run = Run::with_config(&config, &["--output", "json", "status", "--check"]);
+    run.timeouts(&["--call-timeout"])
+        .args(["--call-timeout", "2s"])
+        .env_remove("IMGBUILD_STATE_DIR")
+        .env_remove("IMGBUILD_FACTORY")
+        .env_remove("TALOSCONFIG");
+    let o = run.output();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    let v = json(&o);
+    let rows = v["nodes"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["node"].as_str().unwrap()).collect();
+    assert_eq!(names, NODES.map(|(n, _, _)| n), "{v}");
+    for r in rows {
+        assert_eq!(r["reachable"], false, "{r}");
+        let error = r["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains("no answer within the call timeout (2s, connect and Version together)"),
+            "{r}"
+        );
+    }
+}

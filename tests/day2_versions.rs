@@ -755,3 +755,60 @@ fn v1_13_a_run_killed_while_a_node_is_cordoned_leaves_the_uncordon_to_the_rerun(
     let notes = json(&o)["notes"].to_string();
     assert!(notes.contains("cp-01: uncordoned"), "{notes}");
 }
+
+#[test]
+fn v1_11_status_shows_a_cordoned_node() {
+    // Talos v1.11.5: worker-01 is unschedulable (a drain that did not
+    // finish, or an operator): `status` says so in its row and its JSON,
+    // and names the way back.
+    let c = Cluster::five(18, "v1.11.5", "v1.11.5", &[]);
+    c.switch(r#"{"node": "worker-01", "cordoned": true}"#);
+    let o = imgbuild(&c.config, &["--output", "json", "status"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    let cordoned: Vec<(&str, bool)> = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["node"].as_str().unwrap(), r["cordoned"] == true))
+        .collect();
+    assert_eq!(
+        cordoned,
+        c.names
+            .iter()
+            .map(|n| (*n, *n == "worker-01"))
+            .collect::<Vec<_>>(),
+        "{v}"
+    );
+    let o = imgbuild(&c.config, &["status"], &[]);
+    let out = text(&o.stdout);
+    assert!(out.contains("worker-01: cordoned (unschedulable)"), "{out}");
+}
+
+#[test]
+fn v1_13_drain_timeout_bounds_the_clients_drain() {
+    // Talos v1.13.3 → v1.13.5 through LifecycleService, where imgbuild
+    // drains: with `--drain-timeout 0s` the first node with evictable pods
+    // (CoreDNS) stops the run at its drain, before its Reboot, naming the
+    // pods and the deadline (talosctl's `--drain-timeout`).
+    let c = Cluster::five(19, "v1.13.3", "v1.13.3,v1.13.5", &[]);
+    c.want("v1.13.5", "");
+    let o = imgbuild(
+        &c.config,
+        &["--output", "json", "upgrade", "--drain-timeout", "0s"],
+        &[],
+    );
+    assert_ne!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let report = json(&o);
+    let error = report["failed"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with("draining: ") && error.contains("still on the node after 0ns"),
+        "{report}"
+    );
+    let failed = report["failed"]["node"].as_str().unwrap();
+    assert_eq!(
+        c.day2(failed, "reboot_calls"),
+        0,
+        "{failed} rebooted undrained"
+    );
+}

@@ -63,6 +63,11 @@ pub struct UpgradeArgs {
     /// (drain, install, reboot).
     #[arg(long, default_value = "30m", value_parser = parse_duration)]
     upgrade_timeout: Duration,
+    /// Per node: cordon and evict its pods before its reboot (talosctl's
+    /// `--drain-timeout`, 5 minutes by default); a node whose pods are not
+    /// gone by then is not rebooted and the run stops.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    drain_timeout: Duration,
     /// Upgrade Kubernetes although the cluster still uses an API the new
     /// version removes (stated in the output).
     #[arg(long)]
@@ -207,6 +212,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         run: RunOptions {
             pull_timeout: args.pull_timeout,
             node_timeout: args.upgrade_timeout,
+            drain_timeout: args.drain_timeout,
             parallel: usize::from(args.parallel),
             etcd: std::sync::Arc::new(if args.skip_etcd_snapshot {
                 etcd::BeforeChange::skip()
@@ -216,7 +222,6 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
                     &inv.cluster.name,
                 ))
             }),
-            ..RunOptions::default()
         },
         kube: kube_run::RunOptions {
             pull_timeout: args.pull_timeout,
@@ -456,15 +461,27 @@ pub(super) fn rows(
     let wanted = upgrade::wanted(inv)?;
     stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
     let mut prepared = stage::prepare(inv, opts)?;
-    let observed = converge::pin_kubernetes(inv, &mut prepared.plan, &opts.limits)?;
+    let rt = converge::runtime()?;
+    // Nodes that do not answer are found once (one deadline each, all at
+    // once) and asked nothing more: a stalled node costs one call timeout.
+    let silent = rt.block_on(status::silent(&prepared.plan, &opts.limits));
+    let mut answering = prepared.plan.clone();
+    answering.nodes.retain(|n| !silent.contains_key(&n.name));
+    let observed = converge::pin_kubernetes(inv, &mut answering, &opts.limits)?;
+    for node in &mut prepared.plan.nodes {
+        if let Some(pinned) = answering.nodes.iter().find(|a| a.name == node.name) {
+            node.config = pinned.config.clone();
+        }
+    }
     let record = upgrade::Record::load(&record_path(&prepared.state_dir))?;
     let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);
-    let rows = converge::runtime()?.block_on(status::collect(
+    let rows = rt.block_on(status::collect(
         &prepared.plan,
         &wanted,
         &record,
         &fingerprints,
         &opts.limits,
+        &silent,
     ));
     Ok((rows, observed))
 }
@@ -479,6 +496,7 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
     let drift: Vec<status::Drift> = rows
         .iter()
         .flat_map(status::NodeStatus::drift)
+        .chain(rows.iter().filter_map(status::NodeStatus::etcd_drift))
         .chain(kube.iter().filter_map(kstatus::ComponentStatus::drift))
         .collect();
     match output {
@@ -530,13 +548,24 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                         yes(r.config_in_sync)
                     },
                     yes(r.etcd_member),
-                    yes(r.ready)
+                    match (yes(r.ready), r.cordoned) {
+                        (ready, Some(true)) => format!("{ready} (cordoned)"),
+                        (ready, _) => ready.to_owned(),
+                    }
                 );
             }
             for r in &rows {
                 if let Some(e) = &r.error {
                     let what = if r.reachable { "" } else { "not reachable: " };
                     outln!("{}: {what}{}", r.node, shown(Some(e)));
+                }
+                if r.cordoned == Some(true) {
+                    outln!(
+                        "{}: cordoned (unschedulable): a drain did not finish or someone \
+                         cordoned it; rerun the upgrade that drained it, or kubectl uncordon {}",
+                        r.node,
+                        r.node
+                    );
                 }
                 if r.reachable && r.schematic.is_none() {
                     outln!(

@@ -108,7 +108,10 @@ async fn addon_pending(kc: &Kubeconfig, name: &str, label: &str, opts: &Options)
     }
 }
 
-/// What still keeps the cluster from being healthy around `node`.
+/// What still keeps the cluster from being healthy around `node`. One
+/// round reads every control plane and `node` at once (one deadline each
+/// for its connect and calls) while Kubernetes is asked, so a round costs
+/// the slowest read, not their sum.
 pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<String> {
     let mode = Mode::Mtls(plan.identity.clone());
     let mut pending = Vec::new();
@@ -118,21 +121,67 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
         .filter(|n| n.role == Role::Controlplane)
         .map(|n| n.name.as_str())
         .collect();
-    let mut members: Option<BTreeSet<String>> = None;
-    for n in plan
+    let asked: Vec<&PlannedNode> = plan
         .nodes
         .iter()
         .filter(|n| n.role == Role::Controlplane || n.name == node.name)
-    {
-        let conn = match NodeClient::connect(&n.endpoint, &mode, opts.call_timeout).await {
-            Ok(c) => c,
-            Err(e) => {
-                pending.push(format!("{}: {e}", n.name));
-                continue;
-            }
-        };
-        let services = match conn.services().await {
-            Ok(s) => s,
+        .collect();
+    let reads = futures_util::future::join_all(asked.iter().map(|n| {
+        let mode = mode.clone();
+        async move {
+            let read = async {
+                let conn = NodeClient::connect(&n.endpoint, &mode, opts.call_timeout)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let services = conn.services().await.map_err(|e| e.to_string())?;
+                let members = if n.role == Role::Controlplane {
+                    conn.etcd_members().await.ok().map(|m| {
+                        m.into_iter()
+                            .map(|m| m.hostname)
+                            // Control planes `up` removes later in the run.
+                            .filter(|name| !opts.leaving.contains(name))
+                            .collect::<BTreeSet<String>>()
+                    })
+                } else {
+                    None
+                };
+                Ok::<_, String>((services, members))
+            };
+            tokio::time::timeout(opts.call_timeout, read)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(format!(
+                        "no answer within the call timeout ({}s)",
+                        opts.call_timeout.as_secs_f64()
+                    ))
+                })
+        }
+    }));
+    let addons = async {
+        let mut out = Vec::new();
+        if let (Ok(kc), Some(cp)) = (
+            kubeconfig(plan),
+            plan.nodes.iter().find(|n| n.role == Role::Controlplane),
+        ) {
+            let checks = ADDONS
+                .iter()
+                .filter(|(_, _, section)| !disabled(&cp.config, section))
+                .map(|(name, label, _)| addon_pending(&kc, name, label, opts));
+            out.extend(
+                futures_util::future::join_all(checks)
+                    .await
+                    .into_iter()
+                    .flatten(),
+            );
+        }
+        out
+    };
+    let (reads, kube, addons) = futures_util::join!(reads, kube_nodes(plan, opts), addons);
+    // The members as the first control plane that answers sees them.
+    let mut members: Option<BTreeSet<String>> = None;
+    for (n, read) in asked.iter().zip(reads) {
+        let (services, seen) = match read {
+            Ok(r) => r,
             Err(e) => {
                 pending.push(format!("{}: {e}", n.name));
                 continue;
@@ -142,13 +191,7 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
         if n.role == Role::Controlplane {
             wanted.push("etcd");
             if members.is_none() {
-                members = conn.etcd_members().await.ok().map(|m| {
-                    m.into_iter()
-                        .map(|m| m.hostname)
-                        // Control planes `up` removes later in the run.
-                        .filter(|name| !opts.leaving.contains(name))
-                        .collect()
-                });
+                members = seen;
             }
         }
         if n.name == node.name {
@@ -179,7 +222,7 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
                 .join(", ")
         ));
     }
-    match kube_nodes(plan, opts).await {
+    match kube {
         Ok(list) => {
             for n in &plan.nodes {
                 match list.iter().find(|k| k.name == n.name) {
@@ -193,18 +236,7 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
         }
         Err(e) => pending.push(format!("Kubernetes: {e}")),
     }
-    if let (Ok(kc), Some(cp)) = (
-        kubeconfig(plan),
-        plan.nodes.iter().find(|n| n.role == Role::Controlplane),
-    ) {
-        for (name, label, section) in ADDONS {
-            if !disabled(&cp.config, section)
-                && let Some(p) = addon_pending(&kc, name, label, opts).await
-            {
-                pending.push(p);
-            }
-        }
-    }
+    pending.extend(addons);
     pending
 }
 

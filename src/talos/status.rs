@@ -45,6 +45,9 @@ pub struct NodeStatus {
     pub etcd_member: Option<bool>,
     /// None when Kubernetes could not be asked.
     pub ready: Option<bool>,
+    /// Whether Kubernetes marks it unschedulable (cordoned, e.g. by a
+    /// drain that did not finish); None when Kubernetes could not be asked.
+    pub cordoned: Option<bool>,
     /// What went wrong asking the node (why it is not reachable).
     pub error: Option<String>,
     /// `${NAME}`s not set here whose values were compared by the
@@ -122,25 +125,89 @@ impl NodeStatus {
         }
         out
     }
+
+    /// What `status` reports beyond [`NodeStatus::drift`]: a control plane
+    /// etcd does not list as a member (unknown is not different). `up`
+    /// leaves membership to its own steps, so it is not in `drift`.
+    pub fn etcd_drift(&self) -> Option<Drift> {
+        (self.etcd_member == Some(false)).then(|| Drift {
+            node: self.node.clone(),
+            what: ETCD_MEMBER,
+            fix: "wipe its EPHEMERAL partition so it joins etcd again \
+                  (talosctl reset --system-labels-to-wipe EPHEMERAL --reboot)",
+        })
+    }
 }
 
-/// Every node's row, in inventory order.
+/// [`Drift::what`] of a control plane that is not an etcd member.
+pub const ETCD_MEMBER: &str = "etcdMember";
+
+/// The nodes that do not answer, each with why: a connect and a Version
+/// call under one deadline (the call timeout), all nodes at once
+/// (bounded). Status asks these once, so that a stalled node costs one
+/// call timeout however many reads the command makes.
+pub async fn silent(plan: &Plan, opts: &Options) -> BTreeMap<String, String> {
+    let mode = Mode::Mtls(plan.identity.clone());
+    let probes = plan.nodes.iter().map(|node| {
+        let mode = mode.clone();
+        async move {
+            let started = std::time::Instant::now();
+            let answer = tokio::time::timeout(opts.call_timeout, async {
+                let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await?;
+                conn.version().await
+            })
+            .await;
+            let why = match answer {
+                Ok(Ok(_)) => None,
+                Ok(Err(_)) | Err(_) if started.elapsed() >= opts.call_timeout => {
+                    Some(super::upgrade::no_answer(opts.call_timeout))
+                }
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => Some(super::upgrade::no_answer(opts.call_timeout)),
+            };
+            why.map(|w| (node.name.clone(), w))
+        }
+    });
+    futures_util::stream::iter(probes)
+        .buffered(READ_CONCURRENCY)
+        .filter_map(|x| async move { x })
+        .collect()
+        .await
+}
+
+/// Every node's row, in inventory order; the nodes in `silent` (see
+/// [`silent`]) are reported unreachable without being asked again.
 pub async fn collect(
     plan: &Plan,
     wanted: &BTreeMap<String, Wanted>,
     record: &Record,
     fingerprints: &Fingerprints,
     opts: &Options,
+    silent: &BTreeMap<String, String>,
 ) -> Vec<NodeStatus> {
-    let (ready, mut rows) = futures_util::join!(
+    let mut asked = plan.clone();
+    asked.nodes.retain(|n| !silent.contains_key(&n.name));
+    let (ready, read) = futures_util::join!(
         kube_nodes(plan, opts),
-        read_nodes(plan, wanted, record, fingerprints, opts)
+        read_nodes(&asked, wanted, record, fingerprints, opts)
     );
+    let mut read = read.into_iter();
+    let mut rows: Vec<NodeStatus> = plan
+        .nodes
+        .iter()
+        .map(|node| match silent.get(&node.name) {
+            Some(why) => unreachable_row(node, &wanted[&node.name], why),
+            None => read.next().expect("a row per asked node"),
+        })
+        .collect();
     let ready = ready.ok();
     for row in &mut rows {
         row.ready = ready
             .as_ref()
             .map(|list| list.iter().any(|k| k.name == row.node && k.ready));
+        row.cordoned = ready
+            .as_ref()
+            .map(|list| list.iter().any(|k| k.name == row.node && k.cordoned));
     }
     rows
 }
@@ -320,6 +387,7 @@ async fn read_node(
         config_staged: false,
         etcd_member: None,
         ready: None,
+        cordoned: None,
         error: now.error,
         compared_by_fingerprint: Vec::new(),
         security: now.security,
@@ -354,6 +422,35 @@ async fn read_node(
         }
     }
     (row, members)
+}
+
+/// The row of a node that did not answer.
+fn unreachable_row(node: &PlannedNode, want: &Wanted, why: &str) -> NodeStatus {
+    NodeStatus {
+        node: node.name.clone(),
+        role: if node.role == Role::Controlplane {
+            "controlplane"
+        } else {
+            "worker"
+        }
+        .into(),
+        reachable: false,
+        version: None,
+        wanted_version: want.version.clone(),
+        schematic: None,
+        wanted_schematic: want.schematic.clone(),
+        schematic_in_sync: true,
+        config_in_sync: None,
+        config_needs_reboot: false,
+        config_staged: false,
+        etcd_member: None,
+        ready: None,
+        cordoned: None,
+        error: Some(why.to_owned()),
+        compared_by_fingerprint: Vec::new(),
+        security: None,
+        wanted_secure_boot: want.secure_boot,
+    }
 }
 
 /// Every node's row as the nodes tell it (Ready left unknown), all nodes
@@ -402,6 +499,7 @@ mod tests {
             config_staged: false,
             etcd_member: Some(true),
             ready: Some(true),
+            cordoned: Some(false),
             error: None,
             compared_by_fingerprint: Vec::new(),
             security: None,
@@ -415,6 +513,20 @@ mod tests {
         assert_eq!(changed_lines("a\nb\n", "a\nc\n"), "+c\n-b\n");
         assert_eq!(changed_lines("a\nb\nb\n", "a\nb\n"), "-b\n");
         assert!(persisted_as_resource("v1.10.0") && !persisted_as_resource("v1.9.6"));
+    }
+
+    /// A control plane etcd does not list is a difference for `status`;
+    /// unknown membership (no control plane answered) is not.
+    #[test]
+    fn a_control_plane_outside_etcd_is_a_difference() {
+        assert_eq!(row().etcd_drift(), None);
+        let mut r = row();
+        r.etcd_member = None;
+        assert_eq!(r.etcd_drift(), None);
+        r.etcd_member = Some(false);
+        let d = r.etcd_drift().expect("a difference");
+        assert_eq!(d.what, ETCD_MEMBER);
+        assert!(d.to_string().contains("cp-01: etcdMember differs"), "{d}");
     }
 
     #[test]

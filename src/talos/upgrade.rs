@@ -165,19 +165,39 @@ pub fn targets(inv: &Inventory, factory: &Factory) -> Result<Targets, UpgradeErr
 /// from `record` where the node cannot tell).
 pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Options) -> Running {
     let mode = Mode::Mtls(plan.identity.clone());
-    let conn = match NodeClient::connect(&node.endpoint, &mode, opts.call_timeout).await {
+    // One deadline for the connect and the first call together: a node
+    // that accepts TCP and never answers costs one call timeout, not two.
+    let started = Instant::now();
+    let first = tokio::time::timeout(opts.call_timeout, async {
+        // The client's own connect deadline is the same one: a connect
+        // that ran out of it is reported as the deadline.
+        let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
+            .await
+            .map_err(|e| {
+                if started.elapsed() >= opts.call_timeout {
+                    no_answer(opts.call_timeout)
+                } else {
+                    e.to_string()
+                }
+            })?;
+        let version = conn.version().await.map_err(|e| format!("Version: {e}"));
+        Ok::<_, String>((conn, version))
+    })
+    .await
+    .unwrap_or_else(|_| Err(no_answer(opts.call_timeout)));
+    let (conn, version) = match first {
         Ok(c) => c,
         Err(e) => {
             return Running {
-                error: Some(e.to_string()),
+                error: Some(e),
                 ..Running::default()
             };
         }
     };
     let mut out = Running::default();
-    match conn.version().await {
+    match version {
         Ok(v) => out.version = Some(v.tag),
-        Err(e) => out.error = Some(format!("Version: {e}")),
+        Err(e) => out.error = Some(e),
     }
     match conn.running_schematic().await {
         Ok(s) => out.schematic = s,
@@ -193,9 +213,19 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
     out
 }
 
-/// How many nodes day two reads at once: all of a small cluster, a bounded
-/// number of a large one.
-pub const READ_CONCURRENCY: usize = 16;
+/// Why a node is unreachable when neither its connect nor its first call
+/// finished within the call timeout.
+pub fn no_answer(timeout: std::time::Duration) -> String {
+    format!(
+        "no answer within the call timeout ({}s, connect and Version together)",
+        timeout.as_secs_f64()
+    )
+}
+
+/// How many nodes day two reads at once: all of a cluster of up to 64
+/// nodes (so 50 stalled nodes cost one call timeout, not four), a bounded
+/// number of a larger one. A read is a connection and a few small calls.
+pub const READ_CONCURRENCY: usize = 64;
 
 /// [`running`] for every node of `nodes` at once (bounded), in order.
 pub async fn running_all(
@@ -502,11 +532,15 @@ async fn request_hop(
                         one_line(host)
                     ));
                 }
-                // Reboot does not drain (talosctl drains first).
-                drain::cordon_and_drain(plan, &node.name, run.drain_timeout, opts, &|m| {
-                    progress(&node.name, m)
-                })
-                .await?;
+                // Reboot does not drain (talosctl drains first). A SIGINT
+                // meanwhile stops the run saying what the drain left.
+                let sigint = drain::InterruptibleDrain::new();
+                let tell = |m: &str| progress(&node.name, m);
+                tokio::select! {
+                    drained = drain::cordon_and_drain(plan, &node.name, run.drain_timeout, opts, &tell) => drained?,
+                    () = sigint.interrupted() => return Err(drain::interrupted_drain(&node.name)),
+                }
+                drop(sigint);
                 let rebooted = async {
                     NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
                         .await?
@@ -796,9 +830,11 @@ async fn run_plan(
         }
     }
     batches.extend(workers.chunks(run.parallel.max(1)).map(<[_]>::to_vec));
-    let mut rest = batches.into_iter();
-    for batch in rest.by_ref() {
-        let results = futures_util::future::join_all(batch.iter().map(|np| async {
+    let run_node = |np: &NodePlan| {
+        let np = np.clone();
+        let record = &record;
+        async move {
+            let np = &np;
             if np.action == Action::Blocked {
                 return Err(np.problem.clone().unwrap_or_default());
             }
@@ -815,21 +851,22 @@ async fn run_plan(
                 );
                 return configure_node(plan, node, opts).await;
             }
-            upgrade_node(
-                plan,
-                node,
-                np,
-                up,
-                &record,
-                record_path,
-                run,
-                opts,
-                progress,
-            )
-            .await
+            upgrade_node(plan, node, np, up, record, record_path, run, opts, progress).await
+        }
+    };
+    let mut rest = batches.into_iter();
+    for batch in rest.by_ref() {
+        let results = futures_util::future::join_all(batch.iter().map(|np| async {
+            let started = Instant::now();
+            let result = run_node(np).await;
+            (result, started.elapsed())
         }))
         .await;
-        for (np, r) in batch.iter().zip(results) {
+        for (np, (r, took)) in batch.iter().zip(results) {
+            report.node_seconds.insert(
+                np.node.clone(),
+                (took.as_secs_f64() * 1000.0).round() / 1000.0,
+            );
             match r {
                 Ok(()) if np.action == Action::Config => report.configured.push(np.node.clone()),
                 Ok(()) => report.upgraded.push(np.node.clone()),

@@ -216,3 +216,103 @@ mod tests {
         assert!(evictable(&json!({"metadata": {"name": "bare"}})));
     }
 }
+
+/// Set by SIGINT while an [`InterruptibleDrain`] is alive.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// SIGINT caught for the length of a drain, so that the run can say what
+/// the drain left (a cordoned node, pods evicted) and how a rerun resumes,
+/// instead of dying silently; the previous disposition comes back on drop
+/// (elsewhere a SIGINT kills the run as before, and the record already
+/// says what a rerun resumes).
+pub struct InterruptibleDrain {
+    previous: libc::sigaction,
+}
+
+impl InterruptibleDrain {
+    pub fn new() -> InterruptibleDrain {
+        INTERRUPTED.store(false, std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: the handler only stores to an atomic; `previous` is
+        // written by sigaction before it is read.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_sigint as *const () as usize;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            let mut previous: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGINT, &action, &mut previous);
+            InterruptibleDrain { previous }
+        }
+    }
+
+    /// Resolves once SIGINT arrived (checked every 50 ms).
+    pub async fn interrupted(&self) {
+        while !INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Default for InterruptibleDrain {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for InterruptibleDrain {
+    fn drop(&mut self) {
+        // SAFETY: restores the disposition saved in `new`.
+        unsafe { libc::sigaction(libc::SIGINT, &self.previous, std::ptr::null_mut()) };
+    }
+}
+
+/// What a SIGINT during `node`'s drain left, and how a rerun resumes.
+pub fn interrupted_drain(node: &str) -> String {
+    format!(
+        "interrupted (SIGINT) while draining: {node} is left cordoned, the pods evicted so far \
+         stay evicted, and it was not rebooted (its new version is installed and boots with its \
+         next reboot). Run `imgbuild upgrade` again to resume: it uncordons {node} once it is \
+         Ready, then drains and reboots it again; or `kubectl uncordon {node}` to give up"
+    )
+}
+
+#[cfg(test)]
+mod sigint {
+    use super::*;
+
+    /// A SIGINT during the drain is caught (the test process survives)
+    /// and reported; afterwards the previous disposition is back.
+    #[test]
+    fn sigint_during_a_drain_is_caught_and_the_old_handler_restored() {
+        let current = || unsafe {
+            let mut now: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGINT, std::ptr::null(), &mut now);
+            now.sa_sigaction
+        };
+        let before = current();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let guard = InterruptibleDrain::new();
+            assert_eq!(current(), on_sigint as *const () as usize);
+            // SAFETY: raising a signal this process handles.
+            unsafe { libc::raise(libc::SIGINT) };
+            tokio::time::timeout(Duration::from_secs(30), guard.interrupted())
+                .await
+                .expect("the SIGINT was not seen");
+        });
+        assert_eq!(current(), before, "the previous SIGINT handler is back");
+        let said = interrupted_drain("cp-01");
+        assert!(said.contains("cp-01 is left cordoned"), "{said}");
+        assert!(
+            said.contains("Run `imgbuild upgrade` again to resume"),
+            "{said}"
+        );
+    }
+}

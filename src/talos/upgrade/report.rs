@@ -33,6 +33,9 @@ pub struct UpgradeReport {
     pub changed_during_run: Vec<String>,
     /// What each selected node runs at the end, by node.
     pub versions: BTreeMap<String, Option<String>>,
+    /// Seconds each node this run worked on took, from its turn until it
+    /// was healthy on its target (or failed): the rolling upgrade's pace.
+    pub node_seconds: BTreeMap<String, f64>,
     /// What the plan states (`--force`) and what warming the factory said.
     pub notes: Vec<String>,
     /// The state dir's record could not be written.
