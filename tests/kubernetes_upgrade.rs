@@ -574,7 +574,7 @@ fn assert_pre_pulled(c: &Cluster, report: &serde_json::Value, to: &str, api: &st
 }
 
 /// Kubernetes 1.32.1 → 1.33.5 on Talos `talos` (v1.13+): the pre-pulls go
-/// through ImageService.Pull with the CRI driver (FORMATS.md §7.x;
+/// through ImageService.Pull with the CRI driver (talos ctrhelper.go;
 /// ctrhelper.go refuses the containerd driver with NS_CRI), then the rest.
 fn moves_with_image_service(block: u32, talos: &str) {
     let c = Cluster::start(block, talos, "v1.32.1", talos);

@@ -1322,7 +1322,7 @@ mod tests {
     #[test]
     fn kubernetes_images_go_to_the_cri_containerd_on_every_talos_version() {
         use super::*;
-        // FORMATS.md §7.x: ImagePull from v1.5, ImageService from v1.13.
+        // talos api/machine/machine.proto, image.proto: ImagePull from v1.5, ImageService from v1.13.
         assert_eq!(PullApi::for_talos(1, 4), None);
         assert_eq!(PullApi::for_talos(1, 5), Some(PullApi::ImagePull));
         assert_eq!(PullApi::for_talos(1, 11), Some(PullApi::ImagePull));

@@ -63,7 +63,7 @@
 //!   version the running Talos does not support → InvalidArgument "1 error occurred:\n\t*
 //!   kubelet image is not valid: version of Kubernetes 1.35.0 is too new to be used with
 //!   Talos 1.11.5\n\n" (`k8s_versions.rs`); nothing changes.
-//! - Image pulls (FORMATS.md §7.x). `ImageService.Pull` (v1.13+, Unimplemented
+//! - Image pulls (talos api/machine/machine.proto, api/machine/image.proto). `ImageService.Pull` (v1.13+, Unimplemented
 //!   before) checks its `ContainerdInstance` as `ctrhelper.go` does: driver
 //!   `CONTAINERD` = the system containerd, `CRI` = the CRI one; `NS_CRI` = `k8s.io`,
 //!   `NS_SYSTEM` = `system`; else InvalidArgument "invalid containerd driver %s" /
@@ -546,7 +546,7 @@ const KUBERNETES_IMAGES: [&str; 6] = [
     "ghcr.io/siderolabs/kubelet",
 ];
 
-/// Where an image lands on a node (FORMATS.md §7.x): the CRI containerd
+/// Where an image lands on a node (talos ctrhelper.go, services/kubelet.go): the CRI containerd
 /// (`/run/containerd/containerd.sock`), namespace `k8s.io` (pods' images)
 /// or `system` (the kubelet's, services/kubelet.go), or the system
 /// containerd (`/system/run/containerd/containerd.sock`), namespace
