@@ -3,7 +3,7 @@
 
 use super::board::Board;
 use super::inventory::load_inventory;
-use super::output::{Output, Partial, Reported, Usage, outside};
+use super::output::{Changes, Output, Partial, Reported, Usage, outside};
 use super::progress::Show;
 use super::publish::PublishArgs;
 use super::talos::BootstrapRunArgs;
@@ -27,6 +27,11 @@ pub struct UpArgs {
     /// change nothing.
     #[arg(long)]
     dry_run: bool,
+    /// With --dry-run: exit 0 when nothing is to do, 4 when actions are
+    /// planned, 1 when the plan could not be made (Terraform's
+    /// -detailed-exitcode).
+    #[arg(long, requires = "dry_run")]
+    detailed_exitcode: bool,
     #[command(flatten)]
     publish: PublishArgs,
     #[command(flatten)]
@@ -151,6 +156,9 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
         .into()),
         None if !report.drift.is_empty() => {
             Err(Partial(super::day2::drift_summary(&report.drift)).into())
+        }
+        None if args.detailed_exitcode && !report.plan().is_empty() => {
+            Err(Changes(format!("{} action(s) planned", report.plan().len())).into())
         }
         None => Ok(()),
         Some((_, e)) if report.partial() => Err(Partial(e.to_string()).into()),
