@@ -589,6 +589,15 @@ impl DayTwo<'_> {
             for p in &plan.delete {
                 report.act(self.held(action(p)));
             }
+            // What the removal's deletions free is pruned in the same run:
+            // planned here, not found only afterwards.
+            for name in self.freed_by_removal(&scope.former_nodes)? {
+                let kind = Kind::Prune { item: name.clone() };
+                let a = Action::new(kind, None, &format!("delete {name}"))
+                    .change("exists", Some("yes"), None)
+                    .detail("once the removal deleted its VM");
+                report.act(self.held(a));
+            }
             return Ok(());
         }
         let done = prune::prune(&scope, &plan);
@@ -611,6 +620,40 @@ impl DayTwo<'_> {
                 !done.deleted.is_empty(),
             )),
         }
+    }
+
+    /// The uploads of removed nodes that only the VMs the removal
+    /// deletes use, named as the prune names them: unused once it ran.
+    fn freed_by_removal(&self, former: &[String]) -> Result<Vec<String>, (Stage, UpError)> {
+        let Target::Proxmox(pve) = self.target else {
+            return Ok(Vec::new());
+        };
+        if former.is_empty() {
+            return Ok(Vec::new());
+        }
+        let deleted: Vec<u32> = self
+            .machines_gone()?
+            .iter()
+            .filter_map(|m| m.vm.as_ref().map(|vm| vm.vmid))
+            .collect();
+        if deleted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let nodes: std::collections::BTreeSet<String> = former.iter().cloned().collect();
+        let volumes = proxmox::destroy::cluster_volumes(
+            &pve.credentials,
+            &pve.settings.storage,
+            &self.inv.cluster.name,
+            &nodes,
+            pve.options.retry,
+        )
+        .map_err(|e| (Stage::Prune, UpError::Proxmox(e)))?;
+        Ok(volumes
+            .into_iter()
+            .filter(|v| nodes.contains(&v.node))
+            .filter(|v| !v.used_by.is_empty() && v.used_by.iter().all(|id| deleted.contains(id)))
+            .map(|v| format!("volume {} on {}", v.volid, v.pve_node))
+            .collect())
     }
 
     fn limits(&self) -> &bootstrap::Options {
