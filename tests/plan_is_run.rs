@@ -341,6 +341,33 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     let (out, run) = c.apply("bump.json", &[]);
     stdout_ok(&out);
     assert_plan_is_run("version bump", &planned, &run);
+
+    // worker-02 leaves the inventory: its removal, its VM's deletion and
+    // the prune of the upload only that VM used are all in the plan.
+    let mut gone = Inventory::new("demo").vip(&format!("{}.10", c.net));
+    for (name, host, role) in NODES.into_iter().filter(|(n, ..)| *n != "worker-02") {
+        gone = gone
+            .node(common::inventory::Node::new(name, role).address(&format!("{}.{host}", c.net)));
+    }
+    c.write(
+        &gone
+            .metal("raw")
+            .proxmox(true)
+            .append("patches:\n  all: [env.yaml]\n")
+            .replace("memory: 2048", "memory: 4096")
+            .talos("v1.11.5"),
+    );
+    let planned = c.plan("remove.json");
+    let kinds_now = kinds(&planned);
+    assert!(
+        kinds_now.contains(&"\"removeNode\" \"worker-02\"".to_owned())
+            && kinds_now.contains(&"\"deleteMachine\" \"worker-02\"".to_owned())
+            && kinds_now.iter().any(|k| k.starts_with("\"prune\"")),
+        "{planned}"
+    );
+    let (out, run) = c.apply("remove.json", &["--allow-destroy"]);
+    stdout_ok(&out);
+    assert_plan_is_run("node removed, then prune", &planned, &run);
 }
 
 /// The schema is not a rubber stamp: a plan file with an unknown kind, a
