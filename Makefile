@@ -128,8 +128,10 @@ demo: build
 		$(DEMO_CLUSTER) > $(DEMO)/cluster.yaml; \
 	diff -u $(DEMO_CLUSTER) $(DEMO)/cluster.yaml || true; \
 	up2="$(IMGBUILD) --config $(DEMO)/cluster.yaml $$flags"; \
-	echo; echo "== imgbuild up --dry-run: the plan"; $$up2 --dry-run; \
-	echo; echo "== imgbuild up --allow-destroy"; $$up2 --allow-destroy --quiet; \
+	echo; echo "== imgbuild up --dry-run --out plan.json: the plan, saved for review"; \
+	$$up2 --dry-run --out $(DEMO)/plan.json; \
+	echo; echo "== imgbuild up --plan plan.json --allow-destroy: exactly that plan"; \
+	$$up2 --plan $(DEMO)/plan.json --allow-destroy --quiet; \
 	echo; echo "== imgbuild up, again: nothing left"; $$up2 --allow-destroy --quiet; \
 	echo; echo "state dir (secrets stay in these 0600 files):"; ls -l $(DEMO)/state
 

@@ -11,10 +11,54 @@
 pub mod actions;
 pub mod converge;
 mod error;
+pub mod plan;
 mod report;
 
 pub use error::{Stage, UpError};
 pub use report::{Change, Line, NodeReport, Report, Stages, TalosState, chain};
+
+/// The plan file of a dry run's report: its actions in order and what
+/// they rest on; `salt` keys the `${NAME}` fingerprints (a saved plan's
+/// own, to compare with it).
+pub fn saved_plan(
+    report: &Report,
+    inv: &Inventory,
+    inventory_file: &[u8],
+    vars: &crate::talos::config::PatchVars,
+    salt: &str,
+) -> plan::Plan {
+    let nodes = report
+        .nodes
+        .iter()
+        .map(|n| plan::NodeSeen {
+            node: n.node.clone(),
+            talos: n.talos,
+            talos_version: n.talos_version.clone(),
+            machine: n
+                .vmid
+                .map(plan::Machine::Vm)
+                .or(n.server.map(plan::Machine::Server)),
+            volume: n.volume.clone(),
+        })
+        .collect();
+    plan::Plan {
+        format: plan::FORMAT,
+        cluster: report.cluster.clone(),
+        target: report.target.to_owned(),
+        salt: salt.to_owned(),
+        observed: plan::Observed::of(inv, inventory_file, vars, salt, nodes),
+        actions: report
+            .plan()
+            .into_iter()
+            .map(|a| plan::Planned {
+                step: a.step,
+                node: a.node,
+                kind: a.kind,
+                destructive: a.destructive,
+            })
+            .collect(),
+    }
+}
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -35,8 +79,9 @@ use crate::talos::kubernetes::run as kube_run;
 use crate::talos::stage::{self, BootstrapOptions, Reach, StageError};
 use crate::talos::upgrade::{self, plan::Action as UpAction, report::Ending};
 use crate::talos::{apply, etcd, remove};
-use actions::{Action, State, Step};
+use actions::{Action, State};
 use converge::{ApplySettings, UpgradeSettings};
+use plan::{FromTo, Kind};
 use report::changed;
 
 /// What one `up` does besides the target.
@@ -334,9 +379,13 @@ impl DayTwo<'_> {
                 crate::inventory::Role::Controlplane => "controlplane",
                 _ => "worker",
             };
-            let mut a = Action::new(Step::Remove, Some(&n.node), "remove from the cluster")
-                .change("role", Some(role), None)
-                .detail(steps.join(", "));
+            let mut a = Action::new(
+                Kind::RemoveNode { role: n.role },
+                Some(&n.node),
+                "remove from the cluster",
+            )
+            .change("role", Some(role), None)
+            .detail(steps.join(", "));
             if let Some(addr) = n.address {
                 a = a.change("address", Some(&addr.to_string()), None);
             }
@@ -349,8 +398,15 @@ impl DayTwo<'_> {
             } else {
                 format!("volumes {}", m.volumes.join(", "))
             };
-            let mut a = Action::new(Step::Remove, Some(&m.node), &format!("delete {}", m.what))
-                .change("machine", Some(&m.what), None);
+            let kind = Kind::DeleteMachine {
+                machine: m.what.clone(),
+                volumes: m.volumes.clone(),
+            };
+            let mut a = Action::new(kind, Some(&m.node), &format!("delete {}", m.what)).change(
+                "machine",
+                Some(&m.what),
+                None,
+            );
             if !detail.is_empty() {
                 a = a.detail(detail);
             }
@@ -516,8 +572,14 @@ impl DayTwo<'_> {
         let plan = prune::plan(&scope).map_err(at)?;
         let action = |p: &prune::Pruned| {
             let size = p.item.size().map(|s| format!("{s} bytes"));
-            let mut a = Action::new(Step::Prune, None, &format!("delete {}", p.item.name()))
-                .change("exists", Some("yes"), None);
+            let kind = Kind::Prune {
+                item: p.item.name().to_string(),
+            };
+            let mut a = Action::new(kind, None, &format!("delete {}", p.item.name())).change(
+                "exists",
+                Some("yes"),
+                None,
+            );
             if let Some(size) = size {
                 a = a.detail(size);
             }
@@ -526,6 +588,15 @@ impl DayTwo<'_> {
         if !self.destroying() {
             for p in &plan.delete {
                 report.act(self.held(action(p)));
+            }
+            // What the removal's deletions free is pruned in the same run:
+            // planned here, not found only afterwards.
+            for name in self.freed_by_removal(&scope.former_nodes)? {
+                let kind = Kind::Prune { item: name.clone() };
+                let a = Action::new(kind, None, &format!("delete {name}"))
+                    .change("exists", Some("yes"), None)
+                    .detail("once the removal deleted its VM");
+                report.act(self.held(a));
             }
             return Ok(());
         }
@@ -549,6 +620,40 @@ impl DayTwo<'_> {
                 !done.deleted.is_empty(),
             )),
         }
+    }
+
+    /// The uploads of removed nodes that only the VMs the removal
+    /// deletes use, named as the prune names them: unused once it ran.
+    fn freed_by_removal(&self, former: &[String]) -> Result<Vec<String>, (Stage, UpError)> {
+        let Target::Proxmox(pve) = self.target else {
+            return Ok(Vec::new());
+        };
+        if former.is_empty() {
+            return Ok(Vec::new());
+        }
+        let deleted: Vec<u32> = self
+            .machines_gone()?
+            .iter()
+            .filter_map(|m| m.vm.as_ref().map(|vm| vm.vmid))
+            .collect();
+        if deleted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let nodes: std::collections::BTreeSet<String> = former.iter().cloned().collect();
+        let volumes = proxmox::destroy::cluster_volumes(
+            &pve.credentials,
+            &pve.settings.storage,
+            &self.inv.cluster.name,
+            &nodes,
+            pve.options.retry,
+        )
+        .map_err(|e| (Stage::Prune, UpError::Proxmox(e)))?;
+        Ok(volumes
+            .into_iter()
+            .filter(|v| nodes.contains(&v.node))
+            .filter(|v| !v.used_by.is_empty() && v.used_by.iter().all(|id| deleted.contains(id)))
+            .map(|v| format!("volume {} on {}", v.volid, v.pve_node))
+            .collect())
     }
 
     fn limits(&self) -> &bootstrap::Options {
@@ -586,7 +691,18 @@ impl DayTwo<'_> {
                 continue;
             }
             let hops: Vec<&str> = n.hops.iter().map(|h| h.version.as_str()).collect();
-            let mut a = Action::new(Step::Upgrade, Some(&n.node), "upgrade").change(
+            let moves = n.from.schematic.as_deref() != Some(n.to.schematic.as_str());
+            let kind = Kind::UpgradeTalos {
+                version: FromTo {
+                    from: n.from.version.clone(),
+                    to: n.to.version.clone(),
+                },
+                schematic: moves.then(|| FromTo {
+                    from: n.from.schematic.clone(),
+                    to: n.to.schematic.clone(),
+                }),
+            };
+            let mut a = Action::new(kind, Some(&n.node), "upgrade").change(
                 "talos",
                 n.from.version.as_deref(),
                 Some(&n.to.version),
@@ -799,17 +915,28 @@ impl DayTwo<'_> {
             } else {
                 State::NotReached
             };
+            let kind = Kind::ApplyConfig {
+                reboot: n.needs_reboot,
+                staged: n.staged,
+            };
             report.act(
-                Action::new(Step::Configs, Some(&n.node), what)
+                Action::new(kind, Some(&n.node), what)
                     .detail(actions::diff_summary(&n.diff, &fields))
                     .outcome(outcome),
             );
         }
         for f in &outcome.failed {
             report.act(
-                Action::new(Step::Configs, Some(&f.node), "apply config")
-                    .detail(f.error.clone())
-                    .outcome(State::Failed),
+                Action::new(
+                    Kind::ApplyConfig {
+                        reboot: false,
+                        staged: false,
+                    },
+                    Some(&f.node),
+                    "apply config",
+                )
+                .detail(f.error.clone())
+                .outcome(State::Failed),
             );
         }
         if let Some(r) = outcome.refused {
@@ -885,7 +1012,13 @@ fn kube_action(k: &KubePlan) -> Option<Action> {
     if left == 0 && k.refusal.is_none() {
         return None;
     }
-    let mut a = Action::new(Step::Kubernetes, None, "upgrade Kubernetes")
+    let kind = Kind::UpgradeKubernetes {
+        version: FromTo {
+            from: k.from.clone(),
+            to: k.to.clone(),
+        },
+    };
+    let mut a = Action::new(kind, None, "upgrade Kubernetes")
         .change("kubernetes", k.from.as_deref(), Some(&k.to))
         .detail(format!("{left} step(s)"));
     if let Some(r) = &k.refusal {
@@ -1178,12 +1311,23 @@ fn proxmox(
                 // Each VM setting from → to, applied as Proxmox allows.
                 if !settings.is_empty() {
                     let node = &inv.nodes[*index].name;
-                    let mut a = Action::new(Step::Settings, Some(node), "change VM settings")
-                        .outcome(if report.dry_run {
+                    let kind = Kind::ChangeSettings {
+                        settings: settings
+                            .iter()
+                            .map(|c| plan::Setting {
+                                field: c.field.clone(),
+                                from: c.from.clone(),
+                                to: c.to.clone(),
+                            })
+                            .collect(),
+                    };
+                    let mut a = Action::new(kind, Some(node), "change VM settings").outcome(
+                        if report.dry_run {
                             State::Planned
                         } else {
                             State::Done
-                        });
+                        },
+                    );
                     for c in &settings {
                         a = a.change(&c.field, Some(&c.from), Some(&c.to));
                     }

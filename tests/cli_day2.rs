@@ -358,10 +358,28 @@ fn changed(v: &serde_json::Value) -> Vec<bool> {
         .collect()
 }
 
+/// `status --check`'s exit code; with `--detailed-exitcode` drift is 4
+/// (a failure to check would stay 1), in sync 0 either way.
 fn status_check(config: &Path) -> Option<i32> {
     let o = imgbuild(config, &["--output", "json", "status", "--check"], true);
     let v = json(&o);
     assert_eq!(v["nodes"].as_array().map(Vec::len), Some(5), "{v}");
+    let detailed = imgbuild(
+        config,
+        &[
+            "--output",
+            "json",
+            "status",
+            "--check",
+            "--detailed-exitcode",
+        ],
+        true,
+    );
+    let want = match o.status.code() {
+        Some(1) if !v["drift"].as_array().unwrap().is_empty() => Some(4),
+        code => code,
+    };
+    assert_eq!(detailed.status.code(), want, "{v}");
     o.status.code()
 }
 

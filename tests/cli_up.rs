@@ -241,6 +241,10 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
         assert_eq!(after[key], before.0[key], "{key} changed on a dry run");
     }
     assert_eq!(bootstraps(&c.nodes.stats()), 1);
+    // Terraform's -detailed-exitcode: nothing to do is 0.
+    let (out, v) = c.up(&["--dry-run", "--detailed-exitcode"]);
+    assert_eq!(out.status.code(), Some(0), "{v}");
+    assert_eq!(v["plan"], serde_json::json!([]), "{v}");
 }
 
 #[test]
@@ -281,6 +285,32 @@ fn a_dry_run_plans_everything_and_changes_nothing() {
         plan.contains("build: 5 to build; upload: 5 to upload; vm: 5 to create; start: 5 to start; apply: 5 to apply; etcd: to bootstrap (cp-01)"),
         "{plan}"
     );
+    // With --detailed-exitcode, changes planned are 4 (not 0, not 1), and
+    // the plan is printed in full all the same.
+    let (out, v) = c.up(&["--dry-run", "--detailed-exitcode"]);
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+    assert!(!v["plan"].as_array().unwrap().is_empty(), "{v}");
+    let out = c
+        .command(&c.config(), &["up", "--dry-run", "--detailed-exitcode"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(4));
+    assert!(
+        text(&out.stderr).contains("action(s) planned"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(
+        !text(&out.stderr).contains("error:"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Without a dry run the flag is a usage error.
+    let out = c
+        .command(&c.config(), &["up", "--detailed-exitcode"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
 }
 
 /// Zeroes the partition named META in a raw GPT image, as `sgdisk` lists it.

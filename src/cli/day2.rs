@@ -369,6 +369,10 @@ pub struct StatusArgs {
     /// Exit 1 when anything differs from the inventory (CI drift gate).
     #[arg(long)]
     check: bool,
+    /// With --check: exit 4 (not 1) when something differs, 1 only when
+    /// it could not be checked (Terraform's -detailed-exitcode).
+    #[arg(long, requires = "check")]
+    detailed_exitcode: bool,
     #[command(flatten)]
     run: BootstrapRunArgs,
 }
@@ -604,7 +608,11 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
         }
     }
     if args.check && !drift.is_empty() {
-        return Err(Reported(format!("{} difference(s) from the inventory", drift.len())).into());
+        let message = format!("{} difference(s) from the inventory", drift.len());
+        if args.detailed_exitcode {
+            return Err(super::output::Changes(message).into());
+        }
+        return Err(Reported(message).into());
     }
     Ok(())
 }

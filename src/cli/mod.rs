@@ -33,7 +33,9 @@ mod validate;
 use anyhow::Result;
 use clap::{ArgAction, CommandFactory, Parser, Subcommand};
 use imgbuild::inventory::InventoryError;
-use output::{EXIT_FAILURE, EXIT_PARTIAL, EXIT_USAGE, Output, Partial, Reported, Usage};
+use output::{
+    Changes, EXIT_CHANGES, EXIT_FAILURE, EXIT_PARTIAL, EXIT_USAGE, Output, Partial, Reported, Usage,
+};
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -210,7 +212,13 @@ pub fn run() -> i32 {
             let message = imgbuild::net::error_chain(e.as_ref());
             let message = imgbuild::input::escape(&message).into_owned();
             let partial = e.downcast_ref::<Partial>().is_some();
-            if output == Output::Json && (partial || e.downcast_ref::<Reported>().is_some()) {
+            if e.downcast_ref::<Changes>().is_some() {
+                // Not an error: what is planned or differs was printed.
+                if output == Output::Text {
+                    errln!("{message}");
+                }
+            } else if output == Output::Json && (partial || e.downcast_ref::<Reported>().is_some())
+            {
                 // The JSON result on stdout already says what went wrong.
             } else if output == Output::Json {
                 outln!("{}", json!({ "error": message }));
@@ -234,7 +242,9 @@ fn exit_code(e: &anyhow::Error) -> i32 {
                 Some(imgbuild::build::BuildError::UnknownNode(_))
             )
     });
-    if e.downcast_ref::<Partial>().is_some() {
+    if e.downcast_ref::<Changes>().is_some() {
+        EXIT_CHANGES
+    } else if e.downcast_ref::<Partial>().is_some() {
         EXIT_PARTIAL
     } else if usage {
         EXIT_USAGE

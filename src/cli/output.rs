@@ -73,11 +73,19 @@ pub struct Partial(pub String);
 #[error("{0}")]
 pub struct Usage(pub String);
 
+/// Under `--detailed-exitcode` (Terraform's): a dry run that plans
+/// changes, or `status --check` that finds drift, details already printed:
+/// exit 4, apart from 0 (nothing to do) and 1 (could not tell).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Changes(pub String);
+
 /// The documented exit codes: 0 ok, 1 failure, 2 usage error or invalid
-/// inventory, 3 partial.
+/// inventory, 3 partial, 4 changes planned or drift (`--detailed-exitcode`).
 pub const EXIT_FAILURE: i32 = 1;
 pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_PARTIAL: i32 = 3;
+pub const EXIT_CHANGES: i32 = 4;
 
 /// Every secret value known to this process (see [`redact_also`]), and
 /// the state dirs whose files add theirs whenever they change.

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use imgbuild::build::Route;
 use imgbuild::inventory::ImageFormat;
-use imgbuild::plan::{self, Artifact, ArtifactKind, ArtifactTarget};
+use imgbuild::matrix::{self as plan, Artifact, ArtifactKind, ArtifactTarget};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 

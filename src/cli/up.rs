@@ -3,7 +3,7 @@
 
 use super::board::Board;
 use super::inventory::load_inventory;
-use super::output::{Output, Partial, Reported, Usage, outside};
+use super::output::{Changes, Output, Partial, Reported, Usage, outside};
 use super::progress::Show;
 use super::publish::PublishArgs;
 use super::talos::BootstrapRunArgs;
@@ -12,8 +12,9 @@ use clap::Args;
 use imgbuild::publish::Cancel;
 use imgbuild::publish::target::{Target, TargetOptions};
 use imgbuild::up::converge::{ApplySettings, UpgradeSettings};
+use imgbuild::up::plan::Plan;
 use imgbuild::up::{self, Line, Observers, UpOptions};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 #[derive(Args)]
 pub struct UpArgs {
@@ -27,6 +28,21 @@ pub struct UpArgs {
     /// change nothing.
     #[arg(long)]
     dry_run: bool,
+    /// With --dry-run: exit 0 when nothing is to do, 4 when actions are
+    /// planned, 1 when the plan could not be made (Terraform's
+    /// -detailed-exitcode).
+    #[arg(long, requires = "dry_run")]
+    detailed_exitcode: bool,
+    /// With --dry-run: write the plan to FILE (JSON, format-versioned, no
+    /// secret: `${NAME}` values as keyed fingerprints) for `up --plan FILE`.
+    #[arg(long, value_name = "FILE", requires = "dry_run")]
+    out: Option<PathBuf>,
+    /// Carry out the plan FILE written by `up --dry-run --out`: refused
+    /// before any change, naming what moved, when a fresh plan differs
+    /// (the inventory, a patch, a `${NAME}`, a node's version, a VM, what
+    /// a prune would delete).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["dry_run", "out"])]
+    plan: Option<PathBuf>,
     #[command(flatten)]
     publish: PublishArgs,
     #[command(flatten)]
@@ -83,6 +99,45 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
         allow_destroy: args.allow_destroy,
     };
     let replaced = replace.then(|| opts.nodes.clone());
+    let inventory_file = std::fs::read(config).unwrap_or_default();
+    let vars = &opts.bootstrap.patch_vars;
+    let saved = match &args.plan {
+        None => None,
+        Some(path) => {
+            let saved = Plan::read(path).map_err(|e| Usage(e.to_string()))?;
+            // The plan as it would be made now, under the saved salt: any
+            // difference refuses before anything changes.
+            let fresh = match &replaced {
+                Some(nodes) => up::replace(&inv, &target, &opts, nodes, None),
+                None => up::plan(&inv, &target, &opts),
+            };
+            if let Some((_, e)) = &fresh.stopped {
+                return Err(Reported(format!(
+                    "{}: could not check the plan: {}",
+                    path.display(),
+                    up::chain(e)
+                ))
+                .into());
+            }
+            let now = up::saved_plan(&fresh, &inv, &inventory_file, vars, &saved.salt);
+            let moved = saved.differences(&now);
+            if !moved.is_empty() {
+                if output == Output::Json {
+                    outln!(
+                        "{}",
+                        serde_json::json!({"planFile": path.display().to_string(), "refused": moved})
+                    );
+                }
+                return Err(Reported(format!(
+                    "{} no longer holds, nothing was changed (plan again): {}",
+                    path.display(),
+                    moved.join("; ")
+                ))
+                .into());
+            }
+            Some(saved)
+        }
+    };
     let report = if args.dry_run {
         match &replaced {
             Some(nodes) => up::replace(&inv, &target, &opts, nodes, None),
@@ -120,6 +175,47 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
     {
         return Err(Usage(format!("{}: {e:#}", config.display())).into());
     }
+    if let Some(path) = &args.out
+        && report.stopped.is_none()
+    {
+        let salt = Plan::new_salt(&inventory_file);
+        let plan = up::saved_plan(&report, &inv, &inventory_file, vars, &salt);
+        let text = serde_json::to_string_pretty(&plan)?;
+        imgbuild::atomic::write_if_changed(path, text.as_bytes(), false)
+            .map_err(|e| anyhow::anyhow!("writing the plan to {}: {e}", path.display()))?;
+        if output == Output::Text {
+            errln!(
+                "plan written to {} ({} action(s)); carry it out with: imgbuild up --plan {}",
+                path.display(),
+                plan.actions.len(),
+                path.display()
+            );
+        }
+    }
+    // What the run did that the plan file did not hold (never expected:
+    // the plan was checked just before; told, not hidden).
+    let unplanned: Vec<String> = saved
+        .as_ref()
+        .map(|saved| {
+            report
+                .plan()
+                .iter()
+                .filter(|a| {
+                    matches!(
+                        a.outcome,
+                        up::actions::State::Done | up::actions::State::Failed
+                    )
+                })
+                .filter(|a| {
+                    !saved
+                        .actions
+                        .iter()
+                        .any(|p| p.node == a.node && p.kind.name() == a.kind.name())
+                })
+                .map(|a| a.line())
+                .collect()
+        })
+        .unwrap_or_default();
     if let Some(why) = &report.drift_unchecked
         && output == Output::Text
     {
@@ -138,6 +234,13 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
             super::day2::print_staged(&report.staged);
         }
     }
+    if !unplanned.is_empty() {
+        return Err(Reported(format!(
+            "the run did what the plan file did not hold: {}",
+            unplanned.join("; ")
+        ))
+        .into());
+    }
     match &report.stopped {
         None if report.partial() => Err(Partial(format!(
             "cluster {} is not healthy: {}",
@@ -151,6 +254,9 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
         .into()),
         None if !report.drift.is_empty() => {
             Err(Partial(super::day2::drift_summary(&report.drift)).into())
+        }
+        None if args.detailed_exitcode && !report.plan().is_empty() => {
+            Err(Changes(format!("{} action(s) planned", report.plan().len())).into())
         }
         None => Ok(()),
         Some((_, e)) if report.partial() => Err(Partial(e.to_string()).into()),

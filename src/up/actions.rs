@@ -6,56 +6,9 @@
 //! the removal's, the prune's) is made by its library call; this module
 //! only puts them in one list.
 
+use super::plan::Kind;
+pub use super::plan::Step;
 use crate::input::one_line;
-
-/// The steps of `up`, in the order they run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Step {
-    /// Each node's image.
-    Build,
-    /// New images onto the target (only for machines that will boot them).
-    Publish,
-    /// New machines created and started.
-    Machines,
-    /// New nodes configured; etcd bootstrapped once; health.
-    Bootstrap,
-    /// Talos version and schematic, node by node (as `imgbuild upgrade`).
-    Upgrade,
-    /// The cluster's Kubernetes version (as `imgbuild upgrade`).
-    Kubernetes,
-    /// Machine configs (as `imgbuild apply`).
-    Configs,
-    /// VM or server settings (cores, memory, disk, network).
-    Settings,
-    /// Nodes gone from the inventory: drained, reset, deleted.
-    Remove,
-    /// Volumes, ISOs and snapshots no machine uses.
-    Prune,
-}
-
-impl Step {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Step::Build => "build",
-            Step::Publish => "publish",
-            Step::Machines => "machines",
-            Step::Bootstrap => "bootstrap",
-            Step::Upgrade => "upgrade",
-            Step::Kubernetes => "kubernetes",
-            Step::Configs => "configs",
-            Step::Settings => "settings",
-            Step::Remove => "remove",
-            Step::Prune => "prune",
-        }
-    }
-}
-
-impl std::fmt::Display for Step {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// One field an action changes.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -96,6 +49,8 @@ pub enum State {
 #[serde(rename_all = "camelCase")]
 pub struct Action {
     pub step: Step,
+    /// What it does, typed (the plan file's form).
+    pub kind: Kind,
     /// The node it is about; None for the cluster (Kubernetes, prune).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
@@ -111,9 +66,10 @@ pub struct Action {
 }
 
 impl Action {
-    pub fn new(step: Step, node: Option<&str>, what: &str) -> Action {
+    pub fn new(kind: Kind, node: Option<&str>, what: &str) -> Action {
         Action {
-            step,
+            step: kind.step(),
+            kind,
             node: node.map(str::to_owned),
             what: what.to_owned(),
             changes: Vec::new(),
@@ -199,14 +155,24 @@ mod tests {
 
     #[test]
     fn an_action_reads_on_one_line_with_every_field_from_to() {
-        let a = Action::new(Step::Upgrade, Some("worker-01"), "upgrade")
+        let up = Kind::UpgradeTalos {
+            version: super::super::plan::FromTo {
+                from: Some("v1.11.2".into()),
+                to: "v1.11.3".into(),
+            },
+            schematic: None,
+        };
+        let a = Action::new(up, Some("worker-01"), "upgrade")
             .change("talos", Some("v1.11.2"), Some("v1.11.3"))
             .change("schematic", None, Some("abc"));
         assert_eq!(
             a.line(),
             "upgrade worker-01: upgrade: talos v1.11.2 → v1.11.3; schematic - → abc"
         );
-        let a = Action::new(Step::Remove, Some("w\n2"), "remove")
+        let gone = Kind::RemoveNode {
+            role: crate::inventory::Role::Worker,
+        };
+        let a = Action::new(gone, Some("w\n2"), "remove")
             .destructive()
             .detail("VM 304");
         assert_eq!(a.line(), "remove w\\n2: remove (VM 304)");

@@ -6,8 +6,10 @@
 use std::net::IpAddr;
 use std::path::PathBuf;
 
-use super::actions::{Action, State, Step};
+use super::actions::{Action, State};
 use super::error::{Stage, UpError};
+pub use super::plan::TalosState;
+use super::plan::{Kind, Known, Machine};
 use crate::build::{self, NodeImage};
 use crate::digest::Sha256;
 use crate::inventory::Inventory;
@@ -111,18 +113,6 @@ impl Stages {
             ("apply", self.apply),
         ]
     }
-}
-
-/// A node's Talos API as last seen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TalosState {
-    /// Answers without a client certificate: waiting for its config.
-    Maintenance,
-    /// Answers over mTLS only: configured.
-    Configured,
-    /// Port closed or no TLS answer.
-    Unreachable,
 }
 
 impl From<Option<&Probe>> for TalosState {
@@ -337,35 +327,60 @@ impl Report {
             let sha = n.sha256.map(|s| s.hex()[..12].to_owned());
             if let Some(c) = worth(&n.stages.build) {
                 out.push(
-                    Action::new(Step::Build, node, c.word(self.dry_run))
-                        .change("image", None, sha.as_deref())
-                        .outcome(outcome(c)),
+                    Action::new(
+                        Kind::BuildImage {
+                            image: Known::of(sha.clone()),
+                        },
+                        node,
+                        c.word(self.dry_run),
+                    )
+                    .change("image", None, sha.as_deref())
+                    .outcome(outcome(c)),
                 );
             }
             if let Some(c) = worth(&n.stages.upload) {
                 out.push(
-                    Action::new(Step::Publish, node, c.word(self.dry_run))
-                        .change("volume", None, n.volume.as_deref())
-                        .outcome(outcome(c)),
+                    Action::new(
+                        Kind::UploadImage {
+                            volume: Known::of(n.volume.clone()),
+                        },
+                        node,
+                        c.word(self.dry_run),
+                    )
+                    .change("volume", None, n.volume.as_deref())
+                    .outcome(outcome(c)),
                 );
             }
             let machine = n
                 .vmid
                 .map(|v| format!("VM {v}"))
                 .or(n.server.map(|s| format!("server {s}")));
+            let typed = n.vmid.map(Machine::Vm).or(n.server.map(Machine::Server));
             for c in [worth(&n.stages.vm), worth(&n.stages.start)]
                 .into_iter()
                 .flatten()
             {
+                let machine_now = Known::of(typed.clone());
+                let kind = match c {
+                    Change::Created => Kind::CreateMachine {
+                        machine: machine_now,
+                    },
+                    Change::Started => Kind::StartMachine {
+                        machine: machine_now,
+                    },
+                    _ => Kind::UpdateMachine {
+                        machine: machine_now,
+                    },
+                };
                 out.push(
-                    Action::new(Step::Machines, node, c.word(self.dry_run))
+                    Action::new(kind, node, c.word(self.dry_run))
                         .change("machine", None, machine.as_deref())
                         .outcome(outcome(c)),
                 );
             }
             if let Some(c) = worth(&n.stages.apply) {
                 out.push(
-                    Action::new(Step::Bootstrap, node, "apply its first config")
+                    Action::new(Kind::ApplyFirstConfig, node, "apply its first config")
                         .change("talos", Some("maintenance"), Some("configured"))
                         .outcome(outcome(c)),
                 );
@@ -374,7 +389,7 @@ impl Report {
         if let (Some(c @ Change::Bootstrapped), Some(node)) = (self.bootstrap, &self.bootstrap_node)
         {
             out.push(
-                Action::new(Step::Bootstrap, Some(node), "bootstrap etcd").outcome(outcome(c)),
+                Action::new(Kind::BootstrapEtcd, Some(node), "bootstrap etcd").outcome(outcome(c)),
             );
         }
         out.extend(self.actions.iter().cloned());
