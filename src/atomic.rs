@@ -144,6 +144,23 @@ fn holds(target: &Path, data: &[u8]) -> bool {
         && old == data
 }
 
+/// Refuses an `--out` target that is there and is not a regular file (a
+/// device, a FIFO, a symlink, a directory): a file is written under a
+/// temporary name and renamed into place, which would replace `/dev/null`
+/// or the `/dev/stdout` link itself, and leave the data (secrets, maybe)
+/// in a file of that name.
+pub fn check_out_target(target: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(target) {
+        Ok(m) if m.file_type().is_file() => Ok(()),
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "there is something other than a regular file there (a device, a pipe, a link or a folder), which a new file would replace: name a file",
+        )),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// An exclusive lock (`File::lock`, flock(2) on Linux) on `path` (created
 /// if missing), held until the returned file is dropped: read-modify-write
 /// of a shared file (cache entries, the manifest, the secrets bundle) by
@@ -160,6 +177,33 @@ pub fn lock(path: &Path) -> io::Result<File> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_out_target_is_a_regular_file_or_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let file = d.join("plan.json");
+        check_out_target(&file).unwrap();
+        fs::write(&file, "old").unwrap();
+        check_out_target(&file).unwrap();
+        std::os::unix::fs::symlink("/dev/null", d.join("null")).unwrap();
+        let fifo = d.join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid path; mkfifo creates the node or fails.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for refused in [
+            d.join("null"),
+            fifo,
+            d.to_owned(),
+            Path::new("/dev/null").to_owned(),
+        ] {
+            let e = check_out_target(&refused).unwrap_err();
+            assert!(
+                e.to_string().contains("other than a regular file"),
+                "{refused:?}: {e}"
+            );
+        }
+    }
+
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 

@@ -18,14 +18,16 @@ pub use error::{Stage, UpError};
 pub use report::{Change, Line, NodeReport, Report, Stages, TalosState, chain};
 
 /// The plan file of a dry run's report: its actions in order and what
-/// they rest on; `salt` keys the `${NAME}` fingerprints (a saved plan's
-/// own, to compare with it).
+/// they rest on; `salt` (kept in the file) and the cluster's `secret`
+/// (never kept) key the `${NAME}` fingerprints (a saved plan's own salt,
+/// to compare with it).
 pub fn saved_plan(
     report: &Report,
     inv: &Inventory,
     inventory_file: &[u8],
     vars: &crate::talos::config::PatchVars,
     salt: &str,
+    secret: Option<&str>,
 ) -> plan::Plan {
     let nodes = report
         .nodes
@@ -46,7 +48,13 @@ pub fn saved_plan(
         cluster: report.cluster.clone(),
         target: report.target.to_owned(),
         salt: salt.to_owned(),
-        observed: plan::Observed::of(inv, inventory_file, vars, salt, nodes),
+        observed: plan::Observed::of(
+            inv,
+            inventory_file,
+            vars,
+            &plan::fingerprint_key(salt, secret),
+            nodes,
+        ),
         actions: report
             .plan()
             .into_iter()

@@ -337,3 +337,45 @@ fn a_bundle_with_an_ecdsa_os_ca_and_rsa_kubernetes_cas_bootstraps_a_cluster() {
         KeyKind::Rsa
     );
 }
+
+#[test]
+fn config_out_refuses_a_link_or_a_device_and_leaves_it_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("cluster.yaml"), two_nodes(&net(9), "")).unwrap();
+    let real = d.join("real.yaml");
+    std::fs::write(&real, "mine\n").unwrap();
+    std::os::unix::fs::symlink(&real, d.join("link.yaml")).unwrap();
+    std::os::unix::fs::symlink("/dev/null", d.join("null")).unwrap();
+    for out in ["link.yaml", "null"] {
+        let target = d.join(out);
+        let o = imgbuild(
+            d,
+            &["config", "cp-01", "--out", target.to_str().unwrap()],
+            &[],
+        );
+        assert_eq!(o.status.code(), Some(2), "{out}: {}", text(&o.stderr));
+        assert!(
+            text(&o.stderr).contains("other than a regular file"),
+            "{}",
+            text(&o.stderr)
+        );
+        assert!(
+            std::fs::symlink_metadata(&target)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&real).unwrap(), "mine\n");
+    // A regular file is written (0600), as before.
+    let file = d.join("cp-01.yaml");
+    std::fs::write(&file, "old\n").unwrap();
+    let o = imgbuild(
+        d,
+        &["config", "cp-01", "--out", file.to_str().unwrap()],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(std::fs::read_to_string(&file).unwrap().contains("machine:"));
+}

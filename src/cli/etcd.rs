@@ -65,7 +65,11 @@ pub fn run(args: EtcdArgs, config: &Path, output: Output) -> Result<()> {
     let mut snap = SnapshotOptions::in_state_dir(&prepared.state_dir.path, &inv.cluster.name);
     snap.max_size = args.max_size;
     snap.target = match args.out {
-        Some(file) => SnapshotTarget::File(file),
+        Some(file) => {
+            imgbuild::atomic::check_out_target(&file)
+                .map_err(|e| super::output::Usage(format!("--out {}: {e}", file.display())))?;
+            SnapshotTarget::File(file)
+        }
         None => SnapshotTarget::Dir {
             dir: prepared.state_dir.path.join(etcd::SNAPSHOT_DIR),
             cluster: inv.cluster.name.clone(),

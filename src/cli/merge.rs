@@ -61,21 +61,44 @@ fn merge_file(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => target.to_owned(),
         Err(e) => return Err(anyhow::anyhow!("{}: {e}", target.display())),
     };
-    let theirs = if target.exists() {
-        read(&target)?
-    } else {
-        String::new()
-    };
+    if let Some(dir) = target.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
+    }
+    // Held until the merged file is in place: a concurrent merge waits,
+    // then reads what this one wrote.
+    let _lock = lock_target(&target).with_context(|| format!("{}", target.display()))?;
+    let theirs = read(&target)?;
     let merged = merge(&theirs, &ours_text, force)
         .map_err(|e| Usage(format!("{}: {e}", target.display())))?;
     if merged.changed {
-        if let Some(dir) = target.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
-        }
         imgbuild::atomic::write_if_changed(&target, merged.text.as_bytes(), true)
             .with_context(|| format!("{}", target.display()))?;
     }
     Ok(merged)
+}
+
+/// An exclusive lock on the file at `target` (created empty, 0600, when
+/// missing) that is still the file there once locked: a merge replaces the
+/// file by rename, so a waiter that locked the old one looks again.
+fn lock_target(target: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    loop {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+            .open(target)?;
+        let meta = file.metadata()?;
+        if !meta.is_file() {
+            return Err(std::io::Error::other("not a regular file"));
+        }
+        file.lock()?;
+        if std::fs::symlink_metadata(target).is_ok_and(|now| now.ino() == meta.ino()) {
+            return Ok(file);
+        }
+    }
 }
 
 fn report(target: &Path, merged: &Merged, kind: &str, output: Output) {
@@ -102,6 +125,43 @@ fn report(target: &Path, merged: &Merged, kind: &str, output: Output) {
                     "unchanged"
                 },
                 merged.context
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn concurrent_merges_into_one_file_keep_every_cluster() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("kube/config");
+        let ours: Vec<PathBuf> = (0..8)
+            .map(|i| {
+                let p = dir.path().join(format!("ours-{i}"));
+                std::fs::write(
+                    &p,
+                    format!(
+                        "apiVersion: v1\nkind: Config\nclusters:\n- name: c{i}\n  cluster:\n    server: https://10.0.0.{i}:6443\nusers:\n- name: admin@c{i}\n  user:\n    token: t{i}\ncontexts:\n- name: admin@c{i}\n  context:\n    cluster: c{i}\n    user: admin@c{i}\ncurrent-context: admin@c{i}\n"
+                    ),
+                )
+                .unwrap();
+                p
+            })
+            .collect();
+        std::thread::scope(|s| {
+            for p in &ours {
+                let target = &target;
+                s.spawn(move || merge_file(target, p, false, merge::kubeconfig).unwrap());
+            }
+        });
+        let text = std::fs::read_to_string(&target).unwrap();
+        for i in 0..8 {
+            assert!(
+                text.contains(&format!("name: admin@c{i}")),
+                "c{i} lost:\n{text}"
             );
         }
     }

@@ -242,6 +242,8 @@ pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result
     let (bundle, _) = args.state.open(&inv)?.secrets()?;
     let text = config::machine_config(&inv, node, &bundle, &patch_vars())?;
     if let Some(path) = &args.out {
+        imgbuild::atomic::check_out_target(path)
+            .map_err(|e| super::output::Usage(format!("--out {}: {e}", path.display())))?;
         imgbuild::atomic::write_if_changed(path, text.as_bytes(), true)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         match output {
@@ -268,7 +270,14 @@ fn redacted_yaml(text: &str) -> String {
         match v {
             Value::String(s) => *s = super::output::shown(s, false),
             Value::Sequence(items) => items.iter_mut().for_each(walk),
-            Value::Mapping(m) => m.values_mut().for_each(walk),
+            // Keys too: a `${NAME}` can name a label.
+            Value::Mapping(m) => {
+                for (mut k, mut v) in std::mem::take(m) {
+                    walk(&mut k);
+                    walk(&mut v);
+                    m.insert(k, v);
+                }
+            }
             Value::Tagged(t) => walk(&mut t.value),
             _ => {}
         }

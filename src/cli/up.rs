@@ -101,6 +101,8 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
     let replaced = replace.then(|| opts.nodes.clone());
     let inventory_file = std::fs::read(config).unwrap_or_default();
     let vars = &opts.bootstrap.patch_vars;
+    // Read once the plan is made: a first dry run may create the bundle.
+    let secret = || plan_secret(&inv, opts.bootstrap.state_dir.as_deref());
     let saved = match &args.plan {
         None => None,
         Some(path) => {
@@ -119,7 +121,14 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
                 ))
                 .into());
             }
-            let now = up::saved_plan(&fresh, &inv, &inventory_file, vars, &saved.salt);
+            let now = up::saved_plan(
+                &fresh,
+                &inv,
+                &inventory_file,
+                vars,
+                &saved.salt,
+                secret().as_deref(),
+            );
             let moved = saved.differences(&now);
             if !moved.is_empty() {
                 if output == Output::Json {
@@ -178,8 +187,17 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
     if let Some(path) = &args.out
         && report.stopped.is_none()
     {
+        imgbuild::atomic::check_out_target(path)
+            .map_err(|e| Usage(format!("--out {}: {e}", path.display())))?;
         let salt = Plan::new_salt(&inventory_file);
-        let plan = up::saved_plan(&report, &inv, &inventory_file, vars, &salt);
+        let plan = up::saved_plan(
+            &report,
+            &inv,
+            &inventory_file,
+            vars,
+            &salt,
+            secret().as_deref(),
+        );
         let text = serde_json::to_string_pretty(&plan)?;
         imgbuild::atomic::write_if_changed(path, text.as_bytes(), false)
             .map_err(|e| anyhow::anyhow!("writing the plan to {}: {e}", path.display()))?;
@@ -262,4 +280,18 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
         Some((_, e)) if report.partial() => Err(Partial(e.to_string()).into()),
         Some((_, e)) => Err(Reported(up::chain(e)).into()),
     }
+}
+
+/// The cluster secret that keys a plan's `${NAME}` fingerprints: the
+/// bundle's bootstrap token, when the state dir has a bundle.
+fn plan_secret(inv: &imgbuild::inventory::Inventory, dir: Option<&Path>) -> Option<String> {
+    let dir = dir.map_or_else(
+        || imgbuild::talos::config::default_state_dir(inv),
+        Path::to_owned,
+    );
+    let path = dir.join("secrets.yaml");
+    path.is_file()
+        .then(|| imgbuild::talos::secrets::SecretsBundle::load(&path).ok())
+        .flatten()
+        .map(|b| b.secrets.bootstraptoken)
 }

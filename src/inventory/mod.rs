@@ -657,7 +657,10 @@ impl Validator<'_> {
         if let Some(why) = url_rule(&c.endpoint) {
             self.problem(
                 "cluster.endpoint",
-                format!("{} {why}", crate::input::quote(&c.endpoint)),
+                format!(
+                    "{} {why}",
+                    crate::input::quote(&without_userinfo(&c.endpoint))
+                ),
             );
         } else if endpoint_host(&c.endpoint).is_none() {
             self.problem(
@@ -672,7 +675,7 @@ impl Validator<'_> {
             if let Some(why) = url_rule(ep) {
                 self.problem(
                     "cluster.kubernetesEndpoint",
-                    format!("{} {why}", crate::input::quote(ep)),
+                    format!("{} {why}", crate::input::quote(&without_userinfo(ep))),
                 );
             } else if endpoint_host(ep).is_none() {
                 self.problem(
@@ -1168,6 +1171,17 @@ fn url_rule(url: &str) -> Option<&'static str> {
         return Some("has a fragment (#…): an endpoint is https://host:port");
     }
     None
+}
+
+/// `url` with its user info (a password, maybe) shown as `…@`.
+fn without_userinfo(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..end].rfind('@') {
+        Some(at) if scheme.is_empty() => format!("…@{}", &rest[at + 1..]),
+        Some(at) => format!("{scheme}://…@{}", &rest[at + 1..]),
+        None => url.to_owned(),
+    }
 }
 
 /// The host of an `https://host[:port][/]` URL.

@@ -747,6 +747,10 @@ fn endpoints_with_more_than_host_and_port_are_refused_with_the_rule() {
             !err.contains('\u{1b}'),
             "escape reached the message: {err:?}"
         );
+        assert!(
+            !err.contains("pw@"),
+            "the password reached the message: {err}"
+        );
     }
     for ep in [
         "https://k8s.example.org:6443",

@@ -517,8 +517,8 @@ fn json6902_op_name(op: &Value) -> String {
 
 /// Talos applies a JSON6902 patch to the config as one YAML document and
 /// refuses it once the config has more than one
-/// (`configpatcher/json6902.go`); the operations run in order, all or
-/// nothing.
+/// (`configpatcher/json6902.go`); the operations run in order, and one
+/// that fails fails the render.
 fn apply_json6902(
     doc: &mut Value,
     extra: &[ExtraDoc],
@@ -530,15 +530,54 @@ fn apply_json6902(
             other.key
         ));
     }
-    json_patch::patch(doc, patch).map_err(|e| {
-        let what = patch
-            .0
-            .get(e.operation)
-            .and_then(|op| serde_json::to_value(op).ok())
-            .map(|op| json6902_op_name(&op))
-            .unwrap_or_default();
-        format!("operation {} ({what}): {}", e.operation, e.kind)
-    })
+    // `copy` doubles what it copies: forty of them make a few bytes of
+    // patch into terabytes. What the operations may build is bounded as
+    // the YAML guard bounds an alias expansion.
+    let mut size = json_size(doc);
+    for (i, op) in patch.0.iter().enumerate() {
+        let what = || {
+            serde_json::to_value(op)
+                .map(|op| json6902_op_name(&op))
+                .unwrap_or_default()
+        };
+        size += match op {
+            json_patch::PatchOperation::Copy(c) => {
+                doc.pointer(c.from.as_str()).map_or(0, json_size)
+            }
+            json_patch::PatchOperation::Add(a) => json_size(&a.value),
+            json_patch::PatchOperation::Replace(r) => json_size(&r.value),
+            _ => 0,
+        };
+        if size > MAX_PATCHED_CONFIG {
+            return Err(format!(
+                "operation {i} ({}): the config would grow past {} MiB",
+                what(),
+                MAX_PATCHED_CONFIG >> 20
+            ));
+        }
+        json_patch::patch(doc, std::slice::from_ref(op))
+            .map_err(|e| format!("operation {i} ({}): {}", what(), e.kind))?;
+    }
+    Ok(())
+}
+
+/// The most a config may grow to through JSON6902 operations (the YAML
+/// guard's bound on what aliases expand to).
+const MAX_PATCHED_CONFIG: usize = 16 << 20;
+
+/// About how many bytes `v` takes as JSON, without writing it.
+fn json_size(v: &Value) -> usize {
+    match v {
+        Value::Null | Value::Bool(_) | Value::Number(_) => 8,
+        Value::String(s) => s.len() + 2,
+        Value::Array(a) => 2 + a.iter().map(json_size).sum::<usize>(),
+        Value::Object(m) => {
+            2 + m
+                .iter()
+                .map(|(k, v)| k.len() + 4 + json_size(v))
+                .sum::<usize>()
+        }
+    }
 }
 
 /// A document other than v1alpha1 in the config, and the patch file that
@@ -1609,6 +1648,19 @@ mod tests {
         let mixed = "- op: add\n  path: /x\n  value: 1\n---\nmachine: {}\n";
         let err = render_with(&[("m.yaml", mixed)], &[]).unwrap_err();
         assert!(err.contains("cannot share its file"), "{err}");
+    }
+
+    #[test]
+    fn json6902_copies_that_double_the_config_are_refused_before_they_fill_memory() {
+        let mut ops =
+            String::from("- op: add\n  path: /machine/x\n  value: [[1, 2, 3, 4, 5, 6, 7, 8]]\n");
+        for _ in 0..40 {
+            ops.push_str("- op: copy\n  from: /machine/x\n  path: /machine/x/-\n");
+        }
+        let err = render_with(&[("double.yaml", &ops)], &[]).unwrap_err();
+        assert!(err.contains("double.yaml"), "{err}");
+        assert!(err.contains("the config would grow past 16 MiB"), "{err}");
+        assert!(err.contains("(copy /machine/x/-)"), "{err}");
     }
 
     #[test]

@@ -349,8 +349,9 @@ pub struct Plan {
     pub format: u32,
     pub cluster: String,
     pub target: String,
-    /// The random key of the `${NAME}` fingerprints (public: it only
-    /// keeps fingerprints from matching across plans).
+    /// The random salt of the `${NAME}` fingerprints, whose key is this
+    /// salt keyed by the cluster's secret ([`fingerprint_key`]): the file
+    /// alone does not let anyone test guesses of a value.
     pub salt: String,
     pub observed: Observed,
     /// In the order they run.
@@ -518,6 +519,17 @@ fn names_in(text: &str) -> Vec<String> {
     names
 }
 
+/// The key of a plan's `${NAME}` fingerprints: the plan's salt keyed by
+/// the cluster's secret, so the plan file (a CI artifact) alone cannot
+/// test guesses of a value; the salt alone where the cluster has no
+/// secrets yet.
+pub fn fingerprint_key(salt: &str, secret: Option<&str>) -> String {
+    match secret {
+        Some(secret) => keyed(secret, &format!("imgbuild plan fingerprints {salt}")),
+        None => salt.to_owned(),
+    }
+}
+
 /// The keyed fingerprint of a value: HMAC-SHA256 under `salt`.
 fn keyed(salt: &str, value: &str) -> String {
     let key = aws_lc_rs::hmac::Key::new(aws_lc_rs::hmac::HMAC_SHA256, salt.as_bytes());
@@ -601,6 +613,11 @@ mod tests {
 
     #[test]
     fn fingerprints_are_keyed_and_hold_no_value() {
+        assert_ne!(
+            fingerprint_key("salt1", Some("cluster secret")),
+            fingerprint_key("salt1", None)
+        );
+        assert!(!fingerprint_key("salt1", Some("cluster secret")).contains("cluster secret"));
         let a = keyed("salt1", "hunter2");
         assert_ne!(a, keyed("salt2", "hunter2"));
         assert_eq!(a, keyed("salt1", "hunter2"));
