@@ -102,7 +102,7 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
     let inventory_file = std::fs::read(config).unwrap_or_default();
     let vars = &opts.bootstrap.patch_vars;
     // Read once the plan is made: a first dry run may create the bundle.
-    let secret = || plan_secret(&inv, opts.bootstrap.state_dir.as_deref());
+    let secret = || fingerprint_secret(&inv, opts.bootstrap.state_dir.as_deref());
     let saved = match &args.plan {
         None => None,
         Some(path) => {
@@ -284,7 +284,7 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
 
 /// The cluster secret that keys a plan's `${NAME}` fingerprints: the
 /// bundle's bootstrap token, when the state dir has a bundle.
-fn plan_secret(inv: &imgbuild::inventory::Inventory, dir: Option<&Path>) -> Option<String> {
+fn fingerprint_secret(inv: &imgbuild::inventory::Inventory, dir: Option<&Path>) -> Option<String> {
     let dir = dir.map_or_else(
         || imgbuild::talos::config::default_state_dir(inv),
         Path::to_owned,
