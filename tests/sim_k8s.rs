@@ -1107,6 +1107,12 @@ async fn a_node_that_goes_down_turns_unknown_after_the_node_monitor_grace_period
             .into_iter()
             .find(|n| n["metadata"]["name"] == "worker-01")
     };
+    // Ready first (its kubelet starts after the cluster answers): the
+    // status it then keeps is Ready.
+    c.wait("worker-01 Ready", || {
+        worker().is_some_and(|n| n["status"]["conditions"][0]["status"] == "True")
+    })
+    .await;
     let v = c.post("halt", json!({"ip": c.ip(21)}));
     assert_eq!(v["halted"], true, "{v}");
     // Within the default 40 s: still listed with its last status.
