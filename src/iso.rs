@@ -365,6 +365,14 @@ pub fn add_kernel_arg(cfg: &str, arg: &str) -> Result<(String, usize), (usize, S
                 format!("the kernel line is not one command of literal words: {e}"),
             )
         })?;
+        // `linux(` is one word to GRUB (a command of that name), though our
+        // token split reads `linux`: neither is guessed.
+        if !words
+            .first()
+            .is_some_and(|w| KERNEL_COMMANDS.contains(&w.as_str()))
+        {
+            return Err((at, "a kernel command glued to other characters".into()));
+        }
         if words.len() < 2 {
             return Err((at, "a kernel command without a kernel".into()));
         }
