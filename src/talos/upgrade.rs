@@ -953,6 +953,43 @@ mod tests {
     }
 
     #[test]
+    fn a_recorded_path_that_is_not_one_hop_a_minor_upwards_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upgrades.json");
+        let with = |p: &str| {
+            std::fs::write(
+                &path,
+                format!("{{\"nodes\": {{}}, \"paths\": {{\"w\\u001b1\": {p}}}}}"),
+            )
+            .unwrap();
+            Record::load(&path)
+        };
+        with(r#"["v1.10.9", "v1.11.5"]"#).unwrap();
+        with(r#"["v1.11.2"]"#).unwrap();
+        for (p, why) in [
+            (
+                r#"["v1.11.5", "v1.10.9"]"#,
+                "does not ascend at \"v1.10.9\"",
+            ),
+            (r#"["v1.11.5", "v1.11.5"]"#, "does not ascend"),
+            (
+                r#"["latest"]"#,
+                "\"latest\" in its path is not a Talos version",
+            ),
+            ("[]", "a path of 0 versions"),
+        ] {
+            let e = with(p).unwrap_err().to_string();
+            assert!(e.contains(why), "{p}: {e}");
+            assert!(e.contains("node \"w\\u{1b}1\""), "the name is escaped: {e}");
+        }
+        let long: Vec<String> = (0..40).map(|i| format!("\"v1.{i}.0\"")).collect();
+        let e = with(&format!("[{}]", long.join(",")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a path of 40 versions (1 to 32)"), "{e}");
+    }
+
+    #[test]
     fn the_record_answers_only_for_nodes_that_cannot_and_run_its_version() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("upgrades.json");

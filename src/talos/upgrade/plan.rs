@@ -101,6 +101,10 @@ pub struct Record {
     pub cordoned: std::collections::BTreeSet<String>,
 }
 
+/// The most versions a recorded path may hold: one per Talos minor, and
+/// Talos has had fewer than 20.
+const MAX_PATH_HOPS: usize = 32;
+
 /// Why the [`Record`] could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
@@ -137,12 +141,46 @@ impl Record {
             Err(e) => return Err(bad(e.to_string())),
         };
         // serde may quote what it found: bounded (the writer escapes it).
-        serde_json::from_str(&text).map_err(|e| {
+        let record: Record = serde_json::from_str(&text).map_err(|e| {
             bad(format!(
                 "not an upgrade record: {}",
                 crate::input::excerpt(&e.to_string(), 200)
             ))
-        })
+        })?;
+        record.check_paths().map_err(bad)?;
+        Ok(record)
+    }
+
+    /// A path as [`path`] makes one: Talos versions, one a minor, the
+    /// target last, in ascending order (a hand-edited or damaged record
+    /// would otherwise send a node an Upgrade to what it names).
+    fn check_paths(&self) -> Result<(), String> {
+        for (node, path) in &self.paths {
+            let node = crate::input::quote(node);
+            if path.is_empty() || path.len() > MAX_PATH_HOPS {
+                return Err(format!(
+                    "node {node}: a path of {} versions (1 to {MAX_PATH_HOPS})",
+                    path.len()
+                ));
+            }
+            let mut last = None;
+            for v in path {
+                let Some(now) = parse_version(v, false) else {
+                    return Err(format!(
+                        "node {node}: {} in its path is not a Talos version",
+                        crate::input::quote(v)
+                    ));
+                };
+                if last.is_some_and(|l| now <= l) {
+                    return Err(format!(
+                        "node {node}: its path does not ascend at {}",
+                        crate::input::quote(v)
+                    ));
+                }
+                last = Some(now);
+            }
+        }
+        Ok(())
     }
 
     /// Writes the record atomically (0600, beside the secrets).
