@@ -392,3 +392,19 @@ fn validate_refuses_a_kubernetes_version_its_talos_does_not_run_with_2() {
         "{err}"
     );
 }
+
+#[test]
+fn validate_refuses_a_secure_boot_iso_for_a_node_that_needs_meta_with_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = Inventory::loopback()
+        .replace("format: raw", "format: iso\n  secureBoot: true")
+        .replace("talosVersion: v1.11.2", "talosVersion: v1.9.6")
+        .write_to(&dir.path().join("sb.yaml"));
+    let o = imgbuild(&["--config", path.to_str().unwrap(), "validate"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("image.format: iso: node cp-01: a Secure Boot ISO boots a signed UKI"),
+        "{err}"
+    );
+}

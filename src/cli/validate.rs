@@ -55,6 +55,10 @@ pub fn run(args: ValidateArgs, config: &Path, output: Output) -> Result<()> {
         // patch route before downloading anything.
         imgbuild::iso::check_patchable(&inv.cluster.talos_version, inv.image.bootloader)
             .map_err(|e| Usage(format!("{}: image.format: iso: {e}", config.display())))?;
+        // A Secure Boot ISO's command line is signed: no node's META on it.
+        let nodes: Vec<_> = inv.nodes.iter().collect();
+        imgbuild::iso::check_secure_boot(&inv, &nodes)
+            .map_err(|e| Usage(format!("{}: image.format: iso: {e}", config.display())))?;
     }
     let checked = imgbuild::talos::stage::check(&inv, &opts)
         .map_err(|e| Usage(format!("{}: {:#}", config.display(), anyhow::Error::new(e))))?;
