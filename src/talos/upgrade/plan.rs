@@ -147,35 +147,39 @@ impl Record {
                 crate::input::excerpt(&e.to_string(), 200)
             ))
         })?;
-        record.check_paths().map_err(bad)?;
+        record.check_paths(path)?;
         Ok(record)
     }
 
     /// A path as [`path`] makes one: Talos versions, one a minor, the
     /// target last, in ascending order (a hand-edited or damaged record
     /// would otherwise send a node an Upgrade to what it names).
-    fn check_paths(&self) -> Result<(), String> {
+    fn check_paths(&self, file: &Path) -> Result<(), RecordError> {
+        let bad = |why: String| RecordError {
+            path: file.to_owned(),
+            why,
+        };
         for (node, path) in &self.paths {
             let node = crate::input::quote(node);
             if path.is_empty() || path.len() > MAX_PATH_HOPS {
-                return Err(format!(
+                return Err(bad(format!(
                     "node {node}: a path of {} versions (1 to {MAX_PATH_HOPS})",
                     path.len()
-                ));
+                )));
             }
             let mut last = None;
             for v in path {
                 let Some(now) = parse_version(v, false) else {
-                    return Err(format!(
+                    return Err(bad(format!(
                         "node {node}: {} in its path is not a Talos version",
                         crate::input::quote(v)
-                    ));
+                    )));
                 };
                 if last.is_some_and(|l| now <= l) {
-                    return Err(format!(
+                    return Err(bad(format!(
                         "node {node}: its path does not ascend at {}",
                         crate::input::quote(v)
-                    ));
+                    )));
                 }
                 last = Some(now);
             }
