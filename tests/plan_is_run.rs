@@ -16,7 +16,7 @@ use std::process::Output;
 mod common;
 use common::inventory::{Inventory, NODES};
 use common::run::Run;
-use common::sims::{Nodes, Pve, Sim};
+
 use common::{json, stdout_ok, text};
 
 /// The /24 for scenario `k` (apart from tests/up_reconcile.rs's low ones).
@@ -27,50 +27,12 @@ fn net(k: u8) -> String {
 /// The value of `${PLAN_TOKEN}` in the patch: must never reach a plan file.
 const VAR_VALUE: &str = "tok-7f3a9c1e55d2b804";
 
-struct Cluster {
-    factory: Sim,
-    pve: Pve,
-    nodes: Nodes,
-    dir: tempfile::TempDir,
-    net: String,
-}
+/// The demo cluster (tests/common/demo.rs), with this file's helpers.
+use common::demo::DemoCluster as Cluster;
 
 impl Cluster {
-    fn start(k: u8) -> Cluster {
-        let net = net(k);
-        let nodes = Nodes::start(&[
-            "--vip",
-            &format!("{net}.10"),
-            "--reboot-delay",
-            "200",
-            "--upgrade-delay",
-            "50",
-        ]);
-        let pve = Pve::start(&["--nodes-control", nodes.control.as_str()]);
-        let dir = tempfile::tempdir().unwrap();
-        let cluster = Cluster {
-            factory: Sim::start_with(&[], 0, &["--versions", "v1.11.2,v1.11.5"]),
-            pve,
-            nodes,
-            dir,
-            net,
-        };
-        cluster.write(&cluster.inventory());
-        cluster
-    }
-
-    fn inventory(&self) -> Inventory {
-        Inventory::five_nodes("demo", &self.net)
-            .metal("raw")
-            .proxmox(true)
-    }
-
-    fn write(&self, inv: &Inventory) {
-        inv.write_to(&self.config());
-    }
-
-    fn config(&self) -> PathBuf {
-        self.dir.path().join("cluster.yaml")
+    fn start_at(k: u8) -> Cluster {
+        Cluster::start(net(k))
     }
 
     fn plan_file(&self, name: &str) -> PathBuf {
@@ -80,21 +42,8 @@ impl Cluster {
     /// `imgbuild <args>` with the simulators, this scenario's state dir
     /// and folders, and `${PLAN_TOKEN}` as `var`.
     fn run_with(&self, args: &[&str], var: &str) -> Output {
-        let mut run = Run::with_config(&self.config(), args);
-        run.timeouts(args)
-            .arg("--state-dir")
-            .arg(self.dir.path().join("state"))
-            .env_remove("IMGBUILD_STATE_DIR")
-            .env_remove("TALOSCONFIG")
-            .env("PLAN_TOKEN", var)
-            .proxmox(&self.pve);
-        if args.contains(&"up") {
-            run.factory(&self.factory)
-                .args(["--poll-ms", "50", "--quiet"])
-                .folders(self.dir.path());
-        } else {
-            run.args(["--factory", &self.factory.url]);
-        }
+        let mut run = self.command(args);
+        run.env("PLAN_TOKEN", var);
         run.output()
     }
 
@@ -221,7 +170,7 @@ fn write_patch(dir: &Path) {
 /// plan's; each kind of world change in between refused before any change.
 #[test]
 fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
-    let c = Cluster::start(1);
+    let c = Cluster::start_at(1);
 
     // Create: five nodes from nothing.
     let planned = c.plan("create.json");

@@ -8,13 +8,13 @@
 // A test's stderr is libtest's to capture, not the CLI's one writer.
 #![allow(clippy::disallowed_macros)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
 mod common;
 use common::inventory::{Inventory, NODES};
-use common::run::Run;
-use common::sims::{Nodes, Pve, Sim};
+
+use common::sims::Pve;
 use common::{json, stdout_ok, text};
 
 /// The /24 for scenario `k`, offset by the process id (and apart from the
@@ -23,74 +23,16 @@ fn net(k: u8) -> String {
     format!("127.{}.{k}", 150 + std::process::id() % 50)
 }
 
-/// The three simulators wired as a chain, the inventory's folder, and the
-/// inventory's text as the test edits it.
-struct Cluster {
-    factory: Sim,
-    pve: Pve,
-    nodes: Nodes,
-    dir: tempfile::TempDir,
-    net: String,
-}
+/// The demo cluster, with this file's scenario helpers.
+use common::demo::DemoCluster as Cluster;
 
 impl Cluster {
-    fn start(k: u8) -> Cluster {
-        let net = net(k);
-        let nodes = Nodes::start(&[
-            "--vip",
-            &format!("{net}.10"),
-            "--reboot-delay",
-            "200",
-            "--upgrade-delay",
-            "50",
-        ]);
-        let pve = Pve::start(&["--nodes-control", nodes.control.as_str()]);
-        let dir = tempfile::tempdir().unwrap();
-        let cluster = Cluster {
-            factory: Sim::start_with(&[], 0, &["--versions", "v1.11.2,v1.11.5"]),
-            pve,
-            nodes,
-            dir,
-            net,
-        };
-        cluster.write(&cluster.inventory());
-        cluster
+    fn start_at(k: u8) -> Cluster {
+        Cluster::start(net(k))
     }
 
-    /// The demo's shape on this scenario's /24.
-    fn inventory(&self) -> Inventory {
-        Inventory::five_nodes("demo", &self.net)
-            .metal("raw")
-            .proxmox(true)
-    }
-
-    fn write(&self, inv: &Inventory) {
-        inv.write_to(&self.config());
-    }
-
-    fn config(&self) -> PathBuf {
-        self.dir.path().join("cluster.yaml")
-    }
-
-    /// `imgbuild <args>` on the inventory with the simulators, test-sized
-    /// timeouts and this scenario's state dir (and for `up`, its folders).
     fn run(&self, args: &[&str]) -> Output {
-        let mut run = Run::with_config(&self.config(), args);
-        run.timeouts(args)
-            .arg("--state-dir")
-            .arg(self.dir.path().join("state"))
-            .env_remove("IMGBUILD_STATE_DIR")
-            .env_remove("TALOSCONFIG")
-            .proxmox(&self.pve);
-        if args.contains(&"up") {
-            run.factory(&self.factory)
-                .args(["--poll-ms", "50", "--quiet"])
-                .folders(self.dir.path());
-        } else {
-            // The installer every config names is at this factory.
-            run.args(["--factory", &self.factory.url]);
-        }
-        run.output()
+        self.command(args).output()
     }
 
     /// `imgbuild --output json up <extra>`: its output and document.
@@ -153,7 +95,7 @@ fn write_patch(dir: &Path) {
 /// does it, node by node; afterwards nothing is outdated.
 #[test]
 fn up_converges_a_patch_edit_and_a_version_bump() {
-    let c = Cluster::start(1);
+    let c = Cluster::start_at(1);
     let (out, v) = c.up(&[]);
     stdout_ok(&out);
     assert_eq!(v["healthy"], true, "{v}");
@@ -340,7 +282,7 @@ fn without(c: &Cluster, gone: &[&str]) -> Inventory {
 /// snapshot was taken before the first control-plane change.
 #[test]
 fn a_node_gone_from_the_inventory_is_removed_only_with_allow_destroy() {
-    let c = Cluster::start(2);
+    let c = Cluster::start_at(2);
     let (out, v) = c.up(&[]);
     stdout_ok(&out);
     assert_eq!(v["healthy"], true, "{v}");

@@ -2,6 +2,7 @@
 //! run the real binary, how to read its output.
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod demo;
 pub mod hostile;
 pub mod inventory;
 pub mod otherfs;
