@@ -110,20 +110,12 @@ impl Cluster {
         r.output()
     }
 
-    fn etcd(&self) -> Value {
-        curl(&[&format!("{}/_sim/etcd", self.sim.control)])
+    fn etcd(&self) -> serde_json::Value {
+        self.sim.etcd()
     }
 
     fn etcd_post(&self, body: &str) {
-        curl(&[
-            "-X",
-            "POST",
-            "-H",
-            "content-type: application/json",
-            "-d",
-            body,
-            &format!("{}/_sim/etcd", self.sim.control),
-        ]);
+        self.sim.etcd_post(body)
     }
 
     /// The client URL of `member`'s real etcd.

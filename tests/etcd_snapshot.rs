@@ -80,19 +80,11 @@ impl Cluster {
     }
 
     fn etcd(&self) -> serde_json::Value {
-        curl(&[&format!("{}/_sim/etcd", self.nodes.control)])
+        self.nodes.etcd()
     }
 
     fn etcd_post(&self, body: &str) {
-        curl(&[
-            "-X",
-            "POST",
-            "-H",
-            "content-type: application/json",
-            "-d",
-            body,
-            &format!("{}/_sim/etcd", self.nodes.control),
-        ]);
+        self.nodes.etcd_post(body)
     }
 
     fn snapshots_dir(&self) -> PathBuf {

@@ -467,6 +467,30 @@ impl Nodes {
         serde_json::from_slice(&o.stdout)
             .unwrap_or_else(|e| panic!("node simulator stats ({e}): {}", text(&o.stdout)))
     }
+
+    /// The simulated cluster's etcd (`GET /_sim/etcd`: members, keys, state).
+    pub fn etcd(&self) -> serde_json::Value {
+        Self::curl_json(&[&format!("{}/_sim/etcd", self.control)])
+    }
+
+    /// A change to the simulated etcd (`POST /_sim/etcd` with `body`).
+    pub fn etcd_post(&self, body: &str) {
+        Self::curl_json(&[
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            body,
+            &format!("{}/_sim/etcd", self.control),
+        ]);
+    }
+
+    fn curl_json(args: &[&str]) -> serde_json::Value {
+        let o = Command::new("curl").arg("-sf").args(args).output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", text(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
 }
 
 impl Drop for Nodes {
