@@ -422,11 +422,12 @@ impl Cluster {
         self.apiserver_version().map(|(a, b, _)| (a, b))
     }
 
-    /// The oldest Kubernetes version any control plane's API server runs.
+    /// The oldest Kubernetes version any control plane's API server runs
+    /// (the old one until a restart is over).
     fn apiserver_version(&self) -> Option<k8s_versions::Version> {
         (0..self.count())
-            .filter_map(|i| self.k8s_component(i, Component::ApiServer, Instant::now()))
-            .filter_map(|(image, _)| k8s_versions::version_of_image(&image).ok())
+            .filter_map(|i| self.k8s_serving(i, Component::ApiServer, Instant::now()))
+            .filter_map(|image| k8s_versions::version_of_image(&image).ok())
             .min()
     }
 

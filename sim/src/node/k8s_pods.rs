@@ -375,6 +375,14 @@ impl Cluster {
         self.running(i, c).is_some_and(|r| now < r.ready_at)
     }
 
+    /// The image of the process that answers for node `i`'s `c` now: the
+    /// previous one while it restarts (a request on a connection accepted
+    /// before the restart is still served by the old process).
+    pub(super) fn k8s_serving(&self, i: usize, c: Component, now: Instant) -> Option<String> {
+        self.running(i, c)
+            .map(|r| if now < r.ready_at { r.previous } else { r.image })
+    }
+
     /// The image node `i` runs `c` with, and whether it is ready.
     pub(super) fn k8s_component(
         &self,
