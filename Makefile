@@ -17,8 +17,8 @@ ATLAS := examples/atlas/cluster.yaml
 # differential oracle), OpenSSH's sshd, ssh and ssh-keygen and zstd (the
 # Hetzner simulator's rescue system and the tests that log in to it), jq
 # (docs/ci.md's snapshot collector and make fuzz), man-db (the installed man
-# page is rendered with man -l), GNU time (tests/hostile_input.rs and
-# tests/hostile_images.rs measure peak RSS with it) and xorriso (per-node
+# page is rendered with man -l), GNU time (tests/cli/hostile_input.rs and
+# tests/images/hostile.rs measure peak RSS with it) and xorriso (per-node
 # ISOs and the factory simulator's ISOs). The real-boot tests
 # (tests/realboot_*.rs) boot under QEMU (qemu-system-x86) with SeaBIOS, OVMF
 # (ovmf) and QEMU's iPXE ROMs (ipxe-qemu), from ISOs that grub-mkrescue
@@ -26,7 +26,7 @@ ATLAS := examples/atlas/cluster.yaml
 # systemd's EFI stub (systemd-boot-efi) make, over busybox-static and
 # Debian's cloud kernel, which is downloaded and unpacked under
 # $(REALBOOT_KERNEL), not installed. The Secure Boot real-boot test
-# (tests/realboot_secureboot.rs) adds OVMF's Secure Boot build (ovmf),
+# (tests/boot/secureboot.rs) adds OVMF's Secure Boot build (ovmf),
 # systemd-boot (systemd-boot-efi), swtpm as the TPM, openssl, sbsign
 # (sbsigntool) and efitools' cert-to-efi-sig-list and sign-efi-sig-list for
 # its test keys.

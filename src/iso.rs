@@ -33,7 +33,7 @@
 //! nothing and reads `/boot/grub` of the device it booted from; and
 //! Debian bookworm's grub-mkrescue (GRUB 2.06) EFI image embeds no search,
 //! only the prefix `()/boot/grub`, and boots with the date changed (booted
-//! under OVMF in `tests/realboot_iso.rs`). Keeping the date costs nothing and covers
+//! under OVMF in `tests/boot/iso.rs`). Keeping the date costs nothing and covers
 //! the pre-2.12 EFI images. The factory's ISOs are grub-mkrescue
 //! output with `grub.cfg` in this layout (siderolabs/talos
 //! `pkg/imager/iso/grub.go`, `pkg/imager/iso/grub.cfg`).

@@ -215,7 +215,7 @@ impl Inventory {
     /// from id 300.
     pub fn proxmox(self, vm: bool) -> Inventory {
         // The raw bytes: these tests count and cut uploads by the image's
-        // size (the qcow2 default is tested in tests/pve_machines.rs).
+        // size (the qcow2 default is tested in tests/publish/pve_machines.rs).
         let mut s = self
             .append("publish:\n  proxmox:\n    node: pve\n    storage: local\n    upload: raw\n");
         if vm {

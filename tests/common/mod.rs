@@ -5,6 +5,7 @@
 pub mod demo;
 pub mod hostile;
 pub mod inventory;
+pub mod net;
 pub mod otherfs;
 pub mod realboot;
 pub mod run;

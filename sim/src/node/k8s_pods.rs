@@ -379,8 +379,13 @@ impl Cluster {
     /// previous one while it restarts (a request on a connection accepted
     /// before the restart is still served by the old process).
     pub(super) fn k8s_serving(&self, i: usize, c: Component, now: Instant) -> Option<String> {
-        self.running(i, c)
-            .map(|r| if now < r.ready_at { r.previous } else { r.image })
+        self.running(i, c).map(|r| {
+            if now < r.ready_at {
+                r.previous
+            } else {
+                r.image
+            }
+        })
     }
 
     /// The image node `i` runs `c` with, and whether it is ready.

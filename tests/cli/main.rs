@@ -1,0 +1,18 @@
+//! The command line as users and scripts meet it: exit codes, progress, install, the CI matrix, hostile input and output.
+//!
+//! One test binary per feature (issue 40): each file here is a module, the
+//! helpers in `tests/common/` are shared by every binary.
+// A test's stderr is libtest's to capture, not the CLI's one writer.
+#![allow(clippy::disallowed_macros)]
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod ci_matrix;
+mod exit;
+mod hostile_input;
+mod hostile_output;
+mod hostile_state;
+mod hostile_streams;
+mod install;
+mod progress;

@@ -1,0 +1,15 @@
+//! The simulators themselves, against what the upstream servers do, per version.
+//!
+//! One test binary per feature (issue 40): each file here is a module, the
+//! helpers in `tests/common/` are shared by every binary.
+// A test's stderr is libtest's to capture, not the CLI's one writer.
+#![allow(clippy::disallowed_macros)]
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod chain;
+mod hcloud;
+mod k8s;
+mod nodes_versions;
+mod proxmox;

@@ -1,0 +1,371 @@
+//! The plan is the run: on the 5-node Proxmox cluster of examples/demo
+//! (cp-01..03, worker-01..02, VMs 300..304) against the factory, Proxmox VE
+//! and Talos node simulators on loopback, each scenario is planned with
+//! `up --dry-run --out FILE` and carried out with `up --plan FILE`, and the
+//! actions the run reports equal the planned ones (kind, node, from → to,
+//! order). A saved plan whose world moved (the inventory, a `${NAME}`, a
+//! node upgraded out of band, a VM changed in Proxmox) is refused before
+//! any change, naming what moved. The plan file holds no secret.
+//! (Scaffolding as tests/up/reconcile.rs.)
+// A test's stderr is libtest's to capture, not the CLI's one writer.
+#![allow(clippy::disallowed_macros)]
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use crate::common;
+use common::inventory::{Inventory, NODES};
+use common::run::Run;
+
+use common::{json, stdout_ok, text};
+
+/// The loopback /24 of scenario `k` (tests/common/net.rs).
+fn net(k: u8) -> String {
+    common::net::scenario(module_path!(), k)
+}
+
+/// The value of `${PLAN_TOKEN}` in the patch: must never reach a plan file.
+const VAR_VALUE: &str = "tok-7f3a9c1e55d2b804";
+
+/// The demo cluster (tests/common/demo.rs), with this file's helpers.
+use common::demo::DemoCluster as Cluster;
+
+impl Cluster {
+    fn plan_file(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// `imgbuild <args>` with the simulators, this scenario's state dir
+    /// and folders, and `${PLAN_TOKEN}` as `var`.
+    fn run_with(&self, args: &[&str], var: &str) -> Output {
+        let mut run = self.command(args);
+        run.env("PLAN_TOKEN", var);
+        run.output()
+    }
+
+    /// `imgbuild <args>` as the scenario's CI job runs it.
+    fn ci(&self, args: &[&str]) -> Output {
+        self.run_with(args, VAR_VALUE)
+    }
+
+    /// `up --dry-run --out NAME` as JSON: its document.
+    fn plan(&self, name: &str) -> serde_json::Value {
+        let file = self.plan_file(name);
+        let out = self.ci(&[
+            "--output",
+            "json",
+            "up",
+            "--dry-run",
+            "--out",
+            file.to_str().unwrap(),
+        ]);
+        stdout_ok(&out);
+        assert_valid_plan(&file);
+        json(&out)
+    }
+
+    /// `up --plan NAME <extra>` as JSON.
+    fn apply(&self, name: &str, extra: &[&str]) -> (Output, serde_json::Value) {
+        let file = self.plan_file(name);
+        let mut args = vec!["--output", "json", "up", "--plan", file.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let out = self.ci(&args);
+        let v = json(&out);
+        (out, v)
+    }
+
+    fn upgrades(&self) -> u64 {
+        let stats = self.nodes.stats();
+        NODES
+            .iter()
+            .map(|(n, ..)| stats["nodes"][n]["day2"]["upgrades"].as_u64().unwrap_or(0))
+            .sum()
+    }
+}
+
+/// The plan file validates against schemas/plan-v1.schema.json.
+fn assert_valid_plan(file: &Path) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("schemas/plan-v1.schema.json")).unwrap(),
+    )
+    .unwrap();
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let errors: Vec<String> = validator.iter_errors(&doc).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{}: {errors:?}\n{doc}", file.display());
+}
+
+/// Each action of a JSON report's plan as one comparable line: step, kind,
+/// node and the kind's typed values. A value the plan knew only as
+/// `knownAfterApply` matches whatever the run made.
+fn actions(v: &serde_json::Value) -> Vec<String> {
+    v["plan"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no plan in {v}"))
+        .iter()
+        .map(|a| {
+            let mut kind = a["kind"].clone();
+            if let Some(o) = kind.as_object_mut() {
+                o.retain(|_, v| v != "knownAfterApply");
+            }
+            format!("{} {} {}", a["step"], a["node"], kind)
+        })
+        .collect()
+}
+
+/// The run did exactly what the dry run planned, in its order.
+fn assert_plan_is_run(scenario: &str, planned: &serde_json::Value, run: &serde_json::Value) {
+    let (p, r) = (actions(planned), actions(run));
+    // knownAfterApply fields were dropped from the plan's side only: match
+    // the run's line by prefix of the plan's known fields.
+    let same = p.len() == r.len()
+        && p.iter().zip(&r).all(|(p, r)| {
+            let (pk, rk) = (p.split_once(" {"), r.split_once(" {"));
+            match (pk, rk) {
+                (Some((ph, pb)), Some((rh, rb))) => {
+                    let pv: serde_json::Value = serde_json::from_str(&format!("{{{pb}")).unwrap();
+                    let rv: serde_json::Value = serde_json::from_str(&format!("{{{rb}")).unwrap();
+                    ph == rh
+                        && pv
+                            .as_object()
+                            .unwrap()
+                            .iter()
+                            .all(|(k, v)| rv.get(k) == Some(v))
+                }
+                _ => p == r,
+            }
+        });
+    assert!(
+        same,
+        "{scenario}: the run is not the plan\nplanned:\n  {}\nrun:\n  {}",
+        p.join("\n  "),
+        r.join("\n  ")
+    );
+}
+
+fn kinds(v: &serde_json::Value) -> Vec<String> {
+    v["plan"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| format!("{} {}", a["kind"]["kind"], a["node"]))
+        .collect()
+}
+
+fn write_patch(dir: &Path) {
+    std::fs::write(
+        dir.join("env.yaml"),
+        "machine:\n  env:\n    PLAN_TOKEN: \"${PLAN_TOKEN}\"\n",
+    )
+    .unwrap();
+}
+
+/// Create, a patch edit with a `${NAME}`, a memory change, a version bump:
+/// each planned to a file and carried out from it, the run's actions the
+/// plan's; each kind of world change in between refused before any change.
+#[test]
+fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
+    let c = Cluster::start(net(1));
+
+    // Create: five nodes from nothing.
+    let planned = c.plan("create.json");
+    assert!(
+        kinds(&planned).contains(&"\"bootstrapEtcd\" \"cp-01\"".to_owned()),
+        "{planned}"
+    );
+    let (out, run) = c.apply("create.json", &[]);
+    stdout_ok(&out);
+    assert_eq!(run["healthy"], true, "{run}");
+    assert_plan_is_run("create", &planned, &run);
+
+    // A patch edit that uses ${PLAN_TOKEN}.
+    write_patch(c.dir.path());
+    c.write(&c.inventory().append("patches:\n  all: [env.yaml]\n"));
+    let planned = c.plan("patch.json");
+    let file = std::fs::read_to_string(c.plan_file("patch.json")).unwrap();
+    assert!(file.contains("PLAN_TOKEN"), "{file}");
+    // No secret in the plan file: the ${NAME} value, the Proxmox token, any
+    // key of the cluster's secrets.
+    assert!(!file.contains(VAR_VALUE), "{file}");
+    assert!(!file.contains(&c.pve.token), "{file}");
+    let secrets = std::fs::read_to_string(c.dir.path().join("state/secrets.yaml")).unwrap();
+    for value in secrets
+        .lines()
+        .filter_map(|l| l.split_once(": ").map(|(_, v)| v.trim()))
+        .filter(|v| v.len() >= 16)
+    {
+        assert!(
+            !file.contains(value),
+            "a secret of secrets.yaml in the plan"
+        );
+    }
+    // Another ${PLAN_TOKEN} value: refused, naming it; nothing applied.
+    let applies = c.nodes.stats()["nodes"]["cp-01"]["applies"].clone();
+    let file = c.plan_file("patch.json");
+    let o = c.run_with(
+        &["up", "--plan", file.to_str().unwrap()],
+        "another-value-0000",
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("${PLAN_TOKEN} changed since the plan"),
+        "{}",
+        text(&o.stderr)
+    );
+    assert_eq!(c.nodes.stats()["nodes"]["cp-01"]["applies"], applies);
+    let (out, run) = c.apply("patch.json", &[]);
+    stdout_ok(&out);
+    assert_plan_is_run("patch edit", &planned, &run);
+
+    // A memory change needing a reboot.
+    let with_patch = || c.inventory().append("patches:\n  all: [env.yaml]\n");
+    c.write(&with_patch().replace("memory: 2048", "memory: 4096"));
+    let planned = c.plan("memory.json");
+    assert!(
+        kinds(&planned).contains(&"\"changeSettings\" \"worker-02\"".to_owned()),
+        "{planned}"
+    );
+    // The inventory edited after the plan: refused, naming it.
+    c.write(&with_patch().replace("memory: 2048", "memory: 3072"));
+    let (o, v) = c.apply("memory.json", &[]);
+    assert_eq!(o.status.code(), Some(1), "{v}");
+    assert!(
+        v["refused"]
+            .to_string()
+            .contains("the inventory was edited"),
+        "{v}"
+    );
+    c.write(&with_patch().replace("memory: 2048", "memory: 4096"));
+    // A VM changed in Proxmox after the plan (its network put on VLAN 42,
+    // which a running VM takes at once; a memory change would wait in
+    // Proxmox's pending config until its reboot): refused, naming it.
+    let (_, config) = c.pve.curl("/nodes/pve/qemu/304/config", &[]);
+    let net0 = config["data"]["net0"].as_str().unwrap().to_owned();
+    let (code, body) = c.pve.curl(
+        "/nodes/pve/qemu/304/config",
+        &[
+            "-X",
+            "PUT",
+            "--data-urlencode",
+            &format!("net0={net0},tag=42"),
+        ],
+    );
+    assert_eq!(code, 200, "{body}");
+    let (o, v) = c.apply("memory.json", &[]);
+    assert_eq!(o.status.code(), Some(1), "{v}");
+    assert!(v["refused"].to_string().contains("worker-02"), "{v}");
+    let planned = c.plan("memory.json");
+    let (out, run) = c.apply("memory.json", &[]);
+    stdout_ok(&out);
+    assert_plan_is_run("memory change", &planned, &run);
+
+    // A version bump; worker-01 upgraded out of band after the plan.
+    let bumped = with_patch()
+        .replace("memory: 2048", "memory: 4096")
+        .talos("v1.11.5");
+    c.write(&bumped);
+    let planned = c.plan("bump.json");
+    assert!(
+        kinds(&planned).contains(&"\"upgradeTalos\" \"worker-01\"".to_owned()),
+        "{planned}"
+    );
+    let o = c.ci(&["upgrade", "worker-01"]);
+    stdout_ok(&o);
+    let upgrades = c.upgrades();
+    let (o, v) = c.apply("bump.json", &[]);
+    assert_eq!(o.status.code(), Some(1), "{v}");
+    assert!(
+        v["refused"]
+            .to_string()
+            .contains("upgradeTalos worker-01 is no longer what a plan does now"),
+        "{v}"
+    );
+    assert_eq!(c.upgrades(), upgrades, "a refused plan upgraded a node");
+    let planned = c.plan("bump.json");
+    let (out, run) = c.apply("bump.json", &[]);
+    stdout_ok(&out);
+    assert_plan_is_run("version bump", &planned, &run);
+
+    // worker-02 leaves the inventory: its removal, its VM's deletion and
+    // the prune of the upload only that VM used are all in the plan.
+    let mut gone = Inventory::new("demo").vip(&format!("{}.10", c.net));
+    for (name, host, role) in NODES.into_iter().filter(|(n, ..)| *n != "worker-02") {
+        gone = gone
+            .node(common::inventory::Node::new(name, role).address(&format!("{}.{host}", c.net)));
+    }
+    c.write(
+        &gone
+            .metal("raw")
+            .proxmox(true)
+            .append("patches:\n  all: [env.yaml]\n")
+            .replace("memory: 2048", "memory: 4096")
+            .talos("v1.11.5"),
+    );
+    let planned = c.plan("remove.json");
+    let kinds_now = kinds(&planned);
+    assert!(
+        kinds_now.contains(&"\"removeNode\" \"worker-02\"".to_owned())
+            && kinds_now.contains(&"\"deleteMachine\" \"worker-02\"".to_owned())
+            && kinds_now.iter().any(|k| k.starts_with("\"prune\"")),
+        "{planned}"
+    );
+    let (out, run) = c.apply("remove.json", &["--allow-destroy"]);
+    stdout_ok(&out);
+    assert_plan_is_run("node removed, then prune", &planned, &run);
+}
+
+/// The schema is not a rubber stamp: a plan file with an unknown kind, a
+/// value where a digest belongs, or a format it does not describe fails.
+#[test]
+fn the_plan_schema_rejects_what_a_plan_file_cannot_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plan.json");
+    let good = serde_json::json!({
+        "format": 1, "cluster": "demo", "target": "proxmox", "salt": "0".repeat(64),
+        "observed": {"inventory": "a".repeat(64), "patches": [], "vars": {"TOKEN": "b".repeat(64)}, "nodes": [
+            {"node": "cp-01", "talos": "configured", "talosVersion": "v1.11.2", "machine": {"vm": 300}, "volume": null}]},
+        "actions": [{"step": "upgrade", "node": "cp-01", "kind": "upgradeTalos",
+            "version": {"from": "v1.11.2", "to": "v1.11.5"}, "destructive": false}]
+    });
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("schemas/plan-v1.schema.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    assert!(validator.is_valid(&good));
+    std::fs::write(&file, good.to_string()).unwrap();
+    assert_valid_plan(&file);
+    let mut bad = good.clone();
+    bad["actions"][0]["kind"] = "rebootEverything".into();
+    assert!(!validator.is_valid(&bad));
+    let mut bad = good.clone();
+    bad["observed"]["vars"]["TOKEN"] = "the-value-itself".into();
+    assert!(!validator.is_valid(&bad));
+    let mut bad = good.clone();
+    bad["actions"][0]["version"] = "v1.11.5".into();
+    assert!(!validator.is_valid(&bad));
+    let mut bad = good;
+    bad["format"] = 2.into();
+    assert!(!validator.is_valid(&bad));
+}
+
+/// A plan file of another format is refused as such.
+#[test]
+fn a_plan_file_of_another_format_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plan.json");
+    std::fs::write(&file, r#"{"format": 99, "actions": []}"#).unwrap();
+    let config = Inventory::loopback().write(dir.path());
+    let o = Run::with_config(&config, &["up", "--plan", file.to_str().unwrap()]).output();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("is plan format 99; this imgbuild reads format 1"),
+        "{}",
+        text(&o.stderr)
+    );
+}
