@@ -82,14 +82,14 @@ use crate::publish::prune;
 use crate::publish::target::{HcloudTarget, ProxmoxTarget, Target};
 use crate::talos::bootstrap;
 use crate::talos::client::NodeEndpoint;
-use crate::talos::kubernetes::plan::KubePlan;
+use crate::talos::kubernetes::plan::{KubePlan, Step as KubeStep};
 use crate::talos::kubernetes::run as kube_run;
 use crate::talos::stage::{self, BootstrapOptions, Reach, StageError};
 use crate::talos::upgrade::{self, plan::Action as UpAction, report::Ending};
 use crate::talos::{apply, etcd, remove};
 use actions::{Action, State};
 use converge::{ApplySettings, UpgradeSettings};
-use plan::{FromTo, Kind};
+use plan::{FromTo, Kind, Step};
 use report::changed;
 
 /// What one `up` does besides the target.
@@ -245,7 +245,7 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
                     prepared: &prepared,
                     select,
                     dry_run: true,
-                    upgrade: opts.upgrade.clone(),
+                    upgrade: snapshotting(&opts.upgrade, inv, &prepared),
                 };
                 day2.converge(&mut report, &|_: &str, _: &str| {})
             });
@@ -293,17 +293,17 @@ impl DayTwo<'_> {
                 .any(|d| chosen(&d.node) && what.contains(&d.what))
         };
         let upgraded = if differs(&["version", "schematic"]) {
-            self.upgrade(report, progress)?
+            self.snapshotted(report, Step::Upgrade, |r| self.upgrade(r, progress))?
         } else {
             self.kubernetes(report, progress)?;
             Vec::new()
         };
         if differs(&["config"]) || !upgraded.is_empty() {
-            self.configs(report, &upgraded)?;
+            self.snapshotted(report, Step::Configs, |r| self.configs(r, &upgraded))?;
         }
         // Destructive steps go over the whole cluster only.
         if self.select.is_empty() {
-            let removed = self.remove(report, progress)?;
+            let removed = self.snapshotted(report, Step::Remove, |r| self.remove(r, progress))?;
             self.prune(report, removed)?;
         }
         Ok(())
@@ -329,6 +329,38 @@ impl DayTwo<'_> {
     /// change (one per run, however many steps ask).
     fn etcd(&self) -> &etcd::BeforeChange {
         &self.upgrade.run.etcd
+    }
+
+    /// In a dry run, the etcd snapshot the run takes before step `before`
+    /// when that step `changes_control_plane` (once per run, and never
+    /// when the run goes without).
+    fn plan_snapshot(&self, report: &mut Report, before: Step, changes_control_plane: bool) {
+        let planned = report
+            .actions
+            .iter()
+            .any(|a| matches!(a.kind, Kind::SnapshotEtcd { .. }));
+        if self.dry_run && changes_control_plane && !planned && !self.etcd().skipped() {
+            report.act(snapshot_action(before));
+        }
+    }
+
+    /// Runs `step`; when it took the run's etcd snapshot, records that
+    /// before the step's own actions, where the dry run plans it.
+    fn snapshotted<T>(
+        &self,
+        report: &mut Report,
+        before: Step,
+        step: impl FnOnce(&mut Report) -> Result<T, (Stage, UpError)>,
+    ) -> Result<T, (Stage, UpError)> {
+        let mark = report.actions.len();
+        let had = self.dry_run || self.etcd().taken().is_some();
+        let result = step(report);
+        if !had && self.etcd().taken().is_some() {
+            report
+                .actions
+                .insert(mark, snapshot_action(before).outcome(State::Done));
+        }
+        result
     }
 
     /// Takes the run's etcd snapshot unless it was taken: before the
@@ -420,15 +452,20 @@ impl DayTwo<'_> {
             }
             actions.push((self.held(a), Some(m.node.clone())));
         }
+        let removes_a_control_plane = plan
+            .nodes
+            .iter()
+            .any(|n| n.role == crate::inventory::Role::Controlplane);
         if !self.destroying() {
+            self.plan_snapshot(
+                report,
+                Step::Remove,
+                self.opts.allow_destroy && removes_a_control_plane,
+            );
             report.actions.extend(actions.into_iter().map(|(a, _)| a));
             return Ok(names);
         }
-        if plan
-            .nodes
-            .iter()
-            .any(|n| n.role == crate::inventory::Role::Controlplane)
-        {
+        if removes_a_control_plane {
             self.snapshot_etcd(Stage::Remove, "removal")?;
         }
         let options = remove::RemoveOptions {
@@ -740,6 +777,7 @@ impl DayTwo<'_> {
             actions.push(a);
         }
         let kube_action = planned.kube.as_ref().and_then(|(_, k)| kube_action(k));
+        let sync = planned.kube.as_ref().and_then(|(_, k)| sync_action(k));
         let nodes: Vec<String> = actions.iter().filter_map(|a| a.node.clone()).collect();
         if let Some(r) = planned.refusal() {
             report.actions.extend(actions);
@@ -753,8 +791,15 @@ impl DayTwo<'_> {
             ));
         }
         if self.dry_run {
+            let touches_control_plane = planned
+                .talos
+                .nodes
+                .iter()
+                .any(|n| n.control_plane && n.action == UpAction::Upgrade);
+            self.plan_snapshot(report, Step::Upgrade, touches_control_plane);
             report.actions.extend(actions);
             report.actions.extend(kube_action);
+            report.actions.extend(sync);
             return Ok(nodes);
         }
         let say = |what: &str| progress("kubernetes", what);
@@ -789,6 +834,10 @@ impl DayTwo<'_> {
             };
             report.act(a);
         }
+        if let Some(mut a) = sync {
+            synced(&mut a, done.kube.as_ref());
+            report.act(a);
+        }
         match done.ending() {
             Ending::Ok => Ok(nodes),
             Ending::Failed(message) => Err(step_failed(Stage::Upgrade, message, false)),
@@ -816,6 +865,7 @@ impl DayTwo<'_> {
         let Some(mut action) = kube_action(&k) else {
             return Ok(());
         };
+        let sync = sync_action(&k);
         if let Some(r) = &k.refusal {
             report.act(action);
             let why = format!("kubernetes {}: {r}", k.to);
@@ -829,6 +879,7 @@ impl DayTwo<'_> {
         }
         if self.dry_run {
             report.act(action);
+            report.actions.extend(sync);
             return Ok(());
         }
         let say = |what: &str| progress("kubernetes", what);
@@ -847,6 +898,10 @@ impl DayTwo<'_> {
             State::Failed
         };
         report.act(action);
+        if let Some(mut a) = sync {
+            synced(&mut a, Some(&done));
+            report.act(a);
+        }
         match ending {
             Ending::Ok => Ok(()),
             Ending::Failed(m) => Err(step_failed(Stage::Kubernetes, m, false)),
@@ -899,6 +954,17 @@ impl DayTwo<'_> {
             self.limits(),
         )
         .map_err(|e| (Stage::Configs, UpError::Converge(Box::new(e))))?;
+        let control_plane = |node: &str| {
+            self.prepared
+                .plan
+                .nodes
+                .iter()
+                .any(|p| p.name == node && p.role == crate::inventory::Role::Controlplane)
+        };
+        let reboots_a_control_plane = outcome.nodes.iter().any(|n| {
+            n.changed && n.needs_reboot && control_plane(&n.node) && !upgraded.contains(&n.node)
+        });
+        self.plan_snapshot(report, Step::Configs, reboots_a_control_plane);
         for n in outcome.nodes.iter().filter(|n| n.changed) {
             if self.dry_run && upgraded.contains(&n.node) {
                 continue;
@@ -1033,6 +1099,45 @@ fn kube_action(k: &KubePlan) -> Option<Action> {
         a = a.detail(format!("refused: {r}"));
     }
     Some(a)
+}
+
+/// The run's etcd snapshot, before the first control-plane change of
+/// step `before`.
+fn snapshot_action(before: Step) -> Action {
+    Action::new(Kind::SnapshotEtcd { before }, None, "etcd snapshot")
+        .detail("into the state dir, before the first control-plane change")
+}
+
+/// The bootstrap manifest sync a Kubernetes plan with work left ends
+/// with, as its own action (listed once the components are planned).
+fn sync_action(k: &KubePlan) -> Option<Action> {
+    if k.refusal.is_some() {
+        return None;
+    }
+    k.steps.iter().find_map(|s| match &s.step {
+        KubeStep::SyncManifests { objects } if !s.done => Some(
+            Action::new(
+                Kind::SyncManifests {
+                    objects: objects.clone(),
+                },
+                None,
+                "sync bootstrap manifests",
+            )
+            .detail(s.step.describe()),
+        ),
+        _ => None,
+    })
+}
+
+/// How a run's Kubernetes report left the manifest sync `a` (its detail
+/// is the step as the run names it).
+fn synced(a: &mut Action, done: Option<&kube_run::KubeReport>) {
+    let step = a.detail.clone().unwrap_or_default();
+    a.outcome = match done {
+        Some(k) if k.done.contains(&step) => State::Done,
+        Some(k) if k.failed.as_ref().is_some_and(|f| f.step == step) => State::Failed,
+        _ => State::NotReached,
+    };
 }
 
 fn step_failed(stage: Stage, message: String, partial: bool) -> (Stage, UpError) {

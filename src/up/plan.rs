@@ -178,6 +178,16 @@ pub enum Kind {
     UpgradeKubernetes {
         version: FromTo<String>,
     },
+    /// After the Kubernetes components: server-side apply of the bootstrap
+    /// manifests Talos renders (the objects that differ when planned).
+    SyncManifests {
+        objects: Vec<String>,
+    },
+    /// The run's one etcd snapshot into the state dir, taken before the
+    /// first control-plane change of step `before`.
+    SnapshotEtcd {
+        before: Step,
+    },
     /// A changed machine config; `reboot` when Talos needs one for it,
     /// `staged` when it waits for the next reboot.
     ApplyConfig {
@@ -215,7 +225,8 @@ impl Kind {
             }
             Kind::ApplyFirstConfig | Kind::BootstrapEtcd => Step::Bootstrap,
             Kind::UpgradeTalos { .. } => Step::Upgrade,
-            Kind::UpgradeKubernetes { .. } => Step::Kubernetes,
+            Kind::UpgradeKubernetes { .. } | Kind::SyncManifests { .. } => Step::Kubernetes,
+            Kind::SnapshotEtcd { before } => *before,
             Kind::ApplyConfig { .. } => Step::Configs,
             Kind::ChangeSettings { .. } => Step::Settings,
             Kind::RemoveNode { .. } | Kind::DeleteMachine { .. } => Step::Remove,

@@ -284,6 +284,16 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     );
     assert_eq!(c.upgrades(), upgrades, "a refused plan upgraded a node");
     let planned = c.plan("bump.json");
+    // The run's etcd snapshot comes before the first control plane moves.
+    let kinds_now = kinds(&planned);
+    let snapshot = kinds_now.iter().position(|k| k == "\"snapshotEtcd\" null");
+    let first_cp = kinds_now
+        .iter()
+        .position(|k| k.starts_with("\"upgradeTalos\" \"cp-"));
+    assert!(
+        snapshot.is_some() && snapshot < first_cp,
+        "no etcd snapshot before the first control-plane upgrade: {kinds_now:?}"
+    );
     let (out, run) = c.apply("bump.json", &[]);
     stdout_ok(&out);
     assert_plan_is_run("version bump", &planned, &run);
@@ -314,6 +324,32 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     let (out, run) = c.apply("remove.json", &["--allow-destroy"]);
     stdout_ok(&out);
     assert_plan_is_run("node removed, then prune", &planned, &run);
+
+    // A Kubernetes bump: the components, then the bootstrap manifests'
+    // sync, each an action of its own; no Talos node moves, no snapshot.
+    let inventory = std::fs::read_to_string(c.config()).unwrap();
+    std::fs::write(
+        c.config(),
+        inventory.replace("kubernetesVersion: v1.32.1", "kubernetesVersion: v1.33.5"),
+    )
+    .unwrap();
+    let planned = c.plan("kubernetes.json");
+    let kinds_now = kinds(&planned);
+    assert_eq!(
+        kinds_now,
+        ["\"upgradeKubernetes\" null", "\"syncManifests\" null"],
+        "{planned}"
+    );
+    let (out, run) = c.apply("kubernetes.json", &[]);
+    stdout_ok(&out);
+    assert_plan_is_run("Kubernetes bump", &planned, &run);
+    let outcomes: Vec<&serde_json::Value> = run["plan"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| &a["outcome"])
+        .collect();
+    assert!(outcomes.iter().all(|o| *o == "done"), "{run}");
 }
 
 /// The schema is not a rubber stamp: a plan file with an unknown kind, a
