@@ -334,7 +334,7 @@ impl DayTwo<'_> {
     /// In a dry run, the etcd snapshot the run takes before step `before`
     /// when that step `changes_control_plane` (once per run, and never
     /// when the run goes without).
-    fn plan_snapshot(&self, report: &mut Report, before: Step, changes_control_plane: bool) {
+    fn snapshot_ahead(&self, report: &mut Report, before: Step, changes_control_plane: bool) {
         let planned = report
             .actions
             .iter()
@@ -457,7 +457,7 @@ impl DayTwo<'_> {
             .iter()
             .any(|n| n.role == crate::inventory::Role::Controlplane);
         if !self.destroying() {
-            self.plan_snapshot(
+            self.snapshot_ahead(
                 report,
                 Step::Remove,
                 self.opts.allow_destroy && removes_a_control_plane,
@@ -796,7 +796,7 @@ impl DayTwo<'_> {
                 .nodes
                 .iter()
                 .any(|n| n.control_plane && n.action == UpAction::Upgrade);
-            self.plan_snapshot(report, Step::Upgrade, touches_control_plane);
+            self.snapshot_ahead(report, Step::Upgrade, touches_control_plane);
             report.actions.extend(actions);
             report.actions.extend(kube_action);
             report.actions.extend(sync);
@@ -964,7 +964,7 @@ impl DayTwo<'_> {
         let reboots_a_control_plane = outcome.nodes.iter().any(|n| {
             n.changed && n.needs_reboot && control_plane(&n.node) && !upgraded.contains(&n.node)
         });
-        self.plan_snapshot(report, Step::Configs, reboots_a_control_plane);
+        self.snapshot_ahead(report, Step::Configs, reboots_a_control_plane);
         for n in outcome.nodes.iter().filter(|n| n.changed) {
             if self.dry_run && upgraded.contains(&n.node) {
                 continue;

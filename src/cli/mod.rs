@@ -76,8 +76,9 @@ pub struct Cli {
     /// schematics and the installer each machine config names all follow it.
     #[arg(long, global = true, env = "IMGBUILD_FACTORY")]
     factory: Option<String>,
-    /// Output format: text for people, json for CI.
-    #[arg(long, global = true, value_enum, default_value_t = Output::Text)]
+    /// Output format: text for people, json for CI (`-o json`, as kubectl
+    /// and talosctl spell it).
+    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Output::Text)]
     output: Output,
     /// Colors on stderr (bars, board, error prefixes); auto: on a terminal
     /// unless NO_COLOR is set.
@@ -93,7 +94,7 @@ pub struct Cli {
     show_secrets: bool,
     /// Confirm: `down` deletes without asking; `--show-secrets` prints
     /// secrets also where stdout is not a terminal (a log, a pipe).
-    #[arg(long, global = true)]
+    #[arg(short = 'y', long, global = true)]
     yes: bool,
     /// Make the state dir's files that hold secrets 0600 when others can
     /// read them (otherwise a warning names each).
@@ -268,8 +269,10 @@ fn usage_error(e: clap::Error) -> i32 {
     let args: Vec<String> = std::env::args().collect();
     let json_wanted = args
         .windows(2)
-        .any(|w| w[0] == "--output" && w[1] == "json")
-        || args.iter().any(|a| a == "--output=json");
+        .any(|w| (w[0] == "--output" || w[0] == "-o") && w[1] == "json")
+        || args
+            .iter()
+            .any(|a| ["--output=json", "-ojson", "-o=json"].contains(&a.as_str()));
     if json_wanted {
         let message = e.render().to_string();
         outln!("{}", json!({ "error": message.trim_end() }));

@@ -47,6 +47,15 @@ fn success_is_0_with_one_document() {
     let o = imgbuild(&["--config", LOOPBACK, "--output", "json", "validate"]);
     assert_eq!(o.status.code(), Some(0));
     assert_eq!(one_document(&o)["valid"], true);
+    // `-o json` as kubectl and talosctl spell it, before or after the command.
+    for args in [
+        &["--config", LOOPBACK, "-o", "json", "validate"][..],
+        &["--config", LOOPBACK, "validate", "-o", "json"],
+    ] {
+        let o = imgbuild(args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}");
+        assert_eq!(one_document(&o)["valid"], true, "{args:?}");
+    }
 }
 
 #[test]
@@ -92,10 +101,18 @@ fn usage_errors_are_2_and_one_document_with_json() {
         let o = imgbuild(args);
         assert_eq!(o.status.code(), Some(2), "{args:?}");
         assert!(o.stdout.is_empty(), "{args:?}: {}", text(&o.stdout));
-        let o = imgbuild(&[&["--output", "json"], args].concat());
-        assert_eq!(o.status.code(), Some(2), "{args:?}");
-        let v = one_document(&o);
-        assert!(!v["error"].as_str().unwrap().is_empty(), "{v}");
+        // kubectl's and talosctl's spellings of it too.
+        for json in [
+            &["--output", "json"][..],
+            &["-o", "json"],
+            &["-ojson"],
+            &["--output=json"],
+        ] {
+            let o = imgbuild(&[json, args].concat());
+            assert_eq!(o.status.code(), Some(2), "{json:?} {args:?}");
+            let v = one_document(&o);
+            assert!(!v["error"].as_str().unwrap().is_empty(), "{v}");
+        }
     }
     // Several inventories are for `plan` only.
     let o = imgbuild(&[
