@@ -1064,7 +1064,21 @@ pub async fn run(
         .iter()
         .find(|n| plan.bootstrap_node.as_ref() == Some(&n.name))
         .ok_or_else(|| BootstrapError::Local("the inventory has no control plane".into()))?;
-    // A snapshot etcd would not restore is refused before any node is touched.
+    // A snapshot etcd would not restore is refused before any node is
+    // touched; one larger than any snapshot imgbuild takes before it is read
+    // (a hash check of a huge file, or its upload, would run for hours).
+    if let Some(snapshot) = &opts.recover_from {
+        let size = std::fs::metadata(snapshot)
+            .map_err(|e| BootstrapError::Local(format!("{}: {e}", snapshot.display())))?
+            .len();
+        if size > super::etcd::DEFAULT_MAX_SIZE {
+            return Err(BootstrapError::Local(format!(
+                "{}: {size} bytes is larger than an etcd snapshot can be ({} bytes, etcd's largest recommended backend quota): refused before reading it",
+                snapshot.display(),
+                super::etcd::DEFAULT_MAX_SIZE
+            )));
+        }
+    }
     if let Some(snapshot) = &opts.recover_from
         && !opts.recover_skip_hash_check
     {

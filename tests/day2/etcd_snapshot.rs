@@ -371,6 +371,27 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     bytes[5000] ^= 1;
     std::fs::write(&bad, &bytes).unwrap();
     refused(&bad, "not a whole etcd snapshot");
+    // A 1 TiB file (sparse) is refused by its size, before it is read or
+    // sent, with the hash check skipped too.
+    let huge = c.dir.path().join("huge.snapshot");
+    std::fs::File::create(&huge)
+        .unwrap()
+        .set_len(1 << 40)
+        .unwrap();
+    refused(&huge, "larger than an etcd snapshot can be");
+    let o = imgbuild(
+        &c.config,
+        &[
+            "bootstrap",
+            "--recover-from",
+            huge.to_str().unwrap(),
+            "--recover-skip-hash-check",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("larger than an etcd snapshot can be"));
+    assert_eq!(c.etcd()["uploads"], serde_json::json!({}));
 
     // The disaster: every control plane's etcd data is gone (EPHEMERAL
     // wiped), the nodes keep their configs; etcd waits for bootstrap.
