@@ -150,7 +150,7 @@ impl Api {
             s
         };
         let mut applied = read_config(&req.data).map_err(|s| refuse(&mut st, s))?;
-        super::k8s_versions::runtime_validate(&talos, &applied.v1alpha1)
+        super::k8s::versions::runtime_validate(&talos, &applied.v1alpha1)
             .map_err(|s| refuse(&mut st, s))?;
         let running = st.applied.clone().expect("a configured node has a config");
         let (mode, details, why) = if talos.checks_immediate() {

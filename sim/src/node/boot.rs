@@ -145,7 +145,7 @@ impl Cluster {
                 st.day2.pulled.clear();
                 st.day2
                     .images
-                    .retain(|(place, _)| *place != super::k8s_pods::SYSTEM_SYSTEM);
+                    .retain(|(place, _)| *place != super::k8s::pods::SYSTEM_SYSTEM);
                 let why = (seq.then)(&mut st);
                 // A TRY config was never persisted: the boot runs the one
                 // that was (or what is staged).

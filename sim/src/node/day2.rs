@@ -56,7 +56,7 @@ pub(super) struct Day2 {
     pub life: Life,
     /// Installer images containerd holds since the last boot.
     pub pulled: BTreeSet<String>,
-    /// Every image this node holds, by where (`k8s_pods::CRI_K8S`,
+    /// Every image this node holds, by where (`k8s::pods::CRI_K8S`,
     /// `CRI_SYSTEM`, `SYSTEM_SYSTEM`), as (place, image). The system
     /// containerd's are gone with a boot; the CRI one keeps its images on
     /// the EPHEMERAL partition.

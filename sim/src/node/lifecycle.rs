@@ -7,7 +7,7 @@
 //! non-zero exit code in the stream, success takes effect at the next boot
 //! (the client reboots the node). Below v1.13 neither service exists.
 //! Both name a containerd instance, checked as `ctrhelper.go` does
-//! (`k8s_pods::containerd_instance`): the installer runs from where it
+//! (`k8s::pods::containerd_instance`): the installer runs from where it
 //! was pulled, and a Kubernetes image pulled with driver `CONTAINERD` and
 //! `NS_CRI` is refused.
 
@@ -22,7 +22,7 @@ use super::api::machine::image_service_server::ImageService;
 use super::api::machine::lifecycle_service_install_progress::Response as Progress;
 use super::api::machine::lifecycle_service_server::LifecycleService;
 use super::api::machine::*;
-use super::k8s_pods::{PullCall, SYSTEM_SYSTEM, containerd_instance};
+use super::k8s::pods::{PullCall, SYSTEM_SYSTEM, containerd_instance};
 use super::version::Talos;
 
 type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;

@@ -19,6 +19,8 @@
 //! PXE routes (none are served), signing the simulated systemd-boot inside
 //! the Secure Boot disk and ISO (not a PE file here).
 
+mod secureboot_disk;
+
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -806,7 +808,7 @@ fn build(
         });
         let (platform, arch) = platform_arch(file);
         let cmdline = cmdline(sim, schematic, version, platform, arch);
-        crate::secureboot_disk::make(&tmp, arch, version, enroll, &cmdline, real)?;
+        crate::factory::secureboot_disk::make(&tmp, arch, version, enroll, &cmdline, real)?;
         let mut tags: Vec<(u32, Vec<u8>)> = Vec::new();
         // Talos v1.10+ images record their bootloader in META key 17
         // (DiskImageBootloader); a Secure Boot image boots sd-boot.
@@ -894,7 +896,7 @@ fn build(
             });
             let (platform, arch) = platform_arch(file);
             let cmdline = cmdline(sim, schematic, version, platform, arch);
-            crate::secureboot_disk::make_iso(&tmp, arch, version, enroll, &cmdline, real)?;
+            crate::factory::secureboot_disk::make_iso(&tmp, arch, version, enroll, &cmdline, real)?;
         }
         Kind::Iso => {
             let stem = file.strip_suffix(".iso").unwrap_or(file);

@@ -2,7 +2,7 @@
 //! (`sim/api-schemas/hetzner-cloud.openapi.json`) on plain HTTP on loopback,
 //! as far as making snapshots through a rescue system needs it (the flow of
 //! apricote/hcloud-upload-image `hcloudimages/client.go`),
-//! with a rescue system that is a real OpenSSH sshd ([`crate::hcloud_rescue`]).
+//! with a rescue system that is a real OpenSSH sshd ([`self::rescue`]).
 //!
 //! # Contract (tests and the imgbuild client depend on it)
 //! ```text
@@ -23,7 +23,7 @@
 //! attach_to_network}`, `GET /networks` (filters `name`, `label_selector`;
 //! `sort`; pagination), `GET /networks/{id}`, `GET /actions/{id}`. Lists paginate (`page`, `per_page` ≤ 50, `meta.pagination`).
 //! Every request body is checked against the vendored OpenAPI document
-//! ([`crate::hcloud_schema`]): 422 `invalid_input` with `details.fields`.
+//! ([`self::schema`]): 422 `invalid_input` with `details.fields`.
 //! Errors are `{"error": {code, message, details}}`.
 //!
 //! Actions run `--action-seconds` (create_image: `--slow-create-image` if
@@ -92,6 +92,11 @@
 //! as a JSON string, `GET /_sim/servers/{id}/user_data` → the user_data as
 //! a JSON string, or null (404 for no such server).
 
+mod labels;
+mod networks;
+mod rescue;
+mod schema;
+
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -107,11 +112,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
 
+use self::labels::Term;
+use self::networks::{Network, network_json};
+use self::schema::{FieldError, Schemas, invalid_input};
 use crate::chain::Nodes;
-use crate::hcloud_labels::{self as labels, Term};
-use crate::hcloud_networks::{Network, network_json};
-use crate::hcloud_rescue as rescue;
-use crate::hcloud_schema::{FieldError, Schemas, invalid_input};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -1861,7 +1865,7 @@ mod tests {
 
     /// The 200 response schema of `GET path` in the vendored document.
     fn response_schema(path: &str) -> jsonschema::Validator {
-        let doc: Value = serde_json::from_str(crate::hcloud_schema::DOCUMENT).unwrap();
+        let doc: Value = serde_json::from_str(self::schema::DOCUMENT).unwrap();
         let schema =
             &doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"];
         jsonschema::draft202012::new(schema).unwrap()

@@ -26,7 +26,7 @@
 //! - `--kube-forward NAME=IP:PORT`, `--talos-forward NAME=IP:PORT` (port 0:
 //!   a free one): control plane NAME's Kubernetes API, node NAME's Talos API
 //!   also served there, as a published port of a Talos container is (same
-//!   certificates; see `node/k8s_forward.rs`). `GET /_sim/stats` has
+//!   certificates; see `node/k8s/forward.rs`). `GET /_sim/stats` has
 //!   `"connections":{"k8s":{"IP:PORT":n},"talos":{…}}`: every connection
 //!   accepted, by the address it came in on.
 //! - `--vip-held`: the VIP stays unbound, even after the election, until
@@ -148,7 +148,7 @@
 //! ## Kubernetes components and objects (issue 31)
 //! Static pods, kubelet versions, bootstrap manifests, server-side apply and
 //! the deprecated-API metric: the flags, endpoints and stats are listed in
-//! `node/k8s_pods.rs` and `node/k8s_objects.rs`.
+//! `node/k8s/pods.rs` and `node/k8s/objects.rs`.
 //!
 //! ## etcd snapshots and recovery (issue 30)
 //! `EtcdSnapshot`, `EtcdRecover`, `Bootstrap{recover_etcd}`, `/_sim/etcd` and
@@ -199,13 +199,7 @@ mod etcd_real;
 mod health;
 mod hostile;
 mod immediate;
-mod k8s_deprecated;
-mod k8s_forward;
-mod k8s_manifests;
-mod k8s_objects;
-mod k8s_pods;
-mod k8s_ssa;
-mod k8s_versions;
+mod k8s;
 mod lifecycle;
 mod remove;
 mod security;
@@ -306,9 +300,9 @@ pub struct Args {
     #[arg(long)]
     hostile_text: Option<String>,
     #[command(flatten)]
-    k8s: k8s_pods::Delays,
+    k8s: k8s::pods::Delays,
     #[command(flatten)]
-    forwards: k8s_forward::Forwards,
+    forwards: k8s::forward::Forwards,
 }
 
 /// What a node got from its machine config.
@@ -539,7 +533,7 @@ struct Cluster {
     /// When the factory has built each installer reference.
     builds: Mutex<upgrade::Builds>,
     /// Kubernetes components, objects and restarts (issue 31).
-    k8s: Mutex<k8s_pods::K8s>,
+    k8s: Mutex<k8s::pods::K8s>,
     /// Members removed from etcd, Nodes deleted, the calls (issue 30).
     removals: Mutex<remove::Removals>,
     /// etcd's keyspace, snapshots and recoveries (`node/etcd.rs`).
@@ -547,9 +541,9 @@ struct Cluster {
     /// The real etcd members with `--real-etcd` (`node/etcd_real.rs`).
     real_etcd: Option<etcd_real::RealEtcd>,
     /// Every connection accepted, by the address it came in on.
-    connections: k8s_forward::ConnLog,
+    connections: k8s::forward::ConnLog,
     /// Holds the VIP back (`--vip-held`) until `POST /_sim/vip`.
-    vip_gate: k8s_forward::VipGate,
+    vip_gate: k8s::forward::VipGate,
 }
 
 /// Whether the moment `t` (if any) has come.
@@ -669,7 +663,7 @@ fn b64_pem(v: &Value, what: &str) -> Result<String, String> {
 }
 
 /// The official Talos 1.11 config schema, vendored in the repository.
-const SCHEMA: &str = include_str!("../../schemas/talos-v1.11-config.schema.json");
+const SCHEMA: &str = include_str!("../../../schemas/talos-v1.11-config.schema.json");
 
 /// Talos' registry of document kinds as the vendored schema lists them (its
 /// `oneOf`), each with a validator for its definition, keyed by
@@ -907,8 +901,8 @@ fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         k8s: Mutex::default(),
         removals: Mutex::default(),
         etcd: Mutex::default(),
-        connections: k8s_forward::ConnLog::default(),
-        vip_gate: k8s_forward::VipGate::new(args.forwards.vip_held),
+        connections: k8s::forward::ConnLog::default(),
+        vip_gate: k8s::forward::VipGate::new(args.forwards.vip_held),
         args,
     }))
 }
@@ -934,7 +928,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ("--talos-forward", "talos", &cluster.args.forwards.talos),
     ] {
         for spec in specs {
-            let (name, addr) = k8s_forward::parse(flag, spec)?;
+            let (name, addr) = k8s::forward::parse(flag, spec)?;
             let i = cluster
                 .all()
                 .iter()
@@ -969,7 +963,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(vip) = cluster.args.vip {
         tokio::spawn(serve_vip(cluster.clone(), vip));
     }
-    tokio::spawn(k8s_pods::watch(cluster.clone()));
+    tokio::spawn(k8s::pods::watch(cluster.clone()));
     if cluster.real_etcd.is_some() {
         etcd_real::reconcile_forever(cluster.clone());
     }
@@ -980,7 +974,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .route("/_sim/installer", post(switches::installer_switch))
         .route("/_sim/node", post(switches::node_switch))
         .route("/_sim/k8s", post(health::facts_switch))
-        .route("/_sim/k8s-apis", post(k8s_deprecated::apis_switch))
+        .route("/_sim/k8s-apis", post(k8s::deprecated::apis_switch))
         .route("/_sim/etcd", get(etcd::show).post(etcd::control))
         .route("/_sim/vip", post(release_vip))
         .with_state(cluster);
@@ -1286,7 +1280,7 @@ async fn serve_talos(cluster: Arc<Cluster>, i: usize, first: TcpListener) {
         tokio::select! {
             accepted = l.accept() => {
                 if let Ok((tcp, _)) = accepted {
-                    cluster.connections.record(k8s_forward::Api::Talos, addr);
+                    cluster.connections.record(k8s::forward::Api::Talos, addr);
                     tokio::spawn(handle_talos(cluster.clone(), i, tcp));
                 }
                 listener = Some(l);
@@ -1598,7 +1592,7 @@ impl Api {
     /// later (or misbehaves), configured it applies without a reboot.
     fn apply_on(&self, i: usize, data: &[u8]) -> Result<ApplyConfiguration, Status> {
         let applied = read_config(data)?;
-        k8s_versions::runtime_validate(&self.talos(i), &applied.v1alpha1)?;
+        k8s::versions::runtime_validate(&self.talos(i), &applied.v1alpha1)?;
         let node = &self.cluster.node(i);
         let now = Instant::now();
         if !applied.os_ca.key.is_empty() {
@@ -1814,7 +1808,7 @@ impl Api {
         let kubelet = self.cluster.kubelet_healthy_at(i);
         let restarting = self
             .cluster
-            .k8s_restarting(i, k8s_versions::Component::Kubelet, now);
+            .k8s_restarting(i, k8s::versions::Component::Kubelet, now);
         services.push(match kubelet {
             Some(t) if now >= t && !restarting => service("kubelet", "Running", Some(true), ""),
             _ => service(
@@ -2113,7 +2107,7 @@ fn k8s_tls(cluster: &Cluster, serving: Option<usize>) -> Option<Arc<ServerConfig
     }
     if let Some(i) = serving
         && (!reached(cluster.etcd_healthy_at(i), now)
-            || cluster.k8s_restarting(i, k8s_versions::Component::ApiServer, now))
+            || cluster.k8s_restarting(i, k8s::versions::Component::ApiServer, now))
     {
         return None;
     }
@@ -2175,7 +2169,9 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
         let Ok((tcp, _)) = accepted else {
             continue;
         };
-        cluster.connections.record(k8s_forward::Api::Kubernetes, on);
+        cluster
+            .connections
+            .record(k8s::forward::Api::Kubernetes, on);
         let cluster = cluster.clone();
         tokio::spawn(async move {
             let Some(cfg) = k8s_tls(&cluster, serving) else {
@@ -2204,7 +2200,7 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
                     "/apis/apps/v1/namespaces/kube-system/deployments",
                     get(health::deployments),
                 )
-                .merge(k8s_objects::routes())
+                .merge(k8s::objects::routes())
                 .with_state(cluster);
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app))

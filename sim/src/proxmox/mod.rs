@@ -22,7 +22,7 @@
 //! as lvmthin holds raw). Under `/api2/json`: version, nodes, storage list
 //! and content (list, delete), upload, task status and log, qemu list,
 //! create, config (GET/POST/PUT), resize, status/start|stop|current; delete,
-//! shutdown and the cluster-wide listing are in `proxmox_destroy.rs`.
+//! shutdown and the cluster-wide listing are in `proxmox/destroy.rs`.
 //! Config changes follow qemu-server (src/PVE/API2/Qemu.pm `update_vm_api`):
 //! a replaced or detached drive the VM owns (`vm-<vmid>-…`) is parked as the
 //! first free `unusedN`; `delete=unusedN` frees its volume only when the VM
@@ -31,7 +31,7 @@
 //! `DELETE …/content/{volume}` frees any volume, referenced or not, as
 //! pve-storage's `vdisk_free` does.
 //! Every request is checked against the vendored API schema
-//! ([`crate::proxmox_schema`]). `GET /_sim/stats` (no auth) gives counts
+//! ([`self::schema`]). `GET /_sim/stats` (no auth) gives counts
 //! taken in the handlers: requests, uploads (completed upload tasks),
 //! uploadAttempts, uploadBytes, vmCreates, vmConfigChanges, resizes, starts
 //! (start requests, also of a running VM), startsChanged (starts that took a
@@ -87,15 +87,16 @@ use sha2::{Digest, Sha224, Sha256, Sha384, Sha512};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 
+use self::schema::{Errors, Schema};
+use self::upload::{Multipart, normalize_filename, parse_content_type};
 use crate::chain::Nodes;
-use crate::proxmox_schema::{self as schema, Errors, Schema};
-use crate::proxmox_upload::{Multipart, normalize_filename, parse_content_type};
 
 /// Deleting VMs and listing them cluster-wide (its own contract).
-#[path = "proxmox_destroy.rs"]
 mod destroy;
-#[path = "proxmox_download.rs"]
 mod download;
+mod schema;
+mod secureboot;
+mod upload;
 
 /// pveproxy drops a connection idle for this long.
 const IDLE: Duration = Duration::from_secs(5);
@@ -1441,7 +1442,7 @@ impl Pve {
         }
         for (k, v) in &config {
             if is_drive(k) {
-                crate::proxmox_secureboot::check_drive_param(k, v)
+                self::secureboot::check_drive_param(k, v)
                     .and_then(|()| self.check_drive(v))
                     .map_err(|e| param_exc(Errors::from([(k.clone(), e)])))?;
             }
@@ -1634,12 +1635,12 @@ impl Pve {
         let current = self.vm(vmid)?.config;
         for (k, v) in &changes {
             if is_drive(k) {
-                crate::proxmox_secureboot::check_drive_param(k, v)
+                self::secureboot::check_drive_param(k, v)
                     .and_then(|()| self.check_drive(v))
                     .map_err(|e| param_exc(Errors::from([(k.clone(), e)])))?;
             }
             if k == "tpmstate0" {
-                crate::proxmox_secureboot::check_tpm_change(current.get(k).map(String::as_str), v)
+                self::secureboot::check_tpm_change(current.get(k).map(String::as_str), v)
                     .map_err(die)?;
             }
         }
@@ -1853,7 +1854,7 @@ fn power_on(pve: &Pve, vmid: u32, vm: &mut Vm, log: &mut Vec<String>) {
                 !cdrom
                     && pve
                         .volume_path(&volid)
-                        .is_ok_and(|p| crate::proxmox_secureboot::is_secure_boot_disk(&p))
+                        .is_ok_and(|p| self::secureboot::is_secure_boot_disk(&p))
             });
         let body = json!({"name": format!("vm-{vmid}"), "ip": ip, "hostname": hostname, "secure_boot": secure_boot});
         tokio::runtime::Handle::current().block_on(nodes.boot(&body))?;
@@ -1895,8 +1896,8 @@ fn boot_target(pve: &Pve, vmid: u32, vm: &Vm) -> Result<(String, Option<String>,
         if is_blank(&path) {
             continue;
         }
-        if crate::proxmox_secureboot::is_secure_boot_disk(&path)
-            && let Some(why) = crate::proxmox_secureboot::firmware_refusal(&vm.config)
+        if self::secureboot::is_secure_boot_disk(&path)
+            && let Some(why) = self::secureboot::firmware_refusal(&vm.config)
         {
             return Err(format!("{volid}: {why}"));
         }
