@@ -2200,6 +2200,7 @@ async fn serve_k8s(cluster: Arc<Cluster>, serving: Option<usize>, listener: TcpL
                     "/apis/apps/v1/namespaces/kube-system/deployments",
                     get(health::deployments),
                 )
+                .route("/metrics", get(k8s::deprecated::metrics))
                 .merge(k8s::objects::routes())
                 .with_state(cluster);
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())

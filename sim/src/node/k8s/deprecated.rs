@@ -23,41 +23,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use super::objects::{Stored, group_of};
+use super::objects::{RemovedObject, Requested, Stored, group_of};
 use super::versions::{self, Component};
 use crate::node::{Cluster, ControlReply};
-
-/// A resource of a removed API version the switch registered.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RemovedObject {
-    pub group: String,
-    pub version: String,
-    pub resource: String,
-    pub kind: String,
-    #[serde(default)]
-    pub namespace: Option<String>,
-    pub name: String,
-    pub removed_release: String,
-}
-
-/// A deprecated API some client still requests.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Requested {
-    group: String,
-    version: String,
-    resource: String,
-    #[serde(default)]
-    subresource: String,
-    removed_release: String,
-    /// The API servers that served the requests (None: every one).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    nodes: Option<Vec<String>>,
-    /// When the switch registered them.
-    #[serde(skip)]
-    at: Option<Instant>,
-}
 
 /// Prometheus label values escape `\`, `"` and newlines.
 fn label(v: &str) -> String {

@@ -59,7 +59,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::deprecated::{RemovedObject, Requested};
 use super::ssa::{self, Manager, fields_of, merge, value_at};
 use super::versions::{self, Component};
 use crate::node::{Cluster, ms};
@@ -104,6 +103,38 @@ const KINDS: [Kind; 12] = [
 
 /// (apiVersion, resource, namespace, name).
 pub(crate) type Key = (String, String, String, String);
+
+/// A resource of a removed API version the switch registered.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RemovedObject {
+    pub(crate) group: String,
+    pub(crate) version: String,
+    pub(crate) resource: String,
+    pub(crate) kind: String,
+    #[serde(default)]
+    pub(crate) namespace: Option<String>,
+    pub(crate) name: String,
+    pub(crate) removed_release: String,
+}
+
+/// A deprecated API some client still requests.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Requested {
+    pub(crate) group: String,
+    pub(crate) version: String,
+    pub(crate) resource: String,
+    #[serde(default)]
+    pub(crate) subresource: String,
+    pub(crate) removed_release: String,
+    /// The API servers that served the requests (None: every one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) nodes: Option<Vec<String>>,
+    /// When the switch registered them.
+    #[serde(skip)]
+    pub(crate) at: Option<Instant>,
+}
 
 #[derive(Clone)]
 pub(crate) struct Stored {
@@ -778,12 +809,11 @@ async fn patch_handler(
     patch(&c, Target::from(at), &p, &headers, &body)
 }
 
-/// The object routes and `/metrics`, merged into the API server's router
-/// (its static routes, such as the health lists, win over these).
+/// The object routes and `/version`, merged into the API server's router
+/// (its static routes, such as the health lists and `/metrics`, win over these).
 pub(crate) fn routes() -> axum::Router<Arc<Cluster>> {
     use axum::routing::get as on_get;
     let mut router = axum::Router::new()
-        .route("/metrics", on_get(super::deprecated::metrics))
         .route("/version", on_get(version));
     for prefix in ["/api/v1", "/apis/{group}/{version}"] {
         for at in ["/namespaces/{ns}/{resource}", "/{resource}"] {
