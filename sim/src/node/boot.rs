@@ -14,11 +14,11 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use super::{Cluster, NodeState};
+use super::state::{Cluster, NodeState};
 
 /// One time a node was down.
 #[derive(Clone)]
-pub(super) struct Outage {
+pub(crate) struct Outage {
     down: Instant,
     up: Instant,
     why: &'static str,
@@ -26,7 +26,7 @@ pub(super) struct Outage {
 
 /// What a node keeps about its boots.
 #[derive(Default, Clone)]
-pub(super) struct Life {
+pub(crate) struct Life {
     /// Every boot's ID, the running one last.
     pub boot_ids: Vec<String>,
     outages: Vec<Outage>,
@@ -78,7 +78,7 @@ impl Life {
 
 /// A random-looking UUID, distinct per node and boot: the kernel makes a
 /// random one every boot.
-pub(super) fn new_boot_id(name: &str, boots: usize) -> String {
+pub(crate) fn new_boot_id(name: &str, boots: usize) -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
@@ -97,7 +97,7 @@ pub(super) fn new_boot_id(name: &str, boots: usize) -> String {
 /// A sequence that ends in a reboot: drain for `drain` (cordoned, still
 /// answering), stop for `stop`, down for `down`. `then` runs as the node
 /// goes down and says why it rebooted (an upgrade may turn into a revert).
-pub(super) struct Sequence {
+pub(crate) struct Sequence {
     pub drain: Duration,
     pub stop: Duration,
     pub down: Duration,
@@ -111,7 +111,7 @@ impl Cluster {
 
     /// Runs `seq` on node `i` (the caller checked that none runs): the
     /// node is busy from now until it is back up.
-    pub(super) fn run_sequence(self: &Arc<Self>, i: usize, seq: Sequence) {
+    pub(crate) fn run_sequence(self: &Arc<Self>, i: usize, seq: Sequence) {
         let now = Instant::now();
         let drained = now + seq.drain;
         let down_at = drained + seq.stop;
@@ -185,7 +185,7 @@ impl Cluster {
 
     /// A node's outages for stats: `[{"down_ms","up_ms","why"}]`, `up_ms`
     /// null while it is still down.
-    pub(super) fn outages_json(&self, life: &Life, now: Instant) -> Vec<Value> {
+    pub(crate) fn outages_json(&self, life: &Life, now: Instant) -> Vec<Value> {
         life.outages
             .iter()
             .map(|o| {
@@ -199,7 +199,7 @@ impl Cluster {
     }
 
     /// Every node's outages, by the time each went down.
-    pub(super) fn timeline_json(&self, now: Instant) -> Vec<Value> {
+    pub(crate) fn timeline_json(&self, now: Instant) -> Vec<Value> {
         let mut all: Vec<Value> = self
             .all()
             .iter()
@@ -218,19 +218,19 @@ impl Cluster {
         all
     }
 
-    pub(super) fn now_ms(&self) -> u64 {
+    pub(crate) fn now_ms(&self) -> u64 {
         self.ms_since_start(Instant::now())
     }
 }
 
-impl super::Api {
+impl super::service::Api {
     /// MachineService.Read of node `i` (machined streams the file): the
     /// boot ID and the persisted config are the files this node has.
-    pub(super) fn read_on(
+    pub(crate) fn read_on(
         &self,
         i: usize,
         path: &str,
-    ) -> Result<Vec<super::api::common::Data>, tonic::Status> {
+    ) -> Result<Vec<imgbuild::talos::api::common::Data>, tonic::Status> {
         let node = self.cluster.node(i);
         let mut st = node.st.lock().unwrap();
         st.day2.read_calls += 1;
@@ -245,7 +245,7 @@ impl super::Api {
             // Read stats the path first: codes.NotFound for a missing file.
             _ => return Err(not_found(path)),
         };
-        Ok(vec![super::api::common::Data {
+        Ok(vec![imgbuild::talos::api::common::Data {
             metadata: None,
             bytes,
         }])

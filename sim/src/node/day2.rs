@@ -12,19 +12,20 @@ use futures_util::Stream;
 use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
-use super::api::cosi::resource::state_server::State as CosiState;
-use super::api::cosi::resource::{
-    GetRequest, GetResponse, ListRequest, ListResponse, Metadata as ResMetadata, Resource, Spec,
-};
-use super::api::machine::*;
 use super::apply::TryRollback;
 use super::boot::Life;
+use super::service::Api;
+use super::state::{Applied, Cluster};
 use super::upgrade::schematic_of_installer;
-use super::{Api, Applied, Cluster};
+use imgbuild::talos::api::cosi::resource::state_server::State as CosiState;
+use imgbuild::talos::api::cosi::resource::{
+    GetRequest, GetResponse, ListRequest, ListResponse, Metadata as ResMetadata, Resource, Spec,
+};
+use imgbuild::talos::api::machine::*;
 
 /// What a node keeps across day-two operations.
 #[derive(Default, Clone)]
-pub(super) struct Day2 {
+pub(crate) struct Day2 {
     /// The running Talos tag (None: `--talos-version`).
     pub version: Option<String>,
     /// The running schematic ID (None: read from the config's installer).
@@ -97,7 +98,7 @@ impl Day2 {
     }
 }
 
-impl super::NodeState {
+impl super::state::NodeState {
     /// The config the next boot runs: what a STAGED (or a rebooting) apply
     /// persisted, else the running one, except during a TRY, which is
     /// never persisted (siderolabs/talos `v1alpha1_server.go`
@@ -113,7 +114,7 @@ impl super::NodeState {
 
 impl Api {
     /// The running tag of node `i`.
-    pub(super) fn version_tag(&self, i: usize) -> String {
+    pub(crate) fn version_tag(&self, i: usize) -> String {
         let node = self.cluster.node(i);
         let st = node.st.lock().unwrap();
         st.day2.version_or(&self.cluster.args.talos_version)
@@ -121,7 +122,7 @@ impl Api {
 
     /// The running schematic of node `i`: what its last upgrade installed,
     /// else the one its config's installer names; none on stock Talos.
-    pub(super) fn schematic_on(&self, i: usize) -> Option<String> {
+    pub(crate) fn schematic_on(&self, i: usize) -> Option<String> {
         let node = self.cluster.node(i);
         let st = node.st.lock().unwrap();
         if st.day2.stock {
@@ -211,7 +212,7 @@ impl Api {
 
     /// The node a COSI call is for: apid routes it by `nodes`/`node`
     /// metadata like any other (one target only for State).
-    pub(super) fn state_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
+    pub(crate) fn state_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
         match self.route(req)? {
             super::Route::Local => Ok(self.me),
             super::Route::One2One(t) => self.backend(&t),
@@ -258,7 +259,7 @@ impl Api {
         }
     }
 
-    pub(super) fn meta_write_call(
+    pub(crate) fn meta_write_call(
         &self,
         req: Request<MetaWriteRequest>,
     ) -> Result<Response<MetaWriteResponse>, Status> {
@@ -306,7 +307,7 @@ impl CosiState for Api {
 }
 
 /// The day-two part of a node's stats.
-pub(super) fn stats_of(
+pub(crate) fn stats_of(
     cluster: &Cluster,
     d: &Day2,
     version: String,

@@ -8,7 +8,7 @@
 //! carries TEXT after what it would say. An honest run never sets it.
 
 /// What the node says: `honest`, then the hostile text when one is set.
-pub(super) fn said(hostile: Option<&str>, honest: &str) -> String {
+pub(crate) fn said(hostile: Option<&str>, honest: &str) -> String {
     match hostile {
         Some(text) if !honest.is_empty() => format!("{honest}{text}"),
         _ => honest.to_owned(),

@@ -17,13 +17,13 @@ use std::time::Instant;
 use futures_util::Stream;
 use tonic::{Request, Response, Status};
 
-use super::Api;
-use super::api::machine::image_service_server::ImageService;
-use super::api::machine::lifecycle_service_install_progress::Response as Progress;
-use super::api::machine::lifecycle_service_server::LifecycleService;
-use super::api::machine::*;
 use super::k8s::pods::{PullCall, SYSTEM_SYSTEM, containerd_instance};
+use super::service::Api;
 use super::version::Talos;
+use imgbuild::talos::api::machine::image_service_server::ImageService;
+use imgbuild::talos::api::machine::lifecycle_service_install_progress::Response as Progress;
+use imgbuild::talos::api::machine::lifecycle_service_server::LifecycleService;
+use imgbuild::talos::api::machine::*;
 
 type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 

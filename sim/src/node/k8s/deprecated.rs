@@ -25,7 +25,7 @@ use serde_json::json;
 
 use super::objects::{RemovedObject, Requested, Stored, group_of};
 use super::versions::{self, Component};
-use crate::node::{Cluster, ControlReply};
+use crate::node::state::{Cluster, ControlReply};
 
 /// Prometheus label values escape `\`, `"` and newlines.
 fn label(v: &str) -> String {
@@ -154,7 +154,7 @@ pub(crate) async fn apis_switch(
         .flatten()
         .find(|o| versions::parse(&o.removed_release).is_none())
     {
-        return crate::node::control_error(
+        return crate::node::state::control_error(
             StatusCode::BAD_REQUEST,
             format!(
                 "removed_release {:?} is not a Kubernetes version",

@@ -30,8 +30,9 @@ use std::time::Instant;
 use serde_json::{Value, json};
 
 use super::versions::{self, Component};
+use crate::node::service::Api;
+use crate::node::state::{Cluster, reached};
 use crate::node::version::Talos;
-use crate::node::{Api, Cluster, reached};
 use imgbuild::talos::api::cosi::resource::{Metadata as ResMetadata, Resource, Spec};
 
 /// A rendered manifest: its ID and objects.

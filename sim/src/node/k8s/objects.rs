@@ -61,7 +61,7 @@ use serde_json::{Value, json};
 
 use super::ssa::{self, Manager, fields_of, merge, value_at};
 use super::versions::{self, Component};
-use crate::node::{Cluster, ms};
+use crate::node::state::{Cluster, ms};
 
 /// A resource the API server serves: (apiVersion, plural, kind, namespaced).
 type Kind = (&'static str, &'static str, &'static str, bool);
@@ -813,8 +813,7 @@ async fn patch_handler(
 /// (its static routes, such as the health lists and `/metrics`, win over these).
 pub(crate) fn routes() -> axum::Router<Arc<Cluster>> {
     use axum::routing::get as on_get;
-    let mut router = axum::Router::new()
-        .route("/version", on_get(version));
+    let mut router = axum::Router::new().route("/version", on_get(version));
     for prefix in ["/api/v1", "/apis/{group}/{version}"] {
         for at in ["/namespaces/{ns}/{resource}", "/{resource}"] {
             router = router

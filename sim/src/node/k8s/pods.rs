@@ -108,8 +108,8 @@ use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
 use super::versions::{self, Component};
+use crate::node::state::{Cluster, Phase, ms};
 use crate::node::version::Talos;
-use crate::node::{Cluster, Phase, ms};
 use imgbuild::talos::api::common::{ContainerDriver, ContainerdInstance, ContainerdNamespace};
 use imgbuild::talos::api::machine::{ImagePull, ImagePullRequest, ImagePullResponse};
 
@@ -667,7 +667,7 @@ impl Cluster {
     }
 }
 
-impl crate::node::Api {
+impl crate::node::service::Api {
     /// A pull of a Kubernetes image, as talosctl's `upgrade-k8s`
     /// pre-pull sends them (`talos_managed.go` `prePullImages`): one with a
     /// version tag is pulled after `--pull-cached-delay`; another tag of
