@@ -214,10 +214,10 @@ impl Api {
     /// metadata like any other (one target only for State).
     pub(crate) fn state_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
         match self.route(req)? {
-            super::Route::Local => Ok(self.me),
-            super::Route::One2One(t) => self.backend(&t),
-            super::Route::One2Many(t) if t.len() == 1 => self.backend(&t[0]),
-            super::Route::One2Many(_) => Err(Status::invalid_argument(
+            super::service::Route::Local => Ok(self.me),
+            super::service::Route::One2One(t) => self.backend(&t),
+            super::service::Route::One2Many(t) if t.len() == 1 => self.backend(&t[0]),
+            super::service::Route::One2Many(_) => Err(Status::invalid_argument(
                 "one-to-many proxying is not supported for COSI methods",
             )),
         }

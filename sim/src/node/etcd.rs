@@ -227,9 +227,9 @@ impl Api {
     /// one-to-one (talosctl sends these to one node only).
     fn etcd_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
         match self.route(req)? {
-            super::Route::Local => Ok(self.me),
-            super::Route::One2One(target) => self.backend(&target),
-            super::Route::One2Many(_) => Err(Status::invalid_argument(
+            super::service::Route::Local => Ok(self.me),
+            super::service::Route::One2One(target) => self.backend(&target),
+            super::service::Route::One2Many(_) => Err(Status::invalid_argument(
                 "this call is proxied to one node only",
             )),
         }

@@ -188,7 +188,6 @@ pub(crate) mod state;
 pub(crate) mod tls;
 use self::control::*;
 pub use self::serve::run;
-use self::service::*;
 pub use self::state::Args;
 
 #[cfg(test)]
