@@ -16,19 +16,12 @@ use tonic::Status;
 use super::config::read_config;
 use super::immediate;
 use super::service::Api;
+use super::state::TryRollback;
 use imgbuild::talos::api::machine::apply_configuration_request::Mode as ApplyMode;
 use imgbuild::talos::api::machine::*;
 
 /// `constants.ConfigTryTimeout`.
 const TRY_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// A TRY apply waiting to be rolled back.
-#[derive(Clone)]
-pub(crate) struct TryRollback {
-    /// Which TRY this is (a later one replaces it).
-    id: u64,
-    pub previous: Arc<super::state::Applied>,
-}
 
 /// The config diff a dry run answers: a unified diff of the old and new
 /// YAML with three lines of context around each change, hunks closer than

@@ -12,49 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
+use super::state::Outage;
 use super::state::{Cluster, NodeState};
-
-/// One time a node was down.
-#[derive(Clone)]
-pub(crate) struct Outage {
-    down: Instant,
-    up: Instant,
-    why: &'static str,
-}
-
-/// What a node keeps about its boots.
-#[derive(Default, Clone)]
-pub(crate) struct Life {
-    /// Every boot's ID, the running one last.
-    pub boot_ids: Vec<String>,
-    outages: Vec<Outage>,
-    pub reboots: u32,
-    /// `spec.unschedulable` of its Kubernetes node.
-    pub cordoned: bool,
-    /// Cordoned through the Kubernetes API (talosctl's drain on the
-    /// LifecycleService path), not by Talos: Talos uncordons only nodes it
-    /// cordoned (`controllers/k8s/node_apply.go` `ApplyCordoned`, by its
-    /// annotation), so the boot leaves this one cordoned.
-    pub cordoned_by_client: bool,
-    /// Its evictable pods left (evicted, or stopped by a reboot) since it
-    /// was cordoned: nothing is scheduled back while it stays cordoned.
-    pub pods_gone: bool,
-    /// Pods evicted from it through the Kubernetes API.
-    pub evictions: u32,
-    /// `Reboot` calls that found its Kubernetes node schedulable (nobody
-    /// drained it first).
-    pub reboots_undrained: u32,
-    /// A sequence (upgrade, reboot) runs until the node is back up.
-    pub busy_until: Option<Instant>,
-    /// Cordoned and draining until then (the node answers meanwhile).
-    pub draining_until: Option<Instant>,
-    /// When the running sequence stops the node's services, etcd among
-    /// them (`stopAllPhaselist` after the drain): apid still answers, but
-    /// its etcd member is down from then until it is healthy again.
-    pub services_stop_at: Option<Instant>,
-}
+use super::state::{Life, new_boot_id};
 
 impl Life {
     pub fn boot_id(&self) -> &str {
@@ -74,24 +35,6 @@ impl Life {
     pub fn services_stopped(&self, now: Instant) -> bool {
         self.busy(now) && self.services_stop_at.is_some_and(|t| now >= t)
     }
-}
-
-/// A random-looking UUID, distinct per node and boot: the kernel makes a
-/// random one every boot.
-pub(crate) fn new_boot_id(name: &str, boots: usize) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let h = Sha256::digest(format!("{name}/{boots}/{nanos}"));
-    let hex: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{}-4{}-a{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[13..16],
-        &hex[17..20],
-        &hex[20..32]
-    )
 }
 
 /// A sequence that ends in a reboot: drain for `drain` (cordoned, still

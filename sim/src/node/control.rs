@@ -85,7 +85,7 @@ pub(crate) async fn boot(
             st.configured_at = old.configured_at;
             st.stats = old.stats.clone();
             st.day2 = old.day2.clone();
-            let id = super::boot::new_boot_id(&req.name, st.day2.life.boot_ids.len());
+            let id = super::state::new_boot_id(&req.name, st.day2.life.boot_ids.len());
             st.day2.life.boot_ids.push(id);
         }
         if req.talos_version.is_some() {

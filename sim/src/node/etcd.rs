@@ -43,7 +43,7 @@
 //!   (half the bytes, then a clean end), `etcd-snapshot-endless` (never
 //!   ends), `etcd-snapshot-stall` (one message, then nothing).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -65,21 +65,6 @@ const PAGE: usize = 4096;
 const MIN_PAGES: usize = 16;
 /// What etcd refuses to restore past (and a bound on this simulator's memory).
 const UPLOAD_LIMIT: usize = 64 << 20;
-
-/// The cluster's etcd: its keyspace and what was done with it.
-#[derive(Default)]
-pub(crate) struct Etcd {
-    keys: BTreeMap<String, String>,
-    revision: u64,
-    snapshots: Vec<Value>,
-    /// `/var/lib/etcd.snapshot` per node index.
-    uploads: HashMap<usize, Vec<u8>>,
-    recoveries: Vec<Value>,
-    failures: Vec<Value>,
-    /// Nodes whose etcd failed to start (a restore that failed), and why:
-    /// the service shows Failed until the next wipe or bootstrap.
-    failed: HashMap<usize, String>,
-}
 
 impl Cluster {
     /// Why node `i`'s etcd failed, if it did.

@@ -34,32 +34,17 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use super::state::{Cluster, Phase, reached};
+use super::state::{Member, RealEtcd};
 
 /// The cluster token every member shares.
 const TOKEN: &str = "imgbuild-sim";
-
-/// One control plane's member.
-struct Member {
-    /// etcd's member name: the node's hostname when it first started.
-    name: String,
-    ip: IpAddr,
-    client: u16,
-    peer: u16,
-    child: Option<Child>,
-    /// Since when `/health` has answered true (None: not healthy now).
-    healthy_since: Option<Instant>,
-    /// When the running process was spawned, and how long it took to be
-    /// healthy (startup cost, reported in `/_sim/etcd`).
-    spawned_at: Option<Instant>,
-    startup_ms: Vec<u64>,
-}
 
 impl Member {
     fn client_url(&self) -> String {
@@ -68,12 +53,6 @@ impl Member {
     fn peer_url(&self) -> String {
         format!("http://{}:{}", self.ip, self.peer)
     }
-}
-
-/// The real members of a simulated cluster.
-pub(crate) struct RealEtcd {
-    root: PathBuf,
-    members: Mutex<HashMap<usize, Member>>,
 }
 
 /// A free port on `ip` (bound and released: etcd binds it next).

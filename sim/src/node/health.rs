@@ -14,20 +14,10 @@ use axum::extract::{Query, State};
 use serde_json::{Value, json};
 
 use super::state::{Cluster, ControlReply, Phase, ms, reached};
+use super::state::{Facts, Heartbeat};
 
 /// The etcd member ID of a stale member (a removed control plane's).
 pub(crate) const STALE_MEMBER_ID: u64 = 0x1fff;
-
-/// Cluster-wide health facts a test may break.
-#[derive(Clone, serde::Serialize)]
-pub(crate) struct Facts {
-    pub kube_proxy_ready: bool,
-    pub coredns_ready: bool,
-    /// etcd lists one more member than there are control planes.
-    pub stale_etcd_member: bool,
-    /// Replaces `--node-monitor-grace-period` (milliseconds) from now on.
-    pub node_monitor_grace_period: Option<u64>,
-}
 
 impl Default for Facts {
     fn default() -> Self {
@@ -131,15 +121,6 @@ impl Cluster {
             })
         })
     }
-}
-
-/// The status a node's kubelet last posted, which the API server keeps
-/// serving once the kubelet stops (its Node object stays).
-#[derive(Clone)]
-pub(crate) struct Heartbeat {
-    name: String,
-    at: Instant,
-    ready: bool,
 }
 
 impl Cluster {

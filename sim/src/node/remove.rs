@@ -54,17 +54,6 @@ use imgbuild::talos::api::machine::*;
 /// name); anything else is "failed to get volume status".
 const VOLUMES: [&str; 5] = ["EFI", "BOOT", "META", "STATE", "EPHEMERAL"];
 
-/// What removal did to the simulated cluster.
-#[derive(Default)]
-pub(crate) struct Removals {
-    /// Nodes (by index) whose etcd member was removed.
-    left_etcd: BTreeSet<usize>,
-    /// Nodes whose Kubernetes Node was deleted.
-    deleted: BTreeSet<usize>,
-    /// Every call, in order.
-    calls: Vec<Value>,
-}
-
 /// etcd's refusal when the others would lose quorum.
 const NOT_ENOUGH: &str = "etcdserver: re-configuration failed due to not enough started members";
 

@@ -3,13 +3,19 @@
 //! cluster that holds them with the per-system parts (etcd, Kubernetes,
 //! health, removals, upgrades); the simulated clock helpers.
 
-use super::{boot, day2, etcd, etcd_real, health, k8s, remove, upgrade, version};
+use super::k8s::ssa::Manager;
+use super::k8s::versions::Component;
+use super::{k8s, version};
 use imgbuild::talos::pki::{self, CertAndKey, KeyKind};
 use rustls::ServerConfig;
 use rustls::server::WebPkiClientVerifier;
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::Child;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -107,7 +113,7 @@ pub struct Args {
     #[arg(long)]
     pub(crate) hostile_text: Option<String>,
     #[command(flatten)]
-    pub(crate) k8s: k8s::pods::Delays,
+    pub(crate) k8s: Delays,
     #[command(flatten)]
     pub(crate) forwards: k8s::forward::Forwards,
 }
@@ -162,7 +168,7 @@ pub(crate) struct NodeState {
     pub(crate) wiped: bool,
     /// Why the config it booted with (hcloud `user_data`) was refused.
     pub(crate) config_error: Option<String>,
-    pub(crate) day2: day2::Day2,
+    pub(crate) day2: Day2,
     /// Booted with Secure Boot on (the SecurityState it reports).
     pub(crate) secure_boot: bool,
 }
@@ -236,7 +242,7 @@ impl Node {
         st.day2.schematic_read_fails = has("schematic-read-fails");
         st.day2.leave_cordoned = has("leave-cordoned");
         st.day2.installer_fails = has("installer-fails");
-        st.day2.life.boot_ids.push(boot::new_boot_id(&name, 0));
+        st.day2.life.boot_ids.push(new_boot_id(&name, 0));
         // A node "configured by someone else": another cluster's CA.
         if modes.iter().any(|m| m == "foreign-ca") {
             st.applied = Some(Arc::new(Applied {
@@ -336,17 +342,17 @@ pub(crate) struct Cluster {
     /// CA's leaf takes seconds to make).
     pub(crate) apiserver_tls: Mutex<HashMap<(usize, String), Arc<ServerConfig>>>,
     /// Health facts beyond node readiness (`POST /_sim/k8s`).
-    pub(crate) facts: Mutex<health::Facts>,
+    pub(crate) facts: Mutex<Facts>,
     /// When the factory has built each installer reference.
-    pub(crate) builds: Mutex<upgrade::Builds>,
+    pub(crate) builds: Mutex<Builds>,
     /// Kubernetes components, objects and restarts (issue 31).
-    pub(crate) k8s: Mutex<k8s::pods::K8s>,
+    pub(crate) k8s: Mutex<K8s>,
     /// Members removed from etcd, Nodes deleted, the calls (issue 30).
-    pub(crate) removals: Mutex<remove::Removals>,
+    pub(crate) removals: Mutex<Removals>,
     /// etcd's keyspace, snapshots and recoveries (`node/etcd.rs`).
-    pub(crate) etcd: Mutex<etcd::Etcd>,
+    pub(crate) etcd: Mutex<Etcd>,
     /// The real etcd members with `--real-etcd` (`node/etcd_real.rs`).
-    pub(crate) real_etcd: Option<etcd_real::RealEtcd>,
+    pub(crate) real_etcd: Option<RealEtcd>,
     /// Every connection accepted, by the address it came in on.
     pub(crate) connections: k8s::forward::ConnLog,
     /// Holds the VIP back (`--vip-held`) until `POST /_sim/vip`.
@@ -493,7 +499,7 @@ pub(crate) fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         anyhow::ensure!(ok, "--node-version {spec}: want NAME=vX.Y.Z");
     }
     let real_etcd = if args.real_etcd {
-        Some(etcd_real::RealEtcd::new()?)
+        Some(RealEtcd::new()?)
     } else {
         None
     };
@@ -505,8 +511,8 @@ pub(crate) fn new_cluster(args: Args) -> anyhow::Result<Arc<Cluster>> {
         started: Instant::now(),
         events: Mutex::new(Vec::new()),
         apiserver_tls: Mutex::new(HashMap::new()),
-        facts: Mutex::new(health::Facts::default()),
-        builds: Mutex::new(upgrade::Builds::new()),
+        facts: Mutex::new(Facts::default()),
+        builds: Mutex::new(Builds::new()),
         k8s: Mutex::default(),
         removals: Mutex::default(),
         etcd: Mutex::default(),
@@ -520,4 +526,342 @@ pub(crate) type ControlReply = (axum::http::StatusCode, axum::Json<Value>);
 
 pub(crate) fn control_error(code: axum::http::StatusCode, msg: String) -> ControlReply {
     (code, axum::Json(json!({"error": msg})))
+}
+
+/// What a node keeps across day-two operations.
+#[derive(Default, Clone)]
+pub(crate) struct Day2 {
+    /// The running Talos tag (None: `--talos-version`).
+    pub(crate) version: Option<String>,
+    /// The running schematic ID (None: read from the config's installer).
+    pub(crate) schematic: Option<String>,
+    pub(crate) meta: BTreeMap<u32, Vec<u8>>,
+    /// Switch: the installer fails after the ack; the node reboots into
+    /// the version it ran.
+    pub(crate) installer_fails: bool,
+    /// Switch: stock Talos, no `schematic` extension (until an upgrade
+    /// installs a factory installer).
+    pub(crate) stock: bool,
+    /// Switch: reading the extension statuses fails.
+    pub(crate) schematic_read_fails: bool,
+    /// Switch: new connections stall while the node drains.
+    pub(crate) stall_connects: bool,
+    /// Switch: the boot after a drain does not uncordon the node.
+    pub(crate) leave_cordoned: bool,
+    /// This node's pull and drain times (else the flags).
+    pub(crate) pull_ms: Option<u64>,
+    pub(crate) drain_ms: Option<u64>,
+    /// The persisted config the next boot runs (STAGED, or REBOOT/AUTO
+    /// before its reboot).
+    pub(crate) staged: Option<Arc<Applied>>,
+    /// A TRY apply not yet rolled back, and how many TRYs there were.
+    pub(crate) try_rollback: Option<TryRollback>,
+    pub(crate) tries: u64,
+    /// The apply lock is held until then.
+    pub(crate) applying_until: Option<Instant>,
+    pub(crate) life: Life,
+    /// Installer images containerd holds since the last boot.
+    pub(crate) pulled: BTreeSet<String>,
+    /// Every image this node holds, by where (`k8s::pods::CRI_K8S`,
+    /// `CRI_SYSTEM`, `SYSTEM_SYSTEM`), as (place, image). The system
+    /// containerd's are gone with a boot; the CRI one keeps its images on
+    /// the EPHEMERAL partition.
+    pub(crate) images: BTreeSet<(&'static str, String)>,
+    /// What LifecycleService.Upgrade installed: the tag and schematic the
+    /// next boot runs.
+    pub(crate) next_boot: Option<(String, Option<String>)>,
+    pub(crate) lifecycle_upgrades: u32,
+    /// Upgrades acked with `stage: true`.
+    pub(crate) staged_upgrades: u32,
+    pub(crate) upgrade_calls: u32,
+    pub(crate) upgrades: u32,
+    pub(crate) upgrade_refusals: u32,
+    pub(crate) sequences_locked: u32,
+    pub(crate) pulls: u32,
+    pub(crate) pulls_cancelled: u32,
+    pub(crate) installer_refusals: u32,
+    pub(crate) last_error: Option<String>,
+    pub(crate) requests_by_mode: BTreeMap<&'static str, u32>,
+    pub(crate) applies_by_mode: BTreeMap<&'static str, u32>,
+    pub(crate) apply_refusals: u32,
+    pub(crate) dry_runs: u32,
+    pub(crate) try_cancellations: u32,
+    pub(crate) try_rollbacks: u32,
+    pub(crate) read_calls: u32,
+    pub(crate) reboot_calls: u32,
+    pub(crate) meta_writes: u32,
+    /// Every installer image an acked Upgrade named, in order, and the
+    /// reboot mode each asked for.
+    pub(crate) installers: Vec<String>,
+    pub(crate) reboot_modes: Vec<String>,
+}
+
+/// A TRY apply waiting to be rolled back.
+#[derive(Clone)]
+pub(crate) struct TryRollback {
+    /// Which TRY this is (a later one replaces it).
+    pub(crate) id: u64,
+    pub(crate) previous: Arc<super::state::Applied>,
+}
+
+/// What a node keeps about its boots.
+#[derive(Default, Clone)]
+pub(crate) struct Life {
+    /// Every boot's ID, the running one last.
+    pub(crate) boot_ids: Vec<String>,
+    pub(crate) outages: Vec<Outage>,
+    pub(crate) reboots: u32,
+    /// `spec.unschedulable` of its Kubernetes node.
+    pub(crate) cordoned: bool,
+    /// Cordoned through the Kubernetes API (talosctl's drain on the
+    /// LifecycleService path), not by Talos: Talos uncordons only nodes it
+    /// cordoned (`controllers/k8s/node_apply.go` `ApplyCordoned`, by its
+    /// annotation), so the boot leaves this one cordoned.
+    pub(crate) cordoned_by_client: bool,
+    /// Its evictable pods left (evicted, or stopped by a reboot) since it
+    /// was cordoned: nothing is scheduled back while it stays cordoned.
+    pub(crate) pods_gone: bool,
+    /// Pods evicted from it through the Kubernetes API.
+    pub(crate) evictions: u32,
+    /// `Reboot` calls that found its Kubernetes node schedulable (nobody
+    /// drained it first).
+    pub(crate) reboots_undrained: u32,
+    /// A sequence (upgrade, reboot) runs until the node is back up.
+    pub(crate) busy_until: Option<Instant>,
+    /// Cordoned and draining until then (the node answers meanwhile).
+    pub(crate) draining_until: Option<Instant>,
+    /// When the running sequence stops the node's services, etcd among
+    /// them (`stopAllPhaselist` after the drain): apid still answers, but
+    /// its etcd member is down from then until it is healthy again.
+    pub(crate) services_stop_at: Option<Instant>,
+}
+
+/// A random-looking UUID, distinct per node and boot: the kernel makes a
+/// random one every boot.
+pub(crate) fn new_boot_id(name: &str, boots: usize) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let h = Sha256::digest(format!("{name}/{boots}/{nanos}"));
+    let hex: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-4{}-a{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[13..16],
+        &hex[17..20],
+        &hex[20..32]
+    )
+}
+
+/// Cluster-wide health facts a test may break.
+#[derive(Clone, serde::Serialize)]
+pub(crate) struct Facts {
+    pub(crate) kube_proxy_ready: bool,
+    pub(crate) coredns_ready: bool,
+    /// etcd lists one more member than there are control planes.
+    pub(crate) stale_etcd_member: bool,
+    /// Replaces `--node-monitor-grace-period` (milliseconds) from now on.
+    pub(crate) node_monitor_grace_period: Option<u64>,
+}
+
+/// The status a node's kubelet last posted, which the API server keeps
+/// serving once the kubelet stops (its Node object stays).
+#[derive(Clone)]
+pub(crate) struct Heartbeat {
+    pub(crate) name: String,
+    pub(crate) at: Instant,
+    pub(crate) ready: bool,
+}
+
+/// What removal did to the simulated cluster.
+#[derive(Default)]
+pub(crate) struct Removals {
+    /// Nodes (by index) whose etcd member was removed.
+    pub(crate) left_etcd: BTreeSet<usize>,
+    /// Nodes whose Kubernetes Node was deleted.
+    pub(crate) deleted: BTreeSet<usize>,
+    /// Every call, in order.
+    pub(crate) calls: Vec<Value>,
+}
+
+/// The cluster's etcd: its keyspace and what was done with it.
+#[derive(Default)]
+pub(crate) struct Etcd {
+    pub(crate) keys: BTreeMap<String, String>,
+    pub(crate) revision: u64,
+    pub(crate) snapshots: Vec<Value>,
+    /// `/var/lib/etcd.snapshot` per node index.
+    pub(crate) uploads: HashMap<usize, Vec<u8>>,
+    pub(crate) recoveries: Vec<Value>,
+    pub(crate) failures: Vec<Value>,
+    /// Nodes whose etcd failed to start (a restore that failed), and why:
+    /// the service shows Failed until the next wipe or bootstrap.
+    pub(crate) failed: HashMap<usize, String>,
+}
+
+/// One control plane's member.
+pub(crate) struct Member {
+    /// etcd's member name: the node's hostname when it first started.
+    pub(crate) name: String,
+    pub(crate) ip: IpAddr,
+    pub(crate) client: u16,
+    pub(crate) peer: u16,
+    pub(crate) child: Option<Child>,
+    /// Since when `/health` has answered true (None: not healthy now).
+    pub(crate) healthy_since: Option<Instant>,
+    /// When the running process was spawned, and how long it took to be
+    /// healthy (startup cost, reported in `/_sim/etcd`).
+    pub(crate) spawned_at: Option<Instant>,
+    pub(crate) startup_ms: Vec<u64>,
+}
+
+/// The real members of a simulated cluster.
+pub(crate) struct RealEtcd {
+    pub(crate) root: PathBuf,
+    pub(crate) members: Mutex<HashMap<usize, Member>>,
+}
+
+/// When each installer reference is built at the factory (its first pull
+/// started the build, which goes on when that pull is cancelled).
+pub(crate) type Builds = HashMap<String, Instant>;
+
+#[derive(clap::Args)]
+pub(crate) struct Delays {
+    /// Milliseconds a control-plane static pod takes to restart after its
+    /// image changes (not Ready meanwhile).
+    #[arg(long, default_value_t = 300)]
+    pub(crate) static_pod_delay: u64,
+    /// Milliseconds a kubelet takes to restart after its image changes
+    /// (its Node NotReady meanwhile).
+    #[arg(long, default_value_t = 300)]
+    pub(crate) kubelet_restart_delay: u64,
+    /// Milliseconds a DaemonSet or Deployment takes to roll out a changed
+    /// pod template.
+    #[arg(long, default_value_t = 300)]
+    pub(crate) rollout_delay: u64,
+    /// Milliseconds after a node's kubelet last posted its status before
+    /// the node lifecycle controller marks it Ready Unknown
+    /// (kube-controller-manager `--node-monitor-grace-period`, 40 s).
+    #[arg(long, default_value_t = 40_000)]
+    pub(crate) node_monitor_grace_period: u64,
+}
+
+/// One restart of one component.
+pub(crate) struct Restart {
+    pub(crate) node: String,
+    pub(crate) control_plane: bool,
+    pub(crate) component: Component,
+    pub(crate) from_image: String,
+    pub(crate) image: String,
+    pub(crate) start: Instant,
+    pub(crate) ready: Instant,
+    pub(crate) superseded: bool,
+}
+
+/// A node's components, and which node object they belong to (a slot
+/// reused by another machine starts afresh).
+pub(crate) struct NodeComponents {
+    pub(crate) node: usize,
+    pub(crate) running: BTreeMap<Component, Running>,
+}
+
+/// What the simulated cluster's Kubernetes side keeps.
+#[derive(Default)]
+pub(crate) struct K8s {
+    pub(crate) nodes: HashMap<usize, NodeComponents>,
+    pub(crate) timeline: Vec<Restart>,
+    pub(crate) objects: Store,
+    /// Kubernetes images each node pulled through ImageService or
+    /// MachineService.ImagePull.
+    pub(crate) pulled: BTreeMap<String, Vec<String>>,
+    /// Every image pull asked of a node, in order (see [`PullCall`]).
+    pub(crate) pull_calls: Vec<Value>,
+    /// The last status each node's kubelet posted (`health.rs`).
+    pub(crate) heartbeats: HashMap<usize, Heartbeat>,
+    /// (node, Manifests ID) → (node identity, rendered YAML, version).
+    pub(crate) manifest_versions: HashMap<(usize, &'static str), (usize, String, u64)>,
+}
+
+/// (apiVersion, resource, namespace, name).
+pub(crate) type Key = (String, String, String, String);
+
+#[derive(Clone)]
+pub(crate) struct Stored {
+    pub(crate) object: Value,
+    pub(crate) managers: Vec<Manager>,
+    pub(crate) generation: u64,
+    pub(crate) resource_version: u64,
+    /// When the pod template last changed (a rollout starts), and the
+    /// template the pods ran before.
+    pub(crate) template_at: Instant,
+    pub(crate) previous_template: Option<Value>,
+    /// The Kubernetes minor that removed this object's API version.
+    pub(crate) removed_release: Option<(u64, u64)>,
+}
+
+/// The API server's objects.
+#[derive(Default)]
+pub(crate) struct Store {
+    pub(crate) objects: BTreeMap<Key, Stored>,
+    pub(crate) revision: u64,
+    pub(crate) applies: Vec<Value>,
+    pub(crate) requested: Vec<Requested>,
+    pub(crate) removed: Vec<RemovedObject>,
+}
+
+/// A resource of a removed API version the switch registered.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RemovedObject {
+    pub(crate) group: String,
+    pub(crate) version: String,
+    pub(crate) resource: String,
+    pub(crate) kind: String,
+    #[serde(default)]
+    pub(crate) namespace: Option<String>,
+    pub(crate) name: String,
+    pub(crate) removed_release: String,
+}
+
+/// A deprecated API some client still requests.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Requested {
+    pub(crate) group: String,
+    pub(crate) version: String,
+    pub(crate) resource: String,
+    #[serde(default)]
+    pub(crate) subresource: String,
+    pub(crate) removed_release: String,
+    /// The API servers that served the requests (None: every one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) nodes: Option<Vec<String>>,
+    /// When the switch registered them.
+    #[serde(skip)]
+    pub(crate) at: Option<Instant>,
+}
+
+/// One time a node was down.
+#[derive(Clone)]
+pub(crate) struct Outage {
+    pub(crate) down: Instant,
+    pub(crate) up: Instant,
+    pub(crate) why: &'static str,
+}
+
+/// One component as a node runs it.
+#[derive(Clone)]
+pub(crate) struct Running {
+    pub(crate) image: String,
+    /// Its config resource's spec ([`spec_of`]).
+    pub(crate) spec: String,
+    /// What ran before the last change (the same as `image` at first).
+    pub(crate) previous: String,
+    /// Ready (running `image`) from then on.
+    pub(crate) ready_at: Instant,
+    /// The Talos config resource's version (`talos.dev/config-version`).
+    pub(crate) config_version: u64,
+    /// Its entry in the timeline, if it restarted.
+    pub(crate) restart: Option<usize>,
 }

@@ -1,4 +1,5 @@
 use super::config::*;
+use super::service::Api;
 use super::state::*;
 use super::*;
 use api::machine::machine_service_server::MachineService;

@@ -10,7 +10,6 @@
 //! hosts below its floor: the node reverts and reboots on the old
 //! version), reboot. `Reboot` runs the reboot sequence (no drain).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -115,10 +114,6 @@ impl Drop for PullGuard {
         }
     }
 }
-
-/// When each installer reference is built at the factory (its first pull
-/// started the build, which goes on when that pull is cancelled).
-pub(crate) type Builds = HashMap<String, Instant>;
 
 impl Cluster {
     /// How long node `i` takes to pull `image` from `now`: its own
@@ -326,7 +321,7 @@ impl Api {
                         st.day2
                             .life
                             .boot_ids
-                            .push(super::boot::new_boot_id(&name, n));
+                            .push(super::state::new_boot_id(&name, n));
                         match then(st) {
                             "upgrade" => "staged upgrade",
                             _ => "revert",

@@ -23,9 +23,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use super::objects::{RemovedObject, Requested, Stored, group_of};
+use super::objects::group_of;
 use super::versions::{self, Component};
 use crate::node::state::{Cluster, ControlReply};
+use crate::node::state::{RemovedObject, Requested, Stored};
 
 /// Prometheus label values escape `\`, `"` and newlines.
 fn label(v: &str) -> String {

@@ -62,6 +62,7 @@ use serde_json::{Value, json};
 use super::ssa::{self, Manager, fields_of, merge, value_at};
 use super::versions::{self, Component};
 use crate::node::state::{Cluster, ms};
+use crate::node::state::{Key, Store, Stored};
 
 /// A resource the API server serves: (apiVersion, plural, kind, namespaced).
 type Kind = (&'static str, &'static str, &'static str, bool);
@@ -100,65 +101,6 @@ const KINDS: [Kind; 12] = [
         false,
     ),
 ];
-
-/// (apiVersion, resource, namespace, name).
-pub(crate) type Key = (String, String, String, String);
-
-/// A resource of a removed API version the switch registered.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RemovedObject {
-    pub(crate) group: String,
-    pub(crate) version: String,
-    pub(crate) resource: String,
-    pub(crate) kind: String,
-    #[serde(default)]
-    pub(crate) namespace: Option<String>,
-    pub(crate) name: String,
-    pub(crate) removed_release: String,
-}
-
-/// A deprecated API some client still requests.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Requested {
-    pub(crate) group: String,
-    pub(crate) version: String,
-    pub(crate) resource: String,
-    #[serde(default)]
-    pub(crate) subresource: String,
-    pub(crate) removed_release: String,
-    /// The API servers that served the requests (None: every one).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) nodes: Option<Vec<String>>,
-    /// When the switch registered them.
-    #[serde(skip)]
-    pub(crate) at: Option<Instant>,
-}
-
-#[derive(Clone)]
-pub(crate) struct Stored {
-    pub object: Value,
-    pub managers: Vec<Manager>,
-    pub generation: u64,
-    pub resource_version: u64,
-    /// When the pod template last changed (a rollout starts), and the
-    /// template the pods ran before.
-    pub template_at: Instant,
-    pub previous_template: Option<Value>,
-    /// The Kubernetes minor that removed this object's API version.
-    pub removed_release: Option<(u64, u64)>,
-}
-
-/// The API server's objects.
-#[derive(Default)]
-pub(crate) struct Store {
-    pub objects: BTreeMap<Key, Stored>,
-    revision: u64,
-    applies: Vec<Value>,
-    pub requested: Vec<Requested>,
-    pub removed: Vec<RemovedObject>,
-}
 
 /// A Kubernetes `Status` error reply.
 fn status(code: StatusCode, reason: &str, message: String, details: Value) -> Response {

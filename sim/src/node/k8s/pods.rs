@@ -108,86 +108,15 @@ use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
 use super::versions::{self, Component};
+use crate::node::state::Running;
 use crate::node::state::{Cluster, Phase, ms};
+use crate::node::state::{K8s, NodeComponents, Restart};
 use crate::node::version::Talos;
 use imgbuild::talos::api::common::{ContainerDriver, ContainerdInstance, ContainerdNamespace};
 use imgbuild::talos::api::machine::{ImagePull, ImagePullRequest, ImagePullResponse};
 
 /// How often the watcher looks at the nodes' configs.
 pub(crate) const TICK: Duration = Duration::from_millis(20);
-
-#[derive(clap::Args)]
-pub struct Delays {
-    /// Milliseconds a control-plane static pod takes to restart after its
-    /// image changes (not Ready meanwhile).
-    #[arg(long, default_value_t = 300)]
-    static_pod_delay: u64,
-    /// Milliseconds a kubelet takes to restart after its image changes
-    /// (its Node NotReady meanwhile).
-    #[arg(long, default_value_t = 300)]
-    kubelet_restart_delay: u64,
-    /// Milliseconds a DaemonSet or Deployment takes to roll out a changed
-    /// pod template.
-    #[arg(long, default_value_t = 300)]
-    pub rollout_delay: u64,
-    /// Milliseconds after a node's kubelet last posted its status before
-    /// the node lifecycle controller marks it Ready Unknown
-    /// (kube-controller-manager `--node-monitor-grace-period`, 40 s).
-    #[arg(long, default_value_t = 40_000)]
-    pub node_monitor_grace_period: u64,
-}
-
-/// One component as a node runs it.
-#[derive(Clone)]
-struct Running {
-    image: String,
-    /// Its config resource's spec ([`spec_of`]).
-    spec: String,
-    /// What ran before the last change (the same as `image` at first).
-    previous: String,
-    /// Ready (running `image`) from then on.
-    ready_at: Instant,
-    /// The Talos config resource's version (`talos.dev/config-version`).
-    config_version: u64,
-    /// Its entry in the timeline, if it restarted.
-    restart: Option<usize>,
-}
-
-/// One restart of one component.
-struct Restart {
-    node: String,
-    control_plane: bool,
-    component: Component,
-    from_image: String,
-    image: String,
-    start: Instant,
-    ready: Instant,
-    superseded: bool,
-}
-
-/// A node's components, and which node object they belong to (a slot
-/// reused by another machine starts afresh).
-struct NodeComponents {
-    node: usize,
-    running: BTreeMap<Component, Running>,
-}
-
-/// What the simulated cluster's Kubernetes side keeps.
-#[derive(Default)]
-pub(crate) struct K8s {
-    nodes: HashMap<usize, NodeComponents>,
-    timeline: Vec<Restart>,
-    pub objects: super::objects::Store,
-    /// Kubernetes images each node pulled through ImageService or
-    /// MachineService.ImagePull.
-    pulled: BTreeMap<String, Vec<String>>,
-    /// Every image pull asked of a node, in order (see [`PullCall`]).
-    pull_calls: Vec<Value>,
-    /// The last status each node's kubelet posted (`health.rs`).
-    pub heartbeats: HashMap<usize, crate::node::health::Heartbeat>,
-    /// (node, Manifests ID) → (node identity, rendered YAML, version).
-    pub manifest_versions: HashMap<(usize, &'static str), (usize, String, u64)>,
-}
 
 /// What the watcher reads from one node.
 struct Seen {
