@@ -1,4 +1,4 @@
-//! A real etcd member behind each simulated control plane (issue 37), with
+//! A real etcd member behind each simulated control plane, with
 //! `--real-etcd`: Debian's `etcd-server`/`etcd-client` (etcd 3.4; the same
 //! membership, quorum and snapshot semantics as the etcd 3.5/3.6 Talos
 //! v1.9–v1.14 ship for what imgbuild uses). Membership, quorum refusals,

@@ -1,6 +1,6 @@
-//! A node that lies in what it says (imgbuild issue 28, the hostile
-//! round): a compromised or impostor node answers `machine.proto` strings
-//! with any bytes it likes, and Talos's client API checks none of them.
+//! A node that lies in what it says: a compromised or impostor node
+//! answers `machine.proto` strings with any bytes it likes, and Talos's
+//! client API checks none of them.
 //! With `--hostile-text TEXT` every etcd member hostname (talos
 //! `internal/app/machined/pkg/system/services/etcd.go` reports the
 //! member's name) and every non-empty service health message

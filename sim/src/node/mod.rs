@@ -60,7 +60,7 @@
 //!   booted node its config's hostname, else the boot `hostname`, else `name`
 //!   (also its Kubernetes node name).
 //!
-//! ## Talos versions and day two (issue 26; `node/` modules, each naming its upstream file)
+//! ## Talos versions and day two (each `node/` module names its upstream file)
 //! Every node runs its own Talos version and behaves as that version's
 //! source says; the version (and schematic) change with a successful upgrade.
 //! ```text
@@ -145,12 +145,12 @@
 //!   start). Top level adds `timeline` (every node's outages with `"node"` and
 //!   `"control_plane"`, by `down_ms`), `now_ms` and `facts`.
 //!
-//! ## Kubernetes components and objects (issue 31)
+//! ## Kubernetes components and objects
 //! Static pods, kubelet versions, bootstrap manifests, server-side apply and
 //! the deprecated-API metric: the flags, endpoints and stats are listed in
 //! `node/k8s/pods.rs` and `node/k8s/objects.rs`.
 //!
-//! ## etcd snapshots and recovery (issue 30)
+//! ## etcd snapshots and recovery
 //! `EtcdSnapshot`, `EtcdRecover`, `Bootstrap{recover_etcd}`, `/_sim/etcd` and
 //! the `etcd-snapshot-*` misbehaviours: see `node/etcd.rs`.
 //!

@@ -1,4 +1,4 @@
-//! Node removal (issue 30): `MachineService.EtcdLeaveCluster`,
+//! Node removal: `MachineService.EtcdLeaveCluster`,
 //! `EtcdRemoveMemberByID` and `Reset` as siderolabs/talos
 //! `internal/app/machined/internal/server/v1alpha1/v1alpha1_server.go`
 //! answers them (the same from v1.9 to v1.14 unless said), etcd's own rule

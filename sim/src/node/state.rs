@@ -345,9 +345,9 @@ pub(crate) struct Cluster {
     pub(crate) facts: Mutex<Facts>,
     /// When the factory has built each installer reference.
     pub(crate) builds: Mutex<Builds>,
-    /// Kubernetes components, objects and restarts (issue 31).
+    /// Kubernetes components, objects and restarts.
     pub(crate) k8s: Mutex<K8s>,
-    /// Members removed from etcd, Nodes deleted, the calls (issue 30).
+    /// Members removed from etcd, Nodes deleted, the calls.
     pub(crate) removals: Mutex<Removals>,
     /// etcd's keyspace, snapshots and recoveries (`node/etcd.rs`).
     pub(crate) etcd: Mutex<Etcd>,

@@ -10,7 +10,7 @@
 //! Simplified: only apply patches (others 415), no PUT/POST/DELETE, no
 //! watch; pods and nodes are served as lists only (`health.rs`).
 //!
-//! # Interface (issue 31; the rest in `pods.rs`)
+//! # Interface (the rest in `pods.rs`)
 //! - Objects: `GET` and `PATCH` (apply only) on `/api/v1/namespaces/{ns}/{resource}/{name}`,
 //!   `/api/v1/{resource}/{name}`, `/apis/{group}/{version}/namespaces/{ns}/{resource}/{name}`,
 //!   `/apis/{group}/{version}/{resource}/{name}`; `GET` lists on `/api/v1/namespaces/{ns}/

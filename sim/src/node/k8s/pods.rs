@@ -26,7 +26,7 @@
 //! changes — apply, TRY and its rollback, a staged config at boot — goes
 //! through `NodeState::applied`), so no apply path needs a hook.
 //!
-//! # Interface (issue 31; see also `objects.rs`)
+//! # Interface (see also `objects.rs`)
 //! ```text
 //!     [--static-pod-delay MS]     a static pod's restart after its image changes (default 300):
 //!                                 not Ready meanwhile, and that node's API server (port
