@@ -19,7 +19,13 @@
 //! PXE routes (none are served), signing the simulated systemd-boot inside
 //! the Secure Boot disk and ISO (not a PE file here).
 
-pub(crate) mod secureboot_disk;
+mod cmdline;
+mod images;
+mod iso;
+mod schematics;
+mod secureboot_disk;
+pub(crate) mod state;
+mod uki;
 
 use axum::Router;
 use axum::routing::{get, post};
@@ -27,6 +33,11 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+
+use self::images::*;
+use self::schematics::*;
+use self::state::*;
+use self::uki::*;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -71,17 +82,6 @@ pub struct Args {
     #[arg(long, requires = "kernel")]
     uki_stub: Option<PathBuf>,
 }
-
-pub(crate) mod cmdline;
-pub(crate) mod images;
-pub(crate) mod iso;
-pub(crate) mod schematics;
-pub(crate) mod state;
-pub(crate) mod uki;
-use self::images::*;
-use self::schematics::*;
-use self::state::*;
-use self::uki::*;
 
 fn loopback(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
     anyhow::ensure!(addr.ip().is_loopback(), "{addr} is not a loopback address");

@@ -92,10 +92,20 @@
 //! as a JSON string, `GET /_sim/servers/{id}/user_data` → the user_data as
 //! a JSON string, or null (404 for no such server).
 
+mod actions;
+mod catalog;
+mod images;
 mod labels;
+mod locations;
 mod networks;
+mod power;
+mod query;
 mod rescue;
 mod schema;
+mod server_actions;
+mod servers;
+mod ssh_keys;
+mod state;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -112,16 +122,6 @@ use self::networks::{Network, network_json};
 use self::schema::Schemas;
 use crate::chain::Nodes;
 
-pub(crate) mod actions;
-pub(crate) mod catalog;
-pub(crate) mod images;
-pub(crate) mod locations;
-pub(crate) mod power;
-pub(crate) mod query;
-pub(crate) mod server_actions;
-pub(crate) mod servers;
-pub(crate) mod ssh_keys;
-pub(crate) mod state;
 use self::actions::*;
 use self::catalog::*;
 use self::images::*;

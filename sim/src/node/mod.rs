@@ -163,7 +163,10 @@
 
 mod apply;
 mod boot;
+mod config;
+mod control;
 mod day2;
+mod dispatch;
 mod etcd;
 mod etcd_real;
 mod health;
@@ -171,22 +174,18 @@ mod hostile;
 mod immediate;
 mod k8s;
 mod lifecycle;
+mod listen;
+mod machine;
 mod remove;
 mod security;
+mod serve;
+mod service;
+mod state;
 mod switches;
+mod tls;
 mod upgrade;
 mod version;
 
-pub(crate) mod config;
-pub(crate) mod control;
-pub(crate) mod dispatch;
-pub(crate) mod listen;
-pub(crate) mod machine;
-pub(crate) mod serve;
-pub(crate) mod service;
-pub(crate) mod state;
-pub(crate) mod tls;
-use self::control::*;
 pub use self::serve::run;
 pub use self::state::Args;
 

@@ -5,7 +5,7 @@ use super::control::*;
 use super::listen::*;
 use super::service::*;
 use super::state::*;
-use super::{boot, day2, etcd, etcd_real, health, k8s, switches};
+use super::{day2, etcd, etcd_real, health, k8s, switches};
 use axum::Router;
 use axum::extract::State;
 use axum::routing::{get, post};

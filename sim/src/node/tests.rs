@@ -1,7 +1,7 @@
 use super::config::*;
+use super::control::*;
 use super::service::Api;
 use super::state::*;
-use super::*;
 use api::machine::machine_service_server::MachineService;
 use api::machine::*;
 use axum::extract::State;

@@ -85,21 +85,21 @@ use tokio::net::TcpListener;
 
 use self::schema::Schema;
 
+mod config;
 /// Deleting VMs and listing them cluster-wide (its own contract).
 mod destroy;
+mod dispatch;
 mod download;
+mod http;
+mod power;
 mod schema;
 mod secureboot;
+mod state;
+mod storage;
+mod tasks;
 mod upload;
+mod vms;
 
-pub(crate) mod config;
-pub(crate) mod dispatch;
-pub(crate) mod http;
-pub(crate) mod power;
-pub(crate) mod state;
-pub(crate) mod storage;
-pub(crate) mod tasks;
-pub(crate) mod vms;
 use self::http::*;
 pub use self::state::Args;
 use self::state::*;
