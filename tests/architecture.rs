@@ -13,6 +13,10 @@
 //! the longest module prefix that is a file (`crate::disk::Magic` → `disk`).
 //! A `mod x;` declaration alone is not an edge.
 //!
+//! The simulators (`sim/src`, crate root `sim/src/main.rs`) are a graph of
+//! their own, read by the same checker: no cycle, no file over 1,200 lines,
+//! no `#[path]`, and the document's `## Simulator modules` table exact.
+//!
 //! `cargo test --test architecture -- --nocapture` prints the figures; when
 //! the document is stale, the failure prints the table rows to paste.
 // A test's stderr is libtest's to capture, not the CLI's one writer.
