@@ -528,6 +528,9 @@ pub(crate) fn control_error(code: axum::http::StatusCode, msg: String) -> Contro
     (code, axum::Json(json!({"error": msg})))
 }
 
+// ------------------------------------------------- day two and boots
+// (their behaviour: `day2.rs`, `apply.rs`, `boot.rs`, `upgrade.rs`)
+
 /// What a node keeps across day-two operations.
 #[derive(Default, Clone)]
 pub(crate) struct Day2 {
@@ -636,6 +639,14 @@ pub(crate) struct Life {
     pub(crate) services_stop_at: Option<Instant>,
 }
 
+/// One time a node was down.
+#[derive(Clone)]
+pub(crate) struct Outage {
+    pub(crate) down: Instant,
+    pub(crate) up: Instant,
+    pub(crate) why: &'static str,
+}
+
 /// A random-looking UUID, distinct per node and boot: the kernel makes a
 /// random one every boot.
 pub(crate) fn new_boot_id(name: &str, boots: usize) -> String {
@@ -653,6 +664,9 @@ pub(crate) fn new_boot_id(name: &str, boots: usize) -> String {
         &hex[20..32]
     )
 }
+
+// ------------------------------------------ health, removals and etcd
+// (their behaviour: `health.rs`, `remove.rs`, `etcd.rs`, `etcd_real.rs`)
 
 /// Cluster-wide health facts a test may break.
 #[derive(Clone, serde::Serialize)]
@@ -726,6 +740,9 @@ pub(crate) struct RealEtcd {
 /// started the build, which goes on when that pull is cancelled).
 pub(crate) type Builds = HashMap<String, Instant>;
 
+// ----------------------------------------------------------- Kubernetes
+// (their behaviour: `k8s/pods.rs`, `k8s/objects.rs`, `k8s/deprecated.rs`)
+
 #[derive(clap::Args)]
 pub(crate) struct Delays {
     /// Milliseconds a control-plane static pod takes to restart after its
@@ -757,6 +774,22 @@ pub(crate) struct Restart {
     pub(crate) start: Instant,
     pub(crate) ready: Instant,
     pub(crate) superseded: bool,
+}
+
+/// One component as a node runs it.
+#[derive(Clone)]
+pub(crate) struct Running {
+    pub(crate) image: String,
+    /// Its config resource's spec ([`spec_of`]).
+    pub(crate) spec: String,
+    /// What ran before the last change (the same as `image` at first).
+    pub(crate) previous: String,
+    /// Ready (running `image`) from then on.
+    pub(crate) ready_at: Instant,
+    /// The Talos config resource's version (`talos.dev/config-version`).
+    pub(crate) config_version: u64,
+    /// Its entry in the timeline, if it restarted.
+    pub(crate) restart: Option<usize>,
 }
 
 /// A node's components, and which node object they belong to (a slot
@@ -840,28 +873,4 @@ pub(crate) struct Requested {
     /// When the switch registered them.
     #[serde(skip)]
     pub(crate) at: Option<Instant>,
-}
-
-/// One time a node was down.
-#[derive(Clone)]
-pub(crate) struct Outage {
-    pub(crate) down: Instant,
-    pub(crate) up: Instant,
-    pub(crate) why: &'static str,
-}
-
-/// One component as a node runs it.
-#[derive(Clone)]
-pub(crate) struct Running {
-    pub(crate) image: String,
-    /// Its config resource's spec ([`spec_of`]).
-    pub(crate) spec: String,
-    /// What ran before the last change (the same as `image` at first).
-    pub(crate) previous: String,
-    /// Ready (running `image`) from then on.
-    pub(crate) ready_at: Instant,
-    /// The Talos config resource's version (`talos.dev/config-version`).
-    pub(crate) config_version: u64,
-    /// Its entry in the timeline, if it restarted.
-    pub(crate) restart: Option<usize>,
 }
