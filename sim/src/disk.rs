@@ -204,7 +204,7 @@ mod tests {
     const EMPTY_CHECKSUM: &str = "e7a327df2cfb2c3010ac1a387e9573d46ea52cac7f25db80ad8fbb41aceabf70";
 
     fn hex(b: &[u8]) -> String {
-        crate::factory::hex_lower(b)
+        crate::factory::state::hex_lower(b)
     }
 
     #[test]

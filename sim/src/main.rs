@@ -6,16 +6,8 @@ mod chain;
 mod disk;
 mod factory;
 mod hcloud;
-mod hcloud_labels;
-mod hcloud_networks;
-mod hcloud_rescue;
-mod hcloud_schema;
 mod node;
 mod proxmox;
-mod proxmox_schema;
-mod proxmox_secureboot;
-mod proxmox_upload;
-mod secureboot_disk;
 
 use clap::{Parser, Subcommand};
 

@@ -2,7 +2,7 @@
 //! simulator's Kubernetes side (issue 31): a 3+2 cluster whose Talos runs
 //! the version each test names (v1.11.5 unless said otherwise), its static
 //! pods, kubelets, bootstrap manifests and deprecated-API metric as
-//! `sim/src/node/k8s_*.rs` model them after siderolabs/talos and
+//! `sim/src/node/k8s/*.rs` model them after siderolabs/talos and
 //! kubernetes/kubernetes. Delays are scaled down.
 
 use std::path::{Path, PathBuf};

@@ -13,6 +13,10 @@
 //! the longest module prefix that is a file (`crate::disk::Magic` → `disk`).
 //! A `mod x;` declaration alone is not an edge.
 //!
+//! The simulators (`sim/src`, crate root `sim/src/main.rs`) are a graph of
+//! their own, read by the same checker: no cycle, no file over 1,200 lines,
+//! no `#[path]`, and the document's `## Simulator modules` table exact.
+//!
 //! `cargo test --test repo architecture:: -- --nocapture` prints the figures; when
 //! the document is stale, the failure prints the table rows to paste.
 // A test's stderr is libtest's to capture, not the CLI's one writer.
@@ -512,6 +516,8 @@ fn scan(src: &str) -> Scan {
 enum Crate {
     Lib,
     Bin,
+    /// The simulators' binary (`sim/src/main.rs`), a crate of its own graph.
+    Sim,
 }
 
 #[derive(Debug)]
@@ -530,7 +536,7 @@ impl Module {
     fn name(&self) -> String {
         match (self.path.is_empty(), self.krate) {
             (true, Crate::Lib) => "lib".into(),
-            (true, Crate::Bin) => "main".into(),
+            (true, Crate::Bin | Crate::Sim) => "main".into(),
             _ => self.path.join("::"),
         }
     }
@@ -605,10 +611,23 @@ fn load_crate(
 }
 
 fn build_graph(files: &BTreeMap<String, String>) -> Graph {
-    let mut modules = Vec::new();
-    let mut test_files = load_crate(Crate::Lib, "src/lib.rs", files, &mut modules);
+    if files.contains_key("sim/src/main.rs") {
+        return graph_of(&[(Crate::Sim, "sim/src/main.rs")], files);
+    }
+    let mut roots = vec![(Crate::Lib, "src/lib.rs")];
     if files.contains_key("src/main.rs") {
-        test_files.extend(load_crate(Crate::Bin, "src/main.rs", files, &mut modules));
+        roots.push((Crate::Bin, "src/main.rs"));
+    }
+    graph_of(&roots, files)
+}
+
+/// The graph of the crates rooted at `roots`; every file of `files` must be
+/// reached from one of them.
+fn graph_of(roots: &[(Crate, &str)], files: &BTreeMap<String, String>) -> Graph {
+    let mut modules = Vec::new();
+    let mut test_files = Vec::new();
+    for &(krate, root) in roots {
+        test_files.extend(load_crate(krate, root, files, &mut modules));
     }
     modules.sort_by(|a, b| (a.krate, &a.path).cmp(&(b.krate, &b.path)));
     let claimed: BTreeSet<&str> = modules
@@ -642,6 +661,9 @@ fn build_graph(files: &BTreeMap<String, String>) -> Graph {
             let rest = || segs[1..].to_vec();
             match first {
                 "crate" => Some((m.krate, rest())),
+                // The simulators' graph holds no library: its `imgbuild::`
+                // paths (the generated protobuf types) lead outside.
+                "imgbuild" if m.krate == Crate::Sim => None,
                 "imgbuild" => Some((Crate::Lib, rest())),
                 "self" => Some((m.krate, [here, rest()].concat())),
                 "super" => {
@@ -882,6 +904,11 @@ fn repo() -> &'static Path {
 }
 
 fn sources() -> BTreeMap<String, String> {
+    sources_under("src")
+}
+
+/// Every `.rs` file under `dir` (relative to the repository), path → text.
+fn sources_under(dir: &str) -> BTreeMap<String, String> {
     fn walk(dir: &Path, out: &mut BTreeMap<String, String>) {
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
@@ -899,13 +926,19 @@ fn sources() -> BTreeMap<String, String> {
         }
     }
     let mut out = BTreeMap::new();
-    walk(&repo().join("src"), &mut out);
+    walk(&repo().join(dir), &mut out);
     out
 }
 
 fn graph() -> &'static Graph {
     static G: OnceLock<Graph> = OnceLock::new();
     G.get_or_init(|| build_graph(&sources()))
+}
+
+/// The simulators' crate (`sim/src/main.rs`), as its own graph.
+fn sim_graph() -> &'static Graph {
+    static G: OnceLock<Graph> = OnceLock::new();
+    G.get_or_init(|| build_graph(&sources_under("sim/src")))
 }
 
 /// The pass's other promises, held by the code's definitions: the publish
@@ -1101,9 +1134,14 @@ fn the_library_never_reaches_the_binary_and_keeps_its_layers() {
 
 #[test]
 fn the_architecture_document_lists_every_module_and_its_imports() {
-    let g = graph();
+    table_matches(graph(), "Modules");
+}
+
+/// The `## {heading}` section's module table lists exactly `g`'s modules,
+/// each with its file and its imports; a stale one fails with the rows to paste.
+fn table_matches(g: &Graph, heading: &str) {
     // Module rows start with the `name`; headers do not.
-    let rows: Vec<Vec<String>> = section_rows(&doc(), "Modules")
+    let rows: Vec<Vec<String>> = section_rows(&doc(), heading)
         .into_iter()
         .filter(|r| r[0].starts_with('`'))
         .collect();
@@ -1128,10 +1166,10 @@ fn the_architecture_document_lists_every_module_and_its_imports() {
             writeln!(
                 expected,
                 "\n{}:",
-                if m.krate == Crate::Lib {
-                    "the library"
-                } else {
-                    "the binary"
+                match m.krate {
+                    Crate::Lib => "the library",
+                    Crate::Bin => "the binary",
+                    Crate::Sim => "the simulators",
                 }
             )
             .unwrap();
@@ -1171,9 +1209,57 @@ fn the_architecture_document_lists_every_module_and_its_imports() {
     }
     assert!(
         stale.is_empty(),
-        "docs/architecture.md's module table is stale:\n{}\n\nthe rows, from the code (paste each group under its table's header):\n{expected}",
+        "docs/architecture.md's `## {heading}` table is stale:\n{}\n\nthe rows, from the code (paste each group under its table's header):\n{expected}",
         stale.join("\n")
     );
+}
+
+// ---------------------------------------------------------------- the simulators
+
+/// The largest a file of `sim/src` may be: past it, split the file by concern.
+const SIM_MAX_LINES: usize = 1_200;
+
+/// `sim/` is held to the same rules as `src/`: its import graph at file
+/// granularity (crate root `sim/src/main.rs`) has no cycle.
+#[test]
+fn the_simulators_module_graph_has_no_cycle() {
+    let g = sim_graph();
+    eprintln!("sim: {}", g.figures());
+    let list: Vec<String> = g.cycles().iter().map(|c| g.show_cycle(c)).collect();
+    assert!(
+        list.is_empty(),
+        "{} import cycles in sim/ — a module imports one that depends on it:\n{}\n\n{}",
+        list.len(),
+        list.join("\n"),
+        g.figures()
+    );
+}
+
+/// No file of `sim/src` is over [`SIM_MAX_LINES`], and no `#[path]`
+/// attribute anywhere in `sim/` hides the real module tree.
+#[test]
+fn the_simulators_files_are_small_and_where_their_modules_say() {
+    let mut problems = Vec::new();
+    for (file, text) in sources_under("sim") {
+        for (i, line) in text.lines().enumerate() {
+            let code: String = line.chars().filter(|c| !c.is_whitespace()).collect();
+            if code.starts_with("#[path") {
+                problems.push(format!("{file}:{}: a #[path] attribute", i + 1));
+            }
+        }
+        let lines = text.lines().count();
+        if file.starts_with("sim/src/") && lines > SIM_MAX_LINES {
+            problems.push(format!(
+                "{file}: {lines} lines, over {SIM_MAX_LINES}: split it by concern"
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_architecture_document_lists_every_simulator_module_and_its_imports() {
+    table_matches(sim_graph(), "Simulator modules");
 }
 
 /// The checker itself, on small trees: it must fail for the right reasons.

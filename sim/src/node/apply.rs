@@ -13,20 +13,15 @@ use std::time::{Duration, Instant};
 
 use tonic::Status;
 
-use super::api::machine::apply_configuration_request::Mode as ApplyMode;
-use super::api::machine::*;
-use super::{Api, immediate, read_config};
+use super::config::read_config;
+use super::immediate;
+use super::service::Api;
+use super::state::TryRollback;
+use imgbuild::talos::api::machine::apply_configuration_request::Mode as ApplyMode;
+use imgbuild::talos::api::machine::*;
 
 /// `constants.ConfigTryTimeout`.
 const TRY_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// A TRY apply waiting to be rolled back.
-#[derive(Clone)]
-pub(super) struct TryRollback {
-    /// Which TRY this is (a later one replaces it).
-    id: u64,
-    pub previous: Arc<super::Applied>,
-}
 
 /// The config diff a dry run answers: a unified diff of the old and new
 /// YAML with three lines of context around each change, hunks closer than
@@ -111,7 +106,7 @@ fn go_duration(d: Duration) -> String {
 }
 
 /// The stats name of a mode.
-pub(super) fn mode_name(mode: ApplyMode) -> &'static str {
+pub(crate) fn mode_name(mode: ApplyMode) -> &'static str {
     match mode {
         ApplyMode::Reboot => "reboot",
         ApplyMode::Auto => "auto",
@@ -122,7 +117,7 @@ pub(super) fn mode_name(mode: ApplyMode) -> &'static str {
 }
 
 impl Api {
-    pub(super) fn apply_configured(
+    pub(crate) fn apply_configured(
         &self,
         i: usize,
         req: &ApplyConfigurationRequest,
@@ -145,12 +140,12 @@ impl Api {
         if requested != ApplyMode::Try && st.day2.try_rollback.take().is_some() {
             st.day2.try_cancellations += 1;
         }
-        let refuse = |st: &mut super::NodeState, s: Status| {
+        let refuse = |st: &mut super::state::NodeState, s: Status| {
             st.day2.apply_refusals += 1;
             s
         };
         let mut applied = read_config(&req.data).map_err(|s| refuse(&mut st, s))?;
-        super::k8s_versions::runtime_validate(&talos, &applied.v1alpha1)
+        super::k8s::versions::runtime_validate(&talos, &applied.v1alpha1)
             .map_err(|s| refuse(&mut st, s))?;
         let running = st.applied.clone().expect("a configured node has a config");
         let (mode, details, why) = if talos.checks_immediate() {
@@ -239,7 +234,7 @@ impl Api {
         }
         st.stats.applies += 1;
         *st.day2.applies_by_mode.entry(mode_name(mode)).or_default() += 1;
-        st.day2.applying_until = Some(now + super::ms(self.cluster.args.apply_time));
+        st.day2.applying_until = Some(now + super::state::ms(self.cluster.args.apply_time));
         if applied.os_ca.key.is_empty() {
             applied.os_ca.key = running.os_ca.key.clone();
         }

@@ -12,49 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
-use super::{Cluster, NodeState};
-
-/// One time a node was down.
-#[derive(Clone)]
-pub(super) struct Outage {
-    down: Instant,
-    up: Instant,
-    why: &'static str,
-}
-
-/// What a node keeps about its boots.
-#[derive(Default, Clone)]
-pub(super) struct Life {
-    /// Every boot's ID, the running one last.
-    pub boot_ids: Vec<String>,
-    outages: Vec<Outage>,
-    pub reboots: u32,
-    /// `spec.unschedulable` of its Kubernetes node.
-    pub cordoned: bool,
-    /// Cordoned through the Kubernetes API (talosctl's drain on the
-    /// LifecycleService path), not by Talos: Talos uncordons only nodes it
-    /// cordoned (`controllers/k8s/node_apply.go` `ApplyCordoned`, by its
-    /// annotation), so the boot leaves this one cordoned.
-    pub cordoned_by_client: bool,
-    /// Its evictable pods left (evicted, or stopped by a reboot) since it
-    /// was cordoned: nothing is scheduled back while it stays cordoned.
-    pub pods_gone: bool,
-    /// Pods evicted from it through the Kubernetes API.
-    pub evictions: u32,
-    /// `Reboot` calls that found its Kubernetes node schedulable (nobody
-    /// drained it first).
-    pub reboots_undrained: u32,
-    /// A sequence (upgrade, reboot) runs until the node is back up.
-    pub busy_until: Option<Instant>,
-    /// Cordoned and draining until then (the node answers meanwhile).
-    pub draining_until: Option<Instant>,
-    /// When the running sequence stops the node's services, etcd among
-    /// them (`stopAllPhaselist` after the drain): apid still answers, but
-    /// its etcd member is down from then until it is healthy again.
-    pub services_stop_at: Option<Instant>,
-}
+use super::state::Outage;
+use super::state::{Cluster, NodeState};
+use super::state::{Life, new_boot_id};
 
 impl Life {
     pub fn boot_id(&self) -> &str {
@@ -76,28 +37,10 @@ impl Life {
     }
 }
 
-/// A random-looking UUID, distinct per node and boot: the kernel makes a
-/// random one every boot.
-pub(super) fn new_boot_id(name: &str, boots: usize) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let h = Sha256::digest(format!("{name}/{boots}/{nanos}"));
-    let hex: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{}-4{}-a{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[13..16],
-        &hex[17..20],
-        &hex[20..32]
-    )
-}
-
 /// A sequence that ends in a reboot: drain for `drain` (cordoned, still
 /// answering), stop for `stop`, down for `down`. `then` runs as the node
 /// goes down and says why it rebooted (an upgrade may turn into a revert).
-pub(super) struct Sequence {
+pub(crate) struct Sequence {
     pub drain: Duration,
     pub stop: Duration,
     pub down: Duration,
@@ -111,7 +54,7 @@ impl Cluster {
 
     /// Runs `seq` on node `i` (the caller checked that none runs): the
     /// node is busy from now until it is back up.
-    pub(super) fn run_sequence(self: &Arc<Self>, i: usize, seq: Sequence) {
+    pub(crate) fn run_sequence(self: &Arc<Self>, i: usize, seq: Sequence) {
         let now = Instant::now();
         let drained = now + seq.drain;
         let down_at = drained + seq.stop;
@@ -145,7 +88,7 @@ impl Cluster {
                 st.day2.pulled.clear();
                 st.day2
                     .images
-                    .retain(|(place, _)| *place != super::k8s_pods::SYSTEM_SYSTEM);
+                    .retain(|(place, _)| *place != super::k8s::pods::SYSTEM_SYSTEM);
                 let why = (seq.then)(&mut st);
                 // A TRY config was never persisted: the boot runs the one
                 // that was (or what is staged).
@@ -185,7 +128,7 @@ impl Cluster {
 
     /// A node's outages for stats: `[{"down_ms","up_ms","why"}]`, `up_ms`
     /// null while it is still down.
-    pub(super) fn outages_json(&self, life: &Life, now: Instant) -> Vec<Value> {
+    pub(crate) fn outages_json(&self, life: &Life, now: Instant) -> Vec<Value> {
         life.outages
             .iter()
             .map(|o| {
@@ -199,7 +142,7 @@ impl Cluster {
     }
 
     /// Every node's outages, by the time each went down.
-    pub(super) fn timeline_json(&self, now: Instant) -> Vec<Value> {
+    pub(crate) fn timeline_json(&self, now: Instant) -> Vec<Value> {
         let mut all: Vec<Value> = self
             .all()
             .iter()
@@ -218,19 +161,19 @@ impl Cluster {
         all
     }
 
-    pub(super) fn now_ms(&self) -> u64 {
+    pub(crate) fn now_ms(&self) -> u64 {
         self.ms_since_start(Instant::now())
     }
 }
 
-impl super::Api {
+impl super::service::Api {
     /// MachineService.Read of node `i` (machined streams the file): the
     /// boot ID and the persisted config are the files this node has.
-    pub(super) fn read_on(
+    pub(crate) fn read_on(
         &self,
         i: usize,
         path: &str,
-    ) -> Result<Vec<super::api::common::Data>, tonic::Status> {
+    ) -> Result<Vec<imgbuild::talos::api::common::Data>, tonic::Status> {
         let node = self.cluster.node(i);
         let mut st = node.st.lock().unwrap();
         st.day2.read_calls += 1;
@@ -245,7 +188,7 @@ impl super::Api {
             // Read stats the path first: codes.NotFound for a missing file.
             _ => return Err(not_found(path)),
         };
-        Ok(vec![super::api::common::Data {
+        Ok(vec![imgbuild::talos::api::common::Data {
             metadata: None,
             bytes,
         }])

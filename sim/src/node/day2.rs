@@ -3,7 +3,7 @@
 //! State API, as machined answers them (siderolabs/talos
 //! `internal/app/machined/internal/server/v1alpha1/v1alpha1_server.go`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,83 +12,15 @@ use futures_util::Stream;
 use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
-use super::api::cosi::resource::state_server::State as CosiState;
-use super::api::cosi::resource::{
+use super::service::Api;
+use super::state::Day2;
+use super::state::{Applied, Cluster};
+use super::upgrade::schematic_of_installer;
+use imgbuild::talos::api::cosi::resource::state_server::State as CosiState;
+use imgbuild::talos::api::cosi::resource::{
     GetRequest, GetResponse, ListRequest, ListResponse, Metadata as ResMetadata, Resource, Spec,
 };
-use super::api::machine::*;
-use super::apply::TryRollback;
-use super::boot::Life;
-use super::upgrade::schematic_of_installer;
-use super::{Api, Applied, Cluster};
-
-/// What a node keeps across day-two operations.
-#[derive(Default, Clone)]
-pub(super) struct Day2 {
-    /// The running Talos tag (None: `--talos-version`).
-    pub version: Option<String>,
-    /// The running schematic ID (None: read from the config's installer).
-    pub schematic: Option<String>,
-    pub meta: BTreeMap<u32, Vec<u8>>,
-    /// Switch: the installer fails after the ack; the node reboots into
-    /// the version it ran.
-    pub installer_fails: bool,
-    /// Switch: stock Talos, no `schematic` extension (until an upgrade
-    /// installs a factory installer).
-    pub stock: bool,
-    /// Switch: reading the extension statuses fails.
-    pub schematic_read_fails: bool,
-    /// Switch: new connections stall while the node drains.
-    pub stall_connects: bool,
-    /// Switch: the boot after a drain does not uncordon the node.
-    pub leave_cordoned: bool,
-    /// This node's pull and drain times (else the flags).
-    pub pull_ms: Option<u64>,
-    pub drain_ms: Option<u64>,
-    /// The persisted config the next boot runs (STAGED, or REBOOT/AUTO
-    /// before its reboot).
-    pub staged: Option<Arc<Applied>>,
-    /// A TRY apply not yet rolled back, and how many TRYs there were.
-    pub try_rollback: Option<TryRollback>,
-    pub tries: u64,
-    /// The apply lock is held until then.
-    pub applying_until: Option<Instant>,
-    pub life: Life,
-    /// Installer images containerd holds since the last boot.
-    pub pulled: BTreeSet<String>,
-    /// Every image this node holds, by where (`k8s_pods::CRI_K8S`,
-    /// `CRI_SYSTEM`, `SYSTEM_SYSTEM`), as (place, image). The system
-    /// containerd's are gone with a boot; the CRI one keeps its images on
-    /// the EPHEMERAL partition.
-    pub images: BTreeSet<(&'static str, String)>,
-    /// What LifecycleService.Upgrade installed: the tag and schematic the
-    /// next boot runs.
-    pub next_boot: Option<(String, Option<String>)>,
-    pub lifecycle_upgrades: u32,
-    /// Upgrades acked with `stage: true`.
-    pub staged_upgrades: u32,
-    pub upgrade_calls: u32,
-    pub upgrades: u32,
-    pub upgrade_refusals: u32,
-    pub sequences_locked: u32,
-    pub pulls: u32,
-    pub pulls_cancelled: u32,
-    pub installer_refusals: u32,
-    pub last_error: Option<String>,
-    pub requests_by_mode: BTreeMap<&'static str, u32>,
-    pub applies_by_mode: BTreeMap<&'static str, u32>,
-    pub apply_refusals: u32,
-    pub dry_runs: u32,
-    pub try_cancellations: u32,
-    pub try_rollbacks: u32,
-    pub read_calls: u32,
-    pub reboot_calls: u32,
-    pub meta_writes: u32,
-    /// Every installer image an acked Upgrade named, in order, and the
-    /// reboot mode each asked for.
-    pub installers: Vec<String>,
-    pub reboot_modes: Vec<String>,
-}
+use imgbuild::talos::api::machine::*;
 
 impl Day2 {
     /// The running tag, `default` (`--talos-version`) unless set.
@@ -97,7 +29,7 @@ impl Day2 {
     }
 }
 
-impl super::NodeState {
+impl super::state::NodeState {
     /// The config the next boot runs: what a STAGED (or a rebooting) apply
     /// persisted, else the running one, except during a TRY, which is
     /// never persisted (siderolabs/talos `v1alpha1_server.go`
@@ -113,7 +45,7 @@ impl super::NodeState {
 
 impl Api {
     /// The running tag of node `i`.
-    pub(super) fn version_tag(&self, i: usize) -> String {
+    pub(crate) fn version_tag(&self, i: usize) -> String {
         let node = self.cluster.node(i);
         let st = node.st.lock().unwrap();
         st.day2.version_or(&self.cluster.args.talos_version)
@@ -121,7 +53,7 @@ impl Api {
 
     /// The running schematic of node `i`: what its last upgrade installed,
     /// else the one its config's installer names; none on stock Talos.
-    pub(super) fn schematic_on(&self, i: usize) -> Option<String> {
+    pub(crate) fn schematic_on(&self, i: usize) -> Option<String> {
         let node = self.cluster.node(i);
         let st = node.st.lock().unwrap();
         if st.day2.stock {
@@ -211,12 +143,12 @@ impl Api {
 
     /// The node a COSI call is for: apid routes it by `nodes`/`node`
     /// metadata like any other (one target only for State).
-    pub(super) fn state_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
+    pub(crate) fn state_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
         match self.route(req)? {
-            super::Route::Local => Ok(self.me),
-            super::Route::One2One(t) => self.backend(&t),
-            super::Route::One2Many(t) if t.len() == 1 => self.backend(&t[0]),
-            super::Route::One2Many(_) => Err(Status::invalid_argument(
+            super::service::Route::Local => Ok(self.me),
+            super::service::Route::One2One(t) => self.backend(&t),
+            super::service::Route::One2Many(t) if t.len() == 1 => self.backend(&t[0]),
+            super::service::Route::One2Many(_) => Err(Status::invalid_argument(
                 "one-to-many proxying is not supported for COSI methods",
             )),
         }
@@ -258,7 +190,7 @@ impl Api {
         }
     }
 
-    pub(super) fn meta_write_call(
+    pub(crate) fn meta_write_call(
         &self,
         req: Request<MetaWriteRequest>,
     ) -> Result<Response<MetaWriteResponse>, Status> {
@@ -306,7 +238,7 @@ impl CosiState for Api {
 }
 
 /// The day-two part of a node's stats.
-pub(super) fn stats_of(
+pub(crate) fn stats_of(
     cluster: &Cluster,
     d: &Day2,
     version: String,

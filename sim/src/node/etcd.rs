@@ -43,7 +43,7 @@
 //!   (half the bytes, then a clean end), `etcd-snapshot-endless` (never
 //!   ends), `etcd-snapshot-stall` (one message, then nothing).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -53,7 +53,8 @@ use serde_json::{Value, json};
 use sha2::Digest;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::{Api, Cluster, ControlReply, DataStream, control_error};
+use super::service::{Api, DataStream};
+use super::state::{Cluster, ControlReply, control_error};
 use imgbuild::talos::api::common::Data;
 use imgbuild::talos::api::machine::{EtcdRecover, EtcdRecoverResponse, EtcdSnapshotRequest};
 
@@ -65,24 +66,9 @@ const MIN_PAGES: usize = 16;
 /// What etcd refuses to restore past (and a bound on this simulator's memory).
 const UPLOAD_LIMIT: usize = 64 << 20;
 
-/// The cluster's etcd: its keyspace and what was done with it.
-#[derive(Default)]
-pub(super) struct Etcd {
-    keys: BTreeMap<String, String>,
-    revision: u64,
-    snapshots: Vec<Value>,
-    /// `/var/lib/etcd.snapshot` per node index.
-    uploads: HashMap<usize, Vec<u8>>,
-    recoveries: Vec<Value>,
-    failures: Vec<Value>,
-    /// Nodes whose etcd failed to start (a restore that failed), and why:
-    /// the service shows Failed until the next wipe or bootstrap.
-    failed: HashMap<usize, String>,
-}
-
 impl Cluster {
     /// Why node `i`'s etcd failed, if it did.
-    pub(super) fn etcd_failed(&self, i: usize) -> Option<String> {
+    pub(crate) fn etcd_failed(&self, i: usize) -> Option<String> {
         self.etcd.lock().unwrap().failed.get(&i).cloned()
     }
 }
@@ -226,21 +212,21 @@ impl Api {
     /// one-to-one (talosctl sends these to one node only).
     fn etcd_target<T>(&self, req: &Request<T>) -> Result<usize, Status> {
         match self.route(req)? {
-            super::Route::Local => Ok(self.me),
-            super::Route::One2One(target) => self.backend(&target),
-            super::Route::One2Many(_) => Err(Status::invalid_argument(
+            super::service::Route::Local => Ok(self.me),
+            super::service::Route::One2One(target) => self.backend(&target),
+            super::service::Route::One2Many(_) => Err(Status::invalid_argument(
                 "this call is proxied to one node only",
             )),
         }
     }
 
-    pub(super) fn etcd_snapshot_call(
+    pub(crate) fn etcd_snapshot_call(
         &self,
         req: Request<EtcdSnapshotRequest>,
     ) -> Result<Response<DataStream>, Status> {
         let i = self.etcd_target(&req)?;
         self.control_plane_only(i, "etcd snapshot")?;
-        if !super::reached(self.cluster.etcd_start(i), std::time::Instant::now()) {
+        if !super::state::reached(self.cluster.etcd_start(i), std::time::Instant::now()) {
             return Err(Status::unknown(
                 "failed reading etcd snapshot: etcd is not running on this node",
             ));
@@ -299,7 +285,7 @@ impl Api {
         Ok(Response::new(stream))
     }
 
-    pub(super) async fn etcd_recover_call(
+    pub(crate) async fn etcd_recover_call(
         &self,
         req: Request<Streaming<Data>>,
     ) -> Result<Response<EtcdRecoverResponse>, Status> {
@@ -324,7 +310,7 @@ impl Api {
     /// etcd's pre-start on a recovery bootstrap of node `i`: restores the
     /// upload. Err: etcd fails to start (recorded; the Bootstrap call has
     /// answered already).
-    pub(super) fn restore_on(&self, i: usize) -> Result<(), String> {
+    pub(crate) fn restore_on(&self, i: usize) -> Result<(), String> {
         let name = self.cluster.node(i).display_name();
         let ms = self.cluster.now_ms();
         let upload = self.cluster.etcd.lock().unwrap().uploads.remove(&i);
@@ -367,14 +353,14 @@ impl Api {
 /// `POST /_sim/etcd`.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct EtcdControl {
+pub(crate) struct EtcdControl {
     #[serde(default)]
     put: BTreeMap<String, String>,
     #[serde(default)]
     wipe: bool,
 }
 
-pub(super) async fn control(
+pub(crate) async fn control(
     State(cluster): State<Arc<Cluster>>,
     axum::Json(req): axum::Json<EtcdControl>,
 ) -> ControlReply {
@@ -417,7 +403,7 @@ pub(super) async fn control(
     )
 }
 
-pub(super) async fn show(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
+pub(crate) async fn show(State(cluster): State<Arc<Cluster>>) -> axum::Json<Value> {
     let bootstrapped = cluster.boot.lock().unwrap().is_some();
     // With real members, the keyspace is what a healthy one answers.
     let real = cluster
@@ -460,7 +446,7 @@ mod tests {
     #[derive(clap::Parser)]
     struct Cli {
         #[command(flatten)]
-        args: super::super::Args,
+        args: super::super::state::Args,
     }
 
     #[test]
@@ -473,7 +459,7 @@ mod tests {
             "--node",
             "cp-01=127.0.0.11:controlplane",
         ];
-        let cluster = super::super::new_cluster(Cli::parse_from(argv).args).unwrap();
+        let cluster = super::super::state::new_cluster(Cli::parse_from(argv).args).unwrap();
         let then = std::time::Instant::now() - std::time::Duration::from_secs(10);
         cluster.node(0).st.lock().unwrap().configured_at = Some(then);
         let api = Api {

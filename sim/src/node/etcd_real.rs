@@ -1,4 +1,4 @@
-//! A real etcd member behind each simulated control plane (issue 37), with
+//! A real etcd member behind each simulated control plane, with
 //! `--real-etcd`: Debian's `etcd-server`/`etcd-client` (etcd 3.4; the same
 //! membership, quorum and snapshot semantics as the etcd 3.5/3.6 Talos
 //! v1.9–v1.14 ship for what imgbuild uses). Membership, quorum refusals,
@@ -34,32 +34,17 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{Cluster, Phase, reached};
+use super::state::{Cluster, Phase, reached};
+use super::state::{Member, RealEtcd};
 
 /// The cluster token every member shares.
 const TOKEN: &str = "imgbuild-sim";
-
-/// One control plane's member.
-struct Member {
-    /// etcd's member name: the node's hostname when it first started.
-    name: String,
-    ip: IpAddr,
-    client: u16,
-    peer: u16,
-    child: Option<Child>,
-    /// Since when `/health` has answered true (None: not healthy now).
-    healthy_since: Option<Instant>,
-    /// When the running process was spawned, and how long it took to be
-    /// healthy (startup cost, reported in `/_sim/etcd`).
-    spawned_at: Option<Instant>,
-    startup_ms: Vec<u64>,
-}
 
 impl Member {
     fn client_url(&self) -> String {
@@ -68,12 +53,6 @@ impl Member {
     fn peer_url(&self) -> String {
         format!("http://{}:{}", self.ip, self.peer)
     }
-}
-
-/// The real members of a simulated cluster.
-pub(super) struct RealEtcd {
-    root: PathBuf,
-    members: Mutex<HashMap<usize, Member>>,
 }
 
 /// A free port on `ip` (bound and released: etcd binds it next).
@@ -132,7 +111,7 @@ fn healthy(ip: IpAddr, port: u16) -> bool {
 }
 
 /// A member as `etcdctl member list -w json` shows it.
-pub(super) struct Listed {
+pub(crate) struct Listed {
     pub id: u64,
     pub name: String,
     pub peer_urls: Vec<String>,
@@ -143,7 +122,7 @@ pub(super) struct Listed {
 impl RealEtcd {
     /// Checks that `etcd` and `etcdctl` are there, clears data dirs left by
     /// simulators that are gone, and makes this one's.
-    pub(super) fn new() -> anyhow::Result<RealEtcd> {
+    pub(crate) fn new() -> anyhow::Result<RealEtcd> {
         for (bin, arg) in [("etcd", "--version"), ("etcdctl", "version")] {
             let ok = Command::new(bin)
                 .arg(arg)
@@ -228,13 +207,13 @@ impl RealEtcd {
     }
 
     /// Node `i`'s client URL (its entry made if need be).
-    pub(super) fn endpoint(&self, cluster: &Cluster, i: usize) -> Result<String, String> {
+    pub(crate) fn endpoint(&self, cluster: &Cluster, i: usize) -> Result<String, String> {
         self.ensure(cluster, i).map_err(|e| e.to_string())?;
         Ok(self.members.lock().unwrap()[&i].client_url())
     }
 
     /// Since when node `i`'s member is healthy (None: not now).
-    pub(super) fn healthy_since(&self, i: usize) -> Option<Instant> {
+    pub(crate) fn healthy_since(&self, i: usize) -> Option<Instant> {
         self.members
             .lock()
             .unwrap()
@@ -255,7 +234,7 @@ impl RealEtcd {
     }
 
     /// A node other than `i` whose member is healthy.
-    pub(super) fn healthy_index_except(&self, i: usize) -> Option<usize> {
+    pub(crate) fn healthy_index_except(&self, i: usize) -> Option<usize> {
         let m = self.members.lock().unwrap();
         let mut up: Vec<usize> = m
             .iter()
@@ -267,7 +246,7 @@ impl RealEtcd {
     }
 
     /// Node index of the member named `name`.
-    pub(super) fn index_of(&self, name: &str) -> Option<usize> {
+    pub(crate) fn index_of(&self, name: &str) -> Option<usize> {
         self.members
             .lock()
             .unwrap()
@@ -277,7 +256,7 @@ impl RealEtcd {
     }
 
     /// `member list` as node `i`'s member answers it.
-    pub(super) fn list(&self, cluster: &Cluster, i: usize) -> Result<Vec<Listed>, String> {
+    pub(crate) fn list(&self, cluster: &Cluster, i: usize) -> Result<Vec<Listed>, String> {
         let out = etcdctl(
             &self.endpoint(cluster, i)?,
             &["member", "list", "-w", "json"],
@@ -308,7 +287,7 @@ impl RealEtcd {
     }
 
     /// Node `i`'s own member ID, as its member reports it.
-    pub(super) fn own_id(&self, cluster: &Cluster, i: usize) -> Result<u64, String> {
+    pub(crate) fn own_id(&self, cluster: &Cluster, i: usize) -> Result<u64, String> {
         let out = etcdctl(
             &self.endpoint(cluster, i)?,
             &["member", "list", "-w", "json"],
@@ -321,7 +300,7 @@ impl RealEtcd {
 
     /// `member remove ID` through node `i`'s member: etcd's own refusal
     /// (not enough started members, member not found) as its text.
-    pub(super) fn remove(&self, cluster: &Cluster, i: usize, id: u64) -> Result<(), String> {
+    pub(crate) fn remove(&self, cluster: &Cluster, i: usize, id: u64) -> Result<(), String> {
         etcdctl(
             &self.endpoint(cluster, i)?,
             &["member", "remove", &format!("{id:x}")],
@@ -330,7 +309,7 @@ impl RealEtcd {
     }
 
     /// `snapshot save` from node `i`'s member: the bytes etcd streamed.
-    pub(super) fn snapshot(&self, cluster: &Cluster, i: usize) -> Result<Vec<u8>, String> {
+    pub(crate) fn snapshot(&self, cluster: &Cluster, i: usize) -> Result<Vec<u8>, String> {
         let path = self
             .root
             .join(format!("snapshot-{i}-{}.db", cluster.now_ms()));
@@ -344,7 +323,7 @@ impl RealEtcd {
     }
 
     /// Stops node `i`'s process (if any) and empties its data dir.
-    pub(super) fn wipe(&self, i: usize) {
+    pub(crate) fn wipe(&self, i: usize) {
         self.stop(i);
         let _ = std::fs::remove_dir_all(self.data_dir(i));
     }
@@ -365,7 +344,7 @@ impl RealEtcd {
     /// etcd's restore of `upload` into node `i`'s (emptied) data dir as
     /// the only member (`etcdctl snapshot restore`, the hash checked):
     /// the number of keys, or etcd's error.
-    pub(super) fn restore(
+    pub(crate) fn restore(
         &self,
         cluster: &Cluster,
         i: usize,
@@ -418,7 +397,7 @@ impl RealEtcd {
     }
 
     /// Writes `key` = `value` through a healthy member.
-    pub(super) fn put(&self, key: &str, value: &str) -> Result<(), String> {
+    pub(crate) fn put(&self, key: &str, value: &str) -> Result<(), String> {
         let at = self
             .healthy_endpoint()
             .ok_or_else(|| "no healthy etcd member".to_owned())?;
@@ -426,7 +405,7 @@ impl RealEtcd {
     }
 
     /// Every key and its value, and the revision, from a healthy member.
-    pub(super) fn keys(&self) -> Option<(std::collections::BTreeMap<String, String>, u64)> {
+    pub(crate) fn keys(&self) -> Option<(std::collections::BTreeMap<String, String>, u64)> {
         use base64::Engine;
         let at = self.healthy_endpoint()?;
         let out = etcdctl(&at, &["get", "--prefix", "", "-w", "json"]).ok()?;
@@ -449,7 +428,7 @@ impl RealEtcd {
 
     /// Each member's client URL, whether it runs, and its startup cost per
     /// start (ms from spawn to healthy), by member name.
-    pub(super) fn members_json(&self) -> Value {
+    pub(crate) fn members_json(&self) -> Value {
         let m = self.members.lock().unwrap();
         m.values()
             .map(|m| {
@@ -624,7 +603,7 @@ impl RealEtcd {
 
 /// Runs the reconciler for the simulator's life on a thread of its own
 /// (the parent thread of every etcd process).
-pub(super) fn reconcile_forever(cluster: Arc<Cluster>) {
+pub(crate) fn reconcile_forever(cluster: Arc<Cluster>) {
     std::thread::Builder::new()
         .name("etcd-reconciler".into())
         .spawn(move || {
@@ -638,11 +617,11 @@ pub(super) fn reconcile_forever(cluster: Arc<Cluster>) {
         .expect("a thread");
 }
 
-impl super::Api {
+impl super::service::Api {
     /// `EtcdMemberList` on node `i` with `--real-etcd`: `member list` as
     /// its member answers (Talos's local client), the modelled stale
     /// member added where set.
-    pub(super) fn real_members_on(
+    pub(crate) fn real_members_on(
         &self,
         i: usize,
     ) -> Result<imgbuild::talos::api::machine::EtcdMembers, tonic::Status> {

@@ -13,21 +13,11 @@ use std::time::Instant;
 use axum::extract::{Query, State};
 use serde_json::{Value, json};
 
-use super::{Cluster, ControlReply, Phase, ms, reached};
+use super::state::{Cluster, ControlReply, Phase, ms, reached};
+use super::state::{Facts, Heartbeat};
 
 /// The etcd member ID of a stale member (a removed control plane's).
-pub(super) const STALE_MEMBER_ID: u64 = 0x1fff;
-
-/// Cluster-wide health facts a test may break.
-#[derive(Clone, serde::Serialize)]
-pub(super) struct Facts {
-    pub kube_proxy_ready: bool,
-    pub coredns_ready: bool,
-    /// etcd lists one more member than there are control planes.
-    pub stale_etcd_member: bool,
-    /// Replaces `--node-monitor-grace-period` (milliseconds) from now on.
-    pub node_monitor_grace_period: Option<u64>,
-}
+pub(crate) const STALE_MEMBER_ID: u64 = 0x1fff;
 
 impl Default for Facts {
     fn default() -> Self {
@@ -43,14 +33,14 @@ impl Default for Facts {
 /// `POST /_sim/k8s`: each field given replaces the fact.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct FactsSwitch {
+pub(crate) struct FactsSwitch {
     kube_proxy_ready: Option<bool>,
     coredns_ready: Option<bool>,
     stale_etcd_member: Option<bool>,
     node_monitor_grace_period: Option<u64>,
 }
 
-pub(super) async fn facts_switch(
+pub(crate) async fn facts_switch(
     State(cluster): State<Arc<Cluster>>,
     axum::Json(req): axum::Json<FactsSwitch>,
 ) -> ControlReply {
@@ -74,7 +64,7 @@ pub(super) async fn facts_switch(
 const NO_CNI: &str = "container runtime network not ready: NetworkReady=false reason:NetworkPluginNotReady message:Network plugin returns error: cni plugin not initialized";
 
 /// A registered Kubernetes node: its name, whether it is Ready, cordoned.
-pub(super) struct Registered {
+pub(crate) struct Registered {
     pub index: usize,
     pub name: String,
     ready: bool,
@@ -86,7 +76,7 @@ pub(super) struct Registered {
 
 impl Cluster {
     /// The nodes the API server lists now.
-    pub(super) fn registered(&self, now: Instant) -> Vec<Registered> {
+    pub(crate) fn registered(&self, now: Instant) -> Vec<Registered> {
         let api_up = self.api_up_at();
         // A CNI runs once a control plane's config brought one.
         let cni = self.all().iter().any(|n| {
@@ -133,20 +123,11 @@ impl Cluster {
     }
 }
 
-/// The status a node's kubelet last posted, which the API server keeps
-/// serving once the kubelet stops (its Node object stays).
-#[derive(Clone)]
-pub(super) struct Heartbeat {
-    name: String,
-    at: Instant,
-    ready: bool,
-}
-
 impl Cluster {
     /// Notes the status every registered node's kubelet posts now (the
     /// watcher's tick stands for `nodeStatusUpdateFrequency`); a node that
     /// is down posts nothing.
-    pub(super) fn k8s_heartbeats(&self, now: Instant) {
+    pub(crate) fn k8s_heartbeats(&self, now: Instant) {
         let posted: Vec<(usize, Heartbeat)> = self
             .registered(now)
             .into_iter()
@@ -231,7 +212,7 @@ impl Cluster {
     }
 }
 
-pub(super) async fn nodes(
+pub(crate) async fn nodes(
     State(cluster): State<Arc<Cluster>>,
 ) -> Result<axum::Json<Value>, Infallible> {
     let now = Instant::now();
@@ -271,7 +252,7 @@ pub(super) async fn nodes(
 }
 
 #[derive(serde::Deserialize)]
-pub(super) struct Selector {
+pub(crate) struct Selector {
     #[serde(rename = "labelSelector")]
     label_selector: Option<String>,
 }
@@ -298,7 +279,7 @@ fn list(kind: &str, items: Vec<Value>) -> axum::Json<Value> {
 /// CoreDNS pods (a ReplicaSet's) on Ready nodes, each Ready as the facts
 /// say. A CoreDNS pod stays on a cordoned node until it is evicted (or
 /// the node reboots): cordoning alone moves nothing.
-pub(super) fn pods_now(cluster: &Cluster, app: Option<&str>) -> Vec<Value> {
+pub(crate) fn pods_now(cluster: &Cluster, app: Option<&str>) -> Vec<Value> {
     let facts = cluster.facts.lock().unwrap().clone();
     let now = Instant::now();
     let nodes = cluster.registered(now);
@@ -349,7 +330,7 @@ pub(super) fn pods_now(cluster: &Cluster, app: Option<&str>) -> Vec<Value> {
     items
 }
 
-pub(super) async fn pods(
+pub(crate) async fn pods(
     State(cluster): State<Arc<Cluster>>,
     Query(sel): Query<Selector>,
 ) -> axum::Json<Value> {
@@ -360,14 +341,14 @@ pub(super) async fn pods(
 }
 
 #[derive(serde::Deserialize)]
-pub(super) struct FieldSelector {
+pub(crate) struct FieldSelector {
     #[serde(rename = "fieldSelector")]
     field_selector: Option<String>,
 }
 
 /// `GET /api/v1/pods` (all namespaces), `fieldSelector=spec.nodeName=X`
 /// as kubectl's drain asks for a node's pods.
-pub(super) async fn all_pods(
+pub(crate) async fn all_pods(
     State(cluster): State<Arc<Cluster>>,
     Query(sel): Query<FieldSelector>,
 ) -> axum::Json<Value> {
@@ -389,7 +370,7 @@ fn node_named(cluster: &Cluster, name: &str) -> Option<usize> {
 
 /// `PATCH /api/v1/nodes/{name}`: `spec.unschedulable` (kubectl's cordon
 /// and uncordon). An uncordon lets pods be scheduled back.
-pub(super) async fn patch_node(
+pub(crate) async fn patch_node(
     State(cluster): State<Arc<Cluster>>,
     axum::extract::Path(name): axum::extract::Path<String>,
     axum::Json(patch): axum::Json<Value>,
@@ -425,7 +406,7 @@ pub(super) async fn patch_node(
 
 /// `POST /api/v1/namespaces/{ns}/pods/{name}/eviction`: the pod leaves its
 /// node (its controller makes a new one elsewhere, not on a cordoned node).
-pub(super) async fn evict(
+pub(crate) async fn evict(
     State(cluster): State<Arc<Cluster>>,
     axum::extract::Path((ns, name)): axum::extract::Path<(String, String)>,
 ) -> ControlReply {
@@ -452,7 +433,7 @@ pub(super) async fn evict(
     )
 }
 
-pub(super) async fn daemonsets(
+pub(crate) async fn daemonsets(
     State(cluster): State<Arc<Cluster>>,
     Query(sel): Query<Selector>,
 ) -> axum::Json<Value> {
@@ -476,7 +457,7 @@ pub(super) async fn daemonsets(
     )
 }
 
-pub(super) async fn deployments(
+pub(crate) async fn deployments(
     State(cluster): State<Arc<Cluster>>,
     Query(sel): Query<Selector>,
 ) -> axum::Json<Value> {

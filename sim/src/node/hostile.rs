@@ -1,6 +1,6 @@
-//! A node that lies in what it says (imgbuild issue 28, the hostile
-//! round): a compromised or impostor node answers `machine.proto` strings
-//! with any bytes it likes, and Talos's client API checks none of them.
+//! A node that lies in what it says: a compromised or impostor node
+//! answers `machine.proto` strings with any bytes it likes, and Talos's
+//! client API checks none of them.
 //! With `--hostile-text TEXT` every etcd member hostname (talos
 //! `internal/app/machined/pkg/system/services/etcd.go` reports the
 //! member's name) and every non-empty service health message
@@ -8,7 +8,7 @@
 //! carries TEXT after what it would say. An honest run never sets it.
 
 /// What the node says: `honest`, then the hostile text when one is set.
-pub(super) fn said(hostile: Option<&str>, honest: &str) -> String {
+pub(crate) fn said(hostile: Option<&str>, honest: &str) -> String {
     match hostile {
         Some(text) if !honest.is_empty() => format!("{honest}{text}"),
         _ => honest.to_owned(),

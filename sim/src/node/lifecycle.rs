@@ -7,7 +7,7 @@
 //! non-zero exit code in the stream, success takes effect at the next boot
 //! (the client reboots the node). Below v1.13 neither service exists.
 //! Both name a containerd instance, checked as `ctrhelper.go` does
-//! (`k8s_pods::containerd_instance`): the installer runs from where it
+//! (`k8s::pods::containerd_instance`): the installer runs from where it
 //! was pulled, and a Kubernetes image pulled with driver `CONTAINERD` and
 //! `NS_CRI` is refused.
 
@@ -17,13 +17,13 @@ use std::time::Instant;
 use futures_util::Stream;
 use tonic::{Request, Response, Status};
 
-use super::Api;
-use super::api::machine::image_service_server::ImageService;
-use super::api::machine::lifecycle_service_install_progress::Response as Progress;
-use super::api::machine::lifecycle_service_server::LifecycleService;
-use super::api::machine::*;
-use super::k8s_pods::{PullCall, SYSTEM_SYSTEM, containerd_instance};
+use super::k8s::pods::{PullCall, SYSTEM_SYSTEM, containerd_instance};
+use super::service::Api;
 use super::version::Talos;
+use imgbuild::talos::api::machine::image_service_server::ImageService;
+use imgbuild::talos::api::machine::lifecycle_service_install_progress::Response as Progress;
+use imgbuild::talos::api::machine::lifecycle_service_server::LifecycleService;
+use imgbuild::talos::api::machine::*;
 
 type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 

@@ -1,4 +1,4 @@
-//! Node removal (issue 30): `MachineService.EtcdLeaveCluster`,
+//! Node removal: `MachineService.EtcdLeaveCluster`,
 //! `EtcdRemoveMemberByID` and `Reset` as siderolabs/talos
 //! `internal/app/machined/internal/server/v1alpha1/v1alpha1_server.go`
 //! answers them (the same from v1.9 to v1.14 unless said), etcd's own rule
@@ -43,40 +43,30 @@ use axum::extract::State;
 use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
-use super::api::machine::reset_request::WipeMode;
-use super::api::machine::*;
 use super::health::STALE_MEMBER_ID;
+use super::service::Api;
+use super::state::{Cluster, ControlReply, Phase, ms, reached};
 use super::version::Talos;
-use super::{Api, Cluster, ControlReply, Phase, ms, reached};
+use imgbuild::talos::api::machine::reset_request::WipeMode;
+use imgbuild::talos::api::machine::*;
 
 /// The volumes a Talos system disk has (`VolumeStatus` IDs a Reset may
 /// name); anything else is "failed to get volume status".
 const VOLUMES: [&str; 5] = ["EFI", "BOOT", "META", "STATE", "EPHEMERAL"];
-
-/// What removal did to the simulated cluster.
-#[derive(Default)]
-pub(super) struct Removals {
-    /// Nodes (by index) whose etcd member was removed.
-    left_etcd: BTreeSet<usize>,
-    /// Nodes whose Kubernetes Node was deleted.
-    deleted: BTreeSet<usize>,
-    /// Every call, in order.
-    calls: Vec<Value>,
-}
 
 /// etcd's refusal when the others would lose quorum.
 const NOT_ENOUGH: &str = "etcdserver: re-configuration failed due to not enough started members";
 
 impl Cluster {
     /// Node `i`'s member was removed from etcd (its etcd stopped).
-    pub(super) fn left_etcd(&self, i: usize) -> bool {
+    pub(crate) fn left_etcd(&self, i: usize) -> bool {
         self.removals.lock().unwrap().left_etcd.contains(&i)
     }
 
     /// A machine with no etcd data (a new one, or one whose EPHEMERAL a
     /// Reset wiped) boots in slot `i`: as a control plane it joins etcd as
     /// a new member, as Talos's etcd service does on a bootstrapped cluster.
-    pub(super) fn rejoin_etcd(&self, i: usize) {
+    pub(crate) fn rejoin_etcd(&self, i: usize) {
         self.removals.lock().unwrap().left_etcd.remove(&i);
         if let Some(real) = &self.real_etcd {
             real.wipe(i);
@@ -118,7 +108,7 @@ impl Cluster {
     fn leave_real(&self, i: usize) -> Result<(), (Option<u64>, String)> {
         let real = self.real_etcd.as_ref().expect("--real-etcd");
         let id = real.own_id(self, i).map_err(|e| (None, e))?;
-        let until = Instant::now() + super::ms(self.args.etcd_unhealthy_retry);
+        let until = Instant::now() + super::state::ms(self.args.etcd_unhealthy_retry);
         let tag = self
             .node(i)
             .st
@@ -159,7 +149,7 @@ impl Cluster {
     }
 
     /// Node `i`'s Kubernetes Node was deleted and its kubelet is gone.
-    pub(super) fn k8s_node_deleted(&self, i: usize) -> bool {
+    pub(crate) fn k8s_node_deleted(&self, i: usize) -> bool {
         self.removals.lock().unwrap().deleted.contains(&i) && self.node(i).halted()
     }
 
@@ -170,7 +160,7 @@ impl Cluster {
     }
 
     /// `removals` in `/_sim/stats`.
-    pub(super) fn removal_stats(&self) -> Value {
+    pub(crate) fn removal_stats(&self) -> Value {
         let r = self.removals.lock().unwrap();
         let names = |set: &BTreeSet<usize>| -> Vec<String> {
             set.iter().map(|&i| self.node(i).display_name()).collect()
@@ -239,7 +229,7 @@ fn leave_ignores_missing(t: &Talos) -> bool {
 }
 
 impl Api {
-    pub(super) fn control_plane_only(&self, i: usize, api: &str) -> Result<(), Status> {
+    pub(crate) fn control_plane_only(&self, i: usize, api: &str) -> Result<(), Status> {
         if self.cluster.node(i).control_plane() {
             Ok(())
         } else {
@@ -303,7 +293,7 @@ impl Api {
         result.map(|()| EtcdLeaveCluster { metadata: None })
     }
 
-    pub(super) fn etcd_leave_cluster_call(
+    pub(crate) fn etcd_leave_cluster_call(
         &self,
         req: Request<EtcdLeaveClusterRequest>,
     ) -> Result<Response<EtcdLeaveClusterResponse>, Status> {
@@ -365,7 +355,7 @@ impl Api {
         result.map(|()| EtcdRemoveMemberById { metadata: None })
     }
 
-    pub(super) fn etcd_remove_member_by_id_call(
+    pub(crate) fn etcd_remove_member_by_id_call(
         &self,
         req: Request<EtcdRemoveMemberByIdRequest>,
     ) -> Result<Response<EtcdRemoveMemberByIdResponse>, Status> {
@@ -470,7 +460,7 @@ impl Api {
         })
     }
 
-    pub(super) fn reset_call(
+    pub(crate) fn reset_call(
         &self,
         req: Request<ResetRequest>,
     ) -> Result<Response<ResetResponse>, Status> {
@@ -518,7 +508,7 @@ fn reset_sequence(cluster: &Arc<Cluster>, i: usize, graceful: bool) {
 }
 
 /// `DELETE /api/v1/nodes/{name}`.
-pub(super) async fn delete_node(
+pub(crate) async fn delete_node(
     State(cluster): State<Arc<Cluster>>,
     axum::extract::Path(name): axum::extract::Path<String>,
 ) -> ControlReply {
@@ -551,7 +541,7 @@ pub(super) async fn delete_node(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Args, Boot, new_cluster};
+    use super::super::state::{Args, Boot, new_cluster};
     use super::*;
     use clap::Parser;
     use std::time::Duration;

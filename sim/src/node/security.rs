@@ -15,9 +15,9 @@
 
 use sha2::{Digest, Sha256};
 
-use super::api::cosi::resource::{Metadata as ResMetadata, Resource, Spec};
+use imgbuild::talos::api::cosi::resource::{Metadata as ResMetadata, Resource, Spec};
 
-pub(super) const SECURITY_STATE: &str = "SecurityStates.talos.dev";
+pub(crate) const SECURITY_STATE: &str = "SecurityStates.talos.dev";
 
 /// The fingerprint of the factory double's PCR signing certificate: a
 /// fixed stand-in, the same for every Secure Boot image it serves.
@@ -32,7 +32,7 @@ fn pcr_fingerprint() -> String {
 /// The resource of a node that booted with Secure Boot on or off. A
 /// Secure Boot boot is a UKI boot; an ordinary one (dual-boot on UEFI, the
 /// simulated VMs) is a UKI too, without a PCR key to report.
-pub(super) fn resource(secure_boot: bool) -> Resource {
+pub(crate) fn resource(secure_boot: bool) -> Resource {
     let mut yaml = format!("secureBoot: {secure_boot}\n");
     if secure_boot {
         yaml.push_str(&format!(

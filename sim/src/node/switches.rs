@@ -8,13 +8,13 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use serde_json::json;
 
+use super::state::{Cluster, ControlReply, Node, control_error};
 use super::version::Talos;
-use super::{Cluster, ControlReply, Node, control_error};
 
 /// `POST /_sim/node`: each field given replaces the node's switch.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct NodeSwitch {
+pub(crate) struct NodeSwitch {
     node: String,
     version: Option<String>,
     installer_fails: Option<bool>,
@@ -34,7 +34,7 @@ impl Cluster {
     }
 }
 
-pub(super) async fn node_switch(
+pub(crate) async fn node_switch(
     State(cluster): State<Arc<Cluster>>,
     axum::Json(req): axum::Json<NodeSwitch>,
 ) -> ControlReply {
@@ -88,12 +88,12 @@ pub(super) async fn node_switch(
 /// node's installer fails after the ack.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct InstallerSwitch {
+pub(crate) struct InstallerSwitch {
     node: String,
     fail: bool,
 }
 
-pub(super) async fn installer_switch(
+pub(crate) async fn installer_switch(
     State(cluster): State<Arc<Cluster>>,
     axum::Json(req): axum::Json<InstallerSwitch>,
 ) -> ControlReply {

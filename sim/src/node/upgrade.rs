@@ -10,7 +10,6 @@
 //! hosts below its floor: the node reverts and reboots on the old
 //! version), reboot. `Reboot` runs the reboot sequence (no drain).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,10 +18,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
-use super::api::machine::*;
 use super::boot::Sequence;
+use super::service::{Api, Route};
+use super::state::{Cluster, Phase, ms, reached};
 use super::version::Talos;
-use super::{Api, Cluster, Phase, Route, ms, reached};
+use imgbuild::talos::api::machine::*;
 
 /// META keys of a staged upgrade (`pkg/machinery/meta/constants.go`).
 const META_STAGED_IMAGE: u32 = 7;
@@ -30,7 +30,7 @@ const META_STAGED_OPTIONS: u32 = 8;
 
 /// The schematic ID in an installer reference
 /// (`host/<platform>-installer/<id>:<tag>`).
-pub(super) fn schematic_of_installer(image: &str) -> Option<String> {
+pub(crate) fn schematic_of_installer(image: &str) -> Option<String> {
     let (path, _) = image.rsplit_once(':')?;
     let id = path.rsplit('/').next()?;
     (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| id.to_owned())
@@ -82,7 +82,7 @@ async fn resolve_installer(image: &str) -> Result<(String, String), Status> {
 
 /// The deadline a gRPC client sent (`grpc-timeout`: digits and a unit),
 /// which grpc-go turns into the handler's context deadline.
-pub(super) fn grpc_deadline(md: &MetadataMap) -> Option<Duration> {
+pub(crate) fn grpc_deadline(md: &MetadataMap) -> Option<Duration> {
     let v = md.get("grpc-timeout")?.to_str().ok()?;
     let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
     let n: u64 = digits.parse().ok()?;
@@ -114,10 +114,6 @@ impl Drop for PullGuard {
         }
     }
 }
-
-/// When each installer reference is built at the factory (its first pull
-/// started the build, which goes on when that pull is cancelled).
-pub(super) type Builds = HashMap<String, Instant>;
 
 impl Cluster {
     /// How long node `i` takes to pull `image` from `now`: its own
@@ -195,7 +191,7 @@ impl Cluster {
 
 impl Api {
     /// The running Talos version of node `i`.
-    pub(super) fn talos(&self, i: usize) -> Talos {
+    pub(crate) fn talos(&self, i: usize) -> Talos {
         let tag = self.version_tag(i);
         Talos::parse(&tag).expect("versions are checked when set")
     }
@@ -260,7 +256,7 @@ impl Api {
         let cluster = self.cluster.clone();
         let name = node.display_name();
         let control_plane = node.control_plane();
-        let then = move |st: &mut super::NodeState| {
+        let then = move |st: &mut super::state::NodeState| {
             let host = Talos::parse(&st.day2.version_or(&cluster.args.talos_version))
                 .expect("versions are checked when set");
             let verdict = match &target {
@@ -325,7 +321,7 @@ impl Api {
                         st.day2
                             .life
                             .boot_ids
-                            .push(super::boot::new_boot_id(&name, n));
+                            .push(super::state::new_boot_id(&name, n));
                         match then(st) {
                             "upgrade" => "staged upgrade",
                             _ => "revert",
@@ -348,7 +344,7 @@ impl Api {
         Ok(ack)
     }
 
-    pub(super) async fn upgrade_call(
+    pub(crate) async fn upgrade_call(
         &self,
         req: Request<UpgradeRequest>,
     ) -> Result<Response<UpgradeResponse>, Status> {
@@ -369,7 +365,7 @@ impl Api {
     /// for a node that has it since its last boot), all nodes in parallel;
     /// past the caller's deadline the pull is cancelled. The installer's
     /// tag and schematic.
-    pub(super) async fn timed_pull<T>(
+    pub(crate) async fn timed_pull<T>(
         &self,
         req: &Request<T>,
         nodes: &[usize],
@@ -418,7 +414,7 @@ impl Api {
 
     /// machined's Reboot on node `i` (`SequenceReboot`: no drain; every
     /// mode reboots, POWERCYCLE without kexec).
-    pub(super) fn reboot_on(&self, i: usize, req: &RebootRequest) -> Result<(), Status> {
+    pub(crate) fn reboot_on(&self, i: usize, req: &RebootRequest) -> Result<(), Status> {
         let node = self.cluster.node(i);
         {
             let mut st = node.st.lock().unwrap();
@@ -449,7 +445,7 @@ impl Api {
 
     /// The reboot AUTO or REBOOT asks for on v1.9–v1.13 (`SequenceReboot`
     /// with takeover, after the config is persisted).
-    pub(super) fn reboot_for_apply(&self, i: usize) {
+    pub(crate) fn reboot_for_apply(&self, i: usize) {
         self.cluster.run_sequence(
             i,
             Sequence {
@@ -509,7 +505,7 @@ mod tests {
         #[derive(Parser)]
         struct Cli {
             #[command(flatten)]
-            args: super::super::Args,
+            args: super::super::state::Args,
         }
         let cli = Cli::parse_from([
             "sim",
@@ -522,12 +518,12 @@ mod tests {
             "--etcd-delay",
             "10",
         ]);
-        let cluster = super::super::new_cluster(cli.args).unwrap();
+        let cluster = super::super::state::new_cluster(cli.args).unwrap();
         let long_ago = Instant::now() - Duration::from_secs(60);
         for n in cluster.all() {
             n.st.lock().unwrap().configured_at = Some(long_ago);
         }
-        *cluster.boot.lock().unwrap() = Some(super::super::Boot {
+        *cluster.boot.lock().unwrap() = Some(super::super::state::Boot {
             at: long_ago,
             node: 0,
         });

@@ -18,7 +18,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::{ApiResult, Pve, file_hash, normalize_filename, qemu_img_info};
+use super::state::{ApiResult, Pve};
+use super::storage::{file_hash, qemu_img_info};
+use super::upload::normalize_filename;
 
 /// How long the fetch may sit idle (wget's read timeout is of this order).
 const IDLE: Duration = Duration::from_secs(30);

@@ -148,7 +148,7 @@ fn fill_esp(
     let uki = work.join("uki.efi");
     match real {
         Some((kernel, initramfs, Some(stub))) => {
-            crate::factory::make_uki(stub, kernel, initramfs, cmdline, &uki)?
+            super::uki::make_uki(stub, kernel, initramfs, cmdline, &uki)?
         }
         _ => std::fs::write(
             &uki,

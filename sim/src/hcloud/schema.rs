@@ -13,7 +13,7 @@
 use serde_json::{Value, json};
 
 /// The vendored document (the tests also check responses against it).
-pub(crate) const DOCUMENT: &str = include_str!("../api-schemas/hetzner-cloud.openapi.json");
+pub(crate) const DOCUMENT: &str = include_str!("../../api-schemas/hetzner-cloud.openapi.json");
 
 /// One operation's request body check.
 struct Operation {

@@ -17,7 +17,7 @@
 use serde_json::Value;
 use tonic::Status;
 
-use super::version::Talos;
+use crate::node::version::Talos;
 
 /// A Kubernetes component a node runs from its config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

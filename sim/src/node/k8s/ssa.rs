@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 /// A field manager's entry (`metadata.managedFields`): its fields, as
 /// paths with their values when it set them.
 #[derive(Clone)]
-pub(super) struct Manager {
+pub(crate) struct Manager {
     pub manager: String,
     pub operation: &'static str,
     pub api_version: String,
@@ -80,7 +80,7 @@ fn last_field(at: &str) -> &str {
 /// (`.spec.template.spec.containers[name="kube-proxy"].image`): list-map
 /// items by their keys, other lists atomic; of `metadata` only labels and
 /// annotations are fields.
-pub(super) fn fields_of(v: &Value, at: &str, out: &mut BTreeMap<String, Value>) {
+pub(crate) fn fields_of(v: &Value, at: &str, out: &mut BTreeMap<String, Value>) {
     match v {
         Value::Object(map) if !map.is_empty() => {
             for (k, child) in map {
@@ -108,7 +108,7 @@ pub(super) fn fields_of(v: &Value, at: &str, out: &mut BTreeMap<String, Value>) 
 
 /// Merges an applied configuration into the live object: mappings key by
 /// key, list-maps item by item, anything else replaced.
-pub(super) fn merge(live: &mut Value, applied: &Value) {
+pub(crate) fn merge(live: &mut Value, applied: &Value) {
     merge_at(live, applied, "");
 }
 
@@ -143,7 +143,7 @@ fn merge_at(live: &mut Value, applied: &Value, field: &str) {
 /// Removes the leaf at `path` (a `fields_of` path) from `object`, then
 /// what that leaves empty: a mapping, a list-map item with no field but
 /// its keys (unless `keep` still owns one of them), a list.
-pub(super) fn remove_field(object: &mut Value, path: &str, keep: &dyn Fn(&str) -> bool) {
+pub(crate) fn remove_field(object: &mut Value, path: &str, keep: &dyn Fn(&str) -> bool) {
     let segments = split_path(path);
     remove_at(object, &segments, "", "", &[], keep);
 }
@@ -248,14 +248,14 @@ fn remove_at(
 }
 
 /// The value at a field path of `fields_of`, if the object has it.
-pub(super) fn value_at(object: &Value, path: &str) -> Option<Value> {
+pub(crate) fn value_at(object: &Value, path: &str) -> Option<Value> {
     let mut all = BTreeMap::new();
     fields_of(object, "", &mut all);
     all.remove(path)
 }
 
 /// `printManager`: an Update manager names its API version.
-pub(super) fn manager_name(m: &Manager) -> String {
+pub(crate) fn manager_name(m: &Manager) -> String {
     if m.operation == "Update" {
         format!("{:?} using {}", m.manager, m.api_version)
     } else {
@@ -265,7 +265,7 @@ pub(super) fn manager_name(m: &Manager) -> String {
 
 /// The 409's message and causes for `conflicts` (manager, path)
 /// (`internal/conflict.go` `NewConflictError`).
-pub(super) fn conflict_report(conflicts: &[(String, String)]) -> (String, Vec<Value>) {
+pub(crate) fn conflict_report(conflicts: &[(String, String)]) -> (String, Vec<Value>) {
     let message = if let [(m, path)] = conflicts {
         format!("Apply failed with 1 conflict: conflict with {m}: {path}")
     } else {

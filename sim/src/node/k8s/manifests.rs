@@ -29,13 +29,14 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 
-use super::api::cosi::resource::{Metadata as ResMetadata, Resource, Spec};
-use super::k8s_versions::{self, Component};
-use super::version::Talos;
-use super::{Api, Cluster, reached};
+use super::versions::{self, Component};
+use crate::node::service::Api;
+use crate::node::state::{Cluster, reached};
+use crate::node::version::Talos;
+use imgbuild::talos::api::cosi::resource::{Metadata as ResMetadata, Resource, Spec};
 
 /// A rendered manifest: its ID and objects.
-pub(super) struct Manifest {
+pub(crate) struct Manifest {
     pub id: &'static str,
     pub objects: Vec<Value>,
 }
@@ -96,7 +97,7 @@ fn template(app: &str, container: &str, image: &str, sa: &str, host_network: boo
 }
 
 /// What a control plane with `config` renders on `talos`.
-pub(super) fn render(config: &Value, talos: &Talos) -> Vec<Manifest> {
+pub(crate) fn render(config: &Value, talos: &Talos) -> Vec<Manifest> {
     let cluster = &config["cluster"];
     let mut out = vec![Manifest {
         id: "01-csr-approver-role-binding",
@@ -107,7 +108,7 @@ pub(super) fn render(config: &Value, talos: &Talos) -> Vec<Manifest> {
         )],
     }];
     if cluster["coreDNS"]["disabled"] != json!(true) {
-        let image = k8s_versions::coredns_image(config, talos);
+        let image = versions::coredns_image(config, talos);
         let domain = cluster["network"]["dnsDomain"]
             .as_str()
             .unwrap_or("cluster.local");
@@ -184,14 +185,14 @@ pub(super) fn render(config: &Value, talos: &Talos) -> Vec<Manifest> {
                     ),
                     json!({"spec": {
                         "selector": {"matchLabels": {"k8s-app": "flannel"}},
-                        "template": template("flannel", "kube-flannel", &k8s_versions::flannel_image(talos), "flannel", true),
+                        "template": template("flannel", "kube-flannel", &versions::flannel_image(talos), "flannel", true),
                     }}),
                 ),
             ],
         });
     }
     if cluster["proxy"]["disabled"] != json!(true) {
-        let image = k8s_versions::proxy_image(config, talos);
+        let image = versions::proxy_image(config, talos);
         out.push(Manifest {
             id: "10-kube-proxy",
             objects: vec![
@@ -217,13 +218,13 @@ pub(super) fn render(config: &Value, talos: &Talos) -> Vec<Manifest> {
 }
 
 /// `Manifests.kubernetes.talos.dev` in namespace `controlplane`.
-pub(super) const MANIFEST_TYPE: &str = "Manifests.kubernetes.talos.dev";
-pub(super) const CONTROL_PLANE_NS: &str = "controlplane";
+pub(crate) const MANIFEST_TYPE: &str = "Manifests.kubernetes.talos.dev";
+pub(crate) const CONTROL_PLANE_NS: &str = "controlplane";
 
 impl Cluster {
     /// What control plane `i` renders now (None: not a configured control
     /// plane).
-    pub(super) fn k8s_rendered(&self, i: usize) -> Option<Vec<Manifest>> {
+    pub(crate) fn k8s_rendered(&self, i: usize) -> Option<Vec<Manifest>> {
         let node = self.node(i);
         if !node.control_plane() {
             return None;
@@ -240,7 +241,7 @@ impl Cluster {
     /// `manifest_apply.go` on every control plane whose etcd is healthy,
     /// once the API server is up: each rendered object that does not exist
     /// is created by `talos`; one that exists is left as it is.
-    pub(super) fn k8s_bootstrap_manifests(&self, now: Instant) {
+    pub(crate) fn k8s_bootstrap_manifests(&self, now: Instant) {
         if !reached(self.api_up_at(), now) {
             return;
         }
@@ -266,7 +267,7 @@ impl Cluster {
     /// `yaml`: COSI bumps a resource's version on every change of its spec
     /// (`manifest.go` controller's `safe.WriterModify`), so it starts at 1
     /// and goes up each time the rendered objects change (seen when read).
-    pub(super) fn k8s_manifest_version(&self, i: usize, id: &'static str, yaml: &str) -> u64 {
+    pub(crate) fn k8s_manifest_version(&self, i: usize, id: &'static str, yaml: &str) -> u64 {
         let identity = Arc::as_ptr(&self.node(i)) as usize;
         let mut k8s = self.k8s.lock().unwrap();
         let entry = k8s
@@ -318,7 +319,7 @@ impl Api {
     /// (`kubelet_spec.go`), and the running `MachineConfigs`
     /// (`pkg/machinery/resources/config/machine_config.go`, ID `v1alpha1`,
     /// which talosctl's `patch.go` patches).
-    pub(super) fn k8s_resources(
+    pub(crate) fn k8s_resources(
         &self,
         i: usize,
         namespace: &str,
@@ -364,7 +365,7 @@ impl Api {
     }
 
     /// The `Manifests` resources node `i` holds (a worker: none).
-    pub(super) fn manifest_resources(&self, i: usize) -> Vec<Resource> {
+    pub(crate) fn manifest_resources(&self, i: usize) -> Vec<Resource> {
         let Some(manifests) = self.cluster.k8s_rendered(i) else {
             return Vec::new();
         };

@@ -17,7 +17,7 @@ use regex::Regex;
 use serde_json::{Map, Value};
 
 /// The vendored schema; its origin is named in sim/api-schemas/README.md.
-const APIDATA: &str = include_str!("../api-schemas/proxmox-ve.apidata.json");
+const APIDATA: &str = include_str!("../../api-schemas/proxmox-ve.apidata.json");
 
 /// Per-parameter errors, as PVE's `{"errors": {param: msg}}`.
 pub type Errors = BTreeMap<String, String>;

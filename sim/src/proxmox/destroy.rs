@@ -33,7 +33,9 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
 
-use super::{ApiResult, Pve, die, is_drive, power_off, split_drive, volume_owner};
+use super::config::{is_drive, split_drive, volume_owner};
+use super::power::power_off;
+use super::state::{ApiResult, Pve, die};
 
 /// The cluster's HA resources (vmids). One simulated cluster per process.
 static HA: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());

@@ -1,7 +1,7 @@
 //! The Kubernetes API objects the simulated API server stores — the
-//! bootstrap manifests' objects (`k8s_manifests.rs` creates them) and
-//! objects of API versions a later release removes (`k8s_deprecated.rs`) —
-//! read by GET and changed by server-side apply (`k8s_ssa.rs`), as
+//! bootstrap manifests' objects (`manifests.rs` creates them) and
+//! objects of API versions a later release removes (`deprecated.rs`) —
+//! read by GET and changed by server-side apply (`ssa.rs`), as
 //! kubernetes/kubernetes v1.33 `staging/src/k8s.io/apiserver/pkg/endpoints/
 //! handlers/{get,patch}.go` answer: `ValidatePatchOptions`
 //! (`apimachinery/pkg/apis/meta/v1/validation/validation.go`) requires a
@@ -10,7 +10,7 @@
 //! Simplified: only apply patches (others 415), no PUT/POST/DELETE, no
 //! watch; pods and nodes are served as lists only (`health.rs`).
 //!
-//! # Interface (issue 31; the rest in `k8s_pods.rs`)
+//! # Interface (the rest in `pods.rs`)
 //! - Objects: `GET` and `PATCH` (apply only) on `/api/v1/namespaces/{ns}/{resource}/{name}`,
 //!   `/api/v1/{resource}/{name}`, `/apis/{group}/{version}/namespaces/{ns}/{resource}/{name}`,
 //!   `/apis/{group}/{version}/{resource}/{name}`; `GET` lists on `/api/v1/namespaces/{ns}/
@@ -59,10 +59,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::k8s_deprecated::{RemovedObject, Requested};
-use super::k8s_ssa::{self, Manager, fields_of, merge, value_at};
-use super::k8s_versions::{self, Component};
-use super::{Cluster, ms};
+use super::ssa::{self, Manager, fields_of, merge, value_at};
+use super::versions::{self, Component};
+use crate::node::state::{Cluster, ms};
+use crate::node::state::{Key, Store, Stored};
 
 /// A resource the API server serves: (apiVersion, plural, kind, namespaced).
 type Kind = (&'static str, &'static str, &'static str, bool);
@@ -102,33 +102,6 @@ const KINDS: [Kind; 12] = [
     ),
 ];
 
-/// (apiVersion, resource, namespace, name).
-pub(super) type Key = (String, String, String, String);
-
-#[derive(Clone)]
-pub(super) struct Stored {
-    pub object: Value,
-    pub managers: Vec<Manager>,
-    pub generation: u64,
-    pub resource_version: u64,
-    /// When the pod template last changed (a rollout starts), and the
-    /// template the pods ran before.
-    pub template_at: Instant,
-    pub previous_template: Option<Value>,
-    /// The Kubernetes minor that removed this object's API version.
-    pub removed_release: Option<(u64, u64)>,
-}
-
-/// The API server's objects.
-#[derive(Default)]
-pub(super) struct Store {
-    pub objects: BTreeMap<Key, Stored>,
-    revision: u64,
-    applies: Vec<Value>,
-    pub requested: Vec<Requested>,
-    pub removed: Vec<RemovedObject>,
-}
-
 /// A Kubernetes `Status` error reply.
 fn status(code: StatusCode, reason: &str, message: String, details: Value) -> Response {
     let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -146,7 +119,7 @@ fn no_resource() -> Response {
 }
 
 /// The group of an apiVersion (`apps/v1` → `apps`, `v1` → ``).
-pub(super) fn group_of(api: &str) -> &str {
+pub(crate) fn group_of(api: &str) -> &str {
     api.rsplit_once('/').map_or("", |(g, _)| g)
 }
 
@@ -167,7 +140,7 @@ fn not_found(api: &str, resource: &str, name: &str) -> Response {
 }
 
 /// What an apply did, as the handler answers it.
-pub(super) enum Applied {
+pub(crate) enum Applied {
     Created,
     Updated,
     Conflict(Vec<(String, String)>),
@@ -195,14 +168,14 @@ impl Store {
             .map(|(_, r, _, _)| *r)
     }
 
-    pub(super) fn next_revision(&mut self) -> u64 {
+    pub(crate) fn next_revision(&mut self) -> u64 {
         self.revision += 1;
         self.revision
     }
 
     /// Talos's `manifest_apply.go`: creates `object` as `manager`
     /// (operation Update) unless it exists.
-    pub(super) fn create_if_missing(&mut self, object: Value, manager: &str, now: Instant) {
+    pub(crate) fn create_if_missing(&mut self, object: Value, manager: &str, now: Instant) {
         let api = object["apiVersion"].as_str().unwrap_or_default().to_owned();
         let Some(resource) = Self::resource_of(object["kind"].as_str().unwrap_or_default(), &api)
         else {
@@ -319,7 +292,7 @@ impl Store {
                 if other.fields.contains_key(path)
                     && value_at(&stored.object, path).as_ref() != Some(value)
                 {
-                    conflicts.push((k8s_ssa::manager_name(other), path.clone()));
+                    conflicts.push((ssa::manager_name(other), path.clone()));
                 }
             }
         }
@@ -354,7 +327,7 @@ impl Store {
         // else owns, leaves the object.
         let kept = |p: &str| wanted.contains_key(p) || others.contains(p);
         for path in previous.keys().filter(|p| !kept(p)) {
-            k8s_ssa::remove_field(&mut stored.object, path, &kept);
+            ssa::remove_field(&mut stored.object, path, &kept);
         }
         if before["spec"] != stored.object["spec"] {
             stored.generation += 1;
@@ -384,7 +357,7 @@ impl Store {
     }
 
     /// Adds the store's part of the stats.
-    pub(super) fn stats_into(&self, out: &mut Value) {
+    pub(crate) fn stats_into(&self, out: &mut Value) {
         out["workloads"] = json!({
             "kube-proxy": self.image("apps/v1", "daemonsets", "kube-proxy"),
             "kube-flannel": self.image("apps/v1", "daemonsets", "kube-flannel"),
@@ -424,10 +397,10 @@ impl Cluster {
 
     /// The oldest Kubernetes version any control plane's API server runs
     /// (the old one until a restart is over).
-    fn apiserver_version(&self) -> Option<k8s_versions::Version> {
+    fn apiserver_version(&self) -> Option<versions::Version> {
         (0..self.count())
             .filter_map(|i| self.k8s_serving(i, Component::ApiServer, Instant::now()))
-            .filter_map(|image| k8s_versions::version_of_image(&image).ok())
+            .filter_map(|image| versions::version_of_image(&image).ok())
             .min()
     }
 
@@ -472,7 +445,7 @@ impl Cluster {
     /// the container their workload's pods run: the template's once
     /// rolled out, the one before meanwhile. talosctl's `DetectLowestVersion`
     /// (`pkg/cluster/kubernetes/detect.go`) reads the kube-proxy pods'.
-    pub(super) fn k8s_workload_pods(&self, pods: &mut [Value], now: Instant) {
+    pub(crate) fn k8s_workload_pods(&self, pods: &mut [Value], now: Instant) {
         let k8s = self.k8s.lock().unwrap();
         let container = |resource: &str, name: &str| -> Option<Value> {
             let key = (
@@ -505,7 +478,7 @@ impl Cluster {
 
     /// The stored workload `name` in kube-system (`daemonsets`,
     /// `deployments`), as the list handlers of `health.rs` show it.
-    pub(super) fn k8s_workload(&self, resource: &str, name: &str, now: Instant) -> Option<Value> {
+    pub(crate) fn k8s_workload(&self, resource: &str, name: &str, now: Instant) -> Option<Value> {
         let key = (
             "apps/v1".to_owned(),
             resource.to_owned(),
@@ -527,7 +500,7 @@ struct Target {
 }
 
 #[derive(serde::Deserialize, Default)]
-pub(super) struct Params {
+pub(crate) struct Params {
     #[serde(rename = "fieldManager")]
     field_manager: Option<String>,
     force: Option<String>,
@@ -713,7 +686,7 @@ fn answer(cluster: &Cluster, store: &Store, key: &Key, outcome: Applied, now: In
         }
         Applied::Invalid(why) => status(StatusCode::BAD_REQUEST, "BadRequest", why, json!({})),
         Applied::Conflict(conflicts) => {
-            let (message, causes) = k8s_ssa::conflict_report(&conflicts);
+            let (message, causes) = ssa::conflict_report(&conflicts);
             status(
                 StatusCode::CONFLICT,
                 "Conflict",
@@ -778,13 +751,11 @@ async fn patch_handler(
     patch(&c, Target::from(at), &p, &headers, &body)
 }
 
-/// The object routes and `/metrics`, merged into the API server's router
-/// (its static routes, such as the health lists, win over these).
-pub(super) fn routes() -> axum::Router<Arc<Cluster>> {
+/// The object routes and `/version`, merged into the API server's router
+/// (its static routes, such as the health lists and `/metrics`, win over these).
+pub(crate) fn routes() -> axum::Router<Arc<Cluster>> {
     use axum::routing::get as on_get;
-    let mut router = axum::Router::new()
-        .route("/metrics", on_get(super::k8s_deprecated::metrics))
-        .route("/version", on_get(version));
+    let mut router = axum::Router::new().route("/version", on_get(version));
     for prefix in ["/api/v1", "/apis/{group}/{version}"] {
         for at in ["/namespaces/{ns}/{resource}", "/{resource}"] {
             router = router

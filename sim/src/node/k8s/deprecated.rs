@@ -6,7 +6,7 @@
 //! stored objects of such an API version (listed until the API servers run
 //! the release that removed it: then 404, as siderolabs/go-kubernetes
 //! `kubernetes/upgrade/checks.go` `PopulateRemovedAPIResources` expects).
-//! A test sets both with `POST /_sim/k8s-apis` (see `k8s_objects.rs`).
+//! A test sets both with `POST /_sim/k8s-apis` (see `objects.rs`).
 //!
 //! Per API server, as a real one counts what it served since it started:
 //! a requested API shows on the API servers the switch names (`nodes`,
@@ -23,41 +23,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use super::k8s_objects::{Stored, group_of};
-use super::k8s_versions::{self, Component};
-use super::{Cluster, ControlReply};
-
-/// A resource of a removed API version the switch registered.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RemovedObject {
-    pub group: String,
-    pub version: String,
-    pub resource: String,
-    pub kind: String,
-    #[serde(default)]
-    pub namespace: Option<String>,
-    pub name: String,
-    pub removed_release: String,
-}
-
-/// A deprecated API some client still requests.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Requested {
-    group: String,
-    version: String,
-    resource: String,
-    #[serde(default)]
-    subresource: String,
-    removed_release: String,
-    /// The API servers that served the requests (None: every one).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    nodes: Option<Vec<String>>,
-    /// When the switch registered them.
-    #[serde(skip)]
-    at: Option<Instant>,
-}
+use super::objects::group_of;
+use super::versions::{self, Component};
+use crate::node::state::{Cluster, ControlReply};
+use crate::node::state::{RemovedObject, Requested, Stored};
 
 /// Prometheus label values escape `\`, `"` and newlines.
 fn label(v: &str) -> String {
@@ -96,7 +65,7 @@ impl Cluster {
 }
 
 /// `GET /metrics` of the API server.
-pub(super) async fn metrics(
+pub(crate) async fn metrics(
     State(c): State<Arc<Cluster>>,
     uri: axum::http::Uri,
     headers: axum::http::HeaderMap,
@@ -169,12 +138,12 @@ pub(super) async fn metrics(
 /// `POST /_sim/k8s-apis`.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct ApisSwitch {
+pub(crate) struct ApisSwitch {
     requested: Option<Vec<Requested>>,
     stored: Option<Vec<RemovedObject>>,
 }
 
-pub(super) async fn apis_switch(
+pub(crate) async fn apis_switch(
     State(c): State<Arc<Cluster>>,
     axum::Json(req): axum::Json<ApisSwitch>,
 ) -> ControlReply {
@@ -184,9 +153,9 @@ pub(super) async fn apis_switch(
         .stored
         .iter()
         .flatten()
-        .find(|o| k8s_versions::parse(&o.removed_release).is_none())
+        .find(|o| versions::parse(&o.removed_release).is_none())
     {
-        return super::control_error(
+        return crate::node::state::control_error(
             StatusCode::BAD_REQUEST,
             format!(
                 "removed_release {:?} is not a Kubernetes version",
@@ -212,7 +181,7 @@ pub(super) async fn apis_switch(
                 object["metadata"]["namespace"] = json!(ns);
             }
             let rv = store.next_revision();
-            let release = k8s_versions::parse(&o.removed_release).map(|(a, b, _)| (a, b));
+            let release = versions::parse(&o.removed_release).map(|(a, b, _)| (a, b));
             store.objects.insert(
                 (
                     api.clone(),

@@ -26,7 +26,7 @@
 //! changes — apply, TRY and its rollback, a staged config at boot — goes
 //! through `NodeState::applied`), so no apply path needs a hook.
 //!
-//! # Interface (issue 31; see also `k8s_objects.rs`)
+//! # Interface (see also `objects.rs`)
 //! ```text
 //!     [--static-pod-delay MS]     a static pod's restart after its image changes (default 300):
 //!                                 not Ready meanwhile, and that node's API server (port
@@ -62,7 +62,7 @@
 //!   a control plane, a kube-apiserver/controller-manager/scheduler image) whose Kubernetes
 //!   version the running Talos does not support → InvalidArgument "1 error occurred:\n\t*
 //!   kubelet image is not valid: version of Kubernetes 1.35.0 is too new to be used with
-//!   Talos 1.11.5\n\n" (`k8s_versions.rs`); nothing changes.
+//!   Talos 1.11.5\n\n" (`versions.rs`); nothing changes.
 //! - Image pulls (talos api/machine/machine.proto, api/machine/image.proto). `ImageService.Pull` (v1.13+, Unimplemented
 //!   before) checks its `ContainerdInstance` as `ctrhelper.go` does: driver
 //!   `CONTAINERD` = the system containerd, `CRI` = the CRI one; `NS_CRI` = `k8s.io`,
@@ -95,7 +95,7 @@
 //!   `MachineService.ImagePull`, `kubelet service`, `kubelet (static pod)`), driver,
 //!   namespace (enum names as sent, null when the API has none), image, at
 //!   (`cri/k8s.io`, `cri/system`, `system/system`; null when refused), code (`Ok` or
-//!   the gRPC code), message}] in order), and what `k8s_objects.rs` adds; each node's
+//!   the gRPC code), message}] in order), and what `objects.rs` adds; each node's
 //!   `day2.images` is `{PLACE: [image…]}` (the system containerd's are gone with a
 //!   boot).
 
@@ -107,87 +107,16 @@ use serde_json::{Value, json};
 
 use tonic::{Request, Response, Status};
 
-use super::api::common::{ContainerDriver, ContainerdInstance, ContainerdNamespace};
-use super::api::machine::{ImagePull, ImagePullRequest, ImagePullResponse};
-use super::k8s_versions::{self, Component};
-use super::version::Talos;
-use super::{Cluster, Phase, ms};
+use super::versions::{self, Component};
+use crate::node::state::Running;
+use crate::node::state::{Cluster, Phase, ms};
+use crate::node::state::{K8s, NodeComponents, Restart};
+use crate::node::version::Talos;
+use imgbuild::talos::api::common::{ContainerDriver, ContainerdInstance, ContainerdNamespace};
+use imgbuild::talos::api::machine::{ImagePull, ImagePullRequest, ImagePullResponse};
 
 /// How often the watcher looks at the nodes' configs.
-pub(super) const TICK: Duration = Duration::from_millis(20);
-
-#[derive(clap::Args)]
-pub struct Delays {
-    /// Milliseconds a control-plane static pod takes to restart after its
-    /// image changes (not Ready meanwhile).
-    #[arg(long, default_value_t = 300)]
-    static_pod_delay: u64,
-    /// Milliseconds a kubelet takes to restart after its image changes
-    /// (its Node NotReady meanwhile).
-    #[arg(long, default_value_t = 300)]
-    kubelet_restart_delay: u64,
-    /// Milliseconds a DaemonSet or Deployment takes to roll out a changed
-    /// pod template.
-    #[arg(long, default_value_t = 300)]
-    pub rollout_delay: u64,
-    /// Milliseconds after a node's kubelet last posted its status before
-    /// the node lifecycle controller marks it Ready Unknown
-    /// (kube-controller-manager `--node-monitor-grace-period`, 40 s).
-    #[arg(long, default_value_t = 40_000)]
-    pub node_monitor_grace_period: u64,
-}
-
-/// One component as a node runs it.
-#[derive(Clone)]
-struct Running {
-    image: String,
-    /// Its config resource's spec ([`spec_of`]).
-    spec: String,
-    /// What ran before the last change (the same as `image` at first).
-    previous: String,
-    /// Ready (running `image`) from then on.
-    ready_at: Instant,
-    /// The Talos config resource's version (`talos.dev/config-version`).
-    config_version: u64,
-    /// Its entry in the timeline, if it restarted.
-    restart: Option<usize>,
-}
-
-/// One restart of one component.
-struct Restart {
-    node: String,
-    control_plane: bool,
-    component: Component,
-    from_image: String,
-    image: String,
-    start: Instant,
-    ready: Instant,
-    superseded: bool,
-}
-
-/// A node's components, and which node object they belong to (a slot
-/// reused by another machine starts afresh).
-struct NodeComponents {
-    node: usize,
-    running: BTreeMap<Component, Running>,
-}
-
-/// What the simulated cluster's Kubernetes side keeps.
-#[derive(Default)]
-pub(super) struct K8s {
-    nodes: HashMap<usize, NodeComponents>,
-    timeline: Vec<Restart>,
-    pub objects: super::k8s_objects::Store,
-    /// Kubernetes images each node pulled through ImageService or
-    /// MachineService.ImagePull.
-    pulled: BTreeMap<String, Vec<String>>,
-    /// Every image pull asked of a node, in order (see [`PullCall`]).
-    pull_calls: Vec<Value>,
-    /// The last status each node's kubelet posted (`health.rs`).
-    pub heartbeats: HashMap<usize, super::health::Heartbeat>,
-    /// (node, Manifests ID) → (node identity, rendered YAML, version).
-    pub manifest_versions: HashMap<(usize, &'static str), (usize, String, u64)>,
-}
+pub(crate) const TICK: Duration = Duration::from_millis(20);
 
 /// What the watcher reads from one node.
 struct Seen {
@@ -248,7 +177,7 @@ impl Cluster {
         let images = components
             .into_iter()
             .map(|c| {
-                let image = k8s_versions::image_of(c, &applied.v1alpha1, &talos);
+                let image = versions::image_of(c, &applied.v1alpha1, &talos);
                 (c, image, spec_of(c, &applied.v1alpha1))
             })
             .collect();
@@ -262,7 +191,7 @@ impl Cluster {
 
     /// Records every component whose image changed since the last look:
     /// it restarts from `now`.
-    pub(super) fn k8s_observe(&self, now: Instant) {
+    pub(crate) fn k8s_observe(&self, now: Instant) {
         let seen: Vec<(usize, Seen)> = (0..self.count())
             .filter_map(|i| Some((i, self.seen(i, now)?)))
             .collect();
@@ -371,14 +300,14 @@ impl Cluster {
 
     /// Node `i`'s `c` is restarting (a kube-apiserver's port 6443 refuses
     /// meanwhile, a kubelet's service is unhealthy).
-    pub(super) fn k8s_restarting(&self, i: usize, c: Component, now: Instant) -> bool {
+    pub(crate) fn k8s_restarting(&self, i: usize, c: Component, now: Instant) -> bool {
         self.running(i, c).is_some_and(|r| now < r.ready_at)
     }
 
     /// The image of the process that answers for node `i`'s `c` now: the
     /// previous one while it restarts (a request on a connection accepted
     /// before the restart is still served by the old process).
-    pub(super) fn k8s_serving(&self, i: usize, c: Component, now: Instant) -> Option<String> {
+    pub(crate) fn k8s_serving(&self, i: usize, c: Component, now: Instant) -> Option<String> {
         self.running(i, c).map(|r| {
             if now < r.ready_at {
                 r.previous
@@ -389,7 +318,7 @@ impl Cluster {
     }
 
     /// The image node `i` runs `c` with, and whether it is ready.
-    pub(super) fn k8s_component(
+    pub(crate) fn k8s_component(
         &self,
         i: usize,
         c: Component,
@@ -400,20 +329,20 @@ impl Cluster {
 
     /// When node `i`'s `c` last came up after a restart (None: it never
     /// restarted since it was first seen).
-    pub(super) fn k8s_started(&self, i: usize, c: Component) -> Option<Instant> {
+    pub(crate) fn k8s_started(&self, i: usize, c: Component) -> Option<Instant> {
         self.running(i, c)
             .filter(|r| r.restart.is_some())
             .map(|r| r.ready_at)
     }
 
     /// The config version of node `i`'s `c` (its Talos config resource's).
-    pub(super) fn k8s_config_version(&self, i: usize, c: Component) -> Option<u64> {
+    pub(crate) fn k8s_config_version(&self, i: usize, c: Component) -> Option<u64> {
         self.running(i, c).map(|r| r.config_version)
     }
 
     /// Adds to a Node item what the kubelet reports: labels, addresses,
     /// its version; NotReady while it restarts.
-    pub(super) fn k8s_node_item(&self, i: usize, item: &mut Value, now: Instant) {
+    pub(crate) fn k8s_node_item(&self, i: usize, item: &mut Value, now: Instant) {
         let node = self.node(i);
         let name = item["metadata"]["name"].clone();
         let mut labels = json!({"kubernetes.io/hostname": name, "kubernetes.io/os": "linux"});
@@ -435,7 +364,7 @@ impl Cluster {
             &kubelet.image
         };
         item["status"]["nodeInfo"] = json!({
-            "kubeletVersion": k8s_versions::kubelet_version(image),
+            "kubeletVersion": versions::kubelet_version(image),
             "containerRuntimeVersion": "containerd://2.1.4",
             "operatingSystem": "linux",
         });
@@ -450,7 +379,7 @@ impl Cluster {
 
     /// The mirror pods of the control planes among `registered` (node
     /// index, name), for the `k8s-app` asked (None: all).
-    pub(super) fn k8s_static_pods(
+    pub(crate) fn k8s_static_pods(
         &self,
         registered: &[(usize, String)],
         app: Option<&str>,
@@ -503,7 +432,7 @@ impl Cluster {
     }
 
     /// The `k8s` part of the stats.
-    pub(super) fn k8s_stats(&self, now: Instant) -> Value {
+    pub(crate) fn k8s_stats(&self, now: Instant) -> Value {
         let names: HashMap<usize, String> = (0..self.count())
             .map(|i| (i, self.node(i).display_name()))
             .collect();
@@ -564,9 +493,9 @@ const KUBERNETES_IMAGES: [&str; 6] = [
 /// or `system` (the kubelet's, services/kubelet.go), or the system
 /// containerd (`/system/run/containerd/containerd.sock`), namespace
 /// `system` (the installer's).
-pub(super) const CRI_K8S: &str = "cri/k8s.io";
-pub(super) const CRI_SYSTEM: &str = "cri/system";
-pub(super) const SYSTEM_SYSTEM: &str = "system/system";
+pub(crate) const CRI_K8S: &str = "cri/k8s.io";
+pub(crate) const CRI_SYSTEM: &str = "cri/system";
+pub(crate) const SYSTEM_SYSTEM: &str = "system/system";
 
 /// An enum value as Go's `%s` prints a protobuf enum: its name, or its
 /// number when it has none.
@@ -596,7 +525,7 @@ fn namespace_name(n: i32) -> String {
 /// containerd, `CRI` the CRI one; `NS_CRI` is `k8s.io`, `NS_SYSTEM`
 /// `system`; checked in that order, then `CONTAINERD` with `NS_CRI` is
 /// refused. An absent instance is driver 0 (`CONTAINERD`) and `NS_UNKNOWN`.
-pub(super) fn containerd_instance(c: Option<&ContainerdInstance>) -> Result<&'static str, Status> {
+pub(crate) fn containerd_instance(c: Option<&ContainerdInstance>) -> Result<&'static str, Status> {
     let (driver, namespace) = c.map_or((0, 0), |c| (c.driver, c.namespace));
     let system = match ContainerDriver::try_from(driver) {
         Ok(ContainerDriver::Containerd) => true,
@@ -629,7 +558,7 @@ pub(super) fn containerd_instance(c: Option<&ContainerdInstance>) -> Result<&'st
 }
 
 /// One image pull a node was asked for (or its kubelet did), for the stats.
-pub(super) struct PullCall<'a> {
+pub(crate) struct PullCall<'a> {
     pub node: usize,
     /// `ImageService.Pull`, `MachineService.ImagePull`, or who pulled
     /// without being asked.
@@ -643,7 +572,7 @@ pub(super) struct PullCall<'a> {
 impl Cluster {
     /// Records a pull and, when it succeeded, the image at `place` on the
     /// node.
-    pub(super) fn record_pull(&self, call: PullCall<'_>, outcome: &Result<&'static str, Status>) {
+    pub(crate) fn record_pull(&self, call: PullCall<'_>, outcome: &Result<&'static str, Status>) {
         let node = self.node(call.node);
         let name = node.display_name();
         if let Ok(place) = outcome {
@@ -667,13 +596,13 @@ impl Cluster {
     }
 }
 
-impl super::Api {
+impl crate::node::service::Api {
     /// A pull of a Kubernetes image, as talosctl's `upgrade-k8s`
     /// pre-pull sends them (`talos_managed.go` `prePullImages`): one with a
     /// version tag is pulled after `--pull-cached-delay`; another tag of
     /// those repositories is not found. None: not a Kubernetes image (an
     /// installer's pull).
-    pub(super) async fn k8s_image_pull(
+    pub(crate) async fn k8s_image_pull(
         &self,
         i: usize,
         image: &str,
@@ -682,7 +611,7 @@ impl super::Api {
         if !KUBERNETES_IMAGES.contains(&repo) {
             return None;
         }
-        if k8s_versions::version_of_image(image).is_err() {
+        if versions::version_of_image(image).is_err() {
             return Some(Err(tonic::Status::not_found(format!(
                 "failed to pull image {image:?}: {image}: not found"
             ))));
@@ -700,7 +629,7 @@ impl super::Api {
     /// `NS_SYSTEM` → `system`, anything else InvalidArgument "invalid
     /// namespace %s"; an image that is not there is NotFound "error pulling
     /// image: …".
-    pub(super) async fn image_pull_call(
+    pub(crate) async fn image_pull_call(
         &self,
         req: Request<ImagePullRequest>,
     ) -> Result<Response<ImagePullResponse>, Status> {
@@ -746,7 +675,7 @@ impl super::Api {
     /// An installer pulled somewhere other than the system containerd:
     /// timed as an installer pull, but not cached for the system
     /// containerd's later pulls.
-    pub(super) async fn pull_elsewhere<T>(
+    pub(crate) async fn pull_elsewhere<T>(
         &self,
         req: &Request<T>,
         i: usize,
@@ -767,7 +696,7 @@ impl super::Api {
 }
 
 /// Watches the configs for the life of the simulator.
-pub(super) async fn watch(cluster: Arc<Cluster>) {
+pub(crate) async fn watch(cluster: Arc<Cluster>) {
     loop {
         let now = Instant::now();
         cluster.k8s_observe(now);

@@ -1,0 +1,11 @@
+//! The Kubernetes side of a simulated cluster: the API server's objects and
+//! server-side apply, the control-plane static pods and their versions,
+//! Talos' bootstrap manifests, removed APIs, and forwarded ports.
+
+pub(crate) mod deprecated;
+pub(crate) mod forward;
+pub(crate) mod manifests;
+pub(crate) mod objects;
+pub(crate) mod pods;
+pub(crate) mod ssa;
+pub(crate) mod versions;
