@@ -1071,11 +1071,11 @@ pub async fn run(
         let size = std::fs::metadata(snapshot)
             .map_err(|e| BootstrapError::Local(format!("{}: {e}", snapshot.display())))?
             .len();
-        if size > super::etcd::DEFAULT_MAX_SIZE {
+        if size > super::etcd::format::LARGEST {
             return Err(BootstrapError::Local(format!(
                 "{}: {size} bytes is larger than an etcd snapshot can be ({} bytes, etcd's largest recommended backend quota): refused before reading it",
                 snapshot.display(),
-                super::etcd::DEFAULT_MAX_SIZE
+                super::etcd::format::LARGEST
             )));
         }
     }

@@ -23,9 +23,8 @@ use format::{FormatError, SnapshotInfo, Verifier};
 /// Snapshots kept in the state dir unless told otherwise.
 pub const DEFAULT_KEEP: usize = 5;
 
-/// The largest snapshot taken unless told otherwise: etcd's largest
-/// recommended backend quota (`--quota-backend-bytes`, 8 GiB).
-pub const DEFAULT_MAX_SIZE: u64 = 8 << 30;
+/// The largest snapshot taken unless told otherwise ([`format::LARGEST`]).
+pub const DEFAULT_MAX_SIZE: u64 = format::LARGEST;
 
 /// The state dir's directory of snapshots.
 pub const SNAPSHOT_DIR: &str = "etcd";

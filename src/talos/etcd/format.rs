@@ -14,6 +14,11 @@ use std::path::{Path, PathBuf};
 
 use sha2::Digest;
 
+/// The largest snapshot imgbuild takes unless told otherwise, and the
+/// largest it recovers from: etcd's largest recommended backend quota
+/// (`--quota-backend-bytes`, 8 GiB).
+pub const LARGEST: u64 = 8 << 30;
+
 /// The bolt meta page: a 16-byte page header (id u64, flags u16, count u16,
 /// overflow u32), then magic u32, version u32, page size u32, flags u32,
 /// root bucket (u64, u64), freelist u64, pgid u64, txid u64 and the FNV-64a
