@@ -478,6 +478,33 @@ impl Drop for Swtpm {
     }
 }
 
+/// Guests that may boot at once in one test process: one per core, so a
+/// test binary run with many threads (they mostly wait on simulators) does
+/// not starve TCG guests past their deadlines.
+struct GuestSlot;
+
+static GUESTS: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
+static GUEST_FREED: std::sync::Condvar = std::sync::Condvar::new();
+
+impl GuestSlot {
+    fn take() -> GuestSlot {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut running = GUESTS.lock().unwrap_or_else(|e| e.into_inner());
+        while *running >= cores {
+            running = GUEST_FREED.wait(running).unwrap_or_else(|e| e.into_inner());
+        }
+        *running += 1;
+        GuestSlot
+    }
+}
+
+impl Drop for GuestSlot {
+    fn drop(&mut self) {
+        *GUESTS.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        GUEST_FREED.notify_one();
+    }
+}
+
 fn run_qemu(
     accel: &str,
     scratch: &Path,
@@ -486,6 +513,7 @@ fn run_qemu(
     stop_at: &[&str],
     deadline: Duration,
 ) -> Boot {
+    let _slot = GuestSlot::take();
     let log = scratch.join(format!("{name}.serial"));
     let started = Instant::now();
     let mut child = Command::new("qemu-system-x86_64")

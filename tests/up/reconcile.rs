@@ -66,10 +66,12 @@ fn actions<'a>(v: &'a serde_json::Value, step: &str) -> Vec<&'a serde_json::Valu
         .collect()
 }
 
+/// The nodes of the node actions among `actions` (the cluster's own, as
+/// the etcd snapshot, have none).
 fn nodes_of(actions: &[&serde_json::Value]) -> Vec<String> {
     let mut out: Vec<String> = actions
         .iter()
-        .map(|a| a["node"].as_str().unwrap().to_owned())
+        .filter_map(|a| a["node"].as_str().map(str::to_owned))
         .collect();
     out.sort();
     out
@@ -141,7 +143,10 @@ fn up_converges_a_patch_edit_and_a_version_bump() {
     stdout_ok(&out);
     let upgrades = actions(&v, "upgrade");
     assert_eq!(nodes_of(&upgrades), all_nodes(), "{v}");
-    for a in &upgrades {
+    // The step opens with the run's etcd snapshot, then the nodes.
+    assert_eq!(upgrades[0]["kind"]["kind"], "snapshotEtcd", "{v}");
+    assert_eq!(upgrades[0]["outcome"], "planned", "{v}");
+    for a in upgrades.iter().filter(|a| a["node"].is_string()) {
         let talos = &a["changes"][0];
         assert_eq!(talos["field"], "talos", "{a}");
         assert_eq!(talos["from"], "v1.11.2", "{a}");
@@ -160,7 +165,9 @@ fn up_converges_a_patch_edit_and_a_version_bump() {
     let (out, v) = c.up(&[]);
     stdout_ok(&out);
     assert_eq!(v["drift"], serde_json::json!([]), "{v}");
-    for a in actions(&v, "upgrade") {
+    let upgrades = actions(&v, "upgrade");
+    assert_eq!(upgrades[0]["kind"]["kind"], "snapshotEtcd", "{v}");
+    for a in upgrades {
         assert_eq!(a["outcome"], "done", "{a}");
     }
     for (name, ..) in NODES {
