@@ -382,8 +382,9 @@ pub enum PlanError {
         path: String,
         source: serde_json::Error,
     },
+    /// `found`: the file's `format` value as JSON (bounded), or `missing`.
     #[error("{path} is plan format {found}; this imgbuild reads format {FORMAT}")]
-    Format { path: String, found: u32 },
+    Format { path: String, found: String },
 }
 
 impl Plan {
@@ -410,8 +411,12 @@ impl Plan {
                 path: shown.clone(),
                 source,
             })?;
-        let found = v["format"].as_u64().unwrap_or(0) as u32;
-        if found != FORMAT {
+        // Exactly the number: `"1"` or 2^32 + 1 is no format 1.
+        if v["format"].as_u64() != Some(u64::from(FORMAT)) {
+            let found = match &v["format"] {
+                serde_json::Value::Null => "missing".to_owned(),
+                other => crate::input::one_line(&other.to_string(), 40),
+            };
             return Err(PlanError::Format { path: shown, found });
         }
         serde_json::from_value(v).map_err(|source| PlanError::Parse {

@@ -503,13 +503,17 @@ impl Report {
 
     /// Records what the bootstrap would do, from how each node answered:
     /// a node in maintenance mode gets its config, a configured one nothing.
+    /// A Hetzner server yet to be made boots with its config in its
+    /// `user_data` (Talos's hcloud platform reads it), so nothing is applied.
     pub(super) fn surveyed(&mut self, survey: &Survey) {
+        let hcloud = self.target == "hcloud";
         for (reach, answer) in survey.reach.nodes.iter().zip(&survey.answers) {
             if let Some(n) = self.node(&reach.node) {
                 let state = TalosState::from(answer.as_ref());
+                let configured_at_boot = hcloud && n.stages.vm == Some(Change::Created);
                 n.address = reach.address;
                 n.talos = Some(state);
-                n.stages.apply = Some(if state == TalosState::Configured {
+                n.stages.apply = Some(if state == TalosState::Configured || configured_at_boot {
                     Change::Unchanged
                 } else {
                     Change::Applied

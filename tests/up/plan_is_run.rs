@@ -395,13 +395,24 @@ fn the_plan_schema_rejects_what_a_plan_file_cannot_hold() {
 fn a_plan_file_of_another_format_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("plan.json");
-    std::fs::write(&file, r#"{"format": 99, "actions": []}"#).unwrap();
     let config = Inventory::loopback().write(dir.path());
-    let o = Run::with_config(&config, &["up", "--plan", file.to_str().unwrap()]).output();
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
-    assert!(
-        text(&o.stderr).contains("is plan format 99; this imgbuild reads format 1"),
-        "{}",
-        text(&o.stderr)
-    );
+    // Another number, the right one as a string, one that wraps to 1 in 32
+    // bits, none: each named as it is.
+    for (format, shown) in [
+        ("99", "99"),
+        (r#""1""#, r#""1""#),
+        ("4294967297", "4294967297"),
+        ("null", "missing"),
+    ] {
+        std::fs::write(&file, format!(r#"{{"format": {format}, "actions": []}}"#)).unwrap();
+        let o = Run::with_config(&config, &["up", "--plan", file.to_str().unwrap()]).output();
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+        assert!(
+            text(&o.stderr).contains(&format!(
+                "is plan format {shown}; this imgbuild reads format 1"
+            )),
+            "{}",
+            text(&o.stderr)
+        );
+    }
 }
