@@ -541,7 +541,7 @@ impl DayTwo<'_> {
                     proxmox::destroy::delete_vm(&pve.credentials, cluster, vm, &opts).map_err(
                         |source| MachineError::Vm {
                             what: m.what.clone(),
-                            source,
+                            source: Box::new(source),
                         },
                     )?;
                 }

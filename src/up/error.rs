@@ -72,7 +72,7 @@ pub enum MachineError {
     Vm {
         what: String,
         #[source]
-        source: ProxmoxError,
+        source: Box<ProxmoxError>,
     },
     /// No Hetzner Cloud API client (the token is missing or invalid).
     #[error(transparent)]

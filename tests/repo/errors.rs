@@ -138,7 +138,7 @@ fn no_string_errors_in_talos_and_up() {
     }
     assert!(
         found.is_empty(),
-        "{} untyped errors (return a thiserror enum instead):\n{}",
+        "untyped errors ({}), return a thiserror enum instead:\n{}",
         found.len(),
         found.join("\n")
     );
