@@ -35,6 +35,15 @@ pub enum HealthError {
     },
 }
 
+/// Why a node's services could not be read for the health gate.
+#[derive(Debug, thiserror::Error)]
+enum ServicesUnread {
+    #[error(transparent)]
+    Api(#[from] super::client::ApiError),
+    #[error("no answer within the call timeout ({}s)", .0.as_secs_f64())]
+    NoAnswer(std::time::Duration),
+}
+
 /// What one Kubernetes node says about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KubeNode {
@@ -153,10 +162,8 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
         let mode = mode.clone();
         async move {
             let read = async {
-                let conn = NodeClient::connect(&n.endpoint, &mode, opts.call_timeout)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let services = conn.services().await.map_err(|e| e.to_string())?;
+                let conn = NodeClient::connect(&n.endpoint, &mode, opts.call_timeout).await?;
+                let services = conn.services().await?;
                 let members = if n.role == Role::Controlplane {
                     conn.etcd_members().await.ok().map(|m| {
                         m.into_iter()
@@ -168,16 +175,11 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
                 } else {
                     None
                 };
-                Ok::<_, String>((services, members))
+                Ok::<_, ServicesUnread>((services, members))
             };
             tokio::time::timeout(opts.call_timeout, read)
                 .await
-                .unwrap_or_else(|_| {
-                    Err(format!(
-                        "no answer within the call timeout ({}s)",
-                        opts.call_timeout.as_secs_f64()
-                    ))
-                })
+                .unwrap_or(Err(ServicesUnread::NoAnswer(opts.call_timeout)))
         }
     }));
     let addons = async {

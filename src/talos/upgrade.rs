@@ -117,6 +117,18 @@ pub enum UpgradeError {
     },
 }
 
+/// Why what a node runs could not be read: kept in [`Running::error`].
+#[derive(Debug, thiserror::Error)]
+pub enum RunningUnread {
+    /// Neither the connect nor the first call finished in time.
+    #[error("{}", no_answer(*.0))]
+    NoAnswer(Duration),
+    #[error(transparent)]
+    Connect(ApiError),
+    #[error("Version: {0}")]
+    Version(#[source] ApiError),
+}
+
 /// Why a node did not come back from its reboot.
 #[derive(Debug, thiserror::Error)]
 pub enum RebootError {
@@ -242,21 +254,21 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
             .await
             .map_err(|e| {
                 if started.elapsed() >= opts.call_timeout {
-                    no_answer(opts.call_timeout)
+                    RunningUnread::NoAnswer(opts.call_timeout)
                 } else {
-                    e.to_string()
+                    RunningUnread::Connect(e)
                 }
             })?;
-        let version = conn.version().await.map_err(|e| format!("Version: {e}"));
-        Ok::<_, String>((conn, version))
+        let version = conn.version().await.map_err(RunningUnread::Version);
+        Ok::<_, RunningUnread>((conn, version))
     })
     .await
-    .unwrap_or_else(|_| Err(no_answer(opts.call_timeout)));
+    .unwrap_or(Err(RunningUnread::NoAnswer(opts.call_timeout)));
     let (conn, version) = match first {
         Ok(c) => c,
         Err(e) => {
             return Running {
-                error: Some(e),
+                error: Some(e.to_string()),
                 ..Running::default()
             };
         }
@@ -264,7 +276,7 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
     let mut out = Running::default();
     match version {
         Ok(v) => out.version = Some(v.tag),
-        Err(e) => out.error = Some(e),
+        Err(e) => out.error = Some(e.to_string()),
     }
     match conn.running_schematic().await {
         Ok(s) => out.schematic = s,

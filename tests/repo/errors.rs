@@ -73,7 +73,7 @@ fn type_args(text: &str, open: usize) -> Option<Vec<String>> {
     None
 }
 
-/// Why the `Result<` at `at` is untyped, if it is.
+/// Why the generic (`Result<`, `Ok::<`) at `at` is untyped, if it is.
 fn untyped(text: &str, at: usize) -> Option<String> {
     let open = at + text[at..].find('<')?;
     let args = type_args(text, open)?;
@@ -81,29 +81,40 @@ fn untyped(text: &str, at: usize) -> Option<String> {
     let stringly = ["String", "std::string::String", "alloc::string::String"];
     let boxed = err.starts_with("Box<dyn") && err.contains("Error");
     (stringly.contains(&err.as_str()) || boxed || err.starts_with("anyhow::"))
-        .then(|| format!("Result<{}>", args.join(", ")))
+        .then(|| format!("{}<{}>", text[at..open].trim(), args.join(", ")))
 }
 
 /// Every untyped error in `src`: `(line, what)`.
 fn untyped_errors(src: &str) -> Vec<(usize, String)> {
     let text = without_comments(src);
     let mut found = Vec::new();
+    for word in ["Result", "Ok::", "Err::"] {
+        found.extend(generic_errors(&text, word));
+    }
+    for (i, line) in text.lines().enumerate() {
+        if line.contains("anyhow") {
+            found.push((i + 1, "anyhow".into()));
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Each `word<…>` (`Result<T, E>`, or a turbofish `Ok::<T, E>` that
+/// spells a result's types) whose error type is untyped.
+fn generic_errors(text: &str, word: &str) -> Vec<(usize, String)> {
+    let mut found = Vec::new();
     let mut from = 0;
-    while let Some(hit) = text[from..].find("Result") {
+    while let Some(hit) = text[from..].find(word) {
         let at = from + hit;
-        from = at + "Result".len();
+        from = at + word.len();
         let before = text[..at].chars().next_back();
         let after = text[from..].trim_start();
         if before.is_some_and(|c| c.is_alphanumeric() || c == '_') || !after.starts_with('<') {
             continue;
         }
-        if let Some(what) = untyped(&text, at) {
+        if let Some(what) = untyped(text, at) {
             found.push((text[..at].matches('\n').count() + 1, what));
-        }
-    }
-    for (i, line) in text.lines().enumerate() {
-        if line.contains("anyhow") {
-            found.push((i + 1, "anyhow".into()));
         }
     }
     found
@@ -116,9 +127,10 @@ fn the_scanner_sees_through_whitespace_newlines_and_nested_types() {
                fn c() -> Result<Vec<u8>, Box<dyn std::error::Error>> {}\n\
                // fn d() -> Result<(), String> {}\n\
                fn e() -> Result<String, MyError> {}\n\
-               fn f() -> io::Result<String> {}\n";
+               fn f() -> io::Result<String> {}\n\
+               let g = async { Ok::<_, String>(1) };\n";
     let lines: Vec<usize> = untyped_errors(src).into_iter().map(|(l, _)| l).collect();
-    assert_eq!(lines, [1, 2, 6]);
+    assert_eq!(lines, [1, 2, 6, 10]);
 }
 
 #[test]
