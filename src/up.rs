@@ -14,7 +14,7 @@ mod error;
 pub mod plan;
 mod report;
 
-pub use error::{Stage, UpError};
+pub use error::{MachineError, Stage, UpError};
 pub use report::{Change, Line, NodeReport, Report, Stages, TalosState, chain};
 
 /// The plan file of a dry run's report: its actions in order and what
@@ -505,6 +505,7 @@ impl DayTwo<'_> {
                 Some(node) => match self.delete_machine(node, &machines, progress) {
                     Ok(()) => State::Done,
                     Err(e) => {
+                        let e = e.to_string();
                         a.detail = Some(e.clone());
                         failure.get_or_insert(e);
                         State::Failed
@@ -563,7 +564,7 @@ impl DayTwo<'_> {
         node: &str,
         machines: &[GoneMachine],
         progress: &(dyn Fn(&str, &str) + Sync),
-    ) -> Result<(), String> {
+    ) -> Result<(), MachineError> {
         let cluster = &self.inv.cluster.name;
         for m in machines.iter().filter(|m| m.node == node) {
             progress(node, &format!("deleting {}", m.what));
@@ -574,14 +575,21 @@ impl DayTwo<'_> {
                         retry: pve.options.retry,
                         ..proxmox::destroy::DeleteOptions::default()
                     };
-                    proxmox::destroy::delete_vm(&pve.credentials, cluster, vm, &opts)
-                        .map_err(|e| format!("deleting {}: {e}", m.what))?;
+                    proxmox::destroy::delete_vm(&pve.credentials, cluster, vm, &opts).map_err(
+                        |source| MachineError::Vm {
+                            what: m.what.clone(),
+                            source: Box::new(source),
+                        },
+                    )?;
                 }
                 (Target::Hcloud(hc), _) => {
-                    let api = hc.api().map_err(|e| e.to_string())?;
+                    let api = hc.api()?;
                     let (_, left) = servers::delete_node(&api, cluster, node, &hc.options);
                     if let Some(l) = left.first() {
-                        return Err(format!("deleting server {}: {}", l.id, l.error));
+                        return Err(MachineError::Server {
+                            id: l.id,
+                            error: l.error.clone(),
+                        });
                     }
                 }
                 _ => {}

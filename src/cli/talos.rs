@@ -306,7 +306,7 @@ pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Resu
     if args.merge {
         return super::merge::talosconfig(&path, args.file, args.force, output);
     }
-    let endpoints = cfg.current().map_err(anyhow::Error::msg)?.endpoints.clone();
+    let endpoints = cfg.current()?.endpoints.clone();
     match output {
         Output::Json => outln!(
             "{}",

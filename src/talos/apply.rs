@@ -16,12 +16,52 @@
 use futures_util::StreamExt;
 
 use super::bootstrap::{Options, Plan, PlannedNode};
-use super::client::{ApplyMode, Mode, NodeClient};
+use super::client::{ApiError, ApplyMode, Mode, NodeClient};
 use super::config::Fingerprints;
-use super::health::wait_healthy;
+use super::health::{HealthError, wait_healthy};
 use super::status::{ConfigState, config_state, diff_of, staged};
-use super::upgrade::{READ_CONCURRENCY, ordered, wait_rebooted};
+use super::upgrade::{READ_CONCURRENCY, RebootError, ordered, wait_rebooted};
 use crate::inventory::Role;
+
+/// Why one node could not be compared or applied. Its Display is the
+/// line the report shows for the node.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    /// A Talos API call (connect, apply, version) failed.
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    #[error(transparent)]
+    Health(#[from] HealthError),
+    #[error(transparent)]
+    Reboot(#[from] RebootError),
+    #[error(
+        "it runs with Secure Boot {}, its rendered config names a Secure Boot {} installer; applying it cannot move the node between Secure Boot and not (siderolabs/talos#9245): set secureBoot on the node to match what it runs",
+        on_off(*running),
+        on_off(*wanted)
+    )]
+    SecureBootSwitch { running: bool, wanted: bool },
+    #[error("reading the persisted config: {0}")]
+    Staged(#[source] ApiError),
+    #[error("reading the boot ID (needed to see the reboot): {0}")]
+    BootId(#[source] ApiError),
+    #[error("came back without the new config")]
+    NotApplied,
+    #[error("comparing the config after the reboot: {0}")]
+    Recompare(#[source] ApiError),
+}
+
+impl ApplyError {
+    /// The node is busy with another apply (one at a time per node):
+    /// worth one more try.
+    fn in_progress(&self) -> bool {
+        matches!(self, ApplyError::Api(ApiError::Status { message, .. })
+            if message.contains("already in progress"))
+    }
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b { "on" } else { "off" }
+}
 
 /// One node's result.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -132,14 +172,13 @@ pub fn changed_fields(diff: &str, rendered: &[u8]) -> Vec<String> {
 }
 
 /// `node`'s API over mTLS as the cluster's admin.
-async fn connect(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<NodeClient, String> {
+async fn connect(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<NodeClient, ApiError> {
     NodeClient::connect(
         &node.endpoint,
         &Mode::Mtls(plan.identity.clone()),
         opts.call_timeout,
     )
     .await
-    .map_err(|e| e.to_string())
 }
 
 /// What a node would do with the rendered config.
@@ -159,7 +198,7 @@ pub async fn compare(
     node: &PlannedNode,
     mode: ApplyMode,
     opts: &Options,
-) -> Result<Compared, String> {
+) -> Result<Compared, ApplyError> {
     let conn = connect(plan, node, opts).await?;
     refuse_secure_boot_switch(&conn, node).await?;
     let ask = if mode == ApplyMode::Staged {
@@ -167,18 +206,15 @@ pub async fn compare(
     } else {
         ApplyMode::Auto
     };
-    let details = conn
-        .apply_mode(node.config.clone(), ask, true)
-        .await
-        .map_err(|e| e.to_string())?;
+    let details = conn.apply_mode(node.config.clone(), ask, true).await?;
     let diff = diff_of(&details);
     let staged = if diff.is_empty() {
         false
     } else {
-        let version = conn.version().await.map_err(|e| e.to_string())?.tag;
+        let version = conn.version().await?.tag;
         staged(&conn, node, &version, &Fingerprints::default())
             .await
-            .map_err(|e| format!("reading the persisted config: {e}"))?
+            .map_err(ApplyError::Staged)?
     };
     Ok(Compared {
         diff,
@@ -190,7 +226,10 @@ pub async fn compare(
 /// A config whose installer would move the node between Secure Boot and
 /// not is refused, as `upgrade` refuses it: the next install would keep
 /// the disk's boot layout (siderolabs/talos#9245). Unknown is no reason.
-async fn refuse_secure_boot_switch(conn: &NodeClient, node: &PlannedNode) -> Result<(), String> {
+async fn refuse_secure_boot_switch(
+    conn: &NodeClient,
+    node: &PlannedNode,
+) -> Result<(), ApplyError> {
     let Ok(Some(state)) = conn.security_state().await else {
         return Ok(());
     };
@@ -198,12 +237,10 @@ async fn refuse_secure_boot_switch(conn: &NodeClient, node: &PlannedNode) -> Res
     if state.secure_boot == wanted {
         return Ok(());
     }
-    let on_off = |b: bool| if b { "on" } else { "off" };
-    Err(format!(
-        "it runs with Secure Boot {}, its rendered config names a Secure Boot {} installer; applying it cannot move the node between Secure Boot and not (siderolabs/talos#9245): set secureBoot on the node to match what it runs",
-        on_off(state.secure_boot),
-        on_off(wanted)
-    ))
+    Err(ApplyError::SecureBootSwitch {
+        running: state.secure_boot,
+        wanted,
+    })
 }
 
 /// Applies without a reboot; control planes with the health gate around.
@@ -212,14 +249,12 @@ async fn apply_live(
     node: &PlannedNode,
     mode: ApplyMode,
     opts: &Options,
-) -> Result<(), String> {
+) -> Result<(), ApplyError> {
     if node.role == Role::Controlplane {
         wait_healthy(plan, node, opts).await?;
     }
     let conn = connect(plan, node, opts).await?;
-    conn.apply_mode(node.config.clone(), mode, false)
-        .await
-        .map_err(|e| e.to_string())?;
+    conn.apply_mode(node.config.clone(), mode, false).await?;
     if node.role == Role::Controlplane {
         wait_healthy(plan, node, opts).await?;
     }
@@ -234,26 +269,22 @@ async fn apply_rebooting(
     node: &PlannedNode,
     reboot_timeout: std::time::Duration,
     opts: &Options,
-) -> Result<(), String> {
+) -> Result<(), ApplyError> {
     wait_healthy(plan, node, opts).await?;
     let conn = connect(plan, node, opts).await?;
-    let version = conn.version().await.map_err(|e| e.to_string())?.tag;
-    let boot = conn
-        .boot_id()
-        .await
-        .map_err(|e| format!("reading the boot ID (needed to see the reboot): {e}"))?;
+    let version = conn.version().await?.tag;
+    let boot = conn.boot_id().await.map_err(ApplyError::BootId)?;
     conn.apply_mode(node.config.clone(), ApplyMode::Auto, false)
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
     drop(conn);
     wait_rebooted(plan, node, Some(&boot), &version, reboot_timeout, opts).await?;
     let conn = connect(plan, node, opts).await?;
     match config_state(&conn, node).await {
         Ok(ConfigState::InSync) => {}
-        Ok(_) => return Err("came back without the new config".into()),
-        Err(e) => return Err(format!("comparing the config after the reboot: {e}")),
+        Ok(_) => return Err(ApplyError::NotApplied),
+        Err(e) => return Err(ApplyError::Recompare(e)),
     }
-    wait_healthy(plan, node, opts).await
+    Ok(wait_healthy(plan, node, opts).await?)
 }
 
 /// Compares every selected node (all when `select` is empty, all at once);
@@ -271,7 +302,7 @@ pub async fn run(
 ) -> ApplyOutcome {
     let mut outcome = ApplyOutcome::default();
     let order = ordered(plan, select);
-    let compared: Vec<Result<Compared, String>> =
+    let compared: Vec<Result<Compared, ApplyError>> =
         futures_util::stream::iter(order.iter().map(|n| compare(plan, n, mode, opts)))
             .buffered(READ_CONCURRENCY)
             .collect()
@@ -299,7 +330,7 @@ pub async fn run(
             }
             Err(error) => outcome.failed.push(NodeFailure {
                 node: node.name.clone(),
-                error,
+                error: error.to_string(),
             }),
         }
     }
@@ -336,7 +367,7 @@ pub async fn run(
         };
         // Another apply in progress (one at a time per node): once more.
         if let Err(e) = &result
-            && e.contains("already in progress")
+            && e.in_progress()
         {
             tokio::time::sleep(opts.poll).await;
             result = if reboot {
@@ -352,7 +383,7 @@ pub async fn run(
             }
             Err(error) => outcome.failed.push(NodeFailure {
                 node: node.name.clone(),
-                error: crate::input::excerpt(&error, 500),
+                error: crate::input::excerpt(&error.to_string(), 500),
             }),
         }
     }

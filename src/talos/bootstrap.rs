@@ -691,21 +691,37 @@ async fn bootstrap_once(node: &PlannedNode, cx: &Ctx<'_>) -> Result<bool, Bootst
     }
 }
 
+/// Why the API server did not answer a probe: what the server (or the
+/// connection to it) said.
+#[derive(Debug, thiserror::Error)]
+enum ProbeError {
+    #[error("{}", match .0 { kube::KubeError::Api { message, .. } => message.clone(), other => other.to_string() })]
+    Kube(kube::KubeError),
+    /// The blocking probe panicked or was cancelled.
+    #[error("{0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+/// The kubeconfig could not be written into the state dir.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {source}", path.display())]
+struct WriteError {
+    path: std::path::PathBuf,
+    #[source]
+    source: std::io::Error,
+}
+
 /// Whether the API server answers at `server` right now (for the VIP): a
 /// TLS handshake verifying the cluster CA and the name in the URL, then
 /// `GET /version`, off the runtime's thread; what was seen when not. An
 /// open port alone is not an answer: the VIP may belong to something else.
-async fn answers(kc: &Kubeconfig, server: &str) -> Result<(), String> {
+async fn answers(kc: &Kubeconfig, server: &str) -> Result<(), ProbeError> {
     let probe = kc.with_server(server).with_tls_server_name(None);
     let wait = Duration::from_secs(2);
     tokio::task::spawn_blocking(move || probe.get_json("/version", wait))
-        .await
-        .map_err(|e| e.to_string())?
+        .await?
         .map(drop)
-        .map_err(|e| match e {
-            kube::KubeError::Api { message, .. } => message,
-            other => other.to_string(),
-        })
+        .map_err(ProbeError::Kube)
 }
 
 fn endpoint_addr(endpoint: &str) -> Option<(String, SocketAddr)> {
@@ -749,7 +765,7 @@ async fn reachable_server(
         wanted,
         used: used.clone(),
         node: first_cp.0.to_owned(),
-        reason,
+        reason: reason.to_string(),
     };
     (used, Some(fallback))
 }
@@ -991,7 +1007,7 @@ async fn health_round(
                 .event(&first_cp.name, &Event::Kubeconfig { server, moved_from })
         }
         Ok(false) => {}
-        Err(e) => pending.push(e),
+        Err(e) => pending.push(e.to_string()),
     }
     round.pending = pending;
     round
@@ -1033,9 +1049,13 @@ fn v1alpha1(config: &[u8]) -> Option<serde_yaml_ng::Value> {
 }
 
 /// Writes `kc` 0600 when its text changed; `Ok(true)` when it wrote.
-fn write_kubeconfig(kc: &Kubeconfig, path: &std::path::Path) -> Result<bool, String> {
-    crate::atomic::write_if_changed(path, kc.to_yaml().as_bytes(), true)
-        .map_err(|e| format!("{}: {e}", path.display()))
+fn write_kubeconfig(kc: &Kubeconfig, path: &std::path::Path) -> Result<bool, WriteError> {
+    crate::atomic::write_if_changed(path, kc.to_yaml().as_bytes(), true).map_err(|source| {
+        WriteError {
+            path: path.to_owned(),
+            source,
+        }
+    })
 }
 
 /// Runs the whole state machine. Idempotent: configured nodes get nothing

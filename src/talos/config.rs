@@ -43,6 +43,73 @@ pub enum ConfigError {
     },
 }
 
+/// What is wrong with one patch file. Turned into [`ConfigError::Patch`]'s
+/// message with every revealed or substituted value hidden ([`hide`]), so
+/// it never leaves this module as it is.
+#[derive(Debug, thiserror::Error)]
+enum PatchProblem {
+    #[error("line {line}: `${{` starts no ${{NAME}} reference (write $${{ for a literal ${{)")]
+    NotAReference { line: usize },
+    #[error(
+        "line {line}: ${{{name}}} holds a line break or another control character, which would change the YAML around it (its value is not shown)"
+    )]
+    ControlCharacter { line: usize, name: String },
+    #[error("line {line}: ${{{name}}} is not set in the environment")]
+    Unset { line: usize, name: String },
+    #[error("{key} must be a string")]
+    NotAString { key: &'static str },
+    #[error("a document with apiVersion or kind needs both")]
+    HalfIdentified,
+    #[error("apiVersion {0:?} is not a version like v1alpha1")]
+    ApiVersion(String),
+    #[error("kind {0:?} is not a document kind like ExtensionServiceConfig")]
+    Kind(String),
+    /// serde's message without the values it quotes.
+    #[error("not YAML: {0}")]
+    NotYaml(String),
+    #[error("document {0}: a JSON6902 patch is one list of operations")]
+    SecondOperationList(usize),
+    #[error("document {0}: a patch must be a YAML mapping")]
+    NotAMapping(usize),
+    #[error(
+        "document {0}: a JSON6902 patch (a list of operations) cannot share its file with strategic-merge documents"
+    )]
+    OperationsBesideDocuments(usize),
+    #[error(
+        "operation {index} ({what}): not a JSON6902 operation (op: add, remove, replace, move, copy or test; path; value or from)"
+    )]
+    NotAnOperation { index: usize, what: String },
+    #[error(
+        "JSON6902 patches are not supported for multi-document machine configuration (the config has a {0} document here)"
+    )]
+    MultiDocument(DocKey),
+    #[error("operation {index} ({what}): the config would grow past {mib} MiB")]
+    TooLarge {
+        index: usize,
+        what: String,
+        mib: usize,
+    },
+    #[error("operation {index} ({what}): {kind}")]
+    Operation {
+        index: usize,
+        what: String,
+        kind: json_patch::PatchErrorKind,
+    },
+    #[error("{path}: cannot merge a {patch} into a {base}")]
+    CannotMerge {
+        path: String,
+        patch: &'static str,
+        base: &'static str,
+    },
+    #[error("a second {0} document in one file")]
+    SecondDocument(DocId),
+    #[error("document {doc}: {problem}")]
+    InDocument {
+        doc: usize,
+        problem: Box<PatchProblem>,
+    },
+}
+
 /// The values `${NAME}` in patch files stand for (keys that must not sit in
 /// Git), given by the caller: the CLI passes its environment. `Debug`
 /// shows the names only.
@@ -124,7 +191,7 @@ struct Used {
 /// of messages). Comment lines are left alone. An unset name (unless
 /// placeholders are asked for) or a `${` that is no `${NAME}` is an error
 /// naming the line.
-fn substitute(text: &str, vars: &PatchVars) -> Result<(String, Vec<Used>), String> {
+fn substitute(text: &str, vars: &PatchVars) -> Result<(String, Vec<Used>), PatchProblem> {
     let mut out = String::with_capacity(text.len());
     let mut used = Vec::new();
     for (i, line) in text.split_inclusive('\n').enumerate() {
@@ -154,28 +221,24 @@ fn substitute(text: &str, vars: &PatchVars) -> Result<(String, Vec<Used>), Strin
                     && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
             });
             let Some(name) = name else {
-                return Err(format!(
-                    "line {}: `${{` starts no ${{NAME}} reference (write $${{ for a literal ${{)",
-                    i + 1
-                ));
+                return Err(PatchProblem::NotAReference { line: i + 1 });
             };
             match vars.values.get(name) {
                 // Pasted as text, a line break would add YAML of its own
                 // (another list entry, another key) to what is applied.
                 Some(value) if value.chars().any(char::is_control) => {
-                    return Err(format!(
-                        "line {}: ${{{name}}} holds a line break or another control character, \
-                         which would change the YAML around it (its value is not shown)",
-                        i + 1
-                    ));
+                    return Err(PatchProblem::ControlCharacter {
+                        line: i + 1,
+                        name: name.to_owned(),
+                    });
                 }
                 Some(value) => out.push_str(value),
                 None if vars.placeholders => out.push_str(&unset_placeholder(name)),
                 None => {
-                    return Err(format!(
-                        "line {}: ${{{name}}} is not set in the environment",
-                        i + 1
-                    ));
+                    return Err(PatchProblem::Unset {
+                        line: i + 1,
+                        name: name.to_owned(),
+                    });
                 }
             }
             used.push(Used {
@@ -402,11 +465,11 @@ impl fmt::Display for DocKey {
     }
 }
 
-fn doc_id(doc: &Map<String, Value>) -> Result<DocId, String> {
-    let text = |key: &str| match doc.get(key) {
+fn doc_id(doc: &Map<String, Value>) -> Result<DocId, PatchProblem> {
+    let text = |key: &'static str| match doc.get(key) {
         None => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(format!("{key} must be a string")),
+        Some(_) => Err(PatchProblem::NotAString { key }),
     };
     let (api_version, kind) = (text("apiVersion")?, text("kind")?);
     let legacy = ["machine", "cluster", "debug", "persist"]
@@ -416,7 +479,7 @@ fn doc_id(doc: &Map<String, Value>) -> Result<DocId, String> {
         return Ok(DocId::V1alpha1);
     }
     let (Some(api_version), Some(kind)) = (api_version, kind) else {
-        return Err("a document with apiVersion or kind needs both".into());
+        return Err(PatchProblem::HalfIdentified);
     };
     let version_ok = api_version
         .strip_prefix('v')
@@ -433,16 +496,12 @@ fn doc_id(doc: &Map<String, Value>) -> Result<DocId, String> {
         })
         .unwrap_or(false);
     if !version_ok {
-        return Err(format!(
-            "apiVersion {api_version:?} is not a version like v1alpha1"
-        ));
+        return Err(PatchProblem::ApiVersion(api_version));
     }
     let kind_ok = kind.chars().next().is_some_and(|c| c.is_ascii_uppercase())
         && kind.chars().all(|c| c.is_ascii_alphanumeric());
     if !kind_ok {
-        return Err(format!(
-            "kind {kind:?} is not a document kind like ExtensionServiceConfig"
-        ));
+        return Err(PatchProblem::Kind(kind));
     }
     Ok(DocId::Other(DocKey {
         api_version,
@@ -461,7 +520,7 @@ enum PatchFile {
 
 /// The documents of one patch file: null documents skipped, each a
 /// mapping; or, when the file is one list, its JSON6902 operations.
-fn patch_documents(text: &str) -> Result<PatchFile, String> {
+fn patch_documents(text: &str) -> Result<PatchFile, PatchProblem> {
     use serde::Deserialize;
     let mut docs = Vec::new();
     let mut ops = None;
@@ -469,36 +528,31 @@ fn patch_documents(text: &str) -> Result<PatchFile, String> {
         let n = i + 1;
         // serde quotes values; a patch may be any file, so none is shown.
         let value = Value::deserialize(de)
-            .map_err(|e| format!("not YAML: {}", crate::input::yaml_error_without_values(&e)))?;
+            .map_err(|e| PatchProblem::NotYaml(crate::input::yaml_error_without_values(&e)))?;
         match value {
             Value::Null => {}
             Value::Object(map) => docs.push(map),
             Value::Array(list) if ops.is_none() => ops = Some((n, list)),
             Value::Array(_) => {
-                return Err(format!(
-                    "document {n}: a JSON6902 patch is one list of operations"
-                ));
+                return Err(PatchProblem::SecondOperationList(n));
             }
-            _ => return Err(format!("document {n}: a patch must be a YAML mapping")),
+            _ => return Err(PatchProblem::NotAMapping(n)),
         }
     }
     let Some((n, list)) = ops else {
         return Ok(PatchFile::Strategic(docs));
     };
     if !docs.is_empty() {
-        return Err(format!(
-            "document {n}: a JSON6902 patch (a list of operations) cannot share its file with strategic-merge documents"
-        ));
+        return Err(PatchProblem::OperationsBesideDocuments(n));
     }
     let mut patch = Vec::with_capacity(list.len());
     for (j, op) in list.into_iter().enumerate() {
         let what = json6902_op_name(&op);
         // serde_json names the value it could not read: none is shown.
-        patch.push(serde_json::from_value(op).map_err(|_| {
-            format!(
-                "operation {j} ({what}): not a JSON6902 operation (op: add, remove, replace, move, copy or test; path; value or from)"
-            )
-        })?);
+        patch.push(
+            serde_json::from_value(op)
+                .map_err(|_| PatchProblem::NotAnOperation { index: j, what })?,
+        );
     }
     Ok(PatchFile::Json6902(json_patch::Patch(patch)))
 }
@@ -523,12 +577,9 @@ fn apply_json6902(
     doc: &mut Value,
     extra: &[ExtraDoc],
     patch: &json_patch::Patch,
-) -> Result<(), String> {
+) -> Result<(), PatchProblem> {
     if let Some(other) = extra.first() {
-        return Err(format!(
-            "JSON6902 patches are not supported for multi-document machine configuration (the config has a {} document here)",
-            other.key
-        ));
+        return Err(PatchProblem::MultiDocument(other.key.clone()));
     }
     // `copy` doubles what it copies: forty of them make a few bytes of
     // patch into terabytes. What the operations may build is bounded as
@@ -549,14 +600,17 @@ fn apply_json6902(
             _ => 0,
         };
         if size > MAX_PATCHED_CONFIG {
-            return Err(format!(
-                "operation {i} ({}): the config would grow past {} MiB",
-                what(),
-                MAX_PATCHED_CONFIG >> 20
-            ));
+            return Err(PatchProblem::TooLarge {
+                index: i,
+                what: what(),
+                mib: MAX_PATCHED_CONFIG >> 20,
+            });
         }
-        json_patch::patch(doc, std::slice::from_ref(op))
-            .map_err(|e| format!("operation {i} ({}): {}", what(), e.kind))?;
+        json_patch::patch(doc, std::slice::from_ref(op)).map_err(|e| PatchProblem::Operation {
+            index: i,
+            what: what(),
+            kind: e.kind,
+        })?;
     }
     Ok(())
 }
@@ -619,13 +673,13 @@ pub fn machine_config(
     let mut used = Vec::new();
     let files = patch_files(inv, node);
     for path in &files {
-        let patch_err = |message: String, used: &[String]| ConfigError::Patch {
+        let patch_err = |message: &dyn fmt::Display, used: &[String]| ConfigError::Patch {
             node: node.name.clone(),
             path: path.clone(),
-            message: hide(&message, used),
+            message: hide(&message.to_string(), used),
         };
         let text = crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
-            .map_err(|e| patch_err(e.to_string(), &[]))?;
+            .map_err(|e| patch_err(&e, &[]))?;
         // A SOPS/age-encrypted patch (kept in Git) renders as its plaintext.
         let (text, revealed) =
             crate::secrets::sops::open_with_values(&text, path).map_err(|e| ConfigError::Sops {
@@ -634,22 +688,28 @@ pub fn machine_config(
             })?;
         // What the patch held encrypted is hidden in messages, however short.
         used.extend(revealed.into_iter().map(|r| r.value));
-        let (text, values) = substitute(&text, vars).map_err(|e| patch_err(e, &[]))?;
+        let (text, values) = substitute(&text, vars).map_err(|e| patch_err(&e, &[]))?;
         used.extend(values.into_iter().filter_map(|u| u.value));
-        let text = crate::input::yaml(&text).map_err(|e| patch_err(e.to_string(), &used))?;
-        let docs = match patch_documents(text).map_err(|e| patch_err(e, &used))? {
+        let text = crate::input::yaml(&text).map_err(|e| patch_err(&e, &used))?;
+        let docs = match patch_documents(text).map_err(|e| patch_err(&e, &used))? {
             PatchFile::Strategic(docs) => docs,
             PatchFile::Json6902(ops) => {
-                apply_json6902(&mut doc, &extra, &ops).map_err(|e| patch_err(e, &used))?;
+                apply_json6902(&mut doc, &extra, &ops).map_err(|e| patch_err(&e, &used))?;
                 continue;
             }
         };
         let mut seen: Vec<DocId> = Vec::new();
         for (i, patch) in docs.into_iter().enumerate() {
-            let at = |e: String| patch_err(format!("document {}: {e}", i + 1), &used);
+            let at = |e: PatchProblem| {
+                let problem = PatchProblem::InDocument {
+                    doc: i + 1,
+                    problem: Box::new(e),
+                };
+                patch_err(&problem, &used)
+            };
             let id = doc_id(&patch).map_err(at)?;
             if seen.contains(&id) {
-                return Err(at(format!("a second {id} document in one file")));
+                return Err(at(PatchProblem::SecondDocument(id)));
             }
             seen.push(id.clone());
             let delete = patch.get("$patch").and_then(Value::as_str) == Some("delete");
@@ -983,7 +1043,7 @@ fn api_server_sans(inv: &Inventory) -> Vec<String> {
 /// Talos' strategic merge: mappings merge key by key, lists append, except
 /// `machine.network.interfaces` (merged by `interface`) and `vlans` (by
 /// `vlanId`); `$patch: delete` removes the mapping it sits in.
-fn merge(base: &mut Value, patch: Value, path: &str) -> Result<(), String> {
+fn merge(base: &mut Value, patch: Value, path: &str) -> Result<(), PatchProblem> {
     match (base, patch) {
         (Value::Object(b), Value::Object(p)) => {
             for (k, v) in p {
@@ -1030,11 +1090,11 @@ fn merge(base: &mut Value, patch: Value, path: &str) -> Result<(), String> {
         }
         (b, p) => {
             if b.is_object() && !p.is_object() || b.is_array() && !p.is_array() {
-                return Err(format!(
-                    "{path}: cannot merge a {} into a {}",
-                    kind(&p),
-                    kind(b)
-                ));
+                return Err(PatchProblem::CannotMerge {
+                    path: path.to_owned(),
+                    patch: kind(&p),
+                    base: kind(b),
+                });
             }
             *b = p;
             Ok(())
@@ -1501,7 +1561,9 @@ mod tests {
                 }
             })
         );
-        let err = merge(&mut base, json!({"machine": {"certSANs": "x"}}), "").unwrap_err();
+        let err = merge(&mut base, json!({"machine": {"certSANs": "x"}}), "")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("machine.certSANs"), "{err}");
     }
 
@@ -1569,7 +1631,7 @@ mod tests {
 
     /// cp-01's config with the files `patches` (name, text) as patches.all,
     /// `${NAME}`s from `vars`.
-    fn render_with(patches: &[(&str, &str)], vars: &[(&str, &str)]) -> Result<String, String> {
+    fn render_with(patches: &[(&str, &str)], vars: &[(&str, &str)]) -> Result<String, ConfigError> {
         let dir = tempfile::tempdir().unwrap();
         let mut inv = atlas();
         inv.base_dir = dir.path().to_owned();
@@ -1583,7 +1645,7 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         let node = inv.nodes[0].clone();
-        machine_config(&inv, &node, bundle(), &vars).map_err(|e| e.to_string())
+        machine_config(&inv, &node, bundle(), &vars)
     }
 
     fn documents(yaml: &str) -> Vec<Value> {
@@ -1626,7 +1688,9 @@ mod tests {
     fn a_failing_json6902_operation_is_named_and_changes_nothing_it_did_not_say() {
         let ops = "- op: add\n  path: /machine/sysctls\n  value: {a: \"1\"}\n\
                    - op: replace\n  path: /machine/kubelet/nothing/here\n  value: s3cr3t-value\n";
-        let err = render_with(&[("j.yaml", ops)], &[]).unwrap_err();
+        let err = render_with(&[("j.yaml", ops)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("j.yaml"), "{err}");
         assert!(
             err.contains("operation 1 (replace /machine/kubelet/nothing/here)"),
@@ -1637,16 +1701,22 @@ mod tests {
             "a value reached the message: {err}"
         );
         let test = "- op: test\n  path: /machine/type\n  value: worker\n";
-        let err = render_with(&[("t.yaml", test)], &[]).unwrap_err();
+        let err = render_with(&[("t.yaml", test)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("operation 0 (test /machine/type)"), "{err}");
         let bad = "- op: frobnicate\n  path: /machine\n";
-        let err = render_with(&[("b.yaml", bad)], &[]).unwrap_err();
+        let err = render_with(&[("b.yaml", bad)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("operation 0 (frobnicate /machine): not a JSON6902 operation"),
             "{err}"
         );
         let mixed = "- op: add\n  path: /x\n  value: 1\n---\nmachine: {}\n";
-        let err = render_with(&[("m.yaml", mixed)], &[]).unwrap_err();
+        let err = render_with(&[("m.yaml", mixed)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("cannot share its file"), "{err}");
     }
 
@@ -1657,7 +1727,9 @@ mod tests {
         for _ in 0..40 {
             ops.push_str("- op: copy\n  from: /machine/x\n  path: /machine/x/-\n");
         }
-        let err = render_with(&[("double.yaml", &ops)], &[]).unwrap_err();
+        let err = render_with(&[("double.yaml", &ops)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("double.yaml"), "{err}");
         assert!(err.contains("the config would grow past 16 MiB"), "{err}");
         assert!(err.contains("(copy /machine/x/-)"), "{err}");
@@ -1669,7 +1741,9 @@ mod tests {
         let ops = "- op: add\n  path: /machine/sysctls\n  value: {a: \"1\"}\n";
         // Before the second document arrives the config is one document.
         render_with(&[("j.yaml", ops), ("host.yaml", hostname)], &[]).unwrap();
-        let err = render_with(&[("host.yaml", hostname), ("j.yaml", ops)], &[]).unwrap_err();
+        let err = render_with(&[("host.yaml", hostname), ("j.yaml", ops)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains(
                 "JSON6902 patches are not supported for multi-document machine configuration"
@@ -1732,7 +1806,9 @@ mod tests {
         // A vendored kind: its own definition names the field.
         let bad =
             "apiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\nenviron: [A=1]\n";
-        let err = render_with(&[("ts.yaml", bad)], &[]).unwrap_err();
+        let err = render_with(&[("ts.yaml", bad)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("node cp-01: patch"), "{err}");
         assert!(err.contains("ts.yaml"), "{err}");
         assert!(
@@ -1753,8 +1829,9 @@ mod tests {
                 "kind \"hostname-config\"",
             ),
         ] {
-            let err =
-                render_with(&[("p.yaml", &format!("machine: {{}}\n---\n{doc}"))], &[]).unwrap_err();
+            let err = render_with(&[("p.yaml", &format!("machine: {{}}\n---\n{doc}"))], &[])
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("p.yaml: document 2: "), "{err}");
             assert!(err.contains(want), "{want}: {err}");
         }
@@ -1762,7 +1839,9 @@ mod tests {
         let twice = format!(
             "{TAILSCALE}---\napiVersion: v1alpha1\nkind: ExtensionServiceConfig\nname: tailscale\n"
         );
-        let err = render_with(&[("p.yaml", &twice)], &[("TS_AUTHKEY", "k")]).unwrap_err();
+        let err = render_with(&[("p.yaml", &twice)], &[("TS_AUTHKEY", "k")])
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("document 3: a second ExtensionServiceConfig"),
             "{err}"
@@ -1775,20 +1854,24 @@ mod tests {
             )],
             &[],
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("typo"), "{err}");
     }
 
     #[test]
     fn variables_come_from_the_given_environment_and_unset_ones_name_the_line() {
-        let err = render_with(&[("ts.yaml", TAILSCALE)], &[]).unwrap_err();
+        let err = render_with(&[("ts.yaml", TAILSCALE)], &[])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("node cp-01: patch"), "{err}");
         assert!(
             err.contains("ts.yaml: line 9: ${TS_AUTHKEY} is not set in the environment"),
             "{err}"
         );
-        let err =
-            render_with(&[("p.yaml", "machine:\n  sysctls:\n    a: ${1BAD}\n")], &[]).unwrap_err();
+        let err = render_with(&[("p.yaml", "machine:\n  sysctls:\n    a: ${1BAD}\n")], &[])
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("p.yaml: line 3: `${` starts no ${NAME}"),
             "{err}"
@@ -1812,7 +1895,8 @@ mod tests {
             &[("p.yaml", patch)],
             &[("K", "tskey-abc\n    INJECTED: \"1\"")],
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("line 3: ${K} holds a line break"), "{err}");
         assert!(!err.contains("tskey-abc"), "{err}");
         assert!(render_with(&[("p.yaml", patch)], &[("K", "tskey-abc")]).is_ok());
@@ -1826,7 +1910,9 @@ mod tests {
             ("machine:\n  nodeTaints: ${K}\n", "/machine/nodeTaints"),
             ("machine:\n  sysctls: [${K}\n", "not YAML"),
         ] {
-            let err = render_with(&[("p.yaml", patch)], &[("K", key)]).unwrap_err();
+            let err = render_with(&[("p.yaml", patch)], &[("K", key)])
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(want), "{err}");
             assert!(!err.contains("hunter2"), "{err}");
         }

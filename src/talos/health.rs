@@ -12,6 +12,38 @@ use super::client::{Mode, NodeClient};
 use super::kube::Kubeconfig;
 use crate::inventory::Role;
 
+/// Why the cluster could not be read or did not become healthy.
+#[derive(Debug, thiserror::Error)]
+pub enum HealthError {
+    /// The state dir's kubeconfig could not be read.
+    #[error("{path}: {source}")]
+    Kubeconfig {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Kube(#[from] super::kube::KubeError),
+    /// The blocking Kubernetes call did not finish (panicked or cancelled).
+    #[error("{0}")]
+    Join(#[from] tokio::task::JoinError),
+    /// What was still wrong when the health timeout ran out.
+    #[error("the cluster did not become healthy within {within:?}: {}", pending.join("; "))]
+    Unhealthy {
+        within: std::time::Duration,
+        pending: Vec<String>,
+    },
+}
+
+/// Why a node's services could not be read for the health gate.
+#[derive(Debug, thiserror::Error)]
+enum ServicesUnread {
+    #[error(transparent)]
+    Api(#[from] super::client::ApiError),
+    #[error("no answer within the call timeout ({}s)", .0.as_secs_f64())]
+    NoAnswer(std::time::Duration),
+}
+
 /// What one Kubernetes node says about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KubeNode {
@@ -31,10 +63,13 @@ const ADDONS: [(&str, &str, &str); 2] = [
 /// The kubeconfig the bootstrap wrote into the state dir, pointed at
 /// `cluster.kubernetesEndpoint` when the inventory has one (even if the
 /// file predates the setting): every Kubernetes call goes through here.
-pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
+pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, HealthError> {
     let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
-        .map_err(|e| format!("{}: {e}", plan.kubeconfig_path.display()))?;
-    let kc = Kubeconfig::parse(&text).map_err(|e| e.to_string())?;
+        .map_err(|source| HealthError::Kubeconfig {
+            path: plan.kubeconfig_path.display().to_string(),
+            source,
+        })?;
+    let kc = Kubeconfig::parse(&text)?;
     Ok(match &plan.kubernetes_endpoint {
         Some(outside) => kc.through(outside, crate::inventory::endpoint_host(&plan.endpoint)),
         None => kc,
@@ -42,13 +77,10 @@ pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, String> {
 }
 
 /// Every Kubernetes node, Ready and cordoned.
-pub async fn kube_nodes(plan: &Plan, opts: &Options) -> Result<Vec<KubeNode>, String> {
+pub async fn kube_nodes(plan: &Plan, opts: &Options) -> Result<Vec<KubeNode>, HealthError> {
     let kc = kubeconfig(plan)?;
     let timeout = opts.call_timeout;
-    let list = tokio::task::spawn_blocking(move || kc.get_json("/api/v1/nodes", timeout))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())?;
+    let list = tokio::task::spawn_blocking(move || kc.get_json("/api/v1/nodes", timeout)).await??;
     Ok(nodes_of(&list))
 }
 
@@ -130,10 +162,8 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
         let mode = mode.clone();
         async move {
             let read = async {
-                let conn = NodeClient::connect(&n.endpoint, &mode, opts.call_timeout)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let services = conn.services().await.map_err(|e| e.to_string())?;
+                let conn = NodeClient::connect(&n.endpoint, &mode, opts.call_timeout).await?;
+                let services = conn.services().await?;
                 let members = if n.role == Role::Controlplane {
                     conn.etcd_members().await.ok().map(|m| {
                         m.into_iter()
@@ -145,16 +175,11 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
                 } else {
                     None
                 };
-                Ok::<_, String>((services, members))
+                Ok::<_, ServicesUnread>((services, members))
             };
             tokio::time::timeout(opts.call_timeout, read)
                 .await
-                .unwrap_or_else(|_| {
-                    Err(format!(
-                        "no answer within the call timeout ({}s)",
-                        opts.call_timeout.as_secs_f64()
-                    ))
-                })
+                .unwrap_or(Err(ServicesUnread::NoAnswer(opts.call_timeout)))
         }
     }));
     let addons = async {
@@ -241,7 +266,11 @@ pub async fn unhealthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Vec<S
 }
 
 /// Waits until [`unhealthy`] has nothing to say, at most `opts.health_timeout`.
-pub async fn wait_healthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<(), String> {
+pub async fn wait_healthy(
+    plan: &Plan,
+    node: &PlannedNode,
+    opts: &Options,
+) -> Result<(), HealthError> {
     let deadline = Instant::now() + opts.health_timeout;
     loop {
         let pending = unhealthy(plan, node, opts).await;
@@ -249,11 +278,10 @@ pub async fn wait_healthy(plan: &Plan, node: &PlannedNode, opts: &Options) -> Re
             return Ok(());
         }
         if Instant::now() + opts.poll > deadline {
-            return Err(format!(
-                "the cluster did not become healthy within {:?}: {}",
-                opts.health_timeout,
-                pending.join("; ")
-            ));
+            return Err(HealthError::Unhealthy {
+                within: opts.health_timeout,
+                pending,
+            });
         }
         tokio::time::sleep(opts.poll).await;
     }

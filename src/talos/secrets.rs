@@ -29,6 +29,63 @@ pub enum SecretsError {
     Generate(#[from] pki::PkiError),
     #[error(transparent)]
     Sops(#[from] crate::secrets::sops::SopsError),
+    /// The bundle parsed but would make configs a node rejects.
+    #[error("{path}: {problem}")]
+    Check {
+        path: String,
+        #[source]
+        problem: BundleProblem,
+    },
+}
+
+/// What is wrong inside a parsed bundle: names the field, never its value.
+#[derive(Debug, thiserror::Error)]
+pub enum BundleProblem {
+    #[error("{field}: not a token like abcdef.0123456789abcdef")]
+    NotToken { field: &'static str },
+    #[error("cluster.id and cluster.secret must be set")]
+    NoClusterId,
+    #[error("secrets: no encryption secret (secretboxencryptionsecret)")]
+    NoEncryptionSecret,
+    /// A PEM field that is not base64 of PEM text.
+    #[error("{field}: {why}")]
+    Undecodable { field: String, why: Undecodable },
+    /// A PEM field the PKI code could not read.
+    #[error("{field}: {source}")]
+    Pki {
+        field: String,
+        #[source]
+        source: pki::PkiError,
+    },
+    #[error("{field}.crt: not a CA certificate")]
+    NotCa { field: &'static str },
+    #[error("{field}.key: an {found} key; this CA must be {allowed}")]
+    WrongKind {
+        field: &'static str,
+        found: KeyKind,
+        /// The kinds this CA may have, comma-separated.
+        allowed: String,
+    },
+    #[error("{field}.key does not belong to {field}.crt")]
+    KeyMismatch { field: &'static str },
+}
+
+/// Why a base64 PEM field could not be decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Undecodable {
+    #[error("not base64")]
+    NotBase64,
+    #[error("not PEM text")]
+    NotPem,
+}
+
+/// Which half of a [`PemPair`] could not be decoded.
+#[derive(Debug, thiserror::Error)]
+#[error("{part}: {why}")]
+pub struct PemPairError {
+    /// `crt` or `key`.
+    pub part: &'static str,
+    pub why: Undecodable,
 }
 
 /// `talosctl gen secrets` output. Field names are go-yaml's lower-cased Go
@@ -108,19 +165,20 @@ impl PemPair {
     }
 
     /// The decoded PEM texts.
-    pub fn decode(&self) -> Result<CertAndKey, String> {
+    pub fn decode(&self) -> Result<CertAndKey, PemPairError> {
+        let half = |part, value| unb64(value).map_err(|why| PemPairError { part, why });
         Ok(CertAndKey {
-            crt: unb64(&self.crt).map_err(|e| format!("crt: {e}"))?,
-            key: unb64(&self.key).map_err(|e| format!("key: {e}"))?,
+            crt: half("crt", &self.crt)?,
+            key: half("key", &self.key)?,
         })
     }
 }
 
-fn unb64(value: &str) -> Result<String, String> {
+fn unb64(value: &str) -> Result<String, Undecodable> {
     let bytes = STANDARD
         .decode(value.trim())
-        .map_err(|_| "not base64".to_owned())?;
-    String::from_utf8(bytes).map_err(|_| "not PEM text".to_owned())
+        .map_err(|_| Undecodable::NotBase64)?;
+    String::from_utf8(bytes).map_err(|_| Undecodable::NotPem)
 }
 
 impl SecretsBundle {
@@ -183,7 +241,10 @@ impl SecretsBundle {
                 crate::input::yaml_error_without_values(&e)
             ))
         })?;
-        bundle.check().map_err(invalid)?;
+        bundle.check().map_err(|problem| SecretsError::Check {
+            path: path.display().to_string(),
+            problem,
+        })?;
         Ok(bundle)
     }
 
@@ -229,20 +290,24 @@ impl SecretsBundle {
 
     /// Every check that keeps a bad bundle from producing configs a node
     /// rejects later: decodable PEM, key matching certificate, right kinds.
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), BundleProblem> {
         if !pki::is_token(&self.secrets.bootstraptoken) {
-            return Err("secrets.bootstraptoken: not a token like abcdef.0123456789abcdef".into());
+            return Err(BundleProblem::NotToken {
+                field: "secrets.bootstraptoken",
+            });
         }
         if !pki::is_token(&self.trustdinfo.token) {
-            return Err("trustdinfo.token: not a token like abcdef.0123456789abcdef".into());
+            return Err(BundleProblem::NotToken {
+                field: "trustdinfo.token",
+            });
         }
         if self.cluster.id.is_empty() || self.cluster.secret.is_empty() {
-            return Err("cluster.id and cluster.secret must be set".into());
+            return Err(BundleProblem::NoClusterId);
         }
         if self.secrets.secretboxencryptionsecret.is_empty()
             && self.secrets.aescbcencryptionsecret.is_empty()
         {
-            return Err("secrets: no encryption secret (secretboxencryptionsecret)".into());
+            return Err(BundleProblem::NoEncryptionSecret);
         }
         // talosctl makes ECDSA Kubernetes/etcd CAs and an Ed25519 OS CA
         // (ECDSA in FIPS mode); `--from-kubernetes-pki` takes kubeadm's CAs,
@@ -255,27 +320,36 @@ impl SecretsBundle {
             ("certs.k8saggregator", &self.certs.k8saggregator, KUBE),
             ("certs.os", &self.certs.os, OS),
         ];
+        let pki_at = |field: String| move |source| BundleProblem::Pki { field, source };
         for (field, pair, kinds) in pairs {
-            let decoded = pair.decode().map_err(|e| format!("{field}.{e}"))?;
-            let info = pki::cert_info(&decoded.crt).map_err(|e| format!("{field}.crt: {e}"))?;
+            let decoded = pair.decode().map_err(|e| BundleProblem::Undecodable {
+                field: format!("{field}.{}", e.part),
+                why: e.why,
+            })?;
+            let info = pki::cert_info(&decoded.crt).map_err(pki_at(format!("{field}.crt")))?;
             if !info.is_ca {
-                return Err(format!("{field}.crt: not a CA certificate"));
+                return Err(BundleProblem::NotCa { field });
             }
-            let found = pki::key_kind(&decoded.key).map_err(|e| format!("{field}.key: {e}"))?;
+            let found = pki::key_kind(&decoded.key).map_err(pki_at(format!("{field}.key")))?;
             if !kinds.contains(&found) {
                 let allowed: Vec<String> = kinds.iter().map(KeyKind::to_string).collect();
-                return Err(format!(
-                    "{field}.key: an {found} key; this CA must be {}",
-                    allowed.join(", ")
-                ));
+                return Err(BundleProblem::WrongKind {
+                    field,
+                    found,
+                    allowed: allowed.join(", "),
+                });
             }
-            if !pki::key_matches(&decoded.crt, &decoded.key).map_err(|e| format!("{field}: {e}"))? {
-                return Err(format!("{field}.key does not belong to {field}.crt"));
+            if !pki::key_matches(&decoded.crt, &decoded.key).map_err(pki_at(field.to_owned()))? {
+                return Err(BundleProblem::KeyMismatch { field });
             }
         }
-        let sa = unb64(&self.certs.k8sserviceaccount.key)
-            .map_err(|e| format!("certs.k8sserviceaccount.key: {e}"))?;
-        pki::key_kind(&sa).map_err(|e| format!("certs.k8sserviceaccount.key: {e}"))?;
+        const SA: &str = "certs.k8sserviceaccount.key";
+        let sa =
+            unb64(&self.certs.k8sserviceaccount.key).map_err(|why| BundleProblem::Undecodable {
+                field: SA.to_owned(),
+                why,
+            })?;
+        pki::key_kind(&sa).map_err(pki_at(SA.to_owned()))?;
         Ok(())
     }
 
@@ -475,9 +549,9 @@ pub(crate) mod tests {
         b
     }
 
-    fn reparse(b: &SecretsBundle) -> Result<SecretsBundle, String> {
+    fn reparse(b: &SecretsBundle) -> Result<SecretsBundle, SecretsError> {
         let text = serde_yaml_ng::to_string(b).unwrap();
-        SecretsBundle::parse(&text, Path::new("s.yaml")).map_err(|e| e.to_string())
+        SecretsBundle::parse(&text, Path::new("s.yaml"))
     }
 
     #[test]
@@ -502,6 +576,21 @@ pub(crate) mod tests {
         ))
         .unwrap_err();
         assert!(
+            matches!(
+                &err,
+                SecretsError::Check {
+                    problem: BundleProblem::WrongKind {
+                        field: "certs.etcd",
+                        found: KeyKind::Ed25519,
+                        ..
+                    },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let err = err.to_string();
+        assert!(
             err.contains(
                 "certs.etcd.key: an Ed25519 key; this CA must be ECDSA P-256, ECDSA P-384, RSA"
             ),
@@ -509,7 +598,7 @@ pub(crate) mod tests {
         );
         let mut rsa_os = bundle().clone();
         rsa_os.certs.os = PemPair::from_pem(&rsa);
-        let err = reparse(&rsa_os).unwrap_err();
+        let err = reparse(&rsa_os).unwrap_err().to_string();
         assert!(err.contains("certs.os.key: an RSA key"), "{err}");
     }
 

@@ -293,9 +293,9 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
     let identity = talosconfig
         .config
         .identity()
-        .map_err(|message| TalosconfigError::Invalid {
+        .map_err(|source| TalosconfigError::Context {
             path: talosconfig.path.display().to_string(),
-            message,
+            source,
         })?;
 
     let mut nodes = Vec::new();

@@ -13,6 +13,27 @@ use super::pki::{self, CertAndKey};
 use super::secrets::SecretsBundle;
 use crate::inventory::Inventory;
 
+/// What is wrong with a talosconfig's current context (the file is named
+/// by the caller). Names the field, never its value.
+#[derive(Debug, thiserror::Error)]
+pub enum ContextError {
+    #[error("context {context:?} is not in contexts")]
+    Missing { context: String },
+    #[error("contexts.{context}.{field}: {why}")]
+    Undecodable {
+        context: String,
+        field: &'static str,
+        why: super::secrets::Undecodable,
+    },
+    #[error("contexts.{context}.{field}: {source}")]
+    Pki {
+        context: String,
+        field: &'static str,
+        #[source]
+        source: pki::PkiError,
+    },
+}
+
 /// Why a talosconfig could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TalosconfigError {
@@ -25,6 +46,12 @@ pub enum TalosconfigError {
     },
     #[error(transparent)]
     Secrets(#[from] super::secrets::SecretsError),
+    #[error("{path}: {source}")]
+    Context {
+        path: String,
+        #[source]
+        source: ContextError,
+    },
     #[error(
         "{path} was made from other secrets: its CA is not the OS CA in {secrets}. Nodes configured from {secrets} will refuse it (\"x509: certificate signed by unknown authority\"), and it refuses them. Regenerate it with `imgbuild talosconfig --force`, or use the secrets.yaml that talosconfig came from."
     )]
@@ -127,11 +154,10 @@ impl Talosconfig {
                 crate::input::yaml_error_without_values(&e)
             ))
         })?;
-        cfg.identity()
-            .map_err(|message| TalosconfigError::Invalid {
-                path: path.display().to_string(),
-                message,
-            })?;
+        cfg.identity().map_err(|source| TalosconfigError::Context {
+            path: path.display().to_string(),
+            source,
+        })?;
         Ok(cfg)
     }
 
@@ -148,21 +174,29 @@ impl Talosconfig {
     }
 
     /// The current context.
-    pub fn current(&self) -> Result<&Context, String> {
+    pub fn current(&self) -> Result<&Context, ContextError> {
         self.contexts
             .get(&self.context)
-            .ok_or_else(|| format!("context {:?} is not in contexts", self.context))
+            .ok_or_else(|| ContextError::Missing {
+                context: self.context.clone(),
+            })
     }
 
     /// The decoded identity of the current context.
-    pub fn identity(&self) -> Result<Identity, String> {
+    pub fn identity(&self) -> Result<Identity, ContextError> {
+        use super::secrets::Undecodable;
         let ctx = self.current()?;
-        let decode = |field: &str, v: &str| -> Result<String, String> {
+        let context = || self.context.clone();
+        let decode = |field: &'static str, v: &str| -> Result<String, ContextError> {
+            let undecodable = |why| ContextError::Undecodable {
+                context: context(),
+                field,
+                why,
+            };
             let bytes = STANDARD
                 .decode(v.trim())
-                .map_err(|_| format!("contexts.{}.{field}: not base64", self.context))?;
-            String::from_utf8(bytes)
-                .map_err(|_| format!("contexts.{}.{field}: not PEM text", self.context))
+                .map_err(|_| undecodable(Undecodable::NotBase64))?;
+            String::from_utf8(bytes).map_err(|_| undecodable(Undecodable::NotPem))
         };
         let id = Identity {
             ca: decode("ca", &ctx.ca)?,
@@ -171,9 +205,15 @@ impl Talosconfig {
                 key: decode("key", &ctx.key)?,
             },
         };
-        pki::certs_der(&id.ca).map_err(|e| format!("contexts.{}.ca: {e}", self.context))?;
-        pki::private_key_der(&id.client.key)
-            .map_err(|e| format!("contexts.{}.key: {e}", self.context))?;
+        let pki_at = |field| {
+            move |source| ContextError::Pki {
+                context: context(),
+                field,
+                source,
+            }
+        };
+        pki::certs_der(&id.ca).map_err(pki_at("ca"))?;
+        pki::private_key_der(&id.client.key).map_err(pki_at("key"))?;
         Ok(id)
     }
 
@@ -204,9 +244,9 @@ impl Talosconfig {
     ) -> Result<(), TalosconfigError> {
         let id = self
             .identity()
-            .map_err(|message| TalosconfigError::Invalid {
+            .map_err(|source| TalosconfigError::Context {
                 path: path.display().to_string(),
-                message,
+                source,
             })?;
         if same_cert(&id.ca, &secrets.os_ca().crt) {
             Ok(())

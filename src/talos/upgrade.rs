@@ -19,7 +19,7 @@ use futures_util::StreamExt;
 use super::bootstrap::{Options, Plan, PlannedNode};
 pub use super::client::RebootMode;
 use super::client::{ApiError, ApplyMode, Mode, NodeClient, UpgradeFlags};
-use super::health::wait_healthy;
+use super::health::{HealthError, wait_healthy};
 use crate::factory::{Factory, FactoryError};
 use crate::inventory::{Inventory, Role};
 use plan::{Action, Hop, NodePlan, Observed, UpgradePlan};
@@ -117,6 +117,85 @@ pub enum UpgradeError {
     },
 }
 
+/// Why what a node runs could not be read: kept in [`Running::error`].
+#[derive(Debug, thiserror::Error)]
+pub enum RunningUnread {
+    /// Neither the connect nor the first call finished in time.
+    #[error("{}", no_answer(*.0))]
+    NoAnswer(Duration),
+    #[error(transparent)]
+    Connect(ApiError),
+    #[error("Version: {0}")]
+    Version(#[source] ApiError),
+}
+
+/// Why a node did not come back from its reboot.
+#[derive(Debug, thiserror::Error)]
+pub enum RebootError {
+    #[error("{0} (a certificate error does not go away by waiting)")]
+    Certificate(#[source] ApiError),
+    /// `last` is what the node said last, on one line.
+    #[error("did not reboot into a new boot within {timeout:?} ({last})")]
+    NotRebooted { timeout: Duration, last: String },
+}
+
+/// Why one node's upgrade (or its config step) stopped. Node replies are
+/// shown on one line and bounded ([`one_line`]).
+#[derive(Debug, thiserror::Error)]
+pub enum NodeUpgradeError {
+    /// The plan's reason the node cannot be upgraded.
+    #[error("{0}")]
+    Blocked(String),
+    #[error("not in the plan")]
+    NotInPlan,
+    #[error("connect timed out after {0:?}")]
+    ConnectTimeout(Duration),
+    /// Connecting, or reading its version.
+    #[error("{}", one_line(&.0.to_string()))]
+    Api(#[source] ApiError),
+    #[error("reading the boot ID: {}", one_line(&.0.to_string()))]
+    BootId(#[source] ApiError),
+    #[error("the node did not pull the installer within {0:?} (--pull-timeout)")]
+    PullTimeout(Duration),
+    #[error("Upgrade refused: {}", one_line(&.0.to_string()))]
+    Refused(#[source] ApiError),
+    #[error(
+        "the installer exited with {code}; the node keeps running {}",
+        one_line(running)
+    )]
+    InstallerExit { code: i32, running: String },
+    #[error(transparent)]
+    Drain(#[from] drain::DrainError),
+    /// The Reboot call failed; `uncordon` is why the node could not be
+    /// uncordoned afterwards, if it could not.
+    #[error("Reboot: {}{}", one_line(&source.to_string()),
+        uncordon.as_ref().map_or(String::new(), |u| format!("; {u}")))]
+    Reboot {
+        #[source]
+        source: ApiError,
+        uncordon: Option<drain::DrainError>,
+    },
+    #[error(transparent)]
+    Rebooted(#[from] RebootError),
+    #[error(
+        "rebooted on {}, not {wanted}: the installer failed and Talos kept the old version",
+        one_line(now)
+    )]
+    KeptOld { now: String, wanted: String },
+    #[error("runs schematic {}, not {wanted}", one_line(runs))]
+    WrongSchematic { runs: String, wanted: String },
+    #[error("upgraded to {version}, but its schematic could not be read: {}", one_line(&source.to_string()))]
+    SchematicUnread {
+        version: String,
+        #[source]
+        source: ApiError,
+    },
+    #[error("applying the rendered config after the upgrade: {}", one_line(&.0.to_string()))]
+    Configure(#[source] ApiError),
+    #[error(transparent)]
+    Health(#[from] HealthError),
+}
+
 fn on_off(b: bool) -> &'static str {
     if b { "on" } else { "off" }
 }
@@ -175,21 +254,21 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
             .await
             .map_err(|e| {
                 if started.elapsed() >= opts.call_timeout {
-                    no_answer(opts.call_timeout)
+                    RunningUnread::NoAnswer(opts.call_timeout)
                 } else {
-                    e.to_string()
+                    RunningUnread::Connect(e)
                 }
             })?;
-        let version = conn.version().await.map_err(|e| format!("Version: {e}"));
-        Ok::<_, String>((conn, version))
+        let version = conn.version().await.map_err(RunningUnread::Version);
+        Ok::<_, RunningUnread>((conn, version))
     })
     .await
-    .unwrap_or_else(|_| Err(no_answer(opts.call_timeout)));
+    .unwrap_or(Err(RunningUnread::NoAnswer(opts.call_timeout)));
     let (conn, version) = match first {
         Ok(c) => c,
         Err(e) => {
             return Running {
-                error: Some(e),
+                error: Some(e.to_string()),
                 ..Running::default()
             };
         }
@@ -197,7 +276,7 @@ pub async fn running(plan: &Plan, node: &PlannedNode, record: &Record, opts: &Op
     let mut out = Running::default();
     match version {
         Ok(v) => out.version = Some(v.tag),
-        Err(e) => out.error = Some(e),
+        Err(e) => out.error = Some(e.to_string()),
     }
     match conn.running_schematic().await {
         Ok(s) => out.schematic = s,
@@ -430,7 +509,7 @@ pub async fn wait_rebooted(
     before: &str,
     timeout: Duration,
     opts: &Options,
-) -> Result<String, String> {
+) -> Result<String, RebootError> {
     let mode = Mode::Mtls(plan.identity.clone());
     let deadline = Instant::now() + timeout;
     loop {
@@ -452,38 +531,28 @@ pub async fn wait_rebooted(
                 format!("still on its old boot ({})", one_line(&version))
             }
             Ok(Err(e)) if is_certificate_error(&e) => {
-                return Err(format!(
-                    "{e} (a certificate error does not go away by waiting)"
-                ));
+                return Err(RebootError::Certificate(e));
             }
             Ok(Err(e)) => one_line(&e.to_string()),
             Err(_) => "a call stalled".into(),
         };
         if Instant::now() + opts.poll > deadline {
-            return Err(format!(
-                "did not reboot into a new boot within {timeout:?} ({last})"
-            ));
+            return Err(RebootError::NotRebooted { timeout, last });
         }
         tokio::time::sleep(opts.poll).await;
     }
 }
 
 /// Why the node refused or failed the Upgrade request, in words.
-fn refused(e: &ApiError, run: &RunOptions) -> String {
+fn refused(e: ApiError, run: &RunOptions) -> NodeUpgradeError {
     match e {
-        ApiError::Timeout(_) => format!(
-            "the node did not pull the installer within {:?} (--pull-timeout)",
-            run.pull_timeout
-        ),
-        ApiError::Status { code, message }
-            if *code == tonic::Code::DeadlineExceeded || message.contains("Timeout expired") =>
+        ApiError::Timeout(_) => NodeUpgradeError::PullTimeout(run.pull_timeout),
+        ApiError::Status { code, ref message }
+            if code == tonic::Code::DeadlineExceeded || message.contains("Timeout expired") =>
         {
-            format!(
-                "the node did not pull the installer within {:?} (--pull-timeout)",
-                run.pull_timeout
-            )
+            NodeUpgradeError::PullTimeout(run.pull_timeout)
         }
-        other => format!("Upgrade refused: {}", one_line(&other.to_string())),
+        other => NodeUpgradeError::Refused(other),
     }
 }
 
@@ -501,7 +570,7 @@ async fn request_hop(
     run: &RunOptions,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
-) -> Result<bool, String> {
+) -> Result<bool, NodeUpgradeError> {
     let mode = Mode::Mtls(plan.identity.clone());
     // The pull happens inside the call: it gets its own deadline; the
     // connection itself still gets the call timeout.
@@ -510,8 +579,8 @@ async fn request_hop(
         NodeClient::connect(&node.endpoint, &mode, run.pull_timeout),
     )
     .await
-    .map_err(|_| format!("connect timed out after {:?}", opts.call_timeout))?
-    .map_err(|e| one_line(&e.to_string()))?;
+    .map_err(|_| NodeUpgradeError::ConnectTimeout(opts.call_timeout))?
+    .map_err(NodeUpgradeError::Api)?;
     progress(
         &node.name,
         &format!("pulling the installer {}", hop.installer),
@@ -525,12 +594,12 @@ async fn request_hop(
                         progress(&node.name, &one_line(m));
                     })
                     .await
-                    .map_err(|e| refused(&e, run))?;
+                    .map_err(|e| refused(e, run))?;
                 if code != 0 {
-                    return Err(format!(
-                        "the installer exited with {code}; the node keeps running {}",
-                        one_line(host)
-                    ));
+                    return Err(NodeUpgradeError::InstallerExit {
+                        code,
+                        running: host.to_owned(),
+                    });
                 }
                 // Reboot does not drain (talosctl drains first). A SIGINT
                 // meanwhile stops the run saying what the drain left.
@@ -538,7 +607,7 @@ async fn request_hop(
                 let tell = |m: &str| progress(&node.name, m);
                 tokio::select! {
                     drained = drain::cordon_and_drain(plan, &node.name, run.drain_timeout, opts, &tell) => drained?,
-                    () = sigint.interrupted() => return Err(drain::interrupted_drain(&node.name)),
+                    () = sigint.interrupted() => return Err(drain::interrupted_drain(&node.name).into()),
                 }
                 drop(sigint);
                 let rebooted = async {
@@ -551,18 +620,20 @@ async fn request_hop(
                     Ok(()) => Ok(true),
                     Err(e) => {
                         // As talosctl's deferred uncordon: not left cordoned.
-                        let undo =
+                        let uncordon =
                             drain::uncordon_when_ready(plan, &node.name, opts.call_timeout, opts)
                                 .await
-                                .err()
-                                .map_or(String::new(), |u| format!("; {u}"));
-                        Err(format!("Reboot: {}{undo}", one_line(&e.to_string())))
+                                .err();
+                        Err(NodeUpgradeError::Reboot {
+                            source: e,
+                            uncordon,
+                        })
                     }
                 };
             }
             // A node that does not offer the newer API takes the old one.
             Err(e) if e.code() == Some(tonic::Code::Unimplemented) => {}
-            Err(e) => return Err(refused(&e, run)),
+            Err(e) => return Err(refused(e, run)),
         }
     }
     let flags = UpgradeFlags {
@@ -574,7 +645,7 @@ async fn request_hop(
         .upgrade(&hop.installer, flags)
         .await
         .map(|_| false)
-        .map_err(|e| refused(&e, run))
+        .map_err(|e| refused(e, run))
 }
 
 /// Moves one node through its hops, recording each in `record`.
@@ -589,7 +660,7 @@ async fn upgrade_node(
     run: &RunOptions,
     opts: &Options,
     progress: &(dyn Fn(&str, &str) + Sync),
-) -> Result<(), String> {
+) -> Result<(), NodeUpgradeError> {
     let mode = Mode::Mtls(plan.identity.clone());
     let save = |f: &dyn Fn(&mut Record)| {
         let mut guard = record.lock().unwrap_or_else(|e| e.into_inner());
@@ -610,15 +681,9 @@ async fn upgrade_node(
         wait_healthy(plan, node, opts).await?;
         let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
             .await
-            .map_err(|e| one_line(&e.to_string()))?;
-        let before = conn
-            .version()
-            .await
-            .map_err(|e| one_line(&e.to_string()))?
-            .tag;
-        let old_boot = boot_id(&conn)
-            .await
-            .map_err(|e| format!("reading the boot ID: {}", one_line(&e.to_string())))?;
+            .map_err(NodeUpgradeError::Api)?;
+        let before = conn.version().await.map_err(NodeUpgradeError::Api)?.tag;
+        let old_boot = boot_id(&conn).await.map_err(NodeUpgradeError::BootId)?;
         drop(conn);
         progress(
             &node.name,
@@ -650,11 +715,10 @@ async fn upgrade_node(
             r.cordoned.remove(&node.name);
         });
         if now != hop.version {
-            return Err(format!(
-                "rebooted on {}, not {}: the installer failed and Talos kept the old version",
-                one_line(&now),
-                hop.version
-            ));
+            return Err(NodeUpgradeError::KeptOld {
+                now,
+                wanted: hop.version.clone(),
+            });
         }
         save(&|r: &mut Record| {
             r.nodes.insert(
@@ -673,24 +737,22 @@ async fn upgrade_node(
     });
     let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
         .await
-        .map_err(|e| one_line(&e.to_string()))?;
+        .map_err(NodeUpgradeError::Api)?;
     // A node without the factory's `schematic` extension cannot say; the
     // installer it booted is then the record's word.
     match conn.running_schematic().await {
         Ok(Some(s)) if s != np.to.schematic && s != np.to.own_schematic => {
-            return Err(format!(
-                "runs schematic {}, not {}",
-                one_line(&s),
-                np.to.schematic
-            ));
+            return Err(NodeUpgradeError::WrongSchematic {
+                runs: s,
+                wanted: np.to.schematic.clone(),
+            });
         }
         Ok(_) => {}
         Err(e) => {
-            return Err(format!(
-                "upgraded to {}, but its schematic could not be read: {}",
-                np.to.version,
-                one_line(&e.to_string())
-            ));
+            return Err(NodeUpgradeError::SchematicUnread {
+                version: np.to.version.clone(),
+                source: e,
+            });
         }
     }
     drop(conn);
@@ -701,20 +763,19 @@ async fn upgrade_node(
 /// reboot, then waits for the cluster to be healthy: the last step of a
 /// node's upgrade, and all of it for a node a stopped run left on the
 /// target with its old config ([`Action::Config`]).
-async fn configure_node(plan: &Plan, node: &PlannedNode, opts: &Options) -> Result<(), String> {
+async fn configure_node(
+    plan: &Plan,
+    node: &PlannedNode,
+    opts: &Options,
+) -> Result<(), NodeUpgradeError> {
     let mode = Mode::Mtls(plan.identity.clone());
     let conn = NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
         .await
-        .map_err(|e| one_line(&e.to_string()))?;
+        .map_err(NodeUpgradeError::Api)?;
     conn.apply_mode(node.config.clone(), ApplyMode::NoReboot, false)
         .await
-        .map_err(|e| {
-            format!(
-                "applying the rendered config after the upgrade: {}",
-                one_line(&e.to_string())
-            )
-        })?;
-    wait_healthy(plan, node, opts).await
+        .map_err(NodeUpgradeError::Configure)?;
+    Ok(wait_healthy(plan, node, opts).await?)
 }
 
 /// Executes `up`: warms the factory, then control planes one at a time,
@@ -836,10 +897,12 @@ async fn run_plan(
         async move {
             let np = &np;
             if np.action == Action::Blocked {
-                return Err(np.problem.clone().unwrap_or_default());
+                return Err(NodeUpgradeError::Blocked(
+                    np.problem.clone().unwrap_or_default(),
+                ));
             }
             let Some(node) = node_of(&np.node) else {
-                return Err("not in the plan".into());
+                return Err(NodeUpgradeError::NotInPlan);
             };
             if np.action == Action::Config {
                 if node.role == Role::Controlplane {
@@ -873,7 +936,7 @@ async fn run_plan(
                 Err(error) if report.failed.is_none() => {
                     report.failed = Some(Failure {
                         node: np.node.clone(),
-                        error,
+                        error: error.to_string(),
                     })
                 }
                 Err(e) => report.untouched.push(format!("{} ({e})", np.node)),

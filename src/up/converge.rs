@@ -26,8 +26,8 @@ pub enum ConvergeError {
     #[error(transparent)]
     Upgrade(Box<UpgradeError>),
     /// A node's config could not be pinned to the Kubernetes it runs.
-    #[error("{0}")]
-    Kubernetes(String),
+    #[error(transparent)]
+    Kubernetes(#[from] crate::talos::kubernetes::run::PinError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(String),
     #[error("recording fingerprints in {}: {source}", path.display())]

@@ -10,3 +10,4 @@ mod common;
 
 mod architecture;
 mod docs;
+mod errors;

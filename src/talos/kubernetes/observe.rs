@@ -10,6 +10,7 @@
 //! (each API server's `/metrics`, objects under APIs without successor).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde_json::Value;
 
@@ -20,8 +21,39 @@ use super::plan::{
 use super::removed::{REMOVED, parse_metric};
 use crate::inventory::Role;
 use crate::talos::bootstrap::{Options, Plan, PlannedNode};
-use crate::talos::client::{Mode, NodeClient};
-use crate::talos::health::{kubeconfig, ready};
+use crate::talos::client::{ApiError, Mode, NodeClient};
+use crate::talos::health::{HealthError, kubeconfig, ready};
+use crate::talos::kube::KubeError;
+
+/// Why part of the cluster could not be read. Kept as words in
+/// [`ClusterSeen`]; one reason may stand for several reads, so it is
+/// shared ([`Arc`]).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ReadError {
+    /// A node's Talos API (connect, Version, its manifests), on one line.
+    #[error("{}", one_line(&.0.to_string()))]
+    Talos(Arc<ApiError>),
+    /// No async runtime to read the nodes with.
+    #[error("{0}")]
+    Runtime(Arc<std::io::Error>),
+    /// The state dir's kubeconfig could not be read.
+    #[error(transparent)]
+    Kubeconfig(Arc<HealthError>),
+    #[error(transparent)]
+    Kube(Arc<KubeError>),
+}
+
+impl From<ApiError> for ReadError {
+    fn from(e: ApiError) -> Self {
+        ReadError::Talos(Arc::new(e))
+    }
+}
+
+impl From<KubeError> for ReadError {
+    fn from(e: KubeError) -> Self {
+        ReadError::Kube(Arc::new(e))
+    }
+}
 
 /// The COSI type Talos keeps its rendered bootstrap manifests under.
 pub const MANIFESTS: (&str, &str) = ("controlplane", "Manifests.kubernetes.talos.dev");
@@ -95,20 +127,19 @@ async fn talos_side(
     plan: &Plan,
     nodes: &[&PlannedNode],
     opts: &Options,
-) -> Vec<(Result<String, String>, Option<Result<Vec<Value>, String>>)> {
+) -> Vec<(
+    Result<String, ReadError>,
+    Option<Result<Vec<Value>, ReadError>>,
+)> {
     let mode = Mode::Mtls(plan.identity.clone());
     let reads = nodes.iter().map(|n| {
         let mode = mode.clone();
         async move {
             let conn = match NodeClient::connect(&n.endpoint, &mode, opts.call_timeout).await {
                 Ok(c) => c,
-                Err(e) => return (Err(one_line(&e.to_string())), None),
+                Err(e) => return (Err(e.into()), None),
             };
-            let version = conn
-                .version()
-                .await
-                .map(|v| v.tag)
-                .map_err(|e| one_line(&e.to_string()));
+            let version = conn.version().await.map(|v| v.tag).map_err(Into::into);
             let manifests = if n.role == Role::Controlplane {
                 Some(
                     conn.cosi_list(MANIFESTS.0, MANIFESTS.1)
@@ -118,7 +149,7 @@ async fn talos_side(
                                 .flat_map(|(_, yaml)| manifest_objects(yaml))
                                 .collect()
                         })
-                        .map_err(|e| one_line(&e.to_string())),
+                        .map_err(Into::into),
                 )
             } else {
                 None
@@ -173,12 +204,11 @@ pub fn kubelet_seen(nodes: &Value, node: &PlannedNode) -> Option<Seen> {
 }
 
 /// The pods of `component` in `kube-system`.
-pub fn pods_of(kube: &Kube, component: Component) -> Result<Value, String> {
+pub fn pods_of(kube: &Kube, component: Component) -> Result<Value, KubeError> {
     kube.get_some(&format!(
         "/api/v1/namespaces/kube-system/pods?labelSelector=k8s-app%3D{}",
         component.name()
     ))
-    .map_err(|e| e.to_string())
 }
 
 /// The API server on control plane `node`, at the endpoint's port.
@@ -201,15 +231,13 @@ pub fn kube_on(kube: &Kube, node: &PlannedNode) -> Kube {
 pub fn compare_objects(
     kube: &Kube,
     objects: &[Value],
-) -> Result<Vec<(String, ObjectState)>, String> {
+) -> Result<Vec<(String, ObjectState)>, KubeError> {
     let mut discovery = BTreeMap::new();
     objects
         .iter()
         .map(|o| {
-            let res = kube
-                .resource_of(o, &mut discovery)
-                .map_err(|e| e.to_string())?;
-            let live = kube.get(&object_path(&res, o)).map_err(|e| e.to_string())?;
+            let res = kube.resource_of(o, &mut discovery)?;
+            let live = kube.get(&object_path(&res, o))?;
             let state = match live {
                 None => ObjectState::Missing,
                 Some(l) if contains(&l, o) => ObjectState::InSync,
@@ -233,27 +261,32 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
     };
     let talos = match runtime() {
         Ok(rt) => rt.block_on(talos_side(plan, &nodes, opts)),
-        Err(e) => nodes.iter().map(|_| (Err(e.to_string()), None)).collect(),
+        Err(e) => {
+            let e = ReadError::Runtime(Arc::new(e));
+            nodes.iter().map(|_| (Err(e.clone()), None)).collect()
+        }
     };
-    let kube = kubeconfig(plan).map(|kc| Kube {
-        kc,
-        timeout: opts.call_timeout,
-    });
+    let kube = kubeconfig(plan)
+        .map(|kc| Kube {
+            kc,
+            timeout: opts.call_timeout,
+        })
+        .map_err(|e| ReadError::Kubeconfig(Arc::new(e)));
     let kube_nodes = kube
         .as_ref()
         .map_err(Clone::clone)
-        .and_then(|k| k.get_some("/api/v1/nodes").map_err(|e| e.to_string()));
-    let pods: BTreeMap<Component, Result<Value, String>> = Component::STATIC_PODS
+        .and_then(|k| Ok(k.get_some("/api/v1/nodes")?));
+    let pods: BTreeMap<Component, Result<Value, ReadError>> = Component::STATIC_PODS
         .into_iter()
         .map(|c| {
             let list = kube
                 .as_ref()
                 .map_err(Clone::clone)
-                .and_then(|k| pods_of(k, c));
+                .and_then(|k| Ok(pods_of(k, c)?));
             (c, list)
         })
         .collect();
-    let mut first_manifests: Option<Result<Vec<Value>, String>> = None;
+    let mut first_manifests: Option<Result<Vec<Value>, ReadError>> = None;
     for (n, (version, manifests)) in nodes.iter().zip(talos) {
         let mut row = NodeSeen {
             node: n.name.clone(),
@@ -265,7 +298,7 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
         let mut errors = Vec::new();
         match version {
             Ok(v) => row.talos = Some(talos_after.get(&n.name).cloned().unwrap_or(v)),
-            Err(e) => errors.push(e),
+            Err(e) => errors.push(e.to_string()),
         }
         match &kube_nodes {
             Ok(list) => {
@@ -321,7 +354,7 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
         (Ok(k), Some(Ok(objects))) => {
             match compare_objects(k, &objects) {
                 Ok(states) => seen.manifests = states,
-                Err(e) => seen.manifests_error = Some(e),
+                Err(e) => seen.manifests_error = Some(e.to_string()),
             }
             for (a, (name, kind, plural)) in addons.iter_mut().zip(ADDONS) {
                 a.rendered = find(&objects, kind, name).and_then(first_image);
@@ -335,13 +368,13 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
                     .and_then(first_image);
             }
         }
-        (Err(e), _) => seen.manifests_error = Some(e.clone()),
-        (_, Some(Err(e))) => seen.manifests_error = Some(e),
+        (Err(e), _) => seen.manifests_error = Some(e.to_string()),
+        (_, Some(Err(e))) => seen.manifests_error = Some(e.to_string()),
         (_, None) => seen.manifests_error = Some("no control plane".into()),
     }
     match &kube {
         Ok(k) => removed_side(k, plan, &mut seen),
-        Err(e) => seen.api_check_error = Some(e.clone()),
+        Err(e) => seen.api_check_error = Some(e.to_string()),
     }
     Observed {
         cluster: seen,

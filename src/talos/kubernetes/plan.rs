@@ -474,16 +474,27 @@ pub fn tag_of(image: &str) -> Option<&str> {
     name.split_once(':').map(|(_, t)| t)
 }
 
+/// Why a rendered config could not be read or re-pinned.
+#[derive(Debug, thiserror::Error)]
+pub enum RenderedError {
+    #[error("the config is not UTF-8")]
+    NotUtf8,
+    #[error("the config is not YAML: {0}")]
+    NotYaml(#[source] serde_yaml_ng::Error),
+    /// Writing the pinned document back out.
+    #[error("{0}")]
+    Serialise(#[source] serde_yaml_ng::Error),
+}
+
 /// Splits a rendered config into its v1alpha1 document (parsed) and the
 /// documents after it (as text).
-fn split(config: &[u8]) -> Result<(Value, &str), String> {
-    let text = std::str::from_utf8(config).map_err(|_| "the config is not UTF-8".to_owned())?;
+fn split(config: &[u8]) -> Result<(Value, &str), RenderedError> {
+    let text = std::str::from_utf8(config).map_err(|_| RenderedError::NotUtf8)?;
     let (first, rest) = match text.split_once("\n---\n") {
         Some((a, b)) => (a, b),
         None => (text, ""),
     };
-    let doc: Value =
-        serde_yaml_ng::from_str(first).map_err(|e| format!("the config is not YAML: {e}"))?;
+    let doc: Value = serde_yaml_ng::from_str(first).map_err(RenderedError::NotYaml)?;
     Ok((doc, rest))
 }
 
@@ -528,7 +539,10 @@ pub fn proxy_disabled(config: &[u8]) -> bool {
 
 /// The rendered config with each component's image at the version `pins`
 /// gives it (the image's repository kept); other documents untouched.
-pub fn with_versions(config: &[u8], pins: &BTreeMap<Component, String>) -> Result<Vec<u8>, String> {
+pub fn with_versions(
+    config: &[u8],
+    pins: &BTreeMap<Component, String>,
+) -> Result<Vec<u8>, RenderedError> {
     let (mut doc, rest) = split(config)?;
     for (c, v) in pins {
         let [a, b] = c.config_path();
@@ -537,7 +551,7 @@ pub fn with_versions(config: &[u8], pins: &BTreeMap<Component, String>) -> Resul
             doc[a][b]["image"] = Value::String(image);
         }
     }
-    let mut text = serde_yaml_ng::to_string(&doc).map_err(|e| e.to_string())?;
+    let mut text = serde_yaml_ng::to_string(&doc).map_err(RenderedError::Serialise)?;
     if !rest.is_empty() {
         text.push_str("---\n");
         text.push_str(rest);

@@ -22,15 +22,108 @@ use super::api::{Kube, contains, object_name, object_path};
 use super::observe::{
     MANIFESTS, kubelet_seen, manifest_objects, one_line, ordered, pod_on, pod_seen, pods_of,
 };
+use super::plan::RenderedError;
 use super::plan::{
     ClusterSeen, Component, KubePlan, Step, cluster_version, images_of, pins, retag, version_tag,
     with_versions,
 };
 use crate::inventory::Role;
 use crate::talos::bootstrap::{Options, Plan, PlannedNode};
-use crate::talos::client::{ApplyMode, Mode, NodeClient, PullApi};
-use crate::talos::health::kubeconfig;
+use crate::talos::client::{ApiError, ApplyMode, Mode, NodeClient, PullApi};
+use crate::talos::health::{HealthError, kubeconfig};
+use crate::talos::kube::KubeError;
 use crate::talos::upgrade::report::Ending;
+
+/// A node's config could not be pinned to Kubernetes versions.
+#[derive(Debug, thiserror::Error)]
+#[error("{node}: rendering the config: {source}")]
+pub struct PinError {
+    pub node: String,
+    #[source]
+    pub source: RenderedError,
+}
+
+/// Why a DaemonSet or Deployment has not rolled out yet.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rollout {
+    #[error("the controller has not seen the change yet")]
+    Unseen,
+    #[error("{updated} of {wanted} updated")]
+    Updating { updated: i64, wanted: i64 },
+}
+
+/// What a step waits for is not there yet: the last answer of its check.
+#[derive(Debug, thiserror::Error)]
+pub enum Pending {
+    #[error(transparent)]
+    Kube(#[from] KubeError),
+    #[error("its Node is not registered")]
+    NodeUnregistered,
+    #[error("the Node reports {0}, not Ready")]
+    NodeNotReady(String),
+    #[error("the Node reports kubelet {}", .0.as_deref().unwrap_or("?"))]
+    Kubelet(Option<String>),
+    #[error("no mirror pod")]
+    NoMirrorPod,
+    #[error("the pod runs {0}, not Ready")]
+    PodNotReady(String),
+    #[error("the pod runs {}", .0.as_deref().unwrap_or("?"))]
+    Pod(Option<String>),
+    #[error("{path}: {why}")]
+    Rollout { path: String, why: Rollout },
+}
+
+/// Why a Kubernetes step failed (the [`Failure`]'s error). Node replies
+/// are shown on one line and bounded ([`one_line`]).
+#[derive(Debug, thiserror::Error)]
+pub enum KubeStepError {
+    #[error("{0} is not in the inventory")]
+    UnknownNode(String),
+    /// Connecting to a node's Talos API.
+    #[error("{}", one_line(&.0.to_string()))]
+    Connect(#[source] ApiError),
+    #[error("pulling {image} ({via}): {}", one_line(&source.to_string()))]
+    Pull {
+        image: String,
+        via: &'static str,
+        #[source]
+        source: ApiError,
+    },
+    #[error(transparent)]
+    Pin(#[from] PinError),
+    #[error("ApplyConfiguration: {}", one_line(&.0.to_string()))]
+    Apply(#[source] ApiError),
+    #[error("not done within {timeout:?}: {last}")]
+    NotDone {
+        timeout: Duration,
+        #[source]
+        last: Pending,
+    },
+    /// No control plane gave its manifests: the last one asked and why.
+    #[error("reading the bootstrap manifests: {}", tried_text(tried))]
+    Manifests { tried: Option<(String, ApiError)> },
+    #[error(transparent)]
+    Kube(#[from] KubeError),
+    #[error("applying {name}: {source}")]
+    ApplyObject {
+        name: String,
+        #[source]
+        source: KubeError,
+    },
+    /// No async runtime to talk to the nodes with.
+    #[error("{0}")]
+    Runtime(#[source] std::io::Error),
+    /// The state dir's kubeconfig could not be read.
+    #[error(transparent)]
+    Kubeconfig(#[from] HealthError),
+}
+
+fn tried_text(tried: &Option<(String, ApiError)>) -> String {
+    match tried {
+        None => "no control plane".to_owned(),
+        Some((cp, e)) => format!("{cp}: {}", one_line(&e.to_string())),
+    }
+}
 
 /// Deadlines of a run.
 #[derive(Debug, Clone)]
@@ -91,16 +184,18 @@ impl KubeReport {
 }
 
 /// The rendered config of `node` with its Kubernetes images at `pins`.
-fn config_at(node: &PlannedNode, pins: &BTreeMap<Component, String>) -> Result<Vec<u8>, String> {
-    with_versions(&node.config, pins)
-        .map_err(|e| format!("{}: rendering the config: {e}", node.name))
+fn config_at(node: &PlannedNode, pins: &BTreeMap<Component, String>) -> Result<Vec<u8>, PinError> {
+    with_versions(&node.config, pins).map_err(|source| PinError {
+        node: node.name.clone(),
+        source,
+    })
 }
 
 /// The plan with each node's config pinned to the Kubernetes versions it
 /// runs, so a Talos upgrade's or `apply`'s config push leaves Kubernetes
 /// alone (it moves in `upgrade`'s Kubernetes part, in order). A node that
 /// runs the target everywhere keeps its rendered config as it is.
-pub fn pin_running(plan: &mut Plan, seen: &ClusterSeen, to: &str) -> Result<(), String> {
+pub fn pin_running(plan: &mut Plan, seen: &ClusterSeen, to: &str) -> Result<(), PinError> {
     let from = cluster_version(seen);
     let to = version_tag(to);
     for node in &mut plan.nodes {
@@ -119,8 +214,8 @@ pub fn pin_running(plan: &mut Plan, seen: &ClusterSeen, to: &str) -> Result<(), 
 fn wait_until(
     timeout: Duration,
     poll: Duration,
-    mut check: impl FnMut() -> Result<(), String>,
-) -> Result<(), String> {
+    mut check: impl FnMut() -> Result<(), Pending>,
+) -> Result<(), KubeStepError> {
     let deadline = Instant::now() + timeout;
     loop {
         let last = match check() {
@@ -128,7 +223,7 @@ fn wait_until(
             Err(e) => e,
         };
         if Instant::now() + poll > deadline {
-            return Err(format!("not done within {timeout:?}: {last}"));
+            return Err(KubeStepError::NotDone { timeout, last });
         }
         std::thread::sleep(poll);
     }
@@ -137,12 +232,12 @@ fn wait_until(
 /// Whether a DaemonSet or Deployment has rolled its template out
 /// (kubectl `rollout status`: the controller saw the generation, and every
 /// replica is updated).
-pub fn rolled_out(obj: &Value) -> Result<(), String> {
+pub fn rolled_out(obj: &Value) -> Result<(), Rollout> {
     let status = &obj["status"];
     let observed = status["observedGeneration"].as_i64().unwrap_or(-1);
     let generation = obj["metadata"]["generation"].as_i64().unwrap_or(0);
     if observed < generation {
-        return Err("the controller has not seen the change yet".into());
+        return Err(Rollout::Unseen);
     }
     let (updated, wanted) = match obj["kind"].as_str() {
         Some("DaemonSet") => (
@@ -155,7 +250,7 @@ pub fn rolled_out(obj: &Value) -> Result<(), String> {
         ),
     };
     if updated < wanted {
-        return Err(format!("{updated} of {wanted} updated"));
+        return Err(Rollout::Updating { updated, wanted });
     }
     Ok(())
 }
@@ -197,28 +292,34 @@ struct Runner<'a> {
 }
 
 impl Runner<'_> {
-    fn node(&self, name: &str) -> Result<&PlannedNode, String> {
+    fn node(&self, name: &str) -> Result<&PlannedNode, KubeStepError> {
         self.plan
             .nodes
             .iter()
             .find(|n| n.name == name)
-            .ok_or_else(|| format!("{name} is not in the inventory"))
+            .ok_or_else(|| KubeStepError::UnknownNode(name.to_owned()))
     }
 
-    fn connect(&self, node: &PlannedNode, timeout: Duration) -> Result<NodeClient, String> {
+    fn connect(&self, node: &PlannedNode, timeout: Duration) -> Result<NodeClient, ApiError> {
         let mode = Mode::Mtls(self.plan.identity.clone());
         self.rt
             .block_on(NodeClient::connect(&node.endpoint, &mode, timeout))
-            .map_err(|e| one_line(&e.to_string()))
     }
 
     /// talosctl `prePullImages`: each image into the node's CRI containerd
     /// (the kubelet's into namespace `system`, where the kubelet service
     /// looks, the rest into `k8s.io`); a node that answers Unimplemented is
     /// skipped with a note.
-    fn pre_pull(&mut self, name: &str, images: &[String], via: PullApi) -> Result<(), String> {
+    fn pre_pull(
+        &mut self,
+        name: &str,
+        images: &[String],
+        via: PullApi,
+    ) -> Result<(), KubeStepError> {
         let node = self.node(name)?;
-        let conn = self.connect(node, self.run.pull_timeout)?;
+        let conn = self
+            .connect(node, self.run.pull_timeout)
+            .map_err(KubeStepError::Connect)?;
         let kubelet = images_of(&node.config)
             .remove(&Component::Kubelet)
             .map(|k| retag(&k, ""));
@@ -237,94 +338,94 @@ impl Runner<'_> {
                     return Ok(());
                 }
                 Err(e) => {
-                    return Err(format!(
-                        "pulling {image} ({}): {}",
-                        via.name(),
-                        one_line(&e.to_string())
-                    ));
+                    return Err(KubeStepError::Pull {
+                        image: image.clone(),
+                        via: via.name(),
+                        source: e,
+                    });
                 }
             }
         }
         Ok(())
     }
 
-    fn component(&mut self, name: &str, c: Component, to: &str) -> Result<(), String> {
+    fn component(&mut self, name: &str, c: Component, to: &str) -> Result<(), KubeStepError> {
         let node = self.node(name)?.clone();
         let pins = self.pins.entry(name.to_owned()).or_default();
         pins.insert(c, to.to_owned());
         let config = config_at(&node, pins)?;
-        let conn = self.connect(&node, self.opts.call_timeout)?;
+        let conn = self
+            .connect(&node, self.opts.call_timeout)
+            .map_err(KubeStepError::Connect)?;
         self.rt
             .block_on(conn.apply_mode(config, ApplyMode::NoReboot, false))
-            .map_err(|e| format!("ApplyConfiguration: {}", one_line(&e.to_string())))?;
+            .map_err(KubeStepError::Apply)?;
         let (kube, poll) = (&self.kube, self.opts.poll);
         match c {
             Component::KubeProxy => Ok(()),
             Component::Kubelet => wait_until(self.run.component_timeout, poll, || {
-                let nodes = kube.get_some("/api/v1/nodes").map_err(|e| e.to_string())?;
-                let seen = kubelet_seen(&nodes, &node).ok_or("its Node is not registered")?;
-                match seen.version.as_deref() {
+                let nodes = kube.get_some("/api/v1/nodes")?;
+                let seen = kubelet_seen(&nodes, &node).ok_or(Pending::NodeUnregistered)?;
+                match seen.version {
                     Some(v) if v == to && seen.ready => Ok(()),
-                    Some(v) if v == to => Err(format!("the Node reports {v}, not Ready")),
-                    v => Err(format!("the Node reports kubelet {}", v.unwrap_or("?"))),
+                    Some(v) if v == to => Err(Pending::NodeNotReady(v)),
+                    v => Err(Pending::Kubelet(v)),
                 }
             }),
             _ => wait_until(self.run.component_timeout, poll, || {
                 let pods = pods_of(kube, c)?;
-                let pod = pod_on(&pods, &node).ok_or("no mirror pod")?;
+                let pod = pod_on(&pods, &node).ok_or(Pending::NoMirrorPod)?;
                 let seen = pod_seen(pod);
-                match seen.version.as_deref() {
+                match seen.version {
                     Some(v) if v == to && seen.ready => Ok(()),
-                    Some(v) if v == to => Err(format!("the pod runs {v}, not Ready")),
-                    v => Err(format!("the pod runs {}", v.unwrap_or("?"))),
+                    Some(v) if v == to => Err(Pending::PodNotReady(v)),
+                    v => Err(Pending::Pod(v)),
                 }
             }),
         }
     }
 
     /// The manifest objects of the first control plane that answers.
-    fn manifests(&self) -> Result<Vec<Value>, String> {
-        let mut last = "no control plane".to_owned();
+    fn manifests(&self) -> Result<Vec<Value>, KubeStepError> {
+        let mut tried = None;
         for cp in self
             .plan
             .nodes
             .iter()
             .filter(|n| n.role == Role::Controlplane)
         {
-            let read = self.connect(cp, self.opts.call_timeout).and_then(|c| {
-                self.rt
-                    .block_on(c.cosi_list(MANIFESTS.0, MANIFESTS.1))
-                    .map_err(|e| one_line(&e.to_string()))
-            });
+            let read = self
+                .connect(cp, self.opts.call_timeout)
+                .and_then(|c| self.rt.block_on(c.cosi_list(MANIFESTS.0, MANIFESTS.1)));
             match read {
                 Ok(list) => {
                     return Ok(list.iter().flat_map(|(_, y)| manifest_objects(y)).collect());
                 }
-                Err(e) => last = format!("{}: {e}", cp.name),
+                Err(e) => tried = Some((cp.name.clone(), e)),
             }
         }
-        Err(format!("reading the bootstrap manifests: {last}"))
+        Err(KubeStepError::Manifests { tried })
     }
 
-    fn sync(&mut self) -> Result<(), String> {
+    fn sync(&mut self) -> Result<(), KubeStepError> {
         let objects = self.manifests()?;
         let mut discovery = BTreeMap::new();
         let mut rollouts = Vec::new();
         for o in &objects {
             let name = object_name(o);
-            let res = self
-                .kube
-                .resource_of(o, &mut discovery)
-                .map_err(|e| e.to_string())?;
+            let res = self.kube.resource_of(o, &mut discovery)?;
             let path = object_path(&res, o);
-            let live = self.kube.get(&path).map_err(|e| e.to_string())?;
+            let live = self.kube.get(&path)?;
             if live.as_ref().is_some_and(|l| contains(l, o)) {
                 continue;
             }
             let o = &keep_inventory(live.as_ref(), o);
             self.kube
                 .apply(&path, o)
-                .map_err(|e| format!("applying {name}: {e}"))?;
+                .map_err(|source| KubeStepError::ApplyObject {
+                    name: name.clone(),
+                    source,
+                })?;
             self.applied.push(name);
             if matches!(o["kind"].as_str(), Some("DaemonSet" | "Deployment")) {
                 rollouts.push(path);
@@ -333,8 +434,10 @@ impl Runner<'_> {
         let kube = &self.kube;
         for path in rollouts {
             wait_until(self.run.component_timeout, self.opts.poll, || {
-                rolled_out(&kube.get_some(&path).map_err(|e| e.to_string())?)
-                    .map_err(|e| format!("{path}: {e}"))
+                rolled_out(&kube.get_some(&path)?).map_err(|why| Pending::Rollout {
+                    path: path.clone(),
+                    why,
+                })
             })?;
         }
         Ok(())
@@ -371,7 +474,7 @@ pub fn execute(
     if todo.is_empty() {
         return report;
     }
-    let setup = || -> Result<Runner<'_>, String> {
+    let setup = || -> Result<Runner<'_>, KubeStepError> {
         Ok(Runner {
             plan,
             opts,
@@ -380,7 +483,7 @@ pub fn execute(
                 .worker_threads(2)
                 .enable_all()
                 .build()
-                .map_err(|e| e.to_string())?,
+                .map_err(KubeStepError::Runtime)?,
             kube: Kube {
                 kc: kubeconfig(plan)?,
                 timeout: opts.call_timeout,
@@ -399,7 +502,7 @@ pub fn execute(
         Err(error) => {
             report.failed = Some(Failure {
                 step: "starting".into(),
-                error,
+                error: error.to_string(),
             });
             report.not_run = todo.iter().map(|s| s.describe()).collect();
             return report;
@@ -425,7 +528,10 @@ pub fn execute(
                 report.done.push(what);
             }
             Err(error) => {
-                report.failed = Some(Failure { step: what, error });
+                report.failed = Some(Failure {
+                    step: what,
+                    error: error.to_string(),
+                });
                 break;
             }
         }
@@ -448,7 +554,17 @@ mod tests {
                 "status": {"observedGeneration": obs, "updatedNumberScheduled": upd, "desiredNumberScheduled": 5}})
         };
         assert!(rolled_out(&ds(1, 5)).is_err(), "generation not seen");
-        assert_eq!(rolled_out(&ds(2, 3)).unwrap_err(), "3 of 5 updated");
+        assert_eq!(
+            rolled_out(&ds(2, 3)),
+            Err(Rollout::Updating {
+                updated: 3,
+                wanted: 5
+            })
+        );
+        assert_eq!(
+            rolled_out(&ds(2, 3)).unwrap_err().to_string(),
+            "3 of 5 updated"
+        );
         assert_eq!(rolled_out(&ds(2, 5)), Ok(()));
         let dep = json!({"kind": "Deployment", "metadata": {"generation": 1},
             "spec": {"replicas": 2}, "status": {"observedGeneration": 1, "updatedReplicas": 2}});

@@ -18,9 +18,64 @@ use crate::inventory::Role;
 use crate::talos::api::machine::{ResetPartitionSpec, ResetRequest, reset_request};
 use crate::talos::bootstrap::{Options, Plan};
 use crate::talos::client::{ApiError, Mode, NodeClient, NodeEndpoint};
-use crate::talos::health::kubeconfig;
+use crate::talos::health::{HealthError, kubeconfig};
 use crate::talos::stage::Prepared;
 use crate::talos::upgrade::drain;
+
+/// Why a removal step failed: the message of its [`StepFailed`]. Node
+/// replies are shown on one line and bounded ([`shown`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// A plan made by hand never puts a foreign name in an API path.
+    #[error("{} is not a Kubernetes node name", shown(node))]
+    NotANodeName { node: String },
+    #[error("the Kubernetes API does not answer")]
+    KubeSilent,
+    /// The kubeconfig could not be read.
+    #[error(transparent)]
+    Kubeconfig(#[from] HealthError),
+    #[error(transparent)]
+    Drain(#[from] drain::DrainError),
+    #[error("Reset: {}", shown(&.0.to_string()))]
+    Reset(#[source] ApiError),
+    #[error(
+        "it still answers {timeout:?} after Reset (its reset sequence may have failed: see its console or `talosctl dmesg`)"
+    )]
+    StillAnswers { timeout: Duration },
+    #[error("no remaining control plane lists the etcd members")]
+    NoEtcdLister,
+    #[error(
+        "etcd would refuse: of the {others} other members {healthy} are started and healthy, {needed} needed"
+    )]
+    Quorum {
+        others: usize,
+        healthy: usize,
+        needed: usize,
+    },
+    /// etcd refused to remove a member that would cost quorum (`text` is
+    /// etcd's message, shown).
+    #[error(
+        "{call}: etcd refused: removing this member would leave too few started members for quorum; bring the other control planes' etcd up first (etcd: {text})"
+    )]
+    TooFewStarted { call: String, text: String },
+    #[error(
+        "{call}: etcd refused: the cluster is unhealthy (no quorum among the started members) (etcd: {text})"
+    )]
+    EtcdUnhealthy { call: String, text: String },
+    #[error("{call}: {text}")]
+    Etcd { call: String, text: String },
+    #[error("EtcdLeaveCluster: {}", shown(&.0.to_string()))]
+    LeaveConnect(#[source] ApiError),
+    #[error(
+        "EtcdLeaveCluster: etcd still answered \"unhealthy\" after {limit:?} (the member has no connection to a quorum of the others): {text}"
+    )]
+    StillUnhealthy { limit: Duration, text: String },
+    /// The blocking Kubernetes call panicked or was cancelled.
+    #[error("{0}")]
+    Join(#[from] tokio::task::JoinError),
+    #[error("deleting the Kubernetes node: {}", shown(&.0.to_string()))]
+    Delete(#[source] crate::talos::kube::KubeError),
+}
 
 /// How one step went.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -334,12 +389,12 @@ pub fn remove(
                     observer.event(&n.node, &Event::Finished(step, outcome.clone()));
                     node.steps.push((step, outcome));
                 }
-                Err(message) => {
+                Err(e) => {
                     report.nodes.push(node);
                     report.failed = Some(StepFailed {
                         node: n.node.clone(),
                         step,
-                        message,
+                        message: e.to_string(),
                     });
                     return Ok(report);
                 }
@@ -365,10 +420,12 @@ async fn run_step(
     step: Step,
     opts: &RemoveOptions,
     progress: &(dyn Fn(&str) + Sync),
-) -> Result<Outcome, String> {
+) -> Result<Outcome, StepError> {
     // A plan made by hand never puts a foreign name in an API path.
     if !plan::valid_node_name(&n.node) {
-        return Err(format!("{} is not a Kubernetes node name", shown(&n.node)));
+        return Err(StepError::NotANodeName {
+            node: n.node.clone(),
+        });
     }
     let plan = &prepared.plan;
     let limits = &opts.limits;
@@ -409,7 +466,7 @@ async fn run_step(
             client
                 .reset(reset_request())
                 .await
-                .map_err(|e| format!("Reset: {}", shown(&e.to_string())))?;
+                .map_err(StepError::Reset)?;
             wait_silent(plan, &t, opts).await?;
             Ok(Outcome::Done(
                 "Reset (graceful, STATE and EPHEMERAL wiped); it powered off".into(),
@@ -441,7 +498,7 @@ pub(crate) fn reset_request() -> ResetRequest {
 
 /// Waits until the node at `t` no longer answers (its reset sequence ran
 /// and it powered off), at most the reset timeout.
-async fn wait_silent(plan: &Plan, t: &NodeEndpoint, opts: &RemoveOptions) -> Result<(), String> {
+async fn wait_silent(plan: &Plan, t: &NodeEndpoint, opts: &RemoveOptions) -> Result<(), StepError> {
     let deadline = Instant::now() + opts.reset_timeout;
     loop {
         let probe = tokio::time::timeout(
@@ -453,10 +510,9 @@ async fn wait_silent(plan: &Plan, t: &NodeEndpoint, opts: &RemoveOptions) -> Res
             return Ok(());
         }
         if Instant::now() + opts.limits.poll > deadline {
-            return Err(format!(
-                "it still answers {:?} after Reset (its reset sequence may have failed: see its console or `talosctl dmesg`)",
-                opts.reset_timeout
-            ));
+            return Err(StepError::StillAnswers {
+                timeout: opts.reset_timeout,
+            });
         }
         tokio::time::sleep(opts.limits.poll).await;
     }
@@ -474,14 +530,14 @@ async fn leave_etcd(
     n: &NodeRemoval,
     own: Option<&NodeEndpoint>,
     limits: &Options,
-) -> Result<Outcome, String> {
+) -> Result<Outcome, StepError> {
     let removed: Vec<(String, Option<NodeEndpoint>)> = removal
         .nodes
         .iter()
         .map(|r| (r.node.clone(), r.endpoint.map(|e| target(e, r.address))))
         .collect();
     let Some((now, from, lister)) = members(plan, &removed, false, limits).await else {
-        return Err("no remaining control plane lists the etcd members".into());
+        return Err(StepError::NoEtcdLister);
     };
     let member = now
         .iter()
@@ -494,11 +550,10 @@ async fn leave_etcd(
         )));
     };
     let id = member.id;
-    plan::may_remove(&now, id).map_err(|q| {
-        format!(
-            "etcd would refuse: of the {} other members {} are started and healthy, {} needed",
-            q.others, q.healthy, q.needed
-        )
+    plan::may_remove(&now, id).map_err(|q| StepError::Quorum {
+        others: q.others,
+        healthy: q.healthy,
+        needed: q.needed,
     })?;
     if let Some(t) = own
         && let Ok(c) = answering(plan, t, limits).await
@@ -518,7 +573,7 @@ async fn leave_etcd(
         };
         let long = NodeClient::connect(t, &mtls(plan), LEAVE_TIMEOUT + limits.call_timeout)
             .await
-            .map_err(|e| format!("EtcdLeaveCluster: {}", shown(&e.to_string())))?;
+            .map_err(StepError::LeaveConnect)?;
         leave_while_unhealthy(&long, LEAVE_TIMEOUT, limits.poll).await?;
         return Ok(Outcome::Done(format!(
             "{handed}EtcdLeaveCluster on the node"
@@ -552,7 +607,7 @@ async fn leave_while_unhealthy(
     c: &NodeClient,
     limit: Duration,
     poll: Duration,
-) -> Result<(), String> {
+) -> Result<(), StepError> {
     let deadline = Instant::now() + limit;
     loop {
         match c.etcd_leave_cluster().await {
@@ -563,9 +618,7 @@ async fn leave_while_unhealthy(
                     return Err(etcd_refusal("EtcdLeaveCluster", &text));
                 }
                 if Instant::now() + poll > deadline {
-                    return Err(format!(
-                        "EtcdLeaveCluster: etcd still answered \"unhealthy\" after {limit:?} (the member has no connection to a quorum of the others): {text}"
-                    ));
+                    return Err(StepError::StillUnhealthy { limit, text });
                 }
                 tokio::time::sleep(poll).await;
             }
@@ -580,30 +633,27 @@ fn is_unhealthy(text: &str) -> bool {
 
 /// An etcd failure as the user needs it: etcd's own refusal to remove a
 /// member that would cost quorum said in words, with etcd's message kept.
-fn etcd_refusal(call: &str, text: &str) -> String {
+fn etcd_refusal(call: &str, text: &str) -> StepError {
+    let (call, text) = (call.to_owned(), text.to_owned());
     if text.contains("not enough started members") {
-        format!(
-            "{call}: etcd refused: removing this member would leave too few started members for quorum; bring the other control planes' etcd up first (etcd: {text})"
-        )
-    } else if is_unhealthy(text) {
-        format!(
-            "{call}: etcd refused: the cluster is unhealthy (no quorum among the started members) (etcd: {text})"
-        )
+        StepError::TooFewStarted { call, text }
+    } else if is_unhealthy(&text) {
+        StepError::EtcdUnhealthy { call, text }
     } else {
-        format!("{call}: {text}")
+        StepError::Etcd { call, text }
     }
 }
 
 /// Whether Kubernetes has a Node `name` (the API must answer).
-async fn in_kubernetes(plan: &Plan, name: &str, limits: &Options) -> Result<bool, String> {
+async fn in_kubernetes(plan: &Plan, name: &str, limits: &Options) -> Result<bool, StepError> {
     let nodes = kube_nodes(plan, limits)
         .await
-        .ok_or_else(|| "the Kubernetes API does not answer".to_owned())?;
+        .ok_or(StepError::KubeSilent)?;
     Ok(nodes.iter().any(|k| k.name == name))
 }
 
 /// `DELETE /api/v1/nodes/NAME` (bounded reply, deadline), unless it is gone.
-async fn delete_node(plan: &Plan, name: &str, limits: &Options) -> Result<Outcome, String> {
+async fn delete_node(plan: &Plan, name: &str, limits: &Options) -> Result<Outcome, StepError> {
     if !in_kubernetes(plan, name, limits).await? {
         return Ok(Outcome::AlreadyDone(
             "no Kubernetes node by that name".into(),
@@ -614,17 +664,15 @@ async fn delete_node(plan: &Plan, name: &str, limits: &Options) -> Result<Outcom
     let deleted = tokio::task::spawn_blocking(move || {
         kc.send_json(reqwest::Method::DELETE, &path, None, t)
             .map(|_| ())
-            .map_err(|e| e.to_string())
     })
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     match deleted {
         Ok(()) => Ok(Outcome::Done("Kubernetes Node deleted".into())),
         // Someone else deleted it meanwhile: as good.
         Err(_) if !in_kubernetes(plan, name, limits).await? => Ok(Outcome::AlreadyDone(
             "no Kubernetes node by that name".into(),
         )),
-        Err(e) => Err(format!("deleting the Kubernetes node: {}", shown(&e))),
+        Err(e) => Err(StepError::Delete(e)),
     }
 }
 
@@ -639,9 +687,11 @@ mod etcd_tests {
             "EtcdLeaveCluster",
             "rpc error: code = Unknown desc = etcdserver: re-configuration failed due to not enough started members",
         );
+        assert!(matches!(&e, StepError::TooFewStarted { call, .. } if call == "EtcdLeaveCluster"));
+        let e = e.to_string();
         assert!(e.starts_with("EtcdLeaveCluster: etcd refused: removing this member would leave too few started members for quorum"), "{e}");
         assert!(e.contains("(etcd: rpc error"), "{e}");
-        assert_eq!(etcd_refusal("X", "boom"), "X: boom");
+        assert_eq!(etcd_refusal("X", "boom").to_string(), "X: boom");
         assert!(is_unhealthy("etcdserver: unhealthy cluster"));
     }
 }

@@ -15,8 +15,51 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::talos::bootstrap::{Options, Plan};
-use crate::talos::health::{kube_nodes, kubeconfig};
-use crate::talos::kube::Kubeconfig;
+use crate::talos::health::{HealthError, kube_nodes, kubeconfig};
+use crate::talos::kube::{KubeError, Kubeconfig};
+
+/// Why a cordon, drain or uncordon did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum DrainError {
+    /// The kubeconfig could not be read.
+    #[error(transparent)]
+    Health(#[from] HealthError),
+    #[error("cordoning: {0}")]
+    Cordon(#[source] CallError),
+    #[error("draining: {0}")]
+    List(#[source] CallError),
+    /// Pods still on the node when the drain timeout ran out, with the
+    /// last refused eviction (a PodDisruptionBudget's 429).
+    #[error("draining: {} still on the node after {timeout:?}{}", left.join(", "),
+        last.as_ref().map_or(String::new(), |l| format!(" ({l})")))]
+    Stuck {
+        left: Vec<String>,
+        timeout: Duration,
+        last: Option<String>,
+    },
+    #[error("uncordoning: {0}")]
+    Uncordon(#[source] CallError),
+    #[error("the Kubernetes node was not Ready within {timeout:?}; it stays cordoned")]
+    NotReady { timeout: Duration },
+    /// SIGINT during the drain: what it left, and how to resume.
+    #[error(
+        "interrupted (SIGINT) while draining: {node} is left cordoned, the pods evicted so far \
+         stay evicted, and it was not rebooted (its new version is installed and boots with its \
+         next reboot). Run `imgbuild upgrade` again to resume: it uncordons {node} once it is \
+         Ready, then drains and reboots it again; or `kubectl uncordon {node}` to give up"
+    )]
+    Interrupted { node: String },
+}
+
+/// A blocking Kubernetes call run off the async runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error(transparent)]
+    Kube(#[from] KubeError),
+    /// The blocking task panicked or was cancelled.
+    #[error("{0}")]
+    Join(#[from] tokio::task::JoinError),
+}
 
 /// talosctl's `--drain-timeout` default (`nodedrain.DefaultDrainTimeout`).
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(300);
@@ -49,11 +92,9 @@ fn key(pod: &Value) -> String {
 
 /// Runs a blocking Kubernetes call off the async runtime.
 async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, String> + Send + 'static,
-) -> Result<T, String> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| e.to_string())?
+    f: impl FnOnce() -> Result<T, KubeError> + Send + 'static,
+) -> Result<T, CallError> {
+    Ok(tokio::task::spawn_blocking(f).await??)
 }
 
 /// Sets `spec.unschedulable` of Kubernetes node `name` (kubectl's cordon:
@@ -63,7 +104,7 @@ async fn set_unschedulable(
     name: &str,
     on: bool,
     t: Duration,
-) -> Result<(), String> {
+) -> Result<(), CallError> {
     let (kc, path) = (kc.clone(), format!("/api/v1/nodes/{name}"));
     blocking(move || {
         kc.send_json(
@@ -76,16 +117,15 @@ async fn set_unschedulable(
             t,
         )
         .map(|_| ())
-        .map_err(|e| e.to_string())
     })
     .await
 }
 
 /// The pods kubectl's drain evicts from node `name`, by `namespace/name`.
-async fn evictable_pods(kc: &Kubeconfig, name: &str, t: Duration) -> Result<Vec<Value>, String> {
+async fn evictable_pods(kc: &Kubeconfig, name: &str, t: Duration) -> Result<Vec<Value>, CallError> {
     let kc = kc.clone();
     let path = format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{name}");
-    let list = blocking(move || kc.get_json(&path, t).map_err(|e| e.to_string())).await?;
+    let list = blocking(move || kc.get_json(&path, t)).await?;
     Ok(list["items"]
         .as_array()
         .map(Vec::as_slice)
@@ -105,23 +145,23 @@ pub async fn cordon_and_drain(
     timeout: Duration,
     opts: &Options,
     progress: &(dyn Fn(&str) + Sync),
-) -> Result<(), String> {
+) -> Result<(), DrainError> {
     let kc = kubeconfig(plan)?;
     let t = opts.call_timeout;
     let deadline = Instant::now() + timeout;
     progress("cordoning the Kubernetes node");
     set_unschedulable(&kc, name, true, t)
         .await
-        .map_err(|e| format!("cordoning: {e}"))?;
+        .map_err(DrainError::Cordon)?;
     progress("draining the Kubernetes node");
     loop {
         let pods = evictable_pods(&kc, name, t)
             .await
-            .map_err(|e| format!("draining: {e}"))?;
+            .map_err(DrainError::List)?;
         if pods.is_empty() {
             return Ok(());
         }
-        let mut last = String::new();
+        let mut last = None;
         for pod in &pods {
             let (ns, pod_name) = (
                 pod["metadata"]["namespace"].as_str().unwrap_or(""),
@@ -141,24 +181,18 @@ pub async fn cordon_and_drain(
                     Some(("application/json", &body)),
                     t,
                 )
-                .map_err(|e| e.to_string())
             })
             .await
             {
-                last = format!("evicting {}: {e}", key(pod));
+                last = Some(format!("evicting {}: {e}", key(pod)));
             }
         }
         if Instant::now() + opts.poll > deadline {
-            let left: Vec<String> = pods.iter().map(key).collect();
-            return Err(format!(
-                "draining: {} still on the node after {timeout:?}{}",
-                left.join(", "),
-                if last.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({last})")
-                }
-            ));
+            return Err(DrainError::Stuck {
+                left: pods.iter().map(key).collect(),
+                timeout,
+                last,
+            });
         }
         tokio::time::sleep(opts.poll).await;
     }
@@ -171,7 +205,7 @@ pub async fn uncordon_when_ready(
     name: &str,
     timeout: Duration,
     opts: &Options,
-) -> Result<(), String> {
+) -> Result<(), DrainError> {
     let kc = kubeconfig(plan)?;
     let deadline = Instant::now() + timeout;
     loop {
@@ -181,12 +215,10 @@ pub async fn uncordon_when_ready(
         if ready {
             return set_unschedulable(&kc, name, false, opts.call_timeout)
                 .await
-                .map_err(|e| format!("uncordoning: {e}"));
+                .map_err(DrainError::Uncordon);
         }
         if Instant::now() + opts.poll > deadline {
-            return Err(format!(
-                "the Kubernetes node was not Ready within {timeout:?}; it stays cordoned"
-            ));
+            return Err(DrainError::NotReady { timeout });
         }
         tokio::time::sleep(opts.poll).await;
     }
@@ -271,13 +303,10 @@ impl Drop for InterruptibleDrain {
 }
 
 /// What a SIGINT during `node`'s drain left, and how a rerun resumes.
-pub fn interrupted_drain(node: &str) -> String {
-    format!(
-        "interrupted (SIGINT) while draining: {node} is left cordoned, the pods evicted so far \
-         stay evicted, and it was not rebooted (its new version is installed and boots with its \
-         next reboot). Run `imgbuild upgrade` again to resume: it uncordons {node} once it is \
-         Ready, then drains and reboots it again; or `kubectl uncordon {node}` to give up"
-    )
+pub fn interrupted_drain(node: &str) -> DrainError {
+    DrainError::Interrupted {
+        node: node.to_owned(),
+    }
 }
 
 #[cfg(test)]
@@ -308,7 +337,7 @@ mod sigint {
                 .expect("the SIGINT was not seen");
         });
         assert_eq!(current(), before, "the previous SIGINT handler is back");
-        let said = interrupted_drain("cp-01");
+        let said = interrupted_drain("cp-01").to_string();
         assert!(said.contains("cp-01 is left cordoned"), "{said}");
         assert!(
             said.contains("Run `imgbuild upgrade` again to resume"),
