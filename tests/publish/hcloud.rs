@@ -219,6 +219,23 @@ fn ssh_never_accepted_is_bounded_and_named() {
 }
 
 #[test]
+fn without_the_openssh_client_nothing_is_created_and_the_package_is_named() {
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&[]);
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let no_ssh = tempfile::tempdir().unwrap();
+    let o = publish(&work, &sim, &hc, &[])
+        .env("PATH", no_ssh.path())
+        .output();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("install the package openssh-client"), "{err}");
+    assert!(!err.contains("temporary SSH key"), "a key was made: {err}");
+    assert_eq!(hc.stat("serversCreated"), 0, "{err}");
+    nothing_left(&hc);
+}
+
+#[test]
 fn remote_dd_failure_and_failed_actions_leave_nothing() {
     let sim = Sim::start(&[]);
     for (switch, needle) in [
