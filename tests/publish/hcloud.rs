@@ -309,8 +309,37 @@ fn sigint_during_the_stream_cleans_up() {
     let sim = Sim::start_with(&[], 400, &[]);
     let hc = Hc::start(&[]);
     let work = Work::new(&hetzner("    location: fsn1\n"));
-    let (mut child, _) = publish_until_streaming(&work, &sim, &hc);
+    let (mut child, lines) = publish_until_streaming(&work, &sim, &hc);
     assert_eq!(hc.stats()["servers"], 1);
+    // The host key said is the rescue sshd's own (its key sits beside the
+    // server's disk file in the simulator's state).
+    let said = lines.concat();
+    let id: u64 = said
+        .split("temporary server ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("no server named: {said}"));
+    let host_key = hc
+        .disk(id)
+        .with_file_name("rescue")
+        .join("ssh_host_ed25519_key.pub");
+    let o = Command::new("ssh-keygen")
+        .args(["-l", "-E", "sha256", "-f"])
+        .arg(&host_key)
+        .output()
+        .unwrap();
+    let shown = text(&o.stdout);
+    let fingerprint = shown.split_whitespace().nth(1).unwrap_or_default();
+    assert!(
+        fingerprint.starts_with("SHA256:"),
+        "{shown}{}",
+        text(&o.stderr)
+    );
+    assert!(
+        said.contains(&format!("its host key {fingerprint} is new")),
+        "{fingerprint}: {said}"
+    );
     let kill = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
