@@ -124,7 +124,17 @@ pub struct Identity {
     dir: PathBuf,
     /// The public key line for the API (`ssh-ed25519 AAAA…`).
     public: String,
+    /// The key file, locked while the run lives: the next run removes the
+    /// directory of a run killed before it could (SIGKILL), whose lock
+    /// died with it.
+    _lock: std::fs::File,
 }
+
+/// The name of a run's key directory in the temp dir: this, 16 hex digits.
+const DIR_PREFIX: &str = "imgbuild-ssh-";
+
+/// The private key file in it.
+const KEY_FILE: &str = "id_ed25519";
 
 impl Identity {
     pub fn new() -> Result<Identity, HcloudError> {
@@ -144,26 +154,41 @@ impl Identity {
             .map_err(|_| HcloudError::Setup("an ed25519 public key of another size".into()))?;
         let mut name = [0u8; 8];
         random(&mut name)?;
-        let dir = temp_base().join(format!("imgbuild-ssh-{}", hex::encode(name)));
-        std::fs::DirBuilder::new()
+        let base = temp_base();
+        let name = hex::encode(name);
+        let dir = base.join(format!("{DIR_PREFIX}{name}"));
+        // Made under another name and renamed once locked, so that no run
+        // ever sees it unlocked.
+        let staging = base.join(format!("{DIR_PREFIX}new-{name}"));
+        let made = std::fs::DirBuilder::new()
             .mode(0o700)
-            .create(&dir)
-            .map_err(|e| HcloudError::Io(format!("creating {}: {e}", dir.display())))?;
-        let identity = Identity {
+            .create(&staging)
+            .and_then(|()| {
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(staging.join(KEY_FILE))?;
+                f.lock()?;
+                f.write_all(
+                    private_key_file(&seed, &public, u32::from_ne_bytes(check)).as_bytes(),
+                )?;
+                std::fs::rename(&staging, &dir)?;
+                Ok(f)
+            });
+        let lock = made.map_err(|e| {
+            let _ = std::fs::remove_dir_all(&staging);
+            HcloudError::Io(format!(
+                "writing the run's SSH key in {}: {e}",
+                base.display()
+            ))
+        })?;
+        sweep(&base, &dir);
+        Ok(Identity {
             dir,
             public: format!("ssh-ed25519 {}", STANDARD.encode(public_blob(&public))),
-        };
-        let path = identity.key_file();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .and_then(|mut f| {
-                f.write_all(private_key_file(&seed, &public, u32::from_ne_bytes(check)).as_bytes())
-            })
-            .map_err(|e| HcloudError::Io(format!("writing {}: {e}", path.display())))?;
-        Ok(identity)
+            _lock: lock,
+        })
     }
 
     /// The public key line the API takes (`ssh-ed25519 AAAA…`).
@@ -172,7 +197,7 @@ impl Identity {
     }
 
     fn key_file(&self) -> PathBuf {
-        self.dir.join("id_ed25519")
+        self.dir.join(KEY_FILE)
     }
 
     fn known_hosts(&self) -> PathBuf {
@@ -183,6 +208,35 @@ impl Identity {
 impl Drop for Identity {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Removes the key directories in `base` (but `own`) of runs that are
+/// gone: ours, and nobody holds their key file locked.
+fn sweep(base: &Path, own: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        let ours = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(DIR_PREFIX))
+            .is_some_and(|rest| rest.len() == 16 && rest.bytes().all(|b| b.is_ascii_hexdigit()));
+        let mine = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir() && m.uid() == uid);
+        if !ours || !mine || path == own {
+            continue;
+        }
+        let Ok(key) = std::fs::File::open(path.join(KEY_FILE)) else {
+            continue;
+        };
+        if key.try_lock().is_ok() {
+            let _ = std::fs::remove_dir_all(&path);
+        }
     }
 }
 
@@ -669,6 +723,24 @@ mod tests {
         let dir = id.dir.clone();
         drop(id);
         assert!(!dir.exists(), "the key outlived the run");
+    }
+
+    #[test]
+    fn a_killed_runs_key_directory_goes_with_the_next_run_and_a_live_ones_stays() {
+        let live = Identity::new().unwrap();
+        // What a run killed by SIGKILL leaves: its directory and key file,
+        // the lock gone with the process.
+        let mut name = [0u8; 8];
+        aws_lc_rs::rand::fill(&mut name).unwrap();
+        let dead = live
+            .dir
+            .with_file_name(format!("{DIR_PREFIX}{}", hex::encode(name)));
+        std::fs::create_dir(&dead).unwrap();
+        std::fs::write(dead.join(KEY_FILE), "a dead run's key").unwrap();
+        let next = Identity::new().unwrap();
+        assert!(!dead.exists(), "a dead run's key stayed");
+        assert!(live.key_file().exists(), "a live run's key was removed");
+        assert!(next.key_file().exists());
     }
 
     #[test]
