@@ -252,6 +252,13 @@ fn publish_snapshot(
             };
         }
     };
+    // Without `ssh` nothing can be written: said before anything is made.
+    if let Err(e) = rescue::check_client() {
+        return SnapshotOutcome {
+            result: Err(e),
+            leftovers: Vec::new(),
+        };
+    }
     // Before a run makes servers of its own, what a killed run before it
     // left goes (what cannot be deleted is reported as a leftover).
     let mut leftovers = cleanup::sweep_killed_runs(api, opts, observer);
@@ -460,16 +467,9 @@ impl Build<'_> {
     }
 
     fn make(&mut self) -> Result<Snapshot, HcloudError> {
-        // The key exists only in memory and dies with the run.
-        let mut seed = [0u8; 32];
-        aws_lc_rs::rand::fill(&mut seed).expect("the system's random source");
-        let key = russh::keys::PrivateKey::from(
-            russh::keys::ssh_key::private::Ed25519Keypair::from_seed(&seed),
-        );
-        let public = key
-            .public_key()
-            .to_openssh()
-            .map_err(|e| HcloudError::Setup(format!("encoding the SSH key: {e}")))?;
+        // The key lives in a private temp dir that goes with the run.
+        let identity = rescue::Identity::new()?;
+        let public = identity.public_line();
         self.cancel.check()?;
         let name = format!("imgbuild-{}", self.run);
         let reply = self.api.post(
@@ -506,7 +506,8 @@ impl Build<'_> {
                 message: format!("server {server_id} has no public IPv4 address"),
             })?;
         let addr = SocketAddr::new(ip, self.opts.ssh_port);
-        let sent = self.write_disk(server_id, addr, key)?;
+        let sent = self.write_disk(server_id, addr, &identity)?;
+        drop(identity);
 
         let reply = self
             .api
@@ -639,111 +640,98 @@ impl Build<'_> {
         })
     }
 
-    /// Logs in to the rescue system and writes the image to its disk; the
-    /// compressed bytes sent.
+    /// Logs in to the rescue system with the run's `identity` and writes
+    /// the image to its disk; the compressed bytes sent.
     fn write_disk(
         &self,
         server_id: u64,
         addr: SocketAddr,
-        key: russh::keys::PrivateKey,
+        identity: &rescue::Identity,
     ) -> Result<u64, HcloudError> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| HcloudError::Io(format!("starting the SSH runtime: {e}")))?;
         let deadline = Instant::now() + self.opts.ssh_timeout;
         let image = self.image;
-        rt.block_on(async {
-            let session = Rescue::connect(addr, &self.opts.ssh_user, Arc::new(key), deadline, self.cancel)
-                .await
-                .map_err(|e| match e {
-                    HcloudError::Ssh(m) => HcloudError::Ssh(format!(
-                        "server {server_id}: no login within {:?} ({m})",
-                        self.opts.ssh_timeout
-                    )),
-                    e => e,
-                })?;
-            self.observer.event(&Event::Connected {
-                addr,
-                host_key: session.host_key.clone(),
-            });
-            let host = session.run("hostname").await?;
-            let name = host.stdout.trim();
-            if host.status != Some(0) || name != "rescue" {
+        let login = Rescue::connect(addr, &self.opts.ssh_user, identity, deadline, self.cancel);
+        let session = login.map_err(|e| match e {
+            HcloudError::Ssh(m) => HcloudError::Ssh(format!(
+                "server {server_id}: no login within {:?} ({m})",
+                self.opts.ssh_timeout
+            )),
+            e => e,
+        })?;
+        self.observer.event(&Event::Connected {
+            addr,
+            host_key: session.host_key.clone(),
+        });
+        let host = session.run("hostname")?;
+        let name = host.stdout.trim();
+        if host.status != Some(0) || name != "rescue" {
+            return Err(HcloudError::Remote(format!(
+                "server {server_id} at {addr} is not in its rescue system (hostname {name:?}): its disk is left alone"
+            )));
+        }
+        let d = session.run(rescue::DISCARD)?;
+        let supported = d.status == Some(0);
+        if !supported && !rescue::discard_unsupported(&d.stderr) {
+            return Err(remote_failure(rescue::DISCARD, &d));
+        }
+        self.observer.event(&Event::Discarded { supported });
+        self.observer.event(&Event::Writing { size: image.size });
+        let file = crate::io::open_regular(&image.path, false)
+            .map_err(|e| HcloudError::Io(format!("opening {}: {e}", image.path.display())))?;
+        let read = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let file = tally::Tally::new(file, read.clone());
+        let hashing = crate::io::HashingReader::new(file, false);
+        let mut encoder = zstd::stream::read::Encoder::new(hashing, self.opts.zstd_level)
+            .map_err(|e| HcloudError::Io(format!("starting zstd: {e}")))?;
+        if self.opts.zstd_threads > 1 {
+            // Small jobs keep each worker's buffers (and so the
+            // process's memory) small; zeros and random data gain
+            // nothing from larger ones.
+            encoder
+                .multithread(self.opts.zstd_threads)
+                .and_then(|()| encoder.set_parameter(zstd::zstd_safe::CParameter::JobSize(1 << 20)))
+                .map_err(|e| HcloudError::Io(format!("zstd workers: {e}")))?;
+        }
+        let (encoder, mut marks) = tally::marked(encoder, read);
+        let mut sent = 0u64;
+        let (w, encoder) = session.exec(rescue::WRITE, Some(encoder), self.cancel, &mut |n| {
+            let (image_bytes, wire) = marks.sent(n as u64);
+            sent = wire;
+            self.observer.sent(&image.nodes, image_bytes, wire);
+        })?;
+        if w.status != Some(0) {
+            return Err(remote_failure(rescue::WRITE, &w));
+        }
+        let hashing = encoder
+            .ok_or_else(|| HcloudError::Io("the image reader did not finish".into()))?
+            .inner
+            .finish()
+            .into_inner();
+        let read = hashing.count();
+        let (sha, _) = hashing.finish();
+        if read != image.size || sha != image.sha256 {
+            return Err(HcloudError::Io(format!(
+                "{} changed while it was sent ({read} bytes, sha256 {sha}; the manifest says {} bytes, {}): no snapshot is made",
+                image.path.display(),
+                image.size,
+                image.sha256
+            )));
+        }
+        match rescue::dd_bytes(&w.stderr) {
+            Some(n) if n == image.size => {}
+            other => {
                 return Err(HcloudError::Remote(format!(
-                    "server {server_id} at {addr} is not in its rescue system (hostname {name:?}): its disk is left alone"
+                    "dd on server {server_id} reported {} bytes written, the image has {}: no snapshot is made",
+                    other.map_or("no count of".to_owned(), |n| n.to_string()),
+                    image.size
                 )));
             }
-            let d = session.run(rescue::DISCARD).await?;
-            let supported = d.status == Some(0);
-            if !supported && !rescue::discard_unsupported(&d.stderr) {
-                return Err(remote_failure(rescue::DISCARD, &d));
-            }
-            self.observer.event(&Event::Discarded { supported });
-            self.observer.event(&Event::Writing { size: image.size });
-            let file = crate::io::open_regular(&image.path, false).map_err(|e| {
-                HcloudError::Io(format!("opening {}: {e}", image.path.display()))
-            })?;
-            let read = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            let file = tally::Tally::new(file, read.clone());
-            let hashing = crate::io::HashingReader::new(file, false);
-            let mut encoder = zstd::stream::read::Encoder::new(hashing, self.opts.zstd_level)
-                .map_err(|e| HcloudError::Io(format!("starting zstd: {e}")))?;
-            if self.opts.zstd_threads > 1 {
-                // Small jobs keep each worker's buffers (and so the
-                // process's memory) small; zeros and random data gain
-                // nothing from larger ones.
-                encoder
-                    .multithread(self.opts.zstd_threads)
-                    .and_then(|()| {
-                        encoder.set_parameter(zstd::zstd_safe::CParameter::JobSize(1 << 20))
-                    })
-                    .map_err(|e| HcloudError::Io(format!("zstd workers: {e}")))?;
-            }
-            let (encoder, mut marks) = tally::marked(encoder, read);
-            let mut sent = 0u64;
-            let (w, encoder) = session
-                .exec(rescue::WRITE, Some(encoder), self.cancel, &mut |n| {
-                    let (image_bytes, wire) = marks.sent(n as u64);
-                    sent = wire;
-                    self.observer.sent(&image.nodes, image_bytes, wire);
-                })
-                .await?;
-            if w.status != Some(0) {
-                return Err(remote_failure(rescue::WRITE, &w));
-            }
-            let hashing = encoder
-                .ok_or_else(|| HcloudError::Io("the image reader did not finish".into()))?
-                .inner
-                .finish()
-                .into_inner();
-            let read = hashing.count();
-            let (sha, _) = hashing.finish();
-            if read != image.size || sha != image.sha256 {
-                return Err(HcloudError::Io(format!(
-                    "{} changed while it was sent ({read} bytes, sha256 {sha}; the manifest says {} bytes, {}): no snapshot is made",
-                    image.path.display(),
-                    image.size,
-                    image.sha256
-                )));
-            }
-            match rescue::dd_bytes(&w.stderr) {
-                Some(n) if n == image.size => {}
-                other => {
-                    return Err(HcloudError::Remote(format!(
-                        "dd on server {server_id} reported {} bytes written, the image has {}: no snapshot is made",
-                        other.map_or("no count of".to_owned(), |n| n.to_string()),
-                        image.size
-                    )));
-                }
-            }
-            self.observer.event(&Event::Written {
-                bytes: image.size,
-                sent,
-            });
-            session.close().await;
-            Ok(sent)
-        })
+        }
+        self.observer.event(&Event::Written {
+            bytes: image.size,
+            sent,
+        });
+        Ok(sent)
     }
 
     fn until(

@@ -219,6 +219,23 @@ fn ssh_never_accepted_is_bounded_and_named() {
 }
 
 #[test]
+fn without_the_openssh_client_nothing_is_created_and_the_package_is_named() {
+    let sim = Sim::start(&[]);
+    let hc = Hc::start(&[]);
+    let work = Work::new(&hetzner("    location: fsn1\n"));
+    let no_ssh = tempfile::tempdir().unwrap();
+    let o = publish(&work, &sim, &hc, &[])
+        .env("PATH", no_ssh.path())
+        .output();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("install the package openssh-client"), "{err}");
+    assert!(!err.contains("temporary SSH key"), "a key was made: {err}");
+    assert_eq!(hc.stat("serversCreated"), 0, "{err}");
+    nothing_left(&hc);
+}
+
+#[test]
 fn remote_dd_failure_and_failed_actions_leave_nothing() {
     let sim = Sim::start(&[]);
     for (switch, needle) in [
@@ -292,8 +309,37 @@ fn sigint_during_the_stream_cleans_up() {
     let sim = Sim::start_with(&[], 400, &[]);
     let hc = Hc::start(&[]);
     let work = Work::new(&hetzner("    location: fsn1\n"));
-    let (mut child, _) = publish_until_streaming(&work, &sim, &hc);
+    let (mut child, lines) = publish_until_streaming(&work, &sim, &hc);
     assert_eq!(hc.stats()["servers"], 1);
+    // The host key said is the rescue sshd's own (its key sits beside the
+    // server's disk file in the simulator's state).
+    let said = lines.concat();
+    let id: u64 = said
+        .split("temporary server ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("no server named: {said}"));
+    let host_key = hc
+        .disk(id)
+        .with_file_name("rescue")
+        .join("ssh_host_ed25519_key.pub");
+    let o = Command::new("ssh-keygen")
+        .args(["-l", "-E", "sha256", "-f"])
+        .arg(&host_key)
+        .output()
+        .unwrap();
+    let shown = text(&o.stdout);
+    let fingerprint = shown.split_whitespace().nth(1).unwrap_or_default();
+    assert!(
+        fingerprint.starts_with("SHA256:"),
+        "{shown}{}",
+        text(&o.stderr)
+    );
+    assert!(
+        said.contains(&format!("its host key {fingerprint} is new")),
+        "{fingerprint}: {said}"
+    );
     let kill = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()

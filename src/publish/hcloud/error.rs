@@ -36,6 +36,11 @@ pub enum HcloudError {
     Timeout { what: String, after: Duration },
     #[error("SSH: {0}")]
     Ssh(String),
+    /// The OpenSSH client is not installed: nothing was created.
+    #[error(
+        "the OpenSSH client `ssh` is not on PATH; writing a snapshot needs it: install the package openssh-client"
+    )]
+    SshMissing,
     #[error("{0}")]
     Remote(String),
     #[error("{0}")]
