@@ -7,6 +7,7 @@ pub mod hostile;
 pub mod inventory;
 pub mod net;
 pub mod otherfs;
+pub mod plan;
 pub mod realboot;
 pub mod run;
 pub mod sims;

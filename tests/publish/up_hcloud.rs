@@ -113,9 +113,9 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
         text(&o.stdout),
         text(&o.stderr)
     );
-    let v = json(&o);
-    assert_eq!(v["dryRun"], true);
-    assert_eq!(v["target"], "hcloud");
+    let planned = json(&o);
+    assert_eq!(planned["dryRun"], true);
+    assert_eq!(planned["target"], "hcloud");
     assert_eq!(c.changes(), (0, 0, 0, 0, 0));
     assert_eq!(c.hc.stat("sshKeys"), 0);
 
@@ -127,6 +127,15 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
         text(&o.stderr)
     );
     let v = json(&o);
+    // What the dry run planned is what the run did: servers boot with
+    // their config in user_data, so no first apply in either.
+    common::plan::assert_plan_is_run("Hetzner first run", &planned, &v);
+    assert!(
+        !common::plan::actions(&planned)
+            .iter()
+            .any(|a| a.contains("applyFirstConfig")),
+        "{planned}"
+    );
     assert_eq!(v["healthy"], true, "{v}");
     assert_eq!(v["bootstrap"], "bootstrapped");
     let nodes = v["nodes"].as_array().unwrap();
