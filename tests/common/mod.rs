@@ -62,7 +62,10 @@ pub fn sim_bin() -> PathBuf {
     let sim = imgbuild.with_file_name("imgbuild-sim");
     BUILT.call_once(|| {
         let st = Command::new(env!("CARGO"))
-            .args(["build", "-p", "imgbuild-sim"])
+            // The workspace's feature set, as `cargo test --workspace`
+            // built it: `-p` alone unifies features differently and
+            // recompiled the library (46 s of a cold `make test`).
+            .args(["build", "--workspace", "--bin", "imgbuild-sim"])
             .current_dir(root())
             .status()
             .unwrap();
