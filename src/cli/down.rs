@@ -33,19 +33,41 @@ pub struct DownArgs {
     /// How often Proxmox tasks are polled, in milliseconds.
     #[arg(long, default_value_t = 500)]
     poll_ms: u64,
+    /// List what would be deleted, found exactly as the deletion finds it,
+    /// and delete nothing (no confirmation needed).
+    #[arg(long)]
+    dry_run: bool,
 }
 
 pub fn run(args: DownArgs, config: &Path, output: Output, yes: bool) -> Result<()> {
     let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
     match inv.publish.target() {
         PublishSettings::Proxmox(settings) => proxmox(&args, &inv, settings, output, yes),
-        PublishSettings::Hcloud(_) => hcloud(&inv, config, output, yes),
+        PublishSettings::Hcloud(_) => hcloud(&inv, config, output, yes, args.dry_run),
         PublishSettings::None => Err(Usage(format!(
             "{}: no publish.proxmox or publish.hcloud section: `down` deletes the machines imgbuild made there",
             config.display()
         ))
         .into()),
     }
+}
+
+/// `down --dry-run`: what the deletion would take (the list `confirm`
+/// shows), as text or `doc`; nothing is deleted.
+fn dry_run(output: Output, cluster: &str, what: &[String], doc: serde_json::Value) -> Result<()> {
+    match output {
+        Output::Json => outln!("{doc}"),
+        Output::Text if what.is_empty() => {
+            outln!("cluster {cluster}: nothing imgbuild made would be deleted")
+        }
+        Output::Text => {
+            outln!("would delete (dry run, nothing deleted):");
+            for line in what {
+                outln!("  {line}");
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Goes on only with `--yes` or a "y" typed at the terminal; `what` is
@@ -110,9 +132,9 @@ fn proxmox(
                 "VM {} {} on {} (node {}; disks: {})",
                 vm.vmid,
                 escape(&vm.name),
-                vm.pve_node,
-                vm.node,
-                vm.disks.join(", ")
+                escape(&vm.pve_node),
+                escape(&vm.node),
+                escape(&vm.disks.join(", "))
             )
         })
         .collect();
@@ -121,6 +143,23 @@ fn proxmox(
             .iter()
             .map(|v| format!("volume {} on {}", v.volid, v.pve_node)),
     );
+    if args.dry_run {
+        let kept = kept
+            .iter()
+            .map(|v| json!({"volid": v.volid, "usedBy": v.used_by}))
+            .collect::<Vec<_>>();
+        let doc = json!({
+            "cluster": cluster,
+            "target": "proxmox",
+            "dryRun": true,
+            "wouldDelete": {
+                "vms": vms.iter().map(|vm| json!({"vmid": vm.vmid, "node": vm.node, "pveNode": vm.pve_node, "disks": vm.disks})).collect::<Vec<_>>(),
+                "volumes": volumes.iter().map(|v| v.volid.clone()).collect::<Vec<_>>(),
+            },
+            "kept": kept,
+        });
+        return dry_run(output, cluster, &what, doc);
+    }
     confirm(
         &format!(
             "{} VM(s) and {} volume(s) of cluster {cluster}",
@@ -194,7 +233,7 @@ fn proxmox(
 /// The Hetzner side: the cluster's servers (found by label). Snapshots
 /// stay: the next `up` boots from them again (`imgbuild prune` deletes
 /// unused ones).
-fn hcloud(inv: &Inventory, config: &Path, output: Output, yes: bool) -> Result<()> {
+fn hcloud(inv: &Inventory, config: &Path, output: Output, yes: bool, dry: bool) -> Result<()> {
     if inv
         .publish
         .hcloud()
@@ -212,8 +251,26 @@ fn hcloud(inv: &Inventory, config: &Path, output: Output, yes: bool) -> Result<(
     let found = servers::existing(&api, cluster)?;
     let what: Vec<String> = found
         .iter()
-        .map(|s| format!("{} (server {}, node {})", s.name, s.id, s.node))
+        .map(|s| {
+            format!(
+                "{} (server {}, node {})",
+                escape(&s.name),
+                s.id,
+                escape(&s.node)
+            )
+        })
         .collect();
+    if dry {
+        let doc = json!({
+            "cluster": cluster,
+            "target": "hcloud",
+            "dryRun": true,
+            "wouldDelete": {
+                "servers": found.iter().map(|s| json!({"id": s.id, "name": s.name, "node": s.node})).collect::<Vec<_>>(),
+            },
+        });
+        return dry_run(output, cluster, &what, doc);
+    }
     confirm(
         &format!("{} server(s) of cluster {cluster}", found.len()),
         &what,

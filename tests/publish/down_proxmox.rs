@@ -135,6 +135,22 @@ fn down_deletes_the_clusters_vms_and_volumes_and_nothing_else() {
     assert!(exists(&pve, 300) && exists(&pve, 301));
     assert_eq!(imports(&pve), before);
 
+    // --dry-run: what the deletion below takes, exactly; nothing deleted,
+    // no confirmation asked.
+    let o = run(&work, &pve, &["down", "--dry-run", "--output", "json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let dry = json(&o);
+    assert_eq!(dry["dryRun"], true, "{dry}");
+    assert!(exists(&pve, 300) && exists(&pve, 301));
+    assert_eq!(imports(&pve), before);
+    let o = run(&work, &pve, &["down", "--dry-run"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let shown = text(&o.stdout);
+    assert!(
+        shown.contains("would delete") && shown.contains("VM 300") && !shown.contains("VM 500"),
+        "{shown}"
+    );
+
     let o = run(
         &work,
         &pve,
@@ -150,6 +166,17 @@ fn down_deletes_the_clusters_vms_and_volumes_and_nothing_else() {
         .collect();
     assert_eq!(vms, [300, 301], "{v}");
     assert_eq!(v["deleted"]["volumes"].as_array().unwrap().len(), 2, "{v}");
+    let planned: Vec<u64> = dry["wouldDelete"]["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["vmid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(planned, vms, "the dry run listed other VMs: {dry}");
+    assert_eq!(
+        dry["wouldDelete"]["volumes"], v["deleted"]["volumes"],
+        "the dry run listed other volumes"
+    );
     assert!(!exists(&pve, 300) && !exists(&pve, 301));
     assert!(exists(&pve, 500) && exists(&pve, 501));
     assert_eq!(disks(&pve), ["vm-500-disk-0.raw", "vm-501-disk-0.raw"]);

@@ -216,9 +216,26 @@ fn up_on_hetzner_creates_servers_from_the_snapshot_and_down_removes_them() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     assert!(text(&o.stderr).contains("--yes"), "{}", text(&o.stderr));
     assert_eq!(c.hc.stat("servers"), 3);
+    // --dry-run lists the servers the deletion takes; nothing goes.
+    let o = c.imgbuild(&["down", "--dry-run", "-o", "json"]).output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let dry = json(&o);
+    assert_eq!(c.hc.stat("servers"), 3);
     let o = c.imgbuild(&["down", "--yes", "--output", "json"]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(json(&o)["deleted"].as_array().unwrap().len(), 3);
+    let ids = |list: &Value| {
+        let mut ids: Vec<u64> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_u64().unwrap())
+            .collect();
+        ids.sort_unstable();
+        ids
+    };
+    let deleted = json(&o)["deleted"].clone();
+    assert_eq!(ids(&deleted).len(), 3, "{deleted}");
+    assert_eq!(ids(&dry["wouldDelete"]["servers"]), ids(&deleted), "{dry}");
     assert_eq!(c.hc.stat("servers"), 0);
     assert_eq!(c.hc.stat("sshKeys"), 0);
 }
