@@ -257,8 +257,16 @@ fn v1_12_control_plane_removal_leaves_two_etcd_members_and_warns() {
     let order: Vec<String> = c.calls().into_iter().map(|(_, call)| call).collect();
     assert_eq!(
         order,
-        ["EtcdLeaveCluster", "Reset", "ResetSequence", "DeleteNode"]
+        [
+            "EtcdForfeitLeadership",
+            "EtcdLeaveCluster",
+            "Reset",
+            "ResetSequence",
+            "DeleteNode"
+        ]
     );
+    // cp-02 did not lead: nothing was handed off.
+    assert_eq!(c.call("cp-02", "EtcdForfeitLeadership")["to"], "");
     // It left on its own; the reset found it no member any more.
     assert_eq!(c.call("cp-02", "EtcdLeaveCluster")["via"], "cp-02");
     let reset = c.call("cp-02", "Reset");
@@ -280,6 +288,31 @@ fn v1_12_control_plane_removal_leaves_two_etcd_members_and_warns() {
         .map(|m| m.hostname)
         .collect();
     assert_eq!(names, ["cp-01", "cp-03"]);
+}
+
+/// talosctl reset's order: the leader hands etcd leadership to another
+/// member before it leaves, so the cluster never loses its leader with it.
+#[test]
+fn v1_11_the_etcd_leader_hands_leadership_off_before_it_leaves() {
+    let c = Cluster::start(7, "v1.11.5", &ALL);
+    c.keep("v1.11.5", &without(&["cp-01"]));
+    let prepared = c.prepared();
+    let plan = c.plan(&prepared).unwrap();
+    let report = remove::remove(&prepared, &plan, &run_options(), &quiet).unwrap();
+    assert!(report.complete(), "{:?}", report.failed);
+    let order: Vec<String> = c
+        .calls()
+        .into_iter()
+        .filter(|(node, _)| node == "cp-01")
+        .map(|(_, call)| call)
+        .collect();
+    assert_eq!(order[..2], ["EtcdForfeitLeadership", "EtcdLeaveCluster"]);
+    assert_eq!(c.call("cp-01", "EtcdForfeitLeadership")["to"], "cp-02");
+    let leave = &steps_of(&report, "cp-01")[1];
+    assert!(
+        format!("{leave:?}").contains("leadership handed to cp-02"),
+        "{leave:?}"
+    );
 }
 
 #[test]

@@ -298,6 +298,32 @@ impl RealEtcd {
             .ok_or_else(|| "no member id".to_owned())
     }
 
+    /// `EtcdForfeitLeadership` on node `i`: when its member leads,
+    /// `move-leader` to another started member and that member's name;
+    /// else "".
+    pub(crate) fn forfeit(&self, cluster: &Cluster, i: usize) -> Result<String, String> {
+        let endpoint = self.endpoint(cluster, i)?;
+        let out = etcdctl(&endpoint, &["endpoint", "status", "-w", "json"])?;
+        let v: Value = serde_json::from_slice(&out).map_err(|e| e.to_string())?;
+        let status = &v[0]["Status"];
+        let (own, leader) = (
+            status["header"]["member_id"].as_u64(),
+            status["leader"].as_u64(),
+        );
+        if own.is_none() || own != leader {
+            return Ok(String::new());
+        }
+        let Some(to) = self
+            .list(cluster, i)?
+            .into_iter()
+            .find(|m| Some(m.id) != own && !m.is_learner)
+        else {
+            return Ok(String::new());
+        };
+        etcdctl(&endpoint, &["move-leader", &format!("{:x}", to.id)])?;
+        Ok(to.name)
+    }
+
     /// `member remove ID` through node `i`'s member: etcd's own refusal
     /// (not enough started members, member not found) as its text.
     pub(crate) fn remove(&self, cluster: &Cluster, i: usize, id: u64) -> Result<(), String> {

@@ -196,6 +196,13 @@ impl MachineService for Api {
         self.etcd_leave_cluster_call(req)
     }
 
+    async fn etcd_forfeit_leadership(
+        &self,
+        req: Request<EtcdForfeitLeadershipRequest>,
+    ) -> Result<Response<EtcdForfeitLeadershipResponse>, Status> {
+        self.etcd_forfeit_leadership_call(req)
+    }
+
     async fn etcd_remove_member_by_id(
         &self,
         req: Request<EtcdRemoveMemberByIdRequest>,

@@ -16,6 +16,11 @@
 //!   done from v1.9.1 (talos commit f98efb3, "ignore member not found error
 //!   on leave cluster"); v1.9.0 fails with etcd's "member not found".
 //! - EtcdRemoveMemberByID: NotFound for an unknown ID; else etcd's rule.
+//! - EtcdForfeitLeadership (`pkg/etcd/etcd.go` `ForfeitLeadership`): on a
+//!   worker Unimplemented (`checkControlplane`); on the leading member's
+//!   node, leadership moves to another member, whose name is answered; on
+//!   any other, an empty answer. The modelled etcd's leader is the
+//!   lowest-numbered member until a forfeit moves it.
 //! - Reset (`v1alpha1_server.go` `Reset`, `v1alpha1_sequencer.go` `Reset`,
 //!   `v1alpha1_sequencer_tasks.go` `LeaveEtcd`): labels to wipe must be
 //!   volumes the node has; USER_DISKS with labels, SYSTEM_DISK with user
@@ -291,6 +296,56 @@ impl Api {
         let name = self.cluster.node(i).display_name();
         self.logged(&name, "EtcdLeaveCluster", json!({}), &result);
         result.map(|()| EtcdLeaveCluster { metadata: None })
+    }
+
+    /// `EtcdForfeitLeadership` (`v1alpha1_server.go`, `pkg/etcd`
+    /// `ForfeitLeadership`): control planes only; when this node's member
+    /// leads, leadership moves to another member (etcd `MoveLeader`) and
+    /// that member's name is the answer; otherwise the answer is empty.
+    fn forfeit_on(&self, i: usize) -> Result<EtcdForfeitLeadership, Status> {
+        let result = (|| {
+            self.control_plane_only(i, "etcd forfeit leadership")?;
+            if !reached(self.cluster.etcd_start(i), Instant::now()) {
+                return Err(Status::unknown(
+                    "failed to get local etcd member ID: context deadline exceeded",
+                ));
+            }
+            if let Some(real) = &self.cluster.real_etcd {
+                return real
+                    .forfeit(&self.cluster, i)
+                    .map_err(|e| Status::unknown(format!("failed to move leadership: {e}")));
+            }
+            let members = self.cluster.members();
+            let mut removals = self.cluster.removals.lock().unwrap();
+            let leader = removals
+                .leader
+                .filter(|l| members.contains(l))
+                .or(members.first().copied());
+            if leader != Some(i) {
+                return Ok(String::new());
+            }
+            let Some(&to) = members.iter().find(|&&j| j != i) else {
+                // A single member keeps leading (etcd: no transferee).
+                return Ok(String::new());
+            };
+            removals.leader = Some(to);
+            Ok(self.cluster.node(to).display_name())
+        })();
+        let name = self.cluster.node(i).display_name();
+        let to = result.as_ref().map(String::clone).unwrap_or_default();
+        self.logged(&name, "EtcdForfeitLeadership", json!({"to": to}), &result);
+        result.map(|member| EtcdForfeitLeadership {
+            metadata: None,
+            member,
+        })
+    }
+
+    pub(crate) fn etcd_forfeit_leadership_call(
+        &self,
+        req: Request<EtcdForfeitLeadershipRequest>,
+    ) -> Result<Response<EtcdForfeitLeadershipResponse>, Status> {
+        let messages = self.answer(&req, |i| Ok(vec![self.forfeit_on(i)?]))?;
+        Ok(Response::new(EtcdForfeitLeadershipResponse { messages }))
     }
 
     pub(crate) fn etcd_leave_cluster_call(

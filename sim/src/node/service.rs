@@ -62,6 +62,7 @@ envelopes!(
     Reboot,
     EtcdLeaveCluster,
     EtcdRemoveMemberById,
+    EtcdForfeitLeadership,
     Reset
 );
 

@@ -697,6 +697,9 @@ pub(crate) struct Removals {
     pub(crate) deleted: BTreeSet<usize>,
     /// Every call, in order.
     pub(crate) calls: Vec<Value>,
+    /// The modelled etcd's leader after an `EtcdForfeitLeadership` moved it
+    /// (None, or no longer a member: the lowest-numbered member leads).
+    pub(crate) leader: Option<usize>,
 }
 
 /// The cluster's etcd: its keyspace and what was done with it.
