@@ -28,7 +28,7 @@ impl AtomicFile {
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
         let dir = dir.unwrap_or(Path::new("."));
         let prefix = format!(".{}.tmp-", name.to_string_lossy());
-        sweep_stale(dir, &prefix);
+        sweep_stale(dir, |n| n.strip_prefix(prefix.as_str()));
         let writer = WRITERS.fetch_add(1, Ordering::Relaxed);
         let temp = dir.join(format!("{prefix}{}.{writer}", std::process::id()));
         let mut opts = OpenOptions::new();
@@ -79,22 +79,20 @@ impl Drop for AtomicFile {
 /// Removes `<prefix><pid>.<writer>` (or, from older versions,
 /// `<prefix><pid>`) files left by writers that were killed (no destructor
 /// runs on SIGKILL or an unhandled SIGINT) and are gone now.
-fn sweep_stale(dir: &Path, prefix: &str) {
+/// `after_prefix` gives what follows the temporary-name prefix of a file
+/// name this sweep may take (None: not one of ours).
+fn sweep_stale(dir: &Path, after_prefix: impl Fn(&str) -> Option<&str>) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(prefix))
-            .and_then(|p| {
-                p.split_once('.')
-                    .map_or(p, |(pid, _)| pid)
-                    .parse::<i32>()
-                    .ok()
-            })
-        else {
+        let Some(pid) = name.to_str().and_then(&after_prefix).and_then(|p| {
+            p.split_once('.')
+                .map_or(p, |(pid, _)| pid)
+                .parse::<i32>()
+                .ok()
+        }) else {
             continue;
         };
         // SAFETY: signal 0 only asks whether the process exists.
@@ -104,6 +102,16 @@ fn sweep_stale(dir: &Path, prefix: &str) {
             let _ = fs::remove_file(entry.path());
         }
     }
+}
+
+/// Removes what killed writers left in `dir` of any target whose name ends
+/// in `suffix` (`.snapshot`): files whose names change every time (a
+/// timestamp) never meet their own writer's sweep.
+pub fn sweep_dead_writers(dir: &Path, suffix: &str) {
+    sweep_stale(dir, |n| {
+        let (target, rest) = n.strip_prefix('.')?.rsplit_once(".tmp-")?;
+        target.ends_with(suffix).then_some(rest)
+    });
 }
 
 /// Writes `data` to `target` atomically. Returns false (and writes nothing)
@@ -271,6 +279,26 @@ mod tests {
         assert!(!stale.exists());
         assert!(!stale_old.exists());
         assert!(live.exists());
+    }
+
+    #[test]
+    fn a_killed_writers_temp_of_another_name_is_swept_by_suffix() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = dir.path().join(format!(
+            ".c-20260101T000000.000Z-cp-01.snapshot.tmp-{dead}.0"
+        ));
+        let other = dir.path().join(format!(".img.raw.tmp-{dead}.0"));
+        let live = dir.path().join(".c-x.snapshot.tmp-1.0"); // init never dies
+        let mine = dir.path().join("c-x.snapshot");
+        for f in [&stale, &other, &live, &mine] {
+            fs::write(f, b"half").unwrap();
+        }
+        sweep_dead_writers(dir.path(), ".snapshot");
+        assert!(!stale.exists());
+        assert!(other.exists() && live.exists() && mine.exists());
     }
 
     #[test]

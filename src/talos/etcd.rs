@@ -256,6 +256,11 @@ async fn stream_into(
         node: node.to_owned(),
         source,
     };
+    // A snapshot killed mid-stream left its temp under a name no later
+    // snapshot shares (they are timestamped): swept here, by the next one.
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        crate::atomic::sweep_dead_writers(dir, ".snapshot");
+    }
     let mut out = AtomicFile::create(path, true).map_err(io_at(path))?;
     let mut stream = conn.etcd_snapshot().await.map_err(api)?;
     let mut v = Verifier::default();
