@@ -332,7 +332,7 @@ impl Api {
             Ok(self.cluster.node(to).display_name())
         })();
         let name = self.cluster.node(i).display_name();
-        let to = result.as_ref().map(String::clone).unwrap_or_default();
+        let to = result.as_deref().unwrap_or_default();
         self.logged(&name, "EtcdForfeitLeadership", json!({"to": to}), &result);
         result.map(|member| EtcdForfeitLeadership {
             metadata: None,
