@@ -266,7 +266,10 @@ fn usage_error(e: clap::Error) -> i32 {
         outln!("{}", e.render().to_string().trim_end());
         return 0;
     }
-    let args: Vec<String> = std::env::args().collect();
+    // args_os: a non-UTF-8 argument is clap's usage error, not a panic here.
+    let args: Vec<String> = std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     let json_wanted = args
         .windows(2)
         .any(|w| (w[0] == "--output" || w[0] == "-o") && w[1] == "json")

@@ -81,6 +81,9 @@ pub enum TalosState {
     Unreachable,
 }
 
+/// How many differences a refused plan lists before "and N more".
+pub const MAX_DIFFERENCES: usize = 20;
+
 /// The plan file's format; a reader refuses any other.
 pub const FORMAT: u32 = 1;
 
@@ -428,13 +431,29 @@ impl Plan {
     /// Every way `now` (a fresh plan under this plan's salt) departs from
     /// this one, first what it rests on, then the actions; empty: this
     /// plan still holds.
+    /// Text from the plan file is escaped and bounded, and at most
+    /// [`MAX_DIFFERENCES`] are listed (then how many more).
     pub fn differences(&self, now: &Plan) -> Vec<String> {
+        let mut out = self.all_differences(now);
+        if out.len() > MAX_DIFFERENCES {
+            let more = out.len() - MAX_DIFFERENCES;
+            out.truncate(MAX_DIFFERENCES);
+            out.push(format!("and {more} more"));
+        }
+        out
+    }
+
+    fn all_differences(&self, now: &Plan) -> Vec<String> {
+        let e = |s: &str| crate::input::one_line(s, 64);
         let mut out = Vec::new();
         let (was, is) = (&self.observed, &now.observed);
         if self.cluster != now.cluster || self.target != now.target {
             out.push(format!(
                 "the plan is for cluster {} on {}, the inventory names {} on {}",
-                self.cluster, self.target, now.cluster, now.target
+                e(&self.cluster),
+                e(&self.target),
+                e(&now.cluster),
+                e(&now.target)
             ));
         }
         if was.inventory != is.inventory {
@@ -443,8 +462,8 @@ impl Plan {
         for p in &was.patches {
             match is.patches.iter().find(|q| q.path == p.path) {
                 Some(q) if q.sha256 == p.sha256 => {}
-                Some(_) => out.push(format!("patch {} changed since the plan", p.path)),
-                None => out.push(format!("patch {} is no longer used", p.path)),
+                Some(_) => out.push(format!("patch {} changed since the plan", e(&p.path))),
+                None => out.push(format!("patch {} is no longer used", e(&p.path))),
             }
         }
         for q in is
@@ -452,42 +471,41 @@ impl Plan {
             .iter()
             .filter(|q| !was.patches.iter().any(|p| p.path == q.path))
         {
-            out.push(format!("patch {} is new since the plan", q.path));
+            out.push(format!("patch {} is new since the plan", e(&q.path)));
         }
         let names: std::collections::BTreeSet<&String> =
             was.vars.keys().chain(is.vars.keys()).collect();
         for name in names {
             if was.vars.get(name) != is.vars.get(name) {
-                out.push(format!("${{{name}}} changed since the plan"));
+                out.push(format!("${{{}}} changed since the plan", e(name)));
             }
         }
         for n in &was.nodes {
             let Some(m) = is.nodes.iter().find(|m| m.node == n.node) else {
-                out.push(format!("node {} is not in the inventory any more", n.node));
+                out.push(format!(
+                    "node {} is not in the inventory any more",
+                    e(&n.node)
+                ));
                 continue;
             };
-            let shown = |v: &Option<String>| v.clone().unwrap_or_else(|| "unknown".into());
+            let node = e(&n.node);
+            let shown = |v: &Option<String>| v.as_deref().map_or_else(|| "unknown".into(), e);
             if n.talos_version != m.talos_version {
                 out.push(format!(
-                    "node {} runs Talos {} now, the plan saw {}",
-                    n.node,
+                    "node {node} runs Talos {} now, the plan saw {}",
                     shown(&m.talos_version),
                     shown(&n.talos_version)
                 ));
             } else if n.talos != m.talos {
                 out.push(format!(
-                    "node {}'s Talos API changed state since the plan",
-                    n.node
+                    "node {node}'s Talos API changed state since the plan"
                 ));
             }
             if n.machine != m.machine {
-                out.push(format!("node {}'s machine changed since the plan", n.node));
+                out.push(format!("node {node}'s machine changed since the plan"));
             }
             if n.volume != m.volume {
-                out.push(format!(
-                    "node {}'s boot volume changed since the plan",
-                    n.node
-                ));
+                out.push(format!("node {node}'s boot volume changed since the plan"));
             }
         }
         for a in &self.actions {
@@ -499,7 +517,7 @@ impl Plan {
                         .iter()
                         .find(|b| b.node == a.node && b.kind.name() == a.kind.name())
                         .map_or("not planned".to_owned(), |b| {
-                            serde_json::to_string(&b.kind).unwrap_or_default()
+                            e(&serde_json::to_string(&b.kind).unwrap_or_default())
                         })
                 ));
             }
@@ -613,6 +631,30 @@ mod tests {
             other.differences(&reordered),
             vec!["the plan's actions run in another order now".to_owned()]
         );
+    }
+
+    /// A crafted plan file cannot forge a line of output or flood it.
+    #[test]
+    fn a_crafted_plans_differences_are_escaped_and_bounded() {
+        let mut crafted = plan(vec![]);
+        crafted.cluster = format!("x\nerror: forged line{}", "y".repeat(10_000));
+        crafted.observed.nodes = (0..100)
+            .map(|i| NodeSeen {
+                node: format!("ghost-{i}\n"),
+                talos: None,
+                talos_version: None,
+                machine: None,
+                volume: None,
+            })
+            .collect();
+        let d = crafted.differences(&plan(vec![]));
+        assert_eq!(d.len(), MAX_DIFFERENCES + 1, "{d:?}");
+        assert_eq!(d.last().unwrap(), "and 81 more");
+        assert!(
+            d.iter().all(|l| !l.contains('\n') && l.len() < 400),
+            "{d:?}"
+        );
+        assert!(d[0].contains("x\\nerror: forged"), "{}", d[0]);
     }
 
     #[test]

@@ -125,6 +125,20 @@ fn usage_errors_are_2_and_one_document_with_json() {
             .unwrap()
             .contains("only `plan`")
     );
+    // An argument that is not UTF-8 is a usage error too, not a panic.
+    for json in [false, true] {
+        use std::os::unix::ffi::OsStrExt;
+        let mut cmd = common::imgbuild_command(if json { &["-o", "json"] } else { &[] });
+        let o = cmd
+            .arg(std::ffi::OsStr::from_bytes(b"\xff"))
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+        assert!(!text(&o.stderr).contains("panicked"), "{}", text(&o.stderr));
+        if json {
+            assert!(one_document(&o)["error"].is_string());
+        }
+    }
     // Help is not an error.
     let o = imgbuild(&["--help"]);
     assert_eq!(o.status.code(), Some(0));

@@ -185,13 +185,14 @@ pub async fn run(mut args: Args) -> anyhow::Result<()> {
         .as_deref()
         .map(Nodes::parse)
         .transpose()?;
+    let (address_base, _address_lock) = reserve_address_base()?;
     let sim = Arc::new(Sim {
         nodes,
         args,
         schemas: Schemas::load()?,
         world: Mutex::new(world),
         stats: Stats::default(),
-        address_base: std::process::id() % 250,
+        address_base,
     });
     let app = Router::new()
         .route("/_sim/stats", get(stats))
@@ -365,6 +366,30 @@ fn route(sim: &Arc<Sim>, method: &Method, path: &str, query: &str, body: Value) 
         }
         _ => Err(not_found("endpoint")),
     }
+}
+
+/// The third octet of this simulator's server addresses (127.4.P.x): one no
+/// other live simulator holds, reserved by an advisory lock on a file in
+/// the temp dir kept for the process's life (a pid alone collided for pids
+/// equal mod 250, and one run's rescue logins reached another's sshd).
+fn reserve_address_base() -> anyhow::Result<(u32, std::fs::File)> {
+    let start = std::process::id() % 250;
+    for k in 0..250 {
+        let p = (start + k) % 250;
+        let path = std::env::temp_dir().join(format!("imgbuild-sim-hcloud-127.4.{p}.lock"));
+        let Ok(file) = std::fs::File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+        else {
+            continue;
+        };
+        if file.try_lock().is_ok() {
+            return Ok((p, file));
+        }
+    }
+    anyhow::bail!("every 127.4.P.0/24 is held by another Hetzner simulator")
 }
 
 #[cfg(test)]

@@ -400,10 +400,23 @@ impl<'a> Rescue<'a> {
     /// reaches imgbuild, which then ends it), reading no configuration.
     fn command(&self, command: &str) -> Command {
         let mut ssh = Command::new(&self.program);
+        // Only what ssh needs of the environment: no agent (one that never
+        // answers would hang the login past every deadline; the run's own
+        // key is the only one used) and none of imgbuild's secrets
+        // (HCLOUD_TOKEN and the like).
+        ssh.env_clear();
+        for keep in [
+            "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TMPDIR",
+        ] {
+            if let Some(v) = std::env::var_os(keep) {
+                ssh.env(keep, v);
+            }
+        }
         ssh.args(["-F", "/dev/null", "-T"]);
         let options = [
             "BatchMode=yes".to_owned(),
             "IdentitiesOnly=yes".to_owned(),
+            "IdentityAgent=none".to_owned(),
             format!("IdentityFile={}", self.identity.key_file().display()),
             format!(
                 "UserKnownHostsFile={}",
@@ -802,6 +815,32 @@ mod tests {
         assert_eq!(args[port + 1], "2222");
         let user = args.iter().position(|a| *a == "-l").unwrap();
         assert_eq!(args[user + 1], "root");
+    }
+
+    /// An agent that never answers, or a token in imgbuild's environment,
+    /// never reaches ssh.
+    #[test]
+    fn ssh_gets_no_agent_and_none_of_imgbuilds_environment() {
+        let id = Identity::new().unwrap();
+        // `env -0`: what the child got, names only (the shell adds PWD,
+        // SHLVL and `_` itself).
+        let out = fake(&id, "env -0 | tr '\\0' '\\n' | cut -d= -f1")
+            .run("true")
+            .unwrap();
+        let allowed = [
+            "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TMPDIR", "PWD", "SHLVL", "_",
+        ];
+        let names: Vec<&str> = out.stdout.lines().filter(|l| !l.is_empty()).collect();
+        assert!(names.contains(&"PATH"), "{names:?}");
+        assert!(
+            names.iter().all(|n| allowed.contains(n)),
+            "ssh got more of the environment: {names:?}"
+        );
+        let args = fake(&id, r#"for a in "$@"; do printf '%s\n' "$a"; done"#)
+            .run("true")
+            .unwrap()
+            .stdout;
+        assert!(args.lines().any(|a| a == "IdentityAgent=none"), "{args}");
     }
 
     #[test]
