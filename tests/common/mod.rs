@@ -62,9 +62,11 @@ pub fn sim_bin() -> PathBuf {
     let sim = imgbuild.with_file_name("imgbuild-sim");
     BUILT.call_once(|| {
         let st = Command::new(env!("CARGO"))
-            // The workspace's feature set, as `cargo test --workspace`
-            // built it: `-p` alone unifies features differently and
-            // recompiled the library (46 s of a cold `make test`).
+            // The workspace's feature set (`-p` alone unifies features
+            // otherwise). Under `make test` this still compiles the
+            // library and the simulator once more (45 s of a cold run):
+            // `cargo test` built them under the `test` profile, this asks
+            // for `dev`.
             .args(["build", "--workspace", "--bin", "imgbuild-sim"])
             .current_dir(root())
             .status()
