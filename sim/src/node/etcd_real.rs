@@ -310,11 +310,14 @@ impl RealEtcd {
             status["header"]["member_id"].as_u64(),
             status["leader"].as_u64(),
         );
+        let members = self.list(cluster, i)?;
+        if members.len() == 1 {
+            return Err("cannot forfeit leadership, only one member".to_owned());
+        }
         if own.is_none() || own != leader {
             return Ok(String::new());
         }
-        let Some(to) = self
-            .list(cluster, i)?
+        let Some(to) = members
             .into_iter()
             .find(|m| Some(m.id) != own && !m.is_learner)
         else {

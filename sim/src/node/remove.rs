@@ -16,10 +16,13 @@
 //!   done from v1.9.1 (talos commit f98efb3, "ignore member not found error
 //!   on leave cluster"); v1.9.0 fails with etcd's "member not found".
 //! - EtcdRemoveMemberByID: NotFound for an unknown ID; else etcd's rule.
-//! - EtcdForfeitLeadership (`pkg/etcd/etcd.go` `ForfeitLeadership`): on a
-//!   worker Unimplemented (`checkControlplane`); on the leading member's
-//!   node, leadership moves to another member, whose name is answered; on
-//!   any other, an empty answer. The modelled etcd's leader is the
+//! - EtcdForfeitLeadership (`v1alpha1_server.go`, `pkg/etcd/etcd.go`
+//!   `ForfeitLeadership`, v1.9–v1.14): on a worker Unimplemented
+//!   (`checkControlplane`); the only member → "cannot forfeit leadership,
+//!   only one member"; a node whose member is gone → "failed to find …
+//!   in list of etcd members"; on the leading member's node, leadership
+//!   moves to the first other member, whose name is answered; on any
+//!   other, an empty answer. The modelled etcd's leader is the
 //!   lowest-numbered member until a forfeit moves it.
 //! - Reset (`v1alpha1_server.go` `Reset`, `v1alpha1_sequencer.go` `Reset`,
 //!   `v1alpha1_sequencer_tasks.go` `LeaveEtcd`): labels to wipe must be
@@ -316,6 +319,17 @@ impl Api {
                     .map_err(|e| Status::unknown(format!("failed to move leadership: {e}")));
             }
             let members = self.cluster.members();
+            if members.len() == 1 {
+                return Err(Status::unknown(
+                    "failed to forfeit leadership: cannot forfeit leadership, only one member",
+                ));
+            }
+            if !members.contains(&i) {
+                return Err(Status::unknown(format!(
+                    "failed to forfeit leadership: failed to find \"{:016x}\" in list of etcd members",
+                    member_id(i)
+                )));
+            }
             let mut removals = self.cluster.removals.lock().unwrap();
             let leader = removals
                 .leader
@@ -325,7 +339,6 @@ impl Api {
                 return Ok(String::new());
             }
             let Some(&to) = members.iter().find(|&&j| j != i) else {
-                // A single member keeps leading (etcd: no transferee).
                 return Ok(String::new());
             };
             removals.leader = Some(to);
