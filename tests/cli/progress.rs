@@ -156,6 +156,9 @@ fn terminal_command(cmd: &Command) -> Command {
     }
     let mut s = Command::new("script");
     s.args(["-q", "-e", "-c", &line, "/dev/null"]);
+    // A terminal emulator names itself; a test run from `env -i` or a CI
+    // runner has no TERM, and then nothing draws as on a terminal.
+    s.env("TERM", "xterm-256color");
     if let Some(dir) = cmd.get_current_dir() {
         s.current_dir(dir);
     }

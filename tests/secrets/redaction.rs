@@ -347,6 +347,7 @@ fn on_a_terminal(dir: &Path, args: &[&str], key: &str) -> String {
     let o = Command::new("script")
         .args(["-q", "-e", "-c", &line, "/dev/null"])
         .env("TS_AUTHKEY", key)
+        .env("TERM", "xterm-256color")
         .env("NO_COLOR", "1")
         .env_remove("IMGBUILD_STATE_DIR")
         .env_remove("TALOSCONFIG")
