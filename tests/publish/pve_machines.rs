@@ -294,3 +294,83 @@ fn qcow2_uploads_send_far_fewer_bytes_than_raw() {
         .unwrap();
     assert!(same.status.success(), "{}", text(&same.stdout));
 }
+
+/// A VM a user switched to `hotplug: 1` and `numa: 1` in Proxmox:
+/// qemu-server reads `1` as `network,disk,usb` (`parse_hotplug_features`),
+/// so memory is no hotplug feature and a memory change stays pending until
+/// the VM restarts. It is planned as a reboot and converges in one run;
+/// with `memory` listed too it applies at once, without one.
+#[test]
+fn with_hotplug_1_and_numa_a_memory_change_is_a_reboot_and_converges_in_one_run() {
+    for (hotplug, apply, reboots) in [("1", "reboot", 1), ("network,disk,memory", "now", 0)] {
+        let sim = Sim::start(&[]);
+        let pve = Pve::start(&[]);
+        let talos = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = talos.local_addr().unwrap().port();
+        let work = cluster(&format!("    talosEndpoint: 127.0.0.1:{port}\n"));
+        ok(&publish(&work, &sim, &pve, &["--output", "json"]));
+        let (code, v) = pve.curl(
+            "/nodes/pve/qemu/304/config",
+            &[
+                "--data-urlencode",
+                &format!("hotplug={hotplug}"),
+                "-d",
+                "numa=1",
+            ],
+        );
+        assert_eq!(code, 200, "{v}");
+        pve.wait(&v["data"]);
+        // Neither applies to a running VM (qemu-server leaves both pending):
+        // the user restarts it, as Proxmox's GUI asks.
+        for step in ["stop", "start"] {
+            let (_, v) = pve.curl(
+                &format!("/nodes/pve/qemu/304/status/{step}"),
+                &["-X", "POST"],
+            );
+            assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK", "{step}");
+        }
+        assert_eq!(vm(&pve, 304)["config"]["numa"], "1");
+        let reboots_before = stat(&pve, "reboots");
+        work.edit("    talosEndpoint", "    memory: 4096\n    talosEndpoint");
+
+        let plan = json(ok(&publish(
+            &work,
+            &sim,
+            &pve,
+            &["--dry-run", "--output", "json"],
+        )));
+        assert_eq!(
+            plan["nodes"][4]["settings"],
+            serde_json::json!([{"field": "memory", "from": "2048", "to": "4096", "apply": apply}]),
+            "hotplug {hotplug}: {plan}"
+        );
+
+        ok(&publish(&work, &sim, &pve, &["--output", "json"]));
+        let after = vm(&pve, 304);
+        assert_eq!(
+            after["config"]["memory"], "4096",
+            "hotplug {hotplug}: {after}"
+        );
+        assert_eq!(
+            after["pending"],
+            serde_json::json!({}),
+            "hotplug {hotplug}: {after}"
+        );
+        assert_eq!(after["running"], true, "{after}");
+        assert_eq!(
+            stat(&pve, "reboots") - reboots_before,
+            reboots,
+            "hotplug {hotplug}"
+        );
+        let again = json(ok(&publish(
+            &work,
+            &sim,
+            &pve,
+            &["--dry-run", "--output", "json"],
+        )));
+        assert_eq!(
+            again["nodes"][4]["vm"], "unchanged",
+            "hotplug {hotplug}: {again}"
+        );
+    }
+}
