@@ -1,6 +1,7 @@
 //! `imgbuild etcd snapshot`: etcd's snapshot from a healthy control plane,
 //! into the state dir (the newest N kept) or a file, verified, 0600.
 
+use super::flags::parse_duration;
 use super::inventory::load_inventory;
 use super::output::Output;
 use super::talos::BootstrapRunArgs;
@@ -35,6 +36,10 @@ struct SnapshotArgs {
     /// Stop (keeping nothing) past this size: bytes, or with K, M, G (powers of 1024).
     #[arg(long, default_value = "8G", value_parser = parse_size)]
     max_size: u64,
+    /// Give up (keeping nothing) when the whole snapshot has not arrived
+    /// within this time, however steadily it trickles.
+    #[arg(long, default_value = "30m", value_parser = parse_duration)]
+    timeout: std::time::Duration,
     #[command(flatten)]
     run: BootstrapRunArgs,
 }
@@ -64,6 +69,7 @@ pub fn run(args: EtcdArgs, config: &Path, output: Output) -> Result<()> {
     let prepared = stage::prepare(&inv, &opts)?;
     let mut snap = SnapshotOptions::in_state_dir(&prepared.state_dir.path, &inv.cluster.name);
     snap.max_size = args.max_size;
+    snap.total_timeout = args.timeout;
     snap.target = match args.out {
         Some(file) => {
             imgbuild::atomic::check_out_target(&file)

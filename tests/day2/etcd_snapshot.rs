@@ -334,6 +334,37 @@ fn v1_11_a_truncated_endless_or_stalled_snapshot_stream_keeps_nothing() {
     }
 }
 
+/// A stream whose every message comes well inside the call timeout but
+/// that never ends is stopped by the whole snapshot's deadline
+/// (`--timeout`), and its temp file is gone: the state dir keeps nothing.
+#[test]
+fn v1_11_a_snapshot_trickling_inside_the_call_timeout_ends_at_its_deadline() {
+    let c = Cluster::start(6, &["--misbehave", "etcd-snapshot-trickle@cp-01"]);
+    let started = std::time::Instant::now();
+    let o = imgbuild(
+        &c.config,
+        &[
+            "etcd",
+            "snapshot",
+            "--timeout",
+            "3s",
+            "--call-timeout",
+            "2s",
+        ],
+        &["--call-timeout"],
+    );
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cp-01")
+            && err.contains("did not finish within 3s")
+            && err.contains("nothing kept"),
+        "{err}"
+    );
+    assert!(started.elapsed().as_secs() < 20, "bounded");
+    assert_eq!(files_in(&c.snapshots_dir()), Vec::<String>::new());
+}
+
 #[test]
 fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     let c = Cluster::start(4, &[]);

@@ -41,7 +41,8 @@
 //!   {"client","running","healthy","startup_ms":[…]}}` lists them.
 //! - `--misbehave` modes on a node's EtcdSnapshot: `etcd-snapshot-truncated`
 //!   (half the bytes, then a clean end), `etcd-snapshot-endless` (never
-//!   ends), `etcd-snapshot-stall` (one message, then nothing).
+//!   ends), `etcd-snapshot-trickle` (16 bytes every 200 ms, for ever),
+//!   `etcd-snapshot-stall` (one message, then nothing).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -276,6 +277,16 @@ impl Api {
                 bytes: vec![0x5a; 1 << 16],
             };
             Box::pin(futures_util::stream::repeat_with(move || Ok(junk.clone())))
+        } else if node.has("etcd-snapshot-trickle") {
+            // A message well inside any call timeout, for ever.
+            let junk = Data {
+                metadata: None,
+                bytes: vec![0x5a; 16],
+            };
+            Box::pin(futures_util::stream::unfold(junk, |junk| async move {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                Some((Ok(junk.clone()), junk))
+            }))
         } else if node.has("etcd-snapshot-stall") {
             let first = chunks.into_iter().take(1).map(Ok);
             Box::pin(futures_util::stream::iter(first).chain(futures_util::stream::pending()))
