@@ -70,6 +70,7 @@ pub fn run(args: EtcdArgs, config: &Path, output: Output) -> Result<()> {
     let mut snap = SnapshotOptions::in_state_dir(&prepared.state_dir.path, &inv.cluster.name);
     snap.max_size = args.max_size;
     snap.total_timeout = args.timeout;
+    snap.cancel = super::signals::cancel_on_signals();
     snap.target = match args.out {
         Some(file) => {
             imgbuild::atomic::check_out_target(&file)

@@ -18,6 +18,7 @@ use super::bootstrap::{Options, Plan, PlannedNode};
 use super::client::{ApiError, Mode, NodeClient};
 use crate::atomic::AtomicFile;
 use crate::inventory::Role;
+use crate::publish::Cancel;
 use format::{FormatError, SnapshotInfo, Verifier};
 
 /// Snapshots kept in the state dir unless told otherwise.
@@ -54,6 +55,10 @@ pub enum EtcdError {
     TooLarge { node: String, limit: u64 },
     #[error("node {node}: the etcd snapshot did not finish within {timeout:?} (nothing kept)")]
     TimedOut { node: String, timeout: Duration },
+    #[error(
+        "node {node}: interrupted after {received} bytes of the etcd snapshot: nothing kept (its temporary file removed); run the command again to take one"
+    )]
+    Interrupted { node: String, received: u64 },
     #[error("node {node}: the etcd snapshot it sent is not whole: {problem} (nothing kept)")]
     Incomplete { node: String, problem: FormatError },
     #[error("{}: {source}", path.display())]
@@ -92,6 +97,8 @@ pub struct SnapshotOptions {
     pub max_size: u64,
     /// The whole stream; each message also waits at most the call timeout.
     pub total_timeout: Duration,
+    /// Ctrl-C or SIGTERM: the stream stops, the temp file goes.
+    pub cancel: Cancel,
 }
 
 impl SnapshotOptions {
@@ -105,6 +112,7 @@ impl SnapshotOptions {
             },
             max_size: DEFAULT_MAX_SIZE,
             total_timeout: Duration::from_secs(1800),
+            cancel: Cancel::never(),
         }
     }
 }
@@ -269,7 +277,16 @@ async fn stream_into(
         let wait = limits
             .call_timeout
             .min(deadline.saturating_duration_since(Instant::now()));
-        let next = match tokio::time::timeout(wait, stream.message()).await {
+        let message = tokio::select! {
+            next = tokio::time::timeout(wait, stream.message()) => next,
+            () = opts.cancel.cancelled() => {
+                return Err(EtcdError::Interrupted {
+                    node: node.to_owned(),
+                    received: v.size(),
+                });
+            }
+        };
+        let next = match message {
             Ok(next) => next,
             Err(_) if Instant::now() >= deadline => {
                 return Err(EtcdError::TimedOut {

@@ -365,6 +365,40 @@ fn v1_11_a_snapshot_trickling_inside_the_call_timeout_ends_at_its_deadline() {
     assert_eq!(files_in(&c.snapshots_dir()), Vec::<String>::new());
 }
 
+/// Ctrl-C mid-stream: the run says what it left (nothing: its temp file
+/// is removed) and how to resume.
+#[test]
+fn v1_11_ctrl_c_during_a_snapshot_keeps_nothing_and_says_so() {
+    let c = Cluster::start(7, &["--misbehave", "etcd-snapshot-trickle@cp-01"]);
+    let mut run = Run::with_config(&c.config, &["etcd", "snapshot"]);
+    run.timeouts(&[]).env_remove("IMGBUILD_STATE_DIR");
+    let child = run
+        .into_command()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Streaming: the temp file is there.
+    let dir = c.snapshots_dir();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while files_in(&dir).is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no snapshot started");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let o = child.wait_with_output().unwrap();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("node cp-01: interrupted after") && err.contains("nothing kept"),
+        "{err}"
+    );
+    assert!(err.contains("run the command again"), "{err}");
+    assert_eq!(files_in(&dir), Vec::<String>::new());
+}
+
 #[test]
 fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     let c = Cluster::start(4, &[]);
