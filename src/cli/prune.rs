@@ -94,7 +94,10 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
         }
         return Ok(());
     }
-    let report = prune::prune(&scope, &plan);
+    let cancel = super::signals::stop_on_signals(
+        b"\nimgbuild: stopping after the item being deleted (again to exit now)\n",
+    );
+    let report = prune::prune_until(&scope, &plan, &cancel);
     match output {
         Output::Json => outln!(
             "{}",
@@ -102,6 +105,7 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
                 "kept": plan.kept,
                 "deleted": report.deleted,
                 "failed": report.failed.iter().map(|(p, e)| json!({"item": p.item, "why": p.why, "error": e})).collect::<Vec<_>>(),
+                "left": report.left,
             })
         ),
         Output::Text => {
@@ -117,7 +121,22 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
                 HumanBytes(total(&report.deleted)),
                 plan.kept
             );
+            for p in &report.left {
+                errln!("left {}", line(p));
+            }
         }
+    }
+    if !report.left.is_empty() {
+        let why = format!(
+            "interrupted: {} deleted, {} left untouched; run `imgbuild prune` again to delete them",
+            report.deleted.len(),
+            report.left.len()
+        );
+        return Err(if report.deleted.is_empty() {
+            Reported(why).into()
+        } else {
+            Partial(why).into()
+        });
     }
     match (report.failed.len(), report.deleted.len()) {
         (0, _) => Ok(()),

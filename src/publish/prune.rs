@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use super::Cancel;
 use super::hcloud::HcloudError;
 use super::hcloud::prune::{ClusterSnapshot, cluster_snapshots, delete_snapshot};
 use super::proxmox::ProxmoxError;
@@ -133,6 +134,8 @@ pub struct PruneReport {
     /// Items that could not be deleted, with why (in use by now, an API
     /// error, a download under way).
     pub failed: Vec<(Pruned, String)>,
+    /// Not tried: the run was interrupted first (a rerun deletes them).
+    pub left: Vec<Pruned>,
 }
 
 /// Why a prune could not be planned.
@@ -264,8 +267,18 @@ fn proxmox_volumes(
 /// server uses it, no download holds it). Resumable: an item already gone
 /// is done.
 pub fn prune(scope: &PruneScope, plan: &PrunePlan) -> PruneReport {
+    prune_until(scope, plan, &Cancel::never())
+}
+
+/// [`prune`], stopping between items once `cancel` says so: what was not
+/// tried is `left`, never half-deleted.
+pub fn prune_until(scope: &PruneScope, plan: &PrunePlan, cancel: &Cancel) -> PruneReport {
     let mut report = PruneReport::default();
-    for p in &plan.delete {
+    for (i, p) in plan.delete.iter().enumerate() {
+        if cancel.check().is_err() {
+            report.left = plan.delete[i..].to_vec();
+            break;
+        }
         let done = match (&p.item, scope.target) {
             (Item::ProxmoxVolume(v), Target::Proxmox(t)) => {
                 delete_volume(&t.credentials, v, &scope.delete).map_err(|e| e.to_string())

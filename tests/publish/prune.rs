@@ -256,6 +256,62 @@ fn a_prune_killed_midway_converges_when_run_again() {
     assert_eq!(after.len(), 2 + FOREIGN.len(), "{after:?}");
 }
 
+/// Ctrl-C while a volume's delete task runs: that delete finishes, the
+/// rest are left untouched and named, the run says how to finish (exit 3,
+/// some deleted), and the rerun does.
+#[test]
+fn ctrl_c_during_a_prune_finishes_the_item_names_what_is_left_and_how_to_resume() {
+    let sim = factory();
+    let pve = Pve::start(&["--task-delay-ms", "1500"]);
+    let work = three_versions(&pve, &sim);
+    let before = imports(&pve);
+    let mut cmd = Run::with_config(&work.config, &["prune", "--keep", "0", "--poll-ms", "20"]);
+    cmd.folders(work.dir.path()).proxmox(&pve);
+    let child = cmd
+        .into_command()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while pve.stats()["tasksRunning"] == 0 {
+        assert!(Instant::now() < deadline, "prune deleted nothing");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let o = child.wait_with_output().unwrap();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("stopping after the item being deleted"),
+        "{err}"
+    );
+    assert!(
+        err.contains("interrupted: 1 deleted,") && err.contains("run `imgbuild prune` again"),
+        "{err}"
+    );
+    let after_stop = imports(&pve);
+    let left = err.lines().filter(|l| l.starts_with("left ")).count();
+    assert!(left > 0, "{err}");
+    assert_eq!(
+        before.len() - after_stop.len(),
+        1,
+        "one deleted: {after_stop:?}"
+    );
+
+    let o = prune(&work, &pve, &["--keep", "0", "--poll-ms", "20"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let after = imports(&pve);
+    assert_eq!(ours(&after), with(&["v1.11.2"], &ours(&before)));
+    // The rerun deletes exactly what was left (volumes and cache entries).
+    let deleted = text(&o.stdout)
+        .lines()
+        .filter(|l| l.starts_with("deleted "))
+        .count();
+    assert_eq!(deleted, left, "{}", text(&o.stdout));
+}
+
 /// A snapshot labelled and described as imgbuild's publish does, with
 /// `extra` labels.
 fn snapshot(hc: &Hc, version: &str, extra: serde_json::Value) -> u64 {
