@@ -632,3 +632,85 @@ fn the_guide_builds_with_mdbook() {
         assert!(html.is_file(), "{} was not built:\n{log}", html.display());
     }
 }
+
+/// The code in the README and the guide (code spans and fenced blocks)
+/// names only commands imgbuild has: `imgbuild upgrade`, `imgbuild etcd
+/// snapshot`, never one that was renamed or never existed.
+#[test]
+fn the_commands_the_docs_show_exist() {
+    let all = commands();
+    let known: BTreeSet<String> = all.iter().map(|(path, _)| path.join(" ")).collect();
+    let parents: BTreeSet<String> = all
+        .iter()
+        .filter(|(path, help)| {
+            !path.is_empty() && help.subcommands.iter().any(|(s, _)| s != "help")
+        })
+        .map(|(path, _)| path.join(" "))
+        .collect();
+    let mut unknown = Vec::new();
+    let mut seen = 0;
+    for file in markdown_files() {
+        let text = std::fs::read_to_string(&file).unwrap();
+        // In a fenced block: its language; `console` and `text` blocks show
+        // output too, so only their `$ ` lines are commands.
+        let mut fence: Option<&str> = None;
+        for (i, line) in text.lines().enumerate() {
+            if let Some(lang) = line.strip_prefix("```") {
+                fence = if fence.is_some() {
+                    None
+                } else {
+                    Some(lang.trim())
+                };
+                continue;
+            }
+            let code: Vec<&str> = if let Some(lang) = fence {
+                match (lang, line.strip_prefix("$ ")) {
+                    ("console" | "text", Some(command)) => vec![command],
+                    ("console" | "text", None) => Vec::new(),
+                    _ => vec![line],
+                }
+            } else {
+                line.split('`').skip(1).step_by(2).collect()
+            };
+            for span in code {
+                let mut rest = span;
+                while let Some(at) = rest.find("imgbuild ") {
+                    // `imgbuild` as a word of its own, not the end of another.
+                    let word_start = at == 0
+                        || !rest[..at]
+                            .chars()
+                            .next_back()
+                            .is_some_and(|c| c.is_alphanumeric() || c == '-' || c == '/');
+                    rest = &rest[at + "imgbuild ".len()..];
+                    let words: Vec<&str> = rest.split_whitespace().take(2).collect();
+                    let Some(first) = words.first() else { break };
+                    if !word_start
+                        || !first.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+                        || first.starts_with('-')
+                    {
+                        continue;
+                    }
+                    seen += 1;
+                    let mut command = first.to_string();
+                    if parents.contains(&command) {
+                        if let Some(second) = words
+                            .get(1)
+                            .filter(|w| w.chars().all(|c| c.is_ascii_lowercase()))
+                        {
+                            command = format!("{command} {second}");
+                        }
+                    }
+                    if !known.contains(&command) {
+                        unknown.push(format!(
+                            "{}:{}: `imgbuild {command}` is no command",
+                            file.strip_prefix(root()).unwrap_or(&file).display(),
+                            i + 1
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(seen > 50, "{seen} commands found in the docs");
+    assert!(unknown.is_empty(), "{}", unknown.join("\n"));
+}
