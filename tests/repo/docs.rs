@@ -251,10 +251,10 @@ fn parse_help(text: &str) -> Help {
         } else if section.ends_with("Options:") {
             if line.starts_with("  -") || line.starts_with("      --") {
                 help.flags.push((flag_name(name), description));
-            } else if line.starts_with("          ") {
-                if let Some((_, d)) = help.flags.last_mut() {
-                    d.push_str(entry);
-                }
+            } else if line.starts_with("          ")
+                && let Some((_, d)) = help.flags.last_mut()
+            {
+                d.push_str(entry);
             }
         }
     }
@@ -692,13 +692,12 @@ fn the_commands_the_docs_show_exist() {
                     }
                     seen += 1;
                     let mut command = first.to_string();
-                    if parents.contains(&command) {
-                        if let Some(second) = words
+                    if parents.contains(&command)
+                        && let Some(second) = words
                             .get(1)
                             .filter(|w| w.chars().all(|c| c.is_ascii_lowercase()))
-                        {
-                            command = format!("{command} {second}");
-                        }
+                    {
+                        command = format!("{command} {second}");
                     }
                     if !known.contains(&command) {
                         unknown.push(format!(
