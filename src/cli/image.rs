@@ -43,20 +43,24 @@ enum MetaCommand {
     /// Print one key's value.
     Get {
         image: PathBuf,
+        /// The META key: 1-255, decimal or 0x hex (10 is the network configuration).
         #[arg(long, value_parser = parse_key)]
         key: u32,
     },
     /// Set one key from a file (`-` for standard input); other keys survive.
     Set {
         image: PathBuf,
+        /// The META key: 1-255, decimal or 0x hex (10 is the network configuration).
         #[arg(long, value_parser = parse_key)]
         key: u32,
+        /// The file holding the new value, `-` for standard input.
         #[arg(long)]
         value_file: String,
     },
     /// Remove one key; other keys survive.
     Delete {
         image: PathBuf,
+        /// The META key: 1-255, decimal or 0x hex (10 is the network configuration).
         #[arg(long, value_parser = parse_key)]
         key: u32,
     },
