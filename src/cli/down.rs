@@ -21,6 +21,7 @@ use serde_json::json;
 use super::flags::parse_duration;
 use super::inventory::load_inventory;
 use super::output::{Output, Reported, Usage};
+use super::talos::StateArgs;
 
 /// `--yes` (global) deletes without asking; it is required when stdin is
 /// not a terminal.
@@ -37,10 +38,26 @@ pub struct DownArgs {
     /// and delete nothing (no confirmation needed).
     #[arg(long)]
     dry_run: bool,
+    /// How long to wait while another run (`up`, `upgrade`) holds the
+    /// cluster's state-dir lock.
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    lock_timeout: Duration,
+    #[command(flatten)]
+    state: StateArgs,
 }
 
 pub fn run(args: DownArgs, config: &Path, output: Output, yes: bool) -> Result<()> {
     let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
+    // Not while `up` is making machines: they would be missed or half-made.
+    let _lock = match args.dry_run {
+        true => None,
+        false => args.state.lock_waiting(
+            &inv,
+            "down",
+            args.lock_timeout,
+            &imgbuild::publish::Cancel::never(),
+        )?,
+    };
     match inv.publish.target() {
         PublishSettings::Proxmox(settings) => proxmox(&args, &inv, settings, output, yes),
         PublishSettings::Hcloud(_) => hcloud(&inv, config, output, yes, args.dry_run),

@@ -18,8 +18,10 @@ use imgbuild::publish::target::{Target, TargetOptions};
 use indicatif::HumanBytes;
 use serde_json::json;
 
+use super::flags::parse_duration;
 use super::inventory::load_inventory;
 use super::output::{Output, Partial, Reported, Usage};
+use super::talos::StateArgs;
 
 #[derive(Args)]
 pub struct PruneArgs {
@@ -42,6 +44,12 @@ pub struct PruneArgs {
     /// How often Proxmox tasks are polled, in milliseconds.
     #[arg(long, default_value_t = 500)]
     poll_ms: u64,
+    /// How long to wait while another run (`up`, `upgrade`) holds the
+    /// cluster's state-dir lock.
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    lock_timeout: Duration,
+    #[command(flatten)]
+    state: StateArgs,
 }
 
 pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
@@ -76,6 +84,19 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
             ..DeleteOptions::default()
         },
     };
+    let cancel = (!args.dry_run).then(|| {
+        super::signals::stop_on_signals(
+            b"\nimgbuild: stopping after the item being deleted (again to exit now)\n",
+        )
+    });
+    // Planned under the lock: a volume `up` is uploading is not yet in use.
+    let _lock = match &cancel {
+        Some(cancel) => args
+            .state
+            .lock_waiting(&inv, "prune", args.lock_timeout, cancel)?,
+        None => None,
+    };
+    let cancel = cancel.unwrap_or_else(Cancel::never);
     let plan = prune::plan(&scope)?;
     if args.dry_run {
         match output {
@@ -94,9 +115,6 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
         }
         return Ok(());
     }
-    let cancel = super::signals::stop_on_signals(
-        b"\nimgbuild: stopping after the item being deleted (again to exit now)\n",
-    );
     let report = prune::prune_until(&scope, &plan, &cancel);
     match output {
         Output::Json => outln!(

@@ -20,8 +20,9 @@ use std::time::Duration;
 /// Where the cluster's secrets and client files live.
 #[derive(Args)]
 pub struct StateArgs {
-    /// Secrets, talosconfig, kubeconfig, rendered configs (0700; files 0600)
-    /// [default: .talos/<cluster name>/ beside the inventory]
+    /// Secrets, talosconfig, kubeconfig, etcd snapshots (0700; files 0600);
+    /// rendered machine configs are never kept [default: .talos/<cluster
+    /// name>/ beside the inventory]
     #[arg(long, env = "IMGBUILD_STATE_DIR")]
     pub(super) state_dir: Option<PathBuf>,
 }
@@ -31,6 +32,48 @@ impl StateArgs {
         let dir = StateDir::open(inv, self.state_dir.as_deref())?;
         super::guard::state_dir(&dir.path);
         Ok(dir)
+    }
+
+    /// The cluster's state-dir lock for `command`, waiting up to `timeout`
+    /// while another run (`up`, `upgrade`) holds it, so that what it is
+    /// making is not deleted under it. None when no cluster was
+    /// bootstrapped here (a publish-only inventory has no state dir).
+    pub(super) fn lock_waiting(
+        &self,
+        inv: &Inventory,
+        command: &str,
+        timeout: Duration,
+        cancel: &imgbuild::publish::Cancel,
+    ) -> Result<Option<imgbuild::talos::lock::StateLock>> {
+        let Ok(dir) = StateDir::existing(inv, self.state_dir.as_deref()) else {
+            return Ok(None);
+        };
+        let lock = imgbuild::talos::lock::acquire_waiting(
+            &dir.path,
+            command,
+            timeout,
+            cancel,
+            &mut |held| {
+                if let imgbuild::talos::lock::LockError::Held { holder, .. } = held {
+                    let by = holder
+                        .as_ref()
+                        .map_or_else(|| "holder unknown".to_owned(), ToString::to_string);
+                    errln!(
+                        "waiting up to {} for the state dir lock: another imgbuild is changing this cluster ({by})",
+                        humantime_short(timeout)
+                    );
+                }
+            },
+        )?;
+        Ok(Some(lock))
+    }
+}
+
+/// `10m`, `90s`: a timeout as the flag took it.
+fn humantime_short(d: Duration) -> String {
+    match d.as_secs() {
+        s if s % 60 == 0 && s > 0 => format!("{}m", s / 60),
+        s => format!("{s}s"),
     }
 }
 

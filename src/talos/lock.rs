@@ -106,6 +106,37 @@ pub fn acquire(dir: &Path, command: &str) -> Result<StateLock, LockError> {
     Ok(StateLock { _file: file })
 }
 
+/// [`acquire`], waiting while another run holds the lock (`prune` or `down`
+/// beside `up`: they must not delete what `up` is making). `waiting` hears
+/// once who holds it; after `timeout`, or once `cancel` says so, the
+/// holder's [`LockError::Held`] is returned.
+pub fn acquire_waiting(
+    dir: &Path,
+    command: &str,
+    timeout: std::time::Duration,
+    cancel: &crate::publish::Cancel,
+    waiting: &mut dyn FnMut(&LockError),
+) -> Result<StateLock, LockError> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut told = false;
+    loop {
+        match acquire(dir, command) {
+            Err(held @ LockError::Held { .. }) => {
+                if !told {
+                    waiting(&held);
+                    told = true;
+                }
+                if std::time::Instant::now() >= deadline
+                    || cancel.sleep(std::time::Duration::from_millis(200)).is_err()
+                {
+                    return Err(held);
+                }
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Opens the lock file: never through a symlink, never blocking on a FIFO,
 /// a regular file only, 0600.
 fn open(path: &Path) -> std::io::Result<File> {

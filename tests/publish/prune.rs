@@ -312,6 +312,70 @@ fn ctrl_c_during_a_prune_finishes_the_item_names_what_is_left_and_how_to_resume(
     assert_eq!(deleted, left, "{}", text(&o.stdout));
 }
 
+/// `prune` beside a run that holds the cluster's state-dir lock (`up`
+/// uploading): it waits, deleting nothing, says so, and prunes once the lock
+/// is free; with a short `--lock-timeout` it gives up naming the holder.
+#[test]
+fn prune_waits_for_the_state_dir_lock_another_run_holds() {
+    let sim = factory();
+    let pve = Pve::start(&[]);
+    let work = three_versions(&pve, &sim);
+    let o = Run::with_config(&work.config, &["secrets", "gen"]).output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let state = work.dir.path().join(".talos/loopback");
+    assert!(state.join("secrets.yaml").is_file());
+    // Held as `up` holds it: flock(2) on the lock file, the holder inside.
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .open(state.join(".imgbuild.lock"))
+        .unwrap();
+    lock.lock().unwrap();
+    std::fs::write(
+        state.join(".imgbuild.lock"),
+        format!(
+            r#"{{"pid":{},"command":"up","since":0}}"#,
+            std::process::id()
+        ) + "\n",
+    )
+    .unwrap();
+    let before = imports(&pve);
+
+    let o = prune(&work, &pve, &["--keep", "0", "--lock-timeout", "1s"]);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("waiting up to 1s for the state dir lock"),
+        "{err}"
+    );
+    assert!(
+        err.contains("is in use") && err.contains("(imgbuild up)"),
+        "{err}"
+    );
+    assert_eq!(imports(&pve), before, "deleted while the lock was held");
+
+    let mut cmd = Run::with_config(&work.config, &["prune", "--keep", "0", "--poll-ms", "20"]);
+    cmd.folders(work.dir.path()).proxmox(&pve);
+    let child = cmd
+        .into_command()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(imports(&pve), before, "deleted while the lock was held");
+    drop(lock);
+    let o = child.wait_with_output().unwrap();
+    let err = text(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("waiting up to 10m for the state dir lock"),
+        "{err}"
+    );
+    assert_eq!(ours(&imports(&pve)), with(&["v1.11.2"], &ours(&before)));
+}
+
 /// A snapshot labelled and described as imgbuild's publish does, with
 /// `extra` labels.
 fn snapshot(hc: &Hc, version: &str, extra: serde_json::Value) -> u64 {
