@@ -129,7 +129,7 @@ pub fn write_if_changed(target: &Path, data: &[u8], private: bool) -> io::Result
 /// Whether `target` is a regular file holding exactly `data`. Never
 /// blocking on a FIFO nor reading a device: what was planted there is
 /// replaced, not read.
-fn holds(target: &Path, data: &[u8]) -> bool {
+pub fn holds(target: &Path, data: &[u8]) -> bool {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let Ok(file) = OpenOptions::new()

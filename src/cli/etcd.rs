@@ -30,6 +30,9 @@ struct SnapshotArgs {
     /// <state-dir>/etcd/<cluster>-<UTC time>-<node>.snapshot, the newest --keep kept].
     #[arg(long, value_name = "FILE")]
     out: Option<PathBuf>,
+    /// Replace an existing --out file (and its .sha256).
+    #[arg(long, requires = "out")]
+    force: bool,
     /// Snapshots kept in the state dir (older ones imgbuild wrote are deleted).
     #[arg(long, default_value_t = etcd::DEFAULT_KEEP as u16, value_parser = clap::value_parser!(u16).range(1..))]
     keep: u16,
@@ -75,6 +78,13 @@ pub fn run(args: EtcdArgs, config: &Path, output: Output) -> Result<()> {
         Some(file) => {
             imgbuild::atomic::check_out_target(&file)
                 .map_err(|e| super::output::Usage(format!("--out {}: {e}", file.display())))?;
+            if !args.force && std::fs::symlink_metadata(&file).is_ok() {
+                return Err(super::output::Usage(format!(
+                    "--out {}: the file exists: --force replaces it",
+                    file.display()
+                ))
+                .into());
+            }
             SnapshotTarget::File(file)
         }
         None => SnapshotTarget::Dir {

@@ -114,6 +114,10 @@ pub struct ConfigArgs {
     /// its secrets are redacted unless --show-secrets.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Replace an --out file that holds something else (one that already
+    /// holds this config is left as it is).
+    #[arg(long, requires = "out")]
+    force: bool,
 }
 
 #[derive(Args)]
@@ -287,6 +291,13 @@ pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result
     if let Some(path) = &args.out {
         imgbuild::atomic::check_out_target(path)
             .map_err(|e| super::output::Usage(format!("--out {}: {e}", path.display())))?;
+        if !args.force && path.exists() && !imgbuild::atomic::holds(path, text.as_bytes()) {
+            return Err(super::output::Usage(format!(
+                "--out {}: the file exists and holds something else: --force replaces it",
+                path.display()
+            ))
+            .into());
+        }
         imgbuild::atomic::write_if_changed(path, text.as_bytes(), true)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         match output {

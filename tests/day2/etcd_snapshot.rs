@@ -243,6 +243,20 @@ fn v1_11_etcd_snapshot_writes_a_verified_file_and_keeps_the_newest_n() {
         files_in(out.parent().unwrap()),
         ["db.snapshot", "db.snapshot.sha256"]
     );
+    // An existing file is replaced only with --force.
+    let before = std::fs::read(&out).unwrap();
+    let again = |extra: &[&str]| {
+        let mut args = vec!["etcd", "snapshot", "--out", out.to_str().unwrap()];
+        args.extend(extra);
+        imgbuild(&c.config, &args, &[])
+    };
+    let o = again(&[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("the file exists: --force replaces it"));
+    assert_eq!(std::fs::read(&out).unwrap(), before);
+    let o = again(&["--force"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_whole_snapshot(&out);
 
     // Into the state dir, the newest two kept; a file imgbuild did not
     // write (no record, or not its name) is never deleted.

@@ -367,14 +367,26 @@ fn config_out_refuses_a_link_or_a_device_and_leaves_it_as_it_was() {
         );
     }
     assert_eq!(std::fs::read_to_string(&real).unwrap(), "mine\n");
-    // A regular file is written (0600), as before.
+    // A file holding something else is kept unless --force (exit 2).
     let file = d.join("cp-01.yaml");
     std::fs::write(&file, "old\n").unwrap();
-    let o = imgbuild(
-        d,
-        &["config", "cp-01", "--out", file.to_str().unwrap()],
-        &[],
+    let out = |extra: &[&str]| {
+        let mut args = vec!["config", "cp-01", "--out", file.to_str().unwrap()];
+        args.extend(extra);
+        imgbuild(d, &args, &[])
+    };
+    let o = out(&[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("holds something else: --force replaces it"),
+        "{}",
+        text(&o.stderr)
     );
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "old\n");
+    let o = out(&["--force"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert!(std::fs::read_to_string(&file).unwrap().contains("machine:"));
+    // The same config again is no change, so no --force is needed.
+    let o = out(&[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
 }
