@@ -230,13 +230,24 @@ fn runtime() -> Result<tokio::runtime::Runtime, EtcdError> {
         .map_err(|e| EtcdError::Runtime(e.to_string()))
 }
 
+/// Creates `dir` (0700) or takes the folder that is there; never a
+/// symlink to somewhere else, where snapshots (the cluster's whole state)
+/// would land and the pruning delete.
 fn create_private_dir(dir: &Path) -> Result<(), EtcdError> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .map_err(io_at(dir))
+        .map_err(io_at(dir))?;
+    match std::fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(io_at(dir)(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "a link or something else than a folder is there: imgbuild keeps snapshots only in a folder of its own",
+        ))),
+        Err(e) => Err(io_at(dir)(e)),
+    }
 }
 
 fn file_name(path: &Path) -> String {
@@ -365,7 +376,7 @@ fn stamp_of<'a>(name: &'a str, cluster: &str) -> Option<&'a str> {
 /// only those imgbuild wrote: named as it names them, with its `.sha256`
 /// record beside them naming the file. Returns what it deleted.
 fn prune(dir: &Path, cluster: &str, keep: usize) -> io::Result<Vec<PathBuf>> {
-    let mut ours: Vec<(String, PathBuf)> = Vec::new();
+    let mut ours: Vec<(String, PathBuf, String)> = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let name = entry.file_name();
@@ -376,19 +387,35 @@ fn prune(dir: &Path, cluster: &str, keep: usize) -> io::Result<Vec<PathBuf>> {
         let path = entry.path();
         let recorded = crate::io::open_regular(&record_path(&path), false)
             .and_then(|f| crate::io::read_bounded(f, 4096))
-            .is_ok_and(|r| {
-                String::from_utf8_lossy(&r)
-                    .trim_end()
-                    .ends_with(&format!("  {name}"))
+            .ok()
+            .and_then(|r| {
+                let line = String::from_utf8_lossy(&r).trim_end().to_owned();
+                let hash = line.strip_suffix(&format!("  {name}"))?.to_owned();
+                (hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit())).then_some(hash)
             });
-        if recorded && entry.file_type()?.is_file() {
-            ours.push((stamp.to_owned(), path));
+        if let Some(hash) = recorded
+            && entry.file_type()?.is_file()
+        {
+            ours.push((stamp.to_owned(), path, hash));
         }
     }
     ours.sort();
-    let excess = ours.len().saturating_sub(keep);
+    let mut counted = ours.len();
     let mut deleted = Vec::new();
-    for (_, path) in ours.into_iter().take(excess) {
+    for (_, path, hash) in ours {
+        if counted <= keep {
+            break;
+        }
+        counted -= 1;
+        // Only the file its record describes (hashed only when it would
+        // go): one swapped in under the name since, or a record planted
+        // for another file, is not imgbuild's and stays.
+        let same = crate::io::open_regular(&path, false)
+            .and_then(crate::io::sha256_of)
+            .is_ok_and(|(sha, _)| sha.hex() == hash.to_ascii_lowercase());
+        if !same {
+            continue;
+        }
         std::fs::remove_file(&path)?;
         let _ = std::fs::remove_file(record_path(&path));
         deleted.push(path);
@@ -469,21 +496,30 @@ mod tests {
     #[test]
     fn prune_keeps_the_newest_and_leaves_what_imgbuild_did_not_write() {
         let dir = tempfile::tempdir().unwrap();
-        let write = |name: &str, record: bool| {
+        let hash_of_x = crate::digest::Sha256::of(b"x").hex();
+        let write = |name: &str, record: Option<&str>| {
             let path = dir.path().join(name);
             std::fs::write(&path, b"x").unwrap();
-            if record {
-                std::fs::write(record_path(&path), format!("{}  {name}\n", "0".repeat(64)))
-                    .unwrap();
+            if let Some(hash) = record {
+                std::fs::write(record_path(&path), format!("{hash}  {name}\n")).unwrap();
             }
         };
         for s in 1..=4 {
-            write(&format!("c-20260101T00000{s}.000Z-cp-01.snapshot"), true);
+            write(
+                &format!("c-20260101T00000{s}.000Z-cp-01.snapshot"),
+                Some(&hash_of_x),
+            );
         }
-        // Named like ours but without our record; another cluster's; a user's.
-        write("c-20250101T000000.000Z-cp-01.snapshot", false);
-        write("d-20250101T000000.000Z-cp-01.snapshot", true);
-        write("mine.snapshot", false);
+        // Named like ours but without our record; with a record that is
+        // not its hash (planted, or the file swapped since); another
+        // cluster's; a user's.
+        write("c-20250101T000000.000Z-cp-01.snapshot", None);
+        write(
+            "c-20250101T000001.000Z-cp-01.snapshot",
+            Some(&"0".repeat(64)),
+        );
+        write("d-20250101T000000.000Z-cp-01.snapshot", Some(&hash_of_x));
+        write("mine.snapshot", None);
         let deleted = prune(dir.path(), "c", 2).unwrap();
         let names: Vec<String> = deleted.iter().map(|p| file_name(p)).collect();
         assert_eq!(
@@ -503,6 +539,7 @@ mod tests {
             left,
             [
                 "c-20250101T000000.000Z-cp-01.snapshot",
+                "c-20250101T000001.000Z-cp-01.snapshot",
                 "c-20260101T000003.000Z-cp-01.snapshot",
                 "c-20260101T000004.000Z-cp-01.snapshot",
                 "d-20250101T000000.000Z-cp-01.snapshot",
@@ -510,5 +547,18 @@ mod tests {
             ]
         );
         assert!(!record_path(&deleted[0]).exists());
+    }
+
+    #[test]
+    fn a_snapshot_folder_that_is_a_link_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        let link = dir.path().join("etcd");
+        std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+        let e = create_private_dir(&link).unwrap_err().to_string();
+        assert!(e.contains("a link or something else than a folder"), "{e}");
+        create_private_dir(&dir.path().join("real")).unwrap();
+        create_private_dir(&dir.path().join("real")).unwrap();
     }
 }
