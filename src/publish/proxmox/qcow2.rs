@@ -35,6 +35,23 @@ const COPIED: u64 = 1 << 63;
 /// Clusters read at a time (1 MiB).
 const RUN: u64 = crate::io::BUF_SIZE as u64 / CLUSTER;
 
+/// `out` made anew (0600): what a killed run left there, or a symlink
+/// planted there, is removed (the link, never its target) and the file is
+/// created exclusively, so the image is never written through a link.
+fn create_fresh(out: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::remove_file(out) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(out)
+}
+
 /// Writes the raw image at `raw` as a qcow2 file at `out`; returns the
 /// file's size and sha256 (counted as written, for the server's check).
 /// The file is a temporary one read back at once for the upload and
@@ -81,7 +98,7 @@ pub(super) fn raw_to_qcow2(raw: &Path, out: &Path) -> io::Result<(u64, Sha256)> 
     let data_at = l2_at + l2_count;
 
     let mut w = Hashing {
-        inner: BufWriter::with_capacity(crate::io::BUF_SIZE, File::create(out)?),
+        inner: BufWriter::with_capacity(crate::io::BUF_SIZE, create_fresh(out)?),
         hash: sha2::Sha256::new(),
         written: 0,
     };
@@ -363,5 +380,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let raw = raw_image(dir.path(), 100 << 20, &[]);
         assert_eq!(convert_and_verify(&raw), FIXED);
+    }
+
+    #[test]
+    fn a_link_planted_at_the_output_is_replaced_not_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let raw = dir.path().join("n.raw");
+        std::fs::write(&raw, vec![7u8; 70_000]).unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"keep me").unwrap();
+        let out = dir.path().join("n.raw.upload.qcow2");
+        std::os::unix::fs::symlink(&victim, &out).unwrap();
+        raw_to_qcow2(&raw, &out).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+        let m = std::fs::symlink_metadata(&out).unwrap();
+        assert!(m.is_file(), "{m:?}");
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777,
+            0o600
+        );
     }
 }
