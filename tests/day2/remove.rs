@@ -491,3 +491,47 @@ fn v1_11_two_control_planes_leave_one_after_the_other() {
         ["cp-01", "worker-01", "worker-02"]
     );
 }
+
+/// Talos v1.14 lets etcd's data (and CRI, KUBELET, LOG) sit on a partition
+/// of its own, which wiping EPHEMERAL leaves: the removed control plane's
+/// Reset names those volumes too, and v1.14 accepts them (also when they
+/// are directories under EPHEMERAL, wiped in the same request).
+#[test]
+fn v1_14_control_plane_removal_also_wipes_the_etcd_volume() {
+    let c = Cluster::start(8, "v1.14.0", &ALL);
+    c.keep("v1.14.0", &without(&["cp-03"]));
+    let prepared = c.prepared();
+    let plan = c.plan(&prepared).unwrap();
+    let report = remove::remove(&prepared, &plan, &run_options(), &quiet).unwrap();
+    assert!(report.complete(), "{:?}", report.failed);
+    let reset = steps_of(&report, "cp-03")
+        .into_iter()
+        .find(|(s, _)| *s == Step::Reset)
+        .unwrap()
+        .1;
+    assert_eq!(
+        reset,
+        Outcome::Done(
+            "Reset (graceful, STATE, EPHEMERAL, ETCD, CRI, KUBELET, LOG wiped); it powered off"
+                .into()
+        )
+    );
+    assert!(c.call("cp-03", "Reset").is_object());
+    assert_eq!(c.removals()["left_etcd"], serde_json::json!(["cp-03"]));
+}
+
+/// Before v1.14 the Reset names STATE and EPHEMERAL only: v1.13 refuses a
+/// label of a volume that is a directory (`volume "ETCD" is not located`).
+#[test]
+fn v1_13_control_plane_removal_wipes_state_and_ephemeral_only() {
+    let c = Cluster::start(9, "v1.13.5", &ALL);
+    c.keep("v1.13.5", &without(&["cp-03"]));
+    let prepared = c.prepared();
+    let plan = c.plan(&prepared).unwrap();
+    let report = remove::remove(&prepared, &plan, &run_options(), &quiet).unwrap();
+    assert!(report.complete(), "{:?}", report.failed);
+    assert!(steps_of(&report, "cp-03").contains(&(
+        Step::Reset,
+        Outcome::Done("Reset (graceful, STATE, EPHEMERAL wiped); it powered off".into())
+    )));
+}

@@ -326,9 +326,14 @@ pub fn stage(obj: &Value, v1_14: bool) -> u8 {
 /// What go-kubernetes compares after a dry-run `PUT`
 /// (`getResourceDiff`): the object without what Kubernetes sets itself
 /// (uid, versions, timestamps, managedFields, finalizers, owners), its
-/// `*kubernetes.io/*` annotations, and a ServiceAccount's `secrets`.
+/// `*kubernetes.io/*` annotations, and a ServiceAccount's `secrets`. Also
+/// without `status`, which a `PUT` of the object never changes (the API
+/// server keeps the stored one): a reply that leaves it out is no change.
 pub fn comparable(obj: &Value) -> Value {
     let mut o = obj.clone();
+    if let Some(m) = o.as_object_mut() {
+        m.remove("status");
+    }
     if let Some(meta) = o["metadata"].as_object_mut() {
         for k in [
             "uid",
