@@ -842,6 +842,8 @@ pub(crate) struct Store {
     pub(crate) objects: BTreeMap<Key, Stored>,
     pub(crate) revision: u64,
     pub(crate) applies: Vec<Value>,
+    /// Every PUT, POST and DELETE that was not a dry run: {verb, object, code}.
+    pub(crate) writes: Vec<Value>,
     pub(crate) requested: Vec<Requested>,
     pub(crate) removed: Vec<RemovedObject>,
 }

@@ -69,6 +69,14 @@ impl Talos {
         self.at_least(10, 0)
     }
 
+    /// From v1.13.0 `manifest_apply.go` creates the bootstrap manifests by
+    /// server-side apply with an inventory ConfigMap (`ssa.GetInventory`,
+    /// the `config.k8s.io/owning-inventory` annotation); before, by a
+    /// create with field manager `talos`.
+    pub fn applies_manifests_by_inventory(&self) -> bool {
+        self.at_least(13, 0)
+    }
+
     /// `api/machine/lifecycle.proto` exists from v1.13.0.
     pub fn has_lifecycle_service(&self) -> bool {
         self.at_least(13, 0)
