@@ -120,17 +120,17 @@ fn bad_request(why: String) -> Response {
 }
 
 /// `dryRun` may only be `All` (`validation.ValidateDryRun`).
-fn check_dry_run(options: &str, dry_run: Option<&str>) -> Result<bool, Response> {
+fn check_dry_run(options: &str, dry_run: Option<&str>) -> Result<bool, Box<Response>> {
     match dry_run {
         None | Some("") => Ok(false),
         Some("All") => Ok(true),
-        Some(other) => Err(invalid(
+        Some(other) => Err(Box::new(invalid(
             &format!("{options}.meta.k8s.io"),
             "",
             "dryRun",
             &format!("Unsupported value: []string{{{other:?}}}: supported values: \"All\""),
             json!({"group": "meta.k8s.io", "kind": options}),
-        )),
+        ))),
     }
 }
 
@@ -149,12 +149,12 @@ fn manager_of(params: &Params, headers: &HeaderMap) -> String {
     })
 }
 
-fn parse_body(body: &str) -> Result<Value, Response> {
+fn parse_body(body: &str) -> Result<Value, Box<Response>> {
     match serde_yaml_ng::from_str::<Value>(body) {
         Ok(v @ Value::Object(_)) => Ok(v),
-        _ => Err(bad_request(
+        _ => Err(Box::new(bad_request(
             "error decoding YAML: the body is not a YAML or JSON mapping".into(),
-        )),
+        ))),
     }
 }
 
@@ -298,11 +298,11 @@ fn put(cluster: &Cluster, t: Target, params: &Params, headers: &HeaderMap, body:
     };
     let dry_run = match check_dry_run("UpdateOptions", params.dry_run.as_deref()) {
         Ok(d) => d,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let body = match parse_body(body) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let manager = manager_of(params, headers);
     let running_ok = {
@@ -404,11 +404,11 @@ fn post(
     cluster.k8s_bootstrap_manifests(now);
     let dry_run = match check_dry_run("CreateOptions", params.dry_run.as_deref()) {
         Ok(d) => d,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let mut body = match parse_body(body) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let manager = manager_of(params, headers);
     let mut k8s = cluster.k8s.lock().unwrap();
@@ -489,7 +489,7 @@ struct DeleteOptions {
     resource_version: Option<String>,
 }
 
-fn delete_options(params: &Params, body: &str) -> Result<DeleteOptions, Response> {
+fn delete_options(params: &Params, body: &str) -> Result<DeleteOptions, Box<Response>> {
     if body.trim().is_empty() {
         return Ok(DeleteOptions {
             policy: params.propagation_policy.clone(),
@@ -498,7 +498,7 @@ fn delete_options(params: &Params, body: &str) -> Result<DeleteOptions, Response
         });
     }
     let v: Value = serde_json::from_str(body)
-        .map_err(|e| bad_request(format!("error decoding DeleteOptions: {e}")))?;
+        .map_err(|e| Box::new(bad_request(format!("error decoding DeleteOptions: {e}"))))?;
     let dry_run = match &v["dryRun"] {
         Value::Array(a) => a.first().and_then(Value::as_str).map(str::to_owned),
         _ => None,
@@ -520,11 +520,11 @@ fn delete(cluster: &Cluster, t: Target, params: &Params, body: &str) -> Response
     };
     let options = match delete_options(params, body) {
         Ok(o) => o,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let dry_run = match check_dry_run("DeleteOptions", options.dry_run.as_deref()) {
         Ok(d) => d,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     // `ValidateDeleteOptions`.
     let finalizer = match options.policy.as_deref() {
