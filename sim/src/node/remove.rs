@@ -461,12 +461,10 @@ impl Api {
                 }
             }
         }
-        if !req.system_partitions_to_wipe.is_empty() {
-            if mode == WipeMode::UserDisks {
-                return Err(Status::unknown(
-                    "reset failed: invalid input, wipe mode USER_DISKS doesn't support SystemPartitionsToWipe parameter",
-                ));
-            }
+        if !req.system_partitions_to_wipe.is_empty() && mode == WipeMode::UserDisks {
+            return Err(Status::unknown(
+                "reset failed: invalid input, wipe mode USER_DISKS doesn't support SystemPartitionsToWipe parameter",
+            ));
         }
         let talos = self.talos(i);
         let raw = {
