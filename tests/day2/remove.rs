@@ -521,18 +521,6 @@ fn v1_14_control_plane_removal_also_wipes_the_etcd_volume() {
     let plan = c.plan(&prepared).unwrap();
     let report = remove::remove(&prepared, &plan, &run_options(), &quiet).unwrap();
     assert!(report.complete(), "{:?}", report.failed);
-    let reset = steps_of(&report, "cp-03")
-        .into_iter()
-        .find(|(s, _)| *s == Step::Reset)
-        .unwrap()
-        .1;
-    assert_eq!(
-        reset,
-        Outcome::Done(
-            "Reset (graceful, STATE, EPHEMERAL, ETCD, CRI, KUBELET, LOG wiped); it powered off"
-                .into()
-        )
-    );
     let reset = c.call("cp-03", "ResetSequence");
     assert_eq!(reset["etcd_data_wiped"], true, "{reset}");
     assert!(
@@ -541,6 +529,18 @@ fn v1_14_control_plane_removal_also_wipes_the_etcd_volume() {
             .unwrap()
             .contains(&Value::from("ETCD")),
         "{reset}"
+    );
+    let outcome = steps_of(&report, "cp-03")
+        .into_iter()
+        .find(|(s, _)| *s == Step::Reset)
+        .unwrap()
+        .1;
+    assert_eq!(
+        outcome,
+        Outcome::Done(
+            "Reset (graceful, STATE, EPHEMERAL, ETCD, CRI, KUBELET, LOG wiped); it powered off"
+                .into()
+        )
     );
     assert_eq!(c.removals()["left_etcd"], serde_json::json!(["cp-03"]));
 }
