@@ -1123,16 +1123,20 @@ fn sync_action(k: &KubePlan) -> Option<Action> {
         return None;
     }
     k.steps.iter().find_map(|s| match &s.step {
-        KubeStep::SyncManifests { objects } if !s.done => Some(
-            Action::new(
+        KubeStep::SyncManifests { objects, prune, .. } if !s.done => {
+            let a = Action::new(
                 Kind::SyncManifests {
                     objects: objects.clone(),
                 },
                 None,
                 "sync bootstrap manifests",
-            )
-            .detail(s.step.describe()),
-        ),
+            );
+            // Talos v1.13+: each object pruned, as a change to nothing.
+            let a = prune
+                .iter()
+                .fold(a, |a, o| a.change(o, Some("present"), None));
+            Some(a.detail(s.step.describe()))
+        }
         _ => None,
     })
 }

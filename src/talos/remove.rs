@@ -2,7 +2,8 @@
 //! the state dir's record of the cluster's nodes, [`record`], or found on
 //! the platform by the caller) is cordoned and drained, leaves etcd if it
 //! is a control plane, is reset (graceful, STATE and EPHEMERAL wiped, as
-//! `talosctl reset` does) and its Kubernetes Node is deleted. Plan, then
+//! `talosctl reset` does; on Talos v1.14+ also the ETCD, CRI, KUBELET and
+//! LOG volumes, which may be partitions of their own there) and its Kubernetes Node is deleted. Plan, then
 //! converge: [`survey`] reads the cluster, [`plan`] decides (refusing the
 //! last control plane and anything etcd's quorum rule refuses), [`remove`]
 //! carries the plan out one node at a time, each step finding what a

@@ -28,7 +28,7 @@ fn run(config: &Path, args: &[&str]) -> Run {
     r
 }
 
-fn imgbuild(config: &Path, args: &[&str]) -> Output {
+pub(super) fn imgbuild(config: &Path, args: &[&str]) -> Output {
     run(config, args).output()
 }
 
@@ -42,18 +42,23 @@ fn post(url: &str, body: &str) {
 }
 
 /// A bootstrapped 3+2 cluster on Talos `talos` running Kubernetes `k8s`.
-struct Cluster {
+pub(super) struct Cluster {
     factory: Sim,
-    nodes: Nodes,
+    pub(super) nodes: Nodes,
     _dir: tempfile::TempDir,
-    config: PathBuf,
+    pub(super) config: PathBuf,
     net: String,
 }
 
 impl Cluster {
-    fn start(block: u32, talos: &str, k8s: &str, offered: &str) -> Cluster {
+    pub(super) fn start(block: u32, talos: &str, k8s: &str, offered: &str) -> Cluster {
+        Self::start_in(&net(block), talos, k8s, offered)
+    }
+
+    /// [`Cluster::start`] on the loopback /24 `net`.
+    pub(super) fn start_in(net: &str, talos: &str, k8s: &str, offered: &str) -> Cluster {
         let factory = Sim::start_with(&[], 0, &["--versions", offered]);
-        let net = net(block);
+        let net = net.to_owned();
         let mut args: Vec<String> = [
             "--talos-version",
             talos,
@@ -92,12 +97,12 @@ impl Cluster {
     }
 
     /// The inventory moves to Talos `talos` and Kubernetes `k8s`.
-    fn want(&self, talos: &str, k8s: &str) {
+    pub(super) fn want(&self, talos: &str, k8s: &str) {
         self.want_with(talos, k8s, "");
     }
 
     /// [`Cluster::want`] with `extra` YAML after the inventory (patches).
-    fn want_with(&self, talos: &str, k8s: &str, extra: &str) {
+    pub(super) fn want_with(&self, talos: &str, k8s: &str, extra: &str) {
         let mut inv = Inventory::new("sim")
             .vip(&format!("{}.10", self.net))
             .talos(talos)
@@ -117,7 +122,7 @@ impl Cluster {
         std::fs::write(&self.config, text).unwrap();
     }
 
-    fn k8s(&self) -> serde_json::Value {
+    pub(super) fn k8s(&self) -> serde_json::Value {
         self.nodes.stats()["k8s"].clone()
     }
 
@@ -138,7 +143,7 @@ impl Cluster {
 }
 
 /// The Kubernetes part of a dry run's document: the steps not done.
-fn left(plan: &serde_json::Value) -> Vec<String> {
+pub(super) fn left(plan: &serde_json::Value) -> Vec<String> {
     plan["kubernetes"]["steps"]
         .as_array()
         .unwrap()

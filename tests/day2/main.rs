@@ -14,6 +14,7 @@ mod docker_lab;
 mod etcd_real;
 mod etcd_snapshot;
 mod hcloud;
+mod kubernetes_manifests;
 mod kubernetes_upgrade;
 mod remove;
 mod versions;

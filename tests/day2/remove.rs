@@ -53,6 +53,11 @@ struct Cluster {
 
 impl Cluster {
     fn start(block: u32, talos: &str, nodes: &[&str]) -> Cluster {
+        Self::start_patched(block, talos, nodes, None)
+    }
+
+    /// [`Cluster::start`] with `patch` (YAML documents) for every node.
+    fn start_patched(block: u32, talos: &str, nodes: &[&str], patch: Option<&str>) -> Cluster {
         let net = net(block);
         let mut args: Vec<String> = ["--talos-version", talos, "--upgrade-delay", "50"]
             .iter()
@@ -65,6 +70,9 @@ impl Cluster {
         let sim = Nodes::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("cluster.yaml");
+        if let Some(p) = patch {
+            std::fs::write(dir.path().join(PATCH), p).unwrap();
+        }
         let c = Cluster {
             sim,
             dir,
@@ -88,6 +96,9 @@ impl Cluster {
             .talos(talos);
         for (name, host, role) in NODES.iter().filter(|n| nodes.contains(&n.0)) {
             inv = inv.node(Node::new(name, role).address(&format!("{}.{host}", self.net)));
+        }
+        if self.dir.path().join(PATCH).exists() {
+            inv = inv.append(&format!("patches:\n  all: [{PATCH}]\n"));
         }
         std::fs::write(&self.config, inv.text()).unwrap();
     }
@@ -166,6 +177,9 @@ impl Cluster {
             .collect()
     }
 }
+
+/// The file of [`Cluster::start_patched`]'s patch, beside the inventory.
+const PATCH: &str = "volumes.yaml";
 
 const ALL: [&str; 5] = ["cp-01", "cp-02", "cp-03", "worker-01", "worker-02"];
 
@@ -490,4 +504,59 @@ fn v1_11_two_control_planes_leave_one_after_the_other() {
         recorded(&c.state_dir()),
         ["cp-01", "worker-01", "worker-02"]
     );
+}
+
+/// Talos v1.14 lets etcd's data (and CRI, KUBELET, LOG) sit on a partition
+/// of its own, which wiping EPHEMERAL leaves: the removed control plane's
+/// Reset names those volumes too, and v1.14 accepts them (also when they
+/// are directories under EPHEMERAL, wiped in the same request).
+#[test]
+fn v1_14_control_plane_removal_also_wipes_the_etcd_volume() {
+    // etcd's data on a partition of its own (a VolumeConfig that asks for
+    // provisioning): wiping EPHEMERAL alone would leave it.
+    let etcd_partition = "apiVersion: v1alpha1\nkind: VolumeConfig\nname: ETCD\nprovisioning:\n  minSize: 2GiB\n  maxSize: 4GiB\n";
+    let c = Cluster::start_patched(8, "v1.14.0", &ALL, Some(etcd_partition));
+    c.keep("v1.14.0", &without(&["cp-03"]));
+    let prepared = c.prepared();
+    let plan = c.plan(&prepared).unwrap();
+    let report = remove::remove(&prepared, &plan, &run_options(), &quiet).unwrap();
+    assert!(report.complete(), "{:?}", report.failed);
+    let reset = c.call("cp-03", "ResetSequence");
+    assert_eq!(reset["etcd_data_wiped"], true, "{reset}");
+    assert!(
+        reset["wiped"]
+            .as_array()
+            .unwrap()
+            .contains(&Value::from("ETCD")),
+        "{reset}"
+    );
+    let outcome = steps_of(&report, "cp-03")
+        .into_iter()
+        .find(|(s, _)| *s == Step::Reset)
+        .unwrap()
+        .1;
+    assert_eq!(
+        outcome,
+        Outcome::Done(
+            "Reset (graceful, STATE, EPHEMERAL, ETCD, CRI, KUBELET, LOG wiped); it powered off"
+                .into()
+        )
+    );
+    assert_eq!(c.removals()["left_etcd"], serde_json::json!(["cp-03"]));
+}
+
+/// Before v1.14 the Reset names STATE and EPHEMERAL only: v1.13 refuses a
+/// label of a volume that is a directory (`volume "ETCD" is not located`).
+#[test]
+fn v1_13_control_plane_removal_wipes_state_and_ephemeral_only() {
+    let c = Cluster::start(9, "v1.13.5", &ALL);
+    c.keep("v1.13.5", &without(&["cp-03"]));
+    let prepared = c.prepared();
+    let plan = c.plan(&prepared).unwrap();
+    let report = remove::remove(&prepared, &plan, &run_options(), &quiet).unwrap();
+    assert!(report.complete(), "{:?}", report.failed);
+    assert!(steps_of(&report, "cp-03").contains(&(
+        Step::Reset,
+        Outcome::Done("Reset (graceful, STATE, EPHEMERAL wiped); it powered off".into())
+    )));
 }

@@ -662,7 +662,8 @@ async fn bootstrap_manifests_are_created_once_and_changed_only_by_server_side_ap
     assert_eq!(code, 409, "{v}");
     assert_eq!(
         v["message"],
-        "Apply failed with 1 conflict: conflict with \"talos\" using apps/v1: .spec.template.spec.containers[name=\"kube-proxy\"].image"
+        "Apply failed with 1 conflict: conflict with \"talos\": .spec.template.spec.containers[name=\"kube-proxy\"].image",
+        "Talos v1.13 applies its manifests (operation Apply, manifest_apply.go)"
     );
     let forced = format!("{proxy}?fieldManager=imgbuild&force=true");
     let (code, v) = c.kube(10, "PATCH", &format!("{forced}&dryRun=All"), apply);
@@ -1217,5 +1218,331 @@ async fn any_change_of_a_components_config_moves_its_config_version_v1_11_5() {
         components,
         ["kube-apiserver", "kube-scheduler"],
         "{restarts:#}"
+    );
+}
+
+/// The kube-proxy DaemonSet's path.
+const PROXY: &str = "/apis/apps/v1/namespaces/kube-system/daemonsets/kube-proxy";
+
+/// talosctl's manifest sync before Talos v1.13 (go-kubernetes v0.2.28
+/// `manifests/sync.go`): GET, a PUT `dryRun=All` with the live
+/// resourceVersion, a POST for what is missing, a PUT for what changed; the
+/// API server's answers (kubernetes `handlers/{update,create,delete,get}.go`,
+/// the resources' `strategy.go`): a stale resourceVersion is a 409, a PUT
+/// creates only services and RBAC objects, a CRD needs a resourceVersion,
+/// a POST of what exists is AlreadyExists, DELETE takes a propagation
+/// policy, lists take equality, existence and set selectors. Talos v1.12
+/// recreates a bootstrap object someone deleted (`manifest_apply.go`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_post_delete_and_selectors_answer_as_the_api_server_does_v1_12_9() {
+    let c = Cluster::start(9, &[("cp-01", 11, true, "v1.12.9")]).await;
+    c.wait("the kube-proxy DaemonSet", || {
+        c.kube(10, "GET", PROXY, None).0 == 200
+    })
+    .await;
+    let json_body = |v: &Value| v.to_string();
+    let (_, live) = c.kube(10, "GET", PROXY, None);
+    let rv = live["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(live["metadata"]["managedFields"][0]["operation"], "Update");
+    assert_eq!(
+        live["metadata"]["annotations"].get("config.k8s.io/owning-inventory"),
+        None,
+        "v1.12 has no inventory"
+    );
+    let new = "registry.k8s.io/kube-proxy:v1.33.5";
+    let mut changed = live.clone();
+    changed["spec"]["template"]["spec"]["containers"][0]["image"] = json!(new);
+    let body = json_body(&changed);
+    let put = Some(("application/json", body.as_str()));
+
+    // The diff: a dry run stores nothing.
+    let (code, v) = c.kube(10, "PUT", &format!("{PROXY}?dryRun=All"), put);
+    assert_eq!((code, image(&v)), (200, new), "{v}");
+    assert_eq!(image(&c.kube(10, "GET", PROXY, None).1), image(&live));
+    // The update with the live version.
+    let (code, v) = c.kube(10, "PUT", &format!("{PROXY}?fieldManager=imgbuild"), put);
+    assert_eq!((code, image(&v)), (200, new), "{v}");
+    assert_eq!(v["metadata"]["generation"], 2);
+    assert_ne!(v["metadata"]["resourceVersion"], json!(rv));
+    // The same body again carries a stale version.
+    let (code, v) = c.kube(10, "PUT", PROXY, put);
+    assert_eq!(code, 409, "{v}");
+    assert_eq!(
+        v["message"],
+        "Operation cannot be fulfilled on daemonsets.apps \"kube-proxy\": the object has been modified; please apply your changes to the latest version and try again"
+    );
+    assert_eq!(v["reason"], "Conflict");
+    // Without a version a DaemonSet updates unconditionally.
+    let mut unversioned = changed.clone();
+    unversioned["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("resourceVersion");
+    let body = json_body(&unversioned);
+    let (code, v) = c.kube(10, "PUT", PROXY, Some(("application/json", &body)));
+    assert_eq!(code, 200, "{v}");
+
+    // Create: 201, then AlreadyExists; a namespace must exist.
+    let cms = "/api/v1/namespaces/kube-system/configmaps";
+    let cm = json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "extra", "labels": {"tier": "node"}}, "data": {"a": "1"}});
+    let body = json_body(&cm);
+    let (code, v) = c.kube(10, "POST", cms, Some(("application/json", &body)));
+    assert_eq!(code, 201, "{v}");
+    assert_eq!(v["metadata"]["namespace"], "kube-system");
+    let (code, v) = c.kube(10, "POST", cms, Some(("application/json", &body)));
+    assert_eq!((code, &v["reason"]), (409, &json!("AlreadyExists")), "{v}");
+    assert_eq!(v["message"], "configmaps \"extra\" already exists");
+    let (code, v) = c.kube(
+        10,
+        "POST",
+        "/api/v1/namespaces/nope/configmaps",
+        Some(("application/json", &body)),
+    );
+    assert_eq!(code, 404, "{v}");
+    assert_eq!(v["message"], "namespaces \"nope\" not found");
+
+    let agent = json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": "sim-agent", "namespace": "kube-system"},
+        "spec": {"template": {"spec": {"containers": [{"name": "a", "image": "a:1"}]}}}});
+    let (code, v) = c.kube(
+        10,
+        "POST",
+        "/apis/apps/v1/namespaces/kube-system/daemonsets",
+        Some(("application/json", &json_body(&agent))),
+    );
+    assert_eq!(code, 201, "{v}");
+
+    // PUT of what is missing: a ConfigMap is not created, a ClusterRole is.
+    let (code, v) = c.kube(
+        10,
+        "PUT",
+        &format!("{cms}/other"),
+        Some((
+            "application/json",
+            &json_body(
+                &json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "other"}}),
+            ),
+        )),
+    );
+    assert_eq!(code, 404, "{v}");
+    assert_eq!(v["message"], "configmaps \"other\" not found");
+    let role = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": "sim:reader"}, "rules": []});
+    let (code, v) = c.kube(
+        10,
+        "PUT",
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles/sim:reader",
+        Some(("application/json", &json_body(&role))),
+    );
+    assert_eq!(code, 201, "{v}");
+
+    // A CRD's update needs its resourceVersion.
+    let crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions";
+    let crd = json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "widgets.sim.dev"}, "spec": {"group": "sim.dev"}});
+    let (code, v) = c.kube(
+        10,
+        "POST",
+        crds,
+        Some(("application/json", &json_body(&crd))),
+    );
+    assert_eq!(code, 201, "{v}");
+    let (code, v) = c.kube(
+        10,
+        "PUT",
+        &format!("{crds}/widgets.sim.dev"),
+        Some(("application/json", &json_body(&crd))),
+    );
+    assert_eq!(code, 422, "{v}");
+    assert_eq!(
+        v["message"],
+        "customresourcedefinitions.apiextensions.k8s.io \"widgets.sim.dev\" is invalid: metadata.resourceVersion: Invalid value: 0x0: must be specified for an update"
+    );
+
+    // Lists: equality, existence, set; the list's resourceVersion moves.
+    let names = |selector: &str| -> Vec<String> {
+        c.items(&format!("{cms}?labelSelector={selector}"))
+            .iter()
+            .map(|o| o["metadata"]["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(names("tier"), ["extra"]);
+    assert_eq!(names("tier%3D%3Dnode"), ["extra"]);
+    assert_eq!(names("tier%20in%20(a,node)"), ["extra"]);
+    assert!(!names("!tier").contains(&"extra".to_owned()));
+    assert!(!names("tier!%3Dnode").contains(&"extra".to_owned()));
+    assert!(
+        names("tier!%3Dother").contains(&"extra".to_owned()),
+        "!= selects other values"
+    );
+    let (code, v) = c.kube(10, "GET", &format!("{cms}?labelSelector=a%20b"), None);
+    assert_eq!(code, 400, "{v}");
+    let list_rv =
+        |c: &Cluster| c.kube(10, "GET", cms, None).1["metadata"]["resourceVersion"].clone();
+    let before = list_rv(&c);
+    assert_eq!(c.kube(10, "GET", cms, None).1["kind"], "ConfigMapList");
+
+    // Delete: a policy it knows, 404 the second time; kube-system stays.
+    let (code, v) = c.kube(
+        10,
+        "DELETE",
+        &format!("{cms}/extra?propagationPolicy=Sideways"),
+        None,
+    );
+    assert_eq!(code, 422, "{v}");
+    let (code, v) = c.kube(
+        10,
+        "DELETE",
+        &format!("{cms}/extra"),
+        Some(("application/json", r#"{"kind":"DeleteOptions","apiVersion":"v1","propagationPolicy":"Background","preconditions":{"resourceVersion":"1"}}"#)),
+    );
+    assert_eq!(code, 409, "a failed precondition: {v}");
+    let (code, v) = c.kube(
+        10,
+        "DELETE",
+        &format!("{cms}/extra?propagationPolicy=Background"),
+        None,
+    );
+    assert_eq!(
+        (code, &v["metadata"]["name"]),
+        (200, &json!("extra")),
+        "{v}"
+    );
+    assert_ne!(list_rv(&c), before);
+    let (code, v) = c.kube(10, "DELETE", &format!("{cms}/extra"), None);
+    assert_eq!(code, 404, "{v}");
+    let (code, v) = c.kube(10, "DELETE", "/api/v1/namespaces/kube-system", None);
+    assert_eq!(code, 403, "{v}");
+    assert_eq!(
+        v["message"],
+        "namespaces \"kube-system\" is forbidden: this namespace may not be deleted"
+    );
+
+    // Talos v1.12 recreates a bootstrap object that is gone.
+    let dns = "/apis/apps/v1/namespaces/kube-system/deployments/coredns";
+    let (code, _) = c.kube(
+        10,
+        "DELETE",
+        &format!("{dns}?propagationPolicy=Foreground"),
+        None,
+    );
+    assert_eq!(code, 200);
+    let (code, v) = c.kube(10, "GET", dns, None);
+    assert_eq!(code, 200, "recreated by manifest_apply: {v}");
+
+    let writes: Vec<(String, u64)> = c.k8s_stats()["writes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["verb"].as_str().unwrap().to_owned(),
+                w["code"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        writes.iter().filter(|(verb, _)| verb == "PUT").count(),
+        4,
+        "dry runs are not logged: {writes:?}"
+    );
+}
+
+/// Talos v1.13 (`manifest_apply.go`): the bootstrap objects are created by
+/// a server-side apply as `talos`, annotated `config.k8s.io/owning-
+/// inventory`, and listed in the inventory ConfigMap
+/// `kube-system/talos-bootstrap-manifests-inventory` (cli-utils
+/// `ObjMetadata.String` keys); an object the inventory lists is never
+/// recreated. talosctl's sync (go-kubernetes `ssa`) then applies as
+/// `talos`, rewrites the inventory by an unconditional PUT, and prunes by
+/// DELETE with `propagationPolicy=Background`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn talos_1_13_creates_the_bootstrap_manifests_through_an_inventory_v1_13_5() {
+    let c = Cluster::start(10, &[("cp-01", 11, true, "v1.13.5")]).await;
+    let inventory = "/api/v1/namespaces/kube-system/configmaps/talos-bootstrap-manifests-inventory";
+    c.wait("the inventory", || {
+        c.kube(10, "GET", inventory, None).0 == 200
+    })
+    .await;
+    let (_, ds) = c.kube(10, "GET", PROXY, None);
+    assert_eq!(
+        ds["metadata"]["annotations"]["config.k8s.io/owning-inventory"],
+        "talos-bootstrap-manifests-inventory"
+    );
+    assert_eq!(
+        (
+            &ds["metadata"]["managedFields"][0]["manager"],
+            &ds["metadata"]["managedFields"][0]["operation"]
+        ),
+        (&json!("talos"), &json!("Apply"))
+    );
+    let (_, inv) = c.kube(10, "GET", inventory, None);
+    let data = inv["data"].as_object().unwrap();
+    for entry in [
+        "kube-system_kube-proxy_apps_DaemonSet",
+        "kube-system_coredns_apps_Deployment",
+        "kube-system_kube-dns__Service",
+    ] {
+        assert!(data.contains_key(entry), "{entry}: {inv}");
+    }
+    assert!(
+        data.keys().all(|k| !k.contains(':')),
+        "RBAC colons are transcoded: {inv}"
+    );
+    assert_eq!(
+        c.kube(10, "GET", "/api/v1/namespaces/kube-system", None).0,
+        200
+    );
+
+    // talosctl's apply as `talos` takes over without a conflict.
+    let applied = json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": "kube-proxy", "namespace": "kube-system",
+            "annotations": {"config.k8s.io/owning-inventory": "talos-bootstrap-manifests-inventory"}},
+        "spec": {"template": {"spec": {"containers": [{"name": "kube-proxy", "image": "registry.k8s.io/kube-proxy:v1.33.5"}]}}}});
+    let body = applied.to_string();
+    let (code, v) = c.kube(
+        10,
+        "PATCH",
+        &format!("{PROXY}?fieldManager=talos&force=true"),
+        Some(("application/apply-patch+yaml", &body)),
+    );
+    assert_eq!(code, 200, "{v}");
+
+    // A DELETE with talosctl's prune policy; Talos does not recreate an
+    // object its inventory lists.
+    let dns = "/apis/apps/v1/namespaces/kube-system/deployments/coredns";
+    let (code, v) = c.kube(
+        10,
+        "DELETE",
+        &format!("{dns}?propagationPolicy=Background"),
+        None,
+    );
+    assert_eq!(code, 200, "{v}");
+    let (code, _) = c.kube(10, "GET", dns, None);
+    assert_eq!(code, 404, "listed in the inventory: Talos skips it");
+
+    // The inventory is rewritten whole, without a resourceVersion; what it
+    // no longer lists and the manifests hold, Talos creates again and
+    // lists again.
+    let mut rewritten = json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "talos-bootstrap-manifests-inventory", "namespace": "kube-system"},
+        "data": inv["data"].clone()});
+    rewritten["data"]
+        .as_object_mut()
+        .unwrap()
+        .remove("kube-system_coredns_apps_Deployment");
+    let body = rewritten.to_string();
+    let (code, v) = c.kube(10, "PUT", inventory, Some(("application/json", &body)));
+    assert_eq!(code, 200, "{v}");
+    let (code, _) = c.kube(10, "GET", dns, None);
+    assert_eq!(code, 200, "not in the inventory: manifest_apply creates it");
+    let (_, inv) = c.kube(10, "GET", inventory, None);
+    assert_eq!(
+        inv["data"]["kube-system_coredns_apps_Deployment"], "",
+        "{inv}"
     );
 }

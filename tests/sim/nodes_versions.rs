@@ -832,3 +832,100 @@ async fn stock_nodes_have_no_schematic_and_a_read_can_fail_v1_11_5() {
     );
     assert_eq!(count(22).await.unwrap_err().code(), Code::Unavailable);
 }
+
+/// Reset's `system_partitions_to_wipe` per release (siderolabs/talos
+/// `v1alpha1_server.go` `Reset`): before v1.14 etcd's data is the directory
+/// volume ETCD under EPHEMERAL, which a Reset may not name ("is not
+/// located"); v1.14 (v1.14.0-rc.1) lets ETCD have a partition of its own
+/// (a `VolumeConfig` named ETCD with provisioning): naming it wipes it, and
+/// wiping STATE and EPHEMERAL leaves it and the etcd data on it; as a
+/// directory it may be named only with EPHEMERAL (`FindBackingVolume`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_wipes_a_separate_etcd_volume_only_on_v1_14_and_only_when_named() {
+    let c = Cluster::start(
+        11,
+        &[],
+        &[
+            ("w-13", 21, false, "v1.13.5"),
+            ("w-14", 22, false, "v1.14.0"),
+        ],
+    )
+    .await;
+    let etcd_partition = "---\napiVersion: v1alpha1\nkind: VolumeConfig\nname: ETCD\nprovisioning:\n  minSize: 2GiB\n";
+    let config = format!("{}{etcd_partition}", c.config("w-14p", false, &[]));
+    let v = c.post(
+        "boot",
+        json!({"name": "w-14p", "ip": c.ip(23), "hostname": "w-14p",
+            "config": config, "talos_version": "v1.14.0"}),
+    );
+    assert_eq!(v["configured"], true, "{v}");
+    let reset = |labels: &[&str]| ResetRequest {
+        graceful: false,
+        system_partitions_to_wipe: labels
+            .iter()
+            .map(|l| ResetPartitionSpec {
+                label: (*l).into(),
+                wipe: true,
+            })
+            .collect(),
+        ..ResetRequest::default()
+    };
+    let refused = |r: Result<tonic::Response<ResetResponse>, tonic::Status>| {
+        let e = r.unwrap_err();
+        assert_eq!(e.code(), Code::Unknown, "{e:?}");
+        e.message().to_owned()
+    };
+    let e = refused(
+        c.machine(21)
+            .await
+            .reset(reset(&["STATE", "EPHEMERAL", "ETCD"]))
+            .await,
+    );
+    assert_eq!(e, "failed to reset: volume \"ETCD\" is not located");
+    let e = refused(c.machine(22).await.reset(reset(&["STATE", "ETCD"])).await);
+    assert_eq!(
+        e,
+        "failed to reset: volume \"ETCD\" resides on volume \"EPHEMERAL\", and therefore \"ETCD\" cannot be wiped without wiping \"EPHEMERAL\""
+    );
+    c.machine(22)
+        .await
+        .reset(reset(&["STATE", "EPHEMERAL", "ETCD"]))
+        .await
+        .unwrap();
+    c.machine(23)
+        .await
+        .reset(reset(&["STATE", "EPHEMERAL"]))
+        .await
+        .unwrap();
+    let sequence = |node: &str| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let calls = c.sim.stats()["removals"]["calls"].clone();
+            if let Some(s) = calls
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|x| x["node"] == node && x["call"] == "ResetSequence")
+            {
+                return s.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no ResetSequence for {node}: {calls}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let s = sequence("w-14");
+    assert_eq!(
+        (&s["wiped"], &s["etcd_data_wiped"]),
+        (&json!(["STATE", "EPHEMERAL"]), &json!(true)),
+        "ETCD went with EPHEMERAL: {s}"
+    );
+    let s = sequence("w-14p");
+    assert_eq!(
+        (&s["wiped"], &s["etcd_data_wiped"]),
+        (&json!(["STATE", "EPHEMERAL"]), &json!(false)),
+        "the ETCD partition stays: {s}"
+    );
+}

@@ -400,3 +400,59 @@ fn hotplug_1_is_network_disk_usb_and_memory_needs_the_memory_feature_and_numa() 
         );
     }
 }
+
+/// qemu-server (PVE 9) `vm_reboot` (`PVE/QemuServer.pm`: a reboot request,
+/// the stop, qmeventd's start) and `vm_start` → `vmconfig_apply_pending`:
+/// with `hotplug: 1` and `numa: 1` a memory change on a running VM waits,
+/// and `status/reboot` is what applies it; nothing is pending after.
+#[test]
+fn a_memory_change_pending_under_hotplug_1_and_numa_is_applied_by_a_reboot() {
+    let pve = Pve::start(&[]);
+    let (code, v) = pve.curl(
+        "/nodes/pve/qemu",
+        &[
+            "-d",
+            "vmid=511",
+            "-d",
+            "hotplug=1",
+            "-d",
+            "numa=1",
+            "-d",
+            "memory=4096",
+        ],
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK");
+    let post = |path: &str| {
+        let (code, v) = pve.curl(&format!("/nodes/pve/qemu/511/{path}"), &["-X", "POST"]);
+        assert_eq!(code, 200, "{path}: {v}");
+        assert_eq!(pve.wait(&v["data"])["exitstatus"], "OK", "{path}");
+    };
+    post("status/start");
+    let (_, v) = pve.curl("/nodes/pve/qemu/511/config", &["-d", "memory=8192"]);
+    pve.wait(&v["data"]);
+    let memory = || {
+        let (_, pending) = pve.curl("/nodes/pve/qemu/511/pending", &[]);
+        let entry = pending["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["key"] == "memory")
+            .cloned()
+            .unwrap();
+        (entry["value"].to_string(), entry.get("pending").cloned())
+    };
+    assert_eq!(
+        memory(),
+        ("\"4096\"".to_owned(), Some(serde_json::json!("8192"))),
+        "pending while it runs"
+    );
+    post("status/reboot");
+    assert_eq!(
+        memory(),
+        ("\"8192\"".to_owned(), None),
+        "applied by the reboot"
+    );
+    let (_, current) = pve.curl("/nodes/pve/qemu/511/status/current", &[]);
+    assert_eq!(current["data"]["status"], "running", "{current}");
+}

@@ -76,6 +76,10 @@ pub(crate) async fn boot(
     let wiped = previous
         .as_ref()
         .is_some_and(|p| p.name != req.name || p.st.lock().unwrap().wiped);
+    // A new machine, or one whose etcd data a Reset wiped, joins etcd anew.
+    let etcd_fresh = previous
+        .as_ref()
+        .is_some_and(|p| p.name != req.name || p.st.lock().unwrap().etcd_wiped);
     {
         let mut st = node.st.lock().unwrap();
         if let Some(p) = previous.as_ref().filter(|_| !wiped) {
@@ -134,7 +138,7 @@ pub(crate) async fn boot(
             }
         }
     };
-    if wiped {
+    if etcd_fresh {
         cluster.rejoin_etcd(i);
     }
     tokio::spawn(serve_talos(cluster.clone(), i, talos));

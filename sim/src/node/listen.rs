@@ -254,14 +254,17 @@ pub(crate) async fn serve_k8s(
                 .route("/api/v1/namespaces/kube-system/pods", get(health::pods))
                 .route(
                     "/apis/apps/v1/namespaces/kube-system/daemonsets",
-                    get(health::daemonsets),
+                    get(health::daemonsets)
+                        .merge(k8s::writes::post_into_kube_system("apps/v1", "daemonsets")),
                 )
                 .route(
                     "/apis/apps/v1/namespaces/kube-system/deployments",
-                    get(health::deployments),
+                    get(health::deployments)
+                        .merge(k8s::writes::post_into_kube_system("apps/v1", "deployments")),
                 )
                 .route("/metrics", get(k8s::deprecated::metrics))
                 .merge(k8s::objects::routes())
+                .merge(k8s::writes::routes())
                 .with_state(cluster);
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app))

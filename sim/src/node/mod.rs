@@ -185,6 +185,7 @@ mod switches;
 mod tls;
 mod upgrade;
 mod version;
+mod volumes;
 
 pub use self::serve::run;
 pub use self::state::Args;

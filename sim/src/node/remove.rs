@@ -55,12 +55,9 @@ use super::health::STALE_MEMBER_ID;
 use super::service::Api;
 use super::state::{Cluster, ControlReply, Phase, ms, reached};
 use super::version::Talos;
+use super::volumes::{self, Wipe};
 use imgbuild::talos::api::machine::reset_request::WipeMode;
 use imgbuild::talos::api::machine::*;
-
-/// The volumes a Talos system disk has (`VolumeStatus` IDs a Reset may
-/// name); anything else is "failed to get volume status".
-const VOLUMES: [&str; 5] = ["EFI", "BOOT", "META", "STATE", "EPHEMERAL"];
 
 /// etcd's refusal when the others would lose quorum.
 const NOT_ENOUGH: &str = "etcdserver: re-configuration failed due to not enough started members";
@@ -432,8 +429,9 @@ impl Api {
         Ok(Response::new(EtcdRemoveMemberByIdResponse { messages }))
     }
 
-    /// Checks a Reset request as `Reset` does before the sequence starts.
-    fn check_reset(&self, req: &ResetRequest) -> Result<(), Status> {
+    /// Checks a Reset request to node `i` as `Reset` does before the
+    /// sequence starts; what it will wipe (`volumes.rs`, per version).
+    fn check_reset(&self, i: usize, req: &ResetRequest) -> Result<Wipe, Status> {
         let mode = WipeMode::try_from(req.mode).unwrap_or(WipeMode::All);
         if !req.user_disks_to_wipe.is_empty() {
             if mode == WipeMode::SystemDisk {
@@ -463,27 +461,41 @@ impl Api {
                 }
             }
         }
-        if !req.system_partitions_to_wipe.is_empty() {
-            if mode == WipeMode::UserDisks {
-                return Err(Status::unknown(
-                    "reset failed: invalid input, wipe mode USER_DISKS doesn't support SystemPartitionsToWipe parameter",
-                ));
-            }
-            for p in &req.system_partitions_to_wipe {
-                if !VOLUMES.contains(&p.label.as_str()) {
-                    return Err(Status::unknown(format!(
-                        "failed to get volume status with label {:?}: resource VolumeStatuses.block.talos.dev(runtime/{}@undefined) doesn't exist",
-                        p.label, p.label
-                    )));
-                }
-            }
+        if !req.system_partitions_to_wipe.is_empty() && mode == WipeMode::UserDisks {
+            return Err(Status::unknown(
+                "reset failed: invalid input, wipe mode USER_DISKS doesn't support SystemPartitionsToWipe parameter",
+            ));
         }
+        let talos = self.talos(i);
+        let raw = {
+            let node = self.cluster.node(i);
+            let st = node.st.lock().unwrap();
+            st.applied
+                .as_ref()
+                .map(|a| a.raw.clone())
+                .unwrap_or_default()
+        };
+        let specs: Vec<(String, bool)> = req
+            .system_partitions_to_wipe
+            .iter()
+            .map(|p| (p.label.clone(), p.wipe))
+            .collect();
+        let wipe = match mode {
+            // USER_DISKS leaves the system disk alone.
+            WipeMode::UserDisks => Wipe {
+                volumes: Vec::new(),
+                config: false,
+                etcd_data: false,
+            },
+            _ => volumes::plan(&talos, &volumes::dedicated(&talos, &raw), &specs)
+                .map_err(Status::unknown)?,
+        };
         if req.reboot {
             return Err(Status::failed_precondition(
                 "imgbuild-sim models Reset with reboot=false only",
             ));
         }
-        Ok(())
+        Ok(wipe)
     }
 
     fn reset_on(&self, i: usize, req: &ResetRequest) -> Result<Reset, Status> {
@@ -506,7 +518,7 @@ impl Api {
                         .is_none()
             })
             .count();
-        let result = self.check_reset(req);
+        let result = self.check_reset(i, req);
         let extra = json!({
             "graceful": req.graceful,
             "cordoned": cordoned,
@@ -515,12 +527,12 @@ impl Api {
             "member": self.cluster.members().contains(&i),
         });
         self.logged(&name, "Reset", extra, &result);
-        result?;
+        let wipe = result?;
         let cluster = self.cluster.clone();
         let graceful = req.graceful;
         tokio::spawn(async move {
             tokio::time::sleep(ms(cluster.args.upgrade_delay)).await;
-            reset_sequence(&cluster, i, graceful);
+            reset_sequence(&cluster, i, graceful, &wipe);
         });
         Ok(Reset {
             metadata: None,
@@ -539,8 +551,8 @@ impl Api {
 
 /// The reset sequence of node `i`: graceful → cordon and drain, then leave
 /// etcd on a control plane that is a member (failing the sequence, the
-/// node left up, where etcd refuses); then wipe and power off.
-fn reset_sequence(cluster: &Arc<Cluster>, i: usize, graceful: bool) {
+/// node left up, where etcd refuses); then wipe `wipe` and power off.
+fn reset_sequence(cluster: &Arc<Cluster>, i: usize, graceful: bool, wipe: &Wipe) {
     let node = cluster.node(i);
     let name = node.display_name();
     if graceful {
@@ -565,13 +577,14 @@ fn reset_sequence(cluster: &Arc<Cluster>, i: usize, graceful: bool) {
     }
     {
         let mut st = node.st.lock().unwrap();
-        st.wiped = true;
+        st.wiped = wipe.config;
+        st.etcd_wiped = wipe.etcd_data;
         st.halted = true;
     }
     node.bump();
     cluster.log(
         json!({"node": name, "call": "ResetSequence", "ok": true, "left_etcd": left,
-        "powered_off": true}),
+        "powered_off": true, "wiped": wipe.volumes, "etcd_data_wiped": wipe.etcd_data}),
     );
 }
 
@@ -715,20 +728,20 @@ mod tests {
             system_partitions_to_wipe: vec![spec("STATE"), spec("EPHEMERAL")],
             ..ResetRequest::default()
         };
-        api.check_reset(&ok).unwrap();
+        api.check_reset(0, &ok).unwrap();
         let bad = ResetRequest {
             system_partitions_to_wipe: vec![spec("DATA")],
             ..ok.clone()
         };
-        assert!(message(api.check_reset(&bad)).1.contains("\"DATA\""));
+        assert!(message(api.check_reset(0, &bad)).1.contains("\"DATA\""));
         let users = ResetRequest {
             mode: WipeMode::UserDisks as i32,
             ..ok.clone()
         };
-        assert!(message(api.check_reset(&users)).1.contains("USER_DISKS"));
+        assert!(message(api.check_reset(0, &users)).1.contains("USER_DISKS"));
         let reboot = ResetRequest { reboot: true, ..ok };
         assert_eq!(
-            message(api.check_reset(&reboot)).0,
+            message(api.check_reset(0, &reboot)).0,
             tonic::Code::FailedPrecondition
         );
     }

@@ -166,6 +166,10 @@ pub(crate) struct NodeState {
     /// on STATE (`constants.ConfigPath`, /system/state/config.yaml) and the
     /// etcd data are gone, so the machine boots again in maintenance mode.
     pub(crate) wiped: bool,
+    /// A Reset wiped etcd's data (EPHEMERAL, or v1.14's own ETCD partition:
+    /// `volumes.rs`): the machine joins etcd as a new member when it boots
+    /// again; else its old member's data stays and it does not.
+    pub(crate) etcd_wiped: bool,
     /// Why the config it booted with (hcloud `user_data`) was refused.
     pub(crate) config_error: Option<String>,
     pub(crate) day2: Day2,
@@ -842,6 +846,8 @@ pub(crate) struct Store {
     pub(crate) objects: BTreeMap<Key, Stored>,
     pub(crate) revision: u64,
     pub(crate) applies: Vec<Value>,
+    /// Every PUT, POST and DELETE that was not a dry run: {verb, object, code}.
+    pub(crate) writes: Vec<Value>,
     pub(crate) requested: Vec<Requested>,
     pub(crate) removed: Vec<RemovedObject>,
 }

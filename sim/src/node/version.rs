@@ -69,6 +69,21 @@ impl Talos {
         self.at_least(10, 0)
     }
 
+    /// v1.14's promotable system volumes (ETCD, CRI, KUBELET, LOG: a
+    /// directory under EPHEMERAL or a partition of their own,
+    /// `pkg/machinery/config/config/volume.go`); see `volumes.rs`.
+    pub fn has_promotable_volumes(&self) -> bool {
+        self.at_least(14, 0)
+    }
+
+    /// From v1.13.0 `manifest_apply.go` creates the bootstrap manifests by
+    /// server-side apply with an inventory ConfigMap (`ssa.GetInventory`,
+    /// the `config.k8s.io/owning-inventory` annotation); before, by a
+    /// create with field manager `talos`.
+    pub fn applies_manifests_by_inventory(&self) -> bool {
+        self.at_least(13, 0)
+    }
+
     /// `api/machine/lifecycle.proto` exists from v1.13.0.
     pub fn has_lifecycle_service(&self) -> bool {
         self.at_least(13, 0)

@@ -84,6 +84,26 @@ pub fn object_path(res: &Resource, obj: &Value) -> String {
     }
 }
 
+/// The collection `obj` is created in (its namespace's, `default` when it
+/// names none, as client-go defaults it).
+pub fn collection_path(res: &Resource, obj: &Value) -> String {
+    match obj["metadata"]["namespace"].as_str() {
+        Some(ns) if res.namespaced => format!("{}/namespaces/{ns}/{}", res.base, res.plural),
+        _ if res.namespaced => format!("{}/namespaces/default/{}", res.base, res.plural),
+        _ => format!("{}/{}", res.base, res.plural),
+    }
+}
+
+/// Why a `PUT` was not stored.
+#[derive(Debug, thiserror::Error)]
+pub enum Replace {
+    /// 409: someone changed the object since it was read.
+    #[error("the object changed since it was read (409 Conflict)")]
+    Conflict,
+    #[error(transparent)]
+    Failed(#[from] KubeError),
+}
+
 /// `apps/v1 DaemonSet kube-system/kube-proxy`, for lines and the report.
 pub fn object_name(obj: &Value) -> String {
     let ns = obj["metadata"]["namespace"]
@@ -118,11 +138,16 @@ impl Kube {
                 before_sending: true,
             })?;
         let url = format!("{}{path}", self.kc.server.trim_end_matches('/'));
+        // Server-side apply is a PATCH of its own type; PUT, POST and
+        // DELETE carry plain JSON.
+        let content_type = if method == reqwest::Method::PATCH {
+            "application/apply-patch+yaml"
+        } else {
+            "application/json"
+        };
         let mut req = client.request(method, &url);
         if let Some(b) = body {
-            req = req
-                .header("content-type", "application/apply-patch+yaml")
-                .body(b);
+            req = req.header("content-type", content_type).body(b);
         }
         let reply = net::send_once(req)?;
         net::read_limited(reply, REPLY_LIMIT)
@@ -169,6 +194,52 @@ impl Kube {
             .send(reqwest::Method::PATCH, &query, Some(body))
             .map_err(|e| self.api_error(e))?;
         serde_json::from_slice(&reply).map_err(|e| self.api_error(format!("{path}: not JSON: {e}")))
+    }
+
+    /// `POST` of `obj` to its collection (go-kubernetes `manifests.Sync`
+    /// creates a missing object so before Talos v1.13). Ok(false) when the
+    /// API server answers 409 AlreadyExists.
+    pub fn create(&self, res: &Resource, obj: &Value) -> Result<bool, KubeError> {
+        let path = collection_path(res, obj);
+        let body = serde_json::to_vec(obj).map_err(|e| self.api_error(e))?;
+        match self.send(reqwest::Method::POST, &path, Some(body)) {
+            Ok(_) => Ok(true),
+            Err(e) if e.status() == Some(409) => Ok(false),
+            Err(e) => Err(self.api_error(e)),
+        }
+    }
+
+    /// `PUT` of the whole of `obj` at `path` (an update: what `obj` leaves
+    /// out goes). `dry_run`: the API server only answers what it would
+    /// store (`dryRun=All`). Err(Conflict) on 409: the object changed since
+    /// its `metadata.resourceVersion` was read.
+    pub fn replace(&self, path: &str, obj: &Value, dry_run: bool) -> Result<Value, Replace> {
+        let body = serde_json::to_vec(obj).map_err(|e| Replace::Failed(self.api_error(e)))?;
+        let query = if dry_run {
+            format!("{path}?dryRun=All")
+        } else {
+            path.to_owned()
+        };
+        match self.send(reqwest::Method::PUT, &query, Some(body)) {
+            Ok(reply) => serde_json::from_slice(&reply)
+                .map_err(|e| Replace::Failed(self.api_error(format!("{path}: not JSON: {e}")))),
+            Err(e) if e.status() == Some(409) => Err(Replace::Conflict),
+            Err(e) => Err(Replace::Failed(self.api_error(e))),
+        }
+    }
+
+    /// `DELETE` of the object at `path` with background propagation (its
+    /// dependents go after it, as go-kubernetes `ssa` prunes). Ok(false)
+    /// when it was gone already (404).
+    pub fn delete(&self, path: &str) -> Result<bool, KubeError> {
+        let options = serde_json::json!({"kind": "DeleteOptions", "apiVersion": "v1",
+            "propagationPolicy": "Background"});
+        let body = serde_json::to_vec(&options).map_err(|e| self.api_error(e))?;
+        match self.send(reqwest::Method::DELETE, path, Some(body)) {
+            Ok(_) => Ok(true),
+            Err(e) if e.status() == Some(404) => Ok(false),
+            Err(e) => Err(self.api_error(e)),
+        }
     }
 
     /// Where objects of `obj`'s kind live: the built-in kinds by name,

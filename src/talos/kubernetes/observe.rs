@@ -15,8 +15,10 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::api::{Kube, contains, object_name, object_path};
+use super::manifests::{self, SyncMode};
 use super::plan::{
-    ClusterSeen, Component, NodeSeen, ObjectState, Seen, args_of, images_of, proxy_disabled, tag_of,
+    ClusterSeen, Component, NodeSeen, ObjectState, Seen, args_of, images_of, proxy_disabled,
+    sync_mode, tag_of,
 };
 use super::removed::{REMOVED, parse_metric};
 use crate::inventory::Role;
@@ -227,10 +229,12 @@ pub fn kube_on(kube: &Kube, node: &PlannedNode) -> Kube {
     }
 }
 
-/// Compares each object with the live one.
+/// Compares each object with the live one, as `mode` would apply it
+/// (from Talos v1.13 with Talos's inventory mark).
 pub fn compare_objects(
     kube: &Kube,
     objects: &[Value],
+    mode: SyncMode,
 ) -> Result<Vec<(String, ObjectState)>, KubeError> {
     let mut discovery = BTreeMap::new();
     objects
@@ -238,14 +242,47 @@ pub fn compare_objects(
         .map(|o| {
             let res = kube.resource_of(o, &mut discovery)?;
             let live = kube.get(&object_path(&res, o))?;
+            let want = match mode {
+                SyncMode::Apply => manifests::marked(o),
+                SyncMode::Replace => o.clone(),
+            };
             let state = match live {
                 None => ObjectState::Missing,
-                Some(l) if contains(&l, o) => ObjectState::InSync,
+                Some(l)
+                    if mode == SyncMode::Apply
+                        && matches!(manifests::mark_of(&l), manifests::Mark::Other(_)) =>
+                {
+                    ObjectState::Foreign
+                }
+                Some(l) if contains(&l, &want) => ObjectState::InSync,
                 Some(_) => ObjectState::Differs,
             };
             Ok((object_name(o), state))
         })
         .collect()
+}
+
+/// Talos v1.13+: what its inventory lists that `objects` no longer hold,
+/// split into what may be pruned (marked as Talos's) and what may not (no
+/// mark); entries whose object is gone are left out.
+pub fn stale_objects(
+    kube: &Kube,
+    objects: &[Value],
+) -> Result<(Vec<String>, Vec<String>), KubeError> {
+    let Some(inventory) = kube.get(&manifests::inventory_path())? else {
+        return Ok((Vec::new(), Vec::new()));
+    };
+    let mut discovery = BTreeMap::new();
+    let (mut prune, mut unmarked) = (Vec::new(), Vec::new());
+    for r in manifests::stale(&manifests::inventory_refs(&inventory), objects) {
+        let (path, api_version) = manifests::locate(kube, &r, &mut discovery)?;
+        match kube.get(&path)? {
+            None => {}
+            Some(live) if manifests::prunable(&live) => prune.push(r.describe(&api_version)),
+            Some(_) => unmarked.push(r.describe(&api_version)),
+        }
+    }
+    Ok((prune, unmarked))
 }
 
 /// Reads the cluster. `talos_after` names the Talos version a node will
@@ -352,9 +389,19 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
         .collect();
     match (&kube, first_manifests) {
         (Ok(k), Some(Ok(objects))) => {
-            match compare_objects(k, &objects) {
+            let mode = sync_mode(&seen);
+            match compare_objects(k, &objects, mode) {
                 Ok(states) => seen.manifests = states,
                 Err(e) => seen.manifests_error = Some(e.to_string()),
+            }
+            if mode == SyncMode::Apply {
+                match stale_objects(k, &objects) {
+                    Ok((prune, unmarked)) => {
+                        seen.prune = prune;
+                        seen.unmarked = unmarked;
+                    }
+                    Err(e) => seen.manifests_error = Some(e.to_string()),
+                }
             }
             for (a, (name, kind, plural)) in addons.iter_mut().zip(ADDONS) {
                 a.rendered = find(&objects, kind, name).and_then(first_image);

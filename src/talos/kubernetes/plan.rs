@@ -10,7 +10,10 @@
 //! kube-scheduler on each (no controller-manager or scheduler is ever newer
 //! than an API server, as the version skew policy asks); kube-proxy in each
 //! control plane's config unless disabled; the kubelets one node at a time,
-//! control planes first; then the bootstrap manifests synced. Each step is
+//! control planes first; then the bootstrap manifests synced the way the
+//! cluster's oldest Talos version has talosctl sync them ([`SyncMode`]:
+//! replaced before v1.13; server-side applied with Talos's inventory, and
+//! what it no longer renders pruned, from v1.13). Each step is
 //! done or not by what the cluster shows, so a rerun after a stop skips
 //! what is done. Pure: `--dry-run` prints it, the run executes it.
 
@@ -21,6 +24,7 @@ use serde_json::Value;
 
 use super::compat::{self, Version};
 use super::flags::{self, RemovedSetting};
+pub use super::manifests::SyncMode;
 use super::removed::{self, Finding, RemovedApi, Requested};
 use crate::inventory::parse_version;
 use crate::talos::client::PullApi;
@@ -116,6 +120,9 @@ pub enum ObjectState {
     Missing,
     Differs,
     InSync,
+    /// It carries another inventory's `config.k8s.io/owning-inventory`
+    /// mark: the server-side apply of Talos v1.13+ refuses it.
+    Foreign,
 }
 
 /// The whole cluster as read before the upgrade.
@@ -129,6 +136,12 @@ pub struct ClusterSeen {
     pub manifests: Vec<(String, ObjectState)>,
     /// Why the manifests could not be read.
     pub manifests_error: Option<String>,
+    /// Talos v1.13+: objects Talos's inventory lists, marked as its own,
+    /// that it no longer renders (to be pruned).
+    pub prune: Vec<String>,
+    /// Objects Talos's inventory lists that it no longer renders but that
+    /// carry no Talos mark: never pruned.
+    pub unmarked: Vec<String>,
     /// `apiserver_requested_deprecated_apis` series, by API server.
     pub requested: Vec<(String, Requested)>,
     /// Objects kept under an API version without successor.
@@ -158,9 +171,16 @@ pub enum Step {
         from: Option<String>,
         to: String,
     },
-    /// Server-side apply of the manifests Talos renders, pruning nothing.
+    /// The manifests Talos renders synced as talosctl syncs them on the
+    /// cluster's oldest Talos version (`mode`): `objects` differ now;
+    /// `prune` (Talos v1.13+) are deleted as no longer rendered.
     #[serde(rename_all = "camelCase")]
-    SyncManifests { objects: Vec<String> },
+    SyncManifests {
+        objects: Vec<String>,
+        mode: SyncMode,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        prune: Vec<String>,
+    },
 }
 
 impl Step {
@@ -180,11 +200,17 @@ impl Step {
                 component.name(),
                 from.as_deref().unwrap_or("?")
             ),
-            Step::SyncManifests { objects } if objects.is_empty() => {
-                "bootstrap manifests: sync".to_owned()
-            }
-            Step::SyncManifests { objects } => {
-                format!("bootstrap manifests: sync {}", objects.join(", "))
+            Step::SyncManifests { objects, prune, .. } => {
+                let mut out = "bootstrap manifests: sync".to_owned();
+                if !objects.is_empty() {
+                    out.push(' ');
+                    out.push_str(&objects.join(", "));
+                }
+                if !prune.is_empty() {
+                    out.push_str("; prune ");
+                    out.push_str(&prune.join(", "));
+                }
+                out
             }
         }
     }
@@ -350,9 +376,32 @@ pub fn decide(seen: &ClusterSeen, target: &str, skip_api_check: bool) -> KubePla
             }
         }
     }
+    let foreign: Vec<&str> = seen
+        .manifests
+        .iter()
+        .filter(|(_, s)| *s == ObjectState::Foreign)
+        .map(|(o, _)| o.as_str())
+        .collect();
+    if !foreign.is_empty() && sync_mode(seen) == SyncMode::Apply {
+        // go-kubernetes ssa, policy AdoptIfNoInventory: "inventory policy
+        // prevented actuation (status: NoMatch)".
+        refusals.push(format!(
+            "bootstrap manifest objects belong to another inventory (their {} annotation is not {}): {}; Talos's server-side apply refuses to take them over",
+            super::manifests::OWNING_INVENTORY,
+            super::manifests::INVENTORY_NAME,
+            foreign.join(", ")
+        ));
+    }
     if !refusals.is_empty() {
         plan.refusal = Some(refusals.join("; "));
         return plan;
+    }
+    if !seen.unmarked.is_empty() {
+        plan.notes.push(format!(
+            "not pruned although Talos no longer renders them: {} (listed in Talos's inventory, but without its {} mark: not created by Talos)",
+            seen.unmarked.join(", "),
+            super::manifests::OWNING_INVENTORY
+        ));
     }
     plan.steps = steps(seen, &to);
     plan
@@ -430,11 +479,30 @@ fn steps(seen: &ClusterSeen, to: &str) -> Vec<PlannedStep> {
         .filter(|(_, s)| *s != ObjectState::InSync)
         .map(|(o, _)| o.clone())
         .collect();
+    let mode = sync_mode(seen);
+    // Before v1.13 talosctl deletes nothing.
+    let prune = match mode {
+        SyncMode::Apply => seen.prune.clone(),
+        SyncMode::Replace => Vec::new(),
+    };
     out.push(PlannedStep {
-        done: components_done && differing.is_empty() && seen.manifests_error.is_none(),
-        step: Step::SyncManifests { objects: differing },
+        done: components_done
+            && differing.is_empty()
+            && prune.is_empty()
+            && seen.manifests_error.is_none(),
+        step: Step::SyncManifests {
+            objects: differing,
+            mode,
+            prune,
+        },
     });
     out
+}
+
+/// How talosctl syncs the manifests on this cluster: by its oldest node's
+/// Talos version (the one it runs when Kubernetes moves).
+pub fn sync_mode(seen: &ClusterSeen) -> SyncMode {
+    SyncMode::of(seen.nodes.iter().filter_map(|n| n.talos.as_deref()))
 }
 
 /// The versions a node's config pins before the run: what each component
@@ -803,6 +871,80 @@ mod tests {
         );
         assert_eq!(left[5], "cp-03: kube-apiserver v1.32.1 → v1.33.5");
         assert_eq!(left.len(), 21);
+    }
+
+    const FLANNEL: &str = "apps/v1 DaemonSet kube-system/kube-flannel";
+
+    fn sync_step(p: &KubePlan) -> &PlannedStep {
+        p.steps.last().expect("a sync step")
+    }
+
+    #[test]
+    fn talos_1_11_replaces_the_manifests_and_prunes_nothing() {
+        // talos_managed.go before v1.13: manifests.SyncWithLog (create or PUT).
+        let mut seen = cluster("v1.11.5", "v1.33.5");
+        seen.prune = vec![FLANNEL.into()];
+        let p = decide(&seen, "v1.33.5", false);
+        assert_eq!(
+            sync_step(&p).step,
+            Step::SyncManifests {
+                objects: vec!["apps/v1 DaemonSet kube-system/kube-proxy".into()],
+                mode: SyncMode::Replace,
+                prune: vec![],
+            }
+        );
+    }
+
+    #[test]
+    fn talos_1_13_prunes_what_its_inventory_lists_and_it_no_longer_renders() {
+        // talos_managed.go v1.13: syncManifestsSSA, NoPrune false by default.
+        let mut seen = cluster("v1.13.5", "v1.33.5");
+        seen.manifests[0].1 = ObjectState::InSync;
+        seen.prune = vec![FLANNEL.into()];
+        let p = decide(&seen, "v1.33.5", false);
+        assert!(p.has_work(), "a prune left is work left");
+        assert_eq!(
+            described(&p),
+            [format!("bootstrap manifests: sync; prune {FLANNEL}")]
+        );
+        assert!(matches!(
+            &sync_step(&p).step,
+            Step::SyncManifests { mode: SyncMode::Apply, prune, .. } if prune == &[FLANNEL.to_owned()]
+        ));
+        let json = serde_json::to_value(&p.steps).unwrap();
+        assert_eq!(json.as_array().unwrap().last().unwrap()["mode"], "apply");
+        // One node still on v1.12: talosctl takes the oldest, replaces,
+        // and deletes nothing.
+        seen.nodes[4].talos = Some("v1.12.9".into());
+        let p = decide(&seen, "v1.33.5", false);
+        assert!(matches!(
+            &sync_step(&p).step,
+            Step::SyncManifests { mode: SyncMode::Replace, prune, .. } if prune.is_empty()
+        ));
+        assert!(!p.has_work());
+    }
+
+    #[test]
+    fn talos_1_14_refuses_an_object_of_another_inventory_and_names_unmarked_leftovers() {
+        let mut seen = cluster("v1.14.0", "v1.33.5");
+        seen.manifests[1].1 = ObjectState::Foreign;
+        let r = decide(&seen, "v1.33.5", false).refusal.expect("refused");
+        assert!(
+            r.contains("belong to another inventory")
+                && r.contains("apps/v1 Deployment kube-system/coredns"),
+            "{r}"
+        );
+        seen.manifests[1].1 = ObjectState::InSync;
+        seen.unmarked = vec![FLANNEL.into()];
+        let p = decide(&seen, "v1.33.5", false);
+        assert_eq!(p.refusal, None);
+        assert!(
+            p.notes
+                .iter()
+                .any(|n| n.starts_with("not pruned although") && n.contains(FLANNEL)),
+            "{:?}",
+            p.notes
+        );
     }
 
     #[test]

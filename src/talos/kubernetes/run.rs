@@ -7,18 +7,23 @@
 //! image and is Ready (`talos_managed.go`, `checkPodStatus`), a kubelet when
 //! its Node reports the new version and is Ready (`kubelet.go`,
 //! `checkNodeKubeletVersion`). The manifests are read from the first
-//! control plane that answers and applied server-side, each object only
-//! when the live one lacks what Talos renders; then each changed
-//! DaemonSet and Deployment is waited for until rolled out. Nothing is
-//! deleted; the inventory annotation Talos v1.13+ sets is kept
-//! ([`keep_inventory`]).
+//! control plane that answers and synced in the plan's [`SyncMode`]
+//! (see [`super::manifests`]): before Talos v1.13 created or replaced whole
+//! (`PUT`), never deleted; from v1.13 applied server-side with Talos's
+//! inventory mark, the inventory ConfigMap updated, and what Talos no
+//! longer renders pruned — only objects carrying Talos's mark. Then each
+//! changed DaemonSet and Deployment is waited for until rolled out.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::api::{Kube, contains, object_name, object_path};
+use super::api::{Kube, Replace, Resource, contains, object_name, object_path};
+use super::manifests::{
+    self, INVENTORY_NAME, Mark, ObjRef, SyncMode, comparable, inventory_configmap, inventory_path,
+    inventory_refs, locate, mark_of, marked, prunable, stage, stale,
+};
 use super::observe::{
     MANIFESTS, kubelet_seen, manifest_objects, one_line, ordered, pod_on, pod_seen, pods_of,
 };
@@ -110,6 +115,20 @@ pub enum KubeStepError {
         #[source]
         source: KubeError,
     },
+    /// go-kubernetes ssa (policy AdoptIfNoInventory) refuses an object of
+    /// another inventory.
+    #[error(
+        "{name} belongs to inventory {owner:?}, not Talos's ({INVENTORY_NAME}): not taken over (its config.k8s.io/owning-inventory annotation)"
+    )]
+    ForeignInventory { name: String, owner: String },
+    #[error("Talos's inventory ConfigMap kube-system/{INVENTORY_NAME}: {0}")]
+    Inventory(#[source] KubeError),
+    #[error("pruning {name}: {source}")]
+    Prune {
+        name: String,
+        #[source]
+        source: KubeError,
+    },
     /// No async runtime to talk to the nodes with.
     #[error("{0}")]
     Runtime(#[source] std::io::Error),
@@ -158,8 +177,11 @@ pub struct KubeReport {
     pub failed: Option<Failure>,
     /// Steps not reached because of the failure.
     pub not_run: Vec<String>,
-    /// Manifest objects applied.
+    /// Manifest objects applied (created, replaced or server-side applied).
     pub applied: Vec<String>,
+    /// Manifest objects deleted as no longer rendered (Talos v1.13+).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pruned: Vec<String>,
     /// `--skip-api-check`, pre-pulls Talos did not offer.
     pub notes: Vec<String>,
 }
@@ -255,29 +277,22 @@ pub fn rolled_out(obj: &Value) -> Result<(), Rollout> {
     Ok(())
 }
 
-/// The annotation by which Talos v1.13+'s server-side apply manager
-/// (go-kubernetes `kubernetes/ssa`, field manager `talos`, the same as
-/// imgbuild's) tracks the objects of its inventory, to prune them later.
-pub const OWNING_INVENTORY: &str = "config.k8s.io/owning-inventory";
+/// How often a write is tried again when the object changed meanwhile
+/// (409): a Talos node's controller may write the inventory at the same time.
+const CONFLICT_TRIES: usize = 5;
 
-/// `want` with the live object's [`OWNING_INVENTORY`] annotation kept:
-/// applying as manager `talos` without it would make the API server drop
-/// it (server-side apply removes what a manager stops applying), and
-/// Talos's next sync would no longer see the object as its own.
-pub fn keep_inventory(live: Option<&Value>, want: &Value) -> Value {
-    let mut out = want.clone();
-    if let Some(id) = live.and_then(|l| l["metadata"]["annotations"][OWNING_INVENTORY].as_str())
-        && out["metadata"]["annotations"][OWNING_INVENTORY].is_null()
-        && let Some(meta) = out["metadata"].as_object_mut()
-    {
-        let notes = meta
-            .entry("annotations")
-            .or_insert_with(|| Value::Object(serde_json::Map::new()));
-        if let Some(notes) = notes.as_object_mut() {
-            notes.insert(OWNING_INVENTORY.to_owned(), Value::String(id.to_owned()));
-        }
+fn still_conflicting(kube: &Kube, what: &str) -> KubeError {
+    KubeError::Api {
+        server: kube.kc.server.clone(),
+        message: format!(
+            "{what}: changed by someone else on each of {CONFLICT_TRIES} tries (409 Conflict)"
+        ),
     }
-    out
+}
+
+fn workload(obj: &Value) -> bool {
+    obj["apiVersion"] == "apps/v1"
+        && matches!(obj["kind"].as_str(), Some("DaemonSet" | "Deployment"))
 }
 
 struct Runner<'a> {
@@ -289,6 +304,10 @@ struct Runner<'a> {
     pins: BTreeMap<String, BTreeMap<Component, String>>,
     notes: Vec<String>,
     applied: Vec<String>,
+    pruned: Vec<String>,
+    /// The cluster's oldest node runs Talos v1.14+ (ConfigMaps and Secrets
+    /// are applied before the workloads).
+    v1_14: bool,
 }
 
 impl Runner<'_> {
@@ -407,30 +426,12 @@ impl Runner<'_> {
         Err(KubeStepError::Manifests { tried })
     }
 
-    fn sync(&mut self) -> Result<(), KubeStepError> {
+    fn sync(&mut self, mode: SyncMode) -> Result<(), KubeStepError> {
         let objects = self.manifests()?;
-        let mut discovery = BTreeMap::new();
-        let mut rollouts = Vec::new();
-        for o in &objects {
-            let name = object_name(o);
-            let res = self.kube.resource_of(o, &mut discovery)?;
-            let path = object_path(&res, o);
-            let live = self.kube.get(&path)?;
-            if live.as_ref().is_some_and(|l| contains(l, o)) {
-                continue;
-            }
-            let o = &keep_inventory(live.as_ref(), o);
-            self.kube
-                .apply(&path, o)
-                .map_err(|source| KubeStepError::ApplyObject {
-                    name: name.clone(),
-                    source,
-                })?;
-            self.applied.push(name);
-            if matches!(o["kind"].as_str(), Some("DaemonSet" | "Deployment")) {
-                rollouts.push(path);
-            }
-        }
+        let rollouts = match mode {
+            SyncMode::Replace => self.sync_replace(&objects)?,
+            SyncMode::Apply => self.sync_apply(&objects)?,
+        };
         let kube = &self.kube;
         for path in rollouts {
             wait_until(self.run.component_timeout, self.opts.poll, || {
@@ -441,6 +442,199 @@ impl Runner<'_> {
             })?;
         }
         Ok(())
+    }
+
+    /// Before Talos v1.13 (go-kubernetes `manifests.Sync`): each object
+    /// created when missing, else replaced whole when a dry-run `PUT` shows
+    /// a difference. The paths of changed workloads, to wait for.
+    fn sync_replace(&mut self, objects: &[Value]) -> Result<Vec<String>, KubeStepError> {
+        let mut discovery = BTreeMap::new();
+        let mut rollouts = Vec::new();
+        for o in objects {
+            let name = object_name(o);
+            let res = self.kube.resource_of(o, &mut discovery)?;
+            let path = object_path(&res, o);
+            let changed =
+                self.replace_one(&res, &path, o)
+                    .map_err(|source| KubeStepError::ApplyObject {
+                        name: name.clone(),
+                        source,
+                    })?;
+            if changed {
+                self.applied.push(name);
+                if workload(o) {
+                    rollouts.push(path);
+                }
+            }
+        }
+        Ok(rollouts)
+    }
+
+    /// go-kubernetes `updateManifest`: `POST` when missing; else a dry-run
+    /// `PUT` at the live `resourceVersion`, and the `PUT` itself when what
+    /// it would store differs from the live object ([`comparable`]). A
+    /// 409 reads again. Whether it changed anything.
+    fn replace_one(&self, res: &Resource, path: &str, o: &Value) -> Result<bool, KubeError> {
+        for _ in 0..CONFLICT_TRIES {
+            let Some(live) = self.kube.get(path)? else {
+                if self.kube.create(res, o)? {
+                    return Ok(true);
+                }
+                continue;
+            };
+            let mut want = o.clone();
+            if let Some(rv) = live["metadata"]["resourceVersion"].as_str() {
+                want["metadata"]["resourceVersion"] = Value::String(rv.to_owned());
+            }
+            let dry = match self.kube.replace(path, &want, true) {
+                Ok(v) => v,
+                Err(Replace::Conflict) => continue,
+                Err(Replace::Failed(e)) => return Err(e),
+            };
+            if comparable(&dry) == comparable(&live) {
+                return Ok(false);
+            }
+            match self.kube.replace(path, &want, false) {
+                Ok(_) => return Ok(true),
+                Err(Replace::Conflict) => continue,
+                Err(Replace::Failed(e)) => return Err(e),
+            }
+        }
+        Err(still_conflicting(&self.kube, path))
+    }
+
+    /// Talos's inventory: its entries and `resourceVersion`, the ConfigMap
+    /// created empty when missing (go-kubernetes `configmap.NewInventory`).
+    fn read_inventory(&self) -> Result<(Vec<ObjRef>, Option<String>), KubeError> {
+        for _ in 0..CONFLICT_TRIES {
+            if let Some(cm) = self.kube.get(&inventory_path())? {
+                let rv = cm["metadata"]["resourceVersion"]
+                    .as_str()
+                    .map(str::to_owned);
+                return Ok((inventory_refs(&cm), rv));
+            }
+            let res = Resource {
+                base: "/api/v1".into(),
+                plural: "configmaps".into(),
+                namespaced: true,
+            };
+            self.kube.create(&res, &inventory_configmap(&[], None))?;
+        }
+        Err(still_conflicting(&self.kube, &inventory_path()))
+    }
+
+    /// Writes `refs` as the inventory (`Inventory.Write`: the whole
+    /// ConfigMap, `PUT`), at `rv`; on a 409 the entries written meanwhile
+    /// are kept, except `dropped`. The new `resourceVersion`.
+    fn write_inventory(
+        &self,
+        refs: &mut Vec<ObjRef>,
+        mut rv: Option<String>,
+        dropped: &[ObjRef],
+    ) -> Result<Option<String>, KubeError> {
+        for _ in 0..CONFLICT_TRIES {
+            match self.kube.replace(
+                &inventory_path(),
+                &inventory_configmap(refs, rv.as_deref()),
+                false,
+            ) {
+                Ok(stored) => {
+                    return Ok(stored["metadata"]["resourceVersion"]
+                        .as_str()
+                        .map(str::to_owned));
+                }
+                Err(Replace::Conflict) => {
+                    let (now, now_rv) = self.read_inventory()?;
+                    for r in now {
+                        if !refs.contains(&r) && !dropped.contains(&r) {
+                            refs.push(r);
+                        }
+                    }
+                    rv = now_rv;
+                }
+                Err(Replace::Failed(e)) => return Err(e),
+            }
+        }
+        Err(still_conflicting(&self.kube, &inventory_path()))
+    }
+
+    /// From Talos v1.13 (go-kubernetes `ssa.Manager.Apply`): every object
+    /// applied server-side with Talos's inventory mark (Namespaces and CRDs
+    /// first), the inventory written, then each entry Talos no longer
+    /// renders deleted — only when the live object carries Talos's mark
+    /// ([`prunable`]): an object Talos did not create is never deleted —
+    /// and the inventory written again. The paths of changed workloads.
+    fn sync_apply(&mut self, objects: &[Value]) -> Result<Vec<String>, KubeStepError> {
+        let (mut refs, rv) = self.read_inventory().map_err(KubeStepError::Inventory)?;
+        let mut order: Vec<&Value> = objects.iter().collect();
+        order.sort_by_key(|o| stage(o, self.v1_14));
+        let mut discovery = BTreeMap::new();
+        let mut rollouts = Vec::new();
+        for o in order {
+            let name = object_name(o);
+            if let Mark::Other(owner) = mark_of(o) {
+                return Err(KubeStepError::ForeignInventory { name, owner });
+            }
+            let res = self.kube.resource_of(o, &mut discovery)?;
+            let path = object_path(&res, o);
+            let want = marked(o);
+            match self.kube.get(&path)? {
+                Some(live) if contains(&live, &want) => {}
+                Some(live) if matches!(mark_of(&live), Mark::Other(_)) => {
+                    let Mark::Other(owner) = mark_of(&live) else {
+                        unreachable!()
+                    };
+                    return Err(KubeStepError::ForeignInventory { name, owner });
+                }
+                _ => {
+                    self.kube
+                        .apply(&path, &want)
+                        .map_err(|source| KubeStepError::ApplyObject {
+                            name: name.clone(),
+                            source,
+                        })?;
+                    self.applied.push(name);
+                    if workload(o) {
+                        rollouts.push(path);
+                    }
+                }
+            }
+            let r = ObjRef::of(o, res.namespaced);
+            if !refs.contains(&r) {
+                refs.push(r);
+            }
+        }
+        let rv = self
+            .write_inventory(&mut refs, rv, &[])
+            .map_err(KubeStepError::Inventory)?;
+        let mut dropped = Vec::new();
+        for r in stale(&refs, objects) {
+            let (path, api_version) = locate(&self.kube, &r, &mut discovery)?;
+            let name = r.describe(&api_version);
+            match self.kube.get(&path)? {
+                None => dropped.push(r),
+                Some(live) if prunable(&live) => {
+                    self.kube
+                        .delete(&path)
+                        .map_err(|source| KubeStepError::Prune {
+                            name: name.clone(),
+                            source,
+                        })?;
+                    self.pruned.push(name);
+                    dropped.push(r);
+                }
+                Some(_) => self.notes.push(format!(
+                    "not pruned: {name} (Talos no longer renders it, but it carries no {} mark of Talos's: not created by Talos)",
+                    manifests::OWNING_INVENTORY
+                )),
+            }
+        }
+        if !dropped.is_empty() {
+            refs.retain(|r| !dropped.contains(r));
+            self.write_inventory(&mut refs, rv, &dropped)
+                .map_err(KubeStepError::Inventory)?;
+        }
+        Ok(rollouts)
     }
 }
 
@@ -495,6 +689,16 @@ pub fn execute(
                 .collect(),
             notes: Vec::new(),
             applied: Vec::new(),
+            pruned: Vec::new(),
+            v1_14: {
+                let oldest = seen
+                    .nodes
+                    .iter()
+                    .filter_map(|n| n.talos.as_deref())
+                    .filter_map(|v| crate::inventory::parse_version(v, false))
+                    .min();
+                oldest.is_some_and(|(major, minor, _)| (major, minor) >= (1, 14))
+            },
         })
     };
     let mut runner = match setup() {
@@ -520,7 +724,7 @@ pub fn execute(
                 to,
                 ..
             } => runner.component(node, *component, to),
-            Step::SyncManifests { .. } => runner.sync(),
+            Step::SyncManifests { mode, .. } => runner.sync(*mode),
         };
         match result {
             Ok(()) => {
@@ -539,6 +743,7 @@ pub fn execute(
     report.not_run = rest.map(Step::describe).collect();
     report.notes.extend(runner.notes);
     report.applied = runner.applied;
+    report.pruned = runner.pruned;
     report
 }
 
@@ -570,25 +775,6 @@ mod tests {
             "spec": {"replicas": 2}, "status": {"observedGeneration": 1, "updatedReplicas": 2}});
         assert_eq!(rolled_out(&dep), Ok(()));
         assert!(rolled_out(&json!({"kind": "Deployment", "metadata": {"generation": 1}})).is_err());
-    }
-
-    #[test]
-    fn talos_1_13s_inventory_annotation_is_kept_on_apply() {
-        // Talos v1.13 SSA sync annotates what it applied; a sync by
-        // imgbuild (same field manager) must not drop it.
-        let live = json!({"metadata": {"name": "coredns", "annotations": {
-            OWNING_INVENTORY: "talos-bootstrap-manifests", "other": "x"}}});
-        let want = json!({"metadata": {"name": "coredns"}, "spec": {"replicas": 2}});
-        let out = keep_inventory(Some(&live), &want);
-        assert_eq!(
-            out["metadata"]["annotations"],
-            json!({OWNING_INVENTORY: "talos-bootstrap-manifests"})
-        );
-        assert_eq!(out["spec"], want["spec"]);
-        // Before v1.13 (no annotation), or a new object: as rendered.
-        assert_eq!(keep_inventory(None, &want), want);
-        let old = json!({"metadata": {"name": "coredns"}});
-        assert_eq!(keep_inventory(Some(&old), &want), want);
     }
 
     #[test]

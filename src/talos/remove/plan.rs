@@ -155,7 +155,8 @@ pub enum Step {
     /// Leave etcd: EtcdLeaveCluster on the node, or EtcdRemoveMemberByID
     /// from a remaining control plane when it does not answer.
     LeaveEtcd,
-    /// MachineService.Reset: graceful, no reboot, STATE and EPHEMERAL wiped.
+    /// MachineService.Reset: graceful, no reboot, STATE and EPHEMERAL wiped
+    /// (Talos v1.14+: and ETCD, CRI, KUBELET, LOG).
     Reset,
     /// Delete its Kubernetes Node object.
     DeleteNode,

@@ -463,31 +463,61 @@ async fn run_step(
                     )));
                 }
             };
-            client
-                .reset(reset_request())
-                .await
-                .map_err(StepError::Reset)?;
+            // `answering` read it a moment ago; unreadable: the labels every
+            // version accepts.
+            let talos = client.version().await.ok().map(|v| v.tag);
+            let request = reset_request(talos.as_deref());
+            let labels: Vec<&str> = request
+                .system_partitions_to_wipe
+                .iter()
+                .map(|p| p.label.as_str())
+                .collect();
+            let done = format!(
+                "Reset (graceful, {} wiped); it powered off",
+                labels.join(", ")
+            );
+            client.reset(request).await.map_err(StepError::Reset)?;
             wait_silent(plan, &t, opts).await?;
-            Ok(Outcome::Done(
-                "Reset (graceful, STATE and EPHEMERAL wiped); it powered off".into(),
-            ))
+            Ok(Outcome::Done(done))
         }
         Step::DeleteNode => delete_node(plan, &n.node, limits).await,
     }
 }
 
+/// The system volumes Talos v1.14 lets a machine config place on
+/// partitions of their own instead of directories under EPHEMERAL
+/// (siderolabs/talos v1.14 `pkg/machinery/config/config/volume.go`
+/// `PromotableSystemVolumeNames`: ETCD — etcd's data —, CRI, KUBELET, LOG).
+pub const V1_14_SYSTEM_VOLUMES: [&str; 4] = ["ETCD", "CRI", "KUBELET", "LOG"];
+
 /// What `talosctl reset --graceful --reboot=false
-/// --system-labels-to-wipe STATE --system-labels-to-wipe EPHEMERAL` sends
-/// (`cmd/talosctl/cmd/talos/reset.go`): the node's config and its data
-/// go, the boot partitions and META stay, and it powers off.
-pub(crate) fn reset_request() -> ResetRequest {
+/// --system-labels-to-wipe STATE --system-labels-to-wipe EPHEMERAL …` sends
+/// (`cmd/talosctl/cmd/talos/reset.go`) to a node running Talos `talos`: the
+/// node's config and its data go, the boot partitions and META stay, and it
+/// powers off. Its data is STATE and EPHEMERAL — and on Talos v1.14+ also
+/// the [`V1_14_SYSTEM_VOLUMES`]: a control plane's etcd data may sit on a
+/// partition of its own there, which wiping EPHEMERAL leaves alone (the
+/// removed member's data would stay on the disk). v1.14's Reset
+/// (`v1alpha1_server.go`, "allow directory-backed volumes in reset api")
+/// takes such a label for a volume that is only a directory too, when the
+/// volume it resides on (EPHEMERAL) is wiped in the same request, as here
+/// — the set Talos's own tests reset with (`internal/integration/api/
+/// reset.go`, `ephemeralWithSystemVolumesToWipe`). Before v1.14 (and for an
+/// unreadable version) only STATE and EPHEMERAL: v1.13's Reset refuses the
+/// directory-backed ETCD ("volume \"ETCD\" is not located").
+pub(crate) fn reset_request(talos: Option<&str>) -> ResetRequest {
+    let v1_14 = talos
+        .and_then(|v| crate::inventory::parse_version(v, false))
+        .is_some_and(|(major, minor, _)| (major, minor) >= (1, 14));
+    let extra: &[&str] = if v1_14 { &V1_14_SYSTEM_VOLUMES } else { &[] };
     ResetRequest {
         graceful: true,
         reboot: false,
         system_partitions_to_wipe: ["STATE", "EPHEMERAL"]
-            .into_iter()
+            .iter()
+            .chain(extra)
             .map(|label| ResetPartitionSpec {
-                label: label.into(),
+                label: (*label).into(),
                 wipe: true,
             })
             .collect(),
@@ -716,18 +746,38 @@ mod tests {
         assert!(!seen[1].control_plane);
     }
 
-    #[test]
-    fn reset_wipes_state_and_ephemeral_gracefully_and_powers_off() {
-        let r = reset_request();
-        assert!(r.graceful && !r.reboot);
-        let labels: Vec<&str> = r
-            .system_partitions_to_wipe
+    fn wiped(r: &ResetRequest) -> Vec<&str> {
+        r.system_partitions_to_wipe
             .iter()
             .filter(|p| p.wipe)
             .map(|p| p.label.as_str())
-            .collect();
-        assert_eq!(labels, ["STATE", "EPHEMERAL"]);
-        // talosctl's default wipe mode (no user disks named: none wiped).
-        assert_eq!(r.mode, reset_request::WipeMode::All as i32);
+            .collect()
+    }
+
+    #[test]
+    fn reset_wipes_state_and_ephemeral_gracefully_and_powers_off() {
+        // Talos v1.13.5: ETCD is a directory under EPHEMERAL, and naming it
+        // is refused ("volume \"ETCD\" is not located").
+        for talos in [Some("v1.11.5"), Some("v1.13.5"), None] {
+            let r = reset_request(talos);
+            assert!(r.graceful && !r.reboot);
+            assert_eq!(wiped(&r), ["STATE", "EPHEMERAL"], "{talos:?}");
+            // talosctl's default wipe mode (no user disks named: none wiped).
+            assert_eq!(r.mode, reset_request::WipeMode::All as i32);
+        }
+    }
+
+    #[test]
+    fn talos_1_14_reset_also_wipes_the_etcd_volume_and_the_other_system_volumes() {
+        // Talos v1.14.0: ETCD (etcd's data), CRI, KUBELET and LOG may be
+        // partitions of their own; EPHEMERAL is in the same request, so a
+        // directory-backed one is accepted too.
+        let r = reset_request(Some("v1.14.0"));
+        assert_eq!(
+            wiped(&r),
+            ["STATE", "EPHEMERAL", "ETCD", "CRI", "KUBELET", "LOG"]
+        );
+        assert!(r.graceful && !r.reboot);
+        assert_eq!(wiped(&reset_request(Some("v1.15.2"))).len(), 6);
     }
 }

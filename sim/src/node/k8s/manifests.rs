@@ -30,8 +30,10 @@ use std::time::Instant;
 use serde_json::{Value, json};
 
 use super::versions::{self, Component};
+use super::writes;
 use crate::node::service::Api;
 use crate::node::state::{Cluster, reached};
+use crate::node::state::{Key, Store};
 use crate::node::version::Talos;
 use imgbuild::talos::api::cosi::resource::{Metadata as ResMetadata, Resource, Spec};
 
@@ -217,6 +219,101 @@ pub(crate) fn render(config: &Value, talos: &Talos) -> Vec<Manifest> {
     out
 }
 
+/// The inventory ConfigMap in kube-system (talos `pkg/machinery/constants`
+/// `KubernetesBootstrapManifestsInventoryName`) and the annotation naming
+/// it on each object (go-kubernetes `kubernetes/ssa/inventory.go`).
+pub(crate) const INVENTORY: &str = "talos-bootstrap-manifests-inventory";
+pub(crate) const INVENTORY_ANNOTATION: &str = "config.k8s.io/owning-inventory";
+
+/// The inventory's name for an object, a key of its ConfigMap's `data`
+/// (fluxcd/cli-utils `pkg/object/objmetadata.go` `ObjMetadata.String`:
+/// `namespace_name_group_kind`, a colon in an RBAC name as `__`).
+pub(crate) fn inventory_entry(namespace: &str, name: &str, group: &str, kind: &str) -> String {
+    let name = if group == "rbac.authorization.k8s.io" {
+        name.replace(':', "__")
+    } else {
+        name.to_owned()
+    };
+    format!("{namespace}_{name}_{group}_{kind}")
+}
+
+fn inventory_key() -> Key {
+    (
+        "v1".into(),
+        "configmaps".into(),
+        "kube-system".into(),
+        INVENTORY.into(),
+    )
+}
+
+impl Store {
+    /// Talos v1.13+ `manifest_apply.go` under its etcd lock: reads the
+    /// inventory ConfigMap (creating it empty), skips each object the
+    /// inventory lists — even one deleted since —, adds one that exists to
+    /// the inventory, creates one that does not by a server-side apply as
+    /// `talos` with the `config.k8s.io/owning-inventory` annotation
+    /// (namespaces first, then CRDs), then writes the inventory back whole
+    /// (a PUT without resourceVersion: `configmap/inventory.go` `Write`).
+    /// The typed client's manager is its User-Agent's first part; the
+    /// simulator calls it `machined`.
+    pub(crate) fn talos_inventory_apply(&mut self, mut objects: Vec<Value>, now: Instant) {
+        let key = inventory_key();
+        if !self.objects.contains_key(&key) {
+            let o = json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": INVENTORY, "namespace": "kube-system"}});
+            self.create_if_missing(o, "machined", now);
+        }
+        let mut inventory: Vec<String> = self.objects[&key].object["data"]
+            .as_object()
+            .map(|d| d.keys().cloned().collect())
+            .unwrap_or_default();
+        let rank = |o: &Value| match o["kind"].as_str() {
+            Some("Namespace") => 0,
+            Some("CustomResourceDefinition") => 1,
+            _ => 2,
+        };
+        objects.sort_by_key(rank);
+        for mut o in objects {
+            let api = o["apiVersion"].as_str().unwrap_or_default().to_owned();
+            let kind = o["kind"].as_str().unwrap_or_default().to_owned();
+            let Some(resource) = Self::resource_of(&kind, &api) else {
+                continue;
+            };
+            let namespaced = self.kind_of(&api, resource).is_some_and(|(_, n)| n);
+            let name = o["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let namespace = match o["metadata"]["namespace"].as_str() {
+                Some(ns) if namespaced => ns.to_owned(),
+                None if namespaced => "default".to_owned(),
+                _ => String::new(),
+            };
+            let entry = inventory_entry(&namespace, &name, super::objects::group_of(&api), &kind);
+            if inventory.contains(&entry) {
+                continue;
+            }
+            let key = (api, resource.to_owned(), namespace, name);
+            if !self.objects.contains_key(&key) {
+                o["metadata"]["annotations"][INVENTORY_ANNOTATION] = json!(INVENTORY);
+                if !matches!(
+                    self.apply(&key, &kind, o, "talos", false, now),
+                    super::objects::Applied::Created
+                ) {
+                    continue;
+                }
+            }
+            inventory.push(entry);
+        }
+        let mut object = json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": INVENTORY, "namespace": "kube-system"}});
+        if !inventory.is_empty() {
+            object["data"] = inventory.iter().map(|e| (e.clone(), json!(""))).collect();
+        }
+        self.replace(&key, object, "machined", now);
+    }
+}
+
 /// `Manifests.kubernetes.talos.dev` in namespace `controlplane`.
 pub(crate) const MANIFEST_TYPE: &str = "Manifests.kubernetes.talos.dev";
 pub(crate) const CONTROL_PLANE_NS: &str = "controlplane";
@@ -238,12 +335,28 @@ impl Cluster {
         Some(render(&applied.v1alpha1, &talos))
     }
 
+    /// The Talos release control plane `i` runs.
+    fn k8s_talos(&self, i: usize) -> Option<Talos> {
+        let node = self.node(i);
+        let st = node.st.lock().unwrap();
+        Talos::parse(&st.day2.version_or(&self.args.talos_version))
+    }
+
     /// `manifest_apply.go` on every control plane whose etcd is healthy,
-    /// once the API server is up: each rendered object that does not exist
-    /// is created by `talos`; one that exists is left as it is.
+    /// once the API server is up (which keeps its system namespaces): each
+    /// rendered object that does not exist is created by `talos`; one that
+    /// exists is left as it is. From v1.13 through the inventory
+    /// ([`Store::talos_inventory_apply`]).
     pub(crate) fn k8s_bootstrap_manifests(&self, now: Instant) {
         if !reached(self.api_up_at(), now) {
             return;
+        }
+        {
+            let mut k8s = self.k8s.lock().unwrap();
+            for ns in writes::SYSTEM_NAMESPACES {
+                let o = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
+                k8s.objects.create_if_missing(o, "kube-apiserver", now);
+            }
         }
         for i in 0..self.count() {
             if !reached(self.etcd_healthy_at(i), now) {
@@ -252,9 +365,15 @@ impl Cluster {
             let Some(manifests) = self.k8s_rendered(i) else {
                 continue;
             };
+            let inventory = self
+                .k8s_talos(i)
+                .is_some_and(|t| t.applies_manifests_by_inventory());
             let mut k8s = self.k8s.lock().unwrap();
-            for m in manifests {
-                for o in m.objects {
+            let objects = manifests.into_iter().flat_map(|m| m.objects);
+            if inventory {
+                k8s.objects.talos_inventory_apply(objects.collect(), now);
+            } else {
+                for o in objects {
                     k8s.objects.create_if_missing(o, "talos", now);
                 }
             }

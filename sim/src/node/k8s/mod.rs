@@ -7,5 +7,7 @@ pub(crate) mod forward;
 pub(crate) mod manifests;
 pub(crate) mod objects;
 pub(crate) mod pods;
+pub(crate) mod selector;
 pub(crate) mod ssa;
 pub(crate) mod versions;
+pub(crate) mod writes;

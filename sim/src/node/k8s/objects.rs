@@ -7,7 +7,8 @@
 //! (`apimachinery/pkg/apis/meta/v1/validation/validation.go`) requires a
 //! `fieldManager` for an apply (422) and forbids `force` on other patches;
 //! an apply creates a missing object (201); `dryRun=All` stores nothing.
-//! Simplified: only apply patches (others 415), no PUT/POST/DELETE, no
+//! PUT, POST and DELETE are `writes.rs`'s; a list's `labelSelector` is read
+//! as `selector.rs` says. Simplified: only apply patches (others 415), no
 //! watch; pods and nodes are served as lists only (`health.rs`).
 //!
 //! # Interface (the rest in `pods.rs`)
@@ -48,7 +49,8 @@
 //!   `removed_release` (then 404). → 200 with both lists.
 //! - `GET /_sim/stats` `k8s` adds `workloads` ({"kube-proxy"|"coredns"|"kube-flannel":
 //!   image}), `applies` ([{manager, force, object: "apps/v1/daemonsets/kube-system/
-//!   kube-proxy", code}]), `requested_deprecated`, `removed_stored`.
+//!   kube-proxy", code}]), `writes` ([{verb: "PUT"|"POST"|"DELETE", object, code}], dry
+//!   runs left out), `requested_deprecated`, `removed_stored`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -59,6 +61,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
+use super::selector;
 use super::ssa::{self, Manager, fields_of, merge, value_at};
 use super::versions::{self, Component};
 use crate::node::state::{Cluster, ms};
@@ -103,13 +106,13 @@ const KINDS: [Kind; 12] = [
 ];
 
 /// A Kubernetes `Status` error reply.
-fn status(code: StatusCode, reason: &str, message: String, details: Value) -> Response {
+pub(crate) fn status(code: StatusCode, reason: &str, message: String, details: Value) -> Response {
     let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
         "message": message, "reason": reason, "details": details, "code": code.as_u16()});
     (code, axum::Json(body)).into_response()
 }
 
-fn no_resource() -> Response {
+pub(crate) fn no_resource() -> Response {
     status(
         StatusCode::NOT_FOUND,
         "NotFound",
@@ -124,19 +127,58 @@ pub(crate) fn group_of(api: &str) -> &str {
 }
 
 /// `daemonsets.apps "kube-proxy" not found`.
-fn not_found(api: &str, resource: &str, name: &str) -> Response {
+pub(crate) fn not_found(api: &str, resource: &str, name: &str) -> Response {
     let group = group_of(api);
-    let qualified = if group.is_empty() {
-        resource.to_owned()
-    } else {
-        format!("{resource}.{group}")
-    };
+    let qualified = qualified(api, resource);
     status(
         StatusCode::NOT_FOUND,
         "NotFound",
         format!("{qualified} {name:?} not found"),
         json!({"name": name, "group": group, "kind": resource}),
     )
+}
+
+/// `daemonsets.apps`, `configmaps`: how the API server's errors name a
+/// resource (`schema.GroupResource.String`).
+pub(crate) fn qualified(api: &str, resource: &str) -> String {
+    let group = group_of(api);
+    if group.is_empty() {
+        resource.to_owned()
+    } else {
+        format!("{resource}.{group}")
+    }
+}
+
+/// What in `body` does not match the request's `key` and `kind` (a 400
+/// for an apply and an update: `handlers/{patch,update}.go`, `rest.
+/// EnsureObjectNamespaceMatchesRequestNamespace`).
+pub(crate) fn mismatch(key: &Key, kind: &str, body: &Value) -> Option<String> {
+    let (api, _, ns, name) = key;
+    if body["apiVersion"].as_str() != Some(api) {
+        return Some(format!(
+            "the API version in the data ({}) does not match the expected API version ({api})",
+            body["apiVersion"].as_str().unwrap_or_default()
+        ));
+    }
+    if body["kind"].as_str() != Some(kind) {
+        return Some(format!(
+            "the kind in the data ({}) does not match the expected kind ({kind})",
+            body["kind"].as_str().unwrap_or_default()
+        ));
+    }
+    if body["metadata"]["name"].as_str() != Some(name) {
+        return Some(format!(
+            "the name of the object ({}) does not match the name on the URL ({name})",
+            body["metadata"]["name"].as_str().unwrap_or_default()
+        ));
+    }
+    match body["metadata"]["namespace"].as_str() {
+        Some(n) if n != ns => Some(
+            "the namespace of the provided object does not match the namespace sent on the request"
+                .into(),
+        ),
+        _ => None,
+    }
 }
 
 /// What an apply did, as the handler answers it.
@@ -148,7 +190,7 @@ pub(crate) enum Applied {
 }
 
 impl Store {
-    fn kind_of(&self, api: &str, resource: &str) -> Option<(String, bool)> {
+    pub(crate) fn kind_of(&self, api: &str, resource: &str) -> Option<(String, bool)> {
         KINDS
             .iter()
             .find(|(a, r, _, _)| *a == api && *r == resource)
@@ -161,7 +203,7 @@ impl Store {
             })
     }
 
-    fn resource_of(kind: &str, api: &str) -> Option<&'static str> {
+    pub(crate) fn resource_of(kind: &str, api: &str) -> Option<&'static str> {
         KINDS
             .iter()
             .find(|(a, _, k, _)| *a == api && *k == kind)
@@ -219,7 +261,7 @@ impl Store {
     }
 
     /// Server-side apply of `body` to `key` by `manager`.
-    fn apply(
+    pub(crate) fn apply(
         &mut self,
         key: &Key,
         kind: &str,
@@ -228,32 +270,9 @@ impl Store {
         force: bool,
         now: Instant,
     ) -> Applied {
-        let (api, _, ns, name) = key;
-        if body["apiVersion"].as_str() != Some(api) {
-            return Applied::Invalid(format!(
-                "the API version in the data ({}) does not match the expected API version ({api})",
-                body["apiVersion"].as_str().unwrap_or_default()
-            ));
-        }
-        if body["kind"].as_str() != Some(kind) {
-            return Applied::Invalid(format!(
-                "the kind in the data ({}) does not match the expected kind ({kind})",
-                body["kind"].as_str().unwrap_or_default()
-            ));
-        }
-        if body["metadata"]["name"].as_str() != Some(name) {
-            return Applied::Invalid(format!(
-                "the name of the object ({}) does not match the name on the URL ({name})",
-                body["metadata"]["name"].as_str().unwrap_or_default()
-            ));
-        }
-        match body["metadata"]["namespace"].as_str() {
-            Some(n) if n != ns => {
-                return Applied::Invalid(
-                    "the namespace of the provided object does not match the namespace sent on the request".into(),
-                );
-            }
-            _ => {}
+        let (api, _, ns, _) = key;
+        if let Some(why) = mismatch(key, kind, &body) {
+            return Applied::Invalid(why);
         }
         let mut wanted = BTreeMap::new();
         fields_of(&body, "", &mut wanted);
@@ -364,13 +383,14 @@ impl Store {
             "coredns": self.image("apps/v1", "deployments", "coredns"),
         });
         out["applies"] = json!(self.applies);
+        out["writes"] = json!(self.writes);
         out["requested_deprecated"] = json!(self.requested);
         out["removed_stored"] = json!(self.removed);
     }
 }
 
 /// `metadata` as the API server shows it.
-fn shown(stored: &Stored) -> Value {
+pub(crate) fn shown(stored: &Stored) -> Value {
     let mut o = stored.object.clone();
     let md = &mut o["metadata"];
     md["generation"] = json!(stored.generation);
@@ -391,7 +411,7 @@ fn shown(stored: &Stored) -> Value {
 
 impl Cluster {
     /// The oldest Kubernetes minor any control plane's API server runs.
-    fn apiserver_minor(&self) -> Option<(u64, u64)> {
+    pub(crate) fn apiserver_minor(&self) -> Option<(u64, u64)> {
         self.apiserver_version().map(|(a, b, _)| (a, b))
     }
 
@@ -405,7 +425,7 @@ impl Cluster {
     }
 
     /// A stored workload with its status as the controllers keep it.
-    fn with_status(&self, key: &Key, stored: &Stored, now: Instant) -> Value {
+    pub(crate) fn with_status(&self, key: &Key, stored: &Stored, now: Instant) -> Value {
         let mut o = shown(stored);
         let rolled = now >= stored.template_at + ms(self.args.k8s.rollout_delay);
         let observed = if rolled {
@@ -492,36 +512,24 @@ impl Cluster {
 }
 
 /// Where a request points: apiVersion, resource, namespace, name.
-struct Target {
-    api: String,
-    resource: String,
-    namespace: String,
-    name: Option<String>,
+pub(crate) struct Target {
+    pub(crate) api: String,
+    pub(crate) resource: String,
+    pub(crate) namespace: String,
+    pub(crate) name: Option<String>,
 }
 
 #[derive(serde::Deserialize, Default)]
 pub(crate) struct Params {
     #[serde(rename = "fieldManager")]
-    field_manager: Option<String>,
+    pub(crate) field_manager: Option<String>,
     force: Option<String>,
     #[serde(rename = "labelSelector")]
     label_selector: Option<String>,
     #[serde(rename = "dryRun")]
-    dry_run: Option<String>,
-}
-
-/// `k=v` (spaces allowed around `=`), the only selector form served.
-fn selects(selector: Option<&str>, object: &Value) -> bool {
-    let Some(sel) = selector.filter(|s| !s.is_empty()) else {
-        return true;
-    };
-    sel.split(',').all(|term| match term.split_once('=') {
-        Some((k, v)) => {
-            object["metadata"]["labels"][k.trim()].as_str()
-                == Some(v.trim_start_matches('=').trim())
-        }
-        None => false,
-    })
+    pub(crate) dry_run: Option<String>,
+    #[serde(rename = "propagationPolicy")]
+    pub(crate) propagation_policy: Option<String>,
 }
 
 fn get(cluster: &Cluster, t: Target, params: &Params) -> Response {
@@ -536,6 +544,10 @@ fn get(cluster: &Cluster, t: Target, params: &Params) -> Response {
     if namespaced == t.namespace.is_empty() && t.name.is_some() {
         return no_resource();
     }
+    let selector = match selector::parse(params.label_selector.as_deref().unwrap_or_default()) {
+        Ok(s) => s,
+        Err(why) => return status(StatusCode::BAD_REQUEST, "BadRequest", why, json!({})),
+    };
     // An API version the running release removed is not served.
     let visible = |s: &Stored| match (s.removed_release, running) {
         (Some(removed), Some(running)) => running < removed,
@@ -569,7 +581,7 @@ fn get(cluster: &Cluster, t: Target, params: &Params) -> Response {
                     ok
                 })
                 .map(|(k, s)| cluster.with_status(k, s, now))
-                .filter(|o| selects(params.label_selector.as_deref(), o))
+                .filter(|o| selector::matches(&selector, o))
                 .collect();
             if !served {
                 return no_resource();
@@ -700,10 +712,10 @@ fn answer(cluster: &Cluster, store: &Store, key: &Key, outcome: Applied, now: In
 /// The path parameters of the object routes: `group` and `version`
 /// (absent: the core API `v1`), `ns` (absent: cluster-scoped), `resource`,
 /// `name` (absent: a list).
-type Where = Path<HashMap<String, String>>;
+pub(crate) type Where = Path<HashMap<String, String>>;
 
 impl Target {
-    fn from(mut p: HashMap<String, String>) -> Target {
+    pub(crate) fn from(mut p: HashMap<String, String>) -> Target {
         let api = match (p.remove("group"), p.remove("version")) {
             (Some(g), Some(v)) => format!("{g}/{v}"),
             _ => "v1".into(),
