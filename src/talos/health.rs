@@ -51,7 +51,16 @@ pub struct KubeNode {
     pub ready: bool,
     /// `spec.unschedulable`: cordoned.
     pub cordoned: bool,
+    /// Cordoned by imgbuild (its [`CORDONED_BY`] annotation): only such a
+    /// cordon is ever undone by imgbuild, never an admin's.
+    pub cordoned_by_imgbuild: bool,
 }
+
+/// The annotation imgbuild puts on a Kubernetes node it cordons, as Talos
+/// marks the nodes it cordons (`talos.dev/cordoned`,
+/// `internal/app/machined/pkg/controllers/k8s/node_apply.go`
+/// `ApplyCordoned`): an uncordon undoes only a cordon of one's own.
+pub const CORDONED_BY: &str = "imgbuild/cordoned";
 
 /// The add-ons whose pods must be ready, by `k8s-app` label, unless the
 /// config disables them (`cluster.proxy.disabled`, `cluster.coreDNS.disabled`).
@@ -93,6 +102,8 @@ fn nodes_of(list: &serde_json::Value) -> Vec<KubeNode> {
             name: n["metadata"]["name"].as_str().unwrap_or("").to_owned(),
             ready: ready(n),
             cordoned: n["spec"]["unschedulable"] == true,
+            cordoned_by_imgbuild: n["spec"]["unschedulable"] == true
+                && n["metadata"]["annotations"][CORDONED_BY].is_string(),
         })
         .collect()
 }
@@ -298,20 +309,21 @@ mod tests {
              "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
             {"metadata": {"name": "w2"}, "spec": {},
              "status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+            {"metadata": {"name": "w3", "annotations": {CORDONED_BY: "1764400000"}},
+             "spec": {"unschedulable": true}, "status": {"conditions": []}},
         ]});
+        let node = |name: &str, ready, cordoned, cordoned_by_imgbuild| KubeNode {
+            name: name.into(),
+            ready,
+            cordoned,
+            cordoned_by_imgbuild,
+        };
         assert_eq!(
             nodes_of(&list),
             [
-                KubeNode {
-                    name: "w1".into(),
-                    ready: true,
-                    cordoned: true
-                },
-                KubeNode {
-                    name: "w2".into(),
-                    ready: false,
-                    cordoned: false
-                }
+                node("w1", true, true, false),
+                node("w2", false, false, false),
+                node("w3", false, true, true)
             ]
         );
     }

@@ -605,10 +605,10 @@ async fn request_hop(
                 // meanwhile stops the run saying what the drain left.
                 let sigint = drain::InterruptibleDrain::new();
                 let tell = |m: &str| progress(&node.name, m);
-                tokio::select! {
+                let ours = tokio::select! {
                     drained = drain::cordon_and_drain(plan, &node.name, run.drain_timeout, opts, &tell) => drained?,
                     () = sigint.interrupted() => return Err(drain::interrupted_drain(&node.name).into()),
-                }
+                };
                 drop(sigint);
                 let rebooted = async {
                     NodeClient::connect(&node.endpoint, &mode, opts.call_timeout)
@@ -617,13 +617,21 @@ async fn request_hop(
                         .await
                 };
                 return match rebooted.await {
-                    Ok(()) => Ok(true),
+                    Ok(()) => Ok(ours),
                     Err(e) => {
-                        // As talosctl's deferred uncordon: not left cordoned.
-                        let uncordon =
-                            drain::uncordon_when_ready(plan, &node.name, opts.call_timeout, opts)
-                                .await
-                                .err();
+                        // As talosctl's deferred uncordon: not left cordoned
+                        // (by imgbuild; an admin's cordon stays).
+                        let uncordon = match ours {
+                            true => drain::uncordon_when_ready(
+                                plan,
+                                &node.name,
+                                opts.call_timeout,
+                                opts,
+                            )
+                            .await
+                            .err(),
+                            false => None,
+                        };
                         Err(NodeUpgradeError::Reboot {
                             source: e,
                             uncordon,
@@ -844,11 +852,28 @@ async fn uncordon_left(
         return record;
     }
     for name in left {
+        // A name that is no node of this cluster costs no call: a record
+        // is a hint, checked against the cluster.
+        if !plan.nodes.iter().any(|n| n.name == name) {
+            record.cordoned.remove(&name);
+            report.notes.push(format!(
+                "{}: in the upgrade record as cordoned, but no node of the inventory: dropped",
+                crate::input::excerpt(&name, 64)
+            ));
+            continue;
+        }
         match drain::uncordon_when_ready(plan, &name, opts.call_timeout, opts).await {
-            Ok(()) => {
+            Ok(drain::Uncordon::Done) => {
                 record.cordoned.remove(&name);
                 report.notes.push(format!(
                     "{name}: uncordoned (a stopped run had cordoned it for its reboot)"
+                ));
+            }
+            Ok(drain::Uncordon::NotOurs) => {
+                record.cordoned.remove(&name);
+                report.notes.push(format!(
+                    "{name}: cordoned, but not by imgbuild (no {} mark): left cordoned",
+                    crate::talos::health::CORDONED_BY
                 ));
             }
             Err(e) => report.notes.push(format!(

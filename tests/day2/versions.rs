@@ -757,6 +757,51 @@ fn v1_13_a_run_killed_while_a_node_is_cordoned_leaves_the_uncordon_to_the_rerun(
 }
 
 #[test]
+fn v1_13_a_record_never_uncordons_a_node_an_admin_cordoned() {
+    // Talos v1.13.3 → v1.13.5. The upgrade record says a stopped run left
+    // worker-01 cordoned, but the cordon there now is an operator's (no
+    // imgbuild mark): it stays, as Talos leaves a cordon it did not set
+    // (controllers/k8s/node_apply.go `ApplyCordoned`), and the health gate
+    // (talosctl's "all k8s nodes schedulable") stops the run before any
+    // node, naming it. A recorded name that is no node costs no call.
+    let c = Cluster::five(20, "v1.13.3", "v1.13.3,v1.13.5", &[]);
+    c.switch(r#"{"node": "worker-01", "cordoned": true}"#);
+    let record = c.dir.path().join(".talos/sim/upgrades.json");
+    let mut r: serde_json::Value = std::fs::read(&record)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_else(|| serde_json::json!({"nodes": {}}));
+    r["cordoned"] = serde_json::json!(["worker-01", "ghost\u{1b}[2J"]);
+    std::fs::write(&record, r.to_string()).unwrap();
+    c.want("v1.13.5", "");
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade"], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert!(
+        v["failed"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("worker-01: Kubernetes node cordoned")),
+        "{v}"
+    );
+    assert_eq!(c.per_node("lifecycle_upgrades"), [0; 5]);
+    for name in &c.names {
+        assert_eq!(c.day2(name, "cordoned"), *name == "worker-01", "{name}");
+    }
+    let notes = v["notes"].to_string();
+    assert!(
+        notes.contains(
+            "worker-01: cordoned, but not by imgbuild (no imgbuild/cordoned mark): left cordoned"
+        ),
+        "{notes}"
+    );
+    assert!(
+        notes.contains("no node of the inventory: dropped"),
+        "{notes}"
+    );
+    assert!(!notes.contains('\u{1b}'), "{notes}");
+}
+
+#[test]
 fn v1_11_status_shows_a_cordoned_node() {
     // Talos v1.11.5: worker-01 is unschedulable (a drain that did not
     // finish, or an operator): `status` says so in its row and its JSON,

@@ -159,9 +159,13 @@ impl Cluster {
             .unwrap()
             .node_monitor_grace_period
             .unwrap_or(self.args.k8s.node_monitor_grace_period));
-        let cordoned = self.node(i).st.lock().unwrap().day2.life.cordoned;
+        let (cordoned, notes) = {
+            let node = self.node(i);
+            let st = node.st.lock().unwrap();
+            (st.day2.life.cordoned, annotations(&st.day2.life))
+        };
         let mut item = json!({
-            "metadata": {"name": beat.name},
+            "metadata": {"name": beat.name, "annotations": notes},
             "spec": {"unschedulable": cordoned},
         });
         self.k8s_node_item(i, &mut item, now);
@@ -236,8 +240,9 @@ pub(crate) async fn nodes(
             } else {
                 json!({"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "kubelet is starting"})
             };
+            let notes = annotations(&cluster.node(r.index).st.lock().unwrap().day2.life);
             let mut item = json!({
-                "metadata": {"name": r.name},
+                "metadata": {"name": r.name, "annotations": notes},
                 "spec": {"unschedulable": r.cordoned},
                 "status": {"conditions": [condition]},
             });
@@ -368,8 +373,26 @@ fn node_named(cluster: &Cluster, name: &str) -> Option<usize> {
     (0..cluster.count()).find(|&i| cluster.node(i).display_name() == name)
 }
 
-/// `PATCH /api/v1/nodes/{name}`: `spec.unschedulable` (kubectl's cordon
-/// and uncordon). An uncordon lets pods be scheduled back.
+/// A node item's `metadata.annotations`: what clients set, and Talos's
+/// `talos.dev/cordoned` while Talos itself holds the cordon
+/// (`controllers/k8s/node_apply.go` `ApplyCordoned` sets it with the cordon
+/// and removes it with the uncordon).
+fn annotations(life: &super::state::Life) -> Value {
+    let mut out: serde_json::Map<String, Value> = life
+        .annotations
+        .iter()
+        .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+        .collect();
+    if life.cordoned && !life.cordoned_by_client {
+        out.insert("talos.dev/cordoned".into(), "true".into());
+    }
+    Value::Object(out)
+}
+
+/// `PATCH /api/v1/nodes/{name}` (strategic merge patch): `spec.unschedulable`
+/// (kubectl's cordon and uncordon) and `metadata.annotations` (a string
+/// sets, null removes; any other value is refused as the apiserver's
+/// decoder refuses it). An uncordon lets pods be scheduled back.
 pub(crate) async fn patch_node(
     State(cluster): State<Arc<Cluster>>,
     axum::extract::Path(name): axum::extract::Path<String>,
@@ -383,24 +406,59 @@ pub(crate) async fn patch_node(
             ),
         );
     };
-    let Some(on) = patch["spec"]["unschedulable"].as_bool() else {
+    let on = patch["spec"]["unschedulable"].as_bool();
+    let notes = patch["metadata"]["annotations"].as_object();
+    let other = patch.as_object().is_some_and(|p| {
+        p.keys().any(|k| k != "spec" && k != "metadata")
+            || p.get("spec")
+                .and_then(Value::as_object)
+                .is_some_and(|s| s.keys().any(|k| k != "unschedulable"))
+            || p.get("metadata")
+                .and_then(Value::as_object)
+                .is_some_and(|m| m.keys().any(|k| k != "annotations"))
+    });
+    if other || (on.is_none() && notes.is_none()) {
         return (
             axum::http::StatusCode::UNPROCESSABLE_ENTITY,
             axum::Json(
-                json!({"kind": "Status", "code": 422, "message": "only spec.unschedulable is patched here"}),
+                json!({"kind": "Status", "code": 422, "message": "only spec.unschedulable and metadata.annotations are patched here"}),
             ),
         );
-    };
+    }
+    if let Some((k, _)) = notes
+        .into_iter()
+        .flatten()
+        .find(|(_, v)| !v.is_string() && !v.is_null())
+    {
+        // apimachinery's JSON decoder: annotations are map[string]string.
+        return (
+            axum::http::StatusCode::BAD_REQUEST,
+            axum::Json(
+                json!({"kind": "Status", "code": 400, "message": format!("json: cannot unmarshal into Go struct field ObjectMeta.metadata.annotations of type string ({k})")}),
+            ),
+        );
+    }
     let node = cluster.node(i);
     let life = &mut node.st.lock().unwrap().day2.life;
-    life.cordoned = on;
-    life.cordoned_by_client = on;
-    if !on {
-        life.pods_gone = false;
+    for (k, v) in notes.into_iter().flatten() {
+        match v.as_str() {
+            Some(v) => life.annotations.insert(k.clone(), v.to_owned()),
+            None => life.annotations.remove(k),
+        };
+    }
+    if let Some(on) = on {
+        life.cordoned = on;
+        life.cordoned_by_client = on;
+        if !on {
+            life.pods_gone = false;
+        }
     }
     (
         axum::http::StatusCode::OK,
-        axum::Json(json!({"metadata": {"name": name}, "spec": {"unschedulable": on}})),
+        axum::Json(
+            json!({"metadata": {"name": name, "annotations": annotations(life)},
+            "spec": {"unschedulable": life.cordoned}}),
+        ),
     )
 }
 

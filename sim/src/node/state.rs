@@ -625,6 +625,9 @@ pub(crate) struct Life {
     /// cordoned (`controllers/k8s/node_apply.go` `ApplyCordoned`, by its
     /// annotation), so the boot leaves this one cordoned.
     pub(crate) cordoned_by_client: bool,
+    /// Its Kubernetes node's `metadata.annotations` as clients set them
+    /// (Talos's own `talos.dev/cordoned` is shown from `cordoned`).
+    pub(crate) annotations: std::collections::BTreeMap<String, String>,
     /// Its evictable pods left (evicted, or stopped by a reboot) since it
     /// was cordoned: nothing is scheduled back while it stays cordoned.
     pub(crate) pods_gone: bool,

@@ -64,7 +64,9 @@ pub(crate) async fn node_switch(
     set(&mut d.stock, req.stock);
     set(&mut d.stall_connects, req.stall_connects);
     set(&mut d.leave_cordoned, req.leave_cordoned);
+    // An operator's `kubectl cordon`: no Talos mark, so no boot undoes it.
     set(&mut d.life.cordoned, req.cordoned);
+    set(&mut d.life.cordoned_by_client, req.cordoned);
     d.pull_ms = req.pull_ms.or(d.pull_ms);
     d.drain_ms = req.drain_ms.or(d.drain_ms);
     (

@@ -8,14 +8,16 @@
 //! The node's own Reboot sequence only stops its pods
 //! (`v1alpha1_sequencer.go` `Reboot`), and Talos uncordons only a node it
 //! cordoned itself (`controllers/k8s/node_apply.go` `ApplyCordoned`), so
-//! the uncordon is the client's too.
+//! the uncordon is the client's too. Like Talos, imgbuild marks a node it
+//! cordons ([`CORDONED_BY`]) and undoes only such a cordon: a node an admin
+//! cordoned is drained for its reboot and stays cordoned.
 
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 use crate::talos::bootstrap::{Options, Plan};
-use crate::talos::health::{HealthError, kube_nodes, kubeconfig};
+use crate::talos::health::{CORDONED_BY, HealthError, kube_nodes, kubeconfig};
 use crate::talos::kube::{KubeError, Kubeconfig};
 
 /// Why a cordon, drain or uncordon did not finish.
@@ -107,12 +109,15 @@ async fn set_unschedulable(
 ) -> Result<(), CallError> {
     let (kc, path) = (kc.clone(), format!("/api/v1/nodes/{name}"));
     blocking(move || {
+        // The mark goes and comes with the cordon, in one patch.
+        let mark = on.then(|| time::OffsetDateTime::now_utc().unix_timestamp().to_string());
         kc.send_json(
             reqwest::Method::PATCH,
             &path,
             Some((
                 "application/strategic-merge-patch+json",
-                &json!({"spec": {"unschedulable": on}}),
+                &json!({"metadata": {"annotations": {CORDONED_BY: mark}},
+                        "spec": {"unschedulable": on}}),
             )),
             t,
         )
@@ -136,30 +141,39 @@ async fn evictable_pods(kc: &Kubeconfig, name: &str, t: Duration) -> Result<Vec<
         .collect())
 }
 
-/// Cordons Kubernetes node `name`, then evicts its pods (a refused
-/// eviction, a PodDisruptionBudget's 429, is retried) and waits until they
-/// are gone, within `timeout`.
+/// Cordons Kubernetes node `name` (unless it is cordoned already: then it
+/// is not imgbuild's to undo), then evicts its pods (a refused eviction, a
+/// PodDisruptionBudget's 429, is retried) and waits until they are gone,
+/// within `timeout`. Whether this call cordoned it.
 pub async fn cordon_and_drain(
     plan: &Plan,
     name: &str,
     timeout: Duration,
     opts: &Options,
     progress: &(dyn Fn(&str) + Sync),
-) -> Result<(), DrainError> {
+) -> Result<bool, DrainError> {
     let kc = kubeconfig(plan)?;
     let t = opts.call_timeout;
     let deadline = Instant::now() + timeout;
-    progress("cordoning the Kubernetes node");
-    set_unschedulable(&kc, name, true, t)
-        .await
-        .map_err(DrainError::Cordon)?;
+    let already = kube_nodes(plan, opts)
+        .await?
+        .iter()
+        .any(|n| n.name == name && n.cordoned);
+    if already {
+        progress("already cordoned, not by imgbuild: drained, and left cordoned");
+    } else {
+        progress("cordoning the Kubernetes node");
+        set_unschedulable(&kc, name, true, t)
+            .await
+            .map_err(DrainError::Cordon)?;
+    }
     progress("draining the Kubernetes node");
     loop {
         let pods = evictable_pods(&kc, name, t)
             .await
             .map_err(DrainError::List)?;
         if pods.is_empty() {
-            return Ok(());
+            return Ok(!already);
         }
         let mut last = None;
         for pod in &pods {
@@ -198,24 +212,37 @@ pub async fn cordon_and_drain(
     }
 }
 
+/// What [`uncordon_when_ready`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Uncordon {
+    /// imgbuild's cordon undone, or none there any more.
+    Done,
+    /// Cordoned, but not by imgbuild: left as it is.
+    NotOurs,
+}
+
 /// Waits (within `timeout`) for Kubernetes node `name` to be Ready again,
-/// then uncordons it, as talosctl does after the reboot.
+/// then uncordons it, as talosctl does after the reboot, when the cordon
+/// is imgbuild's.
 pub async fn uncordon_when_ready(
     plan: &Plan,
     name: &str,
     timeout: Duration,
     opts: &Options,
-) -> Result<(), DrainError> {
+) -> Result<Uncordon, DrainError> {
     let kc = kubeconfig(plan)?;
     let deadline = Instant::now() + timeout;
     loop {
-        let ready = kube_nodes(plan, opts)
-            .await
-            .is_ok_and(|nodes| nodes.iter().any(|n| n.name == name && n.ready));
-        if ready {
-            return set_unschedulable(&kc, name, false, opts.call_timeout)
-                .await
-                .map_err(DrainError::Uncordon);
+        let nodes = kube_nodes(plan, opts).await.unwrap_or_default();
+        if let Some(n) = nodes.iter().find(|n| n.name == name && n.ready) {
+            return match (n.cordoned, n.cordoned_by_imgbuild) {
+                (false, _) => Ok(Uncordon::Done),
+                (true, false) => Ok(Uncordon::NotOurs),
+                (true, true) => set_unschedulable(&kc, name, false, opts.call_timeout)
+                    .await
+                    .map(|()| Uncordon::Done)
+                    .map_err(DrainError::Uncordon),
+            };
         }
         if Instant::now() + opts.poll > deadline {
             return Err(DrainError::NotReady { timeout });
