@@ -560,3 +560,30 @@ fn v1_13_control_plane_removal_wipes_state_and_ephemeral_only() {
         Outcome::Done("Reset (graceful, STATE, EPHEMERAL wiped); it powered off".into())
     )));
 }
+
+#[test]
+fn v1_11_a_removed_nodes_address_now_another_nodes_is_not_reset() {
+    // worker-02 leaves the inventory and its address is handed to a new
+    // node, worker-03. The record still places worker-02 there; a Reset
+    // sent to that address would wipe worker-03 (every node shares the
+    // cluster's CA). The removal is refused naming both; nothing is called.
+    let c = Cluster::start(10, "v1.11.5", &ALL);
+    let (_, host, _) = NODES.iter().find(|n| n.0 == "worker-02").unwrap();
+    let mut inv = Inventory::new("rm")
+        .vip(&format!("{}.10", c.net))
+        .talos("v1.11.5");
+    for (name, h, role) in NODES.iter().filter(|n| n.0 != "worker-02") {
+        inv = inv.node(Node::new(name, role).address(&format!("{}.{h}", c.net)));
+    }
+    inv = inv.node(Node::new("worker-03", "worker").address(&format!("{}.{host}", c.net)));
+    std::fs::write(&c.config, inv.text()).unwrap();
+    let e = c.plan(&c.prepared()).unwrap_err().to_string();
+    assert!(
+        e.contains("node worker-02 was recorded at")
+            && e.contains("inventory node worker-03 is reached")
+            && e.contains("would wipe worker-03"),
+        "{e}"
+    );
+    assert_eq!(c.calls(), Vec::<(String, String)>::new());
+    assert!(recorded(&c.state_dir()).contains(&"worker-02".to_owned()));
+}

@@ -62,8 +62,39 @@ pub enum RemoveError {
         healthy: usize,
         needed: usize,
     },
+    #[error(
+        "node {node} was recorded at {at}, which is now where inventory node {other} is reached: not removed (a Reset there would wipe {other}); if {node}'s machine is gone, drop its entry from the state dir's nodes.json"
+    )]
+    AddressReused {
+        node: String,
+        other: String,
+        at: String,
+    },
     #[error("cannot start the async runtime: {0}")]
     Runtime(String),
+}
+
+/// The inventory node now reached where `r` was: removal acts on an
+/// address, and every node shares the cluster's CA, so a Reset sent there
+/// would wipe that node. Matched by the node's own address and by where
+/// its Talos API answers.
+fn reused_by<'a>(inv: &'a Inventory, r: &RemovedNode) -> Option<(&'a str, String)> {
+    inv.nodes.iter().find_map(|n| {
+        let reached = n
+            .talos_endpoint
+            .as_deref()
+            .and_then(crate::inventory::talos_endpoint)
+            .or_else(|| {
+                n.address
+                    .map(|a| SocketAddr::new(a, crate::inventory::TALOS_API_PORT))
+            });
+        if let Some(a) = r.address.filter(|a| Some(*a) == n.address) {
+            return Some((n.name.as_str(), a.to_string()));
+        }
+        r.endpoint
+            .filter(|e| Some(*e) == reached)
+            .map(|e| (n.name.as_str(), e.to_string()))
+    })
 }
 
 /// Where a removed node was found.
@@ -314,6 +345,13 @@ pub fn plan(
         if out.iter().any(|n| n.node == r.name) {
             continue;
         }
+        if let Some((other, at)) = reused_by(inv, r) {
+            return Err(RemoveError::AddressReused {
+                node: r.name.clone(),
+                other: other.to_owned(),
+                at,
+            });
+        }
         let k8s = kube.iter().find(|k| k.name == r.name);
         let address = address_of(r, kube, members);
         let member = member_of(members, &r.name, address);
@@ -553,6 +591,47 @@ mod tests {
         assert_eq!(p.nodes[0].member, None);
         assert_eq!(p.members_after, Some(3));
         assert!(p.warnings.is_empty());
+    }
+
+    #[test]
+    fn a_recorded_address_now_an_inventory_nodes_is_never_removed() {
+        // worker-02 was at 10.0.0.22; the inventory's worker-01 is there
+        // now (the address was handed on): nothing is planned, both named.
+        let mut inv = atlas_without(&["worker-02"]);
+        let w1 = inv
+            .nodes
+            .iter_mut()
+            .find(|n| n.name == "worker-01")
+            .unwrap();
+        w1.address = Some("10.0.0.22".parse().unwrap());
+        w1.talos_endpoint = None;
+        let e = plan(
+            &inv,
+            &[recorded("worker-02", Role::Worker, 22)],
+            &healthy_view(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("node worker-02 was recorded at 10.0.0.22")
+                && e.contains("inventory node worker-01 is reached")
+                && e.contains("would wipe worker-01"),
+            "{e}"
+        );
+        // The same by the Talos endpoint alone (a NATed node).
+        let mut gone = recorded("worker-02", Role::Worker, 22);
+        gone.address = Some("192.168.9.9".parse().unwrap());
+        let w1 = inv
+            .nodes
+            .iter_mut()
+            .find(|n| n.name == "worker-01")
+            .unwrap();
+        w1.address = Some("10.0.0.21".parse().unwrap());
+        w1.talos_endpoint = Some("10.0.0.22:50000".into());
+        assert!(matches!(
+            plan(&inv, &[gone], &healthy_view()),
+            Err(RemoveError::AddressReused { .. })
+        ));
     }
 
     #[test]
