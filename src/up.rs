@@ -77,7 +77,7 @@ use crate::fetch::Progress;
 use crate::inventory::Inventory;
 use crate::publish::PublishImage;
 use crate::publish::hcloud::{self, HcloudError, SnapshotImage, servers};
-use crate::publish::proxmox::{self, ProxmoxError, SettingChange, VmChange};
+use crate::publish::proxmox::{self, ProxmoxError, VmChange};
 use crate::publish::prune;
 use crate::publish::target::{HcloudTarget, ProxmoxTarget, Target};
 use crate::talos::bootstrap;
@@ -107,6 +107,9 @@ pub struct UpOptions {
     /// Carry out destructive actions (remove a node, delete a machine,
     /// prune); without it they are planned and left.
     pub allow_destroy: bool,
+    /// Nodes a dry run plans as if their machine were deleted and their
+    /// Talos reset first: `replace`'s, whose removal runs before `up`.
+    pub recreate: Vec<String>,
 }
 
 /// Where each stage reports its progress; the CLI renders it.
@@ -214,6 +217,14 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     if let Ok(survey) = stage::survey(inv, &bootstrap) {
         report.surveyed(&survey);
     }
+    // A node `replace` resets comes back in maintenance mode, on a new
+    // machine: it gets its first config.
+    for name in &opts.recreate {
+        if let Some(n) = report.node(name) {
+            n.talos = Some(TalosState::Maintenance);
+            n.stages.apply = Some(Change::Applied);
+        }
+    }
     // The day-two steps over the nodes that run Talos configured already
     // (the others get the inventory's version and config when they come
     // up), when the cluster has a state dir: a dry run creates none.
@@ -229,7 +240,7 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     {
         // A dry run sends no config: unset `${NAME}`s need not be given.
         bootstrap.patch_vars = bootstrap.patch_vars.clone().comparing_unset();
-        let select = if configured.len() == inv.nodes.len() {
+        let select = if configured.len() + opts.recreate.len() >= inv.nodes.len() {
             Vec::new()
         } else {
             configured
@@ -301,12 +312,85 @@ impl DayTwo<'_> {
         if differs(&["config"]) || !upgraded.is_empty() {
             self.snapshotted(report, Step::Configs, |r| self.configs(r, &upgraded))?;
         }
+        self.settings(report, progress)?;
         // Destructive steps go over the whole cluster only.
         if self.select.is_empty() {
             let removed = self.snapshotted(report, Step::Remove, |r| self.remove(r, progress))?;
             self.prune(report, removed)?;
         }
         Ok(())
+    }
+
+    /// Each VM's settings (cores, memory, disks, network) as the
+    /// inventory has them, read again now and changed where they differ,
+    /// a VM that needs it rebooted, one at a time: after the configs, as
+    /// the plan puts it. Proxmox only (a server's type is its own).
+    fn settings(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), (Stage, UpError)> {
+        let Target::Proxmox(pve) = self.target else {
+            return Ok(());
+        };
+        let chosen: Vec<usize> = (0..self.inv.nodes.len())
+            .filter(|&i| self.select.is_empty() || self.select.contains(&self.inv.nodes[i].name))
+            .collect();
+        let observer = SettingsProgress(progress);
+        let found = pve
+            .change_settings(self.inv, &chosen, &observer, self.dry_run)
+            .map_err(|e| (Stage::Settings, UpError::Proxmox(e)))?;
+        let mut failed = Vec::new();
+        let mut done_any = false;
+        for r in found {
+            match r {
+                Ok(ns) => {
+                    let kind = Kind::ChangeSettings {
+                        settings: ns
+                            .changes
+                            .iter()
+                            .map(|c| plan::Setting {
+                                field: c.field.clone(),
+                                from: c.from.clone(),
+                                to: c.to.clone(),
+                            })
+                            .collect(),
+                    };
+                    let outcome = if self.dry_run {
+                        State::Planned
+                    } else {
+                        done_any = true;
+                        State::Done
+                    };
+                    let mut a =
+                        Action::new(kind, Some(&ns.node), "change VM settings").outcome(outcome);
+                    for c in &ns.changes {
+                        a = a.change(&c.field, Some(&c.from), Some(&c.to));
+                    }
+                    let how: Vec<String> = ns.changes.iter().map(ToString::to_string).collect();
+                    report.act(a.detail(how.join("; ")));
+                }
+                Err(e) => {
+                    let node = match &e {
+                        ProxmoxError::Node { node, .. } => node.clone(),
+                        _ => String::new(),
+                    };
+                    let kind = Kind::ChangeSettings {
+                        settings: Vec::new(),
+                    };
+                    report.act(
+                        Action::new(kind, Some(&node), "change VM settings")
+                            .detail(e.to_string())
+                            .outcome(State::Failed),
+                    );
+                    failed.push(e.to_string());
+                }
+            }
+        }
+        match failed.first() {
+            None => Ok(()),
+            Some(why) => Err(step_failed(Stage::Settings, why.clone(), done_any)),
+        }
     }
 
     /// Whether the destructive actions planned are carried out now.
@@ -1043,6 +1127,23 @@ impl DayTwo<'_> {
     }
 }
 
+/// The settings step's Proxmox events as the run's progress lines.
+struct SettingsProgress<'a>(&'a (dyn Fn(&str, &str) + Sync));
+
+impl proxmox::Observer for SettingsProgress<'_> {
+    fn event(&self, node: &str, event: &proxmox::Event) {
+        match event {
+            proxmox::Event::VmSetting { vmid, change } => {
+                (self.0)(node, &format!("VM {vmid}: {change}"));
+            }
+            proxmox::Event::VmRebooted { vmid } => {
+                (self.0)(node, &format!("VM {vmid} rebooted for its new settings"));
+            }
+            _ => {}
+        }
+    }
+}
+
 /// The control planes of record the inventory no longer has: etcd lists
 /// them until the removal step, so the health check lets them be.
 fn leaving(inv: &Inventory, opts: &BootstrapOptions) -> Vec<String> {
@@ -1230,11 +1331,16 @@ pub fn replace(
     }
     let mut done = match obs {
         Some(obs) => up(inv, target, opts, obs),
-        None => plan(inv, target, opts),
+        None => {
+            let opts = UpOptions {
+                recreate: nodes.to_vec(),
+                ..opts.clone()
+            };
+            plan(inv, target, &opts)
+        }
     };
-    let mut actions = removal_actions;
-    actions.append(&mut done.actions);
-    done.actions = actions;
+    // The removal ran (or runs) before everything `up` does.
+    done.first = removal_actions;
     done.warnings.splice(0..0, report.warnings);
     done.elapsed_ms = started.elapsed().as_millis();
     done
@@ -1301,7 +1407,20 @@ fn build(
             }
             nodes
         }
-        Target::Proxmox(_) => opts.nodes.clone(),
+        // Only VMs to be made (or given a new disk) need an image: an
+        // existing VM's disk is upgraded in place through the installer.
+        Target::Proxmox(pve) => {
+            let needing = pve
+                .needing_images(inv, &selected(inv, opts), &recreated(inv, opts))
+                .map_err(|e| (Stage::Publish, UpError::from(e)))?;
+            if needing.is_empty() {
+                return Ok(Built::default());
+            }
+            needing
+                .into_iter()
+                .map(|i| inv.nodes[i].name.clone())
+                .collect()
+        }
     };
     let (outcomes, failed) = match mode {
         Mode::Run(obs) => {
@@ -1353,116 +1472,127 @@ fn publish(
 ) -> Result<BTreeMap<String, NodeEndpoint>, (Stage, UpError)> {
     match target {
         Target::None => Ok(BTreeMap::new()),
-        Target::Proxmox(pve) => proxmox(inv, pve, built, mode, report).map(|()| BTreeMap::new()),
+        Target::Proxmox(pve) => {
+            proxmox(inv, pve, opts, built, mode, report).map(|()| BTreeMap::new())
+        }
         Target::Hcloud(hc) => hcloud(inv, hc, opts, built, mode, report),
     }
 }
 
-/// Proxmox: upload each image and make, update and start each node's VM
-/// (or plan it). The real run and the dry run report the same decision.
+/// The selected nodes by inventory position (all when none is named).
+fn selected(inv: &Inventory, opts: &UpOptions) -> Vec<usize> {
+    (0..inv.nodes.len())
+        .filter(|&i| opts.nodes.is_empty() || opts.nodes.contains(&inv.nodes[i].name))
+        .collect()
+}
+
+/// The nodes a dry run plans as made anew, by inventory position.
+fn recreated(inv: &Inventory, opts: &UpOptions) -> Vec<usize> {
+    (0..inv.nodes.len())
+        .filter(|&i| opts.recreate.contains(&inv.nodes[i].name))
+        .collect()
+}
+
+/// What `up`'s publish did (or would do) to one node's machine.
+struct MachineDone {
+    /// The volume it boots (a kept VM's, as its description records it).
+    volume: Option<String>,
+    vmid: Option<u32>,
+    uploaded: bool,
+    vm: Option<VmChange>,
+    started: bool,
+}
+
+/// Proxmox: upload the images of VMs to be made and make, start (or keep)
+/// each selected node's VM (or plan it). The real run and the dry run
+/// report the same decision. VM settings are the settings step's.
 fn proxmox(
     inv: &Inventory,
     pve: &ProxmoxTarget,
+    opts: &UpOptions,
     built: Built,
     mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<(), (Stage, UpError)> {
     let bad_image = |e: crate::publish::ImageError| (Stage::Build, UpError::Setup(e.to_string()));
-    let mut images = Vec::new();
+    let mut images = BTreeMap::new();
+    // The nodes whose image this run built (a dry run: none): a plan
+    // made before the build could not know whether the storage holds it.
+    let built_now: std::collections::BTreeSet<usize> = built
+        .images
+        .iter()
+        .filter(|(_, o)| o.as_ref().is_some_and(|o| o.built))
+        .map(|(i, _)| *i)
+        .collect();
     for (index, outcome) in built.images {
         let image = outcome
             .map(|o| PublishImage::new(inv, &o.image, o.file))
             .transpose()
             .map_err(bad_image)?;
-        images.push((index, image));
+        images.insert(index, image);
     }
     let mut failed_nodes = built.failed;
     let build_failed = !failed_nodes.is_empty();
+    // Every selected node but those whose build failed: with its image
+    // where its VM needs one.
+    let nodes: Vec<(usize, Option<PublishImage>)> = selected(inv, opts)
+        .into_iter()
+        .filter(|&i| !failed_nodes.contains(&inv.nodes[i].name))
+        .map(|i| (i, images.remove(&i).flatten()))
+        .collect();
     let to_publish = |e: ProxmoxError| (Stage::Publish, UpError::from(e));
-    // Per node: (volume, vmid, uploaded, vm, started), or why it failed.
-    type Done = Result<
-        (
-            Option<String>,
-            Option<u32>,
-            bool,
-            Option<VmChange>,
-            bool,
-            Vec<SettingChange>,
-        ),
-        ProxmoxError,
-    >;
-    let done: Vec<Done> = match mode {
-        Mode::Run(obs) => {
-            let images: Vec<PublishImage> = images.iter().filter_map(|(_, i)| i.clone()).collect();
-            pve.publish(inv, &images, obs.publish)
-                .map_err(to_publish)?
-                .into_iter()
-                .map(|r| {
-                    r.map(|p| {
-                        (
-                            Some(p.volid),
-                            p.vmid,
-                            p.uploaded,
-                            p.vm,
-                            p.started,
-                            p.settings,
-                        )
-                    })
-                })
-                .collect()
-        }
-        // An image not built yet is uploaded unless the storage happens
-        // to hold its exact bytes already.
-        Mode::Plan => pve
-            .plan(inv, &images)
+    let done: Vec<Result<MachineDone, ProxmoxError>> = match mode {
+        Mode::Run(obs) => pve
+            .publish_machines(inv, &nodes, obs.publish)
             .map_err(to_publish)?
             .into_iter()
             .map(|r| {
-                r.map(|d| {
-                    let upload = d.upload != Some(false);
-                    (d.volid, d.vmid, upload, d.vm, d.start, d.settings)
+                r.map(|p| MachineDone {
+                    volume: p.volid,
+                    vmid: p.vmid,
+                    uploaded: p.uploaded,
+                    vm: p.vm,
+                    started: p.started,
+                })
+            })
+            .collect(),
+        // An image not built yet is uploaded unless the storage happens
+        // to hold its exact bytes already.
+        Mode::Plan => pve
+            .plan_without(inv, &nodes, &recreated(inv, opts))
+            .map_err(to_publish)?
+            .into_iter()
+            .map(|r| {
+                r.map(|d| MachineDone {
+                    uploaded: d.upload != Some(false),
+                    volume: d.volid.or(d.kept),
+                    vmid: d.vmid,
+                    // Settings are the settings step's, not the machine's.
+                    vm: d.vm.map(|v| match v {
+                        VmChange::Changed => VmChange::Unchanged,
+                        v => v,
+                    }),
+                    started: d.start,
                 })
             })
             .collect(),
     };
-    // The real run publishes every entry: only built images are listed.
-    for ((index, _), r) in images.iter().zip(done) {
+    for ((index, _), r) in nodes.iter().zip(done) {
         match r {
-            Ok((volume, vmid, uploaded, vm, started, settings)) => {
-                // Each VM setting from → to, applied as Proxmox allows.
-                if !settings.is_empty() {
-                    let node = &inv.nodes[*index].name;
-                    let kind = Kind::ChangeSettings {
-                        settings: settings
-                            .iter()
-                            .map(|c| plan::Setting {
-                                field: c.field.clone(),
-                                from: c.from.clone(),
-                                to: c.to.clone(),
-                            })
-                            .collect(),
-                    };
-                    let mut a = Action::new(kind, Some(node), "change VM settings").outcome(
-                        if report.dry_run {
-                            State::Planned
-                        } else {
-                            State::Done
-                        },
-                    );
-                    for c in &settings {
-                        a = a.change(&c.field, Some(&c.from), Some(&c.to));
-                    }
-                    let how: Vec<String> = settings.iter().map(ToString::to_string).collect();
-                    report.act(a.detail(how.join("; ")));
-                }
+            Ok(m) => {
                 let Some(n) = report.row(*index) else {
                     continue;
                 };
-                n.volume = volume;
-                n.vmid = vmid;
-                n.stages.upload = Some(changed(uploaded, Change::Uploaded));
-                n.stages.vm = vm.map(Change::from);
-                n.stages.start = Some(changed(started, Change::Started));
+                n.volume = m.volume;
+                n.vmid = m.vmid;
+                n.stages.upload = Some(match (m.uploaded, built_now.contains(index)) {
+                    (true, _) => Change::Uploaded,
+                    // Built now, so planned as an upload: found stored.
+                    (false, true) => Change::Stored,
+                    (false, false) => Change::Unchanged,
+                });
+                n.stages.vm = m.vm.map(Change::from);
+                n.stages.start = Some(changed(m.started, Change::Started));
             }
             Err(e) => {
                 // Marked where it happened (upload, VM or start), after

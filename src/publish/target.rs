@@ -84,7 +84,25 @@ impl ProxmoxTarget {
         inv: &Inventory,
         nodes: &[(usize, Option<PublishImage>)],
     ) -> Result<Vec<Result<Decision, ProxmoxError>>, ProxmoxError> {
-        proxmox::plan(inv, &self.settings, &self.credentials, nodes, &self.options)
+        self.plan_without(inv, nodes, &[])
+    }
+
+    /// [`ProxmoxTarget::plan`] with the VMs of the nodes in `gone` (by
+    /// inventory position) as if deleted first (`replace`'s dry run).
+    pub fn plan_without(
+        &self,
+        inv: &Inventory,
+        nodes: &[(usize, Option<PublishImage>)],
+        gone: &[usize],
+    ) -> Result<Vec<Result<Decision, ProxmoxError>>, ProxmoxError> {
+        proxmox::plan(
+            inv,
+            &self.settings,
+            &self.credentials,
+            nodes,
+            gone,
+            &self.options,
+        )
     }
 
     /// Publishes `images`, each node carrying out the same decision.
@@ -101,6 +119,63 @@ impl ProxmoxTarget {
             images,
             &self.options,
             observer,
+        )
+    }
+}
+
+impl ProxmoxTarget {
+    /// The nodes (by inventory position) whose VM needs an image now; the
+    /// VMs of `gone` as if deleted.
+    pub fn needing_images(
+        &self,
+        inv: &Inventory,
+        nodes: &[usize],
+        gone: &[usize],
+    ) -> Result<Vec<usize>, ProxmoxError> {
+        proxmox::needing_images(
+            inv,
+            &self.settings,
+            &self.credentials,
+            nodes,
+            gone,
+            &self.options,
+        )
+    }
+
+    /// `up`'s publish: images only where a VM needs one; settings left
+    /// for [`ProxmoxTarget::change_settings`].
+    pub fn publish_machines(
+        &self,
+        inv: &Inventory,
+        nodes: &[(usize, Option<PublishImage>)],
+        observer: &dyn proxmox::Observer,
+    ) -> Result<Vec<Result<proxmox::MachinePublished, ProxmoxError>>, ProxmoxError> {
+        proxmox::publish_machines(
+            inv,
+            &self.settings,
+            &self.credentials,
+            nodes,
+            &self.options,
+            observer,
+        )
+    }
+
+    /// `up`'s settings step over `nodes` (by inventory position).
+    pub fn change_settings(
+        &self,
+        inv: &Inventory,
+        nodes: &[usize],
+        observer: &dyn proxmox::Observer,
+        dry_run: bool,
+    ) -> Result<Vec<Result<proxmox::NodeSettings, ProxmoxError>>, ProxmoxError> {
+        proxmox::change_settings(
+            inv,
+            &self.settings,
+            &self.credentials,
+            nodes,
+            &self.options,
+            observer,
+            dry_run,
         )
     }
 }
