@@ -1585,6 +1585,8 @@ fn proxmox(
                 };
                 n.volume = m.volume;
                 n.vmid = m.vmid;
+                // A VM that keeps its disk needs no image: nothing built.
+                n.stages.build.get_or_insert(Change::Unchanged);
                 n.stages.upload = Some(match (m.uploaded, built_now.contains(index)) {
                     (true, _) => Change::Uploaded,
                     // Built now, so planned as an upload: found stored.
