@@ -79,7 +79,7 @@ use crate::publish::PublishImage;
 use crate::publish::hcloud::{self, HcloudError, SnapshotImage, servers};
 use crate::publish::proxmox::{self, ProxmoxError, VmChange};
 use crate::publish::prune;
-use crate::publish::target::{HcloudTarget, ProxmoxTarget, Target};
+use crate::publish::target::{ClusterMachine, HcloudTarget, ProxmoxTarget, Target, TargetError};
 use crate::talos::bootstrap;
 use crate::talos::client::NodeEndpoint;
 use crate::talos::kubernetes::plan::{KubePlan, Step as KubeStep};
@@ -145,10 +145,10 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
         .and_then(|built| publish(inv, target, opts, built, mode, &mut report));
     let mut bootstrap = opts.bootstrap.clone();
     bootstrap.limits.leaving = leaving(inv, &bootstrap);
-    if let Target::Hcloud(hc) = target {
+    if let Some(cancel) = target.cancel() {
         // The signal handler that lets a snapshot run clean up keeps
         // Ctrl-C from ending the process: the bootstrap must stop on it too.
-        bootstrap.cancel = hc.cancel;
+        bootstrap.cancel = cancel;
     }
     let done = match published {
         Err((stage, e)) => {
@@ -324,20 +324,18 @@ impl DayTwo<'_> {
     /// Each VM's settings (cores, memory, disks, network) as the
     /// inventory has them, read again now and changed where they differ,
     /// a VM that needs it rebooted, one at a time: after the configs, as
-    /// the plan puts it. Proxmox only (a server's type is its own).
+    /// the plan puts it.
     fn settings(
         &self,
         report: &mut Report,
         progress: &(dyn Fn(&str, &str) + Sync),
     ) -> Result<(), (Stage, UpError)> {
-        let Target::Proxmox(pve) = self.target else {
-            return Ok(());
-        };
         let chosen: Vec<usize> = (0..self.inv.nodes.len())
             .filter(|&i| self.select.is_empty() || self.select.contains(&self.inv.nodes[i].name))
             .collect();
         let observer = SettingsProgress(progress);
-        let found = pve
+        let found = self
+            .target
             .change_settings(self.inv, &chosen, &observer, self.dry_run)
             .map_err(|e| (Stage::Settings, UpError::Proxmox(e)))?;
         let mut failed = Vec::new();
@@ -606,39 +604,14 @@ impl DayTwo<'_> {
 
     /// The machines imgbuild made for this cluster whose node the
     /// inventory no longer has (never one without imgbuild's marker).
-    fn machines_gone(&self) -> Result<Vec<GoneMachine>, (Stage, UpError)> {
+    fn machines_gone(&self) -> Result<Vec<ClusterMachine>, (Stage, UpError)> {
         let known = |node: &str| self.inv.nodes.iter().any(|n| n.name == node);
-        let cluster = &self.inv.cluster.name;
-        Ok(match self.target {
-            Target::None => Vec::new(),
-            Target::Proxmox(pve) => {
-                proxmox::destroy::cluster_vms(&pve.credentials, cluster, pve.options.retry)
-                    .map_err(|e| (Stage::Remove, UpError::Proxmox(e)))?
-                    .into_iter()
-                    .filter(|vm| !known(&vm.node))
-                    .map(|vm| GoneMachine {
-                        node: vm.node.clone(),
-                        what: format!("VM {} on {}", vm.vmid, vm.pve_node),
-                        volumes: vm.disks.clone(),
-                        vm: Some(vm),
-                    })
-                    .collect()
-            }
-            Target::Hcloud(hc) => {
-                let api = hc.api().map_err(|e| (Stage::Remove, UpError::Hcloud(e)))?;
-                servers::existing(&api, cluster)
-                    .map_err(|e| (Stage::Remove, UpError::Hcloud(e)))?
-                    .into_iter()
-                    .filter(|s| !known(&s.node))
-                    .map(|s| GoneMachine {
-                        node: s.node.clone(),
-                        what: format!("server {} ({})", s.id, s.name),
-                        volumes: Vec::new(),
-                        vm: None,
-                    })
-                    .collect()
-            }
-        })
+        let mut machines = self
+            .target
+            .machines(&self.inv.cluster.name)
+            .map_err(|e| (Stage::Remove, target_error(e)))?;
+        machines.retain(|m| !known(&m.node));
+        Ok(machines)
     }
 
     /// Deletes the machine of removed `node` with its volumes, as `imgbuild
@@ -646,38 +619,12 @@ impl DayTwo<'_> {
     fn delete_machine(
         &self,
         node: &str,
-        machines: &[GoneMachine],
+        machines: &[ClusterMachine],
         progress: &(dyn Fn(&str, &str) + Sync),
     ) -> Result<(), MachineError> {
-        let cluster = &self.inv.cluster.name;
         for m in machines.iter().filter(|m| m.node == node) {
             progress(node, &format!("deleting {}", m.what));
-            match (self.target, &m.vm) {
-                (Target::Proxmox(pve), Some(vm)) => {
-                    let opts = proxmox::destroy::DeleteOptions {
-                        poll: pve.options.poll,
-                        retry: pve.options.retry,
-                        ..proxmox::destroy::DeleteOptions::default()
-                    };
-                    proxmox::destroy::delete_vm(&pve.credentials, cluster, vm, &opts).map_err(
-                        |source| MachineError::Vm {
-                            what: m.what.clone(),
-                            source: Box::new(source),
-                        },
-                    )?;
-                }
-                (Target::Hcloud(hc), _) => {
-                    let api = hc.api()?;
-                    let (_, left) = servers::delete_node(&api, cluster, node, &hc.options);
-                    if let Some(l) = left.first() {
-                        return Err(MachineError::Server {
-                            id: l.id,
-                            error: l.error.clone(),
-                        });
-                    }
-                }
-                _ => {}
-            }
+            self.target.delete_machine(&self.inv.cluster.name, m)?;
         }
         Ok(())
     }
@@ -690,14 +637,7 @@ impl DayTwo<'_> {
         former_nodes: Vec<String>,
     ) -> Result<(), (Stage, UpError)> {
         let at = |e: prune::PruneError| (Stage::Prune, UpError::Prune(Box::new(e)));
-        let delete = match self.target {
-            Target::Proxmox(pve) => proxmox::destroy::DeleteOptions {
-                poll: pve.options.poll,
-                retry: pve.options.retry,
-                ..proxmox::destroy::DeleteOptions::default()
-            },
-            _ => proxmox::destroy::DeleteOptions::default(),
-        };
+        let delete = self.target.delete_options();
         let scope = prune::PruneScope {
             inv: self.inv,
             target: self.target,
@@ -762,35 +702,18 @@ impl DayTwo<'_> {
     /// The uploads of removed nodes that only the VMs the removal
     /// deletes use, named as the prune names them: unused once it ran.
     fn freed_by_removal(&self, former: &[String]) -> Result<Vec<String>, (Stage, UpError)> {
-        let Target::Proxmox(pve) = self.target else {
-            return Ok(Vec::new());
-        };
         if former.is_empty() {
             return Ok(Vec::new());
         }
         let deleted: Vec<u32> = self
             .machines_gone()?
             .iter()
-            .filter_map(|m| m.vm.as_ref().map(|vm| vm.vmid))
+            .filter_map(ClusterMachine::vmid)
             .collect();
-        if deleted.is_empty() {
-            return Ok(Vec::new());
-        }
         let nodes: std::collections::BTreeSet<String> = former.iter().cloned().collect();
-        let volumes = proxmox::destroy::cluster_volumes(
-            &pve.credentials,
-            &pve.settings.storage,
-            &self.inv.cluster.name,
-            &nodes,
-            pve.options.retry,
-        )
-        .map_err(|e| (Stage::Prune, UpError::Proxmox(e)))?;
-        Ok(volumes
-            .into_iter()
-            .filter(|v| nodes.contains(&v.node))
-            .filter(|v| !v.used_by.is_empty() && v.used_by.iter().all(|id| deleted.contains(id)))
-            .map(|v| format!("volume {} on {}", v.volid, v.pve_node))
-            .collect())
+        self.target
+            .freed_by(&self.inv.cluster.name, &nodes, &deleted)
+            .map_err(|e| (Stage::Prune, target_error(e)))
     }
 
     fn limits(&self) -> &bootstrap::Options {
@@ -1179,16 +1102,6 @@ fn snapshotting(
 /// prune keeps (as `imgbuild prune` by default): one to go back to.
 const PRUNE_KEEP: usize = 1;
 
-/// A machine imgbuild made for a node the inventory no longer has.
-struct GoneMachine {
-    node: String,
-    /// `VM 304 on pve`, `server 42 (demo-worker-02)`.
-    what: String,
-    /// The volumes deleting it frees.
-    volumes: Vec<String>,
-    vm: Option<proxmox::destroy::ClusterVm>,
-}
-
 /// The Kubernetes action of a plan with work left (or a refusal).
 fn kube_action(k: &KubePlan) -> Option<Action> {
     let left = k.steps.iter().filter(|s| !s.done).count();
@@ -1249,6 +1162,15 @@ fn synced(a: &mut Action, done: Option<&kube_run::KubeReport>) {
     };
 }
 
+/// A target's error as `up`'s.
+fn target_error(e: TargetError) -> UpError {
+    match e {
+        TargetError::Setup(why) => UpError::Setup(why),
+        TargetError::Proxmox(e) => UpError::Proxmox(e),
+        TargetError::Hcloud(e) => UpError::Hcloud(e),
+    }
+}
+
 fn step_failed(stage: Stage, message: String, partial: bool) -> (Stage, UpError) {
     (
         stage,
@@ -1293,8 +1215,8 @@ pub fn replace(
         };
         let mut bootstrap = opts.bootstrap.clone();
         bootstrap.limits.leaving = nodes.to_vec();
-        if let Target::Hcloud(hc) = target {
-            bootstrap.cancel = hc.cancel;
+        if let Some(cancel) = target.cancel() {
+            bootstrap.cancel = cancel;
         }
         let opts = UpOptions {
             allow_destroy: true,
@@ -1385,9 +1307,9 @@ struct Built {
     failed: Vec<String>,
 }
 
-/// Builds the selected nodes' images, or in a dry run reads which ones the
-/// manifest holds current; records each. Nothing for [`Target::None`]:
-/// machines booted by other means need no image.
+/// Builds the images of the selected nodes whose machine needs one
+/// ([`Target::needing_images`]), or in a dry run reads which ones the
+/// manifest holds current; records each.
 fn build(
     inv: &Inventory,
     target: &Target,
@@ -1395,33 +1317,12 @@ fn build(
     mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<Built, (Stage, UpError)> {
-    let nodes = match target {
-        Target::None => return Ok(Built::default()),
-        // Only nodes without a server need an image (their image of record).
-        Target::Hcloud(hc) => {
-            let to_publish = |e| (Stage::Publish, UpError::Hcloud(e));
-            let api = hc.api().map_err(to_publish)?;
-            let nodes = servers::without_server(&api, inv, &opts.nodes).map_err(to_publish)?;
-            if nodes.is_empty() {
-                return Ok(Built::default());
-            }
-            nodes
-        }
-        // Only VMs to be made (or given a new disk) need an image: an
-        // existing VM's disk is upgraded in place through the installer.
-        Target::Proxmox(pve) => {
-            let needing = pve
-                .needing_images(inv, &selected(inv, opts), &recreated(inv, opts))
-                .map_err(|e| (Stage::Publish, UpError::from(e)))?;
-            if needing.is_empty() {
-                return Ok(Built::default());
-            }
-            needing
-                .into_iter()
-                .map(|i| inv.nodes[i].name.clone())
-                .collect()
-        }
-    };
+    let nodes = target
+        .needing_images(inv, &opts.nodes, &recreated(inv, opts))
+        .map_err(|e| (Stage::Publish, target_error(e)))?;
+    if nodes.is_empty() {
+        return Ok(Built::default());
+    }
     let (outcomes, failed) = match mode {
         Mode::Run(obs) => {
             let (built, failed) = match build::build(inv, &nodes, &opts.build, obs.download) {

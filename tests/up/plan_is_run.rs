@@ -189,8 +189,14 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     stdout_ok(&out);
     assert_plan_is_run("patch edit", &planned, &run);
 
-    // A memory change needing a reboot.
+    // A memory change needing a reboot, with a patch edit beside it: the
+    // configs first, then the settings (their order is the plan's).
     let with_patch = || c.inventory().append("patches:\n  all: [env.yaml]\n");
+    std::fs::write(
+        c.dir.path().join("env.yaml"),
+        "machine:\n  env:\n    PLAN_TOKEN: \"${PLAN_TOKEN}\"\n    STEP: memory\n",
+    )
+    .unwrap();
     c.write(&with_patch().replace("memory: 2048", "memory: 4096"));
     let planned = c.plan("memory.json");
     assert!(
@@ -241,7 +247,7 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     let settings = steps.iter().position(|s| s == "settings");
     let configs = steps.iter().rposition(|s| s == "configs");
     assert!(
-        settings.is_some() && (configs.is_none() || configs < settings),
+        configs.is_some() && settings.is_some() && configs < settings,
         "settings not after the configs: {steps:?}"
     );
     assert!(
