@@ -162,38 +162,6 @@ impl ProxmoxTarget {
         )
     }
 
-    /// The nodes among `nodes` (all when empty) whose machine needs an
-    /// image now, by name: none without a target (machines booted by
-    /// other means); on Hetzner those without a server (a server's image
-    /// is history); on Proxmox the VMs to be made or, with
-    /// `--replace-disk`, given a new disk (an existing VM's disk is
-    /// upgraded in place through the installer). `gone` (by inventory
-    /// position): VMs counted as deleted (`replace`'s dry run). Only reads.
-    pub fn needing_images(
-        &self,
-        inv: &Inventory,
-        nodes: &[String],
-        gone: &[usize],
-    ) -> Result<Vec<String>, TargetError> {
-        match self {
-            Target::None => Ok(Vec::new()),
-            Target::Hcloud(hc) => {
-                let api = hc.api()?;
-                Ok(hcloud::servers::without_server(&api, inv, nodes)?)
-            }
-            Target::Proxmox(pve) => {
-                let selected: Vec<usize> = (0..inv.nodes.len())
-                    .filter(|&i| nodes.is_empty() || nodes.contains(&inv.nodes[i].name))
-                    .collect();
-                Ok(pve
-                    .needing_images(inv, &selected, gone)?
-                    .into_iter()
-                    .map(|i| inv.nodes[i].name.clone())
-                    .collect())
-            }
-        }
-    }
-
     /// `up`'s settings step over `nodes` (by inventory position).
     pub fn change_settings(
         &self,
@@ -328,6 +296,38 @@ impl Target {
                     credentials,
                     options: options.proxmox,
                 })))
+            }
+        }
+    }
+
+    /// The nodes among `nodes` (all when empty) whose machine needs an
+    /// image now, by name: none without a target (machines booted by
+    /// other means); on Hetzner those without a server (a server's image
+    /// is history); on Proxmox the VMs to be made or, with
+    /// `--replace-disk`, given a new disk (an existing VM's disk is
+    /// upgraded in place through the installer). `gone` (by inventory
+    /// position): VMs counted as deleted (`replace`'s dry run). Only reads.
+    pub fn needing_images(
+        &self,
+        inv: &Inventory,
+        nodes: &[String],
+        gone: &[usize],
+    ) -> Result<Vec<String>, TargetError> {
+        match self {
+            Target::None => Ok(Vec::new()),
+            Target::Hcloud(hc) => {
+                let api = hc.api()?;
+                Ok(hcloud::servers::without_server(&api, inv, nodes)?)
+            }
+            Target::Proxmox(pve) => {
+                let selected: Vec<usize> = (0..inv.nodes.len())
+                    .filter(|&i| nodes.is_empty() || nodes.contains(&inv.nodes[i].name))
+                    .collect();
+                Ok(pve
+                    .needing_images(inv, &selected, gone)?
+                    .into_iter()
+                    .map(|i| inv.nodes[i].name.clone())
+                    .collect())
             }
         }
     }
