@@ -697,6 +697,27 @@ mod tests {
         );
     }
 
+    /// A prune the saved plan holds and a fresh one does not (a VM uses
+    /// the volume now) is named by the volume, not by another prune.
+    #[test]
+    fn a_prune_no_longer_planned_names_its_volume() {
+        let prune = |item: &str| Planned {
+            step: Step::Prune,
+            node: None,
+            kind: Kind::Prune { item: item.into() },
+            destructive: true,
+        };
+        let saved = plan(vec![
+            prune("volume local:import/a.raw on pve"),
+            prune("volume local:import/b.raw on pve"),
+        ]);
+        let now = plan(vec![prune("volume local:import/b.raw on pve")]);
+        assert_eq!(
+            saved.differences(&now),
+            vec!["prune of volume local:import/a.raw on pve is no longer what a plan does now: a VM uses it, or it is gone".to_owned()]
+        );
+    }
+
     /// A crafted plan file cannot forge a line of output or flood it.
     #[test]
     fn a_crafted_plans_differences_are_escaped_and_bounded() {
