@@ -1460,7 +1460,7 @@ fn proxmox(
         // An image not built yet is uploaded unless the storage happens
         // to hold its exact bytes already.
         Mode::Plan => pve
-            .plan_without(inv, &nodes, &recreated(inv, opts))
+            .dry_run_without(inv, &nodes, &recreated(inv, opts))
             .map_err(to_publish)?
             .into_iter()
             .map(|r| {

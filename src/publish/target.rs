@@ -86,12 +86,12 @@ impl ProxmoxTarget {
         inv: &Inventory,
         nodes: &[(usize, Option<PublishImage>)],
     ) -> Result<Vec<Result<Decision, ProxmoxError>>, ProxmoxError> {
-        self.plan_without(inv, nodes, &[])
+        self.dry_run_without(inv, nodes, &[])
     }
 
     /// [`ProxmoxTarget::plan`] with the VMs of the nodes in `gone` (by
     /// inventory position) as if deleted first (`replace`'s dry run).
-    pub fn plan_without(
+    pub fn dry_run_without(
         &self,
         inv: &Inventory,
         nodes: &[(usize, Option<PublishImage>)],
