@@ -77,9 +77,9 @@ use crate::fetch::Progress;
 use crate::inventory::Inventory;
 use crate::publish::PublishImage;
 use crate::publish::hcloud::{self, HcloudError, SnapshotImage, servers};
-use crate::publish::proxmox::{self, ProxmoxError, SettingChange, VmChange};
+use crate::publish::proxmox::{self, ProxmoxError, VmChange};
 use crate::publish::prune;
-use crate::publish::target::{HcloudTarget, ProxmoxTarget, Target};
+use crate::publish::target::{ClusterMachine, HcloudTarget, ProxmoxTarget, Target, TargetError};
 use crate::talos::bootstrap;
 use crate::talos::client::NodeEndpoint;
 use crate::talos::kubernetes::plan::{KubePlan, Step as KubeStep};
@@ -107,6 +107,9 @@ pub struct UpOptions {
     /// Carry out destructive actions (remove a node, delete a machine,
     /// prune); without it they are planned and left.
     pub allow_destroy: bool,
+    /// Nodes a dry run plans as if their machine were deleted and their
+    /// Talos reset first: `replace`'s, whose removal runs before `up`.
+    pub recreate: Vec<String>,
 }
 
 /// Where each stage reports its progress; the CLI renders it.
@@ -142,10 +145,10 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
         .and_then(|built| publish(inv, target, opts, built, mode, &mut report));
     let mut bootstrap = opts.bootstrap.clone();
     bootstrap.limits.leaving = leaving(inv, &bootstrap);
-    if let Target::Hcloud(hc) = target {
+    if let Some(cancel) = target.cancel() {
         // The signal handler that lets a snapshot run clean up keeps
         // Ctrl-C from ending the process: the bootstrap must stop on it too.
-        bootstrap.cancel = hc.cancel;
+        bootstrap.cancel = cancel;
     }
     let done = match published {
         Err((stage, e)) => {
@@ -214,6 +217,14 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     if let Ok(survey) = stage::survey(inv, &bootstrap) {
         report.surveyed(&survey);
     }
+    // A node `replace` resets comes back in maintenance mode, on a new
+    // machine: it gets its first config.
+    for name in &opts.recreate {
+        if let Some(n) = report.node(name) {
+            n.talos = Some(TalosState::Maintenance);
+            n.stages.apply = Some(Change::Applied);
+        }
+    }
     // The day-two steps over the nodes that run Talos configured already
     // (the others get the inventory's version and config when they come
     // up), when the cluster has a state dir: a dry run creates none.
@@ -229,7 +240,7 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
     {
         // A dry run sends no config: unset `${NAME}`s need not be given.
         bootstrap.patch_vars = bootstrap.patch_vars.clone().comparing_unset();
-        let select = if configured.len() == inv.nodes.len() {
+        let select = if configured.len() + opts.recreate.len() >= inv.nodes.len() {
             Vec::new()
         } else {
             configured
@@ -301,12 +312,83 @@ impl DayTwo<'_> {
         if differs(&["config"]) || !upgraded.is_empty() {
             self.snapshotted(report, Step::Configs, |r| self.configs(r, &upgraded))?;
         }
+        self.settings(report, progress)?;
         // Destructive steps go over the whole cluster only.
         if self.select.is_empty() {
             let removed = self.snapshotted(report, Step::Remove, |r| self.remove(r, progress))?;
             self.prune(report, removed)?;
         }
         Ok(())
+    }
+
+    /// Each VM's settings (cores, memory, disks, network) as the
+    /// inventory has them, read again now and changed where they differ,
+    /// a VM that needs it rebooted, one at a time: after the configs, as
+    /// the plan puts it.
+    fn settings(
+        &self,
+        report: &mut Report,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), (Stage, UpError)> {
+        let chosen: Vec<usize> = (0..self.inv.nodes.len())
+            .filter(|&i| self.select.is_empty() || self.select.contains(&self.inv.nodes[i].name))
+            .collect();
+        let observer = SettingsProgress(progress);
+        let found = self
+            .target
+            .change_settings(self.inv, &chosen, &observer, self.dry_run)
+            .map_err(|e| (Stage::Settings, UpError::Proxmox(e)))?;
+        let mut failed = Vec::new();
+        let mut done_any = false;
+        for r in found {
+            match r {
+                Ok(ns) => {
+                    let kind = Kind::ChangeSettings {
+                        settings: ns
+                            .changes
+                            .iter()
+                            .map(|c| plan::Setting {
+                                field: c.field.clone(),
+                                from: c.from.clone(),
+                                to: c.to.clone(),
+                            })
+                            .collect(),
+                    };
+                    let outcome = if self.dry_run {
+                        State::Planned
+                    } else {
+                        done_any = true;
+                        State::Done
+                    };
+                    let mut a =
+                        Action::new(kind, Some(&ns.node), "change VM settings").outcome(outcome);
+                    for c in &ns.changes {
+                        a = a.change(&c.field, Some(&c.from), Some(&c.to));
+                    }
+                    let how: Vec<String> = ns.changes.iter().map(ToString::to_string).collect();
+                    report.act(a.detail(how.join("; ")));
+                }
+                Err(e) => {
+                    let node = match &e {
+                        ProxmoxError::Node { node, .. } => node.clone(),
+                        _ => String::new(),
+                    };
+                    let kind = Kind::ChangeSettings {
+                        settings: Vec::new(),
+                    };
+                    report.act(
+                        Action::new(kind, Some(&node), "change VM settings")
+                            .detail(e.to_string())
+                            .outcome(State::Failed),
+                    );
+                    failed.push(e.to_string());
+                }
+            }
+        }
+        match failed.first() {
+            None => Ok(()),
+            Some(why) => Err(step_failed(Stage::Settings, why.clone(), done_any)),
+        }
     }
 
     /// Whether the destructive actions planned are carried out now.
@@ -522,39 +604,14 @@ impl DayTwo<'_> {
 
     /// The machines imgbuild made for this cluster whose node the
     /// inventory no longer has (never one without imgbuild's marker).
-    fn machines_gone(&self) -> Result<Vec<GoneMachine>, (Stage, UpError)> {
+    fn machines_gone(&self) -> Result<Vec<ClusterMachine>, (Stage, UpError)> {
         let known = |node: &str| self.inv.nodes.iter().any(|n| n.name == node);
-        let cluster = &self.inv.cluster.name;
-        Ok(match self.target {
-            Target::None => Vec::new(),
-            Target::Proxmox(pve) => {
-                proxmox::destroy::cluster_vms(&pve.credentials, cluster, pve.options.retry)
-                    .map_err(|e| (Stage::Remove, UpError::Proxmox(e)))?
-                    .into_iter()
-                    .filter(|vm| !known(&vm.node))
-                    .map(|vm| GoneMachine {
-                        node: vm.node.clone(),
-                        what: format!("VM {} on {}", vm.vmid, vm.pve_node),
-                        volumes: vm.disks.clone(),
-                        vm: Some(vm),
-                    })
-                    .collect()
-            }
-            Target::Hcloud(hc) => {
-                let api = hc.api().map_err(|e| (Stage::Remove, UpError::Hcloud(e)))?;
-                servers::existing(&api, cluster)
-                    .map_err(|e| (Stage::Remove, UpError::Hcloud(e)))?
-                    .into_iter()
-                    .filter(|s| !known(&s.node))
-                    .map(|s| GoneMachine {
-                        node: s.node.clone(),
-                        what: format!("server {} ({})", s.id, s.name),
-                        volumes: Vec::new(),
-                        vm: None,
-                    })
-                    .collect()
-            }
-        })
+        let mut machines = self
+            .target
+            .machines(&self.inv.cluster.name)
+            .map_err(|e| (Stage::Remove, target_error(e)))?;
+        machines.retain(|m| !known(&m.node));
+        Ok(machines)
     }
 
     /// Deletes the machine of removed `node` with its volumes, as `imgbuild
@@ -562,38 +619,12 @@ impl DayTwo<'_> {
     fn delete_machine(
         &self,
         node: &str,
-        machines: &[GoneMachine],
+        machines: &[ClusterMachine],
         progress: &(dyn Fn(&str, &str) + Sync),
     ) -> Result<(), MachineError> {
-        let cluster = &self.inv.cluster.name;
         for m in machines.iter().filter(|m| m.node == node) {
             progress(node, &format!("deleting {}", m.what));
-            match (self.target, &m.vm) {
-                (Target::Proxmox(pve), Some(vm)) => {
-                    let opts = proxmox::destroy::DeleteOptions {
-                        poll: pve.options.poll,
-                        retry: pve.options.retry,
-                        ..proxmox::destroy::DeleteOptions::default()
-                    };
-                    proxmox::destroy::delete_vm(&pve.credentials, cluster, vm, &opts).map_err(
-                        |source| MachineError::Vm {
-                            what: m.what.clone(),
-                            source: Box::new(source),
-                        },
-                    )?;
-                }
-                (Target::Hcloud(hc), _) => {
-                    let api = hc.api()?;
-                    let (_, left) = servers::delete_node(&api, cluster, node, &hc.options);
-                    if let Some(l) = left.first() {
-                        return Err(MachineError::Server {
-                            id: l.id,
-                            error: l.error.clone(),
-                        });
-                    }
-                }
-                _ => {}
-            }
+            self.target.delete_machine(&self.inv.cluster.name, m)?;
         }
         Ok(())
     }
@@ -606,14 +637,7 @@ impl DayTwo<'_> {
         former_nodes: Vec<String>,
     ) -> Result<(), (Stage, UpError)> {
         let at = |e: prune::PruneError| (Stage::Prune, UpError::Prune(Box::new(e)));
-        let delete = match self.target {
-            Target::Proxmox(pve) => proxmox::destroy::DeleteOptions {
-                poll: pve.options.poll,
-                retry: pve.options.retry,
-                ..proxmox::destroy::DeleteOptions::default()
-            },
-            _ => proxmox::destroy::DeleteOptions::default(),
-        };
+        let delete = self.target.delete_options();
         let scope = prune::PruneScope {
             inv: self.inv,
             target: self.target,
@@ -678,35 +702,18 @@ impl DayTwo<'_> {
     /// The uploads of removed nodes that only the VMs the removal
     /// deletes use, named as the prune names them: unused once it ran.
     fn freed_by_removal(&self, former: &[String]) -> Result<Vec<String>, (Stage, UpError)> {
-        let Target::Proxmox(pve) = self.target else {
-            return Ok(Vec::new());
-        };
         if former.is_empty() {
             return Ok(Vec::new());
         }
         let deleted: Vec<u32> = self
             .machines_gone()?
             .iter()
-            .filter_map(|m| m.vm.as_ref().map(|vm| vm.vmid))
+            .filter_map(ClusterMachine::vmid)
             .collect();
-        if deleted.is_empty() {
-            return Ok(Vec::new());
-        }
         let nodes: std::collections::BTreeSet<String> = former.iter().cloned().collect();
-        let volumes = proxmox::destroy::cluster_volumes(
-            &pve.credentials,
-            &pve.settings.storage,
-            &self.inv.cluster.name,
-            &nodes,
-            pve.options.retry,
-        )
-        .map_err(|e| (Stage::Prune, UpError::Proxmox(e)))?;
-        Ok(volumes
-            .into_iter()
-            .filter(|v| nodes.contains(&v.node))
-            .filter(|v| !v.used_by.is_empty() && v.used_by.iter().all(|id| deleted.contains(id)))
-            .map(|v| format!("volume {} on {}", v.volid, v.pve_node))
-            .collect())
+        self.target
+            .freed_by(&self.inv.cluster.name, &nodes, &deleted)
+            .map_err(|e| (Stage::Prune, target_error(e)))
     }
 
     fn limits(&self) -> &bootstrap::Options {
@@ -1043,6 +1050,23 @@ impl DayTwo<'_> {
     }
 }
 
+/// The settings step's Proxmox events as the run's progress lines.
+struct SettingsProgress<'a>(&'a (dyn Fn(&str, &str) + Sync));
+
+impl proxmox::Observer for SettingsProgress<'_> {
+    fn event(&self, node: &str, event: &proxmox::Event) {
+        match event {
+            proxmox::Event::VmSetting { vmid, change } => {
+                (self.0)(node, &format!("VM {vmid}: {change}"));
+            }
+            proxmox::Event::VmRebooted { vmid } => {
+                (self.0)(node, &format!("VM {vmid} rebooted for its new settings"));
+            }
+            _ => {}
+        }
+    }
+}
+
 /// The control planes of record the inventory no longer has: etcd lists
 /// them until the removal step, so the health check lets them be.
 fn leaving(inv: &Inventory, opts: &BootstrapOptions) -> Vec<String> {
@@ -1077,16 +1101,6 @@ fn snapshotting(
 /// How many of the newest unused volumes or snapshots per node and base a
 /// prune keeps (as `imgbuild prune` by default): one to go back to.
 const PRUNE_KEEP: usize = 1;
-
-/// A machine imgbuild made for a node the inventory no longer has.
-struct GoneMachine {
-    node: String,
-    /// `VM 304 on pve`, `server 42 (demo-worker-02)`.
-    what: String,
-    /// The volumes deleting it frees.
-    volumes: Vec<String>,
-    vm: Option<proxmox::destroy::ClusterVm>,
-}
 
 /// The Kubernetes action of a plan with work left (or a refusal).
 fn kube_action(k: &KubePlan) -> Option<Action> {
@@ -1152,6 +1166,15 @@ fn synced(a: &mut Action, done: Option<&kube_run::KubeReport>) {
     };
 }
 
+/// A target's error as `up`'s.
+fn target_error(e: TargetError) -> UpError {
+    match e {
+        TargetError::Setup(why) => UpError::Setup(why),
+        TargetError::Proxmox(e) => UpError::Proxmox(e),
+        TargetError::Hcloud(e) => UpError::Hcloud(e),
+    }
+}
+
 fn step_failed(stage: Stage, message: String, partial: bool) -> (Stage, UpError) {
     (
         stage,
@@ -1196,8 +1219,8 @@ pub fn replace(
         };
         let mut bootstrap = opts.bootstrap.clone();
         bootstrap.limits.leaving = nodes.to_vec();
-        if let Target::Hcloud(hc) = target {
-            bootstrap.cancel = hc.cancel;
+        if let Some(cancel) = target.cancel() {
+            bootstrap.cancel = cancel;
         }
         let opts = UpOptions {
             allow_destroy: true,
@@ -1234,11 +1257,16 @@ pub fn replace(
     }
     let mut done = match obs {
         Some(obs) => up(inv, target, opts, obs),
-        None => plan(inv, target, opts),
+        None => {
+            let opts = UpOptions {
+                recreate: nodes.to_vec(),
+                ..opts.clone()
+            };
+            plan(inv, target, &opts)
+        }
     };
-    let mut actions = removal_actions;
-    actions.append(&mut done.actions);
-    done.actions = actions;
+    // The removal ran (or runs) before everything `up` does.
+    done.first = removal_actions;
     done.warnings.splice(0..0, report.warnings);
     done.elapsed_ms = started.elapsed().as_millis();
     done
@@ -1283,9 +1311,9 @@ struct Built {
     failed: Vec<String>,
 }
 
-/// Builds the selected nodes' images, or in a dry run reads which ones the
-/// manifest holds current; records each. Nothing for [`Target::None`]:
-/// machines booted by other means need no image.
+/// Builds the images of the selected nodes whose machine needs one
+/// ([`Target::needing_images`]), or in a dry run reads which ones the
+/// manifest holds current; records each.
 fn build(
     inv: &Inventory,
     target: &Target,
@@ -1293,20 +1321,12 @@ fn build(
     mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<Built, (Stage, UpError)> {
-    let nodes = match target {
-        Target::None => return Ok(Built::default()),
-        // Only nodes without a server need an image (their image of record).
-        Target::Hcloud(hc) => {
-            let to_publish = |e| (Stage::Publish, UpError::Hcloud(e));
-            let api = hc.api().map_err(to_publish)?;
-            let nodes = servers::without_server(&api, inv, &opts.nodes).map_err(to_publish)?;
-            if nodes.is_empty() {
-                return Ok(Built::default());
-            }
-            nodes
-        }
-        Target::Proxmox(_) => opts.nodes.clone(),
-    };
+    let nodes = target
+        .needing_images(inv, &opts.nodes, &recreated(inv, opts))
+        .map_err(|e| (Stage::Publish, target_error(e)))?;
+    if nodes.is_empty() {
+        return Ok(Built::default());
+    }
     let (outcomes, failed) = match mode {
         Mode::Run(obs) => {
             let (built, failed) = match build::build(inv, &nodes, &opts.build, obs.download) {
@@ -1357,116 +1377,129 @@ fn publish(
 ) -> Result<BTreeMap<String, NodeEndpoint>, (Stage, UpError)> {
     match target {
         Target::None => Ok(BTreeMap::new()),
-        Target::Proxmox(pve) => proxmox(inv, pve, built, mode, report).map(|()| BTreeMap::new()),
+        Target::Proxmox(pve) => {
+            proxmox(inv, pve, opts, built, mode, report).map(|()| BTreeMap::new())
+        }
         Target::Hcloud(hc) => hcloud(inv, hc, opts, built, mode, report),
     }
 }
 
-/// Proxmox: upload each image and make, update and start each node's VM
-/// (or plan it). The real run and the dry run report the same decision.
+/// The selected nodes by inventory position (all when none is named).
+fn selected(inv: &Inventory, opts: &UpOptions) -> Vec<usize> {
+    (0..inv.nodes.len())
+        .filter(|&i| opts.nodes.is_empty() || opts.nodes.contains(&inv.nodes[i].name))
+        .collect()
+}
+
+/// The nodes a dry run plans as made anew, by inventory position.
+fn recreated(inv: &Inventory, opts: &UpOptions) -> Vec<usize> {
+    (0..inv.nodes.len())
+        .filter(|&i| opts.recreate.contains(&inv.nodes[i].name))
+        .collect()
+}
+
+/// What `up`'s publish did (or would do) to one node's machine.
+struct MachineDone {
+    /// The volume it boots (a kept VM's, as its description records it).
+    volume: Option<String>,
+    vmid: Option<u32>,
+    uploaded: bool,
+    vm: Option<VmChange>,
+    started: bool,
+}
+
+/// Proxmox: upload the images of VMs to be made and make, start (or keep)
+/// each selected node's VM (or plan it). The real run and the dry run
+/// report the same decision. VM settings are the settings step's.
 fn proxmox(
     inv: &Inventory,
     pve: &ProxmoxTarget,
+    opts: &UpOptions,
     built: Built,
     mode: Mode<'_>,
     report: &mut Report,
 ) -> Result<(), (Stage, UpError)> {
     let bad_image = |e: crate::publish::ImageError| (Stage::Build, UpError::Setup(e.to_string()));
-    let mut images = Vec::new();
+    let mut images = BTreeMap::new();
+    // The nodes whose image this run built (a dry run: none): a plan
+    // made before the build could not know whether the storage holds it.
+    let built_now: std::collections::BTreeSet<usize> = built
+        .images
+        .iter()
+        .filter(|(_, o)| o.as_ref().is_some_and(|o| o.built))
+        .map(|(i, _)| *i)
+        .collect();
     for (index, outcome) in built.images {
         let image = outcome
             .map(|o| PublishImage::new(inv, &o.image, o.file))
             .transpose()
             .map_err(bad_image)?;
-        images.push((index, image));
+        images.insert(index, image);
     }
     let mut failed_nodes = built.failed;
     let build_failed = !failed_nodes.is_empty();
+    // Every selected node but those whose build failed: with its image
+    // where its VM needs one.
+    let nodes: Vec<(usize, Option<PublishImage>)> = selected(inv, opts)
+        .into_iter()
+        .filter(|&i| !failed_nodes.contains(&inv.nodes[i].name))
+        .map(|i| (i, images.remove(&i).flatten()))
+        .collect();
     let to_publish = |e: ProxmoxError| (Stage::Publish, UpError::from(e));
-    // Per node: (volume, vmid, uploaded, vm, started), or why it failed.
-    type Done = Result<
-        (
-            Option<String>,
-            Option<u32>,
-            bool,
-            Option<VmChange>,
-            bool,
-            Vec<SettingChange>,
-        ),
-        ProxmoxError,
-    >;
-    let done: Vec<Done> = match mode {
-        Mode::Run(obs) => {
-            let images: Vec<PublishImage> = images.iter().filter_map(|(_, i)| i.clone()).collect();
-            pve.publish(inv, &images, obs.publish)
-                .map_err(to_publish)?
-                .into_iter()
-                .map(|r| {
-                    r.map(|p| {
-                        (
-                            Some(p.volid),
-                            p.vmid,
-                            p.uploaded,
-                            p.vm,
-                            p.started,
-                            p.settings,
-                        )
-                    })
-                })
-                .collect()
-        }
-        // An image not built yet is uploaded unless the storage happens
-        // to hold its exact bytes already.
-        Mode::Plan => pve
-            .plan(inv, &images)
+    let done: Vec<Result<MachineDone, ProxmoxError>> = match mode {
+        Mode::Run(obs) => pve
+            .publish_machines(inv, &nodes, obs.publish)
             .map_err(to_publish)?
             .into_iter()
             .map(|r| {
-                r.map(|d| {
-                    let upload = d.upload != Some(false);
-                    (d.volid, d.vmid, upload, d.vm, d.start, d.settings)
+                r.map(|p| MachineDone {
+                    volume: p.volid,
+                    vmid: p.vmid,
+                    uploaded: p.uploaded,
+                    vm: p.vm,
+                    started: p.started,
+                })
+            })
+            .collect(),
+        // An image not built yet is uploaded unless the storage happens
+        // to hold its exact bytes already.
+        Mode::Plan => pve
+            .dry_run_without(inv, &nodes, &recreated(inv, opts))
+            .map_err(to_publish)?
+            .into_iter()
+            .map(|r| {
+                r.map(|d| MachineDone {
+                    uploaded: d.upload != Some(false),
+                    volume: d.volid.or(d.kept),
+                    vmid: d.vmid,
+                    // Settings are the settings step's, not the machine's.
+                    vm: d.vm.map(|v| match v {
+                        VmChange::Changed => VmChange::Unchanged,
+                        v => v,
+                    }),
+                    started: d.start,
                 })
             })
             .collect(),
     };
-    // The real run publishes every entry: only built images are listed.
-    for ((index, _), r) in images.iter().zip(done) {
+    for ((index, _), r) in nodes.iter().zip(done) {
         match r {
-            Ok((volume, vmid, uploaded, vm, started, settings)) => {
-                // Each VM setting from → to, applied as Proxmox allows.
-                if !settings.is_empty() {
-                    let node = &inv.nodes[*index].name;
-                    let kind = Kind::ChangeSettings {
-                        settings: settings
-                            .iter()
-                            .map(|c| plan::Setting {
-                                field: c.field.clone(),
-                                from: c.from.clone(),
-                                to: c.to.clone(),
-                            })
-                            .collect(),
-                    };
-                    let mut a = Action::new(kind, Some(node), "change VM settings").outcome(
-                        if report.dry_run {
-                            State::Planned
-                        } else {
-                            State::Done
-                        },
-                    );
-                    for c in &settings {
-                        a = a.change(&c.field, Some(&c.from), Some(&c.to));
-                    }
-                    let how: Vec<String> = settings.iter().map(ToString::to_string).collect();
-                    report.act(a.detail(how.join("; ")));
-                }
+            Ok(m) => {
                 let Some(n) = report.row(*index) else {
                     continue;
                 };
-                n.volume = volume;
-                n.vmid = vmid;
-                n.stages.upload = Some(changed(uploaded, Change::Uploaded));
-                n.stages.vm = vm.map(Change::from);
-                n.stages.start = Some(changed(started, Change::Started));
+                n.volume = m.volume;
+                n.vmid = m.vmid;
+                // A VM that keeps its disk needs no image: nothing built.
+                n.stages.build.get_or_insert(Change::Unchanged);
+                n.stages.upload = Some(match (m.uploaded, built_now.contains(index)) {
+                    (true, _) => Change::Uploaded,
+                    // Built now, so planned as an upload: found stored.
+                    (false, true) => Change::Stored,
+                    (false, false) => Change::Unchanged,
+                });
+                n.stages.vm = m.vm.map(Change::from);
+                n.stages.start = Some(changed(m.started, Change::Started));
             }
             Err(e) => {
                 // Marked where it happened (upload, VM or start), after

@@ -97,6 +97,7 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
         upgrade: UpgradeSettings::default(),
         apply: ApplySettings::default(),
         allow_destroy: args.allow_destroy,
+        recreate: Vec::new(),
     };
     let replaced = replace.then(|| opts.nodes.clone());
     let inventory_file = std::fs::read(config).unwrap_or_default();
@@ -131,18 +132,22 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
             );
             let moved = saved.differences(&now);
             if !moved.is_empty() {
+                // A stale plan is the caller's to make again: exit 2, as a
+                // plan file imgbuild cannot read.
+                let why = Usage(format!(
+                    "{} no longer holds, nothing was changed (plan again): {}",
+                    path.display(),
+                    moved.join("; ")
+                ));
                 if output == Output::Json {
                     outln!(
                         "{}",
                         serde_json::json!({"planFile": path.display().to_string(), "refused": moved})
                     );
+                    // Printed: the JSON above says it.
+                    return Err(anyhow::Error::new(why).context(Reported(String::new())));
                 }
-                return Err(Reported(format!(
-                    "{} no longer holds, nothing was changed (plan again): {}",
-                    path.display(),
-                    moved.join("; ")
-                ))
-                .into());
+                return Err(why.into());
             }
             Some(saved)
         }

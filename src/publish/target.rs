@@ -2,6 +2,8 @@
 //! for `publish` and `up` (`plan` names the same choice through
 //! `PublishSection::target`, as it runs without credentials).
 
+use std::collections::BTreeSet;
+
 use super::hcloud::{self, Api, HcloudError, SnapshotImage, SnapshotOptions, SnapshotOutcome};
 use super::proxmox::{self, Decision, NodePublished, ProxmoxError, PublishOptions};
 use super::{Cancel, PublishImage};
@@ -84,7 +86,25 @@ impl ProxmoxTarget {
         inv: &Inventory,
         nodes: &[(usize, Option<PublishImage>)],
     ) -> Result<Vec<Result<Decision, ProxmoxError>>, ProxmoxError> {
-        proxmox::plan(inv, &self.settings, &self.credentials, nodes, &self.options)
+        self.dry_run_without(inv, nodes, &[])
+    }
+
+    /// [`ProxmoxTarget::plan`] with the VMs of the nodes in `gone` (by
+    /// inventory position) as if deleted first (`replace`'s dry run).
+    pub fn dry_run_without(
+        &self,
+        inv: &Inventory,
+        nodes: &[(usize, Option<PublishImage>)],
+        gone: &[usize],
+    ) -> Result<Vec<Result<Decision, ProxmoxError>>, ProxmoxError> {
+        proxmox::plan(
+            inv,
+            &self.settings,
+            &self.credentials,
+            nodes,
+            gone,
+            &self.options,
+        )
     }
 
     /// Publishes `images`, each node carrying out the same decision.
@@ -103,6 +123,102 @@ impl ProxmoxTarget {
             observer,
         )
     }
+}
+
+impl ProxmoxTarget {
+    /// The nodes (by inventory position) whose VM needs an image now; the
+    /// VMs of `gone` as if deleted.
+    pub fn needing_images(
+        &self,
+        inv: &Inventory,
+        nodes: &[usize],
+        gone: &[usize],
+    ) -> Result<Vec<usize>, ProxmoxError> {
+        proxmox::needing_images(
+            inv,
+            &self.settings,
+            &self.credentials,
+            nodes,
+            gone,
+            &self.options,
+        )
+    }
+
+    /// `up`'s publish: images only where a VM needs one; settings left
+    /// for [`ProxmoxTarget::change_settings`].
+    pub fn publish_machines(
+        &self,
+        inv: &Inventory,
+        nodes: &[(usize, Option<PublishImage>)],
+        observer: &dyn proxmox::Observer,
+    ) -> Result<Vec<Result<proxmox::MachinePublished, ProxmoxError>>, ProxmoxError> {
+        proxmox::publish_machines(
+            inv,
+            &self.settings,
+            &self.credentials,
+            nodes,
+            &self.options,
+            observer,
+        )
+    }
+
+    /// `up`'s settings step over `nodes` (by inventory position).
+    pub fn change_settings(
+        &self,
+        inv: &Inventory,
+        nodes: &[usize],
+        observer: &dyn proxmox::Observer,
+        dry_run: bool,
+    ) -> Result<Vec<Result<proxmox::NodeSettings, ProxmoxError>>, ProxmoxError> {
+        proxmox::change_settings(
+            inv,
+            &self.settings,
+            &self.credentials,
+            nodes,
+            &self.options,
+            observer,
+            dry_run,
+        )
+    }
+}
+
+/// A machine imgbuild made for a node of the cluster (by imgbuild's
+/// marker: a Proxmox VM's description, a Hetzner server's labels).
+#[derive(Debug, Clone)]
+pub struct ClusterMachine {
+    pub node: String,
+    /// `VM 304 on pve`, `server 42 (demo-worker-02)`.
+    pub what: String,
+    /// The volumes deleting it frees.
+    pub volumes: Vec<String>,
+    /// The Proxmox VM it is (None: a Hetzner server).
+    vm: Option<proxmox::destroy::ClusterVm>,
+}
+
+impl ClusterMachine {
+    /// The Proxmox VM's id (None for a server).
+    pub fn vmid(&self) -> Option<u32> {
+        self.vm.as_ref().map(|vm| vm.vmid)
+    }
+}
+
+/// Why a machine of a node the inventory dropped could not be deleted (as
+/// `imgbuild down` deletes each). Never carries a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    /// `what` names the VM (`VM 303 on pve`).
+    #[error("deleting {what}: {source}")]
+    Vm {
+        what: String,
+        #[source]
+        source: Box<ProxmoxError>,
+    },
+    /// No Hetzner Cloud API client (the token is missing or invalid).
+    #[error(transparent)]
+    Hcloud(#[from] HcloudError),
+    /// Hetzner Cloud left the server (or a volume of it) behind.
+    #[error("deleting server {id}: {error}")]
+    Server { id: u64, error: String },
 }
 
 /// How each kind of target publishes, and what the command needs of it.
@@ -181,6 +297,162 @@ impl Target {
                     options: options.proxmox,
                 })))
             }
+        }
+    }
+
+    /// The nodes among `nodes` (all when empty) whose machine needs an
+    /// image now, by name: none without a target (machines booted by
+    /// other means); on Hetzner those without a server (a server's image
+    /// is history); on Proxmox the VMs to be made or, with
+    /// `--replace-disk`, given a new disk (an existing VM's disk is
+    /// upgraded in place through the installer). `gone` (by inventory
+    /// position): VMs counted as deleted (`replace`'s dry run). Only reads.
+    pub fn needing_images(
+        &self,
+        inv: &Inventory,
+        nodes: &[String],
+        gone: &[usize],
+    ) -> Result<Vec<String>, TargetError> {
+        match self {
+            Target::None => Ok(Vec::new()),
+            Target::Hcloud(hc) => {
+                let api = hc.api()?;
+                Ok(hcloud::servers::without_server(&api, inv, nodes)?)
+            }
+            Target::Proxmox(pve) => {
+                let selected: Vec<usize> = (0..inv.nodes.len())
+                    .filter(|&i| nodes.is_empty() || nodes.contains(&inv.nodes[i].name))
+                    .collect();
+                Ok(pve
+                    .needing_images(inv, &selected, gone)?
+                    .into_iter()
+                    .map(|i| inv.nodes[i].name.clone())
+                    .collect())
+            }
+        }
+    }
+
+    /// What stops a run's snapshots and bootstrap (Hetzner's signal
+    /// handler); None where nothing needs one.
+    pub fn cancel(&self) -> Option<Cancel> {
+        match self {
+            Target::Hcloud(hc) => Some(hc.cancel),
+            _ => None,
+        }
+    }
+
+    /// Every machine imgbuild made for `cluster`, whatever the inventory
+    /// says now (none without a target). Only reads.
+    pub fn machines(&self, cluster: &str) -> Result<Vec<ClusterMachine>, TargetError> {
+        Ok(match self {
+            Target::None => Vec::new(),
+            Target::Proxmox(pve) => {
+                proxmox::destroy::cluster_vms(&pve.credentials, cluster, pve.options.retry)?
+                    .into_iter()
+                    .map(|vm| ClusterMachine {
+                        node: vm.node.clone(),
+                        what: format!("VM {} on {}", vm.vmid, vm.pve_node),
+                        volumes: vm.disks.clone(),
+                        vm: Some(vm),
+                    })
+                    .collect()
+            }
+            Target::Hcloud(hc) => {
+                let api = hc.api()?;
+                hcloud::servers::existing(&api, cluster)?
+                    .into_iter()
+                    .map(|s| ClusterMachine {
+                        node: s.node.clone(),
+                        what: format!("server {} ({})", s.id, s.name),
+                        volumes: Vec::new(),
+                        vm: None,
+                    })
+                    .collect()
+            }
+        })
+    }
+
+    /// Deletes machine `m` of `cluster` with its volumes, as `imgbuild
+    /// down` deletes each.
+    pub fn delete_machine(&self, cluster: &str, m: &ClusterMachine) -> Result<(), MachineError> {
+        match (self, &m.vm) {
+            (Target::Proxmox(pve), Some(vm)) => {
+                proxmox::destroy::delete_vm(&pve.credentials, cluster, vm, &self.delete_options())
+                    .map_err(|source| MachineError::Vm {
+                        what: m.what.clone(),
+                        source: Box::new(source),
+                    })?;
+            }
+            (Target::Hcloud(hc), _) => {
+                let api = hc.api()?;
+                let (_, left) = hcloud::servers::delete_node(&api, cluster, &m.node, &hc.options);
+                if let Some(l) = left.first() {
+                    return Err(MachineError::Server {
+                        id: l.id,
+                        error: l.error.clone(),
+                    });
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// How this target's deletions poll and retry (a Proxmox target's
+    /// own settings; the defaults elsewhere).
+    pub fn delete_options(&self) -> proxmox::destroy::DeleteOptions {
+        match self {
+            Target::Proxmox(pve) => proxmox::destroy::DeleteOptions {
+                poll: pve.options.poll,
+                retry: pve.options.retry,
+                ..proxmox::destroy::DeleteOptions::default()
+            },
+            _ => proxmox::destroy::DeleteOptions::default(),
+        }
+    }
+
+    /// The uploads of `nodes` that only the VMs `deleted` use, named as the
+    /// prune names them: unused once those are deleted (Proxmox only).
+    pub fn freed_by(
+        &self,
+        cluster: &str,
+        nodes: &BTreeSet<String>,
+        deleted: &[u32],
+    ) -> Result<Vec<String>, TargetError> {
+        let Target::Proxmox(pve) = self else {
+            return Ok(Vec::new());
+        };
+        if nodes.is_empty() || deleted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let volumes = proxmox::destroy::cluster_volumes(
+            &pve.credentials,
+            &pve.settings.storage,
+            cluster,
+            nodes,
+            pve.options.retry,
+        )?;
+        Ok(volumes
+            .into_iter()
+            .filter(|v| nodes.contains(&v.node))
+            .filter(|v| !v.used_by.is_empty() && v.used_by.iter().all(|id| deleted.contains(id)))
+            .map(|v| format!("volume {} on {}", v.volid, v.pve_node))
+            .collect())
+    }
+
+    /// `up`'s settings step over `nodes` (by inventory position): each VM's
+    /// settings changed where they differ (none to change elsewhere: a
+    /// server's type is its own).
+    pub fn change_settings(
+        &self,
+        inv: &Inventory,
+        nodes: &[usize],
+        observer: &dyn proxmox::Observer,
+        dry_run: bool,
+    ) -> Result<Vec<Result<proxmox::NodeSettings, ProxmoxError>>, ProxmoxError> {
+        match self {
+            Target::Proxmox(pve) => pve.change_settings(inv, nodes, observer, dry_run),
+            _ => Ok(Vec::new()),
         }
     }
 

@@ -63,24 +63,7 @@ impl UpError {
     }
 }
 
-/// Why `up` could not delete the machine of a node the inventory dropped
-/// (as `imgbuild down` deletes each). Never carries a secret.
-#[derive(Debug, thiserror::Error)]
-pub enum MachineError {
-    /// `what` names the VM (`VM 303 on pve`).
-    #[error("deleting {what}: {source}")]
-    Vm {
-        what: String,
-        #[source]
-        source: Box<ProxmoxError>,
-    },
-    /// No Hetzner Cloud API client (the token is missing or invalid).
-    #[error(transparent)]
-    Hcloud(#[from] HcloudError),
-    /// Hetzner Cloud left the server (or a volume of it) behind.
-    #[error("deleting server {id}: {error}")]
-    Server { id: u64, error: String },
-}
+pub use crate::publish::target::MachineError;
 
 /// The stages, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

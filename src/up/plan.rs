@@ -264,9 +264,13 @@ pub struct Planned {
 impl Planned {
     /// `upgradeTalos worker-01` for messages.
     pub fn label(&self) -> String {
-        match &self.node {
-            Some(n) => format!("{} {}", self.kind.name(), crate::input::one_line(n, 64)),
-            None => self.kind.name(),
+        match (&self.node, &self.kind) {
+            (Some(n), _) => format!("{} {}", self.kind.name(), crate::input::one_line(n, 64)),
+            // A prune is named by what it deletes.
+            (None, Kind::Prune { item }) => {
+                format!("prune of {}", crate::input::one_line(item, 200))
+            }
+            (None, _) => self.kind.name(),
         }
     }
 }
@@ -388,6 +392,43 @@ pub enum PlanError {
     /// `found`: the file's `format` value as JSON (bounded), or `missing`.
     #[error("{path} is plan format {found}; this imgbuild reads format {FORMAT}")]
     Format { path: String, found: String },
+    /// A field no plan of this format has (`field`: its JSON path): a
+    /// file edited, or written by another imgbuild, is not carried out.
+    #[error("{path} is not a plan this imgbuild wrote: unknown field {field}")]
+    Unknown { path: String, field: String },
+    /// The salt is not the 64 hex digits [`Plan::new_salt`] makes: a
+    /// weaker one would let the file's fingerprints be guessed at.
+    #[error("{path}: the plan's salt is not {SALT_HEX} hex digits as imgbuild writes it")]
+    Salt { path: String },
+}
+
+/// How many hex digits a plan's salt has (32 random bytes).
+pub const SALT_HEX: usize = 64;
+
+/// The first place where `file` holds what `written` (the plan as parsed,
+/// written again) does not: a field the plan has no room for. `at` is the
+/// JSON path so far.
+fn unknown_field(
+    file: &serde_json::Value,
+    written: &serde_json::Value,
+    at: &str,
+) -> Option<String> {
+    use serde_json::Value;
+    match (file, written) {
+        (Value::Object(f), Value::Object(w)) => f.iter().find_map(|(k, v)| {
+            let here = format!("{at}.{}", crate::input::one_line(k, 40));
+            match w.get(k) {
+                None => Some(here),
+                Some(wv) => unknown_field(v, wv, &here),
+            }
+        }),
+        (Value::Array(f), Value::Array(w)) => f
+            .iter()
+            .zip(w)
+            .enumerate()
+            .find_map(|(i, (v, wv))| unknown_field(v, wv, &format!("{at}[{i}]"))),
+        _ => None,
+    }
 }
 
 impl Plan {
@@ -422,10 +463,23 @@ impl Plan {
             };
             return Err(PlanError::Format { path: shown, found });
         }
-        serde_json::from_value(v).map_err(|source| PlanError::Parse {
-            path: shown,
+        let plan: Plan = serde_json::from_value(v.clone()).map_err(|source| PlanError::Parse {
+            path: shown.clone(),
             source,
-        })
+        })?;
+        // Nothing the plan does not hold: what serde would skip over
+        // (an unknown field, here or in an action) refuses the file.
+        let written = serde_json::to_value(&plan).map_err(|source| PlanError::Parse {
+            path: shown.clone(),
+            source,
+        })?;
+        if let Some(field) = unknown_field(&v, &written, "") {
+            return Err(PlanError::Unknown { path: shown, field });
+        }
+        if plan.salt.len() != SALT_HEX || !plan.salt.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(PlanError::Salt { path: shown });
+        }
+        Ok(plan)
     }
 
     /// Every way `now` (a fresh plan under this plan's salt) departs from
@@ -509,6 +563,16 @@ impl Plan {
             }
         }
         for a in &self.actions {
+            if let Kind::Prune { .. } = &a.kind
+                && !now.actions.contains(a)
+            {
+                // Not deleted now: a VM uses it, or it is gone.
+                out.push(format!(
+                    "{} is no longer what a plan does now: a VM uses it, or it is gone",
+                    a.label()
+                ));
+                continue;
+            }
             if !now.actions.contains(a) {
                 out.push(format!(
                     "{} is no longer what a plan does now: {}",
@@ -630,6 +694,27 @@ mod tests {
         assert_eq!(
             other.differences(&reordered),
             vec!["the plan's actions run in another order now".to_owned()]
+        );
+    }
+
+    /// A prune the saved plan holds and a fresh one does not (a VM uses
+    /// the volume now) is named by the volume, not by another prune.
+    #[test]
+    fn a_prune_no_longer_planned_names_its_volume() {
+        let prune = |item: &str| Planned {
+            step: Step::Prune,
+            node: None,
+            kind: Kind::Prune { item: item.into() },
+            destructive: true,
+        };
+        let saved = plan(vec![
+            prune("volume local:import/a.raw on pve"),
+            prune("volume local:import/b.raw on pve"),
+        ]);
+        let now = plan(vec![prune("volume local:import/b.raw on pve")]);
+        assert_eq!(
+            saved.differences(&now),
+            vec!["prune of volume local:import/a.raw on pve is no longer what a plan does now: a VM uses it, or it is gone".to_owned()]
         );
     }
 

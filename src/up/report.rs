@@ -25,6 +25,9 @@ use crate::talos::status::{Differences, Drift};
 pub enum Change {
     Built,
     Uploaded,
+    /// A new image its storage held already (same bytes, same name): the
+    /// upload a plan could not rule out before the build, found done.
+    Stored,
     Created,
     Updated,
     Started,
@@ -42,6 +45,7 @@ impl Change {
         match self {
             Change::Built => "built",
             Change::Uploaded => "uploaded",
+            Change::Stored => "already stored",
             Change::Created => "created",
             Change::Updated => "updated",
             Change::Started => "started",
@@ -241,6 +245,9 @@ pub struct Report {
     /// [`Report::plan`] too.
     #[serde(skip)]
     pub actions: Vec<Action>,
+    /// Actions that run before the build (`replace`'s removal), in order.
+    #[serde(skip)]
+    pub first: Vec<Action>,
     /// What the user should know (an etcd left with 2 members).
     pub warnings: Vec<String>,
 }
@@ -300,6 +307,7 @@ impl Report {
             drift_unchecked: None,
             staged: Vec::new(),
             actions: Vec::new(),
+            first: Vec::new(),
             warnings: Vec::new(),
         }
     }
@@ -314,7 +322,7 @@ impl Report {
     /// then the recorded actions. A dry run's are planned; a run's done or
     /// failed.
     pub fn plan(&self) -> Vec<Action> {
-        let mut out = Vec::new();
+        let mut out = self.first.clone();
         let outcome = |c: Change| match c {
             Change::Failed => State::Failed,
             _ if self.dry_run => State::Planned,
@@ -392,16 +400,17 @@ impl Report {
                 Action::new(Kind::BootstrapEtcd, Some(node), "bootstrap etcd").outcome(outcome(c)),
             );
         }
+        // In the order they ran (or, in a dry run, will run): never
+        // sorted, so an action run out of the plan's order shows.
         out.extend(self.actions.iter().cloned());
-        // In the order the steps run (settings are recorded at publish).
-        out.sort_by_key(|a| a.step);
         out
     }
 
     /// The destructive actions not done for want of `--allow-destroy`.
     pub fn left(&self) -> Vec<&Action> {
-        self.actions
+        self.first
             .iter()
+            .chain(&self.actions)
             .filter(|a| a.outcome == State::Left)
             .collect()
     }
@@ -645,9 +654,7 @@ impl Report {
         lines.push(line(&head.map(String::from)));
         lines.extend(rows.iter().map(|row| line(row)));
         lines.push(Line::Out(self.stage_summary()));
-        let mut actions: Vec<&Action> = self.actions.iter().collect();
-        actions.sort_by_key(|a| a.step);
-        for a in actions {
+        for a in self.first.iter().chain(&self.actions) {
             let mark = match a.outcome {
                 State::Planned if a.destructive => "plan (with --allow-destroy):",
                 State::Planned => "plan:",

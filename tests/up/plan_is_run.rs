@@ -75,6 +75,23 @@ impl Cluster {
         (out, v)
     }
 
+    /// The volumes in the Proxmox storage `local`, read back from the
+    /// simulator's API.
+    fn volumes(&self) -> Vec<String> {
+        let (code, body) = self
+            .pve
+            .curl("/nodes/pve/storage/local/content?content=import", &[]);
+        assert_eq!(code, 200, "{body}");
+        let mut out: Vec<String> = body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["volid"].as_str().unwrap().to_owned())
+            .collect();
+        out.sort();
+        out
+    }
+
     fn upgrades(&self) -> u64 {
         let stats = self.nodes.stats();
         NODES
@@ -161,7 +178,7 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
         &["up", "--plan", file.to_str().unwrap()],
         "another-value-0000",
     );
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     assert!(
         text(&o.stderr).contains("${PLAN_TOKEN} changed since the plan"),
         "{}",
@@ -172,8 +189,14 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     stdout_ok(&out);
     assert_plan_is_run("patch edit", &planned, &run);
 
-    // A memory change needing a reboot.
+    // A memory change needing a reboot, with a patch edit beside it: the
+    // configs first, then the settings (their order is the plan's).
     let with_patch = || c.inventory().append("patches:\n  all: [env.yaml]\n");
+    std::fs::write(
+        c.dir.path().join("env.yaml"),
+        "machine:\n  env:\n    PLAN_TOKEN: \"${PLAN_TOKEN}\"\n    STEP: memory\n",
+    )
+    .unwrap();
     c.write(&with_patch().replace("memory: 2048", "memory: 4096"));
     let planned = c.plan("memory.json");
     assert!(
@@ -183,7 +206,7 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     // The inventory edited after the plan: refused, naming it.
     c.write(&with_patch().replace("memory: 2048", "memory: 3072"));
     let (o, v) = c.apply("memory.json", &[]);
-    assert_eq!(o.status.code(), Some(1), "{v}");
+    assert_eq!(o.status.code(), Some(2), "{v}");
     assert!(
         v["refused"]
             .to_string()
@@ -207,12 +230,30 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     );
     assert_eq!(code, 200, "{body}");
     let (o, v) = c.apply("memory.json", &[]);
-    assert_eq!(o.status.code(), Some(1), "{v}");
+    assert_eq!(o.status.code(), Some(2), "{v}");
     assert!(v["refused"].to_string().contains("worker-02"), "{v}");
     let planned = c.plan("memory.json");
     let (out, run) = c.apply("memory.json", &[]);
     stdout_ok(&out);
     assert_plan_is_run("memory change", &planned, &run);
+    // The settings (and their reboot) run after the configs, where the
+    // plan puts them, not at publish: the run's recorded order says so.
+    let steps: Vec<String> = run["plan"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["step"].as_str().unwrap().to_owned())
+        .collect();
+    let settings = steps.iter().position(|s| s == "settings");
+    let configs = steps.iter().rposition(|s| s == "configs");
+    assert!(
+        configs.is_some() && settings.is_some() && configs < settings,
+        "settings not after the configs: {steps:?}"
+    );
+    assert!(
+        !kinds(&run).contains(&"\"updateMachine\" \"worker-02\"".to_owned()),
+        "a memory change is a settings action, not a machine update: {run}"
+    );
 
     // A version bump; worker-01 upgraded out of band after the plan.
     let bumped = with_patch()
@@ -228,7 +269,7 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     stdout_ok(&o);
     let upgrades = c.upgrades();
     let (o, v) = c.apply("bump.json", &[]);
-    assert_eq!(o.status.code(), Some(1), "{v}");
+    assert_eq!(o.status.code(), Some(2), "{v}");
     assert!(
         v["refused"]
             .to_string()
@@ -247,9 +288,22 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
         snapshot.is_some() && snapshot < first_cp,
         "no etcd snapshot before the first control-plane upgrade: {kinds_now:?}"
     );
+    // Existing VMs upgrade through the installer: no image is built or
+    // uploaded for them, planned or done, and the storage holds no new
+    // volume afterwards.
+    let images = |v: &serde_json::Value| -> Vec<String> {
+        kinds(v)
+            .into_iter()
+            .filter(|k| k.starts_with("\"buildImage\"") || k.starts_with("\"uploadImage\""))
+            .collect()
+    };
+    assert_eq!(images(&planned), Vec::<String>::new(), "{planned}");
+    let before = c.volumes();
     let (out, run) = c.apply("bump.json", &[]);
     stdout_ok(&out);
     assert_plan_is_run("version bump", &planned, &run);
+    assert_eq!(images(&run), Vec::<String>::new(), "{run}");
+    assert_eq!(c.volumes(), before, "the bump stored a new volume");
 
     // worker-02 leaves the inventory: its removal, its VM's deletion and
     // the prune of the upload only that VM used are all in the plan.
@@ -274,6 +328,44 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
             && kinds_now.iter().any(|k| k.starts_with("\"prune\"")),
         "{planned}"
     );
+    // The volume that prune would delete, now used by another VM (as a
+    // cdrom of cp-01's): refused before any change, naming it.
+    let item = planned["plan"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["kind"]["kind"] == "prune")
+        .map(|a| a["kind"]["item"].as_str().unwrap().to_owned())
+        .unwrap();
+    let volid = item
+        .strip_prefix("volume ")
+        .and_then(|v| v.split(' ').next())
+        .unwrap()
+        .to_owned();
+    let attach = |params: &[&str]| {
+        let mut args = vec!["-X", "PUT"];
+        for p in params {
+            args.extend_from_slice(&["--data-urlencode", p]);
+        }
+        let (code, body) = c.pve.curl("/nodes/pve/qemu/300/config", &args);
+        assert_eq!(code, 200, "{body}");
+    };
+    attach(&[&format!("ide3={volid},media=cdrom")]);
+    let removes = c.nodes.stats()["nodes"]["worker-02"].clone();
+    let (o, v) = c.apply("remove.json", &["--allow-destroy"]);
+    assert_eq!(o.status.code(), Some(2), "{v}");
+    assert!(
+        v["refused"]
+            .to_string()
+            .contains(&format!("prune of {item}")),
+        "{v}"
+    );
+    assert!(
+        c.pve.curl("/nodes/pve/qemu/304/config", &[]).0 == 200,
+        "VM 304 deleted"
+    );
+    assert_eq!(c.nodes.stats()["nodes"]["worker-02"], removes);
+    attach(&["delete=ide3"]);
     let (out, run) = c.apply("remove.json", &["--allow-destroy"]);
     stdout_ok(&out);
     assert_plan_is_run("node removed, then prune", &planned, &run);
@@ -353,6 +445,7 @@ fn a_plan_file_of_another_format_is_refused() {
     // bits, none: each named as it is.
     for (format, shown) in [
         ("99", "99"),
+        ("1.0", "1.0"),
         (r#""1""#, r#""1""#),
         ("4294967297", "4294967297"),
         ("null", "missing"),
@@ -365,6 +458,118 @@ fn a_plan_file_of_another_format_is_refused() {
                 "is plan format {shown}; this imgbuild reads format 1"
             )),
             "{}",
+            text(&o.stderr)
+        );
+    }
+}
+
+/// `replace` and `--replace-disk`, then a prune: each dry run lists what
+/// its run does, in the order it does it (the removal first).
+#[test]
+fn replace_and_replace_disk_do_what_their_dry_runs_show() {
+    let c = Cluster::start(net(2));
+    let planned = c.plan("create.json");
+    let (out, run) = c.apply("create.json", &[]);
+    stdout_ok(&out);
+    assert_plan_is_run("create", &planned, &run);
+
+    // A new disk for worker-01 from a fresh image.
+    let dry = |args: &[&str]| {
+        let mut all = vec!["--output", "json"];
+        all.extend_from_slice(args);
+        all.push("--dry-run");
+        let out = c.ci(&all);
+        stdout_ok(&out);
+        json(&out)
+    };
+    let wet = |args: &[&str]| {
+        let mut all = vec!["--output", "json"];
+        all.extend_from_slice(args);
+        let out = c.ci(&all);
+        stdout_ok(&out);
+        json(&out)
+    };
+    let args = ["up", "worker-01", "--replace-disk"];
+    let planned = dry(&args);
+    let kinds_now = kinds(&planned);
+    assert!(
+        kinds_now.contains(&"\"updateMachine\" \"worker-01\"".to_owned()),
+        "{planned}"
+    );
+    let run = wet(&args);
+    assert_eq!(run["healthy"], true, "{run}");
+    assert_plan_is_run("--replace-disk", &planned, &run);
+
+    // Then a prune of what the old disk left.
+    let args = ["up", "--allow-destroy"];
+    let planned = dry(&args);
+    let run = wet(&args);
+    assert_plan_is_run("prune after --replace-disk", &planned, &run);
+
+    // `replace worker-02`: removed (drained, reset, its VM deleted) and
+    // made again; its dry run shows all of it, the removal first.
+    let args = ["replace", "worker-02"];
+    let planned = dry(&args);
+    let kinds_now = kinds(&planned);
+    assert_eq!(
+        kinds_now.first().map(String::as_str),
+        Some("\"removeNode\" \"worker-02\""),
+        "{planned}"
+    );
+    for k in [
+        "\"deleteMachine\" \"worker-02\"",
+        "\"createMachine\" \"worker-02\"",
+        "\"startMachine\" \"worker-02\"",
+        "\"applyFirstConfig\" \"worker-02\"",
+    ] {
+        assert!(
+            kinds_now.contains(&k.to_owned()),
+            "{k} not planned: {planned}"
+        );
+    }
+    let run = wet(&args);
+    assert_eq!(run["healthy"], true, "{run}");
+    assert_plan_is_run("replace", &planned, &run);
+}
+
+/// A plan file with a field no plan has, or a salt shorter than the one
+/// imgbuild writes, is refused as a usage error before anything is read
+/// from the world.
+#[test]
+fn a_plan_file_with_unknown_fields_or_a_short_salt_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plan.json");
+    let config = Inventory::loopback().write(dir.path());
+    let plan = |salt: &str, extra_top: &str, extra_action: &str| {
+        format!(
+            r#"{{"format": 1, "cluster": "demo", "target": "none", "salt": "{salt}"{extra_top},
+              "observed": {{"inventory": "{a}", "patches": [], "vars": {{}}, "nodes": []}},
+              "actions": [{{"step": "kubernetes", "kind": "upgradeKubernetes",
+                "version": {{"from": "v1.32.1", "to": "v1.33.5"}}, "destructive": false{extra_action}}}]}}"#,
+            a = "a".repeat(64)
+        )
+    };
+    let full = "0".repeat(64);
+    for (body, says) in [
+        (
+            plan(&full, r#", "approvedBy": "ci""#, ""),
+            "unknown field .approvedBy",
+        ),
+        (
+            plan(&full, "", r#", "force": true"#),
+            "unknown field .actions[0].force",
+        ),
+        (
+            plan(&"0".repeat(16), "", ""),
+            "the plan's salt is not 64 hex digits",
+        ),
+    ] {
+        std::fs::write(&file, body).unwrap();
+        let o = Run::with_config(&config, &["up", "--plan", file.to_str().unwrap()]).output();
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+        assert!(
+            text(&o.stderr).contains(says),
+            "{says}: {}",
             text(&o.stderr)
         );
     }

@@ -44,6 +44,9 @@ struct Survey<'a> {
     api: Api,
     stored: BTreeMap<String, BTreeMap<String, u64>>,
     vms: BTreeMap<String, Value>,
+    /// Nodes (by inventory position) whose VM is decided on as if it were
+    /// gone: `replace` deletes it before it publishes.
+    gone: BTreeSet<usize>,
 }
 
 /// Where a node's image goes: the storage half of its [`Decision`].
@@ -113,6 +116,7 @@ impl<'a> Survey<'a> {
             api,
             stored,
             vms,
+            gone: BTreeSet::new(),
         })
     }
 
@@ -175,7 +179,10 @@ impl<'a> Survey<'a> {
             done: None,
             message,
         };
-        let place = place(&self.api, self.inv, &machine.host, &self.vms, index)?;
+        let mut place = place(&self.api, self.inv, &machine.host, &self.vms, index)?;
+        if self.gone.contains(&index) {
+            place.existing = None;
+        }
         let settings = match &place.existing {
             Some((running, config)) => settings::plan(config, &place.host, *running, machine)
                 .map_err(|r| {
@@ -225,11 +232,19 @@ impl<'a> Survey<'a> {
             vm: None,
             settings: Vec::new(),
             start: false,
+            kept: None,
         };
         let (Some(vm), Some(machine)) = (&self.settings.vm, self.inv.machine(index)) else {
             return Ok(out);
         };
         let decided = self.vm(vm, &machine, index, img.map(|i| i.size), replace)?;
+        if !decided.needs_image {
+            out.kept = decided
+                .place
+                .existing
+                .as_ref()
+                .and_then(|(_, config)| described_volume(config));
+        }
         if !decided.needs_image {
             out.upload = Some(false);
         }
@@ -262,8 +277,252 @@ pub fn publish(
     let survey = Survey::new(inv, settings, creds, opts)?;
     Ok(images
         .iter()
-        .map(|img| publish_node(&survey, img, opts, observer))
+        .map(|img| publish_node(&survey, img, opts, observer, false))
         .collect())
+}
+
+/// What `up` did to one node's machine at publish: the image only where
+/// the VM needs one (made, or `--replace-disk`); an existing VM keeps its
+/// disk, which Talos upgrades in place through the installer.
+#[derive(Debug, Clone)]
+pub struct MachinePublished {
+    pub node: String,
+    /// The volume it boots: the new image's, or for a VM kept the one its
+    /// description records (the image it was made from).
+    pub volid: Option<String>,
+    pub uploaded: bool,
+    pub vmid: Option<u32>,
+    pub vm: Option<VmChange>,
+    pub started: bool,
+}
+
+/// The nodes (by inventory position) whose VM needs an image now: the
+/// ones to be made and, with `--replace-disk`, every one; all of them
+/// without a `vm` section. A node whose VM cannot be decided on is
+/// listed too, so that its publish names why. The VMs of `gone` count as
+/// deleted. GETs only.
+pub fn needing_images(
+    inv: &Inventory,
+    settings: &ProxmoxSettings,
+    creds: &Credentials,
+    nodes: &[usize],
+    gone: &[usize],
+    opts: &PublishOptions,
+) -> Result<Vec<usize>, ProxmoxError> {
+    let Some(vm) = &settings.vm else {
+        return Ok(nodes.to_vec());
+    };
+    let mut survey = Survey::new(inv, settings, creds, opts)?;
+    survey.gone.extend(gone);
+    Ok(nodes
+        .iter()
+        .copied()
+        .filter(|&index| {
+            inv.machine(index).is_none_or(|machine| {
+                match survey.vm(vm, &machine, index, None, opts.replace_disk) {
+                    Ok(d) => d.needs_image,
+                    Err(_) => true,
+                }
+            })
+        })
+        .collect())
+}
+
+/// `up`'s publish: each node (by inventory position) with its image when
+/// its VM needs one ([`needing_images`]), one after the other. VM settings
+/// are left to [`change_settings`], the step after the configs.
+pub fn publish_machines(
+    inv: &Inventory,
+    settings: &ProxmoxSettings,
+    creds: &Credentials,
+    nodes: &[(usize, Option<PublishImage>)],
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<Vec<Result<MachinePublished, ProxmoxError>>, ProxmoxError> {
+    if settings.upload == UploadFormat::DownloadUrl
+        && let Some(why) = nodes
+            .iter()
+            .filter_map(|(_, i)| i.as_ref())
+            .find_map(download_problem)
+    {
+        return Err(ProxmoxError::Setup(why));
+    }
+    let survey = Survey::new(inv, settings, creds, opts)?;
+    Ok(nodes
+        .iter()
+        .map(|(index, img)| match img {
+            Some(img) => {
+                publish_node(&survey, img, opts, observer, true).map(|p| MachinePublished {
+                    node: p.node,
+                    volid: Some(p.volid),
+                    uploaded: p.uploaded,
+                    vmid: p.vmid,
+                    vm: p.vm,
+                    started: p.started,
+                })
+            }
+            None => keep_machine(&survey, *index, opts, observer),
+        })
+        .collect())
+}
+
+/// A node whose VM exists and needs no image: started if it is stopped,
+/// nothing else.
+fn keep_machine(
+    survey: &Survey,
+    index: usize,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<MachinePublished, ProxmoxError> {
+    let node = survey.inv.nodes[index].name.clone();
+    let mut out = MachinePublished {
+        node: node.clone(),
+        volid: None,
+        uploaded: false,
+        vmid: None,
+        vm: None,
+        started: false,
+    };
+    let (Some(vm), Some(machine)) = (&survey.settings.vm, survey.inv.machine(index)) else {
+        return Ok(out);
+    };
+    let decided = survey
+        .vm(vm, &machine, index, None, opts.replace_disk)
+        .map_err(|e| e.at(&node, Step::Vm, None))?;
+    let Some((_, config)) = &decided.place.existing else {
+        return Err(ProxmoxError::Node {
+            node,
+            step: Step::Upload,
+            done: None,
+            message: "its VM is to be made and no image was built for it".into(),
+        });
+    };
+    let vmid = decided.place.vmid;
+    out.vmid = Some(vmid);
+    out.vm = Some(VmChange::Unchanged);
+    out.volid = described_volume(config);
+    observer.event(
+        &node,
+        &Event::VmKeepsDisk {
+            vmid,
+            running: out
+                .volid
+                .clone()
+                .unwrap_or_else(|| "an image imgbuild did not record".into()),
+        },
+    );
+    if decided.start {
+        let base = format!("/nodes/{}/qemu/{vmid}", decided.place.host);
+        start(&survey.api, &base, vmid, opts).map_err(|e| e.at(&node, Step::Start, None))?;
+        observer.event(&node, &Event::VmStarted { vmid });
+        out.started = true;
+    }
+    Ok(out)
+}
+
+/// One node's VM settings as the settings step found them: changed
+/// (each from → to), or, in a dry run, to change.
+#[derive(Debug, Clone)]
+pub struct NodeSettings {
+    pub index: usize,
+    pub node: String,
+    pub vmid: u32,
+    pub changes: Vec<SettingChange>,
+}
+
+/// The settings step of `up` (after the configs): each existing VM's
+/// settings read again and, unless `dry_run`, changed as Proxmox allows,
+/// a VM that needs a reboot for them rebooted (one at a time, waiting for
+/// its Talos API). Nodes whose settings already match are left out.
+pub fn change_settings(
+    inv: &Inventory,
+    settings: &ProxmoxSettings,
+    creds: &Credentials,
+    nodes: &[usize],
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+    dry_run: bool,
+) -> Result<Vec<Result<NodeSettings, ProxmoxError>>, ProxmoxError> {
+    let Some(vm) = &settings.vm else {
+        return Ok(Vec::new());
+    };
+    let survey = Survey::new(inv, settings, creds, opts)?;
+    let mut out = Vec::new();
+    for &index in nodes {
+        let Some(machine) = inv.machine(index) else {
+            continue;
+        };
+        let node = &inv.nodes[index].name;
+        let decided = match survey.vm(vm, &machine, index, None, false) {
+            Ok(d) => d,
+            Err(e) => {
+                out.push(Err(e.at(node, Step::Vm, None)));
+                continue;
+            }
+        };
+        let Some((running, config)) = &decided.place.existing else {
+            continue;
+        };
+        if decided.settings.is_empty() {
+            continue;
+        }
+        let vmid = decided.place.vmid;
+        let found = NodeSettings {
+            index,
+            node: node.clone(),
+            vmid,
+            changes: decided.settings.clone(),
+        };
+        if dry_run {
+            out.push(Ok(found));
+            continue;
+        }
+        let base = format!("/nodes/{}/qemu/{vmid}", decided.place.host);
+        let applied = apply_settings(
+            &survey.api,
+            &base,
+            vm,
+            config,
+            &decided.settings,
+            false,
+            opts,
+        )
+        .and_then(|reboot_for| {
+            for c in &decided.settings {
+                observer.event(
+                    node,
+                    &Event::VmSetting {
+                        vmid,
+                        change: c.clone(),
+                    },
+                );
+            }
+            if reboot_for && *running {
+                reboot(&survey.api, &base, vmid, talos_endpoint(inv, index), opts)?;
+                observer.event(node, &Event::VmRebooted { vmid });
+            }
+            Ok(())
+        });
+        out.push(
+            applied
+                .map(|()| found)
+                .map_err(|e| e.at(node, Step::Vm, None)),
+        );
+    }
+    Ok(out)
+}
+
+/// Where the Talos API of the node at `index` answers, when known: what
+/// a reboot waits for.
+fn talos_endpoint(inv: &Inventory, index: usize) -> Option<std::net::SocketAddr> {
+    let node = &inv.nodes[index];
+    node.talos_endpoint
+        .as_deref()
+        .and_then(crate::inventory::talos_endpoint)
+        .or_else(|| {
+            node.address
+                .map(|a| std::net::SocketAddr::new(a, crate::inventory::TALOS_API_PORT))
+        })
 }
 
 /// The token works, every host exists, the storage takes `import` there
@@ -348,11 +607,14 @@ fn preflight_host(
 /// VM's disk is its image of record, so nothing is uploaded for it unless
 /// `--replace-disk`), then the upload, then the VM. Every error is the
 /// node's, at the step it happened in.
+/// With `defer_settings` (`up`), an existing VM's settings are left for
+/// [`change_settings`].
 fn publish_node(
     survey: &Survey,
     img: &PublishImage,
     opts: &PublishOptions,
     observer: &dyn Observer,
+    defer_settings: bool,
 ) -> Result<NodePublished, ProxmoxError> {
     let (api, s) = (&survey.api, survey.settings);
     let host = survey.host(img.index);
@@ -369,11 +631,18 @@ fn publish_node(
         started: false,
     };
     let decided = match (&s.vm, survey.inv.machine(img.index)) {
-        (Some(vm), Some(machine)) => Some(
-            survey
+        (Some(vm), Some(machine)) => {
+            let mut d = survey
                 .vm(vm, &machine, img.index, Some(img.size), opts.replace_disk)
-                .map_err(|e| e.at(&img.node, Step::Vm, None))?,
-        ),
+                .map_err(|e| e.at(&img.node, Step::Vm, None))?;
+            if defer_settings {
+                d.settings.clear();
+                if d.change == Some(VmChange::Changed) {
+                    d.change = Some(VmChange::Unchanged);
+                }
+            }
+            Some(d)
+        }
         _ => None,
     };
     let needs_image = decided.as_ref().is_none_or(|d| d.needs_image);
@@ -511,16 +780,7 @@ fn converge_vm(
     }
     if !replacing {
         if reboot_for && running {
-            let node = &inv.nodes[index];
-            let talos = node
-                .talos_endpoint
-                .as_deref()
-                .and_then(crate::inventory::talos_endpoint)
-                .or_else(|| {
-                    node.address
-                        .map(|a| std::net::SocketAddr::new(a, crate::inventory::TALOS_API_PORT))
-                });
-            reboot(api, &base, vmid, talos, opts)?;
+            reboot(api, &base, vmid, talos_endpoint(inv, index), opts)?;
             observer.event(&img.node, &Event::VmRebooted { vmid });
         }
         if change == Some(VmChange::Unchanged) {
@@ -587,19 +847,25 @@ pub struct Decision {
     pub settings: Vec<SettingChange>,
     /// Whether the VM would be started.
     pub start: bool,
+    /// The volume an existing VM that needs no image keeps booting, as its
+    /// description records it.
+    #[serde(skip)]
+    pub kept: Option<String>,
 }
 
 /// The dry run of [`publish`]: for each node (by inventory position, with
-/// its image when built) what would be uploaded, created and started.
-/// Sends only GETs.
+/// its image when built) what would be uploaded, created and started; the
+/// VMs of the nodes in `gone` as if deleted first. Sends only GETs.
 pub fn plan(
     inv: &Inventory,
     settings: &ProxmoxSettings,
     creds: &Credentials,
     nodes: &[(usize, Option<PublishImage>)],
+    gone: &[usize],
     opts: &PublishOptions,
 ) -> Result<Vec<Result<Decision, ProxmoxError>>, ProxmoxError> {
-    let survey = Survey::new(inv, settings, creds, opts)?;
+    let mut survey = Survey::new(inv, settings, creds, opts)?;
+    survey.gone.extend(gone);
     Ok(nodes
         .iter()
         .map(|(index, img)| survey.decide(*index, img.as_ref(), opts.replace_disk))

@@ -131,7 +131,12 @@ pub(super) const MANAGED: &str = "Talos node image managed by imgbuild";
 
 /// The VM's description records whose VM it is (cluster and node: the name
 /// alone may be anyone's) and the volume it was made from (the config shows
-/// only the VM's own copy of the disk).
+/// only the VM's own copy of the disk). Volume and sha256 are history, not
+/// state: after a Talos upgrade through the installer the disk runs another
+/// version, and the record still names the image the VM was made from. It
+/// is rewritten only when the disk is (`--replace-disk`); nothing compares
+/// it with the inventory (the node's own version and schematic are the
+/// drift), and the prune keeps that volume, one a recreate could import.
 pub(super) fn description(inv: &Inventory, node: &str, volid: &str, sha256: &Sha256) -> String {
     format!(
         "{MANAGED}\nimgbuild-cluster: {}\nimgbuild-node: {node}\nimgbuild-volume: {volid}\nimgbuild-sha256: {sha256}\n",
