@@ -1285,6 +1285,32 @@ async fn put_post_delete_and_selectors_answer_as_the_api_server_does_v1_12_9() {
     let (code, v) = c.kube(10, "PUT", PROXY, Some(("application/json", &body)));
     assert_eq!(code, 200, "{v}");
 
+    // Discovery, as a REST mapper reads it.
+    let (code, v) = c.kube(10, "GET", "/apis/apps/v1", None);
+    assert_eq!(code, 200, "{v}");
+    let ds = v["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["kind"] == "DaemonSet")
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (&ds["name"], &ds["namespaced"]),
+        (&json!("daemonsets"), &json!(true))
+    );
+    let (_, v) = c.kube(10, "GET", "/apis", None);
+    assert!(
+        v["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|g| g["preferredVersion"]["groupVersion"] == "rbac.authorization.k8s.io/v1"),
+        "{v}"
+    );
+    assert_eq!(c.kube(10, "GET", "/api", None).1["versions"], json!(["v1"]));
+    assert_eq!(c.kube(10, "GET", "/apis/widgets.sim.dev/v1", None).0, 404);
+
     // Create: 201, then AlreadyExists; a namespace must exist.
     let cms = "/api/v1/namespaces/kube-system/configmaps";
     let cm = json!({"apiVersion": "v1", "kind": "ConfigMap",

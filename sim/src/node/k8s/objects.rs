@@ -68,9 +68,9 @@ use crate::node::state::{Cluster, ms};
 use crate::node::state::{Key, Store, Stored};
 
 /// A resource the API server serves: (apiVersion, plural, kind, namespaced).
-type Kind = (&'static str, &'static str, &'static str, bool);
+pub(crate) type Kind = (&'static str, &'static str, &'static str, bool);
 
-const KINDS: [Kind; 12] = [
+pub(crate) const KINDS: [Kind; 12] = [
     ("v1", "configmaps", "ConfigMap", true),
     ("v1", "services", "Service", true),
     ("v1", "serviceaccounts", "ServiceAccount", true),
