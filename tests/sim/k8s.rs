@@ -1267,6 +1267,10 @@ async fn put_post_delete_and_selectors_answer_as_the_api_server_does_v1_12_9() {
     assert_eq!((code, image(&v)), (200, new), "{v}");
     assert_eq!(v["metadata"]["generation"], 2);
     assert_ne!(v["metadata"]["resourceVersion"], json!(rv));
+    assert_eq!(
+        v["metadata"]["uid"], live["metadata"]["uid"],
+        "an update keeps the uid"
+    );
     // The same body again carries a stale version.
     let (code, v) = c.kube(10, "PUT", PROXY, put);
     assert_eq!(code, 409, "{v}");
@@ -1319,6 +1323,11 @@ async fn put_post_delete_and_selectors_answer_as_the_api_server_does_v1_12_9() {
     let (code, v) = c.kube(10, "POST", cms, Some(("application/json", &body)));
     assert_eq!(code, 201, "{v}");
     assert_eq!(v["metadata"]["namespace"], "kube-system");
+    assert_eq!(
+        v["metadata"].get("generation"),
+        None,
+        "a ConfigMap has none"
+    );
     let (code, v) = c.kube(10, "POST", cms, Some(("application/json", &body)));
     assert_eq!((code, &v["reason"]), (409, &json!("AlreadyExists")), "{v}");
     assert_eq!(v["message"], "configmaps \"extra\" already exists");

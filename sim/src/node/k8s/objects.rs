@@ -256,6 +256,7 @@ impl Store {
                 template_at: now,
                 previous_template: None,
                 removed_release: None,
+                created: rv,
             },
         );
     }
@@ -298,6 +299,7 @@ impl Store {
                     template_at: now,
                     previous_template: None,
                     removed_release: None,
+                    created: rv,
                 },
             );
             return Applied::Created;
@@ -392,12 +394,21 @@ impl Store {
 /// `metadata` as the API server shows it.
 pub(crate) fn shown(stored: &Stored) -> Value {
     let mut o = stored.object.clone();
+    // Only kinds whose strategy keeps a generation have one (ConfigMaps,
+    // Services, RBAC objects… show none: `PrepareForCreate` of
+    // `pkg/registry/apps/*/strategy.go` and the CRD strategy set it).
+    let generation = matches!(
+        o["kind"].as_str(),
+        Some("DaemonSet" | "Deployment" | "StatefulSet" | "CustomResourceDefinition")
+    );
     let md = &mut o["metadata"];
-    md["generation"] = json!(stored.generation);
+    if generation {
+        md["generation"] = json!(stored.generation);
+    }
     md["resourceVersion"] = json!(stored.resource_version.to_string());
     md["uid"] = json!(format!(
         "00000000-0000-4000-8000-{:012x}",
-        stored.resource_version ^ 0x5eed
+        stored.created ^ 0x5eed
     ));
     md["managedFields"] = Value::Array(
         stored
