@@ -1350,6 +1350,23 @@ async fn put_post_delete_and_selectors_answer_as_the_api_server_does_v1_12_9() {
         Some(("application/json", &json_body(&agent))),
     );
     assert_eq!(code, 201, "{v}");
+    let (_, list) = c.kube(
+        10,
+        "GET",
+        "/apis/apps/v1/namespaces/kube-system/daemonsets",
+        None,
+    );
+    assert!(list["metadata"]["resourceVersion"].is_string(), "{list}");
+    let listed: Vec<&Value> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| &d["metadata"]["name"])
+        .collect();
+    assert!(
+        listed.contains(&&json!("sim-agent")),
+        "every stored one: {list}"
+    );
 
     // PUT of what is missing: a ConfigMap is not created, a ClusterRole is.
     let (code, v) = c.kube(
@@ -1559,6 +1576,13 @@ async fn talos_1_13_creates_the_bootstrap_manifests_through_an_inventory_v1_13_5
     assert_eq!(code, 200, "{v}");
     let (code, _) = c.kube(10, "GET", dns, None);
     assert_eq!(code, 404, "listed in the inventory: Talos skips it");
+    assert!(
+        c.items(
+            "/apis/apps/v1/namespaces/kube-system/deployments?labelSelector=k8s-app%3Dkube-dns"
+        )
+        .is_empty(),
+        "the list shows what is stored"
+    );
 
     // The inventory is rewritten whole, without a resourceVersion; what it
     // no longer lists and the manifests hold, Talos creates again and
