@@ -1267,6 +1267,10 @@ async fn put_post_delete_and_selectors_answer_as_the_api_server_does_v1_12_9() {
     assert_eq!((code, image(&v)), (200, new), "{v}");
     assert_eq!(v["metadata"]["generation"], 2);
     assert_ne!(v["metadata"]["resourceVersion"], json!(rv));
+    assert_eq!(
+        v["metadata"]["uid"], live["metadata"]["uid"],
+        "an update keeps the uid"
+    );
     // The same body again carries a stale version.
     let (code, v) = c.kube(10, "PUT", PROXY, put);
     assert_eq!(code, 409, "{v}");
@@ -1285,6 +1289,32 @@ async fn put_post_delete_and_selectors_answer_as_the_api_server_does_v1_12_9() {
     let (code, v) = c.kube(10, "PUT", PROXY, Some(("application/json", &body)));
     assert_eq!(code, 200, "{v}");
 
+    // Discovery, as a REST mapper reads it.
+    let (code, v) = c.kube(10, "GET", "/apis/apps/v1", None);
+    assert_eq!(code, 200, "{v}");
+    let ds = v["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["kind"] == "DaemonSet")
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (&ds["name"], &ds["namespaced"]),
+        (&json!("daemonsets"), &json!(true))
+    );
+    let (_, v) = c.kube(10, "GET", "/apis", None);
+    assert!(
+        v["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|g| g["preferredVersion"]["groupVersion"] == "rbac.authorization.k8s.io/v1"),
+        "{v}"
+    );
+    assert_eq!(c.kube(10, "GET", "/api", None).1["versions"], json!(["v1"]));
+    assert_eq!(c.kube(10, "GET", "/apis/widgets.sim.dev/v1", None).0, 404);
+
     // Create: 201, then AlreadyExists; a namespace must exist.
     let cms = "/api/v1/namespaces/kube-system/configmaps";
     let cm = json!({"apiVersion": "v1", "kind": "ConfigMap",
@@ -1293,6 +1323,11 @@ async fn put_post_delete_and_selectors_answer_as_the_api_server_does_v1_12_9() {
     let (code, v) = c.kube(10, "POST", cms, Some(("application/json", &body)));
     assert_eq!(code, 201, "{v}");
     assert_eq!(v["metadata"]["namespace"], "kube-system");
+    assert_eq!(
+        v["metadata"].get("generation"),
+        None,
+        "a ConfigMap has none"
+    );
     let (code, v) = c.kube(10, "POST", cms, Some(("application/json", &body)));
     assert_eq!((code, &v["reason"]), (409, &json!("AlreadyExists")), "{v}");
     assert_eq!(v["message"], "configmaps \"extra\" already exists");
@@ -1315,6 +1350,23 @@ async fn put_post_delete_and_selectors_answer_as_the_api_server_does_v1_12_9() {
         Some(("application/json", &json_body(&agent))),
     );
     assert_eq!(code, 201, "{v}");
+    let (_, list) = c.kube(
+        10,
+        "GET",
+        "/apis/apps/v1/namespaces/kube-system/daemonsets",
+        None,
+    );
+    assert!(list["metadata"]["resourceVersion"].is_string(), "{list}");
+    let listed: Vec<&Value> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| &d["metadata"]["name"])
+        .collect();
+    assert!(
+        listed.contains(&&json!("sim-agent")),
+        "every stored one: {list}"
+    );
 
     // PUT of what is missing: a ConfigMap is not created, a ClusterRole is.
     let (code, v) = c.kube(
@@ -1524,6 +1576,13 @@ async fn talos_1_13_creates_the_bootstrap_manifests_through_an_inventory_v1_13_5
     assert_eq!(code, 200, "{v}");
     let (code, _) = c.kube(10, "GET", dns, None);
     assert_eq!(code, 404, "listed in the inventory: Talos skips it");
+    assert!(
+        c.items(
+            "/apis/apps/v1/namespaces/kube-system/deployments?labelSelector=k8s-app%3Dkube-dns"
+        )
+        .is_empty(),
+        "the list shows what is stored"
+    );
 
     // The inventory is rewritten whole, without a resourceVersion; what it
     // no longer lists and the manifests hold, Talos creates again and

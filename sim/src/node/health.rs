@@ -13,6 +13,7 @@ use std::time::Instant;
 use axum::extract::{Query, State};
 use serde_json::{Value, json};
 
+use super::k8s::{objects, selector};
 use super::state::{Cluster, ControlReply, Phase, ms, reached};
 use super::state::{Facts, Heartbeat};
 
@@ -262,19 +263,6 @@ pub(crate) struct Selector {
     label_selector: Option<String>,
 }
 
-/// The `k8s-app` a selector asks for (`k8s-app=x`, `k8s-app = x` as
-/// talosctl sends it): `Some(None)` for no selector, `None` for one this
-/// API does not match anything with.
-fn app_of(sel: &Selector) -> Option<Option<&str>> {
-    match sel.label_selector.as_deref() {
-        None | Some("") => Some(None),
-        Some(s) => {
-            let (key, value) = s.split_once('=')?;
-            (key.trim() == "k8s-app").then(|| Some(value.trim_start_matches('=').trim()))
-        }
-    }
-}
-
 fn list(kind: &str, items: Vec<Value>) -> axum::Json<Value> {
     axum::Json(json!({"kind": kind, "apiVersion": "v1", "items": items}))
 }
@@ -339,10 +327,23 @@ pub(crate) async fn pods(
     State(cluster): State<Arc<Cluster>>,
     Query(sel): Query<Selector>,
 ) -> axum::Json<Value> {
-    let Some(app) = app_of(&sel) else {
+    // The pods of one app are made alone (a static pod's own list); any
+    // selector then filters by labels as the API server does.
+    let requirements = selector::parse(sel.label_selector.as_deref().unwrap_or_default());
+    let Ok(requirements) = requirements else {
         return list("PodList", Vec::new());
     };
-    list("PodList", pods_now(&cluster, app))
+    let app = requirements.iter().find_map(|r| match r {
+        selector::Requirement::In(k, values) if k == "k8s-app" && values.len() == 1 => {
+            Some(values[0].as_str())
+        }
+        _ => None,
+    });
+    let items = pods_now(&cluster, app)
+        .into_iter()
+        .filter(|p| selector::matches(&requirements, p))
+        .collect();
+    list("PodList", items)
 }
 
 #[derive(serde::Deserialize)]
@@ -491,50 +492,50 @@ pub(crate) async fn evict(
     )
 }
 
+/// A list of kube-system's stored `resource` (`apps/v1`) as the API server
+/// answers it (`objects.rs`): every stored object the selector selects,
+/// with its status, and the list's resourceVersion; a 400 for a selector
+/// that does not parse.
+fn workloads(
+    cluster: &Cluster,
+    resource: &str,
+    kind: &str,
+    sel: &Selector,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let now = Instant::now();
+    cluster.k8s_bootstrap_manifests(now);
+    let requirements = match selector::parse(sel.label_selector.as_deref().unwrap_or_default()) {
+        Ok(r) => r,
+        Err(why) => {
+            return objects::status(
+                axum::http::StatusCode::BAD_REQUEST,
+                "BadRequest",
+                why,
+                json!({}),
+            );
+        }
+    };
+    let (items, revision) = cluster.k8s_kube_system(resource, now);
+    let items: Vec<Value> = items
+        .into_iter()
+        .filter(|o| selector::matches(&requirements, o))
+        .collect();
+    axum::Json(json!({"kind": kind, "apiVersion": "apps/v1",
+        "metadata": {"resourceVersion": revision.to_string()}, "items": items}))
+    .into_response()
+}
+
 pub(crate) async fn daemonsets(
     State(cluster): State<Arc<Cluster>>,
     Query(sel): Query<Selector>,
-) -> axum::Json<Value> {
-    let wanted = app_of(&sel).is_some_and(|a| a.is_none_or(|a| a == "kube-proxy"));
-    if !wanted || cluster.addon_disabled("proxy") {
-        return list("DaemonSetList", Vec::new());
-    }
-    let desired = cluster.registered(Instant::now()).len();
-    let ready = if cluster.facts.lock().unwrap().kube_proxy_ready {
-        desired
-    } else {
-        0
-    };
-    let stored = cluster.k8s_workload("daemonsets", "kube-proxy", Instant::now());
-    list(
-        "DaemonSetList",
-        vec![stored.unwrap_or_else(|| json!({
-            "metadata": {"name": "kube-proxy", "namespace": "kube-system", "labels": {"k8s-app": "kube-proxy"}},
-            "status": {"desiredNumberScheduled": desired, "numberReady": ready},
-        }))],
-    )
+) -> axum::response::Response {
+    workloads(&cluster, "daemonsets", "DaemonSetList", &sel)
 }
 
 pub(crate) async fn deployments(
     State(cluster): State<Arc<Cluster>>,
     Query(sel): Query<Selector>,
-) -> axum::Json<Value> {
-    let wanted = app_of(&sel).is_some_and(|a| a.is_none_or(|a| a == "kube-dns"));
-    if !wanted || cluster.addon_disabled("coreDNS") {
-        return list("DeploymentList", Vec::new());
-    }
-    let ready = if cluster.facts.lock().unwrap().coredns_ready {
-        2
-    } else {
-        0
-    };
-    let stored = cluster.k8s_workload("deployments", "coredns", Instant::now());
-    list(
-        "DeploymentList",
-        vec![stored.unwrap_or_else(|| json!({
-            "metadata": {"name": "coredns", "namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}},
-            "spec": {"replicas": 2},
-            "status": {"readyReplicas": ready},
-        }))],
-    )
+) -> axum::response::Response {
+    workloads(&cluster, "deployments", "DeploymentList", &sel)
 }

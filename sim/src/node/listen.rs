@@ -265,6 +265,7 @@ pub(crate) async fn serve_k8s(
                 .route("/metrics", get(k8s::deprecated::metrics))
                 .merge(k8s::objects::routes())
                 .merge(k8s::writes::routes())
+                .merge(k8s::discovery::routes())
                 .with_state(cluster);
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app))

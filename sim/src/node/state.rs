@@ -841,6 +841,9 @@ pub(crate) struct Stored {
     pub(crate) previous_template: Option<Value>,
     /// The Kubernetes minor that removed this object's API version.
     pub(crate) removed_release: Option<(u64, u64)>,
+    /// The revision that created it: its `metadata.uid`, which no update
+    /// changes.
+    pub(crate) created: u64,
 }
 
 /// The API server's objects.

@@ -197,6 +197,7 @@ pub(crate) async fn apis_switch(
                     template_at: now,
                     previous_template: None,
                     removed_release: release,
+                    created: rv,
                 },
             );
         }

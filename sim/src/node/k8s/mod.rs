@@ -3,6 +3,7 @@
 //! Talos' bootstrap manifests, removed APIs, and forwarded ports.
 
 pub(crate) mod deprecated;
+pub(crate) mod discovery;
 pub(crate) mod forward;
 pub(crate) mod manifests;
 pub(crate) mod objects;

@@ -23,8 +23,8 @@
 //!   and the removed-API resources the switch below stores. Errors are `Status` objects.
 //!   A DaemonSet/Deployment has `metadata.generation` (up when its spec changes) and a
 //!   `status` (`observedGeneration`, `updatedNumberScheduled`/`updatedReplicas` once the
-//!   rollout of a changed template is over: `--rollout-delay`). The kube-proxy DaemonSet
-//!   and CoreDNS Deployment lists (`health.rs`) show these stored objects, and their pods
+//!   rollout of a changed template is over: `--rollout-delay`). kube-system's DaemonSet
+//!   and Deployment lists (`health.rs`) show every stored one, and their pods
 //!   (`…/pods?labelSelector=k8s-app%3Dkube-proxy`, `k8s-app%3Dkube-dns`) carry
 //!   `spec.containers` of the template rolled out (the one before during a rollout).
 //! - Apply: `PATCH …?fieldManager=NAME[&force=true][&dryRun=All]` with
@@ -68,9 +68,9 @@ use crate::node::state::{Cluster, ms};
 use crate::node::state::{Key, Store, Stored};
 
 /// A resource the API server serves: (apiVersion, plural, kind, namespaced).
-type Kind = (&'static str, &'static str, &'static str, bool);
+pub(crate) type Kind = (&'static str, &'static str, &'static str, bool);
 
-const KINDS: [Kind; 12] = [
+pub(crate) const KINDS: [Kind; 12] = [
     ("v1", "configmaps", "ConfigMap", true),
     ("v1", "services", "Service", true),
     ("v1", "serviceaccounts", "ServiceAccount", true),
@@ -256,6 +256,7 @@ impl Store {
                 template_at: now,
                 previous_template: None,
                 removed_release: None,
+                created: rv,
             },
         );
     }
@@ -298,6 +299,7 @@ impl Store {
                     template_at: now,
                     previous_template: None,
                     removed_release: None,
+                    created: rv,
                 },
             );
             return Applied::Created;
@@ -392,12 +394,21 @@ impl Store {
 /// `metadata` as the API server shows it.
 pub(crate) fn shown(stored: &Stored) -> Value {
     let mut o = stored.object.clone();
+    // Only kinds whose strategy keeps a generation have one (ConfigMaps,
+    // Services, RBAC objects… show none: `PrepareForCreate` of
+    // `pkg/registry/apps/*/strategy.go` and the CRD strategy set it).
+    let generation = matches!(
+        o["kind"].as_str(),
+        Some("DaemonSet" | "Deployment" | "StatefulSet" | "CustomResourceDefinition")
+    );
     let md = &mut o["metadata"];
-    md["generation"] = json!(stored.generation);
+    if generation {
+        md["generation"] = json!(stored.generation);
+    }
     md["resourceVersion"] = json!(stored.resource_version.to_string());
     md["uid"] = json!(format!(
         "00000000-0000-4000-8000-{:012x}",
-        stored.resource_version ^ 0x5eed
+        stored.created ^ 0x5eed
     ));
     md["managedFields"] = Value::Array(
         stored
@@ -496,18 +507,18 @@ impl Cluster {
         }
     }
 
-    /// The stored workload `name` in kube-system (`daemonsets`,
-    /// `deployments`), as the list handlers of `health.rs` show it.
-    pub(crate) fn k8s_workload(&self, resource: &str, name: &str, now: Instant) -> Option<Value> {
-        let key = (
-            "apps/v1".to_owned(),
-            resource.to_owned(),
-            "kube-system".to_owned(),
-            name.to_owned(),
-        );
+    /// kube-system's stored `resource` of `apps/v1`, with their status, and
+    /// the store's revision.
+    pub(crate) fn k8s_kube_system(&self, resource: &str, now: Instant) -> (Vec<Value>, u64) {
         let k8s = self.k8s.lock().unwrap();
-        let stored = k8s.objects.objects.get(&key)?;
-        Some(self.with_status(&key, stored, now))
+        let items = k8s
+            .objects
+            .objects
+            .iter()
+            .filter(|(k, _)| k.0 == "apps/v1" && k.1 == resource && k.2 == "kube-system")
+            .map(|(k, s)| self.with_status(k, s, now))
+            .collect();
+        (items, k8s.objects.revision)
     }
 }
 

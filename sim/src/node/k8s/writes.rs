@@ -244,6 +244,7 @@ fn created(object: Value, manager: &str, api: &str, rv: u64, now: Instant) -> St
         template_at: now,
         previous_template: None,
         removed_release: None,
+        created: rv,
     }
 }
 
