@@ -34,7 +34,8 @@ use anyhow::Result;
 use clap::{ArgAction, CommandFactory, Parser, Subcommand};
 use imgbuild::inventory::InventoryError;
 use output::{
-    Changes, EXIT_CHANGES, EXIT_FAILURE, EXIT_PARTIAL, EXIT_USAGE, Output, Partial, Reported, Usage,
+    Changes, EXIT_CHANGES, EXIT_FAILURE, EXIT_PARTIAL, EXIT_USAGE, Format, Output, Partial,
+    Reported, Usage,
 };
 use serde_json::json;
 use std::path::PathBuf;
@@ -59,7 +60,8 @@ static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     about = "Per-node Talos Linux images from one cluster inventory",
     after_help = "Exit codes: 0 ok, 1 failure, 2 usage error or invalid inventory, 3 partial \
                   (some nodes or artifacts done, some failed). With --output json, stdout holds \
-                  exactly one JSON document, also on failure."
+                  exactly one JSON document, also on failure; with --output yaml, the same \
+                  document as YAML."
 )]
 pub struct Cli {
     /// The cluster inventory [default: $IMGBUILD_CONFIG, else ./cluster.yaml];
@@ -76,10 +78,10 @@ pub struct Cli {
     /// schematics and the installer each machine config names all follow it.
     #[arg(long, global = true, env = "IMGBUILD_FACTORY")]
     factory: Option<String>,
-    /// Output format: text for people, json for CI (`-o json`, as kubectl
-    /// and talosctl spell it).
-    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Output::Text)]
-    output: Output,
+    /// Output format: text for people; json or yaml (the same document) for
+    /// CI and scripts (`-o json`, `-o yaml`, as kubectl and talosctl spell it).
+    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Text)]
+    output: Format,
     /// Colors on stderr (bars, board, error prefixes); auto: on a terminal
     /// unless NO_COLOR is set.
     #[arg(long, global = true, value_enum, default_value_t = progress::ColorChoice::Auto)]
@@ -187,9 +189,9 @@ pub fn run() -> i32 {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
-    let output = cli.output;
+    let output = cli.output.commands();
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    output::init(output, cli.show_secrets && (terminal || cli.yes));
+    output::init(cli.output, cli.show_secrets && (terminal || cli.yes));
     if cli.show_secrets && !terminal && !cli.yes {
         errln!(
             "--show-secrets ignored: stdout is not a terminal, and a log keeps what it shows (add --yes to show them anyway)"
@@ -270,13 +272,27 @@ fn usage_error(e: clap::Error) -> i32 {
     let args: Vec<String> = std::env::args_os()
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
-    let json_wanted = args
-        .windows(2)
-        .any(|w| (w[0] == "--output" || w[0] == "-o") && w[1] == "json")
-        || args
-            .iter()
-            .any(|a| ["--output=json", "-ojson", "-o=json"].contains(&a.as_str()));
-    if json_wanted {
+    let asked = |format: &str| {
+        args.windows(2)
+            .any(|w| (w[0] == "--output" || w[0] == "-o") && w[1] == format)
+            || args.iter().any(|a| {
+                [
+                    format!("--output={format}"),
+                    format!("-o{format}"),
+                    format!("-o={format}"),
+                ]
+                .contains(a)
+            })
+    };
+    let format = if asked("yaml") {
+        Format::Yaml
+    } else if asked("json") {
+        Format::Json
+    } else {
+        Format::Text
+    };
+    if format != Format::Text {
+        output::init(format, false);
         let message = e.render().to_string();
         outln!("{}", json!({ "error": message.trim_end() }));
     } else {
@@ -297,7 +313,7 @@ fn dispatch(cli: Cli) -> Result<()> {
     let one = Invocation {
         config: cli.config[0].clone(),
         configs: &cli.config,
-        output: cli.output,
+        output: cli.output.commands(),
         yes: cli.yes,
     };
     dispatch_one(cli.command, one)

@@ -15,4 +15,5 @@ mod hostile_output;
 mod hostile_state;
 mod hostile_streams;
 mod install;
+mod output_yaml;
 mod progress;
