@@ -102,6 +102,11 @@ pub struct Cli {
     /// read them (otherwise a warning names each).
     #[arg(long, global = true)]
     fix_permissions: bool,
+    /// Log every HTTP request (Proxmox, Hetzner, factory, downloads,
+    /// Kubernetes) and gRPC call (Talos) on stderr: method, URL or path,
+    /// status, time. Never a header, body, token or key.
+    #[arg(long, global = true)]
+    debug: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -196,6 +201,9 @@ pub fn run() -> i32 {
         errln!(
             "--show-secrets ignored: stdout is not a terminal, and a log keeps what it shows (add --yes to show them anyway)"
         );
+    }
+    if cli.debug {
+        imgbuild::net::debug_to(|line| output::stderr_line("debug:", line));
     }
     guard::init(cli.fix_permissions, cli.factory.as_deref());
     if let Some(Err(e)) = cli.factory.as_deref().map(imgbuild::net::base_url) {

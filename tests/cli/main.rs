@@ -9,6 +9,7 @@
 mod common;
 
 mod ci_matrix;
+mod debug;
 mod exit;
 mod hostile_input;
 mod hostile_output;
