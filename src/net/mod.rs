@@ -67,7 +67,7 @@ pub fn debug_url(url: &reqwest::Url) -> String {
                 let lower = k.to_ascii_lowercase();
                 let secret = SECRET_PARAMETERS.iter().any(|s| lower.contains(s));
                 let v = if secret {
-                    "<redacted>".to_owned()
+                    "redacted".to_owned()
                 } else {
                     v.into_owned()
                 };
