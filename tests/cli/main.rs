@@ -9,6 +9,7 @@
 mod common;
 
 mod ci_matrix;
+mod cleanup_dry_run;
 mod debug;
 mod exit;
 mod hostile_input;
