@@ -184,8 +184,17 @@ enum Command {
     Import(import::ImportArgs),
     /// Print a shell completion script (bash, zsh or fish).
     Completions { shell: clap_complete::Shell },
-    /// Print the manual page (roff) on stdout.
-    Man,
+    /// Print the manual page (roff) on stdout, or with --dir write one page
+    /// per command (imgbuild.1, imgbuild-up.1, imgbuild-etcd-snapshot.1, …).
+    Man(ManArgs),
+}
+
+#[derive(clap::Args)]
+struct ManArgs {
+    /// Write imgbuild.1 and a page for every subcommand, with its flags,
+    /// into this folder (made if missing) instead of one page on stdout.
+    #[arg(long)]
+    dir: Option<PathBuf>,
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -373,12 +382,54 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
             clap_complete::generate(shell, &mut Cli::command(), "imgbuild", &mut script);
             print_generated(&script, json!({"shell": shell.to_string()}), cli.output)
         }
-        Command::Man => {
+        Command::Man(ManArgs { dir: None }) => {
             let mut page = Vec::new();
             clap_mangen::Man::new(Cli::command()).render(&mut page)?;
             print_generated(&page, json!({"format": "roff"}), cli.output)
         }
+        Command::Man(ManArgs { dir: Some(dir) }) => {
+            let pages = man_pages(&dir)?;
+            match cli.output {
+                Output::Json => outln!("{}", json!({"dir": dir, "pages": pages})),
+                Output::Text => {
+                    for page in &pages {
+                        outln!("{}", page.display());
+                    }
+                }
+            }
+            Ok(())
+        }
     }
+}
+
+/// `man --dir DIR`: a page for the program and one for every command and
+/// subcommand (the global flags on each), named as man(1) finds them
+/// (`man imgbuild-up`); a page already as it would be written is kept.
+fn man_pages(dir: &std::path::Path) -> Result<Vec<PathBuf>> {
+    use anyhow::Context as _;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut root = Cli::command().disable_help_subcommand(true);
+    root.build();
+    let mut commands = vec![root];
+    let mut pages = Vec::new();
+    while let Some(cmd) = commands.pop() {
+        let subcommands: Vec<clap::Command> = cmd
+            .get_subcommands()
+            .filter(|c| !c.is_hide_set())
+            .cloned()
+            .collect();
+        // Depth first, in --help's order.
+        commands.extend(subcommands.into_iter().rev());
+        let man =
+            clap_mangen::Man::new(cmd).source(format!("imgbuild {}", env!("CARGO_PKG_VERSION")));
+        let path = dir.join(man.get_filename());
+        let mut page = Vec::new();
+        man.render(&mut page)?;
+        imgbuild::atomic::write_if_changed(&path, &page, false)
+            .with_context(|| format!("writing {}", path.display()))?;
+        pages.push(path);
+    }
+    Ok(pages)
 }
 
 /// A generated file on stdout as it is, or with `--output json` as the

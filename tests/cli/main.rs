@@ -17,5 +17,6 @@ mod hostile_output;
 mod hostile_state;
 mod hostile_streams;
 mod install;
+mod man_pages;
 mod output_yaml;
 mod progress;
