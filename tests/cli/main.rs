@@ -8,6 +8,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod action_download;
 mod ci_matrix;
 mod cleanup_dry_run;
 mod debug;
