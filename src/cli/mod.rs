@@ -212,7 +212,9 @@ pub fn run() -> i32 {
         );
     }
     if cli.debug {
+        // Through the one writer: redacted and escaped like every line.
         imgbuild::net::debug_to(|line| output::stderr_line("debug:", line));
+        output::debug_log();
     }
     guard::init(cli.fix_permissions, cli.factory.as_deref());
     if let Some(Err(e)) = cli.factory.as_deref().map(imgbuild::net::base_url) {
@@ -425,8 +427,10 @@ fn man_pages(dir: &std::path::Path) -> Result<Vec<PathBuf>> {
         let path = dir.join(man.get_filename());
         let mut page = Vec::new();
         man.render(&mut page)?;
-        imgbuild::atomic::write_if_changed(&path, &page, false)
-            .with_context(|| format!("writing {}", path.display()))?;
+        // A page already as it would be written stays untouched (make's mtimes).
+        if std::fs::read(&path).ok().as_deref() != Some(page.as_slice()) {
+            std::fs::write(&path, &page).with_context(|| format!("writing {}", path.display()))?;
+        }
         pages.push(path);
     }
     Ok(pages)

@@ -153,6 +153,20 @@ static STDOUT_YAML: AtomicBool = AtomicBool::new(false);
 /// YAML documents written so far: every one after the first starts with `---`.
 static YAML_DOCUMENTS: AtomicUsize = AtomicUsize::new(0);
 
+/// `--debug`: the library's request log goes to stderr.
+static DEBUG: AtomicBool = AtomicBool::new(false);
+
+/// Notes that `--debug` writes the library's request log on stderr (the
+/// CLI points `imgbuild::net::debug_to` at [`stderr_line`]).
+pub fn debug_log() {
+    DEBUG.store(true, Ordering::Relaxed);
+}
+
+/// Whether `--debug` writes its request log on stderr.
+pub fn debugging() -> bool {
+    DEBUG.load(Ordering::Relaxed)
+}
+
 /// Fixes how stdout is written, once, before any command runs.
 pub fn init(format: Format, show_secrets: bool) {
     STDOUT_JSON.store(format.commands() == Output::Json, Ordering::Relaxed);

@@ -103,7 +103,7 @@ impl Show {
 /// `--debug` writes its request log there (a log between redraws would be
 /// torn apart).
 pub fn redraws() -> bool {
-    std::io::stderr().is_terminal() && !imgbuild::net::debugging()
+    std::io::stderr().is_terminal() && !super::output::debugging()
 }
 
 /// stderr for one command: its bars when drawing, lines above them.
