@@ -96,6 +96,10 @@ fn debug_exchange(
                 "{what} → {status} in {took} ms (redirected to {})",
                 debug_url(at)
             ),
+            // The request is named once, at the start of the line.
+            Err(NetError::Transfer { message, .. } | NetError::Untrusted { message, .. }) => {
+                format!("{what} → failed after {took} ms: {message}")
+            }
             Err(e) => format!("{what} → failed after {took} ms: {}", error_chain(e)),
         }
     });
