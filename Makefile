@@ -160,7 +160,8 @@ install:
 
 # A release for x86_64 Linux in $(RELEASE_DIR): imgbuild-x86_64-linux, a
 # static binary (musl when rustup has x86_64-unknown-linux-musl, else glibc
-# linked in with crt-static; --target keeps build scripts dynamic), and
+# linked in with crt-static; --target keeps build scripts dynamic),
+# stripped when binutils' strip is there, and
 # SHA256SUMS, which action.yml checks what it downloads against. The binary
 # must have no ELF interpreter (no dynamic loader, so no shared library)
 # and name this commit in --version.
@@ -180,7 +181,8 @@ release:
 	"$$bin" --version | grep -qF "(commit $$commit;" || { \
 		echo "error: $$bin --version does not name commit $$commit" >&2; exit 1; }; \
 	mkdir -p "$(RELEASE_DIR)"; \
-	cp "$$bin" "$(RELEASE_DIR)/imgbuild-x86_64-linux"; \
+	strip -o "$(RELEASE_DIR)/imgbuild-x86_64-linux" "$$bin" 2>/dev/null || \
+		cp "$$bin" "$(RELEASE_DIR)/imgbuild-x86_64-linux"; \
 	(cd "$(RELEASE_DIR)" && sha256sum imgbuild-x86_64-linux > SHA256SUMS); \
 	"$(RELEASE_DIR)/imgbuild-x86_64-linux" --version; \
 	echo "release files in $(RELEASE_DIR):"; cat "$(RELEASE_DIR)/SHA256SUMS"
