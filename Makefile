@@ -10,7 +10,7 @@ IMGBUILD := $(TARGET_DIR)/debug/imgbuild
 SIM := $(TARGET_DIR)/debug/imgbuild-sim
 ATLAS := examples/atlas/cluster.yaml
 
-.PHONY: demo test deps build lint schematics fuzz bench install docs
+.PHONY: demo test deps build lint schematics fuzz bench install docs release
 
 # Debian packages the tests use: sgdisk (GPT checks), qemu-img (qcow2 checks),
 # curl (simulator stats), Go and its yaml.v3 (the schematic emitter's
@@ -159,6 +159,35 @@ install:
 	"$$bin" completions zsh > "$$root/share/zsh/site-functions/_imgbuild"; \
 	"$$bin" completions fish > "$$root/share/fish/vendor_completions.d/imgbuild.fish"; \
 	echo "installed imgbuild, its man page and completions under $$root"
+
+# A release for x86_64 Linux in $(RELEASE_DIR): imgbuild-x86_64-linux, a
+# static binary (musl when rustup has x86_64-unknown-linux-musl, else glibc
+# linked in with crt-static; --target keeps build scripts dynamic),
+# stripped when binutils' strip is there, and
+# SHA256SUMS, which action.yml checks what it downloads against. The binary
+# must have no ELF interpreter (no dynamic loader, so no shared library)
+# and name this commit in --version.
+RELEASE_DIR ?= $(TARGET_DIR)/dist
+release:
+	@set -e; \
+	commit=$$(git rev-parse --short=12 HEAD 2>/dev/null || echo "unknown (no git)"); \
+	target=x86_64-unknown-linux-gnu; \
+	if [ -d "$$(rustc --print sysroot)/lib/rustlib/x86_64-unknown-linux-musl" ]; then \
+		target=x86_64-unknown-linux-musl; fi; \
+	echo "building imgbuild $$commit for $$target (static)"; \
+	IMGBUILD_COMMIT="$$commit" RUSTFLAGS="$$RUSTFLAGS -C target-feature=+crt-static" \
+		$(CARGO) build --locked --release --bin imgbuild --target "$$target"; \
+	bin="$(TARGET_DIR)/$$target/release/imgbuild"; \
+	if readelf -l "$$bin" | grep -q 'INTERP'; then \
+		echo "error: $$bin is dynamically linked" >&2; exit 1; fi; \
+	"$$bin" --version | grep -qF "(commit $$commit;" || { \
+		echo "error: $$bin --version does not name commit $$commit" >&2; exit 1; }; \
+	mkdir -p "$(RELEASE_DIR)"; \
+	strip -o "$(RELEASE_DIR)/imgbuild-x86_64-linux" "$$bin" 2>/dev/null || \
+		cp "$$bin" "$(RELEASE_DIR)/imgbuild-x86_64-linux"; \
+	(cd "$(RELEASE_DIR)" && sha256sum imgbuild-x86_64-linux > SHA256SUMS); \
+	"$(RELEASE_DIR)/imgbuild-x86_64-linux" --version; \
+	echo "release files in $(RELEASE_DIR):"; cat "$(RELEASE_DIR)/SHA256SUMS"
 
 # Regenerates the reviewed examples/schematics/ of the example cluster.
 schematics: build

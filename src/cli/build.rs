@@ -9,7 +9,6 @@ use imgbuild::fetch::{FetchOptions, Progress};
 use indicatif::{MultiProgress, ProgressBar};
 use serde_json::json;
 use std::collections::HashMap;
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -232,7 +231,7 @@ pub fn fetch(args: FetchArgs, output: Output) -> Result<()> {
 pub(super) fn progress_for(quiet: bool, output: Output) -> Box<dyn Progress> {
     if quiet || output == Output::Json {
         Box::new(imgbuild::fetch::Silent)
-    } else if std::io::stderr().is_terminal() {
+    } else if super::progress::redraws() {
         Box::new(Bars::default())
     } else {
         Box::new(Lines::default())

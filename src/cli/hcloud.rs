@@ -61,6 +61,9 @@ pub struct CleanupArgs {
     /// cleanup job does not delete the servers of builds still running.
     #[arg(long, default_value = "0s", value_parser = parse_duration)]
     older_than: Duration,
+    /// List what would be deleted (found as cleanup finds it); delete nothing.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 /// The API client of a command that only needs the token (`cleanup`,
@@ -155,6 +158,9 @@ pub fn publish(
 /// `imgbuild cleanup`: deletes what killed runs left behind.
 pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
     let (api, opts) = api()?;
+    if args.dry_run {
+        return cleanup_dry_run(&api, args.older_than, output);
+    }
     let show = Show::for_output(false, output);
     let view = PublishView::new(Screen::new(show), show);
     let (deleted, left) = hcloud::cleanup(&api, args.older_than, &opts, &view);
@@ -189,5 +195,41 @@ pub fn cleanup(args: CleanupArgs, output: Output) -> Result<()> {
         Ok(())
     } else {
         Err(Reported(format!("{} resource(s) could not be deleted", left.len())).into())
+    }
+}
+
+/// `imgbuild cleanup --dry-run`: what `cleanup` would delete, nothing deleted.
+fn cleanup_dry_run(api: &hcloud::Api, older_than: Duration, output: Output) -> Result<()> {
+    let (found, left) = hcloud::cleanup_candidates(api, older_than);
+    match output {
+        Output::Json => outln!(
+            "{}",
+            json!({"dryRun": true, "wouldDelete": found, "leftovers": left, "requests": api.requests()})
+        ),
+        Output::Text => {
+            if found.is_empty() && left.is_empty() {
+                outln!("nothing to delete: no temporary servers or SSH keys of imgbuild runs");
+            }
+            for d in &found {
+                outln!(
+                    "would delete {} {} ({})",
+                    d.kind.replace('_', " "),
+                    d.id,
+                    escape(&d.name)
+                );
+            }
+            for l in &left {
+                errln!(
+                    "could not list {}s: {}",
+                    l.kind.replace('_', " "),
+                    escape(&l.error)
+                );
+            }
+        }
+    }
+    if left.is_empty() {
+        Ok(())
+    } else {
+        Err(Reported(format!("{} listing(s) failed", left.len())).into())
     }
 }

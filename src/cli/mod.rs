@@ -34,7 +34,8 @@ use anyhow::Result;
 use clap::{ArgAction, CommandFactory, Parser, Subcommand};
 use imgbuild::inventory::InventoryError;
 use output::{
-    Changes, EXIT_CHANGES, EXIT_FAILURE, EXIT_PARTIAL, EXIT_USAGE, Output, Partial, Reported, Usage,
+    Changes, EXIT_CHANGES, EXIT_FAILURE, EXIT_PARTIAL, EXIT_USAGE, Format, Output, Partial,
+    Reported, Usage,
 };
 use serde_json::json;
 use std::path::PathBuf;
@@ -59,7 +60,8 @@ static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     about = "Per-node Talos Linux images from one cluster inventory",
     after_help = "Exit codes: 0 ok, 1 failure, 2 usage error or invalid inventory, 3 partial \
                   (some nodes or artifacts done, some failed). With --output json, stdout holds \
-                  exactly one JSON document, also on failure."
+                  exactly one JSON document, also on failure; with --output yaml, the same \
+                  document as YAML."
 )]
 pub struct Cli {
     /// The cluster inventory [default: $IMGBUILD_CONFIG, else ./cluster.yaml];
@@ -76,10 +78,10 @@ pub struct Cli {
     /// schematics and the installer each machine config names all follow it.
     #[arg(long, global = true, env = "IMGBUILD_FACTORY")]
     factory: Option<String>,
-    /// Output format: text for people, json for CI (`-o json`, as kubectl
-    /// and talosctl spell it).
-    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Output::Text)]
-    output: Output,
+    /// Output format: text for people; json or yaml (the same document) for
+    /// CI and scripts (`-o json`, `-o yaml`, as kubectl and talosctl spell it).
+    #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Text)]
+    output: Format,
     /// Colors on stderr (bars, board, error prefixes); auto: on a terminal
     /// unless NO_COLOR is set.
     #[arg(long, global = true, value_enum, default_value_t = progress::ColorChoice::Auto)]
@@ -100,6 +102,11 @@ pub struct Cli {
     /// read them (otherwise a warning names each).
     #[arg(long, global = true)]
     fix_permissions: bool,
+    /// Log every HTTP request (Proxmox, Hetzner, factory, downloads,
+    /// Kubernetes) and gRPC call (Talos) on stderr: method, URL or path,
+    /// status, time. Never a header, body, token or key.
+    #[arg(long, global = true)]
+    debug: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -177,8 +184,17 @@ enum Command {
     Import(import::ImportArgs),
     /// Print a shell completion script (bash, zsh or fish).
     Completions { shell: clap_complete::Shell },
-    /// Print the manual page (roff) on stdout.
-    Man,
+    /// Print the manual page (roff) on stdout, or with --dir write one page
+    /// per command (imgbuild.1, imgbuild-up.1, imgbuild-etcd-snapshot.1, …).
+    Man(ManArgs),
+}
+
+#[derive(clap::Args)]
+struct ManArgs {
+    /// Write imgbuild.1 and a page for every subcommand, with its flags,
+    /// into this folder (made if missing) instead of one page on stdout.
+    #[arg(long)]
+    dir: Option<PathBuf>,
 }
 
 /// Runs the CLI; returns the process exit code.
@@ -187,13 +203,18 @@ pub fn run() -> i32 {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
-    let output = cli.output;
+    let output = cli.output.commands();
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    output::init(output, cli.show_secrets && (terminal || cli.yes));
+    output::init(cli.output, cli.show_secrets && (terminal || cli.yes));
     if cli.show_secrets && !terminal && !cli.yes {
         errln!(
             "--show-secrets ignored: stdout is not a terminal, and a log keeps what it shows (add --yes to show them anyway)"
         );
+    }
+    if cli.debug {
+        // Through the one writer: redacted and escaped like every line.
+        imgbuild::net::debug_to(|line| output::stderr_line("debug:", line));
+        output::debug_log();
     }
     guard::init(cli.fix_permissions, cli.factory.as_deref());
     if let Some(Err(e)) = cli.factory.as_deref().map(imgbuild::net::base_url) {
@@ -270,13 +291,27 @@ fn usage_error(e: clap::Error) -> i32 {
     let args: Vec<String> = std::env::args_os()
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
-    let json_wanted = args
-        .windows(2)
-        .any(|w| (w[0] == "--output" || w[0] == "-o") && w[1] == "json")
-        || args
-            .iter()
-            .any(|a| ["--output=json", "-ojson", "-o=json"].contains(&a.as_str()));
-    if json_wanted {
+    let asked = |format: &str| {
+        args.windows(2)
+            .any(|w| (w[0] == "--output" || w[0] == "-o") && w[1] == format)
+            || args.iter().any(|a| {
+                [
+                    format!("--output={format}"),
+                    format!("-o{format}"),
+                    format!("-o={format}"),
+                ]
+                .contains(a)
+            })
+    };
+    let format = if asked("yaml") {
+        Format::Yaml
+    } else if asked("json") {
+        Format::Json
+    } else {
+        Format::Text
+    };
+    if format != Format::Text {
+        output::init(format, false);
         let message = e.render().to_string();
         outln!("{}", json!({ "error": message.trim_end() }));
     } else {
@@ -297,7 +332,7 @@ fn dispatch(cli: Cli) -> Result<()> {
     let one = Invocation {
         config: cli.config[0].clone(),
         configs: &cli.config,
-        output: cli.output,
+        output: cli.output.commands(),
         yes: cli.yes,
     };
     dispatch_one(cli.command, one)
@@ -349,12 +384,56 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
             clap_complete::generate(shell, &mut Cli::command(), "imgbuild", &mut script);
             print_generated(&script, json!({"shell": shell.to_string()}), cli.output)
         }
-        Command::Man => {
+        Command::Man(ManArgs { dir: None }) => {
             let mut page = Vec::new();
             clap_mangen::Man::new(Cli::command()).render(&mut page)?;
             print_generated(&page, json!({"format": "roff"}), cli.output)
         }
+        Command::Man(ManArgs { dir: Some(dir) }) => {
+            let pages = man_pages(&dir)?;
+            match cli.output {
+                Output::Json => outln!("{}", json!({"dir": dir, "pages": pages})),
+                Output::Text => {
+                    for page in &pages {
+                        outln!("{}", page.display());
+                    }
+                }
+            }
+            Ok(())
+        }
     }
+}
+
+/// `man --dir DIR`: a page for the program and one for every command and
+/// subcommand (the global flags on each), named as man(1) finds them
+/// (`man imgbuild-up`); a page already as it would be written is kept.
+fn man_pages(dir: &std::path::Path) -> Result<Vec<PathBuf>> {
+    use anyhow::Context as _;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut root = Cli::command().disable_help_subcommand(true);
+    root.build();
+    let mut commands = vec![root];
+    let mut pages = Vec::new();
+    while let Some(cmd) = commands.pop() {
+        let subcommands: Vec<clap::Command> = cmd
+            .get_subcommands()
+            .filter(|c| !c.is_hide_set())
+            .cloned()
+            .collect();
+        // Depth first, in --help's order.
+        commands.extend(subcommands.into_iter().rev());
+        let man =
+            clap_mangen::Man::new(cmd).source(format!("imgbuild {}", env!("CARGO_PKG_VERSION")));
+        let path = dir.join(man.get_filename());
+        let mut page = Vec::new();
+        man.render(&mut page)?;
+        // A page already as it would be written stays untouched (make's mtimes).
+        if std::fs::read(&path).ok().as_deref() != Some(page.as_slice()) {
+            std::fs::write(&path, &page).with_context(|| format!("writing {}", path.display()))?;
+        }
+        pages.push(path);
+    }
+    Ok(pages)
 }
 
 /// A generated file on stdout as it is, or with `--output json` as the

@@ -11,7 +11,7 @@ use imgbuild::secrets::redact::Redactions;
 use serde_json::json;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{PoisonError, RwLock};
 
 /// `println!` that ends the program the way other tools end when their
@@ -49,11 +49,31 @@ macro_rules! err {
     };
 }
 
-/// `--output`: text for people, json for CI.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// What a command writes: text for people, or one JSON document (which
+/// [`stdout_write`] turns into YAML under `--output yaml`).
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Output {
     Text,
     Json,
+}
+
+/// `--output`: text for people, json or yaml for CI and scripts. Commands
+/// see only [`Output`]: YAML is their JSON document, rendered here.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Text,
+    Json,
+    Yaml,
+}
+
+impl Format {
+    /// What the command itself writes under this format.
+    pub fn commands(self) -> Output {
+        match self {
+            Format::Text => Output::Text,
+            Format::Json | Format::Yaml => Output::Json,
+        }
+    }
 }
 
 /// A failure whose details the command already printed (e.g. as its JSON
@@ -128,10 +148,29 @@ static SHOW_SECRETS: AtomicBool = AtomicBool::new(false);
 /// stdout holds one JSON document (`--output json`): escapes there must be
 /// JSON's.
 static STDOUT_JSON: AtomicBool = AtomicBool::new(false);
+/// `--output yaml`: each JSON document written becomes a YAML document.
+static STDOUT_YAML: AtomicBool = AtomicBool::new(false);
+/// YAML documents written so far: every one after the first starts with `---`.
+static YAML_DOCUMENTS: AtomicUsize = AtomicUsize::new(0);
+
+/// `--debug`: the library's request log goes to stderr.
+static DEBUG: AtomicBool = AtomicBool::new(false);
+
+/// Notes that `--debug` writes the library's request log on stderr (the
+/// CLI points `imgbuild::net::debug_to` at [`stderr_line`]).
+pub fn debug_log() {
+    DEBUG.store(true, Ordering::Relaxed);
+}
+
+/// Whether `--debug` writes its request log on stderr.
+pub fn debugging() -> bool {
+    DEBUG.load(Ordering::Relaxed)
+}
 
 /// Fixes how stdout is written, once, before any command runs.
-pub fn init(output: Output, show_secrets: bool) {
-    STDOUT_JSON.store(output == Output::Json, Ordering::Relaxed);
+pub fn init(format: Format, show_secrets: bool) {
+    STDOUT_JSON.store(format.commands() == Output::Json, Ordering::Relaxed);
+    STDOUT_YAML.store(format == Format::Yaml, Ordering::Relaxed);
     SHOW_SECRETS.store(show_secrets, Ordering::Relaxed);
 }
 
@@ -215,10 +254,13 @@ pub const OUTSIDE_CHARS: usize = 200;
 /// only stdout dies of it. Any other write error (a full disk behind `>`)
 /// is one message and exit 1.
 pub fn stdout_write(bytes: &[u8]) {
-    let text = shown(
+    let mut text = shown(
         &String::from_utf8_lossy(bytes),
         STDOUT_JSON.load(Ordering::Relaxed),
     );
+    if STDOUT_YAML.load(Ordering::Relaxed) {
+        text = yaml_documents(&text);
+    }
     let mut out = std::io::stdout().lock();
     let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) else {
         return;
@@ -271,5 +313,353 @@ pub fn failed_json(failures: &[(String, String)]) -> serde_json::Value {
 pub fn print_failures(failures: &[(String, String)]) {
     for (node, error) in failures {
         errln!("error: node {node}: {error}");
+    }
+}
+
+/// The JSON documents in `json` (already redacted and escaped by [`shown`])
+/// as YAML documents, `---` before every one but the first this process
+/// writes. Text that is not JSON stays as it is.
+fn yaml_documents(json: &str) -> String {
+    let documents: Result<Vec<serde_json::Value>, _> = serde_json::Deserializer::from_str(json)
+        .into_iter()
+        .collect();
+    let Ok(documents) = documents else {
+        return json.to_owned();
+    };
+    let mut out = String::new();
+    for document in &documents {
+        if YAML_DOCUMENTS.fetch_add(1, Ordering::Relaxed) > 0 {
+            out.push_str("---\n");
+        }
+        out.push_str(&yaml(document));
+    }
+    out
+}
+
+/// One JSON value as a YAML document in block style, read back the same by
+/// YAML 1.1 and 1.2 readers alike: a string is plain only when no reader
+/// could take it for anything else, a literal block (`|`) when it is text
+/// of several lines, else double-quoted with every character a terminal
+/// or a reader could trip on escaped.
+pub fn yaml(value: &serde_json::Value) -> String {
+    let mut out = String::new();
+    yaml_node(value, 0, &mut out);
+    out
+}
+
+/// `value` after a key's `:` or a list's `-` (or at the top), its block
+/// lines indented by `indent`; ends with a newline.
+fn yaml_node(value: &serde_json::Value, indent: usize, out: &mut String) {
+    use serde_json::Value;
+    let pad = " ".repeat(indent);
+    match value {
+        Value::Object(map) if !map.is_empty() => {
+            for (i, (key, item)) in map.iter().enumerate() {
+                if i > 0 || !out.ends_with("- ") {
+                    out.push_str(&pad);
+                }
+                out.push_str(&yaml_scalar(key));
+                out.push(':');
+                yaml_child(item, indent, out);
+            }
+        }
+        Value::Array(items) if !items.is_empty() => {
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 || !out.ends_with("- ") {
+                    out.push_str(&pad);
+                }
+                out.push('-');
+                yaml_child(item, indent, out);
+            }
+        }
+        Value::String(s) if literal_block(s) => {
+            let chomp = if !s.ends_with('\n') {
+                "-"
+            } else if s.ends_with("\n\n") {
+                "+"
+            } else {
+                ""
+            };
+            out.push('|');
+            out.push_str(chomp);
+            out.push('\n');
+            let body = s.strip_suffix('\n').unwrap_or(s);
+            for line in body.split('\n') {
+                if !line.is_empty() {
+                    out.push_str(&" ".repeat(indent + 2));
+                    out.push_str(line);
+                }
+                out.push('\n');
+            }
+        }
+        scalar => {
+            out.push_str(&yaml_flow(scalar));
+            out.push('\n');
+        }
+    }
+}
+
+/// What follows `key:` or `-`: a scalar on the same line, a list item's
+/// collection starting on the same line (`- a: 1`), a map's on the next.
+fn yaml_child(value: &serde_json::Value, indent: usize, out: &mut String) {
+    use serde_json::Value;
+    let nested = match value {
+        Value::Object(m) => !m.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        _ => false,
+    };
+    if !nested {
+        out.push(' ');
+        yaml_node(value, indent, out);
+    } else if out.ends_with('-') {
+        out.push(' ');
+        yaml_node(value, indent + 2, out);
+    } else {
+        out.push('\n');
+        yaml_node(value, indent + 2, out);
+    }
+}
+
+/// A scalar or an empty collection in flow style.
+fn yaml_flow(value: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match value {
+        Value::Null => "null".into(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) if n.is_f64() => {
+            // YAML 1.1 reads a float only with a dot and a signed exponent.
+            let text = n.to_string();
+            let (mantissa, exponent) = match text.split_once('e') {
+                Some((m, e)) => (m.to_owned(), Some(e.to_owned())),
+                None => (text.clone(), None),
+            };
+            let mantissa = if mantissa.contains('.') {
+                mantissa
+            } else {
+                format!("{mantissa}.0")
+            };
+            match exponent {
+                Some(e) if e.starts_with('-') => format!("{mantissa}e{e}"),
+                Some(e) => format!("{mantissa}e+{}", e.trim_start_matches('+')),
+                None => mantissa,
+            }
+        }
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => yaml_scalar(s),
+        Value::Array(_) => "[]".into(),
+        Value::Object(_) => "{}".into(),
+    }
+}
+
+/// A string (or a key) as one YAML scalar: plain when only letters,
+/// digits and `._/-` after a leading letter, `_` or `/`, and no YAML 1.1
+/// boolean or null word; else double-quoted.
+fn yaml_scalar(s: &str) -> String {
+    let mut chars = s.chars();
+    let plain = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == '/')
+        && chars.all(|c| c.is_ascii_alphanumeric() || "._/-".contains(c))
+        && !["y", "n", "yes", "no", "on", "off", "true", "false", "null"]
+            .contains(&s.to_ascii_lowercase().as_str());
+    if plain {
+        return s.to_owned();
+    }
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            c if yaml_printable(c) => out.push(c),
+            c => {
+                use std::fmt::Write as _;
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Characters a YAML reader takes as they are and a terminal shows as they
+/// are: YAML's printable set without the line breaks YAML 1.1 adds (NEL,
+/// U+2028/9) and without what reorders or hides text.
+fn yaml_printable(c: char) -> bool {
+    matches!(c, ' '..='~' | '\u{a0}'..='\u{d7ff}' | '\u{e000}'..='\u{fffd}' | '\u{10000}'..)
+        && !imgbuild::input::hides_text(c)
+}
+
+/// Whether `s` reads best as a literal block: several lines of printable
+/// text, none with whitespace at its end, the first not indented (a block
+/// takes its indentation from it).
+fn literal_block(s: &str) -> bool {
+    let body = s.strip_suffix('\n').unwrap_or(s);
+    body.contains('\n')
+        && !body.starts_with([' ', '\t', '\n'])
+        && body.split('\n').all(|line| {
+            !line.ends_with([' ', '\t']) && line.chars().all(|c| c == '\t' || yaml_printable(c))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::yaml;
+    use serde_json::{Value, json};
+
+    /// `docs` as PyYAML (YAML 1.1, Debian's python3-yaml) reads them,
+    /// through Python's JSON writer (a date or a set would fail there).
+    fn python(text: &str) -> Value {
+        use std::io::Write;
+        let mut child = std::process::Command::new("/usr/bin/python3")
+            .args([
+                "-c",
+                "import sys, json, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))",
+            ])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3 with PyYAML (python3-yaml)");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert!(
+            o.status.success(),
+            "PyYAML refused:\n{text}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+
+    /// Strings every YAML reader would otherwise turn into something else,
+    /// or a terminal would show other than they are.
+    const TRICKY: &[&str] = &[
+        "",
+        " ",
+        "yes",
+        "No",
+        "ON",
+        "off",
+        "y",
+        "N",
+        "true",
+        "False",
+        "null",
+        "Null",
+        "~",
+        "1",
+        "-1",
+        "0x1f",
+        "0o17",
+        "017",
+        "1e3",
+        "1_000",
+        "1:20",
+        ".inf",
+        "-.Inf",
+        ".NaN",
+        "2026-11-29",
+        "2026-11-29T05:00:00Z",
+        "a: b",
+        "a:b",
+        "- x",
+        "? x",
+        "#x",
+        "x #y",
+        "&a",
+        "*a",
+        "!tag",
+        "%YAML",
+        "@x",
+        "`x",
+        "|",
+        ">",
+        "'",
+        "\"",
+        "\\",
+        "[x]",
+        "{x}",
+        ",",
+        "---",
+        "...",
+        "<<",
+        "=",
+        "a\nb",
+        "a\nb\n",
+        "a\nb\n\n",
+        "\na",
+        " lead\nx",
+        "trail \nx",
+        "x\n ",
+        "tab\tin",
+        "cr\r\nlf",
+        "nel\u{85}x",
+        "ls\u{2028}x",
+        "bidi\u{202e}x",
+        "bom\u{feff}",
+        "bell\u{7}",
+        "del\u{7f}",
+        "ü€😀",
+        "v1.11.2",
+        "cp-01",
+        "/dev/sda",
+        "sha256:abc",
+        "http://x/y?z=1#f",
+        "\u{fffe}",
+        "key: |\n  nested\n",
+    ];
+
+    #[test]
+    fn every_tricky_string_reads_back_the_same_in_yaml_1_1_and_1_2() {
+        for s in TRICKY {
+            let value = json!({ *s: s, "list": [s, [s], {*s: [s]}], "top": {"in": s} });
+            let text = yaml(&value);
+            assert_eq!(python(&text), value, "PyYAML read {s:?} otherwise:\n{text}");
+            let back: Value =
+                serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("{s:?}: {e}\n{text}"));
+            assert_eq!(back, value, "serde_yaml_ng read {s:?} otherwise:\n{text}");
+            for c in text.chars() {
+                assert!(
+                    c == '\n' || !(c.is_control() || imgbuild::input::hides_text(c)),
+                    "{s:?} put {c:?} raw on the terminal:\n{text}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn numbers_booleans_nulls_and_empty_collections_keep_their_types() {
+        let value = json!({
+            "int": 42, "negative": -7, "big": u64::MAX, "float": 1.5, "tiny": 1e-300,
+            "huge": 1e300, "whole": 100.0, "t": true, "f": false, "none": null,
+            "emptyMap": {}, "emptyList": [], "nested": [[], {}, [[1]], {"a": {"b": []}}],
+        });
+        let text = yaml(&value);
+        assert_eq!(python(&text), value, "{text}");
+        let back: Value = serde_yaml_ng::from_str(&text).unwrap();
+        assert_eq!(back, value, "{text}");
+        for top in [json!("x\ny"), json!([]), json!({}), json!(3), json!(null)] {
+            assert_eq!(python(&yaml(&top)), top, "{}", yaml(&top));
+        }
+    }
+
+    #[test]
+    fn plain_words_stay_plain_and_text_becomes_a_literal_block() {
+        let text = yaml(&json!({"node": "cp-01", "config": "version: v1alpha1\nmachine: {}\n"}));
+        assert_eq!(
+            text,
+            "node: cp-01\nconfig: |\n  version: v1alpha1\n  machine: {}\n"
+        );
+        assert_eq!(
+            yaml(&json!({"list": [{"a": 1, "b": [2]}]})),
+            "list:\n  - a: 1\n    b:\n      - 2\n"
+        );
     }
 }

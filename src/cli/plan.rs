@@ -54,7 +54,7 @@ pub fn run(args: PlanArgs, configs: &[PathBuf], output: Output) -> Result<()> {
     if output == Output::Json && matches!(format, PlanFormat::Text | PlanFormat::Gitlab) {
         // --output json promises one JSON document on stdout.
         return Err(Usage(
-            "--format text and gitlab print text, not JSON: drop --output json or use --format json|github"
+            "--format text and gitlab print text, not JSON: drop --output json|yaml or use --format json|github"
                 .into(),
         )
         .into());

@@ -95,12 +95,15 @@ impl Show {
     }
 
     fn lines_or_draw() -> Show {
-        if std::io::stderr().is_terminal() {
-            Show::Draw
-        } else {
-            Show::Lines
-        }
+        if redraws() { Show::Draw } else { Show::Lines }
     }
+}
+
+/// Whether stderr shows progress redrawn in place: on a terminal, unless
+/// `--debug` writes its request log there (a log between redraws would be
+/// torn apart).
+pub fn redraws() -> bool {
+    std::io::stderr().is_terminal() && !super::output::debugging()
 }
 
 /// stderr for one command: its bars when drawing, lines above them.

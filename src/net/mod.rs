@@ -17,6 +17,94 @@ pub use body::{Response, Stalled};
 
 pub use tls::{ClientIdentity, Trust};
 
+/// Where `--debug` lines go: the CLI's stderr writer, which redacts every
+/// known secret. Unset: nothing is logged, and no line is even made.
+static DEBUG_LOG: std::sync::OnceLock<fn(&str)> = std::sync::OnceLock::new();
+
+/// `--debug`: one line per HTTP request and gRPC call to `sink` — method,
+/// URL or path, status, time — and never a header, a body or a query value
+/// that may be a credential ([`debug_url`]).
+pub fn debug_to(sink: fn(&str)) {
+    let _ = DEBUG_LOG.set(sink);
+}
+
+/// Whether `--debug` asked for the request log.
+pub fn debugging() -> bool {
+    DEBUG_LOG.get().is_some()
+}
+
+/// One `--debug` line, made only when someone listens.
+pub fn debug_line(line: impl FnOnce() -> String) {
+    if let Some(sink) = DEBUG_LOG.get() {
+        sink(&line());
+    }
+}
+
+/// Query parameters whose value `--debug` never shows: any name holding one
+/// of these (`access_token`, `X-Amz-Signature`, `ticket`, …).
+const SECRET_PARAMETERS: [&str; 9] = [
+    "token",
+    "key",
+    "secret",
+    "pass",
+    "ticket",
+    "sig",
+    "auth",
+    "credential",
+    "session",
+];
+
+/// A URL as the `--debug` log shows it: [`display_url`], and the value of
+/// every query parameter that may be a credential replaced.
+pub fn debug_url(url: &reqwest::Url) -> String {
+    let mut u = url.clone();
+    let _ = u.set_username("");
+    let _ = u.set_password(None);
+    if u.query().is_some() {
+        let pairs: Vec<(String, String)> = u
+            .query_pairs()
+            .map(|(k, v)| {
+                let lower = k.to_ascii_lowercase();
+                let secret = SECRET_PARAMETERS.iter().any(|s| lower.contains(s));
+                let v = if secret {
+                    "redacted".to_owned()
+                } else {
+                    v.into_owned()
+                };
+                (k.into_owned(), v)
+            })
+            .collect();
+        u.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    u.to_string()
+}
+
+/// The `--debug` line of one HTTP exchange, when its reply's headers came
+/// (or it failed): `HTTP PUT URL → 200 OK in 12 ms`.
+fn debug_exchange(
+    method: &str,
+    url: &reqwest::Url,
+    started: Instant,
+    outcome: Result<(reqwest::StatusCode, &reqwest::Url), &NetError>,
+) {
+    debug_line(|| {
+        let took = started.elapsed().as_millis();
+        let what = format!("HTTP {method} {}", debug_url(url));
+        match outcome {
+            Ok((status, at)) if at == url => format!("{what} → {status} in {took} ms"),
+            Ok((status, at)) => format!(
+                "{what} → {status} in {took} ms (redirected to {})",
+                debug_url(at)
+            ),
+            // The request is named once, at the start of the line.
+            Err(NetError::Transfer { message, .. } | NetError::Untrusted { message, .. }) => {
+                format!("{what} → failed after {took} ms: {message}")
+            }
+            Err(e) => format!("{what} → failed after {took} ms: {}", error_chain(e)),
+        }
+    });
+}
+
 /// `User-Agent` on every request, so server logs can tell imgbuild apart.
 pub const USER_AGENT: &str = concat!("imgbuild/", env!("CARGO_PKG_VERSION"));
 
@@ -234,11 +322,15 @@ pub async fn send_once_async(make: reqwest::RequestBuilder) -> Result<reqwest::R
     req.timeout_mut().get_or_insert_with(request_deadline);
     let method = req.method().to_string();
     let url = display_url(req.url());
+    let asked = req.url().clone();
     let sent = credentials(req.headers());
+    let started = Instant::now();
     let resp = client
         .execute(req)
         .await
-        .map_err(|e| transfer_error(&method, &url, e))?;
+        .map_err(|e| transfer_error(&method, &url, e))
+        .inspect_err(|e| debug_exchange(&method, &asked, started, Err(e)))?;
+    debug_exchange(&method, &asked, started, Ok((resp.status(), resp.url())));
     if resp.status().is_success() {
         return Ok(resp);
     }
@@ -468,12 +560,15 @@ pub fn send_once(make: RequestBuilder) -> Result<Response, NetError> {
     let total = *req.timeout_mut().get_or_insert_with(request_deadline);
     let method = req.method().to_string();
     let url = display_url(req.url());
+    let asked = req.url().clone();
     let sent = credentials(req.headers());
     let started = Instant::now();
     #[allow(clippy::disallowed_methods)] // the one place: wrapped just below
     let resp = client
         .execute(req)
-        .map_err(|e| transfer_error(&method, &url, e))?;
+        .map_err(|e| transfer_error(&method, &url, e))
+        .inspect_err(|e| debug_exchange(&method, &asked, started, Err(e)))?;
+    debug_exchange(&method, &asked, started, Ok((resp.status(), resp.url())));
     let stall = stall_timeout(Duration::from_secs(60));
     let shown = display_url(resp.url()); // where any redirect led
     let resp = Response::new(resp, shown, started + total, stall);

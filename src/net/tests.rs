@@ -629,3 +629,19 @@ fn an_async_reply_that_stalls_is_cut_at_the_stall_timeout() {
     assert!(started.elapsed() < Duration::from_secs(20), "{err}");
     assert!(err.contains("the server sent nothing for"), "{err}");
 }
+
+/// `--debug` shows where a request went, never a credential the URL carries.
+#[test]
+fn the_debug_log_shows_no_password_or_credential_query_value() {
+    let u = reqwest::Url::parse(
+        "https://user:pw@pve:8006/api2/json/x?content=import&access_token=abc123&X-Amz-Signature=beef&ticket=PVE%3Aroot&apiKey=k",
+    )
+    .unwrap();
+    assert_eq!(
+        debug_url(&u),
+        "https://pve:8006/api2/json/x?content=import&access_token=redacted&X-Amz-Signature=redacted&ticket=redacted&apiKey=redacted"
+    );
+    let plain =
+        reqwest::Url::parse("http://127.0.0.1:9/image/abc/v1.11.2/metal-amd64.raw.xz").unwrap();
+    assert_eq!(debug_url(&plain), plain.as_str());
+}

@@ -279,10 +279,83 @@ pub async fn probe(target: &NodeEndpoint, timeout: Duration) -> Result<Probe, Ap
         .map_err(|_| ApiError::Timeout(timeout))?
 }
 
+/// The channel every call of a [`NodeClient`] goes through: with
+/// `--debug`, one line per call — the node, the method's path, the HTTP
+/// status and any `grpc-status` the reply's headers carry, the time to
+/// them. Never metadata or a message: the request log holds no secret.
+#[derive(Clone)]
+struct Logged {
+    channel: Channel,
+    addr: SocketAddr,
+}
+
+/// A call whose future was dropped before its reply (a timeout, an
+/// abandoned wait) says so in the `--debug` log.
+struct Unanswered {
+    what: Option<String>,
+    started: std::time::Instant,
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(what) = self.what.take() {
+            let took = self.started.elapsed().as_millis();
+            crate::net::debug_line(|| format!("{what} → no reply, abandoned after {took} ms"));
+        }
+    }
+}
+
+type HttpRequest = tonic::codegen::http::Request<tonic::body::Body>;
+type HttpResponse = tonic::codegen::http::Response<tonic::body::Body>;
+
+impl tower::Service<HttpRequest> for Logged {
+    type Response = HttpResponse;
+    type Error = tonic::transport::Error;
+    type Future = tonic::codegen::BoxFuture<HttpResponse, tonic::transport::Error>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.channel.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: HttpRequest) -> Self::Future {
+        if !crate::net::debugging() {
+            return Box::pin(self.channel.call(req));
+        }
+        let what = format!("gRPC {} {}", self.addr, req.uri().path());
+        let reply = self.channel.call(req);
+        Box::pin(async move {
+            let mut pending = Unanswered {
+                what: Some(what),
+                started: std::time::Instant::now(),
+            };
+            let reply = reply.await;
+            let what = pending.what.take().unwrap_or_default();
+            let took = pending.started.elapsed().as_millis();
+            crate::net::debug_line(|| match &reply {
+                Ok(r) => {
+                    let grpc = r
+                        .headers()
+                        .get("grpc-status")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<i32>().ok())
+                        .map(|c| format!(", grpc-status {c} ({:?})", tonic::Code::from(c)))
+                        .unwrap_or_default();
+                    format!("{what} → HTTP {}{grpc} in {took} ms", r.status())
+                }
+                Err(e) => format!("{what} → failed after {took} ms: {}", error_chain(e)),
+            });
+            reply
+        })
+    }
+}
+
 /// A connection to one node's API.
 #[derive(Clone)]
 pub struct NodeClient {
-    channel: Channel,
+    channel: Logged,
     endpoint: NodeEndpoint,
     insecure: bool,
     /// The target apid proxies every call to (`nodes` metadata), exactly as
@@ -320,7 +393,7 @@ impl NodeClient {
             .await
             .map_err(|e| classify(&e).unwrap_or_else(|| ApiError::Unreachable(error_chain(&e))))?;
         Ok(NodeClient {
-            channel,
+            channel: Logged { channel, addr },
             endpoint: target.clone(),
             insecure: matches!(mode, Mode::Maintenance { .. }),
             node: None,
@@ -375,7 +448,7 @@ impl NodeClient {
         err
     }
 
-    fn machine(&self) -> MachineServiceClient<Channel> {
+    fn machine(&self) -> MachineServiceClient<Logged> {
         MachineServiceClient::new(self.channel.clone())
     }
 

@@ -637,10 +637,11 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
     }
 }
 
-/// action.yml: a composite action with inputs `args` and `version` that
-/// caches the cargo registry and the build, installs with `cargo install
-/// --locked`, puts imgbuild on PATH and runs `imgbuild <args>`; every shell
-/// step is valid bash.
+/// action.yml: a composite action with inputs `args` and `version` that,
+/// when it builds from source (a commit, a branch, `uses: ./`), caches the
+/// cargo registry and the build and installs with `cargo install --locked`;
+/// puts imgbuild on PATH and runs `imgbuild <args>`; every shell step is
+/// valid bash. The release download: tests/cli/action_download.rs.
 #[test]
 fn the_action_installs_caches_and_runs_imgbuild() {
     let yaml = std::fs::read_to_string(root().join("action.yml")).unwrap();

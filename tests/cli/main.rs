@@ -8,11 +8,16 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod action_download;
 mod ci_matrix;
+mod cleanup_dry_run;
+mod debug;
 mod exit;
 mod hostile_input;
 mod hostile_output;
 mod hostile_state;
 mod hostile_streams;
 mod install;
+mod man_pages;
+mod output_yaml;
 mod progress;

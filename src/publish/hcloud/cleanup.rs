@@ -29,6 +29,12 @@ pub(super) fn delete_run(
         .collect()
 }
 
+/// What a run makes, in the order it is deleted: kind, API path, list key.
+const KINDS: [(&str, &str, &str); 2] = [
+    ("server", "/servers", "servers"),
+    ("ssh_key", "/ssh_keys", "ssh_keys"),
+];
+
 /// Deletes the servers, then the SSH keys (those of `kinds`), matching
 /// `selector` (and created before `before`, if given).
 pub(super) fn delete_selected(
@@ -41,34 +47,18 @@ pub(super) fn delete_selected(
 ) -> Vec<Result<Deleted, Leftover>> {
     let mut out = Vec::new();
     let never = Cancel::never();
-    for (kind, path, key) in [
-        ("server", "/servers", "servers"),
-        ("ssh_key", "/ssh_keys", "ssh_keys"),
-    ] {
+    for (kind, path, key) in KINDS {
         if !kinds.contains(&kind) {
             continue;
         }
-        let items = match api.list(path, key, &[("label_selector", selector.to_owned())]) {
-            Ok(items) => items,
-            Err(e) => {
-                out.push(Err(Leftover {
-                    kind,
-                    id: 0,
-                    error: format!("listing {path}: {e}"),
-                }));
+        let found = match listed(api, kind, path, key, selector, before) {
+            Ok(found) => found,
+            Err(l) => {
+                out.push(Err(l));
                 continue;
             }
         };
-        for item in items {
-            let Some(id) = item["id"].as_u64() else {
-                continue;
-            };
-            if let Some(before) = before
-                && created_at(&item).is_some_and(|t| t > before)
-            {
-                continue;
-            }
-            let name = item["name"].as_str().unwrap_or("").to_owned();
+        for Deleted { id, name, .. } in found {
             let mut last = None;
             for attempt in 0..4u32 {
                 match api.delete(&format!("{path}/{id}")) {
@@ -108,6 +98,39 @@ pub(super) fn delete_selected(
         }
     }
     out
+}
+
+/// The resources of one kind (at `path`, listed under `key`) matching
+/// `selector` and created before `before`: what [`delete_selected`]
+/// deletes and `cleanup --dry-run` shows.
+fn listed(
+    api: &Api,
+    kind: &'static str,
+    path: &str,
+    key: &str,
+    selector: &str,
+    before: Option<SystemTime>,
+) -> Result<Vec<Deleted>, Leftover> {
+    let items = api
+        .list(path, key, &[("label_selector", selector.to_owned())])
+        .map_err(|e| Leftover {
+            kind,
+            id: 0,
+            error: format!("listing {path}: {e}"),
+        })?;
+    Ok(items
+        .iter()
+        .filter_map(|item| {
+            let id = item["id"].as_u64()?;
+            if let Some(before) = before
+                && created_at(item).is_some_and(|t| t > before)
+            {
+                return None;
+            }
+            let name = item["name"].as_str().unwrap_or("").to_owned();
+            Some(Deleted { kind, id, name })
+        })
+        .collect())
 }
 
 /// This boot's part of [`OWNER_LABEL`], if the kernel tells its boot id.
@@ -206,8 +229,7 @@ pub fn cleanup(
     opts: &SnapshotOptions,
     observer: &dyn Observer,
 ) -> (Vec<Deleted>, Vec<Leftover>) {
-    let sel = format!("{}={},{RUN_LABEL}", MANAGED_BY.0, MANAGED_BY.1);
-    let before = (!older_than.is_zero()).then(|| SystemTime::now() - older_than);
+    let (sel, before) = cleanup_selection(older_than);
     let mut deleted = Vec::new();
     let mut left = Vec::new();
     for r in delete_selected(api, &sel, before, opts, observer, &["server", "ssh_key"]) {
@@ -217,4 +239,27 @@ pub fn cleanup(
         }
     }
     (deleted, left)
+}
+
+/// What [`cleanup`] looks for: every resource of any run, created at
+/// least `older_than` ago.
+fn cleanup_selection(older_than: Duration) -> (String, Option<SystemTime>) {
+    let sel = format!("{}={},{RUN_LABEL}", MANAGED_BY.0, MANAGED_BY.1);
+    let before = (!older_than.is_zero()).then(|| SystemTime::now() - older_than);
+    (sel, before)
+}
+
+/// `imgbuild cleanup --dry-run`: what [`cleanup`] would delete now, found
+/// as it finds it, nothing deleted; a listing that failed is a leftover.
+pub fn cleanup_candidates(api: &Api, older_than: Duration) -> (Vec<Deleted>, Vec<Leftover>) {
+    let (sel, before) = cleanup_selection(older_than);
+    let mut found = Vec::new();
+    let mut left = Vec::new();
+    for (kind, path, key) in KINDS {
+        match listed(api, kind, path, key, &sel, before) {
+            Ok(items) => found.extend(items),
+            Err(l) => left.push(l),
+        }
+    }
+    (found, left)
 }
