@@ -230,7 +230,13 @@ mod tests {
             Err(std::fs::TryLockError::WouldBlock)
         ));
         drop(held);
-        other.try_lock().unwrap();
+        // Free again; a process another test forks meanwhile holds a copy
+        // of the descriptor (and so the lock) until its exec closes it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while let Err(e) = other.try_lock() {
+            assert!(std::time::Instant::now() < deadline, "still locked: {e:?}");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         other.unlock().unwrap();
         drop(lock(&path).unwrap());
     }
