@@ -234,7 +234,10 @@ impl Kubeconfig {
             message,
         };
         let url = format!("{}{path}", self.server.trim_end_matches('/'));
-        let mut request = self.client(timeout)?.request(method, &url);
+        // The call timeout bounds the whole exchange, body included: a
+        // reply trickling inside the stall timeout ends with it (without
+        // it, the 10-minute request deadline applied).
+        let mut request = self.client(timeout)?.request(method, &url).timeout(timeout);
         if let Some((content_type, body)) = body {
             request = request
                 .header(reqwest::header::CONTENT_TYPE, content_type)
