@@ -289,6 +289,77 @@ pub(crate) mod tests {
     use super::*;
     use crate::talos::pki;
 
+    /// A Kubernetes API reply that trickles (a byte of chunked body every
+    /// 100 ms for 45 s, inside any stall timeout) ends at the call
+    /// timeout, not at the 10-minute request deadline.
+    #[test]
+    fn a_trickling_reply_ends_at_the_call_timeout() {
+        use std::io::Write;
+        use std::sync::Arc;
+        let ca = pki::new_ca(pki::KeyKind::EcdsaP256, "kubernetes", None, 1).unwrap();
+        let leaf = |server: bool| pki::LeafSpec {
+            organization: None,
+            common_name: "kube-apiserver".into(),
+            ips: vec!["127.0.0.1".parse().unwrap()],
+            dns_names: Vec::new(),
+            client: !server,
+            server,
+            days: 1,
+        };
+        let server = pki::issue(&ca, &leaf(true)).unwrap();
+        let admin = pki::issue(&ca, &leaf(false)).unwrap();
+        let config = Arc::new(
+            rustls::ServerConfig::builder_with_provider(crate::net::tls::provider())
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_no_client_auth()
+                .with_single_cert(
+                    pki::certs_der(&server.crt).unwrap(),
+                    pki::private_key_der(&server.key).unwrap(),
+                )
+                .unwrap(),
+        );
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for tcp in listener.incoming().flatten() {
+                let config = config.clone();
+                std::thread::spawn(move || {
+                    let conn = rustls::ServerConnection::new(config).unwrap();
+                    let mut tls = rustls::StreamOwned::new(conn, tcp);
+                    let mut head = [0u8; 4096];
+                    let _ = tls.read(&mut head);
+                    let _ = tls.write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
+                    );
+                    for _ in 0..450 {
+                        if tls
+                            .write_all(b"1\r\n \r\n")
+                            .and_then(|()| tls.flush())
+                            .is_err()
+                        {
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                });
+            }
+        });
+        let b = |s: &str| STANDARD.encode(s);
+        let kc = Kubeconfig::parse(&format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority-data: {}\nusers:\n- name: a\n  user:\n    client-certificate-data: {}\n    client-key-data: {}\ncontexts:\n- context:\n    cluster: t\n    user: a\n  name: a\ncurrent-context: a\n",
+            b(&ca.crt),
+            b(&admin.crt),
+            b(&admin.key)
+        ))
+        .unwrap();
+        let started = std::time::Instant::now();
+        let err = kc
+            .get_json("/api/v1/nodes", Duration::from_secs(1))
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(30), "{err}");
+    }
+
     /// An admin kubeconfig for `https://10.0.0.10:6443` with a fresh CA.
     pub(crate) fn sample() -> String {
         let b = |s: &str| STANDARD.encode(s);
