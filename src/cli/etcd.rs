@@ -78,10 +78,36 @@ pub fn run(args: EtcdArgs, config: &Path, output: Output) -> Result<()> {
         Some(file) => {
             imgbuild::atomic::check_out_target(&file)
                 .map_err(|e| super::output::Usage(format!("--out {}: {e}", file.display())))?;
-            if !args.force && std::fs::symlink_metadata(&file).is_ok() {
+            let record = etcd::record_path(&file);
+            imgbuild::atomic::check_out_target(&record)
+                .map_err(|e| super::output::Usage(format!("--out {}: {e}", record.display())))?;
+            if !args.force
+                && let Some(there) = [&file, &record]
+                    .into_iter()
+                    .find(|f| std::fs::symlink_metadata(f).is_ok())
+            {
                 return Err(super::output::Usage(format!(
-                    "--out {}: the file exists: --force replaces it",
-                    file.display()
+                    "--out {}: {} exists: --force replaces it",
+                    file.display(),
+                    there.display()
+                ))
+                .into());
+            }
+            // Never over the cluster's own files (secrets, configs, records).
+            let folder = |p: &Path| {
+                p.parent()
+                    .filter(|d| !d.as_os_str().is_empty())
+                    .unwrap_or(Path::new("."))
+                    .canonicalize()
+                    .ok()
+            };
+            if let (Some(out), Ok(state)) = (folder(&file), prepared.state_dir.path.canonicalize())
+                && out.starts_with(&state)
+            {
+                return Err(super::output::Usage(format!(
+                    "--out {}: inside the cluster's state dir {}, which holds its secrets: without --out the snapshot goes to its etcd folder (the newest --keep kept)",
+                    file.display(),
+                    prepared.state_dir.path.display()
                 ))
                 .into());
             }

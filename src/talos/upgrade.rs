@@ -1078,6 +1078,30 @@ mod tests {
     }
 
     #[test]
+    fn a_record_of_more_cordoned_nodes_than_a_run_leaves_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upgrades.json");
+        let with = |names: Vec<String>| {
+            std::fs::write(
+                &path,
+                serde_json::json!({"nodes": {}, "cordoned": names}).to_string(),
+            )
+            .unwrap();
+            Record::load(&path)
+        };
+        with((0..1000).map(|i| format!("n{i}")).collect()).unwrap();
+        let e = with((0..1001).map(|i| format!("n{i}")).collect())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("1001 cordoned nodes recorded (at most 1000)"),
+            "{e}"
+        );
+        let e = with(vec!["x".repeat(254)]).unwrap_err().to_string();
+        assert!(e.contains("is no node name"), "{e}");
+    }
+
+    #[test]
     fn the_record_answers_only_for_nodes_that_cannot_and_run_its_version() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("upgrades.json");

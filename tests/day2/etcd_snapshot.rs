@@ -252,11 +252,37 @@ fn v1_11_etcd_snapshot_writes_a_verified_file_and_keeps_the_newest_n() {
     };
     let o = again(&[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
-    assert!(text(&o.stderr).contains("the file exists: --force replaces it"));
+    assert!(text(&o.stderr).contains("db.snapshot exists: --force replaces it"));
     assert_eq!(std::fs::read(&out).unwrap(), before);
     let o = again(&["--force"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_whole_snapshot(&out);
+    // Its record alone is reason enough; and never into the state dir.
+    let other = c.dir.path().join("backup/other.snapshot");
+    std::fs::write(c.dir.path().join("backup/other.snapshot.sha256"), "mine\n").unwrap();
+    let o = imgbuild(
+        &c.config,
+        &["etcd", "snapshot", "--out", other.to_str().unwrap()],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("other.snapshot.sha256 exists"));
+    let secrets = c.dir.path().join(".talos/sim/secrets.yaml");
+    let kept = std::fs::read(&secrets).unwrap();
+    let o = imgbuild(
+        &c.config,
+        &[
+            "etcd",
+            "snapshot",
+            "--force",
+            "--out",
+            secrets.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("inside the cluster's state dir"));
+    assert_eq!(std::fs::read(&secrets).unwrap(), kept);
 
     // Into the state dir, the newest two kept; a file imgbuild did not
     // write (no record, or not its name) is never deleted.

@@ -88,11 +88,14 @@ fn reused_by<'a>(inv: &'a Inventory, r: &RemovedNode) -> Option<(&'a str, String
                 n.address
                     .map(|a| SocketAddr::new(a, crate::inventory::TALOS_API_PORT))
             });
-        if let Some(a) = r.address.filter(|a| Some(*a) == n.address) {
+        // `::ffff:10.0.0.22` is 10.0.0.22: compared in canonical form.
+        let same =
+            |a: IpAddr, b: Option<IpAddr>| b.is_some_and(|b| a.to_canonical() == b.to_canonical());
+        if let Some(a) = r.address.filter(|a| same(*a, n.address)) {
             return Some((n.name.as_str(), a.to_string()));
         }
         r.endpoint
-            .filter(|e| Some(*e) == reached)
+            .filter(|e| reached.is_some_and(|t| t.port() == e.port() && same(e.ip(), Some(t.ip()))))
             .map(|e| (n.name.as_str(), e.to_string()))
     })
 }
@@ -628,6 +631,12 @@ mod tests {
             .unwrap();
         w1.address = Some("10.0.0.21".parse().unwrap());
         w1.talos_endpoint = Some("10.0.0.22:50000".into());
+        assert!(matches!(
+            plan(&inv, &[gone.clone()], &healthy_view()),
+            Err(RemoveError::AddressReused { .. })
+        ));
+        // Or written as an IPv4-mapped IPv6 address.
+        gone.endpoint = Some("[::ffff:10.0.0.22]:50000".parse().unwrap());
         assert!(matches!(
             plan(&inv, &[gone], &healthy_view()),
             Err(RemoveError::AddressReused { .. })

@@ -105,6 +105,10 @@ pub struct Record {
 /// Talos has had fewer than 20.
 const MAX_PATH_HOPS: usize = 32;
 
+/// The most cordon entries a record may hold: a run records only the
+/// nodes it reboots, one at a time for control planes.
+const MAX_CORDONED: usize = 1000;
+
 /// Why the [`Record`] could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
@@ -148,7 +152,32 @@ impl Record {
             ))
         })?;
         record.check_paths(path)?;
+        record.check_cordoned(path)?;
         Ok(record)
+    }
+
+    /// The cordon entries are node names, as many as a cluster has nodes
+    /// at most: a record of thousands is not one a run wrote.
+    fn check_cordoned(&self, file: &Path) -> Result<(), RecordError> {
+        if self.cordoned.len() > MAX_CORDONED {
+            return Err(RecordError {
+                path: file.to_owned(),
+                why: format!(
+                    "{} cordoned nodes recorded (at most {MAX_CORDONED})",
+                    self.cordoned.len()
+                ),
+            });
+        }
+        match self.cordoned.iter().find(|n| n.is_empty() || n.len() > 253) {
+            Some(n) => Err(RecordError {
+                path: file.to_owned(),
+                why: format!(
+                    "{} among the cordoned nodes is no node name",
+                    crate::input::quote(n)
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// A path as [`path`] makes one: Talos versions, one a minor, the
