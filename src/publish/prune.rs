@@ -5,9 +5,12 @@
 //!   or `former_nodes`), that no VM references (drives, `import-from`,
 //!   cdroms, imgbuild's `imgbuild-volume` record), beyond the newest
 //!   `keep` per Proxmox node, storage, content and node;
-//! - Hetzner snapshots with imgbuild's labels and description and the
-//!   cluster's `publish.hcloud.labels`, that no server boots from, beyond
-//!   the newest `keep` per base schematic and architecture;
+//! - Hetzner snapshots with imgbuild's labels and description, the
+//!   cluster's `publish.hcloud.labels` and its `imgbuild-cluster` label
+//!   (the whole value, as its servers carry it), that no server boots
+//!   from, beyond the newest `keep` per base schematic and architecture.
+//!   Those without any cluster label (published before snapshots carried
+//!   one) are listed in [`PrunePlan::unowned`] and never deleted;
 //! - download cache entries (`<cache>/images/<key>/`) that the out dir's
 //!   `manifest.json` does not reference (its `sourceUrl`s name them): a
 //!   PXE run's kernels and initramfs are not in it, so they go and are
@@ -124,6 +127,11 @@ pub struct PrunePlan {
     pub delete: Vec<Pruned>,
     /// How many items were found and stay (used, or among the newest).
     pub kept: usize,
+    /// Found, but not provably this cluster's, so never deleted: Hetzner
+    /// snapshots of imgbuild's without a cluster label. Deleting one is
+    /// the user's call (`hcloud image delete <id>`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unowned: Vec<Item>,
 }
 
 /// What [`prune`] did.
@@ -219,9 +227,11 @@ pub fn plan(scope: &PruneScope) -> Result<PrunePlan, PruneError> {
             }
         }
         Target::Hcloud(t) => {
-            let snapshots = cluster_snapshots(&t.api()?, &t.settings.labels)?;
+            let found = cluster_snapshots(&t.api()?, &scope.inv.cluster.name, &t.settings.labels)?;
+            plan.unowned
+                .extend(found.unowned.into_iter().map(Item::HcloudSnapshot));
             let (snapshots, kept) = beyond_newest(
-                snapshots,
+                found.cluster,
                 scope.keep,
                 |s| (s.schematic.clone(), s.arch.clone()),
                 |s| (s.created.clone(), s.id),
@@ -283,7 +293,9 @@ pub fn prune_until(scope: &PruneScope, plan: &PrunePlan, cancel: &Cancel) -> Pru
             (Item::ProxmoxVolume(v), Target::Proxmox(t)) => {
                 delete_volume(&t.credentials, v, &scope.delete).map_err(|e| e.to_string())
             }
-            (Item::HcloudSnapshot(s), Target::Hcloud(t)) => hcloud_delete(t, s.id),
+            (Item::HcloudSnapshot(s), Target::Hcloud(t)) => {
+                hcloud_delete(t, &scope.inv.cluster.name, s.id)
+            }
             (Item::CacheEntry(e), _) => delete_entry(scope, e),
             _ => Err("the plan is for another target".to_owned()),
         };
@@ -295,9 +307,9 @@ pub fn prune_until(scope: &PruneScope, plan: &PrunePlan, cancel: &Cancel) -> Pru
     report
 }
 
-fn hcloud_delete(t: &HcloudTarget, id: u64) -> Result<(), String> {
+fn hcloud_delete(t: &HcloudTarget, cluster: &str, id: u64) -> Result<(), String> {
     let api = t.api().map_err(|e| e.to_string())?;
-    delete_snapshot(&api, id).map_err(|e| e.to_string())
+    delete_snapshot(&api, cluster, id).map_err(|e| e.to_string())
 }
 
 /// The name the cache gives a URL's entry (see `fetch`).
