@@ -217,7 +217,7 @@ fn keep_1_leaves_what_machines_use_plus_the_newest_and_nothing_of_anyone_else() 
     assert_eq!(planned.len(), 1, "{v}");
     assert_eq!(planned[0]["why"]["reason"], "nodeGone", "{v}");
     let volid = planned[0]["item"]["volid"].as_str().unwrap();
-    assert!(volid.contains("-cp-02-v1.11.5-"), "{volid}");
+    assert!(volid.contains("_cp-02-v1.11.5-"), "{volid}");
 }
 
 /// Killed with a volume's delete task in flight, then run again at once

@@ -422,8 +422,9 @@ fn confirm_gone(api: &Api, pve: &str, vmid: u32, volumes: &[String]) -> Result<(
 }
 
 /// One import volume or ISO an imgbuild upload made for the cluster, as
-/// its name says (`<cluster>-<node>-<talos>-<sha12>.<ext>`, see
-/// [`super::volume_file`]).
+/// its name proves (`<cluster>_<node>-<talos>-<sha12>.<ext>`, see
+/// [`super::volume_file`], or an older name only one cluster and node can
+/// have written: see [`parse_upload`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StoredVolume {
@@ -446,7 +447,14 @@ pub struct StoredVolume {
 
 /// Reads a stored file name as imgbuild's upload scheme writes it for
 /// `cluster` and one of `nodes`: the node and the Talos version, or None
-/// for any other name. Names are compared as the server normalises them.
+/// for any other name.
+///
+/// `<cluster>_<node>-<talos>-<sha12>.<ext>` names its cluster exactly (no
+/// DNS label holds `_`). A name of the scheme before it,
+/// `<cluster>-<node>-…`, counts only when its `<cluster>-<node>` splits
+/// into two DNS labels in one way alone: `lab-cp-01` could be cluster `lab`
+/// with node `cp-01` or cluster `lab-cp` with node `01`, so it is nobody's
+/// (listed by neither, deleted by neither).
 pub(super) fn parse_upload(
     file: &str,
     content: &str,
@@ -461,28 +469,40 @@ pub(super) fn parse_upload(
     };
     let (rest, sha) = stem.rsplit_once('-')?;
     let hex = sha.len() == 12 && sha.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-    let rest = rest.strip_prefix(&format!("{}-", normalise(cluster)))?;
     if !(ext_ok && hex) {
         return None;
     }
-    nodes.iter().find_map(|node| {
-        let talos = rest.strip_prefix(&format!("{}-", normalise(node)))?;
-        talos_version(talos).then(|| (node.clone(), talos.to_owned()))
-    })
+    let (owner, talos) = split_version(rest)?;
+    let (c, node) = match owner.split_once(super::upload::UPLOAD_SEPARATOR) {
+        Some(pair) => pair,
+        None => only_split(owner)?,
+    };
+    (c == cluster && nodes.contains(node) && talos_version(talos))
+        .then(|| (node.to_owned(), talos.to_owned()))
 }
 
-/// pveproxy's file name rule: every character outside `[a-zA-Z0-9_.-]`
-/// becomes `_` (as [`super::volume_file`] writes names).
-fn normalise(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+/// `<owner>-<talos>` split at the hyphen before the version's first `.`
+/// (no cluster or node name holds a `.`).
+fn split_version(s: &str) -> Option<(&str, &str)> {
+    let dot = s.find('.')?;
+    let at = s[..dot].rfind('-')?;
+    Some((&s[..at], &s[at + 1..]))
+}
+
+/// The one way `text` splits at a `-` into two DNS labels, when there is
+/// exactly one.
+fn only_split(text: &str) -> Option<(&str, &str)> {
+    let mut splits = text
+        .match_indices('-')
+        .map(|(i, _)| (&text[..i], &text[i + 1..]))
+        .filter(|(a, b)| dns_label(a) && dns_label(b));
+    let first = splits.next()?;
+    splits.next().is_none().then_some(first)
+}
+
+/// A cluster or node name as the inventory takes it.
+fn dns_label(s: &str) -> bool {
+    crate::inventory::is_node_name(s)
 }
 
 /// `v<major>.<minor>.<patch>` with an optional pre-release suffix.
@@ -650,14 +670,14 @@ mod tests {
     #[test]
     fn only_names_of_the_scheme_for_this_cluster_and_its_nodes_parse() {
         let n = nodes(&["cp-01", "dev-cp-01"]);
-        let ok = "atlas-cp-01-v1.11.2-0123456789ab.raw";
+        let ok = "atlas_cp-01-v1.11.2-0123456789ab.raw";
         assert_eq!(
             parse_upload(ok, "import", "atlas", &n),
             Some(("cp-01".into(), "v1.11.2".into()))
         );
         assert_eq!(
             parse_upload(
-                "atlas-cp-01-v1.12.0-beta.1-0123456789ab.iso",
+                "atlas_cp-01-v1.12.0-beta.1-0123456789ab.iso",
                 "iso",
                 "atlas",
                 &n
@@ -665,23 +685,57 @@ mod tests {
             Some(("cp-01".into(), "v1.12.0-beta.1".into()))
         );
         for bad in [
-            "atlas-cp-01-v1.11.2-0123456789ab.iso",  // not an import
-            "atlas-cp-01-v1.11.2-0123456789a.raw",   // 11 hex
-            "atlas-cp-01-v1.11.2-0123456789AB.raw",  // not as written
-            "atlas-cp-09-v1.11.2-0123456789ab.raw",  // no such node
-            "atlas2-cp-01-v1.11.2-0123456789ab.raw", // another cluster
-            "atlas-cp-01-latest-0123456789ab.raw",   // no version
-            "talos-v1.11.2-nocloud-amd64.raw",       // someone else's
+            "atlas_cp-01-v1.11.2-0123456789ab.iso",     // not an import
+            "atlas_cp-01-v1.11.2-0123456789a.raw",      // 11 hex
+            "atlas_cp-01-v1.11.2-0123456789AB.raw",     // not as written
+            "atlas_cp-09-v1.11.2-0123456789ab.raw",     // no such node
+            "atlas2_cp-01-v1.11.2-0123456789ab.raw",    // another cluster
+            "atlas-dev_cp-01-v1.11.2-0123456789ab.raw", // another cluster
+            "atlas_cp-01-latest-0123456789ab.raw",      // no version
+            "talos-v1.11.2-nocloud-amd64.raw",          // someone else's
         ] {
             assert_eq!(parse_upload(bad, "import", "atlas", &n), None, "{bad}");
         }
-        // "atlas-dev" is another cluster; its cp-01 is not atlas's dev-cp-01
-        // unless atlas has such a node, which it does here.
-        let other = "atlas-dev-cp-01-v1.11.2-0123456789ab.raw";
+    }
+
+    #[test]
+    fn names_that_overlap_as_text_belong_to_one_cluster_only() {
+        // Cluster `a` with node `b-c`, and cluster `a-b` with node `c`.
+        let (a, ab) = (nodes(&["b-c"]), nodes(&["c"]));
+        let of_a = "a_b-c-v1.11.2-0123456789ab.raw";
+        let of_ab = "a-b_c-v1.11.2-0123456789ab.raw";
         assert_eq!(
-            parse_upload(other, "import", "atlas", &nodes(&["cp-01"])),
+            parse_upload(of_a, "import", "a", &a),
+            Some(("b-c".into(), "v1.11.2".into()))
+        );
+        assert_eq!(parse_upload(of_a, "import", "a-b", &ab), None);
+        assert_eq!(
+            parse_upload(of_ab, "import", "a-b", &ab),
+            Some(("c".into(), "v1.11.2".into()))
+        );
+        assert_eq!(parse_upload(of_ab, "import", "a", &a), None);
+        // The scheme before: `a-b-c-…` is either's, so neither's.
+        let old = "a-b-c-v1.11.2-0123456789ab.raw";
+        assert_eq!(parse_upload(old, "import", "a", &a), None);
+        assert_eq!(parse_upload(old, "import", "a-b", &ab), None);
+        // One only one cluster and node can have written still counts.
+        let plain = "atlas-worker-v1.11.2-0123456789ab.raw";
+        assert_eq!(
+            parse_upload(plain, "import", "atlas", &nodes(&["worker"])),
+            Some(("worker".into(), "v1.11.2".into()))
+        );
+        let hyphens = "atlas-cp-01-v1.11.2-0123456789ab.raw";
+        assert_eq!(
+            parse_upload(hyphens, "import", "atlas", &nodes(&["cp-01"])),
             None
         );
+        // No label starts or ends with `-`: `a--b-c` splits one way only.
+        let double = "a--b-c-v1.11.2-0123456789ab.raw";
+        assert_eq!(
+            parse_upload(double, "import", "a--b", &nodes(&["c"])),
+            Some(("c".into(), "v1.11.2".into()))
+        );
+        assert_eq!(parse_upload(double, "import", "a", &nodes(&["-b-c"])), None);
     }
 
     #[test]
