@@ -343,7 +343,29 @@ fn clusters_whose_names_overlap_as_text_prune_and_go_down_without_touching_each_
     let (lab_files, lab_b_files) = (of("lab"), of("lab-b"));
     assert_eq!((lab_files.len(), lab_b_files.len()), (1, 2), "{all:?}");
 
-    // lab's prune, keeping nothing unused: nothing of lab-b's goes.
+    // lab's prune, keeping nothing unused: nothing of lab-b's goes, and
+    // the old-scheme name is listed as not provably lab's.
+    let o = run(
+        &lab,
+        &pve,
+        &[
+            "prune",
+            "--no-cache",
+            "--keep",
+            "0",
+            "--dry-run",
+            "--output",
+            "json",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["plan"]["delete"], serde_json::json!([]), "{v}");
+    assert_eq!(
+        v["plan"]["unowned"][0]["volid"],
+        format!("local:import/{ambiguous}"),
+        "{v}"
+    );
     let o = run(
         &lab,
         &pve,

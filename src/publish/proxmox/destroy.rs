@@ -424,7 +424,7 @@ fn confirm_gone(api: &Api, pve: &str, vmid: u32, volumes: &[String]) -> Result<(
 /// One import volume or ISO an imgbuild upload made for the cluster, as
 /// its name proves (`<cluster>_<node>-<talos>-<sha12>.<ext>`, see
 /// [`super::volume_file`], or an older name only one cluster and node can
-/// have written: see [`parse_upload`]).
+/// have written: see [`claim_upload`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StoredVolume {
@@ -445,22 +445,32 @@ pub struct StoredVolume {
     pub used_by: Vec<u32>,
 }
 
+/// How a stored file name relates to the cluster.
+#[derive(Debug, PartialEq, Eq)]
+enum Claim {
+    /// Provably the cluster's upload for the node, at the Talos version.
+    Ours(String, String),
+    /// A name of the old scheme that reads as the cluster's for the node,
+    /// and as another cluster's too: nobody's to delete.
+    Ambiguous(String, String),
+}
+
 /// Reads a stored file name as imgbuild's upload scheme writes it for
-/// `cluster` and one of `nodes`: the node and the Talos version, or None
-/// for any other name.
+/// `cluster` and one of `nodes`: the node and the Talos version, as a
+/// [`Claim`], or None for any other name.
 ///
 /// `<cluster>_<node>-<talos>-<sha12>.<ext>` names its cluster exactly (no
 /// DNS label holds `_`). A name of the scheme before it,
-/// `<cluster>-<node>-…`, counts only when its `<cluster>-<node>` splits
-/// into two DNS labels in one way alone: `lab-cp-01` could be cluster `lab`
-/// with node `cp-01` or cluster `lab-cp` with node `01`, so it is nobody's
-/// (listed by neither, deleted by neither).
-pub(super) fn parse_upload(
+/// `<cluster>-<node>-…`, is the cluster's only when its `<cluster>-<node>`
+/// splits into two DNS labels in one way alone: `lab-cp-01` could be
+/// cluster `lab` with node `cp-01` or cluster `lab-cp` with node `01`, so
+/// it is [`Claim::Ambiguous`] (listed, deleted by neither).
+fn claim_upload(
     file: &str,
     content: &str,
     cluster: &str,
     nodes: &BTreeSet<String>,
-) -> Option<(String, String)> {
+) -> Option<Claim> {
     let (stem, ext) = file.rsplit_once('.')?;
     let ext_ok = match content {
         "import" => matches!(ext, "raw" | "qcow2"),
@@ -473,12 +483,28 @@ pub(super) fn parse_upload(
         return None;
     }
     let (owner, talos) = split_version(rest)?;
-    let (c, node) = match owner.split_once(super::upload::UPLOAD_SEPARATOR) {
-        Some(pair) => pair,
-        None => only_split(owner)?,
+    if !talos_version(talos) {
+        return None;
+    }
+    let claim = |node: &str| {
+        nodes
+            .contains(node)
+            .then(|| (node.to_owned(), talos.to_owned()))
     };
-    (c == cluster && nodes.contains(node) && talos_version(talos))
-        .then(|| (node.to_owned(), talos.to_owned()))
+    if let Some((c, node)) = owner.split_once(super::upload::UPLOAD_SEPARATOR) {
+        return (c == cluster)
+            .then(|| claim(node))
+            .flatten()
+            .map(|(n, t)| Claim::Ours(n, t));
+    }
+    if let Some((c, node)) = only_split(owner) {
+        return (c == cluster)
+            .then(|| claim(node))
+            .flatten()
+            .map(|(n, t)| Claim::Ours(n, t));
+    }
+    let node = owner.strip_prefix(cluster)?.strip_prefix('-')?;
+    claim(node).map(|(n, t)| Claim::Ambiguous(n, t))
 }
 
 /// `<owner>-<talos>` split at the hyphen before the version's first `.`
@@ -529,6 +555,29 @@ pub fn cluster_volumes(
     nodes: &BTreeSet<String>,
     retry: RetryPolicy,
 ) -> Result<Vec<StoredVolume>, ProxmoxError> {
+    Ok(cluster_uploads(creds, storage, cluster, nodes, retry)?.ours)
+}
+
+/// What [`cluster_uploads`] finds.
+#[derive(Debug, Clone, Default)]
+pub struct Uploads {
+    /// Provably the cluster's ([`cluster_volumes`]).
+    pub ours: Vec<StoredVolume>,
+    /// Named by the old scheme as the cluster's for one of its nodes, but
+    /// as another cluster's as well (see [`claim_upload`]): never deleted,
+    /// only listed.
+    pub ambiguous: Vec<StoredVolume>,
+}
+
+/// [`cluster_volumes`], and the uploads whose old-scheme name could be the
+/// cluster's or another's. Only reads.
+pub fn cluster_uploads(
+    creds: &Credentials,
+    storage: &str,
+    cluster: &str,
+    nodes: &BTreeSet<String>,
+    retry: RetryPolicy,
+) -> Result<Uploads, ProxmoxError> {
     let api = Api::new(creds, retry)?;
     let mut used: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     for l in all_vms(&api)? {
@@ -537,7 +586,7 @@ pub fn cluster_volumes(
         }
     }
     let pves = api.get("listing nodes", "/nodes")?;
-    let mut out: Vec<StoredVolume> = Vec::new();
+    let mut out = Uploads::default();
     let mut shared_seen = false;
     for pve in pves
         .as_array()
@@ -575,10 +624,12 @@ pub fn cluster_volumes(
             let Some(file) = volid.strip_prefix(&prefix) else {
                 continue;
             };
-            let Some((node, talos_version)) = parse_upload(file, content, cluster, nodes) else {
-                continue;
+            let (list, (node, talos_version)) = match claim_upload(file, content, cluster, nodes) {
+                Some(Claim::Ours(node, talos)) => (&mut out.ours, (node, talos)),
+                Some(Claim::Ambiguous(node, talos)) => (&mut out.ambiguous, (node, talos)),
+                None => continue,
             };
-            out.push(StoredVolume {
+            list.push(StoredVolume {
                 pve_node: pve.to_owned(),
                 storage: storage.to_owned(),
                 volid: volid.to_owned(),
@@ -663,6 +714,19 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The node and version when the name is provably the cluster's.
+    fn parse_upload(
+        file: &str,
+        content: &str,
+        cluster: &str,
+        nodes: &BTreeSet<String>,
+    ) -> Option<(String, String)> {
+        match claim_upload(file, content, cluster, nodes)? {
+            Claim::Ours(node, talos) => Some((node, talos)),
+            Claim::Ambiguous(..) => None,
+        }
+    }
+
     fn nodes(list: &[&str]) -> BTreeSet<String> {
         list.iter().map(|s| (*s).to_owned()).collect()
     }
@@ -718,6 +782,8 @@ mod tests {
         let old = "a-b-c-v1.11.2-0123456789ab.raw";
         assert_eq!(parse_upload(old, "import", "a", &a), None);
         assert_eq!(parse_upload(old, "import", "a-b", &ab), None);
+        let listed = Claim::Ambiguous("c".into(), "v1.11.2".into());
+        assert_eq!(claim_upload(old, "import", "a-b", &ab), Some(listed));
         // One only one cluster and node can have written still counts.
         let plain = "atlas-worker-v1.11.2-0123456789ab.raw";
         assert_eq!(
