@@ -188,7 +188,7 @@ pub fn for_cluster(settings: &HcloudSettings, cluster: &str) -> HcloudSettings {
     let mut settings = settings.clone();
     settings
         .labels
-        .insert(servers::CLUSTER_LABEL.to_owned(), cluster.to_owned());
+        .insert(types::CLUSTER_LABEL.to_owned(), cluster.to_owned());
     settings
 }
 

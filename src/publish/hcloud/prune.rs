@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use super::api::Api;
 use super::error::HcloudError;
-use super::servers::CLUSTER_LABEL;
+use super::types::CLUSTER_LABEL;
 
 /// One snapshot imgbuild published for the cluster.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -223,7 +223,7 @@ fn a_clusters_snapshots_carry_its_label_and_it_reuses_only_its_own() {
         servers: None,
     };
     let a = published_labels(&image(), &for_cluster(&settings, "a"));
-    assert_eq!(a[servers::CLUSTER_LABEL], "a");
+    assert_eq!(a[types::CLUSTER_LABEL], "a");
     assert_eq!(a["team"], "infra");
     assert_eq!(a["image-sha256"], "ab".repeat(16));
     // What a publish selects an existing snapshot by: another cluster's,
