@@ -160,6 +160,38 @@ pub fn snapshot_labels(image: &SnapshotImage) -> BTreeMap<String, String> {
     ])
 }
 
+/// The labels a new snapshot of `image` carries and a publish selects an
+/// existing one by: its content's ([`snapshot_labels`]) and the
+/// inventory's `publish.hcloud.labels`, which [`for_cluster`] gives the
+/// cluster's own label. So a cluster reuses only a snapshot that is its
+/// own: another cluster's may be pruned by that cluster once none of its
+/// servers boots from it, and one without a cluster label is nobody's to
+/// prune, so it would never go.
+pub fn published_labels(
+    image: &SnapshotImage,
+    settings: &HcloudSettings,
+) -> BTreeMap<String, String> {
+    let mut labels = settings.labels.clone();
+    // imgbuild's own win (validation refuses a clash anyway).
+    labels.extend(snapshot_labels(image));
+    labels
+}
+
+/// `settings` with the label that makes the snapshots published with them
+/// `cluster`'s (`imgbuild-cluster=<cluster>`, the label its servers carry):
+/// what `prune` deletes ([`prune::cluster_snapshots`]). The cluster's name
+/// rather than an ID: it is what its servers are found by, a label value
+/// is compared whole (no two names claim each other's), and it is known
+/// wherever a publish or prune runs (the Talos cluster ID lives in the
+/// secrets, which `publish` and `prune` need not open).
+pub fn for_cluster(settings: &HcloudSettings, cluster: &str) -> HcloudSettings {
+    let mut settings = settings.clone();
+    settings
+        .labels
+        .insert(types::CLUSTER_LABEL.to_owned(), cluster.to_owned());
+    settings
+}
+
 /// A label selector matching every label in `labels` exactly.
 pub fn selector(labels: &BTreeMap<String, String>) -> String {
     labels
@@ -222,7 +254,7 @@ fn publish_snapshot(
     cancel: &Cancel,
     observer: &dyn Observer,
 ) -> SnapshotOutcome {
-    let labels = snapshot_labels(image);
+    let labels = published_labels(image, settings);
     let found = build_types(api, settings, image.arch).and_then(|types| {
         let found = find_fitting(api, &labels, &types, observer)?;
         Ok((types, found))
@@ -322,7 +354,7 @@ pub fn find_snapshot(
     image: &SnapshotImage,
 ) -> Result<Option<u64>, HcloudError> {
     let types = build_types(api, settings, image.arch)?;
-    let found = find_fitting(api, &snapshot_labels(image), &types, &Quiet)?;
+    let found = find_fitting(api, &published_labels(image, settings), &types, &Quiet)?;
     Ok(found.map(|(id, _)| id))
 }
 
@@ -519,8 +551,7 @@ impl Build<'_> {
         })?;
         self.observer.event(&Event::PoweredOff);
 
-        let mut labels = self.labels.clone();
-        labels.extend(self.settings.labels.clone());
+        let labels = self.labels.clone();
         let description = description(self.image);
         self.observer.event(&Event::Snapshotting);
         let reply = self.api.post(

@@ -4,10 +4,15 @@
 //!   this cluster and one of its nodes (the inventory's, the VM records',
 //!   or `former_nodes`), that no VM references (drives, `import-from`,
 //!   cdroms, imgbuild's `imgbuild-volume` record), beyond the newest
-//!   `keep` per Proxmox node, storage, content and node;
-//! - Hetzner snapshots with imgbuild's labels and description and the
-//!   cluster's `publish.hcloud.labels`, that no server boots from, beyond
-//!   the newest `keep` per base schematic and architecture;
+//!   `keep` per Proxmox node, storage, content and node. One whose name is
+//!   of the old scheme and could be another cluster's too is listed in
+//!   [`PrunePlan::unowned`], never deleted;
+//! - Hetzner snapshots with imgbuild's labels and description, the
+//!   cluster's `publish.hcloud.labels` and its `imgbuild-cluster` label
+//!   (the whole value, as its servers carry it), that no server boots
+//!   from, beyond the newest `keep` per base schematic and architecture.
+//!   Those without any cluster label (published before snapshots carried
+//!   one) are listed in [`PrunePlan::unowned`] and never deleted;
 //! - download cache entries (`<cache>/images/<key>/`) that the out dir's
 //!   `manifest.json` does not reference (its `sourceUrl`s name them): a
 //!   PXE run's kernels and initramfs are not in it, so they go and are
@@ -29,7 +34,7 @@ use super::hcloud::HcloudError;
 use super::hcloud::prune::{ClusterSnapshot, cluster_snapshots, delete_snapshot};
 use super::proxmox::ProxmoxError;
 use super::proxmox::destroy::{
-    DeleteOptions, StoredVolume, cluster_vms, cluster_volumes, delete_volume,
+    DeleteOptions, StoredVolume, Uploads, cluster_uploads, cluster_vms, delete_volume,
 };
 use super::target::{HcloudTarget, ProxmoxTarget, Target};
 use crate::build::Manifest;
@@ -124,6 +129,12 @@ pub struct PrunePlan {
     pub delete: Vec<Pruned>,
     /// How many items were found and stay (used, or among the newest).
     pub kept: usize,
+    /// Found, but not provably this cluster's, so never deleted: Hetzner
+    /// snapshots of imgbuild's without a cluster label, and Proxmox
+    /// uploads whose old-scheme name (`<cluster>-<node>-…`) reads as this
+    /// cluster's and as another's. Deleting one is the user's call.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unowned: Vec<Item>,
 }
 
 /// What [`prune`] did.
@@ -193,7 +204,11 @@ pub fn plan(scope: &PruneScope) -> Result<PrunePlan, PruneError> {
         Target::Proxmox(t) => {
             // A node gone from the inventory keeps nothing but what a VM
             // still uses: no machine of its will be made again.
-            let (current, former): (Vec<_>, Vec<_>) = proxmox_volumes(scope, t)?
+            let uploads = proxmox_volumes(scope, t)?;
+            plan.unowned
+                .extend(uploads.ambiguous.into_iter().map(Item::ProxmoxVolume));
+            let (current, former): (Vec<_>, Vec<_>) = uploads
+                .ours
                 .into_iter()
                 .partition(|v| scope.inv.nodes.iter().any(|n| n.name == v.node));
             for (volumes, keep, why) in [(current, scope.keep, old), (former, 0, Why::NodeGone)] {
@@ -219,9 +234,11 @@ pub fn plan(scope: &PruneScope) -> Result<PrunePlan, PruneError> {
             }
         }
         Target::Hcloud(t) => {
-            let snapshots = cluster_snapshots(&t.api()?, &t.settings.labels)?;
+            let found = cluster_snapshots(&t.api()?, &scope.inv.cluster.name, &t.settings.labels)?;
+            plan.unowned
+                .extend(found.unowned.into_iter().map(Item::HcloudSnapshot));
             let (snapshots, kept) = beyond_newest(
-                snapshots,
+                found.cluster,
                 scope.keep,
                 |s| (s.schematic.clone(), s.arch.clone()),
                 |s| (s.created.clone(), s.id),
@@ -247,10 +264,7 @@ pub fn plan(scope: &PruneScope) -> Result<PrunePlan, PruneError> {
 
 /// The cluster's uploads in the target's storage, with the nodes whose
 /// names count: the inventory's, the VM records', and the former ones.
-fn proxmox_volumes(
-    scope: &PruneScope,
-    t: &ProxmoxTarget,
-) -> Result<Vec<StoredVolume>, ProxmoxError> {
+fn proxmox_volumes(scope: &PruneScope, t: &ProxmoxTarget) -> Result<Uploads, ProxmoxError> {
     let cluster = &scope.inv.cluster.name;
     let retry = scope.delete.retry;
     let mut nodes: BTreeSet<String> = scope.inv.nodes.iter().map(|n| n.name.clone()).collect();
@@ -260,7 +274,7 @@ fn proxmox_volumes(
             .into_iter()
             .map(|vm| vm.node),
     );
-    cluster_volumes(&t.credentials, &t.settings.storage, cluster, &nodes, retry)
+    cluster_uploads(&t.credentials, &t.settings.storage, cluster, &nodes, retry)
 }
 
 /// Deletes what `plan` lists, each item checked again first (no VM or
@@ -283,7 +297,9 @@ pub fn prune_until(scope: &PruneScope, plan: &PrunePlan, cancel: &Cancel) -> Pru
             (Item::ProxmoxVolume(v), Target::Proxmox(t)) => {
                 delete_volume(&t.credentials, v, &scope.delete).map_err(|e| e.to_string())
             }
-            (Item::HcloudSnapshot(s), Target::Hcloud(t)) => hcloud_delete(t, s.id),
+            (Item::HcloudSnapshot(s), Target::Hcloud(t)) => {
+                hcloud_delete(t, &scope.inv.cluster.name, s.id)
+            }
             (Item::CacheEntry(e), _) => delete_entry(scope, e),
             _ => Err("the plan is for another target".to_owned()),
         };
@@ -295,9 +311,9 @@ pub fn prune_until(scope: &PruneScope, plan: &PrunePlan, cancel: &Cancel) -> Pru
     report
 }
 
-fn hcloud_delete(t: &HcloudTarget, id: u64) -> Result<(), String> {
+fn hcloud_delete(t: &HcloudTarget, cluster: &str, id: u64) -> Result<(), String> {
     let api = t.api().map_err(|e| e.to_string())?;
-    delete_snapshot(&api, id).map_err(|e| e.to_string())
+    delete_snapshot(&api, cluster, id).map_err(|e| e.to_string())
 }
 
 /// The name the cache gives a URL's entry (see `fetch`).

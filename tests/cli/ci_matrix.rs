@@ -496,7 +496,7 @@ fn the_documented_workflows_run_and_one_entry_publishes_exactly_its_artifact() {
     assert_eq!(built, ["worker-02"], "only this artifact's node is built");
     let sha = manifest["images"]["worker-02"]["sha256"].as_str().unwrap();
     // A raw image crosses the wire as qcow2 (publish.proxmox.upload).
-    let volume = format!("lab-worker-02-v1.11.2-{}.qcow2", &sha[..12]);
+    let volume = format!("lab_worker-02-v1.11.2-{}.qcow2", &sha[..12]);
     assert_eq!(published[0]["volid"], format!("local:import/{volume}"));
     assert!(
         pve.stored(&volume).is_file(),

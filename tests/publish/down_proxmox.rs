@@ -283,3 +283,116 @@ fn delete_vm_stops_hard_after_a_failed_shutdown_and_refuses_a_vm_not_ours() {
     assert!(e.to_string().contains("left as it is"), "{e}");
     assert!(exists(&pve, 300));
 }
+
+/// The VMs of the simulator, by vmid.
+fn vmids(pve: &Pve) -> Vec<u64> {
+    let (code, v) = pve.curl("/cluster/resources?type=vm", &[]);
+    assert_eq!(code, 200, "{v}");
+    let mut ids: Vec<u64> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|vm| vm["vmid"].as_u64().unwrap())
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// Cluster `lab` with node `b-cp-01` and cluster `lab-b` with node `cp-01`
+/// on one Proxmox: `<cluster>-<node>` reads `lab-b-cp-01` for both. Each
+/// one's prune and down touch only its own VMs and uploads; an upload of
+/// the old scheme that either could have made is neither's.
+#[test]
+fn clusters_whose_names_overlap_as_text_prune_and_go_down_without_touching_each_other() {
+    let sim = Sim::start(&[]);
+    let pve = Pve::start(&[]);
+    let lab = Work::new(
+        &Inventory::loopback()
+            .proxmox(true)
+            .replace("name: loopback", "name: lab")
+            .replace("name: cp-01", "name: b-cp-01"),
+    );
+    let lab_b = Work::new(
+        &Inventory::loopback()
+            .proxmox(true)
+            .replace("name: loopback", "name: lab-b")
+            .replace("firstId: 300", "firstId: 400"),
+    );
+    publish(&lab, &sim, &pve, &["b-cp-01"]);
+    publish(&lab_b, &sim, &pve, &["cp-02"]);
+    // lab-b stages cp-01's image in storage only: no VM uses it, so a prune
+    // (of the wrong cluster) would take it.
+    let vm_line = "    vm: {storage: local-lvm, firstId: 400, diskSize: 10, memory: 2048}\n";
+    lab_b.edit(vm_line, "");
+    publish(&lab_b, &sim, &pve, &["cp-01"]);
+    lab_b.edit("    upload: raw\n", &format!("    upload: raw\n{vm_line}"));
+    let ambiguous = "lab-b-cp-01-v1.11.2-0123456789ab.raw";
+    foreign_upload(&pve, lab.dir.path(), ambiguous);
+    let all = imports(&pve);
+    assert_eq!(all.len(), 4, "{all:?}");
+    let (lab_vms, lab_b_vms) = match vmids(&pve)[..] {
+        [a, b] if a < 400 && b >= 400 => (vec![a], vec![b]),
+        ref other => panic!("{other:?}"),
+    };
+    let of = |cluster: &str| -> Vec<String> {
+        all.iter()
+            .filter(|f| f.starts_with(&format!("{cluster}_")))
+            .cloned()
+            .collect()
+    };
+    let (lab_files, lab_b_files) = (of("lab"), of("lab-b"));
+    assert_eq!((lab_files.len(), lab_b_files.len()), (1, 2), "{all:?}");
+
+    // lab's prune, keeping nothing unused: nothing of lab-b's goes, and
+    // the old-scheme name is listed as not provably lab's.
+    let o = run(
+        &lab,
+        &pve,
+        &[
+            "prune",
+            "--no-cache",
+            "--keep",
+            "0",
+            "--dry-run",
+            "--output",
+            "json",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["plan"]["delete"], serde_json::json!([]), "{v}");
+    assert_eq!(
+        v["plan"]["unowned"][0]["volid"],
+        format!("local:import/{ambiguous}"),
+        "{v}"
+    );
+    let o = run(
+        &lab,
+        &pve,
+        &["prune", "--no-cache", "--keep", "0", "--poll-ms", "20"],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(imports(&pve), all, "lab's prune: {}", text(&o.stdout));
+
+    // lab goes down: its VM and its upload, nothing else.
+    let o = run(&lab, &pve, &["down", "--yes", "--poll-ms", "20"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(vmids(&pve), lab_b_vms, "{}", text(&o.stdout));
+    let mut left: Vec<String> = lab_b_files.clone();
+    left.push(ambiguous.to_owned());
+    left.sort();
+    assert_eq!(imports(&pve), left, "lab's down: {}", text(&o.stdout));
+
+    // lab-b's prune takes its unused upload; its down the rest of its own.
+    let o = run(
+        &lab_b,
+        &pve,
+        &["prune", "--no-cache", "--keep", "0", "--poll-ms", "20"],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(imports(&pve).len(), 2, "{:?}", imports(&pve));
+    let o = run(&lab_b, &pve, &["down", "--yes", "--poll-ms", "20"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(vmids(&pve).is_empty());
+    assert_eq!(imports(&pve), [ambiguous], "{lab_vms:?}");
+}

@@ -217,7 +217,7 @@ fn keep_1_leaves_what_machines_use_plus_the_newest_and_nothing_of_anyone_else() 
     assert_eq!(planned.len(), 1, "{v}");
     assert_eq!(planned[0]["why"]["reason"], "nodeGone", "{v}");
     let volid = planned[0]["item"]["volid"].as_str().unwrap();
-    assert!(volid.contains("-cp-02-v1.11.5-"), "{volid}");
+    assert!(volid.contains("_cp-02-v1.11.5-"), "{volid}");
 }
 
 /// Killed with a volume's delete task in flight, then run again at once
@@ -459,13 +459,17 @@ fn hetzner_snapshots_a_server_uses_and_the_newest_stay_and_anothers_survive() {
             .replace("platform: metal", "platform: hcloud")
             .hcloud("    location: fsn1\n    labels: {team: infra}\n"),
     );
-    let team = serde_json::json!({"team": "infra"});
+    let team = serde_json::json!({"team": "infra", "imgbuild-cluster": "loopback"});
     let v1 = snapshot(&hc, VERSIONS[0], team.clone());
     let v2 = snapshot(&hc, VERSIONS[1], team.clone());
     let v3 = snapshot(&hc, VERSIONS[2], team.clone());
     // Someone else's: another team's labels, and one without imgbuild's
     // description.
-    let other_team = snapshot(&hc, VERSIONS[0], serde_json::json!({"team": "web"}));
+    let other_team = snapshot(
+        &hc,
+        VERSIONS[0],
+        serde_json::json!({"team": "web", "imgbuild-cluster": "loopback"}),
+    );
     let by_hand_server = server(&hc, "by-hand", "debian-13".into());
     let by_hand = create_image(
         &hc,
@@ -500,4 +504,68 @@ fn hetzner_snapshots_a_server_uses_and_the_newest_stay_and_anothers_survive() {
     let mut left = vec![v1, v3, other_team, by_hand];
     left.sort();
     assert_eq!(snapshot_ids(&hc), left);
+}
+
+/// `imgbuild prune ARGS` for the cluster of `work` on the Hetzner simulator.
+fn prune_hcloud(work: &Work, hc: &Hc, args: &[&str]) -> Output {
+    Run::with_config(&work.config, &["prune"])
+        .args(args)
+        .arg("--no-cache")
+        .hcloud(hc)
+        .output()
+}
+
+#[test]
+fn two_clusters_without_extra_labels_each_prune_only_their_own_snapshots() {
+    let hc = Hc::start(&[]);
+    // Names that overlap as text: one is the other's prefix.
+    let cluster = |name: &str| {
+        Work::new(
+            &Inventory::loopback()
+                .replace("name: loopback", &format!("name: {name}"))
+                .replace("platform: metal", "platform: hcloud")
+                .hcloud("    location: fsn1\n"),
+        )
+    };
+    let (a, ab) = (cluster("lab"), cluster("lab-b"));
+    let of = |name: &str| serde_json::json!({"imgbuild-cluster": name});
+    let a_old = snapshot(&hc, VERSIONS[0], of("lab"));
+    let a_new = snapshot(&hc, VERSIONS[1], of("lab"));
+    let ab_old = snapshot(&hc, VERSIONS[0], of("lab-b"));
+    let ab_new = snapshot(&hc, VERSIONS[1], of("lab-b"));
+    // Published before snapshots carried a cluster label: anybody's.
+    let unlabelled = snapshot(&hc, VERSIONS[0], serde_json::json!({}));
+
+    let o = prune_hcloud(&a, &hc, &["--keep", "1", "--dry-run", "--output", "json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    let ids = |list: &serde_json::Value, at: &str| -> Vec<u64> {
+        list.as_array()
+            .unwrap_or_else(|| panic!("{at}: {v}"))
+            .iter()
+            .map(|p| p.pointer(at).and_then(|i| i.as_u64()).unwrap())
+            .collect()
+    };
+    assert_eq!(ids(&v["plan"]["delete"], "/item/id"), [a_old], "{v}");
+    assert_eq!(ids(&v["plan"]["unowned"], "/id"), [unlabelled], "{v}");
+
+    let o = prune_hcloud(&a, &hc, &["--keep", "1"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let mut left = vec![a_new, ab_old, ab_new, unlabelled];
+    left.sort();
+    assert_eq!(snapshot_ids(&hc), left, "lab pruned only its own");
+
+    let o = prune_hcloud(&ab, &hc, &["--keep", "1"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let mut left = vec![a_new, ab_new, unlabelled];
+    left.sort();
+    assert_eq!(snapshot_ids(&hc), left, "lab-b pruned only its own");
+
+    // With nothing kept, each still deletes only its own: the unlabelled
+    // one stays whoever prunes.
+    for work in [&a, &ab] {
+        let o = prune_hcloud(work, &hc, &["--keep", "0"]);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    }
+    assert_eq!(snapshot_ids(&hc), [unlabelled]);
 }

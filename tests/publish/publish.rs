@@ -179,7 +179,7 @@ fn publishes_and_reruns_change_nothing(format: &str) {
         let file = volid.strip_prefix("local:import/").unwrap();
         assert!(file.ends_with(&format!(".{format}")), "{volid}");
         assert!(
-            file.starts_with(&format!("loopback-{name}-v1.11.2-")),
+            file.starts_with(&format!("loopback_{name}-v1.11.2-")),
             "{volid}"
         );
         let stored = pve.stored(file);
@@ -335,7 +335,7 @@ fn a_dropped_upload_is_retried_then_reported() {
     assert_eq!(o.status.code(), Some(1));
     let err = text(&o.stderr);
     assert!(
-        err.contains("node cp-01") && err.contains("uploading loopback-cp-01"),
+        err.contains("node cp-01") && err.contains("uploading loopback_cp-01"),
         "{err}"
     );
     assert_eq!(stat(&pve, "uploadAttempts"), 3);

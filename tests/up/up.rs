@@ -148,7 +148,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
         assert_eq!(n["sha256"], manifest["images"][name]["sha256"], "{n}");
         let volume = n["volume"].as_str().unwrap();
         assert!(
-            volume.starts_with(&format!("local:import/up-{name}-v1.11.2-")),
+            volume.starts_with(&format!("local:import/up_{name}-v1.11.2-")),
             "{volume}"
         );
         assert_eq!(n["vmid"], 300 + i as u64);
@@ -215,7 +215,7 @@ fn five_nodes_come_up_healthy_and_a_second_up_changes_nothing() {
             &c.address(host),
             "configured v1.11.2",
             "Ready",
-            "local:import/up-",
+            "local:import/up_",
         ] {
             assert!(row.contains(want), "{want:?} not in {row:?}");
         }

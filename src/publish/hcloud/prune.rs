@@ -2,8 +2,13 @@
 //! which servers boot from them. A snapshot is imgbuild's when it carries
 //! every label and the description imgbuild's publish writes (see
 //! `snapshot_labels` and `description` in its parent), and the cluster's
-//! when it also carries every label of `publish.hcloud.labels`; anything
-//! else in the project is never listed, so never deleted.
+//! when it also carries every label of `publish.hcloud.labels` and the
+//! cluster's own label (`imgbuild-cluster=<cluster>`, the label its servers
+//! carry: a label value is compared whole, so no two cluster names claim
+//! the same snapshot, whatever text they share). One of imgbuild's that
+//! carries no cluster label (published before snapshots had one) is
+//! anybody's: listed, never deleted. Anything else in the project is never
+//! listed, so never deleted.
 
 use std::collections::BTreeMap;
 
@@ -12,6 +17,7 @@ use serde_json::Value;
 
 use super::api::Api;
 use super::error::HcloudError;
+use super::types::CLUSTER_LABEL;
 
 /// One snapshot imgbuild published for the cluster.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -36,9 +42,25 @@ fn hex(s: &str, len: usize) -> bool {
     s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
+/// Whose a snapshot of imgbuild's is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Owner {
+    /// It carries this cluster's label.
+    Cluster,
+    /// It carries no cluster label: published before snapshots had one,
+    /// by this cluster or any other.
+    Unknown,
+}
+
 /// The snapshot as imgbuild's, when its labels and description are the
-/// ones imgbuild writes and it carries every one of `cluster_labels`.
-fn ours(image: &Value, cluster_labels: &BTreeMap<String, String>) -> Option<ClusterSnapshot> {
+/// ones imgbuild writes, it carries every one of `wanted` (the inventory's
+/// `publish.hcloud.labels`), and its cluster label is `cluster`'s or
+/// missing; with which of the two.
+fn ours(
+    image: &Value,
+    cluster: &str,
+    wanted: &BTreeMap<String, String>,
+) -> Option<(Owner, ClusterSnapshot)> {
     let labels = image["labels"].as_object()?;
     let label = |k: &str| labels.get(k).and_then(Value::as_str);
     let version = label("talos-version")?;
@@ -53,21 +75,43 @@ fn ours(image: &Value, cluster_labels: &BTreeMap<String, String>) -> Option<Clus
         && description
             .strip_prefix(&format!("talos {version} {arch} "))
             .is_some_and(|id| hex(id, 64) && id.starts_with(schematic))
-        && cluster_labels
+        && wanted
             .iter()
+            .filter(|(k, _)| k.as_str() != CLUSTER_LABEL)
             .all(|(k, v)| label(k) == Some(v.as_str()));
-    own.then(|| ClusterSnapshot {
-        id: image["id"].as_u64().unwrap_or_default(),
-        description: description.to_owned(),
-        talos_version: version.to_owned(),
-        schematic: schematic.to_owned(),
-        arch: arch.to_owned(),
-        created: image["created"].as_str().unwrap_or_default().to_owned(),
-        size: image["image_size"]
-            .as_f64()
-            .map(|gb| (gb * 1e9).round() as u64),
-        used_by: Vec::new(),
+    let owner = match label(CLUSTER_LABEL) {
+        None => Owner::Unknown,
+        Some(c) if c == cluster => Owner::Cluster,
+        // Another cluster's: never this one's to list or delete.
+        Some(_) => return None,
+    };
+    own.then(|| {
+        (
+            owner,
+            ClusterSnapshot {
+                id: image["id"].as_u64().unwrap_or_default(),
+                description: description.to_owned(),
+                talos_version: version.to_owned(),
+                schematic: schematic.to_owned(),
+                arch: arch.to_owned(),
+                created: image["created"].as_str().unwrap_or_default().to_owned(),
+                size: image["image_size"]
+                    .as_f64()
+                    .map(|gb| (gb * 1e9).round() as u64),
+                used_by: Vec::new(),
+            },
+        )
     })
+}
+
+/// A snapshot's labels that are text.
+fn labels_of(image: &Value) -> BTreeMap<&str, &str> {
+    image["labels"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, v)| Some((k.as_str(), v.as_str()?)))
+        .collect()
 }
 
 /// Which servers of the project boot from which image.
@@ -84,12 +128,24 @@ fn users(api: &Api) -> Result<BTreeMap<u64, Vec<u64>>, HcloudError> {
     Ok(out)
 }
 
-/// The cluster's snapshots (see the module), each with the servers that
-/// boot from it. Only reads.
+/// The snapshots [`cluster_snapshots`] finds.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshots {
+    /// Carrying the cluster's label: the only ones prune may delete.
+    pub cluster: Vec<ClusterSnapshot>,
+    /// imgbuild's, with the cluster's `publish.hcloud.labels`, but no
+    /// cluster label at all: whose they are cannot be proven, so they are
+    /// only listed.
+    pub unowned: Vec<ClusterSnapshot>,
+}
+
+/// The cluster's snapshots and those of no known cluster (see the module),
+/// each with the servers that boot from it. Only reads.
 pub fn cluster_snapshots(
     api: &Api,
-    cluster_labels: &BTreeMap<String, String>,
-) -> Result<Vec<ClusterSnapshot>, HcloudError> {
+    cluster: &str,
+    labels: &BTreeMap<String, String>,
+) -> Result<Snapshots, HcloudError> {
     let used = users(api)?;
     let images = api.list(
         "/images",
@@ -99,19 +155,35 @@ pub fn cluster_snapshots(
             ("label_selector", "os=talos".into()),
         ],
     )?;
-    Ok(images
-        .iter()
-        .filter_map(|i| ours(i, cluster_labels))
-        .map(|mut s| {
-            s.used_by = used.get(&s.id).cloned().unwrap_or_default();
-            s
-        })
-        .collect())
+    let mut out = Snapshots::default();
+    for (owner, mut s) in images.iter().filter_map(|i| ours(i, cluster, labels)) {
+        s.used_by = used.get(&s.id).cloned().unwrap_or_default();
+        match owner {
+            Owner::Cluster => out.cluster.push(s),
+            Owner::Unknown => out.unowned.push(s),
+        }
+    }
+    Ok(out)
 }
 
-/// Deletes one snapshot [`cluster_snapshots`] listed, after checking again
-/// that no server boots from it. One already gone is done.
-pub fn delete_snapshot(api: &Api, id: u64) -> Result<(), HcloudError> {
+/// Deletes one snapshot [`cluster_snapshots`] listed as `cluster`'s, after
+/// checking again that it still carries `cluster`'s label and that no
+/// server boots from it. One already gone is done.
+pub fn delete_snapshot(api: &Api, cluster: &str, id: u64) -> Result<(), HcloudError> {
+    let path = format!("/images/{id}");
+    let image = match api.get(&path, &[]) {
+        Ok(reply) => reply["image"].clone(),
+        Err(HcloudError::Api { status: 404, .. }) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let labels = labels_of(&image);
+    let label = labels.get(CLUSTER_LABEL).copied();
+    if label != Some(cluster) {
+        return Err(HcloudError::Remote(format!(
+            "snapshot {id}: its {CLUSTER_LABEL} label is {} now, not {cluster:?}; left as it is",
+            label.map_or("gone".to_owned(), |l| format!("{l:?}"))
+        )));
+    }
     if let Some(servers) = users(api)?.get(&id) {
         return Err(HcloudError::Remote(format!(
             "snapshot {id}: server {} now boots from it; left as it is",
@@ -122,7 +194,7 @@ pub fn delete_snapshot(api: &Api, id: u64) -> Result<(), HcloudError> {
                 .join(", ")
         )));
     }
-    match api.delete(&format!("/images/{id}")) {
+    match api.delete(&path) {
         Ok(_) | Err(HcloudError::Api { status: 404, .. }) => Ok(()),
         Err(e) => Err(e),
     }
@@ -146,17 +218,32 @@ mod tests {
             "image-sha256": "cd".repeat(16), "team": "infra"});
         let desc = format!("talos v1.11.2 amd64 {schematic}");
         let cluster = BTreeMap::from([("team".to_owned(), "infra".to_owned())]);
-        let found = ours(&image(labels.clone(), &desc), &cluster).unwrap();
+        let mut mine = labels.clone();
+        mine[CLUSTER_LABEL] = json!("a");
+        let (owner, found) = ours(&image(mine.clone(), &desc), "a", &cluster).unwrap();
+        assert_eq!(owner, Owner::Cluster);
         assert_eq!(found.size, Some(500_000_000));
         assert_eq!(found.schematic, &schematic[..32]);
+        // Another cluster's, even one whose name starts the same: not listed.
+        for name in ["a-b", "b", "a "] {
+            let mut theirs = labels.clone();
+            theirs[CLUSTER_LABEL] = json!(name);
+            assert!(
+                ours(&image(theirs, &desc), "a", &cluster).is_none(),
+                "{name}"
+            );
+        }
+        // None at all (published before the label): listed as nobody's.
+        let (owner, _) = ours(&image(labels.clone(), &desc), "a", &cluster).unwrap();
+        assert_eq!(owner, Owner::Unknown);
         let other_team = BTreeMap::from([("team".to_owned(), "web".to_owned())]);
-        assert!(ours(&image(labels.clone(), &desc), &other_team).is_none());
-        assert!(ours(&image(labels.clone(), "talos by hand"), &cluster).is_none());
-        let mut no_sha = labels.clone();
+        assert!(ours(&image(mine.clone(), &desc), "a", &other_team).is_none());
+        assert!(ours(&image(mine.clone(), "talos by hand"), "a", &cluster).is_none());
+        let mut no_sha = mine.clone();
         no_sha.as_object_mut().unwrap().remove("image-sha256");
-        assert!(ours(&image(no_sha, &desc), &cluster).is_none());
-        let mut backup = image(labels, &desc);
+        assert!(ours(&image(no_sha, &desc), "a", &cluster).is_none());
+        let mut backup = image(mine, &desc);
         backup["type"] = json!("backup");
-        assert!(ours(&backup, &cluster).is_none());
+        assert!(ours(&backup, "a", &cluster).is_none());
     }
 }

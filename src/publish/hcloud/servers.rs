@@ -28,7 +28,7 @@ use crate::inventory::{HcloudSettings, Inventory};
 use crate::net::RetryPolicy;
 use crate::publish::Cancel;
 
-pub const CLUSTER_LABEL: &str = "imgbuild-cluster";
+pub use super::types::CLUSTER_LABEL;
 pub const NODE_LABEL: &str = "imgbuild-node";
 
 /// The first Talos release whose hcloud platform decodes base64

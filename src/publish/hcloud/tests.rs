@@ -213,3 +213,26 @@ fn disk_sizes_are_written_as_the_api_writes_them() {
         json!(0.5)
     );
 }
+
+#[test]
+fn a_clusters_snapshots_carry_its_label_and_it_reuses_only_its_own() {
+    let settings = HcloudSettings {
+        location: "fsn1".into(),
+        server_types: Vec::new(),
+        labels: BTreeMap::from([("team".to_owned(), "infra".to_owned())]),
+        servers: None,
+    };
+    let a = published_labels(&image(), &for_cluster(&settings, "a"));
+    assert_eq!(a[types::CLUSTER_LABEL], "a");
+    assert_eq!(a["team"], "infra");
+    assert_eq!(a["image-sha256"], "ab".repeat(16));
+    // What a publish selects an existing snapshot by: another cluster's,
+    // even one whose name starts the same, is not the same selector.
+    let ab = published_labels(&image(), &for_cluster(&settings, "a-b"));
+    assert!(
+        selector(&a).contains("imgbuild-cluster=a,"),
+        "{}",
+        selector(&a)
+    );
+    assert_ne!(selector(&a), selector(&ab));
+}

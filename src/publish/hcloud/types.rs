@@ -21,6 +21,9 @@ pub(super) const OWNER_LABEL: &str = "imgbuild-owner";
 /// or boot, whose process cannot be asked, is over once this is older than
 /// [`SnapshotOptions::stale_after`].
 pub(super) const STARTED_LABEL: &str = "imgbuild-started";
+/// The cluster a server, and every snapshot published for it, belongs to:
+/// its name, compared whole (see `prune`).
+pub const CLUSTER_LABEL: &str = "imgbuild-cluster";
 
 /// How patient a snapshot run is.
 #[derive(Debug, Clone)]

@@ -422,8 +422,9 @@ fn confirm_gone(api: &Api, pve: &str, vmid: u32, volumes: &[String]) -> Result<(
 }
 
 /// One import volume or ISO an imgbuild upload made for the cluster, as
-/// its name says (`<cluster>-<node>-<talos>-<sha12>.<ext>`, see
-/// [`super::volume_file`]).
+/// its name proves (`<cluster>_<node>-<talos>-<sha12>.<ext>`, see
+/// [`super::volume_file`], or an older name only one cluster and node can
+/// have written: see [`claim_upload`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StoredVolume {
@@ -444,15 +445,32 @@ pub struct StoredVolume {
     pub used_by: Vec<u32>,
 }
 
+/// How a stored file name relates to the cluster.
+#[derive(Debug, PartialEq, Eq)]
+enum Claim {
+    /// Provably the cluster's upload for the node, at the Talos version.
+    Ours(String, String),
+    /// A name of the old scheme that reads as the cluster's for the node,
+    /// and as another cluster's too: nobody's to delete.
+    Ambiguous(String, String),
+}
+
 /// Reads a stored file name as imgbuild's upload scheme writes it for
-/// `cluster` and one of `nodes`: the node and the Talos version, or None
-/// for any other name. Names are compared as the server normalises them.
-pub(super) fn parse_upload(
+/// `cluster` and one of `nodes`: the node and the Talos version, as a
+/// [`Claim`], or None for any other name.
+///
+/// `<cluster>_<node>-<talos>-<sha12>.<ext>` names its cluster exactly (no
+/// DNS label holds `_`). A name of the scheme before it,
+/// `<cluster>-<node>-…`, is the cluster's only when its `<cluster>-<node>`
+/// splits into two DNS labels in one way alone: `lab-cp-01` could be
+/// cluster `lab` with node `cp-01` or cluster `lab-cp` with node `01`, so
+/// it is [`Claim::Ambiguous`] (listed, deleted by neither).
+fn claim_upload(
     file: &str,
     content: &str,
     cluster: &str,
     nodes: &BTreeSet<String>,
-) -> Option<(String, String)> {
+) -> Option<Claim> {
     let (stem, ext) = file.rsplit_once('.')?;
     let ext_ok = match content {
         "import" => matches!(ext, "raw" | "qcow2"),
@@ -461,28 +479,56 @@ pub(super) fn parse_upload(
     };
     let (rest, sha) = stem.rsplit_once('-')?;
     let hex = sha.len() == 12 && sha.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-    let rest = rest.strip_prefix(&format!("{}-", normalise(cluster)))?;
     if !(ext_ok && hex) {
         return None;
     }
-    nodes.iter().find_map(|node| {
-        let talos = rest.strip_prefix(&format!("{}-", normalise(node)))?;
-        talos_version(talos).then(|| (node.clone(), talos.to_owned()))
-    })
+    let (owner, talos) = split_version(rest)?;
+    if !talos_version(talos) {
+        return None;
+    }
+    let claim = |node: &str| {
+        nodes
+            .contains(node)
+            .then(|| (node.to_owned(), talos.to_owned()))
+    };
+    if let Some((c, node)) = owner.split_once(super::upload::UPLOAD_SEPARATOR) {
+        return (c == cluster)
+            .then(|| claim(node))
+            .flatten()
+            .map(|(n, t)| Claim::Ours(n, t));
+    }
+    if let Some((c, node)) = only_split(owner) {
+        return (c == cluster)
+            .then(|| claim(node))
+            .flatten()
+            .map(|(n, t)| Claim::Ours(n, t));
+    }
+    let node = owner.strip_prefix(cluster)?.strip_prefix('-')?;
+    claim(node).map(|(n, t)| Claim::Ambiguous(n, t))
 }
 
-/// pveproxy's file name rule: every character outside `[a-zA-Z0-9_.-]`
-/// becomes `_` (as [`super::volume_file`] writes names).
-fn normalise(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+/// `<owner>-<talos>` split at the hyphen before the version's first `.`
+/// (no cluster or node name holds a `.`).
+fn split_version(s: &str) -> Option<(&str, &str)> {
+    let dot = s.find('.')?;
+    let at = s[..dot].rfind('-')?;
+    Some((&s[..at], &s[at + 1..]))
+}
+
+/// The one way `text` splits at a `-` into two DNS labels, when there is
+/// exactly one.
+fn only_split(text: &str) -> Option<(&str, &str)> {
+    let mut splits = text
+        .match_indices('-')
+        .map(|(i, _)| (&text[..i], &text[i + 1..]))
+        .filter(|(a, b)| dns_label(a) && dns_label(b));
+    let first = splits.next()?;
+    splits.next().is_none().then_some(first)
+}
+
+/// A cluster or node name as the inventory takes it.
+fn dns_label(s: &str) -> bool {
+    crate::inventory::is_node_name(s)
 }
 
 /// `v<major>.<minor>.<patch>` with an optional pre-release suffix.
@@ -509,6 +555,29 @@ pub fn cluster_volumes(
     nodes: &BTreeSet<String>,
     retry: RetryPolicy,
 ) -> Result<Vec<StoredVolume>, ProxmoxError> {
+    Ok(cluster_uploads(creds, storage, cluster, nodes, retry)?.ours)
+}
+
+/// What [`cluster_uploads`] finds.
+#[derive(Debug, Clone, Default)]
+pub struct Uploads {
+    /// Provably the cluster's ([`cluster_volumes`]).
+    pub ours: Vec<StoredVolume>,
+    /// Named by the old scheme as the cluster's for one of its nodes, but
+    /// as another cluster's as well (see [`claim_upload`]): never deleted,
+    /// only listed.
+    pub ambiguous: Vec<StoredVolume>,
+}
+
+/// [`cluster_volumes`], and the uploads whose old-scheme name could be the
+/// cluster's or another's. Only reads.
+pub fn cluster_uploads(
+    creds: &Credentials,
+    storage: &str,
+    cluster: &str,
+    nodes: &BTreeSet<String>,
+    retry: RetryPolicy,
+) -> Result<Uploads, ProxmoxError> {
     let api = Api::new(creds, retry)?;
     let mut used: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     for l in all_vms(&api)? {
@@ -517,7 +586,7 @@ pub fn cluster_volumes(
         }
     }
     let pves = api.get("listing nodes", "/nodes")?;
-    let mut out: Vec<StoredVolume> = Vec::new();
+    let mut out = Uploads::default();
     let mut shared_seen = false;
     for pve in pves
         .as_array()
@@ -555,10 +624,12 @@ pub fn cluster_volumes(
             let Some(file) = volid.strip_prefix(&prefix) else {
                 continue;
             };
-            let Some((node, talos_version)) = parse_upload(file, content, cluster, nodes) else {
-                continue;
+            let (list, (node, talos_version)) = match claim_upload(file, content, cluster, nodes) {
+                Some(Claim::Ours(node, talos)) => (&mut out.ours, (node, talos)),
+                Some(Claim::Ambiguous(node, talos)) => (&mut out.ambiguous, (node, talos)),
+                None => continue,
             };
-            out.push(StoredVolume {
+            list.push(StoredVolume {
                 pve_node: pve.to_owned(),
                 storage: storage.to_owned(),
                 volid: volid.to_owned(),
@@ -643,6 +714,19 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The node and version when the name is provably the cluster's.
+    fn parse_upload(
+        file: &str,
+        content: &str,
+        cluster: &str,
+        nodes: &BTreeSet<String>,
+    ) -> Option<(String, String)> {
+        match claim_upload(file, content, cluster, nodes)? {
+            Claim::Ours(node, talos) => Some((node, talos)),
+            Claim::Ambiguous(..) => None,
+        }
+    }
+
     fn nodes(list: &[&str]) -> BTreeSet<String> {
         list.iter().map(|s| (*s).to_owned()).collect()
     }
@@ -650,14 +734,14 @@ mod tests {
     #[test]
     fn only_names_of_the_scheme_for_this_cluster_and_its_nodes_parse() {
         let n = nodes(&["cp-01", "dev-cp-01"]);
-        let ok = "atlas-cp-01-v1.11.2-0123456789ab.raw";
+        let ok = "atlas_cp-01-v1.11.2-0123456789ab.raw";
         assert_eq!(
             parse_upload(ok, "import", "atlas", &n),
             Some(("cp-01".into(), "v1.11.2".into()))
         );
         assert_eq!(
             parse_upload(
-                "atlas-cp-01-v1.12.0-beta.1-0123456789ab.iso",
+                "atlas_cp-01-v1.12.0-beta.1-0123456789ab.iso",
                 "iso",
                 "atlas",
                 &n
@@ -665,23 +749,59 @@ mod tests {
             Some(("cp-01".into(), "v1.12.0-beta.1".into()))
         );
         for bad in [
-            "atlas-cp-01-v1.11.2-0123456789ab.iso",  // not an import
-            "atlas-cp-01-v1.11.2-0123456789a.raw",   // 11 hex
-            "atlas-cp-01-v1.11.2-0123456789AB.raw",  // not as written
-            "atlas-cp-09-v1.11.2-0123456789ab.raw",  // no such node
-            "atlas2-cp-01-v1.11.2-0123456789ab.raw", // another cluster
-            "atlas-cp-01-latest-0123456789ab.raw",   // no version
-            "talos-v1.11.2-nocloud-amd64.raw",       // someone else's
+            "atlas_cp-01-v1.11.2-0123456789ab.iso",     // not an import
+            "atlas_cp-01-v1.11.2-0123456789a.raw",      // 11 hex
+            "atlas_cp-01-v1.11.2-0123456789AB.raw",     // not as written
+            "atlas_cp-09-v1.11.2-0123456789ab.raw",     // no such node
+            "atlas2_cp-01-v1.11.2-0123456789ab.raw",    // another cluster
+            "atlas-dev_cp-01-v1.11.2-0123456789ab.raw", // another cluster
+            "atlas_cp-01-latest-0123456789ab.raw",      // no version
+            "talos-v1.11.2-nocloud-amd64.raw",          // someone else's
         ] {
             assert_eq!(parse_upload(bad, "import", "atlas", &n), None, "{bad}");
         }
-        // "atlas-dev" is another cluster; its cp-01 is not atlas's dev-cp-01
-        // unless atlas has such a node, which it does here.
-        let other = "atlas-dev-cp-01-v1.11.2-0123456789ab.raw";
+    }
+
+    #[test]
+    fn names_that_overlap_as_text_belong_to_one_cluster_only() {
+        // Cluster `a` with node `b-c`, and cluster `a-b` with node `c`.
+        let (a, ab) = (nodes(&["b-c"]), nodes(&["c"]));
+        let of_a = "a_b-c-v1.11.2-0123456789ab.raw";
+        let of_ab = "a-b_c-v1.11.2-0123456789ab.raw";
         assert_eq!(
-            parse_upload(other, "import", "atlas", &nodes(&["cp-01"])),
+            parse_upload(of_a, "import", "a", &a),
+            Some(("b-c".into(), "v1.11.2".into()))
+        );
+        assert_eq!(parse_upload(of_a, "import", "a-b", &ab), None);
+        assert_eq!(
+            parse_upload(of_ab, "import", "a-b", &ab),
+            Some(("c".into(), "v1.11.2".into()))
+        );
+        assert_eq!(parse_upload(of_ab, "import", "a", &a), None);
+        // The scheme before: `a-b-c-…` is either's, so neither's.
+        let old = "a-b-c-v1.11.2-0123456789ab.raw";
+        assert_eq!(parse_upload(old, "import", "a", &a), None);
+        assert_eq!(parse_upload(old, "import", "a-b", &ab), None);
+        let listed = Claim::Ambiguous("c".into(), "v1.11.2".into());
+        assert_eq!(claim_upload(old, "import", "a-b", &ab), Some(listed));
+        // One only one cluster and node can have written still counts.
+        let plain = "atlas-worker-v1.11.2-0123456789ab.raw";
+        assert_eq!(
+            parse_upload(plain, "import", "atlas", &nodes(&["worker"])),
+            Some(("worker".into(), "v1.11.2".into()))
+        );
+        let hyphens = "atlas-cp-01-v1.11.2-0123456789ab.raw";
+        assert_eq!(
+            parse_upload(hyphens, "import", "atlas", &nodes(&["cp-01"])),
             None
         );
+        // No label starts or ends with `-`: `a--b-c` splits one way only.
+        let double = "a--b-c-v1.11.2-0123456789ab.raw";
+        assert_eq!(
+            parse_upload(double, "import", "a--b", &nodes(&["c"])),
+            Some(("c".into(), "v1.11.2".into()))
+        );
+        assert_eq!(parse_upload(double, "import", "a", &nodes(&["-b-c"])), None);
     }
 
     #[test]

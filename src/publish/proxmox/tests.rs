@@ -39,11 +39,11 @@ fn volume_names_carry_the_content_and_survive_normalisation() {
     let sha: crate::digest::Sha256 = "0123456789abcdef".repeat(4).parse().unwrap();
     assert_eq!(
         volume_file("lab", "cp-01", "v1.11.2", &sha, ImageFormat::Raw),
-        "lab-cp-01-v1.11.2-0123456789ab.raw"
+        "lab_cp-01-v1.11.2-0123456789ab.raw"
     );
     assert_eq!(
         volume_file("lab", "cp 01+x", "v1.11.2", &sha, ImageFormat::Qcow2),
-        "lab-cp_01_x-v1.11.2-0123456789ab.qcow2"
+        "lab_cp_01_x-v1.11.2-0123456789ab.qcow2"
     );
 }
 

@@ -16,10 +16,17 @@ use crate::inventory::{ImageFormat, ProxmoxSettings};
 use crate::net::{self, NetError};
 use crate::publish::PublishImage;
 
+/// What separates the cluster from the node in an upload's name: cluster
+/// and node names are DNS labels (`a-z`, `0-9`, `-`), so it occurs in
+/// neither, and cluster `a` with node `b-c` never names a file as cluster
+/// `a-b` with node `c` would (`<cluster>-<node>`, the scheme before it,
+/// did: see `destroy::parse_upload` for how such names are still read).
+pub const UPLOAD_SEPARATOR: char = '_';
+
 /// The file name a node's image gets in storage, as pveproxy will store it:
-/// content-addressed (`<cluster>-<node>-<talos>-<sha12>.<raw|qcow2>`) and
-/// normalised the way the server normalises (every character outside
-/// `[a-zA-Z0-9_.-]` becomes `_`).
+/// content-addressed (`<cluster>_<node>-<talos>-<sha12>.<raw|qcow2>`, see
+/// [`UPLOAD_SEPARATOR`]) and normalised the way the server normalises
+/// (every character outside `[a-zA-Z0-9_.-]` becomes `_`).
 pub fn volume_file(
     cluster: &str,
     node: &str,
@@ -32,16 +39,19 @@ pub fn volume_file(
         ImageFormat::Qcow2 => "qcow2",
         ImageFormat::Iso => "iso",
     };
-    let stem: String = format!("{cluster}-{node}-{talos}-{}", &sha256.hex()[..12])
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
+    let stem: String = format!(
+        "{cluster}{UPLOAD_SEPARATOR}{node}-{talos}-{}",
+        &sha256.hex()[..12]
+    )
+    .chars()
+    .map(|c| {
+        if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
+            c
+        } else {
+            '_'
+        }
+    })
+    .collect();
     format!("{stem}.{ext}")
 }
 
