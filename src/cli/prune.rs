@@ -111,6 +111,9 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
                     HumanBytes(total(&plan.delete)),
                     plan.kept
                 );
+                for item in &plan.unowned {
+                    outln!("left (not provably this cluster's): {}", escape(&item.name()));
+                }
             }
         }
         return Ok(());
@@ -124,6 +127,7 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
                 "deleted": report.deleted,
                 "failed": report.failed.iter().map(|(p, e)| json!({"item": p.item, "why": p.why, "error": e})).collect::<Vec<_>>(),
                 "left": report.left,
+                "unowned": plan.unowned,
             })
         ),
         Output::Text => {
@@ -141,6 +145,9 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
             );
             for p in &report.left {
                 errln!("left {}", line(p));
+            }
+            for item in &plan.unowned {
+                outln!("left (not provably this cluster's): {}", escape(&item.name()));
             }
         }
     }

@@ -102,7 +102,7 @@ pub struct HcloudServers {
 }
 
 /// The label keys imgbuild sets on snapshots and temporary resources.
-pub const RESERVED_LABELS: [&str; 7] = [
+pub const RESERVED_LABELS: [&str; 8] = [
     "os",
     "talos-version",
     "talos-schematic",
@@ -110,6 +110,7 @@ pub const RESERVED_LABELS: [&str; 7] = [
     "image-sha256",
     "managed-by",
     "imgbuild-run",
+    "imgbuild-cluster",
 ];
 
 /// Hetzner's label rule (hcloud API "Labels"): an optional DNS-subdomain
