@@ -791,9 +791,12 @@ impl DayTwo<'_> {
             };
             actions.push(a);
         }
+        let carried = self.carried_configs(&planned)?;
+        let actions = with_configs(actions, &carried, &self.prepared.plan);
         let kube_action = planned.kube.as_ref().and_then(|(_, k)| kube_action(k));
         let sync = planned.kube.as_ref().and_then(|(_, k)| sync_action(k));
-        let nodes: Vec<String> = actions.iter().filter_map(|a| a.node.clone()).collect();
+        let mut nodes: Vec<String> = actions.iter().filter_map(|a| a.node.clone()).collect();
+        nodes.dedup();
         if let Some(r) = planned.refusal() {
             report.actions.extend(actions);
             report.actions.extend(kube_action);
@@ -817,6 +820,10 @@ impl DayTwo<'_> {
             report.actions.extend(sync);
             return Ok(nodes);
         }
+        // A change Talos takes only with a reboot is staged first: the
+        // upgrade's reboot boots it, and its last step (the rendered config
+        // without a reboot) then finds it there.
+        self.stage_rebooting(&carried, progress)?;
         let say = |what: &str| progress("kubernetes", what);
         let done = converge::run_upgrade(
             self.inv,
@@ -831,7 +838,13 @@ impl DayTwo<'_> {
         .map_err(at)?;
         for mut a in actions {
             let node = a.node.clone().unwrap_or_default();
+            let config = matches!(a.kind, Kind::ApplyConfig { .. });
             a.outcome = match &done.talos.failed {
+                // The config is the node's last step: failed only when
+                // that step failed, else never reached.
+                Some(f) if f.node == node && config && !f.error.starts_with(CONFIG_STEP) => {
+                    State::NotReached
+                }
                 Some(f) if f.node == node => {
                     a.detail = Some(f.error.clone());
                     State::Failed
@@ -857,6 +870,99 @@ impl DayTwo<'_> {
             Ending::Ok => Ok(nodes),
             Ending::Failed(message) => Err(step_failed(Stage::Upgrade, message, false)),
             Ending::Partial(message) => Err(step_failed(Stage::Upgrade, message, true)),
+        }
+    }
+
+    /// The config change each node planned for an upgrade carries: its
+    /// upgrade's last step applies the rendered config (which names the new
+    /// installer, and any patch edit). Talos does not rewrite a node's config
+    /// when it upgrades, so what the node reports now is what it reports
+    /// after its upgrade: the node's own dry run says whether (and how) the
+    /// config changes. Compared the same way in a dry run and a run.
+    fn carried_configs(
+        &self,
+        planned: &converge::UpgradePlanned,
+    ) -> Result<apply::ApplyOutcome, (Stage, UpError)> {
+        let upgrading: Vec<String> = planned
+            .talos
+            .nodes
+            .iter()
+            .filter(|n| n.action == UpAction::Upgrade)
+            .map(|n| n.node.clone())
+            .collect();
+        if upgrading.is_empty() || planned.refusal().is_some() {
+            return Ok(apply::ApplyOutcome::default());
+        }
+        let compare = converge::ApplySettings {
+            mode: crate::talos::client::ApplyMode::Auto,
+            ..self.opts.apply.clone()
+        };
+        let carried = converge::apply_configs(
+            self.inv,
+            self.prepared,
+            &upgrading,
+            &compare,
+            true,
+            &self.bootstrap.patch_vars,
+            self.limits(),
+        )
+        .map_err(|e| (Stage::Upgrade, UpError::Converge(Box::new(e))))?;
+        match carried.failed.first() {
+            None => Ok(carried),
+            Some(f) => Err(step_failed(
+                Stage::Upgrade,
+                format!(
+                    "node {}: comparing its config before its upgrade: {}",
+                    f.node, f.error
+                ),
+                false,
+            )),
+        }
+    }
+
+    /// Stages the carried configs that take a reboot (see
+    /// [`Self::carried_configs`]), before any node upgrades.
+    fn stage_rebooting(
+        &self,
+        carried: &apply::ApplyOutcome,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), (Stage, UpError)> {
+        let rebooting: Vec<String> = carried
+            .nodes
+            .iter()
+            .filter(|n| n.changed && n.needs_reboot)
+            .map(|n| n.node.clone())
+            .collect();
+        if rebooting.is_empty() {
+            return Ok(());
+        }
+        for node in &rebooting {
+            progress(node, "staging its new config for the upgrade's reboot");
+        }
+        let staged = converge::ApplySettings {
+            mode: crate::talos::client::ApplyMode::Staged,
+            ..self.opts.apply.clone()
+        };
+        let outcome = converge::apply_configs(
+            self.inv,
+            self.prepared,
+            &rebooting,
+            &staged,
+            false,
+            &self.bootstrap.patch_vars,
+            self.limits(),
+        )
+        .map_err(|e| (Stage::Upgrade, UpError::Converge(Box::new(e))))?;
+        match outcome.failed.first() {
+            None => Ok(()),
+            Some(f) => Err(step_failed(
+                Stage::Upgrade,
+                format!(
+                    "node {}: staging its config before its upgrade: {}",
+                    f.node, f.error
+                ),
+                false,
+            )),
         }
     }
 
@@ -1095,6 +1201,53 @@ fn snapshotting(
     out.run.etcd = std::sync::Arc::new(etcd::BeforeChange::new(
         etcd::SnapshotOptions::in_state_dir(&prepared.state_dir.path, &inv.cluster.name),
     ));
+    out
+}
+
+/// How a node's upgrade names a failure of its last step, the config
+/// (`NodeUpgradeError::Configure`).
+const CONFIG_STEP: &str = "applying the rendered config after the upgrade";
+
+/// The upgrade's actions with each node's carried config change right
+/// after its upgrade, where the run applies it (in the upgrade step).
+fn with_configs(
+    actions: Vec<Action>,
+    carried: &apply::ApplyOutcome,
+    plan: &bootstrap::Plan,
+) -> Vec<Action> {
+    let mut out = Vec::with_capacity(actions.len() + carried.nodes.len());
+    for a in actions {
+        let config = a
+            .node
+            .as_ref()
+            .and_then(|node| carried.nodes.iter().find(|n| n.changed && &n.node == node));
+        let node = a.node.clone();
+        out.push(a);
+        if let Some(n) = config {
+            let what = if n.needs_reboot {
+                "config staged before the upgrade, booted by its reboot"
+            } else {
+                "config applied after the upgrade"
+            };
+            let c = Action::new(
+                Kind::ApplyConfig {
+                    reboot: n.needs_reboot,
+                    staged: false,
+                },
+                node.as_deref(),
+                what,
+            );
+            let rendered = plan
+                .nodes
+                .iter()
+                .find(|p| p.name == n.node)
+                .map_or(&[][..], |p| p.config.as_slice());
+            let fields = apply::changed_fields(&n.diff, rendered);
+            let mut c = c.detail(actions::diff_summary(&n.diff, &fields));
+            c.step = Step::Upgrade;
+            out.push(c);
+        }
+    }
     out
 }
 

@@ -255,7 +255,14 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
         "a memory change is a settings action, not a machine update: {run}"
     );
 
-    // A version bump; worker-01 upgraded out of band after the plan.
+    // A version bump with a patch edit beside it (machine.env: a change
+    // Talos v1.11 applies only with a reboot); worker-01 upgraded out of
+    // band after the plan.
+    std::fs::write(
+        c.dir.path().join("env.yaml"),
+        "machine:\n  env:\n    PLAN_TOKEN: \"${PLAN_TOKEN}\"\n    STEP: bump\n",
+    )
+    .unwrap();
     let bumped = with_patch()
         .replace("memory: 2048", "memory: 4096")
         .talos("v1.11.5");
@@ -265,8 +272,19 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
         kinds(&planned).contains(&"\"upgradeTalos\" \"worker-01\"".to_owned()),
         "{planned}"
     );
+    // (`upgrade` applies the rendered config without a reboot as its last
+    // step: out of band, with the patch the nodes run.)
+    let env = |step: &str| {
+        std::fs::write(
+            c.dir.path().join("env.yaml"),
+            format!("machine:\n  env:\n    PLAN_TOKEN: \"${{PLAN_TOKEN}}\"\n    STEP: {step}\n"),
+        )
+        .unwrap()
+    };
+    env("memory");
     let o = c.ci(&["upgrade", "worker-01"]);
     stdout_ok(&o);
+    env("bump");
     let upgrades = c.upgrades();
     let (o, v) = c.apply("bump.json", &[]);
     assert_eq!(o.status.code(), Some(2), "{v}");
@@ -298,12 +316,44 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
             .collect()
     };
     assert_eq!(images(&planned), Vec::<String>::new(), "{planned}");
+    // Every node's config changes with the bump (the patch edit, and the
+    // installer its install.image names): each an applyConfig of its own,
+    // planned and done, none left for the configs after it.
+    let configs = |v: &serde_json::Value| -> Vec<(String, String)> {
+        v["plan"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| a["kind"]["kind"] == "applyConfig")
+            .map(|a| {
+                (
+                    a["node"].as_str().unwrap().to_owned(),
+                    a["outcome"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    };
+    let mut nodes: Vec<String> = configs(&planned).into_iter().map(|(n, _)| n).collect();
+    nodes.sort();
+    assert_eq!(
+        nodes,
+        NODES.map(|(n, ..)| n.to_owned()),
+        "not every node's config change planned: {planned}"
+    );
     let before = c.volumes();
     let (out, run) = c.apply("bump.json", &[]);
     stdout_ok(&out);
-    assert_plan_is_run("version bump", &planned, &run);
+    assert_plan_is_run("version bump with a patch edit", &planned, &run);
+    assert!(
+        configs(&run).iter().all(|(_, outcome)| outcome == "done"),
+        "{run}"
+    );
     assert_eq!(images(&run), Vec::<String>::new(), "{run}");
     assert_eq!(c.volumes(), before, "the bump stored a new volume");
+    // What was planned is what the nodes run: a new dry run has nothing
+    // left for their configs.
+    let after = c.plan("after-bump.json");
+    assert_eq!(configs(&after), Vec::new(), "{after}");
 
     // worker-02 leaves the inventory: its removal, its VM's deletion and
     // the prune of the upload only that VM used are all in the plan.
