@@ -132,6 +132,57 @@ fn write_patch(dir: &Path) {
     .unwrap();
 }
 
+/// `upgrade --dry-run` and the upgrade part of `up --dry-run` are one
+/// renderer's: for the same cluster, the Talos and Kubernetes actions
+/// `upgrade` shows (JSON rows and `plan:` lines) are `up`'s, in `up`'s
+/// order. `up` adds what it alone compares (each upgrade's config, the
+/// etcd snapshot).
+fn assert_upgrade_renders_as_up(c: &Cluster, scenario: &str) {
+    const UPGRADE_KINDS: [&str; 3] = ["upgradeTalos", "upgradeKubernetes", "syncManifests"];
+    let out = c.ci(&["--output", "json", "up", "--dry-run"]);
+    stdout_ok(&out);
+    let up_json = json(&out);
+    let out = c.ci(&["--output", "json", "upgrade", "--dry-run"]);
+    stdout_ok(&out);
+    let upgrade_json = json(&out);
+    let up_rows: Vec<&serde_json::Value> = up_json["plan"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| UPGRADE_KINDS.contains(&a["kind"]["kind"].as_str().unwrap()))
+        .collect();
+    let upgrade_rows: Vec<&serde_json::Value> =
+        upgrade_json["plan"].as_array().unwrap().iter().collect();
+    assert!(!upgrade_rows.is_empty(), "{scenario}: {upgrade_json}");
+    assert_eq!(
+        upgrade_rows, up_rows,
+        "{scenario}: upgrade's rows are not up's"
+    );
+    // The text: the same lines, word for word.
+    let lines = |args: &[&str]| -> Vec<String> {
+        let out = c.ci(args);
+        stdout_ok(&out);
+        text(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("plan: "))
+            .map(str::to_owned)
+            .collect()
+    };
+    let upgrade_lines = lines(&["upgrade", "--dry-run"]);
+    let up_lines = lines(&["up", "--dry-run"]);
+    let mut at = 0;
+    for l in &upgrade_lines {
+        match up_lines[at..].iter().position(|u| u == l) {
+            Some(i) => at += i + 1,
+            None => panic!(
+                "{scenario}: `{l}` of upgrade --dry-run is not (in order) in up --dry-run's:\n{}",
+                up_lines.join("\n")
+            ),
+        }
+    }
+    assert_eq!(upgrade_lines.len(), upgrade_rows.len(), "{upgrade_lines:?}");
+}
+
 /// Create, a patch edit with a `${NAME}`, a memory change, a version bump:
 /// each planned to a file and carried out from it, the run's actions the
 /// plan's; each kind of world change in between refused before any change.
@@ -296,6 +347,7 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     );
     assert_eq!(c.upgrades(), upgrades, "a refused plan upgraded a node");
     let planned = c.plan("bump.json");
+    assert_upgrade_renders_as_up(&c, "version bump");
     // The run's etcd snapshot comes before the first control plane moves.
     let kinds_now = kinds(&planned);
     let snapshot = kinds_now.iter().position(|k| k == "\"snapshotEtcd\" null");
@@ -429,6 +481,7 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     )
     .unwrap();
     let planned = c.plan("kubernetes.json");
+    assert_upgrade_renders_as_up(&c, "Kubernetes bump");
     let kinds_now = kinds(&planned);
     assert_eq!(
         kinds_now,
