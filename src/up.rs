@@ -14,7 +14,7 @@ mod error;
 pub mod plan;
 mod report;
 
-pub use error::{MachineError, Stage, UpError};
+pub use error::{MachineError, Stage, Stopped, UpError};
 pub use report::{Change, Line, NodeReport, Report, Stages, TalosState, chain};
 
 /// The plan file of a dry run's report: its actions in order and what
@@ -79,17 +79,18 @@ use crate::publish::PublishImage;
 use crate::publish::hcloud::{self, HcloudError, SnapshotImage, servers};
 use crate::publish::proxmox::{self, ProxmoxError, VmChange};
 use crate::publish::prune;
-use crate::publish::target::{ClusterMachine, HcloudTarget, ProxmoxTarget, Target, TargetError};
+use crate::publish::target::{
+    ClusterMachine, HcloudTarget, ProxmoxTarget, Target, TargetError, Visitor,
+};
 use crate::talos::bootstrap;
 use crate::talos::client::NodeEndpoint;
-use crate::talos::kubernetes::plan::{KubePlan, Step as KubeStep};
 use crate::talos::kubernetes::run as kube_run;
 use crate::talos::stage::{self, BootstrapOptions, Reach, StageError};
 use crate::talos::upgrade::{self, plan::Action as UpAction, report::Ending};
 use crate::talos::{apply, etcd, remove};
 use actions::{Action, State};
 use converge::{ApplySettings, UpgradeSettings};
-use plan::{FromTo, Kind, Step};
+use plan::{Kind, Step};
 use report::changed;
 
 /// What one `up` does besides the target.
@@ -292,7 +293,7 @@ impl DayTwo<'_> {
         &self,
         report: &mut Report,
         progress: &(dyn Fn(&str, &str) + Sync),
-    ) -> Result<(), (Stage, UpError)> {
+    ) -> Result<(), Stopped> {
         let at = |stage: Stage| move |e: StageError| (stage, UpError::Bootstrap(e));
         let differences =
             stage::drift(self.inv, self.prepared, self.bootstrap).map_err(at(Stage::Upgrade))?;
@@ -329,7 +330,7 @@ impl DayTwo<'_> {
         &self,
         report: &mut Report,
         progress: &(dyn Fn(&str, &str) + Sync),
-    ) -> Result<(), (Stage, UpError)> {
+    ) -> Result<(), Stopped> {
         let chosen: Vec<usize> = (0..self.inv.nodes.len())
             .filter(|&i| self.select.is_empty() || self.select.contains(&self.inv.nodes[i].name))
             .collect();
@@ -432,8 +433,8 @@ impl DayTwo<'_> {
         &self,
         report: &mut Report,
         before: Step,
-        step: impl FnOnce(&mut Report) -> Result<T, (Stage, UpError)>,
-    ) -> Result<T, (Stage, UpError)> {
+        step: impl FnOnce(&mut Report) -> Result<T, Stopped>,
+    ) -> Result<T, Stopped> {
         let mark = report.actions.len();
         let had = self.dry_run || self.etcd().taken().is_some();
         let result = step(report);
@@ -447,7 +448,7 @@ impl DayTwo<'_> {
 
     /// Takes the run's etcd snapshot unless it was taken: before the
     /// first control-plane change.
-    fn snapshot_etcd(&self, stage: Stage, change: &str) -> Result<(), (Stage, UpError)> {
+    fn snapshot_etcd(&self, stage: Stage, change: &str) -> Result<(), Stopped> {
         let taken = converge::runtime()
             .map_err(|e| (stage, UpError::Converge(Box::new(e))))?
             .block_on(etcd::snapshot_before_change(
@@ -473,7 +474,7 @@ impl DayTwo<'_> {
         &self,
         report: &mut Report,
         progress: &(dyn Fn(&str, &str) + Sync),
-    ) -> Result<Vec<String>, (Stage, UpError)> {
+    ) -> Result<Vec<String>, Stopped> {
         let at = |e: remove::RemoveError| (Stage::Remove, UpError::Remove(Box::new(e)));
         let chosen = |node: &str| self.select.is_empty() || self.select.iter().any(|s| s == node);
         let mut removed =
@@ -604,7 +605,7 @@ impl DayTwo<'_> {
 
     /// The machines imgbuild made for this cluster whose node the
     /// inventory no longer has (never one without imgbuild's marker).
-    fn machines_gone(&self) -> Result<Vec<ClusterMachine>, (Stage, UpError)> {
+    fn machines_gone(&self) -> Result<Vec<ClusterMachine>, Stopped> {
         let known = |node: &str| self.inv.nodes.iter().any(|n| n.name == node);
         let mut machines = self
             .target
@@ -631,11 +632,7 @@ impl DayTwo<'_> {
 
     /// What imgbuild made for the cluster and nothing uses any more (as
     /// `imgbuild prune`): each volume or snapshot to delete, by name.
-    fn prune(
-        &self,
-        report: &mut Report,
-        former_nodes: Vec<String>,
-    ) -> Result<(), (Stage, UpError)> {
+    fn prune(&self, report: &mut Report, former_nodes: Vec<String>) -> Result<(), Stopped> {
         let at = |e: prune::PruneError| (Stage::Prune, UpError::Prune(Box::new(e)));
         let delete = self.target.delete_options();
         let scope = prune::PruneScope {
@@ -701,7 +698,7 @@ impl DayTwo<'_> {
 
     /// The uploads of removed nodes that only the VMs the removal
     /// deletes use, named as the prune names them: unused once it ran.
-    fn freed_by_removal(&self, former: &[String]) -> Result<Vec<String>, (Stage, UpError)> {
+    fn freed_by_removal(&self, former: &[String]) -> Result<Vec<String>, Stopped> {
         if former.is_empty() {
             return Ok(Vec::new());
         }
@@ -727,7 +724,7 @@ impl DayTwo<'_> {
         &self,
         report: &mut Report,
         progress: &(dyn Fn(&str, &str) + Sync),
-    ) -> Result<Vec<String>, (Stage, UpError)> {
+    ) -> Result<Vec<String>, Stopped> {
         let at = |e: converge::ConvergeError| (Stage::Upgrade, UpError::Converge(Box::new(e)));
         let fetch = &self.opts.build.fetch;
         let client = crate::fetch::client(fetch);
@@ -745,55 +742,19 @@ impl DayTwo<'_> {
             self.limits(),
         )
         .map_err(at)?;
-        let mut actions: Vec<Action> = Vec::new();
-        for n in &planned.talos.nodes {
-            if n.action == UpAction::Done || n.action == UpAction::SchematicUnknown {
-                continue;
-            }
-            let hops: Vec<&str> = n.hops.iter().map(|h| h.version.as_str()).collect();
-            let moves = n.from.schematic.as_deref() != Some(n.to.schematic.as_str());
-            let kind = Kind::UpgradeTalos {
-                version: FromTo {
-                    from: n.from.version.clone(),
-                    to: n.to.version.clone(),
-                },
-                schematic: moves.then(|| FromTo {
-                    from: n.from.schematic.clone(),
-                    to: n.to.schematic.clone(),
-                }),
-            };
-            let mut a = Action::new(kind, Some(&n.node), "upgrade").change(
-                "talos",
-                n.from.version.as_deref(),
-                Some(&n.to.version),
-            );
-            // Shown when it moves (unknown is not different).
-            if n.from.schematic.as_deref() != Some(n.to.schematic.as_str()) {
-                a = a.change(
-                    "schematic",
-                    n.from.schematic.as_deref(),
-                    Some(&n.to.schematic),
-                );
-            }
-            a = match n.action {
-                UpAction::Config => a.detail(
-                    "on the target; its config names another installer: the config is applied",
-                ),
-                UpAction::Blocked => a.detail(format!(
-                    "blocked: {}",
-                    n.problem
-                        .as_deref()
-                        .or(n.from.error.as_deref())
-                        .unwrap_or("not read")
-                )),
-                _ if hops.len() > 1 => a.detail(format!("via {}", hops.join(" → "))),
-                _ => a,
-            };
-            actions.push(a);
-        }
-        let kube_action = planned.kube.as_ref().and_then(|(_, k)| kube_action(k));
-        let sync = planned.kube.as_ref().and_then(|(_, k)| sync_action(k));
-        let nodes: Vec<String> = actions.iter().filter_map(|a| a.node.clone()).collect();
+        let actions = actions::talos_actions(&planned.talos);
+        let carried = self.carried_configs(&planned)?;
+        let actions = with_configs(actions, &carried, &self.prepared.plan);
+        let kube_action = planned
+            .kube
+            .as_ref()
+            .and_then(|(_, k)| actions::kube_action(k));
+        let sync = planned
+            .kube
+            .as_ref()
+            .and_then(|(_, k)| actions::sync_action(k));
+        let mut nodes: Vec<String> = actions.iter().filter_map(|a| a.node.clone()).collect();
+        nodes.dedup();
         if let Some(r) = planned.refusal() {
             report.actions.extend(actions);
             report.actions.extend(kube_action);
@@ -817,6 +778,10 @@ impl DayTwo<'_> {
             report.actions.extend(sync);
             return Ok(nodes);
         }
+        // A change Talos takes only with a reboot is staged first: the
+        // upgrade's reboot boots it, and its last step (the rendered config
+        // without a reboot) then finds it there.
+        self.stage_rebooting(&carried, progress)?;
         let say = |what: &str| progress("kubernetes", what);
         let done = converge::run_upgrade(
             self.inv,
@@ -831,7 +796,13 @@ impl DayTwo<'_> {
         .map_err(at)?;
         for mut a in actions {
             let node = a.node.clone().unwrap_or_default();
+            let config = matches!(a.kind, Kind::ApplyConfig { .. });
             a.outcome = match &done.talos.failed {
+                // The config is the node's last step: failed only when
+                // that step failed, else never reached.
+                Some(f) if f.node == node && config && !f.error.starts_with(CONFIG_STEP) => {
+                    State::NotReached
+                }
                 Some(f) if f.node == node => {
                     a.detail = Some(f.error.clone());
                     State::Failed
@@ -860,13 +831,106 @@ impl DayTwo<'_> {
         }
     }
 
+    /// The config change each node planned for an upgrade carries: its
+    /// upgrade's last step applies the rendered config (which names the new
+    /// installer, and any patch edit). Talos does not rewrite a node's config
+    /// when it upgrades, so what the node reports now is what it reports
+    /// after its upgrade: the node's own dry run says whether (and how) the
+    /// config changes. Compared the same way in a dry run and a run.
+    fn carried_configs(
+        &self,
+        planned: &converge::UpgradePlanned,
+    ) -> Result<apply::ApplyOutcome, Stopped> {
+        let upgrading: Vec<String> = planned
+            .talos
+            .nodes
+            .iter()
+            .filter(|n| n.action == UpAction::Upgrade)
+            .map(|n| n.node.clone())
+            .collect();
+        if upgrading.is_empty() || planned.refusal().is_some() {
+            return Ok(apply::ApplyOutcome::default());
+        }
+        let compare = converge::ApplySettings {
+            mode: crate::talos::client::ApplyMode::Auto,
+            ..self.opts.apply.clone()
+        };
+        let carried = converge::apply_configs(
+            self.inv,
+            self.prepared,
+            &upgrading,
+            &compare,
+            true,
+            &self.bootstrap.patch_vars,
+            self.limits(),
+        )
+        .map_err(|e| (Stage::Upgrade, UpError::Converge(Box::new(e))))?;
+        match carried.failed.first() {
+            None => Ok(carried),
+            Some(f) => Err(step_failed(
+                Stage::Upgrade,
+                format!(
+                    "node {}: comparing its config before its upgrade: {}",
+                    f.node, f.error
+                ),
+                false,
+            )),
+        }
+    }
+
+    /// Stages the carried configs that take a reboot (see
+    /// [`Self::carried_configs`]), before any node upgrades.
+    fn stage_rebooting(
+        &self,
+        carried: &apply::ApplyOutcome,
+        progress: &(dyn Fn(&str, &str) + Sync),
+    ) -> Result<(), Stopped> {
+        let rebooting: Vec<String> = carried
+            .nodes
+            .iter()
+            .filter(|n| n.changed && n.needs_reboot)
+            .map(|n| n.node.clone())
+            .collect();
+        if rebooting.is_empty() {
+            return Ok(());
+        }
+        for node in &rebooting {
+            progress(node, "staging its new config for the upgrade's reboot");
+        }
+        let staged = converge::ApplySettings {
+            mode: crate::talos::client::ApplyMode::Staged,
+            ..self.opts.apply.clone()
+        };
+        let outcome = converge::apply_configs(
+            self.inv,
+            self.prepared,
+            &rebooting,
+            &staged,
+            false,
+            &self.bootstrap.patch_vars,
+            self.limits(),
+        )
+        .map_err(|e| (Stage::Upgrade, UpError::Converge(Box::new(e))))?;
+        match outcome.failed.first() {
+            None => Ok(()),
+            Some(f) => Err(step_failed(
+                Stage::Upgrade,
+                format!(
+                    "node {}: staging its config before its upgrade: {}",
+                    f.node, f.error
+                ),
+                false,
+            )),
+        }
+    }
+
     /// The cluster's Kubernetes version when no Talos node moves: as the
     /// Kubernetes part of `imgbuild upgrade`.
     fn kubernetes(
         &self,
         report: &mut Report,
         progress: &(dyn Fn(&str, &str) + Sync),
-    ) -> Result<(), (Stage, UpError)> {
+    ) -> Result<(), Stopped> {
         if !self.select.is_empty() {
             return Ok(());
         }
@@ -877,10 +941,10 @@ impl DayTwo<'_> {
             &self.upgrade,
             self.limits(),
         );
-        let Some(mut action) = kube_action(&k) else {
+        let Some(mut action) = actions::kube_action(&k) else {
             return Ok(());
         };
-        let sync = sync_action(&k);
+        let sync = actions::sync_action(&k);
         if let Some(r) = &k.refusal {
             report.act(action);
             let why = format!("kubernetes {}: {r}", k.to);
@@ -926,7 +990,7 @@ impl DayTwo<'_> {
 
     /// Whether a control plane's config change takes a reboot (asked with
     /// the apply's own dry run).
-    fn reboots_a_control_plane(&self) -> Result<bool, (Stage, UpError)> {
+    fn reboots_a_control_plane(&self) -> Result<bool, Stopped> {
         let cps: Vec<String> = self
             .prepared
             .plan
@@ -955,7 +1019,7 @@ impl DayTwo<'_> {
     /// Each node's machine config: as `imgbuild apply` (live where Talos
     /// can, else a reboot one node at a time). Nodes `upgraded` had theirs
     /// applied by the upgrade; a dry run does not list them twice.
-    fn configs(&self, report: &mut Report, upgraded: &[String]) -> Result<(), (Stage, UpError)> {
+    fn configs(&self, report: &mut Report, upgraded: &[String]) -> Result<(), Stopped> {
         if !self.dry_run && self.reboots_a_control_plane()? {
             self.snapshot_etcd(Stage::Configs, "config change")?;
         }
@@ -1098,61 +1162,62 @@ fn snapshotting(
     out
 }
 
+/// How a node's upgrade names a failure of its last step, the config
+/// (`NodeUpgradeError::Configure`).
+const CONFIG_STEP: &str = "applying the rendered config after the upgrade";
+
+/// The upgrade's actions with each node's carried config change right
+/// after its upgrade, where the run applies it (in the upgrade step).
+fn with_configs(
+    actions: Vec<Action>,
+    carried: &apply::ApplyOutcome,
+    plan: &bootstrap::Plan,
+) -> Vec<Action> {
+    let mut out = Vec::with_capacity(actions.len() + carried.nodes.len());
+    for a in actions {
+        let config = a
+            .node
+            .as_ref()
+            .and_then(|node| carried.nodes.iter().find(|n| n.changed && &n.node == node));
+        let node = a.node.clone();
+        out.push(a);
+        if let Some(n) = config {
+            let what = if n.needs_reboot {
+                "config staged before the upgrade, booted by its reboot"
+            } else {
+                "config applied after the upgrade"
+            };
+            let c = Action::new(
+                Kind::ApplyConfig {
+                    reboot: n.needs_reboot,
+                    staged: false,
+                },
+                node.as_deref(),
+                what,
+            );
+            let rendered = plan
+                .nodes
+                .iter()
+                .find(|p| p.name == n.node)
+                .map_or(&[][..], |p| p.config.as_slice());
+            let fields = apply::changed_fields(&n.diff, rendered);
+            let mut c = c.detail(actions::diff_summary(&n.diff, &fields));
+            c.step = Step::Upgrade;
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// How many of the newest unused volumes or snapshots per node and base a
 /// prune keeps (as `imgbuild prune` by default): one to go back to.
 const PRUNE_KEEP: usize = 1;
-
-/// The Kubernetes action of a plan with work left (or a refusal).
-fn kube_action(k: &KubePlan) -> Option<Action> {
-    let left = k.steps.iter().filter(|s| !s.done).count();
-    if left == 0 && k.refusal.is_none() {
-        return None;
-    }
-    let kind = Kind::UpgradeKubernetes {
-        version: FromTo {
-            from: k.from.clone(),
-            to: k.to.clone(),
-        },
-    };
-    let mut a = Action::new(kind, None, "upgrade Kubernetes")
-        .change("kubernetes", k.from.as_deref(), Some(&k.to))
-        .detail(format!("{left} step(s)"));
-    if let Some(r) = &k.refusal {
-        a = a.detail(format!("refused: {r}"));
-    }
-    Some(a)
-}
 
 /// The run's etcd snapshot, before the first control-plane change of
 /// step `before`.
 fn snapshot_action(before: Step) -> Action {
     Action::new(Kind::SnapshotEtcd { before }, None, "etcd snapshot")
         .detail("into the state dir, before the first control-plane change")
-}
-
-/// The bootstrap manifest sync a Kubernetes plan with work left ends
-/// with, as its own action (listed once the components are planned).
-fn sync_action(k: &KubePlan) -> Option<Action> {
-    if k.refusal.is_some() {
-        return None;
-    }
-    k.steps.iter().find_map(|s| match &s.step {
-        KubeStep::SyncManifests { objects, prune, .. } if !s.done => {
-            let a = Action::new(
-                Kind::SyncManifests {
-                    objects: objects.clone(),
-                },
-                None,
-                "sync bootstrap manifests",
-            );
-            // Talos v1.13+: each object pruned, as a change to nothing.
-            let a = prune
-                .iter()
-                .fold(a, |a, o| a.change(o, Some("present"), None));
-            Some(a.detail(s.step.describe()))
-        }
-        _ => None,
-    })
 }
 
 /// How a run's Kubernetes report left the manifest sync `a` (its detail
@@ -1175,7 +1240,7 @@ fn target_error(e: TargetError) -> UpError {
     }
 }
 
-fn step_failed(stage: Stage, message: String, partial: bool) -> (Stage, UpError) {
+fn step_failed(stage: Stage, message: String, partial: bool) -> Stopped {
     (
         stage,
         UpError::Step {
@@ -1312,7 +1377,7 @@ struct Built {
 }
 
 /// Builds the images of the selected nodes whose machine needs one
-/// ([`Target::needing_images`]), or in a dry run reads which ones the
+/// ([`Target`]'s `needing_images`), or in a dry run reads which ones the
 /// manifest holds current; records each.
 fn build(
     inv: &Inventory,
@@ -1320,7 +1385,7 @@ fn build(
     opts: &UpOptions,
     mode: Mode<'_>,
     report: &mut Report,
-) -> Result<Built, (Stage, UpError)> {
+) -> Result<Built, Stopped> {
     let nodes = target
         .needing_images(inv, &opts.nodes, &recreated(inv, opts))
         .map_err(|e| (Stage::Publish, target_error(e)))?;
@@ -1363,7 +1428,7 @@ fn build(
     })
 }
 
-/// Publishes the built images on `target` (nothing for [`Target::None`]),
+/// Publishes the built images on `target` (nothing without a target),
 /// or in a dry run says what that would do; where the bootstrap reaches
 /// each node (a Hetzner server's public IP). Stops when any node failed,
 /// since a cluster missing a node cannot become healthy.
@@ -1374,13 +1439,39 @@ fn publish(
     built: Built,
     mode: Mode<'_>,
     report: &mut Report,
-) -> Result<BTreeMap<String, NodeEndpoint>, (Stage, UpError)> {
-    match target {
-        Target::None => Ok(BTreeMap::new()),
-        Target::Proxmox(pve) => {
-            proxmox(inv, pve, opts, built, mode, report).map(|()| BTreeMap::new())
-        }
-        Target::Hcloud(hc) => hcloud(inv, hc, opts, built, mode, report),
+) -> Result<BTreeMap<String, NodeEndpoint>, Stopped> {
+    target.visit(Publishing {
+        inv,
+        opts,
+        built,
+        mode,
+        report,
+    })
+}
+
+/// The publish step on whichever target the inventory names.
+struct Publishing<'a, 'r> {
+    inv: &'a Inventory,
+    opts: &'a UpOptions,
+    built: Built,
+    mode: Mode<'a>,
+    report: &'r mut Report,
+}
+
+impl Visitor for Publishing<'_, '_> {
+    type Out = Result<BTreeMap<String, NodeEndpoint>, Stopped>;
+
+    fn none(self) -> Self::Out {
+        Ok(BTreeMap::new())
+    }
+
+    fn proxmox(self, pve: &ProxmoxTarget) -> Self::Out {
+        proxmox(self.inv, pve, self.opts, self.built, self.mode, self.report)
+            .map(|()| BTreeMap::new())
+    }
+
+    fn hcloud(self, hc: &HcloudTarget) -> Self::Out {
+        hcloud(self.inv, hc, self.opts, self.built, self.mode, self.report)
     }
 }
 
@@ -1418,7 +1509,7 @@ fn proxmox(
     built: Built,
     mode: Mode<'_>,
     report: &mut Report,
-) -> Result<(), (Stage, UpError)> {
+) -> Result<(), Stopped> {
     let bad_image = |e: crate::publish::ImageError| (Stage::Build, UpError::Setup(e.to_string()));
     let mut images = BTreeMap::new();
     // The nodes whose image this run built (a dry run: none): a plan
@@ -1560,7 +1651,7 @@ fn hcloud(
     built: Built,
     mode: Mode<'_>,
     report: &mut Report,
-) -> Result<BTreeMap<String, NodeEndpoint>, (Stage, UpError)> {
+) -> Result<BTreeMap<String, NodeEndpoint>, Stopped> {
     let publish = |e: HcloudError| (Stage::Publish, UpError::Hcloud(e));
     if !built.failed.is_empty() {
         return Err((
@@ -1605,10 +1696,10 @@ fn hcloud(
         }
         let mut targets = BTreeMap::new();
         for s in servers::existing(&api, &inv.cluster.name).map_err(publish)? {
-            let stages = (
-                Change::Unchanged,
-                changed(s.status == "off", Change::Started),
-            );
+            let stages = ServerStages {
+                vm: Change::Unchanged,
+                start: changed(s.status == "off", Change::Started),
+            };
             record_server(report, &mut targets, &s, Some(stages));
         }
         return Ok(targets);
@@ -1693,10 +1784,10 @@ fn hcloud(
     all.retain(|s| !made.iter().any(|m| m.node == s.node));
     let mut targets = BTreeMap::new();
     for s in &made {
-        let stages = (
-            changed(s.created, Change::Created),
-            changed(s.started, Change::Started),
-        );
+        let stages = ServerStages {
+            vm: changed(s.created, Change::Created),
+            start: changed(s.started, Change::Started),
+        };
         record_server(report, &mut targets, s, Some(stages));
     }
     for s in &all {
@@ -1709,19 +1800,26 @@ fn hcloud(
     Ok(targets)
 }
 
+/// What this run did (or would do) to a server: its vm column (created
+/// or kept) and its start column.
+struct ServerStages {
+    vm: Change,
+    start: Change,
+}
+
 /// Puts server `s` in its node's row (with its vm and start outcomes, if
 /// this run dealt with it) and notes where the bootstrap reaches it.
 fn record_server(
     report: &mut Report,
     targets: &mut BTreeMap<String, NodeEndpoint>,
     s: &servers::ClusterServer,
-    stages: Option<(Change, Change)>,
+    stages: Option<ServerStages>,
 ) {
     let Some(n) = report.node(&s.node) else {
         return;
     };
     n.server = Some(s.id);
-    if let Some((vm, start)) = stages {
+    if let Some(ServerStages { vm, start }) = stages {
         // A server's image is history: nothing to upload for it.
         n.stages.upload.get_or_insert(Change::Unchanged);
         n.stages.vm = Some(vm);

@@ -16,9 +16,10 @@ use imgbuild::talos::kubernetes::plan::KubePlan;
 use imgbuild::talos::kubernetes::{observe, run as kube_run, status as kstatus};
 use imgbuild::talos::stage;
 use imgbuild::talos::status;
-use imgbuild::talos::upgrade::plan::{Action, UpgradePlan};
+use imgbuild::talos::upgrade::plan::Action;
 use imgbuild::talos::upgrade::report::Ending;
 use imgbuild::talos::upgrade::{self, RebootMode, RunOptions};
+use imgbuild::up;
 use imgbuild::up::converge::{self, ApplySettings, UpgradeSettings};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -114,8 +115,12 @@ fn print_kube_plan(k: &KubePlan) {
     }
 }
 
-/// The dry run's document and lines.
-fn print_plan(up: &UpgradePlan, kube: Option<&KubePlan>, output: Output) {
+/// The dry run's document and lines. Its actions (`plan` in JSON, the
+/// `plan:` lines) come from the renderer `up --dry-run` uses for its
+/// upgrade step ([`up::actions::upgrade_actions`]).
+fn print_plan(planned: &converge::UpgradePlanned, output: Output) {
+    let (up, kube) = (&planned.talos, planned.kube.as_ref().map(|(_, k)| k));
+    let actions = up::actions::upgrade_actions(planned);
     let rows: Vec<serde_json::Value> = up
         .nodes
         .iter()
@@ -137,7 +142,8 @@ fn print_plan(up: &UpgradePlan, kube: Option<&KubePlan>, output: Output) {
             "{}",
             json!({"dryRun": true, "nodes": rows, "force": up.force,
                    "rebootMode": up.reboot_mode, "etcdMembers": up.etcd_members,
-                   "notes": up.notes, "refusal": up.refusal, "kubernetes": kube})
+                   "notes": up.notes, "refusal": up.refusal, "kubernetes": kube,
+                   "plan": actions})
         ),
         Output::Text => {
             for n in &up.nodes {
@@ -176,6 +182,9 @@ fn print_plan(up: &UpgradePlan, kube: Option<&KubePlan>, output: Output) {
             }
             if let Some(k) = kube {
                 print_kube_plan(k);
+            }
+            for a in &actions {
+                outln!("{}", a.marked());
             }
         }
     }
@@ -237,9 +246,8 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         &settings,
         &limits,
     )?;
-    let kube_plan = planned.kube.as_ref().map(|(_, k)| k);
     if args.dry_run {
-        print_plan(&planned.talos, kube_plan, output);
+        print_plan(&planned, output);
         if let Some(r) = planned.refusal() {
             return Err(Reported(r).into());
         }
@@ -261,7 +269,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         if output == Output::Text {
             outln!("refused: {}", outside(&r));
         } else {
-            print_plan(&planned.talos, kube_plan, output);
+            print_plan(&planned, output);
         }
         return Err(Reported(r).into());
     }

@@ -256,7 +256,27 @@ impl TargetError {
     }
 }
 
+/// What a caller does on each kind of target, one method per kind:
+/// [`Target::visit`] calls the one that applies, so the caller (`up`'s
+/// publish, which records its report rows) needs no match on the target.
+pub trait Visitor {
+    type Out;
+    /// No publish section: no machines to make.
+    fn none(self) -> Self::Out;
+    fn proxmox(self, pve: &ProxmoxTarget) -> Self::Out;
+    fn hcloud(self, hc: &HcloudTarget) -> Self::Out;
+}
+
 impl Target {
+    /// Calls `v`'s method for this kind of target.
+    pub fn visit<V: Visitor>(&self, v: V) -> V::Out {
+        match self {
+            Target::None => v.none(),
+            Target::Proxmox(pve) => v.proxmox(pve),
+            Target::Hcloud(hc) => v.hcloud(hc),
+        }
+    }
+
     /// The inventory's `publish` section as a target, credentials read
     /// through `env` (before anything is built: a missing token must not
     /// wait for a build).

@@ -6,9 +6,12 @@
 //! the removal's, the prune's) is made by its library call; this module
 //! only puts them in one list.
 
-use super::plan::Kind;
+use super::converge::UpgradePlanned;
 pub use super::plan::Step;
+use super::plan::{FromTo, Kind};
 use crate::input::one_line;
+use crate::talos::kubernetes::plan::{KubePlan, Step as KubeStep};
+use crate::talos::upgrade::plan::{Action as UpAction, UpgradePlan};
 
 /// One field an action changes.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -99,6 +102,20 @@ impl Action {
         self
     }
 
+    /// The line with how it stands in front (`plan: upgrade worker-01:
+    /// …`): how `up`, `replace` and `upgrade --dry-run` print an action.
+    pub fn marked(&self) -> String {
+        let mark = match self.outcome {
+            State::Planned if self.destructive => "plan (with --allow-destroy):",
+            State::Planned => "plan:",
+            State::Done => "done:",
+            State::Failed => "FAILED:",
+            State::Left => "left:",
+            State::NotReached => "not reached:",
+        };
+        format!("{mark} {}", self.line())
+    }
+
     /// One line: `upgrade worker-01: talos v1.11.2 → v1.11.3; schematic
     /// 376567… → 376567…`; every value from outside escaped and bounded.
     pub fn line(&self) -> String {
@@ -125,6 +142,118 @@ impl Action {
         }
         out
     }
+}
+
+/// The Talos part of an upgrade plan as actions, one per node with work
+/// (an upgrade, a config naming another installer, or blocked): what
+/// `upgrade --dry-run` and the upgrade step of `up` both show.
+pub fn talos_actions(plan: &UpgradePlan) -> Vec<Action> {
+    let mut actions: Vec<Action> = Vec::new();
+    for n in &plan.nodes {
+        if n.action == UpAction::Done || n.action == UpAction::SchematicUnknown {
+            continue;
+        }
+        let hops: Vec<&str> = n.hops.iter().map(|h| h.version.as_str()).collect();
+        let moves = n.from.schematic.as_deref() != Some(n.to.schematic.as_str());
+        let kind = Kind::UpgradeTalos {
+            version: FromTo {
+                from: n.from.version.clone(),
+                to: n.to.version.clone(),
+            },
+            schematic: moves.then(|| FromTo {
+                from: n.from.schematic.clone(),
+                to: n.to.schematic.clone(),
+            }),
+        };
+        let mut a = Action::new(kind, Some(&n.node), "upgrade").change(
+            "talos",
+            n.from.version.as_deref(),
+            Some(&n.to.version),
+        );
+        // Shown when it moves (unknown is not different).
+        if n.from.schematic.as_deref() != Some(n.to.schematic.as_str()) {
+            a = a.change(
+                "schematic",
+                n.from.schematic.as_deref(),
+                Some(&n.to.schematic),
+            );
+        }
+        a = match n.action {
+            UpAction::Config => {
+                a.detail("on the target; its config names another installer: the config is applied")
+            }
+            UpAction::Blocked => a.detail(format!(
+                "blocked: {}",
+                n.problem
+                    .as_deref()
+                    .or(n.from.error.as_deref())
+                    .unwrap_or("not read")
+            )),
+            _ if hops.len() > 1 => a.detail(format!("via {}", hops.join(" → "))),
+            _ => a,
+        };
+        actions.push(a);
+    }
+    actions
+}
+
+/// The whole upgrade plan as actions, in the order the run goes: Talos
+/// node by node, then Kubernetes and its manifest sync. The one renderer
+/// of an upgrade plan (`upgrade --dry-run`; `up` adds the configs each
+/// node's upgrade carries, which it compares on the nodes).
+pub fn upgrade_actions(planned: &UpgradePlanned) -> Vec<Action> {
+    let mut out = talos_actions(&planned.talos);
+    if let Some((_, k)) = &planned.kube {
+        out.extend(kube_action(k));
+        out.extend(sync_action(k));
+    }
+    out
+}
+
+/// The Kubernetes action of a plan with work left (or a refusal).
+pub fn kube_action(k: &KubePlan) -> Option<Action> {
+    let left = k.steps.iter().filter(|s| !s.done).count();
+    if left == 0 && k.refusal.is_none() {
+        return None;
+    }
+    let kind = Kind::UpgradeKubernetes {
+        version: FromTo {
+            from: k.from.clone(),
+            to: k.to.clone(),
+        },
+    };
+    let mut a = Action::new(kind, None, "upgrade Kubernetes")
+        .change("kubernetes", k.from.as_deref(), Some(&k.to))
+        .detail(format!("{left} step(s)"));
+    if let Some(r) = &k.refusal {
+        a = a.detail(format!("refused: {r}"));
+    }
+    Some(a)
+}
+
+/// The bootstrap manifest sync a Kubernetes plan with work left ends
+/// with, as its own action (listed once the components are planned).
+pub fn sync_action(k: &KubePlan) -> Option<Action> {
+    if k.refusal.is_some() {
+        return None;
+    }
+    k.steps.iter().find_map(|s| match &s.step {
+        KubeStep::SyncManifests { objects, prune, .. } if !s.done => {
+            let a = Action::new(
+                Kind::SyncManifests {
+                    objects: objects.clone(),
+                },
+                None,
+                "sync bootstrap manifests",
+            );
+            // Talos v1.13+: each object pruned, as a change to nothing.
+            let a = prune
+                .iter()
+                .fold(a, |a, o| a.change(o, Some("present"), None));
+            Some(a.detail(s.step.describe()))
+        }
+        _ => None,
+    })
 }
 
 /// `+a −r lines` and the fields a config diff changes, as its summary: the

@@ -65,6 +65,10 @@ impl UpError {
 
 pub use crate::publish::target::MachineError;
 
+/// What stopped a stage: the stage, and why (the error half of every
+/// stage's result in [`super::up`]).
+pub type Stopped = (Stage, UpError);
+
 /// The stages, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

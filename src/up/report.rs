@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use super::actions::{Action, State};
-use super::error::{Stage, UpError};
+use super::error::{Stage, Stopped, UpError};
 pub use super::plan::TalosState;
 use super::plan::{Kind, Known, Machine};
 use crate::build::{self, NodeImage};
@@ -229,7 +229,7 @@ pub struct Report {
     pub elapsed_ms: u128,
     /// The stage that stopped the run, and why.
     #[serde(skip)]
-    pub stopped: Option<(Stage, UpError)>,
+    pub stopped: Option<Stopped>,
     /// How a healthy cluster differs from the inventory (version,
     /// schematic, config), as `imgbuild status` would flag it.
     #[serde(skip)]
@@ -655,15 +655,7 @@ impl Report {
         lines.extend(rows.iter().map(|row| line(row)));
         lines.push(Line::Out(self.stage_summary()));
         for a in self.first.iter().chain(&self.actions) {
-            let mark = match a.outcome {
-                State::Planned if a.destructive => "plan (with --allow-destroy):",
-                State::Planned => "plan:",
-                State::Done => "done:",
-                State::Failed => "FAILED:",
-                State::Left => "left:",
-                State::NotReached => "not reached:",
-            };
-            lines.push(Line::Out(format!("{mark} {}", a.line())));
+            lines.push(Line::Out(a.marked()));
         }
         for w in &self.warnings {
             lines.push(Line::Err(format!("warning: {w}")));

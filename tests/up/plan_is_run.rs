@@ -132,6 +132,57 @@ fn write_patch(dir: &Path) {
     .unwrap();
 }
 
+/// `upgrade --dry-run` and the upgrade part of `up --dry-run` are one
+/// renderer's: for the same cluster, the Talos and Kubernetes actions
+/// `upgrade` shows (JSON rows and `plan:` lines) are `up`'s, in `up`'s
+/// order. `up` adds what it alone compares (each upgrade's config, the
+/// etcd snapshot).
+fn assert_upgrade_renders_as_up(c: &Cluster, scenario: &str) {
+    const UPGRADE_KINDS: [&str; 3] = ["upgradeTalos", "upgradeKubernetes", "syncManifests"];
+    let out = c.ci(&["--output", "json", "up", "--dry-run"]);
+    stdout_ok(&out);
+    let up_json = json(&out);
+    let out = c.ci(&["--output", "json", "upgrade", "--dry-run"]);
+    stdout_ok(&out);
+    let upgrade_json = json(&out);
+    let up_rows: Vec<&serde_json::Value> = up_json["plan"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| UPGRADE_KINDS.contains(&a["kind"]["kind"].as_str().unwrap()))
+        .collect();
+    let upgrade_rows: Vec<&serde_json::Value> =
+        upgrade_json["plan"].as_array().unwrap().iter().collect();
+    assert!(!upgrade_rows.is_empty(), "{scenario}: {upgrade_json}");
+    assert_eq!(
+        upgrade_rows, up_rows,
+        "{scenario}: upgrade's rows are not up's"
+    );
+    // The text: the same lines, word for word.
+    let lines = |args: &[&str]| -> Vec<String> {
+        let out = c.ci(args);
+        stdout_ok(&out);
+        text(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("plan: "))
+            .map(str::to_owned)
+            .collect()
+    };
+    let upgrade_lines = lines(&["upgrade", "--dry-run"]);
+    let up_lines = lines(&["up", "--dry-run"]);
+    let mut at = 0;
+    for l in &upgrade_lines {
+        match up_lines[at..].iter().position(|u| u == l) {
+            Some(i) => at += i + 1,
+            None => panic!(
+                "{scenario}: `{l}` of upgrade --dry-run is not (in order) in up --dry-run's:\n{}",
+                up_lines.join("\n")
+            ),
+        }
+    }
+    assert_eq!(upgrade_lines.len(), upgrade_rows.len(), "{upgrade_lines:?}");
+}
+
 /// Create, a patch edit with a `${NAME}`, a memory change, a version bump:
 /// each planned to a file and carried out from it, the run's actions the
 /// plan's; each kind of world change in between refused before any change.
@@ -255,7 +306,14 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
         "a memory change is a settings action, not a machine update: {run}"
     );
 
-    // A version bump; worker-01 upgraded out of band after the plan.
+    // A version bump with a patch edit beside it (machine.env: a change
+    // Talos v1.11 applies only with a reboot); worker-01 upgraded out of
+    // band after the plan.
+    std::fs::write(
+        c.dir.path().join("env.yaml"),
+        "machine:\n  env:\n    PLAN_TOKEN: \"${PLAN_TOKEN}\"\n    STEP: bump\n",
+    )
+    .unwrap();
     let bumped = with_patch()
         .replace("memory: 2048", "memory: 4096")
         .talos("v1.11.5");
@@ -265,8 +323,19 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
         kinds(&planned).contains(&"\"upgradeTalos\" \"worker-01\"".to_owned()),
         "{planned}"
     );
+    // (`upgrade` applies the rendered config without a reboot as its last
+    // step: out of band, with the patch the nodes run.)
+    let env = |step: &str| {
+        std::fs::write(
+            c.dir.path().join("env.yaml"),
+            format!("machine:\n  env:\n    PLAN_TOKEN: \"${{PLAN_TOKEN}}\"\n    STEP: {step}\n"),
+        )
+        .unwrap()
+    };
+    env("memory");
     let o = c.ci(&["upgrade", "worker-01"]);
     stdout_ok(&o);
+    env("bump");
     let upgrades = c.upgrades();
     let (o, v) = c.apply("bump.json", &[]);
     assert_eq!(o.status.code(), Some(2), "{v}");
@@ -278,6 +347,7 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     );
     assert_eq!(c.upgrades(), upgrades, "a refused plan upgraded a node");
     let planned = c.plan("bump.json");
+    assert_upgrade_renders_as_up(&c, "version bump");
     // The run's etcd snapshot comes before the first control plane moves.
     let kinds_now = kinds(&planned);
     let snapshot = kinds_now.iter().position(|k| k == "\"snapshotEtcd\" null");
@@ -298,12 +368,44 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
             .collect()
     };
     assert_eq!(images(&planned), Vec::<String>::new(), "{planned}");
+    // Every node's config changes with the bump (the patch edit, and the
+    // installer its install.image names): each an applyConfig of its own,
+    // planned and done, none left for the configs after it.
+    let configs = |v: &serde_json::Value| -> Vec<(String, String)> {
+        v["plan"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| a["kind"]["kind"] == "applyConfig")
+            .map(|a| {
+                (
+                    a["node"].as_str().unwrap().to_owned(),
+                    a["outcome"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    };
+    let mut nodes: Vec<String> = configs(&planned).into_iter().map(|(n, _)| n).collect();
+    nodes.sort();
+    assert_eq!(
+        nodes,
+        NODES.map(|(n, ..)| n.to_owned()),
+        "not every node's config change planned: {planned}"
+    );
     let before = c.volumes();
     let (out, run) = c.apply("bump.json", &[]);
     stdout_ok(&out);
-    assert_plan_is_run("version bump", &planned, &run);
+    assert_plan_is_run("version bump with a patch edit", &planned, &run);
+    assert!(
+        configs(&run).iter().all(|(_, outcome)| outcome == "done"),
+        "{run}"
+    );
     assert_eq!(images(&run), Vec::<String>::new(), "{run}");
     assert_eq!(c.volumes(), before, "the bump stored a new volume");
+    // What was planned is what the nodes run: a new dry run has nothing
+    // left for their configs.
+    let after = c.plan("after-bump.json");
+    assert_eq!(configs(&after), Vec::new(), "{after}");
 
     // worker-02 leaves the inventory: its removal, its VM's deletion and
     // the prune of the upload only that VM used are all in the plan.
@@ -379,6 +481,7 @@ fn each_saved_plan_is_what_its_run_does_and_a_moved_world_refuses_it() {
     )
     .unwrap();
     let planned = c.plan("kubernetes.json");
+    assert_upgrade_renders_as_up(&c, "Kubernetes bump");
     let kinds_now = kinds(&planned);
     assert_eq!(
         kinds_now,

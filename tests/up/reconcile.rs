@@ -142,15 +142,41 @@ fn up_converges_a_patch_edit_and_a_version_bump() {
     let (out, v) = c.up(&["--dry-run"]);
     stdout_ok(&out);
     let upgrades = actions(&v, "upgrade");
-    assert_eq!(nodes_of(&upgrades), all_nodes(), "{v}");
+    let of_kind = |all: &[&serde_json::Value], kind: &str| -> Vec<serde_json::Value> {
+        all.iter()
+            .filter(|a| a["kind"]["kind"] == kind)
+            .map(|a| (*a).clone())
+            .collect()
+    };
+    let talos = of_kind(&upgrades, "upgradeTalos");
+    assert_eq!(
+        nodes_of(&talos.iter().collect::<Vec<_>>()),
+        all_nodes(),
+        "{v}"
+    );
     // The step opens with the run's etcd snapshot, then the nodes.
     assert_eq!(upgrades[0]["kind"]["kind"], "snapshotEtcd", "{v}");
     assert_eq!(upgrades[0]["outcome"], "planned", "{v}");
-    for a in upgrades.iter().filter(|a| a["node"].is_string()) {
+    for a in &talos {
         let talos = &a["changes"][0];
         assert_eq!(talos["field"], "talos", "{a}");
         assert_eq!(talos["from"], "v1.11.2", "{a}");
         assert_eq!(talos["to"], "v1.11.5", "{a}");
+    }
+    // Each node's config names the new installer: the upgrade's last step
+    // applies it, right after the node's upgrade, without a reboot.
+    for pair in upgrades[1..].chunks(2) {
+        assert_eq!(pair[0]["kind"]["kind"], "upgradeTalos", "{v}");
+        assert_eq!(pair[1]["kind"]["kind"], "applyConfig", "{v}");
+        assert_eq!(pair[1]["kind"]["reboot"], false, "{v}");
+        assert_eq!(pair[0]["node"], pair[1]["node"], "{v}");
+        assert!(
+            pair[1]["detail"]
+                .as_str()
+                .unwrap()
+                .contains("install.image"),
+            "{v}"
+        );
     }
     assert!(
         actions(&v, "configs").is_empty(),
