@@ -112,7 +112,10 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
                     plan.kept
                 );
                 for item in &plan.unowned {
-                    outln!("left (not provably this cluster's): {}", escape(&item.name()));
+                    outln!(
+                        "left (not provably this cluster's): {}",
+                        escape(&item.name())
+                    );
                 }
             }
         }
@@ -147,7 +150,10 @@ pub fn run(args: PruneArgs, config: &Path, output: Output) -> Result<()> {
                 errln!("left {}", line(p));
             }
             for item in &plan.unowned {
-                outln!("left (not provably this cluster's): {}", escape(&item.name()));
+                outln!(
+                    "left (not provably this cluster's): {}",
+                    escape(&item.name())
+                );
             }
         }
     }

@@ -294,7 +294,7 @@ impl Target {
                     ));
                 }
                 Ok(Target::Hcloud(Box::new(HcloudTarget {
-                    settings: settings.clone(),
+                    settings: hcloud::for_cluster(settings, &inv.cluster.name),
                     credentials: hcloud::Credentials::from_env(env)?,
                     options: options.hcloud,
                     cancel: options.cancel,

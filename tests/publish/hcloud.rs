@@ -83,6 +83,7 @@ fn snapshot_is_the_image_labelled_exactly_and_a_rerun_creates_nothing() {
     let want = serde_json::json!({
         "os": "talos", "talos-version": "v1.11.2", "arch": "amd64", "team": "infra",
         "talos-schematic": &schematic[..32], "image-sha256": &sha[..32],
+        "imgbuild-cluster": "loopback",
     });
     assert_eq!(snap["labels"], want);
     let requests = v["requests"].as_u64().unwrap();
