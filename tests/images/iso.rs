@@ -454,7 +454,7 @@ fn a_proxmox_vm_boots_its_node_iso_and_comes_up_at_the_address_the_iso_carries()
         assert_eq!(cfg["boot"], "order=scsi0;ide2", "{cfg}");
         let ide2 = cfg["ide2"].as_str().unwrap();
         assert!(
-            ide2.starts_with("local:iso/iso-") && ide2.contains(".iso,"),
+            ide2.starts_with("local:iso/iso_") && ide2.contains(".iso,"),
             "{ide2}"
         );
         assert!(ide2.split(',').any(|o| o == "media=cdrom"), "{ide2}");
