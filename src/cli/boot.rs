@@ -37,7 +37,8 @@ pub fn pxe(args: PxeArgs, config: &Path, output: Output) -> Result<()> {
             BootError::NoMac { .. }
             | BootError::TooOld { .. }
             | BootError::BadUrl(_)
-            | BootError::UnknownNode(_) => anyhow::Error::new(Usage(e.to_string())),
+            | BootError::UnknownNode(_)
+            | BootError::SecureBoot { .. } => anyhow::Error::new(Usage(e.to_string())),
             e => e.into(),
         }
     })?;
