@@ -132,6 +132,8 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     if report.stopped.is_some() {
         return report;
     }
+    let secrets_file = new_secrets_path(inv, &opts.bootstrap);
+    let had_secrets = secrets_file.exists() || stage::sealed_path(inv).exists();
     // One run at a time changes this cluster's nodes; taken after the
     // pre-flight check, so an inventory that fails it leaves nothing behind.
     let _lock = match stage::lock_state_dir(inv, &opts.bootstrap, "up") {
@@ -192,6 +194,12 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
             Ok(()) => report.drifted(stage::drift(inv, &done.prepared, &bootstrap)),
             Err((stage, e)) => report.stop(stage, e),
         }
+    }
+    if !had_secrets && secrets_file.exists() {
+        report.warnings.push(format!(
+            "made the cluster's secrets (--new-secrets): {}; keep them in Git with `imgbuild secrets encrypt --age …`",
+            secrets_file.display()
+        ));
     }
     report.elapsed_ms = started.elapsed().as_millis();
     report
@@ -1350,11 +1358,30 @@ fn begin(
 ) -> Report {
     let reach = Reach::of(inv, &opts.bootstrap);
     let mut report = Report::new(inv, target.name(), dry_run, &reach);
-    if let Err(e) = stage::check(inv, &opts.bootstrap) {
+    // The cluster's secrets first: without them (or their age key) nothing
+    // is built, published or created.
+    let checked = stage::secrets_ready(inv, &opts.bootstrap).and_then(|found| {
+        if found.is_none() && dry_run {
+            report.warnings.push(format!(
+                "the cluster has no secrets yet: `up --new-secrets` makes them into {} (this dry run rendered the configs with throwaway ones and wrote none)",
+                new_secrets_path(inv, &opts.bootstrap).display()
+            ));
+        }
+        stage::check(inv, &opts.bootstrap)
+    });
+    if let Err(e) = checked {
         report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
         report.elapsed_ms = started.elapsed().as_millis();
     }
     report
+}
+
+/// Where `--new-secrets` writes a new cluster's bundle.
+fn new_secrets_path(inv: &Inventory, opts: &BootstrapOptions) -> std::path::PathBuf {
+    opts.state_dir
+        .clone()
+        .unwrap_or_else(|| crate::talos::config::default_state_dir(inv))
+        .join("secrets.yaml")
 }
 
 /// Whether the publish part runs or is planned.

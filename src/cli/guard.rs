@@ -93,6 +93,16 @@ pub fn inventory(inv: &Inventory) {
             }
         }
     }
+    // The cluster's SOPS secrets, when this environment has their key
+    // (without it, every command that needs them stops naming the file).
+    let sealed = imgbuild::talos::stage::sealed_path(inv);
+    if let Ok(text) = imgbuild::input::read_text(&sealed, imgbuild::input::MAX_TEXT_FILE)
+        && let Ok(plain) = imgbuild::secrets::sops::open(&text, &sealed)
+    {
+        for (name, value) in redact::secret_fields_of_yaml(&plain) {
+            super::output::redact_also(&name, &value);
+        }
+    }
     state_dir(&config::default_state_dir(inv));
 }
 

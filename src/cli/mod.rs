@@ -263,6 +263,9 @@ fn exit_code(e: &anyhow::Error) -> i32 {
                 c.downcast_ref::<imgbuild::build::BuildError>(),
                 Some(imgbuild::build::BuildError::UnknownNode(_))
             )
+            // No secrets, two bundles, a SOPS file without its key.
+            || c.downcast_ref::<imgbuild::talos::stage::StageError>()
+                .is_some_and(imgbuild::talos::stage::StageError::is_usage)
     });
     if e.downcast_ref::<Changes>().is_some() {
         EXIT_CHANGES

@@ -1,6 +1,7 @@
 //! `imgbuild secrets encrypt`: the cluster's secrets bundle as a SOPS file
 //! for age recipients, to keep in Git; `sops -d` opens it, and imgbuild
-//! reads it wherever it reads a secrets.yaml.
+//! reads it from there (`secrets.sops.yaml` beside the inventory, or
+//! `cluster.secretsFile`) before the state dir's secrets.yaml.
 
 use super::inventory::load_inventory;
 use super::output::{Output, Usage};
@@ -22,7 +23,8 @@ pub struct EncryptArgs {
     /// An age recipient (age1…) that may open the file; repeat for several.
     #[arg(long = "age", required = true, value_parser = Recipient::parse)]
     age: Vec<Recipient>,
-    /// The file to write [default: secrets.sops.yaml beside the inventory].
+    /// The file to write [default: cluster.secretsFile, else
+    /// secrets.sops.yaml beside the inventory: where imgbuild reads it].
     #[arg(long)]
     out: Option<PathBuf>,
     /// Replace an existing file.
@@ -46,7 +48,8 @@ pub fn encrypt(args: EncryptArgs, config: &Path, output: Output) -> Result<()> {
     let text = sops::encrypt(&plain, &args.age)?;
     let out = args
         .out
-        .unwrap_or_else(|| inv.base_dir.join("secrets.sops.yaml"));
+        .unwrap_or_else(|| imgbuild::talos::stage::sealed_path(&inv));
+    let read_here = out == imgbuild::talos::stage::sealed_path(&inv);
     if out.exists() && !args.force {
         return Err(Usage(format!(
             "{} exists: give --force to replace it, or another --out",
@@ -60,14 +63,28 @@ pub fn encrypt(args: EncryptArgs, config: &Path, output: Output) -> Result<()> {
     match output {
         Output::Json => outln!(
             "{}",
-            json!({"file": out, "from": from, "recipients": recipients})
+            json!({"file": out, "from": from, "recipients": recipients, "readByImgbuild": read_here})
         ),
-        Output::Text => outln!(
-            "{}: the secrets of {}, SOPS-encrypted for {} (sops -d opens it)",
-            out.display(),
-            from.display(),
-            recipients.join(", ")
-        ),
+        Output::Text => {
+            outln!(
+                "{}: the secrets of {}, SOPS-encrypted for {} (sops -d opens it)",
+                out.display(),
+                from.display(),
+                recipients.join(", ")
+            );
+            if read_here {
+                outln!(
+                    "imgbuild reads the cluster's secrets from {} now (with the age key in SOPS_AGE_KEY_FILE): the clear copy {} is no longer needed; delete it once the SOPS file is in Git",
+                    out.display(),
+                    from.display()
+                );
+            } else {
+                outln!(
+                    "note: imgbuild does not read {}: name it in the inventory (cluster.secretsFile) to use it",
+                    out.display()
+                );
+            }
+        }
     }
     Ok(())
 }

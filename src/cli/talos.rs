@@ -138,10 +138,24 @@ pub struct TalosconfigArgs {
     file: Option<PathBuf>,
 }
 
+/// `--new-secrets`, for the commands that may start a cluster (`up`,
+/// `bootstrap`).
+#[derive(Args)]
+pub struct NewSecretsArg {
+    /// Make the cluster's secrets if it has none yet: a new cluster
+    /// (nothing happens when they exist). Without it, a cluster without
+    /// secrets (no SOPS file beside the inventory, no secrets.yaml in the
+    /// state dir) stops before any change.
+    #[arg(long)]
+    pub(super) new_secrets: bool,
+}
+
 #[derive(Args)]
 pub struct BootstrapArgs {
     #[command(flatten)]
     run: BootstrapRunArgs,
+    #[command(flatten)]
+    new: NewSecretsArg,
     /// Only errors and the result: no board, no progress lines.
     #[arg(long)]
     quiet: bool,
@@ -197,6 +211,7 @@ impl BootstrapRunArgs {
             targets: Default::default(),
             patch_vars: patch_vars(),
             cancel: Default::default(),
+            new_secrets: false,
             limits: bootstrap::Options {
                 node_timeout: self.node_timeout,
                 bootstrap_timeout: self.bootstrap_timeout,
@@ -286,7 +301,9 @@ pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
 pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let node = inv.node(&args.node)?;
-    let (bundle, _) = args.state.open(&inv)?.secrets()?;
+    let state = StateDir::existing(&inv, args.state.state_dir.as_deref())?;
+    super::guard::state_dir(&state.path);
+    let bundle = state.secrets(&inv, false)?.bundle;
     let text = config::machine_config(&inv, node, &bundle, &patch_vars())?;
     if let Some(path) = &args.out {
         imgbuild::atomic::check_out_target(path)
@@ -350,8 +367,9 @@ fn redacted_yaml(text: &str) -> String {
 
 pub fn talosconfig(args: TalosconfigArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
-    let state = args.state.open(&inv)?;
-    let (bundle, _) = state.secrets()?;
+    let state = StateDir::existing(&inv, args.state.state_dir.as_deref())?;
+    super::guard::state_dir(&state.path);
+    let bundle = state.secrets(&inv, false)?.bundle;
     let stage::TalosconfigFile {
         path,
         config: cfg,
@@ -429,13 +447,16 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
     let mut opts = args.run.options_for(&inv)?;
     opts.limits.recover_from = args.recover_from.clone();
     opts.limits.recover_skip_hash_check = args.recover_skip_hash_check;
+    opts.new_secrets = args.new.new_secrets;
+    // Before the lock is made: without secrets nothing is written.
+    stage::secrets_ready(&inv, &opts)?;
     let _lock = stage::lock_state_dir(&inv, &opts, "bootstrap")?;
     let nodes: Vec<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
     let board = Board::new(&nodes, Show::log_for(args.quiet, output), Show::Nothing);
     let done = stage::bootstrap(&inv, &opts, &board);
     board.finish();
     let stage::Bootstrapped { prepared, outcome } = done?;
-    let tc_path = &prepared.talosconfig;
+    let tc_path = prepared.talosconfig.as_ref();
     let plan = &prepared.plan;
     // Healthy only when every node is Ready, whatever the checks ended on.
     let healthy = outcome.health.is_healthy()
@@ -462,6 +483,8 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 "kubeconfigServer": outcome.kubeconfig_server,
                 "kubeconfigMovedFrom": outcome.kubeconfig_moved_from,
                 "talosconfig": tc_path,
+                "secrets": prepared.secrets_source.path(),
+                "secretsCreated": prepared.secrets_created,
                 "elapsedMs": outcome.elapsed_ms,
             })
         ),
@@ -495,13 +518,27 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 plan.kubeconfig_path.display(),
                 outcome.kubeconfig_server
             );
-            outln!("  talosconfig: {}", tc_path.display());
-            outln!(
-                "  use them: imgbuild kubeconfig --merge and imgbuild talosconfig --merge \
-                 (into ~/.kube/config and ~/.talos/config), or export KUBECONFIG={} TALOSCONFIG={}",
-                plan.kubeconfig_path.display(),
-                tc_path.display()
-            );
+            if prepared.secrets_created {
+                outln!(
+                    "  secrets: {} made now (a new cluster): keep them in Git with imgbuild secrets encrypt --age …",
+                    prepared.secrets_source.path().display()
+                );
+            }
+            match tc_path {
+                Some(tc_path) => {
+                    outln!("  talosconfig: {}", tc_path.display());
+                    outln!(
+                        "  use them: imgbuild kubeconfig --merge and imgbuild talosconfig --merge \
+                         (into ~/.kube/config and ~/.talos/config), or export KUBECONFIG={} TALOSCONFIG={}",
+                        plan.kubeconfig_path.display(),
+                        tc_path.display()
+                    );
+                }
+                None => outln!(
+                    "  talosconfig: not written (the secrets are in {}): imgbuild talosconfig writes one",
+                    prepared.secrets_source.path().display()
+                ),
+            }
             for f in &outcome.fallbacks {
                 outln!("note: {f}");
             }

@@ -47,6 +47,8 @@ pub struct UpArgs {
     publish: PublishArgs,
     #[command(flatten)]
     bootstrap: BootstrapRunArgs,
+    #[command(flatten)]
+    new: super::talos::NewSecretsArg,
 }
 
 pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
@@ -90,10 +92,12 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
     }
     let build = args.publish.build();
     let quiet = build.download.quiet;
+    let mut bootstrap = args.bootstrap.options();
+    bootstrap.new_secrets = args.new.new_secrets;
     let opts = UpOptions {
         nodes: args.publish.nodes().to_vec(),
         build: build.options(),
-        bootstrap: args.bootstrap.options(),
+        bootstrap,
         upgrade: UpgradeSettings::default(),
         apply: ApplySettings::default(),
         allow_destroy: args.allow_destroy,
@@ -288,15 +292,16 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
 }
 
 /// The cluster secret that keys a plan's `${NAME}` fingerprints: the
-/// bundle's bootstrap token, when the state dir has a bundle.
+/// bundle's bootstrap token, when the cluster has a bundle (the SOPS file
+/// or the state dir's, as every run finds it), so that a fresh checkout
+/// and the laptop fingerprint alike.
 fn fingerprint_secret(inv: &imgbuild::inventory::Inventory, dir: Option<&Path>) -> Option<String> {
     let dir = dir.map_or_else(
         || imgbuild::talos::config::default_state_dir(inv),
         Path::to_owned,
     );
-    let path = dir.join("secrets.yaml");
-    path.is_file()
-        .then(|| imgbuild::talos::secrets::SecretsBundle::load(&path).ok())
+    imgbuild::talos::stage::find_secrets(inv, &dir)
+        .ok()
         .flatten()
-        .map(|b| b.secrets.bootstraptoken)
+        .map(|(b, _)| b.secrets.bootstraptoken)
 }

@@ -62,6 +62,12 @@ pub struct ClusterSettings {
     /// configs keep `endpoint`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kubernetes_endpoint: Option<String>,
+    /// The cluster's secrets as a SOPS file kept in Git, relative to the
+    /// inventory [default: `secrets.sops.yaml` beside it, when it exists].
+    /// Read in memory with the environment's age keys, never copied in
+    /// clear into the state dir.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -553,6 +559,11 @@ impl Validator<'_> {
     fn check(&mut self, inv: &Inventory) -> Vec<String> {
         let mut warnings = Vec::new();
         self.check_cluster(&inv.cluster);
+        if let Some(file) = &inv.cluster.secrets_file
+            && let Err(why) = secrets_file_path(&inv.base_dir, file)
+        {
+            self.problem("cluster.secretsFile", why);
+        }
         self.check_image(&inv.image);
         self.check_network(&inv.network);
         self.check_nodes(inv);
@@ -1228,6 +1239,42 @@ pub fn talos_endpoint(ep: &str) -> Option<SocketAddr> {
 /// The kernel's command-line buffer (`COMMAND_LINE_SIZE`, 2048 on x86 and
 /// arm64, linux arch/*/include/uapi/asm/setup.h).
 const KERNEL_CMDLINE_MAX: usize = 2048;
+
+/// Where `cluster.secretsFile` is: a path inside the inventory's folder
+/// (it is kept in Git beside it). It need not exist yet (`secrets encrypt`
+/// writes it); when it does, it is a regular file that stays inside.
+pub fn secrets_file_path(base: &Path, file: &Path) -> Result<PathBuf, String> {
+    let path = base.join(file);
+    let shown = path.display();
+    if file.as_os_str().is_empty()
+        || file.is_absolute()
+        || file
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
+    {
+        return Err(format!(
+            "secrets file {shown}: give a path inside the inventory's folder (no leading / or ..)"
+        ));
+    }
+    match std::fs::metadata(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(path),
+        Err(e) => Err(format!("secrets file {shown}: {e}")),
+        Ok(m) if !m.is_file() => Err(format!("secrets file {shown} is not a regular file")),
+        Ok(_) => {
+            let inside = match (std::fs::canonicalize(base), std::fs::canonicalize(&path)) {
+                (Ok(b), Ok(p)) => p.starts_with(b),
+                _ => false,
+            };
+            if inside {
+                Ok(path)
+            } else {
+                Err(format!(
+                    "secrets file {shown} leads outside the inventory's folder (a symbolic link?)"
+                ))
+            }
+        }
+    }
+}
 
 /// Where patch `file` of an inventory in `base` is, if it may be used: a
 /// regular file inside the inventory's folder (after symlinks), so a

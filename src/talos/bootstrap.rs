@@ -359,7 +359,17 @@ const HINT_APPLY_TIMEOUT: &str = "The node answered in maintenance mode, but the
 const HINT_REBOOT: &str = "The node went away after the config was applied and did not come back: it is rebooting into an install that fails, or booted from media without the installed system.";
 const HINT_NAME: &str = "Talos names the node's own addresses (and machine.certSANs) in its API certificate, and imgbuild checks it against nodes[].address: the node has another address than the inventory says (DHCP?), or is reached through NAT or a port forward (talosEndpoint). Fix nodes[].address, or add the address to machine.certSANs with a patch.";
 const HINT_NO_CNI: &str = "cluster.network.cni.name is none and no CNI manifest is given (cluster.inlineManifests, cluster.extraManifests), so no pod network comes up and the nodes stay NotReady. Add the CNI's manifest to cluster.inlineManifests or cluster.extraManifests with a patch and run again, or install one now with the kubeconfig (e.g. helm install cilium).";
-const HINT_FOREIGN: &str = "The node is configured with a different CA than this cluster's secrets.yaml: it was set up from other secrets (another secrets.yaml, or a talosconfig generated elsewhere). Use that cluster's secrets (`imgbuild secrets gen --secrets FILE --force`) or reset the node to maintenance mode.";
+const HINT_FOREIGN: &str = "The node is configured with a different CA than the cluster secrets in use ({secrets}): it was set up from other secrets (made on another machine or CI runner, or a talosconfig generated elsewhere). Use that cluster's secrets: its SOPS file beside the inventory (secrets.sops.yaml, or cluster.secretsFile) with the age key in SOPS_AGE_KEY_FILE, or import its secrets.yaml (`imgbuild secrets gen --secrets FILE --force`); or reset the node to maintenance mode.";
+
+/// `hint` with the secrets file in use named, when it is [`HINT_FOREIGN`]
+/// (the stage knows the file, this module does not).
+pub(crate) fn foreign_hint(hint: &str, secrets: &str) -> String {
+    if hint == HINT_FOREIGN {
+        hint.replace("{secrets}", secrets)
+    } else {
+        hint.to_owned()
+    }
+}
 
 struct Ctx<'a> {
     opts: &'a Options,

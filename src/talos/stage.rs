@@ -60,17 +60,180 @@ pub enum StageError {
     Lock(#[from] LockError),
     #[error("interrupted; run again to go on (every step is safe to repeat)")]
     Interrupted,
+    /// Neither the SOPS file nor the state dir holds the cluster's
+    /// secrets, and nothing asked for new ones.
     #[error(
-        "no cluster here: {} holds no secrets.yaml (bootstrap or up makes one; or name the cluster's state dir with --state-dir)",
+        "no cluster secrets: neither {} nor {} exists (nothing was changed); make them with `imgbuild secrets gen` (then `imgbuild secrets encrypt --age …` to keep them in Git), or give --new-secrets for a new cluster (up, bootstrap)",
+        sealed.display(),
+        clear.display()
+    )]
+    NoSecrets { sealed: PathBuf, clear: PathBuf },
+    /// The SOPS file and the state dir's `secrets.yaml` are two bundles.
+    #[error(
+        "two different cluster secrets: {} and {} (nothing was changed); keep one: delete {} if it is a stale copy, or encrypt it over the other (`imgbuild secrets encrypt --force --age …`) if it is the cluster's",
+        sealed.display(),
+        clear.display(),
+        clear.display()
+    )]
+    SecretsDiffer { sealed: PathBuf, clear: PathBuf },
+    /// The SOPS file could not be opened (no key, another recipient's key,
+    /// tampered).
+    #[error(
+        "cluster secrets {}: cannot open them (nothing was changed); give a recipient's age key in SOPS_AGE_KEY_FILE (or SOPS_AGE_KEY)",
         path.display()
     )]
-    NoCluster { path: PathBuf },
+    Sealed {
+        path: PathBuf,
+        #[source]
+        source: SecretsError,
+    },
+    /// A file in the SOPS file's place that is not SOPS-encrypted: secrets
+    /// kept in clear beside a Git inventory.
+    #[error(
+        "cluster secrets {}: not SOPS-encrypted; secrets beside the inventory are kept encrypted (`imgbuild secrets encrypt --age …` writes them so)",
+        path.display()
+    )]
+    SealedInClear { path: PathBuf },
     /// A node's schematic, to compare with the one it runs.
     #[error(transparent)]
     Schematic(#[from] crate::schematic::EmitError),
     /// `upgrades.json` cannot be read.
     #[error(transparent)]
     Record(#[from] upgrade::RecordError),
+}
+
+impl StageError {
+    /// Whether the environment or the user's files are at fault (exit 2):
+    /// no secrets, two bundles, a SOPS file without its key.
+    pub fn is_usage(&self) -> bool {
+        use crate::secrets::sops::SopsError;
+        match self {
+            StageError::NoSecrets { .. }
+            | StageError::SecretsDiffer { .. }
+            | StageError::SealedInClear { .. } => true,
+            StageError::Sealed { source, .. } => matches!(
+                source,
+                SecretsError::Sops(
+                    SopsError::NoKey { .. } | SopsError::Keys { .. } | SopsError::NeedsSops { .. }
+                )
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// Where the cluster's secrets were read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SecretsSource {
+    /// The SOPS file kept in Git (`cluster.secretsFile`, else
+    /// `secrets.sops.yaml` beside the inventory): opened in memory, never
+    /// copied in clear into the state dir.
+    Sealed(PathBuf),
+    /// The state dir's `secrets.yaml` (the laptop's file).
+    Clear(PathBuf),
+}
+
+impl SecretsSource {
+    /// The file.
+    pub fn path(&self) -> &Path {
+        match self {
+            SecretsSource::Sealed(p) | SecretsSource::Clear(p) => p,
+        }
+    }
+}
+
+impl std::fmt::Display for SecretsSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SecretsSource::Sealed(p) => write!(f, "{} (SOPS)", p.display()),
+            SecretsSource::Clear(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+/// The cluster's secrets and where they came from.
+#[derive(Debug, Clone)]
+pub struct Secrets {
+    pub bundle: SecretsBundle,
+    pub source: SecretsSource,
+    /// Made now (`--new-secrets` on a cluster that had none).
+    pub created: bool,
+}
+
+/// The SOPS file that holds the cluster's secrets when it exists: the one
+/// `cluster.secretsFile` names, else `secrets.sops.yaml` beside the
+/// inventory. `secrets encrypt` writes here by default.
+pub fn sealed_path(inv: &Inventory) -> PathBuf {
+    match &inv.cluster.secrets_file {
+        Some(file) => inv.base_dir.join(file),
+        None => inv.base_dir.join("secrets.sops.yaml"),
+    }
+}
+
+/// The state dir `opts` names, else the default beside the inventory.
+fn state_path(inv: &Inventory, dir: Option<&Path>) -> PathBuf {
+    dir.map_or_else(|| config::default_state_dir(inv), Path::to_owned)
+}
+
+/// The cluster's secrets, found and opened without creating or writing
+/// anything: the SOPS file ([`sealed_path`]) when it exists, else the
+/// state dir's `secrets.yaml`, else None. Both present and different is
+/// refused, naming both.
+pub fn find_secrets(
+    inv: &Inventory,
+    state_dir: &Path,
+) -> Result<Option<(SecretsBundle, SecretsSource)>, StageError> {
+    let sealed = sealed_path(inv);
+    let clear = state_dir.join("secrets.yaml");
+    if sealed.is_file() {
+        let text =
+            crate::input::read_text(&sealed, crate::input::MAX_TEXT_FILE).map_err(|source| {
+                StageError::Io {
+                    path: sealed.clone(),
+                    source,
+                }
+            })?;
+        if !crate::secrets::sops::is_encrypted(&text) {
+            return Err(StageError::SealedInClear { path: sealed });
+        }
+        let bundle = SecretsBundle::load(&sealed).map_err(|source| StageError::Sealed {
+            path: sealed.clone(),
+            source,
+        })?;
+        if clear.exists() && SecretsBundle::load(&clear)? != bundle {
+            return Err(StageError::SecretsDiffer { sealed, clear });
+        }
+        return Ok(Some((bundle, SecretsSource::Sealed(sealed))));
+    }
+    if clear.exists() {
+        return Ok(Some((
+            SecretsBundle::load(&clear)?,
+            SecretsSource::Clear(clear),
+        )));
+    }
+    Ok(None)
+}
+
+/// Checks, before anything is made or changed, that a run has the
+/// cluster's secrets: found and opened ([`find_secrets`]), or none yet and
+/// `opts.new_secrets` (None then). Creates nothing.
+pub fn secrets_ready(
+    inv: &Inventory,
+    opts: &BootstrapOptions,
+) -> Result<Option<SecretsSource>, StageError> {
+    let dir = state_path(inv, opts.state_dir.as_deref());
+    match find_secrets(inv, &dir)? {
+        Some((_, source)) => Ok(Some(source)),
+        None if opts.new_secrets => Ok(None),
+        None => Err(no_secrets(inv, &dir)),
+    }
+}
+
+fn no_secrets(inv: &Inventory, state_dir: &Path) -> StageError {
+    StageError::NoSecrets {
+        sealed: sealed_path(inv),
+        clear: state_dir.join("secrets.yaml"),
+    }
 }
 
 /// The folder holding one cluster's secrets and client files: 0700, each
@@ -117,12 +280,13 @@ impl StateDir {
     }
 
     /// The state dir of a cluster that exists, for the day-two commands:
-    /// unlike [`StateDir::open`] it creates nothing, so a mistyped
-    /// `--state-dir` never mints a new cluster identity.
+    /// its secrets are found and opened ([`find_secrets`]) before anything
+    /// is created, so a mistyped `--state-dir` or a missing age key stops
+    /// here and never mints a new cluster identity.
     pub fn existing(inv: &Inventory, dir: Option<&Path>) -> Result<StateDir, StageError> {
-        let path = dir.map_or_else(|| config::default_state_dir(inv), Path::to_owned);
-        if !path.join("secrets.yaml").is_file() {
-            return Err(StageError::NoCluster { path });
+        let path = state_path(inv, dir);
+        if find_secrets(inv, &path)?.is_none() {
+            return Err(no_secrets(inv, &path));
         }
         StateDir::open(inv, Some(&path))
     }
@@ -147,22 +311,39 @@ impl StateDir {
         self.path.join("upgrades.json")
     }
 
-    /// The cluster's secrets, generated and saved on first use. The flag
-    /// says whether they were created now.
+    /// The cluster's secrets ([`find_secrets`]). None there: with `new`
+    /// (`--new-secrets`) a new bundle is generated into `secrets.yaml`,
+    /// else [`StageError::NoSecrets`]; nothing is ever generated silently.
     /// Concurrent callers on a fresh state dir agree: the first creates the
     /// bundle under a lock, the others load it.
-    pub fn secrets(&self) -> Result<(SecretsBundle, bool), StageError> {
-        let path = self.secrets_path();
-        if path.exists() {
-            return Ok((SecretsBundle::load(&path)?, false));
+    pub fn secrets(&self, inv: &Inventory, new: bool) -> Result<Secrets, StageError> {
+        let found = |created| {
+            find_secrets(inv, &self.path).map(|found| {
+                found.map(|(bundle, source)| Secrets {
+                    bundle,
+                    source,
+                    created,
+                })
+            })
+        };
+        if let Some(secrets) = found(false)? {
+            return Ok(secrets);
+        }
+        if !new {
+            return Err(no_secrets(inv, &self.path));
         }
         let _lock = self.lock_secrets()?;
-        if path.exists() {
-            return Ok((SecretsBundle::load(&path)?, false));
+        if let Some(secrets) = found(false)? {
+            return Ok(secrets);
         }
+        let path = self.secrets_path();
         let bundle = SecretsBundle::generate()?;
         bundle.save(&path, false)?;
-        Ok((bundle, true))
+        Ok(Secrets {
+            bundle,
+            source: SecretsSource::Clear(path),
+            created: true,
+        })
     }
 
     /// Writes `secrets.yaml` from `import` (a `talosctl gen secrets` file) or
@@ -189,6 +370,35 @@ impl StateDir {
     fn lock_secrets(&self) -> Result<std::fs::File, StageError> {
         let path = self.path.join(".secrets.lock");
         crate::atomic::lock(&path).map_err(|source| StageError::StateDir { path, source })
+    }
+
+    /// The state dir's `talosconfig` when it still fits `bundle`, else one
+    /// made in memory and not written (secrets from SOPS: a client key is
+    /// not left in clear on a runner). `written` is false either way.
+    /// With the file it came from, None when made now.
+    pub fn talosconfig_in_memory(
+        &self,
+        inv: &Inventory,
+        bundle: &SecretsBundle,
+    ) -> Result<(TalosconfigFile, Option<PathBuf>), StageError> {
+        let path = self.talosconfig_path();
+        if path.exists()
+            && let Ok(existing) = Talosconfig::load(&path)
+            && existing.is_current_for(inv, bundle)
+        {
+            let file = TalosconfigFile {
+                path: path.clone(),
+                config: existing,
+                written: false,
+            };
+            return Ok((file, Some(path)));
+        }
+        let file = TalosconfigFile {
+            path,
+            config: Talosconfig::generate(inv, bundle)?,
+            written: false,
+        };
+        Ok((file, None))
     }
 
     /// `talosconfig` for `inv`, rewritten only when `force` or when the file
@@ -241,6 +451,9 @@ pub struct BootstrapOptions {
     /// Stops the bootstrap (`up` on a target whose Ctrl-C is caught sets
     /// it; every step is safe to repeat, so a rerun goes on).
     pub cancel: Cancel,
+    /// `--new-secrets`: make the cluster's secrets when it has none yet
+    /// (a new cluster). Without it a run without secrets stops first.
+    pub new_secrets: bool,
 }
 
 /// Everything made ready for the run, and what making it ready changed.
@@ -252,10 +465,14 @@ pub struct Prepared {
     pub state_dir: StateDir,
     /// What [`bootstrap::run`] works through; carries the rendered configs.
     pub plan: Plan,
-    /// The talosconfig whose identity the run uses.
-    pub talosconfig: PathBuf,
+    /// The talosconfig file whose identity the run uses; None when it was
+    /// made in memory from SOPS secrets (a client key is not written in
+    /// clear beside secrets kept sealed).
+    pub talosconfig: Option<PathBuf>,
     /// Whether this call created `secrets.yaml`.
     pub secrets_created: bool,
+    /// Where the secrets came from.
+    pub secrets_source: SecretsSource,
     /// Whether this call wrote `<state dir>/talosconfig`.
     pub talosconfig_written: bool,
 }
@@ -277,19 +494,35 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
     for name in opts.targets.keys() {
         inv.node(name)?;
     }
+    // Found and opened before the state dir is made: a missing key or
+    // missing secrets change nothing.
+    secrets_ready(inv, opts)?;
     let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?;
-    let (bundle, secrets_created) = state_dir.secrets()?;
-    let talosconfig = match &opts.talosconfig {
-        Some(path) => TalosconfigFile {
-            path: path.clone(),
-            config: Talosconfig::load(path)?,
-            written: false,
-        },
-        None => state_dir.talosconfig(inv, &bundle, false)?,
+    let Secrets {
+        bundle,
+        source,
+        created: secrets_created,
+    } = state_dir.secrets(inv, opts.new_secrets)?;
+    // The file the identity is in; None: minted in memory, in no file.
+    let (talosconfig, talosconfig_file) = match (&opts.talosconfig, &source) {
+        (Some(path), _) => (
+            TalosconfigFile {
+                path: path.clone(),
+                config: Talosconfig::load(path)?,
+                written: false,
+            },
+            Some(path.clone()),
+        ),
+        (None, SecretsSource::Clear(_)) => {
+            let file = state_dir.talosconfig(inv, &bundle, false)?;
+            let path = file.path.clone();
+            (file, Some(path))
+        }
+        (None, SecretsSource::Sealed(_)) => state_dir.talosconfig_in_memory(inv, &bundle)?,
     };
     talosconfig
         .config
-        .check_matches(&bundle, &talosconfig.path, &state_dir.secrets_path())?;
+        .check_matches(&bundle, &talosconfig.path, source.path())?;
     let identity = talosconfig
         .config
         .identity()
@@ -324,8 +557,9 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
         state_dir,
         plan,
         talosconfig_written: talosconfig.written,
-        talosconfig: talosconfig.path,
+        talosconfig: talosconfig_file,
         secrets_created,
+        secrets_source: source,
     })
 }
 
@@ -472,16 +706,17 @@ pub fn check(inv: &Inventory, opts: &BootstrapOptions) -> Result<Checked, StageE
     for name in opts.targets.keys() {
         inv.node(name)?;
     }
-    let dir = opts
-        .state_dir
-        .clone()
-        .unwrap_or_else(|| config::default_state_dir(inv));
-    let state_dir = StateDir { path: dir };
-    let path = state_dir.secrets_path();
-    let (bundle, throwaway_secrets) = if path.exists() {
-        (SecretsBundle::load(&path)?, false)
-    } else {
-        (SecretsBundle::throwaway()?, true)
+    let dir = state_path(inv, opts.state_dir.as_deref());
+    // Configs render alike with any bundle: a SOPS file this environment
+    // has no key for is checked with a throwaway one (`validate` in a CI
+    // job without the key); a run stops on it in [`secrets_ready`].
+    let found = match find_secrets(inv, &dir) {
+        Err(e @ StageError::Sealed { .. }) if e.is_usage() => None,
+        found => found?,
+    };
+    let (bundle, throwaway_secrets) = match found {
+        Some((bundle, _)) => (bundle, false),
+        None => (SecretsBundle::throwaway()?, true),
     };
     // Hetzner servers are reached at the public IP the API reports.
     let reported = inv.publish.hcloud().is_some_and(|h| h.servers.is_some());
@@ -515,8 +750,9 @@ pub fn machine_configs(
     inv: &Inventory,
     opts: &BootstrapOptions,
 ) -> Result<Vec<(String, String)>, StageError> {
+    secrets_ready(inv, opts)?;
     let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?;
-    let (bundle, _) = state_dir.secrets()?;
+    let bundle = state_dir.secrets(inv, opts.new_secrets)?.bundle;
     inv.nodes
         .iter()
         .map(|node| {
@@ -541,6 +777,12 @@ pub fn bootstrap(
             done = bootstrap::run(&prepared.plan, &opts.limits, observer) => Ok(done?),
             () = opts.cancel.cancelled() => Err(StageError::Interrupted),
         }
+    });
+    let outcome = outcome.map_err(|e| match e {
+        StageError::Bootstrap(e) => {
+            StageError::Bootstrap(naming_secrets(e, &prepared.secrets_source))
+        }
+        e => e,
     })?;
     // What is on the nodes now, for read-only commands run without it.
     let dir = &prepared.state_dir.path;
@@ -554,6 +796,36 @@ pub fn bootstrap(
         source,
     })?;
     Ok(Bootstrapped { prepared, outcome })
+}
+
+/// A node that answers to another CA: the hint names the secrets in use.
+fn naming_secrets(e: BootstrapError, source: &SecretsSource) -> BootstrapError {
+    match e {
+        BootstrapError::Stuck {
+            node,
+            state,
+            detail,
+            hint,
+        } => BootstrapError::Stuck {
+            node,
+            state,
+            detail,
+            hint: bootstrap::foreign_hint(&hint, &source.to_string()),
+        },
+        BootstrapError::Nodes {
+            failed,
+            etcd,
+            settled,
+        } => BootstrapError::Nodes {
+            failed: failed
+                .into_iter()
+                .map(|e| naming_secrets(e, source))
+                .collect(),
+            etcd,
+            settled,
+        },
+        e => e,
+    }
 }
 
 /// How the cluster a [`bootstrap`] just brought up differs from the
@@ -630,21 +902,55 @@ mod tests {
     }
 
     #[test]
-    fn a_new_state_dir_is_private_and_gets_fresh_secrets() {
+    fn a_new_state_dir_is_private_and_gets_secrets_only_when_asked() {
         let root = tempfile::tempdir().unwrap();
-        let inv = atlas();
+        let mut inv = atlas();
+        inv.base_dir = root.path().to_owned();
         let path = root.path().join("a/b/state");
         let state = StateDir::open(&inv, Some(&path)).unwrap();
         assert_eq!(state.path, path);
         assert_eq!(mode(&path), 0o700);
-        let (created, fresh) = state.secrets().unwrap();
-        assert!(fresh);
+        // Never silently: without `new`, none is made and both places are named.
+        let err = state.secrets(&inv, false).unwrap_err();
+        assert!(matches!(err, StageError::NoSecrets { .. }), "{err}");
+        assert!(err.is_usage());
+        let text = err.to_string();
+        assert!(
+            text.contains(&root.path().join("secrets.sops.yaml").display().to_string())
+                && text.contains(&state.secrets_path().display().to_string())
+                && text.contains("imgbuild secrets gen")
+                && text.contains("--new-secrets"),
+            "{text}"
+        );
+        assert!(!state.secrets_path().exists());
+        let created = state.secrets(&inv, true).unwrap();
+        assert!(created.created);
+        assert_eq!(created.source, SecretsSource::Clear(state.secrets_path()));
         assert_eq!(mode(&state.secrets_path()), 0o600);
-        let (loaded, fresh) = state.secrets().unwrap();
-        assert!(!fresh);
-        assert!(loaded == created, "the second call must load, not generate");
+        let loaded = state.secrets(&inv, true).unwrap();
+        assert!(!loaded.created);
+        assert!(
+            loaded.bundle == created.bundle,
+            "the second call must load, not generate"
+        );
         let err = state.save_secrets(None, false).unwrap_err().to_string();
         assert!(err.contains("already exists"), "{err}");
+    }
+
+    #[test]
+    fn a_clear_file_where_the_sops_file_goes_is_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let mut inv = atlas();
+        inv.base_dir = root.path().to_owned();
+        inv.cluster.secrets_file = Some("secrets/cluster.sops.yaml".into());
+        let sealed = root.path().join("secrets/cluster.sops.yaml");
+        assert_eq!(sealed_path(&inv), sealed);
+        std::fs::create_dir(root.path().join("secrets")).unwrap();
+        bundle().save(&sealed, false).unwrap();
+        let err = find_secrets(&inv, &root.path().join("state")).unwrap_err();
+        assert!(matches!(err, StageError::SealedInClear { .. }), "{err}");
+        assert!(err.to_string().contains(&sealed.display().to_string()));
+        assert!(!root.path().join("state").exists());
     }
 
     #[test]
@@ -666,13 +972,14 @@ mod tests {
         let state = &p.state_dir;
         assert!(!p.secrets_created);
         assert!(p.talosconfig_written);
-        assert_eq!(p.talosconfig, state.talosconfig_path());
+        assert_eq!(p.talosconfig, Some(state.talosconfig_path()));
         assert_eq!(mode(&state.talosconfig_path()), 0o600);
         assert!(!state.path.join("configs").exists());
         for (node, planned) in inv.nodes.iter().zip(&p.plan.nodes) {
+            let secrets = state.secrets(&inv, false).unwrap();
+            assert_eq!(secrets.source, SecretsSource::Clear(state.secrets_path()));
             let rendered =
-                config::machine_config(&inv, node, &state.secrets().unwrap().0, &opts.patch_vars)
-                    .unwrap();
+                config::machine_config(&inv, node, &secrets.bundle, &opts.patch_vars).unwrap();
             assert_eq!(rendered.as_bytes(), planned.config);
             assert_eq!(planned.name, node.name);
             assert_eq!(Some(planned.address), node.address);

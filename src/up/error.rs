@@ -51,13 +51,15 @@ impl UpError {
             | UpError::Proxmox(ProxmoxError::Setup(_))
             | UpError::Hcloud(HcloudError::Setup(_)) => true,
             UpError::Build(BuildError::UnknownNode(_)) => true,
-            UpError::Bootstrap(e) => matches!(
-                e,
-                StageError::UnknownTarget(_)
-                    | StageError::BadEndpoint { .. }
-                    | StageError::NoAddress { .. }
-                    | StageError::Config(_)
-            ),
+            UpError::Bootstrap(e) => {
+                matches!(
+                    e,
+                    StageError::UnknownTarget(_)
+                        | StageError::BadEndpoint { .. }
+                        | StageError::NoAddress { .. }
+                        | StageError::Config(_)
+                ) || e.is_usage()
+            }
             _ => false,
         }
     }

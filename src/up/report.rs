@@ -474,7 +474,7 @@ impl Report {
         self.bootstrap = Some(changed(outcome.bootstrapped, Change::Bootstrapped));
         self.bootstrap_node = Some(outcome.bootstrap_node.clone());
         self.kubeconfig = Some(done.prepared.plan.kubeconfig_path.clone());
-        self.talosconfig = Some(done.prepared.talosconfig.clone());
+        self.talosconfig = done.prepared.talosconfig.clone();
         self.fallbacks = outcome.fallbacks.clone();
         for planned in &done.prepared.plan.nodes {
             if let Some(n) = self.node(&planned.name) {
