@@ -93,8 +93,8 @@ test: deps
 # simulator, a Talos node simulator (no nodes yet) and the Proxmox VE
 # simulator, which boots a node for each VM it starts at the address the
 # VM's disk carries in META key 10. `imgbuild up` on examples/demo/cluster.yaml
-# shows its plan (--dry-run), builds, uploads, creates and starts the VMs,
-# bootstraps and checks health; the second `up` changes nothing. Act two:
+# shows its plan (--dry-run), makes the new cluster's secrets (--new-secrets),
+# builds, uploads, creates and starts the VMs, bootstraps and checks health; the second `up` changes nothing. Act two:
 # a copy of the inventory without worker-02 and with talosVersion v1.11.5;
 # its plan (`up --dry-run`), then `up --allow-destroy`, which upgrades the
 # nodes, removes worker-02 (drain, reset, its Kubernetes Node, VM 304 and
@@ -127,8 +127,8 @@ demo: build
 		--poll-ms 100 --poll 250ms --node-timeout 60s --health-timeout 60s"; \
 	up="$(IMGBUILD) --config $(DEMO_CLUSTER) $$flags"; \
 	$(IMGBUILD) --config $(DEMO_CLUSTER) validate; \
-	echo; echo "== imgbuild up --dry-run"; $$up --dry-run; \
-	echo; echo "== imgbuild up"; $$up; \
+	echo; echo "== imgbuild up --dry-run --new-secrets (a new cluster)"; $$up --dry-run --new-secrets; \
+	echo; echo "== imgbuild up --new-secrets"; $$up --new-secrets; \
 	echo; echo "== imgbuild up, again: nothing to do"; $$up --quiet; \
 	echo; echo "== act two: worker-02 leaves the inventory; talosVersion v1.11.2 -> v1.11.5"; \
 	sed -e '/name: worker-02/,/vmid: 304/d' -e 's/talosVersion: v1.11.2/talosVersion: v1.11.5/' \

@@ -195,17 +195,18 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
     for name in &args.nodes {
         inv.node(name)?;
     }
+    let mut opts = args.run.options_for(&inv)?;
+    // Day two needs a cluster: a missing state dir is never made here, and
+    // missing secrets (or their age key) stop before the factory is asked.
+    stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
     let fetch = args.download.options();
     let client = imgbuild::fetch::client(&fetch);
     let factory = Factory::new(&inv.image.factory, &client).with_retry(fetch.retry_policy());
     let targets = upgrade::targets(&inv, &factory)?;
-    let mut opts = args.run.options_for(&inv)?;
     if args.dry_run {
         // A dry run sends no config: unset `${NAME}`s need not be given.
         opts.patch_vars = opts.patch_vars.comparing_unset();
     }
-    // Day two needs a cluster: a missing state dir is never made here.
-    stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
     let _lock = (!args.dry_run)
         .then(|| stage::lock_state_dir(&inv, &opts, "upgrade"))
         .transpose()?;

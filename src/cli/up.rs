@@ -191,7 +191,12 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
     if let Some((_, e)) = &report.stopped
         && e.is_setup()
     {
-        return Err(Usage(format!("{}: {e:#}", config.display())).into());
+        // The secrets' errors with their cause (the SOPS file's recipients).
+        let why = match e {
+            up::UpError::Bootstrap(s) if s.is_usage() => up::chain(e),
+            _ => format!("{e:#}"),
+        };
+        return Err(Usage(format!("{}: {why}", config.display())).into());
     }
     if let Some(path) = &args.out
         && report.stopped.is_none()

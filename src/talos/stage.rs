@@ -111,7 +111,9 @@ impl StageError {
             StageError::NoSecrets { .. }
             | StageError::SecretsDiffer { .. }
             | StageError::SealedInClear { .. } => true,
-            StageError::Sealed { source, .. } => matches!(
+            // A SOPS bundle (committed, or in the state dir) this
+            // environment has no key or tool for.
+            StageError::Sealed { source, .. } | StageError::Secrets(source) => matches!(
                 source,
                 SecretsError::Sops(
                     SopsError::NoKey { .. } | SopsError::Keys { .. } | SopsError::NeedsSops { .. }

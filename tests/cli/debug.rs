@@ -131,7 +131,7 @@ fn a_bootstrap_logs_each_talos_call_by_node_and_method_and_no_secret() {
     let _nodes = Nodes::cluster(&net, true, &[]);
     let dir = tempfile::tempdir().unwrap();
     let config = Inventory::five_nodes("sim", &net).write(dir.path());
-    let o = Run::with_config(&config, &["--debug", "bootstrap"])
+    let o = Run::with_config(&config, &["--debug", "bootstrap", "--new-secrets"])
         .timeouts(&[])
         .current_dir(dir.path())
         .env_remove("IMGBUILD_STATE_DIR")

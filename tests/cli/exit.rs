@@ -69,7 +69,7 @@ fn an_invalid_inventory_is_2_in_every_command_that_reads_it() {
         &["publish"],
         &["plan"],
         &["config", "cp-01"],
-        &["bootstrap"],
+        &["bootstrap", "--new-secrets"],
     ];
     for args in commands {
         let o = imgbuild(&[&["--config", bad.as_str()], args].concat());

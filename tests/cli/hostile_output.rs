@@ -40,6 +40,10 @@ fn run(dir: &Path, args: &[&str]) -> Output {
         .env_remove("IMGBUILD_STATE_DIR")
         .env_remove("IMGBUILD_FACTORY")
         .timeouts(&[]);
+    if (args.contains(&"up") || args.contains(&"bootstrap")) && !args.contains(&"--new-secrets") {
+        // A new cluster: its secrets are made on the first run.
+        run.arg("--new-secrets");
+    }
     if args.contains(&"up") {
         run.arg("--out-dir").arg(dir.join("out"));
     }
@@ -85,7 +89,7 @@ fn a_hostile_version_tag_is_shown_escaped_and_forges_no_row() {
     std::fs::write(d.join("cluster.yaml"), inventory(&net, &factory.url)).unwrap();
 
     // The bootstrap's log lines quote the version each node reports.
-    let o = run(d, &["bootstrap"]);
+    let o = run(d, &["bootstrap", "--new-secrets"]);
     clean("bootstrap", &o);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     assert!(
@@ -169,14 +173,33 @@ fn hostile_etcd_hostnames_and_service_messages_are_shown_escaped() {
     )
     .unwrap();
     for args in [
-        &["bootstrap", "--health-timeout", "3s", "--heartbeat", "1s"][..],
-        &["--output", "json", "bootstrap", "--health-timeout", "3s"],
+        &[
+            "bootstrap",
+            "--new-secrets",
+            "--health-timeout",
+            "3s",
+            "--heartbeat",
+            "1s",
+        ][..],
+        &[
+            "--output",
+            "json",
+            "bootstrap",
+            "--new-secrets",
+            "--health-timeout",
+            "3s",
+        ],
         &["up", "--health-timeout", "3s"],
     ] {
         let mut run = Run::with_config(&d.join("cluster.yaml"), args);
         run.env_remove("TALOSCONFIG")
             .env_remove("IMGBUILD_STATE_DIR")
             .timeouts(&["--health-timeout"]);
+        if (args.contains(&"up") || args.contains(&"bootstrap")) && !args.contains(&"--new-secrets")
+        {
+            // A new cluster: its secrets are made on the first run.
+            run.arg("--new-secrets");
+        }
         if args.contains(&"up") {
             run.arg("--out-dir").arg(d.join("out"));
         }
@@ -278,6 +301,7 @@ fn progress_into_a_closed_stderr_does_not_stop_a_run() {
                 "--config",
                 config.to_str().unwrap(),
                 "bootstrap",
+                "--new-secrets",
                 "--poll",
                 "100ms",
                 "--node-timeout",

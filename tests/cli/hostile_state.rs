@@ -223,7 +223,13 @@ fn upgradable(net: &str) -> Upgradable {
             .factory(&factory.url)
     };
     let case = Case::new(&inventory("v1.11.2"));
-    let mut run = case.command(&["bootstrap", "--quiet", "--state-dir", &case.s("state")]);
+    let mut run = case.command(&[
+        "bootstrap",
+        "--new-secrets",
+        "--quiet",
+        "--state-dir",
+        &case.s("state"),
+    ]);
     let o = run.timeouts(&[]).output();
     assert!(o.status.success(), "{}", text(&o.stderr));
     inventory("v1.11.5").write_to(&case.path("in/cluster.yaml"));
@@ -304,7 +310,13 @@ fn a_lock_holder_killed_by_sigkill_does_not_block_the_next_run() {
     let case = Case::new(&Inventory::five_nodes("hostile", &net(3)));
     case.seeded();
     // A bootstrap waiting for nodes that never come: it holds the lock.
-    let mut run = case.command(&["bootstrap", "--quiet", "--state-dir", &case.s("state")]);
+    let mut run = case.command(&[
+        "bootstrap",
+        "--new-secrets",
+        "--quiet",
+        "--state-dir",
+        &case.s("state"),
+    ]);
     run.args(["--node-timeout", "60s"]);
     let mut holder = run
         .into_command()
@@ -314,14 +326,14 @@ fn a_lock_holder_killed_by_sigkill_does_not_block_the_next_run() {
         .unwrap();
     let pid = holder_pid(&case.path("state"), Duration::from_secs(10));
     assert_eq!(pid, Some(u64::from(holder.id())));
-    let refused = case.run(&["bootstrap"]);
+    let refused = case.run(&["bootstrap", "--new-secrets"]);
     case.refused(&refused, "(imgbuild bootstrap)");
     assert_eq!(refused.code, Some(1));
     holder.kill().unwrap(); // SIGKILL: no destructor runs
     holder.wait().unwrap();
     // The kernel released the lock with the process: the rerun runs (and
     // fails only because no node answers).
-    let rerun = case.run(&["bootstrap"]);
+    let rerun = case.run(&["bootstrap", "--new-secrets"]);
     case.refused(&rerun, "cp-01");
     assert!(!rerun.stderr.contains("is in use"), "{}", rerun.stderr);
 }
@@ -332,7 +344,7 @@ fn a_planted_lock_file_is_refused_not_followed() {
     case.seeded();
     for fifo in [true, false] {
         plant(&case.path("state/.imgbuild.lock"), fifo);
-        let m = case.run(&["bootstrap"]);
+        let m = case.run(&["bootstrap", "--new-secrets"]);
         case.refused(&m, ".imgbuild.lock");
         assert!(m.stderr.contains("lock"), "{}", m.stderr);
     }

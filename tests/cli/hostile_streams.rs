@@ -194,7 +194,7 @@ fn a_node_that_stalls_after_its_headers_ends_every_command_at_its_deadline() {
         ("status", &["--check"][..]),
         ("apply", &[][..]),
         ("upgrade", &["--retries", "0"][..]),
-        ("bootstrap", &[][..]),
+        ("bootstrap", &["--new-secrets"][..]),
     ] {
         let args = [
             &["--config", &config, "--factory", &sim.url, command][..],
@@ -247,6 +247,7 @@ fn bootstrap(c: &Case, config: &str, limit: Duration) -> Ran {
             "--config",
             config,
             "bootstrap",
+            "--new-secrets",
             "--state-dir",
             &state,
             "--poll",

@@ -536,7 +536,7 @@ impl Cluster {
         cmd.arg("--config")
             .arg(self.dir.path().join("cluster.yaml"))
             .args(global)
-            .arg("bootstrap")
+            .args(["bootstrap", "--new-secrets"])
             .args(extra);
         for (flag, value) in [
             ("--poll", "100ms"),

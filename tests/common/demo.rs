@@ -66,6 +66,10 @@ impl DemoCluster {
             .env_remove("IMGBUILD_STATE_DIR")
             .env_remove("TALOSCONFIG")
             .proxmox(&self.pve);
+        if args.contains(&"up") || args.contains(&"bootstrap") {
+            // A new cluster: its secrets are made on the first run.
+            run.arg("--new-secrets");
+        }
         if args.contains(&"up") {
             run.factory(&self.factory)
                 .args(["--poll-ms", "50", "--quiet"])

@@ -57,12 +57,15 @@ impl Cluster {
 
     /// `imgbuild --output json bootstrap` with test-sized timeouts.
     fn bootstrap(&self, extra: &[&str]) -> (Output, serde_json::Value) {
-        let out = Run::with_config(&self.config(), &["--output", "json", "bootstrap"])
-            .timeouts(extra)
-            .args(extra)
-            .env_remove("IMGBUILD_STATE_DIR")
-            .env_remove("TALOSCONFIG")
-            .output();
+        let out = Run::with_config(
+            &self.config(),
+            &["--output", "json", "bootstrap", "--new-secrets"],
+        )
+        .timeouts(extra)
+        .args(extra)
+        .env_remove("IMGBUILD_STATE_DIR")
+        .env_remove("TALOSCONFIG")
+        .output();
         let v = json(&out);
         (out, v)
     }
@@ -343,7 +346,7 @@ fn an_endpoint_on_a_vip_that_never_answers_still_bootstraps_the_node() {
     assert_eq!(f["used"], format!("https://{}.11:6443", c.net), "{v}");
     assert!(f["reason"].as_str().unwrap().contains("refused"), "{v}");
     assert_eq!(v["fallbacks"].as_array().unwrap().len(), 1, "{v}");
-    let out = c.imgbuild(&["bootstrap", "--quiet", "--poll", "100ms"]);
+    let out = c.imgbuild(&["bootstrap", "--new-secrets", "--quiet", "--poll", "100ms"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     assert!(
@@ -480,7 +483,12 @@ fn a_duration_too_large_for_the_clock_is_a_usage_error_not_a_panic() {
     let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(dir.path().join("cluster.yaml"))
-        .args(["bootstrap", "--node-timeout", "99999999999999999999h"])
+        .args([
+            "bootstrap",
+            "--new-secrets",
+            "--node-timeout",
+            "99999999999999999999h",
+        ])
         .env_remove("IMGBUILD_STATE_DIR")
         .env_remove("TALOSCONFIG")
         .output()
@@ -756,7 +764,14 @@ fn a_cluster_without_a_cni_is_its_own_state_with_exit_3() {
     assert_eq!(v["bootstrapped"], true);
     assert!(c.state().join("kubeconfig").exists());
     // Text: the setting and the ways out, and never "healthy".
-    let out = c.imgbuild(&["bootstrap", "--poll", "100ms", "--health-timeout", "60s"]);
+    let out = c.imgbuild(&[
+        "bootstrap",
+        "--new-secrets",
+        "--poll",
+        "100ms",
+        "--health-timeout",
+        "60s",
+    ]);
     assert_eq!(out.status.code(), Some(3));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(!stdout.contains("is healthy"), "{stdout}");

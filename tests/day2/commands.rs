@@ -73,7 +73,11 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         .talos("v1.11.2")
         .factory(&factory.url)
         .write(dir.path());
-    let o = imgbuild(&config, &["--output", "json", "bootstrap"], true);
+    let o = imgbuild(
+        &config,
+        &["--output", "json", "bootstrap", "--new-secrets"],
+        true,
+    );
     assert!(o.status.success(), "{}", text(&o.stderr));
 
     Inventory::five_nodes("sim", &net)

@@ -56,7 +56,7 @@ fn lab_inventory(dir: &Path, net: &str, forward: impl Fn(&str) -> String) -> Pat
 }
 
 fn bootstrap(config: &Path) -> (Output, serde_json::Value) {
-    let out = Run::with_config(config, &["--output", "json", "bootstrap"])
+    let out = Run::with_config(config, &["--output", "json", "bootstrap", "--new-secrets"])
         .timeouts(&[])
         .env_remove("IMGBUILD_STATE_DIR")
         .env_remove("TALOSCONFIG")
@@ -242,7 +242,7 @@ fn the_kubeconfig_moves_to_the_vip_once_it_answers() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
-    let out = Run::with_config(&config, &["--output", "json", "bootstrap"])
+    let out = Run::with_config(&config, &["--output", "json", "bootstrap", "--new-secrets"])
         .timeouts(&[])
         .env_remove("IMGBUILD_STATE_DIR")
         .env_remove("TALOSCONFIG")

@@ -85,7 +85,7 @@ impl Cluster {
             net,
         };
         c.keep(nodes);
-        let o = c.imgbuild(&["bootstrap"], &[]);
+        let o = c.imgbuild(&["bootstrap", "--new-secrets"], &[]);
         assert!(o.status.success(), "bootstrap: {}", text(&o.stderr));
         c
     }
@@ -255,6 +255,7 @@ fn v1_11_an_etcdctl_snapshot_restores_through_recover_from() {
             "--output",
             "json",
             "bootstrap",
+            "--new-secrets",
             "--recover-from",
             snap.to_str().unwrap(),
         ],
@@ -294,6 +295,7 @@ fn v1_11_a_snapshot_etcd_cannot_restore_leaves_etcd_failed() {
     let o = c.imgbuild(
         &[
             "bootstrap",
+            "--new-secrets",
             "--bootstrap-timeout",
             "10s",
             "--health-timeout",
@@ -451,7 +453,7 @@ fn v1_11_upgrade_restarts_each_real_member_and_checks_etcd_health_between() {
         inv.write(c.dir.path());
     };
     want("v1.11.2");
-    let o = c.imgbuild(&["bootstrap"], &[]);
+    let o = c.imgbuild(&["bootstrap", "--new-secrets"], &[]);
     assert!(o.status.success(), "bootstrap: {}", text(&o.stderr));
     c.etcd_post(r#"{"put": {"/registry/marker": "survives"}}"#);
     want("v1.11.5");

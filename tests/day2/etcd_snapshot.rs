@@ -61,7 +61,7 @@ impl Cluster {
             net,
         };
         c.want("v1.11.2", &NODES.map(|(n, _, _)| n));
-        let o = imgbuild(&c.config, &["bootstrap"], &[]);
+        let o = imgbuild(&c.config, &["bootstrap", "--new-secrets"], &[]);
         assert!(o.status.success(), "bootstrap: {}", text(&o.stderr));
         c
     }
@@ -455,7 +455,12 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
     let refused = |file: &Path, why: &str| {
         let o = imgbuild(
             &c.config,
-            &["bootstrap", "--recover-from", file.to_str().unwrap()],
+            &[
+                "bootstrap",
+                "--new-secrets",
+                "--recover-from",
+                file.to_str().unwrap(),
+            ],
             &[],
         );
         assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
@@ -488,6 +493,7 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
         &c.config,
         &[
             "bootstrap",
+            "--new-secrets",
             "--recover-from",
             huge.to_str().unwrap(),
             "--recover-skip-hash-check",
@@ -508,6 +514,7 @@ fn v1_11_bootstrap_recover_from_brings_a_wiped_cluster_back_with_its_data() {
             "--output",
             "json",
             "bootstrap",
+            "--new-secrets",
             "--recover-from",
             snap.to_str().unwrap(),
         ],
@@ -575,6 +582,7 @@ fn v1_11_bootstrap_recover_from_configures_replaced_machines_and_restores_the_da
             "--output",
             "json",
             "bootstrap",
+            "--new-secrets",
             "--recover-from",
             snap.to_str().unwrap(),
         ],
@@ -596,7 +604,11 @@ fn v1_11_bootstrap_recover_from_configures_replaced_machines_and_restores_the_da
 fn recover_skip_hash_check_needs_a_file_to_recover_from() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("cluster.yaml");
-    let o = imgbuild(&config, &["bootstrap", "--recover-skip-hash-check"], &[]);
+    let o = imgbuild(
+        &config,
+        &["bootstrap", "--new-secrets", "--recover-skip-hash-check"],
+        &[],
+    );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     assert!(
         text(&o.stderr).contains("--recover-from"),

@@ -80,12 +80,20 @@ impl Chain {
     }
 
     fn up(&self) -> Output {
-        self.imgbuild(&["up", "--output", "json", "--quiet", "--poll-ms", "100"])
-            .factory(&self.factory)
-            .envs(self.hc.rescue_env())
-            .folders(self.dir.path())
-            .args(["--node-timeout", "60s", "--health-timeout", "90s"])
-            .output()
+        self.imgbuild(&[
+            "up",
+            "--new-secrets",
+            "--output",
+            "json",
+            "--quiet",
+            "--poll-ms",
+            "100",
+        ])
+        .factory(&self.factory)
+        .envs(self.hc.rescue_env())
+        .folders(self.dir.path())
+        .args(["--node-timeout", "60s", "--health-timeout", "90s"])
+        .output()
     }
 
     /// A day-two command, JSON out.
@@ -226,7 +234,7 @@ fn day_two_on_hetzner_needs_no_addresses_in_the_inventory() {
     );
 
     // bootstrap: etcd already runs, the cluster is healthy.
-    let v = ok(&c.day2(&["bootstrap"]));
+    let v = ok(&c.day2(&["bootstrap", "--new-secrets"]));
     assert_eq!(v["healthy"], true, "{v}");
     assert_eq!(v["bootstrapped"], false, "{v}");
 

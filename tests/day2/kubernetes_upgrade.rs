@@ -91,7 +91,10 @@ impl Cluster {
             net,
         };
         c.want(talos, k8s);
-        let o = imgbuild(&c.config, &["--output", "json", "bootstrap"]);
+        let o = imgbuild(
+            &c.config,
+            &["--output", "json", "bootstrap", "--new-secrets"],
+        );
         assert!(o.status.success(), "bootstrap: {}", text(&o.stderr));
         c
     }

@@ -80,7 +80,7 @@ impl Cluster {
             net,
         };
         c.keep(talos, nodes);
-        let mut r = Run::with_config(&c.config, &["bootstrap"]);
+        let mut r = Run::with_config(&c.config, &["bootstrap", "--new-secrets"]);
         r.timeouts(&[])
             .env_remove("IMGBUILD_STATE_DIR")
             .env_remove("TALOSCONFIG");

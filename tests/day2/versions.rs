@@ -95,7 +95,11 @@ impl Cluster {
             names: nodes.iter().map(|(n, _, _)| *n).collect(),
         };
         c.inventory(version, "").write(c.dir.path());
-        let o = imgbuild(&c.config, &["--output", "json", "bootstrap"], &[]);
+        let o = imgbuild(
+            &c.config,
+            &["--output", "json", "bootstrap", "--new-secrets"],
+            &[],
+        );
         assert!(o.status.success(), "bootstrap: {}", text(&o.stderr));
         c
     }

@@ -513,7 +513,7 @@ fn after_up_from_iso_a_restarted_vm_comes_back_on_its_disk() {
         .bootloader("grub")
         .append("publish:\n  proxmox:\n    node: pve\n    storage: local\n    vm: {storage: local-lvm, firstId: 300, diskSize: 10, memory: 2048, boot: iso}\n")
         .write(dir.path());
-    let mut run = Run::with_config(&config, &["--output", "json", "up"]);
+    let mut run = Run::with_config(&config, &["--output", "json", "up", "--new-secrets"]);
     run.timeouts(&[])
         .arg("--state-dir")
         .arg(dir.path().join("state"))

@@ -435,7 +435,7 @@ fn secure_boot_installers_from_the_first_config_through_upgrades_and_status() {
             .replace("image:\n", "image:\n  secureBoot: true\n")
     };
     inventory("v1.11.2").write(dir.path());
-    let o = day2(&config, &["--output", "json", "bootstrap"]);
+    let o = day2(&config, &["--output", "json", "bootstrap", "--new-secrets"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let host = factory
         .url

@@ -77,15 +77,23 @@ impl Chain {
 
     fn up(&self, extra: &[&str]) -> Output {
         let dir = self.dir.path();
-        self.imgbuild(&["up", "--output", "json", "--quiet", "--poll-ms", "100"])
-            .args(extra)
-            .factory(&self.factory)
-            .envs(self.hc.rescue_env())
-            .folders(dir)
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            .args(["--node-timeout", "60s", "--health-timeout", "90s"])
-            .output()
+        self.imgbuild(&[
+            "up",
+            "--new-secrets",
+            "--output",
+            "json",
+            "--quiet",
+            "--poll-ms",
+            "100",
+        ])
+        .args(extra)
+        .factory(&self.factory)
+        .envs(self.hc.rescue_env())
+        .folders(dir)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .args(["--node-timeout", "60s", "--health-timeout", "90s"])
+        .output()
     }
 
     /// Counts that change when anything is created anywhere.

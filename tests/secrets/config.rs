@@ -49,6 +49,10 @@ fn imgbuild(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     run.env_remove("TALOSCONFIG")
         .env_remove("TS_AUTHKEY")
         .env("IMGBUILD_STATE_DIR", dir.join("state"));
+    if (args.contains(&"up") || args.contains(&"bootstrap")) && !args.contains(&"--new-secrets") {
+        // A new cluster: its secrets are made on the first run.
+        run.arg("--new-secrets");
+    }
     if args.contains(&"up") {
         run.args(["--quiet", "--poll", "100ms", "--node-timeout", "20s"])
             .args(["--health-timeout", "30s", "--call-timeout", "5s"])

@@ -9,6 +9,7 @@
 mod common;
 
 mod config;
+mod fresh_runner;
 mod import;
 mod readonly;
 mod redaction;

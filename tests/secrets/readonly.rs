@@ -65,7 +65,11 @@ fn status_check_without_the_key_compares_it_by_fingerprint() {
         .text();
     std::fs::write(d.join("cluster.yaml"), inv).unwrap();
 
-    let o = imgbuild(d, &["--output", "json", "bootstrap"], Some(KEY));
+    let o = imgbuild(
+        d,
+        &["--output", "json", "bootstrap", "--new-secrets"],
+        Some(KEY),
+    );
     assert!(o.status.success(), "{}", text(&o.stderr));
     let record = d.join("state/patch-vars.json");
     let mode = std::fs::metadata(&record).unwrap().permissions().mode() & 0o777;

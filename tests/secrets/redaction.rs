@@ -68,9 +68,20 @@ fn run(dir: &Path, args: &[&str], key: Option<&str>) -> Output {
     if let Some(key) = key {
         run.env("TS_AUTHKEY", key);
     }
-    let day2 = ["up", "bootstrap", "apply", "status", "upgrade"];
+    let day2 = [
+        "up",
+        "bootstrap",
+        "--new-secrets",
+        "apply",
+        "status",
+        "upgrade",
+    ];
     if args.iter().any(|a| day2.contains(a)) {
         run.timeouts(&[]);
+    }
+    if (args.contains(&"up") || args.contains(&"bootstrap")) && !args.contains(&"--new-secrets") {
+        // A new cluster: its secrets are made on the first run.
+        run.arg("--new-secrets");
     }
     if args.contains(&"up") {
         run.arg("--out-dir").arg(dir.join("out"));
@@ -156,7 +167,7 @@ fn no_command_shows_the_auth_key_the_machine_token_or_a_ca_key() {
     std::fs::write(d.join("ts.yaml"), tailscale("10.0.0.0/8")).unwrap();
     std::fs::write(d.join("cluster.yaml"), inventory(&net)).unwrap();
 
-    let o = run(d, &["bootstrap"], Some(KEY1));
+    let o = run(d, &["bootstrap", "--new-secrets"], Some(KEY1));
     assert!(o.status.success(), "{}", text(&o.stderr));
     let token1 = field(d, &["trustdinfo", "token"]);
     let ca1 = field(d, &["certs", "k8s", "key"]);

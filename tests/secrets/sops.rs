@@ -203,7 +203,9 @@ fn the_encrypted_bundle_opens_with_age_and_bootstraps_a_cluster() {
     );
     assert_eq!(mac, hex::encode_upper(sha2::Digest::finalize(hash)));
 
-    // The encrypted file as the cluster's secrets.yaml bootstraps it.
+    // The encrypted file as the cluster's secrets.yaml bootstraps it (the
+    // state dir's own copy: the committed one is tests/secrets/fresh_runner.rs's).
+    std::fs::remove_file(w.path("secrets.sops.yaml")).unwrap();
     std::fs::write(w.path("state/secrets.yaml"), &enc_text).unwrap();
     let sim = Nodes::start(&[
         "--node",
@@ -211,7 +213,10 @@ fn the_encrypted_bundle_opens_with_age_and_bootstraps_a_cluster() {
         "--node",
         &format!("worker-01={net}.21:worker"),
     ]);
-    let mut run = Run::with_config(&w.path("cluster.yaml"), &["--output", "json", "bootstrap"]);
+    let mut run = Run::with_config(
+        &w.path("cluster.yaml"),
+        &["--output", "json", "bootstrap", "--new-secrets"],
+    );
     let o = run
         .timeouts(&[])
         .env("IMGBUILD_STATE_DIR", w.path("state"))
@@ -243,6 +248,8 @@ fn a_changed_file_or_a_wrong_key_is_refused() {
     let (key, recipient) = w.keygen("key.txt");
     let (other, other_recipient) = w.keygen("other.txt");
     let enc = w.encrypted_bundle(&recipient);
+    // The state dir's copy is the one tested here.
+    std::fs::remove_file(w.path("secrets.sops.yaml")).unwrap();
     let secrets = w.path("state/secrets.yaml");
     let config = |text: &str, env: &[(&str, &Path)]| {
         std::fs::write(&secrets, text).unwrap();
@@ -272,14 +279,15 @@ fn a_changed_file_or_a_wrong_key_is_refused() {
     assert_eq!(config(&enc, &[]).0, Some(0));
     std::fs::remove_file(home_keys.join("keys.txt")).unwrap();
 
-    // No key, and the wrong key: the recipients are named.
+    // No key, and the wrong key: the recipients are named (exit 2: the
+    // environment lacks the key).
     let (code, out) = config(&enc, &[]);
-    assert_eq!(code, Some(1), "{out}");
+    assert_eq!(code, Some(2), "{out}");
     assert!(out.contains(&secrets.display().to_string()), "{out}");
     assert!(out.contains(&format!("encrypted for {recipient}")), "{out}");
     assert!(out.contains("no age key found"), "{out}");
     let (code, out) = config(&enc, &[("SOPS_AGE_KEY_FILE", &other)]);
-    assert_eq!(code, Some(1), "{out}");
+    assert_eq!(code, Some(2), "{out}");
     assert!(out.contains(&format!("encrypted for {recipient}")), "{out}");
     assert!(out.contains(&other_recipient), "the key tried: {out}");
 
@@ -429,7 +437,7 @@ fn a_sops_bundle_is_redacted_exactly_as_the_plain_one() {
         &format!("worker-01={net}.21:worker"),
     ]);
     std::fs::write(&secrets, &plain).unwrap();
-    let mut run = Run::with_config(&w.path("cluster.yaml"), &["bootstrap"]);
+    let mut run = Run::with_config(&w.path("cluster.yaml"), &["bootstrap", "--new-secrets"]);
     let o = run
         .timeouts(&[])
         .env("IMGBUILD_STATE_DIR", w.path("state"))
@@ -493,7 +501,7 @@ fn a_bad_sops_age_key_file_is_named_in_clear() {
     std::fs::copy(w.path("secrets.sops.yaml"), w.path("state/secrets.yaml")).unwrap();
     let missing = w.path("no-such-keys.txt");
     let (code, out) = shown(&w.imgbuild(&["config", "cp-01"], &[("SOPS_AGE_KEY_FILE", &missing)]));
-    assert_eq!(code, Some(1), "{out}");
+    assert_eq!(code, Some(2), "{out}");
     assert!(out.contains(&missing.display().to_string()), "{out}");
     assert!(!out.contains("<redacted"), "{out}");
 }
@@ -559,7 +567,7 @@ fn keys_only_the_sops_binary_has_go_through_it_or_are_named() {
     }
     // No sops on PATH: said so, naming the file.
     let (code, out) = with("/usr/bin:/bin");
-    assert_eq!(code, Some(1), "{out}");
+    assert_eq!(code, Some(2), "{out}");
     assert!(out.contains(&secrets.display().to_string()), "{out}");
     assert!(
         out.contains("SOPS_AGE_KEY_CMD") && out.contains("no sops binary is on PATH"),
@@ -579,7 +587,7 @@ fn keys_only_the_sops_binary_has_go_through_it_or_are_named() {
     meta.insert("pgp".into(), Value::Sequence(vec![Value::Mapping(pgp)]));
     std::fs::write(&secrets, serde_yaml_ng::to_string(&doc).unwrap()).unwrap();
     let (code, out) = with("/usr/bin:/bin");
-    assert_eq!(code, Some(1), "{out}");
+    assert_eq!(code, Some(2), "{out}");
     assert!(
         out.contains("encrypted for PGP") && out.contains("no sops binary is on PATH"),
         "{out}"

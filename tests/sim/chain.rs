@@ -170,7 +170,14 @@ fn each_published_vm_boots_the_node_its_meta_names_and_only_that() {
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(dir.path().join("cluster.yaml"))
-        .args(["--output", "json", "bootstrap", "--poll", "100ms"])
+        .args([
+            "--output",
+            "json",
+            "bootstrap",
+            "--new-secrets",
+            "--poll",
+            "100ms",
+        ])
         .args(["--node-timeout", "20s", "--bootstrap-timeout", "20s"])
         .args([
             "--health-timeout",

@@ -74,7 +74,11 @@ impl Chain {
     fn command(&self, config: &Path, args: &[&str]) -> Command {
         let mut run = Run::with_config(config, args);
         if args.contains(&"up") {
-            run.timeouts(args).arg("--state-dir").arg(self.state());
+            // A new cluster: its secrets are made on the first run.
+            run.timeouts(args)
+                .arg("--state-dir")
+                .arg(self.state())
+                .arg("--new-secrets");
         }
         run.factory(&self.factory)
             .args(["--poll-ms", "50", "--quiet"])
@@ -514,7 +518,15 @@ fn without_a_target_up_bootstraps_machines_booted_otherwise() {
     let out = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(&config)
-        .args(["--output", "json", "up", "--quiet", "--poll", "100ms"])
+        .args([
+            "--output",
+            "json",
+            "up",
+            "--new-secrets",
+            "--quiet",
+            "--poll",
+            "100ms",
+        ])
         .args(["--node-timeout", "20s", "--health-timeout", "30s"])
         .arg("--state-dir")
         .arg(dir.path().join("state"))
@@ -614,7 +626,7 @@ fn a_cluster_without_a_cni_is_never_called_healthy() {
         if json {
             cmd.args(["--output", "json"]);
         }
-        cmd.args(["up", "--quiet", "--poll", "100ms"])
+        cmd.args(["up", "--new-secrets", "--quiet", "--poll", "100ms"])
             .args(["--node-timeout", "20s", "--health-timeout", "60s"])
             .arg("--state-dir")
             .arg(dir.path().join("state"))
