@@ -301,13 +301,15 @@ pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
 pub fn machine_config(args: ConfigArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let node = inv.node(&args.node)?;
+    if let Some(path) = &args.out {
+        imgbuild::atomic::check_out_target(path)
+            .map_err(|e| super::output::Usage(format!("--out {}: {e}", path.display())))?;
+    }
     let state = StateDir::existing(&inv, args.state.state_dir.as_deref())?;
     super::guard::state_dir(&state.path);
     let bundle = state.secrets(&inv, false)?.bundle;
     let text = config::machine_config(&inv, node, &bundle, &patch_vars())?;
     if let Some(path) = &args.out {
-        imgbuild::atomic::check_out_target(path)
-            .map_err(|e| super::output::Usage(format!("--out {}: {e}", path.display())))?;
         if !args.force && path.exists() && !imgbuild::atomic::holds(path, text.as_bytes()) {
             return Err(super::output::Usage(format!(
                 "--out {}: the file exists and holds something else: --force replaces it",

@@ -371,6 +371,8 @@ fn config_out_refuses_a_link_or_a_device_and_leaves_it_as_it_was() {
         );
     }
     assert_eq!(std::fs::read_to_string(&real).unwrap(), "mine\n");
+    let o = imgbuild(d, &["secrets", "gen"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
     // A file holding something else is kept unless --force (exit 2).
     let file = d.join("cp-01.yaml");
     std::fs::write(&file, "old\n").unwrap();

@@ -21,6 +21,19 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn imgbuild(args: &[&str], env: &[(&str, &str)]) -> Output {
+    // `config` renders with the cluster's secrets: made first, as a user
+    // makes them (`secrets gen`), when the state dir has none.
+    let value = |flag: &str| {
+        let at = args.iter().position(|a| *a == flag)?;
+        args.get(at + 1).copied()
+    };
+    if args.contains(&"config")
+        && let (Some(config), Some(state)) = (value("--config"), value("--state-dir"))
+        && !Path::new(state).join("secrets.yaml").exists()
+    {
+        let o = Run::new(&["--config", config, "secrets", "gen", "--state-dir", state]).output();
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    }
     Run::new(args)
         .env_remove("SITE")
         .env_remove("STORAGE_MODULE")

@@ -442,6 +442,7 @@ fn a_sops_bundle_is_redacted_exactly_as_the_plain_one() {
         .timeouts(&[])
         .env("IMGBUILD_STATE_DIR", w.path("state"))
         .env("HOME", w.path("home"))
+        .env("SOPS_AGE_KEY_FILE", &key)
         .env_remove("SOPS_AGE_KEY")
         .env_remove("TALOSCONFIG")
         .output();
