@@ -367,15 +367,14 @@ fn day_two_commands_on_a_missing_state_dir_fail_and_create_nothing() {
         all.extend_from_slice(args);
         all.extend_from_slice(&["--state-dir", state.to_str().unwrap()]);
         let o = imgbuild(&all);
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o.stderr));
+        // No secrets: the user's to give (exit 2), before the factory is asked.
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o.stderr));
         let doc = one_document(&o);
-        // `upgrade` first asks the factory (unreachable here) what it offers.
         assert!(
-            args[0] == "upgrade"
-                || doc["error"]
-                    .as_str()
-                    .unwrap_or("")
-                    .contains("no cluster here"),
+            doc["error"]
+                .as_str()
+                .unwrap_or("")
+                .contains("no cluster secrets"),
             "{args:?}: {doc}"
         );
         assert!(!state.exists(), "{args:?} created {}", state.display());

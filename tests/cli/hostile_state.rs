@@ -50,6 +50,10 @@ impl Case {
     /// imgbuild itself outside any timed run.
     fn seeded(&self) {
         let o = self
+            .command(&["secrets", "gen", "--state-dir", &self.s("state")])
+            .output();
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let o = self
             .command(&["talosconfig", "--state-dir", &self.s("state")])
             .output();
         assert!(o.status.success(), "{}", text(&o.stderr));

@@ -58,6 +58,19 @@ fn yaml_12(yaml: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// A state dir holding the atlas cluster's secrets (`config` renders
+/// with them and never makes them).
+fn seeded() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().to_str().unwrap();
+    let o = run(
+        "text",
+        &["--config", ATLAS, "secrets", "gen", "--state-dir", state],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    dir
+}
+
 /// `imgbuild -o FORMAT ARGS` from the repository root.
 fn run(format: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_imgbuild"))
@@ -96,12 +109,21 @@ const ATLAS: &str = "examples/atlas/cluster.yaml";
 
 #[test]
 fn every_offline_command_prints_its_json_document_as_yaml() {
+    let dir = seeded();
+    let state = dir.path().display().to_string();
     for args in [
         &["--config", ATLAS, "validate"][..],
         &["--config", ATLAS, "schematic", "--all"],
         &["--config", ATLAS, "plan"],
         &["--config", "examples/ci/clusters/lab.yaml", "plan"],
-        &["--config", ATLAS, "config", "cp-01"],
+        &[
+            "--config",
+            ATLAS,
+            "config",
+            "cp-01",
+            "--state-dir",
+            state.as_str(),
+        ],
         &["completions", "fish"],
         &["man"],
     ] {
@@ -113,10 +135,13 @@ fn every_offline_command_prints_its_json_document_as_yaml() {
 /// reads as a literal block a person can follow, not one escaped line.
 #[test]
 fn a_machine_config_in_yaml_is_a_literal_block_that_reads_back_as_the_config() {
-    let docs = same_as_json(&["--config", ATLAS, "config", "cp-01"]);
+    let dir = seeded();
+    let args = ["--config", ATLAS, "config", "cp-01", "--state-dir"];
+    let args = [&args[..], &[dir.path().to_str().unwrap()]].concat();
+    let docs = same_as_json(&args);
     let config = docs[0]["config"].as_str().unwrap();
     assert!(config.lines().count() > 20, "{config}");
-    let yaml = text(&run("yaml", &["--config", ATLAS, "config", "cp-01"]).stdout);
+    let yaml = text(&run("yaml", &args).stdout);
     assert!(yaml.contains("config: |\n  version: v1alpha1\n"), "{yaml}");
 }
 

@@ -362,6 +362,8 @@ fn an_endpoint_on_a_vip_that_never_answers_still_bootstraps_the_node() {
 fn a_talosconfig_from_other_secrets_is_refused_with_an_explanation() {
     let c = Cluster::start(6, true, &[]);
     let other = c.dir.path().join("other");
+    let out = c.imgbuild(&["secrets", "gen", "--state-dir", other.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
     let out = c.imgbuild(&["talosconfig", "--state-dir", other.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let err = c.bootstrap_error(&["--talosconfig", other.join("talosconfig").to_str().unwrap()]);
@@ -516,8 +518,15 @@ fn config_secrets_and_talosconfig_commands() {
             .output()
             .unwrap()
     };
-    // `config` creates the secrets on first use and prints a schema-valid
-    // config (its secrets shown only when asked: else they are redacted).
+    // `config` never creates the secrets: it names the way to make them.
+    let out = run(&["config", "cp-01"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("imgbuild secrets gen"));
+    assert!(!dir.path().join(".talos/sim/secrets.yaml").exists());
+    let out = run(&["secrets", "gen"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Then it prints a schema-valid config (its secrets shown only when
+    // asked: else they are redacted).
     let out = run(&["--show-secrets", "--yes", "config", "cp-01"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let doc: serde_json::Value = serde_yaml_ng::from_slice(&out.stdout).unwrap();

@@ -63,10 +63,15 @@ fn upgrade_keeps_schematics_goes_one_node_at_a_time_and_resumes() {
         .talos("v1.11.9")
         .factory(&factory.url)
         .write(dir.path());
+    // Without the cluster's secrets it stops first, exit 2.
+    let o = imgbuild(&config, &["upgrade"], true);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(!dir.path().join(".talos").exists());
+    let o = imgbuild(&config, &["secrets", "gen"], false);
+    assert!(o.status.success(), "{}", text(&o.stderr));
     let o = imgbuild(&config, &["upgrade"], true);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
     assert!(text(&o.stderr).contains("v1.11.9"), "{}", text(&o.stderr));
-    assert!(!dir.path().join(".talos").exists());
     assert_eq!(nodes.stats()["totals"]["applies"], 0);
 
     Inventory::five_nodes("sim", &net)
@@ -407,6 +412,10 @@ fn status_reports_stalled_nodes_with_the_one_deadline_that_covered_them() {
     }
     let dir = tempfile::tempdir().unwrap();
     let config = Inventory::five_nodes("stalled", &net).write(dir.path());
+    let o = Run::with_config(&config, &["secrets", "gen"])
+        .env_remove("IMGBUILD_STATE_DIR")
+        .output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
     let o = Run::with_config(&config, &["talosconfig"])
         .env_remove("IMGBUILD_STATE_DIR")
         .env_remove("TALOSCONFIG")

@@ -278,7 +278,7 @@ fn day_two_on_hetzner_needs_no_addresses_in_the_inventory() {
 /// `up` in text, with its summary line on stdout.
 fn up_text(c: &Chain, extra: &[&str]) -> String {
     let o = c
-        .imgbuild(&["up", "--quiet", "--poll-ms", "100"])
+        .imgbuild(&["up", "--new-secrets", "--quiet", "--poll-ms", "100"])
         .args(extra)
         .factory(&c.factory)
         .envs(c.hc.rescue_env())

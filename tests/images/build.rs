@@ -100,6 +100,17 @@ const ALL: &[(&str, &str)] = &[
 /// and the version) for each node, as a node's upgrade would pull it.
 fn installers_resolve(work: &Work, sim: &Sim) {
     let state = work.dir.path().join("state");
+    // `config` renders with the cluster's secrets, made first.
+    if !state.join("secrets.yaml").exists() {
+        let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .args(["--config", LOOPBACK, "secrets", "gen", "--state-dir"])
+            .arg(&state)
+            .current_dir(root())
+            .env_remove("IMGBUILD_CONFIG")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    }
     for (node, _) in ALL {
         let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
             .args(["--config", LOOPBACK, "config", node, "--factory", &sim.url])

@@ -115,6 +115,14 @@ fn installers_name_the_schematic_without_meta() {
 fn the_config_installs_from_the_factory_in_use() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
+    // `config` renders with the cluster's secrets, made first.
+    let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+        .args(["--config", ATLAS, "secrets", "gen", "--state-dir"])
+        .arg(&state)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .args(["--config", ATLAS, "config", "cp-01", "--state-dir"])
         .arg(&state)

@@ -320,6 +320,12 @@ fn without_the_age_key_every_command_that_needs_secrets_stops_naming_the_file() 
     let stats = sim.stats();
     assert_eq!(stats["totals"]["applies"], 0, "{stats}");
     assert_eq!(stats["totals"]["bootstraps"], 0, "{stats}");
+    // `validate` needs no secrets: a CI job without the key checks the
+    // inventory with throwaway ones.
+    let o = c.imgbuild(&["--output", "json", "validate"], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", said(&o));
+    assert_eq!(common::json(&o)["throwawaySecrets"], true);
+    assert!(!c.path("state").exists());
     // With it, the same checkout works (the refusals were the key's).
     let o = c.imgbuild(&["config", "cp-01"], &[("SOPS_AGE_KEY_FILE", &key)]);
     assert_eq!(o.status.code(), Some(0), "{}", said(&o));
@@ -458,4 +464,36 @@ fn the_inventory_names_its_secrets_file() {
     let out = said(&o);
     assert_eq!(o.status.code(), Some(2), "{out}");
     assert!(out.contains("cluster.secretsFile"), "{out}");
+}
+
+#[test]
+fn a_node_from_other_secrets_names_the_secrets_file_in_use() {
+    let c = Checkout::new(&net(5));
+    let (key, recipient) = c.keygen("key.txt");
+    c.committed_secrets(&recipient);
+    let sim = c.nodes();
+    let with_key = [("SOPS_AGE_KEY_FILE", key.as_path())];
+    let o = c.imgbuild(&["bootstrap"], &with_key);
+    assert_eq!(o.status.code(), Some(0), "{}", said(&o));
+    // Git's file now holds another bundle (a runner made its own).
+    let o = c.imgbuild(&["secrets", "gen"], &[]);
+    assert!(o.status.success(), "{}", said(&o));
+    let o = c.imgbuild(&["secrets", "encrypt", "--force", "--age", &recipient], &[]);
+    assert!(o.status.success(), "{}", said(&o));
+    std::fs::remove_file(c.path("state/secrets.yaml")).unwrap();
+    let applies = sim.stats()["totals"]["applies"].clone();
+    let o = c.imgbuild(&["bootstrap"], &with_key);
+    let out = said(&o);
+    assert!(matches!(o.status.code(), Some(1 | 3)), "{out}");
+    assert!(out.contains("configured by someone else"), "{out}");
+    let sealed = c.path("secrets.sops.yaml");
+    assert!(
+        out.contains(&format!(
+            "a different CA than the cluster secrets in use ({} (SOPS))",
+            sealed.display()
+        )),
+        "{out}"
+    );
+    assert!(out.contains("SOPS_AGE_KEY_FILE"), "{out}");
+    assert_eq!(sim.stats()["totals"]["applies"], applies, "nothing applied");
 }

@@ -313,6 +313,18 @@ fn disks_without_a_loopback_key_10_run_but_boot_no_node() {
 /// A machine config for `node` of the loopback example, rendered by the
 /// real binary.
 fn machine_config(dir: &Path, node: &str) -> String {
+    // The cluster's secrets, made once (`config` never makes them).
+    if !dir.join("state/secrets.yaml").exists() {
+        let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
+            .arg("--config")
+            .arg(root().join("examples/loopback/cluster.yaml"))
+            .args(["secrets", "gen", "--state-dir"])
+            .arg(dir.join("state"))
+            .env_remove("IMGBUILD_CONFIG")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    }
     let o = Command::new(env!("CARGO_BIN_EXE_imgbuild"))
         .arg("--config")
         .arg(root().join("examples/loopback/cluster.yaml"))
