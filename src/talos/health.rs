@@ -15,13 +15,6 @@ use crate::inventory::Role;
 /// Why the cluster could not be read or did not become healthy.
 #[derive(Debug, thiserror::Error)]
 pub enum HealthError {
-    /// The state dir's kubeconfig could not be read.
-    #[error("{path}: {source}")]
-    Kubeconfig {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
     #[error(transparent)]
     Kube(#[from] super::kube::KubeError),
     /// The blocking Kubernetes call did not finish (panicked or cancelled).
@@ -69,20 +62,34 @@ const ADDONS: [(&str, &str, &str); 2] = [
     ("CoreDNS", "kube-dns", "coreDNS"),
 ];
 
-/// The kubeconfig the bootstrap wrote into the state dir, pointed at
-/// `cluster.kubernetesEndpoint` when the inventory has one (even if the
-/// file predates the setting): every Kubernetes call goes through here.
+/// The admin kubeconfig every Kubernetes call goes through: the one the
+/// bootstrap wrote into the state dir while it trusts these secrets'
+/// Kubernetes CA, else (a fresh runner, a sealed cluster, a file from
+/// other secrets) the one minted from the secrets for this run. Pointed
+/// at `cluster.kubernetesEndpoint` when the inventory has one (even if the
+/// file predates the setting).
 pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, HealthError> {
-    let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
-        .map_err(|source| HealthError::Kubeconfig {
-            path: plan.kubeconfig_path.display().to_string(),
-            source,
-        })?;
-    let kc = Kubeconfig::parse(&text)?;
+    let kc = match on_disk(plan) {
+        Some(kc) => kc,
+        None => plan.admin_kube.get()?,
+    };
     Ok(match &plan.kubernetes_endpoint {
         Some(outside) => kc.through(outside, crate::inventory::endpoint_host(&plan.endpoint)),
         None => kc,
     })
+}
+
+/// The state dir's kubeconfig when it may be used: written by a bootstrap
+/// of an unsealed cluster from these secrets. Through the bounded reader:
+/// a FIFO or `/dev/zero` there is no kubeconfig.
+fn on_disk(plan: &Plan) -> Option<Kubeconfig> {
+    if !plan.write_kubeconfig {
+        return None;
+    }
+    let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE).ok()?;
+    Kubeconfig::parse(&text)
+        .ok()
+        .filter(|kc| plan.admin_kube.issued_for(kc))
 }
 
 /// Every Kubernetes node, Ready and cordoned.
