@@ -79,6 +79,11 @@ pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, HealthError> {
     })
 }
 
+/// Whether reads go through the state dir's kubeconfig (not a minted one).
+pub(crate) fn state_dir_kubeconfig(plan: &Plan) -> bool {
+    on_disk(plan).is_some()
+}
+
 /// The state dir's kubeconfig when it may be used: written by a bootstrap
 /// of an unsealed cluster from these secrets. Through the bounded reader:
 /// a FIFO or `/dev/zero` there is no kubeconfig.
