@@ -1270,14 +1270,14 @@ mod tests {
         let zero = dir.path().join("zero");
         std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
         for path in [&fifo, &zero] {
-            let state = KubeState::load(&plan_at(path));
+            let state = KubeState::load(&kube_plan(path));
             assert!(state.config.is_none() && !state.from_disk);
         }
     }
 
     /// A plan of no nodes for the atlas endpoint whose state-dir
     /// kubeconfig is `path`, with the test bundle's CA.
-    fn plan_at(path: &std::path::Path) -> Plan {
+    fn kube_plan(path: &std::path::Path) -> Plan {
         Plan {
             nodes: Vec::new(),
             bootstrap_node: None,
@@ -1307,7 +1307,7 @@ mod tests {
     fn only_a_kubeconfig_for_these_secrets_is_taken_from_the_state_dir() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("kubeconfig");
-        let mut plan = plan_at(&path);
+        let mut plan = kube_plan(&path);
         let ours = plan.admin_kube.mint(1).unwrap();
         std::fs::write(&path, ours.to_yaml()).unwrap();
         let state = KubeState::load(&plan);

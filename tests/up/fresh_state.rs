@@ -90,15 +90,13 @@ fn a_runner_with_only_the_secrets_plans_what_the_laptop_plans() {
     let runner = tempfile::tempdir().unwrap();
     let state = runner.path().join("state");
     std::fs::create_dir(&state).unwrap();
-    std::fs::copy(laptop_state.join("secrets.yaml"), state.join("secrets.yaml")).unwrap();
+    std::fs::copy(
+        laptop_state.join("secrets.yaml"),
+        state.join("secrets.yaml"),
+    )
+    .unwrap();
     let dry_run = |state: &Path, folders: &Path| {
-        let args = [
-            "--output",
-            "json",
-            "up",
-            "--dry-run",
-            "--detailed-exitcode",
-        ];
+        let args = ["--output", "json", "up", "--dry-run", "--detailed-exitcode"];
         let out = on_runner(&c, state, folders, &args).output();
         (out.status.code(), json(&out), text(&out.stderr))
     };
