@@ -396,24 +396,24 @@ pub struct KubeconfigArgs {
 }
 
 /// `imgbuild kubeconfig`: where the admin kubeconfig is, or (--merge) the
-/// cluster added to the user's own. With no state-dir kubeconfig for these
-/// secrets (a fresh checkout, a CI runner), one is minted from the secrets
-/// as `talosctl kubeconfig` would fetch it: written into the state dir, or
-/// with --merge only into the user's file.
+/// cluster added to the user's own. With no kubeconfig in the state dir
+/// (a fresh checkout, a CI runner), one is minted from the secrets as
+/// `talosctl kubeconfig` would fetch it: written into the state dir, or
+/// with --merge only into the user's file. One that is there is used as
+/// it is, as before.
 pub fn kubeconfig(args: KubeconfigArgs, config: &Path, output: Output) -> Result<()> {
     use imgbuild::talos::kube::{AdminKube, Kubeconfig, REQUESTED_LIFETIME_DAYS};
     let inv = load_inventory(config, output)?;
     let state = StateDir::existing(&inv, args.state.state_dir.as_deref())?;
     let ours = state.kubeconfig_path();
-    let (bundle, _) = state.secrets()?;
-    let admin = AdminKube::of(&inv.cluster.name, &inv.cluster.endpoint, &bundle);
-    let fits = imgbuild::input::read_text(&ours, imgbuild::input::MAX_TEXT_FILE)
+    let there = imgbuild::input::read_text(&ours, imgbuild::input::MAX_TEXT_FILE)
         .ok()
-        .and_then(|t| Kubeconfig::parse(&t).ok())
-        .is_some_and(|kc| admin.issued_for(&kc));
-    let minted = if fits {
+        .is_some_and(|t| Kubeconfig::parse(&t).is_ok());
+    let minted = if there {
         None
     } else {
+        let (bundle, _) = state.secrets()?;
+        let admin = AdminKube::of(&inv.cluster.name, &inv.cluster.endpoint, &bundle);
         let kc = admin.mint(REQUESTED_LIFETIME_DAYS)?;
         // Where this host reaches the API, as the bootstrap writes it.
         Some(match &inv.cluster.kubernetes_endpoint {
@@ -443,7 +443,7 @@ pub fn kubeconfig(args: KubeconfigArgs, config: &Path, output: Output) -> Result
             outln!("{}", ours.display());
             if minted.is_some() {
                 outln!(
-                    "minted from {} (the state dir had none for these secrets): admin, valid {REQUESTED_LIFETIME_DAYS} days",
+                    "minted from {} (the state dir had none): admin, valid {REQUESTED_LIFETIME_DAYS} days",
                     state.secrets_path().display()
                 );
             }
