@@ -71,12 +71,57 @@ const ADDONS: [(&str, &str, &str); 2] = [
 pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, HealthError> {
     let kc = match on_disk(plan) {
         Some(kc) => kc,
-        None => plan.admin_kube.get()?,
+        None if plan.kubernetes_endpoint.is_some() => plan.admin_kube.get()?,
+        None => plan
+            .admin_kube
+            .get_settled(|kc| where_it_answers(plan, kc))?,
     };
     Ok(match &plan.kubernetes_endpoint {
         Some(outside) => kc.through(outside, crate::inventory::endpoint_host(&plan.endpoint)),
         None => kc,
     })
+}
+
+/// `kc` pointed where the API answers: the endpoint, else (the VIP is
+/// held by no one yet, or not reachable from here) the first control
+/// plane's own address that does, as the bootstrap falls back when it
+/// writes the kubeconfig; the endpoint when none does. Probed once per
+/// run, on a thread of its own: the blocking client must not run on the
+/// async runtime's.
+fn where_it_answers(plan: &Plan, kc: Kubeconfig) -> Kubeconfig {
+    let port = plan
+        .endpoint
+        .trim_end_matches('/')
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .unwrap_or(443);
+    let own = plan
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Controlplane)
+        .map(|n| match n.address {
+            std::net::IpAddr::V6(v6) => format!("https://[{v6}]:{port}"),
+            v4 => format!("https://{v4}:{port}"),
+        });
+    let candidates: Vec<String> = std::iter::once(plan.endpoint.clone()).chain(own).collect();
+    let probe = kc.with_tls_server_name(None);
+    let answering = std::thread::scope(|s| {
+        s.spawn(|| {
+            candidates.into_iter().find(|server| {
+                probe
+                    .with_server(server)
+                    .get_json("/version", std::time::Duration::from_secs(2))
+                    .is_ok()
+            })
+        })
+        .join()
+        .ok()
+        .flatten()
+    });
+    match answering {
+        Some(server) if server != kc.server => kc.with_server(&server),
+        _ => kc,
+    }
 }
 
 /// Whether reads go through the state dir's kubeconfig (not a minted one).

@@ -82,11 +82,20 @@ impl AdminKube {
     /// The kubeconfig this run uses: the one held, else one minted now
     /// (valid [`RUN_LIFETIME_DAYS`]) and held from then on.
     pub fn get(&self) -> Result<Kubeconfig, KubeError> {
+        self.get_settled(|kc| kc)
+    }
+
+    /// [`AdminKube::get`], a new one first passed through `settle` (pointed
+    /// where the API answers). Concurrent callers wait for the first.
+    pub fn get_settled(
+        &self,
+        settle: impl FnOnce(Kubeconfig) -> Kubeconfig,
+    ) -> Result<Kubeconfig, KubeError> {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(kc) = held.as_ref() {
             return Ok(kc.clone());
         }
-        let kc = self.mint(RUN_LIFETIME_DAYS)?;
+        let kc = settle(self.mint(RUN_LIFETIME_DAYS)?);
         *held = Some(kc.clone());
         Ok(kc)
     }

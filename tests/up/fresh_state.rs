@@ -14,6 +14,7 @@ use crate::common;
 use common::demo::DemoCluster as Cluster;
 use common::inventory::NODES;
 use common::run::Run;
+use common::sims::{Nodes, Pve, Sim};
 use common::{json, stdout_ok, text};
 use imgbuild::talos::kube::Kubeconfig;
 
@@ -197,4 +198,49 @@ fn a_state_dir_without_its_kubeconfig_still_reads_kubernetes() {
     // A second call keeps it.
     let out = kubeconfig_cmd(&c, &["--output", "json", "kubeconfig"]);
     assert_eq!(json(&out)["minted"], false);
+}
+
+/// The inventory's endpoint is on the VIP, which this node simulator never
+/// brings up: the laptop's bootstrap pointed its kubeconfig at cp-01, and a
+/// runner with only the secrets points the one it mints there too (in
+/// memory), so its dry run plans nothing and its status is clean.
+#[test]
+fn a_vip_that_does_not_answer_is_passed_over_for_the_minted_kubeconfig_too() {
+    let net = net(3);
+    let nodes = Nodes::start(&["--reboot-delay", "200", "--upgrade-delay", "50"]);
+    let c = Cluster {
+        factory: Sim::start_with(&[], 0, &["--versions", "v1.11.2,v1.11.5"]),
+        pve: Pve::start(&["--nodes-control", nodes.control.as_str()]),
+        nodes,
+        dir: tempfile::tempdir().unwrap(),
+        net,
+    };
+    c.write(&c.inventory());
+    laptop_up(&c);
+    let laptop = std::fs::read_to_string(c.dir.path().join("state/kubeconfig")).unwrap();
+    let cp01 = format!("https://{}.11:6443", c.net);
+    assert_eq!(Kubeconfig::parse(&laptop).unwrap().server, cp01);
+
+    let runner = tempfile::tempdir().unwrap();
+    let state = runner.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::copy(
+        c.dir.path().join("state/secrets.yaml"),
+        state.join("secrets.yaml"),
+    )
+    .unwrap();
+    let args = ["--output", "json", "up", "--dry-run", "--detailed-exitcode"];
+    let out = on_runner(&c, &state, runner.path(), &args).output();
+    let v = json(&out);
+    assert_eq!(out.status.code(), Some(0), "{v}\n{}", text(&out.stderr));
+    assert_eq!(v["plan"], serde_json::json!([]), "{v}");
+
+    let args = ["--output", "json", "status", "--check"];
+    let out = on_runner(&c, &state, runner.path(), &args).output();
+    let v = json(&out);
+    assert_eq!(out.status.code(), Some(0), "{v}\n{}", text(&out.stderr));
+    for n in v["nodes"].as_array().unwrap() {
+        assert_eq!(n["ready"], true, "{n}");
+    }
+    assert!(!state.join("kubeconfig").exists());
 }
