@@ -167,7 +167,9 @@ mod tests {
         std::thread::scope(|s| {
             for p in &ours {
                 let target = &target;
-                s.spawn(move || merge_file(target, p, false, merge::kubeconfig).unwrap());
+                s.spawn(move || {
+                    merge_file(target, &read(p).unwrap(), false, merge::kubeconfig).unwrap()
+                });
             }
         });
         let text = std::fs::read_to_string(&target).unwrap();
