@@ -406,9 +406,19 @@ pub fn kubeconfig(args: KubeconfigArgs, config: &Path, output: Output) -> Result
     let inv = load_inventory(config, output)?;
     let state = StateDir::existing(&inv, args.state.state_dir.as_deref())?;
     let ours = state.kubeconfig_path();
-    let there = imgbuild::input::read_text(&ours, imgbuild::input::MAX_TEXT_FILE)
-        .ok()
-        .is_some_and(|t| Kubeconfig::parse(&t).is_ok());
+    // wired to the secrets' source (sealed: from SOPS) by the coordinator
+    let sealed = false;
+    if sealed && !args.merge {
+        return Err(super::output::Usage(format!(
+            "the secrets of {} are sealed, so no kubeconfig (it holds a key) is written into the state dir: `imgbuild kubeconfig --merge [FILE]` mints one into yours",
+            inv.cluster.name
+        ))
+        .into());
+    }
+    let there = !sealed
+        && imgbuild::input::read_text(&ours, imgbuild::input::MAX_TEXT_FILE)
+            .ok()
+            .is_some_and(|t| Kubeconfig::parse(&t).is_ok());
     let minted = if there {
         None
     } else {
