@@ -467,10 +467,18 @@ pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
 
 /// Every node's status row, read from the nodes (nothing is changed), and
 /// what the cluster shows of Kubernetes.
+/// Every node's status row, what Kubernetes said of its components, and
+/// why Kubernetes could not be asked at all (when it could not).
+type Rows = (
+    Vec<status::NodeStatus>,
+    observe::Observed,
+    Option<status::KubeUnasked>,
+);
+
 pub(super) fn rows(
     inv: &imgbuild::inventory::Inventory,
     opts: &stage::BootstrapOptions,
-) -> Result<(Vec<status::NodeStatus>, observe::Observed)> {
+) -> Result<Rows> {
     let wanted = upgrade::wanted(inv)?;
     stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
     let mut prepared = stage::prepare(inv, opts)?;
@@ -488,7 +496,7 @@ pub(super) fn rows(
     }
     let record = upgrade::Record::load(&record_path(&prepared.state_dir))?;
     let fingerprints = imgbuild::talos::config::Fingerprints::load(&prepared.state_dir.path);
-    let rows = rt.block_on(status::collect(
+    let (rows, unasked) = rt.block_on(status::collect(
         &prepared.plan,
         &wanted,
         &record,
@@ -496,7 +504,7 @@ pub(super) fn rows(
         &opts.limits,
         &silent,
     ));
-    Ok((rows, observed))
+    Ok((rows, observed, unasked))
 }
 
 pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
@@ -504,7 +512,7 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
     let mut opts = args.run.options_for(&inv)?;
     // Status changes nothing: an unset `${NAME}` is compared by fingerprint.
     opts.patch_vars = opts.patch_vars.comparing_unset();
-    let (rows, observed) = rows(&inv, &opts)?;
+    let (rows, observed, unasked) = rows(&inv, &opts)?;
     let kube = kstatus::rows(&observed, &inv.cluster.kubernetes_version);
     let drift: Vec<status::Drift> = rows
         .iter()
@@ -515,7 +523,7 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
     match output {
         Output::Json => outln!(
             "{}",
-            json!({"nodes": rows, "kubernetes": kube, "drift": drift})
+            json!({"nodes": rows, "kubernetes": kube, "kubernetesUnasked": unasked, "drift": drift})
         ),
         Output::Text => {
             let short = |s: &Option<String>| {
@@ -612,9 +620,18 @@ pub fn status(args: StatusArgs, config: &Path, output: Output) -> Result<()> {
                 }
             }
             print_kube_rows(&kube);
+            if let Some(u) = &unasked {
+                outln!("{u}");
+            }
             print_drift(&drift);
             print_fingerprinted(&rows);
         }
+    }
+    // Not checked is not "no difference": exit 1, even beside drift.
+    if args.check && unasked.is_some() {
+        return Err(
+            Reported("not checked: Kubernetes could not be asked (see above)".into()).into(),
+        );
     }
     if args.check && !drift.is_empty() {
         let message = format!("{} difference(s) from the inventory", drift.len());

@@ -11,6 +11,17 @@ use std::path::{Path, PathBuf};
 /// `talosctl kubeconfig --merge`: the cluster's kubeconfig (at `ours`)
 /// into `file`, else the first file of $KUBECONFIG, else ~/.kube/config.
 pub fn kubeconfig(ours: &Path, file: Option<PathBuf>, force: bool, output: Output) -> Result<()> {
+    kubeconfig_text(&read(ours)?, file, force, output)
+}
+
+/// [`kubeconfig`] of a kubeconfig held in memory (minted from the
+/// secrets): its key is written only into the user's file.
+pub fn kubeconfig_text(
+    ours: &str,
+    file: Option<PathBuf>,
+    force: bool,
+    output: Output,
+) -> Result<()> {
     let target = file.unwrap_or_else(default_kubeconfig);
     let merged = merge_file(&target, ours, force, merge::kubeconfig)?;
     report(&target, &merged, "kubeconfig", output);
@@ -21,7 +32,7 @@ pub fn kubeconfig(ours: &Path, file: Option<PathBuf>, force: bool, output: Outpu
 /// `file`, else $TALOSCONFIG, else ~/.talos/config.
 pub fn talosconfig(ours: &Path, file: Option<PathBuf>, force: bool, output: Output) -> Result<()> {
     let target = file.unwrap_or_else(default_talosconfig);
-    let merged = merge_file(&target, ours, force, merge::talosconfig)?;
+    let merged = merge_file(&target, &read(ours)?, force, merge::talosconfig)?;
     report(&target, &merged, "talosconfig", output);
     Ok(())
 }
@@ -46,16 +57,18 @@ fn home() -> PathBuf {
 
 /// Reads both files, merges, and writes `target` (through a symlink, as
 /// kubectl does, and 0600) only when something changed.
+/// A file through the bounded reader.
+fn read(p: &Path) -> Result<String> {
+    imgbuild::input::read_text(p, imgbuild::input::MAX_TEXT_FILE)
+        .with_context(|| format!("{}", p.display()))
+}
+
 fn merge_file(
     target: &Path,
-    ours: &Path,
+    ours_text: &str,
     force: bool,
     merge: fn(&str, &str, bool) -> Result<Merged, merge::MergeError>,
 ) -> Result<Merged> {
-    let limit = imgbuild::input::MAX_TEXT_FILE;
-    let read =
-        |p: &Path| imgbuild::input::read_text(p, limit).with_context(|| format!("{}", p.display()));
-    let ours_text = read(ours)?;
     let target = match std::fs::canonicalize(target) {
         Ok(real) => real,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => target.to_owned(),
@@ -68,7 +81,7 @@ fn merge_file(
     // then reads what this one wrote.
     let _lock = lock_target(&target).with_context(|| format!("{}", target.display()))?;
     let theirs = read(&target)?;
-    let merged = merge(&theirs, &ours_text, force)
+    let merged = merge(&theirs, ours_text, force)
         .map_err(|e| Usage(format!("{}: {e}", target.display())))?;
     if merged.changed {
         imgbuild::atomic::write_if_changed(&target, merged.text.as_bytes(), true)
@@ -154,7 +167,9 @@ mod tests {
         std::thread::scope(|s| {
             for p in &ours {
                 let target = &target;
-                s.spawn(move || merge_file(target, p, false, merge::kubeconfig).unwrap());
+                s.spawn(move || {
+                    merge_file(target, &read(p).unwrap(), false, merge::kubeconfig).unwrap()
+                });
             }
         });
         let text = std::fs::read_to_string(&target).unwrap();

@@ -416,32 +416,73 @@ pub struct KubeconfigArgs {
 }
 
 /// `imgbuild kubeconfig`: where the admin kubeconfig is, or (--merge) the
-/// cluster added to the user's own.
+/// cluster added to the user's own. With no kubeconfig in the state dir
+/// (a fresh checkout, a CI runner), one is minted from the secrets as
+/// `talosctl kubeconfig` would fetch it: written into the state dir, or
+/// with --merge only into the user's file. One that is there is used as
+/// it is, as before.
 pub fn kubeconfig(args: KubeconfigArgs, config: &Path, output: Output) -> Result<()> {
+    use imgbuild::talos::kube::{AdminKube, Kubeconfig, REQUESTED_LIFETIME_DAYS};
     let inv = load_inventory(config, output)?;
     let state = StateDir::existing(&inv, args.state.state_dir.as_deref())?;
     let ours = state.kubeconfig_path();
-    if !ours.is_file() {
+    let imgbuild::talos::stage::Secrets { bundle, source, .. } = state.secrets(&inv, false)?;
+    let sealed = matches!(source, imgbuild::talos::stage::SecretsSource::Sealed(_));
+    if sealed && !args.merge {
         return Err(super::output::Usage(format!(
-            "{}: no kubeconfig yet: `imgbuild bootstrap` (or `up`) writes it",
-            ours.display()
+            "the secrets of {} are sealed, so no kubeconfig (it holds a key) is written into the state dir: `imgbuild kubeconfig --merge [FILE]` mints one into yours",
+            inv.cluster.name
         ))
         .into());
     }
-    if !args.merge {
-        match output {
-            Output::Json => outln!("{}", json!({"kubeconfig": ours})),
-            Output::Text => {
-                outln!("{}", ours.display());
+    let there = !sealed
+        && imgbuild::input::read_text(&ours, imgbuild::input::MAX_TEXT_FILE)
+            .ok()
+            .is_some_and(|t| Kubeconfig::parse(&t).is_ok());
+    let minted = if there {
+        None
+    } else {
+        let admin = AdminKube::of(&inv.cluster.name, &inv.cluster.endpoint, &bundle);
+        let kc = admin.mint(REQUESTED_LIFETIME_DAYS)?;
+        // Where this host reaches the API, as the bootstrap writes it.
+        Some(match &inv.cluster.kubernetes_endpoint {
+            Some(outside) => kc.through(
+                outside,
+                imgbuild::inventory::endpoint_host(&inv.cluster.endpoint),
+            ),
+            None => kc,
+        })
+    };
+    if args.merge {
+        return match &minted {
+            Some(kc) => super::merge::kubeconfig_text(&kc.to_yaml(), args.file, args.force, output),
+            None => super::merge::kubeconfig(&ours, args.file, args.force, output),
+        };
+    }
+    if let Some(kc) = &minted {
+        imgbuild::atomic::write_if_changed(&ours, kc.to_yaml().as_bytes(), true)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", ours.display()))?;
+    }
+    match output {
+        Output::Json => outln!(
+            "{}",
+            json!({"kubeconfig": ours, "minted": minted.is_some()})
+        ),
+        Output::Text => {
+            outln!("{}", ours.display());
+            if minted.is_some() {
                 outln!(
-                    "use it: export KUBECONFIG={} (or: imgbuild kubeconfig --merge)",
-                    ours.display()
+                    "minted from {} (the state dir had none): admin, valid {REQUESTED_LIFETIME_DAYS} days",
+                    state.secrets_path().display()
                 );
             }
+            outln!(
+                "use it: export KUBECONFIG={} (or: imgbuild kubeconfig --merge)",
+                ours.display()
+            );
         }
-        return Ok(());
     }
-    super::merge::kubeconfig(&ours, args.file, args.force, output)
+    Ok(())
 }
 
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
@@ -481,7 +522,7 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 "bootstrapNode": outcome.bootstrap_node,
                 "recoveredFrom": args.recover_from,
                 "versions": outcome.versions,
-                "kubeconfig": plan.kubeconfig_path,
+                "kubeconfig": plan.write_kubeconfig.then_some(&plan.kubeconfig_path),
                 "kubeconfigServer": outcome.kubeconfig_server,
                 "kubeconfigMovedFrom": outcome.kubeconfig_moved_from,
                 "talosconfig": tc_path,
@@ -515,11 +556,19 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
                 },
                 outcome.bootstrap_node
             );
-            outln!(
-                "  kubeconfig: {} (server {})",
-                plan.kubeconfig_path.display(),
-                outcome.kubeconfig_server
-            );
+            if plan.write_kubeconfig {
+                outln!(
+                    "  kubeconfig: {} (server {})",
+                    plan.kubeconfig_path.display(),
+                    outcome.kubeconfig_server
+                );
+            } else {
+                outln!(
+                    "  kubeconfig: not written, the secrets are in {} (server {}); imgbuild kubeconfig --merge mints one into yours",
+                    prepared.secrets_source.path().display(),
+                    outcome.kubeconfig_server
+                );
+            }
             if prepared.secrets_created {
                 outln!(
                     "  secrets: {} made now (a new cluster): keep them in Git with imgbuild secrets encrypt --age …",
@@ -529,12 +578,14 @@ pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<(
             match tc_path {
                 Some(tc_path) => {
                     outln!("  talosconfig: {}", tc_path.display());
-                    outln!(
-                        "  use them: imgbuild kubeconfig --merge and imgbuild talosconfig --merge \
-                         (into ~/.kube/config and ~/.talos/config), or export KUBECONFIG={} TALOSCONFIG={}",
-                        plan.kubeconfig_path.display(),
-                        tc_path.display()
-                    );
+                    if plan.write_kubeconfig {
+                        outln!(
+                            "  use them: imgbuild kubeconfig --merge and imgbuild talosconfig --merge \
+                             (into ~/.kube/config and ~/.talos/config), or export KUBECONFIG={} TALOSCONFIG={}",
+                            plan.kubeconfig_path.display(),
+                            tc_path.display()
+                        );
+                    }
                 }
                 None => outln!(
                     "  talosconfig: not written (the secrets are in {}): imgbuild talosconfig writes one",

@@ -55,7 +55,16 @@ pub struct Plan {
     /// (a port forward), used instead of `endpoint` and the VIP.
     pub kubernetes_endpoint: Option<String>,
     pub identity: Arc<Identity>,
+    /// The state dir's admin kubeconfig: written by the bootstrap, read
+    /// while it is one for these secrets (same Kubernetes CA).
     pub kubeconfig_path: PathBuf,
+    /// False for a sealed cluster (secrets from SOPS): a kubeconfig holds
+    /// a key, so the bootstrap writes none and every read uses the one
+    /// minted from the secrets, in memory.
+    pub write_kubeconfig: bool,
+    /// The admin kubeconfig minted from the secrets when the state dir has
+    /// none for them (a fresh CI runner), held in memory for the run.
+    pub admin_kube: kube::AdminKube,
 }
 
 /// Limits and knobs; defaults suit real hardware.
@@ -793,11 +802,15 @@ struct KubeState {
 
 impl KubeState {
     /// Through the bounded reader: a FIFO or `/dev/zero` there is no
-    /// kubeconfig (the bootstrap fetches a new one and replaces it).
-    fn load(path: &std::path::Path) -> KubeState {
-        let config = crate::input::read_text(path, crate::input::MAX_TEXT_FILE)
-            .ok()
-            .and_then(|t| Kubeconfig::parse(&t).ok());
+    /// kubeconfig (the bootstrap fetches a new one and replaces it). A
+    /// sealed cluster's state dir is not read: its kubeconfig is minted.
+    fn load(plan: &Plan) -> KubeState {
+        let config = plan
+            .write_kubeconfig
+            .then(|| crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE))
+            .and_then(Result::ok)
+            .and_then(|t| Kubeconfig::parse(&t).ok())
+            .filter(|kc| plan.admin_kube.issued_for(kc));
         KubeState {
             from_disk: config.is_some(),
             on_disk: config.as_ref().map(|k| k.server.clone()),
@@ -930,7 +943,15 @@ async fn health_round(
         Err(e) => pending.push(format!("etcd member list: {e}")),
     }
 
-    // Kubeconfig, then Kubernetes node readiness through it.
+    // Kubeconfig, then Kubernetes node readiness through it. A sealed
+    // cluster's is minted from the secrets (the node's would be the same
+    // identity, and neither is written).
+    if kube_state.config.is_none() && !plan.write_kubeconfig {
+        match plan.admin_kube.get() {
+            Ok(kc) => kube_state.config = Some(kc),
+            Err(e) => pending.push(e.to_string()),
+        }
+    }
     if kube_state.config.is_none() {
         match endpoint.kubeconfig().await {
             Ok(archive) => match kube::from_archive(&archive).and_then(|t| Kubeconfig::parse(&t)) {
@@ -1003,6 +1024,13 @@ async fn health_round(
             return Round::failed(pending);
         }
         Err(e) => pending.push(e),
+    }
+    if !plan.write_kubeconfig {
+        // Sealed: the rest of the run reads this one, where the API
+        // answered (the VIP fallback), from memory.
+        plan.admin_kube.hold(kc.clone());
+        round.pending = pending;
+        return round;
     }
     let written = write_kubeconfig(kc, &plan.kubeconfig_path);
     let server = kc.server.clone();
@@ -1173,7 +1201,7 @@ pub async fn run(
     let bootstrapped = bootstrapped.expect("bootstrap ran once the first control plane settled");
 
     let health_deadline = Instant::now() + opts.health_timeout;
-    let mut kube_state = KubeState::load(&plan.kubeconfig_path);
+    let mut kube_state = KubeState::load(plan);
     let mut last_pending: Vec<String> = Vec::new();
     let no_cni = cni_missing(&plan.nodes);
     let (health, last) = loop {
@@ -1252,9 +1280,56 @@ mod tests {
         let zero = dir.path().join("zero");
         std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
         for path in [&fifo, &zero] {
-            let state = KubeState::load(path);
+            let state = KubeState::load(&kube_plan(path));
             assert!(state.config.is_none() && !state.from_disk);
         }
+    }
+
+    /// A plan of no nodes for the atlas endpoint whose state-dir
+    /// kubeconfig is `path`, with the test bundle's CA.
+    fn kube_plan(path: &std::path::Path) -> Plan {
+        Plan {
+            nodes: Vec::new(),
+            bootstrap_node: None,
+            endpoint: "https://10.0.0.10:6443".into(),
+            vip: None,
+            kubernetes_endpoint: None,
+            identity: Arc::new(Identity {
+                ca: String::new(),
+                client: super::super::pki::CertAndKey {
+                    crt: String::new(),
+                    key: String::new(),
+                },
+            }),
+            kubeconfig_path: path.to_owned(),
+            write_kubeconfig: true,
+            admin_kube: kube::AdminKube::of(
+                "atlas",
+                "https://10.0.0.10:6443",
+                super::super::secrets::tests::bundle(),
+            ),
+        }
+    }
+
+    /// The state dir's kubeconfig is used while it is one for these
+    /// secrets and the cluster is not sealed; else the run's is minted.
+    #[test]
+    fn only_a_kubeconfig_for_these_secrets_is_taken_from_the_state_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        let mut plan = kube_plan(&path);
+        let ours = plan.admin_kube.mint(1).unwrap();
+        std::fs::write(&path, ours.to_yaml()).unwrap();
+        let state = KubeState::load(&plan);
+        assert!(state.from_disk);
+        assert_eq!(state.config.unwrap().to_yaml(), ours.to_yaml());
+        // Another cluster's (another CA): not ours, replaced by the bootstrap.
+        std::fs::write(&path, kube::tests::sample()).unwrap();
+        assert!(KubeState::load(&plan).config.is_none());
+        // Sealed: the state dir is not read, even when its file fits.
+        std::fs::write(&path, ours.to_yaml()).unwrap();
+        plan.write_kubeconfig = false;
+        assert!(KubeState::load(&plan).config.is_none());
     }
 
     #[test]

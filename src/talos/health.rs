@@ -15,13 +15,6 @@ use crate::inventory::Role;
 /// Why the cluster could not be read or did not become healthy.
 #[derive(Debug, thiserror::Error)]
 pub enum HealthError {
-    /// The state dir's kubeconfig could not be read.
-    #[error("{path}: {source}")]
-    Kubeconfig {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
     #[error(transparent)]
     Kube(#[from] super::kube::KubeError),
     /// The blocking Kubernetes call did not finish (panicked or cancelled).
@@ -69,20 +62,84 @@ const ADDONS: [(&str, &str, &str); 2] = [
     ("CoreDNS", "kube-dns", "coreDNS"),
 ];
 
-/// The kubeconfig the bootstrap wrote into the state dir, pointed at
-/// `cluster.kubernetesEndpoint` when the inventory has one (even if the
-/// file predates the setting): every Kubernetes call goes through here.
+/// The admin kubeconfig every Kubernetes call goes through: the one the
+/// bootstrap wrote into the state dir while it trusts these secrets'
+/// Kubernetes CA, else (a fresh runner, a sealed cluster, a file from
+/// other secrets) the one minted from the secrets for this run. Pointed
+/// at `cluster.kubernetesEndpoint` when the inventory has one (even if the
+/// file predates the setting).
 pub(crate) fn kubeconfig(plan: &Plan) -> Result<Kubeconfig, HealthError> {
-    let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE)
-        .map_err(|source| HealthError::Kubeconfig {
-            path: plan.kubeconfig_path.display().to_string(),
-            source,
-        })?;
-    let kc = Kubeconfig::parse(&text)?;
+    let kc = match on_disk(plan) {
+        Some(kc) => kc,
+        None if plan.kubernetes_endpoint.is_some() => plan.admin_kube.get()?,
+        None => plan
+            .admin_kube
+            .get_settled(|kc| where_it_answers(plan, kc))?,
+    };
     Ok(match &plan.kubernetes_endpoint {
         Some(outside) => kc.through(outside, crate::inventory::endpoint_host(&plan.endpoint)),
         None => kc,
     })
+}
+
+/// `kc` pointed where the API answers: the endpoint, else (the VIP is
+/// held by no one yet, or not reachable from here) the first control
+/// plane's own address that does, as the bootstrap falls back when it
+/// writes the kubeconfig; the endpoint when none does. Probed once per
+/// run, on a thread of its own: the blocking client must not run on the
+/// async runtime's.
+fn where_it_answers(plan: &Plan, kc: Kubeconfig) -> Kubeconfig {
+    let port = plan
+        .endpoint
+        .trim_end_matches('/')
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .unwrap_or(443);
+    let own = plan
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Controlplane)
+        .map(|n| match n.address {
+            std::net::IpAddr::V6(v6) => format!("https://[{v6}]:{port}"),
+            v4 => format!("https://{v4}:{port}"),
+        });
+    let candidates: Vec<String> = std::iter::once(plan.endpoint.clone()).chain(own).collect();
+    let probe = kc.with_tls_server_name(None);
+    let answering = std::thread::scope(|s| {
+        s.spawn(|| {
+            candidates.into_iter().find(|server| {
+                probe
+                    .with_server(server)
+                    .get_json("/version", std::time::Duration::from_secs(2))
+                    .is_ok()
+            })
+        })
+        .join()
+        .ok()
+        .flatten()
+    });
+    match answering {
+        Some(server) if server != kc.server => kc.with_server(&server),
+        _ => kc,
+    }
+}
+
+/// Whether reads go through the state dir's kubeconfig (not a minted one).
+pub(crate) fn state_dir_kubeconfig(plan: &Plan) -> bool {
+    on_disk(plan).is_some()
+}
+
+/// The state dir's kubeconfig when it may be used: written by a bootstrap
+/// of an unsealed cluster from these secrets. Through the bounded reader:
+/// a FIFO or `/dev/zero` there is no kubeconfig.
+fn on_disk(plan: &Plan) -> Option<Kubeconfig> {
+    if !plan.write_kubeconfig {
+        return None;
+    }
+    let text = crate::input::read_text(&plan.kubeconfig_path, crate::input::MAX_TEXT_FILE).ok()?;
+    Kubeconfig::parse(&text)
+        .ok()
+        .filter(|kc| plan.admin_kube.issued_for(kc))
 }
 
 /// Every Kubernetes node, Ready and cordoned.

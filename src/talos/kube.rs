@@ -2,12 +2,15 @@
 //! health check asks: are all nodes registered and Ready?
 
 use std::io::Read;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use serde_yaml_ng::Value;
 
+use super::pki::{self, CertAndKey, LeafSpec};
+use super::secrets::SecretsBundle;
 use crate::net;
 
 /// A node list is small; a reply larger than this is not one.
@@ -22,6 +25,98 @@ pub enum KubeError {
     Invalid(String),
     #[error("Kubernetes API {server}: {message}")]
     Api { server: String, message: String },
+    /// The admin certificate could not be issued from the secrets' CA.
+    #[error("minting the admin kubeconfig from the secrets' Kubernetes CA (certs.k8s): {0}")]
+    Mint(#[from] pki::PkiError),
+}
+
+/// How long a kubeconfig minted for one run stays valid: a day (the
+/// smallest step [`pki::issue`] takes, five minutes backdated for clock
+/// skew), longer than any run, and the key is never written.
+pub const RUN_LIFETIME_DAYS: i64 = 1;
+
+/// How long a kubeconfig minted on request (`imgbuild kubeconfig`) stays
+/// valid: Talos's default `cluster.adminKubeconfig.certLifetime`, one year,
+/// what `talosctl kubeconfig` hands out.
+pub const REQUESTED_LIFETIME_DAYS: i64 = 365;
+
+/// Mints a run's admin kubeconfig from the cluster's Kubernetes CA when
+/// it is first needed, and holds, in memory only, the one the run uses
+/// (the bootstrap's VIP fallback applied). Clones share it. The CA key is
+/// a secret: `Debug` shows the cluster only.
+#[derive(Clone)]
+pub struct AdminKube {
+    cluster: String,
+    endpoint: String,
+    ca: Arc<CertAndKey>,
+    held: Arc<Mutex<Option<Kubeconfig>>>,
+}
+
+impl std::fmt::Debug for AdminKube {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminKube")
+            .field("cluster", &self.cluster)
+            .field("endpoint", &self.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AdminKube {
+    /// [`AdminKube::new`] with `secrets`' Kubernetes CA.
+    pub fn of(cluster: &str, endpoint: &str, secrets: &SecretsBundle) -> AdminKube {
+        let ca = secrets.certs.k8s.decode().expect("checked when loaded");
+        AdminKube::new(cluster, endpoint, ca)
+    }
+
+    /// For cluster `cluster` whose machine configs carry `endpoint`
+    /// (`cluster.controlPlane.endpoint`), signed by `k8s_ca` (`certs.k8s`).
+    pub fn new(cluster: &str, endpoint: &str, k8s_ca: CertAndKey) -> AdminKube {
+        AdminKube {
+            cluster: cluster.to_owned(),
+            endpoint: endpoint.to_owned(),
+            ca: Arc::new(k8s_ca),
+            held: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// The kubeconfig this run uses: the one held, else one minted now
+    /// (valid [`RUN_LIFETIME_DAYS`]) and held from then on.
+    pub fn get(&self) -> Result<Kubeconfig, KubeError> {
+        self.get_settled(|kc| kc)
+    }
+
+    /// [`AdminKube::get`], a new one first passed through `settle` (pointed
+    /// where the API answers). Concurrent callers wait for the first.
+    pub fn get_settled(
+        &self,
+        settle: impl FnOnce(Kubeconfig) -> Kubeconfig,
+    ) -> Result<Kubeconfig, KubeError> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(kc) = held.as_ref() {
+            return Ok(kc.clone());
+        }
+        let kc = settle(self.mint(RUN_LIFETIME_DAYS)?);
+        *held = Some(kc.clone());
+        Ok(kc)
+    }
+
+    /// From now on the run uses `kc` (the same identity, pointed where the
+    /// API answers).
+    pub fn hold(&self, kc: Kubeconfig) {
+        *self.held.lock().unwrap_or_else(|e| e.into_inner()) = Some(kc);
+    }
+
+    /// A new admin kubeconfig valid `days`, not held.
+    pub fn mint(&self, days: i64) -> Result<Kubeconfig, KubeError> {
+        Kubeconfig::mint_admin(&self.cluster, &self.endpoint, &self.ca, days)
+    }
+
+    /// Whether `kc` trusts this cluster's Kubernetes CA: a kubeconfig made
+    /// from other secrets does not serve this cluster.
+    pub fn issued_for(&self, kc: &Kubeconfig) -> bool {
+        let first = |pem: &str| pki::certs_der(pem).ok().and_then(|c| c.into_iter().next());
+        first(&kc.ca).is_some() && first(&kc.ca) == first(&self.ca.crt)
+    }
 }
 
 /// The most the kubeconfig inside the archive may unpack to: talosctl's is
@@ -101,6 +196,51 @@ fn data(v: Option<&Value>, field: &str) -> Result<String, KubeError> {
 }
 
 impl Kubeconfig {
+    /// The admin kubeconfig Talos hands out, minted offline as
+    /// siderolabs/talos `pkg/kubeconfig/generate.go`
+    /// (`GenerateAdmin`, `Generate`) does: a client certificate
+    /// CN=admin, O=system:masters signed by the Kubernetes CA, that CA as
+    /// the trusted one, `endpoint` as the server, user and context
+    /// `admin@<cluster>`. Valid `days`.
+    pub fn mint_admin(
+        cluster: &str,
+        endpoint: &str,
+        k8s_ca: &CertAndKey,
+        days: i64,
+    ) -> Result<Kubeconfig, KubeError> {
+        let admin = pki::issue(
+            k8s_ca,
+            &LeafSpec {
+                organization: Some("system:masters".into()),
+                common_name: "admin".into(),
+                client: true,
+                days,
+                ..LeafSpec::default()
+            },
+        )?;
+        let user = format!("admin@{cluster}");
+        let doc = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": cluster, "cluster": {
+                "server": endpoint,
+                "certificate-authority-data": STANDARD.encode(&k8s_ca.crt),
+            }}],
+            "users": [{"name": user, "user": {
+                "client-certificate-data": STANDARD.encode(&admin.crt),
+                "client-key-data": STANDARD.encode(&admin.key),
+            }}],
+            "contexts": [{"name": user, "context": {
+                "cluster": cluster,
+                "namespace": "default",
+                "user": user,
+            }}],
+            "current-context": user,
+        });
+        let text = serde_yaml_ng::to_string(&doc).expect("kubeconfig serialises");
+        Kubeconfig::parse(&text)
+    }
+
     /// Parses kubeconfig YAML.
     pub fn parse(text: &str) -> Result<Kubeconfig, KubeError> {
         let doc: Value = serde_yaml_ng::from_str(text)
@@ -473,6 +613,103 @@ pub(crate) mod tests {
                 ("c".into(), false, "".into())
             ]
         );
+    }
+
+    /// The subject's, or the issuer's, attribute values of type `oid`.
+    fn names(der: &[u8], issuer: bool, oid: &x509_parser::der_parser::Oid) -> Vec<String> {
+        use x509_parser::prelude::*;
+        let (_, cert) = X509Certificate::from_der(der).unwrap();
+        let name = if issuer {
+            cert.issuer()
+        } else {
+            cert.subject()
+        };
+        name.iter_by_oid(oid)
+            .map(|a| a.as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn the_minted_admin_kubeconfig_is_talos_admin_under_the_kubernetes_ca() {
+        use x509_parser::oid_registry::{OID_X509_COMMON_NAME, OID_X509_ORGANIZATION_NAME};
+        let secrets = crate::talos::secrets::tests::bundle();
+        let k8s = secrets.certs.k8s.decode().unwrap();
+        let minter = AdminKube::of("atlas", "https://10.0.0.10:6443", secrets);
+        let kc = minter.get().unwrap();
+        assert_eq!(kc.server, "https://10.0.0.10:6443");
+        assert_eq!(kc.tls_server_name, None);
+        // The trusted CA is the bundle's Kubernetes CA, nothing else.
+        assert_eq!(kc.ca, k8s.crt);
+        let der = pki::certs_der(&kc.crt).unwrap().remove(0);
+        assert_eq!(names(&der, false, &OID_X509_COMMON_NAME), ["admin"]);
+        assert_eq!(
+            names(&der, false, &OID_X509_ORGANIZATION_NAME),
+            ["system:masters"]
+        );
+        let ca_der = pki::certs_der(&k8s.crt).unwrap().remove(0);
+        assert_eq!(
+            names(&der, true, &OID_X509_COMMON_NAME),
+            names(&ca_der, false, &OID_X509_COMMON_NAME)
+        );
+        // Signed by that CA's key (not merely naming it as issuer).
+        {
+            use x509_parser::prelude::*;
+            let (_, cert) = X509Certificate::from_der(&der).unwrap();
+            let (_, ca) = X509Certificate::from_der(&ca_der).unwrap();
+            cert.verify_signature(Some(ca.public_key())).unwrap();
+            let other = pki::new_ca(pki::KeyKind::EcdsaP256, "kubernetes", None, 1).unwrap();
+            let other_der = pki::certs_der(&other.crt).unwrap().remove(0);
+            let (_, other) = X509Certificate::from_der(&other_der).unwrap();
+            assert!(cert.verify_signature(Some(other.public_key())).is_err());
+        }
+        // Valid for the run: a day, five minutes backdated for clock skew.
+        let info = pki::cert_info(&kc.crt).unwrap();
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        assert!((now - info.not_before - 300).abs() < 60, "{info:?}");
+        assert!(
+            (info.not_after - now - RUN_LIFETIME_DAYS * 86400).abs() < 60,
+            "{info:?}"
+        );
+        assert!(pki::key_matches(&kc.crt, &kc.key).unwrap());
+        // The file as Talos writes it: user and context admin@<cluster>.
+        let yaml = kc.to_yaml();
+        assert!(yaml.contains("current-context: admin@atlas"), "{yaml}");
+        assert!(yaml.contains("namespace: default"), "{yaml}");
+        // The key stays out of Debug.
+        assert!(!format!("{kc:?}{minter:?}").contains("PRIVATE"));
+    }
+
+    #[test]
+    fn a_run_mints_once_and_holds_where_the_api_answered() {
+        let minter = AdminKube::of(
+            "atlas",
+            "https://10.0.0.10:6443",
+            crate::talos::secrets::tests::bundle(),
+        );
+        let first = minter.get().unwrap();
+        // A clone shares what is held: the same certificate, not a new one.
+        assert_eq!(minter.clone().get().unwrap().crt, first.crt);
+        minter.hold(first.with_server("https://10.0.0.11:6443"));
+        let moved = minter.get().unwrap();
+        assert_eq!(moved.server, "https://10.0.0.11:6443");
+        assert_eq!(moved.crt, first.crt);
+        // A fresh mint is a new certificate, of the requested length.
+        let asked = minter.mint(REQUESTED_LIFETIME_DAYS).unwrap();
+        assert_ne!(asked.crt, first.crt);
+        let info = pki::cert_info(&asked.crt).unwrap();
+        assert_eq!((info.not_after - info.not_before + 300) / 86400, 365);
+    }
+
+    #[test]
+    fn a_kubeconfig_from_other_secrets_is_not_issued_for_this_cluster() {
+        let minter = AdminKube::of(
+            "atlas",
+            "https://10.0.0.10:6443",
+            crate::talos::secrets::tests::bundle(),
+        );
+        assert!(minter.issued_for(&minter.get().unwrap()));
+        // `sample()` has a CA of its own.
+        assert!(!minter.issued_for(&Kubeconfig::parse(&sample()).unwrap()));
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::time::Duration;
 use super::bootstrap::{self, BootstrapError, Observer, Plan, PlannedNode};
 use super::client::{self, NodeEndpoint, Probe};
 use super::config::{self, ConfigError, PatchVars};
+use super::kube::AdminKube;
 use super::lock::{self, LockError, StateLock};
 use super::remove::record;
 use super::secrets::{SecretsBundle, SecretsError};
@@ -546,7 +547,12 @@ pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, Sta
             config: text.into_bytes(),
         });
     }
+    // Secrets from SOPS leave no key in the state dir: the kubeconfig is
+    // minted in memory for every read.
+    let sealed = matches!(source, SecretsSource::Sealed(_));
     let plan = Plan {
+        write_kubeconfig: !sealed,
+        admin_kube: AdminKube::of(&inv.cluster.name, &inv.cluster.endpoint, &bundle),
         nodes,
         bootstrap_node: bootstrap_node(inv),
         endpoint: inv.cluster.endpoint.clone(),

@@ -175,8 +175,53 @@ pub async fn silent(plan: &Plan, opts: &Options) -> BTreeMap<String, String> {
         .await
 }
 
+/// Kubernetes could not be asked at all, so every node's READY and each
+/// component's version are unknown: why, and what to do.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct KubeUnasked {
+    pub why: String,
+    pub fix: String,
+}
+
+impl std::fmt::Display for KubeUnasked {
+    /// One line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Kubernetes could not be asked ({}), so READY and the components are unknown: {}",
+            self.why, self.fix
+        )
+    }
+}
+
+impl KubeUnasked {
+    /// `why` for `plan`: the way out depends on the kubeconfig that was
+    /// used (the state dir's, or the one minted from the secrets) and on
+    /// where it points.
+    pub fn new(plan: &Plan, why: &str) -> KubeUnasked {
+        let why = crate::input::one_line(why, 300);
+        let fix = if super::health::state_dir_kubeconfig(plan) {
+            format!(
+                "{} is used while it fits the secrets; delete it to read through one minted from the secrets, or run `imgbuild bootstrap` to renew it",
+                plan.kubeconfig_path.display()
+            )
+        } else if let Some(outside) = &plan.kubernetes_endpoint {
+            format!(
+                "check that cluster.kubernetesEndpoint {outside} forwards to the API server, then run status again"
+            )
+        } else {
+            format!(
+                "check that {} (cluster.endpoint) answers from this host, or set cluster.kubernetesEndpoint to a port forward that reaches it, then run status again",
+                plan.endpoint
+            )
+        };
+        KubeUnasked { why, fix }
+    }
+}
+
 /// Every node's row, in inventory order; the nodes in `silent` (see
-/// [`silent`]) are reported unreachable without being asked again.
+/// [`silent`]) are reported unreachable without being asked again. Also
+/// why Kubernetes could not be asked, when it could not.
 pub async fn collect(
     plan: &Plan,
     wanted: &BTreeMap<String, Wanted>,
@@ -184,7 +229,7 @@ pub async fn collect(
     fingerprints: &Fingerprints,
     opts: &Options,
     silent: &BTreeMap<String, String>,
-) -> Vec<NodeStatus> {
+) -> (Vec<NodeStatus>, Option<KubeUnasked>) {
     let mut asked = plan.clone();
     asked.nodes.retain(|n| !silent.contains_key(&n.name));
     let (ready, read) = futures_util::join!(
@@ -200,6 +245,10 @@ pub async fn collect(
             None => read.next().expect("a row per asked node"),
         })
         .collect();
+    let unasked = ready
+        .as_ref()
+        .err()
+        .map(|e| KubeUnasked::new(plan, &e.to_string()));
     let ready = ready.ok();
     for row in &mut rows {
         row.ready = ready
@@ -209,7 +258,7 @@ pub async fn collect(
             .as_ref()
             .map(|list| list.iter().any(|k| k.name == row.node && k.cordoned));
     }
-    rows
+    (rows, unasked)
 }
 
 /// How the nodes differ from the inventory, and which hold the rendered

@@ -224,6 +224,8 @@ pub struct Report {
     /// Settings that did not work as given, and what was used instead
     /// (the kubeconfig pointing at a control plane, not the VIP).
     pub fallbacks: Vec<bootstrap::Fallback>,
+    /// The state dir's kubeconfig; absent when none was written (a sealed
+    /// cluster's is minted from the secrets when needed).
     pub kubeconfig: Option<PathBuf>,
     pub talosconfig: Option<PathBuf>,
     pub elapsed_ms: u128,
@@ -473,7 +475,9 @@ impl Report {
         let outcome = &done.outcome;
         self.bootstrap = Some(changed(outcome.bootstrapped, Change::Bootstrapped));
         self.bootstrap_node = Some(outcome.bootstrap_node.clone());
-        self.kubeconfig = Some(done.prepared.plan.kubeconfig_path.clone());
+        // A sealed cluster's kubeconfig was minted in memory, not written.
+        let plan = &done.prepared.plan;
+        self.kubeconfig = plan.write_kubeconfig.then(|| plan.kubeconfig_path.clone());
         self.talosconfig = done.prepared.talosconfig.clone();
         self.fallbacks = outcome.fallbacks.clone();
         for planned in &done.prepared.plan.nodes {

@@ -17,4 +17,5 @@ mod hcloud;
 mod kubernetes_manifests;
 mod kubernetes_upgrade;
 mod remove;
+mod sealed_kube;
 mod versions;
