@@ -488,11 +488,14 @@ impl DayTwo<'_> {
                 remove::RemovedNode::on_platform(&m.node, None),
             );
         }
+        let limits = self.limits();
+        // The record is a cache: the cluster's own nodes name the rest.
+        let view = remove::survey_with_cluster(self.inv, self.prepared, &mut removed, limits)
+            .map_err(at)?;
+        removed.retain(|r| chosen(&r.name));
         if removed.is_empty() {
             return Ok(Vec::new());
         }
-        let limits = self.limits();
-        let view = remove::survey(self.prepared, &removed, limits).map_err(at)?;
         let plan = remove::plan(self.inv, &removed, &view).map_err(at)?;
         report.warnings.extend(plan.warnings.iter().cloned());
         let mut actions: Vec<(Action, Option<String>)> = Vec::new();

@@ -1,6 +1,7 @@
 //! Node removal on the Talos side: a node gone from the inventory (but in
-//! the state dir's record of the cluster's nodes, [`record`], or found on
-//! the platform by the caller) is cordoned and drained, leaves etcd if it
+//! the state dir's record of the cluster's nodes, [`record`], found on the
+//! platform by the caller, or shown by the cluster itself: a Kubernetes
+//! Node or etcd member, [`found_in_cluster`]; the record is a cache) is cordoned and drained, leaves etcd if it
 //! is a control plane, is reset (graceful, STATE and EPHEMERAL wiped, as
 //! `talosctl reset` does; on Talos v1.14+ also the ETCD, CRI, KUBELET and
 //! LOG volumes, which may be partitions of their own there) and its Kubernetes Node is deleted. Plan, then
@@ -14,7 +15,7 @@
 //! ```text
 //! let mut removed = remove::removed_nodes(&inv, &prepared.state_dir.path)?;
 //! remove::add_found(&mut removed, RemovedNode::on_platform("worker-02", None)); // by a platform marker
-//! let view = remove::survey(&prepared, &removed, &limits)?;     // reads, changes nothing
+//! let view = remove::survey_with_cluster(&inv, &prepared, &mut removed, &limits)?; // reads (and adds what the cluster shows), changes nothing
 //! let plan = remove::plan(&inv, &removed, &view)?;              // pure; refusals are errors
 //! let report = remove::remove(&prepared, &plan, &RemoveOptions::default(), &observer)?;
 //! ```
@@ -54,6 +55,63 @@ pub fn removed_nodes(inv: &Inventory, state_dir: &Path) -> Result<Vec<RemovedNod
             found_by: FoundBy::Record,
         })
         .collect())
+}
+
+/// The nodes the cluster shows that the inventory no longer has: its
+/// Kubernetes Nodes (with their InternalIP) and its etcd members (by
+/// hostname, with their peer address), so a runner without the state
+/// dir's record plans the removal the record would. Names no Kubernetes
+/// node could have are not taken (nothing is sent to them).
+pub fn found_in_cluster(inv: &Inventory, view: &ClusterView) -> Vec<RemovedNode> {
+    let mut out: Vec<RemovedNode> = Vec::new();
+    let gone =
+        |name: &str| plan::valid_node_name(name) && !inv.nodes.iter().any(|n| n.name == name);
+    for k in view.kube_nodes.iter().flatten().filter(|k| gone(&k.name)) {
+        add_found(
+            &mut out,
+            RemovedNode {
+                name: k.name.clone(),
+                role: None,
+                address: k.internal_ip,
+                endpoint: None,
+                found_by: FoundBy::Cluster,
+            },
+        );
+    }
+    for m in view.members.iter().flatten().filter(|m| gone(&m.hostname)) {
+        add_found(
+            &mut out,
+            RemovedNode {
+                name: m.hostname.clone(),
+                role: None,
+                address: m.peer_hosts.first().copied(),
+                endpoint: None,
+                found_by: FoundBy::Cluster,
+            },
+        );
+    }
+    out
+}
+
+/// Reads the cluster ([`survey`]) for `removed` and adds to it the nodes
+/// the cluster shows that the inventory lacks ([`found_in_cluster`]);
+/// read again when it found any, so that their answering is known.
+/// Changes nothing. Blocking.
+pub fn survey_with_cluster(
+    inv: &Inventory,
+    prepared: &crate::talos::stage::Prepared,
+    removed: &mut Vec<RemovedNode>,
+    limits: &crate::talos::bootstrap::Options,
+) -> Result<ClusterView, RemoveError> {
+    let view = survey(prepared, removed, limits)?;
+    let before = removed.len();
+    for found in found_in_cluster(inv, &view) {
+        add_found(removed, found);
+    }
+    if removed.len() == before {
+        return Ok(view);
+    }
+    survey(prepared, removed, limits)
 }
 
 /// Adds a node found on the platform to `removed`, unless it is there
