@@ -122,3 +122,99 @@ pub fn add_found(removed: &mut Vec<RemovedNode>, found: RemovedNode) {
         None => removed.push(found),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::Role;
+
+    fn inventory() -> Inventory {
+        let mut inv: Inventory = serde_yaml_ng::from_str(
+            "cluster: {name: c, talosVersion: v1.11.5, kubernetesVersion: v1.32.1, endpoint: \"https://10.0.0.10:6443\"}\nnodes:\n  - {name: cp-01, role: controlplane, address: 10.0.0.11}\n  - {name: w-01, role: worker, address: 10.0.0.21}\n",
+        )
+        .unwrap();
+        inv.base_dir = std::path::PathBuf::from("/");
+        inv
+    }
+
+    fn kube(name: &str, ip: &str) -> SeenKubeNode {
+        SeenKubeNode {
+            name: name.into(),
+            internal_ip: Some(ip.parse().unwrap()),
+            control_plane: false,
+        }
+    }
+
+    #[test]
+    fn the_cluster_names_the_nodes_the_inventory_lost() {
+        // A fresh runner has no nodes.json: what Kubernetes and etcd show
+        // that the inventory lacks is to remove, with the address they
+        // give; a name no Kubernetes node could have is not taken.
+        let view = ClusterView {
+            members: Some(vec![
+                Member {
+                    id: 1,
+                    hostname: "cp-01".into(),
+                    learner: false,
+                    healthy: true,
+                    peer_hosts: vec!["10.0.0.11".parse().unwrap()],
+                },
+                Member {
+                    id: 2,
+                    hostname: "cp-02".into(),
+                    learner: false,
+                    healthy: false,
+                    peer_hosts: vec!["10.0.0.12".parse().unwrap()],
+                },
+                Member {
+                    id: 3,
+                    hostname: String::new(),
+                    learner: true,
+                    healthy: false,
+                    peer_hosts: vec![],
+                },
+            ]),
+            kube_nodes: Some(vec![
+                kube("cp-01", "10.0.0.11"),
+                kube("w-01", "10.0.0.21"),
+                kube("w-02", "10.0.0.22"),
+                kube("Bad_Name", "10.0.0.99"),
+            ]),
+            ..ClusterView::default()
+        };
+        let found = found_in_cluster(&inventory(), &view);
+        let rows: Vec<(&str, Option<String>, &FoundBy)> = found
+            .iter()
+            .map(|r| {
+                (
+                    r.name.as_str(),
+                    r.address.map(|a| a.to_string()),
+                    &r.found_by,
+                )
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("w-02", Some("10.0.0.22".into()), &FoundBy::Cluster),
+                ("cp-02", Some("10.0.0.12".into()), &FoundBy::Cluster),
+            ]
+        );
+        // The record's entry keeps its role and endpoint; the cluster only
+        // fills in what it lacked.
+        let mut removed = vec![RemovedNode {
+            name: "w-02".into(),
+            role: Some(Role::Worker),
+            address: None,
+            endpoint: Some("10.0.0.22:50000".parse().unwrap()),
+            found_by: FoundBy::Record,
+        }];
+        for f in found {
+            add_found(&mut removed, f);
+        }
+        assert_eq!(removed.len(), 2);
+        assert_eq!(removed[0].found_by, FoundBy::Record);
+        assert_eq!(removed[0].role, Some(Role::Worker));
+        assert_eq!(removed[0].address, Some("10.0.0.22".parse().unwrap()));
+    }
+}

@@ -86,6 +86,12 @@ impl Cluster {
 
     /// The inventory asks for Talos `version` and no longer has `gone`.
     fn keep(&self, version: &str, gone: &[&str]) {
+        self.write(version, gone, "");
+    }
+
+    /// The inventory asks for Talos `version`, with `cluster_extra` (lines
+    /// of YAML) in its `cluster` section.
+    fn write(&self, version: &str, gone: &[&str], cluster_extra: &str) {
         let mut inv = Inventory::new("sim")
             .vip(&format!("{}.10", self.net))
             .talos(version)
@@ -93,7 +99,10 @@ impl Cluster {
         for (name, host, role) in NODES.iter().filter(|(n, _, _)| !gone.contains(n)) {
             inv = inv.node(Node::new(name, role).address(&format!("{}.{host}", self.net)));
         }
-        std::fs::write(&self.config, inv.text()).unwrap();
+        let text = inv
+            .text()
+            .replacen("cluster:\n", &format!("cluster:\n{cluster_extra}"), 1);
+        std::fs::write(&self.config, text).unwrap();
     }
 
     /// The laptop's state dir.
@@ -261,4 +270,102 @@ fn a_fresh_runner_plans_the_removal_the_laptop_plans() {
         serde_json::json!([]),
         "a dry run removes nothing"
     );
+}
+
+/// The snapshots (not their `.sha256` records) in `dir`, sorted.
+fn snapshots_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".snapshot"))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[test]
+fn etcd_snapshots_go_where_the_user_says_and_the_run_prints_the_path() {
+    // Talos v1.11.2 → v1.11.5. A CI job keeps the snapshot taken before
+    // the first control-plane change as an artifact: the inventory's
+    // `cluster.etcdSnapshotDir` (relative to the inventory) or
+    // `--etcd-snapshot-dir` (which wins) says where; the state dir then
+    // holds none. A link where the folder should be is refused before any
+    // node is touched.
+    let c = Cluster::start(2, "v1.11.2", "v1.11.2,v1.11.5");
+    c.write("v1.11.5", &[], "  etcdSnapshotDir: snapshots\n");
+    let state_snapshots = c.state().join("etcd");
+    let real = c.dir.path().join("real");
+    std::fs::create_dir(&real).unwrap();
+    let link = c.dir.path().join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let o = imgbuild(
+        &c.config,
+        &[
+            "upgrade",
+            "cp-01",
+            "--etcd-snapshot-dir",
+            link.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("a link"), "{}", text(&o.stderr));
+    assert_eq!(c.per_node("upgrade_calls"), [0; 5], "nothing upgraded");
+    assert!(snapshots_in(&real).is_empty());
+
+    // The inventory's setting, relative to the inventory's folder; the
+    // text output names the file.
+    let o = imgbuild(&c.config, &["upgrade", "cp-01"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let in_inventory_dir = c.dir.path().join("snapshots");
+    let taken = snapshots_in(&in_inventory_dir);
+    assert_eq!(taken.len(), 1, "{taken:?}");
+    let path = in_inventory_dir.join(&taken[0]);
+    assert!(
+        text(&o.stderr).contains(&format!("note: etcd snapshot: {}", path.display())),
+        "{}",
+        text(&o.stderr)
+    );
+    assert!(snapshots_in(&state_snapshots).is_empty());
+
+    // `up --etcd-snapshot-dir` wins over the inventory; its dry run and
+    // its JSON name the folder, then the file.
+    let artifacts = c.dir.path().join("artifacts/etcd");
+    let out_dir = c.dir.path().join("out");
+    let args = |dry: bool| {
+        let mut a = vec![
+            "--output",
+            "json",
+            "up",
+            "--out-dir",
+            out_dir.to_str().unwrap(),
+        ];
+        a.extend(["--etcd-snapshot-dir", artifacts.to_str().unwrap()]);
+        if dry {
+            a.push("--dry-run");
+        }
+        a
+    };
+    let o = imgbuild(&c.config, &args(true));
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let planned = json(&o).to_string();
+    assert!(
+        planned.contains(&format!("into {}, before", artifacts.display())),
+        "{planned}"
+    );
+    let o = imgbuild(&c.config, &args(false));
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let taken = snapshots_in(&artifacts);
+    assert_eq!(taken.len(), 1, "{taken:?}");
+    let done = json(&o).to_string();
+    assert!(
+        done.contains(&artifacts.join(&taken[0]).display().to_string()),
+        "{done}"
+    );
+    assert_eq!(snapshots_in(&in_inventory_dir).len(), 1, "the flag won");
+    assert!(snapshots_in(&state_snapshots).is_empty());
+    for (name, _, _) in NODES {
+        assert_eq!(c.day2(name, "version"), "v1.11.5", "{name}");
+    }
 }
