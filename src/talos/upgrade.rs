@@ -378,10 +378,14 @@ pub fn decide_upgrade(
     opts: &Options,
 ) -> Result<UpgradePlan, UpgradeError> {
     let order = ordered(plan, select);
-    let (now, members) = runtime()?.block_on(async {
+    let (now, members, kube) = runtime()?.block_on(async {
         (
             running_all(plan, &order, record, opts).await,
             etcd_members(plan, opts).await,
+            // Unread is no cordon: the run reads them again before it starts.
+            super::health::kube_nodes(plan, opts)
+                .await
+                .unwrap_or_default(),
         )
     });
     let observed: Vec<Observed> = order
@@ -434,6 +438,14 @@ pub fn decide_upgrade(
         reboot_mode,
         &installer_at,
     );
+    let mut decided = decided;
+    let names: Vec<&str> = plan.nodes.iter().map(|n| n.name.as_str()).collect();
+    for name in cordons_left(&Default::default(), &kube, &names) {
+        decided.notes.push(format!(
+            "{name}: left cordoned by a stopped run (its {} mark): uncordoned once Ready, before any node is upgraded",
+            crate::talos::health::CORDONED_BY
+        ));
+    }
     let mut hop_versions: Vec<&str> = decided
         .nodes
         .iter()

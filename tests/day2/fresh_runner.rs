@@ -184,6 +184,25 @@ fn an_upgrade_killed_on_one_runner_is_finished_by_up_on_a_fresh_runner() {
         &[
             "--output",
             "json",
+            "upgrade",
+            "--dry-run",
+            "--state-dir",
+            fresh.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let planned = json(&o);
+    assert!(
+        planned["notes"].to_string().contains(
+            "cp-01: left cordoned by a stopped run (its imgbuild/cordoned mark): uncordoned once Ready"
+        ),
+        "the fresh runner's plan names the cordon: {planned}"
+    );
+    let o = imgbuild(
+        &c.config,
+        &[
+            "--output",
+            "json",
             "up",
             "--quiet",
             "--out-dir",
@@ -192,7 +211,13 @@ fn an_upgrade_killed_on_one_runner_is_finished_by_up_on_a_fresh_runner() {
             fresh.to_str().unwrap(),
         ],
     );
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}{}",
+        text(&o.stderr),
+        text(&o.stdout)
+    );
     let report = json(&o);
     for (name, _, _) in NODES {
         assert_eq!(c.day2(name, "version"), "v1.13.5", "{name}: {report}");
