@@ -61,12 +61,25 @@ pub fn removed_nodes(inv: &Inventory, state_dir: &Path) -> Result<Vec<RemovedNod
 /// Kubernetes Nodes (with their InternalIP) and its etcd members (by
 /// hostname, with their peer address), so a runner without the state
 /// dir's record plans the removal the record would. Names no Kubernetes
-/// node could have are not taken (nothing is sent to them).
-pub fn found_in_cluster(inv: &Inventory, view: &ClusterView) -> Vec<RemovedNode> {
+/// node could have are not taken (nothing is sent to them), nor a node at
+/// one of the `known` addresses (where the inventory's nodes are reached):
+/// that is an inventory node whose hostname is not its inventory name (a
+/// `HostnameConfig` patch), never one to remove.
+pub fn found_in_cluster(
+    inv: &Inventory,
+    view: &ClusterView,
+    known: &[std::net::IpAddr],
+) -> Vec<RemovedNode> {
     let mut out: Vec<RemovedNode> = Vec::new();
+    let ours = |a: Option<std::net::IpAddr>| {
+        a.is_some_and(|a| known.iter().any(|k| k.to_canonical() == a.to_canonical()))
+    };
     let gone =
         |name: &str| plan::valid_node_name(name) && !inv.nodes.iter().any(|n| n.name == name);
-    for k in view.kube_nodes.iter().flatten().filter(|k| gone(&k.name)) {
+    for k in view.kube_nodes.iter().flatten() {
+        if !gone(&k.name) || ours(k.internal_ip) {
+            continue;
+        }
         add_found(
             &mut out,
             RemovedNode {
@@ -78,7 +91,10 @@ pub fn found_in_cluster(inv: &Inventory, view: &ClusterView) -> Vec<RemovedNode>
             },
         );
     }
-    for m in view.members.iter().flatten().filter(|m| gone(&m.hostname)) {
+    for m in view.members.iter().flatten() {
+        if !gone(&m.hostname) || m.peer_hosts.iter().any(|h| ours(Some(*h))) {
+            continue;
+        }
         add_found(
             &mut out,
             RemovedNode {
@@ -105,7 +121,14 @@ pub fn survey_with_cluster(
 ) -> Result<ClusterView, RemoveError> {
     let view = survey(prepared, removed, limits)?;
     let before = removed.len();
-    for found in found_in_cluster(inv, &view) {
+    let known: Vec<std::net::IpAddr> = prepared
+        .plan
+        .nodes
+        .iter()
+        .flat_map(|n| [n.address, n.endpoint.addr.ip()])
+        .chain(inv.nodes.iter().filter_map(|n| n.address))
+        .collect();
+    for found in found_in_cluster(inv, &view, &known) {
         add_found(removed, found);
     }
     if removed.len() == before {
@@ -149,7 +172,8 @@ mod tests {
     fn the_cluster_names_the_nodes_the_inventory_lost() {
         // A fresh runner has no nodes.json: what Kubernetes and etcd show
         // that the inventory lacks is to remove, with the address they
-        // give; a name no Kubernetes node could have is not taken.
+        // give; a name no Kubernetes node could have is not taken, nor a
+        // node at an inventory node's address (that node, renamed).
         let view = ClusterView {
             members: Some(vec![
                 Member {
@@ -179,10 +203,14 @@ mod tests {
                 kube("w-01", "10.0.0.21"),
                 kube("w-02", "10.0.0.22"),
                 kube("Bad_Name", "10.0.0.99"),
+                // w-01 under the hostname a patch gave it.
+                kube("worker-one", "10.0.0.21"),
             ]),
             ..ClusterView::default()
         };
-        let found = found_in_cluster(&inventory(), &view);
+        let known: Vec<std::net::IpAddr> =
+            vec!["10.0.0.11".parse().unwrap(), "10.0.0.21".parse().unwrap()];
+        let found = found_in_cluster(&inventory(), &view, &known);
         let rows: Vec<(&str, Option<String>, &FoundBy)> = found
             .iter()
             .map(|r| {
