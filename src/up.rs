@@ -431,7 +431,7 @@ impl DayTwo<'_> {
             .iter()
             .any(|a| matches!(a.kind, Kind::SnapshotEtcd { .. }));
         if self.dry_run && changes_control_plane && !planned && !self.etcd().skipped() {
-            report.act(snapshot_action(before));
+            report.act(snapshot_action(before, self.etcd().dir()));
         }
     }
 
@@ -446,10 +446,11 @@ impl DayTwo<'_> {
         let mark = report.actions.len();
         let had = self.dry_run || self.etcd().taken().is_some();
         let result = step(report);
-        if !had && self.etcd().taken().is_some() {
-            report
-                .actions
-                .insert(mark, snapshot_action(before).outcome(State::Done));
+        if !had && let Some(file) = self.etcd().taken() {
+            report.actions.insert(
+                mark,
+                snapshot_action(before, Some(&file.path)).outcome(State::Done),
+            );
         }
         result
     }
@@ -496,11 +497,14 @@ impl DayTwo<'_> {
                 remove::RemovedNode::on_platform(&m.node, None),
             );
         }
+        let limits = self.limits();
+        // The record is a cache: the cluster's own nodes name the rest.
+        let view = remove::survey_with_cluster(self.inv, self.prepared, &mut removed, limits)
+            .map_err(at)?;
+        removed.retain(|r| chosen(&r.name));
         if removed.is_empty() {
             return Ok(Vec::new());
         }
-        let limits = self.limits();
-        let view = remove::survey(self.prepared, &removed, limits).map_err(at)?;
         let plan = remove::plan(self.inv, &removed, &view).map_err(at)?;
         report.warnings.extend(plan.warnings.iter().cloned());
         let mut actions: Vec<(Action, Option<String>)> = Vec::new();
@@ -1157,7 +1161,9 @@ fn leaving(inv: &Inventory, opts: &BootstrapOptions) -> Vec<String> {
 }
 
 /// The upgrade settings of a run over `prepared`'s cluster: the etcd
-/// snapshot before its first control-plane change goes into the state dir.
+/// snapshot before its first control-plane change goes where the user said
+/// (`--etcd-snapshot-dir`, `cluster.etcdSnapshotDir`), else into the state
+/// dir.
 fn snapshotting(
     settings: &UpgradeSettings,
     inv: &Inventory,
@@ -1165,7 +1171,11 @@ fn snapshotting(
 ) -> UpgradeSettings {
     let mut out = settings.clone();
     out.run.etcd = std::sync::Arc::new(etcd::BeforeChange::new(
-        etcd::SnapshotOptions::in_state_dir(&prepared.state_dir.path, &inv.cluster.name),
+        etcd::SnapshotOptions::before_change(
+            &prepared.state_dir.path,
+            inv,
+            settings.etcd_snapshot_dir.as_deref(),
+        ),
     ));
     out
 }
@@ -1223,9 +1233,11 @@ const PRUNE_KEEP: usize = 1;
 
 /// The run's etcd snapshot, before the first control-plane change of
 /// step `before`.
-fn snapshot_action(before: Step) -> Action {
-    Action::new(Kind::SnapshotEtcd { before }, None, "etcd snapshot")
-        .detail("into the state dir, before the first control-plane change")
+fn snapshot_action(before: Step, into: Option<&std::path::Path>) -> Action {
+    let into = into.map_or_else(|| "the state dir".to_owned(), |d| d.display().to_string());
+    Action::new(Kind::SnapshotEtcd { before }, None, "etcd snapshot").detail(format!(
+        "into {into}, before the first control-plane change"
+    ))
 }
 
 /// How a run's Kubernetes report left the manifest sync `a` (its detail

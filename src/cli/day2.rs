@@ -56,6 +56,12 @@ pub struct UpgradeArgs {
     /// the state dir (taken by default; its failure stops the upgrade).
     #[arg(long)]
     skip_etcd_snapshot: bool,
+    /// The folder the etcd snapshot before the first control-plane upgrade
+    /// goes into (made 0700 if absent; a link is refused; the newest 5 kept)
+    /// [default: the inventory's cluster.etcdSnapshotDir, else the state
+    /// dir's etcd folder].
+    #[arg(long, value_name = "DIR", conflicts_with = "skip_etcd_snapshot")]
+    etcd_snapshot_dir: Option<std::path::PathBuf>,
     /// The call that makes a node pull the installer (Talos pulls before it
     /// answers; a new installer is built by the factory first).
     #[arg(long, default_value = "10m", value_parser = parse_duration)]
@@ -227,9 +233,10 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
             etcd: std::sync::Arc::new(if args.skip_etcd_snapshot {
                 etcd::BeforeChange::skip()
             } else {
-                etcd::BeforeChange::new(etcd::SnapshotOptions::in_state_dir(
+                etcd::BeforeChange::new(etcd::SnapshotOptions::before_change(
                     &prepared.state_dir.path,
-                    &inv.cluster.name,
+                    &inv,
+                    args.etcd_snapshot_dir.as_deref(),
                 ))
             }),
         },
@@ -237,6 +244,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
             pull_timeout: args.pull_timeout,
             component_timeout: args.component_timeout,
         },
+        etcd_snapshot_dir: args.etcd_snapshot_dir.clone(),
     };
     let planned = converge::upgrade_plan(
         &inv,

@@ -43,6 +43,12 @@ pub struct UpArgs {
     /// a prune would delete).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["dry_run", "out"])]
     plan: Option<PathBuf>,
+    /// The folder the etcd snapshot before the first control-plane change
+    /// goes into (made 0700 if absent; a link is refused; the newest 5
+    /// kept): a CI job keeps it as an artifact [default: the inventory's
+    /// cluster.etcdSnapshotDir, else the state dir's etcd folder].
+    #[arg(long, value_name = "DIR")]
+    etcd_snapshot_dir: Option<PathBuf>,
     #[command(flatten)]
     publish: PublishArgs,
     #[command(flatten)]
@@ -98,7 +104,10 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
         nodes: args.publish.nodes().to_vec(),
         build: build.options(),
         bootstrap,
-        upgrade: UpgradeSettings::default(),
+        upgrade: UpgradeSettings {
+            etcd_snapshot_dir: args.etcd_snapshot_dir.clone(),
+            ..UpgradeSettings::default()
+        },
         apply: ApplySettings::default(),
         allow_destroy: args.allow_destroy,
         recreate: Vec::new(),

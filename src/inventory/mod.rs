@@ -68,6 +68,11 @@ pub struct ClusterSettings {
     /// clear into the state dir.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets_file: Option<PathBuf>,
+    /// Where the etcd snapshot taken before a run's first control-plane
+    /// change goes (relative to the inventory's folder): a folder a CI
+    /// job keeps as an artifact. None: the state dir's `etcd/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_snapshot_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

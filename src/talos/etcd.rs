@@ -117,6 +117,40 @@ impl SnapshotOptions {
     }
 }
 
+/// Where the snapshot before a run's first control-plane change goes:
+/// `flag` (`--etcd-snapshot-dir`), else the inventory's
+/// `cluster.etcdSnapshotDir` (relative to the inventory's folder), else
+/// the state dir's `etcd/`.
+pub fn before_change_dir(
+    state_dir: &Path,
+    inv: &crate::inventory::Inventory,
+    flag: Option<&Path>,
+) -> PathBuf {
+    match (flag, &inv.cluster.etcd_snapshot_dir) {
+        (Some(dir), _) => dir.to_owned(),
+        (None, Some(dir)) => inv.base_dir.join(dir),
+        (None, None) => state_dir.join(SNAPSHOT_DIR),
+    }
+}
+
+impl SnapshotOptions {
+    /// The snapshot before a run's first control-plane change, into
+    /// [`before_change_dir`], the newest [`DEFAULT_KEEP`] kept there.
+    pub fn before_change(
+        state_dir: &Path,
+        inv: &crate::inventory::Inventory,
+        flag: Option<&Path>,
+    ) -> SnapshotOptions {
+        let mut out = SnapshotOptions::in_state_dir(state_dir, &inv.cluster.name);
+        out.target = SnapshotTarget::Dir {
+            dir: before_change_dir(state_dir, inv, flag),
+            cluster: inv.cluster.name.clone(),
+            keep: DEFAULT_KEEP,
+        };
+        out
+    }
+}
+
 /// A snapshot saved and verified.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -450,6 +484,14 @@ impl BeforeChange {
     /// Whether this run goes without a snapshot.
     pub fn skipped(&self) -> bool {
         self.options.is_none()
+    }
+
+    /// The folder the snapshot goes into (None: skipped, or a file).
+    pub fn dir(&self) -> Option<&Path> {
+        match &self.options.as_ref()?.target {
+            SnapshotTarget::Dir { dir, .. } => Some(dir),
+            SnapshotTarget::File(_) => None,
+        }
     }
 
     /// The snapshot this run took, if it took one.

@@ -378,10 +378,14 @@ pub fn decide_upgrade(
     opts: &Options,
 ) -> Result<UpgradePlan, UpgradeError> {
     let order = ordered(plan, select);
-    let (now, members) = runtime()?.block_on(async {
+    let (now, members, kube) = runtime()?.block_on(async {
         (
             running_all(plan, &order, record, opts).await,
             etcd_members(plan, opts).await,
+            // Unread is no cordon: the run reads them again before it starts.
+            super::health::kube_nodes(plan, opts)
+                .await
+                .unwrap_or_default(),
         )
     });
     let observed: Vec<Observed> = order
@@ -434,6 +438,14 @@ pub fn decide_upgrade(
         reboot_mode,
         &installer_at,
     );
+    let mut decided = decided;
+    let names: Vec<&str> = plan.nodes.iter().map(|n| n.name.as_str()).collect();
+    for name in cordons_left(&Default::default(), &kube, &names) {
+        decided.notes.push(format!(
+            "{name}: left cordoned by a stopped run (its {} mark): uncordoned once Ready, before any node is upgraded",
+            crate::talos::health::CORDONED_BY
+        ));
+    }
     let mut hop_versions: Vec<&str> = decided
         .nodes
         .iter()
@@ -837,9 +849,29 @@ pub fn execute(
     Ok(report)
 }
 
-/// Uncordons the nodes a stopped run left cordoned, once each is Ready
-/// (waiting one call timeout); a node not Ready yet stays in the record
-/// for the next run, and the report says so.
+/// The nodes a stopped run left cordoned: those the cluster shows with
+/// imgbuild's mark ([`crate::talos::health::CORDONED_BY`]), the nodes
+/// being the truth (a run killed on another runner left no record here),
+/// and those the record names. Only nodes of the inventory count from the
+/// cluster; the record's other names are dropped with a note below.
+pub fn cordons_left(
+    record: &std::collections::BTreeSet<String>,
+    cluster: &[super::health::KubeNode],
+    inventory: &[&str],
+) -> Vec<String> {
+    let mut out: std::collections::BTreeSet<String> = record.clone();
+    out.extend(
+        cluster
+            .iter()
+            .filter(|n| n.cordoned_by_imgbuild && inventory.contains(&n.name.as_str()))
+            .map(|n| n.name.clone()),
+    );
+    out.into_iter().collect()
+}
+
+/// Uncordons the nodes a stopped run left cordoned ([`cordons_left`]),
+/// once each is Ready (waiting one call timeout); a node not Ready yet
+/// stays in the record for the next run, and the report says so.
 async fn uncordon_left(
     plan: &Plan,
     mut record: Record,
@@ -847,7 +879,13 @@ async fn uncordon_left(
     opts: &Options,
     report: &mut UpgradeReport,
 ) -> Record {
-    let left: Vec<String> = record.cordoned.iter().cloned().collect();
+    // Unread is no cordon: the health gate before each node still stops
+    // the run on a node left unschedulable.
+    let cluster = super::health::kube_nodes(plan, opts)
+        .await
+        .unwrap_or_default();
+    let names: Vec<&str> = plan.nodes.iter().map(|n| n.name.as_str()).collect();
+    let left = cordons_left(&record.cordoned, &cluster, &names);
     if left.is_empty() {
         return record;
     }
@@ -876,9 +914,13 @@ async fn uncordon_left(
                     crate::talos::health::CORDONED_BY
                 ));
             }
-            Err(e) => report.notes.push(format!(
-                "{name}: a stopped run cordoned it and it is still cordoned: {e}"
-            )),
+            Err(e) => {
+                // Kept for the next run, also where only the mark said so.
+                record.cordoned.insert(name.clone());
+                report.notes.push(format!(
+                    "{name}: a stopped run cordoned it and it is still cordoned: {e}"
+                ));
+            }
         }
     }
     if let Err(e) = record.save(record_path) {
@@ -1024,6 +1066,39 @@ mod tests {
         assert!(!run("v1.11.2", Some("b")).is(&wanted()));
         assert!(!run("v1.11.5", Some("x")).is(&wanted()));
         assert!(!run("v1.11.5", None).is(&wanted()));
+    }
+
+    fn kube(name: &str, cordoned: bool, ours: bool) -> crate::talos::health::KubeNode {
+        crate::talos::health::KubeNode {
+            name: name.into(),
+            ready: true,
+            cordoned,
+            cordoned_by_imgbuild: ours,
+        }
+    }
+
+    #[test]
+    fn cordons_left_come_from_the_nodes_marks_as_well_as_the_record() {
+        // A fresh runner has no record: the marks on the nodes name the
+        // cordons a killed run left. An admin's cordon (no mark) and a
+        // marked node the inventory no longer has are not ours to undo.
+        let cluster = [
+            kube("cp-01", true, true),
+            kube("cp-02", false, false),
+            kube("w-01", true, false),
+            kube("old-w", true, true),
+        ];
+        let inventory = ["cp-01", "cp-02", "w-01"];
+        let none = std::collections::BTreeSet::new();
+        assert_eq!(cordons_left(&none, &cluster, &inventory), ["cp-01"]);
+        let recorded: std::collections::BTreeSet<String> =
+            ["w-01".to_owned(), "ghost".to_owned()].into();
+        assert_eq!(
+            cordons_left(&recorded, &cluster, &inventory),
+            ["cp-01", "ghost", "w-01"],
+            "the record's names are checked by the caller"
+        );
+        assert!(cordons_left(&none, &[], &inventory).is_empty());
     }
 
     #[test]

@@ -53,6 +53,10 @@ pub struct UpgradeSettings {
     pub skip_api_check: bool,
     pub run: RunOptions,
     pub kube: kube_run::RunOptions,
+    /// `--etcd-snapshot-dir`: where the snapshot before the first
+    /// control-plane change goes (else the inventory's setting, else the
+    /// state dir).
+    pub etcd_snapshot_dir: Option<PathBuf>,
 }
 
 impl Default for UpgradeSettings {
@@ -66,6 +70,7 @@ impl Default for UpgradeSettings {
                 pull_timeout: Duration::from_secs(600),
                 component_timeout: Duration::from_secs(300),
             },
+            etcd_snapshot_dir: None,
         }
     }
 }

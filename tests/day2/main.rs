@@ -13,6 +13,7 @@ mod commands;
 mod docker_lab;
 mod etcd_real;
 mod etcd_snapshot;
+mod fresh_runner;
 mod hcloud;
 mod kubernetes_manifests;
 mod kubernetes_upgrade;

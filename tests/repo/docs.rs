@@ -59,7 +59,7 @@ fn the_readme_opens_with_three_sentences_then_the_two_setup_commands() {
 /// the library itself, so a new field shows up here).
 fn inventory_keys() -> Vec<String> {
     let full = r#"
-cluster: {name: c, talosVersion: v1.11.2, kubernetesVersion: v1.32.1, endpoint: "https://10.0.0.2:6443", vip: 10.0.0.2, kubernetesEndpoint: "https://127.0.0.1:6443", secretsFile: secrets.sops.yaml}
+cluster: {name: c, talosVersion: v1.11.2, kubernetesVersion: v1.32.1, endpoint: "https://10.0.0.2:6443", vip: 10.0.0.2, kubernetesEndpoint: "https://127.0.0.1:6443", secretsFile: secrets.sops.yaml, etcdSnapshotDir: snapshots}
 image: {platform: metal, arch: amd64, format: raw, extensions: [], kernelArgs: [], factory: "https://factory.talos.dev"}
 network: {cidr: 10.0.0.0/16, gateway: 10.0.0.1, nameservers: [], searchDomains: [], timeServers: [], interface: eth0, mtu: 1500}
 patches: {all: [], controlPlane: [], worker: []}

@@ -108,6 +108,9 @@ pub enum FoundBy {
     Record,
     /// The platform (a VM or server carrying imgbuild's marker).
     Platform,
+    /// The cluster itself: a Kubernetes Node or an etcd member by that
+    /// name (what a fresh runner, without the record, still sees).
+    Cluster,
 }
 
 /// A node to remove: in the record (or on the platform) but not in the

@@ -505,7 +505,17 @@ pub fn decide(
         }
         nodes.push(plan);
     }
-    let mut notes = Vec::new();
+    let mut notes: Vec<String> = nodes
+        .iter()
+        .filter(|n| n.action == Action::SchematicUnknown)
+        .map(|n| {
+            format!(
+                "{}: runs {} but cannot report its schematic (no `schematic` extension) and the upgrade record (upgrades.json) has none for it: taken as the target's, not upgraded again; only the record of the run that installed it can tell",
+                crate::input::excerpt(&n.node, 64),
+                n.to.version
+            )
+        })
+        .collect();
     let mut refusal = None;
     let cps_to_upgrade: Vec<&str> = nodes
         .iter()
@@ -647,6 +657,38 @@ mod tests {
             [&Action::SchematicUnknown, &Action::Upgrade, &Action::Done]
         );
         assert_eq!(plan.installers(), ["f/metal-installer/b:v1.12.4"]);
+    }
+
+    #[test]
+    fn a_lost_record_plans_from_what_the_nodes_report_and_says_where_it_was_needed() {
+        // A fresh runner: no record. A node mid-path (v1.10.7 of v1.9.5 →
+        // v1.12.4) goes on from the version it runs, never back through a
+        // hop it took; a node on the target is done; one that cannot tell
+        // its schematic is left alone, and the plan says why.
+        let plan = decide_with(
+            &[
+                seen("cp-01", true, Some("v1.10.7"), Some("b")),
+                seen("cp-02", true, Some("v1.12.4"), Some("b")),
+                seen("w-01", false, Some("v1.12.4"), None),
+            ],
+            3,
+            false,
+        );
+        let hops: Vec<&str> = plan.nodes[0]
+            .hops
+            .iter()
+            .map(|h| h.version.as_str())
+            .collect();
+        assert_eq!(hops, ["v1.12.4"]);
+        assert_eq!(plan.nodes[1].action, Action::Done);
+        assert_eq!(plan.nodes[2].action, Action::SchematicUnknown);
+        assert_eq!(plan.notes.len(), 1, "{:?}", plan.notes);
+        assert!(
+            plan.notes[0].starts_with("w-01: runs v1.12.4 but cannot report its schematic"),
+            "{:?}",
+            plan.notes
+        );
+        assert!(plan.notes[0].contains("upgrades.json"), "{:?}", plan.notes);
     }
 
     #[test]
