@@ -587,6 +587,38 @@ fn literal_block(s: &str) -> bool {
 }
 
 #[cfg(test)]
+mod markdown_tests {
+    use super::{md_code, md_word, redact_also};
+
+    /// A secret with a `|` in a table cell: redacted before the cell's
+    /// escape could hide it from the redaction, and before the cut.
+    #[test]
+    fn a_secret_is_redacted_before_it_is_escaped_or_cut() {
+        redact_also("MD_TEST_TOKEN", "s3cr3t|md-0123456789abcdef");
+        let cell = md_code("token s3cr3t|md-0123456789abcdef in a patch", 200, true);
+        assert_eq!(cell, "`token <redacted: MD_TEST_TOKEN> in a patch`");
+        let cut = md_code("s3cr3t|md-0123456789abcdef", 10, true);
+        assert!(!cut.contains("s3cr3t"), "{cut}");
+        let word = md_word("s3cr3t|md-0123456789abcdef", 64, false);
+        assert!(!word.contains("s3cr3t"), "{word}");
+    }
+
+    #[test]
+    fn code_spans_outfence_backticks_and_escape_pipes_only_in_cells() {
+        assert_eq!(md_code("v1.11.2", 64, true), "`v1.11.2`");
+        assert_eq!(md_code("a``b", 64, false), "```a``b```");
+        assert_eq!(md_code("`x", 64, false), "`` `x ``");
+        assert_eq!(md_code("a|b", 64, true), "`a\\|b`");
+        assert_eq!(md_code("a|b", 64, false), "`a|b`");
+        assert_eq!(md_code("a\nb", 64, false), "`a\\nb`");
+        assert_eq!(md_code("", 64, false), "`\"\"`");
+        assert_eq!(md_word("cp-01", 64, true), "cp-01");
+        assert_eq!(md_word("www.example.com", 64, true), "`www.example.com`");
+        assert_eq!(md_word("*x*", 64, true), "`*x*`");
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::yaml;
     use serde_json::{Value, json};
