@@ -148,7 +148,8 @@ fn assert_table_is_the_json_plan(md: &Read, doc: &serde_json::Value) {
 
 /// A create from nothing on the demo cluster: `up --dry-run --out plan.json
 /// -o markdown` is the plan's summary, its table the JSON's plan rows, and
-/// names the plan file with the sha256 of what it wrote.
+/// names the plan file with the sha256 of what it wrote; `up --plan
+/// plan.json -o markdown` is its run, each action in order and done.
 #[test]
 fn a_dry_run_as_markdown_is_the_json_plan_as_a_table_and_names_the_plan_file() {
     let c = DemoCluster::start(net(1));
@@ -198,6 +199,34 @@ fn a_dry_run_as_markdown_is_the_json_plan_as_a_table_and_names_the_plan_file() {
         text(&o.stderr)
     );
     assert!(!md.contains(&c.pve.token), "no secret");
+
+    // The run of that plan as Markdown: each action with its result, in
+    // the plan's order (the node column is the dry run's).
+    let o = run(&["-o", "markdown", "up", "--plan", plan.to_str().unwrap()]);
+    let md = stdout_ok(&o);
+    let r = read(&md);
+    assert!(r.markup.is_empty(), "{:?}\n{md}", r.markup);
+    assert!(
+        md.starts_with("### imgbuild run on cluster demo (proxmox)\n"),
+        "{md}"
+    );
+    assert_eq!(
+        r.emphasis[0],
+        format!("{} done, 0 failed, 0 left, 0 not reached", actions.len()),
+        "{md}"
+    );
+    let table = &r.tables[0];
+    assert_eq!(
+        table[0],
+        ["#", "step", "action", "node", "from → to", "result"]
+    );
+    let nodes: Vec<&str> = table[1..].iter().map(|row| row[3].as_str()).collect();
+    let planned: Vec<String> = actions
+        .iter()
+        .map(|a| a["node"].as_str().unwrap_or("(cluster)").to_owned())
+        .collect();
+    assert_eq!(nodes, planned, "{md}");
+    assert!(table[1..].iter().all(|row| row[5] == "done"), "{md}");
 }
 
 /// A version tag built to break Markdown out of its cell: pipes, backticks,
