@@ -79,7 +79,8 @@ pub struct Cli {
     #[arg(long, global = true, env = "IMGBUILD_FACTORY")]
     factory: Option<String>,
     /// Output format: text for people; json or yaml (the same document) for
-    /// CI and scripts (`-o json`, `-o yaml`, as kubectl and talosctl spell it).
+    /// CI and scripts (`-o json`, `-o yaml`, as kubectl and talosctl spell it);
+    /// markdown (`up`, `replace`): the summary as a pull-request comment.
     #[arg(short = 'o', long, global = true, value_enum, default_value_t = Format::Text)]
     output: Format,
     /// Colors on stderr (bars, board, error prefixes); auto: on a terminal
@@ -331,6 +332,11 @@ fn dispatch(cli: Cli) -> Result<()> {
             cli.config.len()
         ))
         .into());
+    }
+    if cli.output == Format::Markdown
+        && !matches!(cli.command, Command::Up(_) | Command::Replace(_))
+    {
+        return Err(output::markdown_refused().into());
     }
     let one = Invocation {
         config: cli.config[0].clone(),

@@ -57,24 +57,31 @@ pub enum Output {
     Json,
 }
 
-/// `--output`: text for people, json or yaml for CI and scripts. Commands
-/// see only [`Output`]: YAML is their JSON document, rendered here.
+/// `--output`: text for people, json or yaml for CI and scripts, markdown
+/// for a pull-request comment. Commands see only [`Output`]: YAML is their
+/// JSON document, rendered here; Markdown is text mode (errors and progress
+/// on stderr) whose stdout the commands in [`MARKDOWN_COMMANDS`] write as
+/// Markdown (see [`markdown`]).
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
     Text,
     Json,
     Yaml,
+    Markdown,
 }
 
 impl Format {
     /// What the command itself writes under this format.
     pub fn commands(self) -> Output {
         match self {
-            Format::Text => Output::Text,
+            Format::Text | Format::Markdown => Output::Text,
             Format::Json | Format::Yaml => Output::Json,
         }
     }
 }
+
+/// The commands that write `--output markdown`; any other refuses it (exit 2).
+pub const MARKDOWN_COMMANDS: &str = "`up` and `replace` (with or without --dry-run)";
 
 /// A failure whose details the command already printed (e.g. as its JSON
 /// result): exit 1 with a one-line summary in text mode, nothing more in JSON.
@@ -150,6 +157,8 @@ static SHOW_SECRETS: AtomicBool = AtomicBool::new(false);
 static STDOUT_JSON: AtomicBool = AtomicBool::new(false);
 /// `--output yaml`: each JSON document written becomes a YAML document.
 static STDOUT_YAML: AtomicBool = AtomicBool::new(false);
+/// `--output markdown`: the command writes its summary as Markdown.
+static STDOUT_MARKDOWN: AtomicBool = AtomicBool::new(false);
 /// YAML documents written so far: every one after the first starts with `---`.
 static YAML_DOCUMENTS: AtomicUsize = AtomicUsize::new(0);
 
@@ -171,7 +180,76 @@ pub fn debugging() -> bool {
 pub fn init(format: Format, show_secrets: bool) {
     STDOUT_JSON.store(format.commands() == Output::Json, Ordering::Relaxed);
     STDOUT_YAML.store(format == Format::Yaml, Ordering::Relaxed);
+    STDOUT_MARKDOWN.store(format == Format::Markdown, Ordering::Relaxed);
     SHOW_SECRETS.store(show_secrets, Ordering::Relaxed);
+}
+
+/// Whether `--output markdown` was asked for: the commands that take it
+/// write their summary with [`md_code`] instead of their text lines.
+pub fn markdown() -> bool {
+    STDOUT_MARKDOWN.load(Ordering::Relaxed)
+}
+
+/// The `--output markdown` refusal of every command but [`MARKDOWN_COMMANDS`].
+pub fn markdown_refused() -> Usage {
+    Usage(format!(
+        "--output markdown is written only by {MARKDOWN_COMMANDS} (a plan or run summary for a pull-request comment); use text, json or yaml here"
+    ))
+}
+
+/// A string from outside (a version, a patch name, a node's message) as
+/// one Markdown code span: at most `max` characters, one line (control
+/// characters and newlines escaped as `\n`, so it cannot start a row),
+/// fenced by more backticks than any run inside it, and in a GFM table
+/// `cell` every `|` escaped so it cannot end the cell. Inside
+/// a code span nothing else is markup: no emphasis, link, HTML tag,
+/// @mention or issue reference. Secrets are redacted first, as in
+/// [`shown`]. Empty text is `""`.
+pub fn md_code(text: &str, max: usize, cell: bool) -> String {
+    // Redacted before it is cut or escaped: either would hide a secret
+    // from the redaction of the whole line.
+    let mut line = imgbuild::input::one_line(&redacted(text), max);
+    if cell {
+        line = line.replace('|', "\\|");
+    }
+    if line.is_empty() {
+        return "`\"\"`".to_owned();
+    }
+    let mut longest = 0;
+    let mut run = 0;
+    for c in line.chars() {
+        run = if c == '`' { run + 1 } else { 0 };
+        longest = longest.max(run);
+    }
+    let fence = "`".repeat(longest + 1);
+    // CommonMark strips one space from each end when both are there: pad
+    // when the text itself starts or ends with a backtick or a space.
+    let pad = if line.starts_with(['`', ' ']) || line.ends_with(['`', ' ']) {
+        " "
+    } else {
+        ""
+    };
+    format!("{fence}{pad}{line}{pad}{fence}")
+}
+
+/// A word from outside as Markdown: as it is when it is plain (letters,
+/// digits, spaces and `-.,()` only, no `www.` a renderer would link), else
+/// as [`md_code`] makes it (for a table `cell` or not).
+pub fn md_word(text: &str, max: usize, cell: bool) -> String {
+    let text = redacted(text);
+    let plain = !text.is_empty()
+        && text.chars().count() <= max
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || " -.,()".contains(c))
+        && !text.to_ascii_lowercase().contains("www.")
+        && !text.starts_with(' ')
+        && !text.ends_with(' ');
+    if plain {
+        text.into_owned()
+    } else {
+        md_code(&text, max, cell)
+    }
 }
 
 /// Adds a secret to the set every later line is redacted against.
@@ -195,16 +273,7 @@ pub fn redact_state_dir(dir: &Path) {
 /// (`json`), else as `\u{..}`. Our own colors never pass here (see
 /// [`stderr_line`]).
 pub fn shown(text: &str, json: bool) -> String {
-    let redacted = if SHOW_SECRETS.load(Ordering::Relaxed) {
-        std::borrow::Cow::Borrowed(text)
-    } else {
-        let mut known = REDACTIONS.write().unwrap_or_else(PoisonError::into_inner);
-        known.refresh();
-        match known.set.as_ref() {
-            Some(set) => std::borrow::Cow::Owned(set.apply(text).into_owned()),
-            None => std::borrow::Cow::Borrowed(text),
-        }
-    };
+    let redacted = redacted(text);
     if !json {
         // imgbuild's own lines never hold a CR: a CRLF came from outside
         // and must not start a line of its own.
@@ -224,6 +293,19 @@ pub fn shown(text: &str, json: bool) -> String {
         }
     }
     out
+}
+
+/// `text` with every known secret redacted, unless `--show-secrets`.
+fn redacted(text: &str) -> std::borrow::Cow<'_, str> {
+    if SHOW_SECRETS.load(Ordering::Relaxed) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut known = REDACTIONS.write().unwrap_or_else(PoisonError::into_inner);
+    known.refresh();
+    match known.set.as_ref() {
+        Some(set) => std::borrow::Cow::Owned(set.apply(text).into_owned()),
+        None => std::borrow::Cow::Borrowed(text),
+    }
 }
 
 /// A node's config diff as it may be shown: every line that sets a
@@ -502,6 +584,38 @@ fn literal_block(s: &str) -> bool {
         && body.split('\n').all(|line| {
             !line.ends_with([' ', '\t']) && line.chars().all(|c| c == '\t' || yaml_printable(c))
         })
+}
+
+#[cfg(test)]
+mod markdown_tests {
+    use super::{md_code, md_word, redact_also};
+
+    /// A secret with a `|` in a table cell: redacted before the cell's
+    /// escape could hide it from the redaction, and before the cut.
+    #[test]
+    fn a_secret_is_redacted_before_it_is_escaped_or_cut() {
+        redact_also("MD_TEST_TOKEN", "s3cr3t|md-0123456789abcdef");
+        let cell = md_code("token s3cr3t|md-0123456789abcdef in a patch", 200, true);
+        assert_eq!(cell, "`token <redacted: MD_TEST_TOKEN> in a patch`");
+        let cut = md_code("s3cr3t|md-0123456789abcdef", 10, true);
+        assert!(!cut.contains("s3cr3t"), "{cut}");
+        let word = md_word("s3cr3t|md-0123456789abcdef", 64, false);
+        assert!(!word.contains("s3cr3t"), "{word}");
+    }
+
+    #[test]
+    fn code_spans_outfence_backticks_and_escape_pipes_only_in_cells() {
+        assert_eq!(md_code("v1.11.2", 64, true), "`v1.11.2`");
+        assert_eq!(md_code("a``b", 64, false), "```a``b```");
+        assert_eq!(md_code("`x", 64, false), "`` `x ``");
+        assert_eq!(md_code("a|b", 64, true), "`a\\|b`");
+        assert_eq!(md_code("a|b", 64, false), "`a|b`");
+        assert_eq!(md_code("a\nb", 64, false), "`a\\nb`");
+        assert_eq!(md_code("", 64, false), "`\"\"`");
+        assert_eq!(md_word("cp-01", 64, true), "cp-01");
+        assert_eq!(md_word("www.example.com", 64, true), "`www.example.com`");
+        assert_eq!(md_word("*x*", 64, true), "`*x*`");
+    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 
 use super::board::Board;
 use super::inventory::load_inventory;
-use super::output::{Changes, Output, Partial, Reported, Usage, outside};
+use super::output::{Changes, Output, Partial, Reported, Usage, md_code, md_word, outside};
 use super::progress::Show;
 use super::publish::PublishArgs;
 use super::talos::BootstrapRunArgs;
@@ -207,6 +207,8 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
         };
         return Err(Usage(format!("{}: {why}", config.display())).into());
     }
+    // The plan file written, and its sha256 (the Markdown names both).
+    let mut written: Option<(PathBuf, String)> = None;
     if let Some(path) = &args.out
         && report.stopped.is_none()
     {
@@ -224,6 +226,10 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
         let text = serde_json::to_string_pretty(&plan)?;
         imgbuild::atomic::write_if_changed(path, text.as_bytes(), false)
             .map_err(|e| anyhow::anyhow!("writing the plan to {}: {e}", path.display()))?;
+        written = Some((
+            path.clone(),
+            imgbuild::digest::Sha256::of(text.as_bytes()).hex(),
+        ));
         if output == Output::Text {
             errln!(
                 "plan written to {} ({} action(s)); carry it out with: imgbuild up --plan {}",
@@ -264,6 +270,9 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
     }
     match output {
         Output::Json => outln!("{}", report.json()?),
+        Output::Text if super::output::markdown() => {
+            out!("{}", markdown(&report.json()?, written.as_ref()));
+        }
         Output::Text => {
             for line in report.text() {
                 match line {
@@ -318,4 +327,166 @@ fn fingerprint_secret(inv: &imgbuild::inventory::Inventory, dir: Option<&Path>) 
         .ok()
         .flatten()
         .map(|(b, _)| b.secrets.bootstraptoken)
+}
+
+/// How much of one string from outside a Markdown cell shows.
+const MD_CHARS: usize = 120;
+
+/// `up`'s summary as Markdown for a pull-request comment (`--output
+/// markdown`), made from its JSON document so the two cannot disagree: a
+/// heading with the cluster and the counts per step, the plan's actions as
+/// a table in the order they run (step, action, node, from → to; a run's
+/// also with each result), why the run stopped, the warnings, and the plan
+/// file written with its sha256. Every string from the document is one
+/// [`md_word`] or [`md_code`]: escaped, bounded, redacted.
+fn markdown(doc: &serde_json::Value, written: Option<&(PathBuf, String)>) -> String {
+    use std::fmt::Write as _;
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or("").to_owned();
+    let dry_run = doc["dryRun"].as_bool() == Some(true);
+    let plan: &[serde_json::Value] = doc["plan"].as_array().map_or(&[], Vec::as_slice);
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "### imgbuild {} cluster {} ({})\n",
+        if dry_run { "plan for" } else { "run on" },
+        md_word(&text(&doc["cluster"]), 64, false),
+        md_word(&text(&doc["target"]), 32, false),
+    );
+    // Counts per step, in the order the steps run.
+    let mut steps: Vec<(String, usize)> = Vec::new();
+    for a in plan {
+        let step = text(&a["step"]);
+        match steps.iter_mut().find(|(s, _)| *s == step) {
+            Some((_, n)) => *n += 1,
+            None => steps.push((step, 1)),
+        }
+    }
+    let per_step: Vec<String> = steps
+        .iter()
+        .map(|(s, n)| format!("{} {n}", md_word(s, 32, false)))
+        .collect();
+    let count = |outcome: &str| plan.iter().filter(|a| a["outcome"] == outcome).count();
+    if plan.is_empty() {
+        let _ = writeln!(
+            md,
+            "**No changes.** {}\n",
+            if dry_run {
+                "The cluster is as the inventory says; nothing was changed."
+            } else {
+                "The run changed nothing."
+            }
+        );
+    } else if dry_run {
+        let destructive = plan
+            .iter()
+            .filter(|a| a["destructive"].as_bool() == Some(true))
+            .count();
+        let _ = write!(
+            md,
+            "**{} action(s) planned** ({}); nothing was changed.",
+            plan.len(),
+            per_step.join(", ")
+        );
+        if destructive > 0 {
+            let _ = write!(
+                md,
+                " {destructive} of them destructive, carried out only with `--allow-destroy`."
+            );
+        }
+        md.push_str("\n\n");
+    } else {
+        let _ = writeln!(
+            md,
+            "**{} done, {} failed, {} left, {} not reached** ({}).\n",
+            count("done"),
+            count("failed"),
+            count("left"),
+            count("notreached"),
+            per_step.join(", ")
+        );
+    }
+    if let Some(error) = doc["error"].as_str() {
+        let _ = writeln!(
+            md,
+            "**Stopped at {}:** {}\n",
+            md_word(&text(&doc["failedStage"]), 32, false),
+            md_code(error, 400, false)
+        );
+    }
+    if !plan.is_empty() {
+        md.push_str(if dry_run {
+            "| # | step | action | node | from → to |\n|--:|---|---|---|---|\n"
+        } else {
+            "| # | step | action | node | from → to | result |\n|--:|---|---|---|---|---|\n"
+        });
+        for (i, a) in plan.iter().enumerate() {
+            let node = a["node"]
+                .as_str()
+                .map_or_else(|| "(cluster)".to_owned(), |n| md_word(n, 64, true));
+            let value = |v: &serde_json::Value| {
+                v.as_str()
+                    .map_or("-".to_owned(), |v| md_code(v, MD_CHARS, true))
+            };
+            let changes: Vec<String> = a["changes"]
+                .as_array()
+                .map_or(&[][..], Vec::as_slice)
+                .iter()
+                .map(|c| {
+                    format!(
+                        "{} {} → {}",
+                        md_word(&text(&c["field"]), 64, true),
+                        value(&c["from"]),
+                        value(&c["to"])
+                    )
+                })
+                .collect();
+            let mut action = md_word(&text(&a["what"]), MD_CHARS, true);
+            if a["destructive"].as_bool() == Some(true) && dry_run {
+                action.push_str(" (with `--allow-destroy`)");
+            }
+            if let Some(detail) = a["detail"].as_str() {
+                let _ = write!(action, " ({})", md_code(detail, 200, true));
+            }
+            let _ = write!(
+                md,
+                "| {} | {} | {action} | {node} | {} |",
+                i + 1,
+                md_word(&text(&a["step"]), 32, true),
+                if changes.is_empty() {
+                    "-".to_owned()
+                } else {
+                    changes.join("; ")
+                },
+            );
+            if !dry_run {
+                let _ = write!(md, " {} |", md_word(&text(&a["outcome"]), 32, true));
+            }
+            md.push('\n');
+        }
+        md.push('\n');
+    }
+    let warnings: &[serde_json::Value] = doc["warnings"].as_array().map_or(&[], Vec::as_slice);
+    for w in warnings {
+        let _ = writeln!(md, "- warning: {}", md_code(&text(w), 400, false));
+    }
+    let drift = doc["drift"].as_array().map_or(0, Vec::len);
+    if drift > 0 {
+        let _ = writeln!(
+            md,
+            "- {drift} difference(s) from the inventory remain: see `imgbuild status`"
+        );
+    }
+    if !warnings.is_empty() || drift > 0 {
+        md.push('\n');
+    }
+    if let Some((path, sha)) = written {
+        let file = path.display().to_string();
+        let _ = writeln!(
+            md,
+            "Plan file {} (sha256 `{sha}`): carried out by {}.",
+            md_code(&file, 200, false),
+            md_code(&format!("imgbuild up --plan {file}"), 240, false)
+        );
+    }
+    md
 }

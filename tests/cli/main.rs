@@ -19,5 +19,6 @@ mod hostile_state;
 mod hostile_streams;
 mod install;
 mod man_pages;
+mod output_markdown;
 mod output_yaml;
 mod progress;

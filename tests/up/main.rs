@@ -8,6 +8,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod ci_workflows;
 mod fresh_state;
 mod plan_is_run;
 mod reconcile;
