@@ -9,6 +9,7 @@
 mod common;
 
 mod ci_workflows;
+mod fresh_clone;
 mod fresh_state;
 mod plan_is_run;
 mod reconcile;
