@@ -69,6 +69,20 @@ pub enum StageError {
         clear.display()
     )]
     NoSecrets { sealed: PathBuf, clear: PathBuf },
+    /// `--new-secrets` where a node already runs a cluster's config: new
+    /// secrets would make it foreign, and the run would fail only after
+    /// making them.
+    #[error(
+        "--new-secrets makes a new cluster's secrets, but node {node} ({addr}) is already configured: it runs a cluster whose secrets are not here (neither {} nor {} exists; nothing was changed). Use that cluster's secrets (its secrets.sops.yaml with SOPS_AGE_KEY_FILE, or `imgbuild secrets gen --secrets FILE`), or reset the node to maintenance mode",
+        sealed.display(),
+        clear.display()
+    )]
+    NewSecretsForConfigured {
+        node: String,
+        addr: std::net::SocketAddr,
+        sealed: PathBuf,
+        clear: PathBuf,
+    },
     /// The SOPS file and the state dir's `secrets.yaml` are two bundles.
     #[error(
         "two different cluster secrets: {} and {} (nothing was changed); keep one: delete {} if it is a stale copy, or encrypt it over the other (`imgbuild secrets encrypt --force --age …`) if it is the cluster's",
@@ -110,6 +124,7 @@ impl StageError {
         use crate::secrets::sops::SopsError;
         match self {
             StageError::NoSecrets { .. }
+            | StageError::NewSecretsForConfigured { .. }
             | StageError::SecretsDiffer { .. }
             | StageError::SealedInClear { .. } => true,
             // A SOPS bundle (committed, or in the state dir) this
@@ -227,7 +242,30 @@ pub fn secrets_ready(
     let dir = state_path(inv, opts.state_dir.as_deref());
     match find_secrets(inv, &dir)? {
         Some((_, source)) => Ok(Some(source)),
-        None if opts.new_secrets => Ok(None),
+        None if opts.new_secrets => {
+            // New secrets are for new machines: a node that already asks
+            // for a client certificate runs some cluster's config.
+            let found = survey(inv, opts)?;
+            let configured =
+                found
+                    .reach
+                    .nodes
+                    .iter()
+                    .zip(&found.answers)
+                    .find_map(|(n, a)| match (a, &n.endpoint) {
+                        (Some(Probe::Configured), Some(e)) => Some((n.node.clone(), e.addr)),
+                        _ => None,
+                    });
+            match configured {
+                Some((node, addr)) => Err(StageError::NewSecretsForConfigured {
+                    node,
+                    addr,
+                    sealed: sealed_path(inv),
+                    clear: dir.join("secrets.yaml"),
+                }),
+                None => Ok(None),
+            }
+        }
         None => Err(no_secrets(inv, &dir)),
     }
 }

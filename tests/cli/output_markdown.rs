@@ -271,7 +271,7 @@ fn hostile_strings_stay_in_code_spans_and_forge_no_cell_or_row() {
         }
         run.output()
     };
-    let o = run(&["bootstrap"]);
+    let o = run(&["bootstrap", "--new-secrets"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     // The bump that makes the plan quote each node's tag as its `from`.
     let inv = std::fs::read_to_string(d.join("cluster.yaml")).unwrap();

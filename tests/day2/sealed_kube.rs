@@ -46,6 +46,7 @@ fn a_sealed_cluster_is_bootstrapped_without_writing_a_kubeconfig() {
     let inv = imgbuild::inventory::Inventory::load(&config).unwrap();
     let opts = BootstrapOptions {
         limits: limits(),
+        new_secrets: true,
         ..BootstrapOptions::default()
     };
     let mut prepared = stage::prepare(&inv, &opts).unwrap();

@@ -350,7 +350,8 @@ fn with_the_key_the_state_dir_never_holds_a_secret_in_clear() {
         &["apply"],
         &["status"],
         &["etcd", "snapshot"],
-        &["kubeconfig"],
+        // Minted into the user's kubeconfig (HOME is the checkout's).
+        &["kubeconfig", "--merge"],
         &["--output", "json", "bootstrap"],
     ];
     for args in commands {
@@ -384,6 +385,11 @@ fn with_the_key_the_state_dir_never_holds_a_secret_in_clear() {
     let doc: Value = serde_yaml_ng::from_str(&plain).unwrap();
     let tc = std::fs::read_to_string(state.join("talosconfig")).unwrap();
     assert!(tc.contains(doc["certs"]["os"]["crt"].as_str().unwrap()));
+    // The kubeconfig goes only into the user's own file.
+    let o = c.imgbuild(&["kubeconfig"], &with_key);
+    assert_eq!(o.status.code(), Some(2), "{}", said(&o));
+    assert!(said(&o).contains("kubeconfig --merge"), "{}", said(&o));
+    assert!(!state.join("kubeconfig").exists());
 }
 
 #[test]

@@ -195,6 +195,30 @@ fn a_fresh_clone_with_only_the_sops_file_plans_and_runs_what_the_laptop_would() 
         "a dry run applied a config"
     );
 
+    // A checkout without the SOPS file cannot pass for this cluster with
+    // new secrets: its nodes are configured, so --new-secrets is refused
+    // in the dry run as in the run, and nothing is made.
+    let stranger_dir = tempfile::tempdir().unwrap();
+    let stranger = Checkout {
+        cluster: &c,
+        dir: stranger_dir.path().to_owned(),
+        key: clone.key.clone(),
+    };
+    std::fs::copy(laptop.config(), stranger.config()).unwrap();
+    for args in [
+        &["up", "--dry-run", "--new-secrets"][..],
+        &["up", "--new-secrets"],
+    ] {
+        let o = stranger.run(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o.stdout));
+        let err = text(&o.stderr);
+        assert!(
+            err.contains("node cp-01") && err.contains("is already configured"),
+            "{args:?}: {err}"
+        );
+        assert!(!stranger.state().join("secrets.yaml").exists(), "{args:?}");
+    }
+
     // A Talos bump, committed: both checkouts plan the same actions.
     let bumped = c.inventory().talos("v1.11.5");
     bumped.write_to(&laptop.config());

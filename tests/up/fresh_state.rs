@@ -1,7 +1,7 @@
 //! A state dir that holds only the cluster's secrets (a fresh CI runner, or
 //! a laptop whose kubeconfig is gone): the admin kubeconfig is minted from
-//! the secrets, so `up --dry-run` plans what the full state dir plans and
-//! `status` reads Kubernetes; when Kubernetes cannot be asked at all,
+//! the secrets, so `status` reads Kubernetes (a fresh clone's plan:
+//! tests/up/fresh_clone.rs); when Kubernetes cannot be asked at all,
 //! `status` says why and what to do. On the 5-node Proxmox cluster of
 //! examples/demo against the factory, Proxmox VE and Talos node simulators.
 // A test's stderr is libtest's to capture, not the CLI's one writer.
@@ -76,52 +76,6 @@ fn readiness(kc: &Kubeconfig) -> Vec<(String, bool)> {
 
 fn all_ready() -> Vec<(String, bool)> {
     NODES.iter().map(|(n, ..)| (n.to_string(), true)).collect()
-}
-
-/// A runner with a new state dir holding only the laptop's `secrets.yaml`
-/// (and no out or cache folder) plans nothing on the converged cluster,
-/// and after a Talos bump plans exactly what the laptop plans.
-#[test]
-fn a_runner_with_only_the_secrets_plans_what_the_laptop_plans() {
-    let c = Cluster::start(net(1));
-    laptop_up(&c);
-    let laptop_state = c.dir.path().join("state");
-    assert!(laptop_state.join("kubeconfig").is_file());
-
-    let runner = tempfile::tempdir().unwrap();
-    let state = runner.path().join("state");
-    std::fs::create_dir(&state).unwrap();
-    std::fs::copy(
-        laptop_state.join("secrets.yaml"),
-        state.join("secrets.yaml"),
-    )
-    .unwrap();
-    let dry_run = |state: &Path, folders: &Path| {
-        let args = ["--output", "json", "up", "--dry-run", "--detailed-exitcode"];
-        let out = on_runner(&c, state, folders, &args).output();
-        (out.status.code(), json(&out), text(&out.stderr))
-    };
-
-    // Converged: nothing to do, exit 0 (before minting, "no control plane
-    // reports its kube-apiserver version", exit 1).
-    let (code, v, err) = dry_run(&state, runner.path());
-    assert_eq!(code, Some(0), "{v}\n{err}");
-    assert_eq!(v["plan"], serde_json::json!([]), "{v}");
-    // A dry run writes no kubeconfig: the minted one stayed in memory.
-    assert!(!state.join("kubeconfig").exists());
-
-    // A Talos bump: the same plan rows from both.
-    c.write(&c.inventory().talos("v1.11.5"));
-    let (code, laptop, err) = dry_run(&laptop_state, c.dir.path());
-    assert_eq!(code, Some(4), "{laptop}\n{err}");
-    let (code, fresh, err) = dry_run(&state, runner.path());
-    assert_eq!(code, Some(4), "{fresh}\n{err}");
-    assert!(
-        laptop["plan"].as_array().is_some_and(|p| !p.is_empty()),
-        "{laptop}"
-    );
-    assert_eq!(fresh["plan"], laptop["plan"]);
-    assert!(!state.join("kubeconfig").exists());
 }
 
 /// The laptop's state dir lost its kubeconfig: `status` reads Kubernetes
