@@ -113,7 +113,20 @@ pub fn yaml(text: &str) -> Result<&str, YamlRefused> {
                     message: format!("nested deeper than {MAX_DEPTH} levels"),
                 });
             }
-            Err(_) => return Ok(text),
+            // A syntax error passes to serde's parser, which reports it
+            // with its own position; but libyaml scans deep flow nesting
+            // in quadratic time before its own depth limit (seconds for a
+            // few thousand levels, a minute for 100 000): a text that
+            // opens more flow collections than the limit is refused first.
+            Err(_) => {
+                return match flow_too_deep(text) {
+                    Some(line) => Err(YamlRefused {
+                        line,
+                        message: format!("nested deeper than {MAX_DEPTH} levels"),
+                    }),
+                    None => Ok(text),
+                };
+            }
         };
         let line = mark.line();
         let refuse = |message: String| Err(YamlRefused { line, message });
@@ -202,6 +215,29 @@ pub fn yaml(text: &str) -> Result<&str, YamlRefused> {
             }
         }
     }
+}
+
+/// The line where `text` first has more than [`MAX_DEPTH`] flow
+/// collections (`[`, `{`) open, counted byte by byte in one pass. Only for
+/// a text the parser already found no valid YAML: brackets inside quotes,
+/// comments or block scalars count too, which at worst names this
+/// refusal instead of the syntax error.
+fn flow_too_deep(text: &str) -> Option<usize> {
+    let (mut depth, mut line) = (0usize, 1usize);
+    for b in text.bytes() {
+        match b {
+            b'\n' => line += 1,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > MAX_DEPTH {
+                    return Some(line);
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// A node the guard finished: what it unfolds to, its anchor (0: none)
@@ -359,6 +395,21 @@ mod tests {
         assert!(e.line <= 6, "{e}");
         // A few aliases are fine.
         assert!(yaml("a: &x {b: 1}\nc: *x\nd: {<<: *x, e: 2}\n").is_ok());
+    }
+
+    #[test]
+    fn a_syntax_error_before_deep_flow_nesting_is_refused_by_the_count() {
+        // The guard's parser stops at the tab on line 2; serde's would
+        // scan the 100 000 open mappings after it in quadratic time.
+        let deep = format!("a: 1\n\tb: 2\nc: {}x\n", "{d: ".repeat(100_000));
+        let e = yaml(&deep).unwrap_err();
+        assert!(e.message.contains("nested deeper than 64"), "{e}");
+        assert_eq!(e.line, 3, "{e}");
+        // Closed as often as opened, flow brackets count only while open.
+        let wide = format!("a: 1\n\tb: 2\n{}\n", "[x] ".repeat(1000));
+        assert_eq!(yaml(&wide), Ok(wide.as_str()));
+        assert_eq!(flow_too_deep(&"[".repeat(64)), None);
+        assert_eq!(flow_too_deep(&format!("\n\n{}", "{".repeat(65))), Some(3));
     }
 
     #[test]

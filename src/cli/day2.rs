@@ -87,6 +87,10 @@ pub struct UpgradeArgs {
     run: BootstrapRunArgs,
     #[command(flatten)]
     download: super::build::DownloadArgs,
+    /// How long to wait while another run (`up`, `upgrade`) holds the
+    /// cluster's state-dir lock.
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    lock_timeout: Duration,
 }
 
 /// A node's string on one line, escaped and bounded.
@@ -197,6 +201,7 @@ fn print_plan(planned: &converge::UpgradePlanned, output: Output) {
 }
 
 pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
+    super::talos::wait_for_lock(args.lock_timeout);
     let inv = load_inventory(config, output)?;
     for name in &args.nodes {
         inv.node(name)?;
@@ -379,6 +384,10 @@ pub struct ApplyArgs {
     reboot_timeout: Duration,
     #[command(flatten)]
     run: BootstrapRunArgs,
+    /// How long to wait while another run (`up`, `upgrade`) holds the
+    /// cluster's state-dir lock.
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    lock_timeout: Duration,
 }
 
 #[derive(Args)]
@@ -400,6 +409,7 @@ fn record_path(state_dir: &stage::StateDir) -> std::path::PathBuf {
 }
 
 pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
+    super::talos::wait_for_lock(args.lock_timeout);
     let inv = load_inventory(config, output)?;
     for name in &args.nodes {
         inv.node(name)?;

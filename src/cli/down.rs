@@ -14,7 +14,7 @@ use imgbuild::inventory::{Inventory, ProxmoxSettings, PublishSettings};
 use imgbuild::publish::hcloud::servers;
 use imgbuild::publish::proxmox::Credentials;
 use imgbuild::publish::proxmox::destroy::{
-    DeleteOptions, cluster_vms, cluster_volumes, delete_vm, delete_volume,
+    DeleteOptions, UnprovenVm, cluster_machines, cluster_volumes, delete_vm, delete_volume,
 };
 use serde_json::json;
 
@@ -134,7 +134,8 @@ fn proxmox(
         ..DeleteOptions::default()
     };
     let cluster = &inv.cluster.name;
-    let vms = cluster_vms(&creds, cluster, opts.retry)?;
+    let found = cluster_machines(&creds, cluster, opts.retry)?;
+    let (vms, unproven) = (found.ours, found.unproven);
     let mut nodes: BTreeSet<String> = inv.nodes.iter().map(|n| n.name.clone()).collect();
     nodes.extend(vms.iter().map(|vm| vm.node.clone()));
     let ours: BTreeSet<u32> = vms.iter().map(|vm| vm.vmid).collect();
@@ -174,7 +175,11 @@ fn proxmox(
                 "volumes": volumes.iter().map(|v| v.volid.clone()).collect::<Vec<_>>(),
             },
             "kept": kept,
+            "unowned": unproven,
         });
+        if output == Output::Text {
+            left_unproven(&unproven);
+        }
         return dry_run(output, cluster, &what, doc);
     }
     confirm(
@@ -210,9 +215,11 @@ fn proxmox(
                 "deleted": {"vms": deleted_vms, "volumes": deleted_volumes},
                 "kept": kept.iter().map(|v| json!({"volid": v.volid, "usedBy": v.used_by})).collect::<Vec<_>>(),
                 "leftovers": left.iter().map(|(what, error)| json!({"what": what, "error": error})).collect::<Vec<_>>(),
+                "unowned": unproven,
             })
         ),
         Output::Text => {
+            left_unproven(&unproven);
             if vms.is_empty() && volumes.is_empty() {
                 outln!("cluster {cluster} has no VMs or volumes imgbuild made on Proxmox");
             }
@@ -244,6 +251,14 @@ fn proxmox(
         Ok(())
     } else {
         Err(Reported(format!("{} item(s) could not be deleted", left.len())).into())
+    }
+}
+
+/// Names the VMs whose record names the cluster but proves no node of it:
+/// left as they are, for the user to look at.
+fn left_unproven(vms: &[UnprovenVm]) {
+    for vm in vms {
+        outln!("left (not provably this cluster's): {}", escape(&vm.what()));
     }
 }
 

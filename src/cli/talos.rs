@@ -53,20 +53,35 @@ impl StateArgs {
             command,
             timeout,
             cancel,
-            &mut |held| {
-                if let imgbuild::talos::lock::LockError::Held { holder, .. } = held {
-                    let by = holder
-                        .as_ref()
-                        .map_or_else(|| "holder unknown".to_owned(), ToString::to_string);
-                    errln!(
-                        "waiting up to {} for the state dir lock: another imgbuild is changing this cluster ({by})",
-                        humantime_short(timeout)
-                    );
-                }
-            },
+            &mut |held| say_waiting(held, timeout),
         )?;
         Ok(Some(lock))
     }
+}
+
+/// Says once that a run waits for the lock, and who holds it.
+fn say_waiting(held: &imgbuild::talos::lock::LockError, timeout: Duration) {
+    if let imgbuild::talos::lock::LockError::Held { holder, .. } = held {
+        let by = holder
+            .as_ref()
+            .map_or_else(|| "holder unknown".to_owned(), ToString::to_string);
+        errln!(
+            "waiting up to {} for the state dir lock: another imgbuild is changing this cluster ({by})",
+            humantime_short(timeout)
+        );
+    }
+}
+
+/// `--lock-timeout` of the commands whose stages take the state-dir lock
+/// (`up`, `replace`, `apply`, `upgrade`, `bootstrap`): a lock another run
+/// holds is waited for as `prune` and `down` wait, saying who holds it.
+/// Ctrl-C while waiting ends the run (nothing was done yet).
+pub(super) fn wait_for_lock(timeout: Duration) {
+    imgbuild::talos::lock::wait_when_held(imgbuild::talos::lock::WaitWhenHeld {
+        timeout,
+        cancel: imgbuild::publish::Cancel::never(),
+        waiting: Box::new(move |held| say_waiting(held, timeout)),
+    });
 }
 
 /// `10m`, `90s`: a timeout as the flag took it.
@@ -168,6 +183,10 @@ pub struct BootstrapArgs {
     /// check (talosctl `--recover-skip-hash-check`).
     #[arg(long, requires = "recover_from")]
     recover_skip_hash_check: bool,
+    /// How long to wait while another run (`up`, `upgrade`) holds the
+    /// cluster's state-dir lock.
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    lock_timeout: Duration,
 }
 
 /// The bootstrap's state dir, identity, timeouts and pin: shared by
@@ -486,6 +505,7 @@ pub fn kubeconfig(args: KubeconfigArgs, config: &Path, output: Output) -> Result
 }
 
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
+    wait_for_lock(args.lock_timeout);
     let inv = load_inventory(config, output)?;
     let mut opts = args.run.options_for(&inv)?;
     opts.limits.recover_from = args.recover_from.clone();

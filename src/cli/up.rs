@@ -55,6 +55,10 @@ pub struct UpArgs {
     bootstrap: BootstrapRunArgs,
     #[command(flatten)]
     new: super::talos::NewSecretsArg,
+    /// How long to wait while another run (`up`, `upgrade`) holds the
+    /// cluster's state-dir lock.
+    #[arg(long, default_value = "10m", value_parser = super::flags::parse_duration)]
+    lock_timeout: std::time::Duration,
 }
 
 pub fn run(args: UpArgs, config: &Path, output: Output) -> Result<()> {
@@ -72,6 +76,7 @@ pub fn replace(args: UpArgs, config: &Path, output: Output) -> Result<()> {
 
 /// `up`, or with `replace` the named nodes replaced first.
 fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Result<()> {
+    super::talos::wait_for_lock(args.lock_timeout);
     let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
     for node in args.publish.nodes() {
         inv.node(node).map_err(|e| Usage(e.to_string()))?;

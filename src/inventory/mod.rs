@@ -653,9 +653,19 @@ impl Validator<'_> {
         match parse_version(&c.talos_version, true) {
             None => self.problem(
                 "cluster.talosVersion",
-                format!("{:?} is not a Talos version like v1.11.2", c.talos_version),
+                format!(
+                    "{} is not a Talos version like v1.11.2",
+                    crate::input::quote(&c.talos_version)
+                ),
             ),
-            Some((1, minor, _)) if minor < 4 => self.problem(
+            Some(_) if has_leading_zero(&c.talos_version) => self.problem(
+                "cluster.talosVersion",
+                format!(
+                    "{} has a leading zero: Talos tags have none (v1.11.2, not v1.11.02)",
+                    crate::input::quote(&c.talos_version)
+                ),
+            ),
+            Some((major, minor, _)) if (major, minor) < (1, 4) => self.problem(
                 "cluster.talosVersion",
                 format!(
                     "{} predates META network configuration (Talos v1.4.0); imgbuild needs v1.4.0 or later",
@@ -1140,6 +1150,14 @@ pub(crate) fn parse_version(v: &str, need_v: bool) -> Option<(u32, u32, u32)> {
     parts.next().is_none().then_some(v)
 }
 
+/// Whether a number of `v`'s `MAJOR.MINOR.PATCH` has a leading zero, which
+/// no release tag has (semver 2.0.0 §2): `v1.13.05` names no release.
+fn has_leading_zero(v: &str) -> bool {
+    let core = v.strip_prefix('v').unwrap_or(v);
+    let core = core.split_once('-').map_or(core, |(c, _)| c);
+    core.split('.').any(|p| p.len() > 1 && p.starts_with('0'))
+}
+
 /// Why `v` is not a Kubernetes release tag (`v1.32.1`, `1.32.1`,
 /// `v1.33.0-rc.1`): Kubernetes has only major 1, and its tags carry no
 /// leading zeros (semver 2.0.0 §2), so `v1.32.01` names no release.
@@ -1147,9 +1165,7 @@ fn kubernetes_version_rule(v: &str) -> Option<&'static str> {
     let Some((major, minor, _)) = parse_version(v, false) else {
         return Some("is not a Kubernetes version like v1.32.1");
     };
-    let core = v.strip_prefix('v').unwrap_or(v);
-    let core = core.split_once('-').map_or(core, |(c, _)| c);
-    if core.split('.').any(|p| p.len() > 1 && p.starts_with('0')) {
+    if has_leading_zero(v) {
         return Some("has a leading zero: Kubernetes tags have none (v1.32.1, not v1.32.01)");
     }
     if major != 1 || minor == 0 {

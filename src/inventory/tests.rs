@@ -145,6 +145,42 @@ fn bad_versions_are_named() {
 }
 
 #[test]
+fn talos_versions_that_name_no_release_are_refused_with_the_rule() {
+    for (v, rule) in [
+        (
+            "v1.13.05",
+            "has a leading zero: Talos tags have none (v1.11.2, not v1.11.02)",
+        ),
+        (
+            "v01.11.2",
+            "has a leading zero: Talos tags have none (v1.11.2, not v1.11.02)",
+        ),
+        (
+            "v1.011.2",
+            "has a leading zero: Talos tags have none (v1.11.2, not v1.11.02)",
+        ),
+        ("v0.0.0", "predates META network configuration"),
+        ("v0.14.0", "predates META network configuration"),
+    ] {
+        let err = error_of(&atlas_with(
+            "talosVersion: v1.11.2",
+            &format!("talosVersion: {v}"),
+        ));
+        assert!(err.contains("cluster.talosVersion: "), "{v}: {err}");
+        assert!(err.contains(v), "{v}: {err}");
+        assert!(err.contains(rule), "{v}: {err}");
+    }
+    for v in ["v1.11.0", "v1.11.10", "v1.12.0-beta.0"] {
+        let text = atlas_with("talosVersion: v1.11.2", &format!("talosVersion: {v}"));
+        assert!(
+            !error_of_or_empty(&text).contains("talosVersion"),
+            "{v} refused: {}",
+            error_of_or_empty(&text)
+        );
+    }
+}
+
+#[test]
 fn malformed_extension_names_are_named() {
     let text = atlas_with("- siderolabs/tailscale", "- Tailscale");
     let err = error_of(&text);

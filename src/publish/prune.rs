@@ -6,7 +6,8 @@
 //!   cdroms, imgbuild's `imgbuild-volume` record), beyond the newest
 //!   `keep` per Proxmox node, storage, content and node. One whose name is
 //!   of the old scheme and could be another cluster's too is listed in
-//!   [`PrunePlan::unowned`], never deleted;
+//!   [`PrunePlan::unowned`], never deleted, as is a VM whose record names
+//!   the cluster but no node it could be (a malformed node name);
 //! - Hetzner snapshots with imgbuild's labels and description, the
 //!   cluster's `publish.hcloud.labels` and its `imgbuild-cluster` label
 //!   (the whole value, as its servers carry it), that no server boots
@@ -34,7 +35,8 @@ use super::hcloud::HcloudError;
 use super::hcloud::prune::{ClusterSnapshot, cluster_snapshots, delete_snapshot};
 use super::proxmox::ProxmoxError;
 use super::proxmox::destroy::{
-    DeleteOptions, StoredVolume, Uploads, cluster_uploads, cluster_vms, delete_volume,
+    DeleteOptions, StoredVolume, UnprovenVm, Uploads, cluster_machines, cluster_uploads,
+    delete_volume,
 };
 use super::target::{HcloudTarget, ProxmoxTarget, Target};
 use crate::build::Manifest;
@@ -81,6 +83,9 @@ pub enum Item {
     ProxmoxVolume(StoredVolume),
     HcloudSnapshot(ClusterSnapshot),
     CacheEntry(CacheEntry),
+    /// A VM whose record names the cluster but proves no node of it: only
+    /// ever listed as unowned.
+    ProxmoxVm(UnprovenVm),
 }
 
 impl Item {
@@ -90,6 +95,7 @@ impl Item {
             Item::ProxmoxVolume(v) => format!("volume {} on {}", v.volid, v.pve_node),
             Item::HcloudSnapshot(s) => format!("snapshot {} ({})", s.id, s.description),
             Item::CacheEntry(e) => format!("cache entry {}", e.path.display()),
+            Item::ProxmoxVm(vm) => vm.what(),
         }
     }
 
@@ -99,6 +105,7 @@ impl Item {
             Item::ProxmoxVolume(v) => Some(v.size),
             Item::HcloudSnapshot(s) => s.size,
             Item::CacheEntry(e) => Some(e.size),
+            Item::ProxmoxVm(_) => None,
         }
     }
 }
@@ -204,7 +211,9 @@ pub fn plan(scope: &PruneScope) -> Result<PrunePlan, PruneError> {
         Target::Proxmox(t) => {
             // A node gone from the inventory keeps nothing but what a VM
             // still uses: no machine of its will be made again.
-            let uploads = proxmox_volumes(scope, t)?;
+            let (uploads, unproven) = proxmox_volumes(scope, t)?;
+            plan.unowned
+                .extend(unproven.into_iter().map(Item::ProxmoxVm));
             plan.unowned
                 .extend(uploads.ambiguous.into_iter().map(Item::ProxmoxVolume));
             let (current, former): (Vec<_>, Vec<_>) = uploads
@@ -263,18 +272,20 @@ pub fn plan(scope: &PruneScope) -> Result<PrunePlan, PruneError> {
 }
 
 /// The cluster's uploads in the target's storage, with the nodes whose
-/// names count: the inventory's, the VM records', and the former ones.
-fn proxmox_volumes(scope: &PruneScope, t: &ProxmoxTarget) -> Result<Uploads, ProxmoxError> {
+/// names count: the inventory's, the VM records', and the former ones; and
+/// the VMs whose record names the cluster but proves no node.
+fn proxmox_volumes(
+    scope: &PruneScope,
+    t: &ProxmoxTarget,
+) -> Result<(Uploads, Vec<UnprovenVm>), ProxmoxError> {
     let cluster = &scope.inv.cluster.name;
     let retry = scope.delete.retry;
     let mut nodes: BTreeSet<String> = scope.inv.nodes.iter().map(|n| n.name.clone()).collect();
     nodes.extend(scope.former_nodes.iter().cloned());
-    nodes.extend(
-        cluster_vms(&t.credentials, cluster, retry)?
-            .into_iter()
-            .map(|vm| vm.node),
-    );
-    cluster_uploads(&t.credentials, &t.settings.storage, cluster, &nodes, retry)
+    let vms = cluster_machines(&t.credentials, cluster, retry)?;
+    nodes.extend(vms.ours.into_iter().map(|vm| vm.node));
+    let uploads = cluster_uploads(&t.credentials, &t.settings.storage, cluster, &nodes, retry)?;
+    Ok((uploads, vms.unproven))
 }
 
 /// Deletes what `plan` lists, each item checked again first (no VM or

@@ -356,6 +356,11 @@ fn secret_line(line: &str) -> Option<String> {
 pub fn secret_fields_of_yaml(text: &str) -> Vec<(String, String)> {
     use serde::Deserialize;
     let mut out = Vec::new();
+    // Through the input gate first: serde's parser is quadratic in flow
+    // nesting before its own depth limit.
+    let Ok(text) = crate::input::yaml(text) else {
+        return out;
+    };
     for de in serde_yaml_ng::Deserializer::from_str(text) {
         match serde_json::Value::deserialize(de) {
             Ok(doc) => out.extend(secret_fields(&doc)),

@@ -73,9 +73,48 @@ pub struct StateLock {
     _file: File,
 }
 
-/// Takes `dir`'s lock for `command` without waiting: a held lock is an
-/// error naming its holder. `dir` must exist.
+/// How [`acquire`] waits in this process for a lock another run holds:
+/// set once by the CLI from `--lock-timeout`, so `up`, `apply`, `upgrade`
+/// and `bootstrap` wait as `prune` and `down` do (the stages take the lock
+/// themselves, deep in the run). Unset, a held lock fails at once.
+pub struct WaitWhenHeld {
+    pub timeout: std::time::Duration,
+    pub cancel: crate::publish::Cancel,
+    /// Told once who holds it, when a run starts waiting.
+    pub waiting: Box<dyn FnMut(&LockError) + Send>,
+}
+
+static WAIT: std::sync::Mutex<Option<WaitWhenHeld>> = std::sync::Mutex::new(None);
+
+/// Makes every later [`acquire`] in this process wait as `wait` says.
+pub fn wait_when_held(wait: WaitWhenHeld) {
+    *WAIT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(wait);
+}
+
+/// Takes `dir`'s lock for `command`: a lock another run holds is waited
+/// for as [`wait_when_held`] set (else not at all), then an error naming
+/// its holder. `dir` must exist.
 pub fn acquire(dir: &Path, command: &str) -> Result<StateLock, LockError> {
+    let first = try_acquire(dir, command);
+    if !matches!(first, Err(LockError::Held { .. })) {
+        return first;
+    }
+    let mut wait = WAIT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match wait.as_mut() {
+        Some(w) => {
+            let cancel = w.cancel;
+            acquire_waiting(dir, command, w.timeout, &cancel, &mut w.waiting)
+        }
+        None => first,
+    }
+}
+
+/// Takes `dir`'s lock for `command` without waiting.
+fn try_acquire(dir: &Path, command: &str) -> Result<StateLock, LockError> {
     let path = dir.join(LOCK_FILE);
     let io = |source: std::io::Error| LockError::Io {
         path: path.clone(),
@@ -120,7 +159,7 @@ pub fn acquire_waiting(
     let deadline = std::time::Instant::now() + timeout;
     let mut told = false;
     loop {
-        match acquire(dir, command) {
+        match try_acquire(dir, command) {
             Err(held @ LockError::Held { .. }) => {
                 if !told {
                     waiting(&held);
@@ -194,6 +233,25 @@ mod tests {
         drop(held);
         let again = acquire(dir.path(), "up").unwrap();
         drop(again);
+    }
+
+    #[test]
+    fn a_waiting_taker_says_who_holds_it_and_gives_up_at_its_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = acquire(dir.path(), "up").unwrap();
+        let mut told = Vec::new();
+        let e = acquire_waiting(
+            dir.path(),
+            "apply",
+            std::time::Duration::from_millis(300),
+            &crate::publish::Cancel::never(),
+            &mut |held| told.push(held.to_string()),
+        )
+        .unwrap_err();
+        assert!(matches!(e, LockError::Held { .. }), "{e:?}");
+        assert_eq!(told.len(), 1, "{told:?}");
+        assert!(told[0].contains("(imgbuild up)"), "{told:?}");
+        drop(held);
     }
 
     #[test]

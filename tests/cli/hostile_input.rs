@@ -627,6 +627,46 @@ fn alias_bombs_and_deep_nesting_are_refused_quickly() {
     c.refused(&ran, &[1], "talenv.yaml", &[]);
 }
 
+/// 100 000 levels of nesting in a patch, in each shape the review tried:
+/// refused (exit 2, naming the patch and the rule) by the input gate before
+/// any reader hands the text to serde's parser, which scans deep flow
+/// nesting in quadratic time (a minute for each, and the redaction set's
+/// reading of patches came first).
+#[test]
+fn deep_nesting_in_a_patch_is_refused_in_every_shape() {
+    const N: usize = 100_000;
+    let c = Case::new();
+    let shapes = [
+        (
+            "flow-maps.yaml",
+            format!("a: {}x{}", "{b: ".repeat(N), "}".repeat(N)),
+        ),
+        (
+            "json.yaml",
+            format!("{}1{}", "{\"a\": ".repeat(N), "}".repeat(N)),
+        ),
+        ("mixed.yaml", format!("k: {}", "[{a: ".repeat(N))),
+        ("seqs.yaml", format!("{}[]\n", "[".repeat(N))),
+        ("block.yaml", format!("{}x\n", "- ".repeat(N))),
+        ("keys.yaml", format!("{}x\n", "? ".repeat(N))),
+        (
+            "tab-first.yaml",
+            format!("a: 1\n\tb: 2\nc: {}x\n", "{d: ".repeat(N)),
+        ),
+    ];
+    for (file, text) in shapes {
+        c.write(&format!("in/{file}"), text);
+        let config = c.inventory(with_patch(file));
+        let ran = c.run(&["--config", &config, "validate"], &[]);
+        c.refused(&ran, &[2], file, &[]);
+        assert!(
+            ran.stderr.contains("nested deeper than 64"),
+            "{file}: {}",
+            ran.stderr
+        );
+    }
+}
+
 fn indent(s: &str) -> String {
     s.lines().map(|l| format!("  {l}\n")).collect()
 }

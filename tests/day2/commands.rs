@@ -442,3 +442,81 @@ fn status_reports_stalled_nodes_with_the_one_deadline_that_covered_them() {
         );
     }
 }
+
+/// `apply` beside a run that holds the cluster's state-dir lock (`up`):
+/// it waits as `prune` and `down` do, saying who holds it and sending
+/// nothing; with a short `--lock-timeout` it gives up naming the holder;
+/// once the lock is free it applies. (Before, it failed at once.)
+#[test]
+fn apply_waits_for_the_state_dir_lock_another_run_holds() {
+    use std::process::Stdio;
+    let factory = Sim::start_with(&[], 0, &["--versions", "v1.11.2"]);
+    let net = common::net::scenario(module_path!(), "lock");
+    let nodes = Nodes::cluster(&net, true, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.yaml");
+    Inventory::five_nodes("sim", &net)
+        .talos("v1.11.2")
+        .factory(&factory.url)
+        .write(dir.path());
+    let o = imgbuild(&config, &["secrets", "gen"], false);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = imgbuild(&config, &["bootstrap"], true);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let applies = || nodes.stats()["totals"]["applies"].as_u64().unwrap();
+    let before = applies();
+
+    // Held as `up` holds it: flock(2) on the lock file, the holder inside.
+    let state = dir.path().join(".talos/sim");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .open(state.join(".imgbuild.lock"))
+        .unwrap();
+    lock.lock().unwrap();
+    std::fs::write(
+        state.join(".imgbuild.lock"),
+        format!(
+            r#"{{"pid":{},"command":"up","since":0}}"#,
+            std::process::id()
+        ) + "\n",
+    )
+    .unwrap();
+
+    let o = imgbuild(&config, &["apply", "--lock-timeout", "1s"], true);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("waiting up to 1s for the state dir lock"),
+        "{err}"
+    );
+    assert!(
+        err.contains("is in use") && err.contains("(imgbuild up)"),
+        "{err}"
+    );
+    assert_eq!(applies(), before, "applied while the lock was held");
+
+    let mut run = Run::with_config(&config, &["--output", "json", "apply"]);
+    run.timeouts(&[])
+        .env_remove("IMGBUILD_STATE_DIR")
+        .env_remove("IMGBUILD_FACTORY")
+        .env_remove("TALOSCONFIG");
+    let child = run
+        .into_command()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert_eq!(applies(), before, "applied while the lock was held");
+    drop(lock);
+    let o = child.wait_with_output().unwrap();
+    let err = text(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("waiting up to 10m for the state dir lock") && err.contains("(imgbuild up)"),
+        "{err}"
+    );
+    assert_eq!(json(&o)["nodes"].as_array().map(Vec::len), Some(5), "{err}");
+}

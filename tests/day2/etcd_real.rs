@@ -470,3 +470,40 @@ fn v1_11_upgrade_restarts_each_real_member_and_checks_etcd_health_between() {
     assert_eq!(etcd["keys"]["/registry/marker"], "survives", "{etcd}");
     assert_eq!(c.etcd_members("cp-01"), ["cp-01", "cp-02", "cp-03"]);
 }
+
+/// SIGTERM or SIGINT stops a `--real-etcd` simulator and leaves nothing of
+/// it in `$TMPDIR` (its members' data dirs and snapshot files); before, the
+/// folder outlived it until the next `--real-etcd` start.
+#[test]
+fn a_stopped_simulator_leaves_no_etcd_folder() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::ExitStatusExt;
+    for (sig, k) in [(libc::SIGTERM, 90), (libc::SIGINT, 91)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut child = Command::new(common::sim_bin())
+            .args(["nodes", "--real-etcd", "--talos-version", TALOS, "--node"])
+            .arg(format!("cp-01={}.11:controlplane", net(k)))
+            .env("TMPDIR", tmp.path())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.contains("control"), "did not start: {line:?}");
+        let folders = || -> Vec<String> {
+            std::fs::read_dir(tmp.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("imgbuild-sim-etcd-"))
+                .collect()
+        };
+        assert_eq!(folders().len(), 1, "{:?}", folders());
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(sig), "{status}");
+        assert_eq!(folders(), Vec::<String>::new(), "left after signal {sig}");
+    }
+}

@@ -396,3 +396,104 @@ fn clusters_whose_names_overlap_as_text_prune_and_go_down_without_touching_each_
     assert!(vmids(&pve).is_empty());
     assert_eq!(imports(&pve), [ambiguous], "{lab_vms:?}");
 }
+
+/// A VM whose description carries imgbuild's record for the cluster but a
+/// node name no node can have is not provably the cluster's node: `down`
+/// and `prune` list it with the reason (text and JSON) and go on, and
+/// neither it nor its disk is touched.
+#[test]
+fn a_vm_whose_record_names_the_cluster_but_a_malformed_node_is_listed_and_left() {
+    let sim = Sim::start(&[]);
+    let pve = Pve::start(&[]);
+    let work = work();
+    let o = run(&work, &pve, &["secrets", "gen"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    publish(&work, &sim, &pve, &["cp-01"]);
+    foreign_vm(
+        &pve,
+        600,
+        "odd",
+        "Talos node image managed by imgbuild\nimgbuild-cluster: loopback\nimgbuild-node: Bad_Name!\n",
+    );
+
+    // `up --dry-run` plans as before: the VM is no node to remove.
+    let o = Run::with_config(
+        &work.config,
+        &[
+            "--output",
+            "json",
+            "up",
+            "--dry-run",
+            "--call-timeout",
+            "2s",
+        ],
+    )
+    .factory(&sim)
+    .folders(work.dir.path())
+    .proxmox(&pve)
+    .output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    let steps: Vec<&serde_json::Value> = v["plan"].as_array().unwrap().iter().collect();
+    assert!(!steps.is_empty(), "{v}");
+    assert!(
+        steps.iter().all(|a| a["step"] != "remove"),
+        "a VM not provably the cluster's node is planned for removal: {v}"
+    );
+    let o = run(&work, &pve, &["down", "--dry-run", "--output", "json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let dry = json(&o);
+    let planned: Vec<u64> = dry["wouldDelete"]["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["vmid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(planned, [300], "{dry}");
+    assert_eq!(dry["unowned"][0]["vmid"], 600, "{dry}");
+    assert!(
+        dry["unowned"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("not a node name"),
+        "{dry}"
+    );
+    let o = run(&work, &pve, &["down", "--dry-run"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let shown = text(&o.stdout);
+    assert!(
+        shown.contains("left (not provably this cluster's): VM 600 on pve")
+            && shown.contains("VM 300"),
+        "{shown}"
+    );
+
+    let o = run(
+        &work,
+        &pve,
+        &["prune", "--no-cache", "--dry-run", "--output", "json"],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["plan"]["unowned"][0]["kind"], "proxmoxVm", "{v}");
+    assert_eq!(v["plan"]["unowned"][0]["vmid"], 600, "{v}");
+    let o = run(&work, &pve, &["prune", "--no-cache", "--poll-ms", "20"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stdout).contains("left (not provably this cluster's): VM 600"),
+        "{}",
+        text(&o.stdout)
+    );
+
+    let o = run(
+        &work,
+        &pve,
+        &["down", "--yes", "--poll-ms", "20", "--output", "json"],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["deleted"]["vms"][0]["vmid"], 300, "{v}");
+    assert_eq!(v["unowned"][0]["vmid"], 600, "{v}");
+    assert!(!exists(&pve, 300));
+    assert!(exists(&pve, 600), "the VM not provably ours was deleted");
+    assert_eq!(disks(&pve), ["vm-600-disk-0.raw"]);
+}

@@ -504,3 +504,46 @@ fn prepared(c: &Cluster) -> imgbuild::talos::stage::Prepared {
     };
     imgbuild::talos::stage::prepare(&inv, &opts).unwrap()
 }
+
+/// A VM whose description carries the cluster's record but a node name no
+/// node can have (by hand, or a record edited) is not provably the
+/// cluster's node: `up`, its dry run and `up --allow-destroy` go on and
+/// never take it for a node to remove; the VM stays.
+#[test]
+fn a_vm_whose_record_names_no_node_stops_no_up_and_is_left() {
+    let c = Cluster::start_at(3);
+    let state = c.dir.path().join("state");
+    let o = common::run::Run::with_config(&c.config(), &["secrets", "gen", "--state-dir"])
+        .arg(&state)
+        .env_remove("IMGBUILD_STATE_DIR")
+        .output();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let (out, v) = c.up(&[]);
+    stdout_ok(&out);
+    assert_eq!(v["healthy"], true, "{v}");
+    let (code, r) = c.pve.curl(
+        "/nodes/pve/qemu",
+        &[
+            "-d",
+            "vmid=901",
+            "-d",
+            "name=odd",
+            "-d",
+            "memory=512",
+            "-d",
+            "scsi0=local-lvm:1",
+            "--data-urlencode",
+            "description=Talos node image managed by imgbuild\nimgbuild-cluster: demo\nimgbuild-node: Bad_Name!\n",
+        ],
+    );
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(c.pve.wait(&r["data"])["exitstatus"], "OK");
+
+    let (out, v) = c.up(&["--dry-run"]);
+    stdout_ok(&out);
+    assert!(actions(&v, "remove").is_empty(), "{v}");
+    let (out, v) = c.up(&["--allow-destroy"]);
+    stdout_ok(&out);
+    assert!(actions(&v, "remove").is_empty(), "{v}");
+    assert!(vm_config(&c.pve, 901).is_some(), "VM 901 was deleted");
+}

@@ -35,6 +35,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -153,6 +154,7 @@ impl RealEtcd {
             .unwrap_or_default()
             .subsec_nanos();
         let root = tmp.join(format!("imgbuild-sim-etcd-{}-{nanos}", std::process::id()));
+        catch_signals();
         std::fs::create_dir_all(&root)?;
         Ok(RealEtcd {
             root,
@@ -337,11 +339,18 @@ impl RealEtcd {
         .map(drop)
     }
 
+    /// A file name under the root no other call gets: parallel snapshots
+    /// (or restores) of one node within one millisecond must not share
+    /// `etcdctl`'s output (it writes `<path>.part`, then renames it).
+    fn unique(&self, what: &str, i: usize, now_ms: u64) -> PathBuf {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        self.root.join(format!("{what}-{i}-{now_ms}-{n}.db"))
+    }
+
     /// `snapshot save` from node `i`'s member: the bytes etcd streamed.
     pub(crate) fn snapshot(&self, cluster: &Cluster, i: usize) -> Result<Vec<u8>, String> {
-        let path = self
-            .root
-            .join(format!("snapshot-{i}-{}.db", cluster.now_ms()));
+        let path = self.unique("snapshot", i, cluster.now_ms());
         let saved = etcdctl(
             &self.endpoint(cluster, i)?,
             &["snapshot", "save", &path.to_string_lossy()],
@@ -381,7 +390,7 @@ impl RealEtcd {
     ) -> Result<u64, String> {
         self.ensure(cluster, i).map_err(|e| e.to_string())?;
         self.wipe(i);
-        let file = self.root.join(format!("node-{i}.snapshot"));
+        let file = self.unique("restore", i, cluster.now_ms());
         std::fs::write(&file, upload).map_err(|e| e.to_string())?;
         let (name, peer) = {
             let m = self.members.lock().unwrap();
@@ -630,9 +639,84 @@ impl RealEtcd {
     }
 }
 
+/// SIGTERM's and SIGINT's streams, taken over from the default action as
+/// the folder is made (a signal from then on waits for
+/// [`clean_up_on_signal`], however soon it comes).
+static SIGNALS: Mutex<Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>> =
+    Mutex::new(None);
+
+/// Catches SIGTERM and SIGINT for [`clean_up_on_signal`] (needs the Tokio
+/// runtime; without one the default action stays).
+fn catch_signals() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let _in = handle.enter();
+    if let (Ok(term), Ok(int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        *SIGNALS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((term, int));
+    }
+}
+
+/// On SIGTERM or SIGINT: the etcd processes killed and the simulator's
+/// folder under `$TMPDIR` removed, then the signal's default action (so
+/// whoever stopped it sees it die of that signal). Without it the folder
+/// outlived every stopped simulator (only the next `--real-etcd` start
+/// swept it). Needs the Tokio runtime the simulator serves from.
+fn clean_up_on_signal(cluster: Arc<Cluster>) {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let Some((mut term, mut int)) = SIGNALS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
+    else {
+        return;
+    };
+    handle.spawn(async move {
+        let sig = tokio::select! {
+            _ = term.recv() => libc::SIGTERM,
+            _ = int.recv() => libc::SIGINT,
+        };
+        if let Some(real) = &cluster.real_etcd {
+            real.remove_all();
+        }
+        // SAFETY: restoring the default action and raising the signal on
+        // this process; no handler of ours runs.
+        unsafe {
+            libc::signal(sig, libc::SIG_DFL);
+            libc::raise(sig);
+        }
+    });
+}
+
+impl RealEtcd {
+    /// Kills every member's process and removes the simulator's folder.
+    fn remove_all(&self) {
+        let mut members = self
+            .members
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for m in members.values_mut() {
+            if let Some(mut c) = m.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
 /// Runs the reconciler for the simulator's life on a thread of its own
 /// (the parent thread of every etcd process).
 pub(crate) fn reconcile_forever(cluster: Arc<Cluster>) {
+    clean_up_on_signal(cluster.clone());
     std::thread::Builder::new()
         .name("etcd-reconciler".into())
         .spawn(move || {
@@ -683,5 +767,28 @@ impl super::service::Api {
             legacy_members: Vec::new(),
             members,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_files_of_one_node_in_one_millisecond_are_distinct() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = RealEtcd {
+            root: dir.path().to_owned(),
+            members: Mutex::new(HashMap::new()),
+        };
+        let a = real.unique("snapshot", 0, 42);
+        let b = real.unique("snapshot", 0, 42);
+        assert_ne!(a, b);
+        assert!(a.starts_with(dir.path()) && b.starts_with(dir.path()));
+        // What a restore stages never shares a snapshot's name either.
+        assert_ne!(
+            real.unique("restore", 0, 42),
+            real.unique("snapshot", 0, 42)
+        );
     }
 }

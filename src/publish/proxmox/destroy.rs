@@ -152,17 +152,70 @@ pub(super) fn all_vms(api: &Api) -> Result<Vec<Listed>, ProxmoxError> {
     Ok(out)
 }
 
+/// Whose a VM is, by the record imgbuild writes into its description.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Record {
+    /// imgbuild made it for this node of the cluster.
+    Node(String),
+    /// The record says imgbuild made it for the cluster, but not for a
+    /// node it could have made it for (a node name that is no node name,
+    /// none, or two records that disagree): not provably the cluster's
+    /// node, so never changed or deleted, only listed with this reason.
+    Unproven(String),
+    /// Not the cluster's (by hand, Terraform, an imgbuild older than the
+    /// record, another cluster).
+    NotOurs,
+}
+
+/// Every value of one `imgbuild-<key>: ` line of a description.
+fn described_all(description: &str, key: &str) -> BTreeSet<String> {
+    let prefix = format!("imgbuild-{key}: ");
+    description
+        .lines()
+        .filter_map(|l| l.strip_prefix(prefix.as_str()))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Reads a config's record: the managed line and both `imgbuild-cluster`
+/// and `imgbuild-node` must be there, each once (or repeated alike), the
+/// cluster's name exactly and a node name as the inventory takes it.
+pub(super) fn record(config: &Value, cluster: &str) -> Record {
+    let Some(d) = config["description"].as_str() else {
+        return Record::NotOurs;
+    };
+    if !d.lines().any(|l| l.trim_end() == MANAGED) {
+        return Record::NotOurs;
+    }
+    let clusters = described_all(d, "cluster");
+    if !clusters.contains(cluster) {
+        return Record::NotOurs;
+    }
+    if clusters.len() > 1 {
+        return Record::Unproven("its description names more than one cluster".into());
+    }
+    let nodes = described_all(d, "node");
+    let mut nodes = nodes.into_iter();
+    match (nodes.next(), nodes.next()) {
+        (None, _) => Record::Unproven("its description names no node".into()),
+        (Some(_), Some(_)) => Record::Unproven("its description names more than one node".into()),
+        (Some(n), None) if crate::inventory::is_node_name(&n) => Record::Node(n),
+        (Some(_), None) => Record::Unproven(
+            "its description's node name is not a node name (a lowercase DNS label)".into(),
+        ),
+    }
+}
+
 /// The node a config's record says imgbuild made the VM for, when it says
-/// imgbuild made it for `cluster`: the managed line and both
-/// `imgbuild-cluster` and `imgbuild-node` must be there. A VM without
-/// them (by hand, Terraform, an imgbuild older than the record, another
-/// cluster) is never this cluster's, whatever its name.
+/// imgbuild made it for `cluster` (see [`record`]). A VM without the
+/// record (by hand, Terraform, an imgbuild older than the record, another
+/// cluster), or with one that proves no node, is never this cluster's,
+/// whatever its name.
 pub(super) fn recorded_node(config: &Value, cluster: &str) -> Option<String> {
-    let managed = config["description"]
-        .as_str()
-        .is_some_and(|d| d.lines().any(|l| l.trim_end() == MANAGED));
-    let node = described(config, "node")?;
-    (managed && described(config, "cluster").as_deref() == Some(cluster)).then_some(node)
+    match record(config, cluster) {
+        Record::Node(n) => Some(n),
+        _ => None,
+    }
 }
 
 /// The vmid a volume is named for (`vm-<vmid>-…`, `base-<vmid>-…`, with or
@@ -231,6 +284,37 @@ fn owned_disks(config: &Value, vmid: u32) -> Vec<String> {
     disks
 }
 
+/// A VM whose description carries imgbuild's record for the cluster but
+/// proves no node of it (see [`Record::Unproven`]): listed, never changed
+/// or deleted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UnprovenVm {
+    pub vmid: u32,
+    /// The Proxmox node it is on.
+    pub pve_node: String,
+    /// The VM's name.
+    pub name: String,
+    /// Why it is not provably the cluster's.
+    pub reason: String,
+}
+
+impl UnprovenVm {
+    /// How a person names it.
+    pub fn what(&self) -> String {
+        format!("VM {} on {} ({})", self.vmid, self.pve_node, self.reason)
+    }
+}
+
+/// What [`cluster_machines`] finds.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterVms {
+    /// Made by imgbuild for a node of the cluster.
+    pub ours: Vec<ClusterVm>,
+    /// Carrying the cluster's record but proving no node.
+    pub unproven: Vec<UnprovenVm>,
+}
+
 /// The VMs imgbuild made for `cluster`, on every Proxmox node, by their
 /// record (see [`recorded_node`]). Only reads.
 pub fn cluster_vms(
@@ -238,21 +322,38 @@ pub fn cluster_vms(
     cluster: &str,
     retry: RetryPolicy,
 ) -> Result<Vec<ClusterVm>, ProxmoxError> {
+    Ok(cluster_machines(creds, cluster, retry)?.ours)
+}
+
+/// [`cluster_vms`], and the VMs whose record names the cluster but proves
+/// no node of it. Only reads.
+pub fn cluster_machines(
+    creds: &Credentials,
+    cluster: &str,
+    retry: RetryPolicy,
+) -> Result<ClusterVms, ProxmoxError> {
     let api = Api::new(creds, retry)?;
-    Ok(all_vms(&api)?
-        .into_iter()
-        .filter_map(|l| {
-            let node = recorded_node(&l.config, cluster)?;
-            Some(ClusterVm {
+    let mut out = ClusterVms::default();
+    for l in all_vms(&api)? {
+        match record(&l.config, cluster) {
+            Record::Node(node) => out.ours.push(ClusterVm {
                 disks: owned_disks(&l.config, l.vmid),
                 vmid: l.vmid,
                 pve_node: l.pve_node,
                 name: l.name,
                 node,
                 running: l.running,
-            })
-        })
-        .collect())
+            }),
+            Record::Unproven(reason) => out.unproven.push(UnprovenVm {
+                vmid: l.vmid,
+                pve_node: l.pve_node,
+                name: l.name,
+                reason,
+            }),
+            Record::NotOurs => {}
+        }
+    }
+    Ok(out)
 }
 
 /// Whether a reply says the VM (or volume) does not exist.
@@ -818,6 +919,39 @@ mod tests {
         let forged = "imgbuild-cluster: atlas\nimgbuild-node: cp-01\n";
         assert_eq!(recorded_node(&desc(forged), "atlas"), None);
         assert_eq!(recorded_node(&json!({}), "atlas"), None);
+    }
+
+    #[test]
+    fn a_record_of_the_cluster_that_proves_no_node_is_unproven_not_ours() {
+        let desc = |d: &str| json!({ "description": d });
+        let head = format!("{MANAGED}\nimgbuild-cluster: atlas\n");
+        for (tail, why) in [
+            ("imgbuild-node: Bad_Name!\n", "not a node name"),
+            ("imgbuild-node: \n", "not a node name"),
+            ("imgbuild-node: \u{1b}[31mcp\n", "not a node name"),
+            ("", "names no node"),
+            (
+                "imgbuild-node: cp-01\nimgbuild-node: cp-02\n",
+                "more than one node",
+            ),
+            (
+                "imgbuild-cluster: other\nimgbuild-node: cp-01\n",
+                "more than one cluster",
+            ),
+        ] {
+            let d = desc(&format!("{head}{tail}"));
+            match record(&d, "atlas") {
+                Record::Unproven(reason) => assert!(reason.contains(why), "{tail:?}: {reason}"),
+                other => panic!("{tail:?}: {other:?}"),
+            }
+            assert_eq!(recorded_node(&d, "atlas"), None, "{tail:?}");
+        }
+        // Another cluster's malformed record is simply not ours.
+        let other = format!("{MANAGED}\nimgbuild-cluster: other\nimgbuild-node: Bad!\n");
+        assert_eq!(record(&desc(&other), "atlas"), Record::NotOurs);
+        // The same node repeated alike is one node.
+        let twice = format!("{head}imgbuild-node: cp-01\nimgbuild-node: cp-01\n");
+        assert_eq!(record(&desc(&twice), "atlas"), Record::Node("cp-01".into()));
     }
 
     #[test]
