@@ -283,7 +283,7 @@ fn a_second_upgrade_is_refused_naming_the_first_and_one_control_plane_is_down_at
     let pid = holder_pid(&case.path("state"), Duration::from_secs(20))
         .expect("the first upgrade took the lock");
     assert_eq!(pid, u64::from(first.id()));
-    let second = case.run(&["upgrade"]);
+    let second = case.run(&["upgrade", "--lock-timeout", "0s"]);
     case.refused(&second, &format!("pid {pid} (imgbuild upgrade) since 20"));
     assert_eq!(second.code, Some(1), "{}", second.stderr);
     assert!(second.stderr.contains("is in use"), "{}", second.stderr);
@@ -330,7 +330,7 @@ fn a_lock_holder_killed_by_sigkill_does_not_block_the_next_run() {
         .unwrap();
     let pid = holder_pid(&case.path("state"), Duration::from_secs(10));
     assert_eq!(pid, Some(u64::from(holder.id())));
-    let refused = case.run(&["bootstrap", "--new-secrets"]);
+    let refused = case.run(&["bootstrap", "--new-secrets", "--lock-timeout", "0s"]);
     case.refused(&refused, "(imgbuild bootstrap)");
     assert_eq!(refused.code, Some(1));
     holder.kill().unwrap(); // SIGKILL: no destructor runs

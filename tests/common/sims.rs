@@ -494,7 +494,20 @@ impl Nodes {
 }
 
 impl Drop for Nodes {
+    /// SIGTERM first: a `--real-etcd` simulator then stops its etcd members
+    /// and removes its folder under TMPDIR (hundreds of MB each); SIGKILL
+    /// after 5 s.
     fn drop(&mut self) {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid");
+        // SAFETY: kill(2) on our own child, which wait() below reaps.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -378,6 +378,10 @@ fn a_talosconfig_from_other_secrets_is_refused_with_an_explanation() {
 #[test]
 fn a_node_configured_with_a_foreign_ca_is_named() {
     let c = Cluster::start(7, true, &["--misbehave", "foreign-ca@cp-02"]);
+    // Secrets made first: --new-secrets would refuse a configured node
+    // before the bootstrap (tests/up/fresh_clone.rs).
+    let out = c.imgbuild(&["secrets", "gen"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
     let err = c.bootstrap_error(&["--node-timeout", "5s"]);
     assert!(err.contains("node cp-02"), "{err}");
     assert!(err.contains("unknown authority"), "{err}");
@@ -714,6 +718,8 @@ fn a_node_that_fails_early_does_not_hold_back_etcd_bootstrap() {
     // worker-01 fails on its first probe (another cluster's CA), long before
     // cp-01 has taken its config: cp-01 is still brought up and bootstrapped.
     let c = Cluster::start(17, true, &["--misbehave", "foreign-ca@worker-01"]);
+    let out = c.imgbuild(&["secrets", "gen"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
     let (out, v) = c.bootstrap(&[]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     let err = v["error"].as_str().unwrap();
