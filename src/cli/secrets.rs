@@ -9,7 +9,6 @@ use anyhow::{Context, Result};
 use clap::Args;
 use imgbuild::secrets::age::Recipient;
 use imgbuild::secrets::sops;
-use imgbuild::talos::secrets::SecretsBundle;
 use imgbuild::talos::stage::StateDir;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -35,15 +34,17 @@ pub struct EncryptArgs {
 pub fn encrypt(args: EncryptArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let state = StateDir::open(&inv, args.state_dir.as_deref())?;
-    let from = state.secrets_path();
-    if !from.exists() {
+    // The state dir's clear bundle, or the SOPS file itself (re-encrypted
+    // for other recipients with --force).
+    let Some((bundle, source)) = imgbuild::talos::stage::find_secrets(&inv, &state.path)? else {
         return Err(Usage(format!(
             "{}: no secrets yet; make them with `imgbuild secrets gen` first",
-            from.display()
+            state.secrets_path().display()
         ))
         .into());
-    }
-    let bundle = SecretsBundle::load(&from)?;
+    };
+    let from = source.path().to_owned();
+    let clear = matches!(source, imgbuild::talos::stage::SecretsSource::Clear(_));
     let plain = serde_yaml_ng::to_string(&bundle).context("the secrets bundle as YAML")?;
     let text = sops::encrypt(&plain, &args.age)?;
     let out = args
@@ -72,13 +73,13 @@ pub fn encrypt(args: EncryptArgs, config: &Path, output: Output) -> Result<()> {
                 from.display(),
                 recipients.join(", ")
             );
-            if read_here {
+            if read_here && clear {
                 outln!(
-                    "imgbuild reads the cluster's secrets from {} now (with the age key in SOPS_AGE_KEY_FILE): the clear copy {} is no longer needed; delete it once the SOPS file is in Git",
+                    "imgbuild reads the cluster's secrets from {} now (with the age key in SOPS_AGE_KEY_FILE): the clear copies in {} (secrets.yaml, and talosconfig and kubeconfig, which hold admin keys) are no longer needed; delete them once the SOPS file is in Git",
                     out.display(),
-                    from.display()
+                    state.path.display()
                 );
-            } else {
+            } else if !read_here {
                 outln!(
                     "note: imgbuild does not read {}: name it in the inventory (cluster.secretsFile) to use it",
                     out.display()

@@ -282,6 +282,16 @@ pub fn secrets(args: SecretsArgs, config: &Path, output: Output) -> Result<()> {
         SecretsCommand::Encrypt(args) => return super::secrets::encrypt(args, config, output),
     };
     let inv = load_inventory(config, output)?;
+    // New secrets beside the cluster's SOPS file would be another
+    // cluster's: every later command refuses the two as different.
+    let sealed = stage::sealed_path(&inv);
+    if std::fs::symlink_metadata(&sealed).is_ok() {
+        return Err(super::output::Usage(format!(
+            "{} holds the cluster's secrets: `secrets gen` would make another cluster's (nothing was changed). To add a recipient: `imgbuild secrets encrypt --force --age …` (reads that file); to start a new cluster on purpose, move it away first",
+            sealed.display()
+        ))
+        .into());
+    }
     let saved = args
         .state
         .open(&inv)?

@@ -71,6 +71,11 @@ pub fn found_in_cluster(
     known: &[std::net::IpAddr],
 ) -> Vec<RemovedNode> {
     let mut out: Vec<RemovedNode> = Vec::new();
+    let known: Vec<std::net::IpAddr> = known
+        .iter()
+        .copied()
+        .chain(cluster_addresses(inv))
+        .collect();
     let ours = |a: Option<std::net::IpAddr>| {
         a.is_some_and(|a| known.iter().any(|k| k.to_canonical() == a.to_canonical()))
     };
@@ -135,6 +140,24 @@ pub fn survey_with_cluster(
         return Ok(view);
     }
     survey(prepared, removed, limits)
+}
+
+/// The addresses the cluster itself answers at (the VIP, the hosts of
+/// `endpoint` and `kubernetesEndpoint`): a Node reporting one of them is
+/// never taken for a machine to Reset, for whatever answers there is a
+/// live control plane (or a load balancer in front of them).
+fn cluster_addresses(inv: &Inventory) -> Vec<std::net::IpAddr> {
+    let hosts = [
+        Some(inv.cluster.endpoint.as_str()),
+        inv.cluster.kubernetes_endpoint.as_deref(),
+    ];
+    hosts
+        .into_iter()
+        .flatten()
+        .filter_map(crate::inventory::endpoint_host)
+        .filter_map(|h| h.parse().ok())
+        .chain(inv.cluster.vip)
+        .collect()
 }
 
 /// Adds a node found on the platform to `removed`, unless it is there
@@ -205,6 +228,10 @@ mod tests {
                 kube("Bad_Name", "10.0.0.99"),
                 // w-01 under the hostname a patch gave it.
                 kube("worker-one", "10.0.0.21"),
+                // A Node claiming the cluster endpoint's address (the VIP
+                // a live control plane holds), as IPv4 and IPv4-mapped.
+                kube("evil", "10.0.0.10"),
+                kube("evil-6", "::ffff:10.0.0.10"),
             ]),
             ..ClusterView::default()
         };

@@ -109,6 +109,13 @@ pub enum StageError {
         path.display()
     )]
     SealedInClear { path: PathBuf },
+    /// Something that is not a file where the SOPS file goes (a FIFO, a
+    /// folder, a device): never taken for "no secrets yet".
+    #[error(
+        "cluster secrets {}: exists but is not a regular file (nothing was changed); put the cluster's secrets.sops.yaml there",
+        path.display()
+    )]
+    SealedNotAFile { path: PathBuf },
     /// A node's schematic, to compare with the one it runs.
     #[error(transparent)]
     Schematic(#[from] crate::schematic::EmitError),
@@ -126,7 +133,8 @@ impl StageError {
             StageError::NoSecrets { .. }
             | StageError::NewSecretsForConfigured { .. }
             | StageError::SecretsDiffer { .. }
-            | StageError::SealedInClear { .. } => true,
+            | StageError::SealedInClear { .. }
+            | StageError::SealedNotAFile { .. } => true,
             // A SOPS bundle (committed, or in the state dir) this
             // environment has no key or tool for.
             StageError::Sealed { source, .. } | StageError::Secrets(source) => matches!(
@@ -203,7 +211,13 @@ pub fn find_secrets(
 ) -> Result<Option<(SecretsBundle, SecretsSource)>, StageError> {
     let sealed = sealed_path(inv);
     let clear = state_dir.join("secrets.yaml");
-    if sealed.is_file() {
+    // A path that is there (a dangling link included) but no regular file
+    // is refused: "missing" would advise new secrets.
+    let there = std::fs::symlink_metadata(&sealed).is_ok();
+    if there && !sealed.is_file() {
+        return Err(StageError::SealedNotAFile { path: sealed });
+    }
+    if there {
         let text =
             crate::input::read_text(&sealed, crate::input::MAX_TEXT_FILE).map_err(|source| {
                 StageError::Io {

@@ -7,6 +7,7 @@
 //! never holds them in clear. Nodes: the Talos node simulator (Talos
 //! v1.11); machines: the Proxmox VE simulator.
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -396,11 +397,23 @@ fn with_the_key_the_state_dir_never_holds_a_secret_in_clear() {
 fn a_sops_file_and_a_different_state_dir_bundle_are_refused_naming_both() {
     let c = Checkout::new(&net(3));
     let (key, recipient) = c.keygen("key.txt");
-    c.committed_secrets(&recipient);
+    let plain = c.committed_secrets(&recipient);
     let with_key = [("SOPS_AGE_KEY_FILE", key.as_path())];
-    // The laptop's state dir holds other secrets than Git.
-    let o = c.imgbuild(&["secrets", "gen"], &[]);
+    // The laptop's state dir holds other secrets than Git (made elsewhere:
+    // `secrets gen` beside the SOPS file refuses).
+    let elsewhere = c.path("elsewhere");
+    std::fs::rename(c.path("secrets.sops.yaml"), c.path("moved.sops.yaml")).unwrap();
+    let o = c.imgbuild(
+        &["secrets", "gen", "--state-dir", elsewhere.to_str().unwrap()],
+        &[],
+    );
     assert!(o.status.success(), "{}", said(&o));
+    std::fs::rename(c.path("moved.sops.yaml"), c.path("secrets.sops.yaml")).unwrap();
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(c.path("state"))
+        .unwrap();
+    std::fs::copy(elsewhere.join("secrets.yaml"), c.path("state/secrets.yaml")).unwrap();
     let sealed = c.path("secrets.sops.yaml");
     let clear = c.path("state/secrets.yaml");
     let before = std::fs::read(&clear).unwrap();
@@ -421,10 +434,7 @@ fn a_sops_file_and_a_different_state_dir_bundle_are_refused_naming_both() {
     }
     assert_eq!(std::fs::read(&clear).unwrap(), before);
     // The same bundle in both places is no conflict: the SOPS file is read.
-    let o = c.imgbuild(&["secrets", "gen", "--force"], &[]);
-    assert!(o.status.success(), "{}", said(&o));
-    let o = c.imgbuild(&["secrets", "encrypt", "--force", "--age", &recipient], &[]);
-    assert!(o.status.success(), "{}", said(&o));
+    std::fs::write(&clear, &plain).unwrap();
     let o = c.imgbuild(&["config", "cp-01"], &with_key);
     assert_eq!(o.status.code(), Some(0), "{}", said(&o));
 }
@@ -481,7 +491,9 @@ fn a_node_from_other_secrets_names_the_secrets_file_in_use() {
     let with_key = [("SOPS_AGE_KEY_FILE", key.as_path())];
     let o = c.imgbuild(&["bootstrap"], &with_key);
     assert_eq!(o.status.code(), Some(0), "{}", said(&o));
-    // Git's file now holds another bundle (a runner made its own).
+    // Git's file now holds another bundle (a runner made its own, with
+    // the SOPS file moved away: beside it `secrets gen` refuses).
+    std::fs::rename(c.path("secrets.sops.yaml"), c.path("moved.sops.yaml")).unwrap();
     let o = c.imgbuild(&["secrets", "gen"], &[]);
     assert!(o.status.success(), "{}", said(&o));
     let o = c.imgbuild(&["secrets", "encrypt", "--force", "--age", &recipient], &[]);
@@ -502,4 +514,65 @@ fn a_node_from_other_secrets_names_the_secrets_file_in_use() {
     );
     assert!(out.contains("SOPS_AGE_KEY_FILE"), "{out}");
     assert_eq!(sim.stats()["totals"]["applies"], applies, "nothing applied");
+}
+
+/// Beside the cluster's SOPS file `secrets gen` makes nothing (the new
+/// bundle would be another cluster's), `secrets encrypt --force` adds a
+/// recipient from the SOPS file itself, and a FIFO or a folder in the SOPS
+/// file's place is refused as such, never taken for "no secrets yet".
+#[test]
+fn the_sops_file_is_never_replaced_by_new_secrets_and_takes_new_recipients() {
+    let c = Checkout::new(&net(6));
+    let (key, recipient) = c.keygen("key.txt");
+    let (other_key, other) = c.keygen("other.txt");
+    let plain = c.committed_secrets(&recipient);
+    let sealed = c.path("secrets.sops.yaml");
+    let before = std::fs::read(&sealed).unwrap();
+    let with_key = [("SOPS_AGE_KEY_FILE", key.as_path())];
+
+    let o = c.imgbuild(&["secrets", "gen"], &with_key);
+    assert_eq!(o.status.code(), Some(2), "{}", said(&o));
+    assert!(
+        said(&o).contains("would make another cluster's"),
+        "{}",
+        said(&o)
+    );
+    assert!(!c.path("state/secrets.yaml").exists());
+
+    // A second recipient, from the SOPS file (no clear copy anywhere).
+    let o = c.imgbuild(
+        &[
+            "secrets", "encrypt", "--force", "--age", &recipient, "--age", &other,
+        ],
+        &with_key,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", said(&o));
+    assert_ne!(std::fs::read(&sealed).unwrap(), before);
+    assert!(!c.path("state/secrets.yaml").exists());
+    let o = c.imgbuild(
+        &["config", "cp-01"],
+        &[("SOPS_AGE_KEY_FILE", other_key.as_path())],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", said(&o));
+    let doc: Value = serde_yaml_ng::from_str(&plain).unwrap();
+    let ca = doc["certs"]["os"]["crt"].as_str().unwrap();
+    assert!(
+        text(&o.stdout).contains(ca),
+        "the new recipient opens the same bundle"
+    );
+
+    // Not a file where the SOPS file goes.
+    std::fs::rename(&sealed, c.path("kept.sops.yaml")).unwrap();
+    let fifo = Command::new("mkfifo").arg(&sealed).status().unwrap();
+    assert!(fifo.success());
+    for folder in [false, true] {
+        if folder {
+            std::fs::remove_file(&sealed).unwrap();
+            std::fs::create_dir(&sealed).unwrap();
+        }
+        let o = c.imgbuild(&["up", "--dry-run", "--new-secrets"], &with_key);
+        assert_eq!(o.status.code(), Some(2), "{}", said(&o));
+        assert!(said(&o).contains("is not a regular file"), "{}", said(&o));
+        assert!(!said(&o).contains("secrets gen"), "{}", said(&o));
+    }
 }
