@@ -118,3 +118,21 @@ pub fn decode_meta(arg: &str) -> Vec<u8> {
         raw
     }
 }
+
+/// A fresh age key pair from `age-keygen` (Debian `age`) written to
+/// `file`: its recipient (`age1…`).
+#[allow(dead_code)]
+pub fn age_keygen(file: &std::path::Path) -> String {
+    let o = std::process::Command::new("age-keygen")
+        .arg("-o")
+        .arg(file)
+        .output()
+        .expect("age-keygen (Debian package age; make deps installs it)");
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    std::fs::read_to_string(file)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("# public key: "))
+        .expect("age-keygen names the public key")
+        .to_owned()
+}

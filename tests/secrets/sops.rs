@@ -69,18 +69,7 @@ impl Work {
     /// A fresh age key pair from `age-keygen`: the key file and recipient.
     fn keygen(&self, name: &str) -> (PathBuf, String) {
         let file = self.path(name);
-        let o = Command::new("age-keygen")
-            .arg("-o")
-            .arg(&file)
-            .output()
-            .expect("age-keygen (Debian package age; make deps installs it)");
-        assert!(o.status.success(), "{}", text(&o.stderr));
-        let keys = std::fs::read_to_string(&file).unwrap();
-        let recipient = keys
-            .lines()
-            .find_map(|l| l.strip_prefix("# public key: "))
-            .unwrap()
-            .to_owned();
+        let recipient = common::age_keygen(&file);
         (file, recipient)
     }
 

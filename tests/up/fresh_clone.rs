@@ -6,7 +6,7 @@
 //! dir holds a secret in clear once the secrets come from SOPS.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use crate::common;
 use common::demo::DemoCluster as Cluster;
@@ -16,25 +16,6 @@ use common::{json, stdout_ok, text};
 /// The loopback /24 of scenario `k` (tests/common/net.rs).
 fn net(k: u8) -> String {
     common::net::scenario(module_path!(), k)
-}
-
-/// A fresh age key pair from `age-keygen` (Debian `age`): the key file and
-/// its recipient.
-fn age_keygen(dir: &Path) -> (PathBuf, String) {
-    let file = dir.join("age.key");
-    let o = Command::new("age-keygen")
-        .arg("-o")
-        .arg(&file)
-        .output()
-        .expect("age-keygen (Debian package age; make deps installs it)");
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let recipient = std::fs::read_to_string(&file)
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("# public key: "))
-        .expect("age-keygen names the public key")
-        .to_owned();
-    (file, recipient)
 }
 
 /// One checkout of the cluster's repository: its inventory, its own state
@@ -153,7 +134,8 @@ fn assert_no_secret_under(dir: &Path, secrets: &[String], after: &str) {
 fn a_fresh_clone_with_only_the_sops_file_plans_and_runs_what_the_laptop_would() {
     let c = Cluster::start(net(1));
     let keys = tempfile::tempdir().unwrap();
-    let (key, recipient) = age_keygen(keys.path());
+    let key = keys.path().join("age.key");
+    let recipient = common::age_keygen(&key);
     let laptop = Checkout {
         cluster: &c,
         dir: c.dir.path().to_owned(),
