@@ -243,10 +243,10 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
         .filter(|n| n.talos == Some(TalosState::Configured))
         .map(|n| n.node.clone())
         .collect();
-    if report.stopped.is_none()
-        && !configured.is_empty()
-        && stage::StateDir::existing(inv, bootstrap.state_dir.as_deref()).is_ok()
-    {
+    let existing = (report.stopped.is_none() && !configured.is_empty())
+        .then(|| stage::StateDir::existing(inv, bootstrap.state_dir.as_deref()).ok())
+        .flatten();
+    if let Some(state_dir) = existing {
         // A dry run sends no config: unset `${NAME}`s need not be given.
         bootstrap.patch_vars = bootstrap.patch_vars.clone().comparing_unset();
         let select = if configured.len() + opts.recreate.len() >= inv.nodes.len() {
@@ -254,7 +254,7 @@ pub fn plan(inv: &Inventory, target: &Target, opts: &UpOptions) -> Report {
         } else {
             configured
         };
-        let planned = stage::prepare(inv, &bootstrap)
+        let planned = stage::prepare_in(inv, &bootstrap, state_dir)
             .map_err(|e| (Stage::Upgrade, UpError::Bootstrap(e)))
             .and_then(|prepared| {
                 let day2 = DayTwo {
@@ -1146,10 +1146,8 @@ impl proxmox::Observer for SettingsProgress<'_> {
 /// The control planes of record the inventory no longer has: etcd lists
 /// them until the removal step, so the health check lets them be.
 fn leaving(inv: &Inventory, opts: &BootstrapOptions) -> Vec<String> {
-    let Ok(dir) = stage::StateDir::existing(inv, opts.state_dir.as_deref()) else {
-        return Vec::new();
-    };
-    remove::removed_nodes(inv, &dir.path)
+    let dir = stage::state_path(inv, opts.state_dir.as_deref());
+    remove::removed_nodes(inv, &dir)
         .map(|removed| {
             removed
                 .into_iter()
@@ -1312,7 +1310,7 @@ pub fn replace(
             ..opts.clone()
         };
         stage::StateDir::existing(inv, bootstrap.state_dir.as_deref())
-            .and_then(|_| stage::prepare(&without, &bootstrap))
+            .and_then(|state_dir| stage::prepare_in(&without, &bootstrap, state_dir))
             .map_err(|e| (Stage::Remove, UpError::Bootstrap(e)))
             .and_then(|prepared| {
                 let upgrade = if dry_run {
@@ -1390,10 +1388,7 @@ fn begin(
 
 /// Where `--new-secrets` writes a new cluster's bundle.
 fn new_secrets_path(inv: &Inventory, opts: &BootstrapOptions) -> std::path::PathBuf {
-    opts.state_dir
-        .clone()
-        .unwrap_or_else(|| crate::talos::config::default_state_dir(inv))
-        .join("secrets.yaml")
+    stage::state_path(inv, opts.state_dir.as_deref()).join("secrets.yaml")
 }
 
 /// Whether the publish part runs or is planned.

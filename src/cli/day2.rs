@@ -201,15 +201,15 @@ fn print_plan(planned: &converge::UpgradePlanned, output: Output) {
 }
 
 pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
-    super::talos::wait_for_lock(args.lock_timeout);
     let inv = load_inventory(config, output)?;
     for name in &args.nodes {
         inv.node(name)?;
     }
     let mut opts = args.run.options_for(&inv)?;
+    opts.lock_wait = super::talos::lock_wait(args.lock_timeout);
     // Day two needs a cluster: a missing state dir is never made here, and
     // missing secrets (or their age key) stop before the factory is asked.
-    stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
+    let state_dir = stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
     let fetch = args.download.options();
     let client = imgbuild::fetch::client(&fetch);
     let factory = Factory::new(&inv.image.factory, &client).with_retry(fetch.retry_policy());
@@ -222,7 +222,7 @@ pub fn upgrade(args: UpgradeArgs, config: &Path, output: Output) -> Result<()> {
         .then(|| stage::lock_state_dir(&inv, &opts, "upgrade"))
         .transpose()?;
     let limits = opts.limits.clone();
-    let prepared = stage::prepare(&inv, &opts)?;
+    let prepared = stage::prepare_in(&inv, &opts, state_dir)?;
     let settings = UpgradeSettings {
         force: args.force,
         reboot_mode: match args.reboot_mode {
@@ -409,17 +409,17 @@ fn record_path(state_dir: &stage::StateDir) -> std::path::PathBuf {
 }
 
 pub fn apply(args: ApplyArgs, config: &Path, output: Output) -> Result<()> {
-    super::talos::wait_for_lock(args.lock_timeout);
     let inv = load_inventory(config, output)?;
     for name in &args.nodes {
         inv.node(name)?;
     }
-    let opts = args.run.options_for(&inv)?;
-    stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
+    let mut opts = args.run.options_for(&inv)?;
+    opts.lock_wait = super::talos::lock_wait(args.lock_timeout);
+    let state_dir = stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
     let _lock = (!args.dry_run)
         .then(|| stage::lock_state_dir(&inv, &opts, "apply"))
         .transpose()?;
-    let prepared = stage::prepare(&inv, &opts)?;
+    let prepared = stage::prepare_in(&inv, &opts, state_dir)?;
     let settings = ApplySettings {
         mode: match args.mode {
             ModeArg::Auto => ApplyMode::Auto,
@@ -498,8 +498,8 @@ pub(super) fn rows(
     opts: &stage::BootstrapOptions,
 ) -> Result<Rows> {
     let wanted = upgrade::wanted(inv)?;
-    stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
-    let mut prepared = stage::prepare(inv, opts)?;
+    let state_dir = stage::StateDir::existing(inv, opts.state_dir.as_deref())?;
+    let mut prepared = stage::prepare_in(inv, opts, state_dir)?;
     let rt = converge::runtime()?;
     // Nodes that do not answer are found once (one deadline each, all at
     // once) and asked nothing more: a stalled node costs one call timeout.

@@ -68,8 +68,8 @@ pub fn run(args: EtcdArgs, config: &Path, output: Output) -> Result<()> {
     let inv = load_inventory(config, output)?;
     let opts = args.run.options_for(&inv)?;
     // A snapshot needs a cluster: a missing state dir is never made here.
-    stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
-    let prepared = stage::prepare(&inv, &opts)?;
+    let state_dir = stage::StateDir::existing(&inv, opts.state_dir.as_deref())?;
+    let prepared = stage::prepare_in(&inv, &opts, state_dir)?;
     let mut snap = SnapshotOptions::in_state_dir(&prepared.state_dir.path, &inv.cluster.name);
     snap.max_size = args.max_size;
     snap.total_timeout = args.timeout;

@@ -48,13 +48,7 @@ impl StateArgs {
         let Ok(dir) = StateDir::existing(inv, self.state_dir.as_deref()) else {
             return Ok(None);
         };
-        let lock = imgbuild::talos::lock::acquire_waiting(
-            &dir.path,
-            command,
-            timeout,
-            cancel,
-            &mut |held| say_waiting(held, timeout),
-        )?;
+        let lock = imgbuild::talos::lock::acquire(&dir.path, command, &lock_wait(timeout), cancel)?;
         Ok(Some(lock))
     }
 }
@@ -76,12 +70,11 @@ fn say_waiting(held: &imgbuild::talos::lock::LockError, timeout: Duration) {
 /// (`up`, `replace`, `apply`, `upgrade`, `bootstrap`): a lock another run
 /// holds is waited for as `prune` and `down` wait, saying who holds it.
 /// Ctrl-C while waiting ends the run (nothing was done yet).
-pub(super) fn wait_for_lock(timeout: Duration) {
-    imgbuild::talos::lock::wait_when_held(imgbuild::talos::lock::WaitWhenHeld {
+pub(super) fn lock_wait(timeout: Duration) -> imgbuild::talos::lock::LockWait {
+    imgbuild::talos::lock::LockWait {
         timeout,
-        cancel: imgbuild::publish::Cancel::never(),
-        waiting: Box::new(move |held| say_waiting(held, timeout)),
-    });
+        waiting: Some(std::sync::Arc::new(move |held| say_waiting(held, timeout))),
+    }
 }
 
 /// `10m`, `90s`: a timeout as the flag took it.
@@ -231,6 +224,7 @@ impl BootstrapRunArgs {
             patch_vars: patch_vars(),
             cancel: Default::default(),
             new_secrets: false,
+            lock_wait: Default::default(),
             limits: bootstrap::Options {
                 node_timeout: self.node_timeout,
                 bootstrap_timeout: self.bootstrap_timeout,
@@ -515,9 +509,9 @@ pub fn kubeconfig(args: KubeconfigArgs, config: &Path, output: Output) -> Result
 }
 
 pub fn bootstrap(args: BootstrapArgs, config: &Path, output: Output) -> Result<()> {
-    wait_for_lock(args.lock_timeout);
     let inv = load_inventory(config, output)?;
     let mut opts = args.run.options_for(&inv)?;
+    opts.lock_wait = lock_wait(args.lock_timeout);
     opts.limits.recover_from = args.recover_from.clone();
     opts.limits.recover_skip_hash_check = args.recover_skip_hash_check;
     opts.new_secrets = args.new.new_secrets;

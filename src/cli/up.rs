@@ -76,7 +76,6 @@ pub fn replace(args: UpArgs, config: &Path, output: Output) -> Result<()> {
 
 /// `up`, or with `replace` the named nodes replaced first.
 fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Result<()> {
-    super::talos::wait_for_lock(args.lock_timeout);
     let inv = load_inventory(config, output).map_err(|e| Usage(format!("{e:#}")))?;
     for node in args.publish.nodes() {
         inv.node(node).map_err(|e| Usage(e.to_string()))?;
@@ -104,6 +103,7 @@ fn converge(args: UpArgs, config: &Path, output: Output, replace: bool) -> Resul
     let build = args.publish.build();
     let quiet = build.download.quiet;
     let mut bootstrap = args.bootstrap.options();
+    bootstrap.lock_wait = super::talos::lock_wait(args.lock_timeout);
     bootstrap.new_secrets = args.new.new_secrets;
     let opts = UpOptions {
         nodes: args.publish.nodes().to_vec(),

@@ -73,44 +73,42 @@ pub struct StateLock {
     _file: File,
 }
 
-/// How [`acquire`] waits in this process for a lock another run holds:
-/// set once by the CLI from `--lock-timeout`, so `up`, `apply`, `upgrade`
-/// and `bootstrap` wait as `prune` and `down` do (the stages take the lock
-/// themselves, deep in the run). Unset, a held lock fails at once.
-pub struct WaitWhenHeld {
+/// How [`acquire`] waits for a lock another run holds (`--lock-timeout`),
+/// so `up`, `apply`, `upgrade` and `bootstrap` wait as `prune` and `down`
+/// do. The default does not wait: a held lock fails at once.
+#[derive(Clone, Default)]
+pub struct LockWait {
     pub timeout: std::time::Duration,
-    pub cancel: crate::publish::Cancel,
     /// Told once who holds it, when a run starts waiting.
-    pub waiting: Box<dyn FnMut(&LockError) + Send>,
+    pub waiting: Option<Waiting>,
 }
 
-static WAIT: std::sync::Mutex<Option<WaitWhenHeld>> = std::sync::Mutex::new(None);
+/// Hears who holds the lock a run waits for.
+pub type Waiting = std::sync::Arc<dyn Fn(&LockError) + Send + Sync>;
 
-/// Makes every later [`acquire`] in this process wait as `wait` says.
-pub fn wait_when_held(wait: WaitWhenHeld) {
-    *WAIT
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(wait);
+impl std::fmt::Debug for LockWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockWait")
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Takes `dir`'s lock for `command`: a lock another run holds is waited
-/// for as [`wait_when_held`] set (else not at all), then an error naming
-/// its holder. `dir` must exist.
-pub fn acquire(dir: &Path, command: &str) -> Result<StateLock, LockError> {
-    let first = try_acquire(dir, command);
-    if !matches!(first, Err(LockError::Held { .. })) {
-        return first;
-    }
-    let mut wait = WAIT
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    match wait.as_mut() {
-        Some(w) => {
-            let cancel = w.cancel;
-            acquire_waiting(dir, command, w.timeout, &cancel, &mut w.waiting)
+/// for as `wait` says (until `cancel`), then an error naming its holder.
+/// `dir` must exist.
+pub fn acquire(
+    dir: &Path,
+    command: &str,
+    wait: &LockWait,
+    cancel: &crate::publish::Cancel,
+) -> Result<StateLock, LockError> {
+    let say = |held: &LockError| {
+        if let Some(waiting) = &wait.waiting {
+            waiting(held);
         }
-        None => first,
-    }
+    };
+    acquire_waiting(dir, command, wait.timeout, cancel, &mut { say })
 }
 
 /// Takes `dir`'s lock for `command` without waiting.
@@ -210,11 +208,21 @@ fn read_holder(file: &mut File) -> Option<Holder> {
 mod tests {
     use super::*;
 
+    /// Takes the lock as a run without `--lock-timeout` would.
+    fn take(dir: &Path, command: &str) -> Result<StateLock, LockError> {
+        acquire(
+            dir,
+            command,
+            &LockWait::default(),
+            &crate::publish::Cancel::never(),
+        )
+    }
+
     #[test]
     fn a_second_taker_is_told_who_holds_the_lock() {
         let dir = tempfile::tempdir().unwrap();
-        let held = acquire(dir.path(), "upgrade").unwrap();
-        let e = acquire(dir.path(), "up").unwrap_err();
+        let held = take(dir.path(), "upgrade").unwrap();
+        let e = take(dir.path(), "up").unwrap_err();
         let LockError::Held {
             holder: Some(h), ..
         } = &e
@@ -231,24 +239,25 @@ mod tests {
             "{shown}"
         );
         drop(held);
-        let again = acquire(dir.path(), "up").unwrap();
+        let again = take(dir.path(), "up").unwrap();
         drop(again);
     }
 
     #[test]
     fn a_waiting_taker_says_who_holds_it_and_gives_up_at_its_timeout() {
         let dir = tempfile::tempdir().unwrap();
-        let held = acquire(dir.path(), "up").unwrap();
-        let mut told = Vec::new();
-        let e = acquire_waiting(
-            dir.path(),
-            "apply",
-            std::time::Duration::from_millis(300),
-            &crate::publish::Cancel::never(),
-            &mut |held| told.push(held.to_string()),
-        )
-        .unwrap_err();
+        let held = take(dir.path(), "up").unwrap();
+        let told = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let heard = told.clone();
+        let wait = LockWait {
+            timeout: std::time::Duration::from_millis(300),
+            waiting: Some(std::sync::Arc::new(move |held: &LockError| {
+                heard.lock().unwrap().push(held.to_string());
+            })),
+        };
+        let e = acquire(dir.path(), "apply", &wait, &crate::publish::Cancel::never()).unwrap_err();
         assert!(matches!(e, LockError::Held { .. }), "{e:?}");
+        let told = told.lock().unwrap();
         assert_eq!(told.len(), 1, "{told:?}");
         assert!(told[0].contains("(imgbuild up)"), "{told:?}");
         drop(held);
@@ -258,10 +267,7 @@ mod tests {
     fn a_tampered_lock_file_is_neither_followed_nor_shown_raw() {
         let dir = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink("/dev/zero", dir.path().join(LOCK_FILE)).unwrap();
-        assert!(matches!(
-            acquire(dir.path(), "up"),
-            Err(LockError::Io { .. })
-        ));
+        assert!(matches!(take(dir.path(), "up"), Err(LockError::Io { .. })));
         std::fs::remove_file(dir.path().join(LOCK_FILE)).unwrap();
         let h = Holder {
             pid: 7,

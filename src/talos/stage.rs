@@ -196,8 +196,9 @@ pub fn sealed_path(inv: &Inventory) -> PathBuf {
     }
 }
 
-/// The state dir `opts` names, else the default beside the inventory.
-fn state_path(inv: &Inventory, dir: Option<&Path>) -> PathBuf {
+/// The state dir `dir` (`--state-dir`) names, else the default beside the
+/// inventory; made or not.
+pub fn state_path(inv: &Inventory, dir: Option<&Path>) -> PathBuf {
     dir.map_or_else(|| config::default_state_dir(inv), Path::to_owned)
 }
 
@@ -252,10 +253,14 @@ pub fn find_secrets(
 pub fn secrets_ready(
     inv: &Inventory,
     opts: &BootstrapOptions,
-) -> Result<Option<SecretsSource>, StageError> {
+) -> Result<Option<Secrets>, StageError> {
     let dir = state_path(inv, opts.state_dir.as_deref());
     match find_secrets(inv, &dir)? {
-        Some((_, source)) => Ok(Some(source)),
+        Some((bundle, source)) => Ok(Some(Secrets {
+            bundle,
+            source,
+            created: false,
+        })),
         None if opts.new_secrets => {
             // New secrets are for new machines: a node that already asks
             // for a client certificate runs some cluster's config.
@@ -293,10 +298,13 @@ fn no_secrets(inv: &Inventory, state_dir: &Path) -> StageError {
 
 /// The folder holding one cluster's secrets and client files: 0700, each
 /// file 0600. Opening it creates it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct StateDir {
     /// Given by `--state-dir`, or the default beside the inventory.
     pub path: PathBuf,
+    /// The secrets as [`StateDir::existing`] or [`secrets_ready`] opened
+    /// them: a SOPS file is decrypted once per command.
+    opened: Option<Secrets>,
 }
 
 /// What [`StateDir::save_secrets`] wrote.
@@ -331,7 +339,7 @@ impl StateDir {
                 path: path.clone(),
                 source,
             })?;
-        Ok(StateDir { path })
+        Ok(StateDir { path, opened: None })
     }
 
     /// The state dir of a cluster that exists, for the day-two commands:
@@ -340,10 +348,20 @@ impl StateDir {
     /// here and never mints a new cluster identity.
     pub fn existing(inv: &Inventory, dir: Option<&Path>) -> Result<StateDir, StageError> {
         let path = state_path(inv, dir);
-        if find_secrets(inv, &path)?.is_none() {
+        let Some((bundle, source)) = find_secrets(inv, &path)? else {
             return Err(no_secrets(inv, &path));
-        }
-        StateDir::open(inv, Some(&path))
+        };
+        let opened = Secrets {
+            bundle,
+            source,
+            created: false,
+        };
+        Ok(StateDir::open(inv, Some(&path))?.with_opened(Some(opened)))
+    }
+
+    /// This state dir with the cluster's secrets already opened.
+    fn with_opened(self, opened: Option<Secrets>) -> StateDir {
+        StateDir { opened, ..self }
     }
 
     /// The talosctl-compatible bundle every cluster certificate comes from.
@@ -372,6 +390,9 @@ impl StateDir {
     /// Concurrent callers on a fresh state dir agree: the first creates the
     /// bundle under a lock, the others load it.
     pub fn secrets(&self, inv: &Inventory, new: bool) -> Result<Secrets, StageError> {
+        if let Some(opened) = &self.opened {
+            return Ok(opened.clone());
+        }
         let found = |created| {
             find_secrets(inv, &self.path).map(|found| {
                 found.map(|(bundle, source)| Secrets {
@@ -509,6 +530,9 @@ pub struct BootstrapOptions {
     /// `--new-secrets`: make the cluster's secrets when it has none yet
     /// (a new cluster). Without it a run without secrets stops first.
     pub new_secrets: bool,
+    /// `--lock-timeout`: how long [`lock_state_dir`] waits for a lock
+    /// another run holds (until `cancel`), and who hears that it waits.
+    pub lock_wait: lock::LockWait,
 }
 
 /// Everything made ready for the run, and what making it ready changed.
@@ -546,13 +570,23 @@ pub struct Bootstrapped {
 /// in memory, and each node's target. A second call with the same inputs
 /// writes nothing.
 pub fn prepare(inv: &Inventory, opts: &BootstrapOptions) -> Result<Prepared, StageError> {
+    // Found and opened before the state dir is made: a missing key or
+    // missing secrets change nothing.
+    let found = secrets_ready(inv, opts)?;
+    let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?.with_opened(found);
+    prepare_in(inv, opts, state_dir)
+}
+
+/// [`prepare`] in a state dir [`StateDir::existing`] opened (its secrets
+/// are not read again).
+pub fn prepare_in(
+    inv: &Inventory,
+    opts: &BootstrapOptions,
+    state_dir: StateDir,
+) -> Result<Prepared, StageError> {
     for name in opts.targets.keys() {
         inv.node(name)?;
     }
-    // Found and opened before the state dir is made: a missing key or
-    // missing secrets change nothing.
-    secrets_ready(inv, opts)?;
-    let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?;
     let Secrets {
         bundle,
         source,
@@ -633,7 +667,12 @@ pub fn lock_state_dir(
     command: &str,
 ) -> Result<StateLock, StageError> {
     let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?;
-    Ok(lock::acquire(&state_dir.path, command)?)
+    Ok(lock::acquire(
+        &state_dir.path,
+        command,
+        &opts.lock_wait,
+        &opts.cancel,
+    )?)
 }
 
 /// Where the bootstrap reaches `node`, and the address it has there: the
@@ -810,8 +849,8 @@ pub fn machine_configs(
     inv: &Inventory,
     opts: &BootstrapOptions,
 ) -> Result<Vec<(String, String)>, StageError> {
-    secrets_ready(inv, opts)?;
-    let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?;
+    let found = secrets_ready(inv, opts)?;
+    let state_dir = StateDir::open(inv, opts.state_dir.as_deref())?.with_opened(found);
     let bundle = state_dir.secrets(inv, opts.new_secrets)?.bundle;
     inv.nodes
         .iter()
@@ -959,6 +998,30 @@ mod tests {
             all.insert(path, (md.ino(), md.mtime(), md.mtime_nsec()));
         }
         all
+    }
+
+    #[test]
+    fn a_state_dir_opened_as_existing_reads_its_secrets_once() {
+        let root = tempfile::tempdir().unwrap();
+        let inv = atlas();
+        let path = root.path().join("state");
+        let made = StateDir::open(&inv, Some(&path))
+            .unwrap()
+            .secrets(&inv, true)
+            .unwrap();
+        let state = StateDir::existing(&inv, Some(&path)).unwrap();
+        // Gone from disk now: what the command uses is what it opened (a
+        // SOPS file is decrypted once per command, not per step).
+        std::fs::remove_file(state.secrets_path()).unwrap();
+        let again = state.secrets(&inv, false).unwrap();
+        assert!(again.bundle == made.bundle && !again.created);
+        let prepared = prepare_in(&inv, &BootstrapOptions::default(), state).unwrap();
+        assert_eq!(
+            prepared.secrets_source,
+            SecretsSource::Clear(path.join("secrets.yaml"))
+        );
+        // Opened anew, there are none.
+        assert!(StateDir::existing(&inv, Some(&path)).is_err());
     }
 
     #[test]
