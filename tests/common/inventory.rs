@@ -206,6 +206,15 @@ impl Inventory {
         self
     }
 
+    /// The built inventory without the node `name` (gone from it).
+    pub fn without_node(mut self, name: &str) -> Inventory {
+        let cluster = self.cluster.as_mut().expect("a built inventory");
+        let before = cluster.nodes.len();
+        cluster.nodes.retain(|n| n.name != name);
+        assert_ne!(cluster.nodes.len(), before, "no node {name} to leave out");
+        self
+    }
+
     pub fn node(mut self, node: Node) -> Inventory {
         self.cluster().nodes.push(node);
         self

@@ -2,6 +2,7 @@
 //! run the real binary, how to read its output.
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod checkout;
 pub mod demo;
 pub mod hostile;
 pub mod inventory;
@@ -54,20 +55,25 @@ pub fn json(o: &std::process::Output) -> serde_json::Value {
 }
 
 /// The simulator binary, built next to imgbuild. `cargo test` builds only
-/// this package's binaries, so the simulator is brought up to date once per
-/// test process (a no-op when it is): a stale one would ignore new switches.
+/// the binaries of the packages whose tests run, so the simulator is
+/// brought up to date once per test process (a no-op when it is: a stale
+/// one would ignore new switches) as the build of its own test
+/// (sim/tests/loopback.rs) does, with the test build's features: under
+/// `make test` that build made it already.
 pub fn sim_bin() -> PathBuf {
     static BUILT: std::sync::Once = std::sync::Once::new();
     let imgbuild = PathBuf::from(env!("CARGO_BIN_EXE_imgbuild"));
     let sim = imgbuild.with_file_name("imgbuild-sim");
     BUILT.call_once(|| {
         let st = Command::new(env!("CARGO"))
-            // The workspace's feature set (`-p` alone unifies features
-            // otherwise). Under `make test` this still compiles the
-            // library and the simulator once more (45 s of a cold run):
-            // `cargo test` built them under the `test` profile, this asks
-            // for `dev`.
-            .args(["build", "--workspace", "--bin", "imgbuild-sim"])
+            .args([
+                "test",
+                "--workspace",
+                "--no-run",
+                "--quiet",
+                "--test",
+                "loopback",
+            ])
             .current_dir(root())
             .status()
             .unwrap();

@@ -125,6 +125,14 @@ impl Run {
     /// the test when the run ended without printing the marker.
     #[allow(dead_code)]
     pub fn kill_at(self, marker: &str) -> Vec<String> {
+        self.signal_at(marker, libc::SIGKILL).before
+    }
+
+    /// Runs it until a line of its stderr contains `marker`, then sends it
+    /// `signal` (SIGINT: Ctrl-C) and reads its stderr to the end; a run
+    /// still going 60 s after the signal is SIGKILLed (`status` says so).
+    /// Fails the test when the run ended without printing the marker.
+    pub fn signal_at(self, marker: &str, signal: i32) -> Signalled {
         use std::io::{BufRead, BufReader};
         let mut child = self
             .into_command()
@@ -132,24 +140,51 @@ impl Run {
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
-        let stderr = BufReader::new(child.stderr.take().unwrap());
-        let mut seen = Vec::new();
-        for line in stderr.lines() {
+        let pid = child.id() as libc::pid_t;
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut before = Vec::new();
+        for line in lines.by_ref() {
             let line = line.unwrap();
             let found = line.contains(marker);
-            seen.push(line);
+            before.push(line);
             if found {
                 break;
             }
         }
-        child.kill().unwrap(); // SIGKILL
-        child.wait().unwrap();
         assert!(
-            seen.last().is_some_and(|l| l.contains(marker)),
-            "never printed {marker:?}: {seen:#?}"
+            before.last().is_some_and(|l| l.contains(marker)),
+            "never printed {marker:?}: {before:#?}"
         );
-        seen
+        // SAFETY: kill(2) on the child's pid, which is not reaped yet.
+        unsafe { libc::kill(pid, signal) };
+        let reader = std::thread::spawn(move || lines.map_while(Result::ok).collect());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                break child.wait().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let after = reader.join().unwrap();
+        Signalled {
+            before,
+            after,
+            status,
+        }
     }
+}
+
+/// How a [`Run::signal_at`] went.
+pub struct Signalled {
+    /// Its stderr up to the marker's line (the last).
+    pub before: Vec<String>,
+    /// Its stderr after the signal.
+    pub after: Vec<String>,
+    pub status: ExitStatus,
 }
 
 /// How a [`Run::measured`] ended.

@@ -449,14 +449,35 @@ impl Nodes {
     /// The [`NODES`] on the /24 `net` (`--node NAME=ADDRESS:ROLE` each),
     /// with the VIP `net.10` when `vip`, and `extra`.
     pub fn cluster(net: &str, vip: bool, extra: &[&str]) -> Nodes {
+        Self::machines(net, &NODES, vip, extra)
+    }
+
+    /// [`Nodes::cluster`] of `machines` (name, last octet, role).
+    pub fn machines(net: &str, machines: &[(&str, u8, &str)], vip: bool, extra: &[&str]) -> Nodes {
         let mut args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        for (name, host, role) in NODES {
+        for (name, host, role) in machines {
             args.extend(["--node".to_owned(), format!("{name}={net}.{host}:{role}")]);
         }
         if vip {
             args.extend(["--vip".to_owned(), format!("{net}.10")]);
         }
         Self::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
+    /// Waits until `node` runs Talos `version` and is configured again
+    /// (the simulator's own word).
+    pub fn wait_for_version(&self, node: &str, version: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while std::time::Instant::now() < deadline {
+            let stats = self.stats();
+            if stats["nodes"][node]["day2"]["version"] == version
+                && stats["nodes"][node]["phase"] == "configured"
+            {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("{node} never came up on {version}");
     }
 
     pub fn stats(&self) -> serde_json::Value {

@@ -65,17 +65,15 @@ impl Cluster {
 
     fn start_with(block: u32, nodes: &[&str], extra: &[&str]) -> Cluster {
         let net = net(block);
-        let mut args: Vec<String> = ["--real-etcd", "--talos-version", TALOS]
-            .iter()
-            .chain(extra)
-            .map(|s| s.to_string())
-            .collect();
-        args.extend(["--upgrade-delay".into(), "50".into()]);
-        for (name, host, role) in NODES.iter().filter(|n| nodes.contains(&n.0)) {
-            args.extend(["--node".to_owned(), format!("{name}={net}.{host}:{role}")]);
-        }
-        args.extend(["--vip".to_owned(), format!("{net}.10")]);
-        let sim = Nodes::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let machines: Vec<_> = NODES.into_iter().filter(|n| nodes.contains(&n.0)).collect();
+        let flags = [
+            "--real-etcd",
+            "--talos-version",
+            TALOS,
+            "--upgrade-delay",
+            "50",
+        ];
+        let sim = Nodes::machines(&net, &machines, true, &[&flags[..], extra].concat());
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("cluster.yaml");
         let c = Cluster {
@@ -417,23 +415,19 @@ fn v1_11_etcd_refuses_a_removal_that_loses_quorum_and_the_error_reaches_the_clie
 fn v1_11_upgrade_restarts_each_real_member_and_checks_etcd_health_between() {
     use common::sims::Sim;
     let net = net(7);
-    let mut args: Vec<String> = [
-        "--real-etcd",
-        "--talos-version",
-        "v1.11.2",
-        "--reboot-delay",
-        "300",
-        "--upgrade-delay",
-        "50",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    for (name, host, role) in NODES {
-        args.extend(["--node".to_owned(), format!("{name}={net}.{host}:{role}")]);
-    }
-    args.extend(["--vip".to_owned(), format!("{net}.10")]);
-    let sim = Nodes::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let sim = Nodes::cluster(
+        &net,
+        true,
+        &[
+            "--real-etcd",
+            "--talos-version",
+            "v1.11.2",
+            "--reboot-delay",
+            "300",
+            "--upgrade-delay",
+            "50",
+        ],
+    );
     let factory = Sim::start_with(&[], 0, &["--versions", "v1.11.2,v1.11.5"]);
     let dir = tempfile::tempdir().unwrap();
     let c = Cluster {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use crate::common;
-use common::inventory::{Inventory, NODES, Node};
+use common::inventory::{Inventory, NODES};
 use common::run::Run;
 use common::sims::{Nodes, Sim};
 use common::{json, text};
@@ -46,22 +46,18 @@ impl Cluster {
     fn start(block: u32, version: &str, offered: &str) -> Cluster {
         let factory = Sim::start_with(&[], 0, &["--versions", offered]);
         let net = net(block);
-        let mut args: Vec<String> = [
-            "--talos-version",
-            version,
-            "--reboot-delay",
-            "300",
-            "--upgrade-delay",
-            "50",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        for (name, host, role) in NODES {
-            args.extend(["--node".to_owned(), format!("{name}={net}.{host}:{role}")]);
-        }
-        args.extend(["--vip".to_owned(), format!("{net}.10")]);
-        let nodes = Nodes::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let nodes = Nodes::cluster(
+            &net,
+            true,
+            &[
+                "--talos-version",
+                version,
+                "--reboot-delay",
+                "300",
+                "--upgrade-delay",
+                "50",
+            ],
+        );
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("cluster.yaml");
         let c = Cluster {
@@ -92,12 +88,11 @@ impl Cluster {
     /// The inventory asks for Talos `version`, with `cluster_extra` (lines
     /// of YAML) in its `cluster` section.
     fn write(&self, version: &str, gone: &[&str], cluster_extra: &str) {
-        let mut inv = Inventory::new("sim")
-            .vip(&format!("{}.10", self.net))
+        let mut inv = Inventory::five_nodes("sim", &self.net)
             .talos(version)
             .factory(&self.factory.url);
-        for (name, host, role) in NODES.iter().filter(|(n, _, _)| !gone.contains(n)) {
-            inv = inv.node(Node::new(name, role).address(&format!("{}.{host}", self.net)));
+        for name in gone {
+            inv = inv.without_node(name);
         }
         let text = inv
             .text()
@@ -140,17 +135,7 @@ impl Cluster {
 
     /// Waits until `node` runs `version` and is configured again.
     fn wait_for_version(&self, node: &str, version: &str) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while std::time::Instant::now() < deadline {
-            let stats = self.stats();
-            if stats["nodes"][node]["day2"]["version"] == version
-                && stats["nodes"][node]["phase"] == "configured"
-            {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-        panic!("{node} never came up on {version}");
+        self.nodes.wait_for_version(node, version);
     }
 }
 

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use crate::common;
-use common::inventory::{Inventory, NODES, Node};
+use common::inventory::{Inventory, NODES};
 use common::run::Run;
 use common::sims::{Nodes, Sim};
 use common::{json, text};
@@ -59,28 +59,24 @@ impl Cluster {
     pub(super) fn start_in(net: &str, talos: &str, k8s: &str, offered: &str) -> Cluster {
         let factory = Sim::start_with(&[], 0, &["--versions", offered]);
         let net = net.to_owned();
-        let mut args: Vec<String> = [
-            "--talos-version",
-            talos,
-            "--reboot-delay",
-            "300",
-            "--upgrade-delay",
-            "50",
-            "--static-pod-delay",
-            "300",
-            "--kubelet-restart-delay",
-            "300",
-            "--rollout-delay",
-            "200",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        for (name, host, role) in NODES {
-            args.extend(["--node".to_owned(), format!("{name}={net}.{host}:{role}")]);
-        }
-        args.extend(["--vip".to_owned(), format!("{net}.10")]);
-        let nodes = Nodes::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let nodes = Nodes::cluster(
+            &net,
+            true,
+            &[
+                "--talos-version",
+                talos,
+                "--reboot-delay",
+                "300",
+                "--upgrade-delay",
+                "50",
+                "--static-pod-delay",
+                "300",
+                "--kubelet-restart-delay",
+                "300",
+                "--rollout-delay",
+                "200",
+            ],
+        );
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("cluster.yaml");
         let c = Cluster {
@@ -106,13 +102,9 @@ impl Cluster {
 
     /// [`Cluster::want`] with `extra` YAML after the inventory (patches).
     pub(super) fn want_with(&self, talos: &str, k8s: &str, extra: &str) {
-        let mut inv = Inventory::new("sim")
-            .vip(&format!("{}.10", self.net))
+        let mut inv = Inventory::five_nodes("sim", &self.net)
             .talos(talos)
             .factory(&self.factory.url);
-        for (name, host, role) in NODES {
-            inv = inv.node(Node::new(name, role).address(&format!("{}.{host}", self.net)));
-        }
         if !extra.is_empty() {
             inv = inv.append(extra);
         }

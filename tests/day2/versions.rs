@@ -67,23 +67,15 @@ impl Cluster {
     ) -> Cluster {
         let factory = Sim::start_with(&[], 0, &["--versions", offered]);
         let net = net(block);
-        let mut args: Vec<String> = [
+        let upgrades = [
             "--talos-version",
             version,
             "--reboot-delay",
             "300",
             "--upgrade-delay",
             "50",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.extend(extra.iter().map(|s| s.to_string()));
-        for (name, host, role) in nodes {
-            args.extend(["--node".to_owned(), format!("{name}={net}.{host}:{role}")]);
-        }
-        args.extend(["--vip".to_owned(), format!("{net}.10")]);
-        let sim = Nodes::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        ];
+        let sim = Nodes::machines(&net, nodes, true, &[&upgrades[..], extra].concat());
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("cluster.yaml");
         let c = Cluster {
@@ -566,17 +558,7 @@ fn scenario_v1_14() {
 
 /// Waits until `node` answers on `version` (the simulator's own word).
 fn wait_for_version(c: &Cluster, node: &str, version: &str) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while std::time::Instant::now() < deadline {
-        let stats = c.stats();
-        if stats["nodes"][node]["day2"]["version"] == version
-            && stats["nodes"][node]["phase"] == "configured"
-        {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    panic!("{node} never came up on {version}");
+    c.nodes.wait_for_version(node, version);
 }
 
 #[test]

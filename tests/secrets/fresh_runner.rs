@@ -12,9 +12,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use crate::common;
-use common::inventory::{Inventory, Node};
+use common::checkout::Checkout;
+use common::inventory::Inventory;
 use common::run::Run;
-use common::sims::{Nodes, Pve, Sim};
+use common::sims::{Pve, Sim};
 use common::text;
 
 use base64::Engine;
@@ -26,91 +27,16 @@ fn net(k: u8) -> String {
     common::net::scenario(module_path!(), k)
 }
 
-/// A checkout: a two-node inventory, its state dir `state/`, and a home
-/// without age keys.
-struct Checkout {
-    dir: tempfile::TempDir,
-    net: String,
-}
-
-impl Checkout {
-    fn new(net: &str) -> Checkout {
-        let dir = tempfile::tempdir().unwrap();
-        let inv = Inventory::new("fresh")
-            .endpoint(&format!("{net}.11"))
-            .no_nameservers()
-            .node(Node::new("cp-01", "controlplane").address(&format!("{net}.11")))
-            .node(Node::new("worker-01", "worker").address(&format!("{net}.21")))
-            .text();
-        std::fs::write(dir.path().join("cluster.yaml"), inv).unwrap();
-        std::fs::create_dir(dir.path().join("home")).unwrap();
-        Checkout {
-            dir,
-            net: net.to_owned(),
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// imgbuild with the state dir `state`, test-sized timeouts where the
-    /// command takes them, and only the age keys in `env`.
-    fn imgbuild(&self, args: &[&str], env: &[(&str, &Path)]) -> Output {
-        let mut run = Run::with_config(&self.path("cluster.yaml"), args);
-        run.env("IMGBUILD_STATE_DIR", self.path("state"))
-            .env("HOME", self.path("home"))
-            .env_remove("XDG_CONFIG_HOME")
-            .env_remove("SOPS_AGE_KEY")
-            .env_remove("SOPS_AGE_KEY_FILE")
-            .env_remove("SOPS_AGE_KEY_CMD")
-            .env_remove("TALOSCONFIG")
-            .env_remove("KUBECONFIG");
-        let waits = ["up", "bootstrap", "apply", "upgrade", "status", "etcd"];
-        if args.iter().any(|a| waits.contains(a)) {
-            run.timeouts(&[]);
-        }
-        if args.contains(&"up") {
-            run.arg("--out-dir").arg(self.path("out"));
-        }
-        for (k, v) in env {
-            run.env(k, v);
-        }
-        run.output()
-    }
-
-    /// A fresh age key pair from `age-keygen`: the key file and recipient.
-    fn keygen(&self, name: &str) -> (PathBuf, String) {
-        let file = self.path(name);
-        let recipient = common::age_keygen(&file);
-        (file, recipient)
-    }
-
-    /// The laptop's steps as the README gives them (`secrets gen`, then
-    /// `secrets encrypt --age`), then what Git holds: the state dir is not
-    /// committed, so a fresh clone has only `secrets.sops.yaml`. Returns
-    /// the bundle in clear, for the tests to look for.
-    fn committed_secrets(&self, recipient: &str) -> String {
-        let o = self.imgbuild(&["secrets", "gen"], &[]);
-        assert!(o.status.success(), "{}", text(&o.stderr));
-        let o = self.imgbuild(&["secrets", "encrypt", "--age", recipient], &[]);
-        assert!(o.status.success(), "{}", text(&o.stderr));
-        let said = text(&o.stdout);
-        assert!(said.contains("no longer needed"), "{said}");
-        let plain = std::fs::read_to_string(self.path("state/secrets.yaml")).unwrap();
-        std::fs::remove_dir_all(self.path("state")).unwrap();
-        plain
-    }
-
-    fn nodes(&self) -> Nodes {
-        let net = &self.net;
-        Nodes::start(&[
-            "--node",
-            &format!("cp-01={net}.11:controlplane"),
-            "--node",
-            &format!("worker-01={net}.21:worker"),
-        ])
-    }
+/// The laptop's steps as the guide gives them (`secrets gen`, then
+/// `secrets encrypt --age`), then what Git holds: the state dir is not
+/// committed, so a fresh clone has only `secrets.sops.yaml`. Returns the
+/// bundle in clear, for the tests to look for.
+fn committed_secrets(c: &Checkout, recipient: &str) -> String {
+    let said = c.seal(recipient);
+    assert!(said.contains("no longer needed"), "{said}");
+    let plain = std::fs::read_to_string(c.path("state/secrets.yaml")).unwrap();
+    std::fs::remove_dir_all(c.path("state")).unwrap();
+    plain
 }
 
 /// Both streams.
@@ -283,10 +209,10 @@ const NEED_SECRETS: &[&[&str]] = &[
 
 #[test]
 fn without_the_age_key_every_command_that_needs_secrets_stops_naming_the_file() {
-    let c = Checkout::new(&net(1));
+    let c = Checkout::new("fresh", &net(1));
     let (key, recipient) = c.keygen("key.txt");
     let (other, _) = c.keygen("other.txt");
-    c.committed_secrets(&recipient);
+    committed_secrets(&c, &recipient);
     let sealed = c.path("secrets.sops.yaml");
     let sealed_text = std::fs::read(&sealed).unwrap();
     let sim = c.nodes();
@@ -323,9 +249,9 @@ fn without_the_age_key_every_command_that_needs_secrets_stops_naming_the_file() 
 
 #[test]
 fn with_the_key_the_state_dir_never_holds_a_secret_in_clear() {
-    let c = Checkout::new(&net(2));
+    let c = Checkout::new("fresh", &net(2));
     let (key, recipient) = c.keygen("key.txt");
-    let plain = c.committed_secrets(&recipient);
+    let plain = committed_secrets(&c, &recipient);
     let secrets = secrets_of(&plain);
     let _sim = c.nodes();
     let with_key = [("SOPS_AGE_KEY_FILE", key.as_path())];
@@ -384,9 +310,9 @@ fn with_the_key_the_state_dir_never_holds_a_secret_in_clear() {
 
 #[test]
 fn a_sops_file_and_a_different_state_dir_bundle_are_refused_naming_both() {
-    let c = Checkout::new(&net(3));
+    let c = Checkout::new("fresh", &net(3));
     let (key, recipient) = c.keygen("key.txt");
-    let plain = c.committed_secrets(&recipient);
+    let plain = committed_secrets(&c, &recipient);
     let with_key = [("SOPS_AGE_KEY_FILE", key.as_path())];
     // The laptop's state dir holds other secrets than Git (made elsewhere:
     // `secrets gen` beside the SOPS file refuses).
@@ -430,7 +356,7 @@ fn a_sops_file_and_a_different_state_dir_bundle_are_refused_naming_both() {
 
 #[test]
 fn the_inventory_names_its_secrets_file() {
-    let c = Checkout::new(&net(4));
+    let c = Checkout::new("fresh", &net(4));
     let (key, recipient) = c.keygen("key.txt");
     let inv = std::fs::read_to_string(c.path("cluster.yaml")).unwrap();
     let named = inv.replacen(
@@ -473,9 +399,9 @@ fn the_inventory_names_its_secrets_file() {
 
 #[test]
 fn a_node_from_other_secrets_names_the_secrets_file_in_use() {
-    let c = Checkout::new(&net(5));
+    let c = Checkout::new("fresh", &net(5));
     let (key, recipient) = c.keygen("key.txt");
-    c.committed_secrets(&recipient);
+    committed_secrets(&c, &recipient);
     let sim = c.nodes();
     let with_key = [("SOPS_AGE_KEY_FILE", key.as_path())];
     let o = c.imgbuild(&["bootstrap"], &with_key);
@@ -511,10 +437,10 @@ fn a_node_from_other_secrets_names_the_secrets_file_in_use() {
 /// file's place is refused as such, never taken for "no secrets yet".
 #[test]
 fn the_sops_file_is_never_replaced_by_new_secrets_and_takes_new_recipients() {
-    let c = Checkout::new(&net(6));
+    let c = Checkout::new("fresh", &net(6));
     let (key, recipient) = c.keygen("key.txt");
     let (other_key, other) = c.keygen("other.txt");
-    let plain = c.committed_secrets(&recipient);
+    let plain = committed_secrets(&c, &recipient);
     let sealed = c.path("secrets.sops.yaml");
     let before = std::fs::read(&sealed).unwrap();
     let with_key = [("SOPS_AGE_KEY_FILE", key.as_path())];

@@ -11,9 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use crate::common;
-use common::inventory::{Inventory, Node};
+use common::checkout::Checkout;
 use common::run::Run;
-use common::sims::Nodes;
 use common::{json, text};
 
 use aes_gcm::aead::consts::U32;
@@ -27,62 +26,12 @@ fn net(k: u8) -> String {
     common::net::scenario(module_path!(), k)
 }
 
-/// A test folder: a two-node inventory, its state dir `state/`, and a home
-/// without age keys.
-struct Work {
-    dir: tempfile::TempDir,
-}
-
-impl Work {
-    fn new(net: &str) -> Work {
-        let dir = tempfile::tempdir().unwrap();
-        let inv = Inventory::new("sops")
-            .endpoint(&format!("{net}.11"))
-            .no_nameservers()
-            .node(Node::new("cp-01", "controlplane").address(&format!("{net}.11")))
-            .node(Node::new("worker-01", "worker").address(&format!("{net}.21")))
-            .text();
-        std::fs::write(dir.path().join("cluster.yaml"), inv).unwrap();
-        std::fs::create_dir(dir.path().join("home")).unwrap();
-        Work { dir }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// imgbuild with the state dir `state` and only the age keys in `env`.
-    fn imgbuild(&self, args: &[&str], env: &[(&str, &Path)]) -> Output {
-        let mut run = Run::with_config(&self.path("cluster.yaml"), args);
-        run.env("IMGBUILD_STATE_DIR", self.path("state"))
-            .env("HOME", self.path("home"))
-            .env_remove("XDG_CONFIG_HOME")
-            .env_remove("SOPS_AGE_KEY")
-            .env_remove("SOPS_AGE_KEY_FILE")
-            .env_remove("TALOSCONFIG");
-        for (k, v) in env {
-            run.env(k, v);
-        }
-        run.output()
-    }
-
-    /// A fresh age key pair from `age-keygen`: the key file and recipient.
-    fn keygen(&self, name: &str) -> (PathBuf, String) {
-        let file = self.path(name);
-        let recipient = common::age_keygen(&file);
-        (file, recipient)
-    }
-
-    /// `secrets gen`, then `secrets encrypt --age recipient`: the SOPS file.
-    fn encrypted_bundle(&self, recipient: &str) -> String {
-        let o = self.imgbuild(&["secrets", "gen"], &[]);
-        assert!(o.status.success(), "{}", text(&o.stderr));
-        let o = self.imgbuild(&["secrets", "encrypt", "--age", recipient], &[]);
-        assert!(o.status.success(), "{}", text(&o.stderr));
-        let out = self.path("secrets.sops.yaml");
-        assert!(text(&o.stdout).contains(&out.display().to_string()));
-        std::fs::read_to_string(out).unwrap()
-    }
+/// `secrets gen`, then `secrets encrypt --age recipient`: the SOPS file.
+fn encrypted_bundle(w: &Checkout, recipient: &str) -> String {
+    let said = w.seal(recipient);
+    let out = w.path("secrets.sops.yaml");
+    assert!(said.contains(&out.display().to_string()), "{said}");
+    std::fs::read_to_string(out).unwrap()
 }
 
 /// The data key of a SOPS file, from its first age stanza by the real
@@ -166,9 +115,9 @@ fn open_tree(
 #[test]
 fn the_encrypted_bundle_opens_with_age_and_bootstraps_a_cluster() {
     let net = net(0);
-    let w = Work::new(&net);
+    let w = Checkout::new("sops", &net);
     let (key, recipient) = w.keygen("key.txt");
-    let enc_text = w.encrypted_bundle(&recipient);
+    let enc_text = encrypted_bundle(&w, &recipient);
     let plain_text = std::fs::read_to_string(w.path("state/secrets.yaml")).unwrap();
     let plain: Value = serde_yaml_ng::from_str(&plain_text).unwrap();
     let secret = plain["cluster"]["secret"].as_str().unwrap();
@@ -196,24 +145,11 @@ fn the_encrypted_bundle_opens_with_age_and_bootstraps_a_cluster() {
     // state dir's own copy: the committed one is tests/secrets/fresh_runner.rs's).
     std::fs::remove_file(w.path("secrets.sops.yaml")).unwrap();
     std::fs::write(w.path("state/secrets.yaml"), &enc_text).unwrap();
-    let sim = Nodes::start(&[
-        "--node",
-        &format!("cp-01={net}.11:controlplane"),
-        "--node",
-        &format!("worker-01={net}.21:worker"),
-    ]);
-    let mut run = Run::with_config(
-        &w.path("cluster.yaml"),
+    let sim = w.nodes();
+    let o = w.imgbuild(
         &["--output", "json", "bootstrap", "--new-secrets"],
+        &[("SOPS_AGE_KEY_FILE", &key)],
     );
-    let o = run
-        .timeouts(&[])
-        .env("IMGBUILD_STATE_DIR", w.path("state"))
-        .env("HOME", w.path("home"))
-        .env("SOPS_AGE_KEY_FILE", &key)
-        .env_remove("SOPS_AGE_KEY")
-        .env_remove("TALOSCONFIG")
-        .output();
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(json(&o)["healthy"], true);
     assert_eq!(sim.stats()["totals"]["applies"], 2);
@@ -233,10 +169,10 @@ fn the_encrypted_bundle_opens_with_age_and_bootstraps_a_cluster() {
 
 #[test]
 fn a_changed_file_or_a_wrong_key_is_refused() {
-    let w = Work::new(&net(1));
+    let w = Checkout::new("sops", &net(1));
     let (key, recipient) = w.keygen("key.txt");
     let (other, other_recipient) = w.keygen("other.txt");
-    let enc = w.encrypted_bundle(&recipient);
+    let enc = encrypted_bundle(&w, &recipient);
     // The state dir's copy is the one tested here.
     std::fs::remove_file(w.path("secrets.sops.yaml")).unwrap();
     let secrets = w.path("state/secrets.yaml");
@@ -362,9 +298,9 @@ fn bundle_secrets(plain: &str) -> Vec<String> {
 #[test]
 fn a_sops_bundle_is_redacted_exactly_as_the_plain_one() {
     let net = net(2);
-    let w = Work::new(&net);
+    let w = Checkout::new("sops", &net);
     let (key, recipient) = w.keygen("key.txt");
-    let enc = w.encrypted_bundle(&recipient);
+    let enc = encrypted_bundle(&w, &recipient);
     let secrets = w.path("state/secrets.yaml");
     let plain = std::fs::read_to_string(&secrets).unwrap();
     let hidden = bundle_secrets(&plain);
@@ -419,22 +355,12 @@ fn a_sops_bundle_is_redacted_exactly_as_the_plain_one() {
         shown_offline[4].1
     );
 
-    let _sim = Nodes::start(&[
-        "--node",
-        &format!("cp-01={net}.11:controlplane"),
-        "--node",
-        &format!("worker-01={net}.21:worker"),
-    ]);
+    let _sim = w.nodes();
     std::fs::write(&secrets, &plain).unwrap();
-    let mut run = Run::with_config(&w.path("cluster.yaml"), &["bootstrap", "--new-secrets"]);
-    let o = run
-        .timeouts(&[])
-        .env("IMGBUILD_STATE_DIR", w.path("state"))
-        .env("HOME", w.path("home"))
-        .env("SOPS_AGE_KEY_FILE", &key)
-        .env_remove("SOPS_AGE_KEY")
-        .env_remove("TALOSCONFIG")
-        .output();
+    let o = w.imgbuild(
+        &["bootstrap", "--new-secrets"],
+        &[("SOPS_AGE_KEY_FILE", &key)],
+    );
     assert!(o.status.success(), "{}", text(&o.stderr));
     let shown_online = compare(online);
     assert_eq!(shown_online[0].0, Some(0), "{}", shown_online[0].1);
@@ -442,7 +368,7 @@ fn a_sops_bundle_is_redacted_exactly_as_the_plain_one() {
 
 #[test]
 fn values_of_a_sops_patch_never_reach_a_message_however_short() {
-    let w = Work::new(&net(3));
+    let w = Checkout::new("sops", &net(3));
     let (key, recipient) = w.keygen("key.txt");
     let o = w.imgbuild(&["secrets", "gen"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
@@ -485,9 +411,9 @@ fn values_of_a_sops_patch_never_reach_a_message_however_short() {
 
 #[test]
 fn a_bad_sops_age_key_file_is_named_in_clear() {
-    let w = Work::new(&net(4));
+    let w = Checkout::new("sops", &net(4));
     let (_, recipient) = w.keygen("key.txt");
-    w.encrypted_bundle(&recipient);
+    encrypted_bundle(&w, &recipient);
     std::fs::copy(w.path("secrets.sops.yaml"), w.path("state/secrets.yaml")).unwrap();
     let missing = w.path("no-such-keys.txt");
     let (code, out) = shown(&w.imgbuild(&["config", "cp-01"], &[("SOPS_AGE_KEY_FILE", &missing)]));
@@ -508,7 +434,7 @@ fn sops_bin() -> PathBuf {
 
 #[test]
 fn keys_only_the_sops_binary_has_go_through_it_or_are_named() {
-    let w = Work::new(&net(5));
+    let w = Checkout::new("sops", &net(5));
     let (key, recipient) = w.keygen("key.txt");
     let o = w.imgbuild(&["secrets", "gen"], &[]);
     assert!(o.status.success(), "{}", text(&o.stderr));
@@ -586,7 +512,7 @@ fn keys_only_the_sops_binary_has_go_through_it_or_are_named() {
 
 #[test]
 fn a_file_secrets_encrypt_writes_opens_with_the_real_sops() {
-    let w = Work::new(&net(6));
+    let w = Checkout::new("sops", &net(6));
     let (key, recipient) = w.keygen("key.txt");
     let (_, other) = w.keygen("other.txt");
     let o = w.imgbuild(&["secrets", "gen"], &[]);
