@@ -80,14 +80,23 @@ WITH_CLIPPY := RUSTC_WORKSPACE_WRAPPER=$(CLIPPY_DRIVER) \
 # The Go oracle test fails when Go is missing; IMGBUILD_SKIP_ORACLE=1 skips it on purpose.
 # The end-to-end tests mostly wait on simulators (a test binary uses a
 # fraction of the CPU it is given), so each binary runs TEST_THREADS tests at
-# once: on 2 cores, 8 took tests/day2 from 548 s to 172 s. Real boots take
-# a core each whatever the count (tests/common/realboot.rs).
+# once (on 2 cores, 8 took tests/day2 from 548 s to 172 s) and .ci/tests runs
+# TEST_SLOTS binaries at once, the longest first (cargo runs them one after
+# another). Real boots take a core each whatever the count
+# (tests/common/realboot.rs). The binaries are the ones this build made, as
+# cargo lists them (jq reads its JSON; `make deps` installs jq).
 TEST_THREADS ?= 8
+TEST_SLOTS ?= 2
+TEST_LIST := $(TARGET_DIR)/test-binaries
 test: deps
 	$(CARGO) fmt --all -- --check
 	@[ -x $(CLIPPY_DRIVER) ] || { echo "clippy-driver missing: rustup component add clippy" >&2; exit 1; }
-	$(WITH_CLIPPY) $(CARGO) test --locked --workspace --all-targets --no-run
-	$(WITH_CLIPPY) $(CARGO) test --locked --workspace --all-targets -- --test-threads=$(TEST_THREADS)
+	$(WITH_CLIPPY) $(CARGO) test --locked --workspace --all-targets --no-run \
+		--message-format=json-render-diagnostics > $(TEST_LIST).json
+	jq -r 'select(.reason == "compiler-artifact" and .profile.test and .executable != null) | \
+		[(.manifest_path | rtrimstr("/Cargo.toml")), .executable, .target.kind[0] + " " + .target.name] | @tsv' \
+		$(TEST_LIST).json > $(TEST_LIST)
+	$(WITH_CLIPPY) .ci/tests $(TEST_SLOTS) $(TEST_THREADS) < $(TEST_LIST)
 
 # The whole line on loopback simulators, in one command: the Image Factory
 # simulator, a Talos node simulator (no nodes yet) and the Proxmox VE
