@@ -89,6 +89,7 @@ pub(crate) async fn boot(
             st.configured_at = old.configured_at;
             st.stats = old.stats.clone();
             st.day2 = old.day2.clone();
+            st.node_id = old.node_id.clone();
             let id = super::state::new_boot_id(&req.name, st.day2.life.boot_ids.len());
             st.day2.life.boot_ids.push(id);
         }

@@ -175,6 +175,10 @@ pub(crate) struct NodeState {
     pub(crate) day2: Day2,
     /// Booted with Secure Boot on (the SecurityState it reports).
     pub(crate) secure_boot: bool,
+    /// The node identity its STATE holds (`identity.rs`): made with the
+    /// machine (a new `Node`), kept by every reboot and upgrade, carried to
+    /// the next boot of the same machine unless a Reset wiped STATE.
+    pub(crate) node_id: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -230,6 +234,7 @@ impl Node {
         let cert = pki::self_signed_server(&[ip])?;
         let mut st = NodeState {
             secure_boot: args.secure_boot,
+            node_id: super::identity::new_node_id(),
             ..NodeState::default()
         };
         let named = |n: &str| n == name || hostname.as_deref() == Some(n);
