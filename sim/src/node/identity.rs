@@ -223,6 +223,29 @@ mod tests {
         assert_eq!(base62_decode("not-base62"), None);
     }
 
+    /// Vectors from jxskiss/base62 v1.1.0 itself (`EncodeToString`, run
+    /// with Go 1.x): bytes chosen to hit the 5-bit values (0x1e/0x1f runs).
+    #[test]
+    fn the_encoding_matches_jxskiss_base62() {
+        let hex = |s: &str| -> Vec<u8> {
+            (0..s.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+                .collect()
+        };
+        for (src, want) in [
+            ("000102feff7c3e1f8040", "AB4Hehvf7vABAA"),
+            (
+                "0b30557a9fc4e90e33587da2c7ec11365b80a5caef14395e83a8cdf2173c6186",
+                "GGGPXIfmRdQvyhi3VuUA3ymIYfxi2HWz4Q6EfT9qCmFA",
+            ),
+            (&"00".repeat(32), &"A".repeat(43)),
+        ] {
+            assert_eq!(base62_encode(&hex(src)), want, "{src}");
+            assert_eq!(base62_decode(want).unwrap(), hex(src), "{want}");
+        }
+    }
+
     #[test]
     fn the_resources_are_in_talos_wire_form() {
         let r = identity_resource("abc");

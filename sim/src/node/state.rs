@@ -207,6 +207,8 @@ pub(crate) struct Node {
 /// What `POST /_sim/boot` said about a dynamically booted node.
 pub(crate) struct BootInfo {
     pub(crate) hostname: Option<String>,
+    /// The boot request's `machine` (None: the boot `name` tells).
+    pub(crate) machine: Option<String>,
 }
 
 impl Node {
@@ -698,6 +700,10 @@ pub(crate) struct Heartbeat {
     pub(crate) name: String,
     pub(crate) at: Instant,
     pub(crate) ready: bool,
+    /// The `status.nodeInfo.machineID` and `bootID` it posted: the machine
+    /// and boot that kubelet ran on (`identity.rs`).
+    pub(crate) machine_id: Option<String>,
+    pub(crate) boot_id: String,
 }
 
 /// What removal did to the simulated cluster.
