@@ -107,6 +107,7 @@ fn booting_is_idempotent_per_address_and_a_restart_keeps_the_config() {
                 config: config.map(str::to_owned),
                 talos_version: None,
                 secure_boot: None,
+                machine: None,
             })
         };
         let st = State(cluster.clone());
