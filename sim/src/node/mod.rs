@@ -54,7 +54,11 @@
 //!   and restarts of the same machine, new for another machine or after a
 //!   Reset that wiped STATE; `HostnameStatuses.net.talos.dev`
 //!   `network/hostname`. Kubernetes Nodes report `status.nodeInfo.machineID`
-//!   (derived from it as Talos derives `/etc/machine-id`) and `bootID`.
+//!   (derived from it as Talos derives `/etc/machine-id`) and `bootID`; a
+//!   Node keeps what its kubelet last posted while that kubelet is gone, and
+//!   the Node of a machine replaced at its address (another machine or a
+//!   wiped one booted there) stays beside the new machine's until deleted
+//!   or re-registered under its name by the new kubelet.
 //!   400/422 for a bad body or a non-loopback ip.
 //! - `POST /_sim/halt` `{"ip"}` → 200 `{"halted":bool,"ip","configured":bool}`
 //!   (halted false: was halted already; configured: it held an applied
