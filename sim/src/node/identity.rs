@@ -20,9 +20,10 @@
 //! labelled STATE with a filesystem already exists
 //! (`block/internal/volumes/volumeconfig/system_volumes.go`
 //! `manageStateNoConfig`), so a new or wiped machine has no identity until
-//! it is configured. The simulator's maintenance server answers no COSI
-//! call at all (`dispatch.rs` `route`: Unimplemented), so the identity is
-//! read only from configured nodes, where STATE is always mounted.
+//! it is configured. Maintenance mode serves COSI reads on every version
+//! (v1.11/v1.12 `internal/app/maintenance/server.go`, v1.13+ machined), so a
+//! Get there is NotFound and a List empty (`day2.rs`); the simulated
+//! machines in maintenance are always new or wiped.
 //!
 //! Also `HostnameStatuses.net.talos.dev` (`pkg/machinery/resources/network/
 //! hostname_status.go`: namespace `network`, ID `hostname`, spec `hostname`,
