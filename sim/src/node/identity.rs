@@ -1,5 +1,8 @@
-//! A machine's node identity, as Talos keeps it (siderolabs/talos v1.11–
-//! v1.14, unchanged in substance since v1.11):
+//! A machine's node identity, as Talos keeps and serves it (siderolabs/talos
+//! `controllers/cluster/node_identity.go`).
+//!
+//! Read at v1.11.0, v1.12.0, v1.13.0 and v1.14.0-rc.1 (the same since v1.12;
+//! v1.11 only mounts STATE differently):
 //! - `internal/app/machined/pkg/controllers/cluster/node_identity.go`:
 //!   once STATE is mounted, `LoadOrNewFromFile(STATE, "node-identity.yaml")`
 //!   loads the identity saved there or generates one and saves it; so it is
