@@ -12,6 +12,7 @@ use futures_util::Stream;
 use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
+use super::identity;
 use super::service::Api;
 use super::state::Day2;
 use super::state::{Applied, Cluster};
@@ -160,6 +161,15 @@ impl Api {
         namespace: &str,
         kind: &str,
     ) -> Result<Vec<Resource>, Status> {
+        // Maintenance mode serves the COSI state read-only (v1.11/v1.12
+        // `internal/app/maintenance/server.go` `RegisterStateServer` behind
+        // `resources.AccessPolicy`; from v1.13 machined's own): the node
+        // identity is not there, for STATE is not mounted on a new or wiped
+        // machine (`identity.rs`), so Get is NotFound and List empty. Other
+        // types stay Unimplemented here (not modelled).
+        if !self.secure && namespace == identity::IDENTITY_NS && kind == identity::IDENTITY_TYPE {
+            return Ok(Vec::new());
+        }
         let i = self.state_target(req)?;
         if namespace == RUNTIME && kind == EXTENSION_STATUS {
             if self
@@ -180,6 +190,13 @@ impl Api {
             Ok(self.machine_configs_on(i))
         } else if let Some(found) = self.k8s_resources(i, namespace, kind) {
             Ok(found)
+        } else if namespace == identity::IDENTITY_NS && kind == identity::IDENTITY_TYPE {
+            let node_id = self.cluster.node(i).st.lock().unwrap().node_id.clone();
+            Ok(vec![identity::identity_resource(&node_id)])
+        } else if namespace == identity::NETWORK_NS && kind == identity::HOSTNAME_STATUS_TYPE {
+            let name = self.cluster.node(i).display_name();
+            let (host, domain) = name.split_once('.').unwrap_or((&name, ""));
+            Ok(vec![identity::hostname_resource(host, domain)])
         } else if namespace == RUNTIME && kind == super::security::SECURITY_STATE {
             let secure_boot = self.cluster.node(i).st.lock().unwrap().secure_boot;
             Ok(vec![super::security::resource(secure_boot)])
