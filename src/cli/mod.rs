@@ -108,6 +108,18 @@ pub struct Cli {
     /// status, time. Never a header, body, token or key.
     #[arg(long, global = true)]
     debug: bool,
+    /// Every Talos API connection through this HTTP CONNECT proxy
+    /// (http://[user:password@]host[:port]), loopback included; `direct`:
+    /// none. Unset: HTTPS_PROXY / NO_PROXY as talosctl reads them (never
+    /// for loopback or localhost).
+    #[arg(
+        long,
+        global = true,
+        env = "IMGBUILD_TALOS_PROXY",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    talos_proxy: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -222,6 +234,16 @@ pub fn run() -> i32 {
         return usage_error(Cli::command().error(
             clap::error::ErrorKind::ValueValidation,
             format!("--factory / IMGBUILD_FACTORY {e}"),
+        ));
+    }
+    if let Some(Err(e)) = cli
+        .talos_proxy
+        .as_deref()
+        .map(imgbuild::net::proxy::set_talos_proxy)
+    {
+        return usage_error(Cli::command().error(
+            clap::error::ErrorKind::ValueValidation,
+            format!("--talos-proxy / IMGBUILD_TALOS_PROXY {e}"),
         ));
     }
     inventory::set_factory(cli.factory.clone());

@@ -17,6 +17,7 @@ mod fresh_runner;
 mod hcloud;
 mod kubernetes_manifests;
 mod kubernetes_upgrade;
+mod proxy;
 mod remove;
 mod sealed_kube;
 mod versions;
