@@ -20,4 +20,5 @@ mod kubernetes_upgrade;
 mod proxy;
 mod remove;
 mod sealed_kube;
+mod stalled;
 mod versions;
