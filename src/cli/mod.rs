@@ -9,6 +9,7 @@ mod output;
 mod board;
 mod boot;
 mod build;
+mod complete;
 mod day2;
 mod down;
 mod etcd;
@@ -195,11 +196,21 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Convert another tool's cluster definition into a cluster.yaml.
     Import(import::ImportArgs),
-    /// Print a shell completion script (bash, zsh or fish).
+    /// Print a shell completion script (bash, zsh or fish); it completes
+    /// node names from the inventory (--config, else ./cluster.yaml).
     Completions { shell: clap_complete::Shell },
+    /// What the completion scripts ask: `__complete nodes` prints the
+    /// inventory's node names, quietly (nothing on stderr, exit 0).
+    #[command(name = "__complete", hide = true)]
+    Complete { what: CompleteWhat },
     /// Print the manual page (roff) on stdout, or with --dir write one page
     /// per command (imgbuild.1, imgbuild-up.1, imgbuild-etcd-snapshot.1, …).
     Man(ManArgs),
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum CompleteWhat {
+    Nodes,
 }
 
 #[derive(clap::Args)]
@@ -409,10 +420,19 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Replace(args) => up::replace(args, &cli.config, cli.output),
         Command::Plan(args) => plan::run(args, cli.configs, cli.output),
         Command::Import(args) => import::run(args, cli.output),
+        Command::Complete {
+            what: CompleteWhat::Nodes,
+        } => {
+            // Quiet whatever happens: the inventory's names, or nothing.
+            let names = complete::node_names(&cli.config);
+            if !names.is_empty() {
+                outln!("{}", names.join("\n"));
+            }
+            Ok(())
+        }
         Command::Completions { shell } => {
             // Into memory first: clap_complete panics when a write fails.
-            let mut script = Vec::new();
-            clap_complete::generate(shell, &mut Cli::command(), "imgbuild", &mut script);
+            let script = complete::script(shell, Cli::command());
             print_generated(&script, json!({"shell": shell.to_string()}), cli.output)
         }
         Command::Man(ManArgs { dir: None }) => {
