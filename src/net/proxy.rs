@@ -401,9 +401,7 @@ pub async fn dial(target: SocketAddr, proxy: Option<&Proxy>) -> std::io::Result<
             Err(e) => format!("{what} → failed after {took} ms: {e}"),
         }
     });
-    result
-        .map(|(tcp, _)| tcp)
-        .map_err(|e| std::io::Error::other(e))
+    result.map(|(tcp, _)| tcp).map_err(std::io::Error::other)
 }
 
 /// A CONNECT abandoned before its reply (the call's deadline) says so in

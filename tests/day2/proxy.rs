@@ -318,7 +318,9 @@ fn a_proxy_that_never_answers_costs_one_call_timeout_per_node() {
     );
     let err = text(&o.stderr);
     let v = json(&o);
-    let nodes = v["nodes"].as_array().expect(&format!("{v}\n{err}"));
+    let nodes = v["nodes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}\n{err}"));
     assert_eq!(nodes.len(), 5, "{v}");
     for n in nodes {
         assert_eq!(n["reachable"], false, "{n}");
