@@ -247,6 +247,23 @@ pub fn run() -> i32 {
             format!("--factory / IMGBUILD_FACTORY {e}"),
         ));
     }
+    // A proxy's password never reaches the output, whichever layer meets it.
+    let proxies = [
+        "HTTPS_PROXY",
+        "https_proxy",
+        "HTTP_PROXY",
+        "http_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ]
+    .iter()
+    .filter_map(|k| std::env::var(k).ok())
+    .chain(cli.talos_proxy.clone());
+    for url in proxies {
+        for password in imgbuild::net::proxy::passwords_in(&url) {
+            output::redact_also("proxy password", &password);
+        }
+    }
     if let Some(Err(e)) = cli
         .talos_proxy
         .as_deref()

@@ -118,6 +118,31 @@ impl Proxy {
     }
 }
 
+/// The password of a proxy URL (`http://user:password@host`) as written
+/// and decoded, for the output's redaction set: a proxy URL from the
+/// environment or `--talos-proxy` may reach a message through another
+/// layer (an HTTP client's error).
+pub fn passwords_in(url: &str) -> Vec<String> {
+    let url = if url.contains("://") {
+        url.to_owned()
+    } else {
+        format!("http://{url}")
+    };
+    let Some(raw) = reqwest::Url::parse(&url)
+        .ok()
+        .and_then(|u| u.password().map(str::to_owned))
+    else {
+        return Vec::new();
+    };
+    let decoded = String::from_utf8_lossy(&percent_decode(&raw)).into_owned();
+    let mut out = vec![raw];
+    if !out.contains(&decoded) {
+        out.push(decoded);
+    }
+    out.retain(|p| !p.is_empty());
+    out
+}
+
 /// `%XX` escapes decoded, as Go's `url.UserPassword` values are.
 fn percent_decode(s: &str) -> Vec<u8> {
     let b = s.as_bytes();

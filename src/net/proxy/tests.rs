@@ -185,3 +185,14 @@ fn credentials_make_basic_authorization_and_are_never_shown() {
             .is_none()
     );
 }
+
+#[test]
+fn a_proxy_urls_password_is_found_for_redaction_as_written_and_decoded() {
+    assert_eq!(
+        passwords_in("http://bob:s3cr%3At@proxy:3128"),
+        ["s3cr%3At", "s3cr:t"]
+    );
+    assert_eq!(passwords_in("bob:hunter2@proxy:3128"), ["hunter2"]);
+    assert!(passwords_in("http://proxy:3128").is_empty());
+    assert!(passwords_in("http://bob@proxy:3128").is_empty());
+}
