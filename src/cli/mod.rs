@@ -9,6 +9,7 @@ mod output;
 mod board;
 mod boot;
 mod build;
+mod complete;
 mod day2;
 mod down;
 mod etcd;
@@ -108,6 +109,18 @@ pub struct Cli {
     /// status, time. Never a header, body, token or key.
     #[arg(long, global = true)]
     debug: bool,
+    /// Every Talos API connection through this HTTP CONNECT proxy
+    /// (http://[user:password@]host[:port]), loopback included; `direct`:
+    /// none. Unset: HTTPS_PROXY / NO_PROXY as talosctl reads them (never
+    /// for loopback or localhost).
+    #[arg(
+        long,
+        global = true,
+        env = "IMGBUILD_TALOS_PROXY",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    talos_proxy: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -183,11 +196,21 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Convert another tool's cluster definition into a cluster.yaml.
     Import(import::ImportArgs),
-    /// Print a shell completion script (bash, zsh or fish).
+    /// Print a shell completion script (bash, zsh or fish); it completes
+    /// node names from the inventory (--config, else ./cluster.yaml).
     Completions { shell: clap_complete::Shell },
+    /// What the completion scripts ask: `__complete nodes` prints the
+    /// inventory's node names, quietly (nothing on stderr, exit 0).
+    #[command(name = "__complete", hide = true)]
+    Complete { what: CompleteWhat },
     /// Print the manual page (roff) on stdout, or with --dir write one page
     /// per command (imgbuild.1, imgbuild-up.1, imgbuild-etcd-snapshot.1, …).
     Man(ManArgs),
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum CompleteWhat {
+    Nodes,
 }
 
 #[derive(clap::Args)]
@@ -222,6 +245,33 @@ pub fn run() -> i32 {
         return usage_error(Cli::command().error(
             clap::error::ErrorKind::ValueValidation,
             format!("--factory / IMGBUILD_FACTORY {e}"),
+        ));
+    }
+    // A proxy's password never reaches the output, whichever layer meets it.
+    let proxies = [
+        "HTTPS_PROXY",
+        "https_proxy",
+        "HTTP_PROXY",
+        "http_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ]
+    .iter()
+    .filter_map(|k| std::env::var(k).ok())
+    .chain(cli.talos_proxy.clone());
+    for url in proxies {
+        for password in imgbuild::net::proxy::passwords_in(&url) {
+            output::redact_also("proxy password", &password);
+        }
+    }
+    if let Some(Err(e)) = cli
+        .talos_proxy
+        .as_deref()
+        .map(imgbuild::net::proxy::set_talos_proxy)
+    {
+        return usage_error(Cli::command().error(
+            clap::error::ErrorKind::ValueValidation,
+            format!("--talos-proxy / IMGBUILD_TALOS_PROXY {e}"),
         ));
     }
     inventory::set_factory(cli.factory.clone());
@@ -387,10 +437,19 @@ fn dispatch_one(command: Command, cli: Invocation) -> Result<()> {
         Command::Replace(args) => up::replace(args, &cli.config, cli.output),
         Command::Plan(args) => plan::run(args, cli.configs, cli.output),
         Command::Import(args) => import::run(args, cli.output),
+        Command::Complete {
+            what: CompleteWhat::Nodes,
+        } => {
+            // Quiet whatever happens: the inventory's names, or nothing.
+            let names = complete::node_names(&cli.config);
+            if !names.is_empty() {
+                outln!("{}", names.join("\n"));
+            }
+            Ok(())
+        }
         Command::Completions { shell } => {
             // Into memory first: clap_complete panics when a write fails.
-            let mut script = Vec::new();
-            clap_complete::generate(shell, &mut Cli::command(), "imgbuild", &mut script);
+            let script = complete::script(shell, Cli::command());
             print_generated(&script, json!({"shell": shell.to_string()}), cli.output)
         }
         Command::Man(ManArgs { dir: None }) => {

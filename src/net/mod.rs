@@ -4,6 +4,7 @@
 //! long to wait, and how a failed response is shown — its status and the
 //! first bytes of its body, never a header, so never a credential.
 
+pub mod proxy;
 pub mod tls;
 
 mod body;

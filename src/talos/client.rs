@@ -14,7 +14,6 @@ use std::time::Duration;
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use rustls::{ClientConfig, SignatureScheme};
-use tokio::net::TcpStream;
 use tonic::transport::{Channel, Endpoint};
 
 use super::api::common::{Data, Metadata};
@@ -29,6 +28,7 @@ use super::api::storage::Disks;
 use super::api::storage::storage_service_client::StorageServiceClient;
 use super::talosconfig::Identity;
 use crate::net::error_chain;
+use crate::net::proxy;
 use crate::net::tls::{self, ClientIdentity, SeenCertificate, Trust};
 
 use super::api::common::{ContainerDriver, ContainerdInstance, ContainerdNamespace};
@@ -89,6 +89,10 @@ pub enum ApiError {
     PinMismatch { expected: String, found: String },
     #[error("cannot connect: {0}")]
     Unreachable(String),
+    /// The proxy the connection goes through (`HTTPS_PROXY`,
+    /// `--talos-proxy`) failed it: it is named, the node may be fine.
+    #[error("{0}")]
+    Proxy(String),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
     /// A reply larger than anything the node should send.
@@ -232,9 +236,12 @@ fn tls_config(mode: &Mode) -> Result<(ClientConfig, SeenCertificate), ApiError> 
 /// byte: a node that is still booting must not be probed with API calls.
 pub async fn wait_for_port(addr: SocketAddr, timeout: Duration) -> Result<(), ApiError> {
     let deadline = tokio::time::Instant::now() + timeout;
+    let proxy = proxy::talos_proxy_for(addr);
     loop {
         let last =
-            match tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)).await {
+            match tokio::time::timeout(Duration::from_secs(2), proxy::dial(addr, proxy.as_ref()))
+                .await
+            {
                 Ok(Ok(_)) => return Ok(()),
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => "connect timed out".to_owned(),
@@ -256,9 +263,13 @@ pub async fn probe(target: &NodeEndpoint, timeout: Duration) -> Result<Probe, Ap
     let noted = Arc::new(NoteRequest::default());
     config.client_auth_cert_resolver = noted.clone();
     let work = async {
-        let tcp = TcpStream::connect(target.addr)
+        let proxy = proxy::talos_proxy_for(target.addr);
+        let tcp = proxy::dial(target.addr, proxy.as_ref())
             .await
-            .map_err(|e| ApiError::Unreachable(format!("{}: {e}", target.addr)))?;
+            .map_err(|e| {
+                proxy_error(&e)
+                    .unwrap_or_else(|| ApiError::Unreachable(format!("{}: {e}", target.addr)))
+            })?;
         let name = ServerName::IpAddress(target.server_name.into());
         let result = tokio_rustls::TlsConnector::from(Arc::new(config))
             .connect(name, tcp)
@@ -375,11 +386,14 @@ impl NodeClient {
         let config = Arc::new(config);
         let addr = target.addr;
         let name = ServerName::IpAddress(target.server_name.into());
+        // Chosen once per client: HTTPS_PROXY / NO_PROXY, or --talos-proxy.
+        let via = proxy::talos_proxy_for(addr).map(Arc::new);
         let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
             let config = config.clone();
             let name = name.clone();
+            let via = via.clone();
             async move {
-                let tcp = TcpStream::connect(addr).await?;
+                let tcp = proxy::dial(addr, via.as_deref()).await?;
                 let tls = tokio_rustls::TlsConnector::from(config)
                     .connect(name, tcp)
                     .await?;
@@ -1261,6 +1275,9 @@ fn classify(e: &(dyn StdError + 'static)) -> Option<ApiError> {
             return Some(from_rustls(r));
         }
         if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if let Some(p) = proxy_error(io) {
+                return Some(p);
+            }
             // Alerts read after the handshake reach us as text only.
             let text = io.to_string();
             if text.contains("received fatal alert: CertificateRequired") {
@@ -1283,6 +1300,14 @@ fn classify(e: &(dyn StdError + 'static)) -> Option<ApiError> {
         cur = err.source();
     }
     None
+}
+
+/// A failure of the proxy in between, named as such: a refused CONNECT, a
+/// proxy that cannot be reached or does not speak HTTP.
+fn proxy_error(io: &std::io::Error) -> Option<ApiError> {
+    io.get_ref()
+        .and_then(|e| e.downcast_ref::<proxy::ProxyError>())
+        .map(|e| ApiError::Proxy(e.to_string()))
 }
 
 /// Checks the per-node envelopes of a reply: an error apid put there

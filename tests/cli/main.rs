@@ -11,6 +11,7 @@ mod common;
 mod action_download;
 mod ci_matrix;
 mod cleanup_dry_run;
+mod completion_nodes;
 mod debug;
 mod exit;
 mod hostile_input;

@@ -17,6 +17,8 @@ mod fresh_runner;
 mod hcloud;
 mod kubernetes_manifests;
 mod kubernetes_upgrade;
+mod proxy;
 mod remove;
 mod sealed_kube;
+mod stalled;
 mod versions;
