@@ -1605,3 +1605,54 @@ async fn talos_1_13_creates_the_bootstrap_manifests_through_an_inventory_v1_13_5
         "{inv}"
     );
 }
+
+/// kubernetes `pkg/kubelet/nodestatus/setters.go` `MachineInfo`: a Node's
+/// `status.nodeInfo.machineID` is the machine's `/etc/machine-id`, which
+/// Talos writes from its node identity (siderolabs/talos
+/// `controllers/cluster/node_identity.go`); `bootID` the running boot's.
+/// A new machine under the old hostname re-registers the same Node with its
+/// own IDs; until then the Node keeps what the old kubelet posted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_report_the_machine_id_of_the_machine_their_kubelet_runs_on() {
+    let c = Cluster::start(
+        11,
+        &[("cp-1", 11, true, "v1.12.9"), ("w-1", 21, false, "v1.12.9")],
+    )
+    .await;
+    let info = |name: &str| -> Value {
+        c.items("/api/v1/nodes")
+            .into_iter()
+            .find(|n| n["metadata"]["name"] == name)
+            .map_or(Value::Null, |n| n["status"]["nodeInfo"].clone())
+    };
+    let stats = c.sim.stats();
+    for name in ["cp-1", "w-1"] {
+        let node = &stats["nodes"][name];
+        let machine_id = node["machine_id"].as_str().unwrap();
+        assert_eq!(machine_id.len(), 32, "{node}");
+        assert!(machine_id.chars().all(|ch| ch.is_ascii_hexdigit()));
+        let i = info(name);
+        assert_eq!(i["machineID"], machine_id, "{name}: {i}");
+        assert_eq!(i["bootID"], node["day2"]["boot_id"], "{name}: {i}");
+    }
+    let old = stats["nodes"]["w-1"]["machine_id"].clone();
+    assert_ne!(old, stats["nodes"]["cp-1"]["machine_id"]);
+
+    // The worker's VM deleted: its Node stays with what it posted.
+    let v = c.post("halt", json!({"ip": c.ip(21)}));
+    assert_eq!(v["halted"], true, "{v}");
+    assert_eq!(info("w-1")["machineID"], old);
+
+    // Another machine with the same hostname at the same address.
+    let config = c.config("w-1", false, "v1.32.1", &[]);
+    let v = c.post(
+        "boot",
+        json!({"name": "vm-2", "ip": c.ip(21), "hostname": "w-1",
+            "config": config, "talos_version": "v1.12.9"}),
+    );
+    assert_eq!(v["booted"], true, "{v}");
+    let new = c.sim.stats()["nodes"]["w-1"]["machine_id"].clone();
+    assert_ne!(new, old);
+    c.wait("the new kubelet posted", || info("w-1")["machineID"] == new)
+        .await;
+}

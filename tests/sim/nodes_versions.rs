@@ -929,3 +929,190 @@ async fn a_reset_wipes_a_separate_etcd_volume_only_on_v1_14_and_only_when_named(
         "the ETCD partition stays: {s}"
     );
 }
+
+impl Cluster {
+    /// The node identity as `talosctl get nodeidentity` reads it (COSI
+    /// `Identities.cluster.talos.dev` `cluster/local`, siderolabs/talos
+    /// `pkg/machinery/resources/cluster/identity.go`): its `nodeId`.
+    async fn node_id(&self, host: u8) -> Result<String, tonic::Status> {
+        use imgbuild::talos::api::cosi::resource::GetRequest;
+        use imgbuild::talos::api::cosi::resource::state_client::StateClient;
+        let channel = self
+            .channel(host)
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let r = StateClient::new(channel)
+            .get(GetRequest {
+                namespace: "cluster".into(),
+                r#type: "Identities.cluster.talos.dev".into(),
+                id: "local".into(),
+                options: None,
+            })
+            .await?
+            .into_inner()
+            .resource
+            .unwrap();
+        let md = r.metadata.unwrap();
+        assert_eq!(
+            (md.namespace.as_str(), md.r#type.as_str(), md.id.as_str()),
+            ("cluster", "Identities.cluster.talos.dev", "local")
+        );
+        let yaml = r.spec.unwrap().yaml_spec;
+        let id = yaml
+            .strip_prefix("nodeId: ")
+            .and_then(|s| s.strip_suffix('\n'))
+            .unwrap_or_else(|| panic!("spec {yaml:?}"));
+        // 32 bytes in jxskiss/base62: 43 to 45 characters of [A-Za-z0-9].
+        assert!(
+            (43..=45).contains(&id.len()) && id.chars().all(|c| c.is_ascii_alphanumeric()),
+            "{id}"
+        );
+        Ok(id.to_owned())
+    }
+
+    /// Waits until the node on `host` answers the identity read (after a
+    /// boot or a reboot).
+    async fn node_id_when_up(&self, host: u8) -> String {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match self.node_id(host).await {
+                Ok(id) => return id,
+                Err(e) => assert!(Instant::now() < deadline, "{host}: {e:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn halt(&self, host: u8) {
+        let v = self.post("halt", json!({"ip": self.ip(host)}));
+        assert_eq!(v["halted"], true, "{v}");
+    }
+
+    /// Boots machine `name` (`machine`: its creation, if given) configured
+    /// at `host`.
+    fn boot(&self, name: &str, machine: Option<&str>, host: u8, version: &str) {
+        let mut body = json!({"name": name, "ip": self.ip(host), "hostname": name,
+            "config": self.config(name, false, &[]), "talos_version": version});
+        if let Some(m) = machine {
+            body["machine"] = json!(m);
+        }
+        let v = self.post("boot", body);
+        assert_eq!(v["booted"], true, "{v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_identity_survives_reboots_upgrades_and_restarts_v1_12_9() {
+    let c = Cluster::start(
+        12,
+        &[],
+        &[("w-a", 21, false, "v1.12.9"), ("w-b", 22, false, "v1.12.9")],
+    )
+    .await;
+    let a = c.node_id(21).await.unwrap();
+    let b = c.node_id(22).await.unwrap();
+    assert_ne!(a, b, "every machine has its own");
+    let stats = c.sim.stats();
+    assert_eq!(stats["nodes"]["w-a"]["node_id"], json!(a), "{stats}");
+
+    // A reboot: a new boot, the same identity (STATE kept node-identity.yaml).
+    let boot = c.boot_id(21).await.unwrap();
+    c.machine(21)
+        .await
+        .reboot(RebootRequest {
+            mode: reboot_request::Mode::Default as i32,
+        })
+        .await
+        .unwrap();
+    c.next_boot(21, &boot).await;
+    assert_eq!(c.node_id_when_up(21).await, a, "after a reboot");
+
+    // An upgrade: the same.
+    let boot = c.boot_id(21).await.unwrap();
+    c.machine(21)
+        .await
+        .upgrade(upgrade_request(&c.installer("v1.12.10"), true, false))
+        .await
+        .unwrap();
+    c.next_boot(21, &boot).await;
+    assert_eq!(c.version(21).await, "v1.12.10");
+    assert_eq!(c.node_id_when_up(21).await, a, "after an upgrade");
+
+    // The VM stopped and started again: its disk kept STATE.
+    c.halt(22);
+    c.boot("w-b", None, 22, "v1.12.9");
+    assert_eq!(c.node_id_when_up(22).await, b, "after a power cycle");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_machine_or_a_wiped_state_at_an_address_has_another_identity_v1_13_5() {
+    let c = Cluster::start(
+        13,
+        &[],
+        &[
+            ("w-a", 21, false, "v1.13.5"),
+            ("w-b", 22, false, "v1.13.5"),
+            ("w-c", 23, false, "v1.13.5"),
+        ],
+    )
+    .await;
+    let a = c.node_id(21).await.unwrap();
+    let b = c.node_id(22).await.unwrap();
+    let cc = c.node_id(23).await.unwrap();
+
+    // Another machine at w-a's address (the VM deleted, another created
+    // there): another identity.
+    c.halt(21);
+    c.boot("w-new", None, 21, "v1.13.5");
+    let fresh = c.node_id_when_up(21).await;
+    assert_ne!(fresh, a, "a new machine at a reused address");
+
+    // The same name, but another creation (a vmid or a server name reused):
+    // another machine too.
+    c.halt(23);
+    c.boot("w-c", Some("second"), 23, "v1.13.5");
+    assert_ne!(
+        c.node_id_when_up(23).await,
+        cc,
+        "same name, another machine"
+    );
+
+    // A Reset wiping STATE: the next configured boot makes a new identity;
+    // one wiping EPHEMERAL only keeps it.
+    let reset = |labels: &[&str]| ResetRequest {
+        graceful: false,
+        system_partitions_to_wipe: labels
+            .iter()
+            .map(|l| ResetPartitionSpec {
+                label: (*l).into(),
+                wipe: true,
+            })
+            .collect(),
+        ..ResetRequest::default()
+    };
+    let halted = |name: &str| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while c.sim.stats()["nodes"][name]["halted"] != true {
+            assert!(Instant::now() < deadline, "{name} never powered off");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    c.machine(22)
+        .await
+        .reset(reset(&["EPHEMERAL"]))
+        .await
+        .unwrap();
+    halted("w-b");
+    c.boot("w-b", None, 22, "v1.13.5");
+    assert_eq!(c.node_id_when_up(22).await, b, "STATE kept");
+    c.machine(22)
+        .await
+        .reset(reset(&["STATE", "EPHEMERAL"]))
+        .await
+        .unwrap();
+    halted("w-b");
+    c.boot("w-b", None, 22, "v1.13.5");
+    let after = c.node_id_when_up(22).await;
+    assert_ne!(after, b, "STATE wiped");
+    assert_ne!(after, fresh);
+}

@@ -24,6 +24,11 @@ pub(crate) struct BootRequest {
     pub(crate) talos_version: Option<String>,
     /// Whether the firmware booted it with Secure Boot on (else `--secure-boot`).
     pub(crate) secure_boot: Option<bool>,
+    /// What makes it this machine and no other (a Proxmox VM's creation, a
+    /// Hetzner server's id): another value at an address means another
+    /// machine, with its own disk, even under the same `name`. Without it
+    /// the `name` alone tells.
+    pub(crate) machine: Option<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -68,18 +73,26 @@ pub(crate) async fn boot(
     }
     let info = BootInfo {
         hostname: req.hostname.clone(),
+        machine: req.machine.clone(),
     };
     let node = match Node::new(&cluster.args, req.name.clone(), req.ip, None, Some(info)) {
         Ok(n) => n,
         Err(e) => return control_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
+    let other_machine = |p: &Node| {
+        p.name != req.name
+            || req
+                .machine
+                .as_ref()
+                .is_some_and(|m| p.boot.as_ref().and_then(|b| b.machine.as_ref()) != Some(m))
+    };
     let wiped = previous
         .as_ref()
-        .is_some_and(|p| p.name != req.name || p.st.lock().unwrap().wiped);
+        .is_some_and(|p| other_machine(p) || p.st.lock().unwrap().wiped);
     // A new machine, or one whose etcd data a Reset wiped, joins etcd anew.
     let etcd_fresh = previous
         .as_ref()
-        .is_some_and(|p| p.name != req.name || p.st.lock().unwrap().etcd_wiped);
+        .is_some_and(|p| other_machine(p) || p.st.lock().unwrap().etcd_wiped);
     {
         let mut st = node.st.lock().unwrap();
         if let Some(p) = previous.as_ref().filter(|_| !wiped) {
@@ -89,6 +102,7 @@ pub(crate) async fn boot(
             st.configured_at = old.configured_at;
             st.stats = old.stats.clone();
             st.day2 = old.day2.clone();
+            st.node_id = old.node_id.clone();
             let id = super::state::new_boot_id(&req.name, st.day2.life.boot_ids.len());
             st.day2.life.boot_ids.push(id);
         }

@@ -12,6 +12,7 @@ use futures_util::Stream;
 use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
+use super::identity;
 use super::service::Api;
 use super::state::Day2;
 use super::state::{Applied, Cluster};
@@ -180,6 +181,13 @@ impl Api {
             Ok(self.machine_configs_on(i))
         } else if let Some(found) = self.k8s_resources(i, namespace, kind) {
             Ok(found)
+        } else if namespace == identity::IDENTITY_NS && kind == identity::IDENTITY_TYPE {
+            let node_id = self.cluster.node(i).st.lock().unwrap().node_id.clone();
+            Ok(vec![identity::identity_resource(&node_id)])
+        } else if namespace == identity::NETWORK_NS && kind == identity::HOSTNAME_STATUS_TYPE {
+            let name = self.cluster.node(i).display_name();
+            let (host, domain) = name.split_once('.').unwrap_or((&name, ""));
+            Ok(vec![identity::hostname_resource(host, domain)])
         } else if namespace == RUNTIME && kind == super::security::SECURITY_STATE {
             let secure_boot = self.cluster.node(i).st.lock().unwrap().secure_boot;
             Ok(vec![super::security::resource(secure_boot)])

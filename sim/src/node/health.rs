@@ -134,10 +134,13 @@ impl Cluster {
             .into_iter()
             .filter(|r| self.node(r.index).phase(now) != Phase::Down)
             .map(|r| {
+                let (machine_id, boot_id) = self.k8s_node_ids(r.index);
                 let beat = Heartbeat {
                     name: r.name,
                     at: now,
                     ready: r.ready,
+                    machine_id,
+                    boot_id,
                 };
                 (r.index, beat)
             })
@@ -170,6 +173,9 @@ impl Cluster {
             "spec": {"unschedulable": cordoned},
         });
         self.k8s_node_item(i, &mut item, now);
+        // What that kubelet last posted, whichever machine is in the slot now.
+        item["status"]["nodeInfo"]["machineID"] = json!(beat.machine_id);
+        item["status"]["nodeInfo"]["bootID"] = json!(beat.boot_id);
         let condition = if now < beat.at + grace {
             if beat.ready {
                 json!({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"})

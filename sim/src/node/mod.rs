@@ -171,6 +171,7 @@ mod etcd;
 mod etcd_real;
 mod health;
 mod hostile;
+mod identity;
 mod immediate;
 mod k8s;
 mod lifecycle;

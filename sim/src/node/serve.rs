@@ -123,6 +123,8 @@ pub(crate) async fn stats(State(cluster): State<Arc<Cluster>>) -> axum::Json<Val
             v["booted_by"] = json!(n.boot.as_ref().map(|_| &n.name));
             v["config_error"] = json!(st.config_error);
             v["halted"] = json!(st.halted);
+            v["node_id"] = json!(st.node_id);
+            v["machine_id"] = json!(super::identity::machine_id(&st.node_id));
             v["documents"] = json!(st.applied.as_ref().map(|a| &a.documents));
             v["install_image"] = json!(st.applied.as_ref().map(|a| &a.install_image));
             v["day2"] = day2::stats_of(&cluster, &st.day2, version, schematic, now);

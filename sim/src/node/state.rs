@@ -175,6 +175,10 @@ pub(crate) struct NodeState {
     pub(crate) day2: Day2,
     /// Booted with Secure Boot on (the SecurityState it reports).
     pub(crate) secure_boot: bool,
+    /// The node identity its STATE holds (`identity.rs`): made with the
+    /// machine (a new `Node`), kept by every reboot and upgrade, carried to
+    /// the next boot of the same machine unless a Reset wiped STATE.
+    pub(crate) node_id: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,6 +207,8 @@ pub(crate) struct Node {
 /// What `POST /_sim/boot` said about a dynamically booted node.
 pub(crate) struct BootInfo {
     pub(crate) hostname: Option<String>,
+    /// The boot request's `machine` (None: the boot `name` tells).
+    pub(crate) machine: Option<String>,
 }
 
 impl Node {
@@ -230,6 +236,7 @@ impl Node {
         let cert = pki::self_signed_server(&[ip])?;
         let mut st = NodeState {
             secure_boot: args.secure_boot,
+            node_id: super::identity::new_node_id(),
             ..NodeState::default()
         };
         let named = |n: &str| n == name || hostname.as_deref() == Some(n);
@@ -693,6 +700,10 @@ pub(crate) struct Heartbeat {
     pub(crate) name: String,
     pub(crate) at: Instant,
     pub(crate) ready: bool,
+    /// The `status.nodeInfo.machineID` and `bootID` it posted: the machine
+    /// and boot that kubelet ran on (`identity.rs`).
+    pub(crate) machine_id: Option<String>,
+    pub(crate) boot_id: String,
 }
 
 /// What removal did to the simulated cluster.

@@ -216,3 +216,64 @@ fn configs_are_held_against_the_vendored_schema() {
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert!(problems[0].starts_with("/machine/certSANs:") && !problems[0].contains("s3cret"));
 }
+
+/// The COSI Get of `Identities.cluster.talos.dev` `cluster/local` (and
+/// `HostnameStatuses.net.talos.dev` `network/hostname`) on node `req`'s
+/// target: its spec YAML.
+fn cosi_get(api: &Api, req: Request<()>, ns: &str, kind: &str, id: &str) -> Result<String, Status> {
+    use api::cosi::resource::GetRequest;
+    use api::cosi::resource::state_server::State as _;
+    let mut get = Request::new(GetRequest {
+        namespace: ns.into(),
+        r#type: kind.into(),
+        id: id.into(),
+        options: None,
+    });
+    *get.metadata_mut() = req.metadata().clone();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(api.get(get))
+        .map(|r| r.into_inner().resource.unwrap().spec.unwrap().yaml_spec)
+}
+
+fn node_id(api: &Api, req: Request<()>) -> Result<String, Status> {
+    cosi_get(api, req, "cluster", "Identities.cluster.talos.dev", "local")
+        .map(|y| y.strip_prefix("nodeId: ").unwrap().trim_end().to_owned())
+}
+
+#[test]
+fn every_machine_serves_its_own_node_identity_through_cosi() {
+    let api = configured();
+    let cp = node_id(&api, Request::new(())).unwrap();
+    let worker = node_id(&api, routed("node", "127.0.0.21")).unwrap();
+    assert_ne!(cp, worker);
+    assert!(super::identity::machine_id(&cp).is_some(), "{cp}");
+    // The same again: read, not made, by a Get.
+    assert_eq!(node_id(&api, Request::new(())).unwrap(), cp);
+    let host = cosi_get(
+        &api,
+        routed("node", "127.0.0.21"),
+        "network",
+        "HostnameStatuses.net.talos.dev",
+        "hostname",
+    )
+    .unwrap();
+    assert_eq!(host, "hostname: worker-01\ndomainname: \"\"\n");
+    // Another id in the namespace: NotFound, as COSI's Get answers.
+    let missing = cosi_get(
+        &api,
+        Request::new(()),
+        "cluster",
+        "Identities.cluster.talos.dev",
+        "x",
+    );
+    assert_eq!(missing.unwrap_err().code(), tonic::Code::NotFound);
+    // Maintenance mode answers no COSI call.
+    let maintenance = Api {
+        secure: false,
+        ..api.clone()
+    };
+    let err = node_id(&maintenance, Request::new(())).unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unimplemented);
+}

@@ -340,8 +340,22 @@ impl Cluster {
         self.running(i, c).map(|r| r.config_version)
     }
 
+    /// The `status.nodeInfo` `machineID` and `bootID` node `i`'s kubelet
+    /// reports (kubernetes `pkg/kubelet/nodestatus/setters.go` `MachineInfo`:
+    /// cAdvisor's `/etc/machine-id`, which Talos writes from the node
+    /// identity, `identity.rs`; and `/proc/sys/kernel/random/boot_id`).
+    /// No `systemUUID`: the simulated machines have no SMBIOS.
+    pub(crate) fn k8s_node_ids(&self, i: usize) -> (Option<String>, String) {
+        let node = self.node(i);
+        let st = node.st.lock().unwrap();
+        (
+            super::super::identity::machine_id(&st.node_id),
+            st.day2.life.boot_id().to_owned(),
+        )
+    }
+
     /// Adds to a Node item what the kubelet reports: labels, addresses,
-    /// its version; NotReady while it restarts.
+    /// its version, machine and boot IDs; NotReady while it restarts.
     pub(crate) fn k8s_node_item(&self, i: usize, item: &mut Value, now: Instant) {
         let node = self.node(i);
         let name = item["metadata"]["name"].clone();
@@ -363,10 +377,13 @@ impl Cluster {
         } else {
             &kubelet.image
         };
+        let (machine_id, boot_id) = self.k8s_node_ids(i);
         item["status"]["nodeInfo"] = json!({
             "kubeletVersion": versions::kubelet_version(image),
             "containerRuntimeVersion": "containerd://2.1.4",
             "operatingSystem": "linux",
+            "machineID": machine_id,
+            "bootID": boot_id,
         });
         if restarting {
             // kubernetes pkg/kubelet/nodestatus/setters.go: a kubelet that
