@@ -67,17 +67,27 @@ pub async fn read(client: &NodeClient) -> Result<Option<String>, ApiError> {
     Ok(yaml.as_deref().and_then(parse_spec))
 }
 
-/// What answers over mTLS at `t` and with which node ID: Err when nothing
-/// answers, Ok(None) when the node answers without a (valid) ID.
-pub async fn read_at(
-    plan: &Plan,
-    t: &NodeEndpoint,
-    opts: &Options,
-) -> Result<Option<String>, ApiError> {
+/// What answers over mTLS at an address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// Nothing (no connection, no mTLS, no Version).
+    Silent,
+    /// A node of the cluster, with its node ID — None when it shows none
+    /// (or its reply was too large, too slow, not one): never taken for
+    /// any machine's.
+    Node(Option<String>),
+}
+
+/// What answers over mTLS at `t`, and with which node ID.
+pub async fn read_at(plan: &Plan, t: &NodeEndpoint, opts: &Options) -> Answer {
     let mode = Mode::Mtls(plan.identity.clone());
-    let c = NodeClient::connect(t, &mode, opts.call_timeout).await?;
-    c.version().await?;
-    read(&c).await
+    let Ok(c) = NodeClient::connect(t, &mode, opts.call_timeout).await else {
+        return Answer::Silent;
+    };
+    if c.version().await.is_err() {
+        return Answer::Silent;
+    }
+    Answer::Node(read(&c).await.ok().flatten())
 }
 
 /// Each node of `plan` that answers with a node ID, by name (read all at
@@ -97,8 +107,10 @@ pub fn of_plan(plan: &Plan, opts: &Options) -> BTreeMap<String, String> {
 /// [`of_plan`] on the caller's runtime.
 pub async fn of_plan_async(plan: &Plan, opts: &Options) -> BTreeMap<String, String> {
     let reads = plan.nodes.iter().map(|n| async move {
-        let id = read_at(plan, &n.endpoint, opts).await.ok().flatten();
-        id.map(|id| (n.name.clone(), id))
+        match read_at(plan, &n.endpoint, opts).await {
+            Answer::Node(Some(id)) => Some((n.name.clone(), id)),
+            _ => None,
+        }
     });
     futures_util::future::join_all(reads)
         .await

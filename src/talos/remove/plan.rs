@@ -150,6 +150,15 @@ impl Expected {
         }
     }
 
+    /// The machine ID this machine has (`/etc/machine-id`), where known.
+    pub fn machine_id(&self) -> Option<String> {
+        match self {
+            Expected::NodeId(id) => identity::machine_id(id),
+            Expected::MachineId(m) => Some(m.clone()),
+            Expected::Unknown => None,
+        }
+    }
+
     /// Whether a machine answering with node ID `id` is this one.
     fn matches(&self, id: &str) -> bool {
         match self {
@@ -378,12 +387,17 @@ pub struct NodeRemoval {
 }
 
 impl NodeRemoval {
-    /// The identity check, in words, for the plan.
+    /// The identity check, in words, for the plan: by machine ID, which a
+    /// recorded node ID and a Kubernetes Node both give, so a runner with
+    /// the record and a fresh one plan the same words.
     pub fn identity_check(&self) -> String {
-        format!(
-            "before each step, whatever answers at its address must be the machine of {}",
-            self.expected.describe()
-        )
+        match self.expected.machine_id() {
+            Some(m) => format!(
+                "identity checked before each step: whatever answers at its address must be machine {}…",
+                identity::short(&m)
+            ),
+            None => "identity unknown (no node ID recorded, no Kubernetes Node): acted on only while nothing answers at its address".to_owned(),
+        }
     }
 }
 

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::plan::{
-    self, ClusterView, Expected, IdentityRefusal, Member, NodeRemoval, RemovalPlan, RemoveError,
-    RemovedNode, SeenKubeNode, Step, shown,
+    self, ClusterView, IdentityRefusal, Member, NodeRemoval, RemovalPlan, RemoveError, RemovedNode,
+    SeenKubeNode, Step, shown,
 };
 use super::{identity, record};
 use crate::inventory::Role;
@@ -535,7 +535,7 @@ async fn prove(
     t: &NodeEndpoint,
     limits: &Options,
 ) -> Result<(), StepError> {
-    let Ok(answered) = identity::read_at(plan, t, limits).await else {
+    let identity::Answer::Node(answered) = identity::read_at(plan, t, limits).await else {
         return Ok(());
     };
     plan::check_identity(
@@ -759,12 +759,7 @@ async fn delete_node(plan: &Plan, n: &NodeRemoval, limits: &Options) -> Result<O
             "no Kubernetes node by that name".into(),
         ));
     };
-    let of_record = match &n.expected {
-        Expected::NodeId(id) => identity::machine_id(id),
-        Expected::MachineId(m) => Some(m.clone()),
-        Expected::Unknown => None,
-    };
-    if let (Some(found), Some(m)) = (&k.machine_id, of_record)
+    if let (Some(found), Some(m)) = (&k.machine_id, n.expected.machine_id())
         && m != *found
     {
         return Err(StepError::NodeOfAnotherMachine {
