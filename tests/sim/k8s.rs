@@ -1656,3 +1656,41 @@ async fn nodes_report_the_machine_id_of_the_machine_their_kubelet_runs_on() {
     c.wait("the new kubelet posted", || info("w-1")["machineID"] == new)
         .await;
 }
+
+/// A machine replaced by another with another hostname at the same
+/// address: the old Node stays (NotReady once the grace period passes) with
+/// the old machine's IDs beside the new one's, until deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_machines_node_stays_beside_the_new_one_until_deleted() {
+    let c = Cluster::start(
+        12,
+        &[("cp-1", 11, true, "v1.13.5"), ("w-1", 21, false, "v1.13.5")],
+    )
+    .await;
+    let info = |name: &str| -> Value {
+        c.items("/api/v1/nodes")
+            .into_iter()
+            .find(|n| n["metadata"]["name"] == name)
+            .map_or(Value::Null, |n| n["status"]["nodeInfo"].clone())
+    };
+    let old = c.sim.stats()["nodes"]["w-1"]["machine_id"].clone();
+    assert_eq!(info("w-1")["machineID"], old);
+    let v = c.post("halt", json!({"ip": c.ip(21)}));
+    assert_eq!(v["halted"], true, "{v}");
+    let config = c.config("w-2", false, "v1.32.1", &[]);
+    let v = c.post(
+        "boot",
+        json!({"name": "vm-2", "ip": c.ip(21), "hostname": "w-2",
+            "config": config, "talos_version": "v1.13.5"}),
+    );
+    assert_eq!(v["booted"], true, "{v}");
+    let new = c.sim.stats()["nodes"]["w-2"]["machine_id"].clone();
+    assert_ne!(new, old);
+    c.wait("w-2 registered", || info("w-2")["machineID"] == new)
+        .await;
+    assert_eq!(info("w-1")["machineID"], old, "the old Node stays");
+    let (code, v) = c.kube(10, "DELETE", "/api/v1/nodes/w-1", None);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(info("w-1"), Value::Null, "deleted");
+    assert_eq!(info("w-2")["machineID"], new);
+}

@@ -138,6 +138,10 @@ pub(crate) async fn boot(
             );
         }
     };
+    // Another machine in the slot: the Node the one before left stays.
+    if let Some(i) = slot.filter(|_| wiped) {
+        cluster.k8s_orphan(i);
+    }
     let node = Arc::new(node);
     let i = {
         let mut nodes = cluster.nodes.write().unwrap();

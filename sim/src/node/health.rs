@@ -145,7 +145,11 @@ impl Cluster {
                 (r.index, beat)
             })
             .collect();
-        self.k8s.lock().unwrap().heartbeats.extend(posted);
+        let mut k8s = self.k8s.lock().unwrap();
+        // A kubelet registering an orphan's name takes its Node over.
+        k8s.orphans
+            .retain(|(_, o)| !posted.iter().any(|(_, b)| b.name == o.name));
+        k8s.heartbeats.extend(posted);
     }
 
     /// The Node of a node whose kubelet stopped posting (down, rebooting,
@@ -157,12 +161,12 @@ impl Cluster {
     /// then sets Ready Unknown ("Kubelet stopped posting node status.") and
     /// taints it unreachable.
     fn silent_node(&self, i: usize, beat: &Heartbeat, now: Instant) -> Value {
-        let grace = ms(self
-            .facts
-            .lock()
-            .unwrap()
-            .node_monitor_grace_period
-            .unwrap_or(self.args.k8s.node_monitor_grace_period));
+        let item = self.posted_node(i, beat, now);
+        self.aged(item, beat, now)
+    }
+
+    /// What node `i`'s kubelet last posted, without its Ready condition.
+    fn posted_node(&self, i: usize, beat: &Heartbeat, now: Instant) -> Value {
         let (cordoned, notes) = {
             let node = self.node(i);
             let st = node.st.lock().unwrap();
@@ -176,6 +180,17 @@ impl Cluster {
         // What that kubelet last posted, whichever machine is in the slot now.
         item["status"]["nodeInfo"]["machineID"] = json!(beat.machine_id);
         item["status"]["nodeInfo"]["bootID"] = json!(beat.boot_id);
+        item
+    }
+
+    /// A silent Node's Ready condition (and taints) `now`.
+    fn aged(&self, mut item: Value, beat: &Heartbeat, now: Instant) -> Value {
+        let grace = ms(self
+            .facts
+            .lock()
+            .unwrap()
+            .node_monitor_grace_period
+            .unwrap_or(self.args.k8s.node_monitor_grace_period));
         let condition = if now < beat.at + grace {
             if beat.ready {
                 json!({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"})
@@ -192,6 +207,31 @@ impl Cluster {
         };
         item["status"]["conditions"] = json!([condition]);
         item
+    }
+
+    /// Another machine (or a wiped one) boots into slot `i`: the Node the
+    /// machine before it left stays in the API server as it last posted it,
+    /// unless it was deleted.
+    pub(crate) fn k8s_orphan(&self, i: usize) {
+        if self.k8s_node_deleted(i) {
+            return;
+        }
+        let Some(beat) = self.heartbeat(i) else {
+            return;
+        };
+        let item = self.posted_node(i, &beat, Instant::now());
+        let mut k8s = self.k8s.lock().unwrap();
+        k8s.heartbeats.remove(&i);
+        k8s.orphans.retain(|(_, b)| b.name != beat.name);
+        k8s.orphans.push((item, beat));
+    }
+
+    /// Deletes the orphaned Node `name`; whether there was one.
+    pub(crate) fn k8s_delete_orphan(&self, name: &str) -> bool {
+        let mut k8s = self.k8s.lock().unwrap();
+        let before = k8s.orphans.len();
+        k8s.orphans.retain(|(_, b)| b.name != name);
+        k8s.orphans.len() != before
     }
 
     fn heartbeat(&self, i: usize) -> Option<Heartbeat> {
@@ -211,7 +251,7 @@ impl Cluster {
             b.sort_by(|x, y| x.1.name.cmp(&y.1.name));
             b
         };
-        beats
+        let mut out: Vec<Value> = beats
             .into_iter()
             .filter(|(i, b)| {
                 *i < self.count()
@@ -219,7 +259,15 @@ impl Cluster {
                     && !self.k8s_node_deleted(*i)
             })
             .map(|(i, b)| self.silent_node(i, &b, now))
-            .collect()
+            .collect();
+        let orphans = self.k8s.lock().unwrap().orphans.clone();
+        for (item, beat) in orphans {
+            let named = |n: &Value| n["metadata"]["name"] == beat.name.as_str();
+            if !registered.iter().any(|r| r.name == beat.name) && !out.iter().any(named) {
+                out.push(self.aged(item, &beat, now));
+            }
+        }
+        out
     }
 }
 

@@ -1,5 +1,8 @@
-//! A machine's node identity, as Talos keeps it (siderolabs/talos v1.11–
-//! v1.14, unchanged in substance since v1.11):
+//! A machine's node identity, as Talos keeps and serves it (siderolabs/talos
+//! `controllers/cluster/node_identity.go`).
+//!
+//! Read at v1.11.0, v1.12.0, v1.13.0 and v1.14.0-rc.1 (the same since v1.12;
+//! v1.11 only mounts STATE differently):
 //! - `internal/app/machined/pkg/controllers/cluster/node_identity.go`:
 //!   once STATE is mounted, `LoadOrNewFromFile(STATE, "node-identity.yaml")`
 //!   loads the identity saved there or generates one and saves it; so it is
@@ -20,9 +23,10 @@
 //! labelled STATE with a filesystem already exists
 //! (`block/internal/volumes/volumeconfig/system_volumes.go`
 //! `manageStateNoConfig`), so a new or wiped machine has no identity until
-//! it is configured. The simulator's maintenance server answers no COSI
-//! call at all (`dispatch.rs` `route`: Unimplemented), so the identity is
-//! read only from configured nodes, where STATE is always mounted.
+//! it is configured. Maintenance mode serves COSI reads on every version
+//! (v1.11/v1.12 `internal/app/maintenance/server.go`, v1.13+ machined), so a
+//! Get there is NotFound and a List empty (`day2.rs`); the simulated
+//! machines in maintenance are always new or wiped.
 //!
 //! Also `HostnameStatuses.net.talos.dev` (`pkg/machinery/resources/network/
 //! hostname_status.go`: namespace `network`, ID `hostname`, spec `hostname`,

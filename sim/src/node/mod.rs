@@ -45,6 +45,20 @@
 //!   nothing changes. After a halt, the same `name` comes back with the
 //!   config it had (a restarted VM); another name gets a fresh node.
 //!   `MODE@NODE` misbehaviour matches the boot `name` or `hostname`.
+//!   `"machine": ID?` says which machine this is (a VM's creation, a
+//!   server's id): another ID at the address is another machine, with a
+//!   fresh disk, even under the same `name`.
+//! - Node identity (`node/identity.rs`): every machine has its own
+//!   (COSI Get/List `Identities.cluster.talos.dev` `cluster/local`, spec
+//!   `nodeId: <base62>`, on configured nodes), kept across reboots, upgrades
+//!   and restarts of the same machine, new for another machine or after a
+//!   Reset that wiped STATE; `HostnameStatuses.net.talos.dev`
+//!   `network/hostname`. Kubernetes Nodes report `status.nodeInfo.machineID`
+//!   (derived from it as Talos derives `/etc/machine-id`) and `bootID`; a
+//!   Node keeps what its kubelet last posted while that kubelet is gone, and
+//!   the Node of a machine replaced at its address (another machine or a
+//!   wiped one booted there) stays beside the new machine's until deleted
+//!   or re-registered under its name by the new kubelet.
 //!   400/422 for a bad body or a non-loopback ip.
 //! - `POST /_sim/halt` `{"ip"}` → 200 `{"halted":bool,"ip","configured":bool}`
 //!   (halted false: was halted already; configured: it held an applied
@@ -53,7 +67,7 @@
 //! - `GET /_sim/stats` → `{"nodes":{NAME:{applies,bootstraps,
 //!   bootstrap_refusals,maintenance_version_calls,kubeconfigs,phase
 //!   (down|maintenance|configured),ip,booted_by(null|boot name),
-//!   config_error(null|string),halted,documents(null|["Kind/name",…]: the
+//!   config_error(null|string),halted,node_id,machine_id,documents(null|["Kind/name",…]: the
 //!   applied config's documents besides v1alpha1)}},"bootstrapped":bool,"totals":{applies,
 //!   bootstraps,bootstrap_refusals,maintenance_version_calls,kubeconfigs,
 //!   nodes,up,configured,config_errors}}`. NAME: a `--node` name; for a

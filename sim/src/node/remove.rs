@@ -33,7 +33,10 @@
 //!   wipe and, with `reboot` false, power off: the node never answers
 //!   again (`--upgrade-delay` after the ack). `reboot` true is not modelled
 //!   and refused (FailedPrecondition), never taken more leniently.
-//! - `DELETE /api/v1/nodes/{name}`: 404 for a Node not listed. A Node whose
+//! - `DELETE /api/v1/nodes/{name}`: 404 for a Node not listed. A Node a
+//!   replaced machine left (`health.rs` orphans) is deleted by name and
+//!   logged as `DeleteNode` with `kubelet_running: false`, not in
+//!   `deleted_nodes` (which names slots). A Node whose
 //!   kubelet still runs registers again at once (the kubelet's
 //!   `registerWithAPIServer`), so only a node that is down stays deleted.
 //!
@@ -600,6 +603,16 @@ pub(crate) async fn delete_node(
         .find(|r| r.name == name)
         .map(|r| r.index);
     let Some(i) = found else {
+        if cluster.k8s_delete_orphan(&name) {
+            cluster.log(json!({"node": name, "call": "DeleteNode", "ok": true,
+                "kubelet_running": false}));
+            return (
+                axum::http::StatusCode::OK,
+                axum::Json(
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "details": {"name": name, "kind": "nodes"}}),
+                ),
+            );
+        }
         cluster.log(json!({"node": name, "call": "DeleteNode", "ok": false, "error": "not found"}));
         return (
             axum::http::StatusCode::NOT_FOUND,

@@ -833,6 +833,11 @@ pub(crate) struct K8s {
     pub(crate) pull_calls: Vec<Value>,
     /// The last status each node's kubelet posted (`health.rs`).
     pub(crate) heartbeats: HashMap<usize, Heartbeat>,
+    /// Nodes left by machines that are gone from their slot (another
+    /// machine, or a wiped one, booted there): the Node object stays, as
+    /// its kubelet last posted it, until deleted or taken over by a kubelet
+    /// registering the same name (`health.rs`).
+    pub(crate) orphans: Vec<(Value, Heartbeat)>,
     /// (node, Manifests ID) → (node identity, rendered YAML, version).
     pub(crate) manifest_versions: HashMap<(usize, &'static str), (usize, String, u64)>,
 }

@@ -107,6 +107,7 @@ fn booting_is_idempotent_per_address_and_a_restart_keeps_the_config() {
                 config: config.map(str::to_owned),
                 talos_version: None,
                 secure_boot: None,
+                machine: None,
             })
         };
         let st = State(cluster.clone());
@@ -269,11 +270,21 @@ fn every_machine_serves_its_own_node_identity_through_cosi() {
         "x",
     );
     assert_eq!(missing.unwrap_err().code(), tonic::Code::NotFound);
-    // Maintenance mode answers no COSI call.
+    // Maintenance mode: no identity before STATE exists (NotFound); the
+    // other types are not served.
     let maintenance = Api {
         secure: false,
         ..api.clone()
     };
     let err = node_id(&maintenance, Request::new(())).unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    let err = cosi_get(
+        &maintenance,
+        Request::new(()),
+        "network",
+        "HostnameStatuses.net.talos.dev",
+        "hostname",
+    )
+    .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unimplemented);
 }
