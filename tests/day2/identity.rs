@@ -71,12 +71,22 @@ impl Cluster {
 
     /// The inventory without `gone`.
     fn keep(&self, gone: &[&str]) {
+        let nodes: Vec<(&str, String, &str)> = NODES
+            .iter()
+            .filter(|(n, _, _)| !gone.contains(n))
+            .map(|(n, h, r)| (*n, h.to_string(), *r))
+            .collect();
+        self.write_nodes(&nodes);
+    }
+
+    /// The inventory with `nodes` (name, host, role).
+    fn write_nodes(&self, nodes: &[(&str, String, &str)]) {
         let mut inv = Inventory::new("sim")
             .vip(&format!("{}.10", self.net))
             .talos(TALOS)
             .factory(&self.factory_url);
-        for (name, host, role) in NODES.iter().filter(|(n, _, _)| !gone.contains(n)) {
-            inv = inv.node(Node::new(name, role).address(&self.ip(&host.to_string())));
+        for (name, host, role) in nodes {
+            inv = inv.node(Node::new(name, role).address(&self.ip(host)));
         }
         std::fs::write(&self.config, inv.text()).unwrap();
     }
@@ -163,20 +173,23 @@ impl Cluster {
     /// created at its address, given worker-02's config as a platform
     /// hands it over: a node of this cluster, but not worker-02's machine.
     fn another_machine_at_worker_02(&self, machine: &str) {
+        let now = std::fs::read_to_string(&self.config).unwrap();
+        self.keep(&[]);
+        self.new_machine_at("22", "worker-02", machine);
+        std::fs::write(&self.config, now).unwrap();
+    }
+
+    /// The machine on `host` is deleted and another one (`machine`) made
+    /// there, given the config the inventory renders for `node`.
+    fn new_machine_at(&self, host: &str, node: &str, machine: &str) {
         let inv = imgbuild::inventory::Inventory::load(&self.config).unwrap();
-        let mut full = inv.clone();
-        if !full.nodes.iter().any(|n| n.name == "worker-02") {
-            self.keep(&[]);
-            full = imgbuild::inventory::Inventory::load(&self.config).unwrap();
-            self.keep(&["worker-02"]);
-        }
         let configs = imgbuild::talos::stage::machine_configs(
-            &full,
+            &inv,
             &imgbuild::talos::stage::BootstrapOptions::default(),
         )
         .unwrap();
-        let (_, config) = configs.into_iter().find(|(n, _)| n == "worker-02").unwrap();
-        let ip = self.ip("22");
+        let (_, config) = configs.into_iter().find(|(n, _)| n == node).unwrap();
+        let ip = self.ip(host);
         self.control("halt", &serde_json::json!({ "ip": ip }));
         self.control(
             "boot",
@@ -371,4 +384,90 @@ impl Cluster {
             .and_then(|(_, id)| id)
             .unwrap()
     }
+}
+
+#[test]
+fn v1_11_a_new_machine_at_an_old_address_is_not_taken_for_the_old_nodes_leftover_node() {
+    // worker-02's VM is deleted; a new machine for inventory node
+    // worker-03 is made at its address. worker-02's Node stays in the API
+    // server (NotReady, its old machineID) beside worker-03's. Kubernetes
+    // is at its target: the plan has no kubelet step for worker-03 (no
+    // no-op step waited on until its timeout).
+    use imgbuild::up::converge::{UpgradeSettings, kubernetes_plan};
+    let c = Cluster::start(4);
+    let nodes: Vec<(&str, String, &str)> = NODES
+        .iter()
+        .map(|(n, h, r)| {
+            let n = if *n == "worker-02" { "worker-03" } else { *n };
+            (n, h.to_string(), *r)
+        })
+        .collect();
+    c.write_nodes(&nodes);
+    let inv = imgbuild::inventory::Inventory::load(&c.config).unwrap();
+    // kube-controller-manager marks a silent Node NotReady after its
+    // grace period: short here.
+    c.control(
+        "k8s",
+        &serde_json::json!({"node_monitor_grace_period": 300}),
+    );
+    c.new_machine_at("22", "worker-03", "vm-w3");
+    let opts = imgbuild::talos::stage::BootstrapOptions::default();
+    let prepared = imgbuild::talos::stage::prepare(&inv, &opts).unwrap();
+    let kc = imgbuild::talos::kube::Kubeconfig::parse(
+        &std::fs::read_to_string(c.state_dir().join("kubeconfig")).unwrap(),
+    )
+    .unwrap();
+    let ready = |list: &Value, name: &str| {
+        list["items"].as_array().unwrap().iter().any(|n| {
+            n["metadata"]["name"] == name && n["status"]["conditions"][0]["status"] == "True"
+        })
+    };
+    let listed = |list: &Value, name: &str| {
+        list["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["metadata"]["name"] == name)
+    };
+    // Both Nodes listed, worker-03's Ready (the simulator's kubelet
+    // registers it once its config is in).
+    let mut list = Value::Null;
+    for _ in 0..600 {
+        list = kc
+            .get_json("/api/v1/nodes", std::time::Duration::from_secs(5))
+            .unwrap();
+        if ready(&list, "worker-03") && listed(&list, "worker-02") && !ready(&list, "worker-02") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(
+        ready(&list, "worker-03") && listed(&list, "worker-02"),
+        "{list}"
+    );
+    assert!(!ready(&list, "worker-02"), "{list}");
+
+    let (seen, k) = kubernetes_plan(
+        &inv,
+        &prepared.plan,
+        &std::collections::BTreeMap::new(),
+        &UpgradeSettings::default(),
+        &opts.limits,
+    );
+    let w3 = seen.nodes.iter().find(|n| n.node == "worker-03").unwrap();
+    let kubelet = &w3.components[&imgbuild::talos::kubernetes::plan::Component::Kubelet];
+    assert!(
+        kubelet.ready,
+        "worker-03's kubelet taken from another Node: {kubelet:?}"
+    );
+    let pending: Vec<String> = k
+        .steps
+        .iter()
+        .filter(|s| !s.done)
+        .map(|s| format!("{:?}", s.step))
+        .collect();
+    assert!(
+        !pending.iter().any(|s| s.contains("worker-03")),
+        "a step planned for worker-03: {pending:?}"
+    );
 }
