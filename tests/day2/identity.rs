@@ -363,6 +363,11 @@ fn v1_11_a_machine_swapped_after_the_plan_is_caught_just_before_the_step() {
     let failed = report.failed.expect("the run stops");
     assert_eq!(failed.node, "worker-02");
     assert_eq!(failed.step, remove::Step::Drain);
+    let shown = failed.to_string();
+    assert!(
+        shown.starts_with("node worker-02: cordon and drain: the machine answering at "),
+        "{shown}"
+    );
     assert!(
         failed.message.contains(&format!(
             "has node ID {}…, not node ID {}… (recorded)",

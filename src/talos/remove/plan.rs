@@ -125,6 +125,25 @@ pub enum IdentityRefusal {
     Unreadable { node: String, at: String },
 }
 
+impl IdentityRefusal {
+    /// The message without its leading "node NAME: ", for a caller that
+    /// names the node already.
+    pub fn detail(&self) -> String {
+        let node = match self {
+            IdentityRefusal::Mismatch { node, .. }
+            | IdentityRefusal::InventoryNode { node, .. }
+            | IdentityRefusal::RecordedIsInventoryNode { node, .. }
+            | IdentityRefusal::Unknown { node, .. }
+            | IdentityRefusal::Unreadable { node, .. } => node,
+        };
+        let text = self.to_string();
+        match text.strip_prefix(&format!("node {node}: ")) {
+            Some(rest) => rest.to_owned(),
+            None => text,
+        }
+    }
+}
+
 /// What says which machine a node to remove is.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(tag = "by", content = "id", rename_all = "kebab-case")]
@@ -880,7 +899,7 @@ mod tests {
         assert!(
             p.nodes[0]
                 .identity_check()
-                .contains("node ID GGGPXIfm… (recorded)")
+                .contains("must be machine 0b30557a…")
         );
         assert_eq!(p.inventory_ids["worker-01"], ID_C);
 
@@ -911,6 +930,19 @@ mod tests {
         assert!(
             matches!(e, RemoveError::Identity(IdentityRefusal::Unreadable { .. })),
             "{e}"
+        );
+
+        // Named once where the caller names the node.
+        let e = answering_as(Some(ID_A), Some(ID_B)).unwrap_err();
+        let RemoveError::Identity(refusal) = e else {
+            panic!("{e}")
+        };
+        assert!(
+            refusal
+                .detail()
+                .starts_with("the machine answering at 10.0.0.22:50000"),
+            "{}",
+            refusal.detail()
         );
 
         // Not answering: nothing to prove now (the run checks again).

@@ -75,8 +75,9 @@ pub enum StepError {
     Join(#[from] tokio::task::JoinError),
     #[error("deleting the Kubernetes node: {}", shown(&.0.to_string()))]
     Delete(#[source] crate::talos::kube::KubeError),
-    /// The machine answering where the node was is not its machine.
-    #[error(transparent)]
+    /// The machine answering where the node was is not its machine (the
+    /// node is named once, by [`StepFailed`]).
+    #[error("{}", .0.detail())]
     Identity(#[from] IdentityRefusal),
     /// Its Kubernetes Node belongs to another machine than the one of record.
     #[error(
