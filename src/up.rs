@@ -520,7 +520,7 @@ impl DayTwo<'_> {
                 "remove from the cluster",
             )
             .change("role", Some(role), None)
-            .detail(steps.join(", "));
+            .detail(format!("{}; {}", steps.join(", "), n.identity_check()));
             if let Some(addr) = n.address {
                 a = a.change("address", Some(&addr.to_string()), None);
             }

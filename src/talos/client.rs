@@ -634,6 +634,44 @@ impl NodeClient {
         self.within(read).await?
     }
 
+    /// One COSI resource (`talosctl get TYPE ID`): its YAML spec, None when
+    /// the node has no such resource; refused past `limit` bytes.
+    pub async fn cosi_get(
+        &self,
+        namespace: &str,
+        kind: &str,
+        id: &str,
+        limit: usize,
+    ) -> Result<Option<String>, ApiError> {
+        use super::api::cosi::resource::GetRequest;
+        use super::api::cosi::resource::state_client::StateClient;
+        let req = GetRequest {
+            namespace: namespace.into(),
+            r#type: kind.into(),
+            id: id.into(),
+            options: None,
+        };
+        let mut state = StateClient::new(self.channel.clone());
+        match self.call(state.get(self.request(req))).await {
+            Ok(reply) => {
+                let yaml = reply
+                    .resource
+                    .and_then(|r| r.spec)
+                    .map(|s| s.yaml_spec)
+                    .unwrap_or_default();
+                if yaml.len() > limit {
+                    return Err(ApiError::TooLarge {
+                        what: "a resource",
+                        limit,
+                    });
+                }
+                Ok(Some(yaml))
+            }
+            Err(e) if e.code() == Some(tonic::Code::NotFound) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The node's SecurityState (siderolabs/talos
     /// `pkg/machinery/resources/runtime/security_status.go`, Talos v1.5+):
     /// whether it booted with Secure Boot on and the signing keys' fingerprints,

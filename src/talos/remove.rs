@@ -20,6 +20,7 @@
 //! let report = remove::remove(&prepared, &plan, &RemoveOptions::default(), &observer)?;
 //! ```
 
+pub mod identity;
 pub mod plan;
 pub mod record;
 mod run;
@@ -28,8 +29,8 @@ use std::path::Path;
 
 use crate::inventory::Inventory;
 pub use plan::{
-    ClusterView, FoundBy, Member, NodeRemoval, RemovalPlan, RemoveError, RemovedNode, SeenKubeNode,
-    Step, plan,
+    ClusterView, Expected, FoundBy, IdentityRefusal, Member, NodeRemoval, RemovalPlan, RemoveError,
+    RemovedNode, SeenKubeNode, Step, plan,
 };
 pub use record::{NodesRecord, RecordedNode};
 pub use run::{
@@ -52,6 +53,7 @@ pub fn removed_nodes(inv: &Inventory, state_dir: &Path) -> Result<Vec<RemovedNod
             role: Some(r.role),
             address: Some(r.address),
             endpoint: Some(r.endpoint),
+            node_id: r.node_id,
             found_by: FoundBy::Record,
         })
         .collect())
@@ -92,6 +94,7 @@ pub fn found_in_cluster(
                 role: None,
                 address: k.internal_ip,
                 endpoint: None,
+                node_id: None,
                 found_by: FoundBy::Cluster,
             },
         );
@@ -107,6 +110,7 @@ pub fn found_in_cluster(
                 role: None,
                 address: m.peer_hosts.first().copied(),
                 endpoint: None,
+                node_id: None,
                 found_by: FoundBy::Cluster,
             },
         );
@@ -188,6 +192,7 @@ mod tests {
             name: name.into(),
             internal_ip: Some(ip.parse().unwrap()),
             control_plane: false,
+            machine_id: None,
         }
     }
 
@@ -262,6 +267,7 @@ mod tests {
             role: Some(Role::Worker),
             address: None,
             endpoint: Some("10.0.0.22:50000".parse().unwrap()),
+            node_id: None,
             found_by: FoundBy::Record,
         }];
         for f in found {

@@ -890,7 +890,7 @@ pub fn bootstrap(
         source,
     })?;
     // The nodes of record: a node later gone from the inventory is removed.
-    record::record_nodes(dir, &prepared.plan).map_err(|source| StageError::Io {
+    record::record_nodes(dir, &prepared.plan, &opts.limits).map_err(|source| StageError::Io {
         path: record::NodesRecord::path(dir),
         source,
     })?;

@@ -15,6 +15,7 @@ mod etcd_real;
 mod etcd_snapshot;
 mod fresh_runner;
 mod hcloud;
+mod identity;
 mod kubernetes_manifests;
 mod kubernetes_upgrade;
 mod proxy;

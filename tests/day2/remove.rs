@@ -352,6 +352,7 @@ fn v1_10_the_last_control_plane_is_refused_and_talos_refuses_it_too() {
             endpoint: removed[0].endpoint,
             member: Some(0x1000),
             answering: true,
+            expected: remove::Expected::NodeId(removed[0].node_id.clone().expect("recorded")),
             steps: vec![Step::Reset],
         }],
         ..RemovalPlan::default()

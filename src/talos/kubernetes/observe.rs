@@ -26,6 +26,7 @@ use crate::talos::bootstrap::{Options, Plan, PlannedNode};
 use crate::talos::client::{ApiError, Mode, NodeClient};
 use crate::talos::health::{HealthError, kubeconfig, ready};
 use crate::talos::kube::KubeError;
+use crate::talos::remove::identity;
 
 /// Why part of the cluster could not be read. Kept as words in
 /// [`ClusterSeen`]; one reason may stand for several reads, so it is
@@ -125,23 +126,21 @@ fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> Option<&'a Value> {
 
 /// Reads the Talos side of every node: its version and, on control
 /// planes, the manifest objects its config renders.
-async fn talos_side(
-    plan: &Plan,
-    nodes: &[&PlannedNode],
-    opts: &Options,
-) -> Vec<(
-    Result<String, ReadError>,
-    Option<Result<Vec<Value>, ReadError>>,
-)> {
+async fn talos_side(plan: &Plan, nodes: &[&PlannedNode], opts: &Options) -> Vec<TalosSide> {
     let mode = Mode::Mtls(plan.identity.clone());
     let reads = nodes.iter().map(|n| {
         let mode = mode.clone();
         async move {
             let conn = match NodeClient::connect(&n.endpoint, &mode, opts.call_timeout).await {
                 Ok(c) => c,
-                Err(e) => return (Err(e.into()), None),
+                Err(e) => return (Err(e.into()), None, None),
             };
             let version = conn.version().await.map(|v| v.tag).map_err(Into::into);
+            let machine = identity::read(&conn)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|id| identity::machine_id(&id));
             let manifests = if n.role == Role::Controlplane {
                 Some(
                     conn.cosi_list(MANIFESTS.0, MANIFESTS.1)
@@ -156,28 +155,57 @@ async fn talos_side(
             } else {
                 None
             };
-            (version, manifests)
+            (version, manifests, machine)
         }
     });
     futures_util::future::join_all(reads).await
 }
 
-/// Whether a pod or Node item belongs to `node`: by name, else by address.
-fn is_node(item: &Value, name_field: &Value, node: &PlannedNode) -> bool {
+/// What one node's Talos API showed: its version, its control plane's
+/// manifest objects, its machine ID ([`identity::machine_id`]).
+type TalosSide = (
+    Result<String, ReadError>,
+    Option<Result<Vec<Value>, ReadError>>,
+    Option<String>,
+);
+
+/// Whether a pod or Node item is at `node`'s address (a node whose
+/// hostname is not its inventory name).
+fn at_address(item: &Value, node: &PlannedNode) -> bool {
     let address = node.address.to_string();
-    name_field.as_str() == Some(node.name.as_str())
-        || item["status"]["hostIP"].as_str() == Some(address.as_str())
+    item["status"]["hostIP"].as_str() == Some(address.as_str())
         || item["status"]["addresses"]
             .as_array()
             .is_some_and(|a| a.iter().any(|x| x["address"].as_str() == Some(&address)))
 }
 
+/// The item of `items` that belongs to `node`: the one by its name, else
+/// one at its address that `same_machine` accepts — a leftover of another
+/// machine that had the address before is never taken for it.
+fn item_of<'a>(
+    items: &'a [Value],
+    name_of: impl Fn(&Value) -> Option<&str>,
+    node: &PlannedNode,
+    same_machine: impl Fn(&Value) -> bool,
+) -> Option<&'a Value> {
+    items
+        .iter()
+        .find(|i| name_of(i) == Some(node.name.as_str()))
+        .or_else(|| {
+            items
+                .iter()
+                .find(|i| at_address(i, node) && same_machine(i))
+        })
+}
+
 /// The mirror pod of `component` on `node` in a pod list.
 pub fn pod_on<'a>(pods: &'a Value, node: &PlannedNode) -> Option<&'a Value> {
-    pods["items"]
-        .as_array()?
-        .iter()
-        .find(|p| is_node(p, &p["spec"]["nodeName"], node))
+    item_of(
+        pods["items"].as_array()?,
+        |p| p["spec"]["nodeName"].as_str(),
+        node,
+        |_| true,
+    )
 }
 
 /// What a pod shows: its image's tag and Ready.
@@ -191,12 +219,24 @@ pub fn pod_seen(pod: &Value) -> Seen {
     }
 }
 
-/// What a Node shows: its kubelet's version and Ready.
-pub fn kubelet_seen(nodes: &Value, node: &PlannedNode) -> Option<Seen> {
-    let item = nodes["items"]
-        .as_array()?
-        .iter()
-        .find(|n| is_node(n, &n["metadata"]["name"], node))?;
+/// What `node`'s Kubernetes Node shows: its kubelet's version and Ready.
+/// Its Node is the one by its name, else one at its address whose
+/// `status.nodeInfo.machineID` is `machine_id` (the machine ID of the
+/// machine answering as `node`, [`identity::machine_id`]) where both are
+/// known: a replaced machine at an old address is never taken for the old
+/// machine's leftover Node (a NotReady Node it would wait on in vain).
+pub fn kubelet_seen(nodes: &Value, node: &PlannedNode, machine_id: Option<&str>) -> Option<Seen> {
+    let same_machine = |n: &Value| match (n["status"]["nodeInfo"]["machineID"].as_str(), machine_id)
+    {
+        (Some(theirs), Some(ours)) if !theirs.is_empty() => theirs == ours,
+        _ => true,
+    };
+    let item = item_of(
+        nodes["items"].as_array()?,
+        |n| n["metadata"]["name"].as_str(),
+        node,
+        same_machine,
+    )?;
     Some(Seen {
         version: item["status"]["nodeInfo"]["kubeletVersion"]
             .as_str()
@@ -300,7 +340,7 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
         Ok(rt) => rt.block_on(talos_side(plan, &nodes, opts)),
         Err(e) => {
             let e = ReadError::Runtime(Arc::new(e));
-            nodes.iter().map(|_| (Err(e.clone()), None)).collect()
+            nodes.iter().map(|_| (Err(e.clone()), None, None)).collect()
         }
     };
     let kube = kubeconfig(plan)
@@ -324,7 +364,7 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
         })
         .collect();
     let mut first_manifests: Option<Result<Vec<Value>, ReadError>> = None;
-    for (n, (version, manifests)) in nodes.iter().zip(talos) {
+    for (n, (version, manifests, machine)) in nodes.iter().zip(talos) {
         let mut row = NodeSeen {
             node: n.name.clone(),
             control_plane: n.role == Role::Controlplane,
@@ -339,7 +379,7 @@ pub fn observe(plan: &Plan, talos_after: &BTreeMap<String, String>, opts: &Optio
         }
         match &kube_nodes {
             Ok(list) => {
-                if let Some(s) = kubelet_seen(list, n) {
+                if let Some(s) = kubelet_seen(list, n, machine.as_deref()) {
                     row.components.insert(Component::Kubelet, s);
                 }
             }
@@ -464,5 +504,71 @@ fn removed_side(kube: &Kube, plan: &Plan, seen: &mut ClusterSeen) {
     }
     if !errors.is_empty() {
         seen.api_check_error = Some(errors.join("; "));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::talos::client::NodeEndpoint;
+    use serde_json::json;
+
+    fn planned(name: &str, address: &str) -> PlannedNode {
+        let address: std::net::IpAddr = address.parse().unwrap();
+        PlannedNode {
+            name: name.into(),
+            role: Role::Worker,
+            address,
+            endpoint: NodeEndpoint {
+                addr: std::net::SocketAddr::new(address, 50000),
+                server_name: address,
+            },
+            install_disk: "/dev/sda".into(),
+            config: Vec::new(),
+        }
+    }
+
+    fn node_item(name: &str, address: &str, machine: &str, version: &str, ready: bool) -> Value {
+        json!({
+            "metadata": {"name": name},
+            "status": {
+                "addresses": [{"type": "InternalIP", "address": address}],
+                "nodeInfo": {"kubeletVersion": version, "machineID": machine},
+                "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}],
+            },
+        })
+    }
+
+    #[test]
+    fn a_replaced_machine_is_never_taken_for_the_old_machines_leftover_node() {
+        // worker-02's machine is gone, its Node left NotReady; worker-03 (a
+        // new machine, machine ID bbbb…) has its address now.
+        let old = node_item("worker-02", "10.0.0.22", "aaaa", "v1.32.1", false);
+        let new = node_item("worker-03", "10.0.0.22", "bbbb", "v1.33.5", true);
+        let w3 = planned("worker-03", "10.0.0.22");
+        // Its own Node, by name, wherever it is listed.
+        let list = json!({"items": [old.clone(), new.clone()]});
+        let seen = kubelet_seen(&list, &w3, Some("bbbb")).unwrap();
+        assert_eq!(
+            (seen.version.as_deref(), seen.ready),
+            (Some("v1.33.5"), true)
+        );
+        // Not registered yet: the leftover at its address is another
+        // machine's, so nothing is seen (the kubelet is waited for).
+        let list = json!({"items": [old.clone()]});
+        assert_eq!(kubelet_seen(&list, &w3, Some("bbbb")), None);
+        // A Node under another hostname, same machine: taken by address.
+        let renamed = node_item("host-7", "10.0.0.22", "bbbb", "v1.33.5", true);
+        let list = json!({"items": [old.clone(), renamed]});
+        assert_eq!(
+            kubelet_seen(&list, &w3, Some("bbbb"))
+                .unwrap()
+                .version
+                .as_deref(),
+            Some("v1.33.5")
+        );
+        // The machine ID unknown (unread): by address, as before.
+        let list = json!({"items": [old]});
+        assert!(kubelet_seen(&list, &w3, None).is_some());
     }
 }

@@ -37,6 +37,7 @@ use crate::talos::bootstrap::{Options, Plan, PlannedNode};
 use crate::talos::client::{ApiError, ApplyMode, Mode, NodeClient, PullApi};
 use crate::talos::health::{HealthError, kubeconfig};
 use crate::talos::kube::KubeError;
+use crate::talos::remove::identity;
 use crate::talos::upgrade::report::Ending;
 
 /// A node's config could not be pinned to Kubernetes versions.
@@ -379,12 +380,21 @@ impl Runner<'_> {
         self.rt
             .block_on(conn.apply_mode(config, ApplyMode::NoReboot, false))
             .map_err(KubeStepError::Apply)?;
+        // Its Node is matched by machine ID where known, never a leftover
+        // of the machine that had its address before.
+        let machine = self
+            .rt
+            .block_on(identity::read(&conn))
+            .ok()
+            .flatten()
+            .and_then(|id| identity::machine_id(&id));
         let (kube, poll) = (&self.kube, self.opts.poll);
         match c {
             Component::KubeProxy => Ok(()),
             Component::Kubelet => wait_until(self.run.component_timeout, poll, || {
                 let nodes = kube.get_some("/api/v1/nodes")?;
-                let seen = kubelet_seen(&nodes, &node).ok_or(Pending::NodeUnregistered)?;
+                let seen = kubelet_seen(&nodes, &node, machine.as_deref())
+                    .ok_or(Pending::NodeUnregistered)?;
                 match seen.version {
                     Some(v) if v == to && seen.ready => Ok(()),
                     Some(v) if v == to => Err(Pending::NodeNotReady(v)),

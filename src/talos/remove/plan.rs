@@ -19,10 +19,11 @@
 //! healthy: never more lenient than etcd. Removals are checked one after
 //! the other, in the order the run does them.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
+use super::identity;
 use crate::inventory::{Inventory, Role};
 
 /// Why nodes cannot be removed (or the removal cannot start). Names the
@@ -70,8 +71,172 @@ pub enum RemoveError {
         other: String,
         at: String,
     },
+    /// Which machine answers where the node was is not the node of
+    /// record's (issue 39).
+    #[error(transparent)]
+    Identity(#[from] IdentityRefusal),
     #[error("cannot start the async runtime: {0}")]
     Runtime(String),
+}
+
+/// Why a node to remove is not acted on: the machine that answers where
+/// it was is not provably the machine of record. Names the node, the
+/// address, and both IDs (their first [`identity::SHOWN`] characters).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
+pub enum IdentityRefusal {
+    #[error(
+        "node {node}: the machine answering at {at} has node ID {answering}…, not {expected}: not removed, nothing reset or deleted (the address now belongs to another machine, or {node}'s machine was wiped and reinstalled); if {node}'s machine is gone, drop its entry from the state dir's nodes.json"
+    )]
+    Mismatch {
+        node: String,
+        at: String,
+        /// What was expected, in words ("node ID abcd1234… (recorded)").
+        expected: String,
+        answering: String,
+    },
+    #[error(
+        "node {node}: the machine answering at {at} is inventory node {other} (node ID {answering}…): not removed, nothing reset or deleted (a Reset there would wipe {other}); if {node}'s machine is gone, drop its entry from the state dir's nodes.json"
+    )]
+    InventoryNode {
+        node: String,
+        at: String,
+        other: String,
+        answering: String,
+    },
+    #[error(
+        "node {node}: its recorded machine (node ID {id}…) is inventory node {other} now: not removed, nothing reset or deleted (the record is stale); drop {node}'s entry from the state dir's nodes.json"
+    )]
+    RecordedIsInventoryNode {
+        node: String,
+        other: String,
+        id: String,
+    },
+    #[error(
+        "node {node}: a machine answers at {at} (node ID {answering}…), but nothing says which machine {node} was (no node ID in nodes.json, which older imgbuild did not record, and no Kubernetes Node {node} with a machineID): not removed, nothing reset or deleted; stop or reset that machine by hand if it is {node}'s, then run again"
+    )]
+    Unknown {
+        node: String,
+        at: String,
+        answering: String,
+    },
+    #[error(
+        "node {node}: the machine answering at {at} shows no Talos node ID (Identities.cluster.talos.dev), so which machine it is cannot be proven: not removed, nothing reset or deleted"
+    )]
+    Unreadable { node: String, at: String },
+}
+
+impl IdentityRefusal {
+    /// The message without its leading "node NAME: ", for a caller that
+    /// names the node already.
+    pub fn detail(&self) -> String {
+        let node = match self {
+            IdentityRefusal::Mismatch { node, .. }
+            | IdentityRefusal::InventoryNode { node, .. }
+            | IdentityRefusal::RecordedIsInventoryNode { node, .. }
+            | IdentityRefusal::Unknown { node, .. }
+            | IdentityRefusal::Unreadable { node, .. } => node,
+        };
+        let text = self.to_string();
+        match text.strip_prefix(&format!("node {node}: ")) {
+            Some(rest) => rest.to_owned(),
+            None => text,
+        }
+    }
+}
+
+/// What says which machine a node to remove is.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "by", content = "id", rename_all = "kebab-case")]
+pub enum Expected {
+    /// The node ID recorded when imgbuild last brought the node up.
+    NodeId(String),
+    /// No ID recorded (an older record, or found in the cluster only): its
+    /// Kubernetes Node's `status.nodeInfo.machineID`.
+    MachineId(String),
+    /// Nothing: it is acted on only while nothing answers where it was.
+    Unknown,
+}
+
+impl Expected {
+    /// The words for a plan or a message.
+    pub fn describe(&self) -> String {
+        match self {
+            Expected::NodeId(id) => format!("node ID {}… (recorded)", identity::short(id)),
+            Expected::MachineId(m) => {
+                format!("machine ID {}… (its Kubernetes Node's)", identity::short(m))
+            }
+            Expected::Unknown => "unknown (acted on only while nothing answers)".to_owned(),
+        }
+    }
+
+    /// The machine ID this machine has (`/etc/machine-id`), where known.
+    pub fn machine_id(&self) -> Option<String> {
+        match self {
+            Expected::NodeId(id) => identity::machine_id(id),
+            Expected::MachineId(m) => Some(m.clone()),
+            Expected::Unknown => None,
+        }
+    }
+
+    /// Whether a machine answering with node ID `id` is this one.
+    fn matches(&self, id: &str) -> bool {
+        match self {
+            Expected::NodeId(r) => r == id,
+            Expected::MachineId(m) => identity::machine_id(id).as_deref() == Some(m.as_str()),
+            Expected::Unknown => false,
+        }
+    }
+}
+
+/// What is expected of node `r`: its recorded node ID, else its
+/// Kubernetes Node's machine ID.
+pub fn expected_of(r: &RemovedNode, kube: &[SeenKubeNode]) -> Expected {
+    if let Some(id) = r.node_id.as_ref().filter(|i| identity::valid_node_id(i)) {
+        return Expected::NodeId(id.clone());
+    }
+    kube.iter()
+        .find(|k| k.name == r.name)
+        .and_then(|k| k.machine_id.clone())
+        .map_or(Expected::Unknown, Expected::MachineId)
+}
+
+/// The check before anything is done to node `node`: the machine that
+/// answers at `at` with node ID `answering` (None: it answers without
+/// one) must be the one `expected` says, and no inventory node (`ids`,
+/// node ID by name).
+pub fn check_identity(
+    node: &str,
+    at: &str,
+    expected: &Expected,
+    answering: Option<&str>,
+    ids: &BTreeMap<String, String>,
+) -> Result<(), IdentityRefusal> {
+    let (node, at) = (node.to_owned(), at.to_owned());
+    let Some(id) = answering.filter(|i| identity::valid_node_id(i)) else {
+        return Err(IdentityRefusal::Unreadable { node, at });
+    };
+    if let Some((other, _)) = ids.iter().find(|(_, v)| v.as_str() == id) {
+        return Err(IdentityRefusal::InventoryNode {
+            node,
+            at,
+            other: other.clone(),
+            answering: identity::short(id),
+        });
+    }
+    match expected {
+        Expected::Unknown => Err(IdentityRefusal::Unknown {
+            node,
+            at,
+            answering: identity::short(id),
+        }),
+        e if e.matches(id) => Ok(()),
+        e => Err(IdentityRefusal::Mismatch {
+            node,
+            at,
+            expected: e.describe(),
+            answering: identity::short(id),
+        }),
+    }
 }
 
 /// The inventory node now reached where `r` was: removal acts on an
@@ -125,6 +290,8 @@ pub struct RemovedNode {
     pub address: Option<IpAddr>,
     /// Where its Talos API is (else `address:50000`).
     pub endpoint: Option<SocketAddr>,
+    /// Its machine's node ID as recorded ([`identity`]).
+    pub node_id: Option<String>,
     pub found_by: FoundBy,
 }
 
@@ -137,6 +304,7 @@ impl RemovedNode {
             role: None,
             address,
             endpoint: None,
+            node_id: None,
             found_by: FoundBy::Platform,
         }
     }
@@ -168,6 +336,8 @@ pub struct SeenKubeNode {
     pub internal_ip: Option<IpAddr>,
     /// Labelled `node-role.kubernetes.io/control-plane`.
     pub control_plane: bool,
+    /// `status.nodeInfo.machineID`, when it is one (hex, bounded).
+    pub machine_id: Option<String>,
 }
 
 /// What the cluster showed before the plan ([`super::survey`]).
@@ -181,6 +351,11 @@ pub struct ClusterView {
     pub kube_nodes: Option<Vec<SeenKubeNode>>,
     /// The removed nodes whose Talos API answered.
     pub answering: BTreeSet<String>,
+    /// Of those, the node ID each answered with (None: none shown).
+    pub identities: BTreeMap<String, Option<String>>,
+    /// The inventory's nodes' node IDs, by name: as they answered, else as
+    /// recorded. A node to remove is never one of these machines.
+    pub inventory_ids: BTreeMap<String, String>,
 }
 
 /// One thing done to a node being removed, in this order.
@@ -223,8 +398,26 @@ pub struct NodeRemoval {
     pub member: Option<u64>,
     /// Its Talos API answered when the cluster was read.
     pub answering: bool,
+    /// Which machine it is: checked before every step while something
+    /// answers where it was.
+    pub expected: Expected,
     /// What the run does, in order.
     pub steps: Vec<Step>,
+}
+
+impl NodeRemoval {
+    /// The identity check, in words, for the plan: by machine ID, which a
+    /// recorded node ID and a Kubernetes Node both give, so a runner with
+    /// the record and a fresh one plan the same words.
+    pub fn identity_check(&self) -> String {
+        match self.expected.machine_id() {
+            Some(m) => format!(
+                "identity checked before each step: whatever answers at its address must be machine {}…",
+                identity::short(&m)
+            ),
+            None => "identity unknown (no node ID recorded, no Kubernetes Node): acted on only while nothing answers at its address".to_owned(),
+        }
+    }
 }
 
 /// Every removal, in the order the run takes them: workers, then control
@@ -236,6 +429,9 @@ pub struct RemovalPlan {
     pub members_after: Option<usize>,
     /// Things the user should know (a 2-member etcd).
     pub warnings: Vec<String>,
+    /// The inventory nodes' node IDs (as surveyed): no step acts on a
+    /// machine answering with one of them.
+    pub inventory_ids: BTreeMap<String, String>,
 }
 
 impl RemovalPlan {
@@ -358,6 +554,17 @@ pub fn plan(
                 at,
             });
         }
+        let expected = expected_of(r, kube);
+        if let Some(id) = r.node_id.as_deref()
+            && let Some((other, _)) = view.inventory_ids.iter().find(|(_, v)| v.as_str() == id)
+        {
+            return Err(IdentityRefusal::RecordedIsInventoryNode {
+                node: r.name.clone(),
+                other: other.clone(),
+                id: identity::short(id),
+            }
+            .into());
+        }
         let k8s = kube.iter().find(|k| k.name == r.name);
         let address = address_of(r, kube, members);
         let member = member_of(members, &r.name, address);
@@ -378,6 +585,18 @@ pub fn plan(
         let endpoint = r
             .endpoint
             .or_else(|| address.map(|a| SocketAddr::new(a, crate::inventory::TALOS_API_PORT)));
+        // What answers where it was must be its machine, now as before
+        // every step of the run.
+        if let Some(answered) = view.identities.get(&r.name) {
+            let at = endpoint.map(|e| e.to_string()).unwrap_or_default();
+            check_identity(
+                &r.name,
+                &at,
+                &expected,
+                answered.as_deref(),
+                &view.inventory_ids,
+            )?;
+        }
         let in_kubernetes = view.kube_nodes.is_none() || k8s.is_some();
         let member = if role == Role::Controlplane {
             member.map(|m| m.id)
@@ -404,6 +623,7 @@ pub fn plan(
             endpoint,
             member,
             answering: view.answering.contains(&r.name),
+            expected,
             steps,
         });
     }
@@ -458,6 +678,7 @@ pub fn plan(
         nodes: out,
         members_after,
         warnings,
+        inventory_ids: view.inventory_ids.clone(),
     })
 }
 
@@ -547,6 +768,7 @@ mod tests {
             role: Some(role),
             address: Some(address),
             endpoint: Some(SocketAddr::new(address, 50000)),
+            node_id: None,
             found_by: FoundBy::Record,
         }
     }
@@ -558,6 +780,7 @@ mod tests {
                 name: (*n).into(),
                 internal_ip: Some(format!("10.0.0.{last}").parse().unwrap()),
                 control_plane: *cp,
+                machine_id: None,
             })
             .collect()
     }
@@ -579,6 +802,7 @@ mod tests {
                 ("worker-02", 22, false),
             ])),
             answering: ["cp-03", "worker-02"].map(String::from).into(),
+            ..ClusterView::default()
         }
     }
 
@@ -646,6 +870,133 @@ mod tests {
         ));
     }
 
+    /// Node IDs made with jxskiss/base62 (see `identity`'s tests) and the
+    /// machine ID of the first.
+    const ID_A: &str = "GGGPXIfmRdQvyhi3VuUA3ymIYfxi2HWz4Q6EfT9qCmFA";
+    const MACHINE_A: &str = "0b30557a9fc4e90e33587da2c7ec1136";
+    const ID_B: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+    const ID_C: &str = "fffffffffffffffffffffffffffffffffffffffffffffffffffB";
+
+    /// worker-02 (recorded with `recorded_id`) answering with `answers`;
+    /// the inventory's worker-01 is ID_C.
+    fn answering_as(
+        recorded_id: Option<&str>,
+        answers: Option<&str>,
+    ) -> Result<RemovalPlan, RemoveError> {
+        let mut gone = recorded("worker-02", Role::Worker, 22);
+        gone.node_id = recorded_id.map(str::to_owned);
+        let mut view = healthy_view();
+        view.identities
+            .insert("worker-02".into(), answers.map(str::to_owned));
+        view.inventory_ids.insert("worker-01".into(), ID_C.into());
+        plan(&atlas_without(&["worker-02"]), &[gone], &view)
+    }
+
+    #[test]
+    fn the_machine_answering_must_be_the_recorded_one() {
+        let p = answering_as(Some(ID_A), Some(ID_A)).unwrap();
+        assert_eq!(p.nodes[0].expected, Expected::NodeId(ID_A.into()));
+        assert!(
+            p.nodes[0]
+                .identity_check()
+                .contains("must be machine 0b30557a…")
+        );
+        assert_eq!(p.inventory_ids["worker-01"], ID_C);
+
+        // Another machine at the address (or this one wiped and reinstalled).
+        let e = answering_as(Some(ID_A), Some(ID_B)).unwrap_err();
+        assert!(
+            matches!(e, RemoveError::Identity(IdentityRefusal::Mismatch { .. })),
+            "{e}"
+        );
+        let e = e.to_string();
+        assert!(
+            e.contains("node worker-02: the machine answering at 10.0.0.22:50000 has node ID AAAAAAAA…, not node ID GGGPXIfm… (recorded)"),
+            "{e}"
+        );
+
+        // An inventory node's machine answers there.
+        let e = answering_as(Some(ID_A), Some(ID_C))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("at 10.0.0.22:50000 is inventory node worker-01 (node ID ffffffff…)")
+                && e.contains("would wipe worker-01"),
+            "{e}"
+        );
+
+        // Answering without an ID proves nothing.
+        let e = answering_as(Some(ID_A), None).unwrap_err();
+        assert!(
+            matches!(e, RemoveError::Identity(IdentityRefusal::Unreadable { .. })),
+            "{e}"
+        );
+
+        // Named once where the caller names the node.
+        let e = answering_as(Some(ID_A), Some(ID_B)).unwrap_err();
+        let RemoveError::Identity(refusal) = e else {
+            panic!("{e}")
+        };
+        assert!(
+            refusal
+                .detail()
+                .starts_with("the machine answering at 10.0.0.22:50000"),
+            "{}",
+            refusal.detail()
+        );
+
+        // Not answering: nothing to prove now (the run checks again).
+        let mut gone = recorded("worker-02", Role::Worker, 22);
+        gone.node_id = Some(ID_A.into());
+        assert!(plan(&atlas_without(&["worker-02"]), &[gone], &healthy_view()).is_ok());
+    }
+
+    #[test]
+    fn a_record_naming_an_inventory_nodes_machine_is_stale() {
+        // Whatever answers (or nothing): the recorded machine is worker-01.
+        let e = answering_as(Some(ID_C), None).unwrap_err();
+        assert!(
+            matches!(&e, RemoveError::Identity(IdentityRefusal::RecordedIsInventoryNode { other, .. }) if other == "worker-01"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn without_a_recorded_id_the_kubernetes_nodes_machine_id_decides() {
+        let mut view = healthy_view();
+        for k in view.kube_nodes.as_mut().unwrap() {
+            if k.name == "worker-02" {
+                k.machine_id = Some(MACHINE_A.into());
+            }
+        }
+        let gone = recorded("worker-02", Role::Worker, 22);
+        let inv = atlas_without(&["worker-02"]);
+        view.identities
+            .insert("worker-02".into(), Some(ID_A.into()));
+        let p = plan(&inv, std::slice::from_ref(&gone), &view).unwrap();
+        assert_eq!(p.nodes[0].expected, Expected::MachineId(MACHINE_A.into()));
+        view.identities
+            .insert("worker-02".into(), Some(ID_B.into()));
+        let e = plan(&inv, std::slice::from_ref(&gone), &view)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not machine ID 0b30557a… (its Kubernetes Node's)"),
+            "{e}"
+        );
+        // Neither: an answering machine is never acted on.
+        let e = answering_as(None, Some(ID_A)).unwrap_err();
+        assert!(
+            matches!(e, RemoveError::Identity(IdentityRefusal::Unknown { .. })),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .contains("nothing says which machine worker-02 was"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn a_control_plane_leaves_etcd_and_two_members_left_warn() {
         let p = plan(
@@ -670,6 +1021,7 @@ mod tests {
             role: None,
             address: None,
             endpoint: None,
+            node_id: None,
             found_by: FoundBy::Platform,
         };
         let p = plan(

@@ -9,8 +9,10 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
+use std::collections::BTreeMap;
+
 use crate::inventory::Role;
-use crate::talos::bootstrap::Plan;
+use crate::talos::bootstrap::{Options, Plan};
 
 /// The file's name in the state dir.
 pub const NODES_FILE: &str = "nodes.json";
@@ -29,6 +31,12 @@ pub struct RecordedNode {
     pub address: IpAddr,
     /// Where its Talos API answered (`address:50000`, or its talosEndpoint).
     pub endpoint: SocketAddr,
+    /// The machine's Talos node ID ([`super::identity`]) as read when it
+    /// was last brought up; absent in records older than issue 39, or when
+    /// it could not be read. A removal acts only on the machine that
+    /// answers with it.
+    #[serde(default, rename = "nodeId", skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
 }
 
 /// `nodes.json`: every node of record, in the order they were first seen.
@@ -53,7 +61,24 @@ impl NodesRecord {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(NodesRecord::default()),
             Err(e) => return Err(e),
         };
-        serde_json::from_str(&text).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+        let record: NodesRecord = serde_json::from_str(&text)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        // Only IDs Talos could have written: they reach messages and plans.
+        if let Some(bad) = record.nodes.iter().find(|n| {
+            n.node_id
+                .as_deref()
+                .is_some_and(|id| !super::identity::valid_node_id(id))
+        }) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "node {}: nodeId is not a Talos node ID (1 to {} ASCII letters and digits)",
+                    super::plan::shown(&bad.name),
+                    super::identity::NODE_ID_LIMIT
+                ),
+            ));
+        }
+        Ok(record)
     }
 
     /// Writes the record atomically (nothing when it did not change).
@@ -65,14 +90,21 @@ impl NodesRecord {
     }
 
     /// Takes in every node of `plan` (replacing what was recorded under its
-    /// name); nodes the plan does not have stay, still to be removed.
-    pub fn note(&mut self, plan: &Plan) {
+    /// name) with the node ID its machine answered with (`ids`, by name; a
+    /// node missing there is recorded without one: what answered now is
+    /// not known to be the machine recorded before); nodes the plan does
+    /// not have stay, with their IDs, still to be removed.
+    pub fn note(&mut self, plan: &Plan, ids: &BTreeMap<String, String>) {
         for n in &plan.nodes {
             let node = RecordedNode {
                 name: n.name.clone(),
                 role: n.role,
                 address: n.address,
                 endpoint: n.endpoint.addr,
+                node_id: ids
+                    .get(&n.name)
+                    .filter(|id| super::identity::valid_node_id(id))
+                    .cloned(),
             };
             match self.nodes.iter_mut().find(|r| r.name == n.name) {
                 Some(r) => *r = node,
@@ -87,11 +119,13 @@ impl NodesRecord {
     }
 }
 
-/// Records the nodes `plan` brought up: what `stage::bootstrap` calls once
-/// a bootstrap succeeded.
-pub fn record_nodes(state_dir: &Path, plan: &Plan) -> io::Result<()> {
+/// Records the nodes `plan` brought up, each with the node ID its machine
+/// answers with now (read within `limits`' call timeout): what
+/// `stage::bootstrap` calls once a bootstrap succeeded. Blocking.
+pub fn record_nodes(state_dir: &Path, plan: &Plan, limits: &Options) -> io::Result<()> {
+    let ids = super::identity::of_plan(plan, limits);
     let mut record = NodesRecord::load(state_dir)?;
-    record.note(plan);
+    record.note(plan, &ids);
     record.save(state_dir)
 }
 
@@ -113,6 +147,7 @@ mod tests {
             role,
             address,
             endpoint: SocketAddr::new(address, 50000),
+            node_id: None,
         }
     }
 
@@ -143,5 +178,40 @@ mod tests {
         r.forget("w-01");
         assert_eq!(NodesRecord::load(dir.path()).unwrap(), r);
         assert_eq!(r.nodes.len(), 1);
+    }
+
+    #[test]
+    fn node_ids_are_kept_validated_and_older_records_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        // A record from before issue 39: no nodeId.
+        std::fs::write(
+            NodesRecord::path(dir.path()),
+            r#"{"nodes": [{"name": "w-01", "role": "worker", "address": "10.0.0.21", "endpoint": "10.0.0.21:50000"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            NodesRecord::load(dir.path()).unwrap().nodes[0].node_id,
+            None
+        );
+        let mut r = NodesRecord {
+            nodes: vec![node("w-01", Role::Worker, 21)],
+        };
+        r.nodes[0].node_id = Some("GGGPXIfmRdQvyhi3VuUA3ymIYfxi2HWz4Q6EfT9qCmFA".into());
+        r.save(dir.path()).unwrap();
+        let text = std::fs::read_to_string(NodesRecord::path(dir.path())).unwrap();
+        assert!(text.contains("\"nodeId\": \"GGGPXIfm"), "{text}");
+        assert_eq!(NodesRecord::load(dir.path()).unwrap(), r);
+        // Anything Talos would not write is refused, never shown or used.
+        for bad in ["a/b", "", "x\u{1b}[31m", &"a".repeat(65)] {
+            r.nodes[0].node_id = Some(bad.into());
+            r.save(dir.path()).unwrap();
+            let e = NodesRecord::load(dir.path()).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{bad:?}");
+            assert!(
+                e.to_string()
+                    .contains("node w-01: nodeId is not a Talos node ID"),
+                "{e}"
+            );
+        }
     }
 }

@@ -3,17 +3,17 @@
 //! stopped run already did it (the member gone, the Node gone, the node
 //! silent after its reset).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use super::plan::{
-    self, ClusterView, Member, NodeRemoval, RemovalPlan, RemoveError, RemovedNode, SeenKubeNode,
-    Step, shown,
+    self, ClusterView, IdentityRefusal, Member, NodeRemoval, RemovalPlan, RemoveError, RemovedNode,
+    SeenKubeNode, Step, shown,
 };
-use super::record;
+use super::{identity, record};
 use crate::inventory::Role;
 use crate::talos::api::machine::{ResetPartitionSpec, ResetRequest, reset_request};
 use crate::talos::bootstrap::{Options, Plan};
@@ -75,6 +75,15 @@ pub enum StepError {
     Join(#[from] tokio::task::JoinError),
     #[error("deleting the Kubernetes node: {}", shown(&.0.to_string()))]
     Delete(#[source] crate::talos::kube::KubeError),
+    /// The machine answering where the node was is not its machine (the
+    /// node is named once, by [`StepFailed`]).
+    #[error("{}", .0.detail())]
+    Identity(#[from] IdentityRefusal),
+    /// Its Kubernetes Node belongs to another machine than the one of record.
+    #[error(
+        "its Kubernetes Node reports machine ID {found}…, not the machine of {expected}: the Node was not deleted"
+    )]
+    NodeOfAnotherMachine { found: String, expected: String },
 }
 
 /// How one step went.
@@ -306,8 +315,18 @@ fn seen_nodes(list: &Value) -> Vec<SeenKubeNode> {
             control_plane: n["metadata"]["labels"]
                 .get("node-role.kubernetes.io/control-plane")
                 .is_some(),
+            machine_id: n["status"]["nodeInfo"]["machineID"]
+                .as_str()
+                .filter(|m| valid_machine_id(m))
+                .map(str::to_owned),
         })
         .collect()
+}
+
+/// A machine ID as the kubelet reports `/etc/machine-id`: lowercase hex,
+/// bounded (32 characters on Talos).
+pub fn valid_machine_id(m: &str) -> bool {
+    !m.is_empty() && m.len() <= 64 && m.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Where a removed node's Talos API is, by what is known of it.
@@ -344,18 +363,36 @@ pub fn survey(
             None => (None, None),
         };
         let mut answering_nodes = BTreeSet::new();
+        let mut identities = BTreeMap::new();
         for r in removed {
             if let Some(t) = endpoint_of(r, kube.as_deref(), members.as_deref())
-                && answering(plan, &t, limits).await.is_ok()
+                && let Ok(c) = answering(plan, &t, limits).await
             {
                 answering_nodes.insert(r.name.clone());
+                identities.insert(r.name.clone(), identity::read(&c).await.ok().flatten());
             }
+        }
+        // The inventory's machines: as they answer now, else as recorded.
+        let mut inventory_ids = BTreeMap::new();
+        if !removed.is_empty() {
+            if let Ok(record) = record::NodesRecord::load(&prepared.state_dir.path) {
+                inventory_ids.extend(record.nodes.into_iter().filter_map(|n| {
+                    let id = n.node_id?;
+                    plan.nodes
+                        .iter()
+                        .any(|p| p.name == n.name)
+                        .then_some((n.name, id))
+                }));
+            }
+            inventory_ids.extend(identity::of_plan_async(plan, limits).await);
         }
         Ok(ClusterView {
             members,
             members_from: from,
             kube_nodes: kube,
             answering: answering_nodes,
+            identities,
+            inventory_ids,
         })
     })
 }
@@ -430,6 +467,11 @@ async fn run_step(
     let plan = &prepared.plan;
     let limits = &opts.limits;
     let own = n.endpoint.map(|e| target(e, n.address));
+    // Just before acting: whatever answers where the node was must be its
+    // machine, and no inventory node's (every node shares the CA).
+    if let Some(t) = &own {
+        prove(plan, removal, n, t, limits).await?;
+    }
     match step {
         Step::Drain => {
             if !in_kubernetes(plan, &n.node, limits).await? {
@@ -480,8 +522,31 @@ async fn run_step(
             wait_silent(plan, &t, opts).await?;
             Ok(Outcome::Done(done))
         }
-        Step::DeleteNode => delete_node(plan, &n.node, limits).await,
+        Step::DeleteNode => delete_node(plan, n, limits).await,
     }
+}
+
+/// Whether the machine answering at `t` is node `n`'s machine (see
+/// [`plan::check_identity`]); nothing answering proves nothing and stops
+/// nothing (a step on a silent node goes through the others).
+async fn prove(
+    plan: &Plan,
+    removal: &RemovalPlan,
+    n: &NodeRemoval,
+    t: &NodeEndpoint,
+    limits: &Options,
+) -> Result<(), StepError> {
+    let identity::Answer::Node(answered) = identity::read_at(plan, t, limits).await else {
+        return Ok(());
+    };
+    plan::check_identity(
+        &n.node,
+        &t.addr.to_string(),
+        &n.expected,
+        answered.as_deref(),
+        &removal.inventory_ids,
+    )?;
+    Ok(())
 }
 
 /// The system volumes Talos v1.14 lets a machine config place on
@@ -682,12 +747,26 @@ async fn in_kubernetes(plan: &Plan, name: &str, limits: &Options) -> Result<bool
     Ok(nodes.iter().any(|k| k.name == name))
 }
 
-/// `DELETE /api/v1/nodes/NAME` (bounded reply, deadline), unless it is gone.
-async fn delete_node(plan: &Plan, name: &str, limits: &Options) -> Result<Outcome, StepError> {
-    if !in_kubernetes(plan, name, limits).await? {
+/// `DELETE /api/v1/nodes/NAME` (bounded reply, deadline), unless it is
+/// gone; never a Node whose machine ID shows another machine than the one
+/// of record.
+async fn delete_node(plan: &Plan, n: &NodeRemoval, limits: &Options) -> Result<Outcome, StepError> {
+    let name = n.node.as_str();
+    let nodes = kube_nodes(plan, limits)
+        .await
+        .ok_or(StepError::KubeSilent)?;
+    let Some(k) = nodes.iter().find(|k| k.name == name) else {
         return Ok(Outcome::AlreadyDone(
             "no Kubernetes node by that name".into(),
         ));
+    };
+    if let (Some(found), Some(m)) = (&k.machine_id, n.expected.machine_id())
+        && m != *found
+    {
+        return Err(StepError::NodeOfAnotherMachine {
+            found: identity::short(found),
+            expected: n.expected.describe(),
+        });
     }
     let kc = kubeconfig(plan)?;
     let (path, t) = (format!("/api/v1/nodes/{name}"), limits.call_timeout);
@@ -738,8 +817,16 @@ mod tests {
              "status": {"addresses": [{"type": "Hostname", "address": "cp-01"},
                                       {"type": "InternalIP", "address": "10.0.0.11"}]}},
             {"metadata": {"name": "w-01", "labels": {}}, "status": {}},
+            {"metadata": {"name": "w-02"}, "status": {"nodeInfo": {"machineID": "0b30557a9fc4e90e33587da2c7ec1136"}}},
+            {"metadata": {"name": "w-03"}, "status": {"nodeInfo": {"machineID": "../x"}}},
         ]});
         let seen = seen_nodes(&list);
+        assert_eq!(seen[1].machine_id, None);
+        assert_eq!(
+            seen[2].machine_id.as_deref(),
+            Some("0b30557a9fc4e90e33587da2c7ec1136")
+        );
+        assert_eq!(seen[3].machine_id, None);
         assert_eq!(seen[0].internal_ip, Some("10.0.0.11".parse().unwrap()));
         assert!(seen[0].control_plane);
         assert_eq!(seen[1].internal_ip, None);
