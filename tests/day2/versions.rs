@@ -843,3 +843,37 @@ fn v1_13_drain_timeout_bounds_the_clients_drain() {
         "{failed} rebooted undrained"
     );
 }
+
+#[test]
+fn v1_13_ctrl_c_during_a_drain_says_what_it_left_and_the_rerun_resumes() {
+    // Talos v1.13.3 → v1.13.5 through LifecycleService, drained by the
+    // client. A PodDisruptionBudget refuses cp-01's evictions (429), so its
+    // drain retries; Ctrl-C there stops the run, which says cp-01 is left
+    // cordoned and not rebooted, and how to resume. With the budget gone,
+    // the rerun finishes: every node on v1.13.5, none cordoned. cp-01 runs
+    // v1.13.3 until it reboots, which is all a node shows: the rerun
+    // installs it again, the others once.
+    let c = Cluster::five(21, "v1.13.3", "v1.13.3,v1.13.5", &[]);
+    c.want("v1.13.5", "");
+    c.switch(r#"{"node": "cp-01", "disruption_budget": true}"#);
+    let s = run(&c.config, &["upgrade"], &[])
+        .signal_at("cp-01: draining the Kubernetes node", libc::SIGINT);
+    let said = s.after.join("\n");
+    assert_eq!(s.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("interrupted (SIGINT) while draining: cp-01 is left cordoned")
+            && said.contains("Run `imgbuild upgrade` again to resume"),
+        "{said}"
+    );
+    assert_eq!(c.day2("cp-01", "cordoned"), true, "{said}");
+    assert_eq!(c.day2("cp-01", "reboot_calls"), 0, "rebooted: {said}");
+
+    c.switch(r#"{"node": "cp-01", "disruption_budget": false}"#);
+    let o = imgbuild(&c.config, &["--output", "json", "upgrade"], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    for name in &c.names {
+        assert_eq!(c.day2(name, "cordoned"), false, "{name} left cordoned");
+        assert_eq!(c.day2(name, "version"), "v1.13.5", "{name}");
+    }
+    assert_eq!(c.per_node("lifecycle_upgrades"), [2, 1, 1, 1, 1]);
+}

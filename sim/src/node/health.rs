@@ -306,6 +306,13 @@ pub(crate) async fn nodes(
         })
         .collect();
     items.extend(silent);
+    // The API server lists from etcd's keys (`/registry/minions/<name>`,
+    // apiserver pkg/storage/etcd3/store.go GetList): by name.
+    items.sort_by(|a, b| {
+        a["metadata"]["name"]
+            .as_str()
+            .cmp(&b["metadata"]["name"].as_str())
+    });
     Ok(axum::Json(
         json!({"kind": "NodeList", "apiVersion": "v1", "items": items}),
     ))
@@ -535,7 +542,29 @@ pub(crate) async fn evict(
         );
     };
     let node = cluster.node(i);
-    let life = &mut node.st.lock().unwrap().day2.life;
+    let day2 = &mut node.st.lock().unwrap().day2;
+    if day2.disruption_budget {
+        // pkg/registry/core/pod/storage/eviction.go: a budget whose
+        // disruptionsAllowed is 0 refuses the eviction with
+        // createTooManyRequestsError (no Retry-After for 0 seconds).
+        return (
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            axum::Json(json!({
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": "Cannot evict pod as it would violate the pod's disruption budget.",
+                "reason": "TooManyRequests",
+                "details": {"causes": [{
+                    "reason": "DisruptionBudget",
+                    "message": format!("The disruption budget {name}-pdb needs 1 healthy pods and has 1 currently"),
+                }]},
+                "code": 429,
+            })),
+        );
+    }
+    let life = &mut day2.life;
     life.evictions += 1;
     if life.cordoned {
         life.pods_gone = true;

@@ -105,8 +105,11 @@
 //!   SecurityState it reports, `node/security.rs`); a restarted machine gets a new boot ID.
 //! - `POST /_sim/node` `{"node": NAME, "version"?: TAG, "installer_fails"?: bool,
 //!   "schematic_read_fails"?: bool, "stock"?: bool, "stall_connects"?: bool,
-//!   "leave_cordoned"?: bool, "cordoned"?: bool, "pull_ms"?: MS, "drain_ms"?: MS}`
+//!   "leave_cordoned"?: bool, "cordoned"?: bool, "pull_ms"?: MS, "drain_ms"?: MS,
+//!   "disruption_budget"?: bool}`
 //!   → 200 with the node's switches; 404 for an unknown NAME, 400 for a bad body.
+//!   `disruption_budget`: a PodDisruptionBudget covers the node's workload pods and
+//!   allows no disruption, so the API server refuses their evictions (429).
 //!   `pull_ms`/`drain_ms` override the flags for that node. (`POST /_sim/installer`
 //!   `{"node","fail"}` stays, the same as `installer_fails`.) A failing schematic
 //!   read is Unavailable from the COSI State List/Get of ExtensionStatuses.

@@ -562,6 +562,9 @@ pub(crate) struct Day2 {
     pub(crate) stall_connects: bool,
     /// Switch: the boot after a drain does not uncordon the node.
     pub(crate) leave_cordoned: bool,
+    /// Switch: a PodDisruptionBudget that allows no disruption covers the
+    /// pods on this node: their evictions are refused (429).
+    pub(crate) disruption_budget: bool,
     /// This node's pull and drain times (else the flags).
     pub(crate) pull_ms: Option<u64>,
     pub(crate) drain_ms: Option<u64>,

@@ -25,6 +25,7 @@ pub(crate) struct NodeSwitch {
     cordoned: Option<bool>,
     pull_ms: Option<u64>,
     drain_ms: Option<u64>,
+    disruption_budget: Option<bool>,
 }
 
 impl Cluster {
@@ -64,6 +65,7 @@ pub(crate) async fn node_switch(
     set(&mut d.stock, req.stock);
     set(&mut d.stall_connects, req.stall_connects);
     set(&mut d.leave_cordoned, req.leave_cordoned);
+    set(&mut d.disruption_budget, req.disruption_budget);
     // An operator's `kubectl cordon`: no Talos mark, so no boot undoes it.
     set(&mut d.life.cordoned, req.cordoned);
     set(&mut d.life.cordoned_by_client, req.cordoned);
@@ -82,6 +84,7 @@ pub(crate) async fn node_switch(
             "cordoned": d.life.cordoned,
             "pull_ms": d.pull_ms,
             "drain_ms": d.drain_ms,
+            "disruption_budget": d.disruption_budget,
         })),
     )
 }
