@@ -112,7 +112,7 @@ YAML
   }
   export IMGBUILD_STATE_DIR=$work/state-up$1
   cluster v1.11.2 v1.32.1
-  "$bin" --config cluster.yaml bootstrap --poll 100ms --quiet >/dev/null
+  "$bin" --config cluster.yaml bootstrap --new-secrets --poll 100ms --quiet >/dev/null
   cluster v1.11.5 v1.32.1
   t0=$(now)
   "$bin" --config cluster.yaml --output json upgrade --poll 100ms --skip-etcd-snapshot > talos.json
