@@ -76,27 +76,33 @@ done
 # BENCH_DAY2=status: only the lines above (the status measurement alone).
 [ "${BENCH_DAY2:-}" = status ] && exit 0
 
-# --- rolling upgrade of 3+2 simulated nodes ------------------------------
+# --- upgrades at the floor (its own block: other benchmarks go above) -----
+# A rolling upgrade of 3+2 simulated nodes against N × (the simulator's
+# upgrade delay + reboot delay + post-boot settle), and a Kubernetes upgrade
+# against components × restart delay; BENCH_UPGRADE_RUNS runs of each.
 # Per node: down `settle` (upgrade delay) after the ack, down `reboot`, then
 # healthy once etcd (`etcd`, control planes) and the kubelet + Ready
-# (`kubelet_up` + `ready`) are back: the simulator's own timings.
-reboot=${BENCH_REBOOT_MS:-3000} settle=${BENCH_SETTLE_MS:-500}
-etcd=${BENCH_ETCD_MS:-1000} kubelet_up=${BENCH_KUBELET_UP_MS:-500} ready=${BENCH_READY_MS:-500}
-boot_settle=$(( etcd > kubelet_up + ready ? etcd : kubelet_up + ready ))
-static=${BENCH_STATIC_POD_MS:-1000} kubelet=${BENCH_KUBELET_MS:-1000} rollout=${BENCH_ROLLOUT_MS:-1000}
-net=127.0.88
-"$root/fixtures/make-images.sh" "$work/fx" >/dev/null
-"$sim_bin" factory --base-image "$work/fx/dual-boot.raw" --state-dir fsim --versions v1.11.2,v1.11.5 > factory.json & pids+=($!)
-for _ in $(seq 100); do [ -s factory.json ] && break; sleep 0.1; done
-factory=$(sed 's/.*"url":"\([^"]*\)".*/\1/' factory.json)
-"$sim_bin" nodes --talos-version v1.11.2 --reboot-delay "$reboot" --upgrade-delay "$settle" \
-  --etcd-delay "$etcd" --kubelet-delay "$kubelet_up" --ready-delay "$ready" \
-  --static-pod-delay "$static" --kubelet-restart-delay "$kubelet" --rollout-delay "$rollout" \
-  --node cp-01=$net.11:controlplane --node cp-02=$net.12:controlplane --node cp-03=$net.13:controlplane \
-  --node worker-01=$net.21:worker --node worker-02=$net.22:worker --vip $net.10 > nodes.json & pids+=($!)
-for _ in $(seq 100); do [ -s nodes.json ] && break; sleep 0.1; done
-cluster() { # $1 = Talos version, $2 = Kubernetes version
-  cat > cluster.yaml <<YAML
+# (`kubelet_up` + `ready`) are back: the simulator's own timings. Each run
+# starts a fresh node simulator from a bootstrap on v1.11.2 / v1.32.1.
+upgrades() { # $1 = run number
+  reboot=${BENCH_REBOOT_MS:-3000} settle=${BENCH_SETTLE_MS:-500}
+  etcd=${BENCH_ETCD_MS:-1000} kubelet_up=${BENCH_KUBELET_UP_MS:-500} ready=${BENCH_READY_MS:-500}
+  boot_settle=$(( etcd > kubelet_up + ready ? etcd : kubelet_up + ready ))
+  static=${BENCH_STATIC_POD_MS:-1000} kubelet=${BENCH_KUBELET_MS:-1000} rollout=${BENCH_ROLLOUT_MS:-1000}
+  net=127.0.88
+  [ -d "$work/fx" ] || "$root/fixtures/make-images.sh" "$work/fx" >/dev/null
+  rm -rf fsim factory.json nodes.json
+  "$sim_bin" factory --base-image "$work/fx/dual-boot.raw" --state-dir fsim --versions v1.11.2,v1.11.5 > factory.json & pids+=($!)
+  for _ in $(seq 100); do [ -s factory.json ] && break; sleep 0.1; done
+  factory=$(sed 's/.*"url":"\([^"]*\)".*/\1/' factory.json)
+  "$sim_bin" nodes --talos-version v1.11.2 --reboot-delay "$reboot" --upgrade-delay "$settle" \
+    --etcd-delay "$etcd" --kubelet-delay "$kubelet_up" --ready-delay "$ready" \
+    --static-pod-delay "$static" --kubelet-restart-delay "$kubelet" --rollout-delay "$rollout" \
+    --node cp-01=$net.11:controlplane --node cp-02=$net.12:controlplane --node cp-03=$net.13:controlplane \
+    --node worker-01=$net.21:worker --node worker-02=$net.22:worker --vip $net.10 > nodes.json & pids+=($!)
+  for _ in $(seq 100); do [ -s nodes.json ] && break; sleep 0.1; done
+  cluster() { # $1 = Talos version, $2 = Kubernetes version
+    cat > cluster.yaml <<YAML
 cluster: {name: bench, talosVersion: $1, kubernetesVersion: $2, endpoint: "https://$net.10:6443", vip: $net.10}
 image: {factory: "$factory"}
 network: {cidr: 127.0.0.0/8, gateway: 127.0.0.1, interface: eth0}
@@ -107,27 +113,31 @@ nodes:
   - {name: worker-01, role: worker, address: $net.21}
   - {name: worker-02, role: worker, address: $net.22}
 YAML
-}
-export IMGBUILD_STATE_DIR=$work/state-up
-cluster v1.11.2 v1.32.1
-"$bin" --config cluster.yaml bootstrap --poll 100ms --quiet >/dev/null
-cluster v1.11.5 v1.32.1
-t0=$(now)
-"$bin" --config cluster.yaml --output json upgrade --poll 100ms --skip-etcd-snapshot > talos.json
-t1=$(now)
-grep -q '"upgraded":\["cp-01","cp-02","cp-03","worker-01","worker-02"\]' talos.json
-s=$(secs "$t0" "$t1"); floor=$(echo "5 * ($settle + $reboot + $boot_settle) / 1000" | bc -l)
-per_node=$(sed 's/.*"nodeSeconds":\({[^}]*}\).*/\1/' talos.json)
-nodes_sum=$(echo "$per_node" | tr -d '{}"' | tr ',' '\n' | cut -d: -f2 | paste -sd+ | bc -l)
-printf '| rolling upgrade, 3+2 nodes | %.2f s (nodes alone: %.2f s) | 5 × (down after %d ms + reboot %d ms + healthy after %d ms) = %.2f s | %.2f (nodes alone: %.2f) |\n' \
-  "$s" "$nodes_sum" "$settle" "$reboot" "$boot_settle" "$floor" "$(echo "$s / $floor" | bc -l)" "$(echo "$nodes_sum / $floor" | bc -l)"
-echo "per node (s): $per_node" >&2
+  }
+  export IMGBUILD_STATE_DIR=$work/state-up$1
+  cluster v1.11.2 v1.32.1
+  "$bin" --config cluster.yaml bootstrap --new-secrets --poll 100ms --quiet >/dev/null
+  cluster v1.11.5 v1.32.1
+  t0=$(now)
+  "$bin" --config cluster.yaml --output json upgrade --poll 100ms --skip-etcd-snapshot > talos.json
+  t1=$(now)
+  grep -q '"upgraded":\["cp-01","cp-02","cp-03","worker-01","worker-02"\]' talos.json
+  s=$(secs "$t0" "$t1"); floor=$(echo "5 * ($settle + $reboot + $boot_settle) / 1000" | bc -l)
+  per_node=$(sed 's/.*"nodeSeconds":\({[^}]*}\).*/\1/' talos.json)
+  nodes_sum=$(echo "$per_node" | tr -d '{}"' | tr ',' '\n' | cut -d: -f2 | paste -sd+ | bc -l)
+  printf '| rolling upgrade, 3+2 nodes (run %d) | %.2f s (nodes alone: %.2f s) | 5 × (down after %d ms + reboot %d ms + healthy after %d ms) = %.2f s | %.2f (nodes alone: %.2f) |\n' \
+    "$1" "$s" "$nodes_sum" "$settle" "$reboot" "$boot_settle" "$floor" "$(echo "$s / $floor" | bc -l)" "$(echo "$nodes_sum / $floor" | bc -l)"
+  echo "per node (s): $per_node" >&2
 
-cluster v1.11.5 v1.33.1
-t0=$(now)
-"$bin" --config cluster.yaml --output json upgrade --poll 100ms --skip-etcd-snapshot > kube.json
-t1=$(now)
-s=$(secs "$t0" "$t1")
-floor=$(echo "(9 * $static + $rollout + 5 * $kubelet) / 1000" | bc -l)
-printf '| Kubernetes upgrade, 3+2 nodes | %.2f s | 9 static pods × %d ms + kube-proxy rollout %d ms + 5 kubelets × %d ms = %.2f s | %.2f |\n' \
-  "$s" "$static" "$rollout" "$kubelet" "$floor" "$(echo "$s / $floor" | bc -l)"
+  cluster v1.11.5 v1.33.1
+  t0=$(now)
+  "$bin" --config cluster.yaml --output json upgrade --poll 100ms --skip-etcd-snapshot > kube.json
+  t1=$(now)
+  s=$(secs "$t0" "$t1")
+  floor=$(echo "(9 * $static + $rollout + 5 * $kubelet) / 1000" | bc -l)
+  printf '| Kubernetes upgrade, 3+2 nodes (run %d) | %.2f s | 9 static pods × %d ms + kube-proxy rollout %d ms + 5 kubelets × %d ms = %.2f s | %.2f |\n' \
+    "$1" "$s" "$static" "$rollout" "$kubelet" "$floor" "$(echo "$s / $floor" | bc -l)"
+  for _ in 1 2; do kill "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'; done
+}
+upgrade_runs=${BENCH_UPGRADE_RUNS:-1}
+for run in $(seq "$upgrade_runs"); do upgrades "$run"; done

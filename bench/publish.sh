@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Benchmark for publishing (run by `make bench`): uploading one 4 GiB raw
-# node image into the Proxmox VE simulator's `import` storage, with
-# `imgbuild publish` vs `curl -F` making the same multipart upload (same part
-# order, same checksum), both waiting for the server's task (checksum,
-# `qemu-img info`, copy) to finish. Interleaved runs, each against a fresh
-# simulator; imgbuild's peak RSS from GNU time. Then raw vs qcow2 uploads, and
-# the factory route's qcow2 uploaded vs fetched by Proxmox (`download-url`).
+# Benchmark for publishing (run by `make bench`): uploading one 4 GiB sparse
+# raw node image (1 GiB of data) into the Proxmox VE simulator's `import`
+# storage by `curl -F` (the baseline: same multipart upload, same part order,
+# same checksum), by `imgbuild publish` as raw and as qcow2, and by hand as
+# qcow2 (qemu-img convert + curl), all waiting for the server's task
+# (checksum, `qemu-img info`, copy) to finish. Interleaved, each against a
+# fresh simulator, one table row per run; imgbuild's peak RSS from GNU time.
+# Then the factory route's qcow2 uploaded vs fetched by Proxmox
+# (`download-url`).
 # Needs the release imgbuild and imgbuild-sim, sgdisk, qemu-img, curl, GNU
-# time, bc.
+# time, bc. BENCH_SKIP_DOWNLOAD_URL=1 leaves out the download-url table.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 . "$root/bench/bins.sh"
@@ -77,34 +79,49 @@ run_imgbuild() {
   grep -q '"uploaded":true' published.json
 }
 
-rows=()
-for i in $(seq "$runs"); do
-  pve; sync; t0=$(now); run_curl; t1=$(now); stop_pve
-  pve; sync; t2=$(now); run_imgbuild; t3=$(now); stop_pve
-  c=$(secs "$t0" "$t1"); m=$(secs "$t2" "$t3")
-  rows+=("$(printf '| upload %d MiB raw image + task, run %d | %.2f s | `curl -F`: %.2f s | %.2f | %d KiB |' \
-    "$((size / 1048576))" "$i" "$m" "$c" "$(echo "$m / $c" | bc -l)" "$(cat rss)")")
-done
-printf '| benchmark | imgbuild publish | baseline | ratio | imgbuild peak RSS |\n|---|---|---|---|---|\n'
-printf '%s\n' "${rows[@]}"
-
-# The same image as qcow2 (the default: only allocated clusters cross the
-# wire) against `upload: raw`, interleaved, each against a fresh simulator:
-# bytes the simulator received (its uploadBytes) and wall time, conversion
-# and the server's task included.
+# One table, one row per run: the same image sent by `curl -F` (the
+# baseline: the raw bytes as they are), by `imgbuild publish` with `upload:
+# raw` and with the default `upload: qcow2` (the qcow2 of the non-zero
+# clusters, generated while it is sent), and by hand the way people make a
+# qcow2 (`qemu-img convert -O qcow2`, `sha256sum`, `curl -F`), interleaved,
+# each against a fresh simulator. Time is the whole publish (preflight,
+# conversion, the server's task); bytes are what the simulator received
+# (`/_sim/stats` uploadBytes, multipart framing included).
 sent() { curl -sk "${url}_sim/stats" | sed 's/.*"uploadBytes":\([0-9]*\).*/\1/'; }
 with_upload() { sed -i "s/proxmox: {node: pve, storage: local.*}/proxmox: {node: pve, storage: local, upload: $1}/" cluster.yaml; }
-wire=()
-for i in $(seq "$runs"); do
-  for form in raw qcow2; do
-    with_upload "$form"; pve; sync; t0=$(now); run_imgbuild; t1=$(now); b=$(sent); stop_pve
-    wire+=("$(printf '| %s, run %d | %d | %.1f MiB | %.3f | %.2f s |' "$form" "$i" "$b" "$(echo "$b / 1048576" | bc -l)" "$(echo "$b / $alloc" | bc -l)" "$(secs "$t0" "$t1")")")
+run_by_hand() {
+  local q=hand.qcow2 qsha upid status
+  qemu-img convert -f raw -O qcow2 "$image" "$q"
+  qsha=$(sha256sum "$q" | cut -d' ' -f1)
+  upid=$(curl -sk -H "Authorization: PVEAPIToken=$token" \
+    -F content=import -F checksum-algorithm=sha256 -F "checksum=$qsha" \
+    -F "filename=@$q;filename=bench-cp-01-hand-${qsha:0:12}.qcow2" \
+    "${url}api2/json/nodes/pve/storage/local/upload" | sed 's/.*"data":"\([^"]*\)".*/\1/')
+  while :; do
+    status=$(curl -sk -H "Authorization: PVEAPIToken=$token" "${url}api2/json/nodes/pve/tasks/$upid/status")
+    case $status in *'"stopped"'*) break ;; esac
+    sleep 0.5
   done
+  rm -f "$q"
+  case $status in *'"exitstatus":"OK"'*) ;; *) echo "by-hand qcow2 upload failed: $status" >&2; exit 1 ;; esac
+}
+rows=()
+for i in $(seq "$runs"); do
+  pve; sync; t0=$(now); run_curl; t1=$(now); bc_=$(sent); stop_pve
+  with_upload raw; pve; sync; t2=$(now); run_imgbuild; t3=$(now); br=$(sent); rss_raw=$(cat rss); stop_pve
+  with_upload qcow2; pve; sync; t4=$(now); run_imgbuild; t5=$(now); bq=$(sent); rss_q=$(cat rss); stop_pve
+  pve; sync; t6=$(now); run_by_hand; t7=$(now); bh=$(sent); stop_pve
+  c=$(secs "$t0" "$t1"); r=$(secs "$t2" "$t3"); q=$(secs "$t4" "$t5"); h=$(secs "$t6" "$t7")
+  rows+=("$(printf '| %d | %.2f s | %.2f s (**%.2f**) | %.2f s (**%.2f**) | %.2f s (%.2f) | **%.2f** | %d / %d / %d / %d | **%.3f** | %d / %d KiB |' \
+    "$i" "$c" "$r" "$(echo "$r / $c" | bc -l)" "$q" "$(echo "$q / $c" | bc -l)" "$h" "$(echo "$h / $c" | bc -l)" \
+    "$(echo "$q / $r" | bc -l)" "$bc_" "$br" "$bq" "$bh" "$(echo "$bq / $alloc" | bc -l)" "$rss_raw" "$rss_q")")
 done
-with_upload qcow2
-printf '\n| upload of the %d MiB image (%d bytes allocated) as | bytes sent | MiB | sent / allocated | time |\n|---|---|---|---|---|\n' "$((size / 1048576))" "$alloc"
-printf '%s\n' "${wire[@]}"
+with_upload raw
+printf 'The %d MiB image, %d bytes allocated; %s binaries.\n\n' "$((size / 1048576))" "$alloc" "$profile"
+printf '| run | `curl -F` raw (baseline) | imgbuild raw (/ curl) | imgbuild qcow2 (/ curl) | qemu-img convert + `curl -F` qcow2 (/ curl) | qcow2 / raw | bytes sent: curl / raw / qcow2 / by hand | qcow2 sent / allocated | imgbuild peak RSS raw / qcow2 |\n|---|---|---|---|---|---|---|---|---|\n'
+printf '%s\n' "${rows[@]}"
 
+[ "${BENCH_SKIP_DOWNLOAD_URL:-0}" = 1 ] && exit 0
 # download-url: the factory route's qcow2 image (the factory's own bytes),
 # uploaded by imgbuild (`upload: qcow2`) vs fetched by Proxmox from the
 # factory itself (`upload: download-url`, the runner sends nothing),

@@ -29,7 +29,7 @@ use crate::inventory::{
 };
 use crate::publish::PublishImage;
 use api::Api;
-use upload::{download, upload};
+use upload::{download, upload, upload_qcow2};
 use vm::{
     NewDisk, Placement, apply_settings, described_volume, description, drive_volume, place, reboot,
     replace_disk, resize, start, vm_decision, vm_params,
@@ -694,9 +694,9 @@ fn converts(s: &ProxmoxSettings, format: ImageFormat) -> bool {
 }
 
 /// Stores the node's image as the volume `volid`: fetched by Proxmox from
-/// the factory (`upload: download-url`), or uploaded, a raw image converted
-/// to a qcow2 file beside it first (removed afterwards), so only its
-/// allocated clusters cross the wire.
+/// the factory (`upload: download-url`), or uploaded, a raw image as a
+/// qcow2 generated while it is sent, so only its non-zero clusters cross
+/// the wire.
 fn send(
     api: &Api,
     host: &str,
@@ -709,27 +709,10 @@ fn send(
     if s.upload == UploadFormat::DownloadUrl {
         return download(api, host, s, img, volid, opts, observer);
     }
-    if !converts(s, img.format) {
-        return upload(api, host, s, img, volid, opts, observer);
+    if converts(s, img.format) {
+        return upload_qcow2(api, host, s, img, volid, opts, observer);
     }
-    let mut path = img.path.clone().into_os_string();
-    path.push(".upload.qcow2");
-    let path = std::path::PathBuf::from(path);
-    let converted = qcow2::raw_to_qcow2(&img.path, &path).map(|(size, sha256)| PublishImage {
-        path: path.clone(),
-        size,
-        sha256,
-        format: ImageFormat::Qcow2,
-        ..img.clone()
-    });
-    let result = converted
-        .map_err(|e| ProxmoxError::Api {
-            what: format!("converting {} to qcow2", img.path.display()),
-            message: e.to_string(),
-        })
-        .and_then(|qcow2| upload(api, host, s, &qcow2, volid, opts, observer));
-    let _ = std::fs::remove_file(&path);
-    result
+    upload(api, host, s, img, volid, opts, observer)
 }
 
 /// Makes the node's VM what its decision says (created, its settings

@@ -1,15 +1,20 @@
 //! Uploads: each image streamed (constant memory) into the storage as a
 //! content-addressed volume, checked by the server against its sha256.
 
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use reqwest::multipart::{Form, Part};
 use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::bytes::Bytes;
 
 use super::api::{Api, api_error, urlencode};
 use super::error::ProxmoxError;
+use super::qcow2::Qcow2;
 use super::types::{Event, Observer, PublishOptions};
 use crate::digest::Sha256;
 use crate::inventory::{ImageFormat, ProxmoxSettings};
@@ -56,22 +61,23 @@ pub fn volume_file(
 }
 
 /// The multipart body of an upload, in the only order pveproxy's streaming
-/// parser accepts: `content`, `checksum-algorithm`, `checksum`, then the
-/// file part named `filename`, with a known length (so a Content-Length and
-/// no chunking), streamed from the file in constant memory.
-/// `sent` counts the file's bytes as they leave (see [`Counted`]).
+/// parser accepts (pve-http-server `src/PVE/APIServer/AnyEvent.pm`
+/// `file_upload_multipart`): `content`, `checksum-algorithm`, `checksum`,
+/// then the file part named `filename`, with a known length (pveproxy
+/// refuses an upload without a Content-Length), its bytes taken from
+/// `chunks` in constant memory. `sent` counts them as they leave (see
+/// [`Counted`]).
 fn upload_form(
-    file: tokio::fs::File,
+    chunks: mpsc::Receiver<std::io::Result<Bytes>>,
     size: u64,
     name: &str,
     sha256: &Sha256,
     content: &'static str,
     sent: Arc<AtomicU64>,
 ) -> Form {
+    let mut chunks = chunks;
     let body = reqwest::Body::wrap_stream(Counted {
-        // Large chunks keep TLS records full and the per-chunk overhead
-        // negligible (the blocking client would cut the body into 8 KiB).
-        inner: tokio_util::io::ReaderStream::with_capacity(file, crate::io::BUF_SIZE),
+        inner: futures_util::stream::poll_fn(move |cx| chunks.poll_recv(cx)),
         handed_out: 0,
         sent,
     });
@@ -97,10 +103,17 @@ pub fn content_for(format: ImageFormat) -> &'static str {
     }
 }
 
-/// Streams the image file to Proxmox node `host` as the multipart body
-/// of the volume `volid` (constant memory), waits for the server's task
-/// (checksum, `qemu-img info`, copy), and retries a broken transfer from
-/// the start. A failed upload leaves no volume behind.
+/// What an upload's file part is made of.
+#[derive(Clone, Copy)]
+enum Body<'a> {
+    /// The image file as it is.
+    File,
+    /// The raw image as qcow2, generated as it is sent.
+    Qcow2(&'a Qcow2),
+}
+
+/// Streams the image file to Proxmox node `host` as the volume `volid`;
+/// see [`upload_body`].
 pub(super) fn upload(
     api: &Api,
     host: &str,
@@ -109,6 +122,61 @@ pub(super) fn upload(
     volid: &str,
     opts: &PublishOptions,
     observer: &dyn Observer,
+) -> Result<(), ProxmoxError> {
+    upload_body(api, host, s, img, volid, opts, observer, Body::File)
+}
+
+/// Sends the raw image as a qcow2 of its non-zero clusters (the volume
+/// `volid`), generated as it is sent: no file is written. The server
+/// checks the qcow2's sha256, which it must have before the file's first
+/// byte, so the image's data is read three times (scan, hash, send), the
+/// last two from the page cache; see [`Qcow2`].
+pub(super) fn upload_qcow2(
+    api: &Api,
+    host: &str,
+    s: &ProxmoxSettings,
+    img: &PublishImage,
+    volid: &str,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+) -> Result<(), ProxmoxError> {
+    let err = |e: std::io::Error| ProxmoxError::Api {
+        what: format!("converting {} to qcow2", img.path.display()),
+        message: e.to_string(),
+    };
+    let qcow2 = Qcow2::scan(&img.path).map_err(err)?;
+    let converted = PublishImage {
+        size: qcow2.len(),
+        sha256: qcow2.sha256().map_err(err)?,
+        format: ImageFormat::Qcow2,
+        ..img.clone()
+    };
+    upload_body(
+        api,
+        host,
+        s,
+        &converted,
+        volid,
+        opts,
+        observer,
+        Body::Qcow2(&qcow2),
+    )
+}
+
+/// Streams `body` to Proxmox node `host` as the multipart body of the
+/// volume `volid` (constant memory), waits for the server's task
+/// (checksum, `qemu-img info`, copy), and retries a broken transfer from
+/// the start. A failed upload leaves no volume behind.
+#[allow(clippy::too_many_arguments)]
+fn upload_body(
+    api: &Api,
+    host: &str,
+    s: &ProxmoxSettings,
+    img: &PublishImage,
+    volid: &str,
+    opts: &PublishOptions,
+    observer: &dyn Observer,
+    body: Body<'_>,
 ) -> Result<(), ProxmoxError> {
     let file_name = volid.rsplit('/').next().unwrap_or(volid);
     let what = format!("uploading {file_name}");
@@ -122,7 +190,9 @@ pub(super) fn upload(
                 size: img.size,
             },
         );
-        let sent = send_upload(api, &url, img, file_name, &|n| observer.sent(&img.node, n));
+        let sent = send_upload(api, &url, img, body, file_name, &|n| {
+            observer.sent(&img.node, n)
+        });
         match sent {
             Ok(body) => {
                 let doc: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -242,11 +312,14 @@ pub(super) fn download(
 
 /// One upload attempt on a runtime of its own (the publisher is blocking
 /// code), telling `progress` how many bytes have left; returns the reply
-/// body.
+/// body. The file part's bytes are read (or generated) on a thread of
+/// their own, a few 1 MiB chunks ahead of the sender, so reading and
+/// encrypting overlap.
 fn send_upload(
     api: &Api,
     url: &str,
     img: &PublishImage,
+    body: Body<'_>,
     file_name: &str,
     progress: &dyn Fn(u64),
 ) -> Result<Vec<u8>, NetError> {
@@ -260,49 +333,143 @@ fn send_upload(
         .enable_all()
         .build()
         .map_err(local)?;
+    let file = match body {
+        Body::File => {
+            let file = crate::io::open_regular(&img.path, false).map_err(local)?;
+            let len = file.metadata().map_err(local)?.len();
+            if len != img.size {
+                return Err(local(std::io::Error::other(format!(
+                    "the file has {len} bytes, the manifest says {}: rebuild the image",
+                    img.size
+                ))));
+            }
+            Some(file)
+        }
+        Body::Qcow2(_) => None,
+    };
     let sent = Arc::new(AtomicU64::new(0));
     let counter = sent.clone();
-    let attempt = async {
-        let file =
-            tokio::fs::File::from_std(crate::io::open_regular(&img.path, false).map_err(local)?);
-        let req = api
-            .uploads
-            .post(url)
-            .header(reqwest::header::AUTHORIZATION, api.auth.clone())
-            // The API deadline, plus the image at 256 KiB/s.
-            .timeout(net::request_deadline() + Duration::from_secs(img.size >> 18))
-            .multipart(upload_form(
-                file,
-                img.size,
-                file_name,
-                &img.sha256,
-                content_for(img.format),
-                counter,
-            ));
-        let resp = net::send_once_async(req).await?;
-        net::read_limited_async(resp, 1 << 20, false, api.stall).await
-    };
-    rt.block_on(async {
-        tokio::pin!(attempt);
-        let mut tick = tokio::time::interval(PROGRESS_EVERY);
-        let mut told = 0;
-        let mut tell = || {
-            let now = sent.load(Ordering::Relaxed);
-            if now != told {
-                told = now;
-                progress(now);
-            }
+    let (tx, rx) = mpsc::channel(AHEAD);
+    std::thread::scope(|scope| {
+        scope.spawn(move || match (body, file) {
+            (Body::Qcow2(q), _) => produce_qcow2(q, &tx),
+            (Body::File, Some(file)) => produce_file(&file, img.size, &tx),
+            (Body::File, None) => {}
+        });
+        let attempt = async {
+            let req = api
+                .uploads
+                .post(url)
+                .header(reqwest::header::AUTHORIZATION, api.auth.clone())
+                // The API deadline, plus the image at 256 KiB/s.
+                .timeout(net::request_deadline() + Duration::from_secs(img.size >> 18))
+                .multipart(upload_form(
+                    rx,
+                    img.size,
+                    file_name,
+                    &img.sha256,
+                    content_for(img.format),
+                    counter,
+                ));
+            let resp = net::send_once_async(req).await?;
+            net::read_limited_async(resp, 1 << 20, false, api.stall).await
         };
-        loop {
-            tokio::select! {
-                result = &mut attempt => {
-                    tell();
-                    return result;
+        // The request (and the channel's receiver in it) is dropped when
+        // this returns, which ends the producer if it is still sending.
+        rt.block_on(async {
+            tokio::pin!(attempt);
+            let mut tick = tokio::time::interval(PROGRESS_EVERY);
+            let mut told = 0;
+            let mut tell = || {
+                let now = sent.load(Ordering::Relaxed);
+                if now != told {
+                    told = now;
+                    progress(now);
                 }
-                _ = tick.tick() => tell(),
+            };
+            loop {
+                tokio::select! {
+                    result = &mut attempt => {
+                        tell();
+                        return result;
+                    }
+                    _ = tick.tick() => tell(),
+                }
             }
-        }
+        })
     })
+}
+
+/// Chunks the producer may have ready ahead of the sender (memory: this
+/// many MiB, plus the one being sent).
+const AHEAD: usize = 4;
+
+/// A MiB of zeros: a hole is sent from here, never read from the file.
+static ZEROS: [u8; crate::io::BUF_SIZE] = [0; crate::io::BUF_SIZE];
+
+/// Sends the generated qcow2 into `tx` until its end, an error (sent on as
+/// the body's error) or the receiver being gone.
+fn produce_qcow2(q: &Qcow2, tx: &mpsc::Sender<std::io::Result<Bytes>>) {
+    let mut buf = vec![0u8; crate::io::BUF_SIZE];
+    let mut chunks = q.chunks();
+    loop {
+        let next = match chunks.next_into(&mut buf) {
+            Ok(Some(n)) => Ok(Bytes::copy_from_slice(&buf[..n])),
+            Ok(None) => return,
+            Err(e) => Err(e),
+        };
+        let failed = next.is_err();
+        if tx.blocking_send(next).is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// Sends the file's `size` bytes into `tx` in 1 MiB chunks: its data
+/// extents read, its holes (SEEK_DATA/SEEK_HOLE) sent as zeros without a
+/// read. Ends at the end, an error (sent on) or the receiver being gone.
+fn produce_file(file: &File, size: u64, tx: &mpsc::Sender<std::io::Result<Bytes>>) {
+    let zeros = |from: u64, to: u64| -> bool {
+        let mut at = from;
+        while at < to {
+            let n = (to - at).min(ZEROS.len() as u64) as usize;
+            if tx
+                .blocking_send(Ok(Bytes::from_static(&ZEROS[..n])))
+                .is_err()
+            {
+                return false;
+            }
+            at += n as u64;
+        }
+        true
+    };
+    let mut buf = vec![0u8; crate::io::BUF_SIZE];
+    let mut pos = 0u64;
+    let result = (|| -> std::io::Result<bool> {
+        for extent in crate::io::data_extents(file, size) {
+            let (start, end) = extent?;
+            if !zeros(pos, start) {
+                return Ok(false);
+            }
+            let mut at = start;
+            while at < end {
+                let n = (end - at).min(buf.len() as u64) as usize;
+                file.read_exact_at(&mut buf[..n], at)?;
+                if tx
+                    .blocking_send(Ok(Bytes::copy_from_slice(&buf[..n])))
+                    .is_err()
+                {
+                    return Ok(false);
+                }
+                at += n as u64;
+            }
+            pos = end;
+        }
+        Ok(zeros(pos, size))
+    })();
+    if let Err(e) = result {
+        let _ = tx.blocking_send(Err(e));
+    }
 }
 
 /// A body stream that counts the bytes the HTTP client has consumed: a

@@ -12,7 +12,7 @@
 //! cordons ([`CORDONED_BY`]) and undoes only such a cordon: a node an admin
 //! cordoned is drained for its reboot and stays cordoned.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
@@ -154,7 +154,7 @@ pub async fn cordon_and_drain(
 ) -> Result<bool, DrainError> {
     let kc = kubeconfig(plan)?;
     let t = opts.call_timeout;
-    let deadline = Instant::now() + timeout;
+    let mut pace = super::Pace::new(opts.poll, timeout);
     let already = kube_nodes(plan, opts)
         .await?
         .iter()
@@ -201,14 +201,13 @@ pub async fn cordon_and_drain(
                 last = Some(format!("evicting {}: {e}", key(pod)));
             }
         }
-        if Instant::now() + opts.poll > deadline {
+        if !pace.wait().await {
             return Err(DrainError::Stuck {
                 left: pods.iter().map(key).collect(),
                 timeout,
                 last,
             });
         }
-        tokio::time::sleep(opts.poll).await;
     }
 }
 
@@ -231,7 +230,7 @@ pub async fn uncordon_when_ready(
     opts: &Options,
 ) -> Result<Uncordon, DrainError> {
     let kc = kubeconfig(plan)?;
-    let deadline = Instant::now() + timeout;
+    let mut pace = super::Pace::new(opts.poll, timeout);
     loop {
         let nodes = kube_nodes(plan, opts).await.unwrap_or_default();
         if let Some(n) = nodes.iter().find(|n| n.name == name && n.ready) {
@@ -244,10 +243,9 @@ pub async fn uncordon_when_ready(
                     .map_err(DrainError::Uncordon),
             };
         }
-        if Instant::now() + opts.poll > deadline {
+        if !pace.wait().await {
             return Err(DrainError::NotReady { timeout });
         }
-        tokio::time::sleep(opts.poll).await;
     }
 }
 
