@@ -134,9 +134,16 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     }
     let secrets_file = new_secrets_path(inv, &opts.bootstrap);
     let had_secrets = secrets_file.exists() || stage::sealed_path(inv).exists();
+    let mut bootstrap = opts.bootstrap.clone();
+    if let Some(cancel) = target.cancel() {
+        // The signal handler that lets a snapshot run clean up keeps
+        // Ctrl-C from ending the process: the lock wait and the bootstrap
+        // must stop on it too.
+        bootstrap.cancel = cancel;
+    }
     // One run at a time changes this cluster's nodes; taken after the
     // pre-flight check, so an inventory that fails it leaves nothing behind.
-    let _lock = match stage::lock_state_dir(inv, &opts.bootstrap, "up") {
+    let _lock = match stage::lock_state_dir(inv, &bootstrap, "up") {
         Ok(lock) => lock,
         Err(e) => {
             report.stop(Stage::Bootstrap, UpError::Bootstrap(e));
@@ -146,13 +153,7 @@ pub fn up(inv: &Inventory, target: &Target, opts: &UpOptions, obs: Observers<'_>
     let mode = Mode::Run(obs);
     let published = build(inv, target, opts, mode, &mut report)
         .and_then(|built| publish(inv, target, opts, built, mode, &mut report));
-    let mut bootstrap = opts.bootstrap.clone();
     bootstrap.limits.leaving = leaving(inv, &bootstrap);
-    if let Some(cancel) = target.cancel() {
-        // The signal handler that lets a snapshot run clean up keeps
-        // Ctrl-C from ending the process: the bootstrap must stop on it too.
-        bootstrap.cancel = cancel;
-    }
     let done = match published {
         Err((stage, e)) => {
             report.stop(stage, e);

@@ -154,7 +154,7 @@ pub async fn cordon_and_drain(
 ) -> Result<bool, DrainError> {
     let kc = kubeconfig(plan)?;
     let t = opts.call_timeout;
-    let mut pace = super::Pace::new(opts.poll, timeout);
+    let mut pace = super::pace::Pace::new(opts.poll, timeout);
     let already = kube_nodes(plan, opts)
         .await?
         .iter()
@@ -230,7 +230,7 @@ pub async fn uncordon_when_ready(
     opts: &Options,
 ) -> Result<Uncordon, DrainError> {
     let kc = kubeconfig(plan)?;
-    let mut pace = super::Pace::new(opts.poll, timeout);
+    let mut pace = super::pace::Pace::new(opts.poll, timeout);
     loop {
         let nodes = kube_nodes(plan, opts).await.unwrap_or_default();
         if let Some(n) = nodes.iter().find(|n| n.name == name && n.ready) {
