@@ -89,15 +89,20 @@ WITH_CLIPPY := RUSTC_WORKSPACE_WRAPPER=$(CLIPPY_DRIVER) \
 TEST_THREADS ?= 8
 TEST_SLOTS ?= 2
 TEST_LIST := $(TARGET_DIR)/test-binaries
+# Each test executable cargo built: its package's folder, path, kind and name.
+TEST_BINARIES := select(.reason == "compiler-artifact" and .profile.test and .executable != null) \
+	| [(.manifest_path | rtrimstr("/Cargo.toml")), .executable, .target.kind[0] + " " + .target.name] | @tsv
+# A build from nothing (CI's clean clone) is faster without incremental
+# compilation, which only pays on the next change; the test binaries' own
+# cargo calls (tests/common's sim_bin) get the same settings.
+TEST_ENV := $(WITH_CLIPPY) CARGO_INCREMENTAL=0
 test: deps
 	$(CARGO) fmt --all -- --check
 	@[ -x $(CLIPPY_DRIVER) ] || { echo "clippy-driver missing: rustup component add clippy" >&2; exit 1; }
-	$(WITH_CLIPPY) $(CARGO) test --locked --workspace --all-targets --no-run \
+	$(TEST_ENV) $(CARGO) test --locked --workspace --all-targets --no-run \
 		--message-format=json-render-diagnostics > $(TEST_LIST).json
-	jq -r 'select(.reason == "compiler-artifact" and .profile.test and .executable != null) | \
-		[(.manifest_path | rtrimstr("/Cargo.toml")), .executable, .target.kind[0] + " " + .target.name] | @tsv' \
-		$(TEST_LIST).json > $(TEST_LIST)
-	$(WITH_CLIPPY) .ci/tests $(TEST_SLOTS) $(TEST_THREADS) < $(TEST_LIST)
+	jq -r '$(TEST_BINARIES)' $(TEST_LIST).json > $(TEST_LIST)
+	$(TEST_ENV) .ci/tests $(TEST_SLOTS) $(TEST_THREADS) < $(TEST_LIST)
 
 # The whole line on loopback simulators, in one command: the Image Factory
 # simulator, a Talos node simulator (no nodes yet) and the Proxmox VE
