@@ -635,12 +635,12 @@ impl NodeClient {
     }
 
     /// One COSI resource (`talosctl get TYPE ID`): its YAML spec, None when
-    /// the node has no such resource; refused past `limit` bytes.
+    /// the node has no such resource; refused past `limit` bytes, naming
+    /// `what` it is.
     pub async fn cosi_get(
         &self,
-        namespace: &str,
-        kind: &str,
-        id: &str,
+        (namespace, kind, id): (&str, &str, &str),
+        what: &'static str,
         limit: usize,
     ) -> Result<Option<String>, ApiError> {
         use super::api::cosi::resource::GetRequest;
@@ -660,10 +660,7 @@ impl NodeClient {
                     .map(|s| s.yaml_spec)
                     .unwrap_or_default();
                 if yaml.len() > limit {
-                    return Err(ApiError::TooLarge {
-                        what: "a resource",
-                        limit,
-                    });
+                    return Err(ApiError::TooLarge { what, limit });
                 }
                 Ok(Some(yaml))
             }
@@ -1076,33 +1073,11 @@ impl NodeClient {
     /// the config as applied (`v1alpha1`: the active one, every version;
     /// `persistent` from v1.10). None when the node has no such resource.
     pub async fn machine_config(&self, id: &str) -> Result<Option<Vec<u8>>, ApiError> {
-        use super::api::cosi::resource::GetRequest;
-        use super::api::cosi::resource::state_client::StateClient;
-        let req = GetRequest {
-            namespace: "config".into(),
-            r#type: "MachineConfigs.config.talos.dev".into(),
-            id: id.into(),
-            options: None,
-        };
-        let mut state = StateClient::new(self.channel.clone());
-        match self.call(state.get(self.request(req))).await {
-            Ok(reply) => {
-                let yaml = reply
-                    .resource
-                    .and_then(|r| r.spec)
-                    .map(|s| s.yaml_spec)
-                    .unwrap_or_default();
-                if yaml.len() > CONFIG_LIMIT {
-                    return Err(ApiError::TooLarge {
-                        what: "a machine config",
-                        limit: CONFIG_LIMIT,
-                    });
-                }
-                Ok(Some(yaml.into_bytes()))
-            }
-            Err(e) if e.code() == Some(tonic::Code::NotFound) => Ok(None),
-            Err(e) => Err(e),
-        }
+        let resource = ("config", "MachineConfigs.config.talos.dev", id);
+        let yaml = self
+            .cosi_get(resource, "a machine config", CONFIG_LIMIT)
+            .await?;
+        Ok(yaml.map(String::into_bytes))
     }
 
     /// `MachineService.Reboot`: the node stops its pods and services and

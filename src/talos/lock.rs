@@ -147,7 +147,7 @@ fn try_acquire(dir: &Path, command: &str) -> Result<StateLock, LockError> {
 /// beside `up`: they must not delete what `up` is making). `waiting` hears
 /// once who holds it; after `timeout`, or once `cancel` says so, the
 /// holder's [`LockError::Held`] is returned.
-pub fn acquire_waiting(
+fn acquire_waiting(
     dir: &Path,
     command: &str,
     timeout: std::time::Duration,

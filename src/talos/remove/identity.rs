@@ -63,7 +63,9 @@ pub fn parse_spec(yaml: &str) -> Option<String> {
 /// valid ID there (never taken for any machine's).
 pub async fn read(client: &NodeClient) -> Result<Option<String>, ApiError> {
     let (namespace, kind, id) = IDENTITY;
-    let yaml = client.cosi_get(namespace, kind, id, SPEC_LIMIT).await?;
+    let yaml = client
+        .cosi_get((namespace, kind, id), "a resource", SPEC_LIMIT)
+        .await?;
     Ok(yaml.as_deref().and_then(parse_spec))
 }
 
